@@ -1,0 +1,37 @@
+# The two commands a newcomer needs: `make serve` and `make test`.
+# Both build everything they need on a fresh machine and are fast to re-run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.weir-installed
+MODEL_READY := $(VENV)/.weir-model-ready
+# One thread per process: scheduler, executor and tests share 2 cores here.
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: serve test setup model clean
+
+setup: $(INSTALLED)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned to the CPU wheel on disk, so no later resolve pulls a CUDA build.
+$(INSTALLED): pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+$(MODEL_READY): $(INSTALLED)
+	$(VENV)/bin/weir prepare-model
+	touch $@
+
+model: $(MODEL_READY)
+
+serve: $(MODEL_READY)
+	$(VENV)/bin/weir serve $(ARGS)
+
+test: $(MODEL_READY)
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV)
