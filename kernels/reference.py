@@ -1,0 +1,66 @@
+"""PyTorch reference versions of the paged-KV kernels.
+
+These define the semantics the Triton kernels must match, and they are the
+attention path on machines without a GPU.
+
+Shapes (the flat mixed-batch layout):
+  query          [T, num_heads, head_dim]      T = total new tokens in the step
+  key, value     [T, num_kv_heads, head_dim]
+  kv_cache       [2, num_blocks, block_size, num_kv_heads, head_dim]
+  slot_mapping   [T]       int, block_id * block_size + offset; -1 = padding, skipped
+  query_start_loc[R + 1]   int, request r owns query rows [qsl[r], qsl[r+1])
+  seq_lens       [R]       int, context + new tokens of request r
+  block_table    [R, max_blocks] int, physical block of each logical block
+
+Causal rule: query i of request r (0-based within its new tokens) sees key
+position j iff j <= context_len + i, where context_len = seq_len - query_len.
+"""
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each token's K and V into its cache slot (in place)."""
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, offsets] = key[valid].to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = value[valid].to(kv_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every new token over its request's cached keys (one request at a time)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for r, seq_len in enumerate(seq_lens.tolist()):
+        q = query[starts[r] : starts[r + 1]]
+        query_len = q.shape[0]
+        if query_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_table[r, :num_blocks].long()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [H, S, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        scores = torch.einsum("qhd,hkd->hqk", q.float(), k) * scale
+        context_len = seq_len - query_len
+        q_pos = torch.arange(query_len).unsqueeze(1) + context_len
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[starts[r] : starts[r + 1]] = torch.einsum("hqk,hkd->qhd", probs, v).to(query.dtype)
+    return out
