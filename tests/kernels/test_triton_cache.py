@@ -1,0 +1,46 @@
+"""Triton reshape_and_cache against the PyTorch reference, under the interpreter."""
+
+import pytest
+import torch
+
+from weir.kernels import reference
+from weir.kernels.triton_cache import reshape_and_cache
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "head_dim", "block_size", "dtype"),
+    [(2, 64, 16, torch.float32), (3, 80, 32, torch.float16), (1, 128, 16, torch.float16)],
+)
+def test_reshape_and_cache_matches_reference(num_kv_heads, head_dim, block_size, dtype):
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, num_tokens = 6, 11
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # Distinct slots scattered over the cache, with two padding tokens.
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[3, 7]] = -1
+    initial = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+
+    expected = initial.clone()
+    reference.reshape_and_cache(key, value, expected, slots)
+    actual = initial.clone()
+    reshape_and_cache(key, value, actual, slots.to(torch.int32))
+
+    assert torch.equal(actual, expected)
+
+
+def test_reshape_and_cache_casts_and_reads_strided_inputs():
+    # K and V as views into one fused projection output (non-contiguous token stride), cast to fp16.
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, num_kv_heads, head_dim, block_size = 5, 2, 64, 16
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
+    slots = torch.tensor([17, 0, -1, 31, 16])
+    expected = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=torch.float16)
+    actual = expected.clone()
+
+    reference.reshape_and_cache(key, value, expected, slots)
+    reshape_and_cache(key, value, actual, slots)
+
+    assert torch.equal(actual, expected)
+    assert actual[:, 2].abs().sum() == 0  # block 2 was never addressed
