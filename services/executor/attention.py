@@ -1,0 +1,77 @@
+"""Attention metadata for one flat mixed batch, and the switch between kernel backends.
+
+Both backends implement the semantics of `weir.kernels.reference` (paged KV layout
+`[2, num_blocks, block_size, num_kv_heads, head_dim]`, flat token batch, causal rule
+relative to each request's context length). "torch" calls the reference directly and is
+the CPU default; "triton" calls `weir.kernels.triton_attention` (same signatures) and is
+the CUDA default.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where every token of a step reads and writes K/V. Tensors live on the model's device."""
+
+    query_start_loc: torch.Tensor  # [R + 1] int32, request r owns rows [qsl[r], qsl[r+1])
+    seq_lens: torch.Tensor  # [R] int32, context + new tokens of request r
+    block_table: torch.Tensor  # [R, max_blocks] int32, physical block of each logical block
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; -1 = padding
+    max_query_len: int  # host-side hints so kernels need no device sync to size their grid
+    max_seq_len: int
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None: ...
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+
+class KernelModuleBackend:
+    """Adapts a kernel module exposing `reshape_and_cache` and `paged_attention` to the model."""
+
+    def __init__(self, name: str, kernels) -> None:
+        self.name = name
+        self._reshape_and_cache = kernels.reshape_and_cache
+        self._paged_attention = kernels.paged_attention
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        self._reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return self._paged_attention(
+            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale
+        )
+
+
+BACKEND_NAMES = ("torch", "triton")
+
+
+def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
+    """`None` picks "triton" on CUDA and "torch" elsewhere."""
+    if name is None:
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
+        from weir.kernels import reference
+
+        return KernelModuleBackend("torch", reference)
+    if name == "triton":
+        # Imported lazily: importing triton is slow and needs a GPU or the interpreter.
+        from weir.kernels import triton_attention
+
+        return KernelModuleBackend("triton", triton_attention)
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")

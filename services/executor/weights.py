@@ -1,0 +1,113 @@
+"""Load a Hugging Face model directory (config.json + *.safetensors) into `CausalLM`."""
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from weir.services.executor.attention import AttentionBackend, get_attention_backend
+from weir.services.executor.model import CausalLM, ModelConfig
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills).
+_LAYER_PARTS: dict[str, tuple[str, str]] = {
+    "self_attn.q_proj": ("qkv_proj", "q"),
+    "self_attn.k_proj": ("qkv_proj", "k"),
+    "self_attn.v_proj": ("qkv_proj", "v"),
+    "self_attn.o_proj": ("o_proj", "all"),
+    "self_attn.q_norm": ("q_norm", "all"),
+    "self_attn.k_norm": ("k_norm", "all"),
+    "mlp.gate_proj": ("gate_up_proj", "gate"),
+    "mlp.up_proj": ("gate_up_proj", "up"),
+    "mlp.down_proj": ("down_proj", "all"),
+    "input_layernorm": ("input_layernorm", "all"),
+    "post_attention_layernorm": ("post_attention_layernorm", "all"),
+}
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _row_range(cfg: ModelConfig, part: str) -> slice:
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {
+        "q": slice(0, q),
+        "k": slice(q, q + kv),
+        "v": slice(q + kv, q + 2 * kv),
+        "gate": slice(0, inter),
+        "up": slice(inter, 2 * inter),
+        "all": slice(None),
+    }[part]
+
+
+def _target(model: CausalLM, name: str) -> tuple[str, slice] | None:
+    """Weir parameter name and row range for an HF tensor name; None for tensors to skip."""
+    cfg = model.config
+    if name == "model.embed_tokens.weight":
+        return "embed_tokens", slice(None)
+    if name == "model.norm.weight":
+        return "norm.weight", slice(None)
+    if name == "lm_head.weight":
+        # Some tied checkpoints still ship a copy of the embedding as lm_head.
+        return None if cfg.tie_word_embeddings else ("lm_head", slice(None))
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    m = _LAYER_RE.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_PARTS:
+        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+    module, part = _LAYER_PARTS[m.group(2)]
+    return f"layers.{m.group(1)}.{module}.{m.group(3)}", _row_range(cfg, part)
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the model, fusing q/k/v and gate/up; every parameter must be filled."""
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    for name, tensor in tensors:
+        target = _target(model, name)
+        if target is None:
+            continue
+        param_name, rows = target
+        dest = params[param_name][rows]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        filled[param_name] = filled.get(param_name, 0) + tensor.numel()
+    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+    if missing:
+        raise ValueError(f"checkpoint does not fill {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    attention: AttentionBackend | None = None,
+) -> CausalLM:
+    """Build the model from `model_dir/config.json` and load its safetensors weights."""
+    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    if attention is None:
+        attention = get_attention_backend(None, device)
+    model = CausalLM(cfg, attention, device=device, dtype=dtype or default_dtype(device))
+    load_weights(model, iter_safetensors(model_dir))
+    return model.eval()

@@ -1,0 +1,126 @@
+"""Weir's decoder on a mixed paged batch gives the same logits as transformers on full sequences."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from weir.services.executor.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from weir.services.executor.model import ModelConfig  # noqa: E402
+from weir.services.executor.weights import load_model, read_hf_config  # noqa: E402
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+COMMON = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, rope_theta=500.0),
+    "llama3-rope-tied": lambda: transformers.LlamaConfig(
+        **COMMON,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, attention_bias=True),
+}
+
+
+def save_tiny_model(kind: str, path) -> torch.nn.Module:
+    """A random HF model whose every weight (norms and biases too) is non-trivial, saved to `path`."""
+    torch.manual_seed(0)
+    config = CONFIGS[kind]()
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+class PagedRequests:
+    """Test-side bookkeeping of requests in a paged cache with shuffled, non-contiguous blocks."""
+
+    def __init__(self, seed: int) -> None:
+        self.free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.blocks: dict[str, list[int]] = {}
+
+    def step(self, work: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """work: (request, all its token ids so far, num_computed_tokens); every uncomputed token runs."""
+        ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for req, tokens, computed in work:
+            blocks = self.blocks.setdefault(req, [])
+            while len(blocks) * BLOCK_SIZE < len(tokens):
+                blocks.append(self.free.pop())
+            for pos in range(computed, len(tokens)):
+                ids.append(tokens[pos])
+                positions.append(pos)
+                slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            qsl.append(len(ids))
+            seq_lens.append(len(tokens))
+            tables.append(blocks)
+        width = max(len(t) for t in tables)
+        table = torch.full((len(tables), width), -1, dtype=torch.int32)
+        for r, t in enumerate(tables):
+            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return torch.tensor(ids), torch.tensor(positions), meta
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_mixed_paged_batch_matches_transformers(kind, tmp_path):
+    hf_model = save_tiny_model(kind, tmp_path)
+    model = load_model(tmp_path, device="cpu", attention=get_attention_backend("torch", "cpu"))
+    cfg = model.config
+    assert cfg == ModelConfig.from_hf(read_hf_config(tmp_path))
+    kv_caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+
+    g = torch.Generator().manual_seed(1)
+    seqs = {
+        "A": torch.randint(0, 128, (13,), generator=g).tolist(),  # full prefill in step 2
+        "B": torch.randint(0, 128, (21,), generator=g).tolist(),  # chunk 0..9 in step 1, 9..21 in step 2
+        "C": torch.randint(0, 128, (8,), generator=g).tolist(),  # 7 in step 1, one decode token in step 2
+        "D": torch.randint(0, 128, (9,), generator=g).tolist(),  # 6 in step 1, three (1 + 2 drafts) in step 2
+    }
+    with torch.no_grad():
+        expected = {r: hf_model(torch.tensor([s])).logits[0] for r, s in seqs.items()}
+
+    paged = PagedRequests(seed=2)
+    steps = [
+        [("C", seqs["C"][:7], 0), ("B", seqs["B"][:9], 0), ("D", seqs["D"][:6], 0)],
+        [("A", seqs["A"], 0), ("B", seqs["B"], 9), ("C", seqs["C"], 7), ("D", seqs["D"], 6)],
+    ]
+    with torch.inference_mode():
+        for work in steps:
+            input_ids, positions, meta = paged.step(work)
+            hidden = model(input_ids, positions, meta, kv_caches)
+            # Logits only at a subset of rows, as the runner asks for them.
+            rows = torch.arange(0, len(input_ids), 2)
+            logits = model.compute_logits(hidden[rows])
+            want = torch.stack([expected[req][p] for req, tokens, done in work for p in range(done, len(tokens))])
+            torch.testing.assert_close(logits, want[rows], atol=1e-4, rtol=1e-4)
