@@ -1,0 +1,189 @@
+"""Triton paged attention against the PyTorch reference, under the interpreter.
+
+Every batch goes through the whole step: earlier context is in the cache, the step's
+new K/V are written by the Triton reshape_and_cache (padding tokens carry slot -1),
+then attention runs. Cache slots no request owns hold a large constant, so reading
+past a sequence's end or through a wrong block-table entry changes the result.
+bf16 is not covered: the interpreter's tl.dot gives wrong results for it.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from weir.kernels import reference
+from weir.kernels import triton_attention
+
+POISON = 30.0
+
+
+@dataclass(slots=True)
+class Step:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # before the step's K/V are written
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scale: float
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+def make_step(
+    requests: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    num_padding_tokens: int = 0,
+    seed: int = 0,
+) -> Step:
+    """A step over requests given as (context_len, query_len), with shuffled physical blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_request = [-(-(ctx + q) // block_size) for ctx, q in requests]
+    num_blocks = sum(blocks_per_request) + 2  # two spare blocks no request owns
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    spare = physical[-1]
+    # Rows of a wider persistent table: the slice has a row stride larger than its width,
+    # and unused entries point at a spare (poisoned) block.
+    width = max(blocks_per_request) + 1
+    table_store = torch.full((len(requests) + 1, width + 3), spare, dtype=torch.int32)
+    block_table = table_store[: len(requests), :width]
+    cursor = 0
+    for r, n in enumerate(blocks_per_request):
+        block_table[r, :n] = torch.tensor(physical[cursor : cursor + n])
+        cursor += n
+
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), POISON)
+    slots, starts, seq_lens = [], [0], []
+    for r, (ctx, q) in enumerate(requests):
+        positions = torch.arange(ctx + q)
+        request_slots = block_table[r, positions // block_size].long() * block_size + positions % block_size
+        context = request_slots[:ctx]
+        kv_cache.view(2, -1, num_kv_heads, head_dim)[:, context] = torch.randn(2, ctx, num_kv_heads, head_dim, generator=gen)
+        slots.append(request_slots[ctx:])
+        starts.append(starts[-1] + q)
+        seq_lens.append(ctx + q)
+    slots.append(torch.full((num_padding_tokens,), -1, dtype=torch.long))
+    num_tokens = starts[-1] + num_padding_tokens
+
+    # Q, K, V as views into one fused projection output, like the model produces them.
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    return Step(
+        query=qkv[:, :num_heads],
+        key=qkv[:, num_heads : num_heads + num_kv_heads],
+        value=qkv[:, num_heads + num_kv_heads :],
+        kv_cache=kv_cache.to(dtype),
+        slot_mapping=torch.cat(slots).to(torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        scale=head_dim**-0.5,
+    )
+
+
+def reference_output(step: Step) -> torch.Tensor:
+    cache = step.kv_cache.clone()
+    reference.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
+    out = reference.paged_attention(
+        step.query, cache, step.query_start_loc, step.seq_lens, step.block_table, step.scale
+    )
+    return out[: step.num_real_tokens]
+
+
+def triton_output(step: Step, **kwargs) -> torch.Tensor:
+    cache = step.kv_cache.clone()
+    triton_attention.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
+    out = triton_attention.paged_attention(
+        step.query, cache, step.query_start_loc, step.seq_lens, step.block_table, step.scale, **kwargs
+    )
+    return out[: step.num_real_tokens]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(actual, expected, atol=2e-3, rtol=1e-2)
+
+
+DECODE = [(0, 1), (16, 1), (40, 1), (70, 1)]
+PREFILL = [(0, 20), (0, 37)]
+CHUNKED_PREFILL = [(33, 20), (64, 9)]
+SPECULATIVE = [(5, 4), (47, 3), (64, 2)]
+MIXED = [(30, 1), (0, 23), (45, 4), (17, 12), (80, 1)]
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [DECODE, PREFILL, CHUNKED_PREFILL, SPECULATIVE, MIXED],
+    ids=["decode", "prefill", "chunked_prefill", "speculative", "mixed"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_batch_kinds_match_reference(requests, dtype):
+    step = make_step(requests, num_heads=4, num_kv_heads=2, dtype=dtype, num_padding_tokens=2)
+    assert_close(triton_output(step), reference_output(step))
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gqa_ratios_and_block_sizes(group, block_size):
+    step = make_step(MIXED, num_heads=2 * group, num_kv_heads=2, block_size=block_size, seed=group)
+    assert_close(triton_output(step), reference_output(step))
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128])
+def test_head_dims(head_dim):
+    step = make_step([(19, 3)], num_heads=2, num_kv_heads=1, head_dim=head_dim, dtype=torch.float16)
+    assert_close(triton_output(step), reference_output(step))
+
+
+def test_tile_size_hint_does_not_change_result():
+    # max_query_len only picks the tile height; a mixed batch must come out the same with 16-row tiles.
+    step = make_step(MIXED, num_heads=4, num_kv_heads=4)
+    expected = reference_output(step)
+    assert_close(triton_output(step, max_query_len=1), expected)
+    assert_close(triton_output(step, max_query_len=23), expected)
+
+
+def test_padding_requests_and_preallocated_output():
+    # A batch padded to a fixed size (as for a CUDA graph): requests with no query tokens.
+    step = make_step([(20, 1), (0, 0), (50, 2), (0, 0)], num_heads=4, num_kv_heads=2, num_padding_tokens=3)
+    out = torch.full_like(step.query, float("nan"))
+    cache = step.kv_cache.clone()
+    triton_attention.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
+    result = triton_attention.paged_attention(
+        step.query, cache, step.query_start_loc, step.seq_lens, step.block_table, step.scale, out=out
+    )
+    assert result is out
+    assert_close(out[: step.num_real_tokens], reference_output(step))
+
+
+@pytest.mark.parametrize(
+    ("requests", "group"),
+    [([(0, 1), (130, 1), (300, 1), (1000, 1)], 1), ([(7, 3), (290, 4)], 3)],
+    ids=["decode", "speculative"],
+)
+def test_split_kv_matches_single_pass(requests, group):
+    # Contexts of several 64-key tiles, so segments are full, partial and empty.
+    step = make_step(requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16)
+    single = triton_output(step, split_kv=False)
+    workspace = triton_attention.allocate_split_kv_workspace(16, 2 * group, 64, "cpu")
+    split = triton_output(step, split_kv=True, workspace=workspace)
+    torch.testing.assert_close(split, single, atol=1e-3, rtol=1e-3)
+    assert_close(split, reference_output(step))
+
+
+def test_split_kv_rejects_small_workspace():
+    step = make_step(DECODE, num_heads=2, num_kv_heads=2)
+    workspace = triton_attention.allocate_split_kv_workspace(2, 2, 64, "cpu")
+    with pytest.raises(ValueError, match="workspace"):
+        triton_output(step, split_kv=True, workspace=workspace)
