@@ -1,0 +1,158 @@
+"""Batched token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+
+Order of the filters follows vLLM: temperature, then min-p, then top-k and top-p. A sampled
+token is `argmax(probs / q)` with `q ~ Exp(1)` per vocab entry (the exponential race, which
+draws exactly from `probs`). Rows of seeded requests draw `q` from their own generator seeded
+from (seed, output position), so their tokens do not depend on what else is in the batch, on
+how the prompt was chunked, or on preemption; other rows share the sampler's generator.
+Logprobs are those of the raw model distribution (before temperature and filters).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def row_seed(seed: int, position: int) -> int:
+    """Generator seed for output position `position` of a request seeded with `seed` (splitmix64)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step's logits rows (N rows; a request may own several)."""
+
+    temperature: torch.Tensor  # [N] fp32, 0 = greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [N] int64, 0 = off; None when no row filters
+    top_p: torch.Tensor | None  # [N] fp32, 1 = off
+    min_p: torch.Tensor | None  # [N] fp32, 0 = off
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded row
+    num_logprobs: int  # top-n alternatives to return per row; -1 = no logprobs
+    banned: list[tuple[int, list[int]]]  # (row, token ids it may not produce), e.g. EOS before min_tokens
+
+    @classmethod
+    def build(
+        cls,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        min_p: np.ndarray,
+        *,
+        device: torch.device | str,
+        seeds: list[tuple[int, int, int]] = (),
+        num_logprobs: int = -1,
+        banned: list[tuple[int, list[int]]] = (),
+    ) -> "SamplingBatch":
+        """From host arrays; `seeds` holds (row, seed, output position) for seeded rows."""
+        all_greedy = not temperature.any()
+        sampling = temperature > 0
+        # Filters of greedy rows are irrelevant; leave them out so an all-greedy batch stays one argmax.
+        use_top_k = bool((top_k[sampling] > 0).any())
+        use_top_p = bool((top_p[sampling] < 1).any())
+        use_min_p = bool((min_p[sampling] > 0).any())
+        generators = {}
+        for row, seed, position in seeds:
+            if temperature[row] > 0:
+                generators[row] = torch.Generator(device=device).manual_seed(row_seed(seed, position))
+        return cls(
+            temperature=torch.from_numpy(temperature.astype(np.float32)).to(device),
+            all_greedy=all_greedy,
+            top_k=torch.from_numpy(top_k.astype(np.int64)).to(device) if use_top_k else None,
+            top_p=torch.from_numpy(top_p.astype(np.float32)).to(device) if use_top_p else None,
+            min_p=torch.from_numpy(min_p.astype(np.float32)).to(device) if use_min_p else None,
+            generators=generators,
+            num_logprobs=num_logprobs,
+            banned=list(banned),
+        )
+
+
+@dataclass(slots=True)
+class Logprobs:
+    token_logprobs: torch.Tensor  # [N] logprob of the sampled token
+    ranks: torch.Tensor  # [N] 1-based rank of the sampled token
+    top_ids: torch.Tensor  # [N, n]
+    top_logprobs: torch.Tensor  # [N, n]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: Logprobs | None
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th kept) and its smallest nucleus of mass >= p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> Logprobs:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > token_logprobs.unsqueeze(1)).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    return Logprobs(token_logprobs, ranks, top_ids, top_logprobs)
+
+
+class Sampler:
+    """Samples one token per logits row. Holds the generator shared by unseeded rows."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [N, vocab] fp32 raw model logits."""
+        raw = logits
+        if batch.banned:
+            logits = logits.clone()
+            for row, token_ids in batch.banned:
+                logits[row, token_ids] = float("-inf")
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            token_ids = greedy
+        else:
+            token_ids = torch.where(batch.temperature == 0, greedy, self._sample(logits, batch))
+        logprobs = None if batch.num_logprobs < 0 else compute_logprobs(raw, token_ids, batch.num_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+        logits = logits / temperature.unsqueeze(1)
+        if batch.min_p is not None:
+            logits = apply_min_p(logits, batch.min_p)
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in batch.generators.items():
+            q[row].exponential_(generator=generator)
+        # A zero draw would turn a filtered-out token's 0/0 into NaN, which argmax prefers.
+        q.clamp_(min=torch.finfo(q.dtype).tiny)
+        return (probs / q).argmax(dim=-1)

@@ -1,0 +1,143 @@
+"""Sampler behaviour against independent NumPy/PyTorch computations on the logits."""
+
+import numpy as np
+import pytest
+import torch
+
+from weir.services.executor.sampler import Sampler, SamplingBatch
+
+VOCAB = 50
+
+
+def make_batch(rows: list[dict], **kwargs) -> SamplingBatch:
+    def col(key, default, dtype):
+        return np.array([r.get(key, default) for r in rows], dtype=dtype)
+
+    seeds = [(i, r["seed"], r.get("pos", 0)) for i, r in enumerate(rows) if r.get("seed") is not None]
+    return SamplingBatch.build(
+        col("temperature", 1.0, np.float32),
+        col("top_k", 0, np.int64),
+        col("top_p", 1.0, np.float32),
+        col("min_p", 0.0, np.float32),
+        device="cpu",
+        seeds=seeds,
+        **kwargs,
+    )
+
+
+def random_logits(n: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return scale * torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+def allowed_set(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """Tokens that survive temperature -> min-p -> top-k -> top-p, computed in float64."""
+    x = logits.astype(np.float64) / temperature
+    alive = np.ones_like(x, dtype=bool)
+    if min_p > 0:
+        p = np.exp(x - x.max())
+        alive &= p >= min_p * p.max()
+    if top_k > 0:
+        kth = np.sort(x[alive])[::-1][min(top_k, alive.sum()) - 1]
+        alive &= x >= kth
+    if top_p < 1:
+        idx = np.flatnonzero(alive)
+        p = np.exp(x[idx] - x[idx].max())
+        p /= p.sum()
+        order = np.argsort(-p)
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, top_p) + 1)]
+        alive = np.zeros_like(alive)
+        alive[idx[keep]] = True
+    return set(np.flatnonzero(alive).tolist())
+
+
+def test_temperature_zero_is_argmax_even_in_a_mixed_batch():
+    logits = random_logits(8, seed=0)
+    rows = [{"temperature": 0.0 if i % 2 == 0 else 0.9, "top_k": 3} for i in range(8)]
+    out = Sampler(seed=0)(logits, make_batch(rows))
+    greedy = torch.arange(0, 8, 2)
+    assert torch.equal(out.token_ids[greedy], logits[greedy].argmax(dim=-1))
+    all_greedy = make_batch([{"temperature": 0.0}] * 8)
+    assert all_greedy.all_greedy
+    assert torch.equal(Sampler(seed=0)(logits, all_greedy).token_ids, logits.argmax(dim=-1))
+
+
+def test_seeded_rows_do_not_depend_on_batch_composition():
+    logits = random_logits(1, seed=1, scale=0.5)  # flat-ish, so draws really vary
+    seeded = [{"seed": seed, "pos": pos, "temperature": 1.0} for seed in (0, 7, 2**40) for pos in range(12)]
+    alone = [Sampler(seed=s)(logits, make_batch([row])).token_ids.item() for s, row in enumerate(seeded)]
+    assert len(set(alone)) > 4, "seeded draws should differ across positions"
+
+    # The same rows inside batches with unseeded rows, filtering rows and greedy rows around them.
+    neighbours = [{"temperature": 0.7, "top_k": 5}, {"temperature": 0.0}, {"temperature": 1.3, "top_p": 0.5}]
+    rows, row_logits, where = [], [], []
+    for i, row in enumerate(seeded):
+        for j in range(i % 3):
+            rows.append(neighbours[j])
+            row_logits.append(random_logits(1, seed=100 + i * 3 + j))
+        where.append(len(rows))
+        rows.append(row)
+        row_logits.append(logits)
+    mixed = Sampler(seed=123)(torch.cat(row_logits), make_batch(rows)).token_ids[where].tolist()
+    assert mixed == alone
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0, "top_k": 5},
+        {"temperature": 0.6, "top_p": 0.7},
+        {"temperature": 1.5, "min_p": 0.2},
+        {"temperature": 1.2, "top_k": 10, "top_p": 0.8, "min_p": 0.05},
+        {"temperature": 1.0, "top_k": 1},
+    ],
+)
+def test_filters_never_emit_a_token_outside_the_allowed_set(params):
+    base = random_logits(4, seed=2)
+    draws = 300
+    logits = base.repeat_interleave(draws, dim=0)
+    rows = [dict(params, **({"seed": i} if i % 2 else {})) for i in range(len(logits))]
+    tokens = Sampler(seed=5)(logits, make_batch(rows)).token_ids.view(4, draws)
+    for r in range(4):
+        allowed = allowed_set(base[r].numpy(), params["temperature"], params.get("top_k", 0),
+                              params.get("top_p", 1.0), params.get("min_p", 0.0))
+        seen = set(tokens[r].tolist())
+        assert seen <= allowed, (seen - allowed, allowed)
+        if len(allowed) > 1:
+            assert len(seen) > 1
+
+
+def test_unfiltered_sampling_follows_the_softmax_distribution():
+    vocab_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0] + [-30.0] * (VOCAB - 5)])
+    draws = 6000
+    rows = [{"temperature": 0.8}] * draws
+    tokens = Sampler(seed=9)(vocab_logits.repeat(draws, 1), make_batch(rows)).token_ids
+    freq = torch.bincount(tokens, minlength=VOCAB).float() / draws
+    expected = torch.softmax(vocab_logits[0] / 0.8, dim=-1)
+    assert (freq - expected).abs().max() < 0.03
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = random_logits(6, seed=3)
+    rows = [{"temperature": t, "top_k": 4} for t in (0.0, 0.5, 1.0, 2.0, 0.0, 1.0)]
+    out = Sampler(seed=1)(logits, make_batch(rows, num_logprobs=3))
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    chosen = out.token_ids
+    torch.testing.assert_close(out.logprobs.token_logprobs.double(), ref.gather(1, chosen[:, None])[:, 0])
+    ref_top, ref_ids = ref.topk(3, dim=-1)
+    assert torch.equal(out.logprobs.top_ids, ref_ids)
+    torch.testing.assert_close(out.logprobs.top_logprobs.double(), ref_top)
+    ranks = (ref > ref.gather(1, chosen[:, None])).sum(dim=-1) + 1
+    assert torch.equal(out.logprobs.ranks, ranks)
+
+
+def test_banned_tokens_are_never_produced():
+    logits = random_logits(4, seed=4)
+    top2 = logits.topk(2, dim=-1).indices
+    banned = [(r, [top2[r, 0].item()]) for r in range(4)]
+    greedy = Sampler(seed=0)(logits, make_batch([{"temperature": 0.0}] * 4, banned=banned)).token_ids
+    assert torch.equal(greedy, top2[:, 1])
+    many = logits.repeat_interleave(100, dim=0)
+    banned_many = [(r, [top2[r // 100, 0].item()]) for r in range(400)]
+    sampled = Sampler(seed=0)(many, make_batch([{"temperature": 1.0}] * 400, banned=banned_many)).token_ids
+    assert not (sampled.view(4, 100) == top2[:, :1]).any()
