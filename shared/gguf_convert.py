@@ -1,0 +1,321 @@
+"""Convert a GGUF file (llama.cpp's format) into a Hugging Face model directory.
+
+The output is what `transformers` would save: config.json, model.safetensors (float32),
+tokenizer.json, tokenizer_config.json and generation_config.json. Supported architectures are
+llama, qwen2 and qwen3 with a byte-level BPE ("gpt2") tokenizer; anything else raises
+`UnsupportedGGUFError` naming what the file states.
+"""
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+
+class UnsupportedGGUFError(ValueError):
+    """The GGUF file describes a model or tokenizer this converter cannot rebuild."""
+
+
+@dataclass(slots=True, frozen=True)
+class _Architecture:
+    hf_class: str
+    model_type: str
+    # llama.cpp's converter interleaves q/k rows for its rotary layout on these architectures only.
+    permuted_qk: bool
+
+
+_ARCHITECTURES = {
+    "llama": _Architecture("LlamaForCausalLM", "llama", permuted_qk=True),
+    "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False),
+    "qwen3": _Architecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False),
+}
+
+_TOP_LEVEL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class _Pretokenization:
+    """How the original HF tokenizer cut text before BPE; llama.cpp names it in `tokenizer.ggml.pre`."""
+
+    pre_tokenizer: pre_tokenizers.PreTokenizer
+    normalizer: normalizers.Normalizer | None = None
+    ignore_merges: bool = False
+
+
+def _pretokenization(pre: str) -> _Pretokenization:
+    if pre in ("gpt2", "default"):
+        return _Pretokenization(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    if pre in ("smollm", "starcoder", "refact"):
+        # StarCoder-family vocabularies were trained on single digits; HF splits them before the GPT-2 regex.
+        return _Pretokenization(
+            pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
+            )
+        )
+    if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe"):
+        return _Pretokenization(_split_then_bytes(_LLAMA3_SPLIT), ignore_merges=True)
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        return _Pretokenization(_split_then_bytes(_QWEN2_SPLIT), normalizer=normalizers.NFC())
+    raise UnsupportedGGUFError(
+        f"GGUF tokenizer pre-tokenizer {pre!r} is not supported "
+        "(supported: gpt2, smollm, starcoder, refact, llama-bpe, qwen2)"
+    )
+
+
+class _Metadata:
+    """Typed access to a GGUF file's key/value metadata."""
+
+    def __init__(self, reader: GGUFReader) -> None:
+        self._fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        if key not in self._fields:
+            raise UnsupportedGGUFError(f"GGUF file has no {key!r} metadata")
+        return self._fields[key].contents()
+
+
+def _f32(value: float) -> float:
+    # GGUF stores float32; print the shortest decimal that round-trips (1e-05, not 9.99999974e-06).
+    return float(str(np.float32(value)))
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleaving of rotary rows (works on weights and biases)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_tensor_name(gguf_name: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _TOP_LEVEL_TENSORS:
+        return f"{_TOP_LEVEL_TENSORS[stem]}.{suffix}"
+    match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this converter")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+
+
+def _convert_tensors(reader: GGUFReader, arch: _Architecture, n_head: int, n_kv_head: int) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        if arch.permuted_qk and ".attn_q." in tensor.name:
+            w = _unpermute_rows(w, n_head)
+        elif arch.permuted_qk and ".attn_k." in tensor.name:
+            w = _unpermute_rows(w, n_kv_head)
+        tensors[_hf_tensor_name(tensor.name)] = np.ascontiguousarray(w)
+    return tensors
+
+
+def _build_config(meta: _Metadata, arch_name: str, arch: _Architecture, tensors: dict[str, np.ndarray]) -> dict:
+    def key(name: str) -> str:
+        return f"{arch_name}.{name}"
+
+    hidden = int(meta.require(key("embedding_length")))
+    n_head = int(meta.require(key("attention.head_count")))
+    vocab_size, embed_dim = tensors["model.embed_tokens.weight"].shape
+    if embed_dim != hidden:
+        raise UnsupportedGGUFError(f"token_embd width {embed_dim} differs from embedding_length {hidden}")
+    config = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.require(key("feed_forward_length"))),
+        "num_hidden_layers": int(meta.require(key("block_count"))),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(meta.get(key("attention.head_count_kv"), n_head)),
+        "head_dim": int(meta.get(key("attention.key_length"), hidden // n_head)),
+        "max_position_embeddings": int(meta.require(key("context_length"))),
+        "rms_norm_eps": _f32(meta.require(key("attention.layer_norm_rms_epsilon"))),
+        "rope_theta": _f32(meta.get(key("rope.freq_base"), 10000.0)),
+        "rope_scaling": None,
+        "vocab_size": int(vocab_size),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "hidden_act": "silu",
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    for name, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+        value = meta.get(f"tokenizer.ggml.{meta_key}")
+        if value is not None:
+            config[name] = int(value)
+    return config
+
+
+def build_tokenizer(meta: _Metadata) -> Tokenizer:
+    """A `tokenizers` byte-level BPE equal to the model's original tokenizer.json."""
+    kind = meta.require("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedGGUFError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
+    vocab = {token: index for index, token in enumerate(tokens)}
+
+    pretokenization = _pretokenization(meta.get("tokenizer.ggml.pre", "default"))
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, ignore_merges=pretokenization.ignore_merges, byte_fallback=False)
+    )
+    tokenizer.normalizer = pretokenization.normalizer
+    tokenizer.pre_tokenizer = pretokenization.pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]),
+            ]
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(token, special=True, normalized=False)
+            for token, token_type in zip(tokens, token_types)
+            if token_type == _TOKEN_CONTROL
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(token, special=False, normalized=False)
+            for token, token_type in zip(tokens, token_types)
+            if token_type == _TOKEN_USER_DEFINED
+        ]
+    )
+    return tokenizer
+
+
+def _tokenizer_config(meta: _Metadata, context_length: int) -> dict:
+    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
+
+    def token(meta_key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{meta_key}")
+        return None if index is None else tokens[index]
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "additional_special_tokens": [t for t, kind in zip(tokens, token_types) if kind == _TOKEN_CONTROL],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": context_length,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return config
+
+
+def _generation_config(meta: _Metadata) -> dict:
+    stop_ids: list[int] = []
+    # End-of-turn / end-of-message tokens also stop a chat turn (llama.cpp keeps them apart from eos).
+    for meta_key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = meta.get(f"tokenizer.ggml.{meta_key}")
+        if value is not None and int(value) not in stop_ids:
+            stop_ids.append(int(value))
+    config: dict[str, Any] = {"eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids}
+    for name, meta_key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+        value = meta.get(f"tokenizer.ggml.{meta_key}")
+        if value is not None:
+            config[name] = int(value)
+    return config
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write the Hugging Face files for `gguf_path` into the existing directory `out_dir`."""
+    reader = GGUFReader(gguf_path)
+    meta = _Metadata(reader)
+    arch_name = meta.require("general.architecture")
+    arch = _ARCHITECTURES.get(arch_name)
+    if arch is None:
+        raise UnsupportedGGUFError(
+            f"GGUF architecture {arch_name!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
+        )
+    # Build the tokenizer first: it fails fast on an unsupported vocabulary, before the costly dequantization.
+    tokenizer = build_tokenizer(meta)
+    n_head = int(meta.require(f"{arch_name}.attention.head_count"))
+    n_kv_head = int(meta.get(f"{arch_name}.attention.head_count_kv", n_head))
+    tensors = _convert_tensors(reader, arch, n_head, n_kv_head)
+    config = _build_config(meta, arch_name, arch, tensors)
+    logger.info("converted %d tensors from %s", len(tensors), gguf_path)
+
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config["max_position_embeddings"]))
+    _write_json(out_dir / "generation_config.json", _generation_config(meta))
