@@ -37,41 +37,66 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-class KernelModuleBackend:
-    """Adapts a kernel module exposing `reshape_and_cache` and `paged_attention` to the model."""
+class TorchAttention:
+    """The PyTorch reference kernels: the CPU path."""
 
-    def __init__(self, name: str, kernels) -> None:
-        self.name = name
-        self._reshape_and_cache = kernels.reshape_and_cache
-        self._paged_attention = kernels.paged_attention
+    name = "torch"
+
+    def __init__(self) -> None:
+        from weir.kernels import reference
+
+        self._kernels = reference
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        self._reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        self._kernels.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
 
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        return self._paged_attention(
+        return self._kernels.paged_attention(
             query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale
         )
 
 
-BACKEND_NAMES = ("torch", "triton")
+class TritonAttention:
+    """The Triton kernels: one launch writes K/V, one computes attention for the whole batch."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported lazily: importing triton is slow and needs a GPU or the interpreter.
+        from weir.kernels import triton_attention
+
+        self._kernels = triton_attention
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        self._kernels.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return self._kernels.paged_attention(
+            query,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            scale,
+            max_query_len=meta.max_query_len,
+        )
+
+
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
 
 
 def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
     """`None` picks "triton" on CUDA and "torch" elsewhere."""
     if name is None:
         name = "triton" if torch.device(device).type == "cuda" else "torch"
-    if name == "torch":
-        from weir.kernels import reference
-
-        return KernelModuleBackend("torch", reference)
-    if name == "triton":
-        # Imported lazily: importing triton is slow and needs a GPU or the interpreter.
-        from weir.kernels import triton_attention
-
-        return KernelModuleBackend("triton", triton_attention)
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    return BACKENDS[name]()
