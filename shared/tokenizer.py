@@ -1,0 +1,152 @@
+"""The model's tokenizer and chat template, without transformers, plus streaming detokenization.
+
+`Tokenizer` reads a Hugging Face model directory (tokenizer.json, tokenizer_config.json,
+generation_config.json) and renders the chat template the way transformers does.
+`IncrementalDetokenizer` turns streamed token ids into text deltas for the scheduler's hot loop.
+"""
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
+logger = logging.getLogger(__name__)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON, as in transformers.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers' `apply_chat_template` uses."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_content(value: str | dict | None) -> str | None:
+    # tokenizer_config.json writes a special token either as a string or as a serialized AddedToken.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with the model's special tokens, stop tokens and chat template."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = None if bos_token is None else backend.token_to_id(bos_token)
+        self.eos_token_id = None if eos_token is None else backend.token_to_id(eos_token)
+        stop_ids = _as_id_list(self.eos_token_id) + list(extra_stop_token_ids)
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop_ids))
+        self._chat_template = None if chat_template is None else compile_chat_template(chat_template)
+
+    @classmethod
+    def from_model_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        model_dir = Path(path)
+        config = _read_json(model_dir / "tokenizer_config.json")
+        generation = _read_json(model_dir / "generation_config.json")
+        chat_template = config.get("chat_template")
+        if chat_template is None and (model_dir / "chat_template.jinja").is_file():
+            chat_template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(
+            BackendTokenizer.from_file(str(model_dir / "tokenizer.json")),
+            chat_template=chat_template,
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            extra_stop_token_ids=_as_id_list(generation.get("eos_token_id")),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._chat_template is None:
+            raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
+        return self._chat_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+# Prompt tokens replayed before the first output token, so tokenizers whose decoding of a token
+# depends on what precedes it (leading-space handling) decode the first output in context.
+_PROMPT_CONTEXT_TOKENS = 6
+_INVALID_PREFIX = "Invalid prefix"
+
+
+class IncrementalDetokenizer:
+    """Text deltas for streamed token ids, holding back an incomplete UTF-8 character until it completes.
+
+    vLLM's scheme: keep a prefix offset and a read offset into the ids, decode only the window between
+    the prefix offset and the end, and emit what it adds to the decoded prefix unless that ends in
+    U+FFFD. `tokenizers.decoders.DecodeStream` does exactly this in Rust, on a window of a few tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer.backend
+        self._skip_special_tokens = skip_special_tokens
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+
+    def add(self, new_token_ids: Iterable[int]) -> str:
+        return "".join(chunk for token_id in new_token_ids if (chunk := self._step(token_id)) is not None)
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self._stream.step(self._backend, token_id)
+        except Exception as exc:
+            # A window whose decoding does not extend the previous one (seen with some byte sequences)
+            # leaves DecodeStream unable to continue; restart from this token, as vLLM does.
+            if not str(exc).startswith(_INVALID_PREFIX):
+                raise
+            logger.debug("detokenizer window reset at token %d", token_id)
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            return self._stream.step(self._backend, token_id)
