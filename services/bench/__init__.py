@@ -1,0 +1,22 @@
+"""Benchmark harness: `weir bench throughput` (offline, with Hugging Face baselines) and `weir bench serve` (online)."""
+
+import argparse
+
+from weir.services.bench.serve import add_serve_parser
+from weir.services.bench.throughput import add_throughput_parser
+
+
+def add_bench_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Register `bench throughput` and `bench serve`; each sets `func(args) -> int` (the exit code)."""
+    bench = subparsers.add_parser("bench", help="measure throughput and latency")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_throughput_parser(bench_sub)
+    add_serve_parser(bench_sub)
+
+
+def run_cli(argv: list[str]) -> int:
+    """Run `weir bench <argv...>` without the rest of the weir CLI."""
+    parser = argparse.ArgumentParser(prog="weir")
+    add_bench_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)

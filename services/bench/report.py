@@ -1,0 +1,225 @@
+"""Benchmark results: records, percentile summaries, markdown tables, JSON files and PNG plots.
+
+Plots use matplotlib's object API with the Agg canvas (no pyplot, no display, no global state).
+"""
+
+import argparse
+import json
+import os
+import platform
+import shlex
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+# Namespace entries set by the CLI plumbing rather than by an option.
+_NOT_OPTIONS = frozenset({"func", "command", "bench_command"})
+
+
+@dataclass(slots=True)
+class EngineRun:
+    """One engine's pass over the workload in `bench throughput`.
+
+    output_tokens counts each request's own output_len (the useful output);
+    generated_tokens counts what the engine decoded, which is more for static
+    batching, where a batch decodes up to its longest request.
+    """
+
+    engine: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    generated_tokens: int
+    wall_s: float
+    notes: str = ""
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.wall_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "requests_per_s": self.requests_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+        }
+
+
+def machine_info(torch_threads: int | None) -> dict[str, Any]:
+    """Where the numbers were measured; torch_threads is None when no engine ran in this process."""
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch_threads,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    parts = [f"{info['cpu']} ({info['cpu_count']} CPUs)"]
+    if "gpu" in info:
+        parts.append(info["gpu"])
+    parts.append(f"torch {info['torch']}")
+    if info["torch_threads"] is not None:
+        parts.append(f"{info['torch_threads']} torch thread(s) per process")
+    parts.append(info["platform"])
+    return ", ".join(parts)
+
+
+def command_line(prog: str, args: argparse.Namespace) -> str:
+    """The command with every option spelled out, rebuilt from the parsed options (each --flag-name
+    maps to args.flag_name), so a table shows the exact settings whichever way the run was started."""
+    words = prog.split()
+    for dest, value in vars(args).items():
+        if dest in _NOT_OPTIONS or value is None or value is False:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, list):
+            words += [w for v in value for w in (flag, str(v))]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def summarize(values: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles; None for an empty series (for example ITL when every output is 1 token)."""
+    if not values:
+        return {"mean": None} | {f"p{p}": None for p in PERCENTILES}
+    arr = np.asarray(values, dtype=np.float64)
+    return {"mean": float(arr.mean())} | {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def append_markdown(path: str, text: str) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text + "\n\n")
+
+
+def throughput_markdown(
+    runs: list[EngineRun], machine: dict[str, Any], command: str, workload: str, notes: list[str]
+) -> str:
+    weir = next((r for r in runs if r.engine == "weir"), None)
+    lines = [
+        f"Machine: {machine_line(machine)}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Workload: {workload}",
+        "",
+        "| Engine | Requests/s | Output tok/s | Total tok/s | Wall (s) | Weir ÷ engine (output tok/s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        ratio = f"{weir.output_tokens_per_s / r.output_tokens_per_s:.2f}×" if weir is not None else "n/a"
+        lines.append(
+            f"| {r.engine} | {r.requests_per_s:.3f} | {r.output_tokens_per_s:.1f} | {r.total_tokens_per_s:.1f} "
+            f"| {r.wall_s:.2f} | {ratio} |"
+        )
+    lines.append("")
+    lines += [f"- {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def serve_markdown(result: dict[str, Any], command: str) -> str:
+    lines = [
+        f"Machine: {machine_line(result['machine'])}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Workload: {result['workload']}; request rate {result['request_rate']}/s, "
+        f"max concurrency {result['max_concurrency'] or 'unlimited'}",
+        "",
+        f"Requests: {result['completed']} completed, {result['failed']} failed in {result['duration_s']:.1f} s; "
+        f"{result['request_throughput']:.3f} req/s, {result['output_throughput']:.1f} output tok/s"
+        + ("" if result["goodput"] is None else f", goodput {result['goodput']:.3f} req/s"),
+        "",
+        "| Metric (ms) | Mean | P50 | P90 | P99 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        s = result[name]
+        cells = " | ".join("n/a" if s[k] is None else f"{s[k]:.1f}" for k in ("mean", "p50", "p90", "p99"))
+        lines.append(f"| {name.removesuffix('_ms').upper()} | {cells} |")
+    return "\n".join(lines)
+
+
+def _new_figure(width: float, height: float):  # -> matplotlib.figure.Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_latency_cdfs(series_ms: dict[str, list[float]], path: Path) -> None:
+    """One empirical CDF panel per latency series (TTFT, TPOT, ITL, E2E)."""
+    fig = _new_figure(10, 7)
+    axes = fig.subplots(2, 2).flat
+    for ax, (name, values) in zip(axes, series_ms.items()):
+        ax.set_title(name)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+        if values:
+            xs = np.sort(np.asarray(values, dtype=np.float64))
+            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def plot_throughput_over_time(
+    token_times_s: list[float], finish_times_s: list[float], duration_s: float, path: Path
+) -> None:
+    """Output tokens/s and finished requests/s in fixed time buckets from the start of the run."""
+    num_buckets = max(1, min(60, int(duration_s) + 1, len(token_times_s)))
+    edges = np.linspace(0.0, max(duration_s, 1e-9), num_buckets + 1)
+    width = edges[1] - edges[0]
+    tokens, _ = np.histogram(token_times_s, bins=edges)
+    finished, _ = np.histogram(finish_times_s, bins=edges)
+    fig = _new_figure(10, 6)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    top.bar(edges[:-1], tokens / width, width=width, align="edge")
+    top.set_ylabel("output tokens/s")
+    top.grid(alpha=0.3)
+    bottom.bar(edges[:-1], finished / width, width=width, align="edge", color="tab:orange")
+    bottom.set_ylabel("finished requests/s")
+    bottom.set_xlabel("seconds since start")
+    bottom.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)

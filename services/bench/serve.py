@@ -1,0 +1,273 @@
+"""`weir bench serve`: online latency and throughput against a running Weir server.
+
+Requests arrive as a Poisson process at --request-rate (inf sends them all at
+once), optionally capped at --max-concurrency in flight, and stream through
+AsyncWeirClient. Per request: TTFT (send to first token), ITL (gaps between
+streamed token chunks), TPOT ((end - first token) / (output tokens - 1)) and
+end-to-end latency. Goodput counts the requests per second that met every
+given SLO.
+"""
+
+import argparse
+import asyncio
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from weir.services.bench.report import (
+    command_line,
+    append_markdown,
+    machine_info,
+    plot_latency_cdfs,
+    plot_throughput_over_time,
+    serve_markdown,
+    summarize,
+    write_json,
+)
+from weir.services.bench.workload import (
+    BenchRequest,
+    add_workload_arguments,
+    describe_workload,
+    load_tokenizer,
+    workload_from_args,
+)
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:8100"
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """What one request saw, in seconds since the benchmark started."""
+
+    prompt_len: int
+    output_len: int
+    send_s: float
+    chunk_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    end_s: float | None = None
+    error: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end_s is not None and self.output_tokens > 0
+
+    def ttft_s(self) -> float:
+        return self.chunk_s[0] - self.send_s
+
+    def tpot_s(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.end_s - self.chunk_s[0]) / (self.output_tokens - 1)
+
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:])]
+
+    def e2el_s(self) -> float:
+        return self.end_s - self.send_s
+
+
+def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
+    """Send times (s from start): all 0 for an infinite rate, else a seeded Poisson process."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(num):
+        offsets.append(t)
+        t += rng.expovariate(request_rate)
+    return offsets
+
+
+async def _one_request(client, request: BenchRequest, trace: RequestTrace, t0: float) -> None:
+    from weir.shared.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+    try:
+        async for out in client.generate(request.prompt_token_ids, params):
+            now = time.perf_counter() - t0
+            if out.new_token_ids:
+                trace.chunk_s.append(now)
+                trace.chunk_tokens.append(len(out.new_token_ids))
+            if out.finished:
+                trace.end_s = now
+    except Exception as e:  # a failed request is a result to report, not a reason to stop the run
+        trace.error = f"{type(e).__name__}: {e}"
+
+
+async def run_load(
+    address: str,
+    requests: list[BenchRequest],
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    progress: bool = True,
+) -> tuple[list[RequestTrace], float]:
+    """Send the workload; returns one trace per request and the run's duration in seconds."""
+    from tqdm import tqdm
+
+    from weir.shared.client import AsyncWeirClient
+
+    offsets = arrival_offsets(len(requests), request_rate, seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with AsyncWeirClient(address) as client:
+        await client.health()
+        with tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress) as bar:
+            t0 = time.perf_counter()
+            traces: list[RequestTrace] = []
+
+            async def launch(request: BenchRequest, offset: float) -> None:
+                await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
+                if limit is not None:
+                    await limit.acquire()
+                trace = RequestTrace(len(request.prompt_token_ids), request.output_len, time.perf_counter() - t0)
+                traces.append(trace)
+                try:
+                    await _one_request(client, request, trace, t0)
+                finally:
+                    if limit is not None:
+                        limit.release()
+                    bar.update(1)
+
+            await asyncio.gather(*(launch(r, o) for r, o in zip(requests, offsets)))
+            duration = time.perf_counter() - t0
+    return traces, duration
+
+
+def summarize_run(
+    traces: list[RequestTrace], duration_s: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None
+) -> dict[str, Any]:
+    ok = [t for t in traces if t.ok]
+    ttft = [t.ttft_s() * 1e3 for t in ok]
+    tpot = [v * 1e3 for t in ok if (v := t.tpot_s()) is not None]
+    itl = [v * 1e3 for t in ok for v in t.itl_s()]
+    e2el = [t.e2el_s() * 1e3 for t in ok]
+    input_tokens = sum(t.prompt_len for t in ok)
+    output_tokens = sum(t.output_tokens for t in ok)
+    if slo_ttft_ms is None and slo_tpot_ms is None:
+        goodput = None
+    else:
+        good = sum(
+            1
+            for t in ok
+            if (slo_ttft_ms is None or t.ttft_s() * 1e3 <= slo_ttft_ms)
+            and (slo_tpot_ms is None or (t.tpot_s() or 0.0) * 1e3 <= slo_tpot_ms)
+        )
+        goodput = good / duration_s
+    return {
+        "completed": len(ok),
+        "failed": len(traces) - len(ok),
+        "errors": sorted({t.error for t in traces if t.error is not None})[:10],
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "requested_output_tokens": sum(t.output_len for t in traces),
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+        "goodput": goodput,
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_tpot_ms": slo_tpot_ms,
+        "ttft_ms": summarize(ttft),
+        "tpot_ms": summarize(tpot),
+        "itl_ms": summarize(itl),
+        "e2el_ms": summarize(e2el),
+    }
+
+
+def _plot(traces: list[RequestTrace], duration_s: float, plot_dir: Path) -> list[Path]:
+    ok = [t for t in traces if t.ok]
+    cdf_path = plot_dir / "latency_cdf.png"
+    plot_latency_cdfs(
+        {
+            "TTFT": [t.ttft_s() * 1e3 for t in ok],
+            "TPOT": [v * 1e3 for t in ok if (v := t.tpot_s()) is not None],
+            "ITL": [v * 1e3 for t in ok for v in t.itl_s()],
+            "End-to-end latency": [t.e2el_s() * 1e3 for t in ok],
+        },
+        cdf_path,
+    )
+    throughput_path = plot_dir / "throughput_over_time.png"
+    token_times = [s for t in ok for s, n in zip(t.chunk_s, t.chunk_tokens) for _ in range(n)]
+    plot_throughput_over_time(token_times, [t.end_s for t in ok], duration_s, throughput_path)
+    return [cdf_path, throughput_path]
+
+
+def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "serve",
+        help="online latency/throughput against a running server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="server address (ZeroMQ endpoint)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the served model's HF dir or .gguf, for its tokenizer (default: SmolLM2-135M-Instruct)",
+    )
+    add_workload_arguments(p, num_prompts=100)
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    g.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput")
+    g.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", type=Path, default=None, help="write the summary and per-request traces here")
+    o.add_argument("--plot-dir", type=Path, default=None, help="write latency_cdf.png and throughput_over_time.png")
+    o.add_argument("--markdown", default=None, metavar="PATH", help="also append the markdown table to PATH")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from weir.shared.model_store import resolve_model
+
+    if args.request_rate <= 0:
+        print("error: --request-rate must be > 0", file=sys.stderr)
+        return 2
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        print("error: --max-concurrency must be >= 1", file=sys.stderr)
+        return 2
+    requests = workload_from_args(args, load_tokenizer(resolve_model(args.model)))
+    traces, duration = asyncio.run(
+        run_load(args.address, requests, args.request_rate, args.max_concurrency, args.seed, not args.no_progress)
+    )
+    command = command_line("weir bench serve", args)
+    result = {
+        "command": command,
+        "machine": machine_info(None),
+        "address": args.address,
+        "workload": describe_workload(requests, args),
+        "num_prompts": len(requests),
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency,
+    } | summarize_run(traces, duration, args.slo_ttft, args.slo_tpot)
+    table = serve_markdown(result, command)
+    print(table)
+    if args.markdown is not None:
+        append_markdown(args.markdown, table)
+    if args.plot_dir is not None:
+        result["plots"] = [str(p) for p in _plot(traces, duration, args.plot_dir)]
+    if args.output_json is not None:
+        result["requests"] = [
+            {
+                "prompt_len": t.prompt_len,
+                "output_len": t.output_len,
+                "output_tokens": t.output_tokens,
+                "send_s": t.send_s,
+                "ttft_ms": t.ttft_s() * 1e3 if t.ok else None,
+                "e2el_ms": t.e2el_s() * 1e3 if t.ok else None,
+                "error": t.error,
+            }
+            for t in traces
+        ]
+        write_json(args.output_json, result)
+    return 0 if result["failed"] == 0 else 1

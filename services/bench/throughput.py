@@ -1,0 +1,230 @@
+"""`weir bench throughput`: offline throughput of Weir's LLM API against Hugging Face baselines.
+
+Every engine gets the same token-id prompts and output lengths, greedy decoding
+with EOS ignored, and the same number of torch threads per process. Timing covers
+generation only: model loading and one short warmup request are excluded.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from weir.services.bench.report import (
+    EngineRun,
+    command_line,
+    append_markdown,
+    machine_info,
+    throughput_markdown,
+    write_json,
+)
+from weir.services.bench.workload import (
+    WARMUP_PROMPT,
+    BenchRequest,
+    add_workload_arguments,
+    describe_workload,
+    load_tokenizer,
+    workload_from_args,
+)
+
+BASELINE_CHOICES = ("hf-static", "hf-cb", "none")
+DTYPES = ("float32", "bfloat16", "float16")
+# transformers' continuous batching gets Weir's step budget unless one is given.
+_DEFAULT_BATCHED_TOKENS = 2048
+
+
+def _baselines(values: list[str] | None) -> list[str]:
+    """--baseline may repeat and take comma lists; 'none' alone means no baseline."""
+    chosen: list[str] = []
+    for value in values or []:
+        for name in filter(None, (v.strip() for v in value.split(","))):
+            if name not in BASELINE_CHOICES:
+                raise argparse.ArgumentTypeError(f"unknown baseline {name!r}; choose from {BASELINE_CHOICES}")
+            if name != "none" and name not in chosen:
+                chosen.append(name)
+    return chosen
+
+
+def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser(
+        "throughput",
+        help="offline throughput of the LLM API, optionally against Hugging Face baselines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights/activations dtype for every engine")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per process for every engine (default: $OMP_NUM_THREADS, else torch's default)",
+    )
+    add_workload_arguments(p, num_prompts=64)
+    g = p.add_argument_group("engines")
+    g.add_argument(
+        "--baseline",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="hf-static, hf-cb or none; repeat or comma-separate to run several (default: none)",
+    )
+    g.add_argument("--no-weir", action="store_true", help="measure only the baselines")
+    g.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the hf-static baseline")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="Weir engine option")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"Weir engine option; also hf-cb's max_batch_tokens (default {_DEFAULT_BATCHED_TOKENS})",
+    )
+    g.add_argument("--kv-cache-memory", default=None, help="Weir engine option (KV cache size)")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", type=Path, default=None, help="write the results as JSON here")
+    o.add_argument(
+        "--markdown",
+        default=None,
+        metavar="PATH",
+        help="also append the markdown table to PATH (it is always printed)",
+    )
+    p.set_defaults(func=run_throughput)
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory": args.kv_cache_memory,
+    }
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def run_weir(requests: list[BenchRequest], model_dir: Path, dtype: str, engine_options: dict[str, Any]) -> EngineRun:
+    from weir.services.llm import LLM
+    from weir.shared.sampling import SamplingParams
+
+    with LLM(model=str(model_dir), dtype=dtype, **engine_options) as llm:
+        llm.generate([list(WARMUP_PROMPT)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+        start = time.perf_counter()
+        completions = llm.generate([r.prompt_token_ids for r in requests], params)
+        wall = time.perf_counter() - start
+    for i, (c, r) in enumerate(zip(completions, requests, strict=True)):
+        if len(c.token_ids) != r.output_len:
+            raise RuntimeError(f"weir request {i} returned {len(c.token_ids)} tokens, expected {r.output_len}")
+    generated = sum(len(c.token_ids) for c in completions)
+    options = ", ".join(f"{k}={v}" for k, v in engine_options.items()) or "engine defaults"
+    return EngineRun(
+        engine="weir",
+        num_requests=len(requests),
+        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+        output_tokens=generated,
+        generated_tokens=generated,
+        wall_s=wall,
+        notes=f"LLM.generate, {options}",
+    )
+
+
+def _run_baselines(
+    names: list[str], requests: list[BenchRequest], model_dir: Path, args: argparse.Namespace
+) -> list[EngineRun]:
+    import torch
+
+    from weir.services.bench.baselines import load_hf_model, run_hf_continuous, run_hf_static
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_hf_model(model_dir, args.dtype, device)
+    runs = []
+    for name in names:
+        _status(f"running {name} on {len(requests)} requests")
+        if name == "hf-static":
+            runs.append(run_hf_static(model, requests, args.hf_batch_size))
+        else:
+            budget = args.max_num_batched_tokens or _DEFAULT_BATCHED_TOKENS
+            runs.append(run_hf_continuous(model, requests, budget))
+    return runs
+
+
+def _status(message: str) -> None:
+    print(f"[bench throughput] {message}", file=sys.stderr, flush=True)
+
+
+def _set_threads(threads: int | None) -> int:
+    """Give this process and the engine processes it starts the same torch thread count."""
+    import torch
+
+    if threads is None:
+        threads = torch.get_num_threads()
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _ratios(runs: list[EngineRun]) -> dict[str, float]:
+    weir = next((r for r in runs if r.engine == "weir"), None)
+    if weir is None:
+        return {}
+    return {
+        f"weir/{r.engine}": weir.output_tokens_per_s / r.output_tokens_per_s for r in runs if r.engine != "weir"
+    }
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from weir.shared.model_store import resolve_model
+
+    try:
+        baselines = _baselines(args.baseline)
+    except argparse.ArgumentTypeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.no_weir and not baselines:
+        print("error: --no-weir needs at least one --baseline", file=sys.stderr)
+        return 2
+    threads = _set_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    requests = workload_from_args(args, load_tokenizer(model_dir))
+    workload = describe_workload(requests, args)
+    _status(workload)
+
+    runs: list[EngineRun] = []
+    if not args.no_weir:
+        _status(f"running weir on {len(requests)} requests")
+        runs.append(run_weir(requests, model_dir, args.dtype, _engine_options(args)))
+    if baselines:
+        runs += _run_baselines(baselines, requests, model_dir, args)
+
+    machine = machine_info(threads)
+    command = command_line("weir bench throughput", args)
+    notes = [
+        f"Model {model_dir.name}, {args.dtype}; every engine gets the same token ids and output lengths, "
+        "greedy, EOS ignored.",
+        f"torch threads: {threads} in each process (OMP_NUM_THREADS and torch.set_num_threads).",
+        "Wall time covers generation only: model load and one 2-token warmup request are excluded.",
+        "Output tok/s counts each request's own output_len. hf-static decodes every batch to its longest "
+        "output_len (batches of --hf-batch-size in request order, left padded); the extra tokens are not counted.",
+    ]
+    table = throughput_markdown(runs, machine, command, workload, notes)
+    print(table)
+    if args.markdown is not None:
+        append_markdown(args.markdown, table)
+    if args.output_json is not None:
+        write_json(
+            args.output_json,
+            {
+                "command": command,
+                "machine": machine,
+                "model": str(model_dir),
+                "dtype": args.dtype,
+                "workload": workload,
+                "num_requests": len(requests),
+                "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                "output_tokens": sum(r.output_len for r in requests),
+                "engines": [r.to_dict() for r in runs],
+                "ratios_output_tokens_per_s": _ratios(runs),
+                "notes": notes,
+            },
+        )
+    return 0
