@@ -1,0 +1,127 @@
+"""Per-request sampling parameters, validated on construction.
+
+``SamplingParams`` travels on the wire as a plain dict (``to_dict``/``from_dict``);
+``from_dict`` checks every type, so a bad client request becomes a ``ValueError``
+naming the field instead of a crash in the executor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+# OpenAI's API caps top_logprobs at 20; the executor sizes its top-k gather by this.
+MAX_LOGPROBS = 20
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if type(value) is not int:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """How to sample one request's tokens and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) disables top-k;
+    ``top_p == 1`` and ``min_p == 0`` disable those filters. ``stop`` holds text stop
+    strings (matched by the detokenizer, not the scheduler); ``stop_token_ids`` and
+    EOS (unless ``ignore_eos``) are matched by the scheduler. No stop applies before
+    ``min_tokens`` outputs. ``logprobs=n`` returns the sampled token's logprob and the
+    top-n alternatives per output token (``None`` = no logprobs).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # frozen: normalised values are written with object.__setattr__.
+        put = object.__setattr__
+        _int("max_tokens", self.max_tokens, 1)
+        temperature = _float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        put(self, "temperature", temperature)
+        top_p = _float("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        put(self, "top_p", top_p)
+        if self.top_k == -1:
+            put(self, "top_k", 0)
+        _int("top_k", self.top_k, 0)
+        min_p = _float("min_p", self.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        put(self, "min_p", min_p)
+        if self.seed is not None:
+            _int("seed", self.seed, -(2**63))
+            if self.seed >= 2**64:
+                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(type(s) is str and s for s in stop):
+            raise ValueError("stop must be a string or a sequence of non-empty strings")
+        put(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a sequence of ints, got {type(ids).__name__}")
+        for token_id in ids:
+            _int("stop_token_ids", token_id, 0)
+        put(self, "stop_token_ids", tuple(ids))
+        if type(self.ignore_eos) is not bool:
+            raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        _int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens, got {self.min_tokens} > "
+                             f"{self.max_tokens}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain msgpack/JSON-friendly dict (tuples become lists)."""
+        return {
+            "max_tokens": self.max_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "seed": self.seed, "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens, "logprobs": self.logprobs,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SamplingParams:
+        """Build from a dict; missing keys take defaults, unknown keys or wrong types
+        raise ``ValueError`` naming the field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"sampling params must be a dict, got {type(data).__name__}")
+        unknown = [k for k in data if k not in _FIELD_NAMES]
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {sorted(map(str, unknown))}")
+        return cls(**data)
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

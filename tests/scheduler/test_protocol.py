@@ -1,0 +1,170 @@
+"""Wire messages: round trips, and a clear ProtocolError for every malformed input."""
+
+import msgpack
+import pytest
+
+from weir.shared.protocol import (
+    PROTOCOL_VERSION, CachedRequest, CachedRequests, NewRequest, ProtocolError, RequestOutput,
+    SampleLogprobs, StepPlan, StepResult, decode_request_outputs, decode_step_plan,
+    decode_step_result, encode_request_outputs, encode_step_plan, encode_step_result)
+from weir.shared.sampling import SamplingParams
+
+
+def _plan() -> StepPlan:
+    new = [NewRequest("n1", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, stop=("x",)),
+                      [3, 4], 4),
+           NewRequest("n2", [1], SamplingParams(seed=7, logprobs=2), [9], 0)]
+    cached = [CachedRequest("c1", [], 40),
+              CachedRequest("c2", [11], 17),
+              CachedRequest("c3", [12, 13, 14], 16, resumed=True, output_token_ids=[2, 3])]
+    return StepPlan(num_scheduled_tokens={"c1": 3, "c2": 1, "c3": 20, "n1": 1, "n2": 1},
+                    total_num_scheduled_tokens=26,
+                    scheduled_spec_decode_tokens={"c1": [100, 101]},
+                    new_requests=new, cached_requests=cached,
+                    preempted_req_ids=["p1"], finished_req_ids=["f1", "f2"], step_id=12)
+
+
+def test_step_plan_round_trip():
+    plan = _plan()
+    back = decode_step_plan(encode_step_plan(plan))
+    assert back == plan
+    assert [c.request_id for c in back.cached_requests] == ["c1", "c2", "c3"]
+    c3 = back.cached_requests[2]
+    assert (c3.new_block_ids, c3.num_computed_tokens, c3.resumed, c3.output_token_ids) == \
+        ([12, 13, 14], 16, True, [2, 3])
+    c1 = back.cached_requests[0]
+    assert (c1.new_block_ids, c1.resumed, c1.output_token_ids) == ([], False, None)
+    assert back.new_requests[0].sampling_params == SamplingParams(temperature=0.0, stop=("x",))
+
+
+def test_cached_requests_columns_match_records():
+    plan = _plan()
+    cached = plan.cached_requests
+    assert isinstance(cached, CachedRequests)
+    assert cached.req_ids == ["c1", "c2", "c3"]
+    assert cached.num_computed_tokens == [40, 17, 16]
+    assert cached.new_block_ids == {"c2": [11], "c3": [12, 13, 14]}
+    assert cached.resumed_output_token_ids == {"c3": [2, 3]}
+    assert len(cached) == 3 and list(cached) == [cached[0], cached[1], cached[2]]
+
+
+def test_empty_messages_round_trip():
+    assert decode_step_plan(encode_step_plan(StepPlan())) == StepPlan()
+    assert decode_step_result(encode_step_result(StepResult())) == StepResult()
+    assert decode_request_outputs(encode_request_outputs([])) == []
+
+
+def test_step_result_round_trip_with_variable_lengths_and_logprobs():
+    result = StepResult(
+        sampled_token_ids={"a": [1], "b": [2, 3, 4], "c": [], "": [0]},
+        logprobs={"b": SampleLogprobs([[2, 2, 9], [3, 1, 3], [4, 4, 0]],
+                                      [[-0.5, -0.5, -1.5], [-2.0, -0.1, -2.0],
+                                       [-0.25, -0.25, float("-inf")]])},
+        step_id=3)
+    assert decode_step_result(encode_step_result(result)) == result
+    single = StepResult({"x": [7], "y": [8]})
+    assert decode_step_result(encode_step_result(single)) == single
+
+
+def test_request_outputs_round_trip():
+    outs = [RequestOutput("a", [1, 2], False, None, 16),
+            RequestOutput("b", [], True, "abort", 0),
+            RequestOutput("c", [5], True, "stop", 0, SampleLogprobs([[5, 6]], [[-0.1, -2.3]]))]
+    assert decode_request_outputs(encode_request_outputs(outs)) == outs
+
+
+def _raw(message: list) -> bytes:
+    return msgpack.packb(message)
+
+
+@pytest.mark.parametrize("data, fragment", [
+    (b"\xc1", "not valid msgpack"),
+    (_raw({"v": 1}), "[type, version"),
+    (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
+    (_raw(["StepPlan", 99]), "version 99"),
+    (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 11 fields"),
+])
+def test_step_plan_rejects_bad_envelopes(data, fragment):
+    with pytest.raises(ProtocolError, match=fragment.replace("[", r"\[")):
+        decode_step_plan(data)
+
+
+def _plan_fields() -> list:
+    return msgpack.unpackb(encode_step_plan(_plan()))
+
+
+@pytest.mark.parametrize("index, value, fragment", [
+    (2, -1, "step_id"),
+    (3, 27, "total_num_scheduled_tokens"),
+    (4, 5, "cached_requests.req_ids"),
+    (5, b"\x00" * 3, "num_scheduled_tokens"),
+    (6, [1, 2, 3], "cached_requests.num_computed_tokens"),
+    (7, {"c2": ["x"]}, "new_block_ids"),
+    (7, {"zz": [1]}, "not scheduled"),
+    (8, {"c3": [-1]}, "resumed_output_token_ids"),
+    (10, {"c1": [1.5]}, "scheduled_spec_decode_tokens"),
+    (12, ["f1", 2], r"finished_req_ids\[1\]"),
+])
+def test_step_plan_rejects_wrong_types(index, value, fragment):
+    fields = _plan_fields()
+    fields[index] = value
+    with pytest.raises(ProtocolError, match=fragment):
+        decode_step_plan(_raw(fields))
+
+
+def test_step_plan_rejects_bad_sampling_params_and_new_request_columns():
+    fields = _plan_fields()
+    fields[9][2][0]["temperature"] = "hot"
+    with pytest.raises(ProtocolError, match="n1.*temperature"):
+        decode_step_plan(_raw(fields))
+    fields = _plan_fields()
+    fields[9][1].pop()
+    with pytest.raises(ProtocolError, match="different lengths"):
+        decode_step_plan(_raw(fields))
+    fields = _plan_fields()
+    fields[9][1][1] = [1, "2"]
+    with pytest.raises(ProtocolError, match=r"prompt_token_ids\[1\]"):
+        decode_step_plan(_raw(fields))
+
+
+def test_encoder_rejects_inconsistent_plan():
+    plan = _plan()
+    del plan.num_scheduled_tokens["n2"]
+    with pytest.raises(ProtocolError, match="num_scheduled_tokens"):
+        encode_step_plan(plan)
+    plan = _plan()
+    plan.cached_requests.req_ids[0] = "c\x001"
+    plan.num_scheduled_tokens["c\x001"] = plan.num_scheduled_tokens.pop("c1")
+    with pytest.raises(ProtocolError, match="NUL"):
+        encode_step_plan(plan)
+
+
+def test_step_result_rejects_wrong_types():
+    good = msgpack.unpackb(encode_step_result(StepResult({"a": [1, 2], "b": [3]})))
+    for index, value, fragment in [
+        (3, 7, "expected a string"),
+        (4, [b"\x01\x00\x00\x00", None], "int32"),
+        (4, [b"\x01\x00\x00\x00" * 3, b"\x02\x00\x00\x00\xff\xff\xff\xff"], "below"),
+        (5, {"a": [[[1]], [[1]]]}, r"logprobs\['a'\].logprobs\[0\]"),
+        (5, {"a": [[[1, 2]], [[-0.5]]]}, "row 0"),
+    ]:
+        fields = list(good)
+        fields[index] = value
+        with pytest.raises(ProtocolError, match=fragment):
+            decode_step_result(_raw(fields))
+
+
+def test_request_outputs_reject_inconsistent_finish():
+    fields = msgpack.unpackb(encode_request_outputs([RequestOutput("a", [1], True, "stop")]))
+    fields[5] = ["eos"]
+    with pytest.raises(ProtocolError, match="finish_reason 'eos'"):
+        decode_request_outputs(_raw(fields))
+    fields[4] = [1]
+    with pytest.raises(ProtocolError, match=r"finished\[0\]"):
+        decode_request_outputs(_raw(fields))
+
+
+def test_protocol_error_is_value_error():
+    assert issubclass(ProtocolError, ValueError)
+    with pytest.raises(ValueError):
+        decode_step_result("not bytes")  # type: ignore[arg-type]
