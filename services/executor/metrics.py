@@ -1,0 +1,55 @@
+"""Prometheus metrics of one executor rank, on its own registry and HTTP endpoint."""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+
+_STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ExecutorMetrics:
+    """``weir:executor_*`` series, labelled with the model name and the rank."""
+
+    def __init__(self, model_name: str, rank: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name, "rank": str(rank)}
+        names = list(labels)
+
+        def labelled(metric):
+            return metric.labels(**labels)
+
+        self.step_seconds = labelled(Histogram(
+            "weir:executor_step_seconds", "Wall time of one step (decode plan to result ready)",
+            names, registry=self.registry, buckets=_STEP_SECONDS_BUCKETS))
+        self.batch_tokens = labelled(Histogram(
+            "weir:executor_batch_tokens", "Tokens computed in one step",
+            names, registry=self.registry, buckets=_TOKEN_BUCKETS))
+        self.num_kv_blocks = labelled(Gauge(
+            "weir:executor_num_kv_blocks", "KV cache blocks allocated on this rank",
+            names, registry=self.registry))
+        self.device_memory_bytes = labelled(Gauge(
+            "weir:executor_device_memory_bytes",
+            "Device memory in use: allocated CUDA memory on GPU, resident set size on CPU",
+            names, registry=self.registry))
+
+    def serve(self, host: str, port: int) -> str:
+        """Start the /metrics endpoint; returns its URL (``port`` 0 picks a free one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return f"http://{host}:{server.server_port}/metrics"
+
+    def observe_step(self, seconds: float, num_tokens: int, device: str) -> None:
+        self.step_seconds.observe(seconds)
+        self.batch_tokens.observe(num_tokens)
+        self.device_memory_bytes.set(device_memory_in_use(device))
+
+
+def device_memory_in_use(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.memory_allocated(device))
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

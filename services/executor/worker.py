@@ -1,0 +1,218 @@
+"""The executor process: load the model, handshake with the scheduler, run every step it sends.
+
+Loop: receive a plan -> decode -> ``ModelRunner.execute`` -> (rank 0) send the
+encoded result. A step that raises is answered with ``step_error`` so the
+scheduler fails the affected requests with the message; the process keeps
+serving. A heartbeat thread proves liveness (see ``link``). The process exits
+when told to (SIGTERM), when its supervisor dies, or when the scheduler it
+handshook with is replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import zmq
+
+from weir.services.executor import link
+from weir.services.executor.metrics import ExecutorMetrics
+from weir.services.launcher import StatusReporter, parent_gone
+from weir.shared.protocol import decode_step_plan, encode_step_result
+
+if TYPE_CHECKING:
+    from weir.services.executor.model_runner import ModelRunner
+
+_log = logging.getLogger(__name__)
+
+_POLL_MS = 1000
+_HELLO_RETRY_MS = 2000
+
+
+@dataclass(slots=True)
+class ExecutorOptions:
+    scheduler: str
+    rank: int = 0
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float | None = None
+    block_size: int = 16
+    attention_backend: str | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    threads: int = 1
+    seed: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no metrics endpoint
+
+
+class _Heartbeat(threading.Thread):
+    """Sends heartbeats on its own socket; sets ``reset`` when the scheduler does not know us."""
+
+    def __init__(self, ctx: zmq.Context, address: str, session: str, rank: int) -> None:
+        super().__init__(name="weir-heartbeat", daemon=True)
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._beat = link.pack({"session": session, "rank": rank})
+        self.stop_event = threading.Event()
+        self.reset = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set():
+                self._sock.send_multipart([link.HEARTBEAT, self._beat])
+                if self._sock.poll(int(link.HEARTBEAT_INTERVAL_S * 1000)):
+                    kind, *_ = self._sock.recv_multipart()
+                    if kind == link.RESET:
+                        self.reset.set()
+                        return
+        finally:
+            self._sock.close()
+
+
+class ExecutorWorker:
+    def __init__(self, options: ExecutorOptions, status: StatusReporter,
+                 parent_pid: int | None = None) -> None:
+        self.options = options
+        self.status = status
+        self.parent_pid = parent_pid
+        self.session = uuid.uuid4().hex
+
+    def run(self) -> int:
+        """Load, handshake and serve until stopped; returns the process exit code."""
+        opts = self.options
+        try:
+            runner = self._load_runner()
+        except Exception as exc:
+            _log.exception("executor %d failed to load the model", opts.rank)
+            self.status.error(f"{type(exc).__name__}: {exc}")
+            return 1
+        info = runner.handshake_info()
+        metrics = ExecutorMetrics(info["model"], opts.rank)
+        metrics.num_kv_blocks.set(runner.num_blocks)
+        metrics_address = (metrics.serve(opts.metrics_host, opts.metrics_port)
+                           if opts.metrics_port is not None else None)
+        hello = link.ExecutorHello(
+            session=self.session, rank=opts.rank, num_blocks=runner.num_blocks,
+            block_size=runner.block_size, max_num_batched_tokens=runner.max_num_batched_tokens,
+            max_num_seqs=runner.max_num_seqs, model_name=info["model"],
+            vocab_size=info["vocab_size"], pid=os.getpid(), metrics_address=metrics_address,
+            info=info)
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(opts.scheduler)
+        heartbeat: _Heartbeat | None = None
+        try:
+            rejection = self._handshake(sock, hello)
+            if rejection is not None:
+                self.status.error(rejection)
+                _log.error("scheduler rejected executor %d: %s", opts.rank, rejection)
+                return 1
+            heartbeat = _Heartbeat(ctx, opts.scheduler, self.session, opts.rank)
+            heartbeat.start()
+            self.status.ready(rank=opts.rank, num_blocks=runner.num_blocks,
+                              metrics_address=metrics_address)
+            _log.info("executor %d ready: %d KV blocks, scheduler %s", opts.rank,
+                      runner.num_blocks, opts.scheduler)
+            return self._serve(sock, runner, metrics, heartbeat)
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop_event.set()
+                heartbeat.join(timeout=2)
+            sock.close()
+            ctx.term()
+
+    def _load_runner(self) -> ModelRunner:
+        # torch is imported here, not at module level: `weir --help` stays fast.
+        from weir.services.executor.model_runner import ModelRunner
+        from weir.shared.model_store import resolve_model
+
+        opts = self.options
+        kwargs = {"gpu_memory_utilization": opts.gpu_memory_utilization} \
+            if opts.gpu_memory_utilization is not None else {}
+        device = opts.device or _default_device()
+        return ModelRunner(
+            resolve_model(opts.model), device=device, dtype=opts.dtype,
+            kv_cache_memory_bytes=opts.kv_cache_memory, block_size=opts.block_size,
+            attention_backend=opts.attention_backend,
+            max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
+            max_model_len=opts.max_model_len, num_threads=opts.threads, seed=opts.seed, **kwargs)
+
+    def _handshake(self, sock: zmq.Socket, hello: link.ExecutorHello) -> str | None:
+        """Send hello until the scheduler answers; None when welcomed, else the rejection."""
+        payload = link.pack(hello)
+        while True:
+            sock.send_multipart([link.HELLO, payload])
+            if sock.poll(_HELLO_RETRY_MS):
+                kind, body = sock.recv_multipart()
+                if kind == link.WELCOME:
+                    return None
+                if kind == link.REJECT:
+                    return str(link.unpack_map(body).get("message", "rejected"))
+                _log.warning("ignoring %r frame before the handshake", kind)
+            if parent_gone(self.parent_pid):
+                return "supervisor exited before the handshake"
+
+    def _serve(self, sock: zmq.Socket, runner: ModelRunner, metrics: ExecutorMetrics,
+               heartbeat: _Heartbeat) -> int:
+        rank, device = self.options.rank, str(runner.device)
+        while True:
+            if not sock.poll(_POLL_MS):
+                if heartbeat.reset.is_set():
+                    _log.error("executor %d: the scheduler restarted; exiting to restart clean", rank)
+                    return 3
+                if parent_gone(self.parent_pid):
+                    return 0
+                continue
+            kind, payload = sock.recv_multipart()
+            if kind != link.PLAN:
+                _log.warning("executor %d ignoring unexpected %r frame", rank, kind)
+                continue
+            step_id = -1
+            try:
+                start = time.perf_counter()
+                plan = decode_step_plan(payload)
+                step_id = plan.step_id
+                result = runner.execute(plan)
+                encoded = encode_step_result(result) if rank == 0 else None
+                metrics.observe_step(time.perf_counter() - start, plan.total_num_scheduled_tokens,
+                                     device)
+            except Exception as exc:  # a bad plan or a failed forward pass: report, keep serving
+                _log.exception("executor %d: step %d failed", rank, step_id)
+                sock.send_multipart([link.STEP_ERROR, link.pack(
+                    link.StepFailure(step_id, rank, f"{type(exc).__name__}: {exc}"))])
+                continue
+            if encoded is not None:
+                sock.send_multipart([link.RESULT, encoded])
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_executor(options: ExecutorOptions, status_fd: int | None = None,
+                 parent_pid: int | None = None) -> int:
+    """``weir executor``: serve until SIGTERM/SIGINT; returns the exit code."""
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    status = StatusReporter(status_fd)
+    try:
+        return ExecutorWorker(options, status, parent_pid).run()
+    except KeyboardInterrupt:
+        return 0

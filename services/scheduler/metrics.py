@@ -1,0 +1,72 @@
+"""Prometheus metrics of the scheduler process, on its own registry and HTTP endpoint.
+
+Names follow vLLM's (``weir:`` instead of ``vllm:``) so its dashboards translate;
+every series carries ``model_name``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class SchedulerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._model_name = model_name
+        reg, names = self.registry, ["model_name"]
+
+        def one(metric):
+            return metric.labels(model_name=model_name)
+
+        self.num_requests_running = one(Gauge(
+            "weir:num_requests_running", "Requests in the running batch", names, registry=reg))
+        self.num_requests_waiting = one(Gauge(
+            "weir:num_requests_waiting", "Requests waiting to be scheduled", names, registry=reg))
+        self.kv_cache_usage_perc = one(Gauge(
+            "weir:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)", names,
+            registry=reg))
+        self.num_preemptions = one(Counter(
+            "weir:num_preemptions", "Preemptions (recompute)", names, registry=reg))
+        self.prompt_tokens = one(Counter(
+            "weir:prompt_tokens", "Prompt tokens of admitted requests", names, registry=reg))
+        self.generation_tokens = one(Counter(
+            "weir:generation_tokens", "Generated tokens", names, registry=reg))
+        self.prefix_cache_queries = one(Counter(
+            "weir:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", names,
+            registry=reg))
+        self.prefix_cache_hits = one(Counter(
+            "weir:prefix_cache_hits", "Prompt tokens found in the prefix cache", names,
+            registry=reg))
+        self._request_success = Counter(
+            "weir:request_success", "Finished requests by finish reason",
+            ["model_name", "finished_reason"], registry=reg)
+        self.time_to_first_token = one(Histogram(
+            "weir:time_to_first_token_seconds", "Arrival to first output token", names,
+            registry=reg, buckets=_LATENCY_BUCKETS))
+        self.inter_token_latency = one(Histogram(
+            "weir:inter_token_latency_seconds", "Time between consecutive output tokens", names,
+            registry=reg, buckets=_LATENCY_BUCKETS))
+        self.e2e_request_latency = one(Histogram(
+            "weir:e2e_request_latency_seconds", "Arrival to finish", names, registry=reg,
+            buckets=_REQUEST_BUCKETS))
+        self.request_queue_time = one(Histogram(
+            "weir:request_queue_time_seconds", "Arrival to first scheduled", names, registry=reg,
+            buckets=_REQUEST_BUCKETS))
+        self.iteration_tokens = one(Histogram(
+            "weir:iteration_tokens", "Tokens scheduled in one step", names, registry=reg,
+            buckets=_TOKEN_BUCKETS))
+
+    def request_success(self, finished_reason: str) -> None:
+        self._request_success.labels(model_name=self._model_name,
+                                     finished_reason=finished_reason).inc()
+
+    def serve(self, host: str, port: int) -> str:
+        """Start the /metrics endpoint; returns its URL (``port`` 0 picks a free one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return f"http://{host}:{server.server_port}/metrics"

@@ -1,0 +1,292 @@
+"""Client SDK for a running Weir scheduler (ZeroMQ DEALER, msgpack messages).
+
+    async with AsyncWeirClient("tcp://127.0.0.1:8100") as client:
+        async for out in client.generate("Hello", SamplingParams(max_tokens=8)):
+            print(out.text, end="")
+
+``WeirClient`` offers the same methods synchronously. Leaving a stream early
+(``break``, ``aclose()``, task cancellation, closing the client) aborts the
+request on the server, which frees its KV blocks. Errors are typed:
+``InvalidRequestError`` carries the server's message, ``EngineError`` reports an
+executor failure, ``ServerUnavailableError`` replaces what would otherwise be a
+hang when the server does not answer within ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from weir.shared.client_protocol import (
+    ENGINE_ERROR,
+    SERVER_UNAVAILABLE,
+    AbortRequest,
+    ClientMessage,
+    ClientProtocolError,
+    ErrorReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    ModelInfoReply,
+    ModelInfoRequest,
+    Prompt,
+    StreamOutput,
+    decode_server_message,
+    encode_client_message,
+)
+from weir.shared.sampling import SamplingParams
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:8100"
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WeirError(Exception):
+    """Base of every error the SDK raises."""
+
+
+class InvalidRequestError(WeirError):
+    """The server rejected a request; ``code`` and the message come from the server."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EngineError(WeirError):
+    """The server accepted the request but could not finish it (e.g. an executor died)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ServerUnavailableError(WeirError):
+    """No reply from the server within the client's timeout."""
+
+
+def _error_from_reply(reply: ErrorReply) -> WeirError:
+    if reply.code in (ENGINE_ERROR, SERVER_UNAVAILABLE):
+        return EngineError(reply.message, reply.code)
+    return InvalidRequestError(reply.message, reply.code)
+
+
+class AsyncWeirClient:
+    """asyncio client; create and use it inside one running event loop."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = 30.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        # Synchronous view of the same socket: aborts are sent from generator
+        # finalizers, where awaiting is not always possible.
+        self._sync_sock = zmq.Socket.shadow(self._sock.underlying)
+        self._streams: dict[str, asyncio.Queue[StreamOutput | WeirError]] = {}
+        self._replies: dict[str, asyncio.Future[Any]] = {}
+        self._receiver: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncWeirClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                       *, request_id: str | None = None) -> AsyncIterator[StreamOutput]:
+        """Stream one request's outputs; the request is sent on the first iteration."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already streaming",
+                                      "duplicate_request_id")
+        queue: asyncio.Queue[StreamOutput | WeirError] = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            self._send(GenerateRequest(request_id, prompt, sampling_params or SamplingParams()))
+            while True:
+                item = await self._next_item(queue)
+                if isinstance(item, WeirError):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            del self._streams[request_id]
+            if not finished and not self._closed:
+                self._send(AbortRequest(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(AbortRequest(request_id))
+
+    async def health(self) -> dict[str, Any]:
+        """Server status (``status``, running/waiting counts, KV usage); raises on timeout."""
+        reply = await self._request(HealthRequest(uuid.uuid4().hex))
+        return reply.info
+
+    async def model_info(self) -> dict[str, Any]:
+        reply = await self._request(ModelInfoRequest(uuid.uuid4().hex))
+        return reply.info
+
+    async def close(self) -> None:
+        """Abort every open stream and close the socket."""
+        if self._closed:
+            return
+        for request_id in list(self._streams):
+            self._send(AbortRequest(request_id))
+        self._closed = True
+        if self._receiver is not None:
+            self._receiver.cancel()
+            try:
+                await self._receiver
+            except asyncio.CancelledError:
+                pass
+        # LINGER 0 would drop the aborts just queued; give them a moment to leave.
+        self._sock.close(linger=200)
+        self._ctx.term()
+
+    # ------------------------------------------------------------ internals
+
+    def _send(self, msg: ClientMessage) -> None:
+        if self._closed:
+            raise WeirError("client is closed")
+        if self._receiver is None:
+            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+        try:
+            self._sync_sock.send(encode_client_message(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise ServerUnavailableError(f"send queue to {self.address} is full") from None
+
+    async def _request(self, msg: HealthRequest | ModelInfoRequest) -> Any:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._replies[msg.request_id] = future
+        try:
+            self._send(msg)
+            reply = await asyncio.wait_for(future, self.timeout)
+        except TimeoutError:
+            raise ServerUnavailableError(
+                f"no reply from {self.address} within {self.timeout:g}s") from None
+        finally:
+            self._replies.pop(msg.request_id, None)
+        if isinstance(reply, ErrorReply):
+            raise _error_from_reply(reply)
+        return reply
+
+    async def _next_item(self, queue: asyncio.Queue[StreamOutput | WeirError]) -> StreamOutput | WeirError:
+        # A long queue on the server is not a failure: when a stream is quiet for
+        # `timeout`, ask whether the server is alive before waiting again.
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), self.timeout)
+            except TimeoutError:
+                await self.health()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                msg = decode_server_message(frame)
+            except ClientProtocolError as exc:
+                _log.warning("dropping a server message: %s", exc)
+                continue
+            if isinstance(msg, list):
+                for out in msg:
+                    queue = self._streams.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                continue
+            future = self._replies.get(msg.request_id) if msg.request_id else None
+            if future is not None and not future.done():
+                future.set_result(msg)
+            elif isinstance(msg, ErrorReply):
+                queue = self._streams.get(msg.request_id) if msg.request_id else None
+                if queue is not None:
+                    queue.put_nowait(_error_from_reply(msg))
+
+
+class EventLoopThread:
+    """An asyncio loop on a daemon thread, for synchronous callers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="weir-client-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait; an interrupt (Ctrl-C) cancels it there."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            if future.cancel():
+                try:
+                    future.result(timeout=5)
+                except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+                    pass
+            raise
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        self.loop.close()
+
+
+class WeirClient:
+    """Synchronous client with the same methods as ``AsyncWeirClient``."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = 30.0) -> None:
+        self._loop = EventLoopThread()
+        self._client = self._loop.run(_make_async_client(address, timeout))
+        self.address = address
+
+    def __enter__(self) -> WeirClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                 *, request_id: str | None = None) -> Iterator[StreamOutput]:
+        stream = self._client.generate(prompt, sampling_params, request_id=request_id)
+        try:
+            while True:
+                try:
+                    item = self._loop.run(anext(stream))
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            self._loop.run(stream.aclose())
+
+    def abort(self, request_id: str) -> None:
+        self._loop.run(self._client.abort(request_id))
+
+    def health(self) -> dict[str, Any]:
+        return self._loop.run(self._client.health())
+
+    def model_info(self) -> dict[str, Any]:
+        return self._loop.run(self._client.model_info())
+
+    def close(self) -> None:
+        if self._loop.loop.is_closed():
+            return
+        self._loop.run(self._client.close())
+        self._loop.stop()
+
+
+async def _make_async_client(address: str, timeout: float) -> AsyncWeirClient:
+    return AsyncWeirClient(address, timeout=timeout)

@@ -1,0 +1,258 @@
+"""Messages between clients (SDK, CLI, gateway) and the scheduler process.
+
+Every message is one ZeroMQ frame holding one msgpack map with a protocol
+version ``v`` and a ``type``. The client talks through a DEALER socket to the
+scheduler's ROUTER socket, so replies come back on the same connection.
+
+Client -> scheduler::
+
+    generate   {request_id, prompt, sampling_params}   prompt: str | list[int] | list[{role, content}]
+    abort      {request_id}
+    health     {request_id}
+    model_info {request_id}
+
+Scheduler -> client::
+
+    outputs    {items: [{request_id, new_token_ids, text, finished, finish_reason,
+                         prompt_tokens, completion_tokens, prompt_token_ids}]}
+    error      {request_id | None, message, code}
+    health     {request_id, info}
+    model_info {request_id, info}
+
+``outputs`` batches every output one step produced for one client; ``text`` is
+the delta since the previous output of that request and ``prompt_token_ids`` is
+sent once, with the request's first output. The scheduler validates every field
+of every incoming message; anything wrong becomes an ``error`` reply naming the
+problem (see ``ClientProtocolError``), never a dropped connection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from weir.shared.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_ID_LEN = 256
+
+# Error codes carried by ``error`` replies.
+MALFORMED_MESSAGE = "malformed_message"
+UNSUPPORTED_VERSION = "unsupported_version"
+UNKNOWN_MESSAGE_TYPE = "unknown_message_type"
+INVALID_REQUEST = "invalid_request"
+DUPLICATE_REQUEST_ID = "duplicate_request_id"
+ENGINE_ERROR = "engine_error"
+SERVER_UNAVAILABLE = "server_unavailable"
+
+Prompt = str | list[int] | list[dict[str, str]]
+
+
+class ClientProtocolError(ValueError):
+    """A client message the scheduler cannot accept; becomes an ``error`` reply."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt: Prompt
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(slots=True)
+class HealthRequest:
+    request_id: str
+
+
+@dataclass(slots=True)
+class ModelInfoRequest:
+    request_id: str
+
+
+ClientMessage = GenerateRequest | AbortRequest | HealthRequest | ModelInfoRequest
+
+
+@dataclass(slots=True)
+class StreamOutput:
+    """One streamed update of one request (what the SDK yields)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Sent with a request's first output only (the client may have sent text).
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class ErrorReply:
+    request_id: str | None
+    message: str
+    code: str
+
+
+@dataclass(slots=True)
+class HealthReply:
+    request_id: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ModelInfoReply:
+    request_id: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+ServerMessage = list[StreamOutput] | ErrorReply | HealthReply | ModelInfoReply
+
+
+def _pack(type_: str, body: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": type_, **body}, use_bin_type=True)
+
+
+def _unpack_map(frame: bytes) -> dict[str, Any]:
+    try:
+        data = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise ClientProtocolError(MALFORMED_MESSAGE, f"frame is not valid msgpack: {exc}") from None
+    if not isinstance(data, dict):
+        raise ClientProtocolError(MALFORMED_MESSAGE,
+                                  f"message must be a msgpack map, got {type(data).__name__}")
+    return data
+
+
+# ---------------------------------------------------------------- client -> scheduler
+
+def encode_client_message(msg: ClientMessage) -> bytes:
+    if isinstance(msg, GenerateRequest):
+        return _pack("generate", {"request_id": msg.request_id, "prompt": msg.prompt,
+                                  "sampling_params": msg.sampling_params.to_dict()})
+    type_ = {AbortRequest: "abort", HealthRequest: "health", ModelInfoRequest: "model_info"}[type(msg)]
+    return _pack(type_, {"request_id": msg.request_id})
+
+
+_CLIENT_FIELDS = {
+    "generate": {"request_id", "prompt", "sampling_params"},
+    "abort": {"request_id"},
+    "health": {"request_id"},
+    "model_info": {"request_id"},
+}
+
+
+def decode_client_message(frame: bytes) -> ClientMessage:
+    """Parse and validate one client frame; raises ``ClientProtocolError`` naming the problem."""
+    data = _unpack_map(frame)
+    raw_id = data.get("request_id")
+    request_id = raw_id if isinstance(raw_id, str) and raw_id else None
+    if data.get("v") != PROTOCOL_VERSION:
+        raise ClientProtocolError(UNSUPPORTED_VERSION,
+                                  f"protocol version must be {PROTOCOL_VERSION}, got {data.get('v')!r}",
+                                  request_id)
+    type_ = data.get("type")
+    if type_ not in _CLIENT_FIELDS:
+        raise ClientProtocolError(UNKNOWN_MESSAGE_TYPE,
+                                  f"unknown message type {type_!r}; expected one of "
+                                  f"{sorted(_CLIENT_FIELDS)}", request_id)
+    unknown = sorted(set(data) - _CLIENT_FIELDS[type_] - {"v", "type"}, key=str)
+    if unknown:
+        raise ClientProtocolError(INVALID_REQUEST, f"{type_}: unknown field(s) {unknown}", request_id)
+    if not isinstance(raw_id, str) or not raw_id:
+        raise ClientProtocolError(INVALID_REQUEST,
+                                  f"request_id must be a non-empty string, got {type(raw_id).__name__}")
+    if len(raw_id) > MAX_REQUEST_ID_LEN:
+        raise ClientProtocolError(INVALID_REQUEST,
+                                  f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+    if type_ == "abort":
+        return AbortRequest(raw_id)
+    if type_ == "health":
+        return HealthRequest(raw_id)
+    if type_ == "model_info":
+        return ModelInfoRequest(raw_id)
+    try:
+        prompt = validate_prompt(data.get("prompt"))
+        sampling_params = SamplingParams.from_dict(data.get("sampling_params", {}))
+    except (ValueError, TypeError) as exc:
+        raise ClientProtocolError(INVALID_REQUEST, str(exc), raw_id) from None
+    return GenerateRequest(raw_id, prompt, sampling_params)
+
+
+def validate_prompt(prompt: Any) -> Prompt:
+    """Check a prompt's shape (not its length or vocabulary: that needs the model)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt
+    if not isinstance(prompt, list):
+        raise ValueError("prompt must be a string, a list of token ids or a list of chat "
+                         f"messages, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if isinstance(prompt[0], dict):
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict):
+                raise ValueError(f"prompt[{i}]: chat messages must be maps, got {type(message).__name__}")
+            if set(message) != {"role", "content"}:
+                raise ValueError(f"prompt[{i}]: a chat message must have exactly the keys "
+                                 f"'role' and 'content', got {sorted(message, key=str)}")
+            if not isinstance(message["role"], str) or not isinstance(message["content"], str):
+                raise ValueError(f"prompt[{i}]: chat message role and content must be strings")
+        return prompt
+    for i, token_id in enumerate(prompt):
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            raise ValueError(f"prompt[{i}]: token ids must be integers, got {type(token_id).__name__}")
+    return prompt
+
+
+# ---------------------------------------------------------------- scheduler -> client
+
+def encode_outputs(outputs: list[StreamOutput]) -> bytes:
+    items = []
+    for o in outputs:
+        item = {"request_id": o.request_id, "new_token_ids": o.new_token_ids, "text": o.text,
+                "finished": o.finished, "finish_reason": o.finish_reason,
+                "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens}
+        if o.prompt_token_ids is not None:
+            item["prompt_token_ids"] = o.prompt_token_ids
+        items.append(item)
+    return _pack("outputs", {"items": items})
+
+
+def encode_server_message(msg: ErrorReply | HealthReply | ModelInfoReply) -> bytes:
+    if isinstance(msg, ErrorReply):
+        return _pack("error", {"request_id": msg.request_id, "message": msg.message, "code": msg.code})
+    type_ = "health" if isinstance(msg, HealthReply) else "model_info"
+    return _pack(type_, {"request_id": msg.request_id, "info": msg.info})
+
+
+def decode_server_message(frame: bytes) -> ServerMessage:
+    """Parse a scheduler frame (trusted peer: shape errors raise ``ClientProtocolError``)."""
+    data = _unpack_map(frame)
+    try:
+        type_ = data["type"]
+        if type_ == "outputs":
+            return [StreamOutput(**item) for item in data["items"]]
+        if type_ == "error":
+            return ErrorReply(data["request_id"], data["message"], data["code"])
+        if type_ == "health":
+            return HealthReply(data["request_id"], data["info"])
+        if type_ == "model_info":
+            return ModelInfoReply(data["request_id"], data["info"])
+    except (KeyError, TypeError) as exc:
+        raise ClientProtocolError(MALFORMED_MESSAGE, f"bad server message: {exc!r}") from None
+    raise ClientProtocolError(UNKNOWN_MESSAGE_TYPE, f"unknown server message type {type_!r}")
