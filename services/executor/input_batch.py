@@ -1,0 +1,225 @@
+"""The executor's persistent batch: per-request state kept across steps, updated from plan diffs.
+
+Each request the executor holds owns a slot, a row in preallocated NumPy arrays (token ids,
+block table, counts, sampling parameters). A step's flat inputs are gathered from those rows
+with a handful of vectorized NumPy operations, so building a batch costs the same few
+operations whether it holds 1 request or 256.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from weir.shared.protocol import NewRequest, StepPlan
+from weir.shared.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Host-side flat inputs of one step (all NumPy), in the plan's request order."""
+
+    req_ids: list[str]
+    slots: np.ndarray  # [R] slot of each scheduled request
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [R + 1] int32
+    seq_lens: np.ndarray  # [R] int32
+    block_table: np.ndarray  # [R, max_blocks] int32
+    slot_mapping: np.ndarray  # [T] int64
+    num_spec: np.ndarray  # [R] draft tokens scheduled per request
+    num_logits: np.ndarray  # [R] logits rows per request: 1 + drafts if its prefill completes, else 0
+    logits_indices: np.ndarray  # [N] rows of the flat batch to compute logits at
+    max_query_len: int
+    max_seq_len: int
+
+
+class InputBatch:
+    """Per-request state in slot-indexed arrays. Slots grow on demand; preempted requests keep theirs."""
+
+    def __init__(self, max_model_len: int, block_size: int, capacity: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.eos_token_ids = list(eos_token_ids)
+        self.slot_of: dict[str, int] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.prompts: dict[str, list[int]] = {}
+        self.capacity = 0
+        self._free: list[int] = []
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        if old == 0:
+            self.token_ids = np.zeros((capacity, self.max_model_len), dtype=np.int64)
+            self.block_table = np.zeros((capacity, self.max_blocks_per_req), dtype=np.int32)
+            self.num_blocks = np.zeros(capacity, dtype=np.int32)
+            self.num_tokens = np.zeros(capacity, dtype=np.int32)  # prompt + outputs the executor knows
+            self.num_prompt_tokens = np.zeros(capacity, dtype=np.int32)
+            self.num_computed_tokens = np.zeros(capacity, dtype=np.int32)
+            self.temperature = np.zeros(capacity, dtype=np.float32)
+            self.top_k = np.zeros(capacity, dtype=np.int64)
+            self.top_p = np.ones(capacity, dtype=np.float32)
+            self.min_p = np.zeros(capacity, dtype=np.float32)
+            self.seed = np.zeros(capacity, dtype=object)  # Python ints: seeds span 64 bits, signed or not
+            self.has_seed = np.zeros(capacity, dtype=bool)
+            self.num_logprobs = np.full(capacity, -1, dtype=np.int32)
+            self.min_tokens = np.zeros(capacity, dtype=np.int32)
+            self.stop_ids: dict[int, list[int]] = {}  # slot -> ids banned before min_tokens
+        else:
+            for name in (
+                "token_ids", "block_table", "num_blocks", "num_tokens", "num_prompt_tokens",
+                "num_computed_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "has_seed",
+                "num_logprobs", "min_tokens",
+            ):
+                arr = getattr(self, name)
+                grown = np.zeros((capacity, *arr.shape[1:]), dtype=arr.dtype)
+                grown[:old] = arr
+                setattr(self, name, grown)
+        self._free.extend(range(capacity - 1, old - 1, -1))
+        self.capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    # ------------------------------------------------------------------ plan diff
+
+    def apply_plan(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self._remove(req_id)
+        # Preempted requests keep their slot (prompt, parameters); they return as resumed.
+        for req in plan.new_requests:
+            self._add(req)
+        cached = plan.cached_requests
+        if not cached.req_ids:
+            return
+        slot_of = self.slot_of
+        missing = [r for r in cached.req_ids if r not in slot_of]
+        if missing:
+            raise ValueError(f"cached requests {missing[:5]} are not in the batch")
+        for req_id, outputs in cached.resumed_output_token_ids.items():
+            slot = slot_of[req_id]
+            self._set_tokens(slot, self.prompts[req_id], outputs)
+            self.num_blocks[slot] = 0  # a resumed request's new_block_ids is its whole table
+        for req_id, block_ids in cached.new_block_ids.items():
+            self._append_blocks(slot_of[req_id], block_ids)
+        slots = np.fromiter(map(slot_of.__getitem__, cached.req_ids), dtype=np.int64, count=len(cached.req_ids))
+        self.num_computed_tokens[slots] = cached.num_computed_tokens
+
+    def _remove(self, req_id: str) -> None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is None:
+            return
+        del self.params[req_id], self.prompts[req_id]
+        self.stop_ids.pop(slot, None)
+        self._free.append(slot)
+
+    def _add(self, req: NewRequest) -> None:
+        if req.request_id in self.slot_of:
+            raise ValueError(f"request {req.request_id!r} is already in the batch")
+        if not self._free:
+            self._grow(2 * self.capacity)
+        slot = self._free.pop()
+        self.slot_of[req.request_id] = slot
+        self.params[req.request_id] = sp = req.sampling_params
+        self.prompts[req.request_id] = req.prompt_token_ids
+        self._set_tokens(slot, req.prompt_token_ids, [])
+        self.num_prompt_tokens[slot] = len(req.prompt_token_ids)
+        self.num_blocks[slot] = 0
+        self._append_blocks(slot, req.block_ids)
+        self.num_computed_tokens[slot] = req.num_computed_tokens
+        self.temperature[slot] = sp.temperature
+        self.top_k[slot] = sp.top_k
+        self.top_p[slot] = sp.top_p
+        self.min_p[slot] = sp.min_p
+        self.has_seed[slot] = sp.seed is not None
+        self.seed[slot] = sp.seed or 0
+        self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
+        self.min_tokens[slot] = sp.min_tokens
+        if sp.min_tokens > 0:
+            self.stop_ids[slot] = list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.eos_token_ids)
+
+    def _set_tokens(self, slot: int, prompt: list[int], outputs: list[int]) -> None:
+        n = len(prompt) + len(outputs)
+        if n > self.max_model_len:
+            raise ValueError(f"{n} tokens exceed max_model_len {self.max_model_len}")
+        self.token_ids[slot, : len(prompt)] = prompt
+        self.token_ids[slot, len(prompt) : n] = outputs
+        self.num_tokens[slot] = n
+
+    def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[slot]
+        end = start + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise ValueError(f"block table of {end} blocks exceeds {self.max_blocks_per_req} (max_model_len)")
+        self.block_table[slot, start:end] = block_ids
+        self.num_blocks[slot] = end
+
+    # ------------------------------------------------------------------ step inputs
+
+    def prepare_inputs(self, plan: StepPlan) -> StepInputs:
+        req_ids = list(plan.num_scheduled_tokens)
+        slot_of = self.slot_of
+        slots = np.fromiter((slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        num_spec = np.zeros(len(req_ids), dtype=np.int64)
+        num_tokens = self.num_tokens[slots].astype(np.int64)
+        if plan.scheduled_spec_decode_tokens:
+            index = {r: i for i, r in enumerate(req_ids)}
+            for req_id, drafts in plan.scheduled_spec_decode_tokens.items():
+                i = index[req_id]
+                num_spec[i] = len(drafts)
+                start = num_tokens[i]
+                if start + len(drafts) > self.max_model_len:
+                    raise ValueError(f"request {req_id!r}: drafts run past max_model_len")
+                # Drafts sit after the known tokens; accepted ones are kept there, rejected ones overwritten.
+                self.token_ids[slots[i], start : start + len(drafts)] = drafts
+        computed = self.num_computed_tokens[slots].astype(np.int64)
+        # Tokens the step computes must be known: prompt/outputs up to num_tokens, then drafts.
+        real_end = computed + num_sched - num_spec
+        if (real_end > num_tokens).any() or (num_spec >= num_sched).any():
+            bad = req_ids[int(np.argmax((real_end > num_tokens) | (num_spec >= num_sched)))]
+            raise ValueError(f"request {bad!r}: plan schedules tokens the executor does not know")
+
+        total = int(num_sched.sum())
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        token_slot = np.repeat(slots, num_sched)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(computed - query_start_loc[:-1], num_sched)
+        input_ids = self.token_ids.reshape(-1)[token_slot * self.max_model_len + positions]
+        blocks = self.block_table.reshape(-1)[token_slot * self.max_blocks_per_req + positions // self.block_size]
+        slot_mapping = blocks.astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = (computed + num_sched).astype(np.int32)
+        max_seq_len = int(seq_lens.max(initial=0))
+        block_table = self.block_table[slots, : -(-max_seq_len // self.block_size)]
+
+        prefill_done = real_end >= num_tokens
+        num_logits = np.where(prefill_done, num_spec + 1, 0)
+        logits_start = np.cumsum(num_logits) - num_logits
+        logits_indices = (
+            np.arange(int(num_logits.sum()), dtype=np.int64)
+            + np.repeat(query_start_loc[1:] - num_logits - logits_start, num_logits)
+        )
+        return StepInputs(
+            req_ids=req_ids,
+            slots=slots,
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            num_spec=num_spec,
+            num_logits=num_logits,
+            logits_indices=logits_indices,
+            max_query_len=int(num_sched.max(initial=0)),
+            max_seq_len=max_seq_len,
+        )
+
+    def append_tokens(self, slot: int, token_ids: list[int]) -> None:
+        start = self.num_tokens[slot]
+        end = start + len(token_ids)
+        if end > self.max_model_len:
+            raise ValueError(f"output runs past max_model_len {self.max_model_len}")
+        self.token_ids[slot, start:end] = token_ids
+        self.num_tokens[slot] = end

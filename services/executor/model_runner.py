@@ -1,0 +1,265 @@
+"""Turns step plans into forward passes: weights, paged KV cache, persistent batch, sampler.
+
+`ModelRunner.execute(plan)` applies the plan's diff to the persistent batch, runs one forward
+pass over the flat mixed batch, samples where a request's prefill is complete, verifies
+speculative drafts, and returns the new tokens per request.
+"""
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from weir.services.executor.attention import AttentionMetadata, get_attention_backend
+from weir.services.executor.input_batch import InputBatch, StepInputs
+from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
+from weir.services.executor.weights import default_dtype, load_model
+from weir.shared.protocol import SampleLogprobs, StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+NUM_THREADS_ENV = "WEIR_NUM_THREADS"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+def set_cpu_threads(num_threads: int | None) -> int:
+    """One torch thread per process unless told otherwise: with several processes on few cores,
+    more threads per process make every process much slower."""
+    if num_threads is None:
+        num_threads = int(os.environ.get(NUM_THREADS_ENV, "1"))
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+def _eos_token_ids(model_dir: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    ids = list(config_eos)
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        for token_id in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+            if token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+
+
+class ModelRunner:
+    """One executor's model, KV cache and persistent batch."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        block_size: int = 16,
+        attention_backend: str | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        start = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            set_cpu_threads(num_threads)
+        self.dtype = parse_dtype(dtype, self.device)
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.attention = get_attention_backend(attention_backend, self.device)
+        self.model = load_model(self.model_dir, device=self.device, dtype=self.dtype, attention=self.attention)
+        self.config = self.model.config
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.eos_token_ids = _eos_token_ids(self.model_dir, self.config.eos_token_ids)
+        self.sampler = Sampler(self.device, seed)
+        self.num_blocks = self._num_kv_blocks(kv_cache_memory_bytes, gpu_memory_utilization)
+        if self.num_blocks < 1:
+            raise ValueError("no memory left for the KV cache; raise the KV cache budget")
+        self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, block_size)
+        self.batch = InputBatch(self.max_model_len, block_size, max_num_seqs, self.eos_token_ids)
+        self.load_seconds = time.perf_counter() - start
+        logger.info(
+            "loaded %s on %s (%s, %s attention) in %.2fs; %d KV blocks of %d tokens",
+            self.model_dir.name, self.device, self.dtype, self.attention.name,
+            self.load_seconds, self.num_blocks, block_size,
+        )
+
+    # ------------------------------------------------------------------ setup
+
+    def _num_kv_blocks(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> int:
+        per_block = self.config.kv_cache_bytes_per_block(self.block_size, self.dtype)
+        if kv_cache_memory_bytes is not None:
+            return kv_cache_memory_bytes // per_block
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES // per_block
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)  # weights + activation peak
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)  # CUDA context, other processes
+        budget = int(total * gpu_memory_utilization) - peak - max(non_torch, 0)
+        logger.info(
+            "KV cache budget %.2f GiB (total %.2f GiB x %.2f, torch peak %.2f GiB, other %.2f GiB)",
+            budget / 2**30, total / 2**30, gpu_memory_utilization, peak / 2**30, non_torch / 2**30,
+        )
+        return max(budget, 0) // per_block
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A forward pass and sampling at the largest step shape, to measure peak activation memory."""
+        num_tokens = self.max_num_batched_tokens
+        num_reqs = min(self.max_num_seqs, num_tokens)
+        lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        lens[: num_tokens % num_reqs] += 1
+        blocks_per_req = -(-int(lens.max()) // self.block_size)
+        kv_caches = self.model.allocate_kv_caches(num_reqs * blocks_per_req, self.block_size)
+        query_start_loc = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], lens)
+        req = np.repeat(np.arange(num_reqs), lens)
+        block_table = np.arange(num_reqs * blocks_per_req, dtype=np.int32).reshape(num_reqs, blocks_per_req)
+        meta = AttentionMetadata(
+            query_start_loc=self._to_device(query_start_loc),
+            seq_lens=self._to_device(lens.astype(np.int32)),
+            block_table=self._to_device(block_table),
+            slot_mapping=self._to_device(req * blocks_per_req * self.block_size + positions),
+            max_query_len=int(lens.max()),
+            max_seq_len=int(lens.max()),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, self._to_device(positions), meta, kv_caches)
+        logits = self.model.compute_logits(hidden[self._to_device(query_start_loc[1:] - 1)])
+        ones = np.ones(num_reqs, dtype=np.float32)
+        batch = SamplingBatch.build(
+            ones, np.full(num_reqs, 50), ones * 0.9, ones * 0.1, device=self.device, num_logprobs=20
+        )
+        self.sampler(logits, batch)
+        del kv_caches, hidden, logits
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+
+    def handshake_info(self) -> dict:
+        """What the scheduler needs to know about this executor (msgpack-friendly)."""
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "model": self.model_dir.name,
+            "vocab_size": self.config.vocab_size,
+            "max_model_len": self.max_model_len,
+            "eos_token_ids": list(self.eos_token_ids),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attention_backend": self.attention.name,
+        }
+
+    # ------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.batch.apply_plan(plan)
+        if not plan.num_scheduled_tokens:
+            return StepResult(step_id=plan.step_id)
+        if plan.total_num_scheduled_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"step of {plan.total_num_scheduled_tokens} tokens exceeds max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}"
+            )
+        inputs = self.batch.prepare_inputs(plan)
+        meta = AttentionMetadata(
+            query_start_loc=self._to_device(inputs.query_start_loc),
+            seq_lens=self._to_device(inputs.seq_lens),
+            block_table=self._to_device(inputs.block_table),
+            slot_mapping=self._to_device(inputs.slot_mapping),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+        )
+        hidden = self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions), meta, self.kv_caches)
+        if not len(inputs.logits_indices):
+            return StepResult(step_id=plan.step_id)
+        logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
+        sampled = self.sampler(logits, self._sampling_batch(inputs))
+        return self._collect(plan.step_id, inputs, sampled)
+
+    def _sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
+        b = self.batch
+        rows = np.repeat(inputs.slots, inputs.num_logits)
+        # Output index of the token each row samples: row j of a request samples output n + j.
+        first = np.repeat(b.num_tokens[inputs.slots] - b.num_prompt_tokens[inputs.slots], inputs.num_logits)
+        logits_start = np.cumsum(inputs.num_logits) - inputs.num_logits
+        output_pos = first + np.arange(len(rows)) - np.repeat(logits_start, inputs.num_logits)
+        seeded = np.flatnonzero(b.has_seed[rows])
+        seeds = [(int(i), b.seed[rows[i]], int(output_pos[i])) for i in seeded]
+        banned = [
+            (int(i), b.stop_ids[rows[i]])
+            for i in np.flatnonzero(output_pos < b.min_tokens[rows])
+            if b.stop_ids.get(rows[i])
+        ]
+        return SamplingBatch.build(
+            b.temperature[rows],
+            b.top_k[rows],
+            b.top_p[rows],
+            b.min_p[rows],
+            device=self.device,
+            seeds=seeds,
+            num_logprobs=int(b.num_logprobs[rows].max(initial=-1)),
+            banned=banned,
+        )
+
+    def _collect(self, step_id: int, inputs: StepInputs, sampled: SamplerOutput) -> StepResult:
+        tokens = sampled.token_ids.tolist()
+        lp = sampled.logprobs
+        if lp is not None:
+            lp_token = lp.token_logprobs.tolist()
+            lp_top_ids = lp.top_ids.tolist()
+            lp_top = lp.top_logprobs.tolist()
+        b = self.batch
+        result: dict[str, list[int]] = {}
+        logprobs: dict[str, SampleLogprobs] = {}
+        row = 0
+        for req_id, slot, num_logits, num_spec in zip(
+            inputs.req_ids, inputs.slots.tolist(), inputs.num_logits.tolist(), inputs.num_spec.tolist()
+        ):
+            if num_logits == 0:
+                continue
+            targets = tokens[row : row + num_logits]
+            accepted = 0
+            if num_spec:
+                start = int(b.num_tokens[slot])
+                drafts = b.token_ids[slot, start : start + num_spec].tolist()
+                # Keep drafts while each equals the token the target model samples at that position.
+                while accepted < num_spec and drafts[accepted] == targets[accepted]:
+                    accepted += 1
+            out = targets[: accepted + 1]
+            b.append_tokens(slot, out)
+            result[req_id] = out
+            n = int(b.num_logprobs[slot])
+            if n >= 0:
+                rows = range(row, row + len(out))
+                logprobs[req_id] = SampleLogprobs(
+                    token_ids=[[tokens[i], *lp_top_ids[i][:n]] for i in rows],
+                    logprobs=[[lp_token[i], *lp_top[i][:n]] for i in rows],
+                )
+            row += num_logits
+        return StepResult(sampled_token_ids=result, logprobs=logprobs or None, step_id=step_id)

@@ -1,0 +1,189 @@
+"""ModelRunner driven by hand-made step plans over a tiny random model, against transformers."""
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_model_core import save_tiny_model  # noqa: E402
+from weir.services.executor.model_runner import ModelRunner  # noqa: E402
+from weir.shared.protocol import CachedRequest, NewRequest, StepPlan, StepResult  # noqa: E402
+from weir.shared.sampling import SamplingParams  # noqa: E402
+
+BLOCK_SIZE = 4
+NUM_NEW = 8
+GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0)
+
+
+class Driver:
+    """A scripted stand-in for the scheduler: tracks what it has told the executor and builds diffs."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.runner = runner
+        self.free = list(range(runner.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.prompts: dict[str, list[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.sent: set[str] = set()  # requests the executor holds
+        self.preempted: set[str] = set()
+        self.step_id = 0
+
+    def add(self, req_id: str, prompt: list[int], params: SamplingParams = GREEDY,
+            prefix_of: tuple[str, int] | None = None) -> None:
+        """prefix_of=(other, n): the first n (block-aligned) tokens hit the prefix cache of `other`."""
+        self.prompts[req_id], self.params[req_id], self.outputs[req_id] = prompt, params, []
+        self.blocks[req_id], self.computed[req_id] = [], 0
+        if prefix_of is not None:
+            other, n = prefix_of
+            assert n % BLOCK_SIZE == 0 and self.computed[other] >= n and prompt[:n] == self.prompts[other][:n]
+            self.blocks[req_id] = self.blocks[other][: n // BLOCK_SIZE]
+            self.computed[req_id] = n
+
+    def tokens(self, req_id: str) -> list[int]:
+        return self.prompts[req_id] + self.outputs[req_id]
+
+    def step(self, work: dict[str, int | None], drafts: dict[str, list[int]] | None = None,
+             preempt: tuple[str, ...] = ()) -> StepResult:
+        """work: request -> tokens to compute (None = everything it has left: rest of prefill or 1 decode)."""
+        drafts = drafts or {}
+        num_scheduled, new, cached = {}, [], []
+        for req_id in preempt:
+            self.free.extend(b for b in self.blocks[req_id] if not self._shared(req_id, b))
+            self.blocks[req_id], self.computed[req_id] = [], 0
+            self.preempted.add(req_id)
+        for req_id, n in work.items():
+            k = len(drafts.get(req_id, []))
+            n = (len(self.tokens(req_id)) - self.computed[req_id] if n is None else n) + k
+            need = -(-(self.computed[req_id] + n) // BLOCK_SIZE) - len(self.blocks[req_id])
+            new_blocks = [self.free.pop() for _ in range(need)]
+            self.blocks[req_id] += new_blocks
+            num_scheduled[req_id] = n
+            if req_id not in self.sent:
+                new.append(NewRequest(req_id, self.prompts[req_id], self.params[req_id],
+                                                    list(self.blocks[req_id]), self.computed[req_id]))
+                self.sent.add(req_id)
+            elif req_id in self.preempted:
+                cached.append(CachedRequest(req_id, list(self.blocks[req_id]), self.computed[req_id],
+                                                          resumed=True, output_token_ids=list(self.outputs[req_id])))
+                self.preempted.discard(req_id)
+            else:
+                cached.append(CachedRequest(req_id, new_blocks, self.computed[req_id]))
+        plan = StepPlan(num_scheduled, sum(num_scheduled.values()), drafts, new, cached, list(preempt),
+                        step_id=self.step_id)
+        result = self.runner.execute(plan)
+        assert result.step_id == self.step_id
+        self.step_id += 1
+        for req_id, n in plan.num_scheduled_tokens.items():
+            k = len(drafts.get(req_id, []))
+            out = result.sampled_token_ids.get(req_id, [])
+            # KV of rejected drafts is garbage: the next step recomputes from the last accepted token.
+            self.computed[req_id] += n - k + max(len(out) - 1, 0)
+            self.outputs[req_id] += out
+        return result
+
+    def _shared(self, req_id: str, block: int) -> bool:
+        return any(block in blocks for other, blocks in self.blocks.items() if other != req_id)
+
+    def finish(self, req_id: str) -> None:
+        self.free.extend(b for b in self.blocks.pop(req_id) if not self._shared(req_id, b))
+        self.runner.execute(StepPlan(finished_req_ids=[req_id], step_id=self.step_id))
+        self.step_id += 1
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    out = hf_model.generate(torch.tensor([prompt]), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_model = save_tiny_model("llama", path)
+    return path, hf_model
+
+
+def make_runner(path) -> ModelRunner:
+    return ModelRunner(path, device="cpu", block_size=BLOCK_SIZE, kv_cache_memory_bytes=200 * 2 * 2 * 4 * 2 * 16 * 4,
+                       max_num_batched_tokens=64, max_num_seqs=4, seed=0)
+
+
+def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
+    path, hf_model = tiny
+    rng = random.Random(3)
+    prompts = {r: [rng.randrange(128) for _ in range(n)] for r, n in (("A", 11), ("B", 23), ("C", 5))}
+    prompts["D"] = prompts["A"][:8] + [rng.randrange(128) for _ in range(6)]
+    with torch.no_grad():
+        want = {r: hf_greedy(hf_model, p, NUM_NEW) for r, p in prompts.items()}
+
+    runner = make_runner(path)
+    d = Driver(runner)
+    for r in "ABC":
+        d.add(r, prompts[r])
+    assert d.step({"A": None, "B": 8}).sampled_token_ids.keys() == {"A"}  # B's prefill is partial
+    d.step({"A": None, "B": None, "C": None})
+    d.add("D", prompts["D"], prefix_of=("A", 8))
+    # A: correct drafts (all accepted + bonus); B: first draft right, second wrong; C preempted; D joins with a prefix-cache hit and a first chunk.
+    a_drafts = want["A"][len(d.outputs["A"]) : len(d.outputs["A"]) + 2]
+    b_next = want["B"][len(d.outputs["B"])]
+    res = d.step({"A": None, "B": None, "D": 3}, drafts={"A": a_drafts, "B": [b_next, (b_next + 1) % 128]},
+                 preempt=("C",))
+    assert len(res.sampled_token_ids["A"]) == 3 and len(res.sampled_token_ids["B"]) == 2
+    # C resumes (recomputes prompt + its output); A gets a wrong first draft: only the correction comes back.
+    a_next = want["A"][len(d.outputs["A"])]
+    res = d.step({"C": None, "A": None, "B": None, "D": None}, drafts={"A": [(a_next + 1) % 128, a_next]})
+    assert res.sampled_token_ids["A"] == [a_next]
+    d.finish("B")  # B stops early; the others keep running
+    del want["B"]
+    while any(len(d.outputs[r]) < NUM_NEW for r in want):
+        d.step({r: None for r in want if len(d.outputs[r]) < NUM_NEW})
+    assert {r: d.outputs[r][:NUM_NEW] for r in want} == want
+    assert len(runner.batch) == 3
+
+
+def test_seeded_sampling_survives_chunking_preemption_and_neighbours(tiny):
+    path, hf_model = tiny
+    rng = random.Random(4)
+    prompt = [rng.randrange(128) for _ in range(10)]
+    other = [rng.randrange(128) for _ in range(7)]
+    seeded = SamplingParams(max_tokens=6, temperature=1.5, top_p=0.95, seed=1234)
+
+    alone = Driver(make_runner(path))
+    alone.add("S", prompt, seeded)
+    while len(alone.outputs["S"]) < 6:
+        alone.step({"S": None})
+
+    busy = Driver(make_runner(path), seed=1)
+    busy.add("S", prompt, seeded)
+    busy.add("X", other, SamplingParams(max_tokens=6, temperature=1.0))
+    busy.step({"X": None, "S": 4})
+    busy.step({"S": None, "X": None})
+    busy.step({"S": None, "X": None})
+    busy.step({"X": None}, preempt=("S",))
+    while len(busy.outputs["S"]) < 6:
+        busy.step({"S": None, "X": None})
+    assert busy.outputs["S"][:6] == alone.outputs["S"]
+
+
+def test_logprobs_match_transformers_distribution(tiny):
+    path, hf_model = tiny
+    prompt = list(range(3, 15))
+    d = Driver(make_runner(path))
+    d.add("L", prompt, SamplingParams(max_tokens=3, temperature=0.0, logprobs=4))
+    results = [d.step({"L": None}) for _ in range(3)]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([d.tokens("L")])).logits[0].double(), dim=-1)
+    for i, res in enumerate(results):
+        lp = res.logprobs["L"]
+        pos = len(prompt) - 1 + i
+        token = d.outputs["L"][i]
+        assert lp.token_ids[0][0] == token
+        assert lp.token_ids[0][1:] == ref[pos].topk(4).indices.tolist()
+        torch.testing.assert_close(torch.tensor(lp.logprobs[0], dtype=torch.float64),
+                                   torch.cat([ref[pos, token : token + 1], ref[pos].topk(4).values]),
+                                   atol=1e-4, rtol=0)
