@@ -27,7 +27,7 @@ _TOKEN_USER_DEFINED = 4
 
 
 class UnsupportedGGUFError(ValueError):
-    """The GGUF file describes a model or tokenizer this converter cannot rebuild."""
+    """The GGUF file is unreadable, or describes a model or tokenizer this converter cannot rebuild."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -298,7 +298,10 @@ def _write_json(path: Path, data: dict) -> None:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write the Hugging Face files for `gguf_path` into the existing directory `out_dir`."""
-    reader = GGUFReader(gguf_path)
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as exc:  # the reader reports a malformed file with assorted exception types
+        raise UnsupportedGGUFError(f"cannot read GGUF file {str(gguf_path)!r}: {exc}") from exc
     meta = _Metadata(reader)
     arch_name = meta.require("general.architecture")
     arch = _ARCHITECTURES.get(arch_name)

@@ -1,0 +1,251 @@
+"""Model resolution and GGUF conversion, checked against transformers' own GGUF loader."""
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from weir.shared.gguf_convert import UnsupportedGGUFError
+from weir.shared.model_store import ModelNotFoundError, default_gguf_path, load_model_config, resolve_model
+
+transformers = pytest.importorskip("transformers")
+
+EXPECTED_MESSAGE = "expected a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file"
+
+
+@pytest.fixture(scope="module")
+def transformers_from_gguf() -> torch.nn.Module:
+    """SmolLM2 as transformers loads the original GGUF file (its own dequantization and renaming)."""
+    path = default_gguf_path()
+    # transformers refuses GGUF unless `accelerate` is installed, which its GGUF path does not otherwise use.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    return model.eval()
+
+
+def test_default_model_dir_has_hf_files_and_smollm2_config(default_model_dir: Path) -> None:
+    assert default_model_dir.name == "SmolLM2-135M-Instruct"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (default_model_dir / name).is_file(), name
+    # Nothing half-written is left beside it.
+    assert not list(default_model_dir.parent.glob(".SmolLM2-135M-Instruct.staging.*"))
+
+    config = load_model_config(default_model_dir)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")} == {
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+    }
+    assert config["head_dim"] == 64
+    assert config["vocab_size"] == 49152
+    assert config["tie_word_embeddings"] is True
+
+    tokenizer_config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["bos_token"] == "<|im_start|>"
+    assert tokenizer_config["eos_token"] == "<|im_end|>"
+    assert "<|im_start|>assistant" in tokenizer_config["chat_template"]
+    assert json.loads((default_model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_converted_weights_and_config_match_transformers_gguf_loading(
+    default_model_dir: Path, transformers_from_gguf: torch.nn.Module
+) -> None:
+    reference = transformers_from_gguf.state_dict()
+    converted = load_file(str(default_model_dir / "model.safetensors"))
+    # Tied embeddings: transformers lists lm_head as an alias of the embedding; the file stores it once.
+    assert set(converted) == set(reference) - {"lm_head.weight"}
+    for name, array in converted.items():
+        assert array.dtype == np.float32, name
+        torch.testing.assert_close(torch.from_numpy(array), reference[name].float(), rtol=0, atol=1e-6, msg=name)
+
+    # transformers reading our config.json builds the same network: same logits as from the GGUF file.
+    ours = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir).eval()
+    input_ids = torch.tensor([[1, 9690, 198, 19556, 28, 957, 359, 346, 47, 2, 198]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids).logits, transformers_from_gguf(input_ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_second_resolve_returns_the_same_directory(default_model_dir: Path) -> None:
+    assert resolve_model(None) == default_model_dir
+    assert resolve_model(default_model_dir) == default_model_dir
+    assert resolve_model(str(default_model_dir)) == default_model_dir
+
+
+def test_gguf_path_resolves_to_a_converted_copy(default_model_dir: Path) -> None:
+    path = default_gguf_path()
+    converted = resolve_model(path)
+    assert converted != default_model_dir
+    assert resolve_model(str(path)) == converted
+    assert load_model_config(converted) == load_model_config(default_model_dir)
+    assert (converted / "tokenizer.json").read_bytes() == (default_model_dir / "tokenizer.json").read_bytes()
+    assert (converted / "model.safetensors").stat().st_size == (default_model_dir / "model.safetensors").stat().st_size
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty_dir", "dir_without_weights", "text_file"])
+def test_invalid_model_raises_model_not_found(kind: str, tmp_path: Path) -> None:
+    target = tmp_path / "model"
+    if kind == "empty_dir":
+        target.mkdir()
+    elif kind == "dir_without_weights":
+        target.mkdir()
+        (target / "config.json").write_text("{}")
+        (target / "tokenizer.json").write_text("{}")
+    elif kind == "text_file":
+        target = tmp_path / "model.bin"
+        target.write_text("not a model")
+    with pytest.raises(ModelNotFoundError) as excinfo:
+        resolve_model(target)
+    assert isinstance(excinfo.value, ValueError)
+    assert EXPECTED_MESSAGE in str(excinfo.value)
+    assert str(target) in str(excinfo.value)
+    assert "\n" not in str(excinfo.value)
+
+
+def test_failed_conversion_leaves_no_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(UnsupportedGGUFError, match="cannot read GGUF file"):
+        resolve_model(broken)
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()] == []
+
+
+# --- Conversion of other architectures, checked on tiny random models written as GGUF files ---
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
+
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet, "Ġt", "he", "Ġthe"]
+    types = [3, 3, 3] + [1] * (len(tokens) - 3)
+    return tokens, types, merges
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py's LlamaModel.permute: what llama.cpp does to q/k rows on the way in.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{suffix}"
+
+
+def _write_gguf(path: Path, arch: str, model: torch.nn.Module, config) -> None:
+    tokens, types, merges = _tiny_vocab()
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is not None:  # llama.cpp writes it only where it is not hidden_size / heads
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        w = tensor.numpy()
+        if arch == "llama" and ".q_proj." in name:
+            w = _llama_cpp_permute(w, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = _llama_cpp_permute(w, config.num_key_value_heads)
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("arch", "make_config"),
+    [
+        ("llama", lambda: transformers.LlamaConfig(**TINY, head_dim=8, tie_word_embeddings=False)),
+        ("qwen2", lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True)),
+        ("qwen3", lambda: transformers.Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False)),
+    ],
+)
+def test_tiny_gguf_converts_back_to_the_original_model(arch, make_config, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    tokens, _, _ = _tiny_vocab()
+    config = make_config()
+    config.vocab_size = len(tokens)
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in original.parameters():  # norms start at 1 and biases at 0: make every tensor distinct
+            p.copy_(torch.randn_like(p) * 0.2)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, original, config)
+
+    converted = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(path)).eval()
+    assert type(converted) is type(original)
+    reference = original.state_dict()
+    assert set(converted.state_dict()) == set(reference)
+    for name, tensor in converted.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+    input_ids = torch.tensor([[1, 5, 80, 200, 258, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(converted(input_ids).logits, original(input_ids).logits)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(path, "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedGGUFError, match="'mamba' is not supported"):
+        resolve_model(path)
