@@ -155,8 +155,8 @@ def _unified_attention_kernel(
             other=0.0,
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        visible = (key_pos[None, :] <= last_visible[:, None]) & key_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        # Also hides key_pos >= kv_len, since a valid row's last visible key is below kv_len.
+        s = tl.where(key_pos[None, :] <= last_visible[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -200,9 +200,8 @@ def _merge_segments_kernel(
     partial = (token * num_heads + head) * NUM_SEGMENTS + segments
 
     seg_max = tl.load(segm_max_ptr + partial)
-    overall_max = tl.max(seg_max, axis=0)
-    shift = tl.where(overall_max > float("-inf"), overall_max, 0.0)
-    weight = tl.exp2(seg_max - shift)
+    # Every token of a request sees key 0 in some segment, so the overall max is finite.
+    weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
     total = tl.sum(tl.load(segm_sum_ptr + partial) * weight, axis=0)
     acc = tl.load(segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :])
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)

@@ -44,6 +44,7 @@ def make_step(
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
     num_padding_tokens: int = 0,
+    transposed_table: bool = False,
     seed: int = 0,
 ) -> Step:
     """A step over requests given as (context_len, query_len), with shuffled physical blocks."""
@@ -52,10 +53,12 @@ def make_step(
     num_blocks = sum(blocks_per_request) + 2  # two spare blocks no request owns
     physical = torch.randperm(num_blocks, generator=gen).tolist()
     spare = physical[-1]
-    # Rows of a wider persistent table: the slice has a row stride larger than its width,
-    # and unused entries point at a spare (poisoned) block.
+    # Rows of a wider persistent table: the slice has a row stride larger than its width
+    # (or, transposed, a column stride > 1), and unused entries point at a spare (poisoned) block.
     width = max(blocks_per_request) + 1
     table_store = torch.full((len(requests) + 1, width + 3), spare, dtype=torch.int32)
+    if transposed_table:
+        table_store = table_store.t().contiguous().t()
     block_table = table_store[: len(requests), :width]
     cursor = 0
     for r, n in enumerate(blocks_per_request):
@@ -136,7 +139,9 @@ def test_batch_kinds_match_reference(requests, dtype):
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_gqa_ratios_and_block_sizes(group, block_size):
-    step = make_step(MIXED, num_heads=2 * group, num_kv_heads=2, block_size=block_size, seed=group)
+    step = make_step(
+        MIXED, num_heads=2 * group, num_kv_heads=2, block_size=block_size, transposed_table=block_size == 32, seed=group
+    )
     assert_close(triton_output(step), reference_output(step))
 
 
@@ -169,14 +174,15 @@ def test_padding_requests_and_preallocated_output():
 
 @pytest.mark.parametrize(
     ("requests", "group"),
-    [([(0, 1), (130, 1), (300, 1), (1000, 1)], 1), ([(7, 3), (290, 4)], 3)],
+    [([(0, 1), (130, 1), (300, 1), (1000, 1)], 1), ([(7, 3), (290, 4), (250, 12)], 3)],
     ids=["decode", "speculative"],
 )
 def test_split_kv_matches_single_pass(requests, group):
-    # Contexts of several 64-key tiles, so segments are full, partial and empty.
+    # Contexts of several 64-key tiles, so segments are full, partial and empty; in the last
+    # segment of (250, 12) the first queries see no key at all.
     step = make_step(requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16)
     single = triton_output(step, split_kv=False)
-    workspace = triton_attention.allocate_split_kv_workspace(16, 2 * group, 64, "cpu")
+    workspace = triton_attention.allocate_split_kv_workspace(32, 2 * group, 64, "cpu")
     split = triton_output(step, split_kv=True, workspace=workspace)
     torch.testing.assert_close(split, single, atol=1e-3, rtol=1e-3)
     assert_close(split, reference_output(step))
