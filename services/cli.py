@@ -1,7 +1,36 @@
-"""The `weir` command: one subcommand per role or tool."""
+"""The `weir` command: one subcommand per role or tool.
+
+    weir serve                     scheduler + executor(s) on this machine, supervised
+    weir scheduler / weir executor one role alone (how Kubernetes runs them)
+    weir generate "prompt"         one request against a running server
+    weir chat                      an interactive chat against a running server
+    weir prepare-model             fetch/convert a model and print its directory
+"""
+
+from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
 import sys
+
+from weir.services import launcher
+from weir.services.launcher import (
+    DEFAULT_EXECUTOR_METRICS_PORT,
+    DEFAULT_EXECUTOR_PORT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_PORT,
+    add_engine_options,
+)
+
+DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
+
+
+def _setup_logging(level: str, role: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s")
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -11,6 +40,187 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ roles
+
+def _scheduler(args: argparse.Namespace) -> int:
+    from weir.services.scheduler.server import SchedulerServer, SchedulerServerOptions
+    from weir.shared.config import SchedulerConfig
+    from weir.shared.model_store import load_model_config, resolve_model
+
+    _setup_logging(args.log_level, "scheduler")
+    status = launcher.StatusReporter(args.status_fd)
+    try:
+        model_dir = resolve_model(args.model)
+        max_model_len = args.max_model_len or int(
+            load_model_config(model_dir).get("max_position_embeddings", 8192))
+        config = SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            enable_chunked_prefill=args.enable_chunked_prefill, watermark=args.watermark,
+            policy=args.policy)
+        executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
+        server = SchedulerServer(SchedulerServerOptions(
+            model_dir=str(model_dir), scheduler_config=config, block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching, host=args.host, port=args.port,
+            metrics_port=args.metrics_port, executor_address=executor_address,
+            num_executors=args.num_executors, executor_timeout=args.executor_timeout),
+            status, args.parent_pid)
+    except (ValueError, OSError) as exc:
+        status.error(str(exc))
+        print(f"weir scheduler: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(server.run())
+
+
+def _executor(args: argparse.Namespace) -> int:
+    from weir.services.executor.worker import ExecutorOptions, run_executor
+
+    _setup_logging(args.log_level, f"executor {args.rank}")
+    metrics_port = args.metrics_port if args.metrics_port is not None \
+        else DEFAULT_EXECUTOR_METRICS_PORT + args.rank
+    options = ExecutorOptions(
+        scheduler=args.scheduler, rank=args.rank, model=args.model, device=args.device,
+        dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+        attention_backend=args.attention_backend,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, threads=args.threads, seed=args.seed,
+        metrics_host=args.metrics_host, metrics_port=metrics_port)
+    return run_executor(options, args.status_fd, args.parent_pid)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level, "serve")
+    engine = {opt.dest: getattr(args, opt.dest) for opt in launcher.ENGINE_OPTIONS}
+    server = launcher.ServerProcesses(
+        engine, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        executor_metrics_port=args.executor_metrics_port, startup_timeout=args.startup_timeout)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        try:
+            info = server.start()
+        except launcher.ChildFailedError as exc:
+            print(f"weir serve: {exc}", file=sys.stderr)
+            return 1
+        print(f"Weir is serving {info['model_name']} ({info['num_blocks']} KV blocks)\n"
+              f"  clients:  {info['client_address']}\n"
+              f"  metrics:  {info['metrics_address']}  (scheduler)", flush=True)
+        for executor in info["executors"]:
+            print(f"            {executor['metrics_address']}  (executor {executor['rank']})")
+        print("Press Ctrl-C to stop.", flush=True)
+        name, rc = server.wait()
+        print(f"weir serve: {name} exited with code {rc}; stopping", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Terminated):
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        server.shutdown()
+
+
+# ------------------------------------------------------------------ clients
+
+def _sampling_params(args: argparse.Namespace):  # -> SamplingParams
+    from weir.shared.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from weir.shared.client import WeirClient, WeirError
+
+    prompt: str | list[int] = args.prompt
+    if args.token_ids:
+        prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+    try:
+        with WeirClient(args.address, timeout=args.timeout) as client:
+            texts, last = [], None
+            for last in client.generate(prompt, _sampling_params(args)):
+                if args.stream:
+                    print(last.text, end="", flush=True)
+                texts.append(last.text)
+            print("" if args.stream else "".join(texts))
+            if last is not None and args.verbose:
+                print(f"[{last.prompt_tokens} prompt + {last.completion_tokens} completion tokens, "
+                      f"finish_reason={last.finish_reason}]", file=sys.stderr)
+    except WeirError as exc:
+        print(f"weir generate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from weir.shared.client import WeirClient, WeirError
+
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    with WeirClient(args.address, timeout=args.timeout) as client:
+        try:
+            info = client.model_info()
+        except WeirError as exc:
+            print(f"weir chat: {exc}", file=sys.stderr)
+            return 1
+        print(f"Chatting with {info['model_name']} (empty line or Ctrl-D to quit)")
+        while True:
+            try:
+                user = input("> ").strip()
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            if not user:
+                return 0
+            messages.append({"role": "user", "content": user})
+            reply = []
+            try:
+                for out in client.generate(messages, _sampling_params(args)):
+                    print(out.text, end="", flush=True)
+                    reply.append(out.text)
+            except KeyboardInterrupt:
+                pass  # leaving the stream aborts the request
+            except WeirError as exc:
+                print(f"\n[error: {exc}]")
+                messages.pop()
+                continue
+            print()
+            messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+# ------------------------------------------------------------------ parser
+
+def _add_child_flags(p: argparse.ArgumentParser) -> None:
+    # Set by `weir serve` / LLM for the processes they supervise.
+    p.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--address", default=os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS),
+                   help=f"scheduler address (default {DEFAULT_ADDRESS} or $WEIR_ADDRESS)")
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds before an unresponsive server is an error")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weir", description="Weir LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -18,6 +228,51 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare-model", help="fetch and convert a model; print its directory")
     p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)")
     p.set_defaults(func=_prepare_model)
+
+    p = sub.add_parser("serve", help="run a scheduler and its executor on this machine")
+    p.add_argument("--host", default="127.0.0.1", help="address the sockets bind to")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port (0 = any free)")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="scheduler Prometheus port (0 = any free)")
+    p.add_argument("--executor-metrics-port", type=int, default=DEFAULT_EXECUTOR_METRICS_PORT,
+                   help="executor rank 0's Prometheus port, rank r uses +r (0 = any free)")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_engine_options(p, "serve")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("scheduler", help="run the scheduler process alone")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port (0 = any free)")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
+    p.add_argument("--executor-address", default=None,
+                   help=f"where executors connect (default tcp://HOST:{DEFAULT_EXECUTOR_PORT})")
+    p.add_argument("--num-executors", type=int, default=1, help="executor ranks to wait for")
+    add_engine_options(p, launcher.SCHEDULER)
+    _add_child_flags(p)
+    p.set_defaults(func=_scheduler)
+
+    p = sub.add_parser("executor", help="run one executor process alone")
+    p.add_argument("--scheduler", required=True, help="the scheduler's executor address")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help=f"Prometheus port (default {DEFAULT_EXECUTOR_METRICS_PORT} + rank; 0 = any free)")
+    add_engine_options(p, launcher.EXECUTOR)
+    _add_child_flags(p)
+    p.set_defaults(func=_executor)
+
+    p = sub.add_parser("generate", help="send one prompt to a running server")
+    p.add_argument("prompt")
+    p.add_argument("--token-ids", action="store_true", help="the prompt is token ids: '1 2 3'")
+    p.add_argument("--stream", action="store_true", help="print text as it arrives")
+    p.add_argument("-v", "--verbose", action="store_true", help="print token count and finish reason")
+    _add_sampling_flags(p, max_tokens=64)
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("chat", help="chat with a running server")
+    p.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_flags(p, max_tokens=256)
+    p.set_defaults(func=_chat)
     return parser
 
 

@@ -76,7 +76,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     _opt("--max-num-batched-tokens", _BOTH, type=int, default=2048,
          help="token budget of one step"),
     _opt("--max-num-seqs", _BOTH, type=int, default=256, help="most requests in one step"),
-    _opt("--max-model-len", SCHEDULER, type=int, default=None,
+    _opt("--max-model-len", _BOTH, type=int, default=None,
          help="longest prompt + output (default: the model's context length)"),
     _opt("--long-prefill-token-threshold", SCHEDULER, type=int, default=0,
          help="cap on one request's prefill chunk per step (0 = none)"),
@@ -88,6 +88,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
          help="fraction of KV blocks kept free when admitting requests"),
     _opt("--policy", SCHEDULER, choices=("fcfs", "priority"), default="fcfs",
          help="waiting-queue order"),
+    _opt("--executor-timeout", SCHEDULER, type=float, default=3.0,
+         help="seconds without an executor heartbeat before its requests fail"),
     _opt("--device", EXECUTOR, default=None, help="cpu or cuda (default: cuda if available)"),
     _opt("--dtype", EXECUTOR, default=None, help="weight/activation dtype (default: per device)"),
     _opt("--kv-cache-memory", EXECUTOR, type=parse_size, default=None,
@@ -96,6 +98,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
          help="fraction of GPU memory for weights + KV cache"),
     _opt("--attention-backend", EXECUTOR, default=None, help="attention implementation"),
     _opt("--threads", EXECUTOR, type=int, default=1, help="torch threads of each executor"),
+    _opt("--seed", EXECUTOR, type=int, default=None, help="sampler seed of requests without one"),
     _opt("--log-level", _BOTH, default="WARNING", help="logging level of the processes"),
 )
 

@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -239,6 +239,13 @@ class EventLoopThread:
                     pass
             raise
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """Call ``fn`` on the loop's thread (to create objects bound to the loop)."""
+        async def call() -> T:
+            return fn()
+
+        return self.run(call())
+
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
@@ -250,7 +257,7 @@ class WeirClient:
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = 30.0) -> None:
         self._loop = EventLoopThread()
-        self._client = self._loop.run(_make_async_client(address, timeout))
+        self._client = self._loop.call(lambda: AsyncWeirClient(address, timeout=timeout))
         self.address = address
 
     def __enter__(self) -> WeirClient:
@@ -286,7 +293,3 @@ class WeirClient:
             return
         self._loop.run(self._client.close())
         self._loop.stop()
-
-
-async def _make_async_client(address: str, timeout: float) -> AsyncWeirClient:
-    return AsyncWeirClient(address, timeout=timeout)

@@ -98,6 +98,9 @@ class StreamOutput:
     completion_tokens: int = 0
     # Sent with a request's first output only (the client may have sent text).
     prompt_token_ids: list[int] | None = None
+    # When asked for: {"token_ids": rows, "logprobs": rows}, one row per new token,
+    # entry 0 the sampled token, then the top-n alternatives.
+    logprobs: dict[str, list[list[Any]]] | None = None
 
 
 @dataclass(slots=True)
@@ -229,6 +232,8 @@ def encode_outputs(outputs: list[StreamOutput]) -> bytes:
                 "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens}
         if o.prompt_token_ids is not None:
             item["prompt_token_ids"] = o.prompt_token_ids
+        if o.logprobs is not None:
+            item["logprobs"] = o.logprobs
         items.append(item)
     return _pack("outputs", {"items": items})
 

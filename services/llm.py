@@ -1,0 +1,95 @@
+"""Offline batch generation: ``LLM(...).generate(prompts, sampling_params)``.
+
+    with LLM(max_num_seqs=64) as llm:
+        for c in llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16)):
+            print(c.text)
+
+Under the hood it starts the same scheduler and executor processes as
+``weir serve`` (on a free local port, metrics on free ports too), submits every
+prompt at once so they batch together, and stops the processes on ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from weir.services.launcher import ServerProcesses
+from weir.shared.client import AsyncWeirClient, EventLoopThread
+from weir.shared.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+class LLM:
+    """A private server for batch jobs. ``model=None`` is the default model; other keyword
+    arguments are engine options named like the ``weir serve`` flags
+    (``max_num_batched_tokens=32``, ``kv_cache_memory="64MiB"``, ``device="cpu"``...)."""
+
+    def __init__(self, model: str | None = None, *, startup_timeout: float = 600.0,
+                 **engine_options: Any) -> None:
+        self._server = ServerProcesses({"model": model, **engine_options}, port=0, metrics_port=0,
+                                       executor_metrics_port=0, startup_timeout=startup_timeout)
+        self.server_info = self._server.start()
+        self._loop = EventLoopThread()
+        try:
+            address = self._server.client_address
+            self._client = self._loop.call(lambda: AsyncWeirClient(address, timeout=60.0))
+        except BaseException:
+            self._loop.stop()
+            self._server.shutdown()
+            raise
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(self, prompts: str | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[Completion]:
+        """One ``Completion`` per prompt, in prompt order; a prompt is text or token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        return self._loop.run(self._generate_all(prompts, params))
+
+    def close(self) -> None:
+        if self._loop.loop.is_closed():
+            return
+        self._loop.run(self._client.close())
+        self._loop.stop()
+        self._server.shutdown()
+
+    async def _generate_all(self, prompts: list[str | list[int]],
+                            params: list[SamplingParams]) -> list[Completion]:
+        return list(await asyncio.gather(*(self._generate_one(p, sp) for p, sp in zip(prompts, params))))
+
+    async def _generate_one(self, prompt: str | list[int], params: SamplingParams) -> Completion:
+        completion = Completion("", [], [], "", None)
+        texts = []
+        async for out in self._client.generate(prompt, params):
+            completion.request_id = out.request_id
+            if out.prompt_token_ids is not None:
+                completion.prompt_token_ids = out.prompt_token_ids
+            completion.token_ids += out.new_token_ids
+            texts.append(out.text)
+            completion.finish_reason = out.finish_reason
+        completion.text = "".join(texts)
+        return completion

@@ -1,0 +1,69 @@
+"""Fixtures for the process-level tests: a tiny random Llama that speaks SmolLM2's tokenizer,
+and helpers to start servers on free ports and read their metrics."""
+
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def save_tiny_llama(path: Path, tokenizer_dir: Path) -> None:
+    """A 2-layer random Llama with SmolLM2's vocabulary, so text prompts and chat work."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, path / name)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    save_tiny_llama(path, default_model_dir)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Reference greedy decoding: full forward pass per token, argmax, no EOS stop."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{labels}': value} (comments skipped)."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str) -> float:
+    """Sum of every sample of ``name`` (over its label sets)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
