@@ -97,7 +97,10 @@ class Driver:
 
 def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    out = hf_model.generate(torch.tensor([prompt]), generation_config=config)
+    hf_model.generation_config.eos_token_id = None  # generate() falls back to it when the call's is None
+    input_ids = torch.tensor([prompt])
+    # An explicit mask, or generate() would mask prompt tokens that happen to equal pad_token_id.
+    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
     return out[0, len(prompt):].tolist()
 
 
