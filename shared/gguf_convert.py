@@ -198,14 +198,18 @@ def _build_config(meta: _Metadata, arch_name: str, arch: _Architecture, tensors:
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
-    for name, meta_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
-        value = meta.get(f"tokenizer.ggml.{meta_key}")
-        if value is not None:
-            config[name] = int(value)
+    config.update(_special_token_ids(meta))
     return config
 
 
-def build_tokenizer(meta: _Metadata) -> Tokenizer:
+def _special_token_ids(meta: _Metadata) -> dict[str, int]:
+    """bos/eos/pad ids under their Hugging Face config names, for those the file states."""
+    names = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+    ids = {name: meta.get(f"tokenizer.ggml.{meta_key}") for name, meta_key in names.items()}
+    return {name: int(value) for name, value in ids.items() if value is not None}
+
+
+def _build_tokenizer(meta: _Metadata) -> Tokenizer:
     """A `tokenizers` byte-level BPE equal to the model's original tokenizer.json."""
     kind = meta.require("tokenizer.ggml.model")
     if kind != "gpt2":
@@ -284,12 +288,7 @@ def _generation_config(meta: _Metadata) -> dict:
         value = meta.get(f"tokenizer.ggml.{meta_key}")
         if value is not None and int(value) not in stop_ids:
             stop_ids.append(int(value))
-    config: dict[str, Any] = {"eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids}
-    for name, meta_key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
-        value = meta.get(f"tokenizer.ggml.{meta_key}")
-        if value is not None:
-            config[name] = int(value)
-    return config
+    return _special_token_ids(meta) | {"eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -309,8 +308,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise UnsupportedGGUFError(
             f"GGUF architecture {arch_name!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
         )
+    rope_scaling = meta.get(f"{arch_name}.rope.scaling.type", "none")
+    if rope_scaling != "none":
+        raise UnsupportedGGUFError(f"GGUF rope scaling {rope_scaling!r} is not supported")
     # Build the tokenizer first: it fails fast on an unsupported vocabulary, before the costly dequantization.
-    tokenizer = build_tokenizer(meta)
+    tokenizer = _build_tokenizer(meta)
     n_head = int(meta.require(f"{arch_name}.attention.head_count"))
     n_kv_head = int(meta.get(f"{arch_name}.attention.head_count_kv", n_head))
     tensors = _convert_tensors(reader, arch, n_head, n_kv_head)
