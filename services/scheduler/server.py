@@ -22,6 +22,7 @@ group is lost, get a ``server_unavailable`` error instead of waiting forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import signal
@@ -35,6 +36,8 @@ import zmq.asyncio
 from weir.services.executor import link
 from weir.services.launcher import StatusReporter, parent_gone
 from weir.services.scheduler.metrics import SchedulerMetrics
+from weir.services.scheduler.request import Request, RequestStatus
+from weir.services.scheduler.scheduler import Scheduler
 from weir.shared import client_protocol as cp
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.protocol import ProtocolError, RequestOutput, StepPlan, StepResult
@@ -136,6 +139,7 @@ class SchedulerServer:
         self._stop = asyncio.Event()
         self._result: asyncio.Future[StepResult] | None = None
         self._step_id = 0
+        self._num_blocks = 0
         self._reported_ready = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -233,10 +237,23 @@ class SchedulerServer:
                          IncrementalDetokenizer(self.tokenizer, prompt_ids), now)
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
+        try:
+            self._scheduler.add_request(self._new_request(rid, prompt_ids, msg.sampling_params, now))
+        except ValueError as exc:  # e.g. prompt + max_tokens can never fit the KV cache
+            self._send_error(identity, rid, cp.INVALID_REQUEST, str(exc))
+            return
         self._streams[rid] = stream
-        self._scheduler.add_request(_make_request(rid, prompt_ids, msg.sampling_params,
-                                                  self.tokenizer, now))
         self._wake.set()
+
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     arrival_time: float) -> Request:
+        eos = self.tokenizer.eos_token_id
+        # Models with several end tokens (generation_config.json) stop on all of them.
+        extra = tuple(t for t in self.tokenizer.stop_token_ids
+                      if t != eos and t not in params.stop_token_ids)
+        if extra and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        return Request(request_id, prompt_ids, params, eos_token_id=eos, arrival_time=arrival_time)
 
     def _tokenize(self, prompt: cp.Prompt) -> list[int]:
         """Token ids of a prompt; ValueError names what is wrong with it."""
@@ -303,9 +320,8 @@ class SchedulerServer:
         if self._scheduler is not None:
             stats = self._scheduler.stats()
             info.update(num_requests_running=stats.num_running, num_requests_waiting=stats.num_waiting,
-                        kv_cache_usage=stats.kv_cache_usage, num_blocks=self._num_blocks,
-                        num_free_blocks=self._scheduler.kv_cache_manager.num_free_blocks,
-                        num_preemptions=stats.num_preemptions)
+                        kv_cache_usage=stats.kv_cache_usage, num_blocks=stats.num_blocks,
+                        num_free_blocks=stats.num_free_blocks, num_preemptions=stats.num_preemptions)
         return info
 
     def _model_info(self) -> dict[str, Any]:
@@ -481,8 +497,7 @@ class SchedulerServer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            self._step_id += 1
-            plan.step_id = self._step_id
+            self._step_id = plan.step_id
             try:
                 result = await self._run_step(plan)
             except _StepFailed as exc:
@@ -598,11 +613,8 @@ class SchedulerServer:
             self._finish_stream(stream, "error")
             self._send_error(stream.identity, stream.request_id, code, message)
         if self._scheduler is not None:
-            self._scheduler.finish_requests(
-                list(self._scheduler_request_ids()), RequestStatus.FINISHED_ABORTED)
-
-    def _scheduler_request_ids(self) -> list[str]:
-        return list(self._scheduler.requests) if self._scheduler is not None else []
+            self._scheduler.finish_requests(list(self._scheduler.requests),
+                                            RequestStatus.FINISHED_ABORTED)
 
     def _update_gauges(self, plan: StepPlan, num_generated: int) -> None:
         m = self.metrics

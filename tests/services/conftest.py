@@ -1,8 +1,6 @@
-"""Fixtures for the process-level tests: a tiny random Llama that speaks SmolLM2's tokenizer,
-and helpers to start servers on free ports and read their metrics."""
+"""Fixtures for the process-level tests: a tiny random Llama that speaks SmolLM2's tokenizer."""
 
 import shutil
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -40,30 +38,3 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_hf_model(tiny_model_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """Reference greedy decoding: full forward pass per token, argmax, no EOS stop."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids):]
-
-
-def read_metrics(url: str) -> dict[str, float]:
-    """Prometheus text exposition -> {'name{labels}': value} (comments skipped)."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            samples[key] = float(value)
-    return samples
-
-
-def metric(samples: dict[str, float], name: str) -> float:
-    """Sum of every sample of ``name`` (over its label sets)."""
-    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))

@@ -1,0 +1,32 @@
+"""Helpers for the process-level tests (reference decoding, metrics scraping)."""
+
+import urllib.request
+
+import torch
+
+
+def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Reference greedy decoding: full forward pass per token, argmax, no EOS stop."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{labels}': value} (comments skipped)."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str) -> float:
+    """Sum of every sample of ``name`` (over its label sets)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))

@@ -1,0 +1,250 @@
+"""A real scheduler + executor pair (tiny random Llama) driven through real sockets.
+
+The server runs with a 32-token step budget (long prompts are chunked and mixed
+with decodes) and a KV cache of 32 blocks of 4 tokens, so concurrent requests
+preempt each other; greedy outputs must still equal transformers'.
+"""
+
+import asyncio
+import random
+import uuid
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from serving_helpers import hf_greedy, metric, read_metrics
+from weir.services.launcher import ServerProcesses
+from weir.shared import client_protocol as cp
+from weir.shared.client import AsyncWeirClient, InvalidRequestError, WeirClient
+from weir.shared.sampling import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 32
+MAX_MODEL_LEN = 64
+# Bytes per block of the tiny model: K and V x 2 layers x 4 tokens x 2 KV heads x 8 dims x 4 bytes.
+KV_BYTES = NUM_BLOCKS * 2 * 2 * BLOCK_SIZE * 2 * 8 * 4
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    options = {"model": str(tiny_model_dir), "max_num_batched_tokens": 32, "block_size": BLOCK_SIZE,
+               "kv_cache_memory": KV_BYTES, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 64,
+               "device": "cpu"}
+    with ServerProcesses(options, port=0, metrics_port=0, executor_metrics_port=0) as processes:
+        yield processes
+        # No test may leave a KV block behind.
+        with WeirClient(processes.client_address) as client:
+            health = client.health()
+        assert health["num_free_blocks"] == health["num_blocks"] == NUM_BLOCKS
+        assert health["num_streams"] == 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 45))] for _ in range(n)]
+
+
+async def stream_all(address: str, prompts, params) -> list[list]:
+    async with AsyncWeirClient(address) as client:
+        async def one(prompt, p):
+            return [out async for out in client.generate(prompt, p)]
+        return await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params)))
+
+
+def test_health_and_model_info(server):
+    with WeirClient(server.client_address) as client:
+        assert client.health()["status"] == "ok"
+        info = client.model_info()
+    assert info["model_name"] == "tiny-llama"
+    assert info["max_model_len"] == MAX_MODEL_LEN and info["num_blocks"] == NUM_BLOCKS
+    assert info["vocab_size"] == 49152
+
+
+async def test_64_concurrent_streams_greedy_equal_transformers(server, tiny_hf_model, tokenizer):
+    prompts = random_prompts(64, seed=1)
+    max_tokens = [random.Random(i).randrange(1, 17) for i in range(64)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    before = read_metrics(server.info["metrics_address"])
+    streams = await stream_all(server.client_address, prompts, params)
+    for prompt, want_len, outs in zip(prompts, max_tokens, streams):
+        token_ids = [t for out in outs for t in out.new_token_ids]
+        assert len(token_ids) == want_len
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == want_len
+        assert outs[0].prompt_token_ids == prompt and outs[-1].prompt_tokens == len(prompt)
+        assert "".join(o.text for o in outs) == tokenizer.decode(token_ids, skip_special_tokens=True)
+        # Chunked, batched, preempted: still exactly transformers' greedy tokens.
+        assert token_ids == hf_greedy(tiny_hf_model, prompt, want_len)
+    after = read_metrics(server.info["metrics_address"])
+    assert metric(after, "weir:num_preemptions_total") > metric(before, "weir:num_preemptions_total")
+    assert metric(after, "weir:generation_tokens_total") - metric(before, "weir:generation_tokens_total") \
+        == sum(max_tokens)
+    assert metric(after, 'weir:request_success_total') - metric(before, "weir:request_success_total") == 64
+
+
+def test_text_and_chat_prompts(server, tokenizer, tiny_hf_model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    want_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    with WeirClient(server.client_address) as client:
+        chat = list(client.generate(messages, SamplingParams(max_tokens=3, temperature=0.0,
+                                                             ignore_eos=True)))
+        text = list(client.generate("The quick brown fox", SamplingParams(max_tokens=3)))
+    assert chat[0].prompt_token_ids == list(want_ids)
+    assert [t for o in chat for t in o.new_token_ids] == hf_greedy(tiny_hf_model, list(want_ids), 3)
+    assert text[0].prompt_token_ids == tokenizer("The quick brown fox")["input_ids"]
+
+
+def test_stop_string_truncates_text_and_finishes(server):
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompt = [100, 200, 300]
+    with WeirClient(server.client_address) as client:
+        full = "".join(o.text for o in client.generate(prompt, params))
+        stop = full[10:13]
+        cut = full.index(stop)
+        outs = list(client.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0,
+                                                           ignore_eos=True, stop=(stop,))))
+    assert "".join(o.text for o in outs) == full[:cut]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    assert all(stop not in o.text for o in outs)
+
+
+async def wait_for_free_kv(client: AsyncWeirClient) -> dict:
+    for _ in range(200):
+        health = await client.health()
+        if health["num_free_blocks"] == health["num_blocks"] and health["num_streams"] == 0:
+            return health
+        await asyncio.sleep(0.05)
+    return health
+
+
+async def test_abort_and_close_free_kv_blocks(server):
+    long = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    async with AsyncWeirClient(server.client_address) as client:
+        # Explicit abort mid-stream: the stream ends with finish_reason "abort".
+        stream = client.generate([5, 6, 7], long)
+        first = await anext(stream)
+        await client.abort(first.request_id)
+        rest = [out async for out in stream]
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert sum(len(o.new_token_ids) for o in [first, *rest]) < 50
+        health = await wait_for_free_kv(client)
+        assert health["num_free_blocks"] == health["num_blocks"]
+
+        # Leaving the stream early (break) aborts the request.
+        async for _ in client.generate([8, 9], long):
+            break
+        health = await wait_for_free_kv(client)
+        assert health["num_free_blocks"] == health["num_blocks"]
+
+        # Another client closes while its request streams.
+        other = AsyncWeirClient(server.client_address)
+        stream = other.generate([10, 11, 12], long)
+        await anext(stream)
+        await other.close()
+        health = await wait_for_free_kv(client)
+        assert health["num_free_blocks"] == health["num_blocks"]
+
+
+async def test_vanished_client_frees_its_blocks(server):
+    """A client that disappears without aborting is noticed on the next send to it."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.client_address)
+    request = cp.GenerateRequest(uuid.uuid4().hex, [1, 2, 3],
+                                 SamplingParams(max_tokens=50, ignore_eos=True))
+    await sock.send(cp.encode_client_message(request))
+    await sock.recv()  # the first output: the request is running
+    sock.close(linger=0)
+    ctx.term()
+    async with AsyncWeirClient(server.client_address) as client:
+        health = await wait_for_free_kv(client)
+    assert health["num_free_blocks"] == health["num_blocks"]
+
+
+def generate_frame(**fields) -> bytes:
+    body = {"v": 1, "type": "generate", "request_id": "bad", "prompt": "hi",
+            "sampling_params": {"max_tokens": 2}}
+    body.update(fields)
+    return msgpack.packb(body)
+
+
+BAD_FRAMES = [
+    ([b"\xc1garbage"], cp.MALFORMED_MESSAGE, "msgpack"),
+    ([b"a", b"b"], cp.MALFORMED_MESSAGE, "one frame"),
+    ([msgpack.packb({"v": 1, "type": "launch", "request_id": "bad"})], cp.UNKNOWN_MESSAGE_TYPE, "launch"),
+    ([msgpack.packb({"v": 7, "type": "health", "request_id": "bad"})], cp.UNSUPPORTED_VERSION, "version"),
+    ([generate_frame(prompt=12)], cp.INVALID_REQUEST, "prompt"),
+    ([generate_frame(request_id=["x"])], cp.INVALID_REQUEST, "request_id"),
+    ([generate_frame(sampling_params={"top_p": 2.0})], cp.INVALID_REQUEST, "top_p"),
+    ([generate_frame(sampling_params={"max_tokens": "many"})], cp.INVALID_REQUEST, "max_tokens"),
+    ([generate_frame(prompt="")], cp.INVALID_REQUEST, "empty"),
+    ([generate_frame(prompt=[])], cp.INVALID_REQUEST, "empty"),
+    ([generate_frame(prompt=list(range(3, 3 + MAX_MODEL_LEN)))], cp.INVALID_REQUEST, "too long"),
+    ([generate_frame(prompt=[1, 49152])], cp.INVALID_REQUEST, "vocabulary"),
+    ([generate_frame(prompt=[1, -3])], cp.INVALID_REQUEST, "vocabulary"),
+    ([generate_frame(prompt=[{"role": "user", "text": "hi"}])], cp.INVALID_REQUEST, "content"),
+]
+
+
+async def test_malformed_input_gets_an_error_and_the_server_keeps_serving(server):
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.client_address)
+    try:
+        for frames, code, words in BAD_FRAMES:
+            await sock.send_multipart(frames)
+            reply = cp.decode_server_message(await asyncio.wait_for(sock.recv(), 30))
+            assert isinstance(reply, cp.ErrorReply), frames
+            assert reply.code == code and words in reply.message, (frames, reply)
+        # The same connection still works.
+        ok = cp.GenerateRequest("ok", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+        await sock.send(cp.encode_client_message(ok))
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs += cp.decode_server_message(await asyncio.wait_for(sock.recv(), 30))
+        assert sum(len(o.new_token_ids) for o in outs) == 2
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def test_sdk_raises_typed_errors(server):
+    with WeirClient(server.client_address) as client:
+        with pytest.raises(InvalidRequestError, match="vocabulary") as info:
+            list(client.generate([0, 10**6]))
+        assert info.value.code == cp.INVALID_REQUEST
+        # A duplicate id of an in-flight request is refused; the first stream is unaffected.
+        first = client.generate([1, 2], SamplingParams(max_tokens=30, ignore_eos=True), request_id="dup")
+        next(first)
+        with pytest.raises(InvalidRequestError, match="already"):
+            list(client.generate([3, 4], request_id="dup"))
+        assert sum(len(o.new_token_ids) for o in first) == 29
+
+
+def test_metrics_endpoints_expose_every_series(server):
+    scheduler = read_metrics(server.info["metrics_address"])
+    names = ["weir:num_requests_running", "weir:num_requests_waiting", "weir:kv_cache_usage_perc",
+             "weir:num_preemptions_total", "weir:prompt_tokens_total", "weir:generation_tokens_total",
+             "weir:prefix_cache_queries_total", "weir:prefix_cache_hits_total",
+             "weir:request_success_total", "weir:time_to_first_token_seconds_count",
+             "weir:inter_token_latency_seconds_count", "weir:e2e_request_latency_seconds_count",
+             "weir:request_queue_time_seconds_count", "weir:iteration_tokens_count"]
+    for name in names:
+        assert any(k.startswith(name + '{') and 'model_name="tiny-llama"' in k for k in scheduler), name
+    assert metric(scheduler, "weir:time_to_first_token_seconds_count") > 0
+    executor = read_metrics(server.info["executors"][0]["metrics_address"])
+    for name in ["weir:executor_step_seconds_count", "weir:executor_batch_tokens_count",
+                 "weir:executor_num_kv_blocks", "weir:executor_device_memory_bytes"]:
+        assert any(k.startswith(name + "{") and 'rank="0"' in k for k in executor), name
+    assert metric(executor, "weir:executor_num_kv_blocks") == NUM_BLOCKS
+    assert metric(executor, "weir:executor_step_seconds_count") > 0
