@@ -1,0 +1,106 @@
+"""Per-request block tables on top of the block pool, and prefix-cache lookups.
+
+A request's block table is ``request.block_ids`` (a plain list, so the scheduler's
+hot loop reads it without a lookup). Full blocks get chained content hashes,
+computed lazily into ``request.block_hashes`` and registered in the prefix cache
+only once their KV has been computed (``cache_blocks`` after a step), so a hit
+never points at KV that a preempted or aborted step did not write.
+"""
+
+from __future__ import annotations
+
+from weir.services.scheduler.block_pool import ROOT_BLOCK_HASH, BlockPool, KVCacheBlock, \
+    chain_block_hashes
+from weir.services.scheduler.request import Request
+from weir.shared.config import CacheConfig
+
+
+class KVCacheManager:
+    def __init__(self, cache_config: CacheConfig) -> None:
+        self.block_size = cache_config.block_size
+        self.num_blocks = cache_config.num_blocks
+        self.enable_prefix_caching = cache_config.enable_prefix_caching
+        self.pool = BlockPool(cache_config.num_blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now; evictable cached blocks count as free."""
+        return len(self.pool.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request (0..1)."""
+        return 1.0 - len(self.pool.free_queue) / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's chained block hashes, extended to at least ``num_blocks``."""
+        hashes = request.block_hashes
+        start = len(hashes)
+        if start < num_blocks:
+            bs = self.block_size
+            hashes += chain_block_hashes(hashes[-1] if hashes else ROOT_BLOCK_HASH,
+                                         request.all_token_ids[start * bs:num_blocks * bs], bs)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Longest cached prefix of the request's tokens, whole blocks only, and never
+        all of them: the last token is always computed so the step yields logits."""
+        if not self.enable_prefix_caching:
+            return []
+        get = self.pool.cached_blocks.get
+        hits = []
+        # Hashing every full block now is no waste: they are registered after prefill.
+        for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block = get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_blocks_to_admit(self, request: Request, hits: list[KVCacheBlock]) -> int:
+        """Free blocks that admitting the request's whole remaining prompt consumes:
+        new blocks plus the hits that are currently free (evictable)."""
+        evictable = sum(1 for block in hits if block.ref_cnt == 0)
+        return self.num_blocks_for(request.num_tokens) - len(hits) + evictable
+
+    def admit(self, request: Request, hits: list[KVCacheBlock]) -> None:
+        """Start the request's block table with its prefix-cache hits."""
+        self.pool.touch(hits)
+        request.block_ids = [block.block_id for block in hits]
+        request.num_cached_blocks = len(hits)
+        request.num_computed_tokens = len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Grow the block table to hold ``num_new_tokens`` more tokens. Returns the new
+        block ids ([] when the last block has room), or None when too few are free."""
+        needed = (-(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+                  - len(request.block_ids))
+        if needed <= 0:
+            return []
+        if needed > len(self.pool.free_queue):
+            return None
+        new_ids = self.pool.allocate(needed)
+        request.block_ids += new_ids
+        return new_ids
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's newly computed full blocks in the prefix cache."""
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
+        start = request.num_cached_blocks
+        if num_full <= start:
+            return
+        block_ids = request.block_ids
+        hashes = self._block_hashes(request, num_full)
+        cache_block = self.pool.cache_block
+        for index in range(start, num_full):
+            cache_block(block_ids[index], hashes[index])
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (see ``BlockPool``)."""
+        self.pool.free(request.block_ids[::-1])
+        request.block_ids = []
+        request.num_cached_blocks = 0

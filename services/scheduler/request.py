@@ -1,0 +1,119 @@
+"""A request as the scheduler tracks it: tokens, progress, blocks, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from weir.shared.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache;
+    ``num_tokens_with_spec - num_computed_tokens`` is what the request wants next
+    step. ``all_token_ids`` is prompt + outputs (the sequence the KV describes);
+    draft tokens live apart in ``spec_token_ids`` until verified.
+    ``arrival_time`` is seconds on any one clock (default ``time.monotonic()``);
+    under the priority policy lower ``priority`` values are served first.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
+        "priority", "status", "all_token_ids", "output_token_ids", "spec_token_ids",
+        "num_computed_tokens", "num_preemptions", "num_cached_tokens", "block_ids",
+        "block_hashes", "num_cached_blocks", "stop_ids", "max_tokens", "min_tokens", "seq")
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling_params: SamplingParams | None = None, eos_token_id: int | None = None,
+                 arrival_time: float | None = None, priority: int = 0) -> None:
+        if type(request_id) is not str or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        if set(map(type, prompt)) != {int} or min(prompt) < 0:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-negative ints")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        elif not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: sampling_params must be SamplingParams")
+        if eos_token_id is not None and (type(eos_token_id) is not int or eos_token_id < 0):
+            raise ValueError(f"request {request_id!r}: eos_token_id must be a non-negative int")
+        if type(priority) is not int:
+            raise ValueError(f"request {request_id!r}: priority must be an int")
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else float(arrival_time)
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.all_token_ids = list(prompt)
+        self.output_token_ids: list[int] = []
+        self.spec_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks, grown lazily
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        stop_ids = set(sampling_params.stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            stop_ids.add(eos_token_id)
+        self.stop_ids = frozenset(stop_ids)
+        self.max_tokens = sampling_params.max_tokens
+        self.min_tokens = sampling_params.min_tokens
+        self.seq = 0  # admission-order tie breaker, set by the scheduler
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+                f"outputs={len(self.output_token_ids)}, spec={len(self.spec_token_ids)})")

@@ -1,0 +1,377 @@
+"""The token-budget scheduler: one allocation loop over running, then waiting requests.
+
+``schedule()`` and ``update_from_output()`` alternate: a plan is computed, executed,
+and its result applied before the next plan. ``num_computed_tokens`` advances in
+``update_from_output`` (it always means "KV in the cache"), so a plan's records
+carry the count from before the step. ``abort_requests``/``finish_requests`` may be
+called at any time, also while a step is in flight: the request's blocks are freed
+at once and its late results are ignored. See docs/architecture.md for the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from weir.services.scheduler.kv_cache_manager import KVCacheManager
+from weir.services.scheduler.request import FINISH_REASONS, Request, RequestStatus
+from weir.services.scheduler.request_queue import FcfsQueue, PriorityQueue, priority_key
+from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.protocol import CachedRequests, NewRequest, RequestOutput, StepPlan, StepResult
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int  # cumulative
+    prefix_cache_queries: int  # cumulative, tokens looked up at admission
+    prefix_cache_hits: int  # cumulative, tokens found
+    num_scheduled_tokens: int  # of the last plan
+    num_free_blocks: int
+    num_blocks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(cache_config)
+        self.requests: dict[str, Request] = {}
+        self.waiting: FcfsQueue | PriorityQueue = (
+            PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue())
+        self.running: list[Request] = []  # admission order
+        self._finished_req_ids: list[str] = []  # since the last plan
+        self._watermark_blocks = int(scheduler_config.watermark * cache_config.num_blocks)
+        self._next_seq = 0
+        self._step_id = 0
+        self._num_preemptions = 0
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
+        self._last_num_scheduled_tokens = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ``ValueError`` for a duplicate id, a prompt longer
+        than ``max_model_len``, or one whose longest possible KV footprint (prompt +
+        max_tokens - 1 tokens, capped at ``max_model_len``) exceeds the whole cache:
+        such a request could never finish and would otherwise wait forever."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} already exists")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} has already been scheduled")
+        max_len = self.scheduler_config.max_model_len
+        if request.num_prompt_tokens > max_len:
+            raise ValueError(f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens, "
+                             f"more than max_model_len={max_len}")
+        footprint = min(request.num_prompt_tokens + request.max_tokens - 1, max_len)
+        kv = self.kv_cache_manager
+        if kv.num_blocks_for(footprint) > kv.num_blocks:
+            raise ValueError(f"request {rid!r}: up to {footprint} tokens of KV need "
+                             f"{kv.num_blocks_for(footprint)} blocks but the cache has only "
+                             f"{kv.num_blocks}")
+        request.seq = self._next_seq
+        self._next_seq += 1
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort (client went away, timeout): same as ``finish_requests`` with
+        FINISHED_ABORTED."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str] | str,
+                        status: RequestStatus) -> list[RequestOutput]:
+        """End requests from outside the step loop (abort, or a stop string found by
+        the detokenizer with FINISHED_STOPPED). Blocks are freed at once, the ids go
+        into the next plan's ``finished_req_ids``. Unknown or already finished ids are
+        ignored. Returns one final ``RequestOutput`` per request ended here."""
+        if status not in FINISH_REASONS:
+            raise ValueError(f"status must be a finished status, got {status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            if request.status is _RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            outputs.append(RequestOutput(rid, [], True, FINISH_REASONS[status],
+                                         request.num_cached_tokens))
+        return outputs
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
+        self._finished_req_ids.append(request.request_id)
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Set the next step's draft tokens (call after ``update_from_output``). Drafts
+        for a request that is not decoding (partial prefill, waiting, finished) are
+        dropped; they are capped at ``num_speculative_tokens`` (when > 0) and at what
+        ``max_tokens`` can still accept."""
+        cap = self.scheduler_config.num_speculative_tokens
+        for rid, drafts in draft_token_ids.items():
+            request = self.requests.get(rid)
+            if request is None or request.status is not _RUNNING:
+                continue
+            if request.num_computed_tokens != len(request.all_token_ids) - 1:
+                request.spec_token_ids = []
+                continue
+            room = request.max_tokens - len(request.output_token_ids) - 1
+            if cap and cap < room:
+                room = cap
+            request.spec_token_ids = list(drafts[:room]) if room > 0 else []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(len(self.waiting))
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage, num_preemptions=self._num_preemptions,
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
+            num_scheduled_tokens=self._last_num_scheduled_tokens,
+            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> StepPlan:
+        config = self.scheduler_config
+        kv = self.kv_cache_manager
+        budget = config.max_num_batched_tokens
+        threshold = config.long_prefill_token_threshold
+        max_model_len = config.max_model_len
+        block_size = kv.block_size
+        running = self.running
+
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        new_blocks: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            num_new = num_tokens + len(request.spec_token_ids) - computed
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_model_len - computed:
+                num_new = max_model_len - computed
+
+            # Fast path: the last block still has room (most decode steps).
+            if computed + num_new > len(request.block_ids) * block_size:
+                while (blocks := kv.allocate_slots(request, num_new)) is None:
+                    victim = self._pick_victim()
+                    victim_index = running.index(victim)
+                    budget += self._preempt(victim, num_scheduled, spec_tokens, new_blocks,
+                                            scheduled_running)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                    if victim_index < i:
+                        i -= 1
+                if blocks is None:
+                    continue  # this request was the victim; running[i] is the next one
+                if blocks:
+                    new_blocks[request.request_id] = blocks
+
+            rid = request.request_id
+            num_scheduled[rid] = num_new
+            budget -= num_new
+            num_drafts = computed + num_new - num_tokens
+            if num_drafts > 0:
+                spec_tokens[rid] = request.spec_token_ids[:num_drafts]
+            scheduled_running.append(request)
+            i += 1
+
+        cached = CachedRequests([r.request_id for r in scheduled_running],
+                                [r.num_computed_tokens for r in scheduled_running], new_blocks)
+        new_requests: list[NewRequest] = []
+        if not preempted:
+            budget = self._admit(budget, num_scheduled, new_requests, cached)
+
+        total = config.max_num_batched_tokens - budget
+        self._last_num_scheduled_tokens = total
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        self._step_id += 1
+        return StepPlan(num_scheduled, total, spec_tokens, new_requests, cached,
+                        [r.request_id for r in preempted], finished, self._step_id)
+
+    def _pick_victim(self) -> Request:
+        if self.scheduler_config.policy == "priority":
+            return max(self.running, key=priority_key)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, num_scheduled: dict[str, int],
+                 spec_tokens: dict[str, list[int]], new_blocks: dict[str, list[int]],
+                 scheduled_running: list[Request]) -> int:
+        """Recompute-preemption; returns the budget the victim held in this step (only
+        under the priority policy can the victim already be scheduled)."""
+        rid = victim.request_id
+        returned = num_scheduled.pop(rid, 0)
+        if returned:
+            scheduled_running.remove(victim)
+            spec_tokens.pop(rid, None)
+            new_blocks.pop(rid, None)
+        if self.running[-1] is victim:
+            self.running.pop()
+        else:
+            self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.requeue(victim)
+        return returned
+
+    def _admit(self, budget: int, num_scheduled: dict[str, int],
+               new_requests: list[NewRequest], cached: CachedRequests) -> int:
+        config = self.scheduler_config
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        running = self.running
+        threshold = config.long_prefill_token_threshold
+        while len(waiting) and budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting.peek()
+            hits = kv.get_computed_blocks(request)
+            num_tokens = len(request.all_token_ids)
+            num_hit_tokens = len(hits) * kv.block_size
+            num_new = num_tokens - num_hit_tokens
+            if not config.enable_chunked_prefill:
+                if num_new > budget:
+                    break  # waits whole; nothing behind it jumps the queue
+            else:
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > budget:
+                    num_new = budget
+            reserve = self._watermark_blocks if running else 0
+            if kv.num_blocks_to_admit(request, hits) > kv.num_free_blocks - reserve:
+                break
+            waiting.pop()
+            kv.admit(request, hits)
+            kv.allocate_slots(request, num_new)  # fits: checked for the whole prompt above
+            self._prefix_cache_queries += num_tokens
+            self._prefix_cache_hits += num_hit_tokens
+            rid = request.request_id
+            if request.status is RequestStatus.PREEMPTED:
+                cached.append(rid, list(request.block_ids), num_hit_tokens,
+                              list(request.output_token_ids))
+            else:
+                request.num_cached_tokens = num_hit_tokens
+                new_requests.append(NewRequest(rid, request.prompt_token_ids,
+                                               request.sampling_params, list(request.block_ids),
+                                               num_hit_tokens))
+            request.status = _RUNNING
+            running.append(request)
+            num_scheduled[rid] = num_new
+            budget -= num_new
+        return budget
+
+    # ------------------------------------------------------------------ applying a result
+
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Advance every request of ``plan`` by what it computed, append sampled tokens
+        (rolling back rejected drafts), apply stops, free finished requests. Returns one
+        ``RequestOutput`` per request that produced tokens or finished."""
+        kv = self.kv_cache_manager
+        caching = kv.enable_prefix_caching
+        block_size = kv.block_size
+        max_model_len = self.scheduler_config.max_model_len
+        requests = self.requests
+        sampled_token_ids = result.sampled_token_ids
+        logprobs = result.logprobs
+        spec_tokens = plan.scheduled_spec_decode_tokens
+        outputs: list[RequestOutput] = []
+        finished: list[Request] = []
+
+        for rid, num_new in plan.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if request is None or request.status is not _RUNNING:
+                continue  # ended (abort, stop string) while the step was in flight
+            sampled = sampled_token_ids.get(rid)
+            computed = request.num_computed_tokens + num_new
+            if spec_tokens and rid in spec_tokens:
+                # ``sampled`` = accepted drafts + one bonus token: the KV of every
+                # rejected draft is invalid, so roll back over them.
+                num_drafts = len(spec_tokens[rid])
+                if sampled and len(sampled) > num_drafts + 1:
+                    sampled = sampled[:num_drafts + 1]
+                computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
+                request.spec_token_ids = []
+            all_tokens = request.all_token_ids
+            num_tokens = len(all_tokens)
+            if computed < num_tokens:
+                request.num_computed_tokens = computed  # prefill still partial: no token
+            elif not sampled:
+                logger.warning("request %s completed a step but got no token; recomputing", rid)
+                request.num_computed_tokens = num_tokens - 1
+                continue
+            else:
+                request.num_computed_tokens = computed
+                outputs_so_far = request.output_token_ids
+                stop_ids = request.stop_ids
+                status = None
+                count = 0
+                for token in sampled:
+                    outputs_so_far.append(token)
+                    all_tokens.append(token)
+                    count += 1
+                    num_outputs = len(outputs_so_far)
+                    if token in stop_ids and num_outputs >= request.min_tokens:
+                        status = _STOPPED
+                        break
+                    if num_outputs >= request.max_tokens or len(all_tokens) >= max_model_len:
+                        status = _LENGTH
+                        break
+                new_tokens = sampled if count == len(sampled) else sampled[:count]
+                lp = logprobs.get(rid) if logprobs else None
+                if lp is not None and len(lp) > count:
+                    lp = lp.head(count)
+                if status is None:
+                    outputs.append(RequestOutput(rid, new_tokens, False, None,
+                                                 request.num_cached_tokens, lp))
+                else:
+                    request.status = status
+                    finished.append(request)
+                    outputs.append(RequestOutput(rid, new_tokens, True, FINISH_REASONS[status],
+                                                 request.num_cached_tokens, lp))
+            if caching and (min(request.num_computed_tokens, len(all_tokens)) // block_size
+                            > request.num_cached_blocks):
+                kv.cache_blocks(request)
+
+        if finished:
+            for request in finished:
+                del requests[request.request_id]
+                self._release(request)
+            self.running[:] = [r for r in self.running if r.status is _RUNNING]
+        return outputs

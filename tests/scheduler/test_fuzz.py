@@ -1,0 +1,128 @@
+"""Random traffic through a tiny cache: budget/leak invariants and exact outputs."""
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .fake_executor import EOS, FakeExecutor, reference_generate, toy_next_token
+from weir.services.scheduler import Request, RequestStatus, Scheduler
+from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.protocol import (decode_step_plan, decode_step_result, encode_step_plan,
+                                  encode_step_result)
+from weir.shared.sampling import SamplingParams
+
+
+@st.composite
+def scenarios(draw):
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    config = SchedulerConfig(
+        max_num_batched_tokens=draw(st.integers(8, 64)),
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_model_len=draw(st.integers(16, 48)),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5])),
+        watermark=draw(st.sampled_from([0.0, 0.1])),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        num_speculative_tokens=draw(st.sampled_from([0, 2, 3])))
+    num_blocks = -(-config.max_model_len // block_size) + draw(st.integers(0, 12))
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                        enable_prefix_caching=draw(st.booleans()))
+    return config, cache, draw(st.integers(0, 2**32 - 1))
+
+
+def _check_plan(plan, config, scheduler):
+    counts = plan.num_scheduled_tokens
+    assert sum(counts.values()) == plan.total_num_scheduled_tokens
+    assert plan.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    assert len(counts) <= config.max_num_seqs and len(scheduler.running) <= config.max_num_seqs
+    if config.long_prefill_token_threshold:
+        assert max(counts.values(), default=0) <= max(config.long_prefill_token_threshold,
+                                                      1 + config.num_speculative_tokens)
+    if plan.preempted_req_ids:
+        assert not plan.new_requests
+        assert not any(c.resumed for c in plan.cached_requests)
+    kv = scheduler.kv_cache_manager
+    referenced = {b for r in scheduler.running for b in r.block_ids}
+    assert kv.num_free_blocks == kv.num_blocks - len(referenced)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_traffic(scenario):
+    config, cache, seed = scenario
+    rng = random.Random(seed)
+    scheduler = Scheduler(config, cache)
+    executor = FakeExecutor(cache.num_blocks, cache.block_size)
+    expected: dict[str, tuple[list[int], str]] = {}
+    produced: dict[str, list[int]] = {}
+    ended: dict[str, str] = {}
+    shared_prefix = [rng.randrange(1, 64) for _ in range(12)]
+    num_requests = rng.randint(4, 14)
+    next_id = 0
+
+    for step in range(400):
+        if next_id < num_requests and rng.random() < 0.4:
+            rid = f"r{next_id}"
+            next_id += 1
+            length = rng.randint(1, config.max_model_len)
+            if rng.random() < 0.5:
+                prompt = (shared_prefix + [rng.randrange(1, 64) for _ in range(length)])[:length]
+            else:
+                prompt = [rng.randrange(1, 64) for _ in range(length)]
+            max_tokens = rng.randint(1, 12)
+            params = SamplingParams(max_tokens=max_tokens,
+                                    min_tokens=min(max_tokens, rng.choice([0, 0, 2])),
+                                    ignore_eos=rng.random() < 0.2,
+                                    stop_token_ids=rng.choice([(), (5,)]))
+            request = Request(rid, prompt, params, eos_token_id=EOS, priority=rng.randint(0, 2))
+            try:
+                scheduler.add_request(request)
+            except ValueError:
+                continue  # refused up front: could never fit the cache
+            expected[rid] = reference_generate(
+                prompt, params.max_tokens, params.min_tokens,
+                None if params.ignore_eos else EOS, params.stop_token_ids, config.max_model_len)
+            produced[rid] = []
+        if rng.random() < 0.05 and scheduler.requests:
+            victim = rng.choice(sorted(scheduler.requests))
+            for out in scheduler.abort_requests([victim]):
+                assert out.request_id not in ended
+                ended[out.request_id] = "abort"
+
+        plan = decode_step_plan(encode_step_plan(scheduler.schedule()))
+        _check_plan(plan, config, scheduler)
+        result = decode_step_result(encode_step_result(executor.execute(plan)))
+        if rng.random() < 0.03 and plan.num_scheduled_tokens:
+            # An abort arriving while the step is in flight: its late tokens are dropped.
+            victim = rng.choice(sorted(plan.num_scheduled_tokens))
+            for out in scheduler.abort_requests([victim]):
+                ended[out.request_id] = "abort"
+        for out in scheduler.update_from_output(plan, result):
+            assert out.request_id not in ended, f"{out.request_id} answered after it ended"
+            produced[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                ended[out.request_id] = out.finish_reason
+        if config.num_speculative_tokens:
+            drafts = {}
+            for request in scheduler.running:
+                tokens = list(request.all_token_ids)
+                guess = []
+                for _ in range(config.num_speculative_tokens):
+                    good = toy_next_token(tokens + guess)
+                    guess.append(good if rng.random() < 0.6 else (good + 1) % 64)
+                drafts[request.request_id] = guess
+            scheduler.update_draft_token_ids(drafts)
+        if next_id >= num_requests and not scheduler.has_unfinished_requests():
+            break
+
+    assert not scheduler.has_unfinished_requests(), "requests left unfinished after 400 steps"
+    assert set(ended) == set(expected), "every admitted request ends exactly once"
+    for rid, (tokens, reason) in expected.items():
+        if ended[rid] == "abort":
+            assert produced[rid] == tokens[:len(produced[rid])]
+        else:
+            assert (produced[rid], ended[rid]) == (tokens, reason), rid
+    kv = scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(block.ref_cnt == 0 for block in kv.pool.blocks)
+    assert scheduler.stats().num_running == 0
