@@ -32,6 +32,7 @@ from weir.kernels.triton_cache import reshape_and_cache
 
 __all__ = [
     "NUM_SEGMENTS",
+    "attention_constexprs",
     "SplitKVWorkspace",
     "allocate_split_kv_workspace",
     "paged_attention",
@@ -42,6 +43,13 @@ __all__ = [
 # grid depend only on shapes.
 NUM_SEGMENTS = 16
 TILE_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+MERGE_NUM_WARPS = 4
+# Compiled for sm_90 (Triton 3.8), a 16-row decode tile uses about 120 registers per thread and
+# 39 KB of shared memory, so about four programs share an SM; fewer busy programs than that per SM
+# leaves memory bandwidth unused, and the split-KV path is taken instead.
+PROGRAMS_PER_SM = 4
 LOG2_E = 1.4426950408889634
 
 
@@ -240,6 +248,23 @@ def _tile_rows(group: int, max_query_len: int) -> int:
     return min(max(wanted, 16), max(64, triton.next_power_of_2(group)))
 
 
+def attention_constexprs(
+    group: int, head_dim: int, max_query_len: int, num_segments: int, cache_dtype: torch.dtype
+) -> dict[str, int | str]:
+    """Compile-time parameters of the attention kernel for one batch shape (num_segments 1 = single pass)."""
+    block_m = _tile_rows(group, max_query_len)
+    return {
+        "GROUP": group,
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_m // group,
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "TILE_N": TILE_N,
+        "NUM_SEGMENTS": num_segments,
+        # tl.dot on fp32 would otherwise round its inputs to tf32.
+        "DOT_PRECISION": "ieee" if cache_dtype == torch.float32 else "tf32",
+    }
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
@@ -265,10 +290,10 @@ def paged_attention(
     back to the host. Optional keyword arguments, all host-side:
       out           preallocated [T, num_heads, head_dim] result; rows of tokens outside every request
                     are unspecified, as in the reference.
-      max_query_len longest query of the step, known to the caller; only picks the tile size. Without
-                    it T - R + 1 is used, exact when every request has at least one query token.
-      split_kv      force (True) or forbid (False) the split-KV path; None decides from the grid size
-                    against the GPU's SM count.
+      max_query_len longest query of the step, known to the caller; only picks the tile size and the
+                    path. Without it T - R + 1 is used, exact when every request has a query token.
+      split_kv      force (True) or forbid (False) the split-KV path; None takes it for decode-like
+                    batches whose grid would leave the GPU's SMs short of work.
       workspace     split-KV buffers from allocate_split_kv_workspace; allocated per call if absent.
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -290,30 +315,26 @@ def paged_attention(
     group = num_heads // num_kv_heads
     if max_query_len is None:
         max_query_len = num_tokens - num_requests + 1 if num_tokens >= num_requests else num_tokens
-    block_m = _tile_rows(group, max_query_len)
-    block_q = block_m // group
-    block_d = triton.next_power_of_2(head_dim)
-    num_q_blocks = num_tokens // block_q + num_requests
-
+    block_q = _tile_rows(group, max_query_len) // group
     if split_kv is None:
-        # Worth it only when every request is one query block and the grid leaves SMs idle.
         split_kv = (
             max_query_len <= block_q
-            and num_q_blocks * num_kv_heads < _num_sms(query.device)
+            and num_requests * num_kv_heads < PROGRAMS_PER_SM * _num_sms(query.device)
             and (workspace is None or workspace.max_num_tokens >= num_tokens)
         )
+    constexprs = attention_constexprs(group, head_dim, max_query_len, NUM_SEGMENTS if split_kv else 1, kv_cache.dtype)
+    block_d = constexprs["BLOCK_D"]
     if split_kv:
         if workspace is None:
             workspace = allocate_split_kv_workspace(num_tokens, num_heads, head_dim, query.device)
         elif workspace.max_num_tokens < num_tokens or workspace.acc.shape[1:] != (num_heads, NUM_SEGMENTS, block_d):
             raise ValueError("split-KV workspace does not fit this batch")
         segm_acc, segm_max, segm_sum = workspace.acc, workspace.max, workspace.sum
-        num_segments = NUM_SEGMENTS
     else:
         segm_acc = segm_max = segm_sum = out  # unused on the single-pass path
-        num_segments = 1
 
-    _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_segments)](
+    grid = (num_tokens // block_q + num_requests, num_kv_heads, constexprs["NUM_SEGMENTS"])
+    _unified_attention_kernel[grid](
         query,
         kv_cache,
         out,
@@ -338,15 +359,9 @@ def paged_attention(
         kv_cache.stride(3),
         block_table.stride(0),
         block_table.stride(1),
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        BLOCK_D=block_d,
-        TILE_N=TILE_N,
-        NUM_SEGMENTS=num_segments,
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=3,
+        **constexprs,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if split_kv:
         _merge_segments_kernel[(num_tokens, num_heads)](
@@ -360,6 +375,6 @@ def paged_attention(
             out.stride(1),
             BLOCK_D=block_d,
             NUM_SEGMENTS=NUM_SEGMENTS,
-            num_warps=4 if block_d >= 128 else 2,
+            num_warps=MERGE_NUM_WARPS,
         )
     return out

@@ -1,0 +1,100 @@
+"""The kernels compile for an H200 (sm_90) on a machine without a GPU.
+
+Triton compiles ahead of time to a cubin with its bundled ptxas; no driver is needed. This
+catches code the interpreter runs but the GPU compiler rejects, and register spills. It runs
+in a subprocess because this test process has Triton in interpreter mode. Integer arguments
+get the specialisation a real launch gives them: multiples of 16 are marked divisible by 16
+and arguments equal to 1 become constants.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, os, subprocess, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from weir.kernels import triton_attention as ta, triton_cache as tc
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS_DIR = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_kernel(label, fn, pointers, ints, constexprs, **options):
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            value = ints[name]
+            if value == 1:
+                signature[name] = "constexpr"
+                constexprs = {**constexprs, name: 1}
+                continue
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(PTXAS_DIR, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split())
+    print(json.dumps({"kernel": label, "registers": int(fields["REG"]), "stack": int(fields["STACK"])}))
+
+
+def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_segments, num_requests):
+    cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    constexprs = ta.attention_constexprs(num_heads // num_kv_heads, head_dim, max_query_len, num_segments, cache_dtype)
+    pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr")}
+    pointers |= {name: "fp32" for name in ("segm_acc_ptr", "segm_max_ptr", "segm_sum_ptr")}
+    pointers |= {name: "i32" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
+    block_size, max_blocks = 16, 2048
+    ints = {
+        "num_requests": num_requests, "num_heads": num_heads, "head_dim": head_dim, "block_size": block_size,
+        "stride_qt": (num_heads + 2 * num_kv_heads) * head_dim, "stride_qh": head_dim,
+        "stride_ot": num_heads * head_dim, "stride_oh": head_dim,
+        "stride_c_kv": 4096 * block_size * num_kv_heads * head_dim, "stride_c_block": block_size * num_kv_heads * head_dim,
+        "stride_c_slot": num_kv_heads * head_dim, "stride_c_head": head_dim,
+        "stride_bt_req": max_blocks, "stride_bt_block": 1,
+    }
+    compile_kernel(label, ta._unified_attention_kernel, pointers, ints, constexprs,
+                   num_warps=ta.NUM_WARPS, num_stages=ta.NUM_STAGES)
+
+
+attention("decode", "bf16", 32, 8, 128, 1, 1, 1)
+attention("decode_split", "bf16", 64, 8, 128, 1, ta.NUM_SEGMENTS, 32)
+attention("mixed", "bf16", 32, 8, 128, 512, 1, 40)
+attention("speculative_hd80", "fp16", 8, 8, 80, 4, 1, 8)
+compile_kernel("merge", ta._merge_segments_kernel, {n: t for n, t in (("out_ptr", "bf16"), ("segm_acc_ptr", "fp32"),
+               ("segm_max_ptr", "fp32"), ("segm_sum_ptr", "fp32"))},
+               {"num_heads": 32, "head_dim": 128, "stride_ot": 4096, "stride_oh": 128},
+               {"BLOCK_D": 128, "NUM_SEGMENTS": ta.NUM_SEGMENTS}, num_warps=ta.MERGE_NUM_WARPS)
+compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
+               {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
+               {"stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128, "stride_c_kv": 2**26,
+                "stride_c_block": 16384, "stride_c_slot": 1024, "stride_c_head": 128, "num_kv_heads": 8,
+                "head_dim": 128, "block_size": 16},
+               {"BLOCK_H": 8, "BLOCK_D": 128}, num_warps=4)
+"""
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=500, check=False
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    kernels = {entry["kernel"]: entry for entry in map(json.loads, result.stdout.splitlines())}
+    assert set(kernels) == {"decode", "decode_split", "mixed", "speculative_hd80", "merge", "reshape_and_cache"}
+    spilled = {name: entry for name, entry in kernels.items() if entry["stack"] != 0}
+    assert not spilled, f"register spills on sm_90: {spilled}"
