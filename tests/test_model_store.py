@@ -21,10 +21,7 @@ EXPECTED_MESSAGE = "expected a Hugging Face model directory (config.json, *.safe
 def transformers_from_gguf() -> torch.nn.Module:
     """SmolLM2 as transformers loads the original GGUF file (its own dequantization and renaming)."""
     path = default_gguf_path()
-    # transformers refuses GGUF unless `accelerate` is installed, which its GGUF path does not otherwise use.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
-        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
     return model.eval()
 
 
