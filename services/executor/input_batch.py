@@ -20,7 +20,7 @@ class StepInputs:
 
     req_ids: list[str]
     slots: np.ndarray  # [R] slot of each scheduled request
-    input_ids: np.ndarray  # [T] int64
+    input_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int64
     query_start_loc: np.ndarray  # [R + 1] int32
     seq_lens: np.ndarray  # [R] int32
@@ -51,7 +51,7 @@ class InputBatch:
     def _grow(self, capacity: int) -> None:
         old = self.capacity
         if old == 0:
-            self.token_ids = np.zeros((capacity, self.max_model_len), dtype=np.int64)
+            self.token_ids = np.zeros((capacity, self.max_model_len), dtype=np.int32)
             self.block_table = np.zeros((capacity, self.max_blocks_per_req), dtype=np.int32)
             self.num_blocks = np.zeros(capacity, dtype=np.int32)
             self.num_tokens = np.zeros(capacity, dtype=np.int32)  # prompt + outputs the executor knows

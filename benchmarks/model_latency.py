@@ -1,0 +1,76 @@
+"""Load time and greedy decode latency of ModelRunner on the default (or a given) model.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/model_latency.py [--model DIR] [--batch 1 4]
+
+"cold" is the first ModelRunner built in a fresh process (weights possibly still in the OS
+page cache from an earlier run); "warm" is a second one built in the same process. Decode
+latency is the wall time of `ModelRunner.execute` for one decode step, per generated token
+of one request, over `--tokens` steps after the prefill.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from weir.services.executor.model_runner import ModelRunner
+from weir.shared.model_store import resolve_model
+from weir.shared.protocol import CachedRequest, NewRequest, StepPlan
+from weir.shared.sampling import SamplingParams
+
+
+def decode_latency(runner: ModelRunner, batch: int, prompt_len: int, num_tokens: int) -> list[float]:
+    """Seconds per decode step with `batch` requests of `prompt_len` prompt tokens, greedy."""
+    blocks_per_req = -(-(prompt_len + num_tokens + 1) // runner.block_size)
+    params = SamplingParams(max_tokens=num_tokens + 1, temperature=0.0, ignore_eos=True)
+    ids = [f"r{i}" for i in range(batch)]
+    new = [
+        NewRequest(rid, [(7 * i + j) % 1000 + 10 for j in range(prompt_len)], params,
+                   list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), 0)
+        for i, rid in enumerate(ids)
+    ]
+    runner.execute(StepPlan({rid: prompt_len for rid in ids}, batch * prompt_len, new_requests=new))
+    times = []
+    for step in range(num_tokens):
+        computed = prompt_len + step
+        plan = StepPlan({rid: 1 for rid in ids}, batch, cached_requests=[CachedRequest(rid, [], computed) for rid in ids],
+                        step_id=step + 1)
+        start = time.perf_counter()
+        runner.execute(plan)
+        times.append(time.perf_counter() - start)
+    runner.execute(StepPlan(finished_req_ids=ids))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)")
+    args = parser.parse_args()
+
+    model_dir = resolve_model(args.model)
+    kwargs = dict(device="cpu", kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=4096,
+                  max_num_seqs=max(args.batch), num_threads=args.threads)
+    start = time.perf_counter()
+    ModelRunner(model_dir, **kwargs)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    runner = ModelRunner(model_dir, **kwargs)
+    warm = time.perf_counter() - start
+    print(f"model {model_dir.name}, torch threads {torch.get_num_threads()}, dtype {runner.dtype}")
+    print(f"load: cold {cold:.2f} s, warm {warm:.2f} s ({runner.num_blocks} KV blocks)")
+    for batch in args.batch:
+        times = decode_latency(runner, batch, args.prompt_len, args.tokens)
+        print(
+            f"batch {batch}: decode step mean {1e3 * statistics.mean(times):.1f} ms, "
+            f"median {1e3 * statistics.median(times):.1f} ms "
+            f"({1e3 * statistics.median(times) / batch:.1f} ms per token), over {len(times)} steps"
+        )
+
+
+if __name__ == "__main__":
+    main()
