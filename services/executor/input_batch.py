@@ -159,8 +159,10 @@ class InputBatch:
 
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         req_ids = list(plan.num_scheduled_tokens)
-        slot_of = self.slot_of
-        slots = np.fromiter((slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        try:
+            slots = np.fromiter(map(self.slot_of.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+        except KeyError as exc:
+            raise ValueError(f"scheduled request {exc.args[0]!r} is not in the batch") from None
         num_sched = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         num_spec = np.zeros(len(req_ids), dtype=np.int64)
         num_tokens = self.num_tokens[slots].astype(np.int64)

@@ -148,7 +148,7 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, self._to_device(positions), meta, kv_caches)
-        logits = self.model.compute_logits(hidden[self._to_device(query_start_loc[1:] - 1)])
+        logits = self.model.compute_logits(hidden[self._to_device(query_start_loc[1:].astype(np.int64) - 1)])
         ones = np.ones(num_reqs, dtype=np.float32)
         batch = SamplingBatch.build(
             ones, np.full(num_reqs, 50), ones * 0.9, ones * 0.1, device=self.device, num_logprobs=20
