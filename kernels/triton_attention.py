@@ -36,6 +36,7 @@ __all__ = [
     "SplitKVWorkspace",
     "allocate_split_kv_workspace",
     "paged_attention",
+    "prefers_split_kv",
     "reshape_and_cache",
 ]
 
@@ -271,6 +272,17 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def prefers_split_kv(
+    num_requests: int, num_heads: int, num_kv_heads: int, max_query_len: int, device: torch.device
+) -> bool:
+    """Whether paged_attention takes the split-KV path by default: every request fits one query
+    tile (decodes, short speculative queries) and there are too few (request, KV head) programs
+    to keep the GPU's SMs busy. Never on a CPU (the interpreter)."""
+    group = num_heads // num_kv_heads
+    fits_one_tile = max_query_len <= _tile_rows(group, max_query_len) // group
+    return fits_one_tile and num_requests * num_kv_heads < PROGRAMS_PER_SM * _num_sms(device)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -315,12 +327,9 @@ def paged_attention(
     group = num_heads // num_kv_heads
     if max_query_len is None:
         max_query_len = num_tokens - num_requests + 1 if num_tokens >= num_requests else num_tokens
-    block_q = _tile_rows(group, max_query_len) // group
     if split_kv is None:
-        split_kv = (
-            max_query_len <= block_q
-            and num_requests * num_kv_heads < PROGRAMS_PER_SM * _num_sms(query.device)
-            and (workspace is None or workspace.max_num_tokens >= num_tokens)
+        split_kv = prefers_split_kv(num_requests, num_heads, num_kv_heads, max_query_len, query.device) and (
+            workspace is None or workspace.max_num_tokens >= num_tokens
         )
     constexprs = attention_constexprs(group, head_dim, max_query_len, NUM_SEGMENTS if split_kv else 1, kv_cache.dtype)
     block_d = constexprs["BLOCK_D"]
@@ -333,6 +342,7 @@ def paged_attention(
     else:
         segm_acc = segm_max = segm_sum = out  # unused on the single-pass path
 
+    block_q = constexprs["BLOCK_Q"]
     grid = (num_tokens // block_q + num_requests, num_kv_heads, constexprs["NUM_SEGMENTS"])
     _unified_attention_kernel[grid](
         query,

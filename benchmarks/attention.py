@@ -1,0 +1,289 @@
+"""Benchmark the Triton paged attention against PyTorch SDPA on equivalent dense tensors.
+
+Decode batches (1..256 sequences, context 512..32k) and mixed batches (prefill chunks with
+context, decodes, speculative queries). For each: kernel time, achieved memory bandwidth
+(bytes of K/V read plus Q read and O written, divided by the time) and its share of the
+device's peak, for the Triton kernel (single pass, split-KV, and which one the default
+picks) and for torch's scaled_dot_product_attention in the same run, plus the largest
+difference between the two outputs. Writes its table into docs/benchmarks.md between
+the attention markers, leaving the rest of the file alone.
+
+Usage: python benchmarks/attention.py [--quick] [--peak-gbps N] [--no-write]
+Needs a CUDA GPU; elsewhere it exits with status 2.
+"""
+
+import argparse
+import datetime
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- attention:begin -->", "<!-- attention:end -->"
+# Peak HBM bandwidth in GB/s by device name, from the vendors' data sheets.
+PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0,
+             "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100-SXM4-40GB": 1555.0, "L40S": 864.0}
+DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
+DECODE_CONTEXTS = [512, 4096, 16384, 32768]
+QUICK_DECODE = [(1, 512), (32, 4096), (256, 4096)]
+
+
+@dataclass(slots=True)
+class Batch:
+    """A step as (context_len, query_len) per request."""
+
+    name: str
+    requests: list[tuple[int, int]]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for _, q in self.requests)
+
+
+@dataclass(slots=True)
+class Result:
+    batch: Batch
+    single_ms: float
+    split_ms: float | None
+    auto_split: bool
+    sdpa_ms: float | None
+    bytes_moved: int
+    max_abs_diff: float | None
+
+    @property
+    def default_ms(self) -> float:
+        """Time of the path paged_attention takes by default."""
+        return self.split_ms if self.auto_split and self.split_ms is not None else self.single_ms
+
+
+def mixed_batches() -> list[Batch]:
+    return [
+        Batch("chunk 512 @ctx 2k + 63 decodes @4k", [(2048, 512)] + [(4096, 1)] * 63),
+        Batch("4 prefills 1k + 60 decodes @2k", [(0, 1024)] * 4 + [(2048, 1)] * 60),
+        Batch("64 speculative (1+3) @4k", [(4096, 4)] * 64),
+        Batch("prefill 4k, no context", [(0, 4096)]),
+    ]
+
+
+def decode_batches(quick: bool) -> list[Batch]:
+    shapes = QUICK_DECODE if quick else [(r, c) for c in DECODE_CONTEXTS for r in DECODE_BATCHES]
+    return [Batch(f"decode {r} x {c}", [(c - 1, 1)] * r) for r, c in shapes]
+
+
+def peak_gbps(device_name: str, override: float | None) -> float | None:
+    if override is not None:
+        return override
+    matches = [gbps for key, gbps in PEAK_GBPS.items() if key in device_name]
+    return matches[0] if matches else None
+
+
+def build_step(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> dict:
+    dtype, device, bs = getattr(torch, args.dtype), "cuda", args.block_size
+    hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
+    seq_lens = [c + q for c, q in batch.requests]
+    blocks = [math.ceil(s / bs) for s in seq_lens]
+    physical = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    cursor = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = physical[cursor : cursor + n]
+        cursor += n
+    kv_cache = torch.randn(2, sum(blocks), bs, hkv, d, dtype=dtype, device=device)
+    starts = [0]
+    for _, q in batch.requests:
+        starts.append(starts[-1] + q)
+    return {
+        "query": torch.randn(starts[-1], hq, d, dtype=dtype, device=device),
+        "kv_cache": kv_cache,
+        "query_start_loc": torch.tensor(starts, dtype=torch.int32, device=device),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "block_table": table.to(device),
+        "scale": d**-0.5,
+    }
+
+
+def dense_sdpa_inputs(batch: Batch, step: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The same attention as padded dense tensors: q [R, Hq, max_q, D], k/v [R, Hkv, max_s, D]."""
+    kv_cache, table = step["kv_cache"], step["block_table"]
+    _, _, bs, hkv, d = kv_cache.shape
+    max_q = max(q for _, q in batch.requests)
+    max_s = max(c + q for c, q in batch.requests)
+    num_r = len(batch.requests)
+    q = torch.zeros(num_r, step["query"].shape[1], max_q, d, dtype=kv_cache.dtype, device="cuda")
+    k = torch.zeros(num_r, hkv, max_s, d, dtype=kv_cache.dtype, device="cuda")
+    v = torch.zeros_like(k)
+    mask = None if batch.is_decode and len({c for c, _ in batch.requests}) == 1 else torch.zeros(
+        num_r, 1, max_q, max_s, dtype=torch.bool, device="cuda"
+    )
+    starts = step["query_start_loc"].tolist()
+    for r, (ctx, qlen) in enumerate(batch.requests):
+        s = ctx + qlen
+        pages = table[r, : math.ceil(s / bs)].long()
+        k[r, :, :s] = kv_cache[0, pages].reshape(-1, hkv, d)[:s].transpose(0, 1)
+        v[r, :, :s] = kv_cache[1, pages].reshape(-1, hkv, d)[:s].transpose(0, 1)
+        q[r, :, :qlen] = step["query"][starts[r] : starts[r + 1]].transpose(0, 1)
+        if mask is not None:
+            q_pos = torch.arange(qlen, device="cuda")[:, None] + ctx
+            mask[r, 0, :qlen, :s] = torch.arange(s, device="cuda")[None, :] <= q_pos
+            mask[r, 0, qlen:, 0] = True  # padding rows attend somewhere, so they are not NaN
+    return q, k, v, mask
+
+
+def bytes_moved(batch: Batch, args: argparse.Namespace) -> int:
+    elt = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    kv = sum(c + q for c, q in batch.requests) * args.num_kv_heads * args.head_dim * 2
+    qo = sum(q for _, q in batch.requests) * args.num_heads * args.head_dim * 2
+    return (kv + qo) * elt
+
+
+def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> Result:
+    import triton.testing
+
+    from weir.kernels import triton_attention as ta
+
+    step = build_step(batch, args, gen)
+    num_tokens = step["query"].shape[0]
+    max_query_len = max(q for _, q in batch.requests)
+    workspace = ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda")
+    positional = [step[k] for k in ("query", "kv_cache", "query_start_loc", "seq_lens", "block_table", "scale")]
+    out = torch.empty_like(step["query"])
+
+    def triton_call(split: bool) -> None:
+        ta.paged_attention(*positional, out=out, max_query_len=max_query_len, split_kv=split, workspace=workspace)
+
+    auto_split = ta.prefers_split_kv(len(batch.requests), args.num_heads, args.num_kv_heads, max_query_len,
+                                     torch.device("cuda"))
+    single_ms = triton.testing.do_bench(lambda: triton_call(False))
+    split_ms = triton.testing.do_bench(lambda: triton_call(True)) if auto_split or max_query_len <= 4 else None
+    triton_call(auto_split)
+
+    sdpa_ms = max_abs_diff = None
+    if not args.no_sdpa:
+        q, k, v, mask = dense_sdpa_inputs(batch, step)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def sdpa_call() -> torch.Tensor:
+            return sdpa(q, k, v, attn_mask=mask, scale=step["scale"], enable_gqa=True)
+
+        sdpa_ms = triton.testing.do_bench(sdpa_call)
+        dense = sdpa_call()
+        starts = step["query_start_loc"].tolist()
+        max_abs_diff = max(
+            (out[starts[r] : starts[r + 1]].float() - dense[r, :, :qlen].transpose(0, 1).float()).abs().max().item()
+            for r, (_, qlen) in enumerate(batch.requests)
+        )
+        del q, k, v, mask
+    del step, workspace, out
+    torch.cuda.empty_cache()
+    return Result(batch, single_ms, split_ms, auto_split, sdpa_ms, bytes_moved(batch, args), max_abs_diff)
+
+
+def _gbps(nbytes: int, ms: float | None) -> float | None:
+    return None if ms is None else nbytes / (ms * 1e-3) / 1e9
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def format_table(results: list[Result], peak: float | None) -> list[str]:
+    lines = [
+        "| batch | single µs | split µs | default | GB/s | % peak | SDPA µs | SDPA GB/s | SDPA % peak | max abs diff |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        gbps, sdpa_gbps = _gbps(r.bytes_moved, r.default_ms), _gbps(r.bytes_moved, r.sdpa_ms)
+        pct = None if peak is None else 100 * gbps / peak
+        sdpa_pct = None if peak is None or sdpa_gbps is None else 100 * sdpa_gbps / peak
+        lines.append(
+            f"| {r.batch.name} | {r.single_ms * 1e3:.1f} | {_cell(None if r.split_ms is None else r.split_ms * 1e3, '.1f')}"
+            f" | {'split' if r.auto_split else 'single'} | {gbps:.0f} | {_cell(pct, '.1f')}"
+            f" | {_cell(None if r.sdpa_ms is None else r.sdpa_ms * 1e3, '.1f')} | {_cell(sdpa_gbps, '.0f')}"
+            f" | {_cell(sdpa_pct, '.1f')} | {_cell(r.max_abs_diff, '.2e')} |"
+        )
+    return lines
+
+
+def floor_line(results: list[Result], peak: float | None) -> str:
+    """The issue's floor: decode with >= 32 sequences at >= 4k context reaches >= 70% of peak bandwidth."""
+    covered = [r for r in results if r.batch.is_decode and len(r.batch.requests) >= 32
+               and min(c + q for c, q in r.batch.requests) >= 4096]
+    if peak is None or not covered:
+        return "Floor (decode, >= 32 sequences, >= 4k context, >= 70% of peak): not evaluated."
+    worst = min(covered, key=lambda r: r.bytes_moved / r.default_ms)
+    pct = 100 * _gbps(worst.bytes_moved, worst.default_ms) / peak
+    verdict = "met" if pct >= 70 else "NOT met"
+    return f"Floor (decode, >= 32 sequences, >= 4k context, >= 70% of peak): {verdict}; lowest {pct:.1f}% ({worst.batch.name})."
+
+
+def write_section(section: str, path: Path) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nMeasured numbers only, each with the command that produced it.\n"
+    block = f"{BEGIN}\n{section}\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few decode shapes and the mixed batches")
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--peak-gbps", type=float, help="device peak memory bandwidth (default: from its name)")
+    parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
+    parser.add_argument("--no-write", action="store_true", help=f"print the table, do not update {DOC.name}")
+    parser.add_argument("--output", type=Path, default=DOC)
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("benchmarks/attention.py: no CUDA GPU found; this benchmark only runs on a GPU", file=sys.stderr)
+        return 2
+
+    device_name = torch.cuda.get_device_name()
+    peak = peak_gbps(device_name, args.peak_gbps)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for batch in decode_batches(args.quick) + mixed_batches():
+        results.append(run_batch(batch, args, gen))
+        print("\n".join(format_table(results[-1:], peak)[2:]), flush=True)
+
+    import triton
+
+    command = "python benchmarks/attention.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    section = "\n".join(
+        [
+            "## Attention kernels",
+            "",
+            f"Measured {datetime.date.today().isoformat()} on {device_name}"
+            f" (peak {'unknown' if peak is None else f'{peak:.0f} GB/s'}), torch {torch.__version__},"
+            f" triton {triton.__version__}; {args.dtype}, {args.num_heads} query heads, {args.num_kv_heads} KV heads,"
+            f" head_dim {args.head_dim}, block size {args.block_size}, shuffled blocks.",
+            f"Command: `{command}`. Bandwidth = (K/V read + Q read + O written) / time; times from"
+            " triton.testing.do_bench. SDPA runs on dense (padded, masked where lengths differ) copies.",
+            "",
+            *format_table(results, peak),
+            "",
+            floor_line(results, peak),
+        ]
+    )
+    print(floor_line(results, peak))
+    if args.no_write:
+        print(section)
+    else:
+        write_section(section, args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
