@@ -68,7 +68,8 @@ def _scheduler(args: argparse.Namespace) -> int:
             status, args.parent_pid)
     except (ValueError, OSError) as exc:
         status.error(str(exc))
-        print(f"weir scheduler: {exc}", file=sys.stderr)
+        if args.status_fd is None:  # a supervisor reports it otherwise
+            print(f"weir scheduler: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(server.run())
 

@@ -94,7 +94,9 @@ class ExecutorWorker:
         try:
             runner = self._load_runner()
         except Exception as exc:
-            _log.exception("executor %d failed to load the model", opts.rank)
+            # A bad option or missing model needs its message, not a traceback.
+            _log.error("executor %d failed to start: %s", opts.rank, exc,
+                       exc_info=not isinstance(exc, ValueError))
             self.status.error(f"{type(exc).__name__}: {exc}")
             return 1
         info = runner.handshake_info()

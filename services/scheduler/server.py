@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import errno
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -425,7 +426,7 @@ class SchedulerServer:
             self._reported_ready = True
             self.status.ready(
                 client_address=self.client_address, executor_address=self.executor_address,
-                metrics_address=self.metrics_address, model_name=self.model_name,
+                metrics_address=self.metrics_address, model_name=self.model_name, pid=os.getpid(),
                 num_blocks=self._num_blocks,
                 executors=[{"rank": r.hello.rank, "pid": r.hello.pid, "num_blocks": r.hello.num_blocks,
                             "metrics_address": r.hello.metrics_address}

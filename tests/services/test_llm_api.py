@@ -1,0 +1,34 @@
+"""The offline LLM API: batch generation through real scheduler and executor processes."""
+
+from pathlib import Path
+
+import pytest
+from serving_helpers import hf_greedy
+
+from weir.services import LLM, Completion
+from weir.shared.sampling import SamplingParams
+
+
+def test_llm_generate_batches_prompts_in_order_and_matches_transformers(tiny_model_dir, tiny_hf_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = ["Hello there", [5, 6, 7, 8], "One fish, two fish, red fish, blue fish. " * 3]
+    lengths = (3, 6, 9)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    with LLM(str(tiny_model_dir), max_num_batched_tokens=16, kv_cache_memory="1MiB") as llm:
+        pids = [llm.server_info["pid"]] + [e["pid"] for e in llm.server_info["executors"]]
+        completions = llm.generate(prompts, params)
+        [single] = llm.generate("Hello there", params[0])
+        with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+            llm.generate(prompts, params[:2])
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+    assert [type(c) for c in completions] == [Completion] * 3
+    for prompt, n, c in zip(prompts, lengths, completions):
+        want_prompt = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        assert c.prompt_token_ids == want_prompt
+        assert c.token_ids == hf_greedy(tiny_hf_model, want_prompt, n)
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        assert c.finish_reason == "length" and c.request_id
+    assert single.token_ids == completions[0].token_ids

@@ -1,0 +1,158 @@
+"""Process lifecycle: `weir serve` start-up, supervision and shutdown; executor death and recovery."""
+
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from weir.shared.client import EngineError, WeirClient
+from weir.shared.sampling import SamplingParams
+
+WEIR = [sys.executable, "-m", "weir.services.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float = 120.0) -> str:
+    """stdout of ``proc`` (opened unbuffered, bytes) up to the first ``marker``."""
+    data, deadline = b"", time.monotonic() + timeout
+    while marker.encode() not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or proc.poll() is not None:
+            raise AssertionError(f"no {marker!r} in output: {data!r} (exit code {proc.poll()})")
+        if select.select([proc.stdout], [], [], remaining)[0]:
+            data += os.read(proc.stdout.fileno(), 65536)
+    return data.decode()
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
+    proc = subprocess.Popen(
+        [*WEIR, "serve", "--model", str(tiny_model_dir), "--port", "0", "--metrics-port", "0",
+         "--executor-metrics-port", "0", "--kv-cache-memory", "1MiB"],
+        stdout=subprocess.PIPE, bufsize=0, env=ENV)
+    try:
+        banner = read_until(proc, "Press Ctrl-C")
+        address = re.search(r"clients:\s+(\S+)", banner).group(1)
+        children = children_of(proc.pid)
+        assert len(children) == 2  # the scheduler and one executor
+        out = subprocess.run([*WEIR, "generate", "Hello", "--max-tokens", "5", "--ignore-eos",
+                              "--address", address, "-v"],
+                             capture_output=True, text=True, env=ENV, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "5 completion tokens, finish_reason=length" in out.stderr
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert not [pid for pid in children if alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_exits_nonzero_with_the_childs_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    out = subprocess.run([*WEIR, "serve", "--model", str(missing), "--port", "0",
+                          "--metrics-port", "0", "--executor-metrics-port", "0"],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 1
+    assert "no-such-model" in out.stderr and "weir serve:" in out.stderr, out.stderr
+
+
+@pytest.fixture
+def standalone_scheduler(tiny_model_dir, tmp_path):
+    """`weir scheduler` alone (as in Kubernetes), waiting for executors on an ipc socket."""
+    port = free_port()
+    executor_address = f"ipc://{tmp_path}/executors.sock"
+    procs: list[subprocess.Popen] = []
+
+    def start_executor() -> subprocess.Popen:
+        executor = subprocess.Popen(
+            [*WEIR, "executor", "--scheduler", executor_address, "--model", str(tiny_model_dir),
+             "--metrics-port", "0", "--kv-cache-memory", "1MiB"], env=ENV)
+        procs.append(executor)
+        return executor
+
+    scheduler = subprocess.Popen(
+        [*WEIR, "scheduler", "--model", str(tiny_model_dir), "--port", str(port),
+         "--metrics-port", "0", "--executor-address", executor_address, "--executor-timeout", "2"],
+        env=ENV)
+    procs.append(scheduler)
+    try:
+        yield f"tcp://127.0.0.1:{port}", start_executor
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def wait_healthy(client: WeirClient, status: str = "ok", timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = client.health()
+        if health["status"] == status:
+            return health
+        time.sleep(0.2)
+    raise AssertionError(f"server never became {status!r}: {health}")
+
+
+def test_executor_death_fails_inflight_requests_and_a_new_executor_recovers(standalone_scheduler):
+    address, start_executor = standalone_scheduler
+    executor = start_executor()
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    with WeirClient(address, timeout=60) as client:
+        assert wait_healthy(client)["executors"] == [0]
+        stream = client.generate([1, 2, 3], long)
+        next(stream)
+        executor.kill()
+        with pytest.raises(EngineError, match="executor rank 0 .* stopped responding"):
+            for _ in stream:
+                pass
+        health = client.health()
+        assert health["status"] == "waiting_for_executors"
+        with pytest.raises(EngineError, match="no executor"):
+            list(client.generate([1, 2], SamplingParams(max_tokens=2)))
+
+        start_executor()
+        wait_healthy(client)
+        outs = list(client.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert sum(len(o.new_token_ids) for o in outs) == 4
+        health = client.health()
+        assert health["num_free_blocks"] == health["num_blocks"]
