@@ -32,6 +32,7 @@ raises ``ProtocolError`` (a ``ValueError``) naming the first problem it finds.
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from typing import Any, Iterable, Iterator
@@ -41,6 +42,8 @@ import msgpack
 from weir.shared.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
+
+_LITTLE_ENDIAN = sys.byteorder == "little"  # the wire's uint32 order: decode by a cast
 
 _STEP_PLAN = "StepPlan"
 _STEP_RESULT = "StepResult"
@@ -210,8 +213,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 # ----------------------------------------------------------------------------- helpers
 # Per-request columns dominate a decode-heavy step (256 ids, counts, tokens), so they
 # travel in the cheapest forms msgpack can carry: ids as one "\0"-joined string and
-# ints as little-endian int32 bytes. Both skip the per-element type checks a msgpack
-# array would need; together they halve encode+decode time of a 256-decode step.
+# non-negative ints as little-endian uint32 bytes. Neither needs the per-element type
+# check a msgpack array of ints or strings would; benchmarks/scheduler_overhead.py
+# measures the result.
 
 def _unpack(data: Any, tag: str, num_fields: int) -> list[Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -334,28 +338,29 @@ def _split_ids(name: str, value: Any) -> list[str]:
     return value.split("\0")
 
 
-def _i32(name: str, values: list[int]) -> bytes:
+def _u32(name: str, values: list[int]) -> bytes:
     try:
-        return struct.pack(f"<{len(values)}i", *values)
+        return struct.pack(f"<{len(values)}I", *values)
     except struct.error as exc:
-        raise ProtocolError(f"{name}: cannot encode as int32 ({exc})") from None
+        raise ProtocolError(f"{name}: cannot encode as uint32 ({exc})") from None
 
 
-def _from_i32(name: str, value: Any, length: int, minimum: int = 0) -> list[int]:
+def _from_u32(name: str, value: Any, length: int, minimum: int = 0) -> list[int]:
     if type(value) is not bytes or len(value) != 4 * length:
-        raise ProtocolError(f"{name}: expected {length} int32 values")
-    values = list(struct.unpack(f"<{length}i", value))
-    if values and min(values) < minimum:
+        raise ProtocolError(f"{name}: expected {length} uint32 values")
+    values = (memoryview(value).cast("I").tolist() if _LITTLE_ENDIAN
+              else list(struct.unpack(f"<{length}I", value)))
+    if minimum and values and min(values) < minimum:
         raise ProtocolError(f"{name}: value {min(values)} below {minimum}")
     return values
 
 
 def _pack_rows(name: str, rows: Iterable[list[int]], num_rows: int) -> list[Any]:
-    """Rows of ints as [flat int32, row lengths int32 or nil when every row has one]."""
+    """Rows of ints as [flat uint32, row lengths uint32 or nil when every row has one]."""
     flat = list(chain.from_iterable(rows))
-    if len(flat) == num_rows and all(map(len, rows)):
-        return [_i32(name, flat), None]
-    return [_i32(name, flat), _i32(name, list(map(len, rows)))]
+    if len(flat) == num_rows and all(rows):
+        return [_u32(name, flat), None]
+    return [_u32(name, flat), _u32(name, list(map(len, rows)))]
 
 
 def _unpack_rows(name: str, value: Any, num_rows: int) -> list[list[int]]:
@@ -363,9 +368,9 @@ def _unpack_rows(name: str, value: Any, num_rows: int) -> list[list[int]]:
     if len(value) != 2:
         raise ProtocolError(f"{name}: expected [flat, lengths]")
     if value[1] is None:
-        return [[t] for t in _from_i32(name, value[0], num_rows)]
-    lengths = _from_i32(f"{name} lengths", value[1], num_rows)
-    flat = _from_i32(name, value[0], sum(lengths))
+        return [[t] for t in _from_u32(name, value[0], num_rows)]
+    lengths = _from_u32(f"{name} lengths", value[1], num_rows)
+    flat = _from_u32(name, value[0], sum(lengths))
     ends = list(accumulate(lengths))
     return [flat[end - n:end] for n, end in zip(lengths, ends)]
 
@@ -414,8 +419,8 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 
 
 # ----------------------------------------------------------------------------- StepPlan
-# [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, int32),
-#  cached_num_computed (int32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
+# [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32),
+#  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
 #  new: [ids, prompts, sampling_params, block_ids, num_computed],
 #  spec {id: [tok]}, preempted_ids, finished_ids]
 
@@ -433,8 +438,8 @@ def encode_step_plan(plan: StepPlan) -> bytes:
     return _pack(_STEP_PLAN, [
         plan.step_id, plan.total_num_scheduled_tokens,
         _join_ids("cached_requests.req_ids", cached.req_ids),
-        _i32("num_scheduled_tokens", counts),
-        _i32("cached_requests.num_computed_tokens", cached.num_computed_tokens),
+        _u32("num_scheduled_tokens", counts),
+        _u32("cached_requests.num_computed_tokens", cached.num_computed_tokens),
         cached.new_block_ids, cached.resumed_output_token_ids,
         [new_ids, [r.prompt_token_ids for r in new],
          [r.sampling_params.to_dict() for r in new], [r.block_ids for r in new],
@@ -465,8 +470,9 @@ def decode_step_plan(data: bytes) -> StepPlan:
     total = _int("total_num_scheduled_tokens", msg[3])
     cached_ids = _split_ids("cached_requests.req_ids", msg[4])
     new_requests = _decode_new_requests(msg[9])
-    scheduled_ids = cached_ids + [r.request_id for r in new_requests]
-    counts = _from_i32("num_scheduled_tokens", msg[5], len(scheduled_ids), minimum=1)
+    scheduled_ids = cached_ids + [r.request_id for r in new_requests] if new_requests \
+        else cached_ids
+    counts = _from_u32("num_scheduled_tokens", msg[5], len(scheduled_ids), minimum=1)
     if sum(counts) != total:
         raise ProtocolError(f"total_num_scheduled_tokens is {total} but the per-request "
                             f"counts sum to {sum(counts)}")
@@ -475,7 +481,7 @@ def decode_step_plan(data: bytes) -> StepPlan:
         raise ProtocolError("num_scheduled_tokens: a request is scheduled twice")
     cached = CachedRequests(
         cached_ids,
-        _from_i32("cached_requests.num_computed_tokens", msg[6], len(cached_ids)),
+        _from_u32("cached_requests.num_computed_tokens", msg[6], len(cached_ids)),
         _int_list_map("cached_requests.new_block_ids", msg[7]),
         _int_list_map("cached_requests.resumed_output_token_ids", msg[8]))
     for name, sparse in (("new_block_ids", cached.new_block_ids),
@@ -513,7 +519,7 @@ def decode_step_result(data: bytes) -> StepResult:
 
 # ----------------------------------------------------------------------------- RequestOutput
 # [tag, v, ids, new_token_ids rows, finished [bool], finish_reason [str|nil],
-#  num_cached_tokens (int32), logprobs [..|nil]]
+#  num_cached_tokens (uint32), logprobs [..|nil]]
 
 def encode_request_outputs(outputs: list[RequestOutput]) -> bytes:
     tokens = [o.new_token_ids for o in outputs]
@@ -521,7 +527,7 @@ def encode_request_outputs(outputs: list[RequestOutput]) -> bytes:
         _join_ids("outputs.request_id", [o.request_id for o in outputs]),
         _pack_rows("outputs.new_token_ids", tokens, len(tokens)),
         [o.finished for o in outputs], [o.finish_reason for o in outputs],
-        _i32("outputs.num_cached_tokens", [o.num_cached_tokens for o in outputs]),
+        _u32("outputs.num_cached_tokens", [o.num_cached_tokens for o in outputs]),
         [_logprobs_to_wire(o.logprobs) for o in outputs]])
 
 
@@ -532,7 +538,7 @@ def decode_request_outputs(data: bytes) -> list[RequestOutput]:
     tokens = _unpack_rows("outputs.new_token_ids", msg[3], n)
     finished = _list("outputs.finished", msg[4])
     reasons = _list("outputs.finish_reason", msg[5])
-    cached = _from_i32("outputs.num_cached_tokens", msg[6], n)
+    cached = _from_u32("outputs.num_cached_tokens", msg[6], n)
     logprobs = _list("outputs.logprobs", msg[7])
     if not n == len(finished) == len(reasons) == len(logprobs):
         raise ProtocolError("outputs: columns have different lengths")

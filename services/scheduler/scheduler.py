@@ -328,6 +328,8 @@ class Scheduler:
                     sampled = sampled[:num_drafts + 1]
                 computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
                 request.spec_token_ids = []
+            elif request.spec_token_ids:
+                request.spec_token_ids = []  # none fit this step; they are stale after it
             all_tokens = request.all_token_ids
             num_tokens = len(all_tokens)
             if computed < num_tokens:

@@ -119,3 +119,21 @@ class FakeExecutor:
             state.num_computed_tokens = len(state.tokens) - 1
             sampled[rid] = out
         return StepResult(sampled)
+
+
+def make_scheduler(block_size: int = 16, num_blocks: int = 1000, enable_prefix_caching: bool = True,
+                   **scheduler_kwargs):
+    """A Scheduler and a FakeExecutor over the same cache geometry."""
+    from weir.services.scheduler import Scheduler
+    from weir.shared.config import CacheConfig, SchedulerConfig
+
+    scheduler = Scheduler(SchedulerConfig(**scheduler_kwargs),
+                          CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                      enable_prefix_caching=enable_prefix_caching))
+    return scheduler, FakeExecutor(num_blocks, block_size)
+
+
+def run_step(scheduler, executor: FakeExecutor):
+    """One schedule → execute → update round; returns (plan, outputs)."""
+    plan = scheduler.schedule()
+    return plan, scheduler.update_from_output(plan, executor.execute(plan))

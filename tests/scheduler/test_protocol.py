@@ -143,8 +143,8 @@ def test_step_result_rejects_wrong_types():
     good = msgpack.unpackb(encode_step_result(StepResult({"a": [1, 2], "b": [3]})))
     for index, value, fragment in [
         (3, 7, "expected a string"),
-        (4, [b"\x01\x00\x00\x00", None], "int32"),
-        (4, [b"\x01\x00\x00\x00" * 3, b"\x02\x00\x00\x00\xff\xff\xff\xff"], "below"),
+        (4, [b"\x01\x00\x00\x00", None], "uint32"),
+        (4, [b"\x01\x00\x00\x00" * 3, b"\x02\x00\x00\x00\xff\xff\xff\xff"], "uint32"),
         (5, {"a": [[[1]], [[1]]]}, r"logprobs\['a'\].logprobs\[0\]"),
         (5, {"a": [[[1, 2]], [[-0.5]]]}, "row 0"),
     ]:
