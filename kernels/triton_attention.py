@@ -176,7 +176,7 @@ def _unified_attention_kernel(
         m_i = m_new
 
     if NUM_SEGMENTS == 1:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out = acc / l_i[:, None]
         tl.store(
             out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -209,12 +209,13 @@ def _merge_segments_kernel(
     partial = (token * num_heads + head) * NUM_SEGMENTS + segments
 
     seg_max = tl.load(segm_max_ptr + partial)
-    # Every token of a request sees key 0 in some segment, so the overall max is finite.
+    # Every token of a request sees key 0 in some segment, so the overall max is finite and the total >= 1.
     weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
     total = tl.sum(tl.load(segm_sum_ptr + partial) * weight, axis=0)
     acc = tl.load(segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :])
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+    out = tl.sum(acc * weight[:, None], axis=0) / total
+    out_row = out_ptr + token * stride_ot + head * stride_oh
+    tl.store(out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
 @dataclass(slots=True)

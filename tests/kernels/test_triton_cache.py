@@ -1,10 +1,18 @@
-"""Triton reshape_and_cache against the PyTorch reference, under the interpreter."""
+"""Triton reshape_and_cache against the PyTorch reference (on CPU), on a GPU or under the interpreter."""
 
 import pytest
 import torch
 
 from weir.kernels import reference
 from weir.kernels.triton_cache import reshape_and_cache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def triton_cache_after(key, value, initial, slot_mapping) -> torch.Tensor:
+    cache = initial.clone().to(DEVICE)
+    reshape_and_cache(key.to(DEVICE), value.to(DEVICE), cache, slot_mapping.to(DEVICE))
+    return cache.cpu()
 
 
 @pytest.mark.parametrize(
@@ -23,24 +31,21 @@ def test_reshape_and_cache_matches_reference(num_kv_heads, head_dim, block_size,
 
     expected = initial.clone()
     reference.reshape_and_cache(key, value, expected, slots)
-    actual = initial.clone()
-    reshape_and_cache(key, value, actual, slots.to(torch.int32))
 
-    assert torch.equal(actual, expected)
+    assert torch.equal(triton_cache_after(key, value, initial, slots.to(torch.int32)), expected)
 
 
 def test_reshape_and_cache_casts_and_reads_strided_inputs():
     # K and V as views into one fused projection output (non-contiguous token stride), cast to fp16.
     gen = torch.Generator().manual_seed(1)
     num_tokens, num_kv_heads, head_dim, block_size = 5, 2, 64, 16
-    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen)
+    kv = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen).to(DEVICE)
     key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     slots = torch.tensor([17, 0, -1, 31, 16])
     expected = torch.zeros(2, 3, block_size, num_kv_heads, head_dim, dtype=torch.float16)
-    actual = expected.clone()
+    reference.reshape_and_cache(key.cpu(), value.cpu(), expected, slots)
 
-    reference.reshape_and_cache(key, value, expected, slots)
-    reshape_and_cache(key, value, actual, slots)
+    actual = triton_cache_after(key, value, torch.zeros_like(expected), slots)
 
     assert torch.equal(actual, expected)
     assert actual[:, 2].abs().sum() == 0  # block 2 was never addressed
