@@ -105,8 +105,9 @@ def build_step(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> 
     }
 
 
-def dense_sdpa_inputs(batch: Batch, step: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The same attention as padded dense tensors: q [R, Hq, max_q, D], k/v [R, Hkv, max_s, D]."""
+def dense_sdpa_inputs(batch: Batch, step: dict) -> dict:
+    """The same attention as padded dense tensors: q [R, Hq, max_q, D], k/v [R, Hkv, max_s, D], and a
+    mask only where equal-length decodes (no mask) or context-free equal prefills (is_causal) do not fit."""
     kv_cache, table = step["kv_cache"], step["block_table"]
     _, _, bs, hkv, d = kv_cache.shape
     max_q = max(q for _, q in batch.requests)
@@ -115,9 +116,10 @@ def dense_sdpa_inputs(batch: Batch, step: dict) -> tuple[torch.Tensor, torch.Ten
     q = torch.zeros(num_r, step["query"].shape[1], max_q, d, dtype=kv_cache.dtype, device="cuda")
     k = torch.zeros(num_r, hkv, max_s, d, dtype=kv_cache.dtype, device="cuda")
     v = torch.zeros_like(k)
-    mask = None if batch.is_decode and len({c for c, _ in batch.requests}) == 1 else torch.zeros(
-        num_r, 1, max_q, max_s, dtype=torch.bool, device="cuda"
-    )
+    uniform = len(set(batch.requests)) == 1
+    is_causal = uniform and batch.requests[0][0] == 0 and not batch.is_decode
+    needs_mask = not (uniform and (batch.is_decode or is_causal))
+    mask = torch.zeros(num_r, 1, max_q, max_s, dtype=torch.bool, device="cuda") if needs_mask else None
     starts = step["query_start_loc"].tolist()
     for r, (ctx, qlen) in enumerate(batch.requests):
         s = ctx + qlen
@@ -129,7 +131,7 @@ def dense_sdpa_inputs(batch: Batch, step: dict) -> tuple[torch.Tensor, torch.Ten
             q_pos = torch.arange(qlen, device="cuda")[:, None] + ctx
             mask[r, 0, :qlen, :s] = torch.arange(s, device="cuda")[None, :] <= q_pos
             mask[r, 0, qlen:, 0] = True  # padding rows attend somewhere, so they are not NaN
-    return q, k, v, mask
+    return {"query": q, "key": k, "value": v, "attn_mask": mask, "is_causal": is_causal}
 
 
 def bytes_moved(batch: Batch, args: argparse.Namespace) -> int:
@@ -147,26 +149,29 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     step = build_step(batch, args, gen)
     num_tokens = step["query"].shape[0]
     max_query_len = max(q for _, q in batch.requests)
-    workspace = ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda")
+    auto_split = ta.prefers_split_kv(len(batch.requests), args.num_heads, args.num_kv_heads, max_query_len,
+                                     torch.device("cuda"))
+    measure_split = auto_split or max_query_len <= 4
+    workspace = (
+        ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda") if measure_split else None
+    )
     positional = [step[k] for k in ("query", "kv_cache", "query_start_loc", "seq_lens", "block_table", "scale")]
     out = torch.empty_like(step["query"])
 
     def triton_call(split: bool) -> None:
         ta.paged_attention(*positional, out=out, max_query_len=max_query_len, split_kv=split, workspace=workspace)
 
-    auto_split = ta.prefers_split_kv(len(batch.requests), args.num_heads, args.num_kv_heads, max_query_len,
-                                     torch.device("cuda"))
     single_ms = triton.testing.do_bench(lambda: triton_call(False))
-    split_ms = triton.testing.do_bench(lambda: triton_call(True)) if auto_split or max_query_len <= 4 else None
+    split_ms = triton.testing.do_bench(lambda: triton_call(True)) if measure_split else None
     triton_call(auto_split)
 
     sdpa_ms = max_abs_diff = None
     if not args.no_sdpa:
-        q, k, v, mask = dense_sdpa_inputs(batch, step)
+        dense_inputs = dense_sdpa_inputs(batch, step)
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
         def sdpa_call() -> torch.Tensor:
-            return sdpa(q, k, v, attn_mask=mask, scale=step["scale"], enable_gqa=True)
+            return sdpa(**dense_inputs, scale=step["scale"], enable_gqa=True)
 
         sdpa_ms = triton.testing.do_bench(sdpa_call)
         dense = sdpa_call()
@@ -175,7 +180,7 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
             (out[starts[r] : starts[r + 1]].float() - dense[r, :, :qlen].transpose(0, 1).float()).abs().max().item()
             for r, (_, qlen) in enumerate(batch.requests)
         )
-        del q, k, v, mask
+        del dense_inputs, dense
     del step, workspace, out
     torch.cuda.empty_cache()
     return Result(batch, single_ms, split_ms, auto_split, sdpa_ms, bytes_moved(batch, args), max_abs_diff)
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             f" triton {triton.__version__}; {args.dtype}, {args.num_heads} query heads, {args.num_kv_heads} KV heads,"
             f" head_dim {args.head_dim}, block size {args.block_size}, shuffled blocks.",
             f"Command: `{command}`. Bandwidth = (K/V read + Q read + O written) / time; times from"
-            " triton.testing.do_bench. SDPA runs on dense (padded, masked where lengths differ) copies.",
+            " triton.testing.do_bench. SDPA runs on dense copies (padded and masked where lengths differ).",
             "",
             *format_table(results, peak),
             "",
