@@ -419,7 +419,7 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 
 
 # ----------------------------------------------------------------------------- StepPlan
-# [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32),
+# [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32; nil = all 1),
 #  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
 #  new: [ids, prompts, sampling_params, block_ids, num_computed],
 #  spec {id: [tok]}, preempted_ids, finished_ids]
@@ -431,14 +431,21 @@ def encode_step_plan(plan: StepPlan) -> bytes:
     scheduled = plan.num_scheduled_tokens
     if len(scheduled) != len(cached.req_ids) + len(new_ids):
         raise ProtocolError("num_scheduled_tokens: keys differ from the scheduled requests")
-    try:
-        counts = list(map(scheduled.__getitem__, chain(cached.req_ids, new_ids)))
-    except KeyError as exc:
-        raise ProtocolError(f"num_scheduled_tokens: no entry for scheduled request {exc}") from None
+    ordered_ids = chain(cached.req_ids, new_ids)
+    if plan.total_num_scheduled_tokens == len(scheduled):
+        # One token each (every count is >= 1): a pure decode step sends no counts.
+        counts = None
+        if not all(map(scheduled.__contains__, ordered_ids)):
+            raise ProtocolError("num_scheduled_tokens: keys differ from the scheduled requests")
+    else:
+        try:
+            counts = _u32("num_scheduled_tokens", list(map(scheduled.__getitem__, ordered_ids)))
+        except KeyError as exc:
+            raise ProtocolError(f"num_scheduled_tokens: no entry for scheduled request {exc}") \
+                from None
     return _pack(_STEP_PLAN, [
         plan.step_id, plan.total_num_scheduled_tokens,
-        _join_ids("cached_requests.req_ids", cached.req_ids),
-        _u32("num_scheduled_tokens", counts),
+        _join_ids("cached_requests.req_ids", cached.req_ids), counts,
         _u32("cached_requests.num_computed_tokens", cached.num_computed_tokens),
         cached.new_block_ids, cached.resumed_output_token_ids,
         [new_ids, [r.prompt_token_ids for r in new],
@@ -472,11 +479,16 @@ def decode_step_plan(data: bytes) -> StepPlan:
     new_requests = _decode_new_requests(msg[9])
     scheduled_ids = cached_ids + [r.request_id for r in new_requests] if new_requests \
         else cached_ids
-    counts = _from_u32("num_scheduled_tokens", msg[5], len(scheduled_ids), minimum=1)
-    if sum(counts) != total:
+    if msg[5] is None:
+        counts_sum = len(scheduled_ids)
+        num_scheduled = dict.fromkeys(scheduled_ids, 1)
+    else:
+        counts = _from_u32("num_scheduled_tokens", msg[5], len(scheduled_ids), minimum=1)
+        counts_sum = sum(counts)
+        num_scheduled = dict(zip(scheduled_ids, counts))
+    if counts_sum != total:
         raise ProtocolError(f"total_num_scheduled_tokens is {total} but the per-request "
-                            f"counts sum to {sum(counts)}")
-    num_scheduled = dict(zip(scheduled_ids, counts))
+                            f"counts sum to {counts_sum}")
     if len(num_scheduled) != len(scheduled_ids):
         raise ProtocolError("num_scheduled_tokens: a request is scheduled twice")
     cached = CachedRequests(

@@ -188,9 +188,9 @@ class Scheduler:
             # Fast path: the last block still has room (most decode steps).
             if computed + num_new > len(request.block_ids) * block_size:
                 while (blocks := kv.allocate_slots(request, num_new)) is None:
-                    victim = self._pick_victim()
-                    victim_index = running.index(victim)
-                    budget += self._preempt(victim, num_scheduled, spec_tokens, new_blocks,
+                    victim_index = self._victim_index()
+                    victim = running[victim_index]
+                    budget += self._preempt(victim_index, num_scheduled, spec_tokens, new_blocks,
                                             scheduled_running)
                     preempted.append(victim)
                     if victim is request:
@@ -224,26 +224,26 @@ class Scheduler:
         return StepPlan(num_scheduled, total, spec_tokens, new_requests, cached,
                         [r.request_id for r in preempted], finished, self._step_id)
 
-    def _pick_victim(self) -> Request:
+    def _victim_index(self) -> int:
+        """The running request to preempt: the most recently admitted (FCFS), or the
+        one with the largest (priority, arrival)."""
+        running = self.running
         if self.scheduler_config.policy == "priority":
-            return max(self.running, key=priority_key)
-        return self.running[-1]
+            return max(range(len(running)), key=lambda j: priority_key(running[j]))
+        return len(running) - 1
 
-    def _preempt(self, victim: Request, num_scheduled: dict[str, int],
+    def _preempt(self, victim_index: int, num_scheduled: dict[str, int],
                  spec_tokens: dict[str, list[int]], new_blocks: dict[str, list[int]],
                  scheduled_running: list[Request]) -> int:
         """Recompute-preemption; returns the budget the victim held in this step (only
         under the priority policy can the victim already be scheduled)."""
+        victim = self.running.pop(victim_index)
         rid = victim.request_id
         returned = num_scheduled.pop(rid, 0)
         if returned:
             scheduled_running.remove(victim)
             spec_tokens.pop(rid, None)
             new_blocks.pop(rid, None)
-        if self.running[-1] is victim:
-            self.running.pop()
-        else:
-            self.running.remove(victim)
         self.kv_cache_manager.free(victim)
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []

@@ -168,3 +168,18 @@ def test_protocol_error_is_value_error():
     assert issubclass(ProtocolError, ValueError)
     with pytest.raises(ValueError):
         decode_step_result("not bytes")  # type: ignore[arg-type]
+
+
+def test_pure_decode_plan_round_trip_and_key_check():
+    ids = [f"r{i}" for i in range(5)]
+    plan = StepPlan({rid: 1 for rid in ids}, 5,
+                    cached_requests=[CachedRequest(rid, [i] if i == 2 else [], 30 + i)
+                                     for i, rid in enumerate(ids)])
+    assert decode_step_plan(encode_step_plan(plan)) == plan
+    plan.num_scheduled_tokens = {**{rid: 1 for rid in ids[:4]}, "other": 1}
+    with pytest.raises(ProtocolError, match="keys differ"):
+        encode_step_plan(plan)
+    fields = msgpack.unpackb(encode_step_plan(_plan()))
+    fields[5] = None  # "all ones" does not add up to the total
+    with pytest.raises(ProtocolError, match="total_num_scheduled_tokens"):
+        decode_step_plan(_raw(fields))
