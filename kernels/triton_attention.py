@@ -47,9 +47,9 @@ TILE_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
 MERGE_NUM_WARPS = 4
-# Compiled for sm_90 (Triton 3.8), a 16-row decode tile uses about 120 registers per thread and
-# 39 KB of shared memory, so about four programs share an SM; fewer busy programs than that per SM
-# leaves memory bandwidth unused, and the split-KV path is taken instead.
+# Compiled for sm_90 (Triton 3.8), a 16-row decode tile uses 110-150 registers per thread and about
+# 39 KB of shared memory, so three or four programs share an SM; fewer busy programs than that per
+# SM leave memory bandwidth unused, and the split-KV path is taken instead.
 PROGRAMS_PER_SM = 4
 LOG2_E = 1.4426950408889634
 
@@ -84,7 +84,6 @@ def _unified_attention_kernel(
     num_requests,
     num_heads,
     head_dim,
-    block_size,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -95,6 +94,7 @@ def _unified_attention_kernel(
     stride_c_head,
     stride_bt_req,
     stride_bt_block,
+    BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -150,9 +150,9 @@ def _unified_attention_kernel(
     for tile in range(tile_begin, tile_end):
         key_pos = tile * TILE_N + offs_n
         key_valid = key_pos < kv_len
-        page = tl.load(block_table_row + (key_pos // block_size) * stride_bt_block, mask=key_valid, other=0)
+        page = tl.load(block_table_row + (key_pos // BLOCK_SIZE) * stride_bt_block, mask=key_valid, other=0)
         page = page.to(tl.int64)
-        slot_offset = page * stride_c_block + (key_pos % block_size) * stride_c_slot
+        slot_offset = page * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_slot
         k = tl.load(
             k_base + slot_offset[None, :] + dims[:, None],
             mask=key_valid[None, :] & dim_valid[:, None],
@@ -251,11 +251,13 @@ def _tile_rows(group: int, max_query_len: int) -> int:
 
 
 def attention_constexprs(
-    group: int, head_dim: int, max_query_len: int, num_segments: int, cache_dtype: torch.dtype
+    group: int, head_dim: int, block_size: int, max_query_len: int, num_segments: int, cache_dtype: torch.dtype
 ) -> dict[str, int | str]:
-    """Compile-time parameters of the attention kernel for one batch shape (num_segments 1 = single pass)."""
+    """Compile-time parameters of the attention kernel for one batch shape (num_segments 1 = single pass).
+    The page size is one of them so that finding a key's page is a shift, not a division."""
     block_m = _tile_rows(group, max_query_len)
     return {
+        "BLOCK_SIZE": block_size,
         "GROUP": group,
         "BLOCK_M": block_m,
         "BLOCK_Q": block_m // group,
@@ -332,7 +334,8 @@ def paged_attention(
         split_kv = prefers_split_kv(num_requests, num_heads, num_kv_heads, max_query_len, query.device) and (
             workspace is None or workspace.max_num_tokens >= num_tokens
         )
-    constexprs = attention_constexprs(group, head_dim, max_query_len, NUM_SEGMENTS if split_kv else 1, kv_cache.dtype)
+    num_segments = NUM_SEGMENTS if split_kv else 1
+    constexprs = attention_constexprs(group, head_dim, kv_cache.shape[2], max_query_len, num_segments, kv_cache.dtype)
     block_d = constexprs["BLOCK_D"]
     if split_kv:
         if workspace is None:
@@ -359,7 +362,6 @@ def paged_attention(
         num_requests,
         num_heads,
         head_dim,
-        kv_cache.shape[2],
         query.stride(0),
         query.stride(1),
         out.stride(0),

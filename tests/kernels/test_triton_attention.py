@@ -157,7 +157,7 @@ MIXED = [(30, 1), (0, 23), (45, 4), (17, 12), (80, 1)]
     [DECODE, PREFILL, CHUNKED_PREFILL, SPECULATIVE, MIXED],
     ids=["decode", "prefill", "chunked_prefill", "speculative", "mixed"],
 )
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
 def test_batch_kinds_match_reference(requests, dtype):
     step = make_step(requests, num_heads=4, num_kv_heads=2, dtype=dtype, num_padding_tokens=2)
     assert_close(triton_output(step), reference_output(step))

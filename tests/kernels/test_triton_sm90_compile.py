@@ -54,13 +54,15 @@ def compile_kernel(label, fn, pointers, ints, constexprs, **options):
 
 def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_segments, num_requests):
     cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    constexprs = ta.attention_constexprs(num_heads // num_kv_heads, head_dim, max_query_len, num_segments, cache_dtype)
+    block_size, max_blocks = 16, 2048
+    constexprs = ta.attention_constexprs(
+        num_heads // num_kv_heads, head_dim, block_size, max_query_len, num_segments, cache_dtype
+    )
     pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr")}
     pointers |= {name: "fp32" for name in ("segm_acc_ptr", "segm_max_ptr", "segm_sum_ptr")}
     pointers |= {name: "i32" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
-    block_size, max_blocks = 16, 2048
     ints = {
-        "num_requests": num_requests, "num_heads": num_heads, "head_dim": head_dim, "block_size": block_size,
+        "num_requests": num_requests, "num_heads": num_heads, "head_dim": head_dim,
         "stride_qt": (num_heads + 2 * num_kv_heads) * head_dim, "stride_qh": head_dim,
         "stride_ot": num_heads * head_dim, "stride_oh": head_dim,
         "stride_c_kv": 4096 * block_size * num_kv_heads * head_dim, "stride_c_block": block_size * num_kv_heads * head_dim,
