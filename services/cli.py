@@ -24,6 +24,8 @@ from weir.services.launcher import (
     DEFAULT_PORT,
     add_engine_options,
 )
+from weir.shared.client_protocol import Prompt
+from weir.shared.sampling import SamplingParams
 
 DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
 
@@ -130,9 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ clients
 
-def _sampling_params(args: argparse.Namespace):  # -> SamplingParams
-    from weir.shared.sampling import SamplingParams
-
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
@@ -141,13 +141,20 @@ def _sampling_params(args: argparse.Namespace):  # -> SamplingParams
 def _generate(args: argparse.Namespace) -> int:
     from weir.shared.client import WeirClient, WeirError
 
-    prompt: str | list[int] = args.prompt
+    try:
+        params = _sampling_params(args)
+    except ValueError as exc:
+        print(f"weir generate: {exc}", file=sys.stderr)
+        return 2
+    prompt: Prompt = args.prompt
     if args.token_ids:
         prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+    elif args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
     try:
         with WeirClient(args.address, timeout=args.timeout) as client:
             texts, last = [], None
-            for last in client.generate(prompt, _sampling_params(args)):
+            for last in client.generate(prompt, params):
                 if args.stream:
                     print(last.text, end="", flush=True)
                 texts.append(last.text)
@@ -166,6 +173,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     from weir.shared.client import WeirClient, WeirError
 
+    try:
+        params = _sampling_params(args)
+    except ValueError as exc:
+        print(f"weir chat: {exc}", file=sys.stderr)
+        return 2
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -187,7 +199,7 @@ def _chat(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": user})
             reply = []
             try:
-                for out in client.generate(messages, _sampling_params(args)):
+                for out in client.generate(messages, params):
                     print(out.text, end="", flush=True)
                     reply.append(out.text)
             except KeyboardInterrupt:
@@ -264,7 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="send one prompt to a running server")
     p.add_argument("prompt")
-    p.add_argument("--token-ids", action="store_true", help="the prompt is token ids: '1 2 3'")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--chat", action="store_true",
+                      help="send the prompt as a user chat message (the model's chat template)")
+    kind.add_argument("--token-ids", action="store_true", help="the prompt is token ids: '1 2 3'")
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
     p.add_argument("-v", "--verbose", action="store_true", help="print token count and finish reason")
     _add_sampling_flags(p, max_tokens=64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 _STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -34,11 +34,6 @@ class ExecutorMetrics:
             "weir:executor_device_memory_bytes",
             "Device memory in use: allocated CUDA memory on GPU, resident set size on CPU",
             names, registry=self.registry))
-
-    def serve(self, host: str, port: int) -> str:
-        """Start the /metrics endpoint; returns its URL (``port`` 0 picks a free one)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return f"http://{host}:{server.server_port}/metrics"
 
     def observe_step(self, seconds: float, num_tokens: int, device: str) -> None:
         self.step_seconds.observe(seconds)

@@ -24,6 +24,7 @@ import zmq
 from weir.services.executor import link
 from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.launcher import StatusReporter, parent_gone
+from weir.services.scheduler.metrics import start_metrics_server
 from weir.shared.protocol import decode_step_plan, encode_step_result
 
 if TYPE_CHECKING:
@@ -102,8 +103,10 @@ class ExecutorWorker:
         info = runner.handshake_info()
         metrics = ExecutorMetrics(info["model"], opts.rank)
         metrics.num_kv_blocks.set(runner.num_blocks)
-        metrics_address = (metrics.serve(opts.metrics_host, opts.metrics_port)
-                           if opts.metrics_port is not None else None)
+        metrics_address = None
+        if opts.metrics_port is not None:
+            metrics_address = start_metrics_server(metrics.registry, opts.metrics_host,
+                                                   opts.metrics_port)
         hello = link.ExecutorHello(
             session=self.session, rank=opts.rank, num_blocks=runner.num_blocks,
             block_size=runner.block_size, max_num_batched_tokens=runner.max_num_batched_tokens,

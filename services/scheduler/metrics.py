@@ -6,7 +6,14 @@ every series carries ``model_name``.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -66,7 +73,10 @@ class SchedulerMetrics:
         self._request_success.labels(model_name=self._model_name,
                                      finished_reason=finished_reason).inc()
 
-    def serve(self, host: str, port: int) -> str:
-        """Start the /metrics endpoint; returns its URL (``port`` 0 picks a free one)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return f"http://{host}:{server.server_port}/metrics"
+
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> str:
+    """Serve ``registry`` at /metrics on a daemon thread; returns the URL (port 0 = any free)."""
+    # The `_created` timestamp series double every counter and no dashboard reads them.
+    disable_created_metrics()
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return f"http://{host}:{server.server_port}/metrics"

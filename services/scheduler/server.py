@@ -36,7 +36,7 @@ import zmq.asyncio
 
 from weir.services.executor import link
 from weir.services.launcher import StatusReporter, parent_gone
-from weir.services.scheduler.metrics import SchedulerMetrics
+from weir.services.scheduler.metrics import SchedulerMetrics, start_metrics_server
 from weir.services.scheduler.request import Request, RequestStatus
 from weir.services.scheduler.scheduler import Scheduler
 from weir.shared import client_protocol as cp
@@ -160,7 +160,8 @@ class SchedulerServer:
                                    f"tcp://{opts.host}:*")
             self._executor_sock.bind(opts.executor_address)
             if opts.metrics_port is not None:
-                self.metrics_address = self.metrics.serve(opts.host, opts.metrics_port)
+                self.metrics_address = start_metrics_server(self.metrics.registry, opts.host,
+                                                            opts.metrics_port)
         except (zmq.ZMQError, OSError) as exc:
             self.status.error(f"cannot bind: {exc}")
             _log.error("scheduler cannot bind: %s", exc)
@@ -191,6 +192,8 @@ class SchedulerServer:
             for task in [stop, *tasks]:
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
+            # Give the shutdown errors just queued a moment to reach their clients.
+            self._client_sock.close(linger=500)
             ctx.destroy(linger=0)
 
     # ------------------------------------------------------------------ clients
@@ -207,16 +210,24 @@ class SchedulerServer:
             except cp.ClientProtocolError as exc:
                 self._send_error(identity, exc.request_id, exc.code, exc.message)
                 continue
-            if isinstance(msg, cp.GenerateRequest):
-                self._add_request(identity, msg)
-            elif isinstance(msg, cp.AbortRequest):
-                self._abort(msg.request_id, identity)
-            elif isinstance(msg, cp.HealthRequest):
-                self._send_client(identity, cp.encode_server_message(
-                    cp.HealthReply(msg.request_id, self._health())))
-            else:
-                self._send_client(identity, cp.encode_server_message(
-                    cp.ModelInfoReply(msg.request_id, self._model_info())))
+            try:
+                self._dispatch(identity, msg)
+            except Exception as exc:  # a bug must cost one request, not the server
+                _log.exception("failed to handle %s", type(msg).__name__)
+                self._send_error(identity, msg.request_id, cp.ENGINE_ERROR,
+                                 f"internal error: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, identity: bytes, msg: cp.ClientMessage) -> None:
+        if isinstance(msg, cp.GenerateRequest):
+            self._add_request(identity, msg)
+        elif isinstance(msg, cp.AbortRequest):
+            self._abort(msg.request_id, identity)
+        elif isinstance(msg, cp.HealthRequest):
+            self._send_client(identity, cp.encode_server_message(
+                cp.HealthReply(msg.request_id, self._health())))
+        else:
+            self._send_client(identity, cp.encode_server_message(
+                cp.ModelInfoReply(msg.request_id, self._model_info())))
 
     def _add_request(self, identity: bytes, msg: cp.GenerateRequest) -> None:
         rid = msg.request_id

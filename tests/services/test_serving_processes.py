@@ -97,10 +97,11 @@ def standalone_scheduler(tiny_model_dir, tmp_path):
     executor_address = f"ipc://{tmp_path}/executors.sock"
     procs: list[subprocess.Popen] = []
 
-    def start_executor() -> subprocess.Popen:
+    def start_executor(*extra: str) -> subprocess.Popen:
         executor = subprocess.Popen(
             [*WEIR, "executor", "--scheduler", executor_address, "--model", str(tiny_model_dir),
-             "--metrics-port", "0", "--kv-cache-memory", "1MiB"], env=ENV)
+             "--metrics-port", "0", "--kv-cache-memory", "1MiB", *extra],
+            env=ENV, stderr=subprocess.PIPE, text=True)
         procs.append(executor)
         return executor
 
@@ -135,6 +136,11 @@ def wait_healthy(client: WeirClient, status: str = "ok", timeout: float = 120.0)
 
 def test_executor_death_fails_inflight_requests_and_a_new_executor_recovers(standalone_scheduler):
     address, start_executor = standalone_scheduler
+    # An executor whose KV layout disagrees with the scheduler's is turned away at the handshake.
+    mismatched = start_executor("--block-size", "8")
+    assert mismatched.wait(timeout=120) == 1
+    assert "block_size 8 != scheduler block_size 16" in mismatched.stderr.read()
+
     executor = start_executor()
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     with WeirClient(address, timeout=60) as client:
