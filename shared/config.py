@@ -7,7 +7,7 @@ at the exact knob.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -28,10 +28,7 @@ def _from_dict(cls: type, data: Any) -> Any:
     unknown = sorted(set(data) - known, key=str)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
-    try:
-        return cls(**data)
-    except TypeError as exc:  # a missing required field
-        raise ValueError(f"{cls.__name__}: {exc}") from None
+    return cls(**data)
 
 
 @dataclass(slots=True)
@@ -92,14 +89,17 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    """Paged KV cache geometry. ``num_blocks`` is required (keyword)."""
+    """Paged KV cache geometry. ``num_blocks`` has no sensible default (the executor
+    sizes it from free memory) and must be given."""
 
     block_size: int = 16
-    num_blocks: int = field(kw_only=True)
+    num_blocks: int = None  # type: ignore[assignment]  # required; None only to say so
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
+        if self.num_blocks is None:
+            raise ValueError("num_blocks is required")
         _check_int("num_blocks", self.num_blocks, 1)
         if type(self.enable_prefix_caching) is not bool:
             raise ValueError("enable_prefix_caching must be a bool, "

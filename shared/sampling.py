@@ -77,8 +77,8 @@ class SamplingParams:
         put(self, "min_p", min_p)
         if self.seed is not None:
             _int("seed", self.seed, -(2**63))
-            if self.seed >= 2**64:
-                raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+            if self.seed >= 2**63:
+                raise ValueError(f"seed must fit a signed 64-bit int, got {self.seed}")
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)

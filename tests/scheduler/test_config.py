@@ -48,6 +48,9 @@ def test_cache_config_rejects(kwargs, field):
 
 def test_cache_config_requires_num_blocks():
     assert CacheConfig(num_blocks=10).block_size == 16
+    assert CacheConfig(8, 10) == CacheConfig(block_size=8, num_blocks=10)
+    with pytest.raises(ValueError, match="num_blocks is required"):
+        CacheConfig()
     with pytest.raises(ValueError, match="num_blocks"):
         CacheConfig.from_dict({"block_size": 16})
 
@@ -61,6 +64,7 @@ def test_cache_config_requires_num_blocks():
     ({"top_k": -3}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
     ({"seed": 1.0}, "seed"),
+    ({"seed": 2**63}, "seed"),
     ({"stop": [""]}, "stop"),
     ({"stop": 3}, "stop"),
     ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
