@@ -5,6 +5,7 @@ Plots use matplotlib's object API with the Agg canvas (no pyplot, no display, no
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -168,6 +169,7 @@ def serve_markdown(result: dict[str, Any], command: str) -> str:
         f"{result['request_throughput']:.3f} req/s, {result['output_throughput']:.1f} output tok/s"
         + ("" if result["goodput"] is None else f", goodput {result['goodput']:.3f} req/s"),
         "",
+        *([f"Errors: {'; '.join(result['errors'])}", ""] if result["errors"] else []),
         "| Metric (ms) | Mean | P50 | P90 | P99 |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -204,21 +206,22 @@ def plot_latency_cdfs(series_ms: dict[str, list[float]], path: Path) -> None:
 
 
 def plot_throughput_over_time(
-    token_times_s: list[float], finish_times_s: list[float], duration_s: float, path: Path
+    token_times_s: list[float], request_spans_s: list[tuple[float, float]], duration_s: float, path: Path
 ) -> None:
-    """Output tokens/s and finished requests/s in fixed time buckets from the start of the run."""
-    num_buckets = max(1, min(60, int(duration_s) + 1, len(token_times_s)))
+    """Output tokens/s in up to 60 time buckets (at least 0.1 s wide), and requests in flight."""
+    num_buckets = max(1, min(60, math.ceil(duration_s / 0.1)))
     edges = np.linspace(0.0, max(duration_s, 1e-9), num_buckets + 1)
-    width = edges[1] - edges[0]
     tokens, _ = np.histogram(token_times_s, bins=edges)
-    finished, _ = np.histogram(finish_times_s, bins=edges)
+    events = sorted([(start, 1) for start, _ in request_spans_s] + [(end, -1) for _, end in request_spans_s])
+    times = [0.0] + [t for t, _ in events]
+    in_flight = np.concatenate([[0], np.cumsum([d for _, d in events])])
     fig = _new_figure(10, 6)
     top, bottom = fig.subplots(2, 1, sharex=True)
-    top.bar(edges[:-1], tokens / width, width=width, align="edge")
+    top.bar(edges[:-1], tokens / (edges[1] - edges[0]), width=edges[1] - edges[0], align="edge")
     top.set_ylabel("output tokens/s")
     top.grid(alpha=0.3)
-    bottom.bar(edges[:-1], finished / width, width=width, align="edge", color="tab:orange")
-    bottom.set_ylabel("finished requests/s")
+    bottom.step(times, in_flight, where="post", color="tab:orange")
+    bottom.set_ylabel("requests in flight")
     bottom.set_xlabel("seconds since start")
     bottom.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)

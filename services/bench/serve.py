@@ -37,6 +37,7 @@ from weir.services.bench.workload import (
 )
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:8100"
+_READY_POLL_S = 0.5
 
 
 @dataclass(slots=True)
@@ -102,6 +103,18 @@ async def _one_request(client, request: BenchRequest, trace: RequestTrace, t0: f
         trace.error = f"{type(e).__name__}: {e}"
 
 
+async def wait_until_ready(client, timeout_s: float) -> None:  # client: AsyncWeirClient
+    """Poll health() until the server reports status "ok" (its executors are connected)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = (await client.health()).get("status")
+        if status == "ok":
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"server not ready after {timeout_s:g} s (status {status!r})")
+        await asyncio.sleep(_READY_POLL_S)
+
+
 async def run_load(
     address: str,
     requests: list[BenchRequest],
@@ -109,6 +122,7 @@ async def run_load(
     max_concurrency: int | None,
     seed: int,
     progress: bool = True,
+    ready_timeout_s: float = 60.0,
 ) -> tuple[list[RequestTrace], float]:
     """Send the workload; returns one trace per request and the run's duration in seconds."""
     from tqdm import tqdm
@@ -118,7 +132,7 @@ async def run_load(
     offsets = arrival_offsets(len(requests), request_rate, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with AsyncWeirClient(address) as client:
-        await client.health()
+        await wait_until_ready(client, ready_timeout_s)
         with tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress) as bar:
             t0 = time.perf_counter()
             traces: list[RequestTrace] = []
@@ -196,7 +210,7 @@ def _plot(traces: list[RequestTrace], duration_s: float, plot_dir: Path) -> list
     )
     throughput_path = plot_dir / "throughput_over_time.png"
     token_times = [s for t in ok for s, n in zip(t.chunk_s, t.chunk_tokens) for _ in range(n)]
-    plot_throughput_over_time(token_times, [t.end_s for t in ok], duration_s, throughput_path)
+    plot_throughput_over_time(token_times, [(t.send_s, t.end_s) for t in ok], duration_s, throughput_path)
     return [cdf_path, throughput_path]
 
 
@@ -219,6 +233,9 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     g.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput")
     g.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput")
+    g.add_argument(
+        "--ready-timeout", type=float, default=60.0, metavar="S", help="wait this long for the server to be ready"
+    )
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     o = p.add_argument_group("output")
     o.add_argument("--output-json", type=Path, default=None, help="write the summary and per-request traces here")
@@ -228,6 +245,7 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from weir.shared.client import WeirError
     from weir.shared.model_store import resolve_model
 
     if args.request_rate <= 0:
@@ -237,9 +255,21 @@ def run_serve(args: argparse.Namespace) -> int:
         print("error: --max-concurrency must be >= 1", file=sys.stderr)
         return 2
     requests = workload_from_args(args, load_tokenizer(resolve_model(args.model)))
-    traces, duration = asyncio.run(
-        run_load(args.address, requests, args.request_rate, args.max_concurrency, args.seed, not args.no_progress)
-    )
+    try:
+        traces, duration = asyncio.run(
+            run_load(
+                args.address,
+                requests,
+                args.request_rate,
+                args.max_concurrency,
+                args.seed,
+                progress=not args.no_progress,
+                ready_timeout_s=args.ready_timeout,
+            )
+        )
+    except (TimeoutError, WeirError) as e:
+        print(f"error: {args.address}: {e}", file=sys.stderr)
+        return 1
     command = command_line("weir bench serve", args)
     result = {
         "command": command,

@@ -100,11 +100,13 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
-def run_weir(requests: list[BenchRequest], model_dir: Path, dtype: str, engine_options: dict[str, Any]) -> EngineRun:
+def run_weir(
+    requests: list[BenchRequest], model_dir: Path, dtype: str, threads: int, engine_options: dict[str, Any]
+) -> EngineRun:
     from weir.services.llm import LLM
     from weir.shared.sampling import SamplingParams
 
-    with LLM(model=str(model_dir), dtype=dtype, **engine_options) as llm:
+    with LLM(model=str(model_dir), dtype=dtype, threads=threads, **engine_options) as llm:
         llm.generate([list(WARMUP_PROMPT)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
         start = time.perf_counter()
@@ -192,7 +194,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     runs: list[EngineRun] = []
     if not args.no_weir:
         _status(f"running weir on {len(requests)} requests")
-        runs.append(run_weir(requests, model_dir, args.dtype, _engine_options(args)))
+        runs.append(run_weir(requests, model_dir, args.dtype, threads, _engine_options(args)))
     if baselines:
         runs += _run_baselines(baselines, requests, model_dir, args)
 
@@ -201,7 +203,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     notes = [
         f"Model {model_dir.name}, {args.dtype}; every engine gets the same token ids and output lengths, "
         "greedy, EOS ignored.",
-        f"torch threads: {threads} in each process (OMP_NUM_THREADS and torch.set_num_threads).",
+        f"torch threads: {threads} in each engine process (torch.set_num_threads in the HF baselines' process, "
+        "the executor's --threads for Weir; OMP_NUM_THREADS is set to the same value for child processes).",
         "Wall time covers generation only: model load and one 2-token warmup request are excluded.",
         "Output tok/s counts each request's own output_len. hf-static decodes every batch to its longest "
         "output_len (batches of --hf-batch-size in request order, left padded); the extra tokens are not counted.",

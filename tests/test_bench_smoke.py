@@ -1,0 +1,184 @@
+"""Smoke tests of `weir bench throughput` and `weir bench serve` on a tiny random Llama.
+
+Expected token counts are computed here from the workload the test writes, not
+taken from the harness; string prompts are counted with transformers' tokenizer.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+BENCH = [sys.executable, "-m", "weir.services.bench"]
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+SERVER_START_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """2-layer, hidden-32 random Llama with the default model's vocabulary and tokenizer."""
+    base = json.loads((default_model_dir / "config.json").read_text())
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=base["bos_token_id"],
+        eos_token_id=base["eos_token_id"],
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def test_bench_throughput_against_both_baselines(tiny_model_dir: Path, tmp_path: Path) -> None:
+    hf_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "The quick brown fox jumps over the lazy dog."
+    records = [
+        {"prompt": [101, 202, 303, 404, 505, 606], "output_len": 2},
+        {"prompt": text, "output_len": 5},
+        {"prompt": list(range(1000, 1012)), "output_len": 3},
+        {"prompt": [4000, 4001, 4002], "output_len": 4},
+    ]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prompt_tokens = 6 + len(hf_tokenizer(text)["input_ids"]) + 12 + 3
+    output_tokens = 2 + 5 + 3 + 4
+    # Batches of 3 in request order: [2, 5, 3] decodes 5 per row, [4] decodes 4.
+    static_generated = 3 * 5 + 4
+
+    result_path = tmp_path / "throughput.json"
+    markdown_path = tmp_path / "bench.md"
+    proc = subprocess.run(
+        [*BENCH, "throughput", "--model", str(tiny_model_dir), "--dataset", str(dataset),
+         "--baseline", "hf-static,hf-cb", "--hf-batch-size", "3", "--threads", "1",
+         "--max-num-seqs", "4", "--output-json", str(result_path), "--markdown", str(markdown_path)],
+        env=ENV, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    result = json.loads(result_path.read_text())
+    engines = {e["engine"]: e for e in result["engines"]}
+    assert list(engines) == ["weir", "hf-static", "hf-cb"]
+    for e in engines.values():
+        assert e["num_requests"] == 4
+        assert e["prompt_tokens"] == prompt_tokens
+        assert e["output_tokens"] == output_tokens
+        assert e["wall_s"] > 0
+        assert e["requests_per_s"] > 0 and e["output_tokens_per_s"] > 0
+        assert e["total_tokens_per_s"] > e["output_tokens_per_s"]
+    assert engines["hf-static"]["generated_tokens"] == static_generated
+    assert engines["hf-cb"]["generated_tokens"] == output_tokens
+    assert set(result["ratios_output_tokens_per_s"]) == {"weir/hf-static", "weir/hf-cb"}
+    assert all(r > 0 for r in result["ratios_output_tokens_per_s"].values())
+    table = markdown_path.read_text()
+    assert "| hf-static |" in table and "| hf-cb |" in table and "| weir |" in table
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server_address(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
+    from weir.shared.client import WeirClient, WeirError
+
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weir.services.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)],
+        env=ENV, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        with WeirClient(address, timeout=1.0) as client:
+            while True:
+                assert proc.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "server did not answer health() in time"
+                try:
+                    if client.health().get("status") == "ok":
+                        break
+                except WeirError:
+                    pass
+                time.sleep(0.5)
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_bench_serve_writes_results_and_plots(server_address: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    result_path = tmp_path / "serve.json"
+    plot_dir = tmp_path / "plots"
+    proc = subprocess.run(
+        [*BENCH, "serve", "--address", server_address, "--model", str(tiny_model_dir),
+         "--num-prompts", "6", "--input-len-min", "4", "--input-len-max", "4",
+         "--output-len-min", "5", "--output-len-max", "5", "--request-rate", "50", "--max-concurrency", "4",
+         "--slo-ttft", "60000", "--slo-tpot", "60000", "--no-progress",
+         "--output-json", str(result_path), "--plot-dir", str(plot_dir)],
+        env=ENV, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    result = json.loads(result_path.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_input_tokens"] == 6 * 4
+    assert result["total_output_tokens"] == 6 * 5
+    assert [r["output_tokens"] for r in result["requests"]] == [5] * 6
+    assert result["request_throughput"] > 0 and result["output_throughput"] > 0
+    # Generous SLOs: every request meets them, so goodput equals request throughput.
+    assert result["goodput"] == pytest.approx(result["request_throughput"])
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        s = result[metric]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"], metric
+    assert result["ttft_ms"]["p99"] <= result["e2el_ms"]["p99"]
+    for name in ("latency_cdf.png", "throughput_over_time.png"):
+        assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_metrics_from_hand_made_traces() -> None:
+    from weir.services.bench.serve import RequestTrace, summarize_run
+
+    fast = RequestTrace(prompt_len=8, output_len=4, send_s=0.0, chunk_s=[0.1, 0.15, 0.3],
+                        chunk_tokens=[1, 1, 2], end_s=0.3)
+    slow = RequestTrace(prompt_len=6, output_len=2, send_s=1.0, chunk_s=[1.5, 1.6],
+                        chunk_tokens=[1, 1], end_s=1.6)
+    failed = RequestTrace(prompt_len=5, output_len=3, send_s=0.5, error="EngineError: boom")
+    result = summarize_run([fast, slow, failed], duration_s=2.0, slo_ttft_ms=200.0, slo_tpot_ms=None)
+
+    assert (result["completed"], result["failed"]) == (2, 1)
+    assert result["errors"] == ["EngineError: boom"]
+    assert result["total_input_tokens"] == 14 and result["total_output_tokens"] == 6
+    assert result["request_throughput"] == pytest.approx(1.0)
+    assert result["output_throughput"] == pytest.approx(3.0)
+    # Only `fast` meets the 200 ms TTFT SLO (slow's TTFT is 500 ms).
+    assert result["goodput"] == pytest.approx(0.5)
+    assert result["ttft_ms"]["mean"] == pytest.approx((100 + 500) / 2)
+    assert result["tpot_ms"]["mean"] == pytest.approx((200 / 3 + 100) / 2)
+    assert result["itl_ms"]["mean"] == pytest.approx((50 + 150 + 100) / 3)
+    assert result["e2el_ms"]["p50"] == pytest.approx((300 + 600) / 2)
