@@ -1,0 +1,77 @@
+"""The Kubernetes manifests and the Grafana dashboard agree with the code they deploy."""
+
+import json
+import re
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from weir.services.cli import build_parser
+from weir.services.executor.metrics import ExecutorMetrics
+from weir.services.scheduler.metrics import SchedulerMetrics
+
+K8S = Path(__file__).resolve().parent.parent / "k8s"
+
+
+def _documents() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _by_kind_name(kind: str, name: str) -> dict:
+    return next(d for d in _documents() if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def _container(deployment: str) -> dict:
+    return _by_kind_name("Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == manifests
+    for generator in kustomization["configMapGenerator"]:
+        for file in generator["files"]:
+            assert (K8S / file).is_file()
+
+
+@pytest.mark.parametrize("deployment", ["weir-scheduler", "weir-executor"])
+def test_container_args_are_accepted_by_the_cli(deployment: str) -> None:
+    args = build_parser().parse_args(_container(deployment)["args"])
+    assert args.command == deployment.removeprefix("weir-")
+
+
+def test_executor_reaches_the_scheduler_service_port() -> None:
+    executor_args = build_parser().parse_args(_container("weir-executor")["args"])
+    target = urlparse(executor_args.scheduler)
+    service = _by_kind_name("Service", target.hostname)
+    scheduler_args = build_parser().parse_args(_container("weir-scheduler")["args"])
+    bound = urlparse(scheduler_args.executor_address)
+    ports = {p["port"]: p["targetPort"] for p in service["spec"]["ports"]}
+    container_ports = {p["name"]: p["containerPort"] for p in _container("weir-scheduler")["ports"]}
+    assert container_ports[ports[target.port]] == bound.port
+    assert container_ports["clients"] == scheduler_args.port
+    assert container_ports["metrics"] == scheduler_args.metrics_port
+    executor_ports = {p["name"]: p["containerPort"] for p in _container("weir-executor")["ports"]}
+    assert executor_ports["metrics"] == executor_args.metrics_port
+
+
+def test_dashboard_queries_only_metrics_the_processes_export() -> None:
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    exported = set()
+    for registry in (SchedulerMetrics("m").registry, ExecutorMetrics("m", 0).registry):
+        for family in registry.collect():
+            exported |= {family.name + suffix for suffix in suffixes[family.type]}
+    dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"weir:[a-z0-9_]+", target["expr"])
+    }
+    assert queried, "the dashboard has no Weir queries"
+    assert queried <= exported, f"not exported: {sorted(queried - exported)}"
