@@ -87,7 +87,7 @@ class Request:
         self.stop_ids = frozenset(stop_ids)
         self.max_tokens = sampling_params.max_tokens
         self.min_tokens = sampling_params.min_tokens
-        self.seq = 0  # admission-order tie breaker, set by the scheduler
+        self.seq = 0  # arrival-order tie breaker, set by Scheduler.add_request
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,9 +14,11 @@ speculation happened.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from weir.shared.protocol import StepPlan, StepResult
+from weir.services.scheduler import Scheduler
+from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.protocol import RequestOutput, StepPlan, StepResult
 
 VOCAB = 64
 EOS = 0
@@ -49,7 +51,6 @@ class _State:
     block_table: list[int]
     in_batch: bool = True
     num_computed_tokens: int = 0
-    history: list[str] = field(default_factory=list)
 
 
 class FakeExecutor:
@@ -122,18 +123,16 @@ class FakeExecutor:
 
 
 def make_scheduler(block_size: int = 16, num_blocks: int = 1000, enable_prefix_caching: bool = True,
-                   **scheduler_kwargs):
+                   **scheduler_kwargs) -> tuple[Scheduler, FakeExecutor]:
     """A Scheduler and a FakeExecutor over the same cache geometry."""
-    from weir.services.scheduler import Scheduler
-    from weir.shared.config import CacheConfig, SchedulerConfig
-
     scheduler = Scheduler(SchedulerConfig(**scheduler_kwargs),
                           CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                       enable_prefix_caching=enable_prefix_caching))
     return scheduler, FakeExecutor(num_blocks, block_size)
 
 
-def run_step(scheduler, executor: FakeExecutor):
+def run_step(scheduler: Scheduler,
+             executor: FakeExecutor) -> tuple[StepPlan, list[RequestOutput]]:
     """One schedule → execute → update round; returns (plan, outputs)."""
     plan = scheduler.schedule()
     return plan, scheduler.update_from_output(plan, executor.execute(plan))
