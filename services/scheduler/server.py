@@ -29,6 +29,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -41,6 +42,7 @@ from weir.services.scheduler.request import Request, RequestStatus
 from weir.services.scheduler.scheduler import Scheduler
 from weir.shared import client_protocol as cp
 from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.model_store import load_model_config
 from weir.shared.protocol import ProtocolError, RequestOutput, StepPlan, StepResult
 from weir.shared.protocol import decode_step_result, encode_step_plan
 from weir.shared.sampling import SamplingParams
@@ -114,10 +116,6 @@ class _Counters:
 class SchedulerServer:
     def __init__(self, options: SchedulerServerOptions, status: StatusReporter | None = None,
                  parent_pid: int | None = None) -> None:
-        from pathlib import Path
-
-        from weir.shared.model_store import load_model_config
-
         self.options = options
         self.status = status or StatusReporter(None)
         self.parent_pid = parent_pid
@@ -133,7 +131,6 @@ class SchedulerServer:
 
         self._scheduler: Scheduler | None = None
         self._ranks: dict[int, _Rank] = {}  # handshaken ranks, by rank
-        self._group_ready = False
         self._streams: dict[str, _Stream] = {}
         self._counters = _Counters()
         self._wake = asyncio.Event()
@@ -274,9 +271,7 @@ class SchedulerServer:
         elif isinstance(prompt[0], dict):
             try:
                 text = self.tokenizer.apply_chat_template(prompt)
-            except ValueError:
-                raise
-            except Exception as exc:  # jinja2 errors raised by the model's template
+            except Exception as exc:  # no template, or a jinja2 error raised by the model's template
                 raise ValueError(f"chat template failed: {exc}") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
@@ -300,13 +295,13 @@ class SchedulerServer:
             self._scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         self._finish_stream(stream, "abort")
         self._send_client(stream.identity, cp.encode_outputs([self._final_output(stream, "abort")]))
-        self._wake.set()
+        self._requests_ended()
 
-    def _send_client(self, identity: bytes, frame: bytes) -> bool:
+    def _send_client(self, identity: bytes, frame: bytes) -> None:
         """Send without waiting; a client that is gone or not reading loses its requests."""
         try:
             self._client_send.send_multipart([identity, frame], zmq.NOBLOCK)
-            return True
+            return
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
@@ -316,8 +311,13 @@ class SchedulerServer:
             if self._scheduler is not None:
                 self._scheduler.finish_requests([stream.request_id], RequestStatus.FINISHED_ABORTED)
             self._finish_stream(stream, "abort")
+        self._requests_ended()
+
+    def _requests_ended(self) -> None:
+        """After ending requests outside a step: the gauges show it now, and the step loop
+        wakes to tell the executors (``finished_req_ids``)."""
+        self._refresh_gauges()
         self._wake.set()
-        return False
 
     def _send_error(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
         self._send_client(identity, cp.encode_server_message(cp.ErrorReply(request_id, message, code)))
@@ -355,8 +355,11 @@ class SchedulerServer:
 
     async def _executor_loop(self) -> None:
         while True:
-            identity, kind, *rest = await self._executor_sock.recv_multipart()
-            payload = rest[0] if rest else b""
+            identity, *frames = await self._executor_sock.recv_multipart()
+            if len(frames) != 2:
+                _log.warning("ignoring an executor message of %d frame(s)", len(frames))
+                continue
+            kind, payload = frames
             try:
                 if kind == link.HEARTBEAT:
                     self._on_heartbeat(identity, payload)
@@ -373,6 +376,15 @@ class SchedulerServer:
             except link.LinkError as exc:
                 _log.warning("bad executor frame %r: %s", kind, exc)
 
+    def _send_executor(self, identity: bytes, kind: bytes, payload: bytes = b"") -> bool:
+        """False when the peer is gone (its heartbeats stop too: the watchdog handles it)."""
+        try:
+            self._executor_send.send_multipart([identity, kind, payload], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            _log.warning("cannot send %r to executor %s: %s", kind, identity.hex(), exc)
+            return False
+
     def _rank_of(self, identity: bytes) -> _Rank | None:
         return next((r for r in self._ranks.values() if r.identity == identity), None)
 
@@ -381,7 +393,7 @@ class SchedulerServer:
         rank = next((r for r in self._ranks.values() if r.hello.session == session), None)
         if rank is None:
             # An executor of a previous scheduler (or group): it must restart clean.
-            self._executor_send.send_multipart([identity, link.RESET, b""], zmq.NOBLOCK)
+            self._send_executor(identity, link.RESET)
             return
         rank.last_seen = time.monotonic()
 
@@ -389,18 +401,17 @@ class SchedulerServer:
         current = self._ranks.get(hello.rank)
         if current is not None and current.hello.session == hello.session:
             current.identity = identity  # a resent hello: answer it again
-            self._executor_send.send_multipart([identity, link.WELCOME, b""], zmq.NOBLOCK)
+            self._send_executor(identity, link.WELCOME)
             return
         problem = self._check_hello(hello)
         if problem is None and current is not None:
             problem = f"rank {hello.rank} is already served by executor pid {current.hello.pid}"
         if problem is not None:
             _log.error("rejecting executor rank %d: %s", hello.rank, problem)
-            self._executor_send.send_multipart([identity, link.REJECT, link.pack({"message": problem})],
-                                               zmq.NOBLOCK)
+            self._send_executor(identity, link.REJECT, link.pack({"message": problem}))
             return
         self._ranks[hello.rank] = _Rank(hello, identity, time.monotonic())
-        self._executor_send.send_multipart([identity, link.WELCOME, b""], zmq.NOBLOCK)
+        self._send_executor(identity, link.WELCOME)
         _log.info("executor rank %d (pid %d) joined: %d KV blocks", hello.rank, hello.pid,
                   hello.num_blocks)
         if len(self._ranks) == self.options.num_executors:
@@ -499,6 +510,7 @@ class SchedulerServer:
         while True:
             scheduler = self._scheduler
             if scheduler is None or not scheduler.has_unfinished_requests():
+                self._refresh_gauges()  # aborts may have changed them since the last step
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -531,11 +543,10 @@ class SchedulerServer:
                 self.metrics.prompt_tokens.inc(len(stream.prompt_token_ids))
         self._result = asyncio.get_running_loop().create_future()
         for rank in sorted(self._ranks.values(), key=lambda r: r.hello.rank):
-            try:
-                self._executor_send.send_multipart([rank.identity, link.PLAN, encoded], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                self._lose_group(f"cannot send to executor rank {rank.hello.rank}: {exc}")
-                raise ExecutorLost(str(exc)) from None
+            if not self._send_executor(rank.identity, link.PLAN, encoded):
+                message = f"executor rank {rank.hello.rank} (pid {rank.hello.pid}) is unreachable"
+                self._lose_group(message)
+                raise ExecutorLost(message)
         try:
             return await self._result
         finally:
@@ -572,7 +583,7 @@ class SchedulerServer:
             self._scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for identity, items in by_client.items():
             self._send_client(identity, cp.encode_outputs(items))
-        self._update_gauges(plan, num_generated)
+        self._update_step_metrics(plan, num_generated)
 
     def _stream_output(self, stream: _Stream, out: RequestOutput, now: float) -> cp.StreamOutput:
         """Detokenize, apply stop strings, and build the client's output for one request."""
@@ -628,11 +639,17 @@ class SchedulerServer:
             self._scheduler.finish_requests(list(self._scheduler.requests),
                                             RequestStatus.FINISHED_ABORTED)
 
-    def _update_gauges(self, plan: StepPlan, num_generated: int) -> None:
+    def _update_step_metrics(self, plan: StepPlan, num_generated: int) -> None:
+        self.metrics.iteration_tokens.observe(plan.total_num_scheduled_tokens)
+        self.metrics.generation_tokens.inc(num_generated)
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
         m = self.metrics
-        m.iteration_tokens.observe(plan.total_num_scheduled_tokens)
-        m.generation_tokens.inc(num_generated)
         if self._scheduler is None:
+            m.num_requests_running.set(0)
+            m.num_requests_waiting.set(0)
+            m.kv_cache_usage_perc.set(0)
             return
         stats = self._scheduler.stats()
         m.num_requests_running.set(stats.num_running)

@@ -104,6 +104,20 @@ def test_text_and_chat_prompts(server, tokenizer, tiny_hf_model):
     assert text[0].prompt_token_ids == tokenizer("The quick brown fox")["input_ids"]
 
 
+def test_logprobs_are_streamed_when_asked(server):
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    with WeirClient(server.client_address) as client:
+        outs = list(client.generate([7, 8, 9], params))
+    token_ids = [t for o in outs for t in o.new_token_ids]
+    rows = [(ids, lps) for o in outs if o.logprobs
+            for ids, lps in zip(o.logprobs["token_ids"], o.logprobs["logprobs"])]
+    assert len(rows) == 4
+    for token_id, (ids, lps) in zip(token_ids, rows):
+        # Entry 0 is the sampled token; greedy sampled the most likely one (entry 1).
+        assert len(ids) == len(lps) == 3 and ids[0] == ids[1] == token_id
+        assert lps[0] == lps[1] >= lps[2]
+
+
 def test_stop_string_truncates_text_and_finishes(server):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompt = [100, 200, 300]
@@ -153,6 +167,7 @@ async def test_abort_and_close_free_kv_blocks(server):
         await other.close()
         health = await wait_for_free_kv(client)
         assert health["num_free_blocks"] == health["num_blocks"]
+    assert metric(read_metrics(server.info["metrics_address"]), "weir:kv_cache_usage_perc") == 0
 
 
 async def test_vanished_client_frees_its_blocks(server):
