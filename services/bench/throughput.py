@@ -203,12 +203,23 @@ def run_throughput(args: argparse.Namespace) -> int:
     notes = [
         f"Model {model_dir.name}, {args.dtype}; every engine gets the same token ids and output lengths, "
         "greedy, EOS ignored.",
-        f"torch threads: {threads} in each engine process (torch.set_num_threads in the HF baselines' process, "
-        "the executor's --threads for Weir; OMP_NUM_THREADS is set to the same value for child processes).",
+        f"torch threads: {threads} per engine process (the HF baselines' process via torch.set_num_threads, "
+        "Weir's executor via its --threads; OMP_NUM_THREADS is set to the same value for child processes). "
+        "Weir also runs a scheduler process next to its executor.",
         "Wall time covers generation only: model load and one 2-token warmup request are excluded.",
-        "Output tok/s counts each request's own output_len. hf-static decodes every batch to its longest "
-        "output_len (batches of --hf-batch-size in request order, left padded); the extra tokens are not counted.",
+        "Output tok/s counts each request's own output_len.",
     ]
+    if "hf-static" in baselines:
+        notes.append(
+            f"hf-static: batches of {args.hf_batch_size} in request order, left padded; each batch decodes to its "
+            "longest output_len and the extra tokens are not counted as output."
+        )
+    if "hf-cb" in baselines:
+        notes.append(
+            "hf-cb: transformers' continuous batching manager (what generate_batch runs), each request with its own "
+            f"max_new_tokens, max_batch_tokens {args.max_num_batched_tokens or _DEFAULT_BATCHED_TOKENS}, "
+            "KV cache sized to hold every request at once."
+        )
     table = throughput_markdown(runs, machine, command, workload, notes)
     print(table)
     if args.markdown is not None:
