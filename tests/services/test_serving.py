@@ -160,6 +160,18 @@ async def test_abort_and_close_free_kv_blocks(server):
         health = await wait_for_free_kv(client)
         assert health["num_free_blocks"] == health["num_blocks"]
 
+        # Cancelling the task that reads a stream aborts the request.
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in client.generate([13, 14], long):
+                started.set()
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        health = await wait_for_free_kv(client)
+        assert health["num_free_blocks"] == health["num_blocks"]
+
         # Another client closes while its request streams.
         other = AsyncWeirClient(server.client_address)
         stream = other.generate([10, 11, 12], long)
