@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-BENCH = [sys.executable, "-m", "weir.services.bench"]
+BENCH = [sys.executable, "-m", "weir.services.cli", "bench"]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 SERVER_START_TIMEOUT_S = 60.0
 

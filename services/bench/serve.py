@@ -33,6 +33,7 @@ from weir.services.bench.workload import (
     add_workload_arguments,
     describe_workload,
     load_tokenizer,
+    positive_int,
     workload_from_args,
 )
 
@@ -99,6 +100,8 @@ async def _one_request(client, request: BenchRequest, trace: RequestTrace, t0: f
                 trace.chunk_tokens.append(len(out.new_token_ids))
             if out.finished:
                 trace.end_s = now
+        if trace.end_s is None:
+            trace.error = "stream ended before the request finished"
     except Exception as e:  # a failed request is a result to report, not a reason to stop the run
         trace.error = f"{type(e).__name__}: {e}"
 
@@ -124,7 +127,7 @@ async def run_load(
     progress: bool = True,
     ready_timeout_s: float = 60.0,
 ) -> tuple[list[RequestTrace], float]:
-    """Send the workload; returns one trace per request and the run's duration in seconds."""
+    """Send the workload; returns one trace per request (in workload order) and the run's duration in seconds."""
     from tqdm import tqdm
 
     from weir.shared.client import AsyncWeirClient
@@ -135,14 +138,14 @@ async def run_load(
         await wait_until_ready(client, ready_timeout_s)
         with tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress) as bar:
             t0 = time.perf_counter()
-            traces: list[RequestTrace] = []
+            traces: list[RequestTrace | None] = [None] * len(requests)
 
-            async def launch(request: BenchRequest, offset: float) -> None:
+            async def launch(index: int, request: BenchRequest, offset: float) -> None:
                 await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
                 if limit is not None:
                     await limit.acquire()
                 trace = RequestTrace(len(request.prompt_token_ids), request.output_len, time.perf_counter() - t0)
-                traces.append(trace)
+                traces[index] = trace
                 try:
                     await _one_request(client, request, trace, t0)
                 finally:
@@ -150,7 +153,7 @@ async def run_load(
                         limit.release()
                     bar.update(1)
 
-            await asyncio.gather(*(launch(r, o) for r, o in zip(requests, offsets)))
+            await asyncio.gather(*(launch(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets))))
             duration = time.perf_counter() - t0
     return traces, duration
 
@@ -229,8 +232,10 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     add_workload_arguments(p, num_prompts=100)
     g = p.add_argument_group("load")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
-    g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    g.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
+    )
+    g.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
     g.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput")
     g.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput")
     g.add_argument(
@@ -251,10 +256,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.request_rate <= 0:
         print("error: --request-rate must be > 0", file=sys.stderr)
         return 2
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        print("error: --max-concurrency must be >= 1", file=sys.stderr)
+    try:
+        requests = workload_from_args(args, load_tokenizer(resolve_model(args.model)))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    requests = workload_from_args(args, load_tokenizer(resolve_model(args.model)))
     try:
         traces, duration = asyncio.run(
             run_load(

@@ -26,6 +26,7 @@ from weir.services.bench.workload import (
     add_workload_arguments,
     describe_workload,
     load_tokenizer,
+    positive_int,
     workload_from_args,
 )
 
@@ -58,7 +59,7 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights/activations dtype for every engine")
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch threads per process for every engine (default: $OMP_NUM_THREADS, else torch's default)",
     )
@@ -71,11 +72,11 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="hf-static, hf-cb or none; repeat or comma-separate to run several (default: none)",
     )
     g.add_argument("--no-weir", action="store_true", help="measure only the baselines")
-    g.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the hf-static baseline")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="Weir engine option")
+    g.add_argument("--hf-batch-size", type=positive_int, default=16, help="batch size of the hf-static baseline")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None, help="Weir engine option")
     g.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"Weir engine option; also hf-cb's max_batch_tokens (default {_DEFAULT_BATCHED_TOKENS})",
     )
@@ -158,8 +159,6 @@ def _set_threads(threads: int | None) -> int:
 
     if threads is None:
         threads = torch.get_num_threads()
-    if threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
     return threads
@@ -187,7 +186,11 @@ def run_throughput(args: argparse.Namespace) -> int:
         return 2
     threads = _set_threads(args.threads)
     model_dir = resolve_model(args.model)
-    requests = workload_from_args(args, load_tokenizer(model_dir))
+    try:
+        requests = workload_from_args(args, load_tokenizer(model_dir))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     workload = describe_workload(requests, args)
     _status(workload)
 

@@ -46,10 +46,12 @@ def normal_vocab_ids(tokenizer: Tokenizer) -> list[int]:
 
 def random_requests(spec: RandomWorkload, vocab_ids: list[int]) -> list[BenchRequest]:
     if not 1 <= spec.input_len_min <= spec.input_len_max:
-        raise ValueError(f"need 1 <= input-len-min <= input-len-max, got {spec.input_len_min}..{spec.input_len_max}")
+        raise ValueError(
+            f"need 1 <= --input-len-min <= --input-len-max, got {spec.input_len_min}, {spec.input_len_max}"
+        )
     if not 1 <= spec.output_len_min <= spec.output_len_max:
         raise ValueError(
-            f"need 1 <= output-len-min <= output-len-max, got {spec.output_len_min}..{spec.output_len_max}"
+            f"need 1 <= --output-len-min <= --output-len-max, got {spec.output_len_min}, {spec.output_len_max}"
         )
     rng = random.Random(spec.seed)
     requests = []
@@ -92,13 +94,21 @@ def describe_workload(requests: list[BenchRequest], args: argparse.Namespace) ->
     )
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser, num_prompts: int) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=num_prompts, help="number of requests")
-    g.add_argument("--input-len-min", type=int, default=32)
-    g.add_argument("--input-len-max", type=int, default=256)
-    g.add_argument("--output-len-min", type=int, default=32)
-    g.add_argument("--output-len-max", type=int, default=128)
+    g.add_argument("--num-prompts", type=positive_int, default=num_prompts, help="number of requests")
+    g.add_argument("--input-len-min", type=positive_int, default=32)
+    g.add_argument("--input-len-max", type=positive_int, default=256)
+    g.add_argument("--output-len-min", type=positive_int, default=32)
+    g.add_argument("--output-len-max", type=positive_int, default=128)
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompts, lengths and arrivals")
     g.add_argument(
         "--dataset",
