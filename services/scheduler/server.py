@@ -486,6 +486,7 @@ class SchedulerServer:
 
     async def _watchdog(self) -> None:
         timeout = self.options.executor_timeout
+        last_tick = time.monotonic()
         while True:
             await asyncio.sleep(_WATCHDOG_INTERVAL_S)
             if parent_gone(self.parent_pid):
@@ -493,6 +494,12 @@ class SchedulerServer:
                 self._stop.set()
                 return
             now = time.monotonic()
+            if now - last_tick > timeout / 2:
+                # This loop itself was stalled: heartbeats may be waiting unread in
+                # the socket, so silence proves nothing this time.
+                for rank in self._ranks.values():
+                    rank.last_seen = now
+            last_tick = now
             for rank in list(self._ranks.values()):
                 if now - rank.last_seen > timeout:
                     message = (f"executor rank {rank.hello.rank} (pid {rank.hello.pid}) stopped "
