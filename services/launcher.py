@@ -43,10 +43,10 @@ DEFAULT_EXECUTOR_METRICS_PORT = 8103
 
 def parse_size(text: str) -> int:
     """'512MiB', '2GB', '1048576' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", str(text), re.IGNORECASE)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*", str(text), re.IGNORECASE)
     if not match:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GB)")
-    number, unit = float(match.group(1)), (match.group(2) or "").upper().rstrip("B")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
     scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
              "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
     return int(number * scale)

@@ -71,7 +71,10 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stop_event.is_set():
-                self._sock.send_multipart([link.HEARTBEAT, self._beat])
+                try:
+                    self._sock.send_multipart([link.HEARTBEAT, self._beat], zmq.NOBLOCK)
+                except zmq.Again:  # scheduler unreachable: never block, keep checking stop
+                    pass
                 if self._sock.poll(int(link.HEARTBEAT_INTERVAL_S * 1000)):
                     kind, *_ = self._sock.recv_multipart()
                     if kind == link.RESET:
@@ -145,8 +148,9 @@ class ExecutorWorker:
         from weir.shared.model_store import resolve_model
 
         opts = self.options
-        kwargs = {"gpu_memory_utilization": opts.gpu_memory_utilization} \
-            if opts.gpu_memory_utilization is not None else {}
+        # ModelRunner has its own default for the GPU budget.
+        kwargs = {} if opts.gpu_memory_utilization is None else {
+            "gpu_memory_utilization": opts.gpu_memory_utilization}
         device = opts.device or _default_device()
         return ModelRunner(
             resolve_model(opts.model), device=device, dtype=opts.dtype,
@@ -183,7 +187,8 @@ class ExecutorWorker:
                 continue
             kind, payload = sock.recv_multipart()
             if kind != link.PLAN:
-                _log.warning("executor %d ignoring unexpected %r frame", rank, kind)
+                if kind != link.WELCOME:  # welcomes answer hellos resent while connecting
+                    _log.warning("executor %d ignoring unexpected %r frame", rank, kind)
                 continue
             step_id = -1
             try:
