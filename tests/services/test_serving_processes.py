@@ -107,7 +107,7 @@ def standalone_scheduler(tiny_model_dir, tmp_path):
 
     scheduler = subprocess.Popen(
         [*WEIR, "scheduler", "--model", str(tiny_model_dir), "--port", str(port),
-         "--metrics-port", "0", "--executor-address", executor_address, "--executor-timeout", "2"],
+         "--metrics-port", "0", "--executor-address", executor_address],
         env=ENV)
     procs.append(scheduler)
     try:
