@@ -213,6 +213,20 @@ def _chat(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _health(args: argparse.Namespace) -> int:
+    """Exit 0 only when the server is ready to take requests (a readiness probe)."""
+    from weir.shared.client import WeirClient, WeirError
+
+    try:
+        with WeirClient(args.address, timeout=args.timeout) as client:
+            health = client.health()
+    except WeirError as exc:
+        print(f"weir health: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(" ".join(f"{key}={value}" for key, value in health.items()))
+    return 0 if health.get("status") == "ok" else 1
+
+
 # ------------------------------------------------------------------ parser
 
 def _add_child_flags(p: argparse.ArgumentParser) -> None:
@@ -287,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     sub.add_parser("bench", help="measure throughput and latency (weir bench -h)")
+
+    p = sub.add_parser("health", help="exit 0 when a server is ready (readiness probe)")
+    p.add_argument("--address", default=os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS))
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(func=_health)
 
     p = sub.add_parser("chat", help="chat with a running server")
     p.add_argument("--system", default=None, help="system prompt")

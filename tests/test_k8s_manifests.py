@@ -45,6 +45,15 @@ def test_container_args_are_accepted_by_the_cli(deployment: str) -> None:
     assert args.command == deployment.removeprefix("weir-")
 
 
+def test_scheduler_readiness_probe_is_a_weir_health_check() -> None:
+    command = _container("weir-scheduler")["readinessProbe"]["exec"]["command"]
+    assert command[0] == "weir"
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "health"
+    scheduler_args = build_parser().parse_args(_container("weir-scheduler")["args"])
+    assert urlparse(args.address).port == scheduler_args.port
+
+
 def test_executor_reaches_the_scheduler_service_port() -> None:
     executor_args = build_parser().parse_args(_container("weir-executor")["args"])
     target = urlparse(executor_args.scheduler)

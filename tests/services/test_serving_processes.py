@@ -162,3 +162,22 @@ def test_executor_death_fails_inflight_requests_and_a_new_executor_recovers(stan
         assert sum(len(o.new_token_ids) for o in outs) == 4
         health = client.health()
         assert health["num_free_blocks"] == health["num_blocks"]
+
+
+def test_weir_health_is_ready_only_once_an_executor_has_joined(standalone_scheduler):
+    address, start_executor = standalone_scheduler
+
+    def weir_health() -> subprocess.CompletedProcess:
+        return subprocess.run([*WEIR, "health", "--address", address, "--timeout", "10"],
+                              capture_output=True, text=True, env=ENV, timeout=60)
+
+    deadline = time.monotonic() + 60
+    out = weir_health()
+    while "ServerUnavailableError" in out.stderr and time.monotonic() < deadline:
+        out = weir_health()  # the scheduler is still binding its socket
+    assert out.returncode == 1 and "status=waiting_for_executors" in out.stdout, out
+    start_executor()
+    with WeirClient(address, timeout=60) as client:
+        wait_healthy(client)
+    out = weir_health()
+    assert out.returncode == 0 and "status=ok" in out.stdout, out
