@@ -116,7 +116,7 @@ class AsyncWeirClient:
         try:
             self._send(GenerateRequest(request_id, prompt, sampling_params or SamplingParams()))
             while True:
-                item = await self._next_item(queue)
+                item = await self._next_item(request_id, queue)
                 if isinstance(item, WeirError):
                     finished = True
                     raise item
@@ -185,14 +185,19 @@ class AsyncWeirClient:
             raise _error_from_reply(reply)
         return reply
 
-    async def _next_item(self, queue: asyncio.Queue[StreamOutput | WeirError]) -> StreamOutput | WeirError:
+    async def _next_item(self, request_id: str,
+                         queue: asyncio.Queue[StreamOutput | WeirError]) -> StreamOutput | WeirError:
         # A long queue on the server is not a failure: when a stream is quiet for
-        # `timeout`, ask whether the server is alive before waiting again.
+        # `timeout`, ask whether the server is alive and still knows the request.
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), self.timeout)
             except TimeoutError:
-                await self.health()
+                reply = await self._request(HealthRequest(uuid.uuid4().hex, [request_id]))
+            # Outputs sent before the reply are already queued: only an empty queue is lost.
+            if request_id in reply.info.get("lost_request_ids", ()) and queue.empty():
+                return EngineError(f"request {request_id} was lost: the server no longer knows it "
+                                   "(it restarted); send it again", ENGINE_ERROR)
 
     async def _receive_loop(self) -> None:
         while True:

@@ -8,7 +8,7 @@ Client -> scheduler::
 
     generate   {request_id, prompt, sampling_params}   prompt: str | list[int] | list[{role, content}]
     abort      {request_id}
-    health     {request_id}
+    health     {request_id, stream_ids?}   stream_ids: the client's quiet streams, to check
     model_info {request_id}
 
 Scheduler -> client::
@@ -75,6 +75,9 @@ class AbortRequest:
 @dataclass(slots=True)
 class HealthRequest:
     request_id: str
+    # Streams the client is still waiting on; the reply's ``lost_request_ids`` names those the
+    # server does not know (it restarted), so they fail instead of waiting forever.
+    stream_ids: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -146,6 +149,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
     if isinstance(msg, GenerateRequest):
         return _pack("generate", {"request_id": msg.request_id, "prompt": msg.prompt,
                                   "sampling_params": msg.sampling_params.to_dict()})
+    if isinstance(msg, HealthRequest) and msg.stream_ids:
+        return _pack("health", {"request_id": msg.request_id, "stream_ids": msg.stream_ids})
     type_ = {AbortRequest: "abort", HealthRequest: "health", ModelInfoRequest: "model_info"}[type(msg)]
     return _pack(type_, {"request_id": msg.request_id})
 
@@ -153,7 +158,7 @@ def encode_client_message(msg: ClientMessage) -> bytes:
 _CLIENT_FIELDS = {
     "generate": {"request_id", "prompt", "sampling_params"},
     "abort": {"request_id"},
-    "health": {"request_id"},
+    "health": {"request_id", "stream_ids"},
     "model_info": {"request_id"},
 }
 
@@ -184,7 +189,11 @@ def decode_client_message(frame: bytes) -> ClientMessage:
     if type_ == "abort":
         return AbortRequest(raw_id)
     if type_ == "health":
-        return HealthRequest(raw_id)
+        stream_ids = data.get("stream_ids", [])
+        if not isinstance(stream_ids, list) or not all(isinstance(i, str) for i in stream_ids):
+            raise ClientProtocolError(INVALID_REQUEST, "health: stream_ids must be a list of strings",
+                                      raw_id)
+        return HealthRequest(raw_id, stream_ids)
     if type_ == "model_info":
         return ModelInfoRequest(raw_id)
     try:

@@ -221,7 +221,7 @@ class SchedulerServer:
             self._abort(msg.request_id, identity)
         elif isinstance(msg, cp.HealthRequest):
             self._send_client(identity, cp.encode_server_message(
-                cp.HealthReply(msg.request_id, self._health())))
+                cp.HealthReply(msg.request_id, self._health(msg.stream_ids))))
         else:
             self._send_client(identity, cp.encode_server_message(
                 cp.ModelInfoReply(msg.request_id, self._model_info())))
@@ -322,13 +322,15 @@ class SchedulerServer:
     def _send_error(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
         self._send_client(identity, cp.encode_server_message(cp.ErrorReply(request_id, message, code)))
 
-    def _health(self) -> dict[str, Any]:
+    def _health(self, stream_ids: list[str] = ()) -> dict[str, Any]:
         info: dict[str, Any] = {
             "status": "ok" if self._scheduler is not None else "waiting_for_executors",
             "executors": sorted(self._ranks),
             "num_executors": self.options.num_executors,
             "num_streams": len(self._streams),
         }
+        if stream_ids:
+            info["lost_request_ids"] = [rid for rid in stream_ids if rid not in self._streams]
         if self._scheduler is not None:
             stats = self._scheduler.stats()
             info.update(num_requests_running=stats.num_running, num_requests_waiting=stats.num_waiting,

@@ -16,7 +16,8 @@ def test_round_trip_of_every_client_message():
     for prompt in ("hi", [1, 2, 3], [{"role": "user", "content": "hi"}]):
         msg = cp.GenerateRequest("r1", prompt, params)
         assert cp.decode_client_message(cp.encode_client_message(msg)) == msg
-    for msg in (cp.AbortRequest("a"), cp.HealthRequest("h"), cp.ModelInfoRequest("m")):
+    for msg in (cp.AbortRequest("a"), cp.HealthRequest("h"), cp.HealthRequest("h", ["s1", "s2"]),
+                cp.ModelInfoRequest("m")):
         assert cp.decode_client_message(cp.encode_client_message(msg)) == msg
 
 
@@ -71,3 +72,10 @@ def test_error_keeps_the_request_id_when_it_is_readable():
     with pytest.raises(cp.ClientProtocolError) as info:
         cp.decode_client_message(data)
     assert info.value.request_id == "r9"
+
+
+def test_health_stream_ids_must_be_strings():
+    frame = msgpack.packb({"v": cp.PROTOCOL_VERSION, "type": "health", "request_id": "h",
+                           "stream_ids": ["ok", 3]})
+    with pytest.raises(cp.ClientProtocolError, match="stream_ids must be a list of strings"):
+        cp.decode_client_message(frame)

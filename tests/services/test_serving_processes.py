@@ -181,3 +181,31 @@ def test_weir_health_is_ready_only_once_an_executor_has_joined(standalone_schedu
         wait_healthy(client)
     out = weir_health()
     assert out.returncode == 0 and "status=ok" in out.stdout, out
+
+
+def test_a_stream_fails_clearly_when_the_scheduler_restarts_under_it(tiny_model_dir, tmp_path):
+    port = free_port()
+    executor_address = f"ipc://{tmp_path}/executors.sock"
+    scheduler_cmd = [*WEIR, "scheduler", "--model", str(tiny_model_dir), "--port", str(port),
+                     "--metrics-port", "0", "--executor-address", executor_address]
+    executor_cmd = [*WEIR, "executor", "--scheduler", executor_address, "--model",
+                    str(tiny_model_dir), "--metrics-port", "0", "--kv-cache-memory", "1MiB"]
+    procs = [subprocess.Popen(scheduler_cmd, env=ENV), subprocess.Popen(executor_cmd, env=ENV)]
+    try:
+        with WeirClient(f"tcp://127.0.0.1:{port}", timeout=10) as client:
+            wait_healthy(client)
+            stream = client.generate([1, 2, 3], SamplingParams(max_tokens=100_000, ignore_eos=True,
+                                                               temperature=0.0))
+            next(stream)
+            procs[0].kill()
+            procs[0].wait()
+            procs.append(subprocess.Popen(scheduler_cmd, env=ENV))
+            # The new scheduler answers the stream's liveness check but never heard of it.
+            with pytest.raises(EngineError, match="was lost: the server no longer knows it"):
+                for _ in stream:
+                    pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
