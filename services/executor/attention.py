@@ -1,10 +1,11 @@
 """Attention metadata for one flat mixed batch, and the switch between kernel backends.
 
-Both backends implement the semantics of `weir.kernels.reference` (paged KV layout
+Every backend implements the semantics of `weir.kernels.reference` (paged KV layout
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, flat token batch, causal rule
-relative to each request's context length). "torch" calls the reference directly and is
-the CPU default; "triton" calls `weir.kernels.triton_attention` (same signatures) and is
-the CUDA default.
+relative to each request's context length). "torch" runs `weir.kernels.cpu_attention`
+(batched PyTorch operators, planned once per step) and is the CPU default; "reference"
+calls the reference directly (one request at a time, slow; for checking); "triton" calls
+`weir.kernels.triton_attention` and is the CUDA default.
 """
 
 from dataclasses import dataclass
@@ -23,10 +24,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; -1 = padding
     max_query_len: int  # host-side hints so kernels need no device sync to size their grid
     max_seq_len: int
+    plan: object | None = None  # what a backend derives once per step in `prepare`, for every layer
 
 
 class AttentionBackend(Protocol):
     name: str
+
+    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
+        """Called once per step, before any layer's write_kv/attend."""
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -38,14 +43,45 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """The PyTorch reference kernels: the CPU path."""
+    """Batched PyTorch operators over the paged cache: the CPU path."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        from weir.kernels import cpu_attention
+
+        self._kernels = cpu_attention
+
+    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
+        meta.plan = self._kernels.plan_step(
+            meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.block_table.cpu(), meta.slot_mapping.cpu(),
+            block_size=kv_cache.shape[2], num_heads=num_heads, num_kv_heads=kv_cache.shape[3],
+            device=kv_cache.device,
+        )
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        self._kernels.reshape_and_cache(key, value, kv_cache, meta.plan)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return self._kernels.paged_attention(query, kv_cache, meta.plan, scale)
+
+
+class ReferenceAttention:
+    """The PyTorch reference kernels, one request at a time."""
+
+    name = "reference"
 
     def __init__(self) -> None:
         from weir.kernels import reference
 
         self._kernels = reference
+
+    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
+        pass
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -71,6 +107,9 @@ class TritonAttention:
 
         self._kernels = triton_attention
 
+    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
+        pass
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None:
@@ -90,7 +129,7 @@ class TritonAttention:
         )
 
 
-BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
+BACKENDS = {"torch": TorchAttention, "reference": ReferenceAttention, "triton": TritonAttention}
 
 
 def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:

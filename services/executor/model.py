@@ -211,6 +211,7 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         self.config = cfg
         self.dtype = dtype
+        self.attention = attention
         self.embed_tokens = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False
         )
@@ -231,6 +232,7 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for T flat tokens."""
+        self.attention.prepare(attn_metadata, self.config.num_heads, kv_caches[0])
         # cos/sin in fp32 then cast, as HF does, so bf16 rotations match.
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         cos = freqs.cos().to(self.dtype).unsqueeze(1)

@@ -1,0 +1,178 @@
+"""Offline throughput of the executor alone (ModelRunner.execute), with a breakdown of step time.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/executor_step.py [--threads 1] [--repeats 2]
+
+The workload is `weir bench throughput`'s default: 64 requests with seeded random prompts of
+32-256 tokens and outputs of 32-128 tokens, greedy, EOS ignored. Step plans come from the
+real token-budget Scheduler run in the same process (max_num_batched_tokens 2048, chunked
+prefill), so the executor sees what it sees when served; scheduler time is measured apart and
+left out of the executor's tokens/s (it runs in its own process when served).
+
+Step time is split into: input preparation (applying the plan diff, building the flat batch,
+the attention backend's per-step plan),
+KV writes, attention, the rest of the forward pass (matmuls, norms, RoPE, embeddings), logits
+(LM head) and sampling (including turning sampled tokens into the step result). The parts
+are timed by wrapping the runner's components, so they add up to the measured step time.
+`--profile` prints torch.profiler's table of the top operators for a few decode steps.
+"""
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from weir.services.bench.workload import RandomWorkload, load_tokenizer, normal_vocab_ids, random_requests
+from weir.services.executor.model_runner import ModelRunner
+from weir.services.scheduler import Request, Scheduler
+from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.model_store import resolve_model
+from weir.shared.sampling import SamplingParams
+
+PARTS = ("prepare", "kv_write", "attention", "logits", "sampling", "other_forward")
+
+
+class Timers:
+    """Wall time per part, accumulated over a run; parts time nested calls exclusively."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        seconds = self.seconds
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - start
+
+        return timed
+
+
+class TimedAttention:
+    """Forwards to the runner's attention backend, timing its two calls."""
+
+    def __init__(self, backend: Any, timers: Timers) -> None:
+        self.name = backend.name
+        self.prepare = timers.wrap("prepare", backend.prepare)
+        self.write_kv = timers.wrap("kv_write", backend.write_kv)
+        self.attend = timers.wrap("attention", backend.attend)
+
+
+def instrument(runner: ModelRunner, timers: Timers) -> None:
+    batch = runner.batch
+    batch.apply_plan = timers.wrap("prepare", batch.apply_plan)
+    batch.prepare_inputs = timers.wrap("prepare", batch.prepare_inputs)
+    attention = TimedAttention(runner.attention, timers)
+    runner.model.attention = attention
+    for layer in runner.model.layers:
+        layer.attention = attention
+    runner.model.compute_logits = timers.wrap("logits", runner.model.compute_logits)
+    runner.sampler = timers.wrap("sampling", runner.sampler)
+    runner._collect = timers.wrap("sampling", runner._collect)
+
+
+def run_workload(runner: ModelRunner, requests: list, max_num_batched_tokens: int, timers: Timers) -> dict:
+    block_size = runner.block_size
+    num_blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // block_size) for r in requests) + 16
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=256,
+                        max_model_len=runner.max_model_len),
+        CacheConfig(block_size=block_size, num_blocks=min(num_blocks, runner.num_blocks),
+                    enable_prefix_caching=False),
+    )
+    for i, r in enumerate(requests):
+        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        scheduler.add_request(Request(f"req-{i}", r.prompt_token_ids, params, eos_token_id=2))
+    # Per step kind: "prefill" steps hold at least one prompt chunk, "decode" steps only decodes.
+    kinds = {k: dict(seconds=0.0, steps=0, parts=defaultdict(float)) for k in ("prefill", "decode")}
+    scheduler_s, num_output = 0.0, 0
+    while scheduler.has_unfinished_requests():
+        start = time.perf_counter()
+        plan = scheduler.schedule()
+        mid = time.perf_counter()
+        timers.seconds.clear()
+        result = runner.execute(plan)
+        end = time.perf_counter()
+        scheduler.update_from_output(plan, result)
+        scheduler_s += mid - start + time.perf_counter() - end
+        num_output += sum(map(len, result.sampled_token_ids.values()))
+        kind = kinds["prefill" if plan.total_num_scheduled_tokens > len(plan.num_scheduled_tokens) else "decode"]
+        kind["seconds"] += end - mid
+        kind["steps"] += 1
+        for part in PARTS[:-1]:
+            kind["parts"][part] += timers.seconds[part]
+        kind["parts"]["other_forward"] += end - mid - sum(timers.seconds.values())
+    # The last plan only tells the executor that the remaining requests finished.
+    runner.execute(scheduler.schedule())
+    executor_s = sum(k["seconds"] for k in kinds.values())
+    return dict(executor_s=executor_s, scheduler_s=scheduler_s, output_tokens=num_output, kinds=kinds)
+
+
+def profile_decode(runner: ModelRunner, requests: list) -> None:
+    """torch.profiler table over a short run of the first 16 requests (prefill + decodes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    short = [type(r)(r.prompt_token_ids, 8) for r in requests[:16]]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_workload(runner, short, 2048, Timers())
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of the whole workload")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table and exit")
+    args = parser.parse_args()
+
+    model_dir = resolve_model(args.model)
+    runner = ModelRunner(model_dir, device="cpu", dtype=args.dtype, kv_cache_memory_bytes=512 << 20,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
+                         attention_backend=args.attention_backend, num_threads=args.threads)
+    spec = RandomWorkload(args.num_prompts, 32, 256, 32, 128, args.seed)
+    requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
+    if args.profile:
+        profile_decode(runner, requests)
+        return
+    timers = Timers()
+    instrument(runner, timers)
+    # Warmup: lazy initialisation and allocator growth stay out of the timed runs.
+    run_workload(runner, [type(r)(r.prompt_token_ids, 4) for r in requests[:8]], args.max_num_batched_tokens, timers)
+
+    print(f"model {model_dir.name}, dtype {runner.dtype}, attention {runner.attention.name}, "
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    print(f"{len(requests)} requests, {prompt_tokens} prompt tokens, "
+          f"{sum(r.output_len for r in requests)} output tokens")
+    runs = []
+    for i in range(args.repeats):
+        run = run_workload(runner, requests, args.max_num_batched_tokens, timers)
+        runs.append(run)
+        print(f"run {i}: {run['output_tokens'] / run['executor_s']:.1f} output tok/s "
+              f"({run['executor_s']:.2f} s executor, {run['scheduler_s']:.2f} s scheduler, "
+              f"load {os.getloadavg()[0]:.2f})")
+        for name, kind in run["kinds"].items():
+            steps = max(kind["steps"], 1)
+            print(f"  {kind['steps']:3d} {name} steps, {kind['seconds']:6.2f} s, per step ms: "
+                  + ", ".join(f"{p} {1e3 * kind['parts'][p] / steps:.1f}" for p in PARTS))
+    rates = [r["output_tokens"] / r["executor_s"] for r in runs]
+    with_scheduler = [r["output_tokens"] / (r["executor_s"] + r["scheduler_s"]) for r in runs]
+    print(f"median {statistics.median(rates):.1f} output tok/s over {len(runs)} runs (executor only; "
+          f"with the scheduler in the same process {statistics.median(with_scheduler):.1f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Batched paged attention for the CPU: the semantics of `weir.kernels.reference`, fast.
+
+The reference runs one request at a time, which on a CPU costs a dozen small operator
+calls per request per layer. Here the step is planned once (`plan_step`, host-side NumPy),
+and every layer then runs a handful of large operators that reuse the plan:
+
+* Short queries (decodes and speculative decodes, `query_len <= SHORT_QUERY_MAX`) are
+  grouped into buckets of equal query length and similar sequence length. The query heads
+  sharing a KV head are folded into the query axis, so each KV head is read once for all
+  of them. A bucket gathers its keys with one `index_select` straight into
+  `[requests, kv_heads, padded_seq, head_dim]`, scores them with one `bmm`, adds the mask,
+  and takes the softmax; `embedding_bag` then sums the value rows weighted by the
+  probabilities, reading them from the paged cache without gathering them first. (SDPA's
+  CPU kernel is several times slower on these few-row queries.)
+* Long queries (prefill chunks) run one SDPA per request over its gathered context, causal
+  without a mask when there is no earlier context.
+
+The cache stays paged: gathers read the blocks through the block table every layer.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+SHORT_QUERY_MAX = 8
+# A new bucket costs a few operator calls per layer, about as much as gathering and attending
+# over this many padding key positions; buckets split only where they save more than that.
+BUCKET_SPLIT_TOKENS = 512
+
+
+@dataclass(slots=True)
+class ShortBucket:
+    """Requests with the same query length Q, padded to the bucket's longest sequence S."""
+
+    num_reqs: int
+    query_len: int  # Q
+    seq_len: int  # S
+    query_rows: torch.Tensor  # [R * Q] int64 flat batch row of query i of request r
+    kv_rows: torch.Tensor  # [R * Hkv * S] int64 rows of the cache viewed as [slots * Hkv, D]
+    bag_rows: torch.Tensor  # [R * Hkv * Q * G, S] the same rows for each folded query row
+    mask: torch.Tensor | None  # [R, 1, Q * G, S] additive; None when nothing is masked
+
+
+@dataclass(slots=True)
+class LongQuery:
+    start: int
+    end: int
+    kv_rows: torch.Tensor  # [Hkv * S] int64
+    mask: torch.Tensor | None  # [Q, S] bool (True = attend); None = plain causal (no context)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Index tensors of one step, derived once and shared by every layer."""
+
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    write_slots: torch.Tensor  # [n] int64 cache slots of the tokens that write K/V
+    write_rows: torch.Tensor | None  # [n] their rows in the flat batch; None = every row, in order
+    short: list[ShortBucket]
+    long: list[LongQuery]
+
+
+def plan_step(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    device: torch.device | str = "cpu",
+) -> StepPlan:
+    """Host-side planning from the reference's metadata (CPU tensors); the plan's tensors go to `device`."""
+    qsl = query_start_loc.numpy().astype(np.int64)
+    lens = seq_lens.numpy().astype(np.int64)
+    table = block_table.numpy()
+    slots = slot_mapping.numpy().astype(np.int64)
+    group = num_heads // num_kv_heads
+
+    valid = slots >= 0
+    all_valid = bool(valid.all())
+    write_slots = slots if all_valid else slots[valid]
+    write_rows = None if all_valid else torch.from_numpy(np.flatnonzero(valid))
+
+    query_lens = qsl[1:] - qsl[:-1]
+    short_reqs = np.flatnonzero((query_lens > 0) & (query_lens <= SHORT_QUERY_MAX))
+    long_reqs = np.flatnonzero(query_lens > SHORT_QUERY_MAX)
+    short = [
+        _short_bucket(reqs, qsl, lens, table, block_size, num_kv_heads, group)
+        for reqs in _buckets(short_reqs, query_lens, lens)
+    ]
+    long = [_long_query(int(r), qsl, lens, table, block_size, num_kv_heads) for r in long_reqs]
+    plan = StepPlan(num_kv_heads, group, torch.from_numpy(write_slots), write_rows, short, long)
+    return plan if torch.device(device).type == "cpu" else _to_device(plan, device)
+
+
+def _to_device(obj, device: torch.device | str):
+    """A copy of a plan (or one of its parts) with every tensor on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, list):
+        return [_to_device(x, device) for x in obj]
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(
+            obj, **{f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        )
+    return obj
+
+
+def _buckets(reqs: np.ndarray, query_lens: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
+    """Split requests by query length, then, longest sequence first, wherever the padding a
+    split saves (rows left x shorter length) exceeds BUCKET_SPLIT_TOKENS."""
+    buckets = []
+    for q in np.unique(query_lens[reqs]):
+        same_q = reqs[query_lens[reqs] == q]
+        ordered = same_q[np.argsort(-lens[same_q], kind="stable")]
+        ordered_lens = lens[ordered]
+        start = 0
+        for i in range(1, len(ordered)):
+            if (ordered_lens[start] - ordered_lens[i]) * (len(ordered) - i) > BUCKET_SPLIT_TOKENS:
+                buckets.append(ordered[start:i])
+                start = i
+        buckets.append(ordered[start:])
+    return buckets
+
+
+def _kv_rows(
+    table: np.ndarray, reqs: np.ndarray, lens: np.ndarray, seq_len: int, block_size: int, num_kv_heads: int
+) -> np.ndarray:
+    """[R, Hkv, S] rows of the cache viewed as [num_blocks * block_size * Hkv, D]. Positions past a
+    request's length repeat its last token, so padding reads real data and the mask hides it."""
+    pos = np.minimum(np.arange(seq_len)[None, :], lens[reqs][:, None] - 1)  # [R, S]
+    blocks = np.take_along_axis(table[reqs], pos // block_size, axis=1).astype(np.int64)
+    token_slots = blocks * block_size + pos % block_size
+    return token_slots[:, None, :] * num_kv_heads + np.arange(num_kv_heads)[None, :, None]
+
+
+def _short_bucket(
+    reqs: np.ndarray,
+    qsl: np.ndarray,
+    lens: np.ndarray,
+    table: np.ndarray,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+) -> ShortBucket:
+    query_len = int(qsl[reqs[0] + 1] - qsl[reqs[0]])
+    seq_len = int(lens[reqs].max())
+    query_rows = qsl[reqs][:, None] + np.arange(query_len)[None, :]  # [R, Q]
+    kv_rows = _kv_rows(table, reqs, lens, seq_len, block_size, num_kv_heads)
+    # Query i of a request sees key j iff j <= context_len + i.
+    last_visible = (lens[reqs] - query_len)[:, None] + np.arange(query_len)[None, :]  # [R, Q]
+    visible = np.arange(seq_len)[None, None, :] <= last_visible[:, :, None]  # [R, Q, S]
+    mask = None
+    if not visible.all():
+        additive = np.where(visible, np.float32(0), np.float32(-np.inf))
+        mask = torch.from_numpy(np.repeat(additive, group, axis=1)[:, None])  # row i*G + g, as folded
+    return ShortBucket(
+        num_reqs=len(reqs),
+        query_len=query_len,
+        seq_len=seq_len,
+        query_rows=torch.from_numpy(query_rows.reshape(-1)),
+        kv_rows=torch.from_numpy(kv_rows.reshape(-1)),
+        bag_rows=torch.from_numpy(np.repeat(kv_rows, query_len * group, axis=1).reshape(-1, seq_len)),
+        mask=mask,
+    )
+
+
+def _long_query(
+    r: int, qsl: np.ndarray, lens: np.ndarray, table: np.ndarray, block_size: int, num_kv_heads: int
+) -> LongQuery:
+    seq_len = int(lens[r])
+    start, end = int(qsl[r]), int(qsl[r + 1])
+    context = seq_len - (end - start)
+    kv_rows = _kv_rows(table, np.array([r]), lens, seq_len, block_size, num_kv_heads)
+    mask = None
+    if context:
+        mask = torch.from_numpy(np.arange(seq_len)[None, :] <= context + np.arange(end - start)[:, None])
+    return LongQuery(start, end, torch.from_numpy(kv_rows.reshape(-1)), mask)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> None:
+    """Write each token's K and V into its cache slot (in place); tokens with slot -1 are skipped."""
+    rows = kv_cache.shape[2] * kv_cache.shape[1]
+    if plan.write_rows is not None:
+        key, value = key[plan.write_rows], value[plan.write_rows]
+    kv_cache[0].view(rows, -1).index_copy_(0, plan.write_slots, key.flatten(1).to(kv_cache.dtype))
+    kv_cache[1].view(rows, -1).index_copy_(0, plan.write_slots, value.flatten(1).to(kv_cache.dtype))
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, scale: float) -> torch.Tensor:
+    """query [T, H, D] -> [T, H, D]; rows of no request (padding) are left unset."""
+    head_dim = query.shape[2]
+    hkv, group = plan.num_kv_heads, plan.group
+    key_rows = kv_cache[0].view(-1, head_dim)
+    value_rows = kv_cache[1].view(-1, head_dim)
+    out = torch.empty_like(query)
+    for b in plan.short:
+        r, qg, s = b.num_reqs, b.query_len * group, b.seq_len
+        k = key_rows.index_select(0, b.kv_rows).view(r * hkv, s, head_dim).to(torch.float32)
+        # [R*Q, H, D] -> [R*Hkv, Q*G, D], row i*G + g.
+        qb = query.index_select(0, b.query_rows).view(r, b.query_len, hkv, group, head_dim)
+        qb = qb.transpose(1, 2).reshape(r * hkv, qg, head_dim).to(torch.float32) * scale
+        scores = torch.bmm(qb, k.transpose(1, 2)).view(r, hkv, qg, s)
+        if b.mask is not None:
+            scores += b.mask
+        probs = torch.softmax(scores, dim=-1).view(-1, s).to(value_rows.dtype)
+        o = F.embedding_bag(b.bag_rows, value_rows, per_sample_weights=probs, mode="sum")
+        o = o.view(r, hkv, b.query_len, group, head_dim).transpose(1, 2).reshape(-1, hkv * group, head_dim)
+        out.index_copy_(0, b.query_rows, o.to(out.dtype))
+    for lq in plan.long:
+        s = len(lq.kv_rows) // hkv
+        k = key_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
+        v = value_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
+        q = query[lq.start : lq.end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, Q, D]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=lq.mask, is_causal=lq.mask is None, scale=scale, enable_gqa=True
+        )
+        out[lq.start : lq.end] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,83 @@
+"""The batched CPU attention path equals the PyTorch reference on a mixed paged batch.
+
+One step mixes decodes of very different lengths (so they split into several buckets),
+speculative decodes with two draft counts, a prefill chunk over earlier context and a fresh
+prefill, under GQA, with shuffled physical blocks, a strided block table whose unused
+entries are -1, padding tokens (slot -1), and poisoned cache slots no request owns.
+"""
+
+import pytest
+import torch
+
+from weir.kernels import cpu_attention, reference
+
+BLOCK_SIZE = 4
+POISON = 1e4
+
+
+def mixed_step(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype):
+    """(context_len, query_len) per request -> tensors of one step, context already in the cache."""
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_req = [-(-(ctx + q) // BLOCK_SIZE) for ctx, q in requests]
+    num_blocks = sum(blocks_per_req) + 3
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_per_req) + 2
+    table = torch.full((len(requests), width + 5), -1, dtype=torch.int32)[:, :width]  # row stride > width
+    kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), POISON)
+    slots, starts, seq_lens = [], [0], []
+    for r, (ctx, q) in enumerate(requests):
+        table[r, : blocks_per_req[r]] = torch.tensor(physical[: blocks_per_req[r]])
+        del physical[: blocks_per_req[r]]
+        pos = torch.arange(ctx + q)
+        req_slots = table[r, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        kv_cache.view(2, -1, num_kv_heads, head_dim)[:, req_slots[:ctx]] = torch.randn(
+            2, ctx, num_kv_heads, head_dim, generator=gen
+        )
+        slots.append(req_slots[ctx:])
+        starts.append(starts[-1] + q)
+        seq_lens.append(ctx + q)
+    num_padding = 3
+    slots.append(torch.full((num_padding,), -1))
+    qkv = torch.randn(starts[-1] + num_padding, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    qkv = qkv.to(dtype)
+    return dict(
+        query=qkv[:, :num_heads],
+        key=qkv[:, num_heads : num_heads + num_kv_heads],
+        value=qkv[:, num_heads + num_kv_heads :],
+        kv_cache=kv_cache.to(dtype),
+        slot_mapping=torch.cat(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=table,
+    )
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_batched_cpu_attention_equals_reference(dtype, tol):
+    num_heads, num_kv_heads, head_dim = 6, 2, 16
+    requests = [
+        (300, 1), (7, 1), (0, 1), (150, 1), (298, 1), (9, 1),  # decodes, one with no context
+        (20, 3), (33, 4), (5, 3),  # speculative decodes: 1 + 2 or 1 + 3 drafts
+        (11, 25),  # a prefill chunk after earlier context
+        (0, 17),  # a whole prompt
+    ]
+    step = mixed_step(requests, num_heads, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    num_real = int(step["query_start_loc"][-1])
+
+    want_cache = step["kv_cache"].clone()
+    reference.reshape_and_cache(step["key"], step["value"], want_cache, step["slot_mapping"])
+    want = reference.paged_attention(
+        step["query"], want_cache, step["query_start_loc"], step["seq_lens"], step["block_table"], scale
+    )
+
+    plan = cpu_attention.plan_step(
+        step["query_start_loc"], step["seq_lens"], step["block_table"], step["slot_mapping"],
+        BLOCK_SIZE, num_heads, num_kv_heads,
+    )
+    assert len(plan.short) >= 4 and len(plan.long) == 2  # several decode buckets, two spec buckets
+    cache = step["kv_cache"].clone()
+    cpu_attention.reshape_and_cache(step["key"], step["value"], cache, plan)
+    assert torch.equal(cache, want_cache)
+    got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
