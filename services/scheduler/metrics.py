@@ -19,6 +19,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                     50.0, 60.0, 120.0, 240.0, 480.0)
+_PHASE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+STEP_PHASES = ("schedule", "plan_encode", "executor", "update", "outputs")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -68,6 +70,14 @@ class SchedulerMetrics:
         self.iteration_tokens = one(Histogram(
             "weir:iteration_tokens", "Tokens scheduled in one step", names, registry=reg,
             buckets=_TOKEN_BUCKETS))
+
+        self._step_phase = Histogram(
+            "weir:scheduler_step_phase_seconds",
+            "Scheduler time per step by phase: schedule, plan_encode, executor (send to result, "
+            "IPC included), update, outputs (detokenize, stop strings, push to clients)",
+            ["model_name", "phase"], registry=reg, buckets=_PHASE_BUCKETS)
+        self.step_phase = {phase: self._step_phase.labels(model_name=model_name, phase=phase)
+                           for phase in STEP_PHASES}
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(model_name=self._model_name,

@@ -523,7 +523,10 @@ class SchedulerServer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            start = time.perf_counter()
             plan = scheduler.schedule()
+            phase = self.metrics.step_phase
+            phase["schedule"].observe(time.perf_counter() - start)
             if not plan.num_scheduled_tokens and not plan.finished_req_ids \
                     and not plan.preempted_req_ids:
                 # Nothing can run until a request arrives or is aborted.
@@ -538,11 +541,18 @@ class SchedulerServer:
                 continue
             except ExecutorLost:
                 continue  # _lose_group already failed the requests
+            start = time.perf_counter()
             outputs = scheduler.update_from_output(plan, result)
+            updated = time.perf_counter()
             self._on_step_done(plan, outputs)
+            phase["update"].observe(updated - start)
+            phase["outputs"].observe(time.perf_counter() - updated)
 
     async def _run_step(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
         encoded = encode_step_plan(plan)
+        sent = time.perf_counter()
+        self.metrics.step_phase["plan_encode"].observe(sent - start)
         now = time.monotonic()
         for new in plan.new_requests:
             stream = self._streams.get(new.request_id)
@@ -557,9 +567,11 @@ class SchedulerServer:
                 self._lose_group(message)
                 raise ExecutorLost(message)
         try:
-            return await self._result
+            result = await self._result
         finally:
             self._result = None
+        self.metrics.step_phase["executor"].observe(time.perf_counter() - sent)
+        return result
 
     def _fail_scheduled(self, plan: StepPlan, message: str) -> None:
         """A failed step: every request the executor holds state for is failed."""
