@@ -13,7 +13,8 @@ the attention backend's per-step plan),
 KV writes, attention, the rest of the forward pass (matmuls, norms, RoPE, embeddings), logits
 (LM head) and sampling (including turning sampled tokens into the step result). The parts
 are timed by wrapping the runner's components, so they add up to the measured step time.
-`--profile` prints torch.profiler's table of the top operators for a few decode steps.
+`--profile decode` (or `prefill`) prints torch.profiler's table of the top operators over ten
+steps of that kind.
 """
 
 import argparse
@@ -78,7 +79,13 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
     runner._collect = timers.wrap("sampling", runner._collect)
 
 
-def run_workload(runner: ModelRunner, requests: list, max_num_batched_tokens: int, timers: Timers) -> dict:
+def run_workload(
+    runner: ModelRunner,
+    requests: list,
+    max_num_batched_tokens: int,
+    timers: Timers,
+    before_step: Callable[[str], None] | None = None,
+) -> dict:
     block_size = runner.block_size
     num_blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // block_size) for r in requests) + 16
     scheduler = Scheduler(
@@ -96,6 +103,9 @@ def run_workload(runner: ModelRunner, requests: list, max_num_batched_tokens: in
     while scheduler.has_unfinished_requests():
         start = time.perf_counter()
         plan = scheduler.schedule()
+        kind_name = "prefill" if plan.total_num_scheduled_tokens > len(plan.num_scheduled_tokens) else "decode"
+        if before_step is not None:
+            before_step(kind_name)
         mid = time.perf_counter()
         timers.seconds.clear()
         result = runner.execute(plan)
@@ -103,7 +113,7 @@ def run_workload(runner: ModelRunner, requests: list, max_num_batched_tokens: in
         scheduler.update_from_output(plan, result)
         scheduler_s += mid - start + time.perf_counter() - end
         num_output += sum(map(len, result.sampled_token_ids.values()))
-        kind = kinds["prefill" if plan.total_num_scheduled_tokens > len(plan.num_scheduled_tokens) else "decode"]
+        kind = kinds[kind_name]
         kind["seconds"] += end - mid
         kind["steps"] += 1
         for part in PARTS[:-1]:
@@ -115,14 +125,27 @@ def run_workload(runner: ModelRunner, requests: list, max_num_batched_tokens: in
     return dict(executor_s=executor_s, scheduler_s=scheduler_s, output_tokens=num_output, kinds=kinds)
 
 
-def profile_decode(runner: ModelRunner, requests: list) -> None:
-    """torch.profiler table over a short run of the first 16 requests (prefill + decodes)."""
-    from torch.profiler import ProfilerActivity, profile
+class StepProfiler:
+    """torch.profiler over the first `num_steps` steps of one kind (prefill or decode)."""
 
-    short = [type(r)(r.prompt_token_ids, 8) for r in requests[:16]]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run_workload(runner, short, 2048, Timers())
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    def __init__(self, kind: str, num_steps: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.kind, self.steps_left = kind, num_steps
+        self.profiler = profile(activities=[ProfilerActivity.CPU])
+        self.running = False
+
+    def __call__(self, kind: str) -> None:
+        """Called before each step with that step's kind."""
+        if self.running and (kind != self.kind or not self.steps_left):
+            self.profiler.stop()
+            self.running = False
+            self.steps_left = 0
+        elif not self.running and kind == self.kind and self.steps_left:
+            self.profiler.start()
+            self.running = True
+        if self.running:
+            self.steps_left -= 1
 
 
 def main() -> None:
@@ -135,17 +158,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of the whole workload")
-    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table and exit")
+    parser.add_argument("--profile", choices=("prefill", "decode"), default=None,
+                        help="print torch.profiler's operator table over 10 steps of this kind and exit")
     args = parser.parse_args()
 
     model_dir = resolve_model(args.model)
-    runner = ModelRunner(model_dir, device="cpu", dtype=args.dtype, kv_cache_memory_bytes=512 << 20,
+    runner = ModelRunner(model_dir, device="cpu", dtype=args.dtype,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
                          attention_backend=args.attention_backend, num_threads=args.threads)
     spec = RandomWorkload(args.num_prompts, 32, 256, 32, 128, args.seed)
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
     if args.profile:
-        profile_decode(runner, requests)
+        profiler = StepProfiler(args.profile, 10)
+        run_workload(runner, requests, args.max_num_batched_tokens, Timers(), profiler)
+        print(profiler.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
     timers = Timers()
     instrument(runner, timers)
