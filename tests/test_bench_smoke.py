@@ -106,7 +106,8 @@ def server_address(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
     address = f"tcp://127.0.0.1:{port}"
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weir.services.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port)],
+        [sys.executable, "-m", "weir.services.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+         "--metrics-port", "0", "--executor-metrics-port", "0"],
         env=ENV, stdout=log, stderr=subprocess.STDOUT,
     )
     try:

@@ -139,17 +139,7 @@ def run_hf_continuous(model: torch.nn.Module, requests: list[BenchRequest], max_
         outputs = _cb_collect(manager, set(ids))
         _sync(device)
         wall = time.perf_counter() - start
-    lengths = {request_id: len(outputs[request_id]) for request_id in ids}
-    for request_id, r in zip(ids, requests):
-        if lengths[request_id] != r.output_len:
-            raise RuntimeError(f"hf-cb {request_id} returned {lengths[request_id]} tokens, expected {r.output_len}")
-    generated = sum(lengths.values())
-    return EngineRun(
-        engine="hf-cb",
-        num_requests=len(requests),
-        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
-        output_tokens=generated,
-        generated_tokens=generated,
-        wall_s=wall,
-        notes="transformers continuous batching manager (generate_batch's engine), per-request max_new_tokens",
+    return EngineRun.from_outputs(
+        "hf-cb", requests, [len(outputs[request_id]) for request_id in ids], wall,
+        "transformers continuous batching manager (generate_batch's engine), per-request max_new_tokens",
     )

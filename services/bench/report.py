@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from weir.services.bench.workload import BenchRequest
+
 PERCENTILES = (50, 90, 99)
 # Namespace entries set by the CLI plumbing rather than by an option.
 _NOT_OPTIONS = frozenset({"func", "command", "bench_command"})
@@ -36,6 +38,19 @@ class EngineRun:
     generated_tokens: int
     wall_s: float
     notes: str = ""
+
+    @classmethod
+    def from_outputs(cls, engine: str, requests: list[BenchRequest], output_lengths: list[int],
+                     wall_s: float, notes: str) -> "EngineRun":
+        """A run whose engine returned ``output_lengths`` tokens, checked against each request's
+        ``output_len`` so no engine is credited with tokens it did not produce."""
+        for i, (length, r) in enumerate(zip(output_lengths, requests, strict=True)):
+            if length != r.output_len:
+                raise RuntimeError(f"{engine} request {i} returned {length} tokens, expected {r.output_len}")
+        return cls(engine=engine, num_requests=len(requests),
+                   prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+                   output_tokens=sum(output_lengths), generated_tokens=sum(output_lengths),
+                   wall_s=wall_s, notes=notes)
 
     @property
     def requests_per_s(self) -> float:

@@ -113,20 +113,9 @@ def run_weir(
         start = time.perf_counter()
         completions = llm.generate([r.prompt_token_ids for r in requests], params)
         wall = time.perf_counter() - start
-    for i, (c, r) in enumerate(zip(completions, requests, strict=True)):
-        if len(c.token_ids) != r.output_len:
-            raise RuntimeError(f"weir request {i} returned {len(c.token_ids)} tokens, expected {r.output_len}")
-    generated = sum(len(c.token_ids) for c in completions)
     options = ", ".join(f"{k}={v}" for k, v in engine_options.items()) or "engine defaults"
-    return EngineRun(
-        engine="weir",
-        num_requests=len(requests),
-        prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
-        output_tokens=generated,
-        generated_tokens=generated,
-        wall_s=wall,
-        notes=f"LLM.generate, {options}",
-    )
+    return EngineRun.from_outputs("weir", requests, [len(c.token_ids) for c in completions], wall,
+                                  f"LLM.generate, {options}")
 
 
 def _run_baselines(
