@@ -99,7 +99,8 @@ class PagedRequests:
 
 
 @pytest.mark.parametrize(
-    ("kind", "backend"), [(kind, "torch") for kind in sorted(CONFIGS)] + [("qwen3", "triton"), ("llama", "triton")]
+    ("kind", "backend"),
+    [(kind, "torch") for kind in sorted(CONFIGS)] + [("qwen3", "triton"), ("llama", "triton"), ("llama", "reference")],
 )
 def test_mixed_paged_batch_matches_transformers(kind, backend, tmp_path):
     hf_model = save_tiny_model(kind, tmp_path)
