@@ -1,0 +1,104 @@
+"""Where a step's time goes, measured on the real processes through their metrics endpoints.
+
+Starts the engine (scheduler + executor processes, as `LLM` does), runs a workload, and
+reads the per-phase histograms before and after it:
+
+  scheduler  weir:scheduler_step_phase_seconds{phase=schedule|plan_encode|executor|update|outputs}
+  executor   weir:executor_step_seconds (plan decoded to result encoded)
+             weir:executor_phase_seconds{phase=prepare|forward|sample} when the executor has them
+
+IPC = the scheduler's wait for the executor minus the executor's own step time (ZeroMQ,
+the kernel, and the wake-ups on both sides).
+
+    .venv/bin/python benchmarks/step_breakdown.py                 # issue-6 workload, 64 requests
+    .venv/bin/python benchmarks/step_breakdown.py --steady        # 64 running decodes
+"""
+
+import argparse
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from weir.services.bench.workload import RandomWorkload, load_tokenizer, normal_vocab_ids, random_requests
+from weir.services.llm import LLM
+from weir.shared.model_store import resolve_model
+from weir.shared.sampling import SamplingParams
+
+
+def histogram_sums(url: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(metric, phase label or '') -> (sum, count) of every histogram at ``url``."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    sums: dict[tuple[str, str], list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                key = (family.name, sample.labels.get("phase", ""))
+                entry = sums.setdefault(key, [0.0, 0.0])
+                entry[0 if sample.name.endswith("_sum") else 1] += sample.value
+    return {k: (v[0], v[1]) for k, v in sums.items()}
+
+
+def snapshot(urls: list[str]) -> dict[tuple[str, str], tuple[float, float]]:
+    merged: dict[tuple[str, str], tuple[float, float]] = {}
+    for url in urls:
+        merged.update(histogram_sums(url))
+    return merged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--steady", action="store_true",
+                        help="every request: 32-token prompt, 128 outputs (steady decode at --num-prompts)")
+    parser.add_argument("--threads", type=int, default=1, help="executor torch threads")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    model_dir = resolve_model(args.model)
+    spec = RandomWorkload(args.num_prompts, 32, 32 if args.steady else 256,
+                          128 if args.steady else 32, 128, args.seed)
+    requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
+    with LLM(model=str(model_dir), threads=args.threads) as llm:
+        urls = [llm.server_info["metrics_address"]] + [e["metrics_address"] for e in llm.server_info["executors"]]
+        llm.generate([[1000, 1001, 1002]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        before = snapshot(urls)
+        llm.generate([r.prompt_token_ids for r in requests],
+                     [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests])
+        after = snapshot(urls)
+
+    def delta(metric: str, phase: str = "") -> tuple[float, float]:
+        s1, c1 = after.get((metric, phase), (0.0, 0.0))
+        s0, c0 = before.get((metric, phase), (0.0, 0.0))
+        return s1 - s0, c1 - c0
+
+    steps = delta("weir:scheduler_step_phase_seconds", "executor")[1]
+    ms = {phase: delta("weir:scheduler_step_phase_seconds", phase)[0] / steps * 1e3
+          for phase in ("schedule", "plan_encode", "executor", "update", "outputs")}
+    executor_ms = delta("weir:executor_step_seconds")[0] / steps * 1e3
+    runner = {phase: delta("weir:executor_phase_seconds", phase)[0] / steps * 1e3
+              for phase in ("prepare", "forward", "sample")}
+    total = sum(ms.values())
+    rows = [("scheduling: schedule()", ms["schedule"]),
+            ("scheduling: update_from_output()", ms["update"]),
+            ("scheduling: detokenize + push outputs", ms["outputs"]),
+            ("IPC: plan encode", ms["plan_encode"]),
+            ("IPC: transport + result decode", ms["executor"] - executor_ms)]
+    if any(runner.values()):
+        rows += [(f"executor: {phase}", runner[phase]) for phase in runner]
+        rows.append(("executor: plan decode, result encode", executor_ms - sum(runner.values())))
+    else:
+        rows.append(("executor: step (decode plan .. encode result)", executor_ms))
+    workload = (f"{args.num_prompts} requests, 32-token prompts, 128 outputs" if args.steady else
+                f"{args.num_prompts} requests, prompts 32-256, outputs 32-128")
+    print(f"{workload}; {steps:.0f} steps, {total:.2f} ms per step (scheduler's view), "
+          f"executor threads {args.threads}\n")
+    print("| part | ms per step | share |\n|---|---:|---:|")
+    for name, value in rows:
+        print(f"| {name} | {value:.3f} | {value / total:.1%} |")
+    overhead = ms["schedule"] + ms["update"] + ms["outputs"] + ms["plan_encode"] + ms["executor"] - executor_ms
+    print(f"\nscheduling + IPC: {overhead:.3f} ms per step = {overhead / total:.2%} of the step")
+
+
+if __name__ == "__main__":
+    main()
