@@ -9,10 +9,10 @@ prefill), so the executor sees what it sees when served; scheduler time is measu
 left out of the executor's tokens/s (it runs in its own process when served).
 
 Step time is split into: input preparation (applying the plan diff, building the flat batch,
-the attention backend's per-step plan),
-KV writes, attention, the rest of the forward pass (matmuls, norms, RoPE, embeddings), logits
-(LM head) and sampling (including turning sampled tokens into the step result). The parts
-are timed by wrapping the runner's components, so they add up to the measured step time.
+the attention backend's per-step plan), KV writes, attention, logits (LM head), sampling
+(including turning sampled tokens into the step result) and the rest of the forward pass
+("other_forward": matmuls, norms, RoPE, embeddings). The parts are timed by wrapping the
+runner's components; "other_forward" is the step time the wrapped parts leave.
 `--profile decode` (or `prefill`) prints torch.profiler's table of the top operators over ten
 steps of that kind.
 """
@@ -38,7 +38,7 @@ PARTS = ("prepare", "kv_write", "attention", "logits", "sampling", "other_forwar
 
 
 class Timers:
-    """Wall time per part, accumulated over a run; parts time nested calls exclusively."""
+    """Wall time per part, summed over calls (the wrapped components never call each other)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -147,6 +147,11 @@ class StepProfiler:
         if self.running:
             self.steps_left -= 1
 
+    def finish(self) -> None:
+        if self.running:
+            self.profiler.stop()
+            self.running = False
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,6 +176,7 @@ def main() -> None:
     if args.profile:
         profiler = StepProfiler(args.profile, 10)
         run_workload(runner, requests, args.max_num_batched_tokens, Timers(), profiler)
+        profiler.finish()
         print(profiler.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
     timers = Timers()
