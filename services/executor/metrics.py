@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+if TYPE_CHECKING:  # the model runner imports torch; the metrics do not need it
+    from weir.services.executor.model_runner import StepTimings
 
 _STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -30,13 +34,23 @@ class ExecutorMetrics:
         self.num_kv_blocks = labelled(Gauge(
             "weir:executor_num_kv_blocks", "KV cache blocks allocated on this rank",
             names, registry=self.registry))
+        phase = Histogram(
+            "weir:executor_phase_seconds",
+            "Time of one step by phase: prepare (plan to input tensors), forward (with logits), "
+            "sample (with collecting the result)",
+            [*names, "phase"], registry=self.registry, buckets=_STEP_SECONDS_BUCKETS)
+        self.phase_seconds = {p: phase.labels(**labels, phase=p) for p in ("prepare", "forward", "sample")}
         self.device_memory_bytes = labelled(Gauge(
             "weir:executor_device_memory_bytes",
             "Device memory in use: allocated CUDA memory on GPU, resident set size on CPU",
             names, registry=self.registry))
 
-    def observe_step(self, seconds: float, num_tokens: int, device: str) -> None:
+    def observe_step(self, seconds: float, num_tokens: int, device: str,
+                     timings: StepTimings) -> None:
         self.step_seconds.observe(seconds)
+        self.phase_seconds["prepare"].observe(timings.prepare)
+        self.phase_seconds["forward"].observe(timings.forward)
+        self.phase_seconds["sample"].observe(timings.sample)
         self.batch_tokens.observe(num_tokens)
         self.device_memory_bytes.set(device_memory_in_use(device))
 

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,16 @@ def _eos_token_ids(model_dir: Path, config_eos: tuple[int, ...]) -> tuple[int, .
     return tuple(ids)
 
 
+@dataclass(slots=True)
+class StepTimings:
+    """Seconds the last ``execute()`` spent per phase: building inputs from the plan, the
+    forward pass (with logits), and sampling (with collecting the result)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+
+
 class ModelRunner:
     """One executor's model, KV cache and persistent batch."""
 
@@ -97,6 +108,7 @@ class ModelRunner:
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, block_size)
         self.batch = InputBatch(self.max_model_len, block_size, max_num_seqs, self.eos_token_ids)
         self.load_seconds = time.perf_counter() - start
+        self.last_timings = StepTimings()
         logger.info(
             "loaded %s on %s (%s, %s attention) in %.2fs; %d KV blocks of %d tokens",
             self.model_dir.name, self.device, self.dtype, self.attention.name,
@@ -178,8 +190,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        start = self._clock()
         self.batch.apply_plan(plan)
         if not plan.num_scheduled_tokens:
+            self.last_timings = StepTimings(prepare=self._clock() - start)
             return StepResult(step_id=plan.step_id)
         if plan.total_num_scheduled_tokens > self.max_num_batched_tokens:
             raise ValueError(
@@ -195,12 +209,23 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
         )
-        hidden = self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions), meta, self.kv_caches)
+        input_ids, positions = self._to_device(inputs.input_ids), self._to_device(inputs.positions)
+        prepared = self._clock()
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not len(inputs.logits_indices):
+            self.last_timings = StepTimings(prepared - start, self._clock() - prepared)
             return StepResult(step_id=plan.step_id)
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
-        sampled = self.sampler(logits, self._sampling_batch(inputs))
-        return self._collect(plan.step_id, inputs, sampled)
+        forwarded = self._clock()
+        result = self._collect(plan.step_id, inputs, self.sampler(logits, self._sampling_batch(inputs)))
+        self.last_timings = StepTimings(prepared - start, forwarded - prepared, self._clock() - forwarded)
+        return result
+
+    def _clock(self) -> float:
+        # Phase times must include the device's work, not just the launches.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
         b = self.batch

@@ -198,7 +198,7 @@ class ExecutorWorker:
                 result = runner.execute(plan)
                 encoded = encode_step_result(result) if rank == 0 else None
                 metrics.observe_step(time.perf_counter() - start, plan.total_num_scheduled_tokens,
-                                     device)
+                                     device, runner.last_timings)
             except Exception as exc:  # a bad plan or a failed forward pass: report, keep serving
                 _log.exception("executor %d: step %d failed", rank, step_id)
                 sock.send_multipart([link.STEP_ERROR, link.pack(
