@@ -8,6 +8,8 @@ calls the reference directly (one request at a time, slow; for checking); "trito
 `weir.kernels.triton_attention` and is the CUDA default.
 """
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,42 +72,15 @@ class TorchAttention:
         return self._kernels.paged_attention(query, kv_cache, meta.plan, scale)
 
 
-class ReferenceAttention:
-    """The PyTorch reference kernels, one request at a time."""
+class PagedKernelAttention:
+    """A kernel module with kernels/reference.py's signatures: the reference itself (one
+    request at a time) or the Triton kernels (one launch for the whole batch)."""
 
-    name = "reference"
-
-    def __init__(self) -> None:
-        from weir.kernels import reference
-
-        self._kernels = reference
-
-    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
-        pass
-
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> None:
-        self._kernels.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
-
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        return self._kernels.paged_attention(
-            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale
-        )
-
-
-class TritonAttention:
-    """The Triton kernels: one launch writes K/V, one computes attention for the whole batch."""
-
-    name = "triton"
-
-    def __init__(self) -> None:
-        # Imported lazily: importing triton is slow and needs a GPU or the interpreter.
-        from weir.kernels import triton_attention
-
-        self._kernels = triton_attention
+    def __init__(self, name: str, module: str, *, max_query_len_hint: bool) -> None:
+        self.name = name
+        # Imported only when chosen: importing triton is slow and needs a GPU or the interpreter.
+        self._kernels = importlib.import_module(f"weir.kernels.{module}")
+        self._max_query_len_hint = max_query_len_hint
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
         pass
@@ -118,18 +93,17 @@ class TritonAttention:
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        hints = {"max_query_len": meta.max_query_len} if self._max_query_len_hint else {}
         return self._kernels.paged_attention(
-            query,
-            kv_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_table,
-            scale,
-            max_query_len=meta.max_query_len,
+            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, **hints
         )
 
 
-BACKENDS = {"torch": TorchAttention, "reference": ReferenceAttention, "triton": TritonAttention}
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": TorchAttention,
+    "reference": lambda: PagedKernelAttention("reference", "reference", max_query_len_hint=False),
+    "triton": lambda: PagedKernelAttention("triton", "triton_attention", max_query_len_hint=True),
+}
 
 
 def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
