@@ -134,19 +134,20 @@ def _serve(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ clients
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+    """The request's sampling parameters; invalid values end the command with status 2."""
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+    except ValueError as exc:
+        print(f"weir {args.command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _generate(args: argparse.Namespace) -> int:
     from weir.shared.client import WeirClient, WeirError
 
-    try:
-        params = _sampling_params(args)
-    except ValueError as exc:
-        print(f"weir generate: {exc}", file=sys.stderr)
-        return 2
+    params = _sampling_params(args)
     prompt: Prompt = args.prompt
     if args.token_ids:
         prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
@@ -174,11 +175,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     from weir.shared.client import WeirClient, WeirError
 
-    try:
-        params = _sampling_params(args)
-    except ValueError as exc:
-        print(f"weir chat: {exc}", file=sys.stderr)
-        return 2
+    params = _sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
