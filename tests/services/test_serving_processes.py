@@ -209,3 +209,11 @@ def test_a_stream_fails_clearly_when_the_scheduler_restarts_under_it(tiny_model_
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_bad_sampling_flags_exit_2_with_the_reason(command):
+    argv = [*WEIR, command, *(["hi"] if command == "generate" else []), "--temperature", "-1"]
+    out = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=60)
+    assert out.returncode == 2
+    assert f"weir {command}: temperature must be >= 0" in out.stderr
