@@ -43,6 +43,7 @@ from weir.shared.client_protocol import (
     encode_client_message,
 )
 from weir.shared.sampling import SamplingParams
+from weir.shared.zmq_send import send_now
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:8100"
 _log = logging.getLogger(__name__)
@@ -89,9 +90,6 @@ class AsyncWeirClient:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
-        # Synchronous view of the same socket: aborts are sent from generator
-        # finalizers, where awaiting is not always possible.
-        self._sync_sock = zmq.Socket.shadow(self._sock.underlying)
         self._streams: dict[str, asyncio.Queue[StreamOutput | WeirError]] = {}
         self._replies: dict[str, asyncio.Future[Any]] = {}
         self._receiver: asyncio.Task[None] | None = None
@@ -166,7 +164,8 @@ class AsyncWeirClient:
         if self._receiver is None:
             self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
         try:
-            self._sync_sock.send(encode_client_message(msg), zmq.NOBLOCK)
+            # Aborts are sent from generator finalizers, where awaiting is not always possible.
+            send_now(self._sock, [encode_client_message(msg)])
         except zmq.Again:
             raise ServerUnavailableError(f"send queue to {self.address} is full") from None
 

@@ -47,6 +47,7 @@ from weir.shared.protocol import ProtocolError, RequestOutput, StepPlan, StepRes
 from weir.shared.protocol import decode_step_result, encode_step_plan
 from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from weir.shared.zmq_send import send_now
 
 _log = logging.getLogger(__name__)
 
@@ -166,9 +167,6 @@ class SchedulerServer:
             return 1
         self.client_address = self._client_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.executor_address = self._executor_sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        # Sends never wait: a full or vanished client is handled where the send fails.
-        self._client_send = zmq.Socket.shadow(self._client_sock.underlying)
-        self._executor_send = zmq.Socket.shadow(self._executor_sock.underlying)
         _log.info("scheduler for %s: clients %s, executors %s, metrics %s", self.model_name,
                   self.client_address, self.executor_address, self.metrics_address)
 
@@ -300,7 +298,7 @@ class SchedulerServer:
     def _send_client(self, identity: bytes, frame: bytes) -> None:
         """Send without waiting; a client that is gone or not reading loses its requests."""
         try:
-            self._client_send.send_multipart([identity, frame], zmq.NOBLOCK)
+            send_now(self._client_sock, [identity, frame])
             return
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
@@ -381,7 +379,7 @@ class SchedulerServer:
     def _send_executor(self, identity: bytes, kind: bytes, payload: bytes = b"") -> bool:
         """False when the peer is gone (its heartbeats stop too: the watchdog handles it)."""
         try:
-            self._executor_send.send_multipart([identity, kind, payload], zmq.NOBLOCK)
+            send_now(self._executor_sock, [identity, kind, payload])
             return True
         except zmq.ZMQError as exc:
             _log.warning("cannot send %r to executor %s: %s", kind, identity.hex(), exc)
