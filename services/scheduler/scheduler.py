@@ -17,7 +17,7 @@ from typing import Any
 
 from weir.services.scheduler.kv_cache_manager import KVCacheManager
 from weir.services.scheduler.request import FINISH_REASONS, Request, RequestStatus
-from weir.services.scheduler.request_queue import FcfsQueue, PriorityQueue, priority_key
+from weir.services.scheduler.request_queue import WaitingQueue, priority_key
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.protocol import CachedRequests, NewRequest, RequestOutput, StepPlan, StepResult
 
@@ -50,8 +50,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(cache_config)
         self.requests: dict[str, Request] = {}
-        self.waiting: FcfsQueue | PriorityQueue = (
-            PriorityQueue() if scheduler_config.policy == "priority" else FcfsQueue())
+        self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []  # admission order
         self._finished_req_ids: list[str] = []  # since the last plan
         self._watermark_blocks = int(scheduler_config.watermark * cache_config.num_blocks)
