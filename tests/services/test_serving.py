@@ -275,3 +275,28 @@ def test_metrics_endpoints_expose_every_series(server):
         assert any(k.startswith(name + "{") and 'rank="0"' in k for k in executor), name
     assert metric(executor, "weir:executor_num_kv_blocks") == NUM_BLOCKS
     assert metric(executor, "weir:executor_step_seconds_count") > 0
+
+
+def test_step_phase_histograms_account_for_every_step(server):
+    with WeirClient(server.client_address, timeout=60) as client:
+        list(client.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
+    executor = read_metrics(server.info["executors"][0]["metrics_address"])
+    scheduler = read_metrics(server.info["metrics_address"])
+
+    def phase(samples, name, which, stat):
+        return sum(v for k, v in samples.items()
+                   if k.startswith(f"{name}_{stat}{{") and f'phase="{which}"' in k)
+
+    steps = metric(executor, "weir:executor_step_seconds_count")
+    runner_seconds = 0.0
+    for which in ("prepare", "forward", "sample"):
+        assert phase(executor, "weir:executor_phase_seconds", which, "count") == steps
+        runner_seconds += phase(executor, "weir:executor_phase_seconds", which, "sum")
+    # The runner's phases happen inside the executor's step, which happens inside the
+    # scheduler's wait for it.
+    assert 0 < runner_seconds <= metric(executor, "weir:executor_step_seconds_sum")
+    waited = phase(scheduler, "weir:scheduler_step_phase_seconds", "executor", "sum")
+    assert metric(executor, "weir:executor_step_seconds_sum") <= waited
+    assert phase(scheduler, "weir:scheduler_step_phase_seconds", "executor", "count") == steps
+    for which in ("schedule", "plan_encode", "update", "outputs"):
+        assert phase(scheduler, "weir:scheduler_step_phase_seconds", which, "count") >= steps
