@@ -23,15 +23,19 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from weir.services.bench.workload import RandomWorkload, load_tokenizer, normal_vocab_ids, random_requests
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
+from weir.shared.arith import cdiv
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.model_store import resolve_model
+from weir.shared.protocol.step import StepPlan, StepResult
 from weir.shared.sampling import SamplingParams
 
 PARTS = ("prepare", "kv_write", "attention", "logits", "sampling", "other_forward")
@@ -87,7 +91,7 @@ def run_workload(
     before_step: Callable[[str], None] | None = None,
 ) -> dict:
     block_size = runner.block_size
-    num_blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // block_size) for r in requests) + 16
+    num_blocks = sum(cdiv(len(r.prompt_token_ids) + r.output_len, block_size) for r in requests) + 16
     scheduler = Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=256,
                         max_model_len=runner.max_model_len),
@@ -99,30 +103,37 @@ def run_workload(
         scheduler.add_request(Request(f"req-{i}", r.prompt_token_ids, params, eos_token_id=2))
     # Per step kind: "prefill" steps hold at least one prompt chunk, "decode" steps only decodes.
     kinds = {k: dict(seconds=0.0, steps=0, parts=defaultdict(float)) for k in ("prefill", "decode")}
-    scheduler_s, num_output = 0.0, 0
-    while scheduler.has_unfinished_requests():
-        start = time.perf_counter()
-        plan = scheduler.schedule()
+    totals = defaultdict(float)
+
+    def execute(plan: StepPlan) -> StepResult:
+        if not plan.num_scheduled_tokens:  # only tells the executor what finished
+            return runner.execute(plan)
         kind_name = "prefill" if plan.total_num_scheduled_tokens > len(plan.num_scheduled_tokens) else "decode"
         if before_step is not None:
             before_step(kind_name)
-        mid = time.perf_counter()
         timers.seconds.clear()
+        start = time.perf_counter()
         result = runner.execute(plan)
-        end = time.perf_counter()
-        scheduler.update_from_output(plan, result)
-        scheduler_s += mid - start + time.perf_counter() - end
-        num_output += sum(map(len, result.sampled_token_ids.values()))
+        seconds = time.perf_counter() - start
+        totals["output_tokens"] += sum(map(len, result.sampled_token_ids.values()))
         kind = kinds[kind_name]
-        kind["seconds"] += end - mid
+        kind["seconds"] += seconds
         kind["steps"] += 1
         for part in PARTS[:-1]:
             kind["parts"][part] += timers.seconds[part]
-        kind["parts"]["other_forward"] += end - mid - sum(timers.seconds.values())
-    # The last plan only tells the executor that the remaining requests finished.
-    runner.execute(scheduler.schedule())
+        kind["parts"]["other_forward"] += seconds - sum(timers.seconds.values())
+        return result
+
+    def observe_phase(phase: str, seconds: float) -> None:
+        totals["scheduler_s"] += seconds
+
+    core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace(execute=execute)), observe_phase)
+    while core.has_work():
+        step_now(core)
+    step_now(core)  # the last plan tells the executor that the remaining requests finished
     executor_s = sum(k["seconds"] for k in kinds.values())
-    return dict(executor_s=executor_s, scheduler_s=scheduler_s, output_tokens=num_output, kinds=kinds)
+    return dict(executor_s=executor_s, scheduler_s=totals["scheduler_s"],
+                output_tokens=int(totals["output_tokens"]), kinds=kinds)
 
 
 class StepProfiler:

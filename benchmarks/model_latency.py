@@ -16,7 +16,7 @@ import torch
 
 from weir.services.executor.model_runner import ModelRunner
 from weir.shared.model_store import resolve_model
-from weir.shared.protocol import CachedRequest, NewRequest, StepPlan
+from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
 
 

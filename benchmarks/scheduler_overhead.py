@@ -1,5 +1,7 @@
 """CPU cost of the scheduler per step: ``schedule()`` + ``update_from_output()``.
 
+Steps run through ``EngineCore.step()`` (its ``schedule`` and ``update`` phase timings).
+
 Workloads (prefix caching on, block size 16):
   * steady: N requests decoding (prompts of 128 tokens, no stops), N = 64, 256, 1024;
   * churn: 256 running, about 1/8 finish every step and as many new ones arrive
@@ -19,13 +21,14 @@ import argparse
 import gc
 import random
 import statistics
-import time
 import timeit
+from types import SimpleNamespace
 
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
-from weir.shared.protocol import (StepResult, decode_step_plan, decode_step_result,
-                                  encode_step_plan, encode_step_result)
+from weir.shared.protocol.step import StepPlan, StepResult
+from weir.shared.protocol.step_codec import decode_step_plan, decode_step_result, encode_step_plan, encode_step_result
 from weir.shared.sampling import SamplingParams
 
 PROMPT_LEN = 128
@@ -44,10 +47,23 @@ def _make_scheduler(num_seqs: int, steps: int) -> Scheduler:
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * num_seqs * blocks_per_request))
 
 
-def _result_for(plan, token: int) -> StepResult:
+def _result_for(plan: StepPlan, token: int = 7) -> StepResult:
     # Every scheduled request finishes its prefill in these workloads except partial
     # chunks, which the scheduler ignores anyway.
     return StepResult({rid: [token] for rid in plan.num_scheduled_tokens})
+
+
+def _core(scheduler: Scheduler, phases: dict[str, float]) -> EngineCore:
+    """A core whose executor answers every plan at once with ``_result_for``."""
+    return EngineCore(scheduler, InProcessExecutor(SimpleNamespace(execute=_result_for)),
+                      phases.__setitem__)
+
+
+def _prefill_all(core: EngineCore) -> None:
+    scheduler = core.scheduler
+    while len(scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
+                                        for r in scheduler.running):
+        step_now(core)
 
 
 def bench_steady(num_seqs: int, steps: int) -> tuple[float, float]:
@@ -56,24 +72,20 @@ def bench_steady(num_seqs: int, steps: int) -> tuple[float, float]:
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
     for i in range(num_seqs):
         scheduler.add_request(Request(f"req-{i}", _prompt(rng, []), params, eos_token_id=2))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) or \
-            len(scheduler.waiting):
-        plan = scheduler.schedule()
-        scheduler.update_from_output(plan, _result_for(plan, 7))
+    phases: dict[str, float] = {}
+    core = _core(scheduler, phases)
+    _prefill_all(core)
     result = StepResult({r.request_id: [7] for r in scheduler.running})
+    core.executor = InProcessExecutor(SimpleNamespace(execute=lambda plan: result))
     totals, schedules = [], []
     gc.collect()
     gc.disable()
     try:
         for _ in range(steps):
-            t0 = time.perf_counter()
-            plan = scheduler.schedule()
-            t1 = time.perf_counter()
-            scheduler.update_from_output(plan, result)
-            t2 = time.perf_counter()
-            assert len(plan.num_scheduled_tokens) == num_seqs
-            totals.append(t2 - t0)
-            schedules.append(t1 - t0)
+            step = step_now(core)
+            assert step is not None and len(step.plan.num_scheduled_tokens) == num_seqs
+            totals.append(phases["schedule"] + phases["update"])
+            schedules.append(phases["schedule"])
     finally:
         gc.enable()
     return statistics.median(totals) * 1e6, statistics.median(schedules) * 1e6
@@ -94,20 +106,20 @@ def bench_churn(num_seqs: int, steps: int) -> tuple[float, float, float]:
             next_id += 1
 
     add(num_seqs)
+    phases: dict[str, float] = {}
+    core = _core(scheduler, phases)
     totals, running, finished = [], [], 0
     gc.collect()
     gc.disable()
     try:
-        for step in range(steps + 20):
-            t0 = time.perf_counter()
-            plan = scheduler.schedule()
-            outputs = scheduler.update_from_output(plan, _result_for(plan, 7))
-            t1 = time.perf_counter()
-            done = sum(o.finished for o in outputs)
+        for index in range(steps + 20):
+            step = step_now(core)
+            assert step is not None
+            done = sum(o.finished for o in step.outputs)
             add(done)  # replaced next step
-            if step >= 20:  # past the initial all-prefill steps
-                totals.append(t1 - t0)
-                running.append(len(plan.num_scheduled_tokens))
+            if index >= 20:  # past the initial all-prefill steps
+                totals.append(phases["schedule"] + phases["update"])
+                running.append(len(step.plan.num_scheduled_tokens))
                 finished += done
     finally:
         gc.enable()
@@ -121,10 +133,7 @@ def bench_codec(num_seqs: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
     for i in range(num_seqs):
         scheduler.add_request(Request(f"cmpl-{i:08x}", _prompt(rng, []), params))
-    while len(scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
-                                        for r in scheduler.running):
-        plan = scheduler.schedule()
-        scheduler.update_from_output(plan, _result_for(plan, 7))
+    _prefill_all(_core(scheduler, {}))
     plan = scheduler.schedule()
     result = StepResult({rid: [rng.randrange(32000)] for rid in plan.num_scheduled_tokens})
     plan_bytes, result_bytes = encode_step_plan(plan), encode_step_result(result)

@@ -23,9 +23,10 @@ from weir.services.launcher import (
     DEFAULT_EXECUTOR_PORT,
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
-    add_engine_options,
 )
-from weir.shared.client_protocol import Prompt
+from weir.services.supervised import StatusReporter
+from weir.shared.config import EXECUTOR, SCHEDULER, EngineArgs
+from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
 
 DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
@@ -46,28 +47,21 @@ def _prepare_model(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ roles
 
 def _scheduler(args: argparse.Namespace) -> int:
-    from weir.services.scheduler.server import SchedulerServer, SchedulerServerOptions
-    from weir.shared.config import SchedulerConfig
+    from weir.services.engine.server import SchedulerServer, SchedulerServerOptions
     from weir.shared.model_store import load_model_config, resolve_model
 
     _setup_logging(args.log_level, "scheduler")
-    status = launcher.StatusReporter(args.status_fd)
+    status = StatusReporter(args.status_fd)
     try:
-        model_dir = resolve_model(args.model)
-        max_model_len = args.max_model_len or int(
+        engine_args = EngineArgs.from_cli(args)
+        model_dir = resolve_model(engine_args.model)
+        max_model_len = engine_args.max_model_len or int(
             load_model_config(model_dir).get("max_position_embeddings", 8192))
-        config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            enable_chunked_prefill=args.enable_chunked_prefill, watermark=args.watermark,
-            policy=args.policy)
         executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
         server = SchedulerServer(SchedulerServerOptions(
-            model_dir=str(model_dir), scheduler_config=config, block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching, host=args.host, port=args.port,
-            metrics_port=args.metrics_port, executor_address=executor_address,
-            num_executors=args.num_executors, executor_timeout=args.executor_timeout),
+            model_dir=str(model_dir), engine_args=engine_args, max_model_len=max_model_len,
+            host=args.host, port=args.port, metrics_port=args.metrics_port,
+            executor_address=executor_address, num_executors=args.num_executors),
             status, args.parent_pid)
     except (ValueError, OSError) as exc:
         status.error(str(exc))
@@ -84,12 +78,7 @@ def _executor(args: argparse.Namespace) -> int:
     metrics_port = args.metrics_port if args.metrics_port is not None \
         else DEFAULT_EXECUTOR_METRICS_PORT + args.rank
     options = ExecutorOptions(
-        scheduler=args.scheduler, rank=args.rank, model=args.model, device=args.device,
-        dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-        attention_backend=args.attention_backend,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, threads=args.threads, seed=args.seed,
+        scheduler=args.scheduler, engine_args=EngineArgs.from_cli(args), rank=args.rank,
         metrics_host=args.metrics_host, metrics_port=metrics_port)
     return run_executor(options, args.status_fd, args.parent_pid)
 
@@ -104,9 +93,8 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level, "serve")
-    engine = {opt.dest: getattr(args, opt.dest) for opt in launcher.ENGINE_OPTIONS}
     server = launcher.ServerProcesses(
-        engine, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        EngineArgs.from_cli(args), host=args.host, port=args.port, metrics_port=args.metrics_port,
         executor_metrics_port=args.executor_metrics_port, startup_timeout=args.startup_timeout)
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
@@ -262,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor-metrics-port", type=int, default=DEFAULT_EXECUTOR_METRICS_PORT,
                    help="executor rank 0's Prometheus port, rank r uses +r (0 = any free)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    add_engine_options(p, "serve")
+    EngineArgs.add_cli_args(p, "serve")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("scheduler", help="run the scheduler process alone")
@@ -272,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor-address", default=None,
                    help=f"where executors connect (default tcp://HOST:{DEFAULT_EXECUTOR_PORT})")
     p.add_argument("--num-executors", type=int, default=1, help="executor ranks to wait for")
-    add_engine_options(p, launcher.SCHEDULER)
+    EngineArgs.add_cli_args(p, SCHEDULER)
     _add_child_flags(p)
     p.set_defaults(func=_scheduler)
 
@@ -282,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--metrics-port", type=int, default=None,
                    help=f"Prometheus port (default {DEFAULT_EXECUTOR_METRICS_PORT} + rank; 0 = any free)")
-    add_engine_options(p, launcher.EXECUTOR)
+    EngineArgs.add_cli_args(p, EXECUTOR)
     _add_child_flags(p)
     p.set_defaults(func=_executor)
 

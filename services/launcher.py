@@ -13,11 +13,9 @@ supervisor, which then stops them in order: SIGTERM, a grace period, SIGKILL.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import re
 import select
 import selectors
 import shutil
@@ -29,134 +27,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-_log = logging.getLogger(__name__)
+from weir.shared.config import EXECUTOR, SCHEDULER, EngineArgs
 
-SCHEDULER = "scheduler"
-EXECUTOR = "executor"
-_BOTH = frozenset({SCHEDULER, EXECUTOR})
+_log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8100
 DEFAULT_METRICS_PORT = 8101
 DEFAULT_EXECUTOR_PORT = 8102
 DEFAULT_EXECUTOR_METRICS_PORT = 8103
-
-
-def parse_size(text: str) -> int:
-    """'512MiB', '2GB', '1048576' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GB)")
-    number, unit = float(match.group(1)), (match.group(2) or "").upper()
-    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    return int(number * scale)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineOption:
-    """One command-line option of a role; ``serve`` and ``LLM`` forward it to that role."""
-
-    flag: str
-    roles: frozenset[str]
-    argparse_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def dest(self) -> str:
-        return self.flag[2:].replace("-", "_")
-
-
-def _opt(flag: str, roles: frozenset[str] | str, **kwargs: Any) -> EngineOption:
-    return EngineOption(flag, frozenset({roles}) if isinstance(roles, str) else roles, kwargs)
-
-
-ENGINE_OPTIONS: tuple[EngineOption, ...] = (
-    _opt("--model", _BOTH, default=None,
-         help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"),
-    _opt("--block-size", _BOTH, type=int, default=16, help="KV cache block size in tokens"),
-    _opt("--max-num-batched-tokens", _BOTH, type=int, default=2048,
-         help="token budget of one step"),
-    _opt("--max-num-seqs", _BOTH, type=int, default=256, help="most requests in one step"),
-    _opt("--max-model-len", _BOTH, type=int, default=None,
-         help="longest prompt + output (default: the model's context length)"),
-    _opt("--long-prefill-token-threshold", SCHEDULER, type=int, default=0,
-         help="cap on one request's prefill chunk per step (0 = none)"),
-    _opt("--enable-chunked-prefill", SCHEDULER, action=argparse.BooleanOptionalAction, default=True,
-         help="split long prompts across steps"),
-    _opt("--enable-prefix-caching", SCHEDULER, action=argparse.BooleanOptionalAction, default=True,
-         help="reuse KV blocks of identical prompt prefixes"),
-    _opt("--watermark", SCHEDULER, type=float, default=0.01,
-         help="fraction of KV blocks kept free when admitting requests"),
-    _opt("--policy", SCHEDULER, choices=("fcfs", "priority"), default="fcfs",
-         help="waiting-queue order"),
-    _opt("--executor-timeout", SCHEDULER, type=float, default=3.0,
-         help="seconds without an executor heartbeat before its requests fail"),
-    _opt("--device", EXECUTOR, default=None, help="cpu or cuda (default: cuda if available)"),
-    _opt("--dtype", EXECUTOR, default=None, help="weight/activation dtype (default: per device)"),
-    _opt("--kv-cache-memory", EXECUTOR, type=parse_size, default=None,
-         help="KV cache size on CPU, e.g. 256MiB"),
-    _opt("--gpu-memory-utilization", EXECUTOR, type=float, default=None,
-         help="fraction of GPU memory for weights + KV cache"),
-    _opt("--attention-backend", EXECUTOR, default=None, help="attention implementation"),
-    _opt("--threads", EXECUTOR, type=int, default=1, help="torch threads of each executor"),
-    _opt("--seed", EXECUTOR, type=int, default=None, help="sampler seed of requests without one"),
-    _opt("--log-level", _BOTH, default="WARNING", help="logging level of the processes"),
-)
-
-
-def add_engine_options(parser: argparse.ArgumentParser, role: str) -> None:
-    """Add the options of ``role`` (``scheduler``, ``executor``, or ``serve`` = both)."""
-    for opt in ENGINE_OPTIONS:
-        if role == "serve" or role in opt.roles:
-            parser.add_argument(opt.flag, **opt.argparse_kwargs)
-
-
-def engine_argv(values: dict[str, Any], role: str) -> list[str]:
-    """Command-line arguments passing ``values`` (option dest -> value) on to ``role``."""
-    argv: list[str] = []
-    for opt in ENGINE_OPTIONS:
-        value = values.get(opt.dest)
-        if role not in opt.roles or value is None:
-            continue
-        if opt.argparse_kwargs.get("action") is argparse.BooleanOptionalAction:
-            argv.append(opt.flag if value else "--no-" + opt.flag[2:])
-        else:
-            argv += [opt.flag, str(value)]
-    return argv
-
-
-def check_engine_options(values: dict[str, Any]) -> None:
-    known = {opt.dest for opt in ENGINE_OPTIONS}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-
-
-# ------------------------------------------------------------------ child side
-
-class StatusReporter:
-    """The child's end of the status pipe (a no-op when run by hand or by Kubernetes)."""
-
-    def __init__(self, fd: int | None) -> None:
-        self._file = os.fdopen(fd, "w", buffering=1) if fd is not None else None
-
-    def report(self, event: str, **fields: Any) -> None:
-        if self._file is None:
-            return
-        try:
-            self._file.write(json.dumps({"event": event, **fields}) + "\n")
-        except OSError:  # supervisor already gone; the parent watchdog handles that
-            pass
-
-    def ready(self, **fields: Any) -> None:
-        self.report("ready", **fields)
-
-    def error(self, message: str) -> None:
-        self.report("error", message=message)
-
-
-def parent_gone(parent_pid: int | None) -> bool:
-    """True when this process was started by a supervisor that has since died."""
-    return parent_pid is not None and os.getppid() != parent_pid
 
 
 # ------------------------------------------------------------------ supervisor side
@@ -203,13 +81,12 @@ class ServerProcesses:
     Use as a context manager, or call ``shutdown()``.
     """
 
-    def __init__(self, options: dict[str, Any] | None = None, *, host: str = "127.0.0.1",
+    def __init__(self, engine_args: EngineArgs | None = None, *, host: str = "127.0.0.1",
                  port: int = DEFAULT_PORT, metrics_port: int = DEFAULT_METRICS_PORT,
                  executor_metrics_port: int = DEFAULT_EXECUTOR_METRICS_PORT,
                  num_executors: int = 1, startup_timeout: float = 600.0,
                  stop_timeout: float = 5.0) -> None:
-        self.options = dict(options or {})
-        check_engine_options(self.options)
+        self.engine_args = engine_args or EngineArgs()
         self.host, self.port = host, port
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
         self.num_executors = num_executors
@@ -237,13 +114,13 @@ class ServerProcesses:
                 SCHEDULER, "--host", self.host, "--port", str(self.port),
                 "--metrics-port", str(self.metrics_port), "--executor-address", executor_address,
                 "--num-executors", str(self.num_executors),
-                *engine_argv(self.options, SCHEDULER)])
+                *self.engine_args.to_argv(SCHEDULER)])
             for rank in range(self.num_executors):
                 metrics_port = self.executor_metrics_port + rank if self.executor_metrics_port else 0
                 self._spawn(f"executor {rank}", [
                     EXECUTOR, "--scheduler", executor_address, "--rank", str(rank),
                     "--metrics-host", self.host, "--metrics-port", str(metrics_port),
-                    *engine_argv(self.options, EXECUTOR)])
+                    *self.engine_args.to_argv(EXECUTOR)])
             self.info = self._wait_ready()
         except BaseException:
             self.shutdown()

@@ -18,6 +18,7 @@ from typing import Any
 
 from weir.services.launcher import ServerProcesses
 from weir.shared.client import AsyncWeirClient, EventLoopThread
+from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
 
 
@@ -37,7 +38,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, startup_timeout: float = 600.0,
                  **engine_options: Any) -> None:
-        self._server = ServerProcesses({"model": model, **engine_options}, port=0, metrics_port=0,
+        self._server = ServerProcesses(EngineArgs(model=model, **engine_options), port=0, metrics_port=0,
                                        executor_metrics_port=0, startup_timeout=startup_timeout)
         self.server_info = self._server.start()
         self._loop = EventLoopThread()

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from weir.shared.client_protocol import (
+from weir.shared.protocol.client import (
     ENGINE_ERROR,
     SERVER_UNAVAILABLE,
     AbortRequest,

@@ -1,16 +1,23 @@
-"""Configuration records shared by the scheduler and executor processes.
+"""Every engine option and default, in one place.
 
-Every field is validated on construction; an invalid value raises ``ValueError``
-whose message starts with the field name, so a CLI or config file error points
-at the exact knob.
+``SchedulerConfig`` and ``CacheConfig`` are what the scheduling core runs with;
+every field is validated on construction, and an invalid value raises
+``ValueError`` whose message starts with the field name, so a CLI or config file
+error points at the exact knob. ``EngineArgs`` is every option a user sets
+(``weir serve`` flags, ``LLM(...)`` keywords, the roles' command lines): its
+defaults for scheduling knobs are read from the two configs, and the CLI flags
+are generated from its fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+import argparse
+import re
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from typing import Any, TypeVar
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+_Config = TypeVar("_Config", "SchedulerConfig", "CacheConfig")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -21,7 +28,7 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _from_dict(cls: type, data: Any) -> Any:
+def _from_dict(cls: type[_Config], data: Any) -> _Config:
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__} must be given a dict, got {type(data).__name__}")
     known = {f.name for f in fields(cls)}
@@ -111,3 +118,126 @@ class CacheConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CacheConfig:
         return _from_dict(cls, data)
+
+
+# ------------------------------------------------------------------ engine arguments
+
+SCHEDULER = "scheduler"
+EXECUTOR = "executor"
+_BOTH = frozenset({SCHEDULER, EXECUTOR})
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GB', '1048576' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GB)")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(number * scale)
+
+
+def _default_of(cls: type, name: str) -> Any:
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
+def _arg(default: Any, roles: frozenset[str] | str, help: str, **argparse_kwargs: Any) -> Any:
+    """A field of ``EngineArgs``: its default, the roles that take it, and its flag's help."""
+    roles = frozenset({roles}) if isinstance(roles, str) else roles
+    return field(default=default,
+                 metadata={"roles": roles, "help": help, "argparse": argparse_kwargs})
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Every engine option. ``weir serve`` and ``LLM`` hand each role the options it takes
+    (``to_argv``); the roles parse them back with the flags ``add_cli_args`` made."""
+
+    model: str | None = _arg(None, _BOTH,
+                             "HF model dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    block_size: int = _arg(_default_of(CacheConfig, "block_size"), _BOTH,
+                           "KV cache block size in tokens", type=int)
+    max_num_batched_tokens: int = _arg(_default_of(SchedulerConfig, "max_num_batched_tokens"),
+                                       _BOTH, "token budget of one step", type=int)
+    max_num_seqs: int = _arg(_default_of(SchedulerConfig, "max_num_seqs"), _BOTH,
+                             "most requests in one step", type=int)
+    max_model_len: int | None = _arg(None, _BOTH,
+                                     "longest prompt + output (default: the model's context "
+                                     "length)", type=int)
+    long_prefill_token_threshold: int = _arg(
+        _default_of(SchedulerConfig, "long_prefill_token_threshold"), SCHEDULER,
+        "cap on one request's prefill chunk per step (0 = none)", type=int)
+    enable_chunked_prefill: bool = _arg(_default_of(SchedulerConfig, "enable_chunked_prefill"),
+                                        SCHEDULER, "split long prompts across steps")
+    enable_prefix_caching: bool = _arg(_default_of(CacheConfig, "enable_prefix_caching"),
+                                       SCHEDULER, "reuse KV blocks of identical prompt prefixes")
+    watermark: float = _arg(_default_of(SchedulerConfig, "watermark"), SCHEDULER,
+                            "fraction of KV blocks kept free when admitting requests", type=float)
+    policy: str = _arg(_default_of(SchedulerConfig, "policy"), SCHEDULER, "waiting-queue order",
+                       choices=SCHEDULING_POLICIES)
+    executor_timeout: float = _arg(3.0, SCHEDULER,
+                                   "seconds without an executor heartbeat before its requests "
+                                   "fail", type=float)
+    device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
+    dtype: str | None = _arg(None, EXECUTOR, "weight/activation dtype (default: per device)")
+    kv_cache_memory: int | str | None = _arg(None, EXECUTOR, "KV cache size on CPU, e.g. 256MiB",
+                                             type=parse_size)
+    gpu_memory_utilization: float = _arg(0.9, EXECUTOR,
+                                         "fraction of GPU memory for weights + KV cache",
+                                         type=float)
+    attention_backend: str | None = _arg(None, EXECUTOR, "attention implementation")
+    threads: int = _arg(1, EXECUTOR, "torch threads of each executor", type=int)
+    seed: int | None = _arg(None, EXECUTOR, "sampler seed of requests without one", type=int)
+    log_level: str = _arg("WARNING", _BOTH, "logging level of the processes")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
+        """Add the flags of ``role`` (``scheduler``, ``executor``, or ``serve`` = both)."""
+        for f in _engine_fields(role):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs = dict(f.metadata["argparse"])
+            if f.type == "bool":
+                kwargs["action"] = argparse.BooleanOptionalAction
+            parser.add_argument(flag, default=f.default, help=f.metadata["help"], **kwargs)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
+        """The engine arguments among parsed flags (those a role lacks keep their default)."""
+        values = vars(args)
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+    def to_argv(self, role: str) -> list[str]:
+        """The flags that give ``role`` these arguments (None, every such option's default, is
+        left out)."""
+        argv: list[str] = []
+        for f in _engine_fields(role):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's knobs; ``max_model_len`` already resolved against the model."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_chunked_prefill=self.enable_chunked_prefill, watermark=self.watermark,
+            policy=self.policy)
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
+                           enable_prefix_caching=self.enable_prefix_caching)
+
+
+def _engine_fields(role: str) -> list[Field[Any]]:
+    return [f for f in fields(EngineArgs) if role == "serve" or role in f.metadata["roles"]]
+
+
+ENGINE_DEFAULTS = EngineArgs()

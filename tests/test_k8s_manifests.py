@@ -10,7 +10,7 @@ import yaml
 
 from weir.services.cli import build_parser
 from weir.services.executor.metrics import ExecutorMetrics
-from weir.services.scheduler.metrics import SchedulerMetrics
+from weir.services.engine.metrics import SchedulerMetrics
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 

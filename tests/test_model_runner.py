@@ -9,7 +9,8 @@ transformers = pytest.importorskip("transformers")
 
 from test_model_core import save_tiny_model  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
-from weir.shared.protocol import CachedRequest, NewRequest, StepPlan, StepResult  # noqa: E402
+from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan
+from weir.shared.protocol.step import StepResult  # noqa: E402
 from weir.shared.sampling import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 4

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weir.shared.protocol import NewRequest, StepPlan
+from weir.shared.arith import cdiv
+from weir.shared.protocol.step import NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
 
 
@@ -39,7 +40,7 @@ class InputBatch:
     def __init__(self, max_model_len: int, block_size: int, capacity: int, eos_token_ids: tuple[int, ...]) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.max_blocks_per_req = cdiv(max_model_len, block_size)
         self.eos_token_ids = list(eos_token_ids)
         self.slot_of: dict[str, int] = {}
         self.params: dict[str, SamplingParams] = {}
@@ -193,7 +194,7 @@ class InputBatch:
         slot_mapping = blocks.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = (computed + num_sched).astype(np.int32)
         max_seq_len = int(seq_lens.max(initial=0))
-        block_table = self.block_table[slots, : -(-max_seq_len // self.block_size)]
+        block_table = self.block_table[slots, : cdiv(max_seq_len, self.block_size)]
 
         prefill_done = real_end >= num_tokens
         num_logits = np.where(prefill_done, num_spec + 1, 0)

@@ -19,7 +19,9 @@ from weir.services.executor.attention import AttentionMetadata, get_attention_ba
 from weir.services.executor.input_batch import InputBatch, StepInputs
 from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
 from weir.services.executor.weights import default_dtype, load_model
-from weir.shared.protocol import SampleLogprobs, StepPlan, StepResult
+from weir.shared.arith import cdiv
+from weir.shared.config import ENGINE_DEFAULTS
+from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +80,11 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
         kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        block_size: int = 16,
+        gpu_memory_utilization: float = ENGINE_DEFAULTS.gpu_memory_utilization,
+        block_size: int = ENGINE_DEFAULTS.block_size,
         attention_backend: str | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens,
+        max_num_seqs: int = ENGINE_DEFAULTS.max_num_seqs,
         max_model_len: int | None = None,
         num_threads: int | None = None,
         seed: int | None = None,
@@ -144,7 +146,7 @@ class ModelRunner:
         num_reqs = min(self.max_num_seqs, num_tokens)
         lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         lens[: num_tokens % num_reqs] += 1
-        blocks_per_req = -(-int(lens.max()) // self.block_size)
+        blocks_per_req = cdiv(int(lens.max()), self.block_size)
         kv_caches = self.model.allocate_kv_caches(num_reqs * blocks_per_req, self.block_size)
         query_start_loc = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], lens)
@@ -171,20 +173,6 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
-
-    def handshake_info(self) -> dict:
-        """What the scheduler needs to know about this executor (msgpack-friendly)."""
-        return {
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "model": self.model_dir.name,
-            "vocab_size": self.config.vocab_size,
-            "max_model_len": self.max_model_len,
-            "eos_token_ids": list(self.eos_token_ids),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "device": str(self.device),
-            "attention_backend": self.attention.name,
-        }
 
     # ------------------------------------------------------------------ step
 

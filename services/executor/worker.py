@@ -3,7 +3,7 @@
 Loop: receive a plan -> decode -> ``ModelRunner.execute`` -> (rank 0) send the
 encoded result. A step that raises is answered with ``step_error`` so the
 scheduler fails the affected requests with the message; the process keeps
-serving. A heartbeat thread proves liveness (see ``link``). The process exits
+serving. A heartbeat thread proves liveness (see ``weir.shared.protocol.control``). The process exits
 when told to (SIGTERM), when its supervisor dies, or when the scheduler it
 handshook with is replaced.
 """
@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from weir.services.executor import link
 from weir.services.executor.metrics import ExecutorMetrics
-from weir.services.launcher import StatusReporter, parent_gone
-from weir.services.scheduler.metrics import start_metrics_server
-from weir.shared.protocol import decode_step_plan, encode_step_result
+from weir.services.metrics_endpoint import start_metrics_server
+from weir.services.supervised import StatusReporter, parent_gone
+from weir.shared.config import EngineArgs, parse_size
+from weir.shared.protocol import control
+from weir.shared.protocol.step_codec import decode_step_plan, encode_step_result
 
 if TYPE_CHECKING:
     from weir.services.executor.model_runner import ModelRunner
@@ -38,20 +39,11 @@ _HELLO_RETRY_MS = 2000
 
 @dataclass(slots=True)
 class ExecutorOptions:
+    """Where the executor connects and reports; engine options are in ``engine_args``."""
+
     scheduler: str
+    engine_args: EngineArgs
     rank: int = 0
-    model: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float | None = None
-    block_size: int = 16
-    attention_backend: str | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    threads: int = 1
-    seed: int | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no metrics endpoint
 
@@ -64,7 +56,7 @@ class _Heartbeat(threading.Thread):
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
-        self._beat = link.pack({"session": session, "rank": rank})
+        self._beat = control.pack(control.Heartbeat(session, rank))
         self.stop_event = threading.Event()
         self.reset = threading.Event()
 
@@ -72,12 +64,12 @@ class _Heartbeat(threading.Thread):
         try:
             while not self.stop_event.is_set():
                 try:
-                    self._sock.send_multipart([link.HEARTBEAT, self._beat], zmq.NOBLOCK)
+                    self._sock.send_multipart([control.HEARTBEAT, self._beat], zmq.NOBLOCK)
                 except zmq.Again:  # scheduler unreachable: never block, keep checking stop
                     pass
-                if self._sock.poll(int(link.HEARTBEAT_INTERVAL_S * 1000)):
+                if self._sock.poll(int(control.HEARTBEAT_INTERVAL_S * 1000)):
                     kind, *_ = self._sock.recv_multipart()
-                    if kind == link.RESET:
+                    if kind == control.RESET:
                         self.reset.set()
                         return
         finally:
@@ -103,19 +95,21 @@ class ExecutorWorker:
                        exc_info=not isinstance(exc, ValueError))
             self.status.error(f"{type(exc).__name__}: {exc}")
             return 1
-        info = runner.handshake_info()
-        metrics = ExecutorMetrics(info["model"], opts.rank)
+        model_name = runner.model_dir.name
+        metrics = ExecutorMetrics(model_name, opts.rank)
         metrics.num_kv_blocks.set(runner.num_blocks)
         metrics_address = None
         if opts.metrics_port is not None:
             metrics_address = start_metrics_server(metrics.registry, opts.metrics_host,
                                                    opts.metrics_port)
-        hello = link.ExecutorHello(
-            session=self.session, rank=opts.rank, num_blocks=runner.num_blocks,
+        hello = control.ExecutorHello(
+            session=self.session, rank=opts.rank, pid=os.getpid(), model_name=model_name,
+            vocab_size=runner.config.vocab_size, num_blocks=runner.num_blocks,
             block_size=runner.block_size, max_num_batched_tokens=runner.max_num_batched_tokens,
-            max_num_seqs=runner.max_num_seqs, model_name=info["model"],
-            vocab_size=info["vocab_size"], pid=os.getpid(), metrics_address=metrics_address,
-            info=info)
+            max_num_seqs=runner.max_num_seqs, max_model_len=runner.max_model_len,
+            eos_token_ids=list(runner.eos_token_ids),
+            dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
+            attention_backend=runner.attention.name, metrics_address=metrics_address)
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -147,29 +141,28 @@ class ExecutorWorker:
         from weir.services.executor.model_runner import ModelRunner
         from weir.shared.model_store import resolve_model
 
-        opts = self.options
-        # ModelRunner has its own default for the GPU budget.
-        kwargs = {} if opts.gpu_memory_utilization is None else {
-            "gpu_memory_utilization": opts.gpu_memory_utilization}
-        device = opts.device or _default_device()
+        args = self.options.engine_args
+        kv_cache_memory = (parse_size(args.kv_cache_memory) if isinstance(args.kv_cache_memory, str)
+                           else args.kv_cache_memory)
         return ModelRunner(
-            resolve_model(opts.model), device=device, dtype=opts.dtype,
-            kv_cache_memory_bytes=opts.kv_cache_memory, block_size=opts.block_size,
-            attention_backend=opts.attention_backend,
-            max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=opts.max_num_seqs,
-            max_model_len=opts.max_model_len, num_threads=opts.threads, seed=opts.seed, **kwargs)
+            resolve_model(args.model), device=args.device or _default_device(), dtype=args.dtype,
+            kv_cache_memory_bytes=kv_cache_memory, block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            attention_backend=args.attention_backend,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, num_threads=args.threads, seed=args.seed)
 
-    def _handshake(self, sock: zmq.Socket, hello: link.ExecutorHello) -> str | None:
+    def _handshake(self, sock: zmq.Socket, hello: control.ExecutorHello) -> str | None:
         """Send hello until the scheduler answers; None when welcomed, else the rejection."""
-        payload = link.pack(hello)
+        payload = control.pack(hello)
         while True:
-            sock.send_multipart([link.HELLO, payload])
+            sock.send_multipart([control.HELLO, payload])
             if sock.poll(_HELLO_RETRY_MS):
                 kind, body = sock.recv_multipart()
-                if kind == link.WELCOME:
+                if kind == control.WELCOME:
                     return None
-                if kind == link.REJECT:
-                    return str(link.unpack_map(body).get("message", "rejected"))
+                if kind == control.REJECT:
+                    return control.unpack(control.Rejection, body).message
                 _log.warning("ignoring %r frame before the handshake", kind)
             if parent_gone(self.parent_pid):
                 return "supervisor exited before the handshake"
@@ -186,8 +179,8 @@ class ExecutorWorker:
                     return 0
                 continue
             kind, payload = sock.recv_multipart()
-            if kind != link.PLAN:
-                if kind != link.WELCOME:  # welcomes answer hellos resent while connecting
+            if kind != control.PLAN:
+                if kind != control.WELCOME:  # welcomes answer hellos resent while connecting
                     _log.warning("executor %d ignoring unexpected %r frame", rank, kind)
                 continue
             step_id = -1
@@ -201,11 +194,11 @@ class ExecutorWorker:
                                      device, runner.last_timings)
             except Exception as exc:  # a bad plan or a failed forward pass: report, keep serving
                 _log.exception("executor %d: step %d failed", rank, step_id)
-                sock.send_multipart([link.STEP_ERROR, link.pack(
-                    link.StepFailure(step_id, rank, f"{type(exc).__name__}: {exc}"))])
+                sock.send_multipart([control.STEP_ERROR, control.pack(
+                    control.StepFailure(step_id, rank, f"{type(exc).__name__}: {exc}"))])
                 continue
             if encoded is not None:
-                sock.send_multipart([link.RESULT, encoded])
+                sock.send_multipart([control.RESULT, encoded])
 
 
 def _default_device() -> str:

@@ -9,9 +9,14 @@ never points at KV that a preempted or aborted step did not write.
 
 from __future__ import annotations
 
-from weir.services.scheduler.block_pool import ROOT_BLOCK_HASH, BlockPool, KVCacheBlock, \
-    chain_block_hashes
+from weir.services.scheduler.block_pool import (
+    ROOT_BLOCK_HASH,
+    BlockPool,
+    KVCacheBlock,
+    chain_block_hashes,
+)
 from weir.services.scheduler.request import Request
+from weir.shared.arith import cdiv
 from weir.shared.config import CacheConfig
 
 
@@ -25,15 +30,15 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now; evictable cached blocks count as free."""
-        return len(self.pool.free_queue)
+        return self.pool.num_free_blocks
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by some request (0..1)."""
-        return 1.0 - len(self.pool.free_queue) / self.num_blocks
+        return 1.0 - self.pool.num_free_blocks / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's chained block hashes, extended to at least ``num_blocks``."""
@@ -50,7 +55,7 @@ class KVCacheManager:
         all of them: the last token is always computed so the step yields logits."""
         if not self.enable_prefix_caching:
             return []
-        get = self.pool.cached_blocks.get
+        get = self.pool.get_cached_block
         hits = []
         # Hashing every full block now is no waste: they are registered after prefill.
         for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
@@ -76,11 +81,11 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Grow the block table to hold ``num_new_tokens`` more tokens. Returns the new
         block ids ([] when the last block has room), or None when too few are free."""
-        needed = (-(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        needed = (cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
                   - len(request.block_ids))
         if needed <= 0:
             return []
-        if needed > len(self.pool.free_queue):
+        if needed > self.pool.num_free_blocks:
             return None
         new_ids = self.pool.allocate(needed)
         request.block_ids += new_ids

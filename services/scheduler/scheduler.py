@@ -19,7 +19,8 @@ from weir.services.scheduler.kv_cache_manager import KVCacheManager
 from weir.services.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from weir.services.scheduler.request_queue import WaitingQueue, priority_key
 from weir.shared.config import CacheConfig, SchedulerConfig
-from weir.shared.protocol import CachedRequests, NewRequest, RequestOutput, StepPlan, StepResult
+from weir.services.scheduler.output import EngineOutput
+from weir.shared.protocol.step import CachedRequestData, NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +89,17 @@ class Scheduler:
         self.requests[rid] = request
         self.waiting.add(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineOutput]:
         """Abort (client went away, timeout): same as ``finish_requests`` with
         FINISHED_ABORTED."""
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: Iterable[str] | str,
-                        status: RequestStatus) -> list[RequestOutput]:
+                        status: RequestStatus) -> list[EngineOutput]:
         """End requests from outside the step loop (abort, or a stop string found by
         the detokenizer with FINISHED_STOPPED). Blocks are freed at once, the ids go
         into the next plan's ``finished_req_ids``. Unknown or already finished ids are
-        ignored. Returns one final ``RequestOutput`` per request ended here."""
+        ignored. Returns one final ``EngineOutput`` per request ended here."""
         if status not in FINISH_REASONS:
             raise ValueError(f"status must be a finished status, got {status!r}")
         if isinstance(request_ids, str):
@@ -114,7 +115,7 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
-            outputs.append(RequestOutput(rid, [], True, FINISH_REASONS[status],
+            outputs.append(EngineOutput(rid, [], True, FINISH_REASONS[status],
                                          request.num_cached_tokens))
         return outputs
 
@@ -140,6 +141,10 @@ class Scheduler:
             if cap and cap < room:
                 room = cap
             request.spec_token_ids = list(drafts[:room]) if room > 0 else []
+
+    def scheduled_request_ids(self) -> list[str]:
+        """Unfinished requests scheduled at least once: those an executor holds state for."""
+        return [rid for rid, r in self.requests.items() if r.status is not RequestStatus.WAITING]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
@@ -210,7 +215,7 @@ class Scheduler:
             scheduled_running.append(request)
             i += 1
 
-        cached = CachedRequests([r.request_id for r in scheduled_running],
+        cached = CachedRequestData([r.request_id for r in scheduled_running],
                                 [r.num_computed_tokens for r in scheduled_running], new_blocks)
         new_requests: list[NewRequest] = []
         if not preempted:
@@ -253,7 +258,7 @@ class Scheduler:
         return returned
 
     def _admit(self, budget: int, num_scheduled: dict[str, int],
-               new_requests: list[NewRequest], cached: CachedRequests) -> int:
+               new_requests: list[NewRequest], cached: CachedRequestData) -> int:
         config = self.scheduler_config
         kv = self.kv_cache_manager
         waiting = self.waiting
@@ -298,10 +303,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ applying a result
 
-    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[EngineOutput]:
         """Advance every request of ``plan`` by what it computed, append sampled tokens
         (rolling back rejected drafts), apply stops, free finished requests. Returns one
-        ``RequestOutput`` per request that produced tokens or finished."""
+        ``EngineOutput`` per request that produced tokens or finished."""
         kv = self.kv_cache_manager
         caching = kv.enable_prefix_caching
         block_size = kv.block_size
@@ -310,7 +315,7 @@ class Scheduler:
         sampled_token_ids = result.sampled_token_ids
         logprobs = result.logprobs
         spec_tokens = plan.scheduled_spec_decode_tokens
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         finished: list[Request] = []
 
         for rid, num_new in plan.num_scheduled_tokens.items():
@@ -359,12 +364,12 @@ class Scheduler:
                 if lp is not None and len(lp) > count:
                     lp = lp.head(count)
                 if status is None:
-                    outputs.append(RequestOutput(rid, new_tokens, False, None,
+                    outputs.append(EngineOutput(rid, new_tokens, False, None,
                                                  request.num_cached_tokens, lp))
                 else:
                     request.status = status
                     finished.append(request)
-                    outputs.append(RequestOutput(rid, new_tokens, True, FINISH_REASONS[status],
+                    outputs.append(EngineOutput(rid, new_tokens, True, FINISH_REASONS[status],
                                                  request.num_cached_tokens, lp))
             if caching and (min(request.num_computed_tokens, len(all_tokens)) // block_size
                             > request.num_cached_blocks):

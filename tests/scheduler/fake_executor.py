@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Scheduler
+from weir.services.scheduler.output import EngineOutput
 from weir.shared.config import CacheConfig, SchedulerConfig
-from weir.shared.protocol import RequestOutput, StepPlan, StepResult
+from weir.shared.protocol.step import StepPlan, StepResult
 
 VOCAB = 64
 EOS = 0
@@ -123,16 +125,17 @@ class FakeExecutor:
 
 
 def make_scheduler(block_size: int = 16, num_blocks: int = 1000, enable_prefix_caching: bool = True,
-                   **scheduler_kwargs) -> tuple[Scheduler, FakeExecutor]:
-    """A Scheduler and a FakeExecutor over the same cache geometry."""
+                   **scheduler_kwargs) -> tuple[Scheduler, EngineCore]:
+    """A Scheduler, and the engine core that runs it on a FakeExecutor of the same cache
+    geometry (``core.executor.runner``)."""
     scheduler = Scheduler(SchedulerConfig(**scheduler_kwargs),
                           CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                       enable_prefix_caching=enable_prefix_caching))
-    return scheduler, FakeExecutor(num_blocks, block_size)
+    return scheduler, EngineCore(scheduler, InProcessExecutor(FakeExecutor(num_blocks, block_size)))
 
 
-def run_step(scheduler: Scheduler,
-             executor: FakeExecutor) -> tuple[StepPlan, list[RequestOutput]]:
-    """One schedule → execute → update round; returns (plan, outputs)."""
-    plan = scheduler.schedule()
-    return plan, scheduler.update_from_output(plan, executor.execute(plan))
+def run_step(scheduler: Scheduler, core: EngineCore) -> tuple[StepPlan, list[EngineOutput]]:
+    """One ``core.step()``; returns (plan, outputs), an empty plan when nothing could run."""
+    assert core.scheduler is scheduler
+    step = step_now(core)
+    return (StepPlan(), []) if step is None else (step.plan, step.outputs)

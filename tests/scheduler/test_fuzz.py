@@ -2,15 +2,16 @@
 
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .fake_executor import EOS, FakeExecutor, reference_generate, toy_next_token
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Request, RequestStatus, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
-from weir.shared.protocol import (decode_step_plan, decode_step_result, encode_step_plan,
-                                  encode_step_result)
+from weir.shared.protocol.step_codec import decode_step_plan, decode_step_result, encode_step_plan, encode_step_result
 from weir.shared.sampling import SamplingParams
 
 
@@ -63,10 +64,24 @@ def test_random_traffic(scenario):
     config, cache, seed = scenario
     rng = random.Random(seed)
     scheduler = Scheduler(config, cache)
-    executor = FakeExecutor(cache.num_blocks, cache.block_size)
     expected: dict[str, tuple[list[int], str]] = {}
     produced: dict[str, list[int]] = {}
     ended: dict[str, str] = {}
+    fake = FakeExecutor(cache.num_blocks, cache.block_size)
+
+    def execute(plan):
+        """The fake executor behind the real wire codec."""
+        plan = decode_step_plan(encode_step_plan(plan))
+        _check_plan(plan, config, scheduler)
+        result = decode_step_result(encode_step_result(fake.execute(plan)))
+        if rng.random() < 0.03 and plan.num_scheduled_tokens:
+            # An abort arriving while the step is in flight: its late tokens are dropped.
+            victim = rng.choice(sorted(plan.num_scheduled_tokens))
+            for out in scheduler.abort_requests([victim]):
+                ended[out.request_id] = "abort"
+        return result
+
+    core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace(execute=execute)))
     shared_prefix = [rng.randrange(1, 64) for _ in range(12)]
     num_requests = rng.randint(4, 30)
     next_id = 0
@@ -105,15 +120,8 @@ def test_random_traffic(scenario):
             for out in scheduler.finish_requests([victim], RequestStatus.FINISHED_STOPPED):
                 ended[out.request_id] = "stop string"
 
-        plan = decode_step_plan(encode_step_plan(scheduler.schedule()))
-        _check_plan(plan, config, scheduler)
-        result = decode_step_result(encode_step_result(executor.execute(plan)))
-        if rng.random() < 0.03 and plan.num_scheduled_tokens:
-            # An abort arriving while the step is in flight: its late tokens are dropped.
-            victim = rng.choice(sorted(plan.num_scheduled_tokens))
-            for out in scheduler.abort_requests([victim]):
-                ended[out.request_id] = "abort"
-        for out in scheduler.update_from_output(plan, result):
+        engine_step = step_now(core)
+        for out in engine_step.outputs if engine_step else ():
             assert out.request_id not in ended, f"{out.request_id} answered after it ended"
             produced[out.request_id].extend(out.new_token_ids)
             if out.finished:

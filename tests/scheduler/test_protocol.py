@@ -3,10 +3,21 @@
 import msgpack
 import pytest
 
-from weir.shared.protocol import (
-    PROTOCOL_VERSION, CachedRequest, CachedRequests, NewRequest, ProtocolError, RequestOutput,
-    SampleLogprobs, StepPlan, StepResult, decode_request_outputs, decode_step_plan,
-    decode_step_result, encode_request_outputs, encode_step_plan, encode_step_result)
+from weir.shared.protocol.envelope import PROTOCOL_VERSION, ProtocolError
+from weir.shared.protocol.step import (
+    CachedRequest,
+    CachedRequestData,
+    NewRequest,
+    SampleLogprobs,
+    StepPlan,
+    StepResult,
+)
+from weir.shared.protocol.step_codec import (
+    decode_step_plan,
+    decode_step_result,
+    encode_step_plan,
+    encode_step_result,
+)
 from weir.shared.sampling import SamplingParams
 
 
@@ -40,7 +51,7 @@ def test_step_plan_round_trip():
 def test_cached_requests_columns_match_records():
     plan = _plan()
     cached = plan.cached_requests
-    assert isinstance(cached, CachedRequests)
+    assert isinstance(cached, CachedRequestData)
     assert cached.req_ids == ["c1", "c2", "c3"]
     assert cached.num_computed_tokens == [40, 17, 16]
     assert cached.new_block_ids == {"c2": [11], "c3": [12, 13, 14]}
@@ -51,7 +62,6 @@ def test_cached_requests_columns_match_records():
 def test_empty_messages_round_trip():
     assert decode_step_plan(encode_step_plan(StepPlan())) == StepPlan()
     assert decode_step_result(encode_step_result(StepResult())) == StepResult()
-    assert decode_request_outputs(encode_request_outputs([])) == []
 
 
 def test_step_result_round_trip_with_variable_lengths_and_logprobs():
@@ -64,13 +74,6 @@ def test_step_result_round_trip_with_variable_lengths_and_logprobs():
     assert decode_step_result(encode_step_result(result)) == result
     single = StepResult({"x": [7], "y": [8]})
     assert decode_step_result(encode_step_result(single)) == single
-
-
-def test_request_outputs_round_trip():
-    outs = [RequestOutput("a", [1, 2], False, None, 16),
-            RequestOutput("b", [], True, "abort", 0),
-            RequestOutput("c", [5], True, "stop", 0, SampleLogprobs([[5, 6]], [[-0.1, -2.3]]))]
-    assert decode_request_outputs(encode_request_outputs(outs)) == outs
 
 
 def _raw(message: list) -> bytes:
@@ -152,16 +155,6 @@ def test_step_result_rejects_wrong_types():
         fields[index] = value
         with pytest.raises(ProtocolError, match=fragment):
             decode_step_result(_raw(fields))
-
-
-def test_request_outputs_reject_inconsistent_finish():
-    fields = msgpack.unpackb(encode_request_outputs([RequestOutput("a", [1], True, "stop")]))
-    fields[5] = ["eos"]
-    with pytest.raises(ProtocolError, match="finish_reason 'eos'"):
-        decode_request_outputs(_raw(fields))
-    fields[4] = [1]
-    with pytest.raises(ProtocolError, match=r"finished\[0\]"):
-        decode_request_outputs(_raw(fields))
 
 
 def test_protocol_error_is_value_error():

@@ -1,7 +1,7 @@
 """Behaviour 6: draft tokens ride after the real token; rejected drafts roll back."""
 
 from weir.services.scheduler import Request, RequestStatus
-from weir.shared.protocol import SampleLogprobs, StepResult
+from weir.shared.protocol.step import SampleLogprobs, StepResult
 from weir.shared.sampling import SamplingParams
 
 from .fake_executor import EOS, make_scheduler, reference_generate, run_step, toy_next_token

@@ -2,8 +2,9 @@
 
 import pytest
 
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Request, RequestStatus
-from weir.shared.protocol import StepResult
+from weir.shared.protocol.step import StepResult
 from weir.shared.sampling import SamplingParams
 
 from .fake_executor import make_scheduler, run_step
@@ -11,15 +12,35 @@ from .fake_executor import make_scheduler, run_step
 EOS = 2
 
 
+class _Scripted:
+    """Samples the given tokens, one per step, for whichever request is scheduled."""
+
+    def __init__(self, tokens):
+        self.tokens = iter(tokens)
+
+    def execute(self, plan):
+        return StepResult({rid: [next(self.tokens)] for rid in plan.num_scheduled_tokens})
+
+
+class _AbortInFlight:
+    """Runs the step, then aborts ``victim`` before the result reaches the scheduler."""
+
+    def __init__(self, core, victim):
+        self.runner, self.scheduler, self.victim = core.executor.runner, core.scheduler, victim
+
+    def execute(self, plan):
+        result = self.runner.execute(plan)
+        self.scheduler.abort_requests([self.victim])
+        return result
+
+
 def _feed(scheduler, request, tokens):
     """Run ``request`` alone, feeding it ``tokens`` one per step; returns outputs."""
     scheduler.add_request(request)
+    core = EngineCore(scheduler, InProcessExecutor(_Scripted(tokens)))
     outputs = []
-    for token in tokens:
-        plan = scheduler.schedule()
-        outputs += scheduler.update_from_output(plan, StepResult({request.request_id: [token]}))
-        if outputs and outputs[-1].finished:
-            break
+    while not (outputs and outputs[-1].finished):
+        outputs += step_now(core).outputs
     return outputs
 
 
@@ -77,14 +98,13 @@ def test_abort_frees_blocks_at_once_and_is_reported_in_the_next_plan():
 
 
 def test_abort_while_the_step_is_in_flight_drops_its_late_tokens():
-    scheduler, executor = make_scheduler()
+    scheduler, core = make_scheduler()
     scheduler.add_request(Request("A", [1, 2, 3], SamplingParams(max_tokens=8)))
     scheduler.add_request(Request("B", [4, 5, 6], SamplingParams(max_tokens=8)))
-    plan = scheduler.schedule()
-    result = executor.execute(plan)
-    scheduler.abort_requests(["A"])
-    outputs = scheduler.update_from_output(plan, result)
-    assert [o.request_id for o in outputs] == ["B"]
+    core.executor = InProcessExecutor(_AbortInFlight(core, "A"))
+    step = step_now(core)
+    assert list(step.plan.num_scheduled_tokens) == ["A", "B"]
+    assert [o.request_id for o in step.outputs] == ["B"]
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks - 1
 
 

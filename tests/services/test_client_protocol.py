@@ -3,7 +3,7 @@
 import msgpack
 import pytest
 
-from weir.shared import client_protocol as cp
+from weir.shared.protocol import client as cp
 from weir.shared.sampling import SamplingParams
 
 

@@ -1,11 +1,13 @@
 """`weir serve` and `LLM` forward engine options to the roles' command lines unchanged."""
 
 import argparse
+from dataclasses import fields
 
 import pytest
 
 from weir.services.cli import build_parser
-from weir.services.launcher import ENGINE_OPTIONS, check_engine_options, engine_argv, parse_size
+from weir.services.llm import LLM
+from weir.shared.config import SCHEDULER, CacheConfig, EngineArgs, SchedulerConfig, parse_size
 
 
 @pytest.mark.parametrize("text, size", [("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1048576", 2**20),
@@ -25,16 +27,23 @@ def test_serve_options_reach_each_role_unchanged():
         "serve", "--model", "/m", "--block-size", "8", "--max-num-batched-tokens", "32",
         "--max-model-len", "100", "--no-enable-prefix-caching", "--policy", "priority",
         "--kv-cache-memory", "4MiB", "--threads", "2", "--seed", "7", "--executor-timeout", "9"]))
-    engine = {opt.dest: serve[opt.dest] for opt in ENGINE_OPTIONS}
-    scheduler = vars(build_parser().parse_args(["scheduler", *engine_argv(engine, "scheduler")]))
+    engine = EngineArgs.from_cli(argparse.Namespace(**serve))
+    scheduler = vars(build_parser().parse_args(["scheduler", *engine.to_argv("scheduler")]))
     executor = vars(build_parser().parse_args(
-        ["executor", "--scheduler", "ipc://x", *engine_argv(engine, "executor")]))
-    for opt in ENGINE_OPTIONS:
-        role = scheduler if "scheduler" in opt.roles else executor
-        assert role[opt.dest] == serve[opt.dest], opt.flag
+        ["executor", "--scheduler", "ipc://x", *engine.to_argv("executor")]))
+    for f in fields(EngineArgs):
+        role = scheduler if SCHEDULER in f.metadata["roles"] else executor
+        assert role[f.name] == serve[f.name], f.name
     assert scheduler["enable_prefix_caching"] is False and executor["kv_cache_memory"] == 4 * 2**20
+
+
+def test_engine_defaults_are_the_configs_defaults():
+    args = build_parser().parse_args(["serve"])
+    assert EngineArgs.from_cli(args) == EngineArgs()
+    assert EngineArgs().scheduler_config(8192) == SchedulerConfig(max_model_len=8192)
+    assert EngineArgs().cache_config(7) == CacheConfig(num_blocks=7)
 
 
 def test_unknown_engine_option_is_a_type_error():
     with pytest.raises(TypeError, match="max_num_batch_tokens"):
-        check_engine_options({"max_num_batch_tokens": 3})
+        LLM(max_num_batch_tokens=3)

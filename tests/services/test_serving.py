@@ -16,7 +16,8 @@ import zmq.asyncio
 
 from serving_helpers import hf_greedy, metric, read_metrics
 from weir.services.launcher import ServerProcesses
-from weir.shared import client_protocol as cp
+from weir.shared.config import EngineArgs
+from weir.shared.protocol import client as cp
 from weir.shared.client import AsyncWeirClient, InvalidRequestError, WeirClient
 from weir.shared.sampling import SamplingParams
 
@@ -32,7 +33,7 @@ def server(tiny_model_dir):
     options = {"model": str(tiny_model_dir), "max_num_batched_tokens": 32, "block_size": BLOCK_SIZE,
                "kv_cache_memory": KV_BYTES, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 64,
                "device": "cpu"}
-    with ServerProcesses(options, port=0, metrics_port=0, executor_metrics_port=0) as processes:
+    with ServerProcesses(EngineArgs(**options), port=0, metrics_port=0, executor_metrics_port=0) as processes:
         yield processes
         # No test may leave a KV block behind.
         with WeirClient(processes.client_address) as client:

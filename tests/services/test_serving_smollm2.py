@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from weir.services.launcher import ServerProcesses
+from weir.shared.config import EngineArgs
 from weir.shared.client import WeirClient
 from weir.shared.sampling import SamplingParams
 
@@ -33,7 +34,7 @@ def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
 
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     options = {"model": None, "kv_cache_memory": "32MiB", "max_num_batched_tokens": 256}
-    with ServerProcesses(options, port=0, metrics_port=0, executor_metrics_port=0) as server:
+    with ServerProcesses(EngineArgs(**options), port=0, metrics_port=0, executor_metrics_port=0) as server:
         with WeirClient(server.client_address) as client:
             assert client.model_info()["model_name"] == "SmolLM2-135M-Instruct"
             for messages, (prompt_ids, want_ids) in zip(conversations, want):

@@ -6,14 +6,16 @@ every series carries ``model_name``.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
-    start_http_server,
 )
+
+_Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -30,7 +32,7 @@ class SchedulerMetrics:
         self._model_name = model_name
         reg, names = self.registry, ["model_name"]
 
-        def one(metric):
+        def one(metric: _Metric) -> _Metric:
             return metric.labels(model_name=model_name)
 
         self.num_requests_running = one(Gauge(
@@ -82,11 +84,3 @@ class SchedulerMetrics:
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(model_name=self._model_name,
                                      finished_reason=finished_reason).inc()
-
-
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> str:
-    """Serve ``registry`` at /metrics on a daemon thread; returns the URL (port 0 = any free)."""
-    # The `_created` timestamp series double every counter and no dashboard reads them.
-    disable_created_metrics()
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return f"http://{host}:{server.server_port}/metrics"

@@ -31,11 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
+from weir.shared.protocol.envelope import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    check_version,
+    pack_map,
+    unpack_map,
+)
 from weir.shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_LEN = 256
 
 # Error codes carried by ``error`` replies.
@@ -50,7 +54,7 @@ SERVER_UNAVAILABLE = "server_unavailable"
 Prompt = str | list[int] | list[dict[str, str]]
 
 
-class ClientProtocolError(ValueError):
+class ClientProtocolError(ProtocolError):
     """A client message the scheduler cannot accept; becomes an ``error`` reply."""
 
     def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
@@ -129,18 +133,14 @@ ServerMessage = list[StreamOutput] | ErrorReply | HealthReply | ModelInfoReply
 
 
 def _pack(type_: str, body: dict[str, Any]) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "type": type_, **body}, use_bin_type=True)
+    return pack_map({"v": PROTOCOL_VERSION, "type": type_, **body})
 
 
 def _unpack_map(frame: bytes) -> dict[str, Any]:
     try:
-        data = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
-        raise ClientProtocolError(MALFORMED_MESSAGE, f"frame is not valid msgpack: {exc}") from None
-    if not isinstance(data, dict):
-        raise ClientProtocolError(MALFORMED_MESSAGE,
-                                  f"message must be a msgpack map, got {type(data).__name__}")
-    return data
+        return unpack_map(frame, "message")
+    except ProtocolError as exc:
+        raise ClientProtocolError(MALFORMED_MESSAGE, str(exc)) from None
 
 
 # ---------------------------------------------------------------- client -> scheduler
@@ -168,10 +168,10 @@ def decode_client_message(frame: bytes) -> ClientMessage:
     data = _unpack_map(frame)
     raw_id = data.get("request_id")
     request_id = raw_id if isinstance(raw_id, str) and raw_id else None
-    if data.get("v") != PROTOCOL_VERSION:
-        raise ClientProtocolError(UNSUPPORTED_VERSION,
-                                  f"protocol version must be {PROTOCOL_VERSION}, got {data.get('v')!r}",
-                                  request_id)
+    try:
+        check_version(data.get("v"), "message")
+    except ProtocolError as exc:
+        raise ClientProtocolError(UNSUPPORTED_VERSION, str(exc), request_id) from None
     type_ = data.get("type")
     if type_ not in _CLIENT_FIELDS:
         raise ClientProtocolError(UNKNOWN_MESSAGE_TYPE,

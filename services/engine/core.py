@@ -1,0 +1,119 @@
+"""The engine core: one ``step()`` = schedule -> execute -> update.
+
+This is Weir's loop, and the only place it is written. The scheduler process
+drives it against the remote executor group (``executor_group``); tests and
+benchmarks drive the same core against an executor in their own process
+(``InProcessExecutor`` around a ``ModelRunner`` or a test's fake) with
+``step_now``.
+
+An executor is anything with ``async execute(plan) -> StepResult``. It may raise
+``StepFailedError`` (this step raised on the executor, which keeps serving) or
+``ExecutorLostError`` (no more steps can run; its owner has already failed every
+request).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from weir.services.scheduler.output import EngineOutput
+from weir.services.scheduler.request import RequestStatus
+from weir.services.scheduler.scheduler import Scheduler
+from weir.shared.protocol.step import StepPlan, StepResult
+
+
+class Executor(Protocol):
+    async def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class SyncExecutor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class StepFailedError(RuntimeError):
+    """The executor reported that a step raised. ``request_ids`` are the requests the
+    core ended because of it: every one the executor held state for."""
+
+    def __init__(self, message: str, request_ids: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids or []
+
+
+class ExecutorLostError(RuntimeError):
+    """The executor can no longer run steps."""
+
+
+@dataclass(slots=True)
+class EngineStep:
+    """One executed step: its plan, what it did to each request, and when it was planned
+    (``time.monotonic()``, the end of queueing for its new requests)."""
+
+    plan: StepPlan
+    outputs: list[EngineOutput]
+    scheduled_at: float
+
+
+class EngineCore:
+    """A ``Scheduler`` and the executor that runs its plans. ``observe_phase(name, seconds)``
+    receives the time of the ``schedule`` and ``update`` phases of every step."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor,
+                 observe_phase: Callable[[str, float], None] | None = None) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self._observe_phase = observe_phase or _ignore
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    async def step(self) -> EngineStep | None:
+        """Run one step; None when nothing can run until a request arrives or ends."""
+        scheduler = self.scheduler
+        start = time.perf_counter()
+        plan = scheduler.schedule()
+        scheduled = time.perf_counter()
+        self._observe_phase("schedule", scheduled - start)
+        if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
+            return None
+        scheduled_at = time.monotonic()
+        try:
+            result = await self.executor.execute(plan)
+        except StepFailedError as exc:
+            # The executor's state for every request it held is now unknown.
+            held = scheduler.scheduled_request_ids()
+            scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED)
+            raise StepFailedError(str(exc), held) from exc
+        start = time.perf_counter()
+        outputs = scheduler.update_from_output(plan, result)
+        self._observe_phase("update", time.perf_counter() - start)
+        return EngineStep(plan, outputs, scheduled_at)
+
+
+class InProcessExecutor:
+    """An executor in this process (a ``ModelRunner``, or a test's fake)."""
+
+    def __init__(self, runner: SyncExecutor) -> None:
+        self.runner = runner
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        return self.runner.execute(plan)
+
+
+def step_now(core: EngineCore) -> EngineStep | None:
+    """``core.step()`` without an event loop, for an executor that never suspends
+    (``InProcessExecutor``): tests and benchmarks run thousands of steps, and an event
+    loop round per step would cost more than the scheduler itself."""
+    coroutine = core.step()
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coroutine.close()
+    raise RuntimeError("the executor suspended: drive this core from an event loop")
+
+
+def _ignore(phase: str, seconds: float) -> None:
+    pass

@@ -1,0 +1,242 @@
+"""The scheduler process's side of its executor ranks: handshakes, heartbeats, steps.
+
+Ranks connect to one ROUTER socket (see ``weir.shared.protocol.control``). A rank's
+hello is checked against the scheduler's engine arguments; once ``num_executors``
+ranks are in, the group is formed and ``on_formed(num_blocks)`` is called with the
+smallest KV block count over ranks. ``execute(plan)`` sends the plan to every rank
+and awaits rank 0's result, so the group is the ``EngineCore``'s executor. When a
+rank stops answering (no heartbeat for ``timeout`` seconds, or a plan cannot be
+sent), every rank is forgotten and ``on_lost(message)`` is called; a new group
+forms as ranks say hello again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from weir.services.engine.core import ExecutorLostError, StepFailedError
+from weir.shared.config import EngineArgs
+from weir.shared.protocol import control
+from weir.shared.protocol.envelope import ProtocolError
+from weir.shared.protocol.step import StepPlan, StepResult
+from weir.shared.protocol.step_codec import decode_step_result, encode_step_plan
+from weir.shared.zmq_send import send_now
+
+_log = logging.getLogger(__name__)
+
+_WATCHDOG_INTERVAL_S = 0.5
+
+
+@dataclass(slots=True)
+class ExpectedExecutor:
+    """What every rank's hello must match."""
+
+    num_executors: int
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    engine_args: EngineArgs
+
+
+@dataclass(slots=True)
+class _Rank:
+    hello: control.ExecutorHello
+    identity: bytes  # routing id of the rank's step socket
+    last_seen: float
+
+
+class ExecutorGroup:
+    def __init__(self, sock: zmq.asyncio.Socket, expected: ExpectedExecutor, timeout: float,
+                 on_formed: Callable[[int], None], on_lost: Callable[[str], None],
+                 observe_phase: Callable[[str, float], None]) -> None:
+        self._sock = sock
+        self._expected = expected
+        self._timeout = timeout
+        self._on_formed = on_formed
+        self._on_lost = on_lost
+        self._observe_phase = observe_phase
+        self.ranks: dict[int, _Rank] = {}  # handshaken ranks, by rank
+        self.formed = False
+        self._result: asyncio.Future[StepResult] | None = None
+        self._step_id = 0
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each rank's hello, rank order (for health, model info and the ready report)."""
+        return [{"rank": r.hello.rank, "pid": r.hello.pid, "num_blocks": r.hello.num_blocks,
+                 "metrics_address": r.hello.metrics_address, "model": r.hello.model_name,
+                 "max_model_len": r.hello.max_model_len, "dtype": r.hello.dtype,
+                 "device": r.hello.device, "attention_backend": r.hello.attention_backend,
+                 "eos_token_ids": r.hello.eos_token_ids}
+                for r in sorted(self.ranks.values(), key=lambda r: r.hello.rank)]
+
+    # ------------------------------------------------------------------ steps
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        encoded = encode_step_plan(plan)
+        sent = time.perf_counter()
+        self._observe_phase("plan_encode", sent - start)
+        for rank in sorted(self.ranks.values(), key=lambda r: r.hello.rank):
+            if not self._send(rank.identity, control.PLAN, encoded):
+                message = f"executor rank {rank.hello.rank} (pid {rank.hello.pid}) is unreachable"
+                self.lose(message)
+                raise ExecutorLostError(message)
+        # The result is read by ``run``, which cannot run before this awaits.
+        self._step_id = plan.step_id
+        self._result = asyncio.get_running_loop().create_future()
+        try:
+            result = await self._result
+        finally:
+            self._result = None
+        self._observe_phase("executor", time.perf_counter() - sent)
+        return result
+
+    def lose(self, message: str) -> None:
+        """Every rank is forgotten; the step in flight fails; ``on_lost`` fails the requests."""
+        _log.error("%s", message)
+        if self._result is not None and not self._result.done():
+            self._result.set_exception(ExecutorLostError(message))
+        self.ranks.clear()
+        if self.formed:
+            self.formed = False
+            self._on_lost(message)
+
+    # ------------------------------------------------------------------ frames in
+
+    async def run(self) -> None:
+        while True:
+            identity, *frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                _log.warning("ignoring an executor message of %d frame(s)", len(frames))
+                continue
+            kind, payload = frames
+            try:
+                if kind == control.HEARTBEAT:
+                    self._on_heartbeat(identity, control.unpack(control.Heartbeat, payload))
+                elif kind == control.HELLO:
+                    self._on_hello(identity, control.unpack(control.ExecutorHello, payload))
+                elif kind == control.RESULT:
+                    self._on_result(identity, payload)
+                elif kind == control.STEP_ERROR:
+                    failure = control.unpack(control.StepFailure, payload)
+                    self._fail_step(f"executor rank {failure.rank} failed step {failure.step_id}: "
+                                    f"{failure.message}")
+                else:
+                    _log.warning("ignoring executor frame of kind %r", kind)
+            except ProtocolError as exc:
+                _log.warning("bad executor frame %r: %s", kind, exc)
+
+    def _send(self, identity: bytes, kind: bytes, payload: bytes = b"") -> bool:
+        """False when the peer is gone (its heartbeats stop too: the watchdog handles it)."""
+        try:
+            send_now(self._sock, [identity, kind, payload])
+            return True
+        except zmq.ZMQError as exc:
+            _log.warning("cannot send %r to executor %s: %s", kind, identity.hex(), exc)
+            return False
+
+    def _on_heartbeat(self, identity: bytes, beat: control.Heartbeat) -> None:
+        rank = next((r for r in self.ranks.values() if r.hello.session == beat.session), None)
+        if rank is None:
+            # An executor of a previous scheduler (or group): it must restart clean.
+            self._send(identity, control.RESET)
+            return
+        rank.last_seen = time.monotonic()
+
+    def _on_hello(self, identity: bytes, hello: control.ExecutorHello) -> None:
+        current = self.ranks.get(hello.rank)
+        if current is not None and current.hello.session == hello.session:
+            current.identity = identity  # a resent hello: answer it again
+            self._send(identity, control.WELCOME)
+            return
+        problem = self._check_hello(hello)
+        if problem is None and current is not None:
+            problem = f"rank {hello.rank} is already served by executor pid {current.hello.pid}"
+        if problem is not None:
+            _log.error("rejecting executor rank %d: %s", hello.rank, problem)
+            self._send(identity, control.REJECT, control.pack(control.Rejection(problem)))
+            return
+        self.ranks[hello.rank] = _Rank(hello, identity, time.monotonic())
+        self._send(identity, control.WELCOME)
+        _log.info("executor rank %d (pid %d) joined: %d KV blocks", hello.rank, hello.pid,
+                  hello.num_blocks)
+        if len(self.ranks) == self._expected.num_executors:
+            self.formed = True
+            num_blocks = min(r.hello.num_blocks for r in self.ranks.values())
+            _log.info("executor group ready: %d rank(s), %d KV blocks", len(self.ranks),
+                      num_blocks)
+            self._on_formed(num_blocks)
+
+    def _check_hello(self, hello: control.ExecutorHello) -> str | None:
+        want = self._expected
+        args = want.engine_args
+        if not 0 <= hello.rank < want.num_executors:
+            return f"rank {hello.rank} is outside [0, {want.num_executors})"
+        if hello.block_size != args.block_size:
+            return (f"executor block_size {hello.block_size} != scheduler block_size "
+                    f"{args.block_size}")
+        if hello.model_name != want.model_name or hello.vocab_size != want.vocab_size:
+            return (f"executor serves {hello.model_name} (vocab {hello.vocab_size}), scheduler "
+                    f"serves {want.model_name} (vocab {want.vocab_size})")
+        for name, theirs, ours in (
+                ("max_num_batched_tokens", hello.max_num_batched_tokens,
+                 args.max_num_batched_tokens),
+                ("max_num_seqs", hello.max_num_seqs, args.max_num_seqs),
+                ("max_model_len", hello.max_model_len, want.max_model_len)):
+            if theirs < ours:
+                return f"executor {name} {theirs} < scheduler's {ours}"
+        return None
+
+    def _on_result(self, identity: bytes, payload: bytes) -> None:
+        rank = next((r for r in self.ranks.values() if r.identity == identity), None)
+        future = self._result
+        if rank is None or rank.hello.rank != 0 or future is None or future.done():
+            return  # a late result of a failed step or a lost group
+        try:
+            result = decode_step_result(payload)
+        except ProtocolError as exc:
+            future.set_exception(ExecutorLostError(f"executor sent an undecodable result: {exc}"))
+            return
+        if result.step_id != self._step_id:
+            _log.warning("ignoring result of step %d while waiting for %d", result.step_id,
+                         self._step_id)
+            return
+        future.set_result(result)
+
+    def _fail_step(self, message: str) -> None:
+        if self._result is not None and not self._result.done():
+            self._result.set_exception(StepFailedError(message))
+
+    # ------------------------------------------------------------------ liveness
+
+    async def watchdog(self) -> None:
+        """Lose the group when a rank's heartbeats stop."""
+        timeout = self._timeout
+        last_tick = time.monotonic()
+        while True:
+            await asyncio.sleep(_WATCHDOG_INTERVAL_S)
+            now = time.monotonic()
+            if now - last_tick > timeout / 2:
+                # This loop itself was stalled: heartbeats may be waiting unread in
+                # the socket, so silence proves nothing this time.
+                for rank in self.ranks.values():
+                    rank.last_seen = now
+            last_tick = now
+            for rank in list(self.ranks.values()):
+                if now - rank.last_seen > timeout:
+                    message = (f"executor rank {rank.hello.rank} (pid {rank.hello.pid}) stopped "
+                               f"responding: no heartbeat for {timeout:g}s")
+                    if self.formed:
+                        self.lose(message)
+                    else:
+                        _log.error("%s; it left before the group formed", message)
+                        del self.ranks[rank.hello.rank]
+                    break

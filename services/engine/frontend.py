@@ -1,0 +1,298 @@
+"""The scheduler process's side of its clients: requests in, text streamed out.
+
+``run`` reads the client ROUTER: every message is validated
+(``weir.shared.protocol.client``), prompts are tokenized (text, token ids or chat
+messages) and added to the engine core's scheduler; aborts, health and model-info
+queries are answered. ``publish`` turns each step's ``EngineOutput``s into the
+clients' ``StreamOutput``s: it detokenizes, applies stop strings (ending the
+request in the scheduler when one matches) and sends one frame per client.
+
+The front end never waits on a client: a client that is gone or not reading
+loses its requests, nobody else's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from weir.services.engine.core import EngineCore, EngineStep
+from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.scheduler.output import EngineOutput
+from weir.services.scheduler.request import Request, RequestStatus
+from weir.shared.protocol import client as wire
+from weir.shared.sampling import SamplingParams
+from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from weir.shared.zmq_send import send_now
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Client-facing state of one request."""
+
+    request_id: str
+    identity: bytes
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    text: str = ""
+    num_sent_chars: int = 0
+    num_output_tokens: int = 0
+    sent_prompt_ids: bool = False
+    scheduled: bool = False
+    last_token_time: float | None = None
+    # Characters withheld while the text could still end in a stop string.
+    holdback: int = 0
+
+
+class ClientFrontend:
+    """``core`` is None while no executor group serves; requests then get
+    ``server_unavailable``. ``wake()`` tells the step loop there is new work or an end to
+    report; ``health(stream_ids)`` and ``model_info()`` build the replies of those queries."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, tokenizer: Tokenizer, vocab_size: int,
+                 max_model_len: int, metrics: SchedulerMetrics, wake: Callable[[], None],
+                 health: Callable[[list[str]], dict[str, Any]],
+                 model_info: Callable[[], dict[str, Any]]) -> None:
+        self._sock = sock
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self._wake = wake
+        self._health = health
+        self._model_info = model_info
+        self.core: EngineCore | None = None
+        self.streams: dict[str, _Stream] = {}
+
+    # ------------------------------------------------------------------ messages in
+
+    async def run(self) -> None:
+        while True:
+            identity, *frames = await self._sock.recv_multipart()
+            if len(frames) != 1:
+                self.send_error(identity, None, wire.MALFORMED_MESSAGE,
+                                f"expected one frame per message, got {len(frames)}")
+                continue
+            try:
+                msg = wire.decode_client_message(frames[0])
+            except wire.ClientProtocolError as exc:
+                self.send_error(identity, exc.request_id, exc.code, exc.message)
+                continue
+            try:
+                self._dispatch(identity, msg)
+            except Exception as exc:  # a bug must cost one request, not the server
+                _log.exception("failed to handle %s", type(msg).__name__)
+                self.send_error(identity, msg.request_id, wire.ENGINE_ERROR,
+                                f"internal error: {type(exc).__name__}: {exc}")
+
+    def _dispatch(self, identity: bytes, msg: wire.ClientMessage) -> None:
+        if isinstance(msg, wire.GenerateRequest):
+            self._add_request(identity, msg)
+        elif isinstance(msg, wire.AbortRequest):
+            self._abort(msg.request_id, identity)
+        elif isinstance(msg, wire.HealthRequest):
+            self._send(identity, wire.encode_server_message(
+                wire.HealthReply(msg.request_id, self._health(msg.stream_ids))))
+        else:
+            self._send(identity, wire.encode_server_message(
+                wire.ModelInfoReply(msg.request_id, self._model_info())))
+
+    def _add_request(self, identity: bytes, msg: wire.GenerateRequest) -> None:
+        rid = msg.request_id
+        if self.core is None:
+            self.send_error(identity, rid, wire.SERVER_UNAVAILABLE,
+                            "no executor is connected; try again once the server is healthy")
+            return
+        if rid in self.streams:
+            self.send_error(identity, rid, wire.DUPLICATE_REQUEST_ID,
+                            f"request_id {rid!r} is already in flight")
+            return
+        try:
+            prompt_ids = self._tokenize(msg.prompt)
+        except ValueError as exc:
+            self.send_error(identity, rid, wire.INVALID_REQUEST, str(exc))
+            return
+        now = time.monotonic()
+        stream = _Stream(rid, identity, msg.sampling_params, prompt_ids,
+                         IncrementalDetokenizer(self.tokenizer, prompt_ids), now)
+        if msg.sampling_params.stop:
+            stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
+        try:
+            self.core.scheduler.add_request(
+                self._new_request(rid, prompt_ids, msg.sampling_params, now))
+        except ValueError as exc:  # e.g. prompt + max_tokens can never fit the KV cache
+            self.send_error(identity, rid, wire.INVALID_REQUEST, str(exc))
+            return
+        self.streams[rid] = stream
+        self._wake()
+
+    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     arrival_time: float) -> Request:
+        eos = self.tokenizer.eos_token_id
+        # Models with several end tokens (generation_config.json) stop on all of them.
+        extra = tuple(t for t in self.tokenizer.stop_token_ids
+                      if t != eos and t not in params.stop_token_ids)
+        if extra and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        return Request(request_id, prompt_ids, params, eos_token_id=eos, arrival_time=arrival_time)
+
+    def _tokenize(self, prompt: wire.Prompt) -> list[int]:
+        """Token ids of a prompt; ValueError names what is wrong with it."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt[0], dict):
+            try:
+                text = self.tokenizer.apply_chat_template(prompt)
+            except Exception as exc:  # no template, or a jinja2 error raised by the model's template
+                raise ValueError(f"chat template failed: {exc}") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = prompt
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty (it tokenized to no tokens)")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is too long: {len(ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len}")
+        return ids
+
+    def _abort(self, request_id: str, identity: bytes) -> None:
+        stream = self.streams.get(request_id)
+        if stream is None or stream.identity != identity:
+            return  # already finished, or not this client's request
+        self._end_in_scheduler([request_id], RequestStatus.FINISHED_ABORTED)
+        self._finish_stream(stream, "abort")
+        self._send(stream.identity, wire.encode_outputs([self._final_output(stream, "abort")]))
+        self._wake()
+
+    # ------------------------------------------------------------------ messages out
+
+    def _send(self, identity: bytes, frame: bytes) -> None:
+        """Send without waiting; a client that is gone or not reading loses its requests."""
+        try:
+            send_now(self._sock, [identity, frame])
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                raise
+        gone = [s for s in self.streams.values() if s.identity == identity]
+        _log.info("client %s is gone; aborting its %d request(s)", identity.hex(), len(gone))
+        self._end_in_scheduler([s.request_id for s in gone], RequestStatus.FINISHED_ABORTED)
+        for stream in gone:
+            self._finish_stream(stream, "abort")
+        self._wake()
+
+    def send_error(self, identity: bytes, request_id: str | None, code: str,
+                   message: str) -> None:
+        self._send(identity, wire.encode_server_message(wire.ErrorReply(request_id, message, code)))
+
+    def fail(self, request_ids: list[str], code: str, message: str) -> None:
+        """End these streams with an error (the scheduler has already ended the requests)."""
+        for rid in request_ids:
+            stream = self.streams.get(rid)
+            if stream is not None:
+                self._finish_stream(stream, "error")
+                self.send_error(stream.identity, rid, code, message)
+
+    def fail_all(self, code: str, message: str) -> None:
+        self._end_in_scheduler(list(self.streams), RequestStatus.FINISHED_ABORTED)
+        self.fail(list(self.streams), code, message)
+
+    def publish(self, step: EngineStep) -> None:
+        """Stream one step's outputs, one frame per client."""
+        for new in step.plan.new_requests:
+            stream = self.streams.get(new.request_id)
+            if stream is not None and not stream.scheduled:
+                stream.scheduled = True
+                self.metrics.request_queue_time.observe(step.scheduled_at - stream.arrival_time)
+                self.metrics.prompt_tokens.inc(len(stream.prompt_token_ids))
+        now = time.monotonic()
+        by_client: dict[bytes, list[wire.StreamOutput]] = {}
+        stopped: list[str] = []
+        num_generated = 0
+        for out in step.outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            num_generated += len(out.new_token_ids)
+            item = self._stream_output(stream, out, now)
+            if item.finished and not out.finished:  # a stop string, seen only here
+                stopped.append(out.request_id)
+            by_client.setdefault(stream.identity, []).append(item)
+        self._end_in_scheduler(stopped, RequestStatus.FINISHED_STOPPED)
+        for identity, items in by_client.items():
+            self._send(identity, wire.encode_outputs(items))
+        self.metrics.generation_tokens.inc(num_generated)
+
+    def _stream_output(self, stream: _Stream, out: EngineOutput, now: float) -> wire.StreamOutput:
+        """Detokenize, apply stop strings, and build the client's output for one request."""
+        new_ids = out.new_token_ids
+        finished, reason = out.finished, out.finish_reason
+        if new_ids:
+            if stream.last_token_time is None:
+                self.metrics.time_to_first_token.observe(now - stream.arrival_time)
+            else:
+                self.metrics.inter_token_latency.observe(now - stream.last_token_time)
+            stream.last_token_time = now
+            stream.num_output_tokens += len(new_ids)
+            searched_from = max(0, len(stream.text) - stream.holdback)
+            stream.text += stream.detokenizer.add(new_ids)
+            if stream.params.stop and stream.num_output_tokens >= stream.params.min_tokens:
+                cut = _find_stop(stream.text, stream.params.stop, searched_from)
+                if cut is not None:
+                    stream.text = stream.text[:cut]
+                    finished, reason = True, "stop"
+        end = len(stream.text) if finished else max(stream.num_sent_chars,
+                                                     len(stream.text) - stream.holdback)
+        logprobs: dict[str, list[list[Any]]] | None = None if out.logprobs is None else {
+            "token_ids": out.logprobs.token_ids, "logprobs": out.logprobs.logprobs}
+        item = wire.StreamOutput(
+            request_id=stream.request_id, new_token_ids=list(new_ids),
+            text=stream.text[stream.num_sent_chars:end], finished=finished,
+            finish_reason=reason, prompt_tokens=len(stream.prompt_token_ids),
+            completion_tokens=stream.num_output_tokens,
+            prompt_token_ids=None if stream.sent_prompt_ids else stream.prompt_token_ids,
+            logprobs=logprobs)
+        stream.num_sent_chars = end
+        stream.sent_prompt_ids = True
+        if finished:
+            self._finish_stream(stream, reason or "stop")
+        return item
+
+    def _final_output(self, stream: _Stream, reason: str) -> wire.StreamOutput:
+        return wire.StreamOutput(
+            request_id=stream.request_id, new_token_ids=[], text=stream.text[stream.num_sent_chars:],
+            finished=True, finish_reason=reason, prompt_tokens=len(stream.prompt_token_ids),
+            completion_tokens=stream.num_output_tokens,
+            prompt_token_ids=None if stream.sent_prompt_ids else stream.prompt_token_ids)
+
+    def _finish_stream(self, stream: _Stream, reason: str) -> None:
+        if self.streams.pop(stream.request_id, None) is None:
+            return
+        self.metrics.request_success(reason)
+        self.metrics.e2e_request_latency.observe(time.monotonic() - stream.arrival_time)
+
+    def _end_in_scheduler(self, request_ids: list[str], status: RequestStatus) -> None:
+        if request_ids and self.core is not None:
+            self.core.scheduler.finish_requests(request_ids, status)
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    """Index where the earliest stop string begins at or after ``start``."""
+    hits = [i for stop in stops if (i := text.find(stop, start)) != -1]
+    return min(hits) if hits else None

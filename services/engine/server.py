@@ -1,0 +1,264 @@
+"""The scheduler process (``weir scheduler``): sockets, the step loop, shutdown.
+
+It binds two ROUTER sockets and runs, on one asyncio loop:
+
+* ``ClientFrontend.run``: clients in (``frontend``);
+* ``ExecutorGroup.run`` and ``.watchdog``: executor ranks in (``executor_group``);
+* ``_step_loop``: while there is work, ``EngineCore.step()`` (``core``) and publish its
+  outputs to the clients; it sleeps on an event while there is none;
+* ``_watch_parent``: exit when a supervising ``weir serve`` is gone.
+
+The KV cache is sized from the executors' handshake (the smallest ``num_blocks``
+over ranks), so there is no ``EngineCore`` until a full group of executors has
+said hello; requests arriving before that, or after the group is lost, get a
+``server_unavailable`` error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
+from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
+from weir.services.engine.frontend import ClientFrontend
+from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.metrics_endpoint import start_metrics_server
+from weir.services.scheduler.scheduler import Scheduler
+from weir.services.supervised import StatusReporter, parent_gone
+from weir.shared.config import EngineArgs
+from weir.shared.model_store import load_model_config
+from weir.shared.protocol import client as wire
+from weir.shared.tokenizer import Tokenizer
+
+_log = logging.getLogger(__name__)
+
+_PARENT_CHECK_INTERVAL_S = 0.5
+# Outputs wait in ZeroMQ's queue for a slow client; past this many the client is
+# treated as gone rather than letting memory grow without bound.
+_CLIENT_SNDHWM = 100_000
+
+
+@dataclass(slots=True)
+class SchedulerServerOptions:
+    """Where the scheduler process listens; engine options are in ``engine_args``."""
+
+    model_dir: str
+    engine_args: EngineArgs
+    max_model_len: int  # engine_args.max_model_len, or the model's context length
+    host: str = "127.0.0.1"
+    port: int = 8100
+    metrics_port: int | None = 8101  # None: no metrics endpoint
+    executor_address: str = "tcp://127.0.0.1:8102"
+    num_executors: int = 1
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Last seen values of the scheduler's cumulative stats (Prometheus counters need deltas)."""
+
+    values: dict[str, int]
+
+    def delta(self, name: str, value: int) -> int:
+        previous = self.values.get(name, 0)
+        self.values[name] = value
+        return max(0, value - previous)
+
+
+class SchedulerServer:
+    def __init__(self, options: SchedulerServerOptions, status: StatusReporter | None = None,
+                 parent_pid: int | None = None) -> None:
+        self.options = options
+        self.status = status or StatusReporter(None)
+        self.parent_pid = parent_pid
+        model_dir = Path(options.model_dir)
+        self.model_name = model_dir.name
+        self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        self.vocab_size = int(load_model_config(model_dir)["vocab_size"])
+        self.engine_args = options.engine_args
+        self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
+        self.metrics = SchedulerMetrics(self.model_name)
+        self.metrics_address: str | None = None
+        self.client_address = ""
+        self.executor_address = ""
+        self._counters = _Counters({})
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._num_blocks = 0
+        self._reported_ready = False
+
+    @property
+    def core(self) -> EngineCore | None:
+        return self.frontend.core
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> int:
+        opts = self.options
+        ctx = zmq.asyncio.Context()
+        client_sock = ctx.socket(zmq.ROUTER)
+        client_sock.setsockopt(zmq.LINGER, 0)
+        client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        client_sock.setsockopt(zmq.SNDHWM, _CLIENT_SNDHWM)
+        executor_sock = ctx.socket(zmq.ROUTER)
+        executor_sock.setsockopt(zmq.LINGER, 0)
+        executor_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            client_sock.bind(f"tcp://{opts.host}:{opts.port}" if opts.port else
+                             f"tcp://{opts.host}:*")
+            executor_sock.bind(opts.executor_address)
+            if opts.metrics_port is not None:
+                self.metrics_address = start_metrics_server(self.metrics.registry, opts.host,
+                                                            opts.metrics_port)
+        except (zmq.ZMQError, OSError) as exc:
+            self.status.error(f"cannot bind: {exc}")
+            _log.error("scheduler cannot bind: %s", exc)
+            ctx.destroy(linger=0)
+            return 1
+        self.client_address = client_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.executor_address = executor_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        _log.info("scheduler for %s: clients %s, executors %s, metrics %s", self.model_name,
+                  self.client_address, self.executor_address, self.metrics_address)
+
+        self.frontend = ClientFrontend(
+            client_sock, self.tokenizer, self.vocab_size, self.scheduler_config.max_model_len,
+            self.metrics, self._wake.set, self._health, self._model_info)
+        self.group = ExecutorGroup(
+            executor_sock, ExpectedExecutor(opts.num_executors, self.model_name, self.vocab_size,
+                                            self.scheduler_config.max_model_len, self.engine_args),
+            self.engine_args.executor_timeout, self._on_group_formed, self._on_group_lost,
+            self._observe_phase)
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        tasks = [loop.create_task(coro) for coro in (
+            self.frontend.run(), self.group.run(), self.group.watchdog(), self._step_loop(),
+            self._watch_parent())]
+        stop = loop.create_task(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            crashed = [t for t in done if t is not stop and t.exception() is not None]
+            for task in crashed:
+                _log.error("scheduler task failed", exc_info=task.exception())
+            return 1 if crashed else 0
+        finally:
+            self.frontend.fail_all(wire.SERVER_UNAVAILABLE, "the server is shutting down")
+            for task in [stop, *tasks]:
+                task.cancel()
+            await asyncio.gather(stop, *tasks, return_exceptions=True)
+            # Give the shutdown errors just queued a moment to reach their clients.
+            client_sock.close(linger=500)
+            ctx.destroy(linger=0)
+
+    async def _watch_parent(self) -> None:
+        while not parent_gone(self.parent_pid):
+            await asyncio.sleep(_PARENT_CHECK_INTERVAL_S)
+        _log.error("supervisor exited; stopping")
+        self._stop.set()
+
+    def _on_group_formed(self, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        scheduler = Scheduler(self.scheduler_config, self.engine_args.cache_config(num_blocks))
+        self.frontend.core = EngineCore(scheduler, self.group, self._observe_phase)
+        self._counters = _Counters({})
+        if not self._reported_ready:
+            self._reported_ready = True
+            self.status.ready(
+                client_address=self.client_address, executor_address=self.executor_address,
+                metrics_address=self.metrics_address, model_name=self.model_name, pid=os.getpid(),
+                num_blocks=num_blocks, executors=self.group.describe())
+        self._wake.set()
+
+    def _on_group_lost(self, message: str) -> None:
+        _log.error("failing %d in-flight request(s): %s", len(self.frontend.streams), message)
+        self.frontend.fail_all(wire.ENGINE_ERROR, message)
+        self.frontend.core = None
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _step_loop(self) -> None:
+        while True:
+            core = self.core
+            step = None
+            if core is not None and core.has_work():
+                try:
+                    step = await core.step()
+                except StepFailedError as exc:
+                    _log.error("%s; failing %d request(s)", exc, len(exc.request_ids))
+                    self.frontend.fail(exc.request_ids, wire.ENGINE_ERROR, str(exc))
+                    continue
+                except ExecutorLostError:
+                    continue  # the group has failed every request
+            if step is None:
+                self._refresh_gauges()  # aborts may have changed them since the last step
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start = time.perf_counter()
+            self.frontend.publish(step)
+            self._after_step(step)
+            self._observe_phase("outputs", time.perf_counter() - start)
+
+    def _observe_phase(self, phase: str, seconds: float) -> None:
+        self.metrics.step_phase[phase].observe(seconds)
+
+    def _after_step(self, step: EngineStep) -> None:
+        self.metrics.iteration_tokens.observe(step.plan.total_num_scheduled_tokens)
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        m = self.metrics
+        if self.core is None:
+            m.num_requests_running.set(0)
+            m.num_requests_waiting.set(0)
+            m.kv_cache_usage_perc.set(0)
+            return
+        stats = self.core.scheduler.stats()
+        m.num_requests_running.set(stats.num_running)
+        m.num_requests_waiting.set(stats.num_waiting)
+        m.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        m.num_preemptions.inc(self._counters.delta("preemptions", stats.num_preemptions))
+        m.prefix_cache_queries.inc(self._counters.delta("queries", stats.prefix_cache_queries))
+        m.prefix_cache_hits.inc(self._counters.delta("hits", stats.prefix_cache_hits))
+
+    # ------------------------------------------------------------------ queries
+
+    def _health(self, stream_ids: list[str]) -> dict[str, Any]:
+        streams = self.frontend.streams
+        info: dict[str, Any] = {
+            "status": "ok" if self.core is not None else "waiting_for_executors",
+            "executors": sorted(self.group.ranks),
+            "num_executors": self.options.num_executors,
+            "num_streams": len(streams),
+        }
+        if stream_ids:
+            info["lost_request_ids"] = [rid for rid in stream_ids if rid not in streams]
+        if self.core is not None:
+            stats = self.core.scheduler.stats()
+            info.update(num_requests_running=stats.num_running, num_requests_waiting=stats.num_waiting,
+                        kv_cache_usage=stats.kv_cache_usage, num_blocks=stats.num_blocks,
+                        num_free_blocks=stats.num_free_blocks, num_preemptions=stats.num_preemptions)
+        return info
+
+    def _model_info(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "max_model_len": self.scheduler_config.max_model_len,
+            "vocab_size": self.vocab_size,
+            "eos_token_id": self.tokenizer.eos_token_id,
+            "block_size": self.engine_args.block_size,
+            "num_blocks": self._num_blocks if self.core is not None else None,
+            "scheduler_config": self.scheduler_config.to_dict(),
+            "metrics_address": self.metrics_address,
+            "executors": self.group.describe(),
+        }

@@ -1,0 +1,36 @@
+"""The child's side of supervision by ``weir serve`` / ``LLM`` (see ``launcher``): the status
+pipe and the parent check. Both are no-ops for a process started by hand or by Kubernetes."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+class StatusReporter:
+    """The child's end of the status pipe (a no-op when run by hand or by Kubernetes)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._file = os.fdopen(fd, "w", buffering=1) if fd is not None else None
+
+    def report(self, event: str, **fields: Any) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps({"event": event, **fields}) + "\n")
+        except OSError:  # supervisor already gone; the parent watchdog handles that
+            pass
+
+    def ready(self, **fields: Any) -> None:
+        self.report("ready", **fields)
+
+    def error(self, message: str) -> None:
+        self.report("error", message=message)
+
+
+def parent_gone(parent_pid: int | None) -> bool:
+    """True when this process was started by a supervisor that has since died."""
+    return parent_pid is not None and os.getppid() != parent_pid
+
+

@@ -1,0 +1,263 @@
+"""The msgpack wire format of step plans and step results (see ``step``).
+
+One msgpack array per message, ``[type_tag, PROTOCOL_VERSION, ...]`` (see
+``envelope``), with lists of ints as plain msgpack arrays and repeated records
+sent column by column (one array per field) because building per-record arrays
+costs more than the whole rest of the encoding. Every decoder checks types and
+raises ``ProtocolError`` naming the first problem it finds.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from collections.abc import Iterable
+from itertools import accumulate, chain
+from typing import Any
+
+from weir.shared.protocol.checks import (
+    bad_element,
+    int_list_map,
+    int_lists,
+    ints,
+    array,
+    non_negative_int,
+    request_id_map,
+    strs,
+)
+from weir.shared.protocol.envelope import ProtocolError, pack_array, unpack_array
+from weir.shared.protocol.step import (
+    CachedRequestData,
+    NewRequest,
+    SampleLogprobs,
+    StepPlan,
+    StepResult,
+)
+from weir.shared.sampling import SamplingParams
+
+_LITTLE_ENDIAN = sys.byteorder == "little"  # the wire's uint32 order: decode by a cast
+
+_STEP_PLAN = "StepPlan"
+_STEP_RESULT = "StepResult"
+
+# Per-request columns dominate a decode-heavy step (256 ids, counts, tokens), so they
+# travel in the cheapest forms msgpack can carry: ids as one "\0"-joined string and
+# non-negative ints as little-endian uint32 bytes. Neither needs the per-element type
+# check a msgpack array of ints or strings would; benchmarks/scheduler_overhead.py
+# measures the result.
+
+
+def _join_ids(name: str, ids: list[str]) -> str | None:
+    if not ids:
+        return None
+    try:
+        joined = "\0".join(ids)
+    except TypeError:
+        raise bad_element(name, ids, str) from None
+    if joined.count("\0") != len(ids) - 1:
+        raise ProtocolError(f"{name}: a request id contains a NUL character")
+    return joined
+
+
+def _split_ids(name: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if type(value) is not str:
+        raise ProtocolError(f"{name}: expected a string, got {type(value).__name__}")
+    return value.split("\0")
+
+
+def _u32(name: str, values: list[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(values)}I", *values)
+    except struct.error as exc:
+        raise ProtocolError(f"{name}: cannot encode as uint32 ({exc})") from None
+
+
+def _from_u32(name: str, value: Any, length: int, minimum: int = 0) -> list[int]:
+    if type(value) is not bytes or len(value) != 4 * length:
+        raise ProtocolError(f"{name}: expected {length} uint32 values")
+    values = (memoryview(value).cast("I").tolist() if _LITTLE_ENDIAN
+              else list(struct.unpack(f"<{length}I", value)))
+    if minimum and values and min(values) < minimum:
+        raise ProtocolError(f"{name}: value {min(values)} below {minimum}")
+    return values
+
+
+def _pack_rows(name: str, rows: Iterable[list[int]], num_rows: int) -> list[Any]:
+    """Rows of ints as [flat uint32, row lengths uint32 or nil when every row has one]."""
+    flat = list(chain.from_iterable(rows))
+    if len(flat) == num_rows and all(rows):
+        return [_u32(name, flat), None]
+    return [_u32(name, flat), _u32(name, list(map(len, rows)))]
+
+
+def _unpack_rows(name: str, value: Any, num_rows: int) -> list[list[int]]:
+    value = array(name, value)
+    if len(value) != 2:
+        raise ProtocolError(f"{name}: expected [flat, lengths]")
+    if value[1] is None:
+        return [[t] for t in _from_u32(name, value[0], num_rows)]
+    lengths = _from_u32(f"{name} lengths", value[1], num_rows)
+    flat = _from_u32(name, value[0], sum(lengths))
+    ends = list(accumulate(lengths))
+    return [flat[end - n:end] for n, end in zip(lengths, ends)]
+
+
+def _sampling_params(name: str, value: Any) -> SamplingParams:
+    try:
+        return SamplingParams.from_dict(value)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"{name}: {exc}") from None
+
+
+def _logprobs_to_wire(lp: SampleLogprobs | None) -> list[Any] | None:
+    return None if lp is None else [lp.token_ids, lp.logprobs]
+
+
+def _logprobs_from_wire(name: str, value: Any) -> SampleLogprobs | None:
+    if value is None:
+        return None
+    value = array(name, value)
+    if len(value) != 2:
+        raise ProtocolError(f"{name}: expected [token_ids, logprobs]")
+    token_ids = int_lists(f"{name}.token_ids", value[0])
+    logprobs = array(f"{name}.logprobs", value[1])
+    if len(logprobs) != len(token_ids):
+        raise ProtocolError(f"{name}: {len(token_ids)} token rows but {len(logprobs)} logprob rows")
+    for i, (ids, lps) in enumerate(zip(token_ids, logprobs)):
+        array(f"{name}.logprobs[{i}]", lps)
+        if len(ids) != len(lps) or not ids:
+            raise ProtocolError(f"{name}: row {i} has {len(ids)} token ids and {len(lps)} logprobs")
+        if set(map(type, lps)) != {float}:
+            raise bad_element(f"{name}.logprobs[{i}]", lps, float)
+    return SampleLogprobs(token_ids, logprobs)
+
+
+def _logprobs_map_to_wire(logprobs: dict[str, SampleLogprobs] | None) -> Any:
+    if logprobs is None:
+        return None
+    return {rid: _logprobs_to_wire(lp) for rid, lp in logprobs.items()}
+
+
+def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] | None:
+    if value is None:
+        return None
+    by_id: dict[str, SampleLogprobs] = {}
+    for rid, wire in request_id_map(name, value).items():
+        logprobs = _logprobs_from_wire(f"{name}[{rid!r}]", wire)
+        if logprobs is None:
+            raise ProtocolError(f"{name}[{rid!r}]: expected [token_ids, logprobs], got nil")
+        by_id[rid] = logprobs
+    return by_id
+
+
+# ----------------------------------------------------------------------------- StepPlan
+# [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32; nil = all 1),
+#  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
+#  new: [ids, prompts, sampling_params, block_ids, num_computed],
+#  spec {id: [tok]}, preempted_ids, finished_ids]
+
+def encode_step_plan(plan: StepPlan) -> bytes:
+    cached = plan.cached_requests
+    new = plan.new_requests
+    new_ids = [r.request_id for r in new]
+    scheduled = plan.num_scheduled_tokens
+    if len(scheduled) != len(cached.req_ids) + len(new_ids):
+        raise ProtocolError("num_scheduled_tokens: keys differ from the scheduled requests")
+    ordered_ids = chain(cached.req_ids, new_ids)
+    if plan.total_num_scheduled_tokens == len(scheduled):
+        # One token each (every count is >= 1): a pure decode step sends no counts.
+        counts = None
+        if not all(map(scheduled.__contains__, ordered_ids)):
+            raise ProtocolError("num_scheduled_tokens: keys differ from the scheduled requests")
+    else:
+        try:
+            counts = _u32("num_scheduled_tokens", list(map(scheduled.__getitem__, ordered_ids)))
+        except KeyError as exc:
+            raise ProtocolError(f"num_scheduled_tokens: no entry for scheduled request {exc}") \
+                from None
+    return pack_array(_STEP_PLAN, [
+        plan.step_id, plan.total_num_scheduled_tokens,
+        _join_ids("cached_requests.req_ids", cached.req_ids), counts,
+        _u32("cached_requests.num_computed_tokens", cached.num_computed_tokens),
+        cached.new_block_ids, cached.resumed_output_token_ids,
+        [new_ids, [r.prompt_token_ids for r in new],
+         [r.sampling_params.to_dict() for r in new], [r.block_ids for r in new],
+         [r.num_computed_tokens for r in new]],
+        plan.scheduled_spec_decode_tokens, plan.preempted_req_ids, plan.finished_req_ids,
+    ])
+
+
+def _decode_new_requests(value: Any) -> list[NewRequest]:
+    cols = array("new_requests", value)
+    if len(cols) != 5:
+        raise ProtocolError("new_requests: expected 5 columns")
+    ids = strs("new_requests.request_id", cols[0])
+    prompts = int_lists("new_requests.prompt_token_ids", cols[1])
+    params = array("new_requests.sampling_params", cols[2])
+    blocks = int_lists("new_requests.block_ids", cols[3])
+    computed = ints("new_requests.num_computed_tokens", cols[4])
+    if not len(ids) == len(prompts) == len(params) == len(blocks) == len(computed):
+        raise ProtocolError("new_requests: columns have different lengths")
+    return [NewRequest(rid, prompt, _sampling_params(f"new_requests[{rid!r}].sampling_params", sp),
+                       blk, n)
+            for rid, prompt, sp, blk, n in zip(ids, prompts, params, blocks, computed)]
+
+
+def decode_step_plan(data: bytes) -> StepPlan:
+    msg = unpack_array(data, _STEP_PLAN, 11)
+    step_id = non_negative_int("step_id", msg[2])
+    total = non_negative_int("total_num_scheduled_tokens", msg[3])
+    cached_ids = _split_ids("cached_requests.req_ids", msg[4])
+    new_requests = _decode_new_requests(msg[9])
+    scheduled_ids = cached_ids + [r.request_id for r in new_requests] if new_requests \
+        else cached_ids
+    if msg[5] is None:
+        counts_sum = len(scheduled_ids)
+        num_scheduled = dict.fromkeys(scheduled_ids, 1)
+    else:
+        counts = _from_u32("num_scheduled_tokens", msg[5], len(scheduled_ids), minimum=1)
+        counts_sum = sum(counts)
+        num_scheduled = dict(zip(scheduled_ids, counts))
+    if counts_sum != total:
+        raise ProtocolError(f"total_num_scheduled_tokens is {total} but the per-request "
+                            f"counts sum to {counts_sum}")
+    if len(num_scheduled) != len(scheduled_ids):
+        raise ProtocolError("num_scheduled_tokens: a request is scheduled twice")
+    cached = CachedRequestData(
+        cached_ids,
+        _from_u32("cached_requests.num_computed_tokens", msg[6], len(cached_ids)),
+        int_list_map("cached_requests.new_block_ids", msg[7]),
+        int_list_map("cached_requests.resumed_output_token_ids", msg[8]))
+    for name, sparse in (("new_block_ids", cached.new_block_ids),
+                         ("resumed_output_token_ids", cached.resumed_output_token_ids)):
+        if not all(map(num_scheduled.__contains__, sparse)):
+            raise ProtocolError(f"cached_requests.{name}: names a request that is not scheduled")
+    spec = int_list_map("scheduled_spec_decode_tokens", msg[10])
+    if not all(map(num_scheduled.__contains__, spec)):
+        raise ProtocolError("scheduled_spec_decode_tokens: names a request that is not scheduled")
+    return StepPlan(num_scheduled, total, spec, new_requests, cached,
+                    strs("preempted_req_ids", msg[11]), strs("finished_req_ids", msg[12]),
+                    step_id)
+
+
+# ----------------------------------------------------------------------------- StepResult
+# [tag, v, step_id, ids, sampled rows, logprobs {id: [token_rows, logprob_rows]} | nil]
+
+def encode_step_result(result: StepResult) -> bytes:
+    sampled = result.sampled_token_ids
+    return pack_array(_STEP_RESULT, [
+        result.step_id, _join_ids("sampled_token_ids", list(sampled)),
+        _pack_rows("sampled_token_ids", sampled.values(), len(sampled)),
+        _logprobs_map_to_wire(result.logprobs)])
+
+
+def decode_step_result(data: bytes) -> StepResult:
+    msg = unpack_array(data, _STEP_RESULT, 4)
+    step_id = non_negative_int("step_id", msg[2])
+    ids = _split_ids("sampled_token_ids", msg[3])
+    sampled = dict(zip(ids, _unpack_rows("sampled_token_ids", msg[4], len(ids))))
+    if len(sampled) != len(ids):
+        raise ProtocolError("sampled_token_ids: a request id appears twice")
+    return StepResult(sampled, _logprobs_map_from_wire("logprobs", msg[5]), step_id)
