@@ -24,8 +24,16 @@ import torch
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- attention:begin -->", "<!-- attention:end -->"
 # Peak HBM bandwidth in GB/s by device name, from the vendors' data sheets.
-PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0,
-             "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100-SXM4-40GB": 1555.0, "L40S": 864.0}
+PEAK_GBPS = {
+    "H200": 4800.0,
+    "H100 SXM": 3350.0,
+    "H100 80GB HBM3": 3350.0,
+    "H100 PCIe": 2000.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100 80GB PCIe": 1935.0,
+    "A100-SXM4-40GB": 1555.0,
+    "L40S": 864.0,
+}
 DECODE_BATCHES = [1, 8, 32, 64, 128, 256]
 DECODE_CONTEXTS = [512, 4096, 16384, 32768]
 QUICK_DECODE = [(1, 512), (32, 4096), (256, 4096)]
@@ -119,7 +127,9 @@ def dense_sdpa_inputs(batch: Batch, step: dict) -> dict:
     uniform = len(set(batch.requests)) == 1
     is_causal = uniform and batch.requests[0][0] == 0 and not batch.is_decode
     needs_mask = not (uniform and (batch.is_decode or is_causal))
-    mask = torch.zeros(num_r, 1, max_q, max_s, dtype=torch.bool, device="cuda") if needs_mask else None
+    mask = (
+        torch.zeros(num_r, 1, max_q, max_s, dtype=torch.bool, device="cuda") if needs_mask else None
+    )
     starts = step["query_start_loc"].tolist()
     for r, (ctx, qlen) in enumerate(batch.requests):
         s = ctx + qlen
@@ -149,17 +159,30 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     step = build_step(batch, args, gen)
     num_tokens = step["query"].shape[0]
     max_query_len = max(q for _, q in batch.requests)
-    auto_split = ta.prefers_split_kv(len(batch.requests), args.num_heads, args.num_kv_heads, max_query_len,
-                                     torch.device("cuda"))
+    auto_split = ta.prefers_split_kv(
+        len(batch.requests), args.num_heads, args.num_kv_heads, max_query_len, torch.device("cuda")
+    )
     measure_split = auto_split or max_query_len <= 4
     workspace = (
-        ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda") if measure_split else None
+        ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda")
+        if measure_split
+        else None
     )
-    positional = [step[k] for k in ("query", "kv_cache", "query_start_loc", "seq_lens", "block_table", "scale")]
+    positional = [
+        step[k]
+        for k in ("query", "kv_cache", "query_start_loc", "seq_lens", "block_table", "scale")
+    ]
     out = torch.empty_like(step["query"])
 
     def triton_call(split: bool) -> None:
-        ta.paged_attention(*positional, out=out, max_query_len=max_query_len, split_kv=split, workspace=workspace)
+        # F821: ``out`` and ``workspace`` are deleted at the end, after the last call.
+        ta.paged_attention(
+            *positional,
+            out=out,  # noqa: F821
+            max_query_len=max_query_len,
+            split_kv=split,
+            workspace=workspace,  # noqa: F821
+        )
 
     single_ms = triton.testing.do_bench(lambda: triton_call(False))
     split_ms = triton.testing.do_bench(lambda: triton_call(True)) if measure_split else None
@@ -171,19 +194,24 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
         sdpa = torch.nn.functional.scaled_dot_product_attention
 
         def sdpa_call() -> torch.Tensor:
-            return sdpa(**dense_inputs, scale=step["scale"], enable_gqa=True)
+            return sdpa(**dense_inputs, scale=step["scale"], enable_gqa=True)  # noqa: F821
 
         sdpa_ms = triton.testing.do_bench(sdpa_call)
         dense = sdpa_call()
         starts = step["query_start_loc"].tolist()
         max_abs_diff = max(
-            (out[starts[r] : starts[r + 1]].float() - dense[r, :, :qlen].transpose(0, 1).float()).abs().max().item()
+            (out[starts[r] : starts[r + 1]].float() - dense[r, :, :qlen].transpose(0, 1).float())
+            .abs()
+            .max()
+            .item()
             for r, (_, qlen) in enumerate(batch.requests)
         )
         del dense_inputs, dense
     del step, workspace, out
     torch.cuda.empty_cache()
-    return Result(batch, single_ms, split_ms, auto_split, sdpa_ms, bytes_moved(batch, args), max_abs_diff)
+    return Result(
+        batch, single_ms, split_ms, auto_split, sdpa_ms, bytes_moved(batch, args), max_abs_diff
+    )
 
 
 def _gbps(nbytes: int, ms: float | None) -> float | None:
@@ -214,8 +242,13 @@ def format_table(results: list[Result], peak: float | None) -> list[str]:
 
 def floor_line(results: list[Result], peak: float | None) -> str:
     """The issue's floor: decode with >= 32 sequences at >= 4k context reaches >= 70% of peak bandwidth."""
-    covered = [r for r in results if r.batch.is_decode and len(r.batch.requests) >= 32
-               and min(c + q for c, q in r.batch.requests) >= 4096]
+    covered = [
+        r
+        for r in results
+        if r.batch.is_decode
+        and len(r.batch.requests) >= 32
+        and min(c + q for c, q in r.batch.requests) >= 4096
+    ]
     if peak is None or not covered:
         return "Floor (decode, >= 32 sequences, >= 4k context, >= 70% of peak): not evaluated."
     worst = min(covered, key=lambda r: r.bytes_moved / r.default_ms)
@@ -225,7 +258,11 @@ def floor_line(results: list[Result], peak: float | None) -> str:
 
 
 def write_section(section: str, path: Path) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nMeasured numbers only, each with the command that produced it.\n"
+    text = (
+        path.read_text()
+        if path.exists()
+        else "# Benchmarks\n\nMeasured numbers only, each with the command that produced it.\n"
+    )
     block = f"{BEGIN}\n{section}\n{END}"
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
@@ -238,20 +275,29 @@ def write_section(section: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few decode shapes and the mixed batches")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few decode shapes and the mixed batches"
+    )
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--peak-gbps", type=float, help="device peak memory bandwidth (default: from its name)")
+    parser.add_argument(
+        "--peak-gbps", type=float, help="device peak memory bandwidth (default: from its name)"
+    )
     parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
-    parser.add_argument("--no-write", action="store_true", help=f"print the table, do not update {DOC.name}")
+    parser.add_argument(
+        "--no-write", action="store_true", help=f"print the table, do not update {DOC.name}"
+    )
     parser.add_argument("--output", type=Path, default=DOC)
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("benchmarks/attention.py: no CUDA GPU found; this benchmark only runs on a GPU", file=sys.stderr)
+        print(
+            "benchmarks/attention.py: no CUDA GPU found; this benchmark only runs on a GPU",
+            file=sys.stderr,
+        )
         return 2
 
     device_name = torch.cuda.get_device_name()
@@ -264,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    command = "python benchmarks/attention.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    command = (
+        "python benchmarks/attention.py"
+        + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    )
     section = "\n".join(
         [
             "## Attention kernels",

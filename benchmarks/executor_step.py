@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 
-from weir.services.bench.workload import RandomWorkload, load_tokenizer, normal_vocab_ids, random_requests
+from weir.services.bench.workload import (
+    RandomWorkload,
+    load_tokenizer,
+    normal_vocab_ids,
+    random_requests,
+)
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
@@ -91,12 +96,20 @@ def run_workload(
     before_step: Callable[[str], None] | None = None,
 ) -> dict:
     block_size = runner.block_size
-    num_blocks = sum(cdiv(len(r.prompt_token_ids) + r.output_len, block_size) for r in requests) + 16
+    num_blocks = (
+        sum(cdiv(len(r.prompt_token_ids) + r.output_len, block_size) for r in requests) + 16
+    )
     scheduler = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=256,
-                        max_model_len=runner.max_model_len),
-        CacheConfig(block_size=block_size, num_blocks=min(num_blocks, runner.num_blocks),
-                    enable_prefix_caching=False),
+        SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=256,
+            max_model_len=runner.max_model_len,
+        ),
+        CacheConfig(
+            block_size=block_size,
+            num_blocks=min(num_blocks, runner.num_blocks),
+            enable_prefix_caching=False,
+        ),
     )
     for i, r in enumerate(requests):
         params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
@@ -108,7 +121,11 @@ def run_workload(
     def execute(plan: StepPlan) -> StepResult:
         if not plan.num_scheduled_tokens:  # only tells the executor what finished
             return runner.execute(plan)
-        kind_name = "prefill" if plan.total_num_scheduled_tokens > len(plan.num_scheduled_tokens) else "decode"
+        kind_name = (
+            "prefill"
+            if plan.total_num_scheduled_tokens > len(plan.num_scheduled_tokens)
+            else "decode"
+        )
         if before_step is not None:
             before_step(kind_name)
         timers.seconds.clear()
@@ -132,8 +149,12 @@ def run_workload(
         step_now(core)
     step_now(core)  # the last plan tells the executor that the remaining requests finished
     executor_s = sum(k["seconds"] for k in kinds.values())
-    return dict(executor_s=executor_s, scheduler_s=totals["scheduler_s"],
-                output_tokens=int(totals["output_tokens"]), kinds=kinds)
+    return dict(
+        executor_s=executor_s,
+        scheduler_s=totals["scheduler_s"],
+        output_tokens=int(totals["output_tokens"]),
+        kinds=kinds,
+    )
 
 
 class StepProfiler:
@@ -165,23 +186,39 @@ class StepProfiler:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)"
+    )
     parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16")
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of the whole workload")
-    parser.add_argument("--profile", choices=("prefill", "decode"), default=None,
-                        help="print torch.profiler's operator table over 10 steps of this kind and exit")
+    parser.add_argument(
+        "--profile",
+        choices=("prefill", "decode"),
+        default=None,
+        help="print torch.profiler's operator table over 10 steps of this kind and exit",
+    )
     args = parser.parse_args()
 
     model_dir = resolve_model(args.model)
-    runner = ModelRunner(model_dir, device="cpu", dtype=args.dtype,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
-                         attention_backend=args.attention_backend, num_threads=args.threads)
+    runner = ModelRunner(
+        model_dir,
+        device="cpu",
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=256,
+        attention_backend=args.attention_backend,
+        num_threads=args.threads,
+    )
     spec = RandomWorkload(args.num_prompts, 32, 256, 32, 128, args.seed)
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
     if args.profile:
@@ -193,28 +230,43 @@ def main() -> None:
     timers = Timers()
     instrument(runner, timers)
     # Warmup: lazy initialisation and allocator growth stay out of the timed runs.
-    run_workload(runner, [type(r)(r.prompt_token_ids, 4) for r in requests[:8]], args.max_num_batched_tokens, timers)
+    run_workload(
+        runner,
+        [type(r)(r.prompt_token_ids, 4) for r in requests[:8]],
+        args.max_num_batched_tokens,
+        timers,
+    )
 
-    print(f"model {model_dir.name}, dtype {runner.dtype}, attention {runner.attention.name}, "
-          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"model {model_dir.name}, dtype {runner.dtype}, attention {runner.attention.name}, "
+        f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
+    )
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
-    print(f"{len(requests)} requests, {prompt_tokens} prompt tokens, "
-          f"{sum(r.output_len for r in requests)} output tokens")
+    print(
+        f"{len(requests)} requests, {prompt_tokens} prompt tokens, "
+        f"{sum(r.output_len for r in requests)} output tokens"
+    )
     runs = []
     for i in range(args.repeats):
         run = run_workload(runner, requests, args.max_num_batched_tokens, timers)
         runs.append(run)
-        print(f"run {i}: {run['output_tokens'] / run['executor_s']:.1f} output tok/s "
-              f"({run['executor_s']:.2f} s executor, {run['scheduler_s']:.2f} s scheduler, "
-              f"load {os.getloadavg()[0]:.2f})")
+        print(
+            f"run {i}: {run['output_tokens'] / run['executor_s']:.1f} output tok/s "
+            f"({run['executor_s']:.2f} s executor, {run['scheduler_s']:.2f} s scheduler, "
+            f"load {os.getloadavg()[0]:.2f})"
+        )
         for name, kind in run["kinds"].items():
             steps = max(kind["steps"], 1)
-            print(f"  {kind['steps']:3d} {name} steps, {kind['seconds']:6.2f} s, per step ms: "
-                  + ", ".join(f"{p} {1e3 * kind['parts'][p] / steps:.1f}" for p in PARTS))
+            print(
+                f"  {kind['steps']:3d} {name} steps, {kind['seconds']:6.2f} s, per step ms: "
+                + ", ".join(f"{p} {1e3 * kind['parts'][p] / steps:.1f}" for p in PARTS)
+            )
     rates = [r["output_tokens"] / r["executor_s"] for r in runs]
     with_scheduler = [r["output_tokens"] / (r["executor_s"] + r["scheduler_s"]) for r in runs]
-    print(f"median {statistics.median(rates):.1f} output tok/s over {len(runs)} runs (executor only; "
-          f"with the scheduler in the same process {statistics.median(with_scheduler):.1f})")
+    print(
+        f"median {statistics.median(rates):.1f} output tok/s over {len(runs)} runs (executor only; "
+        f"with the scheduler in the same process {statistics.median(with_scheduler):.1f})"
+    )
 
 
 if __name__ == "__main__":

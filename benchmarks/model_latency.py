@@ -20,22 +20,33 @@ from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
 
 
-def decode_latency(runner: ModelRunner, batch: int, prompt_len: int, num_tokens: int) -> list[float]:
+def decode_latency(
+    runner: ModelRunner, batch: int, prompt_len: int, num_tokens: int
+) -> list[float]:
     """Seconds per decode step with `batch` requests of `prompt_len` prompt tokens, greedy."""
     blocks_per_req = -(-(prompt_len + num_tokens + 1) // runner.block_size)
     params = SamplingParams(max_tokens=num_tokens + 1, temperature=0.0, ignore_eos=True)
     ids = [f"r{i}" for i in range(batch)]
     new = [
-        NewRequest(rid, [(7 * i + j) % 1000 + 10 for j in range(prompt_len)], params,
-                   list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), 0)
+        NewRequest(
+            rid,
+            [(7 * i + j) % 1000 + 10 for j in range(prompt_len)],
+            params,
+            list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),
+            0,
+        )
         for i, rid in enumerate(ids)
     ]
     runner.execute(StepPlan({rid: prompt_len for rid in ids}, batch * prompt_len, new_requests=new))
     times = []
     for step in range(num_tokens):
         computed = prompt_len + step
-        plan = StepPlan({rid: 1 for rid in ids}, batch, cached_requests=[CachedRequest(rid, [], computed) for rid in ids],
-                        step_id=step + 1)
+        plan = StepPlan(
+            {rid: 1 for rid in ids},
+            batch,
+            cached_requests=[CachedRequest(rid, [], computed) for rid in ids],
+            step_id=step + 1,
+        )
         start = time.perf_counter()
         runner.execute(plan)
         times.append(time.perf_counter() - start)
@@ -44,17 +55,28 @@ def decode_latency(runner: ModelRunner, batch: int, prompt_len: int, num_tokens:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)"
+    )
     args = parser.parse_args()
 
     model_dir = resolve_model(args.model)
-    kwargs = dict(device="cpu", kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=4096,
-                  max_num_seqs=max(args.batch), num_threads=args.threads)
+    kwargs = dict(
+        device="cpu",
+        kv_cache_memory_bytes=256 << 20,
+        max_num_batched_tokens=4096,
+        max_num_seqs=max(args.batch),
+        num_threads=args.threads,
+    )
     start = time.perf_counter()
     ModelRunner(model_dir, **kwargs)
     cold = time.perf_counter() - start

@@ -28,7 +28,12 @@ from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.protocol.step import StepPlan, StepResult
-from weir.shared.protocol.step_codec import decode_step_plan, decode_step_result, encode_step_plan, encode_step_result
+from weir.shared.protocol.step_codec import (
+    decode_step_plan,
+    decode_step_result,
+    encode_step_plan,
+    encode_step_result,
+)
 from weir.shared.sampling import SamplingParams
 
 PROMPT_LEN = 128
@@ -42,9 +47,11 @@ def _prompt(rng: random.Random, prefix: list[int]) -> list[int]:
 def _make_scheduler(num_seqs: int, steps: int) -> Scheduler:
     blocks_per_request = -(-(PROMPT_LEN + steps + 64) // BLOCK_SIZE)
     return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=max(2048, num_seqs), max_num_seqs=num_seqs,
-                        max_model_len=4096),
-        CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * num_seqs * blocks_per_request))
+        SchedulerConfig(
+            max_num_batched_tokens=max(2048, num_seqs), max_num_seqs=num_seqs, max_model_len=4096
+        ),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * num_seqs * blocks_per_request),
+    )
 
 
 def _result_for(plan: StepPlan, token: int = 7) -> StepResult:
@@ -55,14 +62,16 @@ def _result_for(plan: StepPlan, token: int = 7) -> StepResult:
 
 def _core(scheduler: Scheduler, phases: dict[str, float]) -> EngineCore:
     """A core whose executor answers every plan at once with ``_result_for``."""
-    return EngineCore(scheduler, InProcessExecutor(SimpleNamespace(execute=_result_for)),
-                      phases.__setitem__)
+    return EngineCore(
+        scheduler, InProcessExecutor(SimpleNamespace(execute=_result_for)), phases.__setitem__
+    )
 
 
 def _prefill_all(core: EngineCore) -> None:
     scheduler = core.scheduler
-    while len(scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens
-                                        for r in scheduler.running):
+    while len(scheduler.waiting) or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running
+    ):
         step_now(core)
 
 
@@ -101,8 +110,9 @@ def bench_churn(num_seqs: int, steps: int) -> tuple[float, float, float]:
         nonlocal next_id
         for _ in range(count):
             params = SamplingParams(max_tokens=rng.randint(4, 12), ignore_eos=True)
-            scheduler.add_request(Request(f"req-{next_id}", _prompt(rng, system_prefix), params,
-                                          eos_token_id=2))
+            scheduler.add_request(
+                Request(f"req-{next_id}", _prompt(rng, system_prefix), params, eos_token_id=2)
+            )
             next_id += 1
 
     add(num_seqs)
@@ -123,8 +133,7 @@ def bench_churn(num_seqs: int, steps: int) -> tuple[float, float, float]:
                 finished += done
     finally:
         gc.enable()
-    return (statistics.median(totals) * 1e6, statistics.median(running),
-            finished / steps)
+    return (statistics.median(totals) * 1e6, statistics.median(running), finished / steps)
 
 
 def bench_codec(num_seqs: int) -> dict[str, float]:
@@ -159,23 +168,37 @@ def main() -> None:
     args = parser.parse_args()
 
     print("schedule() + update_from_output(), prefix caching on (median over steps)")
-    print(f"{'workload':>16} {'running':>8} {'us/step':>10} {'us/request':>11} {'schedule us/req':>16}")
+    print(
+        f"{'workload':>16} {'running':>8} {'us/step':>10} {'us/request':>11} {'schedule us/req':>16}"
+    )
     for n in (64, 256, 1024):
         total, schedule_only = bench_steady(n, args.steps)
-        print(f"{'steady decode':>16} {n:>8} {total:>10.1f} {total / n:>11.2f} "
-              f"{schedule_only / n:>16.2f}")
+        print(
+            f"{'steady decode':>16} {n:>8} {total:>10.1f} {total / n:>11.2f} "
+            f"{schedule_only / n:>16.2f}"
+        )
     total, running, finished_per_step = bench_churn(256, args.steps)
-    print(f"{'churn':>16} {running:>8.0f} {total:>10.1f} {total / running:>11.2f} "
-          f"{'':>16}  ({finished_per_step:.1f} finish and are replaced per step)")
+    print(
+        f"{'churn':>16} {running:>8.0f} {total:>10.1f} {total / running:>11.2f} "
+        f"{'':>16}  ({finished_per_step:.1f} finish and are replaced per step)"
+    )
 
     codec = bench_codec(256)
-    wire = codec["encode_plan"] + codec["decode_plan"] + codec["encode_result"] + \
-        codec["decode_result"]
+    wire = (
+        codec["encode_plan"]
+        + codec["decode_plan"]
+        + codec["encode_result"]
+        + codec["decode_result"]
+    )
     print("\nwire codec, 256 running decodes (best of 7 x 500)")
-    print(f"  plan:   encode {codec['encode_plan']:.1f} us, decode {codec['decode_plan']:.1f} us, "
-          f"{codec['plan_bytes']:.0f} bytes")
-    print(f"  result: encode {codec['encode_result']:.1f} us, decode {codec['decode_result']:.1f} us, "
-          f"{codec['result_bytes']:.0f} bytes")
+    print(
+        f"  plan:   encode {codec['encode_plan']:.1f} us, decode {codec['decode_plan']:.1f} us, "
+        f"{codec['plan_bytes']:.0f} bytes"
+    )
+    print(
+        f"  result: encode {codec['encode_result']:.1f} us, decode {codec['decode_result']:.1f} us, "
+        f"{codec['result_bytes']:.0f} bytes"
+    )
     print(f"  plan + result, encode + decode: {wire:.1f} us")
 
 

@@ -19,7 +19,12 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from weir.services.bench.workload import RandomWorkload, load_tokenizer, normal_vocab_ids, random_requests
+from weir.services.bench.workload import (
+    RandomWorkload,
+    load_tokenizer,
+    normal_vocab_ids,
+    random_requests,
+)
 from weir.services.llm import LLM
 from weir.shared.model_store import resolve_model
 from weir.shared.sampling import SamplingParams
@@ -46,25 +51,40 @@ def snapshot(urls: list[str]) -> dict[tuple[str, str], tuple[float, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--steady", action="store_true",
-                        help="every request: 32-token prompt, 128 outputs (steady decode at --num-prompts)")
+    parser.add_argument(
+        "--steady",
+        action="store_true",
+        help="every request: 32-token prompt, 128 outputs (steady decode at --num-prompts)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="executor torch threads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     model_dir = resolve_model(args.model)
-    spec = RandomWorkload(args.num_prompts, 32, 32 if args.steady else 256,
-                          128 if args.steady else 32, 128, args.seed)
+    spec = RandomWorkload(
+        args.num_prompts, 32, 32 if args.steady else 256, 128 if args.steady else 32, 128, args.seed
+    )
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
     with LLM(model=str(model_dir), threads=args.threads) as llm:
-        urls = [llm.server_info["metrics_address"]] + [e["metrics_address"] for e in llm.server_info["executors"]]
-        llm.generate([[1000, 1001, 1002]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        urls = [llm.server_info["metrics_address"]] + [
+            e["metrics_address"] for e in llm.server_info["executors"]
+        ]
+        llm.generate(
+            [[1000, 1001, 1002]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        )
         before = snapshot(urls)
-        llm.generate([r.prompt_token_ids for r in requests],
-                     [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests])
+        llm.generate(
+            [r.prompt_token_ids for r in requests],
+            [
+                SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+                for r in requests
+            ],
+        )
         after = snapshot(urls)
 
     def delta(metric: str, phase: str = "") -> tuple[float, float]:
@@ -73,30 +93,48 @@ def main() -> None:
         return s1 - s0, c1 - c0
 
     steps = delta("weir:scheduler_step_phase_seconds", "executor")[1]
-    ms = {phase: delta("weir:scheduler_step_phase_seconds", phase)[0] / steps * 1e3
-          for phase in ("schedule", "plan_encode", "executor", "update", "outputs")}
+    ms = {
+        phase: delta("weir:scheduler_step_phase_seconds", phase)[0] / steps * 1e3
+        for phase in ("schedule", "plan_encode", "executor", "update", "outputs")
+    }
     executor_ms = delta("weir:executor_step_seconds")[0] / steps * 1e3
-    runner = {phase: delta("weir:executor_phase_seconds", phase)[0] / steps * 1e3
-              for phase in ("prepare", "forward", "sample")}
+    runner = {
+        phase: delta("weir:executor_phase_seconds", phase)[0] / steps * 1e3
+        for phase in ("prepare", "forward", "sample")
+    }
     total = sum(ms.values())
-    rows = [("scheduling: schedule()", ms["schedule"]),
-            ("scheduling: update_from_output()", ms["update"]),
-            ("scheduling: detokenize + push outputs", ms["outputs"]),
-            ("IPC: plan encode", ms["plan_encode"]),
-            ("IPC: transport + result decode", ms["executor"] - executor_ms)]
+    rows = [
+        ("scheduling: schedule()", ms["schedule"]),
+        ("scheduling: update_from_output()", ms["update"]),
+        ("scheduling: detokenize + push outputs", ms["outputs"]),
+        ("IPC: plan encode", ms["plan_encode"]),
+        ("IPC: transport + result decode", ms["executor"] - executor_ms),
+    ]
     if any(runner.values()):
         rows += [(f"executor: {phase}", runner[phase]) for phase in runner]
         rows.append(("executor: plan decode, result encode", executor_ms - sum(runner.values())))
     else:
         rows.append(("executor: step (decode plan .. encode result)", executor_ms))
-    workload = (f"{args.num_prompts} requests, 32-token prompts, 128 outputs" if args.steady else
-                f"{args.num_prompts} requests, prompts 32-256, outputs 32-128")
-    print(f"{workload}; {steps:.0f} steps, {total:.2f} ms per step (scheduler's view), "
-          f"executor threads {args.threads}\n")
+    workload = (
+        f"{args.num_prompts} requests, 32-token prompts, 128 outputs"
+        if args.steady
+        else f"{args.num_prompts} requests, prompts 32-256, outputs 32-128"
+    )
+    print(
+        f"{workload}; {steps:.0f} steps, {total:.2f} ms per step (scheduler's view), "
+        f"executor threads {args.threads}\n"
+    )
     print("| part | ms per step | share |\n|---|---:|---:|")
     for name, value in rows:
         print(f"| {name} | {value:.3f} | {value / total:.1%} |")
-    overhead = ms["schedule"] + ms["update"] + ms["outputs"] + ms["plan_encode"] + ms["executor"] - executor_ms
+    overhead = (
+        ms["schedule"]
+        + ms["update"]
+        + ms["outputs"]
+        + ms["plan_encode"]
+        + ms["executor"]
+        - executor_ms
+    )
     print(f"\nscheduling + IPC: {overhead:.3f} ms per step = {overhead / total:.2%} of the step")
 
 

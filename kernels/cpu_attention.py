@@ -107,7 +107,8 @@ def _to_device(obj: object, device: torch.device | str) -> object:
         return [_to_device(x, device) for x in obj]
     if dataclasses.is_dataclass(obj):
         return dataclasses.replace(
-            obj, **{f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+            obj,
+            **{f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)},
         )
     return obj
 
@@ -130,7 +131,12 @@ def _buckets(reqs: np.ndarray, query_lens: np.ndarray, lens: np.ndarray) -> list
 
 
 def _kv_rows(
-    table: np.ndarray, reqs: np.ndarray, lens: np.ndarray, seq_len: int, block_size: int, num_kv_heads: int
+    table: np.ndarray,
+    reqs: np.ndarray,
+    lens: np.ndarray,
+    seq_len: int,
+    block_size: int,
+    num_kv_heads: int,
 ) -> np.ndarray:
     """[R, Hkv, S] rows of the cache viewed as [num_blocks * block_size * Hkv, D]. Positions past a
     request's length repeat its last token, so padding reads real data and the mask hides it."""
@@ -159,14 +165,18 @@ def _short_bucket(
     mask = None
     if not visible.all():
         additive = np.where(visible, np.float32(0), np.float32(-np.inf))
-        mask = torch.from_numpy(np.repeat(additive, group, axis=1)[:, None])  # row i*G + g, as folded
+        mask = torch.from_numpy(
+            np.repeat(additive, group, axis=1)[:, None]
+        )  # row i*G + g, as folded
     return ShortBucket(
         num_reqs=len(reqs),
         query_len=query_len,
         seq_len=seq_len,
         query_rows=torch.from_numpy(query_rows.reshape(-1)),
         kv_rows=torch.from_numpy(kv_rows.reshape(-1)),
-        bag_rows=torch.from_numpy(np.repeat(kv_rows, query_len * group, axis=1).reshape(-1, seq_len)),
+        bag_rows=torch.from_numpy(
+            np.repeat(kv_rows, query_len * group, axis=1).reshape(-1, seq_len)
+        ),
         mask=mask,
     )
 
@@ -180,11 +190,15 @@ def _long_query(
     kv_rows = _kv_rows(table, np.array([r]), lens, seq_len, block_size, num_kv_heads)
     mask = None
     if context:
-        mask = torch.from_numpy(np.arange(seq_len)[None, :] <= context + np.arange(end - start)[:, None])
+        mask = torch.from_numpy(
+            np.arange(seq_len)[None, :] <= context + np.arange(end - start)[:, None]
+        )
     return LongQuery(start, end, torch.from_numpy(kv_rows.reshape(-1)), mask)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan) -> None:
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan
+) -> None:
     """Write each token's K and V into its cache slot (in place); tokens with slot -1 are skipped."""
     rows = kv_cache.shape[2] * kv_cache.shape[1]
     if plan.write_rows is not None:
@@ -193,7 +207,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     kv_cache[1].view(rows, -1).index_copy_(0, plan.write_slots, value.flatten(1).to(kv_cache.dtype))
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, scale: float
+) -> torch.Tensor:
     """query [T, H, D] -> [T, H, D]; rows of no request (padding) are left unset."""
     head_dim = query.shape[2]
     hkv, group = plan.num_kv_heads, plan.group
@@ -211,7 +227,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan,
             scores += b.mask
         probs = torch.softmax(scores, dim=-1).view(-1, s).to(value_rows.dtype)
         o = F.embedding_bag(b.bag_rows, value_rows, per_sample_weights=probs, mode="sum")
-        o = o.view(r, hkv, b.query_len, group, head_dim).transpose(1, 2).reshape(-1, hkv * group, head_dim)
+        o = (
+            o.view(r, hkv, b.query_len, group, head_dim)
+            .transpose(1, 2)
+            .reshape(-1, hkv * group, head_dim)
+        )
         out.index_copy_(0, b.query_rows, o.to(out.dtype))
     for lq in plan.long:
         s = len(lq.kv_rows) // hkv

@@ -150,7 +150,9 @@ def _unified_attention_kernel(
     for tile in range(tile_begin, tile_end):
         key_pos = tile * TILE_N + offs_n
         key_valid = key_pos < kv_len
-        page = tl.load(block_table_row + (key_pos // BLOCK_SIZE) * stride_bt_block, mask=key_valid, other=0)
+        page = tl.load(
+            block_table_row + (key_pos // BLOCK_SIZE) * stride_bt_block, mask=key_valid, other=0
+        )
         page = page.to(tl.int64)
         slot_offset = page * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_slot
         k = tl.load(
@@ -186,7 +188,9 @@ def _unified_attention_kernel(
         partial = (tokens * num_heads + heads) * NUM_SEGMENTS + segment
         tl.store(segm_max_ptr + partial, m_i, mask=row_valid)
         tl.store(segm_sum_ptr + partial, l_i, mask=row_valid)
-        tl.store(segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :], acc, mask=row_valid[:, None])
+        tl.store(
+            segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :], acc, mask=row_valid[:, None]
+        )
 
 
 @triton.jit
@@ -222,7 +226,9 @@ def _merge_segments_kernel(
 class SplitKVWorkspace:
     """Partial results of the split-KV path, indexed [token, query head, segment(, dim)]."""
 
-    acc: torch.Tensor  # fp32 [max_num_tokens, num_heads, NUM_SEGMENTS, padded head_dim], unnormalised
+    acc: (
+        torch.Tensor
+    )  # fp32 [max_num_tokens, num_heads, NUM_SEGMENTS, padded head_dim], unnormalised
     max: torch.Tensor  # fp32 [max_num_tokens, num_heads, NUM_SEGMENTS], running max in log2 units
     sum: torch.Tensor  # fp32 [max_num_tokens, num_heads, NUM_SEGMENTS], running sum of exponentials
 
@@ -237,7 +243,9 @@ def allocate_split_kv_workspace(
     """Workspace for split-KV batches of up to max_num_tokens query tokens (allocate once, reuse)."""
     shape = (max_num_tokens, num_heads, NUM_SEGMENTS)
     return SplitKVWorkspace(
-        acc=torch.empty(*shape, triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
+        acc=torch.empty(
+            *shape, triton.next_power_of_2(head_dim), dtype=torch.float32, device=device
+        ),
         max=torch.empty(shape, dtype=torch.float32, device=device),
         sum=torch.empty(shape, dtype=torch.float32, device=device),
     )
@@ -251,7 +259,12 @@ def _tile_rows(group: int, max_query_len: int) -> int:
 
 
 def attention_constexprs(
-    group: int, head_dim: int, block_size: int, max_query_len: int, num_segments: int, cache_dtype: torch.dtype
+    group: int,
+    head_dim: int,
+    block_size: int,
+    max_query_len: int,
+    num_segments: int,
+    cache_dtype: torch.dtype,
 ) -> dict[str, int | str]:
     """Compile-time parameters of the attention kernel for one batch shape (num_segments 1 = single pass).
     The page size is one of them so that finding a key's page is a shift, not a division."""
@@ -331,16 +344,22 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = num_tokens - num_requests + 1 if num_tokens >= num_requests else num_tokens
     if split_kv is None:
-        split_kv = prefers_split_kv(num_requests, num_heads, num_kv_heads, max_query_len, query.device) and (
-            workspace is None or workspace.max_num_tokens >= num_tokens
-        )
+        split_kv = prefers_split_kv(
+            num_requests, num_heads, num_kv_heads, max_query_len, query.device
+        ) and (workspace is None or workspace.max_num_tokens >= num_tokens)
     num_segments = NUM_SEGMENTS if split_kv else 1
-    constexprs = attention_constexprs(group, head_dim, kv_cache.shape[2], max_query_len, num_segments, kv_cache.dtype)
+    constexprs = attention_constexprs(
+        group, head_dim, kv_cache.shape[2], max_query_len, num_segments, kv_cache.dtype
+    )
     block_d = constexprs["BLOCK_D"]
     if split_kv:
         if workspace is None:
             workspace = allocate_split_kv_workspace(num_tokens, num_heads, head_dim, query.device)
-        elif workspace.max_num_tokens < num_tokens or workspace.acc.shape[1:] != (num_heads, NUM_SEGMENTS, block_d):
+        elif workspace.max_num_tokens < num_tokens or workspace.acc.shape[1:] != (
+            num_heads,
+            NUM_SEGMENTS,
+            block_d,
+        ):
             raise ValueError("split-KV workspace does not fit this batch")
         segm_acc, segm_max, segm_sum = workspace.acc, workspace.max, workspace.sum
     else:

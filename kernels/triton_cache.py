@@ -41,10 +41,20 @@ def _reshape_and_cache_kernel(
     dims = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
     token64 = token.to(tl.int64)
-    key = tl.load(key_ptr + token64 * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    value = tl.load(value_ptr + token64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    key = tl.load(
+        key_ptr + token64 * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask
+    )
+    value = tl.load(
+        value_ptr + token64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask
+    )
 
-    dst = cache_ptr + block * stride_c_block + offset * stride_c_slot + heads[:, None] * stride_c_head + dims[None, :]
+    dst = (
+        cache_ptr
+        + block * stride_c_block
+        + offset * stride_c_slot
+        + heads[:, None] * stride_c_head
+        + dims[None, :]
+    )
     tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -61,7 +71,9 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache.stride(4) != 1:
-        raise ValueError("reshape_and_cache needs a contiguous head dimension in key, value and kv_cache")
+        raise ValueError(
+            "reshape_and_cache needs a contiguous head dimension in key, value and kv_cache"
+        )
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,

@@ -1,11 +1,11 @@
 """The `weir` command: one subcommand per role or tool.
 
-    weir serve                     scheduler + executor(s) on this machine, supervised
-    weir scheduler / weir executor one role alone (how Kubernetes runs them)
-    weir generate "prompt"         one request against a running server
-    weir chat                      an interactive chat against a running server
-    weir prepare-model             fetch/convert a model and print its directory
-    weir bench throughput|serve    measurements (see services/bench)
+weir serve                     scheduler + executor(s) on this machine, supervised
+weir scheduler / weir executor one role alone (how Kubernetes runs them)
+weir generate "prompt"         one request against a running server
+weir chat                      an interactive chat against a running server
+weir prepare-model             fetch/convert a model and print its directory
+weir bench throughput|serve    measurements (see services/bench)
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
 
 
 def _setup_logging(level: str, role: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -46,6 +49,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ roles
 
+
 def _scheduler(args: argparse.Namespace) -> int:
     from weir.services.engine.server import SchedulerServer, SchedulerServerOptions
     from weir.shared.model_store import load_model_config, resolve_model
@@ -56,13 +60,23 @@ def _scheduler(args: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli(args)
         model_dir = resolve_model(engine_args.model)
         max_model_len = engine_args.max_model_len or int(
-            load_model_config(model_dir).get("max_position_embeddings", 8192))
+            load_model_config(model_dir).get("max_position_embeddings", 8192)
+        )
         executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
-        server = SchedulerServer(SchedulerServerOptions(
-            model_dir=str(model_dir), engine_args=engine_args, max_model_len=max_model_len,
-            host=args.host, port=args.port, metrics_port=args.metrics_port,
-            executor_address=executor_address, num_executors=args.num_executors),
-            status, args.parent_pid)
+        server = SchedulerServer(
+            SchedulerServerOptions(
+                model_dir=str(model_dir),
+                engine_args=engine_args,
+                max_model_len=max_model_len,
+                host=args.host,
+                port=args.port,
+                metrics_port=args.metrics_port,
+                executor_address=executor_address,
+                num_executors=args.num_executors,
+            ),
+            status,
+            args.parent_pid,
+        )
     except (ValueError, OSError) as exc:
         status.error(str(exc))
         if args.status_fd is None:  # a supervisor reports it otherwise
@@ -75,11 +89,18 @@ def _executor(args: argparse.Namespace) -> int:
     from weir.services.executor.worker import ExecutorOptions, run_executor
 
     _setup_logging(args.log_level, f"executor {args.rank}")
-    metrics_port = args.metrics_port if args.metrics_port is not None \
+    metrics_port = (
+        args.metrics_port
+        if args.metrics_port is not None
         else DEFAULT_EXECUTOR_METRICS_PORT + args.rank
+    )
     options = ExecutorOptions(
-        scheduler=args.scheduler, engine_args=EngineArgs.from_cli(args), rank=args.rank,
-        metrics_host=args.metrics_host, metrics_port=metrics_port)
+        scheduler=args.scheduler,
+        engine_args=EngineArgs.from_cli(args),
+        rank=args.rank,
+        metrics_host=args.metrics_host,
+        metrics_port=metrics_port,
+    )
     return run_executor(options, args.status_fd, args.parent_pid)
 
 
@@ -94,8 +115,13 @@ def _raise_terminated(signum: int, frame: object) -> None:
 def _serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level, "serve")
     server = launcher.ServerProcesses(
-        EngineArgs.from_cli(args), host=args.host, port=args.port, metrics_port=args.metrics_port,
-        executor_metrics_port=args.executor_metrics_port, startup_timeout=args.startup_timeout)
+        EngineArgs.from_cli(args),
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        executor_metrics_port=args.executor_metrics_port,
+        startup_timeout=args.startup_timeout,
+    )
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         try:
@@ -103,9 +129,12 @@ def _serve(args: argparse.Namespace) -> int:
         except launcher.ChildFailedError as exc:
             print(f"weir serve: {exc}", file=sys.stderr)
             return 1
-        print(f"Weir is serving {info['model_name']} ({info['num_blocks']} KV blocks)\n"
-              f"  clients:  {info['client_address']}\n"
-              f"  metrics:  {info['metrics_address']}  (scheduler)", flush=True)
+        print(
+            f"Weir is serving {info['model_name']} ({info['num_blocks']} KV blocks)\n"
+            f"  clients:  {info['client_address']}\n"
+            f"  metrics:  {info['metrics_address']}  (scheduler)",
+            flush=True,
+        )
         for executor in info["executors"]:
             print(f"            {executor['metrics_address']}  (executor {executor['rank']})")
         print("Press Ctrl-C to stop.", flush=True)
@@ -121,12 +150,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ clients
 
+
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The request's sampling parameters; invalid values end the command with status 2."""
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop or ()),
+            ignore_eos=args.ignore_eos,
+        )
     except ValueError as exc:
         print(f"weir {args.command}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -150,8 +186,11 @@ def _generate(args: argparse.Namespace) -> int:
                 texts.append(last.text)
             print("" if args.stream else "".join(texts))
             if last is not None and args.verbose:
-                print(f"[{last.prompt_tokens} prompt + {last.completion_tokens} completion tokens, "
-                      f"finish_reason={last.finish_reason}]", file=sys.stderr)
+                print(
+                    f"[{last.prompt_tokens} prompt + {last.completion_tokens} completion tokens, "
+                    f"finish_reason={last.finish_reason}]",
+                    file=sys.stderr,
+                )
     except WeirError as exc:
         print(f"weir generate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -214,6 +253,7 @@ def _health(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------ parser
 
+
 def _add_child_flags(p: argparse.ArgumentParser) -> None:
     # Set by `weir serve` / LLM for the processes they supervise.
     p.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -221,8 +261,11 @@ def _add_child_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--address", default=os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS),
-                   help=f"scheduler address (default {DEFAULT_ADDRESS} or $WEIR_ADDRESS)")
+    p.add_argument(
+        "--address",
+        default=os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS),
+        help=f"scheduler address (default {DEFAULT_ADDRESS} or $WEIR_ADDRESS)",
+    )
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -230,8 +273,12 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds before an unresponsive server is an error")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds before an unresponsive server is an error",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,16 +286,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare-model", help="fetch and convert a model; print its directory")
-    p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
     p.set_defaults(func=_prepare_model)
 
     p = sub.add_parser("serve", help="run a scheduler and its executor on this machine")
     p.add_argument("--host", default="127.0.0.1", help="address the sockets bind to")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port (0 = any free)")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help="scheduler Prometheus port (0 = any free)")
-    p.add_argument("--executor-metrics-port", type=int, default=DEFAULT_EXECUTOR_METRICS_PORT,
-                   help="executor rank 0's Prometheus port, rank r uses +r (0 = any free)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="scheduler Prometheus port (0 = any free)",
+    )
+    p.add_argument(
+        "--executor-metrics-port",
+        type=int,
+        default=DEFAULT_EXECUTOR_METRICS_PORT,
+        help="executor rank 0's Prometheus port, rank r uses +r (0 = any free)",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0)
     EngineArgs.add_cli_args(p, "serve")
     p.set_defaults(func=_serve)
@@ -257,8 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port (0 = any free)")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
-    p.add_argument("--executor-address", default=None,
-                   help=f"where executors connect (default tcp://HOST:{DEFAULT_EXECUTOR_PORT})")
+    p.add_argument(
+        "--executor-address",
+        default=None,
+        help=f"where executors connect (default tcp://HOST:{DEFAULT_EXECUTOR_PORT})",
+    )
     p.add_argument("--num-executors", type=int, default=1, help="executor ranks to wait for")
     EngineArgs.add_cli_args(p, SCHEDULER)
     _add_child_flags(p)
@@ -268,8 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", required=True, help="the scheduler's executor address")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--metrics-host", default="127.0.0.1")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help=f"Prometheus port (default {DEFAULT_EXECUTOR_METRICS_PORT} + rank; 0 = any free)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help=f"Prometheus port (default {DEFAULT_EXECUTOR_METRICS_PORT} + rank; 0 = any free)",
+    )
     EngineArgs.add_cli_args(p, EXECUTOR)
     _add_child_flags(p)
     p.set_defaults(func=_executor)
@@ -277,11 +341,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="send one prompt to a running server")
     p.add_argument("prompt")
     kind = p.add_mutually_exclusive_group()
-    kind.add_argument("--chat", action="store_true",
-                      help="send the prompt as a user chat message (the model's chat template)")
+    kind.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user chat message (the model's chat template)",
+    )
     kind.add_argument("--token-ids", action="store_true", help="the prompt is token ids: '1 2 3'")
     p.add_argument("--stream", action="store_true", help="print text as it arrives")
-    p.add_argument("-v", "--verbose", action="store_true", help="print token count and finish reason")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="print token count and finish reason"
+    )
     _add_sampling_flags(p, max_tokens=64)
     p.set_defaults(func=_generate)
 

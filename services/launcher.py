@@ -39,6 +39,7 @@ DEFAULT_EXECUTOR_METRICS_PORT = 8103
 
 # ------------------------------------------------------------------ supervisor side
 
+
 class ChildFailedError(RuntimeError):
     """A child process exited during start-up or while serving."""
 
@@ -81,11 +82,18 @@ class ServerProcesses:
     Use as a context manager, or call ``shutdown()``.
     """
 
-    def __init__(self, engine_args: EngineArgs | None = None, *, host: str = "127.0.0.1",
-                 port: int = DEFAULT_PORT, metrics_port: int = DEFAULT_METRICS_PORT,
-                 executor_metrics_port: int = DEFAULT_EXECUTOR_METRICS_PORT,
-                 num_executors: int = 1, startup_timeout: float = 600.0,
-                 stop_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine_args: EngineArgs | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        metrics_port: int = DEFAULT_METRICS_PORT,
+        executor_metrics_port: int = DEFAULT_EXECUTOR_METRICS_PORT,
+        num_executors: int = 1,
+        startup_timeout: float = 600.0,
+        stop_timeout: float = 5.0,
+    ) -> None:
         self.engine_args = engine_args or EngineArgs()
         self.host, self.port = host, port
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
@@ -110,17 +118,42 @@ class ServerProcesses:
         self._tmpdir = tempfile.mkdtemp(prefix="weir-")
         executor_address = f"ipc://{self._tmpdir}/executor.sock"
         try:
-            self._spawn(SCHEDULER, [
-                SCHEDULER, "--host", self.host, "--port", str(self.port),
-                "--metrics-port", str(self.metrics_port), "--executor-address", executor_address,
-                "--num-executors", str(self.num_executors),
-                *self.engine_args.to_argv(SCHEDULER)])
+            self._spawn(
+                SCHEDULER,
+                [
+                    SCHEDULER,
+                    "--host",
+                    self.host,
+                    "--port",
+                    str(self.port),
+                    "--metrics-port",
+                    str(self.metrics_port),
+                    "--executor-address",
+                    executor_address,
+                    "--num-executors",
+                    str(self.num_executors),
+                    *self.engine_args.to_argv(SCHEDULER),
+                ],
+            )
             for rank in range(self.num_executors):
-                metrics_port = self.executor_metrics_port + rank if self.executor_metrics_port else 0
-                self._spawn(f"executor {rank}", [
-                    EXECUTOR, "--scheduler", executor_address, "--rank", str(rank),
-                    "--metrics-host", self.host, "--metrics-port", str(metrics_port),
-                    *self.engine_args.to_argv(EXECUTOR)])
+                metrics_port = (
+                    self.executor_metrics_port + rank if self.executor_metrics_port else 0
+                )
+                self._spawn(
+                    f"executor {rank}",
+                    [
+                        EXECUTOR,
+                        "--scheduler",
+                        executor_address,
+                        "--rank",
+                        str(rank),
+                        "--metrics-host",
+                        self.host,
+                        "--metrics-port",
+                        str(metrics_port),
+                        *self.engine_args.to_argv(EXECUTOR),
+                    ],
+                )
             self.info = self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -149,11 +182,13 @@ class ServerProcesses:
             if child.proc.returncode is None:
                 # Wait without reaping: the zombie keeps the pid (and so the process
                 # group id) from being reused until the group is killed below.
-                readable, _, _ = select.select([child.pidfd], [], [],
-                                               max(0.0, deadline - time.monotonic()))
+                readable, _, _ = select.select(
+                    [child.pidfd], [], [], max(0.0, deadline - time.monotonic())
+                )
                 if not readable:
-                    _log.warning("%s did not stop within %.1fs; killing it",
-                                 child.name, self.stop_timeout)
+                    _log.warning(
+                        "%s did not stop within %.1fs; killing it", child.name, self.stop_timeout
+                    )
                 _signal_group(child.proc.pid, signal.SIGKILL)
                 child.proc.wait()
             os.close(child.status_fd)
@@ -166,12 +201,21 @@ class ServerProcesses:
     def _spawn(self, name: str, argv: list[str]) -> None:
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
-        cmd = [sys.executable, "-m", "weir.services.cli", *argv,
-               "--status-fd", str(write_fd), "--parent-pid", str(os.getpid())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "weir.services.cli",
+            *argv,
+            "--status-fd",
+            str(write_fd),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         _log.info("starting %s: %s", name, " ".join(cmd))
         try:
-            proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, start_new_session=True
+            )
         finally:
             os.close(write_fd)
         self._children.append(_Child(name, proc, read_fd, os.pidfd_open(proc.pid)))
@@ -193,11 +237,15 @@ class ServerProcesses:
                     if key.fd == child.pidfd:
                         rc = child.proc.wait()
                         child.read_status()
-                        raise ChildFailedError(f"{child.name} exited with code {rc} during start-up: "
-                                               f"{child.error_message()}")
+                        raise ChildFailedError(
+                            f"{child.name} exited with code {rc} during start-up: "
+                            f"{child.error_message()}"
+                        )
                     for event in child.events:
                         if event.get("event") == "error":
-                            raise ChildFailedError(f"{child.name} failed to start: {event.get('message')}")
+                            raise ChildFailedError(
+                                f"{child.name} failed to start: {event.get('message')}"
+                            )
                     ready = [e for e in scheduler.events if e.get("event") == "ready"]
                     if ready:
                         return ready[0]

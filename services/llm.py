@@ -36,10 +36,16 @@ class LLM:
     arguments are engine options named like the ``weir serve`` flags
     (``max_num_batched_tokens=32``, ``kv_cache_memory="64MiB"``, ``device="cpu"``...)."""
 
-    def __init__(self, model: str | None = None, *, startup_timeout: float = 600.0,
-                 **engine_options: Any) -> None:
-        self._server = ServerProcesses(EngineArgs(model=model, **engine_options), port=0, metrics_port=0,
-                                       executor_metrics_port=0, startup_timeout=startup_timeout)
+    def __init__(
+        self, model: str | None = None, *, startup_timeout: float = 600.0, **engine_options: Any
+    ) -> None:
+        self._server = ServerProcesses(
+            EngineArgs(model=model, **engine_options),
+            port=0,
+            metrics_port=0,
+            executor_metrics_port=0,
+            startup_timeout=startup_timeout,
+        )
         self.server_info = self._server.start()
         self._loop = EventLoopThread()
         try:
@@ -56,9 +62,11 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def generate(self, prompts: str | Sequence[str | list[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[Completion]:
+    def generate(
+        self,
+        prompts: str | Sequence[str | list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Completion]:
         """One ``Completion`` per prompt, in prompt order; a prompt is text or token ids."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
@@ -78,9 +86,12 @@ class LLM:
         self._loop.stop()
         self._server.shutdown()
 
-    async def _generate_all(self, prompts: list[str | list[int]],
-                            params: list[SamplingParams]) -> list[Completion]:
-        return list(await asyncio.gather(*(self._generate_one(p, sp) for p, sp in zip(prompts, params))))
+    async def _generate_all(
+        self, prompts: list[str | list[int]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        return list(
+            await asyncio.gather(*(self._generate_one(p, sp) for p, sp in zip(prompts, params)))
+        )
 
     async def _generate_one(self, prompt: str | list[int], params: SamplingParams) -> Completion:
         completion = Completion("", [], [], "", None)

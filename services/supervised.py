@@ -32,5 +32,3 @@ class StatusReporter:
 def parent_gone(parent_pid: int | None) -> bool:
     """True when this process was started by a supervisor that has since died."""
     return parent_pid is not None and os.getppid() != parent_pid
-
-

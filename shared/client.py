@@ -33,9 +33,7 @@ from weir.shared.protocol.client import (
     ClientProtocolError,
     ErrorReply,
     GenerateRequest,
-    HealthReply,
     HealthRequest,
-    ModelInfoReply,
     ModelInfoRequest,
     Prompt,
     StreamOutput,
@@ -101,13 +99,19 @@ class AsyncWeirClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       *, request_id: str | None = None) -> AsyncIterator[StreamOutput]:
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[StreamOutput]:
         """Stream one request's outputs; the request is sent on the first iteration."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
-            raise InvalidRequestError(f"request_id {request_id!r} is already streaming",
-                                      "duplicate_request_id")
+            raise InvalidRequestError(
+                f"request_id {request_id!r} is already streaming", "duplicate_request_id"
+            )
         queue: asyncio.Queue[StreamOutput | WeirError] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
@@ -177,15 +181,17 @@ class AsyncWeirClient:
             reply = await asyncio.wait_for(future, self.timeout)
         except TimeoutError:
             raise ServerUnavailableError(
-                f"no reply from {self.address} within {self.timeout:g}s") from None
+                f"no reply from {self.address} within {self.timeout:g}s"
+            ) from None
         finally:
             self._replies.pop(msg.request_id, None)
         if isinstance(reply, ErrorReply):
             raise _error_from_reply(reply)
         return reply
 
-    async def _next_item(self, request_id: str,
-                         queue: asyncio.Queue[StreamOutput | WeirError]) -> StreamOutput | WeirError:
+    async def _next_item(
+        self, request_id: str, queue: asyncio.Queue[StreamOutput | WeirError]
+    ) -> StreamOutput | WeirError:
         # A long queue on the server is not a failure: when a stream is quiet for
         # `timeout`, ask whether the server is alive and still knows the request.
         while True:
@@ -195,8 +201,11 @@ class AsyncWeirClient:
                 reply = await self._request(HealthRequest(uuid.uuid4().hex, [request_id]))
             # Outputs sent before the reply are already queued: only an empty queue is lost.
             if request_id in reply.info.get("lost_request_ids", ()) and queue.empty():
-                return EngineError(f"request {request_id} was lost: the server no longer knows it "
-                                   "(it restarted); send it again", ENGINE_ERROR)
+                return EngineError(
+                    f"request {request_id} was lost: the server no longer knows it "
+                    "(it restarted); send it again",
+                    ENGINE_ERROR,
+                )
 
     async def _receive_loop(self) -> None:
         while True:
@@ -226,8 +235,9 @@ class EventLoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="weir-client-loop",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="weir-client-loop", daemon=True
+        )
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -245,6 +255,7 @@ class EventLoopThread:
 
     def call(self, fn: Callable[[], T]) -> T:
         """Call ``fn`` on the loop's thread (to create objects bound to the loop)."""
+
         async def call() -> T:
             return fn()
 
@@ -270,8 +281,13 @@ class WeirClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                 *, request_id: str | None = None) -> Iterator[StreamOutput]:
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Iterator[StreamOutput]:
         stream = self._client.generate(prompt, sampling_params, request_id=request_id)
         try:
             while True:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -66,8 +66,10 @@ class SchedulerConfig:
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
         if type(self.enable_chunked_prefill) is not bool:
-            raise ValueError("enable_chunked_prefill must be a bool, "
-                             f"got {type(self.enable_chunked_prefill).__name__}")
+            raise ValueError(
+                "enable_chunked_prefill must be a bool, "
+                f"got {type(self.enable_chunked_prefill).__name__}"
+            )
         if isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float)):
             raise ValueError(f"watermark must be a float, got {type(self.watermark).__name__}")
         if not 0.0 <= self.watermark < 1.0:
@@ -81,10 +83,13 @@ class SchedulerConfig:
             if self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(
                     "max_num_batched_tokens must be >= max_model_len when chunked prefill is "
-                    f"disabled, got {self.max_num_batched_tokens} < {self.max_model_len}")
+                    f"disabled, got {self.max_num_batched_tokens} < {self.max_model_len}"
+                )
             if self.long_prefill_token_threshold:
-                raise ValueError("long_prefill_token_threshold must be 0 when chunked "
-                                 "prefill is disabled (it would chunk the prefill)")
+                raise ValueError(
+                    "long_prefill_token_threshold must be 0 when chunked "
+                    "prefill is disabled (it would chunk the prefill)"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,8 +114,10 @@ class CacheConfig:
             raise ValueError("num_blocks is required")
         _check_int("num_blocks", self.num_blocks, 1)
         if type(self.enable_prefix_caching) is not bool:
-            raise ValueError("enable_prefix_caching must be a bool, "
-                             f"got {type(self.enable_prefix_caching).__name__}")
+            raise ValueError(
+                "enable_prefix_caching must be a bool, "
+                f"got {type(self.enable_prefix_caching).__name__}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,8 +140,17 @@ def parse_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GB)")
     number, unit = float(match.group(1)), (match.group(2) or "").upper()
-    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    scale = {
+        "": 1,
+        "K": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "KI": 2**10,
+        "MI": 2**20,
+        "GI": 2**30,
+        "TI": 2**40,
+    }[unit]
     return int(number * scale)
 
 
@@ -145,8 +161,9 @@ def _default_of(cls: type, name: str) -> Any:
 def _arg(default: Any, roles: frozenset[str] | str, help: str, **argparse_kwargs: Any) -> Any:
     """A field of ``EngineArgs``: its default, the roles that take it, and its flag's help."""
     roles = frozenset({roles}) if isinstance(roles, str) else roles
-    return field(default=default,
-                 metadata={"roles": roles, "help": help, "argparse": argparse_kwargs})
+    return field(
+        default=default, metadata={"roles": roles, "help": help, "argparse": argparse_kwargs}
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,38 +171,63 @@ class EngineArgs:
     """Every engine option. ``weir serve`` and ``LLM`` hand each role the options it takes
     (``to_argv``); the roles parse them back with the flags ``add_cli_args`` made."""
 
-    model: str | None = _arg(None, _BOTH,
-                             "HF model dir or .gguf file (default: SmolLM2-135M-Instruct)")
-    block_size: int = _arg(_default_of(CacheConfig, "block_size"), _BOTH,
-                           "KV cache block size in tokens", type=int)
-    max_num_batched_tokens: int = _arg(_default_of(SchedulerConfig, "max_num_batched_tokens"),
-                                       _BOTH, "token budget of one step", type=int)
-    max_num_seqs: int = _arg(_default_of(SchedulerConfig, "max_num_seqs"), _BOTH,
-                             "most requests in one step", type=int)
-    max_model_len: int | None = _arg(None, _BOTH,
-                                     "longest prompt + output (default: the model's context "
-                                     "length)", type=int)
+    model: str | None = _arg(
+        None, _BOTH, "HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    block_size: int = _arg(
+        _default_of(CacheConfig, "block_size"), _BOTH, "KV cache block size in tokens", type=int
+    )
+    max_num_batched_tokens: int = _arg(
+        _default_of(SchedulerConfig, "max_num_batched_tokens"),
+        _BOTH,
+        "token budget of one step",
+        type=int,
+    )
+    max_num_seqs: int = _arg(
+        _default_of(SchedulerConfig, "max_num_seqs"), _BOTH, "most requests in one step", type=int
+    )
+    max_model_len: int | None = _arg(
+        None, _BOTH, "longest prompt + output (default: the model's context length)", type=int
+    )
     long_prefill_token_threshold: int = _arg(
-        _default_of(SchedulerConfig, "long_prefill_token_threshold"), SCHEDULER,
-        "cap on one request's prefill chunk per step (0 = none)", type=int)
-    enable_chunked_prefill: bool = _arg(_default_of(SchedulerConfig, "enable_chunked_prefill"),
-                                        SCHEDULER, "split long prompts across steps")
-    enable_prefix_caching: bool = _arg(_default_of(CacheConfig, "enable_prefix_caching"),
-                                       SCHEDULER, "reuse KV blocks of identical prompt prefixes")
-    watermark: float = _arg(_default_of(SchedulerConfig, "watermark"), SCHEDULER,
-                            "fraction of KV blocks kept free when admitting requests", type=float)
-    policy: str = _arg(_default_of(SchedulerConfig, "policy"), SCHEDULER, "waiting-queue order",
-                       choices=SCHEDULING_POLICIES)
-    executor_timeout: float = _arg(3.0, SCHEDULER,
-                                   "seconds without an executor heartbeat before its requests "
-                                   "fail", type=float)
+        _default_of(SchedulerConfig, "long_prefill_token_threshold"),
+        SCHEDULER,
+        "cap on one request's prefill chunk per step (0 = none)",
+        type=int,
+    )
+    enable_chunked_prefill: bool = _arg(
+        _default_of(SchedulerConfig, "enable_chunked_prefill"),
+        SCHEDULER,
+        "split long prompts across steps",
+    )
+    enable_prefix_caching: bool = _arg(
+        _default_of(CacheConfig, "enable_prefix_caching"),
+        SCHEDULER,
+        "reuse KV blocks of identical prompt prefixes",
+    )
+    watermark: float = _arg(
+        _default_of(SchedulerConfig, "watermark"),
+        SCHEDULER,
+        "fraction of KV blocks kept free when admitting requests",
+        type=float,
+    )
+    policy: str = _arg(
+        _default_of(SchedulerConfig, "policy"),
+        SCHEDULER,
+        "waiting-queue order",
+        choices=SCHEDULING_POLICIES,
+    )
+    executor_timeout: float = _arg(
+        3.0, SCHEDULER, "seconds without an executor heartbeat before its requests fail", type=float
+    )
     device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
     dtype: str | None = _arg(None, EXECUTOR, "weight/activation dtype (default: per device)")
-    kv_cache_memory: int | str | None = _arg(None, EXECUTOR, "KV cache size on CPU, e.g. 256MiB",
-                                             type=parse_size)
-    gpu_memory_utilization: float = _arg(0.9, EXECUTOR,
-                                         "fraction of GPU memory for weights + KV cache",
-                                         type=float)
+    kv_cache_memory: int | str | None = _arg(
+        None, EXECUTOR, "KV cache size on CPU, e.g. 256MiB", type=parse_size
+    )
+    gpu_memory_utilization: float = _arg(
+        0.9, EXECUTOR, "fraction of GPU memory for weights + KV cache", type=float
+    )
     attention_backend: str | None = _arg(None, EXECUTOR, "attention implementation")
     threads: int = _arg(1, EXECUTOR, "torch threads of each executor", type=int)
     seed: int | None = _arg(None, EXECUTOR, "sampler seed of requests without one", type=int)
@@ -225,15 +267,21 @@ class EngineArgs:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's knobs; ``max_model_len`` already resolved against the model."""
         return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_chunked_prefill=self.enable_chunked_prefill, watermark=self.watermark,
-            policy=self.policy)
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            watermark=self.watermark,
+            policy=self.policy,
+        )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
 
 
 def _engine_fields(role: str) -> list[Field[Any]]:

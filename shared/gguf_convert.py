@@ -17,7 +17,16 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -150,12 +159,16 @@ def _hf_tensor_name(gguf_name: str) -> str:
         return f"{_TOP_LEVEL_TENSORS[stem]}.{suffix}"
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_TENSORS:
-        raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this converter")
+        raise UnsupportedGGUFError(
+            f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this converter"
+        )
     layer, kind, suffix = match.groups()
     return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
 
 
-def _convert_tensors(reader: GGUFReader, arch: _Architecture, n_head: int, n_kv_head: int) -> dict[str, np.ndarray]:
+def _convert_tensors(
+    reader: GGUFReader, arch: _Architecture, n_head: int, n_kv_head: int
+) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse.
@@ -169,7 +182,9 @@ def _convert_tensors(reader: GGUFReader, arch: _Architecture, n_head: int, n_kv_
     return tensors
 
 
-def _build_config(meta: _Metadata, arch_name: str, arch: _Architecture, tensors: dict[str, np.ndarray]) -> dict:
+def _build_config(
+    meta: _Metadata, arch_name: str, arch: _Architecture, tensors: dict[str, np.ndarray]
+) -> dict:
     def key(name: str) -> str:
         return f"{arch_name}.{name}"
 
@@ -177,7 +192,9 @@ def _build_config(meta: _Metadata, arch_name: str, arch: _Architecture, tensors:
     n_head = int(meta.require(key("attention.head_count")))
     vocab_size, embed_dim = tensors["model.embed_tokens.weight"].shape
     if embed_dim != hidden:
-        raise UnsupportedGGUFError(f"token_embd width {embed_dim} differs from embedding_length {hidden}")
+        raise UnsupportedGGUFError(
+            f"token_embd width {embed_dim} differs from embedding_length {hidden}"
+        )
     config = {
         "architectures": [arch.hf_class],
         "model_type": arch.model_type,
@@ -204,7 +221,11 @@ def _build_config(meta: _Metadata, arch_name: str, arch: _Architecture, tensors:
 
 def _special_token_ids(meta: _Metadata) -> dict[str, int]:
     """bos/eos/pad ids under their Hugging Face config names, for those the file states."""
-    names = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+    names = {
+        "bos_token_id": "bos_token_id",
+        "eos_token_id": "eos_token_id",
+        "pad_token_id": "padding_token_id",
+    }
     ids = {name: meta.get(f"tokenizer.ggml.{meta_key}") for name, meta_key in names.items()}
     return {name: int(value) for name, value in ids.items() if value is not None}
 
@@ -213,7 +234,9 @@ def _build_tokenizer(meta: _Metadata) -> Tokenizer:
     """A `tokenizers` byte-level BPE equal to the model's original tokenizer.json."""
     kind = meta.require("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise UnsupportedGGUFError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
+        raise UnsupportedGGUFError(
+            f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)"
+        )
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
@@ -221,7 +244,12 @@ def _build_tokenizer(meta: _Metadata) -> Tokenizer:
 
     pretokenization = _pretokenization(meta.get("tokenizer.ggml.pre", "default"))
     tokenizer = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, ignore_merges=pretokenization.ignore_merges, byte_fallback=False)
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            ignore_merges=pretokenization.ignore_merges,
+            byte_fallback=False,
+        )
     )
     tokenizer.normalizer = pretokenization.normalizer
     tokenizer.pre_tokenizer = pretokenization.pre_tokenizer
@@ -232,7 +260,9 @@ def _build_tokenizer(meta: _Metadata) -> Tokenizer:
         tokenizer.post_processor = processors.Sequence(
             [
                 processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]),
+                processors.TemplateProcessing(
+                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+                ),
             ]
         )
     else:
@@ -271,7 +301,9 @@ def _tokenizer_config(meta: _Metadata, context_length: int) -> dict:
         "pad_token": token("padding_token_id"),
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "additional_special_tokens": [t for t, kind in zip(tokens, token_types) if kind == _TOKEN_CONTROL],
+        "additional_special_tokens": [
+            t for t, kind in zip(tokens, token_types) if kind == _TOKEN_CONTROL
+        ],
         "clean_up_tokenization_spaces": False,
         "model_max_length": context_length,
     }
@@ -288,7 +320,9 @@ def _generation_config(meta: _Metadata) -> dict:
         value = meta.get(f"tokenizer.ggml.{meta_key}")
         if value is not None and int(value) not in stop_ids:
             stop_ids.append(int(value))
-    return _special_token_ids(meta) | {"eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids}
+    return _special_token_ids(meta) | {
+        "eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids
+    }
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -322,5 +356,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(meta, config["max_position_embeddings"]))
+    _write_json(
+        out_dir / "tokenizer_config.json",
+        _tokenizer_config(meta, config["max_position_embeddings"]),
+    )
     _write_json(out_dir / "generation_config.json", _generation_config(meta))

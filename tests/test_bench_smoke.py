@@ -67,10 +67,30 @@ def test_bench_throughput_against_both_baselines(tiny_model_dir: Path, tmp_path:
     result_path = tmp_path / "throughput.json"
     markdown_path = tmp_path / "bench.md"
     proc = subprocess.run(
-        [*BENCH, "throughput", "--model", str(tiny_model_dir), "--dataset", str(dataset),
-         "--baseline", "hf-static,hf-cb", "--hf-batch-size", "3", "--threads", "1",
-         "--max-num-seqs", "4", "--output-json", str(result_path), "--markdown", str(markdown_path)],
-        env=ENV, capture_output=True, text=True, timeout=180,
+        [
+            *BENCH,
+            "throughput",
+            "--model",
+            str(tiny_model_dir),
+            "--dataset",
+            str(dataset),
+            "--baseline",
+            "hf-static,hf-cb",
+            "--hf-batch-size",
+            "3",
+            "--threads",
+            "1",
+            "--max-num-seqs",
+            "4",
+            "--output-json",
+            str(result_path),
+            "--markdown",
+            str(markdown_path),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -106,9 +126,23 @@ def server_address(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
     address = f"tcp://127.0.0.1:{port}"
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weir.services.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
-         "--metrics-port", "0", "--executor-metrics-port", "0"],
-        env=ENV, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "weir.services.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--executor-metrics-port",
+            "0",
+        ],
+        env=ENV,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -133,16 +167,47 @@ def server_address(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
-def test_bench_serve_writes_results_and_plots(server_address: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_bench_serve_writes_results_and_plots(
+    server_address: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     result_path = tmp_path / "serve.json"
     plot_dir = tmp_path / "plots"
     proc = subprocess.run(
-        [*BENCH, "serve", "--address", server_address, "--model", str(tiny_model_dir),
-         "--num-prompts", "6", "--input-len-min", "4", "--input-len-max", "4",
-         "--output-len-min", "5", "--output-len-max", "5", "--request-rate", "50", "--max-concurrency", "4",
-         "--slo-ttft", "60000", "--slo-tpot", "60000", "--no-progress",
-         "--output-json", str(result_path), "--plot-dir", str(plot_dir)],
-        env=ENV, capture_output=True, text=True, timeout=120,
+        [
+            *BENCH,
+            "serve",
+            "--address",
+            server_address,
+            "--model",
+            str(tiny_model_dir),
+            "--num-prompts",
+            "6",
+            "--input-len-min",
+            "4",
+            "--input-len-max",
+            "4",
+            "--output-len-min",
+            "5",
+            "--output-len-max",
+            "5",
+            "--request-rate",
+            "50",
+            "--max-concurrency",
+            "4",
+            "--slo-ttft",
+            "60000",
+            "--slo-tpot",
+            "60000",
+            "--no-progress",
+            "--output-json",
+            str(result_path),
+            "--plot-dir",
+            str(plot_dir),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -165,12 +230,21 @@ def test_bench_serve_writes_results_and_plots(server_address: str, tiny_model_di
 def test_serve_metrics_from_hand_made_traces() -> None:
     from weir.services.bench.serve import RequestTrace, summarize_run
 
-    fast = RequestTrace(prompt_len=8, output_len=4, send_s=0.0, chunk_s=[0.1, 0.15, 0.3],
-                        chunk_tokens=[1, 1, 2], end_s=0.3)
-    slow = RequestTrace(prompt_len=6, output_len=2, send_s=1.0, chunk_s=[1.5, 1.6],
-                        chunk_tokens=[1, 1], end_s=1.6)
+    fast = RequestTrace(
+        prompt_len=8,
+        output_len=4,
+        send_s=0.0,
+        chunk_s=[0.1, 0.15, 0.3],
+        chunk_tokens=[1, 1, 2],
+        end_s=0.3,
+    )
+    slow = RequestTrace(
+        prompt_len=6, output_len=2, send_s=1.0, chunk_s=[1.5, 1.6], chunk_tokens=[1, 1], end_s=1.6
+    )
     failed = RequestTrace(prompt_len=5, output_len=3, send_s=0.5, error="EngineError: boom")
-    result = summarize_run([fast, slow, failed], duration_s=2.0, slo_ttft_ms=200.0, slo_tpot_ms=None)
+    result = summarize_run(
+        [fast, slow, failed], duration_s=2.0, slo_ttft_ms=200.0, slo_tpot_ms=None
+    )
 
     assert (result["completed"], result["failed"]) == (2, 1)
     assert result["errors"] == ["EngineError: boom"]

@@ -15,14 +15,18 @@ BLOCK_SIZE = 4
 POISON = 1e4
 
 
-def mixed_step(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype):
+def mixed_step(
+    requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype
+):
     """(context_len, query_len) per request -> tensors of one step, context already in the cache."""
     gen = torch.Generator().manual_seed(0)
     blocks_per_req = [-(-(ctx + q) // BLOCK_SIZE) for ctx, q in requests]
     num_blocks = sum(blocks_per_req) + 3
     physical = torch.randperm(num_blocks, generator=gen).tolist()
     width = max(blocks_per_req) + 2
-    table = torch.full((len(requests), width + 5), -1, dtype=torch.int32)[:, :width]  # row stride > width
+    table = torch.full((len(requests), width + 5), -1, dtype=torch.int32)[
+        :, :width
+    ]  # row stride > width
     kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), POISON)
     slots, starts, seq_lens = [], [0], []
     for r, (ctx, q) in enumerate(requests):
@@ -38,7 +42,9 @@ def mixed_step(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
         seq_lens.append(ctx + q)
     num_padding = 3
     slots.append(torch.full((num_padding,), -1))
-    qkv = torch.randn(starts[-1] + num_padding, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    qkv = torch.randn(
+        starts[-1] + num_padding, num_heads + 2 * num_kv_heads, head_dim, generator=gen
+    )
     qkv = qkv.to(dtype)
     return dict(
         query=qkv[:, :num_heads],
@@ -56,8 +62,15 @@ def mixed_step(requests: list[tuple[int, int]], num_heads: int, num_kv_heads: in
 def test_batched_cpu_attention_equals_reference(dtype, tol):
     num_heads, num_kv_heads, head_dim = 6, 2, 16
     requests = [
-        (300, 1), (7, 1), (0, 1), (150, 1), (298, 1), (9, 1),  # decodes, one with no context
-        (20, 3), (33, 4), (5, 3),  # speculative decodes: 1 + 2 or 1 + 3 drafts
+        (300, 1),
+        (7, 1),
+        (0, 1),
+        (150, 1),
+        (298, 1),
+        (9, 1),  # decodes, one with no context
+        (20, 3),
+        (33, 4),
+        (5, 3),  # speculative decodes: 1 + 2 or 1 + 3 drafts
         (11, 25),  # a prefill chunk after earlier context
         (0, 17),  # a whole prompt
     ]
@@ -68,12 +81,22 @@ def test_batched_cpu_attention_equals_reference(dtype, tol):
     want_cache = step["kv_cache"].clone()
     reference.reshape_and_cache(step["key"], step["value"], want_cache, step["slot_mapping"])
     want = reference.paged_attention(
-        step["query"], want_cache, step["query_start_loc"], step["seq_lens"], step["block_table"], scale
+        step["query"],
+        want_cache,
+        step["query_start_loc"],
+        step["seq_lens"],
+        step["block_table"],
+        scale,
     )
 
     plan = cpu_attention.plan_step(
-        step["query_start_loc"], step["seq_lens"], step["block_table"], step["slot_mapping"],
-        BLOCK_SIZE, num_heads, num_kv_heads,
+        step["query_start_loc"],
+        step["seq_lens"],
+        step["block_table"],
+        step["slot_mapping"],
+        BLOCK_SIZE,
+        num_heads,
+        num_kv_heads,
     )
     assert len(plan.short) >= 4 and len(plan.long) == 2  # several decode buckets, two spec buckets
     cache = step["kv_cache"].clone()

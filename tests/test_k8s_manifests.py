@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from weir.services.cli import build_parser
-from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.executor.metrics import ExecutorMetrics
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 

@@ -65,10 +65,14 @@ class PagedRequests:
     """Test-side bookkeeping of requests in a paged cache with shuffled, non-contiguous blocks."""
 
     def __init__(self, seed: int) -> None:
-        self.free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.free = torch.randperm(
+            NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)
+        ).tolist()
         self.blocks: dict[str, list[int]] = {}
 
-    def step(self, work: list[tuple[str, list[int], int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def step(
+        self, work: list[tuple[str, list[int], int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """work: (request, all its token ids so far, num_computed_tokens); every uncomputed token runs."""
         ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         for req, tokens, computed in work:
@@ -100,7 +104,8 @@ class PagedRequests:
 
 @pytest.mark.parametrize(
     ("kind", "backend"),
-    [(kind, "torch") for kind in sorted(CONFIGS)] + [("qwen3", "triton"), ("llama", "triton"), ("llama", "reference")],
+    [(kind, "torch") for kind in sorted(CONFIGS)]
+    + [("qwen3", "triton"), ("llama", "triton"), ("llama", "reference")],
 )
 def test_mixed_paged_batch_matches_transformers(kind, backend, tmp_path):
     hf_model = save_tiny_model(kind, tmp_path)
@@ -112,9 +117,15 @@ def test_mixed_paged_batch_matches_transformers(kind, backend, tmp_path):
     g = torch.Generator().manual_seed(1)
     seqs = {
         "A": torch.randint(0, 128, (13,), generator=g).tolist(),  # full prefill in step 2
-        "B": torch.randint(0, 128, (21,), generator=g).tolist(),  # chunk 0..9 in step 1, 9..21 in step 2
-        "C": torch.randint(0, 128, (8,), generator=g).tolist(),  # 7 in step 1, one decode token in step 2
-        "D": torch.randint(0, 128, (9,), generator=g).tolist(),  # 6 in step 1, three (1 + 2 drafts) in step 2
+        "B": torch.randint(
+            0, 128, (21,), generator=g
+        ).tolist(),  # chunk 0..9 in step 1, 9..21 in step 2
+        "C": torch.randint(
+            0, 128, (8,), generator=g
+        ).tolist(),  # 7 in step 1, one decode token in step 2
+        "D": torch.randint(
+            0, 128, (9,), generator=g
+        ).tolist(),  # 6 in step 1, three (1 + 2 drafts) in step 2
     }
     with torch.no_grad():
         expected = {r: hf_model(torch.tensor([s])).logits[0] for r, s in seqs.items()}
@@ -131,5 +142,7 @@ def test_mixed_paged_batch_matches_transformers(kind, backend, tmp_path):
             # Logits only at a subset of rows, as the runner asks for them.
             rows = torch.arange(0, len(input_ids), 2)
             logits = model.compute_logits(hidden[rows])
-            want = torch.stack([expected[req][p] for req, tokens, done in work for p in range(done, len(tokens))])
+            want = torch.stack(
+                [expected[req][p] for req, tokens, done in work for p in range(done, len(tokens))]
+            )
             torch.testing.assert_close(logits, want[rows], atol=1e-4, rtol=1e-4)

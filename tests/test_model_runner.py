@@ -8,9 +8,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_model_core import save_tiny_model  # noqa: E402
+
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
-from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan
-from weir.shared.protocol.step import StepResult  # noqa: E402
+from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan, StepResult  # noqa: E402
 from weir.shared.sampling import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -34,22 +34,35 @@ class Driver:
         self.preempted: set[str] = set()
         self.step_id = 0
 
-    def add(self, req_id: str, prompt: list[int], params: SamplingParams = GREEDY,
-            prefix_of: tuple[str, int] | None = None) -> None:
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        params: SamplingParams = GREEDY,
+        prefix_of: tuple[str, int] | None = None,
+    ) -> None:
         """prefix_of=(other, n): the first n (block-aligned) tokens hit the prefix cache of `other`."""
         self.prompts[req_id], self.params[req_id], self.outputs[req_id] = prompt, params, []
         self.blocks[req_id], self.computed[req_id] = [], 0
         if prefix_of is not None:
             other, n = prefix_of
-            assert n % BLOCK_SIZE == 0 and self.computed[other] >= n and prompt[:n] == self.prompts[other][:n]
+            assert (
+                n % BLOCK_SIZE == 0
+                and self.computed[other] >= n
+                and prompt[:n] == self.prompts[other][:n]
+            )
             self.blocks[req_id] = self.blocks[other][: n // BLOCK_SIZE]
             self.computed[req_id] = n
 
     def tokens(self, req_id: str) -> list[int]:
         return self.prompts[req_id] + self.outputs[req_id]
 
-    def step(self, work: dict[str, int | None], drafts: dict[str, list[int]] | None = None,
-             preempt: tuple[str, ...] = ()) -> StepResult:
+    def step(
+        self,
+        work: dict[str, int | None],
+        drafts: dict[str, list[int]] | None = None,
+        preempt: tuple[str, ...] = (),
+    ) -> StepResult:
         """work: request -> tokens to compute (None = everything it has left: rest of prefill or 1 decode)."""
         drafts = drafts or {}
         num_scheduled, new, cached = {}, [], []
@@ -65,17 +78,38 @@ class Driver:
             self.blocks[req_id] += new_blocks
             num_scheduled[req_id] = n
             if req_id not in self.sent:
-                new.append(NewRequest(req_id, self.prompts[req_id], self.params[req_id],
-                                                    list(self.blocks[req_id]), self.computed[req_id]))
+                new.append(
+                    NewRequest(
+                        req_id,
+                        self.prompts[req_id],
+                        self.params[req_id],
+                        list(self.blocks[req_id]),
+                        self.computed[req_id],
+                    )
+                )
                 self.sent.add(req_id)
             elif req_id in self.preempted:
-                cached.append(CachedRequest(req_id, list(self.blocks[req_id]), self.computed[req_id],
-                                                          resumed=True, output_token_ids=list(self.outputs[req_id])))
+                cached.append(
+                    CachedRequest(
+                        req_id,
+                        list(self.blocks[req_id]),
+                        self.computed[req_id],
+                        resumed=True,
+                        output_token_ids=list(self.outputs[req_id]),
+                    )
+                )
                 self.preempted.discard(req_id)
             else:
                 cached.append(CachedRequest(req_id, new_blocks, self.computed[req_id]))
-        plan = StepPlan(num_scheduled, sum(num_scheduled.values()), drafts, new, cached, list(preempt),
-                        step_id=self.step_id)
+        plan = StepPlan(
+            num_scheduled,
+            sum(num_scheduled.values()),
+            drafts,
+            new,
+            cached,
+            list(preempt),
+            step_id=self.step_id,
+        )
         result = self.runner.execute(plan)
         assert result.step_id == self.step_id
         self.step_id += 1
@@ -97,12 +131,18 @@ class Driver:
 
 
 def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-    hf_model.generation_config.eos_token_id = None  # generate() falls back to it when the call's is None
+    config = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+    )
+    hf_model.generation_config.eos_token_id = (
+        None  # generate() falls back to it when the call's is None
+    )
     input_ids = torch.tensor([prompt])
     # An explicit mask, or generate() would mask prompt tokens that happen to equal pad_token_id.
-    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
-    return out[0, len(prompt):].tolist()
+    out = hf_model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +153,23 @@ def tiny(tmp_path_factory):
 
 
 def make_runner(path) -> ModelRunner:
-    return ModelRunner(path, device="cpu", block_size=BLOCK_SIZE, kv_cache_memory_bytes=200 * 2 * 2 * 4 * 2 * 16 * 4,
-                       max_num_batched_tokens=64, max_num_seqs=4, seed=0)
+    return ModelRunner(
+        path,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=200 * 2 * 2 * 4 * 2 * 16 * 4,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        seed=0,
+    )
 
 
 def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
     path, hf_model = tiny
     rng = random.Random(3)
-    prompts = {r: [rng.randrange(128) for _ in range(n)] for r, n in (("A", 11), ("B", 23), ("C", 5))}
+    prompts = {
+        r: [rng.randrange(128) for _ in range(n)] for r, n in (("A", 11), ("B", 23), ("C", 5))
+    }
     prompts["D"] = prompts["A"][:8] + [rng.randrange(128) for _ in range(6)]
     with torch.no_grad():
         want = {r: hf_greedy(hf_model, p, NUM_NEW) for r, p in prompts.items()}
@@ -135,12 +184,17 @@ def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
     # A: correct drafts (all accepted + bonus); B: first draft right, second wrong; C preempted; D joins with a prefix-cache hit and a first chunk.
     a_drafts = want["A"][len(d.outputs["A"]) : len(d.outputs["A"]) + 2]
     b_next = want["B"][len(d.outputs["B"])]
-    res = d.step({"A": None, "B": None, "D": 3}, drafts={"A": a_drafts, "B": [b_next, (b_next + 1) % 128]},
-                 preempt=("C",))
+    res = d.step(
+        {"A": None, "B": None, "D": 3},
+        drafts={"A": a_drafts, "B": [b_next, (b_next + 1) % 128]},
+        preempt=("C",),
+    )
     assert len(res.sampled_token_ids["A"]) == 3 and len(res.sampled_token_ids["B"]) == 2
     # C resumes (recomputes prompt + its output); A gets a wrong first draft: only the correction comes back.
     a_next = want["A"][len(d.outputs["A"])]
-    res = d.step({"C": None, "A": None, "B": None, "D": None}, drafts={"A": [(a_next + 1) % 128, a_next]})
+    res = d.step(
+        {"C": None, "A": None, "B": None, "D": None}, drafts={"A": [(a_next + 1) % 128, a_next]}
+    )
     assert res.sampled_token_ids["A"] == [a_next]
     d.finish("B")  # B stops early; the others keep running
     del want["B"]
@@ -188,6 +242,9 @@ def test_logprobs_match_transformers_distribution(tiny):
         token = d.outputs["L"][i]
         assert lp.token_ids[0][0] == token
         assert lp.token_ids[0][1:] == ref[pos].topk(4).indices.tolist()
-        torch.testing.assert_close(torch.tensor(lp.logprobs[0], dtype=torch.float64),
-                                   torch.cat([ref[pos, token : token + 1], ref[pos].topk(4).values]),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(lp.logprobs[0], dtype=torch.float64),
+            torch.cat([ref[pos, token : token + 1], ref[pos].topk(4).values]),
+            atol=1e-4,
+            rtol=0,
+        )

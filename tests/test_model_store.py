@@ -10,7 +10,12 @@ import torch
 from safetensors.numpy import load_file
 
 from weir.shared.gguf_convert import UnsupportedGGUFError
-from weir.shared.model_store import ModelNotFoundError, default_gguf_path, load_model_config, resolve_model
+from weir.shared.model_store import (
+    ModelNotFoundError,
+    default_gguf_path,
+    load_model_config,
+    resolve_model,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,14 +32,23 @@ def transformers_from_gguf() -> torch.nn.Module:
 
 def test_default_model_dir_has_hf_files_and_smollm2_config(default_model_dir: Path) -> None:
     assert default_model_dir.name == "SmolLM2-135M-Instruct"
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (default_model_dir / name).is_file(), name
     # Nothing half-written is left beside it.
     assert not list(default_model_dir.parent.glob(".SmolLM2-135M-Instruct.staging.*"))
 
     config = load_model_config(default_model_dir)
     assert config["architectures"] == ["LlamaForCausalLM"]
-    assert {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")} == {
+    assert {
+        k: config[k]
+        for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
+    } == {
         "num_hidden_layers": 30,
         "hidden_size": 576,
         "num_attention_heads": 9,
@@ -48,7 +62,9 @@ def test_default_model_dir_has_hf_files_and_smollm2_config(default_model_dir: Pa
     assert tokenizer_config["bos_token"] == "<|im_start|>"
     assert tokenizer_config["eos_token"] == "<|im_end|>"
     assert "<|im_start|>assistant" in tokenizer_config["chat_template"]
-    assert json.loads((default_model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert (
+        json.loads((default_model_dir / "generation_config.json").read_text())["eos_token_id"] == 2
+    )
 
 
 def test_converted_weights_and_config_match_transformers_gguf_loading(
@@ -60,13 +76,17 @@ def test_converted_weights_and_config_match_transformers_gguf_loading(
     assert set(converted) == set(reference) - {"lm_head.weight"}
     for name, array in converted.items():
         assert array.dtype == np.float32, name
-        torch.testing.assert_close(torch.from_numpy(array), reference[name].float(), rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            torch.from_numpy(array), reference[name].float(), rtol=0, atol=1e-6, msg=name
+        )
 
     # transformers reading our config.json builds the same network: same logits as from the GGUF file.
     ours = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir).eval()
     input_ids = torch.tensor([[1, 9690, 198, 19556, 28, 957, 359, 346, 47, 2, 198]])
     with torch.no_grad():
-        torch.testing.assert_close(ours(input_ids).logits, transformers_from_gguf(input_ids).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            ours(input_ids).logits, transformers_from_gguf(input_ids).logits, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_second_resolve_returns_the_same_directory(default_model_dir: Path) -> None:
@@ -81,8 +101,12 @@ def test_gguf_path_resolves_to_a_converted_copy(default_model_dir: Path) -> None
     assert converted != default_model_dir
     assert resolve_model(str(path)) == converted
     assert load_model_config(converted) == load_model_config(default_model_dir)
-    assert (converted / "tokenizer.json").read_bytes() == (default_model_dir / "tokenizer.json").read_bytes()
-    assert (converted / "model.safetensors").stat().st_size == (default_model_dir / "model.safetensors").stat().st_size
+    assert (converted / "tokenizer.json").read_bytes() == (
+        default_model_dir / "tokenizer.json"
+    ).read_bytes()
+    assert (converted / "model.safetensors").stat().st_size == (
+        default_model_dir / "model.safetensors"
+    ).stat().st_size
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty_dir", "dir_without_weights", "text_file"])
@@ -105,7 +129,9 @@ def test_invalid_model_raises_model_not_found(kind: str, tmp_path: Path) -> None
     assert "\n" not in str(excinfo.value)
 
 
-def test_failed_conversion_leaves_no_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_conversion_leaves_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)
@@ -153,11 +179,19 @@ def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # convert_hf_to_gguf.py's LlamaModel.permute: what llama.cpp does to q/k rows on the way in.
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in top:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
@@ -187,7 +221,9 @@ def _write_gguf(path: Path, arch: str, model: torch.nn.Module, config) -> None:
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    writer.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    )
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -211,7 +247,9 @@ def _write_gguf(path: Path, arch: str, model: torch.nn.Module, config) -> None:
         ("qwen3", lambda: transformers.Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False)),
     ],
 )
-def test_tiny_gguf_converts_back_to_the_original_model(arch, make_config, tmp_path, monkeypatch) -> None:
+def test_tiny_gguf_converts_back_to_the_original_model(
+    arch, make_config, tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
     tokens, _, _ = _tiny_vocab()
     config = make_config()
@@ -219,7 +257,9 @@ def test_tiny_gguf_converts_back_to_the_original_model(arch, make_config, tmp_pa
     torch.manual_seed(0)
     original = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        for p in original.parameters():  # norms start at 1 and biases at 0: make every tensor distinct
+        for (
+            p
+        ) in original.parameters():  # norms start at 1 and biases at 0: make every tensor distinct
             p.copy_(torch.randn_like(p) * 0.2)
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_gguf(path, arch, original, config)

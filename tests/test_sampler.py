@@ -13,7 +13,9 @@ def make_batch(rows: list[dict], **kwargs) -> SamplingBatch:
     def col(key, default, dtype):
         return np.array([r.get(key, default) for r in rows], dtype=dtype)
 
-    seeds = [(i, r["seed"], r.get("pos", 0)) for i, r in enumerate(rows) if r.get("seed") is not None]
+    seeds = [
+        (i, r["seed"], r.get("pos", 0)) for i, r in enumerate(rows) if r.get("seed") is not None
+    ]
     return SamplingBatch.build(
         col("temperature", 1.0, np.float32),
         col("top_k", 0, np.int64),
@@ -29,7 +31,9 @@ def random_logits(n: int, seed: int, scale: float = 3.0) -> torch.Tensor:
     return scale * torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed))
 
 
-def allowed_set(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> set[int]:
+def allowed_set(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
+) -> set[int]:
     """Tokens that survive temperature -> min-p -> top-k -> top-p, computed in float64."""
     x = logits.astype(np.float64) / temperature
     alive = np.ones_like(x, dtype=bool)
@@ -64,12 +68,22 @@ def test_temperature_zero_is_argmax_even_in_a_mixed_batch():
 
 def test_seeded_rows_do_not_depend_on_batch_composition():
     logits = random_logits(1, seed=1, scale=0.5)  # flat-ish, so draws really vary
-    seeded = [{"seed": seed, "pos": pos, "temperature": 1.0} for seed in (0, 7, 2**40) for pos in range(12)]
-    alone = [Sampler(seed=s)(logits, make_batch([row])).token_ids.item() for s, row in enumerate(seeded)]
+    seeded = [
+        {"seed": seed, "pos": pos, "temperature": 1.0}
+        for seed in (0, 7, 2**40)
+        for pos in range(12)
+    ]
+    alone = [
+        Sampler(seed=s)(logits, make_batch([row])).token_ids.item() for s, row in enumerate(seeded)
+    ]
     assert len(set(alone)) > 4, "seeded draws should differ across positions"
 
     # The same rows inside batches with unseeded rows, filtering rows and greedy rows around them.
-    neighbours = [{"temperature": 0.7, "top_k": 5}, {"temperature": 0.0}, {"temperature": 1.3, "top_p": 0.5}]
+    neighbours = [
+        {"temperature": 0.7, "top_k": 5},
+        {"temperature": 0.0},
+        {"temperature": 1.3, "top_p": 0.5},
+    ]
     rows, row_logits, where = [], [], []
     for i, row in enumerate(seeded):
         for j in range(i % 3):
@@ -99,8 +113,13 @@ def test_filters_never_emit_a_token_outside_the_allowed_set(params):
     rows = [dict(params, **({"seed": i} if i % 2 else {})) for i in range(len(logits))]
     tokens = Sampler(seed=5)(logits, make_batch(rows)).token_ids.view(4, draws)
     for r in range(4):
-        allowed = allowed_set(base[r].numpy(), params["temperature"], params.get("top_k", 0),
-                              params.get("top_p", 1.0), params.get("min_p", 0.0))
+        allowed = allowed_set(
+            base[r].numpy(),
+            params["temperature"],
+            params.get("top_k", 0),
+            params.get("top_p", 1.0),
+            params.get("min_p", 0.0),
+        )
         seen = set(tokens[r].tolist())
         assert seen <= allowed, (seen - allowed, allowed)
         if len(allowed) > 1:
@@ -123,7 +142,9 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     out = Sampler(seed=1)(logits, make_batch(rows, num_logprobs=3))
     ref = torch.log_softmax(logits.double(), dim=-1)
     chosen = out.token_ids
-    torch.testing.assert_close(out.logprobs.token_logprobs.double(), ref.gather(1, chosen[:, None])[:, 0])
+    torch.testing.assert_close(
+        out.logprobs.token_logprobs.double(), ref.gather(1, chosen[:, None])[:, 0]
+    )
     ref_top, ref_ids = ref.topk(3, dim=-1)
     assert torch.equal(out.logprobs.top_ids, ref_ids)
     torch.testing.assert_close(out.logprobs.top_logprobs.double(), ref_top)
@@ -135,9 +156,13 @@ def test_banned_tokens_are_never_produced():
     logits = random_logits(4, seed=4)
     top2 = logits.topk(2, dim=-1).indices
     banned = [(r, [top2[r, 0].item()]) for r in range(4)]
-    greedy = Sampler(seed=0)(logits, make_batch([{"temperature": 0.0}] * 4, banned=banned)).token_ids
+    greedy = Sampler(seed=0)(
+        logits, make_batch([{"temperature": 0.0}] * 4, banned=banned)
+    ).token_ids
     assert torch.equal(greedy, top2[:, 1])
     many = logits.repeat_interleave(100, dim=0)
     banned_many = [(r, [top2[r // 100, 0].item()]) for r in range(400)]
-    sampled = Sampler(seed=0)(many, make_batch([{"temperature": 1.0}] * 400, banned=banned_many)).token_ids
+    sampled = Sampler(seed=0)(
+        many, make_batch([{"temperature": 1.0}] * 400, banned=banned_many)
+    ).token_ids
     assert not (sampled.view(4, 100) == top2[:, :1]).any()

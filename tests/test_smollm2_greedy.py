@@ -6,6 +6,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_model_runner import Driver  # noqa: E402
+
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.shared.sampling import SamplingParams  # noqa: E402
 
@@ -24,21 +25,33 @@ CHATS = [
 def hf_reference(default_model_dir):
     """Chat prompts and transformers' greedy continuations (EOS disabled, so all have 32 tokens)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # generate() falls back to it when the call's is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = (
+        None  # generate() falls back to it when the call's is None
+    )
     config = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=NUM_NEW, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+        do_sample=False,
+        max_new_tokens=NUM_NEW,
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
     )
     prompts, outputs = [], []
     with torch.no_grad():
         for text in CHATS:
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+                [{"role": "user", "content": text}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
             )
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
             # An explicit mask: the prompt contains the pad token (<|im_end|>), which generate() would mask.
             input_ids = torch.tensor([ids])
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+            )
             prompts.append(ids)
             outputs.append(out[0, len(ids) :].tolist())
     return prompts, outputs
@@ -46,8 +59,13 @@ def hf_reference(default_model_dir):
 
 def test_batched_greedy_decode_matches_transformers(default_model_dir, hf_reference):
     prompts, want = hf_reference
-    runner = ModelRunner(default_model_dir, device="cpu", kv_cache_memory_bytes=64 << 20,
-                         max_num_batched_tokens=256, max_num_seqs=8)
+    runner = ModelRunner(
+        default_model_dir,
+        device="cpu",
+        kv_cache_memory_bytes=64 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+    )
     driver = Driver(runner)
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     names = [f"chat{i}" for i in range(len(prompts))]

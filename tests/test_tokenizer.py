@@ -62,7 +62,9 @@ def test_encode_matches_transformers(text: str, ours: Tokenizer, hf_dir, hf_gguf
     ids = ours.encode(text)
     assert ids == hf_dir.encode(text, add_special_tokens=False)
     assert ids == hf_gguf.encode(text, add_special_tokens=False)
-    assert ours.encode(text, add_special_tokens=True) == hf_dir.encode(text, add_special_tokens=True)
+    assert ours.encode(text, add_special_tokens=True) == hf_dir.encode(
+        text, add_special_tokens=True
+    )
 
 
 def test_chatml_tags_are_single_special_tokens(ours: Tokenizer) -> None:
@@ -90,9 +92,15 @@ def test_special_token_ids_and_vocab_size_match_transformers(ours: Tokenizer, hf
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(messages, add_generation_prompt: bool, ours: Tokenizer, hf_dir) -> None:
-    expected = hf_dir.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+def test_chat_template_matches_transformers(
+    messages, add_generation_prompt: bool, ours: Tokenizer, hf_dir
+) -> None:
+    expected = hf_dir.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert (
+        ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    )
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -102,14 +110,22 @@ def test_decode_round_trip_matches_transformers(text: str, ours: Tokenizer, hf_d
     assert ours.decode(ids) == hf_dir.decode(ids, skip_special_tokens=True)
 
 
-def _stream(ours: Tokenizer, prompt: str, ids: list[int], chunk: int, skip_special_tokens: bool = True) -> list[str]:
-    detok = IncrementalDetokenizer(ours, ours.encode(prompt), skip_special_tokens=skip_special_tokens)
+def _stream(
+    ours: Tokenizer, prompt: str, ids: list[int], chunk: int, skip_special_tokens: bool = True
+) -> list[str]:
+    detok = IncrementalDetokenizer(
+        ours, ours.encode(prompt), skip_special_tokens=skip_special_tokens
+    )
     return [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
 
 
 @pytest.mark.parametrize("chunk", [1, 3])
-@pytest.mark.parametrize("text", [t for t in TEXTS if not t.isascii()] + ["🎉" * 5 + "中" * 5 + "👍🏽 ok"])
-def test_incremental_deltas_concatenate_to_full_decode(text: str, chunk: int, ours: Tokenizer, hf_dir) -> None:
+@pytest.mark.parametrize(
+    "text", [t for t in TEXTS if not t.isascii()] + ["🎉" * 5 + "中" * 5 + "👍🏽 ok"]
+)
+def test_incremental_deltas_concatenate_to_full_decode(
+    text: str, chunk: int, ours: Tokenizer, hf_dir
+) -> None:
     ids = ours.encode(text)
     deltas = _stream(ours, "Prompt: é🎉", ids, chunk)
     assert "".join(deltas) == hf_dir.decode(ids, skip_special_tokens=True)
@@ -129,7 +145,10 @@ def test_incremental_keeps_special_tokens_when_asked(ours: Tokenizer) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=st.sampled_from("ab Z09 \n.,é中文🎉👍🏽Жж\u200d"), max_size=40), st.integers(1, 4))
+@given(
+    st.text(alphabet=st.sampled_from("ab Z09 \n.,é中文🎉👍🏽Жж\u200d"), max_size=40),
+    st.integers(1, 4),
+)
 def test_incremental_property(ours: Tokenizer, text: str, chunk: int) -> None:
     ids = ours.encode(text)
     deltas = _stream(ours, "", ids, chunk)

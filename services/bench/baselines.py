@@ -47,10 +47,17 @@ def _static_generate(model: torch.nn.Module, batch: list[BenchRequest]) -> int:
 
     max_prompt = max(len(r.prompt_token_ids) for r in batch)
     new_tokens = max(r.output_len for r in batch)
-    rows = [[_PAD_TOKEN_ID] * (max_prompt - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch]
-    mask = [[0] * (max_prompt - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch]
+    rows = [
+        [_PAD_TOKEN_ID] * (max_prompt - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch
+    ]
+    mask = [
+        [0] * (max_prompt - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch
+    ]
     config = GenerationConfig(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=_PAD_TOKEN_ID
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=_PAD_TOKEN_ID,
     )
     out = model.generate(
         input_ids=torch.tensor(rows, device=model.device),
@@ -64,7 +71,9 @@ def _static_generate(model: torch.nn.Module, batch: list[BenchRequest]) -> int:
 
 
 @torch.inference_mode()
-def run_hf_static(model: torch.nn.Module, requests: list[BenchRequest], batch_size: int) -> EngineRun:
+def run_hf_static(
+    model: torch.nn.Module, requests: list[BenchRequest], batch_size: int
+) -> EngineRun:
     device = str(model.device)
     _static_generate(model, [BenchRequest(list(WARMUP_PROMPT), 2)])
     _sync(device)
@@ -86,14 +95,18 @@ def run_hf_static(model: torch.nn.Module, requests: list[BenchRequest], batch_si
     )
 
 
-def _cb_collect(manager, request_ids: set[str]) -> dict[str, list[int]]:  # manager: ContinuousBatchingManager
+def _cb_collect(
+    manager, request_ids: set[str]
+) -> dict[str, list[int]]:  # manager: ContinuousBatchingManager
     """Wait for every request in request_ids; returns their generated token ids."""
     outputs: dict[str, list[int]] = {}
     while len(outputs) < len(request_ids):
         result = manager.get_result(timeout=_CB_RESULT_POLL_S)
         if result is None:
             if not manager.is_running():
-                raise RuntimeError(f"hf-cb generation thread stopped with {len(request_ids) - len(outputs)} left")
+                raise RuntimeError(
+                    f"hf-cb generation thread stopped with {len(request_ids) - len(outputs)} left"
+                )
             continue
         if result.request_id not in request_ids or not result.is_finished():
             continue
@@ -104,7 +117,9 @@ def _cb_collect(manager, request_ids: set[str]) -> dict[str, list[int]]:  # mana
 
 
 @torch.inference_mode()
-def run_hf_continuous(model: torch.nn.Module, requests: list[BenchRequest], max_batch_tokens: int) -> EngineRun:
+def run_hf_continuous(
+    model: torch.nn.Module, requests: list[BenchRequest], max_batch_tokens: int
+) -> EngineRun:
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -118,7 +133,10 @@ def run_hf_continuous(model: torch.nn.Module, requests: list[BenchRequest], max_
     )
     # Without an explicit size the manager sizes its KV cache from host memory on CPU (most of the RAM).
     cb_config = ContinuousBatchingConfig(
-        num_blocks=sum(-(-(len(r.prompt_token_ids) + r.output_len) // _CB_PAGE_SIZE) for r in requests) + 1,
+        num_blocks=sum(
+            -(-(len(r.prompt_token_ids) + r.output_len) // _CB_PAGE_SIZE) for r in requests
+        )
+        + 1,
         page_size=_CB_PAGE_SIZE,
         max_batch_tokens=max_batch_tokens,
     )
@@ -129,17 +147,27 @@ def run_hf_continuous(model: torch.nn.Module, requests: list[BenchRequest], max_
         timeout=30,
         workload_hints=hints,
     ) as manager:
-        manager.add_request(list(WARMUP_PROMPT), request_id="warmup", max_new_tokens=2, eos_token_id=-1)
+        manager.add_request(
+            list(WARMUP_PROMPT), request_id="warmup", max_new_tokens=2, eos_token_id=-1
+        )
         _cb_collect(manager, {"warmup"})
         _sync(device)
         ids = [f"bench-{i}" for i in range(len(requests))]
         start = time.perf_counter()
         for request_id, r in zip(ids, requests):
-            manager.add_request(r.prompt_token_ids, request_id=request_id, max_new_tokens=r.output_len, eos_token_id=-1)
+            manager.add_request(
+                r.prompt_token_ids,
+                request_id=request_id,
+                max_new_tokens=r.output_len,
+                eos_token_id=-1,
+            )
         outputs = _cb_collect(manager, set(ids))
         _sync(device)
         wall = time.perf_counter() - start
     return EngineRun.from_outputs(
-        "hf-cb", requests, [len(outputs[request_id]) for request_id in ids], wall,
+        "hf-cb",
+        requests,
+        [len(outputs[request_id]) for request_id in ids],
+        wall,
         "transformers continuous batching manager (generate_batch's engine), per-request max_new_tokens",
     )

@@ -40,17 +40,30 @@ class EngineRun:
     notes: str = ""
 
     @classmethod
-    def from_outputs(cls, engine: str, requests: list[BenchRequest], output_lengths: list[int],
-                     wall_s: float, notes: str) -> "EngineRun":
+    def from_outputs(
+        cls,
+        engine: str,
+        requests: list[BenchRequest],
+        output_lengths: list[int],
+        wall_s: float,
+        notes: str,
+    ) -> "EngineRun":
         """A run whose engine returned ``output_lengths`` tokens, checked against each request's
         ``output_len`` so no engine is credited with tokens it did not produce."""
         for i, (length, r) in enumerate(zip(output_lengths, requests, strict=True)):
             if length != r.output_len:
-                raise RuntimeError(f"{engine} request {i} returned {length} tokens, expected {r.output_len}")
-        return cls(engine=engine, num_requests=len(requests),
-                   prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
-                   output_tokens=sum(output_lengths), generated_tokens=sum(output_lengths),
-                   wall_s=wall_s, notes=notes)
+                raise RuntimeError(
+                    f"{engine} request {i} returned {length} tokens, expected {r.output_len}"
+                )
+        return cls(
+            engine=engine,
+            num_requests=len(requests),
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+            output_tokens=sum(output_lengths),
+            generated_tokens=sum(output_lengths),
+            wall_s=wall_s,
+            notes=notes,
+        )
 
     @property
     def requests_per_s(self) -> float:
@@ -133,7 +146,9 @@ def summarize(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"mean": None} | {f"p{p}": None for p in PERCENTILES}
     arr = np.asarray(values, dtype=np.float64)
-    return {"mean": float(arr.mean())} | {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}
+    return {"mean": float(arr.mean())} | {
+        f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES
+    }
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -161,7 +176,11 @@ def throughput_markdown(
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
-        ratio = f"{weir.output_tokens_per_s / r.output_tokens_per_s:.2f}×" if weir is not None else "n/a"
+        ratio = (
+            f"{weir.output_tokens_per_s / r.output_tokens_per_s:.2f}×"
+            if weir is not None
+            else "n/a"
+        )
         lines.append(
             f"| {r.engine} | {r.requests_per_s:.3f} | {r.output_tokens_per_s:.1f} | {r.total_tokens_per_s:.1f} "
             f"| {r.wall_s:.2f} | {ratio} |"
@@ -190,7 +209,9 @@ def serve_markdown(result: dict[str, Any], command: str) -> str:
     ]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         s = result[name]
-        cells = " | ".join("n/a" if s[k] is None else f"{s[k]:.1f}" for k in ("mean", "p50", "p90", "p99"))
+        cells = " | ".join(
+            "n/a" if s[k] is None else f"{s[k]:.1f}" for k in ("mean", "p50", "p90", "p99")
+        )
         lines.append(f"| {name.removesuffix('_ms').upper()} | {cells} |")
     return "\n".join(lines)
 
@@ -221,13 +242,18 @@ def plot_latency_cdfs(series_ms: dict[str, list[float]], path: Path) -> None:
 
 
 def plot_throughput_over_time(
-    token_times_s: list[float], request_spans_s: list[tuple[float, float]], duration_s: float, path: Path
+    token_times_s: list[float],
+    request_spans_s: list[tuple[float, float]],
+    duration_s: float,
+    path: Path,
 ) -> None:
     """Output tokens/s in up to 60 time buckets (at least 0.1 s wide), and requests in flight."""
     num_buckets = max(1, min(60, math.ceil(duration_s / 0.1)))
     edges = np.linspace(0.0, max(duration_s, 1e-9), num_buckets + 1)
     tokens, _ = np.histogram(token_times_s, bins=edges)
-    events = sorted([(start, 1) for start, _ in request_spans_s] + [(end, -1) for _, end in request_spans_s])
+    events = sorted(
+        [(start, 1) for start, _ in request_spans_s] + [(end, -1) for _, end in request_spans_s]
+    )
     times = [0.0] + [t for t, _ in events]
     in_flight = np.concatenate([[0], np.cumsum([d for _, d in events])])
     fig = _new_figure(10, 6)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from weir.services.bench.report import (
-    command_line,
     append_markdown,
+    command_line,
     machine_info,
     plot_latency_cdfs,
     plot_throughput_over_time,
@@ -144,7 +144,9 @@ async def run_load(
                 await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
                 if limit is not None:
                     await limit.acquire()
-                trace = RequestTrace(len(request.prompt_token_ids), request.output_len, time.perf_counter() - t0)
+                trace = RequestTrace(
+                    len(request.prompt_token_ids), request.output_len, time.perf_counter() - t0
+                )
                 traces[index] = trace
                 try:
                     await _one_request(client, request, trace, t0)
@@ -153,13 +155,18 @@ async def run_load(
                         limit.release()
                     bar.update(1)
 
-            await asyncio.gather(*(launch(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets))))
+            await asyncio.gather(
+                *(launch(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets)))
+            )
             duration = time.perf_counter() - t0
     return traces, duration
 
 
 def summarize_run(
-    traces: list[RequestTrace], duration_s: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None
+    traces: list[RequestTrace],
+    duration_s: float,
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
 ) -> dict[str, Any]:
     ok = [t for t in traces if t.ok]
     ttft = [t.ttft_s() * 1e3 for t in ok]
@@ -213,7 +220,9 @@ def _plot(traces: list[RequestTrace], duration_s: float, plot_dir: Path) -> list
     )
     throughput_path = plot_dir / "throughput_over_time.png"
     token_times = [s for t in ok for s, n in zip(t.chunk_s, t.chunk_tokens) for _ in range(n)]
-    plot_throughput_over_time(token_times, [(t.send_s, t.end_s) for t in ok], duration_s, throughput_path)
+    plot_throughput_over_time(
+        token_times, [(t.send_s, t.end_s) for t in ok], duration_s, throughput_path
+    )
     return [cdf_path, throughput_path]
 
 
@@ -233,19 +242,44 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     add_workload_arguments(p, num_prompts=100)
     g = p.add_argument_group("load")
     g.add_argument(
-        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second (inf: all at once)",
     )
-    g.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight")
-    g.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput")
-    g.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput")
     g.add_argument(
-        "--ready-timeout", type=float, default=60.0, metavar="S", help="wait this long for the server to be ready"
+        "--max-concurrency", type=positive_int, default=None, help="cap on requests in flight"
+    )
+    g.add_argument(
+        "--slo-ttft", type=float, default=None, metavar="MS", help="TTFT SLO for goodput"
+    )
+    g.add_argument(
+        "--slo-tpot", type=float, default=None, metavar="MS", help="TPOT SLO for goodput"
+    )
+    g.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="wait this long for the server to be ready",
     )
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     o = p.add_argument_group("output")
-    o.add_argument("--output-json", type=Path, default=None, help="write the summary and per-request traces here")
-    o.add_argument("--plot-dir", type=Path, default=None, help="write latency_cdf.png and throughput_over_time.png")
-    o.add_argument("--markdown", default=None, metavar="PATH", help="also append the markdown table to PATH")
+    o.add_argument(
+        "--output-json",
+        type=Path,
+        default=None,
+        help="write the summary and per-request traces here",
+    )
+    o.add_argument(
+        "--plot-dir",
+        type=Path,
+        default=None,
+        help="write latency_cdf.png and throughput_over_time.png",
+    )
+    o.add_argument(
+        "--markdown", default=None, metavar="PATH", help="also append the markdown table to PATH"
+    )
     p.set_defaults(func=run_serve)
 
 

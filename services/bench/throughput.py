@@ -14,8 +14,8 @@ from typing import Any
 
 from weir.services.bench.report import (
     EngineRun,
-    command_line,
     append_markdown,
+    command_line,
     machine_info,
     throughput_markdown,
     write_json,
@@ -42,7 +42,9 @@ def _baselines(values: list[str] | None) -> list[str]:
     for value in values or []:
         for name in filter(None, (v.strip() for v in value.split(","))):
             if name not in BASELINE_CHOICES:
-                raise argparse.ArgumentTypeError(f"unknown baseline {name!r}; choose from {BASELINE_CHOICES}")
+                raise argparse.ArgumentTypeError(
+                    f"unknown baseline {name!r}; choose from {BASELINE_CHOICES}"
+                )
             if name != "none" and name not in chosen:
                 chosen.append(name)
     return chosen
@@ -55,8 +57,15 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights/activations dtype for every engine")
+    p.add_argument(
+        "--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="weights/activations dtype for every engine",
+    )
     p.add_argument(
         "--threads",
         type=positive_int,
@@ -72,7 +81,12 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="hf-static, hf-cb or none; repeat or comma-separate to run several (default: none)",
     )
     g.add_argument("--no-weir", action="store_true", help="measure only the baselines")
-    g.add_argument("--hf-batch-size", type=positive_int, default=16, help="batch size of the hf-static baseline")
+    g.add_argument(
+        "--hf-batch-size",
+        type=positive_int,
+        default=16,
+        help="batch size of the hf-static baseline",
+    )
     g.add_argument("--max-num-seqs", type=positive_int, default=None, help="Weir engine option")
     g.add_argument(
         "--max-num-batched-tokens",
@@ -102,20 +116,30 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_weir(
-    requests: list[BenchRequest], model_dir: Path, dtype: str, threads: int, engine_options: dict[str, Any]
+    requests: list[BenchRequest],
+    model_dir: Path,
+    dtype: str,
+    threads: int,
+    engine_options: dict[str, Any],
 ) -> EngineRun:
     from weir.services.llm import LLM
     from weir.shared.sampling import SamplingParams
 
     with LLM(model=str(model_dir), dtype=dtype, threads=threads, **engine_options) as llm:
-        llm.generate([list(WARMUP_PROMPT)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+        llm.generate(
+            [list(WARMUP_PROMPT)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        )
+        params = [
+            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            for r in requests
+        ]
         start = time.perf_counter()
         completions = llm.generate([r.prompt_token_ids for r in requests], params)
         wall = time.perf_counter() - start
     options = ", ".join(f"{k}={v}" for k, v in engine_options.items()) or "engine defaults"
-    return EngineRun.from_outputs("weir", requests, [len(c.token_ids) for c in completions], wall,
-                                  f"LLM.generate, {options}")
+    return EngineRun.from_outputs(
+        "weir", requests, [len(c.token_ids) for c in completions], wall, f"LLM.generate, {options}"
+    )
 
 
 def _run_baselines(
@@ -158,7 +182,9 @@ def _ratios(runs: list[EngineRun]) -> dict[str, float]:
     if weir is None:
         return {}
     return {
-        f"weir/{r.engine}": weir.output_tokens_per_s / r.output_tokens_per_s for r in runs if r.engine != "weir"
+        f"weir/{r.engine}": weir.output_tokens_per_s / r.output_tokens_per_s
+        for r in runs
+        if r.engine != "weir"
     }
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-
 # A short prompt every engine generates from once before its timed run (lazy init, allocator growth).
 WARMUP_PROMPT = (1000, 1001, 1002, 1003)
 
@@ -62,7 +61,9 @@ def random_requests(spec: RandomWorkload, vocab_ids: list[int]) -> list[BenchReq
     return requests
 
 
-def load_dataset(path: Path, tokenizer: Tokenizer, num_prompts: int | None = None) -> list[BenchRequest]:
+def load_dataset(
+    path: Path, tokenizer: Tokenizer, num_prompts: int | None = None
+) -> list[BenchRequest]:
     """Read {"prompt": str | list[int], "output_len": int} per line; blank lines are skipped."""
     requests = []
     with path.open(encoding="utf-8") as f:
@@ -73,8 +74,14 @@ def load_dataset(path: Path, tokenizer: Tokenizer, num_prompts: int | None = Non
             try:
                 prompt, output_len = record["prompt"], int(record["output_len"])
             except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{line_no}: need 'prompt' and an integer 'output_len'") from e
-            ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+                raise ValueError(
+                    f"{path}:{line_no}: need 'prompt' and an integer 'output_len'"
+                ) from e
+            ids = (
+                tokenizer.encode(prompt).ids
+                if isinstance(prompt, str)
+                else [int(t) for t in prompt]
+            )
             if not ids or output_len < 1:
                 raise ValueError(f"{path}:{line_no}: empty prompt or output_len < 1")
             requests.append(BenchRequest(ids, output_len))
@@ -86,7 +93,11 @@ def load_dataset(path: Path, tokenizer: Tokenizer, num_prompts: int | None = Non
 def describe_workload(requests: list[BenchRequest], args: argparse.Namespace) -> str:
     prompt_lens = [len(r.prompt_token_ids) for r in requests]
     output_lens = [r.output_len for r in requests]
-    source = f"dataset {args.dataset}" if args.dataset is not None else f"random token ids, seed {args.seed}"
+    source = (
+        f"dataset {args.dataset}"
+        if args.dataset is not None
+        else f"random token ids, seed {args.seed}"
+    )
     return (
         f"{len(requests)} requests ({source}); prompt lengths {min(prompt_lens)}-{max(prompt_lens)} "
         f"({sum(prompt_lens)} tokens), output lengths {min(output_lens)}-{max(output_lens)} "
@@ -104,12 +115,16 @@ def positive_int(text: str) -> int:
 
 def add_workload_arguments(parser: argparse.ArgumentParser, num_prompts: int) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=positive_int, default=num_prompts, help="number of requests")
+    g.add_argument(
+        "--num-prompts", type=positive_int, default=num_prompts, help="number of requests"
+    )
     g.add_argument("--input-len-min", type=positive_int, default=32)
     g.add_argument("--input-len-max", type=positive_int, default=256)
     g.add_argument("--output-len-min", type=positive_int, default=32)
     g.add_argument("--output-len-max", type=positive_int, default=128)
-    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts, lengths and arrivals")
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the random prompts, lengths and arrivals"
+    )
     g.add_argument(
         "--dataset",
         type=Path,

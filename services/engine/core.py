@@ -60,8 +60,12 @@ class EngineCore:
     """A ``Scheduler`` and the executor that runs its plans. ``observe_phase(name, seconds)``
     receives the time of the ``schedule`` and ``update`` phases of every step."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor,
-                 observe_phase: Callable[[str, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        observe_phase: Callable[[str, float], None] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self._observe_phase = observe_phase or _ignore

@@ -54,9 +54,15 @@ class _Rank:
 
 
 class ExecutorGroup:
-    def __init__(self, sock: zmq.asyncio.Socket, expected: ExpectedExecutor, timeout: float,
-                 on_formed: Callable[[int], None], on_lost: Callable[[str], None],
-                 observe_phase: Callable[[str, float], None]) -> None:
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        expected: ExpectedExecutor,
+        timeout: float,
+        on_formed: Callable[[int], None],
+        on_lost: Callable[[str], None],
+        observe_phase: Callable[[str, float], None],
+    ) -> None:
         self._sock = sock
         self._expected = expected
         self._timeout = timeout
@@ -70,12 +76,21 @@ class ExecutorGroup:
 
     def describe(self) -> list[dict[str, Any]]:
         """Each rank's hello, rank order (for health, model info and the ready report)."""
-        return [{"rank": r.hello.rank, "pid": r.hello.pid, "num_blocks": r.hello.num_blocks,
-                 "metrics_address": r.hello.metrics_address, "model": r.hello.model_name,
-                 "max_model_len": r.hello.max_model_len, "dtype": r.hello.dtype,
-                 "device": r.hello.device, "attention_backend": r.hello.attention_backend,
-                 "eos_token_ids": r.hello.eos_token_ids}
-                for r in sorted(self.ranks.values(), key=lambda r: r.hello.rank)]
+        return [
+            {
+                "rank": r.hello.rank,
+                "pid": r.hello.pid,
+                "num_blocks": r.hello.num_blocks,
+                "metrics_address": r.hello.metrics_address,
+                "model": r.hello.model_name,
+                "max_model_len": r.hello.max_model_len,
+                "dtype": r.hello.dtype,
+                "device": r.hello.device,
+                "attention_backend": r.hello.attention_backend,
+                "eos_token_ids": r.hello.eos_token_ids,
+            }
+            for r in sorted(self.ranks.values(), key=lambda r: r.hello.rank)
+        ]
 
     # ------------------------------------------------------------------ steps
 
@@ -127,8 +142,10 @@ class ExecutorGroup:
                     self._on_result(identity, payload)
                 elif kind == control.STEP_ERROR:
                     failure = control.unpack(control.StepFailure, payload)
-                    self._fail_step(f"executor rank {failure.rank} failed step {failure.step_id}: "
-                                    f"{failure.message}")
+                    self._fail_step(
+                        f"executor rank {failure.rank} failed step {failure.step_id}: "
+                        f"{failure.message}"
+                    )
                 else:
                     _log.warning("ignoring executor frame of kind %r", kind)
             except ProtocolError as exc:
@@ -166,13 +183,16 @@ class ExecutorGroup:
             return
         self.ranks[hello.rank] = _Rank(hello, identity, time.monotonic())
         self._send(identity, control.WELCOME)
-        _log.info("executor rank %d (pid %d) joined: %d KV blocks", hello.rank, hello.pid,
-                  hello.num_blocks)
+        _log.info(
+            "executor rank %d (pid %d) joined: %d KV blocks",
+            hello.rank,
+            hello.pid,
+            hello.num_blocks,
+        )
         if len(self.ranks) == self._expected.num_executors:
             self.formed = True
             num_blocks = min(r.hello.num_blocks for r in self.ranks.values())
-            _log.info("executor group ready: %d rank(s), %d KV blocks", len(self.ranks),
-                      num_blocks)
+            _log.info("executor group ready: %d rank(s), %d KV blocks", len(self.ranks), num_blocks)
             self._on_formed(num_blocks)
 
     def _check_hello(self, hello: control.ExecutorHello) -> str | None:
@@ -181,16 +201,19 @@ class ExecutorGroup:
         if not 0 <= hello.rank < want.num_executors:
             return f"rank {hello.rank} is outside [0, {want.num_executors})"
         if hello.block_size != args.block_size:
-            return (f"executor block_size {hello.block_size} != scheduler block_size "
-                    f"{args.block_size}")
+            return (
+                f"executor block_size {hello.block_size} != scheduler block_size {args.block_size}"
+            )
         if hello.model_name != want.model_name or hello.vocab_size != want.vocab_size:
-            return (f"executor serves {hello.model_name} (vocab {hello.vocab_size}), scheduler "
-                    f"serves {want.model_name} (vocab {want.vocab_size})")
+            return (
+                f"executor serves {hello.model_name} (vocab {hello.vocab_size}), scheduler "
+                f"serves {want.model_name} (vocab {want.vocab_size})"
+            )
         for name, theirs, ours in (
-                ("max_num_batched_tokens", hello.max_num_batched_tokens,
-                 args.max_num_batched_tokens),
-                ("max_num_seqs", hello.max_num_seqs, args.max_num_seqs),
-                ("max_model_len", hello.max_model_len, want.max_model_len)):
+            ("max_num_batched_tokens", hello.max_num_batched_tokens, args.max_num_batched_tokens),
+            ("max_num_seqs", hello.max_num_seqs, args.max_num_seqs),
+            ("max_model_len", hello.max_model_len, want.max_model_len),
+        ):
             if theirs < ours:
                 return f"executor {name} {theirs} < scheduler's {ours}"
         return None
@@ -206,8 +229,9 @@ class ExecutorGroup:
             future.set_exception(ExecutorLostError(f"executor sent an undecodable result: {exc}"))
             return
         if result.step_id != self._step_id:
-            _log.warning("ignoring result of step %d while waiting for %d", result.step_id,
-                         self._step_id)
+            _log.warning(
+                "ignoring result of step %d while waiting for %d", result.step_id, self._step_id
+            )
             return
         future.set_result(result)
 
@@ -232,8 +256,10 @@ class ExecutorGroup:
             last_tick = now
             for rank in list(self.ranks.values()):
                 if now - rank.last_seen > timeout:
-                    message = (f"executor rank {rank.hello.rank} (pid {rank.hello.pid}) stopped "
-                               f"responding: no heartbeat for {timeout:g}s")
+                    message = (
+                        f"executor rank {rank.hello.rank} (pid {rank.hello.pid}) stopped "
+                        f"responding: no heartbeat for {timeout:g}s"
+                    )
                     if self.formed:
                         self.lose(message)
                     else:

@@ -61,10 +61,17 @@ class ClientFrontend:
     ``server_unavailable``. ``wake()`` tells the step loop there is new work or an end to
     report; ``health(stream_ids)`` and ``model_info()`` build the replies of those queries."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, tokenizer: Tokenizer, vocab_size: int,
-                 max_model_len: int, metrics: SchedulerMetrics, wake: Callable[[], None],
-                 health: Callable[[list[str]], dict[str, Any]],
-                 model_info: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        metrics: SchedulerMetrics,
+        wake: Callable[[], None],
+        health: Callable[[list[str]], dict[str, Any]],
+        model_info: Callable[[], dict[str, Any]],
+    ) -> None:
         self._sock = sock
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -82,8 +89,12 @@ class ClientFrontend:
         while True:
             identity, *frames = await self._sock.recv_multipart()
             if len(frames) != 1:
-                self.send_error(identity, None, wire.MALFORMED_MESSAGE,
-                                f"expected one frame per message, got {len(frames)}")
+                self.send_error(
+                    identity,
+                    None,
+                    wire.MALFORMED_MESSAGE,
+                    f"expected one frame per message, got {len(frames)}",
+                )
                 continue
             try:
                 msg = wire.decode_client_message(frames[0])
@@ -94,8 +105,12 @@ class ClientFrontend:
                 self._dispatch(identity, msg)
             except Exception as exc:  # a bug must cost one request, not the server
                 _log.exception("failed to handle %s", type(msg).__name__)
-                self.send_error(identity, msg.request_id, wire.ENGINE_ERROR,
-                                f"internal error: {type(exc).__name__}: {exc}")
+                self.send_error(
+                    identity,
+                    msg.request_id,
+                    wire.ENGINE_ERROR,
+                    f"internal error: {type(exc).__name__}: {exc}",
+                )
 
     def _dispatch(self, identity: bytes, msg: wire.ClientMessage) -> None:
         if isinstance(msg, wire.GenerateRequest):
@@ -103,21 +118,32 @@ class ClientFrontend:
         elif isinstance(msg, wire.AbortRequest):
             self._abort(msg.request_id, identity)
         elif isinstance(msg, wire.HealthRequest):
-            self._send(identity, wire.encode_server_message(
-                wire.HealthReply(msg.request_id, self._health(msg.stream_ids))))
+            self._send(
+                identity,
+                wire.encode_server_message(
+                    wire.HealthReply(msg.request_id, self._health(msg.stream_ids))
+                ),
+            )
         else:
-            self._send(identity, wire.encode_server_message(
-                wire.ModelInfoReply(msg.request_id, self._model_info())))
+            self._send(
+                identity,
+                wire.encode_server_message(wire.ModelInfoReply(msg.request_id, self._model_info())),
+            )
 
     def _add_request(self, identity: bytes, msg: wire.GenerateRequest) -> None:
         rid = msg.request_id
         if self.core is None:
-            self.send_error(identity, rid, wire.SERVER_UNAVAILABLE,
-                            "no executor is connected; try again once the server is healthy")
+            self.send_error(
+                identity,
+                rid,
+                wire.SERVER_UNAVAILABLE,
+                "no executor is connected; try again once the server is healthy",
+            )
             return
         if rid in self.streams:
-            self.send_error(identity, rid, wire.DUPLICATE_REQUEST_ID,
-                            f"request_id {rid!r} is already in flight")
+            self.send_error(
+                identity, rid, wire.DUPLICATE_REQUEST_ID, f"request_id {rid!r} is already in flight"
+            )
             return
         try:
             prompt_ids = self._tokenize(msg.prompt)
@@ -125,25 +151,34 @@ class ClientFrontend:
             self.send_error(identity, rid, wire.INVALID_REQUEST, str(exc))
             return
         now = time.monotonic()
-        stream = _Stream(rid, identity, msg.sampling_params, prompt_ids,
-                         IncrementalDetokenizer(self.tokenizer, prompt_ids), now)
+        stream = _Stream(
+            rid,
+            identity,
+            msg.sampling_params,
+            prompt_ids,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            now,
+        )
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
         try:
             self.core.scheduler.add_request(
-                self._new_request(rid, prompt_ids, msg.sampling_params, now))
+                self._new_request(rid, prompt_ids, msg.sampling_params, now)
+            )
         except ValueError as exc:  # e.g. prompt + max_tokens can never fit the KV cache
             self.send_error(identity, rid, wire.INVALID_REQUEST, str(exc))
             return
         self.streams[rid] = stream
         self._wake()
 
-    def _new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     arrival_time: float) -> Request:
+    def _new_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float
+    ) -> Request:
         eos = self.tokenizer.eos_token_id
         # Models with several end tokens (generation_config.json) stop on all of them.
-        extra = tuple(t for t in self.tokenizer.stop_token_ids
-                      if t != eos and t not in params.stop_token_ids)
+        extra = tuple(
+            t for t in self.tokenizer.stop_token_ids if t != eos and t not in params.stop_token_ids
+        )
         if extra and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         return Request(request_id, prompt_ids, params, eos_token_id=eos, arrival_time=arrival_time)
@@ -155,20 +190,25 @@ class ClientFrontend:
         elif isinstance(prompt[0], dict):
             try:
                 text = self.tokenizer.apply_chat_template(prompt)
-            except Exception as exc:  # no template, or a jinja2 error raised by the model's template
+            except (
+                Exception
+            ) as exc:  # no template, or a jinja2 error raised by the model's template
                 raise ValueError(f"chat template failed: {exc}") from None
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = prompt
             bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise ValueError(f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+                raise ValueError(
+                    f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
         if not ids:
             raise ValueError("prompt must not be empty (it tokenized to no tokens)")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is too long: {len(ids)} tokens, but max_model_len is "
-                             f"{self.max_model_len}")
+            raise ValueError(
+                f"prompt is too long: {len(ids)} tokens, but max_model_len is {self.max_model_len}"
+            )
         return ids
 
     def _abort(self, request_id: str, identity: bytes) -> None:
@@ -197,8 +237,7 @@ class ClientFrontend:
             self._finish_stream(stream, "abort")
         self._wake()
 
-    def send_error(self, identity: bytes, request_id: str | None, code: str,
-                   message: str) -> None:
+    def send_error(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
         self._send(identity, wire.encode_server_message(wire.ErrorReply(request_id, message, code)))
 
     def fail(self, request_ids: list[str], code: str, message: str) -> None:
@@ -257,17 +296,27 @@ class ClientFrontend:
                 if cut is not None:
                     stream.text = stream.text[:cut]
                     finished, reason = True, "stop"
-        end = len(stream.text) if finished else max(stream.num_sent_chars,
-                                                     len(stream.text) - stream.holdback)
-        logprobs: dict[str, list[list[Any]]] | None = None if out.logprobs is None else {
-            "token_ids": out.logprobs.token_ids, "logprobs": out.logprobs.logprobs}
+        end = (
+            len(stream.text)
+            if finished
+            else max(stream.num_sent_chars, len(stream.text) - stream.holdback)
+        )
+        logprobs: dict[str, list[list[Any]]] | None = (
+            None
+            if out.logprobs is None
+            else {"token_ids": out.logprobs.token_ids, "logprobs": out.logprobs.logprobs}
+        )
         item = wire.StreamOutput(
-            request_id=stream.request_id, new_token_ids=list(new_ids),
-            text=stream.text[stream.num_sent_chars:end], finished=finished,
-            finish_reason=reason, prompt_tokens=len(stream.prompt_token_ids),
+            request_id=stream.request_id,
+            new_token_ids=list(new_ids),
+            text=stream.text[stream.num_sent_chars : end],
+            finished=finished,
+            finish_reason=reason,
+            prompt_tokens=len(stream.prompt_token_ids),
             completion_tokens=stream.num_output_tokens,
             prompt_token_ids=None if stream.sent_prompt_ids else stream.prompt_token_ids,
-            logprobs=logprobs)
+            logprobs=logprobs,
+        )
         stream.num_sent_chars = end
         stream.sent_prompt_ids = True
         if finished:
@@ -276,10 +325,15 @@ class ClientFrontend:
 
     def _final_output(self, stream: _Stream, reason: str) -> wire.StreamOutput:
         return wire.StreamOutput(
-            request_id=stream.request_id, new_token_ids=[], text=stream.text[stream.num_sent_chars:],
-            finished=True, finish_reason=reason, prompt_tokens=len(stream.prompt_token_ids),
+            request_id=stream.request_id,
+            new_token_ids=[],
+            text=stream.text[stream.num_sent_chars :],
+            finished=True,
+            finish_reason=reason,
+            prompt_tokens=len(stream.prompt_token_ids),
             completion_tokens=stream.num_output_tokens,
-            prompt_token_ids=None if stream.sent_prompt_ids else stream.prompt_token_ids)
+            prompt_token_ids=None if stream.sent_prompt_ids else stream.prompt_token_ids,
+        )
 
     def _finish_stream(self, stream: _Stream, reason: str) -> None:
         if self.streams.pop(stream.request_id, None) is None:

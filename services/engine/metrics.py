@@ -17,10 +17,48 @@ from prometheus_client import (
 
 _Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                    50.0, 60.0, 120.0, 240.0, 480.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 _PHASE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 STEP_PHASES = ("schedule", "plan_encode", "executor", "update", "outputs")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -35,52 +73,113 @@ class SchedulerMetrics:
         def one(metric: _Metric) -> _Metric:
             return metric.labels(model_name=model_name)
 
-        self.num_requests_running = one(Gauge(
-            "weir:num_requests_running", "Requests in the running batch", names, registry=reg))
-        self.num_requests_waiting = one(Gauge(
-            "weir:num_requests_waiting", "Requests waiting to be scheduled", names, registry=reg))
-        self.kv_cache_usage_perc = one(Gauge(
-            "weir:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)", names,
-            registry=reg))
-        self.num_preemptions = one(Counter(
-            "weir:num_preemptions", "Preemptions (recompute)", names, registry=reg))
-        self.prompt_tokens = one(Counter(
-            "weir:prompt_tokens", "Prompt tokens of admitted requests", names, registry=reg))
-        self.generation_tokens = one(Counter(
-            "weir:generation_tokens", "Generated tokens", names, registry=reg))
-        self.prefix_cache_queries = one(Counter(
-            "weir:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", names,
-            registry=reg))
-        self.prefix_cache_hits = one(Counter(
-            "weir:prefix_cache_hits", "Prompt tokens found in the prefix cache", names,
-            registry=reg))
+        self.num_requests_running = one(
+            Gauge("weir:num_requests_running", "Requests in the running batch", names, registry=reg)
+        )
+        self.num_requests_waiting = one(
+            Gauge(
+                "weir:num_requests_waiting", "Requests waiting to be scheduled", names, registry=reg
+            )
+        )
+        self.kv_cache_usage_perc = one(
+            Gauge(
+                "weir:kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (0..1)",
+                names,
+                registry=reg,
+            )
+        )
+        self.num_preemptions = one(
+            Counter("weir:num_preemptions", "Preemptions (recompute)", names, registry=reg)
+        )
+        self.prompt_tokens = one(
+            Counter("weir:prompt_tokens", "Prompt tokens of admitted requests", names, registry=reg)
+        )
+        self.generation_tokens = one(
+            Counter("weir:generation_tokens", "Generated tokens", names, registry=reg)
+        )
+        self.prefix_cache_queries = one(
+            Counter(
+                "weir:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                names,
+                registry=reg,
+            )
+        )
+        self.prefix_cache_hits = one(
+            Counter(
+                "weir:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                names,
+                registry=reg,
+            )
+        )
         self._request_success = Counter(
-            "weir:request_success", "Finished requests by finish reason",
-            ["model_name", "finished_reason"], registry=reg)
-        self.time_to_first_token = one(Histogram(
-            "weir:time_to_first_token_seconds", "Arrival to first output token", names,
-            registry=reg, buckets=_LATENCY_BUCKETS))
-        self.inter_token_latency = one(Histogram(
-            "weir:inter_token_latency_seconds", "Time between consecutive output tokens", names,
-            registry=reg, buckets=_LATENCY_BUCKETS))
-        self.e2e_request_latency = one(Histogram(
-            "weir:e2e_request_latency_seconds", "Arrival to finish", names, registry=reg,
-            buckets=_REQUEST_BUCKETS))
-        self.request_queue_time = one(Histogram(
-            "weir:request_queue_time_seconds", "Arrival to first scheduled", names, registry=reg,
-            buckets=_REQUEST_BUCKETS))
-        self.iteration_tokens = one(Histogram(
-            "weir:iteration_tokens", "Tokens scheduled in one step", names, registry=reg,
-            buckets=_TOKEN_BUCKETS))
+            "weir:request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.time_to_first_token = one(
+            Histogram(
+                "weir:time_to_first_token_seconds",
+                "Arrival to first output token",
+                names,
+                registry=reg,
+                buckets=_LATENCY_BUCKETS,
+            )
+        )
+        self.inter_token_latency = one(
+            Histogram(
+                "weir:inter_token_latency_seconds",
+                "Time between consecutive output tokens",
+                names,
+                registry=reg,
+                buckets=_LATENCY_BUCKETS,
+            )
+        )
+        self.e2e_request_latency = one(
+            Histogram(
+                "weir:e2e_request_latency_seconds",
+                "Arrival to finish",
+                names,
+                registry=reg,
+                buckets=_REQUEST_BUCKETS,
+            )
+        )
+        self.request_queue_time = one(
+            Histogram(
+                "weir:request_queue_time_seconds",
+                "Arrival to first scheduled",
+                names,
+                registry=reg,
+                buckets=_REQUEST_BUCKETS,
+            )
+        )
+        self.iteration_tokens = one(
+            Histogram(
+                "weir:iteration_tokens",
+                "Tokens scheduled in one step",
+                names,
+                registry=reg,
+                buckets=_TOKEN_BUCKETS,
+            )
+        )
 
         self._step_phase = Histogram(
             "weir:scheduler_step_phase_seconds",
             "Scheduler time per step by phase: schedule, plan_encode, executor (send to result, "
             "IPC included), update, outputs (detokenize, stop strings, push to clients)",
-            ["model_name", "phase"], registry=reg, buckets=_PHASE_BUCKETS)
-        self.step_phase = {phase: self._step_phase.labels(model_name=model_name, phase=phase)
-                           for phase in STEP_PHASES}
+            ["model_name", "phase"],
+            registry=reg,
+            buckets=_PHASE_BUCKETS,
+        )
+        self.step_phase = {
+            phase: self._step_phase.labels(model_name=model_name, phase=phase)
+            for phase in STEP_PHASES
+        }
 
     def request_success(self, finished_reason: str) -> None:
-        self._request_success.labels(model_name=self._model_name,
-                                     finished_reason=finished_reason).inc()
+        self._request_success.labels(
+            model_name=self._model_name, finished_reason=finished_reason
+        ).inc()

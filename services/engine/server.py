@@ -75,8 +75,12 @@ class _Counters:
 
 
 class SchedulerServer:
-    def __init__(self, options: SchedulerServerOptions, status: StatusReporter | None = None,
-                 parent_pid: int | None = None) -> None:
+    def __init__(
+        self,
+        options: SchedulerServerOptions,
+        status: StatusReporter | None = None,
+        parent_pid: int | None = None,
+    ) -> None:
         self.options = options
         self.status = status or StatusReporter(None)
         self.parent_pid = parent_pid
@@ -113,12 +117,14 @@ class SchedulerServer:
         executor_sock.setsockopt(zmq.LINGER, 0)
         executor_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            client_sock.bind(f"tcp://{opts.host}:{opts.port}" if opts.port else
-                             f"tcp://{opts.host}:*")
+            client_sock.bind(
+                f"tcp://{opts.host}:{opts.port}" if opts.port else f"tcp://{opts.host}:*"
+            )
             executor_sock.bind(opts.executor_address)
             if opts.metrics_port is not None:
-                self.metrics_address = start_metrics_server(self.metrics.registry, opts.host,
-                                                            opts.metrics_port)
+                self.metrics_address = start_metrics_server(
+                    self.metrics.registry, opts.host, opts.metrics_port
+                )
         except (zmq.ZMQError, OSError) as exc:
             self.status.error(f"cannot bind: {exc}")
             _log.error("scheduler cannot bind: %s", exc)
@@ -126,24 +132,52 @@ class SchedulerServer:
             return 1
         self.client_address = client_sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.executor_address = executor_sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        _log.info("scheduler for %s: clients %s, executors %s, metrics %s", self.model_name,
-                  self.client_address, self.executor_address, self.metrics_address)
+        _log.info(
+            "scheduler for %s: clients %s, executors %s, metrics %s",
+            self.model_name,
+            self.client_address,
+            self.executor_address,
+            self.metrics_address,
+        )
 
         self.frontend = ClientFrontend(
-            client_sock, self.tokenizer, self.vocab_size, self.scheduler_config.max_model_len,
-            self.metrics, self._wake.set, self._health, self._model_info)
+            client_sock,
+            self.tokenizer,
+            self.vocab_size,
+            self.scheduler_config.max_model_len,
+            self.metrics,
+            self._wake.set,
+            self._health,
+            self._model_info,
+        )
         self.group = ExecutorGroup(
-            executor_sock, ExpectedExecutor(opts.num_executors, self.model_name, self.vocab_size,
-                                            self.scheduler_config.max_model_len, self.engine_args),
-            self.engine_args.executor_timeout, self._on_group_formed, self._on_group_lost,
-            self._observe_phase)
+            executor_sock,
+            ExpectedExecutor(
+                opts.num_executors,
+                self.model_name,
+                self.vocab_size,
+                self.scheduler_config.max_model_len,
+                self.engine_args,
+            ),
+            self.engine_args.executor_timeout,
+            self._on_group_formed,
+            self._on_group_lost,
+            self._observe_phase,
+        )
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        tasks = [loop.create_task(coro) for coro in (
-            self.frontend.run(), self.group.run(), self.group.watchdog(), self._step_loop(),
-            self._watch_parent())]
+        tasks = [
+            loop.create_task(coro)
+            for coro in (
+                self.frontend.run(),
+                self.group.run(),
+                self.group.watchdog(),
+                self._step_loop(),
+                self._watch_parent(),
+            )
+        ]
         stop = loop.create_task(self._stop.wait())
         try:
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -174,9 +208,14 @@ class SchedulerServer:
         if not self._reported_ready:
             self._reported_ready = True
             self.status.ready(
-                client_address=self.client_address, executor_address=self.executor_address,
-                metrics_address=self.metrics_address, model_name=self.model_name, pid=os.getpid(),
-                num_blocks=num_blocks, executors=self.group.describe())
+                client_address=self.client_address,
+                executor_address=self.executor_address,
+                metrics_address=self.metrics_address,
+                model_name=self.model_name,
+                pid=os.getpid(),
+                num_blocks=num_blocks,
+                executors=self.group.describe(),
+            )
         self._wake.set()
 
     def _on_group_lost(self, message: str) -> None:
@@ -245,9 +284,14 @@ class SchedulerServer:
             info["lost_request_ids"] = [rid for rid in stream_ids if rid not in streams]
         if self.core is not None:
             stats = self.core.scheduler.stats()
-            info.update(num_requests_running=stats.num_running, num_requests_waiting=stats.num_waiting,
-                        kv_cache_usage=stats.kv_cache_usage, num_blocks=stats.num_blocks,
-                        num_free_blocks=stats.num_free_blocks, num_preemptions=stats.num_preemptions)
+            info.update(
+                num_requests_running=stats.num_running,
+                num_requests_waiting=stats.num_waiting,
+                kv_cache_usage=stats.kv_cache_usage,
+                num_blocks=stats.num_blocks,
+                num_free_blocks=stats.num_free_blocks,
+                num_preemptions=stats.num_preemptions,
+            )
         return info
 
     def _model_info(self) -> dict[str, Any]:

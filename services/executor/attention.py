@@ -36,7 +36,11 @@ class AttentionBackend(Protocol):
         """Called once per step, before any layer's write_kv/attend."""
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> None: ...
 
     def attend(
@@ -56,13 +60,22 @@ class TorchAttention:
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
         meta.plan = self._kernels.plan_step(
-            meta.query_start_loc.cpu(), meta.seq_lens.cpu(), meta.block_table.cpu(), meta.slot_mapping.cpu(),
-            block_size=kv_cache.shape[2], num_heads=num_heads, num_kv_heads=kv_cache.shape[3],
+            meta.query_start_loc.cpu(),
+            meta.seq_lens.cpu(),
+            meta.block_table.cpu(),
+            meta.slot_mapping.cpu(),
+            block_size=kv_cache.shape[2],
+            num_heads=num_heads,
+            num_kv_heads=kv_cache.shape[3],
             device=kv_cache.device,
         )
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> None:
         self._kernels.reshape_and_cache(key, value, kv_cache, meta.plan)
 
@@ -86,7 +99,11 @@ class PagedKernelAttention:
         pass
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> None:
         self._kernels.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
 

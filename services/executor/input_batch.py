@@ -28,7 +28,9 @@ class StepInputs:
     block_table: np.ndarray  # [R, max_blocks] int32
     slot_mapping: np.ndarray  # [T] int64
     num_spec: np.ndarray  # [R] draft tokens scheduled per request
-    num_logits: np.ndarray  # [R] logits rows per request: 1 + drafts if its prefill completes, else 0
+    num_logits: (
+        np.ndarray
+    )  # [R] logits rows per request: 1 + drafts if its prefill completes, else 0
     logits_indices: np.ndarray  # [N] rows of the flat batch to compute logits at
     max_query_len: int
     max_seq_len: int
@@ -37,7 +39,9 @@ class StepInputs:
 class InputBatch:
     """Per-request state in slot-indexed arrays. Slots grow on demand; preempted requests keep theirs."""
 
-    def __init__(self, max_model_len: int, block_size: int, capacity: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, max_model_len: int, block_size: int, capacity: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_blocks_per_req = cdiv(max_model_len, block_size)
@@ -55,23 +59,38 @@ class InputBatch:
             self.token_ids = np.zeros((capacity, self.max_model_len), dtype=np.int32)
             self.block_table = np.zeros((capacity, self.max_blocks_per_req), dtype=np.int32)
             self.num_blocks = np.zeros(capacity, dtype=np.int32)
-            self.num_tokens = np.zeros(capacity, dtype=np.int32)  # prompt + outputs the executor knows
+            self.num_tokens = np.zeros(
+                capacity, dtype=np.int32
+            )  # prompt + outputs the executor knows
             self.num_prompt_tokens = np.zeros(capacity, dtype=np.int32)
             self.num_computed_tokens = np.zeros(capacity, dtype=np.int32)
             self.temperature = np.zeros(capacity, dtype=np.float32)
             self.top_k = np.zeros(capacity, dtype=np.int64)
             self.top_p = np.ones(capacity, dtype=np.float32)
             self.min_p = np.zeros(capacity, dtype=np.float32)
-            self.seed = np.zeros(capacity, dtype=object)  # Python ints: seeds span 64 bits, signed or not
+            self.seed = np.zeros(
+                capacity, dtype=object
+            )  # Python ints: seeds span 64 bits, signed or not
             self.has_seed = np.zeros(capacity, dtype=bool)
             self.num_logprobs = np.full(capacity, -1, dtype=np.int32)
             self.min_tokens = np.zeros(capacity, dtype=np.int32)
             self.stop_ids: dict[int, list[int]] = {}  # slot -> ids banned before min_tokens
         else:
             for name in (
-                "token_ids", "block_table", "num_blocks", "num_tokens", "num_prompt_tokens",
-                "num_computed_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "has_seed",
-                "num_logprobs", "min_tokens",
+                "token_ids",
+                "block_table",
+                "num_blocks",
+                "num_tokens",
+                "num_prompt_tokens",
+                "num_computed_tokens",
+                "temperature",
+                "top_k",
+                "top_p",
+                "min_p",
+                "seed",
+                "has_seed",
+                "num_logprobs",
+                "min_tokens",
             ):
                 arr = getattr(self, name)
                 grown = np.zeros((capacity, *arr.shape[1:]), dtype=arr.dtype)
@@ -104,7 +123,9 @@ class InputBatch:
             self.num_blocks[slot] = 0  # a resumed request's new_block_ids is its whole table
         for req_id, block_ids in cached.new_block_ids.items():
             self._append_blocks(slot_of[req_id], block_ids)
-        slots = np.fromiter(map(slot_of.__getitem__, cached.req_ids), dtype=np.int64, count=len(cached.req_ids))
+        slots = np.fromiter(
+            map(slot_of.__getitem__, cached.req_ids), dtype=np.int64, count=len(cached.req_ids)
+        )
         self.num_computed_tokens[slots] = cached.num_computed_tokens
 
     def _remove(self, req_id: str) -> None:
@@ -138,7 +159,9 @@ class InputBatch:
         self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[slot] = sp.min_tokens
         if sp.min_tokens > 0:
-            self.stop_ids[slot] = list(sp.stop_token_ids) + ([] if sp.ignore_eos else self.eos_token_ids)
+            self.stop_ids[slot] = list(sp.stop_token_ids) + (
+                [] if sp.ignore_eos else self.eos_token_ids
+            )
 
     def _set_tokens(self, slot: int, prompt: list[int], outputs: list[int]) -> None:
         n = len(prompt) + len(outputs)
@@ -152,7 +175,9 @@ class InputBatch:
         start = self.num_blocks[slot]
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
-            raise ValueError(f"block table of {end} blocks exceeds {self.max_blocks_per_req} (max_model_len)")
+            raise ValueError(
+                f"block table of {end} blocks exceeds {self.max_blocks_per_req} (max_model_len)"
+            )
         self.block_table[slot, start:end] = block_ids
         self.num_blocks[slot] = end
 
@@ -161,10 +186,14 @@ class InputBatch:
     def prepare_inputs(self, plan: StepPlan) -> StepInputs:
         req_ids = list(plan.num_scheduled_tokens)
         try:
-            slots = np.fromiter(map(self.slot_of.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
+            slots = np.fromiter(
+                map(self.slot_of.__getitem__, req_ids), dtype=np.int64, count=len(req_ids)
+            )
         except KeyError as exc:
             raise ValueError(f"scheduled request {exc.args[0]!r} is not in the batch") from None
-        num_sched = np.fromiter(plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        num_sched = np.fromiter(
+            plan.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids)
+        )
         num_spec = np.zeros(len(req_ids), dtype=np.int64)
         num_tokens = self.num_tokens[slots].astype(np.int64)
         if plan.scheduled_spec_decode_tokens:
@@ -188,9 +217,13 @@ class InputBatch:
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
         np.cumsum(num_sched, out=query_start_loc[1:])
         token_slot = np.repeat(slots, num_sched)
-        positions = np.arange(total, dtype=np.int64) + np.repeat(computed - query_start_loc[:-1], num_sched)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(
+            computed - query_start_loc[:-1], num_sched
+        )
         input_ids = self.token_ids.reshape(-1)[token_slot * self.max_model_len + positions]
-        blocks = self.block_table.reshape(-1)[token_slot * self.max_blocks_per_req + positions // self.block_size]
+        blocks = self.block_table.reshape(-1)[
+            token_slot * self.max_blocks_per_req + positions // self.block_size
+        ]
         slot_mapping = blocks.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = (computed + num_sched).astype(np.int32)
         max_seq_len = int(seq_lens.max(initial=0))
@@ -199,9 +232,8 @@ class InputBatch:
         prefill_done = real_end >= num_tokens
         num_logits = np.where(prefill_done, num_spec + 1, 0)
         logits_start = np.cumsum(num_logits) - num_logits
-        logits_indices = (
-            np.arange(int(num_logits.sum()), dtype=np.int64)
-            + np.repeat(query_start_loc[1:] - num_logits - logits_start, num_logits)
+        logits_indices = np.arange(int(num_logits.sum()), dtype=np.int64) + np.repeat(
+            query_start_loc[1:] - num_logits - logits_start, num_logits
         )
         return StepInputs(
             req_ids=req_ids,

@@ -10,7 +10,21 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 if TYPE_CHECKING:  # the model runner imports torch; the metrics do not need it
     from weir.services.executor.model_runner import StepTimings
 
-_STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STEP_SECONDS_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -25,28 +39,55 @@ class ExecutorMetrics:
         def labelled(metric):
             return metric.labels(**labels)
 
-        self.step_seconds = labelled(Histogram(
-            "weir:executor_step_seconds", "Wall time of one step (decode plan to result ready)",
-            names, registry=self.registry, buckets=_STEP_SECONDS_BUCKETS))
-        self.batch_tokens = labelled(Histogram(
-            "weir:executor_batch_tokens", "Tokens computed in one step",
-            names, registry=self.registry, buckets=_TOKEN_BUCKETS))
-        self.num_kv_blocks = labelled(Gauge(
-            "weir:executor_num_kv_blocks", "KV cache blocks allocated on this rank",
-            names, registry=self.registry))
+        self.step_seconds = labelled(
+            Histogram(
+                "weir:executor_step_seconds",
+                "Wall time of one step (decode plan to result ready)",
+                names,
+                registry=self.registry,
+                buckets=_STEP_SECONDS_BUCKETS,
+            )
+        )
+        self.batch_tokens = labelled(
+            Histogram(
+                "weir:executor_batch_tokens",
+                "Tokens computed in one step",
+                names,
+                registry=self.registry,
+                buckets=_TOKEN_BUCKETS,
+            )
+        )
+        self.num_kv_blocks = labelled(
+            Gauge(
+                "weir:executor_num_kv_blocks",
+                "KV cache blocks allocated on this rank",
+                names,
+                registry=self.registry,
+            )
+        )
         phase = Histogram(
             "weir:executor_phase_seconds",
             "Time of one step by phase: prepare (plan to input tensors), forward (with logits), "
             "sample (with collecting the result)",
-            [*names, "phase"], registry=self.registry, buckets=_STEP_SECONDS_BUCKETS)
-        self.phase_seconds = {p: phase.labels(**labels, phase=p) for p in ("prepare", "forward", "sample")}
-        self.device_memory_bytes = labelled(Gauge(
-            "weir:executor_device_memory_bytes",
-            "Device memory in use: allocated CUDA memory on GPU, resident set size on CPU",
-            names, registry=self.registry))
+            [*names, "phase"],
+            registry=self.registry,
+            buckets=_STEP_SECONDS_BUCKETS,
+        )
+        self.phase_seconds = {
+            p: phase.labels(**labels, phase=p) for p in ("prepare", "forward", "sample")
+        }
+        self.device_memory_bytes = labelled(
+            Gauge(
+                "weir:executor_device_memory_bytes",
+                "Device memory in use: allocated CUDA memory on GPU, resident set size on CPU",
+                names,
+                registry=self.registry,
+            )
+        )
 
-    def observe_step(self, seconds: float, num_tokens: int, device: str,
-                     timings: StepTimings) -> None:
+    def observe_step(
+        self, seconds: float, num_tokens: int, device: str, timings: StepTimings
+    ) -> None:
         self.step_seconds.observe(seconds)
         self.phase_seconds["prepare"].observe(timings.prepare)
         self.phase_seconds["forward"].observe(timings.forward)

@@ -51,9 +51,13 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
         if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only silu is implemented")
+            raise ValueError(
+                f"unsupported hidden_act {hf['hidden_act']!r}; only silu is implemented"
+            )
         if hf.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
         num_heads = hf["num_attention_heads"]
@@ -107,7 +111,9 @@ class ModelConfig:
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with the config's scaling applied (fp32, CPU)."""
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_factor
     if cfg.rope_type == "llama3":
@@ -139,7 +145,9 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(size, device=device, dtype=dtype), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; the same result as the two below
@@ -152,11 +160,22 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """nn.Linear without the random init: every weight is loaded from the checkpoint."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False
+        )
         self.bias = (
-            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) if bias else None
+            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False)
+            if bias
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,7 +188,13 @@ class Linear(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: AttentionBackend, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attention: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
@@ -226,14 +251,20 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.attention = attention
         self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False
+            torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype),
+            requires_grad=False,
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attention, device, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, attention, device, dtype) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
+            else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype),
+                requires_grad=False,
+            )
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
@@ -270,4 +301,6 @@ class CausalLM(nn.Module):
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = self.config.kv_cache_shape(num_blocks, block_size)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.inv_freq.device) for _ in self.layers]
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.inv_freq.device) for _ in self.layers
+        ]

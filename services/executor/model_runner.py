@@ -99,7 +99,9 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.attention = get_attention_backend(attention_backend, self.device)
-        self.model = load_model(self.model_dir, device=self.device, dtype=self.dtype, attention=self.attention)
+        self.model = load_model(
+            self.model_dir, device=self.device, dtype=self.dtype, attention=self.attention
+        )
         self.config = self.model.config
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.config.eos_token_ids)
@@ -113,13 +115,20 @@ class ModelRunner:
         self.last_timings = StepTimings()
         logger.info(
             "loaded %s on %s (%s, %s attention) in %.2fs; %d KV blocks of %d tokens",
-            self.model_dir.name, self.device, self.dtype, self.attention.name,
-            self.load_seconds, self.num_blocks, block_size,
+            self.model_dir.name,
+            self.device,
+            self.dtype,
+            self.attention.name,
+            self.load_seconds,
+            self.num_blocks,
+            block_size,
         )
 
     # ------------------------------------------------------------------ setup
 
-    def _num_kv_blocks(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> int:
+    def _num_kv_blocks(
+        self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float
+    ) -> int:
         per_block = self.config.kv_cache_bytes_per_block(self.block_size, self.dtype)
         if kv_cache_memory_bytes is not None:
             return kv_cache_memory_bytes // per_block
@@ -131,11 +140,17 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)  # weights + activation peak
         free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)  # CUDA context, other processes
+        non_torch = (
+            total - free - torch.cuda.memory_reserved(self.device)
+        )  # CUDA context, other processes
         budget = int(total * gpu_memory_utilization) - peak - max(non_torch, 0)
         logger.info(
             "KV cache budget %.2f GiB (total %.2f GiB x %.2f, torch peak %.2f GiB, other %.2f GiB)",
-            budget / 2**30, total / 2**30, gpu_memory_utilization, peak / 2**30, non_torch / 2**30,
+            budget / 2**30,
+            total / 2**30,
+            gpu_memory_utilization,
+            peak / 2**30,
+            non_torch / 2**30,
         )
         return max(budget, 0) // per_block
 
@@ -151,7 +166,9 @@ class ModelRunner:
         query_start_loc = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], lens)
         req = np.repeat(np.arange(num_reqs), lens)
-        block_table = np.arange(num_reqs * blocks_per_req, dtype=np.int32).reshape(num_reqs, blocks_per_req)
+        block_table = np.arange(num_reqs * blocks_per_req, dtype=np.int32).reshape(
+            num_reqs, blocks_per_req
+        )
         meta = AttentionMetadata(
             query_start_loc=self._to_device(query_start_loc),
             seq_lens=self._to_device(lens.astype(np.int32)),
@@ -162,7 +179,9 @@ class ModelRunner:
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, self._to_device(positions), meta, kv_caches)
-        logits = self.model.compute_logits(hidden[self._to_device(query_start_loc[1:].astype(np.int64) - 1)])
+        logits = self.model.compute_logits(
+            hidden[self._to_device(query_start_loc[1:].astype(np.int64) - 1)]
+        )
         ones = np.ones(num_reqs, dtype=np.float32)
         batch = SamplingBatch.build(
             ones, np.full(num_reqs, 50), ones * 0.9, ones * 0.1, device=self.device, num_logprobs=20
@@ -205,8 +224,12 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id)
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
         forwarded = self._clock()
-        result = self._collect(plan.step_id, inputs, self.sampler(logits, self._sampling_batch(inputs)))
-        self.last_timings = StepTimings(prepared - start, forwarded - prepared, self._clock() - forwarded)
+        result = self._collect(
+            plan.step_id, inputs, self.sampler(logits, self._sampling_batch(inputs))
+        )
+        self.last_timings = StepTimings(
+            prepared - start, forwarded - prepared, self._clock() - forwarded
+        )
         return result
 
     def _clock(self) -> float:
@@ -219,7 +242,9 @@ class ModelRunner:
         b = self.batch
         rows = np.repeat(inputs.slots, inputs.num_logits)
         # Output index of the token each row samples: row j of a request samples output n + j.
-        first = np.repeat(b.num_tokens[inputs.slots] - b.num_prompt_tokens[inputs.slots], inputs.num_logits)
+        first = np.repeat(
+            b.num_tokens[inputs.slots] - b.num_prompt_tokens[inputs.slots], inputs.num_logits
+        )
         logits_start = np.cumsum(inputs.num_logits) - inputs.num_logits
         output_pos = first + np.arange(len(rows)) - np.repeat(logits_start, inputs.num_logits)
         seeded = np.flatnonzero(b.has_seed[rows])
@@ -252,7 +277,10 @@ class ModelRunner:
         logprobs: dict[str, SampleLogprobs] = {}
         row = 0
         for req_id, slot, num_logits, num_spec in zip(
-            inputs.req_ids, inputs.slots.tolist(), inputs.num_logits.tolist(), inputs.num_spec.tolist()
+            inputs.req_ids,
+            inputs.slots.tolist(),
+            inputs.num_logits.tolist(),
+            inputs.num_spec.tolist(),
         ):
             if num_logits == 0:
                 continue

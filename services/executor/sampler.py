@@ -35,7 +35,9 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # [N] fp32, 0 = off
     generators: dict[int, torch.Generator]  # row -> generator of a seeded row
     num_logprobs: int  # top-n alternatives to return per row; -1 = no logprobs
-    banned: list[tuple[int, list[int]]]  # (row, token ids it may not produce), e.g. EOS before min_tokens
+    banned: list[
+        tuple[int, list[int]]
+    ]  # (row, token ids it may not produce), e.g. EOS before min_tokens
 
     @classmethod
     def build(
@@ -60,7 +62,9 @@ class SamplingBatch:
         generators = {}
         for row, seed, position in seeds:
             if temperature[row] > 0:
-                generators[row] = torch.Generator(device=device).manual_seed(row_seed(seed, position))
+                generators[row] = torch.Generator(device=device).manual_seed(
+                    row_seed(seed, position)
+                )
         return cls(
             temperature=torch.from_numpy(temperature.astype(np.float32)).to(device),
             all_greedy=all_greedy,
@@ -93,7 +97,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Keep each row's k largest logits (ties at the k-th kept) and its smallest nucleus of mass >= p."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab = logits.shape[-1]
@@ -139,7 +145,9 @@ class Sampler:
             token_ids = greedy
         else:
             token_ids = torch.where(batch.temperature == 0, greedy, self._sample(logits, batch))
-        logprobs = None if batch.num_logprobs < 0 else compute_logprobs(raw, token_ids, batch.num_logprobs)
+        logprobs = (
+            None if batch.num_logprobs < 0 else compute_logprobs(raw, token_ids, batch.num_logprobs)
+        )
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -47,7 +47,11 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 def _row_range(cfg: ModelConfig, part: str) -> slice:
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    q, kv, inter = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     return {
         "q": slice(0, q),
         "k": slice(q, q + kv),
@@ -89,7 +93,9 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
         param_name, rows = target
         dest = params[param_name][rows]
         if dest.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
+            )
         dest.copy_(tensor)
         filled[param_name] = filled.get(param_name, 0) + tensor.numel()
     missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]

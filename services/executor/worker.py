@@ -77,8 +77,9 @@ class _Heartbeat(threading.Thread):
 
 
 class ExecutorWorker:
-    def __init__(self, options: ExecutorOptions, status: StatusReporter,
-                 parent_pid: int | None = None) -> None:
+    def __init__(
+        self, options: ExecutorOptions, status: StatusReporter, parent_pid: int | None = None
+    ) -> None:
         self.options = options
         self.status = status
         self.parent_pid = parent_pid
@@ -91,8 +92,12 @@ class ExecutorWorker:
             runner = self._load_runner()
         except Exception as exc:
             # A bad option or missing model needs its message, not a traceback.
-            _log.error("executor %d failed to start: %s", opts.rank, exc,
-                       exc_info=not isinstance(exc, ValueError))
+            _log.error(
+                "executor %d failed to start: %s",
+                opts.rank,
+                exc,
+                exc_info=not isinstance(exc, ValueError),
+            )
             self.status.error(f"{type(exc).__name__}: {exc}")
             return 1
         model_name = runner.model_dir.name
@@ -100,16 +105,26 @@ class ExecutorWorker:
         metrics.num_kv_blocks.set(runner.num_blocks)
         metrics_address = None
         if opts.metrics_port is not None:
-            metrics_address = start_metrics_server(metrics.registry, opts.metrics_host,
-                                                   opts.metrics_port)
+            metrics_address = start_metrics_server(
+                metrics.registry, opts.metrics_host, opts.metrics_port
+            )
         hello = control.ExecutorHello(
-            session=self.session, rank=opts.rank, pid=os.getpid(), model_name=model_name,
-            vocab_size=runner.config.vocab_size, num_blocks=runner.num_blocks,
-            block_size=runner.block_size, max_num_batched_tokens=runner.max_num_batched_tokens,
-            max_num_seqs=runner.max_num_seqs, max_model_len=runner.max_model_len,
+            session=self.session,
+            rank=opts.rank,
+            pid=os.getpid(),
+            model_name=model_name,
+            vocab_size=runner.config.vocab_size,
+            num_blocks=runner.num_blocks,
+            block_size=runner.block_size,
+            max_num_batched_tokens=runner.max_num_batched_tokens,
+            max_num_seqs=runner.max_num_seqs,
+            max_model_len=runner.max_model_len,
             eos_token_ids=list(runner.eos_token_ids),
-            dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
-            attention_backend=runner.attention.name, metrics_address=metrics_address)
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device),
+            attention_backend=runner.attention.name,
+            metrics_address=metrics_address,
+        )
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -124,10 +139,15 @@ class ExecutorWorker:
                 return 1
             heartbeat = _Heartbeat(ctx, opts.scheduler, self.session, opts.rank)
             heartbeat.start()
-            self.status.ready(rank=opts.rank, num_blocks=runner.num_blocks,
-                              metrics_address=metrics_address)
-            _log.info("executor %d ready: %d KV blocks, scheduler %s", opts.rank,
-                      runner.num_blocks, opts.scheduler)
+            self.status.ready(
+                rank=opts.rank, num_blocks=runner.num_blocks, metrics_address=metrics_address
+            )
+            _log.info(
+                "executor %d ready: %d KV blocks, scheduler %s",
+                opts.rank,
+                runner.num_blocks,
+                opts.scheduler,
+            )
             return self._serve(sock, runner, metrics, heartbeat)
         finally:
             if heartbeat is not None:
@@ -142,15 +162,25 @@ class ExecutorWorker:
         from weir.shared.model_store import resolve_model
 
         args = self.options.engine_args
-        kv_cache_memory = (parse_size(args.kv_cache_memory) if isinstance(args.kv_cache_memory, str)
-                           else args.kv_cache_memory)
+        kv_cache_memory = (
+            parse_size(args.kv_cache_memory)
+            if isinstance(args.kv_cache_memory, str)
+            else args.kv_cache_memory
+        )
         return ModelRunner(
-            resolve_model(args.model), device=args.device or _default_device(), dtype=args.dtype,
-            kv_cache_memory_bytes=kv_cache_memory, block_size=args.block_size,
+            resolve_model(args.model),
+            device=args.device or _default_device(),
+            dtype=args.dtype,
+            kv_cache_memory_bytes=kv_cache_memory,
+            block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             attention_backend=args.attention_backend,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, num_threads=args.threads, seed=args.seed)
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            num_threads=args.threads,
+            seed=args.seed,
+        )
 
     def _handshake(self, sock: zmq.Socket, hello: control.ExecutorHello) -> str | None:
         """Send hello until the scheduler answers; None when welcomed, else the rejection."""
@@ -167,13 +197,16 @@ class ExecutorWorker:
             if parent_gone(self.parent_pid):
                 return "supervisor exited before the handshake"
 
-    def _serve(self, sock: zmq.Socket, runner: ModelRunner, metrics: ExecutorMetrics,
-               heartbeat: _Heartbeat) -> int:
+    def _serve(
+        self, sock: zmq.Socket, runner: ModelRunner, metrics: ExecutorMetrics, heartbeat: _Heartbeat
+    ) -> int:
         rank, device = self.options.rank, str(runner.device)
         while True:
             if not sock.poll(_POLL_MS):
                 if heartbeat.reset.is_set():
-                    _log.error("executor %d: the scheduler restarted; exiting to restart clean", rank)
+                    _log.error(
+                        "executor %d: the scheduler restarted; exiting to restart clean", rank
+                    )
                     return 3
                 if parent_gone(self.parent_pid):
                     return 0
@@ -190,12 +223,22 @@ class ExecutorWorker:
                 step_id = plan.step_id
                 result = runner.execute(plan)
                 encoded = encode_step_result(result) if rank == 0 else None
-                metrics.observe_step(time.perf_counter() - start, plan.total_num_scheduled_tokens,
-                                     device, runner.last_timings)
+                metrics.observe_step(
+                    time.perf_counter() - start,
+                    plan.total_num_scheduled_tokens,
+                    device,
+                    runner.last_timings,
+                )
             except Exception as exc:  # a bad plan or a failed forward pass: report, keep serving
                 _log.exception("executor %d: step %d failed", rank, step_id)
-                sock.send_multipart([control.STEP_ERROR, control.pack(
-                    control.StepFailure(step_id, rank, f"{type(exc).__name__}: {exc}"))])
+                sock.send_multipart(
+                    [
+                        control.STEP_ERROR,
+                        control.pack(
+                            control.StepFailure(step_id, rank, f"{type(exc).__name__}: {exc}")
+                        ),
+                    ]
+                )
                 continue
             if encoded is not None:
                 sock.send_multipart([control.RESULT, encoded])
@@ -207,9 +250,11 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def run_executor(options: ExecutorOptions, status_fd: int | None = None,
-                 parent_pid: int | None = None) -> int:
+def run_executor(
+    options: ExecutorOptions, status_fd: int | None = None, parent_pid: int | None = None
+) -> int:
     """``weir executor``: serve until SIGTERM/SIGINT; returns the exit code."""
+
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(0)
 

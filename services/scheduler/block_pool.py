@@ -21,8 +21,9 @@ from hashlib import blake2b
 ROOT_BLOCK_HASH = blake2b(b"weir prefix cache v1", digest_size=16).digest()
 
 
-def chain_block_hashes(parent_hash: bytes, token_ids: Sequence[int],
-                       block_size: int) -> list[bytes]:
+def chain_block_hashes(
+    parent_hash: bytes, token_ids: Sequence[int], block_size: int
+) -> list[bytes]:
     """Content hashes of consecutive full blocks, each chained to the one before it
     (the first to ``parent_hash``): a block's hash names its whole prefix.
 
@@ -33,7 +34,7 @@ def chain_block_hashes(parent_hash: bytes, token_ids: Sequence[int],
     stride = 4 * block_size
     hashes = []
     for offset in range(0, len(data) - stride + 1, stride):
-        parent_hash = blake2b(parent_hash + data[offset:offset + stride], digest_size=16).digest()
+        parent_hash = blake2b(parent_hash + data[offset : offset + stride], digest_size=16).digest()
         hashes.append(parent_hash)
     return hashes
 
@@ -54,7 +55,8 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks)
+            (b.block_id, b) for b in self.blocks
+        )
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     @property

@@ -46,8 +46,11 @@ class KVCacheManager:
         start = len(hashes)
         if start < num_blocks:
             bs = self.block_size
-            hashes += chain_block_hashes(hashes[-1] if hashes else ROOT_BLOCK_HASH,
-                                         request.all_token_ids[start * bs:num_blocks * bs], bs)
+            hashes += chain_block_hashes(
+                hashes[-1] if hashes else ROOT_BLOCK_HASH,
+                request.all_token_ids[start * bs : num_blocks * bs],
+                bs,
+            )
         return hashes
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
@@ -81,8 +84,9 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Grow the block table to hold ``num_new_tokens`` more tokens. Returns the new
         block ids ([] when the last block has room), or None when too few are free."""
-        needed = (cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-                  - len(request.block_ids))
+        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(
+            request.block_ids
+        )
         if needed <= 0:
             return []
         if needed > self.pool.num_free_blocks:

@@ -38,14 +38,37 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
-        "priority", "status", "all_token_ids", "output_token_ids", "spec_token_ids",
-        "num_computed_tokens", "num_preemptions", "num_cached_tokens", "block_ids",
-        "block_hashes", "num_cached_blocks", "stop_ids", "max_tokens", "min_tokens", "seq")
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "priority",
+        "status",
+        "all_token_ids",
+        "output_token_ids",
+        "spec_token_ids",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_cached_tokens",
+        "block_ids",
+        "block_hashes",
+        "num_cached_blocks",
+        "stop_ids",
+        "max_tokens",
+        "min_tokens",
+        "seq",
+    )
 
-    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
-                 sampling_params: SamplingParams | None = None, eos_token_id: int | None = None,
-                 arrival_time: float | None = None, priority: int = 0) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
         if type(request_id) is not str or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt = list(prompt_token_ids)
@@ -106,6 +129,8 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens}, "
-                f"outputs={len(self.output_token_ids)}, spec={len(self.spec_token_ids)})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+            f"outputs={len(self.output_token_ids)}, spec={len(self.spec_token_ids)})"
+        )

@@ -25,7 +25,9 @@ class WaitingQueue:
 
     def add(self, request: Request) -> None:
         if self._by_priority:
-            self._queue.insert(bisect.bisect(self._queue, priority_key(request), key=priority_key), request)
+            self._queue.insert(
+                bisect.bisect(self._queue, priority_key(request), key=priority_key), request
+            )
         else:
             self._queue.append(request)
 

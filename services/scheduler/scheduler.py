@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from weir.services.scheduler.kv_cache_manager import KVCacheManager
+from weir.services.scheduler.output import EngineOutput
 from weir.services.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from weir.services.scheduler.request_queue import WaitingQueue, priority_key
 from weir.shared.config import CacheConfig, SchedulerConfig
-from weir.services.scheduler.output import EngineOutput
 from weir.shared.protocol.step import CachedRequestData, NewRequest, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -76,14 +76,18 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has already been scheduled")
         max_len = self.scheduler_config.max_model_len
         if request.num_prompt_tokens > max_len:
-            raise ValueError(f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens, "
-                             f"more than max_model_len={max_len}")
+            raise ValueError(
+                f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens, "
+                f"more than max_model_len={max_len}"
+            )
         footprint = min(request.num_prompt_tokens + request.max_tokens - 1, max_len)
         kv = self.kv_cache_manager
         if kv.num_blocks_for(footprint) > kv.num_blocks:
-            raise ValueError(f"request {rid!r}: up to {footprint} tokens of KV need "
-                             f"{kv.num_blocks_for(footprint)} blocks but the cache has only "
-                             f"{kv.num_blocks}")
+            raise ValueError(
+                f"request {rid!r}: up to {footprint} tokens of KV need "
+                f"{kv.num_blocks_for(footprint)} blocks but the cache has only "
+                f"{kv.num_blocks}"
+            )
         request.seq = self._next_seq
         self._next_seq += 1
         self.requests[rid] = request
@@ -94,8 +98,9 @@ class Scheduler:
         FINISHED_ABORTED."""
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, request_ids: Iterable[str] | str,
-                        status: RequestStatus) -> list[EngineOutput]:
+    def finish_requests(
+        self, request_ids: Iterable[str] | str, status: RequestStatus
+    ) -> list[EngineOutput]:
         """End requests from outside the step loop (abort, or a stop string found by
         the detokenizer with FINISHED_STOPPED). Blocks are freed at once, the ids go
         into the next plan's ``finished_req_ids``. Unknown or already finished ids are
@@ -115,8 +120,9 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self._release(request)
-            outputs.append(EngineOutput(rid, [], True, FINISH_REASONS[status],
-                                         request.num_cached_tokens))
+            outputs.append(
+                EngineOutput(rid, [], True, FINISH_REASONS[status], request.num_cached_tokens)
+            )
         return outputs
 
     def _release(self, request: Request) -> None:
@@ -152,12 +158,16 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
-            kv_cache_usage=kv.usage, num_preemptions=self._num_preemptions,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_preemptions=self._num_preemptions,
             prefix_cache_queries=self._prefix_cache_queries,
             prefix_cache_hits=self._prefix_cache_hits,
             num_scheduled_tokens=self._last_num_scheduled_tokens,
-            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks)
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks,
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -194,8 +204,9 @@ class Scheduler:
                 while (blocks := kv.allocate_slots(request, num_new)) is None:
                     victim_index = self._victim_index()
                     victim = running[victim_index]
-                    budget += self._preempt(victim_index, num_scheduled, spec_tokens, new_blocks,
-                                            scheduled_running)
+                    budget += self._preempt(
+                        victim_index, num_scheduled, spec_tokens, new_blocks, scheduled_running
+                    )
                     preempted.append(victim)
                     if victim is request:
                         break
@@ -215,8 +226,11 @@ class Scheduler:
             scheduled_running.append(request)
             i += 1
 
-        cached = CachedRequestData([r.request_id for r in scheduled_running],
-                                [r.num_computed_tokens for r in scheduled_running], new_blocks)
+        cached = CachedRequestData(
+            [r.request_id for r in scheduled_running],
+            [r.num_computed_tokens for r in scheduled_running],
+            new_blocks,
+        )
         new_requests: list[NewRequest] = []
         if not preempted:
             budget = self._admit(budget, num_scheduled, new_requests, cached)
@@ -225,8 +239,16 @@ class Scheduler:
         self._last_num_scheduled_tokens = total
         finished, self._finished_req_ids = self._finished_req_ids, []
         self._step_id += 1
-        return StepPlan(num_scheduled, total, spec_tokens, new_requests, cached,
-                        [r.request_id for r in preempted], finished, self._step_id)
+        return StepPlan(
+            num_scheduled,
+            total,
+            spec_tokens,
+            new_requests,
+            cached,
+            [r.request_id for r in preempted],
+            finished,
+            self._step_id,
+        )
 
     def _victim_index(self) -> int:
         """The running request to preempt: the most recently admitted (FCFS), or the
@@ -236,9 +258,14 @@ class Scheduler:
             return max(range(len(running)), key=lambda j: priority_key(running[j]))
         return len(running) - 1
 
-    def _preempt(self, victim_index: int, num_scheduled: dict[str, int],
-                 spec_tokens: dict[str, list[int]], new_blocks: dict[str, list[int]],
-                 scheduled_running: list[Request]) -> int:
+    def _preempt(
+        self,
+        victim_index: int,
+        num_scheduled: dict[str, int],
+        spec_tokens: dict[str, list[int]],
+        new_blocks: dict[str, list[int]],
+        scheduled_running: list[Request],
+    ) -> int:
         """Recompute-preemption; returns the budget the victim held in this step (only
         under the priority policy can the victim already be scheduled)."""
         victim = self.running.pop(victim_index)
@@ -257,8 +284,13 @@ class Scheduler:
         self.waiting.requeue(victim)
         return returned
 
-    def _admit(self, budget: int, num_scheduled: dict[str, int],
-               new_requests: list[NewRequest], cached: CachedRequestData) -> int:
+    def _admit(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_requests: list[NewRequest],
+        cached: CachedRequestData,
+    ) -> int:
         config = self.scheduler_config
         kv = self.kv_cache_manager
         waiting = self.waiting
@@ -288,13 +320,20 @@ class Scheduler:
             self._prefix_cache_hits += num_hit_tokens
             rid = request.request_id
             if request.status is RequestStatus.PREEMPTED:
-                cached.append(rid, list(request.block_ids), num_hit_tokens,
-                              list(request.output_token_ids))
+                cached.append(
+                    rid, list(request.block_ids), num_hit_tokens, list(request.output_token_ids)
+                )
             else:
                 request.num_cached_tokens = num_hit_tokens
-                new_requests.append(NewRequest(rid, request.prompt_token_ids,
-                                               request.sampling_params, list(request.block_ids),
-                                               num_hit_tokens))
+                new_requests.append(
+                    NewRequest(
+                        rid,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        list(request.block_ids),
+                        num_hit_tokens,
+                    )
+                )
             request.status = _RUNNING
             running.append(request)
             num_scheduled[rid] = num_new
@@ -329,7 +368,7 @@ class Scheduler:
                 # rejected draft is invalid, so roll back over them.
                 num_drafts = len(spec_tokens[rid])
                 if sampled and len(sampled) > num_drafts + 1:
-                    sampled = sampled[:num_drafts + 1]
+                    sampled = sampled[: num_drafts + 1]
                 computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
                 request.spec_token_ids = []
             elif request.spec_token_ids:
@@ -364,15 +403,26 @@ class Scheduler:
                 if lp is not None and len(lp) > count:
                     lp = lp.head(count)
                 if status is None:
-                    outputs.append(EngineOutput(rid, new_tokens, False, None,
-                                                 request.num_cached_tokens, lp))
+                    outputs.append(
+                        EngineOutput(rid, new_tokens, False, None, request.num_cached_tokens, lp)
+                    )
                 else:
                     request.status = status
                     finished.append(request)
-                    outputs.append(EngineOutput(rid, new_tokens, True, FINISH_REASONS[status],
-                                                 request.num_cached_tokens, lp))
-            if caching and (min(request.num_computed_tokens, len(all_tokens)) // block_size
-                            > request.num_cached_blocks):
+                    outputs.append(
+                        EngineOutput(
+                            rid,
+                            new_tokens,
+                            True,
+                            FINISH_REASONS[status],
+                            request.num_cached_tokens,
+                            lp,
+                        )
+                    )
+            if caching and (
+                min(request.num_computed_tokens, len(all_tokens)) // block_size
+                > request.num_cached_blocks
+            ):
                 kv.cache_blocks(request)
 
         if finished:

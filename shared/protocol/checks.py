@@ -86,4 +86,3 @@ def int_list_map(name: str, value: Any) -> dict[str, list[int]]:
     if by_id:
         check_rows(name, by_id.values(), by_id.keys())
     return by_id
-

@@ -145,13 +145,22 @@ def _unpack_map(frame: bytes) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- client -> scheduler
 
+
 def encode_client_message(msg: ClientMessage) -> bytes:
     if isinstance(msg, GenerateRequest):
-        return _pack("generate", {"request_id": msg.request_id, "prompt": msg.prompt,
-                                  "sampling_params": msg.sampling_params.to_dict()})
+        return _pack(
+            "generate",
+            {
+                "request_id": msg.request_id,
+                "prompt": msg.prompt,
+                "sampling_params": msg.sampling_params.to_dict(),
+            },
+        )
     if isinstance(msg, HealthRequest) and msg.stream_ids:
         return _pack("health", {"request_id": msg.request_id, "stream_ids": msg.stream_ids})
-    type_ = {AbortRequest: "abort", HealthRequest: "health", ModelInfoRequest: "model_info"}[type(msg)]
+    type_ = {AbortRequest: "abort", HealthRequest: "health", ModelInfoRequest: "model_info"}[
+        type(msg)
+    ]
     return _pack(type_, {"request_id": msg.request_id})
 
 
@@ -174,25 +183,32 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         raise ClientProtocolError(UNSUPPORTED_VERSION, str(exc), request_id) from None
     type_ = data.get("type")
     if type_ not in _CLIENT_FIELDS:
-        raise ClientProtocolError(UNKNOWN_MESSAGE_TYPE,
-                                  f"unknown message type {type_!r}; expected one of "
-                                  f"{sorted(_CLIENT_FIELDS)}", request_id)
+        raise ClientProtocolError(
+            UNKNOWN_MESSAGE_TYPE,
+            f"unknown message type {type_!r}; expected one of {sorted(_CLIENT_FIELDS)}",
+            request_id,
+        )
     unknown = sorted(set(data) - _CLIENT_FIELDS[type_] - {"v", "type"}, key=str)
     if unknown:
-        raise ClientProtocolError(INVALID_REQUEST, f"{type_}: unknown field(s) {unknown}", request_id)
+        raise ClientProtocolError(
+            INVALID_REQUEST, f"{type_}: unknown field(s) {unknown}", request_id
+        )
     if not isinstance(raw_id, str) or not raw_id:
-        raise ClientProtocolError(INVALID_REQUEST,
-                                  f"request_id must be a non-empty string, got {type(raw_id).__name__}")
+        raise ClientProtocolError(
+            INVALID_REQUEST, f"request_id must be a non-empty string, got {type(raw_id).__name__}"
+        )
     if len(raw_id) > MAX_REQUEST_ID_LEN:
-        raise ClientProtocolError(INVALID_REQUEST,
-                                  f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+        raise ClientProtocolError(
+            INVALID_REQUEST, f"request_id must be at most {MAX_REQUEST_ID_LEN} characters"
+        )
     if type_ == "abort":
         return AbortRequest(raw_id)
     if type_ == "health":
         stream_ids = data.get("stream_ids", [])
         if not isinstance(stream_ids, list) or not all(isinstance(i, str) for i in stream_ids):
-            raise ClientProtocolError(INVALID_REQUEST, "health: stream_ids must be a list of strings",
-                                      raw_id)
+            raise ClientProtocolError(
+                INVALID_REQUEST, "health: stream_ids must be a list of strings", raw_id
+            )
         return HealthRequest(raw_id, stream_ids)
     if type_ == "model_info":
         return ModelInfoRequest(raw_id)
@@ -211,34 +227,49 @@ def validate_prompt(prompt: Any) -> Prompt:
             raise ValueError("prompt must not be empty")
         return prompt
     if not isinstance(prompt, list):
-        raise ValueError("prompt must be a string, a list of token ids or a list of chat "
-                         f"messages, got {type(prompt).__name__}")
+        raise ValueError(
+            "prompt must be a string, a list of token ids or a list of chat "
+            f"messages, got {type(prompt).__name__}"
+        )
     if not prompt:
         raise ValueError("prompt must not be empty")
     if isinstance(prompt[0], dict):
         for i, message in enumerate(prompt):
             if not isinstance(message, dict):
-                raise ValueError(f"prompt[{i}]: chat messages must be maps, got {type(message).__name__}")
+                raise ValueError(
+                    f"prompt[{i}]: chat messages must be maps, got {type(message).__name__}"
+                )
             if set(message) != {"role", "content"}:
-                raise ValueError(f"prompt[{i}]: a chat message must have exactly the keys "
-                                 f"'role' and 'content', got {sorted(message, key=str)}")
+                raise ValueError(
+                    f"prompt[{i}]: a chat message must have exactly the keys "
+                    f"'role' and 'content', got {sorted(message, key=str)}"
+                )
             if not isinstance(message["role"], str) or not isinstance(message["content"], str):
                 raise ValueError(f"prompt[{i}]: chat message role and content must be strings")
         return prompt
     for i, token_id in enumerate(prompt):
         if not isinstance(token_id, int) or isinstance(token_id, bool):
-            raise ValueError(f"prompt[{i}]: token ids must be integers, got {type(token_id).__name__}")
+            raise ValueError(
+                f"prompt[{i}]: token ids must be integers, got {type(token_id).__name__}"
+            )
     return prompt
 
 
 # ---------------------------------------------------------------- scheduler -> client
 
+
 def encode_outputs(outputs: list[StreamOutput]) -> bytes:
     items = []
     for o in outputs:
-        item = {"request_id": o.request_id, "new_token_ids": o.new_token_ids, "text": o.text,
-                "finished": o.finished, "finish_reason": o.finish_reason,
-                "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens}
+        item = {
+            "request_id": o.request_id,
+            "new_token_ids": o.new_token_ids,
+            "text": o.text,
+            "finished": o.finished,
+            "finish_reason": o.finish_reason,
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": o.completion_tokens,
+        }
         if o.prompt_token_ids is not None:
             item["prompt_token_ids"] = o.prompt_token_ids
         if o.logprobs is not None:
@@ -249,7 +280,9 @@ def encode_outputs(outputs: list[StreamOutput]) -> bytes:
 
 def encode_server_message(msg: ErrorReply | HealthReply | ModelInfoReply) -> bytes:
     if isinstance(msg, ErrorReply):
-        return _pack("error", {"request_id": msg.request_id, "message": msg.message, "code": msg.code})
+        return _pack(
+            "error", {"request_id": msg.request_id, "message": msg.message, "code": msg.code}
+        )
     type_ = "health" if isinstance(msg, HealthReply) else "model_info"
     return _pack(type_, {"request_id": msg.request_id, "info": msg.info})
 

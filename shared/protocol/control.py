@@ -100,8 +100,7 @@ def unpack(cls: type[R], payload: bytes) -> R:
     unknown = sorted(set(data) - set(known))
     if unknown:
         raise ProtocolError(f"{cls.__name__}: unknown field(s) {unknown}")
-    missing = sorted(name for name, f in known.items()
-                     if name not in data and f.default is MISSING)
+    missing = sorted(name for name, f in known.items() if name not in data and f.default is MISSING)
     if missing:
         raise ProtocolError(f"{cls.__name__}: missing field(s) {missing}")
     for name, value in data.items():

@@ -34,8 +34,10 @@ def unpack_msgpack(data: Any, what: str) -> Any:
 def check_version(version: Any, what: str) -> None:
     # ``True == 1`` and ``1.0 == 1``: only the int itself is this version.
     if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(f"{what}: unsupported protocol version {version!r} "
-                            f"(this side speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(
+            f"{what}: unsupported protocol version {version!r} "
+            f"(this side speaks {PROTOCOL_VERSION})"
+        )
 
 
 def pack_array(tag: str, fields: list[Any]) -> bytes:

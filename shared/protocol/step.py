@@ -76,12 +76,21 @@ class CachedRequestData:
     def from_records(cls, records: Iterable[CachedRequest]) -> CachedRequestData:
         out = cls()
         for r in records:
-            out.append(r.request_id, r.new_block_ids, r.num_computed_tokens,
-                       r.output_token_ids if r.resumed else None)
+            out.append(
+                r.request_id,
+                r.new_block_ids,
+                r.num_computed_tokens,
+                r.output_token_ids if r.resumed else None,
+            )
         return out
 
-    def append(self, request_id: str, new_block_ids: list[int], num_computed_tokens: int,
-               resumed_output_token_ids: list[int] | None = None) -> None:
+    def append(
+        self,
+        request_id: str,
+        new_block_ids: list[int],
+        num_computed_tokens: int,
+        resumed_output_token_ids: list[int] | None = None,
+    ) -> None:
         self.req_ids.append(request_id)
         self.num_computed_tokens.append(num_computed_tokens)
         if new_block_ids:
@@ -95,18 +104,25 @@ class CachedRequestData:
     def __getitem__(self, index: int) -> CachedRequest:
         rid = self.req_ids[index]
         outputs = self.resumed_output_token_ids.get(rid)
-        return CachedRequest(rid, self.new_block_ids.get(rid, []),
-                             self.num_computed_tokens[index], outputs is not None, outputs)
+        return CachedRequest(
+            rid,
+            self.new_block_ids.get(rid, []),
+            self.num_computed_tokens[index],
+            outputs is not None,
+            outputs,
+        )
 
     def __iter__(self) -> Iterator[CachedRequest]:
         return map(self.__getitem__, range(len(self.req_ids)))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, CachedRequestData):
-            return (self.req_ids == other.req_ids
-                    and self.num_computed_tokens == other.num_computed_tokens
-                    and self.new_block_ids == other.new_block_ids
-                    and self.resumed_output_token_ids == other.resumed_output_token_ids)
+            return (
+                self.req_ids == other.req_ids
+                and self.num_computed_tokens == other.num_computed_tokens
+                and self.new_block_ids == other.new_block_ids
+                and self.resumed_output_token_ids == other.resumed_output_token_ids
+            )
         if isinstance(other, (list, tuple)):
             return list(self) == list(other)
         return NotImplemented

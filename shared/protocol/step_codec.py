@@ -16,11 +16,11 @@ from itertools import accumulate, chain
 from typing import Any
 
 from weir.shared.protocol.checks import (
+    array,
     bad_element,
     int_list_map,
     int_lists,
     ints,
-    array,
     non_negative_int,
     request_id_map,
     strs,
@@ -77,8 +77,11 @@ def _u32(name: str, values: list[int]) -> bytes:
 def _from_u32(name: str, value: Any, length: int, minimum: int = 0) -> list[int]:
     if type(value) is not bytes or len(value) != 4 * length:
         raise ProtocolError(f"{name}: expected {length} uint32 values")
-    values = (memoryview(value).cast("I").tolist() if _LITTLE_ENDIAN
-              else list(struct.unpack(f"<{length}I", value)))
+    values = (
+        memoryview(value).cast("I").tolist()
+        if _LITTLE_ENDIAN
+        else list(struct.unpack(f"<{length}I", value))
+    )
     if minimum and values and min(values) < minimum:
         raise ProtocolError(f"{name}: value {min(values)} below {minimum}")
     return values
@@ -101,7 +104,7 @@ def _unpack_rows(name: str, value: Any, num_rows: int) -> list[list[int]]:
     lengths = _from_u32(f"{name} lengths", value[1], num_rows)
     flat = _from_u32(name, value[0], sum(lengths))
     ends = list(accumulate(lengths))
-    return [flat[end - n:end] for n, end in zip(lengths, ends)]
+    return [flat[end - n : end] for n, end in zip(lengths, ends)]
 
 
 def _sampling_params(name: str, value: Any) -> SamplingParams:
@@ -158,6 +161,7 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 #  new: [ids, prompts, sampling_params, block_ids, num_computed],
 #  spec {id: [tok]}, preempted_ids, finished_ids]
 
+
 def encode_step_plan(plan: StepPlan) -> bytes:
     cached = plan.cached_requests
     new = plan.new_requests
@@ -175,18 +179,31 @@ def encode_step_plan(plan: StepPlan) -> bytes:
         try:
             counts = _u32("num_scheduled_tokens", list(map(scheduled.__getitem__, ordered_ids)))
         except KeyError as exc:
-            raise ProtocolError(f"num_scheduled_tokens: no entry for scheduled request {exc}") \
-                from None
-    return pack_array(_STEP_PLAN, [
-        plan.step_id, plan.total_num_scheduled_tokens,
-        _join_ids("cached_requests.req_ids", cached.req_ids), counts,
-        _u32("cached_requests.num_computed_tokens", cached.num_computed_tokens),
-        cached.new_block_ids, cached.resumed_output_token_ids,
-        [new_ids, [r.prompt_token_ids for r in new],
-         [r.sampling_params.to_dict() for r in new], [r.block_ids for r in new],
-         [r.num_computed_tokens for r in new]],
-        plan.scheduled_spec_decode_tokens, plan.preempted_req_ids, plan.finished_req_ids,
-    ])
+            raise ProtocolError(
+                f"num_scheduled_tokens: no entry for scheduled request {exc}"
+            ) from None
+    return pack_array(
+        _STEP_PLAN,
+        [
+            plan.step_id,
+            plan.total_num_scheduled_tokens,
+            _join_ids("cached_requests.req_ids", cached.req_ids),
+            counts,
+            _u32("cached_requests.num_computed_tokens", cached.num_computed_tokens),
+            cached.new_block_ids,
+            cached.resumed_output_token_ids,
+            [
+                new_ids,
+                [r.prompt_token_ids for r in new],
+                [r.sampling_params.to_dict() for r in new],
+                [r.block_ids for r in new],
+                [r.num_computed_tokens for r in new],
+            ],
+            plan.scheduled_spec_decode_tokens,
+            plan.preempted_req_ids,
+            plan.finished_req_ids,
+        ],
+    )
 
 
 def _decode_new_requests(value: Any) -> list[NewRequest]:
@@ -200,9 +217,12 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
     computed = ints("new_requests.num_computed_tokens", cols[4])
     if not len(ids) == len(prompts) == len(params) == len(blocks) == len(computed):
         raise ProtocolError("new_requests: columns have different lengths")
-    return [NewRequest(rid, prompt, _sampling_params(f"new_requests[{rid!r}].sampling_params", sp),
-                       blk, n)
-            for rid, prompt, sp, blk, n in zip(ids, prompts, params, blocks, computed)]
+    return [
+        NewRequest(
+            rid, prompt, _sampling_params(f"new_requests[{rid!r}].sampling_params", sp), blk, n
+        )
+        for rid, prompt, sp, blk, n in zip(ids, prompts, params, blocks, computed)
+    ]
 
 
 def decode_step_plan(data: bytes) -> StepPlan:
@@ -211,8 +231,9 @@ def decode_step_plan(data: bytes) -> StepPlan:
     total = non_negative_int("total_num_scheduled_tokens", msg[3])
     cached_ids = _split_ids("cached_requests.req_ids", msg[4])
     new_requests = _decode_new_requests(msg[9])
-    scheduled_ids = cached_ids + [r.request_id for r in new_requests] if new_requests \
-        else cached_ids
+    scheduled_ids = (
+        cached_ids + [r.request_id for r in new_requests] if new_requests else cached_ids
+    )
     if msg[5] is None:
         counts_sum = len(scheduled_ids)
         num_scheduled = dict.fromkeys(scheduled_ids, 1)
@@ -221,36 +242,53 @@ def decode_step_plan(data: bytes) -> StepPlan:
         counts_sum = sum(counts)
         num_scheduled = dict(zip(scheduled_ids, counts))
     if counts_sum != total:
-        raise ProtocolError(f"total_num_scheduled_tokens is {total} but the per-request "
-                            f"counts sum to {counts_sum}")
+        raise ProtocolError(
+            f"total_num_scheduled_tokens is {total} but the per-request counts sum to {counts_sum}"
+        )
     if len(num_scheduled) != len(scheduled_ids):
         raise ProtocolError("num_scheduled_tokens: a request is scheduled twice")
     cached = CachedRequestData(
         cached_ids,
         _from_u32("cached_requests.num_computed_tokens", msg[6], len(cached_ids)),
         int_list_map("cached_requests.new_block_ids", msg[7]),
-        int_list_map("cached_requests.resumed_output_token_ids", msg[8]))
-    for name, sparse in (("new_block_ids", cached.new_block_ids),
-                         ("resumed_output_token_ids", cached.resumed_output_token_ids)):
+        int_list_map("cached_requests.resumed_output_token_ids", msg[8]),
+    )
+    for name, sparse in (
+        ("new_block_ids", cached.new_block_ids),
+        ("resumed_output_token_ids", cached.resumed_output_token_ids),
+    ):
         if not all(map(num_scheduled.__contains__, sparse)):
             raise ProtocolError(f"cached_requests.{name}: names a request that is not scheduled")
     spec = int_list_map("scheduled_spec_decode_tokens", msg[10])
     if not all(map(num_scheduled.__contains__, spec)):
         raise ProtocolError("scheduled_spec_decode_tokens: names a request that is not scheduled")
-    return StepPlan(num_scheduled, total, spec, new_requests, cached,
-                    strs("preempted_req_ids", msg[11]), strs("finished_req_ids", msg[12]),
-                    step_id)
+    return StepPlan(
+        num_scheduled,
+        total,
+        spec,
+        new_requests,
+        cached,
+        strs("preempted_req_ids", msg[11]),
+        strs("finished_req_ids", msg[12]),
+        step_id,
+    )
 
 
 # ----------------------------------------------------------------------------- StepResult
 # [tag, v, step_id, ids, sampled rows, logprobs {id: [token_rows, logprob_rows]} | nil]
 
+
 def encode_step_result(result: StepResult) -> bytes:
     sampled = result.sampled_token_ids
-    return pack_array(_STEP_RESULT, [
-        result.step_id, _join_ids("sampled_token_ids", list(sampled)),
-        _pack_rows("sampled_token_ids", sampled.values(), len(sampled)),
-        _logprobs_map_to_wire(result.logprobs)])
+    return pack_array(
+        _STEP_RESULT,
+        [
+            result.step_id,
+            _join_ids("sampled_token_ids", list(sampled)),
+            _pack_rows("sampled_token_ids", sampled.values(), len(sampled)),
+            _logprobs_map_to_wire(result.logprobs),
+        ],
+    )
 
 
 def decode_step_result(data: bytes) -> StepResult:

@@ -18,9 +18,13 @@ def load_benchmark():
     return module
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU"
+)
 def test_refuses_without_gpu_with_one_line_and_status_2():
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 2
     assert result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1
@@ -33,7 +37,11 @@ def test_write_section_creates_then_replaces_only_its_own_section(tmp_path):
     bench.write_section("first table", doc)
     assert "first table" in doc.read_text()
 
-    doc.write_text("# Benchmarks\n\nintro\n\n" + doc.read_text().split("\n\n", 2)[-1] + "\n## Scheduler\n\nother\n")
+    doc.write_text(
+        "# Benchmarks\n\nintro\n\n"
+        + doc.read_text().split("\n\n", 2)[-1]
+        + "\n## Scheduler\n\nother\n"
+    )
     bench.write_section("second table", doc)
     text = doc.read_text()
     assert "first table" not in text

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from weir.kernels import reference
-from weir.kernels import triton_attention
+from weir.kernels import reference, triton_attention
 
 POISON = 30.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,9 +70,13 @@ def make_step(
     slots, starts, seq_lens = [], [0], []
     for r, (ctx, q) in enumerate(requests):
         positions = torch.arange(ctx + q)
-        request_slots = block_table[r, positions // block_size].long() * block_size + positions % block_size
+        request_slots = (
+            block_table[r, positions // block_size].long() * block_size + positions % block_size
+        )
         context = request_slots[:ctx]
-        kv_cache.view(2, -1, num_kv_heads, head_dim)[:, context] = torch.randn(2, ctx, num_kv_heads, head_dim, generator=gen)
+        kv_cache.view(2, -1, num_kv_heads, head_dim)[:, context] = torch.randn(
+            2, ctx, num_kv_heads, head_dim, generator=gen
+        )
         slots.append(request_slots[ctx:])
         starts.append(starts[-1] + q)
         seq_lens.append(ctx + q)
@@ -129,7 +132,13 @@ def triton_output(step: Step, **kwargs) -> torch.Tensor:
     cache = step.kv_cache.clone()
     triton_attention.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
     out = triton_attention.paged_attention(
-        step.query, cache, step.query_start_loc, step.seq_lens, step.block_table, step.scale, **kwargs
+        step.query,
+        cache,
+        step.query_start_loc,
+        step.seq_lens,
+        step.block_table,
+        step.scale,
+        **kwargs,
     )
     return out[: step.num_real_tokens].cpu()
 
@@ -167,7 +176,12 @@ def test_batch_kinds_match_reference(requests, dtype):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_gqa_ratios_and_block_sizes(group, block_size):
     step = make_step(
-        MIXED, num_heads=2 * group, num_kv_heads=2, block_size=block_size, transposed_table=block_size == 32, seed=group
+        MIXED,
+        num_heads=2 * group,
+        num_kv_heads=2,
+        block_size=block_size,
+        transposed_table=block_size == 32,
+        seed=group,
     )
     assert_close(triton_output(step), reference_output(step))
 
@@ -188,11 +202,15 @@ def test_tile_size_hint_does_not_change_result():
 
 def test_padding_requests_and_preallocated_output():
     # A batch padded to a fixed size (as for a CUDA graph): requests with no query tokens.
-    step = make_step([(20, 1), (0, 0), (50, 2), (0, 0)], num_heads=4, num_kv_heads=2, num_padding_tokens=3)
+    step = make_step(
+        [(20, 1), (0, 0), (50, 2), (0, 0)], num_heads=4, num_kv_heads=2, num_padding_tokens=3
+    )
     device_step = on_device(step)
     out = torch.full_like(device_step.query, float("nan"))
     cache = device_step.kv_cache.clone()
-    triton_attention.reshape_and_cache(device_step.key, device_step.value, cache, device_step.slot_mapping)
+    triton_attention.reshape_and_cache(
+        device_step.key, device_step.value, cache, device_step.slot_mapping
+    )
     result = triton_attention.paged_attention(
         device_step.query,
         cache,
@@ -214,7 +232,9 @@ def test_padding_requests_and_preallocated_output():
 def test_split_kv_matches_single_pass(requests, group):
     # Contexts of several 64-key tiles, so segments are full, partial and empty; in the last
     # segment of (250, 12) the first queries see no key at all.
-    step = make_step(requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16)
+    step = make_step(
+        requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16
+    )
     single = triton_output(step, split_kv=False)
     workspace = triton_attention.allocate_split_kv_workspace(32, 2 * group, 64, DEVICE)
     split = triton_output(step, split_kv=True, workspace=workspace)

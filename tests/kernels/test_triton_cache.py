@@ -27,7 +27,9 @@ def test_reshape_and_cache_matches_reference(num_kv_heads, head_dim, block_size,
     # Distinct slots scattered over the cache, with two padding tokens.
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[[3, 7]] = -1
-    initial = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    initial = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(
+        dtype
+    )
 
     expected = initial.clone()
     reference.reshape_and_cache(key, value, expected, slots)

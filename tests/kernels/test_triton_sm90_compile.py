@@ -93,10 +93,22 @@ compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
 def test_kernels_compile_for_sm90_without_spills(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=500, check=False
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     kernels = {entry["kernel"]: entry for entry in map(json.loads, result.stdout.splitlines())}
-    assert set(kernels) == {"decode", "decode_split", "mixed", "speculative_hd80", "merge", "reshape_and_cache"}
+    assert set(kernels) == {
+        "decode",
+        "decode_split",
+        "mixed",
+        "speculative_hd80",
+        "merge",
+        "reshape_and_cache",
+    }
     spilled = {name: entry for name, entry in kernels.items() if entry["stack"] != 0}
     assert not spilled, f"register spills on sm_90: {spilled}"

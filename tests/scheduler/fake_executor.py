@@ -31,9 +31,14 @@ def toy_next_token(tokens: list[int]) -> int:
     return (tokens[-1] * 1103515245 + len(tokens) * 12345 + tokens[0] * 7 + 11) % VOCAB
 
 
-def reference_generate(prompt: list[int], max_tokens: int, min_tokens: int = 0,
-                       eos: int | None = EOS, stop_token_ids: tuple[int, ...] = (),
-                       max_model_len: int = 10**9) -> tuple[list[int], str]:
+def reference_generate(
+    prompt: list[int],
+    max_tokens: int,
+    min_tokens: int = 0,
+    eos: int | None = EOS,
+    stop_token_ids: tuple[int, ...] = (),
+    max_model_len: int = 10**9,
+) -> tuple[list[int], str]:
     tokens = list(prompt)
     out: list[int] = []
     while True:
@@ -58,8 +63,9 @@ class _State:
 class FakeExecutor:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.kv: list[list[tuple[int, int] | None]] = [[None] * block_size
-                                                       for _ in range(num_blocks)]
+        self.kv: list[list[tuple[int, int] | None]] = [
+            [None] * block_size for _ in range(num_blocks)
+        ]
         self.state: dict[str, _State] = {}
 
     def _slot(self, state: _State, position: int) -> tuple[int, int]:
@@ -73,8 +79,9 @@ class FakeExecutor:
         starts: dict[str, int] = {}
         for new in plan.new_requests:
             assert new.request_id not in self.state, f"{new.request_id} sent as new twice"
-            self.state[new.request_id] = _State(list(new.prompt_token_ids),
-                                                list(new.prompt_token_ids), list(new.block_ids))
+            self.state[new.request_id] = _State(
+                list(new.prompt_token_ids), list(new.prompt_token_ids), list(new.block_ids)
+            )
             starts[new.request_id] = new.num_computed_tokens
         for cached in plan.cached_requests:
             state = self.state[cached.request_id]
@@ -102,8 +109,9 @@ class FakeExecutor:
             assert len(state.block_table) * self.block_size >= end, f"{rid}: too few blocks"
             for position in range(start):
                 block, offset = self._slot(state, position)
-                assert self.kv[block][offset] == (sequence[position], position), \
+                assert self.kv[block][offset] == (sequence[position], position), (
                     f"{rid}: KV at position {position} (block {block}) is not its own"
+                )
             for position in range(start, end):
                 block, offset = self._slot(state, position)
                 self.kv[block][offset] = (sequence[position], position)
@@ -124,13 +132,22 @@ class FakeExecutor:
         return StepResult(sampled)
 
 
-def make_scheduler(block_size: int = 16, num_blocks: int = 1000, enable_prefix_caching: bool = True,
-                   **scheduler_kwargs) -> tuple[Scheduler, EngineCore]:
+def make_scheduler(
+    block_size: int = 16,
+    num_blocks: int = 1000,
+    enable_prefix_caching: bool = True,
+    **scheduler_kwargs,
+) -> tuple[Scheduler, EngineCore]:
     """A Scheduler, and the engine core that runs it on a FakeExecutor of the same cache
     geometry (``core.executor.runner``)."""
-    scheduler = Scheduler(SchedulerConfig(**scheduler_kwargs),
-                          CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                      enable_prefix_caching=enable_prefix_caching))
+    scheduler = Scheduler(
+        SchedulerConfig(**scheduler_kwargs),
+        CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+    )
     return scheduler, EngineCore(scheduler, InProcessExecutor(FakeExecutor(num_blocks, block_size)))
 
 

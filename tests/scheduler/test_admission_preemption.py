@@ -42,8 +42,11 @@ def test_prefix_hits_are_whole_blocks_and_never_the_whole_prompt():
     assert new["longer"].num_computed_tokens == 8 and new["longer"].block_ids[:2] == a_blocks
     assert new["shorter"].num_computed_tokens == 4  # the partial second block is recomputed
     assert plan.num_scheduled_tokens == {"same": 4, "longer": 2, "shorter": 2}
-    assert {o.request_id: o.num_cached_tokens for o in outputs} == \
-        {"same": 4, "longer": 8, "shorter": 4}
+    assert {o.request_id: o.num_cached_tokens for o in outputs} == {
+        "same": 4,
+        "longer": 8,
+        "shorter": 4,
+    }
     stats = scheduler.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (8 + 8 + 10 + 6, 16)
 
@@ -60,8 +63,10 @@ def test_watermark_reserve_applies_only_while_something_runs():
     assert scheduler.kv_cache_manager.num_free_blocks == 15
     scheduler.add_request(Request("B", _prompt(44, 3), GREEDY))  # 11 blocks: 4 would stay free
     plan, _ = run_step(scheduler, executor)
-    assert plan.num_scheduled_tokens == {"A": 1} and scheduler.requests["B"].status is \
-        RequestStatus.WAITING
+    assert (
+        plan.num_scheduled_tokens == {"A": 1}
+        and scheduler.requests["B"].status is RequestStatus.WAITING
+    )
     scheduler.abort_requests(["B"])
     scheduler.add_request(Request("C", _prompt(40, 4), GREEDY))  # 10 blocks: 5 stay free
     plan, _ = run_step(scheduler, executor)
@@ -100,8 +105,12 @@ def test_preemption_takes_the_most_recently_admitted_and_recomputes_it():
     assert plan.preempted_req_ids == ["C"]
     assert plan.num_scheduled_tokens == {"A": 1, "B": 1}
     assert not plan.new_requests, "nothing is admitted in a step that preempted"
-    assert (c.status, c.num_computed_tokens, c.num_preemptions, c.block_ids) == \
-        (RequestStatus.PREEMPTED, 0, 1, [])
+    assert (c.status, c.num_computed_tokens, c.num_preemptions, c.block_ids) == (
+        RequestStatus.PREEMPTED,
+        0,
+        1,
+        [],
+    )
     assert [r.request_id for r in scheduler.waiting] == ["C", "D"]
     assert scheduler.stats().num_preemptions == 1
 
@@ -114,8 +123,9 @@ def test_preemption_takes_the_most_recently_admitted_and_recomputes_it():
 def test_resumed_request_carries_its_whole_table_and_outputs_and_reuses_cache_hits():
     scheduler, executor = make_scheduler(block_size=4, num_blocks=6, watermark=0.0)
     scheduler.add_request(Request("A", _prompt(9), SamplingParams(max_tokens=8, ignore_eos=True)))
-    scheduler.add_request(Request("B", _prompt(9, 30), SamplingParams(max_tokens=12,
-                                                                      ignore_eos=True)))
+    scheduler.add_request(
+        Request("B", _prompt(9, 30), SamplingParams(max_tokens=12, ignore_eos=True))
+    )
     run_step(scheduler, executor)  # 3 blocks each: the cache is full
     b = scheduler.requests["B"]
     steps = 0
@@ -146,8 +156,9 @@ def test_resumed_request_carries_its_whole_table_and_outputs_and_reuses_cache_hi
 def test_a_request_may_preempt_itself():
     scheduler, executor = make_scheduler(block_size=4, num_blocks=4, watermark=0.0)
     scheduler.add_request(Request("A", _prompt(5), SamplingParams(max_tokens=3, ignore_eos=True)))
-    scheduler.add_request(Request("B", _prompt(8, 9), SamplingParams(max_tokens=3,
-                                                                     ignore_eos=True)))
+    scheduler.add_request(
+        Request("B", _prompt(8, 9), SamplingParams(max_tokens=3, ignore_eos=True))
+    )
     _, outputs = run_step(scheduler, executor)
     produced = {o.request_id: list(o.new_token_ids) for o in outputs}
     plan, outputs = run_step(scheduler, executor)  # B's position 8 needs a third block
@@ -161,8 +172,9 @@ def test_a_request_may_preempt_itself():
 
 
 def test_priority_policy_orders_waiting_and_preempts_the_least_urgent():
-    scheduler, executor = make_scheduler(block_size=4, num_blocks=6, watermark=0.0,
-                                         policy="priority")
+    scheduler, executor = make_scheduler(
+        block_size=4, num_blocks=6, watermark=0.0, policy="priority"
+    )
     scheduler.add_request(Request("low", _prompt(5), GREEDY, priority=2, arrival_time=0.0))
     run_step(scheduler, executor)
     scheduler.add_request(Request("late", _prompt(8, 10), GREEDY, priority=1, arrival_time=9.0))

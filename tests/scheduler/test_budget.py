@@ -50,23 +50,24 @@ def test_running_requests_are_served_first_in_order():
 
 
 def test_long_prefill_threshold_caps_each_chunk():
-    scheduler, executor = make_scheduler(max_num_batched_tokens=100,
-                                         long_prefill_token_threshold=64)
+    scheduler, executor = make_scheduler(
+        max_num_batched_tokens=100, long_prefill_token_threshold=64
+    )
     scheduler.add_request(Request("A", _prompt(200), LONG))
     scheduler.add_request(Request("B", _prompt(30, 5), LONG))
     chunks = []
     for _ in range(4):
         plan, _ = run_step(scheduler, executor)
         chunks.append(dict(plan.num_scheduled_tokens))
-    assert chunks == [{"A": 64, "B": 30}, {"A": 64, "B": 1}, {"A": 64, "B": 1},
-                      {"A": 8, "B": 1}]
+    assert chunks == [{"A": 64, "B": 30}, {"A": 64, "B": 1}, {"A": 64, "B": 1}, {"A": 8, "B": 1}]
 
 
 def test_max_num_seqs_caps_the_batch():
     scheduler, executor = make_scheduler(max_num_seqs=2)
     for i in range(4):
-        scheduler.add_request(Request(f"r{i}", _prompt(5, i), SamplingParams(max_tokens=2,
-                                                                             ignore_eos=True)))
+        scheduler.add_request(
+            Request(f"r{i}", _prompt(5, i), SamplingParams(max_tokens=2, ignore_eos=True))
+        )
     plan, _ = run_step(scheduler, executor)
     assert list(plan.num_scheduled_tokens) == ["r0", "r1"]
     assert len(scheduler.running) == 2
@@ -76,8 +77,9 @@ def test_max_num_seqs_caps_the_batch():
 
 
 def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits_and_blocks_the_queue():
-    scheduler, executor = make_scheduler(max_num_batched_tokens=64, max_model_len=64,
-                                         enable_chunked_prefill=False)
+    scheduler, executor = make_scheduler(
+        max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False
+    )
     scheduler.add_request(Request("A", _prompt(8), SamplingParams(max_tokens=3, ignore_eos=True)))
     run_step(scheduler, executor)
     scheduler.add_request(Request("B", _prompt(64, 3), SamplingParams(max_tokens=1)))

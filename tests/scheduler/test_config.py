@@ -6,20 +6,32 @@ from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.sampling import SamplingParams
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-    ({"max_num_seqs": 1.5}, "max_num_seqs"),
-    ({"max_model_len": True}, "max_model_len"),
-    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
-    ({"enable_chunked_prefill": 1}, "enable_chunked_prefill"),
-    ({"watermark": 1.0}, "watermark"),
-    ({"watermark": "0.1"}, "watermark"),
-    ({"policy": "lifo"}, "policy"),
-    ({"num_speculative_tokens": -2}, "num_speculative_tokens"),
-    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 512}, "max_num_batched_tokens"),
-    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8192,
-      "long_prefill_token_threshold": 64}, "long_prefill_token_threshold"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"max_num_seqs": 1.5}, "max_num_seqs"),
+        ({"max_model_len": True}, "max_model_len"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        ({"enable_chunked_prefill": 1}, "enable_chunked_prefill"),
+        ({"watermark": 1.0}, "watermark"),
+        ({"watermark": "0.1"}, "watermark"),
+        ({"policy": "lifo"}, "policy"),
+        ({"num_speculative_tokens": -2}, "num_speculative_tokens"),
+        (
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": 512},
+            "max_num_batched_tokens",
+        ),
+        (
+            {
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": 8192,
+                "long_prefill_token_threshold": 64,
+            },
+            "long_prefill_token_threshold",
+        ),
+    ],
+)
 def test_scheduler_config_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**kwargs)
@@ -27,8 +39,11 @@ def test_scheduler_config_rejects(kwargs, field):
 
 def test_scheduler_config_defaults_and_dict_round_trip():
     config = SchedulerConfig()
-    assert (config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len) == \
-        (2048, 256, 8192)
+    assert (config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len) == (
+        2048,
+        256,
+        8192,
+    )
     assert config.enable_chunked_prefill and config.policy == "fcfs"
     custom = SchedulerConfig(max_num_batched_tokens=512, policy="priority", watermark=0)
     assert SchedulerConfig.from_dict(custom.to_dict()) == custom
@@ -36,11 +51,14 @@ def test_scheduler_config_defaults_and_dict_round_trip():
         SchedulerConfig.from_dict({"max_batch": 3})
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"num_blocks": 0}, "num_blocks"),
-    ({"num_blocks": 8, "block_size": 0}, "block_size"),
-    ({"num_blocks": 8, "enable_prefix_caching": "yes"}, "enable_prefix_caching"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"num_blocks": 8, "block_size": 0}, "block_size"),
+        ({"num_blocks": 8, "enable_prefix_caching": "yes"}, "enable_prefix_caching"),
+    ],
+)
 def test_cache_config_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CacheConfig(**kwargs)
@@ -55,25 +73,28 @@ def test_cache_config_requires_num_blocks():
         CacheConfig.from_dict({"block_size": 16})
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": "5"}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_k": -3}, "top_k"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"seed": 1.0}, "seed"),
-    ({"seed": 2**63}, "seed"),
-    ({"stop": [""]}, "stop"),
-    ({"stop": 3}, "stop"),
-    ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
-    ({"stop_token_ids": 5}, "stop_token_ids"),
-    ({"ignore_eos": "no"}, "ignore_eos"),
-    ({"min_tokens": 17}, "min_tokens"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"logprobs": -1}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"seed": 1.0}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"stop_token_ids": [1, -1]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"min_tokens": 17}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
 def test_sampling_params_rejects(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -82,8 +103,15 @@ def test_sampling_params_rejects(kwargs, field):
 
 
 def test_sampling_params_normalises_and_round_trips():
-    params = SamplingParams(temperature=0, stop="END", stop_token_ids=[2, 3], top_k=-1,
-                            seed=123, logprobs=5, min_tokens=2)
+    params = SamplingParams(
+        temperature=0,
+        stop="END",
+        stop_token_ids=[2, 3],
+        top_k=-1,
+        seed=123,
+        logprobs=5,
+        min_tokens=2,
+    )
     assert params.temperature == 0.0 and isinstance(params.temperature, float)
     assert params.stop == ("END",) and params.stop_token_ids == (2, 3) and params.top_k == 0
     as_dict = params.to_dict()

@@ -7,12 +7,18 @@ from types import SimpleNamespace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .fake_executor import EOS, FakeExecutor, reference_generate, toy_next_token
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Request, RequestStatus, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
-from weir.shared.protocol.step_codec import decode_step_plan, decode_step_result, encode_step_plan, encode_step_result
+from weir.shared.protocol.step_codec import (
+    decode_step_plan,
+    decode_step_result,
+    encode_step_plan,
+    encode_step_result,
+)
 from weir.shared.sampling import SamplingParams
+
+from .fake_executor import EOS, FakeExecutor, reference_generate, toy_next_token
 
 
 @st.composite
@@ -29,10 +35,12 @@ def scenarios(draw):
         enable_chunked_prefill=chunked,
         watermark=draw(st.sampled_from([0.0, 0.1])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
-        num_speculative_tokens=draw(st.sampled_from([0, 2, 3])))
+        num_speculative_tokens=draw(st.sampled_from([0, 2, 3])),
+    )
     num_blocks = -(-config.max_model_len // block_size) + draw(st.integers(0, 12))
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                        enable_prefix_caching=draw(st.booleans()))
+    cache = CacheConfig(
+        block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans())
+    )
     return config, cache, draw(st.integers(0, 2**32 - 1))
 
 
@@ -42,8 +50,9 @@ def _check_plan(plan, config, scheduler):
     assert plan.total_num_scheduled_tokens <= config.max_num_batched_tokens
     assert len(counts) <= config.max_num_seqs and len(scheduler.running) <= config.max_num_seqs
     if config.long_prefill_token_threshold:
-        assert max(counts.values(), default=0) <= max(config.long_prefill_token_threshold,
-                                                      1 + config.num_speculative_tokens)
+        assert max(counts.values(), default=0) <= max(
+            config.long_prefill_token_threshold, 1 + config.num_speculative_tokens
+        )
     if not config.enable_chunked_prefill:
         for new in plan.new_requests:
             assert counts[new.request_id] == len(new.prompt_token_ids) - new.num_computed_tokens
@@ -86,7 +95,7 @@ def test_random_traffic(scenario):
     num_requests = rng.randint(4, 30)
     next_id = 0
 
-    for step in range(400):
+    for _ in range(400):
         if next_id < num_requests and rng.random() < 0.6:
             rid = f"r{next_id}"
             next_id += 1
@@ -96,18 +105,25 @@ def test_random_traffic(scenario):
             else:
                 prompt = [rng.randrange(1, 64) for _ in range(length)]
             max_tokens = rng.randint(1, 12)
-            params = SamplingParams(max_tokens=max_tokens,
-                                    min_tokens=min(max_tokens, rng.choice([0, 0, 2])),
-                                    ignore_eos=rng.random() < 0.2,
-                                    stop_token_ids=rng.choice([(), (5,)]))
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                min_tokens=min(max_tokens, rng.choice([0, 0, 2])),
+                ignore_eos=rng.random() < 0.2,
+                stop_token_ids=rng.choice([(), (5,)]),
+            )
             request = Request(rid, prompt, params, eos_token_id=EOS, priority=rng.randint(0, 2))
             try:
                 scheduler.add_request(request)
             except ValueError:
                 continue  # refused up front: could never fit the cache
             expected[rid] = reference_generate(
-                prompt, params.max_tokens, params.min_tokens,
-                None if params.ignore_eos else EOS, params.stop_token_ids, config.max_model_len)
+                prompt,
+                params.max_tokens,
+                params.min_tokens,
+                None if params.ignore_eos else EOS,
+                params.stop_token_ids,
+                config.max_model_len,
+            )
             produced[rid] = []
         if rng.random() < 0.05 and scheduler.requests:
             victim = rng.choice(sorted(scheduler.requests))
@@ -143,7 +159,7 @@ def test_random_traffic(scenario):
     assert set(ended) == set(expected), "every admitted request ends exactly once"
     for rid, (tokens, reason) in expected.items():
         if ended[rid] in ("abort", "stop string"):
-            assert produced[rid] == tokens[:len(produced[rid])]
+            assert produced[rid] == tokens[: len(produced[rid])]
         else:
             assert (produced[rid], ended[rid]) == (tokens, reason), rid
     kv = scheduler.kv_cache_manager

@@ -26,10 +26,17 @@ def test_block_hashes_are_chained_and_stable_across_processes():
     assert chain_block_hashes(ROOT_BLOCK_HASH, [1, 2, 3, 4] + tokens[4:8], 4)[1] != hashes[1]
     # Extending incrementally gives the same chain; a trailing partial block is skipped.
     assert hashes[:1] + chain_block_hashes(hashes[0], tokens[4:] + [7], 4) == hashes
-    code = ("from weir.services.scheduler.block_pool import ROOT_BLOCK_HASH, chain_block_hashes;"
-            "print(chain_block_hashes(ROOT_BLOCK_HASH, list(range(100, 112)), 4)[-1].hex())")
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True, env={**os.environ, "PYTHONHASHSEED": "12345"})
+    code = (
+        "from weir.services.scheduler.block_pool import ROOT_BLOCK_HASH, chain_block_hashes;"
+        "print(chain_block_hashes(ROOT_BLOCK_HASH, list(range(100, 112)), 4)[-1].hex())"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    )
     assert other.stdout.strip() == hashes[-1].hex()
 
 

@@ -22,17 +22,25 @@ from weir.shared.sampling import SamplingParams
 
 
 def _plan() -> StepPlan:
-    new = [NewRequest("n1", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, stop=("x",)),
-                      [3, 4], 4),
-           NewRequest("n2", [1], SamplingParams(seed=7, logprobs=2), [9], 0)]
-    cached = [CachedRequest("c1", [], 40),
-              CachedRequest("c2", [11], 17),
-              CachedRequest("c3", [12, 13, 14], 16, resumed=True, output_token_ids=[2, 3])]
-    return StepPlan(num_scheduled_tokens={"c1": 3, "c2": 1, "c3": 20, "n1": 1, "n2": 1},
-                    total_num_scheduled_tokens=26,
-                    scheduled_spec_decode_tokens={"c1": [100, 101]},
-                    new_requests=new, cached_requests=cached,
-                    preempted_req_ids=["p1"], finished_req_ids=["f1", "f2"], step_id=12)
+    new = [
+        NewRequest("n1", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, stop=("x",)), [3, 4], 4),
+        NewRequest("n2", [1], SamplingParams(seed=7, logprobs=2), [9], 0),
+    ]
+    cached = [
+        CachedRequest("c1", [], 40),
+        CachedRequest("c2", [11], 17),
+        CachedRequest("c3", [12, 13, 14], 16, resumed=True, output_token_ids=[2, 3]),
+    ]
+    return StepPlan(
+        num_scheduled_tokens={"c1": 3, "c2": 1, "c3": 20, "n1": 1, "n2": 1},
+        total_num_scheduled_tokens=26,
+        scheduled_spec_decode_tokens={"c1": [100, 101]},
+        new_requests=new,
+        cached_requests=cached,
+        preempted_req_ids=["p1"],
+        finished_req_ids=["f1", "f2"],
+        step_id=12,
+    )
 
 
 def test_step_plan_round_trip():
@@ -41,8 +49,12 @@ def test_step_plan_round_trip():
     assert back == plan
     assert [c.request_id for c in back.cached_requests] == ["c1", "c2", "c3"]
     c3 = back.cached_requests[2]
-    assert (c3.new_block_ids, c3.num_computed_tokens, c3.resumed, c3.output_token_ids) == \
-        ([12, 13, 14], 16, True, [2, 3])
+    assert (c3.new_block_ids, c3.num_computed_tokens, c3.resumed, c3.output_token_ids) == (
+        [12, 13, 14],
+        16,
+        True,
+        [2, 3],
+    )
     c1 = back.cached_requests[0]
     assert (c1.new_block_ids, c1.resumed, c1.output_token_ids) == ([], False, None)
     assert back.new_requests[0].sampling_params == SamplingParams(temperature=0.0, stop=("x",))
@@ -67,10 +79,14 @@ def test_empty_messages_round_trip():
 def test_step_result_round_trip_with_variable_lengths_and_logprobs():
     result = StepResult(
         sampled_token_ids={"a": [1], "b": [2, 3, 4], "c": [], "": [0]},
-        logprobs={"b": SampleLogprobs([[2, 2, 9], [3, 1, 3], [4, 4, 0]],
-                                      [[-0.5, -0.5, -1.5], [-2.0, -0.1, -2.0],
-                                       [-0.25, -0.25, float("-inf")]])},
-        step_id=3)
+        logprobs={
+            "b": SampleLogprobs(
+                [[2, 2, 9], [3, 1, 3], [4, 4, 0]],
+                [[-0.5, -0.5, -1.5], [-2.0, -0.1, -2.0], [-0.25, -0.25, float("-inf")]],
+            )
+        },
+        step_id=3,
+    )
     assert decode_step_result(encode_step_result(result)) == result
     single = StepResult({"x": [7], "y": [8]})
     assert decode_step_result(encode_step_result(single)) == single
@@ -80,13 +96,16 @@ def _raw(message: list) -> bytes:
     return msgpack.packb(message)
 
 
-@pytest.mark.parametrize("data, fragment", [
-    (b"\xc1", "not valid msgpack"),
-    (_raw({"v": 1}), "[type, version"),
-    (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
-    (_raw(["StepPlan", 99]), "version 99"),
-    (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 11 fields"),
-])
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (b"\xc1", "not valid msgpack"),
+        (_raw({"v": 1}), "[type, version"),
+        (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
+        (_raw(["StepPlan", 99]), "version 99"),
+        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 11 fields"),
+    ],
+)
 def test_step_plan_rejects_bad_envelopes(data, fragment):
     with pytest.raises(ProtocolError, match=fragment.replace("[", r"\[")):
         decode_step_plan(data)
@@ -96,18 +115,21 @@ def _plan_fields() -> list:
     return msgpack.unpackb(encode_step_plan(_plan()))
 
 
-@pytest.mark.parametrize("index, value, fragment", [
-    (2, -1, "step_id"),
-    (3, 27, "total_num_scheduled_tokens"),
-    (4, 5, "cached_requests.req_ids"),
-    (5, b"\x00" * 3, "num_scheduled_tokens"),
-    (6, [1, 2, 3], "cached_requests.num_computed_tokens"),
-    (7, {"c2": ["x"]}, "new_block_ids"),
-    (7, {"zz": [1]}, "not scheduled"),
-    (8, {"c3": [-1]}, "resumed_output_token_ids"),
-    (10, {"c1": [1.5]}, "scheduled_spec_decode_tokens"),
-    (12, ["f1", 2], r"finished_req_ids\[1\]"),
-])
+@pytest.mark.parametrize(
+    "index, value, fragment",
+    [
+        (2, -1, "step_id"),
+        (3, 27, "total_num_scheduled_tokens"),
+        (4, 5, "cached_requests.req_ids"),
+        (5, b"\x00" * 3, "num_scheduled_tokens"),
+        (6, [1, 2, 3], "cached_requests.num_computed_tokens"),
+        (7, {"c2": ["x"]}, "new_block_ids"),
+        (7, {"zz": [1]}, "not scheduled"),
+        (8, {"c3": [-1]}, "resumed_output_token_ids"),
+        (10, {"c1": [1.5]}, "scheduled_spec_decode_tokens"),
+        (12, ["f1", 2], r"finished_req_ids\[1\]"),
+    ],
+)
 def test_step_plan_rejects_wrong_types(index, value, fragment):
     fields = _plan_fields()
     fields[index] = value
@@ -165,9 +187,13 @@ def test_protocol_error_is_value_error():
 
 def test_pure_decode_plan_round_trip_and_key_check():
     ids = [f"r{i}" for i in range(5)]
-    plan = StepPlan({rid: 1 for rid in ids}, 5,
-                    cached_requests=[CachedRequest(rid, [i] if i == 2 else [], 30 + i)
-                                     for i, rid in enumerate(ids)])
+    plan = StepPlan(
+        {rid: 1 for rid in ids},
+        5,
+        cached_requests=[
+            CachedRequest(rid, [i] if i == 2 else [], 30 + i) for i, rid in enumerate(ids)
+        ],
+    )
     assert decode_step_plan(encode_step_plan(plan)) == plan
     plan.num_scheduled_tokens = {**{rid: 1 for rid in ids[:4]}, "other": 1}
     with pytest.raises(ProtocolError, match="keys differ"):

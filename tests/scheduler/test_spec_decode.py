@@ -112,10 +112,13 @@ def test_tokens_sampled_past_a_stop_are_dropped_with_their_logprobs():
     scheduler.update_from_output(plan, StepResult({"A": [9]}))
     scheduler.update_draft_token_ids({"A": [11, EOS, 12]})
     plan = scheduler.schedule()
-    logprobs = SampleLogprobs([[11, 3], [EOS, 1], [12, 4], [13, 5]],
-                              [[-0.1, -2.0], [-0.2, -3.0], [-0.3, -1.0], [-0.4, -1.5]])
-    outputs = scheduler.update_from_output(plan, StepResult({"A": [11, EOS, 12, 13]},
-                                                            {"A": logprobs}))
+    logprobs = SampleLogprobs(
+        [[11, 3], [EOS, 1], [12, 4], [13, 5]],
+        [[-0.1, -2.0], [-0.2, -3.0], [-0.3, -1.0], [-0.4, -1.5]],
+    )
+    outputs = scheduler.update_from_output(
+        plan, StepResult({"A": [11, EOS, 12, 13]}, {"A": logprobs})
+    )
     assert outputs[0].new_token_ids == [11, EOS]
     assert outputs[0].finished and outputs[0].finish_reason == "stop"
     assert outputs[0].logprobs == SampleLogprobs([[11, 3], [EOS, 1]], [[-0.1, -2.0], [-0.2, -3.0]])

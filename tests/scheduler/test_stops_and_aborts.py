@@ -48,25 +48,51 @@ def _tokens(outputs):
     return [t for out in outputs for t in out.new_token_ids]
 
 
-@pytest.mark.parametrize("params, fed, expected_tokens, status", [
-    (SamplingParams(max_tokens=10), [5, 6, EOS, 7], [5, 6, EOS], RequestStatus.FINISHED_STOPPED),
-    (SamplingParams(max_tokens=4, ignore_eos=True), [5, EOS, 6, 7, 8], [5, EOS, 6, 7],
-     RequestStatus.FINISHED_LENGTH),
-    (SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(9,)), [5, EOS, 9, 7],
-     [5, EOS, 9], RequestStatus.FINISHED_STOPPED),
-    (SamplingParams(max_tokens=10, min_tokens=3, stop_token_ids=(9,)), [EOS, 9, EOS, 4],
-     [EOS, 9, EOS], RequestStatus.FINISHED_STOPPED),
-    (SamplingParams(max_tokens=3, min_tokens=3), [EOS, EOS, 4, 5], [EOS, EOS, 4],
-     RequestStatus.FINISHED_LENGTH),
-])
+@pytest.mark.parametrize(
+    "params, fed, expected_tokens, status",
+    [
+        (
+            SamplingParams(max_tokens=10),
+            [5, 6, EOS, 7],
+            [5, 6, EOS],
+            RequestStatus.FINISHED_STOPPED,
+        ),
+        (
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            [5, EOS, 6, 7, 8],
+            [5, EOS, 6, 7],
+            RequestStatus.FINISHED_LENGTH,
+        ),
+        (
+            SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(9,)),
+            [5, EOS, 9, 7],
+            [5, EOS, 9],
+            RequestStatus.FINISHED_STOPPED,
+        ),
+        (
+            SamplingParams(max_tokens=10, min_tokens=3, stop_token_ids=(9,)),
+            [EOS, 9, EOS, 4],
+            [EOS, 9, EOS],
+            RequestStatus.FINISHED_STOPPED,
+        ),
+        (
+            SamplingParams(max_tokens=3, min_tokens=3),
+            [EOS, EOS, 4, 5],
+            [EOS, EOS, 4],
+            RequestStatus.FINISHED_LENGTH,
+        ),
+    ],
+)
 def test_stop_conditions(params, fed, expected_tokens, status):
     scheduler, _ = make_scheduler(block_size=4, num_blocks=16)
     request = Request("A", [1, 3, 4], params, eos_token_id=EOS)
     outputs = _feed(scheduler, request, fed)
     assert _tokens(outputs) == expected_tokens
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
-    assert outputs[-1].finish_reason == {RequestStatus.FINISHED_STOPPED: "stop",
-                                         RequestStatus.FINISHED_LENGTH: "length"}[status]
+    assert (
+        outputs[-1].finish_reason
+        == {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length"}[status]
+    )
     assert request.status is status and request.finish_reason == outputs[-1].finish_reason
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.num_free_blocks == 16
@@ -87,8 +113,10 @@ def test_abort_frees_blocks_at_once_and_is_reported_in_the_next_plan():
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == 16 - 3 - 2
     outputs = scheduler.abort_requests(["A", "W", "nope", "A"])
-    assert [(o.request_id, o.finished, o.finish_reason, o.new_token_ids) for o in outputs] == \
-        [("A", True, "abort", []), ("W", True, "abort", [])]
+    assert [(o.request_id, o.finished, o.finish_reason, o.new_token_ids) for o in outputs] == [
+        ("A", True, "abort", []),
+        ("W", True, "abort", []),
+    ]
     assert kv.num_free_blocks == 16 - 2
     plan, _ = run_step(scheduler, executor)
     assert sorted(plan.finished_req_ids) == ["A", "W"]
@@ -152,9 +180,15 @@ def test_request_validation():
     with pytest.raises(ValueError, match="sampling_params"):
         Request("a", [1], {"max_tokens": 3})
     request = Request("a", (5, 6), eos_token_id=2)
-    assert (request.num_tokens, request.num_tokens_with_spec, request.num_computed_tokens,
-            request.output_token_ids, request.spec_token_ids, request.num_preemptions,
-            request.status) == (2, 2, 0, [], [], 0, RequestStatus.WAITING)
+    assert (
+        request.num_tokens,
+        request.num_tokens_with_spec,
+        request.num_computed_tokens,
+        request.output_token_ids,
+        request.spec_token_ids,
+        request.num_preemptions,
+        request.status,
+    ) == (2, 2, 0, [], [], 0, RequestStatus.WAITING)
 
 
 def test_stats_report_queue_and_cache_state():
@@ -166,6 +200,5 @@ def test_stats_report_queue_and_cache_state():
     assert (stats.num_running, stats.num_waiting, stats.num_scheduled_tokens) == (1, 1, 9)
     assert (stats.num_free_blocks, stats.num_blocks) == (7, 10)
     assert stats.kv_cache_usage == pytest.approx(0.3)
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == \
-        (9, 0, 0)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == (9, 0, 0)
     assert set(stats.to_dict()) >= {"num_running", "kv_cache_usage", "prefix_cache_hits"}

@@ -15,9 +15,19 @@ def save_tiny_llama(path: Path, tokenizer_dir: Path) -> None:
     """A 2-layer random Llama with SmolLM2's vocabulary, so text prompts and chat work."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -37,4 +47,6 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_hf_model(tiny_model_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32
+    ).eval()

@@ -12,7 +12,7 @@ def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
         for _ in range(num_tokens):
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def read_metrics(url: str) -> dict[str, float]:

@@ -10,8 +10,16 @@ from weir.services.llm import LLM
 from weir.shared.config import SCHEDULER, CacheConfig, EngineArgs, SchedulerConfig, parse_size
 
 
-@pytest.mark.parametrize("text, size", [("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1048576", 2**20),
-                                        ("1.5 GiB", 3 * 2**29), ("64k", 64_000)])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("512MiB", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("1048576", 2**20),
+        ("1.5 GiB", 3 * 2**29),
+        ("64k", 64_000),
+    ],
+)
 def test_parse_size(text, size):
     assert parse_size(text) == size
 
@@ -23,14 +31,39 @@ def test_parse_size_rejects_nonsense(text):
 
 
 def test_serve_options_reach_each_role_unchanged():
-    serve = vars(build_parser().parse_args([
-        "serve", "--model", "/m", "--block-size", "8", "--max-num-batched-tokens", "32",
-        "--max-model-len", "100", "--no-enable-prefix-caching", "--policy", "priority",
-        "--kv-cache-memory", "4MiB", "--threads", "2", "--seed", "7", "--executor-timeout", "9"]))
+    serve = vars(
+        build_parser().parse_args(
+            [
+                "serve",
+                "--model",
+                "/m",
+                "--block-size",
+                "8",
+                "--max-num-batched-tokens",
+                "32",
+                "--max-model-len",
+                "100",
+                "--no-enable-prefix-caching",
+                "--policy",
+                "priority",
+                "--kv-cache-memory",
+                "4MiB",
+                "--threads",
+                "2",
+                "--seed",
+                "7",
+                "--executor-timeout",
+                "9",
+            ]
+        )
+    )
     engine = EngineArgs.from_cli(argparse.Namespace(**serve))
     scheduler = vars(build_parser().parse_args(["scheduler", *engine.to_argv("scheduler")]))
-    executor = vars(build_parser().parse_args(
-        ["executor", "--scheduler", "ipc://x", *engine.to_argv("executor")]))
+    executor = vars(
+        build_parser().parse_args(
+            ["executor", "--scheduler", "ipc://x", *engine.to_argv("executor")]
+        )
+    )
     for f in fields(EngineArgs):
         role = scheduler if SCHEDULER in f.metadata["roles"] else executor
         assert role[f.name] == serve[f.name], f.name

@@ -9,7 +9,9 @@ from weir.services import LLM, Completion
 from weir.shared.sampling import SamplingParams
 
 
-def test_llm_generate_batches_prompts_in_order_and_matches_transformers(tiny_model_dir, tiny_hf_model):
+def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
+    tiny_model_dir, tiny_hf_model
+):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

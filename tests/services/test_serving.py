@@ -13,12 +13,12 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
-
 from serving_helpers import hf_greedy, metric, read_metrics
+
 from weir.services.launcher import ServerProcesses
+from weir.shared.client import AsyncWeirClient, InvalidRequestError, WeirClient
 from weir.shared.config import EngineArgs
 from weir.shared.protocol import client as cp
-from weir.shared.client import AsyncWeirClient, InvalidRequestError, WeirClient
 from weir.shared.sampling import SamplingParams
 
 BLOCK_SIZE = 4
@@ -30,10 +30,18 @@ KV_BYTES = NUM_BLOCKS * 2 * 2 * BLOCK_SIZE * 2 * 8 * 4
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    options = {"model": str(tiny_model_dir), "max_num_batched_tokens": 32, "block_size": BLOCK_SIZE,
-               "kv_cache_memory": KV_BYTES, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 64,
-               "device": "cpu"}
-    with ServerProcesses(EngineArgs(**options), port=0, metrics_port=0, executor_metrics_port=0) as processes:
+    options = {
+        "model": str(tiny_model_dir),
+        "max_num_batched_tokens": 32,
+        "block_size": BLOCK_SIZE,
+        "kv_cache_memory": KV_BYTES,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": 64,
+        "device": "cpu",
+    }
+    with ServerProcesses(
+        EngineArgs(**options), port=0, metrics_port=0, executor_metrics_port=0
+    ) as processes:
         yield processes
         # No test may leave a KV block behind.
         with WeirClient(processes.client_address) as client:
@@ -56,8 +64,10 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
 
 async def stream_all(address: str, prompts, params) -> list[list]:
     async with AsyncWeirClient(address) as client:
+
         async def one(prompt, p):
             return [out async for out in client.generate(prompt, p)]
+
         return await asyncio.gather(*(one(prompt, p) for prompt, p in zip(prompts, params)))
 
 
@@ -82,23 +92,35 @@ async def test_64_concurrent_streams_greedy_equal_transformers(server, tiny_hf_m
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == want_len
         assert outs[0].prompt_token_ids == prompt and outs[-1].prompt_tokens == len(prompt)
-        assert "".join(o.text for o in outs) == tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert "".join(o.text for o in outs) == tokenizer.decode(
+            token_ids, skip_special_tokens=True
+        )
         # Chunked, batched, preempted: still exactly transformers' greedy tokens.
         assert token_ids == hf_greedy(tiny_hf_model, prompt, want_len)
     after = read_metrics(server.info["metrics_address"])
-    assert metric(after, "weir:num_preemptions_total") > metric(before, "weir:num_preemptions_total")
-    assert metric(after, "weir:generation_tokens_total") - metric(before, "weir:generation_tokens_total") \
-        == sum(max_tokens)
-    assert metric(after, 'weir:request_success_total') - metric(before, "weir:request_success_total") == 64
+    assert metric(after, "weir:num_preemptions_total") > metric(
+        before, "weir:num_preemptions_total"
+    )
+    assert metric(after, "weir:generation_tokens_total") - metric(
+        before, "weir:generation_tokens_total"
+    ) == sum(max_tokens)
+    assert (
+        metric(after, "weir:request_success_total") - metric(before, "weir:request_success_total")
+        == 64
+    )
 
 
 def test_text_and_chat_prompts(server, tokenizer, tiny_hf_model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    want_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
+    want_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     with WeirClient(server.client_address) as client:
-        chat = list(client.generate(messages, SamplingParams(max_tokens=3, temperature=0.0,
-                                                             ignore_eos=True)))
+        chat = list(
+            client.generate(
+                messages, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            )
+        )
         text = list(client.generate("The quick brown fox", SamplingParams(max_tokens=3)))
     assert chat[0].prompt_token_ids == list(want_ids)
     assert [t for o in chat for t in o.new_token_ids] == hf_greedy(tiny_hf_model, list(want_ids), 3)
@@ -110,8 +132,12 @@ def test_logprobs_are_streamed_when_asked(server):
     with WeirClient(server.client_address) as client:
         outs = list(client.generate([7, 8, 9], params))
     token_ids = [t for o in outs for t in o.new_token_ids]
-    rows = [(ids, lps) for o in outs if o.logprobs
-            for ids, lps in zip(o.logprobs["token_ids"], o.logprobs["logprobs"])]
+    rows = [
+        (ids, lps)
+        for o in outs
+        if o.logprobs
+        for ids, lps in zip(o.logprobs["token_ids"], o.logprobs["logprobs"])
+    ]
     assert len(rows) == 4
     for token_id, (ids, lps) in zip(token_ids, rows):
         # Entry 0 is the sampled token; greedy sampled the most likely one (entry 1).
@@ -126,8 +152,12 @@ def test_stop_string_truncates_text_and_finishes(server):
         full = "".join(o.text for o in client.generate(prompt, params))
         stop = full[10:13]
         cut = full.index(stop)
-        outs = list(client.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0,
-                                                           ignore_eos=True, stop=(stop,))))
+        outs = list(
+            client.generate(
+                prompt,
+                SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,)),
+            )
+        )
     assert "".join(o.text for o in outs) == full[:cut]
     assert outs[-1].finished and outs[-1].finish_reason == "stop"
     assert all(stop not in o.text for o in outs)
@@ -167,6 +197,7 @@ async def test_abort_and_close_free_kv_blocks(server):
         async def consume():
             async for _ in client.generate([13, 14], long):
                 started.set()
+
         task = asyncio.create_task(consume())
         await started.wait()
         task.cancel()
@@ -188,8 +219,9 @@ async def test_vanished_client_frees_its_blocks(server):
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(server.client_address)
-    request = cp.GenerateRequest(uuid.uuid4().hex, [1, 2, 3],
-                                 SamplingParams(max_tokens=50, ignore_eos=True))
+    request = cp.GenerateRequest(
+        uuid.uuid4().hex, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)
+    )
     await sock.send(cp.encode_client_message(request))
     await sock.recv()  # the first output: the request is running
     sock.close(linger=0)
@@ -200,8 +232,13 @@ async def test_vanished_client_frees_its_blocks(server):
 
 
 def generate_frame(**fields) -> bytes:
-    body = {"v": 1, "type": "generate", "request_id": "bad", "prompt": "hi",
-            "sampling_params": {"max_tokens": 2}}
+    body = {
+        "v": 1,
+        "type": "generate",
+        "request_id": "bad",
+        "prompt": "hi",
+        "sampling_params": {"max_tokens": 2},
+    }
     body.update(fields)
     return msgpack.packb(body)
 
@@ -209,8 +246,16 @@ def generate_frame(**fields) -> bytes:
 BAD_FRAMES = [
     ([b"\xc1garbage"], cp.MALFORMED_MESSAGE, "msgpack"),
     ([b"a", b"b"], cp.MALFORMED_MESSAGE, "one frame"),
-    ([msgpack.packb({"v": 1, "type": "launch", "request_id": "bad"})], cp.UNKNOWN_MESSAGE_TYPE, "launch"),
-    ([msgpack.packb({"v": 7, "type": "health", "request_id": "bad"})], cp.UNSUPPORTED_VERSION, "version"),
+    (
+        [msgpack.packb({"v": 1, "type": "launch", "request_id": "bad"})],
+        cp.UNKNOWN_MESSAGE_TYPE,
+        "launch",
+    ),
+    (
+        [msgpack.packb({"v": 7, "type": "health", "request_id": "bad"})],
+        cp.UNSUPPORTED_VERSION,
+        "version",
+    ),
     ([generate_frame(prompt=12)], cp.INVALID_REQUEST, "prompt"),
     ([generate_frame(request_id=["x"])], cp.INVALID_REQUEST, "request_id"),
     ([generate_frame(sampling_params={"top_p": 2.0})], cp.INVALID_REQUEST, "top_p"),
@@ -252,7 +297,9 @@ def test_sdk_raises_typed_errors(server):
             list(client.generate([0, 10**6]))
         assert info.value.code == cp.INVALID_REQUEST
         # A duplicate id of an in-flight request is refused; the first stream is unaffected.
-        first = client.generate([1, 2], SamplingParams(max_tokens=30, ignore_eos=True), request_id="dup")
+        first = client.generate(
+            [1, 2], SamplingParams(max_tokens=30, ignore_eos=True), request_id="dup"
+        )
         next(first)
         with pytest.raises(InvalidRequestError, match="already"):
             list(client.generate([3, 4], request_id="dup"))
@@ -261,18 +308,34 @@ def test_sdk_raises_typed_errors(server):
 
 def test_metrics_endpoints_expose_every_series(server):
     scheduler = read_metrics(server.info["metrics_address"])
-    names = ["weir:num_requests_running", "weir:num_requests_waiting", "weir:kv_cache_usage_perc",
-             "weir:num_preemptions_total", "weir:prompt_tokens_total", "weir:generation_tokens_total",
-             "weir:prefix_cache_queries_total", "weir:prefix_cache_hits_total",
-             "weir:request_success_total", "weir:time_to_first_token_seconds_count",
-             "weir:inter_token_latency_seconds_count", "weir:e2e_request_latency_seconds_count",
-             "weir:request_queue_time_seconds_count", "weir:iteration_tokens_count"]
+    names = [
+        "weir:num_requests_running",
+        "weir:num_requests_waiting",
+        "weir:kv_cache_usage_perc",
+        "weir:num_preemptions_total",
+        "weir:prompt_tokens_total",
+        "weir:generation_tokens_total",
+        "weir:prefix_cache_queries_total",
+        "weir:prefix_cache_hits_total",
+        "weir:request_success_total",
+        "weir:time_to_first_token_seconds_count",
+        "weir:inter_token_latency_seconds_count",
+        "weir:e2e_request_latency_seconds_count",
+        "weir:request_queue_time_seconds_count",
+        "weir:iteration_tokens_count",
+    ]
     for name in names:
-        assert any(k.startswith(name + '{') and 'model_name="tiny-llama"' in k for k in scheduler), name
+        assert any(
+            k.startswith(name + "{") and 'model_name="tiny-llama"' in k for k in scheduler
+        ), name
     assert metric(scheduler, "weir:time_to_first_token_seconds_count") > 0
     executor = read_metrics(server.info["executors"][0]["metrics_address"])
-    for name in ["weir:executor_step_seconds_count", "weir:executor_batch_tokens_count",
-                 "weir:executor_num_kv_blocks", "weir:executor_device_memory_bytes"]:
+    for name in [
+        "weir:executor_step_seconds_count",
+        "weir:executor_batch_tokens_count",
+        "weir:executor_num_kv_blocks",
+        "weir:executor_device_memory_bytes",
+    ]:
         assert any(k.startswith(name + "{") and 'rank="0"' in k for k in executor), name
     assert metric(executor, "weir:executor_num_kv_blocks") == NUM_BLOCKS
     assert metric(executor, "weir:executor_step_seconds_count") > 0
@@ -285,8 +348,11 @@ def test_step_phase_histograms_account_for_every_step(server):
     scheduler = read_metrics(server.info["metrics_address"])
 
     def phase(samples, name, which, stat):
-        return sum(v for k, v in samples.items()
-                   if k.startswith(f"{name}_{stat}{{") and f'phase="{which}"' in k)
+        return sum(
+            v
+            for k, v in samples.items()
+            if k.startswith(f"{name}_{stat}{{") and f'phase="{which}"' in k
+        )
 
     steps = metric(executor, "weir:executor_step_seconds_count")
     runner_seconds = 0.0

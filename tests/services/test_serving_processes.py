@@ -59,17 +59,46 @@ def free_port() -> int:
 
 def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
     proc = subprocess.Popen(
-        [*WEIR, "serve", "--model", str(tiny_model_dir), "--port", "0", "--metrics-port", "0",
-         "--executor-metrics-port", "0", "--kv-cache-memory", "1MiB"],
-        stdout=subprocess.PIPE, bufsize=0, env=ENV)
+        [
+            *WEIR,
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--executor-metrics-port",
+            "0",
+            "--kv-cache-memory",
+            "1MiB",
+        ],
+        stdout=subprocess.PIPE,
+        bufsize=0,
+        env=ENV,
+    )
     try:
         banner = read_until(proc, "Press Ctrl-C")
         address = re.search(r"clients:\s+(\S+)", banner).group(1)
         children = children_of(proc.pid)
         assert len(children) == 2  # the scheduler and one executor
-        out = subprocess.run([*WEIR, "generate", "Hello", "--max-tokens", "5", "--ignore-eos",
-                              "--address", address, "-v"],
-                             capture_output=True, text=True, env=ENV, timeout=120)
+        out = subprocess.run(
+            [
+                *WEIR,
+                "generate",
+                "Hello",
+                "--max-tokens",
+                "5",
+                "--ignore-eos",
+                "--address",
+                address,
+                "-v",
+            ],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         assert "5 completion tokens, finish_reason=length" in out.stderr
         proc.send_signal(signal.SIGTERM)
@@ -83,9 +112,24 @@ def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
 
 def test_serve_exits_nonzero_with_the_childs_error(tmp_path):
     missing = tmp_path / "no-such-model"
-    out = subprocess.run([*WEIR, "serve", "--model", str(missing), "--port", "0",
-                          "--metrics-port", "0", "--executor-metrics-port", "0"],
-                         capture_output=True, text=True, env=ENV, timeout=120)
+    out = subprocess.run(
+        [
+            *WEIR,
+            "serve",
+            "--model",
+            str(missing),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--executor-metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert out.returncode == 1
     assert "no-such-model" in out.stderr and "weir serve:" in out.stderr, out.stderr
 
@@ -99,16 +143,41 @@ def standalone_scheduler(tiny_model_dir, tmp_path):
 
     def start_executor(*extra: str) -> subprocess.Popen:
         executor = subprocess.Popen(
-            [*WEIR, "executor", "--scheduler", executor_address, "--model", str(tiny_model_dir),
-             "--metrics-port", "0", "--kv-cache-memory", "1MiB", *extra],
-            env=ENV, stderr=subprocess.PIPE, text=True)
+            [
+                *WEIR,
+                "executor",
+                "--scheduler",
+                executor_address,
+                "--model",
+                str(tiny_model_dir),
+                "--metrics-port",
+                "0",
+                "--kv-cache-memory",
+                "1MiB",
+                *extra,
+            ],
+            env=ENV,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         procs.append(executor)
         return executor
 
     scheduler = subprocess.Popen(
-        [*WEIR, "scheduler", "--model", str(tiny_model_dir), "--port", str(port),
-         "--metrics-port", "0", "--executor-address", executor_address],
-        env=ENV)
+        [
+            *WEIR,
+            "scheduler",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+            "--executor-address",
+            executor_address,
+        ],
+        env=ENV,
+    )
     procs.append(scheduler)
     try:
         yield f"tcp://127.0.0.1:{port}", start_executor
@@ -168,8 +237,13 @@ def test_weir_health_is_ready_only_once_an_executor_has_joined(standalone_schedu
     address, start_executor = standalone_scheduler
 
     def weir_health() -> subprocess.CompletedProcess:
-        return subprocess.run([*WEIR, "health", "--address", address, "--timeout", "10"],
-                              capture_output=True, text=True, env=ENV, timeout=60)
+        return subprocess.run(
+            [*WEIR, "health", "--address", address, "--timeout", "10"],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=60,
+        )
 
     deadline = time.monotonic() + 60
     out = weir_health()
@@ -186,16 +260,37 @@ def test_weir_health_is_ready_only_once_an_executor_has_joined(standalone_schedu
 def test_a_stream_fails_clearly_when_the_scheduler_restarts_under_it(tiny_model_dir, tmp_path):
     port = free_port()
     executor_address = f"ipc://{tmp_path}/executors.sock"
-    scheduler_cmd = [*WEIR, "scheduler", "--model", str(tiny_model_dir), "--port", str(port),
-                     "--metrics-port", "0", "--executor-address", executor_address]
-    executor_cmd = [*WEIR, "executor", "--scheduler", executor_address, "--model",
-                    str(tiny_model_dir), "--metrics-port", "0", "--kv-cache-memory", "1MiB"]
+    scheduler_cmd = [
+        *WEIR,
+        "scheduler",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--executor-address",
+        executor_address,
+    ]
+    executor_cmd = [
+        *WEIR,
+        "executor",
+        "--scheduler",
+        executor_address,
+        "--model",
+        str(tiny_model_dir),
+        "--metrics-port",
+        "0",
+        "--kv-cache-memory",
+        "1MiB",
+    ]
     procs = [subprocess.Popen(scheduler_cmd, env=ENV), subprocess.Popen(executor_cmd, env=ENV)]
     try:
         with WeirClient(f"tcp://127.0.0.1:{port}", timeout=10) as client:
             wait_healthy(client)
-            stream = client.generate([1, 2, 3], SamplingParams(max_tokens=100_000, ignore_eos=True,
-                                                               temperature=0.0))
+            stream = client.generate(
+                [1, 2, 3], SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+            )
             next(stream)
             procs[0].kill()
             procs[0].wait()

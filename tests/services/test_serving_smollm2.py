@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from weir.services.launcher import ServerProcesses
-from weir.shared.config import EngineArgs
 from weir.shared.client import WeirClient
+from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -18,23 +18,35 @@ CHATS = ["What is the capital of France?", "Name a colour of the rainbow."]
 
 def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32
+    ).eval()
     model.generation_config.eos_token_id = None  # ignore_eos: EOS is an ordinary token
     conversations = [[{"role": "user", "content": text}] for text in CHATS]
     want = []
     with torch.no_grad():
         for messages in conversations:
-            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
+            ids = list(
+                tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
             input_ids = torch.tensor([ids])
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                 max_new_tokens=NUM_NEW, eos_token_id=None,
-                                 pad_token_id=tokenizer.pad_token_id)
-            want.append((ids, out[0, len(ids):].tolist()))
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=NUM_NEW,
+                eos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            want.append((ids, out[0, len(ids) :].tolist()))
 
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     options = {"model": None, "kv_cache_memory": "32MiB", "max_num_batched_tokens": 256}
-    with ServerProcesses(EngineArgs(**options), port=0, metrics_port=0, executor_metrics_port=0) as server:
+    with ServerProcesses(
+        EngineArgs(**options), port=0, metrics_port=0, executor_metrics_port=0
+    ) as server:
         with WeirClient(server.client_address) as client:
             assert client.model_info()["model_name"] == "SmolLM2-135M-Instruct"
             for messages, (prompt_ids, want_ids) in zip(conversations, want):
@@ -42,4 +54,6 @@ def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
                 assert outs[0].prompt_token_ids == prompt_ids
                 token_ids = [t for o in outs for t in o.new_token_ids]
                 assert token_ids == want_ids
-                assert "".join(o.text for o in outs) == tokenizer.decode(token_ids, skip_special_tokens=True)
+                assert "".join(o.text for o in outs) == tokenizer.decode(
+                    token_ids, skip_special_tokens=True
+                )
