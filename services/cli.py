@@ -18,18 +18,19 @@ import signal
 import sys
 
 from weir.services import launcher
-from weir.services.launcher import (
+from weir.services.supervised import StatusReporter
+from weir.shared.config import (
+    DEFAULT_ADDRESS,
     DEFAULT_EXECUTOR_METRICS_PORT,
     DEFAULT_EXECUTOR_PORT,
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
+    EXECUTOR,
+    SCHEDULER,
+    EngineArgs,
 )
-from weir.services.supervised import StatusReporter
-from weir.shared.config import EXECUTOR, SCHEDULER, EngineArgs
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
-
-DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
 
 
 def _setup_logging(level: str, role: str) -> None:

@@ -27,14 +27,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from weir.shared.config import EXECUTOR, SCHEDULER, EngineArgs
+from weir.shared.config import (
+    DEFAULT_EXECUTOR_METRICS_PORT,
+    DEFAULT_METRICS_PORT,
+    DEFAULT_PORT,
+    EXECUTOR,
+    SCHEDULER,
+    EngineArgs,
+)
 
 _log = logging.getLogger(__name__)
-
-DEFAULT_PORT = 8100
-DEFAULT_METRICS_PORT = 8101
-DEFAULT_EXECUTOR_PORT = 8102
-DEFAULT_EXECUTOR_METRICS_PORT = 8103
 
 
 # ------------------------------------------------------------------ supervisor side

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from weir.shared.config import DEFAULT_ADDRESS
 from weir.shared.protocol.client import (
     ENGINE_ERROR,
     SERVER_UNAVAILABLE,
@@ -43,7 +44,6 @@ from weir.shared.protocol.client import (
 from weir.shared.sampling import SamplingParams
 from weir.shared.zmq_send import send_now
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:8100"
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 

@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import Field, asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-_Config = TypeVar("_Config", "SchedulerConfig", "CacheConfig")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -26,16 +25,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _from_dict(cls: type[_Config], data: Any) -> _Config:
-    if not isinstance(data, dict):
-        raise ValueError(f"{cls.__name__} must be given a dict, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known, key=str)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
-    return cls(**data)
 
 
 @dataclass(slots=True)
@@ -94,10 +83,6 @@ class SchedulerConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SchedulerConfig:
-        return _from_dict(cls, data)
-
 
 @dataclass(slots=True)
 class CacheConfig:
@@ -119,12 +104,14 @@ class CacheConfig:
                 f"got {type(self.enable_prefix_caching).__name__}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CacheConfig:
-        return _from_dict(cls, data)
+# ------------------------------------------------------------------ ports
+
+DEFAULT_PORT = 8100  # clients
+DEFAULT_METRICS_PORT = 8101  # the scheduler's /metrics
+DEFAULT_EXECUTOR_PORT = 8102  # executors connect here when run apart
+DEFAULT_EXECUTOR_METRICS_PORT = 8103  # rank 0's /metrics; rank r uses + r
+DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
 
 
 # ------------------------------------------------------------------ engine arguments

@@ -18,6 +18,7 @@ import torch
 
 from weir.services.bench.report import EngineRun
 from weir.services.bench.workload import WARMUP_PROMPT, BenchRequest
+from weir.shared.arith import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def run_hf_continuous(
     # Without an explicit size the manager sizes its KV cache from host memory on CPU (most of the RAM).
     cb_config = ContinuousBatchingConfig(
         num_blocks=sum(
-            -(-(len(r.prompt_token_ids) + r.output_len) // _CB_PAGE_SIZE) for r in requests
+            cdiv(len(r.prompt_token_ids) + r.output_len, _CB_PAGE_SIZE) for r in requests
         )
         + 1,
         page_size=_CB_PAGE_SIZE,

@@ -36,8 +36,8 @@ from weir.services.bench.workload import (
     positive_int,
     workload_from_args,
 )
+from weir.shared.config import DEFAULT_ADDRESS
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:8100"
 _READY_POLL_S = 0.5
 
 

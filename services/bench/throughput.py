@@ -29,11 +29,11 @@ from weir.services.bench.workload import (
     positive_int,
     workload_from_args,
 )
+from weir.shared.config import ENGINE_DEFAULTS
 
 BASELINE_CHOICES = ("hf-static", "hf-cb", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 # transformers' continuous batching gets Weir's step budget unless one is given.
-_DEFAULT_BATCHED_TOKENS = 2048
 
 
 def _baselines(values: list[str] | None) -> list[str]:
@@ -92,7 +92,7 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--max-num-batched-tokens",
         type=positive_int,
         default=None,
-        help=f"Weir engine option; also hf-cb's max_batch_tokens (default {_DEFAULT_BATCHED_TOKENS})",
+        help=f"Weir engine option; also hf-cb's max_batch_tokens (default {ENGINE_DEFAULTS.max_num_batched_tokens})",
     )
     g.add_argument("--kv-cache-memory", default=None, help="Weir engine option (KV cache size)")
     o = p.add_argument_group("output")
@@ -157,7 +157,7 @@ def _run_baselines(
         if name == "hf-static":
             runs.append(run_hf_static(model, requests, args.hf_batch_size))
         else:
-            budget = args.max_num_batched_tokens or _DEFAULT_BATCHED_TOKENS
+            budget = args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens
             runs.append(run_hf_continuous(model, requests, budget))
     return runs
 
@@ -235,7 +235,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     if "hf-cb" in baselines:
         notes.append(
             "hf-cb: transformers' continuous batching manager (what generate_batch runs), each request with its own "
-            f"max_new_tokens, max_batch_tokens {args.max_num_batched_tokens or _DEFAULT_BATCHED_TOKENS}, "
+            f"max_new_tokens, max_batch_tokens {args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens}, "
             "KV cache sized to hold every request at once."
         )
     table = throughput_markdown(runs, machine, command, workload, notes)

@@ -28,7 +28,7 @@ from weir.services.engine.core import EngineCore, EngineStep
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.scheduler.output import EngineOutput
 from weir.services.scheduler.request import Request, RequestStatus
-from weir.shared.protocol import client as wire
+from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from weir.shared.zmq_send import send_now
@@ -92,13 +92,13 @@ class ClientFrontend:
                 self.send_error(
                     identity,
                     None,
-                    wire.MALFORMED_MESSAGE,
+                    client_protocol.MALFORMED_MESSAGE,
                     f"expected one frame per message, got {len(frames)}",
                 )
                 continue
             try:
-                msg = wire.decode_client_message(frames[0])
-            except wire.ClientProtocolError as exc:
+                msg = client_protocol.decode_client_message(frames[0])
+            except client_protocol.ClientProtocolError as exc:
                 self.send_error(identity, exc.request_id, exc.code, exc.message)
                 continue
             try:
@@ -108,47 +108,52 @@ class ClientFrontend:
                 self.send_error(
                     identity,
                     msg.request_id,
-                    wire.ENGINE_ERROR,
+                    client_protocol.ENGINE_ERROR,
                     f"internal error: {type(exc).__name__}: {exc}",
                 )
 
-    def _dispatch(self, identity: bytes, msg: wire.ClientMessage) -> None:
-        if isinstance(msg, wire.GenerateRequest):
+    def _dispatch(self, identity: bytes, msg: client_protocol.ClientMessage) -> None:
+        if isinstance(msg, client_protocol.GenerateRequest):
             self._add_request(identity, msg)
-        elif isinstance(msg, wire.AbortRequest):
+        elif isinstance(msg, client_protocol.AbortRequest):
             self._abort(msg.request_id, identity)
-        elif isinstance(msg, wire.HealthRequest):
+        elif isinstance(msg, client_protocol.HealthRequest):
             self._send(
                 identity,
-                wire.encode_server_message(
-                    wire.HealthReply(msg.request_id, self._health(msg.stream_ids))
+                client_protocol.encode_server_message(
+                    client_protocol.HealthReply(msg.request_id, self._health(msg.stream_ids))
                 ),
             )
         else:
             self._send(
                 identity,
-                wire.encode_server_message(wire.ModelInfoReply(msg.request_id, self._model_info())),
+                client_protocol.encode_server_message(
+                    client_protocol.ModelInfoReply(msg.request_id, self._model_info())
+                ),
             )
 
-    def _add_request(self, identity: bytes, msg: wire.GenerateRequest) -> None:
+    def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:
         rid = msg.request_id
         if self.core is None:
             self.send_error(
                 identity,
                 rid,
-                wire.SERVER_UNAVAILABLE,
+                client_protocol.SERVER_UNAVAILABLE,
                 "no executor is connected; try again once the server is healthy",
             )
             return
         if rid in self.streams:
             self.send_error(
-                identity, rid, wire.DUPLICATE_REQUEST_ID, f"request_id {rid!r} is already in flight"
+                identity,
+                rid,
+                client_protocol.DUPLICATE_REQUEST_ID,
+                f"request_id {rid!r} is already in flight",
             )
             return
         try:
             prompt_ids = self._tokenize(msg.prompt)
         except ValueError as exc:
-            self.send_error(identity, rid, wire.INVALID_REQUEST, str(exc))
+            self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
         now = time.monotonic()
         stream = _Stream(
@@ -166,7 +171,7 @@ class ClientFrontend:
                 self._new_request(rid, prompt_ids, msg.sampling_params, now)
             )
         except ValueError as exc:  # e.g. prompt + max_tokens can never fit the KV cache
-            self.send_error(identity, rid, wire.INVALID_REQUEST, str(exc))
+            self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
         self.streams[rid] = stream
         self._wake()
@@ -183,7 +188,7 @@ class ClientFrontend:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         return Request(request_id, prompt_ids, params, eos_token_id=eos, arrival_time=arrival_time)
 
-    def _tokenize(self, prompt: wire.Prompt) -> list[int]:
+    def _tokenize(self, prompt: client_protocol.Prompt) -> list[int]:
         """Token ids of a prompt; ValueError names what is wrong with it."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -217,7 +222,9 @@ class ClientFrontend:
             return  # already finished, or not this client's request
         self._end_in_scheduler([request_id], RequestStatus.FINISHED_ABORTED)
         self._finish_stream(stream, "abort")
-        self._send(stream.identity, wire.encode_outputs([self._final_output(stream, "abort")]))
+        self._send(
+            stream.identity, client_protocol.encode_outputs([self._final_output(stream, "abort")])
+        )
         self._wake()
 
     # ------------------------------------------------------------------ messages out
@@ -238,7 +245,12 @@ class ClientFrontend:
         self._wake()
 
     def send_error(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
-        self._send(identity, wire.encode_server_message(wire.ErrorReply(request_id, message, code)))
+        self._send(
+            identity,
+            client_protocol.encode_server_message(
+                client_protocol.ErrorReply(request_id, message, code)
+            ),
+        )
 
     def fail(self, request_ids: list[str], code: str, message: str) -> None:
         """End these streams with an error (the scheduler has already ended the requests)."""
@@ -261,7 +273,7 @@ class ClientFrontend:
                 self.metrics.request_queue_time.observe(step.scheduled_at - stream.arrival_time)
                 self.metrics.prompt_tokens.inc(len(stream.prompt_token_ids))
         now = time.monotonic()
-        by_client: dict[bytes, list[wire.StreamOutput]] = {}
+        by_client: dict[bytes, list[client_protocol.StreamOutput]] = {}
         stopped: list[str] = []
         num_generated = 0
         for out in step.outputs:
@@ -275,10 +287,12 @@ class ClientFrontend:
             by_client.setdefault(stream.identity, []).append(item)
         self._end_in_scheduler(stopped, RequestStatus.FINISHED_STOPPED)
         for identity, items in by_client.items():
-            self._send(identity, wire.encode_outputs(items))
+            self._send(identity, client_protocol.encode_outputs(items))
         self.metrics.generation_tokens.inc(num_generated)
 
-    def _stream_output(self, stream: _Stream, out: EngineOutput, now: float) -> wire.StreamOutput:
+    def _stream_output(
+        self, stream: _Stream, out: EngineOutput, now: float
+    ) -> client_protocol.StreamOutput:
         """Detokenize, apply stop strings, and build the client's output for one request."""
         new_ids = out.new_token_ids
         finished, reason = out.finished, out.finish_reason
@@ -306,7 +320,7 @@ class ClientFrontend:
             if out.logprobs is None
             else {"token_ids": out.logprobs.token_ids, "logprobs": out.logprobs.logprobs}
         )
-        item = wire.StreamOutput(
+        item = client_protocol.StreamOutput(
             request_id=stream.request_id,
             new_token_ids=list(new_ids),
             text=stream.text[stream.num_sent_chars : end],
@@ -323,8 +337,8 @@ class ClientFrontend:
             self._finish_stream(stream, reason or "stop")
         return item
 
-    def _final_output(self, stream: _Stream, reason: str) -> wire.StreamOutput:
-        return wire.StreamOutput(
+    def _final_output(self, stream: _Stream, reason: str) -> client_protocol.StreamOutput:
+        return client_protocol.StreamOutput(
             request_id=stream.request_id,
             new_token_ids=[],
             text=stream.text[stream.num_sent_chars :],

@@ -37,7 +37,7 @@ from weir.services.scheduler.scheduler import Scheduler
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.config import EngineArgs
 from weir.shared.model_store import load_model_config
-from weir.shared.protocol import client as wire
+from weir.shared.protocol import client as client_protocol
 from weir.shared.tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -55,11 +55,11 @@ class SchedulerServerOptions:
     model_dir: str
     engine_args: EngineArgs
     max_model_len: int  # engine_args.max_model_len, or the model's context length
-    host: str = "127.0.0.1"
-    port: int = 8100
-    metrics_port: int | None = 8101  # None: no metrics endpoint
-    executor_address: str = "tcp://127.0.0.1:8102"
-    num_executors: int = 1
+    host: str
+    port: int  # 0: any free port
+    metrics_port: int | None  # None: no metrics endpoint
+    executor_address: str
+    num_executors: int
 
 
 @dataclass(slots=True)
@@ -186,7 +186,9 @@ class SchedulerServer:
                 _log.error("scheduler task failed", exc_info=task.exception())
             return 1 if crashed else 0
         finally:
-            self.frontend.fail_all(wire.SERVER_UNAVAILABLE, "the server is shutting down")
+            self.frontend.fail_all(
+                client_protocol.SERVER_UNAVAILABLE, "the server is shutting down"
+            )
             for task in [stop, *tasks]:
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
@@ -220,7 +222,7 @@ class SchedulerServer:
 
     def _on_group_lost(self, message: str) -> None:
         _log.error("failing %d in-flight request(s): %s", len(self.frontend.streams), message)
-        self.frontend.fail_all(wire.ENGINE_ERROR, message)
+        self.frontend.fail_all(client_protocol.ENGINE_ERROR, message)
         self.frontend.core = None
 
     # ------------------------------------------------------------------ the loop
@@ -234,7 +236,7 @@ class SchedulerServer:
                     step = await core.step()
                 except StepFailedError as exc:
                     _log.error("%s; failing %d request(s)", exc, len(exc.request_ids))
-                    self.frontend.fail(exc.request_ids, wire.ENGINE_ERROR, str(exc))
+                    self.frontend.fail(exc.request_ids, client_protocol.ENGINE_ERROR, str(exc))
                     continue
                 except ExecutorLostError:
                     continue  # the group has failed every request

@@ -3,7 +3,7 @@
 ``schedule()`` and ``update_from_output()`` alternate: a plan is computed, executed,
 and its result applied before the next plan. ``num_computed_tokens`` advances in
 ``update_from_output`` (it always means "KV in the cache"), so a plan's records
-carry the count from before the step. ``abort_requests``/``finish_requests`` may be
+carry the count from before the step. ``finish_requests`` may be
 called at any time, also while a step is in flight: the request's blocks are freed
 at once and its late results are ignored. See docs/architecture.md for the loop.
 """
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from weir.services.scheduler.kv_cache_manager import KVCacheManager
 from weir.services.scheduler.output import EngineOutput
@@ -40,9 +39,6 @@ class SchedulerStats:
     num_scheduled_tokens: int  # of the last plan
     num_free_blocks: int
     num_blocks: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Scheduler:
@@ -92,11 +88,6 @@ class Scheduler:
         self._next_seq += 1
         self.requests[rid] = request
         self.waiting.add(request)
-
-    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineOutput]:
-        """Abort (client went away, timeout): same as ``finish_requests`` with
-        FINISHED_ABORTED."""
-        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(
         self, request_ids: Iterable[str] | str, status: RequestStatus

@@ -67,7 +67,7 @@ def test_watermark_reserve_applies_only_while_something_runs():
         plan.num_scheduled_tokens == {"A": 1}
         and scheduler.requests["B"].status is RequestStatus.WAITING
     )
-    scheduler.abort_requests(["B"])
+    scheduler.finish_requests(["B"], RequestStatus.FINISHED_ABORTED)
     scheduler.add_request(Request("C", _prompt(40, 4), GREEDY))  # 10 blocks: 5 stay free
     plan, _ = run_step(scheduler, executor)
     assert plan.num_scheduled_tokens == {"A": 1, "C": 40}
@@ -185,7 +185,7 @@ def test_priority_policy_orders_waiting_and_preempts_the_least_urgent():
     # 2 blocks for "low", then 2 + 2 leaves nothing for "late".
     assert plan.num_scheduled_tokens == {"low": 1, "urgent": 8, "early": 4}
     assert [r.request_id for r in scheduler.running] == ["low", "urgent", "early"]
-    scheduler.abort_requests(["late"])
+    scheduler.finish_requests(["late"], RequestStatus.FINISHED_ABORTED)
     plan, _ = run_step(scheduler, executor)
     # "urgent" needs a block: the victim is "low" (largest priority value), although it
     # was admitted first and already scheduled in this step; its budget is returned.

@@ -86,7 +86,7 @@ def test_random_traffic(scenario):
         if rng.random() < 0.03 and plan.num_scheduled_tokens:
             # An abort arriving while the step is in flight: its late tokens are dropped.
             victim = rng.choice(sorted(plan.num_scheduled_tokens))
-            for out in scheduler.abort_requests([victim]):
+            for out in scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED):
                 ended[out.request_id] = "abort"
         return result
 
@@ -127,7 +127,7 @@ def test_random_traffic(scenario):
             produced[rid] = []
         if rng.random() < 0.05 and scheduler.requests:
             victim = rng.choice(sorted(scheduler.requests))
-            for out in scheduler.abort_requests([victim]):
+            for out in scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED):
                 assert out.request_id not in ended
                 ended[out.request_id] = "abort"
         if rng.random() < 0.03 and scheduler.running:

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from weir.services.scheduler import Request
+from weir.services.scheduler import Request, RequestStatus
 from weir.services.scheduler.block_pool import ROOT_BLOCK_HASH, chain_block_hashes
 from weir.shared.sampling import SamplingParams
 
@@ -55,9 +55,9 @@ def test_identical_prompts_share_blocks_with_reference_counts():
     assert [pool.blocks[i].ref_cnt for i in a_blocks] == [2, 2, 2, 1]
     assert scheduler.kv_cache_manager.num_free_blocks == 32 - 5
 
-    scheduler.abort_requests(["A"])
+    scheduler.finish_requests(["A"], RequestStatus.FINISHED_ABORTED)
     assert [pool.blocks[i].ref_cnt for i in a_blocks[:3]] == [1, 1, 1]
-    scheduler.abort_requests(["B"])
+    scheduler.finish_requests(["B"], RequestStatus.FINISHED_ABORTED)
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == 32 and kv.usage == 0.0
     assert all(block.ref_cnt == 0 for block in pool.blocks)

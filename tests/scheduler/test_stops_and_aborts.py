@@ -30,7 +30,7 @@ class _AbortInFlight:
 
     def execute(self, plan):
         result = self.runner.execute(plan)
-        self.scheduler.abort_requests([self.victim])
+        self.scheduler.finish_requests([self.victim], RequestStatus.FINISHED_ABORTED)
         return result
 
 
@@ -112,7 +112,7 @@ def test_abort_frees_blocks_at_once_and_is_reported_in_the_next_plan():
     scheduler.add_request(Request("W", [4, 5], SamplingParams(max_tokens=8)))
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == 16 - 3 - 2
-    outputs = scheduler.abort_requests(["A", "W", "nope", "A"])
+    outputs = scheduler.finish_requests(["A", "W", "nope", "A"], RequestStatus.FINISHED_ABORTED)
     assert [(o.request_id, o.finished, o.finish_reason, o.new_token_ids) for o in outputs] == [
         ("A", True, "abort", []),
         ("W", True, "abort", []),
@@ -201,4 +201,3 @@ def test_stats_report_queue_and_cache_state():
     assert (stats.num_free_blocks, stats.num_blocks) == (7, 10)
     assert stats.kv_cache_usage == pytest.approx(0.3)
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == (9, 0, 0)
-    assert set(stats.to_dict()) >= {"num_running", "kv_cache_usage", "prefix_cache_hits"}

@@ -18,7 +18,7 @@ from serving_helpers import hf_greedy, metric, read_metrics
 from weir.services.launcher import ServerProcesses
 from weir.shared.client import AsyncWeirClient, InvalidRequestError, WeirClient
 from weir.shared.config import EngineArgs
-from weir.shared.protocol import client as cp
+from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
 
 BLOCK_SIZE = 4
@@ -219,10 +219,10 @@ async def test_vanished_client_frees_its_blocks(server):
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.connect(server.client_address)
-    request = cp.GenerateRequest(
+    request = client_protocol.GenerateRequest(
         uuid.uuid4().hex, [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)
     )
-    await sock.send(cp.encode_client_message(request))
+    await sock.send(client_protocol.encode_client_message(request))
     await sock.recv()  # the first output: the request is running
     sock.close(linger=0)
     ctx.term()
@@ -244,28 +244,40 @@ def generate_frame(**fields) -> bytes:
 
 
 BAD_FRAMES = [
-    ([b"\xc1garbage"], cp.MALFORMED_MESSAGE, "msgpack"),
-    ([b"a", b"b"], cp.MALFORMED_MESSAGE, "one frame"),
+    ([b"\xc1garbage"], client_protocol.MALFORMED_MESSAGE, "msgpack"),
+    ([b"a", b"b"], client_protocol.MALFORMED_MESSAGE, "one frame"),
     (
         [msgpack.packb({"v": 1, "type": "launch", "request_id": "bad"})],
-        cp.UNKNOWN_MESSAGE_TYPE,
+        client_protocol.UNKNOWN_MESSAGE_TYPE,
         "launch",
     ),
     (
         [msgpack.packb({"v": 7, "type": "health", "request_id": "bad"})],
-        cp.UNSUPPORTED_VERSION,
+        client_protocol.UNSUPPORTED_VERSION,
         "version",
     ),
-    ([generate_frame(prompt=12)], cp.INVALID_REQUEST, "prompt"),
-    ([generate_frame(request_id=["x"])], cp.INVALID_REQUEST, "request_id"),
-    ([generate_frame(sampling_params={"top_p": 2.0})], cp.INVALID_REQUEST, "top_p"),
-    ([generate_frame(sampling_params={"max_tokens": "many"})], cp.INVALID_REQUEST, "max_tokens"),
-    ([generate_frame(prompt="")], cp.INVALID_REQUEST, "empty"),
-    ([generate_frame(prompt=[])], cp.INVALID_REQUEST, "empty"),
-    ([generate_frame(prompt=list(range(3, 3 + MAX_MODEL_LEN)))], cp.INVALID_REQUEST, "too long"),
-    ([generate_frame(prompt=[1, 49152])], cp.INVALID_REQUEST, "vocabulary"),
-    ([generate_frame(prompt=[1, -3])], cp.INVALID_REQUEST, "vocabulary"),
-    ([generate_frame(prompt=[{"role": "user", "text": "hi"}])], cp.INVALID_REQUEST, "content"),
+    ([generate_frame(prompt=12)], client_protocol.INVALID_REQUEST, "prompt"),
+    ([generate_frame(request_id=["x"])], client_protocol.INVALID_REQUEST, "request_id"),
+    ([generate_frame(sampling_params={"top_p": 2.0})], client_protocol.INVALID_REQUEST, "top_p"),
+    (
+        [generate_frame(sampling_params={"max_tokens": "many"})],
+        client_protocol.INVALID_REQUEST,
+        "max_tokens",
+    ),
+    ([generate_frame(prompt="")], client_protocol.INVALID_REQUEST, "empty"),
+    ([generate_frame(prompt=[])], client_protocol.INVALID_REQUEST, "empty"),
+    (
+        [generate_frame(prompt=list(range(3, 3 + MAX_MODEL_LEN)))],
+        client_protocol.INVALID_REQUEST,
+        "too long",
+    ),
+    ([generate_frame(prompt=[1, 49152])], client_protocol.INVALID_REQUEST, "vocabulary"),
+    ([generate_frame(prompt=[1, -3])], client_protocol.INVALID_REQUEST, "vocabulary"),
+    (
+        [generate_frame(prompt=[{"role": "user", "text": "hi"}])],
+        client_protocol.INVALID_REQUEST,
+        "content",
+    ),
 ]
 
 
@@ -276,15 +288,17 @@ async def test_malformed_input_gets_an_error_and_the_server_keeps_serving(server
     try:
         for frames, code, words in BAD_FRAMES:
             await sock.send_multipart(frames)
-            reply = cp.decode_server_message(await asyncio.wait_for(sock.recv(), 30))
-            assert isinstance(reply, cp.ErrorReply), frames
+            reply = client_protocol.decode_server_message(await asyncio.wait_for(sock.recv(), 30))
+            assert isinstance(reply, client_protocol.ErrorReply), frames
             assert reply.code == code and words in reply.message, (frames, reply)
         # The same connection still works.
-        ok = cp.GenerateRequest("ok", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
-        await sock.send(cp.encode_client_message(ok))
+        ok = client_protocol.GenerateRequest(
+            "ok", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)
+        )
+        await sock.send(client_protocol.encode_client_message(ok))
         outs = []
         while not outs or not outs[-1].finished:
-            outs += cp.decode_server_message(await asyncio.wait_for(sock.recv(), 30))
+            outs += client_protocol.decode_server_message(await asyncio.wait_for(sock.recv(), 30))
         assert sum(len(o.new_token_ids) for o in outs) == 2
     finally:
         sock.close(linger=0)
@@ -295,7 +309,7 @@ def test_sdk_raises_typed_errors(server):
     with WeirClient(server.client_address) as client:
         with pytest.raises(InvalidRequestError, match="vocabulary") as info:
             list(client.generate([0, 10**6]))
-        assert info.value.code == cp.INVALID_REQUEST
+        assert info.value.code == client_protocol.INVALID_REQUEST
         # A duplicate id of an in-flight request is refused; the first stream is unaffected.
         first = client.generate(
             [1, 2], SamplingParams(max_tokens=30, ignore_eos=True), request_id="dup"
