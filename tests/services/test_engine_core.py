@@ -4,8 +4,8 @@ import asyncio
 import random
 
 import pytest
-
 from serving_helpers import hf_greedy
+
 from weir.services.engine.core import (
     EngineCore,
     InProcessExecutor,
