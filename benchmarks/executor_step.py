@@ -38,7 +38,7 @@ from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.arith import cdiv
-from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.config import LOAD_FORMATS, CacheConfig, SchedulerConfig
 from weir.shared.model_store import resolve_model
 from weir.shared.protocol.step import StepPlan, StepResult
 from weir.shared.sampling import SamplingParams
@@ -207,9 +207,12 @@ def main() -> None:
         default=None,
         help="print torch.profiler's operator table over 10 steps of this kind and exit",
     )
+    parser.add_argument(
+        "--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights"
+    )
     args = parser.parse_args()
 
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, load_format=args.load_format)
     runner = ModelRunner(
         model_dir,
         device="cpu",
@@ -218,6 +221,7 @@ def main() -> None:
         max_num_seqs=256,
         attention_backend=args.attention_backend,
         num_threads=args.threads,
+        load_format=args.load_format,
     )
     spec = RandomWorkload(args.num_prompts, 32, 256, 32, 128, args.seed)
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))

@@ -15,6 +15,7 @@ import time
 import torch
 
 from weir.services.executor.model_runner import ModelRunner
+from weir.shared.config import LOAD_FORMATS
 from weir.shared.model_store import resolve_model
 from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
@@ -67,15 +68,19 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)"
     )
+    parser.add_argument(
+        "--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights"
+    )
     args = parser.parse_args()
 
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, load_format=args.load_format)
     kwargs = dict(
         device="cpu",
         kv_cache_memory_bytes=256 << 20,
         max_num_batched_tokens=4096,
         max_num_seqs=max(args.batch),
         num_threads=args.threads,
+        load_format=args.load_format,
     )
     start = time.perf_counter()
     ModelRunner(model_dir, **kwargs)

@@ -26,6 +26,7 @@ from weir.services.bench.workload import (
     random_requests,
 )
 from weir.services.llm import LLM
+from weir.shared.config import LOAD_FORMATS
 from weir.shared.model_store import resolve_model
 from weir.shared.sampling import SamplingParams
 
@@ -63,14 +64,17 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="executor torch threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights"
+    )
     args = parser.parse_args()
 
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, load_format=args.load_format)
     spec = RandomWorkload(
         args.num_prompts, 32, 32 if args.steady else 256, 128 if args.steady else 32, 128, args.seed
     )
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
-    with LLM(model=str(model_dir), threads=args.threads) as llm:
+    with LLM(model=str(model_dir), threads=args.threads, load_format=args.load_format) as llm:
         urls = [llm.server_info["metrics_address"]] + [
             e["metrics_address"] for e in llm.server_info["executors"]
         ]

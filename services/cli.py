@@ -59,7 +59,7 @@ def _scheduler(args: argparse.Namespace) -> int:
     status = StatusReporter(args.status_fd)
     try:
         engine_args = EngineArgs.from_cli(args)
-        model_dir = resolve_model(engine_args.model)
+        model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
         max_model_len = engine_args.max_model_len or int(
             load_model_config(model_dir).get("max_position_embeddings", 8192)
         )

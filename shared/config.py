@@ -17,6 +17,9 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (vLLM's
+# name), for benchmarks on machines the weights cannot reach.
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -160,6 +163,13 @@ class EngineArgs:
 
     model: str | None = _arg(
         None, _BOTH, "HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    load_format: str = _arg(
+        "auto",
+        _BOTH,
+        "auto: the model's weights; dummy: random weights of its shape (config.json and a "
+        "tokenizer suffice)",
+        choices=LOAD_FORMATS,
     )
     block_size: int = _arg(
         _default_of(CacheConfig, "block_size"), _BOTH, "KV cache block size in tokens", type=int

@@ -40,12 +40,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("WEIR_CACHE") or Path.home() / ".cache" / "weir")
 
 
-def is_model_dir(path: Path) -> bool:
+def is_model_dir(path: Path, *, need_weights: bool = True) -> bool:
     return (
         path.is_dir()
         and (path / "config.json").is_file()
         and (path / "tokenizer.json").is_file()
-        and any(path.glob("*.safetensors"))
+        and (not need_weights or any(path.glob("*.safetensors")))
     )
 
 
@@ -154,12 +154,13 @@ def _gguf_cache_name(gguf_path: Path) -> str:
     return f"{gguf_path.stem}-{key}"
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """A Hugging Face model directory for `model`: None means the bundled default model."""
+def resolve_model(model: str | os.PathLike | None, *, load_format: str = "auto") -> Path:
+    """A Hugging Face model directory for `model`: None means the bundled default model.
+    With ``load_format="dummy"`` a directory needs no weights (config.json and a tokenizer)."""
     if model is None:
         return _converted(DEFAULT_MODEL_NAME, default_gguf_path)
     path = Path(model).expanduser()
-    if is_model_dir(path):
+    if is_model_dir(path, need_weights=load_format != "dummy"):
         return path.resolve()
     if path.is_file() and path.suffix == ".gguf":
         return _converted(_gguf_cache_name(path), lambda: path)

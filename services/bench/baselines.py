@@ -30,10 +30,18 @@ _CB_RESULT_POLL_S = 1.0
 _CB_PAGE_SIZE = 256
 
 
-def load_hf_model(model_dir: Path, dtype: str, device: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+def load_hf_model(
+    model_dir: Path, dtype: str, device: str, load_format: str = "auto"
+) -> torch.nn.Module:
+    """transformers' model of ``model_dir``; ``load_format="dummy"``: its own random
+    initialisation of the same shape (the baselines' speed does not depend on the values)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    if load_format == "dummy":
+        config = AutoConfig.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
 

@@ -29,7 +29,7 @@ from weir.services.bench.workload import (
     positive_int,
     workload_from_args,
 )
-from weir.shared.config import ENGINE_DEFAULTS
+from weir.shared.config import ENGINE_DEFAULTS, LOAD_FORMATS
 
 BASELINE_CHOICES = ("hf-static", "hf-cb", "none")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -59,6 +59,13 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="dummy: random weights of the model's shape, for every engine (a model directory "
+        "with config.json and a tokenizer suffices)",
     )
     p.add_argument(
         "--dtype",
@@ -108,6 +115,7 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {
+        "load_format": None if args.load_format == "auto" else args.load_format,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory": args.kv_cache_memory,
@@ -150,7 +158,7 @@ def _run_baselines(
     from weir.services.bench.baselines import load_hf_model, run_hf_continuous, run_hf_static
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_hf_model(model_dir, args.dtype, device)
+    model = load_hf_model(model_dir, args.dtype, device, args.load_format)
     runs = []
     for name in names:
         _status(f"running {name} on {len(requests)} requests")
@@ -200,7 +208,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         print("error: --no-weir needs at least one --baseline", file=sys.stderr)
         return 2
     threads = _set_threads(args.threads)
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.model, load_format=args.load_format)
     try:
         requests = workload_from_args(args, load_tokenizer(model_dir))
     except (OSError, ValueError) as e:

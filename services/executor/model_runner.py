@@ -88,6 +88,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         seed: int | None = None,
+        load_format: str = ENGINE_DEFAULTS.load_format,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -100,7 +101,11 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.attention = get_attention_backend(attention_backend, self.device)
         self.model = load_model(
-            self.model_dir, device=self.device, dtype=self.dtype, attention=self.attention
+            self.model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            attention=self.attention,
+            load_format=load_format,
         )
         self.config = self.model.config
         self.max_model_len = max_model_len or self.config.max_position_embeddings

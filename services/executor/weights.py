@@ -103,17 +103,37 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
         raise ValueError(f"checkpoint does not fill {len(missing)} parameters, e.g. {missing[:5]}")
 
 
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Random weights of the model's shape: norms at 1, everything else N(0, 0.02), the
+    scale of a trained model's initialisation, so activations stay finite at any depth.
+    Seeded, so every process (and rank) builds the same model."""
+    generator = torch.Generator(device=model.inv_freq.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+
+
 def load_model(
     model_dir: str | Path,
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     attention: AttentionBackend | None = None,
+    load_format: str = "auto",
 ) -> CausalLM:
-    """Build the model from `model_dir/config.json` and load its safetensors weights."""
+    """Build the model from `model_dir/config.json` and load its safetensors weights
+    (``load_format="dummy"``: random weights, no checkpoint read)."""
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     if attention is None:
         attention = get_attention_backend(None, device)
     model = CausalLM(cfg, attention, device=device, dtype=dtype or default_dtype(device))
-    load_weights(model, iter_safetensors(model_dir))
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    elif load_format == "auto":
+        load_weights(model, iter_safetensors(model_dir))
+    else:
+        raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
     return model.eval()

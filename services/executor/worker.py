@@ -168,7 +168,7 @@ class ExecutorWorker:
             else args.kv_cache_memory
         )
         return ModelRunner(
-            resolve_model(args.model),
+            resolve_model(args.model, load_format=args.load_format),
             device=args.device or _default_device(),
             dtype=args.dtype,
             kv_cache_memory_bytes=kv_cache_memory,
@@ -180,6 +180,7 @@ class ExecutorWorker:
             max_model_len=args.max_model_len,
             num_threads=args.threads,
             seed=args.seed,
+            load_format=args.load_format,
         )
 
     def _handshake(self, sock: zmq.Socket, hello: control.ExecutorHello) -> str | None:
