@@ -23,6 +23,7 @@ from weir.shared.config import (
     DEFAULT_ADDRESS,
     DEFAULT_EXECUTOR_METRICS_PORT,
     DEFAULT_EXECUTOR_PORT,
+    DEFAULT_HTTP_PORT,
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
     EXECUTOR,
@@ -105,6 +106,28 @@ def _executor(args: argparse.Namespace) -> int:
     return run_executor(options, args.status_fd, args.parent_pid)
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from weir.services.gateway.router import expand_addresses
+    from weir.services.gateway.server import GatewayOptions, serve
+
+    _setup_logging(args.log_level, "gateway")
+    status = StatusReporter(args.status_fd)
+    try:
+        schedulers = expand_addresses(args.scheduler or [DEFAULT_ADDRESS])
+    except OSError as exc:
+        status.error(str(exc))
+        print(f"weir gateway: {exc}", file=sys.stderr)
+        return 2
+    options = GatewayOptions(
+        schedulers=schedulers,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
+        timeout=args.timeout,
+    )
+    return asyncio.run(serve(options, status, args.parent_pid))
+
+
 class _Terminated(Exception):
     pass
 
@@ -121,6 +144,8 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         executor_metrics_port=args.executor_metrics_port,
+        http_port=None if args.no_http else args.http_port,
+        api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
         startup_timeout=args.startup_timeout,
     )
     signal.signal(signal.SIGTERM, _raise_terminated)
@@ -130,8 +155,14 @@ def _serve(args: argparse.Namespace) -> int:
         except launcher.ChildFailedError as exc:
             print(f"weir serve: {exc}", file=sys.stderr)
             return 1
+        http = (
+            f"  HTTP:     {info['http_address']}/v1  (OpenAI API)\n"
+            if "http_address" in info
+            else ""
+        )
         print(
             f"Weir is serving {info['model_name']} ({info['num_blocks']} KV blocks)\n"
+            f"{http}"
             f"  clients:  {info['client_address']}\n"
             f"  metrics:  {info['metrics_address']}  (scheduler)",
             flush=True,
@@ -261,6 +292,14 @@ def _add_child_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $WEIR_API_KEY, else none)",
+    )
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument(
         "--address",
@@ -307,9 +346,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_EXECUTOR_METRICS_PORT,
         help="executor rank 0's Prometheus port, rank r uses +r (0 = any free)",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="OpenAI-compatible HTTP API port (0 = any free)",
+    )
+    p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
+    _add_api_key_flag(p)
     p.add_argument("--startup-timeout", type=float, default=600.0)
     EngineArgs.add_cli_args(p, "serve")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway alone")
+    p.add_argument(
+        "--scheduler",
+        action="append",
+        help=f"an engine replica's client address, repeatable; a host name that resolves to "
+        f"several addresses counts as one replica each (default {DEFAULT_ADDRESS})",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds to")
+    p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0 = any free)")
+    _add_api_key_flag(p)
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds a replica may stay silent before its requests fail",
+    )
+    p.add_argument("--log-level", default="WARNING")
+    _add_child_flags(p)
+    p.set_defaults(func=_gateway)
 
     p = sub.add_parser("scheduler", help="run the scheduler process alone")
     p.add_argument("--host", default="127.0.0.1")

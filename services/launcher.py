@@ -38,6 +38,8 @@ from weir.shared.config import (
 
 _log = logging.getLogger(__name__)
 
+GATEWAY = "gateway"
+
 
 # ------------------------------------------------------------------ supervisor side
 
@@ -77,11 +79,12 @@ class _Child:
 
 
 class ServerProcesses:
-    """A scheduler and ``num_executors`` executors, started together and stopped together.
+    """A scheduler and ``num_executors`` executors, and with ``http_port`` the HTTP gateway
+    in front of them, started together and stopped together.
 
     ``start()`` returns the scheduler's ready record (``client_address``,
-    ``metrics_address``, ``executors`` with each rank's ``metrics_address``...).
-    Use as a context manager, or call ``shutdown()``.
+    ``metrics_address``, ``executors`` with each rank's ``metrics_address``...), plus the
+    gateway's ``http_address``. Use as a context manager, or call ``shutdown()``.
     """
 
     def __init__(
@@ -93,10 +96,13 @@ class ServerProcesses:
         metrics_port: int = DEFAULT_METRICS_PORT,
         executor_metrics_port: int = DEFAULT_EXECUTOR_METRICS_PORT,
         num_executors: int = 1,
+        http_port: int | None = None,
+        api_key: str | None = None,
         startup_timeout: float = 600.0,
         stop_timeout: float = 5.0,
     ) -> None:
         self.engine_args = engine_args or EngineArgs()
+        self.http_port, self.api_key = http_port, api_key
         self.host, self.port = host, port
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
         self.num_executors = num_executors
@@ -156,7 +162,27 @@ class ServerProcesses:
                         *self.engine_args.to_argv(EXECUTOR),
                     ],
                 )
-            self.info = self._wait_ready()
+            self.info = self._wait_ready(self._children[0])
+            if self.http_port is not None:
+                # The key travels in the environment: a command line is world-readable.
+                env = None if self.api_key is None else {**os.environ, "WEIR_API_KEY": self.api_key}
+                self._spawn(
+                    GATEWAY,
+                    [
+                        GATEWAY,
+                        "--scheduler",
+                        self.info["client_address"],
+                        "--host",
+                        self.host,
+                        "--port",
+                        str(self.http_port),
+                        "--log-level",
+                        self.engine_args.log_level,
+                    ],
+                    env,
+                )
+                gateway = self._wait_ready(self._children[-1])
+                self.info["http_address"] = gateway["http_address"]
         except BaseException:
             self.shutdown()
             raise
@@ -200,7 +226,7 @@ class ServerProcesses:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         cmd = [
@@ -216,14 +242,18 @@ class ServerProcesses:
         _log.info("starting %s: %s", name, " ".join(cmd))
         try:
             proc = subprocess.Popen(
-                cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, start_new_session=True
+                cmd,
+                pass_fds=(write_fd,),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
             )
         finally:
             os.close(write_fd)
         self._children.append(_Child(name, proc, read_fd, os.pidfd_open(proc.pid)))
 
-    def _wait_ready(self) -> dict[str, Any]:
-        scheduler = self._children[0]
+    def _wait_ready(self, target: _Child) -> dict[str, Any]:
+        """``target``'s ready record, failing if any child exits or reports an error first."""
         deadline = time.monotonic() + self.startup_timeout
         with selectors.DefaultSelector() as sel:
             for child in self._children:
@@ -248,7 +278,7 @@ class ServerProcesses:
                             raise ChildFailedError(
                                 f"{child.name} failed to start: {event.get('message')}"
                             )
-                    ready = [e for e in scheduler.events if e.get("event") == "ready"]
+                    ready = [e for e in target.events if e.get("event") == "ready"]
                     if ready:
                         return ready[0]
 

@@ -114,6 +114,7 @@ DEFAULT_PORT = 8100  # clients
 DEFAULT_METRICS_PORT = 8101  # the scheduler's /metrics
 DEFAULT_EXECUTOR_PORT = 8102  # executors connect here when run apart
 DEFAULT_EXECUTOR_METRICS_PORT = 8103  # rank 0's /metrics; rank r uses + r
+DEFAULT_HTTP_PORT = 8000  # the gateway's OpenAI-compatible API
 DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
 
 

@@ -29,6 +29,7 @@ from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.scheduler.output import EngineOutput
 from weir.services.scheduler.request import Request, RequestStatus
 from weir.shared.protocol import client as client_protocol
+from weir.shared.protocol.step import SampleLogprobs
 from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from weir.shared.zmq_send import send_now
@@ -315,11 +316,7 @@ class ClientFrontend:
             if finished
             else max(stream.num_sent_chars, len(stream.text) - stream.holdback)
         )
-        logprobs: dict[str, list[list[Any]]] | None = (
-            None
-            if out.logprobs is None
-            else {"token_ids": out.logprobs.token_ids, "logprobs": out.logprobs.logprobs}
-        )
+        logprobs = None if out.logprobs is None else self._logprobs(out.logprobs)
         item = client_protocol.StreamOutput(
             request_id=stream.request_id,
             new_token_ids=list(new_ids),
@@ -336,6 +333,17 @@ class ClientFrontend:
         if finished:
             self._finish_stream(stream, reason or "stop")
         return item
+
+    def _logprobs(self, logprobs: SampleLogprobs) -> dict[str, list[list[Any]]]:
+        """The client's logprob rows, with each token's text (decoded alone)."""
+        decode = self.tokenizer.decode
+        return {
+            "token_ids": logprobs.token_ids,
+            "logprobs": logprobs.logprobs,
+            "tokens": [
+                [decode([t], skip_special_tokens=False) for t in row] for row in logprobs.token_ids
+            ],
+        }
 
     def _final_output(self, stream: _Stream, reason: str) -> client_protocol.StreamOutput:
         return client_protocol.StreamOutput(

@@ -105,8 +105,9 @@ class StreamOutput:
     completion_tokens: int = 0
     # Sent with a request's first output only (the client may have sent text).
     prompt_token_ids: list[int] | None = None
-    # When asked for: {"token_ids": rows, "logprobs": rows}, one row per new token,
-    # entry 0 the sampled token, then the top-n alternatives.
+    # When asked for: {"token_ids": rows, "logprobs": rows, "tokens": rows}, one row per
+    # new token, entry 0 the sampled token, then the top-n alternatives; "tokens" holds
+    # each id's text decoded alone (what OpenAI's API reports as the token).
     logprobs: dict[str, list[list[Any]]] | None = None
 
 

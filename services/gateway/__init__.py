@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway (``weir gateway``) and its router across engine replicas."""

@@ -1,0 +1,517 @@
+"""The OpenAI-compatible HTTP API (FastAPI), in front of the engine replicas' ``Router``.
+
+Every generation runs as one or more sample streams of the client SDK; a request
+with ``n`` samples (or several prompts) starts its first sample of each prompt at
+once and the others when that one has produced its first token, so they find the
+prompt's full KV blocks in the prefix cache instead of computing them again. A
+client that disconnects cancels the response, which closes every sample stream,
+which aborts the requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from weir.services.gateway import openai_format as fmt
+from weir.services.gateway.metrics import GatewayMetrics
+from weir.services.gateway.router import NoReplicaError, Replica, Router
+from weir.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
+from weir.shared.protocol.client import SERVER_UNAVAILABLE, Prompt, StreamOutput
+from weir.shared.sampling import SamplingParams
+
+VERSION = "0.1.0"
+_ROUTES = (
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/health",
+    "/metrics",
+    "/version",
+)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's schema."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(fmt.error_body(self.message, self.type, self.code), self.status)
+
+
+def _api_error(exc: Exception) -> APIError:
+    """The HTTP status and OpenAI error type of an engine-side failure."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), "invalid_request_error", exc.code)
+    if isinstance(exc, NoReplicaError | ServerUnavailableError) or (
+        isinstance(exc, EngineError) and exc.code == SERVER_UNAVAILABLE
+    ):
+        return APIError(503, str(exc), "service_unavailable_error", SERVER_UNAVAILABLE)
+    return APIError(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One stream of one request: choice ``index`` of ``prompt``."""
+
+    index: int
+    prompt: Prompt
+    params: SamplingParams
+
+
+class Gateway:
+    def __init__(self, router: Router, api_key: str | None = None) -> None:
+        self.router = router
+        self.api_key = api_key
+        self.metrics = GatewayMetrics(router)
+        self._model: dict[str, Any] | None = None
+
+    async def model(self) -> dict[str, Any]:
+        """The served model's info (asked of a replica once, then kept)."""
+        if self._model is None:
+            self._model = await self.router.model_info()
+        return self._model
+
+    async def check_model(self, name: str | None) -> dict[str, Any]:
+        info = await self.model()
+        if name is not None and name != info["model_name"]:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{info['model_name']}`.",
+                "not_found_error",
+                "model_not_found",
+            )
+        return info
+
+    # ------------------------------------------------------------------ sample streams
+
+    async def run(
+        self, request_id: str, samples: list[_Sample]
+    ) -> AsyncIterator[tuple[int, StreamOutput]]:
+        """Every sample's outputs, merged as they come; the first failure is raised.
+        Closing this iterator cancels the samples, which aborts their requests."""
+        queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
+        first_token: dict[int, asyncio.Event] = {}
+        tasks = []
+        for sample in samples:
+            key = id(sample.prompt)
+            leader = key not in first_token
+            event = first_token.setdefault(key, asyncio.Event())
+            tasks.append(
+                asyncio.create_task(
+                    self._sample(f"{request_id}-{sample.index}", sample, queue, event, leader)
+                )
+            )
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sample(
+        self,
+        request_id: str,
+        sample: _Sample,
+        queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]],
+        first_token: asyncio.Event,
+        leader: bool,
+    ) -> None:
+        try:
+            if not leader:
+                await first_token.wait()
+            async with self.router.reserve(sample.prompt, sample.params.max_tokens) as replica:
+                await self._stream_from(replica, request_id, sample, queue, first_token)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            first_token.set()
+            await queue.put((sample.index, exc))
+            return
+        first_token.set()
+        await queue.put((sample.index, None))
+
+    async def _stream_from(
+        self,
+        replica: Replica,
+        request_id: str,
+        sample: _Sample,
+        queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]],
+        first_token: asyncio.Event,
+    ) -> None:
+        stream = replica.client.generate(sample.prompt, sample.params, request_id=request_id)
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    first_token.set()
+                    await queue.put((sample.index, out))
+        except ServerUnavailableError as exc:
+            self.router.mark_down(replica, str(exc))
+            raise
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, body: CompletionRequest) -> Response:
+        info = await self.check_model(body.model)
+        try:
+            prompts = body.prompts()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error") from None
+        max_tokens = body.max_tokens or int(info["max_model_len"])
+        samples = [
+            _Sample(p * body.n + i, prompt, body.sampling_params(max_tokens, body.logprobs, i))
+            for p, prompt in enumerate(prompts)
+            for i in range(body.n)
+        ]
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        base = {
+            "id": response_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": info["model_name"],
+        }
+        outputs = self.run(response_id, samples)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self._sse(
+                outputs,
+                lambda out, c: self._completion_chunk(base, out, c),
+                base,
+                len(samples),
+                include_usage,
+                prompts_of=body.n,
+            )
+        choices = await self._collect(outputs, len(samples))
+        return JSONResponse(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "logprobs": None
+                        if body.logprobs is None
+                        else fmt.completion_logprobs(c.merged_logprobs(), 0),
+                    }
+                    for c in choices
+                ],
+                "usage": self._usage(choices, body.n),
+            }
+        )
+
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        info = await self.check_model(body.model)
+        max_tokens = body.requested_max_tokens() or int(info["max_model_len"])
+        logprobs = body.requested_logprobs()
+        messages = body.chat()
+        samples = [
+            _Sample(i, messages, body.sampling_params(max_tokens, logprobs, i))
+            for i in range(body.n)
+        ]
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        outputs = self.run(response_id, samples)
+        if body.stream:
+            base = {
+                "id": response_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": info["model_name"],
+            }
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self._sse(
+                outputs,
+                lambda out, c: self._chat_chunk(base, out, c, logprobs),
+                base,
+                len(samples),
+                include_usage,
+                prompts_of=body.n,
+                opening=[self._chat_role_chunk(base, i) for i in range(body.n)],
+            )
+        choices = await self._collect(outputs, len(samples))
+        return JSONResponse(
+            {
+                "id": response_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": info["model_name"],
+                "choices": [
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "finish_reason": c.finish_reason,
+                        "logprobs": None
+                        if logprobs is None
+                        else fmt.chat_logprobs(c.merged_logprobs()),
+                    }
+                    for c in choices
+                ],
+                "usage": self._usage(choices, body.n),
+            }
+        )
+
+    # ------------------------------------------------------------------ response bodies
+
+    @staticmethod
+    async def _collect(
+        outputs: AsyncIterator[tuple[int, StreamOutput]], num_choices: int
+    ) -> list[fmt.Choice]:
+        choices = [fmt.Choice(i) for i in range(num_choices)]
+        async with aclosing(outputs):
+            async for index, out in outputs:
+                choices[index].add(out)
+        return choices
+
+    @staticmethod
+    def _usage(choices: list[fmt.Choice], n: int) -> dict[str, int]:
+        # The n samples of one prompt count its tokens once.
+        prompt = sum(c.prompt_tokens for c in choices[::n])
+        return fmt.usage(prompt, sum(c.completion_tokens for c in choices))
+
+    async def _sse(
+        self,
+        outputs: AsyncIterator[tuple[int, StreamOutput]],
+        chunk: Callable[[StreamOutput, fmt.Choice], dict[str, Any]],
+        base: dict[str, Any],
+        num_choices: int,
+        include_usage: bool,
+        *,
+        prompts_of: int,
+        opening: list[dict[str, Any]] | None = None,
+    ) -> StreamingResponse:
+        """A server-sent event stream; a failure before the first output is still an HTTP
+        error status, one after it an ``error`` event."""
+        choices = [fmt.Choice(i) for i in range(num_choices)]
+        try:
+            first = await anext(outputs)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await outputs.aclose()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            async with aclosing(outputs):
+                for item in opening or []:
+                    yield fmt.sse(item)
+                try:
+                    if first is not None:
+                        choices[first[0]].add(first[1])
+                        yield fmt.sse(chunk(first[1], choices[first[0]]))
+                    async for index, out in outputs:
+                        choices[index].add(out)
+                        yield fmt.sse(chunk(out, choices[index]))
+                except Exception as exc:
+                    error = _api_error(exc)
+                    yield fmt.sse(fmt.error_body(error.message, error.type, error.code))
+                    return
+                if include_usage:
+                    yield fmt.sse(
+                        {**base, "choices": [], "usage": self._usage(choices, prompts_of)}
+                    )
+                yield fmt.sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @staticmethod
+    def _completion_chunk(
+        base: dict[str, Any], out: StreamOutput, choice: fmt.Choice
+    ) -> dict[str, Any]:
+        offset = len(choice.text) - len(out.text)
+        logprobs = None if out.logprobs is None else fmt.completion_logprobs(out, offset)
+        return {
+            **base,
+            "choices": [
+                {
+                    "index": choice.index,
+                    "text": out.text,
+                    "finish_reason": out.finish_reason if out.finished else None,
+                    "logprobs": logprobs,
+                }
+            ],
+        }
+
+    @staticmethod
+    def _chat_role_chunk(base: dict[str, Any], index: int) -> dict[str, Any]:
+        return {
+            **base,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+
+    @staticmethod
+    def _chat_chunk(
+        base: dict[str, Any], out: StreamOutput, choice: fmt.Choice, logprobs: int | None
+    ) -> dict[str, Any]:
+        delta = {"content": out.text} if out.text or not out.finished else {}
+        return {
+            **base,
+            "choices": [
+                {
+                    "index": choice.index,
+                    "delta": delta,
+                    "logprobs": None if logprobs is None else fmt.chat_logprobs(out),
+                    "finish_reason": out.finish_reason if out.finished else None,
+                }
+            ],
+        }
+
+
+class _Metered:
+    """ASGI middleware: count every request by route and status, and time it to its last
+    byte (a stream's too)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in _ROUTES else "other"
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+
+def create_app(
+    gateway: Gateway, on_startup: Callable[[], Awaitable[None]] | None = None
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.router.check_health()
+        watcher = asyncio.create_task(gateway.router.watch_health())
+        if on_startup is not None:
+            await on_startup()
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            with suppress(asyncio.CancelledError):
+                await watcher
+            await gateway.router.close()
+
+    app = FastAPI(title="Weir", version=VERSION, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error["loc"] if part != "body")
+            message = "unsupported field" if error["type"] == "extra_forbidden" else error["msg"]
+            problems.append(f"{where}: {message}" if where else message)
+        return APIError(400, "; ".join(problems), "invalid_request_error").response()
+
+    def authenticate(request: Request) -> None:
+        if gateway.api_key is not None and (
+            request.headers.get("authorization") != f"Bearer {gateway.api_key}"
+        ):
+            raise APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer ...)",
+                "authentication_error",
+                "invalid_api_key",
+            )
+
+    api = [Depends(authenticate)]
+
+    async def answer(call: Awaitable[Response]) -> Response:
+        try:
+            return await call
+        except Exception as exc:
+            return _api_error(exc).response()
+
+    @app.post("/v1/completions", dependencies=api)
+    async def completions(body: CompletionRequest) -> Response:
+        return await answer(gateway.completions(body))
+
+    @app.post("/v1/chat/completions", dependencies=api)
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        return await answer(gateway.chat_completions(body))
+
+    @app.get("/v1/models", dependencies=api)
+    async def models() -> Response:
+        async def listing() -> Response:
+            info = await gateway.model()
+            return JSONResponse(
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": info["model_name"],
+                            "object": "model",
+                            "created": 0,
+                            "owned_by": "weir",
+                            "max_model_len": info["max_model_len"],
+                        }
+                    ],
+                }
+            )
+
+        return await answer(listing())
+
+    @app.get("/health")
+    async def health() -> Response:
+        replicas = {r.address: r.healthy for r in gateway.router.replicas}
+        ok = any(replicas.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "replicas": replicas}, 200 if ok else 503
+        )
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": VERSION})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_Metered, metrics=gateway.metrics)
+    return app

@@ -1,0 +1,52 @@
+"""Prometheus series of the HTTP gateway (served at its own ``GET /metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from weir.services.gateway.router import Router
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GatewayMetrics:
+    def __init__(self, router: Router) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter(
+            "weir:gateway_requests",
+            "HTTP requests by route and status code",
+            ["route", "status"],
+            registry=reg,
+        )
+        self.latency = Histogram(
+            "weir:gateway_request_duration_seconds",
+            "HTTP request duration (to the last byte of a stream)",
+            ["route"],
+            registry=reg,
+            buckets=_LATENCY_BUCKETS,
+        )
+        up = Gauge(
+            "weir:gateway_replica_up",
+            "1 while the replica is in rotation",
+            ["replica"],
+            registry=reg,
+        )
+        outstanding = Gauge(
+            "weir:gateway_replica_outstanding_tokens",
+            "Estimated tokens of the replica's unfinished requests",
+            ["replica"],
+            registry=reg,
+        )
+        routed = Gauge(
+            "weir:gateway_replica_requests",
+            "Requests routed to the replica since the gateway started",
+            ["replica"],
+            registry=reg,
+        )
+        for replica in router.replicas:
+            up.labels(replica.address).set_function(lambda r=replica: float(r.healthy))
+            outstanding.labels(replica.address).set_function(
+                lambda r=replica: float(r.outstanding_tokens)
+            )
+            routed.labels(replica.address).set_function(lambda r=replica: float(r.num_requests))

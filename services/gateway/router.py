@@ -1,0 +1,194 @@
+"""Route each request to one of several engine replicas (schedulers).
+
+The choice, per request:
+
+* only replicas whose last health check answered ``ok`` are candidates;
+* **prefix affinity**: the prompt's text is cut into 64-character chunks whose chained
+  hashes name its prefixes; the replica that served the longest such prefix most
+  recently holds its KV blocks in its prefix cache, so it is preferred;
+* **load**: unless that replica's outstanding tokens (prompt estimate + max_tokens of
+  its unfinished requests) exceed the least loaded one's by more than
+  ``balance_slack`` tokens, in which case the least loaded replica gets the request.
+
+A replica whose health check fails, or whose stream fails with
+``ServerUnavailableError``, leaves the rotation until a health check answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from hashlib import blake2b
+
+from weir.shared.client import AsyncWeirClient, WeirError
+from weir.shared.protocol.client import Prompt
+
+_log = logging.getLogger(__name__)
+
+PREFIX_CHUNK_CHARS = 64
+_MAX_PREFIX_CHUNKS = 64  # prefixes longer than 4k characters share their first 4k
+_PREFIXES_PER_REPLICA = 50_000
+_CHARS_PER_TOKEN = 4  # a prompt's token estimate before the scheduler tokenizes it
+
+
+class NoReplicaError(RuntimeError):
+    """No replica is healthy."""
+
+
+@dataclass(slots=True)
+class Replica:
+    address: str
+    client: AsyncWeirClient
+    healthy: bool = False
+    outstanding_tokens: int = 0
+    num_requests: int = 0
+    # Prefix hash -> None, least recently served first (an LRU set).
+    prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    def remember(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.prefixes[h] = None
+            self.prefixes.move_to_end(h)
+        while len(self.prefixes) > _PREFIXES_PER_REPLICA:
+            self.prefixes.popitem(last=False)
+
+    def matched_chunks(self, hashes: list[bytes]) -> int:
+        matched = 0
+        for h in hashes:
+            if h not in self.prefixes:
+                break
+            matched += 1
+        return matched
+
+
+def expand_addresses(addresses: list[str]) -> list[str]:
+    """``tcp://NAME:PORT`` -> one address per IP that NAME resolves to (a Kubernetes headless
+    Service names every engine pod this way); other addresses are kept as given."""
+    expanded: list[str] = []
+    for address in addresses:
+        scheme, _, rest = address.partition("://")
+        host, _, port = rest.rpartition(":")
+        if scheme != "tcp" or not port.isdigit() or host in ("*", ""):
+            expanded.append(address)
+            continue
+        infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        ips = sorted({info[4][0] for info in infos})
+        expanded += [f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}" for ip in ips]
+    return list(dict.fromkeys(expanded))
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """The text the affinity hashes: the prompt itself, token ids as text, or the
+    chat messages joined with their roles."""
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and isinstance(prompt[0], dict):
+        return "".join(f"<{m['role']}>{m['content']}" for m in prompt)  # type: ignore[index]
+    return ",".join(map(str, prompt))
+
+
+def prefix_hashes(text: str) -> list[bytes]:
+    """Chained hashes of the text's whole 64-character chunks (a hash names the prefix)."""
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(
+        0, min(len(text), _MAX_PREFIX_CHUNKS * PREFIX_CHUNK_CHARS), PREFIX_CHUNK_CHARS
+    ):
+        chunk = text[start : start + PREFIX_CHUNK_CHARS]
+        if len(chunk) < PREFIX_CHUNK_CHARS:
+            break
+        parent = blake2b(parent + chunk.encode(), digest_size=16).digest()
+        hashes.append(parent)
+    return hashes
+
+
+class Router:
+    def __init__(
+        self,
+        addresses: list[str],
+        *,
+        timeout: float = 30.0,
+        health_interval: float = 1.0,
+        balance_slack: int = 4096,
+    ) -> None:
+        if not addresses:
+            raise ValueError("at least one scheduler address is needed")
+        self.replicas = [Replica(a, AsyncWeirClient(a, timeout=timeout)) for a in addresses]
+        self._health_interval = health_interval
+        self._health_timeout = min(timeout, max(health_interval * 2, 1.0))
+        self.balance_slack = balance_slack
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def choose(self, hashes: list[bytes]) -> Replica:
+        candidates = self.healthy()
+        if not candidates:
+            raise NoReplicaError("no engine replica is ready; try again shortly")
+        least = min(candidates, key=lambda r: r.outstanding_tokens)
+        best, best_match = least, 0
+        for replica in candidates:
+            matched = replica.matched_chunks(hashes)
+            if matched > best_match:
+                best, best_match = replica, matched
+        if best.outstanding_tokens - least.outstanding_tokens > self.balance_slack:
+            return least
+        return best
+
+    @asynccontextmanager
+    async def reserve(self, prompt: Prompt, max_tokens: int) -> AsyncIterator[Replica]:
+        """A replica for one request, counted as outstanding until the block exits."""
+        text = prompt_text(prompt)
+        hashes = prefix_hashes(text)
+        replica = self.choose(hashes)
+        cost = len(text) // _CHARS_PER_TOKEN + max_tokens
+        replica.outstanding_tokens += cost
+        replica.num_requests += 1
+        replica.remember(hashes)
+        try:
+            yield replica
+        finally:
+            replica.outstanding_tokens -= cost
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            _log.warning("replica %s out of rotation: %s", replica.address, reason)
+        replica.healthy = False
+
+    async def check_health(self) -> None:
+        async def one(replica: Replica) -> None:
+            try:
+                info = await asyncio.wait_for(replica.client.health(), self._health_timeout)
+            except (WeirError, TimeoutError) as exc:
+                self.mark_down(replica, f"health check failed: {exc}")
+                return
+            if info.get("status") != "ok":
+                self.mark_down(replica, f"status {info.get('status')!r}")
+            elif not replica.healthy:
+                _log.info("replica %s in rotation", replica.address)
+                replica.healthy = True
+
+        await asyncio.gather(*(one(r) for r in self.replicas))
+
+    async def watch_health(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(self._health_interval)
+
+    async def model_info(self) -> dict[str, object]:
+        """The served model's info, from the first replica that answers."""
+        errors = []
+        for replica in self.replicas:
+            try:
+                return await replica.client.model_info()
+            except WeirError as exc:
+                errors.append(f"{replica.address}: {exc}")
+        raise NoReplicaError("no replica answered: " + "; ".join(errors))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.client.close() for r in self.replicas))

@@ -1,0 +1,70 @@
+"""The gateway process (``weir gateway``): uvicorn serving the OpenAI API over the router."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import uvicorn
+
+from weir.services.gateway.app import Gateway, create_app
+from weir.services.gateway.router import Router
+from weir.services.supervised import StatusReporter, parent_gone
+
+_log = logging.getLogger(__name__)
+
+_PARENT_CHECK_INTERVAL_S = 0.5
+
+
+@dataclass(slots=True)
+class GatewayOptions:
+    schedulers: list[str]  # client addresses of the engine replicas
+    host: str
+    port: int  # 0: any free port
+    api_key: str | None
+    timeout: float  # seconds a replica may stay silent before its requests fail
+
+
+async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
+    router = Router(options.schedulers, timeout=options.timeout)
+    gateway = Gateway(router, options.api_key)
+    server: uvicorn.Server | None = None
+
+    async def report_ready() -> None:
+        # Runs at the end of the app's start-up, before uvicorn binds: report once bound.
+        async def when_bound() -> None:
+            while server is None or not server.started:
+                await asyncio.sleep(0.01)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            address = f"http://{options.host}:{port}"
+            _log.info("gateway at %s for %s", address, ", ".join(options.schedulers))
+            status.ready(http_address=address, pid=os.getpid())
+
+        asyncio.get_running_loop().create_task(when_bound())
+
+    app = create_app(gateway, on_startup=report_ready)
+    config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_level="warning", access_log=False
+    )
+    server = uvicorn.Server(config)
+
+    async def watch_parent() -> None:
+        while not parent_gone(parent_pid):
+            await asyncio.sleep(_PARENT_CHECK_INTERVAL_S)
+        _log.error("supervisor exited; stopping")
+        server.should_exit = True
+
+    watcher = asyncio.get_running_loop().create_task(watch_parent())
+    try:
+        await server.serve()
+    except (OSError, SystemExit) as exc:  # uvicorn exits when it cannot bind
+        status.error(f"cannot serve HTTP on {options.host}:{options.port}: {exc}")
+        return 1
+    finally:
+        watcher.cancel()
+    if not server.started:
+        status.error(f"cannot serve HTTP on {options.host}:{options.port}")
+        return 1
+    return 0
