@@ -76,6 +76,16 @@ class _Sample:
     params: SamplingParams
 
 
+def _samples(
+    choices: list[tuple[int, Prompt, int]], params: Callable[[int], SamplingParams]
+) -> list[_Sample]:
+    """(choice index, prompt, sample number) -> samples; invalid parameters are a 400."""
+    try:
+        return [_Sample(index, prompt, params(number)) for index, prompt, number in choices]
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request_error") from None
+
+
 class Gateway:
     def __init__(self, router: Router, api_key: str | None = None) -> None:
         self.router = router
@@ -183,11 +193,14 @@ class Gateway:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from None
         max_tokens = body.max_tokens or int(info["max_model_len"])
-        samples = [
-            _Sample(p * body.n + i, prompt, body.sampling_params(max_tokens, body.logprobs, i))
-            for p, prompt in enumerate(prompts)
-            for i in range(body.n)
-        ]
+        samples = _samples(
+            [
+                (p * body.n + i, prompt, i)
+                for p, prompt in enumerate(prompts)
+                for i in range(body.n)
+            ],
+            lambda i: body.sampling_params(max_tokens, body.logprobs, i),
+        )
         response_id = f"cmpl-{uuid.uuid4().hex}"
         base = {
             "id": response_id,

@@ -72,7 +72,7 @@ class _SamplingFields(_Body):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self.min_tokens,
             logprobs=logprobs,
         )
 

@@ -1,5 +1,6 @@
 """Process lifecycle: `weir serve` start-up, supervision and shutdown; executor death and recovery."""
 
+import json
 import os
 import re
 import select
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,8 @@ def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
             "0",
             "--executor-metrics-port",
             "0",
+            "--http-port",
+            "0",
             "--kv-cache-memory",
             "1MiB",
         ],
@@ -80,8 +84,11 @@ def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
     try:
         banner = read_until(proc, "Press Ctrl-C")
         address = re.search(r"clients:\s+(\S+)", banner).group(1)
+        http = re.search(r"HTTP:\s+(\S+)", banner).group(1)
         children = children_of(proc.pid)
-        assert len(children) == 2  # the scheduler and one executor
+        assert len(children) == 3  # the scheduler, one executor and the HTTP gateway
+        with urllib.request.urlopen(f"{http}/models", timeout=30) as resp:
+            assert json.load(resp)["data"][0]["id"] == "tiny-llama"
         out = subprocess.run(
             [
                 *WEIR,

@@ -1,0 +1,401 @@
+"""The HTTP gateway, through the official `openai` client, in front of a real `weir serve`.
+
+The engine is the tiny random Llama with a 32-token step budget and a small KV cache,
+as in test_serving.py; the gateway is the one `weir serve` starts (`--http-port 0`).
+"""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import httpx
+import openai
+import pytest
+from serving_helpers import metric, read_metrics
+
+from weir.services.launcher import ServerProcesses
+from weir.shared.client import WeirClient
+from weir.shared.config import EngineArgs
+from weir.shared.sampling import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+MAX_MODEL_LEN = 64
+KV_BYTES = NUM_BLOCKS * 2 * 2 * BLOCK_SIZE * 2 * 8 * 4
+MODEL = "tiny-llama"
+
+
+def _engine(model_dir) -> EngineArgs:
+    return EngineArgs(
+        model=str(model_dir),
+        max_num_batched_tokens=32,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=KV_BYTES,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=64,
+        device="cpu",
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with ServerProcesses(
+        _engine(tiny_model_dir), port=0, metrics_port=0, executor_metrics_port=0, http_port=0
+    ) as processes:
+        yield processes
+        with WeirClient(processes.client_address) as client:
+            health = client.health()
+        assert health["num_free_blocks"] == health["num_blocks"] and health["num_streams"] == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
+
+
+def _sdk_greedy(server, prompt, max_tokens: int) -> tuple[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with WeirClient(server.client_address) as sdk:
+        outs = list(sdk.generate(prompt, params))
+    return "".join(o.text for o in outs), [t for o in outs for t in o.new_token_ids]
+
+
+def test_models_version_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    base = server.info["http_address"]
+    for path, key in (("/version", "version"), ("/health", "status")):
+        with urllib.request.urlopen(base + path, timeout=10) as resp:
+            assert resp.status == 200 and key in resp.read().decode()
+
+
+def test_completion_greedy_equals_the_sdk_path_token_for_token(server, client):
+    text, ids = _sdk_greedy(server, "The quick brown fox", 10)
+    whole = client.completions.create(
+        model=MODEL,
+        prompt="The quick brown fox",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        logprobs=0,
+    )
+    choice = whole.choices[0]
+    assert choice.text == text and choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == len(ids) == 10
+    with WeirClient(server.client_address) as sdk:
+        tokens = [
+            t
+            for o in sdk.generate(
+                "The quick brown fox",
+                SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0),
+            )
+            for t in o.logprobs["tokens"]
+        ]
+    assert [row[0] for row in tokens] == choice.logprobs.tokens
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The quick brown fox",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+
+
+def test_token_id_prompts_and_batches(server, client):
+    text, _ = _sdk_greedy(server, [5, 6, 7, 8], 4)
+    batch = client.completions.create(
+        model=MODEL,
+        prompt=[[5, 6, 7, 8], [9, 10]],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == text
+    assert batch.usage.prompt_tokens == 6 and batch.usage.completion_tokens == 8
+
+
+def test_chat_whole_and_streamed(server, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text, _ = _sdk_greedy(server, messages, 6)
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == text
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_samples_with_seeds_reproduce_and_share_the_prompt_blocks(server, client):
+    prompt = list(range(100, 140))  # 10 full blocks
+    before = read_metrics(server.info["metrics_address"])
+    kwargs = dict(
+        model=MODEL,
+        prompt=[prompt],
+        max_tokens=8,
+        temperature=1.0,
+        seed=1234,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
+    first = client.completions.create(**kwargs)
+    again = client.completions.create(**kwargs)
+    after = read_metrics(server.info["metrics_address"])
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1, "each sample draws from its own seed"
+    assert first.usage.prompt_tokens == 40 and first.usage.completion_tokens == 24
+    # Samples 2 and 3 of each call (and all of the second call) hit the prompt's cached blocks.
+    hits = metric(after, "weir:prefix_cache_hits_total") - metric(
+        before, "weir:prefix_cache_hits_total"
+    )
+    assert hits >= 5 * 36
+
+
+def test_stop_strings_end_the_text(server, client):
+    text, _ = _sdk_greedy(server, "Once upon a time", 12)
+    stop = text[len(text) // 2 :][:3]
+    assert stop.strip(), text
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=0,
+        stop=[stop, "zzzz"],
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == text[: text.index(stop)]
+
+
+def test_logprobs_in_both_apis(client):
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=3,
+        logprobs=2,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
+    assert all(len(top) <= 2 and x <= 0 for top, x in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    # Greedy: the sampled token is the most likely one.
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"extra_body": {"best_of": 2}}, "best_of"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"prompt": "word " * 80}, "too long"),
+        ({"prompt": [[5, 10**9]]}, "vocabulary"),
+        ({"extra_body": {"min_tokens": 5}, "max_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_problem(client, kwargs, fragment):
+    call = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(**call)
+    assert error.value.status_code == 400 and fragment in str(error.value)
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+async def test_64_concurrent_streams(server):
+    async with openai.AsyncOpenAI(
+        base_url=server.info["http_address"] + "/v1", api_key="unused"
+    ) as aclient:
+
+        async def one(i: int) -> tuple[str, str | None, int]:
+            stream = await aclient.completions.create(
+                model=MODEL,
+                prompt=[list(range(3 + i, 13 + i))],
+                max_tokens=1 + i % 8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            text, reason, tokens = "", None, 0
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    reason = chunk.choices[0].finish_reason or reason
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            return text, reason, tokens
+
+        results = await asyncio.gather(*(one(i) for i in range(64)))
+    assert [r[1] for r in results] == ["length"] * 64
+    assert [r[2] for r in results] == [1 + i % 8 for i in range(64)]
+
+
+def _wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = read_metrics(server.info["metrics_address"])
+        idle = (
+            metric(samples, "weir:num_requests_running") == 0
+            and metric(samples, "weir:kv_cache_usage_perc") == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def _aborted(samples: dict[str, float]) -> float:
+    return samples.get(
+        'weir:request_success_total{finished_reason="abort",model_name="tiny-llama"}', 0
+    )
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    body = {
+        "model": MODEL,
+        "prompt": [list(range(3, 13))],
+        "max_tokens": 50,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    before = _aborted(read_metrics(server.info["metrics_address"]))
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.info["http_address"] + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            assert next(line for line in r.iter_lines() if line.startswith("data:"))
+        # Leaving the block closes the connection after one event.
+    samples = _wait_idle(server)
+    assert metric(samples, "weir:kv_cache_usage_perc") == 0
+    assert metric(samples, "weir:num_requests_running") == 0
+    assert _aborted(samples) == before + 1, "the request was aborted, not run to its end"
+
+
+def test_gateway_metrics_count_routes_and_statuses(server, client):
+    client.models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    samples = read_metrics(server.info["http_address"] + "/metrics")
+    assert samples['weir:gateway_requests_total{route="/v1/models",status="200"}'] >= 1
+    assert samples['weir:gateway_requests_total{route="/v1/completions",status="404"}'] >= 1
+    assert samples[f'weir:gateway_replica_up{{replica="{server.client_address}"}}'] == 1
+
+
+# ------------------------------------------------------------------ standalone gateways
+
+
+def _start_gateway(*args: str, env_key: str | None = None) -> tuple[subprocess.Popen, str]:
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WEIR_API_KEY", None)
+    if env_key is not None:
+        env["WEIR_API_KEY"] = env_key
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weir.services.cli",
+            "gateway",
+            "--port",
+            "0",
+            *args,
+            "--status-fd",
+            str(write_fd),
+        ],
+        pass_fds=(write_fd,),
+        env=env,
+    )
+    os.close(write_fd)
+    with os.fdopen(read_fd) as status:
+        line = status.readline()
+    assert '"ready"' in line, line
+    return proc, json.loads(line)["http_address"]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_api_key_is_required_when_set(server):
+    proc, base = _start_gateway("--scheduler", server.client_address, env_key="s3cret")
+    try:
+        status, body = _get(base + "/v1/models")
+        assert status == 401 and "authentication_error" in body
+        assert _get(base + "/v1/models", {"Authorization": "Bearer wrong"})[0] == 401
+        assert _get(base + "/v1/models", {"Authorization": "Bearer s3cret"})[0] == 200
+        keyed = openai.OpenAI(base_url=base + "/v1", api_key="s3cret")
+        assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="nope").models.list()
+    finally:
+        _stop(proc)
+
+
+def test_no_ready_engine_is_503(tmp_path):
+    proc, base = _start_gateway("--scheduler", f"ipc://{tmp_path}/nobody.sock", "--timeout", "2")
+    try:
+        assert _get(base + "/health")[0] == 503
+        offline = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as error:
+            offline.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert error.value.status_code == 503
+    finally:
+        _stop(proc)

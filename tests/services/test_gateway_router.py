@@ -1,0 +1,152 @@
+"""The gateway's router in front of two real engine replicas."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from serving_helpers import read_metrics
+
+from weir.services.launcher import ServerProcesses
+from weir.shared.config import EngineArgs
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model_dir):
+    engine = EngineArgs(
+        model=str(tiny_model_dir),
+        block_size=4,
+        kv_cache_memory=2 << 20,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        device="cpu",
+    )
+    started = []
+    try:
+        for _ in range(2):
+            processes = ServerProcesses(engine, port=0, metrics_port=0, executor_metrics_port=0)
+            processes.start()
+            started.append(processes)
+        yield started
+    finally:
+        for processes in started:
+            processes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gateway(replicas):
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "weir.services.cli",
+            "gateway",
+            "--port",
+            "0",
+            "--timeout",
+            "3",
+            *[arg for r in replicas for arg in ("--scheduler", r.client_address)],
+            "--status-fd",
+            str(write_fd),
+        ],
+        pass_fds=(write_fd,),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    os.close(write_fd)
+    with os.fdopen(read_fd) as status:
+        ready = json.loads(status.readline())
+    try:
+        yield ready["http_address"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _routed(base: str, replicas) -> list[float]:
+    samples = read_metrics(base + "/metrics")
+    return [
+        samples[f'weir:gateway_replica_requests{{replica="{r.client_address}"}}'] for r in replicas
+    ]
+
+
+def _hits(replica) -> float:
+    return read_metrics(replica.info["metrics_address"]).get(
+        f'weir:prefix_cache_hits_total{{model_name="{MODEL}"}}', 0.0
+    )
+
+
+def _health(base: str) -> dict[str, bool]:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=10) as resp:
+            return json.load(resp)["replicas"]
+    except urllib.error.HTTPError as error:
+        return json.load(error)["replicas"]
+
+
+async def _complete_all(base: str, prompts: list, max_tokens: int = 4) -> list:
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as client:
+        return await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=MODEL,
+                    prompt=p,
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                for p in prompts
+            ),
+            return_exceptions=True,
+        )
+
+
+def test_concurrent_load_spreads_over_both_replicas(gateway, replicas):
+    before = _routed(gateway, replicas)
+    results = asyncio.run(_complete_all(gateway, [[[7 + i, 8, 9 + i]] for i in range(16)]))
+    assert all(r.choices[0].finish_reason == "length" for r in results)
+    delta = [a - b for a, b in zip(_routed(gateway, replicas), before)]
+    assert sum(delta) == 16 and min(delta) >= 4, delta
+
+
+def test_a_shared_prefix_stays_on_one_replica_and_hits_its_cache(gateway, replicas):
+    prefix = "You are a helpful assistant who answers in one short sentence. " * 2  # 2 chunks
+    before, hits_before = _routed(gateway, replicas), [_hits(r) for r in replicas]
+    for i in range(6):
+        asyncio.run(_complete_all(gateway, [prefix + f"Question {i}: why?"], max_tokens=2))
+    delta = sorted(a - b for a, b in zip(_routed(gateway, replicas), before))
+    assert delta == [0, 6]
+    hits = sorted(h - h0 for h, h0 in zip([_hits(r) for r in replicas], hits_before))
+    assert hits[0] == 0 and hits[1] >= 5 * 16  # five repeats, at least 4 blocks of 4 each
+
+
+def test_a_killed_replica_leaves_no_request_hanging(gateway, replicas):
+    victim, survivor = replicas[1], replicas[0]
+    prompts = [[[20 + i, 21, 22 + i]] for i in range(8)]
+
+    async def kill_while_streaming() -> list:
+        task = asyncio.create_task(_complete_all(gateway, prompts, max_tokens=60))
+        await asyncio.sleep(0.3)
+        os.kill(victim._children[0].proc.pid, signal.SIGKILL)  # the replica's scheduler
+        return await asyncio.wait_for(task, 60)
+
+    start = time.monotonic()
+    results = asyncio.run(kill_while_streaming())
+    assert time.monotonic() - start < 60
+    for result in results:  # each finished, or failed with an error: none hangs
+        assert isinstance(result, openai.APIError) or result.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 30
+    while _health(gateway)[victim.client_address] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _health(gateway) == {survivor.client_address: True, victim.client_address: False}
+    after = asyncio.run(_complete_all(gateway, [[[30 + i, 31]] for i in range(8)]))
+    assert all(r.choices[0].finish_reason == "length" for r in after)
