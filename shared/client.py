@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -105,7 +105,7 @@ class AsyncWeirClient:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-    ) -> AsyncIterator[StreamOutput]:
+    ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:

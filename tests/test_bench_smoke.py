@@ -119,10 +119,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def server_address(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
+def server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """``weir serve`` on the tiny model: (ZeroMQ address, OpenAI base URL)."""
     from weir.shared.client import WeirClient, WeirError
 
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     address = f"tcp://127.0.0.1:{port}"
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(
@@ -139,6 +140,8 @@ def server_address(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
             "0",
             "--executor-metrics-port",
             "0",
+            "--http-port",
+            str(http_port),
         ],
         env=ENV,
         stdout=log,
@@ -156,7 +159,7 @@ def server_address(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
                 except WeirError:
                     pass
                 time.sleep(0.5)
-        yield address
+        yield address, f"http://127.0.0.1:{http_port}/v1"
     finally:
         proc.terminate()
         try:
@@ -167,17 +170,23 @@ def server_address(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
+@pytest.mark.parametrize("backend", ["weir", "openai"])
 def test_bench_serve_writes_results_and_plots(
-    server_address: str, tiny_model_dir: Path, tmp_path: Path
+    server: tuple[str, str], backend: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     result_path = tmp_path / "serve.json"
     plot_dir = tmp_path / "plots"
+    address, base_url = server
     proc = subprocess.run(
         [
             *BENCH,
             "serve",
+            "--backend",
+            backend,
             "--address",
-            server_address,
+            address,
+            "--base-url",
+            base_url,
             "--model",
             str(tiny_model_dir),
             "--num-prompts",

@@ -1,5 +1,6 @@
 """The Kubernetes manifests and the Grafana dashboard agree with the code they deploy."""
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -7,10 +8,13 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
 from weir.services.cli import build_parser
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.metrics import ExecutorMetrics
+from weir.services.gateway.metrics import GatewayMetrics
+from weir.services.gateway.router import Router
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 
@@ -39,7 +43,7 @@ def test_kustomization_lists_every_manifest() -> None:
             assert (K8S / file).is_file()
 
 
-@pytest.mark.parametrize("deployment", ["weir-scheduler", "weir-executor"])
+@pytest.mark.parametrize("deployment", ["weir-scheduler", "weir-executor", "weir-gateway"])
 def test_container_args_are_accepted_by_the_cli(deployment: str) -> None:
     args = build_parser().parse_args(_container(deployment)["args"])
     assert args.command == deployment.removeprefix("weir-")
@@ -69,10 +73,23 @@ def test_executor_reaches_the_scheduler_service_port() -> None:
     assert executor_ports["metrics"] == executor_args.metrics_port
 
 
+async def _gateway_registry() -> CollectorRegistry:
+    # The router's clients belong to an event loop: made, and closed, inside one.
+    router = Router(["tcp://127.0.0.1:9"])
+    try:
+        return GatewayMetrics(router).registry
+    finally:
+        await router.close()
+
+
 def test_dashboard_queries_only_metrics_the_processes_export() -> None:
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     exported = set()
-    for registry in (SchedulerMetrics("m").registry, ExecutorMetrics("m", 0).registry):
+    for registry in (
+        SchedulerMetrics("m").registry,
+        ExecutorMetrics("m", 0).registry,
+        asyncio.run(_gateway_registry()),
+    ):
         for family in registry.collect():
             exported |= {family.name + suffix for suffix in suffixes[family.type]}
     dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())
@@ -84,3 +101,12 @@ def test_dashboard_queries_only_metrics_the_processes_export() -> None:
     }
     assert queried, "the dashboard has no Weir queries"
     assert queried <= exported, f"not exported: {sorted(queried - exported)}"
+
+
+def test_gateway_routes_to_the_scheduler_service_client_port() -> None:
+    args = build_parser().parse_args(_container("weir-gateway")["args"])
+    target = urlparse(args.scheduler[0])
+    service = _by_kind_name("Service", target.hostname)
+    assert target.port in {p["port"] for p in service["spec"]["ports"] if p["name"] == "clients"}
+    probe = _container("weir-gateway")["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/health" and probe["port"] == "http"

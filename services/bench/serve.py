@@ -1,8 +1,11 @@
-"""`weir bench serve`: online latency and throughput against a running Weir server.
+"""`weir bench serve`: online latency and throughput against a running server.
 
 Requests arrive as a Poisson process at --request-rate (inf sends them all at
 once), optionally capped at --max-concurrency in flight, and stream through
-AsyncWeirClient. Per request: TTFT (send to first token), ITL (gaps between
+AsyncWeirClient (`--backend weir`, the scheduler's ZeroMQ address) or the
+official `openai` client (`--backend openai --base-url URL`: any OpenAI-compatible
+server, Weir's gateway included; token ids are sent as the prompt, and a stream's
+token count comes from its usage record). Per request: TTFT (send to first token), ITL (gaps between
 streamed token chunks), TPOT ((end - first token) / (output tokens - 1)) and
 end-to-end latency. Goodput counts the requests per second that met every
 given SLO.
@@ -11,9 +14,12 @@ given SLO.
 import argparse
 import asyncio
 import math
+import os
 import random
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +42,7 @@ from weir.services.bench.workload import (
     positive_int,
     workload_from_args,
 )
-from weir.shared.config import DEFAULT_ADDRESS
+from weir.shared.config import DEFAULT_ADDRESS, DEFAULT_HTTP_PORT
 
 _READY_POLL_S = 0.5
 
@@ -106,6 +112,73 @@ async def _one_request(client, request: BenchRequest, trace: RequestTrace, t0: f
         trace.error = f"{type(e).__name__}: {e}"
 
 
+async def _one_openai_request(
+    client, model: str, request: BenchRequest, trace: RequestTrace, t0: float
+) -> None:
+    try:
+        stream = await client.completions.create(
+            model=model,
+            prompt=[request.prompt_token_ids],
+            max_tokens=request.output_len,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            now = time.perf_counter() - t0
+            if chunk.choices and chunk.choices[0].text:
+                trace.chunk_s.append(now)
+                trace.chunk_tokens.append(1)
+            if chunk.usage is not None:
+                # A chunk is a step's text; the usage record counts the tokens exactly.
+                if trace.chunk_tokens:
+                    trace.chunk_tokens[-1] += chunk.usage.completion_tokens - trace.output_tokens
+                trace.end_s = now
+        if trace.end_s is None:
+            trace.error = "stream ended without its usage record"
+    except Exception as e:  # a failed request is a result to report, not a reason to stop the run
+        trace.error = f"{type(e).__name__}: {e}"
+
+
+async def _wait_http_ready(base_url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    health = base_url.removesuffix("/").removesuffix("/v1") + "/health"
+    async with httpx.AsyncClient() as http:
+        while True:
+            try:
+                if (await http.get(health, timeout=5)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{health} not ready after {timeout_s:g} s")
+            await asyncio.sleep(_READY_POLL_S)
+
+
+@asynccontextmanager
+async def _sender(
+    backend: str, target: str, ready_timeout_s: float
+) -> AsyncIterator[Callable[[BenchRequest, RequestTrace, float], Awaitable[None]]]:
+    """``send(request, trace, t0)`` for the backend, once its server is ready."""
+    if backend == "openai":
+        import openai
+
+        await _wait_http_ready(target, ready_timeout_s)
+        api_key = os.environ.get("OPENAI_API_KEY") or "none"
+        async with openai.AsyncOpenAI(base_url=target, api_key=api_key, max_retries=0) as client:
+            model = (await client.models.list()).data[0].id
+            yield lambda request, trace, t0: _one_openai_request(client, model, request, trace, t0)
+        return
+    from weir.shared.client import AsyncWeirClient
+
+    async with AsyncWeirClient(target) as weir:
+        await wait_until_ready(weir, ready_timeout_s)
+        yield lambda request, trace, t0: _one_request(weir, request, trace, t0)
+
+
 async def wait_until_ready(client, timeout_s: float) -> None:  # client: AsyncWeirClient
     """Poll health() until the server reports status "ok" (its executors are connected)."""
     deadline = time.monotonic() + timeout_s
@@ -126,16 +199,14 @@ async def run_load(
     seed: int,
     progress: bool = True,
     ready_timeout_s: float = 60.0,
+    backend: str = "weir",
 ) -> tuple[list[RequestTrace], float]:
     """Send the workload; returns one trace per request (in workload order) and the run's duration in seconds."""
     from tqdm import tqdm
 
-    from weir.shared.client import AsyncWeirClient
-
     offsets = arrival_offsets(len(requests), request_rate, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with AsyncWeirClient(address) as client:
-        await wait_until_ready(client, ready_timeout_s)
+    async with _sender(backend, address, ready_timeout_s) as send:
         with tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress) as bar:
             t0 = time.perf_counter()
             traces: list[RequestTrace | None] = [None] * len(requests)
@@ -149,7 +220,7 @@ async def run_load(
                 )
                 traces[index] = trace
                 try:
-                    await _one_request(client, request, trace, t0)
+                    await send(request, trace, t0)
                 finally:
                     if limit is not None:
                         limit.release()
@@ -233,7 +304,18 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument(
+        "--backend",
+        choices=("weir", "openai"),
+        default="weir",
+        help="weir: the client SDK at --address; openai: an OpenAI-compatible server at --base-url",
+    )
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="server address (ZeroMQ endpoint)")
+    p.add_argument(
+        "--base-url",
+        default=f"http://127.0.0.1:{DEFAULT_HTTP_PORT}/v1",
+        help="the OpenAI-compatible API of --backend openai",
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -296,25 +378,28 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        target = args.base_url if args.backend == "openai" else args.address
         traces, duration = asyncio.run(
             run_load(
-                args.address,
+                target,
                 requests,
                 args.request_rate,
                 args.max_concurrency,
                 args.seed,
                 progress=not args.no_progress,
                 ready_timeout_s=args.ready_timeout,
+                backend=args.backend,
             )
         )
-    except (TimeoutError, WeirError) as e:
-        print(f"error: {args.address}: {e}", file=sys.stderr)
+    except (TimeoutError, WeirError, OSError) as e:
+        print(f"error: {target}: {e}", file=sys.stderr)
         return 1
     command = command_line("weir bench serve", args)
     result = {
         "command": command,
         "machine": machine_info(None),
-        "address": args.address,
+        "backend": args.backend,
+        "address": target,
         "workload": describe_workload(requests, args),
         "num_prompts": len(requests),
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",

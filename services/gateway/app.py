@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -114,7 +114,7 @@ class Gateway:
 
     async def run(
         self, request_id: str, samples: list[_Sample]
-    ) -> AsyncIterator[tuple[int, StreamOutput]]:
+    ) -> AsyncGenerator[tuple[int, StreamOutput], None]:
         """Every sample's outputs, merged as they come; the first failure is raised.
         Closing this iterator cancels the samples, which aborts their requests."""
         queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
@@ -156,6 +156,7 @@ class Gateway:
             if not leader:
                 await first_token.wait()
             async with self.router.reserve(sample.prompt, sample.params.max_tokens) as replica:
+                self.metrics.routed.labels(replica.address).inc()
                 await self._stream_from(replica, request_id, sample, queue, first_token)
         except asyncio.CancelledError:
             raise
@@ -293,7 +294,7 @@ class Gateway:
 
     @staticmethod
     async def _collect(
-        outputs: AsyncIterator[tuple[int, StreamOutput]], num_choices: int
+        outputs: AsyncGenerator[tuple[int, StreamOutput], None], num_choices: int
     ) -> list[fmt.Choice]:
         choices = [fmt.Choice(i) for i in range(num_choices)]
         async with aclosing(outputs):
@@ -309,7 +310,7 @@ class Gateway:
 
     async def _sse(
         self,
-        outputs: AsyncIterator[tuple[int, StreamOutput]],
+        outputs: AsyncGenerator[tuple[int, StreamOutput], None],
         chunk: Callable[[StreamOutput, fmt.Choice], dict[str, Any]],
         base: dict[str, Any],
         num_choices: int,

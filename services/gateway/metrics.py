@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from weir.services.gateway.router import Router
+from weir.services.gateway.router import Replica, Router
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -38,15 +40,21 @@ class GatewayMetrics:
             ["replica"],
             registry=reg,
         )
-        routed = Gauge(
+        self.routed = Counter(
             "weir:gateway_replica_requests",
-            "Requests routed to the replica since the gateway started",
+            "Sample streams routed to the replica",
             ["replica"],
             registry=reg,
         )
         for replica in router.replicas:
-            up.labels(replica.address).set_function(lambda r=replica: float(r.healthy))
-            outstanding.labels(replica.address).set_function(
-                lambda r=replica: float(r.outstanding_tokens)
-            )
-            routed.labels(replica.address).set_function(lambda r=replica: float(r.num_requests))
+            up.labels(replica.address).set_function(partial(_healthy, replica))
+            outstanding.labels(replica.address).set_function(partial(_outstanding, replica))
+            self.routed.labels(replica.address)
+
+
+def _healthy(replica: Replica) -> float:
+    return float(replica.healthy)
+
+
+def _outstanding(replica: Replica) -> float:
+    return float(replica.outstanding_tokens)

@@ -46,7 +46,6 @@ class Replica:
     client: AsyncWeirClient
     healthy: bool = False
     outstanding_tokens: int = 0
-    num_requests: int = 0
     # Prefix hash -> None, least recently served first (an LRU set).
     prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
@@ -77,7 +76,7 @@ def expand_addresses(addresses: list[str]) -> list[str]:
             expanded.append(address)
             continue
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-        ips = sorted({info[4][0] for info in infos})
+        ips = sorted({str(info[4][0]) for info in infos})
         expanded += [f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}" for ip in ips]
     return list(dict.fromkeys(expanded))
 
@@ -87,9 +86,11 @@ def prompt_text(prompt: Prompt) -> str:
     chat messages joined with their roles."""
     if isinstance(prompt, str):
         return prompt
-    if prompt and isinstance(prompt[0], dict):
-        return "".join(f"<{m['role']}>{m['content']}" for m in prompt)  # type: ignore[index]
-    return ",".join(map(str, prompt))
+    parts = [
+        f"<{item['role']}>{item['content']}" if isinstance(item, dict) else str(item)
+        for item in prompt
+    ]
+    return ("" if prompt and isinstance(prompt[0], dict) else ",").join(parts)
 
 
 def prefix_hashes(text: str) -> list[bytes]:
@@ -148,7 +149,6 @@ class Router:
         replica = self.choose(hashes)
         cost = len(text) // _CHARS_PER_TOKEN + max_tokens
         replica.outstanding_tokens += cost
-        replica.num_requests += 1
         replica.remember(hashes)
         try:
             yield replica

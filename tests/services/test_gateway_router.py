@@ -75,7 +75,8 @@ def gateway(replicas):
 def _routed(base: str, replicas) -> list[float]:
     samples = read_metrics(base + "/metrics")
     return [
-        samples[f'weir:gateway_replica_requests{{replica="{r.client_address}"}}'] for r in replicas
+        samples[f'weir:gateway_replica_requests_total{{replica="{r.client_address}"}}']
+        for r in replicas
     ]
 
 
