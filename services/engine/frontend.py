@@ -59,8 +59,7 @@ class _Stream:
 
 class ClientFrontend:
     """``core`` is None while no executor group serves; requests then get
-    ``server_unavailable``. ``wake()`` tells the step loop there is new work or an end to
-    report; ``health(stream_ids)`` and ``model_info()`` build the replies of those queries."""
+    ``server_unavailable``. ``wake()`` says a request arrived or ended outside a step; ``health(stream_ids)`` and ``model_info()`` build the replies of those queries."""
 
     def __init__(
         self,

@@ -146,7 +146,7 @@ class SchedulerServer:
             self.vocab_size,
             self.scheduler_config.max_model_len,
             self.metrics,
-            self._wake.set,
+            self._requests_changed,
             self._health,
             self._model_info,
         )
@@ -249,6 +249,12 @@ class SchedulerServer:
             self.frontend.publish(step)
             self._after_step(step)
             self._observe_phase("outputs", time.perf_counter() - start)
+
+    def _requests_changed(self) -> None:
+        """A request arrived or ended outside a step: the gauges show it now, and the step
+        loop wakes to run it or to tell the executors (``finished_req_ids``)."""
+        self._refresh_gauges()
+        self._wake.set()
 
     def _observe_phase(self, phase: str, seconds: float) -> None:
         self.metrics.step_phase[phase].observe(seconds)
