@@ -20,6 +20,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (vLLM's
 # name), for benchmarks on machines the weights cannot reach.
 LOAD_FORMATS = ("auto", "dummy")
+SPECULATIVE_METHODS = ("ngram",)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -215,6 +216,20 @@ class EngineArgs:
         "waiting-queue order",
         choices=SCHEDULING_POLICIES,
     )
+    speculative_method: str | None = _arg(
+        None,
+        SCHEDULER,
+        "draft proposer: ngram (prompt lookup; drafts are verified in the same forward pass)",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = _arg(
+        _default_of(SchedulerConfig, "num_speculative_tokens"),
+        SCHEDULER,
+        "draft tokens proposed per request and step (with --speculative-method)",
+        type=int,
+    )
+    ngram_min: int = _arg(2, SCHEDULER, "shortest n-gram the ngram proposer matches", type=int)
+    ngram_max: int = _arg(4, SCHEDULER, "longest n-gram the ngram proposer matches", type=int)
     executor_timeout: float = _arg(
         3.0, SCHEDULER, "seconds without an executor heartbeat before its requests fail", type=float
     )
@@ -272,6 +287,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             watermark=self.watermark,
             policy=self.policy,
+            num_speculative_tokens=self.num_speculative_tokens if self.speculative_method else 0,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from weir.services.engine.ngram import NgramProposer
 from weir.services.scheduler.output import EngineOutput
 from weir.services.scheduler.request import RequestStatus
 from weir.services.scheduler.scheduler import Scheduler
@@ -57,17 +58,20 @@ class EngineStep:
 
 
 class EngineCore:
-    """A ``Scheduler`` and the executor that runs its plans. ``observe_phase(name, seconds)``
-    receives the time of the ``schedule`` and ``update`` phases of every step."""
+    """A ``Scheduler``, the executor that runs its plans, and optionally a draft
+    proposer whose drafts the next step verifies. ``observe_phase(name, seconds)`` receives
+    the time of the ``schedule``, ``update`` and ``propose`` phases of every step."""
 
     def __init__(
         self,
         scheduler: Scheduler,
         executor: Executor,
         observe_phase: Callable[[str, float], None] | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.proposer = proposer
         self._observe_phase = observe_phase or _ignore
 
     def has_work(self) -> bool:
@@ -92,7 +96,11 @@ class EngineCore:
             raise StepFailedError(str(exc), held) from exc
         start = time.perf_counter()
         outputs = scheduler.update_from_output(plan, result)
-        self._observe_phase("update", time.perf_counter() - start)
+        updated = time.perf_counter()
+        self._observe_phase("update", updated - start)
+        if self.proposer is not None:
+            scheduler.update_draft_token_ids(self.proposer.propose(scheduler.running))
+            self._observe_phase("propose", time.perf_counter() - updated)
         return EngineStep(plan, outputs, scheduled_at)
 
 

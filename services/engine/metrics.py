@@ -15,6 +15,8 @@ from prometheus_client import (
     Histogram,
 )
 
+from weir.services.scheduler.scheduler import SpecDecodeStats
+
 _Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 
 _LATENCY_BUCKETS = (
@@ -60,7 +62,7 @@ _REQUEST_BUCKETS = (
     480.0,
 )
 _PHASE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
-STEP_PHASES = ("schedule", "plan_encode", "executor", "update", "outputs")
+STEP_PHASES = ("schedule", "plan_encode", "executor", "update", "propose", "outputs")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -166,6 +168,28 @@ class SchedulerMetrics:
             )
         )
 
+        self.spec_decode_num_drafts = one(
+            Counter("weir:spec_decode_num_drafts", "Draft runs verified", names, registry=reg)
+        )
+        self.spec_decode_num_draft_tokens = one(
+            Counter(
+                "weir:spec_decode_num_draft_tokens", "Draft tokens verified", names, registry=reg
+            )
+        )
+        self.spec_decode_num_accepted_tokens = one(
+            Counter(
+                "weir:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted",
+                names,
+                registry=reg,
+            )
+        )
+        self._accepted_per_pos = Counter(
+            "weir:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft",
+            ["model_name", "position"],
+            registry=reg,
+        )
         self._step_phase = Histogram(
             "weir:scheduler_step_phase_seconds",
             "Scheduler time per step by phase: schedule, plan_encode, executor (send to result, "
@@ -178,6 +202,21 @@ class SchedulerMetrics:
             phase: self._step_phase.labels(model_name=model_name, phase=phase)
             for phase in STEP_PHASES
         }
+
+    def observe_spec_decode(self, spec: SpecDecodeStats, previous: SpecDecodeStats) -> None:
+        """Advance the speculative-decoding counters by what changed since ``previous``."""
+        self.spec_decode_num_drafts.inc(spec.num_drafts - previous.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens - previous.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(
+            spec.num_accepted_tokens - previous.num_accepted_tokens
+        )
+        before = previous.accepted_per_pos
+        for position, count in enumerate(spec.accepted_per_pos):
+            done = before[position] if position < len(before) else 0
+            if count > done:
+                self._accepted_per_pos.labels(
+                    model_name=self._model_name, position=str(position)
+                ).inc(count - done)
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(

@@ -32,8 +32,9 @@ from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError,
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
 from weir.services.engine.frontend import ClientFrontend
 from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.engine.ngram import make_proposer
 from weir.services.metrics_endpoint import start_metrics_server
-from weir.services.scheduler.scheduler import Scheduler
+from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.config import EngineArgs
 from weir.shared.model_store import load_model_config
@@ -90,11 +91,13 @@ class SchedulerServer:
         self.vocab_size = int(load_model_config(model_dir)["vocab_size"])
         self.engine_args = options.engine_args
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
+        make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
         self.metrics = SchedulerMetrics(self.model_name)
         self.metrics_address: str | None = None
         self.client_address = ""
         self.executor_address = ""
         self._counters = _Counters({})
+        self._spec_seen = SpecDecodeStats()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._num_blocks = 0
@@ -205,8 +208,11 @@ class SchedulerServer:
     def _on_group_formed(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
         scheduler = Scheduler(self.scheduler_config, self.engine_args.cache_config(num_blocks))
-        self.frontend.core = EngineCore(scheduler, self.group, self._observe_phase)
+        self.frontend.core = EngineCore(
+            scheduler, self.group, self._observe_phase, make_proposer(self.engine_args)
+        )
         self._counters = _Counters({})
+        self._spec_seen = SpecDecodeStats()
         if not self._reported_ready:
             self._reported_ready = True
             self.status.ready(
@@ -277,6 +283,8 @@ class SchedulerServer:
         m.num_preemptions.inc(self._counters.delta("preemptions", stats.num_preemptions))
         m.prefix_cache_queries.inc(self._counters.delta("queries", stats.prefix_cache_queries))
         m.prefix_cache_hits.inc(self._counters.delta("hits", stats.prefix_cache_hits))
+        m.observe_spec_decode(stats.spec_decode, self._spec_seen)
+        self._spec_seen = stats.spec_decode
 
     # ------------------------------------------------------------------ queries
 

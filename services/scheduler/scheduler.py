@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from weir.services.scheduler.kv_cache_manager import KVCacheManager
 from weir.services.scheduler.output import EngineOutput
@@ -29,6 +29,17 @@ _LENGTH = RequestStatus.FINISHED_LENGTH
 
 
 @dataclass(slots=True)
+class SpecDecodeStats:
+    """Cumulative speculative-decoding counts (vLLM's names): verified draft runs, their
+    draft tokens, the accepted ones, and accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -39,6 +50,7 @@ class SchedulerStats:
     num_scheduled_tokens: int  # of the last plan
     num_free_blocks: int
     num_blocks: int
+    spec_decode: SpecDecodeStats
 
 
 class Scheduler:
@@ -57,6 +69,7 @@ class Scheduler:
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
         self._last_num_scheduled_tokens = 0
+        self._spec = SpecDecodeStats()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -158,6 +171,12 @@ class Scheduler:
             num_scheduled_tokens=self._last_num_scheduled_tokens,
             num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.num_blocks,
+            spec_decode=SpecDecodeStats(
+                self._spec.num_drafts,
+                self._spec.num_draft_tokens,
+                self._spec.num_accepted_tokens,
+                list(self._spec.accepted_per_pos),
+            ),
         )
 
     # ------------------------------------------------------------------ the step
@@ -333,6 +352,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ applying a result
 
+    def _count_verified(self, num_drafts: int, num_accepted: int) -> None:
+        spec = self._spec
+        spec.num_drafts += 1
+        spec.num_draft_tokens += num_drafts
+        spec.num_accepted_tokens += num_accepted
+        per_pos = spec.accepted_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
+
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[EngineOutput]:
         """Advance every request of ``plan`` by what it computed, append sampled tokens
         (rolling back rejected drafts), apply stops, free finished requests. Returns one
@@ -362,6 +392,7 @@ class Scheduler:
                     sampled = sampled[: num_drafts + 1]
                 computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
                 request.spec_token_ids = []
+                self._count_verified(num_drafts, len(sampled) - 1 if sampled else 0)
             elif request.spec_token_ids:
                 request.spec_token_ids = []  # none fit this step; they are stale after it
             all_tokens = request.all_token_ids

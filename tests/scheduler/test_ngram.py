@@ -1,0 +1,72 @@
+"""The n-gram (prompt-lookup) proposer against a brute-force search."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weir.services.engine.ngram import NgramProposer, make_proposer
+from weir.services.scheduler import Request
+from weir.shared.config import EngineArgs
+
+
+def brute_force(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The longest suffix n-gram's latest earlier occurrence, and the k tokens after it."""
+    for n in range(min(n_max, len(tokens)), n_min - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def decoding(rid: str, tokens: list[int]) -> Request:
+    request = Request(rid, tokens)
+    request.num_computed_tokens = len(tokens) - 1
+    return request
+
+
+def test_proposes_what_followed_the_longest_latest_match():
+    proposer = NgramProposer(k=3, n_min=1, n_max=3)
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 6, 7, 1, 5, 6, 7]
+    # (5, 6, 7) occurred at 0..2 -> 8, 9, 6; the shorter (6, 7) later at 5..6 loses.
+    assert proposer.propose([decoding("a", tokens)]) == {"a": [8, 9, 6]}
+    assert proposer.propose([decoding("b", [1, 2, 3])]) == {}  # nothing repeats
+    partial = Request("c", [4, 4, 4, 4])  # prefill not done: no decode next step
+    assert proposer.propose([partial]) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=5), max_size=8),
+    st.integers(1, 5),
+    st.integers(1, 3),
+    st.integers(0, 2),
+)
+def test_incremental_index_equals_brute_force(prompt, appended, k, n_min, extra):
+    n_max = n_min + extra
+    proposer = NgramProposer(k, n_min, n_max)
+    tokens = list(prompt)
+    assert proposer.propose([decoding("r", tokens)]).get("r", []) == brute_force(
+        tokens, k, n_min, n_max
+    )
+    for chunk in appended:  # a step appends one token, or several accepted drafts
+        tokens += chunk
+        assert proposer.propose([decoding("r", tokens)]).get("r", []) == brute_force(
+            tokens, k, n_min, n_max
+        )
+
+
+def test_options_are_checked():
+    assert make_proposer(EngineArgs()) is None
+    assert make_proposer(EngineArgs(speculative_method="ngram", num_speculative_tokens=4)).k == 4
+    for bad in (
+        EngineArgs(speculative_method="ngram"),
+        EngineArgs(num_speculative_tokens=2),
+        EngineArgs(speculative_method="ngram", num_speculative_tokens=2, ngram_min=3, ngram_max=2),
+    ):
+        try:
+            make_proposer(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad}")
