@@ -31,6 +31,9 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
         step = step_now(core)
         for out in step.outputs if step else ():
             produced[int(out.request_id[1:])] += out.new_token_ids
+            if params.logprobs is not None:  # one logprob row per token, drafts included
+                assert out.logprobs is not None
+                assert [row[0] for row in out.logprobs.token_ids] == out.new_token_ids
     step_now(core)  # tells the executor which requests finished
     return produced
 
@@ -39,7 +42,7 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
     "params",
     [
         SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=40, temperature=0.7, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.7, seed=7, ignore_eos=True, logprobs=1),
     ],
     ids=["greedy", "seeded"],
 )
