@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import random
-import subprocess
-import sys
 import time
 import urllib.request
 
 import openai
 
-from weir.services.launcher import ServerProcesses
+from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.config import EngineArgs
 
 
@@ -49,27 +45,6 @@ def _prompts(groups: int, questions: int, seed: int) -> list[str]:
         ]
     rng.shuffle(prompts)
     return prompts
-
-
-def _start_gateway(schedulers: list[str]) -> tuple[subprocess.Popen, str]:
-    read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "weir.services.cli",
-            "gateway",
-            "--port",
-            "0",
-            *[a for s in schedulers for a in ("--scheduler", s)],
-            "--status-fd",
-            str(write_fd),
-        ],
-        pass_fds=(write_fd,),
-    )
-    os.close(write_fd)
-    with os.fdopen(read_fd) as status:
-        return proc, json.loads(status.readline())["http_address"]
 
 
 async def _send(base: str, prompts: list[str], concurrency: int) -> None:
@@ -97,8 +72,8 @@ def measure(engine: EngineArgs, num_replicas: int, prompts: list[str], concurren
             replica = ServerProcesses(engine, port=0, metrics_port=0, executor_metrics_port=0)
             replica.start()
             replicas.append(replica)
-        gateway, base = _start_gateway([r.client_address for r in replicas])
-        try:
+        with GatewayProcess([r.client_address for r in replicas]) as gateway:
+            base = gateway.info["http_address"]
             while urllib.request.urlopen(base + "/health", timeout=10).status != 200:
                 time.sleep(0.2)
             urls = [r.info["metrics_address"] for r in replicas]
@@ -119,9 +94,6 @@ def measure(engine: EngineArgs, num_replicas: int, prompts: list[str], concurren
                 )
                 for u in urls
             ]
-        finally:
-            gateway.terminate()
-            gateway.wait(timeout=10)
     finally:
         for replica in replicas:
             replica.shutdown()

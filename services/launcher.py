@@ -164,25 +164,7 @@ class ServerProcesses:
                 )
             self.info = self._wait_ready(self._children[0])
             if self.http_port is not None:
-                # The key travels in the environment: a command line is world-readable.
-                env = None if self.api_key is None else {**os.environ, "WEIR_API_KEY": self.api_key}
-                self._spawn(
-                    GATEWAY,
-                    [
-                        GATEWAY,
-                        "--scheduler",
-                        self.info["client_address"],
-                        "--host",
-                        self.host,
-                        "--port",
-                        str(self.http_port),
-                        "--log-level",
-                        self.engine_args.log_level,
-                    ],
-                    env,
-                )
-                gateway = self._wait_ready(self._children[-1])
-                self.info["http_address"] = gateway["http_address"]
+                self.info["http_address"] = self._start_gateway([self.info["client_address"]])
         except BaseException:
             self.shutdown()
             raise
@@ -225,6 +207,15 @@ class ServerProcesses:
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+    def _start_gateway(self, schedulers: list[str], *extra: str) -> str:
+        """Start `weir gateway` in front of ``schedulers``; returns its HTTP address."""
+        # The key travels in the environment: a command line is world-readable.
+        env = None if self.api_key is None else {**os.environ, "WEIR_API_KEY": self.api_key}
+        argv = [GATEWAY, *[a for address in schedulers for a in ("--scheduler", address)]]
+        argv += ["--host", self.host, "--port", str(self.http_port), *extra]
+        self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env)
+        return str(self._wait_ready(self._children[-1])["http_address"])
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         read_fd, write_fd = os.pipe()
@@ -281,6 +272,33 @@ class ServerProcesses:
                     ready = [e for e in target.events if e.get("event") == "ready"]
                     if ready:
                         return ready[0]
+
+
+class GatewayProcess(ServerProcesses):
+    """`weir gateway` alone, in front of schedulers that already run (tests, benchmarks).
+    ``timeout``: seconds a replica may stay silent before its requests fail."""
+
+    def __init__(
+        self,
+        schedulers: list[str],
+        *,
+        http_port: int = 0,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        startup_timeout: float = 120.0,
+    ) -> None:
+        super().__init__(http_port=http_port, api_key=api_key, startup_timeout=startup_timeout)
+        self.schedulers = schedulers
+        self.timeout = timeout
+
+    def start(self) -> dict[str, Any]:
+        extra = () if self.timeout is None else ("--timeout", str(self.timeout))
+        try:
+            self.info = {"http_address": self._start_gateway(self.schedulers, *extra)}
+        except BaseException:
+            self.shutdown()
+            raise
+        return self.info
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

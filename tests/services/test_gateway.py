@@ -5,10 +5,6 @@ as in test_serving.py; the gateway is the one `weir serve` starts (`--http-port 
 """
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +14,7 @@ import openai
 import pytest
 from serving_helpers import metric, read_metrics
 
-from weir.services.launcher import ServerProcesses
+from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.client import WeirClient
 from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
@@ -328,43 +324,6 @@ def test_gateway_metrics_count_routes_and_statuses(server, client):
 # ------------------------------------------------------------------ standalone gateways
 
 
-def _start_gateway(*args: str, env_key: str | None = None) -> tuple[subprocess.Popen, str]:
-    read_fd, write_fd = os.pipe()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WEIR_API_KEY", None)
-    if env_key is not None:
-        env["WEIR_API_KEY"] = env_key
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "weir.services.cli",
-            "gateway",
-            "--port",
-            "0",
-            *args,
-            "--status-fd",
-            str(write_fd),
-        ],
-        pass_fds=(write_fd,),
-        env=env,
-    )
-    os.close(write_fd)
-    with os.fdopen(read_fd) as status:
-        line = status.readline()
-    assert '"ready"' in line, line
-    return proc, json.loads(line)["http_address"]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
     request = urllib.request.Request(url, headers=headers or {})
     try:
@@ -375,8 +334,8 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
 
 
 def test_api_key_is_required_when_set(server):
-    proc, base = _start_gateway("--scheduler", server.client_address, env_key="s3cret")
-    try:
+    with GatewayProcess([server.client_address], api_key="s3cret") as gateway:
+        base = gateway.info["http_address"]
         status, body = _get(base + "/v1/models")
         assert status == 401 and "authentication_error" in body
         assert _get(base + "/v1/models", {"Authorization": "Bearer wrong"})[0] == 401
@@ -385,17 +344,13 @@ def test_api_key_is_required_when_set(server):
         assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="nope").models.list()
-    finally:
-        _stop(proc)
 
 
 def test_no_ready_engine_is_503(tmp_path):
-    proc, base = _start_gateway("--scheduler", f"ipc://{tmp_path}/nobody.sock", "--timeout", "2")
-    try:
+    with GatewayProcess([f"ipc://{tmp_path}/nobody.sock"], timeout=2) as gateway:
+        base = gateway.info["http_address"]
         assert _get(base + "/health")[0] == 503
         offline = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as error:
             offline.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         assert error.value.status_code == 503
-    finally:
-        _stop(proc)

@@ -4,8 +4,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +12,7 @@ import openai
 import pytest
 from serving_helpers import read_metrics
 
-from weir.services.launcher import ServerProcesses
+from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.config import EngineArgs
 
 MODEL = "tiny-llama"
@@ -44,32 +42,8 @@ def replicas(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def gateway(replicas):
-    read_fd, write_fd = os.pipe()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "weir.services.cli",
-            "gateway",
-            "--port",
-            "0",
-            "--timeout",
-            "3",
-            *[arg for r in replicas for arg in ("--scheduler", r.client_address)],
-            "--status-fd",
-            str(write_fd),
-        ],
-        pass_fds=(write_fd,),
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    os.close(write_fd)
-    with os.fdopen(read_fd) as status:
-        ready = json.loads(status.readline())
-    try:
-        yield ready["http_address"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with GatewayProcess([r.client_address for r in replicas], timeout=3) as process:
+        yield process.info["http_address"]
 
 
 def _routed(base: str, replicas) -> list[float]:
