@@ -59,7 +59,8 @@ class _Stream:
 
 class ClientFrontend:
     """``core`` is None while no executor group serves; requests then get
-    ``server_unavailable``. ``wake()`` says a request arrived or ended outside a step; ``health(stream_ids)`` and ``model_info()`` build the replies of those queries."""
+    ``server_unavailable``. ``wake()`` says a request arrived; ``requests_ended()`` that requests ended outside a
+    step (the gauges show it at once, the executors learn it in the next plan); ``health(stream_ids)`` and ``model_info()`` build the replies of those queries."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class ClientFrontend:
         max_model_len: int,
         metrics: SchedulerMetrics,
         wake: Callable[[], None],
+        requests_ended: Callable[[], None],
         health: Callable[[list[str]], dict[str, Any]],
         model_info: Callable[[], dict[str, Any]],
     ) -> None:
@@ -78,6 +80,7 @@ class ClientFrontend:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self._wake = wake
+        self._requests_ended = requests_ended
         self._health = health
         self._model_info = model_info
         self.core: EngineCore | None = None
@@ -174,7 +177,7 @@ class ClientFrontend:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
         self.streams[rid] = stream
-        self._wake()
+        self._wake()  # nothing else: a burst of arrivals must not also refresh the gauges
 
     def _new_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float
@@ -225,7 +228,7 @@ class ClientFrontend:
         self._send(
             stream.identity, client_protocol.encode_outputs([self._final_output(stream, "abort")])
         )
-        self._wake()
+        self._requests_ended()
 
     # ------------------------------------------------------------------ messages out
 
@@ -242,7 +245,7 @@ class ClientFrontend:
         self._end_in_scheduler([s.request_id for s in gone], RequestStatus.FINISHED_ABORTED)
         for stream in gone:
             self._finish_stream(stream, "abort")
-        self._wake()
+        self._requests_ended()
 
     def send_error(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
         self._send(

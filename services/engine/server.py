@@ -149,7 +149,8 @@ class SchedulerServer:
             self.vocab_size,
             self.scheduler_config.max_model_len,
             self.metrics,
-            self._requests_changed,
+            self._wake.set,
+            self._requests_ended,
             self._health,
             self._model_info,
         )
@@ -256,9 +257,9 @@ class SchedulerServer:
             self._after_step(step)
             self._observe_phase("outputs", time.perf_counter() - start)
 
-    def _requests_changed(self) -> None:
-        """A request arrived or ended outside a step: the gauges show it now, and the step
-        loop wakes to run it or to tell the executors (``finished_req_ids``)."""
+    def _requests_ended(self) -> None:
+        """Requests ended outside a step: the gauges show it now, and the step loop wakes
+        to tell the executors (``finished_req_ids``)."""
         self._refresh_gauges()
         self._wake.set()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -67,21 +67,37 @@ def _api_error(exc: Exception) -> APIError:
     return APIError(500, f"{type(exc).__name__}: {exc}", "server_error")
 
 
+# Every choice is a request of its own: one HTTP request may not ask for more.
+MAX_CHOICES = 128
+
+
 @dataclass(slots=True)
 class _Sample:
-    """One stream of one request: choice ``index`` of ``prompt``."""
+    """One stream of one request: choice ``index``, sample ``number`` of prompt ``group``."""
 
     index: int
+    group: int
+    number: int
     prompt: Prompt
     params: SamplingParams
 
 
 def _samples(
-    choices: list[tuple[int, Prompt, int]], params: Callable[[int], SamplingParams]
+    prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams]
 ) -> list[_Sample]:
-    """(choice index, prompt, sample number) -> samples; invalid parameters are a 400."""
+    """``n`` samples of each prompt, choice ``p * n + i``; invalid parameters are a 400."""
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompt(s) x n={n} is more than {MAX_CHOICES} choices per request",
+            "invalid_request_error",
+        )
     try:
-        return [_Sample(index, prompt, params(number)) for index, prompt, number in choices]
+        return [
+            _Sample(p * n + i, p, i, prompt, params(i))
+            for p, prompt in enumerate(prompts)
+            for i in range(n)
+        ]
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request_error") from None
 
@@ -117,25 +133,21 @@ class Gateway:
     ) -> AsyncGenerator[tuple[int, StreamOutput], None]:
         """Every sample's outputs, merged as they come; the first failure is raised.
         Closing this iterator cancels the samples, which aborts their requests."""
-        queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
-        first_token: dict[int, asyncio.Event] = {}
-        tasks = []
-        for sample in samples:
-            key = id(sample.prompt)
-            leader = key not in first_token
-            event = first_token.setdefault(key, asyncio.Event())
-            tasks.append(
-                asyncio.create_task(
-                    self._sample(f"{request_id}-{sample.index}", sample, queue, event, leader)
-                )
+        queue: asyncio.Queue[tuple[int, StreamOutput | Exception | None]] = asyncio.Queue()
+        first_token = {sample.group: asyncio.Event() for sample in samples}
+        tasks = [
+            asyncio.create_task(
+                self._sample(f"{request_id}-{s.index}", s, queue, first_token[s.group])
             )
+            for s in samples
+        ]
         try:
             remaining = len(tasks)
             while remaining:
                 index, item = await queue.get()
                 if item is None:
                     remaining -= 1
-                elif isinstance(item, BaseException):
+                elif isinstance(item, Exception):
                     raise item
                 else:
                     yield index, item
@@ -148,19 +160,16 @@ class Gateway:
         self,
         request_id: str,
         sample: _Sample,
-        queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]],
+        queue: asyncio.Queue[tuple[int, StreamOutput | Exception | None]],
         first_token: asyncio.Event,
-        leader: bool,
     ) -> None:
         try:
-            if not leader:
+            if sample.number:  # the first sample of a prompt fills the prefix cache
                 await first_token.wait()
             async with self.router.reserve(sample.prompt, sample.params.max_tokens) as replica:
                 self.metrics.routed.labels(replica.address).inc()
                 await self._stream_from(replica, request_id, sample, queue, first_token)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
+        except Exception as exc:
             first_token.set()
             await queue.put((sample.index, exc))
             return
@@ -172,7 +181,7 @@ class Gateway:
         replica: Replica,
         request_id: str,
         sample: _Sample,
-        queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]],
+        queue: asyncio.Queue[tuple[int, StreamOutput | Exception | None]],
         first_token: asyncio.Event,
     ) -> None:
         stream = replica.client.generate(sample.prompt, sample.params, request_id=request_id)
@@ -195,12 +204,7 @@ class Gateway:
             raise APIError(400, str(exc), "invalid_request_error") from None
         max_tokens = body.max_tokens or int(info["max_model_len"])
         samples = _samples(
-            [
-                (p * body.n + i, prompt, i)
-                for p, prompt in enumerate(prompts)
-                for i in range(body.n)
-            ],
-            lambda i: body.sampling_params(max_tokens, body.logprobs, i),
+            prompts, body.n, lambda i: body.sampling_params(max_tokens, body.logprobs, i)
         )
         response_id = f"cmpl-{uuid.uuid4().hex}"
         base = {
@@ -243,11 +247,9 @@ class Gateway:
         info = await self.check_model(body.model)
         max_tokens = body.requested_max_tokens() or int(info["max_model_len"])
         logprobs = body.requested_logprobs()
-        messages = body.chat()
-        samples = [
-            _Sample(i, messages, body.sampling_params(max_tokens, logprobs, i))
-            for i in range(body.n)
-        ]
+        samples = _samples(
+            [body.chat()], body.n, lambda i: body.sampling_params(max_tokens, logprobs, i)
+        )
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         outputs = self.run(response_id, samples)

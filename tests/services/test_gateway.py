@@ -229,6 +229,7 @@ def test_logprobs_in_both_apis(client):
         ({"prompt": "word " * 80}, "too long"),
         ({"prompt": [[5, 10**9]]}, "vocabulary"),
         ({"extra_body": {"min_tokens": 5}, "max_tokens": 2}, "min_tokens"),
+        ({"prompt": ["Hi"] * 65, "n": 2}, "choices"),
     ],
 )
 def test_bad_requests_are_400_naming_the_problem(client, kwargs, fragment):
@@ -236,6 +237,16 @@ def test_bad_requests_are_400_naming_the_problem(client, kwargs, fragment):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(**call)
     assert error.value.status_code == 400 and fragment in str(error.value)
+
+
+def test_bad_chat_parameters_are_400(client):
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=2,
+            extra_body={"min_tokens": 5},
+        )
 
 
 def test_unknown_model_is_404(client):
