@@ -85,6 +85,7 @@ class ClientFrontend:
         self._model_info = model_info
         self.core: EngineCore | None = None
         self.streams: dict[str, _Stream] = {}
+        self._token_text: dict[int, str] = {}  # id -> its text alone, at most the vocabulary
 
     # ------------------------------------------------------------------ messages in
 
@@ -338,13 +339,15 @@ class ClientFrontend:
 
     def _logprobs(self, logprobs: SampleLogprobs) -> dict[str, list[list[Any]]]:
         """The client's logprob rows, with each token's text (decoded alone)."""
-        decode = self.tokenizer.decode
+        text = self._token_text
+        for token_id in {t for row in logprobs.token_ids for t in row} - text.keys():
+            # Each id is decoded once per process: top-20 rows of a big batch would
+            # otherwise decode thousands of tokens between two steps.
+            text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return {
             "token_ids": logprobs.token_ids,
             "logprobs": logprobs.logprobs,
-            "tokens": [
-                [decode([t], skip_special_tokens=False) for t in row] for row in logprobs.token_ids
-            ],
+            "tokens": [[text[t] for t in row] for row in logprobs.token_ids],
         }
 
     def _final_output(self, stream: _Stream, reason: str) -> client_protocol.StreamOutput:
