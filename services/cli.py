@@ -149,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
     )
     signal.signal(signal.SIGTERM, _raise_terminated)
+    drain = False
     try:
         try:
             info = server.start()
@@ -173,11 +174,14 @@ def _serve(args: argparse.Namespace) -> int:
         name, rc = server.wait()
         print(f"weir serve: {name} exited with code {rc}; stopping", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, _Terminated):
+    except KeyboardInterrupt:
+        return 0
+    except _Terminated:
+        drain = True  # as Kubernetes stops a pod: finish what is in flight
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.shutdown()
+        server.shutdown(drain)
 
 
 # ------------------------------------------------------------------ clients

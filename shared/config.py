@@ -231,7 +231,23 @@ class EngineArgs:
     ngram_min: int = _arg(2, SCHEDULER, "shortest n-gram the ngram proposer matches", type=int)
     ngram_max: int = _arg(4, SCHEDULER, "longest n-gram the ngram proposer matches", type=int)
     executor_timeout: float = _arg(
-        3.0, SCHEDULER, "seconds without an executor heartbeat before its requests fail", type=float
+        3.0,
+        SCHEDULER,
+        "seconds without an executor heartbeat before it counts as lost (its requests wait "
+        "for a new one)",
+        type=float,
+    )
+    recovery_timeout: float = _arg(
+        120.0,
+        SCHEDULER,
+        "seconds the requests of a lost executor wait for a new one before they fail",
+        type=float,
+    )
+    drain_timeout: float = _arg(
+        30.0,
+        SCHEDULER,
+        "on SIGTERM: seconds to finish in-flight requests (new ones are refused) before stopping",
+        type=float,
     )
     device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
     dtype: str | None = _arg(None, EXECUTOR, "weight/activation dtype (default: per device)")

@@ -7,9 +7,10 @@ benchmarks drive the same core against an executor in their own process
 ``step_now``.
 
 An executor is anything with ``async execute(plan) -> StepResult``. It may raise
-``StepFailedError`` (this step raised on the executor, which keeps serving) or
-``ExecutorLostError`` (no more steps can run; its owner has already failed every
-request).
+``StepFailedError`` (this step raised on the executor, which then holds no request
+and keeps serving: the scheduler sends every request again and looks for the one
+that made the step raise, ``Scheduler.on_step_failed``) or ``ExecutorLostError``
+(no more steps can run until its owner brings a new executor).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Protocol
 
 from weir.services.engine.ngram import NgramProposer
 from weir.services.scheduler.output import EngineOutput
-from weir.services.scheduler.request import RequestStatus
 from weir.services.scheduler.scheduler import Scheduler
 from weir.shared.protocol.step import StepPlan, StepResult
 
@@ -33,10 +33,13 @@ class Executor(Protocol):
 class SyncExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    def reset(self) -> None:
+        """Drop every request (after ``execute`` raised)."""
+
 
 class StepFailedError(RuntimeError):
     """The executor reported that a step raised. ``request_ids`` are the requests the
-    core ended because of it: every one the executor held state for."""
+    core ended because of it: the one found to make steps raise, or none yet."""
 
     def __init__(self, message: str, request_ids: list[str] | None = None) -> None:
         super().__init__(message)
@@ -90,10 +93,7 @@ class EngineCore:
         try:
             result = await self.executor.execute(plan)
         except StepFailedError as exc:
-            # The executor's state for every request it held is now unknown.
-            held = scheduler.scheduled_request_ids()
-            scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED)
-            raise StepFailedError(str(exc), held) from exc
+            raise StepFailedError(str(exc), scheduler.on_step_failed(plan)) from exc
         start = time.perf_counter()
         outputs = scheduler.update_from_output(plan, result)
         updated = time.perf_counter()
@@ -111,7 +111,11 @@ class InProcessExecutor:
         self.runner = runner
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        return self.runner.execute(plan)
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:  # as the executor process does: report, reset, keep serving
+            self.runner.reset()
+            raise StepFailedError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def step_now(core: EngineCore) -> EngineStep | None:

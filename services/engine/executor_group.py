@@ -6,8 +6,9 @@ ranks are in, the group is formed and ``on_formed(num_blocks)`` is called with t
 smallest KV block count over ranks. ``execute(plan)`` sends the plan to every rank
 and awaits rank 0's result, so the group is the ``EngineCore``'s executor. When a
 rank stops answering (no heartbeat for ``timeout`` seconds, or a plan cannot be
-sent), every rank is forgotten and ``on_lost(message)`` is called; a new group
-forms as ranks say hello again.
+sent, or a new executor takes its rank after it fell silent), every rank is
+forgotten and ``on_lost(message)`` is called; a new group forms as ranks say hello
+again.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from weir.shared.zmq_send import send_now
 _log = logging.getLogger(__name__)
 
 _WATCHDOG_INTERVAL_S = 0.5
+# A rank this long without a heartbeat gives its place to a new executor saying hello.
+_SILENT_RANK_S = 4 * control.HEARTBEAT_INTERVAL_S
 
 
 @dataclass(slots=True)
@@ -176,7 +179,15 @@ class ExecutorGroup:
             return
         problem = self._check_hello(hello)
         if problem is None and current is not None:
-            problem = f"rank {hello.rank} is already served by executor pid {current.hello.pid}"
+            silence = time.monotonic() - current.last_seen
+            if silence > _SILENT_RANK_S:
+                # Its restart is here before the watchdog noticed it die.
+                self.lose(
+                    f"executor rank {hello.rank} (pid {current.hello.pid}) is replaced by pid "
+                    f"{hello.pid} after {silence:.1f}s without a heartbeat"
+                )
+            else:
+                problem = f"rank {hello.rank} is already served by executor pid {current.hello.pid}"
         if problem is not None:
             _log.error("rejecting executor rank %d: %s", hello.rank, problem)
             self._send(identity, control.REJECT, control.pack(control.Rejection(problem)))

@@ -58,7 +58,8 @@ class _Stream:
 
 
 class ClientFrontend:
-    """``core`` is None while no executor group serves; requests then get
+    """``core`` is None until an executor group first serves; while it is, or while
+    ``unavailable`` holds a reason (the server drains), new requests get
     ``server_unavailable``. ``wake()`` says a request arrived; ``requests_ended()`` that requests ended outside a
     step (the gauges show it at once, the executors learn it in the next plan); ``health(stream_ids)`` and ``model_info()`` build the replies of those queries."""
 
@@ -84,6 +85,7 @@ class ClientFrontend:
         self._health = health
         self._model_info = model_info
         self.core: EngineCore | None = None
+        self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
         self._token_text: dict[int, str] = {}  # id -> its text alone, at most the vocabulary
 
@@ -138,12 +140,13 @@ class ClientFrontend:
 
     def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:
         rid = msg.request_id
-        if self.core is None:
+        if self.core is None or self.unavailable:
             self.send_error(
                 identity,
                 rid,
                 client_protocol.SERVER_UNAVAILABLE,
-                "no executor is connected; try again once the server is healthy",
+                self.unavailable
+                or "no executor is connected; try again once the server is healthy",
             )
             return
         if rid in self.streams:

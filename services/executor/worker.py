@@ -1,9 +1,9 @@
 """The executor process: load the model, handshake with the scheduler, run every step it sends.
 
 Loop: receive a plan -> decode -> ``ModelRunner.execute`` -> (rank 0) send the
-encoded result. A step that raises is answered with ``step_error`` so the
-scheduler fails the affected requests with the message; the process keeps
-serving. A heartbeat thread proves liveness (see ``weir.shared.protocol.control``). The process exits
+encoded result. A step that raises is answered with ``step_error``; the executor then
+drops every request (the scheduler sends them all again and isolates the one that
+made the step raise) and keeps serving. A heartbeat thread proves liveness (see ``weir.shared.protocol.control``). The process exits
 when told to (SIGTERM), when its supervisor dies, or when the scheduler it
 handshook with is replaced.
 """
@@ -232,6 +232,7 @@ class ExecutorWorker:
                 )
             except Exception as exc:  # a bad plan or a failed forward pass: report, keep serving
                 _log.exception("executor %d: step %d failed", rank, step_id)
+                runner.reset()  # the scheduler sends every request again
                 sock.send_multipart(
                     [
                         control.STEP_ERROR,

@@ -70,6 +70,11 @@ class Scheduler:
         self._prefix_cache_hits = 0
         self._last_num_scheduled_tokens = 0
         self._spec = SpecDecodeStats()
+        # After a failed step, until its cause is found (``on_step_failed``): groups of
+        # suspect request ids, tried one at a time, and the requests that have sampled a
+        # token since (proven to run).
+        self._trials: list[set[str]] = []
+        self._proven: set[str] = set()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -127,6 +132,8 @@ class Scheduler:
             outputs.append(
                 EngineOutput(rid, [], True, FINISH_REASONS[status], request.num_cached_tokens)
             )
+        if self._trials:
+            self._prove(o.request_id for o in outputs)
         return outputs
 
     def _release(self, request: Request) -> None:
@@ -152,9 +159,71 @@ class Scheduler:
                 room = cap
             request.spec_token_ids = list(drafts[:room]) if room > 0 else []
 
-    def scheduled_request_ids(self) -> list[str]:
-        """Unfinished requests scheduled at least once: those an executor holds state for."""
-        return [rid for rid, r in self.requests.items() if r.status is not RequestStatus.WAITING]
+    # ------------------------------------------------------------------ the executor's state lost
+
+    def reset_executor_state(self, cache_config: CacheConfig | None = None) -> None:
+        """The executor holds no request any more (a step raised on it, or a new executor
+        group replaced a lost one). Every unfinished request goes back to waiting, in
+        order, to be sent again as new and recomputed; its output tokens are kept, so no
+        client sees a token twice. ``cache_config`` rebuilds the KV cache for a new
+        executor (its size may differ, and it holds no KV); without it the prefix cache
+        stays valid (a failed step leaves the KV of computed tokens untouched)."""
+        for request in reversed(self.running):
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.spec_token_ids = []
+            request.status = RequestStatus.WAITING
+            self.waiting.requeue(request)
+        self.running.clear()
+        for request in self.waiting:
+            request.status = RequestStatus.WAITING  # also the preempted ones
+        self._finished_req_ids = []
+        if cache_config is not None:
+            self.cache_config = cache_config
+            self.kv_cache_manager = KVCacheManager(cache_config)
+            self._watermark_blocks = int(self.scheduler_config.watermark * cache_config.num_blocks)
+
+    def on_step_failed(self, plan: StepPlan) -> list[str]:
+        """``plan`` raised on the executor, which then dropped every request. Find the
+        request that makes steps raise by bisection: the failed step's requests are split
+        in halves, and steps run one half of suspects at a time (with requests proven
+        since; other unproven requests wait), until a step of one unproven request
+        fails. That request ends (FINISHED_ABORTED) and its id is returned; [] while it
+        is not known yet. A request is proven once it samples a token (or ends)."""
+        scheduled = [rid for rid in plan.num_scheduled_tokens if rid in self.requests]
+        failed = [rid for rid in scheduled if rid not in self._proven] or scheduled
+        self._proven.difference_update(failed)
+        trials = self._trials
+        if trials:
+            untried = trials.pop(0).difference(failed)
+            if untried:
+                trials.insert(0, untried)
+        culprits: list[str] = []
+        if len(failed) == 1:
+            culprits = failed
+            self.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        elif failed:
+            half = len(failed) // 2
+            trials[:0] = [set(failed[:half]), set(failed[half:])]
+        if not trials:
+            self._proven.clear()
+        self.reset_executor_state()
+        return culprits
+
+    def _prove(self, request_ids: Iterable[str]) -> None:
+        proven, trials = self._proven, self._trials
+        for rid in request_ids:
+            proven.add(rid)
+            for trial in trials:
+                trial.discard(rid)
+        while trials and not trials[0]:
+            trials.pop(0)
+        if not trials:
+            proven.clear()
+
+    def _excluded(self, rid: str) -> bool:
+        """While a trial runs, an unproven request outside its group waits."""
+        return rid not in self._trials[0] and rid not in self._proven
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
@@ -196,9 +265,13 @@ class Scheduler:
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
+        on_trial = bool(self._trials)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            if on_trial and self._excluded(request.request_id):
+                i += 1
+                continue
             computed = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
             num_new = num_tokens + len(request.spec_token_ids) - computed
@@ -306,8 +379,14 @@ class Scheduler:
         waiting = self.waiting
         running = self.running
         threshold = config.long_prefill_token_threshold
+        on_trial = bool(self._trials)
         while len(waiting) and budget > 0 and len(running) < config.max_num_seqs:
-            request = waiting.peek()
+            if on_trial:
+                request = next((r for r in waiting if not self._excluded(r.request_id)), None)
+                if request is None:
+                    break
+            else:
+                request = waiting.peek()
             hits = kv.get_computed_blocks(request)
             num_tokens = len(request.all_token_ids)
             num_hit_tokens = len(hits) * kv.block_size
@@ -323,7 +402,10 @@ class Scheduler:
             reserve = self._watermark_blocks if running else 0
             if kv.num_blocks_to_admit(request, hits) > kv.num_free_blocks - reserve:
                 break
-            waiting.pop()
+            if on_trial:
+                waiting.remove(request)
+            else:
+                waiting.pop()
             kv.admit(request, hits)
             kv.allocate_slots(request, num_new)  # fits: checked for the whole prompt above
             self._prefix_cache_queries += num_tokens
@@ -334,7 +416,9 @@ class Scheduler:
                     rid, list(request.block_ids), num_hit_tokens, list(request.output_token_ids)
                 )
             else:
-                request.num_cached_tokens = num_hit_tokens
+                outputs = request.output_token_ids
+                if not outputs:
+                    request.num_cached_tokens = num_hit_tokens
                 new_requests.append(
                     NewRequest(
                         rid,
@@ -342,6 +426,7 @@ class Scheduler:
                         request.sampling_params,
                         list(request.block_ids),
                         num_hit_tokens,
+                        list(outputs) if outputs else [],
                     )
                 )
             request.status = _RUNNING
@@ -452,4 +537,6 @@ class Scheduler:
                 del requests[request.request_id]
                 self._release(request)
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
+        if self._trials:
+            self._prove(o.request_id for o in outputs)
         return outputs

@@ -13,7 +13,7 @@ from weir.services.engine.core import (
     step_now,
 )
 from weir.services.executor.model_runner import ModelRunner
-from weir.services.scheduler import Request, RequestStatus, Scheduler
+from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.protocol.step import StepResult
 from weir.shared.sampling import SamplingParams
@@ -69,38 +69,83 @@ def test_greedy_outputs_equal_transformers_through_chunking_and_preemption(
     assert kv.num_free_blocks == kv.num_blocks
 
 
-class _FailingOnce:
-    """Raises StepFailedError on its second step, as the executor group does on step_error."""
+class _Poisoned:
+    """A real ModelRunner whose steps raise whenever ``poison`` is in them (a fault no
+    validation foresaw), resetting like the executor process does."""
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, runner: ModelRunner, poison: str) -> None:
+        self.runner, self.poison = runner, poison
+        self.failures = 0
 
-    async def execute(self, plan):
-        self.calls += 1
-        if self.calls == 2:
-            raise StepFailedError("rank 0 failed step 2: boom")
-        return StepResult({rid: [7] for rid in plan.num_scheduled_tokens})
+    def execute(self, plan):
+        if self.poison in plan.num_scheduled_tokens:
+            self.failures += 1
+            raise RuntimeError("boom")
+        return self.runner.execute(plan)
+
+    def reset(self) -> None:
+        self.runner.reset()
 
 
-def test_a_failed_step_ends_what_the_executor_held_and_names_it():
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2),
-        CacheConfig(block_size=4, num_blocks=16),
+def _run_to_completion(core: EngineCore) -> tuple[dict[str, list[int]], dict[str, str]]:
+    produced: dict[str, list[int]] = {}
+    failed: dict[str, str] = {}
+    while core.has_work():
+        try:
+            step = step_now(core)
+        except StepFailedError as exc:
+            failed.update(dict.fromkeys(exc.request_ids, str(exc)))
+            continue
+        for out in step.outputs:
+            produced.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return produced, failed
+
+
+def test_a_step_that_raises_fails_only_the_request_that_made_it_raise(
+    tiny_model_dir, tiny_hf_model
+):
+    core = _core(tiny_model_dir)
+    poisoned = _Poisoned(core.executor.runner, "r5")
+    core.executor = InProcessExecutor(poisoned)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 12))] for _ in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.scheduler.add_request(Request(f"r{i}", prompt, params))
+    produced, failed = _run_to_completion(core)
+    assert list(failed) == ["r5"] and "boom" in failed["r5"]
+    assert poisoned.failures <= 4, "bisection, not one retry per request"
+    for i, prompt in enumerate(prompts):
+        if i != 5:
+            assert produced[f"r{i}"] == hf_greedy(tiny_hf_model, prompt, 10), f"r{i}"
+    kv = core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_new_executor_takes_over_every_request_without_a_token_lost_or_repeated(
+    tiny_model_dir, tiny_hf_model
+):
+    core = _core(tiny_model_dir)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 20))] for _ in range(5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.scheduler.add_request(Request(f"r{i}", prompt, params))
+    produced: dict[str, list[int]] = {}
+    for _ in range(12):  # mid-run: some requests decoding, some prefilling, some waiting
+        for out in step_now(core).outputs:
+            produced.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert any(produced.values()) and core.has_work()
+    fresh = _core(tiny_model_dir).executor  # a new process: empty batch, empty KV cache
+    core.executor = fresh
+    core.scheduler.reset_executor_state(
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=fresh.runner.num_blocks)
     )
-    core = EngineCore(scheduler, _FailingOnce())
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
-    for rid in ("A", "B", "C"):  # max_num_seqs=2: C waits, never scheduled
-        scheduler.add_request(Request(rid, [1, 2, 3], params))
-    step_now(core)
-    with pytest.raises(StepFailedError, match="boom") as failure:
-        step_now(core)
-    assert sorted(failure.value.request_ids) == ["A", "B"]
-    assert sorted(scheduler.requests) == ["C"]
-    assert scheduler.kv_cache_manager.num_free_blocks == 16
-    step = step_now(core)  # the survivors carry on; the executor learns what ended
-    assert sorted(step.plan.finished_req_ids) == ["A", "B"]
-    assert list(step.plan.num_scheduled_tokens) == ["C"]
-    assert scheduler.requests["C"].status is RequestStatus.RUNNING
+    rest, failed = _run_to_completion(core)
+    assert not failed
+    for i, prompt in enumerate(prompts):
+        tokens = produced.get(f"r{i}", []) + rest.get(f"r{i}", [])
+        assert tokens == hf_greedy(tiny_hf_model, prompt, 12), f"r{i}"
 
 
 def test_step_now_refuses_an_executor_that_suspends():
