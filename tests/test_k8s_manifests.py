@@ -97,7 +97,7 @@ def test_dashboard_queries_only_metrics_the_processes_export() -> None:
         name
         for panel in dashboard["panels"]
         for target in panel["targets"]
-        for name in re.findall(r"weir:[a-z0-9_]+", target["expr"])
+        for name in re.findall(r"weir_[a-z0-9_]+", target["expr"])
     }
     assert queried, "the dashboard has no Weir queries"
     assert queried <= exported, f"not exported: {sorted(queried - exported)}"

@@ -61,6 +61,7 @@ class SchedulerServerOptions:
     metrics_port: int | None  # None: no metrics endpoint
     executor_address: str
     num_executors: int
+    metrics_host: str | None = None  # None: the same address as the client socket
 
 
 @dataclass(slots=True)
@@ -126,7 +127,10 @@ class SchedulerServer:
             executor_sock.bind(opts.executor_address)
             if opts.metrics_port is not None:
                 self.metrics_address = start_metrics_server(
-                    self.metrics.registry, opts.host, opts.metrics_port
+                    self.metrics.registry,
+                    opts.metrics_host or opts.host,
+                    opts.metrics_port,
+                    ready=self._serving,
                 )
         except (zmq.ZMQError, OSError) as exc:
             self.status.error(f"cannot bind: {exc}")
@@ -205,6 +209,10 @@ class SchedulerServer:
             await asyncio.sleep(_PARENT_CHECK_INTERVAL_S)
         _log.error("supervisor exited; stopping")
         self._stop.set()
+
+    def _serving(self) -> bool:
+        """Every executor has joined: the metrics endpoint's /health (readiness probe)."""
+        return self._reported_ready and self.core is not None
 
     def _on_group_formed(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
