@@ -18,8 +18,6 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-_PLAIN = [("Content-Type", "text/plain; charset=utf-8")]
-
 
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
@@ -34,13 +32,17 @@ def _endpoint_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> Cal
         if path == "/metrics":
             return metrics_app(environ, start_response)  # type: ignore[no-any-return]
         if path == "/health":
-            if ready():
-                start_response("200 OK", _PLAIN)
-                return [b"ok\n"]
-            start_response("503 Service Unavailable", _PLAIN)
-            return [b"not ready\n"]
-        start_response("404 Not Found", _PLAIN)
-        return [b"not found: this endpoint serves /metrics and /health\n"]
+            status, body = (
+                ("200 OK", b"ok\n") if ready() else ("503 Service Unavailable", b"not ready\n")
+            )
+        else:
+            status, body = (
+                "404 Not Found",
+                b"not found: this endpoint serves /metrics and /health\n",
+            )
+        # wsgiref adds Content-Length to the list it is given: a fresh one per response.
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+        return [body]
 
     return app
 
