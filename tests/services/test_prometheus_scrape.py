@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         PROMETHEUS is None or PROMTOOL is None,
-        reason="needs Prometheus and promtool: apt-get install prometheus (Debian/Ubuntu), "
+        reason="needs Prometheus and promtool: apt-get install --no-install-recommends prometheus (Debian/Ubuntu), "
         "or put both binaries from prometheus.io/download on PATH",
     ),
 ]
