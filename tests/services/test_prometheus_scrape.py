@@ -28,8 +28,9 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         PROMETHEUS is None or PROMTOOL is None,
-        reason="needs Prometheus and promtool: apt-get install --no-install-recommends prometheus (Debian/Ubuntu), "
-        "or put both binaries from prometheus.io/download on PATH",
+        reason="needs Prometheus and promtool: on Debian/Ubuntu "
+        "`apt-get install --no-install-recommends prometheus`, elsewhere both binaries "
+        "from prometheus.io/download on PATH",
     ),
 ]
 
