@@ -95,7 +95,12 @@ class SchedulerMetrics:
             Counter("weir_preemptions_total", "Preemptions (recompute)", names, registry=reg)
         )
         self.prompt_tokens = one(
-            Counter("weir_prompt_tokens_total", "Prompt tokens of admitted requests", names, registry=reg)
+            Counter(
+                "weir_prompt_tokens_total",
+                "Prompt tokens of admitted requests",
+                names,
+                registry=reg,
+            )
         )
         self.generation_tokens = one(
             Counter("weir_generation_tokens_total", "Generated tokens", names, registry=reg)

@@ -98,14 +98,13 @@ async def test_64_concurrent_streams_greedy_equal_transformers(server, tiny_hf_m
         # Chunked, batched, preempted: still exactly transformers' greedy tokens.
         assert token_ids == hf_greedy(tiny_hf_model, prompt, want_len)
     after = read_metrics(server.info["metrics_address"])
-    assert metric(after, "weir_preemptions_total") > metric(
-        before, "weir_preemptions_total"
-    )
+    assert metric(after, "weir_preemptions_total") > metric(before, "weir_preemptions_total")
     assert metric(after, "weir_generation_tokens_total") - metric(
         before, "weir_generation_tokens_total"
     ) == sum(max_tokens)
     assert (
-        metric(after, "weir_requests_finished_total") - metric(before, "weir_requests_finished_total")
+        metric(after, "weir_requests_finished_total")
+        - metric(before, "weir_requests_finished_total")
         == 64
     )
 
