@@ -84,7 +84,8 @@ class ServerProcesses:
 
     ``start()`` returns the scheduler's ready record (``client_address``,
     ``metrics_address``, ``executors`` with each rank's ``metrics_address``...), plus the
-    gateway's ``http_address``. Use as a context manager, or call ``shutdown()``.
+    gateway's ``http_address``. Every process's /metrics and /health bind to
+    ``metrics_host`` (default: ``host``). Use as a context manager, or call ``shutdown()``.
     """
 
     def __init__(
