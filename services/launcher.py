@@ -98,7 +98,8 @@ class ServerProcesses:
 
     ``start()`` returns the scheduler's ready record (``client_address``,
     ``metrics_address``, ``executors`` with each rank's ``metrics_address``...), plus the
-    gateway's ``http_address``. Use as a context manager, or call ``shutdown()``.
+    gateway's ``http_address``. Every process's /metrics and /health bind to
+    ``metrics_host`` (default: ``host``). Use as a context manager, or call ``shutdown()``.
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class ServerProcesses:
         *,
         host: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
+        metrics_host: str | None = None,
         metrics_port: int = DEFAULT_METRICS_PORT,
         executor_metrics_port: int = DEFAULT_EXECUTOR_METRICS_PORT,
         num_executors: int = 1,
@@ -118,6 +120,7 @@ class ServerProcesses:
         self.engine_args = engine_args or EngineArgs()
         self.http_port, self.api_key = http_port, api_key
         self.host, self.port = host, port
+        self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
         self.num_executors = num_executors
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
@@ -152,6 +155,8 @@ class ServerProcesses:
                     self.host,
                     "--port",
                     str(self.port),
+                    "--metrics-host",
+                    self.metrics_host,
                     "--metrics-port",
                     str(self.metrics_port),
                     "--executor-address",
@@ -174,7 +179,7 @@ class ServerProcesses:
                         "--rank",
                         str(rank),
                         "--metrics-host",
-                        self.host,
+                        self.metrics_host,
                         "--metrics-port",
                         str(metrics_port),
                         *self.engine_args.to_argv(EXECUTOR),

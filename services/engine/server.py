@@ -68,6 +68,7 @@ class SchedulerServerOptions:
     metrics_port: int | None  # None: no metrics endpoint
     executor_address: str
     num_executors: int
+    metrics_host: str | None = None  # None: the same address as the client socket
 
 
 @dataclass(slots=True)
@@ -135,7 +136,10 @@ class SchedulerServer:
             executor_sock.bind(opts.executor_address)
             if opts.metrics_port is not None:
                 self.metrics_address = start_metrics_server(
-                    self.metrics.registry, opts.host, opts.metrics_port
+                    self.metrics.registry,
+                    opts.metrics_host or opts.host,
+                    opts.metrics_port,
+                    ready=self._serving,
                 )
         except (zmq.ZMQError, OSError) as exc:
             self.status.error(f"cannot bind: {exc}")
@@ -228,6 +232,10 @@ class SchedulerServer:
         self._draining = True
         self.frontend.unavailable = "the server is shutting down; send the request elsewhere"
         asyncio.get_running_loop().call_later(timeout, self._stop.set)
+
+    def _serving(self) -> bool:
+        """Serving and taking requests: the metrics endpoint's /health (readiness probe)."""
+        return self.core is not None and self.group.formed and not self._draining
 
     def _on_group_formed(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks

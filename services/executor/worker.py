@@ -84,6 +84,7 @@ class ExecutorWorker:
         self.status = status
         self.parent_pid = parent_pid
         self.session = uuid.uuid4().hex
+        self.joined = threading.Event()  # welcomed by the scheduler: /health answers 200
 
     def run(self) -> int:
         """Load, handshake and serve until stopped; returns the process exit code."""
@@ -106,7 +107,7 @@ class ExecutorWorker:
         metrics_address = None
         if opts.metrics_port is not None:
             metrics_address = start_metrics_server(
-                metrics.registry, opts.metrics_host, opts.metrics_port
+                metrics.registry, opts.metrics_host, opts.metrics_port, ready=self.joined.is_set
             )
         hello = control.ExecutorHello(
             session=self.session,
@@ -137,6 +138,7 @@ class ExecutorWorker:
                 self.status.error(rejection)
                 _log.error("scheduler rejected executor %d: %s", opts.rank, rejection)
                 return 1
+            self.joined.set()
             heartbeat = _Heartbeat(ctx, opts.scheduler, self.session, opts.rank)
             heartbeat.start()
             self.status.ready(
