@@ -289,3 +289,10 @@ def test_network_policy_admits_only_the_connections_the_roles_make() -> None:
     assert not _admits(gateway, True, "weir-scheduler", "executors")
     assert not _admits(executor, True, "weir-scheduler", "clients")
     assert not _admits(STRANGER, True, "weir-executor", "metrics")
+
+
+def test_the_scheduler_pod_is_given_time_to_drain() -> None:
+    pod = _by_kind_name("Deployment", "weir-scheduler")["spec"]["template"]["spec"]
+    args = build_parser().parse_args(_container("weir-scheduler")["args"])
+    # Kubernetes SIGKILLs after the grace period: the drain must end well inside it.
+    assert pod["terminationGracePeriodSeconds"] >= args.drain_timeout + 10
