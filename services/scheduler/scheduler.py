@@ -2,8 +2,18 @@
 
 ``schedule()`` and ``update_from_output()`` alternate: a plan is computed, executed,
 and its result applied before the next plan. ``num_computed_tokens`` advances in
-``update_from_output`` (it always means "KV in the cache"), so a plan's records
-carry the count from before the step. ``finish_requests`` may be
+``update_from_output`` (it means "KV in the cache"), so a plan's records carry the
+count from before the step.
+
+With ``async_scheduling`` the next plan is made while a step runs, before its result
+is applied: ``schedule()`` advances ``num_computed_tokens`` at once (it then means
+"KV in the cache once the steps sent have run") and counts one
+``num_output_placeholders`` for each request the step will sample for; the executor
+feeds the token it sampled into the next step itself. ``update_from_output`` then
+only appends the tokens and applies stops; a request that stopped on a token the
+scheduler could not foresee (EOS, a stop token) has run one step more, whose result
+is dropped. Length limits are foreseen: no step is planned past ``max_tokens`` or
+``max_model_len``. ``finish_requests`` may be
 called at any time, also while a step is in flight: the request's blocks are freed
 at once and its late results are ignored. See docs/architecture.md for the loop.
 """
@@ -13,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 
 from weir.services.scheduler.kv_cache_manager import KVCacheManager
 from weir.services.scheduler.output import EngineOutput
@@ -75,6 +86,8 @@ class Scheduler:
         # token since (proven to run).
         self._trials: list[set[str]] = []
         self._proven: set[str] = set()
+        # Async scheduling: by step id, the requests each planned step samples for.
+        self._sampling: dict[int, list[Request]] = {}
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -169,19 +182,30 @@ class Scheduler:
         executor (its size may differ, and it holds no KV); without it the prefix cache
         stays valid (a failed step leaves the KV of computed tokens untouched)."""
         for request in reversed(self.running):
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.spec_token_ids = []
-            request.status = RequestStatus.WAITING
-            self.waiting.requeue(request)
+            self._send_again(request)
         self.running.clear()
         for request in self.waiting:
             request.status = RequestStatus.WAITING  # also the preempted ones
-        self._finished_req_ids = []
+        # A step planned after the one that failed may have run and left requests in
+        # the executor: it forgets every id it may hold before taking them again.
+        self._finished_req_ids = list(self.requests)
+        self._sampling.clear()
+        if self.scheduler_config.async_scheduling and cache_config is None:
+            # The failed step may have left unwritten KV in blocks already registered.
+            cache_config = self.cache_config
         if cache_config is not None:
             self.cache_config = cache_config
             self.kv_cache_manager = KVCacheManager(cache_config)
             self._watermark_blocks = int(self.scheduler_config.watermark * cache_config.num_blocks)
+
+    def _send_again(self, request: Request) -> None:
+        """Back to the head of the waiting queue, as new to the executor (recompute)."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.WAITING
+        self.waiting.requeue(request)
 
     def on_step_failed(self, plan: StepPlan) -> list[str]:
         """``plan`` raised on the executor, which then dropped every request. Find the
@@ -274,6 +298,15 @@ class Scheduler:
                 continue
             computed = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
+            if request.num_output_placeholders:
+                num_tokens += request.num_output_placeholders
+                if (
+                    len(request.output_token_ids) + request.num_output_placeholders
+                    >= request.max_tokens
+                    or num_tokens >= max_model_len
+                ):
+                    i += 1  # its last token is in flight
+                    continue
             num_new = num_tokens + len(request.spec_token_ids) - computed
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -315,8 +348,20 @@ class Scheduler:
             new_blocks,
         )
         new_requests: list[NewRequest] = []
+        admitted: list[Request] = []
         if not preempted:
-            budget = self._admit(budget, num_scheduled, new_requests, cached)
+            budget = self._admit(budget, num_scheduled, new_requests, cached, admitted)
+        if config.async_scheduling:
+            sampling = []
+            for request in chain(scheduled_running, admitted):
+                request.num_computed_tokens += num_scheduled[request.request_id]
+                if request.num_computed_tokens >= len(request.all_token_ids) + (
+                    request.num_output_placeholders
+                ):
+                    request.num_output_placeholders += 1
+                    sampling.append(request)
+            if sampling:
+                self._sampling[self._step_id + 1] = sampling
 
         total = config.max_num_batched_tokens - budget
         self._last_num_scheduled_tokens = total
@@ -360,6 +405,7 @@ class Scheduler:
             new_blocks.pop(rid, None)
         self.kv_cache_manager.free(victim)
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0
         victim.spec_token_ids = []
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
@@ -373,6 +419,7 @@ class Scheduler:
         num_scheduled: dict[str, int],
         new_requests: list[NewRequest],
         cached: CachedRequestData,
+        admitted: list[Request],
     ) -> int:
         config = self.scheduler_config
         kv = self.kv_cache_manager
@@ -431,11 +478,22 @@ class Scheduler:
                 )
             request.status = _RUNNING
             running.append(request)
+            admitted.append(request)
             num_scheduled[rid] = num_new
             budget -= num_new
         return budget
 
     # ------------------------------------------------------------------ applying a result
+
+    def _check_sampled(self, step_id: int, sampled_token_ids: dict[str, list[int]]) -> None:
+        """A request the step was due to sample for but that got no token (an executor
+        fault) is sent again to be recomputed, rather than wait for it forever."""
+        for request in self._sampling.pop(step_id, ()):
+            if request.status is _RUNNING and request.request_id not in sampled_token_ids:
+                logger.warning("request %s got no token; recomputing it", request.request_id)
+                self.running.remove(request)
+                self._finished_req_ids.append(request.request_id)
+                self._send_again(request)
 
     def _count_verified(self, num_drafts: int, num_accepted: int) -> None:
         spec = self._spec
@@ -463,33 +521,41 @@ class Scheduler:
         outputs: list[EngineOutput] = []
         finished: list[Request] = []
 
+        overlapped = self.scheduler_config.async_scheduling
+        if overlapped:
+            self._check_sampled(plan.step_id, sampled_token_ids)
         for rid, num_new in plan.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING:
                 continue  # ended (abort, stop string) while the step was in flight
             sampled = sampled_token_ids.get(rid)
-            computed = request.num_computed_tokens + num_new
-            if spec_tokens and rid in spec_tokens:
-                # ``sampled`` = accepted drafts + one bonus token: the KV of every
-                # rejected draft is invalid, so roll back over them.
-                num_drafts = len(spec_tokens[rid])
-                if sampled and len(sampled) > num_drafts + 1:
-                    sampled = sampled[: num_drafts + 1]
-                computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
-                request.spec_token_ids = []
-                self._count_verified(num_drafts, len(sampled) - 1 if sampled else 0)
-            elif request.spec_token_ids:
-                request.spec_token_ids = []  # none fit this step; they are stale after it
             all_tokens = request.all_token_ids
-            num_tokens = len(all_tokens)
-            if computed < num_tokens:
-                request.num_computed_tokens = computed  # prefill still partial: no token
-            elif not sampled:
-                logger.warning("request %s completed a step but got no token; recomputing", rid)
-                request.num_computed_tokens = num_tokens - 1
-                continue
+            if overlapped:
+                # ``schedule`` advanced the count already; only a token is news.
+                if sampled:
+                    request.num_output_placeholders -= 1
             else:
+                computed = request.num_computed_tokens + num_new
+                if spec_tokens and rid in spec_tokens:
+                    # ``sampled`` = accepted drafts + one bonus token: the KV of every
+                    # rejected draft is invalid, so roll back over them.
+                    num_drafts = len(spec_tokens[rid])
+                    if sampled and len(sampled) > num_drafts + 1:
+                        sampled = sampled[: num_drafts + 1]
+                    computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
+                    request.spec_token_ids = []
+                    self._count_verified(num_drafts, len(sampled) - 1 if sampled else 0)
+                elif request.spec_token_ids:
+                    request.spec_token_ids = []  # none fit this step; stale after it
+                num_tokens = len(all_tokens)
+                if computed < num_tokens:
+                    sampled = None  # prefill still partial: no token
+                elif not sampled:
+                    logger.warning("request %s completed a step but got no token; recomputing", rid)
+                    request.num_computed_tokens = num_tokens - 1
+                    continue
                 request.num_computed_tokens = computed
+            if sampled:
                 outputs_so_far = request.output_token_ids
                 stop_ids = request.stop_ids
                 status = None
