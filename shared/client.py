@@ -6,7 +6,10 @@
 
 ``WeirClient`` offers the same methods synchronously. Leaving a stream early
 (``break``, ``aclose()``, task cancellation, closing the client) aborts the
-request on the server, which frees its KV blocks. Errors are typed:
+request on the server, which frees its KV blocks. ``keys_dir`` (default
+``$WEIR_KEYS_DIR``) names the CurveZMQ keys of a server that requires them
+(``weir keys``): the client then encrypts and proves it holds the client key.
+Errors are typed:
 ``InvalidRequestError`` carries the server's message, ``EngineError`` reports an
 executor failure, ``ServerUnavailableError`` replaces what would otherwise be a
 hang when the server does not answer within ``timeout`` seconds.
@@ -18,6 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import os
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -26,6 +30,8 @@ import zmq
 import zmq.asyncio
 
 from weir.shared.config import DEFAULT_ADDRESS
+from weir.shared.keys import ClientKeys, connect_curve
+from weir.shared.keys import keys_dir as resolve_keys_dir
 from weir.shared.protocol.client import (
     ENGINE_ERROR,
     SERVER_UNAVAILABLE,
@@ -81,12 +87,31 @@ def _error_from_reply(reply: ErrorReply) -> WeirError:
 class AsyncWeirClient:
     """asyncio client; create and use it inside one running event loop."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = 30.0,
+        keys_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.address = address
         self.timeout = timeout
+        directory = resolve_keys_dir(keys_dir)
+        try:
+            keys = None if directory is None else ClientKeys.load(directory)
+        except ValueError as exc:
+            raise WeirError(str(exc)) from None
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            connect_curve(self._sock, keys.own, keys.server_public)
+            self._no_reply_hint = f"; or it refused the client key in {directory}"
+        else:
+            # A server with keys drops a client without them before any message: say so.
+            self._no_reply_hint = (
+                "; if it requires CurveZMQ keys, pass keys_dir or set $WEIR_KEYS_DIR"
+            )
         self._sock.connect(address)
         self._streams: dict[str, asyncio.Queue[StreamOutput | WeirError]] = {}
         self._replies: dict[str, asyncio.Future[Any]] = {}
@@ -171,7 +196,10 @@ class AsyncWeirClient:
             # Aborts are sent from generator finalizers, where awaiting is not always possible.
             send_now(self._sock, [encode_client_message(msg)])
         except zmq.Again:
-            raise ServerUnavailableError(f"send queue to {self.address} is full") from None
+            raise ServerUnavailableError(
+                f"cannot send to {self.address}: not connected, or the send queue is full"
+                f"{self._no_reply_hint}"
+            ) from None
 
     async def _request(self, msg: HealthRequest | ModelInfoRequest) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -181,7 +209,7 @@ class AsyncWeirClient:
             reply = await asyncio.wait_for(future, self.timeout)
         except TimeoutError:
             raise ServerUnavailableError(
-                f"no reply from {self.address} within {self.timeout:g}s"
+                f"no reply from {self.address} within {self.timeout:g}s{self._no_reply_hint}"
             ) from None
         finally:
             self._replies.pop(msg.request_id, None)
@@ -270,9 +298,21 @@ class EventLoopThread:
 class WeirClient:
     """Synchronous client with the same methods as ``AsyncWeirClient``."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = 30.0,
+        keys_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self._loop = EventLoopThread()
-        self._client = self._loop.call(lambda: AsyncWeirClient(address, timeout=timeout))
+        try:
+            self._client = self._loop.call(
+                lambda: AsyncWeirClient(address, timeout=timeout, keys_dir=keys_dir)
+            )
+        except BaseException:
+            self._loop.stop()
+            raise
         self.address = address
 
     def __enter__(self) -> WeirClient:

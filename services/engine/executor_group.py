@@ -75,7 +75,7 @@ class ExecutorGroup:
         self._step_id = 0
 
     def describe(self) -> list[dict[str, Any]]:
-        """Each rank's hello, rank order (for health, model info and the ready report)."""
+        """Each rank's hello, rank order (for the ready report; clients never see it)."""
         return [
             {
                 "rank": r.hello.rank,

@@ -25,6 +25,7 @@ from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.config import EngineArgs, parse_size
+from weir.shared.keys import CLUSTER, KeyPair, connect_curve, keys_dir, load_pair
 from weir.shared.protocol import control
 from weir.shared.protocol.step_codec import decode_step_plan, encode_step_result
 
@@ -35,6 +36,7 @@ _log = logging.getLogger(__name__)
 
 _POLL_MS = 1000
 _HELLO_RETRY_MS = 2000
+_SILENT_SCHEDULER_S = 30.0
 
 
 @dataclass(slots=True)
@@ -51,11 +53,11 @@ class ExecutorOptions:
 class _Heartbeat(threading.Thread):
     """Sends heartbeats on its own socket; sets ``reset`` when the scheduler does not know us."""
 
-    def __init__(self, ctx: zmq.Context, address: str, session: str, rank: int) -> None:
+    def __init__(
+        self, ctx: zmq.Context, address: str, cluster_key: KeyPair | None, session: str, rank: int
+    ) -> None:
         super().__init__(name="weir-heartbeat", daemon=True)
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._sock = _connect(ctx, address, cluster_key)
         self._beat = control.pack(control.Heartbeat(session, rank))
         self.stop_event = threading.Event()
         self.reset = threading.Event()
@@ -89,6 +91,8 @@ class ExecutorWorker:
         """Load, handshake and serve until stopped; returns the process exit code."""
         opts = self.options
         try:
+            directory = keys_dir(opts.engine_args.keys_dir)
+            cluster_key = None if directory is None else load_pair(directory, CLUSTER)
             runner = self._load_runner()
         except Exception as exc:
             # A bad option or missing model needs its message, not a traceback.
@@ -127,9 +131,7 @@ class ExecutorWorker:
         )
 
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(opts.scheduler)
+        sock = _connect(ctx, opts.scheduler, cluster_key)
         heartbeat: _Heartbeat | None = None
         try:
             rejection = self._handshake(sock, hello)
@@ -137,7 +139,7 @@ class ExecutorWorker:
                 self.status.error(rejection)
                 _log.error("scheduler rejected executor %d: %s", opts.rank, rejection)
                 return 1
-            heartbeat = _Heartbeat(ctx, opts.scheduler, self.session, opts.rank)
+            heartbeat = _Heartbeat(ctx, opts.scheduler, cluster_key, self.session, opts.rank)
             heartbeat.start()
             self.status.ready(
                 rank=opts.rank, num_blocks=runner.num_blocks, metrics_address=metrics_address
@@ -186,7 +188,16 @@ class ExecutorWorker:
     def _handshake(self, sock: zmq.Socket, hello: control.ExecutorHello) -> str | None:
         """Send hello until the scheduler answers; None when welcomed, else the rejection."""
         payload = control.pack(hello)
+        unanswered_since = time.monotonic()
         while True:
+            if unanswered_since and time.monotonic() - unanswered_since > _SILENT_SCHEDULER_S:
+                unanswered_since = 0.0
+                _log.warning(
+                    "executor %d: no answer from the scheduler at %s yet; check the address, "
+                    "and that the scheduler and this executor use the same keys (--keys-dir)",
+                    hello.rank,
+                    self.options.scheduler,
+                )
             sock.send_multipart([control.HELLO, payload])
             if sock.poll(_HELLO_RETRY_MS):
                 kind, body = sock.recv_multipart()
@@ -243,6 +254,17 @@ class ExecutorWorker:
                 continue
             if encoded is not None:
                 sock.send_multipart([control.RESULT, encoded])
+
+
+def _connect(ctx: zmq.Context, address: str, cluster_key: KeyPair | None) -> zmq.Socket:
+    """A DEALER to the scheduler; with a cluster key, a CURVE client proving it holds the key
+    (the scheduler's executor socket serves with the same key pair)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if cluster_key is not None:
+        connect_curve(sock, cluster_key, cluster_key.public)
+    sock.connect(address)
+    return sock
 
 
 def _default_device() -> str:
