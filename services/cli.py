@@ -366,9 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_prepare_model)
 
-    p = sub.add_parser(
-        "keys", help="make CurveZMQ keys: only processes holding them can connect"
-    )
+    p = sub.add_parser("keys", help="make CurveZMQ keys: only processes holding them can connect")
     p.add_argument("dir", help="directory to write the keys into (created 0700)")
     p.set_defaults(func=_keys)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 import os
+import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar

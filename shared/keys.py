@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -134,7 +135,7 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
-def serve_curve(sock: zmq.Socket, key: KeyPair, domain: str) -> None:
+def serve_curve(sock: zmq.Socket[Any], key: KeyPair, domain: str) -> None:
     """Make ``sock`` (before it binds) a CURVE server whose peers the ZAP ``domain`` admits."""
     sock.curve_server = True
     sock.curve_publickey = key.public
@@ -142,7 +143,7 @@ def serve_curve(sock: zmq.Socket, key: KeyPair, domain: str) -> None:
     sock.zap_domain = domain.encode()
 
 
-def connect_curve(sock: zmq.Socket, own: KeyPair, server_public: bytes) -> None:
+def connect_curve(sock: zmq.Socket[Any], own: KeyPair, server_public: bytes) -> None:
     """Make ``sock`` (before it connects) a CURVE client of the server holding ``server_public``."""
     sock.curve_publickey = own.public
     sock.curve_secretkey = own.secret

@@ -15,6 +15,7 @@ from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import Router
+from weir.shared.keys import FILES_NEEDED
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 
@@ -110,3 +111,27 @@ def test_gateway_routes_to_the_scheduler_service_client_port() -> None:
     assert target.port in {p["port"] for p in service["spec"]["ports"] if p["name"] == "clients"}
     probe = _container("weir-gateway")["readinessProbe"]["httpGet"]
     assert probe["path"] == "/health" and probe["port"] == "http"
+
+
+@pytest.mark.parametrize(
+    "deployment, role",
+    [("weir-scheduler", "scheduler"), ("weir-executor", "executor"), ("weir-gateway", "client")],
+)
+def test_each_pod_mounts_the_keys_its_role_needs_where_its_keys_dir_points(
+    deployment: str, role: str
+) -> None:
+    spec = _by_kind_name("Deployment", deployment)["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "keys")
+    volume = next(v for v in spec["volumes"] if v["name"] == "keys")
+    assert volume["secret"]["secretName"] == "weir-keys" and mount["readOnly"]
+    assert volume["secret"]["defaultMode"] == 0o400
+    files = {item["path"] for item in volume["secret"]["items"]}
+    assert set(FILES_NEEDED[role]) <= files
+    if role != "scheduler":  # only the scheduler holds secrets beyond its own
+        assert files == set(FILES_NEEDED[role])
+    commands = [container["args"]]
+    if "exec" in container.get("readinessProbe", {}):
+        commands.append(container["readinessProbe"]["exec"]["command"][1:])
+    for argv in commands:
+        assert build_parser().parse_args(argv).keys_dir == mount["mountPath"]

@@ -54,6 +54,8 @@ def test_serve_options_reach_each_role_unchanged():
                 "7",
                 "--executor-timeout",
                 "9",
+                "--keys-dir",
+                "/etc/weir/keys",
             ]
         )
     )
@@ -68,6 +70,7 @@ def test_serve_options_reach_each_role_unchanged():
         role = scheduler if SCHEDULER in f.metadata["roles"] else executor
         assert role[f.name] == serve[f.name], f.name
     assert scheduler["enable_prefix_caching"] is False and executor["kv_cache_memory"] == 4 * 2**20
+    assert scheduler["keys_dir"] == executor["keys_dir"] == "/etc/weir/keys"
 
 
 def test_engine_defaults_are_the_configs_defaults():
