@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from weir.shared.config import DEFAULT_ADDRESS
-from weir.shared.keys import ClientKeys, connect_curve
+from weir.shared.keys import ClientKeys, HandshakeMonitor, connect_curve
 from weir.shared.keys import keys_dir as resolve_keys_dir
 from weir.shared.protocol.client import (
     ENGINE_ERROR,
@@ -106,16 +106,19 @@ class AsyncWeirClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         if keys is not None:
             connect_curve(self._sock, keys.own, keys.server_public)
-            self._no_reply_hint = f"; or it refused the client key in {directory}"
+            self._no_reply_hint = f"; or it does not accept the keys in {directory}"
         else:
             # A server with keys drops a client without them before any message: say so.
             self._no_reply_hint = (
                 "; if it requires CurveZMQ keys, pass keys_dir or set $WEIR_KEYS_DIR"
             )
+        self._handshakes = HandshakeMonitor(self._sock, address, "client")
+        self._refusal: str | None = None  # why the server dropped us for good
         self._sock.connect(address)
         self._streams: dict[str, asyncio.Queue[StreamOutput | WeirError]] = {}
         self._replies: dict[str, asyncio.Future[Any]] = {}
         self._receiver: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._closed = False
 
     async def __aenter__(self) -> AsyncWeirClient:
@@ -175,12 +178,14 @@ class AsyncWeirClient:
         for request_id in list(self._streams):
             self._send(AbortRequest(request_id))
         self._closed = True
-        if self._receiver is not None:
-            self._receiver.cancel()
-            try:
-                await self._receiver
-            except asyncio.CancelledError:
-                pass
+        for task in (self._receiver, self._watcher):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._handshakes.close()
         # LINGER 0 would drop the aborts just queued; give them a moment to leave.
         self._sock.close(linger=200)
         self._ctx.term()
@@ -190,8 +195,16 @@ class AsyncWeirClient:
     def _send(self, msg: ClientMessage) -> None:
         if self._closed:
             raise WeirError("client is closed")
+        if self._refusal is None:
+            self._refuse(self._handshakes.pending())  # in case the watcher has not run yet
+        if self._refusal is not None:
+            if isinstance(msg, AbortRequest):
+                return  # none of our requests ever reached the server
+            raise ServerUnavailableError(self._refusal)
         if self._receiver is None:
-            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+            loop = asyncio.get_running_loop()
+            self._receiver = loop.create_task(self._receive_loop())
+            self._watcher = loop.create_task(self._watch_handshake())
         try:
             # Aborts are sent from generator finalizers, where awaiting is not always possible.
             send_now(self._sock, [encode_client_message(msg)])
@@ -234,6 +247,24 @@ class AsyncWeirClient:
                     "(it restarted); send it again",
                     ENGINE_ERROR,
                 )
+
+    async def _watch_handshake(self) -> None:
+        """A server that refuses our keys (or their absence) drops the connection for good:
+        what waits, and every later request, fails with the reason instead of a timeout."""
+        while self._refusal is None:
+            frames = await self._handshakes.socket.recv_multipart()
+            self._refuse(self._handshakes.reason(frames))
+
+    def _refuse(self, reason: str | None) -> None:
+        if reason is None or self._refusal is not None:
+            return
+        self._refusal = reason
+        _log.warning("%s", reason)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(ServerUnavailableError(reason))
+        for queue in self._streams.values():
+            queue.put_nowait(ServerUnavailableError(reason))
 
     async def _receive_loop(self) -> None:
         while True:

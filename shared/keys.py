@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 _log = logging.getLogger(__name__)
 
@@ -43,6 +44,12 @@ FILES_NEEDED = {
     "client": (f"{CLIENT}.key_secret", f"{SERVER}.key"),
 }
 _REFUSAL_LOG_INTERVAL_S = 60.0
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +155,66 @@ def connect_curve(sock: zmq.Socket[Any], own: KeyPair, server_public: bytes) -> 
     sock.curve_publickey = own.public
     sock.curve_secretkey = own.secret
     sock.curve_serverkey = server_public
+
+
+class HandshakeMonitor:
+    """Why ``sock`` cannot connect to ``address``, from its handshake events (made before
+    ``sock`` connects; ``close`` it before the socket).
+
+    A security mismatch or a refused key makes libzmq drop the connection for good
+    (``reason`` says which). A server that cannot decrypt our handshake (we pin the wrong
+    server key) closes the connection without a word and libzmq retries forever:
+    ``dropped`` counts such handshakes in a row (so does anything in between that closes
+    connections, so it is a hint, not a verdict). Await ``socket`` for events and pass
+    them to ``reason``, or call ``pending``.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], address: str, who: str) -> None:
+        self.socket = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        # A blocking-API handle on it, to read events without awaiting.
+        self._now = zmq.Socket.shadow(self.socket.underlying)
+        self._sock, self._address, self._who = sock, address, who
+        self.dropped = 0
+
+    def reason(self, frames: list[bytes]) -> str | None:
+        """The refusal one event (its frames) amounts to, else None."""
+        event = parse_monitor_message(frames)
+        kind, value = event["event"], event["value"]
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.dropped = 0
+            return None
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self.dropped += 1
+            return None
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (
+                f"{self._address} refused this {self._who}'s CurveZMQ key (ZAP status {value}): "
+                "give it the keys the server's were made with (--keys-dir / $WEIR_KEYS_DIR)"
+            )
+        if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return (
+                f"{self._address} and this {self._who} disagree on encryption: one side has "
+                "CurveZMQ keys (--keys-dir / $WEIR_KEYS_DIR) and the other has none"
+            )
+        return (
+            f"the CurveZMQ handshake with {self._address} failed (ZMTP protocol error "
+            f"{value:#x}): check both sides' keys"
+        )
+
+    def pending(self) -> str | None:
+        """The refusal among the events already in, else None (does not wait)."""
+        while True:
+            try:
+                frames = self._now.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            refusal = self.reason(frames)
+            if refusal is not None:
+                return refusal
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self.socket.close(linger=0)
 
 
 class _AllowList:

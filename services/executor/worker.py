@@ -25,7 +25,14 @@ from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.config import EngineArgs, parse_size
-from weir.shared.keys import CLUSTER, KeyPair, connect_curve, keys_dir, load_pair
+from weir.shared.keys import (
+    CLUSTER,
+    HandshakeMonitor,
+    KeyPair,
+    connect_curve,
+    keys_dir,
+    load_pair,
+)
 from weir.shared.protocol import control
 from weir.shared.protocol.step_codec import decode_step_plan, encode_step_result
 
@@ -37,6 +44,8 @@ _log = logging.getLogger(__name__)
 _POLL_MS = 1000
 _HELLO_RETRY_MS = 2000
 _SILENT_SCHEDULER_S = 30.0
+# Handshakes dropped in a row that suggest our cluster key is not the scheduler's.
+_DROPPED_HANDSHAKES_WARNING = 5
 
 
 @dataclass(slots=True)
@@ -57,7 +66,8 @@ class _Heartbeat(threading.Thread):
         self, ctx: zmq.Context, address: str, cluster_key: KeyPair | None, session: str, rank: int
     ) -> None:
         super().__init__(name="weir-heartbeat", daemon=True)
-        self._sock = _connect(ctx, address, cluster_key)
+        self._sock = _dealer(ctx, cluster_key)
+        self._sock.connect(address)
         self._beat = control.pack(control.Heartbeat(session, rank))
         self.stop_event = threading.Event()
         self.reset = threading.Event()
@@ -131,10 +141,15 @@ class ExecutorWorker:
         )
 
         ctx = zmq.Context()
-        sock = _connect(ctx, opts.scheduler, cluster_key)
+        sock = _dealer(ctx, cluster_key)
+        handshakes = HandshakeMonitor(sock, opts.scheduler, "executor")
+        sock.connect(opts.scheduler)
         heartbeat: _Heartbeat | None = None
         try:
-            rejection = self._handshake(sock, hello)
+            try:
+                rejection = self._handshake(sock, handshakes, hello)
+            finally:
+                handshakes.close()
             if rejection is not None:
                 self.status.error(rejection)
                 _log.error("scheduler rejected executor %d: %s", opts.rank, rejection)
@@ -185,10 +200,14 @@ class ExecutorWorker:
             load_format=args.load_format,
         )
 
-    def _handshake(self, sock: zmq.Socket, hello: control.ExecutorHello) -> str | None:
-        """Send hello until the scheduler answers; None when welcomed, else the rejection."""
+    def _handshake(
+        self, sock: zmq.Socket, handshakes: HandshakeMonitor, hello: control.ExecutorHello
+    ) -> str | None:
+        """Send hello until the scheduler answers; None when welcomed, else the rejection
+        (the scheduler's, or its socket's refusal of our key)."""
         payload = control.pack(hello)
         unanswered_since = time.monotonic()
+        warned_dropped = False
         while True:
             if unanswered_since and time.monotonic() - unanswered_since > _SILENT_SCHEDULER_S:
                 unanswered_since = 0.0
@@ -198,7 +217,10 @@ class ExecutorWorker:
                     hello.rank,
                     self.options.scheduler,
                 )
-            sock.send_multipart([control.HELLO, payload])
+            try:
+                sock.send_multipart([control.HELLO, payload], zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no connection: the scheduler is not up yet, or it refused us (below)
             if sock.poll(_HELLO_RETRY_MS):
                 kind, body = sock.recv_multipart()
                 if kind == control.WELCOME:
@@ -206,6 +228,19 @@ class ExecutorWorker:
                 if kind == control.REJECT:
                     return control.unpack(control.Rejection, body).message
                 _log.warning("ignoring %r frame before the handshake", kind)
+            refusal = handshakes.pending()
+            if refusal is not None:  # retrying cannot help
+                return refusal
+            if handshakes.dropped >= _DROPPED_HANDSHAKES_WARNING and not warned_dropped:
+                warned_dropped = True
+                _log.error(
+                    "executor %d: the scheduler at %s dropped %d handshakes in a row: this "
+                    "executor's cluster key is probably not the scheduler's (check --keys-dir); "
+                    "retrying",
+                    hello.rank,
+                    self.options.scheduler,
+                    handshakes.dropped,
+                )
             if parent_gone(self.parent_pid):
                 return "supervisor exited before the handshake"
 
@@ -256,14 +291,13 @@ class ExecutorWorker:
                 sock.send_multipart([control.RESULT, encoded])
 
 
-def _connect(ctx: zmq.Context, address: str, cluster_key: KeyPair | None) -> zmq.Socket:
-    """A DEALER to the scheduler; with a cluster key, a CURVE client proving it holds the key
-    (the scheduler's executor socket serves with the same key pair)."""
+def _dealer(ctx: zmq.Context, cluster_key: KeyPair | None) -> zmq.Socket:
+    """A DEALER for the scheduler; with a cluster key, a CURVE client proving it holds the
+    key (the scheduler's executor socket serves with the same key pair)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if cluster_key is not None:
         connect_curve(sock, cluster_key, cluster_key.public)
-    sock.connect(address)
     return sock
 
 

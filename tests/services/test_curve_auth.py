@@ -7,9 +7,11 @@ and rogue executors with no key, an unknown key or the client key, try to reach 
 
 import json
 import os
+import select
 import stat
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -111,19 +113,28 @@ def test_model_info_reveals_no_pid_address_or_configuration(server, keys):
 
 
 def test_clients_without_the_key_get_a_clear_error_not_an_answer(server, keys, tmp_path):
-    with WeirClient(server.client_address, timeout=2) as keyless:
-        with pytest.raises(ServerUnavailableError, match="WEIR_KEYS_DIR"):
-            keyless.health()
-        with pytest.raises(ServerUnavailableError, match="WEIR_KEYS_DIR"):
+    # The timeouts are long: the errors below are the server's refusal, not a timeout.
+    with WeirClient(server.client_address, timeout=120) as keyless:
+        with pytest.raises(ServerUnavailableError, match="disagree on encryption"):
             generated(keyless)
+        with pytest.raises(ServerUnavailableError, match="disagree on encryption"):
+            keyless.health()
     # A client key the server never issued, with the right server key.
     impostor = tmp_path / "impostor"
     make_keys(impostor)
     (impostor / "server.key").unlink()
     (impostor / "server.key").write_bytes((keys / "server.key").read_bytes())
-    with WeirClient(server.client_address, keys_dir=impostor, timeout=2) as client:
-        with pytest.raises(ServerUnavailableError, match="refused the client key"):
+    with WeirClient(server.client_address, keys_dir=impostor, timeout=120) as client:
+        with pytest.raises(ServerUnavailableError, match="refused this client's CurveZMQ key"):
             client.model_info()
+    # The wrong server key: the handshake cannot finish, so the client times out.
+    (impostor / "server.key").unlink()
+    (impostor / "server.key").write_bytes((impostor / "cluster.key").read_bytes())
+    with WeirClient(server.client_address, keys_dir=impostor, timeout=2) as client:
+        with pytest.raises(
+            ServerUnavailableError, match="no reply .* or it does not accept the keys"
+        ):
+            client.health()
     with WeirClient(server.client_address, keys_dir=keys, timeout=120) as client:
         assert client.health()["status"] == "ok"
 
@@ -188,6 +199,44 @@ def test_rogue_executors_never_reach_the_handshake(server, keys):
     with WeirClient(server.client_address, keys_dir=keys, timeout=120) as client_:
         assert client_.health()["executors"] == [0]
         assert len(generated(client_)) == 6
+
+
+def _executor_argv(server, *extra: str) -> list[str]:
+    argv = [*WEIR, "executor", "--scheduler", server.info["executor_address"]]
+    return argv + ["--metrics-port", "0", "--kv-cache-memory", "16MiB", *extra]
+
+
+def test_a_real_executor_without_keys_exits_with_the_reason(server, keys):
+    out = subprocess.run(
+        _executor_argv(server), capture_output=True, text=True, env=ENV, timeout=180
+    )
+    assert out.returncode == 1 and "disagree on encryption" in out.stderr, out.stderr
+    with WeirClient(server.client_address, keys_dir=keys, timeout=120) as client:
+        assert client.health()["executors"] == [0]
+
+
+def test_a_real_executor_with_another_cluster_key_never_joins_and_says_why(server, keys, tmp_path):
+    make_keys(tmp_path / "other")
+    executor = subprocess.Popen(
+        _executor_argv(server, "--keys-dir", str(tmp_path / "other")),
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    try:
+        # It pins its own cluster key as the server's: the scheduler cannot decrypt its
+        # handshake and closes each connection; the executor keeps trying and says why.
+        deadline, log = time.monotonic() + 180, b""
+        while b"dropped" not in log and time.monotonic() < deadline:
+            if select.select([executor.stderr], [], [], 1)[0]:
+                log += os.read(executor.stderr.fileno(), 65536)
+        assert b"cluster key is probably not the scheduler's" in log, log
+        assert executor.poll() is None
+        with WeirClient(server.client_address, keys_dir=keys, timeout=120) as client:
+            assert client.health()["executors"] == [0]
+            assert len(generated(client)) == 6
+    finally:
+        executor.kill()
+        executor.wait()
 
 
 def test_a_scheduler_whose_keys_are_missing_says_which_file(tmp_path):
