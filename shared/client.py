@@ -12,7 +12,8 @@ request on the server, which frees its KV blocks. ``keys_dir`` (default
 Errors are typed:
 ``InvalidRequestError`` carries the server's message, ``EngineError`` reports an
 executor failure, ``ServerUnavailableError`` replaces what would otherwise be a
-hang when the server does not answer within ``timeout`` seconds.
+hang when the server does not answer within ``timeout`` seconds, and says so at
+once when the server refuses the client's keys (or their absence).
 """
 
 from __future__ import annotations

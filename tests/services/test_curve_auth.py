@@ -8,9 +8,11 @@ and rogue executors with no key, an unknown key or the client key, try to reach 
 import json
 import os
 import select
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -98,6 +100,50 @@ def test_clients_holding_the_key_are_served(server, keys, monkeypatch):
     )
     with urllib.request.urlopen(request, timeout=120) as resp:
         assert json.load(resp)["usage"]["completion_tokens"] == 4
+
+
+class _Relay:
+    """A TCP relay that records every byte passing between a client and the scheduler."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.seen = bytearray()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self._upstream)
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while data := src.recv(65536):
+            self.seen += data
+            dst.sendall(data)
+        dst.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_prompts_and_outputs_are_encrypted_on_the_wire(server, keys):
+    relay = _Relay(server.client_address)
+    try:
+        with WeirClient(relay.address, keys_dir=keys, timeout=120) as client:
+            outs = list(client.generate("The password is PINEAPPLE-42. Repeat it:", GREEDY))
+        text = "".join(o.text for o in outs)
+        assert len(relay.seen) > 1000 and sum(len(o.new_token_ids) for o in outs) == 6
+        for plain in filter(None, (b"PINEAPPLE", b"password", text.strip().encode(), b"generate")):
+            assert plain not in relay.seen, plain
+    finally:
+        relay.close()
 
 
 def test_model_info_reveals_no_pid_address_or_configuration(server, keys):
