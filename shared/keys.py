@@ -172,7 +172,7 @@ class HandshakeMonitor:
     def __init__(self, sock: zmq.Socket[Any], address: str, who: str) -> None:
         self.socket = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         # A blocking-API handle on it, to read events without awaiting.
-        self._now = zmq.Socket.shadow(self.socket.underlying)
+        self._now: zmq.Socket[bytes] = zmq.Socket.shadow(self.socket.underlying)
         self._sock, self._address, self._who = sock, address, who
         self.dropped = 0
 
