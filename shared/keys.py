@@ -131,6 +131,10 @@ def load_public(directory: Path, name: str) -> bytes:
 
 
 def _load(path: Path) -> tuple[bytes, bytes | None]:
+    if not zmq.has("curve"):
+        raise ValueError(
+            f"this libzmq ({zmq.zmq_version()}) was built without CURVE: keys cannot be used"
+        )
     if not path.is_file():
         raise ValueError(
             f"keys directory {path.parent} has no {path.name} (make keys with `weir keys DIR`)"
