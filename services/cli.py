@@ -5,6 +5,7 @@ weir scheduler / weir executor one role alone (how Kubernetes runs them)
 weir generate "prompt"         one request against a running server
 weir chat                      an interactive chat against a running server
 weir prepare-model             fetch/convert a model and print its directory
+weir keys DIR                  make the CurveZMQ keys that authenticate clients and executors
 weir bench throughput|serve    measurements (see services/bench)
 """
 
@@ -40,6 +41,24 @@ def _setup_logging(level: str, role: str) -> None:
         stream=sys.stderr,
         format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
     )
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from weir.shared.keys import FILES_NEEDED, make_keys
+
+    directory = Path(args.dir)
+    try:
+        make_keys(directory)
+    except OSError as exc:
+        print(f"weir keys: {exc}", file=sys.stderr)
+        return 1
+    print(f"CurveZMQ keys written to {directory}. Each process needs only its files:")
+    for role, files in FILES_NEEDED.items():
+        print(f"  {role + ':':10} {' '.join(files)}")
+    print("Point each process at its folder with --keys-dir (or $WEIR_KEYS_DIR).")
+    return 0
 
 
 def _prepare_model(args: argparse.Namespace) -> int:
@@ -125,6 +144,7 @@ def _gateway(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
         timeout=args.timeout,
+        keys_dir=args.keys_dir,
     )
     return asyncio.run(serve(options, status, args.parent_pid))
 
@@ -216,7 +236,7 @@ def _generate(args: argparse.Namespace) -> int:
     elif args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
     try:
-        with WeirClient(args.address, timeout=args.timeout) as client:
+        with WeirClient(args.address, timeout=args.timeout, keys_dir=args.keys_dir) as client:
             texts, last = [], None
             for last in client.generate(prompt, params):
                 if args.stream:
@@ -244,7 +264,12 @@ def _chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    with WeirClient(args.address, timeout=args.timeout) as client:
+    try:
+        client = WeirClient(args.address, timeout=args.timeout, keys_dir=args.keys_dir)
+    except WeirError as exc:
+        print(f"weir chat: {exc}", file=sys.stderr)
+        return 1
+    with client:
         try:
             info = client.model_info()
         except WeirError as exc:
@@ -280,7 +305,7 @@ def _health(args: argparse.Namespace) -> int:
     from weir.shared.client import WeirClient, WeirError
 
     try:
-        with WeirClient(args.address, timeout=args.timeout) as client:
+        with WeirClient(args.address, timeout=args.timeout, keys_dir=args.keys_dir) as client:
             health = client.health()
     except WeirError as exc:
         print(f"weir health: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -314,12 +339,22 @@ def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_keys_dir_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keys-dir",
+        default=None,
+        help="CurveZMQ keys (client.key_secret, server.key) of a server that requires them "
+        "(default: $WEIR_KEYS_DIR, else none)",
+    )
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument(
         "--address",
         default=os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS),
         help=f"scheduler address (default {DEFAULT_ADDRESS} or $WEIR_ADDRESS)",
     )
+    _add_keys_dir_flag(p)
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -344,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     p.set_defaults(func=_prepare_model)
+
+    p = sub.add_parser("keys", help="make CurveZMQ keys: only processes holding them can connect")
+    p.add_argument("dir", help="directory to write the keys into (created 0700)")
+    p.set_defaults(func=_keys)
 
     p = sub.add_parser("serve", help="run a scheduler and its executor on this machine")
     p.add_argument("--host", default="127.0.0.1", help="address the sockets bind to")
@@ -389,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a replica may stay silent before its requests fail",
     )
+    _add_keys_dir_flag(p)
     p.add_argument("--log-level", default="WARNING")
     _add_child_flags(p)
     p.set_defaults(func=_gateway)
@@ -447,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="exit 0 when a server is ready (readiness probe)")
     p.add_argument("--address", default=os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS))
     p.add_argument("--timeout", type=float, default=5.0)
+    _add_keys_dir_flag(p)
     p.set_defaults(func=_health)
 
     p = sub.add_parser("chat", help="chat with a running server")

@@ -295,6 +295,8 @@ class ServerProcesses:
         env = None if self.api_key is None else {**os.environ, "WEIR_API_KEY": self.api_key}
         argv = [GATEWAY, *[a for address in schedulers for a in ("--scheduler", address)]]
         argv += ["--host", self.host, "--port", str(self.http_port), *extra]
+        if self.engine_args.keys_dir is not None:
+            argv += ["--keys-dir", self.engine_args.keys_dir]
         self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env)
         return str(self._wait_ready(self._children[-1])["http_address"])
 

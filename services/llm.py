@@ -49,8 +49,10 @@ class LLM:
         self.server_info = self._server.start()
         self._loop = EventLoopThread()
         try:
-            address = self._server.client_address
-            self._client = self._loop.call(lambda: AsyncWeirClient(address, timeout=60.0))
+            address, keys_dir = self._server.client_address, self._server.engine_args.keys_dir
+            self._client = self._loop.call(
+                lambda: AsyncWeirClient(address, timeout=60.0, keys_dir=keys_dir)
+            )
         except BaseException:
             self._loop.stop()
             self._server.shutdown()

@@ -6,10 +6,14 @@
 
 ``WeirClient`` offers the same methods synchronously. Leaving a stream early
 (``break``, ``aclose()``, task cancellation, closing the client) aborts the
-request on the server, which frees its KV blocks. Errors are typed:
+request on the server, which frees its KV blocks. ``keys_dir`` (default
+``$WEIR_KEYS_DIR``) names the CurveZMQ keys of a server that requires them
+(``weir keys``): the client then encrypts and proves it holds the client key.
+Errors are typed:
 ``InvalidRequestError`` carries the server's message, ``EngineError`` reports an
 executor failure, ``ServerUnavailableError`` replaces what would otherwise be a
-hang when the server does not answer within ``timeout`` seconds.
+hang when the server does not answer within ``timeout`` seconds, and says so at
+once when the server refuses the client's keys (or their absence).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
@@ -26,6 +31,8 @@ import zmq
 import zmq.asyncio
 
 from weir.shared.config import DEFAULT_ADDRESS
+from weir.shared.keys import ClientKeys, HandshakeMonitor, connect_curve
+from weir.shared.keys import keys_dir as resolve_keys_dir
 from weir.shared.protocol.client import (
     ENGINE_ERROR,
     SERVER_UNAVAILABLE,
@@ -81,16 +88,38 @@ def _error_from_reply(reply: ErrorReply) -> WeirError:
 class AsyncWeirClient:
     """asyncio client; create and use it inside one running event loop."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = 30.0,
+        keys_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.address = address
         self.timeout = timeout
+        directory = resolve_keys_dir(keys_dir)
+        try:
+            keys = None if directory is None else ClientKeys.load(directory)
+        except ValueError as exc:
+            raise WeirError(str(exc)) from None
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            connect_curve(self._sock, keys.own, keys.server_public)
+            self._no_reply_hint = f"; or it does not accept the keys in {directory}"
+        else:
+            # A server with keys drops a client without them before any message: say so.
+            self._no_reply_hint = (
+                "; if it requires CurveZMQ keys, pass keys_dir or set $WEIR_KEYS_DIR"
+            )
+        self._handshakes = HandshakeMonitor(self._sock, address, "client")
+        self._refusal: str | None = None  # why the server dropped us for good
         self._sock.connect(address)
         self._streams: dict[str, asyncio.Queue[StreamOutput | WeirError]] = {}
         self._replies: dict[str, asyncio.Future[Any]] = {}
         self._receiver: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self._closed = False
 
     async def __aenter__(self) -> AsyncWeirClient:
@@ -150,12 +179,14 @@ class AsyncWeirClient:
         for request_id in list(self._streams):
             self._send(AbortRequest(request_id))
         self._closed = True
-        if self._receiver is not None:
-            self._receiver.cancel()
-            try:
-                await self._receiver
-            except asyncio.CancelledError:
-                pass
+        for task in (self._receiver, self._watcher):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._handshakes.close()
         # LINGER 0 would drop the aborts just queued; give them a moment to leave.
         self._sock.close(linger=200)
         self._ctx.term()
@@ -165,13 +196,24 @@ class AsyncWeirClient:
     def _send(self, msg: ClientMessage) -> None:
         if self._closed:
             raise WeirError("client is closed")
+        if self._refusal is None:
+            self._refuse(self._handshakes.pending())  # in case the watcher has not run yet
+        if self._refusal is not None:
+            if isinstance(msg, AbortRequest):
+                return  # none of our requests ever reached the server
+            raise ServerUnavailableError(self._refusal)
         if self._receiver is None:
-            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+            loop = asyncio.get_running_loop()
+            self._receiver = loop.create_task(self._receive_loop())
+            self._watcher = loop.create_task(self._watch_handshake())
         try:
             # Aborts are sent from generator finalizers, where awaiting is not always possible.
             send_now(self._sock, [encode_client_message(msg)])
         except zmq.Again:
-            raise ServerUnavailableError(f"send queue to {self.address} is full") from None
+            raise ServerUnavailableError(
+                f"cannot send to {self.address}: not connected, or the send queue is full"
+                f"{self._no_reply_hint}"
+            ) from None
 
     async def _request(
         self, msg: HealthRequest | ModelInfoRequest, timeout: float | None = None
@@ -183,7 +225,7 @@ class AsyncWeirClient:
             reply = await asyncio.wait_for(future, timeout or self.timeout)
         except TimeoutError:
             raise ServerUnavailableError(
-                f"no reply from {self.address} within {self.timeout:g}s"
+                f"no reply from {self.address} within {self.timeout:g}s{self._no_reply_hint}"
             ) from None
         finally:
             self._replies.pop(msg.request_id, None)
@@ -211,6 +253,24 @@ class AsyncWeirClient:
                     "(it restarted); send it again",
                     ENGINE_ERROR,
                 )
+
+    async def _watch_handshake(self) -> None:
+        """A server that refuses our keys (or their absence) drops the connection for good:
+        what waits, and every later request, fails with the reason instead of a timeout."""
+        while self._refusal is None:
+            frames = await self._handshakes.socket.recv_multipart()
+            self._refuse(self._handshakes.reason(frames))
+
+    def _refuse(self, reason: str | None) -> None:
+        if reason is None or self._refusal is not None:
+            return
+        self._refusal = reason
+        _log.warning("%s", reason)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(ServerUnavailableError(reason))
+        for queue in self._streams.values():
+            queue.put_nowait(ServerUnavailableError(reason))
 
     async def _receive_loop(self) -> None:
         while True:
@@ -275,9 +335,21 @@ class EventLoopThread:
 class WeirClient:
     """Synchronous client with the same methods as ``AsyncWeirClient``."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = 30.0,
+        keys_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
         self._loop = EventLoopThread()
-        self._client = self._loop.call(lambda: AsyncWeirClient(address, timeout=timeout))
+        try:
+            self._client = self._loop.call(
+                lambda: AsyncWeirClient(address, timeout=timeout, keys_dir=keys_dir)
+            )
+        except BaseException:
+            self._loop.stop()
+            raise
         self.address = address
 
     def __enter__(self) -> WeirClient:

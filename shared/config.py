@@ -275,6 +275,12 @@ class EngineArgs:
     threads: int = _arg(1, EXECUTOR, "torch threads of each executor", type=int)
     seed: int | None = _arg(None, EXECUTOR, "sampler seed of requests without one", type=int)
     log_level: str = _arg("WARNING", _BOTH, "logging level of the processes")
+    keys_dir: str | None = _arg(
+        None,
+        _BOTH,
+        "CurveZMQ keys made by `weir keys`: encrypt and authenticate the client and executor "
+        "sockets (default: $WEIR_KEYS_DIR, else plain sockets)",
+    )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, role: str) -> None:

@@ -20,6 +20,7 @@ from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import Router
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.shared.config import DEFAULT_EXECUTOR_METRICS_PORT
+from weir.shared.keys import FILES_NEEDED
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 
@@ -296,3 +297,20 @@ def test_the_scheduler_pod_is_given_time_to_drain() -> None:
     args = build_parser().parse_args(_container("weir-scheduler")["args"])
     # Kubernetes SIGKILLs after the grace period: the drain must end well inside it.
     assert pod["terminationGracePeriodSeconds"] >= args.drain_timeout + 10
+
+
+@pytest.mark.parametrize(
+    "deployment, role",
+    [("weir-scheduler", "scheduler"), ("weir-executor", "executor"), ("weir-gateway", "client")],
+)
+def test_each_pod_mounts_the_keys_its_role_needs_where_its_keys_dir_points(
+    deployment: str, role: str
+) -> None:
+    spec = _by_kind_name("Deployment", deployment)["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "keys")
+    volume = next(v for v in spec["volumes"] if v["name"] == "keys")
+    assert volume["secret"]["secretName"] == "weir-keys" and mount["readOnly"]
+    assert volume["secret"]["defaultMode"] == 0o400
+    assert {item["path"] for item in volume["secret"]["items"]} == set(FILES_NEEDED[role])
+    assert build_parser().parse_args(container["args"]).keys_dir == mount["mountPath"]

@@ -79,7 +79,7 @@ class ExecutorGroup:
         self._in_flight: dict[int, tuple[asyncio.Future[StepResult], float]] = {}
 
     def describe(self) -> list[dict[str, Any]]:
-        """Each rank's hello, rank order (for health, model info and the ready report)."""
+        """Each rank's hello, rank order (for the ready report; clients never see it)."""
         return [
             {
                 "rank": r.hello.rank,

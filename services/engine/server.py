@@ -44,6 +44,14 @@ from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.config import EngineArgs
+from weir.shared.keys import (
+    CLIENT_DOMAIN,
+    EXECUTOR_DOMAIN,
+    SchedulerKeys,
+    keys_dir,
+    serve_curve,
+    start_authenticator,
+)
 from weir.shared.model_store import load_model_config
 from weir.shared.protocol import client as client_protocol
 from weir.shared.tokenizer import Tokenizer
@@ -100,6 +108,8 @@ class SchedulerServer:
         self.engine_args = options.engine_args
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
+        directory = keys_dir(self.engine_args.keys_dir)
+        self.keys = None if directory is None else SchedulerKeys.load(directory)
         self.metrics = SchedulerMetrics(self.model_name)
         self.metrics_address: str | None = None
         self.client_address = ""
@@ -129,6 +139,17 @@ class SchedulerServer:
         executor_sock = ctx.socket(zmq.ROUTER)
         executor_sock.setsockopt(zmq.LINGER, 0)
         executor_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        auth = None
+        if self.keys is not None:
+            auth = start_authenticator(ctx, self.keys)
+            serve_curve(client_sock, self.keys.server, CLIENT_DOMAIN)
+            serve_curve(executor_sock, self.keys.cluster, EXECUTOR_DOMAIN)
+        elif opts.host not in ("127.0.0.1", "localhost", "::1"):
+            _log.warning(
+                "binding %s without keys: anyone who reaches these ports can send requests "
+                "or join as an executor (make keys with `weir keys DIR`, pass --keys-dir)",
+                opts.host,
+            )
         try:
             client_sock.bind(
                 f"tcp://{opts.host}:{opts.port}" if opts.port else f"tcp://{opts.host}:*"
@@ -144,6 +165,8 @@ class SchedulerServer:
         except (zmq.ZMQError, OSError) as exc:
             self.status.error(f"cannot bind: {exc}")
             _log.error("scheduler cannot bind: %s", exc)
+            if auth is not None:
+                auth.stop()
             ctx.destroy(linger=0)
             return 1
         self.client_address = client_sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -211,6 +234,8 @@ class SchedulerServer:
             await asyncio.gather(stop, *tasks, return_exceptions=True)
             # Give the shutdown errors just queued a moment to reach their clients.
             client_sock.close(linger=500)
+            if auth is not None:
+                auth.stop()
             ctx.destroy(linger=0)
 
     async def _watch_parent(self) -> None:
@@ -291,10 +316,11 @@ class SchedulerServer:
             self.frontend.unavailable = (
                 "no executor is connected; try again once the server is healthy"
             )
+        _log.error("no executor group formed again after: %s; failing every request", message)
         self.frontend.fail_all(
             client_protocol.ENGINE_ERROR,
-            f"{message}, and no executor group formed again within "
-            f"{self.engine_args.recovery_timeout:g}s",
+            "the executor was lost and no executor group formed again within "
+            f"{self.engine_args.recovery_timeout:g}s; send the request again later",
         )
         self._requests_ended()
 
@@ -399,6 +425,8 @@ class SchedulerServer:
         return info
 
     def _model_info(self) -> dict[str, Any]:
+        # What a client needs to form requests; no pids, addresses or engine configuration
+        # (the operator finds those in the logs and the ready report).
         return {
             "model_name": self.model_name,
             "max_model_len": self.scheduler_config.max_model_len,
@@ -406,7 +434,4 @@ class SchedulerServer:
             "eos_token_id": self.tokenizer.eos_token_id,
             "block_size": self.engine_args.block_size,
             "num_blocks": self._num_blocks if self.core is not None else None,
-            "scheduler_config": self.scheduler_config.to_dict(),
-            "metrics_address": self.metrics_address,
-            "executors": self.group.describe(),
         }

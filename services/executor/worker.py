@@ -25,6 +25,14 @@ from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.config import EngineArgs, parse_size
+from weir.shared.keys import (
+    CLUSTER,
+    HandshakeMonitor,
+    KeyPair,
+    connect_curve,
+    keys_dir,
+    load_pair,
+)
 from weir.shared.protocol import control
 from weir.shared.protocol.step_codec import decode_step_plan, encode_step_result
 
@@ -35,6 +43,9 @@ _log = logging.getLogger(__name__)
 
 _POLL_MS = 1000
 _HELLO_RETRY_MS = 2000
+_SILENT_SCHEDULER_S = 30.0
+# Handshakes dropped in a row that suggest our cluster key is not the scheduler's.
+_DROPPED_HANDSHAKES_WARNING = 5
 
 
 @dataclass(slots=True)
@@ -51,10 +62,11 @@ class ExecutorOptions:
 class _Heartbeat(threading.Thread):
     """Sends heartbeats on its own socket; sets ``reset`` when the scheduler does not know us."""
 
-    def __init__(self, ctx: zmq.Context, address: str, session: str, rank: int) -> None:
+    def __init__(
+        self, ctx: zmq.Context, address: str, cluster_key: KeyPair | None, session: str, rank: int
+    ) -> None:
         super().__init__(name="weir-heartbeat", daemon=True)
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = _dealer(ctx, cluster_key)
         self._sock.connect(address)
         self._beat = control.pack(control.Heartbeat(session, rank))
         self.stop_event = threading.Event()
@@ -90,6 +102,8 @@ class ExecutorWorker:
         """Load, handshake and serve until stopped; returns the process exit code."""
         opts = self.options
         try:
+            directory = keys_dir(opts.engine_args.keys_dir)
+            cluster_key = None if directory is None else load_pair(directory, CLUSTER)
             runner = self._load_runner()
         except Exception as exc:
             # A bad option or missing model needs its message, not a traceback.
@@ -128,18 +142,21 @@ class ExecutorWorker:
         )
 
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = _dealer(ctx, cluster_key)
+        handshakes = HandshakeMonitor(sock, opts.scheduler, "executor")
         sock.connect(opts.scheduler)
         heartbeat: _Heartbeat | None = None
         try:
-            rejection = self._handshake(sock, hello)
+            try:
+                rejection = self._handshake(sock, handshakes, hello)
+            finally:
+                handshakes.close()
             if rejection is not None:
                 self.status.error(rejection)
                 _log.error("scheduler rejected executor %d: %s", opts.rank, rejection)
                 return 1
             self.joined.set()
-            heartbeat = _Heartbeat(ctx, opts.scheduler, self.session, opts.rank)
+            heartbeat = _Heartbeat(ctx, opts.scheduler, cluster_key, self.session, opts.rank)
             heartbeat.start()
             self.status.ready(
                 rank=opts.rank, num_blocks=runner.num_blocks, metrics_address=metrics_address
@@ -185,11 +202,27 @@ class ExecutorWorker:
             load_format=args.load_format,
         )
 
-    def _handshake(self, sock: zmq.Socket, hello: control.ExecutorHello) -> str | None:
-        """Send hello until the scheduler answers; None when welcomed, else the rejection."""
+    def _handshake(
+        self, sock: zmq.Socket, handshakes: HandshakeMonitor, hello: control.ExecutorHello
+    ) -> str | None:
+        """Send hello until the scheduler answers; None when welcomed, else the rejection
+        (the scheduler's, or its socket's refusal of our key)."""
         payload = control.pack(hello)
+        unanswered_since = time.monotonic()
+        warned_dropped = False
         while True:
-            sock.send_multipart([control.HELLO, payload])
+            if unanswered_since and time.monotonic() - unanswered_since > _SILENT_SCHEDULER_S:
+                unanswered_since = 0.0
+                _log.warning(
+                    "executor %d: no answer from the scheduler at %s yet; check the address, "
+                    "and that the scheduler and this executor use the same keys (--keys-dir)",
+                    hello.rank,
+                    self.options.scheduler,
+                )
+            try:
+                sock.send_multipart([control.HELLO, payload], zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # no connection: the scheduler is not up yet, or it refused us (below)
             if sock.poll(_HELLO_RETRY_MS):
                 kind, body = sock.recv_multipart()
                 if kind == control.WELCOME:
@@ -197,6 +230,19 @@ class ExecutorWorker:
                 if kind == control.REJECT:
                     return control.unpack(control.Rejection, body).message
                 _log.warning("ignoring %r frame before the handshake", kind)
+            refusal = handshakes.pending()
+            if refusal is not None:  # retrying cannot help
+                return refusal
+            if handshakes.dropped >= _DROPPED_HANDSHAKES_WARNING and not warned_dropped:
+                warned_dropped = True
+                _log.error(
+                    "executor %d: the scheduler at %s dropped %d handshakes in a row: this "
+                    "executor's cluster key is probably not the scheduler's (check --keys-dir); "
+                    "retrying",
+                    hello.rank,
+                    self.options.scheduler,
+                    handshakes.dropped,
+                )
             if parent_gone(self.parent_pid):
                 return "supervisor exited before the handshake"
 
@@ -246,6 +292,16 @@ class ExecutorWorker:
                 continue
             if encoded is not None:
                 sock.send_multipart([control.RESULT, encoded])
+
+
+def _dealer(ctx: zmq.Context, cluster_key: KeyPair | None) -> zmq.Socket:
+    """A DEALER for the scheduler; with a cluster key, a CURVE client proving it holds the
+    key (the scheduler's executor socket serves with the same key pair)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if cluster_key is not None:
+        connect_curve(sock, cluster_key, cluster_key.public)
+    return sock
 
 
 def _default_device() -> str:

@@ -116,10 +116,13 @@ class Router:
         timeout: float = 30.0,
         health_interval: float = 1.0,
         balance_slack: int = 4096,
+        keys_dir: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("at least one scheduler address is needed")
-        self.replicas = [Replica(a, AsyncWeirClient(a, timeout=timeout)) for a in addresses]
+        self.replicas = [
+            Replica(a, AsyncWeirClient(a, timeout=timeout, keys_dir=keys_dir)) for a in addresses
+        ]
         self._health_interval = health_interval
         self._health_timeout = min(timeout, max(health_interval * 2, 1.0))
         self.balance_slack = balance_slack

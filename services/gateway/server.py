@@ -12,6 +12,7 @@ import uvicorn
 from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.router import Router
 from weir.services.supervised import StatusReporter, parent_gone
+from weir.shared.client import WeirError
 
 _log = logging.getLogger(__name__)
 
@@ -25,10 +26,16 @@ class GatewayOptions:
     port: int  # 0: any free port
     api_key: str | None
     timeout: float  # seconds a replica may stay silent before its requests fail
+    keys_dir: str | None = None  # CurveZMQ client keys (None: $WEIR_KEYS_DIR, else none)
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
-    router = Router(options.schedulers, timeout=options.timeout)
+    try:
+        router = Router(options.schedulers, timeout=options.timeout, keys_dir=options.keys_dir)
+    except WeirError as exc:  # unusable keys
+        status.error(str(exc))
+        _log.error("gateway cannot start: %s", exc)
+        return 2
     gateway = Gateway(router, options.api_key)
     server: uvicorn.Server | None = None
 

@@ -54,6 +54,8 @@ def test_serve_options_reach_each_role_unchanged():
                 "7",
                 "--executor-timeout",
                 "9",
+                "--keys-dir",
+                "/etc/weir/keys",
             ]
         )
     )
@@ -68,12 +70,17 @@ def test_serve_options_reach_each_role_unchanged():
         role = scheduler if SCHEDULER in f.metadata["roles"] else executor
         assert role[f.name] == serve[f.name], f.name
     assert scheduler["enable_prefix_caching"] is False and executor["kv_cache_memory"] == 4 * 2**20
+    assert scheduler["keys_dir"] == executor["keys_dir"] == "/etc/weir/keys"
 
 
 def test_engine_defaults_are_the_configs_defaults():
     args = build_parser().parse_args(["serve"])
     assert EngineArgs.from_cli(args) == EngineArgs()
-    assert EngineArgs().scheduler_config(8192) == SchedulerConfig(max_model_len=8192)
+    # The engine overlaps steps by default; a bare Scheduler (tests, benchmarks) runs lockstep.
+    assert EngineArgs().scheduler_config(8192) == SchedulerConfig(
+        max_model_len=8192, async_scheduling=True
+    )
+    assert not EngineArgs(speculative_method="ngram").scheduler_config(8192).async_scheduling
     assert EngineArgs().cache_config(7) == CacheConfig(num_blocks=7)
 
 
