@@ -233,6 +233,13 @@ class EngineArgs:
     executor_timeout: float = _arg(
         3.0, SCHEDULER, "seconds without an executor heartbeat before its requests fail", type=float
     )
+    tensor_parallel_size: int = _arg(
+        1,
+        _BOTH,
+        "executor ranks that each hold 1/N of the model and run every step together "
+        "(torch.distributed: NCCL on GPUs, gloo on the CPU)",
+        type=int,
+    )
     device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
     dtype: str | None = _arg(None, EXECUTOR, "weight/activation dtype (default: per device)")
     kv_cache_memory: int | str | None = _arg(
