@@ -1,6 +1,7 @@
 """The tensor-parallel Kubernetes overlays agree with the CLI and with the base stack: every
 rank's command parses, ranks and group size line up, the rendezvous address is stable."""
 
+import shutil
 import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
@@ -12,8 +13,9 @@ from weir.services.cli import build_parser
 from weir.services.launcher import resolve_num_executors
 from weir.shared.config import EngineArgs
 
-K8S = Path(__file__).resolve().parent.parent / "k8s"
+K8S = Path(__file__).resolve().parent.parent / "k8s-overlays"
 OVERLAYS = ("tensor-parallel", "tensor-parallel-multinode")
+BASE = "../../k8s"  # kustomize refuses an overlay inside its base's directory
 
 
 def _kustomization(overlay: str) -> dict:
@@ -24,11 +26,9 @@ def _resources(overlay: str) -> list[dict]:
     docs = []
     for resource in _kustomization(overlay)["resources"]:
         path = K8S / overlay / resource
-        if resource == "..":
-            paths = [
-                K8S / r
-                for r in yaml.safe_load((path / "kustomization.yaml").read_text())["resources"]
-            ]
+        if resource == BASE:
+            base = yaml.safe_load((path / "kustomization.yaml").read_text())["resources"]
+            paths = [path / r for r in base]
         else:
             paths = [path]
         for p in paths:
@@ -62,7 +62,7 @@ def _added(overlay: str, kind: str) -> dict:
     added = [
         d
         for r in _kustomization(overlay)["resources"]
-        if r != ".."
+        if r != "../../k8s"
         for d in yaml.safe_load_all((K8S / overlay / r).read_text())
     ]
     return next(d for d in added if d["kind"] == kind)
@@ -168,3 +168,17 @@ def _check_shm(pod: dict, container: dict) -> None:
     # A memory volume counts against the container's memory limit.
     limit = container["resources"]["limits"]["memory"]
     assert limit.endswith("Gi") and int(limit[:-2]) > int(size[:-2])
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_builds_into_one_namespace_without_the_base_executor(overlay):
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=60
+    )
+    assert built.returncode == 0, built.stderr
+    docs = [d for d in yaml.safe_load_all(built.stdout) if d]
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Deployment", "weir-executor") not in names
+    assert ("Deployment", "weir-scheduler") in names
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"weir"}
