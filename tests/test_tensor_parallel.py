@@ -12,8 +12,9 @@ transformers = pytest.importorskip("transformers")
 import tp_workload  # noqa: E402
 
 from weir.services.executor.attention import get_attention_backend  # noqa: E402
+from weir.services.executor.model import ModelConfig  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
-from weir.services.executor.parallel import TensorParallel  # noqa: E402
+from weir.services.executor.parallel import ShardLayout, TensorParallel  # noqa: E402
 from weir.services.executor.weights import iter_safetensors, load_model  # noqa: E402
 
 RANK_TIMEOUT_S = 300
@@ -184,3 +185,45 @@ def test_an_indivisible_tensor_parallel_size_is_refused_in_one_line(default_mode
     message = str(refused.value)
     assert "\n" not in message
     assert f"tensor_parallel_size {world_size}" in message and "9 attention heads" in message
+
+
+def _config(**overrides) -> ModelConfig:
+    hf = dict(
+        model_type="llama",
+        vocab_size=131,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    return ModelConfig.from_hf({**hf, **overrides})
+
+
+def test_layout_gives_each_rank_its_heads_and_replicates_scarce_kv_heads():
+    layouts = [ShardLayout.of(_config(), rank, 4) for rank in range(4)]
+    assert [(s.q_head_start, s.num_heads) for s in layouts] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    # 2 KV heads, 4 ranks: query heads 0-3 read KV head 0, 4-7 read KV head 1.
+    assert [(s.kv_head_start, s.num_kv_heads) for s in layouts] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [s.vocab_start for s in layouts] == [0, 33, 66, 99] and layouts[0].vocab_per_rank == 33
+    assert {s.intermediate_size for s in layouts} == {24}
+    whole = ShardLayout.of(_config())
+    assert (whole.num_heads, whole.num_kv_heads, whole.vocab_per_rank) == (8, 2, 131)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "message"),
+    [
+        ({}, 3, "tensor_parallel_size 3 does not divide the model's 8 attention heads"),
+        ({"num_key_value_heads": 4}, 8, None),
+        ({"num_key_value_heads": 8, "num_attention_heads": 8}, 8, None),
+        ({"num_attention_heads": 12, "num_key_value_heads": 3}, 2, "model's 3 KV heads"),
+        ({"intermediate_size": 90}, 4, "does not divide the model's 90 MLP columns"),
+    ],
+)
+def test_layout_refuses_what_does_not_split(overrides, world_size, message):
+    if message is None:
+        ShardLayout.of(_config(**overrides), world_size - 1, world_size)
+        return
+    with pytest.raises(ValueError, match=message):
+        ShardLayout.of(_config(**overrides), 0, world_size)

@@ -113,7 +113,6 @@ class ModelRunner:
             self.device = local_cuda_device(rank)
         if self.device.type == "cpu":
             set_cpu_threads(num_threads)
-        self.rank = rank
         self.tp = init_tensor_parallel(tensor_parallel_size, rank, self.device)
         self.dtype = parse_dtype(dtype, self.device)
         self.block_size = block_size

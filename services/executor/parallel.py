@@ -59,10 +59,14 @@ class ShardLayout:
             raise ValueError(
                 f"tensor_parallel_size {n} does not divide the model's {heads} attention heads"
             )
-        if (kv % n if kv >= n else n % kv) or inter % n:
+        if kv % n if kv >= n else n % kv:
             raise ValueError(
                 f"tensor_parallel_size {n} does not fit the model's {kv} KV heads "
-                f"(needs a divisor or a multiple of them) and {inter} MLP columns"
+                "(it must divide them or be a multiple of them)"
+            )
+        if inter % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not divide the model's {inter} MLP columns"
             )
         local_kv = max(kv // n, 1)
         vocab_per_rank = -(-cfg.vocab_size // n)

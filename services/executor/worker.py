@@ -4,7 +4,8 @@ Loop: receive a plan -> decode -> ``ModelRunner.execute`` -> (rank 0) send the
 encoded result. A step that raises is answered with ``step_error`` so the
 scheduler fails the affected requests with the message; the process keeps
 serving, except in a tensor-parallel group (the other ranks may be waiting in a
-collective this rank never joins): there the rank exits and the group fails. A heartbeat thread proves liveness (see ``weir.shared.protocol.control``). The process exits
+collective this rank never joins): there the rank exits and the group fails. A
+heartbeat thread proves liveness (see ``weir.shared.protocol.control``). The process exits
 when told to (SIGTERM), when its supervisor dies, or when the scheduler it
 handshook with is replaced.
 """
