@@ -73,6 +73,8 @@ def _run_group(work: tp_workload.Workload, world_size: int) -> list[tp_workload.
 def _check_group_matches_one_process(work: tp_workload.Workload, world_size: int) -> None:
     want = tp_workload.run(work)
     assert want.chunked and want.preempted, "the workload must chunk prefills and preempt"
+    if work.num_speculative_tokens:
+        assert want.draft_tokens > 0, "the workload must verify drafts"
     reports = _run_group(work, world_size)
     assert reports[0].outputs == want.outputs
     for report in reports:
@@ -85,10 +87,12 @@ def _check_group_matches_one_process(work: tp_workload.Workload, world_size: int
         assert report.gathers == report.broadcasts == want.sampling_steps
 
 
-def test_tiny_model_at_tp2_decodes_like_one_process(tiny_dir):
+def test_tiny_model_at_tp2_decodes_like_one_process_with_drafts(tiny_dir):
     rng = random.Random(5)
     prompts = [[rng.randrange(131) for _ in range(rng.randrange(5, 30))] for _ in range(5)]
-    work = tp_workload.Workload(str(tiny_dir), prompts, max_tokens=10, num_blocks=20)
+    work = tp_workload.Workload(
+        str(tiny_dir), prompts, max_tokens=10, num_blocks=20, num_speculative_tokens=2
+    )
     _check_group_matches_one_process(work, world_size=2)
 
 

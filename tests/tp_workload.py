@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, field
 
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
+from weir.services.engine.ngram import NgramProposer
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
@@ -26,6 +27,7 @@ class Workload:
     prompts: list[list[int]]
     max_tokens: int
     num_blocks: int  # small enough that requests preempt each other
+    num_speculative_tokens: int = 0  # n-gram drafts, verified in the same forward pass
 
 
 @dataclass(slots=True)
@@ -34,6 +36,7 @@ class RankReport:
     outputs: dict[str, list[int]] = field(default_factory=dict)
     chunked: bool = False
     preempted: bool = False
+    draft_tokens: int = 0
     forwards: int = 0  # steps that ran the model
     sampling_steps: int = 0  # steps that computed logits
     all_reduces: int = 0
@@ -86,10 +89,17 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
         for name in calls:
             setattr(tp, name, counting(name))
     scheduler = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=8, max_model_len=256),
+        SchedulerConfig(
+            max_num_batched_tokens=BUDGET,
+            max_num_seqs=8,
+            max_model_len=256,
+            num_speculative_tokens=work.num_speculative_tokens,
+        ),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=work.num_blocks),
     )
-    core = EngineCore(scheduler, InProcessExecutor(runner))
+    k = work.num_speculative_tokens
+    proposer = NgramProposer(k, 1, 3) if k else None
+    core = EngineCore(scheduler, InProcessExecutor(runner), proposer=proposer)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(work.prompts):
         scheduler.add_request(Request(f"r{i}", prompt, params))
@@ -107,6 +117,7 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
             report.sampling_steps += 1
         for out in step.outputs:
             report.outputs[out.request_id] += out.new_token_ids
+    report.draft_tokens = scheduler.stats().spec_decode.num_draft_tokens
     return report
 
 
