@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -43,14 +44,22 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class TensorSource(Protocol):
+    """A checkpoint tensor that reads only the part an index asks for (a torch.Tensor is one)."""
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, TensorSource]]:
+    """Every tensor of the checkpoint, lazily: a tensor-parallel rank reads its shard only.
+    Each item is valid until the next one is asked for."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 _ALL = (slice(None),)
@@ -117,7 +126,7 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice, tuple[slice, ...]] 
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, TensorSource]]) -> None:
     """Copy checkpoint tensors (this rank's share) into the model, fusing q/k/v and gate/up;
     every parameter must be filled."""
     params = dict(model.named_parameters())
@@ -127,12 +136,12 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -
         if vocab_param in params:  # the last rank's rows past the vocabulary stay zero
             padding = params[vocab_param][rows.stop - rows.start :]
             filled[vocab_param] = padding.zero_().numel()
-    for name, tensor in tensors:
+    for name, source in tensors:
         target = _target(model, name)
         if target is None:
             continue
-        param_name, rows, source = target
-        tensor = tensor[source]
+        param_name, rows, index = target
+        tensor = source[index]
         dest = params[param_name][rows]
         if dest.shape != tensor.shape:
             raise ValueError(
