@@ -1,7 +1,7 @@
 """Load a Hugging Face model directory (config.json + *.safetensors) into `CausalLM`.
 
-Under tensor parallelism every rank reads the full checkpoint and copies only its
-`ShardLayout` share: rows of the column-parallel projections and of the vocabulary,
+Under tensor parallelism every rank opens the full (unsharded) checkpoint and reads only
+its `ShardLayout` share: rows of the column-parallel projections and of the vocabulary,
 columns of the row-parallel ones."""
 
 import json
