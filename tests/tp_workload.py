@@ -52,6 +52,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _counting(collective, report: RankReport, counter: str):
+    def call(*args):
+        setattr(report, counter, getattr(report, counter) + 1)
+        return collective(*args)
+
+    return call
+
+
 def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
     runner = ModelRunner(
         work.model_dir,
@@ -67,27 +75,12 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
     report = RankReport(rank, num_layers=runner.config.num_layers)
     if runner.tp is not None:
         # Count the collectives the model calls, by wrapping the object it calls them on.
-        tp = runner.tp
-        calls = {
-            "all_reduce": tp.all_reduce,
-            "gather_logits": tp.gather_logits,
-            "broadcast_tokens": tp.broadcast_tokens,
-        }
-        counters = {
-            "all_reduce": "all_reduces",
-            "gather_logits": "gathers",
-            "broadcast_tokens": "broadcasts",
-        }
-
-        def counting(name):
-            def call(*args):
-                setattr(report, counters[name], getattr(report, counters[name]) + 1)
-                return calls[name](*args)
-
-            return call
-
-        for name in calls:
-            setattr(tp, name, counting(name))
+        for method, counter in (
+            ("all_reduce", "all_reduces"),
+            ("gather_logits", "gathers"),
+            ("broadcast_tokens", "broadcasts"),
+        ):
+            setattr(runner.tp, method, _counting(getattr(runner.tp, method), report, counter))
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=BUDGET,
