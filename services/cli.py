@@ -84,6 +84,7 @@ def _scheduler(args: argparse.Namespace) -> int:
             load_model_config(model_dir).get("max_position_embeddings", 8192)
         )
         executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
+        num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)
         server = SchedulerServer(
             SchedulerServerOptions(
                 model_dir=str(model_dir),
@@ -93,7 +94,7 @@ def _scheduler(args: argparse.Namespace) -> int:
                 port=args.port,
                 metrics_port=args.metrics_port,
                 executor_address=executor_address,
-                num_executors=args.num_executors,
+                num_executors=num_executors,
                 metrics_host=args.metrics_host,
             ),
             status,
@@ -110,16 +111,16 @@ def _scheduler(args: argparse.Namespace) -> int:
 def _executor(args: argparse.Namespace) -> int:
     from weir.services.executor.worker import ExecutorOptions, run_executor
 
-    _setup_logging(args.log_level, f"executor {args.rank}")
+    # RANK: the torch.distributed convention (one pod per rank sets it from its index).
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
+    _setup_logging(args.log_level, f"executor {rank}")
     metrics_port = (
-        args.metrics_port
-        if args.metrics_port is not None
-        else DEFAULT_EXECUTOR_METRICS_PORT + args.rank
+        args.metrics_port if args.metrics_port is not None else DEFAULT_EXECUTOR_METRICS_PORT + rank
     )
     options = ExecutorOptions(
         scheduler=args.scheduler,
         engine_args=EngineArgs.from_cli(args),
-        rank=args.rank,
+        rank=rank,
         metrics_host=args.metrics_host,
         metrics_port=metrics_port,
     )
@@ -443,14 +444,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"where executors connect (default tcp://HOST:{DEFAULT_EXECUTOR_PORT})",
     )
-    p.add_argument("--num-executors", type=int, default=1, help="executor ranks to wait for")
+    p.add_argument(
+        "--num-executors",
+        type=int,
+        default=None,
+        help="executor ranks to wait for (default: --tensor-parallel-size; more than 1 "
+        "without it: replicas that each run the whole model)",
+    )
     EngineArgs.add_cli_args(p, SCHEDULER)
     _add_child_flags(p)
     p.set_defaults(func=_scheduler)
 
     p = sub.add_parser("executor", help="run one executor process alone")
     p.add_argument("--scheduler", required=True, help="the scheduler's executor address")
-    p.add_argument("--rank", type=int, default=0)
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="this executor's rank (default: $RANK, else 0); with --tensor-parallel-size N "
+        "the ranks 0..N-1 meet at $MASTER_ADDR:$MASTER_PORT (default 127.0.0.1:29500)",
+    )
     p.add_argument(
         "--metrics-host",
         default="127.0.0.1",

@@ -23,6 +23,7 @@ import secrets
 import select
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -111,7 +112,7 @@ class ServerProcesses:
         metrics_host: str | None = None,
         metrics_port: int = DEFAULT_METRICS_PORT,
         executor_metrics_port: int = DEFAULT_EXECUTOR_METRICS_PORT,
-        num_executors: int = 1,
+        num_executors: int | None = None,
         http_port: int | None = None,
         api_key: str | None = None,
         startup_timeout: float = 600.0,
@@ -122,7 +123,7 @@ class ServerProcesses:
         self.host, self.port = host, port
         self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
-        self.num_executors = num_executors
+        self.num_executors = resolve_num_executors(num_executors, self.engine_args)
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.info: dict[str, Any] = {}
         self._children: list[_Child] = []
@@ -146,6 +147,12 @@ class ServerProcesses:
     def start(self) -> dict[str, Any]:
         # Linux's abstract namespace: no socket file to leave behind, whatever kills us.
         executor_address = f"ipc://@weir-{os.getpid()}-{secrets.token_hex(4)}"
+        # A tensor-parallel group's rendezvous (torch.distributed's env://), on this machine.
+        group_env = (
+            {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            if self.engine_args.tensor_parallel_size > 1
+            else None
+        )
         try:
             self._spawn(
                 SCHEDULER,
@@ -184,6 +191,7 @@ class ServerProcesses:
                         str(metrics_port),
                         *self.engine_args.to_argv(EXECUTOR),
                     ],
+                    group_env,
                 )
             self.info = self._wait_ready(self._children[0])
             if self.http_port is not None:
@@ -246,6 +254,11 @@ class ServerProcesses:
                         wait,
                     )
                     restarts.append((time.monotonic() + wait, child))
+                    if self.engine_args.tensor_parallel_size > 1:
+                        # A group forms only whole: its other ranks start again with it.
+                        for peer in self._children:
+                            if peer.name.startswith(EXECUTOR) and peer.proc.poll() is None:
+                                _signal_group(peer.proc.pid, signal.SIGKILL)
 
     def _respawn(self, child: _Child) -> _Child:
         child.close()
@@ -382,6 +395,28 @@ class GatewayProcess(ServerProcesses):
             self.shutdown()
             raise
         return self.info
+
+
+def resolve_num_executors(num_executors: int | None, engine_args: EngineArgs) -> int:
+    """The executor ranks a scheduler waits for: the tensor-parallel group's size by default;
+    without tensor parallelism, ``num_executors`` replicas of the whole model."""
+    tp = engine_args.tensor_parallel_size
+    if type(tp) is not int or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    if num_executors is None:
+        return tp
+    if tp > 1 and num_executors != tp:
+        raise ValueError(
+            f"num_executors {num_executors} != tensor_parallel_size {tp}: a tensor-parallel "
+            "group has one executor per rank"
+        )
+    return num_executors
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -263,6 +263,13 @@ class EngineArgs:
         "on SIGTERM: seconds to finish in-flight requests (new ones are refused) before stopping",
         type=float,
     )
+    tensor_parallel_size: int = _arg(
+        1,
+        _BOTH,
+        "executor ranks that each hold 1/N of the model and run every step together "
+        "(torch.distributed: NCCL on GPUs, gloo on the CPU)",
+        type=int,
+    )
     device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
     dtype: str | None = _arg(None, EXECUTOR, "weight/activation dtype (default: per device)")
     kv_cache_memory: int | str | None = _arg(

@@ -1,9 +1,11 @@
 """Benchmark harness: `weir bench throughput` (offline, with Hugging Face baselines) and `weir bench serve` (online)."""
 
 import argparse
+import sys
 
 from weir.services.bench.serve import add_serve_parser
 from weir.services.bench.throughput import add_throughput_parser
+from weir.services.launcher import ChildFailedError
 
 
 def add_bench_subcommands(subparsers: argparse._SubParsersAction) -> None:
@@ -19,4 +21,8 @@ def run_cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="weir")
     add_bench_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *argv])
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ChildFailedError as exc:  # e.g. a model that cannot be split N ways: its message
+        print(f"weir bench: {exc}", file=sys.stderr)
+        return 1

@@ -102,6 +102,12 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         help=f"Weir engine option; also hf-cb's max_batch_tokens (default {ENGINE_DEFAULTS.max_num_batched_tokens})",
     )
     g.add_argument("--kv-cache-memory", default=None, help="Weir engine option (KV cache size)")
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=None,
+        help="Weir engine option: executor ranks sharing the model (each gets --threads)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--output-json", type=Path, default=None, help="write the results as JSON here")
     o.add_argument(
@@ -119,6 +125,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory": args.kv_cache_memory,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     return {k: v for k, v in options.items() if v is not None}
 

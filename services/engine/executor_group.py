@@ -213,6 +213,11 @@ class ExecutorGroup:
         args = want.engine_args
         if not 0 <= hello.rank < want.num_executors:
             return f"rank {hello.rank} is outside [0, {want.num_executors})"
+        if hello.tensor_parallel_size != args.tensor_parallel_size:
+            return (
+                f"executor tensor_parallel_size {hello.tensor_parallel_size} != scheduler "
+                f"tensor_parallel_size {args.tensor_parallel_size}"
+            )
         if hello.block_size != args.block_size:
             return (
                 f"executor block_size {hello.block_size} != scheduler block_size {args.block_size}"

@@ -4,6 +4,8 @@ A step's tokens from all requests are concatenated into one batch of T tokens; t
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
 paged cache. Projections are fused (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so
 each layer runs four matmuls; `weights.py` maps Hugging Face checkpoint names onto them.
+Under tensor parallelism each rank builds only its `ShardLayout` share of every layer and
+sums the row-parallel partial products through `TensorParallel` (see `parallel.py`).
 """
 
 import math
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
+from weir.services.executor.parallel import ShardLayout, TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
@@ -98,14 +101,6 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
         )
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-
-    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block costs across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -191,24 +186,39 @@ class DecoderLayer(nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
+        layout: ShardLayout,
+        tp: TensorParallel | None,
         attention: AttentionBackend,
         device: torch.device,
         dtype: torch.dtype,
     ):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        h, d, inter = cfg.hidden_size, cfg.head_dim, layout.intermediate_size
+        self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, d
+        self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
         self.scale = d**-0.5
         self.attention = attention
+        self.tp = tp
+        # Row-parallel biases are added once, by rank 0, before the partial sums are reduced.
+        row_bias = layout.rank == 0
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
-        self.o_proj = Linear(self.q_size, h, cfg.o_bias, device, dtype)
+        self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
-        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, cfg.mlp_bias, device, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, h, cfg.mlp_bias, device, dtype)
+        self.gate_up_proj = Linear(h, 2 * inter, cfg.mlp_bias, device, dtype)
+        self.down_proj = Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype)
+
+    def _add_row_parallel(
+        self, linear: Linear, residual: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
+        """residual + linear(x) where each rank holds some of x's columns: rank 0 adds the
+        residual to its partial product, the others contribute theirs, one all-reduce sums."""
+        if self.tp is None:
+            return linear.add_to(residual, x)
+        out = linear.add_to(residual, x) if self.tp.rank == 0 else linear(x)
+        return self.tp.all_reduce(out)
 
     def forward(
         self,
@@ -229,14 +239,15 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(q, kv_cache, meta, self.scale)
-        x = self.o_proj.add_to(x, attn.reshape(num_tokens, self.q_size))
+        x = self._add_row_parallel(self.o_proj, x, attn.reshape(num_tokens, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         # In place in the projection's output buffer: no new [T, intermediate] tensors.
-        return self.down_proj.add_to(x, F.silu(gate, inplace=True).mul_(up))
+        return self._add_row_parallel(self.down_proj, x, F.silu(gate, inplace=True).mul_(up))
 
 
 class CausalLM(nn.Module):
-    """The decoder plus its LM head. Parameters are uninitialized until `weights.load_weights`."""
+    """The decoder plus its LM head. Parameters are uninitialized until `weights.load_weights`.
+    With ``tp`` (a world larger than 1), this rank's shard of them."""
 
     def __init__(
         self,
@@ -244,25 +255,32 @@ class CausalLM(nn.Module):
         attention: AttentionBackend,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
         self.config = cfg
+        self.tp = tp
+        self.layout = (
+            ShardLayout.of(cfg) if tp is None else ShardLayout.of(cfg, tp.rank, tp.world_size)
+        )
         self.dtype = dtype
         self.attention = attention
+        vocab_rows = self.layout.vocab_per_rank
         self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype),
+            torch.empty(vocab_rows, cfg.hidden_size, device=device, dtype=dtype),
             requires_grad=False,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, attention, device, dtype) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.layout, tp, attention, device, dtype)
+            for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
             else nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype),
+                torch.empty(vocab_rows, cfg.hidden_size, device=device, dtype=dtype),
                 requires_grad=False,
             )
         )
@@ -276,18 +294,34 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for T flat tokens."""
-        self.attention.prepare(attn_metadata, self.config.num_heads, kv_caches[0])
+        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0])
         # cos/sin in fp32 then cast, as HF does, so bf16 rotations match.
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         cos = freqs.cos().to(self.dtype).unsqueeze(1)
         sin = freqs.sin().to(self.dtype).unsqueeze(1)
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self._embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, attn_metadata, kv_cache)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [N, vocab] for the N hidden rows asked for."""
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocabulary-parallel: rows of tokens outside this rank's range are zero here.
+        local = input_ids - self.layout.vocab_start
+        outside = (local < 0) | (local >= self.layout.vocab_per_rank)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits [N, vocab] for the N hidden rows asked for; under tensor parallelism
+        gathered on rank 0, and None on the other ranks."""
+        logits = self._logits_shard(hidden)
+        if self.tp is None:
+            return logits
+        return self.tp.gather_logits(logits, self.config.vocab_size)
+
+    def _logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         if hidden.device.type != "cpu":
             return F.linear(hidden, weight).float()
@@ -299,8 +333,14 @@ class CausalLM(nn.Module):
             torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])
         return logits.float()
 
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block costs on this rank across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        kv_heads, head_dim = self.layout.num_kv_heads, self.config.head_dim
+        return 2 * self.config.num_layers * block_size * kv_heads * head_dim * itemsize
+
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        shape = self.config.kv_cache_shape(num_blocks, block_size)
+        shape = (2, num_blocks, block_size, self.layout.num_kv_heads, self.config.head_dim)
         return [
             torch.zeros(shape, dtype=self.dtype, device=self.inv_freq.device) for _ in self.layers
         ]

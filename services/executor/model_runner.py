@@ -3,6 +3,10 @@
 `ModelRunner.execute(plan)` applies the plan's diff to the persistent batch, runs one forward
 pass over the flat mixed batch, samples where a request's prefill is complete, verifies
 speculative drafts, and returns the new tokens per request.
+
+With ``tensor_parallel_size`` N > 1, N runners (one per process, ``rank`` 0..N-1) each hold
+a shard of the model and execute the same plans in the same order; rank 0 samples and
+broadcasts the tokens, so every rank's persistent batch stays the same.
 """
 
 import json
@@ -17,8 +21,14 @@ import torch
 
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.input_batch import InputBatch, StepInputs
+from weir.services.executor.model import ModelConfig
+from weir.services.executor.parallel import (
+    ShardLayout,
+    init_tensor_parallel,
+    local_cuda_device,
+)
 from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
-from weir.services.executor.weights import default_dtype, load_model
+from weir.services.executor.weights import default_dtype, load_model, read_hf_config
 from weir.shared.arith import cdiv
 from weir.shared.config import ENGINE_DEFAULTS
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
@@ -89,12 +99,21 @@ class ModelRunner:
         num_threads: int | None = None,
         seed: int | None = None,
         load_format: str = ENGINE_DEFAULTS.load_format,
+        tensor_parallel_size: int = 1,
+        rank: int = 0,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
+        # Before joining the group: a model that cannot be split fails every rank at once.
+        ShardLayout.of(
+            ModelConfig.from_hf(read_hf_config(self.model_dir)), rank, tensor_parallel_size
+        )
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None and tensor_parallel_size > 1:
+            self.device = local_cuda_device(rank)
         if self.device.type == "cpu":
             set_cpu_threads(num_threads)
+        self.tp = init_tensor_parallel(tensor_parallel_size, rank, self.device)
         self.dtype = parse_dtype(dtype, self.device)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -106,6 +125,7 @@ class ModelRunner:
             dtype=self.dtype,
             attention=self.attention,
             load_format=load_format,
+            tp=self.tp,
         )
         self.config = self.model.config
         self.max_model_len = max_model_len or self.config.max_position_embeddings
@@ -134,7 +154,7 @@ class ModelRunner:
     def _num_kv_blocks(
         self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float
     ) -> int:
-        per_block = self.config.kv_cache_bytes_per_block(self.block_size, self.dtype)
+        per_block = self.model.kv_cache_bytes_per_block(self.block_size)
         if kv_cache_memory_bytes is not None:
             return kv_cache_memory_bytes // per_block
         if self.device.type != "cuda":
@@ -191,7 +211,8 @@ class ModelRunner:
         batch = SamplingBatch.build(
             ones, np.full(num_reqs, 50), ones * 0.9, ones * 0.1, device=self.device, num_logprobs=20
         )
-        self.sampler(logits, batch)
+        if logits is not None:  # under tensor parallelism, only rank 0 samples
+            self.sampler(logits, batch)
         del kv_caches, hidden, logits
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -235,13 +256,28 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id)
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
         forwarded = self._clock()
-        result = self._collect(
-            plan.step_id, inputs, self.sampler(logits, self._sampling_batch(inputs))
-        )
+        if self.tp is None:
+            sampled = self.sampler(logits, self._sampling_batch(inputs))
+        else:
+            sampled = self._sample_on_rank_0(logits, inputs)
+        result = self._collect(plan.step_id, inputs, sampled)
         self.last_timings = StepTimings(
             prepared - start, forwarded - prepared, self._clock() - forwarded
         )
         return result
+
+    def _sample_on_rank_0(self, logits: torch.Tensor | None, inputs: StepInputs) -> SamplerOutput:
+        """Rank 0 samples (it alone holds the gathered logits) and broadcasts the tokens; the
+        other ranks get the tokens only: their results are never sent."""
+        assert self.tp is not None
+        if logits is None:
+            tokens = self.tp.broadcast_tokens(None, len(inputs.logits_indices), self.device)
+            return SamplerOutput(tokens, None)
+        sampled = self.sampler(logits, self._sampling_batch(inputs))
+        self.tp.broadcast_tokens(
+            sampled.token_ids.contiguous(), len(sampled.token_ids), self.device
+        )
+        return sampled
 
     def _clock(self) -> float:
         # Phase times must include the device's work, not just the launches.
@@ -307,7 +343,7 @@ class ModelRunner:
             b.append_tokens(slot, out)
             result[req_id] = out
             n = int(b.num_logprobs[slot])
-            if n >= 0:
+            if n >= 0 and lp is not None:
                 rows = range(row, row + len(out))
                 logprobs[req_id] = SampleLogprobs(
                     token_ids=[[tokens[i], *lp_top_ids[i][:n]] for i in rows],

@@ -1,28 +1,36 @@
-"""Load a Hugging Face model directory (config.json + *.safetensors) into `CausalLM`."""
+"""Load a Hugging Face model directory (config.json + *.safetensors) into `CausalLM`.
+
+Under tensor parallelism every rank opens the full (unsharded) checkpoint and reads only
+its `ShardLayout` share: rows of the column-parallel projections and of the vocabulary,
+columns of the row-parallel ones."""
 
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
 from weir.services.executor.model import CausalLM, ModelConfig
+from weir.services.executor.parallel import ShardLayout, TensorParallel
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
-# HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills).
+_VOCAB_PARAMS = ("embed_tokens", "lm_head")
+# HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills;
+# "*_in": a row-parallel projection, split by its input columns: query heads or MLP columns).
 _LAYER_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_proj": ("qkv_proj", "q"),
     "self_attn.k_proj": ("qkv_proj", "k"),
     "self_attn.v_proj": ("qkv_proj", "v"),
-    "self_attn.o_proj": ("o_proj", "all"),
+    "self_attn.o_proj": ("o_proj", "o_in"),
     "self_attn.q_norm": ("q_norm", "all"),
     "self_attn.k_norm": ("k_norm", "all"),
     "mlp.gate_proj": ("gate_up_proj", "gate"),
     "mlp.up_proj": ("gate_up_proj", "up"),
-    "mlp.down_proj": ("down_proj", "all"),
+    "mlp.down_proj": ("down_proj", "down_in"),
     "input_layernorm": ("input_layernorm", "all"),
     "post_attention_layernorm": ("post_attention_layernorm", "all"),
 }
@@ -36,61 +44,104 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+class TensorSource(Protocol):
+    """A checkpoint tensor that reads only the part an index asks for (a torch.Tensor is one)."""
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, TensorSource]]:
+    """Every tensor of the checkpoint, lazily: a tensor-parallel rank reads its shard only.
+    Each item is valid until the next one is asked for."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
-def _row_range(cfg: ModelConfig, part: str) -> slice:
-    q, kv, inter = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
+_ALL = (slice(None),)
+
+
+def _span(start: int, size: int) -> slice:
+    return slice(start, start + size)
+
+
+def _vocab_rows(cfg: ModelConfig, layout: ShardLayout) -> slice:
+    return slice(
+        layout.vocab_start, min(layout.vocab_start + layout.vocab_per_rank, cfg.vocab_size)
     )
+
+
+def _layer_part(
+    cfg: ModelConfig, layout: ShardLayout, part: str, kind: str
+) -> tuple[slice, tuple[slice, ...]] | None:
+    """(rows of the fused parameter, index into the checkpoint tensor) of one part; None
+    for a row-parallel bias on a rank other than 0 (rank 0 adds it)."""
+    d, inter = cfg.head_dim, layout.intermediate_size
+    q, kv = layout.num_heads * d, layout.num_kv_heads * d
+    q_src, kv_src = _span(layout.q_head_start * d, q), _span(layout.kv_head_start * d, kv)
+    inter_src = _span(layout.rank * inter, inter)
+    if part in ("o_in", "down_in"):
+        if kind == "bias":
+            return (slice(None), _ALL) if layout.rank == 0 else None
+        return slice(None), (slice(None), q_src if part == "o_in" else inter_src)
     return {
-        "q": slice(0, q),
-        "k": slice(q, q + kv),
-        "v": slice(q + kv, q + 2 * kv),
-        "gate": slice(0, inter),
-        "up": slice(inter, 2 * inter),
-        "all": slice(None),
+        "q": (slice(0, q), (q_src,)),
+        "k": (_span(q, kv), (kv_src,)),
+        "v": (_span(q + kv, kv), (kv_src,)),
+        "gate": (slice(0, inter), (inter_src,)),
+        "up": (_span(inter, inter), (inter_src,)),
+        "all": (slice(None), _ALL),
     }[part]
 
 
-def _target(model: CausalLM, name: str) -> tuple[str, slice] | None:
-    """Weir parameter name and row range for an HF tensor name; None for tensors to skip."""
-    cfg = model.config
+def _target(model: CausalLM, name: str) -> tuple[str, slice, tuple[slice, ...]] | None:
+    """Weir parameter name, its row range, and the index of this rank's share of the
+    checkpoint tensor, for an HF tensor name; None for tensors to skip."""
+    cfg, layout = model.config, model.layout
     if name == "model.embed_tokens.weight":
-        return "embed_tokens", slice(None)
+        rows = _vocab_rows(cfg, layout)
+        return "embed_tokens", slice(0, rows.stop - rows.start), (rows,)
     if name == "model.norm.weight":
-        return "norm.weight", slice(None)
+        return "norm.weight", slice(None), _ALL
     if name == "lm_head.weight":
         # Some tied checkpoints still ship a copy of the embedding as lm_head.
-        return None if cfg.tie_word_embeddings else ("lm_head", slice(None))
+        if cfg.tie_word_embeddings:
+            return None
+        rows = _vocab_rows(cfg, layout)
+        return "lm_head", slice(0, rows.stop - rows.start), (rows,)
     if name.endswith("rotary_emb.inv_freq"):
         return None
     m = _LAYER_RE.fullmatch(name)
     if m is None or m.group(2) not in _LAYER_PARTS:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     module, part = _LAYER_PARTS[m.group(2)]
-    return f"layers.{m.group(1)}.{module}.{m.group(3)}", _row_range(cfg, part)
+    target = _layer_part(cfg, layout, part, m.group(3))
+    if target is None:
+        return None
+    return (f"layers.{m.group(1)}.{module}.{m.group(3)}", *target)
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model, fusing q/k/v and gate/up; every parameter must be filled."""
+def load_weights(model: CausalLM, tensors: Iterator[tuple[str, TensorSource]]) -> None:
+    """Copy checkpoint tensors (this rank's share) into the model, fusing q/k/v and gate/up;
+    every parameter must be filled."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
-    for name, tensor in tensors:
+    rows = _vocab_rows(model.config, model.layout)
+    for vocab_param in _VOCAB_PARAMS:
+        if vocab_param in params:  # the last rank's rows past the vocabulary stay zero
+            padding = params[vocab_param][rows.stop - rows.start :]
+            filled[vocab_param] = padding.zero_().numel()
+    for name, source in tensors:
         target = _target(model, name)
         if target is None:
             continue
-        param_name, rows = target
+        param_name, rows, index = target
+        tensor = source[index]
         dest = params[param_name][rows]
         if dest.shape != tensor.shape:
             raise ValueError(
@@ -123,13 +174,15 @@ def load_model(
     dtype: torch.dtype | None = None,
     attention: AttentionBackend | None = None,
     load_format: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and load its safetensors weights
-    (``load_format="dummy"``: random weights, no checkpoint read)."""
+    (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
+    rank's shard."""
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     if attention is None:
         attention = get_attention_backend(None, device)
-    model = CausalLM(cfg, attention, device=device, dtype=dtype or default_dtype(device))
+    model = CausalLM(cfg, attention, device=device, dtype=dtype or default_dtype(device), tp=tp)
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "auto":

@@ -3,7 +3,10 @@
 Loop: receive a plan -> decode -> ``ModelRunner.execute`` -> (rank 0) send the
 encoded result. A step that raises is answered with ``step_error``; the executor then
 drops every request (the scheduler sends them all again and isolates the one that
-made the step raise) and keeps serving. A heartbeat thread proves liveness (see ``weir.shared.protocol.control``). The process exits
+made the step raise) and keeps serving, except in a tensor-parallel group (the other
+ranks may be waiting in a collective this rank never joins): there the rank exits
+and the group fails. A heartbeat thread proves liveness (see
+``weir.shared.protocol.control``). The process exits
 when told to (SIGTERM), when its supervisor dies, or when the scheduler it
 handshook with is replaced.
 """
@@ -139,6 +142,7 @@ class ExecutorWorker:
             device=str(runner.device),
             attention_backend=runner.attention.name,
             metrics_address=metrics_address,
+            tensor_parallel_size=self.options.engine_args.tensor_parallel_size,
         )
 
         ctx = zmq.Context()
@@ -200,6 +204,8 @@ class ExecutorWorker:
             num_threads=args.threads,
             seed=args.seed,
             load_format=args.load_format,
+            tensor_parallel_size=args.tensor_parallel_size,
+            rank=self.options.rank,
         )
 
     def _handshake(
@@ -289,6 +295,8 @@ class ExecutorWorker:
                         ),
                     ]
                 )
+                if runner.tp is not None:
+                    return 1
                 continue
             if encoded is not None:
                 sock.send_multipart([control.RESULT, encoded])

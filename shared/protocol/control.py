@@ -54,6 +54,7 @@ class ExecutorHello:
     device: str
     attention_backend: str
     metrics_address: str | None = None
+    tensor_parallel_size: int = 1
 
 
 @dataclass(slots=True)

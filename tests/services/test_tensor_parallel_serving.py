@@ -1,0 +1,65 @@
+"""Tensor parallelism through the serving path: `LLM(tensor_parallel_size=2)` starts a
+scheduler and two executor ranks that form one gloo group and answer like one process."""
+
+import os
+import signal
+
+import pytest
+from serving_helpers import hf_greedy
+
+from weir.services import LLM
+from weir.services.launcher import ChildFailedError, resolve_num_executors
+from weir.shared.config import EngineArgs
+from weir.shared.sampling import SamplingParams
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_two_ranks_serve_greedy_like_one_process_and_restart_together(
+    tiny_model_dir, tiny_hf_model
+):
+    prompts = [[5, 6, 7, 8], list(range(100, 140)), [42] * 9]
+    lengths = (6, 9, 4)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    with LLM(
+        str(tiny_model_dir),
+        tensor_parallel_size=2,
+        max_num_batched_tokens=16,
+        kv_cache_memory="1MiB",
+    ) as llm:
+        executors = llm.server_info["executors"]
+        assert [e["rank"] for e in executors] == [0, 1]
+        completions = llm.generate(prompts, params)
+        for prompt, n, c in zip(prompts, lengths, completions):
+            assert c.token_ids == hf_greedy(tiny_hf_model, prompt, n)
+
+        # A rank that dies takes the group with it; the supervisor starts both ranks again
+        # and the request waits for the new group instead of failing.
+        os.kill(executors[1]["pid"], signal.SIGKILL)
+        again = llm.generate([prompts[1]], [params[1]])[0]
+        assert again.token_ids == hf_greedy(tiny_hf_model, prompts[1], lengths[1])
+        assert _gone(executors[0]["pid"]) and _gone(executors[1]["pid"])
+
+
+def test_a_model_whose_heads_do_not_split_is_refused_at_start_up(default_model_dir):
+    with pytest.raises(ChildFailedError) as refused:
+        LLM(str(default_model_dir), tensor_parallel_size=2, startup_timeout=120)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "tensor_parallel_size 2 does not divide the model's 9 attention heads" in message
+
+
+def test_the_group_size_is_the_number_of_executors():
+    assert resolve_num_executors(None, EngineArgs()) == 1
+    assert resolve_num_executors(None, EngineArgs(tensor_parallel_size=3)) == 3
+    assert resolve_num_executors(2, EngineArgs()) == 2  # replicas of the whole model
+    with pytest.raises(ValueError, match="num_executors 2 != tensor_parallel_size 3"):
+        resolve_num_executors(2, EngineArgs(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+        resolve_num_executors(None, EngineArgs(tensor_parallel_size=0))

@@ -1,0 +1,129 @@
+"""One engine-core workload run by every rank of a tensor-parallel group (or by one process
+at tensor_parallel_size 1), for the tensor-parallel tests.
+
+Each rank drives its own Scheduler + EngineCore over its ModelRunner shard. The schedulers
+see the same requests and, through rank 0's broadcast, the same sampled tokens, so every
+rank plans and executes the same steps in lockstep: the collectives line up.
+"""
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
+from weir.services.engine.ngram import NgramProposer
+from weir.services.executor.model_runner import ModelRunner
+from weir.services.scheduler import Request, Scheduler
+from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.sampling import SamplingParams
+
+BLOCK_SIZE = 4
+BUDGET = 16  # max_num_batched_tokens: long prompts are chunked
+
+
+@dataclass(slots=True)
+class Workload:
+    model_dir: str
+    prompts: list[list[int]]
+    max_tokens: int
+    num_blocks: int  # small enough that requests preempt each other
+    num_speculative_tokens: int = 0  # n-gram drafts, verified in the same forward pass
+
+
+@dataclass(slots=True)
+class RankReport:
+    rank: int
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    chunked: bool = False
+    preempted: bool = False
+    draft_tokens: int = 0
+    forwards: int = 0  # steps that ran the model
+    sampling_steps: int = 0  # steps that computed logits
+    all_reduces: int = 0
+    gathers: int = 0
+    broadcasts: int = 0
+    num_layers: int = 0
+    error: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _counting(collective, report: RankReport, counter: str):
+    def call(*args):
+        setattr(report, counter, getattr(report, counter) + 1)
+        return collective(*args)
+
+    return call
+
+
+def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
+    runner = ModelRunner(
+        work.model_dir,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=64 << 20,
+        max_num_batched_tokens=BUDGET,
+        max_num_seqs=8,
+        max_model_len=256,
+        tensor_parallel_size=world_size,
+        rank=rank,
+    )
+    report = RankReport(rank, num_layers=runner.config.num_layers)
+    if runner.tp is not None:
+        # Count the collectives the model calls, by wrapping the object it calls them on.
+        for method, counter in (
+            ("all_reduce", "all_reduces"),
+            ("gather_logits", "gathers"),
+            ("broadcast_tokens", "broadcasts"),
+        ):
+            setattr(runner.tp, method, _counting(getattr(runner.tp, method), report, counter))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=BUDGET,
+            max_num_seqs=8,
+            max_model_len=256,
+            num_speculative_tokens=work.num_speculative_tokens,
+        ),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=work.num_blocks),
+    )
+    k = work.num_speculative_tokens
+    proposer = NgramProposer(k, 1, 3) if k else None
+    core = EngineCore(scheduler, InProcessExecutor(runner), proposer=proposer)
+    params = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(work.prompts):
+        scheduler.add_request(Request(f"r{i}", prompt, params))
+        report.outputs[f"r{i}"] = []
+    while core.has_work():
+        step = step_now(core)
+        plan = step.plan
+        report.chunked |= len(plan.num_scheduled_tokens) > 1 and any(
+            n > 1 for n in plan.num_scheduled_tokens.values()
+        )
+        report.preempted |= bool(plan.preempted_req_ids)
+        if plan.total_num_scheduled_tokens:
+            report.forwards += 1
+        if step.outputs and any(out.new_token_ids for out in step.outputs):
+            report.sampling_steps += 1
+        for out in step.outputs:
+            report.outputs[out.request_id] += out.new_token_ids
+    report.draft_tokens = scheduler.stats().spec_decode.num_draft_tokens
+    return report
+
+
+def run_rank(work: Workload, world_size: int, rank: int, port: int, results) -> None:
+    """A spawned rank: join the group through env://, run the workload, report."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        results.put(run(work, world_size, rank))
+    except Exception as exc:
+        results.put(RankReport(rank, error=f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
