@@ -28,6 +28,7 @@ import zmq.asyncio
 from weir.shared.config import DEFAULT_ADDRESS
 from weir.shared.protocol.client import (
     ENGINE_ERROR,
+    INVALID_REQUEST,
     SERVER_UNAVAILABLE,
     AbortRequest,
     ClientMessage,
@@ -40,6 +41,7 @@ from weir.shared.protocol.client import (
     StreamOutput,
     decode_server_message,
     encode_client_message,
+    request_id_problem,
 )
 from weir.shared.sampling import SamplingParams
 from weir.shared.zmq_send import send_now
@@ -108,6 +110,9 @@ class AsyncWeirClient:
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration."""
         request_id = request_id or uuid.uuid4().hex
+        # The server cannot address its refusal of an unusable id to this stream.
+        if (problem := request_id_problem(request_id)) is not None:
+            raise InvalidRequestError(problem, INVALID_REQUEST)
         if request_id in self._streams:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already streaming", "duplicate_request_id"
