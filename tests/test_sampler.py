@@ -71,7 +71,9 @@ def test_extreme_temperatures_neither_overflow_nor_stick_to_token_zero():
     # is greedy. A temperature beyond float32 made them NaN; it stays finite (near uniform).
     logits = random_logits(8, seed=4)
     logits[:, 0] = logits.min() - 1  # token 0 is never the argmax
-    out = Sampler(seed=0)(logits, make_batch([{"temperature": 1e-45}] * 4 + [{"temperature": 1e-6}] * 4))
+    out = Sampler(seed=0)(
+        logits, make_batch([{"temperature": 1e-45}] * 4 + [{"temperature": 1e-6}] * 4)
+    )
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
     hot = Sampler(seed=0)(
         logits.repeat(64, 1),

@@ -300,7 +300,7 @@ class ClientFrontend:
         if isinstance(prompt, str):
             num_chars = len(prompt)
         elif isinstance(prompt[0], dict):
-            num_chars = sum(len(m["content"]) for m in prompt)  # type: ignore[index]
+            num_chars = sum(len(m["content"]) for m in prompt)
         else:
             return len(prompt)  # token ids: their count is checked against max_model_len
         if num_chars > self.max_prompt_chars:

@@ -195,7 +195,7 @@ _CLIENT_FIELDS = {
 def decode_client_message(frame: bytes) -> ClientMessage:
     """Parse and validate one client frame; raises ``ClientProtocolError`` naming the problem."""
     data = _unpack_map(frame, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN)
-    raw_id = data.get("request_id")
+    raw_id: Any = data.get("request_id")  # a valid id once request_id_problem says so
     id_problem = request_id_problem(raw_id)
     request_id = raw_id if id_problem is None else None  # errors name only a valid id
     try:
