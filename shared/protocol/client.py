@@ -216,7 +216,7 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             INVALID_REQUEST, f"{type_}: unknown field(s) {_short(unknown)}", request_id
         )
     if id_problem is not None:
-        raise ClientProtocolError(INVALID_REQUEST, _short(id_problem, 300))
+        raise ClientProtocolError(INVALID_REQUEST, id_problem)
     if type_ == "abort":
         return AbortRequest(raw_id)
     if type_ == "health":
@@ -238,7 +238,7 @@ def decode_client_message(frame: bytes) -> ClientMessage:
 
 def _short(value: Any, limit: int = 100) -> str:
     """``repr`` of a client's value for an error message, cut to ``limit`` characters."""
-    text = value if isinstance(value, str) else repr(value)
+    text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
