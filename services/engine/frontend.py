@@ -8,9 +8,10 @@ scheduler; aborts, health and model-info queries are answered. Whatever could ma
 step raise is refused here, so one bad request never fails the others in its batch.
 Long prompts are tokenized on worker threads (the tokenizer releases the GIL) while
 the loop keeps streaming; such a request is in flight from its arrival, so an abort
-reaches it and its id cannot be reused. ``publish`` turns each step's ``EngineOutput``s into the
-clients' ``StreamOutput``s: it detokenizes, applies stop strings (ending the
-request in the scheduler when one matches) and sends one frame per client.
+reaches it and its id cannot be reused. ``publish`` turns each step's
+``EngineOutput``s into the clients' ``StreamOutput``s: it detokenizes, applies stop
+strings (ending the request in the scheduler when one matches) and sends one frame
+per client.
 
 The front end never waits on a client: a client that is gone or not reading
 loses its requests, nobody else's.
@@ -148,7 +149,10 @@ class ClientFrontend:
             return
         except Exception as exc:  # a frame the decoder did not foresee: still only an error
             _log.warning(
-                "client %s: undecodable message (%s: %s)", identity.hex(), type(exc).__name__, exc
+                "client %s: undecodable message (%s: %.200s)",
+                identity.hex(),
+                type(exc).__name__,
+                exc,
             )
             self.send_error(
                 identity,
