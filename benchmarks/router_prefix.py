@@ -79,8 +79,8 @@ def measure(engine: EngineArgs, num_replicas: int, prompts: list[str], concurren
             urls = [r.info["metrics_address"] for r in replicas]
             before = [
                 (
-                    _counter(u, "weir:prefix_cache_hits_total"),
-                    _counter(u, "weir:prefix_cache_queries_total"),
+                    _counter(u, "weir_prefix_cache_hit_tokens_total"),
+                    _counter(u, "weir_prefix_cache_query_tokens_total"),
                 )
                 for u in urls
             ]
@@ -89,8 +89,8 @@ def measure(engine: EngineArgs, num_replicas: int, prompts: list[str], concurren
             seconds = time.perf_counter() - start
             after = [
                 (
-                    _counter(u, "weir:prefix_cache_hits_total"),
-                    _counter(u, "weir:prefix_cache_queries_total"),
+                    _counter(u, "weir_prefix_cache_hit_tokens_total"),
+                    _counter(u, "weir_prefix_cache_query_tokens_total"),
                 )
                 for u in urls
             ]

@@ -3,9 +3,9 @@
 Starts the engine (scheduler + executor processes, as `LLM` does), runs a workload, and
 reads the per-phase histograms before and after it:
 
-  scheduler  weir:scheduler_step_phase_seconds{phase=schedule|plan_encode|executor|update|outputs}
-  executor   weir:executor_step_seconds (plan decoded to result encoded)
-             weir:executor_phase_seconds{phase=prepare|forward|sample} when the executor has them
+  scheduler  weir_scheduler_step_phase_seconds{phase=schedule|plan_encode|executor|update|outputs}
+  executor   weir_executor_step_seconds (plan decoded to result encoded)
+             weir_executor_phase_seconds{phase=prepare|forward|sample} when the executor has them
 
 IPC = the scheduler's wait for the executor minus the executor's own step time (ZeroMQ,
 the kernel, and the wake-ups on both sides).
@@ -96,14 +96,14 @@ def main() -> None:
         s0, c0 = before.get((metric, phase), (0.0, 0.0))
         return s1 - s0, c1 - c0
 
-    steps = delta("weir:scheduler_step_phase_seconds", "executor")[1]
+    steps = delta("weir_scheduler_step_phase_seconds", "executor")[1]
     ms = {
-        phase: delta("weir:scheduler_step_phase_seconds", phase)[0] / steps * 1e3
+        phase: delta("weir_scheduler_step_phase_seconds", phase)[0] / steps * 1e3
         for phase in ("schedule", "plan_encode", "executor", "update", "outputs")
     }
-    executor_ms = delta("weir:executor_step_seconds")[0] / steps * 1e3
+    executor_ms = delta("weir_executor_step_seconds")[0] / steps * 1e3
     runner = {
-        phase: delta("weir:executor_phase_seconds", phase)[0] / steps * 1e3
+        phase: delta("weir_executor_phase_seconds", phase)[0] / steps * 1e3
         for phase in ("prepare", "forward", "sample")
     }
     total = sum(ms.values())

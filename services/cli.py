@@ -75,6 +75,7 @@ def _scheduler(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
                 executor_address=executor_address,
                 num_executors=args.num_executors,
+                metrics_host=args.metrics_host,
             ),
             status,
             args.parent_pid,
@@ -142,6 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
         EngineArgs.from_cli(args),
         host=args.host,
         port=args.port,
+        metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,
         executor_metrics_port=args.executor_metrics_port,
         http_port=None if args.no_http else args.http_port,
@@ -149,6 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
     )
     signal.signal(signal.SIGTERM, _raise_terminated)
+    drain = False
     try:
         try:
             info = server.start()
@@ -173,11 +176,14 @@ def _serve(args: argparse.Namespace) -> int:
         name, rc = server.wait()
         print(f"weir serve: {name} exited with code {rc}; stopping", file=sys.stderr)
         return 1
-    except (KeyboardInterrupt, _Terminated):
+    except KeyboardInterrupt:
+        return 0
+    except _Terminated:
+        drain = True  # as Kubernetes stops a pod: finish what is in flight
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.shutdown()
+        server.shutdown(drain)
 
 
 # ------------------------------------------------------------------ clients
@@ -292,6 +298,14 @@ def _add_child_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def _add_metrics_host_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        help=f"address {what} bind to (default: --host)",
+    )
+
+
 def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
@@ -334,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a scheduler and its executor on this machine")
     p.add_argument("--host", default="127.0.0.1", help="address the sockets bind to")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port (0 = any free)")
+    _add_metrics_host_flag(p, "every process's /metrics and /health")
     p.add_argument(
         "--metrics-port",
         type=int,
@@ -381,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scheduler", help="run the scheduler process alone")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port (0 = any free)")
+    _add_metrics_host_flag(p, "/metrics and /health")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
     p.add_argument(
         "--executor-address",
@@ -395,7 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("executor", help="run one executor process alone")
     p.add_argument("--scheduler", required=True, help="the scheduler's executor address")
     p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address /metrics and /health bind to (default 127.0.0.1)",
+    )
     p.add_argument(
         "--metrics-port",
         type=int,

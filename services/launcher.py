@@ -8,7 +8,10 @@ one JSON line: ``{"event": "ready", ...}`` once it is serving, or
 supervisor leaves no orphans). The scheduler only reports ready once every
 executor has completed its handshake, so "ready" means the whole server is.
 Children run in their own session, so a terminal's Ctrl-C reaches only the
-supervisor, which then stops them in order: SIGTERM, a grace period, SIGKILL.
+supervisor, which then stops them front to back (gateway and scheduler, then the
+executors): a signal, a grace period, SIGKILL. With ``drain`` the scheduler gets
+SIGTERM and finishes its in-flight requests first. While serving, an executor that
+dies is started again, with backoff; its requests wait in the scheduler meanwhile.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import select
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +42,10 @@ from weir.shared.config import (
 _log = logging.getLogger(__name__)
 
 GATEWAY = "gateway"
+# An executor that dies is started again after this many seconds, doubled while it
+# keeps dying soon after starting.
+_RESTART_DELAY_S = (1.0, 30.0)
+_STABLE_RUN_S = 60.0
 
 
 # ------------------------------------------------------------------ supervisor side
@@ -51,11 +58,18 @@ class ChildFailedError(RuntimeError):
 @dataclass(slots=True)
 class _Child:
     name: str
+    argv: list[str]
+    env: dict[str, str] | None
     proc: subprocess.Popen[bytes]
     status_fd: int
     pidfd: int
+    started: float = field(default_factory=time.monotonic)
     buffer: bytes = b""
     events: list[dict[str, Any]] = field(default_factory=list)
+
+    def close(self) -> None:
+        os.close(self.status_fd)
+        os.close(self.pidfd)
 
     def read_status(self) -> None:
         while True:
@@ -84,7 +98,8 @@ class ServerProcesses:
 
     ``start()`` returns the scheduler's ready record (``client_address``,
     ``metrics_address``, ``executors`` with each rank's ``metrics_address``...), plus the
-    gateway's ``http_address``. Use as a context manager, or call ``shutdown()``.
+    gateway's ``http_address``. Every process's /metrics and /health bind to
+    ``metrics_host`` (default: ``host``). Use as a context manager, or call ``shutdown()``.
     """
 
     def __init__(
@@ -93,6 +108,7 @@ class ServerProcesses:
         *,
         host: str = "127.0.0.1",
         port: int = DEFAULT_PORT,
+        metrics_host: str | None = None,
         metrics_port: int = DEFAULT_METRICS_PORT,
         executor_metrics_port: int = DEFAULT_EXECUTOR_METRICS_PORT,
         num_executors: int = 1,
@@ -104,12 +120,17 @@ class ServerProcesses:
         self.engine_args = engine_args or EngineArgs()
         self.http_port, self.api_key = http_port, api_key
         self.host, self.port = host, port
+        self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
         self.num_executors = num_executors
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.info: dict[str, Any] = {}
         self._children: list[_Child] = []
-        self._tmpdir: str | None = None
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._exited: tuple[str, int] | None = None
+        self._exit_event = threading.Event()
+        self._wake: tuple[int, int] | None = None  # the supervisor's wake pipe (read, write)
 
     def __enter__(self) -> ServerProcesses:
         self.start()
@@ -123,8 +144,8 @@ class ServerProcesses:
         return self.info["client_address"]
 
     def start(self) -> dict[str, Any]:
-        self._tmpdir = tempfile.mkdtemp(prefix="weir-")
-        executor_address = f"ipc://{self._tmpdir}/executor.sock"
+        # Linux's abstract namespace: no socket file to leave behind, whatever kills us.
+        executor_address = f"ipc://@weir-{os.getpid()}-{secrets.token_hex(4)}"
         try:
             self._spawn(
                 SCHEDULER,
@@ -134,6 +155,8 @@ class ServerProcesses:
                     self.host,
                     "--port",
                     str(self.port),
+                    "--metrics-host",
+                    self.metrics_host,
                     "--metrics-port",
                     str(self.metrics_port),
                     "--executor-address",
@@ -156,7 +179,7 @@ class ServerProcesses:
                         "--rank",
                         str(rank),
                         "--metrics-host",
-                        self.host,
+                        self.metrics_host,
                         "--metrics-port",
                         str(metrics_port),
                         *self.engine_args.to_argv(EXECUTOR),
@@ -168,27 +191,91 @@ class ServerProcesses:
         except BaseException:
             self.shutdown()
             raise
+        self._wake = os.pipe()
+        self._supervisor = threading.Thread(
+            target=self._supervise, args=(self._wake[0],), name="weir-supervisor", daemon=True
+        )
+        self._supervisor.start()
         return self.info
 
     def wait(self) -> tuple[str, int]:
-        """Block until a child exits; return its name and exit code."""
+        """Block until the scheduler or the gateway exits; return its name and exit code."""
+        self._exit_event.wait()
+        assert self._exited is not None
+        return self._exited
+
+    def _supervise(self, wake_fd: int) -> None:
+        """Until ``shutdown``: start a dead executor again (after 1 s, doubled up to 30 s
+        while it keeps dying within a minute of its start; the scheduler resumes its
+        requests once it is back); note when the scheduler or the gateway exits."""
+        delay: dict[str, float] = {}
+        restarts: list[tuple[float, _Child]] = []
         with selectors.DefaultSelector() as sel:
+            sel.register(wake_fd, selectors.EVENT_READ)
             for child in self._children:
-                sel.register(child.pidfd, selectors.EVENT_READ, child)
-            while True:
-                for key, _ in sel.select():
-                    child = key.data
+                sel.register(child.pidfd, selectors.EVENT_READ)
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                for due, child in [r for r in restarts if r[0] <= now]:
+                    restarts.remove((due, child))
+                    sel.register(self._respawn(child).pidfd, selectors.EVENT_READ)
+                timeout = min(due for due, _ in restarts) - now if restarts else None
+                for key, _ in sel.select(timeout):
+                    child = next((c for c in self._children if c.pidfd == key.fd), None)
+                    if child is None:  # the wake pipe: shutdown
+                        return
+                    sel.unregister(key.fd)
                     rc = child.proc.wait()
                     child.read_status()
-                    return child.name, rc
+                    if child.name in (SCHEDULER, GATEWAY):
+                        self._exited = child.name, rc
+                        self._exit_event.set()
+                        continue
+                    ran = time.monotonic() - child.started
+                    wait = (
+                        _RESTART_DELAY_S[0]
+                        if ran > _STABLE_RUN_S or child.name not in delay
+                        else min(2 * delay[child.name], _RESTART_DELAY_S[1])
+                    )
+                    delay[child.name] = wait
+                    _log.error(
+                        "%s exited with code %d after %.0fs; starting it again in %gs",
+                        child.name,
+                        rc,
+                        ran,
+                        wait,
+                    )
+                    restarts.append((time.monotonic() + wait, child))
 
-    def shutdown(self) -> None:
-        """SIGTERM every child's process group; SIGKILL what is left after the grace period."""
-        for child in self._children:
+    def _respawn(self, child: _Child) -> _Child:
+        child.close()
+        self._children.remove(child)
+        self._spawn(child.name, child.argv, child.env)
+        return self._children[-1]
+
+    def shutdown(self, drain: bool = False) -> None:
+        """Stop the gateway and the scheduler, then the executors: SIGTERM (SIGINT for the
+        scheduler unless ``drain``), and SIGKILL what is left after the grace period
+        (``engine_args.drain_timeout`` longer with ``drain``)."""
+        if self._supervisor is not None and self._wake is not None:
+            self._stopping.set()
+            os.write(self._wake[1], b"x")
+            self._supervisor.join()
+            self._supervisor = None
+            for fd in self._wake:
+                os.close(fd)
+        front = [c for c in self._children if c.name in (SCHEDULER, GATEWAY)]
+        grace = self.stop_timeout + (self.engine_args.drain_timeout if drain else 0.0)
+        self._stop(front, signal.SIGTERM if drain else signal.SIGINT, grace)
+        self._stop(list(self._children), signal.SIGTERM, self.stop_timeout)
+
+    def _stop(self, children: list[_Child], scheduler_signal: signal.Signals, grace: float) -> None:
+        for child in children:
             if child.proc.returncode is None:
-                _signal_group(child.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout
-        for child in self._children:
+                sig = scheduler_signal if child.name == SCHEDULER else signal.SIGTERM
+                _signal_group(child.proc.pid, sig)
+        deadline = time.monotonic() + grace
+        for child in children:
             if child.proc.returncode is None:
                 # Wait without reaping: the zombie keeps the pid (and so the process
                 # group id) from being reused until the group is killed below.
@@ -196,17 +283,11 @@ class ServerProcesses:
                     [child.pidfd], [], [], max(0.0, deadline - time.monotonic())
                 )
                 if not readable:
-                    _log.warning(
-                        "%s did not stop within %.1fs; killing it", child.name, self.stop_timeout
-                    )
+                    _log.warning("%s did not stop within %.1fs; killing it", child.name, grace)
                 _signal_group(child.proc.pid, signal.SIGKILL)
                 child.proc.wait()
-            os.close(child.status_fd)
-            os.close(child.pidfd)
-        self._children.clear()
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+            child.close()
+            self._children.remove(child)
 
     def _start_gateway(self, schedulers: list[str], *extra: str) -> str:
         """Start `weir gateway` in front of ``schedulers``; returns its HTTP address."""
@@ -241,7 +322,7 @@ class ServerProcesses:
             )
         finally:
             os.close(write_fd)
-        self._children.append(_Child(name, proc, read_fd, os.pidfd_open(proc.pid)))
+        self._children.append(_Child(name, argv, env, proc, read_fd, os.pidfd_open(proc.pid)))
 
     def _wait_ready(self, target: _Child) -> dict[str, Any]:
         """``target``'s ready record, failing if any child exits or reports an error first."""

@@ -178,12 +178,14 @@ class AsyncWeirClient:
         except zmq.Again:
             raise ServerUnavailableError(f"send queue to {self.address} is full") from None
 
-    async def _request(self, msg: HealthRequest | ModelInfoRequest) -> Any:
+    async def _request(
+        self, msg: HealthRequest | ModelInfoRequest, timeout: float | None = None
+    ) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._replies[msg.request_id] = future
         try:
             self._send(msg)
-            reply = await asyncio.wait_for(future, self.timeout)
+            reply = await asyncio.wait_for(future, timeout or self.timeout)
         except TimeoutError:
             raise ServerUnavailableError(
                 f"no reply from {self.address} within {self.timeout:g}s"
@@ -197,13 +199,16 @@ class AsyncWeirClient:
     async def _next_item(
         self, request_id: str, queue: asyncio.Queue[StreamOutput | WeirError]
     ) -> StreamOutput | WeirError:
-        # A long queue on the server is not a failure: when a stream is quiet for
-        # `timeout`, ask whether the server is alive and still knows the request.
+        # A long queue on the server is not a failure: when a stream is quiet for half
+        # of `timeout`, ask whether the server is alive and still knows the request; a
+        # dead server is so noticed within `timeout`.
         while True:
             try:
-                return await asyncio.wait_for(queue.get(), self.timeout)
+                return await asyncio.wait_for(queue.get(), self.timeout / 2)
             except TimeoutError:
-                reply = await self._request(HealthRequest(uuid.uuid4().hex, [request_id]))
+                reply = await self._request(
+                    HealthRequest(uuid.uuid4().hex, [request_id]), self.timeout / 2
+                )
             # Outputs sent before the reply are already queued: only an empty queue is lost.
             if request_id in reply.info.get("lost_request_ids", ()) and queue.empty():
                 return EngineError(

@@ -40,7 +40,8 @@ class SchedulerConfig:
     request while others run. ``policy="priority"`` orders the waiting queue by
     ``(priority, arrival_time)`` (lower value first) and preempts the running request
     with the largest such key; ``"fcfs"`` orders by arrival and preempts the most
-    recently admitted.
+    recently admitted. ``async_scheduling`` plans step N+1 while step N runs: each
+    request that step N samples for counts one placeholder token (see the scheduler).
     """
 
     max_num_batched_tokens: int = 2048
@@ -51,6 +52,7 @@ class SchedulerConfig:
     watermark: float = 0.01
     policy: str = "fcfs"
     num_speculative_tokens: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -58,6 +60,12 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        if type(self.async_scheduling) is not bool:
+            raise ValueError(
+                f"async_scheduling must be a bool, got {type(self.async_scheduling).__name__}"
+            )
+        if self.async_scheduling and self.num_speculative_tokens:
+            raise ValueError("async_scheduling cannot verify draft tokens: turn one of them off")
         if type(self.enable_chunked_prefill) is not bool:
             raise ValueError(
                 "enable_chunked_prefill must be a bool, "
@@ -228,6 +236,12 @@ class EngineArgs:
         "draft tokens proposed per request and step (with --speculative-method)",
         type=int,
     )
+    async_scheduling: bool = _arg(
+        True,
+        SCHEDULER,
+        "plan step N+1 while step N runs (lockstep with --speculative-method, whose drafts "
+        "need step N's tokens)",
+    )
     ngram_min: int = _arg(2, SCHEDULER, "shortest n-gram the ngram proposer matches", type=int)
     ngram_max: int = _arg(4, SCHEDULER, "longest n-gram the ngram proposer matches", type=int)
     max_message_size: int = _arg(
@@ -245,7 +259,23 @@ class EngineArgs:
         type=int,
     )
     executor_timeout: float = _arg(
-        3.0, SCHEDULER, "seconds without an executor heartbeat before its requests fail", type=float
+        3.0,
+        SCHEDULER,
+        "seconds without an executor heartbeat before it counts as lost (its requests wait "
+        "for a new one)",
+        type=float,
+    )
+    recovery_timeout: float = _arg(
+        120.0,
+        SCHEDULER,
+        "seconds the requests of a lost executor wait for a new one before they fail",
+        type=float,
+    )
+    drain_timeout: float = _arg(
+        30.0,
+        SCHEDULER,
+        "on SIGTERM: seconds to finish in-flight requests (new ones are refused) before stopping",
+        type=float,
     )
     device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
     dtype: str | None = _arg(None, EXECUTOR, "weight/activation dtype (default: per device)")
@@ -302,6 +332,7 @@ class EngineArgs:
             watermark=self.watermark,
             policy=self.policy,
             num_speculative_tokens=self.num_speculative_tokens if self.speculative_method else 0,
+            async_scheduling=self.async_scheduling and not self.speculative_method,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

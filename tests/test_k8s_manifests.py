@@ -3,6 +3,8 @@
 import asyncio
 import json
 import re
+import urllib.error
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -13,8 +15,11 @@ from prometheus_client import CollectorRegistry
 from weir.services.cli import build_parser
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.metrics import ExecutorMetrics
+from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import Router
+from weir.services.metrics_endpoint import start_metrics_server
+from weir.shared.config import DEFAULT_EXECUTOR_METRICS_PORT
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 
@@ -47,15 +52,6 @@ def test_kustomization_lists_every_manifest() -> None:
 def test_container_args_are_accepted_by_the_cli(deployment: str) -> None:
     args = build_parser().parse_args(_container(deployment)["args"])
     assert args.command == deployment.removeprefix("weir-")
-
-
-def test_scheduler_readiness_probe_is_a_weir_health_check() -> None:
-    command = _container("weir-scheduler")["readinessProbe"]["exec"]["command"]
-    assert command[0] == "weir"
-    args = build_parser().parse_args(command[1:])
-    assert args.command == "health"
-    scheduler_args = build_parser().parse_args(_container("weir-scheduler")["args"])
-    assert urlparse(args.address).port == scheduler_args.port
 
 
 def test_executor_reaches_the_scheduler_service_port() -> None:
@@ -97,7 +93,7 @@ def test_dashboard_queries_only_metrics_the_processes_export() -> None:
         name
         for panel in dashboard["panels"]
         for target in panel["targets"]
-        for name in re.findall(r"weir:[a-z0-9_]+", target["expr"])
+        for name in re.findall(r"weir_[a-z0-9_]+", target["expr"])
     }
     assert queried, "the dashboard has no Weir queries"
     assert queried <= exported, f"not exported: {sorted(queried - exported)}"
@@ -110,3 +106,193 @@ def test_gateway_routes_to_the_scheduler_service_client_port() -> None:
     assert target.port in {p["port"] for p in service["spec"]["ports"] if p["name"] == "clients"}
     probe = _container("weir-gateway")["readinessProbe"]["httpGet"]
     assert probe["path"] == "/health" and probe["port"] == "http"
+
+
+# ------------------------------------------------------------------ start order
+
+
+ROLES = ("weir-scheduler", "weir-executor", "weir-gateway")
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def _served(deployment: str) -> dict[str, tuple[str, int]]:
+    """The (bind address, port) the process serves each of its HTTP endpoints on, from the
+    same command line the container runs: "metrics" (/metrics, /health) or "gateway"."""
+    args = build_parser().parse_args(_container(deployment)["args"])
+    if args.command == "scheduler":
+        return {"metrics": (args.metrics_host or args.host, args.metrics_port)}
+    if args.command == "executor":
+        port = args.metrics_port
+        return {"metrics": (args.metrics_host, port or DEFAULT_EXECUTOR_METRICS_PORT + args.rank)}
+    return {"gateway": (args.host, args.port)}
+
+
+async def _gateway_paths() -> set[str]:
+    router = Router(["tcp://127.0.0.1:9"])
+    try:
+        return {route.path for route in create_app(Gateway(router, None)).routes}
+    finally:
+        await router.close()
+
+
+def _metrics_endpoint_answers(path: str) -> bool:
+    """A real metrics endpoint, ready, answers ``path`` (anything else is a 404)."""
+    url = start_metrics_server(CollectorRegistry(), "127.0.0.1", 0, ready=lambda: True)
+    try:
+        with urllib.request.urlopen(url.removesuffix("/metrics") + path, timeout=10) as reply:
+            return reply.status == 200
+    except urllib.error.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize("deployment", ROLES)
+def test_every_probe_reaches_a_path_the_process_serves(deployment: str) -> None:
+    container = _container(deployment)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    served = _served(deployment)
+    gateway_paths = asyncio.run(_gateway_paths()) if "gateway" in served else set()
+    for kind in PROBES:
+        if kind not in container:
+            continue
+        assert "httpGet" in container[kind], f"{deployment} {kind}: probe an HTTP endpoint"
+        probe = container[kind]["httpGet"]
+        port = ports[probe["port"]]
+        endpoint = next((e for e, (_, p) in served.items() if p == port), None)
+        assert endpoint is not None, f"{deployment} {kind}: nothing serves HTTP on {port}"
+        host = served[endpoint][0]
+        assert host not in ("127.0.0.1", "localhost", "::1"), (
+            f"{deployment} binds {endpoint} to {host}: the kubelet cannot reach it"
+        )
+        if endpoint == "gateway":
+            assert probe["path"] in gateway_paths, (deployment, kind, probe)
+        else:
+            assert _metrics_endpoint_answers(probe["path"]), (deployment, kind, probe)
+
+
+@pytest.mark.parametrize("deployment", ["weir-scheduler", "weir-executor"])
+def test_engine_roles_have_startup_and_readiness_probes(deployment: str) -> None:
+    container = _container(deployment)
+    # Started: the process's own endpoint is up, which waits on no other pod.
+    assert container["startupProbe"]["httpGet"]["path"] == "/metrics"
+    # Ready: /health, 200 once the scheduler has its executors / the executor is welcomed.
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _pod_labels(deployment: str) -> dict:
+    return _by_kind_name("Deployment", deployment)["spec"]["template"]["metadata"]["labels"]
+
+
+def _upstreams(deployment: str) -> list[dict]:
+    """The Services the process connects to, from its --scheduler addresses."""
+    args = build_parser().parse_args(_container(deployment)["args"])
+    addresses = args.scheduler if isinstance(args.scheduler, list) else [args.scheduler]
+    return [_by_kind_name("Service", urlparse(a).hostname) for a in addresses or []]
+
+
+def test_the_pods_become_ready_in_some_order() -> None:
+    """Walk the start order: every pod starts on its own (startup probes wait on nothing
+    else), then becomes ready once what it needs is reachable, until nothing changes.
+
+    What readiness needs, from the code: an executor is ready once its scheduler has
+    welcomed it; the scheduler once every executor has joined; a gateway once a
+    scheduler answers with executors. A connection through a Service reaches a pod that
+    is ready, or merely started when the Service publishes not-ready addresses."""
+    scheduler_args = build_parser().parse_args(_container("weir-scheduler")["args"])
+    executors = _by_kind_name("Deployment", "weir-executor")["spec"]["replicas"]
+    assert scheduler_args.num_executors == executors
+
+    def reachable(service: dict, ready: set[str]) -> bool:
+        targets = [
+            d
+            for d in ROLES
+            if _selects({"matchLabels": service["spec"]["selector"]}, _pod_labels(d))
+        ]
+        assert targets, f"Service {service['metadata']['name']} selects no pod"
+        return service["spec"].get("publishNotReadyAddresses", False) or all(
+            d in ready for d in targets
+        )
+
+    needs = {
+        "weir-executor": lambda ready: all(
+            reachable(s, ready) for s in _upstreams("weir-executor")
+        ),
+        "weir-scheduler": lambda ready: "weir-executor" in ready,
+        "weir-gateway": lambda ready: any(
+            reachable(s, ready) and "weir-scheduler" in ready for s in _upstreams("weir-gateway")
+        ),
+    }
+    ready: set[str] = set()
+    while True:
+        now = {d for d in ROLES if needs[d](ready)}
+        if now == ready:
+            break
+        ready = now
+    assert ready == set(ROLES), f"never ready (waiting on each other): {set(ROLES) - ready}"
+
+
+# ------------------------------------------------------------------ network policy
+
+
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+STRANGER = {"app.kubernetes.io/name": "something-else"}
+
+
+def _admits(source: dict, same_namespace: bool, deployment: str, port_name: str) -> bool:
+    """Whether the NetworkPolicies admit a pod labelled ``source`` to ``port_name``."""
+    labels = _pod_labels(deployment)
+    policies = [
+        d
+        for d in _documents()
+        if d["kind"] == "NetworkPolicy" and _selects(d["spec"]["podSelector"], labels)
+    ]
+    if not policies:
+        return True
+    port = next(p for p in _container(deployment)["ports"] if p["name"] == port_name)
+
+    def peer_matches(peer: dict) -> bool:
+        if "ipBlock" in peer:
+            return False
+        if "namespaceSelector" not in peer and not same_namespace:
+            return False
+        return _selects(peer.get("podSelector", {}), source)
+
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(p["port"] in (port_name, port["containerPort"]) for p in ports):
+                continue
+            if "from" not in rule or any(peer_matches(peer) for peer in rule["from"]):
+                return True
+    return False
+
+
+def test_network_policy_admits_only_the_connections_the_roles_make() -> None:
+    gateway, executor = _pod_labels("weir-gateway"), _pod_labels("weir-executor")
+    # What the processes need.
+    assert _admits(gateway, True, "weir-scheduler", "clients")
+    assert _admits(executor, True, "weir-scheduler", "executors")
+    for deployment, port in (
+        ("weir-scheduler", "metrics"),
+        ("weir-executor", "metrics"),
+        ("weir-gateway", "http"),
+    ):
+        assert _admits(PROMETHEUS, False, deployment, port), (deployment, port)
+    assert _admits(STRANGER, False, "weir-gateway", "http")  # the API, behind its key
+    # Nobody else reaches the engine.
+    for source, same in ((STRANGER, True), (STRANGER, False), (PROMETHEUS, False)):
+        for port in ("clients", "executors"):
+            assert not _admits(source, same, "weir-scheduler", port), (source, port)
+    assert not _admits(gateway, True, "weir-scheduler", "executors")
+    assert not _admits(executor, True, "weir-scheduler", "clients")
+    assert not _admits(STRANGER, True, "weir-executor", "metrics")
+
+
+def test_the_scheduler_pod_is_given_time_to_drain() -> None:
+    pod = _by_kind_name("Deployment", "weir-scheduler")["spec"]["template"]["spec"]
+    args = build_parser().parse_args(_container("weir-scheduler")["args"])
+    # Kubernetes SIGKILLs after the grace period: the drain must end well inside it.
+    assert pod["terminationGracePeriodSeconds"] >= args.drain_timeout + 10

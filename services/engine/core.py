@@ -6,37 +6,44 @@ benchmarks drive the same core against an executor in their own process
 (``InProcessExecutor`` around a ``ModelRunner`` or a test's fake) with
 ``step_now``.
 
-An executor is anything with ``async execute(plan) -> StepResult``. It may raise
-``StepFailedError`` (this step raised on the executor, which keeps serving) or
-``ExecutorLostError`` (no more steps can run; its owner has already failed every
-request).
+An executor is anything with ``submit(plan) -> Awaitable[StepResult]`` that runs the
+plans it is given in order. With ``async_scheduling`` the core plans and submits step
+N+1 before it awaits step N's result (the executor feeds step N's sampled tokens into
+step N+1 itself), so scheduling, sending and the caller's output work overlap the
+executor's. Awaiting a result may raise
+``StepFailedError`` (this step raised on the executor, which then holds no request
+and keeps serving: the scheduler sends every request again and looks for the one
+that made the step raise, ``Scheduler.on_step_failed``) or ``ExecutorLostError``
+(no more steps can run until its owner brings a new executor).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from weir.services.engine.ngram import NgramProposer
 from weir.services.scheduler.output import EngineOutput
-from weir.services.scheduler.request import RequestStatus
 from weir.services.scheduler.scheduler import Scheduler
 from weir.shared.protocol.step import StepPlan, StepResult
 
 
 class Executor(Protocol):
-    async def execute(self, plan: StepPlan) -> StepResult: ...
+    def submit(self, plan: StepPlan) -> Awaitable[StepResult]: ...
 
 
 class SyncExecutor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    def reset(self) -> None:
+        """Drop every request (after ``execute`` raised)."""
+
 
 class StepFailedError(RuntimeError):
     """The executor reported that a step raised. ``request_ids`` are the requests the
-    core ended because of it: every one the executor held state for."""
+    core ended because of it: the one found to make steps raise, or none yet."""
 
     def __init__(self, message: str, request_ids: list[str] | None = None) -> None:
         super().__init__(message)
@@ -57,6 +64,13 @@ class EngineStep:
     scheduled_at: float
 
 
+@dataclass(slots=True)
+class _Submitted:
+    plan: StepPlan
+    result: Awaitable[StepResult]
+    scheduled_at: float
+
+
 class EngineCore:
     """A ``Scheduler``, the executor that runs its plans, and optionally a draft
     proposer whose drafts the next step verifies. ``observe_phase(name, seconds)`` receives
@@ -73,35 +87,52 @@ class EngineCore:
         self.executor = executor
         self.proposer = proposer
         self._observe_phase = observe_phase or _ignore
+        self._next: _Submitted | None = None  # planned while the step before it ran
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._next is not None or self.scheduler.has_unfinished_requests()
 
     async def step(self) -> EngineStep | None:
         """Run one step; None when nothing can run until a request arrives or ends."""
         scheduler = self.scheduler
-        start = time.perf_counter()
-        plan = scheduler.schedule()
-        scheduled = time.perf_counter()
-        self._observe_phase("schedule", scheduled - start)
-        if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
+        submitted = self._next or self._submit()
+        if submitted is None:
             return None
-        scheduled_at = time.monotonic()
+        self._next = self._submit() if scheduler.scheduler_config.async_scheduling else None
         try:
-            result = await self.executor.execute(plan)
+            result = await submitted.result
         except StepFailedError as exc:
-            # The executor's state for every request it held is now unknown.
-            held = scheduler.scheduled_request_ids()
-            scheduler.finish_requests(held, RequestStatus.FINISHED_ABORTED)
-            raise StepFailedError(str(exc), held) from exc
+            await self._discard_next()
+            raise StepFailedError(str(exc), scheduler.on_step_failed(submitted.plan)) from exc
+        except ExecutorLostError:
+            await self._discard_next()
+            raise
         start = time.perf_counter()
-        outputs = scheduler.update_from_output(plan, result)
+        outputs = scheduler.update_from_output(submitted.plan, result)
         updated = time.perf_counter()
         self._observe_phase("update", updated - start)
         if self.proposer is not None:
             scheduler.update_draft_token_ids(self.proposer.propose(scheduler.running))
             self._observe_phase("propose", time.perf_counter() - updated)
-        return EngineStep(plan, outputs, scheduled_at)
+        return EngineStep(submitted.plan, outputs, submitted.scheduled_at)
+
+    def _submit(self) -> _Submitted | None:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self._observe_phase("schedule", time.perf_counter() - start)
+        if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
+            return None
+        return _Submitted(plan, self.executor.submit(plan), time.monotonic())
+
+    async def _discard_next(self) -> None:
+        """The step planned after a failed one ran on an executor that had dropped its
+        batch (or none): its result means nothing."""
+        submitted, self._next = self._next, None
+        if submitted is not None:
+            try:
+                await submitted.result
+            except (StepFailedError, ExecutorLostError):
+                pass
 
 
 class InProcessExecutor:
@@ -110,8 +141,16 @@ class InProcessExecutor:
     def __init__(self, runner: SyncExecutor) -> None:
         self.runner = runner
 
-    async def execute(self, plan: StepPlan) -> StepResult:
-        return self.runner.execute(plan)
+    def submit(self, plan: StepPlan) -> Awaitable[StepResult]:
+        # Runs when awaited: the core awaits its steps in the order it submits them.
+        return self._run(plan)
+
+    async def _run(self, plan: StepPlan) -> StepResult:
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:  # as the executor process does: report, reset, keep serving
+            self.runner.reset()
+            raise StepFailedError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def step_now(core: EngineCore) -> EngineStep | None:

@@ -3,11 +3,13 @@
 Ranks connect to one ROUTER socket (see ``weir.shared.protocol.control``). A rank's
 hello is checked against the scheduler's engine arguments; once ``num_executors``
 ranks are in, the group is formed and ``on_formed(num_blocks)`` is called with the
-smallest KV block count over ranks. ``execute(plan)`` sends the plan to every rank
-and awaits rank 0's result, so the group is the ``EngineCore``'s executor. When a
+smallest KV block count over ranks. ``submit(plan)`` sends the plan to every rank
+and returns the future of rank 0's result (ranks run plans in the order sent, so
+several may be in flight), so the group is the ``EngineCore``'s executor. When a
 rank stops answering (no heartbeat for ``timeout`` seconds, or a plan cannot be
-sent), every rank is forgotten and ``on_lost(message)`` is called; a new group
-forms as ranks say hello again.
+sent, or a new executor takes its rank after it fell silent), every rank is
+forgotten and ``on_lost(message)`` is called; a new group forms as ranks say hello
+again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from weir.shared.zmq_send import send_now
 _log = logging.getLogger(__name__)
 
 _WATCHDOG_INTERVAL_S = 0.5
+# A rank this long without a heartbeat gives its place to a new executor saying hello.
+_SILENT_RANK_S = 4 * control.HEARTBEAT_INTERVAL_S
 
 
 @dataclass(slots=True)
@@ -71,8 +75,8 @@ class ExecutorGroup:
         self._observe_phase = observe_phase
         self.ranks: dict[int, _Rank] = {}  # handshaken ranks, by rank
         self.formed = False
-        self._result: asyncio.Future[StepResult] | None = None
-        self._step_id = 0
+        # Steps sent and not answered: step id -> (result future, when it was sent).
+        self._in_flight: dict[int, tuple[asyncio.Future[StepResult], float]] = {}
 
     def describe(self) -> list[dict[str, Any]]:
         """Each rank's hello, rank order (for health, model info and the ready report)."""
@@ -94,7 +98,8 @@ class ExecutorGroup:
 
     # ------------------------------------------------------------------ steps
 
-    async def execute(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> asyncio.Future[StepResult]:
+        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         start = time.perf_counter()
         encoded = encode_step_plan(plan)
         sent = time.perf_counter()
@@ -103,22 +108,21 @@ class ExecutorGroup:
             if not self._send(rank.identity, control.PLAN, encoded):
                 message = f"executor rank {rank.hello.rank} (pid {rank.hello.pid}) is unreachable"
                 self.lose(message)
-                raise ExecutorLostError(message)
-        # The result is read by ``run``, which cannot run before this awaits.
-        self._step_id = plan.step_id
-        self._result = asyncio.get_running_loop().create_future()
-        try:
-            result = await self._result
-        finally:
-            self._result = None
-        self._observe_phase("executor", time.perf_counter() - sent)
-        return result
+                future.set_exception(ExecutorLostError(message))
+                return future
+        if not self.ranks:
+            future.set_exception(ExecutorLostError("no executor group"))
+            return future
+        self._in_flight[plan.step_id] = future, sent
+        return future
 
     def lose(self, message: str) -> None:
         """Every rank is forgotten; the step in flight fails; ``on_lost`` fails the requests."""
         _log.error("%s", message)
-        if self._result is not None and not self._result.done():
-            self._result.set_exception(ExecutorLostError(message))
+        for future, _ in self._in_flight.values():
+            if not future.done():
+                future.set_exception(ExecutorLostError(message))
+        self._in_flight.clear()
         self.ranks.clear()
         if self.formed:
             self.formed = False
@@ -143,8 +147,9 @@ class ExecutorGroup:
                 elif kind == control.STEP_ERROR:
                     failure = control.unpack(control.StepFailure, payload)
                     self._fail_step(
+                        failure.step_id,
                         f"executor rank {failure.rank} failed step {failure.step_id}: "
-                        f"{failure.message}"
+                        f"{failure.message}",
                     )
                 else:
                     _log.warning("ignoring executor frame of kind %r", kind)
@@ -176,7 +181,15 @@ class ExecutorGroup:
             return
         problem = self._check_hello(hello)
         if problem is None and current is not None:
-            problem = f"rank {hello.rank} is already served by executor pid {current.hello.pid}"
+            silence = time.monotonic() - current.last_seen
+            if silence > _SILENT_RANK_S:
+                # Its restart is here before the watchdog noticed it die.
+                self.lose(
+                    f"executor rank {hello.rank} (pid {current.hello.pid}) is replaced by pid "
+                    f"{hello.pid} after {silence:.1f}s without a heartbeat"
+                )
+            else:
+                problem = f"rank {hello.rank} is already served by executor pid {current.hello.pid}"
         if problem is not None:
             _log.error("rejecting executor rank %d: %s", hello.rank, problem)
             self._send(identity, control.REJECT, control.pack(control.Rejection(problem)))
@@ -220,24 +233,26 @@ class ExecutorGroup:
 
     def _on_result(self, identity: bytes, payload: bytes) -> None:
         rank = next((r for r in self.ranks.values() if r.identity == identity), None)
-        future = self._result
-        if rank is None or rank.hello.rank != 0 or future is None or future.done():
-            return  # a late result of a failed step or a lost group
+        if rank is None or rank.hello.rank != 0:
+            return  # a late result of a lost group
         try:
             result = decode_step_result(payload)
         except ProtocolError as exc:
-            future.set_exception(ExecutorLostError(f"executor sent an undecodable result: {exc}"))
+            self.lose(f"executor sent an undecodable result: {exc}")
             return
-        if result.step_id != self._step_id:
-            _log.warning(
-                "ignoring result of step %d while waiting for %d", result.step_id, self._step_id
-            )
+        waiting = self._in_flight.pop(result.step_id, None)
+        if waiting is None:
+            _log.warning("ignoring the result of step %d: no such step in flight", result.step_id)
             return
-        future.set_result(result)
+        future, sent = waiting
+        self._observe_phase("executor", time.perf_counter() - sent)
+        if not future.done():
+            future.set_result(result)
 
-    def _fail_step(self, message: str) -> None:
-        if self._result is not None and not self._result.done():
-            self._result.set_exception(StepFailedError(message))
+    def _fail_step(self, step_id: int, message: str) -> None:
+        waiting = self._in_flight.pop(step_id, None)
+        if waiting is not None and not waiting[0].done():
+            waiting[0].set_exception(StepFailedError(message))
 
     # ------------------------------------------------------------------ liveness
 

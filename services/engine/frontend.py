@@ -79,7 +79,8 @@ class _Tokenizing:
 
 
 class ClientFrontend:
-    """``core`` is None while no executor group serves; requests then get
+    """``core`` is None until an executor group first serves; while it is, or while
+    ``unavailable`` holds a reason (the server drains), new requests get
     ``server_unavailable``. ``wake()`` says a request arrived; ``requests_ended()`` that requests ended outside a
     step (the gauges show it at once, the executors learn it in the next plan); ``health(stream_ids)`` and ``model_info()`` build the replies of those queries."""
 
@@ -108,6 +109,7 @@ class ClientFrontend:
         self._health = health
         self._model_info = model_info
         self.core: EngineCore | None = None
+        self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
         self._token_text: dict[int, str] = {}  # id -> its text alone, at most the vocabulary
         self._tokenizing: dict[str, _Tokenizing] = {}
@@ -194,7 +196,7 @@ class ClientFrontend:
 
     def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:
         rid = msg.request_id
-        if self.core is None:
+        if self.core is None or self.unavailable:
             self._send_unavailable(identity, rid)
             return
         if self.in_flight(rid):
@@ -254,7 +256,7 @@ class ClientFrontend:
     ) -> None:
         """Check a tokenized request against the model and queue it."""
         rid = msg.request_id
-        if self.core is None:  # the executors were lost while the prompt was tokenized
+        if self.core is None or self.unavailable:  # it changed while the prompt was tokenized
             self._send_unavailable(identity, rid)
             return
         try:
@@ -288,7 +290,7 @@ class ClientFrontend:
             identity,
             request_id,
             client_protocol.SERVER_UNAVAILABLE,
-            "no executor is connected; try again once the server is healthy",
+            self.unavailable or "no executor is connected; try again once the server is healthy",
         )
 
     def _check_before_tokenizing(self, msg: client_protocol.GenerateRequest) -> int:

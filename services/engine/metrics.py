@@ -76,33 +76,38 @@ class SchedulerMetrics:
             return metric.labels(model_name=model_name)
 
         self.num_requests_running = one(
-            Gauge("weir:num_requests_running", "Requests in the running batch", names, registry=reg)
+            Gauge("weir_num_requests_running", "Requests in the running batch", names, registry=reg)
         )
         self.num_requests_waiting = one(
             Gauge(
-                "weir:num_requests_waiting", "Requests waiting to be scheduled", names, registry=reg
+                "weir_num_requests_waiting", "Requests waiting to be scheduled", names, registry=reg
             )
         )
         self.kv_cache_usage_perc = one(
             Gauge(
-                "weir:kv_cache_usage_perc",
+                "weir_kv_cache_usage_ratio",
                 "Fraction of KV cache blocks in use (0..1)",
                 names,
                 registry=reg,
             )
         )
         self.num_preemptions = one(
-            Counter("weir:num_preemptions", "Preemptions (recompute)", names, registry=reg)
+            Counter("weir_preemptions_total", "Preemptions (recompute)", names, registry=reg)
         )
         self.prompt_tokens = one(
-            Counter("weir:prompt_tokens", "Prompt tokens of admitted requests", names, registry=reg)
+            Counter(
+                "weir_prompt_tokens_total",
+                "Prompt tokens of admitted requests",
+                names,
+                registry=reg,
+            )
         )
         self.generation_tokens = one(
-            Counter("weir:generation_tokens", "Generated tokens", names, registry=reg)
+            Counter("weir_generation_tokens_total", "Generated tokens", names, registry=reg)
         )
         self.prefix_cache_queries = one(
             Counter(
-                "weir:prefix_cache_queries",
+                "weir_prefix_cache_query_tokens_total",
                 "Prompt tokens looked up in the prefix cache",
                 names,
                 registry=reg,
@@ -110,21 +115,21 @@ class SchedulerMetrics:
         )
         self.prefix_cache_hits = one(
             Counter(
-                "weir:prefix_cache_hits",
+                "weir_prefix_cache_hit_tokens_total",
                 "Prompt tokens found in the prefix cache",
                 names,
                 registry=reg,
             )
         )
         self._request_success = Counter(
-            "weir:request_success",
+            "weir_requests_finished_total",
             "Finished requests by finish reason",
             ["model_name", "finished_reason"],
             registry=reg,
         )
         self.time_to_first_token = one(
             Histogram(
-                "weir:time_to_first_token_seconds",
+                "weir_time_to_first_token_seconds",
                 "Arrival to first output token",
                 names,
                 registry=reg,
@@ -133,7 +138,7 @@ class SchedulerMetrics:
         )
         self.inter_token_latency = one(
             Histogram(
-                "weir:inter_token_latency_seconds",
+                "weir_inter_token_latency_seconds",
                 "Time between consecutive output tokens",
                 names,
                 registry=reg,
@@ -142,7 +147,7 @@ class SchedulerMetrics:
         )
         self.e2e_request_latency = one(
             Histogram(
-                "weir:e2e_request_latency_seconds",
+                "weir_e2e_request_latency_seconds",
                 "Arrival to finish",
                 names,
                 registry=reg,
@@ -151,7 +156,7 @@ class SchedulerMetrics:
         )
         self.request_queue_time = one(
             Histogram(
-                "weir:request_queue_time_seconds",
+                "weir_request_queue_time_seconds",
                 "Arrival to first scheduled",
                 names,
                 registry=reg,
@@ -160,7 +165,7 @@ class SchedulerMetrics:
         )
         self.iteration_tokens = one(
             Histogram(
-                "weir:iteration_tokens",
+                "weir_iteration_tokens",
                 "Tokens scheduled in one step",
                 names,
                 registry=reg,
@@ -169,29 +174,29 @@ class SchedulerMetrics:
         )
 
         self.spec_decode_num_drafts = one(
-            Counter("weir:spec_decode_num_drafts", "Draft runs verified", names, registry=reg)
+            Counter("weir_spec_decode_drafts_total", "Draft runs verified", names, registry=reg)
         )
         self.spec_decode_num_draft_tokens = one(
             Counter(
-                "weir:spec_decode_num_draft_tokens", "Draft tokens verified", names, registry=reg
+                "weir_spec_decode_draft_tokens_total", "Draft tokens verified", names, registry=reg
             )
         )
         self.spec_decode_num_accepted_tokens = one(
             Counter(
-                "weir:spec_decode_num_accepted_tokens",
+                "weir_spec_decode_accepted_tokens_total",
                 "Draft tokens accepted",
                 names,
                 registry=reg,
             )
         )
         self._accepted_per_pos = Counter(
-            "weir:spec_decode_num_accepted_tokens_per_pos",
+            "weir_spec_decode_accepted_tokens_by_position_total",
             "Draft tokens accepted, by position in the draft",
             ["model_name", "position"],
             registry=reg,
         )
         self._step_phase = Histogram(
-            "weir:scheduler_step_phase_seconds",
+            "weir_scheduler_step_phase_seconds",
             "Scheduler time per step by phase: schedule, plan_encode, executor (send to result, "
             "IPC included), update, outputs (detokenize, stop strings, push to clients)",
             ["model_name", "phase"],

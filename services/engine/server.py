@@ -10,8 +10,15 @@ It binds two ROUTER sockets and runs, on one asyncio loop:
 
 The KV cache is sized from the executors' handshake (the smallest ``num_blocks``
 over ranks), so there is no ``EngineCore`` until a full group of executors has
-said hello; requests arriving before that, or after the group is lost, get a
-``server_unavailable`` error instead of waiting forever.
+said hello; requests arriving before that get a ``server_unavailable`` error
+instead of waiting forever. When the group is lost (a rank died or went silent),
+its requests stay: they wait, with any that arrive meanwhile, until a new group
+forms (``weir serve`` restarts a dead executor), are then sent again and
+recomputed, and stream on without a token lost or repeated; only if no group
+forms within ``--recovery-timeout`` do they fail.
+
+SIGTERM drains: new requests are refused, in-flight ones finish (up to
+``--drain-timeout``), then the process stops. SIGINT stops at once.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class SchedulerServerOptions:
     metrics_port: int | None  # None: no metrics endpoint
     executor_address: str
     num_executors: int
+    metrics_host: str | None = None  # None: the same address as the client socket
 
 
 @dataclass(slots=True)
@@ -106,6 +114,8 @@ class SchedulerServer:
         self._stop = asyncio.Event()
         self._num_blocks = 0
         self._reported_ready = False
+        self._recovery_deadline: asyncio.TimerHandle | None = None
+        self._draining = False
 
     @property
     def core(self) -> EngineCore | None:
@@ -132,7 +142,10 @@ class SchedulerServer:
             executor_sock.bind(opts.executor_address)
             if opts.metrics_port is not None:
                 self.metrics_address = start_metrics_server(
-                    self.metrics.registry, opts.host, opts.metrics_port
+                    self.metrics.registry,
+                    opts.metrics_host or opts.host,
+                    opts.metrics_port,
+                    ready=self._serving,
                 )
         except (zmq.ZMQError, OSError) as exc:
             self.status.error(f"cannot bind: {exc}")
@@ -177,8 +190,8 @@ class SchedulerServer:
         )
 
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGTERM, self._drain)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
         tasks = [
             loop.create_task(coro)
             for coro in (
@@ -214,14 +227,47 @@ class SchedulerServer:
         _log.error("supervisor exited; stopping")
         self._stop.set()
 
+    def _drain(self) -> None:
+        if self._draining or not self.frontend.streams:
+            self._stop.set()
+            return
+        timeout = self.engine_args.drain_timeout
+        _log.warning(
+            "draining: refusing new requests, finishing %d in flight (up to %gs)",
+            len(self.frontend.streams),
+            timeout,
+        )
+        self._draining = True
+        self.frontend.unavailable = "the server is shutting down; send the request elsewhere"
+        asyncio.get_running_loop().call_later(timeout, self._stop.set)
+
+    def _serving(self) -> bool:
+        """Serving and taking requests: the metrics endpoint's /health (readiness probe)."""
+        return self.core is not None and self.group.formed and not self._draining
+
     def _on_group_formed(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
-        scheduler = Scheduler(self.scheduler_config, self.engine_args.cache_config(num_blocks))
-        self.frontend.core = EngineCore(
-            scheduler, self.group, self._observe_phase, make_proposer(self.engine_args)
-        )
-        self._counters = _Counters({})
-        self._spec_seen = SpecDecodeStats()
+        cache_config = self.engine_args.cache_config(num_blocks)
+        core = self.core
+        if core is None:
+            self.frontend.core = EngineCore(
+                Scheduler(self.scheduler_config, cache_config),
+                self.group,
+                self._observe_phase,
+                make_proposer(self.engine_args),
+            )
+            self._counters = _Counters({})
+            self._spec_seen = SpecDecodeStats()
+        else:
+            if self._recovery_deadline is not None:
+                self._recovery_deadline.cancel()
+                self._recovery_deadline = None
+            if not self._draining:
+                self.frontend.unavailable = None
+            core.scheduler.reset_executor_state(cache_config)
+            _log.warning(
+                "executor group back: resuming %d request(s)", len(core.scheduler.requests)
+            )
         if not self._reported_ready:
             self._reported_ready = True
             self.status.ready(
@@ -236,9 +282,29 @@ class SchedulerServer:
         self._wake.set()
 
     def _on_group_lost(self, message: str) -> None:
-        _log.error("failing %d in-flight request(s): %s", len(self.frontend.streams), message)
-        self.frontend.fail_all(client_protocol.ENGINE_ERROR, message)
-        self.frontend.core = None
+        timeout = self.engine_args.recovery_timeout
+        _log.error(
+            "%s; %d request(s) wait for a new executor group (up to %gs)",
+            message,
+            len(self.frontend.streams),
+            timeout,
+        )
+        self._recovery_deadline = asyncio.get_running_loop().call_later(
+            timeout, self._recovery_failed, message
+        )
+
+    def _recovery_failed(self, message: str) -> None:
+        self._recovery_deadline = None
+        if not self._draining:
+            self.frontend.unavailable = (
+                "no executor is connected; try again once the server is healthy"
+            )
+        self.frontend.fail_all(
+            client_protocol.ENGINE_ERROR,
+            f"{message}, and no executor group formed again within "
+            f"{self.engine_args.recovery_timeout:g}s",
+        )
+        self._requests_ended()
 
     # ------------------------------------------------------------------ the loop
 
@@ -246,15 +312,17 @@ class SchedulerServer:
         while True:
             core = self.core
             step = None
-            if core is not None and core.has_work():
+            if core is not None and self.group.formed and core.has_work():
                 try:
                     step = await core.step()
                 except StepFailedError as exc:
-                    _log.error("%s; failing %d request(s)", exc, len(exc.request_ids))
-                    self.frontend.fail(exc.request_ids, client_protocol.ENGINE_ERROR, str(exc))
+                    self._on_step_failed(exc)
                     continue
                 except ExecutorLostError:
-                    continue  # the group has failed every request
+                    continue  # its requests wait for the next group (``_on_group_formed``)
+            elif self._draining and not self.frontend.streams:
+                _log.warning("drained: stopping")
+                self._stop.set()
             if step is None:
                 self._refresh_gauges()  # aborts may have changed them since the last step
                 self._wake.clear()
@@ -264,6 +332,19 @@ class SchedulerServer:
             self.frontend.publish(step)
             self._after_step(step)
             self._observe_phase("outputs", time.perf_counter() - start)
+
+    def _on_step_failed(self, exc: StepFailedError) -> None:
+        if not exc.request_ids:
+            _log.error("%s; sending every request again to find the one that caused it", exc)
+            return
+        for rid in exc.request_ids:
+            _log.error("request %s failed: it makes the executor's step raise: %s", rid, exc)
+        self.frontend.fail(
+            exc.request_ids,
+            client_protocol.ENGINE_ERROR,
+            f"the executor cannot run this request: {exc}",
+        )
+        self._requests_ended()
 
     def _requests_ended(self) -> None:
         """Requests ended outside a step: the gauges show it now, and the step loop wakes
@@ -299,8 +380,14 @@ class SchedulerServer:
 
     def _health(self, stream_ids: list[str]) -> dict[str, Any]:
         streams = self.frontend.streams
+        if self.core is None:
+            status = "waiting_for_executors"
+        elif self._draining:
+            status = "draining"
+        else:
+            status = "ok" if self.group.formed else "recovering"
         info: dict[str, Any] = {
-            "status": "ok" if self.core is not None else "waiting_for_executors",
+            "status": status,
             "executors": sorted(self.group.ranks),
             "num_executors": self.options.num_executors,
             "num_streams": len(streams),

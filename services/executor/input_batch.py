@@ -145,7 +145,7 @@ class InputBatch:
         self.slot_of[req.request_id] = slot
         self.params[req.request_id] = sp = req.sampling_params
         self.prompts[req.request_id] = req.prompt_token_ids
-        self._set_tokens(slot, req.prompt_token_ids, [])
+        self._set_tokens(slot, req.prompt_token_ids, req.output_token_ids)
         self.num_prompt_tokens[slot] = len(req.prompt_token_ids)
         self.num_blocks[slot] = 0
         self._append_blocks(slot, req.block_ids)

@@ -29,7 +29,7 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class ExecutorMetrics:
-    """``weir:executor_*`` series, labelled with the model name and the rank."""
+    """``weir_executor_*`` series, labelled with the model name and the rank."""
 
     def __init__(self, model_name: str, rank: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -41,7 +41,7 @@ class ExecutorMetrics:
 
         self.step_seconds = labelled(
             Histogram(
-                "weir:executor_step_seconds",
+                "weir_executor_step_seconds",
                 "Wall time of one step (decode plan to result ready)",
                 names,
                 registry=self.registry,
@@ -50,7 +50,7 @@ class ExecutorMetrics:
         )
         self.batch_tokens = labelled(
             Histogram(
-                "weir:executor_batch_tokens",
+                "weir_executor_batch_tokens",
                 "Tokens computed in one step",
                 names,
                 registry=self.registry,
@@ -59,14 +59,14 @@ class ExecutorMetrics:
         )
         self.num_kv_blocks = labelled(
             Gauge(
-                "weir:executor_num_kv_blocks",
+                "weir_executor_num_kv_blocks",
                 "KV cache blocks allocated on this rank",
                 names,
                 registry=self.registry,
             )
         )
         phase = Histogram(
-            "weir:executor_phase_seconds",
+            "weir_executor_phase_seconds",
             "Time of one step by phase: prepare (plan to input tensors), forward (with logits), "
             "sample (with collecting the result)",
             [*names, "phase"],
@@ -78,7 +78,7 @@ class ExecutorMetrics:
         }
         self.device_memory_bytes = labelled(
             Gauge(
-                "weir:executor_device_memory_bytes",
+                "weir_executor_device_memory_bytes",
                 "Device memory in use: allocated CUDA memory on GPU, resident set size on CPU",
                 names,
                 registry=self.registry,

@@ -115,7 +115,7 @@ class ModelRunner:
         if self.num_blocks < 1:
             raise ValueError("no memory left for the KV cache; raise the KV cache budget")
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, block_size)
-        self.batch = InputBatch(self.max_model_len, block_size, max_num_seqs, self.eos_token_ids)
+        self.reset()
         self.load_seconds = time.perf_counter() - start
         self.last_timings = StepTimings()
         logger.info(
@@ -199,6 +199,12 @@ class ModelRunner:
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     # ------------------------------------------------------------------ step
+
+    def reset(self) -> None:
+        """Forget every request (after a step raised, its state is not to be trusted)."""
+        self.batch = InputBatch(
+            self.max_model_len, self.block_size, self.max_num_seqs, self.eos_token_ids
+        )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

@@ -1,9 +1,9 @@
 """The executor process: load the model, handshake with the scheduler, run every step it sends.
 
 Loop: receive a plan -> decode -> ``ModelRunner.execute`` -> (rank 0) send the
-encoded result. A step that raises is answered with ``step_error`` so the
-scheduler fails the affected requests with the message; the process keeps
-serving. A heartbeat thread proves liveness (see ``weir.shared.protocol.control``). The process exits
+encoded result. A step that raises is answered with ``step_error``; the executor then
+drops every request (the scheduler sends them all again and isolates the one that
+made the step raise) and keeps serving. A heartbeat thread proves liveness (see ``weir.shared.protocol.control``). The process exits
 when told to (SIGTERM), when its supervisor dies, or when the scheduler it
 handshook with is replaced.
 """
@@ -84,6 +84,7 @@ class ExecutorWorker:
         self.status = status
         self.parent_pid = parent_pid
         self.session = uuid.uuid4().hex
+        self.joined = threading.Event()  # welcomed by the scheduler: /health answers 200
 
     def run(self) -> int:
         """Load, handshake and serve until stopped; returns the process exit code."""
@@ -106,7 +107,7 @@ class ExecutorWorker:
         metrics_address = None
         if opts.metrics_port is not None:
             metrics_address = start_metrics_server(
-                metrics.registry, opts.metrics_host, opts.metrics_port
+                metrics.registry, opts.metrics_host, opts.metrics_port, ready=self.joined.is_set
             )
         hello = control.ExecutorHello(
             session=self.session,
@@ -137,6 +138,7 @@ class ExecutorWorker:
                 self.status.error(rejection)
                 _log.error("scheduler rejected executor %d: %s", opts.rank, rejection)
                 return 1
+            self.joined.set()
             heartbeat = _Heartbeat(ctx, opts.scheduler, self.session, opts.rank)
             heartbeat.start()
             self.status.ready(
@@ -232,6 +234,7 @@ class ExecutorWorker:
                 )
             except Exception as exc:  # a bad plan or a failed forward pass: report, keep serving
                 _log.exception("executor %d: step %d failed", rank, step_id)
+                runner.reset()  # the scheduler sends every request again
                 sock.send_multipart(
                     [
                         control.STEP_ERROR,

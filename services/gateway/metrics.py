@@ -16,32 +16,32 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.requests = Counter(
-            "weir:gateway_requests",
+            "weir_gateway_requests_total",
             "HTTP requests by route and status code",
             ["route", "status"],
             registry=reg,
         )
         self.latency = Histogram(
-            "weir:gateway_request_duration_seconds",
+            "weir_gateway_request_duration_seconds",
             "HTTP request duration (to the last byte of a stream)",
             ["route"],
             registry=reg,
             buckets=_LATENCY_BUCKETS,
         )
         up = Gauge(
-            "weir:gateway_replica_up",
+            "weir_gateway_replica_up",
             "1 while the replica is in rotation",
             ["replica"],
             registry=reg,
         )
         outstanding = Gauge(
-            "weir:gateway_replica_outstanding_tokens",
+            "weir_gateway_replica_outstanding_tokens",
             "Estimated tokens of the replica's unfinished requests",
             ["replica"],
             registry=reg,
         )
         self.routed = Counter(
-            "weir:gateway_replica_requests",
+            "weir_gateway_replica_requests_total",
             "Sample streams routed to the replica",
             ["replica"],
             registry=reg,

@@ -61,7 +61,8 @@ class KVCacheManager:
         get = self.pool.get_cached_block
         hits = []
         # Hashing every full block now is no waste: they are registered after prefill.
-        for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        for block_hash in self._block_hashes(request, num_blocks)[:num_blocks]:
             block = get(block_hash)
             if block is None:
                 break

@@ -49,6 +49,7 @@ class Request:
         "all_token_ids",
         "output_token_ids",
         "spec_token_ids",
+        "num_output_placeholders",
         "num_computed_tokens",
         "num_preemptions",
         "num_cached_tokens",
@@ -95,6 +96,7 @@ class Request:
         self.all_token_ids = list(prompt)
         self.output_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
+        self.num_output_placeholders = 0  # tokens an in-flight step samples (async scheduling)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission

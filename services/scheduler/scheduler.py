@@ -2,8 +2,18 @@
 
 ``schedule()`` and ``update_from_output()`` alternate: a plan is computed, executed,
 and its result applied before the next plan. ``num_computed_tokens`` advances in
-``update_from_output`` (it always means "KV in the cache"), so a plan's records
-carry the count from before the step. ``finish_requests`` may be
+``update_from_output`` (it means "KV in the cache"), so a plan's records carry the
+count from before the step.
+
+With ``async_scheduling`` the next plan is made while a step runs, before its result
+is applied: ``schedule()`` advances ``num_computed_tokens`` at once (it then means
+"KV in the cache once the steps sent have run") and counts one
+``num_output_placeholders`` for each request the step will sample for; the executor
+feeds the token it sampled into the next step itself. ``update_from_output`` then
+only appends the tokens and applies stops; a request that stopped on a token the
+scheduler could not foresee (EOS, a stop token) has run one step more, whose result
+is dropped. Length limits are foreseen: no step is planned past ``max_tokens`` or
+``max_model_len``. ``finish_requests`` may be
 called at any time, also while a step is in flight: the request's blocks are freed
 at once and its late results are ignored. See docs/architecture.md for the loop.
 """
@@ -13,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 
 from weir.services.scheduler.kv_cache_manager import KVCacheManager
 from weir.services.scheduler.output import EngineOutput
@@ -70,6 +81,13 @@ class Scheduler:
         self._prefix_cache_hits = 0
         self._last_num_scheduled_tokens = 0
         self._spec = SpecDecodeStats()
+        # After a failed step, until its cause is found (``on_step_failed``): groups of
+        # suspect request ids, tried one at a time, and the requests that have sampled a
+        # token since (proven to run).
+        self._trials: list[set[str]] = []
+        self._proven: set[str] = set()
+        # Async scheduling: by step id, the requests each planned step samples for.
+        self._sampling: dict[int, list[Request]] = {}
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -127,6 +145,8 @@ class Scheduler:
             outputs.append(
                 EngineOutput(rid, [], True, FINISH_REASONS[status], request.num_cached_tokens)
             )
+        if self._trials:
+            self._prove(o.request_id for o in outputs)
         return outputs
 
     def _release(self, request: Request) -> None:
@@ -152,9 +172,82 @@ class Scheduler:
                 room = cap
             request.spec_token_ids = list(drafts[:room]) if room > 0 else []
 
-    def scheduled_request_ids(self) -> list[str]:
-        """Unfinished requests scheduled at least once: those an executor holds state for."""
-        return [rid for rid, r in self.requests.items() if r.status is not RequestStatus.WAITING]
+    # ------------------------------------------------------------------ the executor's state lost
+
+    def reset_executor_state(self, cache_config: CacheConfig | None = None) -> None:
+        """The executor holds no request any more (a step raised on it, or a new executor
+        group replaced a lost one). Every unfinished request goes back to waiting, in
+        order, to be sent again as new and recomputed; its output tokens are kept, so no
+        client sees a token twice. ``cache_config`` rebuilds the KV cache for a new
+        executor (its size may differ, and it holds no KV); without it the prefix cache
+        stays valid (a failed step leaves the KV of computed tokens untouched)."""
+        for request in reversed(self.running):
+            self._send_again(request)
+        self.running.clear()
+        for request in self.waiting:
+            request.status = RequestStatus.WAITING  # also the preempted ones
+        # A step planned after the one that failed may have run and left requests in
+        # the executor: it forgets every id it may hold before taking them again.
+        self._finished_req_ids = list(self.requests)
+        self._sampling.clear()
+        if self.scheduler_config.async_scheduling and cache_config is None:
+            # The failed step may have left unwritten KV in blocks already registered.
+            cache_config = self.cache_config
+        if cache_config is not None:
+            self.cache_config = cache_config
+            self.kv_cache_manager = KVCacheManager(cache_config)
+            self._watermark_blocks = int(self.scheduler_config.watermark * cache_config.num_blocks)
+
+    def _send_again(self, request: Request) -> None:
+        """Back to the head of the waiting queue, as new to the executor (recompute)."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.WAITING
+        self.waiting.requeue(request)
+
+    def on_step_failed(self, plan: StepPlan) -> list[str]:
+        """``plan`` raised on the executor, which then dropped every request. Find the
+        request that makes steps raise by bisection: the failed step's requests are split
+        in halves, and steps run one half of suspects at a time (with requests proven
+        since; other unproven requests wait), until a step of one unproven request
+        fails. That request ends (FINISHED_ABORTED) and its id is returned; [] while it
+        is not known yet. A request is proven once it samples a token (or ends)."""
+        scheduled = [rid for rid in plan.num_scheduled_tokens if rid in self.requests]
+        failed = [rid for rid in scheduled if rid not in self._proven] or scheduled
+        self._proven.difference_update(failed)
+        trials = self._trials
+        if trials:
+            untried = trials.pop(0).difference(failed)
+            if untried:
+                trials.insert(0, untried)
+        culprits: list[str] = []
+        if len(failed) == 1:
+            culprits = failed
+            self.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        elif failed:
+            half = len(failed) // 2
+            trials[:0] = [set(failed[:half]), set(failed[half:])]
+        if not trials:
+            self._proven.clear()
+        self.reset_executor_state()
+        return culprits
+
+    def _prove(self, request_ids: Iterable[str]) -> None:
+        proven, trials = self._proven, self._trials
+        for rid in request_ids:
+            proven.add(rid)
+            for trial in trials:
+                trial.discard(rid)
+        while trials and not trials[0]:
+            trials.pop(0)
+        if not trials:
+            proven.clear()
+
+    def _excluded(self, rid: str) -> bool:
+        """While a trial runs, an unproven request outside its group waits."""
+        return rid not in self._trials[0] and rid not in self._proven
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
@@ -196,11 +289,24 @@ class Scheduler:
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
+        on_trial = bool(self._trials)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            if on_trial and self._excluded(request.request_id):
+                i += 1
+                continue
             computed = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
+            if request.num_output_placeholders:
+                num_tokens += request.num_output_placeholders
+                if (
+                    len(request.output_token_ids) + request.num_output_placeholders
+                    >= request.max_tokens
+                    or num_tokens >= max_model_len
+                ):
+                    i += 1  # its last token is in flight
+                    continue
             num_new = num_tokens + len(request.spec_token_ids) - computed
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -242,8 +348,20 @@ class Scheduler:
             new_blocks,
         )
         new_requests: list[NewRequest] = []
+        admitted: list[Request] = []
         if not preempted:
-            budget = self._admit(budget, num_scheduled, new_requests, cached)
+            budget = self._admit(budget, num_scheduled, new_requests, cached, admitted)
+        if config.async_scheduling:
+            sampling = []
+            for request in chain(scheduled_running, admitted):
+                request.num_computed_tokens += num_scheduled[request.request_id]
+                if request.num_computed_tokens >= len(request.all_token_ids) + (
+                    request.num_output_placeholders
+                ):
+                    request.num_output_placeholders += 1
+                    sampling.append(request)
+            if sampling:
+                self._sampling[self._step_id + 1] = sampling
 
         total = config.max_num_batched_tokens - budget
         self._last_num_scheduled_tokens = total
@@ -287,6 +405,7 @@ class Scheduler:
             new_blocks.pop(rid, None)
         self.kv_cache_manager.free(victim)
         victim.num_computed_tokens = 0
+        victim.num_output_placeholders = 0
         victim.spec_token_ids = []
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
@@ -300,14 +419,21 @@ class Scheduler:
         num_scheduled: dict[str, int],
         new_requests: list[NewRequest],
         cached: CachedRequestData,
+        admitted: list[Request],
     ) -> int:
         config = self.scheduler_config
         kv = self.kv_cache_manager
         waiting = self.waiting
         running = self.running
         threshold = config.long_prefill_token_threshold
+        on_trial = bool(self._trials)
         while len(waiting) and budget > 0 and len(running) < config.max_num_seqs:
-            request = waiting.peek()
+            if on_trial:
+                request = next((r for r in waiting if not self._excluded(r.request_id)), None)
+                if request is None:
+                    break
+            else:
+                request = waiting.peek()
             hits = kv.get_computed_blocks(request)
             num_tokens = len(request.all_token_ids)
             num_hit_tokens = len(hits) * kv.block_size
@@ -323,7 +449,10 @@ class Scheduler:
             reserve = self._watermark_blocks if running else 0
             if kv.num_blocks_to_admit(request, hits) > kv.num_free_blocks - reserve:
                 break
-            waiting.pop()
+            if on_trial:
+                waiting.remove(request)
+            else:
+                waiting.pop()
             kv.admit(request, hits)
             kv.allocate_slots(request, num_new)  # fits: checked for the whole prompt above
             self._prefix_cache_queries += num_tokens
@@ -334,7 +463,9 @@ class Scheduler:
                     rid, list(request.block_ids), num_hit_tokens, list(request.output_token_ids)
                 )
             else:
-                request.num_cached_tokens = num_hit_tokens
+                outputs = request.output_token_ids
+                if not outputs:
+                    request.num_cached_tokens = num_hit_tokens
                 new_requests.append(
                     NewRequest(
                         rid,
@@ -342,15 +473,27 @@ class Scheduler:
                         request.sampling_params,
                         list(request.block_ids),
                         num_hit_tokens,
+                        list(outputs) if outputs else [],
                     )
                 )
             request.status = _RUNNING
             running.append(request)
+            admitted.append(request)
             num_scheduled[rid] = num_new
             budget -= num_new
         return budget
 
     # ------------------------------------------------------------------ applying a result
+
+    def _check_sampled(self, step_id: int, sampled_token_ids: dict[str, list[int]]) -> None:
+        """A request the step was due to sample for but that got no token (an executor
+        fault) is sent again to be recomputed, rather than wait for it forever."""
+        for request in self._sampling.pop(step_id, ()):
+            if request.status is _RUNNING and request.request_id not in sampled_token_ids:
+                logger.warning("request %s got no token; recomputing it", request.request_id)
+                self.running.remove(request)
+                self._finished_req_ids.append(request.request_id)
+                self._send_again(request)
 
     def _count_verified(self, num_drafts: int, num_accepted: int) -> None:
         spec = self._spec
@@ -378,33 +521,41 @@ class Scheduler:
         outputs: list[EngineOutput] = []
         finished: list[Request] = []
 
+        overlapped = self.scheduler_config.async_scheduling
+        if overlapped:
+            self._check_sampled(plan.step_id, sampled_token_ids)
         for rid, num_new in plan.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING:
                 continue  # ended (abort, stop string) while the step was in flight
             sampled = sampled_token_ids.get(rid)
-            computed = request.num_computed_tokens + num_new
-            if spec_tokens and rid in spec_tokens:
-                # ``sampled`` = accepted drafts + one bonus token: the KV of every
-                # rejected draft is invalid, so roll back over them.
-                num_drafts = len(spec_tokens[rid])
-                if sampled and len(sampled) > num_drafts + 1:
-                    sampled = sampled[: num_drafts + 1]
-                computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
-                request.spec_token_ids = []
-                self._count_verified(num_drafts, len(sampled) - 1 if sampled else 0)
-            elif request.spec_token_ids:
-                request.spec_token_ids = []  # none fit this step; they are stale after it
             all_tokens = request.all_token_ids
-            num_tokens = len(all_tokens)
-            if computed < num_tokens:
-                request.num_computed_tokens = computed  # prefill still partial: no token
-            elif not sampled:
-                logger.warning("request %s completed a step but got no token; recomputing", rid)
-                request.num_computed_tokens = num_tokens - 1
-                continue
+            if overlapped:
+                # ``schedule`` advanced the count already; only a token is news.
+                if sampled:
+                    request.num_output_placeholders -= 1
             else:
+                computed = request.num_computed_tokens + num_new
+                if spec_tokens and rid in spec_tokens:
+                    # ``sampled`` = accepted drafts + one bonus token: the KV of every
+                    # rejected draft is invalid, so roll back over them.
+                    num_drafts = len(spec_tokens[rid])
+                    if sampled and len(sampled) > num_drafts + 1:
+                        sampled = sampled[: num_drafts + 1]
+                    computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
+                    request.spec_token_ids = []
+                    self._count_verified(num_drafts, len(sampled) - 1 if sampled else 0)
+                elif request.spec_token_ids:
+                    request.spec_token_ids = []  # none fit this step; stale after it
+                num_tokens = len(all_tokens)
+                if computed < num_tokens:
+                    sampled = None  # prefill still partial: no token
+                elif not sampled:
+                    logger.warning("request %s completed a step but got no token; recomputing", rid)
+                    request.num_computed_tokens = num_tokens - 1
+                    continue
                 request.num_computed_tokens = computed
+            if sampled:
                 outputs_so_far = request.output_token_ids
                 stop_ids = request.stop_ids
                 status = None
@@ -452,4 +603,6 @@ class Scheduler:
                 del requests[request.request_id]
                 self._release(request)
             self.running[:] = [r for r in self.running if r.status is _RUNNING]
+        if self._trials:
+            self._prove(o.request_id for o in outputs)
         return outputs

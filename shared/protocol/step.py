@@ -2,8 +2,10 @@
 
 A step plan is a *diff* against what the executor already holds:
 
-* ``new_requests``: requests the executor has never seen (first scheduling). They
-  carry the prompt, the sampling parameters and the whole block table.
+* ``new_requests``: requests the executor does not hold (first scheduling, or again
+  after the executor lost its state: a failed step or a new executor). They carry the
+  prompt, the sampling parameters, the whole block table and, when sent again, the
+  output tokens so far (its token list becomes prompt + these).
 * ``cached_requests``: requests the executor already holds, in the scheduler's
   running order. Normally they carry only newly allocated blocks; the executor
   appends the token it sampled itself last step (and, for a speculative decode,
@@ -42,6 +44,7 @@ class NewRequest:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit tokens: KV already in ``block_ids``
+    output_token_ids: list[int] = field(default_factory=list)  # non-empty only when sent again
 
 
 @dataclass(slots=True)

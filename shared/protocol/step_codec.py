@@ -158,7 +158,7 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 # ----------------------------------------------------------------------------- StepPlan
 # [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32; nil = all 1),
 #  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
-#  new: [ids, prompts, sampling_params, block_ids, num_computed],
+#  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]}],
 #  spec {id: [tok]}, preempted_ids, finished_ids]
 
 
@@ -198,6 +198,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
                 [r.sampling_params.to_dict() for r in new],
                 [r.block_ids for r in new],
                 [r.num_computed_tokens for r in new],
+                {r.request_id: r.output_token_ids for r in new if r.output_token_ids},
             ],
             plan.scheduled_spec_decode_tokens,
             plan.preempted_req_ids,
@@ -208,18 +209,24 @@ def encode_step_plan(plan: StepPlan) -> bytes:
 
 def _decode_new_requests(value: Any) -> list[NewRequest]:
     cols = array("new_requests", value)
-    if len(cols) != 5:
-        raise ProtocolError("new_requests: expected 5 columns")
+    if len(cols) != 6:
+        raise ProtocolError("new_requests: expected 6 columns")
     ids = strs("new_requests.request_id", cols[0])
     prompts = int_lists("new_requests.prompt_token_ids", cols[1])
     params = array("new_requests.sampling_params", cols[2])
     blocks = int_lists("new_requests.block_ids", cols[3])
     computed = ints("new_requests.num_computed_tokens", cols[4])
+    outputs = int_list_map("new_requests.output_token_ids", cols[5])
     if not len(ids) == len(prompts) == len(params) == len(blocks) == len(computed):
         raise ProtocolError("new_requests: columns have different lengths")
     return [
         NewRequest(
-            rid, prompt, _sampling_params(f"new_requests[{rid!r}].sampling_params", sp), blk, n
+            rid,
+            prompt,
+            _sampling_params(f"new_requests[{rid!r}].sampling_params", sp),
+            blk,
+            n,
+            outputs.get(rid, []),
         )
         for rid, prompt, sp, blk, n in zip(ids, prompts, params, blocks, computed)
     ]

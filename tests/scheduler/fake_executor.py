@@ -68,6 +68,9 @@ class FakeExecutor:
         ]
         self.state: dict[str, _State] = {}
 
+    def reset(self) -> None:
+        self.state.clear()
+
     def _slot(self, state: _State, position: int) -> tuple[int, int]:
         return state.block_table[position // self.block_size], position % self.block_size
 
@@ -80,7 +83,9 @@ class FakeExecutor:
         for new in plan.new_requests:
             assert new.request_id not in self.state, f"{new.request_id} sent as new twice"
             self.state[new.request_id] = _State(
-                list(new.prompt_token_ids), list(new.prompt_token_ids), list(new.block_ids)
+                list(new.prompt_token_ids),
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                list(new.block_ids),
             )
             starts[new.request_id] = new.num_computed_tokens
         for cached in plan.cached_requests:

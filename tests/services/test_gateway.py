@@ -170,8 +170,8 @@ def test_n_samples_with_seeds_reproduce_and_share_the_prompt_blocks(server, clie
     assert len(set(texts)) > 1, "each sample draws from its own seed"
     assert first.usage.prompt_tokens == 40 and first.usage.completion_tokens == 24
     # Samples 2 and 3 of each call (and all of the second call) hit the prompt's cached blocks.
-    hits = metric(after, "weir:prefix_cache_hits_total") - metric(
-        before, "weir:prefix_cache_hits_total"
+    hits = metric(after, "weir_prefix_cache_hit_tokens_total") - metric(
+        before, "weir_prefix_cache_hit_tokens_total"
     )
     assert hits >= 5 * 36
 
@@ -331,8 +331,8 @@ def _wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
     while True:
         samples = read_metrics(server.info["metrics_address"])
         idle = (
-            metric(samples, "weir:num_requests_running") == 0
-            and metric(samples, "weir:kv_cache_usage_perc") == 0
+            metric(samples, "weir_num_requests_running") == 0
+            and metric(samples, "weir_kv_cache_usage_ratio") == 0
         )
         if idle or time.monotonic() > deadline:
             return samples
@@ -341,7 +341,7 @@ def _wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
 
 def _aborted(samples: dict[str, float]) -> float:
     return samples.get(
-        'weir:request_success_total{finished_reason="abort",model_name="tiny-llama"}', 0
+        'weir_requests_finished_total{finished_reason="abort",model_name="tiny-llama"}', 0
     )
 
 
@@ -360,8 +360,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
             assert next(line for line in r.iter_lines() if line.startswith("data:"))
         # Leaving the block closes the connection after one event.
     samples = _wait_idle(server)
-    assert metric(samples, "weir:kv_cache_usage_perc") == 0
-    assert metric(samples, "weir:num_requests_running") == 0
+    assert metric(samples, "weir_kv_cache_usage_ratio") == 0
+    assert metric(samples, "weir_num_requests_running") == 0
     assert _aborted(samples) == before + 1, "the request was aborted, not run to its end"
 
 
@@ -370,9 +370,9 @@ def test_gateway_metrics_count_routes_and_statuses(server, client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
     samples = read_metrics(server.info["http_address"] + "/metrics")
-    assert samples['weir:gateway_requests_total{route="/v1/models",status="200"}'] >= 1
-    assert samples['weir:gateway_requests_total{route="/v1/completions",status="404"}'] >= 1
-    assert samples[f'weir:gateway_replica_up{{replica="{server.client_address}"}}'] == 1
+    assert samples['weir_gateway_requests_total{route="/v1/models",status="200"}'] >= 1
+    assert samples['weir_gateway_requests_total{route="/v1/completions",status="404"}'] >= 1
+    assert samples[f'weir_gateway_replica_up{{replica="{server.client_address}"}}'] == 1
 
 
 # ------------------------------------------------------------------ standalone gateways

@@ -49,14 +49,14 @@ def gateway(replicas):
 def _routed(base: str, replicas) -> list[float]:
     samples = read_metrics(base + "/metrics")
     return [
-        samples[f'weir:gateway_replica_requests_total{{replica="{r.client_address}"}}']
+        samples[f'weir_gateway_replica_requests_total{{replica="{r.client_address}"}}']
         for r in replicas
     ]
 
 
 def _hits(replica) -> float:
     return read_metrics(replica.info["metrics_address"]).get(
-        f'weir:prefix_cache_hits_total{{model_name="{MODEL}"}}', 0.0
+        f'weir_prefix_cache_hit_tokens_total{{model_name="{MODEL}"}}', 0.0
     )
 
 

@@ -98,14 +98,13 @@ async def test_64_concurrent_streams_greedy_equal_transformers(server, tiny_hf_m
         # Chunked, batched, preempted: still exactly transformers' greedy tokens.
         assert token_ids == hf_greedy(tiny_hf_model, prompt, want_len)
     after = read_metrics(server.info["metrics_address"])
-    assert metric(after, "weir:num_preemptions_total") > metric(
-        before, "weir:num_preemptions_total"
-    )
-    assert metric(after, "weir:generation_tokens_total") - metric(
-        before, "weir:generation_tokens_total"
+    assert metric(after, "weir_preemptions_total") > metric(before, "weir_preemptions_total")
+    assert metric(after, "weir_generation_tokens_total") - metric(
+        before, "weir_generation_tokens_total"
     ) == sum(max_tokens)
     assert (
-        metric(after, "weir:request_success_total") - metric(before, "weir:request_success_total")
+        metric(after, "weir_requests_finished_total")
+        - metric(before, "weir_requests_finished_total")
         == 64
     )
 
@@ -211,7 +210,7 @@ async def test_abort_and_close_free_kv_blocks(server):
         await other.close()
         health = await wait_for_free_kv(client)
         assert health["num_free_blocks"] == health["num_blocks"]
-    assert metric(read_metrics(server.info["metrics_address"]), "weir:kv_cache_usage_perc") == 0
+    assert metric(read_metrics(server.info["metrics_address"]), "weir_kv_cache_usage_ratio") == 0
 
 
 async def test_vanished_client_frees_its_blocks(server):
@@ -323,36 +322,36 @@ def test_sdk_raises_typed_errors(server):
 def test_metrics_endpoints_expose_every_series(server):
     scheduler = read_metrics(server.info["metrics_address"])
     names = [
-        "weir:num_requests_running",
-        "weir:num_requests_waiting",
-        "weir:kv_cache_usage_perc",
-        "weir:num_preemptions_total",
-        "weir:prompt_tokens_total",
-        "weir:generation_tokens_total",
-        "weir:prefix_cache_queries_total",
-        "weir:prefix_cache_hits_total",
-        "weir:request_success_total",
-        "weir:time_to_first_token_seconds_count",
-        "weir:inter_token_latency_seconds_count",
-        "weir:e2e_request_latency_seconds_count",
-        "weir:request_queue_time_seconds_count",
-        "weir:iteration_tokens_count",
+        "weir_num_requests_running",
+        "weir_num_requests_waiting",
+        "weir_kv_cache_usage_ratio",
+        "weir_preemptions_total",
+        "weir_prompt_tokens_total",
+        "weir_generation_tokens_total",
+        "weir_prefix_cache_query_tokens_total",
+        "weir_prefix_cache_hit_tokens_total",
+        "weir_requests_finished_total",
+        "weir_time_to_first_token_seconds_count",
+        "weir_inter_token_latency_seconds_count",
+        "weir_e2e_request_latency_seconds_count",
+        "weir_request_queue_time_seconds_count",
+        "weir_iteration_tokens_count",
     ]
     for name in names:
         assert any(
             k.startswith(name + "{") and 'model_name="tiny-llama"' in k for k in scheduler
         ), name
-    assert metric(scheduler, "weir:time_to_first_token_seconds_count") > 0
+    assert metric(scheduler, "weir_time_to_first_token_seconds_count") > 0
     executor = read_metrics(server.info["executors"][0]["metrics_address"])
     for name in [
-        "weir:executor_step_seconds_count",
-        "weir:executor_batch_tokens_count",
-        "weir:executor_num_kv_blocks",
-        "weir:executor_device_memory_bytes",
+        "weir_executor_step_seconds_count",
+        "weir_executor_batch_tokens_count",
+        "weir_executor_num_kv_blocks",
+        "weir_executor_device_memory_bytes",
     ]:
         assert any(k.startswith(name + "{") and 'rank="0"' in k for k in executor), name
-    assert metric(executor, "weir:executor_num_kv_blocks") == NUM_BLOCKS
-    assert metric(executor, "weir:executor_step_seconds_count") > 0
+    assert metric(executor, "weir_executor_num_kv_blocks") == NUM_BLOCKS
+    assert metric(executor, "weir_executor_step_seconds_count") > 0
 
 
 def test_step_phase_histograms_account_for_every_step(server):
@@ -368,16 +367,16 @@ def test_step_phase_histograms_account_for_every_step(server):
             if k.startswith(f"{name}_{stat}{{") and f'phase="{which}"' in k
         )
 
-    steps = metric(executor, "weir:executor_step_seconds_count")
+    steps = metric(executor, "weir_executor_step_seconds_count")
     runner_seconds = 0.0
     for which in ("prepare", "forward", "sample"):
-        assert phase(executor, "weir:executor_phase_seconds", which, "count") == steps
-        runner_seconds += phase(executor, "weir:executor_phase_seconds", which, "sum")
+        assert phase(executor, "weir_executor_phase_seconds", which, "count") == steps
+        runner_seconds += phase(executor, "weir_executor_phase_seconds", which, "sum")
     # The runner's phases happen inside the executor's step, which happens inside the
     # scheduler's wait for it.
-    assert 0 < runner_seconds <= metric(executor, "weir:executor_step_seconds_sum")
-    waited = phase(scheduler, "weir:scheduler_step_phase_seconds", "executor", "sum")
-    assert metric(executor, "weir:executor_step_seconds_sum") <= waited
-    assert phase(scheduler, "weir:scheduler_step_phase_seconds", "executor", "count") == steps
+    assert 0 < runner_seconds <= metric(executor, "weir_executor_step_seconds_sum")
+    waited = phase(scheduler, "weir_scheduler_step_phase_seconds", "executor", "sum")
+    assert metric(executor, "weir_executor_step_seconds_sum") <= waited
+    assert phase(scheduler, "weir_scheduler_step_phase_seconds", "executor", "count") == steps
     for which in ("schedule", "plan_encode", "update", "outputs"):
-        assert phase(scheduler, "weir:scheduler_step_phase_seconds", which, "count") >= steps
+        assert phase(scheduler, "weir_scheduler_step_phase_seconds", which, "count") >= steps

@@ -151,10 +151,10 @@ def test_served_speculation_keeps_greedy_outputs_and_counts_drafts(tiny_model_di
         got = [c.token_ids for c in spec.generate(prompts, params)]
         samples = read_metrics(spec.server_info["metrics_address"])
     assert got == want
-    drafts = metric(samples, "weir:spec_decode_num_draft_tokens_total")
-    accepted = metric(samples, "weir:spec_decode_num_accepted_tokens_total")
+    drafts = metric(samples, "weir_spec_decode_draft_tokens_total")
+    accepted = metric(samples, "weir_spec_decode_accepted_tokens_total")
     assert drafts > 0 and 0 <= accepted <= drafts
-    assert metric(samples, "weir:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert metric(samples, "weir_spec_decode_accepted_tokens_by_position_total") == accepted
 
 
 def test_bad_speculative_options_fail_start_up(tiny_model_dir):

@@ -1,0 +1,138 @@
+"""Faults of whole processes: an executor SIGKILLed mid-run under `weir serve` loses no
+request, and SIGTERM drains (in-flight requests finish, new ones are refused)."""
+
+import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from serving_helpers import hf_greedy
+from test_serving_processes import ENV, WEIR, read_until
+
+from weir.services.launcher import ServerProcesses
+from weir.shared.client import AsyncWeirClient, EngineError, WeirClient
+from weir.shared.config import EngineArgs
+from weir.shared.sampling import SamplingParams
+
+NUM_TOKENS = 40
+
+
+def _wait_status(client: WeirClient, wanted: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = client.health()
+        if health["status"] == wanted or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+def test_an_executor_killed_mid_run_under_serve_loses_no_request(tiny_model_dir, tiny_hf_model):
+    rng = random.Random(21)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(4, 40))] for _ in range(20)]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    engine_args = EngineArgs(
+        model=str(tiny_model_dir), max_num_seqs=8, max_num_batched_tokens=64, device="cpu"
+    )
+    with ServerProcesses(engine_args, port=0, metrics_port=0, executor_metrics_port=0) as server:
+        executor_pid = server.info["executors"][0]["pid"]
+
+        async def run() -> tuple[list[list[int]], bool]:
+            async with AsyncWeirClient(server.client_address, timeout=120) as client:
+                first_tokens = asyncio.Event()
+                produced: list[list[int]] = [[] for _ in prompts]
+
+                async def one(i: int) -> None:
+                    async for out in client.generate(prompts[i], params):
+                        produced[i] += out.new_token_ids
+                        if sum(map(len, produced)) >= 60:
+                            first_tokens.set()
+
+                tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+                await first_tokens.wait()
+                os.kill(executor_pid, signal.SIGKILL)
+                unfinished = sum(len(p) < NUM_TOKENS for p in produced)
+                await asyncio.gather(*tasks)
+                return produced, unfinished
+
+        produced, unfinished = asyncio.run(run())
+        assert unfinished >= 10, "the executor must die with most requests in flight"
+        for prompt, tokens in zip(prompts, produced):
+            assert tokens == hf_greedy(tiny_hf_model, prompt, NUM_TOKENS)
+        with WeirClient(server.client_address) as client:
+            health = _wait_status(client, "ok")
+            assert health["status"] == "ok" and health["num_streams"] == 0
+            assert health["num_free_blocks"] == health["num_blocks"]
+        assert any(c.name == "executor 0" and c.proc.pid != executor_pid for c in server._children)
+
+
+def test_requests_of_a_lost_executor_fail_clearly_when_none_comes_back(tiny_model_dir):
+    engine_args = EngineArgs(
+        model=str(tiny_model_dir), device="cpu", recovery_timeout=2.0, executor_timeout=2.0
+    )
+    with ServerProcesses(engine_args, port=0, metrics_port=0, executor_metrics_port=0) as server:
+        executor = next(c for c in server._children if c.name == "executor 0")
+        with WeirClient(server.client_address, timeout=60) as client:
+            stream = client.generate(
+                [1, 2, 3], SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+            )
+            next(stream)
+            # Stopped, not killed: its heartbeats end but `weir serve` does not restart it.
+            os.kill(executor.proc.pid, signal.SIGSTOP)
+            try:
+                assert _wait_status(client, "recovering", 30)["status"] == "recovering"
+                with pytest.raises(EngineError, match="no executor group formed again within 2s"):
+                    for _ in stream:
+                        pass
+                with pytest.raises(EngineError, match="no executor is connected") as refused:
+                    list(client.generate([1, 2], SamplingParams(max_tokens=2)))
+                assert refused.value.code == "server_unavailable"
+            finally:
+                os.kill(executor.proc.pid, signal.SIGCONT)
+
+
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
+    proc = subprocess.Popen(
+        [
+            *WEIR,
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--executor-metrics-port",
+            "0",
+            "--no-http",
+            "--kv-cache-memory",
+            "1MiB",
+            "--drain-timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        bufsize=0,
+        env=ENV,
+    )
+    try:
+        address = re.search(r"clients:\s+(\S+)", read_until(proc, "Press Ctrl-C")).group(1)
+        with WeirClient(address, timeout=60) as client:
+            params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            stream = client.generate([1, 2, 3], params)
+            outputs = [next(stream)]
+            proc.send_signal(signal.SIGTERM)
+            assert _wait_status(client, "draining", 30)["status"] == "draining"
+            with pytest.raises(EngineError, match="shutting down") as refused:
+                list(client.generate([1, 2], SamplingParams(max_tokens=2)))
+            assert refused.value.code == "server_unavailable"
+            outputs += list(stream)
+        assert sum(len(o.new_token_ids) for o in outputs) == 300
+        assert outputs[-1].finish_reason == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,105 @@
+"""Metric names survive every exposition format and pass `promtool check metrics`.
+
+prometheus_client rewrites a name it cannot send unescaped (a colon became ``_`` on
+sample lines, but not in HELP/TYPE) when the scraper negotiates OpenMetrics the way
+Prometheus 2.x does; plain ``weir_`` names are the same in every format.
+"""
+
+import asyncio
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, disable_created_metrics, exposition
+
+from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.executor.metrics import ExecutorMetrics
+from weir.services.gateway.metrics import GatewayMetrics
+from weir.services.gateway.router import Router
+
+REPO = Path(__file__).resolve().parent.parent
+NAME = re.compile(r"weir_[a-z][a-z0-9_]*")
+ACCEPT = {
+    "text 0.0.4": "text/plain;version=0.0.4",
+    "Prometheus 2.x": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "OpenMetrics, underscore escaping": "application/openmetrics-text;version=1.0.0;"
+    "escaping=underscores",
+}
+
+
+async def _gateway_registry() -> CollectorRegistry:
+    # The router's clients belong to an event loop: made, and closed, inside one.
+    router = Router(["tcp://127.0.0.1:9"])
+    try:
+        return GatewayMetrics(router).registry
+    finally:
+        await router.close()
+
+
+def _registries() -> dict[str, CollectorRegistry]:
+    disable_created_metrics()  # as every Weir metrics endpoint does
+    scheduler = SchedulerMetrics("m")
+    scheduler.request_success("stop")  # label children exist only once used
+    return {
+        "scheduler": scheduler.registry,
+        "executor": ExecutorMetrics("m", 0).registry,
+        "gateway": asyncio.run(_gateway_registry()),
+    }
+
+
+def _names(text: str) -> tuple[set[str], set[str]]:
+    """(names in HELP/TYPE lines, names on sample lines) of one exposition."""
+    declared, sampled = set(), set()
+    for line in text.splitlines():
+        if line.startswith(("# HELP ", "# TYPE ")):
+            declared.add(line.split()[2])
+        elif line and not line.startswith("#"):
+            sampled.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return declared, sampled
+
+
+@pytest.mark.parametrize("process", ["scheduler", "executor", "gateway"])
+def test_names_are_the_same_in_every_exposition_format(process: str) -> None:
+    registry = _registries()[process]
+    seen = {}
+    for fmt, accept in ACCEPT.items():
+        encoder, _ = exposition.choose_encoder(accept)
+        declared, sampled = _names(encoder(registry).decode())
+        assert declared and all(NAME.fullmatch(n) for n in declared), (fmt, declared)
+        # Every sample belongs to a declared family (a counter's `_total`, a histogram's parts).
+        suffixes = ("", "_total", "_bucket", "_sum", "_count")
+        for name in sampled:
+            assert any(name.removesuffix(s) in declared for s in suffixes if name.endswith(s)), (
+                fmt,
+                name,
+            )
+        seen[fmt] = sampled
+    assert len({frozenset(s) for s in seen.values()}) == 1, seen
+
+
+@pytest.mark.parametrize("process", ["scheduler", "executor", "gateway"])
+def test_promtool_accepts_the_exposition(process: str) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed: apt-get install prometheus (Debian/Ubuntu)")
+    text = exposition.generate_latest(_registries()[process])
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+
+
+def test_no_colon_metric_names_are_left_in_the_repository() -> None:
+    """Queries, docs and tests name the metrics as they are exported."""
+    folders = ("services", "shared", "kernels", "k8s", "docs", "tests", "benchmarks")
+    files = [REPO / "README.md", *(p for f in folders for p in (REPO / f).rglob("*"))]
+    stale = [
+        f"{path.relative_to(REPO)}: {match}"
+        for path in files
+        if path.suffix in {".py", ".md", ".json", ".yaml"}
+        for match in re.findall(r"weir:[a-z_]+", path.read_text(errors="replace"))
+    ]
+    assert not stale, stale
