@@ -35,6 +35,7 @@ from weir.shared.keys import ClientKeys, HandshakeMonitor, connect_curve
 from weir.shared.keys import keys_dir as resolve_keys_dir
 from weir.shared.protocol.client import (
     ENGINE_ERROR,
+    INVALID_REQUEST,
     SERVER_UNAVAILABLE,
     AbortRequest,
     ClientMessage,
@@ -47,6 +48,7 @@ from weir.shared.protocol.client import (
     StreamOutput,
     decode_server_message,
     encode_client_message,
+    request_id_problem,
 )
 from weir.shared.sampling import SamplingParams
 from weir.shared.zmq_send import send_now
@@ -137,6 +139,9 @@ class AsyncWeirClient:
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration."""
         request_id = request_id or uuid.uuid4().hex
+        # The server cannot address its refusal of an unusable id to this stream.
+        if (problem := request_id_problem(request_id)) is not None:
+            raise InvalidRequestError(problem, INVALID_REQUEST)
         if request_id in self._streams:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already streaming", "duplicate_request_id"

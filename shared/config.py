@@ -244,6 +244,20 @@ class EngineArgs:
     )
     ngram_min: int = _arg(2, SCHEDULER, "shortest n-gram the ngram proposer matches", type=int)
     ngram_max: int = _arg(4, SCHEDULER, "longest n-gram the ngram proposer matches", type=int)
+    max_message_size: int = _arg(
+        64 << 20,
+        SCHEDULER,
+        "largest client message in bytes (ZMQ_MAXMSGSIZE), e.g. 64MiB; a client that sends a "
+        "larger one is disconnected",
+        type=parse_size,
+    )
+    max_prompt_chars: int | None = _arg(
+        None,
+        SCHEDULER,
+        "longest prompt text in characters, refused before tokenizing (default: max_model_len "
+        "x the longest token, which no longer text can fit)",
+        type=int,
+    )
     executor_timeout: float = _arg(
         3.0,
         SCHEDULER,

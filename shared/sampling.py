@@ -13,13 +13,19 @@ from typing import Any
 
 # OpenAI's API caps top_logprobs at 20; the executor sizes its top-k gather by this.
 MAX_LOGPROBS = 20
+# Counts (max_tokens, min_tokens, top_k) must fit the executor's int32 columns.
+MAX_COUNT = 2**31 - 1
+# A temperature below vLLM's sampling epsilon is greedy: dividing logits by it overflows.
+GREEDY_TEMPERATURE = 1e-5
+# Every stop string is searched for in each request's text at every step.
+MAX_STOP_STRINGS = 64
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
+def _int(name: str, value: Any, minimum: int, maximum: int = MAX_COUNT) -> int:
     if type(value) is not int:
         raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
     return value
 
 
@@ -36,7 +42,9 @@ def _float(name: str, value: Any) -> float:
 class SamplingParams:
     """How to sample one request's tokens and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) disables top-k;
+    ``temperature == 0`` (or below ``GREEDY_TEMPERATURE``) means greedy. ``max_tokens=None``
+    asks for as many tokens as fit in ``max_model_len`` after the prompt (the scheduler's
+    door refuses a ``max_tokens`` that does not fit). ``top_k == 0`` (or -1) disables top-k;
     ``top_p == 1`` and ``min_p == 0`` disable those filters. ``stop`` holds text stop
     strings (matched by the detokenizer, not the scheduler); ``stop_token_ids`` and
     EOS (unless ``ignore_eos``) are matched by the scheduler. No stop applies before
@@ -44,7 +52,7 @@ class SamplingParams:
     top-n alternatives per output token (``None`` = no logprobs).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -59,11 +67,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # frozen: normalised values are written with object.__setattr__.
         put = object.__setattr__
-        _int("max_tokens", self.max_tokens, 1)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, 1)
         temperature = _float("temperature", self.temperature)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        put(self, "temperature", temperature)
+        put(self, "temperature", 0.0 if temperature < GREEDY_TEMPERATURE else temperature)
         top_p = _float("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -76,25 +85,25 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         put(self, "min_p", min_p)
         if self.seed is not None:
-            _int("seed", self.seed, -(2**63))
-            if self.seed >= 2**63:
-                raise ValueError(f"seed must fit a signed 64-bit int, got {self.seed}")
+            _int("seed", self.seed, -(2**63), 2**63 - 1)
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(type(s) is str and s for s in stop):
             raise ValueError("stop must be a string or a sequence of non-empty strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
         put(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a sequence of ints, got {type(ids).__name__}")
-        for token_id in ids:
+        for token_id in ids:  # the vocabulary bound is the scheduler's (it knows the model)
             _int("stop_token_ids", token_id, 0)
         put(self, "stop_token_ids", tuple(ids))
         if type(self.ignore_eos) is not bool:
             raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         _int("min_tokens", self.min_tokens, 0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
             )

@@ -111,8 +111,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: no token covers more text (the
+        entries of byte-level vocabularies hold one character per byte)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it), so a long prompt tokenized on a
+        # worker thread leaves the scheduler's event loop running.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

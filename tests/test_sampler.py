@@ -66,6 +66,28 @@ def test_temperature_zero_is_argmax_even_in_a_mixed_batch():
     assert torch.equal(Sampler(seed=0)(logits, all_greedy).token_ids, logits.argmax(dim=-1))
 
 
+def test_extreme_temperatures_neither_overflow_nor_stick_to_token_zero():
+    # A denormal temperature made every logit inf (NaN probabilities: token 0 forever); it
+    # is greedy. A temperature beyond float32 made them NaN; it stays finite (near uniform).
+    logits = random_logits(8, seed=4)
+    logits[:, 0] = logits.min() - 1  # token 0 is never the argmax
+    out = Sampler(seed=0)(
+        logits, make_batch([{"temperature": 1e-45}] * 4 + [{"temperature": 1e-6}] * 4)
+    )
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    hot = Sampler(seed=0)(
+        logits.repeat(64, 1),
+        SamplingBatch.build(
+            np.full(512, 1e300),
+            np.zeros(512, np.int64),
+            np.ones(512, np.float32),
+            np.zeros(512, np.float32),
+            device="cpu",
+        ),
+    )
+    assert len(set(hot.token_ids.tolist())) > VOCAB // 2
+
+
 def test_seeded_rows_do_not_depend_on_batch_composition():
     logits = random_logits(1, seed=1, scale=0.5)  # flat-ish, so draws really vary
     seeded = [

@@ -1,11 +1,17 @@
 """The scheduler process's side of its clients: requests in, text streamed out.
 
 ``run`` reads the client ROUTER: every message is validated
-(``weir.shared.protocol.client``), prompts are tokenized (text, token ids or chat
-messages) and added to the engine core's scheduler; aborts, health and model-info
-queries are answered. ``publish`` turns each step's ``EngineOutput``s into the
-clients' ``StreamOutput``s: it detokenizes, applies stop strings (ending the
-request in the scheduler when one matches) and sends one frame per client.
+(``weir.shared.protocol.client``; a frame that cannot be decoded, for whatever reason,
+is a ``malformed_message`` error to its sender), prompts are tokenized (text, token ids
+or chat messages) and checked against the model, and added to the engine core's
+scheduler; aborts, health and model-info queries are answered. Whatever could make a
+step raise is refused here, so one bad request never fails the others in its batch.
+Long prompts are tokenized on worker threads (the tokenizer releases the GIL) while
+the loop keeps streaming; such a request is in flight from its arrival, so an abort
+reaches it and its id cannot be reused. ``publish`` turns each step's
+``EngineOutput``s into the clients' ``StreamOutput``s: it detokenizes, applies stop
+strings (ending the request in the scheduler when one matches) and sends one frame
+per client.
 
 The front end never waits on a client: a client that is gone or not reading
 loses its requests, nobody else's.
@@ -13,11 +19,13 @@ loses its requests, nobody else's.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,11 @@ from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from weir.shared.zmq_send import send_now
 
 _log = logging.getLogger(__name__)
+
+# Prompts up to this many characters are tokenized on the loop (well under a millisecond);
+# longer ones on a worker thread.
+_INLINE_TOKENIZE_CHARS = 4096
+_TOKENIZER_THREADS = 2
 
 
 @dataclass(slots=True)
@@ -57,6 +70,14 @@ class _Stream:
     holdback: int = 0
 
 
+@dataclass(slots=True)
+class _Tokenizing:
+    """A request whose prompt a worker thread is tokenizing."""
+
+    identity: bytes
+    aborted: bool = False
+
+
 class ClientFrontend:
     """``core`` is None until an executor group first serves; while it is, or while
     ``unavailable`` holds a reason (the server drains), new requests get
@@ -74,11 +95,14 @@ class ClientFrontend:
         requests_ended: Callable[[], None],
         health: Callable[[list[str]], dict[str, Any]],
         model_info: Callable[[], dict[str, Any]],
+        max_prompt_chars: int | None = None,
     ) -> None:
         self._sock = sock
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # No text longer than this tokenizes into max_model_len tokens.
+        self.max_prompt_chars = max_prompt_chars or max_model_len * tokenizer.max_token_chars
         self.metrics = metrics
         self._wake = wake
         self._requests_ended = requests_ended
@@ -88,35 +112,67 @@ class ClientFrontend:
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
         self._token_text: dict[int, str] = {}  # id -> its text alone, at most the vocabulary
+        self._tokenizing: dict[str, _Tokenizing] = {}
+        self._tokenize_tasks: set[asyncio.Task[None]] = set()
+        self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS, "weir-tokenize")
+
+    def close(self) -> None:
+        for task in self._tokenize_tasks:
+            task.cancel()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def in_flight(self, request_id: str) -> bool:
+        """Whether the request is known: streaming, or its prompt still being tokenized."""
+        return request_id in self.streams or request_id in self._tokenizing
 
     # ------------------------------------------------------------------ messages in
 
     async def run(self) -> None:
         while True:
             identity, *frames = await self._sock.recv_multipart()
-            if len(frames) != 1:
-                self.send_error(
-                    identity,
-                    None,
-                    client_protocol.MALFORMED_MESSAGE,
-                    f"expected one frame per message, got {len(frames)}",
-                )
-                continue
             try:
-                msg = client_protocol.decode_client_message(frames[0])
-            except client_protocol.ClientProtocolError as exc:
-                self.send_error(identity, exc.request_id, exc.code, exc.message)
-                continue
-            try:
-                self._dispatch(identity, msg)
-            except Exception as exc:  # a bug must cost one request, not the server
-                _log.exception("failed to handle %s", type(msg).__name__)
-                self.send_error(
-                    identity,
-                    msg.request_id,
-                    client_protocol.ENGINE_ERROR,
-                    f"internal error: {type(exc).__name__}: {exc}",
-                )
+                self._handle(identity, frames)
+            except Exception:  # a bug must cost one message, never the server
+                _log.exception("client %s: failed to handle a message", identity.hex())
+
+    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self.send_error(
+                identity,
+                None,
+                client_protocol.MALFORMED_MESSAGE,
+                f"expected one frame per message, got {len(frames)}",
+            )
+            return
+        try:
+            msg = client_protocol.decode_client_message(frames[0])
+        except client_protocol.ClientProtocolError as exc:
+            self.send_error(identity, exc.request_id, exc.code, exc.message)
+            return
+        except Exception as exc:  # a frame the decoder did not foresee: still only an error
+            _log.warning(
+                "client %s: undecodable message (%s: %.200s)",
+                identity.hex(),
+                type(exc).__name__,
+                exc,
+            )
+            self.send_error(
+                identity,
+                None,
+                client_protocol.MALFORMED_MESSAGE,
+                f"message could not be decoded ({type(exc).__name__})",
+            )
+            return
+        try:
+            self._dispatch(identity, msg)
+        except Exception as exc:  # a bug must cost one request, not the server
+            _log.exception("failed to handle %s", type(msg).__name__)
+            self.send_error(
+                identity,
+                msg.request_id,
+                client_protocol.ENGINE_ERROR,
+                f"internal error: {type(exc).__name__}: {exc}",
+            )
 
     def _dispatch(self, identity: bytes, msg: client_protocol.ClientMessage) -> None:
         if isinstance(msg, client_protocol.GenerateRequest):
@@ -141,15 +197,9 @@ class ClientFrontend:
     def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:
         rid = msg.request_id
         if self.core is None or self.unavailable:
-            self.send_error(
-                identity,
-                rid,
-                client_protocol.SERVER_UNAVAILABLE,
-                self.unavailable
-                or "no executor is connected; try again once the server is healthy",
-            )
+            self._send_unavailable(identity, rid)
             return
-        if rid in self.streams:
+        if self.in_flight(rid):
             self.send_error(
                 identity,
                 rid,
@@ -158,7 +208,59 @@ class ClientFrontend:
             )
             return
         try:
-            prompt_ids = self._tokenize(msg.prompt)
+            num_chars = self._check_before_tokenizing(msg)
+        except ValueError as exc:
+            self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
+            return
+        if num_chars <= _INLINE_TOKENIZE_CHARS:
+            try:
+                prompt_ids = self._tokenize(msg.prompt)
+            except ValueError as exc:
+                self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
+                return
+            self._admit(identity, msg, prompt_ids)
+            return
+        self._tokenizing[rid] = _Tokenizing(identity)
+        task = asyncio.get_running_loop().create_task(self._tokenize_then_admit(identity, msg))
+        self._tokenize_tasks.add(task)
+        task.add_done_callback(self._tokenize_tasks.discard)
+
+    async def _tokenize_then_admit(
+        self, identity: bytes, msg: client_protocol.GenerateRequest
+    ) -> None:
+        rid = msg.request_id
+        loop = asyncio.get_running_loop()
+        try:
+            prompt_ids = await loop.run_in_executor(
+                self._tokenizer_pool, self._tokenize, msg.prompt
+            )
+        except ValueError as exc:
+            if not self._tokenizing.pop(rid).aborted:
+                self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
+            return
+        except Exception as exc:
+            _log.exception("request %s: tokenization failed", rid)
+            if not self._tokenizing.pop(rid).aborted:
+                self.send_error(
+                    identity,
+                    rid,
+                    client_protocol.ENGINE_ERROR,
+                    f"internal error: {type(exc).__name__}: {exc}",
+                )
+            return
+        if not self._tokenizing.pop(rid).aborted:
+            self._admit(identity, msg, prompt_ids)
+
+    def _admit(
+        self, identity: bytes, msg: client_protocol.GenerateRequest, prompt_ids: list[int]
+    ) -> None:
+        """Check a tokenized request against the model and queue it."""
+        rid = msg.request_id
+        if self.core is None or self.unavailable:  # it changed while the prompt was tokenized
+            self._send_unavailable(identity, rid)
+            return
+        try:
+            self._check_fits(len(prompt_ids), msg.sampling_params)
         except ValueError as exc:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
@@ -182,6 +284,50 @@ class ClientFrontend:
             return
         self.streams[rid] = stream
         self._wake()  # nothing else: a burst of arrivals must not also refresh the gauges
+
+    def _send_unavailable(self, identity: bytes, request_id: str) -> None:
+        self.send_error(
+            identity,
+            request_id,
+            client_protocol.SERVER_UNAVAILABLE,
+            self.unavailable or "no executor is connected; try again once the server is healthy",
+        )
+
+    def _check_before_tokenizing(self, msg: client_protocol.GenerateRequest) -> int:
+        """What needs the model but not the prompt's tokens; returns the prompt's size in
+        characters (or token ids). ValueError names the problem."""
+        params = msg.sampling_params
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        prompt = msg.prompt
+        if isinstance(prompt, str):
+            num_chars = len(prompt)
+        elif isinstance(prompt[0], dict):
+            num_chars = sum(len(m["content"]) for m in prompt)
+        else:
+            return len(prompt)  # token ids: their count is checked against max_model_len
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt is too long: {num_chars} characters, more than this server's limit "
+                f"of {self.max_prompt_chars} (such a text cannot fit max_model_len="
+                f"{self.max_model_len} tokens); shorten the prompt"
+            )
+        return num_chars
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """The prompt and the tokens asked for fit max_model_len (as vLLM's API refuses)."""
+        room = self.max_model_len - num_prompt_tokens
+        for name, wanted in (("max_tokens", params.max_tokens), ("min_tokens", params.min_tokens)):
+            if wanted is not None and wanted > room:
+                raise ValueError(
+                    f"{name} is too large: this model's maximum context length is "
+                    f"{self.max_model_len} tokens and the prompt has {num_prompt_tokens}, so at "
+                    f"most {room} can be generated, but {name} is {wanted}; ask for fewer "
+                    "(or leave max_tokens out for as many as fit)"
+                )
 
     def _new_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float
@@ -209,6 +355,11 @@ class ClientFrontend:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = prompt
+            if len(ids) >= self.max_model_len:  # before the scan over every id
+                raise ValueError(
+                    f"prompt is too long: {len(ids)} tokens, but max_model_len is "
+                    f"{self.max_model_len}"
+                )
             bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(
@@ -224,6 +375,16 @@ class ClientFrontend:
         return ids
 
     def _abort(self, request_id: str, identity: bytes) -> None:
+        tokenizing = self._tokenizing.get(request_id)
+        if tokenizing is not None and tokenizing.identity == identity:
+            tokenizing.aborted = True  # it is dropped when its tokens come back
+            self._send(
+                identity,
+                client_protocol.encode_outputs(
+                    [client_protocol.StreamOutput(request_id, [], "", True, "abort")]
+                ),
+            )
+            return
         stream = self.streams.get(request_id)
         if stream is None or stream.identity != identity:
             return  # already finished, or not this client's request
@@ -270,6 +431,10 @@ class ClientFrontend:
     def fail_all(self, code: str, message: str) -> None:
         self._end_in_scheduler(list(self.streams), RequestStatus.FINISHED_ABORTED)
         self.fail(list(self.streams), code, message)
+        for rid, tokenizing in self._tokenizing.items():
+            if not tokenizing.aborted:
+                tokenizing.aborted = True
+                self.send_error(tokenizing.identity, rid, code, message)
 
     def publish(self, step: EngineStep) -> None:
         """Stream one step's outputs, one frame per client."""

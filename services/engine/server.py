@@ -106,6 +106,10 @@ class SchedulerServer:
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.vocab_size = int(load_model_config(model_dir)["vocab_size"])
         self.engine_args = options.engine_args
+        if self.engine_args.max_message_size < 1:
+            raise ValueError("max_message_size must be at least 1 byte")
+        if self.engine_args.max_prompt_chars is not None and self.engine_args.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be at least 1")
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
         directory = keys_dir(self.engine_args.keys_dir)
@@ -136,6 +140,8 @@ class SchedulerServer:
         client_sock.setsockopt(zmq.LINGER, 0)
         client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         client_sock.setsockopt(zmq.SNDHWM, _CLIENT_SNDHWM)
+        # A client sending more is disconnected by ZeroMQ before the frame is buffered.
+        client_sock.setsockopt(zmq.MAXMSGSIZE, self.engine_args.max_message_size)
         executor_sock = ctx.socket(zmq.ROUTER)
         executor_sock.setsockopt(zmq.LINGER, 0)
         executor_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -189,6 +195,7 @@ class SchedulerServer:
             self._requests_ended,
             self._health,
             self._model_info,
+            self.engine_args.max_prompt_chars,
         )
         self.group = ExecutorGroup(
             executor_sock,
@@ -229,6 +236,7 @@ class SchedulerServer:
             self.frontend.fail_all(
                 client_protocol.SERVER_UNAVAILABLE, "the server is shutting down"
             )
+            self.frontend.close()
             for task in [stop, *tasks]:
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
@@ -411,7 +419,9 @@ class SchedulerServer:
             "num_streams": len(streams),
         }
         if stream_ids:
-            info["lost_request_ids"] = [rid for rid in stream_ids if rid not in streams]
+            info["lost_request_ids"] = [
+                rid for rid in stream_ids if not self.frontend.in_flight(rid)
+            ]
         if self.core is not None:
             stats = self.core.scheduler.stats()
             info.update(

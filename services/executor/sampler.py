@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weir.shared.sampling import GREEDY_TEMPERATURE
+
 _MASK64 = (1 << 64) - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def row_seed(seed: int, position: int) -> int:
@@ -53,6 +56,11 @@ class SamplingBatch:
         banned: list[tuple[int, list[int]]] = (),
     ) -> "SamplingBatch":
         """From host arrays; `seeds` holds (row, seed, output position) for seeded rows."""
+        # Logits divided by a tiny temperature overflow to inf (NaN probabilities, token 0
+        # forever): such rows are greedy. A huge one must stay finite in float32.
+        temperature = np.where(
+            temperature < GREEDY_TEMPERATURE, 0.0, np.minimum(temperature, _FLOAT32_MAX)
+        )
         all_greedy = not temperature.any()
         sampling = temperature > 0
         # Filters of greedy rows are irrelevant; leave them out so an all-greedy batch stays one argmax.

@@ -166,7 +166,9 @@ class Gateway:
         try:
             if sample.number:  # the first sample of a prompt fills the prefix cache
                 await first_token.wait()
-            async with self.router.reserve(sample.prompt, sample.params.max_tokens) as replica:
+            # Without max_tokens a request may run to max_model_len: count it so.
+            budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
+            async with self.router.reserve(sample.prompt, budget) as replica:
                 self.metrics.routed.labels(replica.address).inc()
                 await self._stream_from(replica, request_id, sample, queue, first_token)
         except Exception as exc:
@@ -202,9 +204,8 @@ class Gateway:
             prompts = body.prompts()
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from None
-        max_tokens = body.max_tokens or int(info["max_model_len"])
         samples = _samples(
-            prompts, body.n, lambda i: body.sampling_params(max_tokens, body.logprobs, i)
+            prompts, body.n, lambda i: body.sampling_params(body.max_tokens, body.logprobs, i)
         )
         response_id = f"cmpl-{uuid.uuid4().hex}"
         base = {
@@ -245,7 +246,7 @@ class Gateway:
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
         info = await self.check_model(body.model)
-        max_tokens = body.requested_max_tokens() or int(info["max_model_len"])
+        max_tokens = body.requested_max_tokens()
         logprobs = body.requested_logprobs()
         samples = _samples(
             [body.chat()], body.n, lambda i: body.sampling_params(max_tokens, logprobs, i)

@@ -58,9 +58,12 @@ class _SamplingFields(_Body):
             raise ValueError("stream_options is only allowed with stream: true")
         return self
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, index: int
+    ) -> SamplingParams:
         """The parameters of sample ``index`` of ``n``: with a seed, each sample draws
-        from its own (``seed + index``) so the ``n`` samples differ yet reproduce."""
+        from its own (``seed + index``) so the ``n`` samples differ yet reproduce.
+        ``max_tokens=None``: as many as fit after the prompt (the engine knows how many)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from collections.abc import Sequence
 
@@ -106,7 +107,9 @@ class Request:
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop_ids.add(eos_token_id)
         self.stop_ids = frozenset(stop_ids)
-        self.max_tokens = sampling_params.max_tokens
+        # None: as many as fit; every request also stops at max_model_len.
+        max_tokens = sampling_params.max_tokens
+        self.max_tokens = sys.maxsize if max_tokens is None else max_tokens
         self.min_tokens = sampling_params.min_tokens
         self.seq = 0  # arrival-order tie breaker, set by Scheduler.add_request
 

@@ -23,7 +23,8 @@ Scheduler -> client::
 the delta since the previous output of that request and ``prompt_token_ids`` is
 sent once, with the request's first output. The scheduler validates every field
 of every incoming message; anything wrong becomes an ``error`` reply naming the
-problem (see ``ClientProtocolError``), never a dropped connection.
+problem (see ``ClientProtocolError``), never a dropped connection. What needs the
+model (vocabulary, ``max_model_len``) is checked by the scheduler when it tokenizes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ from weir.shared.protocol.envelope import (
 from weir.shared.sampling import SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
+# Bounds on what one client frame may unpack to: a token-id prompt of a million tokens,
+# maps no wider than a message needs (sampling params have 11 fields).
+MAX_ARRAY_LEN = 1 << 20
+MAX_MAP_LEN = 64
+# The roles chat templates know; "developer" is OpenAI's newer name for "system".
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 # Error codes carried by ``error`` replies.
 MALFORMED_MESSAGE = "malformed_message"
@@ -137,11 +144,23 @@ def _pack(type_: str, body: dict[str, Any]) -> bytes:
     return pack_map({"v": PROTOCOL_VERSION, "type": type_, **body})
 
 
-def _unpack_map(frame: bytes) -> dict[str, Any]:
+def _unpack_map(frame: bytes, **limits: int) -> dict[str, Any]:
     try:
-        return unpack_map(frame, "message")
+        return unpack_map(frame, "message", **limits)
     except ProtocolError as exc:
         raise ClientProtocolError(MALFORMED_MESSAGE, str(exc)) from None
+
+
+def request_id_problem(request_id: Any) -> str | None:
+    """What is wrong with a request id, or None: ids are non-empty printable strings of at
+    most ``MAX_REQUEST_ID_LEN`` characters (they travel NUL-joined in step plans, and in logs)."""
+    if type(request_id) is not str or not request_id:
+        return f"request_id must be a non-empty string, got {type(request_id).__name__}"
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        return f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, got {len(request_id)}"
+    if not request_id.isprintable():
+        return f"request_id must be printable, got {request_id!r}"
+    return None
 
 
 # ---------------------------------------------------------------- client -> scheduler
@@ -175,33 +194,29 @@ _CLIENT_FIELDS = {
 
 def decode_client_message(frame: bytes) -> ClientMessage:
     """Parse and validate one client frame; raises ``ClientProtocolError`` naming the problem."""
-    data = _unpack_map(frame)
-    raw_id = data.get("request_id")
-    request_id = raw_id if isinstance(raw_id, str) and raw_id else None
+    data = _unpack_map(frame, max_array_len=MAX_ARRAY_LEN, max_map_len=MAX_MAP_LEN)
+    raw_id: Any = data.get("request_id")  # a valid id once request_id_problem says so
+    id_problem = request_id_problem(raw_id)
+    request_id = raw_id if id_problem is None else None  # errors name only a valid id
     try:
         check_version(data.get("v"), "message")
     except ProtocolError as exc:
         raise ClientProtocolError(UNSUPPORTED_VERSION, str(exc), request_id) from None
     type_ = data.get("type")
-    if type_ not in _CLIENT_FIELDS:
+    # A type that is not a string (an array, a map) cannot even be looked up.
+    if type(type_) is not str or type_ not in _CLIENT_FIELDS:
         raise ClientProtocolError(
             UNKNOWN_MESSAGE_TYPE,
-            f"unknown message type {type_!r}; expected one of {sorted(_CLIENT_FIELDS)}",
+            f"unknown message type {_short(type_)}; expected one of {sorted(_CLIENT_FIELDS)}",
             request_id,
         )
     unknown = sorted(set(data) - _CLIENT_FIELDS[type_] - {"v", "type"}, key=str)
     if unknown:
         raise ClientProtocolError(
-            INVALID_REQUEST, f"{type_}: unknown field(s) {unknown}", request_id
+            INVALID_REQUEST, f"{type_}: unknown field(s) {_short(unknown)}", request_id
         )
-    if not isinstance(raw_id, str) or not raw_id:
-        raise ClientProtocolError(
-            INVALID_REQUEST, f"request_id must be a non-empty string, got {type(raw_id).__name__}"
-        )
-    if len(raw_id) > MAX_REQUEST_ID_LEN:
-        raise ClientProtocolError(
-            INVALID_REQUEST, f"request_id must be at most {MAX_REQUEST_ID_LEN} characters"
-        )
+    if id_problem is not None:
+        raise ClientProtocolError(INVALID_REQUEST, id_problem)
     if type_ == "abort":
         return AbortRequest(raw_id)
     if type_ == "health":
@@ -219,6 +234,12 @@ def decode_client_message(frame: bytes) -> ClientMessage:
     except (ValueError, TypeError) as exc:
         raise ClientProtocolError(INVALID_REQUEST, str(exc), raw_id) from None
     return GenerateRequest(raw_id, prompt, sampling_params)
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    """``repr`` of a client's value for an error message, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def validate_prompt(prompt: Any) -> Prompt:
@@ -247,6 +268,11 @@ def validate_prompt(prompt: Any) -> Prompt:
                 )
             if not isinstance(message["role"], str) or not isinstance(message["content"], str):
                 raise ValueError(f"prompt[{i}]: chat message role and content must be strings")
+            if message["role"] not in CHAT_ROLES:
+                raise ValueError(
+                    f"prompt[{i}]: unknown chat role {_short(message['role'])}; "
+                    f"expected one of {sorted(CHAT_ROLES)}"
+                )
         return prompt
     for i, token_id in enumerate(prompt):
         if not isinstance(token_id, int) or isinstance(token_id, bool):

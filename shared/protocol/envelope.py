@@ -20,13 +20,14 @@ class ProtocolError(ValueError):
     """A message that cannot be decoded: bad msgpack, wrong version, wrong types."""
 
 
-def unpack_msgpack(data: Any, what: str) -> Any:
+def unpack_msgpack(data: Any, what: str, **limits: int) -> Any:
     """``data`` as Python values; ``ProtocolError`` (naming ``what``) for anything that is not
-    msgpack, whatever error msgpack raised."""
+    msgpack, whatever error msgpack raised. ``limits`` are msgpack's ``max_array_len`` and
+    ``max_map_len``, for messages from untrusted peers."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"{what}: expected bytes, got {type(data).__name__}")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, **limits)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise ProtocolError(f"{what}: not valid msgpack ({type(exc).__name__}: {exc})") from None
 
@@ -67,8 +68,8 @@ def pack_map(body: dict[str, Any]) -> bytes:
     return packed
 
 
-def unpack_map(data: Any, what: str) -> dict[str, Any]:
-    value = unpack_msgpack(data, what)
+def unpack_map(data: Any, what: str, **limits: int) -> dict[str, Any]:
+    value = unpack_msgpack(data, what, **limits)
     if type(value) is not dict:
         raise ProtocolError(f"{what}: expected a msgpack map, got {type(value).__name__}")
     return value

@@ -132,6 +132,71 @@ def test_round_trip_of_server_messages():
             client_protocol.INVALID_REQUEST,
             "warp",
         ),
+        # Unhashable types used to escape as TypeError and stop the scheduler.
+        (frame(type=[1], request_id="x"), client_protocol.UNKNOWN_MESSAGE_TYPE, "[1]"),
+        (frame(type={"a": 1}, request_id="x"), client_protocol.UNKNOWN_MESSAGE_TYPE, "type"),
+        (frame(type=True, request_id="x"), client_protocol.UNKNOWN_MESSAGE_TYPE, "True"),
+        (frame(type="abort", request_id="a\x00b"), client_protocol.INVALID_REQUEST, "printable"),
+        (frame(type="abort", request_id="a\nb"), client_protocol.INVALID_REQUEST, "printable"),
+        (msgpack.packb([[[[1]]]] * 2), client_protocol.MALFORMED_MESSAGE, "map"),
+        (b"\x91" * 5000 + b"\xc0", client_protocol.MALFORMED_MESSAGE, "msgpack"),
+        (
+            frame(
+                type="generate", request_id="x", prompt=[1] * (client_protocol.MAX_ARRAY_LEN + 1)
+            ),
+            client_protocol.MALFORMED_MESSAGE,
+            "max_array_len",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt=[{"role": "hacker", "content": "a"}]),
+            client_protocol.INVALID_REQUEST,
+            "chat role",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt=[{"role": "", "content": "a"}]),
+            client_protocol.INVALID_REQUEST,
+            "chat role",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt=[1], sampling_params={"top_k": 2**63}),
+            client_protocol.INVALID_REQUEST,
+            "top_k",
+        ),
+        (
+            frame(
+                type="generate",
+                request_id="x",
+                prompt=[1],
+                sampling_params={"max_tokens": 2**31, "min_tokens": 2**31},
+            ),
+            client_protocol.INVALID_REQUEST,
+            "max_tokens",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt=[1], sampling_params={"seed": 2**64 - 1}),
+            client_protocol.INVALID_REQUEST,
+            "seed",
+        ),
+        (
+            frame(
+                type="generate",
+                request_id="x",
+                prompt=[1],
+                sampling_params={"stop_token_ids": [2**63], "min_tokens": 1},
+            ),
+            client_protocol.INVALID_REQUEST,
+            "stop_token_ids",
+        ),
+        (
+            frame(
+                type="generate",
+                request_id="x",
+                prompt=[1],
+                sampling_params={"temperature": float("nan")},
+            ),
+            client_protocol.INVALID_REQUEST,
+            "finite",
+        ),
     ],
 )
 def test_malformed_client_messages_name_the_problem(data, code, words):
@@ -146,6 +211,17 @@ def test_error_keeps_the_request_id_when_it_is_readable():
     with pytest.raises(client_protocol.ClientProtocolError) as info:
         client_protocol.decode_client_message(data)
     assert info.value.request_id == "r9"
+    # An unusable id is not echoed back.
+    with pytest.raises(client_protocol.ClientProtocolError) as info:
+        client_protocol.decode_client_message(frame(type=[1], request_id="r\x00"))
+    assert info.value.request_id is None
+
+
+def test_tiny_temperatures_are_greedy_and_max_tokens_may_be_left_to_the_server():
+    assert SamplingParams(temperature=1e-45).temperature == 0.0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    params = SamplingParams(max_tokens=None, min_tokens=5)
+    assert SamplingParams.from_dict(params.to_dict()) == params
 
 
 def test_health_stream_ids_must_be_strings():

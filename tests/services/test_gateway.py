@@ -249,6 +249,49 @@ def test_bad_chat_parameters_are_400(client):
         )
 
 
+@pytest.mark.parametrize("role", ["hacker", ""])
+def test_unknown_chat_roles_are_400(client, role):
+    with pytest.raises(openai.BadRequestError, match="role") as error:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": role, "content": "x"}], max_tokens=2
+        )
+    assert error.value.status_code == 400
+
+
+def test_max_tokens_beyond_the_context_is_400_naming_the_numbers(client):
+    # "Hello" is 1 token: 1 + 64 > max_model_len 64, as vLLM refuses.
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=MAX_MODEL_LEN)
+    message = str(error.value)
+    assert "maximum context length is 64" in message and "at most 63" in message
+    with pytest.raises(openai.BadRequestError, match="max_tokens is too large"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10_000
+        )
+
+
+def test_without_max_tokens_a_request_runs_to_the_context_length(client):
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == MAX_MODEL_LEN
+    text = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=None, extra_body={"ignore_eos": True}
+    )
+    assert text.usage.completion_tokens == MAX_MODEL_LEN - text.usage.prompt_tokens
+
+
+def test_a_denormal_temperature_samples_greedily(client):
+    call = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+    greedy = client.completions.create(temperature=0, **call)
+    tiny = client.completions.create(temperature=1e-45, **call)
+    assert tiny.choices[0].text == greedy.choices[0].text
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError, match="nope"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
