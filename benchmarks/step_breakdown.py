@@ -8,13 +8,18 @@ reads the per-phase histograms before and after it:
              weir_executor_phase_seconds{phase=prepare|forward|sample} when the executor has them
 
 IPC = the scheduler's wait for the executor minus the executor's own step time (ZeroMQ,
-the kernel, and the wake-ups on both sides).
+the kernel, and the wake-ups on both sides). With async scheduling (the default) the
+scheduler's work overlaps the executor's and that wait includes the step before; what
+counts then is the last line: the executor's idle time between steps (wall time minus
+the executor's step time), i.e. scheduling + IPC not hidden behind the executor.
 
     .venv/bin/python benchmarks/step_breakdown.py                 # issue-6 workload, 64 requests
     .venv/bin/python benchmarks/step_breakdown.py --steady        # 64 running decodes
+    .venv/bin/python benchmarks/step_breakdown.py --no-async-scheduling   # lockstep loop
 """
 
 import argparse
+import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,6 +72,7 @@ def main() -> None:
     parser.add_argument(
         "--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights"
     )
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
 
     model_dir = resolve_model(args.model, load_format=args.load_format)
@@ -74,7 +80,12 @@ def main() -> None:
         args.num_prompts, 32, 32 if args.steady else 256, 128 if args.steady else 32, 128, args.seed
     )
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
-    with LLM(model=str(model_dir), threads=args.threads, load_format=args.load_format) as llm:
+    with LLM(
+        model=str(model_dir),
+        threads=args.threads,
+        load_format=args.load_format,
+        async_scheduling=args.async_scheduling,
+    ) as llm:
         urls = [llm.server_info["metrics_address"]] + [
             e["metrics_address"] for e in llm.server_info["executors"]
         ]
@@ -82,6 +93,7 @@ def main() -> None:
             [[1000, 1001, 1002]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         )
         before = snapshot(urls)
+        start = time.perf_counter()
         llm.generate(
             [r.prompt_token_ids for r in requests],
             [
@@ -89,6 +101,7 @@ def main() -> None:
                 for r in requests
             ],
         )
+        wall = time.perf_counter() - start
         after = snapshot(urls)
 
     def delta(metric: str, phase: str = "") -> tuple[float, float]:
@@ -124,8 +137,9 @@ def main() -> None:
         if args.steady
         else f"{args.num_prompts} requests, prompts 32-256, outputs 32-128"
     )
+    mode = "async scheduling" if args.async_scheduling else "lockstep"
     print(
-        f"{workload}; {steps:.0f} steps, {total:.2f} ms per step (scheduler's view), "
+        f"{workload}; {mode}; {steps:.0f} steps, {total:.2f} ms per step (scheduler's view), "
         f"executor threads {args.threads}\n"
     )
     print("| part | ms per step | share |\n|---|---:|---:|")
@@ -140,6 +154,12 @@ def main() -> None:
         - executor_ms
     )
     print(f"\nscheduling + IPC: {overhead:.3f} ms per step = {overhead / total:.2%} of the step")
+    wall_ms = wall / steps * 1e3
+    idle = wall_ms - executor_ms
+    print(
+        f"wall {wall:.2f} s = {wall_ms:.3f} ms per step; executor idle between steps "
+        f"(not hidden): {idle:.3f} ms per step = {idle / wall_ms:.2%} of the wall time"
+    )
 
 
 if __name__ == "__main__":
