@@ -11,12 +11,12 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from test_metric_names import gateway_registry
 
 from weir.services.cli import build_parser
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.gateway.app import Gateway, create_app
-from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import Router
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.shared.config import DEFAULT_EXECUTOR_METRICS_PORT
@@ -70,22 +70,13 @@ def test_executor_reaches_the_scheduler_service_port() -> None:
     assert executor_ports["metrics"] == executor_args.metrics_port
 
 
-async def _gateway_registry() -> CollectorRegistry:
-    # The router's clients belong to an event loop: made, and closed, inside one.
-    router = Router(["tcp://127.0.0.1:9"])
-    try:
-        return GatewayMetrics(router).registry
-    finally:
-        await router.close()
-
-
 def test_dashboard_queries_only_metrics_the_processes_export() -> None:
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
     exported = set()
     for registry in (
         SchedulerMetrics("m").registry,
         ExecutorMetrics("m", 0).registry,
-        asyncio.run(_gateway_registry()),
+        asyncio.run(gateway_registry()),
     ):
         for family in registry.collect():
             exported |= {family.name + suffix for suffix in suffixes[family.type]}

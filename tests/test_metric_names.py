@@ -30,7 +30,7 @@ ACCEPT = {
 }
 
 
-async def _gateway_registry() -> CollectorRegistry:
+async def gateway_registry() -> CollectorRegistry:
     # The router's clients belong to an event loop: made, and closed, inside one.
     router = Router(["tcp://127.0.0.1:9"])
     try:
@@ -46,7 +46,7 @@ def _registries() -> dict[str, CollectorRegistry]:
     return {
         "scheduler": scheduler.registry,
         "executor": ExecutorMetrics("m", 0).registry,
-        "gateway": asyncio.run(_gateway_registry()),
+        "gateway": asyncio.run(gateway_registry()),
     }
 
 

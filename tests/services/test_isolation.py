@@ -9,10 +9,12 @@ undisturbed run.
 """
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -36,6 +38,20 @@ MAX_MESSAGE_SIZE = 8 << 20
 MAX_PROMPT_CHARS = 6_000_000
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[random.Random(i).randrange(3, VOCAB) for _ in range(3 + i)] for i in range(6)]
+
+
+@contextlib.contextmanager
+def raw_dealer(address: str) -> Iterator[zmq.Socket]:
+    """A bare ZeroMQ DEALER: what a client that ignores the SDK sends from."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
 
 
 @pytest.fixture(scope="module")
@@ -178,11 +194,7 @@ GARBAGE = [
 
 
 def test_garbage_frames_are_answered_and_the_server_keeps_serving(server, reference):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.client_address)
-    try:
+    with raw_dealer(server.client_address) as sock:
         with Traffic(server.client_address, reference):
             for frames in GARBAGE:
                 sock.send_multipart(frames)
@@ -195,9 +207,6 @@ def test_garbage_frames_are_answered_and_the_server_keeps_serving(server, refere
                     client_protocol.INVALID_REQUEST,
                 ), (frames, reply)
                 assert reply.message
-    finally:
-        sock.close()
-        ctx.term()
 
 
 _LEAVES = (
@@ -231,30 +240,23 @@ _MESSAGES = st.fixed_dictionaries(
 
 
 def test_hypothesis_generated_maps_never_stop_the_server(server, reference):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.client_address)
     probe = client_protocol.HealthRequest("probe")
+    with raw_dealer(server.client_address) as sock:
 
-    @settings(max_examples=300, deadline=None, database=None)
-    @given(message=_MESSAGES)
-    def send(message):
-        sock.send(msgpack.packb(message))
-        # Whatever the map was (an accepted request streams on), the server still answers.
-        sock.send(client_protocol.encode_client_message(probe))
-        while True:
-            assert sock.poll(60_000), f"no answer after {message!r}"
-            reply = client_protocol.decode_server_message(sock.recv())
-            if isinstance(reply, client_protocol.HealthReply) and reply.request_id == "probe":
-                return
+        @settings(max_examples=300, deadline=None, database=None)
+        @given(message=_MESSAGES)
+        def send(message):
+            sock.send(msgpack.packb(message))
+            # Whatever the map was (an accepted request streams on), the server still answers.
+            sock.send(client_protocol.encode_client_message(probe))
+            while True:
+                assert sock.poll(60_000), f"no answer after {message!r}"
+                reply = client_protocol.decode_server_message(sock.recv())
+                if isinstance(reply, client_protocol.HealthReply) and reply.request_id == "probe":
+                    return
 
-    try:
         with Traffic(server.client_address, reference):
             send()
-    finally:
-        sock.close()
-        ctx.term()
 
 
 # Each of these used to be accepted and then make the executor's step raise, failing every
@@ -330,11 +332,7 @@ async def test_a_denormal_temperature_is_greedy_not_token_zero(server, reference
 
 
 def test_a_frame_over_the_size_limit_costs_only_its_sender_the_connection(server, reference):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.client_address)
-    try:
+    with raw_dealer(server.client_address) as sock:
         with Traffic(server.client_address, reference):
             sock.send(b"\x00" * (MAX_MESSAGE_SIZE + 1))
             # ZeroMQ drops the connection (and what followed on it); the socket reconnects
@@ -346,9 +344,6 @@ def test_a_frame_over_the_size_limit_costs_only_its_sender_the_connection(server
                     break
             reply = client_protocol.decode_server_message(sock.recv())
             assert isinstance(reply, client_protocol.HealthReply) and reply.info["status"] == "ok"
-    finally:
-        sock.close()
-        ctx.term()
 
 
 def _long_text(num_chars: int) -> str:

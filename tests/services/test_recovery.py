@@ -6,12 +6,11 @@ import os
 import random
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 from serving_helpers import hf_greedy
-from test_serving_processes import ENV, WEIR, read_until
+from test_serving_processes import read_until, start_serve
 
 from weir.services.launcher import ServerProcesses
 from weir.shared.client import AsyncWeirClient, EngineError, WeirClient
@@ -95,28 +94,7 @@ def test_requests_of_a_lost_executor_fail_clearly_when_none_comes_back(tiny_mode
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
-    proc = subprocess.Popen(
-        [
-            *WEIR,
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--executor-metrics-port",
-            "0",
-            "--no-http",
-            "--kv-cache-memory",
-            "1MiB",
-            "--drain-timeout",
-            "60",
-        ],
-        stdout=subprocess.PIPE,
-        bufsize=0,
-        env=ENV,
-    )
+    proc = start_serve(tiny_model_dir, "--no-http", "--drain-timeout", "60")
     try:
         address = re.search(r"clients:\s+(\S+)", read_until(proc, "Press Ctrl-C")).group(1)
         with WeirClient(address, timeout=60) as client:

@@ -59,28 +59,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
-    proc = subprocess.Popen(
+def start_serve(model_dir: Path, *extra: str) -> subprocess.Popen:
+    """`weir serve` on free ports with a small KV cache; stdout unbuffered, for read_until."""
+    return subprocess.Popen(
         [
             *WEIR,
             "serve",
             "--model",
-            str(tiny_model_dir),
+            str(model_dir),
             "--port",
             "0",
             "--metrics-port",
             "0",
             "--executor-metrics-port",
             "0",
-            "--http-port",
-            "0",
             "--kv-cache-memory",
             "1MiB",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         bufsize=0,
         env=ENV,
     )
+
+
+def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
+    proc = start_serve(tiny_model_dir, "--http-port", "0")
     try:
         banner = read_until(proc, "Press Ctrl-C")
         address = re.search(r"clients:\s+(\S+)", banner).group(1)
