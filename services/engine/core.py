@@ -19,6 +19,8 @@ that made the step raise, ``Scheduler.on_step_failed``) or ``ExecutorLostError``
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -123,6 +125,22 @@ class EngineCore:
         if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
             return None
         return _Submitted(plan, self.executor.submit(plan), time.monotonic())
+
+    def abandon_next(self) -> None:
+        """The executor that was to run the step planned ahead is gone (its group was
+        lost while no step was awaited): forget that step. Call before
+        ``Scheduler.reset_executor_state``, which sends its requests again."""
+        submitted, self._next = self._next, None
+        if submitted is None:
+            return
+        result = submitted.result
+        if isinstance(result, asyncio.Future):
+            if result.done():
+                result.exception()  # retrieved: the loss is handled here
+            else:
+                result.cancel()
+        elif inspect.iscoroutine(result):
+            result.close()
 
     async def _discard_next(self) -> None:
         """The step planned after a failed one ran on an executor that had dropped its

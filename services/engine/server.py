@@ -307,6 +307,8 @@ class SchedulerServer:
         self._wake.set()
 
     def _on_group_lost(self, message: str) -> None:
+        if self.core is not None:
+            self.core.abandon_next()
         timeout = self.engine_args.recovery_timeout
         _log.error(
             "%s; %d request(s) wait for a new executor group (up to %gs)",

@@ -1,11 +1,17 @@
 """A step that raises on the executor: the request that makes it raise is found by
 bisection and fails alone; every other request finishes as if nothing happened."""
 
+import asyncio
 import random
 
 import pytest
 
-from weir.services.engine.core import InProcessExecutor, StepFailedError, step_now
+from weir.services.engine.core import (
+    ExecutorLostError,
+    InProcessExecutor,
+    StepFailedError,
+    step_now,
+)
 from weir.services.scheduler import Request
 from weir.shared.sampling import SamplingParams
 
@@ -85,3 +91,54 @@ def test_a_lone_request_whose_step_raises_fails_at_once():
 def test_bisection_holds_under_the_priority_policy_and_chunked_prefills():
     failed, _ = _run(16, {"r11"}, from_step=2, policy="priority", max_num_batched_tokens=24)
     assert failed == ["r11"]
+
+
+class _RemoteExecutor:
+    """Runs submitted plans in order on later loop turns, as a remote executor answers;
+    once ``lost``, every step still to answer fails with ExecutorLostError."""
+
+    def __init__(self, fake: FakeExecutor) -> None:
+        self.fake, self.lost = fake, False
+
+    def submit(self, plan):
+        future = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(self._answer, plan, future)
+        return future
+
+    def _answer(self, plan, future) -> None:
+        if self.lost:
+            future.set_exception(ExecutorLostError("executor gone"))
+        else:
+            future.set_result(self.fake.execute(plan))
+
+
+def test_an_executor_lost_while_a_step_is_planned_ahead_loses_no_token():
+    """Async scheduling: the step planned ahead fails while nobody awaits it. The core
+    forgets it and the requests resume on a new executor with every token once."""
+    scheduler, core = make_scheduler(block_size=4, num_blocks=200, async_scheduling=True)
+    rng = random.Random(3)
+    prompts = {
+        f"r{i}": [rng.randrange(1, 64) for _ in range(rng.randrange(3, 20))] for i in range(6)
+    }
+    for rid, prompt in prompts.items():
+        scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=12, ignore_eos=True)))
+    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
+
+    async def run() -> None:
+        core.executor = first = _RemoteExecutor(FakeExecutor(200, 4))
+        for _ in range(5):
+            for out in (await core.step()).outputs:
+                produced[out.request_id] += out.new_token_ids
+        first.lost = True
+        await asyncio.sleep(0)  # the step planned ahead fails, outside any step()
+        core.abandon_next()
+        scheduler.reset_executor_state(scheduler.cache_config)
+        core.executor = _RemoteExecutor(FakeExecutor(200, 4))
+        while core.has_work():
+            step = await core.step()
+            for out in step.outputs if step else ():
+                produced[out.request_id] += out.new_token_ids
+
+    asyncio.run(run())
+    for rid, prompt in prompts.items():
+        assert produced[rid] == reference_generate(prompt, 12, eos=None)[0], rid
