@@ -25,11 +25,13 @@ from weir.shared.config import (
     DEFAULT_EXECUTOR_METRICS_PORT,
     DEFAULT_EXECUTOR_PORT,
     DEFAULT_HTTP_PORT,
+    DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
     EXECUTOR,
     SCHEDULER,
     EngineArgs,
+    parse_size,
 )
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
@@ -146,6 +148,7 @@ def _gateway(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
         timeout=args.timeout,
         keys_dir=args.keys_dir,
+        max_request_bytes=args.max_request_size,
     )
     return asyncio.run(serve(options, status, args.parent_pid))
 
@@ -428,6 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds a replica may stay silent before its requests fail",
+    )
+    p.add_argument(
+        "--max-request-size",
+        type=parse_size,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help="largest HTTP request body, e.g. 1MiB; larger ones get 413 (default 64MiB)",
     )
     _add_keys_dir_flag(p)
     p.add_argument("--log-level", default="WARNING")

@@ -125,6 +125,9 @@ DEFAULT_EXECUTOR_PORT = 8102  # executors connect here when run apart
 DEFAULT_EXECUTOR_METRICS_PORT = 8103  # rank 0's /metrics; rank r uses + r
 DEFAULT_HTTP_PORT = 8000  # the gateway's OpenAI-compatible API
 DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
+# The largest client message the scheduler takes, and HTTP body the gateway parses: what
+# fits any model's context is far smaller.
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
 
 # ------------------------------------------------------------------ engine arguments
@@ -245,7 +248,7 @@ class EngineArgs:
     ngram_min: int = _arg(2, SCHEDULER, "shortest n-gram the ngram proposer matches", type=int)
     ngram_max: int = _arg(4, SCHEDULER, "longest n-gram the ngram proposer matches", type=int)
     max_message_size: int = _arg(
-        64 << 20,
+        DEFAULT_MAX_MESSAGE_BYTES,
         SCHEDULER,
         "largest client message in bytes (ZMQ_MAXMSGSIZE), e.g. 64MiB; a client that sends a "
         "larger one is disconnected",

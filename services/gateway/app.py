@@ -29,6 +29,7 @@ from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import NoReplicaError, Replica, Router
 from weir.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
+from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 from weir.shared.protocol.client import SERVER_UNAVAILABLE, Prompt, StreamOutput
 from weir.shared.sampling import SamplingParams
 
@@ -103,9 +104,15 @@ def _samples(
 
 
 class Gateway:
-    def __init__(self, router: Router, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        api_key: str | None = None,
+        max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
         self.router = router
         self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
         self.metrics = GatewayMetrics(router)
         self._model: dict[str, Any] | None = None
 
@@ -434,6 +441,57 @@ class _Metered:
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body larger than ``max_bytes`` is answered 413 before it is
+    parsed (by its Content-Length, or while it streams in), so one client cannot make the
+    gateway hold an arbitrary amount of memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:  # after the body: disconnects, which a stream watches for
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send) -> None:
+        response = APIError(
+            413,
+            f"request body larger than this gateway's limit of {self.max_bytes} bytes",
+            "invalid_request_error",
+            "request_too_large",
+        ).response()
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
 def create_app(
     gateway: Gateway, on_startup: Callable[[], Awaitable[None]] | None = None
 ) -> FastAPI:
@@ -530,5 +588,6 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.add_middleware(_BodyLimit, max_bytes=gateway.max_request_bytes)
     app.add_middleware(_Metered, metrics=gateway.metrics)
     return app

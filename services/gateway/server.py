@@ -13,6 +13,7 @@ from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.router import Router
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.client import WeirError
+from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 
 _log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class GatewayOptions:
     api_key: str | None
     timeout: float  # seconds a replica may stay silent before its requests fail
     keys_dir: str | None = None  # CurveZMQ client keys (None: $WEIR_KEYS_DIR, else none)
+    max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger HTTP bodies get 413
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
@@ -36,7 +38,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         status.error(str(exc))
         _log.error("gateway cannot start: %s", exc)
         return 2
-    gateway = Gateway(router, options.api_key)
+    gateway = Gateway(router, options.api_key, options.max_request_bytes)
     server: uvicorn.Server | None = None
 
     async def report_ready() -> None:

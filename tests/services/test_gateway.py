@@ -292,6 +292,23 @@ def test_a_denormal_temperature_samples_greedily(client):
     assert tiny.choices[0].text == greedy.choices[0].text
 
 
+def test_an_oversized_body_is_413_and_the_gateway_serves_on(server, client):
+    url = server.info["http_address"] + "/v1/completions"
+    big = b'{"model": "tiny-llama", "prompt": "' + b"a" * (64 << 20) + b'"}'
+    declared = httpx.post(url, content=big, timeout=60)
+
+    def chunks():  # no Content-Length: the limit holds while the body streams in
+        for start in range(0, len(big), 1 << 20):
+            yield big[start : start + (1 << 20)]
+
+    streamed = httpx.post(url, content=chunks(), timeout=60)
+    for reply in (declared, streamed):
+        assert reply.status_code == 413
+        assert reply.json()["error"]["code"] == "request_too_large"
+    ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError, match="nope"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
