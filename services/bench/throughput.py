@@ -119,7 +119,8 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--tensor-parallel-size",
         type=positive_int,
         default=None,
-        help="Weir engine option: executor ranks sharing the model (each gets --threads)",
+        help="Weir engine option: executor ranks sharing the model (each gets --threads, by "
+        "default its share of the cores)",
     )
     o = p.add_argument_group("output")
     o.add_argument("--output-json", type=Path, default=None, help="write the results as JSON here")
