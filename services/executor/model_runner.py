@@ -144,11 +144,13 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.last_timings = StepTimings()
         logger.info(
-            "loaded %s on %s (%s, %s attention) in %.2fs; %d KV blocks of %d tokens",
+            "loaded %s on %s (%s, %s attention, %d torch threads) in %.2fs; %d KV blocks of "
+            "%d tokens",
             self.model_dir.name,
             self.device,
             self.dtype,
             self.attention.name,
+            self.num_threads,
             self.load_seconds,
             self.num_blocks,
             block_size,
