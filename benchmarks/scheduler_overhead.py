@@ -10,7 +10,10 @@ Workloads (prefix caching on, block size 16):
 The model's output is a ready-made StepResult (its cost belongs to the executor).
 Also measured: msgpack encode + decode of a plan and of a result for 256 decodes.
 
-    .venv/bin/python benchmarks/scheduler_overhead.py [--steps 200]
+    .venv/bin/python benchmarks/scheduler_overhead.py [--steps 200] [--async-scheduling]
+
+With ``--async-scheduling`` each step is planned before the previous one's result is
+applied (the engine's default; the scheduler's own default is lockstep).
 
 Reports medians over steps (and the best of several repeats for the codec).
 """
@@ -44,26 +47,41 @@ def _prompt(rng: random.Random, prefix: list[int]) -> list[int]:
     return prefix + [rng.randrange(100, 32000) for _ in range(PROMPT_LEN - len(prefix))]
 
 
+ASYNC_SCHEDULING = False  # set by --async-scheduling
+
+
 def _make_scheduler(num_seqs: int, steps: int) -> Scheduler:
     blocks_per_request = -(-(PROMPT_LEN + steps + 64) // BLOCK_SIZE)
     return Scheduler(
         SchedulerConfig(
-            max_num_batched_tokens=max(2048, num_seqs), max_num_seqs=num_seqs, max_model_len=4096
+            max_num_batched_tokens=max(2048, num_seqs),
+            max_num_seqs=num_seqs,
+            max_model_len=4096,
+            async_scheduling=ASYNC_SCHEDULING,
         ),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * num_seqs * blocks_per_request),
     )
 
 
-def _result_for(plan: StepPlan, token: int = 7) -> StepResult:
-    # Every scheduled request finishes its prefill in these workloads except partial
-    # chunks, which the scheduler ignores anyway.
-    return StepResult({rid: [token] for rid in plan.num_scheduled_tokens})
-
-
 def _core(scheduler: Scheduler, phases: dict[str, float]) -> EngineCore:
-    """A core whose executor answers every plan at once with ``_result_for``."""
+    """A core whose executor answers every plan at once: one token for each request whose
+    step reaches the end of its prompt (no request here stops on a token)."""
+
+    def execute(plan: StepPlan) -> StepResult:
+        cached = plan.cached_requests
+        before = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        before.update((r.request_id, r.num_computed_tokens) for r in plan.new_requests)
+        requests = scheduler.requests
+        return StepResult(
+            {
+                rid: [7]
+                for rid, n in plan.num_scheduled_tokens.items()
+                if rid in requests and before[rid] + n >= requests[rid].num_prompt_tokens
+            }
+        )
+
     return EngineCore(
-        scheduler, InProcessExecutor(SimpleNamespace(execute=_result_for)), phases.__setitem__
+        scheduler, InProcessExecutor(SimpleNamespace(execute=execute)), phases.__setitem__
     )
 
 
@@ -165,9 +183,13 @@ def bench_codec(num_seqs: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
+    global ASYNC_SCHEDULING
+    ASYNC_SCHEDULING = args.async_scheduling
 
-    print("schedule() + update_from_output(), prefix caching on (median over steps)")
+    mode = "async scheduling" if ASYNC_SCHEDULING else "lockstep"
+    print(f"schedule() + update_from_output(), prefix caching on, {mode} (median over steps)")
     print(
         f"{'workload':>16} {'running':>8} {'us/step':>10} {'us/request':>11} {'schedule us/req':>16}"
     )

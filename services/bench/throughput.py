@@ -122,6 +122,12 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="Weir engine option: executor ranks sharing the model (each gets --threads, by "
         "default its share of the cores)",
     )
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Weir engine option: plan step N+1 while step N runs (default: on)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--output-json", type=Path, default=None, help="write the results as JSON here")
     o.add_argument(
@@ -140,6 +146,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory": args.kv_cache_memory,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "async_scheduling": args.async_scheduling,
     }
     return {k: v for k, v in options.items() if v is not None}
 
