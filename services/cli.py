@@ -121,9 +121,6 @@ def _executor(args: argparse.Namespace) -> int:
     if args.threads is None or args.threads >= 1:
         args.threads = executor_threads(args.threads)
         os.environ.update({name: str(args.threads) for name in THREAD_ENV_VARS})
-    # Idle OpenMP threads sleep instead of spinning: when another process takes one of our
-    # cores, spinning threads wait on the descheduled one while burning the cores it needs.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from weir.services.executor.worker import ExecutorOptions, run_executor
 
     # RANK: the torch.distributed convention (one pod per rank sets it from its index).

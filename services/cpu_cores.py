@@ -14,8 +14,8 @@ An executor's torch thread count, in order of precedence:
 3. under ``weir serve`` / ``LLM``: the supervisor's split (``plan_cpus``).
 
 ``OMP_NUM_THREADS`` does not count: the executor sets torch's intra-op threads (and one
-inter-op thread) itself, and its environment's ``OMP_NUM_THREADS`` to its thread count,
-with ``OMP_WAIT_POLICY=PASSIVE`` unless set (see ``weir.services.cli``).
+inter-op thread) itself, and its environment's ``OMP_NUM_THREADS`` to its thread count
+(see ``weir.services.cli``).
 The scheduler and the gateway run torch-free hot paths, so they get one OpenMP/BLAS
 thread whatever the environment says (``SERVICE_THREAD_ENV``).
 """
