@@ -193,7 +193,10 @@ def main() -> None:
         "--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct)"
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: the cores available, as an executor takes)",
     )
     parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16")
     parser.add_argument("--attention-backend", default=None)

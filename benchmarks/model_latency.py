@@ -66,7 +66,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: WEIR_NUM_THREADS or 1)"
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: the cores available, as an executor takes)",
     )
     parser.add_argument(
         "--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights"

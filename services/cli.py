@@ -19,6 +19,12 @@ import signal
 import sys
 
 from weir.services import launcher
+from weir.services.cpu_cores import (
+    THREAD_ENV_VARS,
+    executor_threads,
+    parse_cores,
+    single_thread_env,
+)
 from weir.services.supervised import StatusReporter
 from weir.shared.config import (
     DEFAULT_ADDRESS,
@@ -74,6 +80,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _scheduler(args: argparse.Namespace) -> int:
+    os.environ.update(single_thread_env())  # before any import that may start a thread pool
     from weir.services.engine.server import SchedulerServer, SchedulerServerOptions
     from weir.shared.model_store import load_model_config, resolve_model
 
@@ -111,6 +118,11 @@ def _scheduler(args: argparse.Namespace) -> int:
 
 
 def _executor(args: argparse.Namespace) -> int:
+    # Before torch is imported: its OpenMP pool starts at this size, whatever the caller's
+    # OMP_NUM_THREADS (an invalid --threads is reported when the model loads).
+    if args.threads is None or args.threads >= 1:
+        args.threads = executor_threads(args.threads)
+        os.environ.update({name: str(args.threads) for name in THREAD_ENV_VARS})
     from weir.services.executor.worker import ExecutorOptions, run_executor
 
     # RANK: the torch.distributed convention (one pod per rank sets it from its index).
@@ -130,6 +142,7 @@ def _executor(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    os.environ.update(single_thread_env())
     from weir.services.gateway.router import expand_addresses
     from weir.services.gateway.server import GatewayOptions, serve
 
@@ -195,7 +208,10 @@ def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         for executor in info["executors"]:
-            print(f"            {executor['metrics_address']}  (executor {executor['rank']})")
+            threads = f", {executor['threads']} threads" if "threads" in executor else ""
+            print(
+                f"            {executor['metrics_address']}  (executor {executor['rank']}{threads})"
+            )
         print("Press Ctrl-C to stop.", flush=True)
         name, rc = server.wait()
         print(f"weir serve: {name} exited with code {rc}; stopping", file=sys.stderr)
@@ -325,6 +341,8 @@ def _add_child_flags(p: argparse.ArgumentParser) -> None:
     # Set by `weir serve` / LLM for the processes they supervise.
     p.add_argument("--status-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    # The cores this process is pinned to (the supervisor's CPU plan), set before any thread.
+    p.add_argument("--cpu-affinity", type=parse_cores, default=None, help=argparse.SUPPRESS)
 
 
 def _add_metrics_host_flag(p: argparse.ArgumentParser, what: str) -> None:
@@ -527,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_cli(argv[1:])
     args = build_parser().parse_args(argv)
+    if getattr(args, "cpu_affinity", None):
+        os.sched_setaffinity(0, args.cpu_affinity)
     return args.func(args)
 
 

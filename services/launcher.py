@@ -12,6 +12,10 @@ supervisor, which then stops them front to back (gateway and scheduler, then the
 executors): a signal, a grace period, SIGKILL. With ``drain`` the scheduler gets
 SIGTERM and finishes its in-flight requests first. While serving, an executor that
 dies is started again, with backoff; its requests wait in the scheduler meanwhile.
+
+Threads: each executor gets ``--threads`` (default: its share of the cores available,
+``cpu_cores.plan_cpus``), and where the plan pins cores, ``--cpu-affinity``; the scheduler
+and the gateway run one OpenMP thread, on the core kept for them from 4 cores up.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from weir.services.cpu_cores import available_cpus, format_cores, plan_cpus
 from weir.shared.config import (
     DEFAULT_EXECUTOR_METRICS_PORT,
     DEFAULT_METRICS_PORT,
@@ -124,6 +129,7 @@ class ServerProcesses:
         self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
         self.num_executors = resolve_num_executors(num_executors, self.engine_args)
+        self.cpu_plan = plan_cpus(available_cpus(), self.num_executors, self.engine_args.threads)
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.info: dict[str, Any] = {}
         self._children: list[_Child] = []
@@ -153,6 +159,9 @@ class ServerProcesses:
             if self.engine_args.tensor_parallel_size > 1
             else None
         )
+        plan = self.cpu_plan
+        _log.info("CPU plan: %s", plan.describe())
+        executor_args = replace(self.engine_args, threads=plan.executor_threads)
         try:
             self._spawn(
                 SCHEDULER,
@@ -171,6 +180,7 @@ class ServerProcesses:
                     "--num-executors",
                     str(self.num_executors),
                     *self.engine_args.to_argv(SCHEDULER),
+                    *_affinity_flag(plan.service_cores),
                 ],
             )
             for rank in range(self.num_executors):
@@ -189,11 +199,13 @@ class ServerProcesses:
                         self.metrics_host,
                         "--metrics-port",
                         str(metrics_port),
-                        *self.engine_args.to_argv(EXECUTOR),
+                        *executor_args.to_argv(EXECUTOR),
+                        *_affinity_flag(plan.executor_cores[rank]),
                     ],
                     group_env,
                 )
             self.info = self._wait_ready(self._children[0])
+            self._add_executor_threads(self.info)
             if self.http_port is not None:
                 self.info["http_address"] = self._start_gateway([self.info["client_address"]])
         except BaseException:
@@ -308,10 +320,26 @@ class ServerProcesses:
         env = None if self.api_key is None else {**os.environ, "WEIR_API_KEY": self.api_key}
         argv = [GATEWAY, *[a for address in schedulers for a in ("--scheduler", address)]]
         argv += ["--host", self.host, "--port", str(self.http_port), *extra]
+        argv += _affinity_flag(self.cpu_plan.service_cores)
         if self.engine_args.keys_dir is not None:
             argv += ["--keys-dir", self.engine_args.keys_dir]
         self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env)
         return str(self._wait_ready(self._children[-1])["http_address"])
+
+    def _add_executor_threads(self, info: dict[str, Any]) -> None:
+        """Each rank's torch threads and cores, as its executor reported them after loading
+        (written before its handshake, so already in the pipe once the scheduler is ready)."""
+        loaded = {}
+        for child in self._children:
+            if child.name.startswith(EXECUTOR):
+                child.read_status()
+                for event in child.events:
+                    if event.get("event") == "loaded":
+                        loaded[event["rank"]] = event
+        for executor in info.get("executors", []):
+            if executor.get("rank") in loaded:
+                event = loaded[executor["rank"]]
+                executor["threads"], executor["cores"] = event["threads"], event["cores"]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         read_fd, write_fd = os.pipe()
@@ -411,6 +439,10 @@ def resolve_num_executors(num_executors: int | None, engine_args: EngineArgs) ->
             "group has one executor per rank"
         )
     return num_executors
+
+
+def _affinity_flag(cores: tuple[int, ...] | None) -> list[str]:
+    return [] if cores is None else ["--cpu-affinity", format_cores(cores)]
 
 
 def _free_port() -> int:

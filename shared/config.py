@@ -296,7 +296,14 @@ class EngineArgs:
         0.9, EXECUTOR, "fraction of GPU memory for weights + KV cache", type=float
     )
     attention_backend: str | None = _arg(None, EXECUTOR, "attention implementation")
-    threads: int = _arg(1, EXECUTOR, "torch threads of each executor", type=int)
+    threads: int | None = _arg(
+        None,
+        EXECUTOR,
+        "torch threads of each executor (default: the cores available to the process, from "
+        "its CPU affinity and cgroup quota; `weir serve` splits them between its executors "
+        "and keeps one for the scheduler from 4 cores up); OMP_NUM_THREADS does not count",
+        type=int,
+    )
     seed: int | None = _arg(None, EXECUTOR, "sampler seed of requests without one", type=int)
     log_level: str = _arg("WARNING", _BOTH, "logging level of the processes")
     keys_dir: str | None = _arg(

@@ -112,6 +112,66 @@ def test_bench_throughput_against_both_baselines(tiny_model_dir: Path, tmp_path:
     assert "| hf-static |" in table and "| hf-cb |" in table and "| weir |" in table
 
 
+def _llama_cpp_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _bench_llama_cpp_only(tmp_path: Path, default_model_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            *BENCH,
+            "throughput",
+            "--no-weir",
+            "--baseline",
+            "llama-cpp",
+            "--num-prompts",
+            "4",
+            "--input-len-min",
+            "4",
+            "--input-len-max",
+            "12",
+            "--output-len-min",
+            "2",
+            "--output-len-max",
+            "5",
+            "--threads",
+            "1",
+            "--output-json",
+            str(tmp_path / "llama.json"),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.skipif(not _llama_cpp_installed(), reason="llama-cpp-python is not installed")
+def test_bench_throughput_llama_cpp_baseline_on_the_default_gguf(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    proc = _bench_llama_cpp_only(tmp_path, default_model_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "llama.json").read_text())
+    [run] = result["engines"]
+    assert run["engine"] == "llama-cpp" and run["num_requests"] == 4
+    assert run["output_tokens"] == run["generated_tokens"] == result["output_tokens"]
+    assert run["prompt_tokens"] == result["prompt_tokens"] and run["output_tokens_per_s"] > 0
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in run["notes"]
+
+
+@pytest.mark.skipif(_llama_cpp_installed(), reason="llama-cpp-python is installed")
+def test_bench_throughput_says_how_to_install_llama_cpp(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    proc = _bench_llama_cpp_only(tmp_path, default_model_dir)
+    assert proc.returncode == 2  # nothing else was asked for, so nothing ran
+    assert "skipping the llama-cpp baseline: llama_cpp is not installed" in proc.stderr
+    assert "pip install llama-cpp-python" in proc.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

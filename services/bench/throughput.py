@@ -1,12 +1,13 @@
-"""`weir bench throughput`: offline throughput of Weir's LLM API against Hugging Face baselines.
+"""`weir bench throughput`: offline throughput of Weir's LLM API against Hugging Face and
+llama.cpp baselines.
 
 Every engine gets the same token-id prompts and output lengths, greedy decoding
-with EOS ignored, and the same number of torch threads per process. Timing covers
+with EOS ignored, and the same number of threads per process (default: what Weir's
+executor takes at its defaults, see ``weir.services.cpu_cores``). Timing covers
 generation only: model loading and one short warmup request are excluded.
 """
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from weir.services.bench.workload import (
 )
 from weir.shared.config import ENGINE_DEFAULTS, LOAD_FORMATS
 
-BASELINE_CHOICES = ("hf-static", "hf-cb", "none")
+BASELINE_CHOICES = ("hf-static", "hf-cb", "llama-cpp", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 # transformers' continuous batching gets Weir's step budget unless one is given.
 
@@ -77,7 +78,10 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--threads",
         type=positive_int,
         default=None,
-        help="torch threads per process for every engine (default: $OMP_NUM_THREADS, else torch's default)",
+        help="threads per process for every engine (default: the threads Weir's executor takes "
+        "at its defaults: the cores available, less one for the scheduler from 4 cores up; "
+        "OMP_NUM_THREADS does not count). Without it Weir runs exactly as `LLM()` does, pinning "
+        "included",
     )
     add_workload_arguments(p, num_prompts=64)
     g = p.add_argument_group("engines")
@@ -85,7 +89,16 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--baseline",
         action="append",
         metavar="NAME[,NAME]",
-        help="hf-static, hf-cb or none; repeat or comma-separate to run several (default: none)",
+        help="hf-static, hf-cb, llama-cpp or none; repeat or comma-separate to run several "
+        "(default: none). llama-cpp needs llama-cpp-python and a GGUF file; it is skipped with "
+        "a message otherwise",
+    )
+    g.add_argument(
+        "--llama-cpp-gguf",
+        type=Path,
+        default=None,
+        help="GGUF file of the llama-cpp baseline (default: --model when it is a .gguf, else the "
+        "default model's GGUF, the file Weir converts)",
     )
     g.add_argument("--no-weir", action="store_true", help="measure only the baselines")
     g.add_argument(
@@ -106,7 +119,8 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--tensor-parallel-size",
         type=positive_int,
         default=None,
-        help="Weir engine option: executor ranks sharing the model (each gets --threads)",
+        help="Weir engine option: executor ranks sharing the model (each gets --threads, by "
+        "default its share of the cores)",
     )
     g.add_argument(
         "--async-scheduling",
@@ -141,7 +155,7 @@ def run_weir(
     requests: list[BenchRequest],
     model_dir: Path,
     dtype: str,
-    threads: int,
+    threads: int | None,
     engine_options: dict[str, Any],
 ) -> EngineRun:
     from weir.services.llm import LLM
@@ -158,43 +172,77 @@ def run_weir(
         start = time.perf_counter()
         completions = llm.generate([r.prompt_token_ids for r in requests], params)
         wall = time.perf_counter() - start
-    options = ", ".join(f"{k}={v}" for k, v in engine_options.items()) or "engine defaults"
+    options = ", ".join(
+        f"{k}={v}" for k, v in {**engine_options, "threads": threads or "default"}.items()
+    )
     return EngineRun.from_outputs(
         "weir", requests, [len(c.token_ids) for c in completions], wall, f"LLM.generate, {options}"
     )
 
 
 def _run_baselines(
-    names: list[str], requests: list[BenchRequest], model_dir: Path, args: argparse.Namespace
+    names: list[str],
+    requests: list[BenchRequest],
+    model_dir: Path,
+    threads: int,
+    args: argparse.Namespace,
 ) -> list[EngineRun]:
     import torch
 
     from weir.services.bench.baselines import load_hf_model, run_hf_continuous, run_hf_static
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_hf_model(model_dir, args.dtype, device, args.load_format)
     runs = []
-    for name in names:
-        _status(f"running {name} on {len(requests)} requests")
-        if name == "hf-static":
-            runs.append(run_hf_static(model, requests, args.hf_batch_size))
+    hf_names = [n for n in names if n.startswith("hf-")]
+    if hf_names:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = load_hf_model(model_dir, args.dtype, device, args.load_format)
+        for name in hf_names:
+            _status(f"running {name} on {len(requests)} requests")
+            if name == "hf-static":
+                runs.append(run_hf_static(model, requests, args.hf_batch_size))
+            else:
+                budget = args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens
+                runs.append(run_hf_continuous(model, requests, budget))
+        del model
+    if "llama-cpp" in names:
+        from weir.services.bench import llama_cpp_baseline
+
+        gguf = _llama_cpp_gguf(args)
+        reason = llama_cpp_baseline.missing_reason(gguf)
+        if reason is not None:
+            _status(f"skipping the llama-cpp baseline: {reason}")
         else:
+            assert gguf is not None
+            _status(f"running llama-cpp on {len(requests)} requests ({gguf.name})")
             budget = args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens
-            runs.append(run_hf_continuous(model, requests, budget))
+            runs.append(llama_cpp_baseline.run_llama_cpp(gguf, requests, threads, budget))
     return runs
+
+
+def _llama_cpp_gguf(args: argparse.Namespace) -> Path | None:
+    """The GGUF the llama-cpp baseline loads: the one Weir converts, unless told otherwise."""
+    from weir.shared.model_store import default_gguf_path
+
+    if args.llama_cpp_gguf is not None:
+        return Path(args.llama_cpp_gguf)
+    if args.model is None:
+        return default_gguf_path()
+    return Path(args.model) if str(args.model).endswith(".gguf") else None
 
 
 def _status(message: str) -> None:
     print(f"[bench throughput] {message}", file=sys.stderr, flush=True)
 
 
-def _set_threads(threads: int | None) -> int:
-    """Give this process and the engine processes it starts the same torch thread count."""
+def _set_threads(threads: int | None, num_executors: int) -> int:
+    """The thread count of every engine: ``threads``, else what each Weir executor gets at its
+    defaults; this process (the HF baselines) runs with it."""
     import torch
 
+    from weir.services.cpu_cores import available_cpus, plan_cpus
+
     if threads is None:
-        threads = torch.get_num_threads()
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+        threads = plan_cpus(available_cpus(), num_executors).executor_threads
     torch.set_num_threads(threads)
     return threads
 
@@ -221,7 +269,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.no_weir and not baselines:
         print("error: --no-weir needs at least one --baseline", file=sys.stderr)
         return 2
-    threads = _set_threads(args.threads)
+    threads = _set_threads(args.threads, args.tensor_parallel_size or 1)
     model_dir = resolve_model(args.model, load_format=args.load_format)
     try:
         requests = workload_from_args(args, load_tokenizer(model_dir))
@@ -234,18 +282,26 @@ def run_throughput(args: argparse.Namespace) -> int:
     runs: list[EngineRun] = []
     if not args.no_weir:
         _status(f"running weir on {len(requests)} requests")
-        runs.append(run_weir(requests, model_dir, args.dtype, threads, _engine_options(args)))
+        runs.append(run_weir(requests, model_dir, args.dtype, args.threads, _engine_options(args)))
     if baselines:
-        runs += _run_baselines(baselines, requests, model_dir, args)
+        runs += _run_baselines(baselines, requests, model_dir, threads, args)
+    if not runs:
+        print("error: no engine could run (see the messages above)", file=sys.stderr)
+        return 2
 
     machine = machine_info(threads)
     command = command_line("weir bench throughput", args)
     notes = [
         f"Model {model_dir.name}, {args.dtype}; every engine gets the same token ids and output lengths, "
         "greedy, EOS ignored.",
-        f"torch threads: {threads} per engine process (the HF baselines' process via torch.set_num_threads, "
-        "Weir's executor via its --threads; OMP_NUM_THREADS is set to the same value for child processes). "
-        "Weir also runs a scheduler process next to its executor.",
+        f"threads: {threads} per engine process (the HF baselines' process via torch.set_num_threads, "
+        "llama.cpp via n_threads and n_threads_batch, Weir's executor via "
+        + (
+            f"--threads {threads}). "
+            if args.threads
+            else "its defaults: the same count, and pinned cores where its plan pins them). "
+        )
+        + "Weir also runs a scheduler process (one thread) next to its executor.",
         "Wall time covers generation only: model load and one 2-token warmup request are excluded.",
         "Output tok/s counts each request's own output_len.",
     ]
@@ -259,6 +315,13 @@ def run_throughput(args: argparse.Namespace) -> int:
             "hf-cb: transformers' continuous batching manager (what generate_batch runs), each request with its own "
             f"max_new_tokens, max_batch_tokens {args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens}, "
             "KV cache sized to hold every request at once."
+        )
+    if any(r.engine == "llama-cpp" for r in runs):
+        notes.append(
+            "llama-cpp: llama-cpp-python's C API, every request its own sequence in one unified KV "
+            "cache; prompts prefilled in batches of max_num_batched_tokens, then one token per "
+            "unfinished sequence per llama_decode, greedy. It runs the GGUF as stored (a quantized "
+            "file stays quantized), Weir runs that file's weights dequantized to --dtype."
         )
     table = throughput_markdown(runs, machine, command, workload, notes)
     print(table)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.input_batch import InputBatch, StepInputs
 from weir.services.executor.model import ModelConfig
@@ -36,7 +37,6 @@ from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-NUM_THREADS_ENV = "WEIR_NUM_THREADS"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,11 +51,15 @@ def parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.
 
 
 def set_cpu_threads(num_threads: int | None) -> int:
-    """One torch thread per process unless told otherwise: with several processes on few cores,
-    more threads per process make every process much slower."""
-    if num_threads is None:
-        num_threads = int(os.environ.get(NUM_THREADS_ENV, "1"))
+    """Give torch ``num_threads`` intra-op threads (None: the cores available to this process,
+    see ``weir.services.cpu_cores``; never ``OMP_NUM_THREADS``) and one inter-op thread."""
+    num_threads = executor_threads(num_threads)
     torch.set_num_threads(num_threads)
+    if torch.get_num_interop_threads() != 1:
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # settable once per process: an earlier runner or torch op set it
+            pass
     return num_threads
 
 
@@ -113,6 +117,7 @@ class ModelRunner:
             self.device = local_cuda_device(rank)
         if self.device.type == "cpu":
             set_cpu_threads(num_threads)
+        self.num_threads = torch.get_num_threads()
         self.tp = init_tensor_parallel(tensor_parallel_size, rank, self.device)
         self.dtype = parse_dtype(dtype, self.device)
         self.block_size = block_size
@@ -139,11 +144,13 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.last_timings = StepTimings()
         logger.info(
-            "loaded %s on %s (%s, %s attention) in %.2fs; %d KV blocks of %d tokens",
+            "loaded %s on %s (%s, %s attention, %d torch threads) in %.2fs; %d KV blocks of "
+            "%d tokens",
             self.model_dir.name,
             self.device,
             self.dtype,
             self.attention.name,
+            self.num_threads,
             self.load_seconds,
             self.num_blocks,
             block_size,

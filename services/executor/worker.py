@@ -118,6 +118,14 @@ class ExecutorWorker:
             )
             self.status.error(f"{type(exc).__name__}: {exc}")
             return 1
+        # The supervisor shows what this rank runs on (before the handshake, so it has it
+        # by the time the scheduler reports ready).
+        self.status.report(
+            "loaded",
+            rank=opts.rank,
+            threads=runner.num_threads,
+            cores=sorted(os.sched_getaffinity(0)),
+        )
         model_name = runner.model_dir.name
         metrics = ExecutorMetrics(model_name, opts.rank)
         metrics.num_kv_blocks.set(runner.num_blocks)

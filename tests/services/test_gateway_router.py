@@ -27,6 +27,7 @@ def replicas(tiny_model_dir):
         max_model_len=128,
         max_num_batched_tokens=64,
         device="cpu",
+        threads=1,  # two servers on one machine: each executor's default would take every core
     )
     started = []
     try:
