@@ -213,7 +213,8 @@ class ExecutorWorker:
             seed=args.seed,
             load_format=args.load_format,
             tensor_parallel_size=args.tensor_parallel_size,
-            rank=self.options.rank,
+            # Without tensor parallelism the group's ranks are replicas of the whole model.
+            rank=self.options.rank if args.tensor_parallel_size > 1 else 0,
         )
 
     def _handshake(

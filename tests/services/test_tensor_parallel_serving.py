@@ -8,7 +8,8 @@ import pytest
 from serving_helpers import hf_greedy
 
 from weir.services import LLM
-from weir.services.launcher import ChildFailedError, resolve_num_executors
+from weir.services.launcher import ChildFailedError, ServerProcesses, resolve_num_executors
+from weir.shared.client import WeirClient
 from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
 
@@ -63,3 +64,17 @@ def test_the_group_size_is_the_number_of_executors():
         resolve_num_executors(2, EngineArgs(tensor_parallel_size=3))
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
         resolve_num_executors(None, EngineArgs(tensor_parallel_size=0))
+
+
+def test_two_executors_without_tensor_parallelism_are_replicas_of_the_whole_model(
+    tiny_model_dir, tiny_hf_model
+):
+    engine = EngineArgs(model=str(tiny_model_dir), kv_cache_memory="1MiB", threads=1)
+    with ServerProcesses(
+        engine, port=0, metrics_port=0, executor_metrics_port=0, num_executors=2
+    ) as server:
+        assert [e["rank"] for e in server.info["executors"]] == [0, 1]
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        with WeirClient(server.client_address) as client:
+            tokens = [t for o in client.generate([5, 6, 7, 8], params) for t in o.new_token_ids]
+        assert tokens == hf_greedy(tiny_hf_model, [5, 6, 7, 8], 8)
