@@ -121,6 +121,11 @@ class ClientFrontend:
             task.cancel()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests streaming or being tokenized: what a drain waits for."""
+        return len(self.streams) + len(self._tokenizing)
+
     def in_flight(self, request_id: str) -> bool:
         """Whether the request is known: streaming, or its prompt still being tokenized."""
         return request_id in self.streams or request_id in self._tokenizing
@@ -234,13 +239,14 @@ class ClientFrontend:
             prompt_ids = await loop.run_in_executor(
                 self._tokenizer_pool, self._tokenize, msg.prompt
             )
-        except ValueError as exc:
-            if not self._tokenizing.pop(rid).aborted:
-                self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
-            return
         except Exception as exc:
-            _log.exception("request %s: tokenization failed", rid)
-            if not self._tokenizing.pop(rid).aborted:
+            if self._tokenizing.pop(rid).aborted:
+                self._requests_ended()  # a drain may be waiting for this one
+                return
+            if isinstance(exc, ValueError):
+                self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
+            else:
+                _log.exception("request %s: tokenization failed", rid)
                 self.send_error(
                     identity,
                     rid,
@@ -248,7 +254,9 @@ class ClientFrontend:
                     f"internal error: {type(exc).__name__}: {exc}",
                 )
             return
-        if not self._tokenizing.pop(rid).aborted:
+        if self._tokenizing.pop(rid).aborted:
+            self._requests_ended()
+        else:
             self._admit(identity, msg, prompt_ids)
 
     def _admit(
@@ -258,6 +266,7 @@ class ClientFrontend:
         rid = msg.request_id
         if self.core is None or self.unavailable:  # it changed while the prompt was tokenized
             self._send_unavailable(identity, rid)
+            self._requests_ended()  # a drain may be waiting for this one
             return
         try:
             self._check_fits(len(prompt_ids), msg.sampling_params)

@@ -253,13 +253,13 @@ class SchedulerServer:
         self._stop.set()
 
     def _drain(self) -> None:
-        if self._draining or not self.frontend.streams:
+        if self._draining or not self.frontend.num_in_flight:
             self._stop.set()
             return
         timeout = self.engine_args.drain_timeout
         _log.warning(
             "draining: refusing new requests, finishing %d in flight (up to %gs)",
-            len(self.frontend.streams),
+            self.frontend.num_in_flight,
             timeout,
         )
         self._draining = True
@@ -348,7 +348,7 @@ class SchedulerServer:
                     continue
                 except ExecutorLostError:
                     continue  # its requests wait for the next group (``_on_group_formed``)
-            elif self._draining and not self.frontend.streams:
+            elif self._draining and not self.frontend.num_in_flight:
                 _log.warning("drained: stopping")
                 self._stop.set()
             if step is None:
