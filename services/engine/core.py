@@ -7,10 +7,12 @@ benchmarks drive the same core against an executor in their own process
 ``step_now``.
 
 An executor is anything with ``submit(plan) -> Awaitable[StepResult]`` that runs the
-plans it is given in order. With ``async_scheduling`` the core plans and submits step
-N+1 before it awaits step N's result (the executor feeds step N's sampled tokens into
-step N+1 itself), so scheduling, sending and the caller's output work overlap the
-executor's. Awaiting a result may raise
+plans it is given in order. With ``async_scheduling`` the core keeps two steps submitted:
+step N+1 is planned and sent before step N's result is awaited (the executor feeds step
+N's sampled tokens into step N+1 itself), and step N+2 as soon as step N's result is
+applied, before ``step()`` returns it. So scheduling, sending and the caller's output
+work (detokenizing, stop strings, client pushes) all overlap the executor's: it always
+has the next step queued. Awaiting a result may raise
 ``StepFailedError`` (this step raised on the executor, which then holds no request
 and keeps serving: the scheduler sends every request again and looks for the one
 that made the step raise, ``Scheduler.on_step_failed``) or ``ExecutorLostError``
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -89,25 +92,26 @@ class EngineCore:
         self.executor = executor
         self.proposer = proposer
         self._observe_phase = observe_phase or _ignore
-        self._next: _Submitted | None = None  # planned while the step before it ran
+        self._depth = 2 if scheduler.scheduler_config.async_scheduling else 1
+        self._submitted: deque[_Submitted] = deque()  # sent to the executor, oldest first
 
     def has_work(self) -> bool:
-        return self._next is not None or self.scheduler.has_unfinished_requests()
+        return bool(self._submitted) or self.scheduler.has_unfinished_requests()
 
     async def step(self) -> EngineStep | None:
         """Run one step; None when nothing can run until a request arrives or ends."""
         scheduler = self.scheduler
-        submitted = self._next or self._submit()
-        if submitted is None:
+        self._fill()
+        if not self._submitted:
             return None
-        self._next = self._submit() if scheduler.scheduler_config.async_scheduling else None
+        submitted = self._submitted.popleft()
         try:
             result = await submitted.result
         except StepFailedError as exc:
-            await self._discard_next()
+            await self._discard_submitted()
             raise StepFailedError(str(exc), scheduler.on_step_failed(submitted.plan)) from exc
         except ExecutorLostError:
-            await self._discard_next()
+            await self._discard_submitted()
             raise
         start = time.perf_counter()
         outputs = scheduler.update_from_output(submitted.plan, result)
@@ -116,39 +120,39 @@ class EngineCore:
         if self.proposer is not None:
             scheduler.update_draft_token_ids(self.proposer.propose(scheduler.running))
             self._observe_phase("propose", time.perf_counter() - updated)
+        if self._depth > 1 and scheduler.has_unfinished_requests():
+            self._fill()  # before the caller's output work, which then overlaps the executor's
         return EngineStep(submitted.plan, outputs, submitted.scheduled_at)
 
-    def _submit(self) -> _Submitted | None:
-        start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        self._observe_phase("schedule", time.perf_counter() - start)
-        if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
-            return None
-        return _Submitted(plan, self.executor.submit(plan), time.monotonic())
+    def _fill(self) -> None:
+        while len(self._submitted) < self._depth:
+            start = time.perf_counter()
+            plan = self.scheduler.schedule()
+            self._observe_phase("schedule", time.perf_counter() - start)
+            if not (plan.num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
+                return
+            self._submitted.append(_Submitted(plan, self.executor.submit(plan), time.monotonic()))
 
     def abandon_next(self) -> None:
-        """The executor that was to run the step planned ahead is gone (its group was
-        lost while no step was awaited): forget that step. Call before
-        ``Scheduler.reset_executor_state``, which sends its requests again."""
-        submitted, self._next = self._next, None
-        if submitted is None:
-            return
-        result = submitted.result
-        if isinstance(result, asyncio.Future):
-            if result.done():
-                result.exception()  # retrieved: the loss is handled here
-            else:
-                result.cancel()
-        elif inspect.iscoroutine(result):
-            result.close()
+        """The executor that was to run the steps planned ahead is gone (its group was
+        lost while no step was awaited): forget those steps. Call before
+        ``Scheduler.reset_executor_state``, which sends their requests again."""
+        while self._submitted:
+            result = self._submitted.popleft().result
+            if isinstance(result, asyncio.Future):
+                if result.done():
+                    result.exception()  # retrieved: the loss is handled here
+                else:
+                    result.cancel()
+            elif inspect.iscoroutine(result):
+                result.close()
 
-    async def _discard_next(self) -> None:
-        """The step planned after a failed one ran on an executor that had dropped its
-        batch (or none): its result means nothing."""
-        submitted, self._next = self._next, None
-        if submitted is not None:
+    async def _discard_submitted(self) -> None:
+        """The steps planned after a failed one ran on an executor that had dropped its
+        batch (or none): their results mean nothing."""
+        while self._submitted:
             try:
-                await submitted.result
+                await self._submitted.popleft().result
             except (StepFailedError, ExecutorLostError):
                 pass
 
