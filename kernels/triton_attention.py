@@ -427,10 +427,13 @@ class LaunchPlan:
       prefill tiles  128 rows x 64 keys, 8 warps, 3 stages (head_dim <= 128): FlashAttention-2's and
                      Triton's fused-attention tile for Hopper, 128-row tl.dot for both products (two
                      warpgroups of wgmma), 32 KB Q + 3 x 32 KB K/V in shared memory, one program per SM.
-      head_dim 256   prefill 64 x 32 keys, 4 warps; decode 32 keys per tile (register and shared memory).
+      head_dim 256   prefill 64 x 32 keys, 8 warps (4 spill the 64 x 256 accumulator); decode tiles of
+                     32 keys.
+    tests/kernels/test_triton_sm90_compile.py compiles these shapes for sm_90 (and the fallback for
+    sm_80) without a GPU and checks that none spills and that the Hopper prefill tiles use wgmma.
     Other GPUs (Ampere, Ada, Blackwell until measured) and the interpreter take a conservative fallback
-    that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256), 4 warps, 2 stages;
-    decode tiles as on Hopper with 2 stages.
+    that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256), 8 warps (4 spill on
+    sm_80), 2 stages; decode tiles as on Hopper with 2 stages.
 
     Split-KV (decode launch only): see split_kv_segments.
     """
@@ -523,7 +526,7 @@ def plan_launches(
         if hopper and not wide:
             prefill = TileShape(max(128, min_rows), 64, 8, 3)
         else:
-            prefill = TileShape(max(64, min_rows), 32 if wide else 64, 4, stages)
+            prefill = TileShape(max(64, min_rows), 32 if wide else 64, 8, stages)
         prefill_grid = (num_kv_heads, num_tokens // (prefill.block_m // group) + num_requests)
 
     if split_kv is None:
