@@ -26,8 +26,8 @@ of a block's last token are never visited; tiles that every row of the block see
 whole are processed without masks, and only the one or two tiles on the diagonal (or
 holding the sequence end) are masked.
 
-Split-KV. When a decode launch would leave the GPU's SMs short of programs (few
-requests over long contexts) a third grid axis cuts each request's key range into
+Split-KV. When the decode launch of a step without long queries would leave the GPU's
+SMs short of programs (few requests over long contexts) a third grid axis cuts each request's key range into
 `segments` parts; each writes an unnormalised partial result (accumulator, running
 max, running sum) into a workspace and a second kernel merges them. The workspace can
 be allocated once (`allocate_split_kv_workspace`) so the launches can be captured in a
@@ -435,7 +435,7 @@ class LaunchPlan:
     that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256), 8 warps (4 spill on
     sm_80), 2 stages; decode tiles as on Hopper with 2 stages.
 
-    Split-KV (decode launch only): see split_kv_segments.
+    Split-KV (by default only in steps without a prefill launch): see split_kv_segments.
     """
 
     group: int
@@ -530,7 +530,13 @@ def plan_launches(
         prefill_grid = (num_kv_heads, num_tokens // (prefill.block_m // group) + num_requests)
 
     if split_kv is None:
-        segments = split_kv_segments(num_requests, num_kv_heads, num_sms, max_seq_len)
+        # Not beside a prefill launch: its tokens would need workspace rows too (the workspace is
+        # indexed by token), and the scheduler mixes prefill chunks with many decodes.
+        segments = (
+            split_kv_segments(num_requests, num_kv_heads, num_sms, max_seq_len)
+            if prefill is None
+            else 1
+        )
     elif isinstance(split_kv, bool):
         segments = MAX_SEGMENTS if split_kv else 1
     else:

@@ -215,16 +215,16 @@ def test_launch_plan_routes_requests_by_query_length():
     def plan(max_query_len, *, group=4, head_dim=128, capability=9, num_requests=64):
         return triton_attention.plan_launches(
             num_requests * max_query_len, num_requests, 8 * group, 8, head_dim, 16,
-            torch.bfloat16, capability, 132, max_query_len, 4096, False,
+            torch.bfloat16, capability, 132, max_query_len, 4096, None,
         )  # fmt: skip
 
     decode = plan(1)
-    assert decode.prefill is None and decode.decode.block_m == 16
+    assert decode.prefill is None and decode.decode.block_m == 16 and decode.segments == 2
     assert decode.short_query_len == triton_attention.INT32_MAX
     speculative = plan(8)  # 8 tokens x 4 heads = 32 rows: still one decode tile, no prefill launch
     assert speculative.prefill is None and speculative.decode.block_m == 32
     mixed = plan(512)
-    assert mixed.decode.block_m == 16 and mixed.short_query_len == 4
+    assert mixed.decode.block_m == 16 and mixed.short_query_len == 4 and mixed.segments == 1
     assert mixed.prefill == triton_attention.TileShape(128, 64, 8, 3)
     assert mixed.prefill_grid == (8, 64 * 512 // 32 + 64)
     assert plan(512, capability=8).prefill == triton_attention.TileShape(64, 64, 8, 2)
