@@ -249,7 +249,10 @@ def format_table(results: list[Result], peak: float | None) -> list[str]:
 
 # Issue 11's time floors: batch name -> (the bound, what it is measured against).
 SDPA_FLOORS = {"decode 1 x 4096": 1.3, "decode 8 x 4096": 1.3, "prefill 4k, no context": 1.25}
-MIXED_FLOORS_US = {"chunk 512 @ctx 2k + 63 decodes @4k": 244.0, "4 prefills 1k + 60 decodes @2k": 190.0}
+MIXED_FLOORS_US = {
+    "chunk 512 @ctx 2k + 63 decodes @4k": 244.0,
+    "4 prefills 1k + 60 decodes @2k": 190.0,
+}
 
 
 def floor_lines(results: list[Result], peak: float | None) -> list[str]:
@@ -283,7 +286,9 @@ def floor_lines(results: list[Result], peak: float | None) -> list[str]:
         if name in MIXED_FLOORS_US:
             us = r.default_ms * 1e3
             verdict = "met" if us <= MIXED_FLOORS_US[name] else "NOT met"
-            lines.append(f"Floor ({name} <= {MIXED_FLOORS_US[name]:.0f} µs): {verdict}; {us:.1f} µs.")
+            lines.append(
+                f"Floor ({name} <= {MIXED_FLOORS_US[name]:.0f} µs): {verdict}; {us:.1f} µs."
+            )
     return lines
 
 

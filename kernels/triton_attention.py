@@ -472,13 +472,14 @@ def split_kv_segments(
     MIN_KEYS_PER_SEGMENT keys of the longest sequence (when known). 1 = single pass, as on a CPU."""
     if num_sms <= 0:
         return 1
-    by_length = MAX_SEGMENTS if max_seq_len is None else max_seq_len // MIN_KEYS_PER_SEGMENT
+    most = (
+        MAX_SEGMENTS
+        if max_seq_len is None
+        else min(MAX_SEGMENTS, max_seq_len // MIN_KEYS_PER_SEGMENT)
+    )
     programs = num_requests * num_kv_heads
     segments = 1
-    while (
-        programs * segments < SPLIT_PROGRAMS_PER_SM * num_sms
-        and segments * 2 <= min(MAX_SEGMENTS, by_length)
-    ):
+    while segments * 2 <= most and programs * segments < SPLIT_PROGRAMS_PER_SM * num_sms:
         segments *= 2
     return segments
 

@@ -64,7 +64,9 @@ def test_floor_lines_judge_the_issue_floors():
         bench.Result(mixed, 0.2, None, 0.185, 2, None, 0, None),
     ]
     lines = bench.floor_lines(results, 4800.0)
-    assert lines[0].startswith("Floor (decode, >= 32 sequences, >= 4k context, >= 85% of peak): met")
+    assert lines[0].startswith(
+        "Floor (decode, >= 32 sequences, >= 4k context, >= 85% of peak): met"
+    )
     assert "86.0%" in lines[0]
     assert lines[1] == "Floor (prefill 4k, no context within 1.25x SDPA): NOT met; 1.50x."
     assert lines[2] == "Floor (4 prefills 1k + 60 decodes @2k <= 190 µs): met; 185.0 µs."
