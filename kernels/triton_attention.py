@@ -395,8 +395,9 @@ MAX_SEGMENTS = 16
 # share an SM, and fewer busy programs than that leave HBM bandwidth unused.
 SPLIT_PROGRAMS_PER_SM = 4
 # ...but never into segments shorter than this many keys: each program pays a fixed start (request
-# metadata, Q tile, pipeline fill) that short segments do not amortise; the H200 run of 2026-11-30 went
-# from 69% of peak bandwidth (32 x 4k, 16 segments of 256 keys) to 84% (32 x 16k, 16 segments of 1k).
+# metadata, Q tile, pipeline fill) that short segments do not amortise. On the H200 run of 2026-11-30
+# the same 4096 programs (32 requests x 8 KV heads x 16 segments) reached 69% of peak bandwidth with
+# segments of 256 keys (32 x 4k) and 84% with segments of 1k keys (32 x 16k).
 MIN_KEYS_PER_SEGMENT = 512
 # A decode tile holds every query token of a request when the whole step fits in this many rows
 # (decodes, speculative 1 + k); with long queries in the step it holds 16 rows, and longer requests
@@ -426,7 +427,8 @@ class LaunchPlan:
                      long decodes.
       prefill tiles  128 rows x 64 keys, 8 warps, 3 stages (head_dim <= 128): FlashAttention-2's and
                      Triton's fused-attention tile for Hopper, 128-row tl.dot for both products (two
-                     warpgroups of wgmma), 32 KB Q + 3 x 32 KB K/V in shared memory, one program per SM.
+                     warpgroups of wgmma); 180 registers per thread and 97 KB of shared memory (Q and
+                     two K/V tiles in flight): one program per SM.
       head_dim 256   prefill 64 x 32 keys, 8 warps (4 spill the 64 x 256 accumulator); decode tiles of
                      32 keys.
     tests/kernels/test_triton_sm90_compile.py compiles these shapes for sm_90 (and the fallback for
