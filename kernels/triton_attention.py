@@ -22,9 +22,9 @@ Two kinds of tile, one launch each (no launch when the step has none of that kin
 
 Either kind walks its request's keys in tiles of TILE_N positions (independent of the
 page size) with an online softmax accumulated in fp32. Key tiles past the causal limit
-of a block's last token are never visited; tiles that every row of the block sees
-whole are processed without masks, and only the one or two tiles on the diagonal (or
-holding the sequence end) are masked.
+of a block's last token are never visited. In prefill tiles, key tiles that every row
+of the block sees whole are processed without masks, and only the one or two tiles on
+the diagonal (or holding the sequence end) are masked.
 
 Split-KV. When the decode launch of a step without long queries would leave the GPU's
 SMs short of programs (few requests over long contexts) a third grid axis cuts each request's key range into
@@ -184,9 +184,12 @@ def _attend_query_block(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UNMASKED_TILES: tl.constexpr,
 ):
     """Query tokens [q_block_local * BLOCK_Q, + BLOCK_Q) of request req, every query head of one
-    KV head, over key segment `segment` of NUM_SEGMENTS: the result, or its partial on split-KV."""
+    KV head, over key segment `segment` of NUM_SEGMENTS: the result, or its partial on split-KV.
+    UNMASKED_TILES: key tiles every row sees whole skip the masks (a second loop; worth its
+    registers on compute-bound prefill tiles, not on memory-bound decode tiles)."""
     context_len = seq_len - query_len
     q_first = q_block_local * BLOCK_Q
     # Row m of the tile is query token m // GROUP of this block, for query head m % GROUP of this KV head.
@@ -211,7 +214,12 @@ def _attend_query_block(
     tile_begin = segment * tiles_per_segment
     tile_end = tl.minimum(tile_begin + tiles_per_segment, num_tiles)
     # Tiles below the first token's causal limit are seen whole by every row.
-    full_end = tl.maximum(tl.minimum((context_len + q_first + 1) // TILE_N, tile_end), tile_begin)
+    if UNMASKED_TILES:
+        full_end = tl.maximum(
+            tl.minimum((context_len + q_first + 1) // TILE_N, tile_end), tile_begin
+        )
+    else:
+        full_end = tile_begin
 
     last_visible = context_len + q_pos
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
@@ -221,11 +229,12 @@ def _attend_query_block(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_begin, full_end, kv_len,
-        last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
-        BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, False,
-    )  # fmt: skip
+    if UNMASKED_TILES:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_begin, full_end, kv_len,
+            last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
+            BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, False,
+        )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_base, v_base, block_table_row, full_end, tile_end, kv_len,
         last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
@@ -298,7 +307,7 @@ def _decode_attention_kernel(
                 qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv,
                 stride_c_block, stride_c_slot, stride_c_head, stride_bt_req, stride_bt_block,
                 BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q, BLOCK_D, HEAD_DIM, TILE_N, NUM_SEGMENTS,
-                DOT_PRECISION,
+                DOT_PRECISION, False,
             )  # fmt: skip
 
 
@@ -348,7 +357,7 @@ def _prefill_attention_kernel(
             q_start, query_len, seq_len, q_block_local, kv_head, 0, qk_scale, num_heads,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_block, stride_c_slot,
             stride_c_head, stride_bt_req, stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q,
-            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION,
+            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, True,
         )  # fmt: skip
 
 
@@ -390,9 +399,10 @@ def _merge_segments_kernel(
 
 # Split-KV workspace slots per (token, query head); a launch uses a power of two up to this.
 MAX_SEGMENTS = 16
-# A decode launch is split until it has this many programs per SM: compiled for sm_90, a 16-row decode
-# tile uses 110-150 registers per thread and about 39 KB of shared memory, so three or four programs
-# share an SM, and fewer busy programs than that leave HBM bandwidth unused.
+# A decode launch is split until it has this many programs per SM: compiled for sm_90, a decode tile
+# (head_dim <= 128) uses at most 128 registers per thread (the compile test holds it there) and about
+# 39 KB of shared memory, so four programs share an SM, and fewer busy programs leave HBM bandwidth
+# unused.
 SPLIT_PROGRAMS_PER_SM = 4
 # ...but never into segments shorter than this many keys: each program pays a fixed start (request
 # metadata, Q tile, pipeline fill) that short segments do not amortise. On the H200 run of 2026-11-30
@@ -421,10 +431,10 @@ class LaunchPlan:
     """The launches of one attention call, a function of shapes, device and hints only.
 
     Tile constants for Hopper (sm_90: H100, H200), fixed per shape class, no autotuning:
-      decode tiles   16-64 rows x 64 keys, 4 warps, 3 stages. Memory-bound: the smallest tensor-core
-                     tile keeps registers at 110-150 per thread (3-4 programs per SM, enough loads in
-                     flight); this is the configuration measured at 84-89% of the H200's bandwidth on
-                     long decodes.
+      decode tiles   16-64 rows x 64 keys, 4 warps, 3 stages, every key tile masked. Memory-bound:
+                     the smallest tensor-core tile and one key loop keep registers at 105-128 per
+                     thread (four programs per SM, enough loads in flight); the configuration measured
+                     at 84-89% of the H200's bandwidth on long decodes.
       prefill tiles  128 rows x 64 keys, 8 warps, 3 stages (head_dim <= 128): FlashAttention-2's and
                      Triton's fused-attention tile for Hopper, 128-row tl.dot for both products (two
                      warpgroups of wgmma); 180 registers per thread and 97 KB of shared memory (Q and
@@ -432,7 +442,8 @@ class LaunchPlan:
       head_dim 256   prefill 64 x 32 keys, 8 warps (4 spill the 64 x 256 accumulator); decode tiles of
                      32 keys.
     tests/kernels/test_triton_sm90_compile.py compiles these shapes for sm_90 (and the fallback for
-    sm_80) without a GPU and checks that none spills and that the Hopper prefill tiles use wgmma.
+    sm_80) without a GPU and checks that none spills, that decode tiles stay within 128 registers and
+    that the Hopper prefill tiles use wgmma.
     Other GPUs (Ampere, Ada, Blackwell until measured) and the interpreter take a conservative fallback
     that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256), 8 warps (4 spill on
     sm_80), 2 stages; decode tiles as on Hopper with 2 stages.

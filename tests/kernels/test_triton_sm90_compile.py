@@ -125,6 +125,11 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     }
     spilled = {name: entry for name, entry in kernels.items() if entry["stack"] != 0}
     assert not spilled, f"register spills: {spilled}"
+    # The split-KV rule counts on four decode programs per SM: 128 threads x <= 128 registers.
+    crowded = {
+        n: e["registers"] for n, e in kernels.items() if n.endswith("_decode") and "hd256" not in n
+    }
+    assert max(crowded.values()) <= 128, crowded
     # Prefill tiles are 64-128 rows: tl.dot must become Hopper's warpgroup MMA, not mma.sync.
     assert kernels["mixed_prefill"]["wgmma"] and kernels["mixed_hd256_prefill"]["wgmma"]
     # Every tile, the sm_90 prefill tile included, fits the 100 KB of shared memory an Ada SM has.
