@@ -157,8 +157,13 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     num_tokens = step["query"].shape[0]
     max_query_len = max(q for _, q in batch.requests)
     max_seq_len = max(c + q for c, q in batch.requests)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    segments = ta.split_kv_segments(len(batch.requests), args.num_kv_heads, num_sms, max_seq_len)
+    segments = ta.plan_for(
+        step["query"],
+        step["kv_cache"],
+        len(batch.requests),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    ).segments
     measure_split = segments > 1 or max_query_len <= 4
     workspace = (
         ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda")

@@ -53,6 +53,7 @@ __all__ = [
     "TileShape",
     "allocate_split_kv_workspace",
     "paged_attention",
+    "plan_for",
     "plan_launches",
     "reshape_and_cache",
     "split_kv_segments",
@@ -573,6 +574,36 @@ def plan_launches(
     )
 
 
+def plan_for(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_requests: int,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    split_kv: bool | int | None = None,
+) -> LaunchPlan:
+    """The launches paged_attention makes for these tensors and hints (same defaults)."""
+    num_tokens, num_heads, head_dim = query.shape
+    if max_query_len is None:
+        max_query_len = num_tokens - num_requests + 1 if num_tokens >= num_requests else num_tokens
+    num_sms, capability_major = _device_class(query.device)
+    return plan_launches(
+        num_tokens,
+        num_requests,
+        num_heads,
+        kv_cache.shape[3],
+        head_dim,
+        kv_cache.shape[2],
+        kv_cache.dtype,
+        capability_major,
+        num_sms,
+        max_query_len,
+        max_seq_len,
+        split_kv,
+    )
+
+
 @dataclass(slots=True)
 class SplitKVWorkspace:
     """Partial results of the split-KV path, indexed [token, query head, segment(, dim)]; a launch
@@ -649,24 +680,15 @@ def paged_attention(
     if num_tokens == 0 or num_requests == 0:
         return out
 
-    if max_query_len is None:
-        max_query_len = num_tokens - num_requests + 1 if num_tokens >= num_requests else num_tokens
-    num_sms, capability_major = _device_class(query.device)
     if split_kv is None and workspace is not None and workspace.max_num_tokens < num_tokens:
         split_kv = False
-    plan = plan_launches(
-        num_tokens,
+    plan = plan_for(
+        query,
+        kv_cache,
         num_requests,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        kv_cache.shape[2],
-        kv_cache.dtype,
-        capability_major,
-        num_sms,
-        max_query_len,
-        max_seq_len,
-        split_kv,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        split_kv=split_kv,
     )
     if plan.segments > 1:
         if workspace is None:
