@@ -4,8 +4,8 @@ Decode batches (1..256 sequences, context 512..32k) and mixed batches (prefill c
 context, decodes, speculative queries). For each: kernel time, achieved memory bandwidth
 (bytes of K/V read plus Q read and O written, divided by the time) and its share of the
 device's peak, for the Triton kernels (single pass, split-KV into the maximum number of
-segments, and the default: the launches and segments paged_attention picks from the step's
-hints) and for torch's scaled_dot_product_attention in the same run, plus the largest
+segments, prefill and decode launches one after the other, and the default: the launches,
+segments and streams paged_attention picks from the step's hints) and for torch's scaled_dot_product_attention in the same run, plus the largest
 difference between the two outputs, and the issue's floors. Writes its table into docs/benchmarks.md between
 the attention markers, leaving the rest of the file alone.
 
@@ -59,6 +59,7 @@ class Result:
     split_ms: float | None
     default_ms: float  # the launches paged_attention picks by default, given the step's hints
     segments: int  # split-KV segments of the default
+    serial_ms: float | None  # the default with prefill and decode launches one after the other
     sdpa_ms: float | None
     bytes_moved: int
     max_abs_diff: float | None
@@ -157,13 +158,14 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     num_tokens = step["query"].shape[0]
     max_query_len = max(q for _, q in batch.requests)
     max_seq_len = max(c + q for c, q in batch.requests)
-    segments = ta.plan_for(
+    plan = ta.plan_for(
         step["query"],
         step["kv_cache"],
         len(batch.requests),
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
-    ).segments
+    )
+    segments = plan.segments
     measure_split = segments > 1 or max_query_len <= 4
     workspace = (
         ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda")
@@ -176,7 +178,7 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     ]
     out = torch.empty_like(step["query"])
 
-    def triton_call(split: bool | None) -> None:
+    def triton_call(split: bool | None, concurrent: bool = True) -> None:
         # F821: ``out`` and ``workspace`` are deleted at the end, after the last call.
         ta.paged_attention(
             *positional,
@@ -185,11 +187,17 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
             max_seq_len=max_seq_len,
             split_kv=split,
             workspace=workspace,  # noqa: F821
+            concurrent=concurrent,
         )
 
     single_ms = triton.testing.do_bench(lambda: triton_call(False))
     split_ms = triton.testing.do_bench(lambda: triton_call(True)) if measure_split else None
     default_ms = triton.testing.do_bench(lambda: triton_call(None))
+    serial_ms = (
+        triton.testing.do_bench(lambda: triton_call(None, concurrent=False))
+        if plan.prefill is not None
+        else None
+    )
     triton_call(None)
 
     sdpa_ms = max_abs_diff = None
@@ -219,6 +227,7 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
         split_ms,
         default_ms,
         segments,
+        serial_ms,
         sdpa_ms,
         bytes_moved(batch, args),
         max_abs_diff,
@@ -235,8 +244,8 @@ def _cell(value: float | None, fmt: str) -> str:
 
 def format_table(results: list[Result], peak: float | None) -> list[str]:
     lines = [
-        "| batch | single µs | split µs | default µs | GB/s | % peak | SDPA µs | SDPA GB/s | SDPA % peak | max abs diff |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| batch | single µs | split µs | serial µs | default µs | GB/s | % peak | SDPA µs | SDPA GB/s | SDPA % peak | max abs diff |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         gbps, sdpa_gbps = _gbps(r.bytes_moved, r.default_ms), _gbps(r.bytes_moved, r.sdpa_ms)
@@ -244,6 +253,7 @@ def format_table(results: list[Result], peak: float | None) -> list[str]:
         sdpa_pct = None if peak is None or sdpa_gbps is None else 100 * sdpa_gbps / peak
         lines.append(
             f"| {r.batch.name} | {r.single_ms * 1e3:.1f} | {_cell(None if r.split_ms is None else r.split_ms * 1e3, '.1f')}"
+            f" | {_cell(None if r.serial_ms is None else r.serial_ms * 1e3, '.1f')}"
             f" | {f'split {r.segments}' if r.segments > 1 else 'single'} {r.default_ms * 1e3:.1f}"
             f" | {gbps:.0f} | {_cell(pct, '.1f')}"
             f" | {_cell(None if r.sdpa_ms is None else r.sdpa_ms * 1e3, '.1f')} | {_cell(sdpa_gbps, '.0f')}"

@@ -507,6 +507,12 @@ def _device_class(device: torch.device) -> tuple[int, int]:
     return props.multi_processor_count, props.major
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream decode launches share with prefill launches on a GPU; None elsewhere."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
 @functools.lru_cache(maxsize=1024, typed=True)
 def plan_launches(
     num_tokens: int,
@@ -647,6 +653,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     split_kv: bool | int | None = None,
     workspace: SplitKVWorkspace | None = None,
+    concurrent: bool = True,
 ) -> torch.Tensor:
     """Attention of every new token over its request's cached keys: a prefill-tile launch when the
     step has long queries, a decode-tile launch, and a merge launch on split-KV.
@@ -662,6 +669,8 @@ def paged_attention(
                     MAX_SEGMENTS), True (MAX_SEGMENTS), False (1: single pass) or None (the rule of
                     split_kv_segments for this GPU; never split on a CPU).
       workspace     split-KV buffers from allocate_split_kv_workspace; allocated per call if absent.
+      concurrent    on a GPU, run the decode launch on a side stream beside the prefill launch
+                    (False: one after the other on the caller's stream).
     A hint below the truth costs speed, never correctness.
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -716,6 +725,13 @@ def paged_attention(
         block_table.stride(1),
     )
     qk_scale = scale * LOG2_E
+    # The decode launch (memory-bound) runs beside the prefill launch (compute-bound) on a side
+    # stream, so that decode programs fill the registers and bandwidth a prefill program leaves on
+    # each SM. The side stream waits for what came before (the cache write) and the caller's stream
+    # for the side stream, so both launches stay inside the caller's stream order (and a CUDA graph).
+    side = _side_stream(query.device) if concurrent and plan.prefill is not None else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(query.device))
     if plan.prefill is not None:
         _prefill_attention_kernel[plan.prefill_grid](
             query,
@@ -733,39 +749,42 @@ def paged_attention(
             num_warps=plan.prefill.num_warps,
             num_stages=plan.prefill.num_stages,
         )
-    _decode_attention_kernel[plan.decode_grid](
-        query,
-        kv_cache,
-        out,
-        segm_acc,
-        segm_max,
-        segm_sum,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        qk_scale,
-        plan.short_query_len,
-        num_heads,
-        *strides,
-        **plan.constexprs(plan.decode),
-        NUM_SEGMENTS=plan.segments,
-        num_warps=plan.decode.num_warps,
-        num_stages=plan.decode.num_stages,
-    )
-    if plan.segments > 1:
-        _merge_segments_kernel[(num_requests, num_heads)](
+    with torch.cuda.stream(side):  # no-op for None
+        _decode_attention_kernel[plan.decode_grid](
+            query,
+            kv_cache,
             out,
             segm_acc,
             segm_max,
             segm_sum,
             query_start_loc,
+            seq_lens,
+            block_table,
+            qk_scale,
             plan.short_query_len,
             num_heads,
-            out.stride(0),
-            out.stride(1),
-            BLOCK_D=plan.block_d,
-            HEAD_DIM=head_dim,
+            *strides,
+            **plan.constexprs(plan.decode),
             NUM_SEGMENTS=plan.segments,
-            num_warps=MERGE_NUM_WARPS,
+            num_warps=plan.decode.num_warps,
+            num_stages=plan.decode.num_stages,
         )
+        if plan.segments > 1:
+            _merge_segments_kernel[(num_requests, num_heads)](
+                out,
+                segm_acc,
+                segm_max,
+                segm_sum,
+                query_start_loc,
+                plan.short_query_len,
+                num_heads,
+                out.stride(0),
+                out.stride(1),
+                BLOCK_D=plan.block_d,
+                HEAD_DIM=head_dim,
+                NUM_SEGMENTS=plan.segments,
+                num_warps=MERGE_NUM_WARPS,
+            )
+    if side is not None:
+        torch.cuda.current_stream(query.device).wait_stream(side)
     return out

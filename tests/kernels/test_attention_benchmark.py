@@ -59,9 +59,9 @@ def test_floor_lines_judge_the_issue_floors():
     prefill = bench.Batch("prefill 4k, no context", [(0, 4096)])
     mixed = bench.Batch("4 prefills 1k + 60 decodes @2k", [(0, 1024)] * 4 + [(2048, 1)] * 60)
     results = [
-        bench.Result(decode, at_86_percent, None, at_86_percent, 4, None, nbytes, None),
-        bench.Result(prefill, 0.4, None, 0.4, 1, 0.266, 0, 0.0),
-        bench.Result(mixed, 0.2, None, 0.185, 2, None, 0, None),
+        bench.Result(decode, at_86_percent, None, at_86_percent, 4, None, None, nbytes, None),
+        bench.Result(prefill, 0.4, None, 0.4, 1, 0.41, 0.266, 0, 0.0),
+        bench.Result(mixed, 0.2, None, 0.185, 1, 0.25, None, 0, None),
     ]
     lines = bench.floor_lines(results, 4800.0)
     assert lines[0].startswith(
@@ -71,4 +71,4 @@ def test_floor_lines_judge_the_issue_floors():
     assert lines[1] == "Floor (prefill 4k, no context within 1.25x SDPA): NOT met; 1.50x."
     assert lines[2] == "Floor (4 prefills 1k + 60 decodes @2k <= 190 µs): met; 185.0 µs."
     table = bench.format_table(results, 4800.0)
-    assert "| split 4 " in table[2] and "| single " in table[3]
+    assert "| – | split 4 " in table[2] and "| 410.0 | single 400.0 |" in table[3]
