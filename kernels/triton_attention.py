@@ -8,9 +8,11 @@ Two kinds of tile, one launch each (no launch when the step has none of that kin
 
 - Decode tiles, one program per (request, KV head, KV segment). Its rows are the query
   tokens of the request times the GROUP query heads sharing that KV head (grouped-query
-  attention), so each K/V tile is loaded once for all of them; 16-32 rows keep tl.dot
-  at its smallest tensor-core shape, which is what a memory-bound decode wants. Requests
-  whose query does not fit one decode tile are left to the prefill launch.
+  attention), so each K/V tile is loaded once for all of them; 16 rows (up to 64 when
+  every query of the step fits) keep tl.dot at its smallest tensor-core shape, which is
+  what a memory-bound decode wants. Requests whose query does not fit one decode tile
+  are left to the prefill launch, which in a mixed step runs beside the decode launch on
+  a side stream.
 - Prefill tiles, one program per (KV head, query block). A query block is BLOCK_Q
   consecutive tokens of one long request times the GROUP heads: 64-128 rows, so both
   tl.dot (QK^T and PV) run at full tensor-core width. Request r's blocks are numbered
@@ -27,8 +29,8 @@ of the block sees whole are processed without masks, and only the one or two til
 the diagonal (or holding the sequence end) are masked.
 
 Split-KV. When the decode launch of a step without long queries would leave the GPU's
-SMs short of programs (few requests over long contexts) a third grid axis cuts each request's key range into
-`segments` parts; each writes an unnormalised partial result (accumulator, running
+SMs short of programs (few requests over long contexts) a third grid axis cuts each
+request's key range into `segments` parts; each writes an unnormalised partial result (accumulator, running
 max, running sum) into a workspace and a second kernel merges them. The workspace can
 be allocated once (`allocate_split_kv_workspace`) so the launches can be captured in a
 CUDA graph. The rule and the per-GPU tile constants are explained at `LaunchPlan`.

@@ -239,6 +239,8 @@ def test_launch_plan_routes_requests_by_query_length():
     assert plan(512, head_dim=256).prefill.tile_n == 32
     wide_group = plan(512, group=32)  # one token's heads fill a decode tile of 32 rows
     assert wide_group.decode.block_m == 32 and wide_group.short_query_len == 1
+    with pytest.raises(ValueError, match="power of two"):
+        triton_attention.plan_launches(4, 4, 4, 2, 64, 16, torch.float16, 9, 132, 1, None, 3)
 
 
 @pytest.mark.parametrize(
