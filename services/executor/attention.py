@@ -87,7 +87,7 @@ class TorchAttention:
 
 class PagedKernelAttention:
     """A kernel module with kernels/reference.py's signatures: the reference itself (one
-    request at a time) or the Triton kernels (one launch for the whole batch)."""
+    request at a time) or the Triton kernels (a few launches for the whole batch)."""
 
     def __init__(self, name: str, module: str, *, takes_hints: bool) -> None:
         self.name = name
