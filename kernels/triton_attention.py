@@ -1,27 +1,45 @@
-"""Triton attention over the paged KV cache for a whole mixed batch in one launch.
+"""Triton attention over the paged KV cache for a whole mixed batch.
 
 Same semantics and positional signature as `weir.kernels.reference.paged_attention`
 (prefill chunks with cached context, decodes and speculative 1 + k queries share the
 flat layout; query i of request r sees key j iff j <= context_len + i).
 
-Work decomposition. The T query tokens are cut into "query blocks" of BLOCK_Q tokens
-that never straddle two requests. Request r's blocks are numbered from
-`query_start_loc[r] // BLOCK_Q + r`, which bounds the total by `T // BLOCK_Q + R`
-without reading any length back to the host; a program finds its request by binary
-search over query_start_loc and exits if its block lies past the request's tokens.
-One program handles one query block for one KV head: its tile rows are the BLOCK_Q
-tokens times the GROUP query heads sharing that KV head (grouped-query attention), so
-each K/V tile is loaded once for all of them. It walks the request's keys in tiles of
-TILE_N positions, independent of the page size, with an online softmax accumulated in
-fp32.
+Two kinds of tile, one launch each (no launch when the step has none of that kind):
 
-Split-KV. When the grid above is too small to fill the GPU (few decodes over long
-contexts) a third grid axis cuts each program's key range into NUM_SEGMENTS segments;
-each writes an unnormalised partial result (accumulator, running max, running sum)
-into a workspace and a second kernel merges them. The workspace can be allocated once
-(`allocate_split_kv_workspace`) so the pair can be captured in a CUDA graph.
+- Decode tiles, one program per (request, KV head, KV segment). Its rows are the query
+  tokens of the request times the GROUP query heads sharing that KV head (grouped-query
+  attention), so each K/V tile is loaded once for all of them; 16 rows (up to 64 when
+  every query of the step fits) keep tl.dot at its smallest tensor-core shape, which is
+  what a memory-bound decode wants. Requests whose query does not fit one decode tile
+  are left to the prefill launch, which in a mixed step runs beside the decode launch on
+  a side stream.
+- Prefill tiles, one program per (KV head, query block). A query block is BLOCK_Q
+  consecutive tokens of one long request times the GROUP heads: 64-128 rows, so both
+  tl.dot (QK^T and PV) run at full tensor-core width. Request r's blocks are numbered
+  from `query_start_loc[r] // BLOCK_Q + r`, which bounds the total by
+  `T // BLOCK_Q + R` without reading any length back to the host; a program finds its
+  request by binary search over query_start_loc and exits if its block lies past the
+  request's tokens or the request is short. The heaviest blocks (last in a request, most
+  keys) are scheduled first.
+
+Either kind walks its request's keys in tiles of TILE_N positions (independent of the
+page size) with an online softmax accumulated in fp32. Key tiles past the causal limit
+of a block's last token are never visited. In prefill tiles, key tiles that every row
+of the block sees whole are processed without masks, and only the one or two tiles on
+the diagonal (or holding the sequence end) are masked.
+
+Split-KV. When the decode launch of a step without long queries would leave the GPU's
+SMs short of programs (few requests over long contexts) a third grid axis cuts each
+request's key range into `segments` parts; each writes an unnormalised partial result (accumulator, running
+max, running sum) into a workspace and a second kernel merges them. The workspace can
+be allocated once (`allocate_split_kv_workspace`) so the launches can be captured in a
+CUDA graph. The rule and the per-GPU tile constants are explained at `LaunchPlan`.
+
+Every grid depends only on tensor shapes, the device and the host-side hints
+(max_query_len, max_seq_len); the hints choose tiles and launches, never the result.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,27 +49,20 @@ import triton.language as tl
 from weir.kernels.triton_cache import reshape_and_cache
 
 __all__ = [
-    "NUM_SEGMENTS",
-    "attention_constexprs",
+    "MAX_SEGMENTS",
+    "LaunchPlan",
     "SplitKVWorkspace",
+    "TileShape",
     "allocate_split_kv_workspace",
     "paged_attention",
-    "prefers_split_kv",
+    "plan_for",
+    "plan_launches",
     "reshape_and_cache",
+    "split_kv_segments",
 ]
 
-# Key-range segments per program on the split-KV path; fixed so the workspace and the
-# grid depend only on shapes.
-NUM_SEGMENTS = 16
-TILE_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 3
-MERGE_NUM_WARPS = 4
-# Compiled for sm_90 (Triton 3.8), a 16-row decode tile uses 110-150 registers per thread and about
-# 39 KB of shared memory, so three or four programs share an SM; fewer busy programs than that per
-# SM leave memory bandwidth unused, and the split-KV path is taken instead.
-PROGRAMS_PER_SM = 4
 LOG2_E = 1.4426950408889634
+INT32_MAX = 2**31 - 1
 
 
 @triton.jit
@@ -70,20 +81,93 @@ def _find_request(query_start_loc_ptr, q_block, num_requests, BLOCK_Q: tl.conste
 
 
 @triton.jit
-def _unified_attention_kernel(
+def _load(ptrs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    block_table_row,
+    tile_begin,
+    tile_end,
+    kv_len,
+    last_visible,
+    qk_scale,
+    stride_bt_block,
+    stride_c_block,
+    stride_c_slot,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online softmax over key tiles [tile_begin, tile_end). Unless MASKED, every row sees every
+    key of these tiles and they lie inside the sequence: no bounds checks, no causal mask."""
+    offs_n = tl.arange(0, TILE_N)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+    mask_dims: tl.constexpr = BLOCK_D != HEAD_DIM
+    for tile in range(tile_begin, tile_end):
+        key_pos = tile * TILE_N + offs_n
+        key_valid = key_pos < kv_len
+        page = _load(
+            block_table_row + (key_pos // BLOCK_SIZE) * stride_bt_block, key_valid, MASKED
+        ).to(tl.int64)
+        slot_offset = page * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_slot
+        k = _load(
+            k_base + slot_offset[None, :] + dims[:, None],
+            key_valid[None, :] & dim_valid[:, None],
+            MASKED or mask_dims,
+        )
+        v = _load(
+            v_base + slot_offset[:, None] + dims[None, :],
+            key_valid[:, None] & dim_valid[None, :],
+            MASKED or mask_dims,
+        )
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            # Also hides key_pos >= kv_len, since a valid row's last visible key is below kv_len.
+            s = tl.where(key_pos[None, :] <= last_visible[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_query_block(
     query_ptr,
     cache_ptr,
     out_ptr,
     segm_acc_ptr,
     segm_max_ptr,
     segm_sum_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
     block_table_ptr,
+    req,
+    q_start,
+    query_len,
+    seq_len,
+    q_block_local,
+    kv_head,
+    segment,
     qk_scale,
-    num_requests,
     num_heads,
-    head_dim,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -99,30 +183,25 @@ def _unified_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UNMASKED_TILES: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    segment = tl.program_id(2)
-
-    req = _find_request(query_start_loc_ptr, q_block, num_requests, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + req)
-    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + req)
-    if q_block_local * BLOCK_Q >= query_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + req)
+    """Query tokens [q_block_local * BLOCK_Q, + BLOCK_Q) of request req, every query head of one
+    KV head, over key segment `segment` of NUM_SEGMENTS: the result, or its partial on split-KV.
+    UNMASKED_TILES: key tiles every row sees whole skip the masks (a second loop; worth its
+    registers on compute-bound prefill tiles, not on memory-bound decode tiles)."""
     context_len = seq_len - query_len
-
+    q_first = q_block_local * BLOCK_Q
     # Row m of the tile is query token m // GROUP of this block, for query head m % GROUP of this KV head.
     rows = tl.arange(0, BLOCK_M)
-    q_pos = q_block_local * BLOCK_Q + rows // GROUP
+    q_pos = q_first + rows // GROUP
     heads = kv_head * GROUP + rows % GROUP
     row_valid = (rows < BLOCK_Q * GROUP) & (q_pos < query_len)
     dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < head_dim
+    dim_valid = dims < HEAD_DIM
     tokens = (q_start + q_pos).to(tl.int64)
 
     q = tl.load(
@@ -131,15 +210,21 @@ def _unified_attention_kernel(
         other=0.0,
     ).to(cache_ptr.dtype.element_ty)
 
-    # Keys this block can see at all: up to the causal limit of its last token.
-    kv_len = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
+    # Keys this block can see at all: up to the causal limit of its last token; tiles past it are skipped.
+    kv_len = tl.minimum(seq_len, context_len + q_first + BLOCK_Q)
     num_tiles = tl.cdiv(kv_len, TILE_N)
     tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
     tile_begin = segment * tiles_per_segment
     tile_end = tl.minimum(tile_begin + tiles_per_segment, num_tiles)
+    # Tiles below the first token's causal limit are seen whole by every row.
+    if UNMASKED_TILES:
+        full_end = tl.maximum(
+            tl.minimum((context_len + q_first + 1) // TILE_N, tile_end), tile_begin
+        )
+    else:
+        full_end = tile_begin
 
     last_visible = context_len + q_pos
-    offs_n = tl.arange(0, TILE_N)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
     k_base = cache_ptr + kv_head * stride_c_head
     v_base = k_base + stride_c_kv
@@ -147,35 +232,17 @@ def _unified_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for tile in range(tile_begin, tile_end):
-        key_pos = tile * TILE_N + offs_n
-        key_valid = key_pos < kv_len
-        page = tl.load(
-            block_table_row + (key_pos // BLOCK_SIZE) * stride_bt_block, mask=key_valid, other=0
-        )
-        page = page.to(tl.int64)
-        slot_offset = page * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_slot
-        k = tl.load(
-            k_base + slot_offset[None, :] + dims[:, None],
-            mask=key_valid[None, :] & dim_valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_base + slot_offset[:, None] + dims[None, :],
-            mask=key_valid[:, None] & dim_valid[None, :],
-            other=0.0,
-        )
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        # Also hides key_pos >= kv_len, since a valid row's last visible key is below kv_len.
-        s = tl.where(key_pos[None, :] <= last_visible[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if UNMASKED_TILES:
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_begin, full_end, kv_len,
+            last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
+            BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, False,
+        )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, block_table_row, full_end, tile_end, kv_len,
+        last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
+        BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, True,
+    )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
         out = acc / l_i[:, None]
@@ -194,43 +261,367 @@ def _unified_attention_kernel(
 
 
 @triton.jit
+def _decode_attention_kernel(
+    query_ptr,
+    cache_ptr,
+    out_ptr,
+    segm_acc_ptr,
+    segm_max_ptr,
+    segm_sum_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    qk_scale,
+    short_query_len,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_c_kv,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_req,
+    stride_bt_block,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One request (longer than short_query_len: left to the prefill launch), one KV head, one key
+    segment. A query longer than one tile (a max_query_len hint below the truth) is walked tile by tile."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if query_len <= short_query_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        for q_block_local in range(0, tl.cdiv(query_len, BLOCK_Q)):
+            _attend_query_block(
+                query_ptr, cache_ptr, out_ptr, segm_acc_ptr, segm_max_ptr, segm_sum_ptr,
+                block_table_ptr, req, q_start, query_len, seq_len, q_block_local, kv_head, segment,
+                qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv,
+                stride_c_block, stride_c_slot, stride_c_head, stride_bt_req, stride_bt_block,
+                BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q, BLOCK_D, HEAD_DIM, TILE_N, NUM_SEGMENTS,
+                DOT_PRECISION, False,
+            )  # fmt: skip
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    query_ptr,
+    cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    qk_scale,
+    short_query_len,
+    num_requests,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_c_kv,
+    stride_c_block,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt_req,
+    stride_bt_block,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One query block of a request longer than short_query_len, one KV head, single pass."""
+    kv_head = tl.program_id(0)
+    # Reversed so that the last blocks of each request, which see the most keys, start first.
+    q_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, q_block, num_requests, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    if query_len > short_query_len and q_block_local * BLOCK_Q < query_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        _attend_query_block(
+            query_ptr, cache_ptr, out_ptr, out_ptr, out_ptr, out_ptr, block_table_ptr, req,
+            q_start, query_len, seq_len, q_block_local, kv_head, 0, qk_scale, num_heads,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_block, stride_c_slot,
+            stride_c_head, stride_bt_req, stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q,
+            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, True,
+        )  # fmt: skip
+
+
+@triton.jit
 def _merge_segments_kernel(
     out_ptr,
     segm_acc_ptr,
     segm_max_ptr,
     segm_sum_ptr,
+    query_start_loc_ptr,
+    short_query_len,
     num_heads,
-    head_dim,
     stride_ot,
     stride_oh,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    """Every token of one request that the decode launch handled, one query head."""
+    req = tl.program_id(0)
     head = tl.program_id(1)
-    segments = tl.arange(0, NUM_SEGMENTS)
-    dims = tl.arange(0, BLOCK_D)
-    partial = (token * num_heads + head) * NUM_SEGMENTS + segments
+    q_start = tl.load(query_start_loc_ptr + req)
+    query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if query_len <= short_query_len:
+        segments = tl.arange(0, NUM_SEGMENTS)
+        dims = tl.arange(0, BLOCK_D)
+        for i in range(0, query_len):
+            token = (q_start + i).to(tl.int64)
+            partial = (token * num_heads + head) * NUM_SEGMENTS + segments
+            seg_max = tl.load(segm_max_ptr + partial)
+            # Every token sees key 0 in some segment, so the overall max is finite and the total >= 1.
+            weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
+            total = tl.sum(tl.load(segm_sum_ptr + partial) * weight, axis=0)
+            acc = tl.load(segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :])
+            out = tl.sum(acc * weight[:, None], axis=0) / total
+            out_row = out_ptr + token * stride_ot + head * stride_oh
+            tl.store(out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
-    seg_max = tl.load(segm_max_ptr + partial)
-    # Every token of a request sees key 0 in some segment, so the overall max is finite and the total >= 1.
-    weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
-    total = tl.sum(tl.load(segm_sum_ptr + partial) * weight, axis=0)
-    acc = tl.load(segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :])
-    out = tl.sum(acc * weight[:, None], axis=0) / total
-    out_row = out_ptr + token * stride_ot + head * stride_oh
-    tl.store(out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+# Split-KV workspace slots per (token, query head); a launch uses a power of two up to this.
+MAX_SEGMENTS = 16
+# A decode launch is split until it has this many programs per SM: compiled for sm_90, a decode tile
+# (head_dim <= 128) uses at most 128 registers per thread (the compile test holds it there) and about
+# 39 KB of shared memory, so four programs share an SM, and fewer busy programs leave HBM bandwidth
+# unused.
+SPLIT_PROGRAMS_PER_SM = 4
+# ...but never into segments shorter than this many keys: each program pays a fixed start (request
+# metadata, Q tile, pipeline fill) that short segments do not amortise. On the H200 run of 2026-11-30
+# the same 4096 programs (32 requests x 8 KV heads x 16 segments) reached 69% of peak bandwidth with
+# segments of 256 keys (32 x 4k) and 84% with segments of 1k keys (32 x 16k).
+MIN_KEYS_PER_SEGMENT = 512
+# A decode tile holds every query token of a request when the whole step fits in this many rows
+# (decodes, speculative 1 + k); with long queries in the step it holds 16 rows, and longer requests
+# take prefill tiles.
+DECODE_MAX_ROWS = 64
+MERGE_NUM_WARPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TileShape:
+    """Tile of one launch: BLOCK_M rows (query tokens x the GQA group of one KV head) by TILE_N keys."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """The launches of one attention call, a function of shapes, device and hints only.
+
+    Tile constants for Hopper (sm_90: H100, H200), fixed per shape class, no autotuning:
+      decode tiles   16-64 rows x 64 keys, 4 warps, 3 stages, every key tile masked. Memory-bound:
+                     the smallest tensor-core tile and one key loop keep registers at 105-128 per
+                     thread (four programs per SM, enough loads in flight); the configuration measured
+                     at 84-89% of the H200's bandwidth on long decodes.
+      prefill tiles  128 rows x 64 keys, 8 warps, 3 stages (head_dim <= 128): FlashAttention-2's and
+                     Triton's fused-attention tile for Hopper, 128-row tl.dot for both products (two
+                     warpgroups of wgmma); 180 registers per thread and 97 KB of shared memory (Q and
+                     two K/V tiles in flight): one program per SM.
+      head_dim 256   prefill 64 x 32 keys, 8 warps (4 spill the 64 x 256 accumulator); decode tiles of
+                     32 keys.
+    tests/kernels/test_triton_sm90_compile.py compiles these shapes for sm_90 (and the fallback for
+    sm_80) without a GPU and checks that none spills, that decode tiles stay within 128 registers and
+    that the Hopper prefill tiles use wgmma.
+    Other GPUs (Ampere, Ada, Blackwell until measured) and the interpreter take a conservative fallback
+    that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256), 8 warps (4 spill on
+    sm_80), 2 stages; decode tiles as on Hopper with 2 stages.
+
+    Split-KV (by default only in steps without a prefill launch): see split_kv_segments.
+    """
+
+    group: int
+    block_d: int
+    head_dim: int
+    block_size: int
+    dot_precision: str
+    decode: TileShape
+    decode_grid: tuple[int, int, int]
+    segments: int
+    # Requests with longer queries are left to the prefill launch (INT32_MAX: there is none).
+    short_query_len: int
+    prefill: TileShape | None
+    prefill_grid: tuple[int, int] | None
+
+    def constexprs(self, tile: TileShape) -> dict[str, int | str]:
+        return {
+            "BLOCK_SIZE": self.block_size,
+            "GROUP": self.group,
+            "BLOCK_M": tile.block_m,
+            "BLOCK_Q": tile.block_m // self.group,
+            "BLOCK_D": self.block_d,
+            "HEAD_DIM": self.head_dim,
+            "TILE_N": tile.tile_n,
+            "DOT_PRECISION": self.dot_precision,
+        }
+
+
+def split_kv_segments(
+    num_requests: int, num_kv_heads: int, num_sms: int, max_seq_len: int | None = None
+) -> int:
+    """Key segments per request of a decode launch: the smallest power of two that gives
+    SPLIT_PROGRAMS_PER_SM programs per SM, at most MAX_SEGMENTS and at most one per
+    MIN_KEYS_PER_SEGMENT keys of the longest sequence (when known). 1 = single pass, as on a CPU."""
+    if num_sms <= 0:
+        return 1
+    most = (
+        MAX_SEGMENTS
+        if max_seq_len is None
+        else min(MAX_SEGMENTS, max_seq_len // MIN_KEYS_PER_SEGMENT)
+    )
+    programs = num_requests * num_kv_heads
+    segments = 1
+    while segments * 2 <= most and programs * segments < SPLIT_PROGRAMS_PER_SM * num_sms:
+        segments *= 2
+    return segments
+
+
+@functools.cache
+def _device_class(device: torch.device) -> tuple[int, int]:
+    """(SM count, compute capability major) of a CUDA device; (0, 0) elsewhere."""
+    if device.type != "cuda":
+        return 0, 0
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.major
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream decode launches share with prefill launches on a GPU; None elsewhere."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def plan_launches(
+    num_tokens: int,
+    num_requests: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    capability_major: int,
+    num_sms: int,
+    max_query_len: int,
+    max_seq_len: int | None,
+    split_kv: bool | int | None,
+) -> LaunchPlan:
+    """The launch plan for one batch shape (cached: the same shape recurs every layer and step)."""
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    hopper = capability_major == 9
+    stages = 3 if hopper else 2
+    wide = block_d > 128
+    min_rows = max(16, triton.next_power_of_2(group))
+    all_rows = triton.next_power_of_2(group * max(max_query_len, 1))
+    if all_rows <= max(DECODE_MAX_ROWS, min_rows):
+        decode_rows, short_query_len = max(all_rows, min_rows), INT32_MAX
+    else:
+        decode_rows = min_rows
+        short_query_len = decode_rows // group
+    decode = TileShape(decode_rows, 32 if wide else 64, 4, stages)
+    prefill = prefill_grid = None
+    if short_query_len != INT32_MAX:
+        if hopper and not wide:
+            prefill = TileShape(max(128, min_rows), 64, 8, 3)
+        else:
+            prefill = TileShape(max(64, min_rows), 32 if wide else 64, 8, stages)
+        prefill_grid = (num_kv_heads, num_tokens // (prefill.block_m // group) + num_requests)
+
+    if split_kv is None:
+        # Not beside a prefill launch: its tokens would need workspace rows too (the workspace is
+        # indexed by token), and the scheduler mixes prefill chunks with many decodes.
+        segments = (
+            split_kv_segments(num_requests, num_kv_heads, num_sms, max_seq_len)
+            if prefill is None
+            else 1
+        )
+    elif isinstance(split_kv, bool):
+        segments = MAX_SEGMENTS if split_kv else 1
+    else:
+        segments = split_kv
+    if segments < 1 or segments > MAX_SEGMENTS or segments & (segments - 1):
+        raise ValueError(f"split_kv={split_kv}: segments must be a power of two <= {MAX_SEGMENTS}")
+    return LaunchPlan(
+        group=group,
+        block_d=block_d,
+        head_dim=head_dim,
+        block_size=block_size,
+        # tl.dot on fp32 would otherwise round its inputs to tf32.
+        dot_precision="ieee" if cache_dtype == torch.float32 else "tf32",
+        decode=decode,
+        decode_grid=(num_requests, num_kv_heads, segments),
+        segments=segments,
+        short_query_len=short_query_len,
+        prefill=prefill,
+        prefill_grid=prefill_grid,
+    )
+
+
+def plan_for(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_requests: int,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    split_kv: bool | int | None = None,
+) -> LaunchPlan:
+    """The launches paged_attention makes for these tensors and hints (same defaults)."""
+    num_tokens, num_heads, head_dim = query.shape
+    if max_query_len is None:
+        max_query_len = num_tokens - num_requests + 1 if num_tokens >= num_requests else num_tokens
+    num_sms, capability_major = _device_class(query.device)
+    return plan_launches(
+        num_tokens,
+        num_requests,
+        num_heads,
+        kv_cache.shape[3],
+        head_dim,
+        kv_cache.shape[2],
+        kv_cache.dtype,
+        capability_major,
+        num_sms,
+        max_query_len,
+        max_seq_len,
+        split_kv,
+    )
 
 
 @dataclass(slots=True)
 class SplitKVWorkspace:
-    """Partial results of the split-KV path, indexed [token, query head, segment(, dim)]."""
+    """Partial results of the split-KV path, indexed [token, query head, segment(, dim)]; a launch
+    with fewer than MAX_SEGMENTS segments packs its partials densely into the same buffers."""
 
     acc: (
         torch.Tensor
-    )  # fp32 [max_num_tokens, num_heads, NUM_SEGMENTS, padded head_dim], unnormalised
-    max: torch.Tensor  # fp32 [max_num_tokens, num_heads, NUM_SEGMENTS], running max in log2 units
-    sum: torch.Tensor  # fp32 [max_num_tokens, num_heads, NUM_SEGMENTS], running sum of exponentials
+    )  # fp32 [max_num_tokens, num_heads, MAX_SEGMENTS, padded head_dim], unnormalised
+    max: torch.Tensor  # fp32 [max_num_tokens, num_heads, MAX_SEGMENTS], running max in log2 units
+    sum: torch.Tensor  # fp32 [max_num_tokens, num_heads, MAX_SEGMENTS], running sum of exponentials
 
     @property
     def max_num_tokens(self) -> int:
@@ -241,7 +632,7 @@ def allocate_split_kv_workspace(
     max_num_tokens: int, num_heads: int, head_dim: int, device: torch.device | str
 ) -> SplitKVWorkspace:
     """Workspace for split-KV batches of up to max_num_tokens query tokens (allocate once, reuse)."""
-    shape = (max_num_tokens, num_heads, NUM_SEGMENTS)
+    shape = (max_num_tokens, num_heads, MAX_SEGMENTS)
     return SplitKVWorkspace(
         acc=torch.empty(
             *shape, triton.next_power_of_2(head_dim), dtype=torch.float32, device=device
@@ -249,54 +640,6 @@ def allocate_split_kv_workspace(
         max=torch.empty(shape, dtype=torch.float32, device=device),
         sum=torch.empty(shape, dtype=torch.float32, device=device),
     )
-
-
-def _tile_rows(group: int, max_query_len: int) -> int:
-    """Rows of a query tile: every query head of the longest request if it fits, at least 16 (the
-    smallest tl.dot tile) and at most 64 unless one token's query heads alone need more."""
-    wanted = triton.next_power_of_2(group * max(max_query_len, 1))
-    return min(max(wanted, 16), max(64, triton.next_power_of_2(group)))
-
-
-def attention_constexprs(
-    group: int,
-    head_dim: int,
-    block_size: int,
-    max_query_len: int,
-    num_segments: int,
-    cache_dtype: torch.dtype,
-) -> dict[str, int | str]:
-    """Compile-time parameters of the attention kernel for one batch shape (num_segments 1 = single pass).
-    The page size is one of them so that finding a key's page is a shift, not a division."""
-    block_m = _tile_rows(group, max_query_len)
-    return {
-        "BLOCK_SIZE": block_size,
-        "GROUP": group,
-        "BLOCK_M": block_m,
-        "BLOCK_Q": block_m // group,
-        "BLOCK_D": triton.next_power_of_2(head_dim),
-        "TILE_N": TILE_N,
-        "NUM_SEGMENTS": num_segments,
-        # tl.dot on fp32 would otherwise round its inputs to tf32.
-        "DOT_PRECISION": "ieee" if cache_dtype == torch.float32 else "tf32",
-    }
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def prefers_split_kv(
-    num_requests: int, num_heads: int, num_kv_heads: int, max_query_len: int, device: torch.device
-) -> bool:
-    """Whether paged_attention takes the split-KV path by default: every request fits one query
-    tile (decodes, short speculative queries) and there are too few (request, KV head) programs
-    to keep the GPU's SMs busy. Never on a CPU (the interpreter)."""
-    group = num_heads // num_kv_heads
-    fits_one_tile = max_query_len <= _tile_rows(group, max_query_len) // group
-    return fits_one_tile and num_requests * num_kv_heads < PROGRAMS_PER_SM * _num_sms(device)
 
 
 def paged_attention(
@@ -309,20 +652,28 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
-    split_kv: bool | None = None,
+    max_seq_len: int | None = None,
+    split_kv: bool | int | None = None,
     workspace: SplitKVWorkspace | None = None,
+    concurrent: bool = True,
 ) -> torch.Tensor:
-    """Attention of every new token over its request's cached keys, in one launch (two on split-KV).
+    """Attention of every new token over its request's cached keys: a prefill-tile launch when the
+    step has long queries, a decode-tile launch, and a merge launch on split-KV.
 
     The cache must already hold the new tokens' K/V (call reshape_and_cache first). Nothing is read
     back to the host. Optional keyword arguments, all host-side:
       out           preallocated [T, num_heads, head_dim] result; rows of tokens outside every request
                     are unspecified, as in the reference.
-      max_query_len longest query of the step, known to the caller; only picks the tile size and the
-                    path. Without it T - R + 1 is used, exact when every request has a query token.
-      split_kv      force (True) or forbid (False) the split-KV path; None takes it for decode-like
-                    batches whose grid would leave the GPU's SMs short of work.
+      max_query_len longest query of the step, known to the caller; picks the tiles and launches.
+                    Without it T - R + 1 is used, exact when every request has a query token.
+      max_seq_len   longest sequence (context + query) of the step; bounds the split-KV segments.
+      split_kv      segments per request on the decode launch: an int (a power of two up to
+                    MAX_SEGMENTS), True (MAX_SEGMENTS), False (1: single pass) or None (the rule of
+                    split_kv_segments for this GPU; never split on a CPU).
       workspace     split-KV buffers from allocate_split_kv_workspace; allocated per call if absent.
+      concurrent    on a GPU, run the decode launch on a side stream beside the prefill launch
+                    (False: one after the other on the caller's stream).
+    A hint below the truth costs speed, never correctness.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -340,47 +691,30 @@ def paged_attention(
     if num_tokens == 0 or num_requests == 0:
         return out
 
-    group = num_heads // num_kv_heads
-    if max_query_len is None:
-        max_query_len = num_tokens - num_requests + 1 if num_tokens >= num_requests else num_tokens
-    if split_kv is None:
-        split_kv = prefers_split_kv(
-            num_requests, num_heads, num_kv_heads, max_query_len, query.device
-        ) and (workspace is None or workspace.max_num_tokens >= num_tokens)
-    num_segments = NUM_SEGMENTS if split_kv else 1
-    constexprs = attention_constexprs(
-        group, head_dim, kv_cache.shape[2], max_query_len, num_segments, kv_cache.dtype
+    if split_kv is None and workspace is not None and workspace.max_num_tokens < num_tokens:
+        split_kv = False
+    plan = plan_for(
+        query,
+        kv_cache,
+        num_requests,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        split_kv=split_kv,
     )
-    block_d = constexprs["BLOCK_D"]
-    if split_kv:
+    if plan.segments > 1:
         if workspace is None:
             workspace = allocate_split_kv_workspace(num_tokens, num_heads, head_dim, query.device)
         elif workspace.max_num_tokens < num_tokens or workspace.acc.shape[1:] != (
             num_heads,
-            NUM_SEGMENTS,
-            block_d,
+            MAX_SEGMENTS,
+            plan.block_d,
         ):
             raise ValueError("split-KV workspace does not fit this batch")
         segm_acc, segm_max, segm_sum = workspace.acc, workspace.max, workspace.sum
     else:
         segm_acc = segm_max = segm_sum = out  # unused on the single-pass path
 
-    block_q = constexprs["BLOCK_Q"]
-    grid = (num_tokens // block_q + num_requests, num_kv_heads, constexprs["NUM_SEGMENTS"])
-    _unified_attention_kernel[grid](
-        query,
-        kv_cache,
-        out,
-        segm_acc,
-        segm_max,
-        segm_sum,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        scale * LOG2_E,
-        num_requests,
-        num_heads,
-        head_dim,
+    strides = (
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -391,22 +725,68 @@ def paged_attention(
         kv_cache.stride(3),
         block_table.stride(0),
         block_table.stride(1),
-        **constexprs,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
     )
-    if split_kv:
-        _merge_segments_kernel[(num_tokens, num_heads)](
+    qk_scale = scale * LOG2_E
+    # The decode launch (memory-bound) runs beside the prefill launch (compute-bound) on a side
+    # stream, so that decode programs fill the registers and bandwidth a prefill program leaves on
+    # each SM. The side stream waits for what came before (the cache write) and the caller's stream
+    # for the side stream, so both launches stay inside the caller's stream order (and a CUDA graph).
+    side = _side_stream(query.device) if concurrent and plan.prefill is not None else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(query.device))
+    if plan.prefill is not None:
+        _prefill_attention_kernel[plan.prefill_grid](
+            query,
+            kv_cache,
+            out,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            qk_scale,
+            plan.short_query_len,
+            num_requests,
+            num_heads,
+            *strides,
+            **plan.constexprs(plan.prefill),
+            num_warps=plan.prefill.num_warps,
+            num_stages=plan.prefill.num_stages,
+        )
+    with torch.cuda.stream(side):  # no-op for None
+        _decode_attention_kernel[plan.decode_grid](
+            query,
+            kv_cache,
             out,
             segm_acc,
             segm_max,
             segm_sum,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            qk_scale,
+            plan.short_query_len,
             num_heads,
-            head_dim,
-            out.stride(0),
-            out.stride(1),
-            BLOCK_D=block_d,
-            NUM_SEGMENTS=NUM_SEGMENTS,
-            num_warps=MERGE_NUM_WARPS,
+            *strides,
+            **plan.constexprs(plan.decode),
+            NUM_SEGMENTS=plan.segments,
+            num_warps=plan.decode.num_warps,
+            num_stages=plan.decode.num_stages,
         )
+        if plan.segments > 1:
+            _merge_segments_kernel[(num_requests, num_heads)](
+                out,
+                segm_acc,
+                segm_max,
+                segm_sum,
+                query_start_loc,
+                plan.short_query_len,
+                num_heads,
+                out.stride(0),
+                out.stride(1),
+                BLOCK_D=plan.block_d,
+                HEAD_DIM=head_dim,
+                NUM_SEGMENTS=plan.segments,
+                num_warps=MERGE_NUM_WARPS,
+            )
+    if side is not None:
+        torch.cuda.current_stream(query.device).wait_stream(side)
     return out

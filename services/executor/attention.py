@@ -87,13 +87,13 @@ class TorchAttention:
 
 class PagedKernelAttention:
     """A kernel module with kernels/reference.py's signatures: the reference itself (one
-    request at a time) or the Triton kernels (one launch for the whole batch)."""
+    request at a time) or the Triton kernels (a few launches for the whole batch)."""
 
-    def __init__(self, name: str, module: str, *, max_query_len_hint: bool) -> None:
+    def __init__(self, name: str, module: str, *, takes_hints: bool) -> None:
         self.name = name
         # Imported only when chosen: importing triton is slow and needs a GPU or the interpreter.
         self._kernels = importlib.import_module(f"weir.kernels.{module}")
-        self._max_query_len_hint = max_query_len_hint
+        self._takes_hints = takes_hints
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
         pass
@@ -110,7 +110,11 @@ class PagedKernelAttention:
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        hints = {"max_query_len": meta.max_query_len} if self._max_query_len_hint else {}
+        hints = (
+            {"max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len}
+            if self._takes_hints
+            else {}
+        )
         return self._kernels.paged_attention(
             query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, **hints
         )
@@ -118,8 +122,8 @@ class PagedKernelAttention:
 
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "torch": TorchAttention,
-    "reference": lambda: PagedKernelAttention("reference", "reference", max_query_len_hint=False),
-    "triton": lambda: PagedKernelAttention("triton", "triton_attention", max_query_len_hint=True),
+    "reference": lambda: PagedKernelAttention("reference", "reference", takes_hints=False),
+    "triton": lambda: PagedKernelAttention("triton", "triton_attention", takes_hints=True),
 }
 
 

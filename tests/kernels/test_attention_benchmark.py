@@ -48,3 +48,27 @@ def test_write_section_creates_then_replaces_only_its_own_section(tmp_path):
     assert text.count(bench.BEGIN) == 1 and text.count(bench.END) == 1
     assert "second table" in text
     assert text.startswith("# Benchmarks\n\nintro\n") and text.endswith("## Scheduler\n\nother\n")
+
+
+def test_floor_lines_judge_the_issue_floors():
+    bench = load_benchmark()
+    args = bench.argparse.Namespace(dtype="bfloat16", num_heads=32, num_kv_heads=8, head_dim=128)
+    decode = bench.Batch("decode 32 x 4096", [(4095, 1)] * 32)
+    nbytes = bench.bytes_moved(decode, args)
+    at_86_percent = nbytes / (0.86 * 4800e9) * 1e3  # ms
+    prefill = bench.Batch("prefill 4k, no context", [(0, 4096)])
+    mixed = bench.Batch("4 prefills 1k + 60 decodes @2k", [(0, 1024)] * 4 + [(2048, 1)] * 60)
+    results = [
+        bench.Result(decode, at_86_percent, None, at_86_percent, 4, None, None, nbytes, None),
+        bench.Result(prefill, 0.4, None, 0.4, 1, 0.41, 0.266, 0, 0.0),
+        bench.Result(mixed, 0.2, None, 0.185, 1, 0.25, None, 0, None),
+    ]
+    lines = bench.floor_lines(results, 4800.0)
+    assert lines[0].startswith(
+        "Floor (decode, >= 32 sequences, >= 4k context, >= 85% of peak): met"
+    )
+    assert "86.0%" in lines[0]
+    assert lines[1] == "Floor (prefill 4k, no context within 1.25x SDPA): NOT met; 1.50x."
+    assert lines[2] == "Floor (4 prefills 1k + 60 decodes @2k <= 190 µs): met; 185.0 µs."
+    table = bench.format_table(results, 4800.0)
+    assert "| – | split 4 " in table[2] and "| 410.0 | single 400.0 |" in table[3]

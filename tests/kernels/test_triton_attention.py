@@ -154,17 +154,33 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
 
 
+# With 4 query heads over 2 KV heads (the default below) a decode tile holds up to 32 query tokens
+# when the whole step fits it (64 rows), else 8 (16 rows); longer requests take 64-row prefill tiles of
+# 32 tokens, over 64-key tiles.
 DECODE = [(0, 1), (16, 1), (40, 1), (70, 1)]
 PREFILL = [(0, 20), (0, 37)]
 CHUNKED_PREFILL = [(33, 20), (64, 9)]
 SPECULATIVE = [(5, 4), (47, 3), (64, 2)]
 MIXED = [(30, 1), (0, 23), (45, 4), (17, 12), (80, 1)]
+# Prefill tiles: several query blocks per request, earlier context of full and partial key tiles
+# (unmasked tiles, the masked diagonal, key tiles past the diagonal skipped), beside decode tiles, a
+# speculative query, a query just over the decode tile (9) and a padded request with no tokens.
+LONG_CHUNKS = [(100, 70), (0, 150)]
+MIXED_LONG = [(130, 1), (100, 70), (45, 4), (0, 0), (0, 150), (3, 9), (80, 1)]
 
 
 @pytest.mark.parametrize(
     "requests",
-    [DECODE, PREFILL, CHUNKED_PREFILL, SPECULATIVE, MIXED],
-    ids=["decode", "prefill", "chunked_prefill", "speculative", "mixed"],
+    [DECODE, PREFILL, CHUNKED_PREFILL, SPECULATIVE, MIXED, LONG_CHUNKS, MIXED_LONG],
+    ids=[
+        "decode",
+        "prefill",
+        "chunked_prefill",
+        "speculative",
+        "mixed",
+        "long_chunks",
+        "mixed_long",
+    ],
 )
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
 def test_batch_kinds_match_reference(requests, dtype):
@@ -192,16 +208,56 @@ def test_head_dims(head_dim):
     assert_close(triton_output(step), reference_output(step))
 
 
-def test_tile_size_hint_does_not_change_result():
-    # max_query_len only picks the tile height; a mixed batch must come out the same with 16-row tiles.
-    step = make_step(MIXED, num_heads=4, num_kv_heads=4)
+def test_hints_do_not_change_result():
+    # The hints pick tiles and launches only. Too low, long queries run in decode tiles (walked tile
+    # by tile); too high, decodes run beside an extra prefill launch whose programs all exit.
+    step = make_step(MIXED_LONG, num_heads=4, num_kv_heads=2)
     expected = reference_output(step)
-    assert_close(triton_output(step, max_query_len=1), expected)
-    assert_close(triton_output(step, max_query_len=23), expected)
+    assert_close(triton_output(step, max_query_len=1, max_seq_len=1), expected)
+    assert_close(triton_output(step, max_query_len=150, max_seq_len=230), expected)
+    step = make_step(SPECULATIVE, num_heads=4, num_kv_heads=4)
+    assert_close(triton_output(step, max_query_len=1000), reference_output(step))
 
 
-def test_padding_requests_and_preallocated_output():
-    # A batch padded to a fixed size (as for a CUDA graph): requests with no query tokens.
+def test_launch_plan_routes_requests_by_query_length():
+    def plan(max_query_len, *, group=4, head_dim=128, capability=9, num_requests=64):
+        return triton_attention.plan_launches(
+            num_requests * max_query_len, num_requests, 8 * group, 8, head_dim, 16,
+            torch.bfloat16, capability, 132, max_query_len, 4096, None,
+        )  # fmt: skip
+
+    decode = plan(1)
+    assert decode.prefill is None and decode.decode.block_m == 16 and decode.segments == 2
+    assert decode.short_query_len == triton_attention.INT32_MAX
+    speculative = plan(8)  # 8 tokens x 4 heads = 32 rows: still one decode tile, no prefill launch
+    assert speculative.prefill is None and speculative.decode.block_m == 32
+    mixed = plan(512)
+    assert mixed.decode.block_m == 16 and mixed.short_query_len == 4 and mixed.segments == 1
+    assert mixed.prefill == triton_attention.TileShape(128, 64, 8, 3)
+    assert mixed.prefill_grid == (8, 64 * 512 // 32 + 64)
+    assert plan(512, capability=8).prefill == triton_attention.TileShape(64, 64, 8, 2)
+    assert plan(512, head_dim=256).prefill.tile_n == 32
+    wide_group = plan(512, group=32)  # one token's heads fill a decode tile of 32 rows
+    assert wide_group.decode.block_m == 32 and wide_group.short_query_len == 1
+    with pytest.raises(ValueError, match="power of two"):
+        triton_attention.plan_launches(4, 4, 4, 2, 64, 16, torch.float16, 9, 132, 1, None, 3)
+
+
+@pytest.mark.parametrize(
+    ("num_requests", "max_seq_len", "segments"),
+    [(1, 512, 1), (1, 4096, 8), (8, 4096, 8), (32, 4096, 4), (64, 4096, 2), (66, 4096, 1),
+     (32, 16384, 4), (256, 32768, 1), (1, None, 16)],
+)  # fmt: skip
+def test_split_kv_rule_on_an_h200(num_requests, max_seq_len, segments):
+    # 132 SMs, 8 KV heads: split up to 4 programs per SM, never below 512 keys per segment.
+    assert triton_attention.split_kv_segments(num_requests, 8, 132, max_seq_len) == segments
+    assert triton_attention.split_kv_segments(num_requests, 8, 0, max_seq_len) == 1
+
+
+@pytest.mark.parametrize("split_kv", [False, 4], ids=["single", "split"])
+def test_padding_requests_and_preallocated_output(split_kv):
+    # A decode step padded to a fixed size (as for a CUDA graph): requests with no query tokens and
+    # seq_len 0, padding tokens outside every request.
     step = make_step(
         [(20, 1), (0, 0), (50, 2), (0, 0)], num_heads=4, num_kv_heads=2, num_padding_tokens=3
     )
@@ -219,25 +275,32 @@ def test_padding_requests_and_preallocated_output():
         device_step.block_table,
         device_step.scale,
         out=out,
+        max_query_len=2,
+        split_kv=split_kv,
     )
     assert result is out
     assert_close(out[: step.num_real_tokens].cpu(), reference_output(step))
 
 
 @pytest.mark.parametrize(
-    ("requests", "group"),
-    [([(0, 1), (130, 1), (300, 1), (1000, 1)], 1), ([(7, 3), (290, 4), (250, 12)], 3)],
-    ids=["decode", "speculative"],
+    ("requests", "group", "split_kv"),
+    [
+        ([(0, 1), (130, 1), (300, 1), (1000, 1)], 1, True),
+        ([(7, 3), (290, 4), (250, 12)], 3, 4),
+        ([(300, 1), (200, 40), (0, 0), (400, 3)], 2, 2),
+    ],
+    ids=["decode", "speculative", "mixed"],
 )
-def test_split_kv_matches_single_pass(requests, group):
+def test_split_kv_matches_single_pass(requests, group, split_kv):
     # Contexts of several 64-key tiles, so segments are full, partial and empty; in the last
-    # segment of (250, 12) the first queries see no key at all.
+    # segment of (250, 12) the first queries see no key at all. In the mixed batch the prefill
+    # launch writes (200, 40) and the merge must leave it alone.
     step = make_step(
         requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16
     )
     single = triton_output(step, split_kv=False)
-    workspace = triton_attention.allocate_split_kv_workspace(32, 2 * group, 64, DEVICE)
-    split = triton_output(step, split_kv=True, workspace=workspace)
+    workspace = triton_attention.allocate_split_kv_workspace(48, 2 * group, 64, DEVICE)
+    split = triton_output(step, split_kv=split_kv, workspace=workspace)
     torch.testing.assert_close(split, single, atol=1e-3, rtol=1e-3)
     assert_close(split, reference_output(step))
 

@@ -1,4 +1,4 @@
-"""The kernels compile for an H200 (sm_90) on a machine without a GPU.
+"""The kernels compile for an H200 (sm_90), and the fallback tiles for an A100 (sm_80), without a GPU.
 
 Triton compiles ahead of time to a cubin with its bundled ptxas; no driver is needed. This
 catches code the interpreter runs but the GPU compiler rejects, and register spills. It runs
@@ -19,11 +19,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from weir.kernels import triton_attention as ta, triton_cache as tc
 
-TARGET = GPUTarget("cuda", 90, 32)
 PTXAS_DIR = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_kernel(label, fn, pointers, ints, constexprs, **options):
+def compile_kernel(label, fn, pointers, ints, constexprs, capability=90, **options):
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -42,45 +41,54 @@ def compile_kernel(label, fn, pointers, ints, constexprs, **options):
             signature[name] = "i32"
             if value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", capability, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([os.path.join(PTXAS_DIR, "cuobjdump"), "--dump-resource-usage", f.name],
                                capture_output=True, text=True, check=True).stdout
     fields = dict(item.split(":") for line in usage.splitlines() if "REG:" in line for item in line.split())
-    print(json.dumps({"kernel": label, "registers": int(fields["REG"]), "stack": int(fields["STACK"])}))
+    print(json.dumps({"kernel": label, "registers": int(fields["REG"]), "stack": int(fields["STACK"]),
+                      "shared": kernel.metadata.shared, "wgmma": "wgmma.mma_async" in kernel.asm["ptx"]}))
 
 
-def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_segments, num_requests):
+def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_requests, split_kv=None,
+              capability=90):
     cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     block_size, max_blocks = 16, 2048
-    constexprs = ta.attention_constexprs(
-        num_heads // num_kv_heads, head_dim, block_size, max_query_len, num_segments, cache_dtype
-    )
+    num_tokens = num_requests * max_query_len
+    plan = ta.plan_launches(num_tokens, num_requests, num_heads, num_kv_heads, head_dim, block_size,
+                            cache_dtype, capability // 10, 132, max_query_len, 4096, split_kv)
     pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr")}
     pointers |= {name: "fp32" for name in ("segm_acc_ptr", "segm_max_ptr", "segm_sum_ptr")}
     pointers |= {name: "i32" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
     ints = {
-        "num_requests": num_requests, "num_heads": num_heads, "head_dim": head_dim,
+        "short_query_len": plan.short_query_len, "num_requests": num_requests, "num_heads": num_heads,
         "stride_qt": (num_heads + 2 * num_kv_heads) * head_dim, "stride_qh": head_dim,
         "stride_ot": num_heads * head_dim, "stride_oh": head_dim,
         "stride_c_kv": 4096 * block_size * num_kv_heads * head_dim, "stride_c_block": block_size * num_kv_heads * head_dim,
         "stride_c_slot": num_kv_heads * head_dim, "stride_c_head": head_dim,
         "stride_bt_req": max_blocks, "stride_bt_block": 1,
     }
-    compile_kernel(label, ta._unified_attention_kernel, pointers, ints, constexprs,
-                   num_warps=ta.NUM_WARPS, num_stages=ta.NUM_STAGES)
+    compile_kernel(label + "_decode", ta._decode_attention_kernel, pointers, ints,
+                   {**plan.constexprs(plan.decode), "NUM_SEGMENTS": plan.segments}, capability,
+                   num_warps=plan.decode.num_warps, num_stages=plan.decode.num_stages)
+    if plan.prefill is not None:
+        compile_kernel(label + "_prefill", ta._prefill_attention_kernel, pointers, ints,
+                       plan.constexprs(plan.prefill), capability, num_warps=plan.prefill.num_warps,
+                       num_stages=plan.prefill.num_stages)
+    if plan.segments > 1:
+        compile_kernel(label + "_merge", ta._merge_segments_kernel, pointers, ints,
+                       {"BLOCK_D": plan.block_d, "HEAD_DIM": head_dim, "NUM_SEGMENTS": plan.segments},
+                       capability, num_warps=ta.MERGE_NUM_WARPS)
 
 
-attention("decode", "bf16", 32, 8, 128, 1, 1, 1)
-attention("decode_split", "bf16", 64, 8, 128, 1, ta.NUM_SEGMENTS, 32)
-attention("mixed", "bf16", 32, 8, 128, 512, 1, 40)
-attention("speculative_hd80", "fp16", 8, 8, 80, 4, 1, 8)
-compile_kernel("merge", ta._merge_segments_kernel, {n: t for n, t in (("out_ptr", "bf16"), ("segm_acc_ptr", "fp32"),
-               ("segm_max_ptr", "fp32"), ("segm_sum_ptr", "fp32"))},
-               {"num_heads": 32, "head_dim": 128, "stride_ot": 4096, "stride_oh": 128},
-               {"BLOCK_D": 128, "NUM_SEGMENTS": ta.NUM_SEGMENTS}, num_warps=ta.MERGE_NUM_WARPS)
+attention("decode", "bf16", 32, 8, 128, 1, 1, split_kv=False)
+attention("split", "bf16", 64, 8, 128, 1, 32)
+attention("mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False)
+attention("speculative_hd80", "fp16", 8, 8, 80, 4, 8, split_kv=False)
+attention("mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False)
+attention("ampere_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, capability=80)
 compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
                {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
                {"stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128, "stride_c_kv": 2**26,
@@ -103,12 +111,26 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     kernels = {entry["kernel"]: entry for entry in map(json.loads, result.stdout.splitlines())}
     assert set(kernels) == {
-        "decode",
-        "decode_split",
-        "mixed",
-        "speculative_hd80",
-        "merge",
+        "decode_decode",
+        "split_decode",
+        "split_merge",
+        "mixed_decode",
+        "mixed_prefill",
+        "speculative_hd80_decode",
+        "mixed_hd256_decode",
+        "mixed_hd256_prefill",
+        "ampere_mixed_decode",
+        "ampere_mixed_prefill",
         "reshape_and_cache",
     }
     spilled = {name: entry for name, entry in kernels.items() if entry["stack"] != 0}
-    assert not spilled, f"register spills on sm_90: {spilled}"
+    assert not spilled, f"register spills: {spilled}"
+    # The split-KV rule counts on four decode programs per SM: 128 threads x <= 128 registers.
+    crowded = {
+        n: e["registers"] for n, e in kernels.items() if n.endswith("_decode") and "hd256" not in n
+    }
+    assert max(crowded.values()) <= 128, crowded
+    # Prefill tiles are 64-128 rows: tl.dot must become Hopper's warpgroup MMA, not mma.sync.
+    assert kernels["mixed_prefill"]["wgmma"] and kernels["mixed_hd256_prefill"]["wgmma"]
+    # Every tile, the sm_90 prefill tile included, fits the 100 KB of shared memory an Ada SM has.
+    assert all(e["shared"] <= 100 * 1024 for e in kernels.values()), kernels
