@@ -11,8 +11,7 @@ import shutil
 
 import pytest
 import torch
-
-from test_model_runner import Driver  # noqa: E402
+from test_model_runner import Driver
 
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.model_runner import ModelRunner

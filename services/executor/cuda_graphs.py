@@ -203,7 +203,9 @@ class DecodeGraphs:
             # An upper bound: the same for every step a graph replays.
             max_seq_len=self.max_blocks_per_req * self.block_size,
         )
-        hidden = self.model(d.input_ids[:num_tokens], d.positions[:num_tokens], meta, self.kv_caches)
+        hidden = self.model(
+            d.input_ids[:num_tokens], d.positions[:num_tokens], meta, self.kv_caches
+        )
         logits = self.model.compute_logits(hidden)
         assert logits is not None  # graphs run without tensor parallelism
         return logits

@@ -311,9 +311,9 @@ class ModelRunner:
             assert self.graphs is not None
             self.graphs.stage(inputs, num_reqs)
             prepared = self._clock()
-            logits = self.graphs.forward(num_reqs, inputs.max_query_len)
-            logits = logits[: len(inputs.logits_indices)]
-            return self._sample_and_collect(plan, inputs, logits, start, prepared)
+            padded = self.graphs.forward(num_reqs, inputs.max_query_len)
+            real = padded[: len(inputs.logits_indices)]  # padding requests' rows come last
+            return self._sample_and_collect(plan, inputs, real, start, prepared)
         meta = AttentionMetadata(
             query_start_loc=self._to_device(inputs.query_start_loc),
             seq_lens=self._to_device(inputs.seq_lens),
