@@ -6,8 +6,11 @@ the unpadded path's tokens. On CUDA, graphs on and off must give the same greedy
 """
 
 import json
+import os
 import random
 import shutil
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,8 +113,12 @@ def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def dummy_model_dir(tmp_path_factory, default_model_dir):
-    """A Llama shape with head_dim 64 (what the Triton kernels are built for), no weights."""
+def dummy_model_dir(tmp_path_factory, request):
+    """A Llama shape with head_dim 64 (what the Triton kernels are built for), no weights, and
+    the default model's tokenizer (from $WEIR_TEST_TOKENIZER_DIR where the model cannot be
+    fetched, as on the GPU machine: see benchmarks/gpu_checks.sh)."""
+    tokenizer_dir = os.environ.get("WEIR_TEST_TOKENIZER_DIR")
+    source = Path(tokenizer_dir) if tokenizer_dir else request.getfixturevalue("default_model_dir")
     path = tmp_path_factory.mktemp("dummy") / "small-llama"
     path.mkdir()
     config = {
@@ -131,7 +138,7 @@ def dummy_model_dir(tmp_path_factory, default_model_dir):
     }
     (path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(default_model_dir / name, path / name)
+        shutil.copy(source / name, path / name)
     return path
 
 
@@ -183,3 +190,54 @@ def test_served_greedy_outputs_are_the_same_with_and_without_cuda_graphs(dummy_m
             runs.append([c.token_ids for c in llm.generate(prompts, params)])
     assert runs[0] == runs[1]
     assert all(len(ids) == 24 for ids in runs[0])
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_a_step_waits_for_the_device_once(dummy_model_dir, enforce_eager):
+    """torch's sync debug mode warns at every synchronizing call: a step makes one (the
+    sampled tokens' copy back), two with logprobs, whatever the sampling parameters."""
+    runner = ModelRunner(
+        dummy_model_dir,
+        device="cuda",
+        block_size=16,
+        kv_cache_memory_bytes=256 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+        seed=0,
+        load_format="dummy",
+        enforce_eager=enforce_eager,
+    )
+    syncs: list[int] = []
+    execute = runner.execute
+
+    def counting_execute(plan):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = execute(plan)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        return result
+
+    runner.execute = counting_execute  # type: ignore[method-assign]
+    d = Driver(runner)
+    all_params = [
+        SamplingParams(max_tokens=64, temperature=0.0),
+        SamplingParams(max_tokens=64, temperature=0.8, top_k=20, top_p=0.9, seed=7),
+        SamplingParams(max_tokens=64, temperature=1.0, min_p=0.05, min_tokens=4),
+        SamplingParams(max_tokens=64, temperature=0.0, logprobs=3),
+    ]
+    for i, params in enumerate(all_params):
+        d.add(f"r{i}", list(range(10 + i, 30 + 2 * i)), params)
+    d.step({f"r{i}": None for i in range(3)})  # prefills without logprobs
+    assert syncs == [1]
+    d.step({"r0": None, "r1": None, "r2": None})  # decodes
+    assert syncs[-1] == 1
+    d.step({"r3": 5, "r0": None})  # a prefill chunk (no logits for r3) and a decode
+    assert syncs[-1] == 1
+    for _ in range(3):
+        d.step({f"r{i}": None for i in range(4)})  # with r3's logprobs: ids and logprobs
+        assert syncs[-1] == 2
