@@ -52,6 +52,10 @@ def run_workload(runner: ModelRunner, prompts: dict[str, list[int]]) -> dict[str
     d.add("late", list(range(40, 60)), SamplingParams(max_tokens=64, temperature=0.0))
     d.step({"late": 12, **{name: None for name in names[:3]}})
     d.step({name: None for name in ["late", *names[:3]]})
+    # Padding requests write no K/V: blocks no request holds are still zero.
+    used = set().union(*d.blocks.values())
+    unused = [b for b in range(runner.num_blocks) if b not in used]
+    assert unused and all(not kv[:, unused].any() for kv in runner.kv_caches)
     return {name: d.outputs[name] for name in [*names, "late"]}
 
 

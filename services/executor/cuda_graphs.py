@@ -6,7 +6,9 @@ launch instead of hundreds. A graph replays fixed device addresses and a fixed g
 
 * Inputs live in persistent device buffers (`input_ids`, `positions`, `query_start_loc`,
   `seq_lens`, `block_table`, `slot_mapping`); each step fills pinned host staging buffers
-  with NumPy and copies them in with non-blocking copies.
+  with NumPy and copies them in with non-blocking copies. The block table's rows are as
+  wide as max_model_len (a fixed stride), but a step copies only the columns its longest
+  request uses, compacted on the host and spread into the wide rows on the device.
 * A step of R requests, each with the same query length q (1 for plain decodes, 1 + k for
   speculative decodes with k drafts each), and logits at every token, runs in the graph of
   the smallest captured request count B >= R. The B - R padding requests are decodes of
@@ -49,14 +51,7 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, query_len: int
     ]
 
 
-_BUFFER_NAMES = (
-    "input_ids",
-    "positions",
-    "query_start_loc",
-    "seq_lens",
-    "block_table",
-    "slot_mapping",
-)
+_BUFFER_NAMES = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping")
 
 
 @dataclass(slots=True)
@@ -118,11 +113,10 @@ class DecodeGraphs:
         self.host = _Buffers.allocate(
             max_reqs, max_tokens, max_blocks_per_req, torch.device("cpu"), pin=on_cuda
         )
-        self.dev = (
-            _Buffers.allocate(max_reqs, max_tokens, max_blocks_per_req, self.device, pin=False)
-            if on_cuda
-            else self.host
-        )
+        self.dev = _Buffers.allocate(max_reqs, max_tokens, max_blocks_per_req, self.device, False)
+        # The host's block table is used flat: [num_reqs, columns used] at its start.
+        self._host_table = self.host.block_table.view(-1)
+        self._dev_table = torch.empty_like(self._host_table, device=self.device)
         self._host_views = {name: getattr(self.host, name).numpy() for name in _BUFFER_NAMES}
         self._copied: torch.cuda.Event | None = None  # when the last staged inputs were read
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -167,18 +161,21 @@ class DecodeGraphs:
         )
         v["seq_lens"][:real_reqs] = inputs.seq_lens
         v["seq_lens"][real_reqs:num_reqs] = q
-        width = inputs.block_table.shape[1]
-        v["block_table"][:real_reqs, :width] = inputs.block_table
-        v["block_table"][real_reqs:num_reqs] = 0
-        if self.dev is self.host:
-            return
-        rows = {"query_start_loc": num_reqs + 1, "seq_lens": num_reqs, "block_table": num_reqs}
+        width = inputs.block_table.shape[1]  # >= the padding requests' one column
+        table_size = num_reqs * width
+        table = self._host_table[:table_size].numpy().reshape(num_reqs, width)
+        table[:real_reqs] = inputs.block_table
+        table[real_reqs:] = 0
+        rows = {"query_start_loc": num_reqs + 1, "seq_lens": num_reqs}
         for name in _BUFFER_NAMES:
             n = rows.get(name, num_tokens)
             getattr(self.dev, name)[:n].copy_(getattr(self.host, name)[:n], non_blocking=True)
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._dev_table[:table_size].copy_(self._host_table[:table_size], non_blocking=True)
+        self.dev.block_table[:num_reqs, :width] = self._dev_table[:table_size].view(num_reqs, width)
+        if self.device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
 
     # ------------------------------------------------------------------ forward
 
