@@ -65,7 +65,7 @@ EOF
 log "model $model ($SHAPE shape), device $DEVICE"
 # At most 8 files come back from $OUT: the summary, 5 logs, 2 JSON results.
 {
-    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv || true
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee -a "$OUT/summary.txt"
 
@@ -81,8 +81,10 @@ section() {
 }
 
 if [[ " $SECTIONS " == *" tests "* ]]; then
-    section tests 110 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py \
-        tests/kernels/test_triton_attention.py tests/kernels/test_triton_cache.py
+    # The CPU test of the padded path needs the default model, which is not there.
+    section tests 110 "$PY" -m pytest -q -x -p no:cacheprovider -k "not on_cpu" \
+        tests/test_cuda_graphs.py tests/kernels/test_triton_attention.py \
+        tests/kernels/test_triton_cache.py
 fi
 
 if [[ " $SECTIONS " == *" breakdown "* ]]; then
