@@ -191,6 +191,7 @@ def test_served_greedy_outputs_are_the_same_with_and_without_cuda_graphs(dummy_m
             dtype="float32",
             enforce_eager=enforce_eager,
             max_num_seqs=8,
+            gpu_memory_utilization=0.2,  # the KV cache budget is profiled, graphs included
         ) as llm:
             runs.append([c.token_ids for c in llm.generate(prompts, params)])
     assert runs[0] == runs[1]
