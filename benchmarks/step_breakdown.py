@@ -16,9 +16,17 @@ the executor's step time), i.e. scheduling + IPC not hidden behind the executor.
     .venv/bin/python benchmarks/step_breakdown.py                 # issue-6 workload, 64 requests
     .venv/bin/python benchmarks/step_breakdown.py --steady        # 64 running decodes
     .venv/bin/python benchmarks/step_breakdown.py --no-async-scheduling   # lockstep loop
+    .venv/bin/python benchmarks/step_breakdown.py --device cuda --load-format dummy \
+        --model DIR --no-sync-phases    # GPU: no per-phase synchronization, true idle time
+
+On CUDA the executor's phases (prepare, forward, sample) include the device's work only
+because the executor synchronizes at each phase boundary, which it does only when asked
+(WEIR_SYNC_STEP_TIMING=1, set here unless --no-sync-phases); without it, it waits only for
+the sampled tokens, and the phase rows are host times.
 """
 
 import argparse
+import os
 import time
 import urllib.request
 
@@ -30,6 +38,7 @@ from weir.services.bench.workload import (
     normal_vocab_ids,
     random_requests,
 )
+from weir.services.executor.model_runner import SYNC_STEP_TIMING_ENV
 from weir.services.llm import LLM
 from weir.shared.config import LOAD_FORMATS
 from weir.shared.model_store import resolve_model
@@ -73,7 +82,18 @@ def main() -> None:
         "--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights"
     )
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--sync-phases",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="executor phase times include the device's work (synchronizes 3x per step on CUDA)",
+    )
     args = parser.parse_args()
+    # The executor processes inherit it.
+    os.environ[SYNC_STEP_TIMING_ENV] = "1" if args.sync_phases else "0"
 
     model_dir = resolve_model(args.model, load_format=args.load_format)
     spec = RandomWorkload(
@@ -85,6 +105,9 @@ def main() -> None:
         threads=args.threads,
         load_format=args.load_format,
         async_scheduling=args.async_scheduling,
+        device=args.device,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
     ) as llm:
         urls = [llm.server_info["metrics_address"]] + [
             e["metrics_address"] for e in llm.server_info["executors"]
@@ -138,6 +161,8 @@ def main() -> None:
         else f"{args.num_prompts} requests, prompts 32-256, outputs 32-128"
     )
     mode = "async scheduling" if args.async_scheduling else "lockstep"
+    mode += ", eager" if args.enforce_eager else ""
+    mode += "" if args.sync_phases else ", phases unsynchronized"
     print(
         f"{workload}; {mode}; {steps:.0f} steps, {total:.2f} ms per step (scheduler's view), "
         f"executor threads {args.threads}\n"

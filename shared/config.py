@@ -229,13 +229,13 @@ class EngineArgs:
     )
     speculative_method: str | None = _arg(
         None,
-        SCHEDULER,
+        _BOTH,  # the executor captures CUDA graphs of speculative decodes' query length
         "draft proposer: ngram (prompt lookup; drafts are verified in the same forward pass)",
         choices=SPECULATIVE_METHODS,
     )
     num_speculative_tokens: int = _arg(
         _default_of(SchedulerConfig, "num_speculative_tokens"),
-        SCHEDULER,
+        _BOTH,
         "draft tokens proposed per request and step (with --speculative-method)",
         type=int,
     )
@@ -296,6 +296,12 @@ class EngineArgs:
         0.9, EXECUTOR, "fraction of GPU memory for weights + KV cache", type=float
     )
     attention_backend: str | None = _arg(None, EXECUTOR, "attention implementation")
+    enforce_eager: bool = _arg(
+        False,
+        EXECUTOR,
+        "run every step eagerly (on CUDA, decode steps otherwise replay CUDA graphs captured "
+        "at start-up)",
+    )
     threads: int | None = _arg(
         None,
         EXECUTOR,

@@ -128,6 +128,12 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         default=None,
         help="Weir engine option: plan step N+1 while step N runs (default: on)",
     )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="Weir engine option: no CUDA graphs (default: decode steps replay them on CUDA)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--output-json", type=Path, default=None, help="write the results as JSON here")
     o.add_argument(
@@ -147,6 +153,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory": args.kv_cache_memory,
         "tensor_parallel_size": args.tensor_parallel_size,
         "async_scheduling": args.async_scheduling,
+        "enforce_eager": args.enforce_eager,
     }
     return {k: v for k, v in options.items() if v is not None}
 

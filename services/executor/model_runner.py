@@ -7,6 +7,12 @@ speculative drafts, and returns the new tokens per request.
 With ``tensor_parallel_size`` N > 1, N runners (one per process, ``rank`` 0..N-1) each hold
 a shard of the model and execute the same plans in the same order; rank 0 samples and
 broadcasts the tokens, so every rank's persistent batch stays the same.
+
+On CUDA a step costs the host one wait: the copy of the sampled tokens (with their logprobs,
+when asked for) back to the host. Inputs go to the device through pinned memory without
+waiting, and phase timings synchronize only when asked for (``sync_timings``, or
+``WEIR_SYNC_STEP_TIMING=1`` in the environment). Decode steps replay CUDA graphs
+(``cuda_graphs.DecodeGraphs``) unless ``enforce_eager``.
 """
 
 import json
@@ -21,6 +27,7 @@ import torch
 
 from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
+from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.input_batch import InputBatch, StepInputs
 from weir.services.executor.model import ModelConfig
 from weir.services.executor.parallel import (
@@ -29,6 +36,7 @@ from weir.services.executor.parallel import (
     local_cuda_device,
 )
 from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
+from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model, read_hf_config
 from weir.shared.arith import cdiv
 from weir.shared.config import ENGINE_DEFAULTS
@@ -37,6 +45,7 @@ from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+SYNC_STEP_TIMING_ENV = "WEIR_SYNC_STEP_TIMING"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -77,7 +86,9 @@ def _eos_token_ids(model_dir: Path, config_eos: tuple[int, ...]) -> tuple[int, .
 @dataclass(slots=True)
 class StepTimings:
     """Seconds the last ``execute()`` spent per phase: building inputs from the plan, the
-    forward pass (with logits), and sampling (with collecting the result)."""
+    forward pass (with logits), and sampling (with collecting the result). On CUDA without
+    ``sync_timings`` these are host times: work still queued on the device counts in the
+    phase that waits for it (sampling, which copies the tokens back)."""
 
     prepare: float = 0.0
     forward: float = 0.0
@@ -105,6 +116,9 @@ class ModelRunner:
         load_format: str = ENGINE_DEFAULTS.load_format,
         tensor_parallel_size: int = 1,
         rank: int = 0,
+        enforce_eager: bool = ENGINE_DEFAULTS.enforce_eager,
+        num_speculative_tokens: int = 0,
+        sync_timings: bool | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -124,6 +138,18 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.attention = get_attention_backend(attention_backend, self.device)
+        self.sync_timings = (
+            os.environ.get(SYNC_STEP_TIMING_ENV) == "1" if sync_timings is None else sync_timings
+        )
+        # Graphs replay fixed launches: the attention backend must plan nothing on the host,
+        # and collectives stay out of them (tensor parallelism runs eagerly).
+        self.use_cuda_graphs = (
+            not enforce_eager
+            and self.device.type == "cuda"
+            and self.tp is None
+            and self.attention.name == "triton"
+        )
+        self.graph_query_lens = (1, 1 + num_speculative_tokens)
         self.model = load_model(
             self.model_dir,
             device=self.device,
@@ -141,6 +167,21 @@ class ModelRunner:
             raise ValueError("no memory left for the KV cache; raise the KV cache budget")
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, block_size)
         self.reset()
+        self.graphs = (
+            DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_blocks_per_req=self.batch.max_blocks_per_req,
+                query_lens=self.graph_query_lens,
+                capture=True,
+            )
+            if self.use_cuda_graphs
+            else None
+        )
+        if self.graphs is not None:
+            self.graphs.capture_all()
         self.load_seconds = time.perf_counter() - start
         self.last_timings = StepTimings()
         logger.info(
@@ -168,29 +209,48 @@ class ModelRunner:
             return DEFAULT_CPU_KV_CACHE_BYTES // per_block
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run()
+        self._profile_run(self.max_num_batched_tokens, self.max_num_seqs)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)  # weights + activation peak
+        graphs = self._graph_memory() if self.use_cuda_graphs else 0
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (
             total - free - torch.cuda.memory_reserved(self.device)
         )  # CUDA context, other processes
-        budget = int(total * gpu_memory_utilization) - peak - max(non_torch, 0)
+        budget = int(total * gpu_memory_utilization) - peak - graphs - max(non_torch, 0)
         logger.info(
-            "KV cache budget %.2f GiB (total %.2f GiB x %.2f, torch peak %.2f GiB, other %.2f GiB)",
+            "KV cache budget %.2f GiB (total %.2f GiB x %.2f, torch peak %.2f GiB, CUDA graphs "
+            "%.2f GiB, other %.2f GiB)",
             budget / 2**30,
             total / 2**30,
             gpu_memory_utilization,
             peak / 2**30,
+            graphs / 2**30,
             non_torch / 2**30,
         )
         return max(budget, 0) // per_block
 
+    def _graph_memory(self) -> int:
+        """Activation memory of the largest graph's step: its private pool holds that much
+        for as long as the graphs live, beside what eager steps use."""
+        sizes = [
+            (n * q, n)
+            for q in self.graph_query_lens
+            for n in capture_sizes(self.max_num_seqs, self.max_num_batched_tokens, q)
+        ]
+        if not sizes:
+            return 0
+        num_tokens, num_reqs = max(sizes)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run(num_tokens, num_reqs)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
+
     @torch.inference_mode()
-    def _profile_run(self) -> None:
-        """A forward pass and sampling at the largest step shape, to measure peak activation memory."""
-        num_tokens = self.max_num_batched_tokens
-        num_reqs = min(self.max_num_seqs, num_tokens)
+    def _profile_run(self, num_tokens: int, num_reqs: int) -> None:
+        """A forward pass and sampling at one step shape, to measure its peak activation memory."""
+        num_reqs = min(num_reqs, num_tokens)
         lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         lens[: num_tokens % num_reqs] += 1
         blocks_per_req = cdiv(int(lens.max()), self.block_size)
@@ -223,8 +283,7 @@ class ModelRunner:
         del kv_caches, hidden, logits
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        return tensor if self.device.type == "cpu" else tensor.to(self.device)
+        return to_device(array, self.device)
 
     # ------------------------------------------------------------------ step
 
@@ -247,6 +306,14 @@ class ModelRunner:
                 f"{self.max_num_batched_tokens}"
             )
         inputs = self.batch.prepare_inputs(plan)
+        num_reqs = None if self.graphs is None else self.graphs.padded_num_reqs(inputs)
+        if num_reqs is not None:
+            assert self.graphs is not None
+            self.graphs.stage(inputs, num_reqs)
+            prepared = self._clock()
+            padded = self.graphs.forward(num_reqs, inputs.max_query_len)
+            real = padded[: len(inputs.logits_indices)]  # padding requests' rows come last
+            return self._sample_and_collect(plan, inputs, real, start, prepared)
         meta = AttentionMetadata(
             query_start_loc=self._to_device(inputs.query_start_loc),
             seq_lens=self._to_device(inputs.seq_lens),
@@ -262,8 +329,19 @@ class ModelRunner:
             self.last_timings = StepTimings(prepared - start, self._clock() - prepared)
             return StepResult(step_id=plan.step_id)
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
+        return self._sample_and_collect(plan, inputs, logits, start, prepared)
+
+    def _sample_and_collect(
+        self,
+        plan: StepPlan,
+        inputs: StepInputs,
+        logits: torch.Tensor | None,
+        start: float,
+        prepared: float,
+    ) -> StepResult:
         forwarded = self._clock()
         if self.tp is None:
+            assert logits is not None
             sampled = self.sampler(logits, self._sampling_batch(inputs))
         else:
             sampled = self._sample_on_rank_0(logits, inputs)
@@ -287,8 +365,9 @@ class ModelRunner:
         return sampled
 
     def _clock(self) -> float:
-        # Phase times must include the device's work, not just the launches.
-        if self.device.type == "cuda":
+        # Synchronizing makes phase times include the device's work, at the cost of the
+        # host no longer running ahead of the device within a step: only when asked for.
+        if self.sync_timings and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
@@ -320,12 +399,14 @@ class ModelRunner:
         )
 
     def _collect(self, step_id: int, inputs: StepInputs, sampled: SamplerOutput) -> StepResult:
-        tokens = sampled.token_ids.tolist()
         lp = sampled.logprobs
-        if lp is not None:
-            lp_token = lp.token_logprobs.tolist()
-            lp_top_ids = lp.top_ids.tolist()
-            lp_top = lp.top_logprobs.tolist()
+        if lp is None:
+            tokens = sampled.token_ids.tolist()  # the step's one device-to-host copy
+        else:
+            # Two copies: ids [sampled, top n...] and their logprobs, row by row.
+            ids = torch.cat((sampled.token_ids.unsqueeze(1), lp.top_ids), dim=1).tolist()
+            lps = torch.cat((lp.token_logprobs.unsqueeze(1), lp.top_logprobs), dim=1).tolist()
+            tokens = [row[0] for row in ids]
         b = self.batch
         result: dict[str, list[int]] = {}
         logprobs: dict[str, SampleLogprobs] = {}
@@ -353,8 +434,8 @@ class ModelRunner:
             if n >= 0 and lp is not None:
                 rows = range(row, row + len(out))
                 logprobs[req_id] = SampleLogprobs(
-                    token_ids=[[tokens[i], *lp_top_ids[i][:n]] for i in rows],
-                    logprobs=[[lp_token[i], *lp_top[i][:n]] for i in rows],
+                    token_ids=[ids[i][: n + 1] for i in rows],
+                    logprobs=[lps[i][: n + 1] for i in rows],
                 )
             row += num_logits
         return StepResult(sampled_token_ids=result, logprobs=logprobs or None, step_id=step_id)

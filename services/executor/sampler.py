@@ -6,6 +6,11 @@ draws exactly from `probs`). Rows of seeded requests draw `q` from their own gen
 from (seed, output position), so their tokens do not depend on what else is in the batch, on
 how the prompt was chunked, or on preemption; other rows share the sampler's generator.
 Logprobs are those of the raw model distribution (before temperature and filters).
+
+Nothing here reads a device value on the host: the per-step parameters are decided from the
+host arrays in `SamplingBatch.build` and copied to the device without waiting (`to_device`),
+so sampling is queued behind the forward pass and the step's one device-to-host copy (the
+sampled tokens, `ModelRunner._collect`) is the only point the host waits.
 """
 
 from dataclasses import dataclass
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weir.services.executor.transfer import to_device
 from weir.shared.sampling import GREEDY_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1
@@ -38,9 +44,8 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # [N] fp32, 0 = off
     generators: dict[int, torch.Generator]  # row -> generator of a seeded row
     num_logprobs: int  # top-n alternatives to return per row; -1 = no logprobs
-    banned: list[
-        tuple[int, list[int]]
-    ]  # (row, token ids it may not produce), e.g. EOS before min_tokens
+    # (rows, token ids) pairs a row may not produce, e.g. EOS before min_tokens; None = none
+    banned: tuple[torch.Tensor, torch.Tensor] | None
 
     @classmethod
     def build(
@@ -55,7 +60,9 @@ class SamplingBatch:
         num_logprobs: int = -1,
         banned: list[tuple[int, list[int]]] = (),
     ) -> "SamplingBatch":
-        """From host arrays; `seeds` holds (row, seed, output position) for seeded rows."""
+        """From host arrays; `seeds` holds (row, seed, output position) for seeded rows and
+        `banned` (row, token ids it may not produce)."""
+        device = torch.device(device)
         # Logits divided by a tiny temperature overflow to inf (NaN probabilities, token 0
         # forever): such rows are greedy. A huge one must stay finite in float32.
         temperature = np.where(
@@ -73,15 +80,20 @@ class SamplingBatch:
                 generators[row] = torch.Generator(device=device).manual_seed(
                     row_seed(seed, position)
                 )
+        banned_index = None
+        if banned:
+            rows = np.concatenate([np.full(len(ids), row, dtype=np.int64) for row, ids in banned])
+            ids = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in banned])
+            banned_index = (to_device(rows, device), to_device(ids, device))
         return cls(
-            temperature=torch.from_numpy(temperature.astype(np.float32)).to(device),
+            temperature=to_device(temperature.astype(np.float32), device),
             all_greedy=all_greedy,
-            top_k=torch.from_numpy(top_k.astype(np.int64)).to(device) if use_top_k else None,
-            top_p=torch.from_numpy(top_p.astype(np.float32)).to(device) if use_top_p else None,
-            min_p=torch.from_numpy(min_p.astype(np.float32)).to(device) if use_min_p else None,
+            top_k=to_device(top_k.astype(np.int64), device) if use_top_k else None,
+            top_p=to_device(top_p.astype(np.float32), device) if use_top_p else None,
+            min_p=to_device(min_p.astype(np.float32), device) if use_min_p else None,
             generators=generators,
             num_logprobs=num_logprobs,
-            banned=list(banned),
+            banned=banned_index,
         )
 
 
@@ -144,10 +156,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, vocab] fp32 raw model logits."""
         raw = logits
-        if batch.banned:
-            logits = logits.clone()
-            for row, token_ids in batch.banned:
-                logits[row, token_ids] = float("-inf")
+        if batch.banned is not None:
+            minus_inf = torch.full((), float("-inf"), device=logits.device)
+            logits = logits.index_put(batch.banned, minus_inf)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             token_ids = greedy

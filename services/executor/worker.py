@@ -215,6 +215,8 @@ class ExecutorWorker:
             tensor_parallel_size=args.tensor_parallel_size,
             # Without tensor parallelism the group's ranks are replicas of the whole model.
             rank=self.options.rank if args.tensor_parallel_size > 1 else 0,
+            enforce_eager=args.enforce_eager,
+            num_speculative_tokens=args.num_speculative_tokens if args.speculative_method else 0,
         )
 
     def _handshake(

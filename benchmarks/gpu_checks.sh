@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The GPU checks of the step path (issue 10) in one run of under 8 minutes on one H200:
+#   1. the CUDA tests: graphs on/off give the same greedy tokens (tests/test_cuda_graphs.py),
+#      and the Triton kernel tests, natively;
+#   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
+#      and with --enforce-eager (phases unsynchronized: the executor's idle time is real);
+#   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs, with
+#      --enforce-eager, and the hf-cb baseline, in the same run;
+# all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,
+# vocab 128256) with random weights: a config.json written here plus the default model's
+# tokenizer files (the default model itself cannot travel). Results land in $OUT.
+#
+# On this machine, once (fills the git-ignored .device/ with the wheels and the tokenizer):
+#   ../shared/device/prepare.sh && benchmarks/gpu_checks.sh --prepare
+# On the device (run tool, carry [".device"], timeout_s 600):
+#   source .device/setup.sh && bash benchmarks/gpu_checks.sh
+# SECTIONS="tests breakdown throughput" (the default) picks sections; SHAPE=tiny swaps the
+# 1B shape for a 2-layer one, to dry-run the script on a CPU (DEVICE=cpu).
+set -uo pipefail
+root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
+cd "$root"
+
+if [[ "${1:-}" == "--prepare" ]]; then
+    set -e
+    mkdir -p .device/tokenizer
+    src=$(python3 -c "from weir.shared.model_store import resolve_model; print(resolve_model(None))" 2>/dev/null ||
+        "${PYTHON:-.venv/bin/python}" -c "from weir.shared.model_store import resolve_model; print(resolve_model(None))")
+    cp "$src"/tokenizer.json "$src"/tokenizer_config.json "$src"/generation_config.json .device/tokenizer/
+    du -sh .device/tokenizer
+    exit 0
+fi
+
+OUT=${OUT:-$root/out/gpu-checks}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SECTIONS=${SECTIONS:-"tests breakdown throughput"}
+SHAPE=${SHAPE:-1b}
+DEVICE=${DEVICE:-cuda}
+TOKENIZER_DIR=${TOKENIZER_DIR:-$root/.device/tokenizer}
+export WEIR_TEST_TOKENIZER_DIR=$TOKENIZER_DIR
+start=$SECONDS
+log() { echo "[gpu_checks +$((SECONDS - start))s] $*" | tee -a "$OUT/summary.txt"; }
+
+# The model directory: config.json of the shape + tokenizer files, no weights.
+model=$(mktemp -d)/llama-$SHAPE-dummy
+mkdir -p "$model"
+cp "$TOKENIZER_DIR"/* "$model"/ || { log "no tokenizer files in $TOKENIZER_DIR: run --prepare here first"; exit 1; }
+"$PY" - "$model" "$SHAPE" <<'EOF'
+import json, sys
+path, shape = sys.argv[1], sys.argv[2]
+config = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
+}
+if shape == "tiny":
+    config.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=49152)
+json.dump(config, open(f"{path}/config.json", "w"), indent=1)
+EOF
+log "model $model ($SHAPE shape), device $DEVICE"
+# At most 8 files come back from $OUT: the summary, 5 logs, 2 JSON results.
+{
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
+    "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee -a "$OUT/summary.txt"
+
+# section NAME SECONDS COMMAND...: runs with a time limit, keeps its log, notes the outcome.
+section() {
+    local name=$1 limit=$2
+    shift 2
+    log "$name: start (limit ${limit}s)"
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    log "$name: exit $rc"
+    tail -n 25 "$OUT/$name.log" >>"$OUT/summary.txt"
+}
+
+if [[ " $SECTIONS " == *" tests "* ]]; then
+    # The CPU test of the padded path needs the default model, which is not there.
+    section tests 110 "$PY" -m pytest -q -x -p no:cacheprovider -k "not on_cpu" \
+        tests/test_cuda_graphs.py tests/kernels/test_triton_attention.py \
+        tests/kernels/test_triton_cache.py
+fi
+
+if [[ " $SECTIONS " == *" breakdown "* ]]; then
+    for mode in graphs eager; do
+        flags=(--device "$DEVICE" --dtype bfloat16 --load-format dummy --model "$model"
+            --steady --num-prompts 256 --no-sync-phases)
+        [[ $mode == eager ]] && flags+=(--enforce-eager)
+        [[ $SHAPE == tiny ]] && flags=(--device "$DEVICE" --load-format dummy --model "$model"
+            --steady --num-prompts 8 --no-sync-phases)
+        section "breakdown-$mode" 70 "$PY" benchmarks/step_breakdown.py "${flags[@]}"
+    done
+fi
+
+if [[ " $SECTIONS " == *" throughput "* ]]; then
+    common=(--model "$model" --load-format dummy --dtype bfloat16 --num-prompts 512)
+    [[ $SHAPE == tiny ]] && common=(--model "$model" --load-format dummy --num-prompts 8 --threads 1)
+    section throughput-graphs 80 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
+        --output-json "$OUT/throughput-graphs.json"
+    section throughput-eager-hf-cb 140 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
+        --enforce-eager --baseline hf-cb --output-json "$OUT/throughput-eager-hf-cb.json"
+fi
+log "done in $((SECONDS - start))s; results in $OUT"

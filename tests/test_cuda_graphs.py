@@ -1,0 +1,249 @@
+"""Decode steps on persistent, padded input buffers (`cuda_graphs.DecodeGraphs`).
+
+On a CPU the padded path runs eagerly on the same buffers a CUDA graph replays: it must give
+the unpadded path's tokens. On CUDA, graphs on and off must give the same greedy tokens
+(float32, so no reduced-precision rounding differs between the two).
+"""
+
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_runner import Driver
+
+from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from weir.services.executor.model_runner import ModelRunner
+from weir.shared.sampling import SamplingParams
+
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SPEC_LEN = 3  # 1 + 2 drafts
+
+
+def test_capture_sizes_are_capped_by_the_step_limits():
+    assert capture_sizes(256, 2048, 1) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert capture_sizes(1024, 2048, 1)[-1] == 512
+    assert capture_sizes(256, 100, 1)[-1] == 64
+    assert capture_sizes(256, 2048, 4) == [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def run_workload(runner: ModelRunner, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Prefills, then decodes at 5 and 3 running requests (padded to 8 and 4), one uniform
+    speculative step, and a mixed step (a prefill chunk beside decodes: eager)."""
+    d = Driver(runner)
+    d.free.remove(0)  # block 0, which padding requests read, stays unused: writes show there
+    names = sorted(prompts)
+    for name in names:
+        d.add(name, prompts[name], SamplingParams(max_tokens=64, temperature=0.0, logprobs=3))
+    d.step({name: None for name in names[:3]})
+    d.step({name: None for name in names[3:]})
+    for _ in range(4):
+        d.step({name: None for name in names})
+    # Drafts: the last output repeated, so some are accepted and some rejected.
+    d.step(
+        {name: None for name in names},
+        drafts={name: [d.outputs[name][-1]] * (SPEC_LEN - 1) for name in names},
+    )
+    for _ in range(3):
+        d.step({name: None for name in names[:3]})
+    d.add("late", list(range(40, 60)), SamplingParams(max_tokens=64, temperature=0.0))
+    d.step({"late": 12, **{name: None for name in names[:3]}})
+    d.step({name: None for name in ["late", *names[:3]]})
+    # Padding requests write no K/V: blocks no request holds are still zero.
+    used = set().union(*d.blocks.values())
+    unused = [b for b in range(runner.num_blocks) if b not in used]
+    assert unused and all(not kv[:, unused].any() for kv in runner.kv_caches)
+    return {name: d.outputs[name] for name in [*names, "late"]}
+
+
+def count_padded_steps(runner: ModelRunner) -> list[int]:
+    """Wrap the runner's graphs so each padded step appends its padded request count."""
+    padded: list[int] = []
+    graphs = runner.graphs
+    assert graphs is not None
+    stage = graphs.stage
+
+    def counting_stage(inputs, num_reqs):
+        padded.append(num_reqs)
+        stage(inputs, num_reqs)
+
+    graphs.stage = counting_stage  # type: ignore[method-assign]
+    return padded
+
+
+def random_prompts(seed: int, vocab: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {
+        f"r{i}": [rng.randrange(100, vocab) for _ in range(rng.randrange(5, 40))] for i in range(5)
+    }
+
+
+def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
+    def make_runner() -> ModelRunner:
+        return ModelRunner(
+            default_model_dir,
+            device="cpu",
+            block_size=16,
+            kv_cache_memory_bytes=64 << 20,
+            max_num_batched_tokens=256,
+            max_num_seqs=16,
+            num_threads=1,
+            seed=0,
+        )
+
+    prompts = random_prompts(0, 40000)
+    eager = make_runner()
+    assert eager.graphs is None  # never on a CPU
+    want = run_workload(eager, prompts)
+
+    padded = make_runner()
+    padded.graphs = DecodeGraphs(
+        padded.model,
+        padded.kv_caches,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_blocks_per_req=padded.batch.max_blocks_per_req,
+        query_lens=(1, SPEC_LEN),
+        capture=False,
+    )
+    steps = count_padded_steps(padded)
+    assert run_workload(padded, prompts) == want
+    # 5 running -> 8, 3 running -> 4; the speculative step pads 5 -> 8 too; prefills and
+    # the mixed step ran eagerly.
+    assert steps == [8] * 5 + [4] * 3
+
+
+@pytest.fixture(scope="module")
+def dummy_model_dir(tmp_path_factory, request):
+    """A Llama shape with head_dim 64 (what the Triton kernels are built for), no weights, and
+    the default model's tokenizer (from $WEIR_TEST_TOKENIZER_DIR where the model cannot be
+    fetched, as on the GPU machine: see benchmarks/gpu_checks.sh)."""
+    tokenizer_dir = os.environ.get("WEIR_TEST_TOKENIZER_DIR")
+    source = Path(tokenizer_dir) if tokenizer_dir else request.getfixturevalue("default_model_dir")
+    path = tmp_path_factory.mktemp("dummy") / "small-llama"
+    path.mkdir()
+    config = {
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, path / name)
+    return path
+
+
+@NEEDS_CUDA
+def test_cuda_graphs_give_the_eager_tokens(dummy_model_dir):
+    def make_runner(enforce_eager: bool) -> ModelRunner:
+        return ModelRunner(
+            dummy_model_dir,
+            device="cuda",
+            dtype="float32",
+            block_size=16,
+            kv_cache_memory_bytes=256 << 20,
+            max_num_batched_tokens=256,
+            max_num_seqs=16,
+            seed=0,
+            load_format="dummy",
+            enforce_eager=enforce_eager,
+            num_speculative_tokens=SPEC_LEN - 1,
+        )
+
+    prompts = random_prompts(1, 49152)
+    eager = make_runner(True)
+    assert eager.graphs is None
+    want = run_workload(eager, prompts)
+    graphed = make_runner(False)
+    assert graphed.graphs is not None
+    assert set(graphed.graphs._graphs) == {(n, q) for n in (1, 2, 4, 8, 16) for q in (1, SPEC_LEN)}
+    steps = count_padded_steps(graphed)
+    assert run_workload(graphed, prompts) == want
+    assert steps == [8] * 5 + [4] * 3
+
+
+@NEEDS_CUDA
+def test_served_greedy_outputs_are_the_same_with_and_without_cuda_graphs(dummy_model_dir):
+    from weir.services.llm import LLM
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], "Hello there", list(range(100, 160)), [9] * 3]
+    runs = []
+    for enforce_eager in (True, False):
+        with LLM(
+            str(dummy_model_dir),
+            load_format="dummy",
+            device="cuda",
+            dtype="float32",
+            enforce_eager=enforce_eager,
+            max_num_seqs=8,
+            gpu_memory_utilization=0.2,  # the KV cache budget is profiled, graphs included
+        ) as llm:
+            runs.append([c.token_ids for c in llm.generate(prompts, params)])
+    assert runs[0] == runs[1]
+    assert all(len(ids) == 24 for ids in runs[0])
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_a_step_waits_for_the_device_once(dummy_model_dir, enforce_eager):
+    """torch's sync debug mode warns at every synchronizing call: a step makes one (the
+    sampled tokens' copy back), two with logprobs, whatever the sampling parameters."""
+    runner = ModelRunner(
+        dummy_model_dir,
+        device="cuda",
+        block_size=16,
+        kv_cache_memory_bytes=256 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+        seed=0,
+        load_format="dummy",
+        enforce_eager=enforce_eager,
+    )
+    syncs: list[int] = []
+    execute = runner.execute
+
+    def counting_execute(plan):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = execute(plan)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        return result
+
+    runner.execute = counting_execute  # type: ignore[method-assign]
+    d = Driver(runner)
+    all_params = [
+        SamplingParams(max_tokens=64, temperature=0.0),
+        SamplingParams(max_tokens=64, temperature=0.8, top_k=20, top_p=0.9, seed=7),
+        SamplingParams(max_tokens=64, temperature=1.0, min_p=0.05, min_tokens=4),
+        SamplingParams(max_tokens=64, temperature=0.0, logprobs=3),
+    ]
+    for i, params in enumerate(all_params):
+        d.add(f"r{i}", list(range(10 + i, 30 + 2 * i)), params)
+    d.step({f"r{i}": None for i in range(3)})  # prefills without logprobs
+    assert syncs == [1]
+    d.step({"r0": None, "r1": None, "r2": None})  # decodes
+    assert syncs[-1] == 1
+    d.step({"r3": 5, "r0": None})  # a prefill chunk (no logits for r3) and a decode
+    assert syncs[-1] == 1
+    for _ in range(3):
+        d.step({f"r{i}": None for i in range(4)})  # with r3's logprobs: ids and logprobs
+        assert syncs[-1] == 2
