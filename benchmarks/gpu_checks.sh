@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks of the step path (issue 10) in one run of under 8 minutes on one H200:
+# The GPU checks of the step path (issue 10) and the attention kernel (issue 11) in one run of
+# under 9 minutes on one H200:
 #   1. the CUDA tests: graphs on/off give the same greedy tokens (tests/test_cuda_graphs.py),
-#      and the Triton kernel tests, natively;
+#      and the Triton kernel tests, natively; then benchmarks/attention.py --quick (issue 11);
 #   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
 #      and with --enforce-eager (phases unsynchronized: the executor's idle time is real);
 #   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs, with
@@ -63,7 +64,7 @@ if shape == "tiny":
 json.dump(config, open(f"{path}/config.json", "w"), indent=1)
 EOF
 log "model $model ($SHAPE shape), device $DEVICE"
-# At most 8 files come back from $OUT: the summary, 5 logs, 2 JSON results.
+# At most 8 files come back from $OUT: the summary, 6 logs, 1 JSON result.
 {
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -83,8 +84,9 @@ section() {
 if [[ " $SECTIONS " == *" tests "* ]]; then
     # The CPU test of the padded path needs the default model, which is not there.
     section tests 110 "$PY" -m pytest -q -x -p no:cacheprovider -k "not on_cpu" \
-        tests/test_cuda_graphs.py tests/kernels/test_triton_attention.py \
-        tests/kernels/test_triton_cache.py
+        tests/test_cuda_graphs.py tests/kernels
+    # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA.
+    section attention 60 "$PY" benchmarks/attention.py --quick --no-write
 fi
 
 if [[ " $SECTIONS " == *" breakdown "* ]]; then
@@ -101,8 +103,7 @@ fi
 if [[ " $SECTIONS " == *" throughput "* ]]; then
     common=(--model "$model" --load-format dummy --dtype bfloat16 --num-prompts 512)
     [[ $SHAPE == tiny ]] && common=(--model "$model" --load-format dummy --num-prompts 8 --threads 1)
-    section throughput-graphs 80 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
-        --output-json "$OUT/throughput-graphs.json"
+    section throughput-graphs 80 "$PY" -m weir.services.cli bench throughput "${common[@]}"
     section throughput-eager-hf-cb 140 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
         --enforce-eager --baseline hf-cb --output-json "$OUT/throughput-eager-hf-cb.json"
 fi
