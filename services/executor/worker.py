@@ -215,6 +215,7 @@ class ExecutorWorker:
             tensor_parallel_size=args.tensor_parallel_size,
             # Without tensor parallelism the group's ranks are replicas of the whole model.
             rank=self.options.rank if args.tensor_parallel_size > 1 else 0,
+            quantization=args.quantization,
         )
 
     def _handshake(
