@@ -13,6 +13,8 @@ checked against transformers by a stated reference.
   tolerance and top-1 agreement.
 """
 
+import argparse
+
 import pytest
 import torch
 
@@ -66,7 +68,11 @@ def test_quantization_is_refused_where_it_cannot_run(default_model_dir):
         EngineArgs(quantization="int8", device="cuda")
     with pytest.raises(ValueError, match="float32"):
         EngineArgs(quantization="int8", dtype="bfloat16")
-    assert "--quantization" in EngineArgs(quantization="int8").to_argv("executor")
+    # The flag reaches the executor's command line and parses back.
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser, "executor")
+    argv = EngineArgs(quantization="int8").to_argv("executor")
+    assert EngineArgs.from_cli(parser.parse_args(argv)).quantization == "int8"
     with pytest.raises(ValueError, match="CPU only"):
         check_quantization("int8", torch.device("cuda"), torch.float32)
     # The runner refuses before loading anything.
