@@ -1,6 +1,7 @@
 """Load time and greedy decode latency of ModelRunner on the default (or a given) model.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/model_latency.py [--model DIR] [--batch 1 4]
+    .venv/bin/python benchmarks/model_latency.py [--model DIR] [--batch 1 4] \
+        [--quantization int8] [--dtype bfloat16]
 
 "cold" is the first ModelRunner built in a fresh process (weights possibly still in the OS
 page cache from an earlier run); "warm" is a second one built in the same process. Decode
@@ -15,7 +16,7 @@ import time
 import torch
 
 from weir.services.executor.model_runner import ModelRunner
-from weir.shared.config import LOAD_FORMATS
+from weir.shared.config import LOAD_FORMATS, QUANTIZATION_METHODS
 from weir.shared.model_store import resolve_model
 from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
@@ -74,6 +75,10 @@ def main() -> None:
     parser.add_argument(
         "--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights"
     )
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATION_METHODS, default=None, help="weights kept quantized"
+    )
+    parser.add_argument("--dtype", default=None, help="float32 (default) or bfloat16")
     args = parser.parse_args()
 
     model_dir = resolve_model(args.model, load_format=args.load_format)
@@ -84,6 +89,8 @@ def main() -> None:
         max_num_seqs=max(args.batch),
         num_threads=args.threads,
         load_format=args.load_format,
+        quantization=args.quantization,
+        dtype=args.dtype,
     )
     start = time.perf_counter()
     ModelRunner(model_dir, **kwargs)
@@ -91,7 +98,10 @@ def main() -> None:
     start = time.perf_counter()
     runner = ModelRunner(model_dir, **kwargs)
     warm = time.perf_counter() - start
-    print(f"model {model_dir.name}, torch threads {torch.get_num_threads()}, dtype {runner.dtype}")
+    print(
+        f"model {model_dir.name}, torch threads {torch.get_num_threads()}, dtype {runner.dtype}, "
+        f"quantization {args.quantization or 'none'}"
+    )
     print(f"load: cold {cold:.2f} s, warm {warm:.2f} s ({runner.num_blocks} KV blocks)")
     for batch in args.batch:
         times = decode_latency(runner, batch, args.prompt_len, args.tokens)

@@ -21,6 +21,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # name), for benchmarks on machines the weights cannot reach.
 LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("ngram",)
+# Weights kept quantized by the executor (CPU only; see services/executor/quantization.py).
+QUANTIZATION_METHODS = ("int8",)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -289,6 +291,13 @@ class EngineArgs:
     )
     device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
     dtype: str | None = _arg(None, EXECUTOR, "weight/activation dtype (default: per device)")
+    quantization: str | None = _arg(
+        None,
+        EXECUTOR,
+        "keep the weights quantized (CPU only, float32 activations): int8 = weight-only int8 "
+        "with a scale per output channel, requantized from the loaded weights (default: none)",
+        choices=QUANTIZATION_METHODS,
+    )
     kv_cache_memory: int | str | None = _arg(
         None, EXECUTOR, "KV cache size on CPU, e.g. 256MiB", type=parse_size
     )
@@ -318,6 +327,26 @@ class EngineArgs:
         "CurveZMQ keys made by `weir keys`: encrypt and authenticate the client and executor "
         "sockets (default: $WEIR_KEYS_DIR, else plain sockets)",
     )
+
+    def __post_init__(self) -> None:
+        # What can be told before any process starts; the executor checks the device it got.
+        if self.quantization is None:
+            return
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS} or None, "
+                f"got {self.quantization!r}"
+            )
+        if self.device is not None and not self.device.startswith("cpu"):
+            raise ValueError(
+                f"quantization {self.quantization!r} runs on the CPU only, got device "
+                f"{self.device!r}: drop the quantization or use device cpu"
+            )
+        if self.dtype not in (None, "auto", "float32"):
+            raise ValueError(
+                f"quantization {self.quantization!r} keeps activations in float32, got dtype "
+                f"{self.dtype!r}: use float32 or leave dtype unset"
+            )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, role: str) -> None:

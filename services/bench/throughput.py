@@ -30,7 +30,7 @@ from weir.services.bench.workload import (
     positive_int,
     workload_from_args,
 )
-from weir.shared.config import ENGINE_DEFAULTS, LOAD_FORMATS
+from weir.shared.config import ENGINE_DEFAULTS, LOAD_FORMATS, QUANTIZATION_METHODS
 
 BASELINE_CHOICES = ("hf-static", "hf-cb", "llama-cpp", "none")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -116,6 +116,13 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--kv-cache-memory", default=None, help="Weir engine option (KV cache size)")
     g.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="Weir engine option: keep Weir's weights quantized (int8: weight-only, per output "
+        "channel; the baselines keep --dtype)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         type=positive_int,
         default=None,
@@ -151,6 +158,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory": args.kv_cache_memory,
+        "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,
         "async_scheduling": args.async_scheduling,
         "enforce_eager": args.enforce_eager,
@@ -299,8 +307,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     machine = machine_info(threads)
     command = command_line("weir bench throughput", args)
     notes = [
-        f"Model {model_dir.name}, {args.dtype}; every engine gets the same token ids and output lengths, "
-        "greedy, EOS ignored.",
+        f"Model {model_dir.name}, {args.dtype}"
+        + (f" (Weir: {args.quantization} weights)" if args.quantization else "")
+        + "; every engine gets the same token ids and output lengths, greedy, EOS ignored.",
         f"threads: {threads} per engine process (the HF baselines' process via torch.set_num_threads, "
         "llama.cpp via n_threads and n_threads_batch, Weir's executor via "
         + (

@@ -285,6 +285,9 @@ class CausalLM(nn.Module):
             )
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        # Set by `quantization.quantize_model`: the vocabulary matrices kept quantized.
+        self.quantized_embed: Any = None
+        self.quantized_lm_head: Any = None
 
     def forward(
         self,
@@ -306,12 +309,17 @@ class CausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.embedding(input_ids, self.embed_tokens)
+            return self._lookup(input_ids)
         # Vocabulary-parallel: rows of tokens outside this rank's range are zero here.
         local = input_ids - self.layout.vocab_start
         outside = (local < 0) | (local >= self.layout.vocab_per_rank)
-        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        x = self._lookup(local.masked_fill(outside, 0))
         return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized_embed is not None:
+            return self.quantized_embed.rows(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """fp32 logits [N, vocab] for the N hidden rows asked for; under tensor parallelism
@@ -322,6 +330,9 @@ class CausalLM(nn.Module):
         return self.tp.gather_logits(logits, self.config.vocab_size)
 
     def _logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
+        quantized = self.quantized_embed if self.lm_head is None else self.quantized_lm_head
+        if quantized is not None:
+            return quantized.matmul(hidden)
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         if hidden.device.type != "cpu":
             return F.linear(hidden, weight).float()

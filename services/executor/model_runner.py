@@ -35,6 +35,7 @@ from weir.services.executor.parallel import (
     init_tensor_parallel,
     local_cuda_device,
 )
+from weir.services.executor.quantization import check_quantization
 from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model, read_hf_config
@@ -119,6 +120,7 @@ class ModelRunner:
         enforce_eager: bool = ENGINE_DEFAULTS.enforce_eager,
         num_speculative_tokens: int = 0,
         sync_timings: bool | None = None,
+        quantization: str | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -134,6 +136,8 @@ class ModelRunner:
         self.num_threads = torch.get_num_threads()
         self.tp = init_tensor_parallel(tensor_parallel_size, rank, self.device)
         self.dtype = parse_dtype(dtype, self.device)
+        check_quantization(quantization, self.device, self.dtype)
+        self.quantization = quantization
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -157,6 +161,7 @@ class ModelRunner:
             attention=self.attention,
             load_format=load_format,
             tp=self.tp,
+            quantization=quantization,
         )
         self.config = self.model.config
         self.max_model_len = max_model_len or self.config.max_position_embeddings
@@ -185,11 +190,12 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.last_timings = StepTimings()
         logger.info(
-            "loaded %s on %s (%s, %s attention, %d torch threads) in %.2fs; %d KV blocks of "
+            "loaded %s on %s (%s%s, %s attention, %d torch threads) in %.2fs; %d KV blocks of "
             "%d tokens",
             self.model_dir.name,
             self.device,
             self.dtype,
+            f", {quantization} weights" if quantization else "",
             self.attention.name,
             self.num_threads,
             self.load_seconds,

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
 from weir.services.executor.model import CausalLM, ModelConfig
 from weir.services.executor.parallel import ShardLayout, TensorParallel
+from weir.services.executor.quantization import quantize_model
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")
@@ -175,10 +176,11 @@ def load_model(
     attention: AttentionBackend | None = None,
     load_format: str = "auto",
     tp: TensorParallel | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and load its safetensors weights
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
-    rank's shard."""
+    rank's shard; with ``quantization``, its weights then quantized (see `quantization`)."""
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
     if attention is None:
         attention = get_attention_backend(None, device)
@@ -189,4 +191,6 @@ def load_model(
         load_weights(model, iter_safetensors(model_dir))
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
+    if quantization is not None:
+        quantize_model(model, quantization)
     return model.eval()

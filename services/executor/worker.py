@@ -217,6 +217,7 @@ class ExecutorWorker:
             rank=self.options.rank if args.tensor_parallel_size > 1 else 0,
             enforce_eager=args.enforce_eager,
             num_speculative_tokens=args.num_speculative_tokens if args.speculative_method else 0,
+            quantization=args.quantization,
         )
 
     def _handshake(

@@ -1,0 +1,121 @@
+"""Weights kept quantized on the CPU (``--quantization int8``).
+
+int8 is weight-only: every projection and the (tied) embedding / LM head are stored as int8
+with one scale per output row, symmetric, requantized from the loaded weights (for a
+quantized GGUF, from its dequantized weights). Activations stay float32 between the
+matmuls. Two kernels, picked per call by the number of rows:
+
+- up to ``PACKED_MAX_ROWS`` rows (decode): PyTorch's ``_weight_int8pack_mm``, whose x86
+  kernel is vectorized for bfloat16 inputs only (float32 inputs take a scalar loop, ~50x
+  slower). The rows go in as bfloat16 and the products come back as bfloat16: it reads a
+  quarter of the float32 weight bytes, which is what bounds a decode step.
+- more rows (prefill, large batches): the weights are dequantized to float32 one block of
+  output rows at a time into a scratch buffer that stays in cache, and multiplied by the
+  float32 activations with the float32 GEMM, which the packed kernel is slower than there.
+
+Measured on the real SmolLM2-135M shapes (benchmarks/cpu_quant_kernels.py, docs/benchmarks.md).
+The per-tensor dynamic activation quantization of fbgemm (``quantized.linear_dynamic``) is
+faster still but changes SmolLM2's greedy tokens too often (top-1 agreement with float32
+0.58 with per-tensor scales), so it is not offered.
+"""
+
+import torch
+from torch import nn
+
+from weir.services.executor.model import CausalLM, Linear
+from weir.shared.config import QUANTIZATION_METHODS
+
+PACKED_MAX_ROWS = 8  # measured crossover: the packed kernel wins at 8 rows, loses at 16
+# Output rows dequantized at a time on the float32 path: a block of at most 1024 x K floats.
+_DEQUANT_ROWS = 1024
+
+
+def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a ValueError naming the fix when ``method`` cannot run on ``device`` in ``dtype``."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization must be one of {QUANTIZATION_METHODS} or unset, got {method!r}"
+        )
+    if device.type != "cpu":
+        raise ValueError(
+            f"quantization {method!r} runs on the CPU only (device {device}); drop "
+            "--quantization or use --device cpu"
+        )
+    if dtype != torch.float32:
+        raise ValueError(
+            f"quantization {method!r} keeps activations in float32; got dtype "
+            f"{str(dtype).removeprefix('torch.')} (use --dtype float32 or leave it unset)"
+        )
+
+
+class Int8Weight(nn.Module):
+    """A [rows, K] weight as int8 with a per-row scale: ``w ~= qweight * scale[:, None]``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        absmax = weight.abs().amax(dim=1).float().clamp_(min=1e-12)
+        # The packed kernel takes bfloat16 scales: pick bf16 values no smaller than
+        # absmax / 127 (bf16 rounds by at most 2^-9), so the int8 codes use exactly the scale
+        # the kernel applies and never clip.
+        scale = (absmax / 127 * (1 + 2**-8)).to(torch.bfloat16)
+        codes = torch.round(weight.float() / scale.float()[:, None]).clamp_(-127, 127)
+        self.register_buffer("qweight", codes.to(torch.int8))
+        self.register_buffer("scale_bf16", scale)
+        self.register_buffer("scale", scale.float())
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``index`` (an embedding lookup)."""
+        return self.qweight[index].float().mul_(self.scale[index].unsqueeze(-1))
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ w.T`` in float32, [M, rows]."""
+        if x.shape[0] <= PACKED_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale_bf16)
+            return y.float() if out is None else out.copy_(y)
+        n, k = self.qweight.shape
+        if out is None:
+            out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        block = torch.empty(min(n, _DEQUANT_ROWS), k, dtype=torch.float32)
+        for start in range(0, n, _DEQUANT_ROWS):
+            end = min(start + _DEQUANT_ROWS, n)
+            w = block[: end - start]
+            torch.mul(self.qweight[start:end], self.scale[start:end, None], out=w)
+            torch.mm(x, w.t(), out=out[:, start:end])
+        return out
+
+
+class Int8Linear(nn.Module):
+    """`Linear` with its weight kept as an `Int8Weight` (the bias, if any, in float32)."""
+
+    def __init__(self, linear: Linear) -> None:
+        super().__init__()
+        self.weight = Int8Weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.weight.matmul(x)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x)."""
+        return self(x).add_(residual)
+
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@torch.no_grad()
+def quantize_model(model: CausalLM, method: str) -> None:
+    """Replace the loaded float32 projections, embedding and LM head with ``method``'s
+    quantized versions (in place; the float32 copies are freed)."""
+    check_quantization(method, model.inv_freq.device, model.dtype)
+    for layer in model.layers:
+        for name in _PROJECTIONS:
+            setattr(layer, name, Int8Linear(getattr(layer, name)))
+    model.quantized_embed = Int8Weight(model.embed_tokens)
+    model.embed_tokens = nn.Parameter(torch.empty(0, model.config.hidden_size), False)
+    if model.lm_head is not None:
+        model.quantized_lm_head = Int8Weight(model.lm_head)
+        model.lm_head = nn.Parameter(torch.empty(0, model.config.hidden_size), False)
