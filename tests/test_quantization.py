@@ -90,6 +90,19 @@ def _prompt_ids(tokenizer, text: str) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
+def _greedy(reference, tokenizer, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (NUM_NEW tokens, EOS ignored)."""
+    ids = torch.tensor([prompt])
+    return reference.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=NUM_NEW,
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+    )[0].tolist()
+
+
 def _weir_logits(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """Weir's logits at every position of ``tokens``: the prompt in one prefill step, then
     one decode step per remaining token (the two kernel paths of a quantized model)."""
@@ -145,15 +158,7 @@ def test_int8_smollm2_matches_transformers_on_the_dequantized_weights(default_mo
     with torch.no_grad():
         for text in PROMPTS:
             prompt = _prompt_ids(tokenizer, text)
-            ids = torch.tensor([prompt])
-            seq = reference.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NUM_NEW,
-                eos_token_id=None,
-                pad_token_id=tokenizer.pad_token_id,
-            )[0].tolist()
+            seq = _greedy(reference, tokenizer, prompt)
             want = reference(torch.tensor([seq])).logits[0]
             got = _weir_logits(model, seq, len(prompt))
             n = len(prompt)
@@ -179,15 +184,7 @@ def test_bfloat16_smollm2_matches_transformers_in_bfloat16(default_model_dir):
     with torch.no_grad():
         for text in PROMPTS:
             prompt = _prompt_ids(tokenizer, text)
-            ids = torch.tensor([prompt])
-            seq = reference.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NUM_NEW,
-                eos_token_id=None,
-                pad_token_id=tokenizer.pad_token_id,
-            )[0].tolist()
+            seq = _greedy(reference, tokenizer, prompt)
             want = reference(torch.tensor([seq])).logits[0].float()
             got = _weir_logits(model, seq, len(prompt))
             worst = max(worst, (got - want).abs().max().item())
