@@ -24,20 +24,26 @@ import sys
 import tempfile
 from pathlib import Path
 
-import psutil
-
 from weir.services.launcher import ServerProcesses
-from weir.shared.config import EngineArgs
+from weir.shared.config import EXECUTOR, EngineArgs
+
+
+def _children() -> list[int]:
+    return [
+        int(pid)
+        for task in Path("/proc/self/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    ]
 
 
 def _pin(pid: int, cores: set[int]) -> None:
-    for thread in psutil.Process(pid).threads():
-        os.sched_setaffinity(thread.id, cores)
+    for thread in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(thread.name), cores)
 
 
-def _role(proc: psutil.Process) -> str:
-    argv = proc.cmdline()
-    return argv[3] if len(argv) > 3 else ""
+def _role(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[3].decode() if len(argv) > 3 else ""
 
 
 def _bench(args: argparse.Namespace, backend: str, server: ServerProcesses, out: Path) -> dict:
@@ -81,8 +87,8 @@ def main() -> None:
     with ServerProcesses(
         engine_args, port=0, metrics_port=0, executor_metrics_port=0, http_port=0
     ) as server:
-        for child in psutil.Process().children():
-            _pin(child.pid, executor_cores if _role(child) == "executor" else other_cores)
+        for child in _children():
+            _pin(child, executor_cores if _role(child) == EXECUTOR else other_cores)
         os.sched_setaffinity(0, other_cores)  # the bench clients inherit it
         rows = []
         with tempfile.TemporaryDirectory() as tmp:

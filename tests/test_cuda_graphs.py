@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_runner import Driver
+import transformers
+from test_model_runner import Driver, hf_greedy
 
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.model_runner import ModelRunner
@@ -111,10 +112,18 @@ def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
         capture=False,
     )
     steps = count_padded_steps(padded)
-    assert run_workload(padded, prompts) == want
+    got = run_workload(padded, prompts)
+    assert got == want
     # 5 running -> 8, 3 running -> 4; the speculative step pads 5 -> 8 too; prefills and
     # the mixed step ran eagerly.
     assert steps == [8] * 5 + [4] * 3
+    # And both are transformers' greedy tokens on the same weights (drafts never change them).
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32
+    )
+    all_prompts = {**prompts, "late": list(range(40, 60))}
+    for name, tokens in got.items():
+        assert tokens == hf_greedy(hf_model, all_prompts[name], len(tokens)), name
 
 
 @pytest.fixture(scope="module")
@@ -147,20 +156,28 @@ def dummy_model_dir(tmp_path_factory, request):
     return path
 
 
+def cuda_runner(model_dir: Path, enforce_eager: bool, **options) -> ModelRunner:
+    return ModelRunner(
+        model_dir,
+        device="cuda",
+        block_size=16,
+        kv_cache_memory_bytes=256 << 20,
+        max_num_batched_tokens=256,
+        max_num_seqs=16,
+        seed=0,
+        load_format="dummy",
+        enforce_eager=enforce_eager,
+        **options,
+    )
+
+
 @NEEDS_CUDA
 def test_cuda_graphs_give_the_eager_tokens(dummy_model_dir):
     def make_runner(enforce_eager: bool) -> ModelRunner:
-        return ModelRunner(
+        return cuda_runner(
             dummy_model_dir,
-            device="cuda",
+            enforce_eager,
             dtype="float32",
-            block_size=16,
-            kv_cache_memory_bytes=256 << 20,
-            max_num_batched_tokens=256,
-            max_num_seqs=16,
-            seed=0,
-            load_format="dummy",
-            enforce_eager=enforce_eager,
             num_speculative_tokens=SPEC_LEN - 1,
         )
 
@@ -203,17 +220,7 @@ def test_served_greedy_outputs_are_the_same_with_and_without_cuda_graphs(dummy_m
 def test_a_step_waits_for_the_device_once(dummy_model_dir, enforce_eager):
     """torch's sync debug mode warns at every synchronizing call: a step makes one (the
     sampled tokens' copy back), two with logprobs, whatever the sampling parameters."""
-    runner = ModelRunner(
-        dummy_model_dir,
-        device="cuda",
-        block_size=16,
-        kv_cache_memory_bytes=256 << 20,
-        max_num_batched_tokens=256,
-        max_num_seqs=16,
-        seed=0,
-        load_format="dummy",
-        enforce_eager=enforce_eager,
-    )
+    runner = cuda_runner(dummy_model_dir, enforce_eager)
     syncs: list[int] = []
     execute = runner.execute
 
