@@ -9,7 +9,7 @@ entries are -1, padding tokens (slot -1), and poisoned cache slots no request ow
 import pytest
 import torch
 
-from weir.kernels import cpu_attention, reference
+from weir.kernels import cpu_attention, cpu_native, reference
 
 BLOCK_SIZE = 4
 POISON = 1e4
@@ -104,3 +104,59 @@ def test_batched_cpu_attention_equals_reference(dtype, tol):
     assert torch.equal(cache, want_cache)
     got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
+
+
+native = cpu_native.load()
+needs_native = pytest.mark.skipif(native is None, reason="no C compiler: native kernels not built")
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (8, 1, 20), (4, 4, 64), (9, 3, 64)]
+)
+def test_native_cpu_attention_equals_reference(num_heads, num_kv_heads, head_dim):
+    """Every query length and tile split (prefill chunks longer than one work item, a head
+    size that is not a multiple of 8), against the reference, with the cache written by the
+    native kernel from strided views of one fused projection."""
+    requests = [(300, 1), (0, 1), (150, 1), (20, 3), (33, 4), (11, 25), (0, 17), (40, 70)]
+    step = mixed_step(requests, num_heads, num_kv_heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    num_real = int(step["query_start_loc"][-1])
+
+    want_cache = step["kv_cache"].clone()
+    reference.reshape_and_cache(step["key"], step["value"], want_cache, step["slot_mapping"])
+    want = reference.paged_attention(
+        step["query"],
+        want_cache,
+        step["query_start_loc"],
+        step["seq_lens"],
+        step["block_table"],
+        scale,
+    )
+    cache = step["kv_cache"].clone()
+    native.write_kv(step["key"], step["value"], cache, step["slot_mapping"])
+    assert torch.equal(cache, want_cache)
+    got = native.paged_attention(
+        step["query"], cache, step["query_start_loc"], step["seq_lens"], step["block_table"], scale
+    )
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_native_norm_and_rope_equal_pytorch():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 3 * 96, generator=gen)[:, :96]  # strided rows
+    weight = torch.randn(96, generator=gen)
+    want = torch.nn.functional.rms_norm(x, (96,), weight, 1e-6)
+    torch.testing.assert_close(native.rms_norm(x, weight, 1e-6), want, atol=1e-5, rtol=1e-5)
+
+    qkv = torch.randn(5, 7, 32, generator=gen)
+    angles = torch.randn(5, 16, generator=gen)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = qkv[:, :5].chunk(2, dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    untouched = qkv[:, 5:].clone()
+    native.rope_(qkv[:, :5], cos, sin)
+    torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 5:], untouched)

@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 transformers = pytest.importorskip("transformers")
 
+from weir.kernels import cpu_native  # noqa: E402
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend  # noqa: E402
 from weir.services.executor.model import ModelConfig  # noqa: E402
 from weir.services.executor.weights import load_model, read_hf_config  # noqa: E402
@@ -102,9 +103,13 @@ class PagedRequests:
         return torch.tensor(ids), torch.tensor(positions), meta
 
 
+needs_native = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler")
+
+
 @pytest.mark.parametrize(
     ("kind", "backend"),
     [(kind, "torch") for kind in sorted(CONFIGS)]
+    + [pytest.param(kind, "native", marks=needs_native) for kind in sorted(CONFIGS)]
     + [("qwen3", "triton"), ("llama", "triton"), ("llama", "reference")],
 )
 def test_mixed_paged_batch_matches_transformers(kind, backend, tmp_path):

@@ -2,9 +2,12 @@
 
 Every backend implements the semantics of `weir.kernels.reference` (paged KV layout
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, flat token batch, causal rule
-relative to each request's context length). "torch" runs `weir.kernels.cpu_attention`
-(batched PyTorch operators, planned once per step) and is the CPU default; "reference"
-calls the reference directly (one request at a time, slow; for checking); "triton" calls
+relative to each request's context length). "native" runs `weir.kernels.cpu_native`
+(compiled C, attending straight from the paged cache) and is the CPU default in float32
+where a C compiler is at hand; its kernels also serve the model's norms and rotary
+embeddings. "torch" runs `weir.kernels.cpu_attention` (batched PyTorch operators, planned
+once per step): the CPU path in other dtypes or without a compiler. "reference" calls the
+reference directly (one request at a time, slow; for checking); "triton" calls
 `weir.kernels.triton_attention` and is the CUDA default.
 """
 
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from weir.kernels import cpu_native
 
 
 @dataclass(slots=True)
@@ -31,6 +36,10 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+
+    @property
+    def kernels(self) -> cpu_native.CpuKernels | None:
+        """Native CPU kernels the model also uses for its norms and rotations; None elsewhere."""
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
         """Called once per step, before any layer's write_kv/attend."""
@@ -52,14 +61,15 @@ class TorchAttention:
     """Batched PyTorch operators over the paged cache: the CPU path."""
 
     name = "torch"
+    kernels = None
 
     def __init__(self) -> None:
         from weir.kernels import cpu_attention
 
-        self._kernels = cpu_attention
+        self._module = cpu_attention
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
-        meta.plan = self._kernels.plan_step(
+        meta.plan = self._module.plan_step(
             meta.query_start_loc.cpu(),
             meta.seq_lens.cpu(),
             meta.block_table.cpu(),
@@ -77,22 +87,58 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        self._kernels.reshape_and_cache(key, value, kv_cache, meta.plan)
+        self._module.reshape_and_cache(key, value, kv_cache, meta.plan)
 
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        return self._kernels.paged_attention(query, kv_cache, meta.plan, scale)
+        return self._module.paged_attention(query, kv_cache, meta.plan, scale)
+
+
+class NativeAttention:
+    """Compiled float32 kernels that write and read the paged cache in place: the CPU default."""
+
+    name = "native"
+
+    def __init__(self) -> None:
+        kernels = cpu_native.load()
+        if kernels is None:
+            raise ValueError(
+                "the native attention backend is unavailable (no working C compiler, or "
+                "WEIR_NATIVE_CPU_KERNELS=0); use --attention-backend torch"
+            )
+        self.kernels = kernels
+
+    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
+        pass
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        self.kernels.write_kv(key, value, kv_cache, meta.slot_mapping)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return self.kernels.paged_attention(
+            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale
+        )
 
 
 class PagedKernelAttention:
     """A kernel module with kernels/reference.py's signatures: the reference itself (one
     request at a time) or the Triton kernels (a few launches for the whole batch)."""
 
+    kernels = None
+
     def __init__(self, name: str, module: str, *, takes_hints: bool) -> None:
         self.name = name
         # Imported only when chosen: importing triton is slow and needs a GPU or the interpreter.
-        self._kernels = importlib.import_module(f"weir.kernels.{module}")
+        self._module = importlib.import_module(f"weir.kernels.{module}")
         self._takes_hints = takes_hints
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
@@ -105,7 +151,7 @@ class PagedKernelAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        self._kernels.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        self._module.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
 
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -115,22 +161,35 @@ class PagedKernelAttention:
             if self._takes_hints
             else {}
         )
-        return self._kernels.paged_attention(
+        return self._module.paged_attention(
             query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, **hints
         )
 
 
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "native": NativeAttention,
     "torch": TorchAttention,
     "reference": lambda: PagedKernelAttention("reference", "reference", takes_hints=False),
     "triton": lambda: PagedKernelAttention("triton", "triton_attention", takes_hints=True),
 }
 
 
-def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
-    """`None` picks "triton" on CUDA and "torch" elsewhere."""
+def get_attention_backend(
+    name: str | None, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
+    """`None` picks "triton" on CUDA, and on a CPU "native" in float32 where it compiled,
+    else "torch"."""
     if name is None:
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
+        if torch.device(device).type == "cuda":
+            name = "triton"
+        else:
+            native = dtype == torch.float32 and cpu_native.load() is not None
+            name = "native" if native else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    if name == "native" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        raise ValueError(
+            f"the native attention backend runs float32 on the CPU, not {dtype} on {device}; "
+            "use --attention-backend torch"
+        )
     return BACKENDS[name]()

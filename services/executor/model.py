@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weir.kernels.cpu_native import CpuKernels
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
 from weir.services.executor.parallel import ShardLayout, TensorParallel
 
@@ -137,14 +138,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        device: torch.device,
+        dtype: torch.dtype,
+        kernels: CpuKernels | None = None,
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(
             torch.empty(size, device=device, dtype=dtype), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op; the same result as the two below
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalize in fp32 and scale in the model dtype, like HF, so bf16 outputs match.
@@ -198,15 +209,17 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
         self.scale = d**-0.5
         self.attention = attention
+        self.kernels = kernels = attention.kernels
         self.tp = tp
         # Row-parallel biases are added once, by rank 0, before the partial sums are reduced.
         row_bias = layout.rank == 0
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, device, dtype, kernels)
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
+        self.post_attention_layernorm = RMSNorm(h, eps, device, dtype, kernels)
         self.gate_up_proj = Linear(h, 2 * inter, cfg.mlp_bias, device, dtype)
         self.down_proj = Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype)
 
@@ -236,7 +249,11 @@ class DecoderLayer(nn.Module):
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Q and K heads are adjacent in the fused projection: one rotation for both.
-        q, k = apply_rope(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        if self.kernels is not None:
+            self.kernels.rope_(qk, cos.squeeze(1), sin.squeeze(1))
+        else:
+            qk = apply_rope(qk, cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(q, kv_cache, meta, self.scale)
         x = self._add_row_parallel(self.o_proj, x, attn.reshape(num_tokens, self.q_size))
@@ -275,7 +292,7 @@ class CausalLM(nn.Module):
             DecoderLayer(cfg, self.layout, tp, attention, device, dtype)
             for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, attention.kernels)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings

@@ -141,7 +141,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.attention = get_attention_backend(attention_backend, self.device)
+        self.attention = get_attention_backend(attention_backend, self.device, self.dtype)
         self.sync_timings = (
             os.environ.get(SYNC_STEP_TIMING_ENV) == "1" if sync_timings is None else sync_timings
         )

@@ -182,9 +182,10 @@ def load_model(
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
     rank's shard; with ``quantization``, its weights then quantized (see `quantization`)."""
     cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    dtype = dtype or default_dtype(device)
     if attention is None:
-        attention = get_attention_backend(None, device)
-    model = CausalLM(cfg, attention, device=device, dtype=dtype or default_dtype(device), tp=tp)
+        attention = get_attention_backend(None, device, dtype)
+    model = CausalLM(cfg, attention, device=device, dtype=dtype, tp=tp)
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "auto":

@@ -1,0 +1,189 @@
+"""Native float32 CPU kernels (`csrc/cpu_kernels.c`), compiled on first use and called via ctypes.
+
+On a CPU the executor's step is, besides its matmuls, hundreds of small PyTorch operator
+calls per step (each RMSNorm, rotation, cache write and attention bucket is several), and
+the batched attention gathers every request's context into new tensors each layer before
+reading it. These kernels do each of those in one call that reads its operands once and
+attends straight from the paged cache through the block table.
+
+The source is compiled with the system C compiler (``$CC``, else ``cc``) with
+``-O3 -march=native -fopenmp`` into ``$WEIR_CACHE/kernels/`` (a file per source, compiler and
+CPU), once per machine; the library links the libgomp PyTorch already loaded, so the
+kernels run on PyTorch's OpenMP threads. Where no compiler works, or with
+``WEIR_NATIVE_CPU_KERNELS=0``, `load` returns None and the executor keeps the PyTorch
+operator path (`cpu_attention`), which computes the same thing.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from weir.shared.model_store import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES = {
+    "weir_rms_norm": (None, [_P, _I, _P, _P, _I, _I, _I, _F]),
+    "weir_rope": (None, [_P, _I, _I, _I, _I, _P, _P]),
+    "weir_write_kv": (None, [_P, _I, _P, _I, _P, _I, _P, _P, _I]),
+    "weir_paged_attention": (
+        ctypes.c_int,
+        [_P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
+    ),
+}
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _compile(compiler: str) -> Path:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join((SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_id())).encode()
+    ).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        os.replace(built, target)  # atomic: concurrent executors never load a partial file
+    log.info("compiled native CPU kernels into %s", target)
+    return target
+
+
+@functools.cache
+def load() -> "CpuKernels | None":
+    """The compiled kernels, or None (disabled, or no working C compiler: see the module doc)."""
+    if os.environ.get("WEIR_NATIVE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        log.warning("no C compiler (%s) found: CPU steps use the slower PyTorch kernels", compiler)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("native CPU kernels unavailable (%s): using the PyTorch kernels", detail)
+        return None
+    return CpuKernels(lib)
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+class CpuKernels:
+    """Typed wrappers. Tensors are float32 on the CPU; the last dimension of every activation
+    is contiguous and rows may be strided (views into a fused projection's output)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self._lib = lib
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x [T, dim] into a new [T, dim] tensor."""
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._lib.weir_rms_norm(
+            _ptr(x),
+            x.stride(0),
+            _ptr(weight),
+            _ptr(out),
+            out.stride(0),
+            x.shape[0],
+            x.shape[1],
+            eps,
+        )
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate-half RoPE in place: x [T, heads, D] (heads contiguous within a row);
+        cos, sin [T, D/2] contiguous."""
+        self._lib.weir_rope(
+            _ptr(x), x.stride(0), x.shape[0], x.shape[1], x.shape[2], _ptr(cos), _ptr(sin)
+        )
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """key, value [T, Hkv, D] (strided rows) into kv_cache [2, blocks, block_size, Hkv, D]
+        at int64 slots [T]; slot -1 is skipped."""
+        self._lib.weir_write_kv(
+            _ptr(key),
+            key.stride(0),
+            _ptr(value),
+            value.stride(0),
+            _ptr(slots),
+            key.shape[0],
+            _ptr(kv_cache[0]),
+            _ptr(kv_cache[1]),
+            key.shape[1] * key.shape[2],
+        )
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """`weir.kernels.reference.paged_attention`'s contract: query [T, H, D] -> [T, H, D],
+        int32 metadata; rows of no request are left unset."""
+        num_tokens, num_heads, head_dim = query.shape
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
+        status = self._lib.weir_paged_attention(
+            _ptr(query),
+            query.stride(0),
+            _ptr(out),
+            out.stride(0),
+            _ptr(kv_cache[0]),
+            _ptr(kv_cache[1]),
+            _ptr(query_start_loc),
+            _ptr(seq_lens),
+            seq_lens.shape[0],
+            _ptr(block_table),
+            block_table.stride(0),
+            kv_cache.shape[2],
+            num_heads,
+            kv_cache.shape[3],
+            head_dim,
+            scale,
+        )
+        if status != 0:
+            raise MemoryError("native paged attention could not allocate its scratch memory")
+        return out

@@ -1,0 +1,288 @@
+/* Native float32 CPU kernels for the executor's per-layer hot path (see kernels/cpu_native.py).
+
+   Each function does in one call what takes the PyTorch operator path several to a dozen
+   operator calls, and reads its operands once: RMSNorm, rotary embedding in place, the K/V
+   cache write, and paged attention straight from the block table (no gathered copies of
+   the context).
+   Threads come from OpenMP; the library is loaded into a process where PyTorch already
+   loaded libgomp, so both share one thread pool and torch.set_num_threads applies to both.
+   Row strides are in elements. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KEY_TILE 16    /* keys scored at a time: one paged-cache block at block size 16 */
+#define MAX_TILE_ROWS 64 /* query rows (tokens x heads of one KV head) per work item */
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* exp on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp); the
+   scalar expf of libm does not vectorize, and softmax takes one per score. */
+static inline v8f exp8(v8f x) {
+    const v8f lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+    v8i below = x < lo;
+    x = (v8f)((below & (v8i)lo) | (~below & (v8i)x));
+    v8f fx = x * 1.44269504088896341f + 0.5f;
+    v8i n = __builtin_convertvector(fx, v8i);
+    n -= (v8i)(__builtin_convertvector(n, v8f) > fx) & 1; /* floor, also for negatives */
+    v8f nf = __builtin_convertvector(n, v8f);
+    x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v8f y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.0f;
+    return y * (v8f)((n + 127) << 23);
+}
+
+static inline float dot8(const float *a, const float *b, int64_t n) {
+    v8f acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc += load8(a + i) * load8(b + i);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+void weir_rms_norm(const float *x, int64_t x_stride, const float *weight, float *out,
+                   int64_t out_stride, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * out_stride;
+        float inv = 1.0f / sqrtf(dot8(xr, xr, dim) / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) o[d] = weight[d] * (xr[d] * inv);
+    }
+}
+
+/* Rotate-half RoPE in place on `heads` heads of every row: x[t, h, :] with
+   cos/sin[t, :half] (contiguous, half = head_dim / 2). */
+void weir_rope(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+               const float *cos, const float *sin) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows > 8)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * row_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* Copy each row's K and V ([kv_heads * head_dim] floats each, at k + t * k_stride and
+   v + t * v_stride) to cache slot slots[t]; slot -1 (padding) writes nothing. */
+void weir_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                   const int64_t *slots, int64_t rows, float *key_cache, float *value_cache,
+                   int64_t slot_size) {
+    const size_t bytes = (size_t)slot_size * sizeof(float);
+#pragma omp parallel for schedule(static) if (rows > 64)
+    for (int64_t t = 0; t < rows; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(key_cache + slots[t] * slot_size, k + t * k_stride, bytes);
+        memcpy(value_cache + slots[t] * slot_size, v + t * v_stride, bytes);
+    }
+}
+
+typedef struct {
+    int32_t req, kv_head, first_token, num_tokens;
+} WorkItem;
+
+/* Scores of `rows` query rows against one tile of KEY_TILE keys into s[rows][KEY_TILE].
+   Few rows (decodes): one dot product per (row, key). Many rows (prefill): the tile is
+   transposed once into kt[d][key] so each row's scores are broadcast-and-FMA over
+   contiguous keys, with no horizontal sums. */
+static inline void score_tile(const float *qs, int64_t rows, const float *const *krow,
+                              int64_t nk, int64_t head_dim, float *kt, float *s) {
+    if (rows < 8) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < nk; j++)
+                s[r * KEY_TILE + j] = dot8(qs + r * head_dim, krow[j], head_dim);
+        return;
+    }
+    for (int64_t j = 0; j < KEY_TILE; j++)
+        for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + j] = j < nk ? krow[j][d] : 0.0f;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) { /* four rows share each load of the transposed tile */
+        const float *q0 = qs + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim,
+                    *q3 = q2 + head_dim;
+        v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
+        for (int64_t d = 0; d < head_dim; d++) {
+            const v8f lo = load8(kt + d * KEY_TILE), hi = load8(kt + d * KEY_TILE + 8);
+            a0 += q0[d] * lo, b0 += q0[d] * hi;
+            a1 += q1[d] * lo, b1 += q1[d] * hi;
+            a2 += q2[d] * lo, b2 += q2[d] * hi;
+            a3 += q3[d] * lo, b3 += q3[d] * hi;
+        }
+        store8(s + r * KEY_TILE, a0), store8(s + r * KEY_TILE + 8, b0);
+        store8(s + (r + 1) * KEY_TILE, a1), store8(s + (r + 1) * KEY_TILE + 8, b1);
+        store8(s + (r + 2) * KEY_TILE, a2), store8(s + (r + 2) * KEY_TILE + 8, b2);
+        store8(s + (r + 3) * KEY_TILE, a3), store8(s + (r + 3) * KEY_TILE + 8, b3);
+    }
+    for (; r < rows; r++) {
+        const float *qr = qs + r * head_dim;
+        v8f lo_sum = {0}, hi_sum = {0};
+        for (int64_t d = 0; d < head_dim; d++) {
+            lo_sum += qr[d] * load8(kt + d * KEY_TILE);
+            hi_sum += qr[d] * load8(kt + d * KEY_TILE + 8);
+        }
+        store8(s + r * KEY_TILE, lo_sum);
+        store8(s + r * KEY_TILE + 8, hi_sum);
+    }
+}
+
+/* One work item: `num_tokens` consecutive query tokens of one request, times the `group`
+   query heads of one KV head, against that request's keys 0 .. context + token, with an
+   online softmax over tiles of KEY_TILE keys read in place from the paged cache. */
+static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
+                        int64_t out_stride, const float *key_cache, const float *value_cache,
+                        const int32_t *query_start_loc, const int32_t *seq_lens,
+                        const int32_t *block_table, int64_t block_table_stride,
+                        int64_t block_size, int64_t num_kv_heads, int64_t group,
+                        int64_t head_dim, float scale, float *scratch) {
+    const int64_t rows = (int64_t)w->num_tokens * group;
+    const int64_t q_len = query_start_loc[w->req + 1] - query_start_loc[w->req];
+    const int64_t context = seq_lens[w->req] - q_len;
+    const int64_t token0 = query_start_loc[w->req] + w->first_token;
+    const int64_t last_key = context + w->first_token + w->num_tokens - 1;
+    const int32_t *table = block_table + (int64_t)w->req * block_table_stride;
+    const int64_t slot_size = num_kv_heads * head_dim;
+
+    float *qs = scratch;                   /* [rows][head_dim], scaled queries */
+    float *acc = qs + rows * head_dim;     /* [rows][head_dim] */
+    float *kt = acc + rows * head_dim;     /* [head_dim][KEY_TILE] */
+    float *s = kt + head_dim * KEY_TILE;   /* [rows][KEY_TILE] */
+    float *row_max = s + rows * KEY_TILE, *row_sum = row_max + rows;
+    const float *krow[KEY_TILE], *vrow[KEY_TILE];
+
+    for (int64_t i = 0; i < w->num_tokens; i++)
+        for (int64_t g = 0; g < group; g++) {
+            const float *src = q + (token0 + i) * q_stride + (w->kv_head * group + g) * head_dim;
+            float *dst = qs + (i * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = src[d] * scale;
+        }
+    memset(acc, 0, sizeof(float) * rows * head_dim);
+    for (int64_t r = 0; r < rows; r++) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
+
+    for (int64_t j0 = 0; j0 <= last_key; j0 += KEY_TILE) {
+        const int64_t nk = last_key - j0 + 1 < KEY_TILE ? last_key - j0 + 1 : KEY_TILE;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t pos = j0 + j;
+            const int64_t slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
+            krow[j] = key_cache + slot * slot_size + w->kv_head * head_dim;
+            vrow[j] = value_cache + slot * slot_size + w->kv_head * head_dim;
+        }
+        score_tile(qs, rows, krow, nk, head_dim, kt, s);
+        for (int64_t r = 0; r < rows; r++) {
+            /* Query token i sees keys up to context + i. */
+            const int64_t visible = context + w->first_token + r / group - j0 + 1;
+            const int64_t n = visible < nk ? visible : nk;
+            if (n <= 0) continue;
+            float *sr = s + r * KEY_TILE;
+            for (int64_t j = n; j < KEY_TILE; j++) sr[j] = -INFINITY;
+            float m = row_max[r];
+            for (int64_t j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m;
+            const v8f p0 = exp8(load8(sr) - m), p1 = exp8(load8(sr + 8) - m);
+            float p[KEY_TILE];
+            store8(p, p0);
+            store8(p + 8, p1);
+            for (int64_t j = n; j < KEY_TILE; j++) p[j] = 0.0f;
+            const float correction = expf(row_max[r] - m);
+            float sum = row_sum[r] * correction;
+            for (int64_t j = 0; j < n; j++) sum += p[j];
+            row_max[r] = m;
+            row_sum[r] = sum;
+            float *a = acc + r * head_dim;
+            int64_t d = 0;
+            for (; d + 8 <= head_dim; d += 8) {
+                v8f av = load8(a + d) * correction;
+                for (int64_t j = 0; j < n; j++) av += p[j] * load8(vrow[j] + d);
+                store8(a + d, av);
+            }
+            for (; d < head_dim; d++) {
+                float av = a[d] * correction;
+                for (int64_t j = 0; j < n; j++) av += p[j] * vrow[j][d];
+                a[d] = av;
+            }
+        }
+    }
+    for (int64_t i = 0; i < w->num_tokens; i++)
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = i * group + g;
+            float *dst = out + (token0 + i) * out_stride + (w->kv_head * group + g) * head_dim;
+            const float inv = 1.0f / row_sum[r];
+            for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[r * head_dim + d] * inv;
+        }
+}
+
+/* Paged attention over a flat batch: q[t, head, :] at q + t * q_stride + head * head_dim,
+   out likewise; the cache is [num_blocks * block_size, num_kv_heads, head_dim] per K and V.
+   Request r owns query rows query_start_loc[r] .. query_start_loc[r + 1] and has
+   seq_lens[r] keys, the last of them its own queries' (causal within the chunk).
+   Returns 0, or -1 when scratch memory could not be allocated. */
+int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride,
+                         const float *key_cache, const float *value_cache,
+                         const int32_t *query_start_loc, const int32_t *seq_lens,
+                         int64_t num_reqs, const int32_t *block_table,
+                         int64_t block_table_stride, int64_t block_size, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    int64_t tokens_per_item = MAX_TILE_ROWS / group;
+    if (tokens_per_item < 1) tokens_per_item = 1;
+    int64_t num_items = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
+        num_items += num_kv_heads * ((q_len + tokens_per_item - 1) / tokens_per_item);
+    }
+    if (num_items == 0) return 0;
+    WorkItem *items = malloc(sizeof(WorkItem) * num_items);
+    if (!items) return -1;
+    /* Items with the most keys first, so the dynamic schedule ends with short ones. */
+    int64_t n = 0;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
+        for (int64_t t = q_len - ((q_len - 1) % tokens_per_item + 1); t >= 0 && q_len > 0;
+             t -= tokens_per_item)
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t nt = q_len - t < tokens_per_item ? q_len - t : tokens_per_item;
+                items[n++] = (WorkItem){(int32_t)r, (int32_t)h, (int32_t)t, (int32_t)nt};
+            }
+    }
+    const int64_t max_rows = tokens_per_item * group;
+    const size_t scratch_floats =
+        (size_t)(2 * max_rows * head_dim + head_dim * KEY_TILE + max_rows * KEY_TILE + 2 * max_rows);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; i++)
+            if (scratch)
+                attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
+                            query_start_loc, seq_lens, block_table, block_table_stride,
+                            block_size, num_kv_heads, group, head_dim, scale, scratch);
+        free(scratch);
+    }
+    free(items);
+    return failed ? -1 : 0;
+}
