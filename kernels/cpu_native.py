@@ -4,7 +4,8 @@ On a CPU the executor's step is, besides its matmuls, hundreds of small PyTorch 
 calls per step (each RMSNorm, rotation, cache write and attention bucket is several), and
 the batched attention gathers every request's context into new tensors each layer before
 reading it. These kernels do each of those in one call that reads its operands once and
-attends straight from the paged cache through the block table.
+attends straight from the paged cache through the block table; `int8_linear` is the decode
+matmul of ``--quantization int8`` with float32 activations.
 
 The source is compiled with the system C compiler (``$CC``, else ``cc``) with
 ``-O3 -march=native -fopenmp`` into ``$WEIR_CACHE/kernels/`` (a file per source, compiler and
@@ -44,6 +45,7 @@ _SIGNATURES = {
         ctypes.c_int,
         [_P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
     ),
+    "weir_int8_linear": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]),
 }
 
 
@@ -186,4 +188,30 @@ class CpuKernels:
         )
         if status != 0:
             raise MemoryError("native paged attention could not allocate its scratch memory")
+        return out
+
+    def int8_linear(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(residual +) x @ (qweight * scale[:, None]).T: x [M, K] float32 (a few rows),
+        qweight [N, K] int8 contiguous, scale [N] float32, residual [M, N] float32."""
+        n, k = qweight.shape
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        self._lib.weir_int8_linear(
+            _ptr(x),
+            x.stride(0),
+            x.shape[0],
+            _ptr(qweight),
+            _ptr(scale),
+            n,
+            k,
+            None if residual is None else _ptr(residual),
+            0 if residual is None else residual.stride(0),
+            _ptr(out),
+            out.stride(0),
+        )
         return out

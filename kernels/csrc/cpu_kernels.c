@@ -2,8 +2,8 @@
 
    Each function does in one call what takes the PyTorch operator path several to a dozen
    operator calls, and reads its operands once: RMSNorm, rotary embedding in place, the K/V
-   cache write, and paged attention straight from the block table (no gathered copies of
-   the context).
+   cache write, paged attention straight from the block table (no gathered copies of the
+   context), and the int8-weight matmul of decode-sized batches (float32 activations).
    Threads come from OpenMP; the library is loaded into a process where PyTorch already
    loaded libgomp, so both share one thread pool and torch.set_num_threads applies to both.
    Row strides are in elements. */
@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define KEY_TILE 16    /* keys scored at a time: one paged-cache block at block size 16 */
 #define MAX_TILE_ROWS 64 /* query rows (tokens x heads of one KV head) per work item */
@@ -285,4 +288,64 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
     }
     free(items);
     return failed ? -1 : 0;
+}
+
+/* out[i, j] = (residual[i, j] +) scale[j] * sum_c x[i, c] * w[j, c] for a few rows of x:
+   a decode step reads each int8 weight once (a quarter of float32's bytes, which bound it)
+   while the rows of x stay in L1. Four weight rows at a time share each load of x. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 int8x8_to_float(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline int64_t dot4_int8(const float *x, const int8_t *const w[4], int64_t k,
+                                float s[4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t c = 0;
+    for (; c + 8 <= k; c += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + c);
+        a0 = _mm256_fmadd_ps(int8x8_to_float(w[0] + c), xv, a0);
+        a1 = _mm256_fmadd_ps(int8x8_to_float(w[1] + c), xv, a1);
+        a2 = _mm256_fmadd_ps(int8x8_to_float(w[2] + c), xv, a2);
+        a3 = _mm256_fmadd_ps(int8x8_to_float(w[3] + c), xv, a3);
+    }
+    s[0] = hsum(a0), s[1] = hsum(a1), s[2] = hsum(a2), s[3] = hsum(a3);
+    return c;
+}
+#else
+static inline int64_t dot4_int8(const float *x, const int8_t *const w[4], int64_t k,
+                                float s[4]) {
+    (void)x, (void)w, (void)k;
+    s[0] = s[1] = s[2] = s[3] = 0.0f;
+    return 0;
+}
+#endif
+
+void weir_int8_linear(const float *x, int64_t x_stride, int64_t m, const int8_t *w,
+                      const float *scale, int64_t n, int64_t k, const float *residual,
+                      int64_t residual_stride, float *out, int64_t out_stride) {
+#pragma omp parallel for schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        const int64_t nj = n - j0 < 4 ? n - j0 : 4;
+        /* Past the last weight row, repeat it: computed, never stored. */
+        const int8_t *rows[4];
+        for (int64_t t = 0; t < 4; t++) rows[t] = w + (j0 + (t < nj ? t : nj - 1)) * k;
+        for (int64_t i = 0; i < m; i++) {
+            const float *xr = x + i * x_stride;
+            float s[4];
+            for (int64_t c = dot4_int8(xr, rows, k, s); c < k; c++)
+                for (int64_t t = 0; t < 4; t++) s[t] += xr[c] * (float)rows[t][c];
+            for (int64_t t = 0; t < nj; t++) {
+                const int64_t j = j0 + t;
+                const float v = s[t] * scale[j];
+                out[i * out_stride + j] = residual ? residual[i * residual_stride + j] + v : v;
+            }
+        }
+    }
 }

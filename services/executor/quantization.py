@@ -5,10 +5,12 @@ with one scale per output row, symmetric, requantized from the loaded weights (f
 quantized GGUF, from its dequantized weights). Activations stay float32 between the
 matmuls. Two kernels, picked per call by the number of rows:
 
-- up to ``PACKED_MAX_ROWS`` rows (decode): PyTorch's ``_weight_int8pack_mm``, whose x86
-  kernel is vectorized for bfloat16 inputs only (float32 inputs take a scalar loop, ~50x
-  slower). The rows go in as bfloat16 and the products come back as bfloat16: it reads a
-  quarter of the float32 weight bytes, which is what bounds a decode step.
+- up to ``PACKED_MAX_ROWS`` rows (decode): the native kernel (`weir.kernels.cpu_native`,
+  float32 activations, int8 converted in registers) where it compiled; otherwise
+  PyTorch's ``_weight_int8pack_mm``, whose x86 kernel is vectorized for bfloat16 inputs
+  only (float32 inputs take a scalar loop, ~50x slower), so the rows go in as bfloat16
+  and the products come back as bfloat16. Either reads a quarter of the float32 weight
+  bytes, which is what bounds a decode step.
 - more rows (prefill, large batches): the weights are dequantized to float32 one block of
   output rows at a time into a scratch buffer that stays in cache, and multiplied by the
   float32 activations with the float32 GEMM, which the packed kernel is slower than there.
@@ -22,6 +24,7 @@ faster still but changes SmolLM2's greedy tokens too often (top-1 agreement with
 import torch
 from torch import nn
 
+from weir.kernels.cpu_native import CpuKernels
 from weir.services.executor.model import CausalLM, Linear
 from weir.shared.config import QUANTIZATION_METHODS
 
@@ -53,8 +56,9 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
 class Int8Weight(nn.Module):
     """A [rows, K] weight as int8 with a per-row scale: ``w ~= qweight * scale[:, None]``."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, kernels: CpuKernels | None = None) -> None:
         super().__init__()
+        self.kernels = kernels
         absmax = weight.abs().amax(dim=1).float().clamp_(min=1e-12)
         # The packed kernel takes bfloat16 scales: pick bf16 values no smaller than
         # absmax / 127 (bf16 rounds by at most 2^-9), so the int8 codes use exactly the scale
@@ -69,14 +73,19 @@ class Int8Weight(nn.Module):
         """float32 rows ``index`` (an embedding lookup)."""
         return self.qweight[index].float().mul_(self.scale[index].unsqueeze(-1))
 
-    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ w.T`` in float32, [M, rows]."""
+    def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``(residual +) x @ w.T`` in float32, [M, rows]."""
+        if x.shape[0] <= PACKED_MAX_ROWS and self.kernels is not None:
+            return self.kernels.int8_linear(x, self.qweight, self.scale, residual)
+        out = self._matmul(x)
+        return out if residual is None else out.add_(residual)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= PACKED_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale_bf16)
-            return y.float() if out is None else out.copy_(y)
+            return y.float()
         n, k = self.qweight.shape
-        if out is None:
-            out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
         block = torch.empty(min(n, _DEQUANT_ROWS), k, dtype=torch.float32)
         for start in range(0, n, _DEQUANT_ROWS):
             end = min(start + _DEQUANT_ROWS, n)
@@ -89,9 +98,9 @@ class Int8Weight(nn.Module):
 class Int8Linear(nn.Module):
     """`Linear` with its weight kept as an `Int8Weight` (the bias, if any, in float32)."""
 
-    def __init__(self, linear: Linear) -> None:
+    def __init__(self, linear: Linear, kernels: CpuKernels | None) -> None:
         super().__init__()
-        self.weight = Int8Weight(linear.weight.detach())
+        self.weight = Int8Weight(linear.weight.detach(), kernels)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +109,8 @@ class Int8Linear(nn.Module):
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x)."""
-        return self(x).add_(residual)
+        out = self.weight.matmul(x, residual)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 _PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -111,11 +121,12 @@ def quantize_model(model: CausalLM, method: str) -> None:
     """Replace the loaded float32 projections, embedding and LM head with ``method``'s
     quantized versions (in place; the float32 copies are freed)."""
     check_quantization(method, model.inv_freq.device, model.dtype)
+    kernels = model.attention.kernels
     for layer in model.layers:
         for name in _PROJECTIONS:
-            setattr(layer, name, Int8Linear(getattr(layer, name)))
-    model.quantized_embed = Int8Weight(model.embed_tokens)
+            setattr(layer, name, Int8Linear(getattr(layer, name), kernels))
+    model.quantized_embed = Int8Weight(model.embed_tokens, kernels)
     model.embed_tokens = nn.Parameter(torch.empty(0, model.config.hidden_size), False)
     if model.lm_head is not None:
-        model.quantized_lm_head = Int8Weight(model.lm_head)
+        model.quantized_lm_head = Int8Weight(model.lm_head, kernels)
         model.lm_head = nn.Parameter(torch.empty(0, model.config.hidden_size), False)
