@@ -124,8 +124,9 @@ def _reassemble(shards, name: str) -> torch.Tensor:
     # With fewer KV heads than ranks, consecutive ranks hold copies of the same head.
     kv_owners = range(0, n, max(n // cfg.num_kv_heads, 1))
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        param = "embed_tokens" if name.startswith("model.") else "lm_head"
-        return torch.cat([dict(s.named_parameters())[param] for s in shards])[: cfg.vocab_size]
+        if name == "lm_head.weight":  # packed for oneDNN at load time on the CPU
+            return torch.cat([s.packed_lm_head.dense_weight() for s in shards])[: cfg.vocab_size]
+        return torch.cat([s.embed_tokens for s in shards])[: cfg.vocab_size]
     if name == "model.norm.weight":
         return _same_on_every_rank([s.norm.weight for s in shards])
     layer_index, rest = name.removeprefix("model.layers.").split(".", 1)
@@ -133,7 +134,9 @@ def _reassemble(shards, name: str) -> torch.Tensor:
     layers = [s.layers[int(layer_index)] for s in shards]
 
     def p(layer, attr):
-        return getattr(getattr(layer, attr), kind)
+        linear = getattr(layer, attr)
+        packed = kind == "weight" and hasattr(linear, "dense_weight")
+        return linear.dense_weight() if packed else getattr(linear, kind)
 
     if module == "self_attn.q_proj":
         return torch.cat([p(layer, "qkv_proj")[:q] for layer in layers])

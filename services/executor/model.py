@@ -305,6 +305,8 @@ class CausalLM(nn.Module):
         # Set by `quantization.quantize_model`: the vocabulary matrices kept quantized.
         self.quantized_embed: Any = None
         self.quantized_lm_head: Any = None
+        # Set by `packed_weights.pack_model`: the LM head in oneDNN's layout.
+        self.packed_lm_head: Any = None
 
     def forward(
         self,
@@ -350,6 +352,8 @@ class CausalLM(nn.Module):
         quantized = self.quantized_embed if self.lm_head is None else self.quantized_lm_head
         if quantized is not None:
             return quantized.matmul(hidden)
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden)
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         if hidden.device.type != "cpu":
             return F.linear(hidden, weight).float()

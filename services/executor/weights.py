@@ -5,6 +5,7 @@ its `ShardLayout` share: rows of the column-parallel projections and of the voca
 columns of the row-parallel ones."""
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
 from weir.services.executor.model import CausalLM, ModelConfig
+from weir.services.executor.packed_weights import can_pack, pack_model
 from weir.services.executor.parallel import ShardLayout, TensorParallel
 from weir.services.executor.quantization import quantize_model
 
@@ -194,4 +196,9 @@ def load_model(
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
     if quantization is not None:
         quantize_model(model, quantization)
+    elif (
+        can_pack(torch.device(device), dtype)
+        and os.environ.get("WEIR_PACK_CPU_WEIGHTS", "1") != "0"
+    ):
+        pack_model(model)
     return model.eval()
