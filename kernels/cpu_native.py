@@ -138,7 +138,7 @@ class CpuKernels:
             _ptr(x), x.stride(0), x.shape[0], x.shape[1], x.shape[2], _ptr(cos), _ptr(sin)
         )
 
-    def write_kv(
+    def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """key, value [T, Hkv, D] (strided rows) into kv_cache [2, blocks, block_size, Hkv, D]

@@ -58,6 +58,21 @@ def mixed_step(
     )
 
 
+def reference_step(step: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache after the reference writes the step's K/V, and the reference's output."""
+    cache = step["kv_cache"].clone()
+    reference.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
+    out = reference.paged_attention(
+        step["query"],
+        cache,
+        step["query_start_loc"],
+        step["seq_lens"],
+        step["block_table"],
+        scale,
+    )
+    return cache, out
+
+
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_batched_cpu_attention_equals_reference(dtype, tol):
     num_heads, num_kv_heads, head_dim = 6, 2, 16
@@ -78,16 +93,7 @@ def test_batched_cpu_attention_equals_reference(dtype, tol):
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
 
-    want_cache = step["kv_cache"].clone()
-    reference.reshape_and_cache(step["key"], step["value"], want_cache, step["slot_mapping"])
-    want = reference.paged_attention(
-        step["query"],
-        want_cache,
-        step["query_start_loc"],
-        step["seq_lens"],
-        step["block_table"],
-        scale,
-    )
+    want_cache, want = reference_step(step, scale)
 
     plan = cpu_attention.plan_step(
         step["query_start_loc"],
@@ -123,18 +129,9 @@ def test_native_cpu_attention_equals_reference(num_heads, num_kv_heads, head_dim
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
 
-    want_cache = step["kv_cache"].clone()
-    reference.reshape_and_cache(step["key"], step["value"], want_cache, step["slot_mapping"])
-    want = reference.paged_attention(
-        step["query"],
-        want_cache,
-        step["query_start_loc"],
-        step["seq_lens"],
-        step["block_table"],
-        scale,
-    )
+    want_cache, want = reference_step(step, scale)
     cache = step["kv_cache"].clone()
-    native.write_kv(step["key"], step["value"], cache, step["slot_mapping"])
+    native.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     assert torch.equal(cache, want_cache)
     got = native.paged_attention(
         step["query"], cache, step["query_start_loc"], step["seq_lens"], step["block_table"], scale

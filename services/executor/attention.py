@@ -14,7 +14,7 @@ reference directly (one request at a time, slow; for checking); "triton" calls
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -95,51 +95,23 @@ class TorchAttention:
         return self._module.paged_attention(query, kv_cache, meta.plan, scale)
 
 
-class NativeAttention:
-    """Compiled float32 kernels that write and read the paged cache in place: the CPU default."""
-
-    name = "native"
-
-    def __init__(self) -> None:
-        kernels = cpu_native.load()
-        if kernels is None:
-            raise ValueError(
-                "the native attention backend is unavailable (no working C compiler, or "
-                "WEIR_NATIVE_CPU_KERNELS=0); use --attention-backend torch"
-            )
-        self.kernels = kernels
-
-    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
-        pass
-
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        self.kernels.write_kv(key, value, kv_cache, meta.slot_mapping)
-
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor:
-        return self.kernels.paged_attention(
-            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale
-        )
-
-
 class PagedKernelAttention:
-    """A kernel module with kernels/reference.py's signatures: the reference itself (one
-    request at a time) or the Triton kernels (a few launches for the whole batch)."""
+    """Kernels with kernels/reference.py's signatures: the reference itself (one request at
+    a time), the Triton kernels (a few launches for the whole batch) or the native CPU
+    kernels (one call per layer each to write and to attend)."""
 
-    kernels = None
-
-    def __init__(self, name: str, module: str, *, takes_hints: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: Any,
+        *,
+        takes_hints: bool,
+        kernels: cpu_native.CpuKernels | None = None,
+    ) -> None:
         self.name = name
-        # Imported only when chosen: importing triton is slow and needs a GPU or the interpreter.
-        self._module = importlib.import_module(f"weir.kernels.{module}")
+        self._module = module
         self._takes_hints = takes_hints
+        self.kernels = kernels
 
     def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
         pass
@@ -166,11 +138,26 @@ class PagedKernelAttention:
         )
 
 
+def _native() -> PagedKernelAttention:
+    kernels = cpu_native.load()
+    if kernels is None:
+        raise ValueError(
+            "the native attention backend is unavailable (no working C compiler, or "
+            "WEIR_NATIVE_CPU_KERNELS=0); use --attention-backend torch"
+        )
+    return PagedKernelAttention("native", kernels, takes_hints=False, kernels=kernels)
+
+
+def _module(name: str) -> Any:
+    # Imported only when chosen: importing triton is slow and needs a GPU or the interpreter.
+    return importlib.import_module(f"weir.kernels.{name}")
+
+
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "native": NativeAttention,
+    "native": _native,
     "torch": TorchAttention,
-    "reference": lambda: PagedKernelAttention("reference", "reference", takes_hints=False),
-    "triton": lambda: PagedKernelAttention("triton", "triton_attention", takes_hints=True),
+    "reference": lambda: PagedKernelAttention("reference", _module("reference"), takes_hints=False),
+    "triton": lambda: PagedKernelAttention("triton", _module("triton_attention"), takes_hints=True),
 }
 
 
