@@ -40,10 +40,10 @@ _F = ctypes.c_float
 _SIGNATURES = {
     "weir_rms_norm": (None, [_P, _I, _P, _P, _I, _I, _I, _F]),
     "weir_rope": (None, [_P, _I, _I, _I, _I, _P, _P]),
-    "weir_write_kv": (None, [_P, _I, _P, _I, _P, _I, _P, _P, _I]),
+    "weir_write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I]),
     "weir_paged_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F],
+        [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F],
     ),
     "weir_int8_linear": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]),
 }
@@ -142,8 +142,9 @@ class CpuKernels:
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """key, value [T, Hkv, D] (strided rows) into kv_cache [2, blocks, block_size, Hkv, D]
-        at int64 slots [T]; slot -1 is skipped."""
-        self._lib.weir_write_kv(
+        at int64 slots [T]; slot -1 is skipped. A slot outside the cache raises IndexError
+        (nothing is written), as PyTorch's indexing would: the step fails, the process lives."""
+        status = self._lib.weir_write_kv(
             _ptr(key),
             key.stride(0),
             _ptr(value),
@@ -153,7 +154,10 @@ class CpuKernels:
             _ptr(kv_cache[0]),
             _ptr(kv_cache[1]),
             key.shape[1] * key.shape[2],
+            kv_cache.shape[1] * kv_cache.shape[2],
         )
+        if status != 0:
+            raise IndexError("a K/V cache slot of this step lies outside the cache")
 
     def paged_attention(
         self,
@@ -165,7 +169,8 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor:
         """`weir.kernels.reference.paged_attention`'s contract: query [T, H, D] -> [T, H, D],
-        int32 metadata; rows of no request are left unset."""
+        int32 metadata; rows of no request are left unset. Metadata that points outside the
+        batch, the block table or the cache raises IndexError before anything is read."""
         num_tokens, num_heads, head_dim = query.shape
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
         status = self._lib.weir_paged_attention(
@@ -173,19 +178,24 @@ class CpuKernels:
             query.stride(0),
             _ptr(out),
             out.stride(0),
+            num_tokens,
             _ptr(kv_cache[0]),
             _ptr(kv_cache[1]),
+            kv_cache.shape[1],
             _ptr(query_start_loc),
             _ptr(seq_lens),
             seq_lens.shape[0],
             _ptr(block_table),
             block_table.stride(0),
+            block_table.shape[1],
             kv_cache.shape[2],
             num_heads,
             kv_cache.shape[3],
             head_dim,
             scale,
         )
+        if status == -2:
+            raise IndexError("attention metadata of this step points outside the batch or cache")
         if status != 0:
             raise MemoryError("native paged attention could not allocate its scratch memory")
         return out

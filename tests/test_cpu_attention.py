@@ -157,3 +157,33 @@ def test_native_norm_and_rope_equal_pytorch():
     native.rope_(qkv[:, :5], cos, sin)
     torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, 5:], untouched)
+
+
+@needs_native
+def test_native_kernels_refuse_metadata_outside_the_cache():
+    """A block id, slot or query range outside the cache or batch raises IndexError (the
+    step fails and the executor's isolation takes over) instead of reading or writing
+    memory the cache does not own; nothing is written."""
+    step = mixed_step([(30, 1), (0, 5)], 4, 2, 16, torch.float32)
+    cache = step["kv_cache"].clone()
+    args = (step["query_start_loc"], step["seq_lens"], step["block_table"], 0.25)
+    native.paged_attention(step["query"], cache, *args)  # the untouched step is fine
+
+    bad_table = step["block_table"].clone()
+    bad_table[0, 1] = cache.shape[1]
+    with pytest.raises(IndexError):
+        native.paged_attention(step["query"], cache, args[0], args[1], bad_table, 0.25)
+    too_long = step["seq_lens"].clone()
+    too_long[1] = bad_table.shape[1] * BLOCK_SIZE + 1
+    with pytest.raises(IndexError):
+        native.paged_attention(step["query"], cache, args[0], too_long, args[2], 0.25)
+    past_batch = step["query_start_loc"].clone()
+    past_batch[-1] = step["query"].shape[0] + 1
+    with pytest.raises(IndexError):
+        native.paged_attention(step["query"], cache, past_batch, *args[1:])
+
+    slots = step["slot_mapping"].clone()
+    slots[0] = cache.shape[1] * cache.shape[2]
+    with pytest.raises(IndexError):
+        native.reshape_and_cache(step["key"], step["value"], cache, slots)
+    assert torch.equal(cache, step["kv_cache"])

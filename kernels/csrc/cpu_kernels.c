@@ -90,10 +90,13 @@ void weir_rope(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_
 }
 
 /* Copy each row's K and V ([kv_heads * head_dim] floats each, at k + t * k_stride and
-   v + t * v_stride) to cache slot slots[t]; slot -1 (padding) writes nothing. */
-void weir_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                   const int64_t *slots, int64_t rows, float *key_cache, float *value_cache,
-                   int64_t slot_size) {
+   v + t * v_stride) to cache slot slots[t]; slot -1 (padding) writes nothing. Returns 0, or
+   -2 (nothing written) when a slot lies outside the cache's num_slots. */
+int weir_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                  const int64_t *slots, int64_t rows, float *key_cache, float *value_cache,
+                  int64_t slot_size, int64_t num_slots) {
+    for (int64_t t = 0; t < rows; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots) return -2;
     const size_t bytes = (size_t)slot_size * sizeof(float);
 #pragma omp parallel for schedule(static) if (rows > 64)
     for (int64_t t = 0; t < rows; t++) {
@@ -101,6 +104,7 @@ void weir_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_s
         memcpy(key_cache + slots[t] * slot_size, k + t * k_stride, bytes);
         memcpy(value_cache + slots[t] * slot_size, v + t * v_stride, bytes);
     }
+    return 0;
 }
 
 typedef struct {
@@ -238,13 +242,27 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
    out likewise; the cache is [num_blocks * block_size, num_kv_heads, head_dim] per K and V.
    Request r owns query rows query_start_loc[r] .. query_start_loc[r + 1] and has
    seq_lens[r] keys, the last of them its own queries' (causal within the chunk).
-   Returns 0, or -1 when scratch memory could not be allocated. */
+   Returns 0; -1 when scratch memory could not be allocated; -2 (nothing read) when the
+   metadata points outside the batch's num_tokens rows, the block table's width or the
+   cache's num_blocks. */
 int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride,
-                         const float *key_cache, const float *value_cache,
-                         const int32_t *query_start_loc, const int32_t *seq_lens,
-                         int64_t num_reqs, const int32_t *block_table,
-                         int64_t block_table_stride, int64_t block_size, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, float scale) {
+                         int64_t num_tokens, const float *key_cache, const float *value_cache,
+                         int64_t num_blocks, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, int64_t num_reqs, const int32_t *block_table,
+                         int64_t block_table_stride, int64_t block_table_width,
+                         int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, float scale) {
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
+        const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
+        if (start < 0 || end < start || end > num_tokens || seq_lens[r] < end - start ||
+            blocks > block_table_width)
+            return -2;
+        for (int64_t b = 0; b < blocks && end > start; b++) {
+            const int32_t block = block_table[r * block_table_stride + b];
+            if (block < 0 || block >= num_blocks) return -2;
+        }
+    }
     const int64_t group = num_heads / num_kv_heads;
     int64_t tokens_per_item = MAX_TILE_ROWS / group;
     if (tokens_per_item < 1) tokens_per_item = 1;

@@ -22,6 +22,7 @@ from weir.services.executor.parallel import ShardLayout, TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,7 @@ usual layout.
 import torch
 from torch import nn
 
-from weir.services.executor.model import CausalLM, Linear
-
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+from weir.services.executor.model import PROJECTIONS, CausalLM, Linear
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

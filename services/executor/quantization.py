@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from weir.kernels.cpu_native import CpuKernels
-from weir.services.executor.model import CausalLM, Linear
+from weir.services.executor.model import PROJECTIONS, CausalLM, Linear
 from weir.shared.config import QUANTIZATION_METHODS
 
 PACKED_MAX_ROWS = 8  # measured crossover: the packed kernel wins at 8 rows, loses at 16
@@ -113,9 +113,6 @@ class Int8Linear(nn.Module):
         return out if self.bias is None else out.add_(self.bias)
 
 
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
 @torch.no_grad()
 def quantize_model(model: CausalLM, method: str) -> None:
     """Replace the loaded float32 projections, embedding and LM head with ``method``'s
@@ -123,7 +120,7 @@ def quantize_model(model: CausalLM, method: str) -> None:
     check_quantization(method, model.inv_freq.device, model.dtype)
     kernels = model.attention.kernels
     for layer in model.layers:
-        for name in _PROJECTIONS:
+        for name in PROJECTIONS:
             setattr(layer, name, Int8Linear(getattr(layer, name), kernels))
     model.quantized_embed = Int8Weight(model.embed_tokens, kernels)
     model.embed_tokens = nn.Parameter(torch.empty(0, model.config.hidden_size), False)
