@@ -32,7 +32,7 @@ from weir.shared.model_store import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -46,7 +46,11 @@ _SIGNATURES = {
         [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F],
     ),
     "weir_int8_linear": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]),
+    "weir_silu_mul": (None, [_P, _I, _I, _I]),
+    "weir_pack_panels": (None, [_P, _I, _I, _P]),
+    "weir_linear": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]),
 }
+PANEL = 16  # weight rows per panel of `pack_panels` (PANEL in the C source)
 
 
 def _cpu_id() -> str:
@@ -138,6 +142,13 @@ class CpuKernels:
             _ptr(x), x.stride(0), x.shape[0], x.shape[1], x.shape[2], _ptr(cos), _ptr(sin)
         )
 
+    def silu_mul_(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up written over gate, for gate_up [T, 2 * I] (rows may be strided):
+        returns that [T, I] view."""
+        dim = gate_up.shape[1] // 2
+        self._lib.weir_silu_mul(_ptr(gate_up), gate_up.stride(0), gate_up.shape[0], dim)
+        return gate_up[:, :dim]
+
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
@@ -219,6 +230,43 @@ class CpuKernels:
             _ptr(scale),
             n,
             k,
+            None if residual is None else _ptr(residual),
+            0 if residual is None else residual.stride(0),
+            _ptr(out),
+            out.stride(0),
+        )
+        return out
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] float32 -> the panel layout `linear` reads: [ceil(N / 16), K, 16]."""
+        weight = weight.detach().contiguous()
+        n, k = weight.shape
+        panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
+        self._lib.weir_pack_panels(_ptr(weight), n, k, _ptr(panels))
+        return panels
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(residual +) x @ weight.T (+ bias) with the weight as `pack_panels` gave it: x [M, K]
+        float32 with contiguous rows, bias [N], residual [M, N] (rows may be strided)."""
+        k = panels.shape[1]
+        if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {k} inputs")
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        self._lib.weir_linear(
+            _ptr(x),
+            x.stride(0),
+            x.shape[0],
+            _ptr(panels),
+            out_features,
+            k,
+            None if bias is None else _ptr(bias),
             None if residual is None else _ptr(residual),
             0 if residual is None else residual.stride(0),
             _ptr(out),

@@ -160,6 +160,18 @@ def test_native_norm_and_rope_equal_pytorch():
 
 
 @needs_native
+def test_native_silu_mul_equals_pytorch():
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(6, 2 * 2 * 37, generator=gen)[:, : 2 * 37] * 4  # strided rows
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -87.5])  # exp's range ends
+    gate, up = gate_up.clone().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = native.silu_mul_(gate_up)
+    assert got.data_ptr() == gate_up.data_ptr()  # in place, over the gate half
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_native
 def test_native_kernels_refuse_metadata_outside_the_cache():
     """A block id, slot or query range outside the cache or batch raises IndexError (the
     step fails and the executor's isolation takes over) instead of reading or writing

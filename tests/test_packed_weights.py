@@ -1,32 +1,57 @@
-"""Projections prepacked for oneDNN compute what `F.linear` computes (the whole model with
-packed weights is checked against transformers in test_model_core and
-test_smollm2_greedy), and packing applies to float32 on a CPU only."""
+"""Prepacked projections compute what `F.linear` computes, in both packings: the native
+kernels' panels and oneDNN's layout (the whole model with packed weights is checked against
+transformers in test_model_core and test_smollm2_greedy), and packing applies to float32 on
+a CPU only."""
 
 import pytest
 import torch
 
+from weir.kernels import cpu_native
 from weir.services.executor.packed_weights import PackedLinear, can_pack
 
-pytestmark = pytest.mark.skipif(
-    not can_pack(torch.device("cpu"), torch.float32), reason="PyTorch built without oneDNN"
-)
+KERNELS = cpu_native.load()
+PACKINGS = [
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(KERNELS is None, reason="native CPU kernels not built here"),
+    ),
+    pytest.param(
+        "onednn",
+        marks=pytest.mark.skipif(
+            not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN"
+        ),
+    ),
+]
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_linear_matches_f_linear(rows):
-    gen = torch.Generator().manual_seed(0)
+# Rows around the kernel's 6-row blocks and 96-row chunks; 100 outputs leave a partial panel.
+@pytest.mark.parametrize("rows", [1, 5, 7, 13, 64, 97, 300])
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_packed_linear_matches_f_linear(rows, packing):
+    kernels = KERNELS if packing == "native" else None
+    gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(100, 72, generator=gen)
     bias = torch.randn(100, generator=gen)
     x = torch.randn(rows, 2 * 72, generator=gen)[:, :72]  # strided rows, as split views are
-    residual = torch.randn(rows, 100, generator=gen)
-    packed = PackedLinear(weight, bias)
+    residual = torch.randn(rows, 3 * 100, generator=gen)[:, 100:200]
+    packed = PackedLinear(weight, bias, kernels)
     want = torch.nn.functional.linear(x, weight, bias)
     torch.testing.assert_close(packed(x), want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(packed.add_to(residual, x), want + residual, atol=1e-4, rtol=1e-5)
     assert torch.equal(packed.dense_weight(), weight)
-    assert PackedLinear(weight)(x).shape == (rows, 100)
+    unbiased = PackedLinear(weight, kernels=kernels)
+    torch.testing.assert_close(unbiased(x), want - bias, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(KERNELS is None, reason="native CPU kernels not built here")
+def test_native_linear_refuses_a_mismatched_input():
+    packed = PackedLinear(torch.randn(32, 16), kernels=KERNELS)
+    with pytest.raises(ValueError, match="16 inputs"):
+        packed(torch.randn(4, 17))
+    with pytest.raises(ValueError, match="16 inputs"):
+        packed(torch.randn(16, 4).t())
 
 
 def test_only_float32_on_a_cpu_is_packed():
-    assert not can_pack(torch.device("cpu"), torch.bfloat16)
-    assert not can_pack(torch.device("cuda"), torch.float32)
+    assert not can_pack(torch.device("cpu"), torch.bfloat16, KERNELS)
+    assert not can_pack(torch.device("cuda"), torch.float32, KERNELS)

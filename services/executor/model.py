@@ -258,9 +258,14 @@ class DecoderLayer(nn.Module):
         self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(q, kv_cache, meta, self.scale)
         x = self._add_row_parallel(self.o_proj, x, attn.reshape(num_tokens, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
         # In place in the projection's output buffer: no new [T, intermediate] tensors.
-        return self._add_row_parallel(self.down_proj, x, F.silu(gate, inplace=True).mul_(up))
+        if self.kernels is not None:
+            act = self.kernels.silu_mul_(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up)
+        return self._add_row_parallel(self.down_proj, x, act)
 
 
 class CausalLM(nn.Module):
@@ -306,7 +311,7 @@ class CausalLM(nn.Module):
         # Set by `quantization.quantize_model`: the vocabulary matrices kept quantized.
         self.quantized_embed: Any = None
         self.quantized_lm_head: Any = None
-        # Set by `packed_weights.pack_model`: the LM head in oneDNN's layout.
+        # Set by `packed_weights.pack_model`: the LM head prepacked for the CPU's matmul.
         self.packed_lm_head: Any = None
 
     def forward(

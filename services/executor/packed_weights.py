@@ -1,56 +1,86 @@
-"""Projection weights prepacked for oneDNN (float32 on the CPU, the default there).
+"""Projection weights prepacked for the CPU's matmul (float32 on the CPU, the default there).
 
 `F.linear` on a CPU runs MKL's GEMM, which repacks the weight into its blocked layout on
 every call; a decode step multiplies a few dozen rows by every weight of the model, so
-that repacking costs about as much as the arithmetic. Reordering each projection once at
-load time into oneDNN's layout (`mkldnn._reorder_linear_weight`, the prepacking
-PyTorch's own compiler uses) and calling oneDNN's matmul on it was 20-35% faster over the
-30 layers of SmolLM2 at 1-38 rows and the same from 256 rows up, and 1.4-2x faster for
-the LM head (docs/benchmarks.md). The packed tensors replace the float32 weights, so
-memory does not grow, except for a tied LM head: its packed copy sits beside the
-embedding, whose lookup needs the dense rows. `dense_weight` gives a weight back in the
-usual layout.
+that repacking costs about as much as the arithmetic. Each projection and the LM head is
+therefore packed once at load time:
+
+- with the native CPU kernels built (`weir.kernels.cpu_native`), into their panels of 16
+  weight rows, multiplied by their 6 x 16 register-blocked GEMM: 1.15-1.25x oneDNN at a
+  decode step's 8-64 rows and as fast or faster at prefill sizes (docs/benchmarks.md);
+- otherwise into oneDNN's layout (`mkldnn._reorder_linear_weight`, the prepacking PyTorch's
+  own compiler uses) for oneDNN's matmul: 20-35% faster than `F.linear` at 1-38 rows,
+  1.4-2x for the LM head.
+
+The packed tensors replace the float32 weights, so memory does not grow, except for a tied
+LM head: its packed copy sits beside the embedding, whose lookup needs the dense rows.
+`dense_weight` gives a weight back in the usual layout.
 """
 
 import torch
 from torch import nn
 
+from weir.kernels.cpu_native import CpuKernels
 from weir.services.executor.model import PROJECTIONS, CausalLM, Linear
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+def can_pack(device: torch.device, dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and (kernels is not None or torch.backends.mkldnn.is_available())
+    )
 
 
 class PackedLinear(nn.Module):
-    """`Linear` with its weight in oneDNN's blocked layout."""
+    """`Linear` with its weight prepacked: the native kernels' panels when `kernels` is
+    given, oneDNN's blocked layout otherwise."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernels: CpuKernels | None = None,
+    ) -> None:
         super().__init__()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-        self.bias = None if bias is None else bias.detach()
+        self.kernels = kernels
+        self.out_features, self.in_features = weight.shape
+        if kernels is None:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        else:
+            self.weight = kernels.pack_panels(weight)
+        self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x), the addition fused into the matmul."""
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.weight, self.out_features, self.bias, residual)
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
 
     def dense_weight(self) -> torch.Tensor:
-        return self.weight.to_dense()
+        if self.kernels is None:
+            return self.weight.to_dense()
+        # panels[p, c, j] holds weight[p * 16 + j, c]
+        rows = self.weight.permute(0, 2, 1).reshape(-1, self.in_features)
+        return rows[: self.out_features].contiguous()
 
 
 @torch.no_grad()
 def pack_model(model: CausalLM) -> None:
     """Replace every layer's loaded projections with packed ones, and pack the LM head (in
     place). A tied LM head is packed as a copy: the embedding lookup keeps the dense rows."""
+    kernels = model.attention.kernels
     for layer in model.layers:
         for name in PROJECTIONS:
             linear: Linear = getattr(layer, name)
-            setattr(layer, name, PackedLinear(linear.weight, linear.bias))
+            setattr(layer, name, PackedLinear(linear.weight, linear.bias, kernels))
     if model.lm_head is None:
-        model.packed_lm_head = PackedLinear(model.embed_tokens)
+        model.packed_lm_head = PackedLinear(model.embed_tokens, kernels=kernels)
     else:
-        model.packed_lm_head = PackedLinear(model.lm_head)
+        model.packed_lm_head = PackedLinear(model.lm_head, kernels=kernels)
         model.lm_head = nn.Parameter(torch.empty(0, model.config.hidden_size), False)

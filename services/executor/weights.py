@@ -197,7 +197,7 @@ def load_model(
     if quantization is not None:
         quantize_model(model, quantization)
     elif (
-        can_pack(torch.device(device), dtype)
+        can_pack(torch.device(device), dtype, model.attention.kernels)
         and os.environ.get("WEIR_PACK_CPU_WEIGHTS", "1") != "0"
     ):
         pack_model(model)
