@@ -4,13 +4,14 @@ On a CPU the executor's step is, besides its matmuls, hundreds of small PyTorch 
 calls per step (each RMSNorm, rotation, cache write and attention bucket is several), and
 the batched attention gathers every request's context into new tensors each layer before
 reading it. These kernels do each of those in one call that reads its operands once and
-attends straight from the paged cache through the block table; `int8_linear` is the decode
-matmul of ``--quantization int8`` with float32 activations.
+attends straight from the paged cache through the block table; `linear` is the float32
+matmul against weights packed once by `pack_panels` (services/executor/packed_weights.py),
+`int8_linear` the decode matmul of ``--quantization int8`` with float32 activations.
 
 The source is compiled with the system C compiler (``$CC``, else ``cc``) with
-``-O3 -march=native -fopenmp`` into ``$WEIR_CACHE/kernels/`` (a file per source, compiler and
-CPU), once per machine; the library links the libgomp PyTorch already loaded, so the
-kernels run on PyTorch's OpenMP threads. Where no compiler works, or with
+``-O3 -march=native -ffp-contract=fast -fopenmp`` into ``$WEIR_CACHE/kernels/`` (a file
+per source, compiler and CPU), once per machine; the library links the libgomp PyTorch
+already loaded, so the kernels run on PyTorch's OpenMP threads. Where no compiler works, or with
 ``WEIR_NATIVE_CPU_KERNELS=0``, `load` returns None and the executor keeps the PyTorch
 operator path (`cpu_attention`), which computes the same thing.
 """
