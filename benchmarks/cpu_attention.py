@@ -25,6 +25,17 @@ from weir.kernels import cpu_native
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
+class AttentionOnly:
+    """`CpuKernels.paged_attention` over another build, which may lack later kernels."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        restype, argtypes = cpu_native._SIGNATURES["weir_paged_attention"]
+        lib.weir_paged_attention.restype, lib.weir_paged_attention.argtypes = restype, argtypes
+        self._lib = lib
+
+    paged_attention = cpu_native.CpuKernels.paged_attention
+
+
 def make_case(lens: list[tuple[int, int]], seed: int) -> dict[str, torch.Tensor]:
     """lens: (query tokens, total tokens) per request."""
     gen = torch.Generator().manual_seed(seed)
@@ -63,7 +74,9 @@ def attention_flops(case: dict[str, torch.Tensor]) -> int:
     return pairs * HEADS * HEAD_DIM * 4
 
 
-def time_layers(kernels: cpu_native.CpuKernels, case: dict[str, torch.Tensor]) -> float:
+def time_layers(
+    kernels: cpu_native.CpuKernels | AttentionOnly, case: dict[str, torch.Tensor]
+) -> float:
     """Seconds per call, averaged over one pass of the 30 layers."""
     start = time.perf_counter()
     for layer in range(LAYERS):
@@ -91,9 +104,9 @@ def main() -> None:
     current = cpu_native.load()
     if current is None:
         raise SystemExit("the native kernels are not available here (see kernels/cpu_native.py)")
-    builds = {"current": current}
+    builds: dict[str, cpu_native.CpuKernels | AttentionOnly] = {"current": current}
     for path in args.library:
-        builds[path.name] = cpu_native.CpuKernels(ctypes.CDLL(str(path.resolve())))
+        builds[path.name] = AttentionOnly(ctypes.CDLL(str(path.resolve())))
 
     rng = random.Random(0)
     decode = make_case([(1, rng.randint(200, 360)) for _ in range(38)], 1)
