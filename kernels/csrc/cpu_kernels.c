@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -239,9 +239,9 @@ static inline v8f max8(v8f a, v8f b) {
 }
 
 static inline float hmax8(v8f v) {
-    v = max8(v, __builtin_shuffle(v, (v8i){4, 5, 6, 7, 0, 1, 2, 3}));
-    v = max8(v, __builtin_shuffle(v, (v8i){2, 3, 0, 1, 6, 7, 4, 5}));
-    return fmaxf(v[0], v[1]);
+    float m = v[0];
+    for (int i = 1; i < 8; i++) m = fmaxf(m, v[i]);
+    return m;
 }
 
 /* Online-softmax update of one row for the scores sr[0, n) of this tile: the row's running
