@@ -436,12 +436,15 @@ static inline float hsum(__m256 v) {
 }
 
 static inline int64_t dot4_int8(const float *x, const int8_t *const w[4], int64_t k,
-                                float s[4]) {
+                                const int8_t *next, float s[4]) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     int64_t c = 0;
     /* Two accumulators per row: eight FMA chains in flight instead of four. */
     for (; c + 16 <= k; c += 16) {
+        /* The next four rows, one line per step: the four k-byte rows read here are streams
+           too short for the hardware prefetcher to learn. */
+        if (next) _mm_prefetch((const char *)(next + 4 * c), _MM_HINT_T0);
         const __m256 xv = _mm256_loadu_ps(x + c), xw = _mm256_loadu_ps(x + c + 8);
         a0 = _mm256_fmadd_ps(int8x8_to_float(w[0] + c), xv, a0);
         b0 = _mm256_fmadd_ps(int8x8_to_float(w[0] + c + 8), xw, b0);
@@ -466,8 +469,8 @@ static inline int64_t dot4_int8(const float *x, const int8_t *const w[4], int64_
 }
 #else
 static inline int64_t dot4_int8(const float *x, const int8_t *const w[4], int64_t k,
-                                float s[4]) {
-    (void)x, (void)w, (void)k;
+                                const int8_t *next, float s[4]) {
+    (void)x, (void)w, (void)k, (void)next;
     s[0] = s[1] = s[2] = s[3] = 0.0f;
     return 0;
 }
@@ -482,10 +485,11 @@ void weir_int8_linear(const float *x, int64_t x_stride, int64_t m, const int8_t 
         /* Past the last weight row, repeat it: computed, never stored. */
         const int8_t *rows[4];
         for (int64_t t = 0; t < 4; t++) rows[t] = w + (j0 + (t < nj ? t : nj - 1)) * k;
+        const int8_t *next = j0 + 8 <= n ? w + (j0 + 4) * k : NULL;
         for (int64_t i = 0; i < m; i++) {
             const float *xr = x + i * x_stride;
             float s[4];
-            for (int64_t c = dot4_int8(xr, rows, k, s); c < k; c++)
+            for (int64_t c = dot4_int8(xr, rows, k, i == 0 ? next : NULL, s); c < k; c++)
                 for (int64_t t = 0; t < 4; t++) s[t] += xr[c] * (float)rows[t][c];
             for (int64_t t = 0; t < nj; t++) {
                 const int64_t j = j0 + t;
