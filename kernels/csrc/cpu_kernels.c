@@ -533,6 +533,7 @@ static inline void panel_block(const float *x, int64_t x_stride, int64_t rows,
     v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t c = 0; c < k; c++) {
+        __builtin_prefetch(panel + (c + 32) * PANEL);
         const v8f b0 = load8(panel + c * PANEL), b1 = load8(panel + c * PANEL + 8);
         v8f a = broadcast(x0[c]);
         c00 += a * b0, c01 += a * b1;
