@@ -182,10 +182,17 @@ def test_every_dashboard_query_returns_data_under_a_real_prometheus(tmp_path):
                 assert values == [model_name], (metric, label)
             expressions = _dashboard_expressions(model_name)
             assert len(expressions) >= 20
-            # A few more scrapes carry the requests' counts into Prometheus.
+            # A few more scrapes carry the requests' counts into Prometheus. A rate needs
+            # two samples around an increase, and on a loaded machine a scrape can time
+            # out: traffic keeps flowing (as in a real deployment) until each has one.
             deadline = time.monotonic() + 60
             while missing := [e for e in expressions if not _has_data(base, e)]:
                 assert time.monotonic() < deadline, f"dashboard queries without data: {missing}"
+                httpx.post(
+                    f"{http}/completions",
+                    json={"model": model_name, "prompt": PROMPTS[0], "max_tokens": 16},
+                    timeout=120,
+                )
                 time.sleep(1)
         finally:
             prometheus.terminate()
