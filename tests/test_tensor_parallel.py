@@ -124,7 +124,7 @@ def _reassemble(shards, name: str) -> torch.Tensor:
     # With fewer KV heads than ranks, consecutive ranks hold copies of the same head.
     kv_owners = range(0, n, max(n // cfg.num_kv_heads, 1))
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        if name == "lm_head.weight":  # packed for oneDNN at load time on the CPU
+        if name == "lm_head.weight":  # prepacked at load time on the CPU
             return torch.cat([s.packed_lm_head.dense_weight() for s in shards])[: cfg.vocab_size]
         return torch.cat([s.embed_tokens for s in shards])[: cfg.vocab_size]
     if name == "model.norm.weight":
