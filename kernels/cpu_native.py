@@ -50,6 +50,7 @@ _SIGNATURES = {
     "weir_silu_mul": (None, [_P, _I, _I, _I]),
     "weir_pack_panels": (None, [_P, _I, _I, _P]),
     "weir_linear": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]),
+    "weir_linear_silu_mul": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
 }
 PANEL = 16  # weight rows per panel of `pack_panels` (PANEL in the C source)
 
@@ -256,9 +257,7 @@ class CpuKernels:
     ) -> torch.Tensor:
         """(residual +) x @ weight.T (+ bias) with the weight as `pack_panels` gave it: x [M, K]
         float32 with contiguous rows, bias [N], residual [M, N] (rows may be strided)."""
-        k = panels.shape[1]
-        if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-            raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {k} inputs")
+        k = _check_rows(x, panels)
         out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
         self._lib.weir_linear(
             _ptr(x),
@@ -274,3 +273,42 @@ class CpuKernels:
             out.stride(0),
         )
         return out
+
+    def linear_silu_mul(
+        self,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """silu(gate) * up of a gated MLP in one pass: the panels hold its fused gate/up weight
+        [2 * out_features, K] (gate rows first; out_features a multiple of 16), bias [2 *
+        out_features]; x [M, K] -> [M, out_features], never writing the [M, 2 * out_features]
+        projection. The same arithmetic as `linear` then `silu_mul_`."""
+        if out_features % PANEL or panels.shape[0] * PANEL != 2 * out_features:
+            raise ValueError(
+                f"linear_silu_mul: {out_features} outputs need {2 * out_features // PANEL} "
+                f"panels of {PANEL} weight rows, got {panels.shape[0]}"
+            )
+        k = _check_rows(x, panels)
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        self._lib.weir_linear_silu_mul(
+            _ptr(x),
+            x.stride(0),
+            x.shape[0],
+            _ptr(panels),
+            out_features,
+            k,
+            None if bias is None else _ptr(bias),
+            _ptr(out),
+            out.stride(0),
+        )
+        return out
+
+
+def _check_rows(x: torch.Tensor, panels: torch.Tensor) -> int:
+    """The K of packed `panels`, once x [M, K] is checked to fit them with contiguous rows."""
+    k = panels.shape[1]
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {k} inputs")
+    return k

@@ -116,15 +116,23 @@ native = cpu_native.load()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler: native kernels not built")
 
 
+MIXED = [(300, 1), (0, 1), (150, 1), (20, 3), (33, 4), (11, 25), (0, 17), (40, 70)]
+
+
 @needs_native
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (8, 1, 20), (4, 4, 64), (9, 3, 64)]
 )
-def test_native_cpu_attention_equals_reference(num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize(
+    "requests",
+    [MIXED, [(300, 1)], [(70, 2)]],
+    ids=["mixed", "one-decode", "one-speculative"],
+)
+def test_native_cpu_attention_equals_reference(num_heads, num_kv_heads, head_dim, requests):
     """Every query length and tile split (prefill chunks longer than one work item, a head
     size that is not a multiple of 8), against the reference, with the cache written by the
-    native kernel from strided views of one fused projection."""
-    requests = [(300, 1), (0, 1), (150, 1), (20, 3), (33, 4), (11, 25), (0, 17), (40, 70)]
+    native kernel from strided views of one fused projection. A batch of many requests gives
+    each decode one work item over all its KV heads; a lone decode is split per KV head."""
     step = mixed_step(requests, num_heads, num_kv_heads, head_dim, torch.float32)
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])

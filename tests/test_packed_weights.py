@@ -43,6 +43,27 @@ def test_packed_linear_matches_f_linear(rows, packing):
     torch.testing.assert_close(unbiased(x), want - bias, atol=1e-4, rtol=1e-5)
 
 
+# 2 x 48 outputs: each half fills whole panels, so the native packing fuses the activation
+# into the matmul; 2 x 40 do not, so it falls back to the projection then SiLU-and-multiply.
+@pytest.mark.parametrize("intermediate", [48, 40])
+@pytest.mark.parametrize("rows", [1, 7, 97])
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_packed_gate_up_silu_mul_matches_pytorch(intermediate, rows, packing):
+    kernels = KERNELS if packing == "native" else None
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    weight = torch.randn(2 * intermediate, 72, generator=gen)
+    bias = torch.randn(2 * intermediate, generator=gen)
+    x = torch.randn(rows, 2 * 72, generator=gen)[:, :72]
+    gate, up = torch.nn.functional.linear(x, weight, bias).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = PackedLinear(weight, bias, kernels).silu_mul(x)
+    assert got.shape == (rows, intermediate)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    unbiased = PackedLinear(weight, kernels=kernels).silu_mul(x)
+    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+    torch.testing.assert_close(unbiased, torch.nn.functional.silu(gate) * up, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.skipif(KERNELS is None, reason="native CPU kernels not built here")
 def test_native_linear_refuses_a_mismatched_input():
     packed = PackedLinear(torch.randn(32, 16), kernels=KERNELS)
@@ -50,6 +71,9 @@ def test_native_linear_refuses_a_mismatched_input():
         packed(torch.randn(4, 17))
     with pytest.raises(ValueError, match="16 inputs"):
         packed(torch.randn(16, 4).t())
+    panels = KERNELS.pack_panels(torch.randn(32, 16))
+    with pytest.raises(ValueError, match="need 4 panels"):
+        KERNELS.linear_silu_mul(torch.randn(4, 16), panels, 32)
 
 
 def test_only_float32_on_a_cpu_is_packed():

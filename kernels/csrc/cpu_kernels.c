@@ -14,6 +14,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -129,8 +132,10 @@ int weir_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_st
     return 0;
 }
 
+/* num_tokens consecutive query tokens of request req, times the query heads of KV heads
+   kv_head .. kv_head + num_kv_heads - 1. */
 typedef struct {
-    int32_t req, kv_head, first_token, num_tokens;
+    int32_t req, kv_head, num_kv_heads, first_token, num_tokens;
 } WorkItem;
 
 /* The sums of eight vectors: out[k] = sum of acc[k]'s lanes. */
@@ -240,7 +245,7 @@ static inline v8f max8(v8f a, v8f b) {
 
 static inline float hmax8(v8f v) {
     float m = v[0];
-    for (int i = 1; i < 8; i++) m = fmaxf(m, v[i]);
+    for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m; /* maxss; fmaxf is a libm call */
     return m;
 }
 
@@ -258,7 +263,7 @@ static inline float softmax_tile(float *sr, int64_t n, float *row_max, float *ro
         store8(sr + c, v);
         vmax = max8(vmax, v);
     }
-    const float m = fmaxf(*row_max, hmax8(vmax));
+    const float tile_max = hmax8(vmax), m = tile_max > *row_max ? tile_max : *row_max;
     v8f vsum = {0};
     for (int64_t c = 0; c < n; c += 8) {
         const v8i visible = lane < (v8i){0} + (int32_t)(n - c);
@@ -274,41 +279,46 @@ static inline float softmax_tile(float *sr, int64_t n, float *row_max, float *ro
 }
 
 /* One work item: `num_tokens` consecutive query tokens of one request, times the `group`
-   query heads of one KV head, against that request's keys 0 .. context + token, with an
-   online softmax over tiles of keys read in place from the paged cache: WIDE_TILE keys for
-   few rows (the per-tile softmax bookkeeping is then paid once per 64 keys), KEY_TILE for
-   many (the transposed tile lives in L1). */
+   query heads of each of its KV heads, against that request's keys 0 .. context + token,
+   with an online softmax over tiles of keys read in place from the paged cache: WIDE_TILE
+   keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 64
+   keys), KEY_TILE for many (the transposed tile lives in L1). An item of several KV heads
+   walks each tile's cache slots once for all of them: the heads of a slot are adjacent, so
+   the tile is read as contiguous runs rather than one head's stripe of every slot. */
 static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
                         int64_t out_stride, const float *key_cache, const float *value_cache,
                         const int32_t *query_start_loc, const int32_t *seq_lens,
                         const int32_t *block_table, int64_t block_table_stride,
                         int64_t block_size, int64_t num_kv_heads, int64_t group,
                         int64_t head_dim, float scale, float *scratch) {
-    const int64_t rows = (int64_t)w->num_tokens * group;
-    const int64_t tile = rows < TRANSPOSE_ROWS ? WIDE_TILE : KEY_TILE;
+    const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
+    const int64_t rows = head_rows * heads;
+    const int64_t tile = head_rows < TRANSPOSE_ROWS ? WIDE_TILE : KEY_TILE;
     const int64_t q_len = query_start_loc[w->req + 1] - query_start_loc[w->req];
     const int64_t context = seq_lens[w->req] - q_len;
     const int64_t token0 = query_start_loc[w->req] + w->first_token;
     const int64_t last_key = context + w->first_token + w->num_tokens - 1;
     const int32_t *table = block_table + (int64_t)w->req * block_table_stride;
     const int64_t slot_size = num_kv_heads * head_dim, head_offset = w->kv_head * head_dim;
+    const int64_t item_floats = heads * head_dim;
 
+    /* Row r = (h * num_tokens + i) * group + g: query head (kv_head + h) * group + g of token i. */
     float *qs = scratch;                 /* [rows][head_dim], scaled queries */
     float *acc = qs + rows * head_dim;   /* [rows][head_dim] */
     float *kt = acc + rows * head_dim;   /* [head_dim][KEY_TILE] */
-    float *s = kt + head_dim * KEY_TILE; /* [rows][tile] */
-    float *row_max = s + rows * tile, *row_sum = row_max + rows;
-    const float *krow[WIDE_TILE], *vrow[WIDE_TILE];
+    float *s = kt + head_dim * KEY_TILE; /* [head_rows][tile] */
+    float *row_max = s + head_rows * tile, *row_sum = row_max + rows;
+    const float *kslot[WIDE_TILE], *vslot[WIDE_TILE], *krow[WIDE_TILE], *vrow[WIDE_TILE];
     float p[WIDE_TILE];
 
-    for (int64_t i = 0; i < w->num_tokens; i++)
-        for (int64_t g = 0; g < group; g++) {
-            const float *src = q + (token0 + i) * q_stride + (w->kv_head * group + g) * head_dim;
-            float *dst = qs + (i * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = src[d] * scale;
-        }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t h = r / head_rows, i = r % head_rows / group, g = r % group;
+        const float *src =
+            q + (token0 + i) * q_stride + ((w->kv_head + h) * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) qs[r * head_dim + d] = src[d] * scale;
+        row_max[r] = -INFINITY, row_sum[r] = 0.0f;
+    }
     memset(acc, 0, sizeof(float) * rows * head_dim);
-    for (int64_t r = 0; r < rows; r++) row_max[r] = -INFINITY, row_sum[r] = 0.0f;
 
     for (int64_t j0 = 0; j0 <= last_key; j0 += tile) {
         const int64_t nk = last_key - j0 + 1 < tile ? last_key - j0 + 1 : tile;
@@ -316,39 +326,44 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
         int64_t block = j0 / block_size, offset = j0 % block_size;
         for (int64_t j = 0; j < nk; j++) {
             const int64_t at = ((int64_t)table[block] * block_size + offset) * slot_size + head_offset;
-            krow[j] = key_cache + at;
-            vrow[j] = value_cache + at;
+            kslot[j] = key_cache + at;
+            vslot[j] = value_cache + at;
             if (++offset == block_size) offset = 0, block++;
         }
-        for (int64_t j = nk; j < tile; j++) krow[j] = krow[0];
+        for (int64_t j = nk; j < tile; j++) kslot[j] = kslot[0], vslot[j] = vslot[0];
         /* The next tile's rows are scattered over blocks the hardware prefetcher cannot
            guess: ask for them now, so they arrive while this tile is computed. */
         const int64_t next_nk = last_key - j0 - tile + 1 < tile ? last_key - j0 - tile + 1 : tile;
         for (int64_t j = 0; j < next_nk; j++) {
             const int64_t at = ((int64_t)table[block] * block_size + offset) * slot_size + head_offset;
-            for (int64_t d = 0; d < head_dim; d += 16) {
-                __builtin_prefetch(key_cache + at + d);
-                __builtin_prefetch(value_cache + at + d);
+            for (int64_t d = 0; d < item_floats; d += 16) {
+                __builtin_prefetch(key_cache + at + d, 0, 2);
+                __builtin_prefetch(value_cache + at + d, 0, 2);
             }
             if (++offset == block_size) offset = 0, block++;
         }
-        score_tile(qs, rows, krow, tile, head_dim, kt, s);
-        for (int64_t r = 0; r < rows; r++) {
-            /* Query token i sees keys up to context + i. */
-            const int64_t visible = context + w->first_token + r / group - j0 + 1;
-            const int64_t n = visible < nk ? visible : nk;
-            if (n <= 0) continue;
-            const float correction = softmax_tile(s + r * tile, n, row_max + r, row_sum + r, p);
-            accumulate_values(acc + r * head_dim, correction, p, vrow, n, head_dim);
+        for (int64_t h = 0; h < heads; h++) {
+            for (int64_t j = 0; j < tile; j++)
+                krow[j] = kslot[j] + h * head_dim, vrow[j] = vslot[j] + h * head_dim;
+            const int64_t r0 = h * head_rows;
+            score_tile(qs + r0 * head_dim, head_rows, krow, tile, head_dim, kt, s);
+            for (int64_t r = 0; r < head_rows; r++) {
+                /* Query token i sees keys up to context + i. */
+                const int64_t visible = context + w->first_token + r / group - j0 + 1;
+                const int64_t n = visible < nk ? visible : nk;
+                if (n <= 0) continue;
+                const float correction =
+                    softmax_tile(s + r * tile, n, row_max + r0 + r, row_sum + r0 + r, p);
+                accumulate_values(acc + (r0 + r) * head_dim, correction, p, vrow, n, head_dim);
+            }
         }
     }
-    for (int64_t i = 0; i < w->num_tokens; i++)
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t r = i * group + g;
-            float *dst = out + (token0 + i) * out_stride + (w->kv_head * group + g) * head_dim;
-            const float inv = 1.0f / row_sum[r];
-            for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[r * head_dim + d] * inv;
-        }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t h = r / head_rows, i = r % head_rows / group, g = r % group;
+        float *dst = out + (token0 + i) * out_stride + ((w->kv_head + h) * group + g) * head_dim;
+        const float inv = 1.0f / row_sum[r];
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[r * head_dim + d] * inv;
+    }
 }
 
 /* Paged attention over a flat batch: q[t, head, :] at q + t * q_stride + head * head_dim,
@@ -379,10 +394,24 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
     const int64_t group = num_heads / num_kv_heads;
     int64_t tokens_per_item = MAX_TILE_ROWS / group;
     if (tokens_per_item < 1) tokens_per_item = 1;
-    int64_t num_items = 0;
+    /* A request with few query rows per KV head (a decode, a short speculative query) is one
+       item over all its KV heads when there are enough requests to share out between the
+       threads: it then reads its cache slots whole. */
+#if defined(_OPENMP)
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    const int merge_heads = num_reqs >= 2 * threads;
+    int64_t num_items = 0, max_rows = tokens_per_item * group;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
-        num_items += num_kv_heads * ((q_len + tokens_per_item - 1) / tokens_per_item);
+        if (merge_heads && q_len > 0 && q_len * group < TRANSPOSE_ROWS) {
+            num_items++;
+            if (q_len * group * num_kv_heads > max_rows) max_rows = q_len * group * num_kv_heads;
+        } else {
+            num_items += num_kv_heads * ((q_len + tokens_per_item - 1) / tokens_per_item);
+        }
     }
     if (num_items == 0) return 0;
     WorkItem *items = malloc(sizeof(WorkItem) * num_items);
@@ -391,14 +420,17 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
     int64_t n = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t q_len = query_start_loc[r + 1] - query_start_loc[r];
+        if (merge_heads && q_len > 0 && q_len * group < TRANSPOSE_ROWS) {
+            items[n++] = (WorkItem){(int32_t)r, 0, (int32_t)num_kv_heads, 0, (int32_t)q_len};
+            continue;
+        }
         for (int64_t t = q_len - ((q_len - 1) % tokens_per_item + 1); t >= 0 && q_len > 0;
              t -= tokens_per_item)
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t nt = q_len - t < tokens_per_item ? q_len - t : tokens_per_item;
-                items[n++] = (WorkItem){(int32_t)r, (int32_t)h, (int32_t)t, (int32_t)nt};
+                items[n++] = (WorkItem){(int32_t)r, (int32_t)h, 1, (int32_t)t, (int32_t)nt};
             }
     }
-    const int64_t max_rows = tokens_per_item * group;
     const size_t scratch_floats =
         (size_t)(2 * max_rows * head_dim + head_dim * KEY_TILE + max_rows * WIDE_TILE + 2 * max_rows);
     int failed = 0;
@@ -552,10 +584,15 @@ static inline void panel_block(const float *x, int64_t x_stride, int64_t rows,
     acc[6] = c30, acc[7] = c31, acc[8] = c40, acc[9] = c41, acc[10] = c50, acc[11] = c51;
 }
 
-/* out[i, j] = (residual[i, j] +) (bias[j] +) sum_c x[i, c] * w[j, c] for i < m, j < n. */
-void weir_linear(const float *x, int64_t x_stride, int64_t m, const float *panels, int64_t n,
-                 int64_t k, const float *bias, const float *residual, int64_t residual_stride,
-                 float *out, int64_t out_stride) {
+/* The matmul's loop over blocks of 6 rows x one panel, row chunks and panels shared out
+   between the threads. Plain: out[i, j] = (residual[i, j] +) (bias[j] +) x[i] . w[j] for
+   j < n. Gated (the gate/up projection of a gated MLP, n a multiple of PANEL): the panels
+   hold the gate's n rows and then the up's n rows, and out[i, j] = silu(g) * u with
+   g = (bias[j] +) x[i] . w[j] and u = (bias[n + j] +) x[i] . w[n + j], computed as
+   weir_silu_mul computes it, so the [m, 2n] projection output is never written. */
+static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const float *panels,
+                          int64_t n, int64_t k, const float *bias, const float *residual,
+                          int64_t residual_stride, float *out, int64_t out_stride, int gated) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
     const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
 #pragma omp parallel for schedule(static) collapse(2)
@@ -569,6 +606,20 @@ void weir_linear(const float *x, int64_t x_stride, int64_t m, const float *panel
                 panel_block(x + i0 * x_stride, x_stride, rows, panels + p * k * PANEL, k, acc);
                 const v8f b0 = bias && cols == PANEL ? load8(bias + j0) : (v8f){0};
                 const v8f b1 = bias && cols == PANEL ? load8(bias + j0 + 8) : (v8f){0};
+                if (gated) {
+                    v8f up[2 * BLOCK_ROWS];
+                    panel_block(x + i0 * x_stride, x_stride, rows,
+                                panels + (num_panels + p) * k * PANEL, k, up);
+                    const v8f u0 = bias ? load8(bias + n + j0) : (v8f){0};
+                    const v8f u1 = bias ? load8(bias + n + j0 + 8) : (v8f){0};
+                    for (int64_t i = 0; i < rows; i++) {
+                        const v8f g_lo = acc[2 * i] + b0, g_hi = acc[2 * i + 1] + b1;
+                        float *o = out + (i0 + i) * out_stride + j0;
+                        store8(o, g_lo / (1.0f + exp8(-g_lo)) * (up[2 * i] + u0));
+                        store8(o + 8, g_hi / (1.0f + exp8(-g_hi)) * (up[2 * i + 1] + u1));
+                    }
+                    continue;
+                }
                 for (int64_t i = 0; i < rows; i++) {
                     float *o = out + (i0 + i) * out_stride + j0;
                     const float *r = residual ? residual + (i0 + i) * residual_stride + j0 : NULL;
@@ -587,4 +638,20 @@ void weir_linear(const float *x, int64_t x_stride, int64_t m, const float *panel
                 }
             }
         }
+}
+
+/* out[i, j] = (residual[i, j] +) (bias[j] +) sum_c x[i, c] * w[j, c] for i < m, j < n. */
+void weir_linear(const float *x, int64_t x_stride, int64_t m, const float *panels, int64_t n,
+                 int64_t k, const float *bias, const float *residual, int64_t residual_stride,
+                 float *out, int64_t out_stride) {
+    linear_blocks(x, x_stride, m, panels, n, k, bias, residual, residual_stride, out, out_stride,
+                  0);
+}
+
+/* out [m, n] = silu(x w[:n]^T + bias[:n]) * (x w[n:]^T + bias[n:]) for the fused gate/up
+   weight w [2n, k] packed by weir_pack_panels, n a multiple of PANEL. */
+void weir_linear_silu_mul(const float *x, int64_t x_stride, int64_t m, const float *panels,
+                          int64_t n, int64_t k, const float *bias, float *out,
+                          int64_t out_stride) {
+    linear_blocks(x, x_stride, m, panels, n, k, bias, NULL, 0, out, out_stride, 1);
 }

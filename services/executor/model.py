@@ -193,6 +193,19 @@ class Linear(nn.Module):
         out = torch.addmm(residual, x, self.weight.t())
         return out if self.bias is None else out.add_(self.bias)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, this being a gated MLP's fused gate/up projection."""
+        return silu_and_mul(self(x), None)
+
+
+def silu_and_mul(gate_up: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2 * I], in place in its gate half: no new [T, I]
+    tensor."""
+    if kernels is not None:
+        return kernels.silu_mul_(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
+
 
 class DecoderLayer(nn.Module):
     def __init__(
@@ -258,13 +271,7 @@ class DecoderLayer(nn.Module):
         self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(q, kv_cache, meta, self.scale)
         x = self._add_row_parallel(self.o_proj, x, attn.reshape(num_tokens, self.q_size))
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
-        # In place in the projection's output buffer: no new [T, intermediate] tensors.
-        if self.kernels is not None:
-            act = self.kernels.silu_mul_(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate, inplace=True).mul_(up)
+        act = self.gate_up_proj.silu_mul(self.post_attention_layernorm(x))
         return self._add_row_parallel(self.down_proj, x, act)
 
 

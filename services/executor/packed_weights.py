@@ -20,8 +20,8 @@ LM head: its packed copy sits beside the embedding, whose lookup needs the dense
 import torch
 from torch import nn
 
-from weir.kernels.cpu_native import CpuKernels
-from weir.services.executor.model import PROJECTIONS, CausalLM, Linear
+from weir.kernels.cpu_native import PANEL, CpuKernels
+from weir.services.executor.model import PROJECTIONS, CausalLM, Linear, silu_and_mul
 
 
 def can_pack(device: torch.device, dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
@@ -61,6 +61,13 @@ class PackedLinear(nn.Module):
         if self.kernels is not None:
             return self.kernels.linear(x, self.weight, self.out_features, self.bias, residual)
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, this being a gated MLP's fused gate/up projection: with the native
+        kernels in the matmul's own pass (when each half fills whole panels)."""
+        if self.kernels is None or self.out_features % (2 * PANEL):
+            return silu_and_mul(self(x), self.kernels)
+        return self.kernels.linear_silu_mul(x, self.weight, self.out_features // 2, self.bias)
 
     def dense_weight(self) -> torch.Tensor:
         if self.kernels is None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from weir.kernels.cpu_native import CpuKernels
-from weir.services.executor.model import PROJECTIONS, CausalLM, Linear
+from weir.services.executor.model import PROJECTIONS, CausalLM, Linear, silu_and_mul
 from weir.shared.config import QUANTIZATION_METHODS
 
 PACKED_MAX_ROWS = 8  # measured crossover: the packed kernel wins at 8 rows, loses at 16
@@ -111,6 +111,10 @@ class Int8Linear(nn.Module):
         """residual + self(x)."""
         out = self.weight.matmul(x, residual)
         return out if self.bias is None else out.add_(self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, this being a gated MLP's fused gate/up projection."""
+        return silu_and_mul(self(x), self.weight.kernels)
 
 
 @torch.no_grad()
