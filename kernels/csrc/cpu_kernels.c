@@ -21,7 +21,7 @@
 #include <immintrin.h>
 #endif
 
-#define KEY_TILE 16    /* keys scored at a time: one paged-cache block at block size 16 */
+#define KEY_TILE 32    /* keys scored at a time for many query rows (two halves of 16) */
 #define MAX_TILE_ROWS 64 /* query rows (tokens x heads of one KV head) per work item */
 #define WIDE_TILE 64    /* keys per tile for few query rows */
 #define TRANSPOSE_ROWS 16 /* from this many rows a transposed key tile pays for itself */
@@ -162,7 +162,7 @@ static inline v8f sum8x8(const v8f acc[8]) {
    Few rows (decodes): eight keys at a time per row, eight independent accumulators summed
    across lanes at the end. Many rows (prefill, tile == KEY_TILE): the tile is transposed
    once into kt[d][key] so each row's scores are broadcast-and-FMA over contiguous keys, with
-   no horizontal sums; four rows share each load of the transposed tile. */
+   no horizontal sums; six rows share each load of the transposed tile. */
 static inline void score_tile(const float *qs, int64_t rows, const float *const *krow,
                               int64_t tile, int64_t head_dim, float *kt, float *s) {
     if (rows < TRANSPOSE_ROWS) {
@@ -185,32 +185,41 @@ static inline void score_tile(const float *qs, int64_t rows, const float *const 
     }
     for (int64_t j = 0; j < KEY_TILE; j++)
         for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + j] = krow[j][d];
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {
-        const float *q0 = qs + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim,
-                    *q3 = q2 + head_dim;
-        v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
-        for (int64_t d = 0; d < head_dim; d++) {
-            const v8f lo = load8(kt + d * KEY_TILE), hi = load8(kt + d * KEY_TILE + 8);
-            a0 += q0[d] * lo, b0 += q0[d] * hi;
-            a1 += q1[d] * lo, b1 += q1[d] * hi;
-            a2 += q2[d] * lo, b2 += q2[d] * hi;
-            a3 += q3[d] * lo, b3 += q3[d] * hi;
+    for (int64_t half = 0; half < KEY_TILE; half += 16) {
+        const float *k16 = kt + half;
+        int64_t r = 0;
+        for (; r + 6 <= rows; r += 6) { /* the panel matmul's 6 x 16 register block */
+            const float *q0 = qs + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim,
+                        *q3 = q2 + head_dim, *q4 = q3 + head_dim, *q5 = q4 + head_dim;
+            v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0};
+            v8f a3 = {0}, b3 = {0}, a4 = {0}, b4 = {0}, a5 = {0}, b5 = {0};
+            for (int64_t d = 0; d < head_dim; d++) {
+                const v8f lo = load8(k16 + d * KEY_TILE), hi = load8(k16 + d * KEY_TILE + 8);
+                a0 += q0[d] * lo, b0 += q0[d] * hi;
+                a1 += q1[d] * lo, b1 += q1[d] * hi;
+                a2 += q2[d] * lo, b2 += q2[d] * hi;
+                a3 += q3[d] * lo, b3 += q3[d] * hi;
+                a4 += q4[d] * lo, b4 += q4[d] * hi;
+                a5 += q5[d] * lo, b5 += q5[d] * hi;
+            }
+            float *o = s + r * KEY_TILE + half;
+            store8(o, a0), store8(o + 8, b0), o += KEY_TILE;
+            store8(o, a1), store8(o + 8, b1), o += KEY_TILE;
+            store8(o, a2), store8(o + 8, b2), o += KEY_TILE;
+            store8(o, a3), store8(o + 8, b3), o += KEY_TILE;
+            store8(o, a4), store8(o + 8, b4), o += KEY_TILE;
+            store8(o, a5), store8(o + 8, b5);
         }
-        store8(s + r * KEY_TILE, a0), store8(s + r * KEY_TILE + 8, b0);
-        store8(s + (r + 1) * KEY_TILE, a1), store8(s + (r + 1) * KEY_TILE + 8, b1);
-        store8(s + (r + 2) * KEY_TILE, a2), store8(s + (r + 2) * KEY_TILE + 8, b2);
-        store8(s + (r + 3) * KEY_TILE, a3), store8(s + (r + 3) * KEY_TILE + 8, b3);
-    }
-    for (; r < rows; r++) {
-        const float *qr = qs + r * head_dim;
-        v8f lo_sum = {0}, hi_sum = {0};
-        for (int64_t d = 0; d < head_dim; d++) {
-            lo_sum += qr[d] * load8(kt + d * KEY_TILE);
-            hi_sum += qr[d] * load8(kt + d * KEY_TILE + 8);
+        for (; r < rows; r++) {
+            const float *qr = qs + r * head_dim;
+            v8f lo_sum = {0}, hi_sum = {0};
+            for (int64_t d = 0; d < head_dim; d++) {
+                lo_sum += qr[d] * load8(k16 + d * KEY_TILE);
+                hi_sum += qr[d] * load8(k16 + d * KEY_TILE + 8);
+            }
+            store8(s + r * KEY_TILE + half, lo_sum);
+            store8(s + r * KEY_TILE + half + 8, hi_sum);
         }
-        store8(s + r * KEY_TILE, lo_sum);
-        store8(s + r * KEY_TILE + 8, hi_sum);
     }
 }
 
