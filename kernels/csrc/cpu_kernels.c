@@ -564,35 +564,33 @@ void weir_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
 
 static inline v8f broadcast(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
 
-/* One block: rows x 16 outputs over all of k, for a `rows` known when this is inlined. */
-static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride,
-                                                             const int rows, const float *panel,
-                                                             int64_t k, v8f acc[2 * BLOCK_ROWS]) {
-    const float *xr[BLOCK_ROWS];
-    v8f c[2 * BLOCK_ROWS];
-    for (int i = 0; i < rows; i++) xr[i] = x + i * x_stride, c[2 * i] = c[2 * i + 1] = (v8f){0};
-    for (int64_t j = 0; j < k; j++) {
-        __builtin_prefetch(panel + (j + 32) * PANEL);
-        const v8f b0 = load8(panel + j * PANEL), b1 = load8(panel + j * PANEL + 8);
-        for (int i = 0; i < rows; i++) {
-            const v8f a = broadcast(xr[i][j]);
-            c[2 * i] += a * b0, c[2 * i + 1] += a * b1;
-        }
-    }
-    for (int i = 0; i < 2 * rows; i++) acc[i] = c[i];
-}
-
-/* One block of rows <= 6: a short last block of a chunk does only its own rows' FMAs. */
+/* One block: rows x 16 outputs (rows <= 6) over all of k. */
 static inline void panel_block(const float *x, int64_t x_stride, int64_t rows,
                                const float *panel, int64_t k, v8f acc[2 * BLOCK_ROWS]) {
-    switch (rows) {
-    case 6: panel_rows(x, x_stride, 6, panel, k, acc); break;
-    case 5: panel_rows(x, x_stride, 5, panel, k, acc); break;
-    case 4: panel_rows(x, x_stride, 4, panel, k, acc); break;
-    case 3: panel_rows(x, x_stride, 3, panel, k, acc); break;
-    case 2: panel_rows(x, x_stride, 2, panel, k, acc); break;
-    default: panel_rows(x, x_stride, 1, panel, k, acc); break;
+    /* Rows past `rows` repeat the first: computed, never stored. */
+    const float *x0 = x, *x1 = x + x_stride * (rows > 1), *x2 = x + 2 * x_stride * (rows > 2),
+                *x3 = x + 3 * x_stride * (rows > 3), *x4 = x + 4 * x_stride * (rows > 4),
+                *x5 = x + 5 * x_stride * (rows > 5);
+    v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
+    v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+    for (int64_t c = 0; c < k; c++) {
+        __builtin_prefetch(panel + (c + 32) * PANEL);
+        const v8f b0 = load8(panel + c * PANEL), b1 = load8(panel + c * PANEL + 8);
+        v8f a = broadcast(x0[c]);
+        c00 += a * b0, c01 += a * b1;
+        a = broadcast(x1[c]);
+        c10 += a * b0, c11 += a * b1;
+        a = broadcast(x2[c]);
+        c20 += a * b0, c21 += a * b1;
+        a = broadcast(x3[c]);
+        c30 += a * b0, c31 += a * b1;
+        a = broadcast(x4[c]);
+        c40 += a * b0, c41 += a * b1;
+        a = broadcast(x5[c]);
+        c50 += a * b0, c51 += a * b1;
     }
+    acc[0] = c00, acc[1] = c01, acc[2] = c10, acc[3] = c11, acc[4] = c20, acc[5] = c21;
+    acc[6] = c30, acc[7] = c31, acc[8] = c40, acc[9] = c41, acc[10] = c50, acc[11] = c51;
 }
 
 /* The matmul's loop over blocks of 6 rows x one panel, row chunks and panels shared out
