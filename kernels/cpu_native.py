@@ -9,7 +9,7 @@ matmul against weights packed once by `pack_panels` (services/executor/packed_we
 `int8_linear` the decode matmul of ``--quantization int8`` with float32 activations.
 
 The source is compiled with the system C compiler (``$CC``, else ``cc``) with
-``-O3 -march=native -ffp-contract=fast -fopenmp`` into ``$WEIR_CACHE/kernels/`` (a file
+``-O3 -march=native -ffp-contract=fast -falign-loops=64 -fopenmp`` into ``$WEIR_CACHE/kernels/`` (a file
 per source, compiler and CPU), once per machine; the library links the libgomp PyTorch
 already loaded, so the kernels run on PyTorch's OpenMP threads. Where no compiler works, or with
 ``WEIR_NATIVE_CPU_KERNELS=0``, `load` returns None and the executor keeps the PyTorch
@@ -33,7 +33,18 @@ from weir.shared.model_store import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# -falign-loops=64: the panel matmul's inner loop is 128 bytes; started mid-line it spans three
+# 64-byte fetch lines instead of two and ran 4-6% slower (docs/benchmarks.md).
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=fast",
+    "-falign-loops=64",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c11",
+)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
