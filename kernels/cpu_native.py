@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -268,22 +269,15 @@ class CpuKernels:
     ) -> torch.Tensor:
         """(residual +) x @ weight.T (+ bias) with the weight as `pack_panels` gave it: x [M, K]
         float32 with contiguous rows, bias [N], residual [M, N] (rows may be strided)."""
-        k = _check_rows(x, panels)
-        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        self._lib.weir_linear(
-            _ptr(x),
-            x.stride(0),
-            x.shape[0],
-            _ptr(panels),
+        return self._panel_matmul(
+            self._lib.weir_linear,
+            x,
+            panels,
             out_features,
-            k,
-            None if bias is None else _ptr(bias),
+            bias,
             None if residual is None else _ptr(residual),
             0 if residual is None else residual.stride(0),
-            _ptr(out),
-            out.stride(0),
         )
-        return out
 
     def linear_silu_mul(
         self,
@@ -301,9 +295,24 @@ class CpuKernels:
                 f"linear_silu_mul: {out_features} outputs need {2 * out_features // PANEL} "
                 f"panels of {PANEL} weight rows, got {panels.shape[0]}"
             )
-        k = _check_rows(x, panels)
+        return self._panel_matmul(self._lib.weir_linear_silu_mul, x, panels, out_features, bias)
+
+    @staticmethod
+    def _panel_matmul(
+        fn: Callable[..., object],
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        out_features: int,
+        bias: torch.Tensor | None,
+        *epilogue: int | None,
+    ) -> torch.Tensor:
+        """Call a panel matmul: (x, x stride, rows, panels, N, K, bias, *epilogue, out, out
+        stride), into a new [M, out_features] tensor."""
+        k = panels.shape[1]
+        if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {k} inputs")
         out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        self._lib.weir_linear_silu_mul(
+        fn(
             _ptr(x),
             x.stride(0),
             x.shape[0],
@@ -311,15 +320,8 @@ class CpuKernels:
             out_features,
             k,
             None if bias is None else _ptr(bias),
+            *epilogue,
             _ptr(out),
             out.stride(0),
         )
         return out
-
-
-def _check_rows(x: torch.Tensor, panels: torch.Tensor) -> int:
-    """The K of packed `panels`, once x [M, K] is checked to fit them with contiguous rows."""
-    k = panels.shape[1]
-    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {k} inputs")
-    return k
