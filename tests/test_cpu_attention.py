@@ -131,8 +131,9 @@ MIXED = [(300, 1), (0, 1), (150, 1), (20, 3), (33, 4), (11, 25), (0, 17), (40, 7
 def test_native_cpu_attention_equals_reference(num_heads, num_kv_heads, head_dim, requests):
     """Every query length and tile split (prefill chunks longer than one work item, a head
     size that is not a multiple of 8), against the reference, with the cache written by the
-    native kernel from strided views of one fused projection. A batch of many requests gives
-    each decode one work item over all its KV heads; a lone decode is split per KV head."""
+    native kernel from strided views of one fused projection. On two threads the mixed batch
+    (two or more requests per thread) gives each decode one work item over all its KV heads;
+    a lone decode is split per KV head."""
     step = mixed_step(requests, num_heads, num_kv_heads, head_dim, torch.float32)
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
@@ -141,9 +142,19 @@ def test_native_cpu_attention_equals_reference(num_heads, num_kv_heads, head_dim
     cache = step["kv_cache"].clone()
     native.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     assert torch.equal(cache, want_cache)
-    got = native.paged_attention(
-        step["query"], cache, step["query_start_loc"], step["seq_lens"], step["block_table"], scale
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel's OpenMP pool is PyTorch's
+    try:
+        got = native.paged_attention(
+            step["query"],
+            cache,
+            step["query_start_loc"],
+            step["seq_lens"],
+            step["block_table"],
+            scale,
+        )
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
 
 
