@@ -1,16 +1,19 @@
-"""The native CPU kernels of this build against another build, call by call inside the executor.
+r"""The native CPU kernels of this build against another build, call by call inside the executor.
 
-    .venv/bin/python benchmarks/kernel_ab.py OLD.so [--threads 2]
+    git show REV:kernels/csrc/cpu_kernels.c > old.c
+    cc -O3 -march=native -ffp-contract=fast -falign-loops=64 -fopenmp -shared -fPIC -std=c11 \
+        -o old.so old.c -lm           # the flags of kernels/cpu_native.py (or REV's own)
+    .venv/bin/python benchmarks/kernel_ab.py old.so [--threads 2]
 
-`OLD.so` is `kernels/csrc/cpu_kernels.c` of another revision compiled with the flags of
-`kernels/cpu_native.py`. The executor runs `executor_step.py`'s workload once (64 requests,
+The executor runs `executor_step.py`'s workload once (64 requests,
 the real scheduler's steps) on this build; every call of a kernel that has no side effects
 (attention, RMSNorm, the matmuls) is made a second time on the other build with the same
 inputs, the two in alternating order, and each build's time is summed per kernel and step
 kind. The fused gate/up matmul is also timed against its unfused equivalent (`linear`
 then `silu_mul_`) the same way, and both results must be equal. On a VM whose speed drifts
-by 15% within minutes, two builds compared within each call agree to ~1% (the build
-against a copy of itself: 0.995-1.013), where whole runs one after the other do not.
+by 15% within minutes, builds compared within each call agree to ~1% (a build against a
+copy of itself, or against one with the same kernels: 0.99-1.01), where whole runs one after
+the other do not.
 """
 
 import argparse
