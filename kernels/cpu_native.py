@@ -8,12 +8,12 @@ attends straight from the paged cache through the block table; `linear` is the f
 matmul against weights packed once by `pack_panels` (services/executor/packed_weights.py),
 `int8_linear` the decode matmul of ``--quantization int8`` with float32 activations.
 
-The source is compiled with the system C compiler (``$CC``, else ``cc``) with
-``-O3 -march=native -ffp-contract=fast -falign-loops=64 -fopenmp`` into ``$WEIR_CACHE/kernels/`` (a file
-per source, compiler and CPU), once per machine; the library links the libgomp PyTorch
-already loaded, so the kernels run on PyTorch's OpenMP threads. Where no compiler works, or with
-``WEIR_NATIVE_CPU_KERNELS=0``, `load` returns None and the executor keeps the PyTorch
-operator path (`cpu_attention`), which computes the same thing.
+The source is compiled with the system C compiler (``$CC``, else ``cc``) with `FLAGS` into
+``$WEIR_CACHE/kernels/`` (a file per source, compiler and CPU), once per machine; the
+library links the libgomp PyTorch already loaded, so the kernels run on PyTorch's OpenMP
+threads. Where no compiler works, or with ``WEIR_NATIVE_CPU_KERNELS=0``, `load` returns
+None and the executor keeps the PyTorch operator path (`cpu_attention`), which computes
+the same thing.
 """
 
 import ctypes

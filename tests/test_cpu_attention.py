@@ -58,18 +58,16 @@ def mixed_step(
     )
 
 
+def attention_metadata(step: dict) -> tuple[torch.Tensor, ...]:
+    """The arguments of every paged_attention after (query, cache) and before scale."""
+    return step["query_start_loc"], step["seq_lens"], step["block_table"]
+
+
 def reference_step(step: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache after the reference writes the step's K/V, and the reference's output."""
     cache = step["kv_cache"].clone()
     reference.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
-    out = reference.paged_attention(
-        step["query"],
-        cache,
-        step["query_start_loc"],
-        step["seq_lens"],
-        step["block_table"],
-        scale,
-    )
+    out = reference.paged_attention(step["query"], cache, *attention_metadata(step), scale)
     return cache, out
 
 
@@ -145,14 +143,7 @@ def test_native_cpu_attention_equals_reference(num_heads, num_kv_heads, head_dim
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernel's OpenMP pool is PyTorch's
     try:
-        got = native.paged_attention(
-            step["query"],
-            cache,
-            step["query_start_loc"],
-            step["seq_lens"],
-            step["block_table"],
-            scale,
-        )
+        got = native.paged_attention(step["query"], cache, *attention_metadata(step), scale)
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
@@ -197,7 +188,7 @@ def test_native_kernels_refuse_metadata_outside_the_cache():
     memory the cache does not own; nothing is written."""
     step = mixed_step([(30, 1), (0, 5)], 4, 2, 16, torch.float32)
     cache = step["kv_cache"].clone()
-    args = (step["query_start_loc"], step["seq_lens"], step["block_table"], 0.25)
+    args = (*attention_metadata(step), 0.25)
     native.paged_attention(step["query"], cache, *args)  # the untouched step is fine
 
     bad_table = step["block_table"].clone()
