@@ -10,8 +10,11 @@ reads the per-phase histograms before and after it:
 IPC = the scheduler's wait for the executor minus the executor's own step time (ZeroMQ,
 the kernel, and the wake-ups on both sides). With async scheduling (the default) the
 scheduler's work overlaps the executor's and that wait includes the step before; what
-counts then is the last line: the executor's idle time between steps (wall time minus
-the executor's step time), i.e. scheduling + IPC not hidden behind the executor.
+counts then is the last lines: the device's busy share of the wall time
+(weir_executor_device_busy_seconds), and on a CPU or in lockstep the executor's idle time
+between steps (wall time minus the executor's step time), i.e. scheduling + IPC not
+hidden behind the executor. On a GPU with async scheduling the executor launches a step
+before it finishes the one before, so its step times overlap and only the busy share counts.
 
     .venv/bin/python benchmarks/step_breakdown.py                 # issue-6 workload, 64 requests
     .venv/bin/python benchmarks/step_breakdown.py --steady        # 64 running decodes
@@ -30,6 +33,7 @@ import os
 import time
 import urllib.request
 
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from weir.services.bench.workload import (
@@ -46,15 +50,18 @@ from weir.shared.sampling import SamplingParams
 
 
 def histogram_sums(url: str) -> dict[tuple[str, str], tuple[float, float]]:
-    """(metric, phase label or '') -> (sum, count) of every histogram at ``url``."""
+    """(metric, phase label or '') -> (sum, count) of every histogram at ``url``, and
+    (value, 0) of every counter."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     sums: dict[tuple[str, str], list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")):
+            if sample.name.endswith(("_sum", "_count")) or (
+                family.type == "counter" and sample.name.endswith("_total")
+            ):
                 key = (family.name, sample.labels.get("phase", ""))
                 entry = sums.setdefault(key, [0.0, 0.0])
-                entry[0 if sample.name.endswith("_sum") else 1] += sample.value
+                entry[1 if sample.name.endswith("_count") else 0] += sample.value
     return {k: (v[0], v[1]) for k, v in sums.items()}
 
 
@@ -95,6 +102,7 @@ def main() -> None:
     # The executor processes inherit it.
     os.environ[SYNC_STEP_TIMING_ENV] = "1" if args.sync_phases else "0"
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = resolve_model(args.model, load_format=args.load_format)
     spec = RandomWorkload(
         args.num_prompts, 32, 32 if args.steady else 256, 128 if args.steady else 32, 128, args.seed
@@ -105,7 +113,7 @@ def main() -> None:
         threads=args.threads,
         load_format=args.load_format,
         async_scheduling=args.async_scheduling,
-        device=args.device,
+        device=device,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
     ) as llm:
@@ -180,11 +188,19 @@ def main() -> None:
     )
     print(f"\nscheduling + IPC: {overhead:.3f} ms per step = {overhead / total:.2%} of the step")
     wall_ms = wall / steps * 1e3
-    idle = wall_ms - executor_ms
+    busy_ms = delta("weir_executor_device_busy_seconds")[0] / steps * 1e3
     print(
-        f"wall {wall:.2f} s = {wall_ms:.3f} ms per step; executor idle between steps "
-        f"(not hidden): {idle:.3f} ms per step = {idle / wall_ms:.2%} of the wall time"
+        f"wall {wall:.2f} s = {wall_ms:.3f} ms per step; device busy {busy_ms:.3f} ms per step "
+        f"= {busy_ms / wall_ms:.2%} of the wall time (weir_executor_device_busy_seconds)"
     )
+    if not (args.async_scheduling and device == "cuda"):
+        # Steps do not overlap on the executor here, so its idle time is what its step time
+        # leaves of the wall time.
+        idle = wall_ms - executor_ms
+        print(
+            f"executor idle between steps (not hidden): {idle:.3f} ms per step = "
+            f"{idle / wall_ms:.2%} of the wall time"
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Each request the executor holds owns a slot, a row in preallocated NumPy arrays 
 block table, counts, sampling parameters). A step's flat inputs are gathered from those rows
 with a handful of vectorized NumPy operations, so building a batch costs the same few
 operations whether it holds 1 request or 256.
+
+A step launched while the previous one still runs on the device is planned on tokens the host
+does not know yet: the previous step reserves one token per request it samples for
+(``reserve_tokens``), and fills the ids in when its result reaches the host.
 """
 
 from dataclasses import dataclass
@@ -34,6 +38,15 @@ class StepInputs:
     logits_indices: np.ndarray  # [N] rows of the flat batch to compute logits at
     max_query_len: int
     max_seq_len: int
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Tokens counted in the batch before their ids are known (``InputBatch.reserve_tokens``)."""
+
+    slots: np.ndarray  # [N] int64
+    positions: np.ndarray  # [N] int64: where each token goes in its slot's row
+    generations: np.ndarray  # [N] int64: the slots' generations when reserved
 
 
 class InputBatch:
@@ -74,6 +87,9 @@ class InputBatch:
             self.has_seed = np.zeros(capacity, dtype=bool)
             self.num_logprobs = np.full(capacity, -1, dtype=np.int32)
             self.min_tokens = np.zeros(capacity, dtype=np.int32)
+            # Bumped whenever a slot's tokens are set from a plan: a reservation made before
+            # is void (`fill_reserved`).
+            self.generation = np.zeros(capacity, dtype=np.int64)
             self.stop_ids: dict[int, list[int]] = {}  # slot -> ids banned before min_tokens
         else:
             for name in (
@@ -91,6 +107,7 @@ class InputBatch:
                 "has_seed",
                 "num_logprobs",
                 "min_tokens",
+                "generation",
             ):
                 arr = getattr(self, name)
                 grown = np.zeros((capacity, *arr.shape[1:]), dtype=arr.dtype)
@@ -170,6 +187,7 @@ class InputBatch:
         self.token_ids[slot, : len(prompt)] = prompt
         self.token_ids[slot, len(prompt) : n] = outputs
         self.num_tokens[slot] = n
+        self.generation[slot] += 1
 
     def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
         start = self.num_blocks[slot]
@@ -250,6 +268,25 @@ class InputBatch:
             max_query_len=int(num_sched.max(initial=0)),
             max_seq_len=max_seq_len,
         )
+
+    def reserve_tokens(self, slots: np.ndarray) -> Reservation:
+        """Count one more token for each of ``slots``, sampled by a step still on the device:
+        the next step can be planned on it, reading its id on the device, before
+        ``fill_reserved`` writes it here."""
+        positions = self.num_tokens[slots].astype(np.int64)
+        if (positions >= self.max_model_len).any():
+            raise ValueError(f"output runs past max_model_len {self.max_model_len}")
+        self.num_tokens[slots] = positions + 1
+        return Reservation(slots, positions, self.generation[slots].copy())
+
+    def reserved_now(self, reservation: Reservation) -> np.ndarray:
+        """Which of a reservation's tokens are still this batch's: not since freed, taken by
+        another request or set again from a plan (a resumed request's outputs)."""
+        return self.generation[reservation.slots] == reservation.generations
+
+    def fill_reserved(self, reservation: Reservation, token_ids: np.ndarray) -> None:
+        keep = self.reserved_now(reservation)
+        self.token_ids[reservation.slots[keep], reservation.positions[keep]] = token_ids[keep]
 
     def append_tokens(self, slot: int, token_ids: list[int]) -> None:
         start = self.num_tokens[slot]

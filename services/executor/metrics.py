@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:  # the model runner imports torch; the metrics do not need it
     from weir.services.executor.model_runner import StepTimings
@@ -48,6 +48,15 @@ class ExecutorMetrics:
                 buckets=_STEP_SECONDS_BUCKETS,
             )
         )
+        self.device_busy_seconds = labelled(
+            Counter(
+                "weir_executor_device_busy_seconds",
+                "Time the device spent on steps (CUDA events from each step's first to its last "
+                "device operation; on a CPU, forward and sampling): its rate is the busy fraction",
+                names,
+                registry=self.registry,
+            )
+        )
         self.batch_tokens = labelled(
             Histogram(
                 "weir_executor_batch_tokens",
@@ -86,9 +95,15 @@ class ExecutorMetrics:
         )
 
     def observe_step(
-        self, seconds: float, num_tokens: int, device: str, timings: StepTimings
+        self,
+        seconds: float,
+        num_tokens: int,
+        device: str,
+        timings: StepTimings,
+        device_busy_seconds: float,
     ) -> None:
         self.step_seconds.observe(seconds)
+        self.device_busy_seconds.inc(device_busy_seconds)
         self.phase_seconds["prepare"].observe(timings.prepare)
         self.phase_seconds["forward"].observe(timings.forward)
         self.phase_seconds["sample"].observe(timings.sample)

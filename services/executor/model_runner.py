@@ -2,7 +2,11 @@
 
 `ModelRunner.execute(plan)` applies the plan's diff to the persistent batch, runs one forward
 pass over the flat mixed batch, samples where a request's prefill is complete, verifies
-speculative drafts, and returns the new tokens per request.
+speculative drafts, and returns the new tokens per request. It is ``launch`` (queue the step
+on the device) then ``finish`` (wait for its tokens). The executor process launches step N+1
+before it finishes step N when N+1's plan is already there, so the device runs N+1 right
+after N while the host collects and sends N's tokens; N+1 reads the tokens N samples on the
+device (``InputBatch.reserve_tokens``).
 
 With ``tensor_parallel_size`` N > 1, N runners (one per process, ``rank`` 0..N-1) each hold
 a shard of the model and execute the same plans in the same order; rank 0 samples and
@@ -19,6 +23,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +33,7 @@ import torch
 from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
-from weir.services.executor.input_batch import InputBatch, StepInputs
+from weir.services.executor.input_batch import InputBatch, Reservation, StepInputs
 from weir.services.executor.model import ModelConfig
 from weir.services.executor.parallel import (
     ShardLayout,
@@ -94,6 +99,28 @@ class StepTimings:
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``): its sampled tokens are on their
+    way to the host (``ids``, ``logprobs``; complete once ``ready`` has happened, at once on
+    a CPU). Without drafts, the batch counts one ``reserved`` token per request it samples
+    for, filled in by ``ModelRunner.finish``. ``ids`` is None when it samples nothing."""
+
+    plan: StepPlan
+    timings: StepTimings
+    inputs: StepInputs | None = None
+    sampled: SamplerOutput | None = None
+    ids: torch.Tensor | None = None  # [N, 1 + n]: each row's token, then its top n
+    logprobs: torch.Tensor | None = None  # [N, 1 + n]
+    num_logprobs: np.ndarray | None = None  # [R] per request, as asked when launched
+    ready: torch.cuda.Event | None = None
+    reserved: Reservation | None = None
+
+    def is_ready(self) -> bool:
+        """Whether ``finish`` would return without waiting for the device."""
+        return self.ready is None or self.ready.query()
 
 
 class ModelRunner:
@@ -187,8 +214,9 @@ class ModelRunner:
         )
         if self.graphs is not None:
             self.graphs.capture_all()
+        self._busy_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._busy_seconds = 0.0
         self.load_seconds = time.perf_counter() - start
-        self.last_timings = StepTimings()
         logger.info(
             "loaded %s on %s (%s%s, %s attention, %d torch threads) in %.2fs; %d KV blocks of "
             "%d tokens",
@@ -298,28 +326,41 @@ class ModelRunner:
         self.batch = InputBatch(
             self.max_model_len, self.block_size, self.max_num_seqs, self.eos_token_ids
         )
+        self._unfinished: LaunchedStep | None = None  # launched, and its tokens may be read
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue a step's forward pass and sampling on the device; ``finish`` waits for its
+        tokens. One step may be launched before the previous one is finished (not two):
+        the tokens it reads that the previous step samples are taken on the device."""
         start = self._clock()
+        began = self._device_event()
+        previous, self._unfinished = self._unfinished, None
+        if previous is not None and previous.reserved is None:
+            raise RuntimeError("a step with drafts must finish before the next one launches")
         self.batch.apply_plan(plan)
         if not plan.num_scheduled_tokens:
-            self.last_timings = StepTimings(prepare=self._clock() - start)
-            return StepResult(step_id=plan.step_id)
+            return LaunchedStep(plan, StepTimings(prepare=self._clock() - start))
         if plan.total_num_scheduled_tokens > self.max_num_batched_tokens:
             raise ValueError(
                 f"step of {plan.total_num_scheduled_tokens} tokens exceeds max_num_batched_tokens "
                 f"{self.max_num_batched_tokens}"
             )
         inputs = self.batch.prepare_inputs(plan)
+        feed = None if previous is None else self._feed(previous, inputs)
         num_reqs = None if self.graphs is None else self.graphs.padded_num_reqs(inputs)
         if num_reqs is not None:
             assert self.graphs is not None
             self.graphs.stage(inputs, num_reqs)
+            if feed is not None:
+                _scatter(self.graphs.dev.input_ids, feed)
             prepared = self._clock()
             padded = self.graphs.forward(num_reqs, inputs.max_query_len)
             real = padded[: len(inputs.logits_indices)]  # padding requests' rows come last
-            return self._sample_and_collect(plan, inputs, real, start, prepared)
+            return self._sample(plan, inputs, real, start, prepared, began)
         meta = AttentionMetadata(
             query_start_loc=self._to_device(inputs.query_start_loc),
             seq_lens=self._to_device(inputs.seq_lens),
@@ -329,33 +370,114 @@ class ModelRunner:
             max_seq_len=inputs.max_seq_len,
         )
         input_ids, positions = self._to_device(inputs.input_ids), self._to_device(inputs.positions)
+        if feed is not None:
+            _scatter(input_ids, feed)
         prepared = self._clock()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if not len(inputs.logits_indices):
-            self.last_timings = StepTimings(prepared - start, self._clock() - prepared)
-            return StepResult(step_id=plan.step_id)
+            self._count_busy(began, self._device_event(), prepared)
+            return LaunchedStep(plan, StepTimings(prepared - start, self._clock() - prepared))
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
-        return self._sample_and_collect(plan, inputs, logits, start, prepared)
+        return self._sample(plan, inputs, logits, start, prepared, began)
 
-    def _sample_and_collect(
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Wait for a launched step's tokens, record them in the batch and return them."""
+        start = time.perf_counter()
+        if self._unfinished is step:
+            self._unfinished = None
+        if step.ids is None:
+            return StepResult(step_id=step.plan.step_id)
+        if step.ready is not None:
+            step.ready.synchronize()  # the step's one wait for the device
+        result = self._collect(step)
+        step.timings.sample += time.perf_counter() - start
+        return result
+
+    def device_busy_seconds(self) -> float:
+        """Device time of the steps done since the last call. On CUDA, from each step's first
+        to its last device operation (events; gaps inside a step count, so eager steps slowed
+        by their launches count in full; a graph replay has none); on a CPU, the time each
+        step computed (forward and sampling)."""
+        total, self._busy_seconds = self._busy_seconds, 0.0
+        while self._busy_spans and self._busy_spans[0][1].query():
+            began, ended = self._busy_spans.popleft()
+            total += began.elapsed_time(ended) / 1e3
+        return total
+
+    def _device_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _count_busy(
+        self, began: torch.cuda.Event | None, ended: torch.cuda.Event | None, prepared: float
+    ) -> None:
+        """Count a step's device time: read from its events once they happened, or now on a
+        CPU (the time since its inputs were ready: the forward pass and sampling ran here)."""
+        if began is not None and ended is not None:
+            self._busy_spans.append((began, ended))
+        else:
+            self._busy_seconds += time.perf_counter() - prepared
+
+    def _feed(self, previous: LaunchedStep, inputs: StepInputs) -> "_Feed | None":
+        """The tokens of this step that ``previous`` samples: (rows of this step's input ids,
+        rows of previous's sampled tokens), as device index tensors."""
+        reserved = previous.reserved
+        assert reserved is not None and previous.sampled is not None
+        capacity = self.batch.capacity
+        position = np.full(capacity, -1, dtype=np.int64)
+        live = self.batch.reserved_now(reserved)
+        position[reserved.slots[live]] = reserved.positions[live]
+        token_slots = np.repeat(inputs.slots, np.diff(inputs.query_start_loc))
+        rows = np.flatnonzero(position[token_slots] == inputs.positions)
+        if not len(rows):
+            return None
+        sampled_row = np.zeros(capacity, dtype=np.int64)
+        sampled_row[reserved.slots] = np.arange(len(reserved.slots))
+        tokens = previous.sampled.token_ids[self._to_device(sampled_row[token_slots[rows]])]
+        return self._to_device(rows), tokens
+
+    def _sample(
         self,
         plan: StepPlan,
         inputs: StepInputs,
         logits: torch.Tensor | None,
         start: float,
         prepared: float,
-    ) -> StepResult:
+        began: torch.cuda.Event | None,
+    ) -> LaunchedStep:
         forwarded = self._clock()
         if self.tp is None:
             assert logits is not None
             sampled = self.sampler(logits, self._sampling_batch(inputs))
         else:
             sampled = self._sample_on_rank_0(logits, inputs)
-        result = self._collect(plan.step_id, inputs, sampled)
-        self.last_timings = StepTimings(
-            prepared - start, forwarded - prepared, self._clock() - forwarded
+        lp = sampled.logprobs
+        # Rows [sampled token, top n alternatives...] and, with logprobs, their logprobs.
+        ids = sampled.token_ids.unsqueeze(1)
+        logprobs = None
+        if lp is not None:
+            ids = torch.cat((ids, lp.top_ids), dim=1)
+            logprobs = _to_host(torch.cat((lp.token_logprobs.unsqueeze(1), lp.top_logprobs), dim=1))
+        step = LaunchedStep(
+            plan,
+            StepTimings(prepared - start, forwarded - prepared),
+            inputs=inputs,
+            sampled=sampled,
+            ids=_to_host(ids),
+            logprobs=logprobs,
+            num_logprobs=self.batch.num_logprobs[inputs.slots],
         )
-        return result
+        step.ready = self._device_event()
+        self._count_busy(began, step.ready, prepared)
+        if not inputs.num_spec.any():
+            # Drafts make the count unknown until verified: such a step finishes first.
+            step.reserved = self.batch.reserve_tokens(inputs.slots[inputs.num_logits > 0])
+        self._unfinished = step
+        step.timings.sample = self._clock() - forwarded
+        return step
 
     def _sample_on_rank_0(self, logits: torch.Tensor | None, inputs: StepInputs) -> SamplerOutput:
         """Rank 0 samples (it alone holds the gathered logits) and broadcasts the tokens; the
@@ -404,44 +526,62 @@ class ModelRunner:
             banned=banned,
         )
 
-    def _collect(self, step_id: int, inputs: StepInputs, sampled: SamplerOutput) -> StepResult:
-        lp = sampled.logprobs
-        if lp is None:
-            tokens = sampled.token_ids.tolist()  # the step's one device-to-host copy
-        else:
-            # Two copies: ids [sampled, top n...] and their logprobs, row by row.
-            ids = torch.cat((sampled.token_ids.unsqueeze(1), lp.top_ids), dim=1).tolist()
-            lps = torch.cat((lp.token_logprobs.unsqueeze(1), lp.top_logprobs), dim=1).tolist()
-            tokens = [row[0] for row in ids]
-        b = self.batch
+    def _collect(self, step: LaunchedStep) -> StepResult:
+        assert step.ids is not None and step.inputs is not None
+        inputs, b = step.inputs, self.batch
+        ids = step.ids.tolist()
+        lps = None if step.logprobs is None else step.logprobs.tolist()
+        tokens = [row[0] for row in ids]
+        if step.reserved is not None:
+            b.fill_reserved(step.reserved, np.array(tokens, dtype=np.int64))
         result: dict[str, list[int]] = {}
         logprobs: dict[str, SampleLogprobs] = {}
         row = 0
-        for req_id, slot, num_logits, num_spec in zip(
+        for req_id, slot, num_logits, num_spec, n in zip(
             inputs.req_ids,
             inputs.slots.tolist(),
             inputs.num_logits.tolist(),
             inputs.num_spec.tolist(),
+            step.num_logprobs.tolist(),
         ):
             if num_logits == 0:
                 continue
             targets = tokens[row : row + num_logits]
-            accepted = 0
-            if num_spec:
-                start = int(b.num_tokens[slot])
-                drafts = b.token_ids[slot, start : start + num_spec].tolist()
-                # Keep drafts while each equals the token the target model samples at that position.
-                while accepted < num_spec and drafts[accepted] == targets[accepted]:
-                    accepted += 1
-            out = targets[: accepted + 1]
-            b.append_tokens(slot, out)
+            out = targets
+            if step.reserved is None:
+                accepted = 0
+                if num_spec:
+                    start = int(b.num_tokens[slot])
+                    drafts = b.token_ids[slot, start : start + num_spec].tolist()
+                    # Keep drafts while each equals the token the target model samples there.
+                    while accepted < num_spec and drafts[accepted] == targets[accepted]:
+                        accepted += 1
+                out = targets[: accepted + 1]
+                b.append_tokens(slot, out)
             result[req_id] = out
-            n = int(b.num_logprobs[slot])
-            if n >= 0 and lp is not None:
+            if n >= 0 and lps is not None:
                 rows = range(row, row + len(out))
                 logprobs[req_id] = SampleLogprobs(
                     token_ids=[ids[i][: n + 1] for i in rows],
                     logprobs=[lps[i][: n + 1] for i in rows],
                 )
             row += num_logits
-        return StepResult(sampled_token_ids=result, logprobs=logprobs or None, step_id=step_id)
+        return StepResult(
+            sampled_token_ids=result, logprobs=logprobs or None, step_id=step.plan.step_id
+        )
+
+
+_Feed = tuple[torch.Tensor, torch.Tensor]
+
+
+def _scatter(input_ids: torch.Tensor, feed: _Feed) -> None:
+    rows, tokens = feed
+    input_ids[rows] = tokens.to(input_ids.dtype)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to the host without waiting (into pinned memory, which
+    a non-blocking device-to-host copy allocates); on a CPU, the tensor itself."""
+    if tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu", non_blocking=True)

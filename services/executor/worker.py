@@ -1,7 +1,8 @@
 """The executor process: load the model, handshake with the scheduler, run every step it sends.
 
-Loop: receive a plan -> decode -> ``ModelRunner.execute`` -> (rank 0) send the
-encoded result. A step that raises is answered with ``step_error``; the executor then
+Loop: receive a plan -> decode -> ``ModelRunner.launch`` -> ``ModelRunner.finish`` ->
+(rank 0) send the encoded result. On a GPU a plan that is already waiting is launched before
+the step in flight is finished (see ``serve``). A step that raises is answered with ``step_error``; the executor then
 drops every request (the scheduler sends them all again and isolates the one that
 made the step raise) and keeps serving, except in a tensor-parallel group (the other
 ranks may be waiting in a collective this rank never joins): there the rank exits
@@ -40,7 +41,7 @@ from weir.shared.protocol import control
 from weir.shared.protocol.step_codec import decode_step_plan, encode_step_result
 
 if TYPE_CHECKING:
-    from weir.services.executor.model_runner import ModelRunner
+    from weir.services.executor.model_runner import LaunchedStep, ModelRunner
 
 _log = logging.getLogger(__name__)
 
@@ -179,7 +180,9 @@ class ExecutorWorker:
                 runner.num_blocks,
                 opts.scheduler,
             )
-            return self._serve(sock, runner, metrics, heartbeat)
+            # A CPU computes a step inside launch: finishing it after the next would delay it.
+            overlap = runner.device.type == "cuda" and runner.tp is None
+            return self.serve(sock, runner, metrics, heartbeat, overlap=overlap)
         finally:
             if heartbeat is not None:
                 heartbeat.stop_event.set()
@@ -264,11 +267,33 @@ class ExecutorWorker:
             if parent_gone(self.parent_pid):
                 return "supervisor exited before the handshake"
 
-    def _serve(
-        self, sock: zmq.Socket, runner: ModelRunner, metrics: ExecutorMetrics, heartbeat: _Heartbeat
+    def serve(
+        self,
+        sock: zmq.Socket,
+        runner: ModelRunner,
+        metrics: ExecutorMetrics,
+        heartbeat: _Heartbeat,
+        *,
+        overlap: bool,
     ) -> int:
-        rank, device = self.options.rank, str(runner.device)
+        """Run the plans ``sock`` brings until told to stop; returns the exit code. With
+        ``overlap``, a plan that arrives while a step runs on the device (async scheduling
+        sends it ahead) is launched before that step's tokens are waited for: the device never
+        idles while the host collects and sends them."""
+        rank = self.options.rank
+        pending: _Pending | None = None  # launched, its result not sent
         while True:
+            if pending is not None and not (
+                # A step with drafts (reserved None) must finish first: the next depends on it.
+                overlap
+                and pending.step.reserved is not None
+                and _frame_before_done(sock, pending.step)
+            ):
+                failed = self._finish(sock, runner, metrics, pending)
+                pending = None
+                if failed and runner.tp is not None:
+                    return 1
+                continue
             if not sock.poll(_POLL_MS):
                 if heartbeat.reset.is_set():
                     _log.error(
@@ -283,35 +308,70 @@ class ExecutorWorker:
                 if kind != control.WELCOME:  # welcomes answer hellos resent while connecting
                     _log.warning("executor %d ignoring unexpected %r frame", rank, kind)
                 continue
+            start = time.perf_counter()
             step_id = -1
             try:
-                start = time.perf_counter()
                 plan = decode_step_plan(payload)
                 step_id = plan.step_id
-                result = runner.execute(plan)
-                encoded = encode_step_result(result) if rank == 0 else None
-                metrics.observe_step(
-                    time.perf_counter() - start,
-                    plan.total_num_scheduled_tokens,
-                    device,
-                    runner.last_timings,
-                )
+                launched = runner.launch(plan)
             except Exception as exc:  # a bad plan or a failed forward pass: report, keep serving
-                _log.exception("executor %d: step %d failed", rank, step_id)
-                runner.reset()  # the scheduler sends every request again
-                sock.send_multipart(
-                    [
-                        control.STEP_ERROR,
-                        control.pack(
-                            control.StepFailure(step_id, rank, f"{type(exc).__name__}: {exc}")
-                        ),
-                    ]
-                )
+                if pending is not None:  # launched before this one: its result goes first
+                    self._finish(sock, runner, metrics, pending)
+                    pending = None
+                self._fail(sock, runner, step_id, exc)
                 if runner.tp is not None:
                     return 1
                 continue
-            if encoded is not None:
-                sock.send_multipart([control.RESULT, encoded])
+            if pending is not None and self._finish(sock, runner, metrics, pending):
+                # The runner dropped its requests: the step launched after means nothing.
+                self._fail(sock, runner, step_id, RuntimeError("the step before it failed"))
+                pending = None
+                continue
+            pending = _Pending(launched, start)
+
+    def _finish(
+        self, sock: zmq.Socket, runner: ModelRunner, metrics: ExecutorMetrics, pending: _Pending
+    ) -> bool:
+        """Wait for a launched step and send its result; True if that failed (reported)."""
+        step = pending.step
+        try:
+            result = runner.finish(step)
+            encoded = encode_step_result(result) if self.options.rank == 0 else None
+        except Exception as exc:
+            self._fail(sock, runner, step.plan.step_id, exc)
+            return True
+        metrics.observe_step(
+            time.perf_counter() - pending.started,
+            step.plan.total_num_scheduled_tokens,
+            str(runner.device),
+            step.timings,
+            runner.device_busy_seconds(),
+        )
+        if encoded is not None:
+            sock.send_multipart([control.RESULT, encoded])
+        return False
+
+    def _fail(self, sock: zmq.Socket, runner: ModelRunner, step_id: int, exc: Exception) -> None:
+        """Report a failed step; the runner drops every request (the scheduler sends them again)."""
+        _log.error("executor %d: step %d failed", self.options.rank, step_id, exc_info=exc)
+        runner.reset()
+        failure = control.StepFailure(step_id, self.options.rank, f"{type(exc).__name__}: {exc}")
+        sock.send_multipart([control.STEP_ERROR, control.pack(failure)])
+
+
+@dataclass(slots=True)
+class _Pending:
+    step: LaunchedStep
+    started: float  # when its plan was received
+
+
+def _frame_before_done(sock: zmq.Socket, step: LaunchedStep) -> bool:
+    """Whether a frame (the next plan, normally) arrives before ``step`` is done on the device.
+    Spins: a step is a few milliseconds, and the next launch should not wait for a wakeup."""
+    while not step.is_ready():
+        if sock.poll(0):
+            return True
+    return bool(sock.poll(0))
 
 
 def _dealer(ctx: zmq.Context, cluster_key: KeyPair | None) -> zmq.Socket:

@@ -348,6 +348,7 @@ def test_metrics_endpoints_expose_every_series(server):
         "weir_executor_batch_tokens_count",
         "weir_executor_num_kv_blocks",
         "weir_executor_device_memory_bytes",
+        "weir_executor_device_busy_seconds_total",
     ]:
         assert any(k.startswith(name + "{") and 'rank="0"' in k for k in executor), name
     assert metric(executor, "weir_executor_num_kv_blocks") == NUM_BLOCKS
@@ -375,6 +376,12 @@ def test_step_phase_histograms_account_for_every_step(server):
     # The runner's phases happen inside the executor's step, which happens inside the
     # scheduler's wait for it.
     assert 0 < runner_seconds <= metric(executor, "weir_executor_step_seconds_sum")
+    # The device computes inside forward and sampling (on a CPU, exactly that time).
+    forward_and_sample = sum(
+        phase(executor, "weir_executor_phase_seconds", which, "sum")
+        for which in ("forward", "sample")
+    )
+    assert 0 < metric(executor, "weir_executor_device_busy_seconds_total") <= forward_and_sample
     waited = phase(scheduler, "weir_scheduler_step_phase_seconds", "executor", "sum")
     assert metric(executor, "weir_executor_step_seconds_sum") <= waited
     assert phase(scheduler, "weir_scheduler_step_phase_seconds", "executor", "count") == steps

@@ -1,0 +1,288 @@
+"""The executor's overlapped loop: step N+1 launched before step N is finished.
+
+On a GPU the executor launches a plan that is already waiting before it waits for the step
+in flight, and the new step reads the tokens the previous one samples on the device. A CPU
+computes inside ``launch``, so the server never overlaps there; these tests force the same
+loop (``ExecutorWorker.serve(overlap=True)``) on a real model over a real ZeroMQ socket,
+with the real scheduler in async mode planning ahead, and compare with transformers and
+with the plain loop.
+"""
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import zmq
+from serving_helpers import hf_greedy
+
+from weir.services.engine.core import EngineCore, StepFailedError, step_now
+from weir.services.executor.metrics import ExecutorMetrics
+from weir.services.executor.model_runner import ModelRunner
+from weir.services.executor.worker import ExecutorOptions, ExecutorWorker
+from weir.services.scheduler import Request, Scheduler
+from weir.services.supervised import StatusReporter
+from weir.shared.config import CacheConfig, EngineArgs, SchedulerConfig
+from weir.shared.protocol import control
+from weir.shared.protocol.step_codec import decode_step_result, encode_step_plan
+from weir.shared.sampling import SamplingParams
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24
+# Bytes per block of the tiny model: K and V x 2 layers x 4 tokens x 2 KV heads x 8 dims x 4 bytes.
+KV_BYTES = NUM_BLOCKS * 2 * 2 * BLOCK_SIZE * 2 * 8 * 4
+BUDGET = 16
+
+
+# How long each step seems to run on the device after its launch returns: on a CPU the
+# work is done by then, and without this the loop would overlap only when the next plan
+# happened to be there already.
+STEP_SECONDS = 0.05
+
+
+class _DeviceTime:
+    """A step's completion event, as a CUDA event reports it: done ``seconds`` after launch."""
+
+    def __init__(self, seconds: float) -> None:
+        self.done_at = time.monotonic() + seconds
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.done_at
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.done_at - time.monotonic()))
+
+
+class _SocketExecutor:
+    """The scheduler's side of one executor: plans out, results back in order."""
+
+    def __init__(self, sock: zmq.Socket, identity: bytes) -> None:
+        self.sock, self.identity = sock, identity
+
+    def submit(self, plan):
+        self.sock.send_multipart([self.identity, control.PLAN, encode_step_plan(plan)])
+        return self._result()
+
+    async def _result(self):
+        if not self.sock.poll(60_000):
+            raise TimeoutError("the executor did not answer")
+        _, kind, body = self.sock.recv_multipart()
+        if kind == control.STEP_ERROR:
+            raise StepFailedError(control.unpack(control.StepFailure, body).message)
+        assert kind == control.RESULT, kind
+        return decode_step_result(body)
+
+
+class _Served:
+    """A real ModelRunner served by ``ExecutorWorker.serve`` in a thread, the order of its
+    launches and finishes recorded, and an engine core with an async scheduler driving it."""
+
+    def __init__(self, model_dir, *, overlap: bool, poison: str | None = None) -> None:
+        self.runner = runner = ModelRunner(
+            model_dir,
+            device="cpu",
+            block_size=BLOCK_SIZE,
+            kv_cache_memory_bytes=KV_BYTES,
+            max_num_batched_tokens=BUDGET,
+            max_num_seqs=8,
+            max_model_len=64,
+            seed=0,
+        )
+        self.events: list[tuple[str, int]] = []
+        self.failures = 0
+        launch, finish = runner.launch, runner.finish
+
+        def recorded_launch(plan):
+            self.events.append(("launch", plan.step_id))
+            if poison is not None and poison in plan.num_scheduled_tokens:
+                self.failures += 1
+                raise RuntimeError("boom")
+            step = launch(plan)
+            step.ready = _DeviceTime(STEP_SECONDS)
+            return step
+
+        def recorded_finish(step):
+            self.events.append(("finish", step.plan.step_id))
+            return finish(step)
+
+        runner.launch, runner.finish = recorded_launch, recorded_finish
+        self.ctx = zmq.Context()
+        router = self.ctx.socket(zmq.ROUTER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, b"rank0")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        # A router drops frames for a peer it has not heard from yet: hear from it first.
+        dealer.send(control.HELLO)
+        router.recv_multipart()
+        self.router, self.dealer = router, dealer
+        worker = ExecutorWorker(
+            ExecutorOptions(f"tcp://127.0.0.1:{port}", EngineArgs(model=str(model_dir))),
+            StatusReporter(None),
+        )
+        # The heartbeat thread's one field the loop reads: set, it makes the loop exit.
+        self.stop = SimpleNamespace(reset=threading.Event())
+        self.thread = threading.Thread(
+            target=worker.serve,
+            args=(dealer, runner, ExecutorMetrics("tiny", 0), self.stop),
+            kwargs={"overlap": overlap},
+            daemon=True,
+        )
+        self.thread.start()
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=BUDGET,
+                max_num_seqs=8,
+                max_model_len=64,
+                async_scheduling=True,
+            ),
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=runner.num_blocks),
+        )
+        self.core = EngineCore(scheduler, _SocketExecutor(router, b"rank0"))
+
+    def run(self, requests: list[Request]) -> tuple[dict[str, list], dict[str, str], bool]:
+        """Every request to its end: (outputs by request, failures by request, preempted)."""
+        for request in requests:
+            self.core.scheduler.add_request(request)
+        outputs: dict[str, list] = {r.request_id: [] for r in requests}
+        failed: dict[str, str] = {}
+        preempted = False
+        while self.core.has_work():
+            try:
+                step = step_now(self.core)
+            except StepFailedError as exc:
+                failed.update(dict.fromkeys(exc.request_ids, str(exc)))
+                continue
+            preempted |= bool(step.plan.preempted_req_ids)
+            for out in step.outputs:
+                outputs[out.request_id].append(out)
+        kv = self.core.scheduler.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks
+        return outputs, failed, preempted
+
+    def launched_ahead(self) -> int:
+        """How many steps were launched while the step before them was unfinished."""
+        unfinished: set[int] = set()
+        ahead = 0
+        for event, step_id in self.events:
+            if event == "launch":
+                ahead += bool(unfinished)
+                unfinished.add(step_id)
+            else:
+                unfinished.discard(step_id)
+        return ahead
+
+    def close(self) -> None:
+        self.stop.reset.set()
+        self.thread.join(timeout=10)
+        self.router.close()
+        self.dealer.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def served(tiny_model_dir):
+    opened: list[_Served] = []
+
+    def open_served(**kwargs) -> _Served:
+        opened.append(_Served(tiny_model_dir, **kwargs))
+        return opened[-1]
+
+    yield open_served
+    for s in opened:
+        s.close()
+
+
+def _prompts(seed: int, n: int, lengths: tuple[int, int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(*lengths))] for _ in range(n)]
+
+
+def _tokens(outputs: dict[str, list]) -> dict[str, list[int]]:
+    return {r: [t for out in outs for t in out.new_token_ids] for r, outs in outputs.items()}
+
+
+def test_overlapped_steps_keep_greedy_outputs_through_chunking_and_preemption(
+    served, tiny_hf_model
+):
+    s = served(overlap=True)
+    prompts = _prompts(3, 8, (5, 30))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs, failed, preempted = s.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    assert not failed and preempted, "the workload must preempt"
+    # Steps were launched before the step ahead of them finished: the overlap under test.
+    assert s.launched_ahead() >= len(s.events) // 2 // 2
+    for i, prompt in enumerate(prompts):
+        assert _tokens(outputs)[f"r{i}"] == hf_greedy(tiny_hf_model, prompt, 12), f"r{i}"
+
+
+def test_a_slot_freed_while_its_token_is_in_flight_is_not_written_by_that_token(
+    served, tiny_hf_model
+):
+    """A stop token is learnt a step late: the step after it still samples for the request,
+    and the plan after that frees its slot and gives it to a waiting request with a long,
+    chunked prompt. The late token must not land in the new request's prompt."""
+    # The stoppers' late tokens fall at positions 18-21, inside the waiting prompts' second chunk.
+    prompts = _prompts(11, 4, (16, 20)) + _prompts(12, 8, (30, 45))
+    references = [hf_greedy(tiny_hf_model, p, 10) for p in prompts]
+    greedy = {"max_tokens": 10, "temperature": 0.0}
+    stoppers = [
+        Request(f"r{i}", prompts[i], SamplingParams(**greedy, stop_token_ids=[references[i][2]]))
+        for i in range(4)
+    ]
+    waiting = [
+        Request(f"r{i}", prompts[i], SamplingParams(**greedy, ignore_eos=True))
+        for i in range(4, 12)
+    ]
+    s = served(overlap=True)
+    outputs, failed, _ = s.run(stoppers + waiting)
+    assert not failed and s.launched_ahead()
+    tokens = _tokens(outputs)
+    for i, ref in enumerate(references):
+        expected = ref[: ref.index(ref[2]) + 1] if i < 4 else ref
+        assert tokens[f"r{i}"] == expected, f"r{i}"
+
+
+def test_seeded_sampling_and_logprobs_are_the_same_overlapped_or_not(served):
+    prompts = _prompts(7, 6, (5, 25))
+
+    def requests():
+        return [
+            Request(
+                f"r{i}",
+                p,
+                SamplingParams(
+                    max_tokens=9, temperature=0.8, top_p=0.9, seed=100 + i, logprobs=2, min_tokens=4
+                ),
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    plain, _, _ = served(overlap=False).run(requests())
+    overlapped_served = served(overlap=True)
+    overlapped, failed, _ = overlapped_served.run(requests())
+    assert not failed and overlapped_served.launched_ahead()
+
+    def flatten(outputs):
+        return {
+            r: [(out.new_token_ids, out.logprobs) for out in outs] for r, outs in outputs.items()
+        }
+
+    assert flatten(overlapped) == flatten(plain)
+    assert all(len(tokens) >= 4 for tokens in _tokens(plain).values())
+
+
+def test_a_failed_launch_fails_only_its_request_and_the_step_ahead_still_answers(
+    served, tiny_hf_model
+):
+    s = served(overlap=True, poison="r5")
+    prompts = _prompts(5, 8, (5, 12))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs, failed, _ = s.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    assert list(failed) == ["r5"] and "boom" in failed["r5"]
+    assert s.failures <= 8
+    tokens = _tokens(outputs)
+    for i, prompt in enumerate(prompts):
+        if i != 5:
+            assert tokens[f"r{i}"] == hf_greedy(tiny_hf_model, prompt, 10), f"r{i}"
