@@ -83,7 +83,7 @@ section() {
 
 if [[ " $SECTIONS " == *" tests "* ]]; then
     # The CPU test of the padded path needs the default model, which is not there.
-    section tests 110 "$PY" -m pytest -q -x -p no:cacheprovider -k "not on_cpu" \
+    section tests 130 "$PY" -m pytest -q -x -p no:cacheprovider -k "not on_cpu" \
         tests/test_cuda_graphs.py tests/kernels
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA.
     section attention 60 "$PY" benchmarks/attention.py --quick --no-write
