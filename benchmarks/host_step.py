@@ -1,0 +1,132 @@
+"""The host's work per decode step at many running requests: what a GPU waits for between
+two steps unless the executor launches the next before it finishes the last (issue 10).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_step.py [--num-requests 256] [--layers 2]
+
+The default model's shape with ``--layers`` layers and random weights runs on the CPU, so
+the forward pass is cheap and, in any case, not counted. ``--num-requests`` requests with
+32-token prompts decode together; once all are decoding, each part of ``--steps`` steps is
+timed in place: the scheduler's ``schedule()`` and ``update_from_output()``, the step
+codec on both sides (as the wire does), and the executor's parts of ``launch`` and
+``finish`` that are not device work.
+"""
+
+import argparse
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+from executor_step import Timers
+
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
+from weir.services.executor.model_runner import ModelRunner
+from weir.services.scheduler import Request, Scheduler
+from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.model_store import resolve_model
+from weir.shared.protocol import step_codec
+from weir.shared.sampling import SamplingParams
+
+PARTS = (
+    ("scheduler: schedule()", "schedule"),
+    ("scheduler: update_from_output()", "update"),
+    ("scheduler: plan encode", "plan_encode"),
+    ("scheduler: result decode", "result_decode"),
+    ("executor: plan decode", "plan_decode"),
+    ("executor: apply plan to the persistent batch", "apply_plan"),
+    ("executor: prepare inputs", "prepare_inputs"),
+    ("executor: sampling parameters", "sampling_batch"),
+    ("executor: collect the result", "collect"),
+    ("executor: result encode", "result_encode"),
+)
+
+
+def shallow_model(layers: int, into: Path) -> Path:
+    """The default model's config (with ``layers`` layers) and tokenizer, no weights."""
+    source = resolve_model(None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(source / name, into / name)
+    config = json.loads((source / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (into / "config.json").write_text(json.dumps(config))
+    return into
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = shallow_model(args.layers, Path(tmp))
+        n = args.num_requests
+        runner = ModelRunner(
+            model_dir,
+            device="cpu",
+            load_format="dummy",
+            max_num_batched_tokens=32 * n,
+            max_num_seqs=n,
+            max_model_len=512,
+            seed=0,
+        )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=32 * n, max_num_seqs=n, max_model_len=512, async_scheduling=True
+        ),
+        CacheConfig(block_size=runner.block_size, num_blocks=runner.num_blocks),
+    )
+    timers = Timers()
+    batch = runner.batch
+    batch.apply_plan = timers.wrap("apply_plan", batch.apply_plan)
+    batch.prepare_inputs = timers.wrap("prepare_inputs", batch.prepare_inputs)
+    runner._sampling_batch = timers.wrap("sampling_batch", runner._sampling_batch)
+    runner._collect = timers.wrap("collect", runner._collect)
+    codec = {
+        name: timers.wrap(name, getattr(step_codec, function))
+        for name, function in (
+            ("plan_encode", "encode_step_plan"),
+            ("plan_decode", "decode_step_plan"),
+            ("result_encode", "encode_step_result"),
+            ("result_decode", "decode_step_result"),
+        )
+    }
+
+    def execute(plan):
+        plan = codec["plan_decode"](codec["plan_encode"](plan))
+        result = runner.finish(runner.launch(plan))
+        return codec["result_decode"](codec["result_encode"](result))
+
+    def observe(phase: str, seconds: float) -> None:
+        timers.seconds[phase] += seconds
+
+    core = EngineCore(
+        scheduler, InProcessExecutor(SimpleNamespace(execute=execute, reset=runner.reset)), observe
+    )
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        prompt = [rng.randrange(3, runner.config.vocab_size) for _ in range(32)]
+        scheduler.add_request(Request(f"r{i}", prompt, params))
+    while len(scheduler.running) < n or any(not r.output_token_ids for r in scheduler.running):
+        step_now(core)
+    timers.seconds.clear()
+    for _ in range(args.steps):
+        step = step_now(core)
+        assert step is not None and step.plan.total_num_scheduled_tokens == n, "not all decoding"
+    core.abandon_next()
+    print(f"{n} running decodes, {args.steps} steps, {args.layers}-layer model on the CPU\n")
+    print("| part | ms per step |\n|---|---:|")
+    for label, key in PARTS:
+        print(f"| {label} | {timers.seconds[key] / args.steps * 1e3:.3f} |")
+    executor = sum(timers.seconds[key] for label, key in PARTS if label.startswith("executor"))
+    print(f"\nexecutor host work: {executor / args.steps * 1e3:.3f} ms per step")
+
+
+if __name__ == "__main__":
+    main()
