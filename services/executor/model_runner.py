@@ -398,11 +398,15 @@ class ModelRunner:
         to its last device operation (events; gaps inside a step count, so eager steps slowed
         by their launches count in full; a graph replay has none); on a CPU, the time each
         step computed (forward and sampling)."""
+        self._fold_finished_spans()
         total, self._busy_seconds = self._busy_seconds, 0.0
+        return total
+
+    def _fold_finished_spans(self) -> None:
+        """Add the device time of the steps whose events have happened (without waiting)."""
         while self._busy_spans and self._busy_spans[0][1].query():
             began, ended = self._busy_spans.popleft()
-            total += began.elapsed_time(ended) / 1e3
-        return total
+            self._busy_seconds += began.elapsed_time(ended) / 1e3
 
     def _device_event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":
@@ -418,6 +422,7 @@ class ModelRunner:
         CPU (the time since its inputs were ready: the forward pass and sampling ran here)."""
         if began is not None and ended is not None:
             self._busy_spans.append((began, ended))
+            self._fold_finished_spans()  # so a caller that never asks holds a few events only
         else:
             self._busy_seconds += time.perf_counter() - prepared
 

@@ -1,12 +1,12 @@
 """The executor process: load the model, handshake with the scheduler, run every step it sends.
 
 Loop: receive a plan -> decode -> ``ModelRunner.launch`` -> ``ModelRunner.finish`` ->
-(rank 0) send the encoded result. On a GPU a plan that is already waiting is launched before
-the step in flight is finished (see ``serve``). A step that raises is answered with ``step_error``; the executor then
-drops every request (the scheduler sends them all again and isolates the one that
-made the step raise) and keeps serving, except in a tensor-parallel group (the other
-ranks may be waiting in a collective this rank never joins): there the rank exits
-and the group fails. A heartbeat thread proves liveness (see
+(rank 0) send the encoded result. On a GPU a plan that is already waiting is launched
+before the step in flight is finished (see ``serve``). A step that raises is answered with
+``step_error``; the executor then drops every request (the scheduler sends them all again
+and isolates the one that made the step raise) and keeps serving, except in a
+tensor-parallel group (the other ranks may be waiting in a collective this rank never
+joins): there the rank exits and the group fails. A heartbeat thread proves liveness (see
 ``weir.shared.protocol.control``). The process exits
 when told to (SIGTERM), when its supervisor dies, or when the scheduler it
 handshook with is replaced.
