@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the step path (issue 10) and the attention kernel (issue 11) in one run of
-# under 9 minutes on one H200:
+# at most ~9.5 minutes on one H200 (the sections' limits add up to 550 s):
 #   1. the CUDA tests: graphs on/off give the same greedy tokens (tests/test_cuda_graphs.py),
 #      and the Triton kernel tests, natively; then benchmarks/attention.py --quick (issue 11);
 #   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs

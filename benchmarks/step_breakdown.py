@@ -49,7 +49,7 @@ from weir.shared.model_store import resolve_model
 from weir.shared.sampling import SamplingParams
 
 
-def histogram_sums(url: str) -> dict[tuple[str, str], tuple[float, float]]:
+def metric_sums(url: str) -> dict[tuple[str, str], tuple[float, float]]:
     """(metric, phase label or '') -> (sum, count) of every histogram at ``url``, and
     (value, 0) of every counter."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -68,7 +68,7 @@ def histogram_sums(url: str) -> dict[tuple[str, str], tuple[float, float]]:
 def snapshot(urls: list[str]) -> dict[tuple[str, str], tuple[float, float]]:
     merged: dict[tuple[str, str], tuple[float, float]] = {}
     for url in urls:
-        merged.update(histogram_sums(url))
+        merged.update(metric_sums(url))
     return merged
 
 

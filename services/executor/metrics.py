@@ -42,7 +42,8 @@ class ExecutorMetrics:
         self.step_seconds = labelled(
             Histogram(
                 "weir_executor_step_seconds",
-                "Wall time of one step (decode plan to result ready)",
+                "Wall time of one step (plan received to result ready; a step launched ahead counts "
+                "its wait behind the one before)",
                 names,
                 registry=self.registry,
                 buckets=_STEP_SECONDS_BUCKETS,

@@ -111,7 +111,7 @@ class LaunchedStep:
     plan: StepPlan
     timings: StepTimings
     inputs: StepInputs | None = None
-    sampled: SamplerOutput | None = None
+    token_ids: torch.Tensor | None = None  # [N] on the device: what the next step may read
     ids: torch.Tensor | None = None  # [N, 1 + n]: each row's token, then its top n
     logprobs: torch.Tensor | None = None  # [N, 1 + n]
     num_logprobs: np.ndarray | None = None  # [R] per request, as asked when launched
@@ -430,7 +430,7 @@ class ModelRunner:
         """The tokens of this step that ``previous`` samples: (rows of this step's input ids,
         rows of previous's sampled tokens), as device index tensors."""
         reserved = previous.reserved
-        assert reserved is not None and previous.sampled is not None
+        assert reserved is not None and previous.token_ids is not None
         capacity = self.batch.capacity
         position = np.full(capacity, -1, dtype=np.int64)
         live = self.batch.reserved_now(reserved)
@@ -441,7 +441,7 @@ class ModelRunner:
             return None
         sampled_row = np.zeros(capacity, dtype=np.int64)
         sampled_row[reserved.slots] = np.arange(len(reserved.slots))
-        tokens = previous.sampled.token_ids[self._to_device(sampled_row[token_slots[rows]])]
+        tokens = previous.token_ids[self._to_device(sampled_row[token_slots[rows]])]
         return self._to_device(rows), tokens
 
     def _sample(
@@ -470,7 +470,7 @@ class ModelRunner:
             plan,
             StepTimings(prepared - start, forwarded - prepared),
             inputs=inputs,
-            sampled=sampled,
+            token_ids=sampled.token_ids,
             ids=_to_host(ids),
             logprobs=logprobs,
             num_logprobs=self.batch.num_logprobs[inputs.slots],
