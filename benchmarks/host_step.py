@@ -7,11 +7,14 @@ The default model's shape with ``--layers`` layers and random weights runs on th
 the forward pass is cheap and, in any case, not counted. ``--num-requests`` requests with
 32-token prompts decode together; once all are decoding, each part of ``--steps`` steps is
 timed in place: the scheduler's ``schedule()`` and ``update_from_output()``, the step
-codec on both sides (as the wire does), and the executor's parts of ``launch`` and
-``finish`` that are not device work.
+codec on both sides (as the wire does), the scheduler's publishing of the outputs
+(detokenizing, stop strings, one frame to the one client, as behind the HTTP gateway or
+``LLM``; requests arrive through that client over a real ZeroMQ socket), and the
+executor's parts of ``launch`` and ``finish`` that are not device work.
 """
 
 import argparse
+import asyncio
 import json
 import random
 import shutil
@@ -19,21 +22,28 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import zmq
+import zmq.asyncio
 from executor_step import Timers
 
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
+from weir.services.engine.frontend import ClientFrontend
+from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.model_store import resolve_model
+from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol import step_codec
 from weir.shared.sampling import SamplingParams
+from weir.shared.tokenizer import Tokenizer
 
 PARTS = (
     ("scheduler: schedule()", "schedule"),
     ("scheduler: update_from_output()", "update"),
     ("scheduler: plan encode", "plan_encode"),
     ("scheduler: result decode", "result_decode"),
+    ("scheduler: publish outputs", "publish"),
     ("executor: plan decode", "plan_decode"),
     ("executor: apply plan to the persistent batch", "apply_plan"),
     ("executor: prepare inputs", "prepare_inputs"),
@@ -55,6 +65,10 @@ def shallow_model(layers: int, into: Path) -> Path:
 
 
 def main() -> None:
+    asyncio.run(run())
+
+
+async def run() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -108,24 +122,58 @@ def main() -> None:
     core = EngineCore(
         scheduler, InProcessExecutor(SimpleNamespace(execute=execute, reset=runner.reset)), observe
     )
+    context = zmq.asyncio.Context()
+    server_sock = context.socket(zmq.ROUTER)
+    port = server_sock.bind_to_random_port("tcp://127.0.0.1")
+    client = context.socket(zmq.DEALER)
+    client.connect(f"tcp://127.0.0.1:{port}")
+    frontend = ClientFrontend(
+        server_sock,
+        Tokenizer.from_model_dir(resolve_model(None)),
+        runner.config.vocab_size,
+        512,
+        SchedulerMetrics("bench"),
+        wake=lambda: None,
+        requests_ended=lambda: None,
+        health=lambda stream_ids: {},
+        model_info=lambda: {},
+    )
+    frontend.core = core
+    receiving = asyncio.create_task(frontend.run())
     rng = random.Random(0)
     params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(n):
         prompt = [rng.randrange(3, runner.config.vocab_size) for _ in range(32)]
-        scheduler.add_request(Request(f"r{i}", prompt, params))
+        request = client_protocol.GenerateRequest(f"r{i}", prompt, params)
+        await client.send(client_protocol.encode_client_message(request))
+    while len(frontend.streams) < n:
+        await asyncio.sleep(0.01)
+    publish = timers.wrap("publish", frontend.publish)
+
+    async def step() -> int:
+        done = step_now(core)
+        assert done is not None
+        publish(done)
+        while await client.poll(0):  # the client's reading is another process's work
+            await client.recv()
+        return done.plan.total_num_scheduled_tokens
+
     while len(scheduler.running) < n or any(not r.output_token_ids for r in scheduler.running):
-        step_now(core)
+        await step()
     timers.seconds.clear()
     for _ in range(args.steps):
-        step = step_now(core)
-        assert step is not None and step.plan.total_num_scheduled_tokens == n, "not all decoding"
+        assert await step() == n, "not all decoding"
     core.abandon_next()
     print(f"{n} running decodes, {args.steps} steps, {args.layers}-layer model on the CPU\n")
     print("| part | ms per step |\n|---|---:|")
     for label, key in PARTS:
         print(f"| {label} | {timers.seconds[key] / args.steps * 1e3:.3f} |")
-    executor = sum(timers.seconds[key] for label, key in PARTS if label.startswith("executor"))
-    print(f"\nexecutor host work: {executor / args.steps * 1e3:.3f} ms per step")
+    print()
+    for side in ("scheduler", "executor"):
+        total = sum(timers.seconds[key] for label, key in PARTS if label.startswith(side))
+        print(f"{side} host work: {total / args.steps * 1e3:.3f} ms per step")
+    receiving.cancel()
+    context.destroy(linger=0)
 
 
 if __name__ == "__main__":
