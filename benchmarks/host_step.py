@@ -15,10 +15,12 @@ executor's parts of ``launch`` and ``finish`` that are not device work.
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +32,8 @@ from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.engine.frontend import ClientFrontend
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.model_runner import ModelRunner
-from weir.services.scheduler import Request, Scheduler
+from weir.services.scheduler import Scheduler
+from weir.services.startup_heap import freeze_startup_heap
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.model_store import resolve_model
 from weir.shared.protocol import client as client_protocol
@@ -51,6 +54,32 @@ PARTS = (
     ("executor: collect the result", "collect"),
     ("executor: result encode", "result_encode"),
 )
+
+
+class GcTimes:
+    """Count and time the garbage collector's passes, by generation, until ``stop()``."""
+
+    def __init__(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+        gc.callbacks.append(self._on_pass)
+
+    def _on_pass(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on_pass)
+
+    def summary(self) -> str:
+        return ", ".join(
+            f"gen{g} {n} ({s * 1e3:.1f} ms)"
+            for g, (n, s) in enumerate(zip(self.count, self.seconds))
+        )
 
 
 def shallow_model(layers: int, into: Path) -> Path:
@@ -75,6 +104,12 @@ async def run() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument(
+        "--freeze-heap",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="freeze the start-up heap before the timed steps, as the serving processes do",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,9 +195,13 @@ async def run() -> None:
 
     while len(scheduler.running) < n or any(not r.output_token_ids for r in scheduler.running):
         await step()
+    if args.freeze_heap:
+        freeze_startup_heap()  # as the serving processes do once started
+    collections = GcTimes()
     timers.seconds.clear()
     for _ in range(args.steps):
         assert await step() == n, "not all decoding"
+    collections.stop()
     core.abandon_next()
     print(f"{n} running decodes, {args.steps} steps, {args.layers}-layer model on the CPU\n")
     print("| part | ms per step |\n|---|---:|")
@@ -172,6 +211,10 @@ async def run() -> None:
     for side in ("scheduler", "executor"):
         total = sum(timers.seconds[key] for label, key in PARTS if label.startswith(side))
         print(f"{side} host work: {total / args.steps * 1e3:.3f} ms per step")
+    print(
+        f"garbage collections during the timed steps (inside the parts above): "
+        f"{collections.summary()}"
+    )
     receiving.cancel()
     context.destroy(linger=0)
 

@@ -8,7 +8,7 @@ generation_config.json) and renders the chat template the way transformers does.
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,36 @@ def _as_id_list(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
+class _WholePieces(dict[int, str | None]):
+    """Token id -> the text it adds after any text that ends on a whole character, or None
+    where that depends on its neighbours. Filled as ids are first seen.
+
+    A byte-level BPE decoder (GPT-2, Llama 3, Qwen, SmolLM) decodes a sequence as the UTF-8
+    of its tokens' bytes laid end to end, so a token whose bytes are whole UTF-8 on their own
+    always adds its own text. Not so for a part of a character, an added token (special
+    tokens may be skipped), or another decoder (SentencePiece's drops a leading space)."""
+
+    def __init__(self, backend: BackendTokenizer) -> None:
+        super().__init__()
+        self._backend = backend
+        self._byte_level = isinstance(backend.decoder, ByteLevel)
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+
+    def __missing__(self, token_id: int) -> str | None:
+        piece = None
+        backend = self._backend
+        if (
+            self._byte_level
+            and token_id not in self._added_ids
+            and backend.id_to_token(token_id) is not None
+        ):
+            text = backend.decode([token_id], skip_special_tokens=False)
+            if "\ufffd" not in text:
+                piece = text
+        self[token_id] = piece
+        return piece
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` with the model's special tokens, stop tokens and chat template."""
 
@@ -90,6 +120,7 @@ class Tokenizer:
         self._chat_template = (
             None if chat_template is None else compile_chat_template(chat_template)
         )
+        self.whole_pieces = _WholePieces(backend)
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -150,6 +181,9 @@ class IncrementalDetokenizer:
     vLLM's scheme: keep a prefix offset and a read offset into the ids, decode only the window between
     the prefix offset and the end, and emit what it adds to the decoded prefix unless that ends in
     U+FFFD. `tokenizers.decoders.DecodeStream` does exactly this in Rust, on a window of a few tokens.
+    While the text so far ends on a whole character, a token with a whole piece
+    (``Tokenizer.whole_pieces``) adds that piece without a decode: ~2.5 us less per token,
+    most tokens of byte-level vocabularies, on the loop that publishes every stream's step.
     """
 
     def __init__(
@@ -159,16 +193,33 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._backend = tokenizer.backend
+        self._pieces = tokenizer.whole_pieces
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        # Whether the text so far ends on a whole character; the first output token decodes
+        # in the prompt's context, which may not.
+        self._whole = False
 
-    def add(self, new_token_ids: Iterable[int]) -> str:
+    def add(self, new_token_ids: Sequence[int]) -> str:
+        if len(new_token_ids) == 1:  # a decode step's one token: no generator, no join
+            return self._step(new_token_ids[0]) or ""
         return "".join(
             chunk for token_id in new_token_ids if (chunk := self._step(token_id)) is not None
         )
 
     def _step(self, token_id: int) -> str | None:
+        if self._whole:
+            piece = self._pieces[token_id]
+            if piece is not None:
+                # The stream never sees this token: with byte-level decoding the text of
+                # what follows does not depend on whole characters before it.
+                return piece
+        chunk = self._decode_step(token_id)
+        self._whole = chunk is not None
+        return chunk
+
+    def _decode_step(self, token_id: int) -> str | None:
         try:
             return self._stream.step(self._backend, token_id)
         except Exception as exc:

@@ -6,15 +6,16 @@ Prometheus 2.x does; plain ``weir_`` names are the same in every format.
 """
 
 import asyncio
+import random
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, disable_created_metrics, exposition
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, exposition
 
-from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.engine.metrics import SchedulerMetrics, StepHistogram
 from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import Router
@@ -103,3 +104,28 @@ def test_no_colon_metric_names_are_left_in_the_repository() -> None:
         for match in re.findall(r"weir:[a-z_]+", path.read_text(errors="replace"))
     ]
     assert not stale, stale
+
+
+@pytest.mark.parametrize("fmt", list(ACCEPT))
+def test_a_step_histogram_is_exposed_as_prometheus_client_exposes_a_histogram(fmt: str) -> None:
+    """The scheduler observes inter-token latencies a step at a time (``StepHistogram``);
+    prometheus_client's own ``Histogram`` fed the same values one by one is the reference."""
+    disable_created_metrics()
+    buckets = (0.001, 0.01, 0.1, 1.0, 10.0)
+    rng = random.Random(0)
+    steps = [
+        [rng.choice([0.0, 0.001, 0.1, 10.0, 1e6, rng.expovariate(20)]) for _ in range(n)]
+        for n in (0, 1, 7, 256)
+    ]
+    ours = CollectorRegistry()
+    step_histogram = StepHistogram("weir_x_seconds", "doc", {"model_name": "m"}, buckets, ours)
+    reference = CollectorRegistry()
+    histogram = Histogram(
+        "weir_x_seconds", "doc", ["model_name"], registry=reference, buckets=buckets
+    ).labels(model_name="m")
+    encoder, _ = exposition.choose_encoder(ACCEPT[fmt])
+    for values in steps:
+        step_histogram.observe_many(values)
+        for value in values:
+            histogram.observe(value)
+        assert encoder(ours) == encoder(reference)

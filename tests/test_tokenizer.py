@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models
+from tokenizers.decoders import DecodeStream
 
 from weir.shared.model_store import default_gguf_path
 from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -154,3 +157,59 @@ def test_incremental_property(ours: Tokenizer, text: str, chunk: int) -> None:
     deltas = _stream(ours, "", ids, chunk)
     assert "".join(deltas) == ours.decode(ids) == text
     assert not any("\ufffd" in delta for delta in deltas)
+
+
+@pytest.fixture(scope="module")
+def partial_ids(ours: Tokenizer) -> list[int]:
+    """Ids without a whole piece: parts of characters and the added (special) tokens."""
+    return [i for i in range(ours.vocab_size) if ours.whole_pieces[i] is None]
+
+
+def _decode_stream_alone(ours: Tokenizer, prompt: list[int], ids: list[int]) -> str | None:
+    """tokenizers' DecodeStream stepped a token at a time, as the detokenizer did before it
+    took whole pieces; None where the stream cannot continue (its window reset)."""
+    stream = DecodeStream(ids=prompt[-6:], skip_special_tokens=True)
+    try:
+        return "".join(stream.step(ours.backend, t) or "" for t in ids)
+    except Exception:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(1, 3))
+def test_whole_pieces_change_no_character(
+    ours: Tokenizer, hf_dir, partial_ids: list[int], data: st.DataObject, chunk: int
+) -> None:
+    """Random ids, about a third of them parts of characters or special tokens: the deltas
+    are what DecodeStream gives alone, and what transformers decodes wherever the prompt's
+    end and the output are whole text."""
+    any_id = st.integers(0, ours.vocab_size - 1)
+    ids = data.draw(st.lists(st.one_of(any_id, any_id, st.sampled_from(partial_ids)), max_size=24))
+    prompt = data.draw(st.lists(any_id, max_size=8))
+    detok = IncrementalDetokenizer(ours, prompt)
+    text = "".join(detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk))
+    alone = _decode_stream_alone(ours, prompt, ids)
+    if alone is not None:
+        assert text == alone
+    full = hf_dir.decode(ids, skip_special_tokens=True)
+    if "\ufffd" not in full + hf_dir.decode(prompt[-6:]):
+        assert text == full
+
+
+def test_common_tokens_have_whole_pieces(ours: Tokenizer, partial_ids: list[int]) -> None:
+    """Most of a byte-level vocabulary adds its own text; parts of characters and special
+    tokens do not."""
+    assert len(partial_ids) < 0.05 * ours.vocab_size
+    assert ours.whole_pieces[ours.encode(" hello")[0]] == " hello"
+    assert ours.eos_token_id in partial_ids
+    assert set(ours.encode(" 🎉")) <= set(partial_ids)  # four bytes over several tokens
+
+
+def test_a_decoder_that_is_not_byte_level_has_no_whole_pieces() -> None:
+    """SentencePiece's decoder drops the first token's leading space: a token's text
+    depends on its place, so every token goes through DecodeStream."""
+    backend = BackendTokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1, "<unk>": 2}, "<unk>"))
+    backend.decoder = decoders.Metaspace()
+    ours = Tokenizer(backend)
+    assert ours.whole_pieces[0] is None and ours.whole_pieces[1] is None
+    assert IncrementalDetokenizer(ours, []).add([0, 1, 0]) == "Hello world Hello"

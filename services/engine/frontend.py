@@ -456,57 +456,60 @@ class ClientFrontend:
         now = time.monotonic()
         by_client: dict[bytes, list[client_protocol.StreamOutput]] = {}
         stopped: list[str] = []
+        inter_token: list[float] = []
         num_generated = 0
+        streams = self.streams
         for out in step.outputs:
-            stream = self.streams.get(out.request_id)
+            stream = streams.get(out.request_id)
             if stream is None:
                 continue
-            num_generated += len(out.new_token_ids)
-            item = self._stream_output(stream, out, now)
+            if out.new_token_ids:
+                num_generated += len(out.new_token_ids)
+                if stream.last_token_time is None:
+                    self.metrics.time_to_first_token.observe(now - stream.arrival_time)
+                else:
+                    inter_token.append(now - stream.last_token_time)
+                stream.last_token_time = now
+            item = self._stream_output(stream, out)
             if item.finished and not out.finished:  # a stop string, seen only here
                 stopped.append(out.request_id)
             by_client.setdefault(stream.identity, []).append(item)
         self._end_in_scheduler(stopped, RequestStatus.FINISHED_STOPPED)
         for identity, items in by_client.items():
             self._send(identity, client_protocol.encode_outputs(items))
+        self.metrics.inter_token_latency.observe_many(inter_token)
         self.metrics.generation_tokens.inc(num_generated)
 
-    def _stream_output(
-        self, stream: _Stream, out: EngineOutput, now: float
-    ) -> client_protocol.StreamOutput:
+    def _stream_output(self, stream: _Stream, out: EngineOutput) -> client_protocol.StreamOutput:
         """Detokenize, apply stop strings, and build the client's output for one request."""
         new_ids = out.new_token_ids
         finished, reason = out.finished, out.finish_reason
+        text = stream.text
         if new_ids:
-            if stream.last_token_time is None:
-                self.metrics.time_to_first_token.observe(now - stream.arrival_time)
-            else:
-                self.metrics.inter_token_latency.observe(now - stream.last_token_time)
-            stream.last_token_time = now
             stream.num_output_tokens += len(new_ids)
-            searched_from = max(0, len(stream.text) - stream.holdback)
-            stream.text += stream.detokenizer.add(new_ids)
-            if stream.params.stop and stream.num_output_tokens >= stream.params.min_tokens:
-                cut = _find_stop(stream.text, stream.params.stop, searched_from)
+            searched_from = len(text) - stream.holdback
+            text += stream.detokenizer.add(new_ids)
+            stops = stream.params.stop
+            if stops and stream.num_output_tokens >= stream.params.min_tokens:
+                cut = _find_stop(text, stops, searched_from if searched_from > 0 else 0)
                 if cut is not None:
-                    stream.text = stream.text[:cut]
+                    text = text[:cut]
                     finished, reason = True, "stop"
-        end = (
-            len(stream.text)
-            if finished
-            else max(stream.num_sent_chars, len(stream.text) - stream.holdback)
-        )
-        logprobs = None if out.logprobs is None else self._logprobs(out.logprobs)
+            stream.text = text
+        start = stream.num_sent_chars
+        end = len(text)
+        if not finished and stream.holdback:
+            end = max(start, end - stream.holdback)
         item = client_protocol.StreamOutput(
-            request_id=stream.request_id,
-            new_token_ids=list(new_ids),
-            text=stream.text[stream.num_sent_chars : end],
-            finished=finished,
-            finish_reason=reason,
-            prompt_tokens=len(stream.prompt_token_ids),
-            completion_tokens=stream.num_output_tokens,
-            prompt_token_ids=None if stream.sent_prompt_ids else stream.prompt_token_ids,
-            logprobs=logprobs,
+            stream.request_id,
+            new_ids,
+            text[start:end],
+            finished,
+            reason,
+            len(stream.prompt_token_ids),
+            stream.num_output_tokens,
+            None if stream.sent_prompt_ids else stream.prompt_token_ids,
+            None if out.logprobs is None else self._logprobs(out.logprobs),
         )
         stream.num_sent_chars = end
         stream.sent_prompt_ids = True

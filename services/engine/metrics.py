@@ -6,6 +6,11 @@ every series carries ``model_name``.
 
 from __future__ import annotations
 
+import math
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from itertools import accumulate
 from typing import TypeVar
 
 from prometheus_client import (
@@ -14,6 +19,8 @@ from prometheus_client import (
     Gauge,
     Histogram,
 )
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from weir.services.scheduler.scheduler import SpecDecodeStats
 
@@ -64,6 +71,50 @@ _REQUEST_BUCKETS = (
 _PHASE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 STEP_PHASES = ("schedule", "plan_encode", "executor", "update", "propose", "outputs")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class StepHistogram:
+    """A histogram that takes one step's values at once, exposed exactly as a
+    ``Histogram`` with the same buckets. prometheus_client's ``observe`` takes two locks
+    per value (~1.3 us); one value per stream per step would cost a third of a
+    millisecond of every step at 256 streams, on the loop that plans the next one."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: dict[str, str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labels = labels
+        self._bounds = (*buckets, math.inf)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()  # the /metrics server collects on its own thread
+        registry.register(self)
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        bounds, counts = self._bounds, self._counts
+        with self._lock:
+            total = self._sum
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1  # buckets count value <= bound
+                total += value
+            self._sum = total
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        family = HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
+        family.add_metric(
+            list(self._labels.values()),
+            [(floatToGoString(b), n) for b, n in zip(self._bounds, accumulate(counts))],
+            total,
+        )
+        yield family
 
 
 class SchedulerMetrics:
@@ -136,14 +187,12 @@ class SchedulerMetrics:
                 buckets=_LATENCY_BUCKETS,
             )
         )
-        self.inter_token_latency = one(
-            Histogram(
-                "weir_inter_token_latency_seconds",
-                "Time between consecutive output tokens",
-                names,
-                registry=reg,
-                buckets=_LATENCY_BUCKETS,
-            )
+        self.inter_token_latency = StepHistogram(
+            "weir_inter_token_latency_seconds",
+            "Time between consecutive output tokens",
+            {"model_name": model_name},
+            _LATENCY_BUCKETS,
+            reg,
         )
         self.e2e_request_latency = one(
             Histogram(

@@ -42,6 +42,7 @@ from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.engine.ngram import make_proposer
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
+from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.config import EngineArgs
 from weir.shared.keys import (
@@ -295,6 +296,7 @@ class SchedulerServer:
             )
         if not self._reported_ready:
             self._reported_ready = True
+            freeze_startup_heap()
             self.status.ready(
                 client_address=self.client_address,
                 executor_address=self.executor_address,

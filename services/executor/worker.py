@@ -27,6 +27,7 @@ import zmq
 
 from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.metrics_endpoint import start_metrics_server
+from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.config import EngineArgs, parse_size
 from weir.shared.keys import (
@@ -171,6 +172,7 @@ class ExecutorWorker:
             self.joined.set()
             heartbeat = _Heartbeat(ctx, opts.scheduler, cluster_key, self.session, opts.rank)
             heartbeat.start()
+            freeze_startup_heap()
             self.status.ready(
                 rank=opts.rank, num_blocks=runner.num_blocks, metrics_address=metrics_address
             )

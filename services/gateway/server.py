@@ -11,6 +11,7 @@ import uvicorn
 
 from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.router import Router
+from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.client import WeirError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
@@ -49,6 +50,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
             port = server.servers[0].sockets[0].getsockname()[1]
             address = f"http://{options.host}:{port}"
             _log.info("gateway at %s for %s", address, ", ".join(options.schedulers))
+            freeze_startup_heap()
             status.ready(http_address=address, pid=os.getpid())
 
         asyncio.get_running_loop().create_task(when_bound())
