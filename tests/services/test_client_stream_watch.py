@@ -1,0 +1,108 @@
+"""The SDK's stream watch against a scripted server (a raw ZeroMQ ROUTER): quiet streams
+are asked about together, a stream still hearing outputs is not, a lost stream ends with
+``EngineError``, and a server that stops answering fails the quiet streams within the
+client's timeout."""
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from weir.shared.client import AsyncWeirClient, EngineError, ServerUnavailableError
+from weir.shared.protocol import client as client_protocol
+from weir.shared.sampling import SamplingParams
+
+TIMEOUT = 1.2  # the watch looks every 0.3 s; a health request is given 0.6 s
+
+
+class ScriptedServer:
+    def __init__(self) -> None:
+        self.context = zmq.asyncio.Context()
+        self.sock = self.context.socket(zmq.ROUTER)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.identity = b""
+        self.requests: list[str] = []
+        self.health_ids: list[list[str]] = []
+        self.lost: set[str] = set()
+        self.answer_health = True
+
+    async def serve(self) -> None:
+        while True:
+            self.identity, frame = await self.sock.recv_multipart()
+            message = client_protocol.decode_client_message(frame)
+            if isinstance(message, client_protocol.GenerateRequest):
+                self.requests.append(message.request_id)
+            elif isinstance(message, client_protocol.HealthRequest) and self.answer_health:
+                self.health_ids.append(message.stream_ids)
+                lost = sorted(self.lost & set(message.stream_ids))
+                reply = client_protocol.HealthReply(
+                    message.request_id, {"status": "ok", "lost_request_ids": lost}
+                )
+                await self.send(client_protocol.encode_server_message(reply))
+
+    async def send(self, frame: bytes) -> None:
+        await self.sock.send_multipart([self.identity, frame])
+
+    async def output(self, request_id: str, finished: bool) -> None:
+        item = client_protocol.StreamOutput(
+            request_id, [7], "x", finished, "length" if finished else None, 3, 1
+        )
+        await self.send(client_protocol.encode_outputs([item]))
+
+
+async def _scenario(answer_health: bool, lost: set[str]) -> dict[str, object]:
+    server = ScriptedServer()
+    server.answer_health = answer_health
+    server.lost = lost
+    serving = asyncio.create_task(server.serve())
+    results: dict[str, object] = {}
+    async with AsyncWeirClient(server.address, timeout=TIMEOUT) as client:
+
+        async def stream(rid: str) -> None:
+            start = time.monotonic()
+            try:
+                async for out in client.generate([1, 2, 3], SamplingParams(), request_id=rid):
+                    if out.finished:
+                        results[rid] = "finished"
+            except Exception as exc:
+                results[rid] = (exc, time.monotonic() - start)
+
+        ids = ["quiet1", "quiet2", "quiet3", "busy"]
+        tasks = [asyncio.create_task(stream(rid)) for rid in ids]
+        while len(server.requests) < len(ids):
+            await asyncio.sleep(0.01)
+        for _ in range(15):  # 1.5 s: five looks of the watch
+            await server.output("busy", False)
+            await asyncio.sleep(0.1)
+        for rid in ids:
+            if rid not in results:
+                await server.output(rid, True)
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    serving.cancel()
+    server.context.destroy(linger=0)
+    results["health_ids"] = server.health_ids
+    return results
+
+
+def test_quiet_streams_are_asked_about_together_and_keep_waiting() -> None:
+    results = asyncio.run(_scenario(answer_health=True, lost=set()))
+    assert [results[rid] for rid in ("quiet1", "quiet2", "quiet3", "busy")] == ["finished"] * 4
+    asked = results["health_ids"]
+    assert asked and all(sorted(ids) == ["quiet1", "quiet2", "quiet3"] for ids in asked), asked
+
+
+def test_a_stream_the_server_lost_ends_with_engine_error() -> None:
+    results = asyncio.run(_scenario(answer_health=True, lost={"quiet2"}))
+    error, _ = results["quiet2"]
+    assert isinstance(error, EngineError) and "was lost" in str(error)
+    assert results["quiet1"] == results["quiet3"] == results["busy"] == "finished"
+
+
+def test_a_server_that_stops_answering_fails_the_quiet_streams_within_the_timeout() -> None:
+    results = asyncio.run(_scenario(answer_health=False, lost=set()))
+    for rid in ("quiet1", "quiet2", "quiet3"):
+        error, seconds = results[rid]
+        assert isinstance(error, ServerUnavailableError), error
+        assert seconds < TIMEOUT * 1.25, seconds
+    assert results["busy"] == "finished"
