@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -71,6 +71,8 @@ _REQUEST_BUCKETS = (
 _PHASE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 STEP_PHASES = ("schedule", "plan_encode", "executor", "update", "propose", "outputs")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# How prometheus_client writes a bucket bound ("0.001", "1.0", "+Inf"); untyped upstream.
+_bound_text = cast(Callable[[float], str], floatToGoString)
 
 
 class StepHistogram:
@@ -111,7 +113,7 @@ class StepHistogram:
         family = HistogramMetricFamily(self._name, self._documentation, labels=list(self._labels))
         family.add_metric(
             list(self._labels.values()),
-            [(floatToGoString(b), n) for b, n in zip(self._bounds, accumulate(counts))],
+            [(_bound_text(b), n) for b, n in zip(self._bounds, accumulate(counts))],
             total,
         )
         yield family
