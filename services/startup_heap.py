@@ -8,8 +8,9 @@ def freeze_startup_heap() -> None:
 
     A serving process starts by building what it keeps until it exits (torch's modules and
     the model, the tokenizer, the sockets, the app), and CPython's full collections walk
-    every tracked object each time: 40-70 ms for an executor's heap on a 2-core VM, a pause
-    of many steps for a loop that plans, runs or publishes a step every few milliseconds.
+    every tracked object each time: 60-150 ms for a process holding torch and a model on a
+    2-core VM (``benchmarks/host_step.py --no-freeze-heap``), a pause of many steps for a
+    loop that plans, runs or publishes a step every few milliseconds.
     Frozen, those objects are neither walked nor freed; the collector then sees only what
     serving allocates. vLLM and SGLang freeze the same way after start-up.
     """
