@@ -264,9 +264,14 @@ class AsyncWeirClient:
                 reply = await self._request(
                     HealthRequest(uuid.uuid4().hex, quiet), self.timeout / 2
                 )
-            except WeirError as exc:
+            except Exception as exc:  # the watch must outlive whatever one check meets
+                error = (
+                    exc
+                    if isinstance(exc, WeirError)
+                    else ServerUnavailableError(f"liveness check failed: {exc!r}")
+                )
                 for rid in quiet:
-                    self._fail_stream(rid, exc)
+                    self._fail_stream(rid, error)
                 continue
             for rid in reply.info.get("lost_request_ids", ()):
                 # Outputs sent before the reply are already queued: only an empty queue is lost.
