@@ -25,6 +25,7 @@ import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import zmq
@@ -87,6 +88,53 @@ def _error_from_reply(reply: ErrorReply) -> WeirError:
     return InvalidRequestError(reply.message, reply.code)
 
 
+class _Inbox:
+    """One stream's outputs not yet taken, and the error that ended it. Cheaper than an
+    ``asyncio.Queue`` per output (no getter bookkeeping), and its reader takes all that
+    arrived at once. Outputs that arrive after the stream failed are dropped."""
+
+    __slots__ = ("outputs", "error", "ended", "_waiter")
+
+    def __init__(self) -> None:
+        self.outputs: list[StreamOutput] = []
+        self.error: WeirError | None = None
+        self.ended = False  # its last output was taken, or its error raised
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, out: StreamOutput) -> None:
+        if self.error is None:
+            self.outputs.append(out)
+            self._wake()
+
+    def fail(self, error: WeirError) -> None:
+        if self.error is None:
+            self.error = error
+            self._wake()
+
+    def idle(self) -> bool:
+        return not self.outputs and self.error is None
+
+    async def take(self) -> list[StreamOutput]:
+        """Every output not yet taken (at least one), or the stream's error; the stream
+        ends with a finished output."""
+        while not self.outputs:
+            if self.error is not None:
+                self.ended = True
+                raise self.error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        outputs, self.outputs = self.outputs, []
+        self.ended = outputs[-1].finished
+        return outputs
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
 class AsyncWeirClient:
     """asyncio client; create and use it inside one running event loop."""
 
@@ -118,7 +166,7 @@ class AsyncWeirClient:
         self._handshakes = HandshakeMonitor(self._sock, address, "client")
         self._refusal: str | None = None  # why the server dropped us for good
         self._sock.connect(address)
-        self._streams: dict[str, asyncio.Queue[StreamOutput | WeirError]] = {}
+        self._streams: dict[str, _Inbox] = {}
         # Streams that received an output (or started) since the stream watch last looked.
         self._heard: set[str] = set()
         self._replies: dict[str, asyncio.Future[Any]] = {}
@@ -141,33 +189,24 @@ class AsyncWeirClient:
         request_id: str | None = None,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration."""
-        request_id = request_id or uuid.uuid4().hex
-        # The server cannot address its refusal of an unusable id to this stream.
-        if (problem := request_id_problem(request_id)) is not None:
-            raise InvalidRequestError(problem, INVALID_REQUEST)
-        if request_id in self._streams:
-            raise InvalidRequestError(
-                f"request_id {request_id!r} is already streaming", "duplicate_request_id"
-            )
-        queue: asyncio.Queue[StreamOutput | WeirError] = asyncio.Queue()
-        self._streams[request_id] = queue
-        self._heard.add(request_id)
-        finished = False
-        try:
-            self._send(GenerateRequest(request_id, prompt, sampling_params or SamplingParams()))
-            while True:
-                item = await queue.get()
-                if isinstance(item, WeirError):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            del self._streams[request_id]
-            if not finished and not self._closed:
-                self._send(AbortRequest(request_id))
+        with self._open_stream(prompt, sampling_params, request_id) as inbox:
+            while not inbox.ended:
+                for out in await inbox.take():
+                    yield out
+
+    async def generate_batches(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncGenerator[list[StreamOutput], None]:
+        """``generate``, but each iteration yields every output that has arrived since the
+        last (at least one): a caller that writes each output somewhere (a socket) can
+        write them together when it falls behind."""
+        with self._open_stream(prompt, sampling_params, request_id) as inbox:
+            while not inbox.ended:
+                yield await inbox.take()
 
     async def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
@@ -201,6 +240,30 @@ class AsyncWeirClient:
         self._ctx.term()
 
     # ------------------------------------------------------------ internals
+
+    @contextmanager
+    def _open_stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None, request_id: str | None
+    ) -> Iterator[_Inbox]:
+        """Send a request and hold its inbox; leaving before its last output aborts it."""
+        request_id = request_id or uuid.uuid4().hex
+        # The server cannot address its refusal of an unusable id to this stream.
+        if (problem := request_id_problem(request_id)) is not None:
+            raise InvalidRequestError(problem, INVALID_REQUEST)
+        if request_id in self._streams:
+            raise InvalidRequestError(
+                f"request_id {request_id!r} is already streaming", "duplicate_request_id"
+            )
+        inbox = _Inbox()
+        self._streams[request_id] = inbox
+        self._heard.add(request_id)
+        try:
+            self._send(GenerateRequest(request_id, prompt, sampling_params or SamplingParams()))
+            yield inbox
+        finally:
+            del self._streams[request_id]
+            if not inbox.ended and not self._closed:
+                self._send(AbortRequest(request_id))
 
     def _send(self, msg: ClientMessage) -> None:
         if self._closed:
@@ -254,8 +317,8 @@ class AsyncWeirClient:
             await asyncio.sleep(self.timeout / 4)
             quiet = [
                 rid
-                for rid, queue in self._streams.items()
-                if rid not in self._heard and queue.empty()
+                for rid, inbox in self._streams.items()
+                if rid not in self._heard and inbox.idle()
             ]
             self._heard.clear()
             if not quiet:
@@ -274,9 +337,9 @@ class AsyncWeirClient:
                     self._fail_stream(rid, error)
                 continue
             for rid in reply.info.get("lost_request_ids", ()):
-                # Outputs sent before the reply are already queued: only an empty queue is lost.
-                queue = self._streams.get(rid)
-                if queue is not None and queue.empty():
+                # Outputs sent before the reply are already queued: only an empty inbox is lost.
+                inbox = self._streams.get(rid)
+                if inbox is not None and inbox.idle():
                     self._fail_stream(
                         rid,
                         EngineError(
@@ -287,9 +350,9 @@ class AsyncWeirClient:
                     )
 
     def _fail_stream(self, request_id: str, error: WeirError) -> None:
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(error)
+        inbox = self._streams.get(request_id)
+        if inbox is not None:
+            inbox.fail(error)
 
     async def _watch_handshake(self) -> None:
         """A server that refuses our keys (or their absence) drops the connection for good:
@@ -306,8 +369,8 @@ class AsyncWeirClient:
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(ServerUnavailableError(reason))
-        for queue in self._streams.values():
-            queue.put_nowait(ServerUnavailableError(reason))
+        for inbox in self._streams.values():
+            inbox.fail(ServerUnavailableError(reason))
 
     async def _receive_loop(self) -> None:
         while True:
@@ -320,18 +383,18 @@ class AsyncWeirClient:
             if isinstance(msg, list):
                 streams, heard = self._streams, self._heard
                 for out in msg:
-                    queue = streams.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                    inbox = streams.get(out.request_id)
+                    if inbox is not None:
+                        inbox.put(out)
                         heard.add(out.request_id)
                 continue
             future = self._replies.get(msg.request_id) if msg.request_id else None
             if future is not None and not future.done():
                 future.set_result(msg)
             elif isinstance(msg, ErrorReply):
-                queue = self._streams.get(msg.request_id) if msg.request_id else None
-                if queue is not None:
-                    queue.put_nowait(_error_from_reply(msg))
+                inbox = self._streams.get(msg.request_id) if msg.request_id else None
+                if inbox is not None:
+                    inbox.fail(_error_from_reply(msg))
 
 
 class EventLoopThread:

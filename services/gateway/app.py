@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.metrics import GatewayMetrics
-from weir.services.gateway.router import NoReplicaError, Replica, Router
+from weir.services.gateway.router import NoReplicaError, Router
 from weir.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
@@ -137,10 +137,17 @@ class Gateway:
 
     async def run(
         self, request_id: str, samples: list[_Sample]
-    ) -> AsyncGenerator[tuple[int, StreamOutput], None]:
-        """Every sample's outputs, merged as they come; the first failure is raised.
-        Closing this iterator cancels the samples, which aborts their requests."""
-        queue: asyncio.Queue[tuple[int, StreamOutput | Exception | None]] = asyncio.Queue()
+    ) -> AsyncGenerator[list[tuple[int, StreamOutput]], None]:
+        """Every sample's outputs, merged as they come: each batch holds all that arrived
+        since the last (at least one); the first failure is raised. Closing this iterator
+        cancels the samples, which aborts their requests."""
+        if len(samples) == 1:  # nothing to merge: read the stream here, no task in between
+            only = samples[0]
+            async with aclosing(self._sample_batches(f"{request_id}-{only.index}", only)) as one:
+                async for outs in one:
+                    yield [(only.index, out) for out in outs]
+            return
+        queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]] = asyncio.Queue()
         first_token = {sample.group: asyncio.Event() for sample in samples}
         tasks = [
             asyncio.create_task(
@@ -151,13 +158,20 @@ class Gateway:
         try:
             remaining = len(tasks)
             while remaining:
+                batch: list[tuple[int, StreamOutput]] = []
                 index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield index, item
+                while True:
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, Exception):
+                        raise item
+                    else:
+                        batch += [(index, out) for out in item]
+                    if queue.empty():
+                        break
+                    index, item = queue.get_nowait()
+                if batch:
+                    yield batch
         finally:
             for task in tasks:
                 task.cancel()
@@ -167,41 +181,42 @@ class Gateway:
         self,
         request_id: str,
         sample: _Sample,
-        queue: asyncio.Queue[tuple[int, StreamOutput | Exception | None]],
+        queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]],
         first_token: asyncio.Event,
     ) -> None:
         try:
             if sample.number:  # the first sample of a prompt fills the prefix cache
                 await first_token.wait()
-            # Without max_tokens a request may run to max_model_len: count it so.
-            budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
-            async with self.router.reserve(sample.prompt, budget) as replica:
-                self.metrics.routed.labels(replica.address).inc()
-                await self._stream_from(replica, request_id, sample, queue, first_token)
+            async with aclosing(self._sample_batches(request_id, sample)) as batches:
+                async for outs in batches:
+                    first_token.set()
+                    queue.put_nowait((sample.index, outs))
         except Exception as exc:
             first_token.set()
-            await queue.put((sample.index, exc))
+            queue.put_nowait((sample.index, exc))
             return
         first_token.set()
-        await queue.put((sample.index, None))
+        queue.put_nowait((sample.index, None))
 
-    async def _stream_from(
-        self,
-        replica: Replica,
-        request_id: str,
-        sample: _Sample,
-        queue: asyncio.Queue[tuple[int, StreamOutput | Exception | None]],
-        first_token: asyncio.Event,
-    ) -> None:
-        stream = replica.client.generate(sample.prompt, sample.params, request_id=request_id)
-        try:
-            async with aclosing(stream):
-                async for out in stream:
-                    first_token.set()
-                    await queue.put((sample.index, out))
-        except ServerUnavailableError as exc:
-            self.router.mark_down(replica, str(exc))
-            raise
+    async def _sample_batches(
+        self, request_id: str, sample: _Sample
+    ) -> AsyncGenerator[list[StreamOutput], None]:
+        """One sample's outputs from the replica the router picks, reserved there while
+        it streams."""
+        # Without max_tokens a request may run to max_model_len: count it so.
+        budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
+        async with self.router.reserve(sample.prompt, budget) as replica:
+            self.metrics.routed.labels(replica.address).inc()
+            stream = replica.client.generate_batches(
+                sample.prompt, sample.params, request_id=request_id
+            )
+            try:
+                async with aclosing(stream):
+                    async for outs in stream:
+                        yield outs
+            except ServerUnavailableError as exc:
+                self.router.mark_down(replica, str(exc))
+                raise
 
     # ------------------------------------------------------------------ endpoints
 
@@ -226,7 +241,7 @@ class Gateway:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await self._sse(
                 outputs,
-                lambda out, c: self._completion_chunk(base, out, c),
+                fmt.ChunkEvents(base).completion,
                 base,
                 len(samples),
                 include_usage,
@@ -271,7 +286,7 @@ class Gateway:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await self._sse(
                 outputs,
-                lambda out, c: self._chat_chunk(base, out, c, logprobs),
+                fmt.ChunkEvents(base, chat_logprobs=logprobs is not None).chat,
                 base,
                 len(samples),
                 include_usage,
@@ -304,12 +319,13 @@ class Gateway:
 
     @staticmethod
     async def _collect(
-        outputs: AsyncGenerator[tuple[int, StreamOutput], None], num_choices: int
+        outputs: AsyncGenerator[list[tuple[int, StreamOutput]], None], num_choices: int
     ) -> list[fmt.Choice]:
         choices = [fmt.Choice(i) for i in range(num_choices)]
         async with aclosing(outputs):
-            async for index, out in outputs:
-                choices[index].add(out)
+            async for batch in outputs:
+                for index, out in batch:
+                    choices[index].add(out)
         return choices
 
     @staticmethod
@@ -320,8 +336,8 @@ class Gateway:
 
     async def _sse(
         self,
-        outputs: AsyncGenerator[tuple[int, StreamOutput], None],
-        chunk: Callable[[StreamOutput, fmt.Choice], dict[str, Any]],
+        outputs: AsyncGenerator[list[tuple[int, StreamOutput]], None],
+        chunk: Callable[[StreamOutput, fmt.Choice], str],
         base: dict[str, Any],
         num_choices: int,
         include_usage: bool,
@@ -330,8 +346,19 @@ class Gateway:
         opening: list[dict[str, Any]] | None = None,
     ) -> StreamingResponse:
         """A server-sent event stream; a failure before the first output is still an HTTP
-        error status, one after it an ``error`` event."""
+        error status, one after it an ``error`` event. The chunks of the outputs that
+        arrived together go out in one write: a gateway that falls behind catches up
+        with fewer, larger writes instead of falling further behind."""
         choices = [fmt.Choice(i) for i in range(num_choices)]
+
+        def events_of(batch: list[tuple[int, StreamOutput]]) -> bytes:
+            text = []
+            for index, out in batch:
+                choice = choices[index]
+                choice.add(out)
+                text.append(chunk(out, choice))
+            return "".join(text).encode()
+
         try:
             first = await anext(outputs)
         except StopAsyncIteration:
@@ -342,15 +369,14 @@ class Gateway:
 
         async def events() -> AsyncIterator[bytes]:
             async with aclosing(outputs):
-                for item in opening or []:
-                    yield fmt.sse(item)
+                head = b"".join(fmt.sse(item) for item in opening or [])
                 try:
                     if first is not None:
-                        choices[first[0]].add(first[1])
-                        yield fmt.sse(chunk(first[1], choices[first[0]]))
-                    async for index, out in outputs:
-                        choices[index].add(out)
-                        yield fmt.sse(chunk(out, choices[index]))
+                        head += events_of(first)
+                    if head:
+                        yield head
+                    async for batch in outputs:
+                        yield events_of(batch)
                 except Exception as exc:
                     error = _api_error(exc)
                     yield fmt.sse(fmt.error_body(error.message, error.type, error.code))
@@ -364,24 +390,6 @@ class Gateway:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @staticmethod
-    def _completion_chunk(
-        base: dict[str, Any], out: StreamOutput, choice: fmt.Choice
-    ) -> dict[str, Any]:
-        offset = len(choice.text) - len(out.text)
-        logprobs = None if out.logprobs is None else fmt.completion_logprobs(out, offset)
-        return {
-            **base,
-            "choices": [
-                {
-                    "index": choice.index,
-                    "text": out.text,
-                    "finish_reason": out.finish_reason if out.finished else None,
-                    "logprobs": logprobs,
-                }
-            ],
-        }
-
-    @staticmethod
     def _chat_role_chunk(base: dict[str, Any], index: int) -> dict[str, Any]:
         return {
             **base,
@@ -391,23 +399,6 @@ class Gateway:
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
-                }
-            ],
-        }
-
-    @staticmethod
-    def _chat_chunk(
-        base: dict[str, Any], out: StreamOutput, choice: fmt.Choice, logprobs: int | None
-    ) -> dict[str, Any]:
-        delta = {"content": out.text} if out.text or not out.finished else {}
-        return {
-            **base,
-            "choices": [
-                {
-                    "index": choice.index,
-                    "delta": delta,
-                    "logprobs": None if logprobs is None else fmt.chat_logprobs(out),
-                    "finish_reason": out.finish_reason if out.finished else None,
                 }
             ],
         }

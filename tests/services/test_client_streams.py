@@ -1,7 +1,10 @@
-"""The SDK's stream watch against a scripted server (a raw ZeroMQ ROUTER): quiet streams
-are asked about together, a stream still hearing outputs is not, a lost stream ends with
-``EngineError``, and a server that stops answering fails the quiet streams within the
-client's timeout."""
+"""The SDK's streams against a scripted server (a raw ZeroMQ ROUTER).
+
+The stream watch: quiet streams are asked about together, a stream still hearing outputs
+is not, a lost stream ends with ``EngineError``, and a server that stops answering fails
+the quiet streams within the client's timeout. Batches: what arrived together is taken
+together, an error comes after the outputs that preceded it, and only a stream left
+before its last output is aborted."""
 
 import asyncio
 import time
@@ -9,7 +12,12 @@ import time
 import zmq
 import zmq.asyncio
 
-from weir.shared.client import AsyncWeirClient, EngineError, ServerUnavailableError
+from weir.shared.client import (
+    AsyncWeirClient,
+    EngineError,
+    InvalidRequestError,
+    ServerUnavailableError,
+)
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
 
@@ -23,6 +31,7 @@ class ScriptedServer:
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.identity = b""
         self.requests: list[str] = []
+        self.aborts: list[str] = []
         self.health_ids: list[list[str]] = []
         self.lost: set[str] = set()
         self.answer_health = True
@@ -33,6 +42,8 @@ class ScriptedServer:
             message = client_protocol.decode_client_message(frame)
             if isinstance(message, client_protocol.GenerateRequest):
                 self.requests.append(message.request_id)
+            elif isinstance(message, client_protocol.AbortRequest):
+                self.aborts.append(message.request_id)
             elif isinstance(message, client_protocol.HealthRequest) and self.answer_health:
                 self.health_ids.append(message.stream_ids)
                 lost = sorted(self.lost & set(message.stream_ids))
@@ -44,11 +55,20 @@ class ScriptedServer:
     async def send(self, frame: bytes) -> None:
         await self.sock.send_multipart([self.identity, frame])
 
-    async def output(self, request_id: str, finished: bool) -> None:
-        item = client_protocol.StreamOutput(
-            request_id, [7], "x", finished, "length" if finished else None, 3, 1
-        )
-        await self.send(client_protocol.encode_outputs([item]))
+    async def output(self, request_id: str, finished: bool, texts: str = "x") -> None:
+        """One frame with one output per character of ``texts``; the last may finish."""
+        items = [
+            client_protocol.StreamOutput(
+                request_id, [7], text, last, "length" if last else None, 3, 1
+            )
+            for i, text in enumerate(texts)
+            for last in [finished and i == len(texts) - 1]
+        ]
+        await self.send(client_protocol.encode_outputs(items))
+
+    async def wait_requests(self, count: int) -> None:
+        while len(self.requests) < count:
+            await asyncio.sleep(0.01)
 
 
 async def _scenario(answer_health: bool, lost: set[str]) -> dict[str, object]:
@@ -70,8 +90,7 @@ async def _scenario(answer_health: bool, lost: set[str]) -> dict[str, object]:
 
         ids = ["quiet1", "quiet2", "quiet3", "busy"]
         tasks = [asyncio.create_task(stream(rid)) for rid in ids]
-        while len(server.requests) < len(ids):
-            await asyncio.sleep(0.01)
+        await server.wait_requests(len(ids))
         for _ in range(15):  # 1.5 s: five looks of the watch
             await server.output("busy", False)
             await asyncio.sleep(0.1)
@@ -106,3 +125,46 @@ def test_a_server_that_stops_answering_fails_the_quiet_streams_within_the_timeou
         assert isinstance(error, ServerUnavailableError), error
         assert seconds < TIMEOUT * 1.25, seconds
     assert results["busy"] == "finished"
+
+
+async def _batches() -> dict[str, object]:
+    server = ScriptedServer()
+    serving = asyncio.create_task(server.serve())
+    seen: dict[str, object] = {}
+    async with AsyncWeirClient(server.address, timeout=TIMEOUT) as client:
+        whole = client.generate_batches([1], SamplingParams(), request_id="whole")
+        one_by_one = client.generate([1], SamplingParams(), request_id="one_by_one")
+        failed = client.generate_batches([1], SamplingParams(), request_id="failed")
+        left = client.generate_batches([1], SamplingParams(), request_id="left")
+        pending = [asyncio.ensure_future(anext(s)) for s in (whole, one_by_one, failed, left)]
+        await server.wait_requests(4)
+        await server.output("whole", True, "abc")
+        await server.output("one_by_one", True, "abc")
+        await server.output("failed", False, "ab")
+        error = client_protocol.ErrorReply("failed", "no such thing", "invalid_request")
+        await server.send(client_protocol.encode_server_message(error))
+        await server.output("left", False, "ab")
+        first = await asyncio.gather(*pending)
+        seen["whole"] = [[o.text for o in first[0]]] + [[o.text for o in b] async for b in whole]
+        seen["one_by_one"] = [first[1].text] + [o.text async for o in one_by_one]
+        try:
+            async for batch in failed:
+                first[2] += batch
+        except InvalidRequestError as exc:
+            seen["failed"] = ([o.text for o in first[2]], str(exc))
+        seen["left"] = [o.text for o in first[3]]
+        await left.aclose()
+        await asyncio.sleep(0.2)
+    serving.cancel()
+    server.context.destroy(linger=0)
+    seen["aborts"] = server.aborts
+    return seen
+
+
+def test_batches_hold_what_arrived_together_and_end_as_the_stream_does() -> None:
+    seen = asyncio.run(_batches())
+    assert seen["whole"] == [["a", "b", "c"]]
+    assert seen["one_by_one"] == ["a", "b", "c"]
+    assert seen["failed"] == (["a", "b"], "no such thing")
+    assert seen["left"] == ["a", "b"]
+    assert seen["aborts"] == ["left"]
