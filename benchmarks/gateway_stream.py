@@ -8,9 +8,11 @@ process, answering health and model-info requests as the scheduler does) and ``-
 streaming chat completions read over raw HTTP connections. Once every request has reached
 the engine, it sends ``--steps`` ``outputs`` frames of one token per stream, as the
 scheduler does at each step of a steady decode (encoded before the clock starts). The
-gateway's CPU time (user + system, from /proc) from the first frame to the last
+gateway's CPU time (user and system, from /proc) from the first frame to the last
 ``[DONE]``, divided by the tokens streamed, is its cost of a token; the wall time per token
 is printed too, but on a small machine it includes this process's own share of the CPU.
+``--step-ms`` paces the frames as a GPU's steps would (0 sends them all at once: a gateway
+that cannot keep up).
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 _MODEL = "scripted"
 
 
-def _cpu_seconds(pid: int) -> float:
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+    return int(fields[11]) / _TICKS, int(fields[12]) / _TICKS
 
 
 def _free_port() -> int:
@@ -99,8 +102,8 @@ async def run(
     server: zmq.asyncio.Socket,
     generated: asyncio.Queue[tuple[bytes, str]],
     args: argparse.Namespace,
-) -> tuple[float, float]:
-    """Gateway CPU and wall microseconds per token streamed."""
+) -> tuple[float, float, float]:
+    """Gateway user CPU, system CPU and wall microseconds per token streamed."""
     clients = [asyncio.create_task(_stream(port, args.steps)) for _ in range(args.streams)]
     request_ids = []
     for _ in range(args.streams):
@@ -116,17 +119,18 @@ async def run(
             for rid in request_ids
         ]
         frames.append(client_protocol.encode_outputs(items))
-    cpu, start = _cpu_seconds(gateway_pid), time.perf_counter()
+    (user0, system0), start = _cpu_seconds(gateway_pid), time.perf_counter()
     for frame in frames:
         await server.send_multipart([identity, frame])
         if args.step_ms:
             await asyncio.sleep(args.step_ms / 1000)
     events = await asyncio.gather(*clients)
-    wall, cpu = time.perf_counter() - start, _cpu_seconds(gateway_pid) - cpu
+    wall, (user, system) = time.perf_counter() - start, _cpu_seconds(gateway_pid)
     # The role chunk, one chunk per token; [DONE] is not counted.
     assert all(n == 1 + args.steps for n in events), set(events)
     tokens = args.streams * args.steps
-    return cpu / tokens * 1e6, wall / tokens * 1e6
+    per_token = 1e6 / tokens
+    return (user - user0) * per_token, (system - system0) * per_token, wall * per_token
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -160,10 +164,11 @@ async def main_async(args: argparse.Namespace) -> None:
                 await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # the router's first health check
         for _ in range(args.repeats):
-            cpu, wall = await run(gateway.pid, http_port, server, generated, args)
+            user, system, wall = await run(gateway.pid, http_port, server, generated, args)
             print(
-                f"{args.streams} streams x {args.steps} tokens: gateway CPU {cpu:.2f} us per token "
-                f"({1e6 / cpu:,.0f} tokens/s per core), wall {wall:.2f} us per token"
+                f"{args.streams} streams x {args.steps} tokens: gateway CPU {user + system:.1f} us "
+                f"per token (user {user:.1f}, system {system:.1f}; "
+                f"{1e6 / (user + system):,.0f} tokens/s per core), wall {wall:.1f} us per token"
             )
         engine.cancel()
     finally:

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 
-from weir.services import launcher
+from weir.services import event_loop, launcher
 from weir.services.cpu_cores import (
     THREAD_ENV_VARS,
     executor_threads,
@@ -163,7 +163,7 @@ def _gateway(args: argparse.Namespace) -> int:
         keys_dir=args.keys_dir,
         max_request_bytes=args.max_request_size,
     )
-    return asyncio.run(serve(options, status, args.parent_pid))
+    return event_loop.run(serve(options, status, args.parent_pid))
 
 
 class _Terminated(Exception):

@@ -467,7 +467,18 @@ class WeirClient:
         *,
         request_id: str | None = None,
     ) -> Iterator[StreamOutput]:
-        stream = self._client.generate(prompt, sampling_params, request_id=request_id)
+        # In batches: one round trip to the loop thread per batch, not per output.
+        for batch in self.generate_batches(prompt, sampling_params, request_id=request_id):
+            yield from batch
+
+    def generate_batches(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Iterator[list[StreamOutput]]:
+        stream = self._client.generate_batches(prompt, sampling_params, request_id=request_id)
         try:
             while True:
                 try:

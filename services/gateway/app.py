@@ -137,15 +137,15 @@ class Gateway:
 
     async def run(
         self, request_id: str, samples: list[_Sample]
-    ) -> AsyncGenerator[list[tuple[int, StreamOutput]], None]:
-        """Every sample's outputs, merged as they come: each batch holds all that arrived
-        since the last (at least one); the first failure is raised. Closing this iterator
-        cancels the samples, which aborts their requests."""
+    ) -> AsyncGenerator[list[tuple[int, list[StreamOutput]]], None]:
+        """Every sample's outputs, merged as they come: each batch holds, per choice index,
+        all that arrived since the last batch (at least one output); the first failure is
+        raised. Closing this iterator cancels the samples, which aborts their requests."""
         if len(samples) == 1:  # nothing to merge: read the stream here, no task in between
             only = samples[0]
-            async with aclosing(self._sample_batches(f"{request_id}-{only.index}", only)) as one:
-                async for outs in one:
-                    yield [(only.index, out) for out in outs]
+            async with self._sample_stream(f"{request_id}-{only.index}", only) as stream:
+                async for outs in stream:
+                    yield [(only.index, outs)]
             return
         queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]] = asyncio.Queue()
         first_token = {sample.group: asyncio.Event() for sample in samples}
@@ -158,7 +158,7 @@ class Gateway:
         try:
             remaining = len(tasks)
             while remaining:
-                batch: list[tuple[int, StreamOutput]] = []
+                batch: list[tuple[int, list[StreamOutput]]] = []
                 index, item = await queue.get()
                 while True:
                     if item is None:
@@ -166,7 +166,7 @@ class Gateway:
                     elif isinstance(item, Exception):
                         raise item
                     else:
-                        batch += [(index, out) for out in item]
+                        batch.append((index, item))
                     if queue.empty():
                         break
                     index, item = queue.get_nowait()
@@ -187,8 +187,8 @@ class Gateway:
         try:
             if sample.number:  # the first sample of a prompt fills the prefix cache
                 await first_token.wait()
-            async with aclosing(self._sample_batches(request_id, sample)) as batches:
-                async for outs in batches:
+            async with self._sample_stream(request_id, sample) as stream:
+                async for outs in stream:
                     first_token.set()
                     queue.put_nowait((sample.index, outs))
         except Exception as exc:
@@ -198,11 +198,13 @@ class Gateway:
         first_token.set()
         queue.put_nowait((sample.index, None))
 
-    async def _sample_batches(
+    @asynccontextmanager
+    async def _sample_stream(
         self, request_id: str, sample: _Sample
-    ) -> AsyncGenerator[list[StreamOutput], None]:
-        """One sample's outputs from the replica the router picks, reserved there while
-        it streams."""
+    ) -> AsyncIterator[AsyncGenerator[list[StreamOutput], None]]:
+        """One sample's stream of output batches from the replica the router picks,
+        reserved there while it is open. A replica that stops answering leaves the
+        rotation."""
         # Without max_tokens a request may run to max_model_len: count it so.
         budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
         async with self.router.reserve(sample.prompt, budget) as replica:
@@ -212,8 +214,7 @@ class Gateway:
             )
             try:
                 async with aclosing(stream):
-                    async for outs in stream:
-                        yield outs
+                    yield stream
             except ServerUnavailableError as exc:
                 self.router.mark_down(replica, str(exc))
                 raise
@@ -319,13 +320,14 @@ class Gateway:
 
     @staticmethod
     async def _collect(
-        outputs: AsyncGenerator[list[tuple[int, StreamOutput]], None], num_choices: int
+        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None], num_choices: int
     ) -> list[fmt.Choice]:
         choices = [fmt.Choice(i) for i in range(num_choices)]
         async with aclosing(outputs):
             async for batch in outputs:
-                for index, out in batch:
-                    choices[index].add(out)
+                for index, outs in batch:
+                    for out in outs:
+                        choices[index].add(out)
         return choices
 
     @staticmethod
@@ -336,7 +338,7 @@ class Gateway:
 
     async def _sse(
         self,
-        outputs: AsyncGenerator[list[tuple[int, StreamOutput]], None],
+        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
         chunk: Callable[[StreamOutput, fmt.Choice], str],
         base: dict[str, Any],
         num_choices: int,
@@ -351,12 +353,13 @@ class Gateway:
         with fewer, larger writes instead of falling further behind."""
         choices = [fmt.Choice(i) for i in range(num_choices)]
 
-        def events_of(batch: list[tuple[int, StreamOutput]]) -> bytes:
+        def events_of(batch: list[tuple[int, list[StreamOutput]]]) -> bytes:
             text = []
-            for index, out in batch:
+            for index, outs in batch:
                 choice = choices[index]
-                choice.add(out)
-                text.append(chunk(out, choice))
+                for out in outs:
+                    choice.add(out)
+                    text.append(chunk(out, choice))
             return "".join(text).encode()
 
         try:
