@@ -10,10 +10,10 @@ T = TypeVar("T")
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)`` on uvloop's loop where uvloop is installed: its loop, handles,
-    futures and socket transports are compiled, which takes about a third off the
-    gateway's CPU per streamed token (``benchmarks/gateway_stream.py``). uvicorn picks
-    uvloop only when it creates the loop itself, which ``weir gateway`` does not."""
+    """``asyncio.run(main)`` on uvloop's loop where uvloop is installed: its loop, handles
+    and socket transports are compiled (~10% of the gateway's CPU per streamed token,
+    ``benchmarks/gateway_stream.py``). uvicorn picks uvloop only for a loop it creates
+    itself, which ``weir gateway`` does not."""
     try:
         import uvloop
     except ImportError:  # not built for this platform
