@@ -60,8 +60,9 @@ class _Stream:
     prompt_token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     arrival_time: float
-    text: str = ""
-    num_sent_chars: int = 0
+    # Text not yet sent: what is withheld while it could still begin a stop string. The
+    # text sent before is not kept (appending to the whole text copied it every token).
+    unsent: str = ""
     num_output_tokens: int = 0
     sent_prompt_ids: bool = False
     scheduled: bool = False
@@ -484,26 +485,26 @@ class ClientFrontend:
         """Detokenize, apply stop strings, and build the client's output for one request."""
         new_ids = out.new_token_ids
         finished, reason = out.finished, out.finish_reason
-        text = stream.text
+        unsent = stream.unsent
         if new_ids:
             stream.num_output_tokens += len(new_ids)
-            searched_from = len(text) - stream.holdback
-            text += stream.detokenizer.add(new_ids)
+            unsent += stream.detokenizer.add(new_ids)
             stops = stream.params.stop
             if stops and stream.num_output_tokens >= stream.params.min_tokens:
-                cut = _find_stop(text, stops, searched_from if searched_from > 0 else 0)
+                # No stop string begins in text already sent: it was sent only once no
+                # stop string could begin in it.
+                cut = _find_stop(unsent, stops)
                 if cut is not None:
-                    text = text[:cut]
+                    unsent = unsent[:cut]
                     finished, reason = True, "stop"
-            stream.text = text
-        start = stream.num_sent_chars
-        end = len(text)
+        end = len(unsent)
         if not finished and stream.holdback:
-            end = max(start, end - stream.holdback)
+            end = max(0, end - stream.holdback)
+        text, stream.unsent = unsent[:end], unsent[end:]
         item = client_protocol.StreamOutput(
             stream.request_id,
             new_ids,
-            text[start:end],
+            text,
             finished,
             reason,
             len(stream.prompt_token_ids),
@@ -511,7 +512,6 @@ class ClientFrontend:
             None if stream.sent_prompt_ids else stream.prompt_token_ids,
             None if out.logprobs is None else self._logprobs(out.logprobs),
         )
-        stream.num_sent_chars = end
         stream.sent_prompt_ids = True
         if finished:
             self._finish_stream(stream, reason or "stop")
@@ -534,7 +534,7 @@ class ClientFrontend:
         return client_protocol.StreamOutput(
             request_id=stream.request_id,
             new_token_ids=[],
-            text=stream.text[stream.num_sent_chars :],
+            text=stream.unsent,
             finished=True,
             finish_reason=reason,
             prompt_tokens=len(stream.prompt_token_ids),
@@ -553,7 +553,7 @@ class ClientFrontend:
             self.core.scheduler.finish_requests(request_ids, status)
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    """Index where the earliest stop string begins at or after ``start``."""
-    hits = [i for stop in stops if (i := text.find(stop, start)) != -1]
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string in ``text`` begins."""
+    hits = [i for stop in stops if (i := text.find(stop)) != -1]
     return min(hits) if hits else None

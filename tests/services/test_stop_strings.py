@@ -1,0 +1,125 @@
+"""Stop strings as the scheduler process publishes a stream, against a reference that
+searches the whole text after every step.
+
+A real ``ClientFrontend`` over a real ``Scheduler`` takes each request from a real ZeroMQ
+client; steps of chosen token ids (what an executor would have sampled, one to three per
+step) are published as ``EngineStep``s, and the client reads the frames back. The
+reference keeps the whole text, appends each step's text (the same detokenizer), and cuts
+it at the earliest stop string found anywhere in it: what the client receives, joined,
+must be exactly that, end as the reference ends, and no output may carry a stop string.
+Stops are drawn from each case's own text so that most cases stop, some across steps.
+"""
+
+import asyncio
+import random
+import time
+from types import SimpleNamespace
+
+import zmq
+import zmq.asyncio
+
+from weir.services.engine.core import EngineCore, EngineStep, InProcessExecutor
+from weir.services.engine.frontend import ClientFrontend
+from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.scheduler import Scheduler
+from weir.services.scheduler.output import EngineOutput
+from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.protocol import client as client_protocol
+from weir.shared.sampling import SamplingParams
+from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
+
+CASES = 150
+
+
+def _case(rng: random.Random, tokenizer: Tokenizer, vocab: int) -> dict:
+    prompt = [rng.randrange(200, vocab) for _ in range(6)]
+    ids = [rng.randrange(200, vocab) for _ in range(rng.randint(1, 24))]
+    chunks, i = [], 0
+    while i < len(ids):
+        chunks.append(ids[i : i + rng.randint(1, 3)])
+        i += len(chunks[-1])
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join(detokenizer.add(chunk) for chunk in chunks)
+    stops = []
+    for _ in range(rng.randint(1, 3)):
+        if text and rng.random() < 0.8:
+            start = rng.randrange(len(text))
+            stops.append(text[start : start + rng.randint(1, 8)])
+        else:
+            stops.append(rng.choice(["zq#", "\n\n\n", "~~"]))
+    return {"prompt": prompt, "chunks": chunks, "stops": stops}
+
+
+def _reference(tokenizer: Tokenizer, case: dict) -> tuple[str, str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, case["prompt"])
+    text = ""
+    for chunk in case["chunks"]:
+        text += detokenizer.add(chunk)
+        hits = [i for stop in case["stops"] if (i := text.find(stop)) != -1]
+        if hits:
+            return text[: min(hits)], "stop"
+    return text, "length"
+
+
+async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
+    context = zmq.asyncio.Context()
+    server = context.socket(zmq.ROUTER)
+    client = context.socket(zmq.DEALER)
+    client.connect(f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}")
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=len(cases), max_model_len=64),
+        CacheConfig(block_size=16, num_blocks=4 * len(cases)),
+    )
+    frontend = ClientFrontend(
+        server,
+        tokenizer,
+        tokenizer.vocab_size,
+        64,
+        SchedulerMetrics("stops"),
+        wake=lambda: None,
+        requests_ended=lambda: None,
+        health=lambda stream_ids: {},
+        model_info=lambda: {},
+    )
+    frontend.core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace()))
+    receiving = asyncio.create_task(frontend.run())
+    for i, case in enumerate(cases):
+        params = SamplingParams(max_tokens=32, stop=tuple(case["stops"]), ignore_eos=True)
+        request = client_protocol.GenerateRequest(f"r{i}", case["prompt"], params)
+        await client.send(client_protocol.encode_client_message(request))
+    while len(frontend.streams) < len(cases):
+        await asyncio.sleep(0.01)
+    received: list[list] = [[] for _ in cases]
+    for step in range(max(len(case["chunks"]) for case in cases)):
+        outputs = []
+        for i, case in enumerate(cases):
+            if step < len(case["chunks"]) and f"r{i}" in frontend.streams:
+                last = step == len(case["chunks"]) - 1
+                outputs.append(
+                    EngineOutput(f"r{i}", case["chunks"][step], last, "length" if last else None)
+                )
+        plan = SimpleNamespace(new_requests=[])
+        frontend.publish(EngineStep(plan, outputs, time.monotonic()))
+        while await client.poll(50):
+            for out in client_protocol.decode_server_message(await client.recv()):
+                received[int(out.request_id[1:])].append(out)
+    receiving.cancel()
+    frontend.close()
+    context.destroy(linger=0)
+    return received
+
+
+def test_published_text_ends_where_the_whole_text_first_holds_a_stop(default_model_dir) -> None:
+    tokenizer = Tokenizer.from_model_dir(default_model_dir)
+    rng = random.Random(7)
+    cases = [_case(rng, tokenizer, tokenizer.vocab_size) for _ in range(CASES)]
+    received = asyncio.run(_published(tokenizer, cases))
+    stopped = 0
+    for case, outs in zip(cases, received):
+        text, reason = _reference(tokenizer, case)
+        stopped += reason == "stop"
+        assert "".join(o.text for o in outs) == text, (case, outs)
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], outs
+        assert outs[-1].finish_reason == reason
+        assert not any(stop in o.text for o in outs for stop in case["stops"])
+    assert CASES // 2 < stopped < CASES  # both endings are exercised
