@@ -93,7 +93,8 @@ async def _stream(port: int, steps: int) -> int:
     writer.close()
     if not received.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(received[:300].decode(errors="replace"))
-    return received.count(b"\ndata: ") - 1  # every event but the first follows a blank line
+    # Every event follows a newline (a chunk-size line's or the event before it); less [DONE].
+    return received.count(b"\ndata: ") - 1
 
 
 async def run(
