@@ -75,7 +75,7 @@ def test_dashboard_queries_only_metrics_the_processes_export() -> None:
     exported = set()
     for registry in (
         SchedulerMetrics("m").registry,
-        ExecutorMetrics("m", 0).registry,
+        ExecutorMetrics("m", 0, "cpu").registry,
         asyncio.run(gateway_registry()),
     ):
         for family in registry.collect():

@@ -46,7 +46,7 @@ def _registries() -> dict[str, CollectorRegistry]:
     scheduler.request_success("stop")  # label children exist only once used
     return {
         "scheduler": scheduler.registry,
-        "executor": ExecutorMetrics("m", 0).registry,
+        "executor": ExecutorMetrics("m", 0, "cpu").registry,
         "gateway": asyncio.run(gateway_registry()),
     }
 

@@ -31,7 +31,7 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 class ExecutorMetrics:
     """``weir_executor_*`` series, labelled with the model name and the rank."""
 
-    def __init__(self, model_name: str, rank: int) -> None:
+    def __init__(self, model_name: str, rank: int, device: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name, "rank": str(rank)}
         names = list(labels)
@@ -94,12 +94,13 @@ class ExecutorMetrics:
                 registry=self.registry,
             )
         )
+        # Read when scraped, not at every step: a step's result waits for what it records.
+        self.device_memory_bytes.set_function(lambda: device_memory_in_use(device))
 
     def observe_step(
         self,
         seconds: float,
         num_tokens: int,
-        device: str,
         timings: StepTimings,
         device_busy_seconds: float,
     ) -> None:
@@ -109,7 +110,6 @@ class ExecutorMetrics:
         self.phase_seconds["forward"].observe(timings.forward)
         self.phase_seconds["sample"].observe(timings.sample)
         self.batch_tokens.observe(num_tokens)
-        self.device_memory_bytes.set(device_memory_in_use(device))
 
 
 def device_memory_in_use(device: str) -> int:

@@ -129,7 +129,7 @@ class ExecutorWorker:
             cores=sorted(os.sched_getaffinity(0)),
         )
         model_name = runner.model_dir.name
-        metrics = ExecutorMetrics(model_name, opts.rank)
+        metrics = ExecutorMetrics(model_name, opts.rank, str(runner.device))
         metrics.num_kv_blocks.set(runner.num_blocks)
         metrics_address = None
         if opts.metrics_port is not None:
@@ -342,15 +342,16 @@ class ExecutorWorker:
         except Exception as exc:
             self._fail(sock, runner, step.plan.step_id, exc)
             return True
+        seconds = time.perf_counter() - pending.started
+        if encoded is not None:
+            sock.send_multipart([control.RESULT, encoded])
+        # After the send: the scheduler plans the next step meanwhile.
         metrics.observe_step(
-            time.perf_counter() - pending.started,
+            seconds,
             step.plan.total_num_scheduled_tokens,
-            str(runner.device),
             step.timings,
             runner.device_busy_seconds(),
         )
-        if encoded is not None:
-            sock.send_multipart([control.RESULT, encoded])
         return False
 
     def _fail(self, sock: zmq.Socket, runner: ModelRunner, step_id: int, exc: Exception) -> None:

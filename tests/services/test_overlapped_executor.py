@@ -125,7 +125,7 @@ class _Served:
         self.stop = SimpleNamespace(reset=threading.Event())
         self.thread = threading.Thread(
             target=worker.serve,
-            args=(dealer, runner, ExecutorMetrics("tiny", 0), self.stop),
+            args=(dealer, runner, ExecutorMetrics("tiny", 0, "cpu"), self.stop),
             kwargs={"overlap": overlap},
             daemon=True,
         )

@@ -6,6 +6,7 @@ preempt each other; greedy outputs must still equal transformers'.
 """
 
 import asyncio
+import os
 import random
 import uuid
 
@@ -353,6 +354,11 @@ def test_metrics_endpoints_expose_every_series(server):
         assert any(k.startswith(name + "{") and 'rank="0"' in k for k in executor), name
     assert metric(executor, "weir_executor_num_kv_blocks") == NUM_BLOCKS
     assert metric(executor, "weir_executor_step_seconds_count") > 0
+    # Read when scraped: the executor process's resident set, as the kernel reports it.
+    pid = server.info["executors"][0]["pid"]
+    with open(f"/proc/{pid}/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    assert metric(executor, "weir_executor_device_memory_bytes") == pytest.approx(rss, rel=0.1)
 
 
 def test_step_phase_histograms_account_for_every_step(server):
