@@ -63,7 +63,7 @@ def _make_scheduler(num_seqs: int, steps: int) -> Scheduler:
     )
 
 
-def _core(scheduler: Scheduler, phases: dict[str, float]) -> EngineCore:
+def instant_core(scheduler: Scheduler, phases: dict[str, float]) -> EngineCore:
     """A core whose executor answers every plan at once: one token for each request whose
     step reaches the end of its prompt (no request here stops on a token)."""
 
@@ -100,7 +100,7 @@ def bench_steady(num_seqs: int, steps: int) -> tuple[float, float]:
     for i in range(num_seqs):
         scheduler.add_request(Request(f"req-{i}", _prompt(rng, []), params, eos_token_id=2))
     phases: dict[str, float] = {}
-    core = _core(scheduler, phases)
+    core = instant_core(scheduler, phases)
     _prefill_all(core)
     result = StepResult({r.request_id: [7] for r in scheduler.running})
     core.executor = InProcessExecutor(SimpleNamespace(execute=lambda plan: result))
@@ -135,7 +135,7 @@ def bench_churn(num_seqs: int, steps: int) -> tuple[float, float, float]:
 
     add(num_seqs)
     phases: dict[str, float] = {}
-    core = _core(scheduler, phases)
+    core = instant_core(scheduler, phases)
     totals, running, finished = [], [], 0
     gc.collect()
     gc.disable()
@@ -160,7 +160,7 @@ def bench_codec(num_seqs: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=10**6, ignore_eos=True)
     for i in range(num_seqs):
         scheduler.add_request(Request(f"cmpl-{i:08x}", _prompt(rng, []), params))
-    _prefill_all(_core(scheduler, {}))
+    _prefill_all(instant_core(scheduler, {}))
     plan = scheduler.schedule()
     result = StepResult({rid: [rng.randrange(32000)] for rid in plan.num_scheduled_tokens})
     plan_bytes, result_bytes = encode_step_plan(plan), encode_step_result(result)

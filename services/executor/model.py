@@ -10,19 +10,43 @@ sums the row-parallel partial products through `TensorParallel` (see `parallel.p
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weir.kernels.cpu_native import CpuKernels
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
 from weir.services.executor.parallel import ShardLayout, TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
+
+
+class LayerKernels(Protocol):
+    """A layer's elementwise work in one kernel each: the native CPU kernels
+    (`weir.kernels.cpu_native.CpuKernels`) or the Triton ones on a GPU
+    (`weir.kernels.triton_layers.TritonLayerKernels`). Without them, PyTorch operators."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+
+    def silu_mul_(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+def layer_kernels_for(attention: AttentionBackend, device: torch.device) -> LayerKernels | None:
+    """The native CPU kernels where the attention backend loaded them, the Triton ones on
+    CUDA, else None."""
+    if attention.kernels is not None:
+        return attention.kernels
+    if device.type == "cuda":
+        # Imported only here: importing triton is slow and needs a GPU or the interpreter.
+        from weir.kernels.triton_layers import TritonLayerKernels
+
+        return TritonLayerKernels()
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +169,7 @@ class RMSNorm(nn.Module):
         eps: float,
         device: torch.device,
         dtype: torch.dtype,
-        kernels: CpuKernels | None = None,
+        kernels: LayerKernels | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
@@ -165,7 +189,8 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """nn.Linear without the random init: every weight is loaded from the checkpoint."""
+    """nn.Linear without the random init: every weight is loaded from the checkpoint.
+    ``kernels`` serve ``silu_mul`` (a gated MLP's gate/up projection)."""
 
     def __init__(
         self,
@@ -174,8 +199,10 @@ class Linear(nn.Module):
         bias: bool,
         device: torch.device,
         dtype: torch.dtype,
+        kernels: LayerKernels | None = None,
     ):
         super().__init__()
+        self.kernels = kernels
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False
         )
@@ -195,10 +222,10 @@ class Linear(nn.Module):
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, this being a gated MLP's fused gate/up projection."""
-        return silu_and_mul(self(x), None)
+        return silu_and_mul(self(x), self.kernels)
 
 
-def silu_and_mul(gate_up: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, kernels: LayerKernels | None) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2 * I], in place in its gate half: no new [T, I]
     tensor."""
     if kernels is not None:
@@ -214,6 +241,7 @@ class DecoderLayer(nn.Module):
         layout: ShardLayout,
         tp: TensorParallel | None,
         attention: AttentionBackend,
+        kernels: LayerKernels | None,
         device: torch.device,
         dtype: torch.dtype,
     ):
@@ -223,7 +251,7 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
         self.scale = d**-0.5
         self.attention = attention
-        self.kernels = kernels = attention.kernels
+        self.kernels = kernels
         self.tp = tp
         # Row-parallel biases are added once, by rank 0, before the partial sums are reduced.
         row_bias = layout.rank == 0
@@ -234,7 +262,7 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
         self.post_attention_layernorm = RMSNorm(h, eps, device, dtype, kernels)
-        self.gate_up_proj = Linear(h, 2 * inter, cfg.mlp_bias, device, dtype)
+        self.gate_up_proj = Linear(h, 2 * inter, cfg.mlp_bias, device, dtype, kernels)
         self.down_proj = Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype)
 
     def _add_row_parallel(
@@ -277,7 +305,8 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """The decoder plus its LM head. Parameters are uninitialized until `weights.load_weights`.
-    With ``tp`` (a world larger than 1), this rank's shard of them."""
+    With ``tp`` (a world larger than 1), this rank's shard of them. Without
+    ``layer_kernels`` (see ``layer_kernels_for``) the layers run PyTorch operators."""
 
     def __init__(
         self,
@@ -286,6 +315,7 @@ class CausalLM(nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         tp: TensorParallel | None = None,
+        layer_kernels: LayerKernels | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
@@ -302,10 +332,10 @@ class CausalLM(nn.Module):
             requires_grad=False,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.layout, tp, attention, device, dtype)
+            DecoderLayer(cfg, self.layout, tp, attention, layer_kernels, device, dtype)
             for _ in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, attention.kernels)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, layer_kernels)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings

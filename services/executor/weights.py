@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
-from weir.services.executor.model import CausalLM, ModelConfig
+from weir.services.executor.model import CausalLM, ModelConfig, layer_kernels_for
 from weir.services.executor.packed_weights import can_pack, pack_model
 from weir.services.executor.parallel import ShardLayout, TensorParallel
 from weir.services.executor.quantization import quantize_model
@@ -187,7 +187,9 @@ def load_model(
     dtype = dtype or default_dtype(device)
     if attention is None:
         attention = get_attention_backend(None, device, dtype)
-    model = CausalLM(cfg, attention, device=device, dtype=dtype, tp=tp)
+    model = CausalLM(
+        cfg, attention, device, dtype, tp, layer_kernels_for(attention, torch.device(device))
+    )
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "auto":

@@ -17,7 +17,7 @@ import json, os, subprocess, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from weir.kernels import triton_attention as ta, triton_cache as tc
+from weir.kernels import triton_attention as ta, triton_cache as tc, triton_layers as tly
 
 PTXAS_DIR = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -30,7 +30,7 @@ def compile_kernel(label, fn, pointers, ints, constexprs, capability=90, **optio
         elif name in pointers:
             signature[name] = "*" + pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "eps"):
             signature[name] = "fp32"
         else:
             value = ints[name]
@@ -95,6 +95,15 @@ compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
                 "stride_c_block": 16384, "stride_c_slot": 1024, "stride_c_head": 128, "num_kv_heads": 8,
                 "head_dim": 128, "block_size": 16},
                {"BLOCK_H": 8, "BLOCK_D": 128}, num_warps=4)
+for hidden, warps in ((2048, 4), (8192, 8)):
+    compile_kernel(f"rms_norm_{hidden}", tly._rms_norm_kernel,
+                   {"x_ptr": "bf16", "weight_ptr": "bf16", "out_ptr": "bf16"},
+                   {"stride_x": hidden, "stride_out": hidden, "dim": hidden}, {"BLOCK": hidden}, num_warps=warps)
+compile_kernel("rope", tly._rope_kernel, {"x_ptr": "bf16", "cos_ptr": "bf16", "sin_ptr": "bf16"},
+               {"stride_xt": 6144, "stride_xh": 128, "stride_ct": 64, "num_heads": 40, "half": 64},
+               {"BLOCK_H": 64, "BLOCK_HALF": 64}, num_warps=4)
+compile_kernel("silu_mul", tly._silu_mul_kernel, {"gate_up_ptr": "bf16"}, {"stride_row": 16384, "dim": 8192},
+               {"BLOCK": tly.SILU_BLOCK}, num_warps=4)
 """
 
 
@@ -122,6 +131,10 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "ampere_mixed_decode",
         "ampere_mixed_prefill",
         "reshape_and_cache",
+        "rms_norm_2048",
+        "rms_norm_8192",
+        "rope",
+        "silu_mul",
     }
     spilled = {name: entry for name, entry in kernels.items() if entry["stack"] != 0}
     assert not spilled, f"register spills: {spilled}"

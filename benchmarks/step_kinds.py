@@ -1,0 +1,71 @@
+"""Which steps `weir bench throughput`'s workload makes, by the path each takes on a GPU.
+
+    .venv/bin/python benchmarks/step_kinds.py [--num-prompts 512] [--max-num-seqs 256]
+        [--max-num-batched-tokens 2048] [--no-async-scheduling]
+
+The real scheduler plans the benchmark's random workload (the same seeded prompt and output
+lengths as `weir bench throughput`, all requests at once, every output to its length)
+against an executor that answers at once, with enough KV cache that nothing is preempted.
+Each step is counted as a CUDA-graph step (every request has the same query length: plain
+decodes; `cuda_graphs.DecodeGraphs` replays those up to 512 requests) or an eager one (a
+prefill chunk beside decodes, or only prefills), with the tokens it schedules and the
+output tokens it produces. No model runs: what a GPU does with each kind is for
+`step_breakdown.py` and `layer_ops.py` to measure.
+"""
+
+import argparse
+from collections import Counter
+
+from scheduler_overhead import instant_core
+
+from weir.services.bench.workload import RandomWorkload, random_requests
+from weir.services.engine.core import step_now
+from weir.services.scheduler import Request, Scheduler
+from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.sampling import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--no-async-scheduling", action="store_true")
+    args = parser.parse_args()
+    workload = RandomWorkload(args.num_prompts, 32, 256, 32, 128, seed=0)
+    requests = random_requests(workload, list(range(100, 30000)))
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=4096,
+            async_scheduling=not args.no_async_scheduling,
+        ),
+        CacheConfig(
+            block_size=16, num_blocks=sum(len(r.prompt_token_ids) // 16 + 10 for r in requests)
+        ),
+    )
+    for i, r in enumerate(requests):
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
+        scheduler.add_request(Request(f"r{i}", r.prompt_token_ids, params, eos_token_id=2))
+
+    core = instant_core(scheduler, {})
+    steps, tokens, outputs = Counter[str](), Counter[str](), Counter[str]()
+    while (step := step_now(core)) is not None:
+        query_lens = set(step.plan.num_scheduled_tokens.values())
+        kind = "graph" if len(query_lens) == 1 and query_lens <= {1} else "eager"
+        steps[kind] += 1
+        tokens[kind] += step.plan.total_num_scheduled_tokens
+        outputs[kind] += sum(len(o.new_token_ids) for o in step.outputs)
+    print(f"{args.num_prompts} prompts, max_num_seqs {args.max_num_seqs}, "
+          f"max_num_batched_tokens {args.max_num_batched_tokens}, "
+          f"{'lockstep' if args.no_async_scheduling else 'async'} scheduling")  # fmt: skip
+    print("| step kind | steps | scheduled tokens | tokens per step | output tokens |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in ("graph", "eager"):
+        per_step = tokens[kind] / max(steps[kind], 1)
+        print(f"| {kind} | {steps[kind]} | {tokens[kind]} | {per_step:.0f} | {outputs[kind]} |")
+
+
+if __name__ == "__main__":
+    main()
