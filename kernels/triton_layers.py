@@ -95,7 +95,7 @@ class TritonLayerKernels:
         if num_tokens:
             _rms_norm_kernel[(num_tokens,)](
                 x, weight, out, x.stride(0), out.stride(0), dim, eps,
-                BLOCK=block, num_warps=8 if block > 2048 else 4,
+                BLOCK=block, num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
             )  # fmt: skip
         return out
 

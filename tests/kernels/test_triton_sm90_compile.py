@@ -95,7 +95,7 @@ compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
                 "stride_c_block": 16384, "stride_c_slot": 1024, "stride_c_head": 128, "num_kv_heads": 8,
                 "head_dim": 128, "block_size": 16},
                {"BLOCK_H": 8, "BLOCK_D": 128}, num_warps=4)
-for hidden, warps in ((2048, 4), (8192, 8)):
+for hidden, warps in ((2048, 4), (8192, 8), (16384, 16)):
     compile_kernel(f"rms_norm_{hidden}", tly._rms_norm_kernel,
                    {"x_ptr": "bf16", "weight_ptr": "bf16", "out_ptr": "bf16"},
                    {"stride_x": hidden, "stride_out": hidden, "dim": hidden}, {"BLOCK": hidden}, num_warps=warps)
@@ -133,6 +133,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "reshape_and_cache",
         "rms_norm_2048",
         "rms_norm_8192",
+        "rms_norm_16384",
         "rope",
         "silu_mul",
     }
