@@ -52,6 +52,7 @@ class Request:
         "num_output_placeholders",
         "num_computed_tokens",
         "num_preemptions",
+        "admitted_step",
         "num_cached_tokens",
         "block_ids",
         "block_hashes",
@@ -99,6 +100,9 @@ class Request:
         self.num_output_placeholders = 0  # tokens an in-flight step samples (async scheduling)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # The step it was last admitted into: a result of an earlier step, in flight when it
+        # was preempted, or when another request of the same id ended, is not its own.
+        self.admitted_step = 0
         self.num_cached_tokens = 0  # prefix-cache hit tokens at first admission
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, grown lazily

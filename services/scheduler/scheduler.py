@@ -477,6 +477,7 @@ class Scheduler:
                     )
                 )
             request.status = _RUNNING
+            request.admitted_step = self._step_id + 1  # the step being planned
             running.append(request)
             admitted.append(request)
             num_scheduled[rid] = num_new
@@ -522,12 +523,15 @@ class Scheduler:
         finished: list[Request] = []
 
         overlapped = self.scheduler_config.async_scheduling
+        step_id = plan.step_id
         if overlapped:
-            self._check_sampled(plan.step_id, sampled_token_ids)
+            self._check_sampled(step_id, sampled_token_ids)
         for rid, num_new in plan.num_scheduled_tokens.items():
             request = requests.get(rid)
-            if request is None or request.status is not _RUNNING:
-                continue  # ended (abort, stop string) while the step was in flight
+            if request is None or request.status is not _RUNNING or request.admitted_step > step_id:
+                # Ended (abort, stop string) while the step was in flight, or admitted since:
+                # a new request of the same id, or this one after a preemption.
+                continue
             sampled = sampled_token_ids.get(rid)
             all_tokens = request.all_token_ids
             if overlapped:

@@ -79,7 +79,20 @@ def test_random_traffic(scenario):
     expected: dict[str, tuple[list[int], str]] = {}
     produced: dict[str, list[int]] = {}
     ended: dict[str, str] = {}
+    reusable: list[str] = []  # ids of requests ended from outside, for a new request to take
     fake = FakeExecutor(cache.num_blocks, cache.block_size)
+
+    def end_from_outside(rid: str, how: str) -> None:
+        ended[rid] = how
+        reusable.append(rid)
+
+    def check(rid: str) -> None:
+        tokens, reason = expected.pop(rid)
+        output, how = produced.pop(rid), ended.pop(rid)
+        if how in ("abort", "stop string"):
+            assert output == tokens[: len(output)], rid
+        else:
+            assert (output, how) == (tokens, reason), rid
 
     def execute(plan):
         """The fake executor behind the real wire codec."""
@@ -90,7 +103,7 @@ def test_random_traffic(scenario):
             # An abort arriving while the step is in flight: its late tokens are dropped.
             victim = rng.choice(sorted(plan.num_scheduled_tokens))
             for out in scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED):
-                ended[out.request_id] = "abort"
+                end_from_outside(out.request_id, "abort")
         return result
 
     core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace(execute=execute)))
@@ -100,7 +113,12 @@ def test_random_traffic(scenario):
 
     for _ in range(400):
         if next_id < num_requests and rng.random() < 0.6:
-            rid = f"r{next_id}"
+            if reusable and rng.random() < 0.5:
+                # The id of a request ended from outside, perhaps still in an in-flight step.
+                rid = reusable.pop(rng.randrange(len(reusable)))
+                check(rid)
+            else:
+                rid = f"r{next_id}"
             next_id += 1
             length = rng.randint(1, config.max_model_len)
             if rng.random() < 0.5:
@@ -132,12 +150,12 @@ def test_random_traffic(scenario):
             victim = rng.choice(sorted(scheduler.requests))
             for out in scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED):
                 assert out.request_id not in ended
-                ended[out.request_id] = "abort"
+                end_from_outside(out.request_id, "abort")
         if rng.random() < 0.03 and scheduler.running:
             # A stop string found by the detokenizer ends a running request from outside.
             victim = rng.choice(scheduler.running).request_id
             for out in scheduler.finish_requests([victim], RequestStatus.FINISHED_STOPPED):
-                ended[out.request_id] = "stop string"
+                end_from_outside(out.request_id, "stop string")
 
         engine_step = step_now(core)
         for out in engine_step.outputs if engine_step else ():
@@ -160,11 +178,8 @@ def test_random_traffic(scenario):
 
     assert not core.has_work(), "requests left unfinished after 400 steps"
     assert set(ended) == set(expected), "every admitted request ends exactly once"
-    for rid, (tokens, reason) in expected.items():
-        if ended[rid] in ("abort", "stop string"):
-            assert produced[rid] == tokens[: len(produced[rid])]
-        else:
-            assert (produced[rid], ended[rid]) == (tokens, reason), rid
+    for rid in list(expected):
+        check(rid)
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     assert all(block.ref_cnt == 0 for block in kv.pool.blocks)

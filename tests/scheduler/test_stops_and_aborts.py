@@ -7,7 +7,7 @@ from weir.services.scheduler import Request, RequestStatus
 from weir.shared.protocol.step import StepResult
 from weir.shared.sampling import SamplingParams
 
-from .fake_executor import make_scheduler, run_step
+from .fake_executor import make_scheduler, reference_generate, run_step
 
 EOS = 2
 
@@ -134,6 +134,30 @@ def test_abort_while_the_step_is_in_flight_drops_its_late_tokens():
     assert list(step.plan.num_scheduled_tokens) == ["A", "B"]
     assert [o.request_id for o in step.outputs] == ["B"]
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks - 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["lockstep", "async"])
+@pytest.mark.parametrize(
+    "ended", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED], ids=["abort", "stop"]
+)
+def test_a_request_id_used_again_gets_only_its_own_tokens(async_scheduling, ended):
+    """A request ended from outside (abort, stop string) while steps that hold it are in
+    flight, and a new request of the same id added at once: the old steps' tokens are not
+    the new request's, whose output is its own prompt's, from its first token."""
+    scheduler, core = make_scheduler(async_scheduling=async_scheduling)
+    scheduler.add_request(Request("x", [5, 6, 7], SamplingParams(max_tokens=50)))
+    for _ in range(3):
+        run_step(scheduler, core)
+    scheduler.finish_requests(["x"], ended)
+    scheduler.add_request(Request("x", [9, 8, 7, 6], SamplingParams(max_tokens=6)))
+    outputs = []
+    while core.has_work():
+        outputs += run_step(scheduler, core)[1]
+    assert [t for o in outputs for t in o.new_token_ids] == reference_generate(
+        [9, 8, 7, 6], 6, eos=None
+    )[0]
+    assert outputs[-1].finish_reason == "length"
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
 
 
 def test_finish_requests_from_outside_with_stop_reason():

@@ -305,6 +305,46 @@ async def test_malformed_input_gets_an_error_and_the_server_keeps_serving(server
         ctx.term()
 
 
+async def test_a_request_id_used_again_at_once_streams_only_its_own_tokens(server, tiny_hf_model):
+    """A request aborted while the scheduler has steps holding it in flight, and a new one of
+    the same id sent right behind the abort: after the abort's reply, the stream carries the
+    new request's greedy tokens only (transformers on the same weights), from the first."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.client_address)
+
+    async def outputs_until_finished() -> list[client_protocol.StreamOutput]:
+        outs: list[client_protocol.StreamOutput] = []
+        while not outs or not outs[-1].finished:
+            outs += client_protocol.decode_server_message(await asyncio.wait_for(sock.recv(), 30))
+        return outs
+
+    try:
+        old = client_protocol.GenerateRequest(
+            "again", [5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        )
+        await sock.send(client_protocol.encode_client_message(old))
+        decoded = 0
+        while decoded < 3:  # decoding, with steps planned ahead
+            reply = client_protocol.decode_server_message(await asyncio.wait_for(sock.recv(), 30))
+            decoded += sum(len(o.new_token_ids) for o in reply)
+        new = client_protocol.GenerateRequest(
+            "again", [9, 10, 11, 12], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        )
+        abort = client_protocol.AbortRequest("again")
+        await sock.send(client_protocol.encode_client_message(abort))
+        await sock.send(client_protocol.encode_client_message(new))
+        assert (await outputs_until_finished())[-1].finish_reason == "abort"
+        outs = await outputs_until_finished()
+        assert outs[-1].finish_reason == "length"
+        assert [t for o in outs for t in o.new_token_ids] == hf_greedy(
+            tiny_hf_model, [9, 10, 11, 12], 8
+        )
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 def test_sdk_raises_typed_errors(server):
     with WeirClient(server.client_address) as client:
         with pytest.raises(InvalidRequestError, match="vocabulary") as info:
