@@ -6,6 +6,7 @@ reads the per-phase histograms before and after it:
   scheduler  weir_scheduler_step_phase_seconds{phase=schedule|plan_encode|executor|update|outputs}
   executor   weir_executor_step_seconds (plan decoded to result encoded)
              weir_executor_phase_seconds{phase=prepare|forward|sample} when the executor has them
+             weir_executor_graph_steps_total (steps that replayed a CUDA graph)
 
 IPC = the scheduler's wait for the executor minus the executor's own step time (ZeroMQ,
 the kernel, and the wake-ups on both sides). With async scheduling (the default) the
@@ -193,6 +194,11 @@ def main() -> None:
         f"wall {wall:.2f} s = {wall_ms:.3f} ms per step; device busy {busy_ms:.3f} ms per step "
         f"= {busy_ms / wall_ms:.2%} of the wall time (weir_executor_device_busy_seconds)"
     )
+    graphed, executor_steps = (
+        delta("weir_executor_graph_steps")[0],
+        delta("weir_executor_step_seconds")[1],
+    )
+    print(f"steps replayed from CUDA graphs: {graphed:.0f} of {executor_steps:.0f}")
     if not (args.async_scheduling and device == "cuda"):
         # Steps do not overlap on the executor here, so its idle time is what its step time
         # leaves of the wall time.

@@ -76,6 +76,20 @@ def count_padded_steps(runner: ModelRunner) -> list[int]:
     return padded
 
 
+def record_graphed(runner: ModelRunner) -> list[bool]:
+    """Wrap the runner's launch so each step appends whether it replayed a CUDA graph."""
+    graphed: list[bool] = []
+    launch = runner.launch
+
+    def recording_launch(plan):
+        step = launch(plan)
+        graphed.append(step.timings.graphed)
+        return step
+
+    runner.launch = recording_launch  # type: ignore[method-assign]
+    return graphed
+
+
 def random_prompts(seed: int, vocab: int) -> dict[str, list[int]]:
     rng = random.Random(seed)
     return {
@@ -112,11 +126,13 @@ def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
         capture=False,
     )
     steps = count_padded_steps(padded)
+    graphed = record_graphed(padded)
     got = run_workload(padded, prompts)
     assert got == want
     # 5 running -> 8, 3 running -> 4; the speculative step pads 5 -> 8 too; prefills and
     # the mixed step ran eagerly.
     assert steps == [8] * 5 + [4] * 3
+    assert len(graphed) == 12 and not any(graphed)  # nothing captured: no replay
     # And both are transformers' greedy tokens on the same weights (drafts never change them).
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_dir, dtype=torch.float32
@@ -189,8 +205,10 @@ def test_cuda_graphs_give_the_eager_tokens(dummy_model_dir):
     assert graphed.graphs is not None
     assert set(graphed.graphs._graphs) == {(n, q) for n in (1, 2, 4, 8, 16) for q in (1, SPEC_LEN)}
     steps = count_padded_steps(graphed)
+    replayed = record_graphed(graphed)
     assert run_workload(graphed, prompts) == want
     assert steps == [8] * 5 + [4] * 3
+    assert replayed.count(True) == 8  # every padded step replayed its graph
 
 
 @NEEDS_CUDA

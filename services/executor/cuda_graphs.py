@@ -179,6 +179,10 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ forward
 
+    def replays(self, num_reqs: int, query_len: int) -> bool:
+        """Whether ``forward`` replays a captured graph for this size (else runs eagerly)."""
+        return (num_reqs, query_len) in self._graphs
+
     def forward(self, num_reqs: int, query_len: int) -> torch.Tensor:
         """Logits [num_reqs * query_len, vocab] of the staged step (padding rows included):
         the graph's replay if captured, else the same computation run eagerly."""

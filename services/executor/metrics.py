@@ -58,6 +58,14 @@ class ExecutorMetrics:
                 registry=self.registry,
             )
         )
+        self.graph_steps = labelled(
+            Counter(
+                "weir_executor_graph_steps",
+                "Steps whose forward pass replayed a CUDA graph (the others ran eagerly)",
+                names,
+                registry=self.registry,
+            )
+        )
         self.batch_tokens = labelled(
             Histogram(
                 "weir_executor_batch_tokens",
@@ -111,6 +119,8 @@ class ExecutorMetrics:
         self.phase_seconds["forward"].observe(timings.forward)
         self.phase_seconds["sample"].observe(timings.sample)
         self.batch_tokens.observe(num_tokens)
+        if timings.graphed:
+            self.graph_steps.inc()
 
 
 def device_memory_in_use(device: str) -> int:

@@ -94,11 +94,13 @@ class StepTimings:
     """Seconds the last ``execute()`` spent per phase: building inputs from the plan, the
     forward pass (with logits), and sampling (with collecting the result). On CUDA without
     ``sync_timings`` these are host times: work still queued on the device counts in the
-    phase that waits for it (sampling, which copies the tokens back)."""
+    phase that waits for it (sampling, which copies the tokens back). ``graphed``: the
+    forward pass replayed a CUDA graph."""
 
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+    graphed: bool = False
 
 
 @dataclass(slots=True)
@@ -360,7 +362,9 @@ class ModelRunner:
             prepared = self._clock()
             padded = self.graphs.forward(num_reqs, inputs.max_query_len)
             real = padded[: len(inputs.logits_indices)]  # padding requests' rows come last
-            return self._sample(plan, inputs, real, start, prepared, began)
+            step = self._sample(plan, inputs, real, start, prepared, began)
+            step.timings.graphed = self.graphs.replays(num_reqs, inputs.max_query_len)
+            return step
         meta = AttentionMetadata(
             query_start_loc=self._to_device(inputs.query_start_loc),
             seq_lens=self._to_device(inputs.seq_lens),

@@ -390,10 +390,12 @@ def test_metrics_endpoints_expose_every_series(server):
         "weir_executor_num_kv_blocks",
         "weir_executor_device_memory_bytes",
         "weir_executor_device_busy_seconds_total",
+        "weir_executor_graph_steps_total",
     ]:
         assert any(k.startswith(name + "{") and 'rank="0"' in k for k in executor), name
     assert metric(executor, "weir_executor_num_kv_blocks") == NUM_BLOCKS
     assert metric(executor, "weir_executor_step_seconds_count") > 0
+    assert metric(executor, "weir_executor_graph_steps_total") == 0  # a CPU captures none
     # Read when scraped: the executor process's resident set, as the kernel reports it.
     pid = server.info["executors"][0]["pid"]
     with open(f"/proc/{pid}/statm") as f:
