@@ -93,17 +93,19 @@ class _Inbox:
     ``asyncio.Queue`` per output (no getter bookkeeping), and its reader takes all that
     arrived at once. Outputs that arrive after the stream failed are dropped."""
 
-    __slots__ = ("outputs", "error", "ended", "_waiter")
+    __slots__ = ("outputs", "error", "ended", "answered", "_waiter")
 
     def __init__(self) -> None:
         self.outputs: list[StreamOutput] = []
         self.error: WeirError | None = None
         self.ended = False  # its last output was taken, or its error raised
+        self.answered = False  # the server's last word on it (a finished output, an error) came
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, out: StreamOutput) -> None:
         if self.error is None:
             self.outputs.append(out)
+            self.answered = out.finished
             self._wake()
 
     def fail(self, error: WeirError) -> None:
@@ -170,6 +172,9 @@ class AsyncWeirClient:
         # Streams that received an output (or started) since the stream watch last looked.
         self._heard: set[str] = set()
         self._replies: dict[str, asyncio.Future[Any]] = {}
+        # Streams left before the server's last word on them: that word, when it comes,
+        # resolves the future; until then their id is not sent again (``_wait_until_left``).
+        self._leaving: dict[str, asyncio.Future[None]] = {}
         self._receiver: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._stream_watch: asyncio.Task[None] | None = None
@@ -189,6 +194,7 @@ class AsyncWeirClient:
         request_id: str | None = None,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration."""
+        await self._wait_until_left(request_id)
         with self._open_stream(prompt, sampling_params, request_id) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
@@ -204,6 +210,7 @@ class AsyncWeirClient:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
         write them together when it falls behind."""
+        await self._wait_until_left(request_id)
         with self._open_stream(prompt, sampling_params, request_id) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
@@ -227,6 +234,8 @@ class AsyncWeirClient:
         for request_id in list(self._streams):
             self._send(AbortRequest(request_id))
         self._closed = True
+        for request_id in list(self._leaving):
+            self._left(request_id)
         for task in (self._receiver, self._watcher, self._stream_watch):
             if task is not None:
                 task.cancel()
@@ -262,8 +271,25 @@ class AsyncWeirClient:
             yield inbox
         finally:
             del self._streams[request_id]
-            if not inbox.ended and not self._closed:
+            if not (inbox.ended or inbox.answered or self._closed):
                 self._send(AbortRequest(request_id))
+                self._leaving[request_id] = asyncio.get_running_loop().create_future()
+
+    async def _wait_until_left(self, request_id: str | None) -> None:
+        """An id sent again right after its stream was left: wait (at most ``timeout``) for
+        the server's last word on the old request, which is sent before anything of a new
+        one, so none of the old request's outputs or its abort reach the new stream."""
+        future = self._leaving.get(request_id) if request_id else None
+        if future is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(future), self.timeout)
+            except TimeoutError:  # no word came: none will (the server lost the request)
+                self._left(request_id)
+
+    def _left(self, request_id: str) -> None:
+        future = self._leaving.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(None)
 
     def _send(self, msg: ClientMessage) -> None:
         if self._closed:
@@ -387,14 +413,19 @@ class AsyncWeirClient:
                     if inbox is not None:
                         inbox.put(out)
                         heard.add(out.request_id)
+                    elif out.finished and out.request_id in self._leaving:
+                        self._left(out.request_id)
                 continue
             future = self._replies.get(msg.request_id) if msg.request_id else None
             if future is not None and not future.done():
                 future.set_result(msg)
-            elif isinstance(msg, ErrorReply):
-                inbox = self._streams.get(msg.request_id) if msg.request_id else None
+            elif isinstance(msg, ErrorReply) and msg.request_id:
+                inbox = self._streams.get(msg.request_id)
                 if inbox is not None:
+                    inbox.answered = True
                     inbox.fail(_error_from_reply(msg))
+                elif msg.request_id in self._leaving:
+                    self._left(msg.request_id)
 
 
 class EventLoopThread:

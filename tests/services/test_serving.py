@@ -345,6 +345,37 @@ async def test_a_request_id_used_again_at_once_streams_only_its_own_tokens(serve
         ctx.term()
 
 
+async def test_the_sdk_sends_an_id_again_right_after_leaving_its_stream(server, tiny_hf_model):
+    """Leave a stream after its first tokens and at once send its id again, through both
+    clients: the new stream gets its own greedy tokens, none of the old request's (its late
+    outputs and the reply to the abort arrive before anything of the new request)."""
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = hf_greedy(tiny_hf_model, [9, 10, 11, 12], 8)
+    async with AsyncWeirClient(server.client_address) as client:
+        for _ in range(3):
+            stream = client.generate([5, 6, 7], long, request_id="again")
+            while not (await anext(stream)).new_token_ids:
+                pass
+            await stream.aclose()
+            outs = [o async for o in client.generate([9, 10, 11, 12], params, request_id="again")]
+            assert [t for o in outs for t in o.new_token_ids] == want
+            assert outs[-1].finish_reason == "length"
+
+    def sync_client() -> list[int]:
+        with WeirClient(server.client_address) as client:
+            tokens = []
+            for _ in range(3):
+                for out in client.generate([5, 6, 7], long, request_id="again-sync"):
+                    if out.new_token_ids:
+                        break
+                outs = list(client.generate([9, 10, 11, 12], params, request_id="again-sync"))
+                tokens.append([t for o in outs for t in o.new_token_ids])
+            return tokens
+
+    assert await asyncio.to_thread(sync_client) == [want] * 3
+
+
 def test_sdk_raises_typed_errors(server):
     with WeirClient(server.client_address) as client:
         with pytest.raises(InvalidRequestError, match="vocabulary") as info:
