@@ -93,25 +93,28 @@ class _Inbox:
     ``asyncio.Queue`` per output (no getter bookkeeping), and its reader takes all that
     arrived at once. Outputs that arrive after the stream failed are dropped."""
 
-    __slots__ = ("outputs", "error", "ended", "answered", "_waiter")
+    __slots__ = ("outputs", "error", "ended", "refused", "_waiter")
 
     def __init__(self) -> None:
         self.outputs: list[StreamOutput] = []
         self.error: WeirError | None = None
         self.ended = False  # its last output was taken, or its error raised
-        self.answered = False  # the server's last word on it (a finished output, an error) came
+        self.refused = False  # the server ended it with an error reply
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, out: StreamOutput) -> None:
         if self.error is None:
             self.outputs.append(out)
-            self.answered = out.finished
             self._wake()
 
     def fail(self, error: WeirError) -> None:
         if self.error is None:
             self.error = error
             self._wake()
+
+    def answered(self) -> bool:
+        """Whether the server's last word on it (a finished output, an error) came."""
+        return self.refused or bool(self.outputs and self.outputs[-1].finished)
 
     def idle(self) -> bool:
         return not self.outputs and self.error is None
@@ -271,7 +274,7 @@ class AsyncWeirClient:
             yield inbox
         finally:
             del self._streams[request_id]
-            if not (inbox.ended or inbox.answered or self._closed):
+            if not (inbox.ended or self._closed or inbox.answered()):
                 self._send(AbortRequest(request_id))
                 self._leaving[request_id] = asyncio.get_running_loop().create_future()
 
@@ -422,7 +425,7 @@ class AsyncWeirClient:
             elif isinstance(msg, ErrorReply) and msg.request_id:
                 inbox = self._streams.get(msg.request_id)
                 if inbox is not None:
-                    inbox.answered = True
+                    inbox.refused = True
                     inbox.fail(_error_from_reply(msg))
                 elif msg.request_id in self._leaving:
                     self._left(msg.request_id)
