@@ -93,13 +93,12 @@ class _Inbox:
     ``asyncio.Queue`` per output (no getter bookkeeping), and its reader takes all that
     arrived at once. Outputs that arrive after the stream failed are dropped."""
 
-    __slots__ = ("outputs", "error", "ended", "refused", "_waiter")
+    __slots__ = ("outputs", "error", "ended", "_waiter")
 
     def __init__(self) -> None:
         self.outputs: list[StreamOutput] = []
         self.error: WeirError | None = None
         self.ended = False  # its last output was taken, or its error raised
-        self.refused = False  # the server ended it with an error reply
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, out: StreamOutput) -> None:
@@ -113,8 +112,9 @@ class _Inbox:
             self._wake()
 
     def answered(self) -> bool:
-        """Whether the server's last word on it (a finished output, an error) came."""
-        return self.refused or bool(self.outputs and self.outputs[-1].finished)
+        """Whether nothing more of it will come: its finished output is here, or it failed
+        (an error reply, or the server lost it or us)."""
+        return self.error is not None or bool(self.outputs and self.outputs[-1].finished)
 
     def idle(self) -> bool:
         return not self.outputs and self.error is None
@@ -274,9 +274,10 @@ class AsyncWeirClient:
             yield inbox
         finally:
             del self._streams[request_id]
-            if not (inbox.ended or self._closed or inbox.answered()):
+            if not inbox.ended and not self._closed:
                 self._send(AbortRequest(request_id))
-                self._leaving[request_id] = asyncio.get_running_loop().create_future()
+                if not inbox.answered():
+                    self._leaving[request_id] = asyncio.get_running_loop().create_future()
 
     async def _wait_until_left(self, request_id: str | None) -> None:
         """An id sent again right after its stream was left: wait (at most ``timeout``) for
@@ -425,7 +426,6 @@ class AsyncWeirClient:
             elif isinstance(msg, ErrorReply) and msg.request_id:
                 inbox = self._streams.get(msg.request_id)
                 if inbox is not None:
-                    inbox.refused = True
                     inbox.fail(_error_from_reply(msg))
                 elif msg.request_id in self._leaving:
                     self._left(msg.request_id)
