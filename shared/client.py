@@ -51,6 +51,7 @@ from weir.shared.protocol.client import (
     encode_client_message,
     request_id_problem,
 )
+from weir.shared.protocol.envelope import ProtocolError
 from weir.shared.sampling import SamplingParams
 from weir.shared.zmq_send import send_now
 
@@ -266,11 +267,12 @@ class AsyncWeirClient:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already streaming", "duplicate_request_id"
             )
+        # Sent before the stream exists: a request that cannot be sent leaves nothing to abort.
+        self._send(GenerateRequest(request_id, prompt, sampling_params or SamplingParams()))
         inbox = _Inbox()
         self._streams[request_id] = inbox
         self._heard.add(request_id)
         try:
-            self._send(GenerateRequest(request_id, prompt, sampling_params or SamplingParams()))
             yield inbox
         finally:
             del self._streams[request_id]
@@ -310,8 +312,14 @@ class AsyncWeirClient:
             self._watcher = loop.create_task(self._watch_handshake())
             self._stream_watch = loop.create_task(self._watch_streams())
         try:
+            frame = encode_client_message(msg)
+        except ProtocolError as exc:
+            raise InvalidRequestError(
+                f"request {msg.request_id!r}: {exc}", INVALID_REQUEST
+            ) from None
+        try:
             # Aborts are sent from generator finalizers, where awaiting is not always possible.
-            send_now(self._sock, [encode_client_message(msg)])
+            send_now(self._sock, [frame])
         except zmq.Again:
             raise ServerUnavailableError(
                 f"cannot send to {self.address}: not connected, or the send queue is full"

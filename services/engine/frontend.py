@@ -488,7 +488,9 @@ class ClientFrontend:
         unsent = stream.unsent
         if new_ids:
             stream.num_output_tokens += len(new_ids)
-            unsent += stream.detokenizer.add(new_ids)
+            # The token that stopped the request (EOS or a stop_token_ids entry: the scheduler
+            # stops on nothing else) is not part of the text, as in vLLM; it is counted.
+            unsent += stream.detokenizer.add(new_ids[:-1] if reason == "stop" else new_ids)
             stops = stream.params.stop
             if stops and stream.num_output_tokens >= stream.params.min_tokens:
                 # No stop string begins in text already sent: it was sent only once no

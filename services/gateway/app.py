@@ -11,6 +11,7 @@ which aborts the requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -22,6 +23,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weir.services.gateway import openai_format as fmt
@@ -51,8 +53,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(fmt.error_body(self.message, self.type, self.code), self.status)
+    def response(self) -> Response:
+        # ASCII JSON: a message may quote the caller's text, which need not be valid Unicode.
+        body = json.dumps(fmt.error_body(self.message, self.type, self.code))
+        return Response(body, self.status, media_type="application/json")
 
 
 def _api_error(exc: Exception) -> APIError:
@@ -67,6 +71,10 @@ def _api_error(exc: Exception) -> APIError:
         return APIError(503, str(exc), "service_unavailable_error", SERVER_UNAVAILABLE)
     return APIError(500, f"{type(exc).__name__}: {exc}", "server_error")
 
+
+# The status recorded for a request whose client left before its response (nginx's 499):
+# nobody receives it, the gateway's metrics count it.
+CLIENT_CLOSED_REQUEST = 499
 
 # Every choice is a request of its own: one HTTP request may not ask for more.
 MAX_CHOICES = 128
@@ -383,6 +391,7 @@ class Gateway:
                 except Exception as exc:
                     error = _api_error(exc)
                     yield fmt.sse(fmt.error_body(error.message, error.type, error.code))
+                    yield fmt.sse("[DONE]")  # clients read to it, as after vLLM's errors
                     return
                 if include_usage:
                     yield fmt.sse(
@@ -405,6 +414,12 @@ class Gateway:
                 }
             ],
         }
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Metered:
@@ -506,11 +521,17 @@ def create_app(
     app = FastAPI(title="Weir", version=VERSION, lifespan=lifespan)
 
     @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        # A body that is not JSON, an unknown route or method: OpenAI's error shape too.
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_).response()
+
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
         problems = []
         for error in exc.errors():
             where = ".".join(str(part) for part in error["loc"] if part != "body")
@@ -537,13 +558,31 @@ def create_app(
         except Exception as exc:
             return _api_error(exc).response()
 
+    async def answer_connected(request: Request, call: Awaitable[Response]) -> Response:
+        """``answer(call)``, cancelled if the client disconnects first: nothing else notices
+        a client leaving before a response exists (a whole body being collected, or a stream
+        waiting for its first output), and the cancellation closes the sample streams, which
+        aborts their requests."""
+        work = asyncio.ensure_future(answer(call))
+        left = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((work, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not work.done():
+                work.cancel()
+            await asyncio.gather(work, left, return_exceptions=True)
+        if work.cancelled():
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return work.result()
+
     @app.post("/v1/completions", dependencies=api)
-    async def completions(body: CompletionRequest) -> Response:
-        return await answer(gateway.completions(body))
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await answer_connected(request, gateway.completions(body))
 
     @app.post("/v1/chat/completions", dependencies=api)
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await answer(gateway.chat_completions(body))
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await answer_connected(request, gateway.chat_completions(body))
 
     @app.get("/v1/models", dependencies=api)
     async def models() -> Response:

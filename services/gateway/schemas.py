@@ -17,6 +17,10 @@ from weir.shared.sampling import MAX_LOGPROBS, SamplingParams
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
+def _wrap_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -62,7 +66,8 @@ class _SamplingFields(_Body):
         self, max_tokens: int | None, logprobs: int | None, index: int
     ) -> SamplingParams:
         """The parameters of sample ``index`` of ``n``: with a seed, each sample draws
-        from its own (``seed + index``) so the ``n`` samples differ yet reproduce.
+        from its own (``seed + index``, wrapped into int64) so the ``n`` samples differ yet
+        reproduce.
         ``max_tokens=None``: as many as fit after the prompt (the engine knows how many)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
@@ -71,7 +76,7 @@ class _SamplingFields(_Body):
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
-            seed=None if self.seed is None else self.seed + index,
+            seed=None if self.seed is None else _wrap_int64(self.seed + index),
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,

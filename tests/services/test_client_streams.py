@@ -168,3 +168,34 @@ def test_batches_hold_what_arrived_together_and_end_as_the_stream_does() -> None
     assert seen["failed"] == (["a", "b"], "no such thing")
     assert seen["left"] == ["a", "b"]
     assert seen["aborts"] == ["left"]
+
+
+async def _unencodable() -> tuple[list[str], list[str], list[str]]:
+    server = ScriptedServer()
+    serving = asyncio.create_task(server.serve())
+    problems = []
+    async with AsyncWeirClient(server.address, timeout=TIMEOUT) as client:
+        for prompt in ("caf\ud800", [1, 2**64], [1, -(2**63) - 1]):
+            try:
+                async for _ in client.generate(prompt, request_id="bad"):
+                    pass
+            except InvalidRequestError as exc:
+                problems.append(str(exc))
+        stream = client.generate([1, 2], request_id="good")
+        first = asyncio.ensure_future(anext(stream))
+        await server.wait_requests(1)
+        await server.output("good", True)
+        await first
+        await stream.aclose()
+    serving.cancel()
+    server.context.destroy(linger=0)
+    return problems, server.requests, server.aborts
+
+
+def test_a_request_msgpack_cannot_carry_is_refused_before_it_is_sent() -> None:
+    """Lone surrogates and integers past 64 bits: InvalidRequestError naming the problem,
+    nothing sent (no abort of a request the server never saw), and the client goes on."""
+    problems, requests, aborts = asyncio.run(_unencodable())
+    assert len(problems) == 3 and "'\\ud800', a lone surrogate" in problems[0]
+    assert all("64-bit" in problem for problem in problems[1:])
+    assert requests == ["good"] and aborts == []

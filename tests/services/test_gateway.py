@@ -5,6 +5,8 @@ as in test_serving.py; the gateway is the one `weir serve` starts (`--http-port 
 """
 
 import asyncio
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -239,6 +241,84 @@ def test_bad_requests_are_400_naming_the_problem(client, kwargs, fragment):
     assert error.value.status_code == 400 and fragment in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "path, body, status, fragment",
+    [
+        ("completions", '{"prompt": "hi \\ud800"}', 400, "surrogate"),
+        ("completions", '{"prompt": "hi", "stop": "\\udfff"}', 400, "surrogate"),
+        ("chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "surr"),
+        ("completions", '{"prompt": [18446744073709551616]}', 400, "64-bit"),
+        ("completions", '{"prompt": [[1' + "0" * 30 + "]]}", 400, "64-bit"),
+        ("completions", '{"prompt": "hi", "model": "\\ud800"}', 404, "does not exist"),
+    ],
+)
+def test_valid_json_the_engine_cannot_take_is_a_4xx_not_a_500(server, path, body, status, fragment):
+    """JSON may hold lone surrogates (not Unicode) and integers of any size (msgpack's are
+    64-bit): the caller gets OpenAI's error body, the server serves on."""
+    body = body[:-1] + f', "model": "{MODEL}", "max_tokens": 2}}' if "model" not in body else body
+    reply = httpx.post(
+        f"{server.info['http_address']}/v1/{path}",
+        content=body.encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert fragment in error["message"] and error["type"].endswith("_error")
+    again = httpx.post(
+        f"{server.info['http_address']}/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        timeout=30,
+    )
+    assert again.status_code == 200
+
+
+def test_bodies_and_routes_http_refuses_get_openai_error_bodies(server):
+    base = server.info["http_address"]
+    headers = {"Content-Type": "application/json"}
+    not_utf8 = httpx.post(base + "/v1/completions", content=b'{"prompt": "\xe9"}', headers=headers)
+    unknown = httpx.get(base + "/v1/nowhere")
+    wrong_method = httpx.get(base + "/v1/completions")
+    for reply, status in ((not_utf8, 400), (unknown, 404), (wrong_method, 405)):
+        assert reply.status_code == status
+        assert set(reply.json()["error"]) == {"message", "type", "param", "code"}, reply.text
+
+
+def test_the_largest_seed_with_n_samples_is_taken(client):
+    call = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 2, "seed": 2**63 - 1}
+    first, second = client.completions.create(**call), client.completions.create(**call)
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_ends_the_text_without_its_own_text(server, client, stream):
+    """As in vLLM: the token in stop_token_ids that ended the request is counted but its text
+    is not returned. The reference is the SDK's greedy tokens with the stop left out."""
+    prompt = [7, 8, 9]
+    text, tokens = _sdk_greedy(server, prompt, 12)
+    k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    reference, _ = _sdk_greedy(server, prompt, k)
+    call = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "extra_body": {"stop_token_ids": [tokens[k]], "ignore_eos": True},
+    }
+    if stream:
+        chunks = list(
+            client.completions.create(**call, stream=True, stream_options={"include_usage": True})
+        )
+        got = "".join(c.choices[0].text for c in chunks if c.choices)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        reason, usage = reasons[-1], chunks[-1].usage
+    else:
+        reply = client.completions.create(**call)
+        got, reason, usage = reply.choices[0].text, reply.choices[0].finish_reason, reply.usage
+    assert reason == "stop" and usage.completion_tokens == k + 1
+    assert got == reference and text.startswith(reference)
+
+
 def test_bad_chat_parameters_are_400(client):
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         client.chat.completions.create(
@@ -380,6 +460,34 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     assert metric(samples, "weir_kv_cache_usage_ratio") == 0
     assert metric(samples, "weir_num_requests_running") == 0
     assert _aborted(samples) == before + 1, "the request was aborted, not run to its end"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_its_response_aborts_its_request(server, stream):
+    """Nothing has been sent yet (a whole body is being collected, or a stream waits for its
+    first token): the client leaving must still abort the request, not let it run to its end.
+    The executor is stopped for the moment (well inside the executor timeout) so the request
+    is surely in flight when the client leaves."""
+    body = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 50, "ignore_eos": True}
+    url = server.info["http_address"] + "/v1/completions"
+    before = _aborted(read_metrics(server.info["metrics_address"]))
+    executor = next(c for c in server._children if c.name == "executor 0").proc.pid
+    os.kill(executor, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json={**body, "stream": stream}, timeout=httpx.Timeout(30, read=0.5))
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            if _aborted(read_metrics(server.info["metrics_address"])) == before + 1:
+                break
+            time.sleep(0.05)
+    finally:
+        os.kill(executor, signal.SIGCONT)
+    samples = _wait_idle(server)
+    assert _aborted(samples) == before + 1, "the request ran on after its client left"
+    assert metric(samples, "weir_kv_cache_usage_ratio") == 0
+    gateway = read_metrics(server.info["http_address"] + "/metrics")
+    assert gateway['weir_gateway_requests_total{route="/v1/completions",status="499"}'] >= 1
 
 
 def test_gateway_metrics_count_routes_and_statuses(server, client):

@@ -171,6 +171,12 @@ class ScriptedEngine:
             identity = self.requests[0][0]
             self.sock.send_multipart([identity, client_protocol.encode_outputs(items)])
 
+    def send_error(self, request_id: str, message: str) -> None:
+        reply = client_protocol.ErrorReply(request_id, message, client_protocol.ENGINE_ERROR)
+        with self._lock:
+            identity = self.requests[0][0]
+            self.sock.send_multipart([identity, client_protocol.encode_server_message(reply)])
+
     def close(self) -> None:
         self.stopped = True
         self._thread.join()
@@ -272,3 +278,21 @@ def test_samples_of_one_request_are_merged_into_one_write(engine):
     ]
     assert chunks[2][0]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     assert chunks[3] == ["data: [DONE]"]
+
+
+def test_an_error_after_the_first_output_is_an_error_event_then_done(engine):
+    engine.requests.clear()
+    sock = _post(
+        engine,
+        "/v1/completions",
+        {"model": "scripted", "prompt": "hi", "max_tokens": 4, "stream": True},
+    )
+    (rid,) = engine.wait_requests(1)
+    engine.send([(rid, "a", False)])
+    time.sleep(0.2)  # the first output leaves alone: the status line is 200 by then
+    engine.send_error(rid, "the engine failed")
+    events = [event for chunk in _http_chunks(sock) for event in chunk]
+    assert events[0]["choices"][0]["text"] == "a"
+    assert events[1]["error"]["message"].endswith("the engine failed")
+    assert events[1]["error"]["type"] == "server_error"
+    assert events[2:] == ["data: [DONE]"], "clients read to [DONE], as after vLLM's errors"
