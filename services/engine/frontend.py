@@ -485,18 +485,26 @@ class ClientFrontend:
         """Detokenize, apply stop strings, and build the client's output for one request."""
         new_ids = out.new_token_ids
         finished, reason = out.finished, out.finish_reason
+        stop_reason: str | int | None = None
         unsent = stream.unsent
         if new_ids:
             stream.num_output_tokens += len(new_ids)
-            # The token that stopped the request (EOS or a stop_token_ids entry: the scheduler
-            # stops on nothing else) is not part of the text, as in vLLM; it is counted.
-            unsent += stream.detokenizer.add(new_ids[:-1] if reason == "stop" else new_ids)
+            if reason == "stop":
+                # The token that stopped the request (EOS or a stop_token_ids entry: the
+                # scheduler stops on nothing else) is counted, but its text is not returned,
+                # as in vLLM.
+                unsent += stream.detokenizer.add(new_ids[:-1])
+                if new_ids[-1] != self.tokenizer.eos_token_id:
+                    stop_reason = new_ids[-1]
+            else:
+                unsent += stream.detokenizer.add(new_ids)
             stops = stream.params.stop
             if stops and stream.num_output_tokens >= stream.params.min_tokens:
                 # No stop string begins in text already sent: it was sent only once no
                 # stop string could begin in it.
-                cut = _find_stop(unsent, stops)
-                if cut is not None:
+                found = _find_stop(unsent, stops)
+                if found is not None:
+                    cut, stop_reason = found
                     unsent = unsent[:cut]
                     finished, reason = True, "stop"
         end = len(unsent)
@@ -513,6 +521,7 @@ class ClientFrontend:
             stream.num_output_tokens,
             None if stream.sent_prompt_ids else stream.prompt_token_ids,
             None if out.logprobs is None else self._logprobs(out.logprobs),
+            stop_reason,
         )
         stream.sent_prompt_ids = True
         if finished:
@@ -555,7 +564,7 @@ class ClientFrontend:
             self.core.scheduler.finish_requests(request_ids, status)
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index where the earliest stop string in ``text`` begins."""
-    hits = [i for stop in stops if (i := text.find(stop)) != -1]
-    return min(hits) if hits else None
+def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where the earliest stop string in ``text`` begins, and which it is."""
+    hits = [(i, stop) for stop in stops if (i := text.find(stop)) != -1]
+    return min(hits, key=lambda hit: hit[0]) if hits else None

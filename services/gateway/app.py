@@ -265,6 +265,7 @@ class Gateway:
                         "index": c.index,
                         "text": c.text,
                         "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
                         "logprobs": None
                         if body.logprobs is None
                         else fmt.completion_logprobs(c.merged_logprobs(), 0),
@@ -314,6 +315,7 @@ class Gateway:
                         "index": c.index,
                         "message": {"role": "assistant", "content": c.text},
                         "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
                         "logprobs": None
                         if logprobs is None
                         else fmt.chat_logprobs(c.merged_logprobs()),

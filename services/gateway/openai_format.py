@@ -52,7 +52,7 @@ class ChunkEvents:
         return (
             f'{self._head}{choice.index},"text":{_json(out.text)},'
             f'"finish_reason":{_json(out.finish_reason if out.finished else None)},'
-            f'"logprobs":{logprobs}}}]}}\n\n'
+            f'"stop_reason":{_json(out.stop_reason)},"logprobs":{logprobs}}}]}}\n\n'
         )
 
     def chat(self, out: StreamOutput, choice: Choice) -> str:
@@ -61,7 +61,8 @@ class ChunkEvents:
         logprobs = _json(chat_logprobs(out)) if self._chat_logprobs else "null"
         return (
             f'{self._head}{choice.index},"delta":{delta},"logprobs":{logprobs},'
-            f'"finish_reason":{_json(out.finish_reason if out.finished else None)}}}]}}\n\n'
+            f'"finish_reason":{_json(out.finish_reason if out.finished else None)},'
+            f'"stop_reason":{_json(out.stop_reason)}}}]}}\n\n'
         )
 
 
@@ -123,6 +124,7 @@ class Choice:
     pieces: list[str] = field(default_factory=list)
     length: int = 0  # characters of text so far
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[StreamOutput] = field(default_factory=list)
@@ -137,7 +139,7 @@ class Choice:
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if out.logprobs is not None:
             self.logprobs.append(out)
 

@@ -116,6 +116,9 @@ class StreamOutput:
     # new token, entry 0 the sampled token, then the top-n alternatives; "tokens" holds
     # each id's text decoded alone (what OpenAI's API reports as the token).
     logprobs: dict[str, list[list[Any]]] | None = None
+    # What ended a request that finished with "stop", as vLLM reports it: the stop string,
+    # or the stop token's id; None for EOS (and for every other finish).
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)
@@ -301,6 +304,8 @@ def encode_outputs(outputs: list[StreamOutput]) -> bytes:
             item["prompt_token_ids"] = o.prompt_token_ids
         if o.logprobs is not None:
             item["logprobs"] = o.logprobs
+        if o.stop_reason is not None:
+            item["stop_reason"] = o.stop_reason
         items.append(item)
     return _pack("outputs", {"items": items})
 

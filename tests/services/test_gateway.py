@@ -192,6 +192,7 @@ def test_stop_strings_end_the_text(server, client):
     )
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].text == text[: text.index(stop)]
+    assert out.choices[0].stop_reason == stop  # vLLM's field: which stop ended it
 
 
 def test_logprobs_in_both_apis(client):
@@ -310,12 +311,13 @@ def test_a_stop_token_ends_the_text_without_its_own_text(server, client, stream)
             client.completions.create(**call, stream=True, stream_options={"include_usage": True})
         )
         got = "".join(c.choices[0].text for c in chunks if c.choices)
-        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
-        reason, usage = reasons[-1], chunks[-1].usage
+        last = [c.choices[0] for c in chunks if c.choices][-1]
+        usage = chunks[-1].usage
     else:
         reply = client.completions.create(**call)
-        got, reason, usage = reply.choices[0].text, reply.choices[0].finish_reason, reply.usage
-    assert reason == "stop" and usage.completion_tokens == k + 1
+        got, last, usage = reply.choices[0].text, reply.choices[0], reply.usage
+    assert last.finish_reason == "stop" and usage.completion_tokens == k + 1
+    assert last.stop_reason == tokens[k]  # vLLM's field: the stop token's id
     assert got == reference and text.startswith(reference)
 
 

@@ -33,7 +33,7 @@ _logprobs = st.lists(
 )
 
 
-def _output(text, finished, reason, rows) -> StreamOutput:
+def _output(text, finished, reason, rows, stop_reason=None) -> StreamOutput:
     logprobs = None
     if rows is not None:
         logprobs = {
@@ -41,7 +41,7 @@ def _output(text, finished, reason, rows) -> StreamOutput:
             "tokens": [[token] + [t for t, _ in top] for token, _, top in rows],
             "logprobs": [[lp] + [x for _, x in top] for _, lp, top in rows],
         }
-    return StreamOutput("r", [0], text, finished, reason, 3, 1, None, logprobs)
+    return StreamOutput("r", [0], text, finished, reason, 3, 1, None, logprobs, stop_reason)
 
 
 def _entry(token: str, logprob: float) -> dict:
@@ -58,11 +58,14 @@ def _entry(token: str, logprob: float) -> dict:
     finished=st.booleans(),
     reason=st.sampled_from(["stop", "length", "abort", None]),
     rows=st.none() | _logprobs,
+    stop=st.none() | st.integers(0, 2**31) | _texts,
 )
 def test_chunk_events_are_the_json_of_openai_chunks(
-    model, created, index, before, text, finished, reason, rows
+    model, created, index, before, text, finished, reason, rows, stop
 ):
-    out = _output(text, finished, reason, rows)
+    """OpenAI's chunk fields, and vLLM's ``stop_reason`` (the stop string or token id)."""
+    stop_reason = stop if finished and reason == "stop" else None
+    out = _output(text, finished, reason, rows, stop_reason)
     choice = fmt.Choice(index)
     choice.add(_output(before, False, None, None))
     choice.add(out)
@@ -84,7 +87,13 @@ def test_chunk_events_are_the_json_of_openai_chunks(
     completion = {
         **base,
         "choices": [
-            {"index": index, "text": text, "finish_reason": final_reason, "logprobs": legacy}
+            {
+                "index": index,
+                "text": text,
+                "finish_reason": final_reason,
+                "stop_reason": stop_reason,
+                "logprobs": legacy,
+            }
         ],
     }
     assert fmt.ChunkEvents(base).completion(out, choice) == fmt.sse(completion).decode()
@@ -111,6 +120,7 @@ def test_chunk_events_are_the_json_of_openai_chunks(
                     "delta": {"content": text} if text or not finished else {},
                     "logprobs": chat_logprobs,
                     "finish_reason": final_reason,
+                    "stop_reason": stop_reason,
                 }
             ],
         }
