@@ -145,16 +145,18 @@ class ExecutorGroup:
                 elif kind == control.RESULT:
                     self._on_result(identity, payload)
                 elif kind == control.STEP_ERROR:
-                    failure = control.unpack(control.StepFailure, payload)
-                    self._fail_step(
-                        failure.step_id,
-                        f"executor rank {failure.rank} failed step {failure.step_id}: "
-                        f"{failure.message}",
-                    )
+                    self._on_step_error(identity, control.unpack(control.StepFailure, payload))
                 else:
                     _log.warning("ignoring executor frame of kind %r", kind)
             except ProtocolError as exc:
                 _log.warning("bad executor frame %r: %s", kind, exc)
+            except Exception:
+                # Whoever reaches this socket (no keys: any local process) must not end the
+                # scheduler, and with it every client's requests, with one frame.
+                _log.exception("executor frame %r could not be handled; ignored", kind)
+            # A receive that finds a frame waiting returns without yielding: a peer sending
+            # without pause would otherwise hold the loop, and every step, for itself.
+            await asyncio.sleep(0)
 
     def _send(self, identity: bytes, kind: bytes, payload: bytes = b"") -> bool:
         """False when the peer is gone (its heartbeats stop too: the watchdog handles it)."""
@@ -213,6 +215,8 @@ class ExecutorGroup:
         args = want.engine_args
         if not 0 <= hello.rank < want.num_executors:
             return f"rank {hello.rank} is outside [0, {want.num_executors})"
+        if hello.num_blocks < 1:
+            return f"executor has {hello.num_blocks} KV blocks; it needs at least 1"
         if hello.tensor_parallel_size != args.tensor_parallel_size:
             return (
                 f"executor tensor_parallel_size {hello.tensor_parallel_size} != scheduler "
@@ -254,10 +258,17 @@ class ExecutorGroup:
         if not future.done():
             future.set_result(result)
 
-    def _fail_step(self, step_id: int, message: str) -> None:
-        waiting = self._in_flight.pop(step_id, None)
+    def _on_step_error(self, identity: bytes, failure: control.StepFailure) -> None:
+        if not any(r.identity == identity for r in self.ranks.values()):
+            _log.debug("ignoring a step_error from a peer that is no rank of the group")
+            return
+        waiting = self._in_flight.pop(failure.step_id, None)
         if waiting is not None and not waiting[0].done():
-            waiting[0].set_exception(StepFailedError(message))
+            waiting[0].set_exception(
+                StepFailedError(
+                    f"executor rank {failure.rank} failed step {failure.step_id}: {failure.message}"
+                )
+            )
 
     # ------------------------------------------------------------------ liveness
 

@@ -140,6 +140,9 @@ class ClientFrontend:
                 self._handle(identity, frames)
             except Exception:  # a bug must cost one message, never the server
                 _log.exception("client %s: failed to handle a message", identity.hex())
+            # A receive that finds a frame waiting returns without yielding: a client sending
+            # without pause would otherwise hold the loop, and every step, for itself.
+            await asyncio.sleep(0)
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
         if len(frames) != 1:

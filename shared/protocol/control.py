@@ -98,7 +98,7 @@ def unpack(cls: type[R], payload: bytes) -> R:
     """Decode a control frame into ``cls``, checking every field's type."""
     data = unpack_map(payload, cls.__name__)
     known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
+    unknown = sorted(set(data) - set(known), key=repr)  # keys of any msgpack type
     if unknown:
         raise ProtocolError(f"{cls.__name__}: unknown field(s) {unknown}")
     missing = sorted(name for name, f in known.items() if name not in data and f.default is MISSING)

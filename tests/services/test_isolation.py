@@ -346,6 +346,29 @@ def test_a_frame_over_the_size_limit_costs_only_its_sender_the_connection(server
             assert isinstance(reply, client_protocol.HealthReply) and reply.info["status"] == "ok"
 
 
+@pytest.mark.timeout(60)  # a loop held by the flood answers health, so nothing else ends
+def test_a_client_sending_without_pause_does_not_hold_up_the_others(server, reference):
+    """Its frames are handled one per turn of the scheduler's loop, not all while they keep
+    coming: another client's stream goes on at once."""
+    flooding = threading.Event()
+
+    def flood() -> None:
+        with raw_dealer(server.client_address) as sock:
+            while not flooding.is_set():
+                sock.send(b"\xc1")  # never valid msgpack: an error reply each
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    try:
+        time.sleep(0.5)
+        with WeirClient(server.client_address, timeout=20) as client:
+            got = [t for out in client.generate(PROMPTS[2], GREEDY) for t in out.new_token_ids]
+        assert got == reference[2]
+    finally:
+        flooding.set()
+        flooder.join()
+
+
 def _long_text(num_chars: int) -> str:
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
     rng = random.Random(num_chars)

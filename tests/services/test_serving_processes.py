@@ -8,13 +8,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import msgpack
 import pytest
+import zmq
 
 from weir.shared.client import EngineError, ServerUnavailableError, WeirClient
+from weir.shared.protocol import control
 from weir.shared.sampling import SamplingParams
 
 WEIR = [sys.executable, "-m", "weir.services.cli"]
@@ -191,7 +195,7 @@ def standalone_scheduler(tiny_model_dir, tmp_path):
     )
     procs.append(scheduler)
     try:
-        yield f"tcp://127.0.0.1:{port}", start_executor
+        yield f"tcp://127.0.0.1:{port}", start_executor, executor_address
     finally:
         for p in procs:
             if p.poll() is None:
@@ -215,7 +219,7 @@ def wait_healthy(client: WeirClient, status: str = "ok", timeout: float = 120.0)
 
 
 def test_a_killed_executors_requests_finish_on_the_executor_started_next(standalone_scheduler):
-    address, start_executor = standalone_scheduler
+    address, start_executor, _ = standalone_scheduler
     # An executor whose KV layout disagrees with the scheduler's is turned away at the handshake.
     mismatched = start_executor("--block-size", "8")
     assert mismatched.wait(timeout=120) == 1
@@ -237,8 +241,64 @@ def test_a_killed_executors_requests_finish_on_the_executor_started_next(standal
         assert health["num_free_blocks"] == health["num_blocks"]
 
 
+def test_frames_no_executor_should_send_leave_the_scheduler_serving(standalone_scheduler):
+    """The executor socket takes anyone who can reach it (without keys: any local process).
+    Frames of any shape, a hello the group cannot use, and step errors from a peer that is
+    no rank must neither end the scheduler nor fail a request."""
+    address, start_executor, executor_address = standalone_scheduler
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.connect(executor_address)
+    try:
+        with WeirClient(address, timeout=60) as client:
+            info = wait_healthy(client, "waiting_for_executors") and client.model_info()
+            hello = control.ExecutorHello(
+                "rogue", 0, 1, info["model_name"], info["vocab_size"], 0, 16, 10**6, 10**6,
+                10**6, [2], "float32", "cpu", "torch",
+            )  # fmt: skip
+            peer.send_multipart([control.HELLO, control.pack(hello)])
+            assert peer.poll(30_000), "the scheduler answered nothing"
+            kind, payload = peer.recv_multipart()
+            assert kind == control.REJECT
+            assert "0 KV blocks" in control.unpack(control.Rejection, payload).message
+
+            start_executor()
+            wait_healthy(client)
+            params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+            undisturbed = [t for o in client.generate([1, 2, 3], params) for t in o.new_token_ids]
+            stream = client.generate([1, 2, 3], params)
+            outputs = [next(stream)]
+            for frames in (
+                [control.HEARTBEAT, msgpack.packb({b"session": 1, "rank": 2})],
+                [control.HEARTBEAT, b"\xc1"],
+                [control.RESULT, b"not a result"],
+                [b"who", b"knows", b"three frames"],
+                [control.STEP_ERROR, msgpack.packb([1, 2])],
+            ):
+                peer.send_multipart(frames)
+            spoofing = threading.Event()
+
+            def spoof() -> None:  # step errors for every step id the stream may be in
+                while not spoofing.is_set():
+                    for step_id in range(1024):
+                        failure = control.StepFailure(step_id, 0, "spoofed")
+                        peer.send_multipart([control.STEP_ERROR, control.pack(failure)])
+
+            spoofer = threading.Thread(target=spoof)
+            spoofer.start()
+            try:
+                outputs += list(stream)
+            finally:
+                spoofing.set()
+                spoofer.join()
+            assert [t for o in outputs for t in o.new_token_ids] == undisturbed
+            assert wait_healthy(client)["executors"] == [0]
+    finally:
+        context.destroy(linger=0)
+
+
 def test_weir_health_is_ready_only_once_an_executor_has_joined(standalone_scheduler):
-    address, start_executor = standalone_scheduler
+    address, start_executor, _ = standalone_scheduler
 
     def weir_health() -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -319,7 +379,7 @@ def test_bad_sampling_flags_exit_2_with_the_reason(command):
 
 
 def test_a_stream_notices_a_killed_scheduler_within_the_client_timeout(standalone_scheduler):
-    address, start_executor = standalone_scheduler
+    address, start_executor, _ = standalone_scheduler
     start_executor()
     port = address.rsplit(":", 1)[1].encode()
     scheduler_pid = next(
