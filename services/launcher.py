@@ -282,6 +282,17 @@ class ServerProcesses:
         """Stop the gateway and the scheduler, then the executors: SIGTERM (SIGINT for the
         scheduler unless ``drain``), and SIGKILL what is left after the grace period
         (``engine_args.drain_timeout`` longer with ``drain``)."""
+        front = [c for c in self._children if c.name in (SCHEDULER, GATEWAY)]
+        grace = self.stop_timeout + (self.engine_args.drain_timeout if drain else 0.0)
+        deadline = time.monotonic() + grace
+        if drain:
+            # Executors are still restarted while the scheduler drains: a request being
+            # finished must not fail because its executor died meanwhile.
+            self._signal(front, signal.SIGTERM)
+            pending = [c.pidfd for c in front]  # exited or not, none is reaped here
+            while pending and (left := deadline - time.monotonic()) > 0:
+                readable, _, _ = select.select(pending, [], [], left)
+                pending = [fd for fd in pending if fd not in readable]
         if self._supervisor is not None and self._wake is not None:
             self._stopping.set()
             os.write(self._wake[1], b"x")
@@ -289,17 +300,20 @@ class ServerProcesses:
             self._supervisor = None
             for fd in self._wake:
                 os.close(fd)
-        front = [c for c in self._children if c.name in (SCHEDULER, GATEWAY)]
-        grace = self.stop_timeout + (self.engine_args.drain_timeout if drain else 0.0)
-        self._stop(front, signal.SIGTERM if drain else signal.SIGINT, grace)
-        self._stop(list(self._children), signal.SIGTERM, self.stop_timeout)
+        self._stop(front, signal.SIGTERM if drain else signal.SIGINT, deadline)
+        self._stop(list(self._children), signal.SIGTERM, time.monotonic() + self.stop_timeout)
 
-    def _stop(self, children: list[_Child], scheduler_signal: signal.Signals, grace: float) -> None:
+    @staticmethod
+    def _signal(children: list[_Child], scheduler_signal: signal.Signals) -> None:
         for child in children:
             if child.proc.returncode is None:
                 sig = scheduler_signal if child.name == SCHEDULER else signal.SIGTERM
                 _signal_group(child.proc.pid, sig)
-        deadline = time.monotonic() + grace
+
+    def _stop(
+        self, children: list[_Child], scheduler_signal: signal.Signals, deadline: float
+    ) -> None:
+        self._signal(children, scheduler_signal)
         for child in children:
             if child.proc.returncode is None:
                 # Wait without reaping: the zombie keeps the pid (and so the process
@@ -308,7 +322,7 @@ class ServerProcesses:
                     [child.pidfd], [], [], max(0.0, deadline - time.monotonic())
                 )
                 if not readable:
-                    _log.warning("%s did not stop within %.1fs; killing it", child.name, grace)
+                    _log.warning("%s did not stop in time; killing it", child.name)
                 _signal_group(child.proc.pid, signal.SIGKILL)
                 child.proc.wait()
             child.close()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from serving_helpers import hf_greedy
-from test_serving_processes import read_until, start_serve
+from test_serving_processes import children_of, read_until, start_serve
 
 from weir.services.launcher import ServerProcesses
 from weir.shared.client import AsyncWeirClient, EngineError, WeirClient
@@ -109,6 +109,33 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_model_dir):
             outputs += list(stream)
         assert sum(len(o.new_token_ids) for o in outputs) == 300
         assert outputs[-1].finish_reason == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_executor_that_dies_during_the_drain_is_started_again(tiny_model_dir):
+    """The drain's in-flight requests still finish, with the tokens of an undisturbed run."""
+    proc = start_serve(tiny_model_dir, "--no-http", "--drain-timeout", "60")
+    try:
+        address = re.search(r"clients:\s+(\S+)", read_until(proc, "Press Ctrl-C")).group(1)
+        with WeirClient(address, timeout=60) as client:
+            params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            undisturbed = [t for o in client.generate([1, 2, 3], params) for t in o.new_token_ids]
+            stream = client.generate([1, 2, 3], params)
+            outputs = [next(stream)]
+            proc.send_signal(signal.SIGTERM)
+            assert _wait_status(client, "draining", 30)["status"] == "draining"
+            (executor,) = [
+                pid
+                for pid in children_of(proc.pid)
+                if b"\0executor\0" in open(f"/proc/{pid}/cmdline", "rb").read()
+            ]
+            os.kill(executor, signal.SIGKILL)
+            outputs += list(stream)
+        assert [t for o in outputs for t in o.new_token_ids] == undisturbed
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
