@@ -25,7 +25,7 @@ import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 import zmq
@@ -169,7 +169,7 @@ class AsyncWeirClient:
             self._no_reply_hint = (
                 "; if it requires CurveZMQ keys, pass keys_dir or set $WEIR_KEYS_DIR"
             )
-        self._handshakes = HandshakeMonitor(self._sock, address, "client")
+        self._handshakes = HandshakeMonitor(self._sock, address, "client", self._connection_lost)
         self._refusal: str | None = None  # why the server dropped us for good
         self._sock.connect(address)
         self._streams: dict[str, _Inbox] = {}
@@ -398,6 +398,33 @@ class AsyncWeirClient:
         while self._refusal is None:
             frames = await self._handshakes.socket.recv_multipart()
             self._refuse(self._handshakes.reason(frames))
+
+    @property
+    def connection_lost(self) -> bool:
+        """The connection to the server closed and has not been made again (as far as the
+        events read so far tell)."""
+        return self._handshakes.connection_lost
+
+    def _connection_lost(self) -> None:
+        """The server's end of the connection closed: it exited or restarted (or the network
+        failed, and then it aborts what it cannot send). Nothing more comes for what is
+        open, so it fails now, not after the timeout; libzmq reconnects for what follows."""
+        error = ServerUnavailableError(
+            f"the connection to {self.address} was lost (the server exited or restarted); "
+            "send the request again"
+        )
+        _log.warning("%s", error)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(error)
+        for request_id, inbox in self._streams.items():
+            if not inbox.answered():
+                inbox.fail(error)
+                # Queued for the next connection: a server that is still there frees it.
+                with suppress(zmq.ZMQError):
+                    send_now(self._sock, [encode_client_message(AbortRequest(request_id))])
+        for request_id in list(self._leaving):
+            self._left(request_id)
 
     def _refuse(self, reason: str | None) -> None:
         if reason is None or self._refusal is not None:

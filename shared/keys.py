@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ _HANDSHAKE_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_DISCONNECTED
 )
 
 
@@ -170,15 +172,26 @@ class HandshakeMonitor:
     server key) closes the connection without a word and libzmq retries forever:
     ``dropped`` counts such handshakes in a row (so does anything in between that closes
     connections, so it is a hint, not a verdict). Await ``socket`` for events and pass
-    them to ``reason``, or call ``pending``.
+    them to ``reason``, or call ``pending``. A connection that had shaken hands and then
+    closes (the peer exited or restarted; libzmq reconnects by itself) calls ``on_lost``,
+    and ``connection_lost`` holds until a handshake succeeds again.
     """
 
-    def __init__(self, sock: zmq.Socket[Any], address: str, who: str) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        address: str,
+        who: str,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
         self.socket = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         # A blocking-API handle on it, to read events without awaiting.
         self._now: zmq.Socket[bytes] = zmq.Socket.shadow(self.socket.underlying)
         self._sock, self._address, self._who = sock, address, who
+        self._on_lost = on_lost
         self.dropped = 0
+        self.connected = False
+        self.connection_lost = False
 
     def reason(self, frames: list[bytes]) -> str | None:
         """The refusal one event (its frames) amounts to, else None."""
@@ -186,6 +199,13 @@ class HandshakeMonitor:
         kind, value = event["event"], event["value"]
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.dropped = 0
+            self.connected, self.connection_lost = True, False
+            return None
+        if kind == zmq.EVENT_DISCONNECTED:
+            if self.connected:
+                self.connected, self.connection_lost = False, True
+                if self._on_lost is not None:
+                    self._on_lost()
             return None
         if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             self.dropped += 1

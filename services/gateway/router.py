@@ -2,7 +2,10 @@
 
 The choice, per request:
 
-* only replicas whose last health check answered ``ok`` are candidates;
+* only replicas whose last health check answered ``ok`` are candidates, and whose
+  connection has not closed since; if none is, those that answered ``recovering`` (their
+  executor is being replaced: they queue requests and run them once it is back, a pause
+  rather than a refusal);
 * **prefix affinity**: the prompt's text is cut into 64-character chunks whose chained
   hashes name its prefixes; the replica that served the longest such prefix most
   recently holds its KV blocks in its prefix cache, so it is preferred;
@@ -45,6 +48,7 @@ class Replica:
     address: str
     client: AsyncWeirClient
     healthy: bool = False
+    recovering: bool = False
     outstanding_tokens: int = 0
     # Prefix hash -> None, least recently served first (an LRU set).
     prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
@@ -127,11 +131,9 @@ class Router:
         self._health_timeout = min(timeout, max(health_interval * 2, 1.0))
         self.balance_slack = balance_slack
 
-    def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas if r.healthy]
-
     def choose(self, hashes: list[bytes]) -> Replica:
-        candidates = self.healthy()
+        reachable = [r for r in self.replicas if not r.client.connection_lost]
+        candidates = [r for r in reachable if r.healthy] or [r for r in reachable if r.recovering]
         if not candidates:
             raise NoReplicaError("no engine replica is ready; try again shortly")
         least = min(candidates, key=lambda r: r.outstanding_tokens)
@@ -158,10 +160,10 @@ class Router:
         finally:
             replica.outstanding_tokens -= cost
 
-    def mark_down(self, replica: Replica, reason: str) -> None:
+    def mark_down(self, replica: Replica, reason: str, recovering: bool = False) -> None:
         if replica.healthy:
             _log.warning("replica %s out of rotation: %s", replica.address, reason)
-        replica.healthy = False
+        replica.healthy, replica.recovering = False, recovering
 
     async def check_health(self) -> None:
         async def one(replica: Replica) -> None:
@@ -170,8 +172,9 @@ class Router:
             except (WeirError, TimeoutError) as exc:
                 self.mark_down(replica, f"health check failed: {exc}")
                 return
-            if info.get("status") != "ok":
-                self.mark_down(replica, f"status {info.get('status')!r}")
+            status = info.get("status")
+            if status != "ok":
+                self.mark_down(replica, f"status {status!r}", recovering=status == "recovering")
             elif not replica.healthy:
                 _log.info("replica %s in rotation", replica.address)
                 replica.healthy = True

@@ -5,6 +5,7 @@ as in test_serving.py; the gateway is the one `weir serve` starts (`--http-port 
 """
 
 import asyncio
+import concurrent.futures
 import os
 import signal
 import time
@@ -490,6 +491,30 @@ def test_a_client_that_leaves_before_its_response_aborts_its_request(server, str
     assert metric(samples, "weir_kv_cache_usage_ratio") == 0
     gateway = read_metrics(server.info["http_address"] + "/metrics")
     assert gateway['weir_gateway_requests_total{route="/v1/completions",status="499"}'] >= 1
+
+
+def test_requests_wait_while_the_only_replica_replaces_its_executor(server, client):
+    """A replica that is recovering queues requests (the SDK's wait there too): the gateway
+    sends them to it rather than refusing with 503 when no replica is ok."""
+    executor = next(c for c in server._children if c.name == "executor 0").proc.pid
+    with WeirClient(server.client_address) as sdk:
+        os.kill(executor, signal.SIGSTOP)  # silent: the scheduler declares it lost
+        try:
+            deadline = time.monotonic() + 30
+            while sdk.health()["status"] != "recovering" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(2.5)  # the gateway's health checks have seen it by now
+            pending = concurrent.futures.ThreadPoolExecutor(1).submit(
+                client.completions.create, model=MODEL, prompt=[5, 6], max_tokens=3
+            )
+            time.sleep(0.5)
+        finally:
+            os.kill(executor, signal.SIGCONT)  # told to reset, it exits; serve restarts it
+        assert pending.result(timeout=120).choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 30
+    while httpx.get(server.info["http_address"] + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "the replica never came back into rotation"
+        time.sleep(0.1)
 
 
 def test_gateway_metrics_count_routes_and_statuses(server, client):

@@ -106,20 +106,25 @@ def test_a_shared_prefix_stays_on_one_replica_and_hits_its_cache(gateway, replic
 
 
 def test_a_killed_replica_leaves_no_request_hanging(gateway, replicas):
-    victim, survivor = replicas[1], replicas[0]
+    # The victim is the one the router picks among equally loaded replicas.
+    victim, survivor = replicas[0], replicas[1]
     prompts = [[[20 + i, 21, 22 + i]] for i in range(8)]
 
-    async def kill_while_streaming() -> list:
+    async def kill_while_streaming() -> tuple[list, list]:
         task = asyncio.create_task(_complete_all(gateway, prompts, max_tokens=60))
         await asyncio.sleep(0.3)
         os.kill(victim._children[0].proc.pid, signal.SIGKILL)  # the replica's scheduler
-        return await asyncio.wait_for(task, 60)
+        await asyncio.sleep(0.05)  # well before the next health check
+        at_once = await _complete_all(gateway, [[[40 + i, 41]] for i in range(8)])
+        return await asyncio.wait_for(task, 60), at_once
 
     start = time.monotonic()
-    results = asyncio.run(kill_while_streaming())
+    results, at_once = asyncio.run(kill_while_streaming())
     assert time.monotonic() - start < 60
     for result in results:  # each finished, or failed with an error: none hangs
         assert isinstance(result, openai.APIError) or result.choices[0].finish_reason == "length"
+    # The closed connection took the replica out of rotation at once: nothing sent to it.
+    assert all(r.choices[0].finish_reason == "length" for r in at_once), at_once
     deadline = time.monotonic() + 30
     while _health(gateway)[victim.client_address] and time.monotonic() < deadline:
         time.sleep(0.2)

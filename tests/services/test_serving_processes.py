@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import zmq
 
-from weir.shared.client import EngineError, ServerUnavailableError, WeirClient
+from weir.shared.client import ServerUnavailableError, WeirClient
 from weir.shared.protocol import control
 from weir.shared.sampling import SamplingParams
 
@@ -359,10 +359,12 @@ def test_a_stream_fails_clearly_when_the_scheduler_restarts_under_it(tiny_model_
             procs[0].kill()
             procs[0].wait()
             procs.append(subprocess.Popen(scheduler_cmd, env=ENV))
-            # The new scheduler answers the stream's liveness check but never heard of it.
-            with pytest.raises(EngineError, match="was lost: the server no longer knows it"):
+            # The closed connection fails the stream (the new scheduler never heard of it),
+            # and the client reaches the new scheduler for what it sends next.
+            with pytest.raises(ServerUnavailableError, match="connection to .* was lost"):
                 for _ in stream:
                     pass
+            assert wait_healthy(client, "waiting_for_executors")["num_streams"] == 0
     finally:
         for p in procs:
             if p.poll() is None:
@@ -378,7 +380,9 @@ def test_bad_sampling_flags_exit_2_with_the_reason(command):
     assert f"weir {command}: temperature must be >= 0" in out.stderr
 
 
-def test_a_stream_notices_a_killed_scheduler_within_the_client_timeout(standalone_scheduler):
+def test_a_stream_notices_a_killed_scheduler_at_once(standalone_scheduler):
+    """The connection closes with the process: the stream fails then, not after the
+    client's timeout (a scheduler that hangs instead is test_client_streams.py's case)."""
     address, start_executor, _ = standalone_scheduler
     start_executor()
     port = address.rsplit(":", 1)[1].encode()
@@ -388,7 +392,7 @@ def test_a_stream_notices_a_killed_scheduler_within_the_client_timeout(standalon
         if b"\0scheduler\0" in (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes())
         and b"\0" + port + b"\0" in cmdline
     )
-    with WeirClient(address, timeout=4) as client:
+    with WeirClient(address, timeout=60) as client:
         wait_healthy(client)
         stream = client.generate(
             [1, 2, 3], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0)
@@ -396,9 +400,7 @@ def test_a_stream_notices_a_killed_scheduler_within_the_client_timeout(standalon
         next(stream)
         os.kill(scheduler_pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(ServerUnavailableError, match="within 4s"):
+        with pytest.raises(ServerUnavailableError, match="connection to .* was lost"):
             for _ in stream:
                 pass
-        # Quiet for half the timeout, then a liveness check given the other half: never
-        # twice the timeout, as when each wait took all of it.
-        assert time.monotonic() - start < 4 * 1.75
+        assert time.monotonic() - start < 5
