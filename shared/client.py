@@ -323,8 +323,14 @@ class AsyncWeirClient:
         except zmq.Again:
             raise ServerUnavailableError(
                 f"cannot send to {self.address}: not connected, or the send queue is full"
-                f"{self._no_reply_hint}"
+                f"{self._keys_hint()}"
             ) from None
+
+    def _keys_hint(self) -> str:
+        # Only while no handshake has succeeded: a server that shook hands and then went
+        # quiet or away is not refusing our keys.
+        seen = self._handshakes.connected or self._handshakes.connection_lost
+        return "" if seen else self._no_reply_hint
 
     async def _request(
         self, msg: HealthRequest | ModelInfoRequest, timeout: float | None = None
@@ -336,7 +342,7 @@ class AsyncWeirClient:
             reply = await asyncio.wait_for(future, timeout or self.timeout)
         except TimeoutError:
             raise ServerUnavailableError(
-                f"no reply from {self.address} within {self.timeout:g}s{self._no_reply_hint}"
+                f"no reply from {self.address} within {self.timeout:g}s{self._keys_hint()}"
             ) from None
         finally:
             self._replies.pop(msg.request_id, None)

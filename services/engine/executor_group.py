@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,8 +171,10 @@ class ExecutorGroup:
     def _on_heartbeat(self, identity: bytes, beat: control.Heartbeat) -> None:
         rank = next((r for r in self.ranks.values() if r.hello.session == beat.session), None)
         if rank is None:
-            # An executor of a previous scheduler (or group): it must restart clean.
-            self._send(identity, control.RESET)
+            # An executor of a previous scheduler (or group): it must restart clean. Its
+            # heartbeats queued while this scheduler was away come from gone peers: quietly.
+            with suppress(zmq.ZMQError):
+                send_now(self._sock, [identity, control.RESET, b""])
             return
         rank.last_seen = time.monotonic()
 

@@ -299,7 +299,9 @@ class ExecutorWorker:
             if not sock.poll(_POLL_MS):
                 if heartbeat.reset.is_set():
                     _log.error(
-                        "executor %d: the scheduler restarted; exiting to restart clean", rank
+                        "executor %d: the scheduler does not know this executor (it restarted, "
+                        "or gave this executor up as lost); exiting to restart clean",
+                        rank,
                     )
                     return 3
                 if parent_gone(self.parent_pid):
