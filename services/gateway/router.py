@@ -47,11 +47,15 @@ class NoReplicaError(RuntimeError):
 class Replica:
     address: str
     client: AsyncWeirClient
-    healthy: bool = False
-    recovering: bool = False
+    # What its last health check answered ("ok", "recovering", ...); None: no answer.
+    status: str | None = None
     outstanding_tokens: int = 0
     # Prefix hash -> None, least recently served first (an LRU set).
     prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == "ok"
 
     def remember(self, hashes: list[bytes]) -> None:
         for h in hashes:
@@ -133,7 +137,9 @@ class Router:
 
     def choose(self, hashes: list[bytes]) -> Replica:
         reachable = [r for r in self.replicas if not r.client.connection_lost]
-        candidates = [r for r in reachable if r.healthy] or [r for r in reachable if r.recovering]
+        candidates = [r for r in reachable if r.healthy] or [
+            r for r in reachable if r.status == "recovering"
+        ]
         if not candidates:
             raise NoReplicaError("no engine replica is ready; try again shortly")
         least = min(candidates, key=lambda r: r.outstanding_tokens)
@@ -160,10 +166,10 @@ class Router:
         finally:
             replica.outstanding_tokens -= cost
 
-    def mark_down(self, replica: Replica, reason: str, recovering: bool = False) -> None:
+    def mark_down(self, replica: Replica, reason: str, status: str | None = None) -> None:
         if replica.healthy:
             _log.warning("replica %s out of rotation: %s", replica.address, reason)
-        replica.healthy, replica.recovering = False, recovering
+        replica.status = status
 
     async def check_health(self) -> None:
         async def one(replica: Replica) -> None:
@@ -174,10 +180,10 @@ class Router:
                 return
             status = info.get("status")
             if status != "ok":
-                self.mark_down(replica, f"status {status!r}", recovering=status == "recovering")
+                self.mark_down(replica, f"status {status!r}", str(status))
             elif not replica.healthy:
                 _log.info("replica %s in rotation", replica.address)
-                replica.healthy = True
+                replica.status = status
 
         await asyncio.gather(*(one(r) for r in self.replicas))
 
