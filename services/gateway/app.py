@@ -59,15 +59,20 @@ class APIError(Exception):
         return Response(body, self.status, media_type="application/json")
 
 
+def _unavailable(exc: Exception) -> bool:
+    """Whether the replica could not take or serve the request (not the request's fault)."""
+    return isinstance(exc, NoReplicaError | ServerUnavailableError) or (
+        isinstance(exc, EngineError) and exc.code == SERVER_UNAVAILABLE
+    )
+
+
 def _api_error(exc: Exception) -> APIError:
     """The HTTP status and OpenAI error type of an engine-side failure."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), "invalid_request_error", exc.code)
-    if isinstance(exc, NoReplicaError | ServerUnavailableError) or (
-        isinstance(exc, EngineError) and exc.code == SERVER_UNAVAILABLE
-    ):
+    if _unavailable(exc):
         return APIError(503, str(exc), "service_unavailable_error", SERVER_UNAVAILABLE)
     return APIError(500, f"{type(exc).__name__}: {exc}", "server_error")
 
@@ -210,22 +215,43 @@ class Gateway:
     async def _sample_stream(
         self, request_id: str, sample: _Sample
     ) -> AsyncIterator[AsyncGenerator[list[StreamOutput], None]]:
-        """One sample's stream of output batches from the replica the router picks,
-        reserved there while it is open. A replica that stops answering leaves the
-        rotation."""
+        """One sample's stream of output batches (closing it aborts the request)."""
+        stream = self._routed_batches(request_id, sample)
+        async with aclosing(stream):
+            yield stream
+
+    async def _routed_batches(
+        self, request_id: str, sample: _Sample
+    ) -> AsyncGenerator[list[StreamOutput], None]:
+        """The sample's output batches from the replica the router picks, reserved there
+        while they stream. A replica that fails it as unavailable leaves the rotation; if
+        no output came yet (the replica is gone, drains or lost its executor), another
+        replica gets the request, as no token has to be taken back."""
         # Without max_tokens a request may run to max_model_len: count it so.
         budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
-        async with self.router.reserve(sample.prompt, budget) as replica:
-            self.metrics.routed.labels(replica.address).inc()
-            stream = replica.client.generate_batches(
-                sample.prompt, sample.params, request_id=request_id
-            )
-            try:
-                async with aclosing(stream):
-                    yield stream
-            except ServerUnavailableError as exc:
-                self.router.mark_down(replica, str(exc))
-                raise
+        tried: frozenset[str] = frozenset()
+        while True:
+            async with self.router.reserve(sample.prompt, budget, tried) as replica:
+                self.metrics.routed.labels(replica.address).inc()
+                started = False
+                try:
+                    async with aclosing(
+                        replica.client.generate_batches(
+                            sample.prompt, sample.params, request_id=request_id
+                        )
+                    ) as stream:
+                        async for outs in stream:
+                            started = True
+                            yield outs
+                    return
+                except (ServerUnavailableError, EngineError) as exc:
+                    if not _unavailable(exc):
+                        raise
+                    self.router.mark_down(replica, str(exc))
+                    tried |= {replica.address}
+                    if started or not self.router.candidates(tried):
+                        raise
+                    self.metrics.rerouted.inc()
 
     # ------------------------------------------------------------------ endpoints
 

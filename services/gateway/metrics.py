@@ -46,6 +46,11 @@ class GatewayMetrics:
             ["replica"],
             registry=reg,
         )
+        self.rerouted = Counter(
+            "weir_gateway_rerouted_requests_total",
+            "Sample streams sent to another replica after theirs failed before any output",
+            registry=reg,
+        )
         for replica in router.replicas:
             up.labels(replica.address).set_function(partial(_healthy, replica))
             outstanding.labels(replica.address).set_function(partial(_outstanding, replica))

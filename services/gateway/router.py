@@ -13,8 +13,10 @@ The choice, per request:
   its unfinished requests) exceed the least loaded one's by more than
   ``balance_slack`` tokens, in which case the least loaded replica gets the request.
 
-A replica whose health check fails, or whose stream fails with
-``ServerUnavailableError``, leaves the rotation until a health check answers again.
+A replica whose health check fails, or that fails a request as unavailable (its
+connection was lost, it timed out, or it refused the request because it drains or has no
+executor), leaves the rotation until a health check answers again. The gateway then sends
+a request that had no output yet to another replica (``exclude``).
 """
 
 from __future__ import annotations
@@ -135,11 +137,18 @@ class Router:
         self._health_timeout = min(timeout, max(health_interval * 2, 1.0))
         self.balance_slack = balance_slack
 
-    def choose(self, hashes: list[bytes]) -> Replica:
-        reachable = [r for r in self.replicas if not r.client.connection_lost]
-        candidates = [r for r in reachable if r.healthy] or [
+    def candidates(self, exclude: frozenset[str] = frozenset()) -> list[Replica]:
+        """The replicas a request may go to now, none of ``exclude`` (addresses)."""
+        reachable = [
+            r for r in self.replicas if not r.client.connection_lost and r.address not in exclude
+        ]
+        return [r for r in reachable if r.healthy] or [
             r for r in reachable if r.status == "recovering"
         ]
+
+    def choose(self, hashes: list[bytes], exclude: frozenset[str] = frozenset()) -> Replica:
+        """The replica for a prompt of these prefix hashes."""
+        candidates = self.candidates(exclude)
         if not candidates:
             raise NoReplicaError("no engine replica is ready; try again shortly")
         least = min(candidates, key=lambda r: r.outstanding_tokens)
@@ -153,11 +162,13 @@ class Router:
         return best
 
     @asynccontextmanager
-    async def reserve(self, prompt: Prompt, max_tokens: int) -> AsyncIterator[Replica]:
+    async def reserve(
+        self, prompt: Prompt, max_tokens: int, exclude: frozenset[str] = frozenset()
+    ) -> AsyncIterator[Replica]:
         """A replica for one request, counted as outstanding until the block exits."""
         text = prompt_text(prompt)
         hashes = prefix_hashes(text)
-        replica = self.choose(hashes)
+        replica = self.choose(hashes, exclude)
         cost = len(text) // _CHARS_PER_TOKEN + max_tokens
         replica.outstanding_tokens += cost
         replica.remember(hashes)

@@ -105,6 +105,68 @@ def test_a_shared_prefix_stays_on_one_replica_and_hits_its_cache(gateway, replic
     assert hits[0] == 0 and hits[1] >= 5 * 16  # five repeats, at least 4 blocks of 4 each
 
 
+def test_a_rolling_update_loses_no_request(gateway, replicas):
+    """SIGTERM drains a replica's scheduler: it finishes the stream it holds and refuses new
+    requests, which the gateway sends to the other replica (here the prompts' prefix draws
+    them to the draining one). Started again at its address, it rejoins the rotation."""
+    prefix = "A rolling update replaces one replica at a time, never all of them. " * 2
+    before = _routed(gateway, replicas)
+    rerouted = read_metrics(gateway + "/metrics")["weir_gateway_rerouted_requests_total"]
+
+    async def drain_while_streaming() -> tuple[int, str, list]:
+        async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="x", max_retries=0) as c:
+            stream = await c.completions.create(
+                model=MODEL,
+                prompt=prefix + "Go.",
+                max_tokens=60,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks = [await anext(stream)]
+            draining = next(
+                i for i, (a, b) in enumerate(zip(_routed(gateway, replicas), before)) if a > b
+            )
+            children = replicas[draining]._children
+            executors = [c.proc.pid for c in children if c.name.startswith("executor")]
+            for pid in executors:  # held, so the drain lasts while the others are sent
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                os.kill(children[0].proc.pid, signal.SIGTERM)  # the replica's scheduler
+                await asyncio.sleep(0.2)
+                others = await _complete_all(gateway, [prefix + f"Item {i}." for i in range(6)])
+            finally:
+                for pid in executors:
+                    os.kill(pid, signal.SIGCONT)
+            chunks += [chunk async for chunk in stream]
+        return draining, chunks, others
+
+    draining, chunks, others = asyncio.run(drain_while_streaming())
+    assert all(not isinstance(r, Exception) for r in others), others
+    assert all(r.choices[0].finish_reason == "length" for r in others)
+    # Each one routed to the draining replica after the long stream was refused and sent on.
+    refused = _routed(gateway, replicas)[draining] - before[draining] - 1
+    assert refused >= 1
+    assert read_metrics(gateway + "/metrics")["weir_gateway_rerouted_requests_total"] == (
+        rerouted + refused
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].text) > 0 for c in chunks) >= 50  # its 60 tokens, unbroken
+    old = replicas[draining]
+    assert old._children[0].proc.wait(timeout=30) == 0  # drained, then stopped
+    old.shutdown()
+    port = int(old.client_address.rpartition(":")[2])
+    replicas[draining] = ServerProcesses(
+        old.engine_args, port=port, metrics_port=0, executor_metrics_port=0
+    )
+    replicas[draining].start()
+    deadline = time.monotonic() + 30
+    while not all(_health(gateway).values()):
+        assert time.monotonic() < deadline, "the restarted replica never rejoined"
+        time.sleep(0.2)
+    test_concurrent_load_spreads_over_both_replicas(gateway, replicas)
+
+
 def test_a_killed_replica_leaves_no_request_hanging(gateway, replicas):
     # The victim is the one the router picks among equally loaded replicas.
     victim, survivor = replicas[0], replicas[1]
