@@ -162,7 +162,10 @@ class Tokenizer:
                 "this model has no chat template (tokenizer_config.json has no 'chat_template')"
             )
         return self._chat_template.render(
-            messages=messages,
+            # Templates know "system"; "developer" is OpenAI's newer name for it.
+            messages=[
+                {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
+            ],
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

@@ -106,6 +106,18 @@ def test_chat_template_matches_transformers(
     )
 
 
+def test_the_developer_role_is_the_system_role(ours: Tokenizer, hf_dir) -> None:
+    """OpenAI's newer name for the system prompt, the same to every client (the SDK too)."""
+    turn = [{"role": "user", "content": "Hi"}]
+    expected = hf_dir.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, *turn],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    developer = [{"role": "developer", "content": "Be brief."}, *turn]
+    assert ours.apply_chat_template(developer) == expected
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_decode_round_trip_matches_transformers(text: str, ours: Tokenizer, hf_dir) -> None:
     ids = ours.encode(text)

@@ -69,6 +69,8 @@ class _Stream:
     last_token_time: float | None = None
     # Characters withheld while the text could still end in a stop string.
     holdback: int = 0
+    # No stop string may end within unsent[:stop_after]: the first min_tokens tokens' text.
+    stop_after: int = 0
 
 
 @dataclass(slots=True)
@@ -468,13 +470,13 @@ class ClientFrontend:
             if stream is None:
                 continue
             if out.new_token_ids:
-                num_generated += len(out.new_token_ids)
                 if stream.last_token_time is None:
                     self.metrics.time_to_first_token.observe(now - stream.arrival_time)
                 else:
                     inter_token.append(now - stream.last_token_time)
                 stream.last_token_time = now
             item = self._stream_output(stream, out)
+            num_generated += len(item.new_token_ids)
             if item.finished and not out.finished:  # a stop string, seen only here
                 stopped.append(out.request_id)
             by_client.setdefault(stream.identity, []).append(item)
@@ -488,32 +490,34 @@ class ClientFrontend:
         """Detokenize, apply stop strings, and build the client's output for one request."""
         new_ids = out.new_token_ids
         finished, reason = out.finished, out.finish_reason
+        logprobs = out.logprobs
         stop_reason: str | int | None = None
         unsent = stream.unsent
         if new_ids:
-            stream.num_output_tokens += len(new_ids)
+            text_ids = new_ids
             if reason == "stop":
                 # The token that stopped the request (EOS or a stop_token_ids entry: the
                 # scheduler stops on nothing else) is counted, but its text is not returned,
                 # as in vLLM.
-                unsent += stream.detokenizer.add(new_ids[:-1])
+                text_ids = new_ids[:-1]
                 if new_ids[-1] != self.tokenizer.eos_token_id:
                     stop_reason = new_ids[-1]
+            if stream.params.stop:
+                unsent, kept, stop = self._add_until_stop(stream, unsent, text_ids)
+                if stop is not None:
+                    # The tokens after the one that completed the stop string (a
+                    # speculative step's later ones) are dropped: not counted, not sent.
+                    new_ids = new_ids[:kept]
+                    logprobs = None if logprobs is None else logprobs.head(kept)
+                    finished, reason, stop_reason = True, "stop", stop
             else:
-                unsent += stream.detokenizer.add(new_ids)
-            stops = stream.params.stop
-            if stops and stream.num_output_tokens >= stream.params.min_tokens:
-                # No stop string begins in text already sent: it was sent only once no
-                # stop string could begin in it.
-                found = _find_stop(unsent, stops)
-                if found is not None:
-                    cut, stop_reason = found
-                    unsent = unsent[:cut]
-                    finished, reason = True, "stop"
+                unsent += stream.detokenizer.add(text_ids)
+            stream.num_output_tokens += len(new_ids)
         end = len(unsent)
         if not finished and stream.holdback:
             end = max(0, end - stream.holdback)
         text, stream.unsent = unsent[:end], unsent[end:]
+        stream.stop_after = max(0, stream.stop_after - end)
         item = client_protocol.StreamOutput(
             stream.request_id,
             new_ids,
@@ -523,13 +527,33 @@ class ClientFrontend:
             len(stream.prompt_token_ids),
             stream.num_output_tokens,
             None if stream.sent_prompt_ids else stream.prompt_token_ids,
-            None if out.logprobs is None else self._logprobs(out.logprobs),
+            None if logprobs is None else self._logprobs(logprobs),
             stop_reason,
         )
         stream.sent_prompt_ids = True
         if finished:
             self._finish_stream(stream, reason or "stop")
         return item
+
+    @staticmethod
+    def _add_until_stop(
+        stream: _Stream, unsent: str, token_ids: list[int]
+    ) -> tuple[str, int, str | None]:
+        """Append the tokens' text one token at a time until a stop string ends in it (so
+        the text and the token count are the same however many tokens a step brought);
+        returns the text cut where that stop string begins, the number of tokens kept and
+        the stop string (None: no stop, all kept). As in vLLM, no stop string ends in the
+        text of the first ``min_tokens`` tokens."""
+        params = stream.params
+        for i, token_id in enumerate(token_ids):
+            unsent += stream.detokenizer.add((token_id,))
+            if stream.num_output_tokens + i < params.min_tokens:
+                stream.stop_after = len(unsent)
+                continue
+            found = _find_stop(unsent, params.stop, stream.stop_after)
+            if found is not None:
+                return unsent[: found[0]], i + 1, found[1]
+        return unsent, len(token_ids), None
 
     def _logprobs(self, logprobs: SampleLogprobs) -> dict[str, list[list[Any]]]:
         """The client's logprob rows, with each token's text (decoded alone)."""
@@ -567,7 +591,12 @@ class ClientFrontend:
             self.core.scheduler.finish_requests(request_ids, status)
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """Where the earliest stop string in ``text`` begins, and which it is."""
-    hits = [(i, stop) for stop in stops if (i := text.find(stop)) != -1]
+def _find_stop(text: str, stops: tuple[str, ...], end_after: int) -> tuple[int, str] | None:
+    """Where the earliest stop string that ends after ``text[:end_after]`` begins in
+    ``text``, and which it is."""
+    hits = [
+        (i, stop)
+        for stop in stops
+        if (i := text.find(stop, max(0, end_after - len(stop) + 1))) != -1
+    ]
     return min(hits, key=lambda hit: hit[0]) if hits else None

@@ -91,7 +91,9 @@ def completion_logprobs(out: StreamOutput, text_offset: int) -> dict[str, Any]:
         text_offset += len(token)
         tokens.append(token)
         token_logprobs.append(logprob)
-        top.append(dict(alternatives))
+        # The sampled token first, then the n most likely (up to n + 1 entries), as OpenAI
+        # and vLLM give it.
+        top.append({token: logprob, **dict(alternatives)})
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,

@@ -135,11 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     def chat(self) -> list[dict[str, str]]:
-        # The template sees "developer" as the system prompt it is.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -208,6 +208,22 @@ def test_logprobs_in_both_apis(client):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert all(len(top) <= 2 and x <= 0 for top, x in zip(lp.top_logprobs, lp.token_logprobs))
+    for asked in (0, 1):  # the sampled token is in its row, even outside the top `asked`
+        hot = (
+            client.completions.create(
+                model=MODEL,
+                prompt="Hello",
+                max_tokens=8,
+                logprobs=asked,
+                temperature=2.0,
+                seed=7,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .logprobs
+        )
+        for token, x, top in zip(hot.tokens, hot.token_logprobs, hot.top_logprobs):
+            assert top[token] == x and len(top) <= asked + 1 and next(iter(top)) == token
     chat = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Hi"}],

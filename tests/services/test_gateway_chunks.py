@@ -81,7 +81,7 @@ def test_chunk_events_are_the_json_of_openai_chunks(
         legacy = {
             "tokens": [token for token, _, _ in rows],
             "token_logprobs": [lp for _, lp, _ in rows],
-            "top_logprobs": [dict(top) for _, _, top in rows],
+            "top_logprobs": [{token: lp, **dict(top)} for token, lp, top in rows],
             "text_offset": offsets,
         }
     completion = {

@@ -1,13 +1,15 @@
 """Stop strings as the scheduler process publishes a stream, against a reference that
-searches the whole text after every step.
+decodes one token at a time, as a server without speculation does (vLLM's rule).
 
 A real ``ClientFrontend`` over a real ``Scheduler`` takes each request from a real ZeroMQ
 client; steps of chosen token ids (what an executor would have sampled, one to three per
-step) are published as ``EngineStep``s, and the client reads the frames back. The
-reference keeps the whole text, appends each step's text (the same detokenizer), and cuts
-it at the earliest stop string found anywhere in it: what the client receives, joined,
-must be exactly that, end as the reference ends, and no output may carry a stop string.
-Stops are drawn from each case's own text so that most cases stop, some across steps.
+step, as speculative steps bring) are published as ``EngineStep``s, and the client reads
+the frames back. The reference keeps the whole text, appends each token's text (the same
+detokenizer), and after every token past the first ``min_tokens`` cuts it at the earliest
+stop string that ends in the text of those later tokens: what the client receives, joined,
+must be exactly that, with exactly the tokens (and logprob rows) up to the one that
+completed the stop, ending as the reference ends; without min_tokens no output may carry a stop string. Stops
+are drawn from each case's own text so that most cases stop, some across steps.
 """
 
 import asyncio
@@ -25,6 +27,7 @@ from weir.services.scheduler import Scheduler
 from weir.services.scheduler.output import EngineOutput
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.protocol import client as client_protocol
+from weir.shared.protocol.step import SampleLogprobs
 from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -47,18 +50,29 @@ def _case(rng: random.Random, tokenizer: Tokenizer, vocab: int) -> dict:
             stops.append(text[start : start + rng.randint(1, 8)])
         else:
             stops.append(rng.choice(["zq#", "\n\n\n", "~~"]))
-    return {"prompt": prompt, "chunks": chunks, "stops": stops}
+    min_tokens = rng.choice([0, 0, 0, rng.randint(1, 6)])
+    return {"prompt": prompt, "chunks": chunks, "stops": stops, "min_tokens": min_tokens}
 
 
-def _reference(tokenizer: Tokenizer, case: dict) -> tuple[str, str]:
+def _reference(tokenizer: Tokenizer, case: dict) -> tuple[str, str, int]:
+    """The text, the finish reason and the number of tokens counted."""
     detokenizer = IncrementalDetokenizer(tokenizer, case["prompt"])
-    text = ""
-    for chunk in case["chunks"]:
-        text += detokenizer.add(chunk)
-        hits = [i for stop in case["stops"] if (i := text.find(stop)) != -1]
+    text, protected = "", 0
+    ids = [t for chunk in case["chunks"] for t in chunk]
+    for count, token_id in enumerate(ids, 1):
+        text += detokenizer.add([token_id])
+        if count <= case["min_tokens"]:
+            protected = len(text)
+            continue
+        hits = [
+            i
+            for stop in case["stops"]
+            for i in range(len(text) - len(stop) + 1)
+            if text.startswith(stop, i) and i + len(stop) > protected
+        ]
         if hits:
-            return text[: min(hits)], "stop"
-    return text, "length"
+            return text[: min(hits)], "stop", count
+    return text, "length", len(ids)
 
 
 async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
@@ -84,7 +98,13 @@ async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
     frontend.core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace()))
     receiving = asyncio.create_task(frontend.run())
     for i, case in enumerate(cases):
-        params = SamplingParams(max_tokens=32, stop=tuple(case["stops"]), ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=32,
+            stop=tuple(case["stops"]),
+            ignore_eos=True,
+            min_tokens=case["min_tokens"],
+            logprobs=0,
+        )
         request = client_protocol.GenerateRequest(f"r{i}", case["prompt"], params)
         await client.send(client_protocol.encode_client_message(request))
     while len(frontend.streams) < len(cases):
@@ -95,8 +115,10 @@ async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
         for i, case in enumerate(cases):
             if step < len(case["chunks"]) and f"r{i}" in frontend.streams:
                 last = step == len(case["chunks"]) - 1
+                chunk = case["chunks"][step]
+                rows = SampleLogprobs([[t] for t in chunk], [[-1.0] for _ in chunk])
                 outputs.append(
-                    EngineOutput(f"r{i}", case["chunks"][step], last, "length" if last else None)
+                    EngineOutput(f"r{i}", chunk, last, "length" if last else None, logprobs=rows)
                 )
         plan = SimpleNamespace(new_requests=[])
         frontend.publish(EngineStep(plan, outputs, time.monotonic()))
@@ -114,12 +136,19 @@ def test_published_text_ends_where_the_whole_text_first_holds_a_stop(default_mod
     rng = random.Random(7)
     cases = [_case(rng, tokenizer, tokenizer.vocab_size) for _ in range(CASES)]
     received = asyncio.run(_published(tokenizer, cases))
-    stopped = 0
+    stopped = protected = 0
     for case, outs in zip(cases, received):
-        text, reason = _reference(tokenizer, case)
+        text, reason, count = _reference(tokenizer, case)
         stopped += reason == "stop"
+        protected += case["min_tokens"] > 0 and reason == "length" and count > case["min_tokens"]
         assert "".join(o.text for o in outs) == text, (case, outs)
+        ids = [t for o in outs for t in o.new_token_ids]
+        assert ids == [t for chunk in case["chunks"] for t in chunk][:count], (case, outs)
+        assert outs[-1].completion_tokens == count
+        assert [row[0] for o in outs if o.logprobs for row in o.logprobs["token_ids"]] == ids
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], outs
         assert outs[-1].finish_reason == reason
-        assert not any(stop in o.text for o in outs for stop in case["stops"])
+        if not case["min_tokens"]:
+            assert not any(stop in o.text for o in outs for stop in case["stops"])
     assert CASES // 2 < stopped < CASES  # both endings are exercised
+    assert protected  # some stop strings were ignored in the first min_tokens tokens' text
