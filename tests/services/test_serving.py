@@ -8,6 +8,7 @@ preempt each other; greedy outputs must still equal transformers'.
 import asyncio
 import os
 import random
+import time
 import uuid
 
 import msgpack
@@ -434,11 +435,12 @@ def test_metrics_endpoints_expose_every_series(server):
     assert metric(executor, "weir_executor_device_memory_bytes") == pytest.approx(rss, rel=0.1)
 
 
+PHASES = ("prepare", "forward", "sample")
+
+
 def test_step_phase_histograms_account_for_every_step(server):
     with WeirClient(server.client_address, timeout=60) as client:
         list(client.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
-    executor = read_metrics(server.info["executors"][0]["metrics_address"])
-    scheduler = read_metrics(server.info["metrics_address"])
 
     def phase(samples, name, which, stat):
         return sum(
@@ -447,9 +449,20 @@ def test_step_phase_histograms_account_for_every_step(server):
             if k.startswith(f"{name}_{stat}{{") and f'phase="{which}"' in k
         )
 
-    steps = metric(executor, "weir_executor_step_seconds_count")
+    # With async scheduling a step planned past the request's end may still be running:
+    # scrape once every step begun has been observed by both processes.
+    deadline = time.monotonic() + 10
+    while True:
+        executor = read_metrics(server.info["executors"][0]["metrics_address"])
+        scheduler = read_metrics(server.info["metrics_address"])
+        steps = metric(executor, "weir_executor_step_seconds_count")
+        counts = [phase(executor, "weir_executor_phase_seconds", w, "count") for w in PHASES]
+        waits = phase(scheduler, "weir_scheduler_step_phase_seconds", "executor", "count")
+        if counts == [steps] * 3 and waits == steps or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     runner_seconds = 0.0
-    for which in ("prepare", "forward", "sample"):
+    for which in PHASES:
         assert phase(executor, "weir_executor_phase_seconds", which, "count") == steps
         runner_seconds += phase(executor, "weir_executor_phase_seconds", which, "sum")
     # The runner's phases happen inside the executor's step, which happens inside the
