@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from weir.services import launcher
 from weir.services.cpu_cores import (
@@ -28,6 +29,7 @@ from weir.services.cpu_cores import (
 from weir.services.supervised import StatusReporter
 from weir.shared.config import (
     DEFAULT_ADDRESS,
+    DEFAULT_CONTEXT_LEN,
     DEFAULT_EXECUTOR_METRICS_PORT,
     DEFAULT_EXECUTOR_PORT,
     DEFAULT_HTTP_PORT,
@@ -38,6 +40,7 @@ from weir.shared.config import (
     SCHEDULER,
     EngineArgs,
     parse_size,
+    resolve_max_model_len,
 )
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
@@ -89,8 +92,9 @@ def _scheduler(args: argparse.Namespace) -> int:
     try:
         engine_args = EngineArgs.from_cli(args)
         model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
-        max_model_len = engine_args.max_model_len or int(
-            load_model_config(model_dir).get("max_position_embeddings", 8192)
+        context_len = load_model_config(model_dir).get("max_position_embeddings")
+        max_model_len = resolve_max_model_len(
+            engine_args.max_model_len, int(context_len or DEFAULT_CONTEXT_LEN)
         )
         executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
         num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)
@@ -133,7 +137,7 @@ def _executor(args: argparse.Namespace) -> int:
     )
     options = ExecutorOptions(
         scheduler=args.scheduler,
-        engine_args=EngineArgs.from_cli(args),
+        engine_args=_engine_args(args),
         rank=rank,
         metrics_host=args.metrics_host,
         metrics_port=metrics_port,
@@ -179,19 +183,38 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
+def _engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine options of parsed flags; an invalid one ends the command with status 2
+    and a message that names its flag."""
+    try:
+        return EngineArgs.from_cli(args)
+    except ValueError as exc:
+        _exit_with_option_error(args, exc)
+
+
+def _exit_with_option_error(args: argparse.Namespace, exc: ValueError) -> NoReturn:
+    name, _, rest = str(exc).partition(" ")
+    flag = "--" + name.replace("_", "-") if name in vars(args) else name
+    print(f"weir {args.command}: {flag} {rest}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level, "serve")
-    server = launcher.ServerProcesses(
-        EngineArgs.from_cli(args),
-        host=args.host,
-        port=args.port,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-        executor_metrics_port=args.executor_metrics_port,
-        http_port=None if args.no_http else args.http_port,
-        api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
-        startup_timeout=args.startup_timeout,
-    )
+    try:
+        server = launcher.ServerProcesses(
+            _engine_args(args),
+            host=args.host,
+            port=args.port,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+            executor_metrics_port=args.executor_metrics_port,
+            http_port=None if args.no_http else args.http_port,
+            api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
+            startup_timeout=args.startup_timeout,
+        )
+    except ValueError as exc:  # options that only tell together, e.g. ranks and cores
+        _exit_with_option_error(args, exc)
     signal.signal(signal.SIGTERM, _raise_terminated)
     drain = False
     try:

@@ -209,7 +209,7 @@ class ServerProcesses:
             if self.http_port is not None:
                 self.info["http_address"] = self._start_gateway([self.info["client_address"]])
         except BaseException:
-            self.shutdown()
+            self._abandon_start()
             raise
         self._wake = os.pipe()
         self._supervisor = threading.Thread(
@@ -301,6 +301,12 @@ class ServerProcesses:
             for fd in self._wake:
                 os.close(fd)
         self._stop(front, signal.SIGTERM if drain else signal.SIGINT, deadline)
+        self._stop(list(self._children), signal.SIGTERM, time.monotonic() + self.stop_timeout)
+
+    def _abandon_start(self) -> None:
+        """Stop what a failed start left, all with SIGTERM: a child still importing dies of
+        it quietly (SIGINT would print a KeyboardInterrupt traceback over the error that
+        matters), and one that runs has nothing to drain."""
         self._stop(list(self._children), signal.SIGTERM, time.monotonic() + self.stop_timeout)
 
     @staticmethod
@@ -434,7 +440,7 @@ class GatewayProcess(ServerProcesses):
         try:
             self.info = {"http_address": self._start_gateway(self.schedulers, *extra)}
         except BaseException:
-            self.shutdown()
+            self._abandon_start()
             raise
         return self.info
 

@@ -55,16 +55,22 @@ def start_metrics_server(
 ) -> str:
     """Serve ``registry`` at /metrics and ``ready()`` at /health on a daemon thread.
 
-    Returns the /metrics URL (port 0 = any free port)."""
+    Returns the /metrics URL (port 0 = any free port); OSError names the address it could
+    not bind."""
     # The `_created` timestamp series double every counter and no dashboard reads them.
     disable_created_metrics()
 
     class Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
-    server = make_server(
-        host, port, _endpoint_app(registry, ready), Server, handler_class=_QuietHandler
-    )
+    try:
+        server = make_server(
+            host, port, _endpoint_app(registry, ready), Server, handler_class=_QuietHandler
+        )
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}"
+        ) from None
     thread = threading.Thread(target=server.serve_forever, name="weir-metrics", daemon=True)
     thread.start()
     shown = f"[{host}]" if ":" in host else host

@@ -25,6 +25,25 @@ SPECULATIVE_METHODS = ("ngram",)
 QUANTIZATION_METHODS = ("int8",)
 
 
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+# transformers' default context length, for a config.json that names none
+DEFAULT_CONTEXT_LEN = 2048
+
+
+def resolve_max_model_len(requested: int | None, context_len: int) -> int:
+    """The longest prompt + output served: ``requested``, or the model's context length
+    (``max_position_embeddings``), which it may not exceed (vLLM refuses it too)."""
+    if requested is None:
+        return context_len
+    if requested > context_len:
+        raise ValueError(
+            f"max_model_len {requested} is longer than this model's context of {context_len} "
+            "tokens (max_position_embeddings in its config.json): it was never trained on "
+            "later positions; lower --max-model-len or leave it out"
+        )
+    return requested
+
+
 def _check_int(name: str, value: Any, minimum: int) -> None:
     # bool is an int subclass; True as a block count is always a mistake.
     if type(value) is not int:
@@ -330,6 +349,22 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         # What can be told before any process starts; the executor checks the device it got.
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.threads is not None:
+            _check_int("threads", self.threads, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
+        for name in ("executor_timeout", "recovery_timeout"):
+            if not getattr(self, name) > 0:  # NaN too
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not self.drain_timeout >= 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.device is not None and not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.quantization is None:
             return
         if self.quantization not in QUANTIZATION_METHODS:

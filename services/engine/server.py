@@ -158,20 +158,31 @@ class SchedulerServer:
                 opts.host,
             )
         try:
-            client_sock.bind(
-                f"tcp://{opts.host}:{opts.port}" if opts.port else f"tcp://{opts.host}:*"
-            )
-            executor_sock.bind(opts.executor_address)
+            for sock, endpoint, option in (
+                (client_sock, f"tcp://{opts.host}:{opts.port or '*'}", "--port"),
+                (executor_sock, opts.executor_address, "--executor-address"),
+            ):
+                try:
+                    sock.bind(endpoint)
+                except zmq.ZMQError as exc:
+                    reason = zmq.strerror(exc.errno) if exc.errno else str(exc)
+                    raise OSError(
+                        exc.errno, f"cannot bind {endpoint}: {reason} ({option})"
+                    ) from None
             if opts.metrics_port is not None:
-                self.metrics_address = start_metrics_server(
-                    self.metrics.registry,
-                    opts.metrics_host or opts.host,
-                    opts.metrics_port,
-                    ready=self._serving,
-                )
-        except (zmq.ZMQError, OSError) as exc:
-            self.status.error(f"cannot bind: {exc}")
-            _log.error("scheduler cannot bind: %s", exc)
+                try:
+                    self.metrics_address = start_metrics_server(
+                        self.metrics.registry,
+                        opts.metrics_host or opts.host,
+                        opts.metrics_port,
+                        ready=self._serving,
+                    )
+                except OSError as exc:
+                    raise OSError(exc.errno, f"{exc.strerror} (--metrics-port)") from None
+        except OSError as exc:
+            message = exc.strerror or str(exc)
+            self.status.error(message)
+            _log.error("scheduler cannot start: %s", message)
             if auth is not None:
                 auth.stop()
             ctx.destroy(linger=0)

@@ -18,6 +18,7 @@ from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
 from weir.services.executor.parallel import ShardLayout, TensorParallel
+from weir.shared.config import DEFAULT_CONTEXT_LEN
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
@@ -98,7 +99,7 @@ class ModelConfig:
             raise ValueError(f"unsupported rope type {rope_type!r}")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial rotary embeddings are not supported")
-        max_pos = hf.get("max_position_embeddings", 2048)
+        max_pos = hf.get("max_position_embeddings") or DEFAULT_CONTEXT_LEN
         attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)

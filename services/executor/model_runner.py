@@ -45,7 +45,7 @@ from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model, read_hf_config
 from weir.shared.arith import cdiv
-from weir.shared.config import ENGINE_DEFAULTS
+from weir.shared.config import ENGINE_DEFAULTS, resolve_max_model_len
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,9 @@ class ModelRunner:
             quantization=quantization,
         )
         self.config = self.model.config
-        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.max_model_len = resolve_max_model_len(
+            max_model_len, self.config.max_position_embeddings
+        )
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.config.eos_token_ids)
         self.sampler = Sampler(self.device, seed)
         self.num_blocks = self._num_kv_blocks(kv_cache_memory_bytes, gpu_memory_utilization)

@@ -133,9 +133,20 @@ class ExecutorWorker:
         metrics.num_kv_blocks.set(runner.num_blocks)
         metrics_address = None
         if opts.metrics_port is not None:
-            metrics_address = start_metrics_server(
-                metrics.registry, opts.metrics_host, opts.metrics_port, ready=self.joined.is_set
-            )
+            try:
+                metrics_address = start_metrics_server(
+                    metrics.registry,
+                    opts.metrics_host,
+                    opts.metrics_port,
+                    ready=self.joined.is_set,
+                )
+            except OSError as exc:
+                message = (
+                    f"{exc.strerror} (--metrics-port; under `weir serve`: --executor-metrics-port)"
+                )
+                _log.error("executor %d failed to start: %s", opts.rank, message)
+                self.status.error(message)
+                return 1
         hello = control.ExecutorHello(
             session=self.session,
             rank=opts.rank,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import uvicorn
@@ -55,10 +56,19 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
 
         asyncio.get_running_loop().create_task(when_bound())
 
+    # Bound here, not by uvicorn: a port in use is then an error that says which.
+    listener = socket.socket(socket.AF_INET6 if ":" in options.host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((options.host, options.port))
+    except OSError as exc:
+        listener.close()
+        message = f"cannot serve HTTP on {options.host}:{options.port}: {exc.strerror}"
+        status.error(f"{message} (--port; under `weir serve`: --http-port)")
+        _log.error("gateway cannot start: %s", message)
+        return 1
     app = create_app(gateway, on_startup=report_ready)
-    config = uvicorn.Config(
-        app, host=options.host, port=options.port, log_level="warning", access_log=False
-    )
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
 
     async def watch_parent() -> None:
@@ -69,13 +79,8 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
 
     watcher = asyncio.get_running_loop().create_task(watch_parent())
     try:
-        await server.serve()
-    except (OSError, SystemExit) as exc:  # uvicorn exits when it cannot bind
-        status.error(f"cannot serve HTTP on {options.host}:{options.port}: {exc}")
-        return 1
+        await server.serve(sockets=[listener])
     finally:
         watcher.cancel()
-    if not server.started:
-        status.error(f"cannot serve HTTP on {options.host}:{options.port}")
-        return 1
+        listener.close()
     return 0

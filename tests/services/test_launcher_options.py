@@ -5,9 +5,16 @@ from dataclasses import fields
 
 import pytest
 
-from weir.services.cli import build_parser
+from weir.services.cli import build_parser, main
 from weir.services.llm import LLM
-from weir.shared.config import SCHEDULER, CacheConfig, EngineArgs, SchedulerConfig, parse_size
+from weir.shared.config import (
+    SCHEDULER,
+    CacheConfig,
+    EngineArgs,
+    SchedulerConfig,
+    parse_size,
+    resolve_max_model_len,
+)
 
 
 @pytest.mark.parametrize(
@@ -87,3 +94,32 @@ def test_engine_defaults_are_the_configs_defaults():
 def test_unknown_engine_option_is_a_type_error():
     with pytest.raises(TypeError, match="max_num_batch_tokens"):
         LLM(max_num_batch_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--executor-timeout", "-1"], "--executor-timeout must be > 0 seconds, got -1.0"),
+        (["--recovery-timeout", "0"], "--recovery-timeout must be > 0 seconds, got 0.0"),
+        (["--drain-timeout", "-5"], "--drain-timeout must be >= 0 seconds, got -5.0"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+        (["--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
+    ],
+)
+def test_impossible_options_end_serve_with_one_line_naming_the_flag(flags, message, capsys):
+    """Before any process starts: no traceback, no executor restarted in a loop."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"weir serve: {message}") and err.count("\n") == 1, err
+
+
+def test_max_model_len_past_the_models_context_is_refused():
+    assert resolve_max_model_len(None, 8192) == 8192
+    assert resolve_max_model_len(4096, 8192) == 4096
+    with pytest.raises(ValueError, match="longer than this model's context of 8192 tokens"):
+        resolve_max_model_len(100_000_000, 8192)

@@ -149,6 +149,49 @@ def test_serve_exits_nonzero_with_the_childs_error(tmp_path):
     assert "no-such-model" in out.stderr and "weir serve:" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--port", "cannot bind tcp://127.0.0.1:{port}: Address already in use (--port)"),
+        ("--metrics-port", "cannot serve /metrics on 127.0.0.1:{port}: Address already in use"),
+        ("--executor-metrics-port", "(--metrics-port; under `weir serve`: --executor-metrics"),
+        ("--http-port", "cannot serve HTTP on 127.0.0.1:{port}: Address already in use"),
+    ],
+)
+def test_a_port_in_use_is_named_without_a_traceback(tiny_model_dir, flag, message):
+    """The one child that cannot bind says which port and option; the others, stopped while
+    they were still starting, print nothing."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [
+                *WEIR,
+                "serve",
+                "--model",
+                str(tiny_model_dir),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--executor-metrics-port",
+                "0",
+                "--http-port",
+                "0",
+                flag,
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=120,
+        )
+    assert out.returncode == 1
+    assert message.format(port=port) in out.stderr.splitlines()[-1], out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+
+
 @pytest.fixture
 def standalone_scheduler(tiny_model_dir, tmp_path):
     """`weir scheduler` alone (as in Kubernetes), waiting for executors on an ipc socket."""
