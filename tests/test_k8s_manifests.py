@@ -91,6 +91,32 @@ def test_dashboard_queries_only_metrics_the_processes_export() -> None:
     assert queried <= exported, f"not exported: {sorted(queried - exported)}"
 
 
+def _shown_unit(panel: dict, ref_id: str) -> str:
+    """The unit Grafana shows a target's series in: an override for its query, else the
+    panel's."""
+    unit = panel["fieldConfig"]["defaults"].get("unit")
+    for override in panel["fieldConfig"].get("overrides", []):
+        if override["matcher"] == {"id": "byFrameRefID", "options": ref_id}:
+            unit = next((p["value"] for p in override["properties"] if p["id"] == "unit"), unit)
+    return unit
+
+
+def test_dashboard_shows_durations_in_seconds_and_ratios_unclamped() -> None:
+    """A quantile or mean of a ``_seconds`` histogram is a duration, whatever else shares its
+    panel; a ratio of rates is not clamped (clamping the denominator to 1/s understated the
+    prefix-cache hit rate of any server below one query token per second)."""
+    dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())
+    durations = 0
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            assert "clamp_min" not in expr, (panel["title"], expr)
+            if re.search(r"histogram_quantile\(.*_seconds_bucket|_seconds_sum.*/.*_count", expr):
+                durations += 1
+                assert _shown_unit(panel, target["refId"]) == "s", (panel["title"], expr)
+    assert durations >= 5
+
+
 def test_gateway_routes_to_the_scheduler_service_client_port() -> None:
     args = build_parser().parse_args(_container("weir-gateway")["args"])
     target = urlparse(args.scheduler[0])
