@@ -635,11 +635,14 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        replicas = {r.address: r.healthy for r in gateway.router.replicas}
-        ok = any(replicas.values())
-        return JSONResponse(
-            {"status": "ok" if ok else "unavailable", "replicas": replicas}, 200 if ok else 503
+        # Ready while requests have somewhere to go: a replica replacing its executor queues
+        # them (a pause), so it keeps the gateway in its Service.
+        candidates = gateway.router.candidates()
+        status = (
+            "unavailable" if not candidates else "ok" if candidates[0].healthy else "recovering"
         )
+        replicas = {r.address: r.healthy for r in gateway.router.replicas}
+        return JSONResponse({"status": status, "replicas": replicas}, 200 if candidates else 503)
 
     @app.get("/version")
     async def version() -> Response:

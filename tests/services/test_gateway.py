@@ -520,6 +520,9 @@ def test_requests_wait_while_the_only_replica_replaces_its_executor(server, clie
             while sdk.health()["status"] != "recovering" and time.monotonic() < deadline:
                 time.sleep(0.1)
             time.sleep(2.5)  # the gateway's health checks have seen it by now
+            # Still ready (a Kubernetes readiness probe keeps the gateway in its Service).
+            health = httpx.get(server.info["http_address"] + "/health")
+            assert health.status_code == 200 and health.json()["status"] == "recovering"
             pending = concurrent.futures.ThreadPoolExecutor(1).submit(
                 client.completions.create, model=MODEL, prompt=[5, 6], max_tokens=3
             )
@@ -528,7 +531,7 @@ def test_requests_wait_while_the_only_replica_replaces_its_executor(server, clie
             os.kill(executor, signal.SIGCONT)  # told to reset, it exits; serve restarts it
         assert pending.result(timeout=120).choices[0].finish_reason == "length"
     deadline = time.monotonic() + 30
-    while httpx.get(server.info["http_address"] + "/health").status_code != 200:
+    while httpx.get(server.info["http_address"] + "/health").json()["status"] != "ok":
         assert time.monotonic() < deadline, "the replica never came back into rotation"
         time.sleep(0.1)
 
