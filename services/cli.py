@@ -280,7 +280,14 @@ def _generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     prompt: Prompt = args.prompt
     if args.token_ids:
-        prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+        try:
+            prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+        except ValueError:
+            print(
+                f"weir generate: --token-ids: {args.prompt!r} is not a list of integers",
+                file=sys.stderr,
+            )
+            return 2
     elif args.chat:
         prompt = [{"role": "user", "content": args.prompt}]
     try:

@@ -12,6 +12,7 @@ prompt at once so they batch together, and stops the processes on ``close()``.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from weir.services.launcher import ServerProcesses
 from weir.shared.client import AsyncWeirClient, EventLoopThread
 from weir.shared.config import EngineArgs
+from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
 
 
@@ -57,6 +59,8 @@ class LLM:
             self._loop.stop()
             self._server.shutdown()
             raise
+        # An LLM dropped without close() (or alive at exit) still stops its processes.
+        self._finalizer = weakref.finalize(self, _close, self._loop, self._client, self._server)
 
     def __enter__(self) -> LLM:
         return self
@@ -66,11 +70,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str | list[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[Completion]:
-        """One ``Completion`` per prompt, in prompt order; a prompt is text or token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """One ``Completion`` per prompt, in prompt order; a prompt is text, token ids or
+        chat messages (``[{"role": "user", "content": "..."}]``). If one fails, the call
+        raises its error and the others are aborted."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int | dict)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -82,20 +88,20 @@ class LLM:
         return self._loop.run(self._generate_all(prompts, params))
 
     def close(self) -> None:
-        if self._loop.loop.is_closed():
-            return
-        self._loop.run(self._client.close())
-        self._loop.stop()
-        self._server.shutdown()
+        self._finalizer()
 
     async def _generate_all(
-        self, prompts: list[str | list[int]], params: list[SamplingParams]
+        self, prompts: list[Prompt], params: list[SamplingParams]
     ) -> list[Completion]:
-        return list(
-            await asyncio.gather(*(self._generate_one(p, sp) for p, sp in zip(prompts, params)))
-        )
+        tasks = [asyncio.ensure_future(self._generate_one(p, sp)) for p, sp in zip(prompts, params)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # after a failure, the others' streams close: their requests are aborted
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate_one(self, prompt: str | list[int], params: SamplingParams) -> Completion:
+    async def _generate_one(self, prompt: Prompt, params: SamplingParams) -> Completion:
         completion = Completion("", [], [], "", None)
         texts = []
         async for out in self._client.generate(prompt, params):
@@ -107,3 +113,9 @@ class LLM:
             completion.finish_reason = out.finish_reason
         completion.text = "".join(texts)
         return completion
+
+
+def _close(loop: EventLoopThread, client: AsyncWeirClient, server: ServerProcesses) -> None:
+    loop.run(client.close())
+    loop.stop()
+    server.shutdown()

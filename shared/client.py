@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
@@ -57,6 +58,10 @@ from weir.shared.zmq_send import send_now
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+# Loop turns a stream left with `break` may take to close (its finalizer task's first step).
+_FINALIZER_TURNS = 3
 
 
 class WeirError(Exception):
@@ -171,7 +176,16 @@ class AsyncWeirClient:
             )
         self._handshakes = HandshakeMonitor(self._sock, address, "client", self._connection_lost)
         self._refusal: str | None = None  # why the server dropped us for good
-        self._sock.connect(address)
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            self._handshakes.close()
+            self._sock.close()
+            self._ctx.term()
+            raise WeirError(
+                f"cannot connect to {address!r}: {zmq.strerror(exc.errno) if exc.errno else exc}"
+                " (an address is tcp://HOST:PORT or ipc://PATH)"
+            ) from None
         self._streams: dict[str, _Inbox] = {}
         # Streams that received an output (or started) since the stream watch last looked.
         self._heard: set[str] = set()
@@ -285,6 +299,12 @@ class AsyncWeirClient:
         """An id sent again right after its stream was left: wait (at most ``timeout``) for
         the server's last word on the old request, which is sent before anything of a new
         one, so none of the old request's outputs or its abort reach the new stream."""
+        for _ in range(_FINALIZER_TURNS):
+            if request_id not in self._streams:
+                break
+            # A stream left with `break` is closed by the loop's async-generator finalizer,
+            # a task queued when the loop dropped it: let it run before calling the id taken.
+            await asyncio.sleep(0)
         future = self._leaving.get(request_id) if request_id else None
         if future is not None:
             try:
@@ -477,10 +497,10 @@ class EventLoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
+        self.thread = threading.Thread(
             target=self.loop.run_forever, name="weir-client-loop", daemon=True
         )
-        self._thread.start()
+        self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait; an interrupt (Ctrl-C) cancels it there."""
@@ -505,7 +525,7 @@ class EventLoopThread:
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
+        self.thread.join(timeout=5)
         self.loop.close()
 
 
@@ -528,6 +548,8 @@ class WeirClient:
             self._loop.stop()
             raise
         self.address = address
+        # A client dropped without close() still aborts its streams and ends its thread.
+        self._finalizer = weakref.finalize(self, _close_client, self._loop, self._client)
 
     def __enter__(self) -> WeirClient:
         return self
@@ -553,6 +575,7 @@ class WeirClient:
         *,
         request_id: str | None = None,
     ) -> Iterator[list[StreamOutput]]:
+        self._check_open()
         stream = self._client.generate_batches(prompt, sampling_params, request_id=request_id)
         try:
             while True:
@@ -562,19 +585,33 @@ class WeirClient:
                     return
                 yield item
         finally:
-            self._loop.run(stream.aclose())
+            if self._finalizer.alive:  # closing the client closed its streams
+                self._loop.run(stream.aclose())
 
     def abort(self, request_id: str) -> None:
+        self._check_open()
         self._loop.run(self._client.abort(request_id))
 
     def health(self) -> dict[str, Any]:
+        self._check_open()
         return self._loop.run(self._client.health())
 
     def model_info(self) -> dict[str, Any]:
+        self._check_open()
         return self._loop.run(self._client.model_info())
 
     def close(self) -> None:
-        if self._loop.loop.is_closed():
-            return
-        self._loop.run(self._client.close())
-        self._loop.stop()
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise WeirError("client is closed")
+
+
+def _close_client(loop: EventLoopThread, client: AsyncWeirClient) -> None:
+    """Close ``client`` and stop its loop thread: ``WeirClient.close()``, or the finalizer of
+    a client dropped without it."""
+    if threading.current_thread() is loop.thread:
+        return  # collected on its own loop (in a cycle): it cannot wait for itself there
+    loop.run(client.close())
+    loop.stop()

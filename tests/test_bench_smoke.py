@@ -296,6 +296,24 @@ def test_bench_serve_writes_results_and_plots(
         assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_serve_gives_up_after_its_ready_timeout(tiny_model_dir: Path) -> None:
+    """Not after the SDK's 30 s request timeout: --ready-timeout bounds the wait."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*BENCH, "serve", "--address", nobody, "--model", str(tiny_model_dir)]
+        + ["--num-prompts", "1", "--ready-timeout", "2", "--no-progress"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "not ready after 2 s" in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 25
+
+
 def test_serve_metrics_from_hand_made_traces() -> None:
     from weir.services.bench.serve import RequestTrace, summarize_run
 

@@ -181,9 +181,15 @@ async def _sender(
 
 async def wait_until_ready(client, timeout_s: float) -> None:  # client: AsyncWeirClient
     """Poll health() until the server reports status "ok" (its executors are connected)."""
+    from weir.shared.client import WeirError
+
     deadline = time.monotonic() + timeout_s
     while True:
-        status = (await client.health()).get("status")
+        remaining = max(deadline - time.monotonic(), _READY_POLL_S)
+        try:  # the client's own timeout may be longer than what is left
+            status = (await asyncio.wait_for(client.health(), remaining)).get("status")
+        except (WeirError, TimeoutError) as exc:
+            status = f"no answer ({exc})" if str(exc) else "no answer"
         if status == "ok":
             return
         if time.monotonic() >= deadline:

@@ -123,3 +123,15 @@ def test_max_model_len_past_the_models_context_is_refused():
     assert resolve_max_model_len(4096, 8192) == 4096
     with pytest.raises(ValueError, match="longer than this model's context of 8192 tokens"):
         resolve_max_model_len(100_000_000, 8192)
+
+
+def test_client_commands_refuse_bad_input_with_one_line(capsys):
+    assert main(["generate", "1 2 x", "--token-ids"]) == 2
+    assert capsys.readouterr().err == (
+        "weir generate: --token-ids: '1 2 x' is not a list of integers\n"
+    )
+    assert main(["health", "--address", "bogus"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("weir health: WeirError: cannot connect to 'bogus'") and err.count("\n") == 1
+    )

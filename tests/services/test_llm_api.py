@@ -1,12 +1,16 @@
 """The offline LLM API: batch generation through real scheduler and executor processes."""
 
+import time
 from pathlib import Path
 
 import pytest
-from serving_helpers import hf_greedy
+from serving_helpers import hf_greedy, read_metrics
 
 from weir.services import LLM, Completion
+from weir.shared.client import InvalidRequestError
 from weir.shared.sampling import SamplingParams
+
+MODEL = "tiny-llama"
 
 
 def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
@@ -24,6 +28,18 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
         [single] = llm.generate("Hello there", params[0])
         with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
             llm.generate(prompts, params[:2])
+        # One bad prompt fails the call and aborts the others (they would run to the
+        # context length, unread).
+        endless = SamplingParams(max_tokens=None, ignore_eos=True)
+        with pytest.raises(InvalidRequestError, match="empty"):
+            llm.generate(["Hello"] * 4 + [""], endless)
+        aborted = f'weir_requests_finished_total{{finished_reason="abort",model_name="{MODEL}"}}'
+        deadline = time.monotonic() + 10
+        while read_metrics(llm.server_info["metrics_address"]).get(aborted) != 4:
+            assert time.monotonic() < deadline, "the other prompts' requests were not aborted"
+            time.sleep(0.05)
+        [chat] = llm.generate([{"role": "user", "content": "Hi"}], params[0])  # one prompt
+        assert len(chat.token_ids) == 3
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
 
     assert [type(c) for c in completions] == [Completion] * 3
@@ -34,3 +50,11 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
         assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
         assert c.finish_reason == "length" and c.request_id
     assert single.token_ids == completions[0].token_ids
+
+
+def test_an_llm_dropped_without_close_stops_its_processes(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), kv_cache_memory="1MiB")
+    pids = [llm.server_info["pid"]] + [e["pid"] for e in llm.server_info["executors"]]
+    assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].finish_reason
+    del llm
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]

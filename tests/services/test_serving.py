@@ -8,6 +8,7 @@ preempt each other; greedy outputs must still equal transformers'.
 import asyncio
 import os
 import random
+import threading
 import time
 import uuid
 
@@ -18,7 +19,7 @@ import zmq.asyncio
 from serving_helpers import hf_greedy, metric, read_metrics
 
 from weir.services.launcher import ServerProcesses
-from weir.shared.client import AsyncWeirClient, InvalidRequestError, WeirClient
+from weir.shared.client import AsyncWeirClient, InvalidRequestError, WeirClient, WeirError
 from weir.shared.config import EngineArgs
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
@@ -354,11 +355,16 @@ async def test_the_sdk_sends_an_id_again_right_after_leaving_its_stream(server, 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     want = hf_greedy(tiny_hf_model, [9, 10, 11, 12], 8)
     async with AsyncWeirClient(server.client_address) as client:
-        for _ in range(3):
-            stream = client.generate([5, 6, 7], long, request_id="again")
-            while not (await anext(stream)).new_token_ids:
-                pass
-            await stream.aclose()
+        for leave_by_break in (False, True, False, True):
+            if leave_by_break:  # the loop's finalizer closes the stream, a task queued now
+                async for out in client.generate([5, 6, 7], long, request_id="again"):
+                    if out.new_token_ids:
+                        break
+            else:
+                stream = client.generate([5, 6, 7], long, request_id="again")
+                while not (await anext(stream)).new_token_ids:
+                    pass
+                await stream.aclose()
             outs = [o async for o in client.generate([9, 10, 11, 12], params, request_id="again")]
             assert [t for o in outs for t in o.new_token_ids] == want
             assert outs[-1].finish_reason == "length"
@@ -390,6 +396,21 @@ def test_sdk_raises_typed_errors(server):
         with pytest.raises(InvalidRequestError, match="already"):
             list(client.generate([3, 4], request_id="dup"))
         assert sum(len(o.new_token_ids) for o in first) == 29
+
+
+def test_sdk_misuse_is_a_weir_error_and_a_dropped_client_ends_its_thread(server):
+    with pytest.raises(WeirError, match="cannot connect to 'bogus'.*tcp://HOST:PORT"):
+        WeirClient("bogus")
+    closed = WeirClient(server.client_address)
+    closed.close()
+    closed.close()
+    for use in (closed.health, lambda: list(closed.generate([1, 2]))):
+        with pytest.raises(WeirError, match="client is closed"):
+            use()
+    before = threading.active_count()
+    for _ in range(5):
+        WeirClient(server.client_address).health()  # never closed: the finalizer closes it
+    assert threading.active_count() == before
 
 
 def test_metrics_endpoints_expose_every_series(server):
