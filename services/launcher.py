@@ -448,9 +448,7 @@ class GatewayProcess(ServerProcesses):
 def resolve_num_executors(num_executors: int | None, engine_args: EngineArgs) -> int:
     """The executor ranks a scheduler waits for: the tensor-parallel group's size by default;
     without tensor parallelism, ``num_executors`` replicas of the whole model."""
-    tp = engine_args.tensor_parallel_size
-    if type(tp) is not int or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+    tp = engine_args.tensor_parallel_size  # an int >= 1: EngineArgs checked it
     if num_executors is None:
         return tp
     if tp > 1 and num_executors != tp:

@@ -62,8 +62,8 @@ def test_the_group_size_is_the_number_of_executors():
     assert resolve_num_executors(2, EngineArgs()) == 2  # replicas of the whole model
     with pytest.raises(ValueError, match="num_executors 2 != tensor_parallel_size 3"):
         resolve_num_executors(2, EngineArgs(tensor_parallel_size=3))
-    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
-        resolve_num_executors(None, EngineArgs(tensor_parallel_size=0))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        EngineArgs(tensor_parallel_size=0)
 
 
 def test_two_executors_without_tensor_parallelism_are_replicas_of_the_whole_model(
