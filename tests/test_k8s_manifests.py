@@ -117,6 +117,17 @@ def test_dashboard_shows_durations_in_seconds_and_ratios_unclamped() -> None:
     assert durations >= 5
 
 
+def test_a_stopping_gateway_leaves_its_service_before_it_refuses_connections() -> None:
+    """SIGTERM closes uvicorn's listener at once: a preStop pause lets the endpoint's removal
+    reach every node first, and the grace period is the scheduler's (its drain bounds the
+    streams the gateway still relays)."""
+    gateway = _by_kind_name("Deployment", "weir-gateway")["spec"]["template"]["spec"]
+    scheduler = _by_kind_name("Deployment", "weir-scheduler")["spec"]["template"]["spec"]
+    pause = int(_container("weir-gateway")["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert 0 < pause < gateway["terminationGracePeriodSeconds"]
+    assert gateway["terminationGracePeriodSeconds"] >= scheduler["terminationGracePeriodSeconds"]
+
+
 def test_gateway_routes_to_the_scheduler_service_client_port() -> None:
     args = build_parser().parse_args(_container("weir-gateway")["args"])
     target = urlparse(args.scheduler[0])
