@@ -63,24 +63,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_argv(model_dir: Path, *extra: str) -> list[str]:
+    """`weir serve` of ``model_dir`` on free ports (a flag in ``extra`` overrides)."""
+    return [
+        *WEIR,
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--executor-metrics-port",
+        "0",
+        *extra,
+    ]
+
+
 def start_serve(model_dir: Path, *extra: str) -> subprocess.Popen:
     """`weir serve` on free ports with a small KV cache; stdout unbuffered, for read_until."""
     return subprocess.Popen(
-        [
-            *WEIR,
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--executor-metrics-port",
-            "0",
-            "--kv-cache-memory",
-            "1MiB",
-            *extra,
-        ],
+        serve_argv(model_dir, "--kv-cache-memory", "1MiB", *extra),
         stdout=subprocess.PIPE,
         bufsize=0,
         env=ENV,
@@ -128,18 +131,7 @@ def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
 def test_serve_exits_nonzero_with_the_childs_error(tmp_path):
     missing = tmp_path / "no-such-model"
     out = subprocess.run(
-        [
-            *WEIR,
-            "serve",
-            "--model",
-            str(missing),
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--executor-metrics-port",
-            "0",
-        ],
+        serve_argv(missing),
         capture_output=True,
         text=True,
         env=ENV,
@@ -166,22 +158,7 @@ def test_a_port_in_use_is_named_without_a_traceback(tiny_model_dir, flag, messag
         taken.listen()
         port = taken.getsockname()[1]
         out = subprocess.run(
-            [
-                *WEIR,
-                "serve",
-                "--model",
-                str(tiny_model_dir),
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--executor-metrics-port",
-                "0",
-                "--http-port",
-                "0",
-                flag,
-                str(port),
-            ],
+            serve_argv(tiny_model_dir, "--http-port", "0", flag, str(port)),
             capture_output=True,
             text=True,
             env=ENV,
