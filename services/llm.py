@@ -72,10 +72,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[Completion]:
         """One ``Completion`` per prompt, in prompt order; a prompt is text, token ids or
         chat messages (``[{"role": "user", "content": "..."}]``). If one fails, the call
-        raises its error and the others are aborted."""
+        raises its error and the others are aborted. ``priority``: one per prompt, lower
+        first (with ``policy="priority"``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int | dict)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
@@ -85,15 +87,21 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        return self._loop.run(self._generate_all(prompts, params))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        return self._loop.run(self._generate_all(prompts, params, priorities))
 
     def close(self) -> None:
         self._finalizer()
 
     async def _generate_all(
-        self, prompts: list[Prompt], params: list[SamplingParams]
+        self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int]
     ) -> list[Completion]:
-        tasks = [asyncio.ensure_future(self._generate_one(p, sp)) for p, sp in zip(prompts, params)]
+        tasks = [
+            asyncio.ensure_future(self._generate_one(*request))
+            for request in zip(prompts, params, priorities)
+        ]
         try:
             return list(await asyncio.gather(*tasks))
         finally:  # after a failure, the others' streams close: their requests are aborted
@@ -101,10 +109,12 @@ class LLM:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _generate_one(self, prompt: Prompt, params: SamplingParams) -> Completion:
+    async def _generate_one(
+        self, prompt: Prompt, params: SamplingParams, priority: int
+    ) -> Completion:
         completion = Completion("", [], [], "", None)
         texts = []
-        async for out in self._client.generate(prompt, params):
+        async for out in self._client.generate(prompt, params, priority=priority):
             completion.request_id = out.request_id
             if out.prompt_token_ids is not None:
                 completion.prompt_token_ids = out.prompt_token_ids

@@ -210,10 +210,13 @@ class AsyncWeirClient:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[StreamOutput, None]:
-        """Stream one request's outputs; the request is sent on the first iteration."""
+        """Stream one request's outputs; the request is sent on the first iteration.
+        ``priority``: lower is served first by a server started with ``--policy priority``
+        (any other refuses a priority other than 0)."""
         await self._wait_until_left(request_id)
-        with self._open_stream(prompt, sampling_params, request_id) as inbox:
+        with self._open_stream(prompt, sampling_params, request_id, priority) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
                     yield out
@@ -224,12 +227,13 @@ class AsyncWeirClient:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
         write them together when it falls behind."""
         await self._wait_until_left(request_id)
-        with self._open_stream(prompt, sampling_params, request_id) as inbox:
+        with self._open_stream(prompt, sampling_params, request_id, priority) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
 
@@ -270,7 +274,11 @@ class AsyncWeirClient:
 
     @contextmanager
     def _open_stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None, request_id: str | None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -282,7 +290,9 @@ class AsyncWeirClient:
                 f"request_id {request_id!r} is already streaming", "duplicate_request_id"
             )
         # Sent before the stream exists: a request that cannot be sent leaves nothing to abort.
-        self._send(GenerateRequest(request_id, prompt, sampling_params or SamplingParams()))
+        self._send(
+            GenerateRequest(request_id, prompt, sampling_params or SamplingParams(), priority)
+        )
         inbox = _Inbox()
         self._streams[request_id] = inbox
         self._heard.add(request_id)
@@ -563,9 +573,12 @@ class WeirClient:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> Iterator[StreamOutput]:
         # In batches: one round trip to the loop thread per batch, not per output.
-        for batch in self.generate_batches(prompt, sampling_params, request_id=request_id):
+        for batch in self.generate_batches(
+            prompt, sampling_params, request_id=request_id, priority=priority
+        ):
             yield from batch
 
     def generate_batches(
@@ -574,9 +587,12 @@ class WeirClient:
         sampling_params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> Iterator[list[StreamOutput]]:
         self._check_open()
-        stream = self._client.generate_batches(prompt, sampling_params, request_id=request_id)
+        stream = self._client.generate_batches(
+            prompt, sampling_params, request_id=request_id, priority=priority
+        )
         try:
             while True:
                 try:

@@ -292,7 +292,7 @@ class ClientFrontend:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
         try:
             self.core.scheduler.add_request(
-                self._new_request(rid, prompt_ids, msg.sampling_params, now)
+                self._new_request(rid, prompt_ids, msg.sampling_params, now, msg.priority)
             )
         except ValueError as exc:  # e.g. prompt + max_tokens can never fit the KV cache
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
@@ -312,6 +312,12 @@ class ClientFrontend:
         """What needs the model but not the prompt's tokens; returns the prompt's size in
         characters (or token ids). ValueError names the problem."""
         params = msg.sampling_params
+        policy = self.core.scheduler.scheduler_config.policy if self.core else "fcfs"
+        if msg.priority and policy != "priority":
+            raise ValueError(
+                f"priority {msg.priority}: this server schedules {policy}, so requests have "
+                "no priority (start it with --policy priority), or send priority 0"
+            )
         bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(
@@ -345,7 +351,12 @@ class ClientFrontend:
                 )
 
     def _new_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival_time: float
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int,
     ) -> Request:
         eos = self.tokenizer.eos_token_id
         # Models with several end tokens (generation_config.json) stop on all of them.
@@ -354,7 +365,14 @@ class ClientFrontend:
         )
         if extra and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
-        return Request(request_id, prompt_ids, params, eos_token_id=eos, arrival_time=arrival_time)
+        return Request(
+            request_id,
+            prompt_ids,
+            params,
+            eos_token_id=eos,
+            arrival_time=arrival_time,
+            priority=priority,
+        )
 
     def _tokenize(self, prompt: client_protocol.Prompt) -> list[int]:
         """Token ids of a prompt; ValueError names what is wrong with it."""

@@ -94,10 +94,11 @@ class _Sample:
     number: int
     prompt: Prompt
     params: SamplingParams
+    priority: int
 
 
 def _samples(
-    prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams]
+    prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams], priority: int
 ) -> list[_Sample]:
     """``n`` samples of each prompt, choice ``p * n + i``; invalid parameters are a 400."""
     if len(prompts) * n > MAX_CHOICES:
@@ -108,7 +109,7 @@ def _samples(
         )
     try:
         return [
-            _Sample(p * n + i, p, i, prompt, params(i))
+            _Sample(p * n + i, p, i, prompt, params(i), priority)
             for p, prompt in enumerate(prompts)
             for i in range(n)
         ]
@@ -237,7 +238,10 @@ class Gateway:
                 try:
                     async with aclosing(
                         replica.client.generate_batches(
-                            sample.prompt, sample.params, request_id=request_id
+                            sample.prompt,
+                            sample.params,
+                            request_id=request_id,
+                            priority=sample.priority,
                         )
                     ) as stream:
                         async for outs in stream:
@@ -262,7 +266,10 @@ class Gateway:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from None
         samples = _samples(
-            prompts, body.n, lambda i: body.sampling_params(body.max_tokens, body.logprobs, i)
+            prompts,
+            body.n,
+            lambda i: body.sampling_params(body.max_tokens, body.logprobs, i),
+            body.priority,
         )
         response_id = f"cmpl-{uuid.uuid4().hex}"
         base = {
@@ -307,7 +314,10 @@ class Gateway:
         max_tokens = body.requested_max_tokens()
         logprobs = body.requested_logprobs()
         samples = _samples(
-            [body.chat()], body.n, lambda i: body.sampling_params(max_tokens, logprobs, i)
+            [body.chat()],
+            body.n,
+            lambda i: body.sampling_params(max_tokens, logprobs, i),
+            body.priority,
         )
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

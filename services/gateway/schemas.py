@@ -46,6 +46,8 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: lower first, on an engine started with --policy priority.
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 

@@ -6,7 +6,7 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 
 Client -> scheduler::
 
-    generate   {request_id, prompt, sampling_params}   prompt: str | list[int] | list[{role, content}]
+    generate   {request_id, prompt, sampling_params, priority?}   prompt: str | list[int] | list[{role, content}]
     abort      {request_id}
     health     {request_id, stream_ids?}   stream_ids: the client's quiet streams, to check
     model_info {request_id}
@@ -76,6 +76,8 @@ class GenerateRequest:
     request_id: str
     prompt: Prompt
     sampling_params: SamplingParams
+    # Lower first, under the server's --policy priority (vLLM's request priority).
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -171,14 +173,14 @@ def request_id_problem(request_id: Any) -> str | None:
 
 def encode_client_message(msg: ClientMessage) -> bytes:
     if isinstance(msg, GenerateRequest):
-        return _pack(
-            "generate",
-            {
-                "request_id": msg.request_id,
-                "prompt": msg.prompt,
-                "sampling_params": msg.sampling_params.to_dict(),
-            },
-        )
+        fields: dict[str, Any] = {
+            "request_id": msg.request_id,
+            "prompt": msg.prompt,
+            "sampling_params": msg.sampling_params.to_dict(),
+        }
+        if msg.priority:
+            fields["priority"] = msg.priority
+        return _pack("generate", fields)
     if isinstance(msg, HealthRequest) and msg.stream_ids:
         return _pack("health", {"request_id": msg.request_id, "stream_ids": msg.stream_ids})
     type_ = {AbortRequest: "abort", HealthRequest: "health", ModelInfoRequest: "model_info"}[
@@ -188,7 +190,7 @@ def encode_client_message(msg: ClientMessage) -> bytes:
 
 
 _CLIENT_FIELDS = {
-    "generate": {"request_id", "prompt", "sampling_params"},
+    "generate": {"request_id", "prompt", "sampling_params", "priority"},
     "abort": {"request_id"},
     "health": {"request_id", "stream_ids"},
     "model_info": {"request_id"},
@@ -236,7 +238,12 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         sampling_params = SamplingParams.from_dict(data.get("sampling_params", {}))
     except (ValueError, TypeError) as exc:
         raise ClientProtocolError(INVALID_REQUEST, str(exc), raw_id) from None
-    return GenerateRequest(raw_id, prompt, sampling_params)
+    priority = data.get("priority", 0)
+    if type(priority) is not int or not -(2**31) <= priority < 2**31:
+        raise ClientProtocolError(
+            INVALID_REQUEST, f"priority must be a 32-bit int, got {_short(priority)}", raw_id
+        )
+    return GenerateRequest(raw_id, prompt, sampling_params, priority)
 
 
 def _short(value: Any, limit: int = 100) -> str:

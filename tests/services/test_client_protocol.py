@@ -13,8 +13,8 @@ def frame(**fields) -> bytes:
 
 def test_round_trip_of_every_client_message():
     params = SamplingParams(max_tokens=7, temperature=0.5, stop=("x",), seed=3)
-    for prompt in ("hi", [1, 2, 3], [{"role": "user", "content": "hi"}]):
-        msg = client_protocol.GenerateRequest("r1", prompt, params)
+    for prompt, priority in (("hi", 0), ([1, 2, 3], -5), ([{"role": "user", "content": "hi"}], 7)):
+        msg = client_protocol.GenerateRequest("r1", prompt, params, priority)
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
@@ -131,6 +131,16 @@ def test_round_trip_of_server_messages():
             frame(type="generate", request_id="x", prompt="hi", sampling_params={"warp": 9}),
             client_protocol.INVALID_REQUEST,
             "warp",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="hi", priority=2**31),
+            client_protocol.INVALID_REQUEST,
+            "priority must be a 32-bit int",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="hi", priority=True),
+            client_protocol.INVALID_REQUEST,
+            "priority",
         ),
         # Unhashable types used to escape as TypeError and stop the scheduler.
         (frame(type=[1], request_id="x"), client_protocol.UNKNOWN_MESSAGE_TYPE, "[1]"),

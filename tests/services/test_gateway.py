@@ -243,6 +243,8 @@ def test_logprobs_in_both_apis(client):
     "kwargs, fragment",
     [
         ({"extra_body": {"best_of": 2}}, "best_of"),
+        ({"extra_body": {"priority": 1}}, "--policy priority"),  # this engine is FCFS
+        ({"extra_body": {"priority": 2**31}}, "priority"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),

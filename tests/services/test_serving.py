@@ -11,6 +11,7 @@ import random
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -396,6 +397,39 @@ def test_sdk_raises_typed_errors(server):
         with pytest.raises(InvalidRequestError, match="already"):
             list(client.generate([3, 4], request_id="dup"))
         assert sum(len(o.new_token_ids) for o in first) == 29
+
+
+def test_requests_wait_in_priority_order_under_the_priority_policy(server, tiny_model_dir):
+    """One request runs at a time: of two that queue behind it, the lower priority value
+    goes first, whatever the order they came in (vLLM's request priority). A server
+    scheduling FCFS refuses a priority rather than ignore it."""
+    with WeirClient(server.client_address) as client:
+        with pytest.raises(InvalidRequestError, match="--policy priority"):
+            list(client.generate([1, 2], SamplingParams(max_tokens=2), priority=1))
+    engine = EngineArgs(
+        model=str(tiny_model_dir), policy="priority", max_num_seqs=1, kv_cache_memory="1MiB"
+    )
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def order() -> list[str]:
+        first: list[str] = []
+
+        async def one(name: str, priority: int) -> None:
+            # The running one long enough for both others to queue behind it.
+            sampling = replace(params, max_tokens=40) if name == "running" else params
+            async for out in client.generate([5, 6, 7], sampling, priority=priority):
+                if out.new_token_ids and name not in first:
+                    first.append(name)
+
+        async with AsyncWeirClient(processes.client_address) as client:
+            running = asyncio.create_task(one("running", 0))
+            while not first:
+                await asyncio.sleep(0.001)
+            await asyncio.gather(running, one("later", 5), one("urgent", -5))
+        return first
+
+    with ServerProcesses(engine, port=0, metrics_port=0, executor_metrics_port=0) as processes:
+        assert asyncio.run(order()) == ["running", "urgent", "later"]
 
 
 def test_sdk_misuse_is_a_weir_error_and_a_dropped_client_ends_its_thread(server):
