@@ -129,6 +129,16 @@ class ServerProcesses:
         self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
         self.num_executors = resolve_num_executors(num_executors, self.engine_args)
+        _check_ports_apart(
+            {
+                "--port": [port],
+                "--metrics-port": [metrics_port],
+                "--executor-metrics-port": [
+                    executor_metrics_port + r for r in range(self.num_executors)
+                ],
+                "--http-port": [http_port or 0],
+            }
+        )
         self.cpu_plan = plan_cpus(available_cpus(), self.num_executors, self.engine_args.threads)
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.info: dict[str, Any] = {}
@@ -457,6 +467,20 @@ def resolve_num_executors(num_executors: int | None, engine_args: EngineArgs) ->
             "group has one executor per rank"
         )
     return num_executors
+
+
+def _check_ports_apart(ports: dict[str, list[int]]) -> None:
+    """ValueError naming two options that ask for one port (0, any free port, never does;
+    executor rank r takes --executor-metrics-port + r)."""
+    owner: dict[int, str] = {}
+    for option, numbers in ports.items():
+        for number in numbers:
+            if number and number in owner and owner[number] != option:
+                raise ValueError(
+                    f"ports overlap: {owner[number]} and {option} both take port {number} "
+                    "(executor rank r uses --executor-metrics-port + r)"
+                )
+            owner[number] = option
 
 
 def _affinity_flag(cores: tuple[int, ...] | None) -> list[str]:

@@ -135,3 +135,14 @@ def test_client_commands_refuse_bad_input_with_one_line(capsys):
     assert (
         err.startswith("weir health: WeirError: cannot connect to 'bogus'") and err.count("\n") == 1
     )
+
+
+def test_overlapping_ports_end_serve_before_any_process_starts(capsys):
+    with pytest.raises(SystemExit):
+        main(
+            ["serve", "--tensor-parallel-size", "3", "--executor-metrics-port", "9000"]
+            + ["--http-port", "9002"]
+        )
+    assert capsys.readouterr().err.startswith(
+        "weir serve: ports overlap: --executor-metrics-port and --http-port both take port 9002"
+    )
