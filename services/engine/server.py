@@ -157,6 +157,34 @@ class SchedulerServer:
                 "or join as an executor (make keys with `weir keys DIR`, pass --keys-dir)",
                 opts.host,
             )
+        # Made before anything is bound: the metrics endpoint's /health reads them at once.
+        self.frontend = ClientFrontend(
+            client_sock,
+            self.tokenizer,
+            self.vocab_size,
+            self.scheduler_config.max_model_len,
+            self.metrics,
+            self._wake.set,
+            self._requests_ended,
+            self._health,
+            self._model_info,
+            self.engine_args.max_prompt_chars,
+        )
+        self.group = ExecutorGroup(
+            executor_sock,
+            ExpectedExecutor(
+                opts.num_executors,
+                self.model_name,
+                self.vocab_size,
+                self.scheduler_config.max_model_len,
+                self.engine_args,
+            ),
+            self.engine_args.executor_timeout,
+            self._on_group_formed,
+            self._on_group_lost,
+            self._observe_phase,
+        )
+
         try:
             for sock, endpoint, option in (
                 (client_sock, f"tcp://{opts.host}:{opts.port or '*'}", "--port"),
@@ -195,33 +223,6 @@ class SchedulerServer:
             self.client_address,
             self.executor_address,
             self.metrics_address,
-        )
-
-        self.frontend = ClientFrontend(
-            client_sock,
-            self.tokenizer,
-            self.vocab_size,
-            self.scheduler_config.max_model_len,
-            self.metrics,
-            self._wake.set,
-            self._requests_ended,
-            self._health,
-            self._model_info,
-            self.engine_args.max_prompt_chars,
-        )
-        self.group = ExecutorGroup(
-            executor_sock,
-            ExpectedExecutor(
-                opts.num_executors,
-                self.model_name,
-                self.vocab_size,
-                self.scheduler_config.max_model_len,
-                self.engine_args,
-            ),
-            self.engine_args.executor_timeout,
-            self._on_group_formed,
-            self._on_group_lost,
-            self._observe_phase,
         )
 
         loop = asyncio.get_running_loop()

@@ -129,11 +129,16 @@ class Gateway:
         self.max_request_bytes = max_request_bytes
         self.metrics = GatewayMetrics(router)
         self._model: dict[str, Any] | None = None
+        self._model_lookup: asyncio.Future[dict[str, Any]] | None = None
 
     async def model(self) -> dict[str, Any]:
-        """The served model's info (asked of a replica once, then kept)."""
+        """The served model's info (asked of a replica once, then kept; requests that need
+        it meanwhile wait for the same question, and a failed one is asked again)."""
         if self._model is None:
-            self._model = await self.router.model_info()
+            lookup = self._model_lookup
+            if lookup is None or (lookup.done() and (lookup.cancelled() or lookup.exception())):
+                lookup = self._model_lookup = asyncio.ensure_future(self.router.model_info())
+            self._model = await asyncio.shield(lookup)  # a caller that leaves cancels only itself
         return self._model
 
     async def check_model(self, name: str | None) -> dict[str, Any]:

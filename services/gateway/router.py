@@ -204,13 +204,25 @@ class Router:
             await asyncio.sleep(self._health_interval)
 
     async def model_info(self) -> dict[str, object]:
-        """The served model's info, from the first replica that answers."""
+        """The served model's info, from whichever replica a request could go to answers
+        first (asked together: one that is down costs no timeout while another is up)."""
+        candidates = self.candidates()
+        if not candidates:
+            raise NoReplicaError("no engine replica is ready; try again shortly")
+        asked = {asyncio.ensure_future(r.client.model_info()): r for r in candidates}
         errors = []
-        for replica in self.replicas:
-            try:
-                return await replica.client.model_info()
-            except WeirError as exc:
-                errors.append(f"{replica.address}: {exc}")
+        try:
+            while asked:
+                done, _ = await asyncio.wait(asked, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    replica = asked.pop(task)
+                    try:
+                        return task.result()
+                    except WeirError as exc:
+                        errors.append(f"{replica.address}: {exc}")
+        finally:
+            for task in asked:
+                task.cancel()
         raise NoReplicaError("no replica answered: " + "; ".join(errors))
 
     async def close(self) -> None:

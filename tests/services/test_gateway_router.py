@@ -4,6 +4,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -108,6 +109,34 @@ def test_a_shared_prefix_stays_on_one_replica_and_hits_its_cache(gateway, replic
     assert delta == [0, 6]
     hits = sorted(h - h0 for h, h0 in zip([_hits(r) for r in replicas], hits_before))
     assert hits[0] == 0 and hits[1] >= 5 * 16  # five repeats, at least 4 blocks of 4 each
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_new_gateway_serves_at_once_while_a_listed_replica_is_down(replicas):
+    """The model's info (needed before the first request) is asked of the replicas that
+    answer health checks, together: a dead one listed first costs no timeout. With every
+    replica dead a request is a 503 at once, not after a timeout per replica."""
+    dead = _free_address()
+    with GatewayProcess([dead, replicas[1].client_address], timeout=30) as process:
+        base = process.info["http_address"]
+        deadline = time.monotonic() + 30
+        while _health(base)[replicas[1].client_address] is not True:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        start = time.monotonic()
+        [result] = asyncio.run(_complete_all(base, [[[60, 61]]]))
+        assert result.choices[0].finish_reason == "length"
+        assert time.monotonic() - start < 10
+    with GatewayProcess([dead, _free_address()], timeout=30) as process:
+        start = time.monotonic()
+        [result] = asyncio.run(_complete_all(process.info["http_address"], [[[60, 61]]]))
+        assert isinstance(result, openai.InternalServerError) and result.status_code == 503
+        assert time.monotonic() - start < 10
 
 
 def test_a_rolling_update_loses_no_request(gateway, replicas):

@@ -60,6 +60,12 @@ def test_started_ready_and_unknown_paths_of_roles_run_apart(tiny_model_dir, tmp_
     )
     executor = None
     try:
+        # Polled without pause from the start: its first answer is already the 503 of a
+        # scheduler without executors (the endpoint once answered 500 in its first moments).
+        deadline = time.monotonic() + 120
+        while (status := _status(f"{scheduler_metrics}/health")) is None:
+            assert scheduler.poll() is None and time.monotonic() < deadline
+        assert status == 503
         _wait_status(f"{scheduler_metrics}/metrics", 200, scheduler)
         assert _status(f"{scheduler_metrics}/health") == 503  # started, no executor yet
         assert _status(f"{scheduler_metrics}/nope") == 404
