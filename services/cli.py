@@ -423,7 +423,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "--timeout",
         type=float,
         default=30.0,
-        help="seconds before an unresponsive server is an error",
+        help="seconds before an unresponsive server is an error (default: 30)",
     )
 
 
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=30.0,
-        help="seconds a replica may stay silent before its requests fail",
+        help="seconds a replica may stay silent before its requests fail (default: 30)",
     )
     p.add_argument(
         "--max-request-size",
@@ -561,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("health", help="exit 0 when a server is ready (readiness probe)")
     p.add_argument("--address", default=os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS))
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)"
+    )
     _add_keys_dir_flag(p)
     p.set_defaults(func=_health)
 
