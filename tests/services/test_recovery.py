@@ -41,20 +41,19 @@ def test_an_executor_killed_mid_run_under_serve_loses_no_request(tiny_model_dir,
 
         async def run() -> tuple[list[list[int]], bool]:
             async with AsyncWeirClient(server.client_address, timeout=120) as client:
-                first_tokens = asyncio.Event()
                 produced: list[list[int]] = [[] for _ in prompts]
+                unfinished = 0
 
                 async def one(i: int) -> None:
+                    nonlocal unfinished
                     async for out in client.generate(prompts[i], params):
                         produced[i] += out.new_token_ids
-                        if sum(map(len, produced)) >= 60:
-                            first_tokens.set()
+                        # Killed right here, not after a wake-up that a busy loop may delay.
+                        if not unfinished and sum(map(len, produced)) >= 60:
+                            os.kill(executor_pid, signal.SIGKILL)
+                            unfinished = sum(len(p) < NUM_TOKENS for p in produced)
 
-                tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
-                await first_tokens.wait()
-                os.kill(executor_pid, signal.SIGKILL)
-                unfinished = sum(len(p) < NUM_TOKENS for p in produced)
-                await asyncio.gather(*tasks)
+                await asyncio.gather(*(one(i) for i in range(len(prompts))))
                 return produced, unfinished
 
         produced, unfinished = asyncio.run(run())
