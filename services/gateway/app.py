@@ -162,8 +162,9 @@ class Gateway:
         raised. Closing this iterator cancels the samples, which aborts their requests."""
         if len(samples) == 1:  # nothing to merge: read the stream here, no task in between
             only = samples[0]
-            async with self._sample_stream(f"{request_id}-{only.index}", only) as stream:
-                async for outs in stream:
+            async with self._sample_stream(f"{request_id}-{only.index}", only) as (first, rest):
+                yield [(only.index, first)]
+                async for outs in rest:
                     yield [(only.index, outs)]
             return
         queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]] = asyncio.Queue()
@@ -206,9 +207,10 @@ class Gateway:
         try:
             if sample.number:  # the first sample of a prompt fills the prefix cache
                 await first_token.wait()
-            async with self._sample_stream(request_id, sample) as stream:
-                async for outs in stream:
-                    first_token.set()
+            async with self._sample_stream(request_id, sample) as (first, rest):
+                first_token.set()
+                queue.put_nowait((sample.index, first))
+                async for outs in rest:
                     queue.put_nowait((sample.index, outs))
         except Exception as exc:
             first_token.set()
@@ -220,47 +222,40 @@ class Gateway:
     @asynccontextmanager
     async def _sample_stream(
         self, request_id: str, sample: _Sample
-    ) -> AsyncIterator[AsyncGenerator[list[StreamOutput], None]]:
-        """One sample's stream of output batches (closing it aborts the request)."""
-        stream = self._routed_batches(request_id, sample)
-        async with aclosing(stream):
-            yield stream
-
-    async def _routed_batches(
-        self, request_id: str, sample: _Sample
-    ) -> AsyncGenerator[list[StreamOutput], None]:
-        """The sample's output batches from the replica the router picks, reserved there
-        while they stream. A replica that fails it as unavailable leaves the rotation; if
-        no output came yet (the replica is gone, drains or lost its executor), another
-        replica gets the request, as no token has to be taken back."""
+    ) -> AsyncIterator[tuple[list[StreamOutput], AsyncGenerator[list[StreamOutput], None]]]:
+        """One sample's first batch of outputs and the stream of the rest, from the replica
+        the router picks, reserved there while it is open (closing it aborts the request).
+        A replica that fails the sample as unavailable leaves the rotation; if that happens
+        before its first output (the replica is gone, drains or lost its executor), another
+        replica gets the request: no token has to be taken back. The rest is the SDK's
+        own stream, so no generator sits between it and the response."""
         # Without max_tokens a request may run to max_model_len: count it so.
         budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
         tried: frozenset[str] = frozenset()
         while True:
             async with self.router.reserve(sample.prompt, budget, tried) as replica:
                 self.metrics.routed.labels(replica.address).inc()
-                started = False
+                stream = replica.client.generate_batches(
+                    sample.prompt, sample.params, request_id=request_id, priority=sample.priority
+                )
                 try:
-                    async with aclosing(
-                        replica.client.generate_batches(
-                            sample.prompt,
-                            sample.params,
-                            request_id=request_id,
-                            priority=sample.priority,
-                        )
-                    ) as stream:
-                        async for outs in stream:
-                            started = True
-                            yield outs
-                    return
-                except (ServerUnavailableError, EngineError) as exc:
-                    if not _unavailable(exc):
-                        raise
+                    async with aclosing(stream):
+                        try:
+                            first = await anext(stream)
+                        except (ServerUnavailableError, EngineError) as exc:
+                            if not _unavailable(exc):
+                                raise
+                            self.router.mark_down(replica, str(exc))
+                            tried |= {replica.address}
+                            if not self.router.candidates(tried):
+                                raise
+                            self.metrics.rerouted.inc()
+                            continue
+                        yield first, stream
+                        return
+                except ServerUnavailableError as exc:  # after the first output
                     self.router.mark_down(replica, str(exc))
-                    tried |= {replica.address}
-                    if started or not self.router.candidates(tried):
-                        raise
-                    self.metrics.rerouted.inc()
+                    raise
 
     # ------------------------------------------------------------------ endpoints
 
