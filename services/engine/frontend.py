@@ -535,7 +535,8 @@ class ClientFrontend:
         if not finished and stream.holdback:
             end = max(0, end - stream.holdback)
         text, stream.unsent = unsent[:end], unsent[end:]
-        stream.stop_after = max(0, stream.stop_after - end)
+        if stream.stop_after:
+            stream.stop_after = max(0, stream.stop_after - end)
         item = client_protocol.StreamOutput(
             stream.request_id,
             new_ids,
