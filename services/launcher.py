@@ -134,7 +134,7 @@ class ServerProcesses:
                 "--port": [port],
                 "--metrics-port": [metrics_port],
                 "--executor-metrics-port": [
-                    executor_metrics_port + r for r in range(self.num_executors)
+                    self._executor_metrics_port(r) for r in range(self.num_executors)
                 ],
                 "--http-port": [http_port or 0],
             }
@@ -194,9 +194,7 @@ class ServerProcesses:
                 ],
             )
             for rank in range(self.num_executors):
-                metrics_port = (
-                    self.executor_metrics_port + rank if self.executor_metrics_port else 0
-                )
+                metrics_port = self._executor_metrics_port(rank)
                 self._spawn(
                     f"executor {rank}",
                     [
@@ -227,6 +225,10 @@ class ServerProcesses:
         )
         self._supervisor.start()
         return self.info
+
+    def _executor_metrics_port(self, rank: int) -> int:
+        """Rank r serves its metrics on --executor-metrics-port + r (0: any free port)."""
+        return self.executor_metrics_port + rank if self.executor_metrics_port else 0
 
     def wait(self) -> tuple[str, int]:
         """Block until the scheduler or the gateway exits; return its name and exit code."""

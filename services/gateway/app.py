@@ -238,24 +238,24 @@ class Gateway:
                 stream = replica.client.generate_batches(
                     sample.prompt, sample.params, request_id=request_id, priority=sample.priority
                 )
-                try:
-                    async with aclosing(stream):
-                        try:
-                            first = await anext(stream)
-                        except (ServerUnavailableError, EngineError) as exc:
-                            if not _unavailable(exc):
-                                raise
-                            self.router.mark_down(replica, str(exc))
-                            tried |= {replica.address}
-                            if not self.router.candidates(tried):
-                                raise
-                            self.metrics.rerouted.inc()
-                            continue
+                async with aclosing(stream):
+                    try:
+                        first = await anext(stream)
+                    except (ServerUnavailableError, EngineError) as exc:
+                        if not _unavailable(exc):
+                            raise
+                        self.router.mark_down(replica, str(exc))
+                        tried |= {replica.address}
+                        if not self.router.candidates(tried):
+                            raise
+                        self.metrics.rerouted.inc()
+                        continue
+                    try:
                         yield first, stream
-                        return
-                except ServerUnavailableError as exc:  # after the first output
-                    self.router.mark_down(replica, str(exc))
-                    raise
+                    except ServerUnavailableError as exc:  # after the first output
+                        self.router.mark_down(replica, str(exc))
+                        raise
+                    return
 
     # ------------------------------------------------------------------ endpoints
 

@@ -6,6 +6,7 @@ from dataclasses import fields
 import pytest
 
 from weir.services.cli import build_parser, main
+from weir.services.launcher import ServerProcesses
 from weir.services.llm import LLM
 from weir.shared.config import (
     SCHEDULER,
@@ -145,4 +146,11 @@ def test_overlapping_ports_end_serve_before_any_process_starts(capsys):
         )
     assert capsys.readouterr().err.startswith(
         "weir serve: ports overlap: --executor-metrics-port and --http-port both take port 9002"
+    )
+
+
+def test_any_free_port_never_overlaps():
+    """0 asks for any free port, for every executor rank too (not 0 + r)."""
+    ServerProcesses(
+        EngineArgs(tensor_parallel_size=3), port=1, metrics_port=2, executor_metrics_port=0
     )
