@@ -5,7 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.weir-installed
 MODEL_READY := $(VENV)/.weir-model-ready
-# One thread per process: scheduler, executor and tests share 2 cores here.
+# One thread for the scheduler, the gateway and the tests (2 cores here); the executor sizes
+# its own threads from the cores it may use (`make serve ARGS="--threads 1"` to pin it).
 export OMP_NUM_THREADS ?= 1
 
 # The scheduling core and everything on the wire are type-checked strictly; mypy finds
@@ -20,9 +21,12 @@ setup: $(INSTALLED)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first, pinned to the CPU wheel on disk, so no later resolve pulls a CUDA build.
+# torch first, the CPU build (the wheel on disk where there is one, else PyTorch's CPU
+# index: PyPI's Linux wheel is the CUDA one), so no later resolve pulls a CUDA build.
+TORCH := torch==2.13.0+cpu
 $(INSTALLED): pyproject.toml | $(PY)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH) \
+		|| $(PY) -m pip install -q $(TORCH) --index-url https://download.pytorch.org/whl/cpu
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

@@ -29,7 +29,6 @@ from weir.services.cpu_cores import (
 from weir.services.supervised import StatusReporter
 from weir.shared.config import (
     DEFAULT_ADDRESS,
-    DEFAULT_CONTEXT_LEN,
     DEFAULT_EXECUTOR_METRICS_PORT,
     DEFAULT_EXECUTOR_PORT,
     DEFAULT_HTTP_PORT,
@@ -37,6 +36,7 @@ from weir.shared.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
     EXECUTOR,
+    LOG_LEVELS,
     SCHEDULER,
     EngineArgs,
     parse_size,
@@ -85,16 +85,16 @@ def _prepare_model(args: argparse.Namespace) -> int:
 def _scheduler(args: argparse.Namespace) -> int:
     os.environ.update(single_thread_env())  # before any import that may start a thread pool
     from weir.services.engine.server import SchedulerServer, SchedulerServerOptions
-    from weir.shared.model_store import load_model_config, resolve_model
+    from weir.shared.model_config import read_model_config
+    from weir.shared.model_store import resolve_model
 
     _setup_logging(args.log_level, "scheduler")
     status = StatusReporter(args.status_fd)
     try:
         engine_args = EngineArgs.from_cli(args)
         model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
-        context_len = load_model_config(model_dir).get("max_position_embeddings")
         max_model_len = resolve_max_model_len(
-            engine_args.max_model_len, int(context_len or DEFAULT_CONTEXT_LEN)
+            engine_args.max_model_len, read_model_config(model_dir).max_position_embeddings
         )
         executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
         num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)
@@ -465,7 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
     _add_api_key_flag(p)
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds every process gets to start (load, compile, capture) before "
+        "`weir serve` gives up (default 600)",
+    )
     EngineArgs.add_cli_args(p, "serve")
     p.set_defaults(func=_serve)
 
@@ -492,7 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest HTTP request body, e.g. 1MiB; larger ones get 413 (default 64MiB)",
     )
     _add_keys_dir_flag(p)
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument(
+        "--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level"
+    )
     _add_child_flags(p)
     p.set_defaults(func=_gateway)
 

@@ -47,6 +47,12 @@ def _endpoint_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> Cal
     return app
 
 
+def drop_created_series() -> None:
+    """Export no ``_created`` timestamp series: they double every counter and histogram,
+    and no dashboard reads them (prometheus_client's switch is process-wide)."""
+    disable_created_metrics()
+
+
 def start_metrics_server(
     registry: CollectorRegistry,
     host: str,
@@ -57,8 +63,7 @@ def start_metrics_server(
 
     Returns the /metrics URL (port 0 = any free port); OSError names the address it could
     not bind."""
-    # The `_created` timestamp series double every counter and no dashboard reads them.
-    disable_created_metrics()
+    drop_created_series()
 
     class Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET

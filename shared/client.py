@@ -11,9 +11,10 @@ request on the server, which frees its KV blocks. ``keys_dir`` (default
 (``weir keys``): the client then encrypts and proves it holds the client key.
 Errors are typed:
 ``InvalidRequestError`` carries the server's message, ``EngineError`` reports an
-executor failure, ``ServerUnavailableError`` replaces what would otherwise be a
-hang when the server does not answer within ``timeout`` seconds, and says so at
-once when the server refuses the client's keys (or their absence).
+executor failure, ``ServerUnavailableError`` says the server cannot take the request
+now: it replaces what would otherwise be a hang when the server does not answer within
+``timeout`` seconds, and comes at once when the server refuses the client's keys (or
+their absence) or refuses requests (no executor yet, or draining).
 """
 
 from __future__ import annotations
@@ -85,11 +86,18 @@ class EngineError(WeirError):
 
 
 class ServerUnavailableError(WeirError):
-    """No reply from the server within the client's timeout."""
+    """The server cannot take the request now; another replica, or a later try, may.
+
+    No reply within the client's timeout, the connection lost, the client's keys refused,
+    or the server's own refusal (no executor connected yet, or draining on SIGTERM)."""
+
+    code = SERVER_UNAVAILABLE
 
 
 def _error_from_reply(reply: ErrorReply) -> WeirError:
-    if reply.code in (ENGINE_ERROR, SERVER_UNAVAILABLE):
+    if reply.code == SERVER_UNAVAILABLE:
+        return ServerUnavailableError(reply.message)
+    if reply.code == ENGINE_ERROR:
         return EngineError(reply.message, reply.code)
     return InvalidRequestError(reply.message, reply.code)
 

@@ -23,11 +23,13 @@ LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("ngram",)
 # Weights kept quantized by the executor (CPU only; see services/executor/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
+# The executor's attention implementations (services/executor/attention.py builds them).
+ATTENTION_BACKENDS = ("triton", "native", "torch", "reference")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
-# transformers' default context length, for a config.json that names none
-DEFAULT_CONTEXT_LEN = 2048
 
 
 def resolve_max_model_len(requested: int | None, context_len: int) -> int:
@@ -309,7 +311,12 @@ class EngineArgs:
         type=int,
     )
     device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
-    dtype: str | None = _arg(None, EXECUTOR, "weight/activation dtype (default: per device)")
+    dtype: str | None = _arg(
+        None,
+        EXECUTOR,
+        "weight/activation dtype (default: per device, float32 on a CPU, bfloat16 on CUDA)",
+        choices=DTYPES,
+    )
     quantization: str | None = _arg(
         None,
         EXECUTOR,
@@ -323,7 +330,13 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, EXECUTOR, "fraction of GPU memory for weights + KV cache", type=float
     )
-    attention_backend: str | None = _arg(None, EXECUTOR, "attention implementation")
+    attention_backend: str | None = _arg(
+        None,
+        EXECUTOR,
+        "attention implementation (default: triton on CUDA; on a CPU native, the C kernels "
+        "compiled at start, else torch)",
+        choices=ATTENTION_BACKENDS,
+    )
     enforce_eager: bool = _arg(
         False,
         EXECUTOR,
@@ -339,7 +352,9 @@ class EngineArgs:
         type=int,
     )
     seed: int | None = _arg(None, EXECUTOR, "sampler seed of requests without one", type=int)
-    log_level: str = _arg("WARNING", _BOTH, "logging level of the processes")
+    log_level: str = _arg(
+        "WARNING", _BOTH, "logging level of the processes", type=str.upper, choices=LOG_LEVELS
+    )
     keys_dir: str | None = _arg(
         None,
         _BOTH,
@@ -365,6 +380,11 @@ class EngineArgs:
             )
         if self.device is not None and not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in (None, *choices):
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if str(self.log_level).upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.quantization is None:
             return
         if self.quantization not in QUANTIZATION_METHODS:

@@ -8,7 +8,6 @@ the same model twice.
 
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -47,10 +46,6 @@ def is_model_dir(path: Path, *, need_weights: bool = True) -> bool:
         and (path / "tokenizer.json").is_file()
         and (not need_weights or any(path.glob("*.safetensors")))
     )
-
-
-def load_model_config(model_dir: str | os.PathLike) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
 
 
 @contextmanager

@@ -130,8 +130,12 @@ class Tokenizer:
         chat_template = config.get("chat_template")
         if chat_template is None and (model_dir / "chat_template.jinja").is_file():
             chat_template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        try:
+            backend = BackendTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{model_dir / 'tokenizer.json'}: cannot be read: {exc}") from None
         return cls(
-            BackendTokenizer.from_file(str(model_dir / "tokenizer.json")),
+            backend,
             chat_template=chat_template,
             bos_token=_token_content(config.get("bos_token")),
             eos_token=_token_content(config.get("eos_token")),

@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from weir.kernels import cpu_native  # noqa: E402
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend  # noqa: E402
-from weir.services.executor.model import ModelConfig  # noqa: E402
-from weir.services.executor.weights import load_model, read_hf_config  # noqa: E402
+from weir.services.executor.weights import load_model  # noqa: E402
+from weir.shared.model_config import read_model_config  # noqa: E402
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -116,7 +116,7 @@ def test_mixed_paged_batch_matches_transformers(kind, backend, tmp_path):
     hf_model = save_tiny_model(kind, tmp_path)
     model = load_model(tmp_path, device="cpu", attention=get_attention_backend(backend, "cpu"))
     cfg = model.config
-    assert cfg == ModelConfig.from_hf(read_hf_config(tmp_path))
+    assert cfg == read_model_config(tmp_path)
     kv_caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
 
     g = torch.Generator().manual_seed(1)

@@ -13,11 +13,15 @@ from weir.shared.gguf_convert import UnsupportedGGUFError
 from weir.shared.model_store import (
     ModelNotFoundError,
     default_gguf_path,
-    load_model_config,
     resolve_model,
 )
 
 transformers = pytest.importorskip("transformers")
+
+
+def _config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
 
 EXPECTED_MESSAGE = "expected a Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file"
 
@@ -43,7 +47,7 @@ def test_default_model_dir_has_hf_files_and_smollm2_config(default_model_dir: Pa
     # Nothing half-written is left beside it.
     assert not list(default_model_dir.parent.glob(".SmolLM2-135M-Instruct.staging.*"))
 
-    config = load_model_config(default_model_dir)
+    config = _config(default_model_dir)
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert {
         k: config[k]
@@ -100,7 +104,7 @@ def test_gguf_path_resolves_to_a_converted_copy(default_model_dir: Path) -> None
     converted = resolve_model(path)
     assert converted != default_model_dir
     assert resolve_model(str(path)) == converted
-    assert load_model_config(converted) == load_model_config(default_model_dir)
+    assert _config(converted) == _config(default_model_dir)
     assert (converted / "tokenizer.json").read_bytes() == (
         default_model_dir / "tokenizer.json"
     ).read_bytes()

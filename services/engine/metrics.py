@@ -249,7 +249,8 @@ class SchedulerMetrics:
         self._step_phase = Histogram(
             "weir_scheduler_step_phase_seconds",
             "Scheduler time per step by phase: schedule, plan_encode, executor (send to result, "
-            "IPC included), update, outputs (detokenize, stop strings, push to clients)",
+            "IPC included), update, propose (n-gram drafts, with speculative decoding), outputs "
+            "(detokenize, stop strings, push to clients)",
             ["model_name", "phase"],
             registry=reg,
             buckets=_PHASE_BUCKETS,

@@ -53,7 +53,7 @@ from weir.shared.keys import (
     serve_curve,
     start_authenticator,
 )
-from weir.shared.model_store import load_model_config
+from weir.shared.model_config import read_model_config
 from weir.shared.protocol import client as client_protocol
 from weir.shared.tokenizer import Tokenizer
 
@@ -105,7 +105,7 @@ class SchedulerServer:
         model_dir = Path(options.model_dir)
         self.model_name = model_dir.name
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
-        self.vocab_size = int(load_model_config(model_dir)["vocab_size"])
+        self.vocab_size = read_model_config(model_dir).vocab_size
         self.engine_args = options.engine_args
         if self.engine_args.max_message_size < 1:
             raise ValueError("max_message_size must be at least 1 byte")

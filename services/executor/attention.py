@@ -153,6 +153,7 @@ def _module(name: str) -> Any:
     return importlib.import_module(f"weir.kernels.{name}")
 
 
+# Keyed by the names `--attention-backend` offers (weir.shared.config.ATTENTION_BACKENDS).
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "native": _native,
     "torch": TorchAttention,

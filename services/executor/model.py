@@ -9,7 +9,6 @@ sums the row-parallel partial products through `TensorParallel` (see `parallel.p
 """
 
 import math
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -18,9 +17,8 @@ from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
 from weir.services.executor.parallel import ShardLayout, TensorParallel
-from weir.shared.config import DEFAULT_CONTEXT_LEN
+from weir.shared.model_config import ModelConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
 
@@ -48,86 +46,6 @@ def layer_kernels_for(attention: AttentionBackend, device: torch.device) -> Laye
 
         return TritonLayerKernels()
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """The architecture facts the executor needs, parsed from an HF config.json."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_type: str  # "default", "linear" or "llama3"
-    rope_factor: float
-    rope_low_freq_factor: float
-    rope_high_freq_factor: float
-    rope_original_max_position: int
-    max_position_embeddings: int
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"unsupported hidden_act {hf['hidden_act']!r}; only silu is implemented"
-            )
-        if hf.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported")
-        num_heads = hf["num_attention_heads"]
-        # transformers < 5 writes rope_theta + rope_scaling; >= 5 writes rope_parameters.
-        rope = dict(hf.get("rope_scaling") or {})
-        rope.update(hf.get("rope_parameters") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope type {rope_type!r}")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial rotary embeddings are not supported")
-        max_pos = hf.get("max_position_embeddings") or DEFAULT_CONTEXT_LEN
-        attention_bias = bool(hf.get("attention_bias", False))
-        eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        return cls(
-            model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            rope_type=rope_type,
-            rope_factor=float(rope.get("factor", 1.0)),
-            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_position=int(rope.get("original_max_position_embeddings", max_pos)),
-            max_position_embeddings=max_pos,
-            # Qwen2 always has q/k/v biases and never an o_proj bias.
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
-        )
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -34,7 +34,6 @@ from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.input_batch import InputBatch, Reservation, StepInputs
-from weir.services.executor.model import ModelConfig
 from weir.services.executor.parallel import (
     ShardLayout,
     init_tensor_parallel,
@@ -43,9 +42,10 @@ from weir.services.executor.parallel import (
 from weir.services.executor.quantization import check_quantization
 from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
 from weir.services.executor.transfer import to_device
-from weir.services.executor.weights import default_dtype, load_model, read_hf_config
+from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
 from weir.shared.config import ENGINE_DEFAULTS, resolve_max_model_len
+from weir.shared.model_config import read_model_config
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
@@ -154,9 +154,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         # Before joining the group: a model that cannot be split fails every rank at once.
-        ShardLayout.of(
-            ModelConfig.from_hf(read_hf_config(self.model_dir)), rank, tensor_parallel_size
-        )
+        ShardLayout.of(read_model_config(self.model_dir), rank, tensor_parallel_size)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None and tensor_parallel_size > 1:
             self.device = local_cuda_device(rank)

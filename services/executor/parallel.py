@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from weir.services.executor.model import ModelConfig
+    from weir.shared.model_config import ModelConfig
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = "29500"  # torchrun's default

@@ -15,10 +15,11 @@ import torch
 from safetensors import safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
-from weir.services.executor.model import CausalLM, ModelConfig, layer_kernels_for
+from weir.services.executor.model import CausalLM, layer_kernels_for
 from weir.services.executor.packed_weights import can_pack, pack_model
 from weir.services.executor.parallel import ShardLayout, TensorParallel
 from weir.services.executor.quantization import quantize_model
+from weir.shared.model_config import ModelConfig, read_model_config
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")
@@ -43,23 +44,42 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def read_hf_config(model_dir: str | Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
 class TensorSource(Protocol):
-    """A checkpoint tensor that reads only the part an index asks for (a torch.Tensor is one)."""
+    """A checkpoint tensor that reads only the part an index asks for (a safetensors slice)."""
+
+    def get_shape(self) -> list[int]: ...
 
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The files that hold the weights, chosen as transformers and vLLM choose them: those
+    the index of a sharded checkpoint names, else model.safetensors, else every
+    *.safetensors (so an adapter or an old copy beside them is not read as weights)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({exc!r})") from None
+        files = sorted(model_dir / str(name) for name in names)
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names files that are not there: {missing[:3]}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, TensorSource]]:
     """Every tensor of the checkpoint, lazily: a tensor-parallel rank reads its shard only.
     Each item is valid until the next one is asked for."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    for path in files:
+    for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
@@ -101,6 +121,33 @@ def _layer_part(
     }[part]
 
 
+def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """The whole (unsharded) shape the config gives a checkpoint tensor: a config that
+    disagrees with its weights must fail, not load a slice of each."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return cfg.vocab_size, h
+    if name == "model.norm.weight":
+        return (h,)
+    m = _LAYER_RE.fullmatch(name)
+    assert m is not None  # _target refused any other name
+    rows, columns = {
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "self_attn.q_norm": (d, 0),
+        "self_attn.k_norm": (d, 0),
+        "mlp.gate_proj": (inter, h),
+        "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+        "input_layernorm": (h, 0),
+        "post_attention_layernorm": (h, 0),
+    }[m.group(2)]
+    return (rows,) if m.group(3) == "bias" or not columns else (rows, columns)
+
+
 def _target(model: CausalLM, name: str) -> tuple[str, slice, tuple[slice, ...]] | None:
     """Weir parameter name, its row range, and the index of this rank's share of the
     checkpoint tensor, for an HF tensor name; None for tensors to skip."""
@@ -121,6 +168,11 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice, tuple[slice, ...]] 
     m = _LAYER_RE.fullmatch(name)
     if m is None or m.group(2) not in _LAYER_PARTS:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+    if int(m.group(1)) >= cfg.num_layers:
+        raise ValueError(
+            f"checkpoint tensor {name!r} is past config.json's num_hidden_layers "
+            f"{cfg.num_layers}: the config does not describe these weights"
+        )
     module, part = _LAYER_PARTS[m.group(2)]
     target = _layer_part(cfg, layout, part, m.group(3))
     if target is None:
@@ -144,6 +196,12 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, TensorSource]]) -
         if target is None:
             continue
         param_name, rows, index = target
+        expected = _checkpoint_shape(model.config, name)
+        if tuple(source.get_shape()) != expected:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(source.get_shape())} != {expected} from "
+                "config.json: the config does not describe these weights"
+            )
         tensor = source[index]
         dest = params[param_name][rows]
         if dest.shape != tensor.shape:
@@ -183,7 +241,7 @@ def load_model(
     """Build the model from `model_dir/config.json` and load its safetensors weights
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
     rank's shard; with ``quantization``, its weights then quantized (see `quantization`)."""
-    cfg = ModelConfig.from_hf(read_hf_config(model_dir))
+    cfg = read_model_config(model_dir)
     dtype = dtype or default_dtype(device)
     if attention is None:
         attention = get_attention_backend(None, device, dtype)

@@ -420,3 +420,7 @@ def run_executor(
         return ExecutorWorker(options, status, parent_pid).run()
     except KeyboardInterrupt:
         return 0
+    finally:
+        # Exiting anyway: a SIGTERM from here on (a supervisor abandoning a failed start)
+        # would raise SystemExit inside the interpreter's exit handlers, which print it.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

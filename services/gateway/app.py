@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,7 +30,7 @@ from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import NoReplicaError, Router
 from weir.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
+from weir.shared.client import InvalidRequestError, ServerUnavailableError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 from weir.shared.protocol.client import SERVER_UNAVAILABLE, Prompt, StreamOutput
 from weir.shared.sampling import SamplingParams
@@ -61,9 +61,7 @@ class APIError(Exception):
 
 def _unavailable(exc: Exception) -> bool:
     """Whether the replica could not take or serve the request (not the request's fault)."""
-    return isinstance(exc, NoReplicaError | ServerUnavailableError) or (
-        isinstance(exc, EngineError) and exc.code == SERVER_UNAVAILABLE
-    )
+    return isinstance(exc, NoReplicaError | ServerUnavailableError)
 
 
 def _api_error(exc: Exception) -> APIError:
@@ -241,9 +239,7 @@ class Gateway:
                 async with aclosing(stream):
                     try:
                         first = await anext(stream)
-                    except (ServerUnavailableError, EngineError) as exc:
-                        if not _unavailable(exc):
-                            raise
+                    except ServerUnavailableError as exc:
                         self.router.mark_down(replica, str(exc))
                         tried |= {replica.address}
                         if not self.router.candidates(tried):
@@ -659,8 +655,10 @@ def create_app(
         return JSONResponse({"version": VERSION})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        # Text or OpenMetrics, as the scraper asks (as every Weir metrics endpoint does).
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(gateway.metrics.registry), media_type=content_type)
 
     app.add_middleware(_BodyLimit, max_bytes=gateway.max_request_bytes)
     app.add_middleware(_Metered, metrics=gateway.metrics)

@@ -7,12 +7,14 @@ from functools import partial
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from weir.services.gateway.router import Replica, Router
+from weir.services.metrics_endpoint import drop_created_series
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class GatewayMetrics:
     def __init__(self, router: Router) -> None:
+        drop_created_series()
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         self.requests = Counter(

@@ -12,8 +12,9 @@ import torch
 
 from weir.kernels.triton_layers import TritonLayerKernels
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
-from weir.services.executor.model import CausalLM, ModelConfig, RMSNorm, apply_rope, silu_and_mul
+from weir.services.executor.model import CausalLM, RMSNorm, apply_rope, silu_and_mul
 from weir.services.executor.weights import init_dummy_weights
+from weir.shared.model_config import ModelConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 is not a NumPy type: the interpreter runs it, but only a GPU says what the kernels do.

@@ -546,6 +546,16 @@ def test_gateway_metrics_count_routes_and_statuses(server, client):
     assert samples['weir_gateway_requests_total{route="/v1/models",status="200"}'] >= 1
     assert samples['weir_gateway_requests_total{route="/v1/completions",status="404"}'] >= 1
     assert samples[f'weir_gateway_replica_up{{replica="{server.client_address}"}}'] == 1
+    assert not [k for k in samples if "_created" in k], "timestamps as series, unlike the others"
+
+
+def test_gateway_metrics_speak_openmetrics_when_asked(server):
+    """Prometheus asks for OpenMetrics first; the gateway answers it as the scheduler does."""
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    for url in (server.info["http_address"] + "/metrics", server.info["metrics_address"]):
+        reply = httpx.get(url, headers={"Accept": accept})
+        assert reply.headers["content-type"].startswith("application/openmetrics-text"), url
+        assert reply.text.endswith("# EOF\n"), url
 
 
 # ------------------------------------------------------------------ standalone gateways

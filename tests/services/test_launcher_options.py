@@ -119,6 +119,32 @@ def test_impossible_options_end_serve_with_one_line_naming_the_flag(flags, messa
     assert err.startswith(f"weir serve: {message}") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    "command, flags, choice",
+    [
+        ("serve", ["--attention-backend", "flash"], "'flash'"),
+        ("serve", ["--dtype", "fp8"], "'fp8'"),
+        ("serve", ["--log-level", "loud"], "'LOUD'"),
+        ("gateway", ["--log-level", "loud"], "'LOUD'"),
+    ],
+)
+def test_a_named_choice_outside_the_list_is_refused_by_the_parser(command, flags, choice, capsys):
+    """Not a traceback from a child process (or, for the log level, from each of them)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert f"{flags[0]}: invalid choice: {choice}" in err, err
+
+
+@pytest.mark.parametrize(
+    "option", [{"attention_backend": "flash"}, {"dtype": "fp8"}, {"log_level": "loud"}]
+)
+def test_llm_refuses_a_named_choice_outside_the_list(option):
+    with pytest.raises(ValueError, match=f"{next(iter(option))} must be one of"):
+        EngineArgs(**option)
+
+
 def test_max_model_len_past_the_models_context_is_refused():
     assert resolve_max_model_len(None, 8192) == 8192
     assert resolve_max_model_len(4096, 8192) == 4096

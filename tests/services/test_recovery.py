@@ -13,7 +13,7 @@ from serving_helpers import hf_greedy
 from test_serving_processes import children_of, read_until, start_serve
 
 from weir.services.launcher import ServerProcesses
-from weir.shared.client import AsyncWeirClient, EngineError, WeirClient
+from weir.shared.client import AsyncWeirClient, EngineError, ServerUnavailableError, WeirClient
 from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
 
@@ -85,7 +85,9 @@ def test_requests_of_a_lost_executor_fail_clearly_when_none_comes_back(tiny_mode
                 with pytest.raises(EngineError, match="no executor group formed again within 2s"):
                     for _ in stream:
                         pass
-                with pytest.raises(EngineError, match="no executor is connected") as refused:
+                with pytest.raises(
+                    ServerUnavailableError, match="no executor is connected"
+                ) as refused:
                     list(client.generate([1, 2], SamplingParams(max_tokens=2)))
                 assert refused.value.code == "server_unavailable"
             finally:
@@ -106,7 +108,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tiny_model_dir, 
             outputs = [next(stream)]
             proc.send_signal(signal.SIGTERM)
             assert _wait_status(client, "draining", 30)["status"] == "draining"
-            with pytest.raises(EngineError, match="shutting down") as refused:
+            with pytest.raises(ServerUnavailableError, match="shutting down") as refused:
                 list(client.generate([1, 2], SamplingParams(max_tokens=2)))
             assert refused.value.code == "server_unavailable"
             if executor_dies:

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,6 +140,29 @@ def test_serve_exits_nonzero_with_the_childs_error(tmp_path):
     )
     assert out.returncode == 1
     assert "no-such-model" in out.stderr and "weir serve:" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ("config.json", "config.json has no 'num_attention_heads'"),
+        ("tokenizer.json", "tokenizer.json: cannot be read"),
+    ],
+)
+def test_a_malformed_model_directory_is_one_line_naming_the_file(
+    tiny_model_dir, tmp_path, broken, message
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    if broken == "config.json":
+        config = json.loads((model / broken).read_text())
+        del config["num_attention_heads"]
+        (model / broken).write_text(json.dumps(config))
+    else:
+        (model / broken).write_text("{")
+    out = subprocess.run(serve_argv(model), capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode == 1
+    assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,165 @@
+"""The architecture facts Weir needs from a Hugging Face ``config.json``.
+
+The scheduler reads the vocabulary and the context length, the executor every shape.
+Both read it here, so a malformed file is one clear error at start-up in whichever
+process reads it first, not a KeyError deep in a model build. A key left out takes
+transformers' default for the model type; a feature Weir does not implement is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# transformers' defaults, per model type, for keys a config.json may leave out.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A model's architecture, parsed and checked from its HF config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str  # "default", "linear" or "llama3"
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_max_position: int
+    max_position_embeddings: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """ValueError names the key that is missing, mistyped or not supported."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"config.json must hold a JSON object, not a {type(hf).__name__}")
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json: unsupported model_type {model_type!r}; "
+                f"supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        # A null counts as left out, as transformers reads it.
+        hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"config.json: unsupported hidden_act {hf['hidden_act']!r}; only silu is "
+                "implemented"
+            )
+        if hf.get("use_sliding_window"):
+            raise ValueError("config.json: sliding-window attention is not supported")
+        # transformers < 5 writes rope_theta + rope_scaling; >= 5 rope_parameters. Where a
+        # file has both, transformers lets the legacy rope_scaling win.
+        rope = {**_mapping(hf, "rope_parameters"), **_mapping(hf, "rope_scaling")}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"config.json: unsupported rope type {rope_type!r}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("config.json: partial rotary embeddings are not supported")
+        hidden, num_heads = _count(hf, "hidden_size"), _count(hf, "num_attention_heads")
+        num_kv_heads = _count(hf, "num_key_value_heads", num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads {num_heads} is not a multiple of "
+                f"num_key_value_heads {num_kv_heads}"
+            )
+        max_pos = _count(hf, "max_position_embeddings")
+        attention_bias = _flag(hf, "attention_bias")
+        eos = hf.get("eos_token_id")
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_ids):
+            raise ValueError(f"config.json: eos_token_id must be token ids, got {eos!r}")
+        return cls(
+            model_type=model_type,
+            vocab_size=_count(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_count(hf, "intermediate_size"),
+            num_layers=_count(hf, "num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=_count(hf, "head_dim", hidden // num_heads),
+            rms_norm_eps=_positive(hf, "rms_norm_eps", 1e-6),
+            rope_theta=_positive(rope, "rope_theta", _positive(hf, "rope_theta", 10000.0)),
+            rope_type=rope_type,
+            rope_factor=_positive(rope, "factor", 1.0),
+            rope_low_freq_factor=_positive(rope, "low_freq_factor", 1.0),
+            rope_high_freq_factor=_positive(rope, "high_freq_factor", 4.0),
+            rope_original_max_position=_count(rope, "original_max_position_embeddings", max_pos),
+            max_position_embeddings=max_pos,
+            # Qwen2 always has q/k/v biases and never an o_proj bias.
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type != "qwen2",
+            # Only Llama's config has mlp_bias (transformers ignores the key elsewhere).
+            mlp_bias=model_type == "llama" and _flag(hf, "mlp_bias"),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
+    """``model_dir/config.json``, checked; ValueError names the file and the problem."""
+    path = Path(model_dir) / "config.json"
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    try:
+        return ModelConfig.from_hf(hf)
+    except ValueError as exc:
+        raise ValueError(f"{model_dir}: {exc}") from None
+
+
+def _mapping(hf: dict[str, Any], key: str) -> dict[str, Any]:
+    value = hf.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"config.json: {key} must be an object, got {value!r}")
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def _count(hf: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = hf.get(key, default)
+    if value is None:
+        raise ValueError(f"config.json has no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive(hf: dict[str, Any], key: str, default: float) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"config.json: {key} must be finite, got {value!r}")
+    return float(value)
+
+
+def _flag(hf: dict[str, Any], key: str) -> bool:
+    value = hf.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json: {key} must be true or false, got {value!r}")
+    return value

@@ -1,0 +1,127 @@
+"""A model directory's config.json and weights are read as transformers reads them, and
+one that does not describe its weights (or is malformed) is one clear error, never a
+model built from a slice of each tensor."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from weir.services.executor.weights import load_model
+from weir.shared.model_config import ModelConfig, read_model_config
+
+transformers = pytest.importorskip("transformers")
+
+REQUIRED = dict(
+    vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
+)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type):
+    ours = ModelConfig.from_hf({"model_type": model_type, **REQUIRED})
+    theirs = transformers.AutoConfig.for_model(model_type, **REQUIRED)
+    assert ours.head_dim == getattr(theirs, "head_dim", None) or 64 // 4
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.rms_norm_eps == theirs.rms_norm_eps
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+    assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+
+
+def test_a_key_that_only_llama_has_is_ignored_elsewhere():
+    """transformers' Qwen2 has no MLP biases, whatever the file says."""
+    hf = {"model_type": "qwen2", **REQUIRED, "mlp_bias": True}
+    assert not ModelConfig.from_hf(hf).mlp_bias
+
+
+def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    hf = {
+        "model_type": "llama",
+        **REQUIRED,
+        "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0},
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    }
+    assert ModelConfig.from_hf(hf).rope_factor == 2.0
+    assert transformers.LlamaConfig(**hf).rope_parameters["factor"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "hf, message",
+    [
+        ([1, 2], "must hold a JSON object, not a list"),
+        ({}, "unsupported model_type None"),
+        ({"model_type": "llama"}, "config.json has no 'hidden_size'"),
+        ({**REQUIRED, "vocab_size": "100"}, "vocab_size must be a positive integer, got '100'"),
+        ({**REQUIRED, "num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+        ({**REQUIRED, "num_key_value_heads": 3}, "4 is not a multiple of num_key_value_heads 3"),
+        ({**REQUIRED, "rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
+        ({**REQUIRED, "rope_scaling": "linear"}, "rope_scaling must be an object"),
+        ({**REQUIRED, "rope_scaling": {"rope_type": "yarn"}}, "unsupported rope type 'yarn'"),
+        ({**REQUIRED, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+        ({**REQUIRED, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ],
+)
+def test_a_malformed_config_is_a_value_error_naming_the_key(hf, message):
+    if isinstance(hf, dict) and hf and "model_type" not in hf:
+        hf = {"model_type": "llama", **hf}
+    with pytest.raises(ValueError) as error:
+        ModelConfig.from_hf(hf)
+    assert message in str(error.value)
+
+
+def test_read_model_config_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}: not valid JSON"):
+        read_model_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=f"{tmp_path}: config.json has no 'hidden_size'"):
+        read_model_config(tmp_path)
+
+
+def _save_llama(path, **save_kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**REQUIRED, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path, **save_kwargs)
+    return model
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"intermediate_size": 80},
+        {"num_key_value_heads": 1},
+        {"num_attention_heads": 2, "head_dim": 16},
+        {"vocab_size": 90},
+        {"num_hidden_layers": 1},
+    ],
+)
+def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, change):
+    """transformers refuses these too; reading the first rows of each tensor would serve a
+    different model without a word."""
+    _save_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match="the config does not describe these weights"):
+        load_model(tmp_path)
+
+
+def test_a_sharded_checkpoint_is_read_through_its_index(tmp_path):
+    """Files beside the shards (an adapter, a stale single-file copy) are not weights."""
+    reference = _save_llama(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    save_file({"base_model.lora_A.weight": torch.ones(2)}, tmp_path / "adapter_model.safetensors")
+    save_file({"model.norm.weight": torch.zeros(64)}, tmp_path / "model.safetensors")
+    model = load_model(tmp_path)
+    assert torch.equal(model.embed_tokens, reference.model.embed_tokens.weight)
+    assert torch.equal(model.norm.weight, reference.model.norm.weight)
+
+
+def test_a_single_file_checkpoint_ignores_other_safetensors_files(tmp_path):
+    reference = _save_llama(tmp_path)
+    shutil.copy(tmp_path / "model.safetensors", tmp_path / "copy.bak")  # not *.safetensors
+    save_file({"base_model.lora_A.weight": torch.ones(2)}, tmp_path / "adapter_model.safetensors")
+    model = load_model(tmp_path)
+    assert torch.equal(model.embed_tokens, reference.model.embed_tokens.weight)
