@@ -197,6 +197,11 @@ class CpuKernels:
         int32 metadata; rows of no request are left unset. Metadata that points outside the
         batch, the block table or the cache raises IndexError before anything is read."""
         num_tokens, num_heads, head_dim = query.shape
+        if num_heads % kv_cache.shape[3] or head_dim != kv_cache.shape[4]:
+            raise ValueError(
+                f"query heads {num_heads} x {head_dim} do not group over the cache's "
+                f"{kv_cache.shape[3]} x {kv_cache.shape[4]} KV heads"
+            )
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
         status = self._lib.weir_paged_attention(
             _ptr(query),

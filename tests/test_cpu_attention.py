@@ -204,6 +204,10 @@ def test_native_kernels_refuse_metadata_outside_the_cache():
     with pytest.raises(IndexError):
         native.paged_attention(step["query"], cache, past_batch, *args[1:])
 
+    ungrouped = step["query"][:, :3]  # 3 query heads over 2 KV heads: no grouping
+    with pytest.raises(ValueError, match="do not group"):
+        native.paged_attention(ungrouped.contiguous(), cache, *args)
+
     slots = step["slot_mapping"].clone()
     slots[0] = cache.shape[1] * cache.shape[2]
     with pytest.raises(IndexError):
