@@ -142,6 +142,10 @@ class CacheConfig:
 
 # ------------------------------------------------------------------ ports
 
+# The most KV blocks an executor offers (more memory is left unused): the scheduler keeps
+# ~200 bytes per block, so this caps its pool near 1 GB (67M tokens at block size 16).
+MAX_NUM_KV_BLOCKS = 1 << 22
+
 DEFAULT_PORT = 8100  # clients
 DEFAULT_METRICS_PORT = 8101  # the scheduler's /metrics
 DEFAULT_EXECUTOR_PORT = 8102  # executors connect here when run apart
@@ -280,8 +284,9 @@ class EngineArgs:
     max_prompt_chars: int | None = _arg(
         None,
         SCHEDULER,
-        "longest prompt text in characters, refused before tokenizing (default: max_model_len "
-        "x the longest token, which no longer text can fit)",
+        "longest prompt text in characters, refused before tokenizing, and the most characters "
+        "of a request's stop strings in all (default: max_model_len x the longest token, "
+        "which no longer text can fit)",
         type=int,
     )
     executor_timeout: float = _arg(

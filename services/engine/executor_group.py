@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from weir.services.engine.core import ExecutorLostError, StepFailedError
-from weir.shared.config import EngineArgs
+from weir.shared.config import MAX_NUM_KV_BLOCKS, EngineArgs
 from weir.shared.protocol import control
 from weir.shared.protocol.envelope import ProtocolError
 from weir.shared.protocol.step import StepPlan, StepResult
@@ -76,6 +76,9 @@ class ExecutorGroup:
         self._observe_phase = observe_phase
         self.ranks: dict[int, _Rank] = {}  # handshaken ranks, by rank
         self.formed = False
+        # The watchdog's last tick, and when this loop last came out of a stall: while it
+        # stalls, heartbeats wait unread in the socket, so a rank's silence proves nothing.
+        self._last_tick = self._free_since = time.monotonic()
         # Steps sent and not answered: step id -> (result future, when it was sent).
         self._in_flight: dict[int, tuple[asyncio.Future[StepResult], float]] = {}
 
@@ -148,13 +151,13 @@ class ExecutorGroup:
                 elif kind == control.STEP_ERROR:
                     self._on_step_error(identity, control.unpack(control.StepFailure, payload))
                 else:
-                    _log.warning("ignoring executor frame of kind %r", kind)
+                    _log.warning("ignoring executor frame of kind %r", kind[:32])
             except ProtocolError as exc:
-                _log.warning("bad executor frame %r: %s", kind, exc)
+                _log.warning("bad executor frame %r: %.200s", kind[:32], exc)
             except Exception:
                 # Whoever reaches this socket (no keys: any local process) must not end the
                 # scheduler, and with it every client's requests, with one frame.
-                _log.exception("executor frame %r could not be handled; ignored", kind)
+                _log.exception("executor frame %r could not be handled; ignored", kind[:32])
             # A receive that finds a frame waiting returns without yielding: a peer sending
             # without pause would otherwise hold the loop, and every step, for itself.
             await asyncio.sleep(0)
@@ -186,8 +189,9 @@ class ExecutorGroup:
             return
         problem = self._check_hello(hello)
         if problem is None and current is not None:
-            silence = time.monotonic() - current.last_seen
-            if silence > _SILENT_RANK_S:
+            now = time.monotonic()
+            silence = now - current.last_seen
+            if silence > _SILENT_RANK_S and self._heard_everything(now):
                 # Its restart is here before the watchdog noticed it die.
                 self.lose(
                     f"executor rank {hello.rank} (pid {current.hello.pid}) is replaced by pid "
@@ -213,13 +217,23 @@ class ExecutorGroup:
             _log.info("executor group ready: %d rank(s), %d KV blocks", len(self.ranks), num_blocks)
             self._on_formed(num_blocks)
 
+    def _heard_everything(self, now: float) -> bool:
+        """Whether this loop has run freely for the last ``_SILENT_RANK_S``: only then has
+        it read every heartbeat sent meanwhile (a hello read right after a stall must not
+        take the place of a rank whose heartbeats still wait behind it)."""
+        stalled = now - self._last_tick > 2 * _WATCHDOG_INTERVAL_S
+        return not stalled and now - self._free_since > _SILENT_RANK_S
+
     def _check_hello(self, hello: control.ExecutorHello) -> str | None:
         want = self._expected
         args = want.engine_args
         if not 0 <= hello.rank < want.num_executors:
             return f"rank {hello.rank} is outside [0, {want.num_executors})"
-        if hello.num_blocks < 1:
-            return f"executor has {hello.num_blocks} KV blocks; it needs at least 1"
+        if not 1 <= hello.num_blocks <= MAX_NUM_KV_BLOCKS:
+            return (
+                f"executor has {hello.num_blocks} KV blocks; it needs at least 1 and may "
+                f"offer at most {MAX_NUM_KV_BLOCKS}"
+            )
         if hello.tensor_parallel_size != args.tensor_parallel_size:
             return (
                 f"executor tensor_parallel_size {hello.tensor_parallel_size} != scheduler "
@@ -231,8 +245,8 @@ class ExecutorGroup:
             )
         if hello.model_name != want.model_name or hello.vocab_size != want.vocab_size:
             return (
-                f"executor serves {hello.model_name} (vocab {hello.vocab_size}), scheduler "
-                f"serves {want.model_name} (vocab {want.vocab_size})"
+                f"executor serves {hello.model_name[:200]} (vocab {hello.vocab_size}), "
+                f"scheduler serves {want.model_name} (vocab {want.vocab_size})"
             )
         for name, theirs, ours in (
             ("max_num_batched_tokens", hello.max_num_batched_tokens, args.max_num_batched_tokens),
@@ -278,16 +292,18 @@ class ExecutorGroup:
     async def watchdog(self) -> None:
         """Lose the group when a rank's heartbeats stop."""
         timeout = self._timeout
-        last_tick = time.monotonic()
+        self._last_tick = time.monotonic()
         while True:
             await asyncio.sleep(_WATCHDOG_INTERVAL_S)
             now = time.monotonic()
-            if now - last_tick > timeout / 2:
+            if now - self._last_tick > 2 * _WATCHDOG_INTERVAL_S:
+                self._free_since = now
+            if now - self._last_tick > timeout / 2:
                 # This loop itself was stalled: heartbeats may be waiting unread in
                 # the socket, so silence proves nothing this time.
                 for rank in self.ranks.values():
                     rank.last_seen = now
-            last_tick = now
+            self._last_tick = now
             for rank in list(self.ranks.values()):
                 if now - rank.last_seen > timeout:
                     message = (

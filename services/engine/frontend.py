@@ -47,6 +47,9 @@ _log = logging.getLogger(__name__)
 # Prompts up to this many characters are tokenized on the loop (well under a millisecond);
 # longer ones on a worker thread.
 _INLINE_TOKENIZE_CHARS = 4096
+# What the chat template adds around each message (role markers, separators), counted in a
+# chat's size: a million empty messages are not a short prompt (rendering them took 45 s).
+_CHAT_MESSAGE_CHARS = 16
 _TOKENIZER_THREADS = 2
 
 
@@ -323,11 +326,23 @@ class ClientFrontend:
             raise ValueError(
                 f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
+        stop_chars = sum(map(len, params.stop))
+        if stop_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"stop strings of {stop_chars} characters in all: more than this server's "
+                f"limit of {self.max_prompt_chars} (no output of max_model_len="
+                f"{self.max_model_len} tokens is that long)"
+            )
         prompt = msg.prompt
         if isinstance(prompt, str):
             num_chars = len(prompt)
         elif isinstance(prompt[0], dict):
-            num_chars = sum(len(m["content"]) for m in prompt)
+            if len(prompt) > self.max_model_len:
+                raise ValueError(
+                    f"a chat of {len(prompt)} messages cannot fit max_model_len="
+                    f"{self.max_model_len} tokens (each message takes at least one)"
+                )
+            num_chars = sum(len(m["content"]) + _CHAT_MESSAGE_CHARS for m in prompt)
         else:
             return len(prompt)  # token ids: their count is checked against max_model_len
         if num_chars > self.max_prompt_chars:

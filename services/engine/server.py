@@ -44,7 +44,7 @@ from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
-from weir.shared.config import EngineArgs
+from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES, EngineArgs
 from weir.shared.keys import (
     CLIENT_DOMAIN,
     EXECUTOR_DOMAIN,
@@ -55,6 +55,7 @@ from weir.shared.keys import (
 )
 from weir.shared.model_config import read_model_config
 from weir.shared.protocol import client as client_protocol
+from weir.shared.sampling import MAX_LOGPROBS
 from weir.shared.tokenizer import Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -63,6 +64,14 @@ _PARENT_CHECK_INTERVAL_S = 0.5
 # Outputs wait in ZeroMQ's queue for a slow client; past this many the client is
 # treated as gone rather than letting memory grow without bound.
 _CLIENT_SNDHWM = 100_000
+
+
+def _largest_executor_frame(args: EngineArgs) -> int:
+    """A bound on what an executor sends, so a peer cannot make this process buffer a
+    400 MB frame: its largest is a step result, every running request's tokens with up to
+    MAX_LOGPROBS + 1 (token, logprob) pairs each, well under 32 bytes a pair."""
+    pairs = args.max_num_seqs * (1 + args.num_speculative_tokens) * (MAX_LOGPROBS + 1)
+    return max(DEFAULT_MAX_MESSAGE_BYTES, 32 * pairs)
 
 
 @dataclass(slots=True)
@@ -146,6 +155,7 @@ class SchedulerServer:
         executor_sock = ctx.socket(zmq.ROUTER)
         executor_sock.setsockopt(zmq.LINGER, 0)
         executor_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        executor_sock.setsockopt(zmq.MAXMSGSIZE, _largest_executor_frame(self.engine_args))
         auth = None
         if self.keys is not None:
             auth = start_authenticator(ctx, self.keys)

@@ -44,7 +44,7 @@ from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
-from weir.shared.config import ENGINE_DEFAULTS, resolve_max_model_len
+from weir.shared.config import ENGINE_DEFAULTS, MAX_NUM_KV_BLOCKS, resolve_max_model_len
 from weir.shared.model_config import read_model_config
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 
@@ -196,7 +196,9 @@ class ModelRunner:
         )
         self.eos_token_ids = _eos_token_ids(self.model_dir, self.config.eos_token_ids)
         self.sampler = Sampler(self.device, seed)
-        self.num_blocks = self._num_kv_blocks(kv_cache_memory_bytes, gpu_memory_utilization)
+        self.num_blocks = min(
+            self._num_kv_blocks(kv_cache_memory_bytes, gpu_memory_utilization), MAX_NUM_KV_BLOCKS
+        )
         if self.num_blocks < 1:
             raise ValueError("no memory left for the KV cache; raise the KV cache budget")
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, block_size)

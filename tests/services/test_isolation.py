@@ -277,6 +277,14 @@ POISON = [
     ({"sampling_params": {"max_tokens": 100}}, "maximum context length is 64"),
     ({"sampling_params": {"max_tokens": None, "min_tokens": 62}}, "min_tokens is too large"),
     ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "6000001 characters"),
+    # The template's markup counts: 60 empty messages are no short prompt (a million of them
+    # held the scheduler's loop 45 s), and more messages than tokens cannot fit.
+    ({"prompt": [{"role": "user", "content": "x" * 99_990}] * 60}, "6000360 characters"),
+    ({"prompt": [{"role": "user", "content": ""}] * (MAX_MODEL_LEN + 1)}, "65 messages"),
+    (
+        {"sampling_params": {"stop": ["x" * 3_000_000, "y" * 3_000_001]}},
+        "stop strings of 6000001 characters",
+    ),
 ]
 
 

@@ -1,5 +1,6 @@
 """Process lifecycle: `weir serve` start-up, supervision and shutdown; executor death and recovery."""
 
+import dataclasses
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import msgpack
+import psutil
 import pytest
 import zmq
 
@@ -300,11 +302,14 @@ def test_frames_no_executor_should_send_leave_the_scheduler_serving(standalone_s
                 "rogue", 0, 1, info["model_name"], info["vocab_size"], 0, 16, 10**6, 10**6,
                 10**6, [2], "float32", "cpu", "torch",
             )  # fmt: skip
-            peer.send_multipart([control.HELLO, control.pack(hello)])
-            assert peer.poll(30_000), "the scheduler answered nothing"
-            kind, payload = peer.recv_multipart()
-            assert kind == control.REJECT
-            assert "0 KV blocks" in control.unpack(control.Rejection, payload).message
+            # No blocks; more than the scheduler can keep (10**7 took it 1.25 GB and seconds).
+            for num_blocks, words in ((0, "0 KV blocks"), (2**31, "at most 4194304")):
+                too_many = dataclasses.replace(hello, num_blocks=num_blocks)
+                peer.send_multipart([control.HELLO, control.pack(too_many)])
+                assert peer.poll(30_000), "the scheduler answered nothing"
+                kind, payload = peer.recv_multipart()
+                assert kind == control.REJECT
+                assert words in control.unpack(control.Rejection, payload).message
 
             start_executor()
             wait_healthy(client)
@@ -338,6 +343,56 @@ def test_frames_no_executor_should_send_leave_the_scheduler_serving(standalone_s
             assert [t for o in outputs for t in o.new_token_ids] == undisturbed
             assert wait_healthy(client)["executors"] == [0]
     finally:
+        context.destroy(linger=0)
+
+
+def test_a_stalled_scheduler_gives_no_live_ranks_place_to_a_newcomer(standalone_scheduler):
+    """A rank's silence while the scheduler's own loop is stalled proves nothing: its
+    heartbeats wait unread behind a newcomer's hello. The newcomer (here a rogue peer that
+    would answer every step wrongly) must be refused, and the stream go on undisturbed."""
+    address, start_executor, executor_address = standalone_scheduler
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.connect(executor_address)
+    scheduler = None
+    try:
+        with WeirClient(address, timeout=60) as client:
+            start_executor()
+            wait_healthy(client)
+            info = client.model_info()
+            scheduler = next(
+                p for p in psutil.Process().children() if "scheduler" in " ".join(p.cmdline())
+            )
+            params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+            undisturbed = [t for o in client.generate([1, 2, 3], params) for t in o.new_token_ids]
+            stream = client.generate([1, 2, 3], params)
+            outputs = [next(stream)]
+
+            def hello(n: int) -> list[bytes]:
+                rogue = control.ExecutorHello(
+                    f"rogue-{n}", 0, 1, info["model_name"], info["vocab_size"], 64, 16, 10**6,
+                    10**6, 10**6, [2], "float32", "cpu", "torch",
+                )  # fmt: skip
+                return [control.HELLO, control.pack(rogue)]
+
+            scheduler.suspend()  # as a long tokenization or a GC pause would hold the loop
+            for n in range(60):
+                peer.send_multipart(hello(n))
+                time.sleep(0.05)
+            scheduler.resume()
+            for n in range(60, 80):
+                peer.send_multipart(hello(n))
+                time.sleep(0.05)
+            outputs += list(stream)
+            replies = []
+            while peer.poll(2_000):
+                replies.append(peer.recv_multipart()[0])
+            assert replies and set(replies) == {control.REJECT}, replies
+            assert [t for o in outputs for t in o.new_token_ids] == undisturbed
+            assert wait_healthy(client)["executors"] == [0]
+    finally:
+        if scheduler is not None and scheduler.is_running():
+            scheduler.resume()
         context.destroy(linger=0)
 
 
