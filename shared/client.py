@@ -39,6 +39,7 @@ from weir.shared.keys import keys_dir as resolve_keys_dir
 from weir.shared.protocol.client import (
     ENGINE_ERROR,
     INVALID_REQUEST,
+    MAX_ARRAY_LEN,
     SERVER_UNAVAILABLE,
     AbortRequest,
     ClientMessage,
@@ -293,6 +294,12 @@ class AsyncWeirClient:
         # The server cannot address its refusal of an unusable id to this stream.
         if (problem := request_id_problem(request_id)) is not None:
             raise InvalidRequestError(problem, INVALID_REQUEST)
+        # Nor its refusal of a message it cannot decode (the stream would wait for its timeout).
+        if isinstance(prompt, list) and len(prompt) > MAX_ARRAY_LEN:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} items; requests carry at most {MAX_ARRAY_LEN}",
+                INVALID_REQUEST,
+            )
         if request_id in self._streams:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already streaming", "duplicate_request_id"

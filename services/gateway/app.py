@@ -11,6 +11,7 @@ which aborts the requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -19,7 +20,7 @@ from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import choose_encoder
@@ -484,31 +485,50 @@ class _Metered:
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body larger than ``max_bytes`` is answered 413 before it is
-    parsed (by its Content-Length, or while it streams in), so one client cannot make the
-    gateway hold an arbitrary amount of memory."""
+def _authorized(headers: dict[bytes, bytes], api_key: bytes) -> bool:
+    """``Authorization: Bearer <key>`` (the scheme in any case, as HTTP has it), compared
+    in constant time."""
+    scheme, _, credentials = headers.get(b"authorization", b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), api_key)
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class _Admission:
+    """ASGI middleware: what a request must pass before its body is read. Without the API
+    key (``/v1/`` routes) it is answered 401, and a body larger than ``max_bytes`` 413 (by
+    its Content-Length, or while it streams in): a client holding neither cannot make the
+    gateway parse, or hold, an arbitrary amount of JSON. A body cut short by the client
+    leaving is dropped, not run."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.api_key = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        if (
+            self.api_key is not None
+            and scope["path"].startswith("/v1/")
+            and not _authorized(headers, self.api_key)
+        ):
+            await _send_error(send, _UNAUTHORIZED)
+            return
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+            await _send_error(send, self._too_large())
             return
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                break  # the client left
+                await _send_client_closed(send)
+                return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._refuse(send)
+                await _send_error(send, self._too_large())
                 return
             if not message.get("more_body"):
                 break
@@ -524,15 +544,35 @@ class _BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
-        response = APIError(
+    def _too_large(self) -> APIError:
+        return APIError(
             413,
             f"request body larger than this gateway's limit of {self.max_bytes} bytes",
             "invalid_request_error",
             "request_too_large",
-        ).response()
-        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
-        await send({"type": "http.response.body", "body": response.body})
+        )
+
+
+_UNAUTHORIZED = APIError(
+    401,
+    "invalid or missing API key (Authorization: Bearer ...)",
+    "authentication_error",
+    "invalid_api_key",
+)
+
+
+async def _send_error(send: Send, error: APIError) -> None:
+    response = error.response()
+    await send(
+        {"type": "http.response.start", "status": error.status, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
+async def _send_client_closed(send: Send) -> None:
+    """Record nginx's 499 for a client that left before its response (no one reads it)."""
+    await send({"type": "http.response.start", "status": CLIENT_CLOSED_REQUEST, "headers": []})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def create_app(
@@ -573,19 +613,6 @@ def create_app(
             problems.append(f"{where}: {message}" if where else message)
         return APIError(400, "; ".join(problems), "invalid_request_error").response()
 
-    def authenticate(request: Request) -> None:
-        if gateway.api_key is not None and (
-            request.headers.get("authorization") != f"Bearer {gateway.api_key}"
-        ):
-            raise APIError(
-                401,
-                "invalid or missing API key (Authorization: Bearer ...)",
-                "authentication_error",
-                "invalid_api_key",
-            )
-
-    api = [Depends(authenticate)]
-
     async def answer(call: Awaitable[Response]) -> Response:
         try:
             return await call
@@ -610,15 +637,15 @@ def create_app(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return work.result()
 
-    @app.post("/v1/completions", dependencies=api)
+    @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await answer_connected(request, gateway.completions(body))
 
-    @app.post("/v1/chat/completions", dependencies=api)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await answer_connected(request, gateway.chat_completions(body))
 
-    @app.get("/v1/models", dependencies=api)
+    @app.get("/v1/models")
     async def models() -> Response:
         async def listing() -> Response:
             info = await gateway.model()
@@ -660,6 +687,6 @@ def create_app(
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encode(gateway.metrics.registry), media_type=content_type)
 
-    app.add_middleware(_BodyLimit, max_bytes=gateway.max_request_bytes)
+    app.add_middleware(_Admission, max_bytes=gateway.max_request_bytes, api_key=gateway.api_key)
     app.add_middleware(_Metered, metrics=gateway.metrics)
     return app

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import socket
 from dataclasses import dataclass
 
 import uvicorn
 
 from weir.services.gateway.app import Gateway, create_app
+from weir.services.gateway.http_limits import BoundedHttpProtocol
 from weir.services.gateway.router import Router
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
@@ -20,6 +22,15 @@ from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 _log = logging.getLogger(__name__)
 
 _PARENT_CHECK_INTERVAL_S = 0.5
+# File descriptors kept for what is not a client connection (sockets to replicas, logs).
+_RESERVED_FDS = 128
+
+
+def _connection_limit() -> int:
+    """Connections (and requests) served at once: beyond it uvicorn answers 503 and closes,
+    where it would otherwise run out of file descriptors and fail every request."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(soft - _RESERVED_FDS, 64) if soft != resource.RLIM_INFINITY else 65536
 
 
 @dataclass(slots=True)
@@ -68,7 +79,13 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         _log.error("gateway cannot start: %s", message)
         return 1
     app = create_app(gateway, on_startup=report_ready)
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        app,
+        http=BoundedHttpProtocol,
+        log_level="warning",
+        access_log=False,
+        limit_concurrency=_connection_limit(),
+    )
     server = uvicorn.Server(config)
 
     async def watch_parent() -> None:

@@ -252,6 +252,9 @@ def test_logprobs_in_both_apis(client):
         ({"prompt": [[5, 10**9]]}, "vocabulary"),
         ({"extra_body": {"min_tokens": 5}, "max_tokens": 2}, "min_tokens"),
         ({"prompt": ["Hi"] * 65, "n": 2}, "choices"),
+        # More than the engine's protocol carries: a 400 at once (was a 500 after 15 s)
+        ({"prompt": [1] * (2**20 + 1)}, "1048577 items"),
+        ({"prompt": [[1] * (2**20 + 1)]}, "1048577 items"),
     ],
 )
 def test_bad_requests_are_400_naming_the_problem(client, kwargs, fragment):
@@ -581,6 +584,12 @@ def test_api_key_is_required_when_set(server):
         assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="nope").models.list()
+        # HTTP's scheme names are case-insensitive.
+        assert _get(base + "/v1/models", {"Authorization": "bearer s3cret"})[0] == 200
+        # Refused before its body is read: a client without the key makes the gateway
+        # parse nothing (an invalid body is a 401, not a 400).
+        reply = httpx.post(base + "/v1/completions", content=b"{not json")
+        assert reply.status_code == 401, reply.text
 
 
 def test_no_ready_engine_is_503(tmp_path):

@@ -320,6 +320,16 @@ def test_the_sdk_refuses_an_unusable_request_id_itself(server):
             list(client.generate([1, 2], request_id="a\nb"))
 
 
+def test_the_sdk_refuses_a_prompt_the_protocol_cannot_carry_itself(server):
+    """The server cannot decode it, so its refusal names no request: the stream waited for
+    the client's timeout, then called the request lost."""
+    with WeirClient(server.client_address, timeout=60) as client:
+        start = time.monotonic()
+        with pytest.raises(InvalidRequestError, match="1048577 items; requests carry at most"):
+            list(client.generate([1] * (2**20 + 1)))
+        assert time.monotonic() - start < 5
+
+
 async def test_a_denormal_temperature_is_greedy_not_token_zero(server, reference):
     # 1e-45 is sent raw (the SDK's SamplingParams would already turn it into 0).
     ctx = zmq.asyncio.Context()
