@@ -292,6 +292,11 @@ def test_bench_serve_writes_results_and_plots(
         s = result[metric]
         assert 0 < s["p50"] <= s["p90"] <= s["p99"], metric
     assert result["ttft_ms"]["p99"] <= result["e2el_ms"]["p99"]
+    # One inter-token gap per token after the first, even where a token's text is empty
+    # (the gateway streams a chunk per token; skipping empty ones merged two gaps).
+    assert result["itl_ms"]["count"] == 6 * 4, result["itl_ms"]
+    # The command names the address this backend used, not the other's default.
+    assert ("--base-url" in result["command"]) == (backend == "openai"), result["command"]
     for name in ("latency_cdf.png", "throughput_over_time.png"):
         assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

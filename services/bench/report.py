@@ -142,11 +142,12 @@ def command_line(prog: str, args: argparse.Namespace) -> str:
 
 
 def summarize(values: list[float]) -> dict[str, float | None]:
-    """Mean and percentiles; None for an empty series (for example ITL when every output is 1 token)."""
+    """Count, mean and percentiles; None for an empty series (for example ITL when every
+    output is 1 token)."""
     if not values:
-        return {"mean": None} | {f"p{p}": None for p in PERCENTILES}
+        return {"count": 0, "mean": None} | {f"p{p}": None for p in PERCENTILES}
     arr = np.asarray(values, dtype=np.float64)
-    return {"mean": float(arr.mean())} | {
+    return {"count": len(values), "mean": float(arr.mean())} | {
         f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES
     }
 

@@ -127,7 +127,9 @@ async def _one_openai_request(
         )
         async for chunk in stream:
             now = time.perf_counter() - t0
-            if chunk.choices and chunk.choices[0].text:
+            # Every chunk is a token, its text possibly empty (part of a character, or
+            # held back as the start of a stop string), as vLLM's benchmark counts them.
+            if chunk.choices:
                 trace.chunk_s.append(now)
                 trace.chunk_tokens.append(1)
             if chunk.usage is not None:
@@ -213,6 +215,13 @@ async def run_load(
     offsets = arrival_offsets(len(requests), request_rate, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with _sender(backend, address, ready_timeout_s) as send:
+        if requests:
+            # Untimed, as vLLM's benchmark does: the first timed request would otherwise
+            # carry the server's cold start (462 ms to its first token, against 182 typical).
+            warmup = BenchRequest(requests[0].prompt_token_ids, 2)
+            await send(
+                warmup, RequestTrace(len(warmup.prompt_token_ids), 2, 0.0), time.perf_counter()
+            )
         with tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress) as bar:
             t0 = time.perf_counter()
             traces: list[RequestTrace | None] = [None] * len(requests)
@@ -400,7 +409,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (TimeoutError, WeirError, OSError) as e:
         print(f"error: {target}: {e}", file=sys.stderr)
         return 1
-    command = command_line("weir bench serve", args)
+    # Only the address this backend used (the other option's default would mislead).
+    unused = "address" if args.backend == "openai" else "base_url"
+    command = command_line("weir bench serve", argparse.Namespace(**{**vars(args), unused: None}))
     result = {
         "command": command,
         "machine": machine_info(None),

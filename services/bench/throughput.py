@@ -2,8 +2,9 @@
 llama.cpp baselines.
 
 Every engine gets the same token-id prompts and output lengths, greedy decoding
-with EOS ignored, and the same number of threads per process (default: what Weir's
-executor takes at its defaults, see ``weir.services.cpu_cores``). Timing covers
+with EOS ignored, and the same number of threads (default: what Weir's executor takes
+at its defaults, see ``weir.services.cpu_cores``; with tensor parallelism a baseline
+gets as many as Weir's executors together). Timing covers
 generation only: model loading and one short warmup request are excluded.
 """
 
@@ -249,17 +250,18 @@ def _status(message: str) -> None:
     print(f"[bench throughput] {message}", file=sys.stderr, flush=True)
 
 
-def _set_threads(threads: int | None, num_executors: int) -> int:
-    """The thread count of every engine: ``threads``, else what each Weir executor gets at its
-    defaults; this process (the HF baselines) runs with it."""
+def _set_threads(threads: int | None, num_executors: int) -> tuple[int, int]:
+    """(threads of each Weir executor, threads of each baseline): ``threads``, else what
+    each executor gets at its defaults; a baseline (this process, for the HF ones) gets
+    as many as all of Weir's executors together, one per tensor-parallel rank."""
     import torch
 
     from weir.services.cpu_cores import available_cpus, plan_cpus
 
     if threads is None:
         threads = plan_cpus(available_cpus(), num_executors).executor_threads
-    torch.set_num_threads(threads)
-    return threads
+    torch.set_num_threads(threads * num_executors)
+    return threads, threads * num_executors
 
 
 def _ratios(runs: list[EngineRun]) -> dict[str, float]:
@@ -284,7 +286,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     if args.no_weir and not baselines:
         print("error: --no-weir needs at least one --baseline", file=sys.stderr)
         return 2
-    threads = _set_threads(args.threads, args.tensor_parallel_size or 1)
+    num_executors = args.tensor_parallel_size or 1
+    threads, baseline_threads = _set_threads(args.threads, num_executors)
     model_dir = resolve_model(args.model, load_format=args.load_format)
     try:
         requests = workload_from_args(args, load_tokenizer(model_dir))
@@ -299,23 +302,28 @@ def run_throughput(args: argparse.Namespace) -> int:
         _status(f"running weir on {len(requests)} requests")
         runs.append(run_weir(requests, model_dir, args.dtype, args.threads, _engine_options(args)))
     if baselines:
-        runs += _run_baselines(baselines, requests, model_dir, threads, args)
+        runs += _run_baselines(baselines, requests, model_dir, baseline_threads, args)
     if not runs:
         print("error: no engine could run (see the messages above)", file=sys.stderr)
         return 2
 
-    machine = machine_info(threads)
+    machine = machine_info(baseline_threads)
     command = command_line("weir bench throughput", args)
     notes = [
         f"Model {model_dir.name}, {args.dtype}"
         + (f" (Weir: {args.quantization} weights)" if args.quantization else "")
         + "; every engine gets the same token ids and output lengths, greedy, EOS ignored.",
-        f"threads: {threads} per engine process (the HF baselines' process via torch.set_num_threads, "
-        "llama.cpp via n_threads and n_threads_batch, Weir's executor via "
+        f"threads: {baseline_threads} per baseline (the HF baselines' process via "
+        "torch.set_num_threads, llama.cpp via n_threads and n_threads_batch); Weir "
         + (
-            f"--threads {threads}). "
+            f"{num_executors} executors (tensor-parallel ranks) of {threads}"
+            if num_executors > 1
+            else f"{threads} in its executor"
+        )
+        + (
+            f" (--threads {threads}). "
             if args.threads
-            else "its defaults: the same count, and pinned cores where its plan pins them). "
+            else " (its defaults, pinned cores where its plan pins them). "
         )
         + "Weir also runs a scheduler process (one thread) next to its executor.",
         "Wall time covers generation only: model load and one 2-token warmup request are excluded.",
