@@ -312,7 +312,17 @@ class SchedulerServer:
                 self._recovery_deadline = None
             if not self._draining:
                 self.frontend.unavailable = None
-            core.scheduler.reset_executor_state(cache_config)
+            too_big = core.scheduler.reset_executor_state(cache_config)
+            for rid, problem in too_big.items():
+                _log.error(
+                    "request %s failed: the new executor group's cache is smaller: %s", rid, problem
+                )
+                self.frontend.fail(
+                    [rid],
+                    client_protocol.ENGINE_ERROR,
+                    f"the executor group that replaced the lost one cannot finish this "
+                    f"request: {problem}; send it again to a server with more KV cache",
+                )
             _log.warning(
                 "executor group back: resuming %d request(s)", len(core.scheduler.requests)
             )

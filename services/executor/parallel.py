@@ -17,9 +17,10 @@ calls no collective.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,18 @@ class ShardLayout:
         )
 
 
+class GroupBrokenError(RuntimeError):
+    """A collective failed: a peer rank died (or the network between the ranks did). The
+    step failed through no fault of its requests, and this group cannot run another."""
+
+
+def _collective(op: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    try:
+        op(*args, **kwargs)
+    except RuntimeError as exc:  # gloo raises RuntimeError, NCCL DistBackendError (one too)
+        raise GroupBrokenError(f"tensor-parallel {op.__name__} failed: {exc}") from exc
+
+
 class TensorParallel:
     """The collectives of one rank in the default process group. The model calls every
     collective through this object (so a test can count them)."""
@@ -93,7 +106,7 @@ class TensorParallel:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks, in place."""
-        dist.all_reduce(tensor)
+        _collective(dist.all_reduce, tensor)
         return tensor
 
     def gather_logits(self, shard: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -102,7 +115,7 @@ class TensorParallel:
         parts = (
             [torch.empty_like(shard) for _ in range(self.world_size)] if self.rank == 0 else None
         )
-        dist.gather(shard, parts, dst=0)
+        _collective(dist.gather, shard, parts, dst=0)
         if parts is None:
             return None
         return torch.cat(parts, dim=1)[:, :vocab_size]
@@ -113,7 +126,7 @@ class TensorParallel:
         """Rank 0's sampled token ids, on every rank."""
         if token_ids is None:
             token_ids = torch.empty(num, dtype=torch.int64, device=device)
-        dist.broadcast(token_ids, src=0)
+        _collective(dist.broadcast, token_ids, src=0)
         return token_ids
 
 

@@ -368,11 +368,27 @@ class ExecutorWorker:
         return False
 
     def _fail(self, sock: zmq.Socket, runner: ModelRunner, step_id: int, exc: Exception) -> None:
-        """Report a failed step; the runner drops every request (the scheduler sends them again)."""
+        """Report a failed step; the runner drops every request (the scheduler sends them again).
+        A broken tensor-parallel group is not reported as the step's failure: the scheduler
+        would look for a request to blame. The rank exits, and the group is lost instead."""
+        if _group_broken(exc):
+            _log.error("executor %d: step %d: %s; exiting", self.options.rank, step_id, exc)
+            return
         _log.error("executor %d: step %d failed", self.options.rank, step_id, exc_info=exc)
         runner.reset()
         failure = control.StepFailure(step_id, self.options.rank, f"{type(exc).__name__}: {exc}")
         sock.send_multipart([control.STEP_ERROR, control.pack(failure)])
+
+
+def _group_broken(exc: BaseException | None) -> bool:
+    # Imported here: this module starts before torch is imported (see _executor in cli).
+    from weir.services.executor.parallel import GroupBrokenError
+
+    while exc is not None:
+        if isinstance(exc, GroupBrokenError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @dataclass(slots=True)

@@ -107,14 +107,8 @@ class Scheduler:
                 f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens, "
                 f"more than max_model_len={max_len}"
             )
-        footprint = min(request.num_prompt_tokens + request.max_tokens - 1, max_len)
-        kv = self.kv_cache_manager
-        if kv.num_blocks_for(footprint) > kv.num_blocks:
-            raise ValueError(
-                f"request {rid!r}: up to {footprint} tokens of KV need "
-                f"{kv.num_blocks_for(footprint)} blocks but the cache has only "
-                f"{kv.num_blocks}"
-            )
+        if (problem := self._past_the_cache(request)) is not None:
+            raise ValueError(f"request {rid!r}: {problem}")
         request.seq = self._next_seq
         self._next_seq += 1
         self.requests[rid] = request
@@ -174,13 +168,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the executor's state lost
 
-    def reset_executor_state(self, cache_config: CacheConfig | None = None) -> None:
+    def _past_the_cache(self, request: Request) -> str | None:
+        """Why ``request`` can never finish in this KV cache, or None: its longest footprint
+        (prompt + max_tokens - 1 tokens, capped at ``max_model_len``) needs more blocks than
+        the whole cache has."""
+        max_len = self.scheduler_config.max_model_len
+        footprint = min(request.num_prompt_tokens + request.max_tokens - 1, max_len)
+        kv = self.kv_cache_manager
+        if kv.num_blocks_for(footprint) <= kv.num_blocks:
+            return None
+        return (
+            f"up to {footprint} tokens of KV need {kv.num_blocks_for(footprint)} blocks but "
+            f"the cache has only {kv.num_blocks}"
+        )
+
+    def reset_executor_state(self, cache_config: CacheConfig | None = None) -> dict[str, str]:
         """The executor holds no request any more (a step raised on it, or a new executor
         group replaced a lost one). Every unfinished request goes back to waiting, in
         order, to be sent again as new and recomputed; its output tokens are kept, so no
         client sees a token twice. ``cache_config`` rebuilds the KV cache for a new
         executor (its size may differ, and it holds no KV); without it the prefix cache
-        stays valid (a failed step leaves the KV of computed tokens untouched)."""
+        stays valid (a failed step leaves the KV of computed tokens untouched).
+
+        Returns the requests a smaller new cache can never finish, ended (aborted), each
+        with the reason: waiting, one would hold the queue for ever."""
         for request in reversed(self.running):
             self._send_again(request)
         self.running.clear()
@@ -193,10 +204,18 @@ class Scheduler:
         if self.scheduler_config.async_scheduling and cache_config is None:
             # The failed step may have left unwritten KV in blocks already registered.
             cache_config = self.cache_config
-        if cache_config is not None:
-            self.cache_config = cache_config
-            self.kv_cache_manager = KVCacheManager(cache_config)
-            self._watermark_blocks = int(self.scheduler_config.watermark * cache_config.num_blocks)
+        if cache_config is None:
+            return {}
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(cache_config)
+        self._watermark_blocks = int(self.scheduler_config.watermark * cache_config.num_blocks)
+        too_big = {
+            rid: problem
+            for rid, request in self.requests.items()
+            if (problem := self._past_the_cache(request)) is not None
+        }
+        self.finish_requests(too_big, RequestStatus.FINISHED_ABORTED)
+        return too_big
 
     def _send_again(self, request: Request) -> None:
         """Back to the head of the waiting queue, as new to the executor (recompute)."""

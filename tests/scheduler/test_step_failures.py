@@ -13,6 +13,7 @@ from weir.services.engine.core import (
     step_now,
 )
 from weir.services.scheduler import Request
+from weir.shared.config import CacheConfig
 from weir.shared.sampling import SamplingParams
 
 from .fake_executor import FakeExecutor, make_scheduler, reference_generate
@@ -142,3 +143,26 @@ def test_an_executor_lost_while_a_step_is_planned_ahead_loses_no_token():
     asyncio.run(run())
     for rid, prompt in prompts.items():
         assert produced[rid] == reference_generate(prompt, 12, eos=None)[0], rid
+
+
+def test_a_request_a_smaller_new_cache_cannot_finish_fails_and_holds_no_one_up():
+    """The group that replaced a lost one has fewer blocks (a rank sized its cache from
+    less free memory): a request whose longest footprint no longer fits ends with the
+    reason, instead of waiting at the head of the queue for ever with everyone behind it."""
+    scheduler, core = make_scheduler(block_size=4, num_blocks=12)
+    big, small = list(range(1, 19)), [7, 8, 9]
+    scheduler.add_request(Request("big", big, SamplingParams(max_tokens=28, ignore_eos=True)))
+    scheduler.add_request(Request("small", small, SamplingParams(max_tokens=6, ignore_eos=True)))
+    produced: dict[str, list[int]] = {"big": [], "small": []}
+    for _ in range(3):
+        for out in step_now(core).outputs:
+            produced[out.request_id] += out.new_token_ids
+    smaller = CacheConfig(block_size=4, num_blocks=10, enable_prefix_caching=True)
+    ended = scheduler.reset_executor_state(smaller)
+    assert list(ended) == ["big"] and "need 12 blocks but the cache has only 10" in ended["big"]
+    core.executor = InProcessExecutor(FakeExecutor(10, 4))
+    while core.has_work():
+        for out in step_now(core).outputs:
+            produced[out.request_id] += out.new_token_ids
+    assert produced["small"] == reference_generate(small, 6, eos=None)[0]
+    assert "big" not in scheduler.requests and scheduler.kv_cache_manager.num_free_blocks == 10
