@@ -125,3 +125,18 @@ def test_a_single_file_checkpoint_ignores_other_safetensors_files(tmp_path):
     save_file({"base_model.lora_A.weight": torch.ones(2)}, tmp_path / "adapter_model.safetensors")
     model = load_model(tmp_path)
     assert torch.equal(model.embed_tokens, reference.model.embed_tokens.weight)
+
+
+def test_unreadable_weight_files_are_a_value_error_naming_the_file(tmp_path):
+    """One line from the executor, not a safetensors traceback."""
+    _save_llama(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        load_model(tmp_path)
+    weights.unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"x": "nope.safetensors"}}'
+    )
+    with pytest.raises(ValueError, match=r"names files that are not there: \['nope.safetensors'\]"):
+        load_model(tmp_path)

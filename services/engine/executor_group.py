@@ -79,6 +79,7 @@ class ExecutorGroup:
         # The watchdog's last tick, and when this loop last came out of a stall: while it
         # stalls, heartbeats wait unread in the socket, so a rank's silence proves nothing.
         self._last_tick = self._free_since = time.monotonic()
+        self._last_rejection_log, self._rejections_unlogged = float("-inf"), 0
         # Steps sent and not answered: step id -> (result future, when it was sent).
         self._in_flight: dict[int, tuple[asyncio.Future[StepResult], float]] = {}
 
@@ -200,7 +201,7 @@ class ExecutorGroup:
             else:
                 problem = f"rank {hello.rank} is already served by executor pid {current.hello.pid}"
         if problem is not None:
-            _log.error("rejecting executor rank %d: %s", hello.rank, problem)
+            self._log_rejection(hello.rank, problem)
             self._send(identity, control.REJECT, control.pack(control.Rejection(problem)))
             return
         self.ranks[hello.rank] = _Rank(hello, identity, time.monotonic())
@@ -216,6 +217,18 @@ class ExecutorGroup:
             num_blocks = min(r.hello.num_blocks for r in self.ranks.values())
             _log.info("executor group ready: %d rank(s), %d KV blocks", len(self.ranks), num_blocks)
             self._on_formed(num_blocks)
+
+    def _log_rejection(self, rank: int, problem: str) -> None:
+        """At most one line a second: anyone who reaches the socket (no keys: any local
+        process) can send hellos without pause, and wrote 4.5 MB of log in 3 s."""
+        now = time.monotonic()
+        if now - self._last_rejection_log < 1.0:
+            self._rejections_unlogged += 1
+            return
+        more = self._rejections_unlogged
+        suffix = f" ({more} more hello(s) refused since the last such line)" if more else ""
+        _log.error("rejecting executor rank %d: %s%s", rank, problem, suffix)
+        self._last_rejection_log, self._rejections_unlogged = now, 0
 
     def _heard_everything(self, now: float) -> bool:
         """Whether this loop has run freely for the last ``_SILENT_RANK_S``: only then has

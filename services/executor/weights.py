@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
 from weir.services.executor.model import CausalLM, layer_kernels_for
@@ -66,13 +66,13 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
         files = sorted(model_dir / str(name) for name in names)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise FileNotFoundError(f"{index} names files that are not there: {missing[:3]}")
+            raise ValueError(f"{index} names files that are not there: {missing[:3]}")
         return files
     if (model_dir / "model.safetensors").is_file():
         return [model_dir / "model.safetensors"]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        raise ValueError(f"no *.safetensors files in {model_dir}")
     return files
 
 
@@ -80,7 +80,11 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, TensorSource]
     """Every tensor of the checkpoint, lazily: a tensor-parallel rank reads its shard only.
     Each item is valid until the next one is asked for."""
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        try:
+            opened = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:  # truncated, empty, not safetensors
+            raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
+        with opened as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
 

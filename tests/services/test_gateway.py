@@ -475,11 +475,24 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
         "ignore_eos": True,
     }
     before = _aborted(read_metrics(server.info["metrics_address"]))
-    with httpx.Client(timeout=30) as http:
-        with http.stream("POST", server.info["http_address"] + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            assert next(line for line in r.iter_lines() if line.startswith("data:"))
-        # Leaving the block closes the connection after one event.
+    executor = next(c for c in server._children if c.name == "executor 0").proc.pid
+    try:
+        with httpx.Client(timeout=30) as http:
+            url = server.info["http_address"] + "/v1/completions"
+            with http.stream("POST", url, json=body) as r:
+                assert r.status_code == 200
+                assert next(line for line in r.iter_lines() if line.startswith("data:"))
+                # Held (well inside the executor timeout) so the request cannot run to its
+                # end before the gateway notices the client leave (it did, on a loaded VM).
+                os.kill(executor, signal.SIGSTOP)
+            # Leaving the block closes the connection after one event.
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            if _aborted(read_metrics(server.info["metrics_address"])) == before + 1:
+                break
+            time.sleep(0.05)
+    finally:
+        os.kill(executor, signal.SIGCONT)
     samples = _wait_idle(server)
     assert metric(samples, "weir_kv_cache_usage_ratio") == 0
     assert metric(samples, "weir_num_requests_running") == 0
