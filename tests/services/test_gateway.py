@@ -460,6 +460,15 @@ def _wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
+def _wait_aborted(server, count: float, timeout: float = 1.5) -> None:
+    """Until ``count`` requests were aborted (while the executor is held, briefly)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _aborted(read_metrics(server.info["metrics_address"])) == count:
+            return
+        time.sleep(0.05)
+
+
 def _aborted(samples: dict[str, float]) -> float:
     return samples.get(
         'weir_requests_finished_total{finished_reason="abort",model_name="tiny-llama"}', 0
@@ -486,11 +495,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
                 # end before the gateway notices the client leave (it did, on a loaded VM).
                 os.kill(executor, signal.SIGSTOP)
             # Leaving the block closes the connection after one event.
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:
-            if _aborted(read_metrics(server.info["metrics_address"])) == before + 1:
-                break
-            time.sleep(0.05)
+        _wait_aborted(server, before + 1)
     finally:
         os.kill(executor, signal.SIGCONT)
     samples = _wait_idle(server)
@@ -513,11 +518,7 @@ def test_a_client_that_leaves_before_its_response_aborts_its_request(server, str
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url, json={**body, "stream": stream}, timeout=httpx.Timeout(30, read=0.5))
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:
-            if _aborted(read_metrics(server.info["metrics_address"])) == before + 1:
-                break
-            time.sleep(0.05)
+        _wait_aborted(server, before + 1)
     finally:
         os.kill(executor, signal.SIGCONT)
     samples = _wait_idle(server)
