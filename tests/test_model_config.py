@@ -23,7 +23,7 @@ REQUIRED = dict(
 def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type):
     ours = ModelConfig.from_hf({"model_type": model_type, **REQUIRED})
     theirs = transformers.AutoConfig.for_model(model_type, **REQUIRED)
-    assert ours.head_dim == getattr(theirs, "head_dim", None) or 64 // 4
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)
     assert ours.max_position_embeddings == theirs.max_position_embeddings
     assert ours.rms_norm_eps == theirs.rms_norm_eps
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]

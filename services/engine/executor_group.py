@@ -36,6 +36,8 @@ from weir.shared.zmq_send import send_now
 _log = logging.getLogger(__name__)
 
 _WATCHDOG_INTERVAL_S = 0.5
+# A watchdog tick this late means the loop itself was held (a GC pause, a long tokenization).
+_STALLED_S = 2 * _WATCHDOG_INTERVAL_S
 # A rank this long without a heartbeat gives its place to a new executor saying hello.
 _SILENT_RANK_S = 4 * control.HEARTBEAT_INTERVAL_S
 
@@ -234,7 +236,7 @@ class ExecutorGroup:
         """Whether this loop has run freely for the last ``_SILENT_RANK_S``: only then has
         it read every heartbeat sent meanwhile (a hello read right after a stall must not
         take the place of a rank whose heartbeats still wait behind it)."""
-        stalled = now - self._last_tick > 2 * _WATCHDOG_INTERVAL_S
+        stalled = now - self._last_tick > _STALLED_S
         return not stalled and now - self._free_since > _SILENT_RANK_S
 
     def _check_hello(self, hello: control.ExecutorHello) -> str | None:
@@ -309,7 +311,7 @@ class ExecutorGroup:
         while True:
             await asyncio.sleep(_WATCHDOG_INTERVAL_S)
             now = time.monotonic()
-            if now - self._last_tick > 2 * _WATCHDOG_INTERVAL_S:
+            if now - self._last_tick > _STALLED_S:
                 self._free_since = now
             if now - self._last_tick > timeout / 2:
                 # This loop itself was stalled: heartbeats may be waiting unread in
