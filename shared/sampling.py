@@ -99,7 +99,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a sequence of ints, got {type(ids).__name__}")
         for token_id in ids:  # the vocabulary bound is the scheduler's (it knows the model)
             _int("stop_token_ids", token_id, 0)
-        put(self, "stop_token_ids", tuple(ids))
+        # Each id once: the executor bans these (before min_tokens) on every step.
+        put(self, "stop_token_ids", tuple(dict.fromkeys(ids)))
         if type(self.ignore_eos) is not bool:
             raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         _int("min_tokens", self.min_tokens, 0)

@@ -248,3 +248,27 @@ def test_logprobs_match_transformers_distribution(tiny):
             atol=1e-4,
             rtol=0,
         )
+
+
+def test_min_tokens_bans_stop_token_ids_as_transformers_masking_them(tiny):
+    path, hf_model = tiny
+    prompt = list(range(20, 32))
+    free = hf_greedy(hf_model, prompt, 6)
+    # The unbanned choices, repeated (each id is banned once), and a wide range besides.
+    banned = free[:3] * 5 + list(range(40, 100))
+    params = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=4, stop_token_ids=banned)
+    want, ids = [], list(prompt)
+    with torch.no_grad():
+        for i in range(6):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            if i < 4:
+                logits[sorted(set(banned))] = float("-inf")
+            ids.append(int(logits.argmax()))
+            want.append(ids[-1])
+    assert want[:3] != free[:3]  # the ban changes the output
+
+    d = Driver(make_runner(path))
+    d.add("M", prompt, params)
+    while len(d.outputs["M"]) < 6:
+        d.step({"M": None})
+    assert d.outputs["M"][:6] == want

@@ -580,11 +580,15 @@ class ClientFrontend:
         text of the first ``min_tokens`` tokens."""
         params = stream.params
         for i, token_id in enumerate(token_ids):
+            # A stop string in the text before this token would have ended the request,
+            # so only one ending in the new text is looked for (the held-back text can be
+            # the whole output: searching it all made each token cost its length).
+            searched = len(unsent)
             unsent += stream.detokenizer.add((token_id,))
             if stream.num_output_tokens + i < params.min_tokens:
                 stream.stop_after = len(unsent)
                 continue
-            found = _find_stop(unsent, params.stop, stream.stop_after)
+            found = _find_stop(unsent, params.stop, max(searched, stream.stop_after))
             if found is not None:
                 return unsent[: found[0]], i + 1, found[1]
         return unsent, len(token_ids), None

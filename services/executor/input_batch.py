@@ -90,7 +90,7 @@ class InputBatch:
             # Bumped whenever a slot's tokens are set from a plan: a reservation made before
             # is void (`fill_reserved`).
             self.generation = np.zeros(capacity, dtype=np.int64)
-            self.stop_ids: dict[int, list[int]] = {}  # slot -> ids banned before min_tokens
+            self.stop_ids: dict[int, np.ndarray] = {}  # slot -> ids banned before min_tokens
         else:
             for name in (
                 "token_ids",
@@ -176,8 +176,9 @@ class InputBatch:
         self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[slot] = sp.min_tokens
         if sp.min_tokens > 0:
-            self.stop_ids[slot] = list(sp.stop_token_ids) + (
-                [] if sp.ignore_eos else self.eos_token_ids
+            eos = () if sp.ignore_eos else self.eos_token_ids
+            self.stop_ids[slot] = np.fromiter(
+                dict.fromkeys((*sp.stop_token_ids, *eos)), dtype=np.int64
             )
 
     def _set_tokens(self, slot: int, prompt: list[int], outputs: list[int]) -> None:

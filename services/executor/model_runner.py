@@ -524,7 +524,7 @@ class ModelRunner:
         banned = [
             (int(i), b.stop_ids[rows[i]])
             for i in np.flatnonzero(output_pos < b.min_tokens[rows])
-            if b.stop_ids.get(rows[i])
+            if len(b.stop_ids.get(rows[i], ()))
         ]
         return SamplingBatch.build(
             b.temperature[rows],

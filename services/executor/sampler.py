@@ -13,6 +13,7 @@ so sampling is queued behind the forward pass and the step's one device-to-host 
 sampled tokens, `ModelRunner._collect`) is the only point the host waits.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +59,7 @@ class SamplingBatch:
         device: torch.device | str,
         seeds: list[tuple[int, int, int]] = (),
         num_logprobs: int = -1,
-        banned: list[tuple[int, list[int]]] = (),
+        banned: Sequence[tuple[int, Sequence[int]]] = (),
     ) -> "SamplingBatch":
         """From host arrays; `seeds` holds (row, seed, output position) for seeded rows and
         `banned` (row, token ids it may not produce)."""
@@ -82,8 +83,8 @@ class SamplingBatch:
                 )
         banned_index = None
         if banned:
-            rows = np.concatenate([np.full(len(ids), row, dtype=np.int64) for row, ids in banned])
             ids = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in banned])
+            rows = np.repeat(np.array([row for row, _ in banned]), [len(i) for _, i in banned])
             banned_index = (to_device(rows, device), to_device(ids, device))
         return cls(
             temperature=to_device(temperature.astype(np.float32), device),

@@ -46,6 +46,15 @@ class WaitingQueue:
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
 
+    def remove_all(self, requests: list[Request]) -> None:
+        """One pass for many (a client leaving with thousands queued: one `remove` each
+        was quadratic, and the loop stalled for seconds)."""
+        if len(requests) == 1:
+            self.remove(requests[0])
+        elif requests:
+            leaving = set(requests)
+            self._queue = deque(r for r in self._queue if r not in leaving)
+
     def __len__(self) -> int:
         return len(self._queue)
 

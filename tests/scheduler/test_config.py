@@ -114,6 +114,8 @@ def test_sampling_params_normalises_and_round_trips():
     assert as_dict["stop"] == ["END"] and as_dict["stop_token_ids"] == [2, 3]
     assert SamplingParams.from_dict(as_dict) == params
     assert SamplingParams.from_dict({}) == SamplingParams()
+    # Each stop id once: the executor bans them on every step before min_tokens.
+    assert SamplingParams(stop_token_ids=[7, 2, 7, 2, 9] * 1000).stop_token_ids == (7, 2, 9)
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"n": 2})
     with pytest.raises(ValueError, match="dict"):

@@ -173,6 +173,28 @@ def test_finish_requests_from_outside_with_stop_reason():
         scheduler.finish_requests(["A"], RequestStatus.RUNNING)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_finishing_many_queued_requests_at_once_keeps_the_rest_in_order(policy):
+    """A client leaving ends all its requests in one call (removed in one pass)."""
+    scheduler, executor = make_scheduler(max_num_seqs=1, policy=policy)
+    for i in range(40):
+        priority = 0 if policy == "fcfs" else -(i % 3)
+        scheduler.add_request(
+            Request(f"{'ab'[i % 2]}{i}", [1, 2, 3], SamplingParams(max_tokens=4), priority=priority)
+        )
+    run_step(scheduler, executor)
+    running = scheduler.running[0].request_id
+    kept = [r.request_id for r in scheduler.waiting if r.request_id.startswith("b")]
+    leaving = [f"a{i}" for i in range(0, 40, 2)]
+    outputs = scheduler.finish_requests(leaving, RequestStatus.FINISHED_ABORTED)
+    assert sorted(o.request_id for o in outputs) == sorted(leaving)
+    assert [r.request_id for r in scheduler.waiting] == [r for r in kept if r != running]
+    assert len(scheduler.waiting) == len(kept) - (running in kept)
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, executor)
+    assert not scheduler.requests
+
+
 def test_add_request_refuses_what_could_never_run():
     scheduler, _ = make_scheduler(block_size=4, num_blocks=8, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):

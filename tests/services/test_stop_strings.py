@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import zmq
 import zmq.asyncio
 
+from weir.services.engine import frontend as frontend_module
 from weir.services.engine.core import EngineCore, EngineStep, InProcessExecutor
 from weir.services.engine.frontend import ClientFrontend
 from weir.services.engine.metrics import SchedulerMetrics
@@ -50,6 +51,8 @@ def _case(rng: random.Random, tokenizer: Tokenizer, vocab: int) -> dict:
             stops.append(text[start : start + rng.randint(1, 8)])
         else:
             stops.append(rng.choice(["zq#", "\n\n\n", "~~"]))
+    if rng.random() < 0.3:
+        stops.append("zq#" * 40)  # never matches, and holds all the text back
     min_tokens = rng.choice([0, 0, 0, rng.randint(1, 6)])
     return {"prompt": prompt, "chunks": chunks, "stops": stops, "min_tokens": min_tokens}
 
@@ -152,3 +155,31 @@ def test_published_text_ends_where_the_whole_text_first_holds_a_stop(default_mod
             assert not any(stop in o.text for o in outs for stop in case["stops"])
     assert CASES // 2 < stopped < CASES  # both endings are exercised
     assert protected  # some stop strings were ignored in the first min_tokens tokens' text
+
+
+def test_each_token_looks_for_stop_strings_in_its_own_text_only(
+    default_model_dir, monkeypatch
+) -> None:
+    """A long stop string holds the whole output back; searching all of it for every token
+    made a long output cost its length per token (quadratic, on the loop every client
+    shares). The text searched per token must stay the size of one token's text."""
+    tokenizer = Tokenizer.from_model_dir(default_model_dir)
+    searched = []
+    find_stop = frontend_module._find_stop
+
+    def recording(text: str, stops: tuple[str, ...], end_after: int):
+        searched.append(len(text) - end_after)
+        return find_stop(text, stops, end_after)
+
+    monkeypatch.setattr(frontend_module, "_find_stop", recording)
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog. " * 40)
+    params = SamplingParams(max_tokens=len(ids) + 1, stop=("x" * 5000, "lazy cat"))
+    stream = frontend_module._Stream(
+        "r", b"c", params, [1], IncrementalDetokenizer(tokenizer, [1]), 0.0
+    )
+    text, kept, stop = ClientFrontend._add_until_stop(stream, "", ids)
+    assert (kept, stop) == (len(ids), None) and len(text) > 1500
+    assert len(searched) == len(ids) and max(searched) <= 20
+    stream.params = SamplingParams(max_tokens=len(ids) + 1, stop=("x" * 5000, "dog. the"))
+    text, kept, stop = ClientFrontend._add_until_stop(stream, text, ids)
+    assert stop == "dog. the" and text.endswith("lazy ") and kept < 15
