@@ -251,7 +251,12 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.shutdown(drain)
+        try:
+            server.shutdown(drain)
+        except KeyboardInterrupt:
+            # Ctrl-C while draining (which can take minutes): stop now, as a first one does.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            server.shutdown()
 
 
 # ------------------------------------------------------------------ clients

@@ -464,7 +464,7 @@ class AsyncWeirClient:
             f"the connection to {self.address} was lost (the server exited or restarted); "
             "send the request again"
         )
-        _log.warning("%s", error)
+        _log.debug("%s", error)  # raised to whatever was waiting: the caller reports it
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(error)
@@ -481,7 +481,7 @@ class AsyncWeirClient:
         if reason is None or self._refusal is not None:
             return
         self._refusal = reason
-        _log.warning("%s", reason)
+        _log.debug("%s", reason)  # raised to every request, now and later
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(ServerUnavailableError(reason))

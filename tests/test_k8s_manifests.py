@@ -3,6 +3,8 @@
 import asyncio
 import json
 import re
+import shlex
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,7 +24,8 @@ from weir.services.metrics_endpoint import start_metrics_server
 from weir.shared.config import DEFAULT_EXECUTOR_METRICS_PORT
 from weir.shared.keys import FILES_NEEDED
 
-K8S = Path(__file__).resolve().parent.parent / "k8s"
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
 
 
 def _documents() -> list[dict]:
@@ -342,3 +345,56 @@ def test_each_pod_mounts_the_keys_its_role_needs_where_its_keys_dir_points(
     assert volume["secret"]["defaultMode"] == 0o400
     assert {item["path"] for item in volume["secret"]["items"]} == set(FILES_NEEDED[role])
     assert build_parser().parse_args(container["args"]).keys_dir == mount["mountPath"]
+
+
+# ------------------------------------------------------------------ image
+
+
+def _requirement_name(requirement: str) -> str:
+    """PEP 503 normalized project name of a requirement such as ``"jinja2>=3.1"``."""
+    match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement.strip())
+    assert match, requirement
+    return re.sub(r"[-_.]+", "-", match.group()).lower()
+
+
+def _dockerfile_pip_installs() -> list[str]:
+    """Every argument of every ``pip install`` the Dockerfile's RUN lines run, as the shell
+    passes it (quotes removed, options dropped)."""
+    text = re.sub(r"\\\n", " ", (K8S / "Dockerfile").read_text())
+    installed = []
+    for line in text.splitlines():
+        if not line.startswith("RUN "):
+            continue
+        for command in re.split(r"&&|;", line.removeprefix("RUN ")):
+            words = shlex.split(command)
+            pip = [i for i, w in enumerate(words[:-1]) if re.fullmatch(r"(.*/)?pip3?", w)]
+            if pip and words[pip[0] + 1] == "install":
+                installed += [w for w in words[pip[0] + 2 :] if not w.startswith("-")]
+    return installed
+
+
+def test_the_image_installs_every_runtime_dependency_as_pinned() -> None:
+    """The image installs the package with --no-deps (pip must not replace the base image's
+    CUDA torch), so every other runtime dependency must be named, with pyproject's own
+    version, in the Dockerfile: a missing one (uvicorn) killed the gateway at import."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {
+        _requirement_name(r): r.replace(" ", "")
+        for r in project["dependencies"]
+        if _requirement_name(r) != "torch"
+    }
+    installed = _dockerfile_pip_installs()
+    assert "." in installed, "the image must install Weir itself"
+    named = {_requirement_name(r): r for r in installed if r != "."}
+    missing = sorted(set(wanted) - set(named))
+    assert not missing, f"k8s/Dockerfile does not install {missing}"
+    drifted = {n: (named[n], r) for n, r in wanted.items() if named[n] != r}
+    assert not drifted, f"k8s/Dockerfile pins differ from pyproject.toml: {drifted}"
+    assert "torch" not in named, "the base image provides torch (a CUDA build)"
+
+
+def test_the_pod_monitor_carries_the_label_kube_prometheus_stack_selects() -> None:
+    """kube-prometheus-stack's Prometheus (podMonitorSelectorNilUsesHelmValues: true, the
+    default) selects only PodMonitors labelled ``release: <its Helm release>``."""
+    monitor = _by_kind_name("PodMonitor", "weir")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"

@@ -1,6 +1,9 @@
 """The tensor-parallel Kubernetes overlays agree with the CLI and with the base stack: every
-rank's command parses, ranks and group size line up, the rendezvous address is stable."""
+rank's command parses, ranks and group size line up and split the default model, the
+rendezvous address is stable, every rank's metrics are scraped."""
 
+import copy
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,8 +13,10 @@ import pytest
 import yaml
 
 from weir.services.cli import build_parser
+from weir.services.executor.parallel import ShardLayout
 from weir.services.launcher import resolve_num_executors
 from weir.shared.config import EngineArgs
+from weir.shared.model_config import ModelConfig
 
 K8S = Path(__file__).resolve().parent.parent / "k8s-overlays"
 OVERLAYS = ("tensor-parallel", "tensor-parallel-multinode")
@@ -66,6 +71,133 @@ def _added(overlay: str, kind: str) -> dict:
         for d in yaml.safe_load_all((K8S / overlay / r).read_text())
     ]
     return next(d for d in added if d["kind"] == kind)
+
+
+def _json_patch(doc: dict, op: dict) -> None:
+    """Apply one RFC 6902 ``add`` or ``replace`` operation, as kustomize does."""
+    *parents, last = [k.replace("~1", "/").replace("~0", "~") for k in op["path"].split("/")[1:]]
+    node = doc
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if isinstance(node, list):
+        if op["op"] == "add":
+            node.insert(len(node) if last == "-" else int(last), op["value"])
+        else:
+            assert op["op"] == "replace", op
+            node[int(last)] = op["value"]
+    else:
+        assert op["op"] in ("add", "replace") and (op["op"] == "add" or last in node), op
+        node[last] = op["value"]
+
+
+def _built(overlay: str) -> list[dict]:
+    """The overlay's objects: the base and its own resources, with its patches applied
+    (deletions and JSON patches, the only kinds the overlays use)."""
+    docs = copy.deepcopy(_resources(overlay))
+    for target, patch in _patches(overlay):
+        if isinstance(patch, dict) and patch.get("$patch") == "delete":
+            gone = (patch["kind"], patch["metadata"]["name"])
+            docs = [d for d in docs if (d["kind"], d["metadata"]["name"]) != gone]
+            continue
+        assert target is not None and isinstance(patch, list), (target, patch)
+        [doc] = [
+            d
+            for d in docs
+            if (d["kind"], d["metadata"]["name"]) == (target["kind"], target["name"])
+        ]
+        for op in patch:
+            _json_patch(doc, op)
+    return docs
+
+
+def _executor_commands(overlay: str) -> list[list[str]]:
+    """Every rank's command line (without the leading ``weir``)."""
+    if overlay == "tensor-parallel":
+        [container] = _added(overlay, "Deployment")["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        return [argv[1:] for argv in _rank_commands(container["args"][0], env)]
+    sts = _added(overlay, "StatefulSet")
+    [container] = sts["spec"]["template"]["spec"]["containers"]
+    return [container["args"]] * sts["spec"]["replicas"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_group_size_splits_the_default_model(overlay, default_model_dir):
+    """The overlays name no model, so they serve the bundled default one; a group size its
+    heads do not split makes every rank fail at start (SmolLM2-135M: 9 query and 3 KV
+    heads, so 3 ranks and not 2)."""
+    scheduler = build_parser().parse_args(_scheduler_args(overlay))
+    executors = [build_parser().parse_args(argv) for argv in _executor_commands(overlay)]
+    size = scheduler.tensor_parallel_size
+    assert len(executors) == size
+    assert {e.tensor_parallel_size for e in executors} == {size}
+    assert scheduler.model is None and all(e.model is None for e in executors), (
+        "an overlay naming a model must check its heads against that model"
+    )
+    hf = json.loads((default_model_dir / "config.json").read_text())
+    heads, kv = (
+        hf["num_attention_heads"],
+        hf.get("num_key_value_heads") or hf["num_attention_heads"],
+    )
+    assert heads % size == 0, f"{overlay}: {size} ranks do not divide {heads} attention heads"
+    assert (kv % size if kv >= size else size % kv) == 0, (
+        f"{overlay}: {size} ranks do not split {kv} KV heads"
+    )
+    # The executor's own check (MLP columns included) passes for every rank.
+    cfg = ModelConfig.from_hf(hf)
+    for rank in range(size):
+        ShardLayout.of(cfg, rank, size)
+
+
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_metrics_port_is_scraped_and_admitted_to_prometheus(overlay):
+    """Each rank serves its own /metrics: every port named metrics* must be a PodMonitor
+    endpoint and open to Prometheus pods (any namespace) under the NetworkPolicies."""
+    docs = _built(overlay)
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    checked = 0
+    for workload in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            for port in container.get("ports", []):
+                if not port["name"].startswith("metrics"):
+                    continue
+                checked += 1
+                where = (workload["metadata"]["name"], port["name"])
+                scraped = {
+                    e["port"]
+                    for m in monitors
+                    if _selects(m["spec"]["selector"], labels)
+                    for e in m["spec"]["podMetricsEndpoints"]
+                }
+                assert port["name"] in scraped, f"{where}: not scraped"
+                admitted = any(
+                    any(
+                        "namespaceSelector" in peer
+                        and _selects(peer.get("podSelector", {}), PROMETHEUS)
+                        for peer in rule.get("from", [{"namespaceSelector": {}}])
+                    )
+                    and (
+                        "ports" not in rule
+                        or any(
+                            p["port"] in (port["name"], port["containerPort"])
+                            for p in rule["ports"]
+                        )
+                    )
+                    for policy in policies
+                    if _selects(policy["spec"]["podSelector"], labels)
+                    for rule in policy["spec"].get("ingress", [])
+                )
+                assert admitted, f"{where}: the NetworkPolicies keep Prometheus out"
+    assert checked >= 2  # the scheduler's and at least one rank's
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -182,3 +314,17 @@ def test_overlay_builds_into_one_namespace_without_the_base_executor(overlay):
     assert ("Deployment", "weir-executor") not in names
     assert ("Deployment", "weir-scheduler") in names
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"weir"}
+    # kustomize builds what the tests above read from the sources (but for its image names).
+    ours = {(d["kind"], d["metadata"]["name"]): d for d in _built(overlay)}
+    assert set(ours) <= names
+    for doc in docs:
+        key = (doc["kind"], doc["metadata"]["name"])
+        if key in ours:
+            assert _without_images(doc) == _without_images(ours[key]), key
+
+
+def _without_images(doc: dict) -> dict | None:
+    spec = copy.deepcopy(doc.get("spec"))
+    for container in (spec or {}).get("template", {}).get("spec", {}).get("containers", []):
+        container.pop("image", None)
+    return spec

@@ -51,6 +51,10 @@ _INLINE_TOKENIZE_CHARS = 4096
 # chat's size: a million empty messages are not a short prompt (rendering them took 45 s).
 _CHAT_MESSAGE_CHARS = 16
 _TOKENIZER_THREADS = 2
+# Replies wait in ZeroMQ's queue for a slow client; past this many it is treated as not
+# reading (its requests end) rather than letting memory grow without bound.
+CLIENT_SNDHWM = 100_000
+_CATCH_UP_INTERVAL_S = 0.5
 
 
 @dataclass(slots=True)
@@ -121,8 +125,14 @@ class ClientFrontend:
         self._tokenizing: dict[str, _Tokenizing] = {}
         self._tokenize_tasks: set[asyncio.Task[None]] = set()
         self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS, "weir-tokenize")
+        # Clients whose send queue filled (not reading) -> the requests that ended for it,
+        # which they are told of once their queue has room again.
+        self._behind: dict[bytes, list[str]] = {}
+        self._catching_up: asyncio.TimerHandle | None = None
 
     def close(self) -> None:
+        if self._catching_up is not None:
+            self._catching_up.cancel()
         for task in self._tokenize_tasks:
             task.cancel()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -446,19 +456,76 @@ class ClientFrontend:
     # ------------------------------------------------------------------ messages out
 
     def _send(self, identity: bytes, frame: bytes) -> None:
-        """Send without waiting; a client that is gone or not reading loses its requests."""
+        """Send without waiting. A client that is gone loses its requests; so does one so
+        far behind that its queue is full (it stopped reading), and it is told which once
+        its queue has room again; what it was sent meanwhile is dropped."""
+        if identity in self._behind and not self._catch_up(identity):
+            self._cut_off(identity, behind=True)
+            return
         try:
             send_now(self._sock, [identity, frame])
-            return
         except zmq.ZMQError as exc:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
+            self._cut_off(identity, behind=exc.errno == errno.EAGAIN)
+
+    def _cut_off(self, identity: bytes, behind: bool) -> None:
         gone = [s for s in self.streams.values() if s.identity == identity]
-        _log.info("client %s is gone; aborting its %d request(s)", identity.hex(), len(gone))
+        if behind:
+            if identity not in self._behind:
+                _log.warning(
+                    "client %s stopped reading (%d replies queued): aborting its %d request(s)",
+                    identity.hex(),
+                    self._sock.getsockopt(zmq.SNDHWM),
+                    len(gone),
+                )
+                self._behind[identity] = []
+            self._behind[identity] += [s.request_id for s in gone]
+            if self._catching_up is None:
+                self._catching_up = asyncio.get_running_loop().call_later(
+                    _CATCH_UP_INTERVAL_S, self._catch_up_all
+                )
+        elif gone:
+            _log.info("client %s is gone; aborting its %d request(s)", identity.hex(), len(gone))
+        if not gone:
+            return
         self._end_in_scheduler([s.request_id for s in gone], RequestStatus.FINISHED_ABORTED)
         for stream in gone:
             self._finish_stream(stream, "abort")
         self._requests_ended()
+
+    def _catch_up(self, identity: bytes) -> bool:
+        """Tell a client that fell behind which of its requests ended; False while its
+        queue is still full."""
+        ended = self._behind[identity]
+        while ended:
+            error = client_protocol.ErrorReply(
+                ended[-1],
+                f"request {ended[-1]!r} was aborted: this client fell "
+                f"{self._sock.getsockopt(zmq.SNDHWM)} "
+                "replies behind (it stopped reading them); read replies as they come",
+                client_protocol.CLIENT_TOO_SLOW,
+            )
+            try:
+                send_now(self._sock, [identity, client_protocol.encode_server_message(error)])
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EAGAIN:
+                    return False
+                if exc.errno != errno.EHOSTUNREACH:
+                    raise
+                break  # gone: nobody to tell
+            ended.pop()
+        del self._behind[identity]
+        return True
+
+    def _catch_up_all(self) -> None:
+        self._catching_up = None
+        for identity in list(self._behind):
+            self._catch_up(identity)
+        if self._behind:
+            self._catching_up = asyncio.get_running_loop().call_later(
+                _CATCH_UP_INTERVAL_S, self._catch_up_all
+            )
 
     def send_error(self, identity: bytes, request_id: str | None, code: str, message: str) -> None:
         self._send(

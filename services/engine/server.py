@@ -37,7 +37,7 @@ import zmq.asyncio
 
 from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
-from weir.services.engine.frontend import ClientFrontend
+from weir.services.engine.frontend import CLIENT_SNDHWM, ClientFrontend
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.engine.ngram import make_proposer
 from weir.services.metrics_endpoint import start_metrics_server
@@ -61,9 +61,6 @@ from weir.shared.tokenizer import Tokenizer
 _log = logging.getLogger(__name__)
 
 _PARENT_CHECK_INTERVAL_S = 0.5
-# Outputs wait in ZeroMQ's queue for a slow client; past this many the client is
-# treated as gone rather than letting memory grow without bound.
-_CLIENT_SNDHWM = 100_000
 
 
 def _largest_executor_frame(args: EngineArgs) -> int:
@@ -149,7 +146,7 @@ class SchedulerServer:
         client_sock = ctx.socket(zmq.ROUTER)
         client_sock.setsockopt(zmq.LINGER, 0)
         client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        client_sock.setsockopt(zmq.SNDHWM, _CLIENT_SNDHWM)
+        client_sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
         # A client sending more is disconnected by ZeroMQ before the frame is buffered.
         client_sock.setsockopt(zmq.MAXMSGSIZE, self.engine_args.max_message_size)
         executor_sock = ctx.socket(zmq.ROUTER)

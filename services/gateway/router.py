@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,6 +40,9 @@ PREFIX_CHUNK_CHARS = 64
 _MAX_PREFIX_CHUNKS = 64  # prefixes longer than 4k characters share their first 4k
 _PREFIXES_PER_REPLICA = 50_000
 _CHARS_PER_TOKEN = 4  # a prompt's token estimate before the scheduler tokenizes it
+# A replica unreachable this long after the gateway started is worth a warning (before
+# that, an engine still starting is the usual reason).
+_QUIET_START_S = 30.0
 
 
 class NoReplicaError(RuntimeError):
@@ -52,6 +56,8 @@ class Replica:
     # What its last health check answered ("ok", "recovering", ...); None: no answer.
     status: str | None = None
     outstanding_tokens: int = 0
+    # A warning said it is out of rotation (so its return is said at the same level).
+    warned: bool = False
     # Prefix hash -> None, least recently served first (an LRU set).
     prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
@@ -76,8 +82,9 @@ class Replica:
 
 
 def expand_addresses(addresses: list[str]) -> list[str]:
-    """``tcp://NAME:PORT`` -> one address per IP that NAME resolves to (a Kubernetes headless
-    Service names every engine pod this way); other addresses are kept as given."""
+    """``tcp://NAME:PORT`` -> one address per IP that NAME resolves to now; other addresses
+    are kept as given. Names are resolved once, at start: a headless Service's pod IPs would
+    go stale when a pod restarts (a ClusterIP Service's address does not)."""
     expanded: list[str] = []
     for address in addresses:
         scheme, _, rest = address.partition("://")
@@ -136,6 +143,7 @@ class Router:
         self._health_interval = health_interval
         self._health_timeout = min(timeout, max(health_interval * 2, 1.0))
         self.balance_slack = balance_slack
+        self._quiet_until = time.monotonic() + _QUIET_START_S
 
     def candidates(self, exclude: frozenset[str] = frozenset()) -> list[Replica]:
         """The replicas a request may go to now, none of ``exclude`` (addresses)."""
@@ -178,8 +186,10 @@ class Router:
             replica.outstanding_tokens -= cost
 
     def mark_down(self, replica: Replica, reason: str, status: str | None = None) -> None:
-        if replica.healthy:
+        unreachable_past_start = status is None and time.monotonic() > self._quiet_until
+        if replica.healthy or (unreachable_past_start and not replica.warned):
             _log.warning("replica %s out of rotation: %s", replica.address, reason)
+            replica.warned = True
         replica.status = status
 
     async def check_health(self) -> None:
@@ -187,13 +197,16 @@ class Router:
             try:
                 info = await asyncio.wait_for(replica.client.health(), self._health_timeout)
             except (WeirError, TimeoutError) as exc:
-                self.mark_down(replica, f"health check failed: {exc}")
+                why = exc if isinstance(exc, WeirError) else f"no answer in {self._health_timeout}s"
+                self.mark_down(replica, f"health check failed: {why}")
                 return
             status = info.get("status")
             if status != "ok":
                 self.mark_down(replica, f"status {status!r}", str(status))
             elif not replica.healthy:
-                _log.info("replica %s in rotation", replica.address)
+                log = _log.warning if replica.warned else _log.info
+                log("replica %s in rotation", replica.address)
+                replica.warned = False
                 replica.status = status
 
         await asyncio.gather(*(one(r) for r in self.replicas))

@@ -154,8 +154,10 @@ class Scheduler:
         """Set the next step's draft tokens (call after ``update_from_output``). Drafts
         for a request that is not decoding (partial prefill, waiting, finished) are
         dropped; they are capped at ``num_speculative_tokens`` (when > 0) and at what
-        ``max_tokens`` can still accept."""
+        ``max_tokens`` and ``max_model_len`` can still accept, the bonus token included
+        (the executor holds every token it samples)."""
         cap = self.scheduler_config.num_speculative_tokens
+        max_model_len = self.scheduler_config.max_model_len
         for rid, drafts in draft_token_ids.items():
             request = self.requests.get(rid)
             if request is None or request.status is not _RUNNING:
@@ -163,7 +165,13 @@ class Scheduler:
             if request.num_computed_tokens != len(request.all_token_ids) - 1:
                 request.spec_token_ids = []
                 continue
-            room = request.max_tokens - len(request.output_token_ids) - 1
+            room = (
+                min(
+                    request.max_tokens - len(request.output_token_ids),
+                    max_model_len - len(request.all_token_ids),
+                )
+                - 1
+            )
             if cap and cap < room:
                 room = cap
             request.spec_token_ids = list(drafts[:room]) if room > 0 else []

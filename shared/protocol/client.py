@@ -57,6 +57,8 @@ INVALID_REQUEST = "invalid_request"
 DUPLICATE_REQUEST_ID = "duplicate_request_id"
 ENGINE_ERROR = "engine_error"
 SERVER_UNAVAILABLE = "server_unavailable"
+# The client fell so far behind reading its replies that its queue filled.
+CLIENT_TOO_SLOW = "client_too_slow"
 
 Prompt = str | list[int] | list[dict[str, str]]
 

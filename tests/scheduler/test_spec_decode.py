@@ -77,9 +77,12 @@ def test_drafts_are_truncated_by_budget_cap_max_tokens_and_max_model_len():
     d = Request("D", _prompt(10), LONG)
     _decoding(scheduler, executor, d)
     scheduler.update_draft_token_ids({"D": [1, 2, 3]})
+    # 11 tokens: one draft at position 11, whose acceptance brings a bonus at 12, the
+    # last of 13 (two drafts sent the executor's bonus token past max_model_len).
+    assert d.spec_token_ids == [1]
     plan = scheduler.schedule()
-    assert plan.num_scheduled_tokens == {"D": 3}  # positions 10..12 only
-    assert plan.scheduled_spec_decode_tokens == {"D": [1, 2]}
+    assert plan.num_scheduled_tokens == {"D": 2}
+    assert plan.scheduled_spec_decode_tokens == {"D": [1]}
 
 
 def test_no_drafts_during_a_prefill_and_stale_drafts_are_dropped():

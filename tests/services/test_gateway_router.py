@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -137,6 +138,38 @@ def test_a_new_gateway_serves_at_once_while_a_listed_replica_is_down(replicas):
         [result] = asyncio.run(_complete_all(process.info["http_address"], [[[60, 61]]]))
         assert isinstance(result, openai.InternalServerError) and result.status_code == 503
         assert time.monotonic() - start < 10
+
+
+def test_the_log_says_when_a_replica_leaves_the_rotation_and_when_it_returns(replicas, caplog):
+    """At the default level: an engine unreachable past the gateway's start (once, not per
+    health check), and a replica back after a warning, at the warning's level."""
+    dead, live = _free_address(), replicas[0].client_address
+
+    async def main() -> list[str]:
+        router = Router([dead, live], timeout=2.0)
+        said = []
+        try:
+            await router.check_health()
+            said.append([r.getMessage() for r in caplog.records])  # starting: no news
+            caplog.clear()
+            router._quiet_until = 0.0
+            await router.check_health()
+            await router.check_health()
+            router.mark_down(router.replicas[1], "a request failed")
+            await router.check_health()
+            said.append([r.getMessage() for r in caplog.records])
+        finally:
+            await router.close()
+        return said
+
+    with caplog.at_level(logging.WARNING, logger="weir.services.gateway.router"):
+        starting, later = asyncio.run(main())
+    assert starting == []
+    assert later == [
+        f"replica {dead} out of rotation: health check failed: no answer in 2.0s",
+        f"replica {live} out of rotation: a request failed",
+        f"replica {live} in rotation",
+    ]
 
 
 def test_a_rolling_update_loses_no_request(gateway, replicas):
