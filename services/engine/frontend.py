@@ -476,7 +476,7 @@ class ClientFrontend:
                 _log.warning(
                     "client %s stopped reading (%d replies queued): aborting its %d request(s)",
                     identity.hex(),
-                    self._sock.getsockopt(zmq.SNDHWM),
+                    int(self._sock.getsockopt(zmq.SNDHWM)),
                     len(gone),
                 )
                 self._behind[identity] = []
@@ -502,7 +502,7 @@ class ClientFrontend:
             error = client_protocol.ErrorReply(
                 ended[-1],
                 f"request {ended[-1]!r} was aborted: this client fell "
-                f"{self._sock.getsockopt(zmq.SNDHWM)} "
+                f"{int(self._sock.getsockopt(zmq.SNDHWM))} "
                 "replies behind (it stopped reading them); read replies as they come",
                 client_protocol.CLIENT_TOO_SLOW,
             )
