@@ -272,3 +272,10 @@ def test_min_tokens_bans_stop_token_ids_as_transformers_masking_them(tiny):
     while len(d.outputs["M"]) < 6:
         d.step({"M": None})
     assert d.outputs["M"][:6] == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_one_clear_error(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match=r"--device cuda: (this torch has no CUDA|no GPU)"):
+        ModelRunner(path, device="cuda", block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20)

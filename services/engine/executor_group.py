@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from weir.services.engine.core import ExecutorLostError, StepFailedError
 from weir.shared.config import MAX_NUM_KV_BLOCKS, EngineArgs
+from weir.shared.log_limit import limited_logger
 from weir.shared.protocol import control
 from weir.shared.protocol.envelope import ProtocolError
 from weir.shared.protocol.step import StepPlan, StepResult
@@ -34,6 +35,8 @@ from weir.shared.protocol.step_codec import decode_step_result, encode_step_plan
 from weir.shared.zmq_send import send_now
 
 _log = logging.getLogger(__name__)
+# What any peer of the socket can cause (no keys: any local process), at most once a second.
+_peer_log = limited_logger(f"{__name__}.peers")
 
 _WATCHDOG_INTERVAL_S = 0.5
 # A watchdog tick this late means the loop itself was held (a GC pause, a long tokenization).
@@ -81,7 +84,6 @@ class ExecutorGroup:
         # The watchdog's last tick, and when this loop last came out of a stall: while it
         # stalls, heartbeats wait unread in the socket, so a rank's silence proves nothing.
         self._last_tick = self._free_since = time.monotonic()
-        self._last_rejection_log, self._rejections_unlogged = float("-inf"), 0
         # Steps sent and not answered: step id -> (result future, when it was sent).
         self._in_flight: dict[int, tuple[asyncio.Future[StepResult], float]] = {}
 
@@ -141,7 +143,7 @@ class ExecutorGroup:
         while True:
             identity, *frames = await self._sock.recv_multipart()
             if len(frames) != 2:
-                _log.warning("ignoring an executor message of %d frame(s)", len(frames))
+                _peer_log.warning("ignoring an executor message of %d frame(s)", len(frames))
                 continue
             kind, payload = frames
             try:
@@ -154,13 +156,13 @@ class ExecutorGroup:
                 elif kind == control.STEP_ERROR:
                     self._on_step_error(identity, control.unpack(control.StepFailure, payload))
                 else:
-                    _log.warning("ignoring executor frame of kind %r", kind[:32])
+                    _peer_log.warning("ignoring executor frame of kind %r", kind[:32])
             except ProtocolError as exc:
-                _log.warning("bad executor frame %r: %.200s", kind[:32], exc)
+                _peer_log.warning("bad executor frame %r: %.200s", kind[:32], exc)
             except Exception:
                 # Whoever reaches this socket (no keys: any local process) must not end the
                 # scheduler, and with it every client's requests, with one frame.
-                _log.exception("executor frame %r could not be handled; ignored", kind[:32])
+                _peer_log.exception("executor frame %r could not be handled; ignored", kind[:32])
             # A receive that finds a frame waiting returns without yielding: a peer sending
             # without pause would otherwise hold the loop, and every step, for itself.
             await asyncio.sleep(0)
@@ -203,7 +205,7 @@ class ExecutorGroup:
             else:
                 problem = f"rank {hello.rank} is already served by executor pid {current.hello.pid}"
         if problem is not None:
-            self._log_rejection(hello.rank, problem)
+            _peer_log.error("rejecting executor rank %d: %s", hello.rank, problem)
             self._send(identity, control.REJECT, control.pack(control.Rejection(problem)))
             return
         self.ranks[hello.rank] = _Rank(hello, identity, time.monotonic())
@@ -219,18 +221,6 @@ class ExecutorGroup:
             num_blocks = min(r.hello.num_blocks for r in self.ranks.values())
             _log.info("executor group ready: %d rank(s), %d KV blocks", len(self.ranks), num_blocks)
             self._on_formed(num_blocks)
-
-    def _log_rejection(self, rank: int, problem: str) -> None:
-        """At most one line a second: anyone who reaches the socket (no keys: any local
-        process) can send hellos without pause, and wrote 4.5 MB of log in 3 s."""
-        now = time.monotonic()
-        if now - self._last_rejection_log < 1.0:
-            self._rejections_unlogged += 1
-            return
-        more = self._rejections_unlogged
-        suffix = f" ({more} more hello(s) refused since the last such line)" if more else ""
-        _log.error("rejecting executor rank %d: %s%s", rank, problem, suffix)
-        self._last_rejection_log, self._rejections_unlogged = now, 0
 
     def _heard_everything(self, now: float) -> bool:
         """Whether this loop has run freely for the last ``_SILENT_RANK_S``: only then has

@@ -142,6 +142,9 @@ class ClientFrontend:
         """Requests streaming or being tokenized: what a drain waits for."""
         return len(self.streams) + len(self._tokenizing)
 
+    def in_flight_ids(self) -> list[str]:
+        return [*self.streams, *self._tokenizing]
+
     def in_flight(self, request_id: str) -> bool:
         """Whether the request is known: streaming, or its prompt still being tokenized."""
         return request_id in self.streams or request_id in self._tokenizing

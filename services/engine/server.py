@@ -253,6 +253,14 @@ class SchedulerServer:
                 _log.error("scheduler task failed", exc_info=task.exception())
             return 1 if crashed else 0
         finally:
+            if ids := self.frontend.in_flight_ids():
+                _log.warning(
+                    "stopping with %d request(s) unfinished (%s%s); each gets a "
+                    "server_unavailable error",
+                    len(ids),
+                    ", ".join(ids[:20]),
+                    ", ..." if len(ids) > 20 else "",
+                )
             self.frontend.fail_all(
                 client_protocol.SERVER_UNAVAILABLE, "the server is shutting down"
             )

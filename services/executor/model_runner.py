@@ -156,6 +156,9 @@ class ModelRunner:
         # Before joining the group: a model that cannot be split fails every rank at once.
         ShardLayout.of(read_model_config(self.model_dir), rank, tensor_parallel_size)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            why = "no GPU is visible" if torch.version.cuda else "this torch has no CUDA"
+            raise ValueError(f"--device {device}: {why} (torch {torch.__version__})")
         if self.device.type == "cuda" and self.device.index is None and tensor_parallel_size > 1:
             self.device = local_cuda_device(rank)
         if self.device.type == "cpu":

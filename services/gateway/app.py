@@ -31,7 +31,7 @@ from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import NoReplicaError, Router
 from weir.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from weir.shared.client import InvalidRequestError, ServerUnavailableError
+from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 from weir.shared.protocol.client import SERVER_UNAVAILABLE, Prompt, StreamOutput
 from weir.shared.sampling import SamplingParams
@@ -50,13 +50,21 @@ _ROUTES = (
 class APIError(Exception):
     """An error answered in OpenAI's schema."""
 
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
+        self.param = param  # the field at fault, as OpenAI names it
 
     def response(self) -> Response:
         # ASCII JSON: a message may quote the caller's text, which need not be valid Unicode.
-        body = json.dumps(fmt.error_body(self.message, self.type, self.code))
+        body = json.dumps(fmt.error_body(self.message, self.type, self.code, self.param))
         return Response(body, self.status, media_type="application/json")
 
 
@@ -73,6 +81,8 @@ def _api_error(exc: Exception) -> APIError:
         return APIError(400, str(exc), "invalid_request_error", exc.code)
     if _unavailable(exc):
         return APIError(503, str(exc), "service_unavailable_error", SERVER_UNAVAILABLE)
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), "server_error", exc.code)
     return APIError(500, f"{type(exc).__name__}: {exc}", "server_error")
 
 
@@ -606,12 +616,18 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
-        problems = []
+        problems, fields = [], []
         for error in exc.errors():
+            if error["type"] == "json_invalid":
+                why = error.get("ctx", {}).get("error", error["msg"])
+                problems.append(f"the body is not valid JSON: {why}")
+                continue
             where = ".".join(str(part) for part in error["loc"] if part != "body")
             message = "unsupported field" if error["type"] == "extra_forbidden" else error["msg"]
             problems.append(f"{where}: {message}" if where else message)
-        return APIError(400, "; ".join(problems), "invalid_request_error").response()
+            fields.append(where)
+        param = fields[0] if fields and fields[0] else None
+        return APIError(400, "; ".join(problems), "invalid_request_error", param=param).response()
 
     async def answer(call: Awaitable[Response]) -> Response:
         try:

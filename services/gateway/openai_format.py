@@ -11,8 +11,10 @@ from typing import Any
 from weir.shared.protocol.client import StreamOutput
 
 
-def error_body(message: str, type_: str, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+def error_body(
+    message: str, type_: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

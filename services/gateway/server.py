@@ -18,6 +18,7 @@ from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.client import WeirError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
+from weir.shared.log_limit import limited_logger
 
 _log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         async def when_bound() -> None:
             while server is None or not server.started:
                 await asyncio.sleep(0.01)
+            if not server.servers:  # stopped (SIGTERM) before it bound
+                return
             port = server.servers[0].sockets[0].getsockname()[1]
             address = f"http://{options.host}:{port}"
             _log.info("gateway at %s for %s", address, ", ".join(options.schedulers))
@@ -79,9 +82,13 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         _log.error("gateway cannot start: %s", message)
         return 1
     app = create_app(gateway, on_startup=report_ready)
+    # uvicorn's lines in this process's format (no log_config of its own), and its line per
+    # malformed request (any client can send them without pause) at most once a second.
+    limited_logger("uvicorn.error")
     config = uvicorn.Config(
         app,
         http=BoundedHttpProtocol,
+        log_config=None,
         log_level="warning",
         access_log=False,
         limit_concurrency=_connection_limit(),

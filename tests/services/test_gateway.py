@@ -305,6 +305,13 @@ def test_bodies_and_routes_http_refuses_get_openai_error_bodies(server):
     for reply, status in ((not_utf8, 400), (unknown, 404), (wrong_method, 405)):
         assert reply.status_code == status
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}, reply.text
+    not_json = httpx.post(base + "/v1/completions", content=b'{"prompt": ', headers=headers)
+    assert not_json.json()["error"]["message"].startswith("the body is not valid JSON: ")
+    # As OpenAI's: `param` names the field at fault.
+    bad_field = httpx.post(
+        base + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": "x"}
+    )
+    assert bad_field.status_code == 400 and bad_field.json()["error"]["param"] == "max_tokens"
 
 
 def test_the_largest_seed_with_n_samples_is_taken(client):

@@ -303,6 +303,7 @@ def test_an_error_after_the_first_output_is_an_error_event_then_done(engine):
     engine.send_error(rid, "the engine failed")
     events = [event for chunk in _http_chunks(sock) for event in chunk]
     assert events[0]["choices"][0]["text"] == "a"
-    assert events[1]["error"]["message"].endswith("the engine failed")
+    assert events[1]["error"]["message"] == "the engine failed"
     assert events[1]["error"]["type"] == "server_error"
+    assert events[1]["error"]["code"] == "engine_error"
     assert events[2:] == ["data: [DONE]"], "clients read to [DONE], as after vLLM's errors"
