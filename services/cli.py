@@ -75,7 +75,11 @@ def _keys(args: argparse.Namespace) -> int:
 def _prepare_model(args: argparse.Namespace) -> int:
     from weir.shared.model_store import resolve_model
 
-    print(resolve_model(args.model))
+    try:
+        print(resolve_model(args.model))
+    except (ValueError, OSError, RuntimeError) as exc:  # each says what to do, in one line
+        print(f"weir prepare-model: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -87,14 +91,18 @@ def _scheduler(args: argparse.Namespace) -> int:
     from weir.services.engine.server import SchedulerServer, SchedulerServerOptions
     from weir.shared.model_config import read_model_config
     from weir.shared.model_store import resolve_model
+    from weir.shared.shard_layout import ShardLayout
 
     _setup_logging(args.log_level, "scheduler")
     status = StatusReporter(args.status_fd)
     try:
         engine_args = EngineArgs.from_cli(args)
         model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
+        model_config = read_model_config(model_dir)
+        # Refused here, not by each rank as it loads (a group that cannot form waits forever).
+        ShardLayout.of(model_config, 0, engine_args.tensor_parallel_size)
         max_model_len = resolve_max_model_len(
-            engine_args.max_model_len, read_model_config(model_dir).max_position_embeddings
+            engine_args.max_model_len, model_config.max_position_embeddings
         )
         executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
         num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)

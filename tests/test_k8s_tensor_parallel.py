@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from weir.services.cli import build_parser
-from weir.services.executor.parallel import ShardLayout
 from weir.services.launcher import resolve_num_executors
 from weir.shared.config import EngineArgs
 from weir.shared.model_config import ModelConfig
+from weir.shared.shard_layout import ShardLayout
 
 K8S = Path(__file__).resolve().parent.parent / "k8s-overlays"
 OVERLAYS = ("tensor-parallel", "tensor-parallel-multinode")

@@ -13,9 +13,10 @@ import tp_workload  # noqa: E402
 
 from weir.services.executor.attention import get_attention_backend  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
-from weir.services.executor.parallel import ShardLayout, TensorParallel  # noqa: E402
+from weir.services.executor.parallel import TensorParallel  # noqa: E402
 from weir.services.executor.weights import iter_safetensors, load_model  # noqa: E402
 from weir.shared.model_config import ModelConfig  # noqa: E402
+from weir.shared.shard_layout import ShardLayout  # noqa: E402
 
 RANK_TIMEOUT_S = 300
 

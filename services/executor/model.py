@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
-from weir.services.executor.parallel import ShardLayout, TensorParallel
+from weir.services.executor.parallel import TensorParallel
 from weir.shared.model_config import ModelConfig
+from weir.shared.shard_layout import ShardLayout
 
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls

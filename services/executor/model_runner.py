@@ -34,11 +34,7 @@ from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.input_batch import InputBatch, Reservation, StepInputs
-from weir.services.executor.parallel import (
-    ShardLayout,
-    init_tensor_parallel,
-    local_cuda_device,
-)
+from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
 from weir.services.executor.quantization import check_quantization
 from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
 from weir.services.executor.transfer import to_device
@@ -47,6 +43,7 @@ from weir.shared.arith import cdiv
 from weir.shared.config import ENGINE_DEFAULTS, MAX_NUM_KV_BLOCKS, resolve_max_model_len
 from weir.shared.model_config import read_model_config
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
+from weir.shared.shard_layout import ShardLayout
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,10 @@ from safetensors import SafetensorError, safe_open
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
 from weir.services.executor.model import CausalLM, layer_kernels_for
 from weir.services.executor.packed_weights import can_pack, pack_model
-from weir.services.executor.parallel import ShardLayout, TensorParallel
+from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.quantization import quantize_model
 from weir.shared.model_config import ModelConfig, read_model_config
+from weir.shared.shard_layout import ShardLayout
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")

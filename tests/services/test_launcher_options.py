@@ -180,3 +180,10 @@ def test_any_free_port_never_overlaps():
     ServerProcesses(
         EngineArgs(tensor_parallel_size=3), port=1, metrics_port=2, executor_metrics_port=0
     )
+
+
+def test_prepare_model_failing_is_one_line_not_a_traceback(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["prepare-model", "--model", str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("weir prepare-model: ") and err.count("\n") == 1, err

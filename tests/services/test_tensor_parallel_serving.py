@@ -3,6 +3,8 @@ scheduler and two executor ranks that form one gloo group and answer like one pr
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -55,6 +57,21 @@ def test_a_model_whose_heads_do_not_split_is_refused_at_start_up(default_model_d
     message = str(refused.value)
     assert "\n" not in message
     assert "tensor_parallel_size 2 does not divide the model's 9 attention heads" in message
+
+
+def test_a_scheduler_alone_refuses_such_a_group_before_waiting_for_it(default_model_dir):
+    """As Kubernetes runs it (no supervisor): it would otherwise wait for ranks that fail."""
+    scheduler = subprocess.run(
+        [sys.executable, "-m", "weir.services.cli", "scheduler", "--model", str(default_model_dir)]
+        + ["--tensor-parallel-size", "2", "--port", "0", "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert scheduler.returncode == 2
+    assert scheduler.stderr.strip() == (
+        "weir scheduler: tensor_parallel_size 2 does not divide the model's 9 attention heads"
+    )
 
 
 def test_the_group_size_is_the_number_of_executors():

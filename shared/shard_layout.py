@@ -1,0 +1,59 @@
+"""Which slice of a model each tensor-parallel rank holds (see
+``weir.services.executor.parallel``): plain arithmetic on the config, so the scheduler can
+refuse a group size the model cannot be split by before any rank loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weir.shared.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """What rank ``rank`` of ``world_size`` holds of a model (the whole model when 1)."""
+
+    rank: int
+    world_size: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    q_head_start: int  # first query head (checkpoint numbering)
+    kv_head_start: int  # first KV head
+    intermediate_size: int  # MLP columns on this rank
+    vocab_start: int  # first vocabulary row
+    vocab_per_rank: int  # rows per rank (the last rank's rows past vocab_size are zero)
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int = 0, world_size: int = 1) -> ShardLayout:
+        """Raises ValueError (one line, naming the model's numbers) when the model cannot
+        be split ``world_size`` ways."""
+        n = world_size
+        if n < 1 or not 0 <= rank < n:
+            raise ValueError(f"rank {rank} is outside a tensor-parallel world of size {n}")
+        heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        if heads % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not divide the model's {heads} attention heads"
+            )
+        if kv % n if kv >= n else n % kv:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not fit the model's {kv} KV heads "
+                "(it must divide them or be a multiple of them)"
+            )
+        if inter % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not divide the model's {inter} MLP columns"
+            )
+        local_kv = max(kv // n, 1)
+        vocab_per_rank = -(-cfg.vocab_size // n)
+        return cls(
+            rank=rank,
+            world_size=n,
+            num_heads=heads // n,
+            num_kv_heads=local_kv,
+            q_head_start=rank * (heads // n),
+            kv_head_start=rank * kv // n if kv < n else rank * local_kv,
+            intermediate_size=inter // n,
+            vocab_start=rank * vocab_per_rank,
+            vocab_per_rank=vocab_per_rank,
+        )
