@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,7 +104,7 @@ class ExecutorWorker:
         self.session = uuid.uuid4().hex
         self.joined = threading.Event()  # welcomed by the scheduler: /health answers 200
 
-    def run(self) -> int:
+    def run(self, on_loaded: Callable[[], object] = lambda: None) -> int:
         """Load, handshake and serve until stopped; returns the process exit code."""
         opts = self.options
         try:
@@ -120,6 +121,7 @@ class ExecutorWorker:
             )
             self.status.error(f"{type(exc).__name__}: {exc}")
             return 1
+        on_loaded()
         # The supervisor shows what this rank runs on (before the handshake, so it has it
         # by the time the scheduler reports ready).
         self.status.report(
@@ -430,10 +432,13 @@ def run_executor(
     def stop(signum: int, frame: object) -> None:
         raise SystemExit(0)
 
-    signal.signal(signal.SIGTERM, stop)
     status = StatusReporter(status_fd)
     try:
-        return ExecutorWorker(options, status, parent_pid).run()
+        # Until loaded SIGTERM kills outright: a rank waiting for its group waits in C
+        # (init_process_group), where a Python handler would not run for minutes.
+        return ExecutorWorker(options, status, parent_pid).run(
+            on_loaded=lambda: signal.signal(signal.SIGTERM, stop)
+        )
     except KeyboardInterrupt:
         return 0
     finally:

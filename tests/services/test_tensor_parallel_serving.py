@@ -3,6 +3,7 @@ scheduler and two executor ranks that form one gloo group and answer like one pr
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,6 +73,31 @@ def test_a_scheduler_alone_refuses_such_a_group_before_waiting_for_it(default_mo
     assert scheduler.stderr.strip() == (
         "weir scheduler: tensor_parallel_size 2 does not divide the model's 9 attention heads"
     )
+
+
+def test_a_rank_waiting_for_its_group_stops_at_sigterm(default_model_dir):
+    """Waiting in torch's rendezvous (C++) a Python SIGTERM handler never ran: a pod being
+    deleted stayed for its whole grace period, a process for 10 minutes."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    rank = subprocess.Popen(
+        [sys.executable, "-m", "weir.services.cli", "executor", "--rank", "1"]
+        + ["--scheduler", f"tcp://127.0.0.1:{ports[0]}", "--model", str(default_model_dir)]
+        + ["--tensor-parallel-size", "3", "--device", "cpu", "--threads", "1"],
+        env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(ports[1])},
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        time.sleep(5)  # rank 0 never comes: it waits for the group
+        assert rank.poll() is None
+        rank.send_signal(signal.SIGTERM)
+        rank.wait(timeout=15)
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 def test_the_group_size_is_the_number_of_executors():
