@@ -54,6 +54,16 @@ def _setup_logging(level: str, role: str) -> None:
     )
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return seconds
+
+
 def _keys(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -344,14 +354,15 @@ def _chat(args: argparse.Namespace) -> int:
             print(f"weir chat: {exc}", file=sys.stderr)
             return 1
         print(f"Chatting with {info['model_name']} (empty line or Ctrl-D to quit)")
+        failed = False  # the exit status says whether a turn failed (input may be piped)
         while True:
             try:
                 user = input("> ").strip()
             except (EOFError, KeyboardInterrupt):
                 print()
-                return 0
+                return int(failed)
             if not user:
-                return 0
+                return int(failed)
             messages.append({"role": "user", "content": user})
             reply = []
             try:
@@ -361,7 +372,9 @@ def _chat(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:
                 pass  # leaving the stream aborts the request
             except WeirError as exc:
-                print(f"\n[error: {exc}]")
+                print(flush=True)
+                print(f"weir chat: {exc}", file=sys.stderr)
+                failed = True
                 messages.pop()
                 continue
             print()
@@ -480,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_key_flag(p)
     p.add_argument(
         "--startup-timeout",
-        type=float,
+        type=_positive_seconds,
         default=600.0,
         help="seconds every process gets to start (load, compile, capture) before "
         "`weir serve` gives up (default 600)",

@@ -409,7 +409,15 @@ class ServerProcesses:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ChildFailedError(f"server not ready within {self.startup_timeout:g}s")
+                    waiting = [
+                        c.name
+                        for c in self._children
+                        if not any(e.get("event") == "ready" for e in c.events)
+                    ]
+                    raise ChildFailedError(
+                        f"server not ready within {self.startup_timeout:g}s (still starting: "
+                        f"{', '.join(waiting)}); give it longer with --startup-timeout"
+                    )
                 for key, _ in sel.select(remaining):
                     child: _Child = key.data
                     child.read_status()

@@ -8,6 +8,7 @@ llama, qwen2 and qwen3 with a byte-level BPE ("gpt2") tokenizer; anything else r
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,7 +174,14 @@ def _convert_tensors(
     for tensor in reader.tensors:
         # GGUF lists dimensions fastest-first; numpy (and HF) order is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        with np.errstate(invalid="ignore", over="ignore"):  # damage is reported below, by name
+            w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        w = w.reshape(shape)
+        if not np.isfinite(w).all():
+            raise UnsupportedGGUFError(
+                f"GGUF tensor {tensor.name!r} holds {np.count_nonzero(~np.isfinite(w))} NaN or "
+                "infinite values: the file is damaged; download it again"
+            )
         if arch.permuted_qk and ".attn_q." in tensor.name:
             w = _unpermute_rows(w, n_head)
         elif arch.permuted_qk and ".attn_k." in tensor.name:
@@ -334,7 +342,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     try:
         reader = GGUFReader(gguf_path)
     except Exception as exc:  # the reader reports a malformed file with assorted exception types
-        raise UnsupportedGGUFError(f"cannot read GGUF file {str(gguf_path)!r}: {exc}") from exc
+        raise UnsupportedGGUFError(
+            f"cannot read GGUF file {str(gguf_path)!r} (damaged or truncated?): {exc}"
+        ) from exc
     meta = _Metadata(reader)
     arch_name = meta.require("general.architecture")
     arch = _ARCHITECTURES.get(arch_name)
@@ -361,3 +371,30 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         _tokenizer_config(meta, config["max_position_embeddings"]),
     )
     _write_json(out_dir / "generation_config.json", _generation_config(meta))
+    # safetensors writes through a private (0600) temporary file: give every file the mode a
+    # newly created file gets, so a cache one user prepared can be read by others the umask allows.
+    mode = 0o666 & ~_umask()
+    for name in _OUTPUT_FILES:
+        os.chmod(out_dir / name, mode)
+
+
+_OUTPUT_FILES = (
+    "model.safetensors",
+    "tokenizer.json",
+    "config.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+
+
+def _umask() -> int:
+    try:  # Linux states it without changing it
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

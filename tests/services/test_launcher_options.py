@@ -6,7 +6,7 @@ from dataclasses import fields
 import pytest
 
 from weir.services.cli import build_parser, main
-from weir.services.launcher import ServerProcesses
+from weir.services.launcher import ChildFailedError, ServerProcesses
 from weir.services.llm import LLM
 from weir.shared.config import (
     SCHEDULER,
@@ -187,3 +187,19 @@ def test_prepare_model_failing_is_one_line_not_a_traceback(tmp_path, capsys):
     assert main(["prepare-model", "--model", str(tmp_path / "empty")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("weir prepare-model: ") and err.count("\n") == 1, err
+
+
+def test_the_startup_timeout_is_positive_and_its_expiry_names_who_was_still_starting(
+    tiny_model_dir, capsys
+):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--startup-timeout", "-1"])
+    assert "not a positive number of seconds: '-1'" in capsys.readouterr().err
+    engine = EngineArgs(model=str(tiny_model_dir), device="cpu", threads=1)
+    server = ServerProcesses(
+        engine, port=0, metrics_port=0, executor_metrics_port=0, startup_timeout=0.5
+    )
+    with pytest.raises(ChildFailedError) as expired:
+        server.start()
+    assert str(expired.value).startswith("server not ready within 0.5s (still starting: ")
+    assert "executor" in str(expired.value) and "--startup-timeout" in str(expired.value)

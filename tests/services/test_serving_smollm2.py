@@ -1,6 +1,9 @@
 """The default model (SmolLM2-135M-Instruct) served end to end: chat prompts over the SDK
 decode exactly like transformers."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -57,3 +60,16 @@ def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
                 assert "".join(o.text for o in outs) == tokenizer.decode(
                     token_ids, skip_special_tokens=True
                 )
+            # `weir chat` on piped input: a refused turn is an error line on stderr and a
+            # failing exit status, the next turn still answered.
+            chat = subprocess.run(
+                [sys.executable, "-m", "weir.services.cli", "chat", "--address"]
+                + [server.client_address, "--max-tokens", "3", "--temperature", "0"],
+                input="x" * 40_000 + "\nWhat is the capital of France?\n",
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert chat.returncode == 1, chat.stderr
+            assert chat.stderr.startswith("weir chat: ") and chat.stderr.count("\n") == 1
+            assert "The capital" in chat.stdout or "Paris" in chat.stdout, chat.stdout
