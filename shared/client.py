@@ -181,7 +181,8 @@ class AsyncWeirClient:
         else:
             # A server with keys drops a client without them before any message: say so.
             self._no_reply_hint = (
-                "; if it requires CurveZMQ keys, pass keys_dir or set $WEIR_KEYS_DIR"
+                "; if it requires CurveZMQ keys, pass their folder (keys_dir, --keys-dir) or "
+                "set $WEIR_KEYS_DIR"
             )
         self._handshakes = HandshakeMonitor(self._sock, address, "client", self._connection_lost)
         self._refusal: str | None = None  # why the server dropped us for good

@@ -328,4 +328,11 @@ def resolve_model(model: str | os.PathLike | None, *, load_format: str = "auto")
         return path.resolve()
     if path.is_file() and path.suffix == ".gguf":
         return _converted(_gguf_cache_name(path), lambda: path)
+    if not path.exists():
+        raise ModelNotFoundError(f"model {str(model)!r}: no such file or directory")
+    if load_format == "dummy" and path.is_dir():
+        raise ModelNotFoundError(
+            f"model {str(model)!r}: --load-format dummy needs config.json and a tokenizer "
+            "(tokenizer.json) in the directory"
+        )
     raise ModelNotFoundError(f"model {str(model)!r}: {_EXPECTED}")

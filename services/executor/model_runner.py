@@ -200,7 +200,10 @@ class ModelRunner:
             self._num_kv_blocks(kv_cache_memory_bytes, gpu_memory_utilization), MAX_NUM_KV_BLOCKS
         )
         if self.num_blocks < 1:
-            raise ValueError("no memory left for the KV cache; raise the KV cache budget")
+            raise ValueError(
+                "no memory left for the KV cache: raise --kv-cache-memory "
+                "(or --gpu-memory-utilization on a GPU)"
+            )
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, block_size)
         self.reset()
         self.graphs = (

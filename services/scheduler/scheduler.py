@@ -189,7 +189,8 @@ class Scheduler:
             return None
         return (
             f"up to {footprint} tokens of KV need {kv.num_blocks_for(footprint)} blocks but "
-            f"the cache has only {kv.num_blocks}"
+            f"the cache has only {kv.num_blocks}: send a shorter prompt or a smaller "
+            "max_tokens (or start the server with a larger --kv-cache-memory)"
         )
 
     def reset_executor_state(self, cache_config: CacheConfig | None = None) -> dict[str, str]:
