@@ -30,3 +30,27 @@ def read_metrics(url: str) -> dict[str, float]:
 def metric(samples: dict[str, float], name: str) -> float:
     """Sum of every sample of ``name`` (over its label sets)."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def frontend_over(sock, tokenizer, scheduler, name: str):
+    """A real ``ClientFrontend`` on ``sock`` whose engine core runs ``scheduler`` with no
+    executor: a test publishes the steps itself."""
+    from types import SimpleNamespace
+
+    from weir.services.engine.core import EngineCore, InProcessExecutor
+    from weir.services.engine.frontend import ClientFrontend
+    from weir.services.engine.metrics import SchedulerMetrics
+
+    frontend = ClientFrontend(
+        sock,
+        tokenizer,
+        tokenizer.vocab_size,
+        scheduler.scheduler_config.max_model_len,
+        SchedulerMetrics(name),
+        wake=lambda: None,
+        requests_ended=lambda: None,
+        health=lambda stream_ids: {},
+        model_info=lambda: {},
+    )
+    frontend.core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace()))
+    return frontend

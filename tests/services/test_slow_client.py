@@ -12,10 +12,9 @@ from types import SimpleNamespace
 
 import zmq
 import zmq.asyncio
+from serving_helpers import frontend_over
 
-from weir.services.engine.core import EngineCore, EngineStep, InProcessExecutor
-from weir.services.engine.frontend import ClientFrontend
-from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.engine.core import EngineStep
 from weir.services.scheduler import Scheduler
 from weir.services.scheduler.output import EngineOutput
 from weir.shared.config import CacheConfig, SchedulerConfig
@@ -44,18 +43,7 @@ async def _serve(tokenizer: Tokenizer) -> tuple[list, list, set[str]]:
         SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, max_model_len=128),
         CacheConfig(block_size=16, num_blocks=32),
     )
-    frontend = ClientFrontend(
-        server,
-        tokenizer,
-        tokenizer.vocab_size,
-        128,
-        SchedulerMetrics("slow_client"),
-        wake=lambda: None,
-        requests_ended=lambda: None,
-        health=lambda stream_ids: {},
-        model_info=lambda: {},
-    )
-    frontend.core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace()))
+    frontend = frontend_over(server, tokenizer, scheduler, "slow_client")
     receiving = asyncio.create_task(frontend.run())
     params = SamplingParams(max_tokens=STEPS, ignore_eos=True)
     for client, rid in zip(clients, ("s", "f")):

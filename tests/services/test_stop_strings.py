@@ -19,11 +19,11 @@ from types import SimpleNamespace
 
 import zmq
 import zmq.asyncio
+from serving_helpers import frontend_over
 
 from weir.services.engine import frontend as frontend_module
-from weir.services.engine.core import EngineCore, EngineStep, InProcessExecutor
+from weir.services.engine.core import EngineStep
 from weir.services.engine.frontend import ClientFrontend
-from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.scheduler import Scheduler
 from weir.services.scheduler.output import EngineOutput
 from weir.shared.config import CacheConfig, SchedulerConfig
@@ -87,18 +87,7 @@ async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
         SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=len(cases), max_model_len=64),
         CacheConfig(block_size=16, num_blocks=4 * len(cases)),
     )
-    frontend = ClientFrontend(
-        server,
-        tokenizer,
-        tokenizer.vocab_size,
-        64,
-        SchedulerMetrics("stops"),
-        wake=lambda: None,
-        requests_ended=lambda: None,
-        health=lambda stream_ids: {},
-        model_info=lambda: {},
-    )
-    frontend.core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace()))
+    frontend = frontend_over(server, tokenizer, scheduler, "stops")
     receiving = asyncio.create_task(frontend.run())
     for i, case in enumerate(cases):
         params = SamplingParams(
