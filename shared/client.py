@@ -40,6 +40,7 @@ from weir.shared.protocol.client import (
     ENGINE_ERROR,
     INVALID_REQUEST,
     MAX_ARRAY_LEN,
+    MAX_HEALTH_STREAM_IDS,
     SERVER_UNAVAILABLE,
     AbortRequest,
     ClientMessage,
@@ -411,33 +412,35 @@ class AsyncWeirClient:
                 if rid not in self._heard and inbox.idle()
             ]
             self._heard.clear()
-            if not quiet:
-                continue
-            try:
-                reply = await self._request(
-                    HealthRequest(uuid.uuid4().hex, quiet), self.timeout / 2
+            size = MAX_HEALTH_STREAM_IDS
+            await asyncio.gather(
+                *(self._check_streams(quiet[i : i + size]) for i in range(0, len(quiet), size))
+            )
+
+    async def _check_streams(self, quiet: list[str]) -> None:
+        try:
+            reply = await self._request(HealthRequest(uuid.uuid4().hex, quiet), self.timeout / 2)
+        except Exception as exc:  # the watch must outlive whatever one check meets
+            error = (
+                exc
+                if isinstance(exc, WeirError)
+                else ServerUnavailableError(f"liveness check failed: {exc!r}")
+            )
+            for rid in quiet:
+                self._fail_stream(rid, error)
+            return
+        for rid in reply.info.get("lost_request_ids", ()):
+            # Outputs sent before the reply are already queued: only an empty inbox is lost.
+            inbox = self._streams.get(rid)
+            if inbox is not None and inbox.idle():
+                self._fail_stream(
+                    rid,
+                    EngineError(
+                        f"request {rid} was lost: the server no longer knows it "
+                        "(it restarted); send it again",
+                        ENGINE_ERROR,
+                    ),
                 )
-            except Exception as exc:  # the watch must outlive whatever one check meets
-                error = (
-                    exc
-                    if isinstance(exc, WeirError)
-                    else ServerUnavailableError(f"liveness check failed: {exc!r}")
-                )
-                for rid in quiet:
-                    self._fail_stream(rid, error)
-                continue
-            for rid in reply.info.get("lost_request_ids", ()):
-                # Outputs sent before the reply are already queued: only an empty inbox is lost.
-                inbox = self._streams.get(rid)
-                if inbox is not None and inbox.idle():
-                    self._fail_stream(
-                        rid,
-                        EngineError(
-                            f"request {rid} was lost: the server no longer knows it "
-                            "(it restarted); send it again",
-                            ENGINE_ERROR,
-                        ),
-                    )
 
     def _fail_stream(self, request_id: str, error: WeirError) -> None:
         inbox = self._streams.get(request_id)

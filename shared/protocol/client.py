@@ -46,6 +46,9 @@ MAX_REQUEST_ID_LEN = 256
 # maps no wider than a message needs (sampling params have 11 fields).
 MAX_ARRAY_LEN = 1 << 20
 MAX_MAP_LEN = 64
+# Stream ids one health request may ask about: each costs the scheduler's loop a lookup and
+# a reply entry (a million stalled every client's steps for a second). The SDK splits.
+MAX_HEALTH_STREAM_IDS = 4096
 # The roles chat templates know; "developer" is OpenAI's newer name for "system".
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -228,7 +231,18 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         return AbortRequest(raw_id)
     if type_ == "health":
         stream_ids = data.get("stream_ids", [])
-        if not isinstance(stream_ids, list) or not all(isinstance(i, str) for i in stream_ids):
+        if not isinstance(stream_ids, list):
+            raise ClientProtocolError(
+                INVALID_REQUEST, "health: stream_ids must be a list of strings", raw_id
+            )
+        if len(stream_ids) > MAX_HEALTH_STREAM_IDS:
+            raise ClientProtocolError(
+                INVALID_REQUEST,
+                f"health: at most {MAX_HEALTH_STREAM_IDS} stream_ids per request, got "
+                f"{len(stream_ids)}; split them",
+                raw_id,
+            )
+        if not all(isinstance(i, str) for i in stream_ids):
             raise ClientProtocolError(
                 INVALID_REQUEST, "health: stream_ids must be a list of strings", raw_id
             )

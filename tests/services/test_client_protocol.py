@@ -247,3 +247,15 @@ def test_health_stream_ids_must_be_strings():
         client_protocol.ClientProtocolError, match="stream_ids must be a list of strings"
     ):
         client_protocol.decode_client_message(frame)
+
+
+def test_a_health_request_names_at_most_so_many_streams():
+    def health(n: int) -> bytes:
+        ids = [f"r{i}" for i in range(n)]
+        message = {"v": client_protocol.PROTOCOL_VERSION, "type": "health", "request_id": "h"}
+        return msgpack.packb({**message, "stream_ids": ids})
+
+    limit = client_protocol.MAX_HEALTH_STREAM_IDS
+    assert len(client_protocol.decode_client_message(health(limit)).stream_ids) == limit
+    with pytest.raises(client_protocol.ClientProtocolError, match=f"at most {limit} stream_ids"):
+        client_protocol.decode_client_message(health(limit + 1))

@@ -12,6 +12,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from weir.shared import client as sdk
 from weir.shared.client import (
     AsyncWeirClient,
     EngineError,
@@ -109,6 +110,19 @@ def test_quiet_streams_are_asked_about_together_and_keep_waiting() -> None:
     assert [results[rid] for rid in ("quiet1", "quiet2", "quiet3", "busy")] == ["finished"] * 4
     asked = results["health_ids"]
     assert asked and all(sorted(ids) == ["quiet1", "quiet2", "quiet3"] for ids in asked), asked
+
+
+def test_more_quiet_streams_than_one_request_may_name_are_asked_about_in_parts(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(sdk, "MAX_HEALTH_STREAM_IDS", 2)
+    results = asyncio.run(_scenario(answer_health=True, lost={"quiet3"}))
+    error, _ = results["quiet3"]
+    assert isinstance(error, EngineError) and "was lost" in str(error)
+    assert results["quiet1"] == results["quiet2"] == results["busy"] == "finished"
+    asked = results["health_ids"]
+    assert asked and all(len(ids) <= 2 for ids in asked), asked
+    assert {"quiet1", "quiet2", "quiet3"} <= {rid for ids in asked for rid in ids}
 
 
 def test_a_stream_the_server_lost_ends_with_engine_error() -> None:
