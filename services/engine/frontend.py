@@ -462,7 +462,8 @@ class ClientFrontend:
         """Send without waiting. A client that is gone loses its requests; so does one so
         far behind that its queue is full (it stopped reading), and it is told which once
         its queue has room again; what it was sent meanwhile is dropped."""
-        if identity in self._behind and not self._catch_up(identity):
+        behind = identity in self._behind
+        if behind and not self._catch_up(identity):
             self._cut_off(identity, behind=True)
             return
         try:
@@ -471,6 +472,9 @@ class ClientFrontend:
             if exc.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 raise
             self._cut_off(identity, behind=exc.errno == errno.EAGAIN)
+            return
+        if behind:
+            del self._behind[identity]  # caught up
 
     def _cut_off(self, identity: bytes, behind: bool) -> None:
         gone = [s for s in self.streams.values() if s.identity == identity]
@@ -499,7 +503,8 @@ class ClientFrontend:
 
     def _catch_up(self, identity: bytes) -> bool:
         """Tell a client that fell behind which of its requests ended; False while its
-        queue is still full."""
+        queue is still full (it stays behind, so one warning says so, until a frame
+        goes through)."""
         ended = self._behind[identity]
         while ended:
             error = client_protocol.ErrorReply(
@@ -518,13 +523,13 @@ class ClientFrontend:
                     raise
                 break  # gone: nobody to tell
             ended.pop()
-        del self._behind[identity]
         return True
 
     def _catch_up_all(self) -> None:
         self._catching_up = None
         for identity in list(self._behind):
-            self._catch_up(identity)
+            if self._catch_up(identity):
+                del self._behind[identity]
         if self._behind:
             self._catching_up = asyncio.get_running_loop().call_later(
                 _CATCH_UP_INTERVAL_S, self._catch_up_all

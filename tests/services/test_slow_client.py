@@ -7,6 +7,7 @@ made-up tokens are published as an executor's would be.
 """
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 
@@ -64,6 +65,16 @@ async def _serve(tokenizer: Tokenizer) -> tuple[list, list, set[str]]:
         while await fine.poll(0):
             heard[1].extend(client_protocol.decode_server_message(await fine.recv()))
         await asyncio.sleep(0)
+    # A client with no stream that asks without reading: its answers are dropped once its
+    # queue is full, and one warning (not one per answer) says so.
+    idle = context.socket(zmq.DEALER)
+    idle.setsockopt(zmq.RCVHWM, QUEUE)
+    idle.connect("inproc://slow-client")
+    for i in range(30):
+        await idle.send(
+            client_protocol.encode_client_message(client_protocol.HealthRequest(f"h{i}"))
+        )
+    await asyncio.sleep(0.2)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not any(
         isinstance(m, client_protocol.ErrorReply) for m in heard[0]
@@ -77,9 +88,12 @@ async def _serve(tokenizer: Tokenizer) -> tuple[list, list, set[str]]:
     return heard[0], heard[1], live
 
 
-def test_a_client_that_stops_reading_is_told_its_request_ended(default_model_dir) -> None:
+def test_a_client_that_stops_reading_is_told_its_request_ended(default_model_dir, caplog) -> None:
     tokenizer = Tokenizer.from_model_dir(default_model_dir)
-    slow, fine, live = asyncio.run(_serve(tokenizer))
+    with caplog.at_level(logging.WARNING, logger="weir.services.engine.frontend"):
+        slow, fine, live = asyncio.run(_serve(tokenizer))
+    warned = [r.getMessage() for r in caplog.records if "stopped reading" in r.getMessage()]
+    assert len(warned) == 2, warned  # the slow client, the idle one
     assert "s" not in live  # ended in the scheduler, not left running
     outputs = [o for m in slow if isinstance(m, list) for o in m]
     assert 0 < len(outputs) < STEPS and not outputs[-1].finished
