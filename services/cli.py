@@ -189,8 +189,11 @@ def _gateway(args: argparse.Namespace) -> int:
 
     # uvicorn installs uvloop only in a loop it makes itself; this one is ours (uvloop's
     # compiled loop and transports: ~10% of the gateway's CPU per streamed token).
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve(options, status, args.parent_pid))
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(serve(options, status, args.parent_pid))
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn took the signal over
+        return 0
 
 
 class _Terminated(Exception):

@@ -192,9 +192,6 @@ def _model_dir_damage(directory: Path) -> str | None:
     missing = sorted(set(files) - set(present))
     if missing:
         return f"{', '.join(missing)} missing"
-    extra = sorted(set(present) - set(files))
-    if extra:
-        return f"{', '.join(extra)} not part of the build"
     for name, expected in files.items():
         try:
             actual = _file_entry(directory / name)

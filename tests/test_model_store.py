@@ -369,7 +369,6 @@ DAMAGE = {
     "generation_config_garbled": lambda d: (d / "generation_config.json").write_text("nope"),
     "manifest_deleted": lambda d: (d / ".weir-build.json").unlink(),
     "manifest_garbled": lambda d: (d / ".weir-build.json").write_text("["),
-    "extra_file": lambda d: (d / "model-00002.safetensors").write_bytes(b"x"),
     "emptied": lambda d: [p.unlink() for p in d.iterdir()],
     "replaced_by_file": lambda d: (shutil.rmtree(d), d.write_text("hi\n")),
 }
@@ -402,10 +401,13 @@ def test_an_intact_cached_build_is_reused_without_converting(
         raise AssertionError("converted again")
 
     monkeypatch.setattr(model_store, "convert_gguf", no_conversion)
+    # A file someone added is not damage (rebuilding would delete it).
+    (tiny_default_model / "NOTES.txt").write_text("mine")
     with caplog.at_level(logging.WARNING, logger="weir.shared.model_store"):
         assert resolve_model(None) == tiny_default_model
         assert resolve_model(None) == tiny_default_model
     assert not caplog.records
+    assert (tiny_default_model / "NOTES.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])

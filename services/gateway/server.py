@@ -60,7 +60,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         async def when_bound() -> None:
             while server is None or not server.started:
                 await asyncio.sleep(0.01)
-            if not server.servers:  # stopped (SIGTERM) before it bound
+            if not server.servers or not server.servers[0].sockets:  # stopped before it bound
                 return
             port = server.servers[0].sockets[0].getsockname()[1]
             address = f"http://{options.host}:{port}"
