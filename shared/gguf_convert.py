@@ -374,17 +374,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # safetensors writes through a private (0600) temporary file: give every file the mode a
     # newly created file gets, so a cache one user prepared can be read by others the umask allows.
     mode = 0o666 & ~_umask()
-    for name in _OUTPUT_FILES:
-        os.chmod(out_dir / name, mode)
-
-
-_OUTPUT_FILES = (
-    "model.safetensors",
-    "tokenizer.json",
-    "config.json",
-    "tokenizer_config.json",
-    "generation_config.json",
-)
+    for path in out_dir.iterdir():
+        if path.is_file():
+            os.chmod(path, mode)
 
 
 def _umask() -> int:

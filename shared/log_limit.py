@@ -16,6 +16,8 @@ class OncePerInterval(logging.Filter):
         super().__init__()
         self.interval = interval
         self._last: dict[tuple[str, object], tuple[float, int]] = {}  # -> (time, held back)
+        # Templates are few, but a library may log preformatted text: bound what is kept.
+        self._max_kinds = 1024
 
     def filter(self, record: logging.LogRecord) -> bool:
         key = (record.name, record.msg)  # the template: its arguments vary per line
@@ -24,6 +26,8 @@ class OncePerInterval(logging.Filter):
         if now - last < self.interval:
             self._last[key] = (last, held + 1)
             return False
+        if len(self._last) >= self._max_kinds:
+            self._last.clear()
         self._last[key] = (now, 0)
         if held:
             record.msg = f"{record.getMessage()} ({held} more such line(s) held back)"

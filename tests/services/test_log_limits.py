@@ -27,6 +27,14 @@ def test_each_kind_of_line_at_most_once_an_interval_then_the_count_held_back(cap
     ]
 
 
+def test_what_it_remembers_is_bounded_when_lines_are_preformatted():
+    limit = OncePerInterval()
+    for i in range(5000):
+        record = logging.LogRecord("lib", logging.WARNING, __file__, 1, f"line {i}", None, None)
+        assert limit.filter(record)
+    assert len(limit._last) <= 1024
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
