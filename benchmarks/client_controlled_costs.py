@@ -11,6 +11,7 @@ as the request grows: the costs that must not grow with what a client controls.
   the executor holds them;
 * leaving client: s for ``finish_requests`` of one client's N queued requests,
   interleaved with another's N;
+* one abort: ms for ``finish_requests`` of one queued request among 50,000;
 * health: ms for the scheduler to decode and answer one ``health`` frame naming the
   most stream ids a frame may name.
 """
@@ -87,6 +88,23 @@ def leaving_client(n: int) -> float:
     return time.perf_counter() - start
 
 
+def one_abort(n: int, policy: str) -> float:
+    """ms for ``finish_requests`` of one queued request (a client disconnecting), the
+    mean over 200 spread through a queue of ``n``."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_model_len=8192, policy=policy),
+        CacheConfig(block_size=16, num_blocks=4096),
+    )
+    params = SamplingParams(max_tokens=16)
+    for i in range(n):
+        scheduler.add_request(Request(f"r{i}", [1, 2, 3, 4], params, priority=-(i % 3)))
+    victims = [f"r{i}" for i in range(n // 400, n, n // 200)]
+    start = time.perf_counter()
+    for rid in victims:
+        scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    return (time.perf_counter() - start) / len(victims) * 1000
+
+
 def health(n: int) -> float:
     ids = [f"request-{i:08d}" for i in range(n)]
     frame = msgpack.packb(
@@ -115,6 +133,11 @@ def main() -> None:
     print(f"| stop_token_ids of 983,040 ids, ms per sampling step | {banned_ids():.2f} |")
     for n in (10_000, 20_000):
         print(f"| a client leaving with {n:,} of {2 * n:,} queued, s | {leaving_client(n):.3f} |")
+    for policy in ("fcfs", "priority"):
+        print(
+            f"| one queued request aborted at 50,000 waiting ({policy}), ms | "
+            f"{one_abort(50_000, policy):.3f} |"
+        )
     n = getattr(client_protocol, "MAX_HEALTH_STREAM_IDS", client_protocol.MAX_ARRAY_LEN)
     print(f"| one health frame naming {n:,} streams, ms | {health(n):.1f} |")
 

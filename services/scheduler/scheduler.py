@@ -126,7 +126,6 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
         outputs = []
-        leaving_queue = []
         for rid in request_ids:
             request = self.requests.pop(rid, None)
             if request is None:
@@ -134,13 +133,12 @@ class Scheduler:
             if request.status is _RUNNING:
                 self.running.remove(request)
             else:
-                leaving_queue.append(request)
+                self.waiting.remove(request)
             request.status = status
             self._release(request)
             outputs.append(
                 EngineOutput(rid, [], True, FINISH_REASONS[status], request.num_cached_tokens)
             )
-        self.waiting.remove_all(leaving_queue)
         if self._trials:
             self._prove(o.request_id for o in outputs)
         return outputs
