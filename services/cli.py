@@ -189,10 +189,14 @@ def _gateway(args: argparse.Namespace) -> int:
 
     # uvicorn installs uvloop only in a loop it makes itself; this one is ours (uvloop's
     # compiled loop and transports: ~10% of the gateway's CPU per streamed token).
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler
+    # it found: this one makes both that and a SIGTERM during start-up an exit 0, as the
+    # scheduler's and executor's (a default handler made it 143).
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(options, status, args.parent_pid))
-    except KeyboardInterrupt:  # Ctrl-C before uvicorn took the signal over
+    except (KeyboardInterrupt, _Terminated):  # Ctrl-C or SIGTERM (also before uvicorn's)
         return 0
 
 

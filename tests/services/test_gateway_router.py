@@ -140,6 +140,14 @@ def test_a_new_gateway_serves_at_once_while_a_listed_replica_is_down(replicas):
         assert time.monotonic() - start < 10
 
 
+def test_sigterm_stops_the_gateway_with_status_0():
+    """As the scheduler and executor (uvicorn raises the signal again once stopped: 143)."""
+    with GatewayProcess([_free_address()], timeout=3) as process:
+        gateway = process._children[0].proc
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(timeout=30) == 0
+
+
 def test_the_log_says_when_a_replica_leaves_the_rotation_and_when_it_returns(replicas, caplog):
     """At the default level: an engine unreachable past the gateway's start (once, not per
     health check), and a replica back after a warning, at the warning's level."""
