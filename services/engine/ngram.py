@@ -17,19 +17,18 @@ and the next ``schedule``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from weir.services.scheduler.request import Request
 from weir.shared.config import EngineArgs
 
 
+@dataclass(slots=True)
 class _Index:
     """One request's n-grams: (n-gram) -> position right after its latest occurrence."""
 
-    __slots__ = ("after", "indexed_end")
-
-    def __init__(self) -> None:
-        self.after: dict[tuple[int, ...], int] = {}
-        self.indexed_end = 0  # n-grams ending at positions <= this are in ``after``
+    after: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed_end: int = 0  # n-grams ending at positions <= this are in ``after``
 
 
 class NgramProposer:
@@ -39,24 +38,24 @@ class NgramProposer:
                 f"ngram: need k >= 1 and 1 <= n_min <= n_max, got {k}, {n_min}, {n_max}"
             )
         self.k, self.n_min, self.n_max = k, n_min, n_max
-        self._indexes: dict[str, _Index] = {}
+        # By request object, not id: a new request may reuse an ended one's id.
+        self._indexes: dict[Request, _Index] = {}
 
     def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
         """Drafts for every request that is decoding (its whole sequence computed but the
         last token); others, and requests gone since the last call, are forgotten."""
         indexes = self._indexes
-        live: dict[str, _Index] = {}
+        live: dict[Request, _Index] = {}
         drafts: dict[str, list[int]] = {}
         for request in requests:
             tokens = request.all_token_ids
             if request.num_computed_tokens != len(tokens) - 1:
                 continue  # prefill still partial: no decode next step
-            rid = request.request_id
-            index = indexes.get(rid) or _Index()
-            live[rid] = index
+            index = indexes.get(request) or _Index()
+            live[request] = index
             proposal = self._propose(index, tokens)
             if proposal:
-                drafts[rid] = proposal
+                drafts[request.request_id] = proposal
         self._indexes = live
         return drafts
 

@@ -309,8 +309,6 @@ class SchedulerServer:
                 self._observe_phase,
                 make_proposer(self.engine_args),
             )
-            self._counters = _Counters({})
-            self._spec_seen = SpecDecodeStats()
         else:
             if self._recovery_deadline is not None:
                 self._recovery_deadline.cancel()

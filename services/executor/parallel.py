@@ -1,4 +1,5 @@
-"""Tensor parallelism: which slice of the model a rank holds, and the collectives it calls.
+"""Tensor parallelism: the collectives a rank calls (which slice of the model it holds is
+``weir.shared.shard_layout``, read by the scheduler too).
 
 Megatron-style: the fused QKV and gate/up projections are split by output rows
 (column-parallel: each rank computes its own heads and its share of the MLP), the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from hashlib import blake2b
 
 # Chained-hash root. Anything else that changes a block's KV (adapter, multimodal
@@ -39,13 +40,11 @@ def chain_block_hashes(
     return hashes
 
 
+@dataclass(slots=True, eq=False)  # identity: two free blocks are not "equal"
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: bytes | None = None
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}, hashed={self.block_hash is not None})"

@@ -67,13 +67,11 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.scheduler_config = scheduler_config
-        self.cache_config = cache_config
-        self.kv_cache_manager = KVCacheManager(cache_config)
+        self._use_cache(cache_config)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []  # admission order
         self._finished_req_ids: list[str] = []  # since the last plan
-        self._watermark_blocks = int(scheduler_config.watermark * cache_config.num_blocks)
         self._next_seq = 0
         self._step_id = 0
         self._num_preemptions = 0
@@ -215,9 +213,7 @@ class Scheduler:
             cache_config = self.cache_config
         if cache_config is None:
             return {}
-        self.cache_config = cache_config
-        self.kv_cache_manager = KVCacheManager(cache_config)
-        self._watermark_blocks = int(self.scheduler_config.watermark * cache_config.num_blocks)
+        self._use_cache(cache_config)
         too_big = {
             rid: problem
             for rid, request in self.requests.items()
@@ -225,6 +221,12 @@ class Scheduler:
         }
         self.finish_requests(too_big, RequestStatus.FINISHED_ABORTED)
         return too_big
+
+    def _use_cache(self, cache_config: CacheConfig) -> None:
+        """A new, empty KV cache of ``cache_config``'s size."""
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(cache_config)
+        self._watermark_blocks = int(self.scheduler_config.watermark * cache_config.num_blocks)
 
     def _send_again(self, request: Request) -> None:
         """Back to the head of the waiting queue, as new to the executor (recompute)."""
@@ -431,14 +433,10 @@ class Scheduler:
             scheduled_running.remove(victim)
             spec_tokens.pop(rid, None)
             new_blocks.pop(rid, None)
-        self.kv_cache_manager.free(victim)
-        victim.num_computed_tokens = 0
-        victim.num_output_placeholders = 0
-        victim.spec_token_ids = []
+        self._send_again(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self._num_preemptions += 1
-        self.waiting.requeue(victim)
         return returned
 
     def _admit(
@@ -576,7 +574,8 @@ class Scheduler:
                         sampled = sampled[: num_drafts + 1]
                     computed -= num_drafts + 1 - (len(sampled) if sampled else 0)
                     request.spec_token_ids = []
-                    self._count_verified(num_drafts, len(sampled) - 1 if sampled else 0)
+                    if sampled:  # else it failed (warned below): nothing was verified
+                        self._count_verified(num_drafts, len(sampled) - 1)
                 elif request.spec_token_ids:
                     request.spec_token_ids = []  # none fit this step; stale after it
                 num_tokens = len(all_tokens)

@@ -13,8 +13,9 @@ A step plan is a *diff* against what the executor already holds:
   preemption has ``resumed=True``: ``new_block_ids`` is then its *whole* new block
   table (replace, don't append) and ``output_token_ids`` every output token so far
   (its token list becomes prompt + these); for other requests that field is None.
-* ``preempted_req_ids``: drop these from the batch but keep their state (prompt,
-  sampling parameters, RNG): they come back as ``resumed`` cached requests.
+* ``preempted_req_ids``: requests preempted in this step (for the record: the executor
+  need not act, as they are not scheduled; they come back as ``resumed`` cached
+  requests).
 * ``finished_req_ids``: forget these (finished, aborted, or stopped by the scheduler
   process since the last plan).
 

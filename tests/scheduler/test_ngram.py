@@ -35,6 +35,15 @@ def test_proposes_what_followed_the_longest_latest_match():
     assert proposer.propose([partial]) == {}
 
 
+def test_a_new_request_with_an_ended_ones_id_starts_a_new_index():
+    """Nothing ran between the two (a stop string ended the first while the loop was idle):
+    the first's n-grams must not draft for the second."""
+    proposer = NgramProposer(k=2, n_min=1, n_max=2)
+    proposer.propose([decoding("r", [9, 1, 2, 9])])
+    tokens = [9, 9, 1, 2]
+    assert proposer.propose([decoding("r", tokens)]).get("r", []) == brute_force(tokens, 2, 1, 2)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.integers(0, 4), min_size=1, max_size=40),

@@ -127,3 +127,18 @@ def test_tokens_sampled_past_a_stop_are_dropped_with_their_logprobs():
     assert outputs[0].logprobs == SampleLogprobs([[11, 3], [EOS, 1]], [[-0.1, -2.0], [-0.2, -3.0]])
     assert a.status is RequestStatus.FINISHED_STOPPED and a.output_token_ids == [9, 11, EOS]
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+
+
+def test_a_speculative_step_that_returns_no_token_verifies_nothing():
+    """An executor fault (no token for the request) is recomputed, not counted as a
+    verification with every draft rejected (that lowered the reported acceptance)."""
+    scheduler, executor = make_scheduler(block_size=4, num_speculative_tokens=3)
+    a = Request("A", _prompt(8), LONG)
+    _decoding(scheduler, executor, a)
+    scheduler.update_draft_token_ids({"A": [1, 2, 3]})
+    plan = scheduler.schedule()
+    assert plan.scheduled_spec_decode_tokens == {"A": [1, 2, 3]}
+    assert scheduler.update_from_output(plan, StepResult({}, step_id=plan.step_id)) == []
+    spec = scheduler.stats().spec_decode
+    assert (spec.num_drafts, spec.num_draft_tokens) == (0, 0)
+    assert a.num_computed_tokens == a.num_tokens - 1 and a.spec_token_ids == []
