@@ -661,7 +661,9 @@ def paged_attention(
     step has long queries, a decode-tile launch, and a merge launch on split-KV.
 
     The cache must already hold the new tokens' K/V (call reshape_and_cache first). Nothing is read
-    back to the host. Optional keyword arguments, all host-side:
+    back to the host. Optional keyword arguments, all host-side (the executor passes only the
+    max_query_len and max_seq_len hints; out, split_kv, workspace and concurrent are for
+    benchmarks and tests):
       out           preallocated [T, num_heads, head_dim] result; rows of tokens outside every request
                     are unspecified, as in the reference.
       max_query_len longest query of the step, known to the caller; picks the tiles and launches.

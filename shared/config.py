@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import Field, asdict, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -115,9 +115,6 @@ class SchedulerConfig:
                     "prefill is disabled (it would chunk the prefill)"
                 )
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(slots=True)
 class CacheConfig:
@@ -140,11 +137,12 @@ class CacheConfig:
             )
 
 
-# ------------------------------------------------------------------ ports
-
 # The most KV blocks an executor offers (more memory is left unused): the scheduler keeps
 # ~200 bytes per block, so this caps its pool near 1 GB (67M tokens at block size 16).
 MAX_NUM_KV_BLOCKS = 1 << 22
+
+
+# ------------------------------------------------------------------ ports
 
 DEFAULT_PORT = 8100  # clients
 DEFAULT_METRICS_PORT = 8101  # the scheduler's /metrics
@@ -329,7 +327,8 @@ class EngineArgs:
         "with a scale per output channel, requantized from the loaded weights (default: none)",
         choices=QUANTIZATION_METHODS,
     )
-    kv_cache_memory: int | str | None = _arg(
+    # In bytes; a size such as "64MiB" (``LLM(kv_cache_memory=...)``) is parsed on construction.
+    kv_cache_memory: int | None = _arg(
         None, EXECUTOR, "KV cache size on CPU, e.g. 256MiB", type=parse_size
     )
     gpu_memory_utilization: float = _arg(
@@ -369,6 +368,12 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         # What can be told before any process starts; the executor checks the device it got.
+        if isinstance(self.kv_cache_memory, str):
+            try:
+                size = parse_size(self.kv_cache_memory)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"kv_cache_memory: {exc}") from None
+            object.__setattr__(self, "kv_cache_memory", size)  # frozen
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.threads is not None:
             _check_int("threads", self.threads, 1)

@@ -1,6 +1,7 @@
 """The architecture facts Weir needs from a Hugging Face ``config.json``.
 
-The scheduler reads the vocabulary and the context length, the executor every shape.
+The scheduler reads the vocabulary and the context length, the executor every shape; both
+take the end-of-sequence tokens from ``eos_token_ids``.
 Both read it here, so a malformed file is one clear error at start-up in whichever
 process reads it first, not a KeyError deep in a model build. A key left out takes
 transformers' default for the model type; a feature Weir does not implement is refused.
@@ -49,7 +50,6 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -88,10 +88,6 @@ class ModelConfig:
             )
         max_pos = _count(hf, "max_position_embeddings")
         attention_bias = _flag(hf, "attention_bias")
-        eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in eos_ids):
-            raise ValueError(f"config.json: eos_token_id must be token ids, got {eos!r}")
         return cls(
             model_type=model_type,
             vocab_size=_count(hf, "vocab_size"),
@@ -116,7 +112,6 @@ class ModelConfig:
             mlp_bias=model_type == "llama" and _flag(hf, "mlp_bias"),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
-            eos_token_ids=eos_ids,
         )
 
 
@@ -131,6 +126,62 @@ def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         return ModelConfig.from_hf(hf)
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
+
+
+def eos_token_ids(model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
+    """Every token that ends a sequence: ``eos_token_id`` of config.json and of
+    generation_config.json, and the tokenizer's ``eos_token`` (tokenizer_config.json, its id
+    from tokenizer.json). The scheduler stops on these and the executor bans them before
+    ``min_tokens``: both read them here, or a stop token could be sampled too early."""
+    model_dir = Path(model_dir)
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        eos = read_json(model_dir / name).get("eos_token_id")
+        found = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        if not all(type(t) is int for t in found):  # bool is an int subclass
+            raise ValueError(f"{model_dir / name}: eos_token_id must be token ids, got {eos!r}")
+        ids += found
+    token = read_json(model_dir / "tokenizer_config.json").get("eos_token")
+    if isinstance(token, dict):  # a serialized AddedToken
+        token = token.get("content")
+    if isinstance(token, str) and (token_id := _vocab_id(model_dir, token)) is not None:
+        ids.append(token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} when there is none; ValueError names a malformed one."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"{path}: not valid JSON ({exc}); repair or remove the file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object; repair or remove the file")
+    return data
+
+
+def _vocab_id(model_dir: Path, token: str) -> int | None:
+    # What the tokenizers library's token_to_id answers, without importing it here: an
+    # added token first, else the model's vocabulary.
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        tokenizer = json.loads(path.read_text(encoding="utf-8"))
+        added = tokenizer.get("added_tokens", [])
+        vocab = tokenizer.get("model", {}).get("vocab")
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: cannot be read: {exc}") from None
+    for entry in added:
+        if entry.get("content") == token:
+            return int(entry["id"])
+    if isinstance(vocab, dict):  # BPE, WordPiece, WordLevel
+        return vocab.get(token)
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs in id order
+        return next((i for i, (piece, _) in enumerate(vocab) if piece == token), None)
+    return None
 
 
 def _mapping(hf: dict[str, Any], key: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The model's tokenizer and chat template, without transformers, plus streaming detokenization.
 
-`Tokenizer` reads a Hugging Face model directory (tokenizer.json, tokenizer_config.json,
-generation_config.json) and renders the chat template the way transformers does.
+`Tokenizer` reads a Hugging Face model directory (tokenizer.json, tokenizer_config.json; its
+stop tokens are `weir.shared.model_config.eos_token_ids`, the ones the executor bans before
+min_tokens) and renders the chat template the way transformers does.
 `IncrementalDetokenizer` turns streamed token ids into text deltas for the scheduler's hot loop.
 """
 
@@ -18,6 +19,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
+
+from weir.shared.model_config import eos_token_ids, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -54,27 +57,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-        raise ValueError(f"{path}: not valid JSON ({exc}); repair or remove the file") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a JSON object; repair or remove the file")
-    return data
-
-
 def _token_content(value: str | dict | None) -> str | None:
     # tokenizer_config.json writes a special token either as a string or as a serialized AddedToken.
     return value.get("content") if isinstance(value, dict) else value
-
-
-def _as_id_list(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
 
 
 class _WholePieces(dict[int, str | None]):
@@ -123,8 +108,10 @@ class Tokenizer:
         self.eos_token = eos_token
         self.bos_token_id = None if bos_token is None else backend.token_to_id(bos_token)
         self.eos_token_id = None if eos_token is None else backend.token_to_id(eos_token)
-        stop_ids = _as_id_list(self.eos_token_id) + list(extra_stop_token_ids)
-        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stop_ids))
+        eos_ids = () if self.eos_token_id is None else (self.eos_token_id,)
+        self.stop_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys((*eos_ids, *extra_stop_token_ids))
+        )
         self._chat_template = (
             None if chat_template is None else compile_chat_template(chat_template)
         )
@@ -133,8 +120,9 @@ class Tokenizer:
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike) -> "Tokenizer":
         model_dir = Path(path)
-        config = _read_json(model_dir / "tokenizer_config.json")
-        generation = _read_json(model_dir / "generation_config.json")
+        config = read_json(model_dir / "tokenizer_config.json")
+        # Before tokenizer.json is loaded: a malformed config file is named even without it.
+        eos_ids = eos_token_ids(model_dir)
         chat_template = config.get("chat_template")
         if chat_template is None and (model_dir / "chat_template.jinja").is_file():
             chat_template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
@@ -147,7 +135,7 @@ class Tokenizer:
             chat_template=chat_template,
             bos_token=_token_content(config.get("bos_token")),
             eos_token=_token_content(config.get("eos_token")),
-            extra_stop_token_ids=_as_id_list(generation.get("eos_token_id")),
+            extra_stop_token_ids=eos_ids,
         )
 
     @property

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weir.services.bench.report import (
     append_markdown,
@@ -43,6 +43,9 @@ from weir.services.bench.workload import (
     workload_from_args,
 )
 from weir.shared.config import DEFAULT_ADDRESS, DEFAULT_HTTP_PORT
+
+if TYPE_CHECKING:  # at run time imported where used (zmq only for --backend weir)
+    from weir.shared.client import AsyncWeirClient
 
 _READY_POLL_S = 0.5
 
@@ -181,7 +184,7 @@ async def _sender(
         yield lambda request, trace, t0: _one_request(weir, request, trace, t0)
 
 
-async def wait_until_ready(client, timeout_s: float) -> None:  # client: AsyncWeirClient
+async def wait_until_ready(client: "AsyncWeirClient", timeout_s: float) -> None:
     """Poll health() until the server reports status "ok" (its executors are connected)."""
     from weir.shared.client import WeirError
 

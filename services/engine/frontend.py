@@ -387,7 +387,8 @@ class ClientFrontend:
         priority: int,
     ) -> Request:
         eos = self.tokenizer.eos_token_id
-        # Models with several end tokens (generation_config.json) stop on all of them.
+        # Models with several end tokens stop on all of them: the executor bans the same set
+        # (model_config.eos_token_ids) before min_tokens.
         extra = tuple(
             t for t in self.tokenizer.stop_token_ids if t != eos and t not in params.stop_token_ids
         )

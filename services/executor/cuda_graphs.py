@@ -21,8 +21,9 @@ launch instead of hundreds. A graph replays fixed device addresses and a fixed g
 Larger steps and mixed steps (prefill chunks, unequal query lengths) run eagerly. Sampling
 stays outside the graph (its parameters and shapes change every step).
 
-Without capture (``capture=False``, and on a CPU) the same buffers and padding run the
-forward pass eagerly: the path a graph replays, checkable where there is no GPU.
+The executor builds this only with CUDA graphs on (which needs CUDA). Tests build it with
+``capture=False``, also on a CPU: the same buffers and padding then run the forward pass
+eagerly, the path a graph replays, checkable where there is no GPU.
 """
 
 import bisect

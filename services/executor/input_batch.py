@@ -64,55 +64,41 @@ class InputBatch:
         self.prompts: dict[str, list[int]] = {}
         self.capacity = 0
         self._free: list[int] = []
+        self.stop_ids: dict[int, np.ndarray] = {}  # slot -> ids banned before min_tokens
         self._grow(capacity)
+
+    def _arrays(self) -> tuple[tuple[str, type, tuple[int, ...], int], ...]:
+        """(name, dtype, shape of one slot's row, value of an unused row) of every slot array."""
+        return (
+            ("token_ids", np.int32, (self.max_model_len,), 0),
+            ("block_table", np.int32, (self.max_blocks_per_req,), 0),
+            ("num_blocks", np.int32, (), 0),
+            ("num_tokens", np.int32, (), 0),  # prompt + outputs the executor knows
+            ("num_prompt_tokens", np.int32, (), 0),
+            ("num_computed_tokens", np.int32, (), 0),
+            ("temperature", np.float32, (), 0),
+            ("top_k", np.int64, (), 0),
+            ("top_p", np.float32, (), 1),
+            ("min_p", np.float32, (), 0),
+            ("seed", object, (), 0),  # Python ints: seeds span 64 bits, signed or not
+            ("has_seed", bool, (), 0),
+            ("num_logprobs", np.int32, (), -1),
+            ("min_tokens", np.int32, (), 0),
+            # Bumped whenever a slot's tokens are set from a plan: a reservation made before
+            # is void (`fill_reserved`).
+            ("generation", np.int64, (), 0),
+        )
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
-        if old == 0:
-            self.token_ids = np.zeros((capacity, self.max_model_len), dtype=np.int32)
-            self.block_table = np.zeros((capacity, self.max_blocks_per_req), dtype=np.int32)
-            self.num_blocks = np.zeros(capacity, dtype=np.int32)
-            self.num_tokens = np.zeros(
-                capacity, dtype=np.int32
-            )  # prompt + outputs the executor knows
-            self.num_prompt_tokens = np.zeros(capacity, dtype=np.int32)
-            self.num_computed_tokens = np.zeros(capacity, dtype=np.int32)
-            self.temperature = np.zeros(capacity, dtype=np.float32)
-            self.top_k = np.zeros(capacity, dtype=np.int64)
-            self.top_p = np.ones(capacity, dtype=np.float32)
-            self.min_p = np.zeros(capacity, dtype=np.float32)
-            self.seed = np.zeros(
-                capacity, dtype=object
-            )  # Python ints: seeds span 64 bits, signed or not
-            self.has_seed = np.zeros(capacity, dtype=bool)
-            self.num_logprobs = np.full(capacity, -1, dtype=np.int32)
-            self.min_tokens = np.zeros(capacity, dtype=np.int32)
-            # Bumped whenever a slot's tokens are set from a plan: a reservation made before
-            # is void (`fill_reserved`).
-            self.generation = np.zeros(capacity, dtype=np.int64)
-            self.stop_ids: dict[int, np.ndarray] = {}  # slot -> ids banned before min_tokens
-        else:
-            for name in (
-                "token_ids",
-                "block_table",
-                "num_blocks",
-                "num_tokens",
-                "num_prompt_tokens",
-                "num_computed_tokens",
-                "temperature",
-                "top_k",
-                "top_p",
-                "min_p",
-                "seed",
-                "has_seed",
-                "num_logprobs",
-                "min_tokens",
-                "generation",
-            ):
-                arr = getattr(self, name)
-                grown = np.zeros((capacity, *arr.shape[1:]), dtype=arr.dtype)
-                grown[:old] = arr
-                setattr(self, name, grown)
+        for name, dtype, row_shape, fill in self._arrays():
+            # np.zeros, not np.full: the large token and block arrays stay untouched memory.
+            grown = np.zeros((capacity, *row_shape), dtype=dtype)
+            if fill:
+                grown[old:] = fill
+            if old:
+                grown[:old] = getattr(self, name)
+            setattr(self, name, grown)
         self._free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
 

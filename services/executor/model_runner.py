@@ -19,7 +19,6 @@ waiting, and phase timings synchronize only when asked for (``sync_timings``, or
 (``cuda_graphs.DecodeGraphs``) unless ``enforce_eager``.
 """
 
-import json
 import logging
 import os
 import time
@@ -41,7 +40,7 @@ from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
 from weir.shared.config import ENGINE_DEFAULTS, MAX_NUM_KV_BLOCKS, resolve_max_model_len
-from weir.shared.model_config import read_model_config
+from weir.shared.model_config import eos_token_ids, read_model_config
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 from weir.shared.shard_layout import ShardLayout
 
@@ -75,21 +74,11 @@ def set_cpu_threads(num_threads: int | None) -> int:
     return num_threads
 
 
-def _eos_token_ids(model_dir: Path, config_eos: tuple[int, ...]) -> tuple[int, ...]:
-    ids = list(config_eos)
-    gen_config = model_dir / "generation_config.json"
-    if gen_config.is_file():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
-        for token_id in eos if isinstance(eos, list) else [] if eos is None else [eos]:
-            if token_id not in ids:
-                ids.append(token_id)
-    return tuple(ids)
-
-
 @dataclass(slots=True)
 class StepTimings:
-    """Seconds the last ``execute()`` spent per phase: building inputs from the plan, the
-    forward pass (with logits), and sampling (with collecting the result). On CUDA without
+    """Seconds one step (its ``LaunchedStep``, through ``launch`` and ``finish``) spent per
+    phase: building inputs from the plan, the forward pass (with logits), and sampling (with
+    collecting the result). On CUDA without
     ``sync_timings`` these are host times: work still queued on the device counts in the
     phase that waits for it (sampling, which copies the tokens back). ``graphed``: the
     forward pass replayed a CUDA graph."""
@@ -194,7 +183,7 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(
             max_model_len, self.config.max_position_embeddings
         )
-        self.eos_token_ids = _eos_token_ids(self.model_dir, self.config.eos_token_ids)
+        self.eos_token_ids = eos_token_ids(self.model_dir)
         self.sampler = Sampler(self.device, seed)
         self.num_blocks = min(
             self._num_kv_blocks(kv_cache_memory_bytes, gpu_memory_utilization), MAX_NUM_KV_BLOCKS

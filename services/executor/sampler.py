@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from weir.services.executor.transfer import to_device
-from weir.shared.sampling import GREEDY_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -64,11 +63,9 @@ class SamplingBatch:
         """From host arrays; `seeds` holds (row, seed, output position) for seeded rows and
         `banned` (row, token ids it may not produce)."""
         device = torch.device(device)
-        # Logits divided by a tiny temperature overflow to inf (NaN probabilities, token 0
-        # forever): such rows are greedy. A huge one must stay finite in float32.
-        temperature = np.where(
-            temperature < GREEDY_TEMPERATURE, 0.0, np.minimum(temperature, _FLOAT32_MAX)
-        )
+        # SamplingParams (also on the wire: from_dict) already made a tiny temperature 0, but
+        # takes any finite one: past float32 it would turn the logits into NaN.
+        temperature = np.minimum(temperature, _FLOAT32_MAX)
         all_greedy = not temperature.any()
         sampling = temperature > 0
         # Filters of greedy rows are irrelevant; leave them out so an all-greedy batch stays one argmax.
@@ -101,7 +98,6 @@ class SamplingBatch:
 @dataclass(slots=True)
 class Logprobs:
     token_logprobs: torch.Tensor  # [N] logprob of the sampled token
-    ranks: torch.Tensor  # [N] 1-based rank of the sampled token
     top_ids: torch.Tensor  # [N, n]
     top_logprobs: torch.Tensor  # [N, n]
 
@@ -139,9 +135,8 @@ def apply_top_k_top_p(
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> Logprobs:
     logprobs = torch.log_softmax(logits, dim=-1)
     token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > token_logprobs.unsqueeze(1)).sum(dim=-1) + 1
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
-    return Logprobs(token_logprobs, ranks, top_ids, top_logprobs)
+    return Logprobs(token_logprobs, top_ids, top_logprobs)
 
 
 class Sampler:

@@ -1,12 +1,12 @@
 """The executor process: load the model, handshake with the scheduler, run every step it sends.
 
 Loop: receive a plan -> decode -> ``ModelRunner.launch`` -> ``ModelRunner.finish`` ->
-(rank 0) send the encoded result. On a GPU a plan that is already waiting is launched
-before the step in flight is finished (see ``serve``). A step that raises is answered with
-``step_error``; the executor then drops every request (the scheduler sends them all again
-and isolates the one that made the step raise) and keeps serving, except in a
-tensor-parallel group (the other ranks may be waiting in a collective this rank never
-joins): there the rank exits and the group fails. A heartbeat thread proves liveness (see
+(rank 0) send the encoded result. On a GPU without tensor parallelism a plan that is
+already waiting is launched before the step in flight is finished (see ``serve``). A step
+that raises is answered with ``step_error``; the executor then drops every request (the
+scheduler sends them all again and isolates the one that made the step raise) and keeps
+serving, except in a tensor-parallel group (the other ranks may be waiting in a collective
+this rank never joins): there the rank exits and the group fails. A heartbeat thread proves liveness (see
 ``weir.shared.protocol.control``). The process exits
 when told to (SIGTERM), when its supervisor dies, or when the scheduler it
 handshook with is replaced.
@@ -30,7 +30,7 @@ from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
-from weir.shared.config import EngineArgs, parse_size
+from weir.shared.config import EngineArgs
 from weir.shared.keys import (
     CLUSTER,
     HandshakeMonitor,
@@ -211,16 +211,11 @@ class ExecutorWorker:
         from weir.shared.model_store import resolve_model
 
         args = self.options.engine_args
-        kv_cache_memory = (
-            parse_size(args.kv_cache_memory)
-            if isinstance(args.kv_cache_memory, str)
-            else args.kv_cache_memory
-        )
         return ModelRunner(
             resolve_model(args.model, load_format=args.load_format),
             device=args.device or _default_device(),
             dtype=args.dtype,
-            kv_cache_memory_bytes=kv_cache_memory,
+            kv_cache_memory_bytes=args.kv_cache_memory,
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             attention_backend=args.attention_backend,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.config import CacheConfig, EngineArgs, SchedulerConfig
 from weir.shared.sampling import SamplingParams
 
 
@@ -46,7 +46,15 @@ def test_scheduler_config_defaults():
     )
     assert config.enable_chunked_prefill and config.policy == "fcfs"
     custom = SchedulerConfig(max_num_batched_tokens=512, policy="priority", watermark=0)
-    assert custom.to_dict()["policy"] == "priority" and custom.watermark == 0.0
+    assert custom.policy == "priority" and custom.watermark == 0.0
+    assert type(custom.watermark) is float
+
+
+def test_engine_args_take_a_kv_cache_size_as_text_or_bytes():
+    assert EngineArgs(kv_cache_memory="64MiB").kv_cache_memory == 64 << 20
+    assert EngineArgs(kv_cache_memory=4096).kv_cache_memory == 4096
+    with pytest.raises(ValueError, match="kv_cache_memory: not a size"):
+        EngineArgs(kv_cache_memory="lots")
 
 
 @pytest.mark.parametrize(
