@@ -192,20 +192,12 @@ def _gateway(args: argparse.Namespace) -> int:
     # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler
     # it found: this one makes both that and a SIGTERM during start-up an exit 0, as the
     # scheduler's and executor's (a default handler made it 143).
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGTERM, launcher.raise_terminated)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(options, status, args.parent_pid))
-    except (KeyboardInterrupt, _Terminated):  # Ctrl-C or SIGTERM (also before uvicorn's)
+    except (KeyboardInterrupt, launcher.Terminated):  # Ctrl-C or SIGTERM (also before uvicorn's)
         return 0
-
-
-class _Terminated(Exception):
-    pass
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
 
 
 def _engine_args(args: argparse.Namespace) -> EngineArgs:
@@ -240,7 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # options that only tell together, e.g. ranks and cores
         _exit_with_option_error(args, exc)
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGTERM, launcher.raise_terminated)
     drain = False
     try:
         try:
@@ -271,7 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-    except _Terminated:
+    except launcher.Terminated:
         drain = True  # as Kubernetes stops a pod: finish what is in flight
         return 0
     finally:

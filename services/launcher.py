@@ -61,6 +61,14 @@ class ChildFailedError(RuntimeError):
     """A child process exited during start-up or while serving."""
 
 
+class Terminated(Exception):
+    """SIGTERM reached the process (``raise_terminated`` is the handler that raises it)."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 @dataclass(slots=True)
 class _Child:
     name: str
@@ -216,6 +224,12 @@ class ServerProcesses:
             self._add_executor_threads(self.info)
             if self.http_port is not None:
                 self.info["http_address"] = self._start_gateway([self.info["client_address"]])
+        except Terminated:
+            if not self.info:
+                self._abandon_start()
+            # Else the scheduler already takes requests: the caller drains them, as after a
+            # start (``shutdown(drain=True)``; abandoning failed them with the executors gone).
+            raise
         except BaseException:
             self._abandon_start()
             raise

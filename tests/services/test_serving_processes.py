@@ -20,7 +20,9 @@ import psutil
 import pytest
 import zmq
 
+from weir.services import launcher
 from weir.shared.client import ServerUnavailableError, WeirClient
+from weir.shared.config import EngineArgs
 from weir.shared.protocol import control
 from weir.shared.sampling import SamplingParams
 
@@ -91,6 +93,45 @@ def start_serve(model_dir: Path, *extra: str) -> subprocess.Popen:
         bufsize=0,
         env=ENV,
     )
+
+
+def test_sigterm_while_the_gateway_starts_drains_what_the_scheduler_took(
+    tiny_model_dir, monkeypatch
+):
+    """The scheduler takes requests before `weir serve` is up (its gateway still starting):
+    a SIGTERM then drains them, as after the start. Abandoning the start killed the
+    executors, so they all failed (connection lost) at the end of the drain timeout."""
+    engine = EngineArgs(model=str(tiny_model_dir), kv_cache_memory=1 << 20, threads=1, device="cpu")
+    server = launcher.ServerProcesses(
+        engine, port=0, metrics_port=0, executor_metrics_port=0, http_port=0
+    )
+    streaming, outputs = threading.Event(), []
+    start_gateway = server._start_gateway
+
+    def gateway_after_a_request(schedulers, *extra):
+        def request() -> None:
+            params = SamplingParams(max_tokens=40, ignore_eos=True)
+            with WeirClient(schedulers[0]) as client:
+                for out in client.generate("Hello", params):
+                    outputs.append(out)
+                    streaming.set()
+
+        threading.Thread(target=request, daemon=True).start()
+        assert streaming.wait(60)
+        os.kill(os.getpid(), signal.SIGTERM)  # raised here, in the main thread
+        return start_gateway(schedulers, *extra)
+
+    monkeypatch.setattr(server, "_start_gateway", gateway_after_a_request)
+    previous = signal.signal(signal.SIGTERM, launcher.raise_terminated)
+    try:
+        with pytest.raises(launcher.Terminated):
+            server.start()
+        assert all(child.proc.poll() is None for child in server._children)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.shutdown(drain=True)
+    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in outputs) == 40
 
 
 def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
