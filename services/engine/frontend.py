@@ -82,7 +82,9 @@ class _Stream:
 
 @dataclass(slots=True)
 class _Tokenizing:
-    """A request whose prompt a worker thread is tokenizing."""
+    """A request whose prompt a worker thread is tokenizing. An aborted one leaves
+    ``ClientFrontend._tokenizing`` at once (its id is free again) and is dropped when its
+    tokens come back."""
 
     identity: bytes
     aborted: bool = False
@@ -247,13 +249,15 @@ class ClientFrontend:
                 return
             self._admit(identity, msg, prompt_ids)
             return
-        self._tokenizing[rid] = _Tokenizing(identity)
-        task = asyncio.get_running_loop().create_task(self._tokenize_then_admit(identity, msg))
+        entry = self._tokenizing[rid] = _Tokenizing(identity)
+        task = asyncio.get_running_loop().create_task(
+            self._tokenize_then_admit(identity, msg, entry)
+        )
         self._tokenize_tasks.add(task)
         task.add_done_callback(self._tokenize_tasks.discard)
 
     async def _tokenize_then_admit(
-        self, identity: bytes, msg: client_protocol.GenerateRequest
+        self, identity: bytes, msg: client_protocol.GenerateRequest, entry: _Tokenizing
     ) -> None:
         rid = msg.request_id
         loop = asyncio.get_running_loop()
@@ -262,9 +266,9 @@ class ClientFrontend:
                 self._tokenizer_pool, self._tokenize, msg.prompt
             )
         except Exception as exc:
-            if self._tokenizing.pop(rid).aborted:
-                self._requests_ended()  # a drain may be waiting for this one
+            if entry.aborted:
                 return
+            del self._tokenizing[rid]
             if isinstance(exc, ValueError):
                 self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             else:
@@ -276,9 +280,8 @@ class ClientFrontend:
                     f"internal error: {type(exc).__name__}: {exc}",
                 )
             return
-        if self._tokenizing.pop(rid).aborted:
-            self._requests_ended()
-        else:
+        if not entry.aborted:
+            del self._tokenizing[rid]
             self._admit(identity, msg, prompt_ids)
 
     def _admit(
@@ -439,13 +442,15 @@ class ClientFrontend:
     def _abort(self, request_id: str, identity: bytes) -> None:
         tokenizing = self._tokenizing.get(request_id)
         if tokenizing is not None and tokenizing.identity == identity:
-            tokenizing.aborted = True  # it is dropped when its tokens come back
+            tokenizing.aborted = True
+            del self._tokenizing[request_id]
             self._send(
                 identity,
                 client_protocol.encode_outputs(
                     [client_protocol.StreamOutput(request_id, [], "", True, "abort")]
                 ),
             )
+            self._requests_ended()  # a drain may be waiting for this one
             return
         stream = self.streams.get(request_id)
         if stream is None or stream.identity != identity:
@@ -556,9 +561,9 @@ class ClientFrontend:
         self._end_in_scheduler(list(self.streams), RequestStatus.FINISHED_ABORTED)
         self.fail(list(self.streams), code, message)
         for rid, tokenizing in self._tokenizing.items():
-            if not tokenizing.aborted:
-                tokenizing.aborted = True
-                self.send_error(tokenizing.identity, rid, code, message)
+            tokenizing.aborted = True
+            self.send_error(tokenizing.identity, rid, code, message)
+        self._tokenizing.clear()
 
     def publish(self, step: EngineStep) -> None:
         """Stream one step's outputs, one frame per client."""

@@ -13,7 +13,6 @@ import contextlib
 import random
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 import msgpack
@@ -397,7 +396,7 @@ def _long_text(num_chars: int) -> str:
 async def test_a_long_prompt_is_tokenized_while_other_streams_go_on(server, reference):
     """A prompt of millions of characters takes seconds to tokenize (and is then refused as
     too long): meanwhile other streams keep receiving tokens, an abort still reaches it,
-    its id cannot be reused, and the liveness check knows it."""
+    its id cannot be reused until it ends (by the abort too), and the liveness check knows it."""
     big = _long_text(2_500_000)
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -445,17 +444,23 @@ async def test_a_long_prompt_is_tokenized_while_other_streams_go_on(server, refe
             assert [(o.request_id, o.finished, o.finish_reason) for o in aborted] == [
                 ("big2", True, "abort")
             ]
-            while True:  # until its tokenization is over, the server still knows it
-                await sock.send(
-                    client_protocol.encode_client_message(
-                        client_protocol.HealthRequest(uuid.uuid4().hex, ["big2"])
-                    )
-                )
+            # Its id is free at once (the client was told it ended), while the long prompt
+            # is still being tokenized; the new request gets its own tokens, and only those.
+            await sock.send(_generate("big2", [1, 2], max_tokens=4, ignore_eos=True))
+            tokens: list[int] = []
+            while True:
                 reply = await recv()
-                assert isinstance(reply, client_protocol.HealthReply), reply
-                if reply.info["lost_request_ids"] == ["big2"]:
+                assert isinstance(reply, list), reply
+                assert {o.request_id for o in reply} == {"big2"}
+                tokens += [t for o in reply for t in o.new_token_ids]
+                if reply[-1].finished:
+                    assert reply[-1].finish_reason == "length"
                     break
-                await asyncio.sleep(0.1)
+            assert len(tokens) == 4
+            await sock.send(
+                client_protocol.encode_client_message(client_protocol.HealthRequest("h2", []))
+            )
+            assert isinstance(await recv(), client_protocol.HealthReply)  # nothing came between
             stop.set()
             await task
     finally:
