@@ -550,7 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_child_flags(p)
     p.set_defaults(func=_scheduler)
 
-    p = sub.add_parser("executor", help="run one executor process alone")
+    p = sub.add_parser(
+        "executor",
+        help="run one executor process alone",
+        description="Run one executor process alone. It exits when the scheduler it joined "
+        "restarts or gives it up as lost (its state would be stale): run it under a "
+        "supervisor that starts it again (Kubernetes, systemd; `weir serve` does so itself).",
+    )
     p.add_argument("--scheduler", required=True, help="the scheduler's executor address")
     p.add_argument(
         "--rank",
