@@ -493,6 +493,34 @@ def test_metrics_endpoints_expose_every_series(server):
 PHASES = ("prepare", "forward", "sample")
 
 
+def test_the_executor_phase_never_counts_a_step_twice(server):
+    """With async scheduling a step is sent while the one before runs. Timed from its
+    sending, each step's wait held the one before too: the phase summed to about twice
+    the time the steps took (a dashboard showing IPC that does not exist)."""
+
+    def executor_phase() -> tuple[float, float]:
+        samples = read_metrics(server.info["metrics_address"])
+        return tuple(
+            sum(
+                v
+                for k, v in samples.items()
+                if k.startswith(f"weir_scheduler_step_phase_seconds_{stat}{{")
+                and 'phase="executor"' in k
+            )
+            for stat in ("sum", "count")
+        )
+
+    before = executor_phase()
+    start = time.perf_counter()
+    with WeirClient(server.client_address, timeout=60) as client:
+        list(client.generate([5, 6, 7], SamplingParams(max_tokens=48, ignore_eos=True)))
+    while (after := executor_phase())[1] != before[1] and after != executor_phase():
+        time.sleep(0.01)  # a step planned past the end may still be running
+    wall = time.perf_counter() - start
+    assert after[1] - before[1] >= 48
+    assert after[0] - before[0] <= wall
+
+
 def test_step_phase_histograms_account_for_every_step(server):
     with WeirClient(server.client_address, timeout=60) as client:
         list(client.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
