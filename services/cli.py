@@ -26,6 +26,7 @@ from weir.services.cpu_cores import (
     parse_cores,
     single_thread_env,
 )
+from weir.services.sigterm import Terminated, raise_terminated
 from weir.services.supervised import StatusReporter
 from weir.shared.config import (
     DEFAULT_ADDRESS,
@@ -184,19 +185,16 @@ def _gateway(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         keys_dir=args.keys_dir,
         max_request_bytes=args.max_request_size,
+        allowed_origins=args.allowed_origins,
     )
     import uvloop
 
     # uvicorn installs uvloop only in a loop it makes itself; this one is ours (uvloop's
     # compiled loop and transports: ~10% of the gateway's CPU per streamed token).
-    # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler
-    # it found: this one makes both that and a SIGTERM during start-up an exit 0, as the
-    # scheduler's and executor's (a default handler made it 143).
-    signal.signal(signal.SIGTERM, launcher.raise_terminated)
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(options, status, args.parent_pid))
-    except (KeyboardInterrupt, launcher.Terminated):  # Ctrl-C or SIGTERM (also before uvicorn's)
+    except KeyboardInterrupt:  # Ctrl-C before uvicorn took the signal over
         return 0
 
 
@@ -228,11 +226,12 @@ def _serve(args: argparse.Namespace) -> int:
             executor_metrics_port=args.executor_metrics_port,
             http_port=None if args.no_http else args.http_port,
             api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
+            allowed_origins=args.allowed_origins,
             startup_timeout=args.startup_timeout,
         )
     except ValueError as exc:  # options that only tell together, e.g. ranks and cores
         _exit_with_option_error(args, exc)
-    signal.signal(signal.SIGTERM, launcher.raise_terminated)
+    signal.signal(signal.SIGTERM, raise_terminated)
     drain = False
     try:
         try:
@@ -263,7 +262,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-    except launcher.Terminated:
+    except Terminated:
         drain = True  # as Kubernetes stops a pod: finish what is in flight
         return 0
     finally:
@@ -421,6 +420,17 @@ def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_allowed_origins_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allowed-origins",
+        type=lambda text: [origin.strip() for origin in text.split(",") if origin.strip()],
+        default=["*"],
+        metavar="ORIGINS",
+        help="web origins whose pages may call the API (CORS), comma-separated, e.g. "
+        "https://app.example.com,http://localhost:3000; '' for none (default: *, any)",
+    )
+
+
 def _add_keys_dir_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keys-dir",
@@ -490,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
     _add_api_key_flag(p)
+    _add_allowed_origins_flag(p)
     p.add_argument(
         "--startup-timeout",
         type=_positive_seconds,
@@ -510,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds to")
     p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0 = any free)")
     _add_api_key_flag(p)
+    _add_allowed_origins_flag(p)
     p.add_argument(
         "--timeout",
         type=float,

@@ -32,10 +32,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weir.services.cpu_cores import available_cpus, format_cores, plan_cpus
+from weir.services.sigterm import Terminated
 from weir.shared.config import (
     DEFAULT_EXECUTOR_METRICS_PORT,
     DEFAULT_METRICS_PORT,
@@ -59,14 +61,6 @@ _STABLE_RUN_S = 60.0
 
 class ChildFailedError(RuntimeError):
     """A child process exited during start-up or while serving."""
-
-
-class Terminated(Exception):
-    """SIGTERM reached the process (``raise_terminated`` is the handler that raises it)."""
-
-
-def raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated
 
 
 @dataclass(slots=True)
@@ -128,11 +122,13 @@ class ServerProcesses:
         num_executors: int | None = None,
         http_port: int | None = None,
         api_key: str | None = None,
+        allowed_origins: Sequence[str] = ("*",),
         startup_timeout: float = 600.0,
         stop_timeout: float = 5.0,
     ) -> None:
         self.engine_args = engine_args or EngineArgs()
         self.http_port, self.api_key = http_port, api_key
+        self.allowed_origins = allowed_origins  # the gateway's CORS origins
         self.host, self.port = host, port
         self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
@@ -369,6 +365,7 @@ class ServerProcesses:
         argv += _affinity_flag(self.cpu_plan.service_cores)
         if self.engine_args.keys_dir is not None:
             argv += ["--keys-dir", self.engine_args.keys_dir]
+        argv += ["--allowed-origins", ",".join(self.allowed_origins)]
         self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env)
         return str(self._wait_ready(self._children[-1])["http_address"])
 

@@ -202,6 +202,12 @@ class EngineArgs:
     model: str | None = _arg(
         None, _BOTH, "HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
     )
+    served_model_name: str | None = _arg(
+        None,
+        _BOTH,
+        "the name the API answers to and reports, and the metrics' model_name (default: the "
+        "model directory's name)",
+    )
     load_format: str = _arg(
         "auto",
         _BOTH,
@@ -375,6 +381,8 @@ class EngineArgs:
                 raise ValueError(f"kv_cache_memory: {exc}") from None
             object.__setattr__(self, "kv_cache_memory", size)  # frozen
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
         if self.threads is not None:
             _check_int("threads", self.threads, 1)
         if self.max_model_len is not None:

@@ -109,10 +109,11 @@ class SchedulerServer:
         self.status = status or StatusReporter(None)
         self.parent_pid = parent_pid
         model_dir = Path(options.model_dir)
-        self.model_name = model_dir.name
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.vocab_size = read_model_config(model_dir).vocab_size
         self.engine_args = options.engine_args
+        # What clients and metrics call the model; executors report the directory's name.
+        self.model_name = self.engine_args.served_model_name or model_dir.name
         if self.engine_args.max_message_size < 1:
             raise ValueError("max_message_size must be at least 1 byte")
         if self.engine_args.max_prompt_chars is not None and self.engine_args.max_prompt_chars < 1:
@@ -181,7 +182,7 @@ class SchedulerServer:
             executor_sock,
             ExpectedExecutor(
                 opts.num_executors,
-                self.model_name,
+                Path(opts.model_dir).name,
                 self.vocab_size,
                 self.scheduler_config.max_model_len,
                 self.engine_args,

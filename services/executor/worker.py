@@ -130,8 +130,10 @@ class ExecutorWorker:
             threads=runner.num_threads,
             cores=sorted(os.sched_getaffinity(0)),
         )
-        model_name = runner.model_dir.name
-        metrics = ExecutorMetrics(model_name, opts.rank, str(runner.device))
+        model_name = runner.model_dir.name  # the scheduler checks it against its own model's
+        metrics = ExecutorMetrics(
+            opts.engine_args.served_model_name or model_name, opts.rank, str(runner.device)
+        )
         metrics.num_kv_blocks.set(runner.num_blocks)
         metrics_address = None
         if opts.metrics_port is not None:

@@ -11,6 +11,7 @@ which aborts the requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -22,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -132,10 +134,12 @@ class Gateway:
         router: Router,
         api_key: str | None = None,
         max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        allowed_origins: Sequence[str] = ("*",),
     ) -> None:
         self.router = router
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
+        self.allowed_origins = allowed_origins  # CORS: the web pages that may call the API
         self.metrics = GatewayMetrics(router)
         self._model: dict[str, Any] | None = None
         self._model_lookup: asyncio.Future[dict[str, Any]] | None = None
@@ -461,6 +465,22 @@ class Gateway:
         }
 
 
+def _body_path(body: Any, loc: Sequence[int | str]) -> list[int | str]:
+    """The field at fault in ``body``, as the client wrote it: ``loc`` without the branch
+    tags pydantic puts there when a union fails (``messages.1.content.list.0.text``), told
+    by their leading nowhere in the body; a missing field, the last step, is kept."""
+    path = []
+    for step, part in enumerate(loc):
+        if isinstance(body, dict) and part in body:
+            body = body[part]
+        elif isinstance(body, list) and isinstance(part, int) and 0 <= part < len(body):
+            body = body[part]
+        elif not isinstance(body, dict) or step < len(loc) - 1:
+            continue
+        path.append(part)
+    return path
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -507,7 +527,8 @@ class _Admission:
     key (``/v1/`` routes) it is answered 401, and a body larger than ``max_bytes`` 413 (by
     its Content-Length, or while it streams in): a client holding neither cannot make the
     gateway parse, or hold, an arbitrary amount of JSON. A body cut short by the client
-    leaving is dropped, not run."""
+    leaving is dropped, not run. A browser's CORS preflight, which carries no key, never
+    gets here: the CORS middleware outside answers it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, api_key: str | None) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -622,7 +643,7 @@ def create_app(
                 why = error.get("ctx", {}).get("error", error["msg"])
                 problems.append(f"the body is not valid JSON: {why}")
                 continue
-            where = ".".join(str(part) for part in error["loc"] if part != "body")
+            where = ".".join(str(part) for part in _body_path(exc.body, error["loc"][1:]))
             message = "unsupported field" if error["type"] == "extra_forbidden" else error["msg"]
             problems.append(f"{where}: {message}" if where else message)
             fields.append(where)
@@ -661,7 +682,10 @@ def create_app(
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await answer_connected(request, gateway.chat_completions(body))
 
-    @app.get("/v1/models")
+    # HEAD too, as load balancers probe (uvicorn sends HEAD's answer without its body).
+    get = functools.partial(app.api_route, methods=["GET", "HEAD"])
+
+    @get("/v1/models")
     async def models() -> Response:
         async def listing() -> Response:
             info = await gateway.model()
@@ -682,7 +706,7 @@ def create_app(
 
         return await answer(listing())
 
-    @app.get("/health")
+    @get("/health")
     async def health() -> Response:
         # Ready while requests have somewhere to go: a replica replacing its executor queues
         # them (a pause), so it keeps the gateway in its Service.
@@ -693,16 +717,24 @@ def create_app(
         replicas = {r.address: r.healthy for r in gateway.router.replicas}
         return JSONResponse({"status": status, "replicas": replicas}, 200 if candidates else 503)
 
-    @app.get("/version")
+    @get("/version")
     async def version() -> Response:
         return JSONResponse({"version": VERSION})
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics(request: Request) -> Response:
         # Text or OpenMetrics, as the scraper asks (as every Weir metrics endpoint does).
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encode(gateway.metrics.registry), media_type=content_type)
 
     app.add_middleware(_Admission, max_bytes=gateway.max_request_bytes, api_key=gateway.api_key)
+    # Outside the key check: a browser's preflight carries no key, and a page reads a 401 or
+    # a 413 only with the CORS headers on it. No credentials, as vLLM: the key is a header.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=gateway.allowed_origins,
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
     app.add_middleware(_Metered, metrics=gateway.metrics)
     return app

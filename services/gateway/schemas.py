@@ -1,14 +1,16 @@
 """OpenAI request bodies as pydantic models, and their translation to ``SamplingParams``.
 
 Field names are OpenAI's (and vLLM's extensions: ``top_k``, ``min_p``, ``ignore_eos``,
-``min_tokens``, ``stop_token_ids``). Every model forbids unknown fields, so a field
-Weir does not support is a 400 that names it rather than being silently ignored;
-the penalties are accepted only at their neutral value 0.
+``min_tokens``, ``stop_token_ids``). As in vLLM, ``null`` is a field's default, and the
+fields Weir does not implement are accepted at the value that changes nothing
+(``_NEUTRAL``), or at any value where none changes the output (``_IGNORED``); any other
+value, or an unknown field, is a 400 that names it rather than being silently ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -17,9 +19,10 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    field_validator,
+    ValidationError,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from weir.shared.protocol.client import MAX_ARRAY_LEN
 from weir.shared.sampling import MAX_LOGPROBS, SamplingParams
@@ -58,19 +61,112 @@ Prompt = Annotated[
 ]
 
 
+def _string_or_list(items: str) -> Discriminator:
+    """Validates a string-or-list union as the branch of the value's JSON type (a smart union
+    reports every branch's errors, the string's for a list with one bad item)."""
+    return Discriminator(
+        lambda value: (
+            "string" if isinstance(value, str) else "list" if isinstance(value, list) else None
+        ),
+        custom_error_type="string_or_list",
+        custom_error_message=f"Input should be a string or a list of {items}",
+    )
+
+
+Stop = Annotated[
+    Annotated[str, Tag("string")] | Annotated[list[str], Tag("list")], _string_or_list("strings")
+]
+
+
 def _wrap_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
+
+
+# Fields Weir does not implement, and the one value of each (besides null) that changes
+# nothing: accepted and dropped, as vLLM's clients and frameworks send them.
+_NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": {},
+    "echo": False,
+    "best_of": 1,
+    "suffix": None,
+    "response_format": {"type": "text"},
+    "tools": [],
+    "tool_choice": "none",
+    "add_generation_prompt": True,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "continuous_usage_stats": False,  # in stream_options
+}
+# Fields that never change the output: accepted with any value and dropped.
+_IGNORED = frozenset(
+    {"store", "metadata", "service_tier", "parallel_tool_calls", "include_obfuscation"}
+)
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    # JSON's true is not 1, nor false 0.
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def _field_errors(title: str, errors: list[tuple[str, Any, str]]) -> ValidationError:
+    """A validation error of each ``(field, value, message)``, located at its field (pydantic
+    nests it under the model's own location)."""
+    return ValidationError.from_exception_data(
+        title,
+        [
+            InitErrorDetails(
+                type=PydanticCustomError("invalid_value", "{message}", {"message": message}),
+                loc=(field,),
+                input=value,
+            )
+            for field, value, message in errors
+        ],
+    )
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Body):
+class _Options(_Body):
+    """A body of options, as clients send them: null is a field's default, and the fields of
+    ``_NEUTRAL`` and ``_IGNORED`` are dropped (a non-neutral value is refused)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_defaults_and_neutral_values(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept, refused = {}, []
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if field is not None:
+                if (
+                    value is not None
+                    or field.is_required()
+                    or type(None) in get_args(field.annotation)
+                ):
+                    kept[name] = value
+            elif name in _NEUTRAL:
+                neutral = _NEUTRAL[name]
+                if value is not None and not _is_neutral(value, neutral):
+                    refused.append((name, value, f"only {json.dumps(neutral)} is supported"))
+            elif name not in _IGNORED:
+                kept[name] = value  # refused as an unknown field
+        if refused:
+            raise _field_errors(cls.__name__, refused)
+        return kept
+
+
+class StreamOptions(_Options):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_Options):
     """The fields both endpoints share."""
 
     model: str | None = None
@@ -80,7 +176,7 @@ class _SamplingFields(_Body):
     top_k: Annotated[int, Field(ge=-1)] = 0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
@@ -89,15 +185,6 @@ class _SamplingFields(_Body):
     user: str | None = None
     # vLLM's: lower first, on an engine started with --policy priority.
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _neutral_only(cls, value: float, info: Any) -> float:
-        if value != 0:
-            raise ValueError(f"{info.field_name} is not supported (only 0)")
-        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -151,15 +238,34 @@ class TextPart(_Body):
     text: str
 
 
+Content = Annotated[
+    Annotated[str, Tag("string")] | Annotated[list[TextPart], Tag("list")],
+    _string_or_list("text parts"),
+]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    # null only in an assistant message (OpenAI's, whose tool calls may stand for its text).
+    content: Content | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise _field_errors(
+                type(self).__name__,
+                [("content", None, f"a {self.role} message needs a string or text parts")],
+            )
+        return self
+
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        # As vLLM joins them: the parts' words do not run together.
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import resource
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import uvicorn
 from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.http_limits import BoundedHttpProtocol
 from weir.services.gateway.router import Router
+from weir.services.sigterm import Terminated, raise_terminated
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
 from weir.shared.client import WeirError
@@ -41,6 +43,7 @@ class GatewayOptions:
     port: int  # 0: any free port
     api_key: str | None
     timeout: float  # seconds a replica may stay silent before its requests fail
+    allowed_origins: list[str]  # CORS: the web origins whose pages may call the API
     keys_dir: str | None = None  # CurveZMQ client keys (None: $WEIR_KEYS_DIR, else none)
     max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger HTTP bodies get 413
 
@@ -52,7 +55,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         status.error(str(exc))
         _log.error("gateway cannot start: %s", exc)
         return 2
-    gateway = Gateway(router, options.api_key, options.max_request_bytes)
+    gateway = Gateway(router, options.api_key, options.max_request_bytes, options.allowed_origins)
     server: uvicorn.Server | None = None
 
     async def report_ready() -> None:
@@ -102,9 +105,17 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         server.should_exit = True
 
     watcher = asyncio.get_running_loop().create_task(watch_parent())
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again under the handler it
+    # found: this one makes that an exit 0, as the scheduler's and executor's (the default
+    # made it 143). Only around serving: elsewhere a SIGTERM (a failed start abandoned)
+    # raised inside whatever ran, a log line, and printed a traceback.
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         await server.serve(sockets=[listener])
+    except Terminated:
+        pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         watcher.cancel()
         listener.close()
     return 0

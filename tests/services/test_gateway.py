@@ -26,7 +26,10 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 48
 MAX_MODEL_LEN = 64
 KV_BYTES = NUM_BLOCKS * 2 * 2 * BLOCK_SIZE * 2 * 8 * 4
-MODEL = "tiny-llama"
+# The name the API answers to (--served-model-name), not the directory's, tiny-llama.
+MODEL = "tiny-served"
+# A web page allowed to call the API (--allowed-origins, passed on by `weir serve`).
+ORIGIN = "https://app.example"
 
 
 def _engine(model_dir) -> EngineArgs:
@@ -38,13 +41,19 @@ def _engine(model_dir) -> EngineArgs:
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=64,
         device="cpu",
+        served_model_name=MODEL,
     )
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with ServerProcesses(
-        _engine(tiny_model_dir), port=0, metrics_port=0, executor_metrics_port=0, http_port=0
+        _engine(tiny_model_dir),
+        port=0,
+        metrics_port=0,
+        executor_metrics_port=0,
+        http_port=0,
+        allowed_origins=[ORIGIN, "https://other.example"],
     ) as processes:
         yield processes
         with WeirClient(processes.client_address) as client:
@@ -425,6 +434,193 @@ def test_unknown_model_is_404(client):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
+def test_the_served_model_name_is_the_one_answered_to_and_reported(server, client):
+    reply = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert reply.model == MODEL
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, stream=True
+    )
+    assert {chunk.model for chunk in chat} == {MODEL}
+    with pytest.raises(openai.NotFoundError, match="tiny-llama"):
+        client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2)
+    # The dashboard selects both processes' series by this one label.
+    for address in (server.info["metrics_address"], server.info["executors"][0]["metrics_address"]):
+        samples = read_metrics(address)
+        assert any(f'model_name="{MODEL}"' in key for key in samples)
+        assert not any('model_name="tiny-llama"' in key for key in samples)
+
+
+def test_null_is_the_default_and_neutral_values_of_unsupported_fields_are_ignored(client):
+    """As vLLM: clients and frameworks send null for "unset", and the neutral values of
+    fields Weir does not implement; the output is the one without them."""
+    call = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}
+    reference = client.completions.create(**call).choices[0].text
+    neutral = client.completions.create(
+        **call,
+        top_p=None,
+        n=None,
+        presence_penalty=None,
+        frequency_penalty=0,
+        echo=False,
+        best_of=1,
+        logit_bias={},
+        suffix=None,
+        stream=None,
+        user=None,
+        extra_body={
+            "top_k": None,
+            "min_p": None,
+            "min_tokens": None,
+            "ignore_eos": None,
+            "priority": None,
+            "repetition_penalty": 1.0,
+            "skip_special_tokens": True,
+            "spaces_between_special_tokens": True,
+            "include_stop_str_in_output": False,
+            "store": True,
+            "metadata": {"run": "7"},
+            "service_tier": "auto",
+        },
+    )
+    assert neutral.choices[0].text == reference
+    messages = [{"role": "user", "content": "Hi"}]
+    reference = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0
+    )
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        top_p=None,
+        logprobs=None,
+        response_format={"type": "text"},
+        tool_choice="none",
+        tools=[],
+        parallel_tool_calls=False,
+        stream=True,
+        stream_options={
+            "include_usage": None,
+            "continuous_usage_stats": False,
+            "include_obfuscation": True,
+        },
+        extra_body={"add_generation_prompt": True},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == reference.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    "field, value, supported",
+    [
+        ("echo", True, "false"),
+        ("best_of", 2, "1"),
+        ("logit_bias", {"5": 10}, "{}"),
+        ("suffix", "!", "null"),
+        ("repetition_penalty", 1.2, "1"),
+        ("response_format", {"type": "json_object"}, '{"type": "text"}'),
+        ("tool_choice", "auto", '"none"'),
+        ("stream_options", {"continuous_usage_stats": True}, "false"),
+    ],
+)
+def test_a_value_that_would_change_the_output_is_400_naming_the_supported_one(
+    server, field, value, supported
+):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True, field: value}
+    reply = httpx.post(server.info["http_address"] + "/v1/completions", json=body, timeout=30)
+    error = reply.json()["error"]
+    param = field if field != "stream_options" else "stream_options.continuous_usage_stats"
+    assert reply.status_code == 400 and error["param"] == param
+    assert error["message"] == f"{param}: only {supported} is supported"
+
+
+def test_text_parts_are_joined_by_newlines_and_an_assistant_content_may_be_null(server, client):
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "Be brief."}]
+    conversation = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "Go on"},
+    ]
+    text, _ = _sdk_greedy(
+        server,
+        [
+            {"role": "user", "content": "Name a colour.\nBe brief."},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "Go on"},
+        ],
+        6,
+    )
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=conversation,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].message.content == text
+
+
+@pytest.mark.parametrize(
+    "path, body, param, message",
+    [
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "user", "content": None}]},
+            "messages.1.content",
+            "a user message needs a string or text parts",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages.0.content",
+            "Input should be a string or a list of text parts",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content.0.text",
+            "Field required",
+        ),
+        ("completions", {"prompt": "Hi", "stop": 5}, "stop", "Input should be a string or a list"),
+        ("completions", {"prompt": [[1, "x"]]}, "prompt.0.1", "Input should be a valid integer"),
+    ],
+)
+def test_a_bad_union_field_is_one_problem_at_its_place_in_the_body(
+    server, path, body, param, message
+):
+    """Not pydantic's branch tags ("messages.1.content.str: ...; messages.1.content.list[...]")."""
+    url = f"{server.info['http_address']}/v1/{path}"
+    reply = httpx.post(url, json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param
+    assert error["message"].startswith(f"{param}: {message}") and ";" not in error["message"]
+
+
+def test_browsers_of_allowed_origins_may_call_the_api(server):
+    url = server.info["http_address"] + "/v1/chat/completions"
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
+    asked = {**preflight, "Access-Control-Request-Headers": "authorization, content-type"}
+    reply = httpx.options(url, headers=asked)
+    assert reply.status_code == 200
+    assert reply.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in reply.headers["access-control-allow-headers"].lower()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    called = httpx.post(url, json=body, headers={"Origin": ORIGIN}, timeout=30)
+    assert called.status_code == 200
+    assert called.headers["access-control-allow-origin"] == ORIGIN
+    elsewhere = httpx.options(url, headers={**preflight, "Origin": "https://evil.example"})
+    assert elsewhere.status_code == 400
+    assert "access-control-allow-origin" not in elsewhere.headers
+
+
+def test_get_routes_answer_head_without_a_body(server):
+    """Load balancers probe with HEAD."""
+    base = server.info["http_address"]
+    for path in ("/health", "/version", "/metrics", "/v1/models"):
+        reply = httpx.head(base + path, timeout=30)
+        assert reply.status_code == 200 and reply.content == b"", path
+
+
 async def test_64_concurrent_streams(server):
     async with openai.AsyncOpenAI(
         base_url=server.info["http_address"] + "/v1", api_key="unused"
@@ -478,7 +674,7 @@ def _wait_aborted(server, count: float, timeout: float = 1.5) -> None:
 
 def _aborted(samples: dict[str, float]) -> float:
     return samples.get(
-        'weir_requests_finished_total{finished_reason="abort",model_name="tiny-llama"}', 0
+        f'weir_requests_finished_total{{finished_reason="abort",model_name="{MODEL}"}}', 0
     )
 
 
@@ -611,6 +807,18 @@ def test_api_key_is_required_when_set(server):
         # parse nothing (an invalid body is a 401, not a 400).
         reply = httpx.post(base + "/v1/completions", content=b"{not json")
         assert reply.status_code == 401, reply.text
+
+
+def test_a_browser_preflight_needs_no_api_key(server):
+    """A preflight carries no key: the CORS answer comes before the key check, and the 401
+    of a call without the key carries the CORS headers a page needs to read it."""
+    with GatewayProcess([server.client_address], api_key="s3cret") as gateway:
+        url = gateway.info["http_address"] + "/v1/chat/completions"
+        origin = {"Origin": "https://any.example"}
+        reply = httpx.options(url, headers={**origin, "Access-Control-Request-Method": "POST"})
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "*"
+        refused = httpx.post(url, json={}, headers=origin, timeout=30)
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
 
 
 def test_no_ready_engine_is_503(tmp_path):

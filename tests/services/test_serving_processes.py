@@ -21,6 +21,7 @@ import pytest
 import zmq
 
 from weir.services import launcher
+from weir.services.sigterm import Terminated, raise_terminated
 from weir.shared.client import ServerUnavailableError, WeirClient
 from weir.shared.config import EngineArgs
 from weir.shared.protocol import control
@@ -122,9 +123,9 @@ def test_sigterm_while_the_gateway_starts_drains_what_the_scheduler_took(
         return start_gateway(schedulers, *extra)
 
     monkeypatch.setattr(server, "_start_gateway", gateway_after_a_request)
-    previous = signal.signal(signal.SIGTERM, launcher.raise_terminated)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        with pytest.raises(launcher.Terminated):
+        with pytest.raises(Terminated):
             server.start()
         assert all(child.proc.poll() is None for child in server._children)
     finally:
