@@ -335,7 +335,7 @@ class EngineArgs:
     )
     # In bytes; a size such as "64MiB" (``LLM(kv_cache_memory=...)``) is parsed on construction.
     kv_cache_memory: int | None = _arg(
-        None, EXECUTOR, "KV cache size on CPU, e.g. 256MiB", type=parse_size
+        None, EXECUTOR, "KV cache size on CPU, e.g. 256MiB (default: 1GiB)", type=parse_size
     )
     gpu_memory_utilization: float = _arg(
         0.9, EXECUTOR, "fraction of GPU memory for weights + KV cache", type=float
@@ -427,9 +427,13 @@ class EngineArgs:
         for f in _engine_fields(role):
             flag = "--" + f.name.replace("_", "-")
             kwargs = dict(f.metadata["argparse"])
+            help_text = f.metadata["help"]
             if f.type == "bool":
                 kwargs["action"] = argparse.BooleanOptionalAction
-            parser.add_argument(flag, default=f.default, help=f.metadata["help"], **kwargs)
+                help_text += f" (default: {'on' if f.default else 'off'})"
+            elif f.default is not None and "default" not in help_text:
+                help_text += f" (default: {f.default})"
+            parser.add_argument(flag, default=f.default, help=help_text, **kwargs)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
