@@ -94,6 +94,26 @@ def test_dashboard_queries_only_metrics_the_processes_export() -> None:
     assert queried <= exported, f"not exported: {sorted(queried - exported)}"
 
 
+def test_dashboard_selects_every_engine_series_by_the_model_variable() -> None:
+    """The scheduler's and executors' series carry ``model_name``: a query that does not
+    select it mixes the models of one Prometheus. The gateway's (no such label) leave out
+    the scrapes of its own /metrics, which are not API traffic."""
+    engine = {
+        family.name
+        for registry in (SchedulerMetrics("m").registry, ExecutorMetrics("m", 0, "cpu").registry)
+        for family in registry.collect()
+    }
+    dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name, selector in re.findall(r"(weir_[a-z0-9_]+)(\{[^}]*\})?", target["expr"]):
+                family = re.sub(r"_(total|bucket|sum|count)$", "", name)
+                if family in engine:
+                    assert 'model_name=~"$model_name"' in selector, (panel["title"], name)
+                elif name.startswith("weir_gateway_request"):
+                    assert 'route!="/metrics"' in selector, (panel["title"], name)
+
+
 def _shown_unit(panel: dict, ref_id: str) -> str:
     """The unit Grafana shows a target's series in: an override for its query, else the
     panel's."""

@@ -191,7 +191,8 @@ class SchedulerMetrics:
         )
         self.inter_token_latency = StepHistogram(
             "weir_inter_token_latency_seconds",
-            "Time between consecutive output tokens",
+            "Time between consecutive outputs of a request, one per step (as vLLM: the tokens "
+            "of a speculative step arrive together)",
             {"model_name": model_name},
             _LATENCY_BUCKETS,
             reg,
