@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 from weir.services.scheduler.request import Request
 
+_Key = int | tuple[float, ...]  # FCFS: a ticket; priority: priority_key + ticket
+
 
 def priority_key(request: Request) -> tuple[int, float, int]:
     return (request.priority, request.arrival_time, request.seq)
@@ -26,37 +28,37 @@ class WaitingQueue:
 
     def __init__(self, policy: str) -> None:
         self._by_priority = policy == "priority"
-        self._heap: list[tuple[tuple[float, ...], Request]] = []
-        self._live: dict[Request, tuple[float, ...]] = {}  # request -> key of its entry
+        self._heap: list[tuple[_Key, Request]] = []
+        self._live: dict[Request, _Key] = {}  # request -> key of its entry
         self._tickets = itertools.count(1)
 
     def add(self, request: Request) -> None:
-        self._push(request, next(self._tickets))
-
-    def requeue(self, request: Request) -> None:
-        self._push(request, -next(self._tickets))
-
-    def _push(self, request: Request, ticket: int) -> None:
+        ticket = next(self._tickets)
         # Tickets make every key unique, so the heap never compares two requests.
-        if self._by_priority:
-            key: tuple[float, ...] = (*priority_key(request), abs(ticket))
-        else:
-            key = (ticket,)
+        key = (*priority_key(request), ticket) if self._by_priority else ticket
         self._live[request] = key
         heapq.heappush(self._heap, (key, request))
 
-    def _drop_forgotten_head(self) -> None:
+    def requeue(self, request: Request) -> None:
+        if self._by_priority:
+            self.add(request)
+            return
+        key = -next(self._tickets)
+        self._live[request] = key
+        heapq.heappush(self._heap, (key, request))
+
+    def _head(self) -> tuple[_Key, Request]:
         heap, live = self._heap, self._live
-        while heap and live.get(heap[0][1]) != heap[0][0]:
+        while live.get(heap[0][1]) != heap[0][0]:  # forgotten: removed since it was added
             heapq.heappop(heap)
+        return heap[0]
 
     def peek(self) -> Request:
-        self._drop_forgotten_head()
-        return self._heap[0][1]
+        return self._head()[1]
 
     def pop(self) -> Request:
-        self._drop_forgotten_head()
-        request = heapq.heappop(self._heap)[1]
+        request = self._head()[1]
+        heapq.heappop(self._heap)
         del self._live[request]
         return request
 
