@@ -685,26 +685,29 @@ def create_app(
     # HEAD too, as load balancers probe (uvicorn sends HEAD's answer without its body).
     get = functools.partial(app.api_route, methods=["GET", "HEAD"])
 
+    def model_card(info: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": info["model_name"],
+            "object": "model",
+            "created": 0,
+            "owned_by": "weir",
+            "max_model_len": info["max_model_len"],
+        }
+
     @get("/v1/models")
     async def models() -> Response:
         async def listing() -> Response:
             info = await gateway.model()
-            return JSONResponse(
-                {
-                    "object": "list",
-                    "data": [
-                        {
-                            "id": info["model_name"],
-                            "object": "model",
-                            "created": 0,
-                            "owned_by": "weir",
-                            "max_model_len": info["max_model_len"],
-                        }
-                    ],
-                }
-            )
+            return JSONResponse({"object": "list", "data": [model_card(info)]})
 
         return await answer(listing())
+
+    @get("/v1/models/{name:path}")  # a path: served names may hold slashes (org/model)
+    async def model(name: str) -> Response:
+        async def card() -> Response:
+            return JSONResponse(model_card(await gateway.check_model(name)))
+
+        return await answer(card())
 
     @get("/health")
     async def health() -> Response:

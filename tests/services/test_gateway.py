@@ -443,6 +443,10 @@ def test_the_served_model_name_is_the_one_answered_to_and_reported(server, clien
     assert {chunk.model for chunk in chat} == {MODEL}
     with pytest.raises(openai.NotFoundError, match="tiny-llama"):
         client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2)
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        client.models.retrieve("tiny-llama")
     # The dashboard selects both processes' series by this one label.
     for address in (server.info["metrics_address"], server.info["executors"][0]["metrics_address"]):
         samples = read_metrics(address)
