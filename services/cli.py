@@ -477,26 +477,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_keys)
 
     p = sub.add_parser("serve", help="run a scheduler and its executor on this machine")
-    p.add_argument("--host", default="127.0.0.1", help="address the sockets bind to")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port (0 = any free)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address the sockets bind to (default: 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"client port (0 = any free; default: {DEFAULT_PORT})",
+    )
     _add_metrics_host_flag(p, "every process's /metrics and /health")
     p.add_argument(
         "--metrics-port",
         type=int,
         default=DEFAULT_METRICS_PORT,
-        help="scheduler Prometheus port (0 = any free)",
+        help=f"scheduler Prometheus port (0 = any free; default: {DEFAULT_METRICS_PORT})",
     )
     p.add_argument(
         "--executor-metrics-port",
         type=int,
         default=DEFAULT_EXECUTOR_METRICS_PORT,
-        help="executor rank 0's Prometheus port, rank r uses +r (0 = any free)",
+        help="executor rank 0's Prometheus port, rank r uses +r (0 = any free; default: "
+        f"{DEFAULT_EXECUTOR_METRICS_PORT})",
     )
     p.add_argument(
         "--http-port",
         type=int,
         default=DEFAULT_HTTP_PORT,
-        help="OpenAI-compatible HTTP API port (0 = any free)",
+        help=f"OpenAI-compatible HTTP API port (0 = any free; default: {DEFAULT_HTTP_PORT})",
     )
     p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
     _add_api_key_flag(p)
@@ -519,7 +527,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"several addresses counts as one replica each (default {DEFAULT_ADDRESS})",
     )
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds to")
-    p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (0 = any free)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"HTTP port (0 = any free; default: {DEFAULT_HTTP_PORT})",
+    )
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
     p.add_argument(
@@ -543,7 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scheduler", help="run the scheduler process alone")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port (0 = any free)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"client port (0 = any free; default: {DEFAULT_PORT})",
+    )
     _add_metrics_host_flag(p, "/metrics and /health")
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
     p.add_argument(

@@ -189,7 +189,10 @@ class _SamplingFields(_Options):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
+            raise _field_errors(
+                type(self).__name__,
+                [("stream_options", None, "only allowed with stream: true")],
+            )
         return self
 
     def sampling_params(
@@ -280,7 +283,9 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise _field_errors(
+                type(self).__name__, [("top_logprobs", None, "requires logprobs: true")]
+            )
         return self
 
     def chat(self) -> list[dict[str, str]]:

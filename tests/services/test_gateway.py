@@ -587,6 +587,18 @@ def test_text_parts_are_joined_by_newlines_and_an_assistant_content_may_be_null(
         ),
         ("completions", {"prompt": "Hi", "stop": 5}, "stop", "Input should be a string or a list"),
         ("completions", {"prompt": [[1, "x"]]}, "prompt.0.1", "Input should be a valid integer"),
+        (
+            "completions",
+            {"prompt": "Hi", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only allowed with stream: true",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2},
+            "top_logprobs",
+            "requires logprobs: true",
+        ),
     ],
 )
 def test_a_bad_union_field_is_one_problem_at_its_place_in_the_body(
