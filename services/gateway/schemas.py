@@ -10,7 +10,7 @@ value, or an unknown field, is a 400 that names it rather than being silently ig
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -27,7 +27,10 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from weir.shared.protocol.client import MAX_ARRAY_LEN
 from weir.shared.sampling import MAX_LOGPROBS, SamplingParams
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+# Every list stops at its first bad item (fail_fast): pydantic otherwise reports one error
+# per item, and listing a million of them (negative token ids, say) held the gateway's
+# event loop, every client's, for ten seconds.
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(fail_fast=True)]
 
 
 def _prompt_form(value: Any) -> str:
@@ -53,9 +56,9 @@ def _protocol_sized(value: Any) -> Any:
 
 Prompt = Annotated[
     Annotated[str, Tag("text")]
-    | Annotated[list[str], Tag("texts")]
+    | Annotated[list[str], Tag("texts"), Field(fail_fast=True)]
     | Annotated[TokenIds, Tag("ids")]
-    | Annotated[list[TokenIds], Tag("batch")],
+    | Annotated[list[TokenIds], Tag("batch"), Field(fail_fast=True)],
     Discriminator(_prompt_form),
     BeforeValidator(_protocol_sized),
 ]
@@ -74,7 +77,8 @@ def _string_or_list(items: str) -> Discriminator:
 
 
 Stop = Annotated[
-    Annotated[str, Tag("string")] | Annotated[list[str], Tag("list")], _string_or_list("strings")
+    Annotated[str, Tag("string")] | Annotated[list[str], Tag("list"), Field(fail_fast=True)],
+    _string_or_list("strings"),
 ]
 
 
@@ -129,21 +133,36 @@ def _field_errors(title: str, errors: list[tuple[str, Any, str]]) -> ValidationE
 
 
 class _Body(BaseModel):
+    """Unknown fields are refused, in one error (``extra="forbid"`` reports each: a body of a
+    million unknown keys would cost seconds of the event loop to list)."""
+
     model_config = ConfigDict(extra="forbid")
+    _ACCEPTED: ClassVar[frozenset[str]] = frozenset()  # names taken besides the fields
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (unknown := data.keys() - cls.model_fields - cls._ACCEPTED):
+            first = next(name for name in data if name in unknown)  # in the body's order
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise _field_errors(cls.__name__, [(first, data[first], f"unsupported field{more}")])
+        return data
 
 
 class _Options(_Body):
     """A body of options, as clients send them: null is a field's default, and the fields of
     ``_NEUTRAL`` and ``_IGNORED`` are dropped (a non-neutral value is refused)."""
 
+    _ACCEPTED = frozenset(_NEUTRAL) | _IGNORED
+
     @model_validator(mode="before")
     @classmethod
     def _drop_defaults_and_neutral_values(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        kept, refused = {}, []
+        fields, kept, refused = cls.model_fields, {}, []
         for name, value in data.items():
-            field = cls.model_fields.get(name)
+            field = fields.get(name)
             if field is not None:
                 if (
                     value is not None
@@ -156,7 +175,7 @@ class _Options(_Body):
                 if value is not None and not _is_neutral(value, neutral):
                     refused.append((name, value, f"only {json.dumps(neutral)} is supported"))
             elif name not in _IGNORED:
-                kept[name] = value  # refused as an unknown field
+                return data  # an unknown field, which ``_refuse_unknown_fields`` names
         if refused:
             raise _field_errors(cls.__name__, refused)
         return kept
@@ -242,7 +261,7 @@ class TextPart(_Body):
 
 
 Content = Annotated[
-    Annotated[str, Tag("string")] | Annotated[list[TextPart], Tag("list")],
+    Annotated[str, Tag("string")] | Annotated[list[TextPart], Tag("list"), Field(fail_fast=True)],
     _string_or_list("text parts"),
 ]
 
@@ -274,7 +293,9 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: the model's chat template renders ``messages``."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1), BeforeValidator(_protocol_sized)]
+    messages: Annotated[
+        list[ChatMessage], Field(min_length=1, fail_fast=True), BeforeValidator(_protocol_sized)
+    ]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
