@@ -35,15 +35,15 @@ class WaitingQueue:
     def add(self, request: Request) -> None:
         ticket = next(self._tickets)
         # Tickets make every key unique, so the heap never compares two requests.
-        key = (*priority_key(request), ticket) if self._by_priority else ticket
-        self._live[request] = key
-        heapq.heappush(self._heap, (key, request))
+        self._push(request, (*priority_key(request), ticket) if self._by_priority else ticket)
 
     def requeue(self, request: Request) -> None:
         if self._by_priority:
             self.add(request)
-            return
-        key = -next(self._tickets)
+        else:
+            self._push(request, -next(self._tickets))
+
+    def _push(self, request: Request, key: _Key) -> None:
         self._live[request] = key
         heapq.heappush(self._heap, (key, request))
 
