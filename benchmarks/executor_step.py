@@ -94,6 +94,7 @@ def run_workload(
     max_num_batched_tokens: int,
     timers: Timers,
     before_step: Callable[[str], None] | None = None,
+    sampling: dict[str, Any] | None = None,
 ) -> dict:
     block_size = runner.block_size
     num_blocks = (
@@ -112,7 +113,9 @@ def run_workload(
         ),
     )
     for i, r in enumerate(requests):
-        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=r.output_len, temperature=0.0, ignore_eos=True, **(sampling or {})
+        )
         scheduler.add_request(Request(f"req-{i}", r.prompt_token_ids, params, eos_token_id=2))
     # Per step kind: "prefill" steps hold at least one prompt chunk, "decode" steps only decodes.
     kinds = {k: dict(seconds=0.0, steps=0, parts=defaultdict(float)) for k in ("prefill", "decode")}
@@ -213,7 +216,22 @@ def main() -> None:
     parser.add_argument(
         "--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights"
     )
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every request with presence, frequency and repetition penalties and 100 logit biases",
+    )
     args = parser.parse_args()
+    sampling = (
+        {
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.5,
+            "repetition_penalty": 1.1,
+            "logit_bias": {token: -1.0 for token in range(1000, 1100)},
+        }
+        if args.penalties
+        else None
+    )
 
     model_dir = resolve_model(args.model, load_format=args.load_format)
     runner = ModelRunner(
@@ -230,7 +248,7 @@ def main() -> None:
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
     if args.profile:
         profiler = StepProfiler(args.profile, 10)
-        run_workload(runner, requests, args.max_num_batched_tokens, Timers(), profiler)
+        run_workload(runner, requests, args.max_num_batched_tokens, Timers(), profiler, sampling)
         profiler.finish()
         print(profiler.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
@@ -255,7 +273,7 @@ def main() -> None:
     )
     runs = []
     for i in range(args.repeats):
-        run = run_workload(runner, requests, args.max_num_batched_tokens, timers)
+        run = run_workload(runner, requests, args.max_num_batched_tokens, timers, sampling=sampling)
         runs.append(run)
         print(
             f"run {i}: {run['output_tokens'] / run['executor_s']:.1f} output tok/s "

@@ -19,6 +19,11 @@ MAX_COUNT = 2**31 - 1
 GREEDY_TEMPERATURE = 1e-5
 # Every stop string is searched for in each request's text at every step.
 MAX_STOP_STRINGS = 64
+# OpenAI's ranges for the additive penalties and the logit biases.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+# Past these a repetition penalty turns a logit into 0 or infinity in float32.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 def _int(name: str, value: Any, minimum: int, maximum: int = MAX_COUNT) -> int:
@@ -50,6 +55,13 @@ class SamplingParams:
     EOS (unless ``ignore_eos``) are matched by the scheduler. No stop applies before
     ``min_tokens`` outputs. ``logprobs=n`` returns the sampled token's logprob and the
     top-n alternatives per output token (``None`` = no logprobs).
+
+    Penalties follow vLLM (and OpenAI): ``presence_penalty`` is subtracted from the logit of
+    every token the output holds so far, ``frequency_penalty`` times its count;
+    ``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every
+    token in the prompt or the output (1 = off). ``logit_bias`` holds (token id, bias) pairs
+    added to those logits (a dict is taken too). Biases apply first, then penalties; the
+    logprobs returned stay those of the raw model.
     """
 
     max_tokens: int | None = 16
@@ -63,6 +75,16 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def __post_init__(self) -> None:
         # frozen: normalised values are written with object.__setattr__.
@@ -112,6 +134,19 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            penalty = _float(name, getattr(self, name))
+            if not -MAX_PENALTY <= penalty <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {penalty}"
+                )
+            put(self, name, penalty)
+        repetition = _float("repetition_penalty", self.repetition_penalty)
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= repetition <= high:
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {repetition}")
+        put(self, "repetition_penalty", repetition)
+        put(self, "logit_bias", _logit_bias(self.logit_bias))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain msgpack/JSON-friendly dict (tuples become lists)."""
@@ -127,6 +162,10 @@ class SamplingParams:
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "logprobs": self.logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": [list(pair) for pair in self.logit_bias],
         }
 
     @classmethod
@@ -139,6 +178,27 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {sorted(map(str, unknown))}")
         return cls(**data)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs from pairs or a dict, each id once (the vocabulary bound is the
+    scheduler's, as for stop_token_ids)."""
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, (list, tuple)):
+        raise ValueError(f"logit_bias must map token ids to biases, got {type(value).__name__}")
+    bias: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError("logit_bias must hold (token id, bias) pairs")
+        token_id = _int("logit_bias token id", pair[0], 0)
+        value = _float(f"logit_bias[{token_id}]", pair[1])
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                f"got {value}"
+            )
+        bias[token_id] = value
+    return tuple(bias.items())
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

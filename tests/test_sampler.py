@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from weir.services.executor.sampler import Sampler, SamplingBatch
+from weir.services.executor.sampler import Penalties, Sampler, SamplingBatch, apply_penalties
 from weir.shared.sampling import SamplingParams
 
 VOCAB = 50
@@ -187,3 +187,65 @@ def test_banned_tokens_are_never_produced():
         many, make_batch([{"temperature": 1.0}] * 400, banned=banned_many)
     ).token_ids
     assert not (sampled.view(4, 100) == top2[:, :1]).any()
+
+
+def test_penalties_follow_openais_definition_token_by_token():
+    """Against a loop over each row's tokens in float64: repetition (prompt or output) divides
+    a positive logit and multiplies a negative one, then presence once and frequency per
+    occurrence in the output are subtracted; rows without penalties are left as they were."""
+    rng = np.random.default_rng(5)
+    logits = random_logits(5, seed=5)
+    rows = [0, 2, 3]
+    presence, frequency, repetition = [0.5, -1.0, 2.0], [0.25, 0.0, -2.0], [1.5, 1.0, 0.5]
+    outputs = [rng.integers(0, VOCAB, n).tolist() for n in (7, 0, 30)]
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (4, 9, 0)]
+
+    def pairs(lists):
+        return tuple(
+            torch.tensor(v, dtype=torch.int64)
+            for v in ([i for i, t in enumerate(lists) for _ in t], [x for t in lists for x in t])
+        )
+
+    penalties = Penalties(
+        rows=torch.tensor(rows),
+        presence=torch.tensor(presence),
+        frequency=torch.tensor(frequency),
+        repetition=torch.tensor(repetition),
+        output=pairs(outputs),
+        prompt=pairs(prompts),
+    )
+    got = apply_penalties(logits, penalties)
+    want = logits.double().clone()
+    for i, row in enumerate(rows):
+        for token in set(outputs[i]) | set(prompts[i]):
+            x = want[row, token]
+            want[row, token] = x / repetition[i] if x > 0 else x * repetition[i]
+        for token in set(outputs[i]):
+            want[row, token] -= presence[i] + frequency[i] * outputs[i].count(token)
+    torch.testing.assert_close(got.double(), want)
+    assert not torch.equal(got[rows], logits[rows])
+
+
+def test_biases_and_penalties_change_the_choice_but_not_the_logprobs():
+    logits = random_logits(3, seed=6)
+    top = logits.argmax(dim=-1)
+    last = logits.argmin(dim=-1)
+    bias = [(r, np.array([int(last[r])]), np.array([100.0], np.float32)) for r in range(3)]
+    out = Sampler(seed=0)(
+        logits, make_batch([{"temperature": 0.0}] * 3, num_logprobs=2, logit_bias=bias)
+    )
+    assert torch.equal(out.token_ids, last)  # +100 lifts the least likely token to the top
+    penalties = Penalties(
+        rows=torch.tensor([1]),
+        presence=torch.tensor([2.0]),
+        frequency=torch.tensor([2.0]),
+        repetition=torch.tensor([1.0]),
+        output=(torch.zeros(10, dtype=torch.int64), top[1:2].repeat(10)),
+        prompt=None,
+    )
+    out = Sampler(seed=0)(
+        logits, make_batch([{"temperature": 0.0}] * 3, num_logprobs=2, penalties=penalties)
+    )
+    assert out.token_ids[1] != top[1] and torch.equal(out.token_ids[[0, 2]], top[[0, 2]])
+    raw = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(out.logprobs.top_logprobs, raw.topk(2, dim=-1).values)

@@ -337,11 +337,15 @@ class ClientFrontend:
                 f"priority {msg.priority}: this server schedules {policy}, so requests have "
                 "no priority (start it with --policy priority), or send priority 0"
             )
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(
-                f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", (t for t, _ in params.logit_bias)),
+        ):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                )
         stop_chars = sum(map(len, params.stop))
         if stop_chars > self.max_prompt_chars:
             raise ValueError(

@@ -49,6 +49,19 @@ class Reservation:
     generations: np.ndarray  # [N] int64: the slots' generations when reserved
 
 
+@dataclass(slots=True)
+class PenaltyTokens:
+    """The tokens that penalize some logits rows, as pairs (index of the row among them, token):
+    each row's request's outputs before the token the row samples, those known on the host
+    (``output``) and those the step itself feeds (``fed``: indices into its flat input ids,
+    which a step overlapped with the one before reads on the device), and the prompts of the
+    rows with a repetition penalty (``prompt``)."""
+
+    output: tuple[np.ndarray, np.ndarray]
+    fed: tuple[np.ndarray, np.ndarray]
+    prompt: tuple[np.ndarray, np.ndarray] | None
+
+
 class InputBatch:
     """Per-request state in slot-indexed arrays. Slots grow on demand; preempted requests keep theirs."""
 
@@ -65,6 +78,7 @@ class InputBatch:
         self.capacity = 0
         self._free: list[int] = []
         self.stop_ids: dict[int, np.ndarray] = {}  # slot -> ids banned before min_tokens
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (ids, biases)
         self._grow(capacity)
 
     def _arrays(self) -> tuple[tuple[str, type, tuple[int, ...], int], ...]:
@@ -84,6 +98,9 @@ class InputBatch:
             ("has_seed", bool, (), 0),
             ("num_logprobs", np.int32, (), -1),
             ("min_tokens", np.int32, (), 0),
+            ("presence_penalty", np.float32, (), 0),
+            ("frequency_penalty", np.float32, (), 0),
+            ("repetition_penalty", np.float32, (), 1),
             # Bumped whenever a slot's tokens are set from a plan: a reservation made before
             # is void (`fill_reserved`).
             ("generation", np.int64, (), 0),
@@ -137,6 +154,7 @@ class InputBatch:
             return
         del self.params[req_id], self.prompts[req_id]
         self.stop_ids.pop(slot, None)
+        self.logit_bias.pop(slot, None)
         self._free.append(slot)
 
     def _add(self, req: NewRequest) -> None:
@@ -161,6 +179,12 @@ class InputBatch:
         self.seed[slot] = sp.seed or 0
         self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
         self.min_tokens[slot] = sp.min_tokens
+        self.presence_penalty[slot] = sp.presence_penalty
+        self.frequency_penalty[slot] = sp.frequency_penalty
+        self.repetition_penalty[slot] = sp.repetition_penalty
+        if sp.logit_bias:
+            ids, biases = zip(*sp.logit_bias)
+            self.logit_bias[slot] = (np.array(ids, np.int64), np.array(biases, np.float32))
         if sp.min_tokens > 0:
             eos = () if sp.ignore_eos else self.eos_token_ids
             self.stop_ids[slot] = np.fromiter(
@@ -256,6 +280,24 @@ class InputBatch:
             max_seq_len=max_seq_len,
         )
 
+    def penalty_tokens(self, inputs: StepInputs, rows: np.ndarray) -> PenaltyTokens:
+        """The tokens behind the penalties of the step's logits rows ``rows``."""
+        request = np.repeat(np.arange(len(inputs.slots)), inputs.num_logits)[rows]
+        flat = inputs.logits_indices[rows]
+        out: list[tuple[int, np.ndarray]] = []
+        fed: list[tuple[int, np.ndarray]] = []
+        prompt: list[tuple[int, np.ndarray]] = []
+        for i, (r, last) in enumerate(zip(request.tolist(), flat.tolist())):
+            slot = int(inputs.slots[r])
+            num_prompt = int(self.num_prompt_tokens[slot])
+            computed = int(self.num_computed_tokens[slot])
+            out.append((i, self.token_ids[slot, num_prompt:computed]))
+            first = int(inputs.query_start_loc[r]) + max(0, num_prompt - computed)
+            fed.append((i, np.arange(first, last + 1)))
+            if self.repetition_penalty[slot] != 1:
+                prompt.append((i, self.token_ids[slot, :num_prompt]))
+        return PenaltyTokens(_pairs(out), _pairs(fed), _pairs(prompt) if prompt else None)
+
     def reserve_tokens(self, slots: np.ndarray) -> Reservation:
         """Count one more token for each of ``slots``, sampled by a step still on the device:
         the next step can be planned on it, reading its id on the device, before
@@ -282,3 +324,9 @@ class InputBatch:
             raise ValueError(f"output runs past max_model_len {self.max_model_len}")
         self.token_ids[slot, start:end] = token_ids
         self.num_tokens[slot] = end
+
+
+def _pairs(parts: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, values) parts as two flat arrays: each value's row, and the values."""
+    rows = np.repeat([i for i, _ in parts], [len(v) for _, v in parts]).astype(np.int64)
+    return rows, np.concatenate([v for _, v in parts]).astype(np.int64)

@@ -35,7 +35,7 @@ from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.input_batch import InputBatch, Reservation, StepInputs
 from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
 from weir.services.executor.quantization import check_quantization
-from weir.services.executor.sampler import Sampler, SamplerOutput, SamplingBatch
+from weir.services.executor.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
@@ -356,7 +356,9 @@ class ModelRunner:
             prepared = self._clock()
             padded = self.graphs.forward(num_reqs, inputs.max_query_len)
             real = padded[: len(inputs.logits_indices)]  # padding requests' rows come last
-            step = self._sample(plan, inputs, real, start, prepared, began)
+            step = self._sample(
+                plan, inputs, self.graphs.dev.input_ids, real, start, prepared, began
+            )
             step.timings.graphed = self.graphs.replays(num_reqs, inputs.max_query_len)
             return step
         meta = AttentionMetadata(
@@ -376,7 +378,7 @@ class ModelRunner:
             self._count_busy(began, self._device_event(), prepared)
             return LaunchedStep(plan, StepTimings(prepared - start, self._clock() - prepared))
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
-        return self._sample(plan, inputs, logits, start, prepared, began)
+        return self._sample(plan, inputs, input_ids, logits, start, prepared, began)
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens, record them in the batch and return them."""
@@ -446,6 +448,7 @@ class ModelRunner:
         self,
         plan: StepPlan,
         inputs: StepInputs,
+        input_ids: torch.Tensor,
         logits: torch.Tensor | None,
         start: float,
         prepared: float,
@@ -454,9 +457,9 @@ class ModelRunner:
         forwarded = self._clock()
         if self.tp is None:
             assert logits is not None
-            sampled = self.sampler(logits, self._sampling_batch(inputs))
+            sampled = self.sampler(logits, self._sampling_batch(inputs, input_ids))
         else:
-            sampled = self._sample_on_rank_0(logits, inputs)
+            sampled = self._sample_on_rank_0(logits, inputs, input_ids)
         lp = sampled.logprobs
         # Rows [sampled token, top n alternatives...] and, with logprobs, their logprobs.
         ids = sampled.token_ids.unsqueeze(1)
@@ -482,14 +485,16 @@ class ModelRunner:
         step.timings.sample = self._clock() - forwarded
         return step
 
-    def _sample_on_rank_0(self, logits: torch.Tensor | None, inputs: StepInputs) -> SamplerOutput:
+    def _sample_on_rank_0(
+        self, logits: torch.Tensor | None, inputs: StepInputs, input_ids: torch.Tensor
+    ) -> SamplerOutput:
         """Rank 0 samples (it alone holds the gathered logits) and broadcasts the tokens; the
         other ranks get the tokens only: their results are never sent."""
         assert self.tp is not None
         if logits is None:
             tokens = self.tp.broadcast_tokens(None, len(inputs.logits_indices), self.device)
             return SamplerOutput(tokens, None)
-        sampled = self.sampler(logits, self._sampling_batch(inputs))
+        sampled = self.sampler(logits, self._sampling_batch(inputs, input_ids))
         self.tp.broadcast_tokens(
             sampled.token_ids.contiguous(), len(sampled.token_ids), self.device
         )
@@ -502,7 +507,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _sampling_batch(self, inputs: StepInputs) -> SamplingBatch:
+    def _sampling_batch(self, inputs: StepInputs, input_ids: torch.Tensor) -> SamplingBatch:
+        """The sampling parameters of the step's logits rows; ``input_ids``: the step's flat
+        input ids on the device (penalties count the outputs among them)."""
         b = self.batch
         rows = np.repeat(inputs.slots, inputs.num_logits)
         # Output index of the token each row samples: row j of a request samples output n + j.
@@ -518,6 +525,15 @@ class ModelRunner:
             for i in np.flatnonzero(output_pos < b.min_tokens[rows])
             if len(b.stop_ids.get(rows[i], ()))
         ]
+        logit_bias = (
+            [
+                (i, *b.logit_bias[slot])
+                for i, slot in enumerate(rows.tolist())
+                if slot in b.logit_bias
+            ]
+            if b.logit_bias
+            else []
+        )
         return SamplingBatch.build(
             b.temperature[rows],
             b.top_k[rows],
@@ -527,6 +543,39 @@ class ModelRunner:
             seeds=seeds,
             num_logprobs=int(b.num_logprobs[rows].max(initial=-1)),
             banned=banned,
+            logit_bias=logit_bias,
+            penalties=self._penalties(inputs, rows, input_ids),
+        )
+
+    def _penalties(
+        self, inputs: StepInputs, rows: np.ndarray, input_ids: torch.Tensor
+    ) -> Penalties | None:
+        """The penalties of the logits rows of slots ``rows``, or None where no row has any."""
+        b = self.batch
+        penalized = np.flatnonzero(
+            (b.presence_penalty[rows] != 0)
+            | (b.frequency_penalty[rows] != 0)
+            | (b.repetition_penalty[rows] != 1)
+        )
+        if not len(penalized):
+            return None
+        tokens = b.penalty_tokens(inputs, penalized)
+        dev = self._to_device
+        fed_rows, fed_index = tokens.fed
+        output = (
+            torch.cat((dev(tokens.output[0]), dev(fed_rows))),
+            torch.cat((dev(tokens.output[1]), input_ids[dev(fed_index)].long())),
+        )
+        slots = rows[penalized]
+        return Penalties(
+            rows=dev(penalized),
+            presence=dev(b.presence_penalty[slots]),
+            frequency=dev(b.frequency_penalty[slots]),
+            repetition=dev(b.repetition_penalty[slots]),
+            output=output,
+            prompt=None
+            if tokens.prompt is None
+            else (dev(tokens.prompt[0]), dev(tokens.prompt[1])),
         )
 
     def _collect(self, step: LaunchedStep) -> StepResult:

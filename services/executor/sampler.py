@@ -1,6 +1,8 @@
-"""Batched token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+"""Batched token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs,
+logit biases and presence, frequency and repetition penalties.
 
-Order of the filters follows vLLM: temperature, then min-p, then top-k and top-p. A sampled
+Order follows vLLM: banned tokens and logit biases, then penalties (these apply to greedy rows
+too), then temperature, min-p, top-k and top-p. A sampled
 token is `argmax(probs / q)` with `q ~ Exp(1)` per vocab entry (the exponential race, which
 draws exactly from `probs`). Rows of seeded requests draw `q` from their own generator seeded
 from (seed, output position), so their tokens do not depend on what else is in the batch, on
@@ -46,6 +48,8 @@ class SamplingBatch:
     num_logprobs: int  # top-n alternatives to return per row; -1 = no logprobs
     # (rows, token ids) pairs a row may not produce, e.g. EOS before min_tokens; None = none
     banned: tuple[torch.Tensor, torch.Tensor] | None
+    logit_bias: "LogitBias | None" = None
+    penalties: "Penalties | None" = None
 
     @classmethod
     def build(
@@ -59,9 +63,11 @@ class SamplingBatch:
         seeds: list[tuple[int, int, int]] = (),
         num_logprobs: int = -1,
         banned: Sequence[tuple[int, Sequence[int]]] = (),
+        logit_bias: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
+        penalties: "Penalties | None" = None,
     ) -> "SamplingBatch":
-        """From host arrays; `seeds` holds (row, seed, output position) for seeded rows and
-        `banned` (row, token ids it may not produce)."""
+        """From host arrays; `seeds` holds (row, seed, output position) for seeded rows,
+        `banned` (row, token ids it may not produce) and `logit_bias` (row, token ids, biases)."""
         device = torch.device(device)
         # SamplingParams (also on the wire: from_dict) already made a tiny temperature 0, but
         # takes any finite one: past float32 it would turn the logits into NaN.
@@ -92,7 +98,44 @@ class SamplingBatch:
             generators=generators,
             num_logprobs=num_logprobs,
             banned=banned_index,
+            logit_bias=LogitBias.build(logit_bias, device) if logit_bias else None,
+            penalties=penalties,
         )
+
+
+@dataclass(slots=True)
+class LogitBias:
+    """Additions to some logits: ``values[i]`` to row ``rows[i]``'s logit of ``token_ids[i]``."""
+
+    rows: torch.Tensor  # [B] int64
+    token_ids: torch.Tensor  # [B] int64
+    values: torch.Tensor  # [B] fp32
+
+    @classmethod
+    def build(
+        cls, biases: Sequence[tuple[int, np.ndarray, np.ndarray]], device: torch.device
+    ) -> "LogitBias":
+        rows = np.repeat([row for row, _, _ in biases], [len(ids) for _, ids, _ in biases])
+        return cls(
+            to_device(rows.astype(np.int64), device),
+            to_device(np.concatenate([ids for _, ids, _ in biases]), device),
+            to_device(np.concatenate([values for _, _, values in biases]), device),
+        )
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Presence, frequency and repetition penalties of the logits rows ``rows`` (P of them).
+    ``output`` pairs (index into ``rows``, token id) for every token each row's request has
+    output before the token it samples; ``prompt`` the same for its prompt's tokens, where
+    its repetition penalty needs them (None where no row's does)."""
+
+    rows: torch.Tensor  # [P] int64
+    presence: torch.Tensor  # [P] fp32
+    frequency: torch.Tensor  # [P] fp32
+    repetition: torch.Tensor  # [P] fp32
+    output: tuple[torch.Tensor, torch.Tensor]
+    prompt: tuple[torch.Tensor, torch.Tensor] | None
 
 
 @dataclass(slots=True)
@@ -132,6 +175,25 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """vLLM's (and OpenAI's) penalties: a repeated token's logit is divided by the repetition
+    penalty when positive (multiplied when not), then lowered by the presence penalty once
+    and the frequency penalty per occurrence in the output."""
+    p = penalties
+    rows = logits[p.rows]
+    counts = torch.zeros_like(rows)
+    counts.index_put_(p.output, torch.ones_like(p.output[1], dtype=rows.dtype), accumulate=True)
+    in_output = counts > 0
+    if p.prompt is None:
+        seen = in_output
+    else:
+        seen = in_output.index_put(p.prompt, torch.ones((), dtype=torch.bool, device=rows.device))
+    repetition = torch.where(seen, p.repetition.unsqueeze(1), 1.0)
+    rows = torch.where(rows > 0, rows / repetition, rows * repetition)
+    rows = rows - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * in_output
+    return logits.index_copy(0, p.rows, rows)
+
+
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> Logprobs:
     logprobs = torch.log_softmax(logits, dim=-1)
     token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
@@ -155,6 +217,11 @@ class Sampler:
         if batch.banned is not None:
             minus_inf = torch.full((), float("-inf"), device=logits.device)
             logits = logits.index_put(batch.banned, minus_inf)
+        if batch.logit_bias is not None:
+            bias = batch.logit_bias
+            logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
             token_ids = greedy

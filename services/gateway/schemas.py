@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models, and their translation to ``SamplingParams``.
 
 Field names are OpenAI's (and vLLM's extensions: ``top_k``, ``min_p``, ``ignore_eos``,
-``min_tokens``, ``stop_token_ids``). As in vLLM, ``null`` is a field's default, and the
+``min_tokens``, ``stop_token_ids``, ``repetition_penalty``). As in vLLM, ``null`` is a field's default, and the
 fields Weir does not implement are accepted at the value that changes nothing
 (``_NEUTRAL``), or at any value where none changes the output (``_IGNORED``); any other
 value, or an unknown field, is a 400 that names it rather than being silently ignored.
@@ -25,7 +25,13 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from weir.shared.protocol.client import MAX_ARRAY_LEN
-from weir.shared.sampling import MAX_LOGPROBS, SamplingParams
+from weir.shared.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+)
 
 # Every list stops at its first bad item (fail_fast): pydantic otherwise reports one error
 # per item, and listing a million of them (negative token ids, say) held the gateway's
@@ -51,6 +57,12 @@ def _protocol_sized(value: Any) -> Any:
     """A list the engine's protocol cannot carry is refused before its items are checked."""
     if isinstance(value, list) and len(value) > MAX_ARRAY_LEN:
         raise ValueError(f"{len(value)} items; at most {MAX_ARRAY_LEN}")
+    return value
+
+
+def _protocol_sized_map(value: Any) -> Any:
+    if isinstance(value, dict) and len(value) > MAX_ARRAY_LEN:
+        raise ValueError(f"{len(value)} entries; at most {MAX_ARRAY_LEN}")
     return value
 
 
@@ -82,6 +94,18 @@ Stop = Annotated[
 ]
 
 
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+# OpenAI's keys are token ids written as strings (JSON's keys are strings).
+LogitBias = Annotated[
+    dict[
+        Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+        Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)],
+    ],
+    Field(fail_fast=True),
+    BeforeValidator(_protocol_sized_map),
+]
+
+
 def _wrap_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
 
@@ -89,10 +113,6 @@ def _wrap_int64(value: int) -> int:
 # Fields Weir does not implement, and the one value of each (besides null) that changes
 # nothing: accepted and dropped, as vLLM's clients and frameworks send them.
 _NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": {},
     "echo": False,
     "best_of": 1,
     "suffix": None,
@@ -199,6 +219,12 @@ class _SamplingFields(_Options):
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[
+        float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    ] = 1.0
+    logit_bias: LogitBias | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -234,6 +260,10 @@ class _SamplingFields(_Options):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
         )
 
 

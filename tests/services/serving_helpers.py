@@ -5,13 +5,34 @@ import urllib.request
 import torch
 
 
-def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """Reference greedy decoding: full forward pass per token, argmax, no EOS stop."""
+def hf_greedy(
+    model,
+    prompt_ids: list[int],
+    num_tokens: int,
+    *,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    repetition: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
+) -> list[int]:
+    """Reference greedy decoding: full forward pass per token, argmax, no EOS stop. With
+    penalties as OpenAI and vLLM define them, token by token: the bias added, a token seen in
+    the prompt or output divided by ``repetition`` (multiplied when its logit is not
+    positive), then ``presence`` once and ``frequency`` per occurrence in the output
+    subtracted."""
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(num_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
+            logits = model(torch.tensor([ids])).logits[0, -1].tolist()
+            for token, bias in (logit_bias or {}).items():
+                logits[token] += bias
+            for token in set(ids) if repetition != 1 else ():
+                x = logits[token]
+                logits[token] = x / repetition if x > 0 else x * repetition
+            outputs = ids[len(prompt_ids) :]
+            for token in set(outputs):
+                logits[token] -= presence + frequency * outputs.count(token)
+            ids.append(max(range(len(logits)), key=logits.__getitem__))
     return ids[len(prompt_ids) :]
 
 

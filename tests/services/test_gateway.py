@@ -15,7 +15,7 @@ import urllib.request
 import httpx
 import openai
 import pytest
-from serving_helpers import metric, read_metrics
+from serving_helpers import hf_greedy, metric, read_metrics
 
 from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.client import WeirClient
@@ -254,7 +254,11 @@ def test_logprobs_in_both_apis(client):
         ({"extra_body": {"best_of": 2}}, "best_of"),
         ({"extra_body": {"priority": 1}}, "--policy priority"),  # this engine is FCFS
         ({"extra_body": {"priority": 2**31}}, "priority"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"100000000": 1}}, "vocabulary"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": "word " * 80}, "too long"),
@@ -514,14 +518,37 @@ def test_null_is_the_default_and_neutral_values_of_unsupported_fields_are_ignore
     assert text == reference.choices[0].message.content
 
 
+def test_penalties_and_logit_bias_over_http_match_transformers(
+    client, tiny_model_dir, tiny_hf_model
+):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = [17, 900, 3, 44, 5021, 8]
+    bias = dict.fromkeys(range(7, 11), 5.0)
+    want = hf_greedy(
+        tiny_hf_model, prompt, 10, presence=0.5, frequency=0.7, repetition=1.3, logit_bias=bias
+    )
+    assert want != hf_greedy(tiny_hf_model, prompt, 10, logit_bias=bias)
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.7,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+    )
+    assert completion.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize(
     "field, value, supported",
     [
         ("echo", True, "false"),
         ("best_of", 2, "1"),
-        ("logit_bias", {"5": 10}, "{}"),
         ("suffix", "!", "null"),
-        ("repetition_penalty", 1.2, "1"),
         ("response_format", {"type": "json_object"}, '{"type": "text"}'),
         ("tool_choice", "auto", '"none"'),
         ("stream_options", {"continuous_usage_stats": True}, "false"),

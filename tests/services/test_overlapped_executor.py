@@ -217,6 +217,35 @@ def test_overlapped_steps_keep_greedy_outputs_through_chunking_and_preemption(
         assert _tokens(outputs)[f"r{i}"] == hf_greedy(tiny_hf_model, prompt, 12), f"r{i}"
 
 
+def test_penalties_count_the_token_the_step_ahead_samples_on_the_device(served, tiny_hf_model):
+    """Each overlapped decode step reads its input token (the previous step's output) on the
+    device, before the host knows it: presence, frequency and repetition penalties must
+    still count it, through chunking and preemption."""
+    prompts = _prompts(13, 8, (5, 30))
+    # The tiny model's random weights never repeat a token: biases towards four make it.
+    bias = dict.fromkeys(range(7, 11), 5.0)
+    penalties = {"presence": 0.5, "frequency": 0.7, "repetition": 1.3}
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.0,
+        ignore_eos=True,
+        presence_penalty=0.5,
+        frequency_penalty=0.7,
+        repetition_penalty=1.3,
+        logit_bias=bias,
+    )
+    s = served(overlap=True)
+    outputs, failed, preempted = s.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    assert not failed and preempted and s.launched_ahead()
+    tokens = _tokens(outputs)
+    changed = 0
+    for i, prompt in enumerate(prompts):
+        want = hf_greedy(tiny_hf_model, prompt, 12, logit_bias=bias, **penalties)
+        assert tokens[f"r{i}"] == want, f"r{i}"
+        changed += want != hf_greedy(tiny_hf_model, prompt, 12, logit_bias=bias)
+    assert changed >= len(prompts) // 2, "the penalties must change what greedy decoding picks"
+
+
 def test_a_slot_freed_while_its_token_is_in_flight_is_not_written_by_that_token(
     served, tiny_hf_model
 ):

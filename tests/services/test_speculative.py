@@ -43,8 +43,17 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
     [
         SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=40, temperature=0.7, seed=7, ignore_eos=True, logprobs=1),
+        # Each draft's row is penalized for the drafts before it.
+        SamplingParams(
+            max_tokens=40,
+            temperature=0.0,
+            ignore_eos=True,
+            presence_penalty=0.3,
+            frequency_penalty=0.2,
+            repetition_penalty=1.1,
+        ),
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "penalized"],
 )
 def test_outputs_are_identical_with_and_without_drafts(default_model_dir, params):
     tokenizer = Tokenizer.from_model_dir(default_model_dir)
