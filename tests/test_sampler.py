@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from weir.services.executor.sampler import Penalties, Sampler, SamplingBatch, apply_penalties
+from weir.services.executor.sampler import Penalties, Sampler, SamplingBatch, apply_penalties_
 from weir.shared.sampling import SamplingParams
 
 VOCAB = 50
@@ -214,7 +214,8 @@ def test_penalties_follow_openais_definition_token_by_token():
         output=pairs(outputs),
         prompt=pairs(prompts),
     )
-    got = apply_penalties(logits, penalties)
+    got = logits.clone()
+    apply_penalties_(got, penalties)
     want = logits.double().clone()
     for i, row in enumerate(rows):
         for token in set(outputs[i]) | set(prompts[i]):
