@@ -31,6 +31,8 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    # With ``SamplingParams.prompt_logprobs``: each prompt token's logprob (None for the first).
+    prompt_logprobs: list[float | None] | None = None
 
 
 class LLM:
@@ -118,6 +120,8 @@ class LLM:
             completion.request_id = out.request_id
             if out.prompt_token_ids is not None:
                 completion.prompt_token_ids = out.prompt_token_ids
+            if out.prompt_logprobs is not None:
+                completion.prompt_logprobs = [row[0] for row in out.prompt_logprobs["logprobs"]]
             completion.token_ids += out.new_token_ids
             texts.append(out.text)
             completion.finish_reason = out.finish_reason

@@ -54,7 +54,9 @@ class SamplingParams:
     strings (matched by the detokenizer, not the scheduler); ``stop_token_ids`` and
     EOS (unless ``ignore_eos``) are matched by the scheduler. No stop applies before
     ``min_tokens`` outputs. ``logprobs=n`` returns the sampled token's logprob and the
-    top-n alternatives per output token (``None`` = no logprobs).
+    top-n alternatives per output token (``None`` = no logprobs); ``prompt_logprobs=n`` the
+    same for each prompt token after the first (vLLM's: the prompt is computed in full, never
+    read from the prefix cache).
 
     Penalties follow vLLM (and OpenAI): ``presence_penalty`` is subtracted from the logit of
     every token the output holds so far, ``frequency_penalty`` times its count;
@@ -75,6 +77,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -130,10 +133,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
             )
-        if self.logprobs is not None:
-            _int("logprobs", self.logprobs, 0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 0, MAX_LOGPROBS)
         for name in ("presence_penalty", "frequency_penalty"):
             penalty = _float(name, getattr(self, name))
             if not -MAX_PENALTY <= penalty <= MAX_PENALTY:
@@ -162,6 +164,7 @@ class SamplingParams:
             "ignore_eos": self.ignore_eos,
             "min_tokens": self.min_tokens,
             "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,

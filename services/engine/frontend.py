@@ -648,6 +648,9 @@ class ClientFrontend:
             None if stream.sent_prompt_ids else stream.prompt_token_ids,
             None if logprobs is None else self._logprobs(logprobs),
             stop_reason,
+            None
+            if out.prompt_logprobs is None
+            else self._prompt_logprobs(stream.prompt_token_ids[0], out.prompt_logprobs),
         )
         stream.sent_prompt_ids = True
         if finished:
@@ -689,6 +692,17 @@ class ClientFrontend:
             "token_ids": logprobs.token_ids,
             "logprobs": logprobs.logprobs,
             "tokens": [[text[t] for t in row] for row in logprobs.token_ids],
+        }
+
+    def _prompt_logprobs(self, first: int, rows: SampleLogprobs) -> dict[str, list[list[Any]]]:
+        """The client's prompt logprob rows: the first prompt token's, with a logprob of None
+        (nothing predicts it, as vLLM and OpenAI's echo report it), then one per token."""
+        head = self._logprobs(SampleLogprobs([[first]], [[0.0]]))
+        tail = self._logprobs(rows)
+        return {
+            "token_ids": head["token_ids"] + tail["token_ids"],
+            "logprobs": [[None]] + tail["logprobs"],
+            "tokens": head["tokens"] + tail["tokens"],
         }
 
     def _final_output(self, stream: _Stream, reason: str) -> client_protocol.StreamOutput:

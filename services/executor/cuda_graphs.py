@@ -256,4 +256,7 @@ def _no_requests(query_len: int) -> StepInputs:
         logits_indices=empty,
         max_query_len=query_len,
         max_seq_len=0,
+        prompt_logits_indices=empty,
+        prompt_targets=empty,
+        num_prompt_logits=empty,
     )

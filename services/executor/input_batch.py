@@ -38,6 +38,11 @@ class StepInputs:
     logits_indices: np.ndarray  # [N] rows of the flat batch to compute logits at
     max_query_len: int
     max_seq_len: int
+    # Of requests asking for prompt logprobs: the rows of the flat batch whose next token is
+    # a prompt token ([M]), that token ([M]), and how many such rows each request has ([R]).
+    prompt_logits_indices: np.ndarray
+    prompt_targets: np.ndarray
+    num_prompt_logits: np.ndarray
 
 
 @dataclass(slots=True)
@@ -97,6 +102,7 @@ class InputBatch:
             ("seed", object, (), 0),  # Python ints: seeds span 64 bits, signed or not
             ("has_seed", bool, (), 0),
             ("num_logprobs", np.int32, (), -1),
+            ("num_prompt_logprobs", np.int32, (), -1),
             ("min_tokens", np.int32, (), 0),
             ("presence_penalty", np.float32, (), 0),
             ("frequency_penalty", np.float32, (), 0),
@@ -178,6 +184,7 @@ class InputBatch:
         self.has_seed[slot] = sp.seed is not None
         self.seed[slot] = sp.seed or 0
         self.num_logprobs[slot] = -1 if sp.logprobs is None else sp.logprobs
+        self.num_prompt_logprobs[slot] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
         self.min_tokens[slot] = sp.min_tokens
         self.presence_penalty[slot] = sp.presence_penalty
         self.frequency_penalty[slot] = sp.frequency_penalty
@@ -260,10 +267,20 @@ class InputBatch:
 
         prefill_done = real_end >= num_tokens
         num_logits = np.where(prefill_done, num_spec + 1, 0)
-        logits_start = np.cumsum(num_logits) - num_logits
-        logits_indices = np.arange(int(num_logits.sum()), dtype=np.int64) + np.repeat(
-            query_start_loc[1:] - num_logits - logits_start, num_logits
+        logits_indices = _ranges(query_start_loc[1:] - num_logits, num_logits)
+        # Rows at positions whose next token is a prompt token, of requests that ask.
+        num_prompt = self.num_prompt_tokens[slots].astype(np.int64)
+        num_prompt_logits = np.where(
+            self.num_prompt_logprobs[slots] >= 0,
+            np.clip(np.minimum(real_end, num_prompt - 1) - computed, 0, None),
+            0,
         )
+        prompt_logits_indices = _ranges(query_start_loc[:-1], num_prompt_logits)
+        prompt_targets = self.token_ids.reshape(-1)[
+            token_slot[prompt_logits_indices] * self.max_model_len
+            + positions[prompt_logits_indices]
+            + 1
+        ]
         return StepInputs(
             req_ids=req_ids,
             slots=slots,
@@ -278,6 +295,9 @@ class InputBatch:
             logits_indices=logits_indices,
             max_query_len=int(num_sched.max(initial=0)),
             max_seq_len=max_seq_len,
+            prompt_logits_indices=prompt_logits_indices,
+            prompt_targets=prompt_targets.astype(np.int64),
+            num_prompt_logits=num_prompt_logits,
         )
 
     def penalty_tokens(self, inputs: StepInputs, rows: np.ndarray) -> PenaltyTokens:
@@ -330,3 +350,10 @@ def _pairs(parts: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]
     """(row, values) parts as two flat arrays: each value's row, and the values."""
     rows = np.repeat([i for i, _ in parts], [len(v) for _, v in parts]).astype(np.int64)
     return rows, np.concatenate([v for _, v in parts]).astype(np.int64)
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenated ranges ``[start, start + length)``, as int64."""
+    total = int(lengths.sum())
+    offsets = np.cumsum(lengths) - lengths
+    return np.arange(total, dtype=np.int64) + np.repeat(starts.astype(np.int64) - offsets, lengths)

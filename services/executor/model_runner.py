@@ -35,7 +35,13 @@ from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.input_batch import InputBatch, Reservation, StepInputs
 from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
 from weir.services.executor.quantization import check_quantization
-from weir.services.executor.sampler import Penalties, Sampler, SamplerOutput, SamplingBatch
+from weir.services.executor.sampler import (
+    Penalties,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    compute_logprobs,
+)
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
@@ -48,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 SYNC_STEP_TIMING_ENV = "WEIR_SYNC_STEP_TIMING"
+# Prompt logprobs take logits over the vocabulary at every prompt position: this many rows
+# at a time bound the memory (a 2048-token chunk at once: 400 MB for a 49k vocabulary).
+PROMPT_LOGITS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -103,6 +112,9 @@ class LaunchedStep:
     ids: torch.Tensor | None = None  # [N, 1 + n]: each row's token, then its top n
     logprobs: torch.Tensor | None = None  # [N, 1 + n]
     num_logprobs: np.ndarray | None = None  # [R] per request, as asked when launched
+    # Prompt logprobs ([M, 1 + n] each: the prompt token, then the top n), when asked for.
+    prompt_ids: torch.Tensor | None = None
+    prompt_logprobs: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     reserved: Reservation | None = None
 
@@ -374,22 +386,33 @@ class ModelRunner:
             _scatter(input_ids, feed)
         prepared = self._clock()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        prompt = self._prompt_logprobs(hidden, inputs)
         if not len(inputs.logits_indices):
-            self._count_busy(began, self._device_event(), prepared)
-            return LaunchedStep(plan, StepTimings(prepared - start, self._clock() - prepared))
+            step = LaunchedStep(plan, StepTimings(prepared - start), inputs=inputs)
+            step.prompt_ids, step.prompt_logprobs = prompt
+            step.ready = self._device_event()
+            self._count_busy(began, step.ready, prepared)
+            step.timings.forward = self._clock() - prepared
+            return step
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
-        return self._sample(plan, inputs, input_ids, logits, start, prepared, began)
+        step = self._sample(plan, inputs, input_ids, logits, start, prepared, began)
+        step.prompt_ids, step.prompt_logprobs = prompt
+        return step
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for a launched step's tokens, record them in the batch and return them."""
         start = time.perf_counter()
         if self._unfinished is step:
             self._unfinished = None
-        if step.ids is None:
+        if step.ids is None and step.prompt_ids is None:
             return StepResult(step_id=step.plan.step_id)
         if step.ready is not None:
             step.ready.synchronize()  # the step's one wait for the device
-        result = self._collect(step)
+        result = (
+            self._collect(step) if step.ids is not None else StepResult(step_id=step.plan.step_id)
+        )
+        if step.prompt_ids is not None:
+            result.prompt_logprobs = self._collect_prompt(step)
         step.timings.sample += time.perf_counter() - start
         return result
 
@@ -484,6 +507,48 @@ class ModelRunner:
         self._unfinished = step
         step.timings.sample = self._clock() - forwarded
         return step
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The logprob of each prompt token the step's rows predict for requests that ask,
+        with the top n, on their way to the host (None on ranks that do not sample)."""
+        num_rows = len(inputs.prompt_logits_indices)
+        if not num_rows:
+            return None, None
+        n = int(self.batch.num_prompt_logprobs[inputs.slots].max())
+        rows = self._to_device(inputs.prompt_logits_indices)
+        targets = self._to_device(inputs.prompt_targets)
+        ids, logprobs = [], []
+        for start in range(0, num_rows, PROMPT_LOGITS_ROWS):
+            end = start + PROMPT_LOGITS_ROWS
+            # Under tensor parallelism every rank joins the gather; rank 0 gets the logits.
+            logits = self.model.compute_logits(hidden[rows[start:end]])
+            if logits is None:
+                continue
+            lp = compute_logprobs(logits, targets[start:end], n)
+            ids.append(torch.cat((targets[start:end].unsqueeze(1), lp.top_ids), dim=1))
+            logprobs.append(torch.cat((lp.token_logprobs.unsqueeze(1), lp.top_logprobs), dim=1))
+        if not ids:
+            return None, None
+        return _to_host(torch.cat(ids)), _to_host(torch.cat(logprobs))
+
+    def _collect_prompt(self, step: LaunchedStep) -> dict[str, SampleLogprobs]:
+        """Each request's prompt logprob rows of the step, ``n`` wide as it asked."""
+        assert step.inputs is not None and step.prompt_ids is not None
+        assert step.prompt_logprobs is not None
+        inputs = step.inputs
+        ids, lps = step.prompt_ids.tolist(), step.prompt_logprobs.tolist()
+        wanted = self.batch.num_prompt_logprobs[inputs.slots].tolist()
+        result, row = {}, 0
+        for req_id, count, n in zip(inputs.req_ids, inputs.num_prompt_logits.tolist(), wanted):
+            if count:
+                rows = range(row, row + count)
+                result[req_id] = SampleLogprobs(
+                    [ids[i][: n + 1] for i in rows], [lps[i][: n + 1] for i in rows]
+                )
+                row += count
+        return result
 
     def _sample_on_rank_0(
         self, logits: torch.Tensor | None, inputs: StepInputs, input_ids: torch.Tensor

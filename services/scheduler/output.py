@@ -20,3 +20,5 @@ class EngineOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: SampleLogprobs | None = None
+    # With the first output of a request that asked: a row for each prompt token after the first.
+    prompt_logprobs: SampleLogprobs | None = None

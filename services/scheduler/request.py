@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from weir.shared.protocol.step import SampleLogprobs
 from weir.shared.sampling import SamplingParams
 
 
@@ -58,6 +59,7 @@ class Request:
         "block_hashes",
         "num_cached_blocks",
         "stop_ids",
+        "prompt_logprobs",
         "max_tokens",
         "min_tokens",
         "seq",
@@ -111,6 +113,11 @@ class Request:
         if eos_token_id is not None and not sampling_params.ignore_eos:
             stop_ids.add(eos_token_id)
         self.stop_ids = frozenset(stop_ids)
+        # Rows for prompt tokens 1, 2, ... as they are computed, when asked for (sent with
+        # the first output).
+        self.prompt_logprobs = (
+            None if sampling_params.prompt_logprobs is None else SampleLogprobs([], [])
+        )
         # None: as many as fit; every request also stops at max_model_len.
         max_tokens = sampling_params.max_tokens
         self.max_tokens = sys.maxsize if max_tokens is None else max_tokens

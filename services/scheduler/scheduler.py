@@ -30,7 +30,13 @@ from weir.services.scheduler.output import EngineOutput
 from weir.services.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from weir.services.scheduler.request_queue import WaitingQueue, priority_key
 from weir.shared.config import CacheConfig, SchedulerConfig
-from weir.shared.protocol.step import CachedRequestData, NewRequest, StepPlan, StepResult
+from weir.shared.protocol.step import (
+    CachedRequestData,
+    NewRequest,
+    SampleLogprobs,
+    StepPlan,
+    StepResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -533,6 +539,32 @@ class Scheduler:
         for position in range(num_accepted):
             per_pos[position] += 1
 
+    def _add_prompt_logprobs(self, plan: StepPlan, by_request: dict[str, SampleLogprobs]) -> None:
+        """Append each request's new prompt logprob rows. A request recomputed after a
+        preemption sends rows it sent before: those are dropped."""
+        cached = plan.cached_requests
+        for rid, rows in by_request.items():
+            request = self.requests.get(rid)
+            if (
+                request is None
+                or rid not in plan.num_scheduled_tokens
+                or request.prompt_logprobs is None
+                or request.status is not _RUNNING
+                or request.admitted_step > plan.step_id
+            ):
+                continue
+            start = next(
+                (r.num_computed_tokens for r in plan.new_requests if r.request_id == rid), None
+            )
+            if start is None:
+                start = cached.num_computed_tokens[cached.req_ids.index(rid)]
+            # Row i is prompt token start + 1 + i, kept at index start + i.
+            have = request.prompt_logprobs
+            skip = len(have) - start
+            if skip >= 0:
+                have.token_ids += rows.token_ids[skip:]
+                have.logprobs += rows.logprobs[skip:]
+
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[EngineOutput]:
         """Advance every request of ``plan`` by what it computed, append sampled tokens
         (rolling back rejected drafts), apply stops, free finished requests. Returns one
@@ -552,6 +584,8 @@ class Scheduler:
         step_id = plan.step_id
         if overlapped:
             self._check_sampled(step_id, sampled_token_ids)
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(plan, result.prompt_logprobs)
         for rid, num_new in plan.num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status is not _RUNNING or request.admitted_step > step_id:
@@ -588,6 +622,7 @@ class Scheduler:
                 request.num_computed_tokens = computed
             if sampled:
                 outputs_so_far = request.output_token_ids
+                prompt_lp = None if outputs_so_far else request.prompt_logprobs
                 stop_ids = request.stop_ids
                 status = None
                 count = 0
@@ -608,7 +643,9 @@ class Scheduler:
                     lp = lp.head(count)
                 if status is None:
                     outputs.append(
-                        EngineOutput(rid, new_tokens, False, None, request.num_cached_tokens, lp)
+                        EngineOutput(
+                            rid, new_tokens, False, None, request.num_cached_tokens, lp, prompt_lp
+                        )
                     )
                 else:
                     request.status = status
@@ -621,6 +658,7 @@ class Scheduler:
                             FINISH_REASONS[status],
                             request.num_cached_tokens,
                             lp,
+                            prompt_lp,
                         )
                     )
             if caching and (

@@ -126,6 +126,10 @@ class StreamOutput:
     # What ended a request that finished with "stop", as vLLM reports it: the stop string,
     # or the stop token's id; None for EOS (and for every other finish).
     stop_reason: str | int | None = None
+    # With the first output, when asked for (``SamplingParams.prompt_logprobs``): rows as
+    # in ``logprobs``, one per prompt token (entry 0 the prompt token); the first token's
+    # logprob is None (nothing predicts it).
+    prompt_logprobs: dict[str, list[list[Any]]] | None = None
 
 
 @dataclass(slots=True)
@@ -329,6 +333,8 @@ def encode_outputs(outputs: list[StreamOutput]) -> bytes:
             item["logprobs"] = o.logprobs
         if o.stop_reason is not None:
             item["stop_reason"] = o.stop_reason
+        if o.prompt_logprobs is not None:
+            item["prompt_logprobs"] = o.prompt_logprobs
         items.append(item)
     return _pack("outputs", {"items": items})
 

@@ -190,3 +190,6 @@ class StepResult:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, SampleLogprobs] | None = None
     step_id: int = 0
+    # Of requests asking for prompt logprobs, a row per prompt token this step's tokens
+    # predict: row i of a request whose step began at num_computed_tokens c is token c + 1 + i.
+    prompt_logprobs: dict[str, SampleLogprobs] | None = None

@@ -282,7 +282,8 @@ def decode_step_plan(data: bytes) -> StepPlan:
 
 
 # ----------------------------------------------------------------------------- StepResult
-# [tag, v, step_id, ids, sampled rows, logprobs {id: [token_rows, logprob_rows]} | nil]
+# [tag, v, step_id, ids, sampled rows, logprobs {id: [token_rows, logprob_rows]} | nil,
+#  prompt logprobs (the same) | nil]
 
 
 def encode_step_result(result: StepResult) -> bytes:
@@ -294,15 +295,21 @@ def encode_step_result(result: StepResult) -> bytes:
             _join_ids("sampled_token_ids", list(sampled)),
             _pack_rows("sampled_token_ids", sampled.values(), len(sampled)),
             _logprobs_map_to_wire(result.logprobs),
+            _logprobs_map_to_wire(result.prompt_logprobs),
         ],
     )
 
 
 def decode_step_result(data: bytes) -> StepResult:
-    msg = unpack_array(data, _STEP_RESULT, 4)
+    msg = unpack_array(data, _STEP_RESULT, 5)
     step_id = non_negative_int("step_id", msg[2])
     ids = _split_ids("sampled_token_ids", msg[3])
     sampled = dict(zip(ids, _unpack_rows("sampled_token_ids", msg[4], len(ids))))
     if len(sampled) != len(ids):
         raise ProtocolError("sampled_token_ids: a request id appears twice")
-    return StepResult(sampled, _logprobs_map_from_wire("logprobs", msg[5]), step_id)
+    return StepResult(
+        sampled,
+        _logprobs_map_from_wire("logprobs", msg[5]),
+        step_id,
+        _logprobs_map_from_wire("prompt_logprobs", msg[6]),
+    )
