@@ -11,6 +11,7 @@ which aborts the requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -126,6 +127,35 @@ def _samples(
         ]
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request_error") from None
+
+
+async def _echoed(
+    outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+    samples: list[_Sample],
+    *,
+    with_logprobs: bool,
+) -> AsyncGenerator[list[tuple[int, list[StreamOutput]]], None]:
+    """The outputs with each sample's prompt before its first output's text (the prompt as
+    sent, or its tokens' text for token ids) and, ``with_logprobs``, its prompt's rows
+    before the first output's rows."""
+    async with aclosing(outputs):
+        async for batch in outputs:
+            for index, outs in batch:
+                first = outs[0]
+                if first.prompt_token_ids is None:
+                    continue  # not a first output
+                rows = first.prompt_logprobs or {}
+                prompt = samples[index].prompt
+                if not isinstance(prompt, str):
+                    prompt = "".join(row[0] for row in rows.get("tokens", []))
+                logprobs = first.logprobs
+                if with_logprobs:
+                    logprobs = {
+                        key: rows.get(key, []) + (first.logprobs or {}).get(key, [])
+                        for key in ("token_ids", "logprobs", "tokens")
+                    }
+                outs[0] = dataclasses.replace(first, text=prompt + first.text, logprobs=logprobs)
+            yield batch
 
 
 class Gateway:
@@ -282,6 +312,8 @@ class Gateway:
             lambda i: body.sampling_params(body.max_tokens, body.logprobs, i),
             body.priority,
         )
+        for sample in samples:
+            sample.params = body.prompt_params(sample.params, prompts[sample.group])
         response_id = f"cmpl-{uuid.uuid4().hex}"
         base = {
             "id": response_id,
@@ -290,6 +322,8 @@ class Gateway:
             "model": info["model_name"],
         }
         outputs = self.run(response_id, samples)
+        if body.echo:
+            outputs = _echoed(outputs, samples, with_logprobs=body.logprobs is not None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await self._sse(

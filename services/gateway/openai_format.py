@@ -76,7 +76,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _rows(out: StreamOutput) -> list[tuple[str, float, list[tuple[str, float]]]]:
+def _rows(out: StreamOutput) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
     """(sampled token, its logprob, top alternatives) per new token."""
     lp = out.logprobs or {}
     rows = []
@@ -94,8 +94,8 @@ def completion_logprobs(out: StreamOutput, text_offset: int) -> dict[str, Any]:
         tokens.append(token)
         token_logprobs.append(logprob)
         # The sampled token first, then the n most likely (up to n + 1 entries), as OpenAI
-        # and vLLM give it.
-        top.append({token: logprob, **dict(alternatives)})
+        # and vLLM give it; null for an echoed prompt's first token, which nothing predicts.
+        top.append(None if logprob is None else {token: logprob, **dict(alternatives)})
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -107,7 +107,7 @@ def completion_logprobs(out: StreamOutput, text_offset: int) -> dict[str, Any]:
 def chat_logprobs(out: StreamOutput) -> dict[str, Any]:
     """The chat ``logprobs`` object (``content``: one entry per token) for one output."""
 
-    def entry(token: str, logprob: float) -> dict[str, Any]:
+    def entry(token: str, logprob: float | None) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     return {

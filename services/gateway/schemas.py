@@ -9,6 +9,7 @@ value, or an unknown field, is a 400 that names it rather than being silently ig
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
@@ -113,7 +114,6 @@ def _wrap_int64(value: int) -> int:
 # Fields Weir does not implement, and the one value of each (besides null) that changes
 # nothing: accepted and dropped, as vLLM's clients and frameworks send them.
 _NEUTRAL: dict[str, Any] = {
-    "echo": False,
     "best_of": 1,
     "suffix": None,
     "response_format": {"type": "text"},
@@ -273,6 +273,16 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # The prompt before the completion in each choice's text (and its tokens' logprobs,
+    # the first null, before the completion's).
+    echo: bool = False
+
+    def prompt_params(self, params: SamplingParams, prompt: str | list[int]) -> SamplingParams:
+        """``params`` with the prompt logprobs echo needs: the rows asked for, or, for a
+        prompt of token ids, its tokens' text (the gateway has no tokenizer)."""
+        if not self.echo or (self.logprobs is None and isinstance(prompt, str)):
+            return params
+        return dataclasses.replace(params, prompt_logprobs=self.logprobs or 0)
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt

@@ -15,6 +15,7 @@ import urllib.request
 import httpx
 import openai
 import pytest
+import torch
 from serving_helpers import hf_greedy, metric, read_metrics
 
 from weir.services.launcher import GatewayProcess, ServerProcesses
@@ -543,10 +544,53 @@ def test_penalties_and_logit_bias_over_http_match_transformers(
     assert completion.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, tiny_hf_model):
+    """lm-eval's loglikelihood over the completions API: echo, logprobs and one new token;
+    it sums ``token_logprobs`` over the continuation and checks each is the top one."""
+    prompt = [17, 900, 3, 44, 5021, 8, 8]
+    call = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    plain = client.completions.create(**call, extra_body={"ignore_eos": True})
+    echoed = client.completions.create(
+        **call, echo=True, logprobs=1, extra_body={"ignore_eos": True}
+    )
+    [choice] = echoed.choices
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_hf_model(torch.tensor([prompt])).logits[0].double(), -1)
+    want = [ref[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+    for i in range(1, len(prompt)):
+        top = ref[i - 1].argmax().item() == prompt[i]
+        assert (lp.token_logprobs[i] == max(lp.top_logprobs[i].values())) == top
+    assert choice.text == "".join(lp.tokens[: len(prompt)]) + plain.choices[0].text
+    assert lp.text_offset[len(prompt)] == len("".join(lp.tokens[: len(prompt)]))
+    assert echoed.usage.prompt_tokens == len(prompt)
+    streamed = client.completions.create(
+        **call, echo=True, logprobs=1, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == (
+        lp.tokens
+    )
+
+
+def test_echo_of_text_prompts_prepends_each_prompt_to_each_choice(client):
+    prompts = ["The quick brown fox", "One, two,"]
+    call = {"model": MODEL, "prompt": prompts, "max_tokens": 4, "temperature": 0, "n": 2}
+    plain = client.completions.create(**call)
+    echoed = client.completions.create(**call, echo=True)
+    assert [c.text for c in echoed.choices] == [
+        prompts[c.index // 2] + c.text for c in plain.choices
+    ]
+    assert echoed.usage == plain.usage
+
+
 @pytest.mark.parametrize(
     "field, value, supported",
     [
-        ("echo", True, "false"),
         ("best_of", 2, "1"),
         ("suffix", "!", "null"),
         ("response_format", {"type": "json_object"}, '{"type": "text"}'),
