@@ -114,6 +114,7 @@ def _wrap_int64(value: int) -> int:
 # Fields Weir does not implement, and the one value of each (besides null) that changes
 # nothing: accepted and dropped, as vLLM's clients and frameworks send them.
 _NEUTRAL: dict[str, Any] = {
+    "echo": False,  # a completion's field; in chat, vLLM's, which Weir does not implement
     "best_of": 1,
     "suffix": None,
     "response_format": {"type": "text"},

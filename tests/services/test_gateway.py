@@ -586,6 +586,10 @@ def test_echo_of_text_prompts_prepends_each_prompt_to_each_choice(client):
         prompts[c.index // 2] + c.text for c in plain.choices
     ]
     assert echoed.usage == plain.usage
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert client.chat.completions.create(**chat, extra_body={"echo": False}).choices
+    with pytest.raises(openai.BadRequestError, match="echo: only false is supported"):
+        client.chat.completions.create(**chat, extra_body={"echo": True})
 
 
 @pytest.mark.parametrize(
