@@ -53,7 +53,9 @@ class SamplingParams:
     ``top_p == 1`` and ``min_p == 0`` disable those filters. ``stop`` holds text stop
     strings (matched by the detokenizer, not the scheduler); ``stop_token_ids`` and
     EOS (unless ``ignore_eos``) are matched by the scheduler. No stop applies before
-    ``min_tokens`` outputs. ``logprobs=n`` returns the sampled token's logprob and the
+    ``min_tokens`` outputs; the text of what stopped a request (a stop string, a stop token)
+    is left out unless ``include_stop_str_in_output``, and special tokens' text unless
+    ``skip_special_tokens`` is False (vLLM's). ``logprobs=n`` returns the sampled token's logprob and the
     top-n alternatives per output token (``None`` = no logprobs); ``prompt_logprobs=n`` the
     same for each prompt token after the first (vLLM's: the prompt is computed in full, never
     read from the prefix cache).
@@ -78,6 +80,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -126,8 +130,9 @@ class SamplingParams:
             _int("stop_token_ids", token_id, 0)
         # Each id once: the executor bans these (before min_tokens) on every step.
         put(self, "stop_token_ids", tuple(dict.fromkeys(ids)))
-        if type(self.ignore_eos) is not bool:
-            raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -165,6 +170,8 @@ class SamplingParams:
             "min_tokens": self.min_tokens,
             "logprobs": self.logprobs,
             "prompt_logprobs": self.prompt_logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,

@@ -304,7 +304,9 @@ class ClientFrontend:
             identity,
             msg.sampling_params,
             prompt_ids,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, msg.sampling_params.skip_special_tokens
+            ),
             now,
         )
         if msg.sampling_params.stop:
@@ -615,9 +617,10 @@ class ClientFrontend:
             text_ids = new_ids
             if reason == "stop":
                 # The token that stopped the request (EOS or a stop_token_ids entry: the
-                # scheduler stops on nothing else) is counted, but its text is not returned,
-                # as in vLLM.
-                text_ids = new_ids[:-1]
+                # scheduler stops on nothing else) is counted, but its text is not returned
+                # unless asked for, as in vLLM.
+                if not stream.params.include_stop_str_in_output:
+                    text_ids = new_ids[:-1]
                 if new_ids[-1] != self.tokenizer.eos_token_id:
                     stop_reason = new_ids[-1]
             if stream.params.stop:
@@ -678,7 +681,8 @@ class ClientFrontend:
                 continue
             found = _find_stop(unsent, params.stop, max(searched, stream.stop_after))
             if found is not None:
-                return unsent[: found[0]], i + 1, found[1]
+                end = found[0] + (len(found[1]) if params.include_stop_str_in_output else 0)
+                return unsent[:end], i + 1, found[1]
         return unsent, len(token_ids), None
 
     def _logprobs(self, logprobs: SampleLogprobs) -> dict[str, list[list[Any]]]:

@@ -1,7 +1,8 @@
 """OpenAI request bodies as pydantic models, and their translation to ``SamplingParams``.
 
 Field names are OpenAI's (and vLLM's extensions: ``top_k``, ``min_p``, ``ignore_eos``,
-``min_tokens``, ``stop_token_ids``, ``repetition_penalty``). As in vLLM, ``null`` is a field's default, and the
+``min_tokens``, ``stop_token_ids``, ``repetition_penalty``, ``skip_special_tokens``,
+``include_stop_str_in_output``). As in vLLM, ``null`` is a field's default, and the
 fields Weir does not implement are accepted at the value that changes nothing
 (``_NEUTRAL``), or at any value where none changes the output (``_IGNORED``); any other
 value, or an unknown field, is a 400 that names it rather than being silently ignored.
@@ -121,9 +122,7 @@ _NEUTRAL: dict[str, Any] = {
     "tools": [],
     "tool_choice": "none",
     "add_generation_prompt": True,
-    "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
-    "include_stop_str_in_output": False,
     "continuous_usage_stats": False,  # in stream_options
 }
 # Fields that never change the output: accepted with any value and dropped.
@@ -226,6 +225,8 @@ class _SamplingFields(_Options):
         float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ] = 1.0
     logit_bias: LogitBias | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -265,6 +266,8 @@ class _SamplingFields(_Options):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 

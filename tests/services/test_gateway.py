@@ -592,6 +592,36 @@ def test_echo_of_text_prompts_prepends_each_prompt_to_each_choice(client):
         client.chat.completions.create(**chat, extra_body={"echo": True})
 
 
+def test_stop_text_and_special_tokens_are_returned_when_asked(
+    client, tiny_model_dir, tiny_hf_model
+):
+    """vLLM's include_stop_str_in_output and skip_special_tokens, against the reference's
+    tokens decoded by transformers."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = [17, 900, 3, 44, 5021, 8]
+    ref = hf_greedy(tiny_hf_model, prompt, 12)
+    assert ref[6] not in ref[:6]
+    text = tokenizer.decode(ref)
+    stop = tokenizer.decode(ref[8:10])
+    assert stop.strip() and text.count(stop) == 1
+    call = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    for include in (False, True):
+        extra = {"ignore_eos": True, "include_stop_str_in_output": include}
+        by_token = client.completions.create(
+            **call, extra_body={**extra, "stop_token_ids": [ref[6]]}
+        )
+        assert by_token.choices[0].text == tokenizer.decode(ref[: 7 if include else 6])
+        by_text = client.completions.create(**call, stop=[stop], extra_body=extra)
+        end = text.index(stop) + (len(stop) if include else 0)
+        assert by_text.choices[0].text == text[:end]
+    special = {**call, "max_tokens": 3, "logit_bias": {"1": 100}}  # <|im_start|>
+    assert client.completions.create(**special).choices[0].text == ""
+    shown = client.completions.create(**special, extra_body={"skip_special_tokens": False})
+    assert shown.choices[0].text == "<|im_start|>" * 3
+
+
 @pytest.mark.parametrize(
     "field, value, supported",
     [
