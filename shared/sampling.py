@@ -7,6 +7,7 @@ naming the field instead of a crash in the executor.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -37,7 +38,12 @@ def _int(name: str, value: Any, minimum: int, maximum: int = MAX_COUNT) -> int:
 def _float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(
+            f"{name} must be finite, got an int of {value.bit_length()} bits"
+        ) from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
@@ -66,6 +72,11 @@ class SamplingParams:
     token in the prompt or the output (1 = off). ``logit_bias`` holds (token id, bias) pairs
     added to those logits (a dict is taken too). Biases apply first, then penalties; the
     logprobs returned stay those of the raw model.
+
+    ``structured_output`` (vLLM's structured outputs) constrains the output to one of:
+    ``{"json": schema}`` (a JSON schema, as a dict or its text), ``{"json_object": True}``
+    (any JSON object), ``{"regex": pattern}``, ``{"choice": [strings]}`` or
+    ``{"grammar": ebnf}`` (xgrammar's EBNF); the server compiles it and refuses one it cannot.
     """
 
     max_tokens: int | None = 16
@@ -82,6 +93,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: dict[str, Any] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -154,6 +166,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {repetition}")
         put(self, "repetition_penalty", repetition)
         put(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.structured_output is not None:
+            put(self, "structured_output", _structured_output(self.structured_output))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain msgpack/JSON-friendly dict (tuples become lists)."""
@@ -172,6 +186,7 @@ class SamplingParams:
             "prompt_logprobs": self.prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured_output": self.structured_output,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
@@ -201,6 +216,8 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError("logit_bias must hold (token id, bias) pairs")
         token_id = _int("logit_bias token id", pair[0], 0)
+        if token_id in bias:  # "5" and "05" in JSON: which one is meant?
+            raise ValueError(f"logit_bias: token id {token_id} is given twice")
         value = _float(f"logit_bias[{token_id}]", pair[1])
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValueError(
@@ -209,6 +226,40 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
             )
         bias[token_id] = value
     return tuple(bias.items())
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured_output(value: Any) -> dict[str, Any]:
+    """One kind of constraint and its spec, checked for type (the server compiles it)."""
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(
+            f"structured_output must be a map of one of {list(STRUCTURED_OUTPUT_KINDS)} to its spec"
+        )
+    [(kind, spec)] = value.items()
+    if kind == "json" and isinstance(spec, dict):
+        spec = json.dumps(spec)
+    if kind == "json_object":
+        if spec is not True:
+            raise ValueError("structured_output.json_object must be true")
+    elif kind == "choice":
+        if (
+            not isinstance(spec, (list, tuple))
+            or not spec
+            or not all(type(c) is str and c for c in spec)
+        ):
+            raise ValueError("structured_output.choice must be a list of non-empty strings")
+        spec = list(spec)
+    elif kind in STRUCTURED_OUTPUT_KINDS:
+        if type(spec) is not str or not spec:
+            raise ValueError(f"structured_output.{kind} must be a non-empty string")
+    else:
+        raise ValueError(
+            f"structured_output: unknown kind {str(kind)[:100]!r}; one of "
+            f"{list(STRUCTURED_OUTPUT_KINDS)}"
+        )
+    return {kind: spec}
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

@@ -34,8 +34,9 @@ import zmq.asyncio
 
 from weir.services.engine.core import EngineCore, EngineStep
 from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.engine.structured_output import GrammarCompiler
 from weir.services.scheduler.output import EngineOutput
-from weir.services.scheduler.request import Request, RequestStatus
+from weir.services.scheduler.request import Grammar, Request, RequestStatus
 from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol.step import SampleLogprobs
 from weir.shared.sampling import SamplingParams
@@ -127,6 +128,10 @@ class ClientFrontend:
         self._tokenizing: dict[str, _Tokenizing] = {}
         self._tokenize_tasks: set[asyncio.Task[None]] = set()
         self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS, "weir-tokenize")
+        end_ids = {*tokenizer.stop_token_ids}
+        if tokenizer.eos_token_id is not None:
+            end_ids.add(tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, sorted(end_ids))
         # Clients whose send queue filled (not reading) -> the requests that ended for it,
         # which they are told of once their queue has room again.
         self._behind: dict[bytes, list[str]] = {}
@@ -241,7 +246,8 @@ class ClientFrontend:
         except ValueError as exc:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
-        if num_chars <= _INLINE_TOKENIZE_CHARS:
+        # A structured output compiles in the pool too (xgrammar's first import takes seconds).
+        if num_chars <= _INLINE_TOKENIZE_CHARS and msg.sampling_params.structured_output is None:
             try:
                 prompt_ids = self._tokenize(msg.prompt)
             except ValueError as exc:
@@ -262,8 +268,8 @@ class ClientFrontend:
         rid = msg.request_id
         loop = asyncio.get_running_loop()
         try:
-            prompt_ids = await loop.run_in_executor(
-                self._tokenizer_pool, self._tokenize, msg.prompt
+            prompt_ids, grammar = await loop.run_in_executor(
+                self._tokenizer_pool, self._prepare, msg
             )
         except Exception as exc:
             if entry.aborted:
@@ -282,10 +288,20 @@ class ClientFrontend:
             return
         if not entry.aborted:
             del self._tokenizing[rid]
-            self._admit(identity, msg, prompt_ids)
+            self._admit(identity, msg, prompt_ids, grammar)
+
+    def _prepare(self, msg: client_protocol.GenerateRequest) -> tuple[list[int], Grammar | None]:
+        """The prompt's token ids and the request's structured-output state (in the pool)."""
+        prompt_ids = self._tokenize(msg.prompt)
+        spec = msg.sampling_params.structured_output
+        return prompt_ids, None if spec is None else self.grammars.matcher(spec)
 
     def _admit(
-        self, identity: bytes, msg: client_protocol.GenerateRequest, prompt_ids: list[int]
+        self,
+        identity: bytes,
+        msg: client_protocol.GenerateRequest,
+        prompt_ids: list[int],
+        grammar: Grammar | None = None,
     ) -> None:
         """Check a tokenized request against the model and queue it."""
         rid = msg.request_id
@@ -312,9 +328,9 @@ class ClientFrontend:
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
         try:
-            self.core.scheduler.add_request(
-                self._new_request(rid, prompt_ids, msg.sampling_params, now, msg.priority)
-            )
+            request = self._new_request(rid, prompt_ids, msg.sampling_params, now, msg.priority)
+            request.grammar = grammar
+            self.core.scheduler.add_request(request)
         except ValueError as exc:  # e.g. prompt + max_tokens can never fit the KV cache
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return

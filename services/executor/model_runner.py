@@ -480,9 +480,9 @@ class ModelRunner:
         forwarded = self._clock()
         if self.tp is None:
             assert logits is not None
-            sampled = self.sampler(logits, self._sampling_batch(inputs, input_ids))
+            sampled = self.sampler(logits, self._sampling_batch(plan, inputs, input_ids))
         else:
-            sampled = self._sample_on_rank_0(logits, inputs, input_ids)
+            sampled = self._sample_on_rank_0(logits, plan, inputs, input_ids)
         lp = sampled.logprobs
         # Rows [sampled token, top n alternatives...] and, with logprobs, their logprobs.
         ids = sampled.token_ids.unsqueeze(1)
@@ -551,7 +551,11 @@ class ModelRunner:
         return result
 
     def _sample_on_rank_0(
-        self, logits: torch.Tensor | None, inputs: StepInputs, input_ids: torch.Tensor
+        self,
+        logits: torch.Tensor | None,
+        plan: StepPlan,
+        inputs: StepInputs,
+        input_ids: torch.Tensor,
     ) -> SamplerOutput:
         """Rank 0 samples (it alone holds the gathered logits) and broadcasts the tokens; the
         other ranks get the tokens only: their results are never sent."""
@@ -559,7 +563,7 @@ class ModelRunner:
         if logits is None:
             tokens = self.tp.broadcast_tokens(None, len(inputs.logits_indices), self.device)
             return SamplerOutput(tokens, None)
-        sampled = self.sampler(logits, self._sampling_batch(inputs, input_ids))
+        sampled = self.sampler(logits, self._sampling_batch(plan, inputs, input_ids))
         self.tp.broadcast_tokens(
             sampled.token_ids.contiguous(), len(sampled.token_ids), self.device
         )
@@ -572,7 +576,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _sampling_batch(self, inputs: StepInputs, input_ids: torch.Tensor) -> SamplingBatch:
+    def _sampling_batch(
+        self, plan: StepPlan, inputs: StepInputs, input_ids: torch.Tensor
+    ) -> SamplingBatch:
         """The sampling parameters of the step's logits rows; ``input_ids``: the step's flat
         input ids on the device (penalties count the outputs among them)."""
         b = self.batch
@@ -610,7 +616,26 @@ class ModelRunner:
             banned=banned,
             logit_bias=logit_bias,
             penalties=self._penalties(inputs, rows, input_ids),
+            allowed=self._allowed(plan, inputs),
         )
+
+    def _allowed(self, plan: StepPlan, inputs: StepInputs) -> list[tuple[int, bytes]]:
+        """(logits row, bitmask) of each structured-output request the step samples for."""
+        if not plan.grammar_bitmask:
+            return []
+        words = cdiv(self.config.vocab_size, 32)
+        first_row = np.cumsum(inputs.num_logits) - inputs.num_logits
+        allowed = []
+        for i, req_id in enumerate(inputs.req_ids):
+            mask = plan.grammar_bitmask.get(req_id)
+            if mask is not None and inputs.num_logits[i]:
+                if len(mask) != 4 * words:
+                    raise ValueError(
+                        f"request {req_id!r}: a bitmask of {len(mask)} bytes for a vocabulary "
+                        f"of {self.config.vocab_size} tokens"
+                    )
+                allowed.append((int(first_row[i]), mask))
+        return allowed
 
     def _penalties(
         self, inputs: StepInputs, rows: np.ndarray, input_ids: torch.Tensor

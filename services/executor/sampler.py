@@ -50,6 +50,8 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None
     logit_bias: "LogitBias | None" = None
     penalties: "Penalties | None" = None
+    # (rows, packed int32 bitmasks [rows, words]) of rows a structured output constrains
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -65,9 +67,11 @@ class SamplingBatch:
         banned: Sequence[tuple[int, Sequence[int]]] = (),
         logit_bias: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
         penalties: "Penalties | None" = None,
+        allowed: Sequence[tuple[int, bytes]] = (),
     ) -> "SamplingBatch":
         """From host arrays; `seeds` holds (row, seed, output position) for seeded rows,
-        `banned` (row, token ids it may not produce) and `logit_bias` (row, token ids, biases)."""
+        `banned` (row, token ids it may not produce), `logit_bias` (row, token ids, biases) and
+        `allowed` (row, the packed bitmask of the only tokens it may produce)."""
         device = torch.device(device)
         # SamplingParams (also on the wire: from_dict) already made a tiny temperature 0, but
         # takes any finite one: past float32 it would turn the logits into NaN.
@@ -100,6 +104,16 @@ class SamplingBatch:
             banned=banned_index,
             logit_bias=LogitBias.build(logit_bias, device) if logit_bias else None,
             penalties=penalties,
+            allowed=(
+                (
+                    to_device(np.array([row for row, _ in allowed], dtype=np.int64), device),
+                    to_device(
+                        np.stack([np.frombuffer(m, dtype="<i4") for _, m in allowed]), device
+                    ),
+                )
+                if allowed
+                else None
+            ),
         )
 
 
@@ -149,6 +163,12 @@ class Logprobs:
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: Logprobs | None
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [rows, vocab_size] of packed int32 rows: token t is bit t % 32 of word t // 32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -221,8 +241,18 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, vocab] fp32 raw model logits."""
         raw = logits
-        if batch.banned is not None or batch.logit_bias is not None or batch.penalties is not None:
+        if (
+            batch.banned is not None
+            or batch.logit_bias is not None
+            or batch.penalties is not None
+            or batch.allowed is not None
+        ):
             logits = logits.clone()  # the raw logits stay for the logprobs
+        if batch.allowed is not None:
+            rows, words = batch.allowed
+            logits[rows] = logits[rows].masked_fill(
+                ~unpack_bitmask(words, logits.shape[1]), float("-inf")
+            )
         if batch.banned is not None:
             logits.index_put_(batch.banned, torch.full((), float("-inf"), device=logits.device))
         if batch.logit_bias is not None:

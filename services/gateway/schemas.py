@@ -118,7 +118,6 @@ _NEUTRAL: dict[str, Any] = {
     "echo": False,  # a completion's field; in chat, vLLM's, which Weir does not implement
     "best_of": 1,
     "suffix": None,
-    "response_format": {"type": "text"},
     "tools": [],
     "tool_choice": "none",
     "add_generation_prompt": True,
@@ -127,7 +126,14 @@ _NEUTRAL: dict[str, Any] = {
 }
 # Fields that never change the output: accepted with any value and dropped.
 _IGNORED = frozenset(
-    {"store", "metadata", "service_tier", "parallel_tool_calls", "include_obfuscation"}
+    {
+        "store",
+        "metadata",
+        "service_tier",
+        "parallel_tool_calls",
+        "include_obfuscation",
+        "guided_decoding_backend",  # vLLM's: which library holds the output to its format
+    }
 )
 
 
@@ -205,6 +211,31 @@ class StreamOptions(_Options):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    _ACCEPTED = frozenset({"schema"})  # schema_'s name in JSON (pydantic's own attribute)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise _field_errors(
+                type(self).__name__,
+                [("json_schema", None, 'given with, and only with, type "json_schema"')],
+            )
+        return self
+
+
 class _SamplingFields(_Options):
     """The fields both endpoints share."""
 
@@ -227,6 +258,14 @@ class _SamplingFields(_Options):
     logit_bias: LogitBias | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (at most one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(fail_fast=True)] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -268,7 +307,26 @@ class _SamplingFields(_Options):
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_output=self._structured_output(),
         )
+
+    def _structured_output(self) -> dict[str, Any] | None:
+        """The one structured output asked for, as ``SamplingParams`` takes it."""
+        asked: dict[str, dict[str, Any]] = {}
+        format_ = self.response_format
+        if format_ is not None and format_.type == "json_object":
+            asked["response_format"] = {"json_object": True}
+        elif format_ is not None and format_.json_schema is not None:
+            asked["response_format"] = {"json": format_.json_schema.schema_}
+        if self.structured_outputs is not None:
+            asked["structured_outputs"] = self.structured_outputs
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                asked[f"guided_{kind}"] = {kind: value}
+        if len(asked) > 1:
+            raise ValueError(f"ask for one structured output, not {' and '.join(asked)}")
+        return next(iter(asked.values()), None)
 
 
 class CompletionRequest(_SamplingFields):

@@ -6,9 +6,22 @@ import enum
 import sys
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from weir.shared.protocol.step import SampleLogprobs
 from weir.shared.sampling import SamplingParams
+
+
+class Grammar(Protocol):
+    """A request's structured-output constraint (``engine.structured_output``)."""
+
+    def bitmask(self) -> bytes:
+        """The tokens allowed next: bit ``t % 32`` of little-endian int32 word ``t // 32``."""
+        ...
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the constraint does not allow it."""
+        ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +73,7 @@ class Request:
         "num_cached_blocks",
         "stop_ids",
         "prompt_logprobs",
+        "grammar",
         "max_tokens",
         "min_tokens",
         "seq",
@@ -118,6 +132,8 @@ class Request:
         self.prompt_logprobs = (
             None if sampling_params.prompt_logprobs is None else SampleLogprobs([], [])
         )
+        # Its structured output's state, set by whoever compiles the constraint (the front end).
+        self.grammar: Grammar | None = None
         # None: as many as fit; every request also stops at max_model_len.
         max_tokens = sampling_params.max_tokens
         self.max_tokens = sys.maxsize if max_tokens is None else max_tokens

@@ -92,6 +92,9 @@ class Scheduler:
         self._proven: set[str] = set()
         # Async scheduling: by step id, the requests each planned step samples for.
         self._sampling: dict[int, list[Request]] = {}
+        # Requests with a structured output: each step that samples for one carries its
+        # bitmask of allowed tokens.
+        self._grammars: set[Request] = set()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -117,6 +120,8 @@ class Scheduler:
         self._next_seq += 1
         self.requests[rid] = request
         self.waiting.add(request)
+        if request.grammar is not None:
+            self._grammars.add(request)
 
     def finish_requests(
         self, request_ids: Iterable[str] | str, status: RequestStatus
@@ -149,6 +154,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._grammars.discard(request)
         request.spec_token_ids = []
         self._finished_req_ids.append(request.request_id)
 
@@ -164,7 +170,10 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status is not _RUNNING:
                 continue
-            if request.num_computed_tokens != len(request.all_token_ids) - 1:
+            if (
+                request.num_computed_tokens != len(request.all_token_ids) - 1
+                or request.grammar is not None  # a draft's mask needs the drafts before it
+            ):
                 request.spec_token_ids = []
                 continue
             room = (
@@ -335,6 +344,11 @@ class Scheduler:
             computed = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
             if request.num_output_placeholders:
+                if request.grammar is not None:
+                    # Its next mask depends on the token in flight: it waits for it (and
+                    # decodes every other step in async mode).
+                    i += 1
+                    continue
                 num_tokens += request.num_output_placeholders
                 if (
                     len(request.output_token_ids) + request.num_output_placeholders
@@ -387,6 +401,7 @@ class Scheduler:
         admitted: list[Request] = []
         if not preempted:
             budget = self._admit(budget, num_scheduled, new_requests, cached, admitted)
+        grammar_bitmask = self._grammar_bitmasks(num_scheduled) if self._grammars else {}
         if config.async_scheduling:
             sampling = []
             for request in chain(scheduled_running, admitted):
@@ -412,7 +427,18 @@ class Scheduler:
             [r.request_id for r in preempted],
             finished,
             self._step_id,
+            grammar_bitmask,
         )
+
+    def _grammar_bitmasks(self, num_scheduled: dict[str, int]) -> dict[str, bytes]:
+        """The allowed tokens of each structured-output request this step samples for."""
+        masks = {}
+        for request in self._grammars:
+            num_new = num_scheduled.get(request.request_id)
+            if num_new and request.num_computed_tokens + num_new >= len(request.all_token_ids):
+                assert request.grammar is not None
+                masks[request.request_id] = request.grammar.bitmask()
+        return masks
 
     def _victim_index(self) -> int:
         """The running request to preempt: the most recently admitted (FCFS), or the
@@ -626,7 +652,17 @@ class Scheduler:
                 stop_ids = request.stop_ids
                 status = None
                 count = 0
+                grammar = request.grammar
                 for token in sampled:
+                    if grammar is not None and not grammar.accept(token):
+                        # The executor masks what the constraint forbids: not reached.
+                        logger.error(
+                            "request %s: token %d breaks its structured output; ending it",
+                            rid,
+                            token,
+                        )
+                        status = _STOPPED
+                        break
                     outputs_so_far.append(token)
                     all_tokens.append(token)
                     count += 1

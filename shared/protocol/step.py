@@ -150,6 +150,9 @@ class StepPlan:
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     step_id: int = 0
+    # Of requests with a structured output that this step samples for: the tokens allowed,
+    # bit ``t % 32`` of little-endian int32 word ``t // 32``.
+    grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cached_requests, CachedRequestData):

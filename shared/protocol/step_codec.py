@@ -159,7 +159,7 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 # [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32; nil = all 1),
 #  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
 #  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]}],
-#  spec {id: [tok]}, preempted_ids, finished_ids]
+#  spec {id: [tok]}, preempted_ids, finished_ids, grammar_bitmask {id: bytes}]
 
 
 def encode_step_plan(plan: StepPlan) -> bytes:
@@ -203,6 +203,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
             plan.scheduled_spec_decode_tokens,
             plan.preempted_req_ids,
             plan.finished_req_ids,
+            plan.grammar_bitmask,
         ],
     )
 
@@ -233,7 +234,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
 
 
 def decode_step_plan(data: bytes) -> StepPlan:
-    msg = unpack_array(data, _STEP_PLAN, 11)
+    msg = unpack_array(data, _STEP_PLAN, 12)
     step_id = non_negative_int("step_id", msg[2])
     total = non_negative_int("total_num_scheduled_tokens", msg[3])
     cached_ids = _split_ids("cached_requests.req_ids", msg[4])
@@ -278,7 +279,18 @@ def decode_step_plan(data: bytes) -> StepPlan:
         strs("preempted_req_ids", msg[11]),
         strs("finished_req_ids", msg[12]),
         step_id,
+        _bitmasks(msg[13], num_scheduled),
     )
+
+
+def _bitmasks(value: Any, num_scheduled: dict[str, int]) -> dict[str, bytes]:
+    if type(value) is not dict or not all(
+        type(k) is str and type(v) is bytes and len(v) % 4 == 0 for k, v in value.items()
+    ):
+        raise ProtocolError("grammar_bitmask: expected {request id: bytes of int32 words}")
+    if not all(map(num_scheduled.__contains__, value)):
+        raise ProtocolError("grammar_bitmask: names a request that is not scheduled")
+    return value
 
 
 # ----------------------------------------------------------------------------- StepResult

@@ -97,6 +97,18 @@ def test_cache_config_requires_num_blocks():
         ({"min_tokens": 17}, "min_tokens"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": 10**400}, "frequency_penalty"),  # past float: not OverflowError
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": [[5, 1.0], [5, 2.0]]}, "logit_bias: token id 5 is given twice"),
+        ({"logit_bias": "5"}, "logit_bias"),
+        ({"skip_special_tokens": 1}, "skip_special_tokens"),
+        ({"structured_output": {"xml": "<a/>"}}, "structured_output"),
+        ({"structured_output": {"choice": []}}, "structured_output.choice"),
+        ({"structured_output": {"json_object": False}}, "structured_output.json_object"),
     ],
 )
 def test_sampling_params_rejects(kwargs, field):

@@ -40,6 +40,7 @@ def _plan() -> StepPlan:
         preempted_req_ids=["p1"],
         finished_req_ids=["f1", "f2"],
         step_id=12,
+        grammar_bitmask={"n1": b"\xff\x00\x00\x01" * 3},
     )
 
 
@@ -103,7 +104,7 @@ def _raw(message: list) -> bytes:
         (_raw({"v": 1}), "[type, version"),
         (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
         (_raw(["StepPlan", 99]), "version 99"),
-        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 11 fields"),
+        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 12 fields"),
     ],
 )
 def test_step_plan_rejects_bad_envelopes(data, fragment):

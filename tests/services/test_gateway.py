@@ -6,7 +6,9 @@ as in test_serving.py; the gateway is the one `weir serve` starts (`--http-port 
 
 import asyncio
 import concurrent.futures
+import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -260,6 +262,7 @@ def test_logprobs_in_both_apis(client):
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"five": 1}}, "logit_bias"),
         ({"logit_bias": {"100000000": 1}}, "vocabulary"),
+        ({"logit_bias": {"5": 1, "05": 2}}, "token id 5 is given twice"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": "word " * 80}, "too long"),
@@ -622,12 +625,42 @@ def test_stop_text_and_special_tokens_are_returned_when_asked(
     assert shown.choices[0].text == "<|im_start|>" * 3
 
 
+def test_structured_outputs_in_each_of_their_api_forms(client):
+    """OpenAI's response_format, vLLM's structured_outputs and its guided_* fields (the
+    tiny model's random weights would write anything: only the constraint shapes it)."""
+    call = {"model": MODEL, "prompt": "Answer:", "max_tokens": 20, "temperature": 0}
+    colours = ["red apple", "green pear"]
+    for extra in ({"guided_choice": colours}, {"structured_outputs": {"choice": colours}}):
+        [choice] = client.completions.create(**call, extra_body=extra).choices
+        assert choice.text in colours and choice.finish_reason == "stop"
+    regex = r"(yes|no), [0-9]{3}"
+    [choice] = client.completions.create(**call, extra_body={"guided_regex": regex}).choices
+    assert re.fullmatch(regex, choice.text), choice.text
+    schema = {"enum": ["alpha", "beta"]}
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Pick one."}],
+        max_tokens=20,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
+    )
+    assert json.loads(chat.choices[0].message.content) in schema["enum"]
+    for extra, fragment in (
+        ({"guided_regex": "(", "guided_choice": colours}, "not guided_regex and guided_choice"),
+        ({"guided_regex": "("}, "structured_output.regex: cannot compile it"),
+        ({"structured_outputs": {"xml": "<a/>"}}, "unknown kind 'xml'"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
+            client.completions.create(**call, extra_body=extra)
+    assert client.completions.create(**call).choices  # still serving
+
+
 @pytest.mark.parametrize(
     "field, value, supported",
     [
         ("best_of", 2, "1"),
         ("suffix", "!", "null"),
-        ("response_format", {"type": "json_object"}, '{"type": "text"}'),
         ("tool_choice", "auto", '"none"'),
         ("stream_options", {"continuous_usage_stats": True}, "false"),
     ],

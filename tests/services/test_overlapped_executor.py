@@ -14,6 +14,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 import zmq
 from serving_helpers import hf_greedy
 
@@ -244,6 +245,73 @@ def test_penalties_count_the_token_the_step_ahead_samples_on_the_device(served, 
         assert tokens[f"r{i}"] == want, f"r{i}"
         changed += want != hf_greedy(tiny_hf_model, prompt, 12, logit_bias=bias)
     assert changed >= len(prompts) // 2, "the penalties must change what greedy decoding picks"
+
+
+def test_structured_outputs_follow_xgrammar_in_transformers_while_others_overlap(
+    served, tiny_model_dir, tiny_hf_model
+):
+    """A request held to a constraint waits for its token in flight (its next mask depends
+    on it) while the others run overlapped: every output is transformers' greedy decoding
+    with xgrammar's own logits processor, ending on the end token once complete."""
+    import transformers
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    from weir.services.engine.structured_output import GrammarCompiler, choice_grammar
+    from weir.shared.tokenizer import Tokenizer
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = hf_tokenizer.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=49152, stop_token_ids=[eos])
+    reference_compiler = xgr.GrammarCompiler(info)
+    specs = [
+        {"regex": r"(yes|no), [0-9]{3}"},
+        {"choice": ["red apple", "green pear", "blue plum"]},
+        {"grammar": 'root ::= "x" [a-c] [a-c]? "!"'},
+    ]
+    compiled = [
+        reference_compiler.compile_regex(specs[0]["regex"]),
+        reference_compiler.compile_grammar(choice_grammar(specs[1]["choice"])),
+        reference_compiler.compile_grammar(specs[2]["grammar"]),
+    ]
+    prompts = _prompts(21, 6, (5, 20))
+    tiny_hf_model.generation_config.eos_token_id = None
+    want = []
+    for i, prompt in enumerate(prompts):
+        if i >= len(specs):
+            want.append(hf_greedy(tiny_hf_model, prompt, 12))
+            continue
+        ids = torch.tensor([prompt])
+        out = tiny_hf_model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=eos,
+            pad_token_id=0,
+            logits_processor=[LogitsProcessor(compiled[i])],
+        )
+        want.append(out[0, len(prompt) :].tolist())
+    compiler = GrammarCompiler(Tokenizer.from_model_dir(tiny_model_dir), 49152, [eos])
+    requests = []
+    for i, prompt in enumerate(prompts):
+        constrained = i < len(specs)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=not constrained)
+        request = Request(f"r{i}", prompt, params, eos_token_id=eos)
+        request.grammar = compiler.matcher(specs[i]) if constrained else None
+        requests.append(request)
+    s = served(overlap=True)
+    outputs, failed, _ = s.run(requests)
+    assert not failed and s.launched_ahead()
+    tokens = _tokens(outputs)
+    for i in range(len(prompts)):
+        assert tokens[f"r{i}"] == want[i], f"r{i}"
+    for i in range(len(specs)):
+        assert want[i][-1] == eos and outputs[f"r{i}"][-1].finish_reason == "stop"
+    assert hf_tokenizer.decode(want[0][:-1]) in {
+        f"{a}, {n:03d}" for a in ("yes", "no") for n in range(1000)
+    }
+    assert hf_tokenizer.decode(want[1][:-1]) in specs[1]["choice"]
 
 
 def test_a_slot_freed_while_its_token_is_in_flight_is_not_written_by_that_token(

@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M-Instruct) served end to end: chat prompts over the SDK
 decode exactly like transformers."""
 
+import json
 import subprocess
 import sys
 
@@ -45,6 +46,47 @@ def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
             )
             want.append((ids, out[0, len(ids) :].tolist()))
 
+    # A JSON schema held by transformers with xgrammar's own logits processor: the
+    # reference for the served structured output.
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer"},
+        },
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    json_chat = [
+        {"role": "user", "content": "Describe Paris as JSON with its city name and population."}
+    ]
+    json_ids = list(
+        tokenizer.apply_chat_template(
+            json_chat, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    with torch.no_grad():
+        input_ids = torch.tensor([json_ids])
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=60,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            logits_processor=[
+                LogitsProcessor(xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema)))
+            ],
+        )
+    want_json = out[0, len(json_ids) :].tolist()
+    assert want_json[-1] == tokenizer.eos_token_id, "the reference must complete its JSON"
+
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     options = {"model": None, "kv_cache_memory": "32MiB", "max_num_batched_tokens": 256}
     with ServerProcesses(
@@ -60,6 +102,13 @@ def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
                 assert "".join(o.text for o in outs) == tokenizer.decode(
                     token_ids, skip_special_tokens=True
                 )
+            constrained = SamplingParams(
+                max_tokens=60, temperature=0.0, structured_output={"json": schema}
+            )
+            outs = list(client.generate(json_chat, constrained))
+            assert [t for o in outs for t in o.new_token_ids] == want_json
+            document = json.loads("".join(o.text for o in outs))
+            assert set(document) == {"city", "population"} and outs[-1].finish_reason == "stop"
             # `weir chat` on piped input: a refused turn is an error line on stderr and a
             # failing exit status, the next turn still answered.
             chat = subprocess.run(

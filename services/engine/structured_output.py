@@ -1,0 +1,99 @@
+"""Structured outputs (vLLM's): a request's output held to a JSON schema, any JSON object, a
+regular expression, a list of choices or an EBNF grammar.
+
+xgrammar compiles the constraint against the model's vocabulary once per distinct spec (its
+compiler caches them) and gives each request a matcher: before a step that samples for the
+request, the matcher's bitmask of the tokens allowed next travels in the step plan and the
+executor masks every other token; after the step, the sampled token advances the matcher.
+The end tokens are allowed only where the constraint is complete, so a request ends, on its
+end token, with an output the constraint accepts (unless ``max_tokens`` cuts it short).
+xgrammar is imported on the first such request (a few seconds, in the tokenizer thread).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from weir.shared.tokenizer import Tokenizer
+
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
+class RequestGrammar:
+    """One request's place in its constraint (see ``Scheduler``: ``bitmask`` before a step
+    that samples for it, ``accept`` for each token sampled)."""
+
+    __slots__ = ("_matcher", "_bitmask")
+
+    def __init__(self, matcher: Any, bitmask: Any) -> None:
+        self._matcher, self._bitmask = matcher, bitmask
+
+    def bitmask(self) -> bytes:
+        """The tokens allowed next, bit ``t % 32`` of little-endian int32 word ``t // 32``."""
+        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        return bytes(self._bitmask.numpy().astype("<i4", copy=False).tobytes())
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; False if the constraint does not allow it there."""
+        return bool(self._matcher.accept_token(token_id))
+
+
+class GrammarCompiler:
+    """Compiles requests' constraints for one model (thread-safe; built on first use)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._xgr: Any = None
+
+    def matcher(self, spec: dict[str, Any]) -> RequestGrammar:
+        """A new matcher for ``spec`` (``SamplingParams.structured_output``); ValueError
+        says what xgrammar could not compile."""
+        compiler, xgr = self._ready()
+        [(kind, value)] = spec.items()
+        try:
+            if kind == "json":
+                compiled = compiler.compile_json_schema(value)
+            elif kind == "json_object":
+                compiled = compiler.compile_builtin_json_grammar()
+            elif kind == "regex":
+                compiled = compiler.compile_regex(value)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(value))
+            else:
+                compiled = compiler.compile_grammar(value)
+        except Exception as exc:  # xgrammar raises RuntimeError (and others) for a bad spec
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            # Its messages begin with a time and its source file: "[20:50:13] x.cc:94: ".
+            message = _XGRAMMAR_PREFIX.sub("", lines[0])
+            raise ValueError(f"structured_output.{kind}: cannot compile it: {message}") from None
+        matcher = xgr.GrammarMatcher(compiled)
+        return RequestGrammar(matcher, xgr.allocate_token_bitmask(1, self._vocab_size))
+
+    def _ready(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import PreTrainedTokenizerFast
+
+                hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)  # type: ignore[no-untyped-call]
+                info = xgr.TokenizerInfo.from_huggingface(
+                    hf, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+                )
+                self._compiler, self._xgr = xgr.GrammarCompiler(info, max_threads=1), xgr
+            return self._compiler, self._xgr
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose sentences are exactly ``choices`` (JSON string escapes are
+    xgrammar's too)."""
+    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
