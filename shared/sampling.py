@@ -212,14 +212,19 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if not isinstance(pairs, (list, tuple)):
         raise ValueError(f"logit_bias must map token ids to biases, got {type(value).__name__}")
     bias: dict[int, float] = {}
+    # Up to a whole vocabulary of pairs, checked once per process they pass (gateway,
+    # scheduler, executor): the common case costs two type checks and a comparison.
     for pair in pairs:
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+        if type(pair) not in (list, tuple) or len(pair) != 2:
             raise ValueError("logit_bias must hold (token id, bias) pairs")
-        token_id = _int("logit_bias token id", pair[0], 0)
+        token_id, value = pair
+        if type(token_id) is not int or not 0 <= token_id <= MAX_COUNT:
+            _int("logit_bias token id", token_id, 0)
         if token_id in bias:  # "5" and "05" in JSON: which one is meant?
             raise ValueError(f"logit_bias: token id {token_id} is given twice")
-        value = _float(f"logit_bias[{token_id}]", pair[1])
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+        if type(value) is not float:
+            value = _float(f"logit_bias[{token_id}]", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN too
             raise ValueError(
                 f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
                 f"got {value}"
