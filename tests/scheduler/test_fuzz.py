@@ -47,6 +47,20 @@ def scenarios(draw):
     return config, cache, draw(st.integers(0, 2**32 - 1))
 
 
+class _FollowingGrammar:
+    """A structured output that allows every token and records the ones it is told of."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def bitmask(self) -> bytes:
+        return b"\xff" * 8
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+
 def _check_plan(plan, config, scheduler):
     counts = plan.num_scheduled_tokens
     assert sum(counts.values()) == plan.total_num_scheduled_tokens
@@ -81,6 +95,7 @@ def test_random_traffic(scenario):
     ended: dict[str, str] = {}
     reusable: list[str] = []  # ids of requests ended from outside, for a new request to take
     fake = FakeExecutor(cache.num_blocks, cache.block_size)
+    grammars: dict[str, _FollowingGrammar] = {}
 
     def end_from_outside(rid: str, how: str) -> None:
         ended[rid] = how
@@ -89,6 +104,8 @@ def test_random_traffic(scenario):
     def check(rid: str) -> None:
         tokens, reason = expected.pop(rid)
         output, how = produced.pop(rid), ended.pop(rid)
+        if rid in grammars:  # told of each token it output, once, in order
+            assert grammars[rid].accepted == output, rid
         if how in ("abort", "stop string"):
             assert output == tokens[: len(output)], rid
         else:
@@ -99,6 +116,17 @@ def test_random_traffic(scenario):
         plan = decode_step_plan(encode_step_plan(plan))
         _check_plan(plan, config, scheduler)
         result = decode_step_result(encode_step_result(fake.execute(plan)))
+        for rid in result.sampled_token_ids:
+            request = scheduler.requests.get(rid)
+            if (
+                request is None
+                or request.status is not RequestStatus.RUNNING
+                or request.admitted_step > plan.step_id
+            ):
+                continue  # ended, preempted or its id reused while the step was in flight
+            # A structured output's mask went with the step, and no other samples for it.
+            assert (rid in plan.grammar_bitmask) == (request.grammar is not None), rid
+            assert request.grammar is None or request.num_output_placeholders <= 1, rid
         if rng.random() < 0.03 and plan.num_scheduled_tokens:
             # An abort arriving while the step is in flight: its late tokens are dropped.
             victim = rng.choice(sorted(plan.num_scheduled_tokens))
@@ -133,6 +161,9 @@ def test_random_traffic(scenario):
                 stop_token_ids=rng.choice([(), (5,)]),
             )
             request = Request(rid, prompt, params, eos_token_id=EOS, priority=rng.randint(0, 2))
+            grammars.pop(rid, None)
+            if rng.random() < 0.3:
+                request.grammar = grammars[rid] = _FollowingGrammar()
             try:
                 scheduler.add_request(request)
             except ValueError:
