@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from weir.services import launcher
@@ -289,10 +290,34 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
             seed=args.seed,
             stop=tuple(args.stop or ()),
             ignore_eos=args.ignore_eos,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+            structured_output=_structured_output(args),
         )
     except ValueError as exc:
         print(f"weir {args.command}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _structured_output(args: argparse.Namespace) -> dict[str, object] | None:
+    """The format asked for with --json-schema (text, or a file), --json, --regex or
+    --choice (argparse lets one through)."""
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if not schema.lstrip().startswith("{"):
+            try:
+                schema = Path(schema).read_text()
+            except OSError as exc:
+                raise ValueError(f"--json-schema: {exc}") from None
+        return {"json": schema}
+    if args.json:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    return None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -454,6 +479,18 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")
+    formats = p.add_mutually_exclusive_group()
+    formats.add_argument(
+        "--json-schema", default=None, help="the output follows this JSON schema (text or a file)"
+    )
+    formats.add_argument("--json", action="store_true", help="the output is a JSON object")
+    formats.add_argument("--regex", default=None, help="the output matches this expression")
+    formats.add_argument(
+        "--choice", action="append", default=None, help="the output is one of these (repeatable)"
+    )
     p.add_argument(
         "--timeout",
         type=float,

@@ -20,6 +20,7 @@ import pytest
 import torch
 from serving_helpers import hf_greedy, metric, read_metrics
 
+from weir.services.cli import main
 from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.client import WeirClient
 from weir.shared.config import EngineArgs
@@ -625,7 +626,7 @@ def test_stop_text_and_special_tokens_are_returned_when_asked(
     assert shown.choices[0].text == "<|im_start|>" * 3
 
 
-def test_structured_outputs_in_each_of_their_api_forms(client):
+def test_structured_outputs_in_each_of_their_api_forms(client, server, capsys):
     """OpenAI's response_format, vLLM's structured_outputs and its guided_* fields (the
     tiny model's random weights would write anything: only the constraint shapes it)."""
     call = {"model": MODEL, "prompt": "Answer:", "max_tokens": 20, "temperature": 0}
@@ -654,6 +655,15 @@ def test_structured_outputs_in_each_of_their_api_forms(client):
         with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
             client.completions.create(**call, extra_body=extra)
     assert client.completions.create(**call).choices  # still serving
+    # And from the command line, over the SDK.
+    assert (
+        main(
+            ["generate", "--address", server.client_address, "Pick:", "--max-tokens", "20"]
+            + ["--choice", "red apple", "--choice", "green pear"]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.strip() in colours
 
 
 @pytest.mark.parametrize(

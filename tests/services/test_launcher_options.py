@@ -157,6 +157,16 @@ def test_client_commands_refuse_bad_input_with_one_line(capsys):
     assert capsys.readouterr().err == (
         "weir generate: --token-ids: '1 2 x' is not a list of integers\n"
     )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "x", "--presence-penalty", "3"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("weir generate: presence_penalty must be in")
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--json-schema", "/no/such/schema.json"])
+    assert capsys.readouterr().err.startswith("weir generate: --json-schema: [Errno 2]")
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--json", "--regex", "a+"])
+    assert "not allowed with argument" in capsys.readouterr().err
     assert main(["health", "--address", "bogus"]) == 1
     err = capsys.readouterr().err
     assert (
