@@ -234,15 +234,35 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# vLLM's: JSON without free whitespace between tokens (a weak model may otherwise write
+# whitespace until max_tokens).
+STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace",)
 
 
 def _structured_output(value: Any) -> dict[str, Any]:
-    """One kind of constraint and its spec, checked for type (the server compiles it)."""
-    if not isinstance(value, dict) or len(value) != 1:
+    """One kind of constraint and its spec, checked for type (the server compiles it), and
+    vLLM's ``disable_any_whitespace`` option for the JSON kinds."""
+    if not isinstance(value, dict):
         raise ValueError(
-            f"structured_output must be a map of one of {list(STRUCTURED_OUTPUT_KINDS)} to its spec"
+            f"structured_output must be a map of one of {list(STRUCTURED_OUTPUT_KINDS)} to its "
+            f"spec, got {type(value).__name__}"
         )
-    [(kind, spec)] = value.items()
+    options = {k: v for k, v in value.items() if k in STRUCTURED_OUTPUT_OPTIONS}
+    kinds = [k for k in value if k not in options]
+    unknown = [k for k in kinds if k not in STRUCTURED_OUTPUT_KINDS]
+    if unknown:
+        raise ValueError(
+            f"structured_output: unknown kind {str(unknown[0])[:100]!r}; one of "
+            f"{list(STRUCTURED_OUTPUT_KINDS)} (and the option {list(STRUCTURED_OUTPUT_OPTIONS)})"
+        )
+    if len(kinds) != 1:
+        named = " and ".join(map(str, kinds)) or "none"
+        raise ValueError(f"structured_output: ask for one kind of output, got {named}")
+    for name, flag in options.items():
+        if type(flag) is not bool:
+            raise ValueError(f"structured_output.{name} must be a bool")
+    [kind] = kinds
+    spec = value[kind]
     if kind == "json" and isinstance(spec, dict):
         spec = json.dumps(spec)
     if kind == "json_object":
@@ -256,15 +276,9 @@ def _structured_output(value: Any) -> dict[str, Any]:
         ):
             raise ValueError("structured_output.choice must be a list of non-empty strings")
         spec = list(spec)
-    elif kind in STRUCTURED_OUTPUT_KINDS:
-        if type(spec) is not str or not spec:
-            raise ValueError(f"structured_output.{kind} must be a non-empty string")
-    else:
-        raise ValueError(
-            f"structured_output: unknown kind {str(kind)[:100]!r}; one of "
-            f"{list(STRUCTURED_OUTPUT_KINDS)}"
-        )
-    return {kind: spec}
+    elif type(spec) is not str or not spec:
+        raise ValueError(f"structured_output.{kind} must be a non-empty string")
+    return {kind: spec, **options}
 
 
 _FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

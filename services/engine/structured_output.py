@@ -18,6 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from weir.shared.sampling import STRUCTURED_OUTPUT_KINDS
 from weir.shared.tokenizer import Tokenizer
 
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
@@ -41,6 +42,10 @@ class RequestGrammar:
         """Advance past ``token_id``; False if the constraint does not allow it there."""
         return bool(self._matcher.accept_token(token_id))
 
+    def is_terminated(self) -> bool:
+        """Whether an end token completed the output."""
+        return bool(self._matcher.is_terminated())
+
 
 class GrammarCompiler:
     """Compiles requests' constraints for one model (thread-safe; built on first use)."""
@@ -59,12 +64,17 @@ class GrammarCompiler:
         """A new matcher for ``spec`` (``SamplingParams.structured_output``); ValueError
         says what xgrammar could not compile."""
         compiler, xgr = self._ready()
-        [(kind, value)] = spec.items()
+        [(kind, value)] = [(k, v) for k, v in spec.items() if k in STRUCTURED_OUTPUT_KINDS]
+        any_whitespace = not spec.get("disable_any_whitespace", False)
         try:
             if kind == "json":
-                compiled = compiler.compile_json_schema(value)
+                compiled = compiler.compile_json_schema(value, any_whitespace=any_whitespace)
             elif kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
+                # An object, as OpenAI's JSON mode promises (xgrammar's built-in JSON grammar
+                # takes any value: an array too).
+                compiled = compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=any_whitespace
+                )
             elif kind == "regex":
                 compiled = compiler.compile_regex(value)
             elif kind == "choice":

@@ -591,10 +591,14 @@ class ModelRunner:
         output_pos = first + np.arange(len(rows)) - np.repeat(logits_start, inputs.num_logits)
         seeded = np.flatnonzero(b.has_seed[rows])
         seeds = [(int(i), b.seed[rows[i]], int(output_pos[i])) for i in seeded]
+        allowed = self._allowed(plan, inputs)
+        # A structured output allows its end tokens only once complete, and nothing else
+        # then: min_tokens does not hold it (the scheduler ends it there).
+        constrained = {row for row, _ in allowed}
         banned = [
             (int(i), b.stop_ids[rows[i]])
             for i in np.flatnonzero(output_pos < b.min_tokens[rows])
-            if len(b.stop_ids.get(rows[i], ()))
+            if len(b.stop_ids.get(rows[i], ())) and int(i) not in constrained
         ]
         logit_bias = (
             [
@@ -616,7 +620,7 @@ class ModelRunner:
             banned=banned,
             logit_bias=logit_bias,
             penalties=self._penalties(inputs, rows, input_ids),
-            allowed=self._allowed(plan, inputs),
+            allowed=allowed,
         )
 
     def _allowed(self, plan: StepPlan, inputs: StepInputs) -> list[tuple[int, bytes]]:

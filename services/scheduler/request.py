@@ -23,6 +23,10 @@ class Grammar(Protocol):
         """Advance past a sampled token; False if the constraint does not allow it."""
         ...
 
+    def is_terminated(self) -> bool:
+        """Whether an end token completed it (the request ends, even before min_tokens)."""
+        ...
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0

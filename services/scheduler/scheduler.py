@@ -667,7 +667,12 @@ class Scheduler:
                     all_tokens.append(token)
                     count += 1
                     num_outputs = len(outputs_so_far)
-                    if token in stop_ids and num_outputs >= request.min_tokens:
+                    # A structured output allows an end token only where it is complete,
+                    # and nothing after it: it ends the request even before min_tokens.
+                    if token in stop_ids and (
+                        num_outputs >= request.min_tokens
+                        or (grammar is not None and grammar.is_terminated())
+                    ):
                         status = _STOPPED
                         break
                     if num_outputs >= request.max_tokens or len(all_tokens) >= max_model_len:

@@ -60,6 +60,9 @@ class _FollowingGrammar:
         self.accepted.append(token_id)
         return True
 
+    def is_terminated(self) -> bool:
+        return False
+
 
 def _check_plan(plan, config, scheduler):
     counts = plan.num_scheduled_tokens

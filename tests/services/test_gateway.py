@@ -631,9 +631,18 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, capsys):
     tiny model's random weights would write anything: only the constraint shapes it)."""
     call = {"model": MODEL, "prompt": "Answer:", "max_tokens": 20, "temperature": 0}
     colours = ["red apple", "green pear"]
-    for extra in ({"guided_choice": colours}, {"structured_outputs": {"choice": colours}}):
-        [choice] = client.completions.create(**call, extra_body=extra).choices
+    usages = []
+    for extra in (
+        {"guided_choice": colours},
+        {"structured_outputs": {"choice": colours}},
+        # min_tokens does not outlast the format: the request ends on its end token.
+        {"guided_choice": colours, "min_tokens": 15},
+    ):
+        completion = client.completions.create(**call, extra_body=extra)
+        [choice] = completion.choices
         assert choice.text in colours and choice.finish_reason == "stop"
+        usages.append(completion.usage.completion_tokens)
+    assert usages[0] == usages[1] == usages[2]
     regex = r"(yes|no), [0-9]{3}"
     [choice] = client.completions.create(**call, extra_body={"guided_regex": regex}).choices
     assert re.fullmatch(regex, choice.text), choice.text
@@ -646,10 +655,14 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, capsys):
         response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}},
     )
     assert json.loads(chat.choices[0].message.content) in schema["enum"]
+    compact = {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+    [choice] = client.completions.create(**call, extra_body=compact).choices
+    assert json.loads(choice.text) in schema["enum"] and choice.text == choice.text.strip()
     for extra, fragment in (
         ({"guided_regex": "(", "guided_choice": colours}, "not guided_regex and guided_choice"),
         ({"guided_regex": "("}, "structured_output.regex: cannot compile it"),
         ({"structured_outputs": {"xml": "<a/>"}}, "unknown kind 'xml'"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "got regex and choice"),
         ({"response_format": {"type": "json_schema"}}, "json_schema"),
     ):
         with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):

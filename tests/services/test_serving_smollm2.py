@@ -109,6 +109,13 @@ def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
             assert [t for o in outs for t in o.new_token_ids] == want_json
             document = json.loads("".join(o.text for o in outs))
             assert set(document) == {"city", "population"} and outs[-1].finish_reason == "stop"
+            # JSON mode is an object, as OpenAI's: here any JSON value would be an array
+            # ("[1,2,3,4,5,6,7,8,9,10]", xgrammar's built-in JSON grammar in transformers).
+            as_object = SamplingParams(
+                max_tokens=8, temperature=0.0, structured_output={"json_object": True}
+            )
+            outs = list(client.generate("A JSON list of numbers:", as_object))
+            assert "".join(o.text for o in outs).startswith("{")
             # `weir chat` on piped input: a refused turn is an error line on stderr and a
             # failing exit status, the next turn still answered.
             chat = subprocess.run(
