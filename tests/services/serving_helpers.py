@@ -4,6 +4,8 @@ import urllib.request
 
 import torch
 
+from weir.shared.sampling import SamplingParams
+
 
 def hf_greedy(
     model,
@@ -34,6 +36,44 @@ def hf_greedy(
                 logits[token] -= presence + frequency * outputs.count(token)
             ids.append(max(range(len(logits)), key=logits.__getitem__))
     return ids[len(prompt_ids) :]
+
+
+# The penalties the tests hold to transformers (the tiny model's random weights never repeat
+# a token: biases towards four make it, so the penalties have repeats to act on).
+TINY_BIAS = dict.fromkeys(range(7, 11), 5.0)
+PENALTIES = {"presence": 0.5, "frequency": 0.7, "repetition": 1.3, "logit_bias": TINY_BIAS}
+
+
+def penalized(max_tokens: int) -> SamplingParams:
+    """Greedy ``SamplingParams`` with ``PENALTIES``, EOS ignored."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        presence_penalty=PENALTIES["presence"],
+        frequency_penalty=PENALTIES["frequency"],
+        repetition_penalty=PENALTIES["repetition"],
+        logit_bias=TINY_BIAS,
+    )
+
+
+def hf_constrained(model, prompt_ids: list[int], num_tokens: int, compiled, eos: int) -> list[int]:
+    """transformers' greedy decoding held to a grammar by xgrammar's own logits processor
+    (``compiled``: an ``xgrammar.CompiledGrammar``), ending on ``eos`` once complete."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            logits_processor=[LogitsProcessor(compiled)],
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def read_metrics(url: str) -> dict[str, float]:

@@ -14,9 +14,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 import zmq
-from serving_helpers import hf_greedy
+from serving_helpers import PENALTIES, TINY_BIAS, hf_constrained, hf_greedy, penalized
 
 from weir.services.engine.core import EngineCore, StepFailedError, step_now
 from weir.services.executor.metrics import ExecutorMetrics
@@ -223,27 +222,16 @@ def test_penalties_count_the_token_the_step_ahead_samples_on_the_device(served, 
     device, before the host knows it: presence, frequency and repetition penalties must
     still count it, through chunking and preemption."""
     prompts = _prompts(13, 8, (5, 30))
-    # The tiny model's random weights never repeat a token: biases towards four make it.
-    bias = dict.fromkeys(range(7, 11), 5.0)
-    penalties = {"presence": 0.5, "frequency": 0.7, "repetition": 1.3}
-    params = SamplingParams(
-        max_tokens=12,
-        temperature=0.0,
-        ignore_eos=True,
-        presence_penalty=0.5,
-        frequency_penalty=0.7,
-        repetition_penalty=1.3,
-        logit_bias=bias,
-    )
+    params = penalized(12)
     s = served(overlap=True)
     outputs, failed, preempted = s.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
     assert not failed and preempted and s.launched_ahead()
     tokens = _tokens(outputs)
     changed = 0
     for i, prompt in enumerate(prompts):
-        want = hf_greedy(tiny_hf_model, prompt, 12, logit_bias=bias, **penalties)
+        want = hf_greedy(tiny_hf_model, prompt, 12, **PENALTIES)
         assert tokens[f"r{i}"] == want, f"r{i}"
-        changed += want != hf_greedy(tiny_hf_model, prompt, 12, logit_bias=bias)
+        changed += want != hf_greedy(tiny_hf_model, prompt, 12, logit_bias=TINY_BIAS)
     assert changed >= len(prompts) // 2, "the penalties must change what greedy decoding picks"
 
 
@@ -255,7 +243,6 @@ def test_structured_outputs_follow_xgrammar_in_transformers_while_others_overlap
     with xgrammar's own logits processor, ending on the end token once complete."""
     import transformers
     import xgrammar as xgr
-    from xgrammar.contrib.hf import LogitsProcessor
 
     from weir.services.engine.structured_output import GrammarCompiler, choice_grammar
     from weir.shared.tokenizer import Tokenizer
@@ -276,22 +263,12 @@ def test_structured_outputs_follow_xgrammar_in_transformers_while_others_overlap
     ]
     prompts = _prompts(21, 6, (5, 20))
     tiny_hf_model.generation_config.eos_token_id = None
-    want = []
-    for i, prompt in enumerate(prompts):
-        if i >= len(specs):
-            want.append(hf_greedy(tiny_hf_model, prompt, 12))
-            continue
-        ids = torch.tensor([prompt])
-        out = tiny_hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=12,
-            eos_token_id=eos,
-            pad_token_id=0,
-            logits_processor=[LogitsProcessor(compiled[i])],
-        )
-        want.append(out[0, len(prompt) :].tolist())
+    want = [
+        hf_constrained(tiny_hf_model, prompt, 12, compiled[i], eos)
+        if i < len(specs)
+        else hf_greedy(tiny_hf_model, prompt, 12)
+        for i, prompt in enumerate(prompts)
+    ]
     compiler = GrammarCompiler(Tokenizer.from_model_dir(tiny_model_dir), 49152, [eos])
     requests = []
     for i, prompt in enumerate(prompts):

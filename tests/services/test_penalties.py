@@ -6,16 +6,13 @@ import random
 
 import torch
 import transformers
-from serving_helpers import hf_greedy
+from serving_helpers import PENALTIES, TINY_BIAS, hf_greedy, penalized
 from test_model_runner import Driver
 
 from weir.services.executor.model_runner import ModelRunner
 from weir.shared.sampling import SamplingParams
 
 NUM_NEW = 12
-# The tiny model's random weights never repeat a token: biases towards four make it, so
-# the penalties have repeats to act on.
-BIAS = dict.fromkeys(range(7, 11), 5.0)
 
 
 def _runner(model_dir) -> ModelRunner:
@@ -43,7 +40,7 @@ def test_repetition_penalty_and_biases_match_transformers_generate(tiny_model_di
         eos_token_id=None,
         pad_token_id=0,
         repetition_penalty=1.7,
-        sequence_bias={(token,): bias for token, bias in BIAS.items()},
+        sequence_bias={(token,): bias for token, bias in TINY_BIAS.items()},
     )
     tiny_hf_model.generation_config.eos_token_id = None
     want = []
@@ -59,7 +56,7 @@ def test_repetition_penalty_and_biases_match_transformers_generate(tiny_model_di
         temperature=0.0,
         ignore_eos=True,
         repetition_penalty=1.7,
-        logit_bias=BIAS,
+        logit_bias=TINY_BIAS,
     )
     driver = Driver(_runner(tiny_model_dir))
     for i, prompt in enumerate(prompts):
@@ -67,31 +64,22 @@ def test_repetition_penalty_and_biases_match_transformers_generate(tiny_model_di
     while any(len(driver.outputs[f"r{i}"]) < NUM_NEW for i in range(len(prompts))):
         driver.step({f"r{i}": None for i in range(len(prompts))})
     assert [driver.outputs[f"r{i}"] for i in range(len(prompts))] == want
-    biased_only = [hf_greedy(tiny_hf_model, p, NUM_NEW, logit_bias=BIAS) for p in prompts]
+    biased_only = [hf_greedy(tiny_hf_model, p, NUM_NEW, logit_bias=TINY_BIAS) for p in prompts]
     assert want != biased_only, "the repetition penalty must change what greedy decoding picks"
 
 
 def test_each_draft_row_is_penalized_by_the_drafts_before_it(tiny_model_dir, tiny_hf_model):
     """A penalized request verifying drafts (row j counts drafts 1..j as outputs), a chunked
     one preempted and resumed, and a plain one, in the same batches."""
-    penalties = {"presence": 0.5, "frequency": 0.7, "repetition": 1.3, "logit_bias": BIAS}
-    params = SamplingParams(
-        max_tokens=NUM_NEW,
-        temperature=0.0,
-        ignore_eos=True,
-        presence_penalty=0.5,
-        frequency_penalty=0.7,
-        repetition_penalty=1.3,
-        logit_bias=BIAS,
-    )
+    params = penalized(NUM_NEW)
     plain = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     a, b, c = _prompts(2, (10, 21, 6))
     want = {
-        "A": hf_greedy(tiny_hf_model, a, NUM_NEW, **penalties),
-        "B": hf_greedy(tiny_hf_model, b, NUM_NEW, **penalties),
+        "A": hf_greedy(tiny_hf_model, a, NUM_NEW, **PENALTIES),
+        "B": hf_greedy(tiny_hf_model, b, NUM_NEW, **PENALTIES),
         "C": hf_greedy(tiny_hf_model, c, NUM_NEW),
     }
-    assert want["A"] != hf_greedy(tiny_hf_model, a, NUM_NEW, logit_bias=BIAS)
+    assert want["A"] != hf_greedy(tiny_hf_model, a, NUM_NEW, logit_bias=TINY_BIAS)
     driver = Driver(_runner(tiny_model_dir))
     driver.add("A", a, params)
     driver.add("B", b, params)

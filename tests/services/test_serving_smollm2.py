@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from serving_helpers import hf_constrained
 
 from weir.services.launcher import ServerProcesses
 from weir.shared.client import WeirClient
@@ -49,7 +50,6 @@ def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
     # A JSON schema held by transformers with xgrammar's own logits processor: the
     # reference for the served structured output.
     import xgrammar as xgr
-    from xgrammar.contrib.hf import LogitsProcessor
 
     schema = {
         "type": "object",
@@ -71,20 +71,8 @@ def test_smollm2_chat_over_the_sdk_matches_transformers(default_model_dir):
             json_chat, add_generation_prompt=True, tokenize=True, return_dict=False
         )
     )
-    with torch.no_grad():
-        input_ids = torch.tensor([json_ids])
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=False,
-            max_new_tokens=60,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            logits_processor=[
-                LogitsProcessor(xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema)))
-            ],
-        )
-    want_json = out[0, len(json_ids) :].tolist()
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    want_json = hf_constrained(model, json_ids, 60, grammar, tokenizer.eos_token_id)
     assert want_json[-1] == tokenizer.eos_token_id, "the reference must complete its JSON"
 
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
