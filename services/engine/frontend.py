@@ -703,27 +703,30 @@ class ClientFrontend:
 
     def _logprobs(self, logprobs: SampleLogprobs) -> dict[str, list[list[Any]]]:
         """The client's logprob rows, with each token's text (decoded alone)."""
-        text = self._token_text
-        for token_id in {t for row in logprobs.token_ids for t in row} - text.keys():
-            # Each id is decoded once per process: top-20 rows of a big batch would
-            # otherwise decode thousands of tokens between two steps.
-            text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return {
             "token_ids": logprobs.token_ids,
             "logprobs": logprobs.logprobs,
-            "tokens": [[text[t] for t in row] for row in logprobs.token_ids],
+            "tokens": self._texts(logprobs.token_ids),
         }
 
     def _prompt_logprobs(self, first: int, rows: SampleLogprobs) -> dict[str, list[list[Any]]]:
         """The client's prompt logprob rows: the first prompt token's, with a logprob of None
         (nothing predicts it, as vLLM and OpenAI's echo report it), then one per token."""
-        head = self._logprobs(SampleLogprobs([[first]], [[0.0]]))
-        tail = self._logprobs(rows)
+        token_ids = [[first], *rows.token_ids]
         return {
-            "token_ids": head["token_ids"] + tail["token_ids"],
-            "logprobs": [[None]] + tail["logprobs"],
-            "tokens": head["tokens"] + tail["tokens"],
+            "token_ids": token_ids,
+            "logprobs": [[None], *rows.logprobs],
+            "tokens": self._texts(token_ids),
         }
+
+    def _texts(self, rows: list[list[int]]) -> list[list[str]]:
+        """Each token's text, decoded alone."""
+        text = self._token_text
+        for token_id in {t for row in rows for t in row} - text.keys():
+            # Each id is decoded once per process: top-20 rows of a big batch would
+            # otherwise decode thousands of tokens between two steps.
+            text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return [[text[t] for t in row] for row in rows]
 
     def _final_output(self, stream: _Stream, reason: str) -> client_protocol.StreamOutput:
         return client_protocol.StreamOutput(

@@ -1,8 +1,8 @@
 """Batched token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds, logprobs,
 logit biases and presence, frequency and repetition penalties.
 
-Order follows vLLM: banned tokens and logit biases, then penalties (these apply to greedy rows
-too), then temperature, min-p, top-k and top-p. A sampled
+Order follows vLLM: a structured output's mask, banned tokens and logit biases, then penalties
+(all of these apply to greedy rows too), then temperature, min-p, top-k and top-p. A sampled
 token is `argmax(probs / q)` with `q ~ Exp(1)` per vocab entry (the exponential race, which
 draws exactly from `probs`). Rows of seeded requests draw `q` from their own generator seeded
 from (seed, output position), so their tokens do not depend on what else is in the batch, on

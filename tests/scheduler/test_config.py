@@ -109,6 +109,8 @@ def test_cache_config_requires_num_blocks():
         ({"structured_output": {"xml": "<a/>"}}, "structured_output"),
         ({"structured_output": {"choice": []}}, "structured_output.choice"),
         ({"structured_output": {"json_object": False}}, "structured_output.json_object"),
+        ({"structured_output": {"regex": "a" * 65537}}, "structured_output.regex: 65537"),
+        ({"structured_output": {"choice": ["ab"] * 40000}}, "structured_output.choice: 80000"),
     ],
 )
 def test_sampling_params_rejects(kwargs, field):
