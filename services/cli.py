@@ -27,6 +27,7 @@ from weir.services.cpu_cores import (
     parse_cores,
     single_thread_env,
 )
+from weir.services.gateway.tool_calls import TOOL_CALL_PARSERS
 from weir.services.sigterm import Terminated, raise_terminated
 from weir.services.supervised import StatusReporter
 from weir.shared.config import (
@@ -187,6 +188,7 @@ def _gateway(args: argparse.Namespace) -> int:
         keys_dir=args.keys_dir,
         max_request_bytes=args.max_request_size,
         allowed_origins=args.allowed_origins,
+        tool_call_parser=args.tool_call_parser,
     )
     import uvloop
 
@@ -228,6 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
             http_port=None if args.no_http else args.http_port,
             api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
             allowed_origins=args.allowed_origins,
+            tool_call_parser=args.tool_call_parser,
             startup_timeout=args.startup_timeout,
         )
     except ValueError as exc:  # options that only tell together, e.g. ranks and cores
@@ -456,6 +459,17 @@ def _add_allowed_origins_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tool_call_parser_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="the model's tool-call format, which the API reads calls out of under tool_choice "
+        "'auto' (hermes: <tool_call>{...}</tool_call>, Qwen2.5/Qwen3); without it 'auto' is "
+        "refused, and 'required' or a named function still work",
+    )
+
+
 def _add_keys_dir_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keys-dir",
@@ -546,6 +560,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
+    _add_tool_call_parser_flag(p)
     p.add_argument(
         "--startup-timeout",
         type=_positive_seconds,
@@ -572,6 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
+    _add_tool_call_parser_flag(p)
     p.add_argument(
         "--timeout",
         type=float,

@@ -123,12 +123,14 @@ class ServerProcesses:
         http_port: int | None = None,
         api_key: str | None = None,
         allowed_origins: Sequence[str] = ("*",),
+        tool_call_parser: str | None = None,
         startup_timeout: float = 600.0,
         stop_timeout: float = 5.0,
     ) -> None:
         self.engine_args = engine_args or EngineArgs()
         self.http_port, self.api_key = http_port, api_key
         self.allowed_origins = allowed_origins  # the gateway's CORS origins
+        self.tool_call_parser = tool_call_parser  # the gateway's, for tool_choice "auto"
         self.host, self.port = host, port
         self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
@@ -366,6 +368,8 @@ class ServerProcesses:
         if self.engine_args.keys_dir is not None:
             argv += ["--keys-dir", self.engine_args.keys_dir]
         argv += ["--allowed-origins", ",".join(self.allowed_origins)]
+        if self.tool_call_parser is not None:
+            argv += ["--tool-call-parser", self.tool_call_parser]
         self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env)
         return str(self._wait_ready(self._children[-1])["http_address"])
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -222,12 +223,14 @@ class AsyncWeirClient:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration.
         ``priority``: lower is served first by a server started with ``--policy priority``
-        (any other refuses a priority other than 0)."""
+        (any other refuses a priority other than 0). ``tools``: a chat's tools, in OpenAI's
+        form, for the model's chat template to render."""
         await self._wait_until_left(request_id)
-        with self._open_stream(prompt, sampling_params, request_id, priority) as inbox:
+        with self._open_stream(prompt, sampling_params, request_id, priority, tools) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
                     yield out
@@ -239,12 +242,13 @@ class AsyncWeirClient:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
         write them together when it falls behind."""
         await self._wait_until_left(request_id)
-        with self._open_stream(prompt, sampling_params, request_id, priority) as inbox:
+        with self._open_stream(prompt, sampling_params, request_id, priority, tools) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
 
@@ -290,9 +294,14 @@ class AsyncWeirClient:
         sampling_params: SamplingParams | None,
         request_id: str | None,
         priority: int,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
+        try:
+            tools_text = None if tools is None else json.dumps(list(tools), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"tools must be JSON: {exc}", INVALID_REQUEST) from None
         # The server cannot address its refusal of an unusable id to this stream.
         if (problem := request_id_problem(request_id)) is not None:
             raise InvalidRequestError(problem, INVALID_REQUEST)
@@ -308,7 +317,9 @@ class AsyncWeirClient:
             )
         # Sent before the stream exists: a request that cannot be sent leaves nothing to abort.
         self._send(
-            GenerateRequest(request_id, prompt, sampling_params or SamplingParams(), priority)
+            GenerateRequest(
+                request_id, prompt, sampling_params or SamplingParams(), priority, tools_text
+            )
         )
         inbox = _Inbox()
         self._streams[request_id] = inbox
@@ -593,10 +604,11 @@ class WeirClient:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> Iterator[StreamOutput]:
         # In batches: one round trip to the loop thread per batch, not per output.
         for batch in self.generate_batches(
-            prompt, sampling_params, request_id=request_id, priority=priority
+            prompt, sampling_params, request_id=request_id, priority=priority, tools=tools
         ):
             yield from batch
 
@@ -607,10 +619,11 @@ class WeirClient:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> Iterator[list[StreamOutput]]:
         self._check_open()
         stream = self._client.generate_batches(
-            prompt, sampling_params, request_id=request_id, priority=priority
+            prompt, sampling_params, request_id=request_id, priority=priority, tools=tools
         )
         try:
             while True:

@@ -156,20 +156,49 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The chat as the model's template renders it, with ``tools`` (OpenAI's tool
+        list) for templates that render tools. Messages are OpenAI's, adapted as
+        transformers' templates expect: "developer" is "system", and a tool call's
+        arguments are a map, not JSON text."""
         if self._chat_template is None:
             raise ValueError(
                 "this model has no chat template (tokenizer_config.json has no 'chat_template')"
             )
         return self._chat_template.render(
-            # Templates know "system"; "developer" is OpenAI's newer name for it.
-            messages=[
-                {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
-            ],
+            messages=[_template_message(m) for m in messages],
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("role") == "developer":
+        message = {**message, "role": "system"}
+    if message.get("tool_calls"):
+        message = {
+            **message,
+            "tool_calls": [
+                {**call, "function": {**call["function"], "arguments": _arguments(call)}}
+                for call in message["tool_calls"]
+            ],
+        }
+    return message
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    text = call["function"]["arguments"]
+    try:
+        return json.loads(text)
+    except ValueError:  # a call cut short by max_tokens, sent back as it was: rendered as is
+        return text
 
 
 # Prompt tokens replayed before the first output token, so tokenizers whose decoding of a token

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -249,7 +250,7 @@ class ClientFrontend:
         # A structured output compiles in the pool too (xgrammar's first import takes seconds).
         if num_chars <= _INLINE_TOKENIZE_CHARS and msg.sampling_params.structured_output is None:
             try:
-                prompt_ids = self._tokenize(msg.prompt)
+                prompt_ids = self._tokenize(msg.prompt, msg.tools)
             except ValueError as exc:
                 self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
                 return
@@ -292,7 +293,7 @@ class ClientFrontend:
 
     def _prepare(self, msg: client_protocol.GenerateRequest) -> tuple[list[int], Grammar | None]:
         """The prompt's token ids and the request's structured-output state (in the pool)."""
-        prompt_ids = self._tokenize(msg.prompt)
+        prompt_ids = self._tokenize(msg.prompt, msg.tools)
         spec = msg.sampling_params.structured_output
         return prompt_ids, None if spec is None else self.grammars.matcher(spec)
 
@@ -380,7 +381,7 @@ class ClientFrontend:
                     f"a chat of {len(prompt)} messages cannot fit max_model_len="
                     f"{self.max_model_len} tokens (each message takes at least one)"
                 )
-            num_chars = sum(len(m["content"]) + _CHAT_MESSAGE_CHARS for m in prompt)
+            num_chars = sum(map(_message_chars, prompt)) + len(msg.tools or "")
         else:
             return len(prompt)  # token ids: their count is checked against max_model_len
         if num_chars > self.max_prompt_chars:
@@ -428,13 +429,15 @@ class ClientFrontend:
             priority=priority,
         )
 
-    def _tokenize(self, prompt: client_protocol.Prompt) -> list[int]:
-        """Token ids of a prompt; ValueError names what is wrong with it."""
+    def _tokenize(self, prompt: client_protocol.Prompt, tools: str | None = None) -> list[int]:
+        """Token ids of a prompt (a chat's with its ``tools``, JSON text); ValueError names
+        what is wrong with it."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt[0], dict):
+            tool_list = _tool_list(tools)
             try:
-                text = self.tokenizer.apply_chat_template(prompt)
+                text = self.tokenizer.apply_chat_template(prompt, tools=tool_list)
             except (
                 Exception
             ) as exc:  # no template, or a jinja2 error raised by the model's template
@@ -749,6 +752,27 @@ class ClientFrontend:
     def _end_in_scheduler(self, request_ids: list[str], status: RequestStatus) -> None:
         if request_ids and self.core is not None:
             self.core.scheduler.finish_requests(request_ids, status)
+
+
+def _message_chars(message: dict[str, Any]) -> int:
+    """A chat message's size in characters, its tool calls' and template's markers too."""
+    chars = _CHAT_MESSAGE_CHARS + sum(len(v) for v in message.values() if type(v) is str)
+    for call in message.get("tool_calls", ()):
+        chars += _CHAT_MESSAGE_CHARS + sum(map(len, call["function"].values()))
+    return chars
+
+
+def _tool_list(tools: str | None) -> list[Any] | None:
+    """A chat's tools from their JSON text; ValueError if that is not a JSON list."""
+    if tools is None:
+        return None
+    try:
+        tool_list = json.loads(tools)
+    except ValueError as exc:
+        raise ValueError(f"tools: not JSON ({exc})") from None
+    if not isinstance(tool_list, list):
+        raise ValueError(f"tools must be a JSON list, got {type(tool_list).__name__}")
+    return tool_list
 
 
 def _find_stop(text: str, stops: tuple[str, ...], end_after: int) -> tuple[int, str] | None:

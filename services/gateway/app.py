@@ -34,6 +34,7 @@ from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import NoReplicaError, Router
 from weir.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from weir.services.gateway.tool_calls import ToolCallChunks, ToolChoice
 from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 from weir.shared.protocol.client import SERVER_UNAVAILABLE, Prompt, StreamOutput
@@ -107,6 +108,7 @@ class _Sample:
     prompt: Prompt
     params: SamplingParams
     priority: int
+    tools: list[dict[str, Any]] | None = None  # a chat's, for its template
 
 
 def _samples(
@@ -165,8 +167,11 @@ class Gateway:
         api_key: str | None = None,
         max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         allowed_origins: Sequence[str] = ("*",),
+        tool_call_parser: str | None = None,
     ) -> None:
         self.router = router
+        # Reads the calls out of an output under tool_choice "auto" (TOOL_CALL_PARSERS).
+        self.tool_call_parser = tool_call_parser
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.allowed_origins = allowed_origins  # CORS: the web pages that may call the API
@@ -279,7 +284,11 @@ class Gateway:
             async with self.router.reserve(sample.prompt, budget, tried) as replica:
                 self.metrics.routed.labels(replica.address).inc()
                 stream = replica.client.generate_batches(
-                    sample.prompt, sample.params, request_id=request_id, priority=sample.priority
+                    sample.prompt,
+                    sample.params,
+                    request_id=request_id,
+                    priority=sample.priority,
+                    tools=sample.tools,
                 )
                 async with aclosing(stream):
                     try:
@@ -358,12 +367,24 @@ class Gateway:
         info = await self.check_model(body.model)
         max_tokens = body.requested_max_tokens()
         logprobs = body.requested_logprobs()
+        tool_choice = body.tool_choice_of_output()
+        if tool_choice is not None and tool_choice.kind == "auto" and not self.tool_call_parser:
+            raise APIError(
+                400,
+                'tool_choice "auto" (the default with tools) needs a server started with '
+                "--tool-call-parser, which reads the calls out of the model's text; send "
+                'tool_choice "required", "none" or a named function',
+                "invalid_request_error",
+                param="tool_choice",
+            )
         samples = _samples(
             [body.chat()],
             body.n,
             lambda i: body.sampling_params(max_tokens, logprobs, i),
             body.priority,
         )
+        for sample in samples:
+            sample.tools = body.tool_list()
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         outputs = self.run(response_id, samples)
@@ -375,9 +396,10 @@ class Gateway:
                 "model": info["model_name"],
             }
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = fmt.ChunkEvents(base, chat_logprobs=logprobs is not None)
             return await self._sse(
                 outputs,
-                fmt.ChunkEvents(base, chat_logprobs=logprobs is not None).chat,
+                events.chat if tool_choice is None else ToolCallChunks(events, tool_choice).chat,
                 base,
                 len(samples),
                 include_usage,
@@ -394,8 +416,7 @@ class Gateway:
                 "choices": [
                     {
                         "index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "finish_reason": c.finish_reason,
+                        **self._chat_message(c, tool_choice, with_tools=body.tools is not None),
                         "stop_reason": c.stop_reason,
                         "logprobs": None
                         if logprobs is None
@@ -408,6 +429,28 @@ class Gateway:
         )
 
     # ------------------------------------------------------------------ response bodies
+
+    @staticmethod
+    def _chat_message(
+        choice: fmt.Choice, tool_choice: ToolChoice | None, *, with_tools: bool
+    ) -> dict[str, Any]:
+        """A whole choice's message and finish reason: its text, or the tool calls read
+        out of it (a request with tools always lists its calls, maybe none)."""
+        text = choice.text
+        if tool_choice is None:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if with_tools:
+                message["tool_calls"] = []
+            return {"message": message, "finish_reason": choice.finish_reason}
+        content, calls = tool_choice.read(text)
+        return {
+            "message": {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [call.to_dict() for call in calls],
+            },
+            "finish_reason": tool_choice.finish_reason(calls, choice.finish_reason),
+        }
 
     @staticmethod
     async def _collect(

@@ -60,11 +60,19 @@ class ChunkEvents:
     def chat(self, out: StreamOutput, choice: Choice) -> str:
         """A ``chat.completion.chunk``: the delta is empty in a last chunk without text."""
         delta = '{"content":' + _json(out.text) + "}" if out.text or not out.finished else "{}"
+        return self._chat(choice.index, delta, out, out.finish_reason if out.finished else None)
+
+    def chat_delta(
+        self, index: int, delta: dict[str, Any], out: StreamOutput, finish_reason: str | None
+    ) -> str:
+        """A ``chat.completion.chunk`` of any delta (tool calls), for ``out``."""
+        return self._chat(index, _json(delta), out, finish_reason)
+
+    def _chat(self, index: int, delta: str, out: StreamOutput, finish_reason: str | None) -> str:
         logprobs = _json(chat_logprobs(out)) if self._chat_logprobs else "null"
         return (
-            f'{self._head}{choice.index},"delta":{delta},"logprobs":{logprobs},'
-            f'"finish_reason":{_json(out.finish_reason if out.finished else None)},'
-            f'"stop_reason":{_json(out.stop_reason)}}}]}}\n\n'
+            f'{self._head}{index},"delta":{delta},"logprobs":{logprobs},'
+            f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(out.stop_reason)}}}]}}\n\n'
         )
 
 

@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from weir.services.gateway.tool_calls import ToolChoice, parameters_schema, required_schema
 from weir.shared.protocol.client import MAX_ARRAY_LEN
 from weir.shared.sampling import (
     MAX_LOGIT_BIAS,
@@ -118,7 +119,7 @@ _NEUTRAL: dict[str, Any] = {
     "echo": False,  # a completion's field; in chat, vLLM's, which Weir does not implement
     "best_of": 1,
     "suffix": None,
-    "tools": [],
+    "tools": [],  # in completions (chat takes tools)
     "tool_choice": "none",
     "add_generation_prompt": True,
     "spaces_between_special_tokens": True,
@@ -130,7 +131,7 @@ _IGNORED = frozenset(
         "store",
         "metadata",
         "service_tier",
-        "parallel_tool_calls",
+        "parallel_tool_calls",  # in completions
         "include_obfuscation",
         "guided_decoding_backend",  # vLLM's: which library holds the output to its format
     }
@@ -312,6 +313,13 @@ class _SamplingFields(_Options):
 
     def _structured_output(self) -> dict[str, Any] | None:
         """The one structured output asked for, as ``SamplingParams`` takes it."""
+        asked = self._structured_outputs_asked()
+        if len(asked) > 1:
+            raise ValueError(f"ask for one structured output, not {' and '.join(asked)}")
+        return next(iter(asked.values()), None)
+
+    def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:
+        """Each field that asks for a structured output, and what it asks for."""
         asked: dict[str, dict[str, Any]] = {}
         format_ = self.response_format
         if format_ is not None and format_.type == "json_object":
@@ -324,9 +332,7 @@ class _SamplingFields(_Options):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
                 asked[f"guided_{kind}"] = {kind: value}
-        if len(asked) > 1:
-            raise ValueError(f"ask for one structured output, not {' and '.join(asked)}")
-        return next(iter(asked.values()), None)
+        return asked
 
 
 class CompletionRequest(_SamplingFields):
@@ -368,11 +374,30 @@ Content = Annotated[
 ]
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallMessage(_Body):
+    """A call an assistant message made (sent back with the chat that follows it)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def to_prompt(self) -> dict[str, Any]:
+        call: dict[str, Any] = {"type": self.type, "function": self.function.model_dump()}
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     # null only in an assistant message (OpenAI's, whose tool calls may stand for its text).
     content: Content | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallMessage], Field(fail_fast=True)] | None = None
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -390,6 +415,39 @@ class ChatMessage(_Body):
             return self.content
         # As vLLM joins them: the parts' words do not run together.
         return "\n".join(part.text for part in self.content)
+
+
+def _first_repeated(names: list[str]) -> str | None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoiceField = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -411,8 +469,69 @@ class ChatCompletionRequest(_SamplingFields):
             )
         return self
 
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    tools: Annotated[list[Tool], Field(fail_fast=True), BeforeValidator(_protocol_sized)] | None = (
+        None
+    )
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice, names = self.tool_choice, [tool.function.name for tool in self.tools or ()]
+        problem = None
+        if (twice := _first_repeated(names)) is not None:
+            raise _field_errors(
+                type(self).__name__, [("tools", None, f"function {twice!r} is given twice")]
+            )
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
+            problem = "needs tools"
+        elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            problem = f"names {choice.function.name!r}, which is not among the tools"
+        if problem is not None:
+            raise _field_errors(type(self).__name__, [("tool_choice", None, problem)])
+        return self
+
+    def tool_choice_of_output(self) -> ToolChoice | None:
+        """How the output holds tool calls (None: it is content only; so without tools).
+        OpenAI's default is "auto"."""
+        choice = self.tool_choice or "auto"
+        if choice == "none" or not self.tools:
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return ToolChoice("named", choice.function.name)
+        return ToolChoice(choice)
+
+    def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:
+        asked = super()._structured_outputs_asked()
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            [function] = [
+                t.function for t in self.tools or () if t.function.name == choice.function.name
+            ]
+            asked["tool_choice"] = {"json": parameters_schema(function.parameters)}
+        elif choice == "required":
+            tools = [(t.function.name, t.function.parameters) for t in self.tools or ()]
+            asked["tool_choice"] = {"json": required_schema(tools, self.parallel_tool_calls)}
+        return asked
+
+    def chat(self) -> list[dict[str, Any]]:
+        messages = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                message["tool_calls"] = [call.to_prompt() for call in m.tool_calls]
+            messages.append(message)
+        return messages
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template renders them (OpenAI's form, nulls left out)."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -46,6 +46,7 @@ class GatewayOptions:
     allowed_origins: list[str]  # CORS: the web origins whose pages may call the API
     keys_dir: str | None = None  # CurveZMQ client keys (None: $WEIR_KEYS_DIR, else none)
     max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger HTTP bodies get 413
+    tool_call_parser: str | None = None  # reads tool calls out of text (tool_choice "auto")
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
@@ -55,7 +56,13 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         status.error(str(exc))
         _log.error("gateway cannot start: %s", exc)
         return 2
-    gateway = Gateway(router, options.api_key, options.max_request_bytes, options.allowed_origins)
+    gateway = Gateway(
+        router,
+        options.api_key,
+        options.max_request_bytes,
+        options.allowed_origins,
+        options.tool_call_parser,
+    )
     server: uvicorn.Server | None = None
 
     async def report_ready() -> None:

@@ -6,7 +6,9 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 
 Client -> scheduler::
 
-    generate   {request_id, prompt, sampling_params, priority?}   prompt: str | list[int] | list[{role, content}]
+    generate   {request_id, prompt, sampling_params, priority?, tools?}
+               prompt: str | list[int] | list[{role, content, name?, tool_call_id?, tool_calls?}]
+               tools: the JSON text of OpenAI's tool list, which the chat template renders
     abort      {request_id}
     health     {request_id, stream_ids?}   stream_ids: the client's quiet streams, to check
     model_info {request_id}
@@ -63,7 +65,11 @@ SERVER_UNAVAILABLE = "server_unavailable"
 # The client fell so far behind reading its replies that its queue filled.
 CLIENT_TOO_SLOW = "client_too_slow"
 
-Prompt = str | list[int] | list[dict[str, str]]
+Prompt = str | list[int] | list[dict[str, Any]]
+# Keys a chat message may hold besides role and content (OpenAI's, for tool calls and their
+# results): each a string, but ``tool_calls``, a list of {id, type, function: {name,
+# arguments}} maps of strings (arguments: JSON text, as OpenAI sends them).
+CHAT_MESSAGE_OPTIONAL_KEYS = frozenset({"name", "tool_call_id", "tool_calls"})
 
 
 class ClientProtocolError(ProtocolError):
@@ -83,6 +89,9 @@ class GenerateRequest:
     sampling_params: SamplingParams
     # Lower first, under the server's --policy priority (vLLM's request priority).
     priority: int = 0
+    # A chat's tools (OpenAI's ``tools``) as JSON text, rendered by the chat template; JSON
+    # text because a tool's parameter schema may nest wider maps than a message may hold.
+    tools: str | None = None
 
 
 @dataclass(slots=True)
@@ -189,6 +198,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
         }
         if msg.priority:
             fields["priority"] = msg.priority
+        if msg.tools is not None:
+            fields["tools"] = msg.tools
         return _pack("generate", fields)
     if isinstance(msg, HealthRequest) and msg.stream_ids:
         return _pack("health", {"request_id": msg.request_id, "stream_ids": msg.stream_ids})
@@ -199,7 +210,7 @@ def encode_client_message(msg: ClientMessage) -> bytes:
 
 
 _CLIENT_FIELDS = {
-    "generate": {"request_id", "prompt", "sampling_params", "priority"},
+    "generate": {"request_id", "prompt", "sampling_params", "priority", "tools"},
     "abort": {"request_id"},
     "health": {"request_id", "stream_ids"},
     "model_info": {"request_id"},
@@ -263,13 +274,43 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         raise ClientProtocolError(
             INVALID_REQUEST, f"priority must be a 32-bit int, got {_short(priority)}", raw_id
         )
-    return GenerateRequest(raw_id, prompt, sampling_params, priority)
+    tools = data.get("tools")
+    if tools is not None and (type(tools) is not str or not isinstance(prompt[0], dict)):
+        raise ClientProtocolError(
+            INVALID_REQUEST,
+            "tools must be JSON text, and come with a chat (a list of messages)",
+            raw_id,
+        )
+    return GenerateRequest(raw_id, prompt, sampling_params, priority, tools)
 
 
 def _short(value: Any, limit: int = 100) -> str:
     """``repr`` of a client's value for an error message, cut to ``limit`` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+_CHAT_MESSAGE_KEYS = CHAT_MESSAGE_OPTIONAL_KEYS | {"role", "content"}
+_TOOL_CALL_KEYS = frozenset({"id", "type", "function"})
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list")
+    for j, call in enumerate(calls):
+        if (
+            not isinstance(call, dict)
+            or not call.keys() <= _TOOL_CALL_KEYS
+            or not all(type(call.get(key, "")) is str for key in ("id", "type"))
+        ):
+            raise ValueError(f"{where}[{j}] must be a map of id, type and function")
+        function = call.get("function")
+        if (
+            not isinstance(function, dict)
+            or function.keys() != {"name", "arguments"}
+            or not all(type(value) is str for value in function.values())
+        ):
+            raise ValueError(f"{where}[{j}].function must map name and arguments to strings")
 
 
 def validate_prompt(prompt: Any) -> Prompt:
@@ -291,13 +332,20 @@ def validate_prompt(prompt: Any) -> Prompt:
                 raise ValueError(
                     f"prompt[{i}]: chat messages must be maps, got {type(message).__name__}"
                 )
-            if set(message) != {"role", "content"}:
+            if not {"role", "content"} <= message.keys() <= _CHAT_MESSAGE_KEYS:
                 raise ValueError(
-                    f"prompt[{i}]: a chat message must have exactly the keys "
-                    f"'role' and 'content', got {sorted(message, key=str)}"
+                    f"prompt[{i}]: a chat message must have the keys 'role' and 'content', "
+                    f"and may have {sorted(CHAT_MESSAGE_OPTIONAL_KEYS)}; got "
+                    f"{_short(sorted(message, key=str))}"
                 )
-            if not isinstance(message["role"], str) or not isinstance(message["content"], str):
-                raise ValueError(f"prompt[{i}]: chat message role and content must be strings")
+            for key in message.keys() - {"tool_calls"}:
+                if type(message[key]) is not str:
+                    raise ValueError(
+                        f"prompt[{i}]: chat message {key} must be a string (role, content, "
+                        f"name and tool_call_id are strings), got {type(message[key]).__name__}"
+                    )
+            if "tool_calls" in message:
+                _check_tool_calls(message["tool_calls"], f"prompt[{i}].tool_calls")
             if message["role"] not in CHAT_ROLES:
                 raise ValueError(
                     f"prompt[{i}]: unknown chat role {_short(message['role'])}; "

@@ -13,8 +13,19 @@ def frame(**fields) -> bytes:
 
 def test_round_trip_of_every_client_message():
     params = SamplingParams(max_tokens=7, temperature=0.5, stop=("x",), seed=3)
-    for prompt, priority in (("hi", 0), ([1, 2, 3], -5), ([{"role": "user", "content": "hi"}], 7)):
-        msg = client_protocol.GenerateRequest("r1", prompt, params, priority)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chat = [
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    for prompt, priority, tools in (
+        ("hi", 0, None),
+        ([1, 2, 3], -5, None),
+        ([{"role": "user", "content": "hi"}], 7, None),
+        (chat, 0, '[{"type": "function", "function": {"name": "f"}}]'),
+    ):
+        msg = client_protocol.GenerateRequest("r1", prompt, params, priority, tools)
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
@@ -156,6 +167,58 @@ def test_round_trip_of_server_messages():
             ),
             client_protocol.MALFORMED_MESSAGE,
             "max_array_len",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="hi", tools="[]"),
+            client_protocol.INVALID_REQUEST,
+            "come with a chat",
+        ),
+        (
+            frame(
+                type="generate", request_id="x", prompt=[{"role": "user", "content": "a"}], tools=[]
+            ),
+            client_protocol.INVALID_REQUEST,
+            "tools must be JSON text",
+        ),
+        (
+            frame(
+                type="generate", request_id="x", prompt=[{"role": "user", "content": "a", "x": 1}]
+            ),
+            client_protocol.INVALID_REQUEST,
+            "may have ['name', 'tool_call_id', 'tool_calls']",
+        ),
+        (
+            frame(
+                type="generate",
+                request_id="x",
+                prompt=[{"role": "assistant", "content": "", "tool_calls": {"a": 1}}],
+            ),
+            client_protocol.INVALID_REQUEST,
+            "prompt[0].tool_calls must be a list",
+        ),
+        (
+            frame(
+                type="generate",
+                request_id="x",
+                prompt=[
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"function": {"name": "f"}}],
+                    }
+                ],
+            ),
+            client_protocol.INVALID_REQUEST,
+            "prompt[0].tool_calls[0].function must map name and arguments to strings",
+        ),
+        (
+            frame(
+                type="generate",
+                request_id="x",
+                prompt=[{"role": "assistant", "content": "", "tool_calls": [{"id": 5}]}],
+            ),
+            client_protocol.INVALID_REQUEST,
+            "prompt[0].tool_calls[0] must be a map of id, type and function",
         ),
         (
             frame(type="generate", request_id="x", prompt=[{"role": "hacker", "content": "a"}]),

@@ -1,0 +1,300 @@
+"""OpenAI's tool calls over the chat API: the output each ``tool_choice`` holds the model to,
+and the calls read back out of its text, whole or as it streams.
+
+* a named function: the output is that function's arguments, a JSON object of its
+  parameters' schema (a structured output);
+* ``required``: a JSON array of one or more ``{"name", "parameters"}`` objects, one per call
+  (a structured output, vLLM's);
+* ``auto``: free text in which the model's own format marks its calls; the parser the
+  gateway was started with finds them. ``hermes``: ``<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>``, as Qwen2.5, Qwen3 and Hermes models write them.
+
+A reader takes a choice's text as it streams and returns, per piece, the content to send
+and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
+the streamed deltas add up to.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from weir.services.gateway.openai_format import Choice, ChunkEvents
+from weir.shared.protocol.client import StreamOutput
+
+TOOL_CALL_PARSERS = ("hermes",)
+
+ToolChoiceKind = Literal["named", "required", "auto"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI gives it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+    def delta(self, index: int) -> dict[str, Any]:
+        """The call whole, as the one chunk delta that announces it."""
+        return {"index": index, **self.to_dict()}
+
+
+def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's arguments: its parameters' schema, or any object for a function
+    declared without one."""
+    return parameters if parameters is not None else {"type": "object"}
+
+
+def required_schema(
+    tools: list[tuple[str, dict[str, Any] | None]], parallel: bool
+) -> dict[str, Any]:
+    """The JSON schema of one or more calls (one if not ``parallel``) of the ``(name,
+    parameters)`` tools."""
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "parameters": parameters_schema(parameters),
+                    },
+                    "required": ["name", "parameters"],
+                }
+                for name, parameters in tools
+            ]
+        },
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _arguments_text(arguments: Any) -> str:
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+class ToolCallReader(Protocol):
+    calls: list[ToolCall]
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the tool-call deltas ``text`` (the next piece) completes."""
+        ...
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What the text held back at its end: content, and deltas."""
+        ...
+
+
+class NamedCallReader:
+    """The whole text is one call's arguments, streamed as they come."""
+
+    def __init__(self, name: str) -> None:
+        self.calls: list[ToolCall] = []
+        self._name = name
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if not self.calls:
+            self.calls.append(ToolCall(self._name, text))
+            return "", [self.calls[0].delta(0)]
+        self.calls[0].arguments += text
+        return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return self.feed("") if not self.calls else ("", [])
+
+
+class CallArrayReader:
+    """A JSON array of ``{"name", "parameters"}`` objects: each call is sent once its object
+    is complete; an object cut short (``max_tokens``) ends as content."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._item: list[str] = []  # the characters of the object being read
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        content: list[str] = []
+        deltas = []
+        for char in text:
+            if self._depth >= 2:
+                self._item.append(char)
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == '"':
+                self._in_string = True
+            elif char in "[{":
+                self._depth += 1
+                if self._depth == 2:
+                    self._item = [char]
+            elif char in "]}":
+                self._depth -= 1
+                if self._depth == 1:
+                    item, self._item = "".join(self._item), []
+                    call = self._call(item)
+                    if call is None:
+                        content.append(item)
+                    else:
+                        deltas.append(call.delta(len(self.calls)))
+                        self.calls.append(call)
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return "".join(self._item), []
+
+    @staticmethod
+    def _call(item: str) -> ToolCall | None:
+        """The call an array item holds (the format holds the model to one, but a format
+        can be left: an output that reaches the end token of a complete one ends there)."""
+        try:
+            call = json.loads(item)
+            return ToolCall(call["name"], _arguments_text(call["parameters"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+class HermesReader:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in free text. Text
+    before the first call streams as content (less what may begin a tag); text between and
+    after calls is content unless it is only whitespace; a block that is not such a call, or
+    is cut short, is content as written."""
+
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._pending = ""
+        self._inside = False
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._pending += text
+        content: list[str] = []
+        deltas = []
+        while True:
+            if self._inside:
+                end = self._pending.find(self.END)
+                if end < 0:
+                    break
+                block, self._pending = self._pending[:end], self._pending[end + len(self.END) :]
+                self._inside = False
+                call = self._call(block)
+                if call is None:
+                    content.append(self.START + block + self.END)
+                else:
+                    deltas.append(call.delta(len(self.calls)))
+                    self.calls.append(call)
+                continue
+            start = self._pending.find(self.START)
+            if start >= 0:
+                content.append(self._outside(self._pending[:start]))
+                self._pending = self._pending[start + len(self.START) :]
+                self._inside = True
+            elif not self.calls:  # stream what cannot begin a tag
+                keep = _tag_prefix_at_end(self._pending, self.START)
+                content.append(self._pending[: len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep :]
+                break
+            else:
+                break
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        rest = self.START + self._pending if self._inside else self._outside(self._pending)
+        self._pending = ""
+        return rest, []
+
+    def _outside(self, text: str) -> str:
+        return "" if self.calls and not text.strip() else text
+
+    @staticmethod
+    def _call(block: str) -> ToolCall | None:
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or type(call.get("name")) is not str:
+            return None
+        return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
+
+
+def _tag_prefix_at_end(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """How a chat request's output holds tool calls."""
+
+    kind: ToolChoiceKind
+    name: str | None = None  # the named function's
+
+    def reader(self) -> ToolCallReader:
+        if self.kind == "named":
+            assert self.name is not None
+            return NamedCallReader(self.name)
+        if self.kind == "required":
+            return CallArrayReader()
+        return HermesReader()
+
+    def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:
+        """OpenAI's: "tool_calls" when the model chose to call (not when a named function
+        was forced), unless the output was cut short."""
+        if reason == "stop" and calls and self.kind != "named":
+            return "tool_calls"
+        return reason
+
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole output's content (None if empty) and calls."""
+        reader = self.reader()
+        content, _ = reader.feed(text)
+        rest, _ = reader.finish()
+        return (content + rest) or None, reader.calls
+
+
+class ToolCallChunks:
+    """The chat chunks of a streamed response whose choices may call tools: content and
+    tool-call deltas as each choice's reader finds them."""
+
+    def __init__(self, events: ChunkEvents, choice: ToolChoice) -> None:
+        self._events = events
+        self._choice = choice
+        self._readers: dict[int, ToolCallReader] = {}
+
+    def chat(self, out: StreamOutput, choice: Choice) -> str:
+        reader = self._readers.get(choice.index)
+        if reader is None:
+            reader = self._readers[choice.index] = self._choice.reader()
+        content, deltas = reader.feed(out.text)
+        finish_reason = None
+        if out.finished:
+            rest, more = reader.finish()
+            content, deltas = content + rest, deltas + more
+            finish_reason = self._choice.finish_reason(reader.calls, out.finish_reason)
+        if not (content or deltas or out.finished or out.logprobs is not None):
+            return ""  # text held back (a tag's start, a call's unfinished object)
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if deltas:
+            delta["tool_calls"] = deltas
+        return self._events.chat_delta(choice.index, delta, out, finish_reason)

@@ -1,0 +1,445 @@
+"""Tool calling over the chat API, through the official `openai` client, in front of real
+`weir serve` processes: the tiny random Llama given Qwen2.5's chat template (which renders
+tools, the calls an assistant made and the tools' answers) behind `--tool-call-parser
+hermes`, and the default model for the calls it writes held to a tool's schema (a random
+model writes JSON whitespace until max_tokens).
+
+The references are independent of the gateway: transformers renders the same chat (its
+own template engine, the calls' arguments as maps) and, held to the same JSON schema by
+xgrammar's own logits processor, writes the arguments the API must return.
+"""
+
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+import torch
+from serving_helpers import hf_constrained
+
+from weir.services.gateway.tool_calls import CallArrayReader, HermesReader, NamedCallReader
+from weir.services.launcher import GatewayProcess, ServerProcesses
+from weir.shared.config import EngineArgs
+from weir.shared.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+xgr = pytest.importorskip("xgrammar")
+
+MODEL = "tiny-tools"
+
+# Qwen2.5-Instruct's chat template, as its tokenizer_config.json ships it.
+QWEN25_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] }}{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You "
+    "are a helpful assistant.' }}{%- endif %}{{- \"\\n\\n# Tools\\n\\nYou may call one or more "
+    "functions to assist with the user query.\\n\\nYou are provided with function signatures "
+    'within <tools></tools> XML tags:\\n<tools>" }}{%- for tool in tools %}{{- "\\n" }}'
+    '{{- tool | tojson }}{%- endfor %}{{- "\\n</tools>\\n\\nFor each function call, return a '
+    "json object with function name and arguments within <tool_call></tool_call> XML tags:"
+    '\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n\" }}{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- for message in messages %}"
+    '{%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    "(message.role == \"assistant\" and not message.tool_calls) %}{{- '<|im_start|>' + "
+    "message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- elif message.role "
+    "== \"assistant\" %}{{- '<|im_start|>' + message.role }}{%- if message.content %}"
+    "{{- '\\n' + message.content }}{%- endif %}{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}"
+    '{%- endif %}{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}'
+    "{{- '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- elif message.role == \"tool\" %}{%- if "
+    '(loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}'
+    "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}"
+    "{{- message.content }}{{- '\\n</tool_response>' }}{%- if loop.last or "
+    "(messages[loop.index0 + 1].role != \"tool\") %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The forecast for a city.",
+            "parameters": WEATHER,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Oslo for 3 days?"}]
+# A conversation after a call: the assistant's call (arguments as JSON text, as OpenAI sends
+# them) and the tool's answer.
+FOLLOW_UP = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Snow, -4 C."},
+]
+
+
+@pytest.fixture(scope="module")
+def tools_model_dir(tmp_path_factory, tiny_model_dir):
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen-template"
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN25_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tools_model_dir):
+    return transformers.AutoTokenizer.from_pretrained(tools_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tools_model_dir):
+    engine = EngineArgs(
+        model=str(tools_model_dir),
+        max_num_batched_tokens=64,
+        block_size=16,
+        max_model_len=512,
+        max_num_seqs=16,
+        device="cpu",
+        served_model_name=MODEL,
+    )
+    with ServerProcesses(
+        engine,
+        port=0,
+        metrics_port=0,
+        executor_metrics_port=0,
+        http_port=0,
+        tool_call_parser="hermes",
+    ) as processes:
+        yield processes
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
+
+
+def _hf_ids(hf_tokenizer, messages, tools=None) -> list[int]:
+    return hf_tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+@pytest.fixture(scope="module")
+def smollm2(default_model_dir):
+    """The default model served with its gateway, and transformers' copy of it."""
+    engine = EngineArgs(model=None, kv_cache_memory="32MiB", max_num_batched_tokens=256)
+    with ServerProcesses(
+        engine, port=0, metrics_port=0, executor_metrics_port=0, http_port=0
+    ) as processes:
+        client = openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="-")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            default_model_dir, dtype=torch.float32
+        ).eval()
+        yield client, tokenizer, model
+
+
+def _hf_format(smollm2, schema, max_tokens: int) -> str:
+    """What transformers writes for ASK held to ``schema`` by xgrammar's own processor."""
+    _, tokenizer, model = smollm2
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=49152, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    # SmolLM2's template renders no tools.
+    ids = hf_constrained(
+        model, _hf_ids(tokenizer, ASK), max_tokens, grammar, tokenizer.eos_token_id
+    )
+    assert ids[-1] == tokenizer.eos_token_id, "the reference must complete its JSON"
+    return tokenizer.decode(ids[:-1])
+
+
+def _call(client, messages=ASK, **kwargs):
+    kwargs = {"max_tokens": 80, "temperature": 0, **kwargs}
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=messages, tools=TOOLS, **kwargs
+    )
+
+
+def _streamed(client, messages=ASK, **kwargs):
+    """A streamed chat's content, its tool calls assembled from their deltas, and its last
+    finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in _call(client, messages, stream=True, **kwargs):
+        [choice] = chunk.choices
+        delta = choice.delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = part.id or call["id"]
+            call["name"] += part.function.name or ""
+            call["arguments"] += part.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def _hf_messages(messages):
+    """OpenAI's messages as transformers' templates take them: arguments as maps."""
+    messages = json.loads(json.dumps(messages))
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return messages
+
+
+def test_the_template_renders_tools_calls_and_answers_as_transformers_does(
+    tools_model_dir, hf_tokenizer
+):
+    ours = Tokenizer.from_model_dir(tools_model_dir)
+    for role in ("system", "developer"):
+        messages = [{"role": role, "content": "Be brief."}, *FOLLOW_UP]
+        want = hf_tokenizer.apply_chat_template(
+            _hf_messages([{**messages[0], "role": "system"}, *FOLLOW_UP]),
+            tools=TOOLS,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        assert ours.apply_chat_template(messages, tools=TOOLS) == want
+    assert '"arguments": {"city": "Oslo", "days": 3}}' in want
+
+
+def test_the_server_renders_tools_calls_and_answers_as_transformers_does(client, hf_tokenizer):
+    """prompt_tokens counts what the engine rendered: the same chat rendered by
+    transformers (its calls' arguments as maps) is as many tokens."""
+    for messages, tools in ((ASK, TOOLS), (FOLLOW_UP, TOOLS), (ASK, None)):
+        want = _hf_ids(hf_tokenizer, _hf_messages(messages), tools)
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=1,
+            tool_choice="none",
+            **({"tools": tools} if tools else {}),
+        )
+        assert reply.usage.prompt_tokens == len(want)
+    # The rendering differs with and without tools: the count above is a check.
+    assert len(_hf_ids(hf_tokenizer, ASK, TOOLS)) > len(_hf_ids(hf_tokenizer, ASK)) + 50
+
+
+@pytest.mark.slow
+def test_a_named_function_returns_its_arguments_as_transformers_writes_them(smollm2):
+    client = smollm2[0]
+    want = _hf_format(smollm2, WEATHER, 80)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    [reply] = _call(client, tool_choice=choice).choices
+    [call] = reply.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == want
+    assert call.type == "function" and call.id.startswith("call_")
+    assert reply.message.content is None and reply.finish_reason == "stop"
+    assert set(json.loads(want)) == {"city", "days"}
+    content, [streamed], finish = _streamed(client, tool_choice=choice)
+    assert content == "" and finish == "stop"
+    assert streamed["name"] == "get_weather" and streamed["arguments"] == want
+
+
+@pytest.mark.slow
+def test_required_returns_the_calls_the_model_writes_in_its_array(smollm2):
+    """One call (parallel_tool_calls false): an array of one {name, parameters} object of
+    either tool, written here without the gateway's code."""
+    schema = {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "parameters": parameters,
+                    },
+                    "required": ["name", "parameters"],
+                }
+                for name, parameters in (("get_weather", WEATHER), ("get_time", {"type": "object"}))
+            ]
+        },
+    }
+    client = smollm2[0]
+    [want] = json.loads(_hf_format(smollm2, schema, 120))
+    kwargs = {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120}
+    [reply] = _call(client, **kwargs).choices
+    [call] = reply.message.tool_calls
+    assert call.function.name == want["name"]
+    assert json.loads(call.function.arguments) == want["parameters"]
+    assert reply.finish_reason == "tool_calls" and reply.message.content is None
+    content, [streamed], finish = _streamed(client, **kwargs)
+    assert (content, finish) == ("", "tool_calls")
+    assert (streamed["name"], streamed["arguments"]) == (
+        call.function.name,
+        call.function.arguments,
+    )
+
+
+HERMES_OUTPUT = (
+    "Checking both.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_hermes_calls_out_of_the_text(client, stream):
+    """The model is held to a text with two calls (a choice of one string), so the parser
+    meets them split across tokens wherever the tokenizer splits them."""
+    kwargs = {"extra_body": {"guided_choice": [HERMES_OUTPUT]}, "max_tokens": 120}
+    want_calls = [
+        {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'},
+        {"name": "get_time", "arguments": "{}"},
+    ]
+    if stream:
+        content, calls, finish = _streamed(client, **kwargs)
+        ids = [call.pop("id") for call in calls]
+    else:
+        [reply] = _call(client, **kwargs).choices
+        content, finish = reply.message.content, reply.finish_reason
+        calls = [
+            {"name": c.function.name, "arguments": c.function.arguments}
+            for c in reply.message.tool_calls
+        ]
+        ids = [c.id for c in reply.message.tool_calls]
+    assert (content, calls, finish) == ("Checking both.\n", want_calls, "tool_calls")
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+
+
+def test_auto_without_a_call_is_content_and_tool_choice_none_lists_no_calls(client):
+    plain = {"extra_body": {"guided_choice": ["It is <b>snowing</b>."]}}
+    for kwargs in (plain, {**plain, "tool_choice": "none"}):
+        [reply] = _call(client, **kwargs).choices
+        assert reply.message.content == "It is <b>snowing</b>."
+        assert reply.message.tool_calls == [] and reply.finish_reason == "stop"
+    assert _streamed(client, **plain) == ("It is <b>snowing</b>.", [], "stop")
+
+
+@pytest.mark.parametrize(
+    "body, param, fragment",
+    [
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "names 'nope', which is not among the tools",
+        ),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools", "function 'get_weather' is given twice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools.0.function.name",
+            "String should match pattern",
+        ),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            None,
+            "not response_format and tool_choice",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+            "messages.0.tool_calls.0.function.arguments",
+            "Field required",
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_problem(server, body, param, fragment):
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 2, **body}
+    reply = httpx.post(server.info["http_address"] + "/v1/chat/completions", json=body, timeout=30)
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and fragment in error["message"], error
+    assert error["param"] == param
+
+
+def test_auto_needs_a_parser_and_the_other_choices_do_not(server):
+    """A gateway started without --tool-call-parser refuses "auto" (OpenAI's default with
+    tools), as vLLM does, and serves the rest."""
+    with GatewayProcess([server.client_address]) as gateway:
+        plain = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="unused")
+        with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as refused:
+            _call(plain)
+        assert refused.value.body["param"] == "tool_choice"
+        choice = {"type": "function", "function": {"name": "get_time"}}
+        [reply] = _call(plain, tool_choice=choice, max_tokens=5).choices
+        [call] = reply.message.tool_calls
+        assert call.function.name == "get_time" and call.function.arguments.startswith("{")
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_a_hermes_text_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    text = (
+        "a <b> <tool_call>\n"
+        '{"name": "f", "arguments": {"x": "</tool_call"}}\n</tool_call>\n'
+        "<tool_call>not json</tool_call>\n <tool_call>\n"
+        '{"name": "g", "arguments": {"y": [1, 2]}}\n</tool_call>\n\n'
+        '<tool_call>\n{"name": "h"'  # cut short
+    )
+    reader = HermesReader()
+    content, deltas = [], []
+    for i in range(0, len(text), step):
+        piece, found = reader.feed(text[i : i + step])
+        content.append(piece)
+        deltas += found
+    rest, found = reader.finish()
+    # Whitespace between calls is not content; a block that is no call, or is cut short, is.
+    assert "".join(content) + rest == (
+        'a <b> <tool_call>not json</tool_call><tool_call>\n{"name": "h"'
+    )
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+        (0, "f", '{"x": "</tool_call"}'),
+        (1, "g", '{"y": [1, 2]}'),
+    ]
+    if step == 1:  # content streams as it comes, less what may begin a tag
+        assert content[:6] == ["a", " ", "", "<b", ">", " "]
+
+
+def test_a_call_array_cut_short_ends_as_content_and_braces_in_strings_are_text():
+    reader = CallArrayReader()
+    text = '[{"name": "f", "parameters": {"s": "}]\\"{"}}, {"name": "g", "para'
+    content, deltas = reader.feed(text)
+    rest, _ = reader.finish()
+    assert content + rest == '{"name": "g", "para'
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+        ("f", '{"s": "}]\\"{"}')
+    ]
+
+
+def test_a_named_call_streams_its_arguments_and_announces_itself_once():
+    reader = NamedCallReader("f")
+    _, first = reader.feed('{"a"')
+    _, second = reader.feed(": 1}")
+    assert first == [
+        {
+            "index": 0,
+            "id": reader.calls[0].id,
+            "type": "function",
+            "function": {"name": "f", "arguments": '{"a"'},
+        }
+    ]
+    assert second == [{"index": 0, "function": {"arguments": ": 1}"}}]
+    assert reader.calls[0].arguments == '{"a": 1}' and reader.finish() == ("", [])
