@@ -46,12 +46,14 @@ from weir.shared.protocol.client import (
     AbortRequest,
     ClientMessage,
     ClientProtocolError,
+    DetokenizeRequest,
     ErrorReply,
     GenerateRequest,
     HealthRequest,
     ModelInfoRequest,
     Prompt,
     StreamOutput,
+    TokenizeRequest,
     decode_server_message,
     encode_client_message,
     request_id_problem,
@@ -264,6 +266,29 @@ class AsyncWeirClient:
         reply = await self._request(ModelInfoRequest(uuid.uuid4().hex))
         return reply.info
 
+    async def tokenize(
+        self,
+        prompt: str | list[dict[str, Any]],
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The token ids of a text or a chat (rendered by the model's template, with
+        ``tools``). ``add_special_tokens`` (the model's BOS...): by default as a generate
+        request's prompt has them, a text's yes, a chat's no (its template writes them)."""
+        if add_special_tokens is None:
+            add_special_tokens = isinstance(prompt, str)
+        request = TokenizeRequest(
+            uuid.uuid4().hex, prompt, add_special_tokens, add_generation_prompt, _tools_text(tools)
+        )
+        return list((await self._request(request)).info["token_ids"])
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens included."""
+        reply = await self._request(DetokenizeRequest(uuid.uuid4().hex, list(token_ids)))
+        return str(reply.info["text"])
+
     async def close(self) -> None:
         """Abort every open stream and close the socket."""
         if self._closed:
@@ -298,10 +323,7 @@ class AsyncWeirClient:
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
-        try:
-            tools_text = None if tools is None else json.dumps(list(tools), allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"tools must be JSON: {exc}", INVALID_REQUEST) from None
+        tools_text = _tools_text(tools)
         # The server cannot address its refusal of an unusable id to this stream.
         if (problem := request_id_problem(request_id)) is not None:
             raise InvalidRequestError(problem, INVALID_REQUEST)
@@ -391,7 +413,9 @@ class AsyncWeirClient:
         return "" if seen else self._no_reply_hint
 
     async def _request(
-        self, msg: HealthRequest | ModelInfoRequest, timeout: float | None = None
+        self,
+        msg: HealthRequest | ModelInfoRequest | TokenizeRequest | DetokenizeRequest,
+        timeout: float | None = None,
     ) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._replies[msg.request_id] = future
@@ -648,6 +672,28 @@ class WeirClient:
         self._check_open()
         return self._loop.run(self._client.model_info())
 
+    def tokenize(
+        self,
+        prompt: str | list[dict[str, Any]],
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        self._check_open()
+        return self._loop.run(
+            self._client.tokenize(
+                prompt,
+                add_special_tokens=add_special_tokens,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+            )
+        )
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        self._check_open()
+        return self._loop.run(self._client.detokenize(token_ids))
+
     def close(self) -> None:
         self._finalizer()
 
@@ -663,3 +709,11 @@ def _close_client(loop: EventLoopThread, client: AsyncWeirClient) -> None:
         return  # collected on its own loop (in a cycle): it cannot wait for itself there
     loop.run(client.close())
     loop.stop()
+
+
+def _tools_text(tools: Sequence[dict[str, Any]] | None) -> str | None:
+    """A chat's tools as the protocol carries them (JSON text)."""
+    try:
+        return None if tools is None else json.dumps(list(tools), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"tools must be JSON: {exc}", INVALID_REQUEST) from None

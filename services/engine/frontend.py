@@ -25,7 +25,7 @@ import errno
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -221,13 +221,15 @@ class ClientFrontend:
                     client_protocol.HealthReply(msg.request_id, self._health(msg.stream_ids))
                 ),
             )
-        else:
+        elif isinstance(msg, client_protocol.ModelInfoRequest):
             self._send(
                 identity,
                 client_protocol.encode_server_message(
                     client_protocol.ModelInfoReply(msg.request_id, self._model_info())
                 ),
             )
+        else:
+            self._answer_tokens(identity, msg)
 
     def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:
         rid = msg.request_id
@@ -356,15 +358,8 @@ class ClientFrontend:
                 f"priority {msg.priority}: this server schedules {policy}, so requests have "
                 "no priority (start it with --policy priority), or send priority 0"
             )
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", (t for t, _ in params.logit_bias)),
-        ):
-            bad = next((t for t in ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(
-                    f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-                )
+        self._check_vocabulary("stop_token_ids", params.stop_token_ids)
+        self._check_vocabulary("logit_bias", (t for t, _ in params.logit_bias))
         stop_chars = sum(map(len, params.stop))
         if stop_chars > self.max_prompt_chars:
             raise ValueError(
@@ -372,18 +367,28 @@ class ClientFrontend:
                 f"limit of {self.max_prompt_chars} (no output of max_model_len="
                 f"{self.max_model_len} tokens is that long)"
             )
-        prompt = msg.prompt
+        if not isinstance(msg.prompt, str) and not isinstance(msg.prompt[0], dict):
+            return len(msg.prompt)  # token ids: their count is checked against max_model_len
+        return self._check_prompt_chars(msg.prompt, msg.tools)
+
+    def _check_vocabulary(self, name: str, ids: Iterable[int]) -> None:
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def _check_prompt_chars(self, prompt: client_protocol.Prompt, tools: str | None) -> int:
+        """A text's or chat's size in characters; ValueError if no such prompt can fit."""
         if isinstance(prompt, str):
             num_chars = len(prompt)
-        elif isinstance(prompt[0], dict):
+        else:
             if len(prompt) > self.max_model_len:
                 raise ValueError(
                     f"a chat of {len(prompt)} messages cannot fit max_model_len="
                     f"{self.max_model_len} tokens (each message takes at least one)"
                 )
-            num_chars = sum(map(_message_chars, prompt)) + len(msg.tools or "")
-        else:
-            return len(prompt)  # token ids: their count is checked against max_model_len
+            num_chars = sum(map(_message_chars, prompt)) + len(tools or "")  # type: ignore[arg-type]
         if num_chars > self.max_prompt_chars:
             raise ValueError(
                 f"prompt is too long: {num_chars} characters, more than this server's limit "
@@ -432,17 +437,9 @@ class ClientFrontend:
     def _tokenize(self, prompt: client_protocol.Prompt, tools: str | None = None) -> list[int]:
         """Token ids of a prompt (a chat's with its ``tools``, JSON text); ValueError names
         what is wrong with it."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt[0], dict):
-            tool_list = _tool_list(tools)
-            try:
-                text = self.tokenizer.apply_chat_template(prompt, tools=tool_list)
-            except (
-                Exception
-            ) as exc:  # no template, or a jinja2 error raised by the model's template
-                raise ValueError(f"chat template failed: {exc}") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(prompt, str) or isinstance(prompt[0], dict):
+            # A text gets the model's special tokens (BOS); a chat's template writes them.
+            ids = self._prompt_ids(prompt, tools, add_special_tokens=isinstance(prompt, str))
         else:
             ids = prompt
             if len(ids) >= self.max_model_len:  # before the scan over every id
@@ -463,6 +460,79 @@ class ClientFrontend:
                 f"prompt is too long: {len(ids)} tokens, but max_model_len is {self.max_model_len}"
             )
         return ids
+
+    def _prompt_ids(
+        self,
+        prompt: client_protocol.Prompt,
+        tools: str | None,
+        add_special_tokens: bool,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """A text's token ids, or a chat's as its template renders it."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        tool_list = _tool_list(tools)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                prompt,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                tools=tool_list,
+            )
+        except Exception as exc:  # no template, or a jinja2 error raised by the model's template
+            raise ValueError(f"chat template failed: {exc}") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _answer_tokens(
+        self,
+        identity: bytes,
+        msg: client_protocol.TokenizeRequest | client_protocol.DetokenizeRequest,
+    ) -> None:
+        """A tokenize or detokenize request: checked here, answered from the tokenizer
+        threads (a long prompt must not hold the loop every stream's step waits on)."""
+        try:
+            if isinstance(msg, client_protocol.TokenizeRequest):
+                self._check_prompt_chars(msg.prompt, msg.tools)
+            else:
+                self._check_vocabulary("token_ids", msg.token_ids)
+        except ValueError as exc:
+            self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
+            return
+        task = asyncio.get_running_loop().create_task(self._send_tokens(identity, msg))
+        self._tokenize_tasks.add(task)
+        task.add_done_callback(self._tokenize_tasks.discard)
+
+    async def _send_tokens(
+        self,
+        identity: bytes,
+        msg: client_protocol.TokenizeRequest | client_protocol.DetokenizeRequest,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            info = await loop.run_in_executor(self._tokenizer_pool, self._tokens_info, msg)
+        except ValueError as exc:
+            self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
+            return
+        except Exception as exc:
+            _log.exception("request %s: %s failed", msg.request_id, type(msg).__name__)
+            self.send_error(
+                identity,
+                msg.request_id,
+                client_protocol.ENGINE_ERROR,
+                f"internal error: {type(exc).__name__}: {exc}",
+            )
+            return
+        reply = client_protocol.TokensReply(msg.request_id, info)
+        self._send(identity, client_protocol.encode_server_message(reply))
+
+    def _tokens_info(
+        self, msg: client_protocol.TokenizeRequest | client_protocol.DetokenizeRequest
+    ) -> dict[str, Any]:
+        if isinstance(msg, client_protocol.DetokenizeRequest):
+            return {"text": self.tokenizer.decode(msg.token_ids, skip_special_tokens=False)}
+        ids = self._prompt_ids(
+            msg.prompt, msg.tools, msg.add_special_tokens, msg.add_generation_prompt
+        )
+        return {"token_ids": ids, "max_model_len": self.max_model_len}
 
     def _abort(self, request_id: str, identity: bytes) -> None:
         tokenizing = self._tokenizing.get(request_id)

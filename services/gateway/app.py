@@ -33,7 +33,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import NoReplicaError, Router
-from weir.services.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from weir.services.gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    TokenizeBody,
+    chat_prompt,
+    tool_prompt,
+)
 from weir.services.gateway.tool_calls import ToolCallChunks, ToolChoice
 from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
@@ -45,10 +52,14 @@ _ROUTES = (
     "/v1/models",
     "/v1/completions",
     "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
     "/health",
     "/metrics",
     "/version",
 )
+# Routes outside /v1 that still make the engine work: they need the API key too.
+_ENGINE_ROUTES = frozenset({"/tokenize", "/detokenize"})
 
 
 class APIError(Exception):
@@ -428,6 +439,29 @@ class Gateway:
             }
         )
 
+    async def tokenize(self, body: TokenizeBody) -> Response:
+        info = await self.check_model(body.model)
+        client = self.router.choose([]).client
+        ids = await client.tokenize(
+            chat_prompt(body.messages) if body.messages is not None else body.prompt or "",
+            add_special_tokens=body.add_special_tokens,
+            add_generation_prompt=body.add_generation_prompt,
+            tools=tool_prompt(body.tools),
+        )
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": info["max_model_len"],
+                "tokens": ids,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(self, body: DetokenizeBody) -> Response:
+        await self.check_model(body.model)
+        text = await self.router.choose([]).client.detokenize(body.tokens)
+        return JSONResponse({"prompt": text})
+
     # ------------------------------------------------------------------ response bodies
 
     @staticmethod
@@ -601,7 +635,7 @@ def _authorized(headers: dict[bytes, bytes], api_key: bytes) -> bool:
 
 class _Admission:
     """ASGI middleware: what a request must pass before its body is read. Without the API
-    key (``/v1/`` routes) it is answered 401, and a body larger than ``max_bytes`` 413 (by
+    key (``/v1/`` routes, ``/tokenize``, ``/detokenize``) it is answered 401, and a body larger than ``max_bytes`` 413 (by
     its Content-Length, or while it streams in): a client holding neither cannot make the
     gateway parse, or hold, an arbitrary amount of JSON. A body cut short by the client
     leaving is dropped, not run. A browser's CORS preflight, which carries no key, never
@@ -618,7 +652,7 @@ class _Admission:
         headers = dict(scope["headers"])
         if (
             self.api_key is not None
-            and scope["path"].startswith("/v1/")
+            and (scope["path"].startswith("/v1/") or scope["path"] in _ENGINE_ROUTES)
             and not _authorized(headers, self.api_key)
         ):
             await _send_error(send, _UNAUTHORIZED)
@@ -758,6 +792,14 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await answer_connected(request, gateway.chat_completions(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> Response:
+        return await answer(gateway.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> Response:
+        return await answer(gateway.detokenize(body))
 
     # HEAD too, as load balancers probe (uvicorn sends HEAD's answer without its body).
     get = functools.partial(app.api_route, methods=["GET", "HEAD"])

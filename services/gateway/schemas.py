@@ -450,12 +450,38 @@ class NamedToolChoice(_Body):
 ToolChoiceField = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+Messages = Annotated[
+    list[ChatMessage], Field(min_length=1, fail_fast=True), BeforeValidator(_protocol_sized)
+]
+Tools = Annotated[list[Tool], Field(fail_fast=True), BeforeValidator(_protocol_sized)]
+
+
+def chat_prompt(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the engine's protocol carries them."""
+    prompt = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [call.to_prompt() for call in m.tool_calls]
+        prompt.append(message)
+    return prompt
+
+
+def tool_prompt(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template renders them (OpenAI's form, nulls left out)."""
+    if not tools:
+        return None
+    return [tool.model_dump(exclude_none=True, by_alias=True) for tool in tools]
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``: the model's chat template renders ``messages``."""
 
-    messages: Annotated[
-        list[ChatMessage], Field(min_length=1, fail_fast=True), BeforeValidator(_protocol_sized)
-    ]
+    messages: Messages
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
@@ -469,9 +495,7 @@ class ChatCompletionRequest(_SamplingFields):
             )
         return self
 
-    tools: Annotated[list[Tool], Field(fail_fast=True), BeforeValidator(_protocol_sized)] | None = (
-        None
-    )
+    tools: Tools | None = None
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
 
@@ -515,26 +539,43 @@ class ChatCompletionRequest(_SamplingFields):
         return asked
 
     def chat(self) -> list[dict[str, Any]]:
-        messages = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                message["name"] = m.name
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            if m.tool_calls:
-                message["tool_calls"] = [call.to_prompt() for call in m.tool_calls]
-            messages.append(message)
-        return messages
+        return chat_prompt(self.messages)
 
     def tool_list(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template renders them (OpenAI's form, nulls left out)."""
-        if not self.tools:
-            return None
-        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools]
+        return tool_prompt(self.tools)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeBody(_Body):
+    """vLLM's ``POST /tokenize``: a text ``prompt`` or chat ``messages`` (with ``tools``),
+    tokenized as a completion's or chat's prompt is (``add_special_tokens``: by default a
+    text's yes, a chat's no, since its template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Messages | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    tools: Tools | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise _field_errors(
+                type(self).__name__, [("prompt", None, "send a prompt or messages, not both")]
+            )
+        if self.tools and self.messages is None:
+            raise _field_errors(type(self).__name__, [("tools", None, "only with messages")])
+        return self
+
+
+class DetokenizeBody(_Body):
+    """vLLM's ``POST /detokenize``: the text of token ids (special tokens included)."""
+
+    model: str | None = None
+    tokens: Annotated[TokenIds, BeforeValidator(_protocol_sized)]

@@ -12,6 +12,9 @@ Client -> scheduler::
     abort      {request_id}
     health     {request_id, stream_ids?}   stream_ids: the client's quiet streams, to check
     model_info {request_id}
+    tokenize   {request_id, prompt, add_special_tokens?, add_generation_prompt?, tools?}
+               prompt: str | list[{role, content, ...}] (as generate's)
+    detokenize {request_id, token_ids}
 
 Scheduler -> client::
 
@@ -20,6 +23,7 @@ Scheduler -> client::
     error      {request_id | None, message, code}
     health     {request_id, info}
     model_info {request_id, info}
+    tokens     {request_id, info}   info: {token_ids, max_model_len} | {text}
 
 ``outputs`` batches every output one step produced for one client; ``text`` is
 the delta since the previous output of that request and ``prompt_token_ids`` is
@@ -112,7 +116,34 @@ class ModelInfoRequest:
     request_id: str
 
 
-ClientMessage = GenerateRequest | AbortRequest | HealthRequest | ModelInfoRequest
+@dataclass(slots=True)
+class TokenizeRequest:
+    """A prompt's token ids as a generate request's would be (a chat's rendered by the
+    template), without generating."""
+
+    request_id: str
+    prompt: Prompt  # text or chat messages
+    # The model's special tokens (BOS): a generate request's text gets them, its chat not
+    # (the template writes them).
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True  # a chat's
+    tools: str | None = None  # a chat's, as GenerateRequest's
+
+
+@dataclass(slots=True)
+class DetokenizeRequest:
+    request_id: str
+    token_ids: list[int]
+
+
+ClientMessage = (
+    GenerateRequest
+    | AbortRequest
+    | HealthRequest
+    | ModelInfoRequest
+    | TokenizeRequest
+    | DetokenizeRequest
+)
 
 
 @dataclass(slots=True)
@@ -160,7 +191,16 @@ class ModelInfoReply:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-ServerMessage = list[StreamOutput] | ErrorReply | HealthReply | ModelInfoReply
+@dataclass(slots=True)
+class TokensReply:
+    """A tokenize request's ``{token_ids, max_model_len}``, a detokenize request's
+    ``{text}``."""
+
+    request_id: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+ServerMessage = list[StreamOutput] | ErrorReply | HealthReply | ModelInfoReply | TokensReply
 
 
 def _pack(type_: str, body: dict[str, Any]) -> bytes:
@@ -201,6 +241,17 @@ def encode_client_message(msg: ClientMessage) -> bytes:
         if msg.tools is not None:
             fields["tools"] = msg.tools
         return _pack("generate", fields)
+    if isinstance(msg, TokenizeRequest):
+        fields = {"request_id": msg.request_id, "prompt": msg.prompt}
+        if not msg.add_special_tokens:
+            fields["add_special_tokens"] = False
+        if not msg.add_generation_prompt:
+            fields["add_generation_prompt"] = False
+        if msg.tools is not None:
+            fields["tools"] = msg.tools
+        return _pack("tokenize", fields)
+    if isinstance(msg, DetokenizeRequest):
+        return _pack("detokenize", {"request_id": msg.request_id, "token_ids": msg.token_ids})
     if isinstance(msg, HealthRequest) and msg.stream_ids:
         return _pack("health", {"request_id": msg.request_id, "stream_ids": msg.stream_ids})
     type_ = {AbortRequest: "abort", HealthRequest: "health", ModelInfoRequest: "model_info"}[
@@ -214,6 +265,14 @@ _CLIENT_FIELDS = {
     "abort": {"request_id"},
     "health": {"request_id", "stream_ids"},
     "model_info": {"request_id"},
+    "tokenize": {
+        "request_id",
+        "prompt",
+        "add_special_tokens",
+        "add_generation_prompt",
+        "tools",
+    },
+    "detokenize": {"request_id", "token_ids"},
 }
 
 
@@ -264,6 +323,32 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         return HealthRequest(raw_id, stream_ids)
     if type_ == "model_info":
         return ModelInfoRequest(raw_id)
+    if type_ == "detokenize":
+        token_ids = data.get("token_ids")
+        if not isinstance(token_ids, list) or any(type(t) is not int or t < 0 for t in token_ids):
+            raise ClientProtocolError(
+                INVALID_REQUEST, "detokenize: token_ids must be a list of token ids", raw_id
+            )
+        return DetokenizeRequest(raw_id, token_ids)
+    if type_ == "tokenize":
+        try:
+            prompt = validate_prompt(data.get("prompt"))
+        except ValueError as exc:
+            raise ClientProtocolError(INVALID_REQUEST, str(exc), raw_id) from None
+        if not isinstance(prompt, str) and not isinstance(prompt[0], dict):
+            raise ClientProtocolError(
+                INVALID_REQUEST, "tokenize: the prompt must be text or chat messages", raw_id
+            )
+        special, generation = (
+            data.get(name, True) for name in ("add_special_tokens", "add_generation_prompt")
+        )
+        if type(special) is not bool or type(generation) is not bool:
+            raise ClientProtocolError(
+                INVALID_REQUEST,
+                "tokenize: add_special_tokens and add_generation_prompt must be bools",
+                raw_id,
+            )
+        return TokenizeRequest(raw_id, prompt, special, generation, _tools(data, prompt, raw_id))
     try:
         prompt = validate_prompt(data.get("prompt"))
         sampling_params = SamplingParams.from_dict(data.get("sampling_params", {}))
@@ -274,14 +359,18 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         raise ClientProtocolError(
             INVALID_REQUEST, f"priority must be a 32-bit int, got {_short(priority)}", raw_id
         )
+    return GenerateRequest(raw_id, prompt, sampling_params, priority, _tools(data, prompt, raw_id))
+
+
+def _tools(data: dict[str, Any], prompt: Prompt, request_id: str) -> str | None:
     tools = data.get("tools")
     if tools is not None and (type(tools) is not str or not isinstance(prompt[0], dict)):
         raise ClientProtocolError(
             INVALID_REQUEST,
             "tools must be JSON text, and come with a chat (a list of messages)",
-            raw_id,
+            request_id,
         )
-    return GenerateRequest(raw_id, prompt, sampling_params, priority, tools)
+    return tools
 
 
 def _short(value: Any, limit: int = 100) -> str:
@@ -387,13 +476,15 @@ def encode_outputs(outputs: list[StreamOutput]) -> bytes:
     return _pack("outputs", {"items": items})
 
 
-def encode_server_message(msg: ErrorReply | HealthReply | ModelInfoReply) -> bytes:
+_REPLY_TYPES = {HealthReply: "health", ModelInfoReply: "model_info", TokensReply: "tokens"}
+
+
+def encode_server_message(msg: ErrorReply | HealthReply | ModelInfoReply | TokensReply) -> bytes:
     if isinstance(msg, ErrorReply):
         return _pack(
             "error", {"request_id": msg.request_id, "message": msg.message, "code": msg.code}
         )
-    type_ = "health" if isinstance(msg, HealthReply) else "model_info"
-    return _pack(type_, {"request_id": msg.request_id, "info": msg.info})
+    return _pack(_REPLY_TYPES[type(msg)], {"request_id": msg.request_id, "info": msg.info})
 
 
 def decode_server_message(frame: bytes) -> ServerMessage:
@@ -409,6 +500,8 @@ def decode_server_message(frame: bytes) -> ServerMessage:
             return HealthReply(data["request_id"], data["info"])
         if type_ == "model_info":
             return ModelInfoReply(data["request_id"], data["info"])
+        if type_ == "tokens":
+            return TokensReply(data["request_id"], data["info"])
     except (KeyError, TypeError) as exc:
         raise ClientProtocolError(MALFORMED_MESSAGE, f"bad server message: {exc!r}") from None
     raise ClientProtocolError(UNKNOWN_MESSAGE_TYPE, f"unknown server message type {type_!r}")

@@ -30,6 +30,9 @@ def test_round_trip_of_every_client_message():
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
     for msg in (
+        client_protocol.TokenizeRequest("t", "hi"),
+        client_protocol.TokenizeRequest("t", chat, False, False, "[]"),
+        client_protocol.DetokenizeRequest("d", [1, 2]),
         client_protocol.AbortRequest("a"),
         client_protocol.HealthRequest("h"),
         client_protocol.HealthRequest("h", ["s1", "s2"]),
@@ -59,6 +62,7 @@ def test_round_trip_of_server_messages():
         client_protocol.ErrorReply(None, "bad", client_protocol.MALFORMED_MESSAGE),
         client_protocol.HealthReply("h", {"status": "ok"}),
         client_protocol.ModelInfoReply("m", {"model_name": "x"}),
+        client_protocol.TokensReply("t", {"token_ids": [1], "max_model_len": 8}),
     ):
         assert (
             client_protocol.decode_server_message(client_protocol.encode_server_message(msg)) == msg
@@ -167,6 +171,31 @@ def test_round_trip_of_server_messages():
             ),
             client_protocol.MALFORMED_MESSAGE,
             "max_array_len",
+        ),
+        (
+            frame(type="tokenize", request_id="x", prompt=[1, 2]),
+            client_protocol.INVALID_REQUEST,
+            "text or chat messages",
+        ),
+        (
+            frame(type="tokenize", request_id="x", prompt="a", add_special_tokens=1),
+            client_protocol.INVALID_REQUEST,
+            "must be bools",
+        ),
+        (
+            frame(type="tokenize", request_id="x", prompt="a", tools="[]"),
+            client_protocol.INVALID_REQUEST,
+            "come with a chat",
+        ),
+        (
+            frame(type="detokenize", request_id="x", token_ids=[1, -2]),
+            client_protocol.INVALID_REQUEST,
+            "token_ids must be a list of token ids",
+        ),
+        (
+            frame(type="detokenize", request_id="x"),
+            client_protocol.INVALID_REQUEST,
+            "token_ids must be a list of token ids",
         ),
         (
             frame(type="generate", request_id="x", prompt="hi", tools="[]"),

@@ -793,6 +793,56 @@ def test_a_body_wrong_in_every_item_is_one_problem(server, path, body, param):
     assert ";" not in error["message"] and len(error["message"]) < 200, error["message"][:300]
 
 
+def test_tokenize_and_detokenize_answer_as_transformers_tokenizes(server, tiny_model_dir):
+    """vLLM's /tokenize and /detokenize (and the SDK's): a text as a completion's prompt, a
+    chat as its template renders it, both checked against transformers' tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = server.info["http_address"]
+    text = "Hello, world! café 中文"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    cases = [
+        ({"prompt": text}, tokenizer(text).input_ids),
+        (
+            {"prompt": text, "add_special_tokens": False},
+            tokenizer(text, add_special_tokens=False).input_ids,
+        ),
+        (
+            {"messages": chat},
+            tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False),
+        ),
+        (
+            {"messages": chat, "add_generation_prompt": False},
+            tokenizer.apply_chat_template(chat, add_generation_prompt=False, return_dict=False),
+        ),
+    ]
+    for body, want in cases:
+        reply = httpx.post(base + "/tokenize", json={"model": MODEL, **body}, timeout=30).json()
+        assert reply == {
+            "count": len(want),
+            "max_model_len": MAX_MODEL_LEN,
+            "tokens": want,
+            "token_strs": None,
+        }
+    ids = cases[2][1]
+    reply = httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30)
+    assert reply.json() == {"prompt": tokenizer.decode(ids)}
+    with WeirClient(server.client_address) as sdk:
+        assert sdk.tokenize(text) == cases[0][1] and sdk.tokenize(chat) == cases[2][1]
+        assert sdk.detokenize(ids) == tokenizer.decode(ids)
+    for path, body, status, fragment in (
+        ("/tokenize", {"prompt": "a", "messages": chat}, 400, "a prompt or messages, not both"),
+        ("/tokenize", {"prompt": "x" * 10**6}, 400, "prompt is too long"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "model": "no"}, 404, "no"),
+        ("/detokenize", {"tokens": [1, 49152]}, 400, "token id 49152 is outside the vocabulary"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    ):
+        reply = httpx.post(base + path, json=body, timeout=30)
+        assert reply.status_code == status and fragment in reply.json()["error"]["message"]
+    assert httpx.post(base + "/tokenize", json={"prompt": "ok"}, timeout=30).json()["count"] > 0
+
+
 def test_browsers_of_allowed_origins_may_call_the_api(server):
     url = server.info["http_address"] + "/v1/chat/completions"
     preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
@@ -1004,6 +1054,11 @@ def test_api_key_is_required_when_set(server):
         # parse nothing (an invalid body is a 401, not a 400).
         reply = httpx.post(base + "/v1/completions", content=b"{not json")
         assert reply.status_code == 401, reply.text
+        # Tokenizing is engine work too.
+        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(base + path, json=body).status_code == 401
+            keyed = httpx.post(base + path, json=body, headers={"Authorization": "Bearer s3cret"})
+            assert keyed.status_code == 200
 
 
 def test_a_browser_preflight_needs_no_api_key(server):

@@ -226,7 +226,9 @@ def test_the_template_renders_tools_calls_and_answers_as_transformers_does(
     assert '"arguments": {"city": "Oslo", "days": 3}}' in want
 
 
-def test_the_server_renders_tools_calls_and_answers_as_transformers_does(client, hf_tokenizer):
+def test_the_server_renders_tools_calls_and_answers_as_transformers_does(
+    server, client, hf_tokenizer
+):
     """prompt_tokens counts what the engine rendered: the same chat rendered by
     transformers (its calls' arguments as maps) is as many tokens."""
     for messages, tools in ((ASK, TOOLS), (FOLLOW_UP, TOOLS), (ASK, None)):
@@ -239,6 +241,9 @@ def test_the_server_renders_tools_calls_and_answers_as_transformers_does(client,
             **({"tools": tools} if tools else {}),
         )
         assert reply.usage.prompt_tokens == len(want)
+        body = {"messages": messages, **({"tools": tools} if tools else {})}
+        tokenized = httpx.post(server.info["http_address"] + "/tokenize", json=body, timeout=30)
+        assert tokenized.json()["tokens"] == want
     # The rendering differs with and without tools: the count above is a check.
     assert len(_hf_ids(hf_tokenizer, ASK, TOOLS)) > len(_hf_ids(hf_tokenizer, ASK)) + 50
 
