@@ -713,7 +713,11 @@ def _close_client(loop: EventLoopThread, client: AsyncWeirClient) -> None:
 
 def _tools_text(tools: Sequence[dict[str, Any]] | None) -> str | None:
     """A chat's tools as the protocol carries them (JSON text)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list | tuple) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidRequestError("tools must be a list of maps (OpenAI's tools)", INVALID_REQUEST)
     try:
-        return None if tools is None else json.dumps(list(tools), allow_nan=False)
+        return json.dumps(list(tools), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"tools must be JSON: {exc}", INVALID_REQUEST) from None

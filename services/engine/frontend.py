@@ -838,10 +838,10 @@ def _tool_list(tools: str | None) -> list[Any] | None:
         return None
     try:
         tool_list = json.loads(tools)
-    except ValueError as exc:
-        raise ValueError(f"tools: not JSON ({exc})") from None
-    if not isinstance(tool_list, list):
-        raise ValueError(f"tools must be a JSON list, got {type(tool_list).__name__}")
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"tools: not JSON, or nested too deeply ({exc})") from None
+    if not isinstance(tool_list, list) or not all(isinstance(t, dict) for t in tool_list):
+        raise ValueError("tools must be a JSON list of maps (OpenAI's tools)")
     return tool_list
 
 

@@ -107,6 +107,8 @@ CLIENT_CLOSED_REQUEST = 499
 
 # Every choice is a request of its own: one HTTP request may not ask for more.
 MAX_CHOICES = 128
+# How the engine names the structured output a tool choice asks for in its refusals.
+_TOOL_SCHEMA_FIELD = "structured_output.json"
 
 
 @dataclass(slots=True)
@@ -375,10 +377,29 @@ class Gateway:
         )
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        tool_choice = body.tool_choice_of_output()
+        try:
+            return await self._chat_completions(body, tool_choice)
+        except (APIError, InvalidRequestError) as exc:
+            # A tool's schema that cannot be held to is the tools' fault, not a
+            # structured_output the client never sent.
+            if tool_choice is None or tool_choice.kind == "auto":
+                raise
+            error = _api_error(exc)
+            if not error.message.startswith(_TOOL_SCHEMA_FIELD):
+                raise
+            message = (
+                "tool_choice: the schema of the tools' parameters"
+                + error.message[len(_TOOL_SCHEMA_FIELD) :]
+            )
+            raise APIError(400, message, error.type, error.code, "tool_choice") from None
+
+    async def _chat_completions(
+        self, body: ChatCompletionRequest, tool_choice: ToolChoice | None
+    ) -> Response:
         info = await self.check_model(body.model)
         max_tokens = body.requested_max_tokens()
         logprobs = body.requested_logprobs()
-        tool_choice = body.tool_choice_of_output()
         if tool_choice is not None and tool_choice.kind == "auto" and not self.tool_call_parser:
             raise APIError(
                 400,

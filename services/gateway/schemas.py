@@ -400,12 +400,16 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool message's: the call it answers
 
     @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
+    def _fields_of_its_role(self) -> ChatMessage:
+        problem = None
         if self.content is None and self.role != "assistant":
-            raise _field_errors(
-                type(self).__name__,
-                [("content", None, f"a {self.role} message needs a string or text parts")],
-            )
+            problem = ("content", f"a {self.role} message needs a string or text parts")
+        elif self.tool_calls is not None and self.role != "assistant":
+            problem = ("tool_calls", "only an assistant message makes tool calls")
+        elif self.tool_call_id is not None and self.role != "tool":
+            problem = ("tool_call_id", "only a tool message answers a tool call")
+        if problem is not None:
+            raise _field_errors(type(self).__name__, [(problem[0], None, problem[1])])
         return self
 
     def text(self) -> str:
@@ -447,7 +451,18 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-ToolChoiceField = Literal["none", "auto", "required"] | NamedToolChoice
+ToolChoiceField = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("mode")]
+    | Annotated[NamedToolChoice, Tag("named")],
+    # One branch's errors, by the value's JSON type (not every branch's, under their tags).
+    Discriminator(
+        lambda value: (
+            "mode" if isinstance(value, str) else "named" if isinstance(value, dict) else None
+        ),
+        custom_error_type="tool_choice",
+        custom_error_message='Input should be "none", "auto", "required" or a named function',
+    ),
+]
 
 
 Messages = Annotated[

@@ -48,9 +48,11 @@ class ToolCall:
 
 
 def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
-    """A function's arguments: its parameters' schema, or any object for a function
-    declared without one."""
-    return parameters if parameters is not None else {"type": "object"}
+    """A function's arguments: an object (OpenAI's rule), of its parameters' schema where
+    it gives one (a schema without a type, ``{}`` too, would take any JSON value)."""
+    if parameters is None or "type" in parameters:
+        return parameters or {"type": "object"}
+    return {"type": "object", **parameters}
 
 
 def required_schema(
@@ -215,9 +217,16 @@ class HermesReader:
         return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        rest = self.START + self._pending if self._inside else self._outside(self._pending)
-        self._pending = ""
-        return rest, []
+        """The rest: a last block whose end tag never came (the output ended on its end
+        token, or on the end tag as a stop string) is still a call if it holds one."""
+        pending, self._pending = self._pending, ""
+        if not self._inside:
+            return self._outside(pending), []
+        call = self._call(pending)
+        if call is None:
+            return self.START + pending, []
+        self.calls.append(call)
+        return "", [call.delta(len(self.calls) - 1)]
 
     def _outside(self, text: str) -> str:
         return "" if self.calls and not text.strip() else text

@@ -390,9 +390,10 @@ def _check_tool_calls(calls: Any, where: str) -> None:
         if (
             not isinstance(call, dict)
             or not call.keys() <= _TOOL_CALL_KEYS
-            or not all(type(call.get(key, "")) is str for key in ("id", "type"))
+            or type(call.get("id", "")) is not str
+            or call.get("type", "function") != "function"
         ):
-            raise ValueError(f"{where}[{j}] must be a map of id, type and function")
+            raise ValueError(f'{where}[{j}] must be a map of id, type ("function") and function')
         function = call.get("function")
         if (
             not isinstance(function, dict)

@@ -247,7 +247,7 @@ def test_round_trip_of_server_messages():
                 prompt=[{"role": "assistant", "content": "", "tool_calls": [{"id": 5}]}],
             ),
             client_protocol.INVALID_REQUEST,
-            "prompt[0].tool_calls[0] must be a map of id, type and function",
+            'prompt[0].tool_calls[0] must be a map of id, type ("function") and function',
         ),
         (
             frame(type="generate", request_id="x", prompt=[{"role": "hacker", "content": "a"}]),

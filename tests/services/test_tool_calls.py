@@ -13,14 +13,19 @@ import json
 import shutil
 
 import httpx
+import msgpack
 import openai
 import pytest
 import torch
+import zmq
 from serving_helpers import hf_constrained
 
 from weir.services.gateway.tool_calls import CallArrayReader, HermesReader, NamedCallReader
 from weir.services.launcher import GatewayProcess, ServerProcesses
+from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.config import EngineArgs
+from weir.shared.protocol import client as client_protocol
+from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -371,6 +376,47 @@ def test_auto_without_a_call_is_content_and_tool_choice_none_lists_no_calls(clie
             "messages.0.tool_calls.0.function.arguments",
             "Field required",
         ),
+        (
+            {"messages": [{**ASK[0], "tool_calls": []}]},
+            "messages.0.tool_calls",
+            "only an assistant message makes tool calls",
+        ),
+        (
+            {"messages": [{**ASK[0], "tool_call_id": "c"}]},
+            "messages.0.tool_call_id",
+            "only a tool message answers a tool call",
+        ),
+        ({"tools": TOOLS, "tool_choice": 5}, "tool_choice", '"required" or a named function'),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"}},
+            "tool_choice.name",
+            "unsupported field",
+        ),
+        # A tool's schema the engine cannot hold an output to is the tools' fault.
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}
+                ],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tool_choice",
+            "tool_choice: the schema of the tools' parameters: cannot compile it",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": f"f{i}", "parameters": {"description": "x" * 300}},
+                    }
+                    for i in range(250)
+                ],
+                "tool_choice": "required",
+            },
+            "tool_choice",
+            "the tools' parameters: 117694 characters, more than this server compiles",
+        ),
     ],
 )
 def test_bad_tool_requests_are_400_naming_the_problem(server, body, param, fragment):
@@ -379,6 +425,62 @@ def test_bad_tool_requests_are_400_naming_the_problem(server, body, param, fragm
     error = reply.json()["error"]
     assert reply.status_code == 400 and fragment in error["message"], error
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_last_call_whose_end_tag_never_came_is_a_call(client, stream):
+    """Clients stop on the end tag: the stop string is not in the text, the call is."""
+    kwargs = {
+        "extra_body": {"guided_choice": [HERMES_OUTPUT]},
+        "max_tokens": 120,
+        "stop": ["</tool_call>"],
+    }
+    if stream:
+        content, calls, finish = _streamed(client, **kwargs)
+    else:
+        [reply] = _call(client, **kwargs).choices
+        content, finish = reply.message.content, reply.finish_reason
+        calls = [
+            {"name": c.function.name, "arguments": c.function.arguments}
+            for c in reply.message.tool_calls
+        ]
+    names = [(call["name"], call["arguments"]) for call in calls]
+    assert (content, names) == (
+        "Checking both.\n",
+        [("get_weather", '{"city": "Oslo", "days": 3}')],
+    )
+    assert finish == "tool_calls"
+
+
+def test_a_function_without_a_schema_still_takes_an_object(client):
+    """OpenAI's rule: arguments are an object, whatever ``parameters`` leaves open."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    choice = {"type": "function", "function": {"name": "f"}}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=tools, tool_choice=choice, max_tokens=1, temperature=0
+    )
+    assert reply.choices[0].message.tool_calls[0].function.arguments.startswith("{")
+
+
+def test_tools_the_engine_cannot_read_are_refused_by_the_sdk_and_the_scheduler(server):
+    with WeirClient(server.client_address) as sdk:
+        with pytest.raises(InvalidRequestError, match="tools must be a list of maps"):
+            list(sdk.generate(ASK, tools={"a": 1}))
+        for tools in ("[" * 5000 + "]" * 5000, "[1, 2]", "{}"):
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(server.client_address)
+            request = client_protocol.GenerateRequest("raw", ASK, SamplingParams(max_tokens=1))
+            frame = msgpack.unpackb(client_protocol.encode_client_message(request))
+            sock.send(msgpack.packb({**frame, "tools": tools}))
+            assert sock.poll(30_000)
+            reply = client_protocol.decode_server_message(sock.recv())
+            sock.close()
+            ctx.term()
+            assert isinstance(reply, client_protocol.ErrorReply)
+            assert reply.code == client_protocol.INVALID_REQUEST and "tools" in reply.message
+        assert sdk.tokenize(ASK, tools=TOOLS)  # still serving
 
 
 def test_auto_needs_a_parser_and_the_other_choices_do_not(server):
@@ -421,6 +523,16 @@ def test_a_hermes_text_streamed_in_any_pieces_reads_as_it_does_whole(step):
     ]
     if step == 1:  # content streams as it comes, less what may begin a tag
         assert content[:6] == ["a", " ", "", "<b", ">", " "]
+
+
+def test_a_hermes_call_without_its_end_tag_is_read_at_the_end():
+    reader = HermesReader()
+    assert reader.feed('ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n') == ("ok ", [])
+    _, [delta] = reader.finish()
+    assert (delta["index"], delta["function"]) == (0, {"name": "f", "arguments": '{"a": 1}'})
+    cut = HermesReader()
+    cut.feed('<tool_call>{"name": "f", "argu')
+    assert cut.finish() == ('<tool_call>{"name": "f", "argu', []) and not cut.calls
 
 
 def test_a_call_array_cut_short_ends_as_content_and_braces_in_strings_are_text():
