@@ -465,8 +465,9 @@ def _add_tool_call_parser_flag(p: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default=None,
         help="the model's tool-call format, which the API reads calls out of under tool_choice "
-        "'auto' (hermes: <tool_call>{...}</tool_call>, Qwen2.5/Qwen3); without it 'auto' is "
-        "refused, and 'required' or a named function still work",
+        "'auto' (hermes: <tool_call>{...}</tool_call>, Qwen2.5/Qwen3; llama3_json: "
+        '{"name": ..., "parameters": ...}, Llama 3.1-3.3); without it \'auto\' is refused, '
+        "and 'required' or a named function still work",
     )
 
 

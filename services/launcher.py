@@ -464,9 +464,15 @@ class GatewayProcess(ServerProcesses):
         http_port: int = 0,
         api_key: str | None = None,
         timeout: float | None = None,
+        tool_call_parser: str | None = None,
         startup_timeout: float = 120.0,
     ) -> None:
-        super().__init__(http_port=http_port, api_key=api_key, startup_timeout=startup_timeout)
+        super().__init__(
+            http_port=http_port,
+            api_key=api_key,
+            tool_call_parser=tool_call_parser,
+            startup_timeout=startup_timeout,
+        )
         self.schedulers = schedulers
         self.timeout = timeout
 

@@ -826,7 +826,9 @@ class ClientFrontend:
 
 def _message_chars(message: dict[str, Any]) -> int:
     """A chat message's size in characters, its tool calls' and template's markers too."""
-    chars = _CHAT_MESSAGE_CHARS + sum(len(v) for v in message.values() if type(v) is str)
+    chars = _CHAT_MESSAGE_CHARS + sum(
+        len(value) for key, value in message.items() if key != "role" and type(value) is str
+    )
     for call in message.get("tool_calls", ()):
         chars += _CHAT_MESSAGE_CHARS + sum(map(len, call["function"].values()))
     return chars

@@ -377,7 +377,7 @@ class Gateway:
         )
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        tool_choice = body.tool_choice_of_output()
+        tool_choice = body.tool_choice_of_output(self.tool_call_parser)
         try:
             return await self._chat_completions(body, tool_choice)
         except (APIError, InvalidRequestError) as exc:
@@ -400,7 +400,7 @@ class Gateway:
         info = await self.check_model(body.model)
         max_tokens = body.requested_max_tokens()
         logprobs = body.requested_logprobs()
-        if tool_choice is not None and tool_choice.kind == "auto" and not self.tool_call_parser:
+        if tool_choice is not None and tool_choice.kind == "auto" and tool_choice.parser is None:
             raise APIError(
                 400,
                 'tool_choice "auto" (the default with tools) needs a server started with '

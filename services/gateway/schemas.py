@@ -530,15 +530,15 @@ class ChatCompletionRequest(_SamplingFields):
             raise _field_errors(type(self).__name__, [("tool_choice", None, problem)])
         return self
 
-    def tool_choice_of_output(self) -> ToolChoice | None:
-        """How the output holds tool calls (None: it is content only; so without tools).
-        OpenAI's default is "auto"."""
+    def tool_choice_of_output(self, parser: str | None) -> ToolChoice | None:
+        """How the output holds tool calls (None: it is content only; so without tools),
+        "auto" read by ``parser``. OpenAI's default is "auto"."""
         choice = self.tool_choice or "auto"
         if choice == "none" or not self.tools:
             return None
         if isinstance(choice, NamedToolChoice):
             return ToolChoice("named", choice.function.name)
-        return ToolChoice(choice)
+        return ToolChoice(choice, parser=parser)
 
     def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:
         asked = super()._structured_outputs_asked()

@@ -7,7 +7,8 @@ and the calls read back out of its text, whole or as it streams.
   (a structured output, vLLM's);
 * ``auto``: free text in which the model's own format marks its calls; the parser the
   gateway was started with finds them. ``hermes``: ``<tool_call>{"name": ..., "arguments":
-  {...}}</tool_call>``, as Qwen2.5, Qwen3 and Hermes models write them.
+  {...}}</tool_call>``, as Qwen2.5, Qwen3 and Hermes models write them; ``llama3_json``:
+  an output that is ``{"name": ..., "parameters": {...}}`` objects, as Llama 3.1-3.3 write.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -24,7 +25,7 @@ from typing import Any, Literal, Protocol
 from weir.services.gateway.openai_format import Choice, ChunkEvents
 from weir.shared.protocol.client import StreamOutput
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 ToolChoiceKind = Literal["named", "required", "auto"]
 
@@ -116,12 +117,18 @@ class NamedCallReader:
         return self.feed("") if not self.calls else ("", [])
 
 
-class CallArrayReader:
-    """A JSON array of ``{"name", "parameters"}`` objects: each call is sent once its object
-    is complete; an object cut short (``max_tokens``) ends as content."""
+class JsonCallReader:
+    """JSON objects of ``{"name", "parameters"}`` (or ``"arguments"``) at ``depth``: 2 for the
+    items of vLLM's array under ``required``, 1 for calls written one after another (Llama 3's,
+    ``;`` between). Each is a call once its object closes (strings and depth are tracked,
+    not the prefix parsed again each token); an object that is no call, text outside the
+    objects other than separators, and an object cut short (``max_tokens``) are content."""
 
-    def __init__(self) -> None:
-        self.calls: list[ToolCall] = []
+    _SEPARATORS = frozenset(" \t\r\n,;[]")
+
+    def __init__(self, depth: int, calls: list[ToolCall] | None = None) -> None:
+        self.calls: list[ToolCall] = [] if calls is None else calls
+        self._item_depth = depth
         self._item: list[str] = []  # the characters of the object being read
         self._depth = 0
         self._in_string = self._escaped = False
@@ -129,8 +136,9 @@ class CallArrayReader:
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         content: list[str] = []
         deltas = []
+        item_depth = self._item_depth
         for char in text:
-            if self._depth >= 2:
+            if self._depth >= item_depth:
                 self._item.append(char)
             if self._in_string:
                 if self._escaped:
@@ -143,11 +151,11 @@ class CallArrayReader:
                 self._in_string = True
             elif char in "[{":
                 self._depth += 1
-                if self._depth == 2:
+                if self._depth == item_depth:
                     self._item = [char]
             elif char in "]}":
                 self._depth -= 1
-                if self._depth == 1:
+                if self._depth == item_depth - 1:
                     item, self._item = "".join(self._item), []
                     call = self._call(item)
                     if call is None:
@@ -155,6 +163,8 @@ class CallArrayReader:
                     else:
                         deltas.append(call.delta(len(self.calls)))
                         self.calls.append(call)
+            elif self._depth < item_depth and char not in self._SEPARATORS:
+                content.append(char)
         return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
@@ -162,13 +172,50 @@ class CallArrayReader:
 
     @staticmethod
     def _call(item: str) -> ToolCall | None:
-        """The call an array item holds (the format holds the model to one, but a format
-        can be left: an output that reaches the end token of a complete one ends there)."""
+        """The call an object holds (a format holds the model to one, but it can be left:
+        an output that reaches the end token of a complete one ends there)."""
         try:
             call = json.loads(item)
-            return ToolCall(call["name"], _arguments_text(call["parameters"]))
+            arguments = call["parameters"] if "parameters" in call else call["arguments"]
+            return ToolCall(call["name"], _arguments_text(arguments))
         except (ValueError, KeyError, TypeError):
             return None
+
+
+class Llama3JsonReader:
+    """Llama 3.1-3.3's calls: an output that begins with a JSON object (or the
+    ``<|python_tag|>`` its template may put first) is calls, ``{"name": ...,
+    "parameters": {...}}`` one after another; any other output is content."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._head = ""  # the output's start, until it tells which it is
+        self._json: JsonCallReader | None = None
+        self._is_content = False
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._json is not None:
+            return self._json.feed(text)
+        if self._is_content:
+            return text, []
+        self._head += text
+        start = self._head.lstrip()
+        if start.startswith(("{", self.TAG)):
+            self._json = JsonCallReader(1, self.calls)
+            return self._json.feed(start.removeprefix(self.TAG))
+        if not start or self.TAG.startswith(start):
+            return "", []
+        self._is_content = True
+        head, self._head = self._head, ""
+        return head, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        if self._json is not None:
+            return self._json.finish()
+        head, self._head = self._head, ""
+        return head, []
 
 
 class HermesReader:
@@ -256,14 +303,15 @@ class ToolChoice:
 
     kind: ToolChoiceKind
     name: str | None = None  # the named function's
+    parser: str | None = None  # auto's: one of TOOL_CALL_PARSERS (None: the server has none)
 
     def reader(self) -> ToolCallReader:
         if self.kind == "named":
             assert self.name is not None
             return NamedCallReader(self.name)
         if self.kind == "required":
-            return CallArrayReader()
-        return HermesReader()
+            return JsonCallReader(2)
+        return HermesReader() if self.parser == "hermes" else Llama3JsonReader()
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call (not when a named function

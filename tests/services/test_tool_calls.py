@@ -20,7 +20,12 @@ import torch
 import zmq
 from serving_helpers import hf_constrained
 
-from weir.services.gateway.tool_calls import CallArrayReader, HermesReader, NamedCallReader
+from weir.services.gateway.tool_calls import (
+    HermesReader,
+    JsonCallReader,
+    Llama3JsonReader,
+    NamedCallReader,
+)
 from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.config import EngineArgs
@@ -483,6 +488,61 @@ def test_tools_the_engine_cannot_read_are_refused_by_the_sdk_and_the_scheduler(s
         assert sdk.tokenize(ASK, tools=TOOLS)  # still serving
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_llama3_json_calls_out_of_the_text(server, stream):
+    """A gateway with --tool-call-parser llama3_json in front of the same engine: an output
+    that is calls (one after another, ';' between) is calls, any other is content."""
+    calls_text = (
+        '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}; '
+        '{"name": "get_time", "parameters": {}}'
+    )
+    with GatewayProcess([server.client_address], tool_call_parser="llama3_json") as gateway:
+        llama = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
+        got = []
+        for text in (calls_text, "Snow {all week}."):
+            kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": 120}
+            if stream:
+                content, calls, finish = _streamed(llama, **kwargs)
+            else:
+                [reply] = _call(llama, **kwargs).choices
+                content, finish = reply.message.content, reply.finish_reason
+                calls = [
+                    {"name": c.function.name, "arguments": c.function.arguments}
+                    for c in reply.message.tool_calls
+                ]
+            got.append((content, [(c["name"], c["arguments"]) for c in calls], finish))
+    assert got == [
+        (
+            "" if stream else None,
+            [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", "{}")],
+            "tool_calls",
+        ),
+        ("Snow {all week}.", [], "stop"),
+    ]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_llama3_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    def read(text):
+        reader, content, deltas = Llama3JsonReader(), [], []
+        for i in range(0, len(text), step):
+            piece, found = reader.feed(text[i : i + step])
+            content.append(piece)
+            deltas += found
+        rest, found = reader.finish()
+        calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas + found]
+        return "".join(content) + rest, calls
+
+    assert read(' <|python_tag|>{"name": "f", "parameters": {"s": "};{"}};{"name": "g"') == (
+        '{"name": "g"',
+        [("f", '{"s": "};{"}')],
+    )
+    assert read('\n{"name": "f", "arguments": {}} then') == ("then", [("f", "{}")])
+    assert read("<|pyth") == ("<|pyth", [])
+    assert read("  <b>{not a call}</b>") == ("  <b>{not a call}</b>", [])
+    assert read('{"x": 1}') == ('{"x": 1}', [])
+
+
 def test_auto_needs_a_parser_and_the_other_choices_do_not(server):
     """A gateway started without --tool-call-parser refuses "auto" (OpenAI's default with
     tools), as vLLM does, and serves the rest."""
@@ -536,7 +596,7 @@ def test_a_hermes_call_without_its_end_tag_is_read_at_the_end():
 
 
 def test_a_call_array_cut_short_ends_as_content_and_braces_in_strings_are_text():
-    reader = CallArrayReader()
+    reader = JsonCallReader(2)
     text = '[{"name": "f", "parameters": {"s": "}]\\"{"}}, {"name": "g", "para'
     content, deltas = reader.feed(text)
     rest, _ = reader.finish()
