@@ -378,7 +378,7 @@ class ClientFrontend:
                 f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
 
-    def _check_prompt_chars(self, prompt: client_protocol.Prompt, tools: str | None) -> int:
+    def _check_prompt_chars(self, prompt: client_protocol.TextOrChat, tools: str | None) -> int:
         """A text's or chat's size in characters; ValueError if no such prompt can fit."""
         if isinstance(prompt, str):
             num_chars = len(prompt)
@@ -388,7 +388,7 @@ class ClientFrontend:
                     f"a chat of {len(prompt)} messages cannot fit max_model_len="
                     f"{self.max_model_len} tokens (each message takes at least one)"
                 )
-            num_chars = sum(map(_message_chars, prompt)) + len(tools or "")  # type: ignore[arg-type]
+            num_chars = sum(map(_message_chars, prompt)) + len(tools or "")
         if num_chars > self.max_prompt_chars:
             raise ValueError(
                 f"prompt is too long: {num_chars} characters, more than this server's limit "
@@ -463,7 +463,7 @@ class ClientFrontend:
 
     def _prompt_ids(
         self,
-        prompt: client_protocol.Prompt,
+        prompt: client_protocol.TextOrChat,
         tools: str | None,
         add_special_tokens: bool,
         add_generation_prompt: bool = True,
@@ -474,7 +474,7 @@ class ClientFrontend:
         tool_list = _tool_list(tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                prompt,  # type: ignore[arg-type]
+                prompt,
                 add_generation_prompt=add_generation_prompt,
                 tools=tool_list,
             )

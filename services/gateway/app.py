@@ -410,13 +410,13 @@ class Gateway:
                 param="tool_choice",
             )
         samples = _samples(
-            [body.chat()],
+            [chat_prompt(body.messages)],
             body.n,
             lambda i: body.sampling_params(max_tokens, logprobs, i),
             body.priority,
         )
         for sample in samples:
-            sample.tools = body.tool_list()
+            sample.tools = tool_prompt(body.tools)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         outputs = self.run(response_id, samples)

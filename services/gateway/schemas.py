@@ -501,6 +501,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoiceField | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -510,18 +513,14 @@ class ChatCompletionRequest(_SamplingFields):
             )
         return self
 
-    tools: Tools | None = None
-    tool_choice: ToolChoiceField | None = None
-    parallel_tool_calls: bool = True
-
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
         choice, names = self.tool_choice, [tool.function.name for tool in self.tools or ()]
-        problem = None
         if (twice := _first_repeated(names)) is not None:
             raise _field_errors(
                 type(self).__name__, [("tools", None, f"function {twice!r} is given twice")]
             )
+        problem = None
         if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
             problem = "needs tools"
         elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
@@ -552,12 +551,6 @@ class ChatCompletionRequest(_SamplingFields):
             tools = [(t.function.name, t.function.parameters) for t in self.tools or ()]
             asked["tool_choice"] = {"json": required_schema(tools, self.parallel_tool_calls)}
         return asked
-
-    def chat(self) -> list[dict[str, Any]]:
-        return chat_prompt(self.messages)
-
-    def tool_list(self) -> list[dict[str, Any]] | None:
-        return tool_prompt(self.tools)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -70,6 +70,7 @@ SERVER_UNAVAILABLE = "server_unavailable"
 CLIENT_TOO_SLOW = "client_too_slow"
 
 Prompt = str | list[int] | list[dict[str, Any]]
+TextOrChat = str | list[dict[str, Any]]  # what a template or the tokenizer reads
 # Keys a chat message may hold besides role and content (OpenAI's, for tool calls and their
 # results): each a string, but ``tool_calls``, a list of {id, type, function: {name,
 # arguments}} maps of strings (arguments: JSON text, as OpenAI sends them).
@@ -122,7 +123,7 @@ class TokenizeRequest:
     template), without generating."""
 
     request_id: str
-    prompt: Prompt  # text or chat messages
+    prompt: TextOrChat
     # The model's special tokens (BOS): a generate request's text gets them, its chat not
     # (the template writes them).
     add_special_tokens: bool = True
