@@ -480,7 +480,11 @@ class Gateway:
 
     async def detokenize(self, body: DetokenizeBody) -> Response:
         await self.check_model(body.model)
-        text = await self.router.choose([]).client.detokenize(body.tokens)
+        try:
+            text = await self.router.choose([]).client.detokenize(body.tokens)
+        except InvalidRequestError as exc:  # an id outside the vocabulary
+            message = str(exc).replace("token_ids:", "tokens:", 1)
+            raise APIError(400, message, "invalid_request_error", exc.code, "tokens") from None
         return JSONResponse({"prompt": text})
 
     # ------------------------------------------------------------------ response bodies
@@ -815,12 +819,12 @@ def create_app(
         return await answer_connected(request, gateway.chat_completions(body))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody) -> Response:
-        return await answer(gateway.tokenize(body))
+    async def tokenize(request: Request, body: TokenizeBody) -> Response:
+        return await answer_connected(request, gateway.tokenize(body))
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody) -> Response:
-        return await answer(gateway.detokenize(body))
+    async def detokenize(request: Request, body: DetokenizeBody) -> Response:
+        return await answer_connected(request, gateway.detokenize(body))
 
     # HEAD too, as load balancers probe (uvicorn sends HEAD's answer without its body).
     get = functools.partial(app.api_route, methods=["GET", "HEAD"])

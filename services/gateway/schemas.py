@@ -39,7 +39,9 @@ from weir.shared.sampling import (
 # Every list stops at its first bad item (fail_fast): pydantic otherwise reports one error
 # per item, and listing a million of them (negative token ids, say) held the gateway's
 # event loop, every client's, for ten seconds.
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(fail_fast=True)]
+# A token id is below 2^31 (every vocabulary is): a larger int is a 400 naming its place,
+# not a request the engine's protocol cannot carry.
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(fail_fast=True)]
 
 
 def _prompt_form(value: Any) -> str:

@@ -332,8 +332,8 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             )
         return DetokenizeRequest(raw_id, token_ids)
     if type_ == "tokenize":
-        try:
-            prompt = validate_prompt(data.get("prompt"))
+        try:  # an empty text has tokens too: none, or the model's BOS
+            prompt = "" if data.get("prompt") == "" else validate_prompt(data.get("prompt"))
         except ValueError as exc:
             raise ClientProtocolError(INVALID_REQUEST, str(exc), raw_id) from None
         if not isinstance(prompt, str) and not isinstance(prompt[0], dict):
@@ -365,7 +365,9 @@ def decode_client_message(frame: bytes) -> ClientMessage:
 
 def _tools(data: dict[str, Any], prompt: Prompt, request_id: str) -> str | None:
     tools = data.get("tools")
-    if tools is not None and (type(tools) is not str or not isinstance(prompt[0], dict)):
+    if tools is not None and (
+        type(tools) is not str or isinstance(prompt, str) or not isinstance(prompt[0], dict)
+    ):
         raise ClientProtocolError(
             INVALID_REQUEST,
             "tools must be JSON text, and come with a chat (a list of messages)",

@@ -31,6 +31,7 @@ def test_round_trip_of_every_client_message():
         )
     for msg in (
         client_protocol.TokenizeRequest("t", "hi"),
+        client_protocol.TokenizeRequest("t", ""),  # an empty text has tokens too (none, or BOS)
         client_protocol.TokenizeRequest("t", chat, False, False, "[]"),
         client_protocol.DetokenizeRequest("d", [1, 2]),
         client_protocol.AbortRequest("a"),
@@ -181,6 +182,11 @@ def test_round_trip_of_server_messages():
             frame(type="tokenize", request_id="x", prompt="a", add_special_tokens=1),
             client_protocol.INVALID_REQUEST,
             "must be bools",
+        ),
+        (
+            frame(type="tokenize", request_id="x", prompt="", tools="[]"),
+            client_protocol.INVALID_REQUEST,
+            "come with a chat",
         ),
         (
             frame(type="tokenize", request_id="x", prompt="a", tools="[]"),

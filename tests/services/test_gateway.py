@@ -804,6 +804,7 @@ def test_tokenize_and_detokenize_answer_as_transformers_tokenizes(server, tiny_m
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     cases = [
         ({"prompt": text}, tokenizer(text).input_ids),
+        ({"prompt": ""}, tokenizer("").input_ids),
         (
             {"prompt": text, "add_special_tokens": False},
             tokenizer(text, add_special_tokens=False).input_ids,
@@ -825,21 +826,24 @@ def test_tokenize_and_detokenize_answer_as_transformers_tokenizes(server, tiny_m
             "tokens": want,
             "token_strs": None,
         }
-    ids = cases[2][1]
+    ids = cases[3][1]
     reply = httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30)
     assert reply.json() == {"prompt": tokenizer.decode(ids)}
     with WeirClient(server.client_address) as sdk:
-        assert sdk.tokenize(text) == cases[0][1] and sdk.tokenize(chat) == cases[2][1]
+        assert sdk.tokenize(text) == cases[0][1] and sdk.tokenize(chat) == ids
         assert sdk.detokenize(ids) == tokenizer.decode(ids)
-    for path, body, status, fragment in (
-        ("/tokenize", {"prompt": "a", "messages": chat}, 400, "a prompt or messages, not both"),
-        ("/tokenize", {"prompt": "x" * 10**6}, 400, "prompt is too long"),
-        ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "model": "no"}, 404, "no"),
-        ("/detokenize", {"tokens": [1, 49152]}, 400, "token id 49152 is outside the vocabulary"),
-        ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    for path, body, status, fragment, param in (
+        ("/tokenize", {"prompt": "a", "messages": chat}, 400, "not both", "prompt"),
+        ("/tokenize", {"prompt": "x" * 10**6}, 400, "prompt is too long", None),
+        ("/tokenize", {"messages": chat, "model": "no"}, 404, "no", None),
+        ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens: token id 49152 is outside", "tokens"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens.0", "tokens.0"),
+        ("/detokenize", {"tokens": [2**64]}, 400, "tokens.0", "tokens.0"),
     ):
         reply = httpx.post(base + path, json=body, timeout=30)
-        assert reply.status_code == status and fragment in reply.json()["error"]["message"]
+        error = reply.json()["error"]
+        assert reply.status_code == status and fragment in error["message"], error
+        assert error["param"] == param
     assert httpx.post(base + "/tokenize", json={"prompt": "ok"}, timeout=30).json()["count"] > 0
 
 
