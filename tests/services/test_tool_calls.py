@@ -211,6 +211,20 @@ def _streamed(client, messages=ASK, **kwargs):
     return content, [calls[i] for i in sorted(calls)], finish
 
 
+def _answer(client, stream: bool, **kwargs):
+    """A chat's content, its calls as (name, arguments), finish reason and call ids, read
+    whole or from its stream."""
+    if stream:
+        content, calls, finish = _streamed(client, **kwargs)
+        ids = [call["id"] for call in calls]
+    else:
+        [reply] = _call(client, **kwargs).choices
+        content, finish = reply.message.content, reply.finish_reason
+        calls = [c.function.model_dump() for c in reply.message.tool_calls]
+        ids = [c.id for c in reply.message.tool_calls]
+    return content, [(c["name"], c["arguments"]) for c in calls], finish, ids
+
+
 def _hf_messages(messages):
     """OpenAI's messages as transformers' templates take them: arguments as maps."""
     messages = json.loads(json.dumps(messages))
@@ -324,22 +338,9 @@ def test_auto_reads_hermes_calls_out_of_the_text(client, stream):
     """The model is held to a text with two calls (a choice of one string), so the parser
     meets them split across tokens wherever the tokenizer splits them."""
     kwargs = {"extra_body": {"guided_choice": [HERMES_OUTPUT]}, "max_tokens": 120}
-    want_calls = [
-        {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'},
-        {"name": "get_time", "arguments": "{}"},
-    ]
-    if stream:
-        content, calls, finish = _streamed(client, **kwargs)
-        ids = [call.pop("id") for call in calls]
-    else:
-        [reply] = _call(client, **kwargs).choices
-        content, finish = reply.message.content, reply.finish_reason
-        calls = [
-            {"name": c.function.name, "arguments": c.function.arguments}
-            for c in reply.message.tool_calls
-        ]
-        ids = [c.id for c in reply.message.tool_calls]
-    assert (content, calls, finish) == ("Checking both.\n", want_calls, "tool_calls")
+    content, calls, finish, ids = _answer(client, stream, **kwargs)
+    assert (content, finish) == ("Checking both.\n", "tool_calls")
+    assert calls == [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", "{}")]
     assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
 
 
@@ -440,21 +441,9 @@ def test_a_last_call_whose_end_tag_never_came_is_a_call(client, stream):
         "max_tokens": 120,
         "stop": ["</tool_call>"],
     }
-    if stream:
-        content, calls, finish = _streamed(client, **kwargs)
-    else:
-        [reply] = _call(client, **kwargs).choices
-        content, finish = reply.message.content, reply.finish_reason
-        calls = [
-            {"name": c.function.name, "arguments": c.function.arguments}
-            for c in reply.message.tool_calls
-        ]
-    names = [(call["name"], call["arguments"]) for call in calls]
-    assert (content, names) == (
-        "Checking both.\n",
-        [("get_weather", '{"city": "Oslo", "days": 3}')],
-    )
-    assert finish == "tool_calls"
+    content, calls, finish, _ = _answer(client, stream, **kwargs)
+    assert (content, finish) == ("Checking both.\n", "tool_calls")
+    assert calls == [("get_weather", '{"city": "Oslo", "days": 3}')]
 
 
 def test_a_function_without_a_schema_still_takes_an_object(client):
@@ -501,16 +490,7 @@ def test_auto_reads_llama3_json_calls_out_of_the_text(server, stream):
         got = []
         for text in (calls_text, "Snow {all week}."):
             kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": 120}
-            if stream:
-                content, calls, finish = _streamed(llama, **kwargs)
-            else:
-                [reply] = _call(llama, **kwargs).choices
-                content, finish = reply.message.content, reply.finish_reason
-                calls = [
-                    {"name": c.function.name, "arguments": c.function.arguments}
-                    for c in reply.message.tool_calls
-                ]
-            got.append((content, [(c["name"], c["arguments"]) for c in calls], finish))
+            got.append(_answer(llama, stream, **kwargs)[:3])
     assert got == [
         (
             "" if stream else None,
