@@ -27,7 +27,7 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
@@ -44,6 +44,7 @@ from weir.shared.protocol.client import (
     MAX_HEALTH_STREAM_IDS,
     SERVER_UNAVAILABLE,
     AbortRequest,
+    ChatTemplateArgs,
     ClientMessage,
     ClientProtocolError,
     DetokenizeRequest,
@@ -226,13 +227,22 @@ class AsyncWeirClient:
         request_id: str | None = None,
         priority: int = 0,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration.
         ``priority``: lower is served first by a server started with ``--policy priority``
-        (any other refuses a priority other than 0). ``tools``: a chat's tools, in OpenAI's
-        form, for the model's chat template to render."""
+        (any other refuses a priority other than 0). A chat's template renders ``tools``
+        (OpenAI's), and ``chat_template_kwargs`` as more variables (``enable_thinking``...);
+        ``add_generation_prompt`` false ends the prompt at the last message, and
+        ``continue_final_message`` renders that message open for the model to go on with
+        (vLLM's chat fields)."""
+        chat = _chat_args(
+            tools, chat_template_kwargs, add_generation_prompt, continue_final_message
+        )
         await self._wait_until_left(request_id)
-        with self._open_stream(prompt, sampling_params, request_id, priority, tools) as inbox:
+        with self._open_stream(prompt, sampling_params, request_id, priority, chat) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
                     yield out
@@ -245,12 +255,18 @@ class AsyncWeirClient:
         request_id: str | None = None,
         priority: int = 0,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
         write them together when it falls behind."""
+        chat = _chat_args(
+            tools, chat_template_kwargs, add_generation_prompt, continue_final_message
+        )
         await self._wait_until_left(request_id)
-        with self._open_stream(prompt, sampling_params, request_id, priority, tools) as inbox:
+        with self._open_stream(prompt, sampling_params, request_id, priority, chat) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
 
@@ -273,15 +289,19 @@ class AsyncWeirClient:
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """The token ids of a text or a chat (rendered by the model's template, with
-        ``tools``). ``add_special_tokens`` (the model's BOS...): by default as a generate
-        request's prompt has them, a text's yes, a chat's no (its template writes them)."""
+        """The token ids of a text or a chat (rendered by the model's template as
+        ``generate`` renders it). ``add_special_tokens`` (the model's BOS...): by default as
+        a generate request's prompt has them, a text's yes, a chat's no (its template writes
+        them)."""
         if add_special_tokens is None:
             add_special_tokens = isinstance(prompt, str)
-        request = TokenizeRequest(
-            uuid.uuid4().hex, prompt, add_special_tokens, add_generation_prompt, _tools_text(tools)
+        chat = _chat_args(
+            tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
+        request = TokenizeRequest(uuid.uuid4().hex, prompt, add_special_tokens, chat)
         return list((await self._request(request)).info["token_ids"])
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -319,11 +339,10 @@ class AsyncWeirClient:
         sampling_params: SamplingParams | None,
         request_id: str | None,
         priority: int,
-        tools: Sequence[dict[str, Any]] | None = None,
+        chat: ChatTemplateArgs,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
-        tools_text = _tools_text(tools)
         # The server cannot address its refusal of an unusable id to this stream.
         if (problem := request_id_problem(request_id)) is not None:
             raise InvalidRequestError(problem, INVALID_REQUEST)
@@ -339,9 +358,7 @@ class AsyncWeirClient:
             )
         # Sent before the stream exists: a request that cannot be sent leaves nothing to abort.
         self._send(
-            GenerateRequest(
-                request_id, prompt, sampling_params or SamplingParams(), priority, tools_text
-            )
+            GenerateRequest(request_id, prompt, sampling_params or SamplingParams(), priority, chat)
         )
         inbox = _Inbox()
         self._streams[request_id] = inbox
@@ -629,10 +646,20 @@ class WeirClient:
         request_id: str | None = None,
         priority: int = 0,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Iterator[StreamOutput]:
         # In batches: one round trip to the loop thread per batch, not per output.
         for batch in self.generate_batches(
-            prompt, sampling_params, request_id=request_id, priority=priority, tools=tools
+            prompt,
+            sampling_params,
+            request_id=request_id,
+            priority=priority,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         ):
             yield from batch
 
@@ -644,10 +671,20 @@ class WeirClient:
         request_id: str | None = None,
         priority: int = 0,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> Iterator[list[StreamOutput]]:
         self._check_open()
         stream = self._client.generate_batches(
-            prompt, sampling_params, request_id=request_id, priority=priority, tools=tools
+            prompt,
+            sampling_params,
+            request_id=request_id,
+            priority=priority,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
         try:
             while True:
@@ -679,6 +716,8 @@ class WeirClient:
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         self._check_open()
         return self._loop.run(
@@ -687,6 +726,8 @@ class WeirClient:
                 add_special_tokens=add_special_tokens,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                continue_final_message=continue_final_message,
             )
         )
 
@@ -711,13 +752,33 @@ def _close_client(loop: EventLoopThread, client: AsyncWeirClient) -> None:
     loop.stop()
 
 
-def _tools_text(tools: Sequence[dict[str, Any]] | None) -> str | None:
-    """A chat's tools as the protocol carries them (JSON text)."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list | tuple) or not all(isinstance(t, dict) for t in tools):
+def _chat_args(
+    tools: Sequence[dict[str, Any]] | None,
+    template_kwargs: Mapping[str, Any] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> ChatTemplateArgs:
+    """A chat's template arguments as the protocol carries them (JSON text)."""
+    if tools is not None and (
+        not isinstance(tools, list | tuple) or not all(isinstance(t, dict) for t in tools)
+    ):
         raise InvalidRequestError("tools must be a list of maps (OpenAI's tools)", INVALID_REQUEST)
+    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+        raise InvalidRequestError("chat_template_kwargs must be a map", INVALID_REQUEST)
+    return ChatTemplateArgs(
+        _json_text("tools", None if tools is None else list(tools)),
+        _json_text(
+            "chat_template_kwargs", None if template_kwargs is None else dict(template_kwargs)
+        ),
+        add_generation_prompt,
+        continue_final_message,
+    )
+
+
+def _json_text(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
     try:
-        return json.dumps(list(tools), allow_nan=False)
+        return json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"tools must be JSON: {exc}", INVALID_REQUEST) from None
+        raise InvalidRequestError(f"{name} must be JSON: {exc}", INVALID_REQUEST) from None

@@ -208,6 +208,11 @@ class EngineArgs:
         "the name the API answers to and reports, and the metrics' model_name (default: the "
         "model directory's name)",
     )
+    chat_template: str | None = _arg(
+        None,
+        SCHEDULER,
+        "the chat template (a Jinja file, or its text) that renders chats, in place of the model's",
+    )
     load_format: str = _arg(
         "auto",
         _BOTH,

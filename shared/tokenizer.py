@@ -57,6 +57,22 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def chat_template_of(option: str | None) -> str | None:
+    """The template a ``--chat-template`` option gives: a file's text, or the option's own
+    text when it is a template (as vLLM reads it); ValueError for a file that is not there."""
+    if option is None:
+        return None
+    if any(mark in option for mark in ("{{", "{%")):
+        return option
+    try:
+        return Path(option).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"--chat-template {option!r}: neither a readable template file nor a Jinja "
+            f"template ({exc})"
+        ) from None
+
+
 def _token_content(value: str | dict | None) -> str | None:
     # tokenizer_config.json writes a special token either as a string or as a serialized AddedToken.
     return value.get("content") if isinstance(value, dict) else value
@@ -112,18 +128,26 @@ class Tokenizer:
         self.stop_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys((*eos_ids, *extra_stop_token_ids))
         )
-        self._chat_template = (
-            None if chat_template is None else compile_chat_template(chat_template)
-        )
+        try:
+            self._chat_template = (
+                None if chat_template is None else compile_chat_template(chat_template)
+            )
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
         self.whole_pieces = _WholePieces(backend)
 
     @classmethod
-    def from_model_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_model_dir(
+        cls, path: str | os.PathLike, chat_template: str | None = None
+    ) -> "Tokenizer":
+        """The model directory's tokenizer, with ``chat_template`` (its text) in place of the
+        model's, if given."""
         model_dir = Path(path)
         config = read_json(model_dir / "tokenizer_config.json")
         # Before tokenizer.json is loaded: a malformed config file is named even without it.
         eos_ids = eos_token_ids(model_dir)
-        chat_template = config.get("chat_template")
+        if chat_template is None:
+            chat_template = config.get("chat_template")
         if chat_template is None and (model_dir / "chat_template.jinja").is_file():
             chat_template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
         try:
@@ -161,22 +185,52 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The chat as the model's template renders it, with ``tools`` (OpenAI's tool
-        list) for templates that render tools. Messages are OpenAI's, adapted as
-        transformers' templates expect: "developer" is "system", and a tool call's
-        arguments are a map, not JSON text."""
+        """The chat as the model's template renders it, as transformers' does: with ``tools``
+        (OpenAI's tool list) for templates that render tools, ``template_kwargs`` as more
+        variables (``enable_thinking``...), and with ``continue_final_message`` cut after
+        the last message's text, so the model goes on with it. Messages are OpenAI's,
+        adapted as transformers' templates expect: "developer" is "system", and a tool
+        call's arguments are a map, not JSON text."""
         if self._chat_template is None:
             raise ValueError(
                 "this model has no chat template (tokenizer_config.json has no 'chat_template')"
             )
-        return self._chat_template.render(
+        if reserved := sorted((template_kwargs or {}).keys() & _TEMPLATE_ARGUMENTS):
+            raise ValueError(
+                f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not as "
+                "a template variable"
+            )
+        text = self._chat_template.render(
+            # As transformers: a template variable may stand for a special token.
+            **{"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+            | (template_kwargs or {}),
             messages=[_template_message(m) for m in messages],
             tools=tools,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
         )
+        return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
+
+
+# What a request sets itself; documents: transformers' (RAG), which Weir does not take.
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
+
+
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """``text`` up to the end of the final message's content, as transformers continues a
+    message (a template may trim the content's surrounding spaces)."""
+    content = final.get("content", "")
+    if content.strip() not in text:
+        raise ValueError(
+            "continue_final_message: the chat template does not render the last message's "
+            "text as it is, so it cannot be continued"
+        )
+    start = text.rindex(content.strip())
+    if text[start : start + len(content.lstrip())] == content:
+        return text[: start + len(content.lstrip())]
+    return text[: start + len(content.strip())]
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

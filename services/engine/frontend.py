@@ -252,7 +252,7 @@ class ClientFrontend:
         # A structured output compiles in the pool too (xgrammar's first import takes seconds).
         if num_chars <= _INLINE_TOKENIZE_CHARS and msg.sampling_params.structured_output is None:
             try:
-                prompt_ids = self._tokenize(msg.prompt, msg.tools)
+                prompt_ids = self._tokenize(msg.prompt, msg.chat)
             except ValueError as exc:
                 self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
                 return
@@ -295,7 +295,7 @@ class ClientFrontend:
 
     def _prepare(self, msg: client_protocol.GenerateRequest) -> tuple[list[int], Grammar | None]:
         """The prompt's token ids and the request's structured-output state (in the pool)."""
-        prompt_ids = self._tokenize(msg.prompt, msg.tools)
+        prompt_ids = self._tokenize(msg.prompt, msg.chat)
         spec = msg.sampling_params.structured_output
         return prompt_ids, None if spec is None else self.grammars.matcher(spec)
 
@@ -369,7 +369,7 @@ class ClientFrontend:
             )
         if not isinstance(msg.prompt, str) and not isinstance(msg.prompt[0], dict):
             return len(msg.prompt)  # token ids: their count is checked against max_model_len
-        return self._check_prompt_chars(msg.prompt, msg.tools)
+        return self._check_prompt_chars(msg.prompt, msg.chat)
 
     def _check_vocabulary(self, name: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if t >= self.vocab_size), None)
@@ -378,7 +378,9 @@ class ClientFrontend:
                 f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
 
-    def _check_prompt_chars(self, prompt: client_protocol.TextOrChat, tools: str | None) -> int:
+    def _check_prompt_chars(
+        self, prompt: client_protocol.TextOrChat, chat: client_protocol.ChatTemplateArgs
+    ) -> int:
         """A text's or chat's size in characters; ValueError if no such prompt can fit."""
         if isinstance(prompt, str):
             num_chars = len(prompt)
@@ -388,7 +390,9 @@ class ClientFrontend:
                     f"a chat of {len(prompt)} messages cannot fit max_model_len="
                     f"{self.max_model_len} tokens (each message takes at least one)"
                 )
-            num_chars = sum(map(_message_chars, prompt)) + len(tools or "")
+            num_chars = (
+                sum(map(_message_chars, prompt)) + len(chat.tools or "") + len(chat.kwargs or "")
+            )
         if num_chars > self.max_prompt_chars:
             raise ValueError(
                 f"prompt is too long: {num_chars} characters, more than this server's limit "
@@ -434,12 +438,16 @@ class ClientFrontend:
             priority=priority,
         )
 
-    def _tokenize(self, prompt: client_protocol.Prompt, tools: str | None = None) -> list[int]:
-        """Token ids of a prompt (a chat's with its ``tools``, JSON text); ValueError names
-        what is wrong with it."""
+    def _tokenize(
+        self,
+        prompt: client_protocol.Prompt,
+        chat: client_protocol.ChatTemplateArgs = client_protocol.NO_CHAT_ARGS,
+    ) -> list[int]:
+        """Token ids of a prompt (a chat's rendered with ``chat``); ValueError names what is
+        wrong with it."""
         if isinstance(prompt, str) or isinstance(prompt[0], dict):
             # A text gets the model's special tokens (BOS); a chat's template writes them.
-            ids = self._prompt_ids(prompt, tools, add_special_tokens=isinstance(prompt, str))
+            ids = self._prompt_ids(prompt, chat, add_special_tokens=isinstance(prompt, str))
         else:
             ids = prompt
             if len(ids) >= self.max_model_len:  # before the scan over every id
@@ -464,19 +472,23 @@ class ClientFrontend:
     def _prompt_ids(
         self,
         prompt: client_protocol.TextOrChat,
-        tools: str | None,
+        chat: client_protocol.ChatTemplateArgs,
         add_special_tokens: bool,
-        add_generation_prompt: bool = True,
     ) -> list[int]:
         """A text's token ids, or a chat's as its template renders it."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        tool_list = _tool_list(tools)
+        tools = _json_of("tools", chat.tools, list, _TOOLS)
+        if tools is not None and not all(isinstance(t, dict) for t in tools):
+            raise ValueError(f"tools must be {_TOOLS}")
+        kwargs = _json_of("chat_template_kwargs", chat.kwargs, dict, "a JSON map of variables")
         try:
             text = self.tokenizer.apply_chat_template(
                 prompt,
-                add_generation_prompt=add_generation_prompt,
-                tools=tool_list,
+                add_generation_prompt=chat.add_generation_prompt,
+                tools=tools,
+                continue_final_message=chat.continue_final_message,
+                template_kwargs=kwargs,
             )
         except Exception as exc:  # no template, or a jinja2 error raised by the model's template
             raise ValueError(f"chat template failed: {exc}") from None
@@ -491,7 +503,7 @@ class ClientFrontend:
         threads (a long prompt must not hold the loop every stream's step waits on)."""
         try:
             if isinstance(msg, client_protocol.TokenizeRequest):
-                self._check_prompt_chars(msg.prompt, msg.tools)
+                self._check_prompt_chars(msg.prompt, msg.chat)
             else:
                 self._check_vocabulary("token_ids", msg.token_ids)
         except ValueError as exc:
@@ -529,9 +541,7 @@ class ClientFrontend:
     ) -> dict[str, Any]:
         if isinstance(msg, client_protocol.DetokenizeRequest):
             return {"text": self.tokenizer.decode(msg.token_ids, skip_special_tokens=False)}
-        ids = self._prompt_ids(
-            msg.prompt, msg.tools, msg.add_special_tokens, msg.add_generation_prompt
-        )
+        ids = self._prompt_ids(msg.prompt, msg.chat, msg.add_special_tokens)
         return {"token_ids": ids, "max_model_len": self.max_model_len}
 
     def _abort(self, request_id: str, identity: bytes) -> None:
@@ -834,17 +844,20 @@ def _message_chars(message: dict[str, Any]) -> int:
     return chars
 
 
-def _tool_list(tools: str | None) -> list[Any] | None:
-    """A chat's tools from their JSON text; ValueError if that is not a JSON list."""
-    if tools is None:
+_TOOLS = "a JSON list of maps (OpenAI's tools)"
+
+
+def _json_of(name: str, text: str | None, kind: type, what: str) -> Any:
+    """A chat field's value from its JSON text; ValueError if that is not JSON of ``kind``."""
+    if text is None:
         return None
     try:
-        tool_list = json.loads(tools)
+        value = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise ValueError(f"tools: not JSON, or nested too deeply ({exc})") from None
-    if not isinstance(tool_list, list) or not all(isinstance(t, dict) for t in tool_list):
-        raise ValueError("tools must be a JSON list of maps (OpenAI's tools)")
-    return tool_list
+        raise ValueError(f"{name}: not JSON, or nested too deeply ({exc})") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{name} must be {what}")
+    return value
 
 
 def _find_stop(text: str, stops: tuple[str, ...], end_after: int) -> tuple[int, str] | None:

@@ -56,7 +56,7 @@ from weir.shared.keys import (
 from weir.shared.model_config import read_model_config
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import MAX_LOGPROBS
-from weir.shared.tokenizer import Tokenizer
+from weir.shared.tokenizer import Tokenizer, chat_template_of
 
 _log = logging.getLogger(__name__)
 
@@ -109,9 +109,11 @@ class SchedulerServer:
         self.status = status or StatusReporter(None)
         self.parent_pid = parent_pid
         model_dir = Path(options.model_dir)
-        self.tokenizer = Tokenizer.from_model_dir(model_dir)
-        self.vocab_size = read_model_config(model_dir).vocab_size
         self.engine_args = options.engine_args
+        self.tokenizer = Tokenizer.from_model_dir(
+            model_dir, chat_template_of(self.engine_args.chat_template)
+        )
+        self.vocab_size = read_model_config(model_dir).vocab_size
         # What clients and metrics call the model; executors report the directory's name.
         self.model_name = self.engine_args.served_model_name or model_dir.name
         if self.engine_args.max_message_size < 1:

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,7 +39,6 @@ from weir.services.gateway.schemas import (
     DetokenizeBody,
     TokenizeBody,
     chat_prompt,
-    tool_prompt,
 )
 from weir.services.gateway.tool_calls import ToolCallChunks, ToolChoice
 from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
@@ -121,7 +120,7 @@ class _Sample:
     prompt: Prompt
     params: SamplingParams
     priority: int
-    tools: list[dict[str, Any]] | None = None  # a chat's, for its template
+    chat: dict[str, Any] = field(default_factory=dict)  # a chat's template arguments (SDK's)
 
 
 def _samples(
@@ -301,7 +300,7 @@ class Gateway:
                     sample.params,
                     request_id=request_id,
                     priority=sample.priority,
-                    tools=sample.tools,
+                    **sample.chat,
                 )
                 async with aclosing(stream):
                     try:
@@ -416,7 +415,7 @@ class Gateway:
             body.priority,
         )
         for sample in samples:
-            sample.tools = tool_prompt(body.tools)
+            sample.chat = body.template_args()
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         outputs = self.run(response_id, samples)
@@ -466,8 +465,7 @@ class Gateway:
         ids = await client.tokenize(
             chat_prompt(body.messages) if body.messages is not None else body.prompt or "",
             add_special_tokens=body.add_special_tokens,
-            add_generation_prompt=body.add_generation_prompt,
-            tools=tool_prompt(body.tools),
+            **body.template_args(),
         )
         return JSONResponse(
             {

@@ -400,19 +400,29 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: Annotated[list[ToolCallMessage], Field(fail_fast=True)] | None = None
     tool_call_id: str | None = None  # a tool message's: the call it answers
+    # An assistant's reasoning, as a reasoning parser returned it (vLLM's newer name, and
+    # DeepSeek's older one); templates that render it read ``reasoning_content``.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _fields_of_its_role(self) -> ChatMessage:
         problem = None
+        reasoning = "reasoning" if self.reasoning is not None else "reasoning_content"
         if self.content is None and self.role != "assistant":
             problem = ("content", f"a {self.role} message needs a string or text parts")
         elif self.tool_calls is not None and self.role != "assistant":
             problem = ("tool_calls", "only an assistant message makes tool calls")
         elif self.tool_call_id is not None and self.role != "tool":
             problem = ("tool_call_id", "only a tool message answers a tool call")
+        elif self.reasoning_text() is not None and self.role != "assistant":
+            problem = (reasoning, "only an assistant message has reasoning")
         if problem is not None:
             raise _field_errors(type(self).__name__, [(problem[0], None, problem[1])])
         return self
+
+    def reasoning_text(self) -> str | None:
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     def text(self) -> str:
         if self.content is None:
@@ -484,8 +494,43 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             message["tool_calls"] = [call.to_prompt() for call in m.tool_calls]
+        if (reasoning := m.reasoning_text()) is not None:
+            message["reasoning_content"] = reasoning
         prompt.append(message)
     return prompt
+
+
+class _ChatTemplateFields(_Body):
+    """vLLM's fields of how the model's template renders a chat."""
+
+    tools: Tools | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables (enable_thinking...)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # render the last message open, to go on with it
+
+    @model_validator(mode="after")
+    def _continue_without_generation_prompt(self) -> _ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _field_errors(
+                type(self).__name__,
+                [
+                    (
+                        "continue_final_message",
+                        None,
+                        "goes on with the last message: it needs add_generation_prompt false",
+                    )
+                ],
+            )
+        return self
+
+    def template_args(self) -> dict[str, Any]:
+        """The SDK's arguments of the chat's template."""
+        return {
+            "tools": tool_prompt(self.tools),
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
 
 def tool_prompt(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
@@ -495,7 +540,7 @@ def tool_prompt(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return [tool.model_dump(exclude_none=True, by_alias=True) for tool in tools]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """``POST /v1/chat/completions``: the model's chat template renders ``messages``."""
 
     messages: Messages
@@ -503,9 +548,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: Tools | None = None
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -561,17 +606,16 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeBody(_Body):
-    """vLLM's ``POST /tokenize``: a text ``prompt`` or chat ``messages`` (with ``tools``),
-    tokenized as a completion's or chat's prompt is (``add_special_tokens``: by default a
-    text's yes, a chat's no, since its template writes them)."""
+class TokenizeBody(_ChatTemplateFields):
+    """vLLM's ``POST /tokenize``: a text ``prompt`` or chat ``messages`` (with the chat's
+    template fields), tokenized as a completion's or chat's prompt is
+    (``add_special_tokens``: by default a text's yes, a chat's no, since its template
+    writes them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    tools: Tools | None = None
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeBody:
@@ -579,8 +623,13 @@ class TokenizeBody(_Body):
             raise _field_errors(
                 type(self).__name__, [("prompt", None, "send a prompt or messages, not both")]
             )
-        if self.tools and self.messages is None:
-            raise _field_errors(type(self).__name__, [("tools", None, "only with messages")])
+        if self.messages is None and (
+            given := next(
+                (name for name in ("tools", "chat_template_kwargs") if getattr(self, name)),
+                "continue_final_message" if self.continue_final_message else None,
+            )
+        ):
+            raise _field_errors(type(self).__name__, [(given, None, "only with messages")])
         return self
 
 

@@ -6,15 +6,19 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 
 Client -> scheduler::
 
-    generate   {request_id, prompt, sampling_params, priority?, tools?}
-               prompt: str | list[int] | list[{role, content, name?, tool_call_id?, tool_calls?}]
-               tools: the JSON text of OpenAI's tool list, which the chat template renders
+    generate   {request_id, prompt, sampling_params, priority?, CHAT...}
+               prompt: str | list[int] | list[{role, content, name?, tool_call_id?, tool_calls?,
+                                                reasoning_content?}]
     abort      {request_id}
     health     {request_id, stream_ids?}   stream_ids: the client's quiet streams, to check
     model_info {request_id}
-    tokenize   {request_id, prompt, add_special_tokens?, add_generation_prompt?, tools?}
+    tokenize   {request_id, prompt, add_special_tokens?, CHAT...}
                prompt: str | list[{role, content, ...}] (as generate's)
     detokenize {request_id, token_ids}
+
+    CHAT: a chat's fields for its template (``ChatTemplateArgs``), only with chat messages:
+               tools?, chat_template_kwargs? (JSON text), add_generation_prompt?,
+               continue_final_message?
 
 Scheduler -> client::
 
@@ -74,7 +78,8 @@ TextOrChat = str | list[dict[str, Any]]  # what a template or the tokenizer read
 # Keys a chat message may hold besides role and content (OpenAI's, for tool calls and their
 # results): each a string, but ``tool_calls``, a list of {id, type, function: {name,
 # arguments}} maps of strings (arguments: JSON text, as OpenAI sends them).
-CHAT_MESSAGE_OPTIONAL_KEYS = frozenset({"name", "tool_call_id", "tool_calls"})
+# ``reasoning_content``: an assistant's earlier reasoning, which some templates render.
+CHAT_MESSAGE_OPTIONAL_KEYS = frozenset({"name", "tool_call_id", "tool_calls", "reasoning_content"})
 
 
 class ClientProtocolError(ProtocolError):
@@ -87,6 +92,22 @@ class ClientProtocolError(ProtocolError):
         self.request_id = request_id
 
 
+@dataclass(slots=True, frozen=True)
+class ChatTemplateArgs:
+    """What a chat's template renders besides its messages (vLLM's chat request fields).
+    JSON text, because a tool's parameter schema or a template variable may nest wider
+    maps than a message may hold."""
+
+    tools: str | None = None  # OpenAI's tool list
+    kwargs: str | None = None  # a map of more template variables (``chat_template_kwargs``)
+    add_generation_prompt: bool = True  # end with the opening of the assistant's answer
+    # Render the last message open, so the model goes on with it (as transformers does).
+    continue_final_message: bool = False
+
+
+NO_CHAT_ARGS = ChatTemplateArgs()
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     request_id: str
@@ -94,9 +115,7 @@ class GenerateRequest:
     sampling_params: SamplingParams
     # Lower first, under the server's --policy priority (vLLM's request priority).
     priority: int = 0
-    # A chat's tools (OpenAI's ``tools``) as JSON text, rendered by the chat template; JSON
-    # text because a tool's parameter schema may nest wider maps than a message may hold.
-    tools: str | None = None
+    chat: ChatTemplateArgs = NO_CHAT_ARGS
 
 
 @dataclass(slots=True)
@@ -127,8 +146,7 @@ class TokenizeRequest:
     # The model's special tokens (BOS): a generate request's text gets them, its chat not
     # (the template writes them).
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True  # a chat's
-    tools: str | None = None  # a chat's, as GenerateRequest's
+    chat: ChatTemplateArgs = NO_CHAT_ARGS
 
 
 @dataclass(slots=True)
@@ -239,18 +257,12 @@ def encode_client_message(msg: ClientMessage) -> bytes:
         }
         if msg.priority:
             fields["priority"] = msg.priority
-        if msg.tools is not None:
-            fields["tools"] = msg.tools
-        return _pack("generate", fields)
+        return _pack("generate", fields | _chat_fields(msg.chat))
     if isinstance(msg, TokenizeRequest):
         fields = {"request_id": msg.request_id, "prompt": msg.prompt}
         if not msg.add_special_tokens:
             fields["add_special_tokens"] = False
-        if not msg.add_generation_prompt:
-            fields["add_generation_prompt"] = False
-        if msg.tools is not None:
-            fields["tools"] = msg.tools
-        return _pack("tokenize", fields)
+        return _pack("tokenize", fields | _chat_fields(msg.chat))
     if isinstance(msg, DetokenizeRequest):
         return _pack("detokenize", {"request_id": msg.request_id, "token_ids": msg.token_ids})
     if isinstance(msg, HealthRequest) and msg.stream_ids:
@@ -261,18 +273,27 @@ def encode_client_message(msg: ClientMessage) -> bytes:
     return _pack(type_, {"request_id": msg.request_id})
 
 
+def _chat_fields(chat: ChatTemplateArgs) -> dict[str, Any]:
+    """The fields of ``chat`` that are not their defaults."""
+    fields: dict[str, Any] = {}
+    if chat.tools is not None:
+        fields["tools"] = chat.tools
+    if chat.kwargs is not None:
+        fields["chat_template_kwargs"] = chat.kwargs
+    if not chat.add_generation_prompt:
+        fields["add_generation_prompt"] = False
+    if chat.continue_final_message:
+        fields["continue_final_message"] = True
+    return fields
+
+
+_CHAT_FIELDS = {"tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 _CLIENT_FIELDS = {
-    "generate": {"request_id", "prompt", "sampling_params", "priority", "tools"},
+    "generate": {"request_id", "prompt", "sampling_params", "priority", *_CHAT_FIELDS},
     "abort": {"request_id"},
     "health": {"request_id", "stream_ids"},
     "model_info": {"request_id"},
-    "tokenize": {
-        "request_id",
-        "prompt",
-        "add_special_tokens",
-        "add_generation_prompt",
-        "tools",
-    },
+    "tokenize": {"request_id", "prompt", "add_special_tokens", *_CHAT_FIELDS},
     "detokenize": {"request_id", "token_ids"},
 }
 
@@ -340,16 +361,12 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             raise ClientProtocolError(
                 INVALID_REQUEST, "tokenize: the prompt must be text or chat messages", raw_id
             )
-        special, generation = (
-            data.get(name, True) for name in ("add_special_tokens", "add_generation_prompt")
-        )
-        if type(special) is not bool or type(generation) is not bool:
+        special = data.get("add_special_tokens", True)
+        if type(special) is not bool:
             raise ClientProtocolError(
-                INVALID_REQUEST,
-                "tokenize: add_special_tokens and add_generation_prompt must be bools",
-                raw_id,
+                INVALID_REQUEST, "tokenize: add_special_tokens must be a bool", raw_id
             )
-        return TokenizeRequest(raw_id, prompt, special, generation, _tools(data, prompt, raw_id))
+        return TokenizeRequest(raw_id, prompt, special, _chat_args(data, prompt, raw_id))
     try:
         prompt = validate_prompt(data.get("prompt"))
         sampling_params = SamplingParams.from_dict(data.get("sampling_params", {}))
@@ -360,20 +377,40 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         raise ClientProtocolError(
             INVALID_REQUEST, f"priority must be a 32-bit int, got {_short(priority)}", raw_id
         )
-    return GenerateRequest(raw_id, prompt, sampling_params, priority, _tools(data, prompt, raw_id))
+    chat = _chat_args(data, prompt, raw_id)
+    return GenerateRequest(raw_id, prompt, sampling_params, priority, chat)
 
 
-def _tools(data: dict[str, Any], prompt: Prompt, request_id: str) -> str | None:
-    tools = data.get("tools")
-    if tools is not None and (
-        type(tools) is not str or isinstance(prompt, str) or not isinstance(prompt[0], dict)
+def _chat_args(data: dict[str, Any], prompt: Prompt, request_id: str) -> ChatTemplateArgs:
+    given = [name for name in _CHAT_FIELDS if name in data]
+    if not given:
+        return NO_CHAT_ARGS
+    problem = None
+    if isinstance(prompt, str) or not isinstance(prompt[0], dict):
+        problem = f"{given[0]} comes with a chat (a list of messages), not a text or token ids"
+    elif any(type(data.get(name, "")) is not str for name in ("tools", "chat_template_kwargs")):
+        problem = "tools and chat_template_kwargs must be JSON text"
+    elif any(
+        type(data.get(name, False)) is not bool
+        for name in ("add_generation_prompt", "continue_final_message")
     ):
+        problem = "add_generation_prompt and continue_final_message must be bools"
+    if problem is not None:
+        raise ClientProtocolError(INVALID_REQUEST, problem, request_id)
+    chat = ChatTemplateArgs(
+        data.get("tools"),
+        data.get("chat_template_kwargs"),
+        data.get("add_generation_prompt", True),
+        data.get("continue_final_message", False),
+    )
+    if chat.add_generation_prompt and chat.continue_final_message:
         raise ClientProtocolError(
             INVALID_REQUEST,
-            "tools must be JSON text, and come with a chat (a list of messages)",
+            "continue_final_message goes on with the last message: it needs "
+            "add_generation_prompt false",
             request_id,
         )
-    return tools
+    return chat
 
 
 def _short(value: Any, limit: int = 100) -> str:
@@ -434,8 +471,8 @@ def validate_prompt(prompt: Any) -> Prompt:
             for key in message.keys() - {"tool_calls"}:
                 if type(message[key]) is not str:
                     raise ValueError(
-                        f"prompt[{i}]: chat message {key} must be a string (role, content, "
-                        f"name and tool_call_id are strings), got {type(message[key]).__name__}"
+                        f"prompt[{i}]: chat message {key} must be a string (all but "
+                        f"tool_calls are strings), got {type(message[key]).__name__}"
                     )
             if "tool_calls" in message:
                 _check_tool_calls(message["tool_calls"], f"prompt[{i}].tool_calls")

@@ -7,6 +7,9 @@ from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
 
 
+CHAT = [{"role": "user", "content": "a"}]
+
+
 def frame(**fields) -> bytes:
     return msgpack.packb({"v": 1, **fields})
 
@@ -16,23 +19,29 @@ def test_round_trip_of_every_client_message():
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     chat = [
         {"role": "user", "content": "hi", "name": "ann"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": "", "tool_calls": [call], "reasoning_content": "hm"},
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
     ]
-    for prompt, priority, tools in (
-        ("hi", 0, None),
-        ([1, 2, 3], -5, None),
-        ([{"role": "user", "content": "hi"}], 7, None),
-        (chat, 0, '[{"type": "function", "function": {"name": "f"}}]'),
+    template_args = client_protocol.ChatTemplateArgs(
+        '[{"type": "function", "function": {"name": "f"}}]', '{"enable_thinking": false}'
+    )
+    continued = client_protocol.ChatTemplateArgs(None, None, False, True)
+    for prompt, priority, chat_args in (
+        ("hi", 0, client_protocol.NO_CHAT_ARGS),
+        ([1, 2, 3], -5, client_protocol.NO_CHAT_ARGS),
+        ([{"role": "user", "content": "hi"}], 7, client_protocol.NO_CHAT_ARGS),
+        (chat, 0, template_args),
+        (chat, 0, continued),
     ):
-        msg = client_protocol.GenerateRequest("r1", prompt, params, priority, tools)
+        msg = client_protocol.GenerateRequest("r1", prompt, params, priority, chat_args)
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
     for msg in (
         client_protocol.TokenizeRequest("t", "hi"),
         client_protocol.TokenizeRequest("t", ""),  # an empty text has tokens too (none, or BOS)
-        client_protocol.TokenizeRequest("t", chat, False, False, "[]"),
+        client_protocol.TokenizeRequest("t", chat, False, template_args),
+        client_protocol.TokenizeRequest("t", chat, True, continued),
         client_protocol.DetokenizeRequest("d", [1, 2]),
         client_protocol.AbortRequest("a"),
         client_protocol.HealthRequest("h"),
@@ -181,17 +190,37 @@ def test_round_trip_of_server_messages():
         (
             frame(type="tokenize", request_id="x", prompt="a", add_special_tokens=1),
             client_protocol.INVALID_REQUEST,
-            "must be bools",
+            "add_special_tokens must be a bool",
+        ),
+        (
+            frame(type="tokenize", request_id="x", prompt=CHAT, add_generation_prompt=1),
+            client_protocol.INVALID_REQUEST,
+            "add_generation_prompt and continue_final_message must be bools",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt=CHAT, continue_final_message=True),
+            client_protocol.INVALID_REQUEST,
+            "it needs add_generation_prompt false",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt=CHAT, chat_template_kwargs={"a": 1}),
+            client_protocol.INVALID_REQUEST,
+            "tools and chat_template_kwargs must be JSON text",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt=[1], add_generation_prompt=False),
+            client_protocol.INVALID_REQUEST,
+            "add_generation_prompt comes with a chat",
         ),
         (
             frame(type="tokenize", request_id="x", prompt="", tools="[]"),
             client_protocol.INVALID_REQUEST,
-            "come with a chat",
+            "tools comes with a chat",
         ),
         (
             frame(type="tokenize", request_id="x", prompt="a", tools="[]"),
             client_protocol.INVALID_REQUEST,
-            "come with a chat",
+            "tools comes with a chat",
         ),
         (
             frame(type="detokenize", request_id="x", token_ids=[1, -2]),
@@ -206,21 +235,21 @@ def test_round_trip_of_server_messages():
         (
             frame(type="generate", request_id="x", prompt="hi", tools="[]"),
             client_protocol.INVALID_REQUEST,
-            "come with a chat",
+            "tools comes with a chat",
         ),
         (
             frame(
                 type="generate", request_id="x", prompt=[{"role": "user", "content": "a"}], tools=[]
             ),
             client_protocol.INVALID_REQUEST,
-            "tools must be JSON text",
+            "tools and chat_template_kwargs must be JSON text",
         ),
         (
             frame(
                 type="generate", request_id="x", prompt=[{"role": "user", "content": "a", "x": 1}]
             ),
             client_protocol.INVALID_REQUEST,
-            "may have ['name', 'tool_call_id', 'tool_calls']",
+            "may have ['name', 'reasoning_content', 'tool_call_id', 'tool_calls']",
         ),
         (
             frame(
