@@ -27,6 +27,8 @@ from weir.services.cpu_cores import (
     parse_cores,
     single_thread_env,
 )
+from weir.services.gateway.chat_output import ChatParsers
+from weir.services.gateway.reasoning import REASONING_PARSERS
 from weir.services.gateway.tool_calls import TOOL_CALL_PARSERS
 from weir.services.sigterm import Terminated, raise_terminated
 from weir.services.supervised import StatusReporter
@@ -188,7 +190,7 @@ def _gateway(args: argparse.Namespace) -> int:
         keys_dir=args.keys_dir,
         max_request_bytes=args.max_request_size,
         allowed_origins=args.allowed_origins,
-        tool_call_parser=args.tool_call_parser,
+        parsers=_chat_parsers(args),
     )
     import uvloop
 
@@ -230,7 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
             http_port=None if args.no_http else args.http_port,
             api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
             allowed_origins=args.allowed_origins,
-            tool_call_parser=args.tool_call_parser,
+            parsers=_chat_parsers(args),
             startup_timeout=args.startup_timeout,
         )
     except ValueError as exc:  # options that only tell together, e.g. ranks and cores
@@ -459,7 +461,11 @@ def _add_allowed_origins_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_tool_call_parser_flag(p: argparse.ArgumentParser) -> None:
+def _chat_parsers(args: argparse.Namespace) -> ChatParsers:
+    return ChatParsers(args.tool_call_parser, args.reasoning_parser)
+
+
+def _add_parser_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
@@ -468,6 +474,15 @@ def _add_tool_call_parser_flag(p: argparse.ArgumentParser) -> None:
         "'auto' (hermes: <tool_call>{...}</tool_call>, Qwen2.5/Qwen3; llama3_json: "
         '{"name": ..., "parameters": ...}, Llama 3.1-3.3); without it \'auto\' is refused, '
         "and 'required' or a named function still work",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="the model's reasoning format, which the chat API returns as the message's "
+        "reasoning (and reasoning_content) apart from its content: <think>...</think> "
+        "(deepseek_r1: DeepSeek-R1 and its distills, QwQ; qwen3: Qwen3, which also honours "
+        "chat_template_kwargs enable_thinking false)",
     )
 
 
@@ -561,7 +576,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
-    _add_tool_call_parser_flag(p)
+    _add_parser_flags(p)
     p.add_argument(
         "--startup-timeout",
         type=_positive_seconds,
@@ -588,7 +603,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
-    _add_tool_call_parser_flag(p)
+    _add_parser_flags(p)
     p.add_argument(
         "--timeout",
         type=float,

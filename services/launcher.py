@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from weir.services.cpu_cores import available_cpus, format_cores, plan_cpus
+from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.sigterm import Terminated
 from weir.shared.config import (
     DEFAULT_EXECUTOR_METRICS_PORT,
@@ -123,14 +124,14 @@ class ServerProcesses:
         http_port: int | None = None,
         api_key: str | None = None,
         allowed_origins: Sequence[str] = ("*",),
-        tool_call_parser: str | None = None,
+        parsers: ChatParsers = NO_PARSERS,
         startup_timeout: float = 600.0,
         stop_timeout: float = 5.0,
     ) -> None:
         self.engine_args = engine_args or EngineArgs()
         self.http_port, self.api_key = http_port, api_key
         self.allowed_origins = allowed_origins  # the gateway's CORS origins
-        self.tool_call_parser = tool_call_parser  # the gateway's, for tool_choice "auto"
+        self.parsers = parsers  # the gateway's
         self.host, self.port = host, port
         self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
@@ -368,8 +369,7 @@ class ServerProcesses:
         if self.engine_args.keys_dir is not None:
             argv += ["--keys-dir", self.engine_args.keys_dir]
         argv += ["--allowed-origins", ",".join(self.allowed_origins)]
-        if self.tool_call_parser is not None:
-            argv += ["--tool-call-parser", self.tool_call_parser]
+        argv += self.parsers.argv()
         self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env)
         return str(self._wait_ready(self._children[-1])["http_address"])
 
@@ -464,13 +464,13 @@ class GatewayProcess(ServerProcesses):
         http_port: int = 0,
         api_key: str | None = None,
         timeout: float | None = None,
-        tool_call_parser: str | None = None,
+        parsers: ChatParsers = NO_PARSERS,
         startup_timeout: float = 120.0,
     ) -> None:
         super().__init__(
             http_port=http_port,
             api_key=api_key,
-            tool_call_parser=tool_call_parser,
+            parsers=parsers,
             startup_timeout=startup_timeout,
         )
         self.schedulers = schedulers

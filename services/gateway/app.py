@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weir.services.gateway import openai_format as fmt
+from weir.services.gateway.chat_output import NO_PARSERS, ChatChunks, ChatOutput, ChatParsers
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import NoReplicaError, Router
 from weir.services.gateway.schemas import (
@@ -40,7 +41,6 @@ from weir.services.gateway.schemas import (
     TokenizeBody,
     chat_prompt,
 )
-from weir.services.gateway.tool_calls import ToolCallChunks, ToolChoice
 from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 from weir.shared.protocol.client import SERVER_UNAVAILABLE, Prompt, StreamOutput
@@ -179,11 +179,10 @@ class Gateway:
         api_key: str | None = None,
         max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         allowed_origins: Sequence[str] = ("*",),
-        tool_call_parser: str | None = None,
+        parsers: ChatParsers = NO_PARSERS,
     ) -> None:
         self.router = router
-        # Reads the calls out of an output under tool_choice "auto" (TOOL_CALL_PARSERS).
-        self.tool_call_parser = tool_call_parser
+        self.parsers = parsers
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.allowed_origins = allowed_origins  # CORS: the web pages that may call the API
@@ -376,9 +375,10 @@ class Gateway:
         )
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        tool_choice = body.tool_choice_of_output(self.tool_call_parser)
+        output = body.chat_output(self.parsers)
+        tool_choice = output.tool_choice
         try:
-            return await self._chat_completions(body, tool_choice)
+            return await self._chat_completions(body, output)
         except (APIError, InvalidRequestError) as exc:
             # A tool's schema that cannot be held to is the tools' fault, not a
             # structured_output the client never sent.
@@ -393,10 +393,9 @@ class Gateway:
             )
             raise APIError(400, message, error.type, error.code, "tool_choice") from None
 
-    async def _chat_completions(
-        self, body: ChatCompletionRequest, tool_choice: ToolChoice | None
-    ) -> Response:
+    async def _chat_completions(self, body: ChatCompletionRequest, output: ChatOutput) -> Response:
         info = await self.check_model(body.model)
+        tool_choice = output.tool_choice
         max_tokens = body.requested_max_tokens()
         logprobs = body.requested_logprobs()
         if tool_choice is not None and tool_choice.kind == "auto" and tool_choice.parser is None:
@@ -430,7 +429,7 @@ class Gateway:
             events = fmt.ChunkEvents(base, chat_logprobs=logprobs is not None)
             return await self._sse(
                 outputs,
-                events.chat if tool_choice is None else ToolCallChunks(events, tool_choice).chat,
+                events.chat if output.plain else ChatChunks(events, output).chat,
                 base,
                 len(samples),
                 include_usage,
@@ -447,7 +446,7 @@ class Gateway:
                 "choices": [
                     {
                         "index": c.index,
-                        **self._chat_message(c, tool_choice, with_tools=body.tools is not None),
+                        **output.message(c),
                         "stop_reason": c.stop_reason,
                         "logprobs": None
                         if logprobs is None
@@ -486,28 +485,6 @@ class Gateway:
         return JSONResponse({"prompt": text})
 
     # ------------------------------------------------------------------ response bodies
-
-    @staticmethod
-    def _chat_message(
-        choice: fmt.Choice, tool_choice: ToolChoice | None, *, with_tools: bool
-    ) -> dict[str, Any]:
-        """A whole choice's message and finish reason: its text, or the tool calls read
-        out of it (a request with tools always lists its calls, maybe none)."""
-        text = choice.text
-        if tool_choice is None:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if with_tools:
-                message["tool_calls"] = []
-            return {"message": message, "finish_reason": choice.finish_reason}
-        content, calls = tool_choice.read(text)
-        return {
-            "message": {
-                "role": "assistant",
-                "content": content,
-                "tool_calls": [call.to_dict() for call in calls],
-            },
-            "finish_reason": tool_choice.finish_reason(calls, choice.finish_reason),
-        }
 
     @staticmethod
     async def _collect(

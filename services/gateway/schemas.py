@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from weir.services.gateway.chat_output import ChatOutput, ChatParsers
 from weir.services.gateway.tool_calls import ToolChoice, parameters_schema, required_schema
 from weir.shared.protocol.client import MAX_ARRAY_LEN
 from weir.shared.sampling import (
@@ -576,15 +577,24 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             raise _field_errors(type(self).__name__, [("tool_choice", None, problem)])
         return self
 
-    def tool_choice_of_output(self, parser: str | None) -> ToolChoice | None:
-        """How the output holds tool calls (None: it is content only; so without tools),
-        "auto" read by ``parser``. OpenAI's default is "auto"."""
+    def chat_output(self, parsers: ChatParsers) -> ChatOutput:
+        """How the choices' text is read: its reasoning, if the server reads it (a request
+        held to a format from its first token, or Qwen3's asked not to think, thinks only
+        where its text opens with the tag), and how it holds tool calls (None: content
+        only; so without tools), "auto" read by the server's parser (OpenAI's default)."""
+        thinking = None
+        if parsers.reasoning is not None:
+            thinking = not self._structured_outputs_asked() and not (
+                parsers.reasoning == "qwen3"
+                and (self.chat_template_kwargs or {}).get("enable_thinking") is False
+            )
         choice = self.tool_choice or "auto"
-        if choice == "none" or not self.tools:
-            return None
+        tool_choice = None
         if isinstance(choice, NamedToolChoice):
-            return ToolChoice("named", choice.function.name)
-        return ToolChoice(choice, parser=parser)
+            tool_choice = ToolChoice("named", choice.function.name)
+        elif choice != "none" and self.tools:
+            tool_choice = ToolChoice(choice, parser=parsers.tool_call)
+        return ChatOutput(thinking, tool_choice, self.include_reasoning, self.tools is not None)
 
     def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:
         asked = super()._structured_outputs_asked()

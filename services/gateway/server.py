@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from weir.services.gateway.app import Gateway, create_app
+from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.gateway.http_limits import BoundedHttpProtocol
 from weir.services.gateway.router import Router
 from weir.services.sigterm import Terminated, raise_terminated
@@ -46,7 +47,7 @@ class GatewayOptions:
     allowed_origins: list[str]  # CORS: the web origins whose pages may call the API
     keys_dir: str | None = None  # CurveZMQ client keys (None: $WEIR_KEYS_DIR, else none)
     max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger HTTP bodies get 413
-    tool_call_parser: str | None = None  # reads tool calls out of text (tool_choice "auto")
+    parsers: ChatParsers = NO_PARSERS  # what it reads out of chats' text
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
@@ -61,7 +62,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         options.api_key,
         options.max_request_bytes,
         options.allowed_origins,
-        options.tool_call_parser,
+        options.parsers,
     )
     server: uvicorn.Server | None = None
 

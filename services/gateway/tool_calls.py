@@ -22,9 +22,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from weir.services.gateway.openai_format import Choice, ChunkEvents
-from weir.shared.protocol.client import StreamOutput
-
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 ToolChoiceKind = Literal["named", "required", "auto"]
@@ -255,7 +252,7 @@ class HermesReader:
                 self._pending = self._pending[start + len(self.START) :]
                 self._inside = True
             elif not self.calls:  # stream what cannot begin a tag
-                keep = _tag_prefix_at_end(self._pending, self.START)
+                keep = tag_prefix_at_end(self._pending, self.START)
                 content.append(self._pending[: len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep :]
                 break
@@ -289,7 +286,7 @@ class HermesReader:
         return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
 
 
-def _tag_prefix_at_end(text: str, tag: str) -> int:
+def tag_prefix_at_end(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag``."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-size:]):
@@ -319,39 +316,3 @@ class ToolChoice:
         if reason == "stop" and calls and self.kind != "named":
             return "tool_calls"
         return reason
-
-    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole output's content (None if empty) and calls."""
-        reader = self.reader()
-        content, _ = reader.feed(text)
-        rest, _ = reader.finish()
-        return (content + rest) or None, reader.calls
-
-
-class ToolCallChunks:
-    """The chat chunks of a streamed response whose choices may call tools: content and
-    tool-call deltas as each choice's reader finds them."""
-
-    def __init__(self, events: ChunkEvents, choice: ToolChoice) -> None:
-        self._events = events
-        self._choice = choice
-        self._readers: dict[int, ToolCallReader] = {}
-
-    def chat(self, out: StreamOutput, choice: Choice) -> str:
-        reader = self._readers.get(choice.index)
-        if reader is None:
-            reader = self._readers[choice.index] = self._choice.reader()
-        content, deltas = reader.feed(out.text)
-        finish_reason = None
-        if out.finished:
-            rest, more = reader.finish()
-            content, deltas = content + rest, deltas + more
-            finish_reason = self._choice.finish_reason(reader.calls, out.finish_reason)
-        if not (content or deltas or out.finished or out.logprobs is not None):
-            return ""  # text held back (a tag's start, a call's unfinished object)
-        delta: dict[str, Any] = {}
-        if content:
-            delta["content"] = content
-        if deltas:
-            delta["tool_calls"] = deltas
-        return self._events.chat_delta(choice.index, delta, out, finish_reason)

@@ -6,7 +6,6 @@ import pytest
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
 
-
 CHAT = [{"role": "user", "content": "a"}]
 
 

@@ -20,6 +20,7 @@ import torch
 import zmq
 from serving_helpers import hf_constrained
 
+from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.tool_calls import (
     HermesReader,
     JsonCallReader,
@@ -141,7 +142,7 @@ def server(tools_model_dir):
         metrics_port=0,
         executor_metrics_port=0,
         http_port=0,
-        tool_call_parser="hermes",
+        parsers=ChatParsers(tool_call="hermes"),
     ) as processes:
         yield processes
 
@@ -485,7 +486,9 @@ def test_auto_reads_llama3_json_calls_out_of_the_text(server, stream):
         '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}; '
         '{"name": "get_time", "parameters": {}}'
     )
-    with GatewayProcess([server.client_address], tool_call_parser="llama3_json") as gateway:
+    with GatewayProcess(
+        [server.client_address], parsers=ChatParsers(tool_call="llama3_json")
+    ) as gateway:
         llama = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
         got = []
         for text in (calls_text, "Snow {all week}."):

@@ -1,0 +1,64 @@
+"""A thinking model's reasoning read out of its text: ``<think>...</think>``, as vLLM's
+``--reasoning-parser deepseek_r1`` and ``qwen3`` read it.
+
+A thinking model's template may open the reasoning in the prompt (DeepSeek-R1, newer
+Qwen3), or the model writes ``<think>`` itself: so while a request thinks, its text is
+reasoning up to the first ``</think>`` (all of it, if cut short before), an opening tag left
+out. A request that does not think (Qwen3 asked with ``enable_thinking: false``, or an output
+held to a format from its first token) is content, unless its text opens with ``<think>``.
+"""
+
+from __future__ import annotations
+
+from weir.services.gateway.tool_calls import tag_prefix_at_end
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningReader:
+    """One choice's text, as it streams, split into reasoning and content; held back: what
+    may begin a tag. Fed piece by piece it splits as it does the whole text."""
+
+    def __init__(self, thinking: bool) -> None:
+        self._thinking = thinking
+        self._pending = ""
+        self._state = "open"  # the start is not known yet; then "reasoning", "content"
+        self.reasoned = False  # whether the text holds reasoning (maybe empty)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and content that ``text`` completes."""
+        self._pending += text
+        if self._state == "open":
+            head = self._pending.lstrip()
+            if head.startswith(START):
+                self._pending = head[len(START) :]
+                self._enter("reasoning")
+            elif START.startswith(head):
+                return "", ""
+            else:
+                self._enter("reasoning" if self._thinking else "content")
+        reasoning = ""
+        if self._state == "reasoning":
+            end = self._pending.find(END)
+            if end < 0:
+                keep = tag_prefix_at_end(self._pending, END)
+                reasoning = self._pending[: len(self._pending) - keep]
+                self._pending = self._pending[len(self._pending) - keep :]
+                return reasoning, ""
+            reasoning, self._pending = self._pending[:end], self._pending[end + len(END) :]
+            self._state = "content"
+        content, self._pending = self._pending, ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """The text held back, at the end of the output."""
+        pending, self._pending = self._pending, ""
+        if self._state == "open":
+            self._enter("reasoning" if self._thinking else "content")
+        return (pending, "") if self._state == "reasoning" else ("", pending)
+
+    def _enter(self, state: str) -> None:
+        self._state = state
+        self.reasoned = state == "reasoning"
