@@ -1,0 +1,339 @@
+"""Thinking models over the chat API, through the official `openai` client, in front of real
+`weir serve` processes: the tiny random Llama served with `--chat-template` (a Qwen3-style
+template that renders earlier reasoning and honours `enable_thinking`) and
+`--reasoning-parser qwen3 --tool-call-parser hermes`.
+
+The references are independent of the engine: transformers renders the same chats with the
+same template and arguments (`continue_final_message` included); the reasoning readers are
+checked against outputs forced by a choice constraint (so tags split across tokens) and
+against themselves fed in pieces of every size.
+"""
+
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from weir.services.gateway.chat_output import ChatParsers
+from weir.services.gateway.reasoning import ReasoningReader
+from weir.services.gateway.schemas import ChatCompletionRequest
+from weir.services.launcher import ServerProcesses
+from weir.shared.config import EngineArgs
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = "tiny-thinking"
+
+# Qwen3's chat template, abridged: earlier reasoning rendered in <think>, and an empty
+# thought in the generation prompt when asked not to think.
+TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == "assistant" %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if message.reasoning_content is defined and message.reasoning_content %}
+{{- '<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}
+{%- endif %}
+{{- message.content + '<|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}
+{%- endif %}"""
+
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+THOUGHT = [
+    *ASK,
+    {"role": "assistant", "content": "4.", "reasoning": "Two and two make four."},
+    {"role": "user", "content": "And 3 + 3?"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("templates") / "thinking.jinja"
+    path.write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory, tiny_model_dir):
+    """transformers' tokenizer of the model, with the template given to the server."""
+    path = tmp_path_factory.mktemp("models") / "tiny-thinking"
+    shutil.copytree(tiny_model_dir, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, template_file):
+    engine = EngineArgs(
+        model=str(tiny_model_dir),
+        chat_template=str(template_file),  # the model's own renders no reasoning
+        max_num_batched_tokens=64,
+        block_size=16,
+        max_model_len=512,
+        max_num_seqs=16,
+        device="cpu",
+        served_model_name=MODEL,
+    )
+    with ServerProcesses(
+        engine,
+        port=0,
+        metrics_port=0,
+        executor_metrics_port=0,
+        http_port=0,
+        parsers=ChatParsers(tool_call="hermes", reasoning="qwen3"),
+    ) as processes:
+        yield processes
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.info["http_address"], timeout=60) as http:
+        yield http
+
+
+def _hf_messages(messages):
+    """The messages as transformers' templates take them: reasoning as reasoning_content."""
+    return [
+        {("reasoning_content" if k == "reasoning" else k): v for k, v in m.items()}
+        for m in messages
+    ]
+
+
+RENDERINGS = [
+    ({"messages": ASK}, {}),
+    ({"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}, {}),
+    ({"messages": THOUGHT}, {}),
+    (
+        {
+            "messages": [
+                *THOUGHT[:1],
+                {**THOUGHT[1], "reasoning_content": "Sum.", "reasoning": None},
+            ]
+        },
+        {},
+    ),
+    ({"messages": THOUGHT, "add_generation_prompt": False}, {}),
+    (
+        {
+            "messages": [*ASK, {"role": "assistant", "content": "The answer is "}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+        {},
+    ),
+]
+
+
+@pytest.mark.parametrize("body, _", RENDERINGS)
+def test_chats_render_as_transformers_renders_them(http, hf_tokenizer, body, _):
+    """/tokenize and a chat's prompt_tokens equal transformers' rendering of the same chat
+    with the same arguments (--chat-template in place of the model's own)."""
+    messages = [{k: v for k, v in m.items() if v is not None} for m in body["messages"]]
+    text = hf_tokenizer.apply_chat_template(
+        _hf_messages(messages),
+        tokenize=False,
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        continue_final_message=body.get("continue_final_message", False),
+        **body.get("chat_template_kwargs", {}),
+    )
+    want = hf_tokenizer.encode(text, add_special_tokens=False)
+    tokenized = http.post("/tokenize", json={"model": MODEL, **body})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == want
+    chat = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1, "temperature": 0, **body}
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == len(want)
+
+
+def test_continue_final_message_goes_on_with_the_last_message(http, hf_tokenizer):
+    body = RENDERINGS[-1][0]
+    ids = http.post("/tokenize", json={"model": MODEL, **body}).json()["tokens"]
+    assert hf_tokenizer.decode(ids).endswith("<|im_start|>assistant\nThe answer is ")
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt false"),
+        ({"chat_template_kwargs": {"messages": []}}, None, "'messages' is set by the request"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs", "dict"),
+        (
+            {"messages": [{"role": "user", "content": "a", "reasoning": "b"}]},
+            "messages.0.reasoning",
+            "only an assistant message has reasoning",
+        ),
+        ({"include_reasoning": "maybe"}, "include_reasoning", "bool"),
+    ],
+)
+def test_bad_template_arguments_are_a_400_that_names_them(http, body, param, words):
+    reply = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 1, **body}
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert words in error["message"]
+    if param is not None:
+        assert error["param"] == param
+    ok = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_tokenize_refuses_chat_fields_without_messages(http):
+    reply = http.post(
+        "/tokenize", json={"model": MODEL, "prompt": "hi", "chat_template_kwargs": {"a": 1}}
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def _forced(text: str) -> dict:
+    """A body field that makes the model write ``text`` (a choice of one)."""
+    return {"structured_outputs": {"choice": [text]}}
+
+
+def _chat(client, stream: bool, messages=ASK, **kwargs):
+    """A chat's (reasoning, content, tool calls, finish reason), whole or from its stream;
+    the stream's reasoning deltas come as reasoning and as reasoning_content, alike."""
+    create = client.chat.completions.create
+    kwargs = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 60, **kwargs}
+    if not stream:
+        [choice] = create(**kwargs).choices
+        message = choice.message.model_dump()
+        assert message["reasoning"] == message["reasoning_content"]
+        calls = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or ()
+        ]
+        return message["reasoning"], message["content"], calls, choice.finish_reason
+    reasoning, content, calls, finish = None, None, [], None
+    for chunk in create(stream=True, **kwargs):
+        [choice] = chunk.choices
+        delta = choice.delta.model_dump()
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+        if delta.get("reasoning"):
+            reasoning = (reasoning or "") + delta["reasoning"]
+        if delta.get("content"):
+            content = (content or "") + delta["content"]
+        calls += [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in delta.get("tool_calls") or ()
+        ]
+        finish = choice.finish_reason or finish
+    return reasoning, content, calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_thought_is_reasoning_and_the_answer_content(client, stream):
+    body = _forced("<think>\nTwo and two make four.\n</think>\n\nThe answer is 4.")
+    reasoning, content, calls, finish = _chat(client, stream, extra_body=body)
+    assert (reasoning, content, calls, finish) == (
+        "\nTwo and two make four.\n",
+        "\n\nThe answer is 4.",
+        [],
+        "stop",
+    )
+    hidden = _chat(client, stream, extra_body={**body, "include_reasoning": False})
+    assert hidden == (None, "\n\nThe answer is 4.", [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_then_a_tool_call(client, stream):
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    body = _forced(f"<think>I need the weather.</think>{call}")
+    reasoning, content, calls, finish = _chat(
+        client, stream, tools=TOOLS, max_tokens=200, extra_body=body
+    )
+    assert (reasoning, content, calls, finish) == (
+        "I need the weather.",
+        None,
+        [("get_weather", '{"city": "Oslo"}')],
+        "tool_calls",
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_thinking_request_is_reasoning_until_the_thought_ends(client, stream):
+    """Unconstrained, the random model never writes </think>: its output is all reasoning
+    (cut short by max_tokens), unless asked not to think."""
+    reasoning, content, _, finish = _chat(client, stream, max_tokens=8)
+    assert reasoning and content is None and finish == "length"
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    reasoning, content, _, finish = _chat(client, stream, max_tokens=8, extra_body=kwargs)
+    assert reasoning is None and content and finish == "length"
+
+
+def test_a_structured_output_is_content(client):
+    """Held to a format from its first token, the output does not think."""
+    reasoning, content, _, _ = _chat(client, False, extra_body=_forced("four"))
+    assert (reasoning, content) == (None, "four")
+
+
+CASES = [
+    # (thinking, text, reasoning (None: none), content)
+    (True, "<think>a</think>b", "a", "b"),
+    (True, "  <think>a</think>b", "a", "b"),
+    (True, "a</think>b", "a", "b"),  # the template opened the thought
+    (True, "abc", "abc", ""),  # cut short while thinking
+    (True, "<think>", "", ""),
+    (True, "<thin", "<thin", ""),
+    (True, "a</think", "a</think", ""),
+    (True, "a</think></think>b", "a", "</think>b"),
+    (False, "abc", None, "abc"),
+    (False, "<think>a</think>b", "a", "b"),
+    (False, "<thin", None, "<thin"),
+    (False, " x<think>a</think>", None, " x<think>a</think>"),
+    (False, "<think>abc", "abc", ""),
+]
+
+
+@pytest.mark.parametrize("thinking, text, reasoning, content", CASES)
+def test_reasoning_reader_splits_alike_in_any_pieces(thinking, text, reasoning, content):
+    for size in (1, 2, 3, 5, 1000):
+        reader = ReasoningReader(thinking)
+        got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        got.append(reader.finish())
+        assert "".join(r for r, _ in got) == (reasoning or "")
+        assert "".join(c for _, c in got) == content
+        assert reader.reasoned == (reasoning is not None)
+
+
+@pytest.mark.parametrize(
+    "parser, fields, thinking",
+    [
+        (None, {}, None),
+        ("qwen3", {}, True),
+        ("qwen3", {"chat_template_kwargs": {"enable_thinking": False}}, False),
+        ("deepseek_r1", {"chat_template_kwargs": {"enable_thinking": False}}, True),
+        ("deepseek_r1", {"response_format": {"type": "json_object"}}, False),
+        ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, False),
+    ],
+)
+def test_which_requests_think(parser, fields, thinking):
+    body = ChatCompletionRequest.model_validate({"messages": ASK, **fields})
+    assert body.chat_output(ChatParsers(reasoning=parser)).thinking is thinking
