@@ -236,7 +236,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # vLLM's: JSON without free whitespace between tokens (a weak model may otherwise write
 # whitespace until max_tokens).
-STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace",)
+# reasoning_end: the token that ends a thinking model's reasoning, which the constraint
+# follows (the reasoning is free), as vLLM holds a reasoning model's output to a format.
+STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "reasoning_end")
 # A spec's characters (a choice list's in all): compiling one holds the tokenizer thread
 # every other request's long prompt waits for (a 17.8 kB schema took 1.3 s).
 MAX_STRUCTURED_OUTPUT_CHARS = 1 << 16
@@ -261,9 +263,11 @@ def _structured_output(value: Any) -> dict[str, Any]:
     if len(kinds) != 1:
         named = " and ".join(map(str, kinds)) or "none"
         raise ValueError(f"structured_output: ask for one kind of output, got {named}")
-    for name, flag in options.items():
-        if type(flag) is not bool:
-            raise ValueError(f"structured_output.{name} must be a bool")
+    if type(options.get("disable_any_whitespace", False)) is not bool:
+        raise ValueError("structured_output.disable_any_whitespace must be a bool")
+    end = options.get("reasoning_end", "-")
+    if type(end) is not str or not 0 < len(end) <= 64:
+        raise ValueError("structured_output.reasoning_end must be a token's text (1-64 characters)")
     [kind] = kinds
     spec = value[kind]
     if kind == "json" and isinstance(spec, dict):

@@ -7,6 +7,8 @@ request, the matcher's bitmask of the tokens allowed next travels in the step pl
 executor masks every other token; after the step, the sampled token advances the matcher.
 The end tokens are allowed only where the constraint is complete, so a request ends, on its
 end token, with an output the constraint accepts (unless ``max_tokens`` cuts it short).
+With a ``reasoning_end`` token (a thinking model's ``</think>``), the output is free until
+that token and held to the constraint after it, as vLLM treats reasoning models.
 xgrammar is imported on the first such request (a few seconds, in the tokenizer thread).
 """
 
@@ -28,18 +30,26 @@ class RequestGrammar:
     """One request's place in its constraint (see ``Scheduler``: ``bitmask`` before a step
     that samples for it, ``accept`` for each token sampled)."""
 
-    __slots__ = ("_matcher", "_bitmask")
+    __slots__ = ("_matcher", "_bitmask", "_reasoning_end")
 
-    def __init__(self, matcher: Any, bitmask: Any) -> None:
+    def __init__(self, matcher: Any, bitmask: Any, reasoning_end: int | None = None) -> None:
         self._matcher, self._bitmask = matcher, bitmask
+        self._reasoning_end = reasoning_end  # None once the constraint holds
 
-    def bitmask(self) -> bytes:
-        """The tokens allowed next, bit ``t % 32`` of little-endian int32 word ``t // 32``."""
+    def bitmask(self) -> bytes | None:
+        """The tokens allowed next, bit ``t % 32`` of little-endian int32 word ``t // 32``;
+        None while the model reasons (any token)."""
+        if self._reasoning_end is not None:
+            return None
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
         return bytes(self._bitmask.numpy().astype("<i4", copy=False).tobytes())
 
     def accept(self, token_id: int) -> bool:
         """Advance past ``token_id``; False if the constraint does not allow it there."""
+        if self._reasoning_end is not None:
+            if token_id == self._reasoning_end:
+                self._reasoning_end = None
+            return True
         return bool(self._matcher.accept_token(token_id))
 
     def is_terminated(self) -> bool:
@@ -86,8 +96,17 @@ class GrammarCompiler:
             # Its messages begin with a time and its source file: "[20:50:13] x.cc:94: ".
             message = _XGRAMMAR_PREFIX.sub("", lines[0])
             raise ValueError(f"structured_output.{kind}: cannot compile it: {message}") from None
+        reasoning_end = None
+        if "reasoning_end" in spec:
+            reasoning_end = self._tokenizer.backend.token_to_id(spec["reasoning_end"])
+            if reasoning_end is None:
+                raise ValueError(
+                    f"structured_output.reasoning_end: {spec['reasoning_end']!r} is not a token "
+                    "of this model (a reasoning model's tag is one token)"
+                )
         matcher = xgr.GrammarMatcher(compiled)
-        return RequestGrammar(matcher, xgr.allocate_token_bitmask(1, self._vocab_size))
+        bitmask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        return RequestGrammar(matcher, bitmask, reasoning_end)
 
     def _ready(self) -> tuple[Any, Any]:
         with self._lock:

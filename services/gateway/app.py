@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.chat_output import NO_PARSERS, ChatChunks, ChatOutput, ChatParsers
 from weir.services.gateway.metrics import GatewayMetrics
+from weir.services.gateway.reasoning import END as REASONING_END
 from weir.services.gateway.router import NoReplicaError, Router
 from weir.services.gateway.schemas import (
     ChatCompletionRequest,
@@ -189,6 +190,7 @@ class Gateway:
         self.metrics = GatewayMetrics(router)
         self._model: dict[str, Any] | None = None
         self._model_lookup: asyncio.Future[dict[str, Any]] | None = None
+        self._reasoning_end_token: bool | None = None  # whether </think> is one token
 
     async def model(self) -> dict[str, Any]:
         """The served model's info (asked of a replica once, then kept; requests that need
@@ -199,6 +201,15 @@ class Gateway:
                 lookup = self._model_lookup = asyncio.ensure_future(self.router.model_info())
             self._model = await asyncio.shield(lookup)  # a caller that leaves cancels only itself
         return self._model
+
+    async def reasoning_end_is_a_token(self) -> bool:
+        """Whether the model's reasoning ends on one token, which a structured output can
+        hold after (asked of a replica once)."""
+        if self._reasoning_end_token is None:
+            client = self.router.choose([]).client
+            ids = await client.tokenize(REASONING_END, add_special_tokens=False)
+            self._reasoning_end_token = len(ids) == 1
+        return self._reasoning_end_token
 
     async def check_model(self, name: str | None) -> dict[str, Any]:
         info = await self.model()
@@ -375,7 +386,12 @@ class Gateway:
         )
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        output = body.chat_output(self.parsers)
+        output = body.chat_output(
+            self.parsers,
+            self.parsers.reasoning is not None
+            and body.asks_structured_output()
+            and await self.reasoning_end_is_a_token(),
+        )
         tool_choice = output.tool_choice
         try:
             return await self._chat_completions(body, output)
@@ -396,6 +412,8 @@ class Gateway:
     async def _chat_completions(self, body: ChatCompletionRequest, output: ChatOutput) -> Response:
         info = await self.check_model(body.model)
         tool_choice = output.tool_choice
+        # A structured output of a thinking request holds after its reasoning.
+        reasoning_end = REASONING_END if output.thinking and body.asks_structured_output() else None
         max_tokens = body.requested_max_tokens()
         logprobs = body.requested_logprobs()
         if tool_choice is not None and tool_choice.kind == "auto" and tool_choice.parser is None:
@@ -410,7 +428,7 @@ class Gateway:
         samples = _samples(
             [chat_prompt(body.messages)],
             body.n,
-            lambda i: body.sampling_params(max_tokens, logprobs, i),
+            lambda i: body.sampling_params(max_tokens, logprobs, i, reasoning_end),
             body.priority,
         )
         for sample in samples:

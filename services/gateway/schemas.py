@@ -286,13 +286,22 @@ class _SamplingFields(_Options):
         return self
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, index: int
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        index: int,
+        reasoning_end: str | None = None,
     ) -> SamplingParams:
         """The parameters of sample ``index`` of ``n``: with a seed, each sample draws
         from its own (``seed + index``, wrapped into int64) so the ``n`` samples differ yet
         reproduce.
-        ``max_tokens=None``: as many as fit after the prompt (the engine knows how many)."""
+        ``max_tokens=None``: as many as fit after the prompt (the engine knows how many).
+        ``reasoning_end``: the token after which a structured output holds (the reasoning
+        before it is free)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        structured_output = self._structured_output()
+        if structured_output is not None and reasoning_end is not None:
+            structured_output = {**structured_output, "reasoning_end": reasoning_end}
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -311,7 +320,7 @@ class _SamplingFields(_Options):
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_output=self._structured_output(),
+            structured_output=structured_output,
         )
 
     def _structured_output(self) -> dict[str, Any] | None:
@@ -330,6 +339,10 @@ class _SamplingFields(_Options):
         elif format_ is not None and format_.json_schema is not None:
             asked["response_format"] = {"json": format_.json_schema.schema_}
         if self.structured_outputs is not None:
+            if "reasoning_end" in self.structured_outputs:
+                raise ValueError(
+                    "structured_outputs.reasoning_end: set by the server's --reasoning-parser"
+                )
             asked["structured_outputs"] = self.structured_outputs
         for kind in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{kind}")
@@ -577,14 +590,21 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             raise _field_errors(type(self).__name__, [("tool_choice", None, problem)])
         return self
 
-    def chat_output(self, parsers: ChatParsers) -> ChatOutput:
-        """How the choices' text is read: its reasoning, if the server reads it (a request
-        held to a format from its first token, or Qwen3's asked not to think, thinks only
-        where its text opens with the tag), and how it holds tool calls (None: content
-        only; so without tools), "auto" read by the server's parser (OpenAI's default)."""
+    def asks_structured_output(self) -> bool:
+        return bool(self._structured_outputs_asked())
+
+    def chat_output(
+        self, parsers: ChatParsers, reasoning_end_is_a_token: bool = False
+    ) -> ChatOutput:
+        """How the choices' text is read: its reasoning, if the server reads it, and how it
+        holds tool calls (None: content only; so without tools), "auto" read by the
+        server's parser (OpenAI's default). Qwen3 asked not to think does not, nor a
+        structured output where the model's vocabulary has no reasoning end token to hold
+        it to its format after (it is held from its first token): they think only where
+        their text opens with the tag."""
         thinking = None
         if parsers.reasoning is not None:
-            thinking = not self._structured_outputs_asked() and not (
+            thinking = (reasoning_end_is_a_token or not self.asks_structured_output()) and not (
                 parsers.reasoning == "qwen3"
                 and (self.chat_template_kwargs or {}).get("enable_thinking") is False
             )

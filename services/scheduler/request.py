@@ -15,8 +15,9 @@ from weir.shared.sampling import SamplingParams
 class Grammar(Protocol):
     """A request's structured-output constraint (``engine.structured_output``)."""
 
-    def bitmask(self) -> bytes:
-        """The tokens allowed next: bit ``t % 32`` of little-endian int32 word ``t // 32``."""
+    def bitmask(self) -> bytes | None:
+        """The tokens allowed next: bit ``t % 32`` of little-endian int32 word ``t // 32``;
+        None while any token is (the model is still reasoning)."""
         ...
 
     def accept(self, token_id: int) -> bool:

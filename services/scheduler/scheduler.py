@@ -437,7 +437,9 @@ class Scheduler:
             num_new = num_scheduled.get(request.request_id)
             if num_new and request.num_computed_tokens + num_new >= len(request.all_token_ids):
                 assert request.grammar is not None
-                masks[request.request_id] = request.grammar.bitmask()
+                mask = request.grammar.bitmask()
+                if mask is not None:
+                    masks[request.request_id] = mask
         return masks
 
     def _victim_index(self) -> int:

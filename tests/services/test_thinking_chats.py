@@ -323,17 +323,83 @@ def test_reasoning_reader_splits_alike_in_any_pieces(thinking, text, reasoning, 
         assert reader.reasoned == (reasoning is not None)
 
 
+JSON = {"response_format": {"type": "json_object"}}
+
+
 @pytest.mark.parametrize(
-    "parser, fields, thinking",
+    "parser, fields, end_is_a_token, thinking",
     [
-        (None, {}, None),
-        ("qwen3", {}, True),
-        ("qwen3", {"chat_template_kwargs": {"enable_thinking": False}}, False),
-        ("deepseek_r1", {"chat_template_kwargs": {"enable_thinking": False}}, True),
-        ("deepseek_r1", {"response_format": {"type": "json_object"}}, False),
-        ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, False),
+        (None, {}, True, None),
+        ("qwen3", {}, False, True),
+        ("qwen3", {"chat_template_kwargs": {"enable_thinking": False}}, True, False),
+        ("deepseek_r1", {"chat_template_kwargs": {"enable_thinking": False}}, False, True),
+        ("deepseek_r1", JSON, False, False),
+        ("deepseek_r1", JSON, True, True),
+        ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, False, False),
+        ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, True, True),
     ],
 )
-def test_which_requests_think(parser, fields, thinking):
+def test_which_requests_think(parser, fields, end_is_a_token, thinking):
     body = ChatCompletionRequest.model_validate({"messages": ASK, **fields})
-    assert body.chat_output(ChatParsers(reasoning=parser)).thinking is thinking
+    assert body.chat_output(ChatParsers(reasoning=parser), end_is_a_token).thinking is thinking
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tmp_path_factory, tiny_model_dir):
+    """The tiny model with <think> and </think> tokens in its vocabulary (in place of two
+    unused ones), not special, as Qwen3's and DeepSeek-R1's are."""
+    path = tmp_path_factory.mktemp("models") / "tiny-think-tokens"
+    shutil.copytree(tiny_model_dir, path)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    for token_id, text in THINK_TOKENS.items():
+        added = next(t for t in tokenizer["added_tokens"] if t["id"] == token_id)
+        del vocab[added["content"]]
+        vocab[text] = token_id
+        added.update(content=text, special=False)
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return path
+
+
+THINK_TOKENS = {15: "<think>", 16: "</think>"}
+
+
+@pytest.fixture(scope="module")
+def thinking_client(thinking_model_dir, template_file):
+    engine = EngineArgs(
+        model=str(thinking_model_dir),
+        chat_template=str(template_file),
+        max_num_batched_tokens=64,
+        block_size=16,
+        max_model_len=512,
+        device="cpu",
+        served_model_name=MODEL,
+    )
+    with ServerProcesses(
+        engine,
+        port=0,
+        metrics_port=0,
+        executor_metrics_port=0,
+        http_port=0,
+        parsers=ChatParsers(tool_call="hermes", reasoning="qwen3"),
+    ) as processes:
+        yield openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="-")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_structured_output_holds_after_the_reasoning(thinking_client, stream):
+    """Where </think> is a token, a thinking request reasons freely and its format holds
+    after: biased to end its thought first, the model writes </think> (which the format
+    alone forbids), then the format's one choice. Asked not to think, the format holds
+    from the first token."""
+    bias = {"logit_bias": {"16": 100}}
+    body = {**_forced("four"), **bias}
+    reasoning, content, _, finish = _chat(thinking_client, stream, extra_body=body)
+    assert (reasoning or "", content, finish) == ("", "four", "stop")
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    assert _chat(thinking_client, stream, extra_body=off) == (None, "four", [], "stop")
+    # Unbiased, the random model never ends its thought: all of it is reasoning.
+    reasoning, content, _, finish = _chat(
+        thinking_client, stream, max_tokens=8, extra_body=_forced("four")
+    )
+    assert reasoning and content is None and finish == "length"
