@@ -285,6 +285,15 @@ class _SamplingFields(_Options):
             )
         return self
 
+    @model_validator(mode="after")
+    def _reasoning_end_is_the_servers(self) -> _SamplingFields:
+        if self.structured_outputs is not None and "reasoning_end" in self.structured_outputs:
+            raise _field_errors(
+                type(self).__name__,
+                [("structured_outputs", None, "reasoning_end is set by --reasoning-parser")],
+            )
+        return self
+
     def sampling_params(
         self,
         max_tokens: int | None,
@@ -339,10 +348,6 @@ class _SamplingFields(_Options):
         elif format_ is not None and format_.json_schema is not None:
             asked["response_format"] = {"json": format_.json_schema.schema_}
         if self.structured_outputs is not None:
-            if "reasoning_end" in self.structured_outputs:
-                raise ValueError(
-                    "structured_outputs.reasoning_end: set by the server's --reasoning-parser"
-                )
             asked["structured_outputs"] = self.structured_outputs
         for kind in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{kind}")

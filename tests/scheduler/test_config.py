@@ -111,6 +111,12 @@ def test_cache_config_requires_num_blocks():
         ({"structured_output": {"json_object": False}}, "structured_output.json_object"),
         ({"structured_output": {"regex": "a" * 65537}}, "structured_output.regex: 65537"),
         ({"structured_output": {"choice": ["ab"] * 40000}}, "structured_output.choice: 80000"),
+        (
+            {"structured_output": {"regex": "a", "disable_any_whitespace": 1}},
+            "structured_output.disable_any_whitespace",
+        ),
+        ({"structured_output": {"regex": "a", "reasoning_end": ""}}, "reasoning_end"),
+        ({"structured_output": {"regex": "a", "reasoning_end": 16}}, "reasoning_end"),
     ],
 )
 def test_sampling_params_rejects(kwargs, field):

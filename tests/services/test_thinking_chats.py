@@ -190,6 +190,11 @@ def test_continue_final_message_goes_on_with_the_last_message(http, hf_tokenizer
             "only an assistant message has reasoning",
         ),
         ({"include_reasoning": "maybe"}, "include_reasoning", "bool"),
+        (
+            {"structured_outputs": {"regex": "a", "reasoning_end": "x"}},
+            "structured_outputs",
+            "reasoning_end is set by --reasoning-parser",
+        ),
     ],
 )
 def test_bad_template_arguments_are_a_400_that_names_them(http, body, param, words):
