@@ -257,7 +257,9 @@ def encode_client_message(msg: ClientMessage) -> bytes:
         }
         if msg.priority:
             fields["priority"] = msg.priority
-        return _pack("generate", fields | _chat_fields(msg.chat))
+        if msg.chat is not NO_CHAT_ARGS:
+            fields.update(_chat_fields(msg.chat))
+        return _pack("generate", fields)
     if isinstance(msg, TokenizeRequest):
         fields = {"request_id": msg.request_id, "prompt": msg.prompt}
         if not msg.add_special_tokens:
@@ -382,9 +384,9 @@ def decode_client_message(frame: bytes) -> ClientMessage:
 
 
 def _chat_args(data: dict[str, Any], prompt: Prompt, request_id: str) -> ChatTemplateArgs:
-    given = [name for name in _CHAT_FIELDS if name in data]
-    if not given:
+    if _CHAT_FIELDS.isdisjoint(data):
         return NO_CHAT_ARGS
+    given = [name for name in _CHAT_FIELDS if name in data]
     problem = None
     if isinstance(prompt, str) or not isinstance(prompt[0], dict):
         problem = f"{given[0]} comes with a chat (a list of messages), not a text or token ids"
