@@ -173,6 +173,35 @@ async def _echoed(
             yield batch
 
 
+async def _tokens_as_ids(
+    outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+) -> AsyncGenerator[list[tuple[int, list[StreamOutput]]], None]:
+    """The outputs with each logprob row's tokens written as ``token_id:ID`` (vLLM's
+    return_tokens_as_token_ids: a token that is part of a character has no text)."""
+    async with aclosing(outputs):
+        async for batch in outputs:
+            for _, outs in batch:
+                for i, out in enumerate(outs):
+                    if out.logprobs is not None:
+                        tokens = [
+                            [f"token_id:{t}" for t in row] for row in out.logprobs["token_ids"]
+                        ]
+                        outs[i] = dataclasses.replace(
+                            out, logprobs={**out.logprobs, "tokens": tokens}
+                        )
+            yield batch
+
+
+def _token_ids(choice: fmt.Choice, prompt_key: str = "") -> dict[str, Any]:
+    """A whole choice's token-id fields, when asked for (vLLM's return_token_ids)."""
+    if choice.token_ids is None:
+        return {}
+    fields: dict[str, Any] = {"token_ids": choice.token_ids}
+    if prompt_key:
+        fields[prompt_key] = choice.prompt_token_ids
+    return fields
+
+
 class Gateway:
     def __init__(
         self,
@@ -355,17 +384,19 @@ class Gateway:
         outputs = self.run(response_id, samples)
         if body.echo:
             outputs = _echoed(outputs, samples, with_logprobs=body.logprobs is not None)
+        if body.return_tokens_as_token_ids:
+            outputs = _tokens_as_ids(outputs)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await self._sse(
                 outputs,
-                fmt.ChunkEvents(base).completion,
+                fmt.ChunkEvents(base, token_ids=body.return_token_ids).completion,
                 base,
                 len(samples),
                 include_usage,
                 prompts_of=body.n,
             )
-        choices = await self._collect(outputs, len(samples))
+        choices = await self._collect(outputs, len(samples), body.return_token_ids)
         return JSONResponse(
             {
                 **base,
@@ -378,6 +409,7 @@ class Gateway:
                         "logprobs": None
                         if body.logprobs is None
                         else fmt.completion_logprobs(c.merged_logprobs(), 0),
+                        **_token_ids(c, prompt_key="prompt_token_ids"),
                     }
                     for c in choices
                 ],
@@ -436,6 +468,8 @@ class Gateway:
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         outputs = self.run(response_id, samples)
+        if body.return_tokens_as_token_ids:
+            outputs = _tokens_as_ids(outputs)
         if body.stream:
             base = {
                 "id": response_id,
@@ -444,7 +478,9 @@ class Gateway:
                 "model": info["model_name"],
             }
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = fmt.ChunkEvents(base, chat_logprobs=logprobs is not None)
+            events = fmt.ChunkEvents(
+                base, chat_logprobs=logprobs is not None, token_ids=body.return_token_ids
+            )
             return await self._sse(
                 outputs,
                 events.chat if output.plain else ChatChunks(events, output).chat,
@@ -454,13 +490,18 @@ class Gateway:
                 prompts_of=body.n,
                 opening=[self._chat_role_chunk(base, i) for i in range(body.n)],
             )
-        choices = await self._collect(outputs, len(samples))
+        choices = await self._collect(outputs, len(samples), body.return_token_ids)
         return JSONResponse(
             {
                 "id": response_id,
                 "object": "chat.completion",
                 "created": created,
                 "model": info["model_name"],
+                **(
+                    {"prompt_token_ids": choices[0].prompt_token_ids}
+                    if body.return_token_ids
+                    else {}
+                ),
                 "choices": [
                     {
                         "index": c.index,
@@ -469,6 +510,7 @@ class Gateway:
                         "logprobs": None
                         if logprobs is None
                         else fmt.chat_logprobs(c.merged_logprobs()),
+                        **_token_ids(c),
                     }
                     for c in choices
                 ],
@@ -506,9 +548,11 @@ class Gateway:
 
     @staticmethod
     async def _collect(
-        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None], num_choices: int
+        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+        num_choices: int,
+        token_ids: bool = False,
     ) -> list[fmt.Choice]:
-        choices = [fmt.Choice(i) for i in range(num_choices)]
+        choices = [fmt.Choice(i, token_ids=[] if token_ids else None) for i in range(num_choices)]
         async with aclosing(outputs):
             async for batch in outputs:
                 for index, outs in batch:

@@ -142,7 +142,14 @@ class ChatChunks:
                 )
         if not self._output.include_reasoning:
             reasoning = ""
-        if not (reasoning or content or deltas or out.finished or out.logprobs is not None):
+        if not (
+            reasoning
+            or content
+            or deltas
+            or out.finished
+            or out.logprobs is not None
+            or (self._events.token_ids and (out.new_token_ids or out.prompt_token_ids))
+        ):
             return ""  # text held back (a tag's start, a call's unfinished object)
         delta: dict[str, Any] = {}
         if reasoning:

@@ -38,11 +38,23 @@ class ChunkEvents:
     response, so a token costs a few string escapes instead of building and dumping a
     nested dict (the largest part of the gateway's CPU per token after the socket write)."""
 
-    __slots__ = ("_head", "_chat_logprobs")
+    __slots__ = ("_base", "_head", "_chat_logprobs", "token_ids")
 
-    def __init__(self, base: dict[str, Any], chat_logprobs: bool = False) -> None:
-        self._head = "data: " + _json(base)[:-1] + ',"choices":[{"index":'
+    def __init__(
+        self, base: dict[str, Any], chat_logprobs: bool = False, token_ids: bool = False
+    ) -> None:
+        self._base = "data: " + _json(base)[:-1]
+        self._head = self._base + ',"choices":[{"index":'
         self._chat_logprobs = chat_logprobs
+        # vLLM's return_token_ids: each chunk's token ids, and the prompt's with the first.
+        self.token_ids = token_ids
+
+    def _ids(self, out: StreamOutput, prompt_key: str) -> str:
+        """The token-id fields of ``out``'s chunk, after ``prompt_key``'s prefix."""
+        ids = f',"token_ids":{_json(out.new_token_ids)}'
+        if out.prompt_token_ids is not None and prompt_key:
+            ids += f',"{prompt_key}":{_json(out.prompt_token_ids)}'
+        return ids
 
     def completion(self, out: StreamOutput, choice: Choice) -> str:
         """A ``text_completion`` chunk (``choice`` has already added ``out``)."""
@@ -51,10 +63,11 @@ class ChunkEvents:
             if out.logprobs is None
             else _json(completion_logprobs(out, choice.length - len(out.text)))
         )
+        ids = self._ids(out, "prompt_token_ids") if self.token_ids else ""
         return (
             f'{self._head}{choice.index},"text":{_json(out.text)},'
             f'"finish_reason":{_json(out.finish_reason if out.finished else None)},'
-            f'"stop_reason":{_json(out.stop_reason)},"logprobs":{logprobs}}}]}}\n\n'
+            f'"stop_reason":{_json(out.stop_reason)},"logprobs":{logprobs}{ids}}}]}}\n\n'
         )
 
     def chat(self, out: StreamOutput, choice: Choice) -> str:
@@ -70,9 +83,18 @@ class ChunkEvents:
 
     def _chat(self, index: int, delta: str, out: StreamOutput, finish_reason: str | None) -> str:
         logprobs = _json(chat_logprobs(out)) if self._chat_logprobs else "null"
+        head, ids = self._head, ""
+        if self.token_ids:
+            ids = self._ids(out, "")
+            if out.prompt_token_ids is not None:  # the chat's, at the top (vLLM's place)
+                head = (
+                    f'{self._base},"prompt_token_ids":{_json(out.prompt_token_ids)},'
+                    '"choices":[{"index":'
+                )
         return (
-            f'{self._head}{index},"delta":{delta},"logprobs":{logprobs},'
-            f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(out.stop_reason)}}}]}}\n\n'
+            f'{head}{index},"delta":{delta},"logprobs":{logprobs},'
+            f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(out.stop_reason)}'
+            f"{ids}}}]}}\n\n"
         )
 
 
@@ -140,6 +162,8 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[StreamOutput] = field(default_factory=list)
+    token_ids: list[int] | None = None  # kept when asked for (return_token_ids)
+    prompt_token_ids: list[int] | None = None
 
     @property
     def text(self) -> str:
@@ -150,6 +174,10 @@ class Choice:
         self.length += len(out.text)
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
+        if self.token_ids is not None:
+            self.token_ids += out.new_token_ids
+            if out.prompt_token_ids is not None:
+                self.prompt_token_ids = out.prompt_token_ids
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if out.logprobs is not None:

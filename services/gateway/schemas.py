@@ -294,6 +294,11 @@ class _SamplingFields(_Options):
             )
         return self
 
+    # vLLM's: the token ids of the output (and prompt) beside the text, and the logprobs'
+    # tokens as "token_id:ID".
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
     def sampling_params(
         self,
         max_tokens: int | None,

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import torch
+import transformers
 from serving_helpers import hf_greedy, metric, read_metrics
 
 from weir.services.cli import main
@@ -1097,3 +1098,50 @@ def test_no_ready_engine_is_503(tmp_path):
         with pytest.raises(openai.InternalServerError) as error:
             offline.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         assert error.value.status_code == 503
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_are_transformers_own(client, tiny_model_dir, tiny_hf_model, stream):
+    """vLLM's return_token_ids: the prompt's ids are transformers' tokenization (a chat's,
+    its template's), the output's its greedy tokens; return_tokens_as_token_ids writes the
+    logprobs' tokens as "token_id:ID"."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = "The quick brown fox"
+    prompt_ids = tokenizer.encode(prompt)
+    want = hf_greedy(tiny_hf_model, prompt_ids, 6)
+    fields = {"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True}
+    kwargs = {"model": MODEL, "max_tokens": 6, "temperature": 0, "extra_body": fields}
+    if stream:
+        chunks = [
+            c.choices[0].model_dump()
+            for c in client.completions.create(prompt=prompt, stream=True, logprobs=1, **kwargs)
+        ]
+        got = [t for c in chunks for t in c["token_ids"]]
+        assert chunks[0]["prompt_token_ids"] == prompt_ids
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+        tokens = [t for c in chunks for t in (c["logprobs"] or {}).get("tokens", [])]
+    else:
+        [choice] = client.completions.create(prompt=prompt, logprobs=1, **kwargs).choices
+        choice = choice.model_dump()
+        assert choice["prompt_token_ids"] == prompt_ids
+        got, tokens = choice["token_ids"], choice["logprobs"]["tokens"]
+        assert all(
+            key.startswith("token_id:") for row in choice["logprobs"]["top_logprobs"] for key in row
+        )
+    assert got == want
+    assert tokens == [f"token_id:{t}" for t in want]
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    chat = client.chat.completions.create(messages=messages, stream=stream, **kwargs)
+    if stream:
+        chunks = [c.model_dump() for c in chat]
+        [first] = [c for c in chunks if "prompt_token_ids" in c]
+        assert first["prompt_token_ids"] == chat_ids
+        got = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
+    else:
+        reply = chat.model_dump()
+        assert reply["prompt_token_ids"] == chat_ids
+        got = reply["choices"][0]["token_ids"]
+    assert got == hf_greedy(tiny_hf_model, chat_ids, 6)
