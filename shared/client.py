@@ -230,6 +230,7 @@ class AsyncWeirClient:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration.
         ``priority``: lower is served first by a server started with ``--policy priority``
@@ -237,12 +238,15 @@ class AsyncWeirClient:
         (OpenAI's), and ``chat_template_kwargs`` as more variables (``enable_thinking``...);
         ``add_generation_prompt`` false ends the prompt at the last message, and
         ``continue_final_message`` renders that message open for the model to go on with
-        (vLLM's chat fields)."""
+        (vLLM's chat fields). ``cache_salt``: the prompt's cached KV blocks are shared only
+        with requests of the same salt (vLLM's; one per tenant)."""
         chat = _chat_args(
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
         await self._wait_until_left(request_id)
-        with self._open_stream(prompt, sampling_params, request_id, priority, chat) as inbox:
+        with self._open_stream(
+            prompt, sampling_params, request_id, priority, chat, cache_salt
+        ) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
                     yield out
@@ -258,6 +262,7 @@ class AsyncWeirClient:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
@@ -266,7 +271,9 @@ class AsyncWeirClient:
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
         await self._wait_until_left(request_id)
-        with self._open_stream(prompt, sampling_params, request_id, priority, chat) as inbox:
+        with self._open_stream(
+            prompt, sampling_params, request_id, priority, chat, cache_salt
+        ) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
 
@@ -340,6 +347,7 @@ class AsyncWeirClient:
         request_id: str | None,
         priority: int,
         chat: ChatTemplateArgs,
+        cache_salt: str | None,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -358,7 +366,14 @@ class AsyncWeirClient:
             )
         # Sent before the stream exists: a request that cannot be sent leaves nothing to abort.
         self._send(
-            GenerateRequest(request_id, prompt, sampling_params or SamplingParams(), priority, chat)
+            GenerateRequest(
+                request_id,
+                prompt,
+                sampling_params or SamplingParams(),
+                priority,
+                chat,
+                cache_salt,
+            )
         )
         inbox = _Inbox()
         self._streams[request_id] = inbox
@@ -649,6 +664,7 @@ class WeirClient:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        cache_salt: str | None = None,
     ) -> Iterator[StreamOutput]:
         # In batches: one round trip to the loop thread per batch, not per output.
         for batch in self.generate_batches(
@@ -660,6 +676,7 @@ class WeirClient:
             chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            cache_salt=cache_salt,
         ):
             yield from batch
 
@@ -674,6 +691,7 @@ class WeirClient:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        cache_salt: str | None = None,
     ) -> Iterator[list[StreamOutput]]:
         self._check_open()
         stream = self._client.generate_batches(
@@ -685,6 +703,7 @@ class WeirClient:
             chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            cache_salt=cache_salt,
         )
         try:
             while True:

@@ -331,7 +331,7 @@ class ClientFrontend:
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
         try:
-            request = self._new_request(rid, prompt_ids, msg.sampling_params, now, msg.priority)
+            request = self._new_request(rid, prompt_ids, msg, now)
             request.grammar = grammar
             self.core.scheduler.add_request(request)
         except ValueError as exc:  # e.g. prompt + max_tokens can never fit the KV cache
@@ -417,10 +417,10 @@ class ClientFrontend:
         self,
         request_id: str,
         prompt_ids: list[int],
-        params: SamplingParams,
+        msg: client_protocol.GenerateRequest,
         arrival_time: float,
-        priority: int,
     ) -> Request:
+        params = msg.sampling_params
         eos = self.tokenizer.eos_token_id
         # Models with several end tokens stop on all of them: the executor bans the same set
         # (model_config.eos_token_ids) before min_tokens.
@@ -435,7 +435,8 @@ class ClientFrontend:
             params,
             eos_token_id=eos,
             arrival_time=arrival_time,
-            priority=priority,
+            priority=msg.priority,
+            cache_salt=msg.cache_salt,
         )
 
     def _tokenize(

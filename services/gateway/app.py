@@ -122,10 +122,15 @@ class _Sample:
     params: SamplingParams
     priority: int
     chat: dict[str, Any] = field(default_factory=dict)  # a chat's template arguments (SDK's)
+    cache_salt: str | None = None
 
 
 def _samples(
-    prompts: Sequence[Prompt], n: int, params: Callable[[int], SamplingParams], priority: int
+    prompts: Sequence[Prompt],
+    n: int,
+    params: Callable[[int], SamplingParams],
+    priority: int,
+    cache_salt: str | None = None,
 ) -> list[_Sample]:
     """``n`` samples of each prompt, choice ``p * n + i``; invalid parameters are a 400."""
     if len(prompts) * n > MAX_CHOICES:
@@ -136,7 +141,7 @@ def _samples(
         )
     try:
         return [
-            _Sample(p * n + i, p, i, prompt, params(i), priority)
+            _Sample(p * n + i, p, i, prompt, params(i), priority, cache_salt=cache_salt)
             for p, prompt in enumerate(prompts)
             for i in range(n)
         ]
@@ -332,13 +337,16 @@ class Gateway:
         budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
         tried: frozenset[str] = frozenset()
         while True:
-            async with self.router.reserve(sample.prompt, budget, tried) as replica:
+            async with self.router.reserve(
+                sample.prompt, budget, tried, sample.cache_salt
+            ) as replica:
                 self.metrics.routed.labels(replica.address).inc()
                 stream = replica.client.generate_batches(
                     sample.prompt,
                     sample.params,
                     request_id=request_id,
                     priority=sample.priority,
+                    cache_salt=sample.cache_salt,
                     **sample.chat,
                 )
                 async with aclosing(stream):
@@ -371,6 +379,7 @@ class Gateway:
             body.n,
             lambda i: body.sampling_params(body.max_tokens, body.logprobs, i),
             body.priority,
+            body.cache_salt,
         )
         for sample in samples:
             sample.params = body.prompt_params(sample.params, prompts[sample.group])
@@ -462,6 +471,7 @@ class Gateway:
             body.n,
             lambda i: body.sampling_params(max_tokens, logprobs, i, reasoning_end),
             body.priority,
+            body.cache_salt,
         )
         for sample in samples:
             sample.chat = body.template_args()

@@ -28,7 +28,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from weir.services.gateway.chat_output import ChatOutput, ChatParsers
 from weir.services.gateway.tool_calls import ToolChoice, parameters_schema, required_schema
-from weir.shared.protocol.client import MAX_ARRAY_LEN
+from weir.shared.protocol.client import MAX_ARRAY_LEN, MAX_CACHE_SALT_LEN
 from weir.shared.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -298,6 +298,8 @@ class _SamplingFields(_Options):
     # tokens as "token_id:ID".
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's: cached prompt blocks are shared only among requests of the same salt.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
 
     def sampling_params(
         self,

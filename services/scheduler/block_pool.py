@@ -22,6 +22,15 @@ from hashlib import blake2b
 ROOT_BLOCK_HASH = blake2b(b"weir prefix cache v1", digest_size=16).digest()
 
 
+def salted_root(cache_salt: str | None) -> bytes:
+    """The chain's root for a request's ``cache_salt`` (vLLM's): requests share cached
+    blocks only with requests of the same salt, so one tenant cannot time another's
+    prompts through cache hits."""
+    if cache_salt is None:
+        return ROOT_BLOCK_HASH
+    return blake2b(ROOT_BLOCK_HASH + cache_salt.encode(), digest_size=16).digest()
+
+
 def chain_block_hashes(
     parent_hash: bytes, token_ids: Sequence[int], block_size: int
 ) -> list[bytes]:

@@ -10,10 +10,10 @@ never points at KV that a preempted or aborted step did not write.
 from __future__ import annotations
 
 from weir.services.scheduler.block_pool import (
-    ROOT_BLOCK_HASH,
     BlockPool,
     KVCacheBlock,
     chain_block_hashes,
+    salted_root,
 )
 from weir.services.scheduler.request import Request
 from weir.shared.arith import cdiv
@@ -47,7 +47,7 @@ class KVCacheManager:
         if start < num_blocks:
             bs = self.block_size
             hashes += chain_block_hashes(
-                hashes[-1] if hashes else ROOT_BLOCK_HASH,
+                hashes[-1] if hashes else salted_root(request.cache_salt),
                 request.all_token_ids[start * bs : num_blocks * bs],
                 bs,
             )

@@ -64,6 +64,7 @@ class Request:
         "eos_token_id",
         "arrival_time",
         "priority",
+        "cache_salt",
         "status",
         "all_token_ids",
         "output_token_ids",
@@ -92,6 +93,7 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if type(request_id) is not str or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -114,6 +116,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else float(arrival_time)
         self.priority = priority
+        self.cache_salt = cache_salt  # its prefix-cache blocks are shared only under it
         self.status = RequestStatus.WAITING
         self.all_token_ids = list(prompt)
         self.output_token_ids: list[int] = []

@@ -6,7 +6,7 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 
 Client -> scheduler::
 
-    generate   {request_id, prompt, sampling_params, priority?, CHAT...}
+    generate   {request_id, prompt, sampling_params, priority?, cache_salt?, CHAT...}
                prompt: str | list[int] | list[{role, content, name?, tool_call_id?, tool_calls?,
                                                 reasoning_content?}]
     abort      {request_id}
@@ -52,6 +52,7 @@ from weir.shared.protocol.envelope import (
 from weir.shared.sampling import SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
+MAX_CACHE_SALT_LEN = 1024
 # Bounds on what one client frame may unpack to: a token-id prompt of a million tokens,
 # maps no wider than a message needs (sampling params have 11 fields).
 MAX_ARRAY_LEN = 1 << 20
@@ -116,6 +117,8 @@ class GenerateRequest:
     # Lower first, under the server's --policy priority (vLLM's request priority).
     priority: int = 0
     chat: ChatTemplateArgs = NO_CHAT_ARGS
+    # Its prompt's cached KV blocks are shared only with requests of the same salt (vLLM's).
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -257,6 +260,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
         }
         if msg.priority:
             fields["priority"] = msg.priority
+        if msg.cache_salt is not None:
+            fields["cache_salt"] = msg.cache_salt
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)
@@ -291,7 +296,14 @@ def _chat_fields(chat: ChatTemplateArgs) -> dict[str, Any]:
 
 _CHAT_FIELDS = {"tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
 _CLIENT_FIELDS = {
-    "generate": {"request_id", "prompt", "sampling_params", "priority", *_CHAT_FIELDS},
+    "generate": {
+        "request_id",
+        "prompt",
+        "sampling_params",
+        "priority",
+        "cache_salt",
+        *_CHAT_FIELDS,
+    },
     "abort": {"request_id"},
     "health": {"request_id", "stream_ids"},
     "model_info": {"request_id"},
@@ -379,8 +391,15 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         raise ClientProtocolError(
             INVALID_REQUEST, f"priority must be a 32-bit int, got {_short(priority)}", raw_id
         )
+    salt = data.get("cache_salt")
+    if salt is not None and (type(salt) is not str or not 0 < len(salt) <= MAX_CACHE_SALT_LEN):
+        raise ClientProtocolError(
+            INVALID_REQUEST,
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters",
+            raw_id,
+        )
     chat = _chat_args(data, prompt, raw_id)
-    return GenerateRequest(raw_id, prompt, sampling_params, priority, chat)
+    return GenerateRequest(raw_id, prompt, sampling_params, priority, chat, salt)
 
 
 def _chat_args(data: dict[str, Any], prompt: Prompt, request_id: str) -> ChatTemplateArgs:
