@@ -32,7 +32,7 @@ def test_round_trip_of_every_client_message():
         (chat, 0, template_args),
         (chat, 0, continued),
     ):
-        msg = client_protocol.GenerateRequest("r1", prompt, params, priority, chat_args)
+        msg = client_protocol.GenerateRequest("r1", prompt, params, priority, chat_args, "salt")
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
@@ -205,6 +205,16 @@ def test_round_trip_of_server_messages():
             frame(type="generate", request_id="x", prompt=CHAT, chat_template_kwargs={"a": 1}),
             client_protocol.INVALID_REQUEST,
             "tools and chat_template_kwargs must be JSON text",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="a", cache_salt=5),
+            client_protocol.INVALID_REQUEST,
+            "cache_salt must be a non-empty string",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="a", cache_salt=""),
+            client_protocol.INVALID_REQUEST,
+            "cache_salt must be a non-empty string",
         ),
         (
             frame(type="generate", request_id="x", prompt=[1], add_generation_prompt=False),

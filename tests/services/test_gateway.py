@@ -1145,3 +1145,28 @@ def test_return_token_ids_are_transformers_own(client, tiny_model_dir, tiny_hf_m
         assert reply["prompt_token_ids"] == chat_ids
         got = reply["choices"][0]["token_ids"]
     assert got == hf_greedy(tiny_hf_model, chat_ids, 6)
+
+
+def test_cache_salt_keeps_cached_prompts_apart(server, client):
+    """vLLM's cache_salt: a prompt's cached blocks serve a later request only under the same
+    salt (no salt being a salt of its own)."""
+    prompt = "Salted prefix caching keeps one tenant's prompts from another's timing."
+    hits = "weir_prefix_cache_hit_tokens_total"
+
+    def cached(salt):
+        before = metric(read_metrics(server.info["metrics_address"]), hits)
+        extra = {"ignore_eos": True} if salt is None else {"ignore_eos": True, "cache_salt": salt}
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra)
+        return metric(read_metrics(server.info["metrics_address"]), hits) - before
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= BLOCK_SIZE
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached(None) >= BLOCK_SIZE
+    for salt in ("", "x" * 1025, 5):
+        reply = httpx.post(
+            server.info["http_address"] + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "cache_salt": salt},
+        )
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt"
