@@ -1,4 +1,5 @@
-"""Offline batch generation: ``LLM(...).generate(prompts, sampling_params)``.
+"""Offline batch generation: ``LLM(...).generate(prompts, sampling_params)``, and
+``LLM(...).chat(conversations, sampling_params)`` as vLLM's.
 
     with LLM(max_num_seqs=64) as llm:
         for c in llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16)):
@@ -82,7 +83,38 @@ class LLM:
         first (with ``policy="priority"``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int | dict)):
             prompts = [prompts]  # a single prompt
-        prompts = list(prompts)
+        return self._run(list(prompts), sampling_params, priority, {})
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        """One ``Completion`` per conversation (one, or a list of them), rendered by the
+        model's chat template with ``tools`` and the other template arguments, as vLLM's
+        ``LLM.chat`` (and the chat API) render them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        chat = {
+            "tools": tools,
+            "chat_template_kwargs": chat_template_kwargs,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+        }
+        return self._run(list(conversations), sampling_params, priority, chat)
+
+    def _run(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+        chat: dict[str, Any],
+    ) -> list[Completion]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -92,16 +124,20 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        return self._loop.run(self._generate_all(prompts, params, priorities))
+        return self._loop.run(self._generate_all(prompts, params, priorities, chat))
 
     def close(self) -> None:
         self._finalizer()
 
     async def _generate_all(
-        self, prompts: list[Prompt], params: list[SamplingParams], priorities: list[int]
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        priorities: list[int],
+        chat: dict[str, Any],
     ) -> list[Completion]:
         tasks = [
-            asyncio.ensure_future(self._generate_one(*request))
+            asyncio.ensure_future(self._generate_one(*request, chat))
             for request in zip(prompts, params, priorities)
         ]
         try:
@@ -112,11 +148,11 @@ class LLM:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _generate_one(
-        self, prompt: Prompt, params: SamplingParams, priority: int
+        self, prompt: Prompt, params: SamplingParams, priority: int, chat: dict[str, Any]
     ) -> Completion:
         completion = Completion("", [], [], "", None)
         texts = []
-        async for out in self._client.generate(prompt, params, priority=priority):
+        async for out in self._client.generate(prompt, params, priority=priority, **chat):
             completion.request_id = out.request_id
             if out.prompt_token_ids is not None:
                 completion.prompt_token_ids = out.prompt_token_ids

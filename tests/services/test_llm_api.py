@@ -58,3 +58,36 @@ def test_an_llm_dropped_without_close_stops_its_processes(tiny_model_dir):
     assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].finish_reason
     del llm
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def test_llm_chat_renders_as_transformers_and_generates_its_greedy_tokens(
+    tiny_model_dir, tiny_hf_model
+):
+    """vLLM's LLM.chat: one conversation or several, the template's arguments as
+    transformers' apply_chat_template takes them (continue_final_message included)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ask = [{"role": "user", "content": "Name a colour."}]
+    started = [*ask, {"role": "assistant", "content": "The colour is"}]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def hf_ids(messages, **kwargs):
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+
+    with LLM(str(tiny_model_dir), kv_cache_memory="1MiB") as llm:
+        [one] = llm.chat(ask, params)
+        two = llm.chat([ask, started], params)
+        [going_on] = llm.chat(
+            started, params, add_generation_prompt=False, continue_final_message=True
+        )
+        with pytest.raises(InvalidRequestError, match="add_generation_prompt false"):
+            llm.chat(started, params, continue_final_message=True)
+    want = hf_ids(ask, add_generation_prompt=True)
+    assert one.prompt_token_ids == two[0].prompt_token_ids == want
+    assert one.token_ids == hf_greedy(tiny_hf_model, want, 3)
+    assert two[1].prompt_token_ids == hf_ids(started, add_generation_prompt=True)
+    want = hf_ids(started, continue_final_message=True)
+    assert going_on.prompt_token_ids == want
+    assert tokenizer.decode(want).endswith("The colour is")
+    assert going_on.token_ids == hf_greedy(tiny_hf_model, want, 3)
