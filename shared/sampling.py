@@ -64,7 +64,8 @@ class SamplingParams:
     ``skip_special_tokens`` is False (vLLM's). ``logprobs=n`` returns the sampled token's logprob and the
     top-n alternatives per output token (``None`` = no logprobs); ``prompt_logprobs=n`` the
     same for each prompt token after the first (vLLM's: the prompt is computed in full, never
-    read from the prefix cache).
+    read from the prefix cache). ``truncate_prompt_tokens=k`` keeps the prompt's last ``k``
+    tokens (-1: as many as leave room for one output token), as vLLM's.
 
     Penalties follow vLLM (and OpenAI): ``presence_penalty`` is subtracted from the logit of
     every token the output holds so far, ``frequency_penalty`` times its count;
@@ -98,6 +99,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    truncate_prompt_tokens: int | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -166,6 +168,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {repetition}")
         put(self, "repetition_penalty", repetition)
         put(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.truncate_prompt_tokens is not None:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be -1 or at least 1, got 0")
         if self.structured_output is not None:
             put(self, "structured_output", _structured_output(self.structured_output))
 
@@ -191,6 +197,7 @@ class SamplingParams:
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": [list(pair) for pair in self.logit_bias],
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
 
     @classmethod

@@ -252,7 +252,7 @@ class ClientFrontend:
         # A structured output compiles in the pool too (xgrammar's first import takes seconds).
         if num_chars <= _INLINE_TOKENIZE_CHARS and msg.sampling_params.structured_output is None:
             try:
-                prompt_ids = self._tokenize(msg.prompt, msg.chat)
+                prompt_ids = self._tokenize(msg)
             except ValueError as exc:
                 self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
                 return
@@ -295,7 +295,7 @@ class ClientFrontend:
 
     def _prepare(self, msg: client_protocol.GenerateRequest) -> tuple[list[int], Grammar | None]:
         """The prompt's token ids and the request's structured-output state (in the pool)."""
-        prompt_ids = self._tokenize(msg.prompt, msg.chat)
+        prompt_ids = self._tokenize(msg)
         spec = msg.sampling_params.structured_output
         return prompt_ids, None if spec is None else self.grammars.matcher(spec)
 
@@ -439,18 +439,20 @@ class ClientFrontend:
             cache_salt=msg.cache_salt,
         )
 
-    def _tokenize(
-        self,
-        prompt: client_protocol.Prompt,
-        chat: client_protocol.ChatTemplateArgs = client_protocol.NO_CHAT_ARGS,
-    ) -> list[int]:
-        """Token ids of a prompt (a chat's rendered with ``chat``); ValueError names what is
-        wrong with it."""
+    def _tokenize(self, msg: client_protocol.GenerateRequest) -> list[int]:
+        """Token ids of a request's prompt (a chat's rendered with its template arguments),
+        truncated as it asks; ValueError names what is wrong with it."""
+        prompt, keep = msg.prompt, msg.sampling_params.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.max_model_len - 1  # room for one output token
         if isinstance(prompt, str) or isinstance(prompt[0], dict):
             # A text gets the model's special tokens (BOS); a chat's template writes them.
-            ids = self._prompt_ids(prompt, chat, add_special_tokens=isinstance(prompt, str))
+            ids = self._prompt_ids(prompt, msg.chat, add_special_tokens=isinstance(prompt, str))
+            if keep is not None:
+                ids = ids[-keep:]
         else:
-            ids = prompt
+            start = 0 if keep is None else max(0, len(prompt) - keep)
+            ids = prompt[start:]
             if len(ids) >= self.max_model_len:  # before the scan over every id
                 raise ValueError(
                     f"prompt is too long: {len(ids)} tokens, but max_model_len is "
@@ -459,7 +461,7 @@ class ClientFrontend:
             bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise ValueError(
-                    f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
+                    f"prompt[{start + bad}]: token id {ids[bad]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
         if not ids:

@@ -15,6 +15,7 @@ import json
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -110,6 +111,12 @@ LogitBias = Annotated[
     Field(fail_fast=True),
     BeforeValidator(_protocol_sized_map),
 ]
+
+
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("must be -1 or at least 1")
+    return value
 
 
 def _wrap_int64(value: int) -> int:
@@ -298,6 +305,8 @@ class _SamplingFields(_Options):
     # tokens as "token_id:ID".
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the prompt's last k tokens (-1: as many as leave room for one output token).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
     # vLLM's: cached prompt blocks are shared only among requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
 
@@ -337,6 +346,7 @@ class _SamplingFields(_Options):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=structured_output,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     def _structured_output(self) -> dict[str, Any] | None:

@@ -116,6 +116,8 @@ def test_cache_config_requires_num_blocks():
             "structured_output.disable_any_whitespace",
         ),
         ({"structured_output": {"regex": "a", "reasoning_end": ""}}, "reasoning_end"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"structured_output": {"regex": "a", "reasoning_end": 16}}, "reasoning_end"),
     ],
 )

@@ -1170,3 +1170,40 @@ def test_cache_salt_keeps_cached_prompts_apart(server, client):
             json={"model": MODEL, "prompt": "a", "cache_salt": salt},
         )
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    server, client, tiny_model_dir, tiny_hf_model
+):
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context keeps its last k
+    tokens (transformers' tokenization of it, cut), and the output is transformers' greedy
+    continuation of those; -1 keeps as many as leave room for one output token."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = "one two three four five six seven eight nine ten " * 10
+    ids = tokenizer.encode(prompt)
+    assert len(ids) > MAX_MODEL_LEN
+    extra = {"ignore_eos": True, "truncate_prompt_tokens": 20}
+    for form in (prompt, ids):
+        reply = client.completions.create(
+            model=MODEL,
+            prompt=form,
+            max_tokens=4,
+            temperature=0,
+            extra_body={**extra, "return_token_ids": True},
+        )
+        assert reply.usage.prompt_tokens == 20
+        assert reply.choices[0].model_dump()["token_ids"] == hf_greedy(tiny_hf_model, ids[-20:], 4)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    assert chat.usage.prompt_tokens == MAX_MODEL_LEN - 1
+    for value in (0, -2, 2.5):
+        reply = httpx.post(
+            server.info["http_address"] + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "truncate_prompt_tokens": value},
+        )
+        assert reply.status_code == 400
+        assert reply.json()["error"]["param"] == "truncate_prompt_tokens"
