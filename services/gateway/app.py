@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +34,13 @@ from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.chat_output import NO_PARSERS, ChatChunks, ChatOutput, ChatParsers
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.reasoning import END as REASONING_END
+from weir.services.gateway.responses import (
+    ResponseEvents,
+    ResponsesFieldError,
+    ResponsesRequest,
+    response_body,
+    whole_response,
+)
 from weir.services.gateway.router import NoReplicaError, Router
 from weir.services.gateway.schemas import (
     ChatCompletionRequest,
@@ -109,6 +116,21 @@ CLIENT_CLOSED_REQUEST = 499
 MAX_CHOICES = 128
 # How the engine names the structured output a tool choice asks for in its refusals.
 _TOOL_SCHEMA_FIELD = "structured_output.json"
+
+
+class _ChatResponder(Protocol):
+    """How a chat's outputs become the response (a chat completion, a Responses API
+    response): given the request, how its text is read, the model's name, an id and the
+    outputs."""
+
+    def __call__(
+        self,
+        body: ChatCompletionRequest,
+        output: ChatOutput,
+        model: str,
+        response_id: str,
+        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+    ) -> Awaitable[Response]: ...
 
 
 @dataclass(slots=True)
@@ -400,10 +422,8 @@ class Gateway:
             return await self._sse(
                 outputs,
                 fmt.ChunkEvents(base, token_ids=body.return_token_ids).completion,
-                base,
                 len(samples),
-                include_usage,
-                prompts_of=body.n,
+                self._chunks_ending(base, include_usage, body.n),
             )
         choices = await self._collect(outputs, len(samples), body.return_token_ids)
         return JSONResponse(
@@ -427,6 +447,18 @@ class Gateway:
         )
 
     async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        return await self._chat(body, self._chat_completion)
+
+    async def responses(self, body: ResponsesRequest) -> Response:
+        """OpenAI's Responses API: the chat its input makes, answered as output items."""
+        try:
+            chat = body.chat_request()
+        except ResponsesFieldError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", param=exc.field) from None
+        return await self._chat(chat, functools.partial(self._response, body))
+
+    async def _chat(self, body: ChatCompletionRequest, respond: _ChatResponder) -> Response:
+        """Run a chat and ``respond`` with its outputs."""
         output = body.chat_output(
             self.parsers,
             self.parsers.reasoning is not None
@@ -435,7 +467,13 @@ class Gateway:
         )
         tool_choice = output.tool_choice
         try:
-            return await self._chat_completions(body, output)
+            info = await self.check_model(body.model)
+            samples = self._chat_samples(body, output)
+            response_id = f"chatcmpl-{uuid.uuid4().hex}"
+            outputs = self.run(response_id, samples)
+            if body.return_tokens_as_token_ids:
+                outputs = _tokens_as_ids(outputs)
+            return await respond(body, output, info["model_name"], response_id, outputs)
         except (APIError, InvalidRequestError) as exc:
             # A tool's schema that cannot be held to is the tools' fault, not a
             # structured_output the client never sent.
@@ -450,13 +488,8 @@ class Gateway:
             )
             raise APIError(400, message, error.type, error.code, "tool_choice") from None
 
-    async def _chat_completions(self, body: ChatCompletionRequest, output: ChatOutput) -> Response:
-        info = await self.check_model(body.model)
+    def _chat_samples(self, body: ChatCompletionRequest, output: ChatOutput) -> list[_Sample]:
         tool_choice = output.tool_choice
-        # A structured output of a thinking request holds after its reasoning.
-        reasoning_end = REASONING_END if output.thinking and body.asks_structured_output() else None
-        max_tokens = body.requested_max_tokens()
-        logprobs = body.requested_logprobs()
         if tool_choice is not None and tool_choice.kind == "auto" and tool_choice.parser is None:
             raise APIError(
                 400,
@@ -466,6 +499,10 @@ class Gateway:
                 "invalid_request_error",
                 param="tool_choice",
             )
+        # A structured output of a thinking request holds after its reasoning.
+        reasoning_end = REASONING_END if output.thinking and body.asks_structured_output() else None
+        max_tokens = body.requested_max_tokens()
+        logprobs = body.requested_logprobs()
         samples = _samples(
             [chat_prompt(body.messages)],
             body.n,
@@ -475,17 +512,25 @@ class Gateway:
         )
         for sample in samples:
             sample.chat = body.template_args()
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return samples
+
+    async def _chat_completion(
+        self,
+        body: ChatCompletionRequest,
+        output: ChatOutput,
+        model: str,
+        response_id: str,
+        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+    ) -> Response:
+        """A chat's outputs as a chat completion, whole or as chunks."""
+        logprobs = body.requested_logprobs()
         created = int(time.time())
-        outputs = self.run(response_id, samples)
-        if body.return_tokens_as_token_ids:
-            outputs = _tokens_as_ids(outputs)
         if body.stream:
             base = {
                 "id": response_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": info["model_name"],
+                "model": model,
             }
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = fmt.ChunkEvents(
@@ -494,19 +539,17 @@ class Gateway:
             return await self._sse(
                 outputs,
                 events.chat if output.plain else ChatChunks(events, output).chat,
-                base,
-                len(samples),
-                include_usage,
-                prompts_of=body.n,
-                opening=[self._chat_role_chunk(base, i) for i in range(body.n)],
+                body.n,
+                self._chunks_ending(base, include_usage, body.n),
+                opening=b"".join(fmt.sse(self._chat_role_chunk(base, i)) for i in range(body.n)),
             )
-        choices = await self._collect(outputs, len(samples), body.return_token_ids)
+        choices = await self._collect(outputs, body.n, body.return_token_ids)
         return JSONResponse(
             {
                 "id": response_id,
                 "object": "chat.completion",
                 "created": created,
-                "model": info["model_name"],
+                "model": model,
                 **(
                     {"prompt_token_ids": choices[0].prompt_token_ids}
                     if body.return_token_ids
@@ -527,6 +570,30 @@ class Gateway:
                 "usage": self._usage(choices, body.n),
             }
         )
+
+    async def _response(
+        self,
+        request: ResponsesRequest,
+        body: ChatCompletionRequest,
+        output: ChatOutput,
+        model: str,
+        response_id: str,
+        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+    ) -> Response:
+        """A chat's outputs as a response of the Responses API, whole or as events."""
+        skeleton = response_body(request, f"resp_{response_id[len('chatcmpl-') :]}", model)
+        if request.stream:
+            events = ResponseEvents(skeleton, output)
+            return await self._sse(
+                outputs,
+                events.chunk,
+                1,
+                events.ending,
+                opening=events.opening(),
+                failure=lambda error: events.error(error.message, error.code, error.param),
+            )
+        [choice] = await self._collect(outputs, 1)
+        return JSONResponse(whole_response(skeleton, output, choice))
 
     async def tokenize(self, body: TokenizeBody) -> Response:
         info = await self.check_model(body.model)
@@ -580,15 +647,16 @@ class Gateway:
         self,
         outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
         chunk: Callable[[StreamOutput, fmt.Choice], str],
-        base: dict[str, Any],
         num_choices: int,
-        include_usage: bool,
+        ending: Callable[[list[fmt.Choice]], bytes],
         *,
-        prompts_of: int,
-        opening: list[dict[str, Any]] | None = None,
+        opening: bytes = b"",
+        failure: Callable[[APIError], bytes] | None = None,
     ) -> StreamingResponse:
-        """A server-sent event stream; a failure before the first output is still an HTTP
-        error status, one after it an ``error`` event. The chunks of the outputs that
+        """A server-sent event stream: ``opening``, a ``chunk`` per output, and ``ending``
+        of the finished choices; a failure before the first output is still an HTTP error
+        status, one after it ``failure``'s events (by default an ``error`` body and
+        ``[DONE]``, as vLLM ends a failed chat stream). The chunks of the outputs that
         arrived together go out in one write: a gateway that falls behind catches up
         with fewer, larger writes instead of falling further behind."""
         choices = [fmt.Choice(i) for i in range(num_choices)]
@@ -612,7 +680,7 @@ class Gateway:
 
         async def events() -> AsyncIterator[bytes]:
             async with aclosing(outputs):
-                head = b"".join(fmt.sse(item) for item in opening or [])
+                head = opening
                 try:
                     if first is not None:
                         head += events_of(first)
@@ -622,16 +690,26 @@ class Gateway:
                         yield events_of(batch)
                 except Exception as exc:
                     error = _api_error(exc)
+                    if failure is not None:
+                        yield failure(error)
+                        return
                     yield fmt.sse(fmt.error_body(error.message, error.type, error.code))
                     yield fmt.sse("[DONE]")  # clients read to it, as after vLLM's errors
                     return
-                if include_usage:
-                    yield fmt.sse(
-                        {**base, "choices": [], "usage": self._usage(choices, prompts_of)}
-                    )
-                yield fmt.sse("[DONE]")
+                yield ending(choices)
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _chunks_ending(
+        self, base: dict[str, Any], include_usage: bool, prompts_of: int
+    ) -> Callable[[list[fmt.Choice]], bytes]:
+        """The end of a chunk stream: the usage chunk, if asked for, and ``[DONE]``."""
+
+        def ending(choices: list[fmt.Choice]) -> bytes:
+            usage = {**base, "choices": [], "usage": self._usage(choices, prompts_of)}
+            return (fmt.sse(usage) if include_usage else b"") + fmt.sse("[DONE]")
+
+        return ending
 
     @staticmethod
     def _chat_role_chunk(base: dict[str, Any], index: int) -> dict[str, Any]:
@@ -864,6 +942,10 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await answer_connected(request, gateway.chat_completions(body))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesRequest) -> Response:
+        return await answer_connected(request, gateway.responses(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request, body: TokenizeBody) -> Response:

@@ -60,7 +60,7 @@ def _prompt_form(value: Any) -> str:
     return "ids"
 
 
-def _protocol_sized(value: Any) -> Any:
+def protocol_sized(value: Any) -> Any:
     """A list the engine's protocol cannot carry is refused before its items are checked."""
     if isinstance(value, list) and len(value) > MAX_ARRAY_LEN:
         raise ValueError(f"{len(value)} items; at most {MAX_ARRAY_LEN}")
@@ -79,7 +79,7 @@ Prompt = Annotated[
     | Annotated[TokenIds, Tag("ids")]
     | Annotated[list[TokenIds], Tag("batch"), Field(fail_fast=True)],
     Discriminator(_prompt_form),
-    BeforeValidator(_protocol_sized),
+    BeforeValidator(protocol_sized),
 ]
 
 
@@ -153,7 +153,7 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
-def _field_errors(title: str, errors: list[tuple[str, Any, str]]) -> ValidationError:
+def field_errors(title: str, errors: list[tuple[str, Any, str]]) -> ValidationError:
     """A validation error of each ``(field, value, message)``, located at its field (pydantic
     nests it under the model's own location)."""
     return ValidationError.from_exception_data(
@@ -169,7 +169,7 @@ def _field_errors(title: str, errors: list[tuple[str, Any, str]]) -> ValidationE
     )
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     """Unknown fields are refused, in one error (``extra="forbid"`` reports each: a body of a
     million unknown keys would cost seconds of the event loop to list)."""
 
@@ -182,14 +182,16 @@ class _Body(BaseModel):
         if isinstance(data, dict) and (unknown := data.keys() - cls.model_fields - cls._ACCEPTED):
             first = next(name for name in data if name in unknown)  # in the body's order
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
-            raise _field_errors(cls.__name__, [(first, data[first], f"unsupported field{more}")])
+            raise field_errors(cls.__name__, [(first, data[first], f"unsupported field{more}")])
         return data
 
 
-class _Options(_Body):
+class Options(Body):
     """A body of options, as clients send them: null is a field's default, and the fields of
     ``_NEUTRAL`` and ``_IGNORED`` are dropped (a non-neutral value is refused)."""
 
+    _NEUTRAL: ClassVar[dict[str, Any]] = _NEUTRAL
+    _IGNORED: ClassVar[frozenset[str]] = _IGNORED
     _ACCEPTED = frozenset(_NEUTRAL) | _IGNORED
 
     @model_validator(mode="before")
@@ -207,22 +209,22 @@ class _Options(_Body):
                     or type(None) in get_args(field.annotation)
                 ):
                     kept[name] = value
-            elif name in _NEUTRAL:
-                neutral = _NEUTRAL[name]
+            elif name in cls._NEUTRAL:
+                neutral = cls._NEUTRAL[name]
                 if value is not None and not _is_neutral(value, neutral):
                     refused.append((name, value, f"only {json.dumps(neutral)} is supported"))
-            elif name not in _IGNORED:
+            elif name not in cls._IGNORED:
                 return data  # an unknown field, which ``_refuse_unknown_fields`` names
         if refused:
-            raise _field_errors(cls.__name__, refused)
+            raise field_errors(cls.__name__, refused)
         return kept
 
 
-class StreamOptions(_Options):
+class StreamOptions(Options):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     _ACCEPTED = frozenset({"schema"})  # schema_'s name in JSON (pydantic's own attribute)
 
     name: str | None = None
@@ -231,7 +233,7 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -240,14 +242,14 @@ class ResponseFormat(_Body):
     @model_validator(mode="after")
     def _schema_with_json_schema(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise _field_errors(
+            raise field_errors(
                 type(self).__name__,
                 [("json_schema", None, 'given with, and only with, type "json_schema"')],
             )
         return self
 
 
-class _SamplingFields(_Options):
+class _SamplingFields(Options):
     """The fields both endpoints share."""
 
     model: str | None = None
@@ -286,7 +288,7 @@ class _SamplingFields(_Options):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise _field_errors(
+            raise field_errors(
                 type(self).__name__,
                 [("stream_options", None, "only allowed with stream: true")],
             )
@@ -295,7 +297,7 @@ class _SamplingFields(_Options):
     @model_validator(mode="after")
     def _reasoning_end_is_the_servers(self) -> _SamplingFields:
         if self.structured_outputs is not None and "reasoning_end" in self.structured_outputs:
-            raise _field_errors(
+            raise field_errors(
                 type(self).__name__,
                 [("structured_outputs", None, "reasoning_end is set by --reasoning-parser")],
             )
@@ -401,7 +403,7 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
@@ -412,12 +414,12 @@ Content = Annotated[
 ]
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCallMessage(_Body):
+class ToolCallMessage(Body):
     """A call an assistant message made (sent back with the chat that follows it)."""
 
     id: str | None = None
@@ -429,7 +431,7 @@ class ToolCallMessage(_Body):
         return call if self.id is None else {"id": self.id, **call}
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     # null only in an assistant message (OpenAI's, whose tool calls may stand for its text).
     content: Content | None = None
@@ -454,7 +456,7 @@ class ChatMessage(_Body):
         elif self.reasoning_text() is not None and self.role != "assistant":
             problem = (reasoning, "only an assistant message has reasoning")
         if problem is not None:
-            raise _field_errors(type(self).__name__, [(problem[0], None, problem[1])])
+            raise field_errors(type(self).__name__, [(problem[0], None, problem[1])])
         return self
 
     def reasoning_text(self) -> str | None:
@@ -478,23 +480,23 @@ def _first_repeated(names: list[str]) -> str | None:
     return None
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
 
@@ -514,9 +516,9 @@ ToolChoiceField = Annotated[
 
 
 Messages = Annotated[
-    list[ChatMessage], Field(min_length=1, fail_fast=True), BeforeValidator(_protocol_sized)
+    list[ChatMessage], Field(min_length=1, fail_fast=True), BeforeValidator(protocol_sized)
 ]
-Tools = Annotated[list[Tool], Field(fail_fast=True), BeforeValidator(_protocol_sized)]
+Tools = Annotated[list[Tool], Field(fail_fast=True), BeforeValidator(protocol_sized)]
 
 
 def chat_prompt(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -536,7 +538,7 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return prompt
 
 
-class _ChatTemplateFields(_Body):
+class _ChatTemplateFields(Body):
     """vLLM's fields of how the model's template renders a chat."""
 
     tools: Tools | None = None
@@ -547,7 +549,7 @@ class _ChatTemplateFields(_Body):
     @model_validator(mode="after")
     def _continue_without_generation_prompt(self) -> _ChatTemplateFields:
         if self.continue_final_message and self.add_generation_prompt:
-            raise _field_errors(
+            raise field_errors(
                 type(self).__name__,
                 [
                     (
@@ -591,7 +593,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise _field_errors(
+            raise field_errors(
                 type(self).__name__, [("top_logprobs", None, "requires logprobs: true")]
             )
         return self
@@ -600,7 +602,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
         choice, names = self.tool_choice, [tool.function.name for tool in self.tools or ()]
         if (twice := _first_repeated(names)) is not None:
-            raise _field_errors(
+            raise field_errors(
                 type(self).__name__, [("tools", None, f"function {twice!r} is given twice")]
             )
         problem = None
@@ -609,7 +611,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             problem = f"names {choice.function.name!r}, which is not among the tools"
         if problem is not None:
-            raise _field_errors(type(self).__name__, [("tool_choice", None, problem)])
+            raise field_errors(type(self).__name__, [("tool_choice", None, problem)])
         return self
 
     def asks_structured_output(self) -> bool:
@@ -672,7 +674,7 @@ class TokenizeBody(_ChatTemplateFields):
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeBody:
         if (self.prompt is None) == (self.messages is None):
-            raise _field_errors(
+            raise field_errors(
                 type(self).__name__, [("prompt", None, "send a prompt or messages, not both")]
             )
         if self.messages is None and (
@@ -681,12 +683,12 @@ class TokenizeBody(_ChatTemplateFields):
                 "continue_final_message" if self.continue_final_message else None,
             )
         ):
-            raise _field_errors(type(self).__name__, [(given, None, "only with messages")])
+            raise field_errors(type(self).__name__, [(given, None, "only with messages")])
         return self
 
 
-class DetokenizeBody(_Body):
+class DetokenizeBody(Body):
     """vLLM's ``POST /detokenize``: the text of token ids (special tokens included)."""
 
     model: str | None = None
-    tokens: Annotated[TokenIds, BeforeValidator(_protocol_sized)]
+    tokens: Annotated[TokenIds, BeforeValidator(protocol_sized)]

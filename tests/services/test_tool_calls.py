@@ -290,6 +290,55 @@ def test_a_named_function_returns_its_arguments_as_transformers_writes_them(smol
 
 
 @pytest.mark.slow
+def test_the_responses_api_calls_a_function_as_transformers_writes_it(smollm2):
+    """The Responses API's function_call item, whole and streamed (its arguments' deltas,
+    and the SDK's stream helper), holds what transformers writes under the same schema; a
+    call and its output sent back as items render as the chat with the call and the tool's
+    answer does."""
+    client = smollm2[0]
+    want = _hf_format(smollm2, WEATHER, 80)
+    model = client.models.list().data[0].id
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    kwargs = {
+        "model": model,
+        "input": ASK[0]["content"],
+        "tools": tools,
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "temperature": 0,
+        "max_output_tokens": 80,
+    }
+    [call] = client.responses.create(**kwargs).output
+    assert (call.type, call.name, call.arguments, call.status) == (
+        "function_call",
+        "get_weather",
+        want,
+        "completed",
+    )
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        [streamed] = stream.get_final_response().output
+    assert streamed.arguments == want
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == want
+    followed = FOLLOW_UP[1]["tool_calls"][0]
+    items = [
+        *ASK,
+        {
+            "type": "function_call",
+            "call_id": followed["id"],
+            "name": followed["function"]["name"],
+            "arguments": followed["function"]["arguments"],
+        },
+        {"type": "function_call_output", "call_id": followed["id"], "output": "Snow, -4 C."},
+    ]
+    answer = client.responses.create(
+        model=model, input=items, tools=tools, max_output_tokens=1, tool_choice="none"
+    )
+    chat = _call(client, FOLLOW_UP, max_tokens=1, tool_choice="none")
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+
+
+@pytest.mark.slow
 def test_required_returns_the_calls_the_model_writes_in_its_array(smollm2):
     """One call (parallel_tool_calls false): an array of one {name, parameters} object of
     either tool, written here without the gateway's code."""

@@ -1,0 +1,141 @@
+"""OpenAI's Responses API (`POST /v1/responses`) through the official `openai` client, in
+front of real `weir serve` processes on the tiny random Llama: a response is the chat its
+input makes, answered as output items. References: transformers renders the same chat and
+decodes greedily; the stream's events add up to the whole response.
+"""
+
+import httpx
+import openai
+import pytest
+from serving_helpers import hf_greedy
+
+from weir.services.gateway.chat_output import ChatParsers
+from weir.services.launcher import GatewayProcess, ServerProcesses
+from weir.shared.config import EngineArgs
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = "tiny-responses"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    engine = EngineArgs(
+        model=str(tiny_model_dir),
+        max_num_batched_tokens=64,
+        block_size=16,
+        max_model_len=512,
+        device="cpu",
+        served_model_name=MODEL,
+    )
+    with ServerProcesses(
+        engine, port=0, metrics_port=0, executor_metrics_port=0, http_port=0
+    ) as processes:
+        yield processes
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="-")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _events(client, **kwargs) -> list:
+    """A streamed response's events, checked for order: numbered from 0, opened by
+    created and in_progress."""
+    events = list(client.responses.create(model=MODEL, stream=True, **kwargs))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    return events
+
+
+@pytest.mark.parametrize("form", ["text", "items"])
+def test_a_response_is_transformers_greedy_answer_whole_and_streamed(
+    client, tokenizer, tiny_hf_model, form
+):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    want = tokenizer.decode(hf_greedy(tiny_hf_model, ids, 6), skip_special_tokens=True)
+    given = "Hi" if form == "text" else [{"type": "message", "role": "user", "content": "Hi"}]
+    kwargs = {"input": given, "instructions": "Be brief.", "max_output_tokens": 6, "temperature": 0}
+    whole = client.responses.create(model=MODEL, **kwargs)
+    assert whole.output_text == want
+    assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (len(ids), 6)
+    [item] = whole.output
+    assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
+    events = _events(client, **kwargs)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == want
+    assert {e.item_id for e in deltas} == {events[2].item.id}
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == want
+    assert [e.type for e in events[-4:-1]] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+
+
+def test_a_completed_stream_is_the_sdks_final_response(client):
+    """The SDK's stream helper accumulates the events into the response it reports."""
+    kwargs = {"input": "Hi", "max_output_tokens": 40, "temperature": 0}
+    format_ = {"format": {"type": "json_schema", "name": "x", "schema": {"enum": ["yes", "no"]}}}
+    whole = client.responses.create(model=MODEL, text=format_, **kwargs)
+    with client.responses.stream(model=MODEL, text=format_, **kwargs) as stream:
+        final = stream.get_final_response()
+    assert whole.status == final.status == "completed"
+    assert whole.output_text == final.output_text and whole.output_text in ('"yes"', '"no"')
+
+
+def test_reasoning_comes_back_as_a_reasoning_item(server, client, tokenizer, tiny_hf_model):
+    """Behind --reasoning-parser, a thinking model's thought is a reasoning item: the random
+    model never ends its thought, so all of its text is reasoning, and no message follows."""
+    with GatewayProcess(
+        [server.client_address], parsers=ChatParsers(reasoning="deepseek_r1")
+    ) as gateway:
+        thinking = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        want = tokenizer.decode(hf_greedy(tiny_hf_model, ids, 5), skip_special_tokens=True)
+        kwargs = {"input": "Hi", "max_output_tokens": 5, "temperature": 0}
+        [item] = thinking.responses.create(model=MODEL, **kwargs).output
+        assert item.type == "reasoning" and item.content[0].text == want
+        events = _events(thinking, **kwargs)
+        deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        assert "".join(deltas) == want
+        [done] = [e for e in events if e.type == "response.output_item.done"]
+        assert done.item.type == "reasoning" and done.item.content[0].text == want
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "only null"),
+        ({"reasoning": {"effort": "low"}}, "reasoning", "only null"),
+        ({"include": ["message.output_text.logprobs"]}, "include", "only []"),
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": [{"type": "image", "url": "x"}]}, "input.0", "function_call"),
+        ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice", "needs tools"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"top_k": 5}, "top_k", "unsupported field"),
+    ],
+)
+def test_what_a_response_cannot_do_is_a_400_that_names_it(server, fields, param, words):
+    reply = httpx.post(
+        server.info["http_address"] + "/v1/responses",
+        json={"model": MODEL, "input": "Hi", "max_output_tokens": 2, **fields},
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and words in error["message"], error
