@@ -203,39 +203,46 @@ class Tokenizer:
                 f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not as "
                 "a template variable"
             )
+        chat = [_template_message(m) for m in messages]
+        if continue_final_message:  # marked, to cut the rendering after it
+            chat[-1] = {**chat[-1], "content": chat[-1].get("content", "") + _CONTINUE_TAG}
+        # As transformers: a template variable may stand for a special token. One map, so
+        # that no variable's name collides with render's own arguments.
         text = self._chat_template.render(
-            # As transformers: a template variable may stand for a special token.
-            **{"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-            | (template_kwargs or {}),
-            messages=[_template_message(m) for m in messages],
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
+            {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+            | (template_kwargs or {})
+            | {"messages": chat, "tools": tools, "add_generation_prompt": add_generation_prompt}
         )
-        return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
+        return _cut_at_tag(text, messages[-1]) if continue_final_message else text
 
 
 # What a request sets itself; documents: transformers' (RAG), which Weir does not take.
 _TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
+# transformers' mark of the end of the message to continue.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+def _cut_at_tag(text: str, final: dict[str, Any]) -> str:
     """``text`` up to the end of the final message's content, as transformers continues a
-    message (a template may trim the content's surrounding spaces)."""
-    content = final.get("content", "")
-    if content.strip() not in text:
+    message: where the mark after it was rendered (without the spaces before it, where the
+    template trims them)."""
+    tag = _CONTINUE_TAG.strip()
+    if final.get("content", "").strip() not in text or tag not in text:
         raise ValueError(
             "continue_final_message: the chat template does not render the last message's "
             "text as it is, so it cannot be continued"
         )
-    start = text.rindex(content.strip())
-    if text[start : start + len(content.lstrip())] == content:
-        return text[: start + len(content.lstrip())]
-    return text[: start + len(content.strip())]
+    end = text.rindex(tag)
+    return (
+        text[:end] if text[end : end + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:end].rstrip()
+    )
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
     if message.get("role") == "developer":
         message = {**message, "role": "system"}
+    if "reasoning_content" in message:  # gpt-oss's templates read it as thinking
+        message = {"thinking": message["reasoning_content"], **message}
     if message.get("tool_calls"):
         message = {
             **message,

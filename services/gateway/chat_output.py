@@ -102,9 +102,10 @@ class ChatOutput:
         more_reasoning, rest, _ = reader.finish()
         message = {"role": "assistant", "content": (content + rest) or None}
         if reader.reasoning is not None:
+            # An empty thought is none, as a stream (which sends no empty delta) has it.
             reasoned = reader.reasoning.reasoned and self.include_reasoning
             message["reasoning"] = message["reasoning_content"] = (
-                reasoning + more_reasoning if reasoned else None
+                (reasoning + more_reasoning or None) if reasoned else None
             )
         finish_reason = choice.finish_reason
         if reader.tools is not None:

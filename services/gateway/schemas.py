@@ -431,7 +431,19 @@ class ToolCallMessage(Body):
         return call if self.id is None else {"id": self.id, **call}
 
 
-class ChatMessage(Body):
+class ChatMessage(Options):
+    """A chat message as clients send it back: the openai SDK's whole message (its nulls),
+    litellm's too (its provider_specific_fields, a copy of what the response held)."""
+
+    _NEUTRAL: ClassVar[dict[str, Any]] = {
+        "refusal": None,
+        "audio": None,
+        "function_call": None,
+        "annotations": [],
+    }
+    _IGNORED: ClassVar[frozenset[str]] = frozenset({"provider_specific_fields"})
+    _ACCEPTED = frozenset(_NEUTRAL) | _IGNORED
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     # null only in an assistant message (OpenAI's, whose tool calls may stand for its text).
     content: Content | None = None
@@ -460,7 +472,8 @@ class ChatMessage(Body):
         return self
 
     def reasoning_text(self) -> str | None:
-        return self.reasoning if self.reasoning is not None else self.reasoning_content
+        # transformers' choice, where both are given: the name templates read.
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def text(self) -> str:
         if self.content is None:
@@ -624,13 +637,18 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         holds tool calls (None: content only; so without tools), "auto" read by the
         server's parser (OpenAI's default). Qwen3 asked not to think does not, nor a
         structured output where the model's vocabulary has no reasoning end token to hold
-        it to its format after (it is held from its first token): they think only where
-        their text opens with the tag."""
+        it to its format after (it is held from its first token), nor a continued message
+        (the output goes on with its text): they think only where their text opens with
+        the tag."""
         thinking = None
         if parsers.reasoning is not None:
-            thinking = (reasoning_end_is_a_token or not self.asks_structured_output()) and not (
-                parsers.reasoning == "qwen3"
-                and (self.chat_template_kwargs or {}).get("enable_thinking") is False
+            thinking = (
+                (reasoning_end_is_a_token or not self.asks_structured_output())
+                and not self.continue_final_message
+                and not (
+                    parsers.reasoning == "qwen3"
+                    and (self.chat_template_kwargs or {}).get("enable_thinking") is False
+                )
             )
         choice = self.tool_choice or "auto"
         tool_choice = None

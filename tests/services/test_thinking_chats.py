@@ -117,11 +117,8 @@ def http(server):
 
 
 def _hf_messages(messages):
-    """The messages as transformers' templates take them: reasoning as reasoning_content."""
-    return [
-        {("reasoning_content" if k == "reasoning" else k): v for k, v in m.items()}
-        for m in messages
-    ]
+    """The messages as transformers takes them (it reads both names of the reasoning)."""
+    return messages
 
 
 RENDERINGS = [
@@ -143,6 +140,40 @@ RENDERINGS = [
             "messages": [*ASK, {"role": "assistant", "content": "The answer is "}],
             "add_generation_prompt": False,
             "continue_final_message": True,
+        },
+        {},
+    ),
+    # Final messages whose text is empty, only spaces, spaced at both ends, or written again
+    # later by the template (inside <|im_end|>): the cut is where the message ends.
+    *(
+        (
+            {
+                "messages": [*ASK, {"role": "assistant", "content": content, **reasoning}],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+            {},
+        )
+        for content, reasoning in (
+            ("", {}),
+            (" \n", {}),
+            (" abc ", {}),
+            ("im", {}),
+            ("", {"reasoning": "A partial thought."}),
+        )
+    ),
+    # Both names of the reasoning: transformers renders reasoning_content.
+    (
+        {
+            "messages": [
+                *ASK,
+                {
+                    "role": "assistant",
+                    "content": "4.",
+                    "reasoning": "R1",
+                    "reasoning_content": "R2",
+                },
+            ]
         },
         {},
     ),
@@ -173,7 +204,7 @@ def test_chats_render_as_transformers_renders_them(http, hf_tokenizer, body, _):
 
 
 def test_continue_final_message_goes_on_with_the_last_message(http, hf_tokenizer):
-    body = RENDERINGS[-1][0]
+    [body] = [b for b, _ in RENDERINGS if b.get("continue_final_message")][:1]
     ids = http.post("/tokenize", json={"model": MODEL, **body}).json()["tokens"]
     assert hf_tokenizer.decode(ids).endswith("<|im_start|>assistant\nThe answer is ")
 
@@ -208,6 +239,29 @@ def test_bad_template_arguments_are_a_400_that_names_them(http, body, param, wor
         assert error["param"] == param
     ok = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def test_messages_sent_back_as_clients_send_them(http, client):
+    """The openai SDK's whole message (its nulls) and litellm's (its provider_specific_fields)
+    come back in the next turn; a template variable may have any name."""
+    reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    sdk = reply.choices[0].message.model_dump()
+    litellm = {**sdk, "provider_specific_fields": {"reasoning": sdk["reasoning"]}}
+    for message in (sdk, litellm):
+        body = {"model": MODEL, "messages": [*ASK, message, *ASK], "max_tokens": 1}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 1, "chat_template_kwargs": {"self": 1}}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_continued_message_goes_on_as_content(client, stream):
+    """The output of continue_final_message goes on with the message's text: content, not
+    a thought (the template closed any thought before it)."""
+    started = [*ASK, {"role": "assistant", "content": "The answer is", "reasoning": "Sum."}]
+    kwargs = {"add_generation_prompt": False, "continue_final_message": True}
+    reasoning, content, _, _ = _chat(client, stream, started, max_tokens=4, extra_body=kwargs)
+    assert reasoning is None and content
 
 
 def test_tokenize_refuses_chat_fields_without_messages(http):
@@ -265,6 +319,8 @@ def test_a_thought_is_reasoning_and_the_answer_content(client, stream):
     )
     hidden = _chat(client, stream, extra_body={**body, "include_reasoning": False})
     assert hidden == (None, "\n\nThe answer is 4.", [], "stop")
+    empty = _chat(client, stream, extra_body=_forced("<think></think>4"))
+    assert empty == (None, "4", [], "stop")
 
 
 @pytest.mark.parametrize("stream", [False, True])
