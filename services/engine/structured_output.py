@@ -125,4 +125,6 @@ class GrammarCompiler:
 def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar whose sentences are exactly ``choices`` (JSON string escapes are
     xgrammar's too)."""
-    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+    # Characters as they are: xgrammar reads \u escapes one UTF-16 unit at a time, so an
+    # escaped character past U+FFFF would become two unpaired surrogates.
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)

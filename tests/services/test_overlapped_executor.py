@@ -360,3 +360,21 @@ def test_a_failed_launch_fails_only_its_request_and_the_step_ahead_still_answers
     for i, prompt in enumerate(prompts):
         if i != 5:
             assert tokens[f"r{i}"] == hf_greedy(tiny_hf_model, prompt, 10), f"r{i}"
+
+
+def test_a_choice_holds_characters_past_the_bmp_as_their_utf8(tiny_model_dir):
+    """A choice's emoji is the tokens transformers writes it as (xgrammar once read its JSON
+    escape as two surrogates, and forced their bytes instead: invalid UTF-8)."""
+    from transformers import AutoTokenizer
+
+    from weir.services.engine.structured_output import GrammarCompiler
+    from weir.shared.tokenizer import Tokenizer
+
+    choice = "ça 🌍 日本語🙂"
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir).encode(choice, add_special_tokens=False)
+    eos = 2
+    grammar = GrammarCompiler(Tokenizer.from_model_dir(tiny_model_dir), 49152, [eos]).matcher(
+        {"choice": [choice]}
+    )
+    assert all(grammar.accept(token) for token in ids)
+    assert grammar.accept(eos) and grammar.is_terminated()
