@@ -4,7 +4,34 @@ import urllib.request
 
 import torch
 
+from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
+from weir.services.launcher import ServerProcesses
+from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
+
+
+def small_server(
+    model_dir, name: str, parsers: ChatParsers = NO_PARSERS, **engine
+) -> ServerProcesses:
+    """`weir serve` on a small model with the HTTP gateway, every port free, a context of
+    512 tokens in blocks of 16 (``engine`` overrides any engine option)."""
+    options = {
+        "model": str(model_dir),
+        "max_num_batched_tokens": 64,
+        "block_size": 16,
+        "max_model_len": 512,
+        "device": "cpu",
+        "served_model_name": name,
+        **engine,
+    }
+    return ServerProcesses(
+        EngineArgs(**options),
+        port=0,
+        metrics_port=0,
+        executor_metrics_port=0,
+        http_port=0,
+        parsers=parsers,
+    )
 
 
 def hf_greedy(

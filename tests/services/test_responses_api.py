@@ -7,11 +7,10 @@ decodes greedily; the stream's events add up to the whole response.
 import httpx
 import openai
 import pytest
-from serving_helpers import hf_greedy
+from serving_helpers import hf_greedy, small_server
 
 from weir.services.gateway.chat_output import ChatParsers
-from weir.services.launcher import GatewayProcess, ServerProcesses
-from weir.shared.config import EngineArgs
+from weir.services.launcher import GatewayProcess
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,17 +19,7 @@ MODEL = "tiny-responses"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    engine = EngineArgs(
-        model=str(tiny_model_dir),
-        max_num_batched_tokens=64,
-        block_size=16,
-        max_model_len=512,
-        device="cpu",
-        served_model_name=MODEL,
-    )
-    with ServerProcesses(
-        engine, port=0, metrics_port=0, executor_metrics_port=0, http_port=0
-    ) as processes:
+    with small_server(tiny_model_dir, MODEL) as processes:
         yield processes
 
 

@@ -15,12 +15,11 @@ import shutil
 import httpx
 import openai
 import pytest
+from serving_helpers import small_server
 
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.reasoning import ReasoningReader
 from weir.services.gateway.schemas import ChatCompletionRequest
-from weir.services.launcher import ServerProcesses
-from weir.shared.config import EngineArgs
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,25 +81,14 @@ def hf_tokenizer(tmp_path_factory, tiny_model_dir):
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
+PARSERS = ChatParsers(tool_call="hermes", reasoning="qwen3")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, template_file):
-    engine = EngineArgs(
-        model=str(tiny_model_dir),
-        chat_template=str(template_file),  # the model's own renders no reasoning
-        max_num_batched_tokens=64,
-        block_size=16,
-        max_model_len=512,
-        max_num_seqs=16,
-        device="cpu",
-        served_model_name=MODEL,
-    )
-    with ServerProcesses(
-        engine,
-        port=0,
-        metrics_port=0,
-        executor_metrics_port=0,
-        http_port=0,
-        parsers=ChatParsers(tool_call="hermes", reasoning="qwen3"),
+    # --chat-template: the model's own renders no reasoning.
+    with small_server(
+        tiny_model_dir, MODEL, PARSERS, chat_template=str(template_file)
     ) as processes:
         yield processes
 
@@ -427,22 +415,8 @@ THINK_TOKENS = {15: "<think>", 16: "</think>"}
 
 @pytest.fixture(scope="module")
 def thinking_client(thinking_model_dir, template_file):
-    engine = EngineArgs(
-        model=str(thinking_model_dir),
-        chat_template=str(template_file),
-        max_num_batched_tokens=64,
-        block_size=16,
-        max_model_len=512,
-        device="cpu",
-        served_model_name=MODEL,
-    )
-    with ServerProcesses(
-        engine,
-        port=0,
-        metrics_port=0,
-        executor_metrics_port=0,
-        http_port=0,
-        parsers=ChatParsers(tool_call="hermes", reasoning="qwen3"),
+    with small_server(
+        thinking_model_dir, MODEL, PARSERS, chat_template=str(template_file)
     ) as processes:
         yield openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="-")
 

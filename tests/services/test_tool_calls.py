@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 import zmq
-from serving_helpers import hf_constrained
+from serving_helpers import hf_constrained, small_server
 
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.tool_calls import (
@@ -127,23 +127,8 @@ def hf_tokenizer(tools_model_dir):
 
 @pytest.fixture(scope="module")
 def server(tools_model_dir):
-    engine = EngineArgs(
-        model=str(tools_model_dir),
-        max_num_batched_tokens=64,
-        block_size=16,
-        max_model_len=512,
-        max_num_seqs=16,
-        device="cpu",
-        served_model_name=MODEL,
-    )
-    with ServerProcesses(
-        engine,
-        port=0,
-        metrics_port=0,
-        executor_metrics_port=0,
-        http_port=0,
-        parsers=ChatParsers(tool_call="hermes"),
-    ) as processes:
+    parsers = ChatParsers(tool_call="hermes")
+    with small_server(tools_model_dir, MODEL, parsers, max_num_seqs=16) as processes:
         yield processes
 
 
