@@ -117,6 +117,9 @@ MAX_CHOICES = 128
 # How the engine names the structured output a tool choice asks for in its refusals.
 _TOOL_SCHEMA_FIELD = "structured_output.json"
 
+# A request's outputs as they arrive: per batch, each choice index with its new outputs.
+Batches = AsyncGenerator[list[tuple[int, list[StreamOutput]]], None]
+
 
 class _ChatResponder(Protocol):
     """How a chat's outputs become the response (a chat completion, a Responses API
@@ -129,7 +132,7 @@ class _ChatResponder(Protocol):
         output: ChatOutput,
         model: str,
         response_id: str,
-        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+        outputs: Batches,
     ) -> Awaitable[Response]: ...
 
 
@@ -172,11 +175,11 @@ def _samples(
 
 
 async def _echoed(
-    outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+    outputs: Batches,
     samples: list[_Sample],
     *,
     with_logprobs: bool,
-) -> AsyncGenerator[list[tuple[int, list[StreamOutput]]], None]:
+) -> Batches:
     """The outputs with each sample's prompt before its first output's text (the prompt as
     sent, or its tokens' text for token ids) and, ``with_logprobs``, its prompt's rows
     before the first output's rows."""
@@ -201,8 +204,8 @@ async def _echoed(
 
 
 async def _tokens_as_ids(
-    outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
-) -> AsyncGenerator[list[tuple[int, list[StreamOutput]]], None]:
+    outputs: Batches,
+) -> Batches:
     """The outputs with each logprob row's tokens written as ``token_id:ID`` (vLLM's
     return_tokens_as_token_ids: a token that is part of a character has no text)."""
     async with aclosing(outputs):
@@ -280,9 +283,7 @@ class Gateway:
 
     # ------------------------------------------------------------------ sample streams
 
-    async def run(
-        self, request_id: str, samples: list[_Sample]
-    ) -> AsyncGenerator[list[tuple[int, list[StreamOutput]]], None]:
+    async def run(self, request_id: str, samples: list[_Sample]) -> Batches:
         """Every sample's outputs, merged as they come: each batch holds, per choice index,
         all that arrived since the last batch (at least one output); the first failure is
         raised. Closing this iterator cancels the samples, which aborts their requests."""
@@ -520,7 +521,7 @@ class Gateway:
         output: ChatOutput,
         model: str,
         response_id: str,
-        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+        outputs: Batches,
     ) -> Response:
         """A chat's outputs as a chat completion, whole or as chunks."""
         logprobs = body.requested_logprobs()
@@ -578,7 +579,7 @@ class Gateway:
         output: ChatOutput,
         model: str,
         response_id: str,
-        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+        outputs: Batches,
     ) -> Response:
         """A chat's outputs as a response of the Responses API, whole or as events."""
         skeleton = response_body(request, f"resp_{response_id[len('chatcmpl-') :]}", model)
@@ -625,7 +626,7 @@ class Gateway:
 
     @staticmethod
     async def _collect(
-        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+        outputs: Batches,
         num_choices: int,
         token_ids: bool = False,
     ) -> list[fmt.Choice]:
@@ -645,7 +646,7 @@ class Gateway:
 
     async def _sse(
         self,
-        outputs: AsyncGenerator[list[tuple[int, list[StreamOutput]]], None],
+        outputs: Batches,
         chunk: Callable[[StreamOutput, fmt.Choice], str],
         num_choices: int,
         ending: Callable[[list[fmt.Choice]], bytes],
