@@ -14,6 +14,7 @@ from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.input_batch import InputBatch
 from weir.services.executor.sampler import Sampler, SamplingBatch
 from weir.shared.model_config import eos_token_ids
+from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol.step import NewRequest
 from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import Tokenizer
@@ -52,7 +53,8 @@ def _scheduler_request(model_dir: Path, params: SamplingParams):
         model_info=lambda: {},
     )
     try:
-        return frontend._new_request("r", [1, 2, 3], params, 0.0, 0)
+        request = client_protocol.GenerateRequest("r", [1, 2, 3], params)
+        return frontend._new_request("r", [1, 2, 3], request, 0.0)
     finally:
         frontend.close()
 
