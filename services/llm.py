@@ -99,6 +99,10 @@ class LLM:
         """One ``Completion`` per conversation (one, or a list of them), rendered by the
         model's chat template with ``tools`` and the other template arguments, as vLLM's
         ``LLM.chat`` (and the chat API) render them."""
+        if not isinstance(messages, list | tuple):
+            raise TypeError(
+                "messages must be a conversation (a list of messages) or a list of them"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         chat = {
             "tools": tools,

@@ -42,7 +42,20 @@ def _text(content: ItemText) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-class MessageItem(Body):
+class _ReturnedItem(Options):
+    """An item as the openai SDK sends back its own output: its newer fields, null."""
+
+    _NEUTRAL: ClassVar[dict[str, Any]] = {
+        "async": None,
+        "caller": None,
+        "namespace": None,
+        "phase": None,
+    }
+    _IGNORED: ClassVar[frozenset[str]] = frozenset()
+    _ACCEPTED = frozenset(_NEUTRAL)
+
+
+class MessageItem(_ReturnedItem):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: ItemText
@@ -50,7 +63,7 @@ class MessageItem(Body):
     status: str | None = None
 
 
-class FunctionCallItem(Body):
+class FunctionCallItem(_ReturnedItem):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -133,10 +146,17 @@ class ResponsesRequest(Options):
         "background": False,
         "include": [],
         "previous_response_id": None,
-        "reasoning": None,
     }
     _IGNORED: ClassVar[frozenset[str]] = frozenset(
-        {"store", "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier"}
+        {
+            "store",
+            "metadata",
+            "user",
+            "service_tier",
+            "prompt_cache_key",
+            "prompt_cache_retention",
+            "safety_identifier",
+        }
     )
     _ACCEPTED = frozenset(_NEUTRAL) | _IGNORED
 
@@ -151,6 +171,8 @@ class ResponsesRequest(Options):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    # Its options unset (as agents send it by default); an effort would change the output.
+    reasoning: dict[str, None] | None = None
 
     @model_validator(mode="after")
     def _input_not_empty(self) -> ResponsesRequest:
@@ -173,6 +195,14 @@ class ResponsesRequest(Options):
             if isinstance(item, ReasoningItem):
                 reasoning = "".join(part.text for part in item.content or item.summary)
                 continue
+            if reasoning is not None and (
+                isinstance(item, FunctionCallOutputItem)
+                or (isinstance(item, MessageItem) and item.role != "assistant")
+            ):  # a thought that nothing followed: its own assistant turn
+                messages.append(
+                    {"role": "assistant", "content": "", "reasoning_content": reasoning}
+                )
+                reasoning = None
             if isinstance(item, MessageItem) and item.role != "assistant":
                 messages.append({"role": item.role, "content": _text(item.content)})
             elif isinstance(item, FunctionCallOutputItem):
@@ -201,6 +231,8 @@ class ResponsesRequest(Options):
                         "function": {"name": item.name, "arguments": item.arguments},
                     }
                     turn.setdefault("tool_calls", []).append({"id": item.call_id, **call})
+        if reasoning is not None:
+            messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
         return messages
 
     def chat_request(self) -> ChatCompletionRequest:

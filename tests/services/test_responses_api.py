@@ -107,11 +107,53 @@ def test_reasoning_comes_back_as_a_reasoning_item(server, client, tokenizer, tin
         assert done.item.type == "reasoning" and done.item.content[0].text == want
 
 
+def test_what_clients_send_back_or_leave_unset_is_taken(client):
+    """The SDK's own items sent back whole (their newer fields null), agents' unset reasoning
+    options and cache retention: accepted, as they change nothing."""
+    first = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    items = [{"role": "user", "content": "Hi"}]
+    items += [item.model_dump(by_alias=True) for item in first.output]
+    items.append({"role": "user", "content": "More"})
+    reply = client.responses.create(
+        model=MODEL,
+        input=items,
+        max_output_tokens=2,
+        reasoning={"effort": None, "summary": None},
+        extra_body={"prompt_cache_retention": "in_memory"},
+    )
+    assert reply.status == "incomplete"
+
+
+def test_a_thought_that_nothing_followed_keeps_its_turn():
+    from weir.services.gateway.responses import ResponsesRequest
+
+    body = ResponsesRequest.model_validate(
+        {
+            "input": [
+                {"role": "user", "content": "a"},
+                {
+                    "type": "reasoning",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "R"}],
+                },
+                {"role": "user", "content": "b"},
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "S"}]},
+            ]
+        }
+    )
+    assert body.messages() == [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "", "reasoning_content": "R"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "", "reasoning_content": "S"},
+    ]
+
+
 @pytest.mark.parametrize(
     "fields, param, words",
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "only null"),
-        ({"reasoning": {"effort": "low"}}, "reasoning", "only null"),
+        ({"reasoning": {"effort": "low"}}, "reasoning.effort", "Input should be None"),
         ({"include": ["message.output_text.logprobs"]}, "include", "only []"),
         ({"input": []}, "input", "must not be empty"),
         ({"input": [{"type": "image", "url": "x"}]}, "input.0", "function_call"),
