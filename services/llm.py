@@ -76,14 +76,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
         """One ``Completion`` per prompt, in prompt order; a prompt is text, token ids or
         chat messages (``[{"role": "user", "content": "..."}]``). If one fails, the call
         raises its error and the others are aborted. ``priority``: one per prompt, lower
-        first (with ``policy="priority"``)."""
+        first (with ``policy="priority"``). ``lora_name``: the LoRA adapter (of
+        ``lora_modules``) of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int | dict)):
             prompts = [prompts]  # a single prompt
-        return self._run(list(prompts), sampling_params, priority, {})
+        return self._run(list(prompts), sampling_params, priority, lora_name, {})
 
     def chat(
         self,
@@ -95,6 +97,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         priority: Sequence[int] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
         """One ``Completion`` per conversation (one, or a list of them), rendered by the
         model's chat template with ``tools`` and the other template arguments, as vLLM's
@@ -110,13 +113,14 @@ class LLM:
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
         }
-        return self._run(list(conversations), sampling_params, priority, chat)
+        return self._run(list(conversations), sampling_params, priority, lora_name, chat)
 
     def _run(
         self,
         prompts: list[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         priority: Sequence[int] | None,
+        lora_name: str | Sequence[str | None] | None,
         chat: dict[str, Any],
     ) -> list[Completion]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -128,7 +132,13 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
-        return self._loop.run(self._generate_all(prompts, params, priorities, chat))
+        if lora_name is None or isinstance(lora_name, str):
+            loras = [lora_name] * len(prompts)
+        else:
+            loras = list(lora_name)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_names for {len(prompts)} prompts")
+        return self._loop.run(self._generate_all(prompts, params, priorities, loras, chat))
 
     def close(self) -> None:
         self._finalizer()
@@ -138,11 +148,12 @@ class LLM:
         prompts: list[Prompt],
         params: list[SamplingParams],
         priorities: list[int],
+        loras: list[str | None],
         chat: dict[str, Any],
     ) -> list[Completion]:
         tasks = [
             asyncio.ensure_future(self._generate_one(*request, chat))
-            for request in zip(prompts, params, priorities)
+            for request in zip(prompts, params, priorities, loras)
         ]
         try:
             return list(await asyncio.gather(*tasks))
@@ -152,11 +163,19 @@ class LLM:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _generate_one(
-        self, prompt: Prompt, params: SamplingParams, priority: int, chat: dict[str, Any]
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        priority: int,
+        lora_name: str | None,
+        chat: dict[str, Any],
     ) -> Completion:
         completion = Completion("", [], [], "", None)
         texts = []
-        async for out in self._client.generate(prompt, params, priority=priority, **chat):
+        stream = self._client.generate(
+            prompt, params, priority=priority, lora_name=lora_name, **chat
+        )
+        async for out in stream:
             completion.request_id = out.request_id
             if out.prompt_token_ids is not None:
                 completion.prompt_token_ids = out.prompt_token_ids

@@ -231,6 +231,7 @@ class AsyncWeirClient:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration.
         ``priority``: lower is served first by a server started with ``--policy priority``
@@ -239,13 +240,14 @@ class AsyncWeirClient:
         ``add_generation_prompt`` false ends the prompt at the last message, and
         ``continue_final_message`` renders that message open for the model to go on with
         (vLLM's chat fields). ``cache_salt``: the prompt's cached KV blocks are shared only
-        with requests of the same salt (vLLM's; one per tenant)."""
+        with requests of the same salt (vLLM's; one per tenant). ``lora_name``: the LoRA
+        adapter (of the server's ``--lora-modules``) the request runs through."""
         chat = _chat_args(
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
         await self._wait_until_left(request_id)
         with self._open_stream(
-            prompt, sampling_params, request_id, priority, chat, cache_salt
+            prompt, sampling_params, request_id, priority, chat, cache_salt, lora_name
         ) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
@@ -263,6 +265,7 @@ class AsyncWeirClient:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
@@ -272,7 +275,7 @@ class AsyncWeirClient:
         )
         await self._wait_until_left(request_id)
         with self._open_stream(
-            prompt, sampling_params, request_id, priority, chat, cache_salt
+            prompt, sampling_params, request_id, priority, chat, cache_salt, lora_name
         ) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
@@ -348,6 +351,7 @@ class AsyncWeirClient:
         priority: int,
         chat: ChatTemplateArgs,
         cache_salt: str | None,
+        lora_name: str | None,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -373,6 +377,7 @@ class AsyncWeirClient:
                 priority,
                 chat,
                 cache_salt,
+                lora_name,
             )
         )
         inbox = _Inbox()
@@ -665,6 +670,7 @@ class WeirClient:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> Iterator[StreamOutput]:
         # In batches: one round trip to the loop thread per batch, not per output.
         for batch in self.generate_batches(
@@ -677,6 +683,7 @@ class WeirClient:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             cache_salt=cache_salt,
+            lora_name=lora_name,
         ):
             yield from batch
 
@@ -692,6 +699,7 @@ class WeirClient:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> Iterator[list[StreamOutput]]:
         self._check_open()
         stream = self._client.generate_batches(
@@ -704,6 +712,7 @@ class WeirClient:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             cache_salt=cache_salt,
+            lora_name=lora_name,
         )
         try:
             while True:

@@ -16,6 +16,8 @@ import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from weir.shared.lora import LoraModule, parse_lora_modules
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (vLLM's
 # name), for benchmarks on machines the weights cannot reach.
@@ -76,9 +78,12 @@ class SchedulerConfig:
     policy: str = "fcfs"
     num_speculative_tokens: int = 0
     async_scheduling: bool = False
+    # Distinct LoRA adapters among running requests (0: the server serves none).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_loras", self.max_loras, 0)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
@@ -263,6 +268,19 @@ class EngineArgs:
         "waiting-queue order",
         choices=SCHEDULING_POLICIES,
     )
+    enable_lora: bool = _arg(
+        False, _BOTH, "serve LoRA adapters (those of --lora-modules; implied by it)"
+    )
+    lora_modules: tuple[str, ...] = _arg(
+        (),
+        _BOTH,
+        "LoRA adapters as name=path (PEFT directories), requested by their name as the model",
+        nargs="+",
+    )
+    max_loras: int = _arg(
+        1, SCHEDULER, "most distinct LoRA adapters among the requests running at once", type=int
+    )
+    max_lora_rank: int = _arg(16, _BOTH, "highest LoRA rank an adapter may have", type=int)
     speculative_method: str | None = _arg(
         None,
         _BOTH,  # the executor captures CUDA graphs of speculative decodes' query length
@@ -386,6 +404,14 @@ class EngineArgs:
                 raise ValueError(f"kv_cache_memory: {exc}") from None
             object.__setattr__(self, "kv_cache_memory", size)  # frozen
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if isinstance(self.lora_modules, (str, list)):  # LLM(lora_modules="a=/x") or a list
+            modules = (
+                (self.lora_modules,) if isinstance(self.lora_modules, str) else self.lora_modules
+            )
+            object.__setattr__(self, "lora_modules", tuple(modules))  # frozen
+        parse_lora_modules(self.lora_modules, self.served_model_name)
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
         if self.threads is not None:
@@ -452,11 +478,13 @@ class EngineArgs:
         argv: list[str] = []
         for f in _engine_fields(role):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or value == ():
                 continue
             flag = "--" + f.name.replace("_", "-")
             if f.type == "bool":
                 argv.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, tuple):
+                argv += [flag, *map(str, value)]
             else:
                 argv += [flag, str(value)]
         return argv
@@ -473,7 +501,17 @@ class EngineArgs:
             policy=self.policy,
             num_speculative_tokens=self.num_speculative_tokens if self.speculative_method else 0,
             async_scheduling=self.async_scheduling and not self.speculative_method,
+            max_loras=self.max_loras if self.lora_enabled else 0,
         )
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def loras(self) -> list[LoraModule]:
+        """The adapters of ``lora_modules``, in their order."""
+        return parse_lora_modules(self.lora_modules, self.served_model_name)
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(

@@ -254,6 +254,12 @@ class ExecutorGroup:
                 f"executor serves {hello.model_name[:200]} (vocab {hello.vocab_size}), "
                 f"scheduler serves {want.model_name} (vocab {want.vocab_size})"
             )
+        lora_names = [module.name for module in args.loras]
+        if hello.lora_names != lora_names:
+            return (
+                f"executor serves LoRA adapters {hello.lora_names[:20]}, scheduler serves "
+                f"{lora_names}: give both the same --lora-modules"
+            )
         for name, theirs, ours in (
             ("max_num_batched_tokens", hello.max_num_batched_tokens, args.max_num_batched_tokens),
             ("max_num_seqs", hello.max_num_seqs, args.max_num_seqs),

@@ -110,6 +110,7 @@ class ClientFrontend:
         health: Callable[[list[str]], dict[str, Any]],
         model_info: Callable[[], dict[str, Any]],
         max_prompt_chars: int | None = None,
+        lora_names: tuple[str, ...] = (),
     ) -> None:
         self._sock = sock
         self.tokenizer = tokenizer
@@ -122,6 +123,7 @@ class ClientFrontend:
         self._requests_ended = requests_ended
         self._health = health
         self._model_info = model_info
+        self.lora_names = lora_names  # the LoRA adapters requests may name
         self.core: EngineCore | None = None
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
@@ -358,6 +360,12 @@ class ClientFrontend:
                 f"priority {msg.priority}: this server schedules {policy}, so requests have "
                 "no priority (start it with --policy priority), or send priority 0"
             )
+        if msg.lora_name is not None and msg.lora_name not in self.lora_names:
+            served = f"it serves {list(self.lora_names)}" if self.lora_names else "it serves none"
+            raise ValueError(
+                f"lora_name {msg.lora_name[:256]!r}: this server has no such LoRA adapter; "
+                f"{served} (weir serve --lora-modules NAME=PATH)"
+            )
         self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         self._check_vocabulary("logit_bias", (t for t, _ in params.logit_bias))
         stop_chars = sum(map(len, params.stop))
@@ -437,6 +445,7 @@ class ClientFrontend:
             arrival_time=arrival_time,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            lora_name=msg.lora_name,
         )
 
     def _tokenize(self, msg: client_protocol.GenerateRequest) -> list[int]:

@@ -53,6 +53,7 @@ from weir.shared.keys import (
     serve_curve,
     start_authenticator,
 )
+from weir.shared.lora import read_adapter_config
 from weir.shared.model_config import read_model_config
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import MAX_LOGPROBS
@@ -122,6 +123,8 @@ class SchedulerServer:
             raise ValueError("max_prompt_chars must be at least 1")
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
+        for module in self.engine_args.loras:  # and bad adapters, before executors load them
+            read_adapter_config(module.path, self.engine_args.max_lora_rank)
         directory = keys_dir(self.engine_args.keys_dir)
         self.keys = None if directory is None else SchedulerKeys.load(directory)
         self.metrics = SchedulerMetrics(self.model_name)
@@ -179,6 +182,7 @@ class SchedulerServer:
             self._health,
             self._model_info,
             self.engine_args.max_prompt_chars,
+            tuple(module.name for module in self.engine_args.loras),
         )
         self.group = ExecutorGroup(
             executor_sock,
@@ -486,4 +490,5 @@ class SchedulerServer:
             "eos_token_id": self.tokenizer.eos_token_id,
             "block_size": self.engine_args.block_size,
             "num_blocks": self._num_blocks if self.core is not None else None,
+            "lora_names": [module.name for module in self.engine_args.loras],
         }

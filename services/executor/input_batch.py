@@ -71,9 +71,15 @@ class InputBatch:
     """Per-request state in slot-indexed arrays. Slots grow on demand; preempted requests keep theirs."""
 
     def __init__(
-        self, max_model_len: int, block_size: int, capacity: int, eos_token_ids: tuple[int, ...]
+        self,
+        max_model_len: int,
+        block_size: int,
+        capacity: int,
+        eos_token_ids: tuple[int, ...],
+        lora_ids: dict[str, int] | None = None,
     ) -> None:
         self.max_model_len = max_model_len
+        self.lora_ids = lora_ids or {}  # adapter name -> its id (0: the base model)
         self.block_size = block_size
         self.max_blocks_per_req = cdiv(max_model_len, block_size)
         self.eos_token_ids = list(eos_token_ids)
@@ -107,6 +113,7 @@ class InputBatch:
             ("presence_penalty", np.float32, (), 0),
             ("frequency_penalty", np.float32, (), 0),
             ("repetition_penalty", np.float32, (), 1),
+            ("lora_id", np.int32, (), 0),
             # Bumped whenever a slot's tokens are set from a plan: a reservation made before
             # is void (`fill_reserved`).
             ("generation", np.int64, (), 0),
@@ -166,6 +173,11 @@ class InputBatch:
     def _add(self, req: NewRequest) -> None:
         if req.request_id in self.slot_of:
             raise ValueError(f"request {req.request_id!r} is already in the batch")
+        lora_id = 0 if req.lora_name is None else self.lora_ids.get(req.lora_name)
+        if lora_id is None:
+            raise ValueError(
+                f"request {req.request_id!r}: this executor has no LoRA adapter {req.lora_name!r}"
+            )
         if not self._free:
             self._grow(2 * self.capacity)
         slot = self._free.pop()
@@ -189,6 +201,7 @@ class InputBatch:
         self.presence_penalty[slot] = sp.presence_penalty
         self.frequency_penalty[slot] = sp.frequency_penalty
         self.repetition_penalty[slot] = sp.repetition_penalty
+        self.lora_id[slot] = lora_id
         if sp.logit_bias:
             ids, biases = zip(*sp.logit_bias)
             self.logit_bias[slot] = (np.array(ids, np.int64), np.array(biases, np.float32))

@@ -9,7 +9,7 @@ sums the row-parallel partial products through `TensorParallel` (see `parallel.p
 """
 
 import math
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from weir.services.executor.attention import AttentionBackend, AttentionMetadata
 from weir.services.executor.parallel import TensorParallel
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
+
+if TYPE_CHECKING:  # lora.py builds on this module
+    from weir.services.executor.lora import LoraBatch
 
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
@@ -157,6 +160,7 @@ def silu_and_mul(gate_up: torch.Tensor, kernels: LayerKernels | None) -> torch.T
 class DecoderLayer(nn.Module):
     def __init__(
         self,
+        index: int,
         cfg: ModelConfig,
         layout: ShardLayout,
         tp: TensorParallel | None,
@@ -166,6 +170,7 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
     ):
         super().__init__()
+        self.index = index
         h, d, inter = cfg.hidden_size, cfg.head_dim, layout.intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, d
         self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
@@ -186,14 +191,20 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype)
 
     def _add_row_parallel(
-        self, linear: Linear, residual: torch.Tensor, x: torch.Tensor
+        self,
+        name: str,
+        residual: torch.Tensor,
+        x: torch.Tensor,
+        lora: "LoraBatch | None",
     ) -> torch.Tensor:
-        """residual + linear(x) where each rank holds some of x's columns: rank 0 adds the
-        residual to its partial product, the others contribute theirs, one all-reduce sums."""
-        if self.tp is None:
-            return linear.add_to(residual, x)
-        out = linear.add_to(residual, x) if self.tp.rank == 0 else linear(x)
-        return self.tp.all_reduce(out)
+        """residual + projection ``name`` of x, where each rank holds some of x's columns:
+        rank 0 adds the residual to its partial product, the others contribute theirs, one
+        all-reduce sums (an adapter's partial updates with them)."""
+        linear = getattr(self, name)
+        out = linear.add_to(residual, x) if self.tp is None or self.tp.rank == 0 else linear(x)
+        if lora is not None:
+            lora.add(out, x, self.index, name)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward(
         self,
@@ -202,10 +213,15 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
+        lora: "LoraBatch | None" = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        qkv = self.qkv_proj(self.input_layernorm(x)).view(num_tokens, heads, self.head_dim)
+        normed = self.input_layernorm(x)
+        qkv = self.qkv_proj(normed)
+        if lora is not None:
+            lora.add(qkv, normed, self.index, "qkv_proj")
+        qkv = qkv.view(num_tokens, heads, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
         if self.q_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
@@ -218,9 +234,15 @@ class DecoderLayer(nn.Module):
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(q, kv_cache, meta, self.scale)
-        x = self._add_row_parallel(self.o_proj, x, attn.reshape(num_tokens, self.q_size))
-        act = self.gate_up_proj.silu_mul(self.post_attention_layernorm(x))
-        return self._add_row_parallel(self.down_proj, x, act)
+        x = self._add_row_parallel("o_proj", x, attn.reshape(num_tokens, self.q_size), lora)
+        normed = self.post_attention_layernorm(x)
+        if lora is None:
+            act = self.gate_up_proj.silu_mul(normed)
+        else:  # the update joins gate/up before the activation
+            gate_up = self.gate_up_proj(normed)
+            lora.add(gate_up, normed, self.index, "gate_up_proj")
+            act = silu_and_mul(gate_up, self.kernels)
+        return self._add_row_parallel("down_proj", x, act, lora)
 
 
 class CausalLM(nn.Module):
@@ -252,8 +274,8 @@ class CausalLM(nn.Module):
             requires_grad=False,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.layout, tp, attention, layer_kernels, device, dtype)
-            for _ in range(cfg.num_layers)
+            DecoderLayer(i, cfg, self.layout, tp, attention, layer_kernels, device, dtype)
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, layer_kernels)
         self.lm_head = (
@@ -277,8 +299,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        lora: "LoraBatch | None" = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for T flat tokens."""
+        """Hidden states [T, hidden] after the final norm, for T flat tokens (with ``lora``,
+        each request's adapter added to its tokens)."""
         self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0])
         # cos/sin in fp32 then cast, as HF does, so bf16 rotations match.
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
@@ -286,7 +310,7 @@ class CausalLM(nn.Module):
         sin = freqs.sin().to(self.dtype).unsqueeze(1)
         x = self._embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, attn_metadata, kv_cache)
+            x = layer(x, cos, sin, attn_metadata, kv_cache, lora)
         return self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.input_batch import InputBatch, Reservation, StepInputs
+from weir.services.executor.lora import LoraAdapters
 from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
 from weir.services.executor.quantization import check_quantization
 from weir.services.executor.sampler import (
@@ -46,6 +47,7 @@ from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
 from weir.shared.config import ENGINE_DEFAULTS, MAX_NUM_KV_BLOCKS, resolve_max_model_len
+from weir.shared.lora import LoraModule
 from weir.shared.model_config import eos_token_ids, read_model_config
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 from weir.shared.shard_layout import ShardLayout
@@ -148,6 +150,8 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         sync_timings: bool | None = None,
         quantization: str | None = None,
+        loras: list[LoraModule] | None = None,
+        max_lora_rank: int = ENGINE_DEFAULTS.max_lora_rank,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -192,6 +196,8 @@ class ModelRunner:
             quantization=quantization,
         )
         self.config = self.model.config
+        # Before the KV cache is sized: adapters take their share of the memory first.
+        self.loras = LoraAdapters.load(self.model, loras, max_lora_rank) if loras else None
         self.max_model_len = resolve_max_model_len(
             max_model_len, self.config.max_position_embeddings
         )
@@ -332,7 +338,11 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (after a step raised, its state is not to be trusted)."""
         self.batch = InputBatch(
-            self.max_model_len, self.block_size, self.max_num_seqs, self.eos_token_ids
+            self.max_model_len,
+            self.block_size,
+            self.max_num_seqs,
+            self.eos_token_ids,
+            {} if self.loras is None else self.loras.ids,
         )
         self._unfinished: LaunchedStep | None = None  # launched, and its tokens may be read
 
@@ -359,7 +369,17 @@ class ModelRunner:
             )
         inputs = self.batch.prepare_inputs(plan)
         feed = None if previous is None else self._feed(previous, inputs)
-        num_reqs = None if self.graphs is None else self.graphs.padded_num_reqs(inputs)
+        lora = (
+            None
+            if self.loras is None
+            else self.loras.batch(
+                self.batch.lora_id[inputs.slots], inputs.query_start_loc, self.device
+            )
+        )
+        # Graphs replay the base model: a step with adapters runs eagerly.
+        num_reqs = (
+            None if self.graphs is None or lora is not None else self.graphs.padded_num_reqs(inputs)
+        )
         if num_reqs is not None:
             assert self.graphs is not None
             self.graphs.stage(inputs, num_reqs)
@@ -385,7 +405,7 @@ class ModelRunner:
         if feed is not None:
             _scatter(input_ids, feed)
         prepared = self._clock()
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches, lora)
         prompt = self._prompt_logprobs(hidden, inputs)
         if not len(inputs.logits_indices):
             step = LaunchedStep(plan, StepTimings(prepared - start), inputs=inputs)

@@ -26,7 +26,7 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")
 # HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills;
 # "*_in": a row-parallel projection, split by its input columns: query heads or MLP columns).
-_LAYER_PARTS: dict[str, tuple[str, str]] = {
+LAYER_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_proj": ("qkv_proj", "q"),
     "self_attn.k_proj": ("qkv_proj", "k"),
     "self_attn.v_proj": ("qkv_proj", "v"),
@@ -103,7 +103,7 @@ def _vocab_rows(cfg: ModelConfig, layout: ShardLayout) -> slice:
     )
 
 
-def _layer_part(
+def layer_part(
     cfg: ModelConfig, layout: ShardLayout, part: str, kind: str
 ) -> tuple[slice, tuple[slice, ...]] | None:
     """(rows of the fused parameter, index into the checkpoint tensor) of one part; None
@@ -126,7 +126,7 @@ def _layer_part(
     }[part]
 
 
-def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     """The whole (unsharded) shape the config gives a checkpoint tensor: a config that
     disagrees with its weights must fail, not load a slice of each."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
@@ -171,15 +171,15 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice, tuple[slice, ...]] 
     if name.endswith("rotary_emb.inv_freq"):
         return None
     m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_PARTS:
+    if m is None or m.group(2) not in LAYER_PARTS:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     if int(m.group(1)) >= cfg.num_layers:
         raise ValueError(
             f"checkpoint tensor {name!r} is past config.json's num_hidden_layers "
             f"{cfg.num_layers}: the config does not describe these weights"
         )
-    module, part = _LAYER_PARTS[m.group(2)]
-    target = _layer_part(cfg, layout, part, m.group(3))
+    module, part = LAYER_PARTS[m.group(2)]
+    target = layer_part(cfg, layout, part, m.group(3))
     if target is None:
         return None
     return (f"layers.{m.group(1)}.{module}.{m.group(3)}", *target)
@@ -201,7 +201,7 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, TensorSource]]) -
         if target is None:
             continue
         param_name, rows, index = target
-        expected = _checkpoint_shape(model.config, name)
+        expected = checkpoint_shape(model.config, name)
         if tuple(source.get_shape()) != expected:
             raise ValueError(
                 f"{name}: checkpoint shape {tuple(source.get_shape())} != {expected} from "

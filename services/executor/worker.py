@@ -168,6 +168,7 @@ class ExecutorWorker:
             attention_backend=runner.attention.name,
             metrics_address=metrics_address,
             tensor_parallel_size=self.options.engine_args.tensor_parallel_size,
+            lora_names=list(runner.loras.names) if runner.loras is not None else [],
         )
 
         ctx = zmq.Context()
@@ -233,6 +234,8 @@ class ExecutorWorker:
             enforce_eager=args.enforce_eager,
             num_speculative_tokens=args.num_speculative_tokens if args.speculative_method else 0,
             quantization=args.quantization,
+            loras=args.loras,
+            max_lora_rank=args.max_lora_rank,
         )
 
     def _handshake(

@@ -16,19 +16,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
-# Chained-hash root. Anything else that changes a block's KV (adapter, multimodal
-# inputs, cache dtype) would be mixed in next to the token ids; a version tag keeps
-# hashes from different layouts apart.
+# Chained-hash root. What else changes a block's KV is mixed into the root (a LoRA
+# adapter, see ``salted_root``; multimodal inputs or a cache dtype would be too); a version
+# tag keeps hashes from different layouts apart.
 ROOT_BLOCK_HASH = blake2b(b"weir prefix cache v1", digest_size=16).digest()
 
 
-def salted_root(cache_salt: str | None) -> bytes:
-    """The chain's root for a request's ``cache_salt`` (vLLM's): requests share cached
-    blocks only with requests of the same salt, so one tenant cannot time another's
-    prompts through cache hits."""
-    if cache_salt is None:
+def salted_root(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """The chain's root for a request's ``cache_salt`` (vLLM's) and LoRA adapter: requests
+    share cached blocks only with requests of the same salt, so one tenant cannot time
+    another's prompts through cache hits, and of the same adapter, whose K/V differ."""
+    if cache_salt is None and lora_name is None:
         return ROOT_BLOCK_HASH
-    return blake2b(ROOT_BLOCK_HASH + cache_salt.encode(), digest_size=16).digest()
+    salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    lora = b"" if lora_name is None else b"lora:" + lora_name.encode()
+    return blake2b(ROOT_BLOCK_HASH + salt + b"\0" + lora, digest_size=16).digest()
 
 
 def chain_block_hashes(

@@ -47,7 +47,7 @@ class KVCacheManager:
         if start < num_blocks:
             bs = self.block_size
             hashes += chain_block_hashes(
-                hashes[-1] if hashes else salted_root(request.cache_salt),
+                hashes[-1] if hashes else salted_root(request.cache_salt, request.lora_name),
                 request.all_token_ids[start * bs : num_blocks * bs],
                 bs,
             )

@@ -65,6 +65,7 @@ class Request:
         "arrival_time",
         "priority",
         "cache_salt",
+        "lora_name",
         "status",
         "all_token_ids",
         "output_token_ids",
@@ -94,6 +95,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         if type(request_id) is not str or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -117,6 +119,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else float(arrival_time)
         self.priority = priority
         self.cache_salt = cache_salt  # its prefix-cache blocks are shared only under it
+        self.lora_name = lora_name  # its LoRA adapter (None: the base model)
         self.status = RequestStatus.WAITING
         self.all_token_ids = list(prompt)
         self.output_token_ids: list[int] = []

@@ -487,13 +487,34 @@ class Scheduler:
         running = self.running
         threshold = config.long_prefill_token_threshold
         on_trial = bool(self._trials)
+        # LoRA adapters of the running requests, once a waiting request has one.
+        adapters: set[str] | None = None
         while len(waiting) and budget > 0 and len(running) < config.max_num_seqs:
+            by_name = on_trial  # taken out of the queue by name, not popped from its head
             if on_trial:
                 request = next((r for r in waiting if not self._excluded(r.request_id)), None)
                 if request is None:
                     break
             else:
                 request = waiting.peek()
+            if request.lora_name is not None:
+                if adapters is None:
+                    adapters = {r.lora_name for r in running if r.lora_name is not None}
+                if request.lora_name not in adapters and len(adapters) >= config.max_loras:
+                    # vLLM's rule: it waits for a running adapter to finish while the
+                    # requests behind it of running adapters, or of none, go first.
+                    request = next(
+                        (
+                            r
+                            for r in waiting
+                            if (r.lora_name is None or r.lora_name in adapters)
+                            and not (on_trial and self._excluded(r.request_id))
+                        ),
+                        None,
+                    )
+                    if request is None:
+                        break
+                    by_name = True
             hits = kv.get_computed_blocks(request)
             num_tokens = len(request.all_token_ids)
             num_hit_tokens = len(hits) * kv.block_size
@@ -509,10 +530,12 @@ class Scheduler:
             reserve = self._watermark_blocks if running else 0
             if kv.num_blocks_to_admit(request, hits) > kv.num_free_blocks - reserve:
                 break
-            if on_trial:
+            if by_name:
                 waiting.remove(request)
             else:
                 waiting.pop()
+            if adapters is not None and request.lora_name is not None:
+                adapters.add(request.lora_name)
             kv.admit(request, hits)
             kv.allocate_slots(request, num_new)  # fits: checked for the whole prompt above
             self._prefix_cache_queries += num_tokens
@@ -534,6 +557,7 @@ class Scheduler:
                         list(request.block_ids),
                         num_hit_tokens,
                         list(outputs) if outputs else [],
+                        request.lora_name,
                     )
                 )
             request.status = _RUNNING

@@ -6,7 +6,8 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 
 Client -> scheduler::
 
-    generate   {request_id, prompt, sampling_params, priority?, cache_salt?, CHAT...}
+    generate   {request_id, prompt, sampling_params, priority?, cache_salt?, lora_name?,
+                CHAT...}
                prompt: str | list[int] | list[{role, content, name?, tool_call_id?, tool_calls?,
                                                 reasoning_content?}]
     abort      {request_id}
@@ -53,6 +54,7 @@ from weir.shared.sampling import SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 1024
+MAX_LORA_NAME_LEN = 256  # as --lora-modules names are
 # Bounds on what one client frame may unpack to: a token-id prompt of a million tokens,
 # maps no wider than a message needs (sampling params have 11 fields).
 MAX_ARRAY_LEN = 1 << 20
@@ -119,6 +121,8 @@ class GenerateRequest:
     chat: ChatTemplateArgs = NO_CHAT_ARGS
     # Its prompt's cached KV blocks are shared only with requests of the same salt (vLLM's).
     cache_salt: str | None = None
+    # The LoRA adapter (one of the server's --lora-modules) its tokens run through.
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -262,6 +266,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["priority"] = msg.priority
         if msg.cache_salt is not None:
             fields["cache_salt"] = msg.cache_salt
+        if msg.lora_name is not None:
+            fields["lora_name"] = msg.lora_name
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)
@@ -302,6 +308,7 @@ _CLIENT_FIELDS = {
         "sampling_params",
         "priority",
         "cache_salt",
+        "lora_name",
         *_CHAT_FIELDS,
     },
     "abort": {"request_id"},
@@ -398,8 +405,17 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_LEN} characters",
             raw_id,
         )
+    lora_name = data.get("lora_name")
+    if lora_name is not None and (
+        type(lora_name) is not str or not 0 < len(lora_name) <= MAX_LORA_NAME_LEN
+    ):
+        raise ClientProtocolError(
+            INVALID_REQUEST,
+            f"lora_name must be a non-empty string of at most {MAX_LORA_NAME_LEN} characters",
+            raw_id,
+        )
     chat = _chat_args(data, prompt, raw_id)
-    return GenerateRequest(raw_id, prompt, sampling_params, priority, chat, salt)
+    return GenerateRequest(raw_id, prompt, sampling_params, priority, chat, salt, lora_name)
 
 
 def _chat_args(data: dict[str, Any], prompt: Prompt, request_id: str) -> ChatTemplateArgs:

@@ -18,7 +18,7 @@ typed records.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 from weir.shared.protocol.envelope import ProtocolError, pack_map, unpack_map
@@ -55,6 +55,7 @@ class ExecutorHello:
     attention_backend: str
     metrics_address: str | None = None
     tensor_parallel_size: int = 1
+    lora_names: list[str] = field(default_factory=list)  # the LoRA adapters it loaded
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ def _check_field(record: str, name: str, annotation: str, value: Any) -> None:
         "int": type(value) is int,
         "str | None": value is None or type(value) is str,
         "list[int]": type(value) is list and all(type(v) is int for v in value),
+        "list[str]": type(value) is list and all(type(v) is str for v in value),
     }[annotation]
     if not ok:
         raise ProtocolError(f"{record}.{name}: expected {annotation}, got {type(value).__name__}")

@@ -46,6 +46,7 @@ class NewRequest:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit tokens: KV already in ``block_ids``
     output_token_ids: list[int] = field(default_factory=list)  # non-empty only when sent again
+    lora_name: str | None = None  # the LoRA adapter its tokens run through (None: the base model)
 
 
 @dataclass(slots=True)

@@ -158,7 +158,8 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 # ----------------------------------------------------------------------------- StepPlan
 # [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32; nil = all 1),
 #  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
-#  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]}],
+#  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]},
+#        {id: lora_name}],
 #  spec {id: [tok]}, preempted_ids, finished_ids, grammar_bitmask {id: bytes}]
 
 
@@ -199,6 +200,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
                 [r.block_ids for r in new],
                 [r.num_computed_tokens for r in new],
                 {r.request_id: r.output_token_ids for r in new if r.output_token_ids},
+                {r.request_id: r.lora_name for r in new if r.lora_name is not None},
             ],
             plan.scheduled_spec_decode_tokens,
             plan.preempted_req_ids,
@@ -210,14 +212,17 @@ def encode_step_plan(plan: StepPlan) -> bytes:
 
 def _decode_new_requests(value: Any) -> list[NewRequest]:
     cols = array("new_requests", value)
-    if len(cols) != 6:
-        raise ProtocolError("new_requests: expected 6 columns")
+    if len(cols) != 7:
+        raise ProtocolError("new_requests: expected 7 columns")
     ids = strs("new_requests.request_id", cols[0])
     prompts = int_lists("new_requests.prompt_token_ids", cols[1])
     params = array("new_requests.sampling_params", cols[2])
     blocks = int_lists("new_requests.block_ids", cols[3])
     computed = ints("new_requests.num_computed_tokens", cols[4])
     outputs = int_list_map("new_requests.output_token_ids", cols[5])
+    loras = request_id_map("new_requests.lora_name", cols[6])
+    if not all(type(name) is str for name in loras.values()):
+        raise bad_element("new_requests.lora_name", list(loras.values()), str)
     if not len(ids) == len(prompts) == len(params) == len(blocks) == len(computed):
         raise ProtocolError("new_requests: columns have different lengths")
     return [
@@ -228,6 +233,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
             blk,
             n,
             outputs.get(rid, []),
+            loras.get(rid),
         )
         for rid, prompt, sp, blk, n in zip(ids, prompts, params, blocks, computed)
     ]

@@ -1,0 +1,181 @@
+"""LoRA adapters on the executor: their weights, fused as the base model's projections are,
+and the per-step pass that adds each request's adapter to its own tokens.
+
+A PEFT adapter holds, per targeted projection ``W`` ([out, in]), ``A`` ([r, in]) and ``B``
+([out, r]); the adapted projection is ``x @ W.T + scaling * (x @ A.T) @ B.T``. Weir fuses
+q/k/v and gate/up into one matmul each (``weights.py``), so an adapter's parts are fused
+the same way: their ``A`` stacked ([parts * r, in]), their ``B`` placed block-diagonally
+where each part's rows sit in the fused output ([out, parts * r]), the scaling folded in.
+A part the adapter does not target is simply absent. Under tensor parallelism a rank holds
+the rows of ``B`` that its column-parallel projections produce, and the columns of ``A`` that
+its row-parallel ones read: its delta to a row-parallel output is a partial sum, reduced
+with the base projection's.
+
+The flat batch is ordered by request, so an adapter's tokens are the rows of its requests;
+a step adds each adapter present to those rows only (``LoraBatch.add``), and requests of
+the base model, or of other adapters, share the step untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+
+from weir.services.executor.model import CausalLM
+from weir.services.executor.weights import LAYER_PARTS, checkpoint_shape, layer_part
+from weir.shared.lora import ADAPTER_WEIGHTS, LoraModule, read_adapter_config
+
+# PEFT's names: base_model.model.<the base model's module>.lora_A.weight
+_KEY = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\."
+    r"(self_attn\.[qkvo]_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)\.lora_([AB])\.weight"
+)
+_ALL = (slice(None),)
+
+
+@dataclass(slots=True)
+class LoraWeights:
+    """One fused projection's update, transposed for ``x @ a_t @ b_t``."""
+
+    a_t: torch.Tensor  # [in, parts * r]
+    b_t: torch.Tensor  # [parts * r, out], scaling folded in
+
+
+@dataclass(slots=True)
+class Adapter:
+    name: str
+    layers: list[dict[str, LoraWeights]]  # per layer: fused projection name -> its update
+
+
+def _projection_rows(model: CausalLM) -> dict[str, int]:
+    """Output rows of each fused projection on this rank."""
+    layout, cfg = model.layout, model.config
+    heads = layout.num_heads + 2 * layout.num_kv_heads
+    return {
+        "qkv_proj": heads * cfg.head_dim,
+        "o_proj": cfg.hidden_size,
+        "gate_up_proj": 2 * layout.intermediate_size,
+        "down_proj": cfg.hidden_size,
+    }
+
+
+def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
+    """``module``'s adapter for this rank of ``model``; ValueError names the file and what
+    does not fit the model."""
+    config = read_adapter_config(module.path, max_rank)
+    path = Path(module.path) / ADAPTER_WEIGHTS
+    cfg, layout = model.config, model.layout
+    # (layer, fused projection) -> [(rows of the fused output, A part, B part)]
+    parts: dict[tuple[int, str], list[tuple[slice, torch.Tensor, torch.Tensor]]] = {}
+    try:
+        opened = safe_open(str(path), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
+    with opened as f:
+        pairs: dict[tuple[int, str], dict[str, str]] = {}
+        for key in f.keys():
+            m = _KEY.fullmatch(key)
+            if m is None:
+                raise ValueError(
+                    f"{path}: tensor {key!r} is not a LoRA A or B matrix of a q/k/v/o/gate/up/"
+                    "down projection, the only modules Weir adapts"
+                )
+            layer = int(m.group(1))
+            if layer >= cfg.num_layers:
+                raise ValueError(
+                    f"{path}: tensor {key!r} is past the model's {cfg.num_layers} layers: "
+                    "the adapter was trained for another model"
+                )
+            pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = key
+        for (layer, hf_module), keys in sorted(pairs.items()):
+            if len(keys) != 2:
+                raise ValueError(f"{path}: {hf_module} of layer {layer} has lora_A or lora_B only")
+            out_features, in_features = checkpoint_shape(
+                cfg, f"model.layers.{layer}.{hf_module}.weight"
+            )
+            a_src, b_src = f.get_slice(keys["A"]), f.get_slice(keys["B"])
+            for name, source, shape in (
+                (keys["A"], a_src, (config.rank, in_features)),
+                (keys["B"], b_src, (out_features, config.rank)),
+            ):
+                if tuple(source.get_shape()) != shape:
+                    raise ValueError(
+                        f"{path}: {name} has shape {tuple(source.get_shape())}, not {shape}: the "
+                        "adapter was trained for another model, or its config's r is wrong"
+                    )
+            projection, part = LAYER_PARTS[hf_module]
+            target = layer_part(cfg, layout, part, "weight")
+            assert target is not None  # only a bias may be another rank's
+            rows, index = target
+            if part.endswith("_in"):  # row-parallel: this rank reads some of the input columns
+                a, b = a_src[index], b_src[_ALL]
+            else:
+                a, b = a_src[_ALL], b_src[index]
+            parts.setdefault((layer, projection), []).append((rows, a, b))
+    if not parts:
+        raise ValueError(f"{path}: holds no LoRA matrices")
+    rows_of = _projection_rows(model)
+    device = model.inv_freq.device
+    layers: list[dict[str, LoraWeights]] = [{} for _ in range(cfg.num_layers)]
+    for (layer, projection), fused in parts.items():
+        rank = config.rank
+        a_t = torch.cat([a for _, a, _ in fused]).t()
+        b_t = torch.zeros(len(fused) * rank, rows_of[projection])
+        for i, (rows, _, b) in enumerate(fused):
+            b_t[i * rank : (i + 1) * rank, rows] = b.float().t() * config.scaling
+        layers[layer][projection] = LoraWeights(
+            a_t.to(device, model.dtype).contiguous(), b_t.to(device, model.dtype).contiguous()
+        )
+    return Adapter(module.name, layers)
+
+
+class LoraAdapters:
+    """Every adapter the server was started with; request ``lora_name``s map to ``ids``
+    (1, 2, ...; 0 is the base model)."""
+
+    def __init__(self, adapters: list[Adapter]) -> None:
+        self.adapters = adapters
+        self.names = tuple(a.name for a in adapters)
+        self.ids = {name: i + 1 for i, name in enumerate(self.names)}
+
+    @classmethod
+    def load(cls, model: CausalLM, modules: list[LoraModule], max_rank: int) -> LoraAdapters:
+        return cls([load_adapter(model, module, max_rank) for module in modules])
+
+    def batch(
+        self, request_ids: np.ndarray, query_start_loc: np.ndarray, device: torch.device
+    ) -> LoraBatch | None:
+        """The step's adapters and their rows, from each scheduled request's adapter id
+        ([R]) and where its tokens start; None when no request has an adapter."""
+        if not request_ids.any():
+            return None
+        token_ids = np.repeat(request_ids, np.diff(query_start_loc))
+        groups: list[tuple[Adapter, torch.Tensor | None]] = []
+        for adapter_id in np.unique(request_ids[request_ids > 0]):
+            rows = np.flatnonzero(token_ids == adapter_id)
+            index = None if len(rows) == len(token_ids) else torch.from_numpy(rows).to(device)
+            groups.append((self.adapters[adapter_id - 1], index))
+        return LoraBatch(groups)
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """One step's adapters, each with the rows of the flat batch it adapts (None: all)."""
+
+    groups: list[tuple[Adapter, torch.Tensor | None]]
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
+        """``out`` (the projection of ``x``) += each adapter's update, on its rows only."""
+        for adapter, rows in self.groups:
+            weights = adapter.layers[layer].get(projection)
+            if weights is None:
+                continue
+            if rows is None:
+                out.addmm_(x @ weights.a_t, weights.b_t)
+            else:
+                out.index_add_(0, rows, (x[rows] @ weights.a_t) @ weights.b_t)

@@ -1,0 +1,136 @@
+"""LoRA adapters as PEFT saves them: which adapters a server serves, and what each one is.
+
+``--lora-modules name=path`` names a directory holding PEFT's ``adapter_config.json`` and
+``adapter_model.safetensors`` (what ``PeftModel.save_pretrained`` writes). The scheduler
+reads the configs at start-up, so a bad adapter fails there with one line, before any
+executor loads weights; the executor reads them again with the tensors
+(``weir.services.executor.lora``). A request names its adapter (the API's ``model``, the
+SDK's ``lora_name``); the adapter's low-rank update ``(alpha / r) * B @ A`` is added to the
+base model's projections for that request's tokens only, so requests of several adapters
+and of the base model share a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT options that make an adapter more than ``(alpha / r) * B @ A`` on linear weights.
+_CHANGES_THE_FORWARD = {
+    "use_dora": "DoRA",
+    "lora_bias": "a trained bias",
+    "modules_to_save": "whole trained modules",
+    "trainable_token_indices": "trained embedding rows",
+    "target_parameters": "adapted parameters beside linear layers",
+    "rank_pattern": "a rank per module",
+    "alpha_pattern": "an alpha per module",
+    "fan_in_fan_out": "transposed weights",
+    "layer_replication": "replicated layers",
+    "alora_invocation_tokens": "activated LoRA",
+    "use_qalora": "QA-LoRA",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "routed adapters",
+    "velora_config": "VeLoRA",
+    "monteclora_config": "MonteCLoRA",
+}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraModule:
+    """One ``--lora-modules`` entry: the name requests use, and the adapter's directory."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, spec: str) -> LoraModule:
+        """``name=path`` (vLLM's form); ValueError says what is wrong with it."""
+        name, sep, path = str(spec).partition("=")
+        if not sep or not path:
+            raise ValueError(f"lora_modules: {spec!r} is not name=path")
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"lora_modules: adapter name {name!r} must be 1-256 letters, digits or ._:/@+- "
+                "(starting with a letter or digit)"
+            )
+        return cls(name, path)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    """What an adapter's ``adapter_config.json`` says that changes its output."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+
+    @property
+    def scaling(self) -> float:
+        """The factor on ``B @ A`` (PEFT's: alpha / r, or alpha / sqrt(r) with rsLoRA)."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def parse_lora_modules(specs: tuple[str, ...], served_model_name: str | None) -> list[LoraModule]:
+    """The ``--lora-modules`` entries, each name once and none the base model's."""
+    modules = [LoraModule.parse(spec) for spec in specs]
+    names = [m.name for m in modules]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"lora_modules: adapter name {name!r} is given twice")
+        if name == served_model_name:
+            raise ValueError(
+                f"lora_modules: adapter name {name!r} is the served model's name: requests "
+                "for it would not know which they mean"
+            )
+    return modules
+
+
+def read_adapter_config(path: str | Path, max_rank: int) -> AdapterConfig:
+    """The adapter config in directory ``path``; ValueError names the file and what Weir
+    cannot serve (DoRA, trained biases or whole modules, per-module ranks)."""
+    directory = Path(path)
+    config_path = directory / ADAPTER_CONFIG
+    if not config_path.is_file():
+        raise ValueError(f"LoRA adapter {directory}: no {ADAPTER_CONFIG} there")
+    if not (directory / ADAPTER_WEIGHTS).is_file():
+        why = (
+            " (adapter_model.bin is a pickle, which Weir never loads: save the adapter with "
+            "safe_serialization=True)"
+            if (directory / "adapter_model.bin").is_file()
+            else ""
+        )
+        raise ValueError(f"LoRA adapter {directory}: no {ADAPTER_WEIGHTS} there{why}")
+    try:
+        raw: Any = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{config_path}: not readable JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path}: must hold a JSON object")
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{config_path}: {what} is not supported")
+
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"peft_type {raw.get('peft_type')!r} (only LORA)")
+    if raw.get("bias", "none") != "none":
+        raise refuse(f"bias {raw.get('bias')!r} (a trained bias)")
+    for key, what in _CHANGES_THE_FORWARD.items():
+        if raw.get(key):
+            raise refuse(f"{key} ({what})")
+    rank, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
+    if type(rank) is not int or rank < 1:
+        raise ValueError(f"{config_path}: r must be a positive int, got {rank!r}")
+    if rank > max_rank:
+        raise ValueError(
+            f"{config_path}: rank {rank} is above --max-lora-rank {max_rank}: raise it"
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"{config_path}: lora_alpha must be a number, got {alpha!r}")
+    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora", False)))
