@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tp_workload  # noqa: E402
+from lora_adapters import ALL_PROJECTIONS, greedy, peft_model, save_random_adapter  # noqa: E402
 
 from weir.services.executor.attention import get_attention_backend  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
@@ -95,6 +96,57 @@ def test_tiny_model_at_tp2_decodes_like_one_process_with_drafts(tiny_dir):
         str(tiny_dir), prompts, max_tokens=10, num_blocks=20, num_speculative_tokens=2
     )
     _check_group_matches_one_process(work, world_size=2)
+
+
+def test_lora_adapters_decode_as_peft_does_in_one_process_and_at_tp2(tiny_dir, tmp_path):
+    """Requests of two adapters and of the base model share steps (chunked, preempted):
+    each decodes what PEFT's model decodes, and a group of two ranks, each holding half of
+    every adapter's matrices, decodes the same."""
+    pytest.importorskip("peft")
+    adapters = {
+        "every": save_random_adapter(
+            tiny_dir,
+            tmp_path / "every",
+            seed=1,
+            targets=ALL_PROJECTIONS,
+            rank=4,
+            alpha=8,
+            rslora=True,
+            std=0.3,
+        ),
+        "some": save_random_adapter(
+            tiny_dir,
+            tmp_path / "some",
+            seed=2,
+            targets=["q_proj", "v_proj", "down_proj"],
+            rank=8,
+            alpha=16,
+            std=0.3,
+        ),
+    }
+    rng = random.Random(11)
+    prompts = [[rng.randrange(131) for _ in range(rng.randrange(5, 30))] for _ in range(6)]
+    names = [None, "every", "some", "every", "some", None]
+    work = tp_workload.Workload(
+        str(tiny_dir),
+        prompts,
+        max_tokens=10,
+        num_blocks=20,
+        loras=[f"{name}={path}" for name, path in adapters.items()],
+        lora_names=names,
+    )
+    references = {name: peft_model(tiny_dir, adapters.get(name)) for name in set(names)}
+    want = {
+        f"r{i}": greedy(references[name], prompt, 10)
+        for i, (prompt, name) in enumerate(zip(prompts, names))
+    }
+    base = {f"r{i}": greedy(references[None], prompt, 10) for i, prompt in enumerate(prompts)}
+    assert all(want[r] != base[r] for r, name in zip(want, names) if name), "adapters must matter"
+    one = tp_workload.run(work)
+    assert one.chunked and one.preempted
+    assert one.outputs == want
+    for report in _run_group(work, world_size=2):
+        assert report.outputs == want
 
 
 def test_smollm2_at_tp3_decodes_like_one_process(default_model_dir):

@@ -15,6 +15,7 @@ from weir.services.engine.ngram import NgramProposer
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.lora import LoraModule
 from weir.shared.sampling import SamplingParams
 
 BLOCK_SIZE = 4
@@ -28,6 +29,8 @@ class Workload:
     max_tokens: int
     num_blocks: int  # small enough that requests preempt each other
     num_speculative_tokens: int = 0  # n-gram drafts, verified in the same forward pass
+    loras: list[str] = field(default_factory=list)  # LoRA adapters, name=path
+    lora_names: list[str | None] | None = None  # each prompt's adapter (None: all base)
 
 
 @dataclass(slots=True)
@@ -71,6 +74,7 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
         max_model_len=256,
         tensor_parallel_size=world_size,
         rank=rank,
+        loras=[LoraModule.parse(spec) for spec in work.loras],
     )
     report = RankReport(rank, num_layers=runner.config.num_layers)
     if runner.tp is not None:
@@ -87,6 +91,7 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
             max_num_seqs=8,
             max_model_len=256,
             num_speculative_tokens=work.num_speculative_tokens,
+            max_loras=len(work.loras),
         ),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=work.num_blocks),
     )
@@ -94,8 +99,9 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
     proposer = NgramProposer(k, 1, 3) if k else None
     core = EngineCore(scheduler, InProcessExecutor(runner), proposer=proposer)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(work.prompts):
-        scheduler.add_request(Request(f"r{i}", prompt, params))
+    lora_names = work.lora_names or [None] * len(work.prompts)
+    for i, (prompt, lora_name) in enumerate(zip(work.prompts, lora_names, strict=True)):
+        scheduler.add_request(Request(f"r{i}", prompt, params, lora_name=lora_name))
         report.outputs[f"r{i}"] = []
     while core.has_work():
         step = step_now(core)

@@ -148,6 +148,16 @@ class _Sample:
     priority: int
     chat: dict[str, Any] = field(default_factory=dict)  # a chat's template arguments (SDK's)
     cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class _Model:
+    """What a request's ``model`` names: the served model, or one of its LoRA adapters."""
+
+    info: dict[str, Any]  # the served model's (``model_info``)
+    name: str  # what responses call it
+    lora_name: str | None  # the adapter, None for the base model
 
 
 def _samples(
@@ -156,6 +166,7 @@ def _samples(
     params: Callable[[int], SamplingParams],
     priority: int,
     cache_salt: str | None = None,
+    lora_name: str | None = None,
 ) -> list[_Sample]:
     """``n`` samples of each prompt, choice ``p * n + i``; invalid parameters are a 400."""
     if len(prompts) * n > MAX_CHOICES:
@@ -166,7 +177,7 @@ def _samples(
         )
     try:
         return [
-            _Sample(p * n + i, p, i, prompt, params(i), priority, cache_salt=cache_salt)
+            _Sample(p * n + i, p, i, prompt, params(i), priority, {}, cache_salt, lora_name)
             for p, prompt in enumerate(prompts)
             for i in range(n)
         ]
@@ -270,16 +281,22 @@ class Gateway:
             self._reasoning_end_token = len(ids) == 1
         return self._reasoning_end_token
 
-    async def check_model(self, name: str | None) -> dict[str, Any]:
+    async def check_model(self, name: str | None) -> _Model:
+        """The model a request names (None: the served one): the served model or one of its
+        LoRA adapters (vLLM's: an adapter is asked for as the model); else a 404."""
         info = await self.model()
-        if name is not None and name != info["model_name"]:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist; this server serves `{info['model_name']}`.",
-                "not_found_error",
-                "model_not_found",
-            )
-        return info
+        if name is None or name == info["model_name"]:
+            return _Model(info, info["model_name"], None)
+        if name in info["lora_names"]:
+            return _Model(info, name, name)
+        adapters = ", ".join(f"`{a}`" for a in info["lora_names"])
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist; this server serves `{info['model_name']}`"
+            + (f" and the LoRA adapters {adapters}." if adapters else "."),
+            "not_found_error",
+            "model_not_found",
+        )
 
     # ------------------------------------------------------------------ sample streams
 
@@ -361,7 +378,7 @@ class Gateway:
         tried: frozenset[str] = frozenset()
         while True:
             async with self.router.reserve(
-                sample.prompt, budget, tried, sample.cache_salt
+                sample.prompt, budget, tried, sample.cache_salt, sample.lora_name
             ) as replica:
                 self.metrics.routed.labels(replica.address).inc()
                 stream = replica.client.generate_batches(
@@ -370,6 +387,7 @@ class Gateway:
                     request_id=request_id,
                     priority=sample.priority,
                     cache_salt=sample.cache_salt,
+                    lora_name=sample.lora_name,
                     **sample.chat,
                 )
                 async with aclosing(stream):
@@ -392,7 +410,7 @@ class Gateway:
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, body: CompletionRequest) -> Response:
-        info = await self.check_model(body.model)
+        served = await self.check_model(body.model)
         try:
             prompts = body.prompts()
         except ValueError as exc:
@@ -403,6 +421,7 @@ class Gateway:
             lambda i: body.sampling_params(body.max_tokens, body.logprobs, i),
             body.priority,
             body.cache_salt,
+            served.lora_name,
         )
         for sample in samples:
             sample.params = body.prompt_params(sample.params, prompts[sample.group])
@@ -411,7 +430,7 @@ class Gateway:
             "id": response_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": info["model_name"],
+            "model": served.name,
         }
         outputs = self.run(response_id, samples)
         if body.echo:
@@ -468,13 +487,13 @@ class Gateway:
         )
         tool_choice = output.tool_choice
         try:
-            info = await self.check_model(body.model)
-            samples = self._chat_samples(body, output)
+            served = await self.check_model(body.model)
+            samples = self._chat_samples(body, output, served.lora_name)
             response_id = f"chatcmpl-{uuid.uuid4().hex}"
             outputs = self.run(response_id, samples)
             if body.return_tokens_as_token_ids:
                 outputs = _tokens_as_ids(outputs)
-            return await respond(body, output, info["model_name"], response_id, outputs)
+            return await respond(body, output, served.name, response_id, outputs)
         except (APIError, InvalidRequestError) as exc:
             # A tool's schema that cannot be held to is the tools' fault, not a
             # structured_output the client never sent.
@@ -489,7 +508,9 @@ class Gateway:
             )
             raise APIError(400, message, error.type, error.code, "tool_choice") from None
 
-    def _chat_samples(self, body: ChatCompletionRequest, output: ChatOutput) -> list[_Sample]:
+    def _chat_samples(
+        self, body: ChatCompletionRequest, output: ChatOutput, lora_name: str | None
+    ) -> list[_Sample]:
         tool_choice = output.tool_choice
         if tool_choice is not None and tool_choice.kind == "auto" and tool_choice.parser is None:
             raise APIError(
@@ -510,6 +531,7 @@ class Gateway:
             lambda i: body.sampling_params(max_tokens, logprobs, i, reasoning_end),
             body.priority,
             body.cache_salt,
+            lora_name,
         )
         for sample in samples:
             sample.chat = body.template_args()
@@ -597,7 +619,7 @@ class Gateway:
         return JSONResponse(whole_response(skeleton, output, choice))
 
     async def tokenize(self, body: TokenizeBody) -> Response:
-        info = await self.check_model(body.model)
+        info = (await self.check_model(body.model)).info
         client = self.router.choose([]).client
         ids = await client.tokenize(
             chat_prompt(body.messages) if body.messages is not None else body.prompt or "",
@@ -959,20 +981,25 @@ def create_app(
     # HEAD too, as load balancers probe (uvicorn sends HEAD's answer without its body).
     get = functools.partial(app.api_route, methods=["GET", "HEAD"])
 
-    def model_card(info: dict[str, Any]) -> dict[str, Any]:
+    def model_card(served: _Model) -> dict[str, Any]:
+        # vLLM's cards: an adapter's parent is the served model.
+        parent = None if served.lora_name is None else served.info["model_name"]
         return {
-            "id": info["model_name"],
+            "id": served.name,
             "object": "model",
             "created": 0,
             "owned_by": "weir",
-            "max_model_len": info["max_model_len"],
+            "max_model_len": served.info["max_model_len"],
+            "parent": parent,
         }
 
     @get("/v1/models")
     async def models() -> Response:
         async def listing() -> Response:
             info = await gateway.model()
-            return JSONResponse({"object": "list", "data": [model_card(info)]})
+            names = [info["model_name"], *info["lora_names"]]
+            cards = [model_card(await gateway.check_model(name)) for name in names]
+            return JSONResponse({"object": "list", "data": cards})
 
         return await answer(listing())
 

@@ -110,11 +110,17 @@ def prompt_text(prompt: Prompt) -> str:
     return ("" if prompt and isinstance(prompt[0], dict) else ",").join(parts)
 
 
-def prefix_hashes(text: str, cache_salt: str | None = None) -> list[bytes]:
+def prefix_hashes(
+    text: str, cache_salt: str | None = None, lora_name: str | None = None
+) -> list[bytes]:
     """Chained hashes of the text's whole 64-character chunks (a hash names the prefix),
-    apart for each ``cache_salt``, as the replicas' caches keep them."""
+    apart for each ``cache_salt`` and LoRA adapter, as the replicas' caches keep them."""
     hashes: list[bytes] = []
-    parent = b"" if cache_salt is None else blake2b(cache_salt.encode(), digest_size=16).digest()
+    parent = (
+        b""
+        if cache_salt is None and lora_name is None
+        else blake2b(f"{cache_salt!r}\0{lora_name!r}".encode(), digest_size=16).digest()
+    )
     for start in range(
         0, min(len(text), _MAX_PREFIX_CHUNKS * PREFIX_CHUNK_CHARS), PREFIX_CHUNK_CHARS
     ):
@@ -177,10 +183,11 @@ class Router:
         max_tokens: int,
         exclude: frozenset[str] = frozenset(),
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[Replica]:
         """A replica for one request, counted as outstanding until the block exits."""
         text = prompt_text(prompt)
-        hashes = prefix_hashes(text, cache_salt)
+        hashes = prefix_hashes(text, cache_salt, lora_name)
         replica = self.choose(hashes, exclude)
         cost = len(text) // _CHARS_PER_TOKEN + max_tokens
         replica.outstanding_tokens += cost
