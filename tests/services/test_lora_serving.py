@@ -1,0 +1,181 @@
+"""LoRA adapters served by `weir serve` on the default model, as vLLM serves them: each
+adapter is asked for as the model (HTTP) or by ``lora_name`` (SDK, ``LLM``), requests of
+several adapters and of the base model run together, and each decodes what PEFT's model
+of the same adapter decodes with transformers."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from lora_adapters import ALL_PROJECTIONS, greedy, peft_model, save_random_adapter
+from serving_helpers import small_server
+
+from weir.services import LLM
+from weir.services.launcher import ChildFailedError
+from weir.shared.client import InvalidRequestError, WeirClient
+from weir.shared.sampling import SamplingParams
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+MODEL = "smol"
+NUM_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(default_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "sql": save_random_adapter(
+            default_model_dir,
+            root / "sql",
+            seed=1,
+            targets=["q_proj", "v_proj", "o_proj", "down_proj"],
+            rank=8,
+            alpha=16,
+        ),
+        "poet": save_random_adapter(
+            default_model_dir,
+            root / "poet",
+            seed=2,
+            targets=ALL_PROJECTIONS,
+            rank=4,
+            alpha=8,
+            rslora=True,
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model_dir):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    long = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 4
+    return [tokenizer(text).input_ids for text in ("The capital of France is", long)]
+
+
+@pytest.fixture(scope="module")
+def references(default_model_dir, adapters, prompts):
+    """PEFT's greedy tokens of every prompt, per model name (None: the base model)."""
+    out = {}
+    for name in (None, *adapters):
+        model = peft_model(default_model_dir, adapters.get(name))
+        out[name] = [greedy(model, prompt, NUM_TOKENS) for prompt in prompts]
+    assert out["sql"] != out[None] and out["poet"] != out[None], "adapters must matter"
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, adapters):
+    # One adapter at a time: requests of the other wait while those of the base model run.
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    with small_server(default_model_dir, MODEL, lora_modules=modules, max_loras=1) as processes:
+        yield processes
+
+
+def test_every_model_name_decodes_as_peft_does_in_shared_steps(server, prompts, references):
+    """The long prompt (chunked at 64 tokens a step) runs under the base model first, so its
+    blocks are cached when the adapters ask for the same prompt: they must not read them."""
+    client = openai.AsyncOpenAI(base_url=server.info["http_address"] + "/v1", api_key="-")
+
+    async def complete(name, prompt):
+        reply = await client.completions.create(
+            model=name or MODEL,
+            prompt=prompt,
+            max_tokens=NUM_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        return reply.model, reply.choices[0].token_ids
+
+    async def everything():
+        first = await complete(None, prompts[1])
+        names = [None, "sql", "poet"] * 2
+        rest = await asyncio.gather(
+            *(complete(name, prompt) for name in names for prompt in prompts)
+        )
+        return first, dict(zip([(n, i) for n in names for i in range(2)], rest))
+
+    first, got = asyncio.run(everything())
+    assert first == (MODEL, references[None][1])
+    for (name, i), (model, tokens) in got.items():
+        assert model == (name or MODEL)
+        assert tokens == references[name][i], (name, i)
+
+
+def test_the_models_endpoint_lists_each_adapter_under_its_parent(server):
+    base = server.info["http_address"]
+    listing = httpx.get(base + "/v1/models").json()["data"]
+    assert [(card["id"], card["parent"]) for card in listing] == [
+        (MODEL, None),
+        ("sql", MODEL),
+        ("poet", MODEL),
+    ]
+    assert httpx.get(base + "/v1/models/poet").json()["parent"] == MODEL
+    missing = httpx.post(
+        base + "/v1/chat/completions",
+        json={"model": "prose", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == (
+        f"The model `prose` does not exist; this server serves `{MODEL}` and the LoRA adapters "
+        "`sql`, `poet`."
+    )
+
+
+def test_a_streamed_chat_of_an_adapter_is_named_by_it(server):
+    client = openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="-")
+    chunks = list(
+        client.chat.completions.create(
+            model="poet",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=4,
+            stream=True,
+        )
+    )
+    assert chunks and {chunk.model for chunk in chunks} == {"poet"}
+
+
+def test_the_sdk_names_an_adapter_by_lora_name(server, prompts, references):
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    with WeirClient(server.client_address) as client:
+        tokens = [
+            t
+            for out in client.generate(prompts[0], params, lora_name="sql")
+            for t in out.new_token_ids
+        ]
+        assert tokens == references["sql"][0]
+        with pytest.raises(InvalidRequestError) as refused:
+            list(client.generate("hi", params, lora_name="prose"))
+        assert str(refused.value) == (
+            "lora_name 'prose': this server has no such LoRA adapter; it serves ['sql', 'poet'] "
+            "(weir serve --lora-modules NAME=PATH)"
+        )
+        assert client.model_info()["lora_names"] == ["sql", "poet"]
+
+
+def test_llm_takes_an_adapter_per_prompt(default_model_dir, adapters, prompts, references):
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    names = [None, "poet", "sql", "poet"]
+    with LLM(
+        str(default_model_dir), lora_modules=modules, max_loras=2, max_model_len=512, device="cpu"
+    ) as llm:
+        got = llm.generate(
+            [prompts[0]] * 4,
+            SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True),
+            lora_name=names,
+        )
+    assert [c.token_ids for c in got] == [references[name][0] for name in names]
+
+
+def test_an_adapter_weir_cannot_serve_stops_the_start(default_model_dir, adapters, tmp_path):
+    config = (adapters["sql"] / "adapter_config.json").read_text()
+    (tmp_path / "adapter_config.json").write_text(
+        config.replace('"use_dora": false', '"use_dora": true')
+    )
+    (tmp_path / "adapter_model.safetensors").write_bytes(
+        (adapters["sql"] / "adapter_model.safetensors").read_bytes()
+    )
+    with pytest.raises(ChildFailedError, match="use_dora \\(DoRA\\) is not supported"):
+        with small_server(default_model_dir, MODEL, lora_modules=[f"dora={tmp_path}"]):
+            pass
