@@ -25,14 +25,16 @@ def test_round_trip_of_every_client_message():
         '[{"type": "function", "function": {"name": "f"}}]', '{"enable_thinking": false}'
     )
     continued = client_protocol.ChatTemplateArgs(None, None, False, True)
-    for prompt, priority, chat_args in (
-        ("hi", 0, client_protocol.NO_CHAT_ARGS),
-        ([1, 2, 3], -5, client_protocol.NO_CHAT_ARGS),
-        ([{"role": "user", "content": "hi"}], 7, client_protocol.NO_CHAT_ARGS),
-        (chat, 0, template_args),
-        (chat, 0, continued),
+    for prompt, priority, chat_args, lora_name in (
+        ("hi", 0, client_protocol.NO_CHAT_ARGS, None),
+        ([1, 2, 3], -5, client_protocol.NO_CHAT_ARGS, "sql"),
+        ([{"role": "user", "content": "hi"}], 7, client_protocol.NO_CHAT_ARGS, None),
+        (chat, 0, template_args, "org/adapter"),
+        (chat, 0, continued, None),
     ):
-        msg = client_protocol.GenerateRequest("r1", prompt, params, priority, chat_args, "salt")
+        msg = client_protocol.GenerateRequest(
+            "r1", prompt, params, priority, chat_args, "salt", lora_name
+        )
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
@@ -215,6 +217,16 @@ def test_round_trip_of_server_messages():
             frame(type="generate", request_id="x", prompt="a", cache_salt=""),
             client_protocol.INVALID_REQUEST,
             "cache_salt must be a non-empty string",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="a", lora_name=["sql"]),
+            client_protocol.INVALID_REQUEST,
+            "lora_name must be a non-empty string of at most 256 characters",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="a", lora_name="s" * 257),
+            client_protocol.INVALID_REQUEST,
+            "lora_name must be a non-empty string of at most 256 characters",
         ),
         (
             frame(type="generate", request_id="x", prompt=[1], add_generation_prompt=False),

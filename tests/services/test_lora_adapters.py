@@ -9,11 +9,13 @@ import torch
 from lora_adapters import save_random_adapter
 from safetensors.torch import load_file, save_file
 
+from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
 from weir.services.executor.attention import get_attention_backend
 from weir.services.executor.lora import load_adapter
 from weir.services.executor.weights import load_model
 from weir.shared.config import EngineArgs
 from weir.shared.lora import LoraModule, parse_lora_modules, read_adapter_config
+from weir.shared.protocol import control
 
 pytest.importorskip("peft")
 
@@ -145,3 +147,34 @@ def test_lora_modules_reach_each_role_as_given():
     assert args.scheduler_config(512).max_loras == 2
     assert EngineArgs(max_loras=2).scheduler_config(512).max_loras == 0  # no adapters, no limit
     assert EngineArgs(lora_modules="a=/x").lora_modules == ("a=/x",)
+
+
+def test_an_executor_with_other_adapters_is_turned_away():
+    """The scheduler would send it requests of adapters it does not hold."""
+    args = EngineArgs(lora_modules=("a=/x", "b=/y"))
+    group = ExecutorGroup(
+        None, ExpectedExecutor(1, "m", 10, 64, args), 3.0, print, print, lambda *_: None
+    )
+    hello = control.ExecutorHello(
+        "s",
+        0,
+        1,
+        "m",
+        10,
+        100,
+        args.block_size,
+        args.max_num_batched_tokens,
+        args.max_num_seqs,
+        64,
+        [2],
+        "float32",
+        "cpu",
+        "torch",
+        lora_names=["a", "b"],
+    )
+    assert group._check_hello(hello) is None
+    hello.lora_names = ["a"]
+    assert group._check_hello(hello) == (
+        "executor serves LoRA adapters ['a'], scheduler serves ['a', 'b']: give both the same "
+        "--lora-modules"
+    )
