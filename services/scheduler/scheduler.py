@@ -501,13 +501,14 @@ class Scheduler:
                 if adapters is None:
                     adapters = {r.lora_name for r in running if r.lora_name is not None}
                 if request.lora_name not in adapters and len(adapters) >= config.max_loras:
-                    # vLLM's rule: it waits for a running adapter to finish while the
-                    # requests behind it of running adapters, or of none, go first.
+                    # It waits for a running adapter to finish. Requests behind it without
+                    # an adapter go first; those of running adapters do not (vLLM lets them,
+                    # and a steady flow of them starves it).
                     request = next(
                         (
                             r
                             for r in waiting
-                            if (r.lora_name is None or r.lora_name in adapters)
+                            if r.lora_name is None
                             and not (on_trial and self._excluded(r.request_id))
                         ),
                         None,

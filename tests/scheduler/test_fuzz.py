@@ -39,6 +39,7 @@ def scenarios(draw):
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         num_speculative_tokens=0 if overlapped else draw(st.sampled_from([0, 2, 3])),
         async_scheduling=overlapped,
+        max_loras=draw(st.integers(0, 2)),
     )
     num_blocks = -(-config.max_model_len // block_size) + draw(st.integers(0, 12))
     cache = CacheConfig(
@@ -85,6 +86,12 @@ def _check_plan(plan, config, scheduler):
     assert kv.num_free_blocks == kv.num_blocks - len(references)
     assert all(block.block_hash == key for key, block in kv.pool.cached_blocks.items())
     assert not any(r.block_ids for r in scheduler.waiting)
+    adapters = {r.lora_name for r in scheduler.running} - {None}
+    assert len(adapters) <= config.max_loras
+    for new in plan.new_requests:
+        request = scheduler.requests.get(new.request_id)
+        if request is not None and request.admitted_step == plan.step_id:
+            assert new.lora_name == request.lora_name
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -163,7 +170,14 @@ def test_random_traffic(scenario):
                 ignore_eos=rng.random() < 0.2,
                 stop_token_ids=rng.choice([(), (5,)]),
             )
-            request = Request(rid, prompt, params, eos_token_id=EOS, priority=rng.randint(0, 2))
+            request = Request(
+                rid,
+                prompt,
+                params,
+                eos_token_id=EOS,
+                priority=rng.randint(0, 2),
+                lora_name=rng.choice([None, "A", "B", "C"]) if config.max_loras else None,
+            )
             grammars.pop(rid, None)
             if rng.random() < 0.3:
                 request.grammar = grammars[rid] = _FollowingGrammar()
