@@ -1,6 +1,7 @@
 """Offline throughput of the executor alone (ModelRunner.execute), with a breakdown of step time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/executor_step.py [--threads 1] [--repeats 2]
+        [--loras N --lora-rank R --lora-share F]
 
 The workload is `weir bench throughput`'s default: 64 requests with seeded random prompts of
 32-256 tokens and outputs of 32-128 tokens, greedy, EOS ignored. Step plans come from the
@@ -14,12 +15,15 @@ the attention backend's per-step plan), KV writes, attention, logits (LM head), 
 ("other_forward": matmuls, norms, RoPE, embeddings). The parts are timed by wrapping the
 runner's components; "other_forward" is the step time the wrapped parts leave.
 `--profile decode` (or `prefill`) prints torch.profiler's table of the top operators over ten
-steps of that kind.
+steps of that kind. `--loras N` serves N random LoRA adapters of rank `--lora-rank` on every
+projection; a `--lora-share` of the requests (round robin) runs through one of them.
 """
 
 import argparse
+import json
 import os
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,6 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from weir.services.bench.workload import (
     RandomWorkload,
@@ -39,6 +44,8 @@ from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.arith import cdiv
 from weir.shared.config import LOAD_FORMATS, CacheConfig, SchedulerConfig
+from weir.shared.lora import LoraModule
+from weir.shared.model_config import read_model_config
 from weir.shared.model_store import resolve_model
 from weir.shared.protocol.step import StepPlan, StepResult
 from weir.shared.sampling import SamplingParams
@@ -88,6 +95,33 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
     runner._collect = timers.wrap("sampling", runner._collect)
 
 
+def random_adapter(model_dir: str, out: str, rank: int, seed: int) -> LoraModule:
+    """A PEFT-format LoRA adapter of rank ``rank`` on every projection, random weights."""
+    cfg = read_model_config(model_dir)
+    d, h, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    shapes = {
+        "self_attn.q_proj": (cfg.num_heads * d, h),
+        "self_attn.k_proj": (cfg.num_kv_heads * d, h),
+        "self_attn.v_proj": (cfg.num_kv_heads * d, h),
+        "self_attn.o_proj": (h, cfg.num_heads * d),
+        "mlp.gate_proj": (inter, h),
+        "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module, (rows, columns) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, columns, generator=generator) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(rows, rank, generator=generator) * 0.02
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "adapter_model.safetensors"))
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}, f)
+    return LoraModule(f"lora{seed}", out)
+
+
 def run_workload(
     runner: ModelRunner,
     requests: list,
@@ -95,6 +129,7 @@ def run_workload(
     timers: Timers,
     before_step: Callable[[str], None] | None = None,
     sampling: dict[str, Any] | None = None,
+    lora_names: list[str | None] | None = None,
 ) -> dict:
     block_size = runner.block_size
     num_blocks = (
@@ -105,6 +140,7 @@ def run_workload(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=256,
             max_model_len=runner.max_model_len,
+            max_loras=len(runner.loras.names) if runner.loras else 0,
         ),
         CacheConfig(
             block_size=block_size,
@@ -116,7 +152,10 @@ def run_workload(
         params = SamplingParams(
             max_tokens=r.output_len, temperature=0.0, ignore_eos=True, **(sampling or {})
         )
-        scheduler.add_request(Request(f"req-{i}", r.prompt_token_ids, params, eos_token_id=2))
+        lora_name = lora_names[i % len(lora_names)] if lora_names else None
+        scheduler.add_request(
+            Request(f"req-{i}", r.prompt_token_ids, params, eos_token_id=2, lora_name=lora_name)
+        )
     # Per step kind: "prefill" steps hold at least one prompt chunk, "decode" steps only decodes.
     kinds = {k: dict(seconds=0.0, steps=0, parts=defaultdict(float)) for k in ("prefill", "decode")}
     totals = defaultdict(float)
@@ -221,6 +260,11 @@ def main() -> None:
         action="store_true",
         help="every request with presence, frequency and repetition penalties and 100 logit biases",
     )
+    parser.add_argument("--loras", type=int, default=0, help="random LoRA adapters served")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--lora-share", type=float, default=1.0, help="fraction of requests with an adapter"
+    )
     args = parser.parse_args()
     sampling = (
         {
@@ -234,6 +278,15 @@ def main() -> None:
     )
 
     model_dir = resolve_model(args.model, load_format=args.load_format)
+    adapters = [
+        random_adapter(str(model_dir), tempfile.mkdtemp(), args.lora_rank, seed)
+        for seed in range(args.loras)
+    ]
+    # Round robin over 20 requests: the share of them with an adapter, the adapters in turn.
+    with_adapter = round(20 * args.lora_share) if adapters else 0
+    lora_names = [adapters[i % len(adapters)].name for i in range(with_adapter)] + [None] * (
+        20 - with_adapter
+    )
     runner = ModelRunner(
         model_dir,
         device="cpu",
@@ -243,12 +296,22 @@ def main() -> None:
         attention_backend=args.attention_backend,
         num_threads=args.threads,
         load_format=args.load_format,
+        loras=adapters,
+        max_lora_rank=max(args.lora_rank, 16),
     )
     spec = RandomWorkload(args.num_prompts, 32, 256, 32, 128, args.seed)
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
     if args.profile:
         profiler = StepProfiler(args.profile, 10)
-        run_workload(runner, requests, args.max_num_batched_tokens, Timers(), profiler, sampling)
+        run_workload(
+            runner,
+            requests,
+            args.max_num_batched_tokens,
+            Timers(),
+            profiler,
+            sampling,
+            lora_names,
+        )
         profiler.finish()
         print(profiler.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         return
@@ -265,6 +328,12 @@ def main() -> None:
     print(
         f"model {model_dir.name}, dtype {runner.dtype}, attention {runner.attention.name}, "
         f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
+        + (
+            f", {len(adapters)} LoRA adapters of rank {args.lora_rank} on "
+            f"{with_adapter}/20 of the requests"
+            if adapters
+            else ""
+        )
     )
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     print(
@@ -273,7 +342,14 @@ def main() -> None:
     )
     runs = []
     for i in range(args.repeats):
-        run = run_workload(runner, requests, args.max_num_batched_tokens, timers, sampling=sampling)
+        run = run_workload(
+            runner,
+            requests,
+            args.max_num_batched_tokens,
+            timers,
+            sampling=sampling,
+            lora_names=lora_names,
+        )
         runs.append(run)
         print(
             f"run {i}: {run['output_tokens'] / run['executor_s']:.1f} output tok/s "
