@@ -344,7 +344,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         with WeirClient(args.address, timeout=args.timeout, keys_dir=args.keys_dir) as client:
             texts, last = [], None
-            for last in client.generate(prompt, params):
+            for last in client.generate(prompt, params, lora_name=args.lora_name):
                 if args.stream:
                     print(last.text, end="", flush=True)
                 texts.append(last.text)
@@ -394,7 +394,7 @@ def _chat(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": user})
             reply = []
             try:
-                for out in client.generate(messages, params):
+                for out in client.generate(messages, params, lora_name=args.lora_name):
                     print(out.text, end="", flush=True)
                     reply.append(out.text)
             except KeyboardInterrupt:
@@ -509,6 +509,9 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--lora-name", default=None, help="the LoRA adapter (of the server's --lora-modules)"
+    )
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (default: 0)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")

@@ -12,6 +12,7 @@ from lora_adapters import ALL_PROJECTIONS, greedy, peft_model, save_random_adapt
 from serving_helpers import small_server
 
 from weir.services import LLM
+from weir.services.cli import main
 from weir.services.launcher import ChildFailedError
 from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.sampling import SamplingParams
@@ -152,6 +153,14 @@ def test_the_sdk_names_an_adapter_by_lora_name(server, prompts, references):
             "(weir serve --lora-modules NAME=PATH)"
         )
         assert client.model_info()["lora_names"] == ["sql", "poet"]
+
+
+def test_weir_generate_takes_an_adapter(server, default_model_dir, references, capsys):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    argv = ["generate", "The capital of France is", "--address", server.client_address]
+    argv += ["--max-tokens", str(NUM_TOKENS), "--ignore-eos", "--lora-name", "poet"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == tokenizer.decode(references["poet"][0]) + "\n"
 
 
 def test_llm_takes_an_adapter_per_prompt(default_model_dir, adapters, prompts, references):
