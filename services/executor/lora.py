@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from weir.services.executor.model import CausalLM
+from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import LAYER_PARTS, checkpoint_shape, layer_part
 from weir.shared.lora import ADAPTER_WEIGHTS, LoraModule, read_adapter_config
 
@@ -158,7 +159,7 @@ class LoraAdapters:
         groups: list[tuple[Adapter, torch.Tensor | None]] = []
         for adapter_id in np.unique(request_ids[request_ids > 0]):
             rows = np.flatnonzero(token_ids == adapter_id)
-            index = None if len(rows) == len(token_ids) else torch.from_numpy(rows).to(device)
+            index = None if len(rows) == len(token_ids) else to_device(rows, device)
             groups.append((self.adapters[adapter_id - 1], index))
         return LoraBatch(groups)
 
