@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, exposition
 
-from weir.services.engine.metrics import SchedulerMetrics, StepHistogram
+from weir.services.engine.metrics import LoraRequestGauges, SchedulerMetrics, StepHistogram
 from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import Router
@@ -44,6 +44,7 @@ def _registries() -> dict[str, CollectorRegistry]:
     disable_created_metrics()  # as every Weir metrics endpoint does
     scheduler = SchedulerMetrics("m")
     scheduler.request_success("stop")  # label children exist only once used
+    LoraRequestGauges("m", ["sql"], lambda: None, scheduler.registry)  # served with adapters
     return {
         "scheduler": scheduler.registry,
         "executor": ExecutorMetrics("m", 0, "cpu").registry,

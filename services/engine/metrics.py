@@ -19,10 +19,10 @@ from prometheus_client import (
     Gauge,
     Histogram,
 )
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from weir.services.scheduler.scheduler import SpecDecodeStats
+from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
 
 _Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 
@@ -73,6 +73,52 @@ STEP_PHASES = ("schedule", "plan_encode", "executor", "update", "propose", "outp
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # How prometheus_client writes a bucket bound ("0.001", "1.0", "+Inf"); untyped upstream.
 _bound_text = cast(Callable[[float], str], floatToGoString)
+
+
+class LoraRequestGauges:
+    """``weir_lora_requests_running`` and ``weir_lora_requests_waiting`` per adapter (vLLM's
+    ``lora_requests_info`` says which adapters run and wait; these count their requests),
+    counted when scraped: a step pays nothing for them. The scrape runs on the /metrics
+    thread, and copies the scheduler's lists in one call each, which the GIL keeps whole."""
+
+    def __init__(
+        self,
+        model_name: str,
+        adapters: Sequence[str],
+        scheduler: Callable[[], Scheduler | None],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._model_name = model_name
+        self._adapters = adapters
+        self._scheduler = scheduler
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without their values (the registry asks before the server runs)."""
+        for state in ("running", "waiting"):
+            yield self._family(state)
+
+    @staticmethod
+    def _family(state: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            f"weir_lora_requests_{state}",
+            f"Requests of each LoRA adapter {state}",
+            labels=["model_name", "lora_name"],
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        scheduler = self._scheduler()
+        running = [] if scheduler is None else list(scheduler.running)
+        waiting = [] if scheduler is None else scheduler.waiting.requests()
+        for state, requests in (("running", running), ("waiting", waiting)):
+            family = self._family(state)
+            counts = dict.fromkeys(self._adapters, 0)
+            for request in requests:
+                if request.lora_name in counts:
+                    counts[request.lora_name] += 1
+            for name, count in counts.items():
+                family.add_metric([self._model_name, name], count)
+            yield family
 
 
 class StepHistogram:

@@ -38,7 +38,7 @@ import zmq.asyncio
 from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
 from weir.services.engine.frontend import CLIENT_SNDHWM, ClientFrontend
-from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.engine.metrics import LoraRequestGauges, SchedulerMetrics
 from weir.services.engine.ngram import make_proposer
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
@@ -128,6 +128,13 @@ class SchedulerServer:
         directory = keys_dir(self.engine_args.keys_dir)
         self.keys = None if directory is None else SchedulerKeys.load(directory)
         self.metrics = SchedulerMetrics(self.model_name)
+        if self.engine_args.loras:
+            LoraRequestGauges(
+                self.model_name,
+                [module.name for module in self.engine_args.loras],
+                lambda: None if self.core is None else self.core.scheduler,
+                self.metrics.registry,
+            )
         self.metrics_address: str | None = None
         self.client_address = ""
         self.executor_address = ""

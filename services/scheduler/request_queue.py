@@ -71,6 +71,10 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._live)
 
+    def requests(self) -> list[Request]:
+        """The waiting requests in no particular order, in one call (a copy)."""
+        return list(self._live)
+
     def __iter__(self) -> Iterator[Request]:
         """In queue order, over a copy (for rare walks, not the step loop)."""
         heap, live = list(self._heap), self._live

@@ -4,12 +4,13 @@ several adapters and of the base model run together, and each decodes what PEFT'
 of the same adapter decodes with transformers."""
 
 import asyncio
+import time
 
 import httpx
 import openai
 import pytest
 from lora_adapters import ALL_PROJECTIONS, greedy, peft_model, save_random_adapter
-from serving_helpers import small_server
+from serving_helpers import read_metrics, small_server
 
 from weir.services import LLM
 from weir.services.cli import main
@@ -153,6 +154,36 @@ def test_the_sdk_names_an_adapter_by_lora_name(server, prompts, references):
             "(weir serve --lora-modules NAME=PATH)"
         )
         assert client.model_info()["lora_names"] == ["sql", "poet"]
+
+
+def test_the_scheduler_counts_each_adapters_requests(server):
+    url = server.info["metrics_address"]
+
+    def counts():
+        samples = read_metrics(url)
+        return {
+            (state, name): samples[
+                f'weir_lora_requests_{state}{{lora_name="{name}",model_name="{MODEL}"}}'
+            ]
+            for state in ("running", "waiting")
+            for name in ("sql", "poet")
+        }
+
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    with WeirClient(server.client_address) as client:
+        stream = client.generate("Tell me a story.", params, lora_name="poet")
+        next(stream)
+        assert counts() == {
+            ("running", "sql"): 0,
+            ("running", "poet"): 1,
+            ("waiting", "sql"): 0,
+            ("waiting", "poet"): 0,
+        }
+        stream.close()
+    deadline = time.monotonic() + 10
+    while set(counts().values()) != {0}:  # the abort reaches the scheduler soon after
+        assert time.monotonic() < deadline, counts()
+        time.sleep(0.05)
 
 
 def test_weir_generate_takes_an_adapter(server, default_model_dir, references, capsys):
