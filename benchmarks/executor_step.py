@@ -98,20 +98,13 @@ def instrument(runner: ModelRunner, timers: Timers) -> None:
 def random_adapter(model_dir: str, out: str, rank: int, seed: int) -> LoraModule:
     """A PEFT-format LoRA adapter of rank ``rank`` on every projection, random weights."""
     cfg = read_model_config(model_dir)
-    d, h, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    shapes = {
-        "self_attn.q_proj": (cfg.num_heads * d, h),
-        "self_attn.k_proj": (cfg.num_kv_heads * d, h),
-        "self_attn.v_proj": (cfg.num_kv_heads * d, h),
-        "self_attn.o_proj": (h, cfg.num_heads * d),
-        "mlp.gate_proj": (inter, h),
-        "mlp.up_proj": (inter, h),
-        "mlp.down_proj": (h, inter),
-    }
+    modules = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    modules += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
-        for module, (rows, columns) in shapes.items():
+        for module in modules:
+            rows, columns = cfg.layer_tensor_shape(module)
             key = f"base_model.model.model.layers.{layer}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, columns, generator=generator) * 0.02
             tensors[f"{key}.lora_B.weight"] = torch.randn(rows, rank, generator=generator) * 0.02

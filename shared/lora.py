@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
+
+from weir.shared.model_config import ModelConfig
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT options that make an adapter more than ``(alpha / r) * B @ A`` on linear weights.
@@ -39,6 +43,11 @@ _CHANGES_THE_FORWARD = {
     "velora_config": "VeLoRA",
     "monteclora_config": "MonteCLoRA",
 }
+# PEFT's tensor names: base_model.model.<the base model's module>.lora_A.weight
+_TENSOR = re.compile(
+    r"base_model\.model\.model\.layers\.(\d+)\."
+    r"(self_attn\.[qkvo]_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)\.lora_([AB])\.weight"
+)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 
 
@@ -134,3 +143,57 @@ def read_adapter_config(path: str | Path, max_rank: int) -> AdapterConfig:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ValueError(f"{config_path}: lora_alpha must be a number, got {alpha!r}")
     return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora", False)))
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterFiles:
+    """An adapter checked against the model it adapts, before any tensor is read."""
+
+    config: AdapterConfig
+    weights: Path
+    # (layer, Hugging Face module name) -> the names of its A and B tensors
+    pairs: dict[tuple[int, str], tuple[str, str]]
+
+
+def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> AdapterFiles:
+    """The adapter in directory ``path``, its config and its tensors' names and shapes
+    checked against ``model`` (the file's header only); ValueError names the file and what
+    does not fit."""
+    config = read_adapter_config(path, max_rank)
+    weights = Path(path) / ADAPTER_WEIGHTS
+    try:
+        opened = safe_open(str(weights), framework="numpy")
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{weights}: not a readable safetensors file: {exc}") from None
+    found: dict[tuple[int, str], dict[str, str]] = {}
+    with opened as f:
+        for key in f.keys():
+            m = _TENSOR.fullmatch(key)
+            if m is None:
+                raise ValueError(
+                    f"{weights}: tensor {key!r} is not a LoRA A or B matrix of a q/k/v/o/gate/up/"
+                    "down projection, the only modules Weir adapts"
+                )
+            layer, module, matrix = int(m.group(1)), m.group(2), m.group(3)
+            if layer >= model.num_layers:
+                raise ValueError(
+                    f"{weights}: tensor {key!r} is past the model's {model.num_layers} layers: "
+                    "the adapter was trained for another model"
+                )
+            rows, columns = model.layer_tensor_shape(module)
+            shape = (config.rank, columns) if matrix == "A" else (rows, config.rank)
+            if tuple(f.get_slice(key).get_shape()) != shape:
+                raise ValueError(
+                    f"{weights}: {key} has shape {tuple(f.get_slice(key).get_shape())}, not "
+                    f"{shape}: the adapter was trained for another model, or its config's r is "
+                    "wrong"
+                )
+            found.setdefault((layer, module), {})[matrix] = key
+    pairs = {}
+    for (layer, module), keys in sorted(found.items()):
+        if len(keys) != 2:
+            raise ValueError(f"{weights}: {module} of layer {layer} has lora_A or lora_B only")
+        pairs[layer, module] = (keys["A"], keys["B"])
+    if not pairs:
+        raise ValueError(f"{weights}: holds no LoRA matrices")
+    return AdapterFiles(config, weights, pairs)

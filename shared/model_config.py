@@ -114,6 +114,26 @@ class ModelConfig:
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
         )
 
+    def layer_tensor_shape(self, module: str) -> tuple[int, int]:
+        """(rows, columns) of decoder-layer weight ``module`` (its Hugging Face name, e.g.
+        ``self_attn.q_proj``), whole, not a tensor-parallel shard; columns 0 for a vector.
+        KeyError for a module these models do not have."""
+        h, d, inter = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        return {
+            "self_attn.q_proj": (q, h),
+            "self_attn.k_proj": (kv, h),
+            "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q),
+            "self_attn.q_norm": (d, 0),
+            "self_attn.k_norm": (d, 0),
+            "mlp.gate_proj": (inter, h),
+            "mlp.up_proj": (inter, h),
+            "mlp.down_proj": (h, inter),
+            "input_layernorm": (h, 0),
+            "post_attention_layernorm": (h, 0),
+        }[module]
+
 
 def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
     """``model_dir/config.json``, checked; ValueError names the file and the problem."""

@@ -53,7 +53,7 @@ from weir.shared.keys import (
     serve_curve,
     start_authenticator,
 )
-from weir.shared.lora import read_adapter_config
+from weir.shared.lora import check_adapter
 from weir.shared.model_config import read_model_config
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import MAX_LOGPROBS
@@ -114,7 +114,8 @@ class SchedulerServer:
         self.tokenizer = Tokenizer.from_model_dir(
             model_dir, chat_template_of(self.engine_args.chat_template)
         )
-        self.vocab_size = read_model_config(model_dir).vocab_size
+        self.model_config = read_model_config(model_dir)
+        self.vocab_size = self.model_config.vocab_size
         # What clients and metrics call the model; executors report the directory's name.
         self.model_name = self.engine_args.served_model_name or model_dir.name
         if self.engine_args.max_message_size < 1:
@@ -124,7 +125,7 @@ class SchedulerServer:
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
         for module in self.engine_args.loras:  # and bad adapters, before executors load them
-            read_adapter_config(module.path, self.engine_args.max_lora_rank)
+            check_adapter(module.path, self.model_config, self.engine_args.max_lora_rank)
         directory = keys_dir(self.engine_args.keys_dir)
         self.keys = None if directory is None else SchedulerKeys.load(directory)
         self.metrics = SchedulerMetrics(self.model_name)

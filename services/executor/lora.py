@@ -18,24 +18,17 @@ the base model, or of other adapters, share the step untouched.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
 from weir.services.executor.model import CausalLM
 from weir.services.executor.transfer import to_device
-from weir.services.executor.weights import LAYER_PARTS, checkpoint_shape, layer_part
-from weir.shared.lora import ADAPTER_WEIGHTS, LoraModule, read_adapter_config
+from weir.services.executor.weights import LAYER_PARTS, layer_part
+from weir.shared.lora import LoraModule, check_adapter
 
-# PEFT's names: base_model.model.<the base model's module>.lora_A.weight
-_KEY = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\."
-    r"(self_attn\.[qkvo]_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)\.lora_([AB])\.weight"
-)
 _ALL = (slice(None),)
 
 
@@ -68,67 +61,31 @@ def _projection_rows(model: CausalLM) -> dict[str, int]:
 def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
     """``module``'s adapter for this rank of ``model``; ValueError names the file and what
     does not fit the model."""
-    config = read_adapter_config(module.path, max_rank)
-    path = Path(module.path) / ADAPTER_WEIGHTS
+    files = check_adapter(module.path, model.config, max_rank)
+    rank, scaling = files.config.rank, files.config.scaling
     cfg, layout = model.config, model.layout
     # (layer, fused projection) -> [(rows of the fused output, A part, B part)]
     parts: dict[tuple[int, str], list[tuple[slice, torch.Tensor, torch.Tensor]]] = {}
-    try:
-        opened = safe_open(str(path), framework="pt", device="cpu")
-    except SafetensorError as exc:
-        raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
-    with opened as f:
-        pairs: dict[tuple[int, str], dict[str, str]] = {}
-        for key in f.keys():
-            m = _KEY.fullmatch(key)
-            if m is None:
-                raise ValueError(
-                    f"{path}: tensor {key!r} is not a LoRA A or B matrix of a q/k/v/o/gate/up/"
-                    "down projection, the only modules Weir adapts"
-                )
-            layer = int(m.group(1))
-            if layer >= cfg.num_layers:
-                raise ValueError(
-                    f"{path}: tensor {key!r} is past the model's {cfg.num_layers} layers: "
-                    "the adapter was trained for another model"
-                )
-            pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = key
-        for (layer, hf_module), keys in sorted(pairs.items()):
-            if len(keys) != 2:
-                raise ValueError(f"{path}: {hf_module} of layer {layer} has lora_A or lora_B only")
-            out_features, in_features = checkpoint_shape(
-                cfg, f"model.layers.{layer}.{hf_module}.weight"
-            )
-            a_src, b_src = f.get_slice(keys["A"]), f.get_slice(keys["B"])
-            for name, source, shape in (
-                (keys["A"], a_src, (config.rank, in_features)),
-                (keys["B"], b_src, (out_features, config.rank)),
-            ):
-                if tuple(source.get_shape()) != shape:
-                    raise ValueError(
-                        f"{path}: {name} has shape {tuple(source.get_shape())}, not {shape}: the "
-                        "adapter was trained for another model, or its config's r is wrong"
-                    )
+    with safe_open(str(files.weights), framework="pt", device="cpu") as f:
+        for (layer, hf_module), (key_a, key_b) in files.pairs.items():
             projection, part = LAYER_PARTS[hf_module]
             target = layer_part(cfg, layout, part, "weight")
             assert target is not None  # only a bias may be another rank's
             rows, index = target
+            a_src, b_src = f.get_slice(key_a), f.get_slice(key_b)
             if part.endswith("_in"):  # row-parallel: this rank reads some of the input columns
                 a, b = a_src[index], b_src[_ALL]
             else:
                 a, b = a_src[_ALL], b_src[index]
             parts.setdefault((layer, projection), []).append((rows, a, b))
-    if not parts:
-        raise ValueError(f"{path}: holds no LoRA matrices")
     rows_of = _projection_rows(model)
     device = model.inv_freq.device
     layers: list[dict[str, LoraWeights]] = [{} for _ in range(cfg.num_layers)]
     for (layer, projection), fused in parts.items():
-        rank = config.rank
         a_t = torch.cat([a for _, a, _ in fused]).t()
         b_t = torch.zeros(len(fused) * rank, rows_of[projection])
         for i, (rows, _, b) in enumerate(fused):
-            b_t[i * rank : (i + 1) * rank, rows] = b.float().t() * config.scaling
+            b_t[i * rank : (i + 1) * rank, rows] = b.float().t() * scaling
         layers[layer][projection] = LoraWeights(
             a_t.to(device, model.dtype).contiguous(), b_t.to(device, model.dtype).contiguous()
         )

@@ -129,27 +129,13 @@ def layer_part(
 def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     """The whole (unsharded) shape the config gives a checkpoint tensor: a config that
     disagrees with its weights must fail, not load a slice of each."""
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return cfg.vocab_size, h
+        return cfg.vocab_size, cfg.hidden_size
     if name == "model.norm.weight":
-        return (h,)
+        return (cfg.hidden_size,)
     m = _LAYER_RE.fullmatch(name)
     assert m is not None  # _target refused any other name
-    rows, columns = {
-        "self_attn.q_proj": (q, h),
-        "self_attn.k_proj": (kv, h),
-        "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q),
-        "self_attn.q_norm": (d, 0),
-        "self_attn.k_norm": (d, 0),
-        "mlp.gate_proj": (inter, h),
-        "mlp.up_proj": (inter, h),
-        "mlp.down_proj": (h, inter),
-        "input_layernorm": (h, 0),
-        "post_attention_layernorm": (h, 0),
-    }[m.group(2)]
+    rows, columns = cfg.layer_tensor_shape(m.group(2))
     return (rows,) if m.group(3) == "bias" or not columns else (rows, columns)
 
 

@@ -14,7 +14,8 @@ from weir.services.executor.attention import get_attention_backend
 from weir.services.executor.lora import load_adapter
 from weir.services.executor.weights import load_model
 from weir.shared.config import EngineArgs
-from weir.shared.lora import LoraModule, parse_lora_modules, read_adapter_config
+from weir.shared.lora import LoraModule, check_adapter, parse_lora_modules, read_adapter_config
+from weir.shared.model_config import read_model_config
 from weir.shared.protocol import control
 
 pytest.importorskip("peft")
@@ -178,3 +179,14 @@ def test_an_executor_with_other_adapters_is_turned_away():
         "executor serves LoRA adapters ['a'], scheduler serves ['a', 'b']: give both the same "
         "--lora-modules"
     )
+
+
+def test_the_scheduler_checks_an_adapters_tensors_without_torch(adapter, tiny_model_dir, tmp_path):
+    """The scheduler refuses at start-up what an executor would refuse: the shapes too."""
+    model = read_model_config(tiny_model_dir)
+    files = check_adapter(adapter, model, 16)
+    assert files.config.rank == 4 and len(files.pairs) == 6  # 3 modules x 2 layers
+    garbage = _copy(adapter, tmp_path)
+    (garbage / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="adapter_model.safetensors: not a readable safetensors"):
+        check_adapter(garbage, model, 16)
