@@ -51,6 +51,7 @@ from weir.shared.protocol.client import (
     ErrorReply,
     GenerateRequest,
     HealthRequest,
+    LoraAdapterRequest,
     ModelInfoRequest,
     Prompt,
     StreamOutput,
@@ -292,6 +293,19 @@ class AsyncWeirClient:
         reply = await self._request(ModelInfoRequest(uuid.uuid4().hex))
         return reply.info
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Serve the PEFT adapter in directory ``lora_path`` (on the server's machines) as
+        ``lora_name``, on a server started with ``--allow-runtime-lora-updating``; returns
+        the model info, which lists the adapters."""
+        reply = await self._request(LoraAdapterRequest(uuid.uuid4().hex, lora_name, lora_path))
+        return reply.info
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Stop serving ``lora_name`` (refused while requests of it are in flight; an
+        unknown name raises ``InvalidRequestError`` with code ``not_found``)."""
+        reply = await self._request(LoraAdapterRequest(uuid.uuid4().hex, lora_name))
+        return reply.info
+
     async def tokenize(
         self,
         prompt: str | list[dict[str, Any]],
@@ -451,7 +465,11 @@ class AsyncWeirClient:
 
     async def _request(
         self,
-        msg: HealthRequest | ModelInfoRequest | TokenizeRequest | DetokenizeRequest,
+        msg: HealthRequest
+        | ModelInfoRequest
+        | TokenizeRequest
+        | DetokenizeRequest
+        | LoraAdapterRequest,
         timeout: float | None = None,
     ) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -736,6 +754,14 @@ class WeirClient:
     def model_info(self) -> dict[str, Any]:
         self._check_open()
         return self._loop.run(self._client.model_info())
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        self._check_open()
+        return self._loop.run(self._client.load_lora_adapter(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        self._check_open()
+        return self._loop.run(self._client.unload_lora_adapter(lora_name))
 
     def tokenize(
         self,

@@ -281,6 +281,12 @@ class EngineArgs:
         1, SCHEDULER, "most distinct LoRA adapters among the requests running at once", type=int
     )
     max_lora_rank: int = _arg(16, _BOTH, "highest LoRA rank an adapter may have", type=int)
+    allow_runtime_lora_updating: bool = _arg(
+        False,
+        SCHEDULER,
+        "let clients load and unload LoRA adapters while serving (/v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
     speculative_method: str | None = _arg(
         None,
         _BOTH,  # the executor captures CUDA graphs of speculative decodes' query length
@@ -506,7 +512,7 @@ class EngineArgs:
 
     @property
     def lora_enabled(self) -> bool:
-        return self.enable_lora or bool(self.lora_modules)
+        return self.enable_lora or bool(self.lora_modules) or self.allow_runtime_lora_updating
 
     @property
     def loras(self) -> list[LoraModule]:

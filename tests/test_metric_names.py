@@ -44,7 +44,9 @@ def _registries() -> dict[str, CollectorRegistry]:
     disable_created_metrics()  # as every Weir metrics endpoint does
     scheduler = SchedulerMetrics("m")
     scheduler.request_success("stop")  # label children exist only once used
-    LoraRequestGauges("m", ["sql"], lambda: None, scheduler.registry)  # served with adapters
+    LoraRequestGauges(
+        "m", lambda: {"sql": "sql"}, lambda: None, scheduler.registry
+    )  # served with adapters
     return {
         "scheduler": scheduler.registry,
         "executor": ExecutorMetrics("m", 0, "cpu").registry,

@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 
 from weir.services.engine.core import EngineCore, EngineStep
+from weir.services.engine.lora_registry import LoraRegistry
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
 from weir.services.scheduler.output import EngineOutput
@@ -110,7 +111,7 @@ class ClientFrontend:
         health: Callable[[list[str]], dict[str, Any]],
         model_info: Callable[[], dict[str, Any]],
         max_prompt_chars: int | None = None,
-        lora_names: tuple[str, ...] = (),
+        loras: LoraRegistry | None = None,
     ) -> None:
         self._sock = sock
         self.tokenizer = tokenizer
@@ -123,7 +124,7 @@ class ClientFrontend:
         self._requests_ended = requests_ended
         self._health = health
         self._model_info = model_info
-        self.lora_names = lora_names  # the LoRA adapters requests may name
+        self.loras = loras or LoraRegistry([], "")  # the LoRA adapters requests may name
         self.core: EngineCore | None = None
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
@@ -224,14 +225,51 @@ class ClientFrontend:
                 ),
             )
         elif isinstance(msg, client_protocol.ModelInfoRequest):
-            self._send(
-                identity,
-                client_protocol.encode_server_message(
-                    client_protocol.ModelInfoReply(msg.request_id, self._model_info())
-                ),
-            )
+            self._send_model_info(identity, msg.request_id)
+        elif isinstance(msg, client_protocol.LoraAdapterRequest):
+            if self.core is None or self.unavailable:
+                self._send_unavailable(identity, msg.request_id)
+                return
+            task = asyncio.get_running_loop().create_task(self._update_loras(identity, msg))
+            self._tokenize_tasks.add(task)
+            task.add_done_callback(self._tokenize_tasks.discard)
         else:
             self._answer_tokens(identity, msg)
+
+    def _send_model_info(self, identity: bytes, request_id: str) -> None:
+        reply = client_protocol.ModelInfoReply(request_id, self._model_info())
+        self._send(identity, client_protocol.encode_server_message(reply))
+
+    async def _update_loras(self, identity: bytes, msg: client_protocol.LoraAdapterRequest) -> None:
+        """Load or unload an adapter; answered with the model info that lists the adapters
+        after it. A loaded adapter reaches the executors in the next plan, before any
+        request that names it can."""
+        loras = self.loras
+        try:
+            if msg.lora_path is None:
+                loras.remove(msg.lora_name, self._adapter_in_use)
+            else:
+                loras.check_load(msg.lora_name, msg.lora_path)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._tokenizer_pool, loras.read, msg.lora_path
+                )
+                loras.add(msg.lora_name, msg.lora_path)
+        except LookupError as exc:
+            self.send_error(identity, msg.request_id, client_protocol.NOT_FOUND, str(exc.args[0]))
+            return
+        except ValueError as exc:
+            self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
+            return
+        assert self.core is not None
+        self.core.scheduler.set_lora_adapters(loras.paths)
+        _log.warning(
+            "LoRA adapter %s %s", msg.lora_name, "unloaded" if msg.lora_path is None else "loaded"
+        )
+        self._send_model_info(identity, msg.request_id)
+
+    def _adapter_in_use(self, adapter_id: str) -> bool:
+        assert self.core is not None
+        return any(r.lora_name == adapter_id for r in self.core.scheduler.requests.values())
 
     def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:
         rid = msg.request_id
@@ -360,8 +398,9 @@ class ClientFrontend:
                 f"priority {msg.priority}: this server schedules {policy}, so requests have "
                 "no priority (start it with --policy priority), or send priority 0"
             )
-        if msg.lora_name is not None and msg.lora_name not in self.lora_names:
-            served = f"it serves {list(self.lora_names)}" if self.lora_names else "it serves none"
+        if msg.lora_name is not None and msg.lora_name not in self.loras.ids:
+            names = list(self.loras.ids)
+            served = f"it serves {names}" if names else "it serves none"
             raise ValueError(
                 f"lora_name {msg.lora_name[:256]!r}: this server has no such LoRA adapter; "
                 f"{served} (weir serve --lora-modules NAME=PATH)"
@@ -445,8 +484,16 @@ class ClientFrontend:
             arrival_time=arrival_time,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
-            lora_name=msg.lora_name,
+            lora_name=self._adapter_id(msg.lora_name),
         )
+
+    def _adapter_id(self, lora_name: str | None) -> str | None:
+        if lora_name is None:
+            return None
+        adapter_id = self.loras.ids.get(lora_name)
+        if adapter_id is None:  # unloaded while the prompt was tokenized
+            raise ValueError(f"lora_name {lora_name!r}: the LoRA adapter was unloaded")
+        return adapter_id
 
     def _tokenize(self, msg: client_protocol.GenerateRequest) -> list[int]:
         """Token ids of a request's prompt (a chat's rendered with its template arguments),

@@ -84,12 +84,12 @@ class LoraRequestGauges:
     def __init__(
         self,
         model_name: str,
-        adapters: Sequence[str],
+        adapters: Callable[[], dict[str, str]],
         scheduler: Callable[[], Scheduler | None],
         registry: CollectorRegistry,
     ) -> None:
         self._model_name = model_name
-        self._adapters = adapters
+        self._adapters = adapters  # name -> the adapter id its requests carry
         self._scheduler = scheduler
         registry.register(self)
 
@@ -110,14 +110,15 @@ class LoraRequestGauges:
         scheduler = self._scheduler()
         running = [] if scheduler is None else list(scheduler.running)
         waiting = [] if scheduler is None else scheduler.waiting.requests()
+        adapters = dict(self._adapters())
         for state, requests in (("running", running), ("waiting", waiting)):
             family = self._family(state)
-            counts = dict.fromkeys(self._adapters, 0)
+            counts = dict.fromkeys(adapters.values(), 0)
             for request in requests:
                 if request.lora_name in counts:
                     counts[request.lora_name] += 1
-            for name, count in counts.items():
-                family.add_metric([self._model_name, name], count)
+            for name, adapter_id in adapters.items():
+                family.add_metric([self._model_name, name], counts[adapter_id])
             yield family
 
 

@@ -38,6 +38,7 @@ import zmq.asyncio
 from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
 from weir.services.engine.frontend import CLIENT_SNDHWM, ClientFrontend
+from weir.services.engine.lora_registry import LoraRegistry
 from weir.services.engine.metrics import LoraRequestGauges, SchedulerMetrics
 from weir.services.engine.ngram import make_proposer
 from weir.services.metrics_endpoint import start_metrics_server
@@ -125,14 +126,19 @@ class SchedulerServer:
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
         for module in self.engine_args.loras:  # and bad adapters, before executors load them
-            check_adapter(module.path, self.model_config, self.engine_args.max_lora_rank)
+            self._check_adapter(module.path)
+        self.loras = LoraRegistry(
+            self.engine_args.loras,
+            self.model_name,
+            self._check_adapter if self.engine_args.allow_runtime_lora_updating else None,
+        )
         directory = keys_dir(self.engine_args.keys_dir)
         self.keys = None if directory is None else SchedulerKeys.load(directory)
         self.metrics = SchedulerMetrics(self.model_name)
-        if self.engine_args.loras:
+        if self.engine_args.lora_enabled:
             LoraRequestGauges(
                 self.model_name,
-                [module.name for module in self.engine_args.loras],
+                lambda: self.loras.ids,
                 lambda: None if self.core is None else self.core.scheduler,
                 self.metrics.registry,
             )
@@ -147,6 +153,9 @@ class SchedulerServer:
         self._reported_ready = False
         self._recovery_deadline: asyncio.TimerHandle | None = None
         self._draining = False
+
+    def _check_adapter(self, path: str) -> None:
+        check_adapter(path, self.model_config, self.engine_args.max_lora_rank)
 
     @property
     def core(self) -> EngineCore | None:
@@ -190,7 +199,7 @@ class SchedulerServer:
             self._health,
             self._model_info,
             self.engine_args.max_prompt_chars,
-            tuple(module.name for module in self.engine_args.loras),
+            self.loras,
         )
         self.group = ExecutorGroup(
             executor_sock,
@@ -498,5 +507,5 @@ class SchedulerServer:
             "eos_token_id": self.tokenizer.eos_token_id,
             "block_size": self.engine_args.block_size,
             "num_blocks": self._num_blocks if self.core is not None else None,
-            "lora_names": [module.name for module in self.engine_args.loras],
+            "lora_names": list(self.loras.ids),
         }

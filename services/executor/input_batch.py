@@ -79,7 +79,7 @@ class InputBatch:
         lora_ids: dict[str, int] | None = None,
     ) -> None:
         self.max_model_len = max_model_len
-        self.lora_ids = lora_ids or {}  # adapter name -> its id (0: the base model)
+        self.lora_ids = {} if lora_ids is None else lora_ids  # adapter -> its id (0: none)
         self.block_size = block_size
         self.max_blocks_per_req = cdiv(max_model_len, block_size)
         self.eos_token_ids = list(eos_token_ids)

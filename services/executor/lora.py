@@ -18,6 +18,7 @@ the base model, or of other adapters, share the step untouched.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from weir.services.executor.weights import LAYER_PARTS, layer_part
 from weir.shared.lora import LoraModule, check_adapter
 
 _ALL = (slice(None),)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -93,17 +95,43 @@ def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
 
 
 class LoraAdapters:
-    """Every adapter the server was started with; request ``lora_name``s map to ``ids``
-    (1, 2, ...; 0 is the base model)."""
+    """The adapters this executor holds: request ``lora_name``s (adapter ids) map to
+    ``ids`` (1, 2, ...; 0 is the base model), each the place of its adapter."""
 
     def __init__(self, adapters: list[Adapter]) -> None:
-        self.adapters = adapters
-        self.names = tuple(a.name for a in adapters)
-        self.ids = {name: i + 1 for i, name in enumerate(self.names)}
+        self.adapters: list[Adapter | None] = list(adapters)  # None: a place freed
+        self.ids = {a.name: i + 1 for i, a in enumerate(adapters)}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.ids)
 
     @classmethod
     def load(cls, model: CausalLM, modules: list[LoraModule], max_rank: int) -> LoraAdapters:
         return cls([load_adapter(model, module, max_rank) for module in modules])
+
+    def sync(self, model: CausalLM, wanted: dict[str, str], max_rank: int) -> None:
+        """Hold exactly the adapters of ``wanted`` (id -> directory, as a plan says): load
+        the new, drop the others. An adapter that fails to load is logged and left out:
+        the scheduler checked it, so only this machine's files can differ, and a request
+        of it then fails alone, naming it."""
+        for name in [name for name in self.ids if name not in wanted]:
+            self.adapters[self.ids.pop(name) - 1] = None
+        for name, path in wanted.items():
+            if name in self.ids:
+                continue
+            try:
+                adapter = load_adapter(model, LoraModule(name, path), max_rank)
+            except (ValueError, OSError) as exc:
+                logger.error("LoRA adapter %s: cannot load %s: %s", name, path, exc)
+                continue
+            free = next((i for i, a in enumerate(self.adapters) if a is None), None)
+            if free is None:
+                self.adapters.append(adapter)
+                free = len(self.adapters) - 1
+            else:
+                self.adapters[free] = adapter
+            self.ids[name] = free + 1
 
     def batch(
         self, request_ids: np.ndarray, query_start_loc: np.ndarray, device: torch.device
@@ -117,7 +145,9 @@ class LoraAdapters:
         for adapter_id in np.unique(request_ids[request_ids > 0]):
             rows = np.flatnonzero(token_ids == adapter_id)
             index = None if len(rows) == len(token_ids) else to_device(rows, device)
-            groups.append((self.adapters[adapter_id - 1], index))
+            adapter = self.adapters[adapter_id - 1]
+            assert adapter is not None  # a request's adapter stays while it runs
+            groups.append((adapter, index))
         return LoraBatch(groups)
 
 

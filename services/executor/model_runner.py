@@ -197,7 +197,8 @@ class ModelRunner:
         )
         self.config = self.model.config
         # Before the KV cache is sized: adapters take their share of the memory first.
-        self.loras = LoraAdapters.load(self.model, loras, max_lora_rank) if loras else None
+        self.loras = LoraAdapters.load(self.model, loras or [], max_lora_rank)
+        self.max_lora_rank = max_lora_rank
         self.max_model_len = resolve_max_model_len(
             max_model_len, self.config.max_position_embeddings
         )
@@ -342,7 +343,7 @@ class ModelRunner:
             self.block_size,
             self.max_num_seqs,
             self.eos_token_ids,
-            {} if self.loras is None else self.loras.ids,
+            self.loras.ids,  # the same dict: adapters loaded later are known at once
         )
         self._unfinished: LaunchedStep | None = None  # launched, and its tokens may be read
 
@@ -359,6 +360,8 @@ class ModelRunner:
         previous, self._unfinished = self._unfinished, None
         if previous is not None and previous.reserved is None:
             raise RuntimeError("a step with drafts must finish before the next one launches")
+        if plan.lora_adapters is not None:
+            self.loras.sync(self.model, plan.lora_adapters, self.max_lora_rank)
         self.batch.apply_plan(plan)
         if not plan.num_scheduled_tokens:
             return LaunchedStep(plan, StepTimings(prepare=self._clock() - start))
@@ -371,7 +374,7 @@ class ModelRunner:
         feed = None if previous is None else self._feed(previous, inputs)
         lora = (
             None
-            if self.loras is None
+            if not self.loras.ids
             else self.loras.batch(
                 self.batch.lora_id[inputs.slots], inputs.query_start_loc, self.device
             )

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,12 +46,14 @@ from weir.services.gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
+    LoadLoraAdapterBody,
     TokenizeBody,
+    UnloadLoraAdapterBody,
     chat_prompt,
 )
 from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
-from weir.shared.protocol.client import SERVER_UNAVAILABLE, Prompt, StreamOutput
+from weir.shared.protocol.client import NOT_FOUND, SERVER_UNAVAILABLE, Prompt, StreamOutput
 from weir.shared.sampling import SamplingParams
 
 VERSION = "0.1.0"
@@ -59,6 +61,8 @@ _ROUTES = (
     "/v1/models",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/tokenize",
     "/detokenize",
     "/health",
@@ -272,6 +276,30 @@ class Gateway:
             self._model = await asyncio.shield(lookup)  # a caller that leaves cancels only itself
         return self._model
 
+    def forget_model(self) -> None:
+        """The model info changed (its adapters): ask a replica again when next needed."""
+        if self._model_lookup is None or self._model_lookup.done():
+            self._model, self._model_lookup = None, None
+
+    async def update_lora(self, name: str, path: str | None) -> Response:
+        """vLLM's ``/v1/load_lora_adapter`` (a path) and ``/v1/unload_lora_adapter`` (none),
+        on every replica in turn: a failure stops there, and the replicas before it keep
+        the change."""
+        try:
+            for replica in self.router.replicas:
+                if path is None:
+                    await replica.client.unload_lora_adapter(name)
+                else:
+                    await replica.client.load_lora_adapter(name, path)
+        except InvalidRequestError as exc:
+            if exc.code == NOT_FOUND:
+                raise APIError(404, str(exc), "not_found_error", NOT_FOUND, "lora_name") from None
+            raise
+        finally:
+            self.forget_model()
+        done = "removed" if path is None else "added"
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
+
     async def reasoning_end_is_a_token(self) -> bool:
         """Whether the model's reasoning ends on one token, which a structured output can
         hold after (asked of a replica once)."""
@@ -287,6 +315,9 @@ class Gateway:
         info = await self.model()
         if name is None or name == info["model_name"]:
             return _Model(info, info["model_name"], None)
+        if name not in info["lora_names"]:  # perhaps loaded since (through another gateway)
+            self.forget_model()
+            info = await self.model()
         if name in info["lora_names"]:
             return _Model(info, name, name)
         adapters = ", ".join(f"`{a}`" for a in info["lora_names"])
@@ -969,6 +1000,14 @@ def create_app(
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         return await answer_connected(request, gateway.responses(body))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterBody) -> Response:
+        return await answer(gateway.update_lora(body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterBody) -> Response:
+        return await answer(gateway.update_lora(body.lora_name, None))
 
     @app.post("/tokenize")
     async def tokenize(request: Request, body: TokenizeBody) -> Response:

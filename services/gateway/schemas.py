@@ -710,3 +710,20 @@ class DetokenizeBody(Body):
 
     model: str | None = None
     tokens: Annotated[TokenIds, BeforeValidator(protocol_sized)]
+
+
+class LoadLoraAdapterBody(Body):
+    """vLLM's ``POST /v1/load_lora_adapter``: serve the PEFT adapter at ``lora_path`` (on the
+    engine's machines) as ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+    # vLLM's reload of a loaded adapter in place; here: unload it, then load it again.
+    load_inplace: Literal[False] = False
+
+
+class UnloadLoraAdapterBody(Body):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+    lora_int_id: None = None  # vLLM's internal id: adapters are named here

@@ -95,6 +95,12 @@ class Scheduler:
         # Requests with a structured output: each step that samples for one carries its
         # bitmask of allowed tokens.
         self._grammars: set[Request] = set()
+        # The LoRA adapters executors hold (id -> directory), once the server changes them
+        # at runtime (until then executors hold those they started with), and whether the
+        # next plan that reaches them must say so (the set changed, or an executor lost
+        # its state).
+        self.lora_adapters: dict[str, str] | None = None
+        self._send_lora_adapters = False
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -222,6 +228,8 @@ class Scheduler:
         # A step planned after the one that failed may have run and left requests in
         # the executor: it forgets every id it may hold before taking them again.
         self._finished_req_ids = list(self.requests)
+        # A new executor holds only the adapters it started with.
+        self._send_lora_adapters = self.lora_adapters is not None
         self._sampling.clear()
         if self.scheduler_config.async_scheduling and cache_config is None:
             # The failed step may have left unwritten KV in blocks already registered.
@@ -293,6 +301,12 @@ class Scheduler:
     def _excluded(self, rid: str) -> bool:
         """While a trial runs, an unproven request outside its group waits."""
         return rid not in self._trials[0] and rid not in self._proven
+
+    def set_lora_adapters(self, adapters: dict[str, str]) -> None:
+        """From the next plan on, executors hold these adapters (and drop any other that
+        was loaded at runtime): a request may name a new one in that plan."""
+        self.lora_adapters = dict(adapters)
+        self._send_lora_adapters = True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
@@ -417,6 +431,9 @@ class Scheduler:
         total = config.max_num_batched_tokens - budget
         self._last_num_scheduled_tokens = total
         finished, self._finished_req_ids = self._finished_req_ids, []
+        adapters = None
+        if self._send_lora_adapters and (num_scheduled or finished or preempted):  # it is sent
+            adapters, self._send_lora_adapters = dict(self.lora_adapters or {}), False
         self._step_id += 1
         return StepPlan(
             num_scheduled,
@@ -428,6 +445,7 @@ class Scheduler:
             finished,
             self._step_id,
             grammar_bitmask,
+            adapters,
         )
 
     def _grammar_bitmasks(self, num_scheduled: dict[str, int]) -> dict[str, bytes]:

@@ -16,6 +16,7 @@ Client -> scheduler::
     tokenize   {request_id, prompt, add_special_tokens?, CHAT...}
                prompt: str | list[{role, content, ...}] (as generate's)
     detokenize {request_id, token_ids}
+    lora_adapter {request_id, lora_name, lora_path?}   load an adapter (path), or unload it
 
     CHAT: a chat's fields for its template (``ChatTemplateArgs``), only with chat messages:
                tools?, chat_template_kwargs? (JSON text), add_generation_prompt?,
@@ -29,6 +30,7 @@ Scheduler -> client::
     health     {request_id, info}
     model_info {request_id, info}
     tokens     {request_id, info}   info: {token_ids, max_model_len} | {text}
+               (a lora_adapter request is answered with model_info, the adapters after it)
 
 ``outputs`` batches every output one step produced for one client; ``text`` is
 the delta since the previous output of that request and ``prompt_token_ids`` is
@@ -55,6 +57,7 @@ from weir.shared.sampling import SamplingParams
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 1024
 MAX_LORA_NAME_LEN = 256  # as --lora-modules names are
+MAX_PATH_LEN = 4096  # Linux's PATH_MAX
 # Bounds on what one client frame may unpack to: a token-id prompt of a million tokens,
 # maps no wider than a message needs (sampling params have 11 fields).
 MAX_ARRAY_LEN = 1 << 20
@@ -73,6 +76,7 @@ INVALID_REQUEST = "invalid_request"
 DUPLICATE_REQUEST_ID = "duplicate_request_id"
 ENGINE_ERROR = "engine_error"
 SERVER_UNAVAILABLE = "server_unavailable"
+NOT_FOUND = "not_found"  # what a request names (a LoRA adapter to unload) does not exist
 # The client fell so far behind reading its replies that its queue filled.
 CLIENT_TOO_SLOW = "client_too_slow"
 
@@ -162,8 +166,20 @@ class DetokenizeRequest:
     token_ids: list[int]
 
 
+@dataclass(slots=True)
+class LoraAdapterRequest:
+    """Load a LoRA adapter from ``lora_path`` (a PEFT directory the server reads) under
+    ``lora_name``, or unload ``lora_name`` (no path); a server started with
+    ``--allow-runtime-lora-updating`` only."""
+
+    request_id: str
+    lora_name: str
+    lora_path: str | None = None
+
+
 ClientMessage = (
     GenerateRequest
+    | LoraAdapterRequest
     | AbortRequest
     | HealthRequest
     | ModelInfoRequest
@@ -278,6 +294,11 @@ def encode_client_message(msg: ClientMessage) -> bytes:
         return _pack("tokenize", fields | _chat_fields(msg.chat))
     if isinstance(msg, DetokenizeRequest):
         return _pack("detokenize", {"request_id": msg.request_id, "token_ids": msg.token_ids})
+    if isinstance(msg, LoraAdapterRequest):
+        fields = {"request_id": msg.request_id, "lora_name": msg.lora_name}
+        if msg.lora_path is not None:
+            fields["lora_path"] = msg.lora_path
+        return _pack("lora_adapter", fields)
     if isinstance(msg, HealthRequest) and msg.stream_ids:
         return _pack("health", {"request_id": msg.request_id, "stream_ids": msg.stream_ids})
     type_ = {AbortRequest: "abort", HealthRequest: "health", ModelInfoRequest: "model_info"}[
@@ -316,6 +337,7 @@ _CLIENT_FIELDS = {
     "model_info": {"request_id"},
     "tokenize": {"request_id", "prompt", "add_special_tokens", *_CHAT_FIELDS},
     "detokenize": {"request_id", "token_ids"},
+    "lora_adapter": {"request_id", "lora_name", "lora_path"},
 }
 
 
@@ -366,6 +388,21 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         return HealthRequest(raw_id, stream_ids)
     if type_ == "model_info":
         return ModelInfoRequest(raw_id)
+    if type_ == "lora_adapter":
+        name, path = data.get("lora_name"), data.get("lora_path")
+        if type(name) is not str or not 0 < len(name) <= MAX_LORA_NAME_LEN:
+            raise ClientProtocolError(
+                INVALID_REQUEST,
+                f"lora_name must be a non-empty string of at most {MAX_LORA_NAME_LEN} characters",
+                raw_id,
+            )
+        if path is not None and (type(path) is not str or not 0 < len(path) <= MAX_PATH_LEN):
+            raise ClientProtocolError(
+                INVALID_REQUEST,
+                f"lora_path must be a non-empty string of at most {MAX_PATH_LEN} characters",
+                raw_id,
+            )
+        return LoraAdapterRequest(raw_id, name, path)
     if type_ == "detokenize":
         token_ids = data.get("token_ids")
         if not isinstance(token_ids, list) or any(type(t) is not int or t < 0 for t in token_ids):

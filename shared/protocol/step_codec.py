@@ -160,7 +160,8 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 #  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
 #  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]},
 #        {id: lora_name}],
-#  spec {id: [tok]}, preempted_ids, finished_ids, grammar_bitmask {id: bytes}]
+#  spec {id: [tok]}, preempted_ids, finished_ids, grammar_bitmask {id: bytes},
+#  lora_adapters {adapter id: path} | nil]
 
 
 def encode_step_plan(plan: StepPlan) -> bytes:
@@ -206,6 +207,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
             plan.preempted_req_ids,
             plan.finished_req_ids,
             plan.grammar_bitmask,
+            plan.lora_adapters,
         ],
     )
 
@@ -240,7 +242,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
 
 
 def decode_step_plan(data: bytes) -> StepPlan:
-    msg = unpack_array(data, _STEP_PLAN, 12)
+    msg = unpack_array(data, _STEP_PLAN, 13)
     step_id = non_negative_int("step_id", msg[2])
     total = non_negative_int("total_num_scheduled_tokens", msg[3])
     cached_ids = _split_ids("cached_requests.req_ids", msg[4])
@@ -286,7 +288,17 @@ def decode_step_plan(data: bytes) -> StepPlan:
         strs("finished_req_ids", msg[12]),
         step_id,
         _bitmasks(msg[13], num_scheduled),
+        _lora_adapters(msg[14]),
     )
+
+
+def _lora_adapters(value: Any) -> dict[str, str] | None:
+    if value is not None and (
+        type(value) is not dict
+        or not all(type(k) is str and type(v) is str for k, v in value.items())
+    ):
+        raise ProtocolError("lora_adapters: expected {adapter id: path} or nil")
+    return value
 
 
 def _bitmasks(value: Any, num_scheduled: dict[str, int]) -> dict[str, bytes]:

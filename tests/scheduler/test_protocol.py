@@ -24,7 +24,7 @@ from weir.shared.sampling import SamplingParams
 def _plan() -> StepPlan:
     new = [
         NewRequest("n1", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, stop=("x",)), [3, 4], 4),
-        NewRequest("n2", [1], SamplingParams(seed=7, logprobs=2), [9], 0),
+        NewRequest("n2", [1], SamplingParams(seed=7, logprobs=2), [9], 0, lora_name="sql#2"),
     ]
     cached = [
         CachedRequest("c1", [], 40),
@@ -41,6 +41,7 @@ def _plan() -> StepPlan:
         finished_req_ids=["f1", "f2"],
         step_id=12,
         grammar_bitmask={"n1": b"\xff\x00\x00\x01" * 3},
+        lora_adapters={"sql": "/adapters/sql", "sql#2": "/adapters/sql-v2"},
     )
 
 
@@ -104,7 +105,7 @@ def _raw(message: list) -> bytes:
         (_raw({"v": 1}), "[type, version"),
         (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
         (_raw(["StepPlan", 99]), "version 99"),
-        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 12 fields"),
+        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 13 fields"),
     ],
 )
 def test_step_plan_rejects_bad_envelopes(data, fragment):
@@ -129,6 +130,8 @@ def _plan_fields() -> list:
         (8, {"c3": [-1]}, "resumed_output_token_ids"),
         (10, {"c1": [1.5]}, "scheduled_spec_decode_tokens"),
         (12, ["f1", 2], r"finished_req_ids\[1\]"),
+        (14, {"sql": 3}, "lora_adapters: expected {adapter id: path} or nil"),
+        (14, ["sql"], "lora_adapters: expected {adapter id: path} or nil"),
     ],
 )
 def test_step_plan_rejects_wrong_types(index, value, fragment):

@@ -4,6 +4,8 @@ several adapters and of the base model run together, and each decodes what PEFT'
 of the same adapter decodes with transformers."""
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -219,3 +221,159 @@ def test_an_adapter_weir_cannot_serve_stops_the_start(default_model_dir, adapter
     with pytest.raises(ChildFailedError, match="use_dora \\(DoRA\\) is not supported"):
         with small_server(default_model_dir, MODEL, lora_modules=[f"dora={tmp_path}"]):
             pass
+
+
+@pytest.fixture(scope="module")
+def runtime_server(default_model_dir):
+    with small_server(
+        default_model_dir, MODEL, allow_runtime_lora_updating=True, max_loras=2
+    ) as processes:
+        yield processes
+
+
+def _post(server, route: str, body: dict) -> httpx.Response:
+    return httpx.post(server.info["http_address"] + route, json=body, timeout=60)
+
+
+def _complete(server, name: str, prompt: list[int]) -> list[int]:
+    reply = _post(
+        server,
+        "/v1/completions",
+        {
+            "model": name,
+            "prompt": prompt,
+            "max_tokens": NUM_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["token_ids"]
+
+
+def test_adapters_loaded_and_unloaded_at_runtime_as_vllm_does(
+    runtime_server, adapters, prompts, references
+):
+    server = runtime_server
+
+    def models():
+        cards = httpx.get(server.info["http_address"] + "/v1/models").json()["data"]
+        return [card["id"] for card in cards]
+
+    assert models() == [MODEL]
+    loaded = _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(adapters["sql"])}
+    )
+    assert (loaded.status_code, loaded.text) == (
+        200,
+        "Success: LoRA adapter 'sql' added successfully.",
+    )
+    assert models() == [MODEL, "sql"]
+    assert _complete(server, "sql", prompts[1]) == references["sql"][1]
+    again = _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(adapters["poet"])}
+    )
+    assert again.status_code == 400
+    assert (
+        again.json()["error"]["message"]
+        == "the LoRA adapter 'sql' is already loaded: unload it first"
+    )
+    # New weights under the same name: the old adapter's cached blocks of the prompt are not
+    # its blocks.
+    unloaded = _post(server, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert (unloaded.status_code, unloaded.text) == (
+        200,
+        "Success: LoRA adapter 'sql' removed successfully.",
+    )
+    assert models() == [MODEL]
+    assert (
+        _post(
+            server,
+            "/v1/load_lora_adapter",
+            {"lora_name": "sql", "lora_path": str(adapters["poet"])},
+        ).status_code
+        == 200
+    )
+    assert _complete(server, "sql", prompts[1]) == references["poet"][1]
+    missing = _post(server, "/v1/unload_lora_adapter", {"lora_name": "prose"})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "the LoRA adapter 'prose' is not loaded"
+
+
+def test_an_adapter_in_use_is_not_unloaded(runtime_server, adapters):
+    _post(
+        runtime_server,
+        "/v1/load_lora_adapter",
+        {"lora_name": "busy", "lora_path": str(adapters["poet"])},
+    )
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    with WeirClient(runtime_server.client_address) as client:
+        stream = client.generate("Tell me a story.", params, lora_name="busy")
+        next(stream)
+        with pytest.raises(
+            InvalidRequestError, match="requests of the LoRA adapter 'busy' are in flight"
+        ):
+            client.unload_lora_adapter("busy")
+        stream.close()
+        deadline = time.monotonic() + 10
+        while True:  # the abort reaches the scheduler soon after
+            try:
+                info = client.unload_lora_adapter("busy")
+                break
+            except InvalidRequestError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert "busy" not in info["lora_names"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        (
+            {"lora_name": "x", "lora_path": "/nowhere"},
+            400,
+            "LoRA adapter /nowhere: no adapter_config.json there",
+        ),
+        ({"lora_name": "a b", "lora_path": "/x"}, 400, "adapter name 'a b' must be"),
+        (
+            {"lora_name": MODEL, "lora_path": "/x"},
+            400,
+            "lora_name 'smol' is the served model's name",
+        ),
+        ({"lora_name": "x", "lora_path": "/x", "load_inplace": True}, 400, "load_inplace"),
+        ({"lora_name": "x"}, 400, "lora_path"),
+    ],
+)
+def test_an_adapter_that_cannot_be_loaded_is_a_400(runtime_server, body, status, message):
+    reply = _post(runtime_server, "/v1/load_lora_adapter", body)
+    assert reply.status_code == status and message in reply.json()["error"]["message"]
+
+
+def test_without_runtime_updating_loading_is_refused(server, adapters):
+    reply = _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["sql"])}
+    )
+    assert reply.status_code == 400
+    assert "start it with --allow-runtime-lora-updating" in reply.json()["error"]["message"]
+
+
+def test_a_runtime_adapter_survives_its_executors_death(
+    runtime_server, adapters, prompts, references
+):
+    """The executor that replaces a killed one gets the adapters loaded since start-up."""
+    server = runtime_server
+    _post(
+        server, "/v1/load_lora_adapter", {"lora_name": "again", "lora_path": str(adapters["sql"])}
+    )
+    assert _complete(server, "again", prompts[0]) == references["sql"][0]
+    os.kill(server.info["executors"][0]["pid"], signal.SIGKILL)
+    with WeirClient(server.client_address) as client:
+        deadline = time.monotonic() + 120
+        while client.health()["status"] == "ok":  # until the loss is noticed
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        while client.health()["status"] != "ok":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert _complete(server, "again", prompts[0]) == references["sql"][0]

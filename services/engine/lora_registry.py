@@ -1,0 +1,75 @@
+"""The LoRA adapters a server serves: those it started with (``--lora-modules``) and those
+loaded or unloaded at runtime (``--allow-runtime-lora-updating``, vLLM's
+``/v1/load_lora_adapter``).
+
+A request names an adapter; the scheduler and the executors know it by its adapter id:
+the name for an adapter the server started with, ``name#N`` for the N-th one loaded at
+runtime. A name unloaded and loaded again, perhaps from new weights, gets a new id, so
+the KV blocks cached under the old one (the prefix cache keys them by id) are never read
+for the new one. ``#`` is not allowed in names, so ids never collide with them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from weir.shared.lora import LoraModule
+
+RUNTIME_UPDATES_OFF = (
+    "this server loads and unloads no LoRA adapters at runtime: start it with "
+    "--allow-runtime-lora-updating"
+)
+
+
+class LoraRegistry:
+    """``ids``: name -> adapter id; ``paths``: adapter id -> directory. ``check`` reads an
+    adapter's files and raises ValueError for one the executors cannot load (None: the
+    adapters are fixed at start-up)."""
+
+    def __init__(
+        self,
+        modules: list[LoraModule],
+        model_name: str,
+        check: Callable[[str], None] | None = None,
+    ) -> None:
+        self.ids = {m.name: m.name for m in modules}
+        self.paths = {m.name: m.path for m in modules}
+        self.model_name = model_name
+        self._check = check
+        self._loads = itertools.count(1)
+
+    def check_load(self, name: str, path: str) -> None:
+        """What can be told of loading ``path`` as ``name`` without reading it (ValueError)."""
+        if self._check is None:
+            raise ValueError(RUNTIME_UPDATES_OFF)
+        LoraModule.parse(f"{name}={path}")
+        if name == self.model_name:
+            raise ValueError(f"lora_name {name!r} is the served model's name")
+        if name in self.ids:
+            raise ValueError(f"the LoRA adapter {name!r} is already loaded: unload it first")
+
+    def read(self, path: str) -> None:
+        """The adapter's files checked (slow: a worker thread's job)."""
+        assert self._check is not None
+        self._check(path)
+
+    def add(self, name: str, path: str) -> None:
+        self.check_load(name, path)  # again: another load of the name may have come first
+        adapter_id = f"{name}#{next(self._loads)}"
+        self.ids[name] = adapter_id
+        self.paths[adapter_id] = path
+
+    def remove(self, name: str, in_use: Callable[[str], bool]) -> None:
+        """LookupError when no adapter has the name; ValueError while requests of it are
+        in flight (they would lose it mid-way)."""
+        if self._check is None:
+            raise ValueError(RUNTIME_UPDATES_OFF)
+        adapter_id = self.ids.get(name)
+        if adapter_id is None:
+            raise LookupError(f"the LoRA adapter {name!r} is not loaded")
+        if in_use(adapter_id):
+            raise ValueError(
+                f"requests of the LoRA adapter {name!r} are in flight: unload it once they end"
+            )
+        del self.ids[name], self.paths[adapter_id]
