@@ -134,10 +134,17 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         if lora_name is None or isinstance(lora_name, str):
             loras = [lora_name] * len(prompts)
-        else:
+        elif isinstance(lora_name, list | tuple) and all(
+            name is None or isinstance(name, str) for name in lora_name
+        ):
             loras = list(lora_name)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(loras)} lora_names for {len(prompts)} prompts")
+        else:
+            raise TypeError(
+                "lora_name must be an adapter's name, None, or a list of them (one per prompt), "
+                f"not {lora_name!r:.80}"
+            )
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_names for {len(prompts)} prompts")
         return self._loop.run(self._generate_all(prompts, params, priorities, loras, chat))
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ and of the base model share a batch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -153,6 +154,9 @@ class AdapterFiles:
     weights: Path
     # (layer, Hugging Face module name) -> the names of its A and B tensors
     pairs: dict[tuple[int, str], tuple[str, str]]
+    # sha256 of the config and the weights: the scheduler and every executor must hold
+    # the same adapter under a name, not merely files of that name.
+    fingerprint: str
 
 
 def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> AdapterFiles:
@@ -196,4 +200,12 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
         pairs[layer, module] = (keys["A"], keys["B"])
     if not pairs:
         raise ValueError(f"{weights}: holds no LoRA matrices")
-    return AdapterFiles(config, weights, pairs)
+    return AdapterFiles(config, weights, pairs, _fingerprint(Path(path)))
+
+
+def _fingerprint(directory: Path) -> str:
+    digest = hashlib.sha256()
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        with open(directory / name, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -54,6 +54,7 @@ class ExpectedExecutor:
     vocab_size: int
     max_model_len: int
     engine_args: EngineArgs
+    lora_fingerprints: dict[str, str] = field(default_factory=dict)  # --lora-modules' files
 
 
 @dataclass(slots=True)
@@ -254,11 +255,17 @@ class ExecutorGroup:
                 f"executor serves {hello.model_name[:200]} (vocab {hello.vocab_size}), "
                 f"scheduler serves {want.model_name} (vocab {want.vocab_size})"
             )
-        lora_names = [module.name for module in args.loras]
-        if hello.lora_names != lora_names:
+        held, wanted = hello.lora_adapters, want.lora_fingerprints
+        if set(held) != set(wanted):
             return (
-                f"executor serves LoRA adapters {hello.lora_names[:20]}, scheduler serves "
-                f"{lora_names}: give both the same --lora-modules"
+                f"executor serves LoRA adapters {sorted(held)[:20]}, scheduler serves "
+                f"{sorted(wanted)}: give both the same --lora-modules"
+            )
+        differ = sorted(name for name in wanted if held[name] != wanted[name])
+        if differ:
+            return (
+                f"executor's LoRA adapter files of {differ} differ from the scheduler's: "
+                "give both the same adapters"
             )
         for name, theirs, ours in (
             ("max_num_batched_tokens", hello.max_num_batched_tokens, args.max_num_batched_tokens),

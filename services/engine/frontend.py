@@ -124,7 +124,7 @@ class ClientFrontend:
         self._requests_ended = requests_ended
         self._health = health
         self._model_info = model_info
-        self.loras = loras or LoraRegistry([], "")  # the LoRA adapters requests may name
+        self.loras = loras or LoraRegistry({}, "")  # the LoRA adapters requests may name
         self.core: EngineCore | None = None
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
@@ -250,10 +250,10 @@ class ClientFrontend:
                 loras.remove(msg.lora_name, self._adapter_in_use)
             else:
                 loras.check_load(msg.lora_name, msg.lora_path)
-                await asyncio.get_running_loop().run_in_executor(
+                fingerprint = await asyncio.get_running_loop().run_in_executor(
                     self._tokenizer_pool, loras.read, msg.lora_path
                 )
-                loras.add(msg.lora_name, msg.lora_path)
+                loras.add(msg.lora_name, msg.lora_path, fingerprint)
         except LookupError as exc:
             self.send_error(identity, msg.request_id, client_protocol.NOT_FOUND, str(exc.args[0]))
             return
@@ -261,7 +261,7 @@ class ClientFrontend:
             self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
             return
         assert self.core is not None
-        self.core.scheduler.set_lora_adapters(loras.paths)
+        self.core.scheduler.set_lora_adapters(loras.adapters)
         _log.warning(
             "LoRA adapter %s %s", msg.lora_name, "unloaded" if msg.lora_path is None else "loaded"
         )

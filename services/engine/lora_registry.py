@@ -23,18 +23,25 @@ RUNTIME_UPDATES_OFF = (
 
 
 class LoraRegistry:
-    """``ids``: name -> adapter id; ``paths``: adapter id -> directory. ``check`` reads an
-    adapter's files and raises ValueError for one the executors cannot load (None: the
-    adapters are fixed at start-up)."""
+    """``ids``: name -> adapter id; ``adapters``: adapter id -> [directory, fingerprint of
+    its files], what executors hold. ``check`` reads an adapter's files and returns their
+    fingerprint, or raises ValueError for one the executors cannot load (None: the adapters
+    are fixed at start-up)."""
 
     def __init__(
         self,
-        modules: list[LoraModule],
+        modules: dict[LoraModule, str],
         model_name: str,
-        check: Callable[[str], None] | None = None,
+        check: Callable[[str], str] | None = None,
     ) -> None:
+        for module in modules:
+            if module.name == model_name:
+                raise ValueError(
+                    f"lora_modules: adapter name {module.name!r} is the served model's name: "
+                    "requests for it would not know which they mean"
+                )
         self.ids = {m.name: m.name for m in modules}
-        self.paths = {m.name: m.path for m in modules}
+        self.adapters = {m.name: [m.path, fingerprint] for m, fingerprint in modules.items()}
         self.model_name = model_name
         self._check = check
         self._loads = itertools.count(1)
@@ -49,16 +56,16 @@ class LoraRegistry:
         if name in self.ids:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded: unload it first")
 
-    def read(self, path: str) -> None:
-        """The adapter's files checked (slow: a worker thread's job)."""
+    def read(self, path: str) -> str:
+        """The adapter's files checked, and their fingerprint (slow: a worker thread's job)."""
         assert self._check is not None
-        self._check(path)
+        return self._check(path)
 
-    def add(self, name: str, path: str) -> None:
+    def add(self, name: str, path: str, fingerprint: str) -> None:
         self.check_load(name, path)  # again: another load of the name may have come first
         adapter_id = f"{name}#{next(self._loads)}"
         self.ids[name] = adapter_id
-        self.paths[adapter_id] = path
+        self.adapters[adapter_id] = [path, fingerprint]
 
     def remove(self, name: str, in_use: Callable[[str], bool]) -> None:
         """LookupError when no adapter has the name; ValueError while requests of it are
@@ -72,4 +79,4 @@ class LoraRegistry:
             raise ValueError(
                 f"requests of the LoRA adapter {name!r} are in flight: unload it once they end"
             )
-        del self.ids[name], self.paths[adapter_id]
+        del self.ids[name], self.adapters[adapter_id]

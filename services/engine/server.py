@@ -125,10 +125,10 @@ class SchedulerServer:
             raise ValueError("max_prompt_chars must be at least 1")
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
-        for module in self.engine_args.loras:  # and bad adapters, before executors load them
-            self._check_adapter(module.path)
+        # Bad adapters fail here too, before executors load them.
+        self._static_loras = {m: self._check_adapter(m.path) for m in self.engine_args.loras}
         self.loras = LoraRegistry(
-            self.engine_args.loras,
+            self._static_loras,
             self.model_name,
             self._check_adapter if self.engine_args.allow_runtime_lora_updating else None,
         )
@@ -154,8 +154,8 @@ class SchedulerServer:
         self._recovery_deadline: asyncio.TimerHandle | None = None
         self._draining = False
 
-    def _check_adapter(self, path: str) -> None:
-        check_adapter(path, self.model_config, self.engine_args.max_lora_rank)
+    def _check_adapter(self, path: str) -> str:
+        return check_adapter(path, self.model_config, self.engine_args.max_lora_rank).fingerprint
 
     @property
     def core(self) -> EngineCore | None:
@@ -209,6 +209,7 @@ class SchedulerServer:
                 self.vocab_size,
                 self.scheduler_config.max_model_len,
                 self.engine_args,
+                {module.name: fingerprint for module, fingerprint in self._static_loras.items()},
             ),
             self.engine_args.executor_timeout,
             self._on_group_formed,

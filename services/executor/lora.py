@@ -46,6 +46,7 @@ class LoraWeights:
 class Adapter:
     name: str
     layers: list[dict[str, LoraWeights]]  # per layer: fused projection name -> its update
+    fingerprint: str  # of its files (``AdapterFiles.fingerprint``)
 
 
 def _projection_rows(model: CausalLM) -> dict[str, int]:
@@ -91,7 +92,7 @@ def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
         layers[layer][projection] = LoraWeights(
             a_t.to(device, model.dtype).contiguous(), b_t.to(device, model.dtype).contiguous()
         )
-    return Adapter(module.name, layers)
+    return Adapter(module.name, layers, files.fingerprint)
 
 
 class LoraAdapters:
@@ -103,27 +104,41 @@ class LoraAdapters:
         self.ids = {a.name: i + 1 for i, a in enumerate(adapters)}
 
     @property
-    def names(self) -> list[str]:
-        return list(self.ids)
+    def fingerprints(self) -> dict[str, str]:
+        """Adapter id -> the fingerprint of its files."""
+        return {name: self._held(i).fingerprint for name, i in self.ids.items()}
+
+    def _held(self, adapter_id: int) -> Adapter:
+        adapter = self.adapters[adapter_id - 1]
+        assert adapter is not None  # a request's adapter stays while it runs
+        return adapter
 
     @classmethod
     def load(cls, model: CausalLM, modules: list[LoraModule], max_rank: int) -> LoraAdapters:
         return cls([load_adapter(model, module, max_rank) for module in modules])
 
-    def sync(self, model: CausalLM, wanted: dict[str, str], max_rank: int) -> None:
-        """Hold exactly the adapters of ``wanted`` (id -> directory, as a plan says): load
-        the new, drop the others. An adapter that fails to load is logged and left out:
-        the scheduler checked it, so only this machine's files can differ, and a request
-        of it then fails alone, naming it."""
+    def sync(self, model: CausalLM, wanted: dict[str, list[str]], max_rank: int) -> None:
+        """Hold exactly the adapters of ``wanted`` (id -> [directory, fingerprint], as a
+        plan says): load the new, drop the others. An adapter that fails to load, or whose
+        files here are not the scheduler's, is logged and left out: a request of it then
+        fails alone, naming it."""
         for name in [name for name in self.ids if name not in wanted]:
             self.adapters[self.ids.pop(name) - 1] = None
-        for name, path in wanted.items():
+        for name, (path, fingerprint) in wanted.items():
             if name in self.ids:
                 continue
             try:
                 adapter = load_adapter(model, LoraModule(name, path), max_rank)
             except (ValueError, OSError) as exc:
                 logger.error("LoRA adapter %s: cannot load %s: %s", name, path, exc)
+                continue
+            if adapter.fingerprint != fingerprint:
+                logger.error(
+                    "LoRA adapter %s: the files at %s differ from those the scheduler read "
+                    "there: not loaded",
+                    name,
+                    path,
+                )
                 continue
             free = next((i for i, a in enumerate(self.adapters) if a is None), None)
             if free is None:
@@ -145,9 +160,7 @@ class LoraAdapters:
         for adapter_id in np.unique(request_ids[request_ids > 0]):
             rows = np.flatnonzero(token_ids == adapter_id)
             index = None if len(rows) == len(token_ids) else to_device(rows, device)
-            adapter = self.adapters[adapter_id - 1]
-            assert adapter is not None  # a request's adapter stays while it runs
-            groups.append((adapter, index))
+            groups.append((self._held(adapter_id), index))
         return LoraBatch(groups)
 
 

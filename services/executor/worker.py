@@ -168,7 +168,7 @@ class ExecutorWorker:
             attention_backend=runner.attention.name,
             metrics_address=metrics_address,
             tensor_parallel_size=self.options.engine_args.tensor_parallel_size,
-            lora_names=runner.loras.names,
+            lora_adapters=runner.loras.fingerprints,
         )
 
         ctx = zmq.Context()

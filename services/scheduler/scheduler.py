@@ -95,11 +95,12 @@ class Scheduler:
         # Requests with a structured output: each step that samples for one carries its
         # bitmask of allowed tokens.
         self._grammars: set[Request] = set()
-        # The LoRA adapters executors hold (id -> directory), once the server changes them
+        # The LoRA adapters executors hold (id -> [directory, fingerprint of its files]),
+        # once the server changes them
         # at runtime (until then executors hold those they started with), and whether the
         # next plan that reaches them must say so (the set changed, or an executor lost
         # its state).
-        self.lora_adapters: dict[str, str] | None = None
+        self.lora_adapters: dict[str, list[str]] | None = None
         self._send_lora_adapters = False
 
     # ------------------------------------------------------------------ requests in and out
@@ -302,7 +303,7 @@ class Scheduler:
         """While a trial runs, an unproven request outside its group waits."""
         return rid not in self._trials[0] and rid not in self._proven
 
-    def set_lora_adapters(self, adapters: dict[str, str]) -> None:
+    def set_lora_adapters(self, adapters: dict[str, list[str]]) -> None:
         """From the next plan on, executors hold these adapters (and drop any other that
         was loaded at runtime): a request may name a new one in that plan."""
         self.lora_adapters = dict(adapters)

@@ -55,7 +55,8 @@ class ExecutorHello:
     attention_backend: str
     metrics_address: str | None = None
     tensor_parallel_size: int = 1
-    lora_names: list[str] = field(default_factory=list)  # the LoRA adapters it loaded
+    # The LoRA adapters it loaded: id -> the fingerprint of its files.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -90,7 +91,8 @@ def _check_field(record: str, name: str, annotation: str, value: Any) -> None:
         "int": type(value) is int,
         "str | None": value is None or type(value) is str,
         "list[int]": type(value) is list and all(type(v) is int for v in value),
-        "list[str]": type(value) is list and all(type(v) is str for v in value),
+        "dict[str, str]": type(value) is dict
+        and all(type(k) is str and type(v) is str for k, v in value.items()),
     }[annotation]
     if not ok:
         raise ProtocolError(f"{record}.{name}: expected {annotation}, got {type(value).__name__}")

@@ -154,9 +154,10 @@ class StepPlan:
     # Of requests with a structured output that this step samples for: the tokens allowed,
     # bit ``t % 32`` of little-endian int32 word ``t // 32``.
     grammar_bitmask: dict[str, bytes] = field(default_factory=dict)
-    # Every LoRA adapter the executor is to hold (id -> PEFT directory), when that set
-    # changed since the last plan or the executor may have lost it; None: as it was.
-    lora_adapters: dict[str, str] | None = None
+    # Every LoRA adapter the executor is to hold (id -> [PEFT directory, fingerprint of its
+    # files]), when that set changed since the last plan or the executor may have lost it;
+    # None: as it was.
+    lora_adapters: dict[str, list[str]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cached_requests, CachedRequestData):

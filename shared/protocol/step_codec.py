@@ -161,7 +161,7 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 #  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]},
 #        {id: lora_name}],
 #  spec {id: [tok]}, preempted_ids, finished_ids, grammar_bitmask {id: bytes},
-#  lora_adapters {adapter id: path} | nil]
+#  lora_adapters {adapter id: [path, fingerprint]} | nil]
 
 
 def encode_step_plan(plan: StepPlan) -> bytes:
@@ -292,12 +292,15 @@ def decode_step_plan(data: bytes) -> StepPlan:
     )
 
 
-def _lora_adapters(value: Any) -> dict[str, str] | None:
+def _lora_adapters(value: Any) -> dict[str, list[str]] | None:
     if value is not None and (
         type(value) is not dict
-        or not all(type(k) is str and type(v) is str for k, v in value.items())
+        or not all(
+            type(k) is str and type(v) is list and len(v) == 2 and set(map(type, v)) == {str}
+            for k, v in value.items()
+        )
     ):
-        raise ProtocolError("lora_adapters: expected {adapter id: path} or nil")
+        raise ProtocolError("lora_adapters: expected {adapter id: [path, fingerprint]} or nil")
     return value
 
 

@@ -41,7 +41,7 @@ def _plan() -> StepPlan:
         finished_req_ids=["f1", "f2"],
         step_id=12,
         grammar_bitmask={"n1": b"\xff\x00\x00\x01" * 3},
-        lora_adapters={"sql": "/adapters/sql", "sql#2": "/adapters/sql-v2"},
+        lora_adapters={"sql": ["/adapters/sql", "fa"], "sql#2": ["/adapters/sql-v2", "fb"]},
     )
 
 
@@ -130,8 +130,9 @@ def _plan_fields() -> list:
         (8, {"c3": [-1]}, "resumed_output_token_ids"),
         (10, {"c1": [1.5]}, "scheduled_spec_decode_tokens"),
         (12, ["f1", 2], r"finished_req_ids\[1\]"),
-        (14, {"sql": 3}, "lora_adapters: expected {adapter id: path} or nil"),
-        (14, ["sql"], "lora_adapters: expected {adapter id: path} or nil"),
+        (14, {"sql": "/a"}, "lora_adapters: expected {adapter id: \\[path, fingerprint\\]}"),
+        (14, {"sql": ["/a", 3]}, "lora_adapters: expected"),
+        (14, ["sql"], "lora_adapters: expected"),
     ],
 )
 def test_step_plan_rejects_wrong_types(index, value, fragment):

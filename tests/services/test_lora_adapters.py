@@ -3,6 +3,7 @@ and the problem, and how ``--lora-modules`` is read."""
 
 import argparse
 import json
+import shutil
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from lora_adapters import save_random_adapter
 from safetensors.torch import load_file, save_file
 
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
+from weir.services.engine.lora_registry import LoraRegistry
 from weir.services.executor.attention import get_attention_backend
 from weir.services.executor.lora import load_adapter
 from weir.services.executor.weights import load_model
@@ -136,6 +138,12 @@ def test_lora_modules_are_name_equals_path_each_name_once():
         EngineArgs(lora_modules=("m=/x",), served_model_name="m")
 
 
+def test_an_adapter_may_not_take_the_served_models_name():
+    """Whether the name is given (--served-model-name) or the model directory's."""
+    with pytest.raises(ValueError, match="adapter name 'smol' is the served model's name"):
+        LoraRegistry({LoraModule("smol", "/x"): "f"}, "smol")
+
+
 def test_lora_modules_reach_each_role_as_given():
     args = EngineArgs(lora_modules=["a=/x", "b=/y z"], max_loras=2, max_lora_rank=64)
     assert args.lora_modules == ("a=/x", "b=/y z") and args.lora_enabled
@@ -151,33 +159,27 @@ def test_lora_modules_reach_each_role_as_given():
 
 
 def test_an_executor_with_other_adapters_is_turned_away():
-    """The scheduler would send it requests of adapters it does not hold."""
+    """The scheduler would send it requests of adapters it does not hold, or holds other
+    files of (the same names are not the same adapters). The order does not matter."""
     args = EngineArgs(lora_modules=("a=/x", "b=/y"))
+    wanted = {"a": "f1", "b": "f2"}
     group = ExecutorGroup(
-        None, ExpectedExecutor(1, "m", 10, 64, args), 3.0, print, print, lambda *_: None
+        None, ExpectedExecutor(1, "m", 10, 64, args, wanted), 3.0, print, print, lambda *_: None
     )
     hello = control.ExecutorHello(
-        "s",
-        0,
-        1,
-        "m",
-        10,
-        100,
-        args.block_size,
-        args.max_num_batched_tokens,
-        args.max_num_seqs,
-        64,
-        [2],
-        "float32",
-        "cpu",
-        "torch",
-        lora_names=["a", "b"],
-    )
+        "s", 0, 1, "m", 10, 100, args.block_size, args.max_num_batched_tokens,
+        args.max_num_seqs, 64, [2], "float32", "cpu", "torch", lora_adapters={"b": "f2", "a": "f1"},
+    )  # fmt: skip
     assert group._check_hello(hello) is None
-    hello.lora_names = ["a"]
+    hello.lora_adapters = {"a": "f1"}
     assert group._check_hello(hello) == (
         "executor serves LoRA adapters ['a'], scheduler serves ['a', 'b']: give both the same "
         "--lora-modules"
+    )
+    hello.lora_adapters = {"a": "f1", "b": "f3"}
+    assert group._check_hello(hello) == (
+        "executor's LoRA adapter files of ['b'] differ from the scheduler's: give both the same "
+        "adapters"
     )
 
 
@@ -186,6 +188,14 @@ def test_the_scheduler_checks_an_adapters_tensors_without_torch(adapter, tiny_mo
     model = read_model_config(tiny_model_dir)
     files = check_adapter(adapter, model, 16)
     assert files.config.rank == 4 and len(files.pairs) == 6  # 3 modules x 2 layers
+    # The fingerprint covers the config and the weights.
+    same = shutil.copytree(adapter, tmp_path / "same")
+    assert check_adapter(same, model, 16).fingerprint == files.fingerprint
+    (tmp_path / "changed").mkdir()
+    changed = _copy(
+        adapter, tmp_path / "changed", tensors=lambda w: {k: v * 2 for k, v in w.items()}
+    )
+    assert check_adapter(changed, model, 16).fingerprint != files.fingerprint
     garbage = _copy(adapter, tmp_path)
     (garbage / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match="adapter_model.safetensors: not a readable safetensors"):

@@ -207,6 +207,8 @@ def test_llm_takes_an_adapter_per_prompt(default_model_dir, adapters, prompts, r
             SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True),
             lora_name=names,
         )
+        with pytest.raises(TypeError, match="lora_name must be an adapter's name, None, or a list"):
+            llm.generate(prompts[0], lora_name=7)
     assert [c.token_ids for c in got] == [references[name][0] for name in names]
 
 
