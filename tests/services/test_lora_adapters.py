@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
 from weir.services.engine.lora_registry import LoraRegistry
 from weir.services.executor.attention import get_attention_backend
-from weir.services.executor.lora import load_adapter
+from weir.services.executor.lora import LoraAdapters, load_adapter
 from weir.services.executor.weights import load_model
 from weir.shared.config import EngineArgs
 from weir.shared.lora import LoraModule, check_adapter, parse_lora_modules, read_adapter_config
@@ -200,3 +200,23 @@ def test_the_scheduler_checks_an_adapters_tensors_without_torch(adapter, tiny_mo
     (garbage / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match="adapter_model.safetensors: not a readable safetensors"):
         check_adapter(garbage, model, 16)
+
+
+def test_an_executor_loads_what_a_plan_names_and_only_the_scheduler_files(adapter, tiny_model):
+    """The adapters a plan lists are held, the others dropped; files that are not the ones
+    the scheduler read (another fingerprint) are not loaded."""
+    fingerprint = check_adapter(adapter, tiny_model.config, 16).fingerprint
+    loras = LoraAdapters([])
+    loras.sync(tiny_model, {"a#1": [str(adapter), "not its files"]}, 16)
+    assert loras.ids == {}
+    loras.sync(tiny_model, {"a#1": [str(adapter), fingerprint]}, 16)
+    loras.sync(
+        tiny_model, {"a#1": [str(adapter), fingerprint], "b#2": [str(adapter), fingerprint]}, 16
+    )
+    assert loras.ids == {"a#1": 1, "b#2": 2}
+    loras.sync(tiny_model, {"b#2": [str(adapter), fingerprint]}, 16)
+    assert loras.ids == {"b#2": 2} and loras.adapters[0] is None
+    loras.sync(
+        tiny_model, {"b#2": [str(adapter), fingerprint], "c#3": [str(adapter), fingerprint]}, 16
+    )
+    assert loras.ids == {"b#2": 2, "c#3": 1}  # the freed place is taken again
