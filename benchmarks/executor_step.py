@@ -133,7 +133,7 @@ def run_workload(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=256,
             max_model_len=runner.max_model_len,
-            max_loras=len(runner.loras.names),
+            max_loras=len(runner.loras.ids),
         ),
         CacheConfig(
             block_size=block_size,
