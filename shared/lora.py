@@ -65,12 +65,17 @@ class LoraModule:
         name, sep, path = str(spec).partition("=")
         if not sep or not path:
             raise ValueError(f"lora_modules: {spec!r} is not name=path")
-        if not _NAME.fullmatch(name):
-            raise ValueError(
-                f"lora_modules: adapter name {name!r} must be 1-256 letters, digits or ._:/@+- "
-                "(starting with a letter or digit)"
-            )
+        check_name(name, "lora_modules: adapter name")
         return cls(name, path)
+
+
+def check_name(name: str, what: str) -> None:
+    """ValueError unless ``name`` can name an adapter (``what``: how the error calls it)."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(
+            f"{what} {name[:300]!r} must be 1-256 letters, digits or ._:/@+- (starting with a "
+            "letter or digit)"
+        )
 
 
 @dataclass(frozen=True, slots=True)

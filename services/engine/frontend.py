@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from weir.services.engine.core import EngineCore, EngineStep
-from weir.services.engine.lora_registry import LoraRegistry
+from weir.services.engine.lora_registry import AdapterNotFound, LoraRegistry
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
 from weir.services.scheduler.output import EngineOutput
@@ -46,6 +46,8 @@ from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from weir.shared.zmq_send import send_now
 
 _log = logging.getLogger(__name__)
+# How long an unload waits for the adapter's requests in flight to end.
+LORA_UNLOAD_WAIT_S = 20.0
 
 # Prompts up to this many characters are tokenized on the loop (well under a millisecond);
 # longer ones on a worker thread.
@@ -247,15 +249,15 @@ class ClientFrontend:
         loras = self.loras
         try:
             if msg.lora_path is None:
-                loras.remove(msg.lora_name, self._adapter_in_use)
+                await self._unload_lora(msg.lora_name)
             else:
                 loras.check_load(msg.lora_name, msg.lora_path)
                 fingerprint = await asyncio.get_running_loop().run_in_executor(
                     self._tokenizer_pool, loras.read, msg.lora_path
                 )
                 loras.add(msg.lora_name, msg.lora_path, fingerprint)
-        except LookupError as exc:
-            self.send_error(identity, msg.request_id, client_protocol.NOT_FOUND, str(exc.args[0]))
+        except AdapterNotFound as exc:
+            self.send_error(identity, msg.request_id, client_protocol.NOT_FOUND, str(exc))
             return
         except ValueError as exc:
             self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
@@ -266,6 +268,25 @@ class ClientFrontend:
             "LoRA adapter %s %s", msg.lora_name, "unloaded" if msg.lora_path is None else "loaded"
         )
         self._send_model_info(identity, msg.request_id)
+
+    async def _unload_lora(self, name: str) -> None:
+        """New requests of the adapter are refused at once; it is unloaded when those in
+        flight end (they never lose it mid-way), or, if they run past
+        ``LORA_UNLOAD_WAIT_S``, it serves again and the unload is refused."""
+        adapter_id = self.loras.start_unload(name)
+        try:
+            deadline = time.monotonic() + LORA_UNLOAD_WAIT_S
+            while self._adapter_in_use(adapter_id):
+                if time.monotonic() > deadline:
+                    raise ValueError(
+                        f"requests of the LoRA adapter {name!r} ran for {LORA_UNLOAD_WAIT_S:g} s "
+                        "more: it takes requests again; unload it once they end (or abort them)"
+                    )
+                await asyncio.sleep(0.05)
+        except BaseException:
+            self.loras.cancel_unload(name)
+            raise
+        self.loras.finish_unload(name)
 
     def _adapter_in_use(self, adapter_id: str) -> bool:
         assert self.core is not None
@@ -286,6 +307,9 @@ class ClientFrontend:
             return
         try:
             num_chars = self._check_before_tokenizing(msg)
+        except AdapterNotFound as exc:
+            self.send_error(identity, rid, client_protocol.NOT_FOUND, str(exc))
+            return
         except ValueError as exc:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
@@ -374,6 +398,9 @@ class ClientFrontend:
             request = self._new_request(rid, prompt_ids, msg, now)
             request.grammar = grammar
             self.core.scheduler.add_request(request)
+        except AdapterNotFound as exc:
+            self.send_error(identity, rid, client_protocol.NOT_FOUND, str(exc))
+            return
         except ValueError as exc:  # e.g. prompt + max_tokens can never fit the KV cache
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
@@ -398,12 +425,17 @@ class ClientFrontend:
                 f"priority {msg.priority}: this server schedules {policy}, so requests have "
                 "no priority (start it with --policy priority), or send priority 0"
             )
+        if msg.lora_name is not None and msg.lora_name in self.loras.unloading:
+            raise AdapterNotFound(
+                f"lora_name {msg.lora_name!r}: the LoRA adapter is being unloaded"
+            )
         if msg.lora_name is not None and msg.lora_name not in self.loras.ids:
             names = list(self.loras.ids)
             served = f"it serves {names}" if names else "it serves none"
-            raise ValueError(
+            how = "load it first" if self.loras.runtime_updates else "--lora-modules NAME=PATH"
+            raise AdapterNotFound(
                 f"lora_name {msg.lora_name[:256]!r}: this server has no such LoRA adapter; "
-                f"{served} (weir serve --lora-modules NAME=PATH)"
+                f"{served} ({how})"
             )
         self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         self._check_vocabulary("logit_bias", (t for t, _ in params.logit_bias))
@@ -491,8 +523,8 @@ class ClientFrontend:
         if lora_name is None:
             return None
         adapter_id = self.loras.ids.get(lora_name)
-        if adapter_id is None:  # unloaded while the prompt was tokenized
-            raise ValueError(f"lora_name {lora_name!r}: the LoRA adapter was unloaded")
+        if adapter_id is None or lora_name in self.loras.unloading:  # since tokenizing began
+            raise AdapterNotFound(f"lora_name {lora_name!r}: the LoRA adapter was unloaded")
         return adapter_id
 
     def _tokenize(self, msg: client_protocol.GenerateRequest) -> list[int]:

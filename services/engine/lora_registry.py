@@ -14,7 +14,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from weir.shared.lora import LoraModule
+from weir.shared.lora import LoraModule, check_name
+
+
+class AdapterNotFound(LookupError):
+    """A request names an adapter the server does not serve (the API's 404)."""
+
 
 RUNTIME_UPDATES_OFF = (
     "this server loads and unloads no LoRA adapters at runtime: start it with "
@@ -43,14 +48,19 @@ class LoraRegistry:
         self.ids = {m.name: m.name for m in modules}
         self.adapters = {m.name: [m.path, fingerprint] for m, fingerprint in modules.items()}
         self.model_name = model_name
+        self.unloading: set[str] = set()  # names that take no new request: they drain
         self._check = check
         self._loads = itertools.count(1)
+
+    @property
+    def runtime_updates(self) -> bool:
+        return self._check is not None
 
     def check_load(self, name: str, path: str) -> None:
         """What can be told of loading ``path`` as ``name`` without reading it (ValueError)."""
         if self._check is None:
             raise ValueError(RUNTIME_UPDATES_OFF)
-        LoraModule.parse(f"{name}={path}")
+        check_name(name, "lora_name")
         if name == self.model_name:
             raise ValueError(f"lora_name {name!r} is the served model's name")
         if name in self.ids:
@@ -67,16 +77,22 @@ class LoraRegistry:
         self.ids[name] = adapter_id
         self.adapters[adapter_id] = [path, fingerprint]
 
-    def remove(self, name: str, in_use: Callable[[str], bool]) -> None:
-        """LookupError when no adapter has the name; ValueError while requests of it are
-        in flight (they would lose it mid-way)."""
+    def start_unload(self, name: str) -> str:
+        """Take no new request of ``name`` (its requests in flight end first); its id.
+        AdapterNotFound when no adapter has the name."""
         if self._check is None:
             raise ValueError(RUNTIME_UPDATES_OFF)
         adapter_id = self.ids.get(name)
         if adapter_id is None:
-            raise LookupError(f"the LoRA adapter {name!r} is not loaded")
-        if in_use(adapter_id):
-            raise ValueError(
-                f"requests of the LoRA adapter {name!r} are in flight: unload it once they end"
-            )
-        del self.ids[name], self.adapters[adapter_id]
+            raise AdapterNotFound(f"the LoRA adapter {name!r} is not loaded")
+        if name in self.unloading:
+            raise ValueError(f"the LoRA adapter {name!r} is being unloaded already")
+        self.unloading.add(name)
+        return adapter_id
+
+    def finish_unload(self, name: str) -> None:
+        self.unloading.discard(name)
+        del self.adapters[self.ids.pop(name)]
+
+    def cancel_unload(self, name: str) -> None:
+        self.unloading.discard(name)

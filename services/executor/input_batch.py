@@ -176,7 +176,9 @@ class InputBatch:
         lora_id = 0 if req.lora_name is None else self.lora_ids.get(req.lora_name)
         if lora_id is None:
             raise ValueError(
-                f"request {req.request_id!r}: this executor has no LoRA adapter {req.lora_name!r}"
+                f"request {req.request_id!r}: this executor holds no LoRA adapter "
+                f"{req.lora_name!r}: its files could not be loaded here, or differ from those "
+                "the scheduler read (the executor's log says which)"
             )
         if not self._free:
             self._grow(2 * self.capacity)

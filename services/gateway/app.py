@@ -104,6 +104,8 @@ def _api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
+        if exc.code == NOT_FOUND:  # the LoRA adapter a request names (unloaded since)
+            return APIError(404, str(exc), "not_found_error", "model_not_found", "model")
         return APIError(400, str(exc), "invalid_request_error", exc.code)
     if _unavailable(exc):
         return APIError(503, str(exc), "service_unavailable_error", SERVER_UNAVAILABLE)
@@ -1035,6 +1037,7 @@ def create_app(
     @get("/v1/models")
     async def models() -> Response:
         async def listing() -> Response:
+            gateway.forget_model()  # adapters may have come and gone through others
             info = await gateway.model()
             names = [info["model_name"], *info["lora_names"]]
             cards = [model_card(await gateway.check_model(name)) for name in names]

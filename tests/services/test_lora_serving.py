@@ -6,6 +6,7 @@ of the same adapter decodes with transformers."""
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -16,7 +17,7 @@ from serving_helpers import read_metrics, small_server
 
 from weir.services import LLM
 from weir.services.cli import main
-from weir.services.launcher import ChildFailedError
+from weir.services.launcher import ChildFailedError, GatewayProcess
 from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.sampling import SamplingParams
 
@@ -153,7 +154,7 @@ def test_the_sdk_names_an_adapter_by_lora_name(server, prompts, references):
             list(client.generate("hi", params, lora_name="prose"))
         assert str(refused.value) == (
             "lora_name 'prose': this server has no such LoRA adapter; it serves ['sql', 'poet'] "
-            "(weir serve --lora-modules NAME=PATH)"
+            "(--lora-modules NAME=PATH)"
         )
         assert client.model_info()["lora_names"] == ["sql", "poet"]
 
@@ -303,30 +304,37 @@ def test_adapters_loaded_and_unloaded_at_runtime_as_vllm_does(
     assert missing.json()["error"]["message"] == "the LoRA adapter 'prose' is not loaded"
 
 
-def test_an_adapter_in_use_is_not_unloaded(runtime_server, adapters):
-    _post(
-        runtime_server,
-        "/v1/load_lora_adapter",
-        {"lora_name": "busy", "lora_path": str(adapters["poet"])},
-    )
-    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-    with WeirClient(runtime_server.client_address) as client:
-        stream = client.generate("Tell me a story.", params, lora_name="busy")
-        next(stream)
-        with pytest.raises(
-            InvalidRequestError, match="requests of the LoRA adapter 'busy' are in flight"
-        ):
-            client.unload_lora_adapter("busy")
-        stream.close()
+def test_an_unload_waits_for_the_adapters_requests_and_takes_no_new_one(
+    runtime_server, adapters, prompts, references
+):
+    """A request in flight keeps its adapter to the end; meanwhile a new request of it is
+    refused (a 404 over HTTP), so a steady flow of them cannot hold the unload off."""
+    server = runtime_server
+    _post(server, "/v1/load_lora_adapter", {"lora_name": "busy", "lora_path": str(adapters["sql"])})
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    with WeirClient(server.client_address) as client:
+        stream = client.generate(prompts[0], params, lora_name="busy")
+        tokens = list(next(stream).new_token_ids)
+        unloading = threading.Thread(
+            target=_post, args=(server, "/v1/unload_lora_adapter", {"lora_name": "busy"})
+        )
+        unloading.start()
         deadline = time.monotonic() + 10
-        while True:  # the abort reaches the scheduler soon after
-            try:
-                info = client.unload_lora_adapter("busy")
+        while True:  # until the unload has begun
+            refused = _post(
+                server, "/v1/completions", {"model": "busy", "prompt": "hi", "max_tokens": 2}
+            )
+            if refused.status_code == 404:
                 break
-            except InvalidRequestError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        assert "busy" not in info["lora_names"]
+            assert time.monotonic() < deadline, refused.text
+        assert refused.json()["error"]["message"] == (
+            "lora_name 'busy': the LoRA adapter is being unloaded"
+        )
+        tokens += [t for out in stream for t in out.new_token_ids]
+        unloading.join(timeout=30)
+        assert not unloading.is_alive()
+        assert "busy" not in client.model_info()["lora_names"]
+    assert tokens[:NUM_TOKENS] == references["sql"][0] and len(tokens) == 60
 
 
 @pytest.mark.parametrize(
@@ -337,7 +345,7 @@ def test_an_adapter_in_use_is_not_unloaded(runtime_server, adapters):
             400,
             "LoRA adapter /nowhere: no adapter_config.json there",
         ),
-        ({"lora_name": "a b", "lora_path": "/x"}, 400, "adapter name 'a b' must be"),
+        ({"lora_name": "a b", "lora_path": "/x"}, 400, "lora_name 'a b' must be"),
         (
             {"lora_name": MODEL, "lora_path": "/x"},
             400,
@@ -379,3 +387,25 @@ def test_a_runtime_adapter_survives_its_executors_death(
             assert time.monotonic() < deadline
             time.sleep(0.2)
     assert _complete(server, "again", prompts[0]) == references["sql"][0]
+
+
+def test_another_gateway_sees_adapters_come_and_go(runtime_server, adapters):
+    """Gateways ask the scheduler, not their memory: one that did not load the adapter
+    lists it, serves it, and answers a 404 once it is unloaded through another."""
+    with GatewayProcess([runtime_server.client_address]) as other:
+        base = other.info["http_address"]
+
+        def listed() -> list[str]:
+            return [card["id"] for card in httpx.get(base + "/v1/models").json()["data"]]
+
+        assert "far" not in listed()
+        loaded = {"lora_name": "far", "lora_path": str(adapters["poet"])}
+        assert _post(runtime_server, "/v1/load_lora_adapter", loaded).status_code == 200
+        assert "far" in listed()
+        body = {"model": "far", "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+        gone = {"lora_name": "far"}
+        assert _post(runtime_server, "/v1/unload_lora_adapter", gone).status_code == 200
+        missing = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert "far" not in listed()
