@@ -268,20 +268,18 @@ class Gateway:
         self._model_lookup: asyncio.Future[dict[str, Any]] | None = None
         self._reasoning_end_token: bool | None = None  # whether </think> is one token
 
-    async def model(self) -> dict[str, Any]:
-        """The served model's info (asked of a replica once, then kept; requests that need
-        it meanwhile wait for the same question, and a failed one is asked again)."""
-        if self._model is None:
-            lookup = self._model_lookup
-            if lookup is None or (lookup.done() and (lookup.cancelled() or lookup.exception())):
-                lookup = self._model_lookup = asyncio.ensure_future(self.router.model_info())
-            self._model = await asyncio.shield(lookup)  # a caller that leaves cancels only itself
+    async def model(self, fresh: bool = False) -> dict[str, Any]:
+        """The served model's info: asked of a replica once, then kept. ``fresh`` asks
+        again (its LoRA adapters come and go) and keeps the answer, while other callers go
+        on with the kept one, so a failed question fails only its askers. Callers share
+        the question in flight."""
+        if self._model is not None and not fresh:
+            return self._model
+        lookup = self._model_lookup
+        if lookup is None or lookup.done():
+            lookup = self._model_lookup = asyncio.ensure_future(self.router.model_info())
+        self._model = await asyncio.shield(lookup)  # a caller that leaves cancels only itself
         return self._model
-
-    def forget_model(self) -> None:
-        """The model info changed (its adapters): ask a replica again when next needed."""
-        if self._model_lookup is None or self._model_lookup.done():
-            self._model, self._model_lookup = None, None
 
     async def update_lora(self, name: str, path: str | None) -> Response:
         """vLLM's ``/v1/load_lora_adapter`` (a path) and ``/v1/unload_lora_adapter`` (none),
@@ -297,8 +295,6 @@ class Gateway:
             if exc.code == NOT_FOUND:
                 raise APIError(404, str(exc), "not_found_error", NOT_FOUND, "lora_name") from None
             raise
-        finally:
-            self.forget_model()
         done = "removed" if path is None else "added"
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
 
@@ -317,9 +313,8 @@ class Gateway:
         info = await self.model()
         if name is None or name == info["model_name"]:
             return _Model(info, info["model_name"], None)
-        if name not in info["lora_names"]:  # perhaps loaded since (through another gateway)
-            self.forget_model()
-            info = await self.model()
+        if name not in info["lora_names"]:  # perhaps loaded since (here or elsewhere)
+            info = await self.model(fresh=True)
         if name in info["lora_names"]:
             return _Model(info, name, name)
         adapters = ", ".join(f"`{a}`" for a in info["lora_names"])
@@ -1037,8 +1032,7 @@ def create_app(
     @get("/v1/models")
     async def models() -> Response:
         async def listing() -> Response:
-            gateway.forget_model()  # adapters may have come and gone through others
-            info = await gateway.model()
+            info = await gateway.model(fresh=True)  # adapters come and go
             names = [info["model_name"], *info["lora_names"]]
             cards = [model_card(await gateway.check_model(name)) for name in names]
             return JSONResponse({"object": "list", "data": cards})
