@@ -29,19 +29,23 @@ import uuid
 import weakref
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
 from weir.shared.config import DEFAULT_ADDRESS
 from weir.shared.keys import ClientKeys, HandshakeMonitor, connect_curve
 from weir.shared.keys import keys_dir as resolve_keys_dir
+from weir.shared.pooling import PoolingParams
 from weir.shared.protocol.client import (
     ENGINE_ERROR,
     INVALID_REQUEST,
     MAX_ARRAY_LEN,
     MAX_HEALTH_STREAM_IDS,
+    NO_CHAT_ARGS,
     SERVER_UNAVAILABLE,
     AbortRequest,
     ChatTemplateArgs,
@@ -99,6 +103,20 @@ class ServerUnavailableError(WeirError):
     or the server's own refusal (no executor connected yet, or draining on SIGTERM)."""
 
     code = SERVER_UNAVAILABLE
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (``embed``): ``data`` is its float32 little-endian bytes
+    (what OpenAI's base64 encoding carries), ``embedding`` the same as floats."""
+
+    request_id: str
+    data: bytes
+    prompt_token_ids: list[int]
+
+    @property
+    def embedding(self) -> list[float]:
+        return list(np.frombuffer(self.data, dtype="<f4").tolist())
 
 
 def _error_from_reply(reply: ErrorReply) -> WeirError:
@@ -281,6 +299,45 @@ class AsyncWeirClient:
             while not inbox.ended:
                 yield await inbox.take()
 
+    async def embed(
+        self,
+        prompt: str | list[int],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> EmbeddingOutput:
+        """The embedding of a text or of token ids, from a server with the pooling runner
+        (``--runner pooling``; vLLM's pooling parameters): ``dimensions`` keeps the first n
+        of a Matryoshka model's, ``normalize`` overrides the server's choice,
+        ``truncate_prompt_tokens`` keeps the prompt's last k tokens (-1: as many as fit)."""
+        try:
+            pooling = PoolingParams(dimensions, normalize)
+            params = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), INVALID_REQUEST) from None
+        await self._wait_until_left(request_id)
+        with self._open_stream(
+            prompt, params, request_id, priority, NO_CHAT_ARGS, cache_salt, lora_name, pooling
+        ) as inbox:
+            while True:
+                for out in await inbox.take():
+                    if not out.finished:
+                        continue
+                    if out.embedding is None:
+                        raise EngineError(
+                            f"request {out.request_id!r} ended ({out.finish_reason}) without "
+                            "an embedding",
+                            ENGINE_ERROR,
+                        )
+                    return EmbeddingOutput(
+                        out.request_id, out.embedding, out.prompt_token_ids or []
+                    )
+
     async def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
 
@@ -366,6 +423,7 @@ class AsyncWeirClient:
         chat: ChatTemplateArgs,
         cache_salt: str | None,
         lora_name: str | None,
+        pooling_params: PoolingParams | None = None,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -392,6 +450,7 @@ class AsyncWeirClient:
                 chat,
                 cache_salt,
                 lora_name,
+                pooling_params,
             )
         )
         inbox = _Inbox()
@@ -742,6 +801,32 @@ class WeirClient:
         finally:
             if self._finalizer.alive:  # closing the client closed its streams
                 self._loop.run(stream.aclose())
+
+    def embed(
+        self,
+        prompt: str | list[int],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> EmbeddingOutput:
+        self._check_open()
+        return self._loop.run(
+            self._client.embed(
+                prompt,
+                dimensions=dimensions,
+                normalize=normalize,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                request_id=request_id,
+                priority=priority,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+            )
+        )
 
     def abort(self, request_id: str) -> None:
         self._check_open()

@@ -17,6 +17,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 from weir.shared.lora import LoraModule, parse_lora_modules
+from weir.shared.pooling import RUNNERS
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (vLLM's
@@ -225,6 +226,21 @@ class EngineArgs:
         "tokenizer suffice)",
         choices=LOAD_FORMATS,
     )
+    runner: str = _arg(
+        "auto",
+        _BOTH,
+        "generate: text generation; pooling: embeddings (/v1/embeddings), no generation; "
+        "auto: pooling for an embedding model (sentence-transformers files, or a *Model "
+        "architecture), else generate",
+        choices=RUNNERS,
+    )
+    pooler_config: str | None = _arg(
+        None,
+        SCHEDULER,
+        'how --runner pooling pools, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", '
+        '"normalize": true|false} (default: the model\'s sentence-transformers files, else '
+        "LAST, normalized)",
+    )
     block_size: int = _arg(
         _default_of(CacheConfig, "block_size"), _BOTH, "KV cache block size in tokens", type=int
     )
@@ -418,6 +434,8 @@ class EngineArgs:
         parse_lora_modules(self.lora_modules, self.served_model_name)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
         if self.threads is not None:

@@ -39,6 +39,7 @@ from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
 from weir.services.scheduler.output import EngineOutput
 from weir.services.scheduler.request import Grammar, Request, RequestStatus
+from weir.shared.pooling import PoolerConfig, PoolingParams
 from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol.step import SampleLogprobs
 from weir.shared.sampling import SamplingParams
@@ -83,6 +84,7 @@ class _Stream:
     holdback: int = 0
     # No stop string may end within unsent[:stop_after]: the first min_tokens tokens' text.
     stop_after: int = 0
+    pooling: PoolingParams | None = None  # an embedding request's options
 
 
 @dataclass(slots=True)
@@ -114,6 +116,7 @@ class ClientFrontend:
         model_info: Callable[[], dict[str, Any]],
         max_prompt_chars: int | None = None,
         loras: LoraRegistry | None = None,
+        pooler: PoolerConfig | None = None,
     ) -> None:
         self._sock = sock
         self.tokenizer = tokenizer
@@ -127,6 +130,7 @@ class ClientFrontend:
         self._health = health
         self._model_info = model_info
         self.loras = loras or LoraRegistry({}, "")  # the LoRA adapters requests may name
+        self.pooler = pooler  # a pooling runner's (embeddings only); None: it generates
         self.core: EngineCore | None = None
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
@@ -394,6 +398,7 @@ class ClientFrontend:
         )
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
+        stream.pooling = msg.pooling_params
         try:
             request = self._new_request(rid, prompt_ids, msg, now)
             request.grammar = grammar
@@ -419,6 +424,7 @@ class ClientFrontend:
         """What needs the model but not the prompt's tokens; returns the prompt's size in
         characters (or token ids). ValueError names the problem."""
         params = msg.sampling_params
+        self._check_runner(msg)
         policy = self.core.scheduler.scheduler_config.policy if self.core else "fcfs"
         if msg.priority and policy != "priority":
             raise ValueError(
@@ -449,6 +455,27 @@ class ClientFrontend:
         if not isinstance(msg.prompt, str) and not isinstance(msg.prompt[0], dict):
             return len(msg.prompt)  # token ids: their count is checked against max_model_len
         return self._check_prompt_chars(msg.prompt, msg.chat)
+
+    def _check_runner(self, msg: client_protocol.GenerateRequest) -> None:
+        """A pooling server takes embedding requests only, a generating one none."""
+        if self.pooler is None:
+            if msg.pooling_params is not None:
+                raise ValueError(
+                    "this server generates text and serves no embeddings: start one with "
+                    "--runner pooling (an embedding model is found by itself)"
+                )
+            return
+        if msg.pooling_params is None:
+            raise ValueError(
+                "this server serves embeddings only (--runner pooling): send embedding "
+                "requests (/v1/embeddings, the SDK's embed), or start another for generation"
+            )
+        truncate = msg.sampling_params.truncate_prompt_tokens
+        if msg.sampling_params != SamplingParams(truncate_prompt_tokens=truncate):
+            raise ValueError(
+                "an embedding request takes no sampling parameters but truncate_prompt_tokens"
+            )
+        self.pooler.check(msg.pooling_params)
 
     def _check_vocabulary(self, name: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if t >= self.vocab_size), None)
@@ -517,6 +544,7 @@ class ClientFrontend:
             priority=msg.priority,
             cache_salt=msg.cache_salt,
             lora_name=self._adapter_id(msg.lora_name),
+            pooling=None if self.pooler is None else self.pooler.pooling_type,
         )
 
     def _adapter_id(self, lora_name: str | None) -> str | None:
@@ -845,6 +873,9 @@ class ClientFrontend:
             if out.prompt_logprobs is None
             else self._prompt_logprobs(stream.prompt_token_ids[0], out.prompt_logprobs),
         )
+        if out.pooled is not None:
+            assert self.pooler is not None and stream.pooling is not None
+            item.embedding = self.pooler.finish(out.pooled, stream.pooling)
         stream.sent_prompt_ids = True
         if finished:
             self._finish_stream(stream, reason or "stop")

@@ -56,6 +56,7 @@ from weir.shared.keys import (
 )
 from weir.shared.lora import check_adapter
 from weir.shared.model_config import read_model_config
+from weir.shared.pooling import read_pooler_config, resolve_runner
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import MAX_LOGPROBS
 from weir.shared.tokenizer import Tokenizer, chat_template_of
@@ -124,6 +125,16 @@ class SchedulerServer:
         if self.engine_args.max_prompt_chars is not None and self.engine_args.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars must be at least 1")
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
+        self.runner = resolve_runner(self.engine_args.runner, model_dir)
+        if self.runner == "generate" and self.engine_args.pooler_config:
+            raise ValueError("--pooler-config configures --runner pooling; this server generates")
+        self.pooler = (
+            None
+            if self.runner == "generate"
+            else read_pooler_config(
+                model_dir, self.model_config.hidden_size, self.engine_args.pooler_config
+            )
+        )
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
         # Bad adapters fail here too, before executors load them.
         self._static_loras = {m: self._check_adapter(m.path) for m in self.engine_args.loras}
@@ -200,6 +211,7 @@ class SchedulerServer:
             self._model_info,
             self.engine_args.max_prompt_chars,
             self.loras,
+            self.pooler,
         )
         self.group = ExecutorGroup(
             executor_sock,
@@ -509,4 +521,5 @@ class SchedulerServer:
             "block_size": self.engine_args.block_size,
             "num_blocks": self._num_blocks if self.core is not None else None,
             "lora_names": list(self.loras.ids),
+            "runner": self.runner,
         }

@@ -15,8 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from weir.shared.arith import cdiv
+from weir.shared.pooling import POOLING_TYPES
 from weir.shared.protocol.step import NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
+
+# A slot's pooling type, as stored: 0 for a request that samples, else 1 + its index.
+POOLING_CODES = {kind: code for code, kind in enumerate(POOLING_TYPES, 1)}
+LAST, MEAN, CLS = (POOLING_CODES[kind] for kind in ("LAST", "MEAN", "CLS"))
 
 
 @dataclass(slots=True)
@@ -43,6 +48,10 @@ class StepInputs:
     prompt_logits_indices: np.ndarray
     prompt_targets: np.ndarray
     num_prompt_logits: np.ndarray
+    # Of pooling requests ([R], 0 for the others): the pooling type's code, and whether this
+    # step completes the prompt (its pooled state is then the request's output).
+    pooling: np.ndarray
+    pooling_done: np.ndarray
 
 
 @dataclass(slots=True)
@@ -114,6 +123,7 @@ class InputBatch:
             ("frequency_penalty", np.float32, (), 0),
             ("repetition_penalty", np.float32, (), 1),
             ("lora_id", np.int32, (), 0),
+            ("pooling", np.int8, (), 0),
             # Bumped whenever a slot's tokens are set from a plan: a reservation made before
             # is void (`fill_reserved`).
             ("generation", np.int64, (), 0),
@@ -204,6 +214,7 @@ class InputBatch:
         self.frequency_penalty[slot] = sp.frequency_penalty
         self.repetition_penalty[slot] = sp.repetition_penalty
         self.lora_id[slot] = lora_id
+        self.pooling[slot] = 0 if req.pooling is None else POOLING_CODES[req.pooling]
         if sp.logit_bias:
             ids, biases = zip(*sp.logit_bias)
             self.logit_bias[slot] = (np.array(ids, np.int64), np.array(biases, np.float32))
@@ -281,7 +292,8 @@ class InputBatch:
         block_table = self.block_table[slots, : cdiv(max_seq_len, self.block_size)]
 
         prefill_done = real_end >= num_tokens
-        num_logits = np.where(prefill_done, num_spec + 1, 0)
+        pooling = self.pooling[slots]
+        num_logits = np.where(prefill_done & (pooling == 0), num_spec + 1, 0)
         logits_indices = _ranges(query_start_loc[1:] - num_logits, num_logits)
         # Rows at positions whose next token is a prompt token, of requests that ask.
         num_prompt = self.num_prompt_tokens[slots].astype(np.int64)
@@ -313,6 +325,8 @@ class InputBatch:
             prompt_logits_indices=prompt_logits_indices,
             prompt_targets=prompt_targets.astype(np.int64),
             num_prompt_logits=num_prompt_logits,
+            pooling=pooling,
+            pooling_done=prefill_done & (pooling > 0),
         )
 
     def penalty_tokens(self, inputs: StepInputs, rows: np.ndarray) -> PenaltyTokens:

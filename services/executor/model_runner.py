@@ -32,7 +32,14 @@ import torch
 from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
-from weir.services.executor.input_batch import InputBatch, Reservation, StepInputs
+from weir.services.executor.input_batch import (
+    CLS,
+    LAST,
+    MEAN,
+    InputBatch,
+    Reservation,
+    StepInputs,
+)
 from weir.services.executor.lora import LoraAdapters
 from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
 from weir.services.executor.quantization import check_quantization
@@ -49,6 +56,7 @@ from weir.shared.arith import cdiv
 from weir.shared.config import ENGINE_DEFAULTS, MAX_NUM_KV_BLOCKS, resolve_max_model_len
 from weir.shared.lora import LoraModule
 from weir.shared.model_config import eos_token_ids, read_model_config
+from weir.shared.pooling import resolve_runner
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 from weir.shared.shard_layout import ShardLayout
 
@@ -117,6 +125,9 @@ class LaunchedStep:
     # Prompt logprobs ([M, 1 + n] each: the prompt token, then the top n), when asked for.
     prompt_ids: torch.Tensor | None = None
     prompt_logprobs: torch.Tensor | None = None
+    # Of pooling requests whose prompt it completes: their ids and pooled states, [n, hidden]
+    # float32, on their way to the host.
+    pooled: tuple[list[str], torch.Tensor] | None = None
     ready: torch.cuda.Event | None = None
     reserved: Reservation | None = None
 
@@ -152,6 +163,7 @@ class ModelRunner:
         quantization: str | None = None,
         loras: list[LoraModule] | None = None,
         max_lora_rank: int = ENGINE_DEFAULTS.max_lora_rank,
+        runner: str = ENGINE_DEFAULTS.runner,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -177,10 +189,13 @@ class ModelRunner:
         self.sync_timings = (
             os.environ.get(SYNC_STEP_TIMING_ENV) == "1" if sync_timings is None else sync_timings
         )
+        # A pooling runner only prefills (graphs replay decodes) and needs no LM head.
+        self.pooling_runner = resolve_runner(runner, self.model_dir) == "pooling"
         # Graphs replay fixed launches: the attention backend must plan nothing on the host,
         # and collectives stay out of them (tensor parallelism runs eagerly).
         self.use_cuda_graphs = (
             not enforce_eager
+            and not self.pooling_runner
             and self.device.type == "cuda"
             and self.tp is None
             and self.attention.name == "triton"
@@ -194,6 +209,7 @@ class ModelRunner:
             load_format=load_format,
             tp=self.tp,
             quantization=quantization,
+            lm_head_optional=self.pooling_runner,
         )
         self.config = self.model.config
         # Before the KV cache is sized: adapters take their share of the memory first.
@@ -346,6 +362,9 @@ class ModelRunner:
             self.loras.ids,  # the same dict: adapters loaded later are known at once
         )
         self._unfinished: LaunchedStep | None = None  # launched, and its tokens may be read
+        # Of MEAN and CLS pooling requests whose prompt is partly computed: the sum of its
+        # hidden states so far, or its first token's.
+        self._pooling: dict[str, torch.Tensor] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
@@ -362,6 +381,8 @@ class ModelRunner:
             raise RuntimeError("a step with drafts must finish before the next one launches")
         if plan.lora_adapters is not None:
             self.loras.sync(self.model, plan.lora_adapters, self.max_lora_rank)
+        for req_id in plan.finished_req_ids if self._pooling else ():
+            self._pooling.pop(req_id, None)
         self.batch.apply_plan(plan)
         if not plan.num_scheduled_tokens:
             return LaunchedStep(plan, StepTimings(prepare=self._clock() - start))
@@ -379,9 +400,11 @@ class ModelRunner:
                 self.batch.lora_id[inputs.slots], inputs.query_start_loc, self.device
             )
         )
-        # Graphs replay the base model: a step with adapters runs eagerly.
+        # Graphs replay the base model's logits: a step with adapters or pooling runs eagerly.
         num_reqs = (
-            None if self.graphs is None or lora is not None else self.graphs.padded_num_reqs(inputs)
+            None
+            if self.graphs is None or lora is not None or inputs.pooling.any()
+            else self.graphs.padded_num_reqs(inputs)
         )
         if num_reqs is not None:
             assert self.graphs is not None
@@ -410,9 +433,11 @@ class ModelRunner:
         prepared = self._clock()
         hidden = self.model(input_ids, positions, meta, self.kv_caches, lora)
         prompt = self._prompt_logprobs(hidden, inputs)
+        pooled = self._pool(hidden, inputs) if inputs.pooling.any() else None
         if not len(inputs.logits_indices):
             step = LaunchedStep(plan, StepTimings(prepared - start), inputs=inputs)
             step.prompt_ids, step.prompt_logprobs = prompt
+            step.pooled = pooled
             step.ready = self._device_event()
             self._count_busy(began, step.ready, prepared)
             step.timings.forward = self._clock() - prepared
@@ -420,6 +445,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
         step = self._sample(plan, inputs, input_ids, logits, start, prepared, began)
         step.prompt_ids, step.prompt_logprobs = prompt
+        step.pooled = pooled
         return step
 
     def finish(self, step: LaunchedStep) -> StepResult:
@@ -427,7 +453,7 @@ class ModelRunner:
         start = time.perf_counter()
         if self._unfinished is step:
             self._unfinished = None
-        if step.ids is None and step.prompt_ids is None:
+        if step.ids is None and step.prompt_ids is None and step.pooled is None:
             return StepResult(step_id=step.plan.step_id)
         if step.ready is not None:
             step.ready.synchronize()  # the step's one wait for the device
@@ -436,6 +462,11 @@ class ModelRunner:
         )
         if step.prompt_ids is not None:
             result.prompt_logprobs = self._collect_prompt(step)
+        if step.pooled is not None:
+            req_ids, vectors = step.pooled
+            result.pooled = {
+                rid: v.astype("<f4").tobytes() for rid, v in zip(req_ids, vectors.numpy())
+            }
         step.timings.sample += time.perf_counter() - start
         return result
 
@@ -555,6 +586,47 @@ class ModelRunner:
         if not ids:
             return None, None
         return _to_host(torch.cat(ids)), _to_host(torch.cat(logprobs))
+
+    def _pool(
+        self, hidden: torch.Tensor, inputs: StepInputs
+    ) -> tuple[list[str], torch.Tensor] | None:
+        """The pooled state of each pooling request whose prompt the step completes (on its
+        way to the host; None if there is none); the running sums (MEAN) and first tokens
+        (CLS) of the others are kept for later steps.
+        A chunk at position 0 starts a request afresh (it was preempted, or is new)."""
+        done: dict[str, torch.Tensor] = {}
+        qsl, positions = inputs.query_start_loc, inputs.positions
+        for i in np.flatnonzero(inputs.pooling).tolist():
+            rid, kind = inputs.req_ids[i], int(inputs.pooling[i])
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            fresh = positions[start] == 0
+            if kind == LAST:
+                state = hidden[end - 1].float()
+            elif kind == CLS:
+                state = (
+                    hidden[start].to(torch.float32, copy=True)
+                    if fresh
+                    else (self._pooled_so_far(rid))
+                )
+            else:
+                state = hidden[start:end].float().sum(0)
+                if not fresh:
+                    state += self._pooled_so_far(rid)
+            if inputs.pooling_done[i]:
+                self._pooling.pop(rid, None)
+                done[rid] = state / int(inputs.seq_lens[i]) if kind == MEAN else state
+            elif kind != LAST:
+                self._pooling[rid] = state
+        return (list(done), _to_host(torch.stack(list(done.values())))) if done else None
+
+    def _pooled_so_far(self, req_id: str) -> torch.Tensor:
+        state = self._pooling.get(req_id)
+        if state is None:
+            raise ValueError(
+                f"request {req_id!r}: its prompt's first positions were never computed here, "
+                "so it cannot be pooled (a MEAN or CLS pooling request must start at 0)"
+            )
+        return state
 
     def _collect_prompt(self, step: LaunchedStep) -> dict[str, SampleLogprobs]:
         """Each request's prompt logprob rows of the step, ``n`` wide as it asked."""

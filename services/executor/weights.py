@@ -24,6 +24,7 @@ from weir.shared.shard_layout import ShardLayout
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")
+_BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 # HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills;
 # "*_in": a row-parallel projection, split by its input columns: query heads or MLP columns).
 LAYER_PARTS: dict[str, tuple[str, str]] = {
@@ -172,9 +173,13 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice, tuple[slice, ...]] 
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, tensors: Iterator[tuple[str, TensorSource]]) -> None:
+def load_weights(
+    model: CausalLM, tensors: Iterator[tuple[str, TensorSource]], lm_head_optional: bool = False
+) -> None:
     """Copy checkpoint tensors (this rank's share) into the model, fusing q/k/v and gate/up;
-    every parameter must be filled."""
+    every parameter must be filled, but the LM head when ``lm_head_optional`` (an embedding
+    model's checkpoint has none: its LM head stays zero, never used). A checkpoint of the
+    bare transformer (names without ``model.``, as embedding models are saved) loads too."""
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     rows = _vocab_rows(model.config, model.layout)
@@ -182,7 +187,11 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, TensorSource]]) -
         if vocab_param in params:  # the last rank's rows past the vocabulary stay zero
             padding = params[vocab_param][rows.stop - rows.start :]
             filled[vocab_param] = padding.zero_().numel()
+    if lm_head_optional and "lm_head" in params:
+        params["lm_head"].zero_()
     for name, source in tensors:
+        if name.startswith(_BARE_PREFIXES):
+            name = "model." + name
         target = _target(model, name)
         if target is None:
             continue
@@ -201,7 +210,11 @@ def load_weights(model: CausalLM, tensors: Iterator[tuple[str, TensorSource]]) -
             )
         dest.copy_(tensor)
         filled[param_name] = filled.get(param_name, 0) + tensor.numel()
-    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+    missing = [
+        n
+        for n, p in params.items()
+        if filled.get(n, 0) != p.numel() and not (lm_head_optional and n == "lm_head")
+    ]
     if missing:
         raise ValueError(f"checkpoint does not fill {len(missing)} parameters, e.g. {missing[:5]}")
 
@@ -228,6 +241,7 @@ def load_model(
     load_format: str = "auto",
     tp: TensorParallel | None = None,
     quantization: str | None = None,
+    lm_head_optional: bool = False,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and load its safetensors weights
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
@@ -242,7 +256,7 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "auto":
-        load_weights(model, iter_safetensors(model_dir))
+        load_weights(model, iter_safetensors(model_dir), lm_head_optional)
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
     if quantization is not None:

@@ -236,6 +236,7 @@ class ExecutorWorker:
             quantization=args.quantization,
             loras=args.loras,
             max_lora_rank=args.max_lora_rank,
+            runner=args.runner,
         )
 
     def _handshake(

@@ -56,9 +56,13 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Longest cached prefix of the request's tokens, whole blocks only, and never
         all of them: the last token is always computed so the step yields logits. None for
-        a request that asks for prompt logprobs (vLLM's rule): each prompt position is
-        computed for them."""
-        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
+        a request that asks for prompt logprobs (vLLM's rule), or that pools more than the
+        last token's hidden state: each prompt position is computed for them."""
+        if (
+            not self.enable_prefix_caching
+            or request.prompt_logprobs is not None
+            or request.pooling not in (None, "LAST")
+        ):
             return []
         get = self.pool.get_cached_block
         hits = []

@@ -22,3 +22,5 @@ class EngineOutput:
     logprobs: SampleLogprobs | None = None
     # With the first output of a request that asked: a row for each prompt token after the first.
     prompt_logprobs: SampleLogprobs | None = None
+    # A pooling request's only output: its pooled hidden state, float32 little-endian bytes.
+    pooled: bytes | None = None

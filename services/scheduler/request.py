@@ -66,6 +66,7 @@ class Request:
         "priority",
         "cache_salt",
         "lora_name",
+        "pooling",
         "status",
         "all_token_ids",
         "output_token_ids",
@@ -96,6 +97,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        pooling: str | None = None,
     ) -> None:
         if type(request_id) is not str or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -120,6 +122,9 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt  # its prefix-cache blocks are shared only under it
         self.lora_name = lora_name  # its LoRA adapter (None: the base model)
+        # A pooling request's pooling type: it ends once its prompt is computed, with its
+        # pooled hidden states for an output, and never samples.
+        self.pooling = pooling
         self.status = RequestStatus.WAITING
         self.all_token_ids = list(prompt)
         self.output_token_ids: list[int] = []
@@ -148,6 +153,9 @@ class Request:
         # None: as many as fit; every request also stops at max_model_len.
         max_tokens = sampling_params.max_tokens
         self.max_tokens = sys.maxsize if max_tokens is None else max_tokens
+        if pooling is not None:
+            # Its pooled vector takes the place of one output: no step is planned past it.
+            self.max_tokens = 1
         self.min_tokens = sampling_params.min_tokens
         self.seq = 0  # arrival-order tie breaker, set by Scheduler.add_request
 

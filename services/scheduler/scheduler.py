@@ -578,6 +578,7 @@ class Scheduler:
                         num_hit_tokens,
                         list(outputs) if outputs else [],
                         request.lora_name,
+                        request.pooling,
                     )
                 )
             request.status = _RUNNING
@@ -590,15 +591,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ applying a result
 
-    def _check_sampled(self, step_id: int, sampled_token_ids: dict[str, list[int]]) -> None:
-        """A request the step was due to sample for but that got no token (an executor
-        fault) is sent again to be recomputed, rather than wait for it forever."""
+    def _check_sampled(
+        self, step_id: int, sampled_token_ids: dict[str, list[int]], pooled: dict[str, bytes]
+    ) -> None:
+        """A request the step was due to sample (or pool) for but that got nothing (an
+        executor fault) is sent again to be recomputed, rather than wait for it forever."""
         for request in self._sampling.pop(step_id, ()):
-            if request.status is _RUNNING and request.request_id not in sampled_token_ids:
-                logger.warning("request %s got no token; recomputing it", request.request_id)
-                self.running.remove(request)
-                self._finished_req_ids.append(request.request_id)
-                self._send_again(request)
+            rid = request.request_id
+            if request.status is _RUNNING and rid not in sampled_token_ids and rid not in pooled:
+                self._recompute(request)
+
+    def _recompute(self, request: Request) -> None:
+        logger.warning("request %s got no token; recomputing it", request.request_id)
+        self.running.remove(request)
+        self._finished_req_ids.append(request.request_id)
+        self._send_again(request)
 
     def _count_verified(self, num_drafts: int, num_accepted: int) -> None:
         spec = self._spec
@@ -652,10 +659,11 @@ class Scheduler:
         outputs: list[EngineOutput] = []
         finished: list[Request] = []
 
+        pooled = result.pooled or {}
         overlapped = self.scheduler_config.async_scheduling
         step_id = plan.step_id
         if overlapped:
-            self._check_sampled(step_id, sampled_token_ids)
+            self._check_sampled(step_id, sampled_token_ids, pooled)
         if result.prompt_logprobs:
             self._add_prompt_logprobs(plan, result.prompt_logprobs)
         for rid, num_new in plan.num_scheduled_tokens.items():
@@ -665,10 +673,11 @@ class Scheduler:
                 # a new request of the same id, or this one after a preemption.
                 continue
             sampled = sampled_token_ids.get(rid)
+            vector = pooled.get(rid) if request.pooling is not None else None
             all_tokens = request.all_token_ids
             if overlapped:
                 # ``schedule`` advanced the count already; only a token is news.
-                if sampled:
+                if sampled or vector is not None:
                     request.num_output_placeholders -= 1
             else:
                 computed = request.num_computed_tokens + num_new
@@ -686,8 +695,11 @@ class Scheduler:
                     request.spec_token_ids = []  # none fit this step; stale after it
                 num_tokens = len(all_tokens)
                 if computed < num_tokens:
-                    sampled = None  # prefill still partial: no token
-                elif not sampled:
+                    sampled = vector = None  # prefill still partial: no token
+                elif vector is None and request.pooling is not None:
+                    self._recompute(request)  # what it pooled so far is lost with it
+                    continue
+                elif not sampled and vector is None:
                     logger.warning("request %s completed a step but got no token; recomputing", rid)
                     request.num_computed_tokens = num_tokens - 1
                     continue
@@ -748,6 +760,12 @@ class Scheduler:
                             prompt_lp,
                         )
                     )
+            elif vector is not None:
+                request.status = _STOPPED
+                finished.append(request)
+                outputs.append(
+                    EngineOutput(rid, [], True, "stop", request.num_cached_tokens, pooled=vector)
+                )
             if caching and (
                 min(request.num_computed_tokens, len(all_tokens)) // block_size
                 > request.num_cached_blocks

@@ -7,7 +7,9 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 Client -> scheduler::
 
     generate   {request_id, prompt, sampling_params, priority?, cache_salt?, lora_name?,
-                CHAT...}
+                pooling_params?, CHAT...}
+               pooling_params {dimensions?, normalize?}: an embedding, not tokens (a server
+               with the pooling runner)
                prompt: str | list[int] | list[{role, content, name?, tool_call_id?, tool_calls?,
                                                 reasoning_content?}]
     abort      {request_id}
@@ -25,7 +27,8 @@ Client -> scheduler::
 Scheduler -> client::
 
     outputs    {items: [{request_id, new_token_ids, text, finished, finish_reason,
-                         prompt_tokens, completion_tokens, prompt_token_ids}]}
+                         prompt_tokens, completion_tokens, prompt_token_ids, embedding?}]}
+               embedding: a pooling request's vector, float32 little-endian bytes
     error      {request_id | None, message, code}
     health     {request_id, info}
     model_info {request_id, info}
@@ -45,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from weir.shared.pooling import PoolingParams
 from weir.shared.protocol.envelope import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -127,6 +131,9 @@ class GenerateRequest:
     cache_salt: str | None = None
     # The LoRA adapter (one of the server's --lora-modules) its tokens run through.
     lora_name: str | None = None
+    # An embedding request: the prompt's pooled hidden states come back, no tokens
+    # (``sampling_params`` may then set only truncate_prompt_tokens).
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -212,6 +219,8 @@ class StreamOutput:
     # in ``logprobs``, one per prompt token (entry 0 the prompt token); the first token's
     # logprob is None (nothing predicts it).
     prompt_logprobs: dict[str, list[list[Any]]] | None = None
+    # A pooling request's embedding (its only output): float32, little-endian.
+    embedding: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -284,6 +293,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["cache_salt"] = msg.cache_salt
         if msg.lora_name is not None:
             fields["lora_name"] = msg.lora_name
+        if msg.pooling_params is not None:
+            fields["pooling_params"] = msg.pooling_params.to_dict()
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)
@@ -330,6 +341,7 @@ _CLIENT_FIELDS = {
         "priority",
         "cache_salt",
         "lora_name",
+        "pooling_params",
         *_CHAT_FIELDS,
     },
     "abort": {"request_id"},
@@ -428,6 +440,8 @@ def decode_client_message(frame: bytes) -> ClientMessage:
     try:
         prompt = validate_prompt(data.get("prompt"))
         sampling_params = SamplingParams.from_dict(data.get("sampling_params", {}))
+        pooling = data.get("pooling_params")
+        pooling_params = None if pooling is None else PoolingParams.from_dict(pooling)
     except (ValueError, TypeError) as exc:
         raise ClientProtocolError(INVALID_REQUEST, str(exc), raw_id) from None
     priority = data.get("priority", 0)
@@ -452,7 +466,9 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             raw_id,
         )
     chat = _chat_args(data, prompt, raw_id)
-    return GenerateRequest(raw_id, prompt, sampling_params, priority, chat, salt, lora_name)
+    return GenerateRequest(
+        raw_id, prompt, sampling_params, priority, chat, salt, lora_name, pooling_params
+    )
 
 
 def _chat_args(data: dict[str, Any], prompt: Prompt, request_id: str) -> ChatTemplateArgs:
@@ -587,6 +603,8 @@ def encode_outputs(outputs: list[StreamOutput]) -> bytes:
             item["stop_reason"] = o.stop_reason
         if o.prompt_logprobs is not None:
             item["prompt_logprobs"] = o.prompt_logprobs
+        if o.embedding is not None:
+            item["embedding"] = o.embedding
         items.append(item)
     return _pack("outputs", {"items": items})
 

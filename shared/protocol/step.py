@@ -47,6 +47,9 @@ class NewRequest:
     num_computed_tokens: int  # prefix-cache hit tokens: KV already in ``block_ids``
     output_token_ids: list[int] = field(default_factory=list)  # non-empty only when sent again
     lora_name: str | None = None  # the LoRA adapter its tokens run through (None: the base model)
+    # A pooling request's pooling type (``shared.pooling.POOLING_TYPES``): its prompt's
+    # hidden states come back pooled once computed, and nothing is sampled for it.
+    pooling: str | None = None
 
 
 @dataclass(slots=True)
@@ -201,3 +204,6 @@ class StepResult:
     # Of requests asking for prompt logprobs, a row per prompt token this step's tokens
     # predict: row i of a request whose step began at num_computed_tokens c is token c + 1 + i.
     prompt_logprobs: dict[str, SampleLogprobs] | None = None
+    # Of pooling requests whose prompt this step completed: the pooled hidden state,
+    # float32 little-endian bytes.
+    pooled: dict[str, bytes] | None = None

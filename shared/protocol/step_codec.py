@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from itertools import accumulate, chain
 from typing import Any
 
+from weir.shared.pooling import POOLING_TYPES
 from weir.shared.protocol.checks import (
     array,
     bad_element,
@@ -159,7 +160,7 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 # [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32; nil = all 1),
 #  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
 #  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]},
-#        {id: lora_name}],
+#        {id: lora_name}, {id: pooling type}],
 #  spec {id: [tok]}, preempted_ids, finished_ids, grammar_bitmask {id: bytes},
 #  lora_adapters {adapter id: [path, fingerprint]} | nil]
 
@@ -202,6 +203,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
                 [r.num_computed_tokens for r in new],
                 {r.request_id: r.output_token_ids for r in new if r.output_token_ids},
                 {r.request_id: r.lora_name for r in new if r.lora_name is not None},
+                {r.request_id: r.pooling for r in new if r.pooling is not None},
             ],
             plan.scheduled_spec_decode_tokens,
             plan.preempted_req_ids,
@@ -214,8 +216,8 @@ def encode_step_plan(plan: StepPlan) -> bytes:
 
 def _decode_new_requests(value: Any) -> list[NewRequest]:
     cols = array("new_requests", value)
-    if len(cols) != 7:
-        raise ProtocolError("new_requests: expected 7 columns")
+    if len(cols) != 8:
+        raise ProtocolError("new_requests: expected 8 columns")
     ids = strs("new_requests.request_id", cols[0])
     prompts = int_lists("new_requests.prompt_token_ids", cols[1])
     params = array("new_requests.sampling_params", cols[2])
@@ -225,6 +227,9 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
     loras = request_id_map("new_requests.lora_name", cols[6])
     if not all(type(name) is str for name in loras.values()):
         raise bad_element("new_requests.lora_name", list(loras.values()), str)
+    pooling = request_id_map("new_requests.pooling", cols[7])
+    if not all(kind in POOLING_TYPES for kind in pooling.values()):
+        raise ProtocolError(f"new_requests.pooling: each must be one of {POOLING_TYPES}")
     if not len(ids) == len(prompts) == len(params) == len(blocks) == len(computed):
         raise ProtocolError("new_requests: columns have different lengths")
     return [
@@ -236,6 +241,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
             n,
             outputs.get(rid, []),
             loras.get(rid),
+            pooling.get(rid),
         )
         for rid, prompt, sp, blk, n in zip(ids, prompts, params, blocks, computed)
     ]
@@ -316,7 +322,7 @@ def _bitmasks(value: Any, num_scheduled: dict[str, int]) -> dict[str, bytes]:
 
 # ----------------------------------------------------------------------------- StepResult
 # [tag, v, step_id, ids, sampled rows, logprobs {id: [token_rows, logprob_rows]} | nil,
-#  prompt logprobs (the same) | nil]
+#  prompt logprobs (the same) | nil, pooled {id: float32 bytes} | nil]
 
 
 def encode_step_result(result: StepResult) -> bytes:
@@ -329,12 +335,13 @@ def encode_step_result(result: StepResult) -> bytes:
             _pack_rows("sampled_token_ids", sampled.values(), len(sampled)),
             _logprobs_map_to_wire(result.logprobs),
             _logprobs_map_to_wire(result.prompt_logprobs),
+            result.pooled,
         ],
     )
 
 
 def decode_step_result(data: bytes) -> StepResult:
-    msg = unpack_array(data, _STEP_RESULT, 5)
+    msg = unpack_array(data, _STEP_RESULT, 6)
     step_id = non_negative_int("step_id", msg[2])
     ids = _split_ids("sampled_token_ids", msg[3])
     sampled = dict(zip(ids, _unpack_rows("sampled_token_ids", msg[4], len(ids))))
@@ -345,4 +352,16 @@ def decode_step_result(data: bytes) -> StepResult:
         _logprobs_map_from_wire("logprobs", msg[5]),
         step_id,
         _logprobs_map_from_wire("prompt_logprobs", msg[6]),
+        _pooled(msg[7]),
     )
+
+
+def _pooled(value: Any) -> dict[str, bytes] | None:
+    if value is not None and (
+        type(value) is not dict
+        or not all(
+            type(k) is str and type(v) is bytes and len(v) % 4 == 0 for k, v in value.items()
+        )
+    ):
+        raise ProtocolError("pooled: expected {request id: float32 bytes} or nil")
+    return value
