@@ -1,5 +1,6 @@
 """Offline batch generation: ``LLM(...).generate(prompts, sampling_params)``, and
-``LLM(...).chat(conversations, sampling_params)`` as vLLM's.
+``LLM(...).chat(conversations, sampling_params)`` as vLLM's; embeddings with
+``LLM(runner="pooling").embed(prompts)``.
 
     with LLM(max_num_seqs=64) as llm:
         for c in llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=16)):
@@ -12,14 +13,13 @@ prompt at once so they batch together, and stops the processes on ``close()``.
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from weir.services.launcher import ServerProcesses
-from weir.shared.client import AsyncWeirClient, EventLoopThread
+from weir.shared.client import AsyncWeirClient, EmbeddingOutput, EventLoopThread, gather_all
 from weir.shared.config import EngineArgs
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
@@ -147,6 +147,27 @@ class LLM:
             raise ValueError(f"got {len(loras)} lora_names for {len(prompts)} prompts")
         return self._loop.run(self._generate_all(prompts, params, priorities, loras, chat))
 
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingOutput]:
+        """One embedding per prompt (text or token ids), in prompt order, from an ``LLM``
+        with the pooling runner (``runner="pooling"``, or an embedding model); each one's
+        ``embedding`` is a list of floats. If one fails, the call raises its error."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]  # a single prompt
+        options = {
+            "dimensions": dimensions,
+            "normalize": normalize,
+            "truncate_prompt_tokens": truncate_prompt_tokens,
+        }
+        client = self._client
+        return self._loop.run(gather_all([client.embed(p, **options) for p in prompts]))
+
     def close(self) -> None:
         self._finalizer()
 
@@ -158,16 +179,12 @@ class LLM:
         loras: list[str | None],
         chat: dict[str, Any],
     ) -> list[Completion]:
-        tasks = [
-            asyncio.ensure_future(self._generate_one(*request, chat))
-            for request in zip(prompts, params, priorities, loras)
-        ]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:  # after a failure, the others' streams close: their requests are aborted
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await gather_all(
+            [
+                self._generate_one(*request, chat)
+                for request in zip(prompts, params, priorities, loras)
+            ]
+        )
 
     async def _generate_one(
         self,

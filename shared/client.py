@@ -27,7 +27,15 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -880,6 +888,18 @@ class WeirClient:
     def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise WeirError("client is closed")
+
+
+async def gather_all(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """Every result, in order; the first failure is raised and cancels the others (their
+    streams close, which aborts their requests)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _close_client(loop: EventLoopThread, client: AsyncWeirClient) -> None:

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.chat_output import NO_PARSERS, ChatChunks, ChatOutput, ChatParsers
+from weir.services.gateway.embeddings import EmbeddingRequest, embedding_response
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.reasoning import END as REASONING_END
 from weir.services.gateway.responses import (
@@ -51,7 +52,13 @@ from weir.services.gateway.schemas import (
     UnloadLoraAdapterBody,
     chat_prompt,
 )
-from weir.shared.client import EngineError, InvalidRequestError, ServerUnavailableError
+from weir.shared.client import (
+    EmbeddingOutput,
+    EngineError,
+    InvalidRequestError,
+    ServerUnavailableError,
+    gather_all,
+)
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 from weir.shared.protocol.client import NOT_FOUND, SERVER_UNAVAILABLE, Prompt, StreamOutput
 from weir.shared.sampling import SamplingParams
@@ -61,6 +68,7 @@ _ROUTES = (
     "/v1/models",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/embeddings",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
     "/tokenize",
@@ -646,6 +654,51 @@ class Gateway:
         [choice] = await self._collect(outputs, 1)
         return JSONResponse(whole_response(skeleton, output, choice))
 
+    async def embeddings(self, body: EmbeddingRequest) -> Response:
+        served = await self.check_model(body.model)
+        try:
+            prompts = body.inputs()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", param="input") from None
+        request_id = f"embd-{uuid.uuid4().hex}"
+        outputs = await gather_all(
+            [
+                self._embed(f"{request_id}-{i}", prompt, body, served.lora_name)
+                for i, prompt in enumerate(prompts)
+            ]
+        )
+        return JSONResponse(embedding_response(served.name, outputs, body.encoding_format))
+
+    async def _embed(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        body: EmbeddingRequest,
+        lora_name: str | None,
+    ) -> EmbeddingOutput:
+        """One input's embedding, from the replica the router picks; one that cannot take it
+        leaves the rotation and another gets it (nothing was returned yet)."""
+        tried: frozenset[str] = frozenset()
+        while True:
+            async with self.router.reserve(prompt, 0, tried, None, lora_name) as replica:
+                self.metrics.routed.labels(replica.address).inc()
+                try:
+                    return await replica.client.embed(
+                        prompt,
+                        dimensions=body.dimensions,
+                        normalize=body.normalize,
+                        truncate_prompt_tokens=body.truncate_prompt_tokens,
+                        request_id=request_id,
+                        priority=body.priority,
+                        lora_name=lora_name,
+                    )
+                except ServerUnavailableError as exc:
+                    self.router.mark_down(replica, str(exc))
+                    tried |= {replica.address}
+                    if not self.router.candidates(tried):
+                        raise
+                    self.metrics.rerouted.inc()
+
     async def tokenize(self, body: TokenizeBody) -> Response:
         info = (await self.check_model(body.model)).info
         client = self.router.choose([]).client
@@ -997,6 +1050,10 @@ def create_app(
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         return await answer_connected(request, gateway.responses(body))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request, body: EmbeddingRequest) -> Response:
+        return await answer_connected(request, gateway.embeddings(body))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraAdapterBody) -> Response:

@@ -113,7 +113,7 @@ LogitBias = Annotated[
 ]
 
 
-def _not_zero(value: int) -> int:
+def not_zero(value: int) -> int:
     if value == 0:
         raise ValueError("must be -1 or at least 1")
     return value
@@ -308,7 +308,7 @@ class _SamplingFields(Options):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     # vLLM's: the prompt's last k tokens (-1: as many as leave room for one output token).
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(not_zero)] | None = None
     # vLLM's: cached prompt blocks are shared only among requests of the same salt.
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)] | None = None
 

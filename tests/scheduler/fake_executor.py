@@ -9,12 +9,15 @@ content), writes the KV of the scheduled positions, and "samples" with a toy
 deterministic model that depends only on token content, so identical prompts
 generate identically. ``reference_generate`` is the plain one-request loop the
 scheduler's outputs must reproduce, whatever chunking, preemption, caching or
-speculation happened.
+speculation happened. A pooling request gets ``toy_pool`` of its prompt, and only if this
+executor computed every position its pooling type reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Scheduler
@@ -51,6 +54,13 @@ def reference_generate(
             return out, "length"
 
 
+def toy_pool(prompt: list[int], kind: str) -> bytes:
+    """What a pooling request of ``kind`` gets back: its last token, the mean of its prompt
+    or its first token, as float32 bytes (the executor's wire form)."""
+    value = {"LAST": prompt[-1], "MEAN": sum(prompt) / len(prompt), "CLS": prompt[0]}[kind]
+    return np.array([value], dtype="<f4").tobytes()
+
+
 @dataclass
 class _State:
     prompt: list[int]
@@ -58,6 +68,8 @@ class _State:
     block_table: list[int]
     in_batch: bool = True
     num_computed_tokens: int = 0
+    pooling: str | None = None
+    from_zero: bool = False  # every position since 0 was computed here (MEAN and CLS read them)
 
 
 class FakeExecutor:
@@ -86,6 +98,7 @@ class FakeExecutor:
                 list(new.prompt_token_ids),
                 list(new.prompt_token_ids) + list(new.output_token_ids),
                 list(new.block_ids),
+                pooling=new.pooling,
             )
             starts[new.request_id] = new.num_computed_tokens
         for cached in plan.cached_requests:
@@ -93,6 +106,7 @@ class FakeExecutor:
             if cached.resumed:
                 assert not state.in_batch, "resumed without having been preempted"
                 state.in_batch = True
+                state.from_zero = False
                 state.block_table = list(cached.new_block_ids)
                 state.tokens = state.prompt + list(cached.output_token_ids)
             else:
@@ -103,6 +117,7 @@ class FakeExecutor:
         assert set(starts) == set(plan.num_scheduled_tokens)
 
         sampled: dict[str, list[int]] = {}
+        pooled: dict[str, bytes] = {}
         for rid, num_new in plan.num_scheduled_tokens.items():
             state = self.state[rid]
             start = starts[rid]
@@ -120,9 +135,16 @@ class FakeExecutor:
             for position in range(start, end):
                 block, offset = self._slot(state, position)
                 self.kv[block][offset] = (sequence[position], position)
+            state.from_zero = start == 0 or (
+                state.from_zero and start == state.num_computed_tokens
+            )
             state.num_computed_tokens = end
             if end < len(state.tokens):
                 continue  # partial prefill
+            if state.pooling is not None:
+                assert state.pooling == "LAST" or state.from_zero, f"{rid}: pooled unseen tokens"
+                pooled[rid] = toy_pool(state.prompt, state.pooling)
+                continue
             out: list[int] = []
             for draft in drafts:
                 token = toy_next_token(state.tokens + out)
@@ -134,7 +156,7 @@ class FakeExecutor:
             state.tokens.extend(out)
             state.num_computed_tokens = len(state.tokens) - 1
             sampled[rid] = out
-        return StepResult(sampled)
+        return StepResult(sampled, pooled=pooled or None)
 
 
 def make_scheduler(

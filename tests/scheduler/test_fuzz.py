@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Request, RequestStatus, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
+from weir.shared.pooling import POOLING_TYPES
 from weir.shared.protocol.step_codec import (
     decode_step_plan,
     decode_step_result,
@@ -19,7 +20,7 @@ from weir.shared.protocol.step_codec import (
 )
 from weir.shared.sampling import SamplingParams
 
-from .fake_executor import EOS, FakeExecutor, reference_generate, toy_next_token
+from .fake_executor import EOS, FakeExecutor, reference_generate, toy_next_token, toy_pool
 
 
 @st.composite
@@ -106,6 +107,7 @@ def test_random_traffic(scenario):
     reusable: list[str] = []  # ids of requests ended from outside, for a new request to take
     fake = FakeExecutor(cache.num_blocks, cache.block_size)
     grammars: dict[str, _FollowingGrammar] = {}
+    pooled: dict[str, bytes | None] = {}  # of pooling requests: what they pooled (None yet)
 
     def end_from_outside(rid: str, how: str) -> None:
         ended[rid] = how
@@ -114,6 +116,12 @@ def test_random_traffic(scenario):
     def check(rid: str) -> None:
         tokens, reason = expected.pop(rid)
         output, how = produced.pop(rid), ended.pop(rid)
+        if rid in pooled:  # an embedding: its vector, unless it ended before
+            vector = pooled.pop(rid)
+            # Ended from outside (an abort, a "stop string"), it may have pooled nothing.
+            assert vector == tokens if how == "stop" else vector is None, rid
+            assert output == [], rid
+            return
         if rid in grammars:  # told of each token it output, once, in order
             assert grammars[rid].accepted == output, rid
         if how in ("abort", "stop string"):
@@ -163,6 +171,7 @@ def test_random_traffic(scenario):
                 prompt = (shared_prefix + [rng.randrange(1, 64) for _ in range(length)])[:length]
             else:
                 prompt = [rng.randrange(1, 64) for _ in range(length)]
+            pooling = rng.choice(POOLING_TYPES) if rng.random() < 0.2 else None
             max_tokens = rng.randint(1, 12)
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -177,9 +186,10 @@ def test_random_traffic(scenario):
                 eos_token_id=EOS,
                 priority=rng.randint(0, 2),
                 lora_name=rng.choice([None, "A", "B", "C"]) if config.max_loras else None,
+                pooling=pooling,
             )
             grammars.pop(rid, None)
-            if rng.random() < 0.3:
+            if pooling is None and rng.random() < 0.3:
                 request.grammar = grammars[rid] = _FollowingGrammar()
             try:
                 scheduler.add_request(request)
@@ -193,6 +203,9 @@ def test_random_traffic(scenario):
                 params.stop_token_ids,
                 config.max_model_len,
             )
+            if pooling is not None:
+                expected[rid] = (toy_pool(prompt, pooling), "stop")  # type: ignore[assignment]
+                pooled[rid] = None
             produced[rid] = []
         if rng.random() < 0.05 and scheduler.requests:
             victim = rng.choice(sorted(scheduler.requests))
@@ -209,6 +222,9 @@ def test_random_traffic(scenario):
         for out in engine_step.outputs if engine_step else ():
             assert out.request_id not in ended, f"{out.request_id} answered after it ended"
             produced[out.request_id].extend(out.new_token_ids)
+            if out.pooled is not None:
+                assert out.finished and pooled[out.request_id] is None, out.request_id
+                pooled[out.request_id] = out.pooled
             if out.finished:
                 ended[out.request_id] = out.finish_reason
         if config.num_speculative_tokens:

@@ -1,0 +1,267 @@
+"""Embeddings, as vLLM's pooling runner serves them: `weir serve --runner pooling` on the
+default model answers `/v1/embeddings` (the official openai client, floats and base64), the
+SDK's `embed` and `LLM.embed`, and every vector equals what transformers computes from the
+same weights (the last hidden state after the final norm, pooled, L2-normalized) however
+the prompt was chunked, cached or preempted."""
+
+import os
+import shutil
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from serving_helpers import metric, read_metrics, small_server
+
+from weir.services import LLM
+from weir.shared.client import InvalidRequestError, WeirClient
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = "smol-embed"
+SHORT = "The capital of France is Paris."
+LONG = "A lighthouse keeper finds a message in a bottle and sets out to answer it. " * 6
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return transformers.AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hidden_states(default_model_dir, tokenizer):
+    """Each prompt's last hidden states (after the final norm), from transformers."""
+    model = transformers.AutoModel.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+    def states(prompt: str | list[int]) -> np.ndarray:
+        ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+        with torch.no_grad():
+            return model(torch.tensor([ids])).last_hidden_state[0].numpy()
+
+    return states
+
+
+def pooled(states: np.ndarray, kind: str = "LAST", normalize: bool = True, dims=None):
+    vector = {"LAST": states[-1], "MEAN": states.mean(0), "CLS": states[0]}[kind][:dims]
+    return vector / np.linalg.norm(vector) if normalize else vector
+
+
+def close(got, want) -> bool:
+    got, want = np.asarray(got), np.asarray(want)
+    return got.shape == want.shape and np.abs(got - want).max() < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    # A budget of 32 tokens a step: LONG's prefill takes several steps.
+    with small_server(
+        default_model_dir, MODEL, runner="pooling", max_num_batched_tokens=32
+    ) as processes:
+        yield processes
+
+
+def _openai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="-")
+
+
+def test_the_openai_client_gets_what_transformers_computes(server, hidden_states, tokenizer):
+    client = _openai(server)
+    texts = [SHORT, LONG]
+    want = [pooled(hidden_states(p)) for p in texts]
+    # The client asks for base64 unless told otherwise, and decodes it itself.
+    for encoding in (openai.omit, "float"):
+        reply = client.embeddings.create(model=MODEL, input=texts, encoding_format=encoding)
+        assert [d.index for d in reply.data] == [0, 1]
+        for data, expected in zip(reply.data, want):
+            assert close(data.embedding, expected)
+        assert reply.model == MODEL
+        num_tokens = sum(len(tokenizer(p).input_ids) for p in texts)
+        assert reply.usage.prompt_tokens == reply.usage.total_tokens == num_tokens
+    one = client.embeddings.create(model=MODEL, input=SHORT)
+    assert len(one.data) == 1 and close(one.data[0].embedding, want[0])
+    ids = [tokenizer("Token ids work too.").input_ids, tokenizer(SHORT).input_ids]
+    by_ids = client.embeddings.create(model=MODEL, input=ids)
+    assert close(by_ids.data[0].embedding, pooled(hidden_states(ids[0])))
+    assert close(by_ids.data[1].embedding, want[0])
+    single = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
+    assert len(single.data) == 1 and close(single.data[0].embedding, by_ids.data[0].embedding)
+
+
+def test_a_cached_prefix_gives_the_same_vector(server, hidden_states):
+    """LAST pooling reads the last token only: a prompt whose blocks are cached computes its
+    last token and is pooled as if computed whole."""
+    url = server.info["metrics_address"]
+    client = _openai(server)
+    prompt = LONG + "Once more."
+    client.embeddings.create(model=MODEL, input=prompt)
+    hits = metric(read_metrics(url), "weir_prefix_cache_hit_tokens_total")
+    again = client.embeddings.create(model=MODEL, input=prompt, encoding_format="float")
+    assert metric(read_metrics(url), "weir_prefix_cache_hit_tokens_total") >= hits + 64
+    assert close(again.data[0].embedding, pooled(hidden_states(prompt)))
+
+
+def test_concurrent_clients_each_get_their_own(server, hidden_states):
+    prompts = [f"Request number {i} asks about {LONG[: 20 + 9 * i]}" for i in range(12)]
+    results: dict[int, list[float]] = {}
+
+    def ask(i: int) -> None:
+        reply = _openai(server).embeddings.create(model=MODEL, input=prompts[i])
+        results[i] = reply.data[0].embedding
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(results) == list(range(len(prompts)))
+    for i, prompt in enumerate(prompts):
+        assert close(results[i], pooled(hidden_states(prompt))), i
+
+
+def test_the_sdk_embeds_with_vllm_pooling_parameters(server, hidden_states, tokenizer):
+    ids = tokenizer(LONG).input_ids
+    with WeirClient(server.client_address) as client:
+        out = client.embed(LONG)
+        assert out.prompt_token_ids == ids
+        assert close(out.embedding, pooled(hidden_states(LONG)))
+        raw = client.embed(SHORT, normalize=False)
+        assert close(raw.embedding, pooled(hidden_states(SHORT), normalize=False))
+        last = client.embed(LONG, truncate_prompt_tokens=7)
+        assert last.prompt_token_ids == ids[-7:]
+        assert close(last.embedding, pooled(hidden_states(ids[-7:])))
+        with pytest.raises(InvalidRequestError, match="Matryoshka"):
+            client.embed(SHORT, dimensions=64)
+        with pytest.raises(InvalidRequestError, match="serves embeddings only"):
+            list(client.generate("Hello"))
+
+
+def _post(server, route: str, body: dict) -> httpx.Response:
+    return httpx.post(server.info["http_address"] + route, json=body, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"input": []}, 400, "must not be empty"),
+        ({"input": ""}, 400, "must not be empty"),
+        ({"input": SHORT, "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": SHORT, "dimensions": 0}, 400, "dimensions"),
+        ({"input": SHORT, "dimensions": 64}, 400, "not a Matryoshka model"),
+        ({"input": [SHORT, 7]}, 400, "input"),
+        ({"input": [10**6]}, 400, "outside the vocabulary"),
+        ({"input": "word " * 600}, 400, "max_model_len"),
+        ({"input": SHORT, "add_special_tokens": False}, 400, "add_special_tokens"),
+        ({"input": SHORT, "temperature": 0}, 400, "temperature"),
+        ({"input": ["x"] * 2049}, 400, "at most 2048"),
+        ({"input": SHORT, "model": "other"}, 404, "does not exist"),
+    ],
+)
+def test_bad_bodies_get_a_clear_error_and_the_server_serves_on(server, body, status, words):
+    reply = _post(server, "/v1/embeddings", {"model": MODEL, **body})
+    assert reply.status_code == status, reply.text
+    assert words in reply.json()["error"]["message"]
+    assert _post(server, "/v1/embeddings", {"input": SHORT}).status_code == 200
+
+
+def test_a_pooling_server_refuses_generation(server):
+    for route, body in (
+        ("/v1/completions", {"prompt": SHORT, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        reply = _post(server, route, body)
+        assert reply.status_code == 400
+        assert "serves embeddings only" in reply.json()["error"]["message"]
+
+
+def test_an_embedding_in_flight_survives_its_executor_being_killed(server, hidden_states):
+    prompts = [f"{i}: {LONG}" for i in range(6)]
+    results: dict[int, list[float]] = {}
+
+    def ask(i: int) -> None:
+        with WeirClient(server.client_address, timeout=120) as client:
+            results[i] = client.embed(prompts[i]).embedding
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    os.kill(server.info["executors"][0]["pid"], signal.SIGKILL)
+    for thread in threads:
+        thread.join(180)
+    assert sorted(results) == list(range(len(prompts)))
+    for i, prompt in enumerate(prompts):
+        assert close(results[i], pooled(hidden_states(prompt))), i
+
+
+def test_a_generating_server_refuses_embeddings(default_model_dir):
+    with small_server(default_model_dir, "smol") as processes:
+        reply = _post(processes, "/v1/embeddings", {"input": SHORT})
+        assert reply.status_code == 400
+        assert "--runner pooling" in reply.json()["error"]["message"]
+        with WeirClient(processes.client_address) as client:
+            assert client.model_info()["runner"] == "generate"
+            with pytest.raises(InvalidRequestError, match="serves no embeddings"):
+                client.embed(SHORT)
+
+
+@pytest.mark.parametrize("kind", ["MEAN", "CLS"])
+def test_mean_and_cls_pool_every_position_through_chunks_and_preemption(
+    default_model_dir, hidden_states, kind
+):
+    """Pooling over the whole prompt computes all of it, in lockstep too: never from the
+    prefix cache (a prompt after its prefix's twin), and again from its start after a
+    preemption (a KV cache too small for the prompts together)."""
+    prompts = [f"{i}: {LONG}" for i in range(5)] + [f"0: {LONG}and then some."]
+    with LLM(
+        str(default_model_dir),
+        runner="pooling",
+        pooler_config=f'{{"pooling_type": "{kind}"}}',
+        # Four prompts advance at once, 16 tokens each a step, in 11 blocks of 16 tokens.
+        max_num_batched_tokens=64,
+        long_prefill_token_threshold=16,
+        max_model_len=256,
+        kv_cache_memory="8MiB",
+        async_scheduling=False,
+        device="cpu",
+    ) as llm:
+        first = llm.embed(prompts[0])
+        outputs = llm.embed(prompts)
+        samples = read_metrics(llm.server_info["metrics_address"])
+    assert metric(samples, "weir_preemptions_total") > 0
+    assert close(first[0].embedding, pooled(hidden_states(prompts[0]), kind))
+    for out, prompt in zip(outputs, prompts):
+        assert close(out.embedding, pooled(hidden_states(prompt), kind)), prompt
+
+
+def test_a_sentence_transformers_model_is_served_as_its_files_say(
+    default_model_dir, hidden_states, tmp_path
+):
+    """`--runner auto` finds an embedding model by its sentence-transformers files and pools
+    as they say (mean, not normalized here); a Matryoshka model takes `dimensions`."""
+    model = tmp_path / "st-model"
+    model.mkdir()
+    for item in default_model_dir.iterdir():
+        if item.name != "config.json":
+            (model / item.name).symlink_to(item)
+    config = (default_model_dir / "config.json").read_text()
+    (model / "config.json").write_text(config.rstrip().rstrip("}") + ', "is_matryoshka": true}')
+    (model / "modules.json").write_text(
+        '[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},'
+        ' {"idx": 1, "name": "1", "path": "1_Pooling", '
+        '"type": "sentence_transformers.models.Pooling"}]'
+    )
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    states = hidden_states(SHORT)
+    with small_server(model, "st") as processes:
+        with WeirClient(processes.client_address) as client:
+            assert client.model_info()["runner"] == "pooling"
+            assert close(client.embed(SHORT).embedding, pooled(states, "MEAN", normalize=False))
+            small = client.embed(SHORT, dimensions=64, normalize=True).embedding
+            assert close(small, pooled(states, "MEAN", dims=64))
+    shutil.rmtree(model)
