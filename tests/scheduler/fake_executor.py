@@ -135,9 +135,7 @@ class FakeExecutor:
             for position in range(start, end):
                 block, offset = self._slot(state, position)
                 self.kv[block][offset] = (sequence[position], position)
-            state.from_zero = start == 0 or (
-                state.from_zero and start == state.num_computed_tokens
-            )
+            state.from_zero = start == 0 or (state.from_zero and start == state.num_computed_tokens)
             state.num_computed_tokens = end
             if end < len(state.tokens):
                 continue  # partial prefill
