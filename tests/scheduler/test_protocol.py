@@ -25,6 +25,7 @@ def _plan() -> StepPlan:
     new = [
         NewRequest("n1", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, stop=("x",)), [3, 4], 4),
         NewRequest("n2", [1], SamplingParams(seed=7, logprobs=2), [9], 0, lora_name="sql#2"),
+        NewRequest("n3", [4, 4], SamplingParams(), [8], 0, pooling="MEAN"),
     ]
     cached = [
         CachedRequest("c1", [], 40),
@@ -32,8 +33,8 @@ def _plan() -> StepPlan:
         CachedRequest("c3", [12, 13, 14], 16, resumed=True, output_token_ids=[2, 3]),
     ]
     return StepPlan(
-        num_scheduled_tokens={"c1": 3, "c2": 1, "c3": 20, "n1": 1, "n2": 1},
-        total_num_scheduled_tokens=26,
+        num_scheduled_tokens={"c1": 3, "c2": 1, "c3": 20, "n1": 1, "n2": 1, "n3": 2},
+        total_num_scheduled_tokens=28,
         scheduled_spec_decode_tokens={"c1": [100, 101]},
         new_requests=new,
         cached_requests=cached,
@@ -90,6 +91,8 @@ def test_step_result_round_trip_with_variable_lengths_and_logprobs():
         step_id=3,
     )
     assert decode_step_result(encode_step_result(result)) == result
+    pooled = StepResult({"x": [7]}, pooled={"e": b"\x00\x00\x80?" * 3})
+    assert decode_step_result(encode_step_result(pooled)) == pooled
     single = StepResult({"x": [7], "y": [8]})
     assert decode_step_result(encode_step_result(single)) == single
 
@@ -155,6 +158,10 @@ def test_step_plan_rejects_bad_sampling_params_and_new_request_columns():
     fields[9][1][1] = [1, "2"]
     with pytest.raises(ProtocolError, match=r"prompt_token_ids\[1\]"):
         decode_step_plan(_raw(fields))
+    fields = _plan_fields()
+    fields[9][7]["n3"] = "MAX"
+    with pytest.raises(ProtocolError, match="pooling: each must be one of"):
+        decode_step_plan(_raw(fields))
 
 
 def test_encoder_rejects_inconsistent_plan():
@@ -177,6 +184,8 @@ def test_step_result_rejects_wrong_types():
         (4, [b"\x01\x00\x00\x00" * 3, b"\x02\x00\x00\x00\xff\xff\xff\xff"], "uint32"),
         (5, {"a": [[[1]], [[1]]]}, r"logprobs\['a'\].logprobs\[0\]"),
         (5, {"a": [[[1, 2]], [[-0.5]]]}, "row 0"),
+        (7, {"a": b"\x00\x00\x80"}, "pooled"),
+        (7, [b"\x00\x00\x80?"], "pooled"),
     ]:
         fields = list(good)
         fields[index] = value

@@ -3,6 +3,7 @@
 import msgpack
 import pytest
 
+from weir.shared.pooling import PoolingParams
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
 
@@ -35,6 +36,11 @@ def test_round_trip_of_every_client_message():
         msg = client_protocol.GenerateRequest(
             "r1", prompt, params, priority, chat_args, "salt", lora_name
         )
+        assert (
+            client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
+        )
+    for pooling in (PoolingParams(), PoolingParams(64, False)):
+        msg = client_protocol.GenerateRequest("e", "hi", SamplingParams(), pooling_params=pooling)
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
@@ -227,6 +233,26 @@ def test_round_trip_of_server_messages():
             frame(type="generate", request_id="x", prompt="a", lora_name="s" * 257),
             client_protocol.INVALID_REQUEST,
             "lora_name must be a non-empty string of at most 256 characters",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="a", pooling_params=[64]),
+            client_protocol.INVALID_REQUEST,
+            "pooling_params must be a map",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="a", pooling_params={"dimensions": 0}),
+            client_protocol.INVALID_REQUEST,
+            "dimensions must be a positive int",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="a", pooling_params={"normalize": 1}),
+            client_protocol.INVALID_REQUEST,
+            "normalize must be a bool",
+        ),
+        (
+            frame(type="generate", request_id="x", prompt="a", pooling_params={"pool": "MAX"}),
+            client_protocol.INVALID_REQUEST,
+            "pooling_params: unknown field 'pool'",
         ),
         (
             frame(type="generate", request_id="x", prompt=[1], add_generation_prompt=False),

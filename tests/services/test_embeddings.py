@@ -4,6 +4,7 @@ SDK's `embed` and `LLM.embed`, and every vector equals what transformers compute
 same weights (the last hidden state after the final norm, pooled, L2-normalized) however
 the prompt was chunked, cached or preempted."""
 
+import json
 import os
 import shutil
 import signal
@@ -265,3 +266,22 @@ def test_a_sentence_transformers_model_is_served_as_its_files_say(
             small = client.embed(SHORT, dimensions=64, normalize=True).embedding
             assert close(small, pooled(states, "MEAN", dims=64))
     shutil.rmtree(model)
+
+
+def test_a_bare_transformer_checkpoint_is_an_embedding_model(
+    default_model_dir, hidden_states, tmp_path
+):
+    """What embedding models ship: the transformer without its LM head, saved by its own
+    class (tensor names without ``model.``, a ``*Model`` architecture). `--runner auto`
+    serves it as a pooling model; untied, it needs no LM head."""
+    bare = tmp_path / "bare"
+    transformers.AutoModel.from_pretrained(default_model_dir).save_pretrained(bare)
+    config = json.loads((bare / "config.json").read_text())
+    assert config["architectures"] == ["LlamaModel"]
+    (bare / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, bare / name)
+    with LLM(str(bare), max_model_len=256, device="cpu") as llm:
+        [out] = llm.embed(LONG)
+    assert close(out.embedding, pooled(hidden_states(LONG)))

@@ -1,0 +1,108 @@
+"""How a pooling server is configured: which runner a model gets, how it pools (its
+sentence-transformers files, --pooler-config over them), and what a request may ask."""
+
+import json
+
+import numpy as np
+import pytest
+
+from weir.shared.config import EngineArgs
+from weir.shared.pooling import PoolerConfig, PoolingParams, read_pooler_config, resolve_runner
+
+HIDDEN = 8
+
+
+def _model(path, architectures=("LlamaForCausalLM",), pooling=None, normalize=False, **config):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": list(architectures), **config}))
+    if pooling is not None:
+        modules = [{"type": "sentence_transformers.models.Transformer", "path": ""}]
+        modules.append({"type": "sentence_transformers.models.Pooling", "path": "1_Pooling"})
+        if normalize:
+            modules.append({"type": "sentence_transformers.models.Normalize", "path": "2_Norm"})
+        (path / "modules.json").write_text(json.dumps(modules))
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return path
+
+
+def test_the_runner_follows_the_model_unless_given(tmp_path):
+    causal = _model(tmp_path / "causal")
+    bare = _model(tmp_path / "bare", architectures=("Qwen3Model",))
+    st = _model(tmp_path / "st", pooling={"pooling_mode_lasttoken": True})
+    assert resolve_runner("auto", causal) == "generate"
+    assert resolve_runner("auto", bare) == "pooling"
+    assert resolve_runner("auto", st) == "pooling"
+    assert resolve_runner("pooling", causal) == "pooling"
+    assert resolve_runner("generate", st) == "generate"
+    with pytest.raises(ValueError, match="runner must be one of"):
+        resolve_runner("embed", causal)
+    with pytest.raises(ValueError, match="runner must be one of"):
+        EngineArgs(runner="embed")
+
+
+def test_sentence_transformers_files_set_the_pooler_and_the_flag_overrides_them(tmp_path):
+    assert read_pooler_config(_model(tmp_path / "plain"), HIDDEN) == PoolerConfig(
+        "LAST", True, HIDDEN, ()
+    )
+    mean = _model(tmp_path / "mean", pooling={"pooling_mode_mean_tokens": True})
+    config = read_pooler_config(mean, HIDDEN)
+    assert (config.pooling_type, config.normalize) == ("MEAN", False)
+    cls = _model(tmp_path / "cls", pooling={"pooling_mode_cls_token": True}, normalize=True)
+    config = read_pooler_config(cls, HIDDEN)
+    assert (config.pooling_type, config.normalize) == ("CLS", True)
+    config = read_pooler_config(cls, HIDDEN, '{"pooling_type": "LAST", "normalize": false}')
+    assert (config.pooling_type, config.normalize) == ("LAST", False)
+
+
+@pytest.mark.parametrize(
+    ("pooling", "override", "words"),
+    [
+        ({"pooling_mode_weightedmean_tokens": True}, None, "cannot be served"),
+        ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, None, "cannot be"),
+        (None, "{", "not JSON"),
+        (None, "[1]", "must be a JSON object"),
+        (None, '{"pooling_type": "MAX"}', "pooling_type must be one of"),
+        (None, '{"normalize": "yes"}', "normalize must be true or false"),
+        (None, '{"softmax": true}', "unknown key 'softmax'"),
+    ],
+)
+def test_a_pooler_weir_cannot_serve_is_refused_by_name(tmp_path, pooling, override, words):
+    model = _model(tmp_path / "m", pooling=pooling)
+    with pytest.raises(ValueError, match=words):
+        read_pooler_config(model, HIDDEN, override)
+
+
+def test_a_choice_of_pooling_type_serves_a_model_whose_own_weir_cannot(tmp_path):
+    model = _model(tmp_path / "m", pooling={"pooling_mode_weightedmean_tokens": True})
+    assert read_pooler_config(model, HIDDEN, '{"pooling_type": "MEAN"}').pooling_type == "MEAN"
+
+
+def test_dimensions_only_for_matryoshka_models(tmp_path):
+    plain = read_pooler_config(_model(tmp_path / "plain"), HIDDEN)
+    plain.check(PoolingParams(HIDDEN))  # all of them is no change
+    with pytest.raises(ValueError, match="not a Matryoshka model"):
+        plain.check(PoolingParams(4))
+    free = read_pooler_config(_model(tmp_path / "free", is_matryoshka=True), HIDDEN)
+    free.check(PoolingParams(3))
+    with pytest.raises(ValueError, match="can have 1 to 8"):
+        free.check(PoolingParams(9))
+    listed = _model(tmp_path / "listed", matryoshka_dimensions=[2, 4, 8])
+    sizes = read_pooler_config(listed, HIDDEN)
+    sizes.check(PoolingParams(4))
+    with pytest.raises(ValueError, match=r"can have \(2, 4, 8\)"):
+        sizes.check(PoolingParams(3))
+
+
+def test_an_embedding_is_cut_to_its_dimensions_then_normalized():
+    raw = np.arange(1, HIDDEN + 1, dtype="<f4")
+    config = PoolerConfig("LAST", True, HIDDEN, None)
+
+    def finish(params: PoolingParams) -> np.ndarray:
+        return np.frombuffer(config.finish(raw.tobytes(), params), dtype="<f4")
+
+    np.testing.assert_allclose(finish(PoolingParams()), raw / np.linalg.norm(raw), rtol=1e-6)
+    np.testing.assert_allclose(finish(PoolingParams(3)), raw[:3] / np.linalg.norm(raw[:3]))
+    np.testing.assert_array_equal(finish(PoolingParams(3, normalize=False)), raw[:3])
+    zeros = np.frombuffer(config.finish(bytes(4 * HIDDEN), PoolingParams()), dtype="<f4")
+    assert not np.isnan(zeros).any()
