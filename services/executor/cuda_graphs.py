@@ -259,6 +259,4 @@ def _no_requests(query_len: int) -> StepInputs:
         prompt_logits_indices=empty,
         prompt_targets=empty,
         num_prompt_logits=empty,
-        pooling=np.zeros(0, dtype=np.int8),
-        pooling_done=np.zeros(0, dtype=bool),
     )

@@ -49,9 +49,10 @@ class StepInputs:
     prompt_targets: np.ndarray
     num_prompt_logits: np.ndarray
     # Of pooling requests ([R], 0 for the others): the pooling type's code, and whether this
-    # step completes the prompt (its pooled state is then the request's output).
-    pooling: np.ndarray
-    pooling_done: np.ndarray
+    # step completes the prompt (its pooled state is then the request's output); None when
+    # the batch holds no pooling request.
+    pooling: np.ndarray | None = None
+    pooling_done: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -99,6 +100,7 @@ class InputBatch:
         self._free: list[int] = []
         self.stop_ids: dict[int, np.ndarray] = {}  # slot -> ids banned before min_tokens
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (ids, biases)
+        self.num_pooling = 0  # pooling requests held: none, and a step's inputs skip pooling
         self._grow(capacity)
 
     def _arrays(self) -> tuple[tuple[str, type, tuple[int, ...], int], ...]:
@@ -176,6 +178,7 @@ class InputBatch:
         if slot is None:
             return
         del self.params[req_id], self.prompts[req_id]
+        self.num_pooling -= bool(self.pooling[slot])
         self.stop_ids.pop(slot, None)
         self.logit_bias.pop(slot, None)
         self._free.append(slot)
@@ -215,6 +218,7 @@ class InputBatch:
         self.repetition_penalty[slot] = sp.repetition_penalty
         self.lora_id[slot] = lora_id
         self.pooling[slot] = 0 if req.pooling is None else POOLING_CODES[req.pooling]
+        self.num_pooling += req.pooling is not None
         if sp.logit_bias:
             ids, biases = zip(*sp.logit_bias)
             self.logit_bias[slot] = (np.array(ids, np.int64), np.array(biases, np.float32))
@@ -292,8 +296,12 @@ class InputBatch:
         block_table = self.block_table[slots, : cdiv(max_seq_len, self.block_size)]
 
         prefill_done = real_end >= num_tokens
-        pooling = self.pooling[slots]
-        num_logits = np.where(prefill_done & (pooling == 0), num_spec + 1, 0)
+        pooling = pooling_done = None
+        if self.num_pooling:
+            pooling = self.pooling[slots]
+            pooling_done = prefill_done & (pooling > 0)
+            prefill_done &= pooling == 0  # a pooling request's rows are never sampled
+        num_logits = np.where(prefill_done, num_spec + 1, 0)
         logits_indices = _ranges(query_start_loc[1:] - num_logits, num_logits)
         # Rows at positions whose next token is a prompt token, of requests that ask.
         num_prompt = self.num_prompt_tokens[slots].astype(np.int64)
@@ -326,7 +334,7 @@ class InputBatch:
             prompt_targets=prompt_targets.astype(np.int64),
             num_prompt_logits=num_prompt_logits,
             pooling=pooling,
-            pooling_done=prefill_done & (pooling > 0),
+            pooling_done=pooling_done,
         )
 
     def penalty_tokens(self, inputs: StepInputs, rows: np.ndarray) -> PenaltyTokens:

@@ -403,7 +403,7 @@ class ModelRunner:
         # Graphs replay the base model's logits: a step with adapters or pooling runs eagerly.
         num_reqs = (
             None
-            if self.graphs is None or lora is not None or inputs.pooling.any()
+            if self.graphs is None or lora is not None or inputs.pooling is not None
             else self.graphs.padded_num_reqs(inputs)
         )
         if num_reqs is not None:
@@ -433,7 +433,7 @@ class ModelRunner:
         prepared = self._clock()
         hidden = self.model(input_ids, positions, meta, self.kv_caches, lora)
         prompt = self._prompt_logprobs(hidden, inputs)
-        pooled = self._pool(hidden, inputs) if inputs.pooling.any() else None
+        pooled = None if inputs.pooling is None else self._pool(hidden, inputs)
         if not len(inputs.logits_indices):
             step = LaunchedStep(plan, StepTimings(prepared - start), inputs=inputs)
             step.prompt_ids, step.prompt_logprobs = prompt
@@ -596,6 +596,7 @@ class ModelRunner:
         A chunk at position 0 starts a request afresh (it was preempted, or is new)."""
         done: dict[str, torch.Tensor] = {}
         qsl, positions = inputs.query_start_loc, inputs.positions
+        assert inputs.pooling is not None and inputs.pooling_done is not None
         for i in np.flatnonzero(inputs.pooling).tolist():
             rid, kind = inputs.req_ids[i], int(inputs.pooling[i])
             start, end = int(qsl[i]), int(qsl[i + 1])

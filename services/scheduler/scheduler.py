@@ -673,7 +673,7 @@ class Scheduler:
                 # a new request of the same id, or this one after a preemption.
                 continue
             sampled = sampled_token_ids.get(rid)
-            vector = pooled.get(rid) if request.pooling is not None else None
+            vector = pooled.get(rid) if pooled and request.pooling is not None else None
             all_tokens = request.all_token_ids
             if overlapped:
                 # ``schedule`` advanced the count already; only a token is news.
@@ -696,10 +696,10 @@ class Scheduler:
                 num_tokens = len(all_tokens)
                 if computed < num_tokens:
                     sampled = vector = None  # prefill still partial: no token
-                elif vector is None and request.pooling is not None:
-                    self._recompute(request)  # what it pooled so far is lost with it
-                    continue
                 elif not sampled and vector is None:
+                    if request.pooling is not None:
+                        self._recompute(request)  # what it pooled so far is lost with it
+                        continue
                     logger.warning("request %s completed a step but got no token; recomputing", rid)
                     request.num_computed_tokens = num_tokens - 1
                     continue
