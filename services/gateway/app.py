@@ -32,7 +32,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.chat_output import NO_PARSERS, ChatChunks, ChatOutput, ChatParsers
-from weir.services.gateway.embeddings import EmbeddingRequest, embedding_response
+from weir.services.gateway.embeddings import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    embedding_response,
+    rerank_response,
+    score_response,
+)
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.reasoning import END as REASONING_END
 from weir.services.gateway.responses import (
@@ -69,6 +76,11 @@ _ROUTES = (
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/score",
+    "/rerank",
+    "/v2/rerank",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
     "/tokenize",
@@ -78,7 +90,7 @@ _ROUTES = (
     "/version",
 )
 # Routes outside /v1 that still make the engine work: they need the API key too.
-_ENGINE_ROUTES = frozenset({"/tokenize", "/detokenize"})
+_ENGINE_ROUTES = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"})
 
 
 class APIError(Exception):
@@ -660,20 +672,54 @@ class Gateway:
             prompts = body.inputs()
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param="input") from None
+        options = {
+            "dimensions": body.dimensions,
+            "normalize": body.normalize,
+            "truncate_prompt_tokens": body.truncate_prompt_tokens,
+            "priority": body.priority,
+        }
+        outputs = await self._embed_all(prompts, options, served.lora_name)
+        return JSONResponse(embedding_response(served.name, outputs, body.encoding_format))
+
+    async def score(self, body: ScoreRequest) -> Response:
+        served = await self.check_model(body.model)
+        try:
+            pairs = body.pairs()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", param="text_2") from None
+        embedded = await self._embed_texts([t for pair in pairs for t in pair], body, served)
+        return JSONResponse(score_response(served.name, pairs, embedded))
+
+    async def rerank(self, body: RerankRequest) -> Response:
+        served = await self.check_model(body.model)
+        embedded = await self._embed_texts([body.query, *body.documents], body, served)
+        return JSONResponse(rerank_response(served.name, body, embedded))
+
+    async def _embed_texts(
+        self, texts: list[str], body: ScoreRequest | RerankRequest, served: _Model
+    ) -> dict[str, EmbeddingOutput]:
+        """Each distinct text's embedding."""
+        distinct = list(dict.fromkeys(texts))
+        options = {"truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority}
+        outputs = await self._embed_all(distinct, options, served.lora_name)
+        return dict(zip(distinct, outputs))
+
+    async def _embed_all(
+        self, prompts: Sequence[str | list[int]], options: dict[str, Any], lora_name: str | None
+    ) -> list[EmbeddingOutput]:
         request_id = f"embd-{uuid.uuid4().hex}"
-        outputs = await gather_all(
+        return await gather_all(
             [
-                self._embed(f"{request_id}-{i}", prompt, body, served.lora_name)
+                self._embed(f"{request_id}-{i}", prompt, options, lora_name)
                 for i, prompt in enumerate(prompts)
             ]
         )
-        return JSONResponse(embedding_response(served.name, outputs, body.encoding_format))
 
     async def _embed(
         self,
         request_id: str,
         prompt: str | list[int],
-        body: EmbeddingRequest,
+        options: dict[str, Any],
         lora_name: str | None,
     ) -> EmbeddingOutput:
         """One input's embedding, from the replica the router picks; one that cannot take it
@@ -684,13 +730,7 @@ class Gateway:
                 self.metrics.routed.labels(replica.address).inc()
                 try:
                     return await replica.client.embed(
-                        prompt,
-                        dimensions=body.dimensions,
-                        normalize=body.normalize,
-                        truncate_prompt_tokens=body.truncate_prompt_tokens,
-                        request_id=request_id,
-                        priority=body.priority,
-                        lora_name=lora_name,
+                        prompt, request_id=request_id, lora_name=lora_name, **options
                     )
                 except ServerUnavailableError as exc:
                     self.router.mark_down(replica, str(exc))
@@ -1054,6 +1094,19 @@ def create_app(
     @app.post("/v1/embeddings")
     async def embeddings(request: Request, body: EmbeddingRequest) -> Response:
         return await answer_connected(request, gateway.embeddings(body))
+
+    # vLLM's routes for scores and ranks, with and without a version.
+    for route in ("/score", "/v1/score"):
+
+        @app.post(route)
+        async def score(request: Request, body: ScoreRequest) -> Response:
+            return await answer_connected(request, gateway.score(body))
+
+    for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
+
+        @app.post(route)
+        async def rerank(request: Request, body: RerankRequest) -> Response:
+            return await answer_connected(request, gateway.rerank(body))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraAdapterBody) -> Response:

@@ -1,9 +1,11 @@
-"""``POST /v1/embeddings``: OpenAI's body (and vLLM's extra fields) and its response.
+"""``POST /v1/embeddings``: OpenAI's body (and vLLM's extra fields) and its response; and
+vLLM's ``/score`` and ``/rerank`` on an embedding model.
 
 Each input is one engine request on a server with the pooling runner; the response lists
 their vectors in input order, as JSON floats or, with ``encoding_format: "base64"`` (what
 the official ``openai`` client asks for by default), their float32 little-endian bytes in
-base64.
+base64. A score or a relevance is the cosine similarity of two texts' embeddings (each
+distinct text embedded once), as vLLM scores with an embedding model.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import AfterValidator, Field
 
 from weir.services.gateway.schemas import Options, Prompt, not_zero
@@ -76,4 +79,89 @@ def embedding_response(
             for index, out in enumerate(outputs)
         ],
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
+
+
+class _PairFields(Options):
+    """What vLLM's score and rerank bodies share (an embedding model scores a pair by the
+    cosine similarity of its two embeddings)."""
+
+    model: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(not_zero)] | None = None
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
+
+
+Texts = Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS, fail_fast=True)]
+
+
+class ScoreRequest(_PairFields):
+    """vLLM's ``POST /score``: ``text_1`` against each ``text_2`` (one text against many),
+    or the pairs of two lists of one length."""
+
+    text_1: str | Texts
+    text_2: str | Texts
+
+    def pairs(self) -> list[tuple[str, str]]:
+        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(
+                f"text_1 has {len(first)} texts and text_2 {len(second)}: send one text_1, or "
+                "as many as text_2"
+            )
+        return list(zip(first, second))
+
+
+class RerankRequest(_PairFields):
+    """vLLM's (Jina's, Cohere's) ``POST /rerank``: the ``documents`` ranked by relevance to
+    the ``query``, the ``top_n`` best (0: all)."""
+
+    query: str
+    documents: Texts
+    top_n: Annotated[int, Field(ge=0)] = 0
+
+
+def cosine(a: EmbeddingOutput, b: EmbeddingOutput) -> float:
+    """The cosine similarity of two embeddings (0 when one is all zeros)."""
+    x = np.frombuffer(a.data, dtype="<f4").astype(np.float64)
+    y = np.frombuffer(b.data, dtype="<f4").astype(np.float64)
+    norms = float(np.linalg.norm(x) * np.linalg.norm(y))
+    return float(x @ y / norms) if norms else 0.0
+
+
+def score_response(
+    model: str, pairs: list[tuple[str, str]], embedded: dict[str, EmbeddingOutput]
+) -> dict[str, Any]:
+    num_tokens = sum(len(out.prompt_token_ids) for out in embedded.values())
+    return {
+        "id": f"score-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": [
+            {"index": i, "object": "score", "score": cosine(embedded[a], embedded[b])}
+            for i, (a, b) in enumerate(pairs)
+        ],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
+
+
+def rerank_response(
+    model: str, body: RerankRequest, embedded: dict[str, EmbeddingOutput]
+) -> dict[str, Any]:
+    query = embedded[body.query]
+    scores = [cosine(query, embedded[text]) for text in body.documents]
+    # Best first; sorted is stable, so ties keep the documents' order.
+    ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
+    results = [
+        {"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]}
+        for i in ranked
+    ]
+    return {
+        "id": f"rerank-{uuid.uuid4().hex}",
+        "model": model,
+        "usage": {"total_tokens": sum(len(out.prompt_token_ids) for out in embedded.values())},
+        "results": results[: body.top_n or None],
     }

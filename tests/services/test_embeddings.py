@@ -179,6 +179,47 @@ def test_a_pooling_server_refuses_generation(server):
         assert "serves embeddings only" in reply.json()["error"]["message"]
 
 
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_score_and_rerank_by_the_cosine_of_embeddings(server, hidden_states):
+    """vLLM's /score and /rerank on an embedding model: the cosine similarity of the two
+    texts' embeddings, one text against many or pair by pair; reranked best first."""
+    query = "Where is the Eiffel Tower?"
+    documents = ["The Eiffel Tower is in Paris.", "Bananas are yellow.", SHORT, LONG]
+    vectors = {t: pooled(hidden_states(t)) for t in (query, *documents)}
+    want = [cosine(vectors[query], vectors[d]) for d in documents]
+    for route in ("/score", "/v1/score"):
+        reply = _post(server, route, {"model": MODEL, "text_1": query, "text_2": documents})
+        assert reply.status_code == 200, reply.text
+        data = reply.json()["data"]
+        assert [d["index"] for d in data] == [0, 1, 2, 3]
+        assert np.allclose([d["score"] for d in data], want, atol=TOLERANCE)
+    pairwise = _post(server, "/score", {"text_1": [query, SHORT], "text_2": documents[:2]})
+    expected = [want[0], cosine(vectors[SHORT], vectors[documents[1]])]
+    assert np.allclose([d["score"] for d in pairwise.json()["data"]], expected, atol=TOLERANCE)
+    order = sorted(range(len(documents)), key=lambda i: -want[i])
+    for route in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = {"model": MODEL, "query": query, "documents": documents, "top_n": 3}
+        reply = _post(server, route, body)
+        assert reply.status_code == 200, reply.text
+        results = reply.json()["results"]
+        assert [r["index"] for r in results] == order[:3]
+        assert [r["document"]["text"] for r in results] == [documents[i] for i in order[:3]]
+        assert np.allclose([r["relevance_score"] for r in results], sorted(want)[::-1][:3])
+    everything = _post(server, "/rerank", {"query": query, "documents": documents})
+    assert len(everything.json()["results"]) == len(documents)
+    for route, body, words in (
+        ("/score", {"text_1": [query, SHORT], "text_2": documents}, "send one text_1"),
+        ("/score", {"text_1": query, "text_2": []}, "text_2"),
+        ("/rerank", {"query": query, "documents": []}, "documents"),
+        ("/rerank", {"query": query, "documents": documents, "top_n": -1}, "top_n"),
+    ):
+        reply = _post(server, route, body)
+        assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text
+
+
 def test_an_embedding_in_flight_survives_its_executor_being_killed(server, hidden_states):
     prompts = [f"{i}: {LONG}" for i in range(6)]
     results: dict[int, list[float]] = {}
