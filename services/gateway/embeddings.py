@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import numpy as np
 from pydantic import AfterValidator, Field
 
-from weir.services.gateway.schemas import Options, Prompt, not_zero
+from weir.services.gateway.schemas import Options, Prompt, not_zero, prompt_list
 from weir.shared.client import EmbeddingOutput
 
 # OpenAI's bound on the inputs of one request; each is an engine request.
@@ -44,18 +44,12 @@ class EmbeddingRequest(Options):
 
     def inputs(self) -> list[str | list[int]]:
         """Each input as one prompt; ValueError for an empty list or too many inputs."""
-        given = self.input
-        if isinstance(given, str):
-            return [given]
-        if not given:
-            raise ValueError("input must not be empty")
-        if all(isinstance(t, int) for t in given):
-            return [given]  # type: ignore[list-item]
-        if len(given) > MAX_EMBEDDING_INPUTS:
+        prompts = prompt_list("input", self.input)
+        if len(prompts) > MAX_EMBEDDING_INPUTS:
             raise ValueError(
-                f"input has {len(given)} items; at most {MAX_EMBEDDING_INPUTS} per request"
+                f"input has {len(prompts)} items; at most {MAX_EMBEDDING_INPUTS} per request"
             )
-        return list(given)  # type: ignore[arg-type]
+        return prompts
 
 
 def embedding_response(

@@ -83,6 +83,18 @@ Prompt = Annotated[
 ]
 
 
+def prompt_list(name: str, prompt: Any) -> list[str | list[int]]:
+    """A ``Prompt`` field's prompts: a text or token ids is one, a list of them each;
+    ValueError if there are none."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ValueError(f"{name} must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
 def _string_or_list(items: str) -> Discriminator:
     """Validates a string-or-list union as the branch of the value's JSON type (a smart union
     reports every branch's errors, the string's for a list with one bad item)."""
@@ -393,14 +405,7 @@ class CompletionRequest(_SamplingFields):
         return dataclasses.replace(params, prompt_logprobs=self.logprobs or 0)
 
     def prompts(self) -> list[str | list[int]]:
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        if all(isinstance(p, int) for p in prompt):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+        return prompt_list("prompt", self.prompt)
 
 
 class TextPart(Body):
