@@ -29,6 +29,7 @@ _ST_POOLING_MODES = {
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_cls_token": "CLS",
 }
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 
@@ -174,11 +175,22 @@ def _modules(model_dir: Path) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise ValueError(f"{path}: expected a list of modules")
+    for module in modules:
+        if module.get("type") not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE):
+            raise ValueError(
+                f"{path}: module {module.get('type')!r} changes the embeddings and Weir does "
+                "not implement it (it serves Transformer, Pooling and Normalize)"
+            )
     return modules
 
 
 def _st_pooling_type(directory: Path) -> str:
     config = read_json(directory / "config.json")
+    if config.get("include_prompt", True) is not True:
+        raise ValueError(
+            f"{directory / 'config.json'}: include_prompt false (pooling without the "
+            "instruction's tokens) is not supported"
+        )
     modes = [mode for key, mode in _ST_POOLING_MODES.items() if config.get(key)]
     other = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
     if len(other) != 1 or len(modes) != 1:

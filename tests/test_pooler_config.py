@@ -65,12 +65,24 @@ def test_sentence_transformers_files_set_the_pooler_and_the_flag_overrides_them(
         (None, '{"pooling_type": "MAX"}', "pooling_type must be one of"),
         (None, '{"normalize": "yes"}', "normalize must be true or false"),
         (None, '{"softmax": true}', "unknown key 'softmax'"),
+        ({"pooling_mode_mean_tokens": True, "include_prompt": False}, None, "include_prompt"),
     ],
 )
 def test_a_pooler_weir_cannot_serve_is_refused_by_name(tmp_path, pooling, override, words):
     model = _model(tmp_path / "m", pooling=pooling)
     with pytest.raises(ValueError, match=words):
         read_pooler_config(model, HIDDEN, override)
+
+
+def test_a_module_that_changes_the_embeddings_is_refused(tmp_path):
+    """A Dense projection after the pooling (some sentence-transformers models have one)
+    would be skipped: such a model is refused, not served wrong."""
+    model = _model(tmp_path / "m", pooling={"pooling_mode_mean_tokens": True})
+    modules = json.loads((model / "modules.json").read_text())
+    modules.append({"type": "sentence_transformers.models.Dense", "path": "2_Dense"})
+    (model / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="models.Dense' changes the embeddings"):
+        read_pooler_config(model, HIDDEN)
 
 
 def test_a_choice_of_pooling_type_serves_a_model_whose_own_weir_cannot(tmp_path):
