@@ -154,16 +154,19 @@ class LLM:
         dimensions: int | None = None,
         normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
+        lora_name: str | None = None,
     ) -> list[EmbeddingOutput]:
         """One embedding per prompt (text or token ids), in prompt order, from an ``LLM``
-        with the pooling runner (``runner="pooling"``, or an embedding model); each one's
-        ``embedding`` is a list of floats. If one fails, the call raises its error."""
+        with the pooling runner (``runner="pooling"``, or an embedding model), through the
+        LoRA adapter ``lora_name`` if given; each one's ``embedding`` is a list of floats.
+        If one fails, the call raises its error."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]  # a single prompt
         options = {
             "dimensions": dimensions,
             "normalize": normalize,
             "truncate_prompt_tokens": truncate_prompt_tokens,
+            "lora_name": lora_name,
         }
         client = self._client
         return self._loop.run(gather_all([client.embed(p, **options) for p in prompts]))

@@ -44,9 +44,10 @@ _CHANGES_THE_FORWARD = {
     "velora_config": "VeLoRA",
     "monteclora_config": "MonteCLoRA",
 }
-# PEFT's tensor names: base_model.model.<the base model's module>.lora_A.weight
+# PEFT's tensor names: base_model.model.<the base model's module>.lora_A.weight; the module
+# lacks "model." for an adapter of the bare transformer (an embedding model's).
 _TENSOR = re.compile(
-    r"base_model\.model\.model\.layers\.(\d+)\."
+    r"base_model\.model\.(?:model\.)?layers\.(\d+)\."
     r"(self_attn\.[qkvo]_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)\.lora_([AB])\.weight"
 )
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")

@@ -21,6 +21,7 @@ import numpy as np
 from weir.shared.model_config import read_json
 
 RUNNERS = ("auto", "generate", "pooling")
+MAX_DIMENSIONS = 2**31 - 1
 # LAST: the prompt's last token's state (causal decoders' embedders: Qwen3-Embedding,
 # e5-mistral, gte-Qwen2); MEAN: the average over every prompt token; CLS: the first token's.
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -45,9 +46,11 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (
-            type(self.dimensions) is not int or self.dimensions < 1
+            type(self.dimensions) is not int or not 1 <= self.dimensions <= MAX_DIMENSIONS
         ):
-            raise ValueError(f"dimensions must be a positive int, got {self.dimensions!r}")
+            raise ValueError(
+                f"dimensions must be an int in [1, {MAX_DIMENSIONS}], got {self.dimensions!r:.40}"
+            )
         if self.normalize is not None and type(self.normalize) is not bool:
             raise ValueError(f"normalize must be a bool, got {type(self.normalize).__name__}")
 
@@ -87,7 +90,10 @@ class PoolerConfig:
             )
         if wanted > self.hidden_size or (self.dimensions and wanted not in self.dimensions):
             sizes = self.dimensions or f"1 to {self.hidden_size}"
-            raise ValueError(f"dimensions {wanted}: this model's embeddings can have {sizes}")
+            raise ValueError(
+                f"dimensions {wanted}: this model's embeddings can have {sizes} dimensions (or "
+                f"all {self.hidden_size}, as when dimensions is left out)"
+            )
 
     def finish(self, pooled: bytes, params: PoolingParams) -> bytes:
         """A request's embedding from the executor's pooled float32 vector: cut to its

@@ -17,13 +17,16 @@ def save_random_adapter(
     alpha: float,
     rslora: bool = False,
     std: float = 0.05,
+    bare: bool = False,
 ) -> Path:
     """A PEFT LoRA adapter of ``base_dir``'s model with random A and B (PEFT initializes B
-    to zero, which would change nothing), written by ``save_pretrained``."""
+    to zero, which would change nothing), written by ``save_pretrained``; ``bare``: of the
+    transformer without its LM head (``AutoModel``, as embedding models are adapted)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model_class = AutoModel if bare else AutoModelForCausalLM
+    base = model_class.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0
     )
@@ -37,12 +40,14 @@ def save_random_adapter(
     return out
 
 
-def peft_model(base_dir: Path, adapter_dir: Path | None):
-    """transformers' model of ``base_dir`` with PEFT's adapter on it (None: the base)."""
+def peft_model(base_dir: Path, adapter_dir: Path | None, bare: bool = False):
+    """transformers' model of ``base_dir`` with PEFT's adapter on it (None: the base);
+    ``bare``: the transformer without its LM head."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    model_class = AutoModel if bare else AutoModelForCausalLM
+    base = model_class.from_pretrained(base_dir, dtype=torch.float32).eval()
     return base if adapter_dir is None else PeftModel.from_pretrained(base, adapter_dir).eval()
 
 

@@ -97,7 +97,7 @@ def test_dimensions_only_for_matryoshka_models(tmp_path):
         plain.check(PoolingParams(4))
     free = read_pooler_config(_model(tmp_path / "free", is_matryoshka=True), HIDDEN)
     free.check(PoolingParams(3))
-    with pytest.raises(ValueError, match="can have 1 to 8"):
+    with pytest.raises(ValueError, match="can have 1 to 8 dimensions"):
         free.check(PoolingParams(9))
     listed = _model(tmp_path / "listed", matryoshka_dimensions=[2, 4, 8])
     sizes = read_pooler_config(listed, HIDDEN)

@@ -381,7 +381,8 @@ class ClientFrontend:
             self._requests_ended()  # a drain may be waiting for this one
             return
         try:
-            self._check_fits(len(prompt_ids), msg.sampling_params)
+            if msg.pooling_params is None:  # an embedding generates nothing
+                self._check_fits(len(prompt_ids), msg.sampling_params)
         except ValueError as exc:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
@@ -442,6 +443,11 @@ class ClientFrontend:
             raise AdapterNotFound(
                 f"lora_name {msg.lora_name[:256]!r}: this server has no such LoRA adapter; "
                 f"{served} ({how})"
+            )
+        if (params.truncate_prompt_tokens or 0) > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens {params.truncate_prompt_tokens} is more than "
+                f"max_model_len {self.max_model_len}: ask for at most that many (or -1)"
             )
         self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         self._check_vocabulary("logit_bias", (t for t, _ in params.logit_bias))
@@ -557,10 +563,12 @@ class ClientFrontend:
 
     def _tokenize(self, msg: client_protocol.GenerateRequest) -> list[int]:
         """Token ids of a request's prompt (a chat's rendered with its template arguments),
-        truncated as it asks; ValueError names what is wrong with it."""
+        truncated as it asks; ValueError names what is wrong with it. A prompt leaves room
+        for one output token; an embedding's may fill max_model_len."""
         prompt, keep = msg.prompt, msg.sampling_params.truncate_prompt_tokens
+        longest = self.max_model_len - (msg.pooling_params is None)
         if keep == -1:
-            keep = self.max_model_len - 1  # room for one output token
+            keep = longest
         if isinstance(prompt, str) or isinstance(prompt[0], dict):
             # A text gets the model's special tokens (BOS); a chat's template writes them.
             ids = self._prompt_ids(prompt, msg.chat, add_special_tokens=isinstance(prompt, str))
@@ -569,7 +577,7 @@ class ClientFrontend:
         else:
             start = 0 if keep is None else max(0, len(prompt) - keep)
             ids = prompt[start:]
-            if len(ids) >= self.max_model_len:  # before the scan over every id
+            if len(ids) > longest:  # before the scan over every id
                 raise ValueError(
                     f"prompt is too long: {len(ids)} tokens, but max_model_len is "
                     f"{self.max_model_len}"
@@ -582,7 +590,7 @@ class ClientFrontend:
                 )
         if not ids:
             raise ValueError("prompt must not be empty (it tokenized to no tokens)")
-        if len(ids) >= self.max_model_len:
+        if len(ids) > longest:
             raise ValueError(
                 f"prompt is too long: {len(ids)} tokens, but max_model_len is {self.max_model_len}"
             )

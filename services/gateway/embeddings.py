@@ -20,6 +20,7 @@ from pydantic import AfterValidator, Field
 
 from weir.services.gateway.schemas import Options, Prompt, not_zero, prompt_list
 from weir.shared.client import EmbeddingOutput
+from weir.shared.pooling import MAX_DIMENSIONS
 
 # OpenAI's bound on the inputs of one request; each is an engine request.
 MAX_EMBEDDING_INPUTS = 2048
@@ -36,7 +37,7 @@ class EmbeddingRequest(Options):
     model: str | None = None
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(not_zero)] | None = None
     normalize: bool | None = None

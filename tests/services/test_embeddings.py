@@ -16,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from lora_adapters import peft_model, save_random_adapter
 from serving_helpers import metric, read_metrics, small_server
 
 from weir.services import LLM
@@ -135,6 +136,13 @@ def test_the_sdk_embeds_with_vllm_pooling_parameters(server, hidden_states, toke
         last = client.embed(LONG, truncate_prompt_tokens=7)
         assert last.prompt_token_ids == ids[-7:]
         assert close(last.embedding, pooled(hidden_states(ids[-7:])))
+        # An embedding generates nothing: its prompt may fill max_model_len (512 here).
+        longer = (ids * 8)[:600]
+        full = client.embed(longer[:512])
+        assert close(full.embedding, pooled(hidden_states(longer[:512])))
+        assert client.embed(longer, truncate_prompt_tokens=-1).prompt_token_ids == longer[-512:]
+        with pytest.raises(InvalidRequestError, match="prompt is too long"):
+            client.embed(longer[:513])
         with pytest.raises(InvalidRequestError, match="Matryoshka"):
             client.embed(SHORT, dimensions=64)
         with pytest.raises(InvalidRequestError, match="serves embeddings only"):
@@ -152,6 +160,8 @@ def _post(server, route: str, body: dict) -> httpx.Response:
         ({"input": ""}, 400, "must not be empty"),
         ({"input": SHORT, "encoding_format": "int8"}, 400, "encoding_format"),
         ({"input": SHORT, "dimensions": 0}, 400, "dimensions"),
+        ({"input": SHORT, "dimensions": 2**70}, 400, "dimensions"),
+        ({"input": SHORT, "truncate_prompt_tokens": 513}, 400, "more than max_model_len"),
         ({"input": SHORT, "dimensions": 64}, 400, "not a Matryoshka model"),
         ({"input": [SHORT, 7]}, 400, "input"),
         ({"input": [10**6]}, 400, "outside the vocabulary"),
@@ -326,3 +336,30 @@ def test_a_bare_transformer_checkpoint_is_an_embedding_model(
     with LLM(str(bare), max_model_len=256, device="cpu") as llm:
         [out] = llm.embed(LONG)
     assert close(out.embedding, pooled(hidden_states(LONG)))
+
+
+def test_a_lora_adapter_of_the_bare_transformer_embeds_as_peft_does(default_model_dir, tmp_path):
+    """An embedding model's adapter is trained on the model without its LM head (PEFT then
+    names its tensors without ``model.``); the base model's embeddings stay the base's."""
+    adapter = save_random_adapter(
+        default_model_dir,
+        tmp_path / "bare",
+        seed=3,
+        targets=["q_proj", "down_proj"],
+        rank=4,
+        alpha=8,
+        bare=True,
+    )
+    ids = transformers.AutoTokenizer.from_pretrained(default_model_dir)(LONG).input_ids
+    want = {}
+    for name, path in (("bare", adapter), (None, None)):
+        with torch.no_grad():
+            model = peft_model(default_model_dir, path, bare=True)
+            want[name] = pooled(model(torch.tensor([ids])).last_hidden_state[0].numpy())
+    with LLM(
+        str(default_model_dir), runner="pooling", lora_modules=[f"bare={adapter}"], device="cpu"
+    ) as llm:
+        [adapted] = llm.embed(LONG, lora_name="bare")
+        [base] = llm.embed(LONG)
+    assert close(adapted.embedding, want["bare"]) and close(base.embedding, want[None])
+    assert not close(want["bare"], want[None])
