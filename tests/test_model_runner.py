@@ -32,6 +32,7 @@ class Driver:
         self.computed: dict[str, int] = {}
         self.sent: set[str] = set()  # requests the executor holds
         self.preempted: set[str] = set()
+        self.pooling: dict[str, str | None] = {}
         self.step_id = 0
 
     def add(
@@ -40,9 +41,11 @@ class Driver:
         prompt: list[int],
         params: SamplingParams = GREEDY,
         prefix_of: tuple[str, int] | None = None,
+        pooling: str | None = None,
     ) -> None:
         """prefix_of=(other, n): the first n (block-aligned) tokens hit the prefix cache of `other`."""
         self.prompts[req_id], self.params[req_id], self.outputs[req_id] = prompt, params, []
+        self.pooling[req_id] = pooling
         self.blocks[req_id], self.computed[req_id] = [], 0
         if prefix_of is not None:
             other, n = prefix_of
@@ -85,6 +88,7 @@ class Driver:
                         self.params[req_id],
                         list(self.blocks[req_id]),
                         self.computed[req_id],
+                        pooling=self.pooling[req_id],
                     )
                 )
                 self.sent.add(req_id)
@@ -202,6 +206,57 @@ def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
         d.step({r: None for r in want if len(d.outputs[r]) < NUM_NEW})
     assert {r: d.outputs[r][:NUM_NEW] for r in want} == want
     assert len(runner.batch) == 3
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
+def test_pooling_requests_beside_a_generating_one_pool_transformers_hidden_states(tiny, device):
+    """Each pooling type over chunks, a preemption mid-prompt (MEAN starts again from 0) and
+    a step shared with a request that samples, whose tokens stay transformers'."""
+    path, hf_model = tiny
+    rng = random.Random(5)
+    prompts = {r: [rng.randrange(128) for _ in range(n)] for r, n in (("last", 9), ("mean", 21))}
+    prompts |= {"cls": [rng.randrange(128) for _ in range(14)], "gen": prompts["last"][:6]}
+    runner = ModelRunner(
+        path,
+        device=device,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=200 * 2 * 2 * 4 * 2 * 16 * 4,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        seed=0,
+    )
+    d = Driver(runner)
+    for name, kind in (("last", "LAST"), ("mean", "MEAN"), ("cls", "CLS"), ("gen", None)):
+        d.add(name, prompts[name], pooling=kind)
+    pooled: dict[str, bytes] = {}
+    for work, preempt in (
+        ({"last": 4, "mean": 8, "cls": 5, "gen": None}, ()),
+        ({"last": None, "mean": 8, "cls": None, "gen": None}, ()),
+        ({"mean": 4, "gen": None}, ("mean",)),  # recomputed from its start
+        ({"mean": None, "gen": None}, ()),
+    ):
+        result = d.step(work, preempt=preempt)
+        assert not set(result.sampled_token_ids) & {"last", "mean", "cls"}
+        assert not set(pooled) & set(result.pooled or {})  # each pools once
+        pooled |= result.pooled or {}
+    assert sorted(pooled) == ["cls", "last", "mean"]
+    with torch.no_grad():
+        for name, pick in (("last", -1), ("cls", 0), ("mean", None)):
+            states = hf_model.model(torch.tensor([prompts[name]])).last_hidden_state[0]
+            want = states.mean(0) if pick is None else states[pick]
+            got = torch.frombuffer(bytearray(pooled[name]), dtype=torch.float32)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert d.outputs["gen"] == hf_greedy(hf_model, prompts["gen"], len(d.outputs["gen"]))
 
 
 def test_seeded_sampling_survives_chunking_preemption_and_neighbours(tiny):
