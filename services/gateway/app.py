@@ -678,7 +678,8 @@ class Gateway:
             "truncate_prompt_tokens": body.truncate_prompt_tokens,
             "priority": body.priority,
         }
-        outputs = await self._embed_all(prompts, options, served.lora_name)
+        labels = [f"input[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["input"]
+        outputs = await self._embed_all(prompts, labels, options, served.lora_name)
         return JSONResponse(embedding_response(served.name, outputs, body.encoding_format))
 
     async def score(self, body: ScoreRequest) -> Response:
@@ -687,33 +688,50 @@ class Gateway:
             pairs = body.pairs()
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param="text_2") from None
-        embedded = await self._embed_texts([t for pair in pairs for t in pair], body, served)
+        first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+        second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        texts = [(f"text_1[{i}]", t) for i, t in enumerate(first)]
+        texts += [(f"text_2[{i}]", t) for i, t in enumerate(second)]
+        embedded = await self._embed_texts(texts, body, served)
         return JSONResponse(score_response(served.name, pairs, embedded))
 
     async def rerank(self, body: RerankRequest) -> Response:
         served = await self.check_model(body.model)
-        embedded = await self._embed_texts([body.query, *body.documents], body, served)
+        texts = [("query", body.query)]
+        texts += [(f"documents[{i}]", t) for i, t in enumerate(body.documents)]
+        embedded = await self._embed_texts(texts, body, served)
         return JSONResponse(rerank_response(served.name, body, embedded))
 
     async def _embed_texts(
-        self, texts: list[str], body: ScoreRequest | RerankRequest, served: _Model
+        self, texts: list[tuple[str, str]], body: ScoreRequest | RerankRequest, served: _Model
     ) -> dict[str, EmbeddingOutput]:
-        """Each distinct text's embedding."""
-        distinct = list(dict.fromkeys(texts))
+        """Each distinct text's embedding; ``texts``: (the field it came in, text) pairs."""
+        distinct: dict[str, str] = {}  # text -> the first field that holds it
+        for label, text in texts:
+            distinct.setdefault(text, label)
         options = {"truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority}
-        outputs = await self._embed_all(distinct, options, served.lora_name)
+        outputs = await self._embed_all(
+            list(distinct), list(distinct.values()), options, served.lora_name
+        )
         return dict(zip(distinct, outputs))
 
     async def _embed_all(
-        self, prompts: Sequence[str | list[int]], options: dict[str, Any], lora_name: str | None
+        self,
+        prompts: Sequence[str | list[int]],
+        labels: list[str],
+        options: dict[str, Any],
+        lora_name: str | None,
     ) -> list[EmbeddingOutput]:
+        """Every prompt's embedding; a refusal names the field of the prompt refused."""
         request_id = f"embd-{uuid.uuid4().hex}"
-        return await gather_all(
-            [
-                self._embed(f"{request_id}-{i}", prompt, options, lora_name)
-                for i, prompt in enumerate(prompts)
-            ]
-        )
+
+        async def one(i: int) -> EmbeddingOutput:
+            try:
+                return await self._embed(f"{request_id}-{i}", prompts[i], options, lora_name)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"{labels[i]}: {exc}", exc.code) from None
+
+        return await gather_all([one(i) for i in range(len(prompts))])
 
     async def _embed(
         self,

@@ -119,11 +119,11 @@ class RerankRequest(_PairFields):
 
 
 def cosine(a: EmbeddingOutput, b: EmbeddingOutput) -> float:
-    """The cosine similarity of two embeddings (0 when one is all zeros)."""
+    """The cosine similarity of two embeddings, in [-1, 1] (0 when one is all zeros)."""
     x = np.frombuffer(a.data, dtype="<f4").astype(np.float64)
     y = np.frombuffer(b.data, dtype="<f4").astype(np.float64)
     norms = float(np.linalg.norm(x) * np.linalg.norm(y))
-    return float(x @ y / norms) if norms else 0.0
+    return min(1.0, max(-1.0, float(x @ y / norms))) if norms else 0.0
 
 
 def score_response(

@@ -166,6 +166,7 @@ def _post(server, route: str, body: dict) -> httpx.Response:
         ({"input": [SHORT, 7]}, 400, "input"),
         ({"input": [10**6]}, 400, "outside the vocabulary"),
         ({"input": "word " * 600}, 400, "max_model_len"),
+        ({"input": [SHORT, "word " * 600]}, 400, "input[1]: prompt is too long"),
         ({"input": SHORT, "add_special_tokens": False}, 400, "add_special_tokens"),
         ({"input": SHORT, "temperature": 0}, 400, "temperature"),
         ({"input": ["x"] * 2049}, 400, "at most 2048"),
@@ -225,6 +226,8 @@ def test_score_and_rerank_by_the_cosine_of_embeddings(server, hidden_states):
         ("/score", {"text_1": query, "text_2": []}, "text_2"),
         ("/rerank", {"query": query, "documents": []}, "documents"),
         ("/rerank", {"query": query, "documents": documents, "top_n": -1}, "top_n"),
+        ("/rerank", {"query": query, "documents": [SHORT, "word " * 600]}, "documents[1]: prompt"),
+        ("/score", {"text_1": "word " * 600, "text_2": SHORT}, "text_1[0]: prompt is too long"),
     ):
         reply = _post(server, route, body)
         assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text
