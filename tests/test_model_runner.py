@@ -156,10 +156,11 @@ def tiny(tmp_path_factory):
     return path, hf_model
 
 
-def make_runner(path) -> ModelRunner:
+def make_runner(path, device: str = "cpu", dtype: str | None = None) -> ModelRunner:
     return ModelRunner(
         path,
-        device="cpu",
+        device=device,
+        dtype=dtype,
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=200 * 2 * 2 * 4 * 2 * 16 * 4,
         max_num_batched_tokens=64,
@@ -225,17 +226,7 @@ def test_pooling_requests_beside_a_generating_one_pool_transformers_hidden_state
     rng = random.Random(5)
     prompts = {r: [rng.randrange(128) for _ in range(n)] for r, n in (("last", 9), ("mean", 21))}
     prompts |= {"cls": [rng.randrange(128) for _ in range(14)], "gen": prompts["last"][:6]}
-    runner = ModelRunner(
-        path,
-        device=device,
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        kv_cache_memory_bytes=200 * 2 * 2 * 4 * 2 * 16 * 4,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-        seed=0,
-    )
-    d = Driver(runner)
+    d = Driver(make_runner(path, device, "float32"))
     for name, kind in (("last", "LAST"), ("mean", "MEAN"), ("cls", "CLS"), ("gen", None)):
         d.add(name, prompts[name], pooling=kind)
     pooled: dict[str, bytes] = {}

@@ -688,8 +688,7 @@ class Gateway:
             pairs = body.pairs()
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param="text_2") from None
-        first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
-        second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        first, second = body.sides()
         texts = [(f"text_1[{i}]", t) for i, t in enumerate(first)]
         texts += [(f"text_2[{i}]", t) for i, t in enumerate(second)]
         embedded = await self._embed_texts(texts, body, served)

@@ -96,9 +96,14 @@ class ScoreRequest(_PairFields):
     text_1: str | Texts
     text_2: str | Texts
 
-    def pairs(self) -> list[tuple[str, str]]:
+    def sides(self) -> tuple[list[str], list[str]]:
+        """``text_1`` and ``text_2``, each as a list."""
         first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
         second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        return first, second
+
+    def pairs(self) -> list[tuple[str, str]]:
+        first, second = self.sides()
         if len(first) == 1:
             first = first * len(second)
         if len(first) != len(second):
