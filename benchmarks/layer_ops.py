@@ -47,7 +47,7 @@ def operations(
     """Per operation: the PyTorch operators, the kernel, and the largest difference between
     their results, on random bf16 activations of ``num_tokens`` tokens."""
     from weir.kernels.triton_layers import TritonLayerKernels
-    from weir.services.executor.model import RMSNorm, apply_rope, silu_and_mul
+    from weir.services.executor.layers import RMSNorm, apply_rope, silu_and_mul
 
     kernels = TritonLayerKernels()
     num_q, num_kv = args.heads

@@ -83,7 +83,7 @@ SILU_BLOCK = 2048
 
 
 class TritonLayerKernels:
-    """RMSNorm, RoPE and SiLU-and-multiply of `weir.services.executor.model`, one launch
+    """RMSNorm, RoPE and SiLU-and-multiply of `weir.services.executor.layers`, one launch
     each. Tensors are on one device; the last dimension of every activation is contiguous,
     rows (and RoPE's heads) may be strided."""
 

@@ -190,6 +190,12 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
                     f"{weights}: tensor {key!r} is past the model's {model.num_layers} layers: "
                     "the adapter was trained for another model"
                 )
+            if module.startswith("mlp.") and model.is_moe_layer(layer):
+                raise ValueError(
+                    f"{weights}: tensor {key!r} adapts the MLP of layer {layer}, a mixture of "
+                    "experts, which Weir does not adapt: train the adapter on the attention "
+                    "projections only"
+                )
             rows, columns = model.layer_tensor_shape(module)
             shape = (config.rank, columns) if matrix == "A" else (rows, config.rank)
             if tuple(f.get_slice(key).get_shape()) != shape:

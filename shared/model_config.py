@@ -16,12 +16,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 # transformers' defaults, per model type, for keys a config.json may leave out.
+_QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_topk_prob": False}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "mixtral": {
+        "max_position_embeddings": 131072,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "rms_norm_eps": 1e-5,
+    },
+    "qwen2_moe": {
+        **_QWEN_MOE,
+        "num_local_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+    },
+    "qwen3_moe": {
+        **_QWEN_MOE,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+    },
 }
 
 
@@ -50,6 +70,16 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts 0 for a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the chosen experts' weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, 0 for none
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index in self.moe_layers
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -69,7 +99,9 @@ class ModelConfig:
                 f"config.json: unsupported hidden_act {hf['hidden_act']!r}; only silu is "
                 "implemented"
             )
-        if hf.get("use_sliding_window"):
+        if hf.get("use_sliding_window") or (
+            model_type == "mixtral" and hf.get("sliding_window") is not None
+        ):
             raise ValueError("config.json: sliding-window attention is not supported")
         # transformers < 5 writes rope_theta + rope_scaling; >= 5 rope_parameters. Where a
         # file has both, transformers lets the legacy rope_scaling win.
@@ -88,12 +120,14 @@ class ModelConfig:
             )
         max_pos = _count(hf, "max_position_embeddings")
         attention_bias = _flag(hf, "attention_bias")
+        qwen2 = model_type in ("qwen2", "qwen2_moe")
+        num_layers = _count(hf, "num_hidden_layers")
         return cls(
             model_type=model_type,
             vocab_size=_count(hf, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_count(hf, "intermediate_size"),
-            num_layers=_count(hf, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=_count(hf, "head_dim", hidden // num_heads),
@@ -105,22 +139,36 @@ class ModelConfig:
             rope_high_freq_factor=_positive(rope, "high_freq_factor", 4.0),
             rope_original_max_position=_count(rope, "original_max_position_embeddings", max_pos),
             max_position_embeddings=max_pos,
-            # Qwen2 always has q/k/v biases and never an o_proj bias.
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_bias=attention_bias and model_type != "qwen2",
+            # Qwen2 has q/k/v biases (Qwen2-MoE unless its qkv_bias says not) and never an
+            # o_proj bias.
+            qkv_bias=attention_bias
+            or model_type == "qwen2"
+            or (model_type == "qwen2_moe" and _flag(hf, "qkv_bias", True)),
+            o_bias=attention_bias and not qwen2,
             # Only Llama's config has mlp_bias (transformers ignores the key elsewhere).
             mlp_bias=model_type == "llama" and _flag(hf, "mlp_bias"),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
+            **_experts(model_type, hf, num_layers),
         )
 
     def layer_tensor_shape(self, module: str) -> tuple[int, int]:
         """(rows, columns) of decoder-layer weight ``module`` (its Hugging Face name, e.g.
-        ``self_attn.q_proj``), whole, not a tensor-parallel shard; columns 0 for a vector.
-        KeyError for a module these models do not have."""
+        ``self_attn.q_proj``; an expert's without its number, ``mlp.experts.gate_proj``), whole,
+        not a tensor-parallel shard; columns 0 for a vector. KeyError for a module these
+        models do not have."""
         h, d, inter = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
+        expert, shared = self.moe_intermediate_size, self.shared_expert_intermediate_size
         return {
+            "mlp.gate": (self.num_experts, h),
+            "mlp.experts.gate_proj": (expert, h),
+            "mlp.experts.up_proj": (expert, h),
+            "mlp.experts.down_proj": (h, expert),
+            "mlp.shared_expert.gate_proj": (shared, h),
+            "mlp.shared_expert.up_proj": (shared, h),
+            "mlp.shared_expert.down_proj": (h, shared),
+            "mlp.shared_expert_gate": (1, h),
             "self_attn.q_proj": (q, h),
             "self_attn.k_proj": (kv, h),
             "self_attn.v_proj": (kv, h),
@@ -133,6 +181,41 @@ class ModelConfig:
             "input_layernorm": (h, 0),
             "post_attention_layernorm": (h, 0),
         }[module]
+
+
+def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a MoE model type, as transformers reads them: Mixtral's
+    experts are the size of intermediate_size in every layer, always renormalized; Qwen's
+    are moe_intermediate_size in every decoder_sparse_step-th layer not in mlp_only_layers."""
+    if model_type == "mixtral":
+        experts, inter = _count(hf, "num_local_experts"), _count(hf, "intermediate_size")
+        layers, norm, shared = list(range(num_layers)), True, 0
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        # transformers >= 5 writes num_local_experts where Qwen's own files say num_experts.
+        experts = _count(hf, "num_experts", hf.get("num_local_experts"))
+        inter = _count(hf, "moe_intermediate_size")
+        step = _count(hf, "decoder_sparse_step")
+        dense = hf.get("mlp_only_layers", [])
+        if not isinstance(dense, list) or not all(type(i) is int for i in dense):
+            raise ValueError(f"config.json: mlp_only_layers must be layer numbers, got {dense!r}")
+        layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+        norm = _flag(hf, "norm_topk_prob")
+        shared = _count(hf, "shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+    else:
+        return {}
+    top_k = _count(hf, "num_experts_per_tok")
+    if top_k > experts:
+        raise ValueError(
+            f"config.json: num_experts_per_tok {top_k} is more than the {experts} experts"
+        )
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": inter,
+        "norm_topk_prob": norm,
+        "shared_expert_intermediate_size": shared,
+        "moe_layers": tuple(layers),
+    }
 
 
 def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
@@ -229,8 +312,8 @@ def _positive(hf: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _flag(hf: dict[str, Any], key: str) -> bool:
-    value = hf.get(key, False)
+def _flag(hf: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = hf.get(key, default)
     if not isinstance(value, bool):
         raise ValueError(f"config.json: {key} must be true or false, got {value!r}")
     return value

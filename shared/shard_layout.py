@@ -20,6 +20,8 @@ class ShardLayout:
     q_head_start: int  # first query head (checkpoint numbering)
     kv_head_start: int  # first KV head
     intermediate_size: int  # MLP columns on this rank
+    moe_intermediate_size: int  # each expert's MLP columns on this rank (0: no experts)
+    shared_expert_intermediate_size: int  # the shared expert's columns on this rank
     vocab_start: int  # first vocabulary row
     vocab_per_rank: int  # rows per rank (the last rank's rows past vocab_size are zero)
 
@@ -40,10 +42,15 @@ class ShardLayout:
                 f"tensor_parallel_size {n} does not fit the model's {kv} KV heads "
                 "(it must divide them or be a multiple of them)"
             )
-        if inter % n:
-            raise ValueError(
-                f"tensor_parallel_size {n} does not divide the model's {inter} MLP columns"
-            )
+        for columns, what in (
+            (inter, "MLP columns"),
+            (cfg.moe_intermediate_size, "columns of each expert's MLP"),
+            (cfg.shared_expert_intermediate_size, "columns of the shared expert's MLP"),
+        ):
+            if columns % n:
+                raise ValueError(
+                    f"tensor_parallel_size {n} does not divide the model's {columns} {what}"
+                )
         local_kv = max(kv // n, 1)
         vocab_per_rank = -(-cfg.vocab_size // n)
         return cls(
@@ -54,6 +61,8 @@ class ShardLayout:
             q_head_start=rank * (heads // n),
             kv_head_start=rank * kv // n if kv < n else rank * local_kv,
             intermediate_size=inter // n,
+            moe_intermediate_size=cfg.moe_intermediate_size // n,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n,
             vocab_start=rank * vocab_per_rank,
             vocab_per_rank=vocab_per_rank,
         )

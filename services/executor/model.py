@@ -9,13 +9,15 @@ sums the row-parallel partial products through `TensorParallel` (see `parallel.p
 """
 
 import math
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
+from weir.services.executor.layers import LayerKernels, Linear, RMSNorm, apply_rope, silu_and_mul
+from weir.services.executor.moe import SparseMoe
 from weir.services.executor.parallel import TensorParallel
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
@@ -25,31 +27,6 @@ if TYPE_CHECKING:  # lora.py builds on this module
 
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
-
-
-class LayerKernels(Protocol):
-    """A layer's elementwise work in one kernel each: the native CPU kernels
-    (`weir.kernels.cpu_native.CpuKernels`) or the Triton ones on a GPU
-    (`weir.kernels.triton_layers.TritonLayerKernels`). Without them, PyTorch operators."""
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
-
-    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
-
-    def silu_mul_(self, gate_up: torch.Tensor) -> torch.Tensor: ...
-
-
-def layer_kernels_for(attention: AttentionBackend, device: torch.device) -> LayerKernels | None:
-    """The native CPU kernels where the attention backend loaded them, the Triton ones on
-    CUDA, else None."""
-    if attention.kernels is not None:
-        return attention.kernels
-    if device.type == "cuda":
-        # Imported only here: importing triton is slow and needs a GPU or the interpreter.
-        from weir.kernels.triton_layers import TritonLayerKernels
-
-        return TritonLayerKernels()
-    return None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -73,88 +50,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
     return inv_freq
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (the HF Llama convention). x: [T, heads, D]; cos, sin: [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out1, out2 = out.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=out1).sub_(x2 * sin)
-    torch.mul(x2, cos, out=out2).add_(x1 * sin)
-    return out
-
-
-class RMSNorm(nn.Module):
-    def __init__(
-        self,
-        size: int,
-        eps: float,
-        device: torch.device,
-        dtype: torch.dtype,
-        kernels: LayerKernels | None = None,
-    ) -> None:
-        super().__init__()
-        self.eps = eps
-        self.kernels = kernels
-        self.weight = nn.Parameter(
-            torch.empty(size, device=device, dtype=dtype), requires_grad=False
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.rms_norm(x, self.weight, self.eps)
-        if x.dtype == torch.float32:  # one fused op; the same result as the two below
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalize in fp32 and scale in the model dtype, like HF, so bf16 outputs match.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-class Linear(nn.Module):
-    """nn.Linear without the random init: every weight is loaded from the checkpoint.
-    ``kernels`` serve ``silu_mul`` (a gated MLP's gate/up projection)."""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        device: torch.device,
-        dtype: torch.dtype,
-        kernels: LayerKernels | None = None,
-    ):
-        super().__init__()
-        self.kernels = kernels
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, device=device, dtype=dtype), requires_grad=False
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False)
-            if bias
-            else None
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x), with the addition done by the matmul itself."""
-        out = torch.addmm(residual, x, self.weight.t())
-        return out if self.bias is None else out.add_(self.bias)
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, this being a gated MLP's fused gate/up projection."""
-        return silu_and_mul(self(x), self.kernels)
-
-
-def silu_and_mul(gate_up: torch.Tensor, kernels: LayerKernels | None) -> torch.Tensor:
-    """silu(gate) * up for gate_up [T, 2 * I], in place in its gate half: no new [T, I]
-    tensor."""
-    if kernels is not None:
-        return kernels.silu_mul_(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate, inplace=True).mul_(up)
 
 
 class DecoderLayer(nn.Module):
@@ -187,8 +82,15 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
         self.post_attention_layernorm = RMSNorm(h, eps, device, dtype, kernels)
-        self.gate_up_proj = Linear(h, 2 * inter, cfg.mlp_bias, device, dtype, kernels)
-        self.down_proj = Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype)
+        # A layer's MLP is either the experts or one gated MLP.
+        self.moe = (
+            SparseMoe(cfg, layout, kernels, device, dtype) if cfg.is_moe_layer(index) else None
+        )
+        dense = self.moe is None
+        self.gate_up_proj = (
+            Linear(h, 2 * inter, cfg.mlp_bias, device, dtype, kernels) if dense else None
+        )
+        self.down_proj = Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype) if dense else None
 
     def _add_row_parallel(
         self,
@@ -236,6 +138,12 @@ class DecoderLayer(nn.Module):
         attn = self.attention.attend(q, kv_cache, meta, self.scale)
         x = self._add_row_parallel("o_proj", x, attn.reshape(num_tokens, self.q_size), lora)
         normed = self.post_attention_layernorm(x)
+        if self.moe is not None:  # an adapter never touches the experts (shared/lora.py)
+            out = self.moe(normed)
+            if self.tp is None or self.tp.rank == 0:
+                out += x
+            return out if self.tp is None else self.tp.all_reduce(out)
+        assert self.gate_up_proj is not None
         if lora is None:
             act = self.gate_up_proj.silu_mul(normed)
         else:  # the update joins gate/up before the activation

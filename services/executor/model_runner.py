@@ -168,7 +168,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         # Before joining the group: a model that cannot be split fails every rank at once.
-        ShardLayout.of(read_model_config(self.model_dir), rank, tensor_parallel_size)
+        model_config = read_model_config(self.model_dir)
+        ShardLayout.of(model_config, rank, tensor_parallel_size)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             why = "no GPU is visible" if torch.version.cuda else "this torch has no CUDA"
@@ -192,13 +193,15 @@ class ModelRunner:
         # A pooling runner only prefills (graphs replay decodes) and needs no LM head.
         self.pooling_runner = resolve_runner(runner, self.model_dir) == "pooling"
         # Graphs replay fixed launches: the attention backend must plan nothing on the host,
-        # and collectives stay out of them (tensor parallelism runs eagerly).
+        # and collectives stay out of them (tensor parallelism runs eagerly). The experts'
+        # grouped matmul has not yet been captured on a GPU: a MoE model runs eagerly.
         self.use_cuda_graphs = (
             not enforce_eager
             and not self.pooling_runner
             and self.device.type == "cuda"
             and self.tp is None
             and self.attention.name == "triton"
+            and not model_config.num_experts
         )
         self.graph_query_lens = (1, 1 + num_speculative_tokens)
         self.model = load_model(

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from weir.kernels.cpu_native import PANEL, CpuKernels
-from weir.services.executor.model import PROJECTIONS, CausalLM, Linear, silu_and_mul
+from weir.services.executor.layers import Linear, silu_and_mul
+from weir.services.executor.model import PROJECTIONS, CausalLM
 
 
 def can_pack(device: torch.device, dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
@@ -84,8 +85,9 @@ def pack_model(model: CausalLM) -> None:
     kernels = model.attention.kernels
     for layer in model.layers:
         for name in PROJECTIONS:
-            linear: Linear = getattr(layer, name)
-            setattr(layer, name, PackedLinear(linear.weight, linear.bias, kernels))
+            linear: Linear | None = getattr(layer, name)
+            if linear is not None:  # an MoE layer has no dense MLP; its experts stay stacked
+                setattr(layer, name, PackedLinear(linear.weight, linear.bias, kernels))
     if model.lm_head is None:
         model.packed_lm_head = PackedLinear(model.embed_tokens, kernels=kernels)
     else:

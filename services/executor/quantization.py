@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from weir.kernels.cpu_native import CpuKernels
-from weir.services.executor.model import PROJECTIONS, CausalLM, Linear, silu_and_mul
+from weir.services.executor.layers import Linear, silu_and_mul
+from weir.services.executor.model import PROJECTIONS, CausalLM
 from weir.shared.config import QUANTIZATION_METHODS
 
 PACKED_MAX_ROWS = 8  # measured crossover: the packed kernel wins at 8 rows, loses at 16

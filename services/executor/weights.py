@@ -15,7 +15,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
-from weir.services.executor.model import CausalLM, layer_kernels_for
+from weir.services.executor.layers import layer_kernels_for
+from weir.services.executor.model import CausalLM
+from weir.services.executor.moe import check_moe
 from weir.services.executor.packed_weights import can_pack, pack_model
 from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.quantization import quantize_model
@@ -23,6 +25,11 @@ from weir.shared.model_config import ModelConfig, read_model_config
 from weir.shared.shard_layout import ShardLayout
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# An expert's tensor: Qwen's mlp.experts.E.{gate,up,down}_proj, Mixtral's
+# block_sparse_moe.experts.E.{w1,w3,w2}.
+_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MOE_MODULES = ("mlp.experts.", "mlp.shared_expert")  # and the router, mlp.gate
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")
 _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 # HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills;
@@ -39,6 +46,14 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "mlp.down_proj": ("down_proj", "down_in"),
     "input_layernorm": ("input_layernorm", "all"),
     "post_attention_layernorm": ("post_attention_layernorm", "all"),
+    "mlp.gate": ("moe.gate", "all"),
+    "mlp.experts.gate_proj": ("moe.experts_gate_up", "expert_gate"),
+    "mlp.experts.up_proj": ("moe.experts_gate_up", "expert_up"),
+    "mlp.experts.down_proj": ("moe.experts_down", "expert_down_in"),
+    "mlp.shared_expert.gate_proj": ("moe.shared_gate_up", "shared_gate"),
+    "mlp.shared_expert.up_proj": ("moe.shared_gate_up", "shared_up"),
+    "mlp.shared_expert.down_proj": ("moe.shared_down", "shared_down_in"),
+    "mlp.shared_expert_gate": ("moe.shared_expert_gate", "all"),
 }
 
 
@@ -108,8 +123,15 @@ def layer_part(
     cfg: ModelConfig, layout: ShardLayout, part: str, kind: str
 ) -> tuple[slice, tuple[slice, ...]] | None:
     """(rows of the fused parameter, index into the checkpoint tensor) of one part; None
-    for a row-parallel bias on a rank other than 0 (rank 0 adds it)."""
-    d, inter = cfg.head_dim, layout.intermediate_size
+    for a row-parallel bias on a rank other than 0 (rank 0 adds it). An ``expert_`` or
+    ``shared_`` part splits that MLP's columns."""
+    mlp, _, part = part.partition("_") if part.startswith(("expert_", "shared_")) else ("", "", part)
+    d = cfg.head_dim
+    inter = {
+        "": layout.intermediate_size,
+        "expert": layout.moe_intermediate_size,
+        "shared": layout.shared_expert_intermediate_size,
+    }[mlp]
     q, kv = layout.num_heads * d, layout.num_kv_heads * d
     q_src, kv_src = _span(layout.q_head_start * d, q), _span(layout.kv_head_start * d, kv)
     inter_src = _span(layout.rank * inter, inter)
@@ -136,11 +158,24 @@ def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         return (cfg.hidden_size,)
     m = _LAYER_RE.fullmatch(name)
     assert m is not None  # _target refused any other name
-    rows, columns = cfg.layer_tensor_shape(m.group(2))
+    rows, columns = cfg.layer_tensor_shape(_module(m.group(2))[0])
     return (rows,) if m.group(3) == "bias" or not columns else (rows, columns)
 
 
-def _target(model: CausalLM, name: str) -> tuple[str, slice, tuple[slice, ...]] | None:
+def _module(name: str) -> tuple[str, int | None]:
+    """A decoder layer's sub-module name as `LAYER_PARTS` knows it, and the expert's number
+    for an expert's tensor (Mixtral's names read as Qwen's)."""
+    if name == "block_sparse_moe.gate":
+        return "mlp.gate", None
+    m = _EXPERT_RE.fullmatch(name)
+    if m is None:
+        return name, None
+    return f"mlp.experts.{_MIXTRAL_NAMES.get(m.group(2), m.group(2))}", int(m.group(1))
+
+
+def _target(
+    model: CausalLM, name: str
+) -> tuple[str, slice | tuple[int, slice], tuple[slice, ...]] | None:
     """Weir parameter name, its row range, and the index of this rank's share of the
     checkpoint tensor, for an HF tensor name; None for tensors to skip."""
     cfg, layout = model.config, model.layout
@@ -158,18 +193,34 @@ def _target(model: CausalLM, name: str) -> tuple[str, slice, tuple[slice, ...]] 
     if name.endswith("rotary_emb.inv_freq"):
         return None
     m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in LAYER_PARTS:
+    module, expert = _module(m.group(2)) if m is not None else ("", None)
+    if m is None or module not in LAYER_PARTS:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-    if int(m.group(1)) >= cfg.num_layers:
+    layer = int(m.group(1))
+    if layer >= cfg.num_layers:
         raise ValueError(
             f"checkpoint tensor {name!r} is past config.json's num_hidden_layers "
             f"{cfg.num_layers}: the config does not describe these weights"
         )
-    module, part = LAYER_PARTS[m.group(2)]
+    of_experts = module == "mlp.gate" or module.startswith(_MOE_MODULES)
+    if module.startswith("mlp.") and cfg.is_moe_layer(layer) != of_experts:
+        kind = "a mixture of experts" if cfg.is_moe_layer(layer) else "one MLP"
+        raise ValueError(
+            f"checkpoint tensor {name!r}: layer {layer} has {kind} by config.json: the config "
+            "does not describe these weights"
+        )
+    if expert is not None and expert >= cfg.num_experts:
+        raise ValueError(
+            f"checkpoint tensor {name!r} is past config.json's {cfg.num_experts} experts"
+        )
+    weir_module, part = LAYER_PARTS[module]
     target = layer_part(cfg, layout, part, m.group(3))
     if target is None:
         return None
-    return (f"layers.{m.group(1)}.{module}.{m.group(3)}", *target)
+    if expert is not None:  # one expert's rows of the stacked experts' parameter
+        rows, index = target
+        return f"layers.{layer}.{weir_module}", (expert, rows), index
+    return (f"layers.{layer}.{weir_module}.{m.group(3)}", *target)
 
 
 @torch.no_grad()
@@ -248,6 +299,7 @@ def load_model(
     rank's shard; with ``quantization``, its weights then quantized (see `quantization`)."""
     cfg = read_model_config(model_dir)
     dtype = dtype or default_dtype(device)
+    check_moe(cfg, torch.device(device), dtype, quantization)
     if attention is None:
         attention = get_attention_backend(None, device, dtype)
     model = CausalLM(

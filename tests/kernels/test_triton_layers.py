@@ -12,7 +12,8 @@ import torch
 
 from weir.kernels.triton_layers import TritonLayerKernels
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
-from weir.services.executor.model import CausalLM, RMSNorm, apply_rope, silu_and_mul
+from weir.services.executor.layers import RMSNorm, apply_rope, silu_and_mul
+from weir.services.executor.model import CausalLM
 from weir.services.executor.weights import init_dummy_weights
 from weir.shared.model_config import ModelConfig
 

@@ -1,0 +1,101 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) on a flat token batch.
+
+A router picks each token's top-k experts. The T x k (token, expert) pairs are sorted by
+expert, so each expert's rows are consecutive, and two grouped matmuls
+(`torch._grouped_mm`: one call for all experts, their row offsets on the device) run every
+expert's gate/up and down projections over just its rows. Nothing is read back to the host
+and every shape is T x k whatever the routing, so a step keeps its one wait. Under tensor
+parallelism each rank holds its share of every expert's columns, as the dense MLP is split,
+and the router whole: every rank routes a token alike, and the partial sums are reduced
+with the layer's one all-reduce.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weir.services.executor.layers import LayerKernels, Linear, silu_and_mul
+from weir.shared.model_config import ModelConfig
+from weir.shared.shard_layout import ShardLayout
+
+
+def check_moe(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> None:
+    """ValueError for what the experts cannot run with: a dtype the grouped matmul has no
+    CUDA kernel for (it takes bfloat16 there), or quantized weights."""
+    if not cfg.num_experts:
+        return
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"a mixture-of-experts model runs on CUDA in bfloat16 only, not {name}: start it "
+            "with --dtype bfloat16 or leave --dtype unset"
+        )
+    if quantization is not None:
+        raise ValueError(
+            f"--quantization {quantization} does not quantize a mixture of experts' weights: "
+            "serve this model without it"
+        )
+
+
+class SparseMoe(nn.Module):
+    """One layer's experts, their router and (Qwen2-MoE) the shared expert. The experts'
+    gate/up and down weights are stacked: [experts, 2 x columns, hidden] and
+    [experts, hidden, columns]."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layout: ShardLayout,
+        kernels: LayerKernels | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        h, experts, columns = cfg.hidden_size, cfg.num_experts, layout.moe_intermediate_size
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.kernels = kernels
+        self.gate = Linear(h, experts, False, device, dtype)
+        self.experts_gate_up = nn.Parameter(
+            torch.empty(experts, 2 * columns, h, device=device, dtype=dtype), requires_grad=False
+        )
+        self.experts_down = nn.Parameter(
+            torch.empty(experts, h, columns, device=device, dtype=dtype), requires_grad=False
+        )
+        # searchsorted against these gives the end of each expert's rows in the sorted pairs
+        self.register_buffer(
+            "expert_ends", torch.arange(1, experts + 1, device=device), persistent=False
+        )
+        shared = layout.shared_expert_intermediate_size
+        self.shared_gate_up = Linear(h, 2 * shared, False, device, dtype, kernels) if shared else None
+        self.shared_down = Linear(shared, h, False, device, dtype) if shared else None
+        self.shared_expert_gate = Linear(h, 1, False, device, dtype) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for each row of x [T, hidden] (this rank's partial sum
+        under tensor parallelism). Routing as transformers': softmax in float32 over all
+        experts, the top k, renormalized where the model says so."""
+        num_tokens = x.shape[0]
+        probs = self.gate(x).softmax(dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        sorted_experts, order = experts.flatten().sort(stable=True)
+        offsets = torch.searchsorted(sorted_experts, self.expert_ends).to(torch.int32)
+        rows = x[order // self.top_k]
+        gate_up = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=offsets)
+        out = torch._grouped_mm(
+            silu_and_mul(gate_up, self.kernels), self.experts_down.transpose(1, 2), offs=offsets
+        )
+        out.mul_(weights.flatten()[order].to(x.dtype).unsqueeze(1))
+        # Back to (token, choice) order by a permutation, then the k choices summed: no
+        # scattered adds, so the sum is the same on every run.
+        mixed = torch.empty_like(out).index_copy_(0, order, out)
+        mixed = mixed.view(num_tokens, self.top_k, -1).sum(dim=1)
+        if self.shared_gate_up is not None:
+            assert self.shared_down is not None and self.shared_expert_gate is not None
+            shared = self.shared_down(self.shared_gate_up.silu_mul(x))
+            mixed += torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return mixed
