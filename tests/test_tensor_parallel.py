@@ -1,7 +1,6 @@
 """Tensor parallelism on the CPU (gloo): sharded ranks decode exactly what one process does,
 their shards are the checkpoint cut Megatron-style, and each layer costs two all-reduces."""
 
-import multiprocessing
 import random
 
 import pytest
@@ -18,9 +17,6 @@ from weir.services.executor.parallel import TensorParallel  # noqa: E402
 from weir.services.executor.weights import iter_safetensors, load_model  # noqa: E402
 from weir.shared.model_config import ModelConfig  # noqa: E402
 from weir.shared.shard_layout import ShardLayout  # noqa: E402
-
-RANK_TIMEOUT_S = 300
-
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
@@ -49,35 +45,12 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-def _run_group(work: tp_workload.Workload, world_size: int) -> list[tp_workload.RankReport]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = tp_workload.free_port()
-    procs = [
-        ctx.Process(target=tp_workload.run_rank, args=(work, world_size, rank, port, results))
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        reports = sorted((results.get(timeout=RANK_TIMEOUT_S) for _ in procs), key=lambda r: r.rank)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    for report in reports:
-        assert report.error is None, f"rank {report.rank}: {report.error}"
-    assert [p.exitcode for p in procs] == [0] * world_size
-    return reports
-
-
 def _check_group_matches_one_process(work: tp_workload.Workload, world_size: int) -> None:
     want = tp_workload.run(work)
     assert want.chunked and want.preempted, "the workload must chunk prefills and preempt"
     if work.num_speculative_tokens:
         assert want.draft_tokens > 0, "the workload must verify drafts"
-    reports = _run_group(work, world_size)
+    reports = tp_workload.run_group(work, world_size)
     assert reports[0].outputs == want.outputs
     for report in reports:
         # Every rank ran the same steps and got rank 0's tokens.
@@ -145,7 +118,7 @@ def test_lora_adapters_decode_as_peft_does_in_one_process_and_at_tp2(tiny_dir, t
     one = tp_workload.run(work)
     assert one.chunked and one.preempted
     assert one.outputs == want
-    for report in _run_group(work, world_size=2):
+    for report in tp_workload.run_group(work, world_size=2):
         assert report.outputs == want
 
 

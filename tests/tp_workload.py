@@ -6,6 +6,7 @@ see the same requests and, through rank 0's broadcast, the same sampled tokens, 
 rank plans and executes the same steps in lockstep: the collectives line up.
 """
 
+import multiprocessing
 import os
 import socket
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from weir.shared.lora import LoraModule
 from weir.shared.sampling import SamplingParams
 
 BLOCK_SIZE = 4
+RANK_TIMEOUT_S = 300
 BUDGET = 16  # max_num_batched_tokens: long prompts are chunked
 
 
@@ -133,3 +135,28 @@ def run_rank(work: Workload, world_size: int, rank: int, port: int, results) -> 
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_group(work: Workload, world_size: int) -> list[RankReport]:
+    """``work`` run by every rank of a group of ``world_size`` processes (spawned): their
+    reports, each checked for errors and a clean exit."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=run_rank, args=(work, world_size, rank, port, results))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        reports = sorted((results.get(timeout=RANK_TIMEOUT_S) for _ in procs), key=lambda r: r.rank)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for report in reports:
+        assert report.error is None, f"rank {report.rank}: {report.error}"
+    assert [p.exitcode for p in procs] == [0] * world_size
+    return reports

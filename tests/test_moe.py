@@ -1,0 +1,186 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): decoded through the engine core,
+chunked, preempted and with drafts, one process and a tensor-parallel group of two, as
+transformers decodes them with its loop over experts; and what Weir refuses of them."""
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tp_workload  # noqa: E402
+from lora_adapters import greedy  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from test_model_core import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
+
+from weir.services.executor.moe import check_moe  # noqa: E402
+from weir.services.executor.weights import load_model  # noqa: E402
+from weir.shared.lora import check_adapter  # noqa: E402
+from weir.shared.model_config import ModelConfig, read_model_config  # noqa: E402
+from weir.shared.shard_layout import ShardLayout  # noqa: E402
+
+VOCAB = 131
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2
+    ),
+    # The shared expert with its sigmoid gate, q/k/v biases, every other layer sparse.
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON,
+        intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=80,
+        decoder_sparse_step=2,
+    ),
+    # Renormalized top-k and a dense layer by mlp_only_layers.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON,
+        head_dim=24,
+        intermediate_size=96,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
+}
+MOE_LAYERS = {"mixtral": (0, 1, 2), "qwen2_moe": (1,), "qwen3_moe": (1, 2)}
+
+
+def save_moe(kind: str, path) -> torch.nn.Module:
+    """A random model of ``kind``, saved as its checkpoints are (one tensor per expert);
+    returned as transformers runs it, its experts one by one."""
+    torch.manual_seed(0)
+    config = CONFIGS[kind]()
+    config._experts_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def moe(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, path, save_moe(request.param, path)
+
+
+def test_config_reads_the_experts_as_transformers_does(moe):
+    kind, path, hf = moe
+    cfg = read_model_config(path)
+    assert cfg.moe_layers == MOE_LAYERS[kind]
+    hf_cfg = hf.config
+    assert cfg.num_experts == getattr(hf_cfg, "num_experts", None) or hf_cfg.num_local_experts
+    assert cfg.num_experts_per_tok == hf_cfg.num_experts_per_tok
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+    assert tuple(sparse) == cfg.moe_layers
+
+
+def test_moe_decodes_as_transformers_in_one_process_and_at_tp2(moe):
+    """Every expert's share of columns on each rank, the router whole: the group decodes
+    what one process decodes, which is what transformers decodes."""
+    kind, path, hf = moe
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 30))] for _ in range(5)]
+    work = tp_workload.Workload(
+        str(path), prompts, max_tokens=10, num_blocks=20, num_speculative_tokens=2
+    )
+    want = {f"r{i}": greedy(hf, prompt, 10) for i, prompt in enumerate(prompts)}
+    one = tp_workload.run(work)
+    assert one.chunked and one.preempted and one.draft_tokens > 0
+    assert one.outputs == want
+    for report in tp_workload.run_group(work, world_size=2):
+        assert report.outputs == want
+        # The experts' partial sums join the layer's one all-reduce after its MLP.
+        assert report.all_reduces == report.forwards * (2 * report.num_layers + 1)
+
+
+def test_bfloat16_moe_on_the_cpu_is_as_close_to_float32_as_transformers_bfloat16(moe):
+    """bf16 rounds where the experts' outputs are summed otherwise than transformers does,
+    so the two bf16 results differ; each is as far from the float32 logits as the other."""
+    kind, path, hf32 = moe
+    ids = list(range(3, 40))
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = hf32(torch.tensor([ids])).logits[0]
+        hf_error = (hf16(torch.tensor([ids])).logits[0].float() - want).abs().mean()
+    model = load_model(path, dtype=torch.bfloat16)
+    input_ids, positions, meta = PagedRequests(seed=0).step([("A", ids, 0)])
+    with torch.inference_mode():
+        kv = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+        logits = model.compute_logits(model(input_ids, positions, meta, kv))
+    error = (logits - want).abs().mean()
+    assert error < 1.5 * hf_error, (error, hf_error)
+
+
+def test_what_weir_refuses_of_a_mixture_of_experts(moe, tmp_path):
+    kind, path, _ = moe
+    cfg = read_model_config(path)
+    with pytest.raises(ValueError, match="does not quantize a mixture of experts"):
+        load_model(path, quantization="int8")
+    with pytest.raises(ValueError, match="bfloat16 only, not float32"):
+        check_moe(cfg, torch.device("cuda"), torch.float32, None)
+    check_moe(cfg, torch.device("cuda"), torch.bfloat16, None)
+    odd = dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size + 2)
+    with pytest.raises(ValueError, match="does not divide the model's .* columns of each expert"):
+        ShardLayout.of(odd, 0, 4)
+    # An adapter of an MoE layer's MLP is refused; one of the attention is served.
+    layer = cfg.moe_layers[0]
+    with pytest.raises(ValueError, match=f"adapts the MLP of layer {layer}, a mixture of"):
+        check_adapter(_adapter(tmp_path / "mlp", cfg, layer, "mlp.down_proj"), cfg, max_rank=16)
+    check_adapter(_adapter(tmp_path / "q", cfg, layer, "self_attn.q_proj"), cfg, max_rank=16)
+
+
+def _adapter(path, cfg: ModelConfig, layer: int, module: str):
+    """A PEFT-format LoRA adapter of one module of one layer (PEFT finds no linear layer
+    named down_proj in transformers' stacked experts, so it is written here)."""
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    rows, columns = cfg.layer_tensor_shape(module)
+    prefix = f"base_model.model.model.layers.{layer}.{module}"
+    tensors = {
+        f"{prefix}.lora_A.weight": torch.zeros(2, columns),
+        f"{prefix}.lora_B.weight": torch.zeros(rows, 2),
+    }
+    save_file(tensors, path / "adapter_model.safetensors")
+    return path
+
+
+def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):
+    path = tmp_path / "m"
+    save_moe("qwen3_moe", path)
+    hf = json.loads((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+
+    def refused(config: dict, match: str, weights: dict | None = None) -> None:
+        (path / "config.json").write_text(json.dumps(config))
+        save_file(tensors if weights is None else weights, path / "model.safetensors")
+        with pytest.raises(ValueError, match=match):
+            load_model(path)
+
+    refused({**hf, "mlp_only_layers": [0, 1]}, "layer 1 has one MLP by config.json")
+    refused({**hf, "mlp_only_layers": []}, "layer 0 has a mixture of experts by config.json")
+    refused({**hf, "num_local_experts": 4, "num_experts": 4}, "past config.json's 4 experts")
+    refused({**hf, "moe_intermediate_size": 32}, "config does not describe these weights")
+    extra = {**tensors, "model.layers.1.mlp.experts.9.up_proj.weight": torch.zeros(48, 64)}
+    refused(hf, "past config.json's 8 experts", extra)
+    with pytest.raises(ValueError, match="num_experts_per_tok 9 is more than the 8 experts"):
+        ModelConfig.from_hf({**hf, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="mlp_only_layers must be layer numbers"):
+        ModelConfig.from_hf({**hf, "mlp_only_layers": "0"})
