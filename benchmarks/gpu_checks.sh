@@ -3,7 +3,8 @@
 # at most ~9.5 minutes on one H200 (the sections' limits add up to 570 s):
 #   1. the CUDA tests: graphs on/off give the same greedy tokens (tests/test_cuda_graphs.py),
 #      the model runner's steps (pooling on CUDA too) against transformers
-#      (tests/test_model_runner.py), and the Triton kernel tests, natively; then benchmarks/attention.py --quick (issue 11)
+#      (tests/test_model_runner.py), a MoE model in bf16 (tests/test_moe.py), and the Triton
+#      kernel tests, natively; then benchmarks/attention.py --quick (issue 11)
 #      and benchmarks/layer_ops.py (the layer kernels against PyTorch's operators);
 #   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
 #      and with --enforce-eager (phases unsynchronized: the executor's idle time is real);
@@ -86,7 +87,8 @@ section() {
 if [[ " $SECTIONS " == *" tests "* ]]; then
     # The CPU test of the padded path needs the default model, which is not there.
     section tests 130 "$PY" -m pytest -q -x -p no:cacheprovider -k "not on_cpu" \
-        tests/test_cuda_graphs.py tests/test_model_runner.py tests/kernels
+        tests/test_cuda_graphs.py tests/test_model_runner.py tests/kernels \
+        tests/test_moe.py::test_bfloat16_moe_is_as_close_to_float32_as_transformers_bfloat16
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA; then the
     # layer kernels against the operators they replace (one log: at most 8 files come back).
     section attention 80 bash -c '"$0" benchmarks/attention.py --quick --no-write; "$0" benchmarks/layer_ops.py' "$PY"

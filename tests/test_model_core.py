@@ -11,13 +11,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 transformers = pytest.importorskip("transformers")
 
+from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
+
 from weir.kernels import cpu_native  # noqa: E402
-from weir.services.executor.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from weir.services.executor.attention import get_attention_backend  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
 from weir.shared.model_config import read_model_config  # noqa: E402
 
-BLOCK_SIZE = 4
-NUM_BLOCKS = 40
 COMMON = dict(
     num_hidden_layers=2,
     hidden_size=64,
@@ -80,47 +80,6 @@ def save_tiny_model(kind: str, path) -> torch.nn.Module:
                 p.copy_(0.15 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
-
-
-class PagedRequests:
-    """Test-side bookkeeping of requests in a paged cache with shuffled, non-contiguous blocks."""
-
-    def __init__(self, seed: int) -> None:
-        self.free = torch.randperm(
-            NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)
-        ).tolist()
-        self.blocks: dict[str, list[int]] = {}
-
-    def step(
-        self, work: list[tuple[str, list[int], int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """work: (request, all its token ids so far, num_computed_tokens); every uncomputed token runs."""
-        ids, positions, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        for req, tokens, computed in work:
-            blocks = self.blocks.setdefault(req, [])
-            while len(blocks) * BLOCK_SIZE < len(tokens):
-                blocks.append(self.free.pop())
-            for pos in range(computed, len(tokens)):
-                ids.append(tokens[pos])
-                positions.append(pos)
-                slots.append(blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            qsl.append(len(ids))
-            seq_lens.append(len(tokens))
-            tables.append(blocks)
-        width = max(len(t) for t in tables)
-        table = torch.full((len(tables), width), -1, dtype=torch.int32)
-        for r, t in enumerate(tables):
-            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        query_lens = [b - a for a, b in zip(qsl, qsl[1:])]
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        return torch.tensor(ids), torch.tensor(positions), meta
 
 
 needs_native = pytest.mark.skipif(cpu_native.load() is None, reason="no C compiler")

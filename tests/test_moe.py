@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 import tp_workload  # noqa: E402
 from lora_adapters import greedy  # noqa: E402
+from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from test_model_core import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 
 from weir.services.executor.moe import check_moe  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
@@ -111,20 +111,40 @@ def test_moe_decodes_as_transformers_in_one_process_and_at_tp2(moe):
         assert report.all_reduces == report.forwards * (2 * report.num_layers + 1)
 
 
-def test_bfloat16_moe_on_the_cpu_is_as_close_to_float32_as_transformers_bfloat16(moe):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
+def test_bfloat16_moe_is_as_close_to_float32_as_transformers_bfloat16(moe, device):
     """bf16 rounds where the experts' outputs are summed otherwise than transformers does,
-    so the two bf16 results differ; each is as far from the float32 logits as the other."""
+    so the two bf16 results differ; each is as far from the float32 logits as the other.
+    On CUDA the grouped matmul is the GPU's own kernel (gpu_checks.sh runs this)."""
     kind, path, hf32 = moe
     ids = list(range(3, 40))
-    hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, experts_implementation="eager"
+    )
     with torch.no_grad():
         want = hf32(torch.tensor([ids])).logits[0]
-        hf_error = (hf16(torch.tensor([ids])).logits[0].float() - want).abs().mean()
-    model = load_model(path, dtype=torch.bfloat16)
+        hf_logits = hf16.to(device).eval()(torch.tensor([ids], device=device)).logits[0]
+        hf_error = (hf_logits.float().cpu() - want).abs().mean()
+    model = load_model(path, device=device, dtype=torch.bfloat16)
     input_ids, positions, meta = PagedRequests(seed=0).step([("A", ids, 0)])
+    meta = dataclasses.replace(
+        meta,
+        **{f: getattr(meta, f).to(device) for f in ("query_start_loc", "seq_lens", "block_table")},
+        slot_mapping=meta.slot_mapping.to(device),
+    )
     with torch.inference_mode():
         kv = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
-        logits = model.compute_logits(model(input_ids, positions, meta, kv))
+        hidden = model(input_ids.to(device), positions.to(device), meta, kv)
+        logits = model.compute_logits(hidden).cpu()
     error = (logits - want).abs().mean()
     assert error < 1.5 * hf_error, (error, hf_error)
 

@@ -18,6 +18,7 @@ from weir.services.executor.weights import iter_safetensors, load_model  # noqa:
 from weir.shared.model_config import ModelConfig  # noqa: E402
 from weir.shared.shard_layout import ShardLayout  # noqa: E402
 
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """4 query heads and a single KV head (replicated at TP=2), biases everywhere (the

@@ -90,7 +90,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = (
             Linear(h, 2 * inter, cfg.mlp_bias, device, dtype, kernels) if dense else None
         )
-        self.down_proj = Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype) if dense else None
+        self.down_proj = (
+            Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype) if dense else None
+        )
 
     def _add_row_parallel(
         self,

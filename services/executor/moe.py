@@ -11,7 +11,6 @@ with the layer's one all-reduce.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.layers import LayerKernels, Linear, silu_and_mul
@@ -69,7 +68,9 @@ class SparseMoe(nn.Module):
             "expert_ends", torch.arange(1, experts + 1, device=device), persistent=False
         )
         shared = layout.shared_expert_intermediate_size
-        self.shared_gate_up = Linear(h, 2 * shared, False, device, dtype, kernels) if shared else None
+        self.shared_gate_up = (
+            Linear(h, 2 * shared, False, device, dtype, kernels) if shared else None
+        )
         self.shared_down = Linear(shared, h, False, device, dtype) if shared else None
         self.shared_expert_gate = Linear(h, 1, False, device, dtype) if shared else None
 

@@ -125,7 +125,9 @@ def layer_part(
     """(rows of the fused parameter, index into the checkpoint tensor) of one part; None
     for a row-parallel bias on a rank other than 0 (rank 0 adds it). An ``expert_`` or
     ``shared_`` part splits that MLP's columns."""
-    mlp, _, part = part.partition("_") if part.startswith(("expert_", "shared_")) else ("", "", part)
+    mlp, _, part = (
+        part.partition("_") if part.startswith(("expert_", "shared_")) else ("", "", part)
+    )
     d = cfg.head_dim
     inter = {
         "": layout.intermediate_size,

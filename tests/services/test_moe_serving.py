@@ -1,0 +1,122 @@
+"""A mixture-of-experts model served by real processes: `weir serve` (the official openai
+client, concurrent and streamed), a tensor-parallel group of two, dummy weights of its
+shape, and what a start refuses, each as transformers decodes it."""
+
+import concurrent.futures
+import shutil
+
+import openai
+import pytest
+import torch
+from conftest import TOKENIZER_FILES
+from serving_helpers import hf_greedy, small_server
+
+from weir.services import LLM
+from weir.services.launcher import ChildFailedError
+from weir.shared.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, default_model_dir):
+    """A 3-layer random Qwen3-MoE (8 experts, 2 a token, renormalized; layer 0 dense) with
+    SmolLM2's vocabulary, so text prompts and chat work."""
+    path = tmp_path_factory.mktemp("models") / "tiny-moe"
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_moe(moe_dir):
+    # transformers' loop over experts, not the grouped matmul Weir runs.
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        moe_dir, dtype=torch.float32, experts_implementation="eager"
+    ).eval()
+
+
+def test_openai_clients_get_what_transformers_decodes(moe_dir, hf_moe):
+    prompts = ["The experts agree that", "Mixture", "A river runs " * 20]
+    with small_server(moe_dir, "tiny-moe", max_num_batched_tokens=32) as server:
+        client = openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
+
+        def complete(prompt: str):
+            return client.completions.create(
+                model="tiny-moe",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            ).choices[0]
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            choices = list(pool.map(complete, prompts * 2))
+        for prompt, choice in zip(prompts * 2, choices):
+            want = hf_greedy(hf_moe, choice.prompt_token_ids, 12)
+            assert choice.token_ids == want, prompt
+        stream = client.chat.completions.create(
+            model="tiny-moe",
+            messages=[{"role": "user", "content": "Which expert?"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        whole = client.chat.completions.create(
+            model="tiny-moe",
+            messages=[{"role": "user", "content": "Which expert?"}],
+            max_tokens=8,
+            temperature=0,
+        )
+        assert streamed == whole.choices[0].message.content
+
+
+def test_two_ranks_serve_the_experts_split_like_transformers(moe_dir, hf_moe):
+    prompts = [[5, 6, 7, 8], list(range(100, 140))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(str(moe_dir), tensor_parallel_size=2, max_num_batched_tokens=16) as llm:
+        for prompt, c in zip(prompts, llm.generate(prompts, params)):
+            assert c.token_ids == hf_greedy(hf_moe, prompt, 8)
+
+
+def test_dummy_weights_of_a_moe_shape_serve(moe_dir, tmp_path):
+    for item in moe_dir.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    with LLM(str(tmp_path), load_format="dummy", device="cpu") as llm:
+        assert [len(c.token_ids) for c in llm.generate(["Hello", [3, 4]], params)] == [5, 5]
+
+
+def test_int8_weights_of_experts_are_refused_at_start_in_one_line(moe_dir):
+    with pytest.raises(ChildFailedError) as refused:
+        LLM(str(moe_dir), quantization="int8", startup_timeout=120)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "--quantization int8 does not quantize a mixture of experts' weights" in message
