@@ -67,6 +67,11 @@ class SparseMoe(nn.Module):
         self.register_buffer(
             "expert_ends", torch.arange(1, experts + 1, device=device), persistent=False
         )
+        # Set by `packed_weights.pack_model` on a CPU: each expert's two projections packed
+        # for the CPU's matmul, which beats the grouped matmul 1.2-2x; they replace the
+        # stacked weights.
+        self.packed_gate_up: nn.ModuleList | None = None
+        self.packed_down: nn.ModuleList | None = None
         shared = layout.shared_expert_intermediate_size
         self.shared_gate_up = (
             Linear(h, 2 * shared, False, device, dtype, kernels) if shared else None
@@ -86,17 +91,32 @@ class SparseMoe(nn.Module):
         sorted_experts, order = experts.flatten().sort(stable=True)
         offsets = torch.searchsorted(sorted_experts, self.expert_ends).to(torch.int32)
         rows = x[order // self.top_k]
-        gate_up = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=offsets)
-        out = torch._grouped_mm(
-            silu_and_mul(gate_up, self.kernels), self.experts_down.transpose(1, 2), offs=offsets
-        )
+        out = self._experts(rows, offsets)
         out.mul_(weights.flatten()[order].to(x.dtype).unsqueeze(1))
-        # Back to (token, choice) order by a permutation, then the k choices summed: no
+        # Back to (token, choice) order by gathering with the inverse permutation (a CPU's
+        # index_copy_ runs on one thread, 25x slower), then the k choices summed: no
         # scattered adds, so the sum is the same on every run.
-        mixed = torch.empty_like(out).index_copy_(0, order, out)
-        mixed = mixed.view(num_tokens, self.top_k, -1).sum(dim=1)
+        pairs = torch.arange(order.numel(), device=order.device)
+        unsort = torch.empty_like(order).scatter_(0, order, pairs)
+        mixed = out[unsort].view(num_tokens, self.top_k, -1).sum(dim=1)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None and self.shared_expert_gate is not None
             shared = self.shared_down(self.shared_gate_up.silu_mul(x))
             mixed += torch.sigmoid(self.shared_expert_gate(x)) * shared
         return mixed
+
+    def _experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Each expert's MLP on its rows of ``rows`` (sorted by expert; expert e's end at
+        ``offsets[e]``)."""
+        if self.packed_gate_up is None or self.packed_down is None:
+            gate_up = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=offsets)
+            act = silu_and_mul(gate_up, self.kernels)
+            return torch._grouped_mm(act, self.experts_down.transpose(1, 2), offs=offsets)
+        # Packed weights live on a CPU, where reading the offsets costs no device sync.
+        out = torch.empty_like(rows)
+        start = 0
+        for gate_up, down, end in zip(self.packed_gate_up, self.packed_down, offsets.tolist()):
+            if end > start:
+                out[start:end] = down(gate_up.silu_mul(rows[start:end]))
+            start = end
+        return out

@@ -3,7 +3,7 @@
 `F.linear` on a CPU runs MKL's GEMM, which repacks the weight into its blocked layout on
 every call; a decode step multiplies a few dozen rows by every weight of the model, so
 that repacking costs about as much as the arithmetic. Each projection and the LM head is
-therefore packed once at load time:
+therefore packed once at load time (a mixture of experts' experts one by one):
 
 - with the native CPU kernels built (`weir.kernels.cpu_native`), into their panels of 16
   weight rows, multiplied by their 6 x 16 register-blocked GEMM: 1.15-1.25x oneDNN at a
@@ -23,6 +23,7 @@ from torch import nn
 from weir.kernels.cpu_native import PANEL, CpuKernels
 from weir.services.executor.layers import Linear, silu_and_mul
 from weir.services.executor.model import PROJECTIONS, CausalLM
+from weir.services.executor.moe import SparseMoe
 
 
 def can_pack(device: torch.device, dtype: torch.dtype, kernels: CpuKernels | None) -> bool:
@@ -86,10 +87,30 @@ def pack_model(model: CausalLM) -> None:
     for layer in model.layers:
         for name in PROJECTIONS:
             linear: Linear | None = getattr(layer, name)
-            if linear is not None:  # an MoE layer has no dense MLP; its experts stay stacked
+            if linear is not None:  # an MoE layer has no dense MLP
                 setattr(layer, name, PackedLinear(linear.weight, linear.bias, kernels))
+        if layer.moe is not None:
+            _pack_experts(layer.moe, kernels)
     if model.lm_head is None:
         model.packed_lm_head = PackedLinear(model.embed_tokens, kernels=kernels)
     else:
         model.packed_lm_head = PackedLinear(model.lm_head, kernels=kernels)
         model.lm_head = nn.Parameter(torch.empty(0, model.config.hidden_size), False)
+
+
+def _pack_experts(moe: SparseMoe, kernels: CpuKernels | None) -> None:
+    """Each expert's projections, and the shared expert's, packed; the stacked weights freed."""
+    experts = range(moe.experts_gate_up.shape[0])
+    moe.packed_gate_up = nn.ModuleList(
+        PackedLinear(moe.experts_gate_up[e], kernels=kernels) for e in experts
+    )
+    moe.packed_down = nn.ModuleList(
+        PackedLinear(moe.experts_down[e], kernels=kernels) for e in experts
+    )
+    hidden = moe.experts_down.shape[1]
+    moe.experts_gate_up = nn.Parameter(torch.empty(0, 0, hidden), False)
+    moe.experts_down = nn.Parameter(torch.empty(0, hidden, 0), False)
+    for name in ("shared_gate_up", "shared_down"):
+        linear: Linear | None = getattr(moe, name)
+        if linear is not None:
+            setattr(moe, name, PackedLinear(linear.weight, linear.bias, kernels))
