@@ -117,7 +117,9 @@ def _scheduler(args: argparse.Namespace) -> int:
         # Refused here, not by each rank as it loads (a group that cannot form waits forever).
         ShardLayout.of(model_config, 0, engine_args.tensor_parallel_size)
         max_model_len = resolve_max_model_len(
-            engine_args.max_model_len, model_config.max_position_embeddings
+            engine_args.max_model_len,
+            model_config.max_position_embeddings,
+            model_config.sliding_window,
         )
         executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
         num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)

@@ -16,15 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 # transformers' defaults, per model type, for keys a config.json may leave out.
 _QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_topk_prob": False}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
     "mixtral": {
         "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0,
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
         "rms_norm_eps": 1e-5,
@@ -65,6 +75,9 @@ class ModelConfig:
     rope_high_freq_factor: float
     rope_original_max_position: int
     max_position_embeddings: int
+    # Each token attends to the last sliding_window tokens only (Mistral, Mixtral, Qwen with
+    # use_sliding_window); None: to all. Served only where it never binds (shared/config.py).
+    sliding_window: int | None
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
@@ -92,17 +105,14 @@ class ModelConfig:
                 f"config.json: unsupported model_type {model_type!r}; "
                 f"supported: {SUPPORTED_MODEL_TYPES}"
             )
-        # A null counts as left out, as transformers reads it.
+        # A null counts as left out, as transformers reads it (but a null sliding_window).
+        window = _sliding_window(model_type, hf)
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(
                 f"config.json: unsupported hidden_act {hf['hidden_act']!r}; only silu is "
                 "implemented"
             )
-        if hf.get("use_sliding_window") or (
-            model_type == "mixtral" and hf.get("sliding_window") is not None
-        ):
-            raise ValueError("config.json: sliding-window attention is not supported")
         # transformers < 5 writes rope_theta + rope_scaling; >= 5 rope_parameters. Where a
         # file has both, transformers lets the legacy rope_scaling win.
         rope = {**_mapping(hf, "rope_parameters"), **_mapping(hf, "rope_scaling")}
@@ -139,6 +149,7 @@ class ModelConfig:
             rope_high_freq_factor=_positive(rope, "high_freq_factor", 4.0),
             rope_original_max_position=_count(rope, "original_max_position_embeddings", max_pos),
             max_position_embeddings=max_pos,
+            sliding_window=window,
             # Qwen2 has q/k/v biases (Qwen2-MoE unless its qkv_bias says not) and never an
             # o_proj bias.
             qkv_bias=attention_bias
@@ -181,6 +192,17 @@ class ModelConfig:
             "input_layernorm": (h, 0),
             "post_attention_layernorm": (h, 0),
         }[module]
+
+
+def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
+    """The window as transformers applies it: Mistral's (4096 where the key is left out, none
+    where it is null) and Mixtral's whenever set; Qwen's (4096 by default) only with
+    use_sliding_window."""
+    if model_type not in ("mistral", "mixtral") and not _flag(hf, "use_sliding_window"):
+        return None
+    default = None if model_type == "mixtral" else 4096
+    window = hf.get("sliding_window", default)
+    return None if window is None else _count({"sliding_window": window}, "sliding_window")
 
 
 def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:

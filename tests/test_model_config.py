@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from weir.services.executor.weights import load_model
-from weir.shared.model_config import ModelConfig, read_model_config
+from weir.shared.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, read_model_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +19,7 @@ REQUIRED = dict(
 )
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type):
     ours = ModelConfig.from_hf({"model_type": model_type, **REQUIRED})
     theirs = transformers.AutoConfig.for_model(model_type, **REQUIRED)
@@ -28,6 +28,43 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
     assert ours.rms_norm_eps == theirs.rms_norm_eps
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+    assert ours.sliding_window == _window(theirs)
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
+        assert (ours.num_experts, ours.num_experts_per_tok) == (experts, theirs.num_experts_per_tok)
+        assert ours.moe_intermediate_size == (
+            theirs.intermediate_size if model_type == "mixtral" else theirs.moe_intermediate_size
+        )
+        assert ours.moe_layers == (0, 1)
+        shared = getattr(theirs, "shared_expert_intermediate_size", None) or 0
+        assert ours.shared_expert_intermediate_size == shared
+    else:
+        assert ours.num_experts == 0 and ours.moe_layers == ()
+
+
+def _window(theirs) -> int | None:
+    """The sliding window transformers' attention applies for this config."""
+    if theirs.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        return theirs.sliding_window if theirs.use_sliding_window else None
+    return getattr(theirs, "sliding_window", None)
+
+
+@pytest.mark.parametrize(
+    "model_type, keys",
+    [
+        ("mistral", {"sliding_window": None}),  # Mistral v0.2 and later
+        ("mistral", {"sliding_window": 64}),
+        ("mixtral", {"sliding_window": 128}),
+        ("qwen2", {"use_sliding_window": True}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 32}),
+        ("qwen3", {"sliding_window": 32}),  # not used without use_sliding_window
+    ],
+)
+def test_the_sliding_window_is_the_one_transformers_applies(model_type, keys):
+    ours = ModelConfig.from_hf({"model_type": model_type, **REQUIRED, **keys})
+    assert ours.sliding_window == _window(
+        transformers.AutoConfig.for_model(model_type, **REQUIRED, **keys)
+    )
 
 
 def test_a_key_that_only_llama_has_is_ignored_elsewhere():

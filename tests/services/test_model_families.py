@@ -1,6 +1,7 @@
-"""A mixture-of-experts model served by real processes: `weir serve` (the official openai
-client, concurrent and streamed), a tensor-parallel group of two, dummy weights of its
-shape, and what a start refuses, each as transformers decodes it."""
+"""Model families beside Llama and Qwen, served by real processes as transformers decodes
+them: a mixture of experts through `weir serve` (the official openai client, concurrent and
+streamed), a tensor-parallel group of two, dummy weights of its shape, and what a start
+refuses; Mistral with its sliding window, served where the window never binds."""
 
 import concurrent.futures
 import shutil
@@ -13,9 +14,20 @@ from serving_helpers import hf_greedy, small_server
 
 from weir.services import LLM
 from weir.services.launcher import ChildFailedError
+from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
+
+
+def _save(model, path, tokenizer_dir) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, path / name)
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +54,7 @@ def moe_dir(tmp_path_factory, default_model_dir):
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(default_model_dir / name, path / name)
+    _save(transformers.Qwen3MoeForCausalLM(config).eval(), path, default_model_dir)
     return path
 
 
@@ -120,3 +125,33 @@ def test_int8_weights_of_experts_are_refused_at_start_in_one_line(moe_dir):
     message = str(refused.value)
     assert "\n" not in message
     assert "--quantization int8 does not quantize a mixture of experts' weights" in message
+
+
+def test_mistral_is_served_as_long_as_its_sliding_window_never_binds(tmp_path, default_model_dir):
+    """A window of 48 tokens: the context served is 48 (every token attends to all before
+    it, as transformers' sliding mask lets it there); a longer one is refused at start."""
+    torch.manual_seed(1)
+    config = transformers.MistralConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=48,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    _save(transformers.MistralForCausalLM(config).eval(), tmp_path, default_model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = list(range(200, 232))
+    with LLM(str(tmp_path), max_num_batched_tokens=16) as llm:
+        with WeirClient(llm.server_info["client_address"]) as client:
+            assert client.model_info()["max_model_len"] == 48
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        assert llm.generate([prompt], params)[0].token_ids == hf_greedy(hf, prompt, 16)
+        with pytest.raises(InvalidRequestError, match="48"):
+            llm.generate([prompt], SamplingParams(max_tokens=17))
+    with pytest.raises(ChildFailedError, match="sliding window of 48 tokens"):
+        LLM(str(tmp_path), max_model_len=64, startup_timeout=120)
