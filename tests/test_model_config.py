@@ -117,9 +117,11 @@ def test_read_model_config_names_the_file(tmp_path):
         read_model_config(tmp_path)
 
 
-def _save_llama(path, **save_kwargs) -> torch.nn.Module:
+def _save_llama(path, attention_bias: bool = False, **save_kwargs) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**REQUIRED, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        **REQUIRED, num_key_value_heads=2, attention_bias=attention_bias
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path, **save_kwargs)
     return model
@@ -133,12 +135,13 @@ def _save_llama(path, **save_kwargs) -> torch.nn.Module:
         {"num_attention_heads": 2, "head_dim": 16},
         {"vocab_size": 90},
         {"num_hidden_layers": 1},
+        {"attention_bias": False, "mlp_bias": True},  # checkpoint of attention biases only
     ],
 )
 def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, change):
     """transformers refuses these too; reading the first rows of each tensor would serve a
     different model without a word."""
-    _save_llama(tmp_path)
+    _save_llama(tmp_path, attention_bias="attention_bias" in change)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match="the config does not describe these weights"):

@@ -249,6 +249,11 @@ def load_weights(
         if target is None:
             continue
         param_name, rows, index = target
+        if param_name not in params:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no place in the model config.json describes "
+                "(a bias it says the model lacks?): the config does not describe these weights"
+            )
         expected = checkpoint_shape(model.config, name)
         if tuple(source.get_shape()) != expected:
             raise ValueError(
