@@ -19,6 +19,7 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = (
     "llama",
     "mistral",
+    "phi3",
     "qwen2",
     "qwen3",
     "mixtral",
@@ -30,6 +31,7 @@ _QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_t
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048},
     "mistral": {"max_position_embeddings": 131072},
+    "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
     "mixtral": {
@@ -180,6 +182,8 @@ class ModelConfig:
             "mlp.shared_expert.up_proj": (shared, h),
             "mlp.shared_expert.down_proj": (h, shared),
             "mlp.shared_expert_gate": (1, h),
+            "self_attn.qkv_proj": (q + 2 * kv, h),  # Phi-3's fused checkpoint tensors
+            "mlp.gate_up_proj": (2 * inter, h),
             "self_attn.q_proj": (q, h),
             "self_attn.k_proj": (kv, h),
             "self_attn.v_proj": (kv, h),
@@ -196,11 +200,11 @@ class ModelConfig:
 
 def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     """The window as transformers applies it: Mistral's (4096 where the key is left out, none
-    where it is null) and Mixtral's whenever set; Qwen's (4096 by default) only with
+    where it is null), Mixtral's and Phi-3's whenever set; Qwen's (4096 by default) only with
     use_sliding_window."""
-    if model_type not in ("mistral", "mixtral") and not _flag(hf, "use_sliding_window"):
+    if model_type not in ("mistral", "mixtral", "phi3") and not _flag(hf, "use_sliding_window"):
         return None
-    default = None if model_type == "mixtral" else 4096
+    default = 4096 if model_type in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe") else None
     window = hf.get("sliding_window", default)
     return None if window is None else _count({"sliding_window": window}, "sliding_window")
 

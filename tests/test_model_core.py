@@ -44,6 +44,8 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, attention_bias=True),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24, sliding_window=64),
+    # q/k/v and gate/up fused in the checkpoint
+    "phi3": lambda: transformers.Phi3Config(**COMMON, pad_token_id=0),
     # Mixtures of experts: 8 experts, 2 or 3 a token, renormalized or not; Qwen3-MoE with a
     # dense layer (mlp_only_layers), Qwen2-MoE with its shared expert.
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=8),

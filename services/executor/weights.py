@@ -30,6 +30,11 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MOE_MODULES = ("mlp.experts.", "mlp.shared_expert")  # and the router, mlp.gate
+# Checkpoints that store a layer's q/k/v or gate/up as one tensor (Phi-3): read as its parts.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")
 _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 # HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills;
@@ -151,6 +156,42 @@ def layer_part(
     }[part]
 
 
+class _Rows:
+    """Rows [start, start + rows) of a checkpoint tensor, read as a tensor of their own."""
+
+    def __init__(self, source: TensorSource, start: int, rows: int) -> None:
+        self.source, self.start, self.rows = source, start, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, *self.source.get_shape()[1:]]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        first, last, _ = index[0].indices(self.rows)
+        return self.source[(slice(self.start + first, self.start + last), *index[1:])]
+
+
+def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str, TensorSource]]:
+    """A fused checkpoint tensor's parts under their own names (its whole shape checked
+    first); any other tensor as it is."""
+    m = _LAYER_RE.fullmatch(name)
+    if m is None or m.group(2) not in _FUSED:
+        return [(name, source)]
+    expected = checkpoint_shape(cfg, name)
+    if tuple(source.get_shape()) != expected:
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(source.get_shape())} != {expected} from "
+            "config.json: the config does not describe these weights"
+        )
+    parts: list[tuple[str, TensorSource]] = []
+    start = 0
+    for module in _FUSED[m.group(2)]:
+        rows = cfg.layer_tensor_shape(module)[0]
+        part = f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+        parts.append((part, _Rows(source, start, rows)))
+        start += rows
+    return parts
+
+
 def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     """The whole (unsharded) shape the config gives a checkpoint tensor: a config that
     disagrees with its weights must fail, not load a slice of each."""
@@ -242,32 +283,11 @@ def load_weights(
             filled[vocab_param] = padding.zero_().numel()
     if lm_head_optional and "lm_head" in params:
         params["lm_head"].zero_()
-    for name, source in tensors:
-        if name.startswith(_BARE_PREFIXES):
-            name = "model." + name
-        target = _target(model, name)
-        if target is None:
-            continue
-        param_name, rows, index = target
-        if param_name not in params:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has no place in the model config.json describes "
-                "(a bias it says the model lacks?): the config does not describe these weights"
-            )
-        expected = checkpoint_shape(model.config, name)
-        if tuple(source.get_shape()) != expected:
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(source.get_shape())} != {expected} from "
-                "config.json: the config does not describe these weights"
-            )
-        tensor = source[index]
-        dest = params[param_name][rows]
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        filled[param_name] = filled.get(param_name, 0) + tensor.numel()
+    for checkpoint_name, whole in tensors:
+        if checkpoint_name.startswith(_BARE_PREFIXES):
+            checkpoint_name = "model." + checkpoint_name
+        for name, source in _parts(model.config, checkpoint_name, whole):
+            _load_tensor(model, params, filled, name, source)
     missing = [
         n
         for n, p in params.items()
@@ -275,6 +295,39 @@ def load_weights(
     ]
     if missing:
         raise ValueError(f"checkpoint does not fill {len(missing)} parameters, e.g. {missing[:5]}")
+
+
+def _load_tensor(
+    model: CausalLM,
+    params: dict[str, torch.nn.Parameter],
+    filled: dict[str, int],
+    name: str,
+    source: TensorSource,
+) -> None:
+    """This rank's share of checkpoint tensor ``name`` copied into its parameter, counted."""
+    target = _target(model, name)
+    if target is None:
+        return
+    param_name, rows, index = target
+    if param_name not in params:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has no place in the model config.json describes "
+            "(a bias it says the model lacks?): the config does not describe these weights"
+        )
+    expected = checkpoint_shape(model.config, name)
+    if tuple(source.get_shape()) != expected:
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(source.get_shape())} != {expected} from "
+            "config.json: the config does not describe these weights"
+        )
+    tensor = source[index]
+    dest = params[param_name][rows]
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
+    filled[param_name] = filled.get(param_name, 0) + tensor.numel()
 
 
 @torch.no_grad()

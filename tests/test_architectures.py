@@ -1,6 +1,8 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): decoded through the engine core,
-chunked, preempted and with drafts, one process and a tensor-parallel group of two, as
-transformers decodes them with its loop over experts; and what Weir refuses of them."""
+"""Architectures beside Llama and Qwen: the mixtures of experts (Mixtral, Qwen2-MoE,
+Qwen3-MoE) and Phi-3 (q/k/v and gate/up fused in its checkpoint). Each is decoded through
+the engine core, chunked, preempted and with drafts, in one process and by a
+tensor-parallel group of two, as transformers decodes it (its loop over experts); and what
+Weir refuses of them."""
 
 import dataclasses
 import json
@@ -32,6 +34,7 @@ COMMON = dict(
     max_position_embeddings=256,
 )
 CONFIGS = {
+    "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=96, pad_token_id=0),
     "mixtral": lambda: transformers.MixtralConfig(
         **COMMON, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2
     ),
@@ -57,10 +60,10 @@ CONFIGS = {
         mlp_only_layers=[0],
     ),
 }
-MOE_LAYERS = {"mixtral": (0, 1, 2), "qwen2_moe": (1,), "qwen3_moe": (1, 2)}
+MOE_LAYERS = {"phi3": (), "mixtral": (0, 1, 2), "qwen2_moe": (1,), "qwen3_moe": (1, 2)}
 
 
-def save_moe(kind: str, path) -> torch.nn.Module:
+def save_model(kind: str, path) -> torch.nn.Module:
     """A random model of ``kind``, saved as its checkpoints are (one tensor per expert);
     returned as transformers runs it, its experts one by one."""
     torch.manual_seed(0)
@@ -76,9 +79,16 @@ def save_moe(kind: str, path) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def moe(request, tmp_path_factory):
+def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    return request.param, path, save_moe(request.param, path)
+    return request.param, path, save_model(request.param, path)
+
+
+@pytest.fixture(scope="module")
+def moe(model):
+    if not MOE_LAYERS[model[0]]:
+        pytest.skip("not a mixture of experts")
+    return model
 
 
 def test_config_reads_the_experts_as_transformers_does(moe):
@@ -92,10 +102,11 @@ def test_config_reads_the_experts_as_transformers_does(moe):
     assert tuple(sparse) == cfg.moe_layers
 
 
-def test_moe_decodes_as_transformers_in_one_process_and_at_tp2(moe):
-    """Every expert's share of columns on each rank, the router whole: the group decodes
-    what one process decodes, which is what transformers decodes."""
-    kind, path, hf = moe
+def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
+    """Every expert's share of columns on each rank, the router whole (a fused checkpoint
+    tensor's parts each cut as their own): the group decodes what one process decodes,
+    which is what transformers decodes."""
+    kind, path, hf = model
     rng = random.Random(3)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 30))] for _ in range(5)]
     work = tp_workload.Workload(
@@ -184,7 +195,7 @@ def _adapter(path, cfg: ModelConfig, layer: int, module: str):
 
 def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):
     path = tmp_path / "m"
-    save_moe("qwen3_moe", path)
+    save_model("qwen3_moe", path)
     hf = json.loads((path / "config.json").read_text())
     tensors = load_file(path / "model.safetensors")
 
