@@ -17,6 +17,7 @@ import tp_workload  # noqa: E402
 from lora_adapters import greedy  # noqa: E402
 from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from spread_weights import spread_weights_  # noqa: E402
 
 from weir.services.executor.moe import check_moe  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
@@ -70,10 +71,7 @@ def save_model(kind: str, path) -> torch.nn.Module:
     config = CONFIGS[kind]()
     config._experts_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    spread_weights_(model)
     model.save_pretrained(path)
     return model
 

@@ -44,27 +44,6 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, attention_bias=True),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24, sliding_window=64),
-    # q/k/v and gate/up fused in the checkpoint
-    "phi3": lambda: transformers.Phi3Config(**COMMON, pad_token_id=0),
-    # Mixtures of experts: 8 experts, 2 or 3 a token, renormalized or not; Qwen3-MoE with a
-    # dense layer (mlp_only_layers), Qwen2-MoE with its shared expert.
-    "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=8),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **COMMON,
-        num_experts=8,
-        num_experts_per_tok=3,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=80,
-    ),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **COMMON,
-        head_dim=24,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=48,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],
-    ),
 }
 
 
@@ -73,7 +52,6 @@ def save_tiny_model(kind: str, path) -> torch.nn.Module:
     torch.manual_seed(0)
     config = CONFIGS[kind]()
     config._attn_implementation = "eager"
-    config._experts_implementation = "eager"  # a loop over experts, not the grouped matmul
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

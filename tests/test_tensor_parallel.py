@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import tp_workload  # noqa: E402
 from lora_adapters import ALL_PROJECTIONS, greedy, peft_model, save_random_adapter  # noqa: E402
+from spread_weights import spread_weights_  # noqa: E402
 
 from weir.services.executor.attention import get_attention_backend  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
@@ -38,10 +39,7 @@ def tiny_dir(tmp_path_factory):
         rope_theta=500.0,
     )
     model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    spread_weights_(model)
     model.save_pretrained(path)
     return path
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spread_weights import spread_weights_
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,11 +29,12 @@ def save_tiny_llama(path: Path, tokenizer_dir: Path) -> None:
         eos_token_id=2,
         pad_token_id=2,
     )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    save_speaking(transformers.LlamaForCausalLM(config).eval(), path, tokenizer_dir)
+
+
+def save_speaking(model, path: Path, tokenizer_dir: Path) -> None:
+    """``model`` with spread random weights, saved with ``tokenizer_dir``'s tokenizer."""
+    spread_weights_(model)
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, path / name)

@@ -9,7 +9,7 @@ import shutil
 import openai
 import pytest
 import torch
-from conftest import TOKENIZER_FILES
+from conftest import save_speaking
 from serving_helpers import hf_greedy, small_server
 
 from weir.services import LLM
@@ -18,16 +18,6 @@ from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
-
-
-def _save(model, path, tokenizer_dir) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            # Large weights spread the logits, so greedy never hinges on a float32 near-tie.
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, path / name)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +44,7 @@ def moe_dir(tmp_path_factory, default_model_dir):
         bos_token_id=1,
         eos_token_id=2,
     )
-    _save(transformers.Qwen3MoeForCausalLM(config).eval(), path, default_model_dir)
+    save_speaking(transformers.Qwen3MoeForCausalLM(config).eval(), path, default_model_dir)
     return path
 
 
@@ -143,7 +133,7 @@ def test_mistral_is_served_as_long_as_its_sliding_window_never_binds(tmp_path, d
         bos_token_id=1,
         eos_token_id=2,
     )
-    _save(transformers.MistralForCausalLM(config).eval(), tmp_path, default_model_dir)
+    save_speaking(transformers.MistralForCausalLM(config).eval(), tmp_path, default_model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     prompt = list(range(200, 232))
     with LLM(str(tmp_path), max_num_batched_tokens=16) as llm:
