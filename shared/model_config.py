@@ -204,7 +204,9 @@ def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     use_sliding_window."""
     if model_type not in ("mistral", "mixtral", "phi3") and not _flag(hf, "use_sliding_window"):
         return None
-    default = 4096 if model_type in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe") else None
+    default = (
+        4096 if model_type in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe") else None
+    )
     window = hf.get("sliding_window", default)
     return None if window is None else _count({"sliding_window": window}, "sliding_window")
 
