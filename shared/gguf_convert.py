@@ -2,8 +2,10 @@
 
 The output is what `transformers` would save: config.json, model.safetensors (float32),
 tokenizer.json, tokenizer_config.json and generation_config.json. Supported architectures are
-llama, qwen2 and qwen3 with a byte-level BPE ("gpt2") tokenizer; anything else raises
-`UnsupportedGGUFError` naming what the file states.
+llama (Mixtral where it has experts), qwen2, qwen3, qwen2moe and qwen3moe with a byte-level
+BPE ("gpt2") tokenizer; anything else raises `UnsupportedGGUFError` naming what the file
+states. llama.cpp stacks a layer's experts in one tensor per projection; they are written
+one tensor per expert, as Hugging Face checkpoints hold them.
 """
 
 import json
@@ -52,7 +54,11 @@ _ARCHITECTURES = {
     "llama": _Architecture("LlamaForCausalLM", "llama", permuted_qk=True),
     "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False),
     "qwen3": _Architecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False),
+    "qwen2moe": _Architecture("Qwen2MoeForCausalLM", "qwen2_moe", permuted_qk=False),
+    "qwen3moe": _Architecture("Qwen3MoeForCausalLM", "qwen3_moe", permuted_qk=False),
 }
+# llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 _TOP_LEVEL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -72,7 +78,20 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# A layer's experts stacked, [experts, rows, columns]: one Hugging Face tensor per expert.
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+# Mixtral's Hugging Face names for what Qwen's MoE calls mlp.gate and mlp.experts.E.*_proj.
+_MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -186,8 +205,30 @@ def _convert_tensors(
             w = _unpermute_rows(w, n_head)
         elif arch.permuted_qk and ".attn_k." in tensor.name:
             w = _unpermute_rows(w, n_kv_head)
+        match = _LAYER_TENSOR_NAME.fullmatch(tensor.name)
+        if match is not None and match.group(2) in _EXPERT_TENSORS:
+            layer, kind, suffix = match.groups()
+            for expert, rows in enumerate(w):
+                name = f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERT_TENSORS[kind]}.{suffix}"
+                tensors[name] = np.ascontiguousarray(rows)
+            continue
+        if match is not None and match.group(2) == "ffn_gate_inp_shexp":
+            w = w.reshape(1, -1)  # llama.cpp keeps the shared expert's gate as a vector
         tensors[_hf_tensor_name(tensor.name)] = np.ascontiguousarray(w)
     return tensors
+
+
+def _as_mixtral(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A llama file's experts under Mixtral's Hugging Face names."""
+    renamed = {}
+    for name, w in tensors.items():
+        name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        if ".mlp.experts." in name:
+            stem, projection, suffix = name.rsplit(".", 2)
+            stem = stem.replace(".mlp.experts.", ".block_sparse_moe.experts.")
+            name = f"{stem}.{_MIXTRAL_NAMES[projection]}.{suffix}"
+        renamed[name] = w
+    return renamed
 
 
 def _build_config(
@@ -223,8 +264,44 @@ def _build_config(
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+    config.update(_experts(meta, arch_name, arch, config))
     config.update(_special_token_ids(meta))
     return config
+
+
+def _experts(meta: _Metadata, arch_name: str, arch: _Architecture, config: dict) -> dict:
+    """The config keys of a mixture of experts (a llama file with experts is Mixtral)."""
+    experts = meta.get(f"{arch_name}.expert_count")
+    if not experts:
+        if arch.model_type.endswith("_moe"):
+            raise UnsupportedGGUFError(f"GGUF file has no '{arch_name}.expert_count' metadata")
+        return {}
+    used = int(meta.require(f"{arch_name}.expert_used_count"))
+    norm = bool(meta.get(f"{arch_name}.expert_weights_norm", _NORM_TOPK[arch_name]))
+    if arch_name == "llama":
+        if not norm:
+            raise UnsupportedGGUFError("GGUF llama experts without renormalized weights")
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": int(experts),
+            "num_experts_per_tok": used,
+            "sliding_window": None,
+        }
+    moe = {
+        "num_experts": int(experts),
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(meta.require(f"{arch_name}.expert_feed_forward_length")),
+        "norm_topk_prob": norm,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    if arch.model_type == "qwen2_moe":
+        moe["shared_expert_intermediate_size"] = int(
+            meta.require(f"{arch_name}.expert_shared_feed_forward_length")
+        )
+        moe["qkv_bias"] = config["attention_bias"]
+    return moe
 
 
 def _special_token_ids(meta: _Metadata) -> dict[str, int]:
@@ -361,6 +438,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     n_kv_head = int(meta.get(f"{arch_name}.attention.head_count_kv", n_head))
     tensors = _convert_tensors(reader, arch, n_head, n_kv_head)
     config = _build_config(meta, arch_name, arch, tensors)
+    if config["model_type"] == "mixtral":
+        tensors = _as_mixtral(tensors)
     logger.info("converted %d tensors from %s", len(tensors), gguf_path)
 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from weir.services.executor.weights import load_model
 from weir.shared import model_store
 from weir.shared.gguf_convert import UnsupportedGGUFError
 from weir.shared.model_store import (
@@ -185,6 +186,11 @@ GGUF_LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -245,10 +251,29 @@ def _write_gguf(path: Path, arch: str, model: torch.nn.Module, config) -> None:
     writer.add_chat_template(
         "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     )
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    if experts:  # what convert_hf_to_gguf.py writes of a mixture of experts
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if getattr(config, "moe_intermediate_size", None):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = tensor.numpy()
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' stacked experts
+            gate, up = np.split(w, 2, axis=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(w))
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(-1)  # llama.cpp keeps it as a vector
         if arch == "llama" and ".q_proj." in name:
             w = _llama_cpp_permute(w, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -266,6 +291,29 @@ def _write_gguf(path: Path, arch: str, model: torch.nn.Module, config) -> None:
         ("llama", lambda: transformers.LlamaConfig(**TINY, head_dim=8, tie_word_embeddings=False)),
         ("qwen2", lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True)),
         ("qwen3", lambda: transformers.Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False)),
+        # Mixtral is a llama file with experts
+        ("llama", lambda: transformers.MixtralConfig(**TINY, num_local_experts=4)),
+        (
+            "qwen2moe",
+            lambda: transformers.Qwen2MoeConfig(
+                **TINY,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=24,
+            ),
+        ),
+        (
+            "qwen3moe",
+            lambda: transformers.Qwen3MoeConfig(
+                **TINY,
+                head_dim=16,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                norm_topk_prob=True,
+            ),
+        ),
     ],
 )
 def test_tiny_gguf_converts_back_to_the_original_model(
@@ -282,11 +330,14 @@ def test_tiny_gguf_converts_back_to_the_original_model(
             p
         ) in original.parameters():  # norms start at 1 and biases at 0: make every tensor distinct
             p.copy_(torch.randn_like(p) * 0.2)
-    path = tmp_path / f"tiny-{arch}.gguf"
+    path = tmp_path / f"tiny-{config.model_type}.gguf"
     _write_gguf(path, arch, original, config)
 
     converted = transformers.AutoModelForCausalLM.from_pretrained(resolve_model(path)).eval()
     assert type(converted) is type(original)
+    # Weir reads every tensor of the build (its loader refuses a parameter left unfilled).
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    assert load_model(resolve_model(path)).config.num_experts == experts
     reference = original.state_dict()
     assert set(converted.state_dict()) == set(reference)
     for name, tensor in converted.state_dict().items():
