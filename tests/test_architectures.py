@@ -171,24 +171,62 @@ def test_what_weir_refuses_of_a_mixture_of_experts(moe, tmp_path):
         ShardLayout.of(odd, 0, 4)
     # An adapter of an MoE layer's MLP is refused; one of the attention is served.
     layer = cfg.moe_layers[0]
+    _adapter(tmp_path / "mlp", cfg, {layer: ("mlp.down_proj",)})
     with pytest.raises(ValueError, match=f"adapts the MLP of layer {layer}, a mixture of"):
-        check_adapter(_adapter(tmp_path / "mlp", cfg, layer, "mlp.down_proj"), cfg, max_rank=16)
-    check_adapter(_adapter(tmp_path / "q", cfg, layer, "self_attn.q_proj"), cfg, max_rank=16)
+        check_adapter(tmp_path / "mlp", cfg, max_rank=16)
+    _adapter(tmp_path / "q", cfg, {layer: ("self_attn.q_proj",)})
+    check_adapter(tmp_path / "q", cfg, max_rank=16)
 
 
-def _adapter(path, cfg: ModelConfig, layer: int, module: str):
-    """A PEFT-format LoRA adapter of one module of one layer (PEFT finds no linear layer
-    named down_proj in transformers' stacked experts, so it is written here)."""
+def _adapter(path, cfg: ModelConfig, modules: dict[int, tuple[str, ...]]) -> dict:
+    """A PEFT-format LoRA adapter (r 2, alpha 4) of ``modules`` by layer, random, written
+    here: PEFT wraps transformers' stacked experts when asked for down_proj, which Weir's
+    adapters never adapt. Returns its tensors."""
     path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
-    rows, columns = cfg.layer_tensor_shape(module)
-    prefix = f"base_model.model.model.layers.{layer}.{module}"
-    tensors = {
-        f"{prefix}.lora_A.weight": torch.zeros(2, columns),
-        f"{prefix}.lora_B.weight": torch.zeros(rows, 2),
-    }
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(5)
+    tensors = {}
+    for layer, names in modules.items():
+        for module in names:
+            rows, columns = cfg.layer_tensor_shape(module)
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = 0.3 * torch.randn(2, columns, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = 0.3 * torch.randn(rows, 2, generator=generator)
     save_file(tensors, path / "adapter_model.safetensors")
-    return path
+    return tensors
+
+
+def test_an_adapter_of_attention_and_dense_layers_applies_to_a_mixture_of_experts(tmp_path):
+    """Qwen3-MoE with a dense layer 0: an adapter of every layer's q/v and of layer 0's
+    down_proj decodes what transformers decodes with the adapter merged into the weights;
+    a request without it, the base model's tokens."""
+    path = tmp_path / "m"
+    hf = save_model("qwen3_moe", path)
+    cfg = read_model_config(path)
+    dense = {0: ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
+    sparse = {layer: ("self_attn.q_proj", "self_attn.v_proj") for layer in cfg.moe_layers}
+    tensors = _adapter(tmp_path / "a", cfg, dense | sparse)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    base = [greedy(hf, prompt, 6) for prompt in prompts]
+    with torch.no_grad():
+        weights = hf.state_dict()
+        for name, a in tensors.items():
+            if ".lora_A." in name:
+                b = tensors[name.replace(".lora_A.", ".lora_B.")]
+                target = name.removeprefix("base_model.model.").replace(".lora_A.", ".")
+                weights[target].add_(2.0 * (b @ a))  # alpha / r
+    work = tp_workload.Workload(
+        str(path),
+        prompts,
+        max_tokens=6,
+        num_blocks=20,
+        loras=[f"a={tmp_path / 'a'}"],
+        lora_names=["a", None],
+    )
+    outputs = tp_workload.run(work).outputs
+    assert outputs == {"r0": greedy(hf, prompts[0], 6), "r1": base[1]}
+    assert outputs["r0"] != base[0], "the adapter must matter"
 
 
 def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):
