@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from weir.services.executor.weights import load_model
 from weir.shared.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, read_model_config
@@ -145,6 +145,21 @@ def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, change
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match="the config does not describe these weights"):
+        load_model(tmp_path)
+
+
+def test_a_tensor_repeated_in_another_file_is_refused_even_where_it_hides_a_missing_one(
+    tmp_path,
+):
+    """Two files without an index: v_proj missing from the first, k_proj (as large) again
+    in the second; the element count alone would come out right."""
+    _save_llama(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    k, v = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"
+    save_file({n: w for n, w in weights.items() if n != v}, tmp_path / "model-1.safetensors")
+    save_file({k: weights[k]}, tmp_path / "model-2.safetensors")
+    with pytest.raises(ValueError, match=f"tensor '{k}' appears twice"):
         load_model(tmp_path)
 
 

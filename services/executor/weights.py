@@ -283,11 +283,15 @@ def load_weights(
             filled[vocab_param] = padding.zero_().numel()
     if lm_head_optional and "lm_head" in params:
         params["lm_head"].zero_()
+    # Where each tensor went, by destination: a second tensor for the same rows (a name
+    # repeated across files, or two names of one module) could hide a missing one from the
+    # element count below.
+    written: dict[str, str] = {}
     for checkpoint_name, whole in tensors:
         if checkpoint_name.startswith(_BARE_PREFIXES):
             checkpoint_name = "model." + checkpoint_name
         for name, source in _parts(model.config, checkpoint_name, whole):
-            _load_tensor(model, params, filled, name, source)
+            _load_tensor(model, params, filled, written, name, source)
     missing = [
         n
         for n, p in params.items()
@@ -301,6 +305,7 @@ def _load_tensor(
     model: CausalLM,
     params: dict[str, torch.nn.Parameter],
     filled: dict[str, int],
+    written: dict[str, str],
     name: str,
     source: TensorSource,
 ) -> None:
@@ -309,6 +314,16 @@ def _load_tensor(
     if target is None:
         return
     param_name, rows, index = target
+    destination = f"{param_name}[{rows}]"
+    if destination in written:
+        first = written[destination]
+        twice = (
+            f"tensor {name!r} appears twice"
+            if first == name
+            else (f"tensors {first!r} and {name!r} hold the same weights")
+        )
+        raise ValueError(f"checkpoint {twice} (in two files?): keep one copy")
+    written[destination] = name
     if param_name not in params:
         raise ValueError(
             f"checkpoint tensor {name!r} has no place in the model config.json describes "
