@@ -18,6 +18,7 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
+    "granite",
     "mistral",
     "phi3",
     "qwen2",
@@ -30,6 +31,7 @@ SUPPORTED_MODEL_TYPES = (
 _QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_topk_prob": False}
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048},
+    "granite": {"max_position_embeddings": 2048},
     "mistral": {"max_position_embeddings": 131072},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "qwen2": {"max_position_embeddings": 32768},
@@ -92,6 +94,13 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize the chosen experts' weights to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, 0 for none
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
+
+    # Granite's scalars: the embedding's and each residual branch's factor, the attention's
+    # scale (None: head_dim ** -0.5) and the divisor of the logits.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
@@ -158,11 +167,13 @@ class ModelConfig:
             or model_type == "qwen2"
             or (model_type == "qwen2_moe" and _flag(hf, "qkv_bias", True)),
             o_bias=attention_bias and not qwen2,
-            # Only Llama's config has mlp_bias (transformers ignores the key elsewhere).
-            mlp_bias=model_type == "llama" and _flag(hf, "mlp_bias"),
+            # Only Llama's and Granite's configs have mlp_bias (transformers ignores the key
+            # elsewhere).
+            mlp_bias=model_type in ("llama", "granite") and _flag(hf, "mlp_bias"),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
             **_experts(model_type, hf, num_layers),
+            **_granite(model_type, hf),
         )
 
     def layer_tensor_shape(self, module: str) -> tuple[int, int]:
@@ -209,6 +220,17 @@ def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     )
     window = hf.get("sliding_window", default)
     return None if window is None else _count({"sliding_window": window}, "sliding_window")
+
+
+def _granite(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+    if model_type != "granite":
+        return {}
+    return {
+        "embedding_multiplier": _positive(hf, "embedding_multiplier", 1.0),
+        "residual_multiplier": _positive(hf, "residual_multiplier", 1.0),
+        "attention_multiplier": _positive(hf, "attention_multiplier", 1.0),
+        "logits_scaling": _positive(hf, "logits_scaling", 1.0),
+    }
 
 
 def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Architectures beside Llama and Qwen: the mixtures of experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE) and Phi-3 (q/k/v and gate/up fused in its checkpoint). Each is decoded through
+Qwen3-MoE), Phi-3 (q/k/v and gate/up fused in its checkpoint) and Granite (its scalars). Each is decoded through
 the engine core, chunked, preempted and with drafts, in one process and by a
 tensor-parallel group of two, as transformers decodes it (its loop over experts); and what
 Weir refuses of them."""
@@ -36,6 +36,17 @@ COMMON = dict(
 )
 CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=96, pad_token_id=0),
+    # Granite's four scalars, and biases everywhere
+    "granite": lambda: transformers.GraniteConfig(
+        **COMMON,
+        intermediate_size=96,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.4,
+        attention_multiplier=0.05,
+        logits_scaling=2.5,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
     "mixtral": lambda: transformers.MixtralConfig(
         **COMMON, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2
     ),
@@ -61,7 +72,13 @@ CONFIGS = {
         mlp_only_layers=[0],
     ),
 }
-MOE_LAYERS = {"phi3": (), "mixtral": (0, 1, 2), "qwen2_moe": (1,), "qwen3_moe": (1, 2)}
+MOE_LAYERS = {
+    "granite": (),
+    "phi3": (),
+    "mixtral": (0, 1, 2),
+    "qwen2_moe": (1,),
+    "qwen3_moe": (1, 2),
+}
 
 
 def save_model(kind: str, path) -> torch.nn.Module:
@@ -197,16 +214,21 @@ def _adapter(path, cfg: ModelConfig, modules: dict[int, tuple[str, ...]]) -> dic
     return tensors
 
 
-def test_an_adapter_of_attention_and_dense_layers_applies_to_a_mixture_of_experts(tmp_path):
-    """Qwen3-MoE with a dense layer 0: an adapter of every layer's q/v and of layer 0's
-    down_proj decodes what transformers decodes with the adapter merged into the weights;
-    a request without it, the base model's tokens."""
+@pytest.mark.parametrize("kind", ["qwen3_moe", "granite"])
+def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path):
+    """An adapter of every layer's q/v, and of o/down where the layer has one MLP (Qwen3-MoE:
+    layer 0; Granite: each, its residual_multiplier on their updates too), decodes what
+    transformers decodes with the adapter merged into the weights; a request without it,
+    the base model's tokens."""
     path = tmp_path / "m"
-    hf = save_model("qwen3_moe", path)
+    hf = save_model(kind, path)
     cfg = read_model_config(path)
-    dense = {0: ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
-    sparse = {layer: ("self_attn.q_proj", "self_attn.v_proj") for layer in cfg.moe_layers}
-    tensors = _adapter(tmp_path / "a", cfg, dense | sparse)
+    modules = {
+        layer: ("self_attn.q_proj", "self_attn.v_proj")
+        + (() if cfg.is_moe_layer(layer) else ("self_attn.o_proj", "mlp.down_proj"))
+        for layer in range(cfg.num_layers)
+    }
+    tensors = _adapter(tmp_path / "a", cfg, modules)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     base = [greedy(hf, prompt, 6) for prompt in prompts]
     with torch.no_grad():

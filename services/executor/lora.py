@@ -49,6 +49,9 @@ class Adapter:
     fingerprint: str  # of its files (``AdapterFiles.fingerprint``)
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")  # the projections that end a residual branch
+
+
 def _projection_rows(model: CausalLM) -> dict[str, int]:
     """Output rows of each fused projection on this rank."""
     layout, cfg = model.layout, model.config
@@ -87,8 +90,10 @@ def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
     for (layer, projection), fused in parts.items():
         a_t = torch.cat([a for _, a, _ in fused]).t()
         b_t = torch.zeros(len(fused) * rank, rows_of[projection])
+        # A residual branch's end carries Granite's residual_multiplier, as its weights do.
+        factor = scaling * (cfg.residual_multiplier if projection in ROW_PARALLEL else 1.0)
         for i, (rows, _, b) in enumerate(fused):
-            b_t[i * rank : (i + 1) * rank, rows] = b.float().t() * scaling
+            b_t[i * rank : (i + 1) * rank, rows] = b.float().t() * factor
         layers[layer][projection] = LoraWeights(
             a_t.to(device, model.dtype).contiguous(), b_t.to(device, model.dtype).contiguous()
         )

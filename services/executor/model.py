@@ -69,7 +69,7 @@ class DecoderLayer(nn.Module):
         h, d, inter = cfg.hidden_size, cfg.head_dim, layout.intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, d
         self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
-        self.scale = d**-0.5
+        self.scale = cfg.attention_multiplier or d**-0.5
         self.attention = attention
         self.kernels = kernels
         self.tp = tp
@@ -219,6 +219,8 @@ class CausalLM(nn.Module):
         cos = freqs.cos().to(self.dtype).unsqueeze(1)
         sin = freqs.sin().to(self.dtype).unsqueeze(1)
         x = self._embed(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            x *= self.config.embedding_multiplier
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, attn_metadata, kv_cache, lora)
         return self.norm(x)
@@ -241,6 +243,8 @@ class CausalLM(nn.Module):
         """fp32 logits [N, vocab] for the N hidden rows asked for; under tensor parallelism
         gathered on rank 0, and None on the other ranks."""
         logits = self._logits_shard(hidden)
+        if self.config.logits_scaling != 1.0:
+            logits /= self.config.logits_scaling
         if self.tp is None:
             return logits
         return self.tp.gather_logits(logits, self.config.vocab_size)
@@ -261,6 +265,25 @@ class CausalLM(nn.Module):
             end = min(start + CPU_LOGITS_SLICE, vocab)
             torch.mm(hidden, weight[start:end].t(), out=logits[:, start:end])
         return logits.float()
+
+    @torch.no_grad()
+    def fold_residual_multiplier(self) -> None:
+        """Granite scales each residual branch (attention's and the MLP's) by
+        ``residual_multiplier``: folded into the weights of the projections that end them,
+        once, after loading, so the fused residual adds stay one matmul."""
+        factor = self.config.residual_multiplier
+        if factor == 1.0:
+            return
+        for layer in self.layers:
+            ends = [layer.o_proj, layer.down_proj]
+            if layer.moe is not None:
+                ends += [layer.moe.shared_down]
+                layer.moe.experts_down.mul_(factor)
+            for linear in ends:
+                if linear is not None:
+                    linear.weight.mul_(factor)
+                    if linear.bias is not None:
+                        linear.bias.mul_(factor)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block costs on this rank across all layers (K and V)."""

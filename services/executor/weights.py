@@ -386,6 +386,7 @@ def load_model(
         load_weights(model, iter_safetensors(model_dir), lm_head_optional)
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
+    model.fold_residual_multiplier()
     if quantization is not None:
         quantize_model(model, quantization)
     elif (
