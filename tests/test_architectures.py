@@ -269,6 +269,10 @@ def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):
     refused({**hf, "moe_intermediate_size": 32}, "config does not describe these weights")
     extra = {**tensors, "model.layers.1.mlp.experts.9.up_proj.weight": torch.zeros(48, 64)}
     refused(hf, "past config.json's 8 experts", extra)
+    lacking = {
+        n: w for n, w in tensors.items() if n != "model.layers.1.mlp.experts.3.up_proj.weight"
+    }
+    refused(hf, r"lacks some of model\.layers\.1\.mlp\.experts\.E\.gate_proj", lacking)
     with pytest.raises(ValueError, match="num_experts_per_tok 9 is more than the 8 experts"):
         ModelConfig.from_hf({**hf, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="mlp_only_layers must be layer numbers"):

@@ -298,7 +298,30 @@ def load_weights(
         if filled.get(n, 0) != p.numel() and not (lm_head_optional and n == "lm_head")
     ]
     if missing:
-        raise ValueError(f"checkpoint does not fill {len(missing)} parameters, e.g. {missing[:5]}")
+        named = ", ".join(_checkpoint_names(n) for n in missing[:3])
+        raise ValueError(
+            f"checkpoint does not fill {len(missing)} parameters: it lacks some of {named}"
+        )
+
+
+def _checkpoint_names(param: str) -> str:
+    """The checkpoint tensors a Weir parameter is read from, for an error to name."""
+    if not param.startswith("layers."):
+        return {
+            "embed_tokens": "model.embed_tokens.weight",
+            "norm.weight": "model.norm.weight",
+        }.get(param, f"{param}.weight")
+    _, layer, rest = param.split(".", 2)
+    module, _, kind = (
+        rest.rpartition(".") if rest.endswith((".weight", ".bias")) else (rest, "", "")
+    )
+    sources = [hf for hf, (weir, _) in LAYER_PARTS.items() if weir == module]
+    suffix = f".{kind}" if kind else ".weight"
+    names = [
+        f"model.layers.{layer}." + hf.replace("mlp.experts.", "mlp.experts.E.") + suffix
+        for hf in sources
+    ]
+    return " / ".join(names)
 
 
 def _load_tensor(
