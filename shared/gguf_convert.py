@@ -264,18 +264,28 @@ def _build_config(
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
-    config.update(_experts(meta, arch_name, arch, config))
+    # model.layers.L.mlp.experts.E.*: the experts the file's stacked tensors hold
+    found = {name.split(".")[5] for name in tensors if ".mlp.experts." in name}
+    config.update(_experts(meta, arch_name, arch, config, len(found)))
     config.update(_special_token_ids(meta))
     return config
 
 
-def _experts(meta: _Metadata, arch_name: str, arch: _Architecture, config: dict) -> dict:
-    """The config keys of a mixture of experts (a llama file with experts is Mixtral)."""
+def _experts(
+    meta: _Metadata, arch_name: str, arch: _Architecture, config: dict, found: int
+) -> dict:
+    """The config keys of a mixture of experts (a llama file with experts is Mixtral);
+    ``found``: how many experts the file's ffn_*_exps tensors hold."""
     experts = meta.get(f"{arch_name}.expert_count")
     if not experts:
-        if arch.model_type.endswith("_moe"):
+        if arch.model_type.endswith("_moe") or found:
             raise UnsupportedGGUFError(f"GGUF file has no '{arch_name}.expert_count' metadata")
         return {}
+    if int(experts) != found:
+        raise UnsupportedGGUFError(
+            f"GGUF file says {arch_name}.expert_count {int(experts)}, but its ffn_*_exps "
+            f"tensors hold {found} experts"
+        )
     used = int(meta.require(f"{arch_name}.expert_used_count"))
     norm = bool(meta.get(f"{arch_name}.expert_weights_norm", _NORM_TOPK[arch_name]))
     if arch_name == "llama":

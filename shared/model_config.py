@@ -130,7 +130,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"config.json: unsupported rope type {rope_type!r}")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        # transformers moves a top-level partial_rotary_factor into rope_parameters.
+        if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("config.json: partial rotary embeddings are not supported")
         hidden, num_heads = _count(hf, "hidden_size"), _count(hf, "num_attention_heads")
         num_kv_heads = _count(hf, "num_key_value_heads", num_heads)

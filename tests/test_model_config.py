@@ -95,6 +95,7 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
         ({**REQUIRED, "num_key_value_heads": 3}, "4 is not a multiple of num_key_value_heads 3"),
         ({**REQUIRED, "rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
         ({**REQUIRED, "rope_scaling": "linear"}, "rope_scaling must be an object"),
+        ({**REQUIRED, "partial_rotary_factor": 0.5}, "partial rotary embeddings"),
         ({**REQUIRED, "rope_scaling": {"rope_type": "yarn"}}, "unsupported rope type 'yarn'"),
         ({**REQUIRED, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
         ({**REQUIRED, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),

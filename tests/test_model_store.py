@@ -347,6 +347,30 @@ def test_tiny_gguf_converts_back_to_the_original_model(
         torch.testing.assert_close(converted(input_ids).logits, original(input_ids).logits)
 
 
+@pytest.mark.parametrize(
+    ("stated", "message"),
+    [
+        (0, "no 'llama.expert_count' metadata"),
+        (5, "expert_count 5, but its ffn_\\*_exps tensors hold 4 experts"),
+    ],
+)
+def test_experts_the_metadata_does_not_state_are_refused_before_any_build(
+    stated, message, tmp_path, monkeypatch
+) -> None:
+    """A llama file whose stacked experts its expert_count leaves out or miscounts: no
+    build is cached (transformers would load such a build with random MLPs)."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    tokens, _, _ = _tiny_vocab()
+    config = transformers.MixtralConfig(**TINY, num_local_experts=4)
+    config.vocab_size = len(tokens)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    config.num_local_experts = stated
+    _write_gguf(tmp_path / "mixtral.gguf", "llama", model, config)
+    with pytest.raises(UnsupportedGGUFError, match=message):
+        resolve_model(tmp_path / "mixtral.gguf")
+    assert not list((tmp_path / "cache" / "models").glob("*/config.json"))
+
+
 def test_unsupported_architecture_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "mamba.gguf"

@@ -521,8 +521,8 @@ class ClientFrontend:
                 raise ValueError(
                     f"{name} is too large: this model's maximum context length is "
                     f"{self.max_model_len} tokens and the prompt has {num_prompt_tokens}, so at "
-                    f"most {room} can be generated, but {name} is {wanted}; ask for fewer "
-                    "(or leave max_tokens out for as many as fit)"
+                    f"most {room} can be generated, but {name} is {wanted}; ask for at most "
+                    f"{room} (a null max_tokens asks for as many as fit)"
                 )
 
     def _new_request(
