@@ -45,10 +45,12 @@ _CHANGES_THE_FORWARD = {
     "monteclora_config": "MonteCLoRA",
 }
 # PEFT's tensor names: base_model.model.<the base model's module>.lora_A.weight; the module
-# lacks "model." for an adapter of the bare transformer (an embedding model's).
+# lacks "model." for an adapter of the bare transformer (an embedding model's). Phi-3's
+# modules are fused: qkv_proj and gate_up_proj.
 _TENSOR = re.compile(
     r"base_model\.model\.(?:model\.)?layers\.(\d+)\."
-    r"(self_attn\.[qkvo]_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)\.lora_([AB])\.weight"
+    r"(self_attn\.[qkvo]_proj|self_attn\.qkv_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.gate_up_proj"
+    r"|mlp\.down_proj)\.lora_([AB])\.weight"
 )
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 

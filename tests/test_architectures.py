@@ -214,18 +214,21 @@ def _adapter(path, cfg: ModelConfig, modules: dict[int, tuple[str, ...]]) -> dic
     return tensors
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "granite"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "granite", "phi3"])
 def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path):
     """An adapter of every layer's q/v, and of o/down where the layer has one MLP (Qwen3-MoE:
-    layer 0; Granite: each, its residual_multiplier on their updates too), decodes what
-    transformers decodes with the adapter merged into the weights; a request without it,
-    the base model's tokens."""
+    layer 0; Granite: each, its residual_multiplier on their updates too; Phi-3: its fused
+    qkv_proj and gate_up_proj, whose parts share A), decodes what transformers decodes with
+    the adapter merged into the weights; a request without it, the base model's tokens."""
     path = tmp_path / "m"
     hf = save_model(kind, path)
     cfg = read_model_config(path)
+    attention = (
+        ("self_attn.qkv_proj",) if kind == "phi3" else ("self_attn.q_proj", "self_attn.v_proj")
+    )
+    mlp = ("self_attn.o_proj", "mlp.gate_up_proj" if kind == "phi3" else "mlp.down_proj")
     modules = {
-        layer: ("self_attn.q_proj", "self_attn.v_proj")
-        + (() if cfg.is_moe_layer(layer) else ("self_attn.o_proj", "mlp.down_proj"))
+        layer: attention + (() if cfg.is_moe_layer(layer) else mlp)
         for layer in range(cfg.num_layers)
     }
     tensors = _adapter(tmp_path / "a", cfg, modules)
@@ -249,6 +252,9 @@ def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path)
     outputs = tp_workload.run(work).outputs
     assert outputs == {"r0": greedy(hf, prompts[0], 6), "r1": base[1]}
     assert outputs["r0"] != base[0], "the adapter must matter"
+    if kind == "phi3":  # each rank takes its rows of every part of a fused update
+        for report in tp_workload.run_group(work, world_size=2):
+            assert report.outputs == outputs
 
 
 def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):

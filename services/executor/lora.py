@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from weir.services.executor.model import CausalLM
 from weir.services.executor.transfer import to_device
-from weir.services.executor.weights import LAYER_PARTS, layer_part
+from weir.services.executor.weights import FUSED_MODULES, LAYER_PARTS, RowsOf, layer_part
 from weir.shared.lora import LoraModule, check_adapter
 
 _ALL = (slice(None),)
@@ -74,16 +74,23 @@ def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
     parts: dict[tuple[int, str], list[tuple[slice, torch.Tensor, torch.Tensor]]] = {}
     with safe_open(str(files.weights), framework="pt", device="cpu") as f:
         for (layer, hf_module), (key_a, key_b) in files.pairs.items():
-            projection, part = LAYER_PARTS[hf_module]
-            target = layer_part(cfg, layout, part, "weight")
-            assert target is not None  # only a bias may be another rank's
-            rows, index = target
             a_src, b_src = f.get_slice(key_a), f.get_slice(key_b)
-            if part.endswith("_in"):  # row-parallel: this rank reads some of the input columns
-                a, b = a_src[index], b_src[_ALL]
-            else:
-                a, b = a_src[_ALL], b_src[index]
-            parts.setdefault((layer, projection), []).append((rows, a, b))
+            # A fused module's update (Phi-3's qkv_proj): its parts share A, and each takes
+            # its rows of B.
+            start = 0
+            for hf_part in FUSED_MODULES.get(hf_module, (hf_module,)):
+                projection, part = LAYER_PARTS[hf_part]
+                target = layer_part(cfg, layout, part, "weight")
+                assert target is not None  # only a bias may be another rank's
+                rows, index = target
+                module_rows = cfg.layer_tensor_shape(hf_part)[0]
+                b_part = RowsOf(b_src, start, module_rows)
+                start += module_rows
+                if part.endswith("_in"):  # row-parallel: this rank reads some input columns
+                    a, b = a_src[index], b_part[_ALL]
+                else:
+                    a, b = a_src[_ALL], b_part[index]
+                parts.setdefault((layer, projection), []).append((rows, a, b))
     rows_of = _projection_rows(model)
     device = model.inv_freq.device
     layers: list[dict[str, LoraWeights]] = [{} for _ in range(cfg.num_layers)]

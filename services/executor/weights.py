@@ -31,7 +31,7 @@ _EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MOE_MODULES = ("mlp.experts.", "mlp.shared_expert")  # and the router, mlp.gate
 # Checkpoints that store a layer's q/k/v or gate/up as one tensor (Phi-3): read as its parts.
-_FUSED = {
+FUSED_MODULES = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
@@ -156,7 +156,7 @@ def layer_part(
     }[part]
 
 
-class _Rows:
+class RowsOf:
     """Rows [start, start + rows) of a checkpoint tensor, read as a tensor of their own."""
 
     def __init__(self, source: TensorSource, start: int, rows: int) -> None:
@@ -174,7 +174,7 @@ def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str,
     """A fused checkpoint tensor's parts under their own names (its whole shape checked
     first); any other tensor as it is."""
     m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in _FUSED:
+    if m is None or m.group(2) not in FUSED_MODULES:
         return [(name, source)]
     expected = checkpoint_shape(cfg, name)
     if tuple(source.get_shape()) != expected:
@@ -184,10 +184,10 @@ def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str,
         )
     parts: list[tuple[str, TensorSource]] = []
     start = 0
-    for module in _FUSED[m.group(2)]:
+    for module in FUSED_MODULES[m.group(2)]:
         rows = cfg.layer_tensor_shape(module)[0]
         part = f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
-        parts.append((part, _Rows(source, start, rows)))
+        parts.append((part, RowsOf(source, start, rows)))
         start += rows
     return parts
 
