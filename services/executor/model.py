@@ -1,4 +1,5 @@
-"""Decoder-only transformer for the Llama / Qwen2 / Qwen3 family, on a flat token batch.
+"""Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too) and Qwen2 /
+Qwen3, their mixtures of experts included (`moe.py`), on a flat token batch.
 
 A step's tokens from all requests are concatenated into one batch of T tokens; the
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
