@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tp_workload  # noqa: E402
+from devices import CPU_AND_CUDA  # noqa: E402
 from lora_adapters import greedy  # noqa: E402
 from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -111,7 +112,8 @@ def test_config_reads_the_experts_as_transformers_does(moe):
     cfg = read_model_config(path)
     assert cfg.moe_layers == MOE_LAYERS[kind]
     hf_cfg = hf.config
-    assert cfg.num_experts == getattr(hf_cfg, "num_experts", None) or hf_cfg.num_local_experts
+    experts = getattr(hf_cfg, "num_experts", None) or hf_cfg.num_local_experts
+    assert cfg.num_experts == experts
     assert cfg.num_experts_per_tok == hf_cfg.num_experts_per_tok
     sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
     assert tuple(sparse) == cfg.moe_layers
@@ -137,16 +139,7 @@ def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
         assert report.all_reduces == report.forwards * (2 * report.num_layers + 1)
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_bfloat16_moe_is_as_close_to_float32_as_transformers_bfloat16(moe, device):
     """bf16 rounds where the experts' outputs are summed otherwise than transformers does,
     so the two bf16 results differ; each is as far from the float32 logits as the other.

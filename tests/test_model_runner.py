@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from devices import CPU_AND_CUDA  # noqa: E402
 from test_model_core import save_tiny_model  # noqa: E402
 
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
@@ -209,16 +210,7 @@ def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
     assert len(runner.batch) == 3
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_pooling_requests_beside_a_generating_one_pool_transformers_hidden_states(tiny, device):
     """Each pooling type over chunks, a preemption mid-prompt (MEAN starts again from 0) and
     a step shared with a request that samples, whose tokens stay transformers'."""
