@@ -88,7 +88,7 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
     # The CPU test of the padded path needs the default model, which is not there.
     section tests 130 "$PY" -m pytest -q -x -p no:cacheprovider -k "not on_cpu" \
         tests/test_cuda_graphs.py tests/test_model_runner.py tests/kernels \
-        tests/test_moe.py::test_bfloat16_moe_is_as_close_to_float32_as_transformers_bfloat16
+        tests/test_architectures.py::test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA; then the
     # layer kernels against the operators they replace (one log: at most 8 files come back).
     section attention 80 bash -c '"$0" benchmarks/attention.py --quick --no-write; "$0" benchmarks/layer_ops.py' "$PY"

@@ -3,7 +3,7 @@ one by one (what `packed_weights.pack_model` makes of them), at several token co
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/moe_layer.py [--model DIR] [--repeats 5]
 
-DIR is a MoE model directory (default: `benchmarks/moe_shape.py`'s `small` shape, written to
+DIR is a MoE model directory (default: `benchmarks/model_shape.py`'s `moe-small` shape, written to
 a temporary directory); its weights are random (`--load-format dummy`), the layer's input
 is random, so tokens spread over the experts as a trained router spreads them.
 """
@@ -39,7 +39,7 @@ def main() -> None:
     model_dir = args.model
     if model_dir is None:
         model_dir = Path(tempfile.mkdtemp()) / "moe-small"
-        script = Path(__file__).with_name("moe_shape.py")
+        script = Path(__file__).with_name("model_shape.py")
         subprocess.run([sys.executable, str(script), str(model_dir)], check=True)
     # Two copies of the model: one left with stacked experts (the grouped matmul), one packed.
     os.environ["WEIR_PACK_CPU_WEIGHTS"] = "0"

@@ -15,7 +15,10 @@ and every layer then runs a handful of large operators that reuse the plan:
 * Long queries (prefill chunks) run one SDPA per request over its gathered context, causal
   without a mask when there is no earlier context.
 
-The cache stays paged: gathers read the blocks through the block table every layer.
+The cache stays paged: gathers read the blocks through the block table every layer. With a
+sliding window W, a request gathers only from the first key its first query sees, so a short
+query reads at most W + Q - 1 keys however long its sequence, and the masks hide the keys
+below each later query's window.
 """
 
 import dataclasses
@@ -38,7 +41,7 @@ class ShortBucket:
 
     num_reqs: int
     query_len: int  # Q
-    seq_len: int  # S
+    seq_len: int  # S: keys gathered per request, from its first visible one
     query_rows: torch.Tensor  # [R * Q] int64 flat batch row of query i of request r
     kv_rows: torch.Tensor  # [R * Hkv * S] int64 rows of the cache viewed as [slots * Hkv, D]
     bag_rows: torch.Tensor  # [R * Hkv * Q * G, S] the same rows for each folded query row
@@ -49,7 +52,7 @@ class ShortBucket:
 class LongQuery:
     start: int
     end: int
-    kv_rows: torch.Tensor  # [Hkv * S] int64
+    kv_rows: torch.Tensor  # [Hkv * S] int64, S keys from the first one its first query sees
     mask: torch.Tensor | None  # [Q, S] bool (True = attend); None = plain causal (no context)
 
 
@@ -74,8 +77,13 @@ def plan_step(
     num_heads: int,
     num_kv_heads: int,
     device: torch.device | str = "cpu",
+    sliding_window: int | None = None,
 ) -> StepPlan:
-    """Host-side planning from the reference's metadata (CPU tensors); the plan's tensors go to `device`."""
+    """Host-side planning from the reference's metadata (CPU tensors); the plan's tensors go to
+    `device`. With `sliding_window` (the reference's), each token attends to that many keys up
+    to its own, and no key below the window of its request's first query is gathered."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"a sliding window of {sliding_window} keys hides every key")
     qsl = query_start_loc.numpy().astype(np.int64)
     lens = seq_lens.numpy().astype(np.int64)
     table = block_table.numpy()
@@ -88,13 +96,24 @@ def plan_step(
     write_rows = None if all_valid else torch.from_numpy(np.flatnonzero(valid))
 
     query_lens = qsl[1:] - qsl[:-1]
+    # The first key any query of a request sees: its first query's.
+    first_keys = (
+        np.zeros_like(lens)
+        if sliding_window is None
+        else np.maximum(lens - query_lens - sliding_window + 1, 0)
+    )
     short_reqs = np.flatnonzero((query_lens > 0) & (query_lens <= SHORT_QUERY_MAX))
     long_reqs = np.flatnonzero(query_lens > SHORT_QUERY_MAX)
     short = [
-        _short_bucket(reqs, qsl, lens, table, block_size, num_kv_heads, group)
-        for reqs in _buckets(short_reqs, query_lens, lens)
+        _short_bucket(
+            reqs, qsl, lens, first_keys, table, block_size, num_kv_heads, group, sliding_window
+        )
+        for reqs in _buckets(short_reqs, query_lens, lens - first_keys)
     ]
-    long = [_long_query(int(r), qsl, lens, table, block_size, num_kv_heads) for r in long_reqs]
+    long = [
+        _long_query(int(r), qsl, lens, first_keys, table, block_size, num_kv_heads, sliding_window)
+        for r in long_reqs
+    ]
     plan = StepPlan(num_kv_heads, group, torch.from_numpy(write_slots), write_rows, short, long)
     return plan if torch.device(device).type == "cpu" else _to_device(plan, device)
 
@@ -114,8 +133,8 @@ def _to_device(obj: object, device: torch.device | str) -> object:
 
 
 def _buckets(reqs: np.ndarray, query_lens: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
-    """Split requests by query length, then, longest sequence first, wherever the padding a
-    split saves (rows left x shorter length) exceeds BUCKET_SPLIT_TOKENS."""
+    """Split requests by query length, then, longest first (`lens`: keys gathered per request),
+    wherever the padding a split saves (rows left x shorter length) exceeds BUCKET_SPLIT_TOKENS."""
     buckets = []
     for q in np.unique(query_lens[reqs]):
         same_q = reqs[query_lens[reqs] == q]
@@ -134,34 +153,56 @@ def _kv_rows(
     table: np.ndarray,
     reqs: np.ndarray,
     lens: np.ndarray,
+    first_keys: np.ndarray,
     seq_len: int,
     block_size: int,
     num_kv_heads: int,
 ) -> np.ndarray:
-    """[R, Hkv, S] rows of the cache viewed as [num_blocks * block_size * Hkv, D]. Positions past a
-    request's length repeat its last token, so padding reads real data and the mask hides it."""
-    pos = np.minimum(np.arange(seq_len)[None, :], lens[reqs][:, None] - 1)  # [R, S]
+    """[R, Hkv, S] rows of the cache viewed as [num_blocks * block_size * Hkv, D], of S positions
+    from each request's first key. Positions past a request's length repeat its last token, so
+    padding reads real data and the mask hides it."""
+    pos = np.minimum(
+        first_keys[reqs][:, None] + np.arange(seq_len)[None, :], lens[reqs][:, None] - 1
+    )  # [R, S]
     blocks = np.take_along_axis(table[reqs], pos // block_size, axis=1).astype(np.int64)
     token_slots = blocks * block_size + pos % block_size
     return token_slots[:, None, :] * num_kv_heads + np.arange(num_kv_heads)[None, :, None]
+
+
+def _visible(
+    reqs: np.ndarray,
+    lens: np.ndarray,
+    first_keys: np.ndarray,
+    query_len: int,
+    seq_len: int,
+    sliding_window: int | None,
+) -> np.ndarray:
+    """[R, Q, S] whether query i of each request sees its gathered key j (position
+    first_key + j): iff that is <= context_len + i, and > context_len + i - W with a window W."""
+    key_pos = first_keys[reqs][:, None, None] + np.arange(seq_len)[None, None, :]
+    query_pos = (lens[reqs] - query_len)[:, None, None] + np.arange(query_len)[None, :, None]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    return visible
 
 
 def _short_bucket(
     reqs: np.ndarray,
     qsl: np.ndarray,
     lens: np.ndarray,
+    first_keys: np.ndarray,
     table: np.ndarray,
     block_size: int,
     num_kv_heads: int,
     group: int,
+    sliding_window: int | None,
 ) -> ShortBucket:
     query_len = int(qsl[reqs[0] + 1] - qsl[reqs[0]])
-    seq_len = int(lens[reqs].max())
+    seq_len = int((lens[reqs] - first_keys[reqs]).max())
     query_rows = qsl[reqs][:, None] + np.arange(query_len)[None, :]  # [R, Q]
-    kv_rows = _kv_rows(table, reqs, lens, seq_len, block_size, num_kv_heads)
-    # Query i of a request sees key j iff j <= context_len + i.
-    last_visible = (lens[reqs] - query_len)[:, None] + np.arange(query_len)[None, :]  # [R, Q]
-    visible = np.arange(seq_len)[None, None, :] <= last_visible[:, :, None]  # [R, Q, S]
+    kv_rows = _kv_rows(table, reqs, lens, first_keys, seq_len, block_size, num_kv_heads)
+    visible = _visible(reqs, lens, first_keys, query_len, seq_len, sliding_window)
     mask = None
     if not visible.all():
         additive = np.where(visible, np.float32(0), np.float32(-np.inf))
@@ -182,17 +223,24 @@ def _short_bucket(
 
 
 def _long_query(
-    r: int, qsl: np.ndarray, lens: np.ndarray, table: np.ndarray, block_size: int, num_kv_heads: int
+    r: int,
+    qsl: np.ndarray,
+    lens: np.ndarray,
+    first_keys: np.ndarray,
+    table: np.ndarray,
+    block_size: int,
+    num_kv_heads: int,
+    sliding_window: int | None,
 ) -> LongQuery:
-    seq_len = int(lens[r])
+    reqs = np.array([r])
     start, end = int(qsl[r]), int(qsl[r + 1])
-    context = seq_len - (end - start)
-    kv_rows = _kv_rows(table, np.array([r]), lens, seq_len, block_size, num_kv_heads)
+    seq_len = int(lens[r] - first_keys[r])
+    kv_rows = _kv_rows(table, reqs, lens, first_keys, seq_len, block_size, num_kv_heads)
     mask = None
-    if context:
-        mask = torch.from_numpy(
-            np.arange(seq_len)[None, :] <= context + np.arange(end - start)[:, None]
-        )
+    # A fresh prompt no window binds is SDPA's own causal case: no mask to build or read.
+    if seq_len != end - start or (sliding_window is not None and sliding_window < seq_len):
+        visible = _visible(reqs, lens, first_keys, end - start, seq_len, sliding_window)
+        mask = torch.from_numpy(visible[0])
     return LongQuery(start, end, torch.from_numpy(kv_rows.reshape(-1)), mask)
 
 

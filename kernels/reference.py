@@ -14,6 +14,9 @@ Shapes (the flat mixed-batch layout):
 
 Causal rule: query i of request r (0-based within its new tokens) sees key
 position j iff j <= context_len + i, where context_len = seq_len - query_len.
+With a sliding window W (a layer of Mistral, Gemma 3, Qwen2 with use_sliding_window), also
+j > context_len + i - W: each token sees itself and the W - 1 keys before it, as
+transformers' `sliding_window_overlay` and FlashAttention's window (W - 1, 0) do.
 """
 
 import torch
@@ -38,8 +41,11 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of every new token over its request's cached keys (one request at a time)."""
+    """Attention of every new token over its request's cached keys (one request at a time);
+    with ``sliding_window``, over the last that many of them only."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -60,7 +66,10 @@ def paged_attention(
         context_len = seq_len - query_len
         q_pos = torch.arange(query_len).unsqueeze(1) + context_len
         k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[starts[r] : starts[r + 1]] = torch.einsum("hqk,hkd->qhd", probs, v).to(query.dtype)
     return out

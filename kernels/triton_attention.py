@@ -1,8 +1,9 @@
 """Triton attention over the paged KV cache for a whole mixed batch.
 
-Same semantics and positional signature as `weir.kernels.reference.paged_attention`
-(prefill chunks with cached context, decodes and speculative 1 + k queries share the
-flat layout; query i of request r sees key j iff j <= context_len + i).
+Same semantics, positional signature and sliding_window keyword as
+`weir.kernels.reference.paged_attention` (prefill chunks with cached context, decodes and
+speculative 1 + k queries share the flat layout; query i of request r sees key j iff
+j <= context_len + i, and with a sliding window W also j > context_len + i - W).
 
 Two kinds of tile, one launch each (no launch when the step has none of that kind):
 
@@ -24,9 +25,13 @@ Two kinds of tile, one launch each (no launch when the step has none of that kin
 
 Either kind walks its request's keys in tiles of TILE_N positions (independent of the
 page size) with an online softmax accumulated in fp32. Key tiles past the causal limit
-of a block's last token are never visited. In prefill tiles, key tiles that every row
-of the block sees whole are processed without masks, and only the one or two tiles on
-the diagonal (or holding the sequence end) are masked.
+of a block's last token are never visited, nor, with a window, tiles below the window of
+its first token: a windowed step reads O(W) keys per block however long the context. In
+prefill tiles, key tiles that every row of the block sees whole are processed without
+masks, and only the one or two tiles on the diagonal (or holding the sequence end), and
+with a window those at its lower edge, are masked. The window is a compile-time constant
+(one compilation per window size, as a model has one or two): without one, the kernels
+are exactly the unwindowed ones.
 
 Split-KV. When the decode launch of a step without long queries would leave the GPU's
 SMs short of programs (few requests over long contexts) a third grid axis cuts each
@@ -35,7 +40,7 @@ max, running sum) into a workspace and a second kernel merges them. The workspac
 be allocated once (`allocate_split_kv_workspace`) so the launches can be captured in a
 CUDA graph. The rule and the per-GPU tile constants are explained at `LaunchPlan`.
 
-Every grid depends only on tensor shapes, the device and the host-side hints
+Every grid depends only on tensor shapes, the device, the window and the host-side hints
 (max_query_len, max_seq_len); the hints choose tiles and launches, never the result.
 """
 
@@ -110,10 +115,11 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Online softmax over key tiles [tile_begin, tile_end). Unless MASKED, every row sees every
-    key of these tiles and they lie inside the sequence: no bounds checks, no causal mask."""
+    key of these tiles and they lie inside the sequence: no bounds checks, causal or window masks."""
     offs_n = tl.arange(0, TILE_N)
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
@@ -138,7 +144,10 @@ def _attend_tiles(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             # Also hides key_pos >= kv_len, since a valid row's last visible key is below kv_len.
-            s = tl.where(key_pos[None, :] <= last_visible[:, None], s, float("-inf"))
+            visible = key_pos[None, :] <= last_visible[:, None]
+            if SLIDING_WINDOW:
+                visible &= key_pos[None, :] > last_visible[:, None] - SLIDING_WINDOW
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -187,6 +196,7 @@ def _attend_query_block(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,
 ):
     """Query tokens [q_block_local * BLOCK_Q, + BLOCK_Q) of request req, every query head of one
@@ -210,21 +220,41 @@ def _attend_query_block(
         other=0.0,
     ).to(cache_ptr.dtype.element_ty)
 
-    # Keys this block can see at all: up to the causal limit of its last token; tiles past it are skipped.
+    # Keys this block can see at all: up to the causal limit of its last token, and from the
+    # window's lower edge for its first token; tiles outside are skipped, segments split the rest.
     kv_len = tl.minimum(seq_len, context_len + q_first + BLOCK_Q)
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_begin = segment * tiles_per_segment
+    if SLIDING_WINDOW:
+        # Clamped after the division (truncating: a negative edge gives at most 0), not before: the
+        # same tile, but ptxas then fits the sm_90 split decode tile in 128 registers, not 142.
+        first_tile = tl.maximum((context_len + q_first - SLIDING_WINDOW + 1) // TILE_N, 0)
+        tiles_per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
+        tile_begin = first_tile + segment * tiles_per_segment
+    else:
+        tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
+        tile_begin = segment * tiles_per_segment
     tile_end = tl.minimum(tile_begin + tiles_per_segment, num_tiles)
-    # Tiles below the first token's causal limit are seen whole by every row.
+    # Tiles below the first token's causal limit (and, with a window, from the lower edge of the
+    # last token's window) are seen whole by every row; masked tiles remain only at the two edges.
     if UNMASKED_TILES:
         full_end = tl.maximum(
             tl.minimum((context_len + q_first + 1) // TILE_N, tile_end), tile_begin
         )
+        if SLIDING_WINDOW:
+            # The block's last token, at kv_len - 1, sees keys from kv_len - SLIDING_WINDOW on.
+            full_begin = tl.minimum(
+                tl.maximum(tl.cdiv(kv_len - SLIDING_WINDOW, TILE_N), tile_begin), full_end
+            )
+        else:
+            full_begin = tile_begin
     else:
         full_end = tile_begin
 
     last_visible = context_len + q_pos
+    if SLIDING_WINDOW:
+        # Rows past the request's end are never stored; given its last token's window, they still
+        # see a key, so that no 0 / 0 (a NaN) is computed even there.
+        last_visible = tl.minimum(last_visible, seq_len - 1)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
     k_base = cache_ptr + kv_head * stride_c_head
     v_base = k_base + stride_c_kv
@@ -233,15 +263,21 @@ def _attend_query_block(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if UNMASKED_TILES:
+        if SLIDING_WINDOW:
+            acc, m_i, l_i = _attend_tiles(
+                acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_begin, full_begin, kv_len,
+                last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
+                BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, True,
+            )  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_begin, full_end, kv_len,
+            acc, m_i, l_i, q, k_base, v_base, block_table_row, full_begin, full_end, kv_len,
             last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
-            BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, False,
+            BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, False,
         )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_base, v_base, block_table_row, full_end, tile_end, kv_len,
         last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
-        BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, True,
+        BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, True,
     )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -293,6 +329,7 @@ def _decode_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
 ):
     """One request (longer than short_query_len: left to the prefill launch), one KV head, one key
     segment. A query longer than one tile (a max_query_len hint below the truth) is walked tile by tile."""
@@ -310,7 +347,7 @@ def _decode_attention_kernel(
                 qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv,
                 stride_c_block, stride_c_slot, stride_c_head, stride_bt_req, stride_bt_block,
                 BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q, BLOCK_D, HEAD_DIM, TILE_N, NUM_SEGMENTS,
-                DOT_PRECISION, False,
+                DOT_PRECISION, SLIDING_WINDOW, False,
             )  # fmt: skip
 
 
@@ -344,6 +381,7 @@ def _prefill_attention_kernel(
     HEAD_DIM: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
 ):
     """One query block of a request longer than short_query_len, one KV head, single pass."""
     kv_head = tl.program_id(0)
@@ -360,7 +398,7 @@ def _prefill_attention_kernel(
             q_start, query_len, seq_len, q_block_local, kv_head, 0, qk_scale, num_heads,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_block, stride_c_slot,
             stride_c_head, stride_bt_req, stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q,
-            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, True,
+            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SLIDING_WINDOW, True,
         )  # fmt: skip
 
 
@@ -391,7 +429,8 @@ def _merge_segments_kernel(
             token = (q_start + i).to(tl.int64)
             partial = (token * num_heads + head) * NUM_SEGMENTS + segments
             seg_max = tl.load(segm_max_ptr + partial)
-            # Every token sees key 0 in some segment, so the overall max is finite and the total >= 1.
+            # Every token sees its own key in some segment, so the overall max is finite and the total
+            # >= 1; a segment holding none of its keys (max -inf, sum and acc 0) gets weight 0.
             weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
             total = tl.sum(tl.load(segm_sum_ptr + partial) * weight, axis=0)
             acc = tl.load(segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :])
@@ -451,7 +490,9 @@ class LaunchPlan:
     that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256), 8 warps (4 spill on
     sm_80), 2 stages; decode tiles as on Hopper with 2 stages.
 
-    Split-KV (by default only in steps without a prefill launch): see split_kv_segments.
+    Split-KV (by default only in steps without a prefill launch): see split_kv_segments. With a
+    sliding window the segments divide only the tiles a request's window covers, so the rule counts
+    the window (plus the query), not the sequence, as the keys to split.
     """
 
     group: int
@@ -466,6 +507,7 @@ class LaunchPlan:
     short_query_len: int
     prefill: TileShape | None
     prefill_grid: tuple[int, int] | None
+    sliding_window: int | None
 
     def constexprs(self, tile: TileShape) -> dict[str, int | str]:
         return {
@@ -477,6 +519,7 @@ class LaunchPlan:
             "HEAD_DIM": self.head_dim,
             "TILE_N": tile.tile_n,
             "DOT_PRECISION": self.dot_precision,
+            "SLIDING_WINDOW": self.sliding_window or 0,
         }
 
 
@@ -529,8 +572,11 @@ def plan_launches(
     max_query_len: int,
     max_seq_len: int | None,
     split_kv: bool | int | None,
+    sliding_window: int | None = None,
 ) -> LaunchPlan:
     """The launch plan for one batch shape (cached: the same shape recurs every layer and step)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window}: a token must see at least itself")
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     hopper = capability_major == 9
@@ -555,6 +601,10 @@ def plan_launches(
     if split_kv is None:
         # Not beside a prefill launch: its tokens would need workspace rows too (the workspace is
         # indexed by token), and the scheduler mixes prefill chunks with many decodes.
+        if sliding_window is not None:
+            # A decode tile visits at most the window of its first token plus its other tokens.
+            window_keys = sliding_window + max_query_len - 1
+            max_seq_len = window_keys if max_seq_len is None else min(max_seq_len, window_keys)
         segments = (
             split_kv_segments(num_requests, num_kv_heads, num_sms, max_seq_len)
             if prefill is None
@@ -579,6 +629,7 @@ def plan_launches(
         short_query_len=short_query_len,
         prefill=prefill,
         prefill_grid=prefill_grid,
+        sliding_window=sliding_window,
     )
 
 
@@ -590,6 +641,7 @@ def plan_for(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     split_kv: bool | int | None = None,
+    sliding_window: int | None = None,
 ) -> LaunchPlan:
     """The launches paged_attention makes for these tensors and hints (same defaults)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -609,6 +661,7 @@ def plan_for(
         max_query_len,
         max_seq_len,
         split_kv,
+        sliding_window,
     )
 
 
@@ -650,6 +703,7 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
@@ -661,9 +715,11 @@ def paged_attention(
     step has long queries, a decode-tile launch, and a merge launch on split-KV.
 
     The cache must already hold the new tokens' K/V (call reshape_and_cache first). Nothing is read
-    back to the host. Optional keyword arguments, all host-side (the executor passes only the
-    max_query_len and max_seq_len hints; out, split_kv, workspace and concurrent are for
-    benchmarks and tests):
+    back to the host. Optional keyword arguments, all host-side (the executor passes the layer's
+    sliding_window and the max_query_len and max_seq_len hints; out, split_kv, workspace and
+    concurrent are for benchmarks and tests):
+      sliding_window each token sees only itself and the sliding_window - 1 keys before it (None:
+                    every earlier key), as in the reference.
       out           preallocated [T, num_heads, head_dim] result; rows of tokens outside every request
                     are unspecified, as in the reference.
       max_query_len longest query of the step, known to the caller; picks the tiles and launches.
@@ -702,6 +758,7 @@ def paged_attention(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         split_kv=split_kv,
+        sliding_window=sliding_window,
     )
     if plan.segments > 1:
         if workspace is None:

@@ -35,31 +35,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
-def resolve_max_model_len(
-    requested: int | None, context_len: int, sliding_window: int | None = None
-) -> int:
+def resolve_max_model_len(requested: int | None, context_len: int) -> int:
     """The longest prompt + output served: ``requested``, or the model's context length
-    (``max_position_embeddings``), which it may not exceed (vLLM refuses it too). A model
-    with sliding-window attention is served only as long as its window never binds (every
-    token attends to every token before it, as Weir's attention does): at most the window."""
+    (``max_position_embeddings``), which it may not exceed (vLLM refuses it too)."""
     if requested is not None and requested > context_len:
         raise ValueError(
             f"max_model_len {requested} is longer than this model's context of {context_len} "
             "tokens (max_position_embeddings in its config.json): it was never trained on "
             "later positions; lower --max-model-len or leave it out"
         )
-    if sliding_window is None or sliding_window >= context_len:
-        return context_len if requested is None else requested
-    if requested is None:
-        return sliding_window
-    if requested > sliding_window:
-        raise ValueError(
-            f"max_model_len {requested} is longer than this model's sliding window of "
-            f"{sliding_window} tokens (sliding_window in its config.json): Weir serves such a "
-            "model only as long as every token attends to all before it; lower "
-            "--max-model-len or leave it out"
-        )
-    return requested
+    return context_len if requested is None else requested
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -9,6 +9,7 @@ transformers' default for the model type; a feature Weir does not implement is r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,11 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gemma3_text",
 )
+# Multimodal checkpoints Weir serves the language model of (its text_config's type); the
+# vision tower's weights are left unread, and a prompt is text only.
+TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 # transformers' defaults, per model type, for keys a config.json may leave out.
 _QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_topk_prob": False}
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -56,7 +61,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 768,
     },
+    "gemma3_text": {
+        "max_position_embeddings": 131072,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "tie_word_embeddings": True,
+    },
 }
+# The activation of the gated MLP: Llama's SiLU, or Gemma's tanh-approximated GELU.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +94,9 @@ class ModelConfig:
     rope_high_freq_factor: float
     rope_original_max_position: int
     max_position_embeddings: int
-    # Each token attends to the last sliding_window tokens only (Mistral, Mixtral, Qwen with
-    # use_sliding_window); None: to all. Served only where it never binds (shared/config.py).
+    # A token of a layer in sliding_layers attends to the last sliding_window tokens only
+    # (itself included): Mistral's, Mixtral's and Phi-3's every layer, Gemma 3's local layers,
+    # Qwen's by max_window_layers with use_sliding_window. None: every layer attends to all.
     sliding_window: int | None
     qkv_bias: bool
     o_bias: bool
@@ -95,6 +111,19 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, 0 for none
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
 
+    sliding_layers: tuple[int, ...] = ()
+    # Gemma 3's local (sliding) layers rotate with their own base and no scaling; None: every
+    # layer rotates alike.
+    sliding_rope_theta: float | None = None
+    hidden_act: str = "silu"
+    # Gemma: every RMSNorm scales by (1 + weight), and a layer normalizes the outputs of its
+    # attention and MLP before the residual adds too (post_attention_layernorm,
+    # pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it).
+    gemma_norms: bool = False
+    # Read from a multimodal checkpoint's text_config (TEXT_OF_MULTIMODAL): its language
+    # model's weights are named under language_model.
+    multimodal: bool = False
+
     # Granite's scalars: the embedding's and each residual branch's factor, the attention's
     # scale (None: head_dim ** -0.5) and the divisor of the logits.
     embedding_multiplier: float = 1.0
@@ -105,28 +134,45 @@ class ModelConfig:
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
 
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer ``index``; None where it attends to every token."""
+        return self.sliding_window if index in self.sliding_layers else None
+
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """ValueError names the key that is missing, mistyped or not supported."""
         if not isinstance(hf, dict):
             raise ValueError(f"config.json must hold a JSON object, not a {type(hf).__name__}")
         model_type = hf.get("model_type")
+        if model_type in TEXT_OF_MULTIMODAL:
+            text = _mapping(hf, "text_config")
+            text = cls.from_hf({**text, "model_type": TEXT_OF_MULTIMODAL[model_type]})
+            # The whole model's tie_word_embeddings ties its head, as transformers reads it.
+            tied = hf.get("tie_word_embeddings")
+            tied = True if tied is None else _flag(hf, "tie_word_embeddings")
+            return dataclasses.replace(text, multimodal=True, tie_word_embeddings=tied)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"config.json: unsupported model_type {model_type!r}; "
-                f"supported: {SUPPORTED_MODEL_TYPES}"
+                f"supported: {SUPPORTED_MODEL_TYPES + tuple(TEXT_OF_MULTIMODAL)}"
             )
         # A null counts as left out, as transformers reads it (but a null sliding_window).
         window = _sliding_window(model_type, hf)
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
-        if hf.get("hidden_act", "silu") != "silu":
+        gemma = model_type == "gemma3_text"
+        # Gemma's configs name it hidden_activation (transformers reads only that one there).
+        act_key = "hidden_activation" if gemma else "hidden_act"
+        act = hf.get(act_key, "silu")
+        if act not in ACTIVATIONS:
             raise ValueError(
-                f"config.json: unsupported hidden_act {hf['hidden_act']!r}; only silu is "
-                "implemented"
+                f"config.json: unsupported {act_key} {act!r}; implemented: {ACTIVATIONS}"
             )
-        # transformers < 5 writes rope_theta + rope_scaling; >= 5 rope_parameters. Where a
-        # file has both, transformers lets the legacy rope_scaling win.
-        rope = {**_mapping(hf, "rope_parameters"), **_mapping(hf, "rope_scaling")}
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if key in hf:
+                raise ValueError(f"config.json: {key} is not supported")
+        if _flag(hf, "use_bidirectional_attention"):
+            raise ValueError("config.json: use_bidirectional_attention is not supported")
+        rope, sliding_rope = _rope(hf, gemma)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"config.json: unsupported rope type {rope_type!r}")
@@ -143,6 +189,7 @@ class ModelConfig:
         max_pos = _count(hf, "max_position_embeddings")
         attention_bias = _flag(hf, "attention_bias")
         qwen2 = model_type in ("qwen2", "qwen2_moe")
+        head_dim = _count(hf, "head_dim", hidden // num_heads)
         num_layers = _count(hf, "num_hidden_layers")
         return cls(
             model_type=model_type,
@@ -152,7 +199,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=_count(hf, "head_dim", hidden // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=_positive(hf, "rms_norm_eps", 1e-6),
             rope_theta=_positive(rope, "rope_theta", _positive(hf, "rope_theta", 10000.0)),
             rope_type=rope_type,
@@ -162,6 +209,10 @@ class ModelConfig:
             rope_original_max_position=_count(rope, "original_max_position_embeddings", max_pos),
             max_position_embeddings=max_pos,
             sliding_window=window,
+            sliding_layers=() if window is None else _sliding_layers(model_type, hf, num_layers),
+            sliding_rope_theta=sliding_rope,
+            hidden_act=act,
+            gemma_norms=gemma,
             # Qwen2 has q/k/v biases (Qwen2-MoE unless its qkv_bias says not) and never an
             # o_proj bias.
             qkv_bias=attention_bias
@@ -171,10 +222,11 @@ class ModelConfig:
             # Only Llama's and Granite's configs have mlp_bias (transformers ignores the key
             # elsewhere).
             mlp_bias=model_type in ("llama", "granite") and _flag(hf, "mlp_bias"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
             **_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
+            **_gemma(model_type, hf),
         )
 
     def layer_tensor_shape(self, module: str) -> tuple[int, int]:
@@ -207,20 +259,82 @@ class ModelConfig:
             "mlp.down_proj": (h, inter),
             "input_layernorm": (h, 0),
             "post_attention_layernorm": (h, 0),
+            "pre_feedforward_layernorm": (h, 0),
+            "post_feedforward_layernorm": (h, 0),
         }[module]
 
 
 def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
-    """The window as transformers applies it: Mistral's (4096 where the key is left out, none
-    where it is null), Mixtral's and Phi-3's whenever set; Qwen's (4096 by default) only with
-    use_sliding_window."""
-    if model_type not in ("mistral", "mixtral", "phi3") and not _flag(hf, "use_sliding_window"):
+    """The window as transformers applies it: Mistral's and Gemma 3's (4096 where the key is
+    left out, none where it is null), Mixtral's and Phi-3's whenever set; Qwen's (4096 by
+    default) only with use_sliding_window."""
+    if model_type not in ("mistral", "mixtral", "phi3", "gemma3_text") and not _flag(
+        hf, "use_sliding_window"
+    ):
         return None
-    default = (
-        4096 if model_type in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe") else None
-    )
+    default = 4096 if model_type not in ("mixtral", "phi3") else None
     window = hf.get("sliding_window", default)
     return None if window is None else _count({"sliding_window": window}, "sliding_window")
+
+
+def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers the window applies to, as transformers picks them: every layer of Mistral,
+    Mixtral, Phi-3 and Qwen3-MoE; elsewhere those config.json's layer_types names
+    "sliding_attention", or where it has none, Qwen2's and Qwen3's layers from
+    max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 layer but each
+    sliding_window_pattern-th."""
+    if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
+        return tuple(range(num_layers))
+    types = hf.get("layer_types")
+    if types is not None:
+        kinds = ("sliding_attention", "full_attention")
+        if (
+            not isinstance(types, list)
+            or len(types) != num_layers
+            or any(t not in kinds for t in types)
+        ):
+            raise ValueError(
+                f"config.json: layer_types must name {kinds} for each of the {num_layers} "
+                f"layers, got {types!r}"
+            )
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if model_type == "gemma3_text":
+        pattern = _count(hf, "sliding_window_pattern", 6)
+        return tuple(i for i in range(num_layers) if (i + 1) % pattern)
+    first_full = _count(hf, "max_window_layers", 28)
+    if model_type == "qwen2_moe":
+        return tuple(i for i in range(min(first_full, num_layers)) if i % 2 == 0)
+    return tuple(range(first_full, num_layers))
+
+
+def _rope(hf: dict[str, Any], gemma: bool) -> tuple[dict[str, Any], float | None]:
+    """The rotary parameters of the (full-attention) layers, and Gemma 3's local layers' base.
+    transformers < 5 writes rope_theta + rope_scaling; >= 5 rope_parameters (Gemma 3's keyed
+    by layer type). Where a file has both, transformers lets the legacy rope_scaling win."""
+    params = _mapping(hf, "rope_parameters")
+    if not gemma:
+        return {**params, **_mapping(hf, "rope_scaling")}, None
+    full = _mapping(params, "full_attention") if params else {}
+    local = _mapping(params, "sliding_attention") if params else {}
+    full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **full}
+    full.update(_mapping(hf, "rope_scaling"))
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"config.json: unsupported rope type {local['rope_type']!r} of the sliding layers"
+        )
+    theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+    return full, _positive({"rope_theta": theta}, "rope_theta", 10_000.0)
+
+
+def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+    if model_type != "gemma3_text":
+        return {}
+    # Gemma scales its embeddings by sqrt(hidden_size) and its attention by
+    # query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5.
+    return {
+        "embedding_multiplier": math.sqrt(_count(hf, "hidden_size")),
+        "attention_multiplier": _positive(hf, "query_pre_attn_scalar", 256) ** -0.5,
+    }
 
 
 def _granite(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:

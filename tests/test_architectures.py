@@ -1,8 +1,10 @@
 """Architectures beside Llama and Qwen: the mixtures of experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE), Phi-3 (q/k/v and gate/up fused in its checkpoint) and Granite (its scalars). Each is decoded through
-the engine core, chunked, preempted and with drafts, in one process and by a
-tensor-parallel group of two, as transformers decodes it (its loop over experts); and what
-Weir refuses of them."""
+Qwen3-MoE), Phi-3 (q/k/v and gate/up fused in its checkpoint), Granite (its scalars),
+Gemma 3 (its norms, GELU, local and global layers) and sliding windows (Mistral's and
+Mixtral's every layer, Qwen2's from max_window_layers on, Gemma 3's local layers), with
+windows far shorter than the sequences. Each is decoded through the engine core, chunked,
+preempted and with drafts, in one process and by a tensor-parallel group of two, as
+transformers decodes it (its loop over experts); and what Weir refuses of them."""
 
 import dataclasses
 import json
@@ -37,6 +39,29 @@ COMMON = dict(
 )
 CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=96, pad_token_id=0),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, intermediate_size=96, sliding_window=7),
+    "qwen2": lambda: transformers.Qwen2Config(
+        **COMMON,
+        intermediate_size=96,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+    ),
+    # Local (windowed) layers 0 and 2 rotate by their own base, the global one by a scaled
+    # other; attention scaled by query_pre_attn_scalar, not head_dim. Untied: with random
+    # weights a tied head mostly predicts the last token again.
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **COMMON,
+        tie_word_embeddings=False,
+        head_dim=16,
+        intermediate_size=96,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=24,
+        rope_local_base_freq=100.0,
+        rope_theta=5000.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
     # Granite's four scalars, and biases everywhere
     "granite": lambda: transformers.GraniteConfig(
         **COMMON,
@@ -49,7 +74,11 @@ CONFIGS = {
         mlp_bias=True,
     ),
     "mixtral": lambda: transformers.MixtralConfig(
-        **COMMON, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2
+        **COMMON,
+        intermediate_size=48,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        sliding_window=11,
     ),
     # The shared expert with its sigmoid gate, q/k/v biases, every other layer sparse.
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
@@ -76,6 +105,9 @@ CONFIGS = {
 MOE_LAYERS = {
     "granite": (),
     "phi3": (),
+    "mistral": (),
+    "qwen2": (),
+    "gemma3_text": (),
     "mixtral": (0, 1, 2),
     "qwen2_moe": (1,),
     "qwen3_moe": (1, 2),
@@ -140,11 +172,12 @@ def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
-def test_bfloat16_moe_is_as_close_to_float32_as_transformers_bfloat16(moe, device):
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(model, device):
     """bf16 rounds where the experts' outputs are summed otherwise than transformers does,
     so the two bf16 results differ; each is as far from the float32 logits as the other.
-    On CUDA the grouped matmul is the GPU's own kernel (gpu_checks.sh runs this)."""
-    kind, path, hf32 = moe
+    On CUDA the grouped matmul is the GPU's own kernel and the windows the Triton kernel's
+    (gpu_checks.sh runs this)."""
+    kind, path, hf32 = model
     ids = list(range(3, 40))
     hf16 = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16, experts_implementation="eager"
@@ -207,12 +240,13 @@ def _adapter(path, cfg: ModelConfig, modules: dict[int, tuple[str, ...]]) -> dic
     return tensors
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "granite", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "granite", "phi3", "gemma3_text"])
 def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path):
     """An adapter of every layer's q/v, and of o/down where the layer has one MLP (Qwen3-MoE:
     layer 0; Granite: each, its residual_multiplier on their updates too; Phi-3: its fused
-    qkv_proj and gate_up_proj, whose parts share A), decodes what transformers decodes with
-    the adapter merged into the weights; a request without it, the base model's tokens."""
+    qkv_proj and gate_up_proj, whose parts share A; Gemma 3: each, its updates normalized
+    with the projections' outputs), decodes what transformers decodes with the adapter
+    merged into the weights; a request without it, the base model's tokens."""
     path = tmp_path / "m"
     hf = save_model(kind, path)
     cfg = read_model_config(path)
@@ -245,7 +279,7 @@ def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path)
     outputs = tp_workload.run(work).outputs
     assert outputs == {"r0": greedy(hf, prompts[0], 6), "r1": base[1]}
     assert outputs["r0"] != base[0], "the adapter must matter"
-    if kind == "phi3":  # each rank takes its rows of every part of a fused update
+    if kind in ("phi3", "gemma3_text"):  # each rank takes its rows of every part of a fused update
         for report in tp_workload.run_group(work, world_size=2):
             assert report.outputs == outputs
 
@@ -276,3 +310,38 @@ def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):
         ModelConfig.from_hf({**hf, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="mlp_only_layers must be layer numbers"):
         ModelConfig.from_hf({**hf, "mlp_only_layers": "0"})
+
+
+def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3's 4B-27B checkpoints are Gemma3ForConditionalGeneration: Weir reads the
+    language model (text_config, the language_model.* tensors) and leaves the vision tower
+    unread; a text prompt decodes as transformers decodes it with the whole model."""
+    torch.manual_seed(0)
+    text = CONFIGS["gemma3_text"]().to_dict()
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+        image_token_index=VOCAB - 1,
+        tie_word_embeddings=False,  # the whole model's flag unties its head
+    )
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    spread_weights_(hf)
+    hf.save_pretrained(tmp_path)
+    cfg = read_model_config(tmp_path)
+    assert cfg.multimodal and cfg.model_type == "gemma3_text"
+    assert [cfg.layer_window(i) for i in range(3)] == [8, None, 8]
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
+    work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
+    want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
+    assert tp_workload.run(work).outputs == want

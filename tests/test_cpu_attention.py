@@ -3,7 +3,8 @@
 One step mixes decodes of very different lengths (so they split into several buckets),
 speculative decodes with two draft counts, a prefill chunk over earlier context and a fresh
 prefill, under GQA, with shuffled physical blocks, a strided block table whose unused
-entries are -1, padding tokens (slot -1), and poisoned cache slots no request owns.
+entries are -1, padding tokens (slot -1), and poisoned cache slots no request owns. Both
+paths also run it under sliding windows from one key to more than any sequence.
 """
 
 import pytest
@@ -13,6 +14,9 @@ from weir.kernels import cpu_attention, cpu_native, reference
 
 BLOCK_SIZE = 4
 POISON = 1e4
+# Sliding windows: the token itself only, less than a block, binding on some requests of the
+# mixed batches and not others, and longer than every sequence (the same as no window).
+WINDOWS = [1, 3, 37, 160, 400]
 
 
 def mixed_step(
@@ -63,37 +67,37 @@ def attention_metadata(step: dict) -> tuple[torch.Tensor, ...]:
     return step["query_start_loc"], step["seq_lens"], step["block_table"]
 
 
-def reference_step(step: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_step(
+    step: dict, scale: float, sliding_window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache after the reference writes the step's K/V, and the reference's output."""
     cache = step["kv_cache"].clone()
     reference.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
-    out = reference.paged_attention(step["query"], cache, *attention_metadata(step), scale)
+    out = reference.paged_attention(
+        step["query"], cache, *attention_metadata(step), scale, sliding_window=sliding_window
+    )
     return cache, out
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_batched_cpu_attention_equals_reference(dtype, tol):
-    num_heads, num_kv_heads, head_dim = 6, 2, 16
-    requests = [
-        (300, 1),
-        (7, 1),
-        (0, 1),
-        (150, 1),
-        (298, 1),
-        (9, 1),  # decodes, one with no context
-        (20, 3),
-        (33, 4),
-        (5, 3),  # speculative decodes: 1 + 2 or 1 + 3 drafts
-        (11, 25),  # a prefill chunk after earlier context
-        (0, 17),  # a whole prompt
-    ]
-    step = mixed_step(requests, num_heads, num_kv_heads, head_dim, dtype)
-    scale = head_dim**-0.5
-    num_real = int(step["query_start_loc"][-1])
+BATCHED = [
+    (300, 1),
+    (7, 1),
+    (0, 1),
+    (150, 1),
+    (298, 1),
+    (9, 1),  # decodes, one with no context
+    (20, 3),
+    (33, 4),
+    (5, 3),  # speculative decodes: 1 + 2 or 1 + 3 drafts
+    (11, 25),  # a prefill chunk after earlier context
+    (0, 17),  # a whole prompt
+]
+BATCHED_HEADS = (6, 2, 16)  # query heads, KV heads, head_dim
 
-    want_cache, want = reference_step(step, scale)
 
-    plan = cpu_attention.plan_step(
+def batched_plan(step: dict, sliding_window: int | None = None) -> cpu_attention.StepPlan:
+    num_heads, num_kv_heads, _ = BATCHED_HEADS
+    return cpu_attention.plan_step(
         step["query_start_loc"],
         step["seq_lens"],
         step["block_table"],
@@ -101,13 +105,46 @@ def test_batched_cpu_attention_equals_reference(dtype, tol):
         BLOCK_SIZE,
         num_heads,
         num_kv_heads,
+        sliding_window=sliding_window,
     )
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_batched_cpu_attention_equals_reference(dtype, tol):
+    step = mixed_step(BATCHED, *BATCHED_HEADS, dtype)
+    scale = BATCHED_HEADS[2] ** -0.5
+    num_real = int(step["query_start_loc"][-1])
+
+    want_cache, want = reference_step(step, scale)
+
+    plan = batched_plan(step)
     assert len(plan.short) >= 4 and len(plan.long) == 2  # several decode buckets, two spec buckets
     cache = step["kv_cache"].clone()
     cpu_attention.reshape_and_cache(step["key"], step["value"], cache, plan)
     assert torch.equal(cache, want_cache)
     got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_batched_cpu_attention_with_sliding_window_equals_reference(dtype, tol, sliding_window):
+    """A windowed plan gathers each request's keys from its first query's window on (so a
+    short query's bucket pads to at most W + Q - 1 keys) and masks below each later query's;
+    a window no sequence reaches plans, and computes, exactly what no window does."""
+    step = mixed_step(BATCHED, *BATCHED_HEADS, dtype)
+    scale = BATCHED_HEADS[2] ** -0.5
+    num_real = int(step["query_start_loc"][-1])
+    cache, want = reference_step(step, scale, sliding_window)
+
+    plan = batched_plan(step, sliding_window)
+    for bucket in plan.short:
+        assert bucket.seq_len <= sliding_window + bucket.query_len - 1
+    got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
+    if sliding_window > int(step["seq_lens"].max()):
+        unwindowed = cpu_attention.paged_attention(step["query"], cache, batched_plan(step), scale)
+        assert torch.equal(got[:num_real], unwindowed[:num_real])
 
 
 native = cpu_native.load()
@@ -126,27 +163,95 @@ MIXED = [(300, 1), (0, 1), (150, 1), (20, 3), (33, 4), (11, 25), (0, 17), (40, 7
     [MIXED, [(300, 1)], [(70, 2)]],
     ids=["mixed", "one-decode", "one-speculative"],
 )
-def test_native_cpu_attention_equals_reference(num_heads, num_kv_heads, head_dim, requests):
+@pytest.mark.parametrize("sliding_window", [None, *WINDOWS])
+def test_native_cpu_attention_equals_reference(
+    num_heads, num_kv_heads, head_dim, requests, sliding_window
+):
     """Every query length and tile split (prefill chunks longer than one work item, a head
     size that is not a multiple of 8), against the reference, with the cache written by the
     native kernel from strided views of one fused projection. On two threads the mixed batch
     (two or more requests per thread) gives each decode one work item over all its KV heads;
-    a lone decode is split per KV head."""
+    a lone decode is split per KV head. Under a window the key tiles start mid-block and rows
+    skip keys inside a tile; a window no sequence reaches computes exactly what none does."""
     step = mixed_step(requests, num_heads, num_kv_heads, head_dim, torch.float32)
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
 
-    want_cache, want = reference_step(step, scale)
+    want_cache, want = reference_step(step, scale, sliding_window)
     cache = step["kv_cache"].clone()
     native.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     assert torch.equal(cache, want_cache)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the kernel's OpenMP pool is PyTorch's
     try:
-        got = native.paged_attention(step["query"], cache, *attention_metadata(step), scale)
+        args = (step["query"], cache, *attention_metadata(step), scale)
+        got = native.paged_attention(*args, sliding_window=sliding_window)
+        unwindowed = native.paged_attention(*args)
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
+    if sliding_window is not None and sliding_window > int(step["seq_lens"].max()):
+        assert torch.equal(got[:num_real], unwindowed[:num_real])
+
+
+@needs_native
+@pytest.mark.parametrize("sliding_window", [3, 37])
+def test_native_sliding_window_ignores_hidden_keys_whatever_their_scores(sliding_window):
+    """Scores spread over hundreds: a key below a row's window but inside its tile (seen by
+    the item's earlier tokens) that took any part in the row's softmax, its running max
+    included, would swamp or underflow the keys the row does see."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 16
+    step = mixed_step([(100, 40), (60, 3)], num_heads, num_kv_heads, head_dim, torch.float32)
+    step["kv_cache"][0] *= 40
+    step["key"] *= 40
+    scale = head_dim**-0.5
+    num_real = int(step["query_start_loc"][-1])
+    cache, want = reference_step(step, scale, sliding_window)
+    got = native.paged_attention(
+        step["query"], cache, *attention_metadata(step), scale, sliding_window=sliding_window
+    )
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-4, rtol=1e-4)
+
+
+def test_a_window_of_no_keys_is_refused():
+    """A window below one key would hide a token from itself (the native kernel would read
+    0 as no window at all)."""
+    step = mixed_step([(30, 1), (0, 5)], *BATCHED_HEADS, torch.float32)
+    with pytest.raises(ValueError, match="hides every key"):
+        batched_plan(step, 0)
+    if native is not None:
+        args = (step["query"], step["kv_cache"], *attention_metadata(step), 0.25)
+        with pytest.raises(ValueError, match="hides every key"):
+            native.paged_attention(*args, sliding_window=0)
+
+
+def test_reference_sliding_window_is_transformers_mask():
+    """The reference's window, checked against transformers' own mask functions: a prefill
+    chunk over earlier context, attended densely with the mask that `sliding_window_overlay`
+    and `causal_mask_function` give at absolute positions, as transformers applies them."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    window, context, query_len, num_heads, num_kv_heads, head_dim = 5, 9, 7, 4, 2, 8
+    step = mixed_step([(context, query_len)], num_heads, num_kv_heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    cache, got = reference_step(step, scale, window)
+
+    seq_len = context + query_len
+    pos = torch.arange(seq_len)
+    slots = step["block_table"][0, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    k, v = (cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
+    group = num_heads // num_kv_heads
+    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [H, S, D]
+    attend = masking_utils.and_masks(
+        masking_utils.sliding_window_overlay(window), masking_utils.causal_mask_function
+    )
+    # Index tensors broadcast to the [Q, S] mask, as transformers' sdpa_mask evaluates them.
+    zero = torch.tensor(0)
+    mask = attend(zero, zero, context + torch.arange(query_len)[:, None], pos[None, :])
+    assert mask.sum(-1).tolist() == [window] * query_len  # the window binds on every query
+    q = step["query"][:query_len].transpose(0, 1)  # [H, Q, D]
+    scores = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+    want = (scores.softmax(-1) @ v).transpose(0, 1)
+    torch.testing.assert_close(got[:query_len], want, atol=1e-6, rtol=1e-6)
 
 
 @needs_native

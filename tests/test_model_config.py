@@ -17,18 +17,20 @@ transformers = pytest.importorskip("transformers")
 REQUIRED = dict(
     vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
 )
+GEMMA = {"model_type": "gemma3_text", **REQUIRED}
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type):
     ours = ModelConfig.from_hf({"model_type": model_type, **REQUIRED})
-    theirs = transformers.AutoConfig.for_model(model_type, **REQUIRED)
+    theirs = transformers.AutoConfig.for_model(model_type, **REQUIRED, pad_token_id=0)
     assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)
     assert ours.max_position_embeddings == theirs.max_position_embeddings
     assert ours.rms_norm_eps == theirs.rms_norm_eps
-    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+    rope = theirs.rope_parameters
+    assert ours.rope_theta == rope.get("full_attention", rope)["rope_theta"]
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
-    assert ours.sliding_window == _window(theirs)
+    assert _windows(ours) == _windows_of(transformers.AutoModelForCausalLM.from_config(theirs))
     if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
         experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
         assert (ours.num_experts, ours.num_experts_per_tok) == (experts, theirs.num_experts_per_tok)
@@ -42,11 +44,22 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         assert ours.num_experts == 0 and ours.moe_layers == ()
 
 
-def _window(theirs) -> int | None:
-    """The sliding window transformers' attention applies for this config."""
-    if theirs.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        return theirs.sliding_window if theirs.use_sliding_window else None
-    return getattr(theirs, "sliding_window", None)
+def _windows(ours: ModelConfig) -> list[int | None]:
+    return [ours.layer_window(i) for i in range(ours.num_layers)]
+
+
+def _windows_of(model) -> list[int | None]:
+    """The sliding window each of transformers' layers applies (0 or None: none): by the
+    config's layer_types where the model picks its masks by them (Qwen2, Qwen3, Qwen2-MoE,
+    Gemma 3), else every layer's own or, where it keeps none (Mistral, Mixtral, Phi-3), the
+    config's it passes on."""
+    window = getattr(model.config, "sliding_window", None) or None
+    types = getattr(model.config, "layer_types", None)
+    if types is not None:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [
+        getattr(layer.self_attn, "sliding_window", window) or None for layer in model.model.layers
+    ]
 
 
 @pytest.mark.parametrize(
@@ -55,16 +68,34 @@ def _window(theirs) -> int | None:
         ("mistral", {"sliding_window": None}),  # Mistral v0.2 and later
         ("mistral", {"sliding_window": 64}),
         ("mixtral", {"sliding_window": 128}),
+        ("phi3", {"sliding_window": 40}),
         ("qwen2", {"use_sliding_window": True}),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 32}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 3}),
+        (
+            "qwen2",
+            {
+                "use_sliding_window": True,
+                "layer_types": ["full_attention"] * 3 + ["sliding_attention"] * 2,
+            },
+        ),
         ("qwen3", {"sliding_window": 32}),  # not used without use_sliding_window
+        ("qwen3", {"use_sliding_window": True, "max_window_layers": 2}),
+        ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 4}),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}),
+        ("gemma3_text", {"sliding_window": 512}),
+        ("gemma3_text", {"sliding_window_pattern": 2}),
+        (
+            "gemma3_text",
+            {"layer_types": ["full_attention", "sliding_attention"] * 2 + ["full_attention"]},
+        ),
     ],
 )
-def test_the_sliding_window_is_the_one_transformers_applies(model_type, keys):
-    ours = ModelConfig.from_hf({"model_type": model_type, **REQUIRED, **keys})
-    assert ours.sliding_window == _window(
-        transformers.AutoConfig.for_model(model_type, **REQUIRED, **keys)
-    )
+def test_the_sliding_windows_are_the_ones_transformers_applies(model_type, keys):
+    """Per layer, as transformers' attention modules hold them."""
+    hf = {"model_type": model_type, **REQUIRED, "num_hidden_layers": 5, **keys}
+    ours = ModelConfig.from_hf(hf)
+    theirs = transformers.AutoConfig.for_model(**hf, pad_token_id=0)
+    assert _windows(ours) == _windows_of(transformers.AutoModelForCausalLM.from_config(theirs))
 
 
 def test_a_key_that_only_llama_has_is_ignored_elsewhere():
@@ -99,6 +130,16 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
         ({**REQUIRED, "rope_scaling": {"rope_type": "yarn"}}, "unsupported rope type 'yarn'"),
         ({**REQUIRED, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
         ({**REQUIRED, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({**GEMMA, "hidden_activation": "relu"}, "unsupported hidden_activation 'relu'"),
+        ({**GEMMA, "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+        ({**GEMMA, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ({**GEMMA, "use_bidirectional_attention": True}, "use_bidirectional_attention is not"),
+        ({**GEMMA, "layer_types": ["full_attention"]}, "layer_types must name"),
+        ({**GEMMA, "layer_types": ["sliding", "full"]}, "layer_types must name"),
+        (
+            {**GEMMA, "rope_parameters": {"sliding_attention": {"rope_type": "linear"}}},
+            "unsupported rope type 'linear' of the sliding layers",
+        ),
     ],
 )
 def test_a_malformed_config_is_a_value_error_naming_the_key(hf, message):

@@ -287,11 +287,30 @@ static inline float softmax_tile(float *sr, int64_t n, float *row_max, float *ro
     return correction;
 }
 
+/* One row's online-softmax step over the keys [from, n) of this tile, the first `from` hidden
+   from it by a sliding window. Its scores from `from` rounded down to 8 up to `from` become
+   -inf, so softmax_tile reads whole vectors of this row only; their probabilities (exp8's
+   floor, ~1e-38) vanish in the row's sum, which holds its max's own 1, and the values' sum
+   starts at `from`. Not inlined: a second inlined copy of the softmax and the values' sum
+   cost attend_item's causal loop registers (1% more instructions on the prefill of
+   benchmarks/cpu_attention.py, by callgrind). */
+static __attribute__((noinline)) void attend_window_row(float *sr, int64_t from, int64_t n,
+                                                        float *row_max, float *row_sum, float *p,
+                                                        float *a, const float *const *vrow,
+                                                        int64_t head_dim) {
+    const int64_t c0 = from & ~(int64_t)7;
+    for (int64_t j = c0; j < from; j++) sr[j] = -INFINITY;
+    const float correction = softmax_tile(sr + c0, n - c0, row_max, row_sum, p);
+    accumulate_values(a, correction, p + (from - c0), vrow + from, n - from, head_dim);
+}
+
 /* One work item: `num_tokens` consecutive query tokens of one request, times the `group`
-   query heads of each of its KV heads, against that request's keys 0 .. context + token,
-   with an online softmax over tiles of keys read in place from the paged cache: WIDE_TILE
-   keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 64
-   keys), KEY_TILE for many (the transposed tile lives in L1). An item of several KV heads
+   query heads of each of its KV heads, against that request's keys 0 .. context + token
+   (with a sliding window > 0, context + token - window + 1 .. context + token: the tiles
+   start at the item's first token's first visible key, and each row skips the keys of a
+   tile below its own window), with an online softmax over tiles of keys read in place from
+   the paged cache: WIDE_TILE keys for few rows per KV head (the per-tile softmax bookkeeping
+   is then paid once per 64 keys), KEY_TILE for many (the transposed tile lives in L1). An item of several KV heads
    walks each tile's cache slots once for all of them: the heads of a slot are adjacent, so
    the tile is read as contiguous runs rather than one head's stripe of every slot. */
 static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
@@ -299,7 +318,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                         const int32_t *query_start_loc, const int32_t *seq_lens,
                         const int32_t *block_table, int64_t block_table_stride,
                         int64_t block_size, int64_t num_kv_heads, int64_t group,
-                        int64_t head_dim, float scale, float *scratch) {
+                        int64_t head_dim, float scale, int64_t window, float *scratch) {
     const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
     const int64_t rows = head_rows * heads;
     const int64_t tile = head_rows < TRANSPOSE_ROWS ? WIDE_TILE : KEY_TILE;
@@ -307,6 +326,11 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     const int64_t context = seq_lens[w->req] - q_len;
     const int64_t token0 = query_start_loc[w->req] + w->first_token;
     const int64_t last_key = context + w->first_token + w->num_tokens - 1;
+    /* Keys each token sees (itself included); without a window, more than any token of the
+       item has, so the window's bounds below never bind. */
+    const int64_t reach = window > 0 ? window : last_key + 1;
+    const int64_t first_key =
+        context + w->first_token - reach + 1 > 0 ? context + w->first_token - reach + 1 : 0;
     const int32_t *table = block_table + (int64_t)w->req * block_table_stride;
     const int64_t slot_size = num_kv_heads * head_dim, head_offset = w->kv_head * head_dim;
     const int64_t item_floats = heads * head_dim;
@@ -329,7 +353,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     }
     memset(acc, 0, sizeof(float) * rows * head_dim);
 
-    for (int64_t j0 = 0; j0 <= last_key; j0 += tile) {
+    for (int64_t j0 = first_key; j0 <= last_key; j0 += tile) {
         const int64_t nk = last_key - j0 + 1 < tile ? last_key - j0 + 1 : tile;
         /* One division per tile: the keys' block and offset advance by increments. */
         int64_t block = j0 / block_size, offset = j0 % block_size;
@@ -356,14 +380,29 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                 krow[j] = kslot[j] + h * head_dim, vrow[j] = vslot[j] + h * head_dim;
             const int64_t r0 = h * head_rows;
             score_tile(qs + r0 * head_dim, head_rows, krow, tile, head_dim, kt, s);
-            for (int64_t r = 0; r < head_rows; r++) {
-                /* Query token i sees keys up to context + i. */
-                const int64_t visible = context + w->first_token + r / group - j0 + 1;
-                const int64_t n = visible < nk ? visible : nk;
-                if (n <= 0) continue;
-                const float correction =
-                    softmax_tile(s + r * tile, n, row_max + r0 + r, row_sum + r0 + r, p);
-                accumulate_values(acc + (r0 + r) * head_dim, correction, p, vrow, n, head_dim);
+            /* Row r's token, at position pos0 + r / group, sees keys pos - reach + 1 .. pos:
+               this tile's [from, n). Where even the tile's last row sees back to j0 (always
+               without a window), no row has hidden keys here: the plain causal loop. */
+            const int64_t pos0 = context + w->first_token;
+            if (pos0 + (head_rows - 1) / group - reach + 1 <= j0) {
+                for (int64_t r = 0; r < head_rows; r++) {
+                    const int64_t visible = pos0 + r / group - j0 + 1;
+                    const int64_t n = visible < nk ? visible : nk;
+                    if (n <= 0) continue;
+                    const float correction =
+                        softmax_tile(s + r * tile, n, row_max + r0 + r, row_sum + r0 + r, p);
+                    accumulate_values(acc + (r0 + r) * head_dim, correction, p, vrow, n,
+                                      head_dim);
+                }
+            } else {
+                for (int64_t r = 0; r < head_rows; r++) {
+                    const int64_t pos = pos0 + r / group;
+                    const int64_t n = pos - j0 + 1 < nk ? pos - j0 + 1 : nk;
+                    const int64_t from = pos - reach + 1 - j0 > 0 ? pos - reach + 1 - j0 : 0;
+                    if (n <= from) continue;
+                    attend_window_row(s + r * tile, from, n, row_max + r0 + r, row_sum + r0 + r,
+                                      p, acc + (r0 + r) * head_dim, vrow, head_dim);
+                }
             }
         }
     }
@@ -378,7 +417,9 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
 /* Paged attention over a flat batch: q[t, head, :] at q + t * q_stride + head * head_dim,
    out likewise; the cache is [num_blocks * block_size, num_kv_heads, head_dim] per K and V.
    Request r owns query rows query_start_loc[r] .. query_start_loc[r + 1] and has
-   seq_lens[r] keys, the last of them its own queries' (causal within the chunk).
+   seq_lens[r] keys, the last of them its own queries' (causal within the chunk). With
+   window > 0 (a sliding-window layer), each query token sees only the last `window` of
+   those keys up to its own (itself included); window 0 is plain causal attention.
    Returns 0; -1 when scratch memory could not be allocated; -2 (nothing read) when the
    metadata points outside the batch's num_tokens rows, the block table's width or the
    cache's num_blocks. */
@@ -388,7 +429,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                          const int32_t *seq_lens, int64_t num_reqs, const int32_t *block_table,
                          int64_t block_table_stride, int64_t block_table_width,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, float scale) {
+                         int64_t head_dim, float scale, int64_t window) {
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
         const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
@@ -455,7 +496,8 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
             if (scratch)
                 attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
                             query_start_loc, seq_lens, block_table, block_table_stride,
-                            block_size, num_kv_heads, group, head_dim, scale, scratch);
+                            block_size, num_kv_heads, group, head_dim, scale, window,
+                            scratch);
         free(scratch);
     }
     free(items);

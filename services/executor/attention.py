@@ -2,7 +2,7 @@
 
 Every backend implements the semantics of `weir.kernels.reference` (paged KV layout
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, flat token batch, causal rule
-relative to each request's context length). "native" runs `weir.kernels.cpu_native`
+relative to each request's context length, a layer's sliding window if it has one). "native" runs `weir.kernels.cpu_native`
 (compiled C, attending straight from the paged cache) and is the CPU default in float32
 where a C compiler is at hand; its kernels also serve the model's norms and rotary
 embeddings. "torch" runs `weir.kernels.cpu_attention` (batched PyTorch operators, planned
@@ -41,8 +41,15 @@ class AttentionBackend(Protocol):
     def kernels(self) -> cpu_native.CpuKernels | None:
         """Native CPU kernels the model also uses for its norms and rotations; None elsewhere."""
 
-    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
-        """Called once per step, before any layer's write_kv/attend."""
+    def prepare(
+        self,
+        meta: AttentionMetadata,
+        num_heads: int,
+        kv_cache: torch.Tensor,
+        windows: tuple[int | None, ...],
+    ) -> None:
+        """Called once per step, before any layer's write_kv/attend; ``windows``: the sliding
+        windows the model's layers attend with (None: a layer that attends to every token)."""
 
     def write_kv(
         self,
@@ -53,7 +60,12 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -68,17 +80,29 @@ class TorchAttention:
 
         self._module = cpu_attention
 
-    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
-        meta.plan = self._module.plan_step(
-            meta.query_start_loc.cpu(),
-            meta.seq_lens.cpu(),
-            meta.block_table.cpu(),
-            meta.slot_mapping.cpu(),
-            block_size=kv_cache.shape[2],
-            num_heads=num_heads,
-            num_kv_heads=kv_cache.shape[3],
-            device=kv_cache.device,
-        )
+    def prepare(
+        self,
+        meta: AttentionMetadata,
+        num_heads: int,
+        kv_cache: torch.Tensor,
+        windows: tuple[int | None, ...],
+    ) -> None:
+        host = [
+            t.cpu()
+            for t in (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping)
+        ]
+        # One plan per window: a windowed plan gathers only the keys its window shows.
+        meta.plan = {
+            window: self._module.plan_step(
+                *host,
+                block_size=kv_cache.shape[2],
+                num_heads=num_heads,
+                num_kv_heads=kv_cache.shape[3],
+                device=kv_cache.device,
+                sliding_window=window,
+            )
+            for window in windows
+        }
 
     def write_kv(
         self,
@@ -87,12 +111,20 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        self._module.reshape_and_cache(key, value, kv_cache, meta.plan)
+        assert isinstance(meta.plan, dict)
+        # Every window's plan writes the same slots.
+        self._module.reshape_and_cache(key, value, kv_cache, next(iter(meta.plan.values())))
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return self._module.paged_attention(query, kv_cache, meta.plan, scale)
+        assert isinstance(meta.plan, dict)
+        return self._module.paged_attention(query, kv_cache, meta.plan[sliding_window], scale)
 
 
 class PagedKernelAttention:
@@ -113,7 +145,13 @@ class PagedKernelAttention:
         self._takes_hints = takes_hints
         self.kernels = kernels
 
-    def prepare(self, meta: AttentionMetadata, num_heads: int, kv_cache: torch.Tensor) -> None:
+    def prepare(
+        self,
+        meta: AttentionMetadata,
+        num_heads: int,
+        kv_cache: torch.Tensor,
+        windows: tuple[int | None, ...],
+    ) -> None:
         pass
 
     def write_kv(
@@ -126,7 +164,12 @@ class PagedKernelAttention:
         self._module.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         hints = (
             {"max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len}
@@ -134,7 +177,14 @@ class PagedKernelAttention:
             else {}
         )
         return self._module.paged_attention(
-            query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, **hints
+            query,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            scale,
+            sliding_window=sliding_window,
+            **hints,
         )
 
 

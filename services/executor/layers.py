@@ -62,13 +62,20 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
+        if self.kernels is not None and self.weight.dtype == x.dtype:
             return self.kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op; the same result as the two below
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if self.weight.dtype == torch.float32:  # Gemma's: scaled in fp32 too, then cast
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
         # Normalize in fp32 and scale in the model dtype, like HF, so bf16 outputs match.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_unit_offset(self) -> None:
+        """Scale by (1 + weight) from now on, as Gemma's norms do: the sum kept in fp32,
+        where transformers computes it."""
+        self.weight = nn.Parameter(self.weight.float() + 1.0, requires_grad=False)
 
 
 class Linear(nn.Module):
@@ -106,6 +113,15 @@ class Linear(nn.Module):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, this being a gated MLP's fused gate/up projection."""
         return silu_and_mul(self(x), self.kernels)
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str, kernels: LayerKernels | None) -> torch.Tensor:
+    """act(gate) * up for gate_up [T, 2 * I], ``act`` one of `ModelConfig.hidden_act`'s:
+    SiLU (below) or Gemma's tanh-approximated GELU."""
+    if act == "silu":
+        return silu_and_mul(gate_up, kernels)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 def silu_and_mul(gate_up: torch.Tensor, kernels: LayerKernels | None) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too) and Qwen2 /
-Qwen3, their mixtures of experts included (`moe.py`), on a flat token batch.
+"""Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too), Qwen2 /
+Qwen3, their mixtures of experts included (`moe.py`), and Gemma 3, on a flat token batch.
 
 A step's tokens from all requests are concatenated into one batch of T tokens; the
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
-from weir.services.executor.layers import LayerKernels, Linear, RMSNorm, apply_rope, silu_and_mul
+from weir.services.executor.layers import (
+    LayerKernels,
+    Linear,
+    RMSNorm,
+    act_and_mul,
+    apply_rope,
+)
 from weir.services.executor.moe import SparseMoe
 from weir.services.executor.parallel import TensorParallel
 from weir.shared.model_config import ModelConfig
@@ -30,12 +36,16 @@ CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, with the config's scaling applied (fp32, CPU)."""
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with the config's scaling applied (fp32,
+    CPU); ``sliding``: those of Gemma 3's local layers (their own base, no scaling)."""
     dim = cfg.head_dim
+    theta = cfg.sliding_rope_theta if sliding and cfg.sliding_rope_theta else cfg.rope_theta
     inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+        theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
     )
+    if sliding:
+        return inv_freq
     if cfg.rope_type == "linear":
         return inv_freq / cfg.rope_factor
     if cfg.rope_type == "llama3":
@@ -71,6 +81,10 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, d
         self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
         self.scale = cfg.attention_multiplier or d**-0.5
+        self.sliding_window = cfg.layer_window(index)
+        # Which rotation the model's forward computes for this layer (Gemma 3's local ones).
+        self.local_rope = self.sliding_window is not None and cfg.sliding_rope_theta is not None
+        self.hidden_act = cfg.hidden_act
         self.attention = attention
         self.kernels = kernels
         self.tp = tp
@@ -83,6 +97,14 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
         self.post_attention_layernorm = RMSNorm(h, eps, device, dtype, kernels)
+        # Gemma's norms around its attention's and MLP's outputs; post_attention_layernorm
+        # then normalizes the attention's output rather than the MLP's input.
+        self.pre_feedforward_layernorm = (
+            RMSNorm(h, eps, device, dtype, kernels) if cfg.gemma_norms else None
+        )
+        self.post_feedforward_layernorm = (
+            RMSNorm(h, eps, device, dtype, kernels) if cfg.gemma_norms else None
+        )
         # A layer's MLP is either the experts or one gated MLP.
         self.moe = (
             SparseMoe(cfg, layout, kernels, device, dtype) if cfg.is_moe_layer(index) else None
@@ -101,15 +123,20 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,
         x: torch.Tensor,
         lora: "LoraBatch | None",
+        post_norm: RMSNorm | None,
     ) -> torch.Tensor:
-        """residual + projection ``name`` of x, where each rank holds some of x's columns:
-        rank 0 adds the residual to its partial product, the others contribute theirs, one
-        all-reduce sums (an adapter's partial updates with them)."""
+        """residual + projection ``name`` of x (normalized by ``post_norm`` first where the
+        model has one), where each rank holds some of x's columns: rank 0 adds the residual
+        to its partial product, the others contribute theirs, one all-reduce sums (an
+        adapter's partial updates with them)."""
         linear = getattr(self, name)
-        out = linear.add_to(residual, x) if self.tp is None or self.tp.rank == 0 else linear(x)
+        fused = post_norm is None and (self.tp is None or self.tp.rank == 0)
+        out = linear.add_to(residual, x) if fused else linear(x)
         if lora is not None:
             lora.add(out, x, self.index, name)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        return out if post_norm is None else residual + post_norm(out)
 
     def forward(
         self,
@@ -138,22 +165,28 @@ class DecoderLayer(nn.Module):
             qk = apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         self.attention.write_kv(k, v, kv_cache, meta)
-        attn = self.attention.attend(q, kv_cache, meta, self.scale)
-        x = self._add_row_parallel("o_proj", x, attn.reshape(num_tokens, self.q_size), lora)
-        normed = self.post_attention_layernorm(x)
+        attn = self.attention.attend(q, kv_cache, meta, self.scale, self.sliding_window)
+        attn = attn.reshape(num_tokens, self.q_size)
+        if self.pre_feedforward_layernorm is None:
+            x = self._add_row_parallel("o_proj", x, attn, lora, None)
+            normed = self.post_attention_layernorm(x)
+        else:
+            x = self._add_row_parallel("o_proj", x, attn, lora, self.post_attention_layernorm)
+            normed = self.pre_feedforward_layernorm(x)
         if self.moe is not None:  # an adapter never touches the experts (shared/lora.py)
             out = self.moe(normed)
             if self.tp is None or self.tp.rank == 0:
                 out += x
             return out if self.tp is None else self.tp.all_reduce(out)
         assert self.gate_up_proj is not None
-        if lora is None:
+        if lora is None and self.hidden_act == "silu":
             act = self.gate_up_proj.silu_mul(normed)
-        else:  # the update joins gate/up before the activation
+        else:  # an adapter's update joins gate/up before the activation
             gate_up = self.gate_up_proj(normed)
-            lora.add(gate_up, normed, self.index, "gate_up_proj")
-            act = silu_and_mul(gate_up, self.kernels)
-        return self._add_row_parallel("down_proj", x, act, lora)
+            if lora is not None:
+                lora.add(gate_up, normed, self.index, "gate_up_proj")
+            act = act_and_mul(gate_up, self.hidden_act, self.kernels)
+        return self._add_row_parallel("down_proj", x, act, lora, self.post_feedforward_layernorm)
 
 
 class CausalLM(nn.Module):
@@ -198,6 +231,13 @@ class CausalLM(nn.Module):
             )
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.register_buffer(
+            "local_inv_freq", rope_inv_freq(cfg, sliding=True).to(device), persistent=False
+        )
+        self.windows = tuple(dict.fromkeys(layer.sliding_window for layer in self.layers))
+        # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype.
+        multiplier = torch.tensor(cfg.embedding_multiplier)
+        self.embedding_multiplier = float(multiplier.to(dtype) if cfg.gemma_norms else multiplier)
         # Set by `quantization.quantize_model`: the vocabulary matrices kept quantized.
         self.quantized_embed: Any = None
         self.quantized_lm_head: Any = None
@@ -214,17 +254,28 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for T flat tokens (with ``lora``,
         each request's adapter added to its tokens)."""
-        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0])
-        # cos/sin in fp32 then cast, as HF does, so bf16 rotations match.
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        cos = freqs.cos().to(self.dtype).unsqueeze(1)
-        sin = freqs.sin().to(self.dtype).unsqueeze(1)
+        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.windows)
+        rotations = self._rotations(positions, self.inv_freq)
+        local = (
+            self._rotations(positions, self.local_inv_freq)
+            if self.config.sliding_rope_theta is not None
+            else rotations
+        )
         x = self._embed(input_ids)
-        if self.config.embedding_multiplier != 1.0:
-            x *= self.config.embedding_multiplier
+        if self.embedding_multiplier != 1.0:
+            x *= self.embedding_multiplier
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = local if layer.local_rope else rotations
             x = layer(x, cos, sin, attn_metadata, kv_cache, lora)
         return self.norm(x)
+
+    def _rotations(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of each position; in fp32 then cast, as HF does, so bf16
+        rotations match."""
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+        return freqs.cos().to(self.dtype).unsqueeze(1), freqs.sin().to(self.dtype).unsqueeze(1)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -268,10 +319,19 @@ class CausalLM(nn.Module):
         return logits.float()
 
     @torch.no_grad()
-    def fold_residual_multiplier(self) -> None:
+    def finish_loading(self) -> None:
+        """Once, after the weights are loaded: Gemma's norms take their (1 + weight) scales,
+        and Granite's residual multiplier is folded (below)."""
+        if self.config.gemma_norms:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.add_unit_offset()
+        self._fold_residual_multiplier()
+
+    def _fold_residual_multiplier(self) -> None:
         """Granite scales each residual branch (attention's and the MLP's) by
         ``residual_multiplier``: folded into the weights of the projections that end them,
-        once, after loading, so the fused residual adds stay one matmul."""
+        so the fused residual adds stay one matmul."""
         factor = self.config.residual_multiplier
         if factor == 1.0:
             return

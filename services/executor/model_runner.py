@@ -219,7 +219,7 @@ class ModelRunner:
         self.loras = LoraAdapters.load(self.model, loras or [], max_lora_rank)
         self.max_lora_rank = max_lora_rank
         self.max_model_len = resolve_max_model_len(
-            max_model_len, self.config.max_position_embeddings, self.config.sliding_window
+            max_model_len, self.config.max_position_embeddings
         )
         self.eos_token_ids = eos_token_ids(self.model_dir)
         self.sampler = Sampler(self.device, seed)

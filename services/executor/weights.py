@@ -36,6 +36,13 @@ FUSED_MODULES = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")
+# A multimodal checkpoint's language model, under the names transformers < 5 saves (and 5
+# still writes) or 5 loads, read as a causal LM's; its other towers are not read.
+_LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
 _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 # HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills;
 # "*_in": a row-parallel projection, split by its input columns: query heads or MLP columns).
@@ -51,6 +58,8 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "mlp.down_proj": ("down_proj", "down_in"),
     "input_layernorm": ("input_layernorm", "all"),
     "post_attention_layernorm": ("post_attention_layernorm", "all"),
+    "pre_feedforward_layernorm": ("pre_feedforward_layernorm", "all"),
+    "post_feedforward_layernorm": ("post_feedforward_layernorm", "all"),
     "mlp.gate": ("moe.gate", "all"),
     "mlp.experts.gate_proj": ("moe.experts_gate_up", "expert_gate"),
     "mlp.experts.up_proj": ("moe.experts_gate_up", "expert_up"),
@@ -266,6 +275,15 @@ def _target(
     return (f"layers.{layer}.{weir_module}.{m.group(3)}", *target)
 
 
+def _language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under its causal LM name; None for another tower's."""
+    for prefix, replacement in _LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return replacement + name.removeprefix(prefix)
+    # lm_head.weight: where transformers 5 saves the tied head of the whole model.
+    return name if name == "lm_head.weight" else None
+
+
 @torch.no_grad()
 def load_weights(
     model: CausalLM, tensors: Iterator[tuple[str, TensorSource]], lm_head_optional: bool = False
@@ -288,7 +306,11 @@ def load_weights(
     # element count below.
     written: dict[str, str] = {}
     for checkpoint_name, whole in tensors:
-        if checkpoint_name.startswith(_BARE_PREFIXES):
+        if model.config.multimodal:
+            checkpoint_name = _language_model_name(checkpoint_name)
+            if checkpoint_name is None:
+                continue
+        elif checkpoint_name.startswith(_BARE_PREFIXES):
             checkpoint_name = "model." + checkpoint_name
         for name, source in _parts(model.config, checkpoint_name, whole):
             _load_tensor(model, params, filled, written, name, source)
@@ -409,7 +431,7 @@ def load_model(
         load_weights(model, iter_safetensors(model_dir), lm_head_optional)
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
-    model.fold_residual_multiplier()
+    model.finish_loading()
     if quantization is not None:
         quantize_model(model, quantization)
     elif (

@@ -7,7 +7,7 @@ past a sequence's end or through a wrong block-table entry changes the result.
 bf16 runs only on a GPU: the interpreter's tl.dot gives wrong results for it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -98,11 +98,17 @@ def make_step(
     )
 
 
-def reference_output(step: Step) -> torch.Tensor:
+def reference_output(step: Step, sliding_window: int | None = None) -> torch.Tensor:
     cache = step.kv_cache.clone()
     reference.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
     out = reference.paged_attention(
-        step.query, cache, step.query_start_loc, step.seq_lens, step.block_table, step.scale
+        step.query,
+        cache,
+        step.query_start_loc,
+        step.seq_lens,
+        step.block_table,
+        step.scale,
+        sliding_window=sliding_window,
     )
     return out[: step.num_real_tokens]
 
@@ -152,6 +158,24 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, atol=2e-3, rtol=1e-2)
     else:
         torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
+
+
+def assert_window_matches(step: Step, window: int, **kwargs) -> None:
+    """Windowed attention against the reference, with NaN in the cached K/V of every key tile below
+    the window of a request's first token: the kernels must skip those tiles, not load and mask them
+    (a NaN value times a zero weight is NaN)."""
+    plan = triton_attention.plan_for(on_device(step).query, step.kv_cache, step.seq_lens.shape[0])
+    tile_n = max(tile.tile_n for tile in (plan.decode, plan.prefill) if tile is not None)
+    block_size = step.kv_cache.shape[2]
+    cache = step.kv_cache.clone()
+    query_lens = step.query_start_loc.diff()
+    for r, (seq_len, query_len) in enumerate(zip(step.seq_lens.tolist(), query_lens.tolist())):
+        first_visible = max(seq_len - query_len - window + 1, 0)
+        positions = torch.arange(first_visible // tile_n * tile_n)
+        slots = step.block_table[r, positions // block_size].long() * block_size
+        cache.view(2, -1, *cache.shape[3:])[:, slots + positions % block_size] = float("nan")
+    actual = triton_output(replace(step, kv_cache=cache), sliding_window=window, **kwargs)
+    assert_close(actual, reference_output(step, sliding_window=window))
 
 
 # With 4 query heads over 2 KV heads (the default below) a decode tile holds up to 32 query tokens
@@ -215,6 +239,8 @@ def test_hints_do_not_change_result():
     expected = reference_output(step)
     assert_close(triton_output(step, max_query_len=1, max_seq_len=1), expected)
     assert_close(triton_output(step, max_query_len=150, max_seq_len=230), expected)
+    # Windowed, each query block walked in a decode tile starts at its own first visible key tile.
+    assert_window_matches(step, 100, max_query_len=1, max_seq_len=1)
     step = make_step(SPECULATIVE, num_heads=4, num_kv_heads=4)
     assert_close(triton_output(step, max_query_len=1000), reference_output(step))
 
@@ -310,3 +336,86 @@ def test_split_kv_rejects_small_workspace():
     workspace = triton_attention.allocate_split_kv_workspace(2, 2, 64, DEVICE)
     with pytest.raises(ValueError, match="workspace"):
         triton_output(step, split_kv=True, workspace=workspace)
+
+
+# Sliding windows over MIXED_LONG (the prefill blocks of (100, 70) start at key 100, 132 and 164, of
+# (0, 150) at 0, 32, ..., 128; key tiles of 64): one key, windows inside a key tile whose lower edge
+# crosses from the chunk into its context, and a window over a page and a query block, so that
+# blocks have key tiles below their window skipped, masked at the window's lower edge, unmasked and
+# masked on the diagonal.
+@pytest.mark.parametrize("window", [1, 5, 17, 100])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
+def test_sliding_window_batch_kinds_match_reference(window, dtype):
+    step = make_step(MIXED_LONG, num_heads=4, num_kv_heads=2, dtype=dtype, num_padding_tokens=2)
+    assert_window_matches(step, window)
+
+
+@pytest.mark.parametrize(
+    ("requests", "group", "window", "split_kv"),
+    [
+        ([(0, 1), (130, 1), (300, 1), (1000, 1)], 1, 200, True),
+        ([(7, 3), (290, 4), (250, 12)], 3, 70, 4),
+        ([(5, 4), (47, 3), (64, 2), (200, 1)], 2, 1, 2),
+        ([(300, 1), (200, 40), (0, 0), (400, 3)], 2, 5, 2),
+    ],
+    ids=["decode", "speculative", "speculative_window_1", "mixed"],
+)
+def test_sliding_window_split_kv(requests, group, window, split_kv):
+    # Segments divide only the key tiles inside the window: with 16 segments over the 4 tiles of
+    # (1000, 1) most are empty, and of (250, 12) over tiles 2-4 the last query sees nothing of
+    # tile 2 and the first nothing of tile 4, so the merge weighs segments without a key of a row
+    # by 0.
+    step = make_step(
+        requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16
+    )
+    assert_window_matches(step, window, split_kv=False)
+    assert_window_matches(step, window, split_kv=split_kv)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_sliding_window_gqa_ratios_and_block_sizes(group, block_size):
+    step = make_step(
+        [(90, 1), (40, 30), (45, 4)],
+        num_heads=2 * group,
+        num_kv_heads=2,
+        block_size=block_size,
+        transposed_table=block_size == 32,
+        seed=group,
+    )
+    assert_window_matches(step, 37)
+
+
+@pytest.mark.parametrize("head_dim", [80, 128, 256])
+def test_sliding_window_head_dims(head_dim):
+    # head_dim 256 walks key tiles of 32.
+    step = make_step(
+        [(100, 40), (70, 1)], num_heads=2, num_kv_heads=1, head_dim=head_dim, dtype=torch.float16
+    )
+    assert_window_matches(step, 45)
+
+
+@pytest.mark.parametrize("split_kv", [False, 4], ids=["single", "split"])
+def test_window_over_every_sequence_changes_nothing(split_kv):
+    # A window of the longest sequence (100, 70) hides no key: the same tiles and sums as without a
+    # window, to the bit.
+    step = make_step(MIXED_LONG, num_heads=4, num_kv_heads=2, num_padding_tokens=2)
+    windowed = triton_output(step, sliding_window=170, split_kv=split_kv)
+    assert torch.equal(windowed, triton_output(step, split_kv=split_kv))
+    assert_close(windowed, reference_output(step, sliding_window=170))
+
+
+def test_sliding_window_must_be_positive():
+    step = make_step(DECODE, num_heads=2, num_kv_heads=2)
+    with pytest.raises(ValueError, match="sliding_window"):
+        triton_output(step, sliding_window=0)
+
+
+def test_split_kv_rule_counts_the_window():
+    # One decode over 32k keys with a window of 1024: two segments of 512 keys, not 16 of 64.
+    def segments(window):
+        return triton_attention.plan_launches(
+            1, 1, 32, 8, 128, 16, torch.bfloat16, 9, 132, 1, 32768, None, window
+        ).segments
+
+    assert segments(None) == 16 and segments(1024) == 2 and segments(100) == 1

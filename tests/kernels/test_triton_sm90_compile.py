@@ -53,12 +53,13 @@ def compile_kernel(label, fn, pointers, ints, constexprs, capability=90, **optio
 
 
 def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_requests, split_kv=None,
-              capability=90):
+              capability=90, sliding_window=None):
     cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     block_size, max_blocks = 16, 2048
     num_tokens = num_requests * max_query_len
     plan = ta.plan_launches(num_tokens, num_requests, num_heads, num_kv_heads, head_dim, block_size,
-                            cache_dtype, capability // 10, 132, max_query_len, 4096, split_kv)
+                            cache_dtype, capability // 10, 132, max_query_len, 4096, split_kv,
+                            sliding_window)
     pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr")}
     pointers |= {name: "fp32" for name in ("segm_acc_ptr", "segm_max_ptr", "segm_sum_ptr")}
     pointers |= {name: "i32" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
@@ -89,6 +90,9 @@ attention("mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False)
 attention("speculative_hd80", "fp16", 8, 8, 80, 4, 8, split_kv=False)
 attention("mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False)
 attention("ampere_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, capability=80)
+attention("window_split", "bf16", 64, 8, 128, 1, 32, sliding_window=4096)
+attention("window_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, sliding_window=4096)
+attention("window_mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False, sliding_window=4096)
 compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
                {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
                {"stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128, "stride_c_kv": 2**26,
@@ -130,6 +134,12 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "mixed_hd256_prefill",
         "ampere_mixed_decode",
         "ampere_mixed_prefill",
+        "window_split_decode",
+        "window_split_merge",
+        "window_mixed_decode",
+        "window_mixed_prefill",
+        "window_mixed_hd256_decode",
+        "window_mixed_hd256_prefill",
         "reshape_and_cache",
         "rms_norm_2048",
         "rms_norm_8192",
@@ -145,6 +155,12 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     }
     assert max(crowded.values()) <= 128, crowded
     # Prefill tiles are 64-128 rows: tl.dot must become Hopper's warpgroup MMA, not mma.sync.
-    assert kernels["mixed_prefill"]["wgmma"] and kernels["mixed_hd256_prefill"]["wgmma"]
+    prefill = (
+        "mixed_prefill",
+        "mixed_hd256_prefill",
+        "window_mixed_prefill",
+        "window_mixed_hd256_prefill",
+    )
+    assert all(kernels[name]["wgmma"] for name in prefill), kernels
     # Every tile, the sm_90 prefill tile included, fits the 100 KB of shared memory an Ada SM has.
     assert all(e["shared"] <= 100 * 1024 for e in kernels.values()), kernels

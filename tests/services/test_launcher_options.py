@@ -152,14 +152,6 @@ def test_max_model_len_past_the_models_context_is_refused():
         resolve_max_model_len(100_000_000, 8192)
 
 
-def test_a_sliding_window_model_is_served_only_where_its_window_never_binds():
-    assert resolve_max_model_len(None, 32768, 4096) == 4096
-    assert resolve_max_model_len(2048, 32768, 4096) == 2048
-    assert resolve_max_model_len(None, 2048, 4096) == 2048  # the window is past the context
-    with pytest.raises(ValueError, match="longer than this model's sliding window of 4096"):
-        resolve_max_model_len(4097, 32768, 4096)
-
-
 def test_client_commands_refuse_bad_input_with_one_line(capsys):
     assert main(["generate", "1 2 x", "--token-ids"]) == 2
     assert capsys.readouterr().err == (

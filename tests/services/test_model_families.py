@@ -1,7 +1,7 @@
 """Model families beside Llama and Qwen, served by real processes as transformers decodes
 them: a mixture of experts through `weir serve` (the official openai client, concurrent and
 streamed), a tensor-parallel group of two, dummy weights of its shape, and what a start
-refuses; Mistral with its sliding window, served where the window never binds."""
+refuses; sliding windows (Mistral's, Gemma 3's) served past their length."""
 
 import concurrent.futures
 import shutil
@@ -14,7 +14,7 @@ from serving_helpers import hf_greedy, small_server
 
 from weir.services import LLM
 from weir.services.launcher import ChildFailedError
-from weir.shared.client import InvalidRequestError, WeirClient
+from weir.shared.client import WeirClient
 from weir.shared.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -117,31 +117,48 @@ def test_int8_weights_of_experts_are_refused_at_start_in_one_line(moe_dir):
     assert "--quantization int8 does not quantize a mixture of experts' weights" in message
 
 
-def test_mistral_is_served_as_long_as_its_sliding_window_never_binds(tmp_path, default_model_dir):
-    """A window of 48 tokens: the context served is 48 (every token attends to all before
-    it, as transformers' sliding mask lets it there); a longer one is refused at start."""
+WINDOWED = {
+    "mistral": lambda **common: transformers.MistralConfig(
+        **common, sliding_window=24, bos_token_id=1, eos_token_id=2
+    ),
+    # Layers 0, 1 and 3 local (window 24), layer 2 global.
+    "gemma3_text": lambda **common: transformers.Gemma3TextConfig(
+        **common,
+        head_dim=8,
+        sliding_window=24,
+        sliding_window_pattern=3,
+        query_pre_attn_scalar=16,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WINDOWED))
+def test_sliding_windows_are_served_past_their_length(kind, tmp_path, default_model_dir):
+    """A window of 24 tokens and prompts of 80: the whole context is served (not the
+    window), chunked by 16-token steps, and greedy decoding past the window is what
+    transformers decodes; the second prompt, sent after the first, shares its first 48
+    tokens, which the prefix cache (on by default) then holds."""
     torch.manual_seed(1)
-    config = transformers.MistralConfig(
+    config = WINDOWED[kind](
         vocab_size=49152,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        sliding_window=48,
-        bos_token_id=1,
-        eos_token_id=2,
     )
-    save_speaking(transformers.MistralForCausalLM(config).eval(), tmp_path, default_model_dir)
+    save_speaking(
+        transformers.AutoModelForCausalLM.from_config(config), tmp_path, default_model_dir
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    prompt = list(range(200, 232))
+    prompts = [list(range(200, 280)), list(range(200, 248)) + list(range(900, 932))]
     with LLM(str(tmp_path), max_num_batched_tokens=16) as llm:
         with WeirClient(llm.server_info["client_address"]) as client:
-            assert client.model_info()["max_model_len"] == 48
-        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-        assert llm.generate([prompt], params)[0].token_ids == hf_greedy(hf, prompt, 16)
-        with pytest.raises(InvalidRequestError, match="48"):
-            llm.generate([prompt], SamplingParams(max_tokens=17))
-    with pytest.raises(ChildFailedError, match="sliding window of 48 tokens"):
-        LLM(str(tmp_path), max_model_len=64, startup_timeout=120)
+            assert client.model_info()["max_model_len"] == 512
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 24) for p in prompts]

@@ -1,0 +1,114 @@
+"""Write a model directory of a given shape, for `--load-format dummy`.
+
+    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b]
+
+The directory holds a `config.json` and the default model's tokenizer, no weights:
+`weir bench throughput --model DIR --load-format dummy --baseline hf-static,hf-cb` then
+measures Weir and transformers on random weights of that shape.
+- `moe-small`: a Qwen3-MoE (8 layers, hidden 1024, 32 experts of 512 columns, 4 a token:
+  ~0.5 B parameters, ~90 M active) that fits a CPU; `qwen3-30b-a3b` is that model's shape
+  (48 layers, 128 experts, 8 a token), for a GPU.
+- `gemma3-270m`, `gemma3-1b`: Gemma 3's shapes (local layers with a 512-token window, one
+  global layer in six) with the default model's vocabulary; `--no-window` makes every
+  layer global, to measure what the window saves.
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from weir.shared.model_store import resolve_model
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+GEMMA3 = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "max_position_embeddings": 32768,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+}
+SHAPES = {
+    "moe-small": dict(
+        QWEN3_MOE,
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-30b-a3b": dict(
+        QWEN3_MOE,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        tie_word_embeddings=False,
+    ),
+    "gemma3-270m": dict(
+        GEMMA3,
+        hidden_size=640,
+        intermediate_size=2048,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+    ),
+    "gemma3-1b": dict(
+        GEMMA3,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+    ),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="the directory to write")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="moe-small")
+    parser.add_argument("--no-window", action="store_true", help="no sliding window anywhere")
+    args = parser.parse_args()
+    tokenizer_dir = resolve_model(None)
+    eos = json.loads((tokenizer_dir / "config.json").read_text())["eos_token_id"]
+    config = {
+        **SHAPES[args.shape],
+        "vocab_size": 49152,  # the default model's tokenizer
+        "eos_token_id": eos,
+    }
+    if args.no_window:
+        config["sliding_window"] = None
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "config.json").write_text(json.dumps(config, indent=1))
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, args.out / name)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
