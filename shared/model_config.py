@@ -112,8 +112,8 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
 
     sliding_layers: tuple[int, ...] = ()
-    # Gemma 3's local (sliding) layers rotate with their own base and no scaling; None: every
-    # layer rotates alike.
+    # Gemma 3's local (sliding_layers) layers rotate with their own base and no scaling; None:
+    # every layer rotates alike.
     sliding_rope_theta: float | None = None
     hidden_act: str = "silu"
     # Gemma: every RMSNorm scales by (1 + weight), and a layer normalizes the outputs of its
@@ -209,7 +209,10 @@ class ModelConfig:
             rope_original_max_position=_count(rope, "original_max_position_embeddings", max_pos),
             max_position_embeddings=max_pos,
             sliding_window=window,
-            sliding_layers=() if window is None else _sliding_layers(model_type, hf, num_layers),
+            # Gemma 3's local layers rotate as such even where no window is set.
+            sliding_layers=()
+            if window is None and not gemma
+            else _sliding_layers(model_type, hf, num_layers),
             sliding_rope_theta=sliding_rope,
             hidden_act=act,
             gemma_norms=gemma,

@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.attention_multiplier or d**-0.5
         self.sliding_window = cfg.layer_window(index)
         # Which rotation the model's forward computes for this layer (Gemma 3's local ones).
-        self.local_rope = self.sliding_window is not None and cfg.sliding_rope_theta is not None
+        self.local_rope = index in cfg.sliding_layers and cfg.sliding_rope_theta is not None
         self.hidden_act = cfg.hidden_act
         self.attention = attention
         self.kernels = kernels
