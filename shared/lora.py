@@ -45,12 +45,18 @@ _CHANGES_THE_FORWARD = {
     "monteclora_config": "MonteCLoRA",
 }
 # PEFT's tensor names: base_model.model.<the base model's module>.lora_A.weight; the module
-# lacks "model." for an adapter of the bare transformer (an embedding model's). Phi-3's
-# modules are fused: qkv_proj and gate_up_proj.
+# lacks "model." for an adapter of the bare transformer (an embedding model's), and lies
+# under language_model in a multimodal model (model.language_model.layers as transformers 5
+# names it, language_model.model.layers as 4 did). Phi-3's modules are fused: qkv_proj and
+# gate_up_proj.
 _TENSOR = re.compile(
-    r"base_model\.model\.(?:model\.)?layers\.(\d+)\."
+    r"base_model\.model\.(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\."
     r"(self_attn\.[qkvo]_proj|self_attn\.qkv_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.gate_up_proj"
     r"|mlp\.down_proj)\.lora_([AB])\.weight"
+)
+# A multimodal model's other towers, which a text-only prompt never runs.
+_OTHER_TOWERS = re.compile(
+    r"base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\."
 )
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 
@@ -180,6 +186,8 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
     found: dict[tuple[int, str], dict[str, str]] = {}
     with opened as f:
         for key in f.keys():
+            if model.multimodal and _OTHER_TOWERS.match(key):
+                continue  # Weir serves the language model only: text prompts never reach them
             m = _TENSOR.fullmatch(key)
             if m is None:
                 raise ValueError(

@@ -61,7 +61,15 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 768,
     },
+    # Gemma 3's multimodal checkpoints leave most of text_config to these (the 4B's shape).
     "gemma3_text": {
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
         "max_position_embeddings": 131072,
         "head_dim": 256,
         "hidden_activation": "gelu_pytorch_tanh",

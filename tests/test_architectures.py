@@ -345,3 +345,29 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
     want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
     assert tp_workload.run(work).outputs == want
+
+    # PEFT names the language model's modules under model.language_model; its adapter of the
+    # vision tower's attention (PEFT's default targets match it too) never runs on text.
+    adapter = tmp_path / "adapter"
+    tensors = _adapter(
+        adapter, cfg, {0: ("self_attn.q_proj", "mlp.down_proj"), 1: ("self_attn.v_proj",)}
+    )
+    renamed = {
+        name.replace("base_model.model.model.", "base_model.model.model.language_model."): t
+        for name, t in tensors.items()
+    }
+    vision_q = "base_model.model.model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj"
+    renamed[f"{vision_q}.lora_A.weight"] = torch.ones(2, 32)
+    renamed[f"{vision_q}.lora_B.weight"] = torch.ones(32, 2)
+    save_file(renamed, adapter / "adapter_model.safetensors")
+    with torch.no_grad():
+        weights = hf.state_dict()
+        for name, a in renamed.items():
+            if ".lora_A." in name and "vision_tower" not in name:
+                b = renamed[name.replace(".lora_A.", ".lora_B.")]
+                target = name.removeprefix("base_model.model.").replace(".lora_A.", ".")
+                weights[target].add_(2.0 * (b @ a))  # alpha / r
+    lora_work = dataclasses.replace(work, loras=[f"a={adapter}"], lora_names=["a", None])
+    outputs = tp_workload.run(lora_work).outputs
+    assert outputs == {"r0": greedy(hf, prompts[0], 8), "r1": want["r1"]}
+    assert outputs["r0"] != want["r0"], "the adapter must matter"

@@ -237,3 +237,45 @@ def test_unreadable_weight_files_are_a_value_error_naming_the_file(tmp_path):
     )
     with pytest.raises(ValueError, match=r"names files that are not there: \['nope.safetensors'\]"):
         load_model(tmp_path)
+
+
+def test_a_gemma3_multimodal_config_as_the_hub_writes_it_reads_as_transformers_does():
+    """google/gemma-3-4b-it's config.json: text_config lists only what differs from
+    Gemma3TextConfig's defaults, and the whole model's flags sit beside it."""
+    text = {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    }
+    hf = {"model_type": "gemma3", "text_config": text, "eos_token_id": [1, 106]}
+    ours = ModelConfig.from_hf(hf)
+    theirs = transformers.Gemma3Config(text_config=text).text_config
+    assert ours.multimodal and ours.tie_word_embeddings
+    assert (ours.vocab_size, ours.hidden_size, ours.num_layers) == (
+        theirs.vocab_size,
+        theirs.hidden_size,
+        theirs.num_hidden_layers,
+    )
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+        theirs.head_dim,
+    )
+    assert ours.attention_multiplier == theirs.query_pre_attn_scalar**-0.5
+    full, local = (
+        theirs.rope_parameters["full_attention"],
+        theirs.rope_parameters["sliding_attention"],
+    )
+    assert (ours.rope_theta, ours.rope_type, ours.rope_factor) == (
+        full["rope_theta"],
+        full["rope_type"],
+        full["factor"],
+    )
+    assert ours.sliding_rope_theta == local["rope_theta"]
+    assert _windows(ours) == [
+        theirs.sliding_window if kind == "sliding_attention" else None
+        for kind in theirs.layer_types
+    ]
