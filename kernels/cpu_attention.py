@@ -15,6 +15,10 @@ and every layer then runs a handful of large operators that reuse the plan:
 * Long queries (prefill chunks) run one SDPA per request over its gathered context, causal
   without a mask when there is no earlier context.
 
+With a soft cap c (Gemma 2's attn_logit_softcapping), each scaled score s becomes
+c * tanh(s / c) before the mask: in place on a bucket's scores, and, since SDPA cannot cap,
+by an explicit float32 attention for long queries.
+
 The cache stays paged: gathers read the blocks through the block table every layer. With a
 sliding window W, a request gathers only from the first key its first query sees, so a short
 query reads at most W + Q - 1 keys however long its sequence, and the masks hide the keys
@@ -256,9 +260,16 @@ def reshape_and_cache(
 
 
 def paged_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: StepPlan,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """query [T, H, D] -> [T, H, D]; rows of no request (padding) are left unset."""
+    """query [T, H, D] -> [T, H, D]; rows of no request (padding) are left unset. With
+    `softcap`, the scores are soft-capped as the reference's."""
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"a soft cap of {softcap} is not positive")
     head_dim = query.shape[2]
     hkv, group = plan.num_kv_heads, plan.group
     key_rows = kv_cache[0].view(-1, head_dim)
@@ -271,6 +282,8 @@ def paged_attention(
         qb = query.index_select(0, b.query_rows).view(r, b.query_len, hkv, group, head_dim)
         qb = qb.transpose(1, 2).reshape(r * hkv, qg, head_dim).to(torch.float32) * scale
         scores = torch.bmm(qb, k.transpose(1, 2)).view(r, hkv, qg, s)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
         if b.mask is not None:
             scores += b.mask
         probs = torch.softmax(scores, dim=-1).view(-1, s).to(value_rows.dtype)
@@ -286,8 +299,34 @@ def paged_attention(
         k = key_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
         v = value_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
         q = query[lq.start : lq.end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, Q, D]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=lq.mask, is_causal=lq.mask is None, scale=scale, enable_gqa=True
-        )
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=lq.mask, is_causal=lq.mask is None, scale=scale, enable_gqa=True
+            )
+        else:
+            o = _softcapped_attention(q, k, v, lq.mask, scale, softcap)
         out[lq.start : lq.end] = o[0].transpose(0, 1)
     return out
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """SDPA's result for q [1, H, Q, D] over k, v [1, Hkv, S, D] (mask [Q, S] True = attend;
+    None = causal with Q == S) with the scores soft-capped, in float32 as the reference."""
+    _, num_heads, query_len, head_dim = q.shape
+    hkv, seq_len = k.shape[1], k.shape[2]
+    # Query head h reads KV head h // group: the group's heads share one broadcast K and V.
+    qg = q.view(hkv, num_heads // hkv, query_len, head_dim).float()
+    k, v = k[0].unsqueeze(1).float(), v[0].unsqueeze(1).float()  # [Hkv, 1, S, D]
+    scores = qg @ k.transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (probs @ v).view(1, num_heads, query_len, head_dim)

@@ -56,7 +56,7 @@ _SIGNATURES = {
     "weir_write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I]),
     "weir_paged_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I],
+        [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F],
     ),
     "weir_int8_linear": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]),
     "weir_silu_mul": (None, [_P, _I, _I, _I]),
@@ -194,14 +194,17 @@ class CpuKernels:
         scale: float,
         *,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """`weir.kernels.reference.paged_attention`'s contract, its sliding window included:
-        query [T, H, D] -> [T, H, D], int32 metadata; rows of no request are left unset.
-        Metadata that points outside the batch, the block table or the cache raises IndexError
-        before anything is read."""
+        """`weir.kernels.reference.paged_attention`'s contract, its sliding window and soft
+        cap included: query [T, H, D] -> [T, H, D], int32 metadata; rows of no request are
+        left unset. Metadata that points outside the batch, the block table or the cache
+        raises IndexError before anything is read."""
         num_tokens, num_heads, head_dim = query.shape
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"a sliding window of {sliding_window} keys hides every key")
+        if softcap is not None and softcap <= 0:
+            raise ValueError(f"a soft cap of {softcap} is not positive")
         if num_heads % kv_cache.shape[3] or head_dim != kv_cache.shape[4]:
             raise ValueError(
                 f"query heads {num_heads} x {head_dim} do not group over the cache's "
@@ -229,6 +232,7 @@ class CpuKernels:
             head_dim,
             scale,
             0 if sliding_window is None else sliding_window,  # 0: no window
+            0.0 if softcap is None else softcap,  # 0: no cap
         )
         if status == -2:
             raise IndexError("attention metadata of this step points outside the batch or cache")

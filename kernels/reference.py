@@ -17,6 +17,8 @@ position j iff j <= context_len + i, where context_len = seq_len - query_len.
 With a sliding window W (a layer of Mistral, Gemma 3, Qwen2 with use_sliding_window), also
 j > context_len + i - W: each token sees itself and the W - 1 keys before it, as
 transformers' `sliding_window_overlay` and FlashAttention's window (W - 1, 0) do.
+With a soft cap c (Gemma 2's attn_logit_softcapping), each scaled score s becomes
+c * tanh(s / c) before the mask and the softmax.
 """
 
 import torch
@@ -43,9 +45,11 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its request's cached keys (one request at a time);
-    with ``sliding_window``, over the last that many of them only."""
+    with ``sliding_window``, over the last that many of them only; with ``softcap``, its
+    scores soft-capped."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -63,6 +67,8 @@ def paged_attention(
         k = k.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [H, S, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
         scores = torch.einsum("qhd,hkd->hqk", q.float(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         context_len = seq_len - query_len
         q_pos = torch.arange(query_len).unsqueeze(1) + context_len
         k_pos = torch.arange(seq_len).unsqueeze(0)

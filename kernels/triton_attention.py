@@ -1,9 +1,10 @@
 """Triton attention over the paged KV cache for a whole mixed batch.
 
-Same semantics, positional signature and sliding_window keyword as
+Same semantics, positional signature and sliding_window and softcap keywords as
 `weir.kernels.reference.paged_attention` (prefill chunks with cached context, decodes and
 speculative 1 + k queries share the flat layout; query i of request r sees key j iff
-j <= context_len + i, and with a sliding window W also j > context_len + i - W).
+j <= context_len + i, and with a sliding window W also j > context_len + i - W; with a soft cap c
+each scaled score s becomes c * tanh(s / c)).
 
 Two kinds of tile, one launch each (no launch when the step has none of that kind):
 
@@ -31,7 +32,8 @@ prefill tiles, key tiles that every row of the block sees whole are processed wi
 masks, and only the one or two tiles on the diagonal (or holding the sequence end), and
 with a window those at its lower edge, are masked. The window is a compile-time constant
 (one compilation per window size, as a model has one or two): without one, the kernels
-are exactly the unwindowed ones.
+are exactly the unwindowed ones. So is the soft cap (one per model), applied to each key
+tile's scores in every loop; without one the kernels are exactly the uncapped ones.
 
 Split-KV. When the decode launch of a step without long queries would leave the GPU's
 SMs short of programs (few requests over long contexts) a third grid axis cuts each
@@ -67,6 +69,7 @@ __all__ = [
 ]
 
 LOG2_E = 1.4426950408889634
+_LOG2_E: tl.constexpr = tl.constexpr(LOG2_E)  # the kernels' copy: a global they read must be one
 INT32_MAX = 2**31 - 1
 
 
@@ -94,6 +97,19 @@ def _load(ptrs, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32, within a few ulp. Written out because Triton has no tl.tanh and libdevice's
+    does not run in the interpreter. exp2(-2|x| log2(e)) cannot overflow and goes to 0 for large
+    |x|, so the quotient saturates at 1; below 1/4, where 1 - t would cancel, the odd Taylor
+    series to x^9 (its first omitted term is under 1e-8 of the result there)."""
+    t = tl.exp2(tl.abs(x) * (-2.0 * _LOG2_E))
+    large = (1.0 - t) / (1.0 + t)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3 + x2 * (2.0 / 15 + x2 * (-17.0 / 315 + x2 * (62.0 / 2835)))))
+    return tl.where(tl.abs(x) < 0.25, small, tl.where(x < 0, -large, large))
+
+
+@triton.jit
 def _attend_tiles(
     acc,
     m_i,
@@ -116,10 +132,13 @@ def _attend_tiles(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Online softmax over key tiles [tile_begin, tile_end). Unless MASKED, every row sees every
-    key of these tiles and they lie inside the sequence: no bounds checks, causal or window masks."""
+    key of these tiles and they lie inside the sequence: no bounds checks, causal or window masks.
+    Scores are kept in log2 units for exp2; qk_scale takes q.k there (scale * log2(e)), or with a
+    SOFTCAP to the tanh's argument (scale / SOFTCAP)."""
     offs_n = tl.arange(0, TILE_N)
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
@@ -142,6 +161,8 @@ def _attend_tiles(
             MASKED or mask_dims,
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            s = _tanh(s) * (SOFTCAP * _LOG2_E)
         if MASKED:
             # Also hides key_pos >= kv_len, since a valid row's last visible key is below kv_len.
             visible = key_pos[None, :] <= last_visible[:, None]
@@ -197,6 +218,7 @@ def _attend_query_block(
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,
 ):
     """Query tokens [q_block_local * BLOCK_Q, + BLOCK_Q) of request req, every query head of one
@@ -266,18 +288,18 @@ def _attend_query_block(
         if SLIDING_WINDOW:
             acc, m_i, l_i = _attend_tiles(
                 acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_begin, full_begin, kv_len,
-                last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
-                BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, True,
+                last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot, BLOCK_SIZE,
+                BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, True,
             )  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_base, v_base, block_table_row, full_begin, full_end, kv_len,
-            last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
-            BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, False,
+            last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot, BLOCK_SIZE,
+            BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, False,
         )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_base, v_base, block_table_row, full_end, tile_end, kv_len,
         last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
-        BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, True,
+        BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, True,
     )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -330,6 +352,7 @@ def _decode_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One request (longer than short_query_len: left to the prefill launch), one KV head, one key
     segment. A query longer than one tile (a max_query_len hint below the truth) is walked tile by tile."""
@@ -347,7 +370,7 @@ def _decode_attention_kernel(
                 qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv,
                 stride_c_block, stride_c_slot, stride_c_head, stride_bt_req, stride_bt_block,
                 BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q, BLOCK_D, HEAD_DIM, TILE_N, NUM_SEGMENTS,
-                DOT_PRECISION, SLIDING_WINDOW, False,
+                DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, False,
             )  # fmt: skip
 
 
@@ -382,6 +405,7 @@ def _prefill_attention_kernel(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One query block of a request longer than short_query_len, one KV head, single pass."""
     kv_head = tl.program_id(0)
@@ -398,7 +422,7 @@ def _prefill_attention_kernel(
             q_start, query_len, seq_len, q_block_local, kv_head, 0, qk_scale, num_heads,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_block, stride_c_slot,
             stride_c_head, stride_bt_req, stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q,
-            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SLIDING_WINDOW, True,
+            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, True,
         )  # fmt: skip
 
 
@@ -508,6 +532,7 @@ class LaunchPlan:
     prefill: TileShape | None
     prefill_grid: tuple[int, int] | None
     sliding_window: int | None
+    softcap: float | None
 
     def constexprs(self, tile: TileShape) -> dict[str, int | str]:
         return {
@@ -520,6 +545,7 @@ class LaunchPlan:
             "TILE_N": tile.tile_n,
             "DOT_PRECISION": self.dot_precision,
             "SLIDING_WINDOW": self.sliding_window or 0,
+            "SOFTCAP": self.softcap or 0.0,
         }
 
 
@@ -573,10 +599,13 @@ def plan_launches(
     max_seq_len: int | None,
     split_kv: bool | int | None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> LaunchPlan:
     """The launch plan for one batch shape (cached: the same shape recurs every layer and step)."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window}: a token must see at least itself")
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap={softcap}: a soft cap must be positive and finite")
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     hopper = capability_major == 9
@@ -630,6 +659,7 @@ def plan_launches(
         prefill=prefill,
         prefill_grid=prefill_grid,
         sliding_window=sliding_window,
+        softcap=None if softcap is None else float(softcap),
     )
 
 
@@ -642,6 +672,7 @@ def plan_for(
     max_seq_len: int | None = None,
     split_kv: bool | int | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> LaunchPlan:
     """The launches paged_attention makes for these tensors and hints (same defaults)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -662,6 +693,7 @@ def plan_for(
         max_seq_len,
         split_kv,
         sliding_window,
+        softcap,
     )
 
 
@@ -704,6 +736,7 @@ def paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
@@ -716,10 +749,12 @@ def paged_attention(
 
     The cache must already hold the new tokens' K/V (call reshape_and_cache first). Nothing is read
     back to the host. Optional keyword arguments, all host-side (the executor passes the layer's
-    sliding_window and the max_query_len and max_seq_len hints; out, split_kv, workspace and
-    concurrent are for benchmarks and tests):
+    sliding_window and softcap and the max_query_len and max_seq_len hints; out, split_kv, workspace
+    and concurrent are for benchmarks and tests):
       sliding_window each token sees only itself and the sliding_window - 1 keys before it (None:
                     every earlier key), as in the reference.
+      softcap       each scaled score s becomes softcap * tanh(s / softcap) before the mask and the
+                    softmax (None: no cap), as in the reference.
       out           preallocated [T, num_heads, head_dim] result; rows of tokens outside every request
                     are unspecified, as in the reference.
       max_query_len longest query of the step, known to the caller; picks the tiles and launches.
@@ -759,6 +794,7 @@ def paged_attention(
         max_seq_len=max_seq_len,
         split_kv=split_kv,
         sliding_window=sliding_window,
+        softcap=softcap,
     )
     if plan.segments > 1:
         if workspace is None:
@@ -785,7 +821,8 @@ def paged_attention(
         block_table.stride(0),
         block_table.stride(1),
     )
-    qk_scale = scale * LOG2_E
+    # With a cap the kernels take the tanh in natural units and only then scale to log2 units.
+    qk_scale = scale * LOG2_E if plan.softcap is None else scale / plan.softcap
     # The decode launch (memory-bound) runs beside the prefill launch (compute-bound) on a side
     # stream, so that decode programs fill the registers and bandwidth a prefill program leaves on
     # each SM. The side stream waits for what came before (the cache write) and the caller's stream

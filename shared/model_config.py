@@ -27,6 +27,7 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gemma2",
     "gemma3_text",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
@@ -60,6 +61,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_local_experts": 128,
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 768,
+    },
+    "gemma2": {
+        "max_position_embeddings": 8192,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "tie_word_embeddings": True,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
     },
     # Gemma 3's multimodal checkpoints leave most of text_config to these (the 4B's shape).
     "gemma3_text": {
@@ -128,6 +139,10 @@ class ModelConfig:
     # attention and MLP before the residual adds too (post_attention_layernorm,
     # pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it).
     gemma_norms: bool = False
+    # Gemma 2's soft caps: each attention score s becomes c * tanh(s / c), and each logit
+    # likewise with its own c; None: no cap.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     # Read from a multimodal checkpoint's text_config (TEXT_OF_MULTIMODAL): its language
     # model's weights are named under language_model.
     multimodal: bool = False
@@ -167,7 +182,7 @@ class ModelConfig:
         # A null counts as left out, as transformers reads it (but a null sliding_window).
         window = _sliding_window(model_type, hf)
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
-        gemma = model_type == "gemma3_text"
+        gemma = model_type in ("gemma2", "gemma3_text")
         # Gemma's configs name it hidden_activation (transformers reads only that one there).
         act_key = "hidden_activation" if gemma else "hidden_act"
         act = hf.get(act_key, "silu")
@@ -175,12 +190,9 @@ class ModelConfig:
             raise ValueError(
                 f"config.json: unsupported {act_key} {act!r}; implemented: {ACTIVATIONS}"
             )
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if key in hf:
-                raise ValueError(f"config.json: {key} is not supported")
         if _flag(hf, "use_bidirectional_attention"):
             raise ValueError("config.json: use_bidirectional_attention is not supported")
-        rope, sliding_rope = _rope(hf, gemma)
+        rope, sliding_rope = _rope(hf, model_type == "gemma3_text")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"config.json: unsupported rope type {rope_type!r}")
@@ -276,10 +288,10 @@ class ModelConfig:
 
 
 def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
-    """The window as transformers applies it: Mistral's and Gemma 3's (4096 where the key is
+    """The window as transformers applies it: Mistral's and Gemma's (4096 where the key is
     left out, none where it is null), Mixtral's and Phi-3's whenever set; Qwen's (4096 by
     default) only with use_sliding_window."""
-    if model_type not in ("mistral", "mixtral", "phi3", "gemma3_text") and not _flag(
+    if model_type not in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text") and not _flag(
         hf, "use_sliding_window"
     ):
         return None
@@ -293,7 +305,7 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     Mixtral, Phi-3 and Qwen3-MoE; elsewhere those config.json's layer_types names
     "sliding_attention", or where it has none, Qwen2's and Qwen3's layers from
     max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 layer but each
-    sliding_window_pattern-th."""
+    sliding_window_pattern-th (Gemma 2's every even layer)."""
     if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return tuple(range(num_layers))
     types = hf.get("layer_types")
@@ -309,8 +321,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
                 f"layers, got {types!r}"
             )
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    if model_type == "gemma3_text":
-        pattern = _count(hf, "sliding_window_pattern", 6)
+    if model_type in ("gemma2", "gemma3_text"):
+        pattern = 2 if model_type == "gemma2" else _count(hf, "sliding_window_pattern", 6)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
     first_full = _count(hf, "max_window_layers", 28)
     if model_type == "qwen2_moe":
@@ -318,12 +330,12 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     return tuple(range(first_full, num_layers))
 
 
-def _rope(hf: dict[str, Any], gemma: bool) -> tuple[dict[str, Any], float | None]:
+def _rope(hf: dict[str, Any], gemma3: bool) -> tuple[dict[str, Any], float | None]:
     """The rotary parameters of the (full-attention) layers, and Gemma 3's local layers' base.
     transformers < 5 writes rope_theta + rope_scaling; >= 5 rope_parameters (Gemma 3's keyed
     by layer type). Where a file has both, transformers lets the legacy rope_scaling win."""
     params = _mapping(hf, "rope_parameters")
-    if not gemma:
+    if not gemma3:
         return {**params, **_mapping(hf, "rope_scaling")}, None
     full = _mapping(params, "full_attention") if params else {}
     local = _mapping(params, "sliding_attention") if params else {}
@@ -338,13 +350,16 @@ def _rope(hf: dict[str, Any], gemma: bool) -> tuple[dict[str, Any], float | None
 
 
 def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
-    if model_type != "gemma3_text":
+    if model_type not in ("gemma2", "gemma3_text"):
         return {}
     # Gemma scales its embeddings by sqrt(hidden_size) and its attention by
-    # query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5.
+    # query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5. A cap left out or null is
+    # none (the nulls were dropped above).
+    caps = ("attn_logit_softcapping", "final_logit_softcapping")
     return {
         "embedding_multiplier": math.sqrt(_count(hf, "hidden_size")),
         "attention_multiplier": _positive(hf, "query_pre_attn_scalar", 256) ** -0.5,
+        **{cap: _positive(hf, cap, 1.0) if cap in hf else None for cap in caps},
     }
 
 

@@ -1,6 +1,6 @@
 """Architectures beside Llama and Qwen: the mixtures of experts (Mixtral, Qwen2-MoE,
 Qwen3-MoE), Phi-3 (q/k/v and gate/up fused in its checkpoint), Granite (its scalars),
-Gemma 3 (its norms, GELU, local and global layers) and sliding windows (Mistral's and
+Gemma 2 (its soft caps), Gemma 3 (its norms, GELU, local and global layers) and sliding windows (Mistral's and
 Mixtral's every layer, Qwen2's from max_window_layers on, Gemma 3's local layers), with
 windows far shorter than the sequences. Each is decoded through the engine core, chunked,
 preempted and with drafts, in one process and by a tensor-parallel group of two, as
@@ -46,6 +46,18 @@ CONFIGS = {
         use_sliding_window=True,
         sliding_window=6,
         max_window_layers=1,
+    ),
+    # Soft caps low enough to bind on these weights' scores and logits; layers 0 and 2
+    # windowed.
+    "gemma2": lambda: transformers.Gemma2Config(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=96,
+        sliding_window=9,
+        query_pre_attn_scalar=20,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=6.0,
+        tie_word_embeddings=False,
     ),
     # Local (windowed) layers 0 and 2 rotate by their own base, the global one by a scaled
     # other; attention scaled by query_pre_attn_scalar, not head_dim. Untied: with random
@@ -107,6 +119,7 @@ MOE_LAYERS = {
     "phi3": (),
     "mistral": (),
     "qwen2": (),
+    "gemma2": (),
     "gemma3_text": (),
     "mixtral": (0, 1, 2),
     "qwen2_moe": (1,),

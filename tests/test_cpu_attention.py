@@ -4,8 +4,11 @@ One step mixes decodes of very different lengths (so they split into several buc
 speculative decodes with two draft counts, a prefill chunk over earlier context and a fresh
 prefill, under GQA, with shuffled physical blocks, a strided block table whose unused
 entries are -1, padding tokens (slot -1), and poisoned cache slots no request owns. Both
-paths also run it under sliding windows from one key to more than any sequence.
+paths also run it under sliding windows from one key to more than any sequence, and with
+Gemma 2's soft cap of the scores.
 """
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +20,10 @@ POISON = 1e4
 # Sliding windows: the token itself only, less than a block, binding on some requests of the
 # mixed batches and not others, and longer than every sequence (the same as no window).
 WINDOWS = [1, 3, 37, 160, 400]
+# Soft caps: one that flattens most scores of queries scaled up by QUERY_BOOST, one that
+# bends only their largest.
+SOFTCAPS = [5.0, 50.0]
+QUERY_BOOST = 8
 
 
 def mixed_step(
@@ -68,15 +75,31 @@ def attention_metadata(step: dict) -> tuple[torch.Tensor, ...]:
 
 
 def reference_step(
-    step: dict, scale: float, sliding_window: int | None = None
+    step: dict, scale: float, sliding_window: int | None = None, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache after the reference writes the step's K/V, and the reference's output."""
     cache = step["kv_cache"].clone()
     reference.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     out = reference.paged_attention(
-        step["query"], cache, *attention_metadata(step), scale, sliding_window=sliding_window
+        step["query"],
+        cache,
+        *attention_metadata(step),
+        scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
     return cache, out
+
+
+def softcapped_step(step: dict, scale: float, sliding_window: int | None, softcap: float):
+    """Boost the step's queries so the cap saturates; the cache and reference output as
+    `reference_step`'s, after checking that the cap changes the reference's output."""
+    step["query"] = step["query"] * QUERY_BOOST
+    num_real = int(step["query_start_loc"][-1])
+    cache, want = reference_step(step, scale, sliding_window, softcap)
+    _, uncapped = reference_step(step, scale, sliding_window)
+    assert (want[:num_real] - uncapped[:num_real]).abs().max() > 0.05
+    return cache, want
 
 
 BATCHED = [
@@ -147,6 +170,23 @@ def test_batched_cpu_attention_with_sliding_window_equals_reference(dtype, tol, 
         assert torch.equal(got[:num_real], unwindowed[:num_real])
 
 
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("sliding_window", [None, 3, 37])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_batched_cpu_attention_with_softcap_equals_reference(dtype, tol, sliding_window, softcap):
+    """Capped before the mask in the buckets, and in the long queries' explicit attention
+    that stands in for SDPA (which cannot cap)."""
+    step = mixed_step(BATCHED, *BATCHED_HEADS, dtype)
+    scale = BATCHED_HEADS[2] ** -0.5
+    num_real = int(step["query_start_loc"][-1])
+    cache, want = softcapped_step(step, scale, sliding_window, softcap)
+
+    plan = batched_plan(step, sliding_window)
+    got = cpu_attention.paged_attention(step["query"], cache, plan, scale, softcap)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
+
+
 native = cpu_native.load()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler: native kernels not built")
 
@@ -195,6 +235,35 @@ def test_native_cpu_attention_equals_reference(
 
 
 @needs_native
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (9, 3, 64)])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("sliding_window", [None, 3, 37])
+def test_native_cpu_attention_with_softcap_equals_reference(
+    num_heads, num_kv_heads, head_dim, sliding_window, softcap
+):
+    """The cap on every tile's scores, wide and transposed, in the causal loop and the
+    windowed rows'."""
+    step = mixed_step(MIXED, num_heads, num_kv_heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    num_real = int(step["query_start_loc"][-1])
+    cache, want = softcapped_step(step, scale, sliding_window, softcap)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = native.paged_attention(
+            step["query"],
+            cache,
+            *attention_metadata(step),
+            scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("sliding_window", [3, 37])
 def test_native_sliding_window_ignores_hidden_keys_whatever_their_scores(sliding_window):
     """Scores spread over hundreds: a key below a row's window but inside its tile (seen by
@@ -225,6 +294,32 @@ def test_a_window_of_no_keys_is_refused():
             native.paged_attention(*args, sliding_window=0)
 
 
+@pytest.mark.parametrize("softcap", [0.0, -5.0])
+def test_a_soft_cap_that_is_not_positive_is_refused(softcap):
+    """The native kernel would read 0 as no cap at all."""
+    step = mixed_step([(30, 1), (0, 5)], *BATCHED_HEADS, torch.float32)
+    with pytest.raises(ValueError, match="not positive"):
+        cpu_attention.paged_attention(
+            step["query"], step["kv_cache"], batched_plan(step), 0.25, softcap
+        )
+    if native is not None:
+        args = (step["query"], step["kv_cache"], *attention_metadata(step), 0.25)
+        with pytest.raises(ValueError, match="not positive"):
+            native.paged_attention(*args, softcap=softcap)
+
+
+def request_kv(
+    step: dict, cache: torch.Tensor, seq_len: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first request's K and V read from the cache through its block table, [Hkv * group,
+    S, D] with every KV head repeated for the query heads of its group (as `repeat_kv`)."""
+    num_kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    pos = torch.arange(seq_len)
+    slots = step["block_table"][0, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    k, v = (cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
+    return tuple(t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+
+
 def test_reference_sliding_window_is_transformers_mask():
     """The reference's window, checked against transformers' own mask functions: a prefill
     chunk over earlier context, attended densely with the mask that `sliding_window_overlay`
@@ -237,10 +332,7 @@ def test_reference_sliding_window_is_transformers_mask():
 
     seq_len = context + query_len
     pos = torch.arange(seq_len)
-    slots = step["block_table"][0, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
-    k, v = (cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
-    group = num_heads // num_kv_heads
-    k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [H, S, D]
+    k, v = request_kv(step, cache, seq_len, num_heads // num_kv_heads)  # [H, S, D]
     attend = masking_utils.and_masks(
         masking_utils.sliding_window_overlay(window), masking_utils.causal_mask_function
     )
@@ -252,6 +344,34 @@ def test_reference_sliding_window_is_transformers_mask():
     scores = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
     want = (scores.softmax(-1) @ v).transpose(0, 1)
     torch.testing.assert_close(got[:query_len], want, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_softcap_is_gemma2_eager_attention():
+    """The reference's cap, checked against transformers' own Gemma 2 attention
+    (`eager_attention_forward` with its `softcap`) on a prefill chunk over earlier context,
+    its GQA heads repeated by transformers and its causal mask additive."""
+    gemma2 = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
+    softcap, context, query_len, num_heads, num_kv_heads, head_dim = 5.0, 9, 7, 4, 2, 8
+    step = mixed_step([(context, query_len)], num_heads, num_kv_heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    cache, got = softcapped_step(step, scale, None, softcap)
+
+    seq_len = context + query_len
+    group = num_heads // num_kv_heads
+    k, v = request_kv(step, cache, seq_len, 1)  # [Hkv, S, D]: transformers repeats them
+    hidden = torch.arange(seq_len)[None, :] > context + torch.arange(query_len)[:, None]
+    mask = torch.zeros(query_len, seq_len).masked_fill(hidden, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=group, training=False)
+    want, _ = gemma2.eager_attention_forward(
+        module,
+        step["query"][:query_len].transpose(0, 1)[None],  # [1, H, Q, D]
+        k[None],
+        v[None],
+        mask[None, None],
+        scaling=scale,
+        softcap=softcap,
+    )
+    torch.testing.assert_close(got[:query_len], want[0], atol=1e-6, rtol=1e-6)
 
 
 @needs_native

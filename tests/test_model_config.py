@@ -82,6 +82,7 @@ def _windows_of(model) -> list[int | None]:
         ("qwen3", {"use_sliding_window": True, "max_window_layers": 2}),
         ("qwen2_moe", {"use_sliding_window": True, "max_window_layers": 4}),
         ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 16}),
+        ("gemma2", {"sliding_window": 256}),
         ("gemma3_text", {"sliding_window": 512}),
         ("gemma3_text", {"sliding_window_pattern": 2}),
         (
@@ -131,8 +132,8 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
         ({**REQUIRED, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
         ({**REQUIRED, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         ({**GEMMA, "hidden_activation": "relu"}, "unsupported hidden_activation 'relu'"),
-        ({**GEMMA, "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
-        ({**GEMMA, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ({**GEMMA, "final_logit_softcapping": 0}, "final_logit_softcapping must be a positive"),
+        ({**GEMMA, "attn_logit_softcapping": "50"}, "attn_logit_softcapping must be a positive"),
         ({**GEMMA, "use_bidirectional_attention": True}, "use_bidirectional_attention is not"),
         ({**GEMMA, "layer_types": ["full_attention"]}, "layer_types must name"),
         ({**GEMMA, "layer_types": ["sliding", "full"]}, "layer_types must name"),

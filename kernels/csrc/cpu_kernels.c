@@ -304,13 +304,24 @@ static __attribute__((noinline)) void attend_window_row(float *sr, int64_t from,
     accumulate_values(a, correction, p + (from - c0), vrow + from, n - from, head_dim);
 }
 
+/* Gemma 2's soft cap of the scores s[r * tile + j] of rows [0, rows) and keys [0, nk):
+   s = cap * tanh(s / cap). The keys past nk and those a row does not see are masked by the
+   softmax afterwards whatever their value. Not inlined, and called only with a cap, so the
+   uncapped path keeps its loops and registers as they were. */
+static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64_t tile,
+                                                   int64_t nk, float cap) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < nk; j++) s[r * tile + j] = cap * tanhf(s[r * tile + j] / cap);
+}
+
 /* One work item: `num_tokens` consecutive query tokens of one request, times the `group`
    query heads of each of its KV heads, against that request's keys 0 .. context + token
    (with a sliding window > 0, context + token - window + 1 .. context + token: the tiles
    start at the item's first token's first visible key, and each row skips the keys of a
-   tile below its own window), with an online softmax over tiles of keys read in place from
-   the paged cache: WIDE_TILE keys for few rows per KV head (the per-tile softmax bookkeeping
-   is then paid once per 64 keys), KEY_TILE for many (the transposed tile lives in L1). An item of several KV heads
+   tile below its own window; with a softcap > 0, each tile's scores are capped first),
+   with an online softmax over tiles of keys read in place from the paged cache: WIDE_TILE
+   keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 64
+   keys), KEY_TILE for many (the transposed tile lives in L1). An item of several KV heads
    walks each tile's cache slots once for all of them: the heads of a slot are adjacent, so
    the tile is read as contiguous runs rather than one head's stripe of every slot. */
 static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
@@ -318,7 +329,8 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                         const int32_t *query_start_loc, const int32_t *seq_lens,
                         const int32_t *block_table, int64_t block_table_stride,
                         int64_t block_size, int64_t num_kv_heads, int64_t group,
-                        int64_t head_dim, float scale, int64_t window, float *scratch) {
+                        int64_t head_dim, float scale, int64_t window, float softcap,
+                        float *scratch) {
     const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
     const int64_t rows = head_rows * heads;
     const int64_t tile = head_rows < TRANSPOSE_ROWS ? WIDE_TILE : KEY_TILE;
@@ -380,6 +392,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                 krow[j] = kslot[j] + h * head_dim, vrow[j] = vslot[j] + h * head_dim;
             const int64_t r0 = h * head_rows;
             score_tile(qs + r0 * head_dim, head_rows, krow, tile, head_dim, kt, s);
+            if (softcap > 0.0f) softcap_tile(s, head_rows, tile, nk, softcap);
             /* Row r's token, at position pos0 + r / group, sees keys pos - reach + 1 .. pos:
                this tile's [from, n). Where even the tile's last row sees back to j0 (always
                without a window), no row has hidden keys here: the plain causal loop. */
@@ -419,7 +432,9 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
    Request r owns query rows query_start_loc[r] .. query_start_loc[r + 1] and has
    seq_lens[r] keys, the last of them its own queries' (causal within the chunk). With
    window > 0 (a sliding-window layer), each query token sees only the last `window` of
-   those keys up to its own (itself included); window 0 is plain causal attention.
+   those keys up to its own (itself included); window 0 is plain causal attention. With
+   softcap > 0 (Gemma 2's attn_logit_softcapping), each scaled score s becomes
+   softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they are.
    Returns 0; -1 when scratch memory could not be allocated; -2 (nothing read) when the
    metadata points outside the batch's num_tokens rows, the block table's width or the
    cache's num_blocks. */
@@ -429,7 +444,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                          const int32_t *seq_lens, int64_t num_reqs, const int32_t *block_table,
                          int64_t block_table_stride, int64_t block_table_width,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, float scale, int64_t window) {
+                         int64_t head_dim, float scale, int64_t window, float softcap) {
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
         const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
@@ -497,7 +512,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                 attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
                             query_start_loc, seq_lens, block_table, block_table_stride,
                             block_size, num_kv_heads, group, head_dim, scale, window,
-                            scratch);
+                            softcap, scratch);
         free(scratch);
     }
     free(items);

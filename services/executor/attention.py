@@ -2,7 +2,8 @@
 
 Every backend implements the semantics of `weir.kernels.reference` (paged KV layout
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, flat token batch, causal rule
-relative to each request's context length, a layer's sliding window if it has one). "native" runs `weir.kernels.cpu_native`
+relative to each request's context length, a layer's sliding window and soft cap if it has
+them). "native" runs `weir.kernels.cpu_native`
 (compiled C, attending straight from the paged cache) and is the CPU default in float32
 where a C compiler is at hand; its kernels also serve the model's norms and rotary
 embeddings. "torch" runs `weir.kernels.cpu_attention` (batched PyTorch operators, planned
@@ -66,6 +67,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -122,9 +124,11 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta.plan, dict)
-        return self._module.paged_attention(query, kv_cache, meta.plan[sliding_window], scale)
+        plan = meta.plan[sliding_window]
+        return self._module.paged_attention(query, kv_cache, plan, scale, softcap)
 
 
 class PagedKernelAttention:
@@ -170,6 +174,7 @@ class PagedKernelAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         hints = (
             {"max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len}
@@ -184,6 +189,7 @@ class PagedKernelAttention:
             meta.block_table,
             scale,
             sliding_window=sliding_window,
+            softcap=softcap,
             **hints,
         )
 

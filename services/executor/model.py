@@ -1,5 +1,6 @@
 """Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too), Qwen2 /
-Qwen3, their mixtures of experts included (`moe.py`), and Gemma 3, on a flat token batch.
+Qwen3, their mixtures of experts included (`moe.py`), and Gemma 2 and 3, on a flat token
+batch.
 
 A step's tokens from all requests are concatenated into one batch of T tokens; the
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
@@ -82,6 +83,7 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
         self.scale = cfg.attention_multiplier or d**-0.5
         self.sliding_window = cfg.layer_window(index)
+        self.softcap = cfg.attn_logit_softcapping
         # Which rotation the model's forward computes for this layer (Gemma 3's local ones).
         self.local_rope = index in cfg.sliding_layers and cfg.sliding_rope_theta is not None
         self.hidden_act = cfg.hidden_act
@@ -165,7 +167,9 @@ class DecoderLayer(nn.Module):
             qk = apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         self.attention.write_kv(k, v, kv_cache, meta)
-        attn = self.attention.attend(q, kv_cache, meta, self.scale, self.sliding_window)
+        attn = self.attention.attend(
+            q, kv_cache, meta, self.scale, self.sliding_window, self.softcap
+        )
         attn = attn.reshape(num_tokens, self.q_size)
         if self.pre_feedforward_layernorm is None:
             x = self._add_row_parallel("o_proj", x, attn, lora, None)
@@ -297,6 +301,9 @@ class CausalLM(nn.Module):
         logits = self._logits_shard(hidden)
         if self.config.logits_scaling != 1.0:
             logits /= self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)
         if self.tp is None:
             return logits
         return self.tp.gather_logits(logits, self.config.vocab_size)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from weir.kernels import reference, triton_attention
 
@@ -98,7 +100,9 @@ def make_step(
     )
 
 
-def reference_output(step: Step, sliding_window: int | None = None) -> torch.Tensor:
+def reference_output(
+    step: Step, sliding_window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:
     cache = step.kv_cache.clone()
     reference.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
     out = reference.paged_attention(
@@ -109,6 +113,7 @@ def reference_output(step: Step, sliding_window: int | None = None) -> torch.Ten
         step.block_table,
         step.scale,
         sliding_window=sliding_window,
+        softcap=softcap,
     )
     return out[: step.num_real_tokens]
 
@@ -160,7 +165,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
 
 
-def assert_window_matches(step: Step, window: int, **kwargs) -> None:
+def assert_window_matches(step: Step, window: int, softcap: float | None = None, **kwargs) -> None:
     """Windowed attention against the reference, with NaN in the cached K/V of every key tile below
     the window of a request's first token: the kernels must skip those tiles, not load and mask them
     (a NaN value times a zero weight is NaN)."""
@@ -174,8 +179,10 @@ def assert_window_matches(step: Step, window: int, **kwargs) -> None:
         positions = torch.arange(first_visible // tile_n * tile_n)
         slots = step.block_table[r, positions // block_size].long() * block_size
         cache.view(2, -1, *cache.shape[3:])[:, slots + positions % block_size] = float("nan")
-    actual = triton_output(replace(step, kv_cache=cache), sliding_window=window, **kwargs)
-    assert_close(actual, reference_output(step, sliding_window=window))
+    actual = triton_output(
+        replace(step, kv_cache=cache), sliding_window=window, softcap=softcap, **kwargs
+    )
+    assert_close(actual, reference_output(step, sliding_window=window, softcap=softcap))
 
 
 # With 4 query heads over 2 KV heads (the default below) a decode tile holds up to 32 query tokens
@@ -419,3 +426,88 @@ def test_split_kv_rule_counts_the_window():
         ).segments
 
     assert segments(None) == 16 and segments(1024) == 2 and segments(100) == 1
+
+
+@triton.jit
+def _tanh_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(out_ptr + offsets, triton_attention._tanh(tl.load(x_ptr + offsets)))
+
+
+def test_tanh_matches_torch():
+    # Relative error everywhere: near 0 (the Taylor branch, down to tiny arguments), on both sides of
+    # the switch at 1/4, and saturated (the cap's plateau, and infinities) without overflow.
+    magnitudes = torch.cat(
+        [torch.logspace(-30, 0, 1000), torch.linspace(0.2, 0.3, 1000), torch.linspace(1, 50, 1000)]
+    )
+    x = torch.cat([magnitudes, -magnitudes, torch.tensor([0.0, float("inf"), -float("inf")])])
+    x = torch.nn.functional.pad(x, (0, 8192 - x.numel())).to(DEVICE)
+    out = torch.empty_like(x)
+    _tanh_kernel[(1,)](x, out, N=x.numel())
+    # On a GPU exp2 and the division are approximate to a few ulp.
+    tolerance = 1e-6 if DEVICE == "cpu" else 4e-6
+    torch.testing.assert_close(out, torch.tanh(x), rtol=tolerance, atol=0)
+
+
+def sharpened(step: Step, softcap: float) -> Step:
+    """The step with its queries scaled x8 (scores of standard deviation 8, beyond a cap of 5:
+    tanh saturates), checked to make the cap change the result."""
+    step.query.mul_(8)  # in place: the query stays a view into the fused projection
+    capped = reference_output(step, softcap=softcap)
+    assert (capped - reference_output(step)).abs().max() > 0.1
+    return step
+
+
+def assert_softcap_matches(step: Step, softcap: float, window: int | None, **kwargs) -> None:
+    if window is None:
+        expected = reference_output(step, softcap=softcap)
+        assert_close(triton_output(step, softcap=softcap, **kwargs), expected)
+    else:
+        assert_window_matches(step, window, softcap=softcap, **kwargs)
+
+
+# MIXED_LONG: decode tiles, prefill tiles with unmasked and masked key tiles, a speculative query,
+# padding; the window of 100 adds prefill key tiles masked at its lower edge and skipped below it.
+@pytest.mark.parametrize(("softcap", "window"), [(5.0, None), (50.0, 100)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
+def test_softcap_batch_kinds_match_reference(softcap, window, dtype):
+    step = make_step(MIXED_LONG, num_heads=4, num_kv_heads=2, dtype=dtype, num_padding_tokens=2)
+    assert_softcap_matches(sharpened(step, softcap), softcap, window)
+
+
+@pytest.mark.parametrize(
+    ("requests", "group", "window", "split_kv"),
+    [
+        ([(0, 1), (130, 1), (300, 1), (1000, 1)], 1, None, True),
+        ([(7, 3), (290, 4), (250, 12)], 3, 70, 4),
+        ([(300, 1), (200, 40), (0, 0), (400, 3)], 2, None, 2),
+    ],
+    ids=["decode", "speculative_window", "mixed"],
+)
+def test_softcap_split_kv(requests, group, window, split_kv):
+    # The merge weighs segments by their maxima, which must be of the capped scores.
+    step = make_step(
+        requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16
+    )
+    assert_softcap_matches(sharpened(step, 5.0), 5.0, window, split_kv=split_kv)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "group", "window"), [(64, 8, None), (128, 1, 45), (256, 2, None)]
+)
+def test_softcap_head_dims_and_gqa(head_dim, group, window):
+    step = make_step(
+        [(100, 40), (70, 1)],
+        num_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        dtype=torch.float16,
+    )
+    assert_softcap_matches(sharpened(step, 5.0), 5.0, window)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -5.0, float("nan"), float("inf")])
+def test_softcap_must_be_positive_and_finite(softcap):
+    step = make_step(DECODE, num_heads=2, num_kv_heads=2)
+    with pytest.raises(ValueError, match="softcap"):
+        triton_output(step, softcap=softcap)

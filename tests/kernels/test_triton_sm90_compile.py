@@ -53,13 +53,13 @@ def compile_kernel(label, fn, pointers, ints, constexprs, capability=90, **optio
 
 
 def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_requests, split_kv=None,
-              capability=90, sliding_window=None):
+              capability=90, sliding_window=None, softcap=None):
     cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     block_size, max_blocks = 16, 2048
     num_tokens = num_requests * max_query_len
     plan = ta.plan_launches(num_tokens, num_requests, num_heads, num_kv_heads, head_dim, block_size,
                             cache_dtype, capability // 10, 132, max_query_len, 4096, split_kv,
-                            sliding_window)
+                            sliding_window, softcap)
     pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr")}
     pointers |= {name: "fp32" for name in ("segm_acc_ptr", "segm_max_ptr", "segm_sum_ptr")}
     pointers |= {name: "i32" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
@@ -93,6 +93,8 @@ attention("ampere_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, capabilit
 attention("window_split", "bf16", 64, 8, 128, 1, 32, sliding_window=4096)
 attention("window_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, sliding_window=4096)
 attention("window_mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False, sliding_window=4096)
+attention("softcap_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, softcap=50.0)
+attention("softcap_window_split", "bf16", 64, 8, 128, 1, 32, sliding_window=4096, softcap=50.0)
 compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
                {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
                {"stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128, "stride_c_kv": 2**26,
@@ -140,6 +142,10 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "window_mixed_prefill",
         "window_mixed_hd256_decode",
         "window_mixed_hd256_prefill",
+        "softcap_mixed_decode",
+        "softcap_mixed_prefill",
+        "softcap_window_split_decode",
+        "softcap_window_split_merge",
         "reshape_and_cache",
         "rms_norm_2048",
         "rms_norm_8192",
@@ -160,6 +166,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "mixed_hd256_prefill",
         "window_mixed_prefill",
         "window_mixed_hd256_prefill",
+        "softcap_mixed_prefill",
     )
     assert all(kernels[name]["wgmma"] for name in prefill), kernels
     # Every tile, the sm_90 prefill tile included, fits the 100 KB of shared memory an Ada SM has.

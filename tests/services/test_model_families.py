@@ -1,7 +1,7 @@
 """Model families beside Llama and Qwen, served by real processes as transformers decodes
 them: a mixture of experts through `weir serve` (the official openai client, concurrent and
 streamed), a tensor-parallel group of two, dummy weights of its shape, and what a start
-refuses; sliding windows (Mistral's, Gemma 3's) served past their length."""
+refuses; sliding windows (Mistral's, Gemma 2's and 3's) served past their length."""
 
 import concurrent.futures
 import shutil
@@ -120,6 +120,18 @@ def test_int8_weights_of_experts_are_refused_at_start_in_one_line(moe_dir):
 WINDOWED = {
     "mistral": lambda **common: transformers.MistralConfig(
         **common, sliding_window=24, bos_token_id=1, eos_token_id=2
+    ),
+    # Layers 0 and 2 local (window 24), soft caps that bind.
+    "gemma2": lambda **common: transformers.Gemma2Config(
+        **common,
+        head_dim=8,
+        sliding_window=24,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     ),
     # Layers 0, 1 and 3 local (window 24), layer 2 global.
     "gemma3_text": lambda **common: transformers.Gemma3TextConfig(
