@@ -132,6 +132,11 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
         ({**REQUIRED, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
         ({**REQUIRED, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         ({**GEMMA, "hidden_activation": "relu"}, "unsupported hidden_activation 'relu'"),
+        # The experts and the packed CPU kernels fuse SiLU: GELU is Gemma's alone.
+        (
+            {**REQUIRED, "model_type": "qwen3_moe", "hidden_act": "gelu_pytorch_tanh"},
+            "unsupported hidden_act 'gelu_pytorch_tanh'",
+        ),
         ({**GEMMA, "final_logit_softcapping": 0}, "final_logit_softcapping must be a positive"),
         ({**GEMMA, "attn_logit_softcapping": "50"}, "attn_logit_softcapping must be a positive"),
         ({**GEMMA, "use_bidirectional_attention": True}, "use_bidirectional_attention is not"),

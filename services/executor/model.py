@@ -41,7 +41,8 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with the config's scaling applied (fp32,
     CPU); ``sliding``: those of Gemma 3's local layers (their own base, no scaling)."""
     dim = cfg.head_dim
-    theta = cfg.sliding_rope_theta if sliding and cfg.sliding_rope_theta else cfg.rope_theta
+    theta = cfg.sliding_rope_theta if sliding else cfg.rope_theta
+    assert theta is not None
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
     )
@@ -235,13 +236,18 @@ class CausalLM(nn.Module):
             )
         )
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        local = None if cfg.sliding_rope_theta is None else rope_inv_freq(cfg, sliding=True)
         self.register_buffer(
-            "local_inv_freq", rope_inv_freq(cfg, sliding=True).to(device), persistent=False
+            "local_inv_freq", None if local is None else local.to(device), persistent=False
         )
         self.windows = tuple(dict.fromkeys(layer.sliding_window for layer in self.layers))
-        # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype.
-        multiplier = torch.tensor(cfg.embedding_multiplier)
-        self.embedding_multiplier = float(multiplier.to(dtype) if cfg.gemma_norms else multiplier)
+        # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype
+        # (transformers' embed_scale buffer); Granite by its multiplier as it is.
+        self.embedding_multiplier = (
+            float(torch.tensor(cfg.embedding_multiplier).to(dtype))
+            if cfg.gemma_norms
+            else cfg.embedding_multiplier
+        )
         # Set by `quantization.quantize_model`: the vocabulary matrices kept quantized.
         self.quantized_embed: Any = None
         self.quantized_lm_head: Any = None
@@ -261,9 +267,9 @@ class CausalLM(nn.Module):
         self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.windows)
         rotations = self._rotations(positions, self.inv_freq)
         local = (
-            self._rotations(positions, self.local_inv_freq)
-            if self.config.sliding_rope_theta is not None
-            else rotations
+            rotations
+            if self.local_inv_freq is None
+            else self._rotations(positions, self.local_inv_freq)
         )
         x = self._embed(input_ids)
         if self.embedding_multiplier != 1.0:
