@@ -323,8 +323,12 @@ async def test_a_request_id_used_again_at_once_streams_only_its_own_tokens(serve
         return outs
 
     try:
+        # As many tokens as the context holds, so the abort lands first even when this reader
+        # falls behind the stream (at 40, a CI run saw the request finish by length first).
         old = client_protocol.GenerateRequest(
-            "again", [5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+            "again",
+            [5, 6, 7],
+            SamplingParams(max_tokens=MAX_MODEL_LEN - 3, temperature=0.0, ignore_eos=True),
         )
         await sock.send(client_protocol.encode_client_message(old))
         decoded = 0
