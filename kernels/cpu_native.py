@@ -52,7 +52,7 @@ _I = ctypes.c_int64
 _F = ctypes.c_float
 _SIGNATURES = {
     "weir_rms_norm": (None, [_P, _I, _P, _P, _I, _I, _I, _F]),
-    "weir_rope": (None, [_P, _I, _I, _I, _I, _P, _P]),
+    "weir_rope": (None, [_P, _I, _I, _I, _I, _I, _P, _P]),
     "weir_write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I]),
     "weir_paged_attention": (
         ctypes.c_int,
@@ -150,10 +150,17 @@ class CpuKernels:
         return out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate-half RoPE in place: x [T, heads, D] (heads contiguous within a row);
-        cos, sin [T, D/2] contiguous."""
+        """Rotate-half RoPE in place: x [T, heads, D] (each head's D channels contiguous, as
+        in a view of a head's first D); cos, sin [T, D/2] contiguous."""
         self._lib.weir_rope(
-            _ptr(x), x.stride(0), x.shape[0], x.shape[1], x.shape[2], _ptr(cos), _ptr(sin)
+            _ptr(x),
+            x.stride(0),
+            x.stride(1),
+            x.shape[0],
+            x.shape[1],
+            x.shape[2],
+            _ptr(cos),
+            _ptr(sin),
         )
 
     def silu_mul_(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -128,9 +128,14 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int = None  # type: ignore[assignment]  # required; None only to say so
     enable_prefix_caching: bool = True
+    # A LongRoPE model's (`RopeConfig.long_prompt_threshold`): prompts longer than this
+    # share cached blocks only among themselves.
+    long_prompt_threshold: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
+        if self.long_prompt_threshold is not None:
+            _check_int("long_prompt_threshold", self.long_prompt_threshold, 1)
         if self.num_blocks is None:
             raise ValueError("num_blocks is required")
         _check_int("num_blocks", self.num_blocks, 1)
@@ -535,11 +540,13 @@ class EngineArgs:
         """The adapters of ``lora_modules``, in their order."""
         return parse_lora_modules(self.lora_modules, self.served_model_name)
 
-    def cache_config(self, num_blocks: int) -> CacheConfig:
+    def cache_config(self, num_blocks: int, long_prompt_threshold: int | None) -> CacheConfig:
+        """``long_prompt_threshold``: the model's (`RopeConfig.long_prompt_threshold`)."""
         return CacheConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
+            long_prompt_threshold=long_prompt_threshold,
         )
 
 

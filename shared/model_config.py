@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weir.shared.config_fields import count, flag, mapping, positive
+from weir.shared.rope_config import RopeConfig, read_rope
+
 SUPPORTED_MODEL_TYPES = (
     "llama",
     "granite",
@@ -107,12 +110,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_type: str  # "default", "linear" or "llama3"
-    rope_factor: float
-    rope_low_freq_factor: float
-    rope_high_freq_factor: float
-    rope_original_max_position: int
+    rope: RopeConfig
     max_position_embeddings: int
     # A token of a layer in sliding_layers attends to the last sliding_window tokens only
     # (itself included): Mistral's, Mixtral's and Phi-3's every layer, Gemma 3's local layers,
@@ -133,8 +131,8 @@ class ModelConfig:
 
     sliding_layers: tuple[int, ...] = ()
     # Gemma 3's local (sliding_layers) layers rotate with their own base and no scaling; None:
-    # every layer rotates alike.
-    sliding_rope_theta: float | None = None
+    # every layer rotates by ``rope``.
+    sliding_rope: RopeConfig | None = None
     hidden_act: str = "silu"
     # Gemma: every RMSNorm scales by (1 + weight), and a layer normalizes the outputs of its
     # attention and MLP before the residual adds too (post_attention_layernorm,
@@ -169,11 +167,11 @@ class ModelConfig:
             raise ValueError(f"config.json must hold a JSON object, not a {type(hf).__name__}")
         model_type = hf.get("model_type")
         if model_type in TEXT_OF_MULTIMODAL:
-            text = _mapping(hf, "text_config")
+            text = mapping(hf, "text_config")
             text = cls.from_hf({**text, "model_type": TEXT_OF_MULTIMODAL[model_type]})
             # The whole model's tie_word_embeddings ties its head, as transformers reads it.
             tied = hf.get("tie_word_embeddings")
-            tied = True if tied is None else _flag(hf, "tie_word_embeddings")
+            tied = True if tied is None else flag(hf, "tie_word_embeddings")
             return dataclasses.replace(text, multimodal=True, tie_word_embeddings=tied)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -192,63 +190,52 @@ class ModelConfig:
             raise ValueError(
                 f"config.json: unsupported {act_key} {act!r}; implemented: {implemented}"
             )
-        if _flag(hf, "use_bidirectional_attention"):
+        if flag(hf, "use_bidirectional_attention"):
             raise ValueError("config.json: use_bidirectional_attention is not supported")
-        rope, sliding_rope = _rope(hf, model_type == "gemma3_text")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"config.json: unsupported rope type {rope_type!r}")
-        # transformers moves a top-level partial_rotary_factor into rope_parameters.
-        if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("config.json: partial rotary embeddings are not supported")
-        hidden, num_heads = _count(hf, "hidden_size"), _count(hf, "num_attention_heads")
-        num_kv_heads = _count(hf, "num_key_value_heads", num_heads)
+        hidden, num_heads = count(hf, "hidden_size"), count(hf, "num_attention_heads")
+        num_kv_heads = count(hf, "num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"config.json: num_attention_heads {num_heads} is not a multiple of "
                 f"num_key_value_heads {num_kv_heads}"
             )
-        max_pos = _count(hf, "max_position_embeddings")
-        attention_bias = _flag(hf, "attention_bias")
+        max_pos = count(hf, "max_position_embeddings")
+        attention_bias = flag(hf, "attention_bias")
         qwen2 = model_type in ("qwen2", "qwen2_moe")
-        head_dim = _count(hf, "head_dim", hidden // num_heads)
-        num_layers = _count(hf, "num_hidden_layers")
+        head_dim = count(hf, "head_dim", hidden // num_heads)
+        rope, sliding_rope = read_rope(hf, model_type, head_dim, max_pos)
+        num_layers = count(hf, "num_hidden_layers")
         return cls(
             model_type=model_type,
-            vocab_size=_count(hf, "vocab_size"),
+            vocab_size=count(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_count(hf, "intermediate_size"),
+            intermediate_size=count(hf, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_positive(hf, "rms_norm_eps", 1e-6),
-            rope_theta=_positive(rope, "rope_theta", _positive(hf, "rope_theta", 10000.0)),
-            rope_type=rope_type,
-            rope_factor=_positive(rope, "factor", 1.0),
-            rope_low_freq_factor=_positive(rope, "low_freq_factor", 1.0),
-            rope_high_freq_factor=_positive(rope, "high_freq_factor", 4.0),
-            rope_original_max_position=_count(rope, "original_max_position_embeddings", max_pos),
+            rms_norm_eps=positive(hf, "rms_norm_eps", 1e-6),
+            rope=rope,
             max_position_embeddings=max_pos,
             sliding_window=window,
             # Gemma 3's local layers rotate as such even where no window is set.
             sliding_layers=()
             if window is None and not gemma
             else _sliding_layers(model_type, hf, num_layers),
-            sliding_rope_theta=sliding_rope,
+            sliding_rope=sliding_rope,
             hidden_act=act,
             gemma_norms=gemma,
             # Qwen2 has q/k/v biases (Qwen2-MoE unless its qkv_bias says not) and never an
             # o_proj bias.
             qkv_bias=attention_bias
             or model_type == "qwen2"
-            or (model_type == "qwen2_moe" and _flag(hf, "qkv_bias", True)),
+            or (model_type == "qwen2_moe" and flag(hf, "qkv_bias", True)),
             o_bias=attention_bias and not qwen2,
             # Only Llama's and Granite's configs have mlp_bias (transformers ignores the key
             # elsewhere).
-            mlp_bias=model_type in ("llama", "granite") and _flag(hf, "mlp_bias"),
+            mlp_bias=model_type in ("llama", "granite") and flag(hf, "mlp_bias"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
-            tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
+            tie_word_embeddings=flag(hf, "tie_word_embeddings"),
             **_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
@@ -293,13 +280,13 @@ def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     """The window as transformers applies it: Mistral's and Gemma's (4096 where the key is
     left out, none where it is null), Mixtral's and Phi-3's whenever set; Qwen's (4096 by
     default) only with use_sliding_window."""
-    if model_type not in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text") and not _flag(
+    if model_type not in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text") and not flag(
         hf, "use_sliding_window"
     ):
         return None
     default = 4096 if model_type not in ("mixtral", "phi3") else None
     window = hf.get("sliding_window", default)
-    return None if window is None else _count({"sliding_window": window}, "sliding_window")
+    return None if window is None else count({"sliding_window": window}, "sliding_window")
 
 
 def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -324,31 +311,12 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
             )
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if model_type in ("gemma2", "gemma3_text"):
-        pattern = 2 if model_type == "gemma2" else _count(hf, "sliding_window_pattern", 6)
+        pattern = 2 if model_type == "gemma2" else count(hf, "sliding_window_pattern", 6)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
-    first_full = _count(hf, "max_window_layers", 28)
+    first_full = count(hf, "max_window_layers", 28)
     if model_type == "qwen2_moe":
         return tuple(i for i in range(min(first_full, num_layers)) if i % 2 == 0)
     return tuple(range(first_full, num_layers))
-
-
-def _rope(hf: dict[str, Any], gemma3: bool) -> tuple[dict[str, Any], float | None]:
-    """The rotary parameters of the (full-attention) layers, and Gemma 3's local layers' base.
-    transformers < 5 writes rope_theta + rope_scaling; >= 5 rope_parameters (Gemma 3's keyed
-    by layer type). Where a file has both, transformers lets the legacy rope_scaling win."""
-    params = _mapping(hf, "rope_parameters")
-    if not gemma3:
-        return {**params, **_mapping(hf, "rope_scaling")}, None
-    full = _mapping(params, "full_attention") if params else {}
-    local = _mapping(params, "sliding_attention") if params else {}
-    full = {"rope_theta": hf.get("rope_theta", 1_000_000.0), **full}
-    full.update(_mapping(hf, "rope_scaling"))
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"config.json: unsupported rope type {local['rope_type']!r} of the sliding layers"
-        )
-    theta = local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
-    return full, _positive({"rope_theta": theta}, "rope_theta", 10_000.0)
 
 
 def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -359,9 +327,9 @@ def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
     # none (the nulls were dropped above).
     caps = ("attn_logit_softcapping", "final_logit_softcapping")
     return {
-        "embedding_multiplier": math.sqrt(_count(hf, "hidden_size")),
-        "attention_multiplier": _positive(hf, "query_pre_attn_scalar", 256) ** -0.5,
-        **{cap: _positive(hf, cap, 1.0) if cap in hf else None for cap in caps},
+        "embedding_multiplier": math.sqrt(count(hf, "hidden_size")),
+        "attention_multiplier": positive(hf, "query_pre_attn_scalar", 256) ** -0.5,
+        **{cap: positive(hf, cap, 1.0) if cap in hf else None for cap in caps},
     }
 
 
@@ -369,10 +337,10 @@ def _granite(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
     if model_type != "granite":
         return {}
     return {
-        "embedding_multiplier": _positive(hf, "embedding_multiplier", 1.0),
-        "residual_multiplier": _positive(hf, "residual_multiplier", 1.0),
-        "attention_multiplier": _positive(hf, "attention_multiplier", 1.0),
-        "logits_scaling": _positive(hf, "logits_scaling", 1.0),
+        "embedding_multiplier": positive(hf, "embedding_multiplier", 1.0),
+        "residual_multiplier": positive(hf, "residual_multiplier", 1.0),
+        "attention_multiplier": positive(hf, "attention_multiplier", 1.0),
+        "logits_scaling": positive(hf, "logits_scaling", 1.0),
     }
 
 
@@ -381,22 +349,22 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
     experts are the size of intermediate_size in every layer, always renormalized; Qwen's
     are moe_intermediate_size in every decoder_sparse_step-th layer not in mlp_only_layers."""
     if model_type == "mixtral":
-        experts, inter = _count(hf, "num_local_experts"), _count(hf, "intermediate_size")
+        experts, inter = count(hf, "num_local_experts"), count(hf, "intermediate_size")
         layers, norm, shared = list(range(num_layers)), True, 0
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         # transformers >= 5 writes num_local_experts where Qwen's own files say num_experts.
-        experts = _count(hf, "num_experts", hf.get("num_local_experts"))
-        inter = _count(hf, "moe_intermediate_size")
-        step = _count(hf, "decoder_sparse_step")
+        experts = count(hf, "num_experts", hf.get("num_local_experts"))
+        inter = count(hf, "moe_intermediate_size")
+        step = count(hf, "decoder_sparse_step")
         dense = hf.get("mlp_only_layers", [])
         if not isinstance(dense, list) or not all(type(i) is int for i in dense):
             raise ValueError(f"config.json: mlp_only_layers must be layer numbers, got {dense!r}")
         layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
-        norm = _flag(hf, "norm_topk_prob")
-        shared = _count(hf, "shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+        norm = flag(hf, "norm_topk_prob")
+        shared = count(hf, "shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
     else:
         return {}
-    top_k = _count(hf, "num_experts_per_tok")
+    top_k = count(hf, "num_experts_per_tok")
     if top_k > experts:
         raise ValueError(
             f"config.json: num_experts_per_tok {top_k} is more than the {experts} experts"
@@ -478,35 +446,3 @@ def _vocab_id(model_dir: Path, token: str) -> int | None:
     if isinstance(vocab, list):  # Unigram: [piece, score] pairs in id order
         return next((i for i, (piece, _) in enumerate(vocab) if piece == token), None)
     return None
-
-
-def _mapping(hf: dict[str, Any], key: str) -> dict[str, Any]:
-    value = hf.get(key, {})
-    if not isinstance(value, dict):
-        raise ValueError(f"config.json: {key} must be an object, got {value!r}")
-    return {k: v for k, v in value.items() if v is not None}
-
-
-def _count(hf: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = hf.get(key, default)
-    if value is None:
-        raise ValueError(f"config.json has no {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _positive(hf: dict[str, Any], key: str, default: float) -> float:
-    value = hf.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"config.json: {key} must be finite, got {value!r}")
-    return float(value)
-
-
-def _flag(hf: dict[str, Any], key: str, default: bool = False) -> bool:
-    value = hf.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"config.json: {key} must be true or false, got {value!r}")
-    return value

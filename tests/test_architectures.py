@@ -26,6 +26,7 @@ from weir.services.executor.moe import check_moe  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
 from weir.shared.lora import check_adapter  # noqa: E402
 from weir.shared.model_config import ModelConfig, read_model_config  # noqa: E402
+from weir.shared.rope_config import LONG_ROTATION  # noqa: E402
 from weir.shared.shard_layout import ShardLayout  # noqa: E402
 
 VOCAB = 131
@@ -37,8 +38,23 @@ COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+LONGROPE_ORIGINAL = 16
 CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=96, pad_token_id=0),
+    # Phi-4-mini's rotation: LongRoPE from an original context of 16 (prompts of 5 to 29
+    # tokens fit it or not, decodes leave it) and three quarters of each head rotating.
+    "phi3_longrope": lambda: transformers.Phi3Config(
+        **COMMON,
+        intermediate_size=96,
+        pad_token_id=0,
+        original_max_position_embeddings=LONGROPE_ORIGINAL,
+        partial_rotary_factor=0.75,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 3.0, 9.0, 27.0, 81.0, 243.0],
+        },
+    ),
     "mistral": lambda: transformers.MistralConfig(**COMMON, intermediate_size=96, sliding_window=7),
     "qwen2": lambda: transformers.Qwen2Config(
         **COMMON,
@@ -117,6 +133,7 @@ CONFIGS = {
 MOE_LAYERS = {
     "granite": (),
     "phi3": (),
+    "phi3_longrope": (),
     "mistral": (),
     "qwen2": (),
     "gemma2": (),
@@ -137,6 +154,22 @@ def save_model(kind: str, path) -> torch.nn.Module:
     spread_weights_(model)
     model.save_pretrained(path)
     return model
+
+
+def cached_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy generation with its KV cache, one forward pass per new token:
+    LongRoPE's rotation depends on the pass (the prompt's, then each new token's)."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        ids = [int(out.logits[0, -1].argmax())]
+        while len(ids) < num_tokens:
+            out = model(torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)
+            ids.append(int(out.logits[0, -1].argmax()))
+    return ids
+
+
+def reference(kind: str, model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    return (cached_greedy if kind == "phi3_longrope" else greedy)(model, prompt_ids, num_tokens)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -174,7 +207,7 @@ def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
     work = tp_workload.Workload(
         str(path), prompts, max_tokens=10, num_blocks=20, num_speculative_tokens=2
     )
-    want = {f"r{i}": greedy(hf, prompt, 10) for i, prompt in enumerate(prompts)}
+    want = {f"r{i}": reference(kind, hf, prompt, 10) for i, prompt in enumerate(prompts)}
     one = tp_workload.run(work)
     assert one.chunked and one.preempted and one.draft_tokens > 0
     assert one.outputs == want
@@ -182,6 +215,21 @@ def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
         assert report.outputs == want
         # The experts' partial sums join the layer's one all-reduce after its MLP.
         assert report.all_reduces == report.forwards * (2 * report.num_layers + 1)
+
+
+def test_longrope_prompts_share_cached_blocks_only_with_prompts_rotated_alike(tmp_path):
+    """A prompt within LongRoPE's original context reuses the blocks of another such prompt;
+    one past it rotates even its first tokens by the long factors, so it reads none of them
+    and computes its own. Each decodes what transformers decodes."""
+    hf = save_model("phi3_longrope", tmp_path)
+    base = list(range(3, 15))  # 12 tokens: three blocks
+    prompts = [base, base + [20, 21], base + list(range(30, 38))]  # 12, 14 and 20 tokens
+    work = tp_workload.Workload(
+        str(tmp_path), prompts, max_tokens=8, num_blocks=40, one_at_a_time=True
+    )
+    report = tp_workload.run(work)
+    assert report.outputs == {f"r{i}": cached_greedy(hf, p, 8) for i, p in enumerate(prompts)}
+    assert report.prefix_cache_hits == len(base)  # the 14-token prompt's, of the first's blocks
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
@@ -201,6 +249,8 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(model, device)
         hf_error = (hf_logits.float().cpu() - want).abs().mean()
     model = load_model(path, device=device, dtype=torch.bfloat16)
     input_ids, positions, meta = PagedRequests(seed=0).step([("A", ids, 0)])
+    if kind == "phi3_longrope":  # a prompt past the original context: every token long-rotated
+        positions += LONG_ROTATION
     meta = dataclasses.replace(
         meta,
         **{f: getattr(meta, f).to(device) for f in ("query_start_loc", "seq_lens", "block_table")},

@@ -393,6 +393,17 @@ def test_native_norm_and_rope_equal_pytorch():
     torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, 5:], untouched)
 
+    # Phi-4-mini's partial rotation: the first 24 of each head's 32 channels, the rest as they are.
+    angles = angles[:, :12]
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = qkv[:, :5, :24].chunk(2, dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, qkv[:, :5, 24:]), dim=-1)
+    untouched = qkv[:, 5:].clone()
+    native.rope_(qkv[:, :5, :24], cos, sin)
+    torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, 5:], untouched)
+
 
 @needs_native
 def test_native_silu_mul_equals_pytorch():

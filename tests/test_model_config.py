@@ -28,7 +28,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
     assert ours.max_position_embeddings == theirs.max_position_embeddings
     assert ours.rms_norm_eps == theirs.rms_norm_eps
     rope = theirs.rope_parameters
-    assert ours.rope_theta == rope.get("full_attention", rope)["rope_theta"]
+    assert ours.rope.theta == rope.get("full_attention", rope)["rope_theta"]
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
     assert _windows(ours) == _windows_of(transformers.AutoModelForCausalLM.from_config(theirs))
     if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
@@ -112,7 +112,7 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
         "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0},
         "rope_scaling": {"rope_type": "linear", "factor": 2.0},
     }
-    assert ModelConfig.from_hf(hf).rope_factor == 2.0
+    assert ModelConfig.from_hf(hf).rope.factor == 2.0
     assert transformers.LlamaConfig(**hf).rope_parameters["factor"] == 2.0
 
 
@@ -127,8 +127,31 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
         ({**REQUIRED, "num_key_value_heads": 3}, "4 is not a multiple of num_key_value_heads 3"),
         ({**REQUIRED, "rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
         ({**REQUIRED, "rope_scaling": "linear"}, "rope_scaling must be an object"),
-        ({**REQUIRED, "partial_rotary_factor": 0.5}, "partial rotary embeddings"),
-        ({**REQUIRED, "rope_scaling": {"rope_type": "yarn"}}, "unsupported rope type 'yarn'"),
+        ({**REQUIRED, "partial_rotary_factor": 0.5}, "partial rotary embeddings are supported"),
+        (
+            {"model_type": "phi3", **REQUIRED, "partial_rotary_factor": 0.1},
+            "rotates 1 of 16 channels",
+        ),
+        ({**REQUIRED, "rope_scaling": {"rope_type": "dynamic"}}, "unsupported rope type 'dynamic'"),
+        (
+            {**REQUIRED, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}},
+            "long_factor must list 8 positive numbers",
+        ),
+        (
+            {
+                **REQUIRED,
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 7,
+                    "long_factor": [1.0] * 8,
+                },
+            },
+            "short_factor must list 8 positive numbers",
+        ),
+        (
+            {**REQUIRED, "rope_scaling": {"rope_type": "yarn", "factor": 4, "beta_fast": -1}},
+            "beta_fast must be a positive number",
+        ),
         ({**REQUIRED, "tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
         ({**REQUIRED, "hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         ({**GEMMA, "hidden_activation": "relu"}, "unsupported hidden_activation 'relu'"),
@@ -275,12 +298,13 @@ def test_a_gemma3_multimodal_config_as_the_hub_writes_it_reads_as_transformers_d
         theirs.rope_parameters["full_attention"],
         theirs.rope_parameters["sliding_attention"],
     )
-    assert (ours.rope_theta, ours.rope_type, ours.rope_factor) == (
+    assert (ours.rope.theta, ours.rope.type, ours.rope.factor) == (
         full["rope_theta"],
         full["rope_type"],
         full["factor"],
     )
-    assert ours.sliding_rope_theta == local["rope_theta"]
+    assert ours.sliding_rope is not None
+    assert ours.sliding_rope.theta == local["rope_theta"]
     assert _windows(ours) == [
         theirs.sliding_window if kind == "sliding_attention" else None
         for kind in theirs.layer_types

@@ -46,6 +46,20 @@ CONFIGS = {
         },
     ),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    # YaRN stretched 4x from 64 positions: channels interpolated, extrapolated and between.
+    "qwen2-yarn": lambda: transformers.Qwen2Config(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # Phi-4-mini's partial rotation: half of each head's channels rotate.
+    "phi3-partial-rotary": lambda: transformers.Phi3Config(
+        **COMMON, partial_rotary_factor=0.5, pad_token_id=0
+    ),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, attention_bias=True),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24, sliding_window=64),
 }

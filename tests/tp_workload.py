@@ -33,6 +33,7 @@ class Workload:
     num_speculative_tokens: int = 0  # n-gram drafts, verified in the same forward pass
     loras: list[str] = field(default_factory=list)  # LoRA adapters, name=path
     lora_names: list[str | None] | None = None  # each prompt's adapter (None: all base)
+    one_at_a_time: bool = False  # each request added once the one before it has ended
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class RankReport:
     chunked: bool = False
     preempted: bool = False
     draft_tokens: int = 0
+    prefix_cache_hits: int = 0  # prompt tokens found in the prefix cache
     forwards: int = 0  # steps that ran the model
     sampling_steps: int = 0  # steps that computed logits
     all_reduces: int = 0
@@ -95,16 +97,33 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
             num_speculative_tokens=work.num_speculative_tokens,
             max_loras=len(work.loras),
         ),
-        CacheConfig(block_size=BLOCK_SIZE, num_blocks=work.num_blocks),
+        CacheConfig(
+            block_size=BLOCK_SIZE,
+            num_blocks=work.num_blocks,
+            long_prompt_threshold=runner.config.rope.long_prompt_threshold,
+        ),
     )
     k = work.num_speculative_tokens
     proposer = NgramProposer(k, 1, 3) if k else None
     core = EngineCore(scheduler, InProcessExecutor(runner), proposer=proposer)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
     lora_names = work.lora_names or [None] * len(work.prompts)
-    for i, (prompt, lora_name) in enumerate(zip(work.prompts, lora_names, strict=True)):
-        scheduler.add_request(Request(f"r{i}", prompt, params, lora_name=lora_name))
-        report.outputs[f"r{i}"] = []
+    requests = [
+        Request(f"r{i}", prompt, params, lora_name=lora_name)
+        for i, (prompt, lora_name) in enumerate(zip(work.prompts, lora_names, strict=True))
+    ]
+    for batch in [[r] for r in requests] if work.one_at_a_time else [requests]:
+        for request in batch:
+            scheduler.add_request(request)
+            report.outputs[request.request_id] = []
+        _run_to_completion(core, report)
+    stats = scheduler.stats()
+    report.draft_tokens = stats.spec_decode.num_draft_tokens
+    report.prefix_cache_hits = stats.prefix_cache_hits
+    return report
+
+
+def _run_to_completion(core: EngineCore, report: RankReport) -> None:
     while core.has_work():
         step = step_now(core)
         plan = step.plan
@@ -118,8 +137,6 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
             report.sampling_steps += 1
         for out in step.outputs:
             report.outputs[out.request_id] += out.new_token_ids
-    report.draft_tokens = scheduler.stats().spec_decode.num_draft_tokens
-    return report
 
 
 def run_rank(work: Workload, world_size: int, rank: int, port: int, results) -> None:

@@ -79,16 +79,17 @@ void weir_rms_norm(const float *x, int64_t x_stride, const float *weight, float 
     }
 }
 
-/* Rotate-half RoPE in place on `heads` heads of every row: x[t, h, :] with
-   cos/sin[t, :half] (contiguous, half = head_dim / 2). */
-void weir_rope(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
-               const float *cos, const float *sin) {
-    const int64_t half = head_dim / 2;
+/* Rotate-half RoPE in place on the first rotary_dim channels of `heads` heads of every row
+   (head h of row t at x + t * row_stride + h * head_stride), with cos/sin[t, :half]
+   (contiguous, half = rotary_dim / 2). */
+void weir_rope(float *x, int64_t row_stride, int64_t head_stride, int64_t rows, int64_t heads,
+               int64_t rotary_dim, const float *cos, const float *sin) {
+    const int64_t half = rotary_dim / 2;
 #pragma omp parallel for schedule(static) if (rows > 8)
     for (int64_t t = 0; t < rows; t++) {
         const float *c = cos + t * half, *s = sin + t * half;
         for (int64_t h = 0; h < heads; h++) {
-            float *x1 = x + t * row_stride + h * head_dim, *x2 = x1 + half;
+            float *x1 = x + t * row_stride + h * head_stride, *x2 = x1 + half;
             for (int64_t i = 0; i < half; i++) {
                 float a = x1[i], b = x2[i];
                 x1[i] = a * c[i] - b * s[i];

@@ -337,7 +337,9 @@ class SchedulerServer:
 
     def _on_group_formed(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
-        cache_config = self.engine_args.cache_config(num_blocks)
+        cache_config = self.engine_args.cache_config(
+            num_blocks, self.model_config.rope.long_prompt_threshold
+        )
         core = self.core
         if core is None:
             self.frontend.core = EngineCore(

@@ -152,7 +152,7 @@ class DecodeGraphs:
         v = self._host_views
         v["input_ids"][:real_tokens] = inputs.input_ids
         v["input_ids"][real_tokens:num_tokens] = 0
-        v["positions"][:real_tokens] = inputs.positions
+        v["positions"][:real_tokens] = inputs.rope_positions
         v["positions"][real_tokens:num_tokens] = 0
         v["slot_mapping"][:real_tokens] = inputs.slot_mapping
         v["slot_mapping"][real_tokens:num_tokens] = -1  # the cache write skips padding
@@ -247,6 +247,7 @@ def _no_requests(query_len: int) -> StepInputs:
         slots=empty,
         input_ids=empty,
         positions=empty,
+        rope_positions=empty,
         query_start_loc=np.zeros(1, dtype=np.int32),
         seq_lens=empty,
         block_table=np.zeros((0, 1), dtype=np.int32),

@@ -17,6 +17,7 @@ import numpy as np
 from weir.shared.arith import cdiv
 from weir.shared.pooling import POOLING_TYPES
 from weir.shared.protocol.step import NewRequest, StepPlan
+from weir.shared.rope_config import LONG_ROTATION
 from weir.shared.sampling import SamplingParams
 
 # A slot's pooling type, as stored: 0 for a request that samples, else 1 + its index.
@@ -32,6 +33,9 @@ class StepInputs:
     slots: np.ndarray  # [R] slot of each scheduled request
     input_ids: np.ndarray  # [T] int32
     positions: np.ndarray  # [T] int64
+    # What the model rotates by: ``positions``, with LONG_ROTATION added to the tokens
+    # LongRoPE's long factors rotate (the same array for other models).
+    rope_positions: np.ndarray
     query_start_loc: np.ndarray  # [R + 1] int32
     seq_lens: np.ndarray  # [R] int32
     block_table: np.ndarray  # [R, max_blocks] int32
@@ -87,8 +91,10 @@ class InputBatch:
         capacity: int,
         eos_token_ids: tuple[int, ...],
         lora_ids: dict[str, int] | None = None,
+        long_prompt_threshold: int | None = None,
     ) -> None:
         self.max_model_len = max_model_len
+        self.long_prompt_threshold = long_prompt_threshold  # `RopeConfig`'s
         self.lora_ids = {} if lora_ids is None else lora_ids  # adapter -> its id (0: none)
         self.block_size = block_size
         self.max_blocks_per_req = cdiv(max_model_len, block_size)
@@ -287,6 +293,14 @@ class InputBatch:
             computed - query_start_loc[:-1], num_sched
         )
         input_ids = self.token_ids.reshape(-1)[token_slot * self.max_model_len + positions]
+        rope_positions = positions
+        if self.long_prompt_threshold is not None:
+            # Long-rotated: every token of a prompt over the threshold, else those past it.
+            limit = self.long_prompt_threshold
+            long_from = np.where(self.num_prompt_tokens[slots] > limit, 0, limit)
+            rope_positions = (
+                positions + (positions >= np.repeat(long_from, num_sched)) * LONG_ROTATION
+            )
         blocks = self.block_table.reshape(-1)[
             token_slot * self.max_blocks_per_req + positions // self.block_size
         ]
@@ -321,6 +335,7 @@ class InputBatch:
             slots=slots,
             input_ids=input_ids,
             positions=positions,
+            rope_positions=rope_positions,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=block_table,

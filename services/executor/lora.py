@@ -92,7 +92,7 @@ def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
                     a, b = a_src[_ALL], b_part[index]
                 parts.setdefault((layer, projection), []).append((rows, a, b))
     rows_of = _projection_rows(model)
-    device = model.inv_freq.device
+    device = model.device
     layers: list[dict[str, LoraWeights]] = [{} for _ in range(cfg.num_layers)]
     for (layer, projection), fused in parts.items():
         a_t = torch.cat([a for _, a, _ in fused]).t()

@@ -10,7 +10,6 @@ Under tensor parallelism each rank builds only its `ShardLayout` share of every 
 sums the row-parallel partial products through `TensorParallel` (see `parallel.py`).
 """
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +26,7 @@ from weir.services.executor.layers import (
 )
 from weir.services.executor.moe import SparseMoe
 from weir.services.executor.parallel import TensorParallel
+from weir.services.executor.rotary import Rotary
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
 
@@ -35,34 +35,6 @@ if TYPE_CHECKING:  # lora.py builds on this module
 
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
-
-
-def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, with the config's scaling applied (fp32,
-    CPU); ``sliding``: those of Gemma 3's local layers (their own base, no scaling)."""
-    dim = cfg.head_dim
-    theta = cfg.sliding_rope_theta if sliding else cfg.rope_theta
-    assert theta is not None
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    )
-    if sliding:
-        return inv_freq
-    if cfg.rope_type == "linear":
-        return inv_freq / cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        factor, old_len = cfg.rope_factor, cfg.rope_original_max_position
-        low_freq_wavelen = old_len / cfg.rope_low_freq_factor
-        high_freq_wavelen = old_len / cfg.rope_high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - cfg.rope_low_freq_factor) / (
-            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    return inv_freq
 
 
 class DecoderLayer(nn.Module):
@@ -86,7 +58,9 @@ class DecoderLayer(nn.Module):
         self.sliding_window = cfg.layer_window(index)
         self.softcap = cfg.attn_logit_softcapping
         # Which rotation the model's forward computes for this layer (Gemma 3's local ones).
-        self.local_rope = index in cfg.sliding_layers and cfg.sliding_rope_theta is not None
+        self.local_rope = index in cfg.sliding_layers and cfg.sliding_rope is not None
+        # The first rotary_dim channels of each head rotate (all but in Phi-4-mini).
+        self.rotary_dim = cfg.rope.rotary_dim
         self.hidden_act = cfg.hidden_act
         self.attention = attention
         self.kernels = kernels
@@ -162,10 +136,13 @@ class DecoderLayer(nn.Module):
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Q and K heads are adjacent in the fused projection: one rotation for both.
+        rotated = qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim]
         if self.kernels is not None:
-            self.kernels.rope_(qk, cos.squeeze(1), sin.squeeze(1))
-        else:
+            self.kernels.rope_(rotated, cos.squeeze(1), sin.squeeze(1))
+        elif rotated is qk:
             qk = apply_rope(qk, cos, sin)
+        else:
+            rotated.copy_(apply_rope(rotated, cos, sin))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(
@@ -235,11 +212,9 @@ class CausalLM(nn.Module):
                 requires_grad=False,
             )
         )
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
-        local = None if cfg.sliding_rope_theta is None else rope_inv_freq(cfg, sliding=True)
-        self.register_buffer(
-            "local_inv_freq", None if local is None else local.to(device), persistent=False
-        )
+        self.device = device
+        self.rotary = Rotary(cfg.rope, device)
+        self.local_rotary = None if cfg.sliding_rope is None else Rotary(cfg.sliding_rope, device)
         self.windows = tuple(dict.fromkeys(layer.sliding_window for layer in self.layers))
         # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype
         # (transformers' embed_scale buffer); Granite by its multiplier as it is.
@@ -265,12 +240,8 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm, for T flat tokens (with ``lora``,
         each request's adapter added to its tokens)."""
         self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.windows)
-        rotations = self._rotations(positions, self.inv_freq)
-        local = (
-            rotations
-            if self.local_inv_freq is None
-            else self._rotations(positions, self.local_inv_freq)
-        )
+        rotations = self.rotary(positions, self.dtype)
+        local = rotations if self.local_rotary is None else self.local_rotary(positions, self.dtype)
         x = self._embed(input_ids)
         if self.embedding_multiplier != 1.0:
             x *= self.embedding_multiplier
@@ -278,14 +249,6 @@ class CausalLM(nn.Module):
             cos, sin = local if layer.local_rope else rotations
             x = layer(x, cos, sin, attn_metadata, kv_cache, lora)
         return self.norm(x)
-
-    def _rotations(
-        self, positions: torch.Tensor, inv_freq: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] of each position; in fp32 then cast, as HF does, so bf16
-        rotations match."""
-        freqs = positions.float().unsqueeze(-1) * inv_freq
-        return freqs.cos().to(self.dtype).unsqueeze(1), freqs.sin().to(self.dtype).unsqueeze(1)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -368,5 +331,5 @@ class CausalLM(nn.Module):
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, block_size, self.layout.num_kv_heads, self.config.head_dim)
         return [
-            torch.zeros(shape, dtype=self.dtype, device=self.inv_freq.device) for _ in self.layers
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers
         ]

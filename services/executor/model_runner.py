@@ -363,6 +363,7 @@ class ModelRunner:
             self.max_num_seqs,
             self.eos_token_ids,
             self.loras.ids,  # the same dict: adapters loaded later are known at once
+            self.config.rope.long_prompt_threshold,
         )
         self._unfinished: LaunchedStep | None = None  # launched, and its tokens may be read
         # Of MEAN and CLS pooling requests whose prompt is partly computed: the sum of its
@@ -430,7 +431,8 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
         )
-        input_ids, positions = self._to_device(inputs.input_ids), self._to_device(inputs.positions)
+        input_ids = self._to_device(inputs.input_ids)
+        positions = self._to_device(inputs.rope_positions)
         if feed is not None:
             _scatter(input_ids, feed)
         prepared = self._clock()

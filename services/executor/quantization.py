@@ -122,7 +122,7 @@ class Int8Linear(nn.Module):
 def quantize_model(model: CausalLM, method: str) -> None:
     """Replace the loaded float32 projections, embedding and LM head with ``method``'s
     quantized versions (in place; the float32 copies are freed)."""
-    check_quantization(method, model.inv_freq.device, model.dtype)
+    check_quantization(method, model.device, model.dtype)
     kernels = model.attention.kernels
     for layer in model.layers:
         for name in PROJECTIONS:

@@ -395,7 +395,7 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights of the model's shape: norms at 1, everything else N(0, 0.02), the
     scale of a trained model's initialisation, so activations stay finite at any depth.
     Seeded, so every process (and rank) builds the same model."""
-    generator = torch.Generator(device=model.inv_freq.device).manual_seed(seed)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
     for name, param in model.named_parameters():
         if "norm" in name:
             param.fill_(1.0)

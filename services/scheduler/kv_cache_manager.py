@@ -26,6 +26,7 @@ class KVCacheManager:
         self.num_blocks = cache_config.num_blocks
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.pool = BlockPool(cache_config.num_blocks)
+        self.long_prompt_threshold = cache_config.long_prompt_threshold
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,11 +48,16 @@ class KVCacheManager:
         if start < num_blocks:
             bs = self.block_size
             hashes += chain_block_hashes(
-                hashes[-1] if hashes else salted_root(request.cache_salt, request.lora_name),
+                hashes[-1] if hashes else self._root(request),
                 request.all_token_ids[start * bs : num_blocks * bs],
                 bs,
             )
         return hashes
+
+    def _root(self, request: Request) -> bytes:
+        limit = self.long_prompt_threshold
+        long = limit is not None and len(request.prompt_token_ids) > limit
+        return salted_root(request.cache_salt, request.lora_name, long)
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Longest cached prefix of the request's tokens, whole blocks only, and never

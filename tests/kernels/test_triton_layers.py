@@ -55,24 +55,31 @@ def test_rms_norm_matches_the_operators(dtype, num_tokens, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize(("num_heads", "head_dim"), [(3, 64), (5, 80), (12, 128)])
-def test_rope_in_place_matches_the_operators(dtype, num_heads, head_dim):
+@pytest.mark.parametrize(
+    ("num_heads", "head_dim", "rotary_dim"),
+    [(3, 64, 64), (5, 80, 80), (12, 128, 128), (4, 128, 96)],
+)
+def test_rope_in_place_matches_the_operators(dtype, num_heads, head_dim, rotary_dim):
+    """rotary_dim < head_dim: Phi-4-mini's partial rotation, of a view of each head's first
+    channels; the others are left alone."""
     num_tokens = 9
     # The Q and K heads of a fused QKV projection: rows as wide as Q, K and V.
     qkv = strided_rows(num_tokens, (num_heads + 2) * head_dim, 0, dtype)
-    qk = qkv.view(num_tokens, num_heads + 2, head_dim)[:, :num_heads]
+    qk = qkv.view(num_tokens, num_heads + 2, head_dim)[:, :num_heads, :rotary_dim]
     positions = torch.tensor([0, 1, 2, 5, 17, 100, 1000, 4095, 30000], dtype=torch.float32)
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
     freqs = (positions[:, None] * inv_freq).to(DEVICE)
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
     expected = apply_rope(qk, cos[:, None], sin[:, None])
-    v_before = qkv.view(num_tokens, num_heads + 2, head_dim)[:, num_heads:].clone()
+    heads = qkv.view(num_tokens, num_heads + 2, head_dim)
+    v_before, pass_before = heads[:, num_heads:].clone(), heads[:, :, rotary_dim:].clone()
 
     KERNELS.rope_(qk, cos, sin)
 
     assert_nearly_equal(qk, expected)
-    # The V heads beside them in the same rows are left alone.
-    assert torch.equal(qkv.view(num_tokens, num_heads + 2, head_dim)[:, num_heads:], v_before)
+    # The V heads beside them in the same rows, and the channels past rotary_dim, are left alone.
+    assert torch.equal(heads[:, num_heads:], v_before)
+    assert torch.equal(heads[:, :, rotary_dim:], pass_before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))

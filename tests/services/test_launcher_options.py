@@ -89,7 +89,7 @@ def test_engine_defaults_are_the_configs_defaults():
         max_model_len=8192, async_scheduling=True
     )
     assert not EngineArgs(speculative_method="ngram").scheduler_config(8192).async_scheduling
-    assert EngineArgs().cache_config(7) == CacheConfig(num_blocks=7)
+    assert EngineArgs().cache_config(7, None) == CacheConfig(num_blocks=7)
 
 
 def test_unknown_engine_option_is_a_type_error():

@@ -1,0 +1,37 @@
+"""Typed reads of a Hugging Face config.json's keys: each ValueError names the key and what
+it holds."""
+
+import math
+from typing import Any
+
+
+def mapping(hf: dict[str, Any], key: str) -> dict[str, Any]:
+    value = hf.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"config.json: {key} must be an object, got {value!r}")
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def count(hf: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = hf.get(key, default)
+    if value is None:
+        raise ValueError(f"config.json has no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def positive(hf: dict[str, Any], key: str, default: float) -> float:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"config.json: {key} must be finite, got {value!r}")
+    return float(value)
+
+
+def flag(hf: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = hf.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json: {key} must be true or false, got {value!r}")
+    return value
