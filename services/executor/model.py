@@ -330,6 +330,4 @@ class CausalLM(nn.Module):
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, block_size, self.layout.num_kv_heads, self.config.head_dim)
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers
-        ]
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
