@@ -1,4 +1,5 @@
-"""Random LoRA adapters saved by PEFT itself, and PEFT's greedy decoding as the reference."""
+"""Random LoRA adapters saved by PEFT itself, and greedy decoding by transformers (PEFT's
+models too) as the reference."""
 
 from pathlib import Path
 
@@ -58,3 +59,15 @@ def greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
         for _ in range(num_tokens):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt_ids) :]
+
+
+def cached_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy generation with its KV cache, one forward pass per new token:
+    LongRoPE's rotation depends on the pass (the prompt's, then each new token's)."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        ids = [int(out.logits[0, -1].argmax())]
+        while len(ids) < num_tokens:
+            out = model(torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)
+            ids.append(int(out.logits[0, -1].argmax()))
+    return ids

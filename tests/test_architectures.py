@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import tp_workload  # noqa: E402
 from devices import CPU_AND_CUDA  # noqa: E402
-from lora_adapters import greedy  # noqa: E402
+from lora_adapters import cached_greedy, greedy  # noqa: E402
 from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
@@ -154,18 +154,6 @@ def save_model(kind: str, path) -> torch.nn.Module:
     spread_weights_(model)
     model.save_pretrained(path)
     return model
-
-
-def cached_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """transformers' greedy generation with its KV cache, one forward pass per new token:
-    LongRoPE's rotation depends on the pass (the prompt's, then each new token's)."""
-    with torch.no_grad():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        ids = [int(out.logits[0, -1].argmax())]
-        while len(ids) < num_tokens:
-            out = model(torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)
-            ids.append(int(out.logits[0, -1].argmax()))
-    return ids
 
 
 def reference(kind: str, model, prompt_ids: list[int], num_tokens: int) -> list[int]:

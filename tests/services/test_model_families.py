@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 from conftest import save_speaking
+from lora_adapters import cached_greedy
 from serving_helpers import hf_greedy, small_server
 
 from weir.services import LLM
@@ -174,3 +175,41 @@ def test_sliding_windows_are_served_past_their_length(kind, tmp_path, default_mo
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
     assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 24) for p in prompts]
+
+
+def test_phi4_mini_rotation_is_served_as_transformers_generates(tmp_path, default_model_dir):
+    """Phi-4-mini's rotation (LongRoPE, three quarters of each head rotating) with an original
+    context of 64: a prompt within it decoded past it, then one sharing its first 40 tokens
+    (read from the prefix cache), then one sharing them but past 64 tokens itself, whose
+    every token transformers rotates by the long factors: served in 16-token chunks, each
+    decodes what transformers generates with its cache."""
+    torch.manual_seed(1)
+    config = transformers.Phi3Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        original_max_position_embeddings=64,
+        partial_rotary_factor=0.75,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [3.0**i for i in range(6)],
+        },
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    save_speaking(
+        transformers.AutoModelForCausalLM.from_config(config), tmp_path, default_model_dir
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    first = list(range(200, 240))
+    prompts = [first, first + list(range(900, 910)), first + list(range(900, 940))]
+    with LLM(str(tmp_path), max_num_batched_tokens=16) as llm:
+        params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
+    assert [o.token_ids for o in outputs] == [cached_greedy(hf, p, 32) for p in prompts]
