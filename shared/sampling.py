@@ -71,8 +71,9 @@ class SamplingParams:
     every token the output holds so far, ``frequency_penalty`` times its count;
     ``repetition_penalty`` divides the positive logits (multiplies the negative ones) of every
     token in the prompt or the output (1 = off). ``logit_bias`` holds (token id, bias) pairs
-    added to those logits (a dict is taken too). Biases apply first, then penalties; the
-    logprobs returned stay those of the raw model.
+    added to those logits (a dict is taken too). ``allowed_token_ids`` (vLLM's) are the only
+    tokens the output may hold (None: any). The allowed tokens are masked first, then biases
+    and penalties apply; the logprobs returned stay those of the raw model.
 
     ``structured_output`` (vLLM's structured outputs) constrains the output to one of:
     ``{"json": schema}`` (a JSON schema, as a dict or its text), ``{"json_object": True}``
@@ -100,6 +101,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
 
     @property
     def has_penalties(self) -> bool:
@@ -174,6 +176,13 @@ class SamplingParams:
                 raise ValueError("truncate_prompt_tokens must be -1 or at least 1, got 0")
         if self.structured_output is not None:
             put(self, "structured_output", _structured_output(self.structured_output))
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not isinstance(allowed, (list, tuple)) or not allowed:
+                raise ValueError("allowed_token_ids must be a non-empty sequence of token ids")
+            for token_id in allowed:  # the vocabulary bound is the scheduler's
+                _int("allowed_token_ids", token_id, 0)
+            put(self, "allowed_token_ids", tuple(dict.fromkeys(allowed)))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain msgpack/JSON-friendly dict (tuples become lists)."""
@@ -198,6 +207,9 @@ class SamplingParams:
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": [list(pair) for pair in self.logit_bias],
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "allowed_token_ids": (
+                None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+            ),
         }
 
     @classmethod

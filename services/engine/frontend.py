@@ -451,6 +451,7 @@ class ClientFrontend:
             )
         self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         self._check_vocabulary("logit_bias", (t for t, _ in params.logit_bias))
+        self._check_vocabulary("allowed_token_ids", params.allowed_token_ids or ())
         stop_chars = sum(map(len, params.stop))
         if stop_chars > self.max_prompt_chars:
             raise ValueError(

@@ -92,6 +92,7 @@ class InputBatch:
         eos_token_ids: tuple[int, ...],
         lora_ids: dict[str, int] | None = None,
         long_prompt_threshold: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.max_model_len = max_model_len
         self.long_prompt_threshold = long_prompt_threshold  # `RopeConfig`'s
@@ -106,6 +107,9 @@ class InputBatch:
         self._free: list[int] = []
         self.stop_ids: dict[int, np.ndarray] = {}  # slot -> ids banned before min_tokens
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (ids, biases)
+        # slot -> packed int32 bitmask of its allowed_token_ids (``sampler.unpack_bitmask``)
+        self.allowed_tokens: dict[int, bytes] = {}
+        self.vocab_size = vocab_size  # needed only for allowed_token_ids
         self.num_pooling = 0  # pooling requests held: none, and a step's inputs skip pooling
         self._grow(capacity)
 
@@ -187,6 +191,7 @@ class InputBatch:
         self.num_pooling -= bool(self.pooling[slot])
         self.stop_ids.pop(slot, None)
         self.logit_bias.pop(slot, None)
+        self.allowed_tokens.pop(slot, None)
         self._free.append(slot)
 
     def _add(self, req: NewRequest) -> None:
@@ -228,6 +233,8 @@ class InputBatch:
         if sp.logit_bias:
             ids, biases = zip(*sp.logit_bias)
             self.logit_bias[slot] = (np.array(ids, np.int64), np.array(biases, np.float32))
+        if sp.allowed_token_ids is not None:
+            self.allowed_tokens[slot] = token_bitmask(sp.allowed_token_ids, self.vocab_size)
         if sp.min_tokens > 0:
             eos = () if sp.ignore_eos else self.eos_token_ids
             self.stop_ids[slot] = np.fromiter(
@@ -409,3 +416,16 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     offsets = np.cumsum(lengths) - lengths
     return np.arange(total, dtype=np.int64) + np.repeat(starts.astype(np.int64) - offsets, lengths)
+
+
+def token_bitmask(token_ids: tuple[int, ...], vocab_size: int | None) -> bytes:
+    """The packed int32 bitmask (little-endian words, token t at bit t % 32 of word t // 32)
+    of ``token_ids``, as structured outputs' bitmasks are packed."""
+    if vocab_size is None:
+        raise ValueError("allowed_token_ids needs the batch's vocab_size")
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.max() >= vocab_size:
+        raise ValueError(f"allowed_token_ids holds {int(ids.max())}, past the vocabulary")
+    words = np.zeros(cdiv(vocab_size, 32), dtype=np.uint32)
+    np.bitwise_or.at(words, ids >> 5, np.left_shift(1, ids & 31).astype(np.uint32))
+    return words.astype("<u4").tobytes()

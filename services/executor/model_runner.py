@@ -364,6 +364,7 @@ class ModelRunner:
             self.eos_token_ids,
             self.loras.ids,  # the same dict: adapters loaded later are known at once
             self.config.rope.long_prompt_threshold,
+            self.config.vocab_size,
         )
         self._unfinished: LaunchedStep | None = None  # launched, and its tokens may be read
         # Of MEAN and CLS pooling requests whose prompt is partly computed: the sum of its
@@ -692,10 +693,11 @@ class ModelRunner:
         output_pos = first + np.arange(len(rows)) - np.repeat(logits_start, inputs.num_logits)
         seeded = np.flatnonzero(b.has_seed[rows])
         seeds = [(int(i), b.seed[rows[i]], int(output_pos[i])) for i in seeded]
-        allowed = self._allowed(plan, inputs)
+        grammar = self._grammar_masks(plan, inputs)
         # A structured output allows its end tokens only once complete, and nothing else
         # then: min_tokens does not hold it (the scheduler ends it there).
-        constrained = {row for row, _ in allowed}
+        constrained = {row for row, _ in grammar}
+        allowed = self._with_allowed_tokens(grammar, inputs)
         banned = [
             (int(i), b.stop_ids[rows[i]])
             for i in np.flatnonzero(output_pos < b.min_tokens[rows])
@@ -724,7 +726,30 @@ class ModelRunner:
             allowed=allowed,
         )
 
-    def _allowed(self, plan: StepPlan, inputs: StepInputs) -> list[tuple[int, bytes]]:
+    def _with_allowed_tokens(
+        self, grammar: list[tuple[int, bytes]], inputs: StepInputs
+    ) -> list[tuple[int, bytes]]:
+        """``grammar``'s (logits row, bitmask) pairs with every row of a request that has
+        allowed_token_ids held to them (ANDed with its grammar's mask where it has one)."""
+        b = self.batch
+        if not b.allowed_tokens:
+            return grammar
+        masks = dict(grammar)
+        first_row = np.cumsum(inputs.num_logits) - inputs.num_logits
+        for i, slot in enumerate(inputs.slots.tolist()):
+            tokens = b.allowed_tokens.get(slot)
+            if tokens is None:
+                continue
+            for row in range(int(first_row[i]), int(first_row[i] + inputs.num_logits[i])):
+                mask = masks.get(row)
+                masks[row] = (
+                    tokens
+                    if mask is None
+                    else (np.frombuffer(mask, "<i4") & np.frombuffer(tokens, "<i4")).tobytes()
+                )
+        return list(masks.items())
+
+    def _grammar_masks(self, plan: StepPlan, inputs: StepInputs) -> list[tuple[int, bytes]]:
         """(logits row, bitmask) of each structured-output request the step samples for."""
         if not plan.grammar_bitmask:
             return []

@@ -2,7 +2,7 @@
 
 Field names are OpenAI's (and vLLM's extensions: ``top_k``, ``min_p``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``repetition_penalty``, ``skip_special_tokens``,
-``include_stop_str_in_output``). As in vLLM, ``null`` is a field's default, and the
+``include_stop_str_in_output``, ``allowed_token_ids``). As in vLLM, ``null`` is a field's default, and the
 fields Weir does not implement are accepted at the value that changes nothing
 (``_NEUTRAL``), or at any value where none changes the output (``_IGNORED``); any other
 value, or an unknown field, is a 400 that names it rather than being silently ignored.
@@ -281,6 +281,7 @@ class _SamplingFields(Options):
         float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ] = 1.0
     logit_bias: LogitBias | None = None
+    allowed_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -361,6 +362,9 @@ class _SamplingFields(Options):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=structured_output,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            allowed_token_ids=(
+                None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
+            ),
         )
 
     def _structured_output(self) -> dict[str, Any] | None:

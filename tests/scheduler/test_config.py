@@ -118,6 +118,10 @@ def test_cache_config_requires_num_blocks():
         ({"structured_output": {"regex": "a", "reasoning_end": ""}}, "reasoning_end"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": "5"}, "allowed_token_ids"),
+        ({"allowed_token_ids": [True]}, "allowed_token_ids"),
         ({"structured_output": {"regex": "a", "reasoning_end": 16}}, "reasoning_end"),
     ],
 )

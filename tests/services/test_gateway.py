@@ -271,6 +271,8 @@ def test_logprobs_in_both_apis(client):
         ({"prompt": [[5, 10**9]]}, "vocabulary"),
         ({"extra_body": {"min_tokens": 5}, "max_tokens": 2}, "min_tokens"),
         ({"prompt": ["Hi"] * 65, "n": 2}, "choices"),
+        ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+        ({"extra_body": {"allowed_token_ids": [5, 10**8]}}, "vocabulary"),
         # More than the engine's protocol carries: a 400 at once (was a 500 after 15 s). The
         # flat list's twin is sent by test_valid_json_the_engine_cannot_take_is_a_4xx_not_a_500:
         # the openai client spends 15 s walking a million ids before it sends them.
@@ -561,6 +563,33 @@ def test_penalties_and_logit_bias_over_http_match_transformers(
         extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
     )
     assert completion.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_allowed_token_ids_hold_the_output_to_them_and_logprobs_stay_the_models(
+    client, tiny_hf_model
+):
+    """vLLM's allowed_token_ids: greedy picks the likeliest allowed token (transformers'
+    logits with the others masked), a sampled output holds allowed tokens only, and the
+    logprobs returned are the model's own over the whole vocabulary."""
+    prompt = [17, 900, 3, 44, 5021, 8]
+    allowed = [7, 8, 9, 10, 300, 301, 5021]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            logits = tiny_hf_model(torch.tensor([ids])).logits[0, -1]
+            ids.append(allowed[int(logits[allowed].argmax())])
+        raw = torch.log_softmax(tiny_hf_model(torch.tensor([ids])).logits[0].double(), -1)
+    want = ids[len(prompt) :]
+    assert want != hf_greedy(tiny_hf_model, prompt, 8), "the mask must matter"
+    body = {"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True}
+    call = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "extra_body": body}
+    greedy = client.completions.create(**call, temperature=0, logprobs=1).choices[0]
+    assert greedy.model_dump()["token_ids"] == want
+    expected = [raw[len(prompt) - 1 + i, t].item() for i, t in enumerate(want)]
+    assert greedy.logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    sampled = client.completions.create(**call, temperature=1.5, seed=3, n=4)
+    for choice in sampled.choices:
+        assert set(choice.model_dump()["token_ids"]) <= set(allowed)
 
 
 def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, tiny_hf_model):

@@ -52,8 +52,12 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
             frequency_penalty=0.2,
             repetition_penalty=1.1,
         ),
+        # Each draft's row is held to the allowed tokens too.
+        SamplingParams(
+            max_tokens=40, temperature=0.0, ignore_eos=True, allowed_token_ids=tuple(range(1000, 49152))
+        ),
     ],
-    ids=["greedy", "seeded", "penalized"],
+    ids=["greedy", "seeded", "penalized", "allowed"],
 )
 def test_outputs_are_identical_with_and_without_drafts(default_model_dir, params):
     tokenizer = Tokenizer.from_model_dir(default_model_dir)
