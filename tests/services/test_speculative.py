@@ -54,7 +54,10 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
         ),
         # Each draft's row is held to the allowed tokens too.
         SamplingParams(
-            max_tokens=40, temperature=0.0, ignore_eos=True, allowed_token_ids=tuple(range(1000, 49152))
+            max_tokens=40,
+            temperature=0.0,
+            ignore_eos=True,
+            allowed_token_ids=tuple(range(1000, 49152)),
         ),
     ],
     ids=["greedy", "seeded", "penalized", "allowed"],
