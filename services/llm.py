@@ -23,6 +23,7 @@ from weir.shared.client import AsyncWeirClient, EmbeddingOutput, EventLoopThread
 from weir.shared.config import EngineArgs
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
+from weir.shared.sampling_defaults import default_params
 
 
 @dataclass(slots=True)
@@ -123,8 +124,12 @@ class LLM:
         lora_name: str | Sequence[str | None] | None,
         chat: dict[str, Any],
     ) -> list[Completion]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+        if sampling_params is None:
+            # vLLM's LLM too samples with the model's recommended defaults when given none.
+            info = self._loop.run(self._client.model_info())
+            params = [default_params(info["default_sampling_params"])] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -222,6 +222,14 @@ class EngineArgs:
         SCHEDULER,
         "the chat template (a Jinja file, or its text) that renders chats, in place of the model's",
     )
+    generation_config: str = _arg(
+        "auto",
+        SCHEDULER,
+        "auto: the sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) of the model's generation_config.json apply to HTTP requests and "
+        "LLM calls that leave them out, as in vLLM; vllm: none; or a directory holding a "
+        "generation_config.json",
+    )
     load_format: str = _arg(
         "auto",
         _BOTH,

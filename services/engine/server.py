@@ -59,6 +59,7 @@ from weir.shared.model_config import read_model_config
 from weir.shared.pooling import read_pooler_config, resolve_runner
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import MAX_LOGPROBS
+from weir.shared.sampling_defaults import read_sampling_defaults
 from weir.shared.tokenizer import Tokenizer, chat_template_of
 
 _log = logging.getLogger(__name__)
@@ -117,6 +118,15 @@ class SchedulerServer:
             model_dir, chat_template_of(self.engine_args.chat_template)
         )
         self.model_config = read_model_config(model_dir)
+        self.sampling_defaults = read_sampling_defaults(
+            self.engine_args.generation_config, model_dir
+        )
+        if self.sampling_defaults:
+            _log.info(
+                "requests that leave them out sample with %s (generation_config.json; "
+                "--generation-config vllm turns this off)",
+                self.sampling_defaults,
+            )
         self.vocab_size = self.model_config.vocab_size
         # What clients and metrics call the model; executors report the directory's name.
         self.model_name = self.engine_args.served_model_name or model_dir.name
@@ -524,4 +534,6 @@ class SchedulerServer:
             "num_blocks": self._num_blocks if self.core is not None else None,
             "lora_names": list(self.loras.ids),
             "runner": self.runner,
+            # What a request leaving them out samples with (--generation-config).
+            "default_sampling_params": self.sampling_defaults,
         }

@@ -463,10 +463,11 @@ class Gateway:
             prompts = body.prompts()
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from None
+        defaults = served.info.get("default_sampling_params", {})
         samples = _samples(
             prompts,
             body.n,
-            lambda i: body.sampling_params(body.max_tokens, body.logprobs, i),
+            lambda i: body.sampling_params(body.max_tokens, body.logprobs, i, defaults),
             body.priority,
             body.cache_salt,
             served.lora_name,
@@ -536,7 +537,9 @@ class Gateway:
         tool_choice = output.tool_choice
         try:
             served = await self.check_model(body.model)
-            samples = self._chat_samples(body, output, served.lora_name)
+            samples = self._chat_samples(
+                body, output, served.lora_name, served.info.get("default_sampling_params", {})
+            )
             response_id = f"chatcmpl-{uuid.uuid4().hex}"
             outputs = self.run(response_id, samples)
             if body.return_tokens_as_token_ids:
@@ -557,7 +560,11 @@ class Gateway:
             raise APIError(400, message, error.type, error.code, "tool_choice") from None
 
     def _chat_samples(
-        self, body: ChatCompletionRequest, output: ChatOutput, lora_name: str | None
+        self,
+        body: ChatCompletionRequest,
+        output: ChatOutput,
+        lora_name: str | None,
+        defaults: dict[str, Any],
     ) -> list[_Sample]:
         tool_choice = output.tool_choice
         if tool_choice is not None and tool_choice.kind == "auto" and tool_choice.parser is None:
@@ -576,7 +583,7 @@ class Gateway:
         samples = _samples(
             [chat_prompt(body.messages)],
             body.n,
-            lambda i: body.sampling_params(max_tokens, logprobs, i, reasoning_end),
+            lambda i: body.sampling_params(max_tokens, logprobs, i, defaults, reasoning_end),
             body.priority,
             body.cache_salt,
             lora_name,

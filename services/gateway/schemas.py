@@ -37,6 +37,7 @@ from weir.shared.sampling import (
     REPETITION_PENALTY_RANGE,
     SamplingParams,
 )
+from weir.shared.sampling_defaults import with_defaults
 
 # Every list stops at its first bad item (fail_fast): pydantic otherwise reports one error
 # per item, and listing a million of them (negative token ids, say) held the gateway's
@@ -266,10 +267,11 @@ class _SamplingFields(Options):
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
-    temperature: Annotated[float, Field(ge=0)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    # None: the server's default (the model's generation_config.json, else Weir's).
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: int | None = None
     stop: Stop | None = None
     stop_token_ids: TokenIds | None = None
@@ -277,9 +279,10 @@ class _SamplingFields(Options):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[
-        float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
-    ] = 1.0
+    repetition_penalty: (
+        Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
+        | None
+    ) = None
     logit_bias: LogitBias | None = None
     allowed_token_ids: TokenIds | None = None
     skip_special_tokens: bool = True
@@ -330,24 +333,30 @@ class _SamplingFields(Options):
         max_tokens: int | None,
         logprobs: int | None,
         index: int,
+        defaults: dict[str, Any],
         reasoning_end: str | None = None,
     ) -> SamplingParams:
         """The parameters of sample ``index`` of ``n``: with a seed, each sample draws
         from its own (``seed + index``, wrapped into int64) so the ``n`` samples differ yet
         reproduce.
         ``max_tokens=None``: as many as fit after the prompt (the engine knows how many).
-        ``reasoning_end``: the token after which a structured output holds (the reasoning
-        before it is free)."""
+        ``defaults``: the server's for fields the request leaves out (``model_info``'s
+        ``default_sampling_params``). ``reasoning_end``: the token after which a structured
+        output holds (the reasoning before it is free)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         structured_output = self._structured_output()
         if structured_output is not None and reasoning_end is not None:
             structured_output = {**structured_output, "reasoning_end": reasoning_end}
         return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            **with_defaults(
+                defaults,
+                max_tokens=max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+            ),
             seed=None if self.seed is None else _wrap_int64(self.seed + index),
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -356,7 +365,6 @@ class _SamplingFields(Options):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,

@@ -1,0 +1,68 @@
+"""The sampling defaults a model's creator recommends in its ``generation_config.json``
+(Qwen3's temperature 0.6, top_p 0.95, top_k 20...), which vLLM applies to every request that
+leaves those parameters out (its ``--generation-config auto``, the default).
+
+Read are ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
+``max_new_tokens`` (``max_tokens``: it also caps a request's own, as in vLLM); a key the file
+leaves out, or null, keeps Weir's default. ``vllm`` reads none; a directory reads its file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from weir.shared.sampling import SamplingParams
+
+# generation_config.json's key -> SamplingParams' field
+_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def read_sampling_defaults(source: str, model_dir: str | Path) -> dict[str, float | int]:
+    """``source``: ``auto`` (the model directory's file), ``vllm`` (no defaults) or a
+    directory holding a ``generation_config.json``. Returns SamplingParams' fields; a
+    malformed file is a ValueError naming it and the key."""
+    if source == "vllm":
+        return {}
+    directory = Path(model_dir) if source == "auto" else Path(source)
+    path = directory / "generation_config.json"
+    if source != "auto" and not path.is_file():
+        raise ValueError(f"--generation-config {source}: no generation_config.json there")
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    defaults = {field: config[key] for key, field in _KEYS.items() if config.get(key) is not None}
+    try:
+        params = SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return {field: getattr(params, field) for field in defaults}
+
+
+def with_defaults(defaults: dict[str, Any], **given: Any) -> dict[str, Any]:
+    """``given`` sampling fields (None: left out by the request) over ``defaults`` (a
+    ``read_sampling_defaults`` result). ``max_tokens`` is always given (None: to the context)
+    and capped by the default's."""
+    merged = {**defaults, **{k: v for k, v in given.items() if v is not None}}
+    cap, asked = defaults.get("max_tokens"), given["max_tokens"]
+    merged["max_tokens"] = cap if asked is None else asked if cap is None else min(asked, cap)
+    return merged
+
+
+def default_params(defaults: dict[str, Any]) -> SamplingParams:
+    """SamplingParams of a request that sets none: Weir's defaults under ``defaults``."""
+    return dataclasses.replace(SamplingParams(), **defaults)
