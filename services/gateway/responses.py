@@ -164,8 +164,9 @@ class ResponsesRequest(Options):
     input: Annotated[list[InputItem], Field(fail_fast=True), BeforeValidator(protocol_sized)] | str
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    # None: the server's default (--generation-config), as a chat's.
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stream: bool = False
     tools: Annotated[list[FunctionTool], Field(fail_fast=True)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
