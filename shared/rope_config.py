@@ -90,6 +90,10 @@ def _scaled(
     # transformers moves a top-level partial_rotary_factor into rope_parameters.
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     rotary_dim = head_dim
+    if head_dim % 2:
+        raise ValueError(
+            f"config.json: head_dim {head_dim} is odd; a rotary embedding turns channel pairs"
+        )
     if partial != 1.0:
         if model_type not in _PARTIAL_ROTARY_MODELS:
             raise ValueError(

@@ -73,7 +73,11 @@ class SamplingParams:
     token in the prompt or the output (1 = off). ``logit_bias`` holds (token id, bias) pairs
     added to those logits (a dict is taken too). ``allowed_token_ids`` (vLLM's) are the only
     tokens the output may hold (None: any). The allowed tokens are masked first, then biases
-    and penalties apply; the logprobs returned stay those of the raw model.
+    and penalties apply; the logprobs returned stay those of the raw model. ``bad_words``
+    (vLLM's): the output never holds one of these texts' tokens in a row, as each tokenizes
+    alone and after a space; the server fills ``bad_words_token_ids`` with those token
+    sequences (given directly, they are taken as they are): a sequence's last token is banned
+    wherever the output's last tokens are the ones before it.
 
     ``structured_output`` (vLLM's structured outputs) constrains the output to one of:
     ``{"json": schema}`` (a JSON schema, as a dict or its text), ``{"json_object": True}``
@@ -102,6 +106,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def has_penalties(self) -> bool:
@@ -183,6 +189,25 @@ class SamplingParams:
             for token_id in allowed:  # the vocabulary bound is the scheduler's
                 _int("allowed_token_ids", token_id, 0)
             put(self, "allowed_token_ids", tuple(dict.fromkeys(allowed)))
+        words = self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(
+            type(w) is str and w.strip() for w in words
+        ):
+            raise ValueError("bad_words must be a sequence of texts, each more than spaces")
+        if len(words) > MAX_STOP_STRINGS:
+            raise ValueError(f"bad_words may hold at most {MAX_STOP_STRINGS}, got {len(words)}")
+        put(self, "bad_words", tuple(words))
+        sequences = self.bad_words_token_ids
+        if not isinstance(sequences, (list, tuple)) or len(sequences) > 2 * MAX_STOP_STRINGS:
+            raise ValueError(
+                f"bad_words_token_ids must be at most {2 * MAX_STOP_STRINGS} token sequences"
+            )
+        for sequence in sequences:
+            if not isinstance(sequence, (list, tuple)) or not sequence:
+                raise ValueError("bad_words_token_ids must hold non-empty token id sequences")
+            for token_id in sequence:
+                _int("bad_words_token_ids", token_id, 0)
+        put(self, "bad_words_token_ids", tuple(tuple(seq) for seq in sequences))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain msgpack/JSON-friendly dict (tuples become lists)."""
@@ -210,6 +235,8 @@ class SamplingParams:
             "allowed_token_ids": (
                 None if self.allowed_token_ids is None else list(self.allowed_token_ids)
             ),
+            "bad_words": list(self.bad_words),
+            "bad_words_token_ids": [list(seq) for seq in self.bad_words_token_ids],
         }
 
     @classmethod

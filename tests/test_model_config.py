@@ -133,6 +133,7 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
             "rotates 1 of 16 channels",
         ),
         ({**REQUIRED, "rope_scaling": {"rope_type": "dynamic"}}, "unsupported rope type 'dynamic'"),
+        ({**REQUIRED, "head_dim": 15}, "head_dim 15 is odd"),
         (
             {**REQUIRED, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}},
             "long_factor must list 8 positive numbers",

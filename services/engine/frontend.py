@@ -452,10 +452,14 @@ class ClientFrontend:
         self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         self._check_vocabulary("logit_bias", (t for t, _ in params.logit_bias))
         self._check_vocabulary("allowed_token_ids", params.allowed_token_ids or ())
-        stop_chars = sum(map(len, params.stop))
+        self._check_vocabulary(
+            "bad_words_token_ids", (t for seq in params.bad_words_token_ids for t in seq)
+        )
+        stop_chars = sum(map(len, params.stop)) + sum(map(len, params.bad_words))
         if stop_chars > self.max_prompt_chars:
             raise ValueError(
-                f"stop strings of {stop_chars} characters in all: more than this server's "
+                f"stop strings and bad words of {stop_chars} characters in all: more than this "
+                "server's "
                 f"limit of {self.max_prompt_chars} (no output of max_model_len="
                 f"{self.max_model_len} tokens is that long)"
             )
@@ -542,6 +546,12 @@ class ClientFrontend:
         )
         if extra and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        if params.bad_words:
+            params = dataclasses.replace(
+                params,
+                bad_words_token_ids=params.bad_words_token_ids
+                + bad_word_sequences(self.tokenizer, params.bad_words),
+            )
         return Request(
             request_id,
             prompt_ids,
@@ -1000,3 +1010,17 @@ def _find_stop(text: str, stops: tuple[str, ...], end_after: int) -> tuple[int, 
         if (i := text.find(stop, max(0, end_after - len(stop) + 1))) != -1
     ]
     return min(hits, key=lambda hit: hit[0]) if hits else None
+
+
+def bad_word_sequences(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of vLLM's ``bad_words``: each word as it tokenizes alone (its
+    leading spaces dropped), and after a space where that gives other tokens of the same
+    count (a word mid-text)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip()))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        sequences.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(sequences)

@@ -109,6 +109,8 @@ class InputBatch:
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (ids, biases)
         # slot -> packed int32 bitmask of its allowed_token_ids (``sampler.unpack_bitmask``)
         self.allowed_tokens: dict[int, bytes] = {}
+        # slot -> its bad words' token sequences (``SamplingParams.bad_words_token_ids``)
+        self.bad_words: dict[int, tuple[tuple[int, ...], ...]] = {}
         self.vocab_size = vocab_size  # needed only for allowed_token_ids
         self.num_pooling = 0  # pooling requests held: none, and a step's inputs skip pooling
         self._grow(capacity)
@@ -192,6 +194,7 @@ class InputBatch:
         self.stop_ids.pop(slot, None)
         self.logit_bias.pop(slot, None)
         self.allowed_tokens.pop(slot, None)
+        self.bad_words.pop(slot, None)
         self._free.append(slot)
 
     def _add(self, req: NewRequest) -> None:
@@ -233,6 +236,8 @@ class InputBatch:
         if sp.logit_bias:
             ids, biases = zip(*sp.logit_bias)
             self.logit_bias[slot] = (np.array(ids, np.int64), np.array(biases, np.float32))
+        if sp.bad_words_token_ids:
+            self.bad_words[slot] = sp.bad_words_token_ids
         if sp.allowed_token_ids is not None:
             self.allowed_tokens[slot] = token_bitmask(sp.allowed_token_ids, self.vocab_size)
         if sp.min_tokens > 0:
@@ -376,6 +381,39 @@ class InputBatch:
             if self.repetition_penalty[slot] != 1:
                 prompt.append((i, self.token_ids[slot, :num_prompt]))
         return PenaltyTokens(_pairs(out), _pairs(fed), _pairs(prompt) if prompt else None)
+
+    def bad_word_history(
+        self, inputs: StepInputs, rows: np.ndarray, length: int
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The last ``length`` outputs before the token each of the step's logits rows
+        ``rows`` samples ([len(rows), length], -1 where the output is shorter), those the
+        host knows, and (history row, column, flat input index) of those only this step's
+        input ids hold on the device (a step overlapped with the one before feeds them)."""
+        request = np.repeat(np.arange(len(inputs.slots)), inputs.num_logits)[rows]
+        flat = inputs.logits_indices[rows]
+        history = np.full((len(rows), length), -1, dtype=np.int64)
+        fed: list[tuple[int, np.ndarray, np.ndarray]] = []
+        for i, (r, last) in enumerate(zip(request.tolist(), flat.tolist())):
+            slot = int(inputs.slots[r])
+            num_prompt = int(self.num_prompt_tokens[slot])
+            computed = int(self.num_computed_tokens[slot])
+            first = int(inputs.query_start_loc[r]) + max(0, num_prompt - computed)
+            num_fed = min(length, max(0, last + 1 - first))
+            if num_fed:
+                columns = np.arange(length - num_fed, length)
+                fed.append((i, columns, np.arange(last + 1 - num_fed, last + 1)))
+            room = length - num_fed
+            if room:
+                known = self.token_ids[slot, max(num_prompt, computed - room) : computed]
+                history[i, room - len(known) : room] = known
+        if not fed:
+            empty = np.zeros(0, dtype=np.int64)
+            return history, (empty, empty, empty)
+        return history, (
+            np.concatenate([np.full(len(c), i) for i, c, _ in fed]),
+            np.concatenate([c for _, c, _ in fed]),
+            np.concatenate([f for _, _, f in fed]),
+        )
 
     def reserve_tokens(self, slots: np.ndarray) -> Reservation:
         """Count one more token for each of ``slots``, sampled by a step still on the device:

@@ -44,6 +44,7 @@ from weir.services.executor.lora import LoraAdapters
 from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
 from weir.services.executor.quantization import check_quantization
 from weir.services.executor.sampler import (
+    BadWords,
     Penalties,
     Sampler,
     SamplerOutput,
@@ -724,6 +725,7 @@ class ModelRunner:
             logit_bias=logit_bias,
             penalties=self._penalties(inputs, rows, input_ids),
             allowed=allowed,
+            bad_words=self._bad_words(inputs, rows, input_ids),
         )
 
     def _with_allowed_tokens(
@@ -766,6 +768,41 @@ class ModelRunner:
                     )
                 allowed.append((int(first_row[i]), mask))
         return allowed
+
+    def _bad_words(
+        self, inputs: StepInputs, rows: np.ndarray, input_ids: torch.Tensor
+    ) -> BadWords | None:
+        """The bad words of the logits rows of slots ``rows`` (None where no row has any):
+        each row's recent outputs, the ones this step feeds read from ``input_ids``."""
+        b = self.batch
+        if not b.bad_words:
+            return None
+        with_words = np.flatnonzero([slot in b.bad_words for slot in rows.tolist()])
+        if not len(with_words):
+            return None
+        words = [b.bad_words[int(rows[i])] for i in with_words]
+        length = max(1, max(len(w) for seqs in words for w in seqs) - 1)
+        history, (fed_rows, fed_columns, fed_index) = b.bad_word_history(inputs, with_words, length)
+        pair_of, pair_rows, last, prefix = [], [], [], []
+        for i, sequences in enumerate(words):
+            for seq in sequences:
+                pair_of.append(i)
+                pair_rows.append(int(with_words[i]))
+                last.append(seq[-1])
+                row = np.full(length, BadWords.PAD, dtype=np.int64)
+                if len(seq) > 1:
+                    row[length - len(seq) + 1 :] = seq[:-1]
+                prefix.append(row)
+        dev = self._to_device
+        on_device = dev(history)
+        if len(fed_rows):
+            on_device[dev(fed_rows), dev(fed_columns)] = input_ids[dev(fed_index)].long()
+        return BadWords(
+            rows=dev(np.array(pair_rows, dtype=np.int64)),
+            last=dev(np.array(last, dtype=np.int64)),
+            prefix=dev(np.stack(prefix)),
+            history=on_device[dev(np.array(pair_of, dtype=np.int64))],
+        )
 
     def _penalties(
         self, inputs: StepInputs, rows: np.ndarray, input_ids: torch.Tensor

@@ -52,6 +52,7 @@ class SamplingBatch:
     penalties: "Penalties | None" = None
     # (rows, packed int32 bitmasks [rows, words]) of rows a structured output constrains
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    bad_words: "BadWords | None" = None
 
     @classmethod
     def build(
@@ -68,6 +69,7 @@ class SamplingBatch:
         logit_bias: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
         penalties: "Penalties | None" = None,
         allowed: Sequence[tuple[int, bytes]] = (),
+        bad_words: "BadWords | None" = None,
     ) -> "SamplingBatch":
         """From host arrays; `seeds` holds (row, seed, output position) for seeded rows,
         `banned` (row, token ids it may not produce), `logit_bias` (row, token ids, biases) and
@@ -104,6 +106,7 @@ class SamplingBatch:
             banned=banned_index,
             logit_bias=LogitBias.build(logit_bias, device) if logit_bias else None,
             penalties=penalties,
+            bad_words=bad_words,
             allowed=(
                 (
                     to_device(np.array([row for row, _ in allowed], dtype=np.int64), device),
@@ -115,6 +118,26 @@ class SamplingBatch:
                 else None
             ),
         )
+
+
+@dataclass(slots=True)
+class BadWords:
+    """Tokens that would end a bad word: pair p bans token ``last[p]`` in row ``rows[p]``
+    when that row's last outputs (``history[p]``, right-aligned, -1 before the first output)
+    are ``prefix[p]`` (right-aligned, PAD where the word is shorter)."""
+
+    PAD = -2  # matches any history entry
+
+    rows: torch.Tensor  # [P] int64
+    last: torch.Tensor  # [P] int64
+    prefix: torch.Tensor  # [P, M] int64
+    history: torch.Tensor  # [P, M] int64
+
+    def apply_(self, logits: torch.Tensor) -> None:
+        """-inf at every matched (row, token), without reading the match on the host."""
+        match = ((self.history == self.prefix) | (self.prefix == self.PAD)).all(dim=1)
+        ban = torch.where(match, float("-inf"), 0.0).to(logits.dtype)
+        logits.index_put_((self.rows, self.last), ban, accumulate=True)
 
 
 @dataclass(slots=True)
@@ -246,6 +269,7 @@ class Sampler:
             or batch.logit_bias is not None
             or batch.penalties is not None
             or batch.allowed is not None
+            or batch.bad_words is not None
         ):
             logits = logits.clone()  # the raw logits stay for the logprobs
         if batch.allowed is not None:
@@ -253,6 +277,8 @@ class Sampler:
             logits[rows] = logits[rows].masked_fill(
                 ~unpack_bitmask(words, logits.shape[1]), float("-inf")
             )
+        if batch.bad_words is not None:
+            batch.bad_words.apply_(logits)
         if batch.banned is not None:
             logits.index_put_(batch.banned, torch.full((), float("-inf"), device=logits.device))
         if batch.logit_bias is not None:

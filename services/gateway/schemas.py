@@ -2,7 +2,7 @@
 
 Field names are OpenAI's (and vLLM's extensions: ``top_k``, ``min_p``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``repetition_penalty``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``allowed_token_ids``). As in vLLM, ``null`` is a field's default, and the
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``). As in vLLM, ``null`` is a field's default, and the
 fields Weir does not implement are accepted at the value that changes nothing
 (``_NEUTRAL``), or at any value where none changes the output (``_IGNORED``); any other
 value, or an unknown field, is a 400 that names it rather than being silently ignored.
@@ -285,6 +285,7 @@ class _SamplingFields(Options):
     ) = None
     logit_bias: LogitBias | None = None
     allowed_token_ids: TokenIds | None = None
+    bad_words: Annotated[list[str], Field(fail_fast=True)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -373,6 +374,7 @@ class _SamplingFields(Options):
             allowed_token_ids=(
                 None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
             ),
+            bad_words=tuple(self.bad_words or ()),
         )
 
     def _structured_output(self) -> dict[str, Any] | None:

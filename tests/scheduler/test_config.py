@@ -122,6 +122,12 @@ def test_cache_config_requires_num_blocks():
         ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
         ({"allowed_token_ids": "5"}, "allowed_token_ids"),
         ({"allowed_token_ids": [True]}, "allowed_token_ids"),
+        ({"bad_words": "rain"}, "bad_words"),
+        ({"bad_words": ["rain", ""]}, "bad_words"),
+        ({"bad_words": ["w"] * 65}, "bad_words"),
+        ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
+        ({"bad_words_token_ids": [[5, -1]]}, "bad_words_token_ids"),
+        ({"bad_words_token_ids": [5]}, "bad_words_token_ids"),
         ({"structured_output": {"regex": "a", "reasoning_end": 16}}, "reasoning_end"),
     ],
 )

@@ -1,6 +1,7 @@
 """Helpers for the process-level tests (reference decoding, metrics scraping)."""
 
 import urllib.request
+from collections.abc import Sequence
 
 import torch
 
@@ -43,22 +44,27 @@ def hf_greedy(
     frequency: float = 0.0,
     repetition: float = 1.0,
     logit_bias: dict[int, float] | None = None,
+    bad_words: Sequence[Sequence[int]] = (),
 ) -> list[int]:
     """Reference greedy decoding: full forward pass per token, argmax, no EOS stop. With
     penalties as OpenAI and vLLM define them, token by token: the bias added, a token seen in
     the prompt or output divided by ``repetition`` (multiplied when its logit is not
     positive), then ``presence`` once and ``frequency`` per occurrence in the output
-    subtracted."""
+    subtracted. ``bad_words`` (token sequences, as vLLM's): a sequence's last token is never
+    picked right after the output's last tokens are the rest of it."""
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(num_tokens):
             logits = model(torch.tensor([ids])).logits[0, -1].tolist()
+            outputs = ids[len(prompt_ids) :]
+            for *before, last in bad_words:
+                if len(before) <= len(outputs) and outputs[len(outputs) - len(before) :] == before:
+                    logits[last] = float("-inf")
             for token, bias in (logit_bias or {}).items():
                 logits[token] += bias
             for token in set(ids) if repetition != 1 else ():
                 x = logits[token]
                 logits[token] = x / repetition if x > 0 else x * repetition
-            outputs = ids[len(prompt_ids) :]
             for token in set(outputs):
                 logits[token] -= presence + frequency * outputs.count(token)
             ids.append(max(range(len(logits)), key=logits.__getitem__))

@@ -272,6 +272,7 @@ def test_logprobs_in_both_apis(client):
         ({"extra_body": {"min_tokens": 5}, "max_tokens": 2}, "min_tokens"),
         ({"prompt": ["Hi"] * 65, "n": 2}, "choices"),
         ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+        ({"extra_body": {"bad_words": ["  "]}}, "bad_words"),
         ({"extra_body": {"allowed_token_ids": [5, 10**8]}}, "vocabulary"),
         # More than the engine's protocol carries: a 400 at once (was a 500 after 15 s). The
         # flat list's twin is sent by test_valid_json_the_engine_cannot_take_is_a_4xx_not_a_500:
@@ -590,6 +591,34 @@ def test_allowed_token_ids_hold_the_output_to_them_and_logprobs_stay_the_models(
     sampled = client.completions.create(**call, temperature=1.5, seed=3, n=4)
     for choice in sampled.choices:
         assert set(choice.model_dump()["token_ids"]) <= set(allowed)
+
+
+def test_bad_words_are_never_written_as_vllm_tokenizes_them(client, tiny_model_dir, tiny_hf_model):
+    """vLLM's bad_words: each text tokenized alone and after a space (where that gives as
+    many tokens, starting otherwise), its last token banned after the rest."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = [17, 900, 3, 44, 5021, 8]
+    plain = hf_greedy(tiny_hf_model, prompt, 12)
+    words = [tokenizer.decode(plain[2:4]), tokenizer.decode(plain[7:8]).strip()]
+    sequences = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    want = hf_greedy(tiny_hf_model, prompt, 12, bad_words=sequences)
+    assert want != plain, "the bad words must matter"
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"bad_words": words, "ignore_eos": True, "return_token_ids": True},
+    )
+    assert completion.choices[0].model_dump()["token_ids"] == want
 
 
 def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, tiny_hf_model):

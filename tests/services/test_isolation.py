@@ -282,7 +282,7 @@ POISON = [
     ({"prompt": [{"role": "user", "content": ""}] * (MAX_MODEL_LEN + 1)}, "65 messages"),
     (
         {"sampling_params": {"stop": ["x" * 3_000_000, "y" * 3_000_001]}},
-        "stop strings of 6000001 characters",
+        "stop strings and bad words of 6000001 characters",
     ),
 ]
 

@@ -235,6 +235,27 @@ def test_penalties_count_the_token_the_step_ahead_samples_on_the_device(served, 
     assert changed >= len(prompts) // 2, "the penalties must change what greedy decoding picks"
 
 
+def test_bad_words_match_the_tokens_the_step_ahead_samples_on_the_device(served, tiny_hf_model):
+    """A bad word's last token is banned when the outputs before it match the rest, the
+    latest of them the overlapped step's input, read on the device: each request bans a
+    pair and a triple of its own greedy output (and one token), so the ban binds."""
+    prompts = _prompts(17, 8, (5, 30))
+    requests, want = [], {}
+    for i, prompt in enumerate(prompts):
+        plain = hf_greedy(tiny_hf_model, prompt, 12)
+        words = (tuple(plain[3:5]), tuple(plain[6:9]), (plain[10],))
+        params = SamplingParams(
+            max_tokens=12, temperature=0.0, ignore_eos=True, bad_words_token_ids=words
+        )
+        requests.append(Request(f"r{i}", prompt, params))
+        want[f"r{i}"] = hf_greedy(tiny_hf_model, prompt, 12, bad_words=words)
+        assert want[f"r{i}"] != plain
+    s = served(overlap=True)
+    outputs, failed, preempted = s.run(requests)
+    assert not failed and preempted and s.launched_ahead()
+    assert _tokens(outputs) == want
+
+
 def test_structured_outputs_follow_xgrammar_in_transformers_while_others_overlap(
     served, tiny_model_dir, tiny_hf_model
 ):

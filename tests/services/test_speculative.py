@@ -1,11 +1,14 @@
 """Speculative decoding with n-gram drafts: exact outputs, an exact sampling distribution,
 and the served path (options, metrics)."""
 
+import dataclasses
+
 import pytest
 import torch
 from serving_helpers import metric, read_metrics
 
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
+from weir.services.engine.frontend import bad_word_sequences
 from weir.services.engine.ngram import NgramProposer
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.llm import LLM
@@ -59,11 +62,21 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
             ignore_eos=True,
             allowed_token_ids=tuple(range(1000, 49152)),
         ),
+        # Drafts copied from the prompt hold the bad words: the rows after a draft see it.
+        SamplingParams(
+            max_tokens=40,
+            temperature=0.0,
+            ignore_eos=True,
+            bad_words=("the old mill", "rain", "15 16", " 42"),
+        ),
     ],
-    ids=["greedy", "seeded", "penalized", "allowed"],
+    ids=["greedy", "seeded", "penalized", "allowed", "bad_words"],
 )
 def test_outputs_are_identical_with_and_without_drafts(default_model_dir, params):
     tokenizer = Tokenizer.from_model_dir(default_model_dir)
+    if params.bad_words:  # the server tokenizes them; this test drives the engine core
+        words = bad_word_sequences(tokenizer, params.bad_words)
+        params = dataclasses.replace(params, bad_words_token_ids=words)
     prompts = [
         tokenizer.encode(
             tokenizer.apply_chat_template([{"role": "user", "content": f"Repeat exactly: {text}"}])
