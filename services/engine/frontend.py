@@ -550,7 +550,7 @@ class ClientFrontend:
             params = dataclasses.replace(
                 params,
                 bad_words_token_ids=params.bad_words_token_ids
-                + bad_word_sequences(self.tokenizer, params.bad_words),
+                + bad_word_sequences(self.tokenizer, params.bad_words, self.vocab_size),
             )
         return Request(
             request_id,
@@ -1012,15 +1012,19 @@ def _find_stop(text: str, stops: tuple[str, ...], end_after: int) -> tuple[int, 
     return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
-def bad_word_sequences(tokenizer: Tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+def bad_word_sequences(
+    tokenizer: Tokenizer, words: tuple[str, ...], vocab_size: int
+) -> tuple[tuple[int, ...], ...]:
     """The token sequences of vLLM's ``bad_words``: each word as it tokenizes alone (its
     leading spaces dropped), and after a space where that gives other tokens of the same
-    count (a word mid-text)."""
+    count (a word mid-text). A sequence the model cannot write (a token past its vocabulary,
+    or none at all) is left out."""
     sequences: list[tuple[int, ...]] = []
     for word in words:
         alone = tuple(tokenizer.encode(word.lstrip()))
         spaced = tuple(tokenizer.encode(" " + word.lstrip()))
-        sequences.append(alone)
-        if spaced[0] != alone[0] and len(spaced) == len(alone):
-            sequences.append(spaced)
+        found = [alone]
+        if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            found.append(spaced)
+        sequences += [seq for seq in found if seq and max(seq) < vocab_size]
     return tuple(sequences)

@@ -75,7 +75,7 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
 def test_outputs_are_identical_with_and_without_drafts(default_model_dir, params):
     tokenizer = Tokenizer.from_model_dir(default_model_dir)
     if params.bad_words:  # the server tokenizes them; this test drives the engine core
-        words = bad_word_sequences(tokenizer, params.bad_words)
+        words = bad_word_sequences(tokenizer, params.bad_words, tokenizer.vocab_size)
         params = dataclasses.replace(params, bad_words_token_ids=words)
     prompts = [
         tokenizer.encode(
