@@ -1,6 +1,6 @@
 """Write a model directory of a given shape, for `--load-format dummy`.
 
-    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b]
+    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b|phi4-mini]
 
 The directory holds a `config.json` and the default model's tokenizer, no weights:
 `weir bench throughput --model DIR --load-format dummy --baseline hf-static,hf-cb` then
@@ -11,6 +11,8 @@ measures Weir and transformers on random weights of that shape.
 - `gemma3-270m`, `gemma3-1b`: Gemma 3's shapes (local layers with a 512-token window, one
   global layer in six) with the default model's vocabulary; `--no-window` makes every
   layer global, to measure what the window saves.
+- `phi4-mini`: Phi-4-mini's shape (3.8 B parameters with this vocabulary), LongRoPE and its
+  partial rotation, for a GPU.
 """
 
 import argparse
@@ -84,6 +86,27 @@ SHAPES = {
         num_attention_heads=4,
         num_key_value_heads=1,
     ),
+    # Phi-4-mini's shape: LongRoPE from 4096 positions, three quarters of each head rotating
+    # (its factors here are made up: they change no cost).
+    "phi4-mini": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "partial_rotary_factor": 0.75,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.02 * i for i in range(48)],
+            "long_factor": [1.0 + 0.5 * i for i in range(48)],
+        },
+        "tie_word_embeddings": True,
+    },
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
