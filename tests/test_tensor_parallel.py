@@ -249,7 +249,11 @@ def test_layout_gives_each_rank_its_heads_and_replicates_scarce_kv_heads():
         ({}, 3, "tensor_parallel_size 3 does not divide the model's 8 attention heads"),
         ({"num_key_value_heads": 4}, 8, None),
         ({"num_key_value_heads": 8, "num_attention_heads": 8}, 8, None),
-        ({"num_attention_heads": 12, "num_key_value_heads": 3}, 2, "model's 3 KV heads"),
+        (
+            {"num_attention_heads": 12, "num_key_value_heads": 3, "head_dim": 8},
+            2,
+            "model's 3 KV heads",
+        ),
         ({"intermediate_size": 90}, 4, "does not divide the model's 90 MLP columns"),
     ],
 )

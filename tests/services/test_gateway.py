@@ -26,6 +26,7 @@ from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.client import WeirClient
 from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
+from weir.shared.tokenizer import Tokenizer
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -699,7 +700,7 @@ def test_stop_text_and_special_tokens_are_returned_when_asked(
     assert shown.choices[0].text == "<|im_start|>" * 3
 
 
-def test_structured_outputs_in_each_of_their_api_forms(client, server, capsys):
+def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_model_dir, capsys):
     """OpenAI's response_format, vLLM's structured_outputs and its guided_* fields (the
     tiny model's random weights would write anything: only the constraint shapes it)."""
     call = {"model": MODEL, "prompt": "Answer:", "max_tokens": 20, "temperature": 0}
@@ -716,6 +717,17 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, capsys):
         assert choice.text in colours and choice.finish_reason == "stop"
         usages.append(completion.usage.completion_tokens)
     assert usages[0] == usages[1] == usages[2]
+    # allowed_token_ids hold with the choice's mask: only "green pear"'s tokens (and the
+    # special ones, the end among them) are allowed, so every sample is that choice whole.
+    tokenizer = Tokenizer.from_model_dir(tiny_model_dir)
+    allowed = [*tokenizer.encode("green pear"), *range(17)]
+    sampled = client.completions.create(
+        **{**call, "temperature": 1.0},
+        n=6,
+        seed=4,
+        extra_body={"guided_choice": colours, "allowed_token_ids": allowed},
+    )
+    assert [c.text for c in sampled.choices] == ["green pear"] * 6
     regex = r"(yes|no), [0-9]{3}"
     [choice] = client.completions.create(**call, extra_body={"guided_regex": regex}).choices
     assert re.fullmatch(regex, choice.text), choice.text
