@@ -230,6 +230,12 @@ class EngineArgs:
         "LLM calls that leave them out, as in vLLM; vllm: none; or a directory holding a "
         "generation_config.json",
     )
+    override_generation_config: str | None = _arg(
+        None,
+        SCHEDULER,
+        'sampling defaults as JSON in generation_config.json\'s keys, e.g. {"temperature": '
+        "0.5}: over --generation-config's (with vllm, the only ones)",
+    )
     load_format: str = _arg(
         "auto",
         _BOTH,

@@ -4,7 +4,8 @@ leaves those parameters out (its ``--generation-config auto``, the default).
 
 Read are ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and
 ``max_new_tokens`` (``max_tokens``: it also caps a request's own, as in vLLM); a key the file
-leaves out, or null, keeps Weir's default. ``vllm`` reads none; a directory reads its file.
+leaves out, or null, keeps Weir's default. ``vllm`` reads none; a directory reads its file;
+``--override-generation-config`` (JSON in the file's keys) goes over either.
 """
 
 from __future__ import annotations
@@ -27,30 +28,41 @@ _KEYS = {
 }
 
 
-def read_sampling_defaults(source: str, model_dir: str | Path) -> dict[str, float | int]:
+def read_sampling_defaults(
+    source: str, model_dir: str | Path, override: str | None = None
+) -> dict[str, float | int]:
     """``source``: ``auto`` (the model directory's file), ``vllm`` (no defaults) or a
-    directory holding a ``generation_config.json``. Returns SamplingParams' fields; a
-    malformed file is a ValueError naming it and the key."""
-    if source == "vllm":
-        return {}
-    directory = Path(model_dir) if source == "auto" else Path(source)
-    path = directory / "generation_config.json"
-    if source != "auto" and not path.is_file():
-        raise ValueError(f"--generation-config {source}: no generation_config.json there")
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: must hold a JSON object")
+    directory holding a ``generation_config.json``; ``override``: JSON in the file's keys,
+    over it (vLLM's ``--override-generation-config``). Returns SamplingParams' fields; a
+    malformed file or override is a ValueError naming it and the key."""
+    config: dict[str, Any] = {}
+    sources = []
+    if source != "vllm":
+        path = (Path(model_dir) if source == "auto" else Path(source)) / "generation_config.json"
+        if source != "auto" and not path.is_file():
+            raise ValueError(f"--generation-config {source}: no generation_config.json there")
+        if path.is_file():
+            config = _object(path.read_text(encoding="utf-8"), str(path))
+            sources.append(str(path))
+    if override is not None:
+        config = {**config, **_object(override, "--override-generation-config")}
+        sources.append("--override-generation-config")
     defaults = {field: config[key] for key, field in _KEYS.items() if config.get(key) is not None}
     try:
         params = SamplingParams(**defaults)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise ValueError(f"{' with '.join(sources)}: {exc}") from None
     return {field: getattr(params, field) for field in defaults}
+
+
+def _object(text: str, name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{name}: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must hold a JSON object")
+    return value
 
 
 def with_defaults(defaults: dict[str, Any], **given: Any) -> dict[str, Any]:

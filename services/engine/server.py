@@ -119,7 +119,9 @@ class SchedulerServer:
         )
         self.model_config = read_model_config(model_dir)
         self.sampling_defaults = read_sampling_defaults(
-            self.engine_args.generation_config, model_dir
+            self.engine_args.generation_config,
+            model_dir,
+            self.engine_args.override_generation_config,
         )
         if self.sampling_defaults:
             _log.info(

@@ -38,6 +38,17 @@ def test_the_files_defaults_are_read_and_checked(recommending_dir, tmp_path):
     (tmp_path / "generation_config.json").write_text('{"top_p": 0}')
     with pytest.raises(ValueError, match="generation_config.json: top_p"):
         read_sampling_defaults("auto", tmp_path)
+    override = '{"max_new_tokens": 3, "top_k": 7}'
+    assert read_sampling_defaults("auto", recommending_dir, override) == {
+        **defaults,
+        "max_tokens": 3,
+        "top_k": 7,
+    }
+    assert read_sampling_defaults("vllm", recommending_dir, '{"min_p": 0.1}') == {"min_p": 0.1}
+    with pytest.raises(ValueError, match="--override-generation-config: must hold a JSON object"):
+        read_sampling_defaults("auto", recommending_dir, "[1]")
+    with pytest.raises(ValueError, match="with --override-generation-config: temperature"):
+        read_sampling_defaults("auto", recommending_dir, '{"temperature": -1}')
     assert with_defaults(defaults, max_tokens=3, temperature=None) == {
         "temperature": 0.0,
         "top_p": 0.9,
@@ -79,8 +90,11 @@ def test_vllm_turns_them_off_and_llm_takes_them(recommending_dir, tiny_hf_model)
             model="tiny", prompt=PROMPT, max_tokens=40, seed=1, n=3, extra_body={"ignore_eos": True}
         )
         assert len({c.text for c in reply.choices}) > 1  # temperature 1: samples
-    with LLM(str(recommending_dir), max_model_len=512) as llm:
+    overridden = '{"max_new_tokens": 3}'  # merged with the file's greedy temperature
+    with LLM(
+        str(recommending_dir), max_model_len=512, override_generation_config=overridden
+    ) as llm:
         [left_out] = llm.generate([PROMPT])
         [given] = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))
-    assert left_out.token_ids == hf_greedy(tiny_hf_model, PROMPT, 5)
+    assert left_out.token_ids == hf_greedy(tiny_hf_model, PROMPT, 3)
     assert given.token_ids == hf_greedy(tiny_hf_model, PROMPT, 8)
