@@ -7,7 +7,8 @@ decode steps average) and a prefill step (2048 tokens in prompts of 32-256), Smo
 heads (9 query, 3 KV, head_dim 64), block size 16, shuffled blocks. Each call reads a
 different layer's cache of 30, as a forward does, so K/V come from memory and not from the
 last call's cache lines. Decode is reported as GB/s of K/V read (the bound), prefill as
-GFLOP/s of QK and PV. `--library` adds builds to compare (e.g. one compiled from an older
+GFLOP/s of QK and PV. `--softcap CAP` caps every score (Gemma 2's attention, e.g. 50).
+`--library` adds builds to compare (e.g. one compiled from an older
 `cpu_kernels.c`); they run interleaved with the current source's build, round by round.
 """
 
@@ -75,7 +76,9 @@ def attention_flops(case: dict[str, torch.Tensor]) -> int:
 
 
 def time_layers(
-    kernels: cpu_native.CpuKernels | AttentionOnly, case: dict[str, torch.Tensor]
+    kernels: cpu_native.CpuKernels | AttentionOnly,
+    case: dict[str, torch.Tensor],
+    softcap: float | None,
 ) -> float:
     """Seconds per call, averaged over one pass of the 30 layers."""
     start = time.perf_counter()
@@ -87,6 +90,7 @@ def time_layers(
             case["seq_lens"],
             case["block_table"],
             HEAD_DIM**-0.5,
+            softcap=softcap,
         )
     return (time.perf_counter() - start) / LAYERS
 
@@ -98,6 +102,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--library", type=Path, nargs="*", default=[], help="other builds")
+    parser.add_argument("--softcap", type=float, default=None, help="cap every score at this")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -131,6 +136,7 @@ def main() -> None:
                 case["seq_lens"],
                 case["block_table"],
                 HEAD_DIM**-0.5,
+                softcap=args.softcap,
             )
             for build, k in builds.items()
         }
@@ -143,8 +149,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, (case, _, _) in cases.items():
             for build, kernels in builds.items():
-                time_layers(kernels, case)
-                samples.setdefault((name, build), []).append(time_layers(kernels, case))
+                time_layers(kernels, case, args.softcap)
+                samples.setdefault((name, build), []).append(
+                    time_layers(kernels, case, args.softcap)
+                )
 
     print(f"threads {args.threads}, median of {args.rounds} rounds, each over {LAYERS} layers")
     print(f"{'case':<34} {'build':<28} {'ms/call':>8} {'rate':>14}")

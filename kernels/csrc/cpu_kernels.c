@@ -59,6 +59,22 @@ static inline v8f exp8(v8f x) {
     return y * (v8f)((n + 127) << 23);
 }
 
+/* tanh on 8 lanes (Cephes' tanhf: an odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1)
+   with its sign above, ~2 ulp; exp8's clamp keeps a large |x| at 1). */
+static inline v8f tanh8(v8f x) {
+    const v8i sign = (v8i)x & INT32_MIN;
+    const v8f z = (v8f)((v8i)x ^ sign);
+    const v8f far = (v8f)((v8i)(1.0f - 2.0f / (exp8(z + z) + 1.0f)) | sign);
+    const v8f s = x * x;
+    v8f near = -5.70498872745e-3f * s + 2.06390887954e-2f;
+    near = near * s - 5.37397155531e-2f;
+    near = near * s + 1.33314422036e-1f;
+    near = near * s - 3.33332819422e-1f;
+    near = near * s * x + x;
+    const v8i use_far = z > 0.625f;
+    return (v8f)((use_far & (v8i)far) | (~use_far & (v8i)near));
+}
+
 static inline float dot8(const float *a, const float *b, int64_t n) {
     v8f acc = {0};
     int64_t i = 0;
@@ -311,8 +327,12 @@ static __attribute__((noinline)) void attend_window_row(float *sr, int64_t from,
    uncapped path keeps its loops and registers as they were. */
 static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64_t tile,
                                                    int64_t nk, float cap) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < nk; j++) s[r * tile + j] = cap * tanhf(s[r * tile + j] / cap);
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = s + r * tile;
+        int64_t j = 0;
+        for (; j + 8 <= nk; j += 8) store8(row + j, cap * tanh8(load8(row + j) / cap));
+        for (; j < nk; j++) row[j] = cap * tanhf(row[j] / cap);
+    }
 }
 
 /* One work item: `num_tokens` consecutive query tokens of one request, times the `group`
