@@ -20,6 +20,11 @@ MAX_COUNT = 2**31 - 1
 GREEDY_TEMPERATURE = 1e-5
 # Every stop string is searched for in each request's text at every step.
 MAX_STOP_STRINGS = 64
+# Every bad word's sequences are matched against a row's last outputs at every step: a few
+# short words, as vLLM's users give them (64 texts, each tokenized up to twice).
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 32
+MAX_BAD_WORD_SEQUENCES = 2 * MAX_STOP_STRINGS
 # OpenAI's ranges for the additive penalties and the logit biases.
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
@@ -191,20 +196,30 @@ class SamplingParams:
             put(self, "allowed_token_ids", tuple(dict.fromkeys(allowed)))
         words = self.bad_words
         if not isinstance(words, (list, tuple)) or not all(
-            type(w) is str and w.strip() for w in words
+            type(w) is str and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in words
         ):
-            raise ValueError("bad_words must be a sequence of texts, each more than spaces")
+            raise ValueError(
+                "bad_words must be a sequence of texts, each more than spaces and at most "
+                f"{MAX_BAD_WORD_CHARS} characters"
+            )
         if len(words) > MAX_STOP_STRINGS:
             raise ValueError(f"bad_words may hold at most {MAX_STOP_STRINGS}, got {len(words)}")
         put(self, "bad_words", tuple(words))
         sequences = self.bad_words_token_ids
-        if not isinstance(sequences, (list, tuple)) or len(sequences) > 2 * MAX_STOP_STRINGS:
+        if not isinstance(sequences, (list, tuple)) or len(sequences) > MAX_BAD_WORD_SEQUENCES:
             raise ValueError(
-                f"bad_words_token_ids must be at most {2 * MAX_STOP_STRINGS} token sequences"
+                f"bad_words_token_ids must be at most {MAX_BAD_WORD_SEQUENCES} token sequences"
             )
         for sequence in sequences:
-            if not isinstance(sequence, (list, tuple)) or not sequence:
-                raise ValueError("bad_words_token_ids must hold non-empty token id sequences")
+            if (
+                not isinstance(sequence, (list, tuple))
+                or not sequence
+                or len(sequence) > MAX_BAD_WORD_TOKENS
+            ):
+                raise ValueError(
+                    "bad_words_token_ids must hold token id sequences of 1 to "
+                    f"{MAX_BAD_WORD_TOKENS} tokens"
+                )
             for token_id in sequence:
                 _int("bad_words_token_ids", token_id, 0)
         put(self, "bad_words_token_ids", tuple(tuple(seq) for seq in sequences))

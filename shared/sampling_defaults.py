@@ -10,7 +10,6 @@ leaves out, or null, keeps Weir's default. ``vllm`` reads none; a directory read
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -77,4 +76,4 @@ def with_defaults(defaults: dict[str, Any], **given: Any) -> dict[str, Any]:
 
 def default_params(defaults: dict[str, Any]) -> SamplingParams:
     """SamplingParams of a request that sets none: Weir's defaults under ``defaults``."""
-    return dataclasses.replace(SamplingParams(), **defaults)
+    return SamplingParams(**defaults)

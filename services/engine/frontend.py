@@ -42,7 +42,7 @@ from weir.services.scheduler.request import Grammar, Request, RequestStatus
 from weir.shared.pooling import PoolerConfig, PoolingParams
 from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol.step import SampleLogprobs
-from weir.shared.sampling import SamplingParams
+from weir.shared.sampling import MAX_BAD_WORD_TOKENS, SamplingParams
 from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from weir.shared.zmq_send import send_now
 
@@ -1018,11 +1018,16 @@ def bad_word_sequences(
     """The token sequences of vLLM's ``bad_words``: each word as it tokenizes alone (its
     leading spaces dropped), and after a space where that gives other tokens of the same
     count (a word mid-text). A sequence the model cannot write (a token past its vocabulary,
-    or none at all) is left out."""
+    or none at all) is left out; ValueError names a word of more than MAX_BAD_WORD_TOKENS."""
     sequences: list[tuple[int, ...]] = []
     for word in words:
         alone = tuple(tokenizer.encode(word.lstrip()))
         spaced = tuple(tokenizer.encode(" " + word.lstrip()))
+        if max(len(alone), len(spaced)) > MAX_BAD_WORD_TOKENS:
+            raise ValueError(
+                f"bad_words: {word[:40]!r} is {max(len(alone), len(spaced))} tokens; a bad word "
+                f"may be at most {MAX_BAD_WORD_TOKENS}"
+            )
         found = [alone]
         if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
             found.append(spaced)

@@ -10,6 +10,7 @@ does not know yet: the previous step reserves one token per request it samples f
 (``reserve_tokens``), and fills the ids in when its result reaches the host.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,8 +110,8 @@ class InputBatch:
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (ids, biases)
         # slot -> packed int32 bitmask of its allowed_token_ids (``sampler.unpack_bitmask``)
         self.allowed_tokens: dict[int, bytes] = {}
-        # slot -> its bad words' token sequences (``SamplingParams.bad_words_token_ids``)
-        self.bad_words: dict[int, tuple[tuple[int, ...], ...]] = {}
+        # slot -> its bad words (``bad_word_arrays``)
+        self.bad_words: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.vocab_size = vocab_size  # needed only for allowed_token_ids
         self.num_pooling = 0  # pooling requests held: none, and a step's inputs skip pooling
         self._grow(capacity)
@@ -237,7 +238,7 @@ class InputBatch:
             ids, biases = zip(*sp.logit_bias)
             self.logit_bias[slot] = (np.array(ids, np.int64), np.array(biases, np.float32))
         if sp.bad_words_token_ids:
-            self.bad_words[slot] = sp.bad_words_token_ids
+            self.bad_words[slot] = bad_word_arrays(sp.bad_words_token_ids)
         if sp.allowed_token_ids is not None:
             self.allowed_tokens[slot] = token_bitmask(sp.allowed_token_ids, self.vocab_size)
         if sp.min_tokens > 0:
@@ -364,19 +365,30 @@ class InputBatch:
             pooling_done=pooling_done,
         )
 
-    def penalty_tokens(self, inputs: StepInputs, rows: np.ndarray) -> PenaltyTokens:
-        """The tokens behind the penalties of the step's logits rows ``rows``."""
+    def _output_spans(
+        self, inputs: StepInputs, rows: np.ndarray
+    ) -> Iterator[tuple[int, int, int, int, int, int]]:
+        """For each of the step's logits rows ``rows``, where the outputs before the token it
+        samples are: (its index among ``rows``, its slot, the slot's prompt length, tokens
+        computed before the step: outputs from the prompt's end up to here are on the host,
+        and the flat input indices first .. last: the outputs this step feeds, the last the
+        row's own input)."""
         request = np.repeat(np.arange(len(inputs.slots)), inputs.num_logits)[rows]
         flat = inputs.logits_indices[rows]
-        out: list[tuple[int, np.ndarray]] = []
-        fed: list[tuple[int, np.ndarray]] = []
-        prompt: list[tuple[int, np.ndarray]] = []
         for i, (r, last) in enumerate(zip(request.tolist(), flat.tolist())):
             slot = int(inputs.slots[r])
             num_prompt = int(self.num_prompt_tokens[slot])
             computed = int(self.num_computed_tokens[slot])
-            out.append((i, self.token_ids[slot, num_prompt:computed]))
             first = int(inputs.query_start_loc[r]) + max(0, num_prompt - computed)
+            yield i, slot, num_prompt, computed, first, last
+
+    def penalty_tokens(self, inputs: StepInputs, rows: np.ndarray) -> PenaltyTokens:
+        """The tokens behind the penalties of the step's logits rows ``rows``."""
+        out: list[tuple[int, np.ndarray]] = []
+        fed: list[tuple[int, np.ndarray]] = []
+        prompt: list[tuple[int, np.ndarray]] = []
+        for i, slot, num_prompt, computed, first, last in self._output_spans(inputs, rows):
+            out.append((i, self.token_ids[slot, num_prompt:computed]))
             fed.append((i, np.arange(first, last + 1)))
             if self.repetition_penalty[slot] != 1:
                 prompt.append((i, self.token_ids[slot, :num_prompt]))
@@ -389,15 +401,9 @@ class InputBatch:
         ``rows`` samples ([len(rows), length], -1 where the output is shorter), those the
         host knows, and (history row, column, flat input index) of those only this step's
         input ids hold on the device (a step overlapped with the one before feeds them)."""
-        request = np.repeat(np.arange(len(inputs.slots)), inputs.num_logits)[rows]
-        flat = inputs.logits_indices[rows]
         history = np.full((len(rows), length), -1, dtype=np.int64)
         fed: list[tuple[int, np.ndarray, np.ndarray]] = []
-        for i, (r, last) in enumerate(zip(request.tolist(), flat.tolist())):
-            slot = int(inputs.slots[r])
-            num_prompt = int(self.num_prompt_tokens[slot])
-            computed = int(self.num_computed_tokens[slot])
-            first = int(inputs.query_start_loc[r]) + max(0, num_prompt - computed)
+        for i, slot, num_prompt, computed, first, last in self._output_spans(inputs, rows):
             num_fed = min(length, max(0, last + 1 - first))
             if num_fed:
                 columns = np.arange(length - num_fed, length)
@@ -454,6 +460,22 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     offsets = np.cumsum(lengths) - lengths
     return np.arange(total, dtype=np.int64) + np.repeat(starts.astype(np.int64) - offsets, lengths)
+
+
+# A bad word's entry before its last token that matches whatever output stands there (its
+# words are right-aligned: a shorter one leaves the left columns to this).
+ANY_TOKEN = -2
+
+
+def bad_word_arrays(sequences: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Each bad word sequence's last token [P], and the tokens before it [P, width] right-
+    aligned, ANY_TOKEN to their left (width: the longest's, at least 1)."""
+    width = max(1, max(map(len, sequences)) - 1)
+    before = np.full((len(sequences), width), ANY_TOKEN, dtype=np.int64)
+    for p, seq in enumerate(sequences):
+        if len(seq) > 1:
+            before[p, width - len(seq) + 1 :] = seq[:-1]
+    return np.array([seq[-1] for seq in sequences], dtype=np.int64), before
 
 
 def token_bitmask(token_ids: tuple[int, ...], vocab_size: int | None) -> bytes:

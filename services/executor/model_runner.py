@@ -33,6 +33,7 @@ from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from weir.services.executor.input_batch import (
+    ANY_TOKEN,
     CLS,
     LAST,
     MEAN,
@@ -781,27 +782,24 @@ class ModelRunner:
         if not len(with_words):
             return None
         words = [b.bad_words[int(rows[i])] for i in with_words]
-        length = max(1, max(len(w) for seqs in words for w in seqs) - 1)
+        length = max(before.shape[1] for _, before in words)
         history, (fed_rows, fed_columns, fed_index) = b.bad_word_history(inputs, with_words, length)
-        pair_of, pair_rows, last, prefix = [], [], [], []
-        for i, sequences in enumerate(words):
-            for seq in sequences:
-                pair_of.append(i)
-                pair_rows.append(int(with_words[i]))
-                last.append(seq[-1])
-                row = np.full(length, BadWords.PAD, dtype=np.int64)
-                if len(seq) > 1:
-                    row[length - len(seq) + 1 :] = seq[:-1]
-                prefix.append(row)
+        pair_of = np.repeat(np.arange(len(words)), [len(last) for last, _ in words])
+        prefix = np.concatenate(
+            [
+                np.pad(before, ((0, 0), (length - before.shape[1], 0)), constant_values=ANY_TOKEN)
+                for _, before in words
+            ]
+        )
         dev = self._to_device
         on_device = dev(history)
         if len(fed_rows):
             on_device[dev(fed_rows), dev(fed_columns)] = input_ids[dev(fed_index)].long()
         return BadWords(
-            rows=dev(np.array(pair_rows, dtype=np.int64)),
-            last=dev(np.array(last, dtype=np.int64)),
-            prefix=dev(np.stack(prefix)),
-            history=on_device[dev(np.array(pair_of, dtype=np.int64))],
+            rows=dev(with_words[pair_of].astype(np.int64)),
+            last=dev(np.concatenate([last for last, _ in words])),
+            prefix=dev(prefix),
+            history=on_device[dev(pair_of)],
         )
 
     def _penalties(

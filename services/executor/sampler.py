@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weir.services.executor.input_batch import ANY_TOKEN
 from weir.services.executor.transfer import to_device
 
 _MASK64 = (1 << 64) - 1
@@ -124,9 +125,7 @@ class SamplingBatch:
 class BadWords:
     """Tokens that would end a bad word: pair p bans token ``last[p]`` in row ``rows[p]``
     when that row's last outputs (``history[p]``, right-aligned, -1 before the first output)
-    are ``prefix[p]`` (right-aligned, PAD where the word is shorter)."""
-
-    PAD = -2  # matches any history entry
+    are ``prefix[p]`` (right-aligned, ``input_batch.ANY_TOKEN`` where the word is shorter)."""
 
     rows: torch.Tensor  # [P] int64
     last: torch.Tensor  # [P] int64
@@ -135,7 +134,7 @@ class BadWords:
 
     def apply_(self, logits: torch.Tensor) -> None:
         """-inf at every matched (row, token), without reading the match on the host."""
-        match = ((self.history == self.prefix) | (self.prefix == self.PAD)).all(dim=1)
+        match = ((self.history == self.prefix) | (self.prefix == ANY_TOKEN)).all(dim=1)
         ban = torch.where(match, float("-inf"), 0.0).to(logits.dtype)
         logits.index_put_((self.rows, self.last), ban, accumulate=True)
 

@@ -128,6 +128,8 @@ def test_cache_config_requires_num_blocks():
         ({"bad_words_token_ids": [[]]}, "bad_words_token_ids"),
         ({"bad_words_token_ids": [[5, -1]]}, "bad_words_token_ids"),
         ({"bad_words_token_ids": [5]}, "bad_words_token_ids"),
+        ({"bad_words": ["w" * 257]}, "at most 256 characters"),
+        ({"bad_words_token_ids": [[5] * 33]}, "1 to 32 tokens"),
         ({"structured_output": {"regex": "a", "reasoning_end": 16}}, "reasoning_end"),
     ],
 )

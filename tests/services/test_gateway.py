@@ -274,6 +274,7 @@ def test_logprobs_in_both_apis(client):
         ({"prompt": ["Hi"] * 65, "n": 2}, "choices"),
         ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
         ({"extra_body": {"bad_words": ["  "]}}, "bad_words"),
+        ({"extra_body": {"bad_words": [" ".join(map(str, range(60)))]}}, "at most 32"),
         ({"extra_body": {"allowed_token_ids": [5, 10**8]}}, "vocabulary"),
         # More than the engine's protocol carries: a 400 at once (was a 500 after 15 s). The
         # flat list's twin is sent by test_valid_json_the_engine_cannot_take_is_a_4xx_not_a_500:
