@@ -17,7 +17,9 @@ and every layer then runs a handful of large operators that reuse the plan:
 
 With a soft cap c (Gemma 2's attn_logit_softcapping), each scaled score s becomes
 c * tanh(s / c) before the mask: in place on a bucket's scores, and, since SDPA cannot cap,
-by an explicit float32 attention for long queries.
+by an explicit float32 attention for long queries. Attention sinks (gpt-oss) join each
+softmax as one more logit per query head, and likewise take the explicit path for long
+queries.
 
 The cache stays paged: gathers read the blocks through the block table every layer. With a
 sliding window W, a request gathers only from the first key its first query sees, so a short
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from weir.kernels.reference import check_sinks
 
 SHORT_QUERY_MAX = 8
 # Each bucket costs about eight operator calls per layer, so a bucket splits only where that
@@ -265,13 +269,18 @@ def paged_attention(
     plan: StepPlan,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, H, D] -> [T, H, D]; rows of no request (padding) are left unset. With
-    `softcap`, the scores are soft-capped as the reference's."""
+    `softcap`, the scores are soft-capped as the reference's; with `sinks`, each head's sink
+    logit joins its softmax."""
     if softcap is not None and softcap <= 0:
         raise ValueError(f"a soft cap of {softcap} is not positive")
     head_dim = query.shape[2]
     hkv, group = plan.num_kv_heads, plan.group
+    if sinks is not None:
+        # [Hkv, G]: the sinks of the query heads folded into a KV head's rows.
+        sinks = check_sinks(sinks, hkv * group).float().view(hkv, 1, group)
     key_rows = kv_cache[0].view(-1, head_dim)
     value_rows = kv_cache[1].view(-1, head_dim)
     out = torch.empty_like(query)
@@ -286,7 +295,10 @@ def paged_attention(
             scores.div_(softcap).tanh_().mul_(softcap)
         if b.mask is not None:
             scores += b.mask
-        probs = torch.softmax(scores, dim=-1).view(-1, s).to(value_rows.dtype)
+        if sinks is not None:
+            column = sinks.expand(hkv, b.query_len, group).reshape(1, hkv, qg, 1)
+            scores = torch.cat((scores, column.expand(r, -1, -1, -1)), dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :s].reshape(-1, s).to(value_rows.dtype)
         o = F.embedding_bag(b.bag_rows, value_rows, per_sample_weights=probs, mode="sum")
         o = (
             o.view(r, hkv, b.query_len, group, head_dim)
@@ -299,34 +311,41 @@ def paged_attention(
         k = key_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
         v = value_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
         q = query[lq.start : lq.end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, Q, D]
-        if softcap is None:
+        if softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=lq.mask, is_causal=lq.mask is None, scale=scale, enable_gqa=True
             )
         else:
-            o = _softcapped_attention(q, k, v, lq.mask, scale, softcap)
+            o = _explicit_attention(q, k, v, lq.mask, scale, softcap, sinks)
         out[lq.start : lq.end] = o[0].transpose(0, 1)
     return out
 
 
-def _softcapped_attention(
+def _explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """SDPA's result for q [1, H, Q, D] over k, v [1, Hkv, S, D] (mask [Q, S] True = attend;
-    None = causal with Q == S) with the scores soft-capped, in float32 as the reference."""
+    None = causal with Q == S) with the scores soft-capped and the sinks ([Hkv, 1, G]) in the
+    softmax where given, in float32 as the reference."""
     _, num_heads, query_len, head_dim = q.shape
     hkv, seq_len = k.shape[1], k.shape[2]
     # Query head h reads KV head h // group: the group's heads share one broadcast K and V.
     qg = q.view(hkv, num_heads // hkv, query_len, head_dim).float()
     k, v = k[0].unsqueeze(1).float(), v[0].unsqueeze(1).float()  # [Hkv, 1, S, D]
     scores = qg @ k.transpose(-1, -2) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is None:
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril()
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        column = sinks.transpose(1, 2).unsqueeze(-1).expand(-1, -1, query_len, 1)
+        scores = torch.cat((scores, column), dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :seq_len]
     return (probs @ v).view(1, num_heads, query_len, head_dim)

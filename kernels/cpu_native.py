@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from weir.kernels.reference import check_sinks
 from weir.shared.model_store import cache_root
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ _SIGNATURES = {
     "weir_write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I]),
     "weir_paged_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F],
+        [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P],
     ),
     "weir_int8_linear": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]),
     "weir_silu_mul": (None, [_P, _I, _I, _I]),
@@ -202,9 +203,10 @@ class CpuKernels:
         *,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`weir.kernels.reference.paged_attention`'s contract, its sliding window and soft
-        cap included: query [T, H, D] -> [T, H, D], int32 metadata; rows of no request are
+        """`weir.kernels.reference.paged_attention`'s contract, its sliding window, soft
+        cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata; rows of no request are
         left unset. Metadata that points outside the batch, the block table or the cache
         raises IndexError before anything is read."""
         num_tokens, num_heads, head_dim = query.shape
@@ -217,6 +219,8 @@ class CpuKernels:
                 f"query heads {num_heads} x {head_dim} do not group over the cache's "
                 f"{kv_cache.shape[3]} x {kv_cache.shape[4]} KV heads"
             )
+        if sinks is not None:
+            sinks = check_sinks(sinks, num_heads).float().contiguous()
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
         status = self._lib.weir_paged_attention(
             _ptr(query),
@@ -240,6 +244,7 @@ class CpuKernels:
             scale,
             0 if sliding_window is None else sliding_window,  # 0: no window
             0.0 if softcap is None else softcap,  # 0: no cap
+            None if sinks is None else _ptr(sinks),
         )
         if status == -2:
             raise IndexError("attention metadata of this step points outside the batch or cache")

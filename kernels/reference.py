@@ -19,6 +19,8 @@ j > context_len + i - W: each token sees itself and the W - 1 keys before it, as
 transformers' `sliding_window_overlay` and FlashAttention's window (W - 1, 0) do.
 With a soft cap c (Gemma 2's attn_logit_softcapping), each scaled score s becomes
 c * tanh(s / c) before the mask and the softmax.
+With sinks (gpt-oss' learned attention sinks, one logit per query head), head h's softmax
+has one more logit, sinks[h], with no value: probs = exp(s) / (sum exp(s) + exp(sinks[h])).
 """
 
 import torch
@@ -46,11 +48,14 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its request's cached keys (one request at a time);
     with ``sliding_window``, over the last that many of them only; with ``softcap``, its
-    scores soft-capped."""
+    scores soft-capped; with ``sinks``, each head's sink logit in its softmax."""
     num_heads, head_dim = query.shape[1], query.shape[2]
+    if sinks is not None:
+        sinks = check_sinks(sinks, num_heads).float()
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
@@ -76,6 +81,18 @@ def paged_attention(
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
         scores.masked_fill_(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink_column = sinks.view(-1, 1, 1).expand(-1, query_len, 1)
+            probs = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[starts[r] : starts[r + 1]] = torch.einsum("hqk,hkd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def check_sinks(sinks: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``sinks`` as given; ValueError unless it holds one logit per query head (their values
+    are the model's to check, once: reading them here would wait for the device)."""
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)}: one per query head ({num_heads})")
+    return sinks

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from weir.kernels.reference import check_sinks
 from weir.kernels.triton_cache import reshape_and_cache
 
 __all__ = [
@@ -189,6 +190,7 @@ def _attend_query_block(
     segm_max_ptr,
     segm_sum_ptr,
     block_table_ptr,
+    sinks_ptr,
     req,
     q_start,
     query_len,
@@ -219,6 +221,7 @@ def _attend_query_block(
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,
 ):
     """Query tokens [q_block_local * BLOCK_Q, + BLOCK_Q) of request req, every query head of one
@@ -303,6 +306,11 @@ def _attend_query_block(
     )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
+        if HAS_SINKS:
+            # The head's sink is one more exponential in the softmax's sum (l_i is in units of
+            # 2^m_i), with no value: an overflow to inf is the right limit, an output of 0.
+            sink = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0).to(tl.float32)
+            l_i += tl.exp2(sink * _LOG2_E - m_i)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -329,6 +337,7 @@ def _decode_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_table_ptr,
+    sinks_ptr,
     qk_scale,
     short_query_len,
     num_heads,
@@ -353,6 +362,7 @@ def _decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One request (longer than short_query_len: left to the prefill launch), one KV head, one key
     segment. A query longer than one tile (a max_query_len hint below the truth) is walked tile by tile."""
@@ -366,11 +376,11 @@ def _decode_attention_kernel(
         for q_block_local in range(0, tl.cdiv(query_len, BLOCK_Q)):
             _attend_query_block(
                 query_ptr, cache_ptr, out_ptr, segm_acc_ptr, segm_max_ptr, segm_sum_ptr,
-                block_table_ptr, req, q_start, query_len, seq_len, q_block_local, kv_head, segment,
-                qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv,
-                stride_c_block, stride_c_slot, stride_c_head, stride_bt_req, stride_bt_block,
-                BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q, BLOCK_D, HEAD_DIM, TILE_N, NUM_SEGMENTS,
-                DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, False,
+                block_table_ptr, sinks_ptr, req, q_start, query_len, seq_len, q_block_local,
+                kv_head, segment, qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+                stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt_req,
+                stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q, BLOCK_D, HEAD_DIM, TILE_N,
+                NUM_SEGMENTS, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, HAS_SINKS, False,
             )  # fmt: skip
 
 
@@ -382,6 +392,7 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_table_ptr,
+    sinks_ptr,
     qk_scale,
     short_query_len,
     num_requests,
@@ -406,6 +417,7 @@ def _prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One query block of a request longer than short_query_len, one KV head, single pass."""
     kv_head = tl.program_id(0)
@@ -418,11 +430,11 @@ def _prefill_attention_kernel(
     if query_len > short_query_len and q_block_local * BLOCK_Q < query_len:
         seq_len = tl.load(seq_lens_ptr + req)
         _attend_query_block(
-            query_ptr, cache_ptr, out_ptr, out_ptr, out_ptr, out_ptr, block_table_ptr, req,
-            q_start, query_len, seq_len, q_block_local, kv_head, 0, qk_scale, num_heads,
+            query_ptr, cache_ptr, out_ptr, out_ptr, out_ptr, out_ptr, block_table_ptr, sinks_ptr,
+            req, q_start, query_len, seq_len, q_block_local, kv_head, 0, qk_scale, num_heads,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_block, stride_c_slot,
             stride_c_head, stride_bt_req, stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q,
-            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, True,
+            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, HAS_SINKS, True,
         )  # fmt: skip
 
 
@@ -433,6 +445,7 @@ def _merge_segments_kernel(
     segm_max_ptr,
     segm_sum_ptr,
     query_start_loc_ptr,
+    sinks_ptr,
     short_query_len,
     num_heads,
     stride_ot,
@@ -440,6 +453,7 @@ def _merge_segments_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Every token of one request that the decode launch handled, one query head."""
     req = tl.program_id(0)
@@ -455,8 +469,11 @@ def _merge_segments_kernel(
             seg_max = tl.load(segm_max_ptr + partial)
             # Every token sees its own key in some segment, so the overall max is finite and the total
             # >= 1; a segment holding none of its keys (max -inf, sum and acc 0) gets weight 0.
-            weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
+            top = tl.max(seg_max, axis=0)
+            weight = tl.exp2(seg_max - top)
             total = tl.sum(tl.load(segm_sum_ptr + partial) * weight, axis=0)
+            if HAS_SINKS:
+                total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * _LOG2_E - top)
             acc = tl.load(segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :])
             out = tl.sum(acc * weight[:, None], axis=0) / total
             out_row = out_ptr + token * stride_ot + head * stride_oh
@@ -533,6 +550,7 @@ class LaunchPlan:
     prefill_grid: tuple[int, int] | None
     sliding_window: int | None
     softcap: float | None
+    has_sinks: bool
 
     def constexprs(self, tile: TileShape) -> dict[str, int | str]:
         return {
@@ -546,6 +564,7 @@ class LaunchPlan:
             "DOT_PRECISION": self.dot_precision,
             "SLIDING_WINDOW": self.sliding_window or 0,
             "SOFTCAP": self.softcap or 0.0,
+            "HAS_SINKS": self.has_sinks,
         }
 
 
@@ -600,6 +619,7 @@ def plan_launches(
     split_kv: bool | int | None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    has_sinks: bool = False,
 ) -> LaunchPlan:
     """The launch plan for one batch shape (cached: the same shape recurs every layer and step)."""
     if sliding_window is not None and sliding_window < 1:
@@ -660,6 +680,7 @@ def plan_launches(
         prefill_grid=prefill_grid,
         sliding_window=sliding_window,
         softcap=None if softcap is None else float(softcap),
+        has_sinks=has_sinks,
     )
 
 
@@ -673,6 +694,7 @@ def plan_for(
     split_kv: bool | int | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    has_sinks: bool = False,
 ) -> LaunchPlan:
     """The launches paged_attention makes for these tensors and hints (same defaults)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -694,6 +716,7 @@ def plan_for(
         split_kv,
         sliding_window,
         softcap,
+        has_sinks,
     )
 
 
@@ -737,6 +760,7 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
@@ -755,6 +779,8 @@ def paged_attention(
                     every earlier key), as in the reference.
       softcap       each scaled score s becomes softcap * tanh(s / softcap) before the mask and the
                     softmax (None: no cap), as in the reference.
+      sinks         [num_heads] logits, one more term of each head's softmax with no value (gpt-oss;
+                    None: none), as in the reference.
       out           preallocated [T, num_heads, head_dim] result; rows of tokens outside every request
                     are unspecified, as in the reference.
       max_query_len longest query of the step, known to the caller; picks the tiles and launches.
@@ -781,6 +807,8 @@ def paged_attention(
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.stride(2) != 1:
         raise ValueError("out must have the query's shape and a contiguous head dimension")
+    if sinks is not None:
+        check_sinks(sinks, num_heads)
     if num_tokens == 0 or num_requests == 0:
         return out
 
@@ -795,6 +823,7 @@ def paged_attention(
         split_kv=split_kv,
         sliding_window=sliding_window,
         softcap=softcap,
+        has_sinks=sinks is not None,
     )
     if plan.segments > 1:
         if workspace is None:
@@ -838,6 +867,7 @@ def paged_attention(
             query_start_loc,
             seq_lens,
             block_table,
+            out if sinks is None else sinks,  # never read without sinks
             qk_scale,
             plan.short_query_len,
             num_requests,
@@ -858,6 +888,7 @@ def paged_attention(
             query_start_loc,
             seq_lens,
             block_table,
+            out if sinks is None else sinks,
             qk_scale,
             plan.short_query_len,
             num_heads,
@@ -874,6 +905,7 @@ def paged_attention(
                 segm_max,
                 segm_sum,
                 query_start_loc,
+                out if sinks is None else sinks,
                 plan.short_query_len,
                 num_heads,
                 out.stride(0),
@@ -881,6 +913,7 @@ def paged_attention(
                 BLOCK_D=plan.block_d,
                 HEAD_DIM=head_dim,
                 NUM_SEGMENTS=plan.segments,
+                HAS_SINKS=plan.has_sinks,
                 num_warps=MERGE_NUM_WARPS,
             )
     if side is not None:

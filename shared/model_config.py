@@ -32,6 +32,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "gemma2",
     "gemma3_text",
+    "gpt_oss",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -92,6 +93,33 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
+# gpt-oss: transformers' defaults, YaRN among them where a config gives no rotation.
+_DEFAULTS["gpt_oss"] = {
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "sliding_window": 128,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    "attention_bias": True,
+}
 # The activation of the gated MLP: SiLU, or Gemma's tanh-approximated GELU (Gemma only:
 # the experts of a mixture and the packed CPU kernels fuse SiLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -121,13 +149,21 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
-    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts 0 for a dense model.
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss); num_experts 0 for a dense
+    # model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalize the chosen experts' weights to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, 0 for none
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
+    expert_bias: bool = False  # gpt-oss: biases of the router and of every expert's projections
+    # gpt-oss' clamped SwiGLU of the experts: gate clamped above and up on both sides at
+    # swiglu_limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SiLU(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    # gpt-oss: a learned logit per query head in each softmax of its attention (no value).
+    attention_sinks: bool = False
 
     sliding_layers: tuple[int, ...] = ()
     # Gemma 3's local (sliding_layers) layers rotate with their own base and no scaling; None:
@@ -235,6 +271,7 @@ class ModelConfig:
             # elsewhere).
             mlp_bias=model_type in ("llama", "granite") and flag(hf, "mlp_bias"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            attention_sinks=model_type == "gpt_oss",
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
             **_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
@@ -265,6 +302,7 @@ class ModelConfig:
             "self_attn.v_proj": (kv, h),
             "self_attn.o_proj": (h, q),
             "self_attn.q_norm": (d, 0),
+            "self_attn.sinks": (self.num_heads, 0),
             "self_attn.k_norm": (d, 0),
             "mlp.gate_proj": (inter, h),
             "mlp.up_proj": (inter, h),
@@ -278,13 +316,12 @@ class ModelConfig:
 
 def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     """The window as transformers applies it: Mistral's and Gemma's (4096 where the key is
-    left out, none where it is null), Mixtral's and Phi-3's whenever set; Qwen's (4096 by
-    default) only with use_sliding_window."""
-    if model_type not in ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text") and not flag(
-        hf, "use_sliding_window"
-    ):
+    left out, none where it is null), gpt-oss' (128 where left out), Mixtral's and Phi-3's
+    whenever set; Qwen's (4096 by default) only with use_sliding_window."""
+    windowed = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss")
+    if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
-    default = 4096 if model_type not in ("mixtral", "phi3") else None
+    default = {"mixtral": None, "phi3": None, "gpt_oss": 128}.get(model_type, 4096)
     window = hf.get("sliding_window", default)
     return None if window is None else count({"sliding_window": window}, "sliding_window")
 
@@ -294,7 +331,7 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     Mixtral, Phi-3 and Qwen3-MoE; elsewhere those config.json's layer_types names
     "sliding_attention", or where it has none, Qwen2's and Qwen3's layers from
     max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 layer but each
-    sliding_window_pattern-th (Gemma 2's every even layer)."""
+    sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer)."""
     if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return tuple(range(num_layers))
     types = hf.get("layer_types")
@@ -310,6 +347,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
                 f"layers, got {types!r}"
             )
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if model_type == "gpt_oss":
+        return tuple(range(0, num_layers, 2))
     if model_type in ("gemma2", "gemma3_text"):
         pattern = 2 if model_type == "gemma2" else count(hf, "sliding_window_pattern", 6)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
@@ -346,11 +385,20 @@ def _granite(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
 
 def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of a MoE model type, as transformers reads them: Mixtral's
-    experts are the size of intermediate_size in every layer, always renormalized; Qwen's
+    experts (and gpt-oss') are the size of intermediate_size in every layer, always
+    renormalized; Qwen's
     are moe_intermediate_size in every decoder_sparse_step-th layer not in mlp_only_layers."""
-    if model_type == "mixtral":
+    gpt_oss: dict[str, Any] = {}
+    if model_type in ("mixtral", "gpt_oss"):
         experts, inter = count(hf, "num_local_experts"), count(hf, "intermediate_size")
         layers, norm, shared = list(range(num_layers)), True, 0
+        if model_type == "gpt_oss":
+            # Its softmax over the top k logits is the renormalized top k of a softmax over all.
+            gpt_oss = {
+                "expert_bias": True,
+                "swiglu_limit": positive(hf, "swiglu_limit", 7.0),
+                "swiglu_alpha": positive(hf, "swiglu_alpha", 1.702),
+            }
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         # transformers >= 5 writes num_local_experts where Qwen's own files say num_experts.
         experts = count(hf, "num_experts", hf.get("num_local_experts"))
@@ -376,6 +424,7 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         "norm_topk_prob": norm,
         "shared_expert_intermediate_size": shared,
         "moe_layers": tuple(layers),
+        **gpt_oss,
     }
 
 

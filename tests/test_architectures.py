@@ -1,5 +1,5 @@
 """Architectures beside Llama and Qwen: the mixtures of experts (Mixtral, Qwen2-MoE,
-Qwen3-MoE), Phi-3 (q/k/v and gate/up fused in its checkpoint), Granite (its scalars),
+Qwen3-MoE, gpt-oss: its biased experts, clamped SwiGLU and attention sinks), Phi-3 (q/k/v and gate/up fused in its checkpoint), Granite (its scalars),
 Gemma 2 (its soft caps), Gemma 3 (its norms, GELU, local and global layers) and sliding windows (Mistral's and
 Mixtral's every layer, Qwen2's from max_window_layers on, Gemma 3's local layers), with
 windows far shorter than the sequences. Each is decoded through the engine core, chunked,
@@ -118,6 +118,26 @@ CONFIGS = {
         shared_expert_intermediate_size=80,
         decoder_sparse_step=2,
     ),
+    # Layers 0 and 2 windowed, YaRN, biases everywhere, attention sinks, and a SwiGLU limit
+    # low enough to clamp many of these weights' activations.
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=48,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        sliding_window=7,
+        swiglu_limit=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     # Renormalized top-k and a dense layer by mlp_only_layers.
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON,
@@ -139,16 +159,19 @@ MOE_LAYERS = {
     "gemma2": (),
     "gemma3_text": (),
     "mixtral": (0, 1, 2),
+    "gpt_oss": (0, 1, 2),
     "qwen2_moe": (1,),
     "qwen3_moe": (1, 2),
 }
 
 
-def save_model(kind: str, path) -> torch.nn.Module:
-    """A random model of ``kind``, saved as its checkpoints are (one tensor per expert);
-    returned as transformers runs it, its experts one by one."""
+def save_model(kind: str, path, **changes) -> torch.nn.Module:
+    """A random model of ``kind`` (its config's ``changes`` made), saved as its checkpoints
+    are (one tensor per expert); returned as transformers runs it, its experts one by one."""
     torch.manual_seed(0)
     config = CONFIGS[kind]()
+    for key, value in changes.items():
+        setattr(config, key, value)
     config._experts_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     spread_weights_(model)
@@ -422,3 +445,41 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     outputs = tp_workload.run(lora_work).outputs
     assert outputs == {"r0": greedy(hf, prompts[0], 8), "r1": want["r1"]}
     assert outputs["r0"] != want["r0"], "the adapter must matter"
+
+
+def test_an_mxfp4_checkpoint_decodes_as_transformers_dequantizes_it(tmp_path):
+    """gpt-oss as OpenAI publishes it: the experts' projections in MXFP4 blocks and scales
+    ([experts, out, in / 32, 16] and [experts, out, in / 32]). Random codes, dequantized by
+    transformers' own converter into its model: Weir, reading the blocks, decodes as that
+    model does (in one process and at TP=2); a checkpoint with blocks but no scales is
+    refused by name."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    hf = save_model("gpt_oss", tmp_path, intermediate_size=64)  # in features: 32 a block
+    tensors = load_file(tmp_path / "model.safetensors")
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in range(3):
+            experts = hf.model.layers[layer].mlp.experts
+            for projection in ("gate_up_proj", "down_proj"):
+                param = getattr(experts, projection)  # [experts, in, out]
+                num_experts, columns, rows = param.shape
+                blocks = torch.randint(0, 256, (num_experts, rows, columns // 32, 16),
+                                       dtype=torch.uint8, generator=generator)  # fmt: skip
+                scales = torch.randint(123, 127, (num_experts, rows, columns // 32),
+                                       dtype=torch.uint8, generator=generator)  # fmt: skip
+                param.copy_(mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                name = f"model.layers.{layer}.mlp.experts.{projection}"
+                del tensors[name]
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, tmp_path / "model.safetensors")
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
+    work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
+    want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
+    assert tp_workload.run(work).outputs == want
+    for report in tp_workload.run_group(work, world_size=2):
+        assert report.outputs == want
+
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"experts\.down_proj_blocks but no .*down_proj_scales"):
+        load_model(tmp_path)

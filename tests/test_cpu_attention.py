@@ -4,8 +4,8 @@ One step mixes decodes of very different lengths (so they split into several buc
 speculative decodes with two draft counts, a prefill chunk over earlier context and a fresh
 prefill, under GQA, with shuffled physical blocks, a strided block table whose unused
 entries are -1, padding tokens (slot -1), and poisoned cache slots no request owns. Both
-paths also run it under sliding windows from one key to more than any sequence, and with
-Gemma 2's soft cap of the scores.
+paths also run it under sliding windows from one key to more than any sequence, with
+Gemma 2's soft cap of the scores, and with gpt-oss' attention sinks.
 """
 
 from types import SimpleNamespace
@@ -75,7 +75,11 @@ def attention_metadata(step: dict) -> tuple[torch.Tensor, ...]:
 
 
 def reference_step(
-    step: dict, scale: float, sliding_window: int | None = None, softcap: float | None = None
+    step: dict,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache after the reference writes the step's K/V, and the reference's output."""
     cache = step["kv_cache"].clone()
@@ -87,8 +91,21 @@ def reference_step(
         scale,
         sliding_window=sliding_window,
         softcap=softcap,
+        sinks=sinks,
     )
     return cache, out
+
+
+def sinks_for(step: dict, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One sink logit per query head, from far below the scores (no effect) to far above
+    them (outputs near 0), the reference's output checked to change with them."""
+    num_heads = step["query"].shape[1]
+    sinks = torch.linspace(-30.0, 6.0, num_heads)
+    num_real = int(step["query_start_loc"][-1])
+    _, with_sinks = reference_step(step, scale, sliding_window, sinks=sinks)
+    _, without = reference_step(step, scale, sliding_window)
+    assert (with_sinks[:num_real] - without[:num_real]).abs().max() > 0.05
+    return sinks
 
 
 def softcapped_step(step: dict, scale: float, sliding_window: int | None, softcap: float):
@@ -187,6 +204,22 @@ def test_batched_cpu_attention_with_softcap_equals_reference(dtype, tol, sliding
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 3, 37])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_batched_cpu_attention_with_sinks_equals_reference(dtype, tol, sliding_window):
+    """The sinks join the buckets' softmax, each folded row its own head's, and the long
+    queries' explicit attention that stands in for SDPA (which has no sinks)."""
+    step = mixed_step(BATCHED, *BATCHED_HEADS, dtype)
+    scale = BATCHED_HEADS[2] ** -0.5
+    num_real = int(step["query_start_loc"][-1])
+    sinks = sinks_for(step, scale, sliding_window)
+    cache, want = reference_step(step, scale, sliding_window, sinks=sinks)
+    plan = batched_plan(step, sliding_window)
+    got = cpu_attention.paged_attention(step["query"], cache, plan, scale, sinks=sinks)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
+
+
 native = cpu_native.load()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler: native kernels not built")
 
@@ -261,6 +294,48 @@ def test_native_cpu_attention_with_softcap_equals_reference(
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (8, 1, 20)])
+@pytest.mark.parametrize("requests", [MIXED, [(300, 1)]], ids=["mixed", "one-decode"])
+@pytest.mark.parametrize("sliding_window", [None, 3, 37])
+def test_native_cpu_attention_with_sinks_equals_reference(
+    num_heads, num_kv_heads, head_dim, requests, sliding_window
+):
+    """Each row's sink joins its sum once, after the tiles, in items of one KV head and of
+    all of them (merged decodes), with and without a window; the sinks sent as bfloat16,
+    as a bfloat16 checkpoint holds them."""
+    step = mixed_step(requests, num_heads, num_kv_heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    num_real = int(step["query_start_loc"][-1])
+    sinks = sinks_for(step, scale, sliding_window).bfloat16()
+    cache, want = reference_step(step, scale, sliding_window, sinks=sinks)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = native.paged_attention(
+            step["query"],
+            cache,
+            *attention_metadata(step),
+            scale,
+            sliding_window=sliding_window,
+            sinks=sinks,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
+
+
+def test_sinks_must_be_one_per_query_head():
+    step = mixed_step([(30, 1), (0, 5)], *BATCHED_HEADS, torch.float32)
+    args = (step["query"], step["kv_cache"], *attention_metadata(step), 0.25)
+    for paged_attention in (
+        reference.paged_attention,
+        *(() if native is None else (native.paged_attention,)),
+    ):
+        with pytest.raises(ValueError, match="one per query head"):
+            paged_attention(*args, sinks=torch.zeros(BATCHED_HEADS[1]))
 
 
 @needs_native
@@ -370,6 +445,35 @@ def test_reference_softcap_is_gemma2_eager_attention():
         mask[None, None],
         scaling=scale,
         softcap=softcap,
+    )
+    torch.testing.assert_close(got[:query_len], want[0], atol=1e-6, rtol=1e-6)
+
+
+def test_reference_sinks_are_gpt_oss_eager_attention():
+    """The reference's sinks, checked against transformers' own gpt-oss attention
+    (`eager_attention_forward`, which appends each head's sink as a column of the scores) on
+    a prefill chunk over earlier context, its GQA heads repeated by transformers."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    context, query_len, num_heads, num_kv_heads, head_dim = 9, 7, 4, 2, 8
+    step = mixed_step([(context, query_len)], num_heads, num_kv_heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    sinks = sinks_for(step, scale, None)
+    cache, got = reference_step(step, scale, sinks=sinks)
+
+    seq_len = context + query_len
+    k, v = request_kv(step, cache, seq_len, 1)  # [Hkv, S, D]: transformers repeats them
+    hidden = torch.arange(seq_len)[None, :] > context + torch.arange(query_len)[:, None]
+    mask = torch.zeros(query_len, seq_len).masked_fill(hidden, float("-inf"))
+    module = SimpleNamespace(
+        num_key_value_groups=num_heads // num_kv_heads, training=False, sinks=sinks
+    )
+    want, _ = gpt_oss.eager_attention_forward(
+        module,
+        step["query"][:query_len].transpose(0, 1)[None],  # [1, H, Q, D]
+        k[None],
+        v[None],
+        mask[None, None],
+        scaling=scale,
     )
     torch.testing.assert_close(got[:query_len], want[0], atol=1e-6, rtol=1e-6)
 

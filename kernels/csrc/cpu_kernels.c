@@ -339,7 +339,8 @@ static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64
    query heads of each of its KV heads, against that request's keys 0 .. context + token
    (with a sliding window > 0, context + token - window + 1 .. context + token: the tiles
    start at the item's first token's first visible key, and each row skips the keys of a
-   tile below its own window; with a softcap > 0, each tile's scores are capped first),
+   tile below its own window; with a softcap > 0, each tile's scores are capped first; with
+   sinks, each query head's sink logit joins its softmax's denominator at the end),
    with an online softmax over tiles of keys read in place from the paged cache: WIDE_TILE
    keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 64
    keys), KEY_TILE for many (the transposed tile lives in L1). An item of several KV heads
@@ -351,7 +352,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                         const int32_t *block_table, int64_t block_table_stride,
                         int64_t block_size, int64_t num_kv_heads, int64_t group,
                         int64_t head_dim, float scale, int64_t window, float softcap,
-                        float *scratch) {
+                        const float *sinks, float *scratch) {
     const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
     const int64_t rows = head_rows * heads;
     const int64_t tile = head_rows < TRANSPOSE_ROWS ? WIDE_TILE : KEY_TILE;
@@ -442,8 +443,12 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t h = r / head_rows, i = r % head_rows / group, g = r % group;
-        float *dst = out + (token0 + i) * out_stride + ((w->kv_head + h) * group + g) * head_dim;
-        const float inv = 1.0f / row_sum[r];
+        const int64_t head = (w->kv_head + h) * group + g;
+        float *dst = out + (token0 + i) * out_stride + head * head_dim;
+        /* row_sum is in units of exp(row_max): the sink's exp(sink) joins it there (an
+           overflow to inf is the right limit, an output of 0). */
+        const float inv =
+            1.0f / (row_sum[r] + (sinks ? expf(sinks[head] - row_max[r]) : 0.0f));
         for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[r * head_dim + d] * inv;
     }
 }
@@ -456,6 +461,8 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
    those keys up to its own (itself included); window 0 is plain causal attention. With
    softcap > 0 (Gemma 2's attn_logit_softcapping), each scaled score s becomes
    softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they are.
+   With sinks (gpt-oss' attention sinks: num_heads logits, NULL for none), query head h's
+   softmax has one more term, exp(sinks[h]), in its denominator and no value for it.
    Returns 0; -1 when scratch memory could not be allocated; -2 (nothing read) when the
    metadata points outside the batch's num_tokens rows, the block table's width or the
    cache's num_blocks. */
@@ -465,7 +472,8 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                          const int32_t *seq_lens, int64_t num_reqs, const int32_t *block_table,
                          int64_t block_table_stride, int64_t block_table_width,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, float scale, int64_t window, float softcap) {
+                         int64_t head_dim, float scale, int64_t window, float softcap,
+                         const float *sinks) {
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
         const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
@@ -533,7 +541,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                 attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
                             query_start_loc, seq_lens, block_table, block_table_stride,
                             block_size, num_kv_heads, group, head_dim, scale, window,
-                            softcap, scratch);
+                            softcap, sinks, scratch);
         free(scratch);
     }
     free(items);

@@ -2,8 +2,8 @@
 
 Every backend implements the semantics of `weir.kernels.reference` (paged KV layout
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, flat token batch, causal rule
-relative to each request's context length, a layer's sliding window and soft cap if it has
-them). "native" runs `weir.kernels.cpu_native`
+relative to each request's context length, a layer's sliding window, soft cap and attention
+sinks if it has them). "native" runs `weir.kernels.cpu_native`
 (compiled C, attending straight from the paged cache) and is the CPU default in float32
 where a C compiler is at hand; its kernels also serve the model's norms and rotary
 embeddings. "torch" runs `weir.kernels.cpu_attention` (batched PyTorch operators, planned
@@ -68,6 +68,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -125,10 +126,11 @@ class TorchAttention:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta.plan, dict)
         plan = meta.plan[sliding_window]
-        return self._module.paged_attention(query, kv_cache, plan, scale, softcap)
+        return self._module.paged_attention(query, kv_cache, plan, scale, softcap, sinks)
 
 
 class PagedKernelAttention:
@@ -175,6 +177,7 @@ class PagedKernelAttention:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hints = (
             {"max_query_len": meta.max_query_len, "max_seq_len": meta.max_seq_len}
@@ -190,6 +193,7 @@ class PagedKernelAttention:
             scale,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
             **hints,
         )
 

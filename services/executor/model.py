@@ -1,6 +1,6 @@
 """Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too), Qwen2 /
-Qwen3, their mixtures of experts included (`moe.py`), and Gemma 2 and 3, on a flat token
-batch.
+Qwen3, their mixtures of experts included (`moe.py`), Gemma 2 and 3, and gpt-oss, on a flat
+token batch.
 
 A step's tokens from all requests are concatenated into one batch of T tokens; the
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
@@ -35,6 +35,18 @@ if TYPE_CHECKING:  # lora.py builds on this module
 
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
+
+
+class AttentionSinks(nn.Module):
+    """gpt-oss' learned logit per query head (this rank's heads), one more term of each of
+    the head's softmax denominators; float32 whatever the model's dtype, as the kernels
+    read it."""
+
+    def __init__(self, num_heads: int, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_heads, device=device, dtype=torch.float32), requires_grad=False
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -73,6 +85,7 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
+        self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
         self.post_attention_layernorm = RMSNorm(h, eps, device, dtype, kernels)
         # Gemma's norms around its attention's and MLP's outputs; post_attention_layernorm
         # then normalizes the attention's output rather than the MLP's input.
@@ -146,7 +159,13 @@ class DecoderLayer(nn.Module):
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(
-            q, kv_cache, meta, self.scale, self.sliding_window, self.softcap
+            q,
+            kv_cache,
+            meta,
+            self.scale,
+            self.sliding_window,
+            self.softcap,
+            None if self.sinks is None else self.sinks.weight,
         )
         attn = attn.reshape(num_tokens, self.q_size)
         if self.pre_feedforward_layernorm is None:

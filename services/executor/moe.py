@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) on a flat token batch.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) on a flat token batch.
 
 A router picks each token's top-k experts. The T x k (token, expert) pairs are sorted by
 expert, so each expert's rows are consecutive, and two grouped matmuls
@@ -7,7 +7,9 @@ expert's gate/up and down projections over just its rows. Nothing is read back t
 and every shape is T x k whatever the routing, so a step keeps its one wait. Under tensor
 parallelism each rank holds its share of every expert's columns, as the dense MLP is split,
 and the router whole: every rank routes a token alike, and the partial sums are reduced
-with the layer's one all-reduce.
+with the layer's one all-reduce. gpt-oss adds biases to the router and to each expert's
+projections (its down projections' by rank 0 only, as a row-parallel bias) and gates with a
+clamped SwiGLU.
 """
 
 import torch
@@ -41,7 +43,8 @@ def check_moe(
 class SparseMoe(nn.Module):
     """One layer's experts, their router and (Qwen2-MoE) the shared expert. The experts'
     gate/up and down weights are stacked: [experts, 2 x columns, hidden] and
-    [experts, hidden, columns]."""
+    [experts, hidden, columns] (gpt-oss' biases likewise: [experts, 2 x columns] and
+    [experts, hidden])."""
 
     def __init__(
         self,
@@ -56,13 +59,24 @@ class SparseMoe(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.kernels = kernels
-        self.gate = Linear(h, experts, False, device, dtype)
+        self.gate = Linear(h, experts, cfg.expert_bias, device, dtype)
         self.experts_gate_up = nn.Parameter(
             torch.empty(experts, 2 * columns, h, device=device, dtype=dtype), requires_grad=False
         )
         self.experts_down = nn.Parameter(
             torch.empty(experts, h, columns, device=device, dtype=dtype), requires_grad=False
         )
+        self.experts_gate_up_bias = (
+            nn.Parameter(torch.empty(experts, 2 * columns, device=device, dtype=dtype), False)
+            if cfg.expert_bias
+            else None
+        )
+        self.experts_down_bias = (
+            nn.Parameter(torch.empty(experts, h, device=device, dtype=dtype), False)
+            if cfg.expert_bias and layout.rank == 0
+            else None
+        )
+        self.swiglu = None if cfg.swiglu_limit is None else (cfg.swiglu_limit, cfg.swiglu_alpha)
         # searchsorted against these gives the end of each expert's rows in the sorted pairs
         self.register_buffer(
             "expert_ends", torch.arange(1, experts + 1, device=device), persistent=False
@@ -91,7 +105,7 @@ class SparseMoe(nn.Module):
         sorted_experts, order = experts.flatten().sort(stable=True)
         offsets = torch.searchsorted(sorted_experts, self.expert_ends).to(torch.int32)
         rows = x[order // self.top_k]
-        out = self._experts(rows, offsets)
+        out = self._experts(rows, offsets, sorted_experts)
         out.mul_(weights.flatten()[order].to(x.dtype).unsqueeze(1))
         # Back to (token, choice) order by gathering with the inverse permutation (a CPU's
         # index_copy_ runs on one thread, 25x slower), then the k choices summed: no
@@ -105,18 +119,42 @@ class SparseMoe(nn.Module):
             mixed += torch.sigmoid(self.shared_expert_gate(x)) * shared
         return mixed
 
-    def _experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Each expert's MLP on its rows of ``rows`` (sorted by expert; expert e's end at
-        ``offsets[e]``)."""
+    def _experts(
+        self, rows: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor
+    ) -> torch.Tensor:
+        """Each expert's MLP on its rows of ``rows`` (sorted by expert, ``row_experts``;
+        expert e's end at ``offsets[e]``)."""
         if self.packed_gate_up is None or self.packed_down is None:
             gate_up = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=offsets)
-            act = silu_and_mul(gate_up, self.kernels)
-            return torch._grouped_mm(act, self.experts_down.transpose(1, 2), offs=offsets)
-        # Packed weights live on a CPU, where reading the offsets costs no device sync.
+            if self.experts_gate_up_bias is not None:
+                gate_up += self.experts_gate_up_bias[row_experts]
+            act = self._activation(gate_up)
+            out = torch._grouped_mm(act, self.experts_down.transpose(1, 2), offs=offsets)
+            if self.experts_down_bias is not None:
+                out += self.experts_down_bias[row_experts]
+            return out
+        # Packed weights (their biases with them) live on a CPU, where reading the offsets
+        # costs no device sync.
         out = torch.empty_like(rows)
         start = 0
         for gate_up, down, end in zip(self.packed_gate_up, self.packed_down, offsets.tolist()):
             if end > start:
-                out[start:end] = down(gate_up.silu_mul(rows[start:end]))
+                expert_rows = rows[start:end]
+                act = (
+                    gate_up.silu_mul(expert_rows)
+                    if self.swiglu is None
+                    else self._activation(gate_up(expert_rows))
+                )
+                out[start:end] = down(act)
             start = end
         return out
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up, or gpt-oss' clamped SwiGLU as transformers computes it."""
+        if self.swiglu is None:
+            return silu_and_mul(gate_up, self.kernels)
+        limit, alpha = self.swiglu
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -101,16 +101,22 @@ def pack_model(model: CausalLM) -> None:
 def _pack_experts(moe: SparseMoe, kernels: CpuKernels | None) -> None:
     """Each expert's projections, and the shared expert's, packed; the stacked weights freed."""
     experts = range(moe.experts_gate_up.shape[0])
+    gate_up_bias, down_bias = moe.experts_gate_up_bias, moe.experts_down_bias
     moe.packed_gate_up = nn.ModuleList(
-        PackedLinear(moe.experts_gate_up[e], kernels=kernels) for e in experts
+        PackedLinear(moe.experts_gate_up[e], _row(gate_up_bias, e), kernels) for e in experts
     )
     moe.packed_down = nn.ModuleList(
-        PackedLinear(moe.experts_down[e], kernels=kernels) for e in experts
+        PackedLinear(moe.experts_down[e], _row(down_bias, e), kernels) for e in experts
     )
     hidden = moe.experts_down.shape[1]
     moe.experts_gate_up = nn.Parameter(torch.empty(0, 0, hidden), False)
     moe.experts_down = nn.Parameter(torch.empty(0, hidden, 0), False)
+    moe.experts_gate_up_bias = moe.experts_down_bias = None
     for name in ("shared_gate_up", "shared_down"):
         linear: Linear | None = getattr(moe, name)
         if linear is not None:
             setattr(moe, name, PackedLinear(linear.weight, linear.bias, kernels))
+
+
+def _row(stacked: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if stacked is None else stacked[expert]

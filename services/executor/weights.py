@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
+from weir.services.executor.gpt_oss_checkpoint import split_gpt_oss_tensors
 from weir.services.executor.layers import layer_kernels_for
 from weir.services.executor.model import CausalLM
 from weir.services.executor.moe import check_moe
@@ -52,6 +53,7 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.v_proj": ("qkv_proj", "v"),
     "self_attn.o_proj": ("o_proj", "o_in"),
     "self_attn.q_norm": ("q_norm", "all"),
+    "self_attn.sinks": ("sinks", "heads"),
     "self_attn.k_norm": ("k_norm", "all"),
     "mlp.gate_proj": ("gate_up_proj", "gate"),
     "mlp.up_proj": ("gate_up_proj", "up"),
@@ -159,6 +161,7 @@ def layer_part(
         "q": (slice(0, q), (q_src,)),
         "k": (_span(q, kv), (kv_src,)),
         "v": (_span(q + kv, kv), (kv_src,)),
+        "heads": (slice(None), (_span(layout.q_head_start, layout.num_heads),)),
         "gate": (slice(0, inter), (inter_src,)),
         "up": (_span(inter, inter), (inter_src,)),
         "all": (slice(None), _ALL),
@@ -269,9 +272,10 @@ def _target(
     target = layer_part(cfg, layout, part, m.group(3))
     if target is None:
         return None
-    if expert is not None:  # one expert's rows of the stacked experts' parameter
+    if expert is not None:  # one expert's rows of the stacked experts' parameter (or bias)
         rows, index = target
-        return f"layers.{layer}.{weir_module}", (expert, rows), index
+        stacked = weir_module + ("_bias" if m.group(3) == "bias" else "")
+        return f"layers.{layer}.{stacked}", (expert, rows), index
     return (f"layers.{layer}.{weir_module}.{m.group(3)}", *target)
 
 
@@ -428,7 +432,10 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "auto":
-        load_weights(model, iter_safetensors(model_dir), lm_head_optional)
+        tensors = iter_safetensors(model_dir)
+        if cfg.model_type == "gpt_oss":
+            tensors = split_gpt_oss_tensors(tensors)
+        load_weights(model, tensors, lm_head_optional)
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
     model.finish_loading()

@@ -101,7 +101,10 @@ def make_step(
 
 
 def reference_output(
-    step: Step, sliding_window: int | None = None, softcap: float | None = None
+    step: Step,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     cache = step.kv_cache.clone()
     reference.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
@@ -114,6 +117,7 @@ def reference_output(
         step.scale,
         sliding_window=sliding_window,
         softcap=softcap,
+        sinks=sinks,
     )
     return out[: step.num_real_tokens]
 
@@ -138,8 +142,10 @@ def on_device(step: Step) -> Step:
     )
 
 
-def triton_output(step: Step, **kwargs) -> torch.Tensor:
+def triton_output(step: Step, sinks: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     step = on_device(step)
+    if sinks is not None:
+        kwargs["sinks"] = sinks.to(DEVICE)
     cache = step.kv_cache.clone()
     triton_attention.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
     out = triton_attention.paged_attention(
@@ -165,7 +171,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
 
 
-def assert_window_matches(step: Step, window: int, softcap: float | None = None, **kwargs) -> None:
+def assert_window_matches(
+    step: Step,
+    window: int,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    **kwargs,
+) -> None:
     """Windowed attention against the reference, with NaN in the cached K/V of every key tile below
     the window of a request's first token: the kernels must skip those tiles, not load and mask them
     (a NaN value times a zero weight is NaN)."""
@@ -180,9 +192,10 @@ def assert_window_matches(step: Step, window: int, softcap: float | None = None,
         slots = step.block_table[r, positions // block_size].long() * block_size
         cache.view(2, -1, *cache.shape[3:])[:, slots + positions % block_size] = float("nan")
     actual = triton_output(
-        replace(step, kv_cache=cache), sliding_window=window, softcap=softcap, **kwargs
+        replace(step, kv_cache=cache), sliding_window=window, softcap=softcap, sinks=sinks, **kwargs
     )
-    assert_close(actual, reference_output(step, sliding_window=window, softcap=softcap))
+    expected = reference_output(step, sliding_window=window, softcap=softcap, sinks=sinks)
+    assert_close(actual, expected)
 
 
 # With 4 query heads over 2 KV heads (the default below) a decode tile holds up to 32 query tokens
@@ -511,3 +524,36 @@ def test_softcap_must_be_positive_and_finite(softcap):
     step = make_step(DECODE, num_heads=2, num_kv_heads=2)
     with pytest.raises(ValueError, match="softcap"):
         triton_output(step, softcap=softcap)
+
+
+def sinks_for(step: Step) -> torch.Tensor:
+    """One sink logit per query head, from far below the scores to far above them (outputs near
+    0), checked to change the reference's result."""
+    sinks = torch.linspace(-30.0, 6.0, step.query.shape[1])
+    assert (reference_output(step, sinks=sinks) - reference_output(step)).abs().max() > 0.05
+    return sinks
+
+
+# gpt-oss' sinks join the softmax's sum once per row: after the tiles on a single pass, in the merge
+# on split-KV (not once per segment), beside windows.
+@pytest.mark.parametrize(
+    ("requests", "group", "window", "split_kv"),
+    [
+        (MIXED_LONG, 2, None, None),
+        (MIXED_LONG, 2, 100, None),
+        ([(0, 1), (130, 1), (300, 1), (1000, 1)], 1, None, True),
+        ([(7, 3), (290, 4), (250, 12)], 3, 70, 4),
+    ],
+    ids=["mixed", "mixed_window", "split_decode", "split_speculative_window"],
+)
+def test_sinks_match_reference(requests, group, window, split_kv):
+    step = make_step(
+        requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16
+    )
+    sinks = sinks_for(step).to(torch.bfloat16)
+    if window is None:
+        assert_close(
+            triton_output(step, sinks=sinks, split_kv=split_kv), reference_output(step, sinks=sinks)
+        )
+    else:
+        assert_window_matches(step, window, sinks=sinks, split_kv=split_kv)

@@ -53,14 +53,14 @@ def compile_kernel(label, fn, pointers, ints, constexprs, capability=90, **optio
 
 
 def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_requests, split_kv=None,
-              capability=90, sliding_window=None, softcap=None):
+              capability=90, sliding_window=None, softcap=None, has_sinks=False):
     cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     block_size, max_blocks = 16, 2048
     num_tokens = num_requests * max_query_len
     plan = ta.plan_launches(num_tokens, num_requests, num_heads, num_kv_heads, head_dim, block_size,
                             cache_dtype, capability // 10, 132, max_query_len, 4096, split_kv,
-                            sliding_window, softcap)
-    pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr")}
+                            sliding_window, softcap, has_sinks)
+    pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr", "sinks_ptr")}
     pointers |= {name: "fp32" for name in ("segm_acc_ptr", "segm_max_ptr", "segm_sum_ptr")}
     pointers |= {name: "i32" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
     ints = {
@@ -80,7 +80,8 @@ def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, nu
                        num_stages=plan.prefill.num_stages)
     if plan.segments > 1:
         compile_kernel(label + "_merge", ta._merge_segments_kernel, pointers, ints,
-                       {"BLOCK_D": plan.block_d, "HEAD_DIM": head_dim, "NUM_SEGMENTS": plan.segments},
+                       {"BLOCK_D": plan.block_d, "HEAD_DIM": head_dim, "NUM_SEGMENTS": plan.segments,
+                        "HAS_SINKS": has_sinks},
                        capability, num_warps=ta.MERGE_NUM_WARPS)
 
 
@@ -95,6 +96,10 @@ attention("window_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, sliding_w
 attention("window_mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False, sliding_window=4096)
 attention("softcap_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, softcap=50.0)
 attention("softcap_window_split", "bf16", 64, 8, 128, 1, 32, sliding_window=4096, softcap=50.0)
+# gpt-oss: 64 query heads over 8 KV heads of 64 dimensions, windows of 128, sinks
+attention("sinks_split", "bf16", 64, 8, 64, 1, 32, has_sinks=True)
+attention("sinks_window_mixed", "bf16", 64, 8, 64, 512, 40, split_kv=False, sliding_window=128,
+          has_sinks=True)
 compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
                {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
                {"stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128, "stride_c_kv": 2**26,
@@ -146,6 +151,10 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "softcap_mixed_prefill",
         "softcap_window_split_decode",
         "softcap_window_split_merge",
+        "sinks_split_decode",
+        "sinks_split_merge",
+        "sinks_window_mixed_decode",
+        "sinks_window_mixed_prefill",
         "reshape_and_cache",
         "rms_norm_2048",
         "rms_norm_8192",
@@ -167,6 +176,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "window_mixed_prefill",
         "window_mixed_hd256_prefill",
         "softcap_mixed_prefill",
+        "sinks_window_mixed_prefill",
     )
     assert all(kernels[name]["wgmma"] for name in prefill), kernels
     # Every tile, the sm_90 prefill tile included, fits the 100 KB of shared memory an Ada SM has.

@@ -1,0 +1,132 @@
+"""gpt-oss checkpoint tensors read under the names and layouts of the other mixtures of experts.
+
+A gpt-oss checkpoint stacks each layer's experts in one tensor per projection, in the layout
+its forward multiplies (`gate_up_proj` [experts, hidden, 2 x columns] with the gate and up
+columns interleaved, `down_proj` [experts, columns, hidden], their biases beside them), or,
+as OpenAI publishes it, quantized to MXFP4: `*_blocks` (two 4-bit E2M1 values per byte, 32
+values a block) and `*_scales` (one power of two per block, biased by 127) in the
+[experts, out, in] layout of a linear layer. Each is split here into one tensor per expert
+and projection, named as Qwen's (`mlp.experts.E.gate_proj.weight`), so the loader shards
+and checks them as any other; the router is Mixtral's `mlp.gate`, and the attention sinks a
+`self_attn.sinks.weight`.
+"""
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # weights.py reads its checkpoints through this module
+    from weir.services.executor.weights import TensorSource
+
+# E2M1: the value of each 4-bit code (sign, two exponent bits, one mantissa bit).
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+_STACKED_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(.*)")
+_QUANTIZED_PARTS = ("_blocks", "_scales")
+
+
+class Tensor:
+    """A tensor in memory as a `TensorSource`."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., rows, groups, 16] uint8 blocks and [..., rows, groups] uint8 scales -> float32
+    [..., rows, groups x 32]: each byte's low nibble is the earlier value."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8, not {blocks.dtype}, {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}"
+        )
+    lut = torch.tensor(FP4_VALUES)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
+    values = values.flatten(-2)  # [..., groups, 32]
+    exponents = scales.to(torch.int32) - 127
+    return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
+
+
+def split_gpt_oss_tensors(
+    tensors: Iterator[tuple[str, "TensorSource"]],
+) -> Iterator[tuple[str, "TensorSource"]]:
+    """The checkpoint's tensors with every stacked expert tensor split per expert (MXFP4 ones
+    dequantized once both their blocks and scales were read), under the names above."""
+    quantized: dict[str, dict[str, torch.Tensor]] = {}
+    for name, source in tensors:
+        if name.endswith(".self_attn.sinks"):
+            yield name + ".weight", source
+            continue
+        if ".mlp.router." in name:
+            yield name.replace(".mlp.router.", ".mlp.gate."), source
+            continue
+        m = _STACKED_RE.fullmatch(name)
+        if m is None:
+            yield name, source
+            continue
+        prefix, projection, suffix = m.groups()
+        if suffix in _QUANTIZED_PARTS:
+            parts = quantized.setdefault(f"{prefix}.{projection}", {})
+            parts[suffix] = source[(slice(None),)]
+            if len(parts) == 2:
+                del quantized[f"{prefix}.{projection}"]
+                blocks, scales = parts["_blocks"], parts["_scales"]
+                if blocks.shape[:-1] != scales.shape:
+                    raise ValueError(
+                        f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not match scales "
+                        f"{tuple(scales.shape)}"
+                    )
+                # One expert at a time: the whole layer's float32 weights would not fit beside
+                # the model on a machine the quantized checkpoint was chosen for.
+                weights = (dequantize_mxfp4(b, s) for b, s in zip(blocks, scales, strict=True))
+                yield from _per_expert(prefix, projection, "weight", weights)
+            continue
+        if suffix not in ("", "_bias"):
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        stacked = source[(slice(None),)]
+        if suffix == "":  # the forward's layout: [experts, in, out]
+            yield from _per_expert(prefix, projection, "weight", stacked.transpose(1, 2))
+        else:
+            yield from _per_expert(prefix, projection, "bias", stacked)
+    if quantized:
+        name, parts = next(iter(quantized.items()))
+        missing = next(p for p in _QUANTIZED_PARTS if p not in parts)
+        raise ValueError(f"checkpoint has {name}{''.join(parts)} but no {name}{missing}")
+
+
+def _per_expert(
+    prefix: str, projection: str, kind: str, experts: Iterable[torch.Tensor]
+) -> Iterator[tuple[str, "TensorSource"]]:
+    """Each expert's [out(, in)] tensor under its name, gate and up rows de-interleaved."""
+    for expert, rows in enumerate(experts):
+        at = f"{prefix}.{expert}"
+        if projection == "down_proj":
+            yield f"{at}.down_proj.{kind}", Tensor(rows)
+        else:
+            yield f"{at}.gate_proj.{kind}", Tensor(rows[0::2])
+            yield f"{at}.up_proj.{kind}", Tensor(rows[1::2])
