@@ -22,20 +22,25 @@ GEMMA = {"model_type": "gemma3_text", **REQUIRED}
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type):
-    ours = ModelConfig.from_hf({"model_type": model_type, **REQUIRED})
-    theirs = transformers.AutoConfig.for_model(model_type, **REQUIRED, pad_token_id=0)
+    # gpt-oss' default 8 KV heads would outnumber the 4 query heads
+    required = {**REQUIRED, "num_key_value_heads": 2} if model_type == "gpt_oss" else REQUIRED
+    ours = ModelConfig.from_hf({"model_type": model_type, **required})
+    theirs = transformers.AutoConfig.for_model(model_type, **required, pad_token_id=0)
     assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)
     assert ours.max_position_embeddings == theirs.max_position_embeddings
     assert ours.rms_norm_eps == theirs.rms_norm_eps
     rope = theirs.rope_parameters
     assert ours.rope.theta == rope.get("full_attention", rope)["rope_theta"]
+    assert ours.rope.type == rope.get("full_attention", rope)["rope_type"]  # gpt-oss': YaRN
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
     assert _windows(ours) == _windows_of(transformers.AutoModelForCausalLM.from_config(theirs))
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
         experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
         assert (ours.num_experts, ours.num_experts_per_tok) == (experts, theirs.num_experts_per_tok)
         assert ours.moe_intermediate_size == (
-            theirs.intermediate_size if model_type == "mixtral" else theirs.moe_intermediate_size
+            theirs.moe_intermediate_size
+            if model_type in ("qwen2_moe", "qwen3_moe")
+            else theirs.intermediate_size
         )
         assert ours.moe_layers == (0, 1)
         shared = getattr(theirs, "shared_expert_intermediate_size", None) or 0
