@@ -590,6 +590,8 @@ class Gateway:
         )
         for sample in samples:
             sample.chat = body.template_args()
+            if output.harmony:  # its markers are special tokens
+                sample.params = dataclasses.replace(sample.params, skip_special_tokens=False)
         return samples
 
     async def _chat_completion(

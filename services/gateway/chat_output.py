@@ -5,12 +5,21 @@ deltas add up to the whole response's message."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from weir.services.gateway.harmony import HarmonyReader
 from weir.services.gateway.openai_format import Choice, ChunkEvents
 from weir.services.gateway.reasoning import REASONING_PARSERS, ReasoningReader
-from weir.services.gateway.tool_calls import TOOL_CALL_PARSERS, ToolCallReader, ToolChoice
+from weir.services.gateway.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ToolCall,
+    ToolCallReader,
+    ToolChoice,
+)
 from weir.shared.protocol.client import StreamOutput
+
+# The parsers of gpt-oss' harmony format (`harmony.py`): either reads the whole message.
+HARMONY_PARSERS = ("openai_gptoss", "openai")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +38,11 @@ class ChatParsers:
             if name is not None and name not in names:
                 raise ValueError(f"{flag} {name!r}: expected one of {', '.join(names)}")
 
+    @property
+    def harmony(self) -> bool:
+        """Whether the model writes the harmony format (gpt-oss), read whole by one reader."""
+        return self.reasoning in HARMONY_PARSERS or self.tool_call in HARMONY_PARSERS
+
     def argv(self) -> list[str]:
         """The gateway's flags that give these parsers."""
         argv = []
@@ -42,6 +56,22 @@ class ChatParsers:
 NO_PARSERS = ChatParsers()
 
 
+class MessageReader(Protocol):
+    """One choice's text, piece by piece: per piece the reasoning, content and tool-call
+    deltas it completes. ``reasoned``: None where no reasoning is read, else whether the
+    text held some; ``calls``: None where no calls are read, else those read so far."""
+
+    @property
+    def reasoned(self) -> bool | None: ...
+
+    @property
+    def calls(self) -> list[ToolCall] | None: ...
+
+    def feed(self, text: str) -> tuple[str, str, list[dict[str, Any]]]: ...
+
+    def finish(self, finish_reason: str | None) -> tuple[str, str, list[dict[str, Any]]]: ...
+
+
 class ChoiceReader:
     """One choice's text, piece by piece: its reasoning first, then its content, out of
     which the tool-call reader takes the calls."""
@@ -49,6 +79,14 @@ class ChoiceReader:
     def __init__(self, reasoning: ReasoningReader | None, tools: ToolCallReader | None) -> None:
         self.reasoning = reasoning
         self.tools = tools
+
+    @property
+    def reasoned(self) -> bool | None:
+        return None if self.reasoning is None else self.reasoning.reasoned
+
+    @property
+    def calls(self) -> list[ToolCall] | None:
+        return None if self.tools is None else self.tools.calls
 
     def feed(self, text: str) -> tuple[str, str, list[dict[str, Any]]]:
         """The reasoning, content and tool-call deltas that ``text`` completes."""
@@ -58,8 +96,8 @@ class ChoiceReader:
         content, deltas = self.tools.feed(content)
         return reasoning, content, deltas
 
-    def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
-        """What was held back, at the end of the output."""
+    def finish(self, finish_reason: str | None) -> tuple[str, str, list[dict[str, Any]]]:
+        """What was held back, at the end of the output (however it ended)."""
         reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
         if self.tools is None:
             return reasoning, content, []
@@ -78,13 +116,17 @@ class ChatOutput:
     tool_choice: ToolChoice | None
     include_reasoning: bool = True
     with_tools: bool = False  # a request with tools lists its calls, maybe none
+    harmony: bool = False  # read as gpt-oss' harmony format (HarmonyReader)
 
     @property
     def plain(self) -> bool:
         """Whether the text is all content."""
-        return self.thinking is None and self.tool_choice is None
+        return self.thinking is None and self.tool_choice is None and not self.harmony
 
-    def reader(self) -> ChoiceReader:
+    def reader(self) -> MessageReader:
+        if self.harmony:
+            auto = self.tool_choice is not None and self.tool_choice.kind == "auto"
+            return HarmonyReader(read_calls=auto)
         return ChoiceReader(
             None if self.thinking is None else ReasoningReader(self.thinking),
             None if self.tool_choice is None else self.tool_choice.reader(),
@@ -99,19 +141,20 @@ class ChatOutput:
             return {"message": message, "finish_reason": choice.finish_reason}
         reader = self.reader()
         reasoning, content, _ = reader.feed(choice.text)
-        more_reasoning, rest, _ = reader.finish()
+        more_reasoning, rest, _ = reader.finish(choice.finish_reason)
         message = {"role": "assistant", "content": (content + rest) or None}
-        if reader.reasoning is not None:
+        if reader.reasoned is not None:
             # An empty thought is none, as a stream (which sends no empty delta) has it.
-            reasoned = reader.reasoning.reasoned and self.include_reasoning
+            reasoned = reader.reasoned and self.include_reasoning
             message["reasoning"] = message["reasoning_content"] = (
                 (reasoning + more_reasoning or None) if reasoned else None
             )
         finish_reason = choice.finish_reason
-        if reader.tools is not None:
+        calls = reader.calls
+        if calls is not None:
             assert self.tool_choice is not None
-            message["tool_calls"] = [call.to_dict() for call in reader.tools.calls]
-            finish_reason = self.tool_choice.finish_reason(reader.tools.calls, finish_reason)
+            message["tool_calls"] = [call.to_dict() for call in calls]
+            finish_reason = self.tool_choice.finish_reason(calls, finish_reason)
         elif self.with_tools:
             message["tool_calls"] = []
         return {"message": message, "finish_reason": finish_reason}
@@ -124,7 +167,7 @@ class ChatChunks:
     def __init__(self, events: ChunkEvents, output: ChatOutput) -> None:
         self._events = events
         self._output = output
-        self._readers: dict[int, ChoiceReader] = {}
+        self._readers: dict[int, MessageReader] = {}
 
     def chat(self, out: StreamOutput, choice: Choice) -> str:
         reader = self._readers.get(choice.index)
@@ -133,14 +176,13 @@ class ChatChunks:
         reasoning, content, deltas = reader.feed(out.text)
         finish_reason = None
         if out.finished:
-            more_reasoning, rest, more = reader.finish()
+            more_reasoning, rest, more = reader.finish(out.finish_reason)
             reasoning, content, deltas = reasoning + more_reasoning, content + rest, deltas + more
             finish_reason = out.finish_reason
-            if reader.tools is not None:
+            calls = reader.calls
+            if calls is not None:
                 assert self._output.tool_choice is not None
-                finish_reason = self._output.tool_choice.finish_reason(
-                    reader.tools.calls, finish_reason
-                )
+                finish_reason = self._output.tool_choice.finish_reason(calls, finish_reason)
         if not self._output.include_reasoning:
             reasoning = ""
         if not (

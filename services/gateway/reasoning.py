@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from weir.services.gateway.tool_calls import tag_prefix_at_end
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")  # the last: harmony.py
 
 START, END = "<think>", "</think>"
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
 
-from weir.services.gateway.chat_output import ChatOutput, ChoiceReader
+from weir.services.gateway.chat_output import ChatOutput, MessageReader
 from weir.services.gateway.openai_format import Choice
 from weir.services.gateway.schemas import (
     Body,
@@ -404,7 +404,7 @@ class ResponseEvents:
 
     def __init__(self, body: dict[str, Any], output: ChatOutput) -> None:
         self._body = body
-        self._reader: ChoiceReader = output.reader()
+        self._reader: MessageReader = output.reader()
         self._sequence = 0
         self._items: list[dict[str, Any]] = []  # closed output items
         self._open: dict[str, Any] | None = None  # the item being written
@@ -419,7 +419,7 @@ class ResponseEvents:
     def chunk(self, out: StreamOutput, choice: Choice) -> str:
         reasoning, content, deltas = self._reader.feed(out.text)
         if out.finished:
-            more_reasoning, rest, more = self._reader.finish()
+            more_reasoning, rest, more = self._reader.finish(out.finish_reason)
             reasoning, content, deltas = reasoning + more_reasoning, content + rest, deltas + more
         events = []
         if reasoning:

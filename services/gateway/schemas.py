@@ -675,7 +675,16 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             tool_choice = ToolChoice("named", choice.function.name)
         elif choice != "none" and self.tools:
             tool_choice = ToolChoice(choice, parser=parsers.tool_call)
-        return ChatOutput(thinking, tool_choice, self.include_reasoning, self.tools is not None)
+        # A harmony model's messages are read whole, but a named or required call's output,
+        # which holds to its JSON from the first token.
+        harmony = parsers.harmony and (tool_choice is None or tool_choice.kind == "auto")
+        return ChatOutput(
+            None if harmony else thinking,
+            tool_choice,
+            self.include_reasoning,
+            self.tools is not None,
+            harmony,
+        )
 
     def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:
         asked = super()._structured_outputs_asked()
