@@ -1,6 +1,6 @@
 """Write a model directory of a given shape, for `--load-format dummy`.
 
-    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b|phi4-mini]
+    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b|phi4-mini|gpt-oss-20b]
 
 The directory holds a `config.json` and the default model's tokenizer, no weights:
 `weir bench throughput --model DIR --load-format dummy --baseline hf-static,hf-cb` then
@@ -13,6 +13,8 @@ measures Weir and transformers on random weights of that shape.
   layer global, to measure what the window saves.
 - `phi4-mini`: Phi-4-mini's shape (3.8 B parameters with this vocabulary), LongRoPE and its
   partial rotation, for a GPU.
+- `gpt-oss-20b`: gpt-oss-20b's shape (24 layers of 32 experts, 4 a token; windows of 128
+  on every other layer, attention sinks, YaRN; ~20 B parameters), in bfloat16 for a GPU.
 """
 
 import argparse
@@ -106,6 +108,31 @@ SHAPES = {
             "long_factor": [1.0 + 0.5 * i for i in range(48)],
         },
         "tie_word_embeddings": True,
+    },
+    "gpt-oss-20b": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "tie_word_embeddings": False,
     },
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

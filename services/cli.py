@@ -473,8 +473,15 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the model's tool-call format, which the API reads calls out of under tool_choice "
         "'auto' (hermes: <tool_call>{...}</tool_call>, Qwen2.5/Qwen3; llama3_json: "
-        '{"name": ..., "parameters": ...}, Llama 3.1-3.3); without it \'auto\' is refused, '
-        "and 'required' or a named function still work",
+        '{"name": ..., "parameters": ...}, Llama 3.1-3.3; openai: gpt-oss\' harmony messages '
+        "to functions.NAME); without it 'auto' is refused, and 'required' or a named "
+        "function still work",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted as vLLM's command lines give it: tool_choice 'auto' is served whenever "
+        "--tool-call-parser is given",
     )
     p.add_argument(
         "--reasoning-parser",
@@ -483,7 +490,8 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
         help="the model's reasoning format, which the chat API returns as the message's "
         "reasoning (and reasoning_content) apart from its content: <think>...</think> "
         "(deepseek_r1: DeepSeek-R1 and its distills, QwQ; qwen3: Qwen3, which also honours "
-        "chat_template_kwargs enable_thinking false)",
+        "chat_template_kwargs enable_thinking false); openai_gptoss: gpt-oss' harmony "
+        "analysis channel",
     )
 
 
