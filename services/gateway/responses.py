@@ -137,6 +137,15 @@ class TextConfig(Body):
     verbosity: Literal["medium"] | None = None  # the only one a model without it has
 
 
+class ReasoningOptions(Body):
+    """OpenAI's reasoning options: the effort is the chat's ``reasoning_effort`` (the template
+    variable gpt-oss' reads); a summary is not written (null, as agents send it unset)."""
+
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: None = None
+    generate_summary: None = None
+
+
 class ResponsesRequest(Options):
     """``POST /v1/responses``: OpenAI's body, as much of it as a served model can do."""
 
@@ -172,8 +181,7 @@ class ResponsesRequest(Options):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    # Its options unset (as agents send it by default); an effort would change the output.
-    reasoning: dict[str, None] | None = None
+    reasoning: ReasoningOptions | None = None
 
     @model_validator(mode="after")
     def _input_not_empty(self) -> ResponsesRequest:
@@ -245,6 +253,7 @@ class ResponsesRequest(Options):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
         }
         if self.tools is not None:
             body["tools"] = [
@@ -303,6 +312,7 @@ _FIELD_OF_CHAT = {
     "messages": "input",
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
 }
 
 

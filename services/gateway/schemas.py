@@ -575,6 +575,8 @@ class _ChatTemplateFields(Body):
 
     tools: Tools | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more variables (enable_thinking...)
+    # OpenAI's: how long a reasoning model thinks, the template variable gpt-oss' reads.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # render the last message open, to go on with it
 
@@ -595,9 +597,12 @@ class _ChatTemplateFields(Body):
 
     def template_args(self) -> dict[str, Any]:
         """The SDK's arguments of the chat's template."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is not None:  # a chat_template_kwargs' own value wins
+            kwargs = {"reasoning_effort": self.reasoning_effort, **(kwargs or {})}
         return {
             "tools": tool_prompt(self.tools),
-            "chat_template_kwargs": self.chat_template_kwargs,
+            "chat_template_kwargs": kwargs,
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }

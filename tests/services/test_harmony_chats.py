@@ -35,6 +35,9 @@ HARMONY_TOKENS = [
 ]
 # The harmony format, abridged: each message <|start|>ROLE<|channel|>...<|message|>...<|end|>.
 TEMPLATE = """\
+{%- if reasoning_effort is defined -%}
+<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>
+{%- endif -%}
 {%- for message in messages -%}
 {%- if message.role == "assistant" -%}
 <|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>
@@ -203,6 +206,28 @@ def test_a_named_call_holds_to_its_json_from_the_first_token(client):
     [call] = reply.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert call.function.arguments.startswith("{") and reply.choices[0].message.content is None
+
+
+def test_reasoning_effort_reaches_the_template(client, model_dir):
+    """OpenAI's reasoning_effort (the Responses API's reasoning.effort) is the template
+    variable gpt-oss' template reads: the prompt is transformers' rendering with it."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    plain, high = (
+        tokenizer.apply_chat_template(ASK, add_generation_prompt=True, **effort)["input_ids"]
+        for effort in ({}, {"reasoning_effort": "high"})
+    )
+    assert len(high) > len(plain)
+
+    def prompt_tokens(**kwargs) -> int:
+        reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, **kwargs)
+        return reply.usage.prompt_tokens
+
+    assert prompt_tokens() == len(plain)
+    assert prompt_tokens(reasoning_effort="high") == len(high)
+    reply = client.responses.create(
+        model=MODEL, input=ASK[0]["content"], max_output_tokens=1, reasoning={"effort": "high"}
+    )
+    assert reply.usage.input_tokens == len(high)
 
 
 HEAD = "<|channel|>analysis<|message|>think<|end|>"

@@ -153,7 +153,8 @@ def test_a_thought_that_nothing_followed_keeps_its_turn():
     "fields, param, words",
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id", "only null"),
-        ({"reasoning": {"effort": "low"}}, "reasoning.effort", "Input should be None"),
+        ({"reasoning": {"effort": "minimal"}}, "reasoning.effort", "'low', 'medium' or 'high'"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "Input should be None"),
         ({"include": ["message.output_text.logprobs"]}, "include", "only []"),
         ({"input": []}, "input", "must not be empty"),
         ({"input": [{"type": "image", "url": "x"}]}, "input.0", "function_call"),
