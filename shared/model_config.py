@@ -33,6 +33,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma2",
     "gemma3_text",
     "gpt_oss",
+    "smollm3",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -46,6 +47,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "smollm3": {
+        "max_position_embeddings": 32768,
+        "rope_theta": 2000000.0,
+        "tie_word_embeddings": True,
+        "no_rope_layer_interval": 4,
+    },
     "mixtral": {
         "max_position_embeddings": 131072,
         "rope_theta": 1000000.0,
@@ -164,6 +171,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.0
     # gpt-oss: a learned logit per query head in each softmax of its attention (no value).
     attention_sinks: bool = False
+    # SmolLM3's NoPE layers: their queries and keys are not rotated.
+    nope_layers: tuple[int, ...] = ()
 
     sliding_layers: tuple[int, ...] = ()
     # Gemma 3's local (sliding_layers) layers rotate with their own base and no scaling; None:
@@ -267,11 +276,12 @@ class ModelConfig:
             or model_type == "qwen2"
             or (model_type == "qwen2_moe" and flag(hf, "qkv_bias", True)),
             o_bias=attention_bias and not qwen2,
-            # Only Llama's and Granite's configs have mlp_bias (transformers ignores the key
-            # elsewhere).
-            mlp_bias=model_type in ("llama", "granite") and flag(hf, "mlp_bias"),
+            # Only Llama's, Granite's and SmolLM3's configs have mlp_bias (transformers ignores
+            # the key elsewhere).
+            mlp_bias=model_type in ("llama", "granite", "smollm3") and flag(hf, "mlp_bias"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             attention_sinks=model_type == "gpt_oss",
+            nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
             **_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
@@ -317,11 +327,11 @@ class ModelConfig:
 def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     """The window as transformers applies it: Mistral's and Gemma's (4096 where the key is
     left out, none where it is null), gpt-oss' (128 where left out), Mixtral's and Phi-3's
-    whenever set; Qwen's (4096 by default) only with use_sliding_window."""
+    whenever set; Qwen's (4096 by default) and SmolLM3's only with use_sliding_window."""
     windowed = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss")
     if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
-    default = {"mixtral": None, "phi3": None, "gpt_oss": 128}.get(model_type, 4096)
+    default = {"mixtral": None, "phi3": None, "smollm3": None, "gpt_oss": 128}.get(model_type, 4096)
     window = hf.get("sliding_window", default)
     return None if window is None else count({"sliding_window": window}, "sliding_window")
 
@@ -331,7 +341,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     Mixtral, Phi-3 and Qwen3-MoE; elsewhere those config.json's layer_types names
     "sliding_attention", or where it has none, Qwen2's and Qwen3's layers from
     max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 layer but each
-    sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer)."""
+    sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer), SmolLM3's NoPE
+    layers."""
     if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return tuple(range(num_layers))
     types = hf.get("layer_types")
@@ -349,6 +360,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if model_type == "gpt_oss":
         return tuple(range(0, num_layers, 2))
+    if model_type == "smollm3":
+        return _nope_layers(hf, num_layers)
     if model_type in ("gemma2", "gemma3_text"):
         pattern = 2 if model_type == "gemma2" else count(hf, "sliding_window_pattern", 6)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
@@ -356,6 +369,26 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     if model_type == "qwen2_moe":
         return tuple(i for i in range(min(first_full, num_layers)) if i % 2 == 0)
     return tuple(range(first_full, num_layers))
+
+
+def _nope_layers(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without a rotation, as transformers reads them: where
+    no_rope_layers (one flag per layer, 1: rotated) says 0, else every
+    no_rope_layer_interval-th layer."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = count(hf, "no_rope_layer_interval")
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if (
+        not isinstance(flags, list)
+        or len(flags) != num_layers
+        or any(f not in (0, 1) or isinstance(f, bool) for f in flags)
+    ):
+        raise ValueError(
+            f"config.json: no_rope_layers must be 0 or 1 for each of the {num_layers} layers, "
+            f"got {flags!r}"
+        )
+    return tuple(i for i, rotated in enumerate(flags) if not rotated)
 
 
 def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:

@@ -138,6 +138,18 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
+    # NoPE layers 1 and 2 (no_rope_layers) the only windowed ones, biases everywhere.
+    "smollm3": lambda: transformers.SmolLM3Config(
+        **COMMON,
+        intermediate_size=96,
+        no_rope_layers=[1, 0, 0],
+        use_sliding_window=True,
+        sliding_window=6,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    ),
     # Renormalized top-k and a dense layer by mlp_only_layers.
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON,
@@ -158,6 +170,7 @@ MOE_LAYERS = {
     "qwen2": (),
     "gemma2": (),
     "gemma3_text": (),
+    "smollm3": (),
     "mixtral": (0, 1, 2),
     "gpt_oss": (0, 1, 2),
     "qwen2_moe": (1,),

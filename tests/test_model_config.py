@@ -94,6 +94,15 @@ def _windows_of(model) -> list[int | None]:
             "gemma3_text",
             {"layer_types": ["full_attention", "sliding_attention"] * 2 + ["full_attention"]},
         ),
+        ("gpt_oss", {"num_key_value_heads": 2}),
+        ("gpt_oss", {"num_key_value_heads": 2, "sliding_window": 64}),
+        ("smollm3", {"sliding_window": 32}),  # not used without use_sliding_window
+        ("smollm3", {"use_sliding_window": True, "sliding_window": 32}),  # on the NoPE layer
+        (
+            "smollm3",
+            {"use_sliding_window": True, "sliding_window": 32, "no_rope_layers": [0, 1] * 2 + [0]},
+        ),
+        ("smollm3", {"use_sliding_window": True}),  # no window given: none
     ],
 )
 def test_the_sliding_windows_are_the_ones_transformers_applies(model_type, keys):
@@ -102,6 +111,16 @@ def test_the_sliding_windows_are_the_ones_transformers_applies(model_type, keys)
     ours = ModelConfig.from_hf(hf)
     theirs = transformers.AutoConfig.for_model(**hf, pad_token_id=0)
     assert _windows(ours) == _windows_of(transformers.AutoModelForCausalLM.from_config(theirs))
+
+
+@pytest.mark.parametrize(
+    "keys", [{}, {"no_rope_layer_interval": 2}, {"no_rope_layers": [0, 1, 1, 0, 1]}]
+)
+def test_smollm3_rotates_the_layers_transformers_rotates(keys):
+    hf = {"model_type": "smollm3", **REQUIRED, "num_hidden_layers": 5, **keys}
+    theirs = transformers.AutoConfig.for_model(**hf, pad_token_id=0)
+    nope = tuple(i for i, rotated in enumerate(theirs.no_rope_layers) if not rotated)
+    assert ModelConfig.from_hf(hf).nope_layers == nope
 
 
 def test_a_key_that_only_llama_has_is_ignored_elsewhere():
@@ -171,6 +190,8 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
         ({**GEMMA, "use_bidirectional_attention": True}, "use_bidirectional_attention is not"),
         ({**GEMMA, "layer_types": ["full_attention"]}, "layer_types must name"),
         ({**GEMMA, "layer_types": ["sliding", "full"]}, "layer_types must name"),
+        ({**REQUIRED, "model_type": "smollm3", "no_rope_layers": [1]}, "no_rope_layers must be"),
+        ({**REQUIRED, "model_type": "smollm3", "no_rope_layers": [1, 2]}, "no_rope_layers must be"),
         (
             {**GEMMA, "rope_parameters": {"sliding_attention": {"rope_type": "linear"}}},
             "unsupported rope type 'linear' of the sliding layers",

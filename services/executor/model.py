@@ -1,6 +1,6 @@
 """Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too), Qwen2 /
-Qwen3, their mixtures of experts included (`moe.py`), Gemma 2 and 3, and gpt-oss, on a flat
-token batch.
+Qwen3, their mixtures of experts included (`moe.py`), Gemma 2 and 3, gpt-oss and SmolLM3, on
+a flat token batch.
 
 A step's tokens from all requests are concatenated into one batch of T tokens; the
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
@@ -71,8 +71,9 @@ class DecoderLayer(nn.Module):
         self.softcap = cfg.attn_logit_softcapping
         # Which rotation the model's forward computes for this layer (Gemma 3's local ones).
         self.local_rope = index in cfg.sliding_layers and cfg.sliding_rope is not None
-        # The first rotary_dim channels of each head rotate (all but in Phi-4-mini).
-        self.rotary_dim = cfg.rope.rotary_dim
+        # The first rotary_dim channels of each head rotate (all but in Phi-4-mini; none in
+        # SmolLM3's NoPE layers).
+        self.rotary_dim = 0 if index in cfg.nope_layers else cfg.rope.rotary_dim
         self.hidden_act = cfg.hidden_act
         self.attention = attention
         self.kernels = kernels
@@ -128,6 +129,18 @@ class DecoderLayer(nn.Module):
             out = self.tp.all_reduce(out)
         return out if post_norm is None else residual + post_norm(out)
 
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The Q and K heads (adjacent in the fused projection: one rotation for both) with
+        their first rotary_dim channels rotated, in place where a kernel does it."""
+        rotated = qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim]
+        if self.kernels is not None:
+            self.kernels.rope_(rotated, cos.squeeze(1), sin.squeeze(1))
+        elif rotated is qk:
+            qk = apply_rope(qk, cos, sin)
+        else:
+            rotated.copy_(apply_rope(rotated, cos, sin))
+        return qk
+
     def forward(
         self,
         x: torch.Tensor,
@@ -148,14 +161,8 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # Q and K heads are adjacent in the fused projection: one rotation for both.
-        rotated = qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim]
-        if self.kernels is not None:
-            self.kernels.rope_(rotated, cos.squeeze(1), sin.squeeze(1))
-        elif rotated is qk:
-            qk = apply_rope(qk, cos, sin)
-        else:
-            rotated.copy_(apply_rope(rotated, cos, sin))
+        if self.rotary_dim:
+            qk = self._rotate(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(
