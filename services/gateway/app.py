@@ -487,10 +487,12 @@ class Gateway:
         if body.return_tokens_as_token_ids:
             outputs = _tokens_as_ids(outputs)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            every_chunk = bool(options and options.usage_in_every_chunk)
             return await self._sse(
                 outputs,
-                fmt.ChunkEvents(base, token_ids=body.return_token_ids).completion,
+                fmt.ChunkEvents(base, token_ids=body.return_token_ids, usage=every_chunk).completion,
                 len(samples),
                 self._chunks_ending(base, include_usage, body.n),
             )
@@ -612,9 +614,13 @@ class Gateway:
                 "created": created,
                 "model": model,
             }
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
             events = fmt.ChunkEvents(
-                base, chat_logprobs=logprobs is not None, token_ids=body.return_token_ids
+                base,
+                chat_logprobs=logprobs is not None,
+                token_ids=body.return_token_ids,
+                usage=bool(options and options.usage_in_every_chunk),
             )
             return await self._sse(
                 outputs,

@@ -38,16 +38,28 @@ class ChunkEvents:
     response, so a token costs a few string escapes instead of building and dumping a
     nested dict (the largest part of the gateway's CPU per token after the socket write)."""
 
-    __slots__ = ("_base", "_head", "_chat_logprobs", "token_ids")
+    __slots__ = ("_base", "_head", "_chat_logprobs", "token_ids", "_usage")
 
     def __init__(
-        self, base: dict[str, Any], chat_logprobs: bool = False, token_ids: bool = False
+        self,
+        base: dict[str, Any],
+        chat_logprobs: bool = False,
+        token_ids: bool = False,
+        usage: bool = False,
     ) -> None:
         self._base = "data: " + _json(base)[:-1]
         self._head = self._base + ',"choices":[{"index":'
         self._chat_logprobs = chat_logprobs
         # vLLM's return_token_ids: each chunk's token ids, and the prompt's with the first.
         self.token_ids = token_ids
+        # vLLM's continuous_usage_stats: each chunk's choice's usage so far.
+        self._usage = usage
+
+    def _end(self, out: StreamOutput) -> str:
+        """What closes a chunk of ``out``: its choices list, and its usage where asked for."""
+        if not self._usage:
+            return "}]}\n\n"
+        return f'}}],"usage":{_json(usage(out.prompt_tokens, out.completion_tokens))}}}\n\n'
 
     def _ids(self, out: StreamOutput, prompt_key: str) -> str:
         """The token-id fields of ``out``'s chunk, after ``prompt_key``'s prefix."""
@@ -67,7 +79,7 @@ class ChunkEvents:
         return (
             f'{self._head}{choice.index},"text":{_json(out.text)},'
             f'"finish_reason":{_json(out.finish_reason if out.finished else None)},'
-            f'"stop_reason":{_json(out.stop_reason)},"logprobs":{logprobs}{ids}}}]}}\n\n'
+            f'"stop_reason":{_json(out.stop_reason)},"logprobs":{logprobs}{ids}{self._end(out)}'
         )
 
     def chat(self, out: StreamOutput, choice: Choice) -> str:
@@ -94,7 +106,7 @@ class ChunkEvents:
         return (
             f'{head}{index},"delta":{delta},"logprobs":{logprobs},'
             f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(out.stop_reason)}'
-            f"{ids}}}]}}\n\n"
+            f"{ids}{self._end(out)}"
         )
 
 

@@ -146,7 +146,6 @@ _NEUTRAL: dict[str, Any] = {
     "tool_choice": "none",
     "add_generation_prompt": True,
     "spaces_between_special_tokens": True,
-    "continuous_usage_stats": False,  # in stream_options
 }
 # Fields that never change the output: accepted with any value and dropped.
 _IGNORED = frozenset(
@@ -235,6 +234,12 @@ class Options(Body):
 
 class StreamOptions(Options):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk of text carries its choice's usage so far.
+    continuous_usage_stats: bool = False
+
+    @property
+    def usage_in_every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchemaFormat(Body):

@@ -124,6 +124,32 @@ def test_completion_greedy_equals_the_sdk_path_token_for_token(server, client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, client, chat):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk of text
+    carries its choice's tokens so far, which add up to the final usage chunk's."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model=MODEL, max_tokens=10, temperature=0, stream=True, stream_options=options)
+    if chat:
+        messages = [{"role": "user", "content": "Count."}]
+        chunks = list(client.chat.completions.create(messages=messages, **common))
+        chunks = chunks[1:]  # the role chunk's prompt is not counted yet
+        texts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    else:
+        chunks = list(client.completions.create(prompt="The quick brown fox", **common))
+        texts = [c.choices[0].text for c in chunks if c.choices]
+    final = chunks[-1].usage
+    with_choices = [c for c in chunks if c.choices]
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == final.completion_tokens
+    assert all(c.usage.prompt_tokens == final.prompt_tokens for c in with_choices)
+    assert all(
+        c.usage.total_tokens == final.prompt_tokens + n for c, n in zip(with_choices, counts)
+    )
+    assert len([t for t in texts if t]) > 1  # several chunks, each with its own count
 
 
 def test_token_id_prompts_and_batches(server, client):
@@ -771,7 +797,6 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_mode
         ("best_of", 2, "1"),
         ("suffix", "!", "null"),
         ("tool_choice", "auto", '"none"'),
-        ("stream_options", {"continuous_usage_stats": True}, "false"),
     ],
 )
 def test_a_value_that_would_change_the_output_is_400_naming_the_supported_one(
@@ -780,9 +805,8 @@ def test_a_value_that_would_change_the_output_is_400_naming_the_supported_one(
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "stream": True, field: value}
     reply = httpx.post(server.info["http_address"] + "/v1/completions", json=body, timeout=30)
     error = reply.json()["error"]
-    param = field if field != "stream_options" else "stream_options.continuous_usage_stats"
-    assert reply.status_code == 400 and error["param"] == param
-    assert error["message"] == f"{param}: only {supported} is supported"
+    assert reply.status_code == 400 and error["param"] == field
+    assert error["message"] == f"{field}: only {supported} is supported"
 
 
 def test_text_parts_are_joined_by_newlines_and_an_assistant_content_may_be_null(server, client):
