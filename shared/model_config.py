@@ -34,6 +34,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "gpt_oss",
     "smollm3",
+    "olmo2",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -47,6 +48,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "smollm3": {
         "max_position_embeddings": 32768,
         "rope_theta": 2000000.0,
@@ -183,6 +185,10 @@ class ModelConfig:
     # attention and MLP before the residual adds too (post_attention_layernorm,
     # pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it).
     gemma_norms: bool = False
+    # OLMo 2: no norm before the attention or the MLP, only of their outputs before each
+    # residual add (post_attention_layernorm, post_feedforward_layernorm), and its q/k norms
+    # span the whole projection, not each head.
+    olmo_norms: bool = False
     # Gemma 2's soft caps: each attention score s becomes c * tanh(s / c), and each logit
     # likewise with its own c; None: no cap.
     attn_logit_softcapping: float | None = None
@@ -279,7 +285,8 @@ class ModelConfig:
             # Only Llama's, Granite's and SmolLM3's configs have mlp_bias (transformers ignores
             # the key elsewhere).
             mlp_bias=model_type in ("llama", "granite", "smollm3") and flag(hf, "mlp_bias"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
+            olmo_norms=model_type == "olmo2",
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
@@ -311,9 +318,9 @@ class ModelConfig:
             "self_attn.k_proj": (kv, h),
             "self_attn.v_proj": (kv, h),
             "self_attn.o_proj": (h, q),
-            "self_attn.q_norm": (d, 0),
+            "self_attn.q_norm": (q if self.olmo_norms else d, 0),
             "self_attn.sinks": (self.num_heads, 0),
-            "self_attn.k_norm": (d, 0),
+            "self_attn.k_norm": (kv if self.olmo_norms else d, 0),
             "mlp.gate_proj": (inter, h),
             "mlp.up_proj": (inter, h),
             "mlp.down_proj": (h, inter),

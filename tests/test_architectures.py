@@ -150,6 +150,10 @@ CONFIGS = {
         tie_word_embeddings=False,
         pad_token_id=0,
     ),
+    # Norms of the attention's and MLP's outputs only, q/k norms over the whole projections.
+    "olmo2": lambda: transformers.Olmo2Config(
+        **COMMON, intermediate_size=96, attention_bias=True, pad_token_id=0
+    ),
     # Renormalized top-k and a dense layer by mlp_only_layers.
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON,
@@ -171,6 +175,7 @@ MOE_LAYERS = {
     "gemma2": (),
     "gemma3_text": (),
     "smollm3": (),
+    "olmo2": (),
     "mixtral": (0, 1, 2),
     "gpt_oss": (0, 1, 2),
     "qwen2_moe": (1,),
@@ -235,6 +240,10 @@ def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
     one = tp_workload.run(work)
     assert one.chunked and one.preempted and one.draft_tokens > 0
     assert one.outputs == want
+    if kind == "olmo2":  # its q/k norms span the heads the ranks would split
+        with pytest.raises(ValueError, match="OLMo 2's q/k norms span every attention head"):
+            ShardLayout.of(read_model_config(path), 0, 2)
+        return
     for report in tp_workload.run_group(work, world_size=2):
         assert report.outputs == want
         # The experts' partial sums join the layer's one all-reduce after its MLP.
@@ -327,12 +336,13 @@ def _adapter(path, cfg: ModelConfig, modules: dict[int, tuple[str, ...]]) -> dic
     return tensors
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "granite", "phi3", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "granite", "phi3", "gemma3_text", "olmo2"])
 def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path):
     """An adapter of every layer's q/v, and of o/down where the layer has one MLP (Qwen3-MoE:
     layer 0; Granite: each, its residual_multiplier on their updates too; Phi-3: its fused
     qkv_proj and gate_up_proj, whose parts share A; Gemma 3: each, its updates normalized
-    with the projections' outputs), decodes what transformers decodes with the adapter
+    with the projections' outputs; OLMo 2: each, q/k's updates normalized with their whole
+    projections), decodes what transformers decodes with the adapter
     merged into the weights; a request without it, the base model's tokens."""
     path = tmp_path / "m"
     hf = save_model(kind, path)

@@ -1,6 +1,6 @@
 """Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too), Qwen2 /
-Qwen3, their mixtures of experts included (`moe.py`), Gemma 2 and 3, gpt-oss and SmolLM3, on
-a flat token batch.
+Qwen3, their mixtures of experts included (`moe.py`), Gemma 2 and 3, gpt-oss, SmolLM3 and
+OLMo 2, on a flat token batch.
 
 A step's tokens from all requests are concatenated into one batch of T tokens; the
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
@@ -81,20 +81,25 @@ class DecoderLayer(nn.Module):
         # Row-parallel biases are added once, by rank 0, before the partial sums are reduced.
         row_bias = layout.rank == 0
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps, device, dtype, kernels)
+        self.input_layernorm = None if cfg.olmo_norms else RMSNorm(h, eps, device, dtype, kernels)
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
-        self.q_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, eps, device, dtype) if cfg.qk_norm else None
+        # Per head, or (OLMo 2) over the whole q and k projections.
+        self.qk_norm_heads = not cfg.olmo_norms
+        q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
+        self.q_norm = RMSNorm(q_norm, eps, device, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm, eps, device, dtype) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
         self.post_attention_layernorm = RMSNorm(h, eps, device, dtype, kernels)
-        # Gemma's norms around its attention's and MLP's outputs; post_attention_layernorm
-        # then normalizes the attention's output rather than the MLP's input.
+        # Gemma's and OLMo 2's norms of its attention's and MLP's outputs: post_attention_layernorm
+        # then normalizes the attention's output rather than the MLP's input (Gemma's
+        # pre_feedforward_layernorm does that).
+        self.output_norms = cfg.gemma_norms or cfg.olmo_norms
         self.pre_feedforward_layernorm = (
             RMSNorm(h, eps, device, dtype, kernels) if cfg.gemma_norms else None
         )
         self.post_feedforward_layernorm = (
-            RMSNorm(h, eps, device, dtype, kernels) if cfg.gemma_norms else None
+            RMSNorm(h, eps, device, dtype, kernels) if self.output_norms else None
         )
         # A layer's MLP is either the experts or one gated MLP.
         self.moe = (
@@ -152,13 +157,16 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        normed = self.input_layernorm(x)
+        normed = x if self.input_layernorm is None else self.input_layernorm(x)
         qkv = self.qkv_proj(normed)
         if lora is not None:
             lora.add(qkv, normed, self.index, "qkv_proj")
+        if self.q_norm is not None and not self.qk_norm_heads:
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         qkv = qkv.view(num_tokens, heads, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_heads:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         if self.rotary_dim:
@@ -175,12 +183,13 @@ class DecoderLayer(nn.Module):
             None if self.sinks is None else self.sinks.weight,
         )
         attn = attn.reshape(num_tokens, self.q_size)
-        if self.pre_feedforward_layernorm is None:
+        if not self.output_norms:
             x = self._add_row_parallel("o_proj", x, attn, lora, None)
             normed = self.post_attention_layernorm(x)
         else:
             x = self._add_row_parallel("o_proj", x, attn, lora, self.post_attention_layernorm)
-            normed = self.pre_feedforward_layernorm(x)
+            ff_norm = self.pre_feedforward_layernorm
+            normed = x if ff_norm is None else ff_norm(x)
         if self.moe is not None:  # an adapter never touches the experts (shared/lora.py)
             out = self.moe(normed)
             if self.tp is None or self.tp.rank == 0:

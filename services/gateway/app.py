@@ -492,7 +492,9 @@ class Gateway:
             every_chunk = bool(options and options.usage_in_every_chunk)
             return await self._sse(
                 outputs,
-                fmt.ChunkEvents(base, token_ids=body.return_token_ids, usage=every_chunk).completion,
+                fmt.ChunkEvents(
+                    base, token_ids=body.return_token_ids, usage=every_chunk
+                ).completion,
                 len(samples),
                 self._chunks_ending(base, include_usage, body.n),
             )
