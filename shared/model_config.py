@@ -35,6 +35,7 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_oss",
     "smollm3",
     "olmo2",
+    "olmo3",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -49,6 +50,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "smollm3": {
         "max_position_embeddings": 32768,
         "rope_theta": 2000000.0,
@@ -185,9 +187,9 @@ class ModelConfig:
     # attention and MLP before the residual adds too (post_attention_layernorm,
     # pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it).
     gemma_norms: bool = False
-    # OLMo 2: no norm before the attention or the MLP, only of their outputs before each
-    # residual add (post_attention_layernorm, post_feedforward_layernorm), and its q/k norms
-    # span the whole projection, not each head.
+    # OLMo 2 and 3: no norm before the attention or the MLP, only of their outputs before
+    # each residual add (post_attention_layernorm, post_feedforward_layernorm), and its q/k
+    # norms span the whole projection, not each head.
     olmo_norms: bool = False
     # Gemma 2's soft caps: each attention score s becomes c * tanh(s / c), and each logit
     # likewise with its own c; None: no cap.
@@ -269,9 +271,9 @@ class ModelConfig:
             rope=rope,
             max_position_embeddings=max_pos,
             sliding_window=window,
-            # Gemma 3's local layers rotate as such even where no window is set.
+            # Gemma 3's and OLMo 3's sliding layers rotate as such even where no window is set.
             sliding_layers=()
-            if window is None and not gemma
+            if window is None and sliding_rope is None
             else _sliding_layers(model_type, hf, num_layers),
             sliding_rope=sliding_rope,
             hidden_act=act,
@@ -285,8 +287,8 @@ class ModelConfig:
             # Only Llama's, Granite's and SmolLM3's configs have mlp_bias (transformers ignores
             # the key elsewhere).
             mlp_bias=model_type in ("llama", "granite", "smollm3") and flag(hf, "mlp_bias"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2"),
-            olmo_norms=model_type == "olmo2",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
+            olmo_norms=model_type in ("olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
@@ -333,9 +335,9 @@ class ModelConfig:
 
 def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     """The window as transformers applies it: Mistral's and Gemma's (4096 where the key is
-    left out, none where it is null), gpt-oss' (128 where left out), Mixtral's and Phi-3's
+    left out, none where it is null; OLMo 3's likewise), gpt-oss' (128 where left out), Mixtral's and Phi-3's
     whenever set; Qwen's (4096 by default) and SmolLM3's only with use_sliding_window."""
-    windowed = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss")
+    windowed = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss", "olmo3")
     if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
     default = {"mixtral": None, "phi3": None, "smollm3": None, "gpt_oss": 128}.get(model_type, 4096)
@@ -348,8 +350,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     Mixtral, Phi-3 and Qwen3-MoE; elsewhere those config.json's layer_types names
     "sliding_attention", or where it has none, Qwen2's and Qwen3's layers from
     max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 layer but each
-    sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer), SmolLM3's NoPE
-    layers."""
+    sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer; OLMo 3's all but every
+    fourth), SmolLM3's NoPE layers."""
     if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return tuple(range(num_layers))
     types = hf.get("layer_types")
@@ -369,6 +371,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
         return tuple(range(0, num_layers, 2))
     if model_type == "smollm3":
         return _nope_layers(hf, num_layers)
+    if model_type == "olmo3":
+        return tuple(i for i in range(num_layers) if (i + 1) % 4)
     if model_type in ("gemma2", "gemma3_text"):
         pattern = 2 if model_type == "gemma2" else count(hf, "sliding_window_pattern", 6)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)

@@ -15,6 +15,7 @@ the current length) is refused.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,17 @@ LONG_ROTATION = 1 << 40
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Where a config's partial_rotary_factor is applied as transformers applies it.
 _PARTIAL_ROTARY_MODELS = ("phi3",)
+# Models whose sliding layers rotate by a base of their own, unscaled: the (full, sliding)
+# bases where rope_parameters names none, as transformers defaults them (Gemma 3's local base
+# is rope_local_base_freq; OLMo 3's sliding layers take its default base, 500000, whatever
+# a legacy top-level rope_theta says: transformers pops that key for the full layers only).
+_PER_LAYER_TYPE_ROPE: dict[str, Callable[[dict[str, Any]], tuple[Any, Any]]] = {
+    "gemma3_text": lambda hf: (
+        hf.get("rope_theta", 1_000_000.0),
+        hf.get("rope_local_base_freq", 10_000.0),
+    ),
+    "olmo3": lambda hf: (hf.get("rope_theta", 500_000.0), 500_000.0),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +67,15 @@ class RopeConfig:
 def read_rope(
     hf: dict[str, Any], model_type: str, head_dim: int, max_pos: int
 ) -> tuple[RopeConfig, RopeConfig | None]:
-    """The rotation of the (full-attention) layers, and Gemma 3's local layers' (their own
-    base, unscaled; None elsewhere). ValueError names what is malformed or refused."""
-    gemma3 = model_type == "gemma3_text"
+    """The rotation of the (full-attention) layers, and Gemma 3's and OLMo 3's sliding
+    layers' (their own base, unscaled; None elsewhere). ValueError names what is malformed
+    or refused."""
     local: RopeConfig | None = None
-    if gemma3:
+    if model_type in _PER_LAYER_TYPE_ROPE:
+        full_theta, local_theta = _PER_LAYER_TYPE_ROPE[model_type](hf)
         params = mapping(hf, "rope_parameters")
         full = {
-            "rope_theta": hf.get("rope_theta", 1_000_000.0),
+            "rope_theta": full_theta,
             **(mapping(params, "full_attention") if params else {}),
             **mapping(hf, "rope_scaling"),
         }
@@ -71,7 +84,7 @@ def read_rope(
             raise ValueError(
                 f"config.json: unsupported rope type {sliding['rope_type']!r} of the sliding layers"
             )
-        theta = sliding.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))
+        theta = sliding.get("rope_theta", local_theta)
         local = RopeConfig(
             theta=positive({"rope_theta": theta}, "rope_theta", 0), rotary_dim=head_dim
         )

@@ -35,7 +35,7 @@ class ShardLayout:
         heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
         if cfg.olmo_norms and n > 1:
             raise ValueError(
-                "OLMo 2's q/k norms span every attention head, which tensor parallelism splits "
+                "OLMo's q/k norms span every attention head, which tensor parallelism splits "
                 "between ranks: serve it with tensor_parallel_size 1"
             )
         if heads % n:

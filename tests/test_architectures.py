@@ -154,6 +154,17 @@ CONFIGS = {
     "olmo2": lambda: transformers.Olmo2Config(
         **COMMON, intermediate_size=96, attention_bias=True, pad_token_id=0
     ),
+    # OLMo 2's norms, windows on layers 0-2 of 4, the full layer scaled and on its own base.
+    "olmo3": lambda: transformers.Olmo3Config(
+        **{**COMMON, "num_hidden_layers": 4},
+        intermediate_size=96,
+        sliding_window=5,
+        pad_token_id=0,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 3000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    ),
     # Renormalized top-k and a dense layer by mlp_only_layers.
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON,
@@ -176,6 +187,7 @@ MOE_LAYERS = {
     "gemma3_text": (),
     "smollm3": (),
     "olmo2": (),
+    "olmo3": (),
     "mixtral": (0, 1, 2),
     "gpt_oss": (0, 1, 2),
     "qwen2_moe": (1,),
@@ -240,8 +252,8 @@ def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
     one = tp_workload.run(work)
     assert one.chunked and one.preempted and one.draft_tokens > 0
     assert one.outputs == want
-    if kind == "olmo2":  # its q/k norms span the heads the ranks would split
-        with pytest.raises(ValueError, match="OLMo 2's q/k norms span every attention head"):
+    if kind in ("olmo2", "olmo3"):  # their q/k norms span the heads the ranks would split
+        with pytest.raises(ValueError, match="OLMo's q/k norms span every attention head"):
             ShardLayout.of(read_model_config(path), 0, 2)
         return
     for report in tp_workload.run_group(work, world_size=2):

@@ -123,6 +123,21 @@ def test_smollm3_rotates_the_layers_transformers_rotates(keys):
     assert ModelConfig.from_hf(hf).nope_layers == nope
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "olmo3"])
+@pytest.mark.parametrize(
+    "keys",
+    [{}, {"rope_theta": 1234.0}, {"rope_theta": 1234.0, "rope_local_base_freq": 99.0}],
+)
+def test_sliding_layers_rotate_by_the_base_transformers_gives_them(model_type, keys):
+    """Gemma 3's local base, and OLMo 3's sliding layers' default base even beside a legacy
+    rope_theta (which transformers gives its full layers only)."""
+    hf = {"model_type": model_type, **REQUIRED, "num_hidden_layers": 4, **keys}
+    theirs = transformers.AutoConfig.for_model(**hf, pad_token_id=0).rope_parameters
+    ours = ModelConfig.from_hf(hf)
+    assert ours.rope.theta == theirs["full_attention"]["rope_theta"]
+    assert ours.sliding_rope.theta == theirs["sliding_attention"]["rope_theta"]
+
+
 def test_a_key_that_only_llama_has_is_ignored_elsewhere():
     """transformers' Qwen2 has no MLP biases, whatever the file says."""
     hf = {"model_type": "qwen2", **REQUIRED, "mlp_bias": True}
