@@ -224,6 +224,19 @@ native = cpu_native.load()
 needs_native = pytest.mark.skipif(native is None, reason="no C compiler: native kernels not built")
 
 
+def native_on_two_threads(step: dict, cache: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
+    """The native kernel's output for ``step`` over ``cache``, on two threads (the kernel's
+    OpenMP pool is PyTorch's): two or more requests per thread merge a decode's KV heads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return native.paged_attention(
+            step["query"], cache, *attention_metadata(step), scale, **kwargs
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
 MIXED = [(300, 1), (0, 1), (150, 1), (20, 3), (33, 4), (11, 25), (0, 17), (40, 70)]
 
 
@@ -254,14 +267,8 @@ def test_native_cpu_attention_equals_reference(
     cache = step["kv_cache"].clone()
     native.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     assert torch.equal(cache, want_cache)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the kernel's OpenMP pool is PyTorch's
-    try:
-        args = (step["query"], cache, *attention_metadata(step), scale)
-        got = native.paged_attention(*args, sliding_window=sliding_window)
-        unwindowed = native.paged_attention(*args)
-    finally:
-        torch.set_num_threads(threads)
+    got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window)
+    unwindowed = native_on_two_threads(step, cache, scale)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
     if sliding_window is not None and sliding_window > int(step["seq_lens"].max()):
         assert torch.equal(got[:num_real], unwindowed[:num_real])
@@ -280,19 +287,7 @@ def test_native_cpu_attention_with_softcap_equals_reference(
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
     cache, want = softcapped_step(step, scale, sliding_window, softcap)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        got = native.paged_attention(
-            step["query"],
-            cache,
-            *attention_metadata(step),
-            scale,
-            sliding_window=sliding_window,
-            softcap=softcap,
-        )
-    finally:
-        torch.set_num_threads(threads)
+    got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window, softcap=softcap)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
 
 
@@ -311,19 +306,7 @@ def test_native_cpu_attention_with_sinks_equals_reference(
     num_real = int(step["query_start_loc"][-1])
     sinks = sinks_for(step, scale, sliding_window).bfloat16()
     cache, want = reference_step(step, scale, sliding_window, sinks=sinks)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        got = native.paged_attention(
-            step["query"],
-            cache,
-            *attention_metadata(step),
-            scale,
-            sliding_window=sliding_window,
-            sinks=sinks,
-        )
-    finally:
-        torch.set_num_threads(threads)
+    got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window, sinks=sinks)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
 
 
@@ -430,23 +413,38 @@ def test_reference_softcap_is_gemma2_eager_attention():
     step = mixed_step([(context, query_len)], num_heads, num_kv_heads, head_dim, torch.float32)
     scale = head_dim**-0.5
     cache, got = softcapped_step(step, scale, None, softcap)
+    want = eager_attention(gemma2, step, cache, context, scale, softcap=softcap)
+    torch.testing.assert_close(got[:query_len], want, atol=1e-6, rtol=1e-6)
 
+
+def eager_attention(
+    model_module, step: dict, cache: torch.Tensor, context: int, scale: float, **kwargs
+) -> torch.Tensor:
+    """[Q, H, D]: transformers' own `eager_attention_forward` of ``model_module`` over the
+    first request of ``step`` (a query after ``context`` cached tokens), its GQA heads
+    repeated by transformers and its causal mask additive; ``kwargs`` go to it, but
+    ``sinks``, which it reads from the attention module."""
+    query_len = int(step["query_start_loc"][1])
+    num_heads, num_kv_heads = step["query"].shape[1], cache.shape[3]
     seq_len = context + query_len
-    group = num_heads // num_kv_heads
     k, v = request_kv(step, cache, seq_len, 1)  # [Hkv, S, D]: transformers repeats them
     hidden = torch.arange(seq_len)[None, :] > context + torch.arange(query_len)[:, None]
     mask = torch.zeros(query_len, seq_len).masked_fill(hidden, float("-inf"))
-    module = SimpleNamespace(num_key_value_groups=group, training=False)
-    want, _ = gemma2.eager_attention_forward(
+    module = SimpleNamespace(
+        num_key_value_groups=num_heads // num_kv_heads,
+        training=False,
+        sinks=kwargs.pop("sinks", None),
+    )
+    want, _ = model_module.eager_attention_forward(
         module,
         step["query"][:query_len].transpose(0, 1)[None],  # [1, H, Q, D]
         k[None],
         v[None],
         mask[None, None],
         scaling=scale,
-        softcap=softcap,
+        **kwargs,
     )
-    torch.testing.assert_close(got[:query_len], want[0], atol=1e-6, rtol=1e-6)
+    return want[0]
 
 
 def test_reference_sinks_are_gpt_oss_eager_attention():
@@ -459,23 +457,8 @@ def test_reference_sinks_are_gpt_oss_eager_attention():
     scale = head_dim**-0.5
     sinks = sinks_for(step, scale, None)
     cache, got = reference_step(step, scale, sinks=sinks)
-
-    seq_len = context + query_len
-    k, v = request_kv(step, cache, seq_len, 1)  # [Hkv, S, D]: transformers repeats them
-    hidden = torch.arange(seq_len)[None, :] > context + torch.arange(query_len)[:, None]
-    mask = torch.zeros(query_len, seq_len).masked_fill(hidden, float("-inf"))
-    module = SimpleNamespace(
-        num_key_value_groups=num_heads // num_kv_heads, training=False, sinks=sinks
-    )
-    want, _ = gpt_oss.eager_attention_forward(
-        module,
-        step["query"][:query_len].transpose(0, 1)[None],  # [1, H, Q, D]
-        k[None],
-        v[None],
-        mask[None, None],
-        scaling=scale,
-    )
-    torch.testing.assert_close(got[:query_len], want[0], atol=1e-6, rtol=1e-6)
+    want = eager_attention(gpt_oss, step, cache, context, scale, sinks=sinks)
+    torch.testing.assert_close(got[:query_len], want, atol=1e-6, rtol=1e-6)
 
 
 @needs_native

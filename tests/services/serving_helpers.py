@@ -148,3 +148,33 @@ def frontend_over(sock, tokenizer, scheduler, name: str):
     )
     frontend.core = EngineCore(scheduler, InProcessExecutor(SimpleNamespace()))
     return frontend
+
+
+def read_chat(client, stream: bool, **kwargs) -> tuple:
+    """A chat's (reasoning, content, tool calls as (name, arguments), finish reason), whole
+    or from its stream, through the openai client (``kwargs`` its create's); a stream's
+    reasoning deltas come as reasoning and as reasoning_content, alike."""
+    create = client.chat.completions.create
+    if not stream:
+        [choice] = create(**kwargs).choices
+        message = choice.message.model_dump()
+        assert message["reasoning"] == message["reasoning_content"]
+        calls = [
+            (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or ()
+        ]
+        return message["reasoning"], message["content"], calls, choice.finish_reason
+    reasoning, content, calls, finish = None, None, [], None
+    for chunk in create(stream=True, **kwargs):
+        [choice] = chunk.choices
+        delta = choice.delta.model_dump()
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+        if delta.get("reasoning"):
+            reasoning = (reasoning or "") + delta["reasoning"]
+        if delta.get("content"):
+            content = (content or "") + delta["content"]
+        calls += [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in delta.get("tool_calls") or ()
+        ]
+        finish = choice.finish_reason or finish
+    return reasoning, content, calls, finish

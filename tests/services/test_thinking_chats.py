@@ -15,7 +15,7 @@ import shutil
 import httpx
 import openai
 import pytest
-from serving_helpers import small_server
+from serving_helpers import read_chat, small_server
 
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.reasoning import ReasoningReader
@@ -266,33 +266,9 @@ def _forced(text: str) -> dict:
 
 
 def _chat(client, stream: bool, messages=ASK, **kwargs):
-    """A chat's (reasoning, content, tool calls, finish reason), whole or from its stream;
-    the stream's reasoning deltas come as reasoning and as reasoning_content, alike."""
-    create = client.chat.completions.create
+    """A chat of ``MODEL`` (greedy) read by `read_chat`."""
     kwargs = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 60, **kwargs}
-    if not stream:
-        [choice] = create(**kwargs).choices
-        message = choice.message.model_dump()
-        assert message["reasoning"] == message["reasoning_content"]
-        calls = [
-            (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or ()
-        ]
-        return message["reasoning"], message["content"], calls, choice.finish_reason
-    reasoning, content, calls, finish = None, None, [], None
-    for chunk in create(stream=True, **kwargs):
-        [choice] = chunk.choices
-        delta = choice.delta.model_dump()
-        assert delta.get("reasoning") == delta.get("reasoning_content")
-        if delta.get("reasoning"):
-            reasoning = (reasoning or "") + delta["reasoning"]
-        if delta.get("content"):
-            content = (content or "") + delta["content"]
-        calls += [
-            (c["function"]["name"], c["function"]["arguments"])
-            for c in delta.get("tool_calls") or ()
-        ]
-        finish = choice.finish_reason or finish
-    return reasoning, content, calls, finish
+    return read_chat(client, stream, **kwargs)
 
 
 @pytest.mark.parametrize("stream", [False, True])
