@@ -518,3 +518,34 @@ def test_an_mxfp4_checkpoint_decodes_as_transformers_dequantizes_it(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"experts\.down_proj_blocks but no .*down_proj_scales"):
         load_model(tmp_path)
+
+
+def test_a_gpt_oss_checkpoint_that_does_not_fit_is_refused_by_its_tensors_names(tmp_path):
+    save_model("gpt_oss", tmp_path, intermediate_size=64)
+    tensors = load_file(tmp_path / "model.safetensors")
+    experts = "model.layers.1.mlp.experts"
+
+    def refused(changes: dict, match: str) -> None:
+        changed = {n: t for n, t in {**tensors, **changes}.items() if t is not None}
+        save_file(changed, tmp_path / "model.safetensors")
+        with pytest.raises(ValueError, match=match):
+            load_model(tmp_path)
+
+    refused({f"{experts}.down_proj_bias": None}, rf"lacks some of {experts}\.down_proj_bias")
+    refused(
+        {"model.layers.0.self_attn.sinks": None},
+        r"lacks some of model\.layers\.0\.self_attn\.sinks",
+    )
+    refused(
+        {f"{experts}.gate_up_proj": torch.zeros(6, 64, 64)},
+        rf"{experts}\.gate_up_proj: checkpoint shape \(6, 64, 64\) != \(6, 64, 128\)",
+    )
+    blocks = torch.zeros(6, 128, 2, 16, dtype=torch.uint8)
+    refused(
+        {
+            f"{experts}.gate_up_proj": None,
+            f"{experts}.gate_up_proj_blocks": blocks,
+            f"{experts}.gate_up_proj_scales": torch.zeros(6, 128, 2),
+        },  # fmt: skip
+        rf"{experts}\.gate_up_proj: MXFP4 blocks and scales are uint8, not torch.uint8 and torch.float32",
+    )

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weir.shared.model_config import ModelConfig
+
 if TYPE_CHECKING:  # weights.py reads its checkpoints through this module
     from weir.services.executor.weights import TensorSource
 
@@ -41,6 +43,16 @@ FP4_VALUES = (
 )
 _STACKED_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(.*)")
 _QUANTIZED_PARTS = ("_blocks", "_scales")
+# The checkpoint tensors each of Weir's gpt-oss parameters is read from, for an error to name.
+CHECKPOINT_NAMES = {
+    "sinks.weight": "self_attn.sinks",
+    "moe.gate.weight": "mlp.router.weight",
+    "moe.gate.bias": "mlp.router.bias",
+    "moe.experts_gate_up": "mlp.experts.gate_up_proj (or its _blocks and _scales)",
+    "moe.experts_gate_up_bias": "mlp.experts.gate_up_proj_bias",
+    "moe.experts_down": "mlp.experts.down_proj (or its _blocks and _scales)",
+    "moe.experts_down_bias": "mlp.experts.down_proj_bias",
+}
 
 
 class Tensor:
@@ -57,14 +69,9 @@ class Tensor:
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[..., rows, groups, 16] uint8 blocks and [..., rows, groups] uint8 scales -> float32
-    [..., rows, groups x 32]: each byte's low nibble is the earlier value."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales are uint8, not {blocks.dtype}, {scales.dtype}")
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}"
-        )
+    """[..., rows, groups, 16] uint8 blocks and [..., rows, groups] uint8 scales (as the
+    caller checked them) -> float32 [..., rows, groups x 32]: each byte's low nibble is the
+    earlier value."""
     lut = torch.tensor(FP4_VALUES)
     values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
     values = values.flatten(-2)  # [..., groups, 32]
@@ -73,10 +80,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def split_gpt_oss_tensors(
-    tensors: Iterator[tuple[str, "TensorSource"]],
+    tensors: Iterator[tuple[str, "TensorSource"]], cfg: ModelConfig
 ) -> Iterator[tuple[str, "TensorSource"]]:
     """The checkpoint's tensors with every stacked expert tensor split per expert (MXFP4 ones
-    dequantized once both their blocks and scales were read), under the names above."""
+    dequantized once both their blocks and scales were read), under the names above; a
+    stacked tensor of another shape than ``cfg`` gives it is refused by its name."""
     quantized: dict[str, dict[str, torch.Tensor]] = {}
     for name, source in tensors:
         if name.endswith(".self_attn.sinks"):
@@ -90,24 +98,30 @@ def split_gpt_oss_tensors(
             yield name, source
             continue
         prefix, projection, suffix = m.groups()
+        if suffix not in _SUFFIXES:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        expected = _stacked_shape(cfg, projection, suffix)
+        if tuple(source.get_shape()) != expected:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(source.get_shape())} != {expected} from "
+                "config.json: the config does not describe these weights"
+            )
         if suffix in _QUANTIZED_PARTS:
             parts = quantized.setdefault(f"{prefix}.{projection}", {})
             parts[suffix] = source[(slice(None),)]
             if len(parts) == 2:
                 del quantized[f"{prefix}.{projection}"]
                 blocks, scales = parts["_blocks"], parts["_scales"]
-                if blocks.shape[:-1] != scales.shape:
+                if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
                     raise ValueError(
-                        f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not match scales "
-                        f"{tuple(scales.shape)}"
+                        f"{prefix}.{projection}: MXFP4 blocks and scales are uint8, not "
+                        f"{blocks.dtype} and {scales.dtype}"
                     )
                 # One expert at a time: the whole layer's float32 weights would not fit beside
                 # the model on a machine the quantized checkpoint was chosen for.
                 weights = (dequantize_mxfp4(b, s) for b, s in zip(blocks, scales, strict=True))
                 yield from _per_expert(prefix, projection, "weight", weights)
             continue
-        if suffix not in ("", "_bias"):
-            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
         stacked = source[(slice(None),)]
         if suffix == "":  # the forward's layout: [experts, in, out]
             yield from _per_expert(prefix, projection, "weight", stacked.transpose(1, 2))
@@ -117,6 +131,22 @@ def split_gpt_oss_tensors(
         name, parts = next(iter(quantized.items()))
         missing = next(p for p in _QUANTIZED_PARTS if p not in parts)
         raise ValueError(f"checkpoint has {name}{''.join(parts)} but no {name}{missing}")
+
+
+_SUFFIXES = ("", "_bias", *_QUANTIZED_PARTS)
+
+
+def _stacked_shape(cfg: ModelConfig, projection: str, suffix: str) -> tuple[int, ...]:
+    """A stacked expert tensor's shape by config.json (its linear layout: [experts, out, in]
+    for the MXFP4 parts, [experts, in, out] for the forward's)."""
+    experts, hidden, columns = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    out, inputs = (2 * columns, hidden) if projection == "gate_up_proj" else (hidden, columns)
+    return {
+        "": (experts, inputs, out),
+        "_bias": (experts, out),
+        "_blocks": (experts, out, inputs // 32, 16),
+        "_scales": (experts, out, inputs // 32),
+    }[suffix]
 
 
 def _per_expert(

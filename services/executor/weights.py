@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
-from weir.services.executor.gpt_oss_checkpoint import split_gpt_oss_tensors
+from weir.services.executor.gpt_oss_checkpoint import CHECKPOINT_NAMES, split_gpt_oss_tensors
 from weir.services.executor.layers import layer_kernels_for
 from weir.services.executor.model import CausalLM
 from weir.services.executor.moe import check_moe
@@ -324,13 +324,13 @@ def load_weights(
         if filled.get(n, 0) != p.numel() and not (lm_head_optional and n == "lm_head")
     ]
     if missing:
-        named = ", ".join(_checkpoint_names(n) for n in missing[:3])
+        named = ", ".join(_checkpoint_names(n, model.config) for n in missing[:3])
         raise ValueError(
             f"checkpoint does not fill {len(missing)} parameters: it lacks some of {named}"
         )
 
 
-def _checkpoint_names(param: str) -> str:
+def _checkpoint_names(param: str, cfg: ModelConfig) -> str:
     """The checkpoint tensors a Weir parameter is read from, for an error to name."""
     if not param.startswith("layers."):
         return {
@@ -338,6 +338,10 @@ def _checkpoint_names(param: str) -> str:
             "norm.weight": "model.norm.weight",
         }.get(param, f"{param}.weight")
     _, layer, rest = param.split(".", 2)
+    if cfg.model_type == "gpt_oss" and rest in CHECKPOINT_NAMES:
+        return f"model.layers.{layer}.{CHECKPOINT_NAMES[rest]}"
+    if rest.endswith("_bias"):  # a stacked experts' bias
+        rest = rest.removesuffix("_bias") + ".bias"
     module, _, kind = (
         rest.rpartition(".") if rest.endswith((".weight", ".bias")) else (rest, "", "")
     )
@@ -434,7 +438,7 @@ def load_model(
     elif load_format == "auto":
         tensors = iter_safetensors(model_dir)
         if cfg.model_type == "gpt_oss":
-            tensors = split_gpt_oss_tensors(tensors)
+            tensors = split_gpt_oss_tensors(tensors, cfg)
         load_weights(model, tensors, lm_head_optional)
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")

@@ -69,7 +69,9 @@ class MessageReader(Protocol):
 
     def feed(self, text: str) -> tuple[str, str, list[dict[str, Any]]]: ...
 
-    def finish(self, finish_reason: str | None) -> tuple[str, str, list[dict[str, Any]]]: ...
+    def finish(
+        self, finish_reason: str | None, stop_reason: int | str | None = None
+    ) -> tuple[str, str, list[dict[str, Any]]]: ...
 
 
 class ChoiceReader:
@@ -96,7 +98,9 @@ class ChoiceReader:
         content, deltas = self.tools.feed(content)
         return reasoning, content, deltas
 
-    def finish(self, finish_reason: str | None) -> tuple[str, str, list[dict[str, Any]]]:
+    def finish(
+        self, finish_reason: str | None, stop_reason: int | str | None = None
+    ) -> tuple[str, str, list[dict[str, Any]]]:
         """What was held back, at the end of the output (however it ended)."""
         reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
         if self.tools is None:
@@ -141,7 +145,7 @@ class ChatOutput:
             return {"message": message, "finish_reason": choice.finish_reason}
         reader = self.reader()
         reasoning, content, _ = reader.feed(choice.text)
-        more_reasoning, rest, _ = reader.finish(choice.finish_reason)
+        more_reasoning, rest, _ = reader.finish(choice.finish_reason, choice.stop_reason)
         message = {"role": "assistant", "content": (content + rest) or None}
         if reader.reasoned is not None:
             # An empty thought is none, as a stream (which sends no empty delta) has it.
@@ -176,7 +180,7 @@ class ChatChunks:
         reasoning, content, deltas = reader.feed(out.text)
         finish_reason = None
         if out.finished:
-            more_reasoning, rest, more = reader.finish(out.finish_reason)
+            more_reasoning, rest, more = reader.finish(out.finish_reason, out.stop_reason)
             reasoning, content, deltas = reasoning + more_reasoning, content + rest, deltas + more
             finish_reason = out.finish_reason
             calls = reader.calls

@@ -22,6 +22,10 @@ from weir.services.gateway.tool_calls import ToolCall, tag_prefix_at_end
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
+# How an output's first header may begin, its <|start|>assistant being the prompt's end.
+_OPENINGS = (CHANNEL, START, MESSAGE, " to=", "to=")
+# A body ends at its end marker, or where another message's header begins without one.
+_BOUNDARIES = (*ENDS, START, CHANNEL)
 FUNCTIONS = "functions."
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]*)")
 _RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
@@ -49,9 +53,9 @@ class HarmonyReader:
         deltas: list[dict[str, Any]] = []
         while self._pending:
             if self._state == "open":
-                if self._pending.startswith((CHANNEL, START)):
+                if self._pending.startswith(_OPENINGS):
                     self._state = "header"
-                elif CHANNEL.startswith(self._pending) or START.startswith(self._pending):
+                elif any(opening.startswith(self._pending) for opening in _OPENINGS):
                     break
                 else:
                     self._state = "plain"
@@ -73,23 +77,27 @@ class HarmonyReader:
                 self._open(self._pending[:at])
                 self._pending = self._pending[at + len(MESSAGE) :]
             else:  # body
-                found = [(i, end) for end in ENDS if (i := self._pending.find(end)) >= 0]
+                found = [(i, m) for m in _BOUNDARIES if (i := self._pending.find(m)) >= 0]
                 if not found:
-                    keep = max(tag_prefix_at_end(self._pending, end) for end in ENDS)
+                    keep = max(tag_prefix_at_end(self._pending, m) for m in _BOUNDARIES)
                     body = self._pending[: len(self._pending) - keep]
                     self._pending = self._pending[len(self._pending) - keep :]
                     self._route(body, reasoning, content)
                     break
-                at, end = min(found)
+                at, boundary = min(found)
                 self._route(self._pending[:at], reasoning, content)
-                self._pending = self._pending[at + len(end) :]
+                # An end marker is consumed; a next header's marker begins its header.
+                self._pending = self._pending[at + len(boundary) if boundary in ENDS else at :]
                 self._close(deltas)
         return "".join(reasoning), "".join(content), deltas
 
-    def finish(self, finish_reason: str | None) -> tuple[str, str, list[dict[str, Any]]]:
+    def finish(
+        self, finish_reason: str | None, stop_reason: int | str | None = None
+    ) -> tuple[str, str, list[dict[str, Any]]]:
         """What was held back, at the end of the output: the last message's rest, a call
-        whole where the output stopped (on ``<|call|>``), as content where it was cut short;
-        an unfinished header is markup, dropped."""
+        whole where the output stopped on a stop token (``<|call|>``), as content where it
+        was cut short (``max_tokens``, or a stop string, ``stop_reason``); an unfinished
+        header is markup, dropped."""
         reasoning: list[str] = []
         content: list[str] = []
         deltas: list[dict[str, Any]] = []
@@ -98,7 +106,8 @@ class HarmonyReader:
             content.append(pending)
         elif self._state == "body":
             self._route(pending, reasoning, content)
-            if self._call is not None and finish_reason != "stop":
+            stopped_on_token = finish_reason == "stop" and not isinstance(stop_reason, str)
+            if self._call is not None and not stopped_on_token:
                 content.append("".join(self._arguments))
                 self._call = None
             self._close(deltas)

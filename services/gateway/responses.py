@@ -429,7 +429,7 @@ class ResponseEvents:
     def chunk(self, out: StreamOutput, choice: Choice) -> str:
         reasoning, content, deltas = self._reader.feed(out.text)
         if out.finished:
-            more_reasoning, rest, more = self._reader.finish(out.finish_reason)
+            more_reasoning, rest, more = self._reader.finish(out.finish_reason, out.stop_reason)
             reasoning, content, deltas = reasoning + more_reasoning, content + rest, deltas + more
         events = []
         if reasoning:

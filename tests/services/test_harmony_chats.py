@@ -128,6 +128,9 @@ def test_a_message_to_a_function_is_a_tool_call(client, stream):
         [("get_weather", '{"city": "Oslo"}')],
         "tool_calls",
     )
+    # A stop string inside the call cuts it short: content, as max_tokens would.
+    cut = _chat(client, stream, tools=TOOLS, stop=["Oslo"], extra_body=_forced(THOUGHT + CALL))
+    assert cut == ("User asks 2+2. Easy.", '{"city": "', [], "stop")
     # Without tools (or with tool_choice none) it is the model's text, as it wrote it.
     reasoning, content, calls, _ = _chat(client, stream, extra_body=_forced(THOUGHT + CALL))
     assert (reasoning, content, calls) == ("User asks 2+2. Easy.", '{"city": "Oslo"}', [])
@@ -261,6 +264,35 @@ CASES = [
         "stop",
     ),
     (False, "<|channel|>final<|message|>a<|return|>", "", "a", [], "stop"),
+    # The recipient before the channel in the first header (its <|start|>assistant the
+    # prompt's), a header of no channel, a header begun without the last message's end.
+    (
+        True,
+        ' to=functions.f<|channel|>commentary json<|message|>{"a": 1}',
+        "",
+        "",
+        [("f", '{"a": 1}')],
+        "stop",
+    ),
+    (False, "<|message|>hi<|end|>", "", "hi", [], "stop"),
+    (False, "<|channel|>final<|message|>x<|channel|>analysis<|message|>y", "y", "x", [], "stop"),
+    (
+        False,
+        "<|channel|>final<|message|>x<|start|>assistant<|channel|>analysis<|message|>y",
+        "y",
+        "x",
+        [],
+        "stop",
+    ),
+    (
+        True,
+        HEAD
+        + "<|channel|>commentary to=functions.f<|message|>{}<|start|>assistant<|channel|>final<|message|>z",
+        "think",
+        "z",
+        [("f", "{}")],
+        "length",
+    ),
 ]
 
 
@@ -278,6 +310,18 @@ def test_the_reader_reads_alike_in_any_pieces(
         assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == calls
         assert [d["index"] for d in deltas] == list(range(len(calls)))
         assert reader.reasoned == ("<|channel|>analysis<|message|>" in text)
+
+
+def test_a_call_a_stop_string_cut_short_is_content():
+    """Only a stop token (<|call|>, stop_reason None or its id) ends a call; a stop string
+    (its text the stop_reason) cuts it as max_tokens does."""
+    text = HEAD + '<|channel|>commentary to=functions.f<|message|>{"city": "'
+    for stop_reason, calls in ((None, 1), (200012, 1), ("Oslo", 0)):
+        reader = HarmonyReader(read_calls=True)
+        reader.feed(text)
+        _, content, deltas = reader.finish("stop", stop_reason)
+        assert len(deltas) == len(reader.calls) == calls
+        assert content == ("" if calls else '{"city": "')
 
 
 @pytest.mark.parametrize(
