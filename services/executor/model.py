@@ -1,6 +1,6 @@
 """Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too), Qwen2 /
 Qwen3, their mixtures of experts included (`moe.py`), Gemma 2 and 3, gpt-oss, SmolLM3 and
-OLMo 2, on a flat token batch.
+OLMo 2 and 3, on a flat token batch.
 
 A step's tokens from all requests are concatenated into one batch of T tokens; the
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         eps = cfg.rms_norm_eps
         self.input_layernorm = None if cfg.olmo_norms else RMSNorm(h, eps, device, dtype, kernels)
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
-        # Per head, or (OLMo 2) over the whole q and k projections.
+        # Per head, or (OLMo 2 and 3) over the whole q and k projections.
         self.qk_norm_heads = not cfg.olmo_norms
         q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
         self.q_norm = RMSNorm(q_norm, eps, device, dtype) if cfg.qk_norm else None
@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
         self.post_attention_layernorm = RMSNorm(h, eps, device, dtype, kernels)
-        # Gemma's and OLMo 2's norms of its attention's and MLP's outputs: post_attention_layernorm
+        # Gemma's and OLMo's norms of the attention's and MLP's outputs: post_attention_layernorm
         # then normalizes the attention's output rather than the MLP's input (Gemma's
         # pre_feedforward_layernorm does that).
         self.output_norms = cfg.gemma_norms or cfg.olmo_norms
