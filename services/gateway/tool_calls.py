@@ -8,7 +8,10 @@ and the calls read back out of its text, whole or as it streams.
 * ``auto``: free text in which the model's own format marks its calls; the parser the
   gateway was started with finds them. ``hermes``: ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>``, as Qwen2.5, Qwen3 and Hermes models write them; ``llama3_json``:
-  an output that is ``{"name": ..., "parameters": {...}}`` objects, as Llama 3.1-3.3 write.
+  an output that is ``{"name": ..., "parameters": {...}}`` objects, as Llama 3.1-3.3 write;
+  ``pythonic``: an output that is a Python list of calls, ``[f(a=1), g(b="x")]``, as Llama 3.2
+  and 4 write (vLLM's parser of the name); ``openai``: gpt-oss' harmony messages (read whole
+  by ``harmony.py``).
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -17,12 +20,13 @@ the streamed deltas add up to.
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "openai")  # the last: harmony.py
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "openai")  # openai: harmony.py
 
 ToolChoiceKind = Literal["named", "required", "auto"]
 
@@ -286,6 +290,61 @@ class HermesReader:
         return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
 
 
+class PythonicReader:
+    """Llama 3.2's and 4's calls: an output that begins with ``[`` (or Llama 4's
+    ``<|python_start|>``) is a Python list of calls with keyword arguments of literal values,
+    read when the output ends (each call one delta then); one that does not parse so, and
+    any other output, is content as written."""
+
+    TAGS = ("<|python_start|>", "<|python_end|>")
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._text = ""
+        self._is_content = False
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._is_content:
+            return text, []
+        self._text += text
+        start = self._text.lstrip()
+        if not start or start.startswith("[") or self.TAGS[0].startswith(start[:16]):
+            return "", []  # held until the end, when the list is read whole
+        self._is_content = True
+        text, self._text = self._text, ""
+        return text, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        text, self._text = self._text, ""
+        source = text.strip().removeprefix(self.TAGS[0]).removesuffix(self.TAGS[1])
+        calls = None if self._is_content else self._calls(source)
+        if calls is None:
+            return text, []
+        self.calls += calls
+        return "", [call.delta(i) for i, call in enumerate(calls)]
+
+    @staticmethod
+    def _calls(source: str) -> list[ToolCall] | None:
+        try:
+            tree = ast.parse(source.strip(), mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            calls = []
+            for node in tree.elts:
+                if (
+                    not isinstance(node, ast.Call)
+                    or not isinstance(node.func, ast.Name)
+                    or node.args
+                    or any(kw.arg is None for kw in node.keywords)
+                ):
+                    return None
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                calls.append(ToolCall(node.func.id, _arguments_text(arguments)))
+            return calls
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return None
+
+
 def tag_prefix_at_end(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag``."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
@@ -308,7 +367,9 @@ class ToolChoice:
             return NamedCallReader(self.name)
         if self.kind == "required":
             return JsonCallReader(2)
-        return HermesReader() if self.parser == "hermes" else Llama3JsonReader()
+        return {"hermes": HermesReader, "pythonic": PythonicReader}.get(
+            self.parser or "", Llama3JsonReader
+        )()
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call (not when a named function

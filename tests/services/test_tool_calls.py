@@ -26,6 +26,7 @@ from weir.services.gateway.tool_calls import (
     JsonCallReader,
     Llama3JsonReader,
     NamedCallReader,
+    PythonicReader,
 )
 from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.client import InvalidRequestError, WeirClient
@@ -536,6 +537,54 @@ def test_auto_reads_llama3_json_calls_out_of_the_text(server, stream):
         ),
         ("Snow {all week}.", [], "stop"),
     ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_pythonic_calls_out_of_the_text(server, stream):
+    """--tool-call-parser pythonic (Llama 3.2's and 4's format): an output that is a Python
+    list of calls is calls; any other, or a list that is not of calls, is content."""
+    calls_text = '[get_weather(city="Oslo", days=3), get_time()]'
+    with GatewayProcess(
+        [server.client_address], parsers=ChatParsers(tool_call="pythonic")
+    ) as gateway:
+        llama = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
+        got = []
+        for text in (calls_text, "Snow [all week].", "[get_weather(city=Oslo)]"):
+            kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": 120}
+            got.append(_answer(llama, stream, **kwargs)[:3])
+    assert got == [
+        (
+            "" if stream else None,
+            [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", "{}")],
+            "tool_calls",
+        ),
+        ("Snow [all week].", [], "stop"),
+        ("[get_weather(city=Oslo)]", [], "stop"),  # Oslo is a name, not a literal
+    ]
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_a_pythonic_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    def read(text):
+        reader, content, deltas = PythonicReader(), [], []
+        for i in range(0, len(text), step):
+            piece, found = reader.feed(text[i : i + step])
+            content.append(piece)
+            deltas += found
+        rest, found = reader.finish()
+        calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas + found]
+        assert [d["index"] for d in deltas + found] == list(range(len(calls)))
+        return "".join(content) + rest, calls
+
+    llama4 = ' <|python_start|>[f(a=[1, {"b": None}], c=True)]<|python_end|>'
+    assert read(llama4) == ("", [("f", '{"a": [1, {"b": null}], "c": true}')])
+    assert read("[f(s='])'), g()]") == ("", [("f", '{"s": "])"}'), ("g", "{}")])
+    assert read("[f(1)]") == ("[f(1)]", [])  # positional: no parameter names
+    assert read("[f(a=1)] and more") == ("[f(a=1)] and more", [])
+    assert read("[f(a=") == ("[f(a=", [])  # cut short
+    assert read("[]") == ("[]", [])
+    assert read("Hi [f(a=1)]") == ("Hi [f(a=1)]", [])
+    assert read("<|python_s") == ("<|python_s", [])
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
