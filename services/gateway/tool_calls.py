@@ -367,9 +367,9 @@ class ToolChoice:
             return NamedCallReader(self.name)
         if self.kind == "required":
             return JsonCallReader(2)
-        return {"hermes": HermesReader, "pythonic": PythonicReader}.get(
-            self.parser or "", Llama3JsonReader
-        )()
+        if self.parser == "hermes":
+            return HermesReader()
+        return PythonicReader() if self.parser == "pythonic" else Llama3JsonReader()
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call (not when a named function
