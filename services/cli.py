@@ -474,7 +474,8 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
         help="the model's tool-call format, which the API reads calls out of under tool_choice "
         "'auto' (hermes: <tool_call>{...}</tool_call>, Qwen2.5/Qwen3; llama3_json: "
         '{"name": ..., "parameters": ...}, Llama 3.1-3.3; pythonic: [f(a=1), g(b="x")], '
-        "Llama 3.2 and 4; openai: gpt-oss' harmony messages to functions.NAME); without it "
+        "Llama 3.2 and 4; qwen3_coder: <tool_call><function=NAME><parameter=KEY>..., "
+        "Qwen3-Coder; openai: gpt-oss' harmony messages to functions.NAME); without it "
         "'auto' is refused, and 'required' or a named function still work",
     )
     p.add_argument(

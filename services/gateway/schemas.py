@@ -684,7 +684,11 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         if isinstance(choice, NamedToolChoice):
             tool_choice = ToolChoice("named", choice.function.name)
         elif choice != "none" and self.tools:
-            tool_choice = ToolChoice(choice, parser=parsers.tool_call)
+            properties = {
+                t.function.name: (t.function.parameters or {}).get("properties", {})
+                for t in self.tools
+            }
+            tool_choice = ToolChoice(choice, parser=parsers.tool_call, properties=properties)
         # A harmony model's messages are read whole, but a named or required call's output,
         # which holds to its JSON from the first token.
         harmony = parsers.harmony and (tool_choice is None or tool_choice.kind == "auto")

@@ -10,8 +10,10 @@ and the calls read back out of its text, whole or as it streams.
   {...}}</tool_call>``, as Qwen2.5, Qwen3 and Hermes models write them; ``llama3_json``:
   an output that is ``{"name": ..., "parameters": {...}}`` objects, as Llama 3.1-3.3 write;
   ``pythonic``: an output that is a Python list of calls, ``[f(a=1), g(b="x")]``, as Llama 3.2
-  and 4 write (vLLM's parser of the name); ``openai``: gpt-oss' harmony messages (read whole
-  by ``harmony.py``).
+  and 4 write (vLLM's parser of the name); ``qwen3_coder``: Qwen3-Coder's ``<tool_call>
+  <function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`` blocks, each
+  value read by its parameter's type in the tool's schema; ``openai``: gpt-oss' harmony
+  messages (read whole by ``harmony.py``).
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -21,12 +23,16 @@ the streamed deltas add up to.
 from __future__ import annotations
 
 import ast
+import functools
 import json
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "openai")  # openai: harmony.py
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "qwen3_coder", "openai")
+# (openai: harmony.py)
 
 ToolChoiceKind = Literal["named", "required", "auto"]
 
@@ -220,17 +226,19 @@ class Llama3JsonReader:
 
 
 class HermesReader:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in free text. Text
-    before the first call streams as content (less what may begin a tag); text between and
-    after calls is content unless it is only whitespace; a block that is not such a call, or
-    is cut short, is content as written."""
+    """``<tool_call>...</tool_call>`` blocks in free text, each read by ``parse`` (hermes':
+    ``{"name": ..., "arguments": {...}}``; Qwen3-Coder's: `xml_call`). Text before the first
+    call streams as content (less what may begin a tag); text between and after calls is
+    content unless it is only whitespace; a block that is not such a call, or is cut short,
+    is content as written."""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, parse: Callable[[str], ToolCall | None] | None = None) -> None:
         self.calls: list[ToolCall] = []
         self._pending = ""
         self._inside = False
+        self._call = parse or json_call
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._pending += text
@@ -279,15 +287,60 @@ class HermesReader:
     def _outside(self, text: str) -> str:
         return "" if self.calls and not text.strip() else text
 
-    @staticmethod
-    def _call(block: str) -> ToolCall | None:
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or type(call.get("name")) is not str:
-            return None
-        return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
+
+def json_call(block: str) -> ToolCall | None:
+    """A hermes block's call: ``{"name": ..., "arguments": {...}}``."""
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or type(call.get("name")) is not str:
+        return None
+    return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def xml_call(properties: dict[str, dict[str, Any]], block: str) -> ToolCall | None:
+    """A Qwen3-Coder block's call: ``<function=NAME>`` and its ``<parameter=KEY>VALUE
+    </parameter>``s, each value (less the newline that opens and the one that closes it)
+    read by the type ``properties[NAME][KEY]`` gives it, as vLLM's parser reads it: a
+    string as written, a number or boolean by its text, an object or array as JSON; a type
+    not given is read as a Python literal where it is one, else as the string."""
+    match = _XML_FUNCTION.fullmatch(block)
+    if match is None:
+        return None
+    name, body = match.groups()
+    if _XML_PARAMETER.sub("", body).strip():
+        return None  # text outside the parameters: not a call
+    schema = properties.get(name, {})
+    arguments = {}
+    for key, raw in _XML_PARAMETER.findall(body):
+        value = raw.removeprefix("\n").removesuffix("\n")
+        arguments[key] = _typed(value, schema.get(key, {}).get("type"))
+    return ToolCall(name, _arguments_text(arguments))
+
+
+def _typed(value: str, kind: Any) -> Any:
+    if value.strip().lower() == "null":
+        return None
+    try:
+        if kind == "string":
+            return value
+        if kind == "integer":
+            return int(value.strip())
+        if kind == "number":
+            number = float(value.strip())
+            return int(number) if number.is_integer() and "." not in value else number
+        if kind == "boolean":
+            return value.strip().lower() == "true"
+        if kind in ("object", "array"):
+            return json.loads(value)
+        return ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
 
 
 class PythonicReader:
@@ -360,6 +413,8 @@ class ToolChoice:
     kind: ToolChoiceKind
     name: str | None = None  # the named function's
     parser: str | None = None  # auto's: one of TOOL_CALL_PARSERS (None: the server has none)
+    # Each tool's parameters' schemas by name, which qwen3_coder reads its values by.
+    properties: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def reader(self) -> ToolCallReader:
         if self.kind == "named":
@@ -369,6 +424,8 @@ class ToolChoice:
             return JsonCallReader(2)
         if self.parser == "hermes":
             return HermesReader()
+        if self.parser == "qwen3_coder":
+            return HermesReader(functools.partial(xml_call, self.properties))
         return PythonicReader() if self.parser == "pythonic" else Llama3JsonReader()
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:

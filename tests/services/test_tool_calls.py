@@ -27,6 +27,7 @@ from weir.services.gateway.tool_calls import (
     Llama3JsonReader,
     NamedCallReader,
     PythonicReader,
+    xml_call,
 )
 from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.client import InvalidRequestError, WeirClient
@@ -175,9 +176,9 @@ def _hf_format(smollm2, schema, max_tokens: int) -> str:
 
 
 def _call(client, messages=ASK, **kwargs):
-    kwargs = {"max_tokens": 80, "temperature": 0, **kwargs}
+    kwargs = {"max_tokens": 80, "temperature": 0, "tools": TOOLS, **kwargs}
     return client.chat.completions.create(
-        model=client.models.list().data[0].id, messages=messages, tools=TOOLS, **kwargs
+        model=client.models.list().data[0].id, messages=messages, **kwargs
     )
 
 
@@ -561,6 +562,68 @@ def test_auto_reads_pythonic_calls_out_of_the_text(server, stream):
         ("Snow [all week].", [], "stop"),
         ("[get_weather(city=Oslo)]", [], "stop"),  # Oslo is a name, not a literal
     ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_qwen3_coder_calls_out_of_the_text(server, stream):
+    """--tool-call-parser qwen3_coder: <tool_call> blocks of <function=NAME> and its
+    <parameter=KEY> values, each read by its type in the tool's schema (days an integer,
+    the string "3" where the schema says string: Oslo's twin tool)."""
+    block = (
+        "<tool_call>\n<function={name}>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    text = "Checking.\n" + block.format(name="get_weather") + "\n" + block.format(name="echo")
+    echo = {
+        "type": "function",
+        "function": {
+            "name": "echo",
+            "parameters": {"type": "object", "properties": {"days": {"type": "string"}}},
+        },
+    }
+    with GatewayProcess(
+        [server.client_address], parsers=ChatParsers(tool_call="qwen3_coder")
+    ) as gateway:
+        qwen = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
+        kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": None}
+        got = _answer(qwen, stream, tools=[*TOOLS, echo], **kwargs)[:3]
+    assert got == (
+        "Checking.\n",
+        [
+            ("get_weather", '{"city": "Oslo", "days": 3}'),
+            ("echo", '{"city": "Oslo", "days": "3"}'),
+        ],
+        "tool_calls",
+    )
+
+
+def test_qwen3_coder_values_are_read_by_their_schema_types():
+    properties = {
+        "f": {
+            "s": {"type": "string"},
+            "i": {"type": "integer"},
+            "n": {"type": "number"},
+            "b": {"type": "boolean"},
+            "o": {"type": "object"},
+            "a": {"type": "array"},
+        }
+    }
+    values = {"s": "\n 007 \n", "i": "42", "n": "2.5", "b": "false", "o": '{"k": [1]}',
+              "a": "[1, 2]", "u": "[3]", "w": "two words", "z": "null"}  # fmt: skip
+    block = (
+        "<function=f>"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>" for k, v in values.items())
+        + "</function>"
+    )
+    call = xml_call(properties, block)
+    assert json.loads(call.arguments) == {
+        "s": "\n 007 \n", "i": 42, "n": 2.5, "b": False, "o": {"k": [1]}, "a": [1, 2],
+        "u": [3], "w": "two words", "z": None,
+    }  # fmt: skip
+    assert xml_call(properties, "<function=f>stray<parameter=s>x</parameter></function>") is None
+    assert xml_call(properties, '{"name": "f"}') is None
+    bad = xml_call(properties, "<function=f><parameter=i>\nmany\n</parameter></function>")
+    assert json.loads(bad.arguments) == {"i": "many"}  # not an integer: the text as written
 
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
