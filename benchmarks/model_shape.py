@@ -1,6 +1,6 @@
 """Write a model directory of a given shape, for `--load-format dummy`.
 
-    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b|phi4-mini|gpt-oss-20b]
+    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b|phi4-mini|gpt-oss-small|gpt-oss-20b]
 
 The directory holds a `config.json` and the default model's tokenizer, no weights:
 `weir bench throughput --model DIR --load-format dummy --baseline hf-static,hf-cb` then
@@ -14,7 +14,9 @@ measures Weir and transformers on random weights of that shape.
 - `phi4-mini`: Phi-4-mini's shape (3.8 B parameters with this vocabulary), LongRoPE and its
   partial rotation, for a GPU.
 - `gpt-oss-20b`: gpt-oss-20b's shape (24 layers of 32 experts, 4 a token; windows of 128
-  on every other layer, attention sinks, YaRN; ~20 B parameters), in bfloat16 for a GPU.
+  on every other layer, attention sinks, YaRN; ~20 B parameters), in bfloat16 for a GPU;
+  `gpt-oss-small` that architecture at `moe-small`'s size (8 layers, hidden 1024, 32 experts
+  of 512 columns, 4 a token), for a CPU.
 """
 
 import argparse
@@ -44,6 +46,25 @@ GEMMA3 = {
     "query_pre_attn_scalar": 256,
     "rope_theta": 1000000.0,
     "rope_local_base_freq": 10000.0,
+}
+GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "max_position_embeddings": 131072,
+    "rope_theta": 150000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "tie_word_embeddings": False,
 }
 SHAPES = {
     "moe-small": dict(
@@ -109,31 +130,24 @@ SHAPES = {
         },
         "tie_word_embeddings": True,
     },
-    "gpt-oss-20b": {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": 2880,
-        "intermediate_size": 2880,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "num_local_experts": 32,
-        "num_experts_per_tok": 4,
-        "sliding_window": 128,
-        "layer_types": ["sliding_attention", "full_attention"] * 12,
-        "max_position_embeddings": 131072,
-        "rope_theta": 150000.0,
-        "rope_scaling": {
-            "rope_type": "yarn",
-            "factor": 32.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 4096,
-        },
-        "tie_word_embeddings": False,
-    },
+    "gpt-oss-20b": dict(
+        GPT_OSS,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+    ),
+    "gpt-oss-small": dict(
+        GPT_OSS,
+        hidden_size=1024,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        layer_types=["sliding_attention", "full_attention"] * 4,
+    ),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
