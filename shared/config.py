@@ -12,6 +12,7 @@ are generated from its fields.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
@@ -340,6 +341,12 @@ class EngineArgs:
     )
     ngram_min: int = _arg(2, SCHEDULER, "shortest n-gram the ngram proposer matches", type=int)
     ngram_max: int = _arg(4, SCHEDULER, "longest n-gram the ngram proposer matches", type=int)
+    speculative_config: str | dict[str, Any] | None = _arg(
+        None,
+        _BOTH,
+        'vLLM\'s form of the four options above, JSON: {"method": "ngram", '
+        '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M}',
+    )
     max_message_size: int = _arg(
         DEFAULT_MAX_MESSAGE_BYTES,
         SCHEDULER,
@@ -436,6 +443,8 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         # What can be told before any process starts; the executor checks the device it got.
+        if self.speculative_config is not None:
+            self._expand_speculative_config()
         if isinstance(self.kv_cache_memory, str):
             try:
                 size = parse_size(self.kv_cache_memory)
@@ -492,6 +501,40 @@ class EngineArgs:
                 f"quantization {self.quantization!r} keeps activations in float32, got dtype "
                 f"{self.dtype!r}: use float32 or leave dtype unset"
             )
+
+    def _expand_speculative_config(self) -> None:
+        """vLLM's ``speculative_config`` (JSON text, or a dict from ``LLM``) set as the
+        options it stands for, and then dropped: the roles get those options."""
+        config = self.speculative_config
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except ValueError as exc:
+                raise ValueError(f"speculative_config: not JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
+        if self.speculative_method is not None:
+            raise ValueError("give speculative_config or speculative_method, not both")
+        keys = {
+            "method": "speculative_method",
+            "num_speculative_tokens": "num_speculative_tokens",
+            "prompt_lookup_min": "ngram_min",
+            "prompt_lookup_max": "ngram_max",
+        }
+        unknown = sorted(set(config) - set(keys))
+        if unknown:
+            raise ValueError(
+                f"speculative_config: {unknown} not supported; it takes {sorted(keys)}"
+            )
+        if config.get("method") not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {SPECULATIVE_METHODS} (drafts from "
+                f"the prompt and output), got {config.get('method')!r}"
+            )
+        for key, name in keys.items():
+            if key in config:
+                object.__setattr__(self, name, config[key])  # frozen
+        object.__setattr__(self, "speculative_config", None)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, role: str) -> None:

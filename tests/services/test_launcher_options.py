@@ -1,6 +1,8 @@
 """`weir serve` and `LLM` forward engine options to the roles' command lines unchanged."""
 
 import argparse
+import json
+import re
 from dataclasses import fields
 
 import pytest
@@ -90,6 +92,27 @@ def test_engine_defaults_are_the_configs_defaults():
     )
     assert not EngineArgs(speculative_method="ngram").scheduler_config(8192).async_scheduling
     assert EngineArgs().cache_config(7, None) == CacheConfig(num_blocks=7)
+
+
+def test_vllms_speculative_config_is_the_four_options_it_stands_for():
+    """vLLM's --speculative-config (a dict for LLM): the roles get the options it stands for."""
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+    args = build_parser().parse_args(["serve", "--speculative-config", config])
+    engine = EngineArgs.from_cli(args)
+    want = EngineArgs(speculative_method="ngram", num_speculative_tokens=3, ngram_max=5)
+    assert engine == want == EngineArgs(speculative_config=json.loads(config))
+    scheduler = build_parser().parse_args(["scheduler", *engine.to_argv("scheduler")])
+    assert EngineArgs.from_cli(scheduler).scheduler_config(100).num_speculative_tokens == 3
+    for bad, words in [
+        ('{"method": "eagle"}', "method must be one of ('ngram',)"),
+        ('{"method": "ngram", "model": "x"}', "['model'] not supported"),
+        ("[1]", "must be a JSON object"),
+        ("{", "not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            EngineArgs(speculative_config=bad)
+    with pytest.raises(ValueError, match="not both"):
+        EngineArgs(speculative_config=config, speculative_method="ngram")
 
 
 def test_unknown_engine_option_is_a_type_error():
