@@ -510,11 +510,11 @@ class EngineArgs:
             try:
                 config = json.loads(config)
             except ValueError as exc:
-                raise ValueError(f"speculative_config: not JSON ({exc})") from None
+                raise ValueError(f"speculative_config is not JSON ({exc})") from None
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
         if self.speculative_method is not None:
-            raise ValueError("give speculative_config or speculative_method, not both")
+            raise ValueError("speculative_config and speculative_method: give one, not both")
         keys = {
             "method": "speculative_method",
             "num_speculative_tokens": "num_speculative_tokens",
@@ -523,12 +523,10 @@ class EngineArgs:
         }
         unknown = sorted(set(config) - set(keys))
         if unknown:
-            raise ValueError(
-                f"speculative_config: {unknown} not supported; it takes {sorted(keys)}"
-            )
+            raise ValueError(f"speculative_config takes {sorted(keys)}; {unknown} not supported")
         if config.get("method") not in SPECULATIVE_METHODS:
             raise ValueError(
-                f"speculative_config: method must be one of {SPECULATIVE_METHODS} (drafts from "
+                f"speculative_config method must be one of {SPECULATIVE_METHODS} (drafts from "
                 f"the prompt and output), got {config.get('method')!r}"
             )
         for key, name in keys.items():
