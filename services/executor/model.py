@@ -37,6 +37,13 @@ CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
 
 
+def norm_dtype_of(cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the RMSNorms' weights: gpt-oss' and OLMo's norms scale in float32 and
+    only then round to the model's dtype, as transformers computes them (an RMSNorm with a
+    float32 weight does); the others scale in the model's dtype, as Llama's."""
+    return torch.float32 if cfg.model_type in ("gpt_oss", "olmo2", "olmo3") else dtype
+
+
 class AttentionSinks(nn.Module):
     """gpt-oss' learned logit per query head (this rank's heads), one more term of each of
     the head's softmax denominators; float32 whatever the model's dtype, as the kernels
@@ -81,25 +88,28 @@ class DecoderLayer(nn.Module):
         # Row-parallel biases are added once, by rank 0, before the partial sums are reduced.
         row_bias = layout.rank == 0
         eps = cfg.rms_norm_eps
-        self.input_layernorm = None if cfg.olmo_norms else RMSNorm(h, eps, device, dtype, kernels)
+        norm_dtype = norm_dtype_of(cfg, dtype)
+        self.input_layernorm = (
+            None if cfg.olmo_norms else RMSNorm(h, eps, device, norm_dtype, kernels)
+        )
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
         # Per head, or (OLMo 2 and 3) over the whole q and k projections.
         self.qk_norm_heads = not cfg.olmo_norms
         q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
-        self.q_norm = RMSNorm(q_norm, eps, device, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_norm, eps, device, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(q_norm, eps, device, norm_dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm, eps, device, norm_dtype) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
-        self.post_attention_layernorm = RMSNorm(h, eps, device, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(h, eps, device, norm_dtype, kernels)
         # Gemma's and OLMo's norms of the attention's and MLP's outputs: post_attention_layernorm
         # then normalizes the attention's output rather than the MLP's input (Gemma's
         # pre_feedforward_layernorm does that).
         self.output_norms = cfg.gemma_norms or cfg.olmo_norms
         self.pre_feedforward_layernorm = (
-            RMSNorm(h, eps, device, dtype, kernels) if cfg.gemma_norms else None
+            RMSNorm(h, eps, device, norm_dtype, kernels) if cfg.gemma_norms else None
         )
         self.post_feedforward_layernorm = (
-            RMSNorm(h, eps, device, dtype, kernels) if self.output_norms else None
+            RMSNorm(h, eps, device, norm_dtype, kernels) if self.output_norms else None
         )
         # A layer's MLP is either the experts or one gated MLP.
         self.moe = (
@@ -238,7 +248,9 @@ class CausalLM(nn.Module):
             DecoderLayer(i, cfg, self.layout, tp, attention, layer_kernels, device, dtype)
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype, layer_kernels)
+        self.norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, device, norm_dtype_of(cfg, dtype), layer_kernels
+        )
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
