@@ -113,7 +113,7 @@ def _scheduler(args: argparse.Namespace) -> int:
     try:
         engine_args = EngineArgs.from_cli(args)
         model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
-        model_config = read_model_config(model_dir)
+        model_config = read_model_config(model_dir, engine_args.hf_overrides)
         # Refused here, not by each rank as it loads (a group that cannot form waits forever).
         ShardLayout.of(model_config, 0, engine_args.tensor_parallel_size)
         max_model_len = resolve_max_model_len(

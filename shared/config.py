@@ -237,6 +237,13 @@ class EngineArgs:
         'sampling defaults as JSON in generation_config.json\'s keys, e.g. {"temperature": '
         "0.5}: over --generation-config's (with vllm, the only ones)",
     )
+    hf_overrides: str | None = _arg(  # LLM(hf_overrides={...}) gives a dict, made JSON here
+        None,
+        _BOTH,
+        'config.json keys replaced, as JSON, e.g. {"max_position_embeddings": 65536, '
+        '"rope_scaling": {"rope_type": "yarn", "factor": 2.0, '
+        '"original_max_position_embeddings": 32768}} (vLLM\'s; top-level keys, each whole)',
+    )
     load_format: str = _arg(
         "auto",
         _BOTH,
@@ -445,6 +452,17 @@ class EngineArgs:
         # What can be told before any process starts; the executor checks the device it got.
         if self.speculative_config is not None:
             self._expand_speculative_config()
+        if self.hf_overrides is not None:
+            overrides = self.hf_overrides
+            if isinstance(overrides, str):
+                try:
+                    overrides = json.loads(overrides)
+                except ValueError as exc:
+                    raise ValueError(f"hf_overrides is not JSON ({exc})") from None
+            if not isinstance(overrides, dict):
+                raise ValueError(f"hf_overrides must be a JSON object, got {overrides!r}")
+            # One text for every role's command line.
+            object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
         if isinstance(self.kv_cache_memory, str):
             try:
                 size = parse_size(self.kv_cache_memory)

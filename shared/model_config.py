@@ -472,13 +472,19 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
     }
 
 
-def read_model_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
-    """``model_dir/config.json``, checked; ValueError names the file and the problem."""
+def read_model_config(
+    model_dir: str | os.PathLike[str], overrides: str | None = None
+) -> ModelConfig:
+    """``model_dir/config.json``, checked, with ``overrides`` (vLLM's ``--hf-overrides``: a
+    JSON object whose keys replace the file's) over it; ValueError names the file and the
+    problem."""
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if overrides is not None and isinstance(hf, dict):
+        hf = {**hf, **json.loads(overrides)}
     try:
         return ModelConfig.from_hf(hf)
     except ValueError as exc:

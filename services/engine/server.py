@@ -117,7 +117,7 @@ class SchedulerServer:
         self.tokenizer = Tokenizer.from_model_dir(
             model_dir, chat_template_of(self.engine_args.chat_template)
         )
-        self.model_config = read_model_config(model_dir)
+        self.model_config = read_model_config(model_dir, self.engine_args.hf_overrides)
         self.sampling_defaults = read_sampling_defaults(
             self.engine_args.generation_config,
             model_dir,

@@ -166,11 +166,12 @@ class ModelRunner:
         loras: list[LoraModule] | None = None,
         max_lora_rank: int = ENGINE_DEFAULTS.max_lora_rank,
         runner: str = ENGINE_DEFAULTS.runner,
+        hf_overrides: str | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         # Before joining the group: a model that cannot be split fails every rank at once.
-        model_config = read_model_config(self.model_dir)
+        model_config = read_model_config(self.model_dir, hf_overrides)
         ShardLayout.of(model_config, rank, tensor_parallel_size)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -215,6 +216,7 @@ class ModelRunner:
             tp=self.tp,
             quantization=quantization,
             lm_head_optional=self.pooling_runner,
+            hf_overrides=hf_overrides,
         )
         self.config = self.model.config
         # Before the KV cache is sized: adapters take their share of the memory first.

@@ -421,11 +421,13 @@ def load_model(
     tp: TensorParallel | None = None,
     quantization: str | None = None,
     lm_head_optional: bool = False,
+    hf_overrides: str | None = None,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and load its safetensors weights
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
-    rank's shard; with ``quantization``, its weights then quantized (see `quantization`)."""
-    cfg = read_model_config(model_dir)
+    rank's shard; with ``quantization``, its weights then quantized (see `quantization`);
+    with ``hf_overrides``, config.json's keys replaced by those (a JSON object's text)."""
+    cfg = read_model_config(model_dir, hf_overrides)
     dtype = dtype or default_dtype(device)
     check_moe(cfg, torch.device(device), dtype, quantization)
     if attention is None:

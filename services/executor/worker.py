@@ -237,6 +237,7 @@ class ExecutorWorker:
             loras=args.loras,
             max_lora_rank=args.max_lora_rank,
             runner=args.runner,
+            hf_overrides=args.hf_overrides,
         )
 
     def _handshake(

@@ -91,3 +91,37 @@ def test_llm_chat_renders_as_transformers_and_generates_its_greedy_tokens(
     assert going_on.prompt_token_ids == want
     assert tokenizer.decode(want).endswith("The colour is")
     assert going_on.token_ids == hf_greedy(tiny_hf_model, want, 3)
+
+
+def test_hf_overrides_replace_config_keys_for_every_process(tiny_model_dir, tmp_path):
+    """vLLM's hf_overrides: the scheduler (context length) and the executor (rotation) both
+    read config.json with the keys replaced; the tokens are transformers' on a config.json
+    edited alike, not the unchanged model's."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    overrides = {
+        "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50.0},
+        "max_position_embeddings": 256,
+    }
+    edited = tmp_path / "edited"
+    shutil.copytree(tiny_model_dir, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, **overrides}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(edited, dtype=torch.float32).eval()
+    prompt = list(range(5, 45))
+    want = hf_greedy(hf, prompt, 12)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model_dir), hf_overrides=overrides, kv_cache_memory="4MiB") as llm:
+        [got] = llm.generate([prompt], params)
+        with pytest.raises(InvalidRequestError, match="256"):  # the scheduler's context
+            llm.generate([[5] * 300], params)
+    assert got.token_ids == want
+    with LLM(str(tiny_model_dir), kv_cache_memory="4MiB") as llm:
+        [plain] = llm.generate([prompt], params)
+    assert plain.token_ids != want, "the overrides must matter"
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        LLM(str(tiny_model_dir), hf_overrides="[1]")
