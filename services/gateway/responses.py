@@ -299,6 +299,10 @@ class ResponsesRequest(Options):
                 else self.tool_choice or "auto"
             ),
             "tools": [tool.model_dump() for tool in self.tools or ()],
+            "reasoning": {
+                "effort": self.reasoning.effort if self.reasoning else None,
+                "summary": None,
+            },
             "text": {
                 "format": {"type": "text"}
                 if format_ is None

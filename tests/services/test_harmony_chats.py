@@ -208,6 +208,7 @@ def test_reasoning_effort_reaches_the_template(client, model_dir):
         model=MODEL, input=ASK[0]["content"], max_output_tokens=1, reasoning={"effort": "high"}
     )
     assert reply.usage.input_tokens == len(high)
+    assert reply.reasoning.effort == "high"  # echoed, as OpenAI's response does
 
 
 HEAD = "<|channel|>analysis<|message|>think<|end|>"
