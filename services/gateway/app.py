@@ -629,7 +629,12 @@ class Gateway:
                 events.chat if output.plain else ChatChunks(events, output).chat,
                 body.n,
                 self._chunks_ending(base, include_usage, body.n),
-                opening=b"".join(fmt.sse(self._chat_role_chunk(base, i)) for i in range(body.n)),
+                opening=functools.partial(
+                    self._chat_role_chunks,
+                    base,
+                    body.n,
+                    bool(options and options.usage_in_every_chunk),
+                ),
             )
         choices = await self._collect(outputs, body.n, body.return_token_ids)
         return JSONResponse(
@@ -828,10 +833,11 @@ class Gateway:
         num_choices: int,
         ending: Callable[[list[fmt.Choice]], bytes],
         *,
-        opening: bytes = b"",
+        opening: bytes | Callable[[list[tuple[int, list[StreamOutput]]] | None], bytes] = b"",
         failure: Callable[[APIError], bytes] | None = None,
     ) -> StreamingResponse:
-        """A server-sent event stream: ``opening``, a ``chunk`` per output, and ``ending``
+        """A server-sent event stream: ``opening`` (or what it makes of the first batch of
+        outputs), a ``chunk`` per output, and ``ending``
         of the finished choices; a failure before the first output is still an HTTP error
         status, one after it ``failure``'s events (by default an ``error`` body and
         ``[DONE]``, as vLLM ends a failed chat stream). The chunks of the outputs that
@@ -858,7 +864,7 @@ class Gateway:
 
         async def events() -> AsyncIterator[bytes]:
             async with aclosing(outputs):
-                head = opening
+                head = opening if isinstance(opening, bytes) else opening(first)
                 try:
                     if first is not None:
                         head += events_of(first)
@@ -890,18 +896,35 @@ class Gateway:
         return ending
 
     @staticmethod
-    def _chat_role_chunk(base: dict[str, Any], index: int) -> dict[str, Any]:
-        return {
-            **base,
-            "choices": [
+    def _chat_role_chunks(
+        base: dict[str, Any],
+        n: int,
+        with_usage: bool,
+        first: list[tuple[int, list[StreamOutput]]] | None,
+    ) -> bytes:
+        """Each choice's first chunk, its role; ``with_usage`` (continuous usage stats), its
+        usage too: the prompt (every choice's is the one chat's), nothing completed yet."""
+        usage = {}
+        if with_usage:
+            prompt_tokens = first[0][1][0].prompt_tokens if first else 0
+            usage = {"usage": fmt.usage(prompt_tokens, 0)}
+        return b"".join(
+            fmt.sse(
                 {
-                    "index": index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
+                    **base,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    **usage,
                 }
-            ],
-        }
+            )
+            for index in range(n)
+        )
 
 
 def _body_path(body: Any, loc: Sequence[int | str]) -> list[int | str]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable
@@ -91,7 +92,8 @@ def required_schema(
 
 
 def _arguments_text(arguments: Any) -> str:
-    return json.dumps(arguments, ensure_ascii=False)
+    """JSON text; ValueError for a value JSON has no text for (an infinite number)."""
+    return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 class ToolCallReader(Protocol):
@@ -292,11 +294,11 @@ def json_call(block: str) -> ToolCall | None:
     """A hermes block's call: ``{"name": ..., "arguments": {...}}``."""
     try:
         call = json.loads(block)
+        if not isinstance(call, dict) or type(call.get("name")) is not str:
+            return None
+        return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
     except ValueError:
         return None
-    if not isinstance(call, dict) or type(call.get("name")) is not str:
-        return None
-    return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
@@ -307,8 +309,8 @@ def xml_call(properties: dict[str, dict[str, Any]], block: str) -> ToolCall | No
     """A Qwen3-Coder block's call: ``<function=NAME>`` and its ``<parameter=KEY>VALUE
     </parameter>``s, each value (less the newline that opens and the one that closes it)
     read by the type ``properties[NAME][KEY]`` gives it, as vLLM's parser reads it: a
-    string as written, a number or boolean by its text, an object or array as JSON; a type
-    not given is read as a Python literal where it is one, else as the string."""
+    number or boolean by its text, an object or array as JSON, anything else (no type
+    given, or a text that is not of its type) as the string written."""
     match = _XML_FUNCTION.fullmatch(block)
     if match is None:
         return None
@@ -320,7 +322,10 @@ def xml_call(properties: dict[str, dict[str, Any]], block: str) -> ToolCall | No
     for key, raw in _XML_PARAMETER.findall(body):
         value = raw.removeprefix("\n").removesuffix("\n")
         arguments[key] = _typed(value, schema.get(key, {}).get("type"))
-    return ToolCall(name, _arguments_text(arguments))
+    try:
+        return ToolCall(name, _arguments_text(arguments))
+    except ValueError:  # an object's number past JSON's range
+        return None
 
 
 def _typed(value: str, kind: Any) -> Any:
@@ -333,13 +338,15 @@ def _typed(value: str, kind: Any) -> Any:
             return int(value.strip())
         if kind == "number":
             number = float(value.strip())
+            if not math.isfinite(number):
+                return value
             return int(number) if number.is_integer() and "." not in value else number
         if kind == "boolean":
             return value.strip().lower() == "true"
         if kind in ("object", "array"):
             return json.loads(value)
-        return ast.literal_eval(value.strip())
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
+    except (ValueError, RecursionError):
         return value
 
 

@@ -135,8 +135,11 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, clie
     common = dict(model=MODEL, max_tokens=10, temperature=0, stream=True, stream_options=options)
     if chat:
         messages = [{"role": "user", "content": "Count."}]
-        chunks = list(client.chat.completions.create(messages=messages, **common))
-        chunks = chunks[1:]  # the role chunk's prompt is not counted yet
+        chunks = list(client.chat.completions.create(messages=messages, n=2, **common))
+        roles = [c for c in chunks if c.choices and c.choices[0].delta.role]
+        assert [c.choices[0].index for c in roles] == [0, 1]  # each choice's role chunk
+        assert all(c.usage.completion_tokens == 0 for c in roles)
+        chunks = [c for c in chunks if c.choices and c.choices[0].index == 0 or not c.choices]
         texts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     else:
         chunks = list(client.completions.create(prompt="The quick brown fox", **common))
@@ -144,7 +147,8 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, clie
     final = chunks[-1].usage
     with_choices = [c for c in chunks if c.choices]
     counts = [c.usage.completion_tokens for c in with_choices]
-    assert counts == sorted(counts) and counts[-1] == final.completion_tokens
+    choices = 2 if chat else 1  # the final usage counts every choice's tokens
+    assert counts == sorted(counts) and counts[-1] * choices == final.completion_tokens
     assert all(c.usage.prompt_tokens == final.prompt_tokens for c in with_choices)
     assert all(
         c.usage.total_tokens == final.prompt_tokens + n for c, n in zip(with_choices, counts)

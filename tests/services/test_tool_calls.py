@@ -27,6 +27,7 @@ from weir.services.gateway.tool_calls import (
     Llama3JsonReader,
     NamedCallReader,
     PythonicReader,
+    json_call,
     xml_call,
 )
 from weir.services.launcher import GatewayProcess, ServerProcesses
@@ -617,8 +618,14 @@ def test_qwen3_coder_values_are_read_by_their_schema_types():
     call = xml_call(properties, block)
     assert json.loads(call.arguments) == {
         "s": "\n 007 \n", "i": 42, "n": 2.5, "b": False, "o": {"k": [1]}, "a": [1, 2],
-        "u": [3], "w": "two words", "z": None,
+        "u": "[3]", "w": "two words", "z": None,  # u: no type, the text as written
     }  # fmt: skip
+    assert json_call('{"name": "f", "arguments": {"a": Infinity}}') is None  # hermes' too
+    huge = xml_call(properties, "<function=f><parameter=n>1e400</parameter></function>")
+    assert json.loads(huge.arguments) == {"n": "1e400"}  # past a JSON number's range
+    assert (
+        xml_call(properties, '<function=f><parameter=o>{"k": 1e400}</parameter></function>') is None
+    )
     assert xml_call(properties, "<function=f>stray<parameter=s>x</parameter></function>") is None
     assert xml_call(properties, '{"name": "f"}') is None
     bad = xml_call(properties, "<function=f><parameter=i>\nmany\n</parameter></function>")
@@ -642,6 +649,7 @@ def test_a_pythonic_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     assert read(llama4) == ("", [("f", '{"a": [1, {"b": null}], "c": true}')])
     assert read("[f(s='])'), g()]") == ("", [("f", '{"s": "])"}'), ("g", "{}")])
     assert read("[f(1)]") == ("[f(1)]", [])  # positional: no parameter names
+    assert read("[f(a=1e400)]") == ("[f(a=1e400)]", [])  # no JSON for an infinite number
     assert read("[f(a=1)] and more") == ("[f(a=1)] and more", [])
     assert read("[f(a=") == ("[f(a=", [])  # cut short
     assert read("[]") == ("[]", [])
