@@ -43,6 +43,7 @@ FP4_VALUES = (
 )
 _STACKED_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(.*)")
 _QUANTIZED_PARTS = ("_blocks", "_scales")
+_SUFFIXES = ("", "_bias", *_QUANTIZED_PARTS)
 # The checkpoint tensors each of Weir's gpt-oss parameters is read from, for an error to name.
 CHECKPOINT_NAMES = {
     "sinks.weight": "self_attn.sinks",
@@ -131,9 +132,6 @@ def split_gpt_oss_tensors(
         name, parts = next(iter(quantized.items()))
         missing = next(p for p in _QUANTIZED_PARTS if p not in parts)
         raise ValueError(f"checkpoint has {name}{''.join(parts)} but no {name}{missing}")
-
-
-_SUFFIXES = ("", "_bias", *_QUANTIZED_PARTS)
 
 
 def _stacked_shape(cfg: ModelConfig, projection: str, suffix: str) -> tuple[int, ...]:
