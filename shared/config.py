@@ -196,6 +196,19 @@ def _default_of(cls: type, name: str) -> Any:
     return next(f.default for f in fields(cls) if f.name == name)
 
 
+def _json_object(name: str, value: Any) -> dict[str, Any]:
+    """An option given as a JSON object's text (or, from ``LLM``, as a dict), as a dict;
+    ValueError names the option."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{name} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
+
+
 def _arg(default: Any, roles: frozenset[str] | str, help: str, **argparse_kwargs: Any) -> Any:
     """A field of ``EngineArgs``: its default, the roles that take it, and its flag's help."""
     roles = frozenset({roles}) if isinstance(roles, str) else roles
@@ -453,14 +466,7 @@ class EngineArgs:
         if self.speculative_config is not None:
             self._expand_speculative_config()
         if self.hf_overrides is not None:
-            overrides = self.hf_overrides
-            if isinstance(overrides, str):
-                try:
-                    overrides = json.loads(overrides)
-                except ValueError as exc:
-                    raise ValueError(f"hf_overrides is not JSON ({exc})") from None
-            if not isinstance(overrides, dict):
-                raise ValueError(f"hf_overrides must be a JSON object, got {overrides!r}")
+            overrides = _json_object("hf_overrides", self.hf_overrides)
             # One text for every role's command line.
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
         if isinstance(self.kv_cache_memory, str):
@@ -523,14 +529,7 @@ class EngineArgs:
     def _expand_speculative_config(self) -> None:
         """vLLM's ``speculative_config`` (JSON text, or a dict from ``LLM``) set as the
         options it stands for, and then dropped: the roles get those options."""
-        config = self.speculative_config
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except ValueError as exc:
-                raise ValueError(f"speculative_config is not JSON ({exc})") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
+        config = _json_object("speculative_config", self.speculative_config)
         if self.speculative_method is not None:
             raise ValueError("speculative_config and speculative_method: give one, not both")
         keys = {

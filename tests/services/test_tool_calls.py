@@ -632,18 +632,24 @@ def test_qwen3_coder_values_are_read_by_their_schema_types():
     assert json.loads(bad.arguments) == {"i": "many"}  # not an integer: the text as written
 
 
+def read_in_pieces(reader, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
+    """A tool-call reader's content and calls (name, arguments) for ``text`` fed ``step``
+    characters at a time; the calls' indices checked to count up."""
+    content, deltas = [], []
+    for i in range(0, len(text), step):
+        piece, found = reader.feed(text[i : i + step])
+        content.append(piece)
+        deltas += found
+    rest, found = reader.finish()
+    calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas + found]
+    assert [d["index"] for d in deltas + found] == list(range(len(calls)))
+    return "".join(content) + rest, calls
+
+
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_a_pythonic_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     def read(text):
-        reader, content, deltas = PythonicReader(), [], []
-        for i in range(0, len(text), step):
-            piece, found = reader.feed(text[i : i + step])
-            content.append(piece)
-            deltas += found
-        rest, found = reader.finish()
-        calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas + found]
-        assert [d["index"] for d in deltas + found] == list(range(len(calls)))
-        return "".join(content) + rest, calls
+        return read_in_pieces(PythonicReader(), text, step)
 
     llama4 = ' <|python_start|>[f(a=[1, {"b": None}], c=True)]<|python_end|>'
     assert read(llama4) == ("", [("f", '{"a": [1, {"b": null}], "c": true}')])
@@ -660,14 +666,7 @@ def test_a_pythonic_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_a_llama3_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     def read(text):
-        reader, content, deltas = Llama3JsonReader(), [], []
-        for i in range(0, len(text), step):
-            piece, found = reader.feed(text[i : i + step])
-            content.append(piece)
-            deltas += found
-        rest, found = reader.finish()
-        calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas + found]
-        return "".join(content) + rest, calls
+        return read_in_pieces(Llama3JsonReader(), text, step)
 
     assert read(' <|python_tag|>{"name": "f", "parameters": {"s": "};{"}};{"name": "g"') == (
         '{"name": "g"',
