@@ -17,6 +17,7 @@ import re
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from weir.shared.config_fields import json_object
 from weir.shared.lora import LoraModule, parse_lora_modules
 from weir.shared.pooling import RUNNERS
 
@@ -194,19 +195,6 @@ def parse_size(text: str) -> int:
 
 def _default_of(cls: type, name: str) -> Any:
     return next(f.default for f in fields(cls) if f.name == name)
-
-
-def _json_object(name: str, value: Any) -> dict[str, Any]:
-    """An option given as a JSON object's text (or, from ``LLM``, as a dict), as a dict;
-    ValueError names the option."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise ValueError(f"{name} is not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}")
-    return value
 
 
 def _arg(default: Any, roles: frozenset[str] | str, help: str, **argparse_kwargs: Any) -> Any:
@@ -466,7 +454,7 @@ class EngineArgs:
         if self.speculative_config is not None:
             self._expand_speculative_config()
         if self.hf_overrides is not None:
-            overrides = _json_object("hf_overrides", self.hf_overrides)
+            overrides = json_object("hf_overrides", self.hf_overrides)
             # One text for every role's command line.
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
         if isinstance(self.kv_cache_memory, str):
@@ -529,7 +517,7 @@ class EngineArgs:
     def _expand_speculative_config(self) -> None:
         """vLLM's ``speculative_config`` (JSON text, or a dict from ``LLM``) set as the
         options it stands for, and then dropped: the roles get those options."""
-        config = _json_object("speculative_config", self.speculative_config)
+        config = json_object("speculative_config", self.speculative_config)
         if self.speculative_method is not None:
             raise ValueError("speculative_config and speculative_method: give one, not both")
         keys = {

@@ -1,8 +1,22 @@
 """Typed reads of a Hugging Face config.json's keys: each ValueError names the key and what
 it holds."""
 
+import json
 import math
 from typing import Any
+
+
+def json_object(name: str, value: Any) -> dict[str, Any]:
+    """An option or file given as a JSON object's text (or, from Python, as a dict), as a
+    dict; ValueError names ``name``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{name} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
 
 
 def mapping(hf: dict[str, Any], key: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from weir.shared.config_fields import json_object
 from weir.shared.model_config import read_json
 
 RUNNERS = ("auto", "generate", "pooling")
@@ -156,12 +157,7 @@ def read_pooler_config(
 def _override(text: str | None) -> dict[str, Any]:
     if not text:
         return {}
-    try:
-        given = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"pooler_config: not JSON ({exc})") from None
-    if not isinstance(given, dict):
-        raise ValueError("pooler_config must be a JSON object")
+    given = json_object("pooler_config", text)
     unknown = set(given) - {"pooling_type", "normalize"}
     if unknown:
         raise ValueError(

@@ -10,10 +10,10 @@ leaves out, or null, keeps Weir's default. ``vllm`` reads none; a directory read
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from weir.shared.config_fields import json_object
 from weir.shared.sampling import SamplingParams
 
 # generation_config.json's key -> SamplingParams' field
@@ -41,10 +41,10 @@ def read_sampling_defaults(
         if source != "auto" and not path.is_file():
             raise ValueError(f"--generation-config {source}: no generation_config.json there")
         if path.is_file():
-            config = _object(path.read_text(encoding="utf-8"), str(path))
+            config = json_object(str(path), path.read_text(encoding="utf-8"))
             sources.append(str(path))
     if override is not None:
-        config = {**config, **_object(override, "--override-generation-config")}
+        config = {**config, **json_object("--override-generation-config", override)}
         sources.append("--override-generation-config")
     defaults = {field: config[key] for key, field in _KEYS.items() if config.get(key) is not None}
     try:
@@ -52,16 +52,6 @@ def read_sampling_defaults(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{' with '.join(sources)}: {exc}") from None
     return {field: getattr(params, field) for field in defaults}
-
-
-def _object(text: str, name: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{name}: not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name}: must hold a JSON object")
-    return value
 
 
 def with_defaults(defaults: dict[str, Any], **given: Any) -> dict[str, Any]:

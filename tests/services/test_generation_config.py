@@ -45,7 +45,7 @@ def test_the_files_defaults_are_read_and_checked(recommending_dir, tmp_path):
         "top_k": 7,
     }
     assert read_sampling_defaults("vllm", recommending_dir, '{"min_p": 0.1}') == {"min_p": 0.1}
-    with pytest.raises(ValueError, match="--override-generation-config: must hold a JSON object"):
+    with pytest.raises(ValueError, match="--override-generation-config must be a JSON object"):
         read_sampling_defaults("auto", recommending_dir, "[1]")
     with pytest.raises(ValueError, match="with --override-generation-config: temperature"):
         read_sampling_defaults("auto", recommending_dir, '{"temperature": -1}')
