@@ -305,7 +305,7 @@ _XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTA
 _XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
 
 
-def xml_call(properties: dict[str, dict[str, Any]], block: str) -> ToolCall | None:
+def xml_call(properties: dict[str, Any], block: str) -> ToolCall | None:
     """A Qwen3-Coder block's call: ``<function=NAME>`` and its ``<parameter=KEY>VALUE
     </parameter>``s, each value (less the newline that opens and the one that closes it)
     read by the type ``properties[NAME][KEY]`` gives it, as vLLM's parser reads it: a
@@ -317,11 +317,14 @@ def xml_call(properties: dict[str, dict[str, Any]], block: str) -> ToolCall | No
     name, body = match.groups()
     if _XML_PARAMETER.sub("", body).strip():
         return None  # text outside the parameters: not a call
-    schema = properties.get(name, {})
+    # The request's schema, as its client wrote it: any JSON where an object is expected
+    # leaves the values untyped.
+    schema = properties.get(name)
     arguments = {}
     for key, raw in _XML_PARAMETER.findall(body):
         value = raw.removeprefix("\n").removesuffix("\n")
-        arguments[key] = _typed(value, schema.get(key, {}).get("type"))
+        spec = schema.get(key) if isinstance(schema, dict) else None
+        arguments[key] = _typed(value, spec.get("type") if isinstance(spec, dict) else None)
     try:
         return ToolCall(name, _arguments_text(arguments))
     except ValueError:  # an object's number past JSON's range
@@ -421,7 +424,7 @@ class ToolChoice:
     name: str | None = None  # the named function's
     parser: str | None = None  # auto's: one of TOOL_CALL_PARSERS (None: the server has none)
     # Each tool's parameters' schemas by name, which qwen3_coder reads its values by.
-    properties: dict[str, dict[str, Any]] = field(default_factory=dict)
+    properties: dict[str, Any] = field(default_factory=dict)
 
     def reader(self) -> ToolCallReader:
         if self.kind == "named":

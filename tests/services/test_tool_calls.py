@@ -630,6 +630,11 @@ def test_qwen3_coder_values_are_read_by_their_schema_types():
     assert xml_call(properties, '{"name": "f"}') is None
     bad = xml_call(properties, "<function=f><parameter=i>\nmany\n</parameter></function>")
     assert json.loads(bad.arguments) == {"i": "many"}  # not an integer: the text as written
+    # A client's schema that is no schema (properties not an object, a property a string)
+    # leaves its values untyped rather than failing the response.
+    for odd in ({"f": "x"}, {"f": {"i": "integer"}}, {"f": {"i": {"type": ["integer", "null"]}}}):
+        call = xml_call(odd, "<function=f><parameter=i>\n4\n</parameter></function>")
+        assert json.loads(call.arguments) == {"i": "4"}
 
 
 def read_in_pieces(reader, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
