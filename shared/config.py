@@ -536,6 +536,8 @@ class EngineArgs:
             )
         for key, name in keys.items():
             if key in config:
+                if key != "method":  # the roles would refuse a number's text at their start
+                    _check_int(f"speculative_config {key}", config[key], 1)
                 object.__setattr__(self, name, config[key])  # frozen
         object.__setattr__(self, "speculative_config", None)
 

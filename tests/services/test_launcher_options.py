@@ -108,6 +108,11 @@ def test_vllms_speculative_config_is_the_four_options_it_stands_for():
         ('{"method": "ngram", "model": "x"}', "['model'] not supported"),
         ("[1]", "must be a JSON object"),
         ("{", "not JSON"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": "3"}',
+            "num_speculative_tokens must be an int",
+        ),
+        ('{"method": "ngram", "prompt_lookup_min": 0}', "prompt_lookup_min must be >= 1"),
     ]:
         with pytest.raises(ValueError, match=re.escape(words)):
             EngineArgs(speculative_config=bad)
