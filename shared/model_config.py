@@ -191,6 +191,9 @@ class ModelConfig:
     # each residual add (post_attention_layernorm, post_feedforward_layernorm), and its q/k
     # norms span the whole projection, not each head.
     olmo_norms: bool = False
+    # gpt-oss' and OLMo's RMSNorms scale in float32 and only then round to the model's dtype
+    # (their weights kept in float32); the others scale in the model's dtype, as Llama's.
+    float32_norms: bool = False
     # Gemma 2's soft caps: each attention score s becomes c * tanh(s / c), and each logit
     # likewise with its own c; None: no cap.
     attn_logit_softcapping: float | None = None
@@ -289,6 +292,7 @@ class ModelConfig:
             mlp_bias=model_type in ("llama", "granite", "smollm3") and flag(hf, "mlp_bias"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
             olmo_norms=model_type in ("olmo2", "olmo3"),
+            float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),

@@ -549,3 +549,17 @@ def test_a_gpt_oss_checkpoint_that_does_not_fit_is_refused_by_its_tensors_names(
         },  # fmt: skip
         rf"{experts}\.gate_up_proj: MXFP4 blocks and scales are uint8, not torch.uint8 and torch.float32",
     )
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "olmo2", "smollm3"])
+def test_bfloat16_norms_round_as_transformers_norms_do(kind, tmp_path):
+    """gpt-oss' and OLMo's RMSNorms scale in float32 before rounding to bfloat16, Llama's
+    (SmolLM3's) after: on a bfloat16 checkpoint, the final norm's bf16 output is
+    transformers' own, bit for bit."""
+    save_model(kind, tmp_path / "f32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "f32", dtype=torch.bfloat16)
+    hf.save_pretrained(tmp_path / "bf16")
+    model = load_model(tmp_path / "bf16", dtype=torch.bfloat16)
+    x = (3 * torch.randn(64, 64, generator=torch.Generator().manual_seed(1))).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(model.norm(x), hf.model.norm(x))

@@ -37,13 +37,6 @@ CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
 
 
-def norm_dtype_of(cfg: ModelConfig, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the RMSNorms' weights: gpt-oss' and OLMo's norms scale in float32 and
-    only then round to the model's dtype, as transformers computes them (an RMSNorm with a
-    float32 weight does); the others scale in the model's dtype, as Llama's."""
-    return torch.float32 if cfg.model_type in ("gpt_oss", "olmo2", "olmo3") else dtype
-
-
 class AttentionSinks(nn.Module):
     """gpt-oss' learned logit per query head (this rank's heads), one more term of each of
     the head's softmax denominators; float32 whatever the model's dtype, as the kernels
@@ -88,7 +81,7 @@ class DecoderLayer(nn.Module):
         # Row-parallel biases are added once, by rank 0, before the partial sums are reduced.
         row_bias = layout.rank == 0
         eps = cfg.rms_norm_eps
-        norm_dtype = norm_dtype_of(cfg, dtype)
+        norm_dtype = torch.float32 if cfg.float32_norms else dtype
         self.input_layernorm = (
             None if cfg.olmo_norms else RMSNorm(h, eps, device, norm_dtype, kernels)
         )
@@ -249,7 +242,11 @@ class CausalLM(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(
-            cfg.hidden_size, cfg.rms_norm_eps, device, norm_dtype_of(cfg, dtype), layer_kernels
+            cfg.hidden_size,
+            cfg.rms_norm_eps,
+            device,
+            torch.float32 if cfg.float32_norms else dtype,
+            layer_kernels,
         )
         self.lm_head = (
             None
