@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weir.shared.checkpoint_quantization import (
+    CheckpointQuantization,
+    read_checkpoint_quantization,
+)
 from weir.shared.config_fields import count, flag, mapping, positive
 from weir.shared.rope_config import RopeConfig, read_rope
 
@@ -201,6 +205,8 @@ class ModelConfig:
     # Read from a multimodal checkpoint's text_config (TEXT_OF_MULTIMODAL): its language
     # model's weights are named under language_model.
     multimodal: bool = False
+    # How the checkpoint's weights are quantized (dequantized as they load); None: they are not.
+    checkpoint_quantization: CheckpointQuantization | None = None
 
     # Granite's scalars: the embedding's and each residual branch's factor, the attention's
     # scale (None: head_dim ** -0.5) and the divisor of the logits.
@@ -228,7 +234,12 @@ class ModelConfig:
             # The whole model's tie_word_embeddings ties its head, as transformers reads it.
             tied = hf.get("tie_word_embeddings")
             tied = True if tied is None else flag(hf, "tie_word_embeddings")
-            return dataclasses.replace(text, multimodal=True, tie_word_embeddings=tied)
+            return dataclasses.replace(
+                text,
+                multimodal=True,
+                tie_word_embeddings=tied,
+                checkpoint_quantization=read_checkpoint_quantization(hf, text.model_type),
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"config.json: unsupported model_type {model_type!r}; "
@@ -296,6 +307,7 @@ class ModelConfig:
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
+            checkpoint_quantization=read_checkpoint_quantization(hf, model_type),
             **_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
             **_gemma(model_type, hf),

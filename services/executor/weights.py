@@ -22,6 +22,7 @@ from weir.services.executor.moe import check_moe
 from weir.services.executor.packed_weights import can_pack, pack_model
 from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.quantization import quantize_model
+from weir.services.executor.quantized_checkpoint import dequantized_tensors
 from weir.shared.model_config import ModelConfig, read_model_config
 from weir.shared.shard_layout import ShardLayout
 
@@ -438,7 +439,12 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
     elif load_format == "auto":
-        tensors = iter_safetensors(model_dir)
+        quantized = cfg.checkpoint_quantization
+        tensors = (
+            iter_safetensors(model_dir)
+            if quantized is None or quantized.method == "mxfp4"
+            else dequantized_tensors(checkpoint_files(model_dir), quantized)
+        )
         if cfg.model_type == "gpt_oss":
             tensors = split_gpt_oss_tensors(tensors, cfg)
         load_weights(model, tensors, lm_head_optional)

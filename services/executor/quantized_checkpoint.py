@@ -1,0 +1,190 @@
+"""A quantized checkpoint's tensors read as the unquantized checkpoint's (see
+`weir.shared.checkpoint_quantization` for the formats).
+
+Each quantized weight ``X.weight`` (FP8 or INT8 codes, or ``X.weight_packed``: integers of
+``b`` bits packed densely into int32, the row's element ``e`` at bit ``e * b``, offset by
+``2^(b-1)``) is yielded under its plain name as a `DequantizedWeight`: codes, less their
+zero points, times their scales, each scale covering a block of the weight (a tensor's
+one, a row's, a group of a row's columns, or a rows x columns block). The loader asks it
+for a rank's rows and columns only, as it asks any tensor; its scales, zero points and the
+unused activation and KV cache scales are not yielded. The scale of a weight may sit in
+another file of a sharded checkpoint: every file is opened first. GPTQ's activation order,
+as older compressed-tensors versions saved it (``weight_g_idx``), is refused.
+"""
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from weir.shared.checkpoint_quantization import CheckpointQuantization
+
+if TYPE_CHECKING:  # weights.py reads its quantized checkpoints through this module
+    from weir.services.executor.weights import TensorSource
+
+# safetensors' names of the dtypes of codes.
+_CODES = ("F8_E4M3", "F8_E5M2", "I8")
+# A quantized module's tensors besides its codes: read with them, not loaded on their own.
+_PARTS = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape")
+# Scales of activations and of an FP8 KV cache: Weir keeps both in the model's dtype.
+_UNUSED = ("input_scale", "input_zero_point", "output_scale", "activation_scale")
+_UNUSED += ("k_scale", "v_scale", "q_scale", "prob_scale")
+
+
+def dequantized_tensors(
+    files: list[Path], quantization: CheckpointQuantization
+) -> Iterator[tuple[str, "TensorSource"]]:
+    """Every tensor of the checkpoint ``files``, lazily, quantized weights dequantized."""
+    opened: dict[Path, Any] = {}
+    for path in files:
+        try:
+            opened[path] = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:  # truncated, empty, not safetensors
+            raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
+    where = {name: f for f in opened.values() for name in f.keys()}
+    for f in opened.values():
+        for name in f.keys():
+            module, _, kind = name.rpartition(".")
+            if kind == "weight_g_idx":
+                raise ValueError(
+                    f"{name}: GPTQ's activation order (group indices) is not read; take a "
+                    'checkpoint quantized without it (actorder null or "weight")'
+                )
+            if kind in _PARTS or kind in _UNUSED:
+                continue
+            if kind == "weight_packed":
+                yield f"{module}.weight", _weight(module, f.get_slice(name), where, quantization)
+            elif kind == "weight" and f.get_slice(name).get_dtype() in _CODES:
+                yield name, _weight(module, f.get_slice(name), where, quantization)
+            else:
+                yield name, f.get_slice(name)
+
+
+def _weight(
+    module: str, codes: Any, where: dict[str, Any], quantization: CheckpointQuantization
+) -> "DequantizedWeight":
+    def part(kind: str) -> torch.Tensor | None:
+        name = f"{module}.{kind}"
+        return where[name].get_tensor(name) if name in where else None
+
+    scale = part("weight_scale_inv")
+    scale = part("weight_scale") if scale is None else scale
+    if scale is None:
+        raise ValueError(
+            f"{module}.weight is quantized ({codes.get_dtype()}) but the checkpoint has no "
+            f"{module}.weight_scale_inv or {module}.weight_scale"
+        )
+    packed = codes.get_dtype() == "I32"
+    if packed:
+        shape = part("weight_shape")
+        if shape is None or shape.numel() != 2:
+            raise ValueError(f"{module}.weight_packed has no [rows, columns] weight_shape")
+        rows, columns = (int(n) for n in shape)
+    else:
+        rows, columns = codes.get_shape()
+    return DequantizedWeight(
+        f"{module}.weight",
+        codes,
+        (rows, columns),
+        scale,
+        part("weight_zero_point"),
+        quantization.block_size,
+    )
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """[n, words] int32 of ``bits``-bit integers packed as compressed-tensors packs them ->
+    [n, count] int32, signed (their offset taken away)."""
+    as_bytes = packed.contiguous().view(torch.uint8)  # little-endian: a word's low byte first
+    shifts = torch.arange(8, dtype=torch.uint8)
+    stream = ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : count * bits]
+    weights = 1 << torch.arange(bits, dtype=torch.int32)
+    values = (stream.view(-1, count, bits).to(torch.int32) * weights).sum(-1, dtype=torch.int32)
+    return values - (1 << (bits - 1))
+
+
+class DequantizedWeight:
+    """A quantized [rows, columns] weight as a `TensorSource` of float32 values."""
+
+    def __init__(
+        self,
+        name: str,
+        codes: Any,
+        shape: tuple[int, int],
+        scale: torch.Tensor,
+        zero_point: torch.Tensor | None,
+        block_size: tuple[int, int] | None,
+    ) -> None:
+        self.name, self.codes, self.shape = name, codes, shape
+        rows, columns = shape
+        self.bits = None
+        if codes.get_dtype() == "I32":  # each row's groups of 32 codes take `bits` words
+            words, groups = codes.get_shape()[-1], math.ceil(columns / 32)
+            self.bits = words // groups
+            if words % groups or not 2 <= self.bits <= 8 or codes.get_shape()[0] != rows:
+                raise ValueError(
+                    f"{name}_packed: shape {codes.get_shape()} does not pack {shape} weights"
+                )
+        self.scale = _grid(scale.float(), rows)
+        self.block = self._block(block_size)
+        self.zero_point = None
+        if zero_point is not None:
+            if zero_point.dtype == torch.int32 and self.bits is not None:  # packed by columns
+                zero_point = unpack_int32(zero_point.T, self.bits, self.scale.shape[0]).T
+            self.zero_point = _grid(zero_point.float(), rows)
+            if self.zero_point.shape != self.scale.shape:
+                raise ValueError(
+                    f"{name}: zero points {tuple(self.zero_point.shape)} do not match its "
+                    f"scales {tuple(self.scale.shape)}"
+                )
+
+    def _block(self, block_size: tuple[int, int] | None) -> tuple[int, int]:
+        """The rows and columns each scale covers, checked against the scale's grid."""
+        (rows, columns), (grid_rows, grid_columns) = self.shape, self.scale.shape
+        if (grid_rows, grid_columns) == (1, 1):  # the tensor's
+            block: tuple[int, int] | None = (rows, columns)
+        elif grid_rows == rows and columns % grid_columns == 0:
+            block = (1, columns // grid_columns)  # a row's, or each group of a row's
+        elif block_size is None and rows % grid_rows == 0 and columns % grid_columns == 0:
+            block = (rows // grid_rows, columns // grid_columns)
+        else:
+            block = block_size
+        if block is None or (math.ceil(rows / block[0]), math.ceil(columns / block[1])) != (
+            grid_rows,
+            grid_columns,
+        ):
+            raise ValueError(
+                f"{self.name}: scales {tuple(self.scale.shape)} do not cover a {self.shape} "
+                f"weight{'' if block_size is None else f' in blocks of {block_size}'}"
+            )
+        return block
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        rows, columns = (*index, slice(None))[:2]
+        r0, r1, _ = rows.indices(self.shape[0])
+        c0, c1, _ = columns.indices(self.shape[1])
+        if self.bits is None:
+            codes = self.codes[(slice(r0, r1), slice(c0, c1))]
+        else:
+            packed = self.codes[(slice(r0, r1),)]
+            codes = unpack_int32(packed, self.bits, self.shape[1])[:, c0:c1]
+        scale_rows = torch.arange(r0, r1) // self.block[0]
+        scale_columns = torch.arange(c0, c1) // self.block[1]
+        values = codes.float()
+        if self.zero_point is not None:
+            values -= self.zero_point[scale_rows][:, scale_columns]
+        return values * self.scale[scale_rows][:, scale_columns]
+
+
+def _grid(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A scale (or zero point) tensor as its 2-D grid over the weight: one value a tensor
+    [1, 1], a row's [rows, 1]."""
+    if scale.numel() == 1:
+        return scale.reshape(1, 1)
+    return scale.reshape(rows, 1) if scale.dim() == 1 else scale

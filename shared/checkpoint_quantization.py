@@ -1,0 +1,116 @@
+"""Which quantized checkpoints Weir reads, from config.json's ``quantization_config``.
+
+Weir computes in the model's dtype: a quantized checkpoint's weights are dequantized as they
+load (`weir.services.executor.quantized_checkpoint`), so it takes the memory of the
+unquantized model and gives its outputs on the dequantized weights. Read:
+
+- ``fp8``: the FP8 releases of DeepSeek and Qwen (Qwen3-8B-FP8, ...) and transformers'
+  FineGrainedFP8: E4M3 weights with a scale per block (``weight_block_size``, 128 x 128,
+  as ``weight_scale_inv``), or one scale per tensor (``weight_scale``, as vLLM writes them).
+- ``compressed-tensors`` (llm-compressor's: RedHat's ``-FP8-dynamic``, ``-quantized.w4a16``,
+  ``-quantized.w8a8``, ...): FP8 or INT8 weights, or INT4-INT8 packed in int32
+  (``weight_packed``), with scales per tensor, channel, group or block, and zero points
+  where asymmetric.
+- ``mxfp4``: gpt-oss as OpenAI publishes it (`gpt_oss_checkpoint`).
+
+Activation scales (``input_scale``) and an FP8 KV cache's scales are not used: activations
+and the cache stay in the model's dtype. Anything else (GPTQ's and AWQ's own formats,
+bitsandbytes, NVFP4, sparse or rotated compressed-tensors models) is refused by name before
+any process loads a weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("fp8", "compressed-tensors", "mxfp4")
+# compressed-tensors' formats whose weights are codes times scales (less zero points).
+COMPRESSED_TENSORS_FORMATS = (
+    "float-quantized",
+    "int-quantized",
+    "naive-quantized",
+    "pack-quantized",
+    "dense",
+)
+# (type, num_bits) of the weights read: FP8, and integers of 2 to 8 bits.
+_BITS = {("float", 8), *(("int", bits) for bits in range(2, 9))}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointQuantization:
+    method: str  # one of METHODS
+    # (rows, columns) of a scale's block where config.json gives them: a weight whose shape
+    # is no multiple of its scale grid's is read by these (the last block is cut short).
+    block_size: tuple[int, int] | None = None
+
+
+def read_checkpoint_quantization(
+    hf: dict[str, Any], model_type: str
+) -> CheckpointQuantization | None:
+    """config.json's ``quantization_config`` checked; None for an unquantized checkpoint.
+    ValueError names what Weir does not read."""
+    config = hf.get("quantization_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError(f"config.json: quantization_config must be an object, got {config!r}")
+    method = config.get("quant_method")
+    if method not in METHODS or (method == "mxfp4") != (model_type == "gpt_oss"):
+        raise ValueError(
+            f"config.json: quantization_config.quant_method {method!r} is not read; Weir "
+            "reads fp8 and compressed-tensors checkpoints (and gpt-oss' mxfp4): take the "
+            "model's unquantized, FP8 or llm-compressor (w4a16, w8a8) release"
+        )
+    if method == "fp8":
+        return CheckpointQuantization(method, _block(config.get("weight_block_size"), method))
+    if method == "compressed-tensors":
+        return CheckpointQuantization(method, _compressed_tensors_block(config))
+    return CheckpointQuantization(method)
+
+
+def _block(value: Any, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(type(v) is int and v > 0 for v in value)
+    ):
+        raise ValueError(
+            f"config.json: {where}'s block size must be [rows, columns], got {value!r}"
+        )
+    return value[0], value[1]
+
+
+def _compressed_tensors_block(config: dict[str, Any]) -> tuple[int, int] | None:
+    """The one block size of a compressed-tensors config's groups (None where they give
+    none); every group checked to be one Weir dequantizes."""
+    for key in ("sparsity_config", "transform_config"):
+        if config.get(key):
+            raise ValueError(
+                f"config.json: a compressed-tensors checkpoint with a {key} (sparse or "
+                "rotated weights) is not read"
+            )
+    groups = config.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("config.json: compressed-tensors' config_groups must be an object")
+    blocks: set[tuple[int, int]] = set()
+    for name, group in groups.items():
+        where = f"compressed-tensors' config group {name!r}"
+        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+            raise ValueError(f"config.json: {where} quantizes no weights")
+        fmt = group.get("format") or config.get("format")
+        weights = group["weights"]
+        kind, bits = weights.get("type"), weights.get("num_bits")
+        if fmt not in COMPRESSED_TENSORS_FORMATS or (kind, bits) not in _BITS:
+            raise ValueError(
+                f"config.json: {where} is {fmt} {kind} {bits}-bit weights; Weir reads "
+                f"{', '.join(COMPRESSED_TENSORS_FORMATS[:-1])} FP8 and INT2-INT8 weights"
+            )
+        block = _block(weights.get("block_structure"), where)
+        if block is not None:
+            blocks.add(block)
+    if len(blocks) > 1:
+        raise ValueError(f"config.json: compressed-tensors' groups use several blocks {blocks}")
+    return next(iter(blocks), None)
