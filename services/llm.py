@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from weir.services.launcher import ServerProcesses
-from weir.shared.client import AsyncWeirClient, EmbeddingOutput, EventLoopThread, gather_all
+from weir.shared.client import (
+    AsyncWeirClient,
+    ClassificationOutput,
+    EmbeddingOutput,
+    EventLoopThread,
+    gather_all,
+)
 from weir.shared.config import EngineArgs
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
@@ -175,6 +181,28 @@ class LLM:
         }
         client = self._client
         return self._loop.run(gather_all([client.embed(p, **options) for p in prompts]))
+
+    def classify(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        *,
+        activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[ClassificationOutput]:
+        """One classification per prompt (text or token ids), in prompt order, from an
+        ``LLM`` of a sequence classifier (a ``*ForSequenceClassification`` checkpoint, which
+        takes the pooling runner by itself); each one's ``probs`` holds a score per label
+        (the logits with ``activation=False``). If one fails, the call raises its error."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]  # a single prompt
+        options = {
+            "activation": activation,
+            "truncate_prompt_tokens": truncate_prompt_tokens,
+            "lora_name": lora_name,
+        }
+        client = self._client
+        return self._loop.run(gather_all([client.classify(p, **options) for p in prompts]))
 
     def close(self) -> None:
         self._finalizer()

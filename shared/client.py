@@ -127,6 +127,21 @@ class EmbeddingOutput:
         return list(np.frombuffer(self.data, dtype="<f4").tolist())
 
 
+@dataclass(slots=True)
+class ClassificationOutput:
+    """One prompt's classification (``classify``): ``probs`` holds a score per label of the
+    classifier (by index; its probabilities, or its logits where asked without
+    activation), ``data`` the same as float32 little-endian bytes."""
+
+    request_id: str
+    data: bytes
+    prompt_token_ids: list[int]
+
+    @property
+    def probs(self) -> list[float]:
+        return list(np.frombuffer(self.data, dtype="<f4").tolist())
+
+
 def _error_from_reply(reply: ErrorReply) -> WeirError:
     if reply.code == SERVER_UNAVAILABLE:
         return ServerUnavailableError(reply.message)
@@ -323,8 +338,55 @@ class AsyncWeirClient:
         (``--runner pooling``; vLLM's pooling parameters): ``dimensions`` keeps the first n
         of a Matryoshka model's, ``normalize`` overrides the server's choice,
         ``truncate_prompt_tokens`` keeps the prompt's last k tokens (-1: as many as fit)."""
+        pooled = await self._pool(
+            prompt,
+            lambda: PoolingParams(dimensions, normalize),
+            truncate_prompt_tokens,
+            request_id,
+            priority,
+            cache_salt,
+            lora_name,
+        )
+        return EmbeddingOutput(*pooled)
+
+    async def classify(
+        self,
+        prompt: str | list[int],
+        *,
+        activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> ClassificationOutput:
+        """The classification of a text or of token ids by a server's sequence classifier
+        (vLLM's ``classify``): a score per label, the probabilities unless ``activation``
+        is False (then the logits)."""
+        pooled = await self._pool(
+            prompt,
+            lambda: PoolingParams(task="classify", activation=activation),
+            truncate_prompt_tokens,
+            request_id,
+            priority,
+            cache_salt,
+            lora_name,
+        )
+        return ClassificationOutput(*pooled)
+
+    async def _pool(
+        self,
+        prompt: str | list[int],
+        pooling_params: Callable[[], PoolingParams],
+        truncate_prompt_tokens: int | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        lora_name: str | None,
+    ) -> tuple[str, bytes, list[int]]:
+        """A pooling request's (request id, vector's bytes, prompt's token ids)."""
         try:
-            pooling = PoolingParams(dimensions, normalize)
+            pooling = pooling_params()
             params = SamplingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), INVALID_REQUEST) from None
@@ -339,12 +401,10 @@ class AsyncWeirClient:
                     if out.embedding is None:
                         raise EngineError(
                             f"request {out.request_id!r} ended ({out.finish_reason}) without "
-                            "an embedding",
+                            f"its {pooling.task} vector",
                             ENGINE_ERROR,
                         )
-                    return EmbeddingOutput(
-                        out.request_id, out.embedding, out.prompt_token_ids or []
-                    )
+                    return out.request_id, out.embedding, out.prompt_token_ids or []
 
     async def abort(self, request_id: str) -> None:
         self._send(AbortRequest(request_id))
@@ -828,6 +888,30 @@ class WeirClient:
                 prompt,
                 dimensions=dimensions,
                 normalize=normalize,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                request_id=request_id,
+                priority=priority,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+            )
+        )
+
+    def classify(
+        self,
+        prompt: str | list[int],
+        *,
+        activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> ClassificationOutput:
+        self._check_open()
+        return self._loop.run(
+            self._client.classify(
+                prompt,
+                activation=activation,
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 request_id=request_id,
                 priority=priority,

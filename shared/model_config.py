@@ -205,6 +205,9 @@ class ModelConfig:
     # Read from a multimodal checkpoint's text_config (TEXT_OF_MULTIMODAL): its language
     # model's weights are named under language_model.
     multimodal: bool = False
+    # A sequence classifier's (``*ForSequenceClassification``: reward models, moderation
+    # classifiers) number of labels: its ``score`` head replaces the LM head; 0 for a causal LM.
+    num_labels: int = 0
     # How the checkpoint's weights are quantized (dequantized as they load); None: they are not.
     checkpoint_quantization: CheckpointQuantization | None = None
 
@@ -308,6 +311,7 @@ class ModelConfig:
             nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
             checkpoint_quantization=read_checkpoint_quantization(hf, model_type),
+            num_labels=_num_labels(hf),
             **_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
@@ -486,6 +490,18 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         "moe_layers": tuple(layers),
         **gpt_oss,
     }
+
+
+def _num_labels(hf: dict[str, Any]) -> int:
+    """A sequence classifier's number of labels (as transformers counts them: its id2label's,
+    else num_labels, else 2); 0 unless config.json's architecture is one."""
+    architectures = hf.get("architectures") or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return 0
+    labels = hf.get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels)
+    return count(hf, "num_labels", 2)
 
 
 def read_model_config(

@@ -1,11 +1,16 @@
-"""Embeddings: how a server pools a prompt's hidden states, and what a request may ask.
+"""Embeddings and classifications: how a server pools a prompt's hidden states, and what a
+request may ask.
 
-A server started with ``--runner pooling`` (or found to hold an embedding model) answers
-pooling requests instead of generating: each prompt's last-layer hidden states (after the
-final norm) are pooled into one vector, as vLLM's pooling runner does. ``PoolerConfig`` is
-the server's choice, read from a sentence-transformers model's ``modules.json`` and
-``1_Pooling/config.json`` (vLLM reads them too), overridden by ``--pooler-config``;
-``PoolingParams`` what one request adds (Matryoshka ``dimensions``, ``normalize``).
+A server started with ``--runner pooling`` (or found to hold an embedding model or a
+sequence classifier) answers pooling requests instead of generating: each prompt's
+last-layer hidden states (after the final norm) are pooled into one vector, as vLLM's
+pooling runner does; a classifier's executor then applies its score head, so the vector is
+the labels' logits. ``PoolerConfig`` is the server's choice, read from a sentence-transformers
+model's ``modules.json`` and ``1_Pooling/config.json`` (vLLM reads them too), or a
+classifier's ``config.json`` (its labels, and the activation transformers' pipeline applies),
+overridden by ``--pooler-config``; ``PoolingParams`` what one request adds (its task, and
+Matryoshka ``dimensions`` and ``normalize`` of an embedding, ``activation`` of a
+classification).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ MAX_DIMENSIONS = 2**31 - 1
 # LAST: the prompt's last token's state (causal decoders' embedders: Qwen3-Embedding,
 # e5-mistral, gte-Qwen2); MEAN: the average over every prompt token; CLS: the first token's.
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# What a pooling request asks: an embedding model's vector, or a classifier's label scores.
+TASKS = ("embed", "classify")
 _ST_POOLING_MODES = {
     "pooling_mode_lasttoken": "LAST",
     "pooling_mode_mean_tokens": "MEAN",
@@ -38,12 +45,15 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 
 @dataclass(slots=True, frozen=True)
 class PoolingParams:
-    """One embedding request's options (vLLM's ``PoolingParams``): ``dimensions`` keeps the
-    first n of a Matryoshka model's dimensions (before normalizing); ``normalize`` None
-    takes the server's pooler config."""
+    """One pooling request's options (vLLM's ``PoolingParams``): its ``task``; an
+    embedding's ``dimensions`` keeps the first n of a Matryoshka model's dimensions (before
+    normalizing), ``normalize`` None takes the server's pooler config; a classification's
+    ``activation`` False returns the raw logits (None, True: the probabilities)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
+    task: str = "embed"
+    activation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (
@@ -52,34 +62,69 @@ class PoolingParams:
             raise ValueError(
                 f"dimensions must be an int in [1, {MAX_DIMENSIONS}], got {self.dimensions!r:.40}"
             )
-        if self.normalize is not None and type(self.normalize) is not bool:
-            raise ValueError(f"normalize must be a bool, got {type(self.normalize).__name__}")
+        for name in ("normalize", "activation"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not bool:
+                raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r:.40}")
+        misplaced = (
+            (self.activation,) if self.task == "embed" else (self.dimensions, self.normalize)
+        )
+        if any(value is not None for value in misplaced):
+            raise ValueError(
+                "activation is a classification's option, dimensions and normalize an embedding's"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dimensions": self.dimensions, "normalize": self.normalize}
+        return {
+            "dimensions": self.dimensions,
+            "normalize": self.normalize,
+            "task": self.task,
+            "activation": self.activation,
+        }
 
     @classmethod
     def from_dict(cls, value: Any) -> PoolingParams:
         if type(value) is not dict:
             raise ValueError(f"pooling_params must be a map, got {type(value).__name__}")
-        unknown = set(value) - {"dimensions", "normalize"}
+        unknown = set(value) - {"dimensions", "normalize", "task", "activation"}
         if unknown:
             raise ValueError(f"pooling_params: unknown field {sorted(map(str, unknown))[0]!r}")
-        return cls(value.get("dimensions"), value.get("normalize"))
+        return cls(
+            value.get("dimensions"),
+            value.get("normalize"),
+            value.get("task", "embed"),
+            value.get("activation"),
+        )
 
 
 @dataclass(slots=True, frozen=True)
 class PoolerConfig:
     """How a pooling server turns a prompt into one vector. ``dimensions``: the Matryoshka
-    sizes a request may ask for (() when the model is not Matryoshka, None: any)."""
+    sizes a request may ask for (() when the model is not Matryoshka, None: any). A
+    classifier's ``labels`` name its logits, which ``activation`` (ACTIVATIONS) turns into
+    scores; an embedding model has none."""
 
     pooling_type: str = "LAST"
     normalize: bool = True
     hidden_size: int = 0
     dimensions: tuple[int, ...] | None = ()
+    labels: tuple[str, ...] = ()
+    activation: str = "softmax"
 
     def check(self, params: PoolingParams) -> None:
         """ValueError if this server cannot honour ``params``."""
+        if self.labels and params.task != "classify":
+            raise ValueError(
+                "this server's model is a sequence classifier: it classifies (POST /classify, "
+                "the SDK's classify) and has no embeddings"
+            )
+        if not self.labels and params.task != "embed":
+            raise ValueError(
+                "this server's model is an embedding model, not a sequence classifier "
+                "(a *ForSequenceClassification architecture): it has no labels to classify by"
+            )
         wanted = params.dimensions
         if wanted is None or wanted == self.hidden_size:
             return
@@ -98,8 +143,17 @@ class PoolerConfig:
 
     def finish(self, pooled: bytes, params: PoolingParams) -> bytes:
         """A request's embedding from the executor's pooled float32 vector: cut to its
-        dimensions, then normalized (L2) unless it or the server says not to."""
+        dimensions, then normalized (L2) unless it or the server says not to; a
+        classification's scores from its logits, by the activation unless it asks for none."""
         vector = np.frombuffer(pooled, dtype="<f4")[: params.dimensions]
+        if self.labels:
+            if params.activation is False or self.activation == "none":
+                return pooled
+            logits = vector.astype(np.float64)
+            if self.activation == "sigmoid":
+                return (1 / (1 + np.exp(-logits))).astype("<f4").tobytes()
+            exp = np.exp(logits - logits.max())
+            return (exp / exp.sum()).astype("<f4").tobytes()
         normalize = self.normalize if params.normalize is None else params.normalize
         if normalize:
             norm = float(np.linalg.norm(vector.astype(np.float64)))
@@ -107,16 +161,17 @@ class PoolerConfig:
         return vector.astype("<f4").tobytes()
 
 
-def is_embedding_model(model_dir: str | os.PathLike[str]) -> bool:
-    """A sentence-transformers model (a Pooling module), or a checkpoint of the bare
-    transformer (``*Model`` architectures, which have no LM head): what ``--runner auto``
-    serves with the pooling runner."""
+def is_pooling_model(model_dir: str | os.PathLike[str]) -> bool:
+    """A sentence-transformers model (a Pooling module), a checkpoint of the bare
+    transformer (``*Model`` architectures, which have no LM head) or a sequence classifier
+    (``*ForSequenceClassification``): what ``--runner auto`` serves with the pooling runner."""
     model_dir = Path(model_dir)
     if any(m.get("type") == _ST_POOLING for m in _modules(model_dir)):
         return True
     architectures = read_json(model_dir / "config.json").get("architectures") or []
     return bool(architectures) and all(
-        isinstance(a, str) and a.endswith("Model") for a in architectures
+        isinstance(a, str) and a.endswith(("Model", "ForSequenceClassification"))
+        for a in architectures
     )
 
 
@@ -126,18 +181,33 @@ def resolve_runner(runner: str, model_dir: str | os.PathLike[str]) -> str:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if runner != "auto":
         return runner
-    return "pooling" if is_embedding_model(model_dir) else "generate"
+    return "pooling" if is_pooling_model(model_dir) else "generate"
 
 
 def read_pooler_config(
-    model_dir: str | os.PathLike[str], hidden_size: int, override: str | None = None
+    model_dir: str | os.PathLike[str],
+    hidden_size: int,
+    override: str | None = None,
+    num_labels: int = 0,
 ) -> PoolerConfig:
     """The pooler of a model directory: LAST with normalization (vLLM's embedding default),
     unless its sentence-transformers files say otherwise, then ``override`` (JSON text of
-    ``pooling_type`` and ``normalize``, ``--pooler-config``) over both. ValueError names
-    what cannot be served."""
+    ``pooling_type`` and ``normalize``, ``--pooler-config``) over both; a classifier's
+    (``num_labels`` of them) LAST, unnormalized, with its labels. ValueError names what
+    cannot be served."""
     model_dir = Path(model_dir)
     given = _override(override)
+    if num_labels:
+        if "normalize" in given:
+            raise ValueError("pooler_config: a sequence classifier's logits are not normalized")
+        config = read_json(model_dir / "config.json")
+        return PoolerConfig(
+            _pooling_type(given.get("pooling_type", "LAST")),
+            False,
+            num_labels,
+            labels=_labels(config, num_labels),
+            activation=_activation(config, num_labels),
+        )
     pooling_type, normalize = "LAST", True
     modules = _modules(model_dir)
     for module in modules:
@@ -147,11 +217,32 @@ def read_pooler_config(
         normalize = any(m.get("type") == _ST_NORMALIZE for m in modules)
     pooling_type = given.get("pooling_type", pooling_type)
     normalize = given.get("normalize", normalize)
-    if pooling_type not in POOLING_TYPES:
-        raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {pooling_type!r}")
+    pooling_type = _pooling_type(pooling_type)
     if type(normalize) is not bool:
         raise ValueError(f"pooler_config: normalize must be true or false, got {normalize!r}")
     return PoolerConfig(pooling_type, normalize, hidden_size, _matryoshka(model_dir))
+
+
+def _pooling_type(name: Any) -> str:
+    if name not in POOLING_TYPES:
+        raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {name!r}")
+    return str(name)
+
+
+def _labels(config: dict[str, Any], num_labels: int) -> tuple[str, ...]:
+    """The labels' names by their index (config.json's id2label; LABEL_i where it has none)."""
+    names = config.get("id2label") or {}
+    return tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(num_labels))
+
+
+def _activation(config: dict[str, Any], num_labels: int) -> str:
+    """What turns a classifier's logits into its scores, as transformers' text-classification
+    pipeline chooses: a sigmoid for one label or several independent ones, nothing for a
+    regression, else a softmax."""
+    problem = config.get("problem_type")
+    if problem == "regression":
+        return "none"
+    return "sigmoid" if num_labels == 1 or problem == "multi_label_classification" else "softmax"
 
 
 def _override(text: str | None) -> dict[str, Any]:

@@ -118,3 +118,66 @@ def test_an_embedding_is_cut_to_its_dimensions_then_normalized():
     np.testing.assert_array_equal(finish(PoolingParams(3, normalize=False)), raw[:3])
     zeros = np.frombuffer(config.finish(bytes(4 * HIDDEN), PoolingParams()), dtype="<f4")
     assert not np.isnan(zeros).any()
+
+
+def test_a_classifier_takes_the_pooling_runner_and_scores_as_transformers_pipeline(tmp_path):
+    """Its labels from id2label, and the activation transformers' text-classification
+    pipeline applies: softmax over several labels, sigmoid for one or for multi-label
+    problems, none for a regression."""
+    arch = ("Qwen3ForSequenceClassification",)
+    labels = {"0": "safe", "1": "unsafe", "2": "unsure"}
+    model = _model(tmp_path / "three", arch, id2label=labels)
+    assert resolve_runner("auto", model) == "pooling"
+    config = read_pooler_config(model, HIDDEN, num_labels=3)
+    assert (config.labels, config.activation, config.normalize) == (
+        ("safe", "unsafe", "unsure"),
+        "softmax",
+        False,
+    )
+    one = read_pooler_config(_model(tmp_path / "one", arch), HIDDEN, num_labels=1)
+    assert (one.labels, one.activation) == (("LABEL_0",), "sigmoid")
+    multi = _model(tmp_path / "multi", arch, problem_type="multi_label_classification")
+    assert read_pooler_config(multi, HIDDEN, num_labels=2).activation == "sigmoid"
+    regression = _model(tmp_path / "regression", arch, problem_type="regression")
+    assert read_pooler_config(regression, HIDDEN, num_labels=2).activation == "none"
+    with pytest.raises(ValueError, match="logits are not normalized"):
+        read_pooler_config(model, HIDDEN, '{"normalize": true}', num_labels=3)
+
+    logits = np.array([2.0, -1.0, 0.5], dtype="<f4")
+
+    def finish(pooler: PoolerConfig, params: PoolingParams) -> np.ndarray:
+        return np.frombuffer(pooler.finish(logits.tobytes(), params), dtype="<f4")
+
+    classify = PoolingParams(task="classify")
+    e = np.exp(logits - logits.max())
+    np.testing.assert_allclose(finish(config, classify), e / e.sum(), rtol=1e-6)
+    np.testing.assert_array_equal(
+        finish(config, PoolingParams(task="classify", activation=False)), logits
+    )
+    sigmoid = read_pooler_config(multi, HIDDEN, num_labels=3)
+    np.testing.assert_allclose(finish(sigmoid, classify), 1 / (1 + np.exp(-logits)), rtol=1e-6)
+    np.testing.assert_array_equal(
+        finish(read_pooler_config(regression, HIDDEN, num_labels=3), classify), logits
+    )
+
+
+def test_a_request_asks_the_task_the_server_serves():
+    embedder = PoolerConfig("LAST", True, HIDDEN)
+    classifier = PoolerConfig("LAST", False, 2, labels=("no", "yes"))
+    with pytest.raises(ValueError, match="embedding model, not a sequence classifier"):
+        embedder.check(PoolingParams(task="classify"))
+    with pytest.raises(ValueError, match="sequence classifier: it classifies"):
+        classifier.check(PoolingParams())
+    classifier.check(PoolingParams(task="classify", activation=False))
+    for misplaced in (
+        {"task": "classify", "dimensions": 4},
+        {"task": "classify", "normalize": False},
+        {"activation": True},
+    ):
+        with pytest.raises(ValueError, match="activation is a classification's option"):
+            PoolingParams(**misplaced)
+    with pytest.raises(ValueError, match="task must be one of"):
+        PoolingParams(task="score")
+    params = PoolingParams(task="classify", activation=False)
+    assert PoolingParams.from_dict(params.to_dict()) == params
+    assert PoolingParams.from_dict({"dimensions": 4}) == PoolingParams(4)

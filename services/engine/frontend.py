@@ -468,23 +468,31 @@ class ClientFrontend:
         return self._check_prompt_chars(msg.prompt, msg.chat)
 
     def _check_runner(self, msg: client_protocol.GenerateRequest) -> None:
-        """A pooling server takes embedding requests only, a generating one none."""
+        """A pooling server takes pooling requests only (embeddings, or a classifier's
+        classifications), a generating one none."""
         if self.pooler is None:
             if msg.pooling_params is not None:
                 raise ValueError(
-                    "this server generates text and serves no embeddings: start one with "
-                    "--runner pooling (an embedding model is found by itself)"
+                    "this server generates text and serves no embeddings or classifications: "
+                    "start one with --runner pooling (an embedding model or a sequence "
+                    "classifier is found by itself)"
                 )
             return
         if msg.pooling_params is None:
+            kind = "classifications" if self.pooler.labels else "embeddings"
             raise ValueError(
-                "this server serves embeddings only (--runner pooling): send embedding "
-                "requests (/v1/embeddings, the SDK's embed), or start another for generation"
+                f"this server serves {kind} only (--runner pooling): send "
+                + (
+                    "classification requests (/classify, the SDK's classify)"
+                    if self.pooler.labels
+                    else "embedding requests (/v1/embeddings, the SDK's embed)"
+                )
+                + ", or start another for generation"
             )
         truncate = msg.sampling_params.truncate_prompt_tokens
         if msg.sampling_params != SamplingParams(truncate_prompt_tokens=truncate):
             raise ValueError(
-                "an embedding request takes no sampling parameters but truncate_prompt_tokens"
+                "a pooling request takes no sampling parameters but truncate_prompt_tokens"
             )
         self.pooler.check(msg.pooling_params)
 

@@ -144,7 +144,10 @@ class SchedulerServer:
             None
             if self.runner == "generate"
             else read_pooler_config(
-                model_dir, self.model_config.hidden_size, self.engine_args.pooler_config
+                model_dir,
+                self.model_config.hidden_size,
+                self.engine_args.pooler_config,
+                self.model_config.num_labels,
             )
         )
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
@@ -536,6 +539,8 @@ class SchedulerServer:
             "num_blocks": self._num_blocks if self.core is not None else None,
             "lora_names": list(self.loras.ids),
             "runner": self.runner,
+            # A sequence classifier's label names, by index (None for any other model).
+            "labels": list(self.pooler.labels) if self.pooler and self.pooler.labels else None,
             # What a request leaving them out samples with (--generation-config).
             "default_sampling_params": self.sampling_defaults,
         }

@@ -256,6 +256,15 @@ class CausalLM(nn.Module):
                 requires_grad=False,
             )
         )
+        # A sequence classifier's head, whole on every rank (the pooled states it reads are).
+        self.score = (
+            nn.Parameter(
+                torch.empty(cfg.num_labels, cfg.hidden_size, device=device, dtype=dtype),
+                requires_grad=False,
+            )
+            if cfg.num_labels
+            else None
+        )
         self.device = device
         self.rotary = Rotary(cfg.rope, device)
         self.local_rotary = None if cfg.sliding_rope is None else Rotary(cfg.sliding_rope, device)
@@ -320,6 +329,12 @@ class CausalLM(nn.Module):
         if self.tp is None:
             return logits
         return self.tp.gather_logits(logits, self.config.vocab_size)
+
+    def classify(self, states: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's float32 logits [N, num_labels] of N pooled states, its
+        score head applied in the model's dtype (as transformers applies it)."""
+        assert self.score is not None
+        return F.linear(states.to(self.dtype), self.score).float()
 
     def _logits_shard(self, hidden: torch.Tensor) -> torch.Tensor:
         quantized = self.quantized_embed if self.lm_head is None else self.quantized_lm_head

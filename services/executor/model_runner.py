@@ -628,7 +628,12 @@ class ModelRunner:
                 done[rid] = state / int(inputs.seq_lens[i]) if kind == MEAN else state
             elif kind != LAST:
                 self._pooling[rid] = state
-        return (list(done), _to_host(torch.stack(list(done.values())))) if done else None
+        if not done:
+            return None
+        states = torch.stack(list(done.values()))
+        return list(done), _to_host(
+            states if self.model.score is None else self.model.classify(states)
+        )
 
     def _pooled_so_far(self, req_id: str) -> torch.Tensor:
         state = self._pooling.get(req_id)

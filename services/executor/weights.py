@@ -212,6 +212,8 @@ def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         return cfg.vocab_size, cfg.hidden_size
     if name == "model.norm.weight":
         return (cfg.hidden_size,)
+    if name == "score.weight":
+        return cfg.num_labels, cfg.hidden_size
     m = _LAYER_RE.fullmatch(name)
     assert m is not None  # _target refused any other name
     rows, columns = cfg.layer_tensor_shape(_module(m.group(2))[0])
@@ -248,6 +250,8 @@ def _target(
         return "lm_head", slice(0, rows.stop - rows.start), (rows,)
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    if name == "score.weight" and cfg.num_labels:  # a sequence classifier's head
+        return "score", slice(None), _ALL
     m = _LAYER_RE.fullmatch(name)
     module, expert = _module(m.group(2)) if m is not None else ("", None)
     if m is None or module not in LAYER_PARTS:

@@ -33,9 +33,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.chat_output import NO_PARSERS, ChatChunks, ChatOutput, ChatParsers
 from weir.services.gateway.embeddings import (
+    ClassificationRequest,
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
+    classification_response,
     embedding_response,
     rerank_response,
     score_response,
@@ -60,6 +62,7 @@ from weir.services.gateway.schemas import (
     chat_prompt,
 )
 from weir.shared.client import (
+    ClassificationOutput,
     EmbeddingOutput,
     EngineError,
     InvalidRequestError,
@@ -78,6 +81,7 @@ _ROUTES = (
     "/v1/embeddings",
     "/v1/score",
     "/v1/rerank",
+    "/classify",
     "/score",
     "/rerank",
     "/v2/rerank",
@@ -90,7 +94,9 @@ _ROUTES = (
     "/version",
 )
 # Routes outside /v1 that still make the engine work: they need the API key too.
-_ENGINE_ROUTES = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"})
+_ENGINE_ROUTES = frozenset(
+    {"/tokenize", "/detokenize", "/classify", "/score", "/rerank", "/v2/rerank"}
+)
 
 
 class APIError(Exception):
@@ -184,6 +190,11 @@ class _Model:
     info: dict[str, Any]  # the served model's (``model_info``)
     name: str  # what responses call it
     lora_name: str | None  # the adapter, None for the base model
+
+
+def _input_fields(prompts: Sequence[object]) -> list[str]:
+    """How an error names each input of an embeddings or classification body."""
+    return [f"input[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["input"]
 
 
 def _samples(
@@ -700,9 +711,25 @@ class Gateway:
             "truncate_prompt_tokens": body.truncate_prompt_tokens,
             "priority": body.priority,
         }
-        labels = [f"input[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["input"]
-        outputs = await self._embed_all(prompts, labels, options, served.lora_name)
+        outputs = await self._pool_all(prompts, _input_fields(prompts), options, served.lora_name)
         return JSONResponse(embedding_response(served.name, outputs, body.encoding_format))
+
+    async def classify(self, body: ClassificationRequest) -> Response:
+        served = await self.check_model(body.model)
+        try:
+            prompts = body.inputs()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", param="input") from None
+        options = {
+            "activation": body.activation,
+            "truncate_prompt_tokens": body.truncate_prompt_tokens,
+            "priority": body.priority,
+        }
+        outputs = await self._pool_all(
+            prompts, _input_fields(prompts), options, served.lora_name, classify=True
+        )
+        labels = served.info.get("labels") or []
+        return JSONResponse(classification_response(served.name, outputs, labels))
 
     async def score(self, body: ScoreRequest) -> Response:
         served = await self.check_model(body.model)
@@ -731,46 +758,51 @@ class Gateway:
         for label, text in texts:
             distinct.setdefault(text, label)
         options = {"truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority}
-        outputs = await self._embed_all(
+        outputs = await self._pool_all(
             list(distinct), list(distinct.values()), options, served.lora_name
         )
         return dict(zip(distinct, outputs))
 
-    async def _embed_all(
+    async def _pool_all(
         self,
         prompts: Sequence[str | list[int]],
-        labels: list[str],
+        fields: list[str],
         options: dict[str, Any],
         lora_name: str | None,
-    ) -> list[EmbeddingOutput]:
-        """Every prompt's embedding; a refusal names the field of the prompt refused."""
-        request_id = f"embd-{uuid.uuid4().hex}"
+        classify: bool = False,
+    ) -> list[Any]:
+        """Every prompt's embedding (or classification); a refusal names the field of the
+        prompt refused."""
+        request_id = f"{'classify' if classify else 'embd'}-{uuid.uuid4().hex}"
 
-        async def one(i: int) -> EmbeddingOutput:
+        async def one(i: int) -> Any:
             try:
-                return await self._embed(f"{request_id}-{i}", prompts[i], options, lora_name)
+                return await self._pool(
+                    f"{request_id}-{i}", prompts[i], options, lora_name, classify
+                )
             except InvalidRequestError as exc:
-                raise InvalidRequestError(f"{labels[i]}: {exc}", exc.code) from None
+                raise InvalidRequestError(f"{fields[i]}: {exc}", exc.code) from None
 
         return await gather_all([one(i) for i in range(len(prompts))])
 
-    async def _embed(
+    async def _pool(
         self,
         request_id: str,
         prompt: str | list[int],
         options: dict[str, Any],
         lora_name: str | None,
-    ) -> EmbeddingOutput:
-        """One input's embedding, from the replica the router picks; one that cannot take it
-        leaves the rotation and another gets it (nothing was returned yet)."""
+        classify: bool,
+    ) -> EmbeddingOutput | ClassificationOutput:
+        """One input's embedding (or classification), from the replica the router picks; one
+        that cannot take it leaves the rotation and another gets it (nothing was returned
+        yet)."""
         tried: frozenset[str] = frozenset()
         while True:
             async with self.router.reserve(prompt, 0, tried, None, lora_name) as replica:
                 self.metrics.routed.labels(replica.address).inc()
+                pool = replica.client.classify if classify else replica.client.embed
                 try:
-                    return await replica.client.embed(
-                        prompt, request_id=request_id, lora_name=lora_name, **options
-                    )
+                    return await pool(prompt, request_id=request_id, lora_name=lora_name, **options)
                 except ServerUnavailableError as exc:
                     self.router.mark_down(replica, str(exc))
                     tried |= {replica.address}
@@ -1151,6 +1183,10 @@ def create_app(
     @app.post("/v1/embeddings")
     async def embeddings(request: Request, body: EmbeddingRequest) -> Response:
         return await answer_connected(request, gateway.embeddings(body))
+
+    @app.post("/classify")
+    async def classify(request: Request, body: ClassificationRequest) -> Response:
+        return await answer_connected(request, gateway.classify(body))
 
     # vLLM's routes for scores and ranks, with and without a version.
     for route in ("/score", "/v1/score"):

@@ -1,11 +1,13 @@
-"""``POST /v1/embeddings``: OpenAI's body (and vLLM's extra fields) and its response; and
-vLLM's ``/score`` and ``/rerank`` on an embedding model.
+"""``POST /v1/embeddings``: OpenAI's body (and vLLM's extra fields) and its response;
+vLLM's ``/score`` and ``/rerank`` on an embedding model, and its ``/classify`` of a sequence
+classifier.
 
 Each input is one engine request on a server with the pooling runner; the response lists
 their vectors in input order, as JSON floats or, with ``encoding_format: "base64"`` (what
 the official ``openai`` client asks for by default), their float32 little-endian bytes in
 base64. A score or a relevance is the cosine similarity of two texts' embeddings (each
-distinct text embedded once), as vLLM scores with an embedding model.
+distinct text embedded once), as vLLM scores with an embedding model. A classification is
+each input's score per label, named by the classifier's config.json.
 """
 
 from __future__ import annotations
@@ -19,28 +21,25 @@ import numpy as np
 from pydantic import AfterValidator, Field
 
 from weir.services.gateway.schemas import Options, Prompt, not_zero, prompt_list
-from weir.shared.client import EmbeddingOutput
+from weir.shared.client import ClassificationOutput, EmbeddingOutput
 from weir.shared.pooling import MAX_DIMENSIONS
 
 # OpenAI's bound on the inputs of one request; each is an engine request.
 MAX_EMBEDDING_INPUTS = 2048
 
 
-class EmbeddingRequest(Options):
-    """OpenAI's ``model``, ``input`` (a text, texts, token ids or lists of them),
-    ``encoding_format``, ``dimensions``, ``user``; vLLM's ``truncate_prompt_tokens``,
-    ``normalize``, ``priority``."""
+class _InputFields(Options):
+    """What the bodies of embeddings and classifications share: OpenAI's ``model``,
+    ``input`` (a text, texts, token ids or lists of them), ``user``; vLLM's
+    ``truncate_prompt_tokens``, ``priority``."""
 
     _NEUTRAL: ClassVar[dict[str, Any]] = {"add_special_tokens": True}
     _ACCEPTED = frozenset(_NEUTRAL) | Options._IGNORED
 
     model: str | None = None
     input: Prompt
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(not_zero)] | None = None
-    normalize: bool | None = None
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
 
     def inputs(self) -> list[str | list[int]]:
@@ -51,6 +50,43 @@ class EmbeddingRequest(Options):
                 f"input has {len(prompts)} items; at most {MAX_EMBEDDING_INPUTS} per request"
             )
         return prompts
+
+
+class EmbeddingRequest(_InputFields):
+    """OpenAI's body, with its ``encoding_format`` and ``dimensions``; vLLM's
+    ``normalize``."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = None
+    normalize: bool | None = None
+
+
+class ClassificationRequest(_InputFields):
+    """vLLM's ``POST /classify`` body, with its ``activation`` (false: the logits)."""
+
+    activation: bool | None = None
+
+
+def classification_response(
+    model: str, outputs: list[ClassificationOutput], labels: list[str]
+) -> dict[str, Any]:
+    """vLLM's response: each input's scores per label and the label that scores highest."""
+    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    data = []
+    for index, out in enumerate(outputs):
+        probs = out.probs
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append(
+            {"index": index, "label": labels[best], "probs": probs, "num_classes": len(probs)}
+        )
+    return {
+        "id": f"classify-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+    }
 
 
 def embedding_response(

@@ -180,7 +180,7 @@ def test_bad_bodies_get_a_clear_error_and_the_server_serves_on(server, body, sta
     assert _post(server, "/v1/embeddings", {"input": SHORT}).status_code == 200
 
 
-def test_a_pooling_server_refuses_generation(server):
+def test_a_pooling_server_refuses_generation_and_classification(server):
     for route, body in (
         ("/v1/completions", {"prompt": SHORT, "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -188,6 +188,9 @@ def test_a_pooling_server_refuses_generation(server):
         reply = _post(server, route, body)
         assert reply.status_code == 400
         assert "serves embeddings only" in reply.json()["error"]["message"]
+    reply = _post(server, "/classify", {"input": SHORT})
+    assert reply.status_code == 400
+    assert "embedding model, not a sequence classifier" in reply.json()["error"]["message"]
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
