@@ -24,9 +24,11 @@ from weir.shared.client import (
     ClassificationOutput,
     EmbeddingOutput,
     EventLoopThread,
+    ScoreOutput,
     gather_all,
 )
 from weir.shared.config import EngineArgs
+from weir.shared.pooling import cosine
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
 from weir.shared.sampling_defaults import default_params
@@ -203,6 +205,42 @@ class LLM:
         }
         client = self._client
         return self._loop.run(gather_all([client.classify(p, **options) for p in prompts]))
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[ScoreOutput]:
+        """vLLM's ``LLM.score``: ``text_1`` against each ``text_2`` (one text against many),
+        or pair by pair; a cross-encoder (a sequence classifier of one label) scores each pair
+        encoded together, an embedding model by the cosine similarity of the two texts'
+        embeddings. If one fails, the call raises its error."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(first) == 1:
+            first *= len(second)
+        if len(first) != len(second):
+            raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}")
+        options = {"truncate_prompt_tokens": truncate_prompt_tokens, "lora_name": lora_name}
+        client = self._client
+        if self._loop.run(client.model_info()).get("labels"):
+            scored = [client.score(a, b, **options) for a, b in zip(first, second)]
+            return self._loop.run(gather_all(scored))
+        texts = list(dict.fromkeys(first + second))
+        embedded = dict(
+            zip(texts, self._loop.run(gather_all([client.embed(t, **options) for t in texts])))
+        )
+        return [
+            ScoreOutput(
+                f"{embedded[a].request_id}+{embedded[b].request_id}",
+                cosine(embedded[a].data, embedded[b].data),
+                embedded[a].prompt_token_ids + embedded[b].prompt_token_ids,
+            )
+            for a, b in zip(first, second)
+        ]
 
     def close(self) -> None:
         self._finalizer()

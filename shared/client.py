@@ -142,6 +142,17 @@ class ClassificationOutput:
         return list(np.frombuffer(self.data, dtype="<f4").tolist())
 
 
+@dataclass(slots=True)
+class ScoreOutput:
+    """A pair's score (``score``) by a cross-encoder: its one label's probability (its
+    logit where asked without activation), or, from ``LLM.score`` with an embedding model,
+    the cosine similarity of the two texts' embeddings."""
+
+    request_id: str
+    score: float
+    prompt_token_ids: list[int]
+
+
 def _error_from_reply(reply: ErrorReply) -> WeirError:
     if reply.code == SERVER_UNAVAILABLE:
         return ServerUnavailableError(reply.message)
@@ -373,6 +384,32 @@ class AsyncWeirClient:
             lora_name,
         )
         return ClassificationOutput(*pooled)
+
+    async def score(
+        self,
+        text_1: str,
+        text_2: str,
+        *,
+        activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> ScoreOutput:
+        """The score of a pair of texts by a server's cross-encoder (a sequence classifier of
+        one label, as rerankers are): the two encoded together as the tokenizer encodes a
+        pair, then classified; its probability unless ``activation`` is False."""
+        request_id_, data, prompt_ids = await self._pool(
+            text_1,
+            lambda: PoolingParams(task="score", activation=activation, text_pair=text_2),
+            truncate_prompt_tokens,
+            request_id,
+            priority,
+            cache_salt,
+            lora_name,
+        )
+        return ScoreOutput(request_id_, float(np.frombuffer(data, dtype="<f4")[0]), prompt_ids)
 
     async def _pool(
         self,
@@ -911,6 +948,32 @@ class WeirClient:
         return self._loop.run(
             self._client.classify(
                 prompt,
+                activation=activation,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                request_id=request_id,
+                priority=priority,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+            )
+        )
+
+    def score(
+        self,
+        text_1: str,
+        text_2: str,
+        *,
+        activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> ScoreOutput:
+        self._check_open()
+        return self._loop.run(
+            self._client.score(
+                text_1,
+                text_2,
                 activation=activation,
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 request_id=request_id,

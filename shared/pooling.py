@@ -31,8 +31,9 @@ MAX_DIMENSIONS = 2**31 - 1
 # LAST: the prompt's last token's state (causal decoders' embedders: Qwen3-Embedding,
 # e5-mistral, gte-Qwen2); MEAN: the average over every prompt token; CLS: the first token's.
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-# What a pooling request asks: an embedding model's vector, or a classifier's label scores.
-TASKS = ("embed", "classify")
+# What a pooling request asks: an embedding model's vector, a classifier's label scores, or
+# a one-label classifier's score of a pair of texts (a cross-encoder, as rerankers are).
+TASKS = ("embed", "classify", "score")
 _ST_POOLING_MODES = {
     "pooling_mode_lasttoken": "LAST",
     "pooling_mode_mean_tokens": "MEAN",
@@ -48,12 +49,15 @@ class PoolingParams:
     """One pooling request's options (vLLM's ``PoolingParams``): its ``task``; an
     embedding's ``dimensions`` keeps the first n of a Matryoshka model's dimensions (before
     normalizing), ``normalize`` None takes the server's pooler config; a classification's
-    ``activation`` False returns the raw logits (None, True: the probabilities)."""
+    or a score's ``activation`` False returns the raw logits (None, True: the
+    probabilities); a score's ``text_pair`` is the text its prompt is paired with (encoded
+    together, as the tokenizer encodes a pair)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     task: str = "embed"
     activation: bool | None = None
+    text_pair: str | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (
@@ -75,6 +79,8 @@ class PoolingParams:
             raise ValueError(
                 "activation is a classification's option, dimensions and normalize an embedding's"
             )
+        if (self.task == "score") != isinstance(self.text_pair, str):
+            raise ValueError("a score pairs its prompt with one text_pair (a string); only a score")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,13 +88,14 @@ class PoolingParams:
             "normalize": self.normalize,
             "task": self.task,
             "activation": self.activation,
+            "text_pair": self.text_pair,
         }
 
     @classmethod
     def from_dict(cls, value: Any) -> PoolingParams:
         if type(value) is not dict:
             raise ValueError(f"pooling_params must be a map, got {type(value).__name__}")
-        unknown = set(value) - {"dimensions", "normalize", "task", "activation"}
+        unknown = set(value) - {"dimensions", "normalize", "task", "activation", "text_pair"}
         if unknown:
             raise ValueError(f"pooling_params: unknown field {sorted(map(str, unknown))[0]!r}")
         return cls(
@@ -96,6 +103,7 @@ class PoolingParams:
             value.get("normalize"),
             value.get("task", "embed"),
             value.get("activation"),
+            value.get("text_pair"),
         )
 
 
@@ -112,10 +120,12 @@ class PoolerConfig:
     dimensions: tuple[int, ...] | None = ()
     labels: tuple[str, ...] = ()
     activation: str = "softmax"
+    # A classifier's padding token (config.json's pad_token_id), which its LAST pooling skips.
+    pad_token_id: int | None = None
 
     def check(self, params: PoolingParams) -> None:
         """ValueError if this server cannot honour ``params``."""
-        if self.labels and params.task != "classify":
+        if self.labels and params.task == "embed":
             raise ValueError(
                 "this server's model is a sequence classifier: it classifies (POST /classify, "
                 "the SDK's classify) and has no embeddings"
@@ -124,6 +134,11 @@ class PoolerConfig:
             raise ValueError(
                 "this server's model is an embedding model, not a sequence classifier "
                 "(a *ForSequenceClassification architecture): it has no labels to classify by"
+            )
+        if params.task == "score" and len(self.labels) != 1:
+            raise ValueError(
+                f"this server's classifier has {len(self.labels)} labels: only a classifier of "
+                "one label (a cross-encoder) scores a pair of texts"
             )
         wanted = params.dimensions
         if wanted is None or wanted == self.hidden_size:
@@ -140,6 +155,17 @@ class PoolerConfig:
                 f"dimensions {wanted}: this model's embeddings can have {sizes} dimensions (or "
                 f"all {self.hidden_size}, as when dimensions is left out)"
             )
+
+    def prompt_to_pool(self, ids: list[int]) -> list[int]:
+        """The prompt a classifier's LAST pooling reads: transformers' classifiers read the
+        last token that is not their padding token (the first token if all are), so the
+        padding tokens after it, whose states no earlier token's depends on, are dropped."""
+        if not self.labels or self.pooling_type != "LAST" or self.pad_token_id is None:
+            return ids
+        end = len(ids)
+        while end > 1 and ids[end - 1] == self.pad_token_id:
+            end -= 1
+        return ids[:end]
 
     def finish(self, pooled: bytes, params: PoolingParams) -> bytes:
         """A request's embedding from the executor's pooled float32 vector: cut to its
@@ -159,6 +185,15 @@ class PoolerConfig:
             norm = float(np.linalg.norm(vector.astype(np.float64)))
             vector = vector / max(norm, 1e-12)  # as torch's F.normalize
         return vector.astype("<f4").tobytes()
+
+
+def cosine(a: bytes, b: bytes) -> float:
+    """The cosine similarity of two float32 vectors' bytes, in [-1, 1] (0 when one is all
+    zeros): how an embedding model scores a pair of texts."""
+    x = np.frombuffer(a, dtype="<f4").astype(np.float64)
+    y = np.frombuffer(b, dtype="<f4").astype(np.float64)
+    norms = float(np.linalg.norm(x) * np.linalg.norm(y))
+    return min(1.0, max(-1.0, float(x @ y / norms))) if norms else 0.0
 
 
 def is_pooling_model(model_dir: str | os.PathLike[str]) -> bool:
@@ -207,6 +242,7 @@ def read_pooler_config(
             num_labels,
             labels=_labels(config, num_labels),
             activation=_activation(config, num_labels),
+            pad_token_id=pad if type(pad := config.get("pad_token_id")) is int else None,
         )
     pooling_type, normalize = "LAST", True
     modules = _modules(model_dir)

@@ -172,10 +172,15 @@ class Tokenizer:
         entries of byte-level vocabularies hold one character per byte)."""
         return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = False, pair: str | None = None
+    ) -> list[int]:
+        """A text's token ids; with ``pair``, the pair's, as the tokenizer's post-processor
+        joins two texts (a cross-encoder's query and document)."""
         # encode_batch releases the GIL (encode holds it), so a long prompt tokenized on a
         # worker thread leaves the scheduler's event loop running.
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        item = text if pair is None else (text, pair)
+        return self.backend.encode_batch([item], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -177,7 +177,26 @@ def test_a_request_asks_the_task_the_server_serves():
         with pytest.raises(ValueError, match="activation is a classification's option"):
             PoolingParams(**misplaced)
     with pytest.raises(ValueError, match="task must be one of"):
-        PoolingParams(task="score")
-    params = PoolingParams(task="classify", activation=False)
-    assert PoolingParams.from_dict(params.to_dict()) == params
+        PoolingParams(task="rerank")
+    for unpaired in ({"task": "score"}, {"task": "classify", "text_pair": "b"}):
+        with pytest.raises(ValueError, match="a score pairs its prompt with one text_pair"):
+            PoolingParams(**unpaired)
+    score = PoolingParams(task="score", text_pair="a document")
+    with pytest.raises(ValueError, match="has 2 labels: only a classifier of one label"):
+        classifier.check(score)
+    PoolerConfig("LAST", False, 1, labels=("relevant",)).check(score)
+    with pytest.raises(ValueError, match="not a sequence classifier"):
+        embedder.check(score)
+    for params in (PoolingParams(task="classify", activation=False), score):
+        assert PoolingParams.from_dict(params.to_dict()) == params
     assert PoolingParams.from_dict({"dimensions": 4}) == PoolingParams(4)
+
+
+def test_a_classifier_reads_the_last_token_that_is_not_padding_as_transformers_does(tmp_path):
+    model = _model(tmp_path / "padded", ("LlamaForSequenceClassification",), pad_token_id=2)
+    last = read_pooler_config(model, HIDDEN, num_labels=2)
+    assert last.prompt_to_pool([5, 2, 7, 2, 2]) == [5, 2, 7]
+    assert last.prompt_to_pool([2, 2]) == [2]  # transformers' argmax of no match: the first
+    mean = read_pooler_config(model, HIDDEN, '{"pooling_type": "MEAN"}', num_labels=2)
+    assert mean.prompt_to_pool([5, 2, 2]) == [5, 2, 2]
+    assert PoolerConfig().prompt_to_pool([5, 2, 2]) == [5, 2, 2]

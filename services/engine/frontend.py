@@ -465,7 +465,8 @@ class ClientFrontend:
             )
         if not isinstance(msg.prompt, str) and not isinstance(msg.prompt[0], dict):
             return len(msg.prompt)  # token ids: their count is checked against max_model_len
-        return self._check_prompt_chars(msg.prompt, msg.chat)
+        pair = None if msg.pooling_params is None else msg.pooling_params.text_pair
+        return self._check_prompt_chars(msg.prompt, msg.chat, len(pair or ""))
 
     def _check_runner(self, msg: client_protocol.GenerateRequest) -> None:
         """A pooling server takes pooling requests only (embeddings, or a classifier's
@@ -495,6 +496,8 @@ class ClientFrontend:
                 "a pooling request takes no sampling parameters but truncate_prompt_tokens"
             )
         self.pooler.check(msg.pooling_params)
+        if msg.pooling_params.text_pair is not None and not isinstance(msg.prompt, str):
+            raise ValueError("a score's prompt is a text, paired with its text_pair")
 
     def _check_vocabulary(self, name: str, ids: Iterable[int]) -> None:
         bad = next((t for t in ids if t >= self.vocab_size), None)
@@ -504,11 +507,15 @@ class ClientFrontend:
             )
 
     def _check_prompt_chars(
-        self, prompt: client_protocol.TextOrChat, chat: client_protocol.ChatTemplateArgs
+        self,
+        prompt: client_protocol.TextOrChat,
+        chat: client_protocol.ChatTemplateArgs,
+        pair_chars: int = 0,
     ) -> int:
-        """A text's or chat's size in characters; ValueError if no such prompt can fit."""
+        """A text's (and the text it is paired with) or chat's size in characters;
+        ValueError if no such prompt can fit."""
         if isinstance(prompt, str):
-            num_chars = len(prompt)
+            num_chars = len(prompt) + pair_chars
         else:
             if len(prompt) > self.max_model_len:
                 raise ValueError(
@@ -588,7 +595,12 @@ class ClientFrontend:
         longest = self.max_model_len - (msg.pooling_params is None)
         if keep == -1:
             keep = longest
-        if isinstance(prompt, str) or isinstance(prompt[0], dict):
+        pair = None if msg.pooling_params is None else msg.pooling_params.text_pair
+        if isinstance(prompt, str) and pair is not None:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True, pair=pair)
+            if keep is not None:
+                ids = ids[-keep:]
+        elif isinstance(prompt, str) or isinstance(prompt[0], dict):
             # A text gets the model's special tokens (BOS); a chat's template writes them.
             ids = self._prompt_ids(prompt, msg.chat, add_special_tokens=isinstance(prompt, str))
             if keep is not None:
@@ -609,6 +621,8 @@ class ClientFrontend:
                 )
         if not ids:
             raise ValueError("prompt must not be empty (it tokenized to no tokens)")
+        if self.pooler is not None:
+            ids = self.pooler.prompt_to_pool(ids)
         if len(ids) > longest:
             raise ValueError(
                 f"prompt is too long: {len(ids)} tokens, but max_model_len is {self.max_model_len}"

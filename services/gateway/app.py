@@ -66,10 +66,12 @@ from weir.shared.client import (
     EmbeddingOutput,
     EngineError,
     InvalidRequestError,
+    ScoreOutput,
     ServerUnavailableError,
     gather_all,
 )
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
+from weir.shared.pooling import cosine
 from weir.shared.protocol.client import NOT_FOUND, SERVER_UNAVAILABLE, Prompt, StreamOutput
 from weir.shared.sampling import SamplingParams
 
@@ -726,7 +728,7 @@ class Gateway:
             "priority": body.priority,
         }
         outputs = await self._pool_all(
-            prompts, _input_fields(prompts), options, served.lora_name, classify=True
+            prompts, _input_fields(prompts), options, served.lora_name, "classify"
         )
         labels = served.info.get("labels") or []
         return JSONResponse(classification_response(served.name, outputs, labels))
@@ -738,48 +740,62 @@ class Gateway:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param="text_2") from None
         first, second = body.sides()
-        texts = [(f"text_1[{i}]", t) for i, t in enumerate(first)]
-        texts += [(f"text_2[{i}]", t) for i, t in enumerate(second)]
-        embedded = await self._embed_texts(texts, body, served)
-        return JSONResponse(score_response(served.name, pairs, embedded))
+        fields = (
+            [f"text_1[{i if len(first) > 1 else 0}]" for i in range(len(pairs))],
+            [f"text_2[{i}]" for i in range(len(pairs))],
+        )
+        scores, num_tokens = await self._pair_scores(pairs, fields, body, served)
+        return JSONResponse(score_response(served.name, scores, num_tokens))
 
     async def rerank(self, body: RerankRequest) -> Response:
         served = await self.check_model(body.model)
-        texts = [("query", body.query)]
-        texts += [(f"documents[{i}]", t) for i, t in enumerate(body.documents)]
-        embedded = await self._embed_texts(texts, body, served)
-        return JSONResponse(rerank_response(served.name, body, embedded))
+        pairs = [(body.query, document) for document in body.documents]
+        fields = (["query"] * len(pairs), [f"documents[{i}]" for i in range(len(pairs))])
+        scores, num_tokens = await self._pair_scores(pairs, fields, body, served)
+        return JSONResponse(rerank_response(served.name, body, scores, num_tokens))
 
-    async def _embed_texts(
-        self, texts: list[tuple[str, str]], body: ScoreRequest | RerankRequest, served: _Model
-    ) -> dict[str, EmbeddingOutput]:
-        """Each distinct text's embedding; ``texts``: (the field it came in, text) pairs."""
-        distinct: dict[str, str] = {}  # text -> the first field that holds it
-        for label, text in texts:
-            distinct.setdefault(text, label)
+    async def _pair_scores(
+        self,
+        pairs: list[tuple[str, str]],
+        fields: tuple[list[str], list[str]],
+        body: ScoreRequest | RerankRequest,
+        served: _Model,
+    ) -> tuple[list[float], int]:
+        """Each pair's score and the prompt tokens they took: a cross-encoder's (a
+        classifier's, of one label) of the pair encoded together, else the cosine similarity
+        of the two texts' embeddings (each distinct text embedded once). ``fields`` name each
+        pair's two texts in the body, for an error."""
         options = {"truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority}
+        if served.info.get("labels"):
+            names = [f"{a} and {b}" for a, b in zip(*fields, strict=True)]
+            scored = await self._pool_all(pairs, names, options, served.lora_name, "score")
+            return [out.score for out in scored], sum(len(o.prompt_token_ids) for o in scored)
+        distinct: dict[str, str] = {}  # text -> the first field that holds it
+        for pair, pair_fields in zip(pairs, zip(*fields, strict=True), strict=True):
+            for text, field_name in zip(pair, pair_fields, strict=True):
+                distinct.setdefault(text, field_name)
         outputs = await self._pool_all(
             list(distinct), list(distinct.values()), options, served.lora_name
         )
-        return dict(zip(distinct, outputs))
+        embedded = dict(zip(distinct, outputs))
+        scores = [cosine(embedded[a].data, embedded[b].data) for a, b in pairs]
+        return scores, sum(len(out.prompt_token_ids) for out in outputs)
 
     async def _pool_all(
         self,
-        prompts: Sequence[str | list[int]],
+        prompts: Sequence[str | list[int] | tuple[str, str]],
         fields: list[str],
         options: dict[str, Any],
         lora_name: str | None,
-        classify: bool = False,
+        task: str = "embed",
     ) -> list[Any]:
-        """Every prompt's embedding (or classification); a refusal names the field of the
-        prompt refused."""
-        request_id = f"{'classify' if classify else 'embd'}-{uuid.uuid4().hex}"
+        """Every prompt's embedding, classification or (of a pair of texts) score; a refusal
+        names the field of the prompt refused."""
+        request_id = f"{task}-{uuid.uuid4().hex}"
 
         async def one(i: int) -> Any:
             try:
-                return await self._pool(
-                    f"{request_id}-{i}", prompts[i], options, lora_name, classify
-                )
+                return await self._pool(f"{request_id}-{i}", prompts[i], options, lora_name, task)
             except InvalidRequestError as exc:
                 raise InvalidRequestError(f"{fields[i]}: {exc}", exc.code) from None
 
@@ -788,20 +804,27 @@ class Gateway:
     async def _pool(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | tuple[str, str],
         options: dict[str, Any],
         lora_name: str | None,
-        classify: bool,
-    ) -> EmbeddingOutput | ClassificationOutput:
-        """One input's embedding (or classification), from the replica the router picks; one
-        that cannot take it leaves the rotation and another gets it (nothing was returned
-        yet)."""
+        task: str,
+    ) -> EmbeddingOutput | ClassificationOutput | ScoreOutput:
+        """One input's embedding, classification or score, from the replica the router
+        picks; one that cannot take it leaves the rotation and another gets it (nothing was
+        returned yet)."""
         tried: frozenset[str] = frozenset()
+        # A pair is routed by its first text: a query's documents go where it is cached.
+        routed = prompt[0] if isinstance(prompt, tuple) else prompt
         while True:
-            async with self.router.reserve(prompt, 0, tried, None, lora_name) as replica:
+            async with self.router.reserve(routed, 0, tried, None, lora_name) as replica:
                 self.metrics.routed.labels(replica.address).inc()
-                pool = replica.client.classify if classify else replica.client.embed
+                client = replica.client
                 try:
+                    if isinstance(prompt, tuple):
+                        return await client.score(
+                            *prompt, request_id=request_id, lora_name=lora_name, **options
+                        )
+                    pool = client.classify if task == "classify" else client.embed
                     return await pool(prompt, request_id=request_id, lora_name=lora_name, **options)
                 except ServerUnavailableError as exc:
                     self.router.mark_down(replica, str(exc))

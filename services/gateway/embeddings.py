@@ -5,9 +5,10 @@ classifier.
 Each input is one engine request on a server with the pooling runner; the response lists
 their vectors in input order, as JSON floats or, with ``encoding_format: "base64"`` (what
 the official ``openai`` client asks for by default), their float32 little-endian bytes in
-base64. A score or a relevance is the cosine similarity of two texts' embeddings (each
-distinct text embedded once), as vLLM scores with an embedding model. A classification is
-each input's score per label, named by the classifier's config.json.
+base64. A score or a relevance is a cross-encoder's (a classifier of one label) of the two
+texts encoded together, or with an embedding model the cosine similarity of the two texts'
+embeddings (each distinct text embedded once), as vLLM scores. A classification is each
+input's score per label, named by the classifier's config.json.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-import numpy as np
 from pydantic import AfterValidator, Field
 
 from weir.services.gateway.schemas import Options, Prompt, not_zero, prompt_list
@@ -114,8 +114,7 @@ def embedding_response(
 
 
 class _PairFields(Options):
-    """What vLLM's score and rerank bodies share (an embedding model scores a pair by the
-    cosine similarity of its two embeddings)."""
+    """What vLLM's score and rerank bodies share."""
 
     model: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(not_zero)] | None = None
@@ -159,36 +158,20 @@ class RerankRequest(_PairFields):
     top_n: Annotated[int, Field(ge=0)] = 0
 
 
-def cosine(a: EmbeddingOutput, b: EmbeddingOutput) -> float:
-    """The cosine similarity of two embeddings, in [-1, 1] (0 when one is all zeros)."""
-    x = np.frombuffer(a.data, dtype="<f4").astype(np.float64)
-    y = np.frombuffer(b.data, dtype="<f4").astype(np.float64)
-    norms = float(np.linalg.norm(x) * np.linalg.norm(y))
-    return min(1.0, max(-1.0, float(x @ y / norms))) if norms else 0.0
-
-
-def score_response(
-    model: str, pairs: list[tuple[str, str]], embedded: dict[str, EmbeddingOutput]
-) -> dict[str, Any]:
-    num_tokens = sum(len(out.prompt_token_ids) for out in embedded.values())
+def score_response(model: str, scores: list[float], num_tokens: int) -> dict[str, Any]:
     return {
         "id": f"score-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
         "model": model,
-        "data": [
-            {"index": i, "object": "score", "score": cosine(embedded[a], embedded[b])}
-            for i, (a, b) in enumerate(pairs)
-        ],
+        "data": [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)],
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
 
 
 def rerank_response(
-    model: str, body: RerankRequest, embedded: dict[str, EmbeddingOutput]
+    model: str, body: RerankRequest, scores: list[float], num_tokens: int
 ) -> dict[str, Any]:
-    query = embedded[body.query]
-    scores = [cosine(query, embedded[text]) for text in body.documents]
     # Best first; sorted is stable, so ties keep the documents' order.
     ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
     results = [
@@ -198,6 +181,6 @@ def rerank_response(
     return {
         "id": f"rerank-{uuid.uuid4().hex}",
         "model": model,
-        "usage": {"total_tokens": sum(len(out.prompt_token_ids) for out in embedded.values())},
+        "usage": {"total_tokens": num_tokens},
         "results": results[: body.top_n or None],
     }

@@ -27,7 +27,7 @@ LONG = "A lighthouse keeper finds a message in a bottle and sets out to answer i
 TOLERANCE = 1e-4
 
 
-def save_classifier(default_model_dir, path, labels: dict[int, str]):
+def save_classifier(default_model_dir, path, labels: dict[int, str], std: float = 0.1):
     """The default model's transformer with a random score head of ``labels``, saved as
     transformers saves a sequence classifier (beside the tokenizer's files)."""
     torch.manual_seed(0)
@@ -39,7 +39,7 @@ def save_classifier(default_model_dir, path, labels: dict[int, str]):
         dtype=torch.float32,
     ).eval()
     with torch.no_grad():  # wide enough that the labels' probabilities differ
-        model.score.weight.normal_(0.0, 0.1)
+        model.score.weight.normal_(0.0, std)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / name, path / name)
@@ -132,7 +132,7 @@ def test_the_sdk_classifies_and_names_the_labels(server, logits):
         ("/classify", {"input": [SHORT, "word " * 600]}, 400, "input[1]: prompt is too long"),
         ("/classify", {"input": SHORT, "model": "other"}, 404, "does not exist"),
         ("/v1/embeddings", {"input": SHORT}, 400, "POST /classify"),
-        ("/score", {"text_1": "a", "text_2": "b"}, 400, "POST /classify"),
+        ("/score", {"text_1": "a", "text_2": "b"}, 400, "only a classifier of one label"),
         ("/v1/completions", {"prompt": SHORT}, 400, "serves classifications only"),
     ],
 )
@@ -143,17 +143,82 @@ def test_what_a_classifier_refuses_gets_a_clear_error(server, route, body, statu
     assert _post(server, "/classify", {"input": SHORT}).status_code == 200
 
 
-def test_one_label_scores_by_its_sigmoid_through_llm(default_model_dir, tmp_path):
-    """A reward model's single label: its sigmoid (transformers' pipeline's choice), or
-    the raw reward with ``activation=False``."""
-    model = save_classifier(default_model_dir, tmp_path, {0: "LABEL_0"})
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
-    with torch.no_grad():
-        want = [
-            float(model(torch.tensor([tokenizer(p).input_ids])).logits[0, 0]) for p in (SHORT, LONG)
-        ]
-    with LLM(str(tmp_path), max_model_len=256, device="cpu") as llm:
-        probs = [out.probs for out in llm.classify([SHORT, LONG])]
-        [raw] = llm.classify(SHORT, activation=False)
-    assert close(probs, [[1 / (1 + np.exp(-w))] for w in want])
-    assert close(raw.probs, [want[0]])
+@pytest.fixture(scope="module")
+def cross_encoder(default_model_dir, tmp_path_factory):
+    """A classifier of one label, as rerankers are: transformers' logit of a pair of texts
+    encoded together (its tokenizer's pair encoding) and a server of it."""
+    path = tmp_path_factory.mktemp("cross-encoder")
+    model = save_classifier(default_model_dir, path, {0: "relevant"}, std=0.01)
+    # A pair template, as cross-encoders' tokenizers have one: each text closed by a separator.
+    tokenizer_json = json.loads((path / "tokenizer.json").read_text())
+    tokenizer_json["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "<|im_end|>", "type_id": 0}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+            {"SpecialToken": {"id": "<|im_end|>", "type_id": 1}},
+        ],
+        "special_tokens": {
+            "<|im_end|>": {"id": "<|im_end|>", "ids": [2], "tokens": ["<|im_end|>"]}
+        },
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    assert tokenizer("a", "b").input_ids[-1] == 2
+
+    def logit(text_1: str, text_2: str | None = None) -> float:
+        with torch.no_grad():
+            ids = tokenizer(text_1, text_2).input_ids
+            return float(model(torch.tensor([ids])).logits[0, 0])
+
+    return path, logit
+
+
+def sigmoid(x: float) -> float:
+    return float(1 / (1 + np.exp(-x)))
+
+
+QUERY = "Where is the Eiffel Tower?"
+DOCUMENTS = [
+    "The Eiffel Tower stands in Paris, on the Champ de Mars.",
+    "Bananas are rich in potassium.",
+    "Paris is the capital of France.",
+]
+
+
+def test_a_one_label_classifier_scores_and_reranks_pairs_as_a_cross_encoder(cross_encoder):
+    """`/score`, `/rerank` and the SDK's `score`: each pair encoded together as the
+    tokenizer encodes a pair, its one label's sigmoid (vLLM's cross-encoder scoring)."""
+    path, logit = cross_encoder
+    want = [sigmoid(logit(QUERY, d)) for d in DOCUMENTS]
+    assert len({round(w, 3) for w in want}) == 3, want
+    with small_server(path, "rerank") as server:
+        score = _post(server, "/score", {"text_1": QUERY, "text_2": DOCUMENTS}).json()
+        assert close([item["score"] for item in score["data"]], want), (score["data"], want)
+        pairs = _post(server, "/score", {"text_1": DOCUMENTS[:2], "text_2": [QUERY] * 2})
+        want_pairs = [sigmoid(logit(d, QUERY)) for d in DOCUMENTS[:2]]
+        assert close([item["score"] for item in pairs.json()["data"]], want_pairs)
+        ranked = _post(server, "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2})
+        results = ranked.json()["results"]
+        assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -want[i])[:2]
+        assert close([r["relevance_score"] for r in results], sorted(want, reverse=True)[:2])
+        with WeirClient(server.client_address) as client:
+            out = client.score(QUERY, DOCUMENTS[0], activation=False)
+            assert close(out.score, logit(QUERY, DOCUMENTS[0]))
+            assert close(client.classify(SHORT).probs, [sigmoid(logit(SHORT))])
+        reply = _post(server, "/score", {"text_1": QUERY, "text_2": ["word " * 600]})
+        assert reply.status_code == 400
+        assert "text_1[0] and text_2[0]: prompt is too long" in reply.json()["error"]["message"]
+
+
+def test_llm_classifies_and_scores_pairs(cross_encoder):
+    path, logit = cross_encoder
+    with LLM(str(path), max_model_len=256, device="cpu") as llm:
+        [probs] = llm.classify(SHORT)
+        [raw] = llm.classify(LONG, activation=False)
+        scores = llm.score(QUERY, DOCUMENTS[:2])
+    assert close(probs.probs, [sigmoid(logit(SHORT))])
+    assert close(raw.probs, [logit(LONG)])
+    assert close([s.score for s in scores], [sigmoid(logit(QUERY, d)) for d in DOCUMENTS[:2]])

@@ -341,7 +341,9 @@ def test_a_bare_transformer_checkpoint_is_an_embedding_model(
             shutil.copy(default_model_dir / name, bare / name)
     with LLM(str(bare), max_model_len=256, device="cpu") as llm:
         [out] = llm.embed(LONG)
+        [score] = llm.score(SHORT, [LONG])  # an embedding model's: the cosine similarity
     assert close(out.embedding, pooled(hidden_states(LONG)))
+    assert close(score.score, cosine(pooled(hidden_states(SHORT)), pooled(hidden_states(LONG))))
 
 
 def test_a_lora_adapter_of_the_bare_transformer_embeds_as_peft_does(default_model_dir, tmp_path):
