@@ -208,6 +208,12 @@ class ModelConfig:
     # A sequence classifier's (``*ForSequenceClassification``: reward models, moderation
     # classifiers) number of labels: its ``score`` head replaces the LM head; 0 for a causal LM.
     num_labels: int = 0
+    # A causal LM read as a classifier (vLLM's hf_overrides for Qwen3-Reranker and its kind):
+    # its labels are these tokens' rows of the LM head (``classifier_from_token``), or with
+    # ``two_way_softmax`` the second's row less the first's, one label whose sigmoid is the
+    # second token's probability of the two (``is_original_qwen3_reranker``).
+    classifier_from_token: tuple[str, ...] = ()
+    two_way_softmax: bool = False
     # How the checkpoint's weights are quantized (dequantized as they load); None: they are not.
     checkpoint_quantization: CheckpointQuantization | None = None
 
@@ -311,7 +317,7 @@ class ModelConfig:
             nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
             checkpoint_quantization=read_checkpoint_quantization(hf, model_type),
-            num_labels=_num_labels(hf),
+            **_classifier(hf),
             **_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
@@ -492,16 +498,37 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
     }
 
 
-def _num_labels(hf: dict[str, Any]) -> int:
-    """A sequence classifier's number of labels (as transformers counts them: its id2label's,
-    else num_labels, else 2); 0 unless config.json's architecture is one."""
+def _classifier(hf: dict[str, Any]) -> dict[str, Any]:
+    """A sequence classifier's labels: as transformers counts them (its id2label's, else
+    num_labels, else 2), or its ``classifier_from_token`` (below); none unless config.json's
+    architecture is a ``*ForSequenceClassification``."""
     architectures = hf.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
-        return 0
-    labels = hf.get("id2label")
-    if isinstance(labels, dict) and labels:
-        return len(labels)
-    return count(hf, "num_labels", 2)
+        return {}
+    tokens = hf.get("classifier_from_token")
+    if tokens is None:
+        labels = hf.get("id2label")
+        return {
+            "num_labels": len(labels)
+            if isinstance(labels, dict) and labels
+            else count(hf, "num_labels", 2)
+        }
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"config.json: classifier_from_token must be tokens, got {tokens!r}")
+    method = hf.get("method")
+    two_way = flag(hf, "is_original_qwen3_reranker") or method == "from_2_way_softmax"
+    if method not in (None, "from_2_way_softmax", "no_post_processing") or (
+        two_way and len(tokens) != 2
+    ):
+        raise ValueError(
+            f"config.json: classifier_from_token {tokens} with method {method!r} is not read "
+            "(Weir reads from_2_way_softmax of two tokens and no_post_processing)"
+        )
+    return {
+        "num_labels": 1 if two_way else len(tokens),
+        "classifier_from_token": tuple(tokens),
+        "two_way_softmax": two_way,
+    }
 
 
 def read_model_config(
@@ -539,7 +566,7 @@ def eos_token_ids(model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
     token = read_json(model_dir / "tokenizer_config.json").get("eos_token")
     if isinstance(token, dict):  # a serialized AddedToken
         token = token.get("content")
-    if isinstance(token, str) and (token_id := _vocab_id(model_dir, token)) is not None:
+    if isinstance(token, str) and (token_id := vocab_id(model_dir, token)) is not None:
         ids.append(token_id)
     return tuple(dict.fromkeys(ids))
 
@@ -557,7 +584,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _vocab_id(model_dir: Path, token: str) -> int | None:
+def vocab_id(model_dir: Path, token: str) -> int | None:
     # What the tokenizers library's token_to_id answers, without importing it here: an
     # added token first, else the model's vocabulary.
     path = model_dir / "tokenizer.json"

@@ -196,27 +196,26 @@ def cosine(a: bytes, b: bytes) -> float:
     return min(1.0, max(-1.0, float(x @ y / norms))) if norms else 0.0
 
 
-def is_pooling_model(model_dir: str | os.PathLike[str]) -> bool:
-    """A sentence-transformers model (a Pooling module), a checkpoint of the bare
-    transformer (``*Model`` architectures, which have no LM head) or a sequence classifier
-    (``*ForSequenceClassification``): what ``--runner auto`` serves with the pooling runner."""
+def is_embedding_model(model_dir: str | os.PathLike[str]) -> bool:
+    """A sentence-transformers model (a Pooling module), or a checkpoint of the bare
+    transformer (``*Model`` architectures, which have no LM head)."""
     model_dir = Path(model_dir)
     if any(m.get("type") == _ST_POOLING for m in _modules(model_dir)):
         return True
     architectures = read_json(model_dir / "config.json").get("architectures") or []
     return bool(architectures) and all(
-        isinstance(a, str) and a.endswith(("Model", "ForSequenceClassification"))
-        for a in architectures
+        isinstance(a, str) and a.endswith("Model") for a in architectures
     )
 
 
-def resolve_runner(runner: str, model_dir: str | os.PathLike[str]) -> str:
-    """``generate`` or ``pooling``: ``runner`` itself unless it is ``auto``."""
+def resolve_runner(runner: str, model_dir: str | os.PathLike[str], num_labels: int = 0) -> str:
+    """``generate`` or ``pooling``: ``runner`` itself unless it is ``auto``, which pools an
+    embedding model and a sequence classifier (``num_labels``, its config's labels)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
     if runner != "auto":
         return runner
-    return "pooling" if is_pooling_model(model_dir) else "generate"
+    return "pooling" if num_labels or is_embedding_model(model_dir) else "generate"
 
 
 def read_pooler_config(

@@ -155,6 +155,27 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
     assert transformers.LlamaConfig(**hf).rope_parameters["factor"] == 2.0
 
 
+CLASSIFIER = {
+    "model_type": "llama",
+    **REQUIRED,
+    "architectures": ["LlamaForSequenceClassification"],
+}
+
+
+def test_a_classifier_has_its_labels_or_those_of_its_tokens():
+    causal = {**CLASSIFIER, "architectures": ["LlamaForCausalLM"]}
+    assert ModelConfig.from_hf(causal).num_labels == 0
+    assert ModelConfig.from_hf({**causal, "num_labels": 5}).num_labels == 0
+    assert ModelConfig.from_hf(CLASSIFIER).num_labels == 2  # transformers' default
+    labels = {"0": "a", "1": "b", "2": "c"}
+    assert ModelConfig.from_hf({**CLASSIFIER, "id2label": labels}).num_labels == 3
+    reranker = {**CLASSIFIER, "classifier_from_token": ["no", "yes"]}
+    assert ModelConfig.from_hf(reranker).num_labels == 2
+    two_way = ModelConfig.from_hf({**reranker, "is_original_qwen3_reranker": True})
+    assert (two_way.num_labels, two_way.two_way_softmax) == (1, True)
+    assert ModelConfig.from_hf({**reranker, "method": "from_2_way_softmax"}).two_way_softmax
+
+
 @pytest.mark.parametrize(
     "hf, message",
     [
@@ -211,6 +232,17 @@ def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers():
             {**GEMMA, "rope_parameters": {"sliding_attention": {"rope_type": "linear"}}},
             "unsupported rope type 'linear' of the sliding layers",
         ),
+        ({**CLASSIFIER, "classifier_from_token": "yes"}, "classifier_from_token must be tokens"),
+        (
+            {
+                **CLASSIFIER,
+                "classifier_from_token": ["a", "b", "c"],
+                "method": "from_2_way_softmax",
+            },
+            "with method 'from_2_way_softmax' is not read",
+        ),
+        ({**CLASSIFIER, "classifier_from_token": ["a"], "method": "mean"}, "method 'mean'"),
+        ({**CLASSIFIER, "num_labels": 0}, "num_labels must be a positive integer"),
     ],
 )
 def test_a_malformed_config_is_a_value_error_naming_the_key(hf, message):

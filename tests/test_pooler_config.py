@@ -127,7 +127,8 @@ def test_a_classifier_takes_the_pooling_runner_and_scores_as_transformers_pipeli
     arch = ("Qwen3ForSequenceClassification",)
     labels = {"0": "safe", "1": "unsafe", "2": "unsure"}
     model = _model(tmp_path / "three", arch, id2label=labels)
-    assert resolve_runner("auto", model) == "pooling"
+    assert resolve_runner("auto", model) == "generate"
+    assert resolve_runner("auto", model, num_labels=3) == "pooling"
     config = read_pooler_config(model, HIDDEN, num_labels=3)
     assert (config.labels, config.activation, config.normalize) == (
         ("safe", "unsafe", "unsure"),

@@ -137,7 +137,9 @@ class SchedulerServer:
         if self.engine_args.max_prompt_chars is not None and self.engine_args.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars must be at least 1")
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)
-        self.runner = resolve_runner(self.engine_args.runner, model_dir)
+        self.runner = resolve_runner(
+            self.engine_args.runner, model_dir, self.model_config.num_labels
+        )
         if self.runner == "generate" and self.engine_args.pooler_config:
             raise ValueError("--pooler-config configures --runner pooling; this server generates")
         self.pooler = (

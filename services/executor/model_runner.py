@@ -194,7 +194,9 @@ class ModelRunner:
             os.environ.get(SYNC_STEP_TIMING_ENV) == "1" if sync_timings is None else sync_timings
         )
         # A pooling runner only prefills (graphs replay decodes) and needs no LM head.
-        self.pooling_runner = resolve_runner(runner, self.model_dir) == "pooling"
+        self.pooling_runner = (
+            resolve_runner(runner, self.model_dir, model_config.num_labels) == "pooling"
+        )
         # Graphs replay fixed launches: the attention backend must plan nothing on the host,
         # and collectives stay out of them (tensor parallelism runs eagerly). The experts'
         # grouped matmul has not yet been captured on a GPU: a MoE model runs eagerly.

@@ -23,7 +23,7 @@ from weir.services.executor.packed_weights import can_pack, pack_model
 from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.quantization import quantize_model
 from weir.services.executor.quantized_checkpoint import dequantized_tensors
-from weir.shared.model_config import ModelConfig, read_model_config
+from weir.shared.model_config import ModelConfig, read_model_config, vocab_id
 from weir.shared.shard_layout import ShardLayout
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
@@ -295,13 +295,19 @@ def _language_model_name(name: str) -> str | None:
 
 @torch.no_grad()
 def load_weights(
-    model: CausalLM, tensors: Iterator[tuple[str, TensorSource]], lm_head_optional: bool = False
+    model: CausalLM,
+    tensors: Iterator[tuple[str, TensorSource]],
+    lm_head_optional: bool = False,
+    score_tokens: list[int] | None = None,
 ) -> None:
     """Copy checkpoint tensors (this rank's share) into the model, fusing q/k/v and gate/up;
     every parameter must be filled, but the LM head when ``lm_head_optional`` (an embedding
     model's checkpoint has none: its LM head stays zero, never used). A checkpoint of the
-    bare transformer (names without ``model.``, as embedding models are saved) loads too."""
+    bare transformer (names without ``model.``, as embedding models are saved) loads too.
+    ``score_tokens``: a classifier's head is read from those tokens' rows of the LM head
+    (``ModelConfig.classifier_from_token``)."""
     params = dict(model.named_parameters())
+    head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     filled: dict[str, int] = {}
     rows = _vocab_rows(model.config, model.layout)
     for vocab_param in _VOCAB_PARAMS:
@@ -322,6 +328,8 @@ def load_weights(
         elif checkpoint_name.startswith(_BARE_PREFIXES):
             checkpoint_name = "model." + checkpoint_name
         for name, source in _parts(model.config, checkpoint_name, whole):
+            if score_tokens is not None and name == head:
+                _score_from_rows(model, params, filled, written, name, source, score_tokens)
             _load_tensor(model, params, filled, written, name, source)
     missing = [
         n
@@ -333,6 +341,26 @@ def load_weights(
         raise ValueError(
             f"checkpoint does not fill {len(missing)} parameters: it lacks some of {named}"
         )
+
+
+def _score_from_rows(
+    model: CausalLM,
+    params: dict[str, torch.nn.Parameter],
+    filled: dict[str, int],
+    written: dict[str, str],
+    name: str,
+    source: TensorSource,
+    tokens: list[int],
+) -> None:
+    """A classifier's head from its LM head's rows of ``tokens`` (with two-way softmax, the
+    second's less the first's: the logit whose sigmoid is the second's probability of the
+    two), read whole on every rank."""
+    written[f"score[{slice(None)}]"] = name
+    rows = torch.cat([source[(slice(t, t + 1),)].float() for t in tokens])
+    if model.config.two_way_softmax:
+        rows = rows[1:] - rows[:1]
+    params["score"].copy_(rows)
+    filled["score"] = rows.numel()
 
 
 def _checkpoint_names(param: str, cfg: ModelConfig) -> str:
@@ -403,6 +431,20 @@ def _load_tensor(
     filled[param_name] = filled.get(param_name, 0) + tensor.numel()
 
 
+def _score_tokens(model_dir: str | Path, cfg: ModelConfig) -> list[int] | None:
+    """The token ids of a classifier's ``classifier_from_token``; None for any other model."""
+    if not cfg.classifier_from_token:
+        return None
+    ids = [vocab_id(Path(model_dir), token) for token in cfg.classifier_from_token]
+    missing = [t for t, i in zip(cfg.classifier_from_token, ids, strict=True) if i is None]
+    if missing:
+        raise ValueError(
+            f"config.json: classifier_from_token {missing[0]!r} is not a token of the model's "
+            "tokenizer.json"
+        )
+    return [i for i in ids if i is not None]
+
+
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights of the model's shape: norms at 1, everything else N(0, 0.02), the
@@ -451,7 +493,7 @@ def load_model(
         )
         if cfg.model_type == "gpt_oss":
             tensors = split_gpt_oss_tensors(tensors, cfg)
-        load_weights(model, tensors, lm_head_optional)
+        load_weights(model, tensors, lm_head_optional, _score_tokens(model_dir, cfg))
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
     model.finish_loading()

@@ -16,6 +16,7 @@ import torch
 from serving_helpers import small_server
 
 from weir.services import LLM
+from weir.services.executor.weights import load_model
 from weir.shared.client import InvalidRequestError, WeirClient
 
 transformers = pytest.importorskip("transformers")
@@ -222,3 +223,38 @@ def test_llm_classifies_and_scores_pairs(cross_encoder):
     assert close(probs.probs, [sigmoid(logit(SHORT))])
     assert close(raw.probs, [logit(LONG)])
     assert close([s.score for s in scores], [sigmoid(logit(QUERY, d)) for d in DOCUMENTS[:2]])
+
+
+def test_a_causal_lm_read_as_a_reranker_scores_by_its_yes_and_no_logits(default_model_dir):
+    """Qwen3-Reranker's way, as vLLM serves it: a causal LM with `hf_overrides` naming a
+    classifier and `classifier_from_token: ["no", "yes"]` (`is_original_qwen3_reranker`):
+    a pair's score is the probability of "yes" of the two at its last token, as the model's
+    own usage computes it with transformers' causal LM."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    causal = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir).eval()
+    no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+
+    def p_yes(*texts: str) -> float:
+        with torch.no_grad():
+            last = causal(torch.tensor([tokenizer(*texts).input_ids])).logits[0, -1]
+        return float(torch.softmax(last[[no, yes]], dim=0)[1])
+
+    overrides = {
+        "architectures": ["LlamaForSequenceClassification"],
+        "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True,
+    }
+    with LLM(
+        str(default_model_dir),
+        runner="pooling",
+        hf_overrides=overrides,
+        max_model_len=256,
+        device="cpu",
+    ) as llm:
+        scores = [s.score for s in llm.score(QUERY, DOCUMENTS)]
+        [one] = llm.classify(SHORT)
+    assert close(scores, [p_yes(QUERY, d) for d in DOCUMENTS])
+    assert close(one.probs, [p_yes(SHORT)])
+    unknown = {**overrides, "classifier_from_token": ["no", "no such token"]}
+    with pytest.raises(ValueError, match="classifier_from_token 'no such token' is not a token"):
+        load_model(default_model_dir, hf_overrides=json.dumps(unknown))
