@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weir.services.launcher import ServerProcesses
+from weir.shared.beam_search import BeamSearchOutput, BeamSearchParams
 from weir.shared.client import (
     AsyncWeirClient,
     ClassificationOutput,
@@ -205,6 +206,22 @@ class LLM:
         }
         client = self._client
         return self._loop.run(gather_all([client.classify(p, **options) for p in prompts]))
+
+    def beam_search(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: BeamSearchParams,
+        *,
+        lora_name: str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: each prompt's best ``params.beam_width`` beams, best
+        first (``weir.shared.beam_search``), the prompts searched together. If one fails,
+        the call raises its error."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]  # a single prompt
+        client = self._client
+        searches = [client.beam_search(p, params, lora_name=lora_name) for p in prompts]
+        return self._loop.run(gather_all(searches))
 
     def score(
         self,

@@ -44,6 +44,12 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from weir.shared.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    beam_search,
+    first_token_logprobs,
+)
 from weir.shared.config import DEFAULT_ADDRESS
 from weir.shared.keys import ClientKeys, HandshakeMonitor, connect_curve
 from weir.shared.keys import keys_dir as resolve_keys_dir
@@ -410,6 +416,61 @@ class AsyncWeirClient:
             lora_name,
         )
         return ScoreOutput(request_id_, float(np.frombuffer(data, dtype="<f4")[0]), prompt_ids)
+
+    async def beam_search(
+        self,
+        prompt: Prompt,
+        params: BeamSearchParams,
+        *,
+        priority: int = 0,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> BeamSearchOutput:
+        """vLLM's beam search (``weir.shared.beam_search``) of a text, token ids or a chat
+        (its template arguments as ``generate``'s): the best ``params.beam_width`` beams,
+        best first. Each step is one one-token request per live beam."""
+        info = await self.model_info()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            prompt_ids = list(prompt)  # type: ignore[arg-type]
+        else:
+            prompt_ids = await self.tokenize(
+                prompt,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                continue_final_message=continue_final_message,
+            )
+        room = int(info["max_model_len"]) - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if not 1 <= max_tokens <= room:
+            raise InvalidRequestError(
+                f"the prompt's {len(prompt_ids)} tokens and max_tokens {max_tokens} are more "
+                f"than max_model_len {info['max_model_len']}",
+                INVALID_REQUEST,
+            )
+
+        async def next_tokens(ids: list[int], n: int) -> list[tuple[int, float]]:
+            one = SamplingParams(
+                max_tokens=1, temperature=params.temperature, logprobs=n, ignore_eos=True
+            )
+            stream = self.generate(
+                ids, one, priority=priority, cache_salt=cache_salt, lora_name=lora_name
+            )
+            return await first_token_logprobs(stream)
+
+        return await beam_search(
+            prompt_ids,
+            params,
+            max_tokens,
+            info["eos_token_id"],
+            next_tokens,
+            gather_all,
+            self.detokenize,
+        )
 
     async def _pool(
         self,
@@ -978,6 +1039,34 @@ class WeirClient:
                 truncate_prompt_tokens=truncate_prompt_tokens,
                 request_id=request_id,
                 priority=priority,
+                cache_salt=cache_salt,
+                lora_name=lora_name,
+            )
+        )
+
+    def beam_search(
+        self,
+        prompt: Prompt,
+        params: BeamSearchParams,
+        *,
+        priority: int = 0,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> BeamSearchOutput:
+        self._check_open()
+        return self._loop.run(
+            self._client.beam_search(
+                prompt,
+                params,
+                priority=priority,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 cache_salt=cache_salt,
                 lora_name=lora_name,
             )

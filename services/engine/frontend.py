@@ -595,14 +595,10 @@ class ClientFrontend:
         longest = self.max_model_len - (msg.pooling_params is None)
         if keep == -1:
             keep = longest
-        pair = None if msg.pooling_params is None else msg.pooling_params.text_pair
-        if isinstance(prompt, str) and pair is not None:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True, pair=pair)
-            if keep is not None:
-                ids = ids[-keep:]
-        elif isinstance(prompt, str) or isinstance(prompt[0], dict):
+        if isinstance(prompt, str) or isinstance(prompt[0], dict):
             # A text gets the model's special tokens (BOS); a chat's template writes them.
-            ids = self._prompt_ids(prompt, msg.chat, add_special_tokens=isinstance(prompt, str))
+            pair = None if msg.pooling_params is None else msg.pooling_params.text_pair
+            ids = self._prompt_ids(prompt, msg.chat, isinstance(prompt, str), pair)
             if keep is not None:
                 ids = ids[-keep:]
         else:
@@ -634,10 +630,12 @@ class ClientFrontend:
         prompt: client_protocol.TextOrChat,
         chat: client_protocol.ChatTemplateArgs,
         add_special_tokens: bool,
+        pair: str | None = None,
     ) -> list[int]:
-        """A text's token ids, or a chat's as its template renders it."""
+        """A text's token ids (paired with ``pair`` as the tokenizer pairs two texts), or a
+        chat's as its template renders it."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return self.tokenizer.encode(prompt, add_special_tokens, pair)
         tools = _json_of("tools", chat.tools, list, _TOOLS)
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise ValueError(f"tools must be {_TOOLS}")

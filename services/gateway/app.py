@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -61,7 +61,9 @@ from weir.services.gateway.schemas import (
     UnloadLoraAdapterBody,
     chat_prompt,
 )
+from weir.shared.beam_search import BeamSearchParams
 from weir.shared.client import (
+    AsyncWeirClient,
     ClassificationOutput,
     EmbeddingOutput,
     EngineError,
@@ -152,6 +154,7 @@ MAX_CHOICES = 128
 _TOOL_SCHEMA_FIELD = "structured_output.json"
 
 # A request's outputs as they arrive: per batch, each choice index with its new outputs.
+T = TypeVar("T")
 Batches = AsyncGenerator[list[tuple[int, list[StreamOutput]]], None]
 
 
@@ -361,6 +364,72 @@ class Gateway:
 
     # ------------------------------------------------------------------ sample streams
 
+    def _outputs(
+        self,
+        request_id: str,
+        samples: list[_Sample],
+        body: CompletionRequest | ChatCompletionRequest,
+    ) -> Batches:
+        """The samples' outputs: generated, or a beam search's best beams."""
+        if body.use_beam_search:
+            return self._beam_searches(request_id, samples, body.n, body.length_penalty)
+        return self.run(request_id, samples)
+
+    async def _beam_searches(
+        self, request_id: str, samples: list[_Sample], width: int, length_penalty: float
+    ) -> Batches:
+        """Each prompt's beam search (with its first sample's parameters): its ``width``
+        best beams are its choices, each one finished output, sent when its search ends."""
+
+        async def search(sample: _Sample) -> list[tuple[int, list[StreamOutput]]]:
+            params = BeamSearchParams(
+                width,
+                sample.params.max_tokens,
+                sample.params.ignore_eos,
+                sample.params.temperature,
+                length_penalty,
+            )
+            found = await self._on_replica(
+                sample.prompt,
+                sample.lora_name,
+                lambda client: client.beam_search(
+                    sample.prompt,
+                    params,
+                    priority=sample.priority,
+                    cache_salt=sample.cache_salt,
+                    lora_name=sample.lora_name,
+                    **sample.chat,
+                ),
+            )
+            prompt_ids = found.prompt_token_ids
+            return [
+                (
+                    sample.index + i,
+                    [
+                        StreamOutput(
+                            f"{request_id}-{sample.index + i}",
+                            beam.output_token_ids,
+                            beam.text,
+                            True,
+                            beam.finish_reason,
+                            len(prompt_ids),
+                            len(beam.output_token_ids),
+                            prompt_ids,
+                        )
+                    ],
+                )
+                for i, beam in enumerate(found.sequences)
+            ]
+
+        tasks = [asyncio.ensure_future(search(s)) for s in samples if s.number == 0]
+        try:
+            for done in asyncio.as_completed(tasks):
+                yield await done
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def run(self, request_id: str, samples: list[_Sample]) -> Batches:
         """Every sample's outputs, merged as they come: each batch holds, per choice index,
         all that arrived since the last batch (at least one output); the first failure is
@@ -494,7 +563,7 @@ class Gateway:
             "created": int(time.time()),
             "model": served.name,
         }
-        outputs = self.run(response_id, samples)
+        outputs = self._outputs(response_id, samples, body)
         if body.echo:
             outputs = _echoed(outputs, samples, with_logprobs=body.logprobs is not None)
         if body.return_tokens_as_token_ids:
@@ -558,7 +627,7 @@ class Gateway:
                 body, output, served.lora_name, served.info.get("default_sampling_params", {})
             )
             response_id = f"chatcmpl-{uuid.uuid4().hex}"
-            outputs = self.run(response_id, samples)
+            outputs = self._outputs(response_id, samples, body)
             if body.return_tokens_as_token_ids:
                 outputs = _tokens_as_ids(outputs)
             return await respond(body, output, served.name, response_id, outputs)
@@ -809,23 +878,36 @@ class Gateway:
         lora_name: str | None,
         task: str,
     ) -> EmbeddingOutput | ClassificationOutput | ScoreOutput:
-        """One input's embedding, classification or score, from the replica the router
-        picks; one that cannot take it leaves the rotation and another gets it (nothing was
-        returned yet)."""
-        tried: frozenset[str] = frozenset()
+        """One input's embedding, classification or score."""
         # A pair is routed by its first text: a query's documents go where it is cached.
         routed = prompt[0] if isinstance(prompt, tuple) else prompt
+
+        async def pool(
+            client: AsyncWeirClient,
+        ) -> EmbeddingOutput | ClassificationOutput | ScoreOutput:
+            if isinstance(prompt, tuple):
+                return await client.score(
+                    *prompt, request_id=request_id, lora_name=lora_name, **options
+                )
+            call = client.classify if task == "classify" else client.embed
+            return await call(prompt, request_id=request_id, lora_name=lora_name, **options)
+
+        return await self._on_replica(routed, lora_name, pool)
+
+    async def _on_replica(
+        self,
+        prompt: Prompt,
+        lora_name: str | None,
+        call: Callable[[AsyncWeirClient], Awaitable[T]],
+    ) -> T:
+        """``call`` on the replica the router picks for ``prompt``; one that cannot take it
+        leaves the rotation and another gets it (nothing was returned yet)."""
+        tried: frozenset[str] = frozenset()
         while True:
-            async with self.router.reserve(routed, 0, tried, None, lora_name) as replica:
+            async with self.router.reserve(prompt, 0, tried, None, lora_name) as replica:
                 self.metrics.routed.labels(replica.address).inc()
-                client = replica.client
                 try:
-                    if isinstance(prompt, tuple):
-                        return await client.score(
-                            *prompt, request_id=request_id, lora_name=lora_name, **options
-                        )
-                    pool = client.classify if task == "classify" else client.embed
-                    return await pool(prompt, request_id=request_id, lora_name=lora_name, **options)
+                    return await call(replica.client)
                 except ServerUnavailableError as exc:
                     self.router.mark_down(replica, str(exc))
                     tried |= {replica.address}

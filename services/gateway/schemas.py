@@ -29,6 +29,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from weir.services.gateway.chat_output import ChatOutput, ChatParsers
 from weir.services.gateway.tool_calls import ToolChoice, parameters_schema, required_schema
+from weir.shared.beam_search import MAX_BEAM_WIDTH
 from weir.shared.protocol.client import MAX_ARRAY_LEN, MAX_CACHE_SALT_LEN
 from weir.shared.sampling import (
     MAX_LOGIT_BIAS,
@@ -267,6 +268,32 @@ class ResponseFormat(Body):
         return self
 
 
+# Fields that shape sampled outputs, which a beam search (ranking, not sampling) refuses
+# (top_p, top_k, min_p and seed pick nothing there and are left as they come, as in vLLM).
+_NOT_WITH_BEAM_SEARCH = (
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "tools",
+    "tool_choice",
+)
+
+
 class _SamplingFields(Options):
     """The fields both endpoints share."""
 
@@ -306,6 +333,40 @@ class _SamplingFields(Options):
     user: str | None = None
     # vLLM's: lower first, on an engine started with --policy priority.
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
+    # vLLM's beam search: the n best of n beams (``weir.shared.beam_search``), ranked by
+    # cumulative logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+
+    @model_validator(mode="after")
+    def _beam_search_takes_no_sampling_rules(self) -> _SamplingFields:
+        if not self.use_beam_search:
+            return self
+        if self.n > MAX_BEAM_WIDTH:
+            raise field_errors(
+                type(self).__name__,
+                [("n", self.n, f"use_beam_search keeps at most {MAX_BEAM_WIDTH} beams")],
+            )
+        given = [
+            name
+            for name in _NOT_WITH_BEAM_SEARCH
+            if name in self.model_fields_set
+            and getattr(self, name) != type(self).model_fields[name].default
+        ]
+        if given:
+            raise field_errors(
+                type(self).__name__,
+                [
+                    (
+                        name,
+                        None,
+                        "is not taken with use_beam_search (beams are ranked by "
+                        "logprob, cut by max_tokens and the end-of-sequence token only)",
+                    )
+                    for name in given
+                ],
+            )
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:

@@ -8,8 +8,10 @@ Client -> scheduler::
 
     generate   {request_id, prompt, sampling_params, priority?, cache_salt?, lora_name?,
                 pooling_params?, CHAT...}
-               pooling_params {dimensions?, normalize?}: an embedding, not tokens (a server
-               with the pooling runner)
+               pooling_params {task?, dimensions?, normalize?, activation?, text_pair?}: a
+               vector, not tokens (a server with the pooling runner): an embedding (task
+               embed), a classifier's scores (classify), a cross-encoder's score of the
+               prompt paired with text_pair (score)
                prompt: str | list[int] | list[{role, content, name?, tool_call_id?, tool_calls?,
                                                 reasoning_content?}]
     abort      {request_id}
@@ -28,7 +30,8 @@ Scheduler -> client::
 
     outputs    {items: [{request_id, new_token_ids, text, finished, finish_reason,
                          prompt_tokens, completion_tokens, prompt_token_ids, embedding?}]}
-               embedding: a pooling request's vector, float32 little-endian bytes
+               embedding: a pooling request's vector (an embedding, or a classifier's
+               scores), float32 little-endian bytes
     error      {request_id | None, message, code}
     health     {request_id, info}
     model_info {request_id, info}
