@@ -676,7 +676,7 @@ class Gateway:
         )
         for sample in samples:
             sample.chat = body.template_args()
-            if output.harmony:  # its markers are special tokens
+            if output.keeps_special_tokens:  # its markers are special tokens
                 sample.params = dataclasses.replace(sample.params, skip_special_tokens=False)
         return samples
 

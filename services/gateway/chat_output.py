@@ -123,6 +123,17 @@ class ChatOutput:
     harmony: bool = False  # read as gpt-oss' harmony format (HarmonyReader)
 
     @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the text is detokenized with the special tokens its format marks with:
+        harmony's, and Mistral's ``[TOOL_CALLS]`` (as vLLM's parsers ask for them)."""
+        tool_choice = self.tool_choice
+        return self.harmony or (
+            tool_choice is not None
+            and tool_choice.kind == "auto"
+            and tool_choice.parser == "mistral"
+        )
+
+    @property
     def plain(self) -> bool:
         """Whether the text is all content."""
         return self.thinking is None and self.tool_choice is None and not self.harmony

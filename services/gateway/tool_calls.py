@@ -12,8 +12,10 @@ and the calls read back out of its text, whole or as it streams.
   ``pythonic``: an output that is a Python list of calls, ``[f(a=1), g(b="x")]``, as Llama 3.2
   and 4 write (vLLM's parser of the name); ``qwen3_coder``: Qwen3-Coder's ``<tool_call>
   <function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`` blocks, each
-  value read by its parameter's type in the tool's schema; ``openai``: gpt-oss' harmony
-  messages (read whole by ``harmony.py``).
+  value read by its parameter's type in the tool's schema; ``mistral``: Mistral's
+  ``[TOOL_CALLS]`` and a JSON array of calls (its tokenizers before v11) or ``NAME[ARGS]{...}``
+  per ``[TOOL_CALLS]`` (v11 on); ``openai``: gpt-oss' harmony messages (read whole by
+  ``harmony.py``).
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -27,12 +29,14 @@ import functools
 import json
 import math
 import re
+import secrets
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "qwen3_coder", "openai")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "qwen3_coder", "mistral", "openai")
 # (openai: harmony.py)
 
 ToolChoiceKind = Literal["named", "required", "auto"]
@@ -408,6 +412,77 @@ class PythonicReader:
             return None
 
 
+class MistralReader:
+    """Mistral's calls, after its ``[TOOL_CALLS]`` token: a JSON array of ``{"name",
+    "arguments"}`` objects, as its tokenizers before v11 have the model write them, or
+    ``NAME[ARGS]{...}``, one call per ``[TOOL_CALLS]``, as v11 and later (Mistral Small 3.2,
+    Devstral, Magistral). Text before the first tag streams as content (less what may begin
+    it); what follows is read when the output ends, each call one delta then, and is content
+    as written if it does not read so. Each call's id is 9 letters and digits, the only ids
+    Mistral's chat templates take back."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._pending = ""  # content that may begin the tag
+        self._tail: str | None = None  # the text after the first tag
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._tail is not None:
+            self._tail += text
+            return "", []
+        self._pending += text
+        at = self._pending.find(self.TAG)
+        if at >= 0:
+            content, self._tail = self._pending[:at], self._pending[at + len(self.TAG) :]
+            self._pending = ""
+            return content, []
+        keep = tag_prefix_at_end(self._pending, self.TAG)
+        content = self._pending[: len(self._pending) - keep]
+        self._pending = self._pending[len(self._pending) - keep :]
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        if self._tail is None:
+            pending, self._pending = self._pending, ""
+            return pending, []
+        calls = self._calls(self._tail)
+        if calls is None:
+            return self.TAG + self._tail, []
+        self.calls += calls
+        return "", [call.delta(i) for i, call in enumerate(calls)]
+
+    @classmethod
+    def _calls(cls, tail: str) -> list[ToolCall] | None:
+        calls = []
+        try:
+            for segment in tail.split(cls.TAG):
+                name, args, arguments = segment.partition(cls.ARGS)
+                if args:  # v11's NAME[ARGS]{...}
+                    items = [{"name": name.strip(), "arguments": json.loads(arguments)}]
+                else:
+                    items = json.loads(segment)
+                    items = items if isinstance(items, list) else [items]
+                for item in items:
+                    if (
+                        not isinstance(item, dict)
+                        or not isinstance(item.get("name"), str)
+                        or not item["name"]
+                        or not isinstance(item.get("arguments", {}), dict)
+                    ):
+                        return None
+                    arguments_text = _arguments_text(item.get("arguments", {}))
+                    calls.append(ToolCall(item["name"], arguments_text, _mistral_call_id()))
+        except ValueError:
+            return None
+        return calls or None
+
+
+def _mistral_call_id() -> str:
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 def tag_prefix_at_end(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag``."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
@@ -436,6 +511,8 @@ class ToolChoice:
             return HermesReader()
         if self.parser == "qwen3_coder":
             return HermesReader(functools.partial(xml_call, self.properties))
+        if self.parser == "mistral":
+            return MistralReader()
         return PythonicReader() if self.parser == "pythonic" else Llama3JsonReader()
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:

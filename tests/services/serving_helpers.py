@@ -158,11 +158,11 @@ def read_chat(client, stream: bool, **kwargs) -> tuple:
     if not stream:
         [choice] = create(**kwargs).choices
         message = choice.message.model_dump()
-        assert message["reasoning"] == message["reasoning_content"]
+        assert message.get("reasoning") == message.get("reasoning_content")
         calls = [
             (c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or ()
         ]
-        return message["reasoning"], message["content"], calls, choice.finish_reason
+        return message.get("reasoning"), message["content"], calls, choice.finish_reason
     reasoning, content, calls, finish = None, None, [], None
     for chunk in create(stream=True, **kwargs):
         [choice] = chunk.choices

@@ -1,0 +1,128 @@
+"""`--tool-call-parser mistral` through the official `openai` client, in front of a real
+`weir serve` of a tiny random Llama with SmolLM2's tokenizer and Mistral's `[TOOL_CALLS]` and
+`[ARGS]` special tokens: the v11 form (`NAME[ARGS]{...}` per tag) and the older JSON array
+are calls, whole and streamed, with the 9-character ids Mistral's templates take back; what
+does not read so is content as the model wrote it. Outputs are forced by a choice
+constraint; the reader is also checked fed in pieces of every size."""
+
+import re
+import shutil
+
+import openai
+import pytest
+import torch
+from serving_helpers import read_chat, small_server
+from spread_weights import spread_weights_
+
+from weir.services.gateway.chat_output import ChatParsers
+from weir.services.gateway.tool_calls import MistralReader
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = "tiny-mistral-tools"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    for name in ("get_weather", "get_time")
+]
+ASK = [{"role": "user", "content": "Weather and time in Oslo?"}]
+V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}'
+ARRAY = 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+BROKEN = "Maybe [TOOL_CALLS]get_weather[ARGS]{city: Oslo}"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, default_model_dir):
+    path = tmp_path_factory.mktemp("models") / MODEL
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    spread_weights_(model)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    shutil.copy(default_model_dir / "generation_config.json", path)
+    # The markers as the special tokens themselves wherever the choice allows them: the
+    # form Mistral's models write, which only a detokenization that keeps them can read.
+    bias = {str(i): 100 for i in tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])}
+    with small_server(path, MODEL, ChatParsers(tool_call="mistral")) as processes:
+        client = openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="unused")
+        client.bias = bias  # type: ignore[attr-defined]
+        yield client
+
+
+def _chat(client, stream: bool, text: str, **kwargs):
+    body = {"structured_outputs": {"choice": [text]}, "logit_bias": client.bias}
+    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 300, "extra_body": body, **kwargs}
+    return read_chat(client, stream, **kwargs)[1:]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_mistral_calls_are_read_in_both_forms(client, stream):
+    assert _chat(client, stream, V11, tools=TOOLS) == (
+        None,
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
+        "tool_calls",
+    )
+    assert _chat(client, stream, ARRAY, tools=TOOLS) == (
+        "Checking.",
+        [("get_weather", '{"city": "Oslo"}')],
+        "tool_calls",
+    )
+    assert _chat(client, stream, BROKEN, tools=TOOLS) == (BROKEN, [], "stop")
+    # Without tools the text is the model's, its special tokens left out as usual.
+    assert _chat(client, stream, V11) == ('get_weather{"city": "Oslo"}get_time{}', [], "stop")
+
+
+def test_call_ids_are_the_nine_characters_mistral_templates_take(client):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=300,
+        extra_body={"structured_outputs": {"choice": [V11]}, "logit_bias": client.bias},
+    )
+    ids = [call.id for call in reply.choices[0].message.tool_calls]
+    assert len(ids) == 2 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
+
+
+def read_in_pieces(text: str, step: int):
+    reader = MistralReader()
+    content, deltas = [], []
+    for i in range(0, len(text), step):
+        piece, found = reader.feed(text[i : i + step])
+        content.append(piece)
+        deltas += found
+    rest, found = reader.finish()
+    calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas + found]
+    return "".join(content) + rest, calls
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_a_mistral_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    assert read_in_pieces(V11, step) == (
+        "",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
+    )
+    assert read_in_pieces(ARRAY, step) == ("Checking.", [("get_weather", '{"city": "Oslo"}')])
+    assert read_in_pieces(BROKEN, step) == (BROKEN, [])
+    assert read_in_pieces("[TOOL_CALL", step) == ("[TOOL_CALL", [])
+    assert read_in_pieces("No calls.", step) == ("No calls.", [])
+    assert read_in_pieces('[TOOL_CALLS][{"name": "f"}]', step) == ("", [("f", "{}")])
+    assert read_in_pieces('[TOOL_CALLS][{"name": ""}]', step) == ('[TOOL_CALLS][{"name": ""}]', [])
+    assert read_in_pieces("[TOOL_CALLS]f[ARGS][1]", step) == ("[TOOL_CALLS]f[ARGS][1]", [])
