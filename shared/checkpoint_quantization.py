@@ -37,12 +37,25 @@ COMPRESSED_TENSORS_FORMATS = (
 _BITS = {("float", 8), *(("int", bits) for bits in range(2, 9))}
 
 
+# How a weight's scales cover it: one for the tensor, one per row (channel), one per group of
+# a row's columns, one per rows x columns block.
+STRATEGIES = ("tensor", "channel", "group", "block")
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointQuantization:
+    """What config.json says of a quantized checkpoint's weights, which each quantized
+    tensor must agree with (a tensor that does not is refused by name)."""
+
     method: str  # one of METHODS
     # (rows, columns) of a scale's block where config.json gives them: a weight whose shape
     # is no multiple of its scale grid's is read by these (the last block is cut short).
     block_size: tuple[int, int] | None = None
+    strategies: tuple[str, ...] = ()  # of STRATEGIES: the scale layouts its groups name
+    num_bits: tuple[int, ...] = ()  # the widths of its integer weights
+    # Whether its integer weights have zero points: every group's yes (True) or no (False),
+    # None where the groups differ.
+    asymmetric: bool | None = False
 
 
 def read_checkpoint_quantization(
@@ -63,9 +76,10 @@ def read_checkpoint_quantization(
             "model's unquantized, FP8 or llm-compressor (w4a16, w8a8) release"
         )
     if method == "fp8":
-        return CheckpointQuantization(method, _block(config.get("weight_block_size"), method))
+        block = _block(config.get("weight_block_size"), method)
+        return CheckpointQuantization(method, block, ("tensor",) if block is None else ("block",))
     if method == "compressed-tensors":
-        return CheckpointQuantization(method, _compressed_tensors_block(config))
+        return _compressed_tensors(config)
     return CheckpointQuantization(method)
 
 
@@ -83,9 +97,8 @@ def _block(value: Any, where: str) -> tuple[int, int] | None:
     return value[0], value[1]
 
 
-def _compressed_tensors_block(config: dict[str, Any]) -> tuple[int, int] | None:
-    """The one block size of a compressed-tensors config's groups (None where they give
-    none); every group checked to be one Weir dequantizes."""
+def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
+    """A compressed-tensors config, every group checked to be one Weir dequantizes."""
     for key in ("sparsity_config", "transform_config"):
         if config.get(key):
             raise ValueError(
@@ -96,21 +109,40 @@ def _compressed_tensors_block(config: dict[str, Any]) -> tuple[int, int] | None:
     if not isinstance(groups, dict) or not groups:
         raise ValueError("config.json: compressed-tensors' config_groups must be an object")
     blocks: set[tuple[int, int]] = set()
+    strategies: set[str] = set()
+    bits: set[int] = set()
+    symmetric: set[bool] = set()
     for name, group in groups.items():
         where = f"compressed-tensors' config group {name!r}"
         if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
             raise ValueError(f"config.json: {where} quantizes no weights")
         fmt = group.get("format") or config.get("format")
         weights = group["weights"]
-        kind, bits = weights.get("type"), weights.get("num_bits")
-        if fmt not in COMPRESSED_TENSORS_FORMATS or (kind, bits) not in _BITS:
+        kind, width = weights.get("type"), weights.get("num_bits")
+        strategy = weights.get("strategy")
+        if (
+            fmt not in COMPRESSED_TENSORS_FORMATS
+            or (kind, width) not in _BITS
+            or strategy not in STRATEGIES
+        ):
             raise ValueError(
-                f"config.json: {where} is {fmt} {kind} {bits}-bit weights; Weir reads "
-                f"{', '.join(COMPRESSED_TENSORS_FORMATS[:-1])} FP8 and INT2-INT8 weights"
+                f"config.json: {where} is {fmt} {kind} {width}-bit weights by {strategy}; Weir "
+                f"reads {', '.join(COMPRESSED_TENSORS_FORMATS[:-1])} FP8 and INT2-INT8 weights "
+                f"by {', '.join(STRATEGIES)}"
             )
+        strategies.add(strategy)
+        if kind == "int":
+            bits.add(width)
+            symmetric.add(weights.get("symmetric", True) is not False)
         block = _block(weights.get("block_structure"), where)
         if block is not None:
             blocks.add(block)
     if len(blocks) > 1:
         raise ValueError(f"config.json: compressed-tensors' groups use several blocks {blocks}")
-    return next(iter(blocks), None)
+    return CheckpointQuantization(
+        "compressed-tensors",
+        next(iter(blocks), None),
+        tuple(sorted(strategies)),
+        tuple(sorted(bits)),
+        None if len(symmetric) > 1 else symmetric == {False},
+    )

@@ -27,6 +27,7 @@ from spread_weights import spread_weights_  # noqa: E402
 
 from weir.services.executor.quantized_checkpoint import DequantizedWeight, unpack_int32  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
+from weir.shared.checkpoint_quantization import CheckpointQuantization  # noqa: E402
 from weir.shared.model_config import read_model_config  # noqa: E402
 
 VOCAB = 131
@@ -43,6 +44,10 @@ COMMON = dict(
 )
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON),
+    # Rows of 48 and 80 columns: packed codes that do not fill their last words.
+    "narrow": lambda: transformers.LlamaConfig(
+        **{**COMMON, "hidden_size": 48, "head_dim": 12, "intermediate_size": 80}
+    ),
     # Every expert's projections quantized, the router not (as Qwen3-30B-A3B-FP8's).
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
@@ -81,7 +86,7 @@ def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     return codes, scale
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_an_fp8_checkpoint_decodes_as_transformers_dequantizes_it(kind, tmp_path):
     """Qwen3-*-FP8's format: every projection's weight E4M3 with a float32 scale per 32 x 64
     block (128 x 128 in the releases), the embeddings, norms and router unquantized;
@@ -161,6 +166,17 @@ SCHEMES = {
 }
 
 
+@pytest.mark.parametrize("preset", ["W4A16", "W8A16"])
+def test_packed_rows_that_end_inside_a_word_decode_as_the_library_decompresses_them(
+    preset, tmp_path
+):
+    """Rows of 48 and 80 columns packed densely (the last word of a row part empty), with a
+    scale per row."""
+    weights = {"strategy": "channel", "group_size": None}
+    reference = compressed(random_model("narrow"), preset, tmp_path, **weights)
+    decodes_as(tmp_path, reference, world_sizes=(1,))
+
+
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_a_compressed_tensors_checkpoint_decodes_as_the_library_decompresses_it(scheme, tmp_path):
     preset, weights = SCHEMES[scheme]
@@ -193,11 +209,13 @@ def test_blocks_that_do_not_divide_the_weight_are_cut_short():
     codes = torch.randn(100, 70, generator=generator).to(torch.float8_e4m3fn)
     scale = torch.rand(2, 2, generator=generator) + 0.5
     want = codes.float() * scale.repeat_interleave(64, 0)[:100].repeat_interleave(64, 1)[:, :70]
-    weight = DequantizedWeight("w", _Source(codes), (100, 70), scale, None, (64, 64))
+    blocks = CheckpointQuantization("fp8", (64, 64), ("block",))
+    weight = DequantizedWeight("w", _Source(codes), (100, 70), scale, None, blocks)
     assert torch.equal(weight[(slice(None),)], want)
     assert torch.equal(weight[(slice(30, 90), slice(10, 66))], want[30:90, 10:66])
     with pytest.raises(ValueError, match=r"w: scales \(2, 2\) do not cover a \(100, 70\) weight"):
-        DequantizedWeight("w", _Source(codes), (100, 70), scale, None, (32, 64))
+        other = CheckpointQuantization("fp8", (32, 64), ("block",))
+        DequantizedWeight("w", _Source(codes), (100, 70), scale, None, other)
 
 
 class _Source:
@@ -252,16 +270,31 @@ def test_a_quantization_weir_does_not_read_is_refused_by_its_config(quantization
 
 
 def test_a_quantized_weight_weir_cannot_read_is_refused_by_name(tmp_path):
-    """A weight without its scale; GPTQ's activation order (group indices, as older
-    compressed-tensors versions saved them)."""
-    compressed(random_model("llama"), "W4A16", tmp_path, group_size=32)
-    tensors = load_file(tmp_path / "model.safetensors")
-    scale = tensors.pop("model.layers.1.mlp.up_proj.weight_scale")
-    save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is quantized"):
-        load_model(tmp_path)
-    tensors["model.layers.1.mlp.up_proj.weight_scale"] = scale
-    tensors["model.layers.0.mlp.down_proj.weight_g_idx"] = torch.arange(192) // 32
-    save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"down_proj\.weight_g_idx: GPTQ's activation order"):
-        load_model(tmp_path)
+    """A weight without its scale, or whose scales or zero points are not what config.json
+    says; codes of a dtype no scheme writes; GPTQ's activation order (group indices, as
+    older compressed-tensors versions saved them)."""
+    compressed(random_model("llama"), "W4A16_ASYM", tmp_path / "asym", group_size=32)
+    compressed(random_model("llama"), "FP8_DYNAMIC", tmp_path / "fp8")
+    layer = "model.layers.1.mlp.up_proj"
+    cases = [
+        ("asym", f"{layer}.weight_scale", None, f"{layer}.weight_packed is quantized"),
+        ("asym", f"{layer}.weight_zero_point", None, "asymmetric, but it has no weight_zero_p"),
+        ("asym", "model.layers.0.mlp.down_proj.weight_g_idx", torch.arange(192) // 32, "GPTQ's"),
+        ("fp8", f"{layer}.weight", lambda t: t.view(torch.uint8), r"U8 \[192, 128\] is not a"),
+        ("fp8", f"{layer}.weight_scale", lambda t: t[:96], r"scales \(96, 1\) do not cover"),
+        ("fp8", f"{layer}.weight_scale", lambda t: t.reshape(1, 192), r"scales \(1, 192\)"),
+        ("fp8", f"{layer}.weight_scale", lambda t: t[:, :, None], "of at most 2 dimensions"),
+        ("fp8", f"{layer}.weight_scale", lambda t: t.to(torch.int32), "floating-point"),
+    ]
+    for model, name, change, error in cases:
+        path = tmp_path / model / "model.safetensors"
+        tensors = load_file(path)
+        original = {**tensors}
+        if change is None:
+            del tensors[name]
+        else:
+            tensors[name] = change(tensors[name]) if callable(change) else change
+        save_file(tensors, path)
+        with pytest.raises(ValueError, match=error):
+            load_model(tmp_path / model)
+        save_file(original, path)

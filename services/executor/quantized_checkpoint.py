@@ -55,43 +55,57 @@ def dequantized_tensors(
                 )
             if kind in _PARTS or kind in _UNUSED:
                 continue
-            if kind == "weight_packed":
-                yield f"{module}.weight", _weight(module, f.get_slice(name), where, quantization)
-            elif kind == "weight" and f.get_slice(name).get_dtype() in _CODES:
-                yield name, _weight(module, f.get_slice(name), where, quantization)
+            scaled = f"{module}.weight_scale" in where or f"{module}.weight_scale_inv" in where
+            if kind == "weight_packed" or (kind == "weight" and scaled):
+                yield f"{module}.weight", _weight(module, kind, where, quantization)
             else:
                 yield name, f.get_slice(name)
 
 
 def _weight(
-    module: str, codes: Any, where: dict[str, Any], quantization: CheckpointQuantization
+    module: str, kind: str, where: dict[str, Any], quantization: CheckpointQuantization
 ) -> "DequantizedWeight":
-    def part(kind: str) -> torch.Tensor | None:
-        name = f"{module}.{kind}"
+    """A quantized weight's codes, scales and zero points, each checked against the others
+    and against what config.json says (ValueError names the tensor)."""
+
+    def part(name: str) -> torch.Tensor | None:
+        name = f"{module}.{name}"
         return where[name].get_tensor(name) if name in where else None
 
+    name = f"{module}.{kind}"
+    codes = where[name].get_slice(name)
+    dtype, shape = codes.get_dtype(), codes.get_shape()
+    packed = kind == "weight_packed"
+    if len(shape) != 2 or (dtype != "I32" if packed else dtype not in _CODES):
+        raise ValueError(
+            f"{name}: {dtype} {shape} is not a quantized weight's codes (2-D "
+            + ("int32)" if packed else "FP8 or INT8, as its scale says)")
+        )
     scale = part("weight_scale_inv")
     scale = part("weight_scale") if scale is None else scale
-    if scale is None:
+    if scale is None or not scale.is_floating_point() or scale.dim() > 2:
         raise ValueError(
-            f"{module}.weight is quantized ({codes.get_dtype()}) but the checkpoint has no "
-            f"{module}.weight_scale_inv or {module}.weight_scale"
+            f"{name} is quantized ({dtype}) but the checkpoint has no floating-point "
+            f"{module}.weight_scale_inv or {module}.weight_scale of at most 2 dimensions"
         )
-    packed = codes.get_dtype() == "I32"
+    rows, columns = shape
     if packed:
-        shape = part("weight_shape")
-        if shape is None or shape.numel() != 2:
-            raise ValueError(f"{module}.weight_packed has no [rows, columns] weight_shape")
-        rows, columns = (int(n) for n in shape)
-    else:
-        rows, columns = codes.get_shape()
+        logical = part("weight_shape")
+        if logical is None or logical.numel() != 2 or logical.is_floating_point():
+            raise ValueError(f"{name} has no [rows, columns] integer weight_shape")
+        rows, columns = (int(n) for n in logical)
+    zero_point = part("weight_zero_point")
+    integer = packed or dtype == "I8"
+    if integer and quantization.asymmetric is not None:
+        if quantization.asymmetric != (zero_point is not None):
+            has = "has no" if zero_point is None else "has a"
+            kind_ = "asymmetric" if quantization.asymmetric else "symmetric"
+            raise ValueError(
+                f"{name}: config.json says its integer weights are {kind_}, but it {has} "
+                "weight_zero_point"
+            )
     return DequantizedWeight(
-        f"{module}.weight",
-        codes,
-        (rows, columns),
-        scale,
-        part("weight_zero_point"),
-        quantization.block_size,
+        f"{module}.weight", codes, (rows, columns), scale, zero_point, quantization
     )
 
 
@@ -116,20 +130,13 @@ class DequantizedWeight:
         shape: tuple[int, int],
         scale: torch.Tensor,
         zero_point: torch.Tensor | None,
-        block_size: tuple[int, int] | None,
+        quantization: CheckpointQuantization,
     ) -> None:
         self.name, self.codes, self.shape = name, codes, shape
-        rows, columns = shape
-        self.bits = None
-        if codes.get_dtype() == "I32":  # each row's groups of 32 codes take `bits` words
-            words, groups = codes.get_shape()[-1], math.ceil(columns / 32)
-            self.bits = words // groups
-            if words % groups or not 2 <= self.bits <= 8 or codes.get_shape()[0] != rows:
-                raise ValueError(
-                    f"{name}_packed: shape {codes.get_shape()} does not pack {shape} weights"
-                )
+        rows, _ = shape
+        self.bits = None if codes.get_dtype() != "I32" else self._bits(quantization.num_bits)
         self.scale = _grid(scale.float(), rows)
-        self.block = self._block(block_size)
+        self.block = self._block(quantization)
         self.zero_point = None
         if zero_point is not None:
             if zero_point.dtype == torch.int32 and self.bits is not None:  # packed by columns
@@ -141,24 +148,50 @@ class DequantizedWeight:
                     f"scales {tuple(self.scale.shape)}"
                 )
 
-    def _block(self, block_size: tuple[int, int] | None) -> tuple[int, int]:
-        """The rows and columns each scale covers, checked against the scale's grid."""
+    def _bits(self, widths: tuple[int, ...]) -> int:
+        """The packed codes' width: the one of config.json's (else of 2 to 8) whose dense
+        packing of a row takes the words each row of the codes has."""
+        (rows, columns), (packed_rows, words) = self.shape, self.codes.get_shape()
+        fits = [b for b in widths or range(2, 9) if math.ceil(columns * b / 32) == words]
+        if packed_rows != rows or len(fits) != 1:
+            raise ValueError(
+                f"{self.name}_packed: [{packed_rows}, {words}] int32 does not pack "
+                f"{self.shape} weights of {widths or 'a width of 2 to 8'} bits"
+            )
+        return fits[0]
+
+    def _block(self, quantization: CheckpointQuantization) -> tuple[int, int]:
+        """The rows and columns each scale covers, checked against the scale's grid and
+        the scale layouts config.json names."""
         (rows, columns), (grid_rows, grid_columns) = self.shape, self.scale.shape
-        if (grid_rows, grid_columns) == (1, 1):  # the tensor's
-            block: tuple[int, int] | None = (rows, columns)
-        elif grid_rows == rows and columns % grid_columns == 0:
-            block = (1, columns // grid_columns)  # a row's, or each group of a row's
-        elif block_size is None and rows % grid_rows == 0 and columns % grid_columns == 0:
-            block = (rows // grid_rows, columns // grid_columns)
+        block_size = quantization.block_size
+        kinds: tuple[str, ...]
+        if (grid_rows, grid_columns) == (1, 1):
+            kinds, block = ("tensor", "block"), (rows, columns)
+        elif grid_rows == rows and columns % grid_columns == 0:  # a row's, or a group's
+            kinds, block = (
+                ("channel", "group") if grid_columns == 1 else ("group",),
+                (
+                    1,
+                    columns // grid_columns,
+                ),
+            )
+        elif block_size is not None:
+            kinds, block = ("block",), block_size
         else:
-            block = block_size
-        if block is None or (math.ceil(rows / block[0]), math.ceil(columns / block[1])) != (
-            grid_rows,
-            grid_columns,
+            kinds, block = ("block",), (rows // grid_rows, columns // grid_columns)
+        named = quantization.strategies
+        if (
+            not block[0]
+            or not block[1]
+            or (math.ceil(rows / block[0]), math.ceil(columns / block[1]))
+            != (grid_rows, grid_columns)
+            or (named and not set(kinds) & set(named))
         ):
             raise ValueError(
                 f"{self.name}: scales {tuple(self.scale.shape)} do not cover a {self.shape} "
-                f"weight{'' if block_size is None else f' in blocks of {block_size}'}"
+                f"weight by {' or '.join(named) or 'any layout'}"
+                + ("" if block_size is None else f" (blocks of {block_size})")
             )
         return block
 
