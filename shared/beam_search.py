@@ -102,8 +102,12 @@ async def beam_search(
         live = sorted(extended, key=lambda b: b.cum_logprob, reverse=True)[:width]
 
     def score(beam: BeamSearchSequence) -> float:
+        """cum_logprob / length ** length_penalty (never positive), as an order: its log's
+        negation, which no penalty overflows."""
         length = len(beam.tokens) - (beam.finish_reason == "stop")
-        return beam.cum_logprob / length**params.length_penalty
+        if beam.cum_logprob == 0.0:
+            return math.inf
+        return params.length_penalty * math.log(length) - math.log(-beam.cum_logprob)
 
     best = sorted(complete + live, key=score, reverse=True)[:width]
     for beam in best:

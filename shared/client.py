@@ -429,10 +429,12 @@ class AsyncWeirClient:
         continue_final_message: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> BeamSearchOutput:
         """vLLM's beam search (``weir.shared.beam_search``) of a text, token ids or a chat
-        (its template arguments as ``generate``'s): the best ``params.beam_width`` beams,
-        best first. Each step is one one-token request per live beam."""
+        (its template arguments as ``generate``'s; ``truncate_prompt_tokens``: its last k
+        tokens, -1 as many as leave room for one more): the best ``params.beam_width``
+        beams, best first. Each step is one one-token request per live beam."""
         info = await self.model_info()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             prompt_ids = list(prompt)  # type: ignore[arg-type]
@@ -444,6 +446,14 @@ class AsyncWeirClient:
                 chat_template_kwargs=chat_template_kwargs,
                 continue_final_message=continue_final_message,
             )
+        if truncate_prompt_tokens is not None:
+            keep = truncate_prompt_tokens
+            if type(keep) is not int or not (keep == -1 or 1 <= keep <= info["max_model_len"]):
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens must be -1 or in [1, max_model_len], got {keep!r}",
+                    INVALID_REQUEST,
+                )
+            prompt_ids = prompt_ids[-(int(info["max_model_len"]) - 1 if keep == -1 else keep) :]
         room = int(info["max_model_len"]) - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if not 1 <= max_tokens <= room:
@@ -1056,6 +1066,7 @@ class WeirClient:
         continue_final_message: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        truncate_prompt_tokens: int | None = None,
     ) -> BeamSearchOutput:
         self._check_open()
         return self._loop.run(
@@ -1069,6 +1080,7 @@ class WeirClient:
                 continue_final_message=continue_final_message,
                 cache_salt=cache_salt,
                 lora_name=lora_name,
+                truncate_prompt_tokens=truncate_prompt_tokens,
             )
         )
 

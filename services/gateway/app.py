@@ -398,6 +398,7 @@ class Gateway:
                     priority=sample.priority,
                     cache_salt=sample.cache_salt,
                     lora_name=sample.lora_name,
+                    truncate_prompt_tokens=sample.params.truncate_prompt_tokens,
                     **sample.chat,
                 ),
             )

@@ -144,6 +144,16 @@ def test_use_beam_search_over_http_returns_the_best_beams(server, reference):
         with pytest.raises(InvalidRequestError, match="more than max_model_len"):
             client.beam_search(PROMPT, BeamSearchParams(beam_width=2, max_tokens=600))
 
+    # The prompt's last 3 tokens, as a generate request's; any length_penalty ranks.
+    cut = {"prompt": PROMPT, "n": 2, "max_tokens": 3, "ignore_eos": True, "use_beam_search": True}
+    reply = _post(server, "/v1/completions", {**cut, "truncate_prompt_tokens": 3})
+    assert reply.json()["usage"]["prompt_tokens"] == 3
+    want, _ = hf_beams(reference, tokenizer(PROMPT).input_ids[-3:], 2, 3)
+    assert [c["text"] for c in reply.json()["choices"]] == [tokenizer.decode(w) for w in want]
+    for penalty in (1000, -1e300):
+        reply = _post(server, "/v1/completions", {**cut, "length_penalty": penalty})
+        assert reply.status_code == 200, reply.text
+
 
 @pytest.mark.parametrize(
     ("change", "words"),
