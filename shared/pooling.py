@@ -223,12 +223,14 @@ def read_pooler_config(
     hidden_size: int,
     override: str | None = None,
     num_labels: int = 0,
+    reads_last_token: bool = False,
 ) -> PoolerConfig:
     """The pooler of a model directory: LAST with normalization (vLLM's embedding default),
     unless its sentence-transformers files say otherwise, then ``override`` (JSON text of
     ``pooling_type`` and ``normalize``, ``--pooler-config``) over both; a classifier's
-    (``num_labels`` of them) LAST, unnormalized, with its labels. ValueError names what
-    cannot be served."""
+    (``num_labels`` of them) LAST, unnormalized, with its labels, past its padding tokens
+    unless it ``reads_last_token`` (a causal LM made a classifier, as its own usage reads
+    it). ValueError names what cannot be served."""
     model_dir = Path(model_dir)
     given = _override(override)
     if num_labels:
@@ -241,7 +243,9 @@ def read_pooler_config(
             num_labels,
             labels=_labels(config, num_labels),
             activation=_activation(config, num_labels),
-            pad_token_id=pad if type(pad := config.get("pad_token_id")) is int else None,
+            pad_token_id=pad
+            if type(pad := config.get("pad_token_id")) is int and not reads_last_token
+            else None,
         )
     pooling_type, normalize = "LAST", True
     modules = _modules(model_dir)

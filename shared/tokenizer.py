@@ -9,6 +9,7 @@ min_tokens) and renders the chat template the way transformers does.
 import json
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -135,6 +136,8 @@ class Tokenizer:
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
         self.whole_pieces = _WholePieces(backend)
+        self._truncating: BackendTokenizer | None = None
+        self._truncating_lock = threading.Lock()
 
     @classmethod
     def from_model_dir(
@@ -172,15 +175,24 @@ class Tokenizer:
         entries of byte-level vocabularies hold one character per byte)."""
         return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
-    def encode(
-        self, text: str, add_special_tokens: bool = False, pair: str | None = None
-    ) -> list[int]:
-        """A text's token ids; with ``pair``, the pair's, as the tokenizer's post-processor
-        joins two texts (a cross-encoder's query and document)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # encode_batch releases the GIL (encode holds it), so a long prompt tokenized on a
         # worker thread leaves the scheduler's event loop running.
-        item = text if pair is None else (text, pair)
-        return self.backend.encode_batch([item], add_special_tokens=add_special_tokens)[0].ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_pair(self, text: str, pair: str, max_length: int | None = None) -> list[int]:
+        """Two texts' token ids as the tokenizer's post-processor joins them (a
+        cross-encoder's query and document), special tokens included; with ``max_length``,
+        cut longest first to that many, as transformers' ``tokenizer(text, pair,
+        truncation=True, max_length=...)``."""
+        if max_length is None:
+            return self.backend.encode_batch([(text, pair)])[0].ids
+        # Truncation is a tokenizer's state: a copy of its own, one encoding at a time.
+        with self._truncating_lock:
+            if self._truncating is None:
+                self._truncating = BackendTokenizer.from_str(self.backend.to_str())
+            self._truncating.enable_truncation(max_length, strategy="longest_first")
+            return self._truncating.encode_batch([(text, pair)])[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

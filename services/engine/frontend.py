@@ -567,6 +567,8 @@ class ClientFrontend:
                 bad_words_token_ids=params.bad_words_token_ids
                 + bad_word_sequences(self.tokenizer, params.bad_words, self.vocab_size),
             )
+        if self.pooler is not None:  # the stream reports the prompt as it came
+            prompt_ids = self.pooler.prompt_to_pool(prompt_ids)
         return Request(
             request_id,
             prompt_ids,
@@ -595,10 +597,12 @@ class ClientFrontend:
         longest = self.max_model_len - (msg.pooling_params is None)
         if keep == -1:
             keep = longest
-        if isinstance(prompt, str) or isinstance(prompt[0], dict):
+        pair = None if msg.pooling_params is None else msg.pooling_params.text_pair
+        if isinstance(prompt, str) and pair is not None:  # a cross-encoder's, cut longest first
+            ids = self.tokenizer.encode_pair(prompt, pair, keep)
+        elif isinstance(prompt, str) or isinstance(prompt[0], dict):
             # A text gets the model's special tokens (BOS); a chat's template writes them.
-            pair = None if msg.pooling_params is None else msg.pooling_params.text_pair
-            ids = self._prompt_ids(prompt, msg.chat, isinstance(prompt, str), pair)
+            ids = self._prompt_ids(prompt, msg.chat, add_special_tokens=isinstance(prompt, str))
             if keep is not None:
                 ids = ids[-keep:]
         else:
@@ -617,8 +621,6 @@ class ClientFrontend:
                 )
         if not ids:
             raise ValueError("prompt must not be empty (it tokenized to no tokens)")
-        if self.pooler is not None:
-            ids = self.pooler.prompt_to_pool(ids)
         if len(ids) > longest:
             raise ValueError(
                 f"prompt is too long: {len(ids)} tokens, but max_model_len is {self.max_model_len}"
@@ -630,12 +632,10 @@ class ClientFrontend:
         prompt: client_protocol.TextOrChat,
         chat: client_protocol.ChatTemplateArgs,
         add_special_tokens: bool,
-        pair: str | None = None,
     ) -> list[int]:
-        """A text's token ids (paired with ``pair`` as the tokenizer pairs two texts), or a
-        chat's as its template renders it."""
+        """A text's token ids, or a chat's as its template renders it."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens, pair)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         tools = _json_of("tools", chat.tools, list, _TOOLS)
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise ValueError(f"tools must be {_TOOLS}")

@@ -150,6 +150,7 @@ class SchedulerServer:
                 self.model_config.hidden_size,
                 self.engine_args.pooler_config,
                 self.model_config.num_labels,
+                reads_last_token=bool(self.model_config.classifier_from_token),
             )
         )
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up

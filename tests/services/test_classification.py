@@ -97,6 +97,11 @@ def test_classify_answers_what_transformers_computes(server, logits):
     body = reply.json()
     assert body["object"] == "list" and body["model"] == MODEL
     [one] = _post(server, "/classify", {"input": ids}).json()["data"]
+    # Trailing padding tokens: read past, as transformers does, and counted, as sent.
+    padded = _post(server, "/classify", {"input": ids + [2, 2]}).json()
+    assert close(padded["data"][0]["probs"], softmax(logits(ids + [2, 2])))
+    assert close(padded["data"][0]["probs"], softmax(logits(ids)))
+    assert padded["usage"]["prompt_tokens"] == len(ids) + 2
     for index, item, prompt in zip([0, 1, 0], [*body["data"], one], [SHORT, LONG, ids]):
         want = softmax(logits(prompt))
         assert item["index"] == index and item["num_classes"] == 3
@@ -169,9 +174,10 @@ def cross_encoder(default_model_dir, tmp_path_factory):
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     assert tokenizer("a", "b").input_ids[-1] == 2
 
-    def logit(text_1: str, text_2: str | None = None) -> float:
+    def logit(text_1: str, text_2: str | None = None, max_length: int | None = None) -> float:
         with torch.no_grad():
-            ids = tokenizer(text_1, text_2).input_ids
+            cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
+            ids = tokenizer(text_1, text_2, **cut).input_ids
             return float(model(torch.tensor([ids])).logits[0, 0])
 
     return path, logit
@@ -209,6 +215,13 @@ def test_a_one_label_classifier_scores_and_reranks_pairs_as_a_cross_encoder(cros
             out = client.score(QUERY, DOCUMENTS[0], activation=False)
             assert close(out.score, logit(QUERY, DOCUMENTS[0]))
             assert close(client.classify(SHORT).probs, [sigmoid(logit(SHORT))])
+        # Cut to 9 tokens longest first, as transformers' tokenizer cuts a pair: some of each.
+        cut = _post(
+            server, "/score", {"text_1": QUERY, "text_2": DOCUMENTS, "truncate_prompt_tokens": 9}
+        )
+        want_cut = [sigmoid(logit(QUERY, d, max_length=9)) for d in DOCUMENTS]
+        assert close([item["score"] for item in cut.json()["data"]], want_cut)
+        assert cut.json()["usage"]["prompt_tokens"] == 27
         reply = _post(server, "/score", {"text_1": QUERY, "text_2": ["word " * 600]})
         assert reply.status_code == 400
         assert "text_1[0] and text_2[0]: prompt is too long" in reply.json()["error"]["message"]
@@ -251,9 +264,10 @@ def test_a_causal_lm_read_as_a_reranker_scores_by_its_yes_and_no_logits(default_
         max_model_len=256,
         device="cpu",
     ) as llm:
-        scores = [s.score for s in llm.score(QUERY, DOCUMENTS)]
+        scores = [s.score for s in llm.score(QUERY, [*DOCUMENTS, "Yes.<|im_end|>"])]
         [one] = llm.classify(SHORT)
-    assert close(scores, [p_yes(QUERY, d) for d in DOCUMENTS])
+    # Its last token is read even where it is the padding token (<|im_end|> here).
+    assert close(scores, [p_yes(QUERY, d) for d in [*DOCUMENTS, "Yes.<|im_end|>"]])
     assert close(one.probs, [p_yes(SHORT)])
     unknown = {**overrides, "classifier_from_token": ["no", "no such token"]}
     with pytest.raises(ValueError, match="classifier_from_token 'no such token' is not a token"):
