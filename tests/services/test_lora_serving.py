@@ -378,14 +378,9 @@ def test_a_runtime_adapter_survives_its_executors_death(
     )
     assert _complete(server, "again", prompts[0]) == references["sql"][0]
     os.kill(server.info["executors"][0]["pid"], signal.SIGKILL)
-    with WeirClient(server.client_address) as client:
-        deadline = time.monotonic() + 120
-        while client.health()["status"] == "ok":  # until the loss is noticed
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        while client.health()["status"] != "ok":
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+    # Sent after the kill, the request is served by the executor that replaces the killed one
+    # (it waits out the loss and the recovery, whether or not the loss was noticed yet: a
+    # wait for a status that is not "ok" could miss a recovery faster than its polls).
     assert _complete(server, "again", prompts[0]) == references["sql"][0]
 
 
