@@ -44,6 +44,7 @@ from weir.services.gateway.embeddings import (
 )
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.reasoning import END as REASONING_END
+from weir.services.gateway.response_store import MAX_STORED_RESPONSES, ResponseStore
 from weir.services.gateway.responses import (
     ResponseEvents,
     ResponsesFieldError,
@@ -303,6 +304,7 @@ class Gateway:
         self._model: dict[str, Any] | None = None
         self._model_lookup: asyncio.Future[dict[str, Any]] | None = None
         self._reasoning_end_token: bool | None = None  # whether </think> is one token
+        self.stored_responses = ResponseStore()
 
     async def model(self, fresh: bool = False) -> dict[str, Any]:
         """The served model's info: asked of a replica once, then kept. ``fresh`` asks
@@ -606,12 +608,42 @@ class Gateway:
         return await self._chat(body, self._chat_completion)
 
     async def responses(self, body: ResponsesRequest) -> Response:
-        """OpenAI's Responses API: the chat its input makes, answered as output items."""
+        """OpenAI's Responses API: the chat its input makes (after its previous response's
+        conversation), answered as output items, and stored unless it says not to."""
+        inputs = body.input_items()
+        if body.previous_response_id is not None:
+            previous = self.stored_responses.get(body.previous_response_id)
+            if previous is None:
+                raise APIError(
+                    404,
+                    f"previous_response_id {body.previous_response_id[:256]!r}: no such "
+                    f"response is stored here (a gateway keeps its last {MAX_STORED_RESPONSES} "
+                    "responses in memory, of requests that did not set store: false)",
+                    "invalid_request_error",
+                    param="previous_response_id",
+                )
+            inputs = previous.conversation + inputs
+            body = body.continued(previous.conversation)
         try:
             chat = body.chat_request()
         except ResponsesFieldError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param=exc.field) from None
-        return await self._chat(chat, functools.partial(self._response, body))
+        store = functools.partial(self.stored_responses.put, inputs=inputs) if body.store else None
+        return await self._chat(chat, functools.partial(self._response, body, store))
+
+    async def stored_response(self, response_id: str, delete: bool = False) -> Response:
+        """``GET`` (or ``DELETE``) ``/v1/responses/{id}``: a stored response."""
+        stored = self.stored_responses.get(response_id)
+        if stored is None or (delete and not self.stored_responses.delete(response_id)):
+            raise APIError(
+                404,
+                f"response {response_id[:256]!r} is not stored here",
+                "invalid_request_error",
+                param="response_id",
+            )
+        if delete:
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(stored.body)
 
     async def _chat(self, body: ChatCompletionRequest, respond: _ChatResponder) -> Response:
         """Run a chat and ``respond`` with its outputs."""
@@ -750,6 +782,7 @@ class Gateway:
     async def _response(
         self,
         request: ResponsesRequest,
+        store: Callable[[dict[str, Any]], None] | None,
         body: ChatCompletionRequest,
         output: ChatOutput,
         model: str,
@@ -760,16 +793,26 @@ class Gateway:
         skeleton = response_body(request, f"resp_{response_id[len('chatcmpl-') :]}", model)
         if request.stream:
             events = ResponseEvents(skeleton, output)
+
+            def ending(choices: list[fmt.Choice]) -> bytes:
+                data = events.ending(choices)
+                if store is not None and events.response is not None:
+                    store(events.response)
+                return data
+
             return await self._sse(
                 outputs,
                 events.chunk,
                 1,
-                events.ending,
+                ending,
                 opening=events.opening(),
                 failure=lambda error: events.error(error.message, error.code, error.param),
             )
         [choice] = await self._collect(outputs, 1)
-        return JSONResponse(whole_response(skeleton, output, choice))
+        response = whole_response(skeleton, output, choice)
+        if store is not None:
+            store(response)
+        return JSONResponse(response)
 
     async def embeddings(self, body: EmbeddingRequest) -> Response:
         served = await self.check_model(body.model)
@@ -1285,6 +1328,14 @@ def create_app(
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         return await answer_connected(request, gateway.responses(body))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        return await answer(gateway.stored_response(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return await answer(gateway.stored_response(response_id, delete=True))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request, body: EmbeddingRequest) -> Response:

@@ -3,8 +3,8 @@
 outputs as the assistant's tool calls and tool messages, reasoning items as the assistant's
 earlier reasoning), the chat runs as ``/v1/chat/completions`` would run it, and each
 choice's message comes back as output items: reasoning, message, function calls, whole or
-as the Responses API's stream of events. Responses are not stored: ``previous_response_id``
-is refused, so a conversation travels whole in ``input``, as with ``store: false``.
+as the Responses API's stream of events. A response is stored unless ``store`` is false
+(`response_store.py`): ``previous_response_id`` continues its conversation.
 """
 
 from __future__ import annotations
@@ -14,7 +14,15 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import (
+    BeforeValidator,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from weir.services.gateway.chat_output import ChatOutput, MessageReader
 from weir.services.gateway.openai_format import Choice
@@ -109,6 +117,9 @@ InputItem = Annotated[
 ]
 
 
+_INPUT_ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[InputItem])
+
+
 class FunctionTool(Body):
     type: Literal["function"]
     name: str
@@ -154,11 +165,9 @@ class ResponsesRequest(Options):
         "truncation": "disabled",
         "background": False,
         "include": [],
-        "previous_response_id": None,
     }
     _IGNORED: ClassVar[frozenset[str]] = frozenset(
         {
-            "store",
             "metadata",
             "user",
             "service_tier",
@@ -182,12 +191,29 @@ class ResponsesRequest(Options):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningOptions | None = None
+    store: bool = True
+    previous_response_id: str | None = None
 
     @model_validator(mode="after")
     def _input_not_empty(self) -> ResponsesRequest:
         if not self.input:
             raise field_errors(type(self).__name__, [("input", None, "must not be empty")])
         return self
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The input as items (a text as the user's message), as a response stores them."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [item.model_dump(by_alias=True, exclude_none=True) for item in self.input]
+
+    def continued(self, items: list[dict[str, Any]]) -> ResponsesRequest:
+        """This request with ``items`` (a stored conversation's) before its input."""
+        mine = (
+            [MessageItem(role="user", content=self.input)]
+            if isinstance(self.input, str)
+            else self.input
+        )
+        return self.model_copy(update={"input": [*_INPUT_ITEMS.validate_python(items), *mine]})
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat the input items make (OpenAI's chat messages)."""
@@ -299,6 +325,8 @@ class ResponsesRequest(Options):
                 else self.tool_choice or "auto"
             ),
             "tools": [tool.model_dump() for tool in self.tools or ()],
+            "store": self.store,
+            "previous_response_id": self.previous_response_id,
             "reasoning": {
                 "effort": self.reasoning.effort if self.reasoning else None,
                 "summary": None,
@@ -423,6 +451,7 @@ class ResponseEvents:
         self._items: list[dict[str, Any]] = []  # closed output items
         self._open: dict[str, Any] | None = None  # the item being written
         self._text: list[str] = []  # the open item's text or arguments so far
+        self.response: dict[str, Any] | None = None  # the whole response, once it ended
 
     def opening(self) -> bytes:
         return (
@@ -449,7 +478,7 @@ class ResponseEvents:
         return "".join(events)
 
     def ending(self, choices: list[Choice]) -> bytes:
-        response = _finished(self._body, self._items, choices[0])
+        self.response = response = _finished(self._body, self._items, choices[0])
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return self._event(kind, response=response).encode()
 

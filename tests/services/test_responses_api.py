@@ -152,7 +152,6 @@ def test_a_thought_that_nothing_followed_keeps_its_turn():
 @pytest.mark.parametrize(
     "fields, param, words",
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "only null"),
         ({"reasoning": {"effort": "minimal"}}, "reasoning.effort", "'low', 'medium' or 'high'"),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "Input should be None"),
         ({"include": ["message.output_text.logprobs"]}, "include", "only []"),
@@ -171,3 +170,45 @@ def test_what_a_response_cannot_do_is_a_400_that_names_it(server, fields, param,
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_stored_response_is_continued_read_back_and_deleted(client, tokenizer, tiny_hf_model):
+    """store (OpenAI's default): previous_response_id continues a conversation as if its
+    input and output were sent again (its instructions not carried over, as OpenAI's),
+    whole or streamed; retrieve reads a response back and delete drops it; store: false
+    keeps nothing."""
+    kwargs = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    first = client.responses.create(input="Hi", instructions="Be brief.", **kwargs)
+    second = client.responses.create(input="More", previous_response_id=first.id, **kwargs)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "More"},
+    ]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert second.usage.input_tokens == len(ids)
+    want = tokenizer.decode(hf_greedy(tiny_hf_model, ids, 4), skip_special_tokens=True)
+    assert second.output_text == want and second.previous_response_id == first.id
+    streamed = {key: value for key, value in kwargs.items() if key != "model"}
+    events = _events(client, input="Again", previous_response_id=second.id, **streamed)
+    third = events[-1].response
+    ids = tokenizer.apply_chat_template(
+        [*messages, {"role": "assistant", "content": want}, {"role": "user", "content": "Again"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert third.usage.input_tokens == len(ids)
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id 'resp_"):
+        client.responses.create(input="Hi", previous_response_id=first.id, **kwargs)
+    unstored = client.responses.create(input="Hi", store=False, **kwargs)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
