@@ -957,10 +957,15 @@ class ClientFrontend:
         """The client's prompt logprob rows: the first prompt token's, with a logprob of None
         (nothing predicts it, as vLLM and OpenAI's echo report it), then one per token."""
         token_ids = [[first], *rows.token_ids]
+        # Each prompt token's rank in the distribution that predicts it (vLLM's), a row of
+        # one per token.
+        ranks: list[int | None] = [None]
+        ranks += [None] * len(rows) if rows.ranks is None else rows.ranks
         return {
             "token_ids": token_ids,
             "logprobs": [[None], *rows.logprobs],
             "tokens": self._texts(token_ids),
+            "ranks": [[rank] for rank in ranks],
         }
 
     def _texts(self, rows: list[list[int]]) -> list[list[str]]:

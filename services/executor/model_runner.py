@@ -51,6 +51,7 @@ from weir.services.executor.sampler import (
     SamplerOutput,
     SamplingBatch,
     compute_logprobs,
+    token_ranks,
 )
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model
@@ -578,7 +579,8 @@ class ModelRunner:
         self, hidden: torch.Tensor, inputs: StepInputs
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The logprob of each prompt token the step's rows predict for requests that ask,
-        with the top n, on their way to the host (None on ranks that do not sample)."""
+        with the top n, on their way to the host (None on ranks that do not sample); each
+        row's token ids end with the prompt token's rank."""
         num_rows = len(inputs.prompt_logits_indices)
         if not num_rows:
             return None, None
@@ -593,7 +595,8 @@ class ModelRunner:
             if logits is None:
                 continue
             lp = compute_logprobs(logits, targets[start:end], n)
-            ids.append(torch.cat((targets[start:end].unsqueeze(1), lp.top_ids), dim=1))
+            ranks = token_ranks(logits, targets[start:end]).unsqueeze(1)
+            ids.append(torch.cat((targets[start:end].unsqueeze(1), lp.top_ids, ranks), dim=1))
             logprobs.append(torch.cat((lp.token_logprobs.unsqueeze(1), lp.top_logprobs), dim=1))
         if not ids:
             return None, None
@@ -658,7 +661,9 @@ class ModelRunner:
             if count:
                 rows = range(row, row + count)
                 result[req_id] = SampleLogprobs(
-                    [ids[i][: n + 1] for i in rows], [lps[i][: n + 1] for i in rows]
+                    [ids[i][: n + 1] for i in rows],
+                    [lps[i][: n + 1] for i in rows],
+                    [ids[i][-1] for i in rows],
                 )
                 row += count
         return result

@@ -250,6 +250,13 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs
     return Logprobs(token_logprobs, top_ids, top_logprobs)
 
 
+def token_ranks(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's token's rank in its row, 1 for the likeliest (vLLM's: one more than the
+    tokens strictly likelier)."""
+    token_logits = logits.gather(1, token_ids.unsqueeze(1))
+    return (logits > token_logits).sum(-1) + 1
+
+
 class Sampler:
     """Samples one token per logits row. Holds the generator shared by unseeded rows."""
 

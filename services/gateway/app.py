@@ -597,6 +597,11 @@ class Gateway:
                         if body.logprobs is None
                         else fmt.completion_logprobs(c.merged_logprobs(), 0),
                         **_token_ids(c, prompt_key="prompt_token_ids"),
+                        **(
+                            {}
+                            if body.prompt_logprobs is None
+                            else {"prompt_logprobs": c.vllm_prompt_logprobs()}
+                        ),
                     }
                     for c in choices
                 ],
@@ -761,6 +766,11 @@ class Gateway:
                 **(
                     {"prompt_token_ids": choices[0].prompt_token_ids}
                     if body.return_token_ids
+                    else {}
+                ),
+                **(
+                    {"prompt_logprobs": choices[0].vllm_prompt_logprobs()}
+                    if body.prompt_logprobs is not None
                     else {}
                 ),
                 "choices": [

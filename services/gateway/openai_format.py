@@ -176,6 +176,7 @@ class Choice:
     logprobs: list[StreamOutput] = field(default_factory=list)
     token_ids: list[int] | None = None  # kept when asked for (return_token_ids)
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: dict[str, list[list[Any]]] | None = None  # the first output's rows
 
     @property
     def text(self) -> str:
@@ -194,6 +195,32 @@ class Choice:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if out.logprobs is not None:
             self.logprobs.append(out)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+
+    def vllm_prompt_logprobs(self) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, null for the first (nothing predicts
+        it), else ``{token id: {logprob, rank, decoded_token}}``, the prompt token's first
+        (its rank in its distribution), then the likeliest others (ranked by place)."""
+        rows = self.prompt_logprobs or {}
+        result: list[dict[str, Any] | None] = []
+        for ids, logprobs, tokens, [rank] in zip(
+            rows["token_ids"], rows["logprobs"], rows["tokens"], rows["ranks"], strict=True
+        ):
+            if rank is None:
+                result.append(None)
+                continue
+            entry = {
+                str(ids[0]): {"logprob": logprobs[0], "rank": rank, "decoded_token": tokens[0]}
+            }
+            for place, (token_id, logprob, token) in enumerate(
+                zip(ids[1:], logprobs[1:], tokens[1:], strict=True), 1
+            ):
+                entry.setdefault(
+                    str(token_id), {"logprob": logprob, "rank": place, "decoded_token": token}
+                )
+            result.append(entry)
+        return result
 
     def merged_logprobs(self) -> StreamOutput:
         merged: dict[str, list[list[Any]]] = {"tokens": [], "logprobs": []}

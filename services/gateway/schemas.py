@@ -288,6 +288,7 @@ _NOT_WITH_BEAM_SEARCH = (
     "guided_grammar",
     "logprobs",
     "top_logprobs",
+    "prompt_logprobs",
     "echo",
     "tools",
     "tool_choice",
@@ -337,6 +338,24 @@ class _SamplingFields(Options):
     # cumulative logprob / length ** length_penalty.
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+    # vLLM's: each prompt token's logprob, rank and the n likeliest tokens in its place.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_come_whole(self) -> _SamplingFields:
+        if self.prompt_logprobs is not None and (self.stream or getattr(self, "echo", False)):
+            raise field_errors(
+                type(self).__name__,
+                [
+                    (
+                        "prompt_logprobs",
+                        self.prompt_logprobs,
+                        "comes in a whole response, without echo (as vLLM's); drop stream "
+                        "and echo, or this field",
+                    )
+                ],
+            )
+        return self
 
     @model_validator(mode="after")
     def _beam_search_takes_no_sampling_rules(self) -> _SamplingFields:
@@ -430,6 +449,7 @@ class _SamplingFields(Options):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),

@@ -146,7 +146,7 @@ class Request:
         # Rows for prompt tokens 1, 2, ... as they are computed, when asked for (sent with
         # the first output).
         self.prompt_logprobs = (
-            None if sampling_params.prompt_logprobs is None else SampleLogprobs([], [])
+            None if sampling_params.prompt_logprobs is None else SampleLogprobs([], [], [])
         )
         # Its structured output's state, set by whoever compiles the constraint (the front end).
         self.grammar: Grammar | None = None

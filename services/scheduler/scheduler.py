@@ -643,6 +643,8 @@ class Scheduler:
             if skip >= 0:
                 have.token_ids += rows.token_ids[skip:]
                 have.logprobs += rows.logprobs[skip:]
+                if have.ranks is not None and rows.ranks is not None:
+                    have.ranks += rows.ranks[skip:]
 
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[EngineOutput]:
         """Advance every request of ``plan`` by what it computed, append sampled tokens

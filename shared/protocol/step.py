@@ -179,13 +179,16 @@ class SampleLogprobs:
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
+    # A prompt's rows: each row's token's rank in its distribution (1: the likeliest).
+    ranks: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def head(self, n: int) -> SampleLogprobs:
         """The first ``n`` rows (used when output is truncated at a stop)."""
-        return SampleLogprobs(self.token_ids[:n], self.logprobs[:n])
+        ranks = None if self.ranks is None else self.ranks[:n]
+        return SampleLogprobs(self.token_ids[:n], self.logprobs[:n], ranks)
 
 
 @dataclass(slots=True)

@@ -116,15 +116,19 @@ def _sampling_params(name: str, value: Any) -> SamplingParams:
 
 
 def _logprobs_to_wire(lp: SampleLogprobs | None) -> list[Any] | None:
-    return None if lp is None else [lp.token_ids, lp.logprobs]
+    if lp is None:
+        return None
+    return [lp.token_ids, lp.logprobs] + ([] if lp.ranks is None else [lp.ranks])
 
 
 def _logprobs_from_wire(name: str, value: Any) -> SampleLogprobs | None:
     if value is None:
         return None
     value = array(name, value)
-    if len(value) != 2:
-        raise ProtocolError(f"{name}: expected [token_ids, logprobs]")
+    if len(value) not in (2, 3):
+        raise ProtocolError(
+            f"{name}: expected [token_ids, logprobs] or [token_ids, logprobs, ranks]"
+        )
     token_ids = int_lists(f"{name}.token_ids", value[0])
     logprobs = array(f"{name}.logprobs", value[1])
     if len(logprobs) != len(token_ids):
@@ -135,7 +139,10 @@ def _logprobs_from_wire(name: str, value: Any) -> SampleLogprobs | None:
             raise ProtocolError(f"{name}: row {i} has {len(ids)} token ids and {len(lps)} logprobs")
         if set(map(type, lps)) != {float}:
             raise bad_element(f"{name}.logprobs[{i}]", lps, float)
-    return SampleLogprobs(token_ids, logprobs)
+    ranks = None if len(value) == 2 else ints(f"{name}.ranks", value[2])
+    if ranks is not None and len(ranks) != len(token_ids):
+        raise ProtocolError(f"{name}: {len(token_ids)} token rows but {len(ranks)} ranks")
+    return SampleLogprobs(token_ids, logprobs, ranks)
 
 
 def _logprobs_map_to_wire(logprobs: dict[str, SampleLogprobs] | None) -> Any:

@@ -91,6 +91,17 @@ def test_step_result_round_trip_with_variable_lengths_and_logprobs():
         step_id=3,
     )
     assert decode_step_result(encode_step_result(result)) == result
+    ranked = StepResult(
+        {"x": [7]},
+        prompt_logprobs={
+            "x": SampleLogprobs([[5, 1], [6, 6]], [[-3.0, -0.5], [-0.1, -0.1]], [9, 1])
+        },
+    )
+    assert decode_step_result(encode_step_result(ranked)) == ranked
+    wire = msgpack.unpackb(encode_step_result(ranked))
+    wire[6]["x"][2] = [9]  # a rank short
+    with pytest.raises(ProtocolError, match="2 token rows but 1 ranks"):
+        decode_step_result(msgpack.packb(wire))
     pooled = StepResult({"x": [7]}, pooled={"e": b"\x00\x00\x80?" * 3})
     assert decode_step_result(encode_step_result(pooled)) == pooled
     single = StepResult({"x": [7], "y": [8]})

@@ -686,6 +686,42 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, 
     )
 
 
+def test_prompt_logprobs_are_vllms_with_each_tokens_rank(client, tiny_hf_model):
+    """vLLM's ``prompt_logprobs`` (completions: each choice's; chat: the response's): per
+    prompt token after the first, its logprob and its rank in the distribution that
+    predicts it, then the n likeliest; transformers' log-softmax is the reference."""
+    prompt = [17, 900, 3, 44, 5021, 8, 8]
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    rows = reply.choices[0].prompt_logprobs
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_hf_model(torch.tensor([prompt])).logits[0].double(), -1)
+    assert rows[0] is None and len(rows) == len(prompt)
+    for i in range(1, len(prompt)):
+        entry, row = rows[i], ref[i - 1]
+        mine = entry[str(prompt[i])]
+        assert mine["logprob"] == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        assert mine["rank"] == int((row > row[prompt[i]]).sum()) + 1
+        top = row.topk(2).indices.tolist()
+        assert [entry[str(t)]["rank"] for t in top] == [1, 2]
+        assert set(entry) == {str(prompt[i]), *map(str, top)}
+    assert any(row["rank"] > 2 for entry in rows[1:] for row in entry.values())
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )
+    ranked = chat.model_extra["prompt_logprobs"]
+    assert ranked[0] is None and all(len(entry) == 1 for entry in ranked[1:])
+    for bad in ({"stream": True}, {"echo": True}):
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs: comes in a whole"):
+            client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 1, **bad}
+            )
+
+
 def test_echo_of_text_prompts_prepends_each_prompt_to_each_choice(client):
     prompts = ["The quick brown fox", "One, two,"]
     call = {"model": MODEL, "prompt": prompts, "max_tokens": 4, "temperature": 0, "n": 2}

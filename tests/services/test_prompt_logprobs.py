@@ -18,13 +18,15 @@ from weir.shared.sampling import SamplingParams
 TOP = 3
 
 
-def _reference(hf_model, prompt: list[int]) -> tuple[list[float], list[list[int]]]:
-    """Each prompt token's logprob after the first, and the top ids at its position."""
+def _reference(hf_model, prompt: list[int]) -> tuple[list[float], list[list[int]], list[int]]:
+    """Each prompt token's logprob after the first, the top ids at its position and its rank
+    there (one more than the tokens likelier)."""
     with torch.no_grad():
         logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].double(), -1)
     targets = torch.tensor(prompt[1:])
     chosen = logprobs[:-1].gather(1, targets[:, None])[:, 0]
-    return chosen.tolist(), logprobs[:-1].topk(TOP, dim=-1).indices.tolist()
+    ranks = (logprobs[:-1] > chosen[:, None]).sum(-1) + 1
+    return chosen.tolist(), logprobs[:-1].topk(TOP, dim=-1).indices.tolist(), ranks.tolist()
 
 
 def test_prompt_logprobs_through_chunks_preemption_and_the_prefix_cache(
@@ -72,10 +74,11 @@ def test_prompt_logprobs_through_chunks_preemption_and_the_prefix_cache(
             continue
         [rows] = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
         assert outs[0].prompt_logprobs is rows, "sent with the first output"
-        want, want_top = _reference(tiny_hf_model, prompt)
+        want, want_top, want_ranks = _reference(tiny_hf_model, prompt)
         assert [r[0] for r in rows.token_ids] == prompt[1:]
         assert [r[0] for r in rows.logprobs] == pytest.approx(want, abs=1e-4)
         assert [r[1:] for r in rows.token_ids] == want_top
+        assert rows.ranks == want_ranks
     assert scheduler.kv_cache_manager.num_free_blocks == runner.num_blocks
     assert scheduler.stats().num_preemptions > 0, "the workload must preempt"
 
@@ -85,6 +88,6 @@ def test_prompt_logprobs_reach_the_sdk_with_the_first_token_none(tiny_model_dir,
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)
     with LLM(str(tiny_model_dir), kv_cache_memory="1MiB") as llm:
         [completion] = llm.generate(prompt, params)
-    want, _ = _reference(tiny_hf_model, prompt)
+    want, _, _ = _reference(tiny_hf_model, prompt)
     assert completion.prompt_logprobs[0] is None
     assert completion.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
