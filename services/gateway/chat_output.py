@@ -9,7 +9,9 @@ from typing import Any, Protocol
 
 from weir.services.gateway.harmony import HarmonyReader
 from weir.services.gateway.openai_format import Choice, ChunkEvents
+from weir.services.gateway.reasoning import END as REASONING_END
 from weir.services.gateway.reasoning import REASONING_PARSERS, ReasoningReader
+from weir.services.gateway.reasoning import START as REASONING_START
 from weir.services.gateway.tool_calls import (
     TOOL_CALL_PARSERS,
     ToolCall,
@@ -121,16 +123,22 @@ class ChatOutput:
     include_reasoning: bool = True
     with_tools: bool = False  # a request with tools lists its calls, maybe none
     harmony: bool = False  # read as gpt-oss' harmony format (HarmonyReader)
+    # The reasoning's opening and closing markers (the reasoning parser's).
+    reasoning_markers: tuple[str, str] = (REASONING_START, REASONING_END)
 
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the text is detokenized with the special tokens its format marks with:
-        harmony's, and Mistral's ``[TOOL_CALLS]`` (as vLLM's parsers ask for them)."""
+        harmony's, Mistral's ``[THINK]`` and ``[TOOL_CALLS]`` (as vLLM's parsers ask)."""
         tool_choice = self.tool_choice
-        return self.harmony or (
-            tool_choice is not None
-            and tool_choice.kind == "auto"
-            and tool_choice.parser == "mistral"
+        return (
+            self.harmony
+            or (self.thinking is not None and self.reasoning_markers[0] == "[THINK]")
+            or (
+                tool_choice is not None
+                and tool_choice.kind == "auto"
+                and tool_choice.parser == "mistral"
+            )
         )
 
     @property
@@ -143,7 +151,9 @@ class ChatOutput:
             auto = self.tool_choice is not None and self.tool_choice.kind == "auto"
             return HarmonyReader(read_calls=auto)
         return ChoiceReader(
-            None if self.thinking is None else ReasoningReader(self.thinking),
+            None
+            if self.thinking is None
+            else ReasoningReader(self.thinking, self.reasoning_markers),
             None if self.tool_choice is None else self.tool_choice.reader(),
         )
 

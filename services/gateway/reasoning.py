@@ -1,5 +1,6 @@
 """A thinking model's reasoning read out of its text: ``<think>...</think>``, as vLLM's
-``--reasoning-parser deepseek_r1`` and ``qwen3`` read it.
+``--reasoning-parser deepseek_r1`` and ``qwen3`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
+Magistral's, its markers special tokens).
 
 A thinking model's template may open the reasoning in the prompt (DeepSeek-R1, newer
 Qwen3), or the model writes ``<think>`` itself: so while a request thinks, its text is
@@ -12,17 +13,20 @@ from __future__ import annotations
 
 from weir.services.gateway.tool_calls import tag_prefix_at_end
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")  # the last: harmony.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss")  # the last: harmony.py
 
 START, END = "<think>", "</think>"
+# Each parser's reasoning markers (the others': START and END).
+MARKERS = {"mistral": ("[THINK]", "[/THINK]")}
 
 
 class ReasoningReader:
     """One choice's text, as it streams, split into reasoning and content; held back: what
     may begin a tag. Fed piece by piece it splits as it does the whole text."""
 
-    def __init__(self, thinking: bool) -> None:
+    def __init__(self, thinking: bool, markers: tuple[str, str] = (START, END)) -> None:
         self._thinking = thinking
+        self._start, self._end = markers
         self._pending = ""
         self._state = "open"  # the start is not known yet; then "reasoning", "content"
         self.reasoned = False  # whether the text holds reasoning (maybe empty)
@@ -32,22 +36,22 @@ class ReasoningReader:
         self._pending += text
         if self._state == "open":
             head = self._pending.lstrip()
-            if head.startswith(START):
-                self._pending = head[len(START) :]
+            if head.startswith(self._start):
+                self._pending = head[len(self._start) :]
                 self._enter("reasoning")
-            elif START.startswith(head):
+            elif self._start.startswith(head):
                 return "", ""
             else:
                 self._enter("reasoning" if self._thinking else "content")
         reasoning = ""
         if self._state == "reasoning":
-            end = self._pending.find(END)
+            end = self._pending.find(self._end)
             if end < 0:
-                keep = tag_prefix_at_end(self._pending, END)
+                keep = tag_prefix_at_end(self._pending, self._end)
                 reasoning = self._pending[: len(self._pending) - keep]
                 self._pending = self._pending[len(self._pending) - keep :]
                 return reasoning, ""
-            reasoning, self._pending = self._pending[:end], self._pending[end + len(END) :]
+            reasoning, self._pending = self._pending[:end], self._pending[end + len(self._end) :]
             self._state = "content"
         content, self._pending = self._pending, ""
         return reasoning, content

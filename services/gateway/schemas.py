@@ -28,6 +28,9 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from weir.services.gateway.chat_output import ChatOutput, ChatParsers
+from weir.services.gateway.reasoning import END as REASONING_END
+from weir.services.gateway.reasoning import MARKERS as REASONING_MARKERS
+from weir.services.gateway.reasoning import START as REASONING_START
 from weir.services.gateway.tool_calls import ToolChoice, parameters_schema, required_schema
 from weir.shared.beam_search import MAX_BEAM_WIDTH
 from weir.shared.protocol.client import MAX_ARRAY_LEN, MAX_CACHE_SALT_LEN
@@ -751,7 +754,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         (the output goes on with its text): they think only where their text opens with
         the tag."""
         thinking = None
-        if parsers.reasoning is not None:
+        if parsers.reasoning == "mistral":  # Magistral's prompt opens no reasoning
+            thinking = False
+        elif parsers.reasoning is not None:
             thinking = (
                 (reasoning_end_is_a_token or not self.asks_structured_output())
                 and not self.continue_final_message
@@ -779,6 +784,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             self.include_reasoning,
             self.tools is not None,
             harmony,
+            REASONING_MARKERS.get(parsers.reasoning or "", (REASONING_START, REASONING_END)),
         )
 
     def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:

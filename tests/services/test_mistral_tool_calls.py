@@ -1,8 +1,9 @@
-"""`--tool-call-parser mistral` through the official `openai` client, in front of a real
-`weir serve` of a tiny random Llama with SmolLM2's tokenizer and Mistral's `[TOOL_CALLS]` and
-`[ARGS]` special tokens: the v11 form (`NAME[ARGS]{...}` per tag) and the older JSON array
-are calls, whole and streamed, with the 9-character ids Mistral's templates take back; what
-does not read so is content as the model wrote it. Outputs are forced by a choice
+"""`--tool-call-parser mistral` and `--reasoning-parser mistral` through the official `openai`
+client, in front of a real `weir serve` of a tiny random Llama with SmolLM2's tokenizer and
+Mistral's `[TOOL_CALLS]`, `[ARGS]`, `[THINK]` and `[/THINK]` special tokens: the v11 form
+(`NAME[ARGS]{...}` per tag) and the older JSON array are calls, whole and streamed, with the
+9-character ids Mistral's templates take back; what does not read so is content as the model
+wrote it; Magistral's `[THINK]...[/THINK]` is the reasoning. Outputs are forced by a choice
 constraint; the reader is also checked fed in pieces of every size."""
 
 import re
@@ -20,6 +21,7 @@ from weir.services.gateway.tool_calls import MistralReader
 transformers = pytest.importorskip("transformers")
 
 MODEL = "tiny-mistral-tools"
+MARKERS = ["[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]"]
 TOOLS = [
     {
         "type": "function",
@@ -40,7 +42,7 @@ BROKEN = "Maybe [TOOL_CALLS]get_weather[ARGS]{city: Oslo}"
 def client(tmp_path_factory, default_model_dir):
     path = tmp_path_factory.mktemp("models") / MODEL
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
@@ -59,8 +61,9 @@ def client(tmp_path_factory, default_model_dir):
     shutil.copy(default_model_dir / "generation_config.json", path)
     # The markers as the special tokens themselves wherever the choice allows them: the
     # form Mistral's models write, which only a detokenization that keeps them can read.
-    bias = {str(i): 100 for i in tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])}
-    with small_server(path, MODEL, ChatParsers(tool_call="mistral")) as processes:
+    bias = {str(i): 100 for i in tokenizer.convert_tokens_to_ids(MARKERS)}
+    parsers = ChatParsers(tool_call="mistral", reasoning="mistral")
+    with small_server(path, MODEL, parsers) as processes:
         client = openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="unused")
         client.bias = bias  # type: ignore[attr-defined]
         yield client
@@ -85,8 +88,31 @@ def test_mistral_calls_are_read_in_both_forms(client, stream):
         "tool_calls",
     )
     assert _chat(client, stream, BROKEN, tools=TOOLS) == (BROKEN, [], "stop")
-    # Without tools the text is the model's, its special tokens left out as usual.
-    assert _chat(client, stream, V11) == ('get_weather{"city": "Oslo"}get_time{}', [], "stop")
+    # Without tools the text is the model's, its markers kept (Magistral's [THINK] must be).
+    assert _chat(client, stream, V11) == (V11, [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_magistral_reasoning_comes_before_its_answer_or_its_calls(client, stream):
+    def chat(text: str, **kwargs):
+        body = {"structured_outputs": {"choice": [text]}, "logit_bias": client.bias}
+        return read_chat(
+            client, stream, model=MODEL, messages=ASK, max_tokens=300, extra_body=body, **kwargs
+        )
+
+    assert chat("[THINK]Oslo, so weather.[/THINK]It is sunny.") == (
+        "Oslo, so weather.",
+        "It is sunny.",
+        [],
+        "stop",
+    )
+    assert chat("[THINK]Need data.[/THINK]" + V11, tools=TOOLS) == (
+        "Need data.",
+        None,
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
+        "tool_calls",
+    )
+    assert chat("No thought.") == (None, "No thought.", [], "stop")
 
 
 def test_call_ids_are_the_nine_characters_mistral_templates_take(client):
