@@ -198,6 +198,14 @@ class _Model:
     lora_name: str | None  # the adapter, None for the base model
 
 
+def _inputs(body: EmbeddingRequest | ClassificationRequest) -> list[str | list[int]]:
+    """An embeddings or classification body's inputs, each one prompt; a 400 names a bad one."""
+    try:
+        return body.inputs()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request_error", param="input") from None
+
+
 def _input_fields(prompts: Sequence[object]) -> list[str]:
     """How an error names each input of an embeddings or classification body."""
     return [f"input[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["input"]
@@ -826,10 +834,7 @@ class Gateway:
 
     async def embeddings(self, body: EmbeddingRequest) -> Response:
         served = await self.check_model(body.model)
-        try:
-            prompts = body.inputs()
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request_error", param="input") from None
+        prompts = _inputs(body)
         options = {
             "dimensions": body.dimensions,
             "normalize": body.normalize,
@@ -841,10 +846,7 @@ class Gateway:
 
     async def classify(self, body: ClassificationRequest) -> Response:
         served = await self.check_model(body.model)
-        try:
-            prompts = body.inputs()
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_request_error", param="input") from None
+        prompts = _inputs(body)
         options = {
             "activation": body.activation,
             "truncate_prompt_tokens": body.truncate_prompt_tokens,

@@ -14,6 +14,7 @@ import pytest
 import torch
 from serving_helpers import read_chat, small_server
 from spread_weights import spread_weights_
+from test_tool_calls import read_in_pieces as read_pieces
 
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.tool_calls import MistralReader
@@ -127,20 +128,11 @@ def test_call_ids_are_the_nine_characters_mistral_templates_take(client):
     assert len(ids) == 2 and all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids)
 
 
-def read_in_pieces(text: str, step: int):
-    reader = MistralReader()
-    content, deltas = [], []
-    for i in range(0, len(text), step):
-        piece, found = reader.feed(text[i : i + step])
-        content.append(piece)
-        deltas += found
-    rest, found = reader.finish()
-    calls = [(d["function"]["name"], d["function"]["arguments"]) for d in deltas + found]
-    return "".join(content) + rest, calls
-
-
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])
 def test_a_mistral_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    def read_in_pieces(text: str, step: int):
+        return read_pieces(MistralReader(), text, step)
+
     assert read_in_pieces(V11, step) == (
         "",
         [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
