@@ -475,7 +475,9 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
         "'auto' (hermes: <tool_call>{...}</tool_call>, Qwen2.5/Qwen3; llama3_json: "
         '{"name": ..., "parameters": ...}, Llama 3.1-3.3; pythonic: [f(a=1), g(b="x")], '
         "Llama 3.2 and 4; qwen3_coder: <tool_call><function=NAME><parameter=KEY>..., "
-        "Qwen3-Coder; openai: gpt-oss' harmony messages to functions.NAME); without it "
+        "Qwen3-Coder; mistral: [TOOL_CALLS]NAME[ARGS]{...} or [TOOL_CALLS][{...}], Mistral "
+        "Small 3.x, Devstral, Magistral; openai: gpt-oss' harmony messages to "
+        "functions.NAME); without it "
         "'auto' is refused, and 'required' or a named function still work",
     )
     p.add_argument(
@@ -491,8 +493,8 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
         help="the model's reasoning format, which the chat API returns as the message's "
         "reasoning (and reasoning_content) apart from its content: <think>...</think> "
         "(deepseek_r1: DeepSeek-R1 and its distills, QwQ; qwen3: Qwen3, which also honours "
-        "chat_template_kwargs enable_thinking false); openai_gptoss: gpt-oss' harmony "
-        "analysis channel",
+        "chat_template_kwargs enable_thinking false); mistral: [THINK]...[/THINK], "
+        "Magistral; openai_gptoss: gpt-oss' harmony analysis channel",
     )
 
 
