@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client.exposition import choose_encoder
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -95,12 +96,14 @@ _ROUTES = (
     "/tokenize",
     "/detokenize",
     "/health",
+    "/ping",
+    "/invocations",
     "/metrics",
     "/version",
 )
 # Routes outside /v1 that still make the engine work: they need the API key too.
 _ENGINE_ROUTES = frozenset(
-    {"/tokenize", "/detokenize", "/classify", "/score", "/rerank", "/v2/rerank"}
+    {"/tokenize", "/detokenize", "/classify", "/score", "/rerank", "/v2/rerank", "/invocations"}
 )
 
 
@@ -1311,6 +1314,13 @@ def create_app(
         except Exception as exc:
             return _api_error(exc).response()
 
+    async def answer_value(call: Awaitable[T]) -> T | Response:
+        """``call``'s value, or the error response of its failure."""
+        try:
+            return await call
+        except Exception as exc:
+            return _api_error(exc).response()
+
     async def answer_connected(request: Request, call: Awaitable[Response]) -> Response:
         """``answer(call)``, cancelled if the client disconnects first: nothing else notices
         a client leaving before a response exists (a whole body being collected, or a stream
@@ -1428,6 +1438,43 @@ def create_app(
         )
         replicas = {r.address: r.healthy for r in gateway.router.replicas}
         return JSONResponse({"status": status, "replicas": replicas}, 200 if candidates else 503)
+
+    # SageMaker's container contract, as vLLM serves it: /ping is the health check and
+    # /invocations takes a chat, completion, embeddings or classification body, told apart by
+    # its fields (messages, prompt, input: a classifier's classified, else embedded).
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return APIError(400, "the body is not valid JSON", "invalid_request_error").response()
+        if not isinstance(body, dict) or not {"messages", "prompt", "input"} & body.keys():
+            message = "an invocation is a chat (messages), a completion (prompt) or an input"
+            return APIError(400, message, "invalid_request_error").response()
+        kind: type[Any]
+        route: Callable[[Request, Any], Awaitable[Response]]
+        if "messages" in body:
+            kind, route = ChatCompletionRequest, chat_completions
+        elif "prompt" in body:
+            kind, route = CompletionRequest, completions
+        else:
+            info = await answer_value(gateway.model())
+            if isinstance(info, Response):
+                return info
+            labels = info.get("labels")
+            kind, route = (
+                (ClassificationRequest, classify) if labels else (EmbeddingRequest, embeddings)
+            )
+        try:
+            parsed: Any = kind.model_validate(body)
+        except ValidationError as exc:
+            errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+            return await invalid_body(request, RequestValidationError(errors, body=body))
+        return await route(request, parsed)
 
     @get("/version")
     async def version() -> Response:

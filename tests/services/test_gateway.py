@@ -1344,3 +1344,27 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
         )
         assert reply.status_code == 400
         assert reply.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_sagemakers_ping_and_invocations_route_by_the_body(server, client):
+    """SageMaker's contract, as vLLM serves it: /ping is the health check; /invocations runs a
+    chat, a completion or an input by the body's fields, as their own routes would."""
+    base = server.info["http_address"]
+    assert httpx.get(base + "/ping").json()["status"] == "ok"
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    via = httpx.post(base + "/invocations", json=chat).json()
+    direct = client.chat.completions.create(model=MODEL, **chat)
+    assert via["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    completion = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    via = httpx.post(base + "/invocations", json=completion).json()
+    assert (
+        via["choices"][0]["text"]
+        == client.completions.create(model=MODEL, **completion).choices[0].text
+    )
+    for body, status, words in (
+        ({"foo": 1}, 400, "a chat (messages), a completion (prompt) or an input"),
+        ({"messages": "Hi"}, 400, "messages"),
+        ({"input": "Hi"}, 400, "serves no embeddings"),
+    ):
+        reply = httpx.post(base + "/invocations", json=body)
+        assert reply.status_code == status and words in reply.json()["error"]["message"], reply.text
