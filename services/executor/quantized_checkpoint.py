@@ -112,12 +112,17 @@ def _weight(
 def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """[n, words] int32 of ``bits``-bit integers packed as compressed-tensors packs them ->
     [n, count] int32, signed (their offset taken away)."""
+    offset = 1 << (bits - 1)
+    if 32 % bits == 0:  # 2, 4, 8 bits: whole codes in each word, read by shifts
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+        codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return codes.flatten(1)[:, :count] - offset
     as_bytes = packed.contiguous().view(torch.uint8)  # little-endian: a word's low byte first
     shifts = torch.arange(8, dtype=torch.uint8)
     stream = ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : count * bits]
     weights = 1 << torch.arange(bits, dtype=torch.int32)
     values = (stream.view(-1, count, bits).to(torch.int32) * weights).sum(-1, dtype=torch.int32)
-    return values - (1 << (bits - 1))
+    return values - offset
 
 
 class DequantizedWeight:
