@@ -417,9 +417,9 @@ class MistralReader:
     "arguments"}`` objects, as its tokenizers before v11 have the model write them, or
     ``NAME[ARGS]{...}``, one call per ``[TOOL_CALLS]``, as v11 and later (Mistral Small 3.2,
     Devstral, Magistral). Text before the first tag streams as content (less what may begin
-    it); what follows is read when the output ends, each call one delta then, and is content
-    as written if it does not read so. Each call's id is 9 letters and digits, the only ids
-    Mistral's chat templates take back."""
+    it); what follows is read when the output ends, each call one delta then; from the first
+    tag whose text is no call (cut short by ``max_tokens``), the rest is content as written.
+    Each call's id is 9 letters and digits, the only ids Mistral's chat templates take back."""
 
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -447,33 +447,37 @@ class MistralReader:
         if self._tail is None:
             pending, self._pending = self._pending, ""
             return pending, []
-        calls = self._calls(self._tail)
-        if calls is None:
-            return self.TAG + self._tail, []
-        self.calls += calls
-        return "", [call.delta(i) for i, call in enumerate(calls)]
+        segments = self._tail.split(self.TAG)
+        for i, segment in enumerate(segments):
+            calls = self._segment_calls(segment)
+            if calls is None:  # cut short (max_tokens) or not a call: content from here
+                deltas = [call.delta(n) for n, call in enumerate(self.calls)]
+                return self.TAG + self.TAG.join(segments[i:]), deltas
+            self.calls += calls
+        return "", [call.delta(n) for n, call in enumerate(self.calls)]
 
     @classmethod
-    def _calls(cls, tail: str) -> list[ToolCall] | None:
-        calls = []
+    def _segment_calls(cls, segment: str) -> list[ToolCall] | None:
+        """The calls of the text after one tag: v11's ``NAME[ARGS]{...}``, or a JSON array
+        (or object) of calls; None if it holds none."""
+        name, args, arguments = segment.partition(cls.ARGS)
         try:
-            for segment in tail.split(cls.TAG):
-                name, args, arguments = segment.partition(cls.ARGS)
-                if args:  # v11's NAME[ARGS]{...}
-                    items = [{"name": name.strip(), "arguments": json.loads(arguments)}]
-                else:
-                    items = json.loads(segment)
-                    items = items if isinstance(items, list) else [items]
-                for item in items:
-                    if (
-                        not isinstance(item, dict)
-                        or not isinstance(item.get("name"), str)
-                        or not item["name"]
-                        or not isinstance(item.get("arguments", {}), dict)
-                    ):
-                        return None
-                    arguments_text = _arguments_text(item.get("arguments", {}))
-                    calls.append(ToolCall(item["name"], arguments_text, _mistral_call_id()))
+            if args:
+                items = [{"name": name.strip(), "arguments": json.loads(arguments)}]
+            else:
+                items = json.loads(segment)
+                items = items if isinstance(items, list) else [items]
+            calls = []
+            for item in items:
+                if (
+                    not isinstance(item, dict)
+                    or not isinstance(item.get("name"), str)
+                    or not item["name"]
+                    or not isinstance(item.get("arguments", {}), dict)
+                ):
+                    return None
+                arguments_text = _arguments_text(item.get("arguments", {}))
+                calls.append(ToolCall(item["name"], arguments_text, _mistral_call_id()))
         except ValueError:
             return None
         return calls or None

@@ -37,6 +37,7 @@ ASK = [{"role": "user", "content": "Weather and time in Oslo?"}]
 V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}'
 ARRAY = 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
 BROKEN = "Maybe [TOOL_CALLS]get_weather[ARGS]{city: Oslo}"
+CALL = ("get_weather", '{"city": "Oslo"}')
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +145,7 @@ def test_a_mistral_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     assert read_in_pieces('[TOOL_CALLS][{"name": "f"}]', step) == ("", [("f", "{}")])
     assert read_in_pieces('[TOOL_CALLS][{"name": ""}]', step) == ('[TOOL_CALLS][{"name": ""}]', [])
     assert read_in_pieces("[TOOL_CALLS]f[ARGS][1]", step) == ("[TOOL_CALLS]f[ARGS][1]", [])
+    # A later call cut short (max_tokens): the calls before it, then the rest as content.
+    cut = V11[: V11.rindex("[ARGS]") + len("[ARGS]")]
+    assert read_in_pieces(cut, step) == ("[TOOL_CALLS]get_time[ARGS]", [CALL])
+    assert read_in_pieces(V11[: V11.rindex("get_time")], step) == ("[TOOL_CALLS]", [CALL])
