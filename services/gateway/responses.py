@@ -426,7 +426,8 @@ def _call_item(item_id: str, call: dict[str, Any], arguments: str, status: str) 
 
 
 def whole_response(body: dict[str, Any], output: ChatOutput, choice: Choice) -> dict[str, Any]:
-    """A finished choice as a response: its reasoning, text and calls as output items."""
+    """A finished choice as a response: its reasoning, text and calls as output items (the
+    last ``incomplete`` where ``max_output_tokens`` cut it)."""
     message = output.message(choice)["message"]
     items = []
     if message.get("reasoning") is not None:
@@ -436,7 +437,13 @@ def whole_response(body: dict[str, Any], output: ChatOutput, choice: Choice) -> 
         items.append(_message_item(_id("msg"), message["content"], "completed"))
     for call in calls:
         items.append(_call_item(_id("fc"), call, call["function"]["arguments"], "completed"))
+    if items:
+        items[-1]["status"] = _last_item_status(choice.finish_reason)
     return _finished(body, items, choice)
+
+
+def _last_item_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
 
 
 class ResponseEvents:
@@ -474,7 +481,7 @@ class ResponseEvents:
         if out.finished:
             if self._open is None and not self._items:  # an empty answer is an empty message
                 events.append(self._begin("message", {}))
-            events.append(self._close())
+            events.append(self._close(_last_item_status(out.finish_reason)))
         return "".join(events)
 
     def ending(self, choices: list[Choice]) -> bytes:
@@ -543,26 +550,27 @@ class ResponseEvents:
             "response.function_call_arguments.delta", **self._where(), delta=arguments
         )
 
-    def _close(self) -> str:
-        """Close the open item, if any: its text whole, and the item done."""
+    def _close(self, status: str = "completed") -> str:
+        """Close the open item, if any: its text whole, and the item done (``incomplete``
+        where the output was cut in it)."""
         item = self._open
         if item is None:
             return ""
         text = "".join(self._text)
         where = self._where()
         if item["type"] == "function_call":
-            item = {**item, "arguments": text, "status": "completed"}
+            item = {**item, "arguments": text, "status": status}
             events = self._event("response.function_call_arguments.done", **where, arguments=text)
         elif item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
-            item = {**item, "content": [part], "status": "completed"}
+            item = {**item, "content": [part], "status": status}
             events = self._event(
                 "response.reasoning_text.done", **where, content_index=0, text=text
             )
             events += self._event("response.content_part.done", **where, content_index=0, part=part)
         else:
             part = _output_text(text)
-            item = {**item, "content": [part], "status": "completed"}
+            item = {**item, "content": [part], "status": status}
             events = self._event(
                 "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
             )

@@ -58,7 +58,8 @@ def test_a_response_is_transformers_greedy_answer_whole_and_streamed(
     assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert (whole.usage.input_tokens, whole.usage.output_tokens) == (len(ids), 6)
     [item] = whole.output
-    assert (item.type, item.role, item.status) == ("message", "assistant", "completed")
+    # Cut by max_output_tokens, as the response: incomplete (OpenAI's).
+    assert (item.type, item.role, item.status) == ("message", "assistant", "incomplete")
     events = _events(client, **kwargs)
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     assert "".join(e.delta for e in deltas) == want
@@ -70,6 +71,7 @@ def test_a_response_is_transformers_greedy_answer_whole_and_streamed(
         "response.content_part.done",
         "response.output_item.done",
     ]
+    assert events[-2].item.status == last.response.output[0].status == "incomplete"
 
 
 def test_a_completed_stream_is_the_sdks_final_response(client):
