@@ -29,7 +29,7 @@ from weir.shared.client import (
     gather_all,
 )
 from weir.shared.config import EngineArgs
-from weir.shared.pooling import cosine
+from weir.shared.pooling import cosine, score_pairs
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
 from weir.shared.sampling_defaults import default_params
@@ -174,8 +174,7 @@ class LLM:
         with the pooling runner (``runner="pooling"``, or an embedding model), through the
         LoRA adapter ``lora_name`` if given; each one's ``embedding`` is a list of floats.
         If one fails, the call raises its error."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]  # a single prompt
+        prompts = _pooling_prompts(prompts)
         options = {
             "dimensions": dimensions,
             "normalize": normalize,
@@ -197,8 +196,7 @@ class LLM:
         ``LLM`` of a sequence classifier (a ``*ForSequenceClassification`` checkpoint, which
         takes the pooling runner by itself); each one's ``probs`` holds a score per label
         (the logits with ``activation=False``). If one fails, the call raises its error."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]  # a single prompt
+        prompts = _pooling_prompts(prompts)
         options = {
             "activation": activation,
             "truncate_prompt_tokens": truncate_prompt_tokens,
@@ -217,8 +215,7 @@ class LLM:
         """vLLM's ``LLM.beam_search``: each prompt's best ``params.beam_width`` beams, best
         first (``weir.shared.beam_search``), the prompts searched together. If one fails,
         the call raises its error."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]  # a single prompt
+        prompts = _pooling_prompts(prompts)
         client = self._client
         searches = [client.beam_search(p, params, lora_name=lora_name) for p in prompts]
         return self._loop.run(gather_all(searches))
@@ -235,18 +232,13 @@ class LLM:
         or pair by pair; a cross-encoder (a sequence classifier of one label) scores each pair
         encoded together, an embedding model by the cosine similarity of the two texts'
         embeddings. If one fails, the call raises its error."""
-        first = [text_1] if isinstance(text_1, str) else list(text_1)
-        second = [text_2] if isinstance(text_2, str) else list(text_2)
-        if len(first) == 1:
-            first *= len(second)
-        if len(first) != len(second):
-            raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}")
+        pairs = score_pairs(text_1, text_2)
         options = {"truncate_prompt_tokens": truncate_prompt_tokens, "lora_name": lora_name}
         client = self._client
         if self._loop.run(client.model_info()).get("labels"):
-            scored = [client.score(a, b, **options) for a, b in zip(first, second)]
+            scored = [client.score(a, b, **options) for a, b in pairs]
             return self._loop.run(gather_all(scored))
-        texts = list(dict.fromkeys(first + second))
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
         embedded = dict(
             zip(texts, self._loop.run(gather_all([client.embed(t, **options) for t in texts])))
         )
@@ -256,7 +248,7 @@ class LLM:
                 cosine(embedded[a].data, embedded[b].data),
                 embedded[a].prompt_token_ids + embedded[b].prompt_token_ids,
             )
-            for a, b in zip(first, second)
+            for a, b in pairs
         ]
 
     def close(self) -> None:
@@ -307,3 +299,10 @@ def _close(loop: EventLoopThread, client: AsyncWeirClient, server: ServerProcess
     loop.run(client.close())
     loop.stop()
     server.shutdown()
+
+
+def _pooling_prompts(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
+    """Prompts given one (text or token ids) or many, as a list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]  # a single prompt of token ids
+    return list(prompts)  # type: ignore[arg-type]

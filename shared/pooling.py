@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,21 @@ class PoolerConfig:
             norm = float(np.linalg.norm(vector.astype(np.float64)))
             vector = vector / max(norm, 1e-12)  # as torch's F.normalize
         return vector.astype("<f4").tobytes()
+
+
+def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's score inputs as pairs: ``text_1`` against each ``text_2`` (one text against
+    many), or the pairs of two lists of one length; ValueError otherwise."""
+    first = [text_1] if isinstance(text_1, str) else list(text_1)
+    second = [text_2] if isinstance(text_2, str) else list(text_2)
+    if len(first) == 1:
+        first *= len(second)
+    if len(first) != len(second):
+        raise ValueError(
+            f"text_1 has {len(first)} texts and text_2 {len(second)}: send one text_1, or "
+            "as many as text_2"
+        )
+    return list(zip(first, second))
 
 
 def cosine(a: bytes, b: bytes) -> float:

@@ -8,17 +8,15 @@ zero points, times their scales, each scale covering a block of the weight (a te
 one, a row's, a group of a row's columns, or a rows x columns block). The loader asks it
 for a rank's rows and columns only, as it asks any tensor; its scales, zero points and the
 unused activation and KV cache scales are not yielded. The scale of a weight may sit in
-another file of a sharded checkpoint: every file is opened first. GPTQ's activation order,
+another file of a sharded checkpoint: every file is open while they are read. GPTQ's activation order,
 as older compressed-tensors versions saved it (``weight_g_idx``), is refused.
 """
 
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from weir.shared.checkpoint_quantization import CheckpointQuantization
 
@@ -35,17 +33,11 @@ _UNUSED += ("k_scale", "v_scale", "q_scale", "prob_scale")
 
 
 def dequantized_tensors(
-    files: list[Path], quantization: CheckpointQuantization
+    opened: list[Any], quantization: CheckpointQuantization
 ) -> Iterator[tuple[str, "TensorSource"]]:
-    """Every tensor of the checkpoint ``files``, lazily, quantized weights dequantized."""
-    opened: dict[Path, Any] = {}
-    for path in files:
-        try:
-            opened[path] = safe_open(str(path), framework="pt", device="cpu")
-        except SafetensorError as exc:  # truncated, empty, not safetensors
-            raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
-    where = {name: f for f in opened.values() for name in f.keys()}
-    for f in opened.values():
+    """Every tensor of the checkpoint's opened files, lazily, quantized weights dequantized."""
+    where = {name: f for f in opened for name in f.keys()}
+    for f in opened:
         for name in f.keys():
             module, _, kind = name.rpartition(".")
             if kind == "weight_g_idx":
@@ -174,13 +166,8 @@ class DequantizedWeight:
         if (grid_rows, grid_columns) == (1, 1):
             kinds, block = ("tensor", "block"), (rows, columns)
         elif grid_rows == rows and columns % grid_columns == 0:  # a row's, or a group's
-            kinds, block = (
-                ("channel", "group") if grid_columns == 1 else ("group",),
-                (
-                    1,
-                    columns // grid_columns,
-                ),
-            )
+            kinds = ("channel", "group") if grid_columns == 1 else ("group",)
+            block = (1, columns // grid_columns)
         elif block_size is not None:
             kinds, block = ("block",), block_size
         else:

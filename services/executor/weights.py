@@ -9,7 +9,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -110,17 +110,23 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, TensorSource]]:
-    """Every tensor of the checkpoint, lazily: a tensor-parallel rank reads its shard only.
-    Each item is valid until the next one is asked for."""
+def open_checkpoint(model_dir: str | Path) -> list[Any]:
+    """Every file of the checkpoint, opened (safetensors' handles: each tensor is read only
+    when asked for, so a tensor-parallel rank reads its shard only)."""
+    opened = []
     for path in checkpoint_files(model_dir):
         try:
-            opened = safe_open(str(path), framework="pt", device="cpu")
+            opened.append(safe_open(str(path), framework="pt", device="cpu"))
         except SafetensorError as exc:  # truncated, empty, not safetensors
             raise ValueError(f"{path}: not a readable safetensors file: {exc}") from None
-        with opened as f:
-            for name in f.keys():
-                yield name, f.get_slice(name)
+    return opened
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, TensorSource]]:
+    """Every tensor of the checkpoint, lazily."""
+    for f in open_checkpoint(model_dir):
+        for name in f.keys():
+            yield name, f.get_slice(name)
 
 
 _ALL = (slice(None),)
@@ -489,7 +495,7 @@ def load_model(
         tensors = (
             iter_safetensors(model_dir)
             if quantized is None or quantized.method == "mxfp4"
-            else dequantized_tensors(checkpoint_files(model_dir), quantized)
+            else dequantized_tensors(open_checkpoint(model_dir), quantized)
         )
         if cfg.model_type == "gpt_oss":
             tensors = split_gpt_oss_tensors(tensors, cfg)

@@ -22,7 +22,7 @@ from pydantic import AfterValidator, Field
 
 from weir.services.gateway.schemas import Options, Prompt, not_zero, prompt_list
 from weir.shared.client import ClassificationOutput, EmbeddingOutput
-from weir.shared.pooling import MAX_DIMENSIONS
+from weir.shared.pooling import MAX_DIMENSIONS, score_pairs
 
 # OpenAI's bound on the inputs of one request; each is an engine request.
 MAX_EMBEDDING_INPUTS = 2048
@@ -138,15 +138,7 @@ class ScoreRequest(_PairFields):
         return first, second
 
     def pairs(self) -> list[tuple[str, str]]:
-        first, second = self.sides()
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
-            raise ValueError(
-                f"text_1 has {len(first)} texts and text_2 {len(second)}: send one text_1, or "
-                "as many as text_2"
-            )
-        return list(zip(first, second))
+        return score_pairs(self.text_1, self.text_2)
 
 
 class RerankRequest(_PairFields):
