@@ -626,25 +626,30 @@ class Gateway:
     async def responses(self, body: ResponsesRequest) -> Response:
         """OpenAI's Responses API: the chat its input makes (after its previous response's
         conversation), answered as output items, and stored unless it says not to."""
-        inputs = body.input_items()
-        if body.previous_response_id is not None:
-            previous = self.stored_responses.get(body.previous_response_id)
-            if previous is None:
+        previous = body.previous_response_id
+        store = (
+            functools.partial(
+                self.stored_responses.put, inputs=body.input_items(), previous=previous
+            )
+            if body.store
+            else None
+        )
+        if previous is not None:
+            conversation = self.stored_responses.conversation(previous)
+            if conversation is None:
                 raise APIError(
                     404,
-                    f"previous_response_id {body.previous_response_id[:256]!r}: no such "
-                    f"response is stored here (a gateway keeps its last {MAX_STORED_RESPONSES} "
-                    "responses in memory, of requests that did not set store: false)",
+                    f"previous_response_id {previous[:256]!r}: no such conversation is stored "
+                    f"here (a gateway keeps its last {MAX_STORED_RESPONSES} responses in "
+                    "memory, of requests that did not set store: false)",
                     "invalid_request_error",
                     param="previous_response_id",
                 )
-            inputs = previous.conversation + inputs
-            body = body.continued(previous.conversation)
+            body = body.continued(conversation)
         try:
             chat = body.chat_request()
         except ResponsesFieldError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param=exc.field) from None
-        store = functools.partial(self.stored_responses.put, inputs=inputs) if body.store else None
         return await self._chat(chat, functools.partial(self._response, body, store))
 
     async def stored_response(self, response_id: str, delete: bool = False) -> Response:

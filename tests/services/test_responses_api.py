@@ -10,6 +10,7 @@ import pytest
 from serving_helpers import hf_greedy, small_server
 
 from weir.services.gateway.chat_output import ChatParsers
+from weir.services.gateway.response_store import ResponseStore
 from weir.services.launcher import GatewayProcess
 
 transformers = pytest.importorskip("transformers")
@@ -214,3 +215,33 @@ def test_a_stored_response_is_continued_read_back_and_deleted(client, tokenizer,
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_the_store_keeps_each_conversation_once_within_its_bounds():
+    """Each response holds the items it added; a conversation is walked back through the
+    responses it continued, and ends where one of them was dropped (deleted, or the oldest
+    past the count or the bytes the store keeps)."""
+
+    def body(response_id: str, text: str) -> dict:
+        return {
+            "id": response_id,
+            "output": [{"type": "message", "role": "assistant", "content": text}],
+        }
+
+    def ask(text: str) -> list[dict]:
+        return [{"type": "message", "role": "user", "content": text}]
+
+    store = ResponseStore(capacity=3, max_bytes=10_000)
+    store.put(body("r1", "a1"), ask("q1"), None)
+    store.put(body("r2", "a2"), ask("q2"), "r1")
+    conversation = store.conversation("r2")
+    assert [item["content"] for item in conversation] == ["q1", "a1", "q2", "a2"]
+    store.put(body("r3", "a3"), ask("q3"), "r2")
+    store.put(body("x", "y" * 20), ask("z"), None)  # the fourth: the oldest, r1, goes
+    assert store.get("r1") is None and store.conversation("r3") is None
+    assert store.conversation("r2") is None and store.get("r2") is not None
+    # Past the bytes: the least recently read go (r2 was just read: r3 and x).
+    store.put(body("big", "y" * 4_700), ask("z"), None)
+    assert (store.get("r3"), store.get("x")) == (None, None)
+    assert store.get("r2") is not None and store.get("big") is not None
+    assert store.delete("big") and not store.delete("big") and store.get("big") is None
