@@ -537,6 +537,15 @@ def read_model_config(
     """``model_dir/config.json``, checked, with ``overrides`` (vLLM's ``--hf-overrides``: a
     JSON object whose keys replace the file's) over it; ValueError names the file and the
     problem."""
+    try:
+        return ModelConfig.from_hf(read_hf_config(model_dir, overrides))
+    except ValueError as exc:
+        raise ValueError(f"{model_dir}: {exc}") from None
+
+
+def read_hf_config(model_dir: str | os.PathLike[str], overrides: str | None = None) -> Any:
+    """``model_dir/config.json`` as JSON, ``overrides``' keys over it (a JSON object's text,
+    ``--hf-overrides``); ValueError names a file that is not JSON."""
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
@@ -544,10 +553,7 @@ def read_model_config(
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
     if overrides is not None and isinstance(hf, dict):
         hf = {**hf, **json.loads(overrides)}
-    try:
-        return ModelConfig.from_hf(hf)
-    except ValueError as exc:
-        raise ValueError(f"{model_dir}: {exc}") from None
+    return hf
 
 
 def eos_token_ids(model_dir: str | os.PathLike[str]) -> tuple[int, ...]:

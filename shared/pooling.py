@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from weir.shared.config_fields import json_object
-from weir.shared.model_config import read_json
+from weir.shared.model_config import read_hf_config, read_json
 
 RUNNERS = ("auto", "generate", "pooling")
 MAX_DIMENSIONS = 2**31 - 1
@@ -240,19 +240,21 @@ def read_pooler_config(
     override: str | None = None,
     num_labels: int = 0,
     reads_last_token: bool = False,
+    hf_overrides: str | None = None,
 ) -> PoolerConfig:
     """The pooler of a model directory: LAST with normalization (vLLM's embedding default),
     unless its sentence-transformers files say otherwise, then ``override`` (JSON text of
     ``pooling_type`` and ``normalize``, ``--pooler-config``) over both; a classifier's
     (``num_labels`` of them) LAST, unnormalized, with its labels, past its padding tokens
     unless it ``reads_last_token`` (a causal LM made a classifier, as its own usage reads
-    it). ValueError names what cannot be served."""
+    it), from config.json with ``hf_overrides`` over it. ValueError names what cannot be
+    served."""
     model_dir = Path(model_dir)
     given = _override(override)
     if num_labels:
         if "normalize" in given:
             raise ValueError("pooler_config: a sequence classifier's logits are not normalized")
-        config = read_json(model_dir / "config.json")
+        config = read_hf_config(model_dir, hf_overrides)
         return PoolerConfig(
             _pooling_type(given.get("pooling_type", "LAST")),
             False,
@@ -287,6 +289,8 @@ def _pooling_type(name: Any) -> str:
 def _labels(config: dict[str, Any], num_labels: int) -> tuple[str, ...]:
     """The labels' names by their index (config.json's id2label; LABEL_i where it has none)."""
     names = config.get("id2label") or {}
+    if not isinstance(names, dict):
+        raise ValueError(f"config.json: id2label must be an object, got {names!r:.80}")
     return tuple(str(names.get(str(i), f"LABEL_{i}")) for i in range(num_labels))
 
 

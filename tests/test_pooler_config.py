@@ -201,3 +201,14 @@ def test_a_classifier_reads_the_last_token_that_is_not_padding_as_transformers_d
     mean = read_pooler_config(model, HIDDEN, '{"pooling_type": "MEAN"}', num_labels=2)
     assert mean.prompt_to_pool([5, 2, 2]) == [5, 2, 2]
     assert PoolerConfig().prompt_to_pool([5, 2, 2]) == [5, 2, 2]
+
+
+def test_a_classifiers_labels_follow_hf_overrides_and_a_malformed_one_is_named(tmp_path):
+    model = _model(tmp_path / "m", ("LlamaForSequenceClassification",), id2label={"0": "a"})
+    overrides = (
+        '{"id2label": {"0": "no", "1": "yes"}, "problem_type": "multi_label_classification"}'
+    )
+    config = read_pooler_config(model, HIDDEN, num_labels=2, hf_overrides=overrides)
+    assert (config.labels, config.activation) == (("no", "yes"), "sigmoid")
+    with pytest.raises(ValueError, match="id2label must be an object"):
+        read_pooler_config(model, HIDDEN, num_labels=2, hf_overrides='{"id2label": ["a", "b"]}')

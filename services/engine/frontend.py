@@ -480,15 +480,14 @@ class ClientFrontend:
                 )
             return
         if msg.pooling_params is None:
-            kind = "classifications" if self.pooler.labels else "embeddings"
+            kind, route = (
+                ("classifications", "/classify, the SDK's classify")
+                if self.pooler.labels
+                else ("embeddings", "/v1/embeddings, the SDK's embed")
+            )
             raise ValueError(
-                f"this server serves {kind} only (--runner pooling): send "
-                + (
-                    "classification requests (/classify, the SDK's classify)"
-                    if self.pooler.labels
-                    else "embedding requests (/v1/embeddings, the SDK's embed)"
-                )
-                + ", or start another for generation"
+                f"this server serves {kind} only (--runner pooling): send such requests "
+                f"({route}), or start another for generation"
             )
         truncate = msg.sampling_params.truncate_prompt_tokens
         if msg.sampling_params != SamplingParams(truncate_prompt_tokens=truncate):

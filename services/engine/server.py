@@ -151,6 +151,7 @@ class SchedulerServer:
                 self.engine_args.pooler_config,
                 self.model_config.num_labels,
                 reads_last_token=bool(self.model_config.classifier_from_token),
+                hf_overrides=self.engine_args.hf_overrides,
             )
         )
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
