@@ -40,6 +40,8 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3",
     "olmo2",
     "olmo3",
+    "deepseek_v2",
+    "deepseek_v3",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -108,6 +110,37 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
+_DEEPSEEK = {
+    "rms_norm_eps": 1e-6,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+_DEFAULTS["deepseek_v2"] = {
+    **_DEEPSEEK,
+    "max_position_embeddings": 2048,
+    "first_k_dense_replace": 0,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "moe_intermediate_size": 1407,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+}
+_DEFAULTS["deepseek_v3"] = {
+    **_DEEPSEEK,
+    "max_position_embeddings": 4096,
+    "first_k_dense_replace": 3,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 2048,
+    "num_experts_per_tok": 8,
+    "routed_scaling_factor": 2.5,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+}
 # gpt-oss: transformers' defaults, YaRN among them where a config gives no rotation.
 _DEFAULTS["gpt_oss"] = {
     "vocab_size": 201088,
@@ -138,6 +171,45 @@ _DEFAULTS["gpt_oss"] = {
 # The activation of the gated MLP: SiLU, or Gemma's tanh-approximated GELU (Gemma only:
 # the experts of a mixture and the packed CPU kernels fuse SiLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True, slots=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA): each token's keys and values come from
+    one latent of kv_lora_rank channels (normalized) plus qk_rope_head_dim rotated channels
+    shared by every head; each head's query has qk_nope_head_dim channels matched against
+    its own up-projection of the latent and qk_rope_head_dim rotated ones, and its value
+    v_head_dim channels. The query comes from the hidden state directly (q_lora_rank 0) or
+    through a normalized latent of q_lora_rank channels."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # The checkpoint's rotated channels turn in adjacent pairs (DeepSeek's layout), not
+    # half against half: the loader reorders their rows.
+    interleaved_rope: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRouting:
+    """How a router turns its logits into the chosen experts' weights, beyond the top k of
+    a softmax (Mixtral's, Qwen's, gpt-oss'): DeepSeek's groups of experts (only the
+    ``kept_groups`` best of ``num_groups`` are chosen from, a group scored by its best
+    expert, or by the sum of its best two with ``group_by_top2``), V3's sigmoid scores with a
+    learned bias that steers the choice but not the weights, and a factor on the weights."""
+
+    sigmoid: bool = False
+    num_groups: int = 1
+    kept_groups: int = 1
+    group_by_top2: bool = False
+    score_bias: bool = False
+    scaling: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +251,15 @@ class ModelConfig:
     swiglu_alpha: float = 1.0
     # gpt-oss: a learned logit per query head in each softmax of its attention (no value).
     attention_sinks: bool = False
+    routing: ExpertRouting = ExpertRouting()
+    # The shared expert's output is scaled by the sigmoid of its own gate (Qwen2-MoE's), or
+    # added as it is (DeepSeek's).
+    shared_expert_gated: bool = True
+    # DeepSeek's attention; None: heads of query, key and value (head_dim is then the
+    # cache's row: the latent and the rotated channels, in one KV head).
+    latent_attention: LatentAttention | None = None
+    # DeepSeek-V3's multi-token prediction layers after the last one, left unread.
+    num_nextn_predict_layers: int = 0
     # SmolLM3's NoPE layers: their queries and keys are not rotated.
     nope_layers: tuple[int, ...] = ()
 
@@ -256,6 +337,8 @@ class ModelConfig:
             )
         # A null counts as left out, as transformers reads it (but a null sliding_window).
         window = _sliding_window(model_type, hf)
+        # DeepSeek's null q_lora_rank: a query projected directly, not the default latent.
+        direct_query = "q_lora_rank" in hf and hf["q_lora_rank"] is None
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         gemma = model_type in ("gemma2", "gemma3_text")
         # Gemma's configs name it hidden_activation (transformers reads only that one there).
@@ -278,8 +361,13 @@ class ModelConfig:
         max_pos = count(hf, "max_position_embeddings")
         attention_bias = flag(hf, "attention_bias")
         qwen2 = model_type in ("qwen2", "qwen2_moe")
-        head_dim = count(hf, "head_dim", hidden // num_heads)
-        rope, sliding_rope = read_rope(hf, model_type, head_dim, max_pos)
+        latent = _latent_attention(model_type, hf, direct_query)
+        if latent is None:
+            head_dim = count(hf, "head_dim", hidden // num_heads)
+            rope, sliding_rope = read_rope(hf, model_type, head_dim, max_pos)
+        else:  # one KV head: the latent and the rotated channels every head reads
+            num_kv_heads, head_dim = 1, latent.kv_lora_rank + latent.qk_rope_head_dim
+            rope, sliding_rope = read_rope(hf, model_type, latent.qk_rope_head_dim, max_pos)
         num_layers = count(hf, "num_hidden_layers")
         return cls(
             model_type=model_type,
@@ -319,6 +407,7 @@ class ModelConfig:
             checkpoint_quantization=read_checkpoint_quantization(hf, model_type),
             **_classifier(hf),
             **_experts(model_type, hf, num_layers),
+            **_deepseek(latent, hf, num_layers),
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
         )
@@ -331,6 +420,8 @@ class ModelConfig:
         h, d, inter = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         expert, shared = self.moe_intermediate_size, self.shared_expert_intermediate_size
+        if self.latent_attention is not None and module.startswith("self_attn."):
+            return self._latent_tensor_shape(module)
         return {
             "mlp.gate": (self.num_experts, h),
             "mlp.experts.gate_proj": (expert, h),
@@ -340,6 +431,9 @@ class ModelConfig:
             "mlp.shared_expert.up_proj": (shared, h),
             "mlp.shared_expert.down_proj": (h, shared),
             "mlp.shared_expert_gate": (1, h),
+            "mlp.shared_experts.gate_proj": (shared, h),
+            "mlp.shared_experts.up_proj": (shared, h),
+            "mlp.shared_experts.down_proj": (h, shared),
             "self_attn.qkv_proj": (q + 2 * kv, h),  # Phi-3's fused checkpoint tensors
             "mlp.gate_up_proj": (2 * inter, h),
             "self_attn.q_proj": (q, h),
@@ -356,6 +450,24 @@ class ModelConfig:
             "post_attention_layernorm": (h, 0),
             "pre_feedforward_layernorm": (h, 0),
             "post_feedforward_layernorm": (h, 0),
+        }[module]
+
+    def _latent_tensor_shape(self, module: str) -> tuple[int, int]:
+        mla, h, heads = self.latent_attention, self.hidden_size, self.num_heads
+        assert mla is not None
+        q_in = mla.q_lora_rank or h
+        return {
+            "self_attn.q_proj": (heads * mla.qk_head_dim, h),
+            "self_attn.q_a_proj": (mla.q_lora_rank, h),
+            "self_attn.q_a_layernorm": (mla.q_lora_rank, 0),
+            "self_attn.q_b_proj": (heads * mla.qk_head_dim, q_in),
+            "self_attn.kv_a_proj_with_mqa": (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
+            "self_attn.kv_a_layernorm": (mla.kv_lora_rank, 0),
+            "self_attn.kv_b_proj": (
+                heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                mla.kv_lora_rank,
+            ),
+            "self_attn.o_proj": (h, heads * mla.v_head_dim),
         }[module]
 
 
@@ -496,6 +608,109 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         "moe_layers": tuple(layers),
         **gpt_oss,
     }
+
+
+def _latent_attention(
+    model_type: str, hf: dict[str, Any], direct_query: bool
+) -> LatentAttention | None:
+    if not model_type.startswith("deepseek"):
+        return None
+    return LatentAttention(
+        q_lora_rank=0 if direct_query else count(hf, "q_lora_rank"),
+        kv_lora_rank=count(hf, "kv_lora_rank"),
+        qk_nope_head_dim=count(hf, "qk_nope_head_dim"),
+        qk_rope_head_dim=count(hf, "qk_rope_head_dim"),
+        v_head_dim=count(hf, "v_head_dim"),
+        # transformers' DeepSeek-V2 always turns adjacent pairs; V3 where rope_interleave says.
+        interleaved_rope=model_type == "deepseek_v2" or flag(hf, "rope_interleave", True),
+    )
+
+
+def _deepseek(
+    latent: LatentAttention | None, hf: dict[str, Any], num_layers: int
+) -> dict[str, Any]:
+    """DeepSeek-V2's and V3's attention scale and experts, as transformers reads them: the
+    experts in every layer from first_k_dense_replace on, a shared expert of n_shared_experts
+    experts' columns, V2's softmax over all experts (the top k of the best topk_group groups
+    with group_limited_greedy) and V3's sigmoid with its correction bias (groups scored by
+    their best two), the weights scaled by routed_scaling_factor."""
+    if latent is None:
+        return {}
+    v3 = hf["model_type"] == "deepseek_v3"
+    experts, top_k = count(hf, "n_routed_experts"), count(hf, "num_experts_per_tok")
+    first_sparse = hf["first_k_dense_replace"]
+    if type(first_sparse) is not int or first_sparse < 0:
+        raise ValueError(
+            f"config.json: first_k_dense_replace must be a layer number, got {first_sparse!r}"
+        )
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise ValueError(
+            "config.json: moe_layer_freq other than 1 is not read (transformers' is 1)"
+        )
+    scoring, method = hf.get("scoring_func"), hf.get("topk_method")
+    if scoring not in (None, "sigmoid" if v3 else "softmax") or (
+        not v3 and method not in ("greedy", "group_limited_greedy")
+    ):
+        raise ValueError(
+            f"config.json: {hf['model_type']} routes by scoring_func {scoring!r} and topk_method "
+            f"{method!r}, which Weir does not read (transformers reads neither)"
+        )
+    grouped = v3 or method == "group_limited_greedy"
+    groups = count(hf, "n_group") if grouped else 1
+    kept = count(hf, "topk_group") if grouped else 1
+    if experts % groups or kept > groups or top_k > kept * (experts // groups):
+        raise ValueError(
+            f"config.json: {experts} experts in n_group {groups} groups, topk_group {kept} kept, "
+            f"cannot give num_experts_per_tok {top_k}"
+        )
+    if v3 and experts // groups < 2:
+        raise ValueError("config.json: DeepSeek-V3's groups are scored by their best two experts")
+    if flag(hf, "mlp_bias"):
+        raise ValueError("config.json: DeepSeek's MLPs with mlp_bias are not read")
+    if not v3 and flag(hf, "norm_topk_prob"):
+        raise ValueError(
+            "config.json: DeepSeek-V2 with norm_topk_prob is not read (transformers ignores it)"
+        )
+    inter = count(hf, "moe_intermediate_size")
+    shared = hf.get("n_shared_experts") or 0
+    if type(shared) is not int or shared < 0:
+        raise ValueError(f"config.json: n_shared_experts must be a count, got {shared!r}")
+    nextn = hf.get("num_nextn_predict_layers", 0) if v3 else 0
+    if type(nextn) is not int or nextn < 0:
+        raise ValueError(f"config.json: num_nextn_predict_layers must be a count, got {nextn!r}")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": inter,
+        "norm_topk_prob": v3 and flag(hf, "norm_topk_prob"),
+        "shared_expert_intermediate_size": shared * inter,
+        "shared_expert_gated": False,
+        "moe_layers": tuple(range(first_sparse, num_layers)),
+        "routing": ExpertRouting(
+            sigmoid=v3,
+            num_groups=groups,
+            kept_groups=kept,
+            group_by_top2=v3,
+            score_bias=v3,
+            scaling=positive(hf, "routed_scaling_factor", 1.0),
+        ),
+        "latent_attention": latent,
+        "num_nextn_predict_layers": nextn,
+        "attention_multiplier": latent.qk_head_dim**-0.5 * _yarn_mscale(hf) ** 2,
+    }
+
+
+def _yarn_mscale(hf: dict[str, Any]) -> float:
+    """DeepSeek's YaRN scales its attention's scores by this squared (mscale_all_dim's),
+    as transformers' yarn_apply_mscale."""
+    rope = {**mapping(hf, "rope_parameters"), **mapping(hf, "rope_scaling")}
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        return 1.0
+    all_dim = rope.get("mscale_all_dim") or 0
+    factor = positive(rope, "factor", 1.0)
+    if not all_dim or factor <= 1:
+        return 1.0
+    return 0.1 * positive(rope, "mscale_all_dim", 1.0) * math.log(factor) + 1.0
 
 
 def _classifier(hf: dict[str, Any]) -> dict[str, Any]:

@@ -176,6 +176,53 @@ CONFIGS = {
         norm_topk_prob=True,
         mlp_only_layers=[0],
     ),
+    # Latent attention with the query projected directly, YaRN with DeepSeek's mscale (its
+    # scores scaled too), a dense first layer, two shared experts, the top 2 of 8 experts
+    # from the best 2 of 4 groups, scaled.
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+    ),
+    # A query latent, DeepSeek's interleaved rotation, V3's sigmoid router with its score
+    # correction bias (groups by their best two), renormalized and scaled.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+    ),
 }
 MOE_LAYERS = {
     "granite": (),
@@ -192,6 +239,8 @@ MOE_LAYERS = {
     "gpt_oss": (0, 1, 2),
     "qwen2_moe": (1,),
     "qwen3_moe": (1, 2),
+    "deepseek_v2": (1, 2),
+    "deepseek_v3": (1, 2),
 }
 
 
@@ -205,6 +254,10 @@ def save_model(kind: str, path, **changes) -> torch.nn.Module:
     config._experts_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     spread_weights_(model)
+    with torch.no_grad():  # DeepSeek-V3's router bias: a buffer, left at 0 by the above
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn_like(buffer))
     model.save_pretrained(path)
     return model
 
@@ -320,8 +373,13 @@ def test_what_weir_refuses_of_a_mixture_of_experts(moe, tmp_path):
     odd = dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size + 2)
     with pytest.raises(ValueError, match="does not divide the model's .* columns of each expert"):
         ShardLayout.of(odd, 0, 4)
-    # An adapter of an MoE layer's MLP is refused; one of the attention is served.
     layer = cfg.moe_layers[0]
+    if cfg.latent_attention is not None:  # no adapter at all
+        _adapter(tmp_path / "q", cfg, {layer: ("self_attn.q_proj",)})
+        with pytest.raises(ValueError, match="LoRA adapters of a model with DeepSeek's latent"):
+            check_adapter(tmp_path / "q", cfg, max_rank=16)
+        return
+    # An adapter of an MoE layer's MLP is refused; one of the attention is served.
     _adapter(tmp_path / "mlp", cfg, {layer: ("mlp.down_proj",)})
     with pytest.raises(ValueError, match=f"adapts the MLP of layer {layer}, a mixture of"):
         check_adapter(tmp_path / "mlp", cfg, max_rank=16)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
+from weir.services.executor.latent_attention import LatentAttention
 from weir.services.executor.layers import (
     LayerKernels,
     Linear,
@@ -85,13 +86,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = (
             None if cfg.olmo_norms else RMSNorm(h, eps, device, norm_dtype, kernels)
         )
-        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
+        mla = cfg.latent_attention
+        self.mla = None if mla is None else LatentAttention(cfg, layout, kernels, device, dtype)
+        self.qkv_proj = (
+            Linear(h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
+            if mla is None
+            else None
+        )
         # Per head, or (OLMo 2 and 3) over the whole q and k projections.
         self.qk_norm_heads = not cfg.olmo_norms
         q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
         self.q_norm = RMSNorm(q_norm, eps, device, norm_dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_norm, eps, device, norm_dtype) if cfg.qk_norm else None
-        self.o_proj = Linear(self.q_size, h, cfg.o_bias and row_bias, device, dtype)
+        attn_width = self.q_size if mla is None else layout.num_heads * mla.v_head_dim
+        self.o_proj = Linear(attn_width, h, cfg.o_bias and row_bias, device, dtype)
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
         self.post_attention_layernorm = RMSNorm(h, eps, device, norm_dtype, kernels)
         # Gemma's and OLMo's norms of the attention's and MLP's outputs: post_attention_layernorm
@@ -158,9 +166,46 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         lora: "LoraBatch | None" = None,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        heads = self.num_heads + 2 * self.num_kv_heads
         normed = x if self.input_layernorm is None else self.input_layernorm(x)
+        if self.mla is None:
+            attn = self._attend(normed, cos, sin, meta, kv_cache, lora)
+        else:
+            attn = self.mla(normed, cos, sin, meta, kv_cache, self.attention, self.scale)
+        if not self.output_norms:
+            x = self._add_row_parallel("o_proj", x, attn, lora, None)
+            normed = self.post_attention_layernorm(x)
+        else:
+            x = self._add_row_parallel("o_proj", x, attn, lora, self.post_attention_layernorm)
+            ff_norm = self.pre_feedforward_layernorm
+            normed = x if ff_norm is None else ff_norm(x)
+        if self.moe is not None:  # an adapter never touches the experts (shared/lora.py)
+            out = self.moe(normed)
+            if self.tp is None or self.tp.rank == 0:
+                out += x
+            return out if self.tp is None else self.tp.all_reduce(out)
+        assert self.gate_up_proj is not None
+        if lora is None and self.hidden_act == "silu":
+            act = self.gate_up_proj.silu_mul(normed)
+        else:  # an adapter's update joins gate/up before the activation
+            gate_up = self.gate_up_proj(normed)
+            if lora is not None:
+                lora.add(gate_up, normed, self.index, "gate_up_proj")
+            act = act_and_mul(gate_up, self.hidden_act, self.kernels)
+        return self._add_row_parallel("down_proj", x, act, lora, self.post_feedforward_layernorm)
+
+    def _attend(
+        self,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        lora: "LoraBatch | None",
+    ) -> torch.Tensor:
+        """The heads' outputs [T, q_size] for the normalized states, their K/V cached."""
+        num_tokens = normed.shape[0]
+        heads = self.num_heads + 2 * self.num_kv_heads
+        assert self.qkv_proj is not None
         qkv = self.qkv_proj(normed)
         if lora is not None:
             lora.add(qkv, normed, self.index, "qkv_proj")
@@ -185,28 +230,7 @@ class DecoderLayer(nn.Module):
             self.softcap,
             None if self.sinks is None else self.sinks.weight,
         )
-        attn = attn.reshape(num_tokens, self.q_size)
-        if not self.output_norms:
-            x = self._add_row_parallel("o_proj", x, attn, lora, None)
-            normed = self.post_attention_layernorm(x)
-        else:
-            x = self._add_row_parallel("o_proj", x, attn, lora, self.post_attention_layernorm)
-            ff_norm = self.pre_feedforward_layernorm
-            normed = x if ff_norm is None else ff_norm(x)
-        if self.moe is not None:  # an adapter never touches the experts (shared/lora.py)
-            out = self.moe(normed)
-            if self.tp is None or self.tp.rank == 0:
-                out += x
-            return out if self.tp is None else self.tp.all_reduce(out)
-        assert self.gate_up_proj is not None
-        if lora is None and self.hidden_act == "silu":
-            act = self.gate_up_proj.silu_mul(normed)
-        else:  # an adapter's update joins gate/up before the activation
-            gate_up = self.gate_up_proj(normed)
-            if lora is not None:
-                lora.add(gate_up, normed, self.index, "gate_up_proj")
-            act = act_and_mul(gate_up, self.hidden_act, self.kernels)
-        return self._add_row_parallel("down_proj", x, act, lora, self.post_feedforward_layernorm)
+        return attn.reshape(num_tokens, self.q_size)
 
 
 class CausalLM(nn.Module):
@@ -361,6 +385,9 @@ class CausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.add_unit_offset()
+        for layer in self.layers:
+            if layer.mla is not None:
+                layer.mla.deinterleave_rope()
         self._fold_residual_multiplier()
 
     def _fold_residual_multiplier(self) -> None:
@@ -385,8 +412,15 @@ class CausalLM(nn.Module):
         """Bytes one block costs on this rank across all layers (K and V)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         kv_heads, head_dim = self.layout.num_kv_heads, self.config.head_dim
-        return 2 * self.config.num_layers * block_size * kv_heads * head_dim * itemsize
+        copies = 1 if self.config.latent_attention else 2
+        return copies * self.config.num_layers * block_size * kv_heads * head_dim * itemsize
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, block_size, self.layout.num_kv_heads, self.config.head_dim)
+        if self.config.latent_attention:  # a latent row is its own value: one copy, seen twice
+            one = (1, *shape[1:])
+            return [
+                torch.zeros(one, dtype=self.dtype, device=self.device).expand(shape)
+                for _ in self.layers
+            ]
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]

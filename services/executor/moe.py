@@ -1,4 +1,5 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss) on a flat token batch.
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek) on a flat
+token batch.
 
 A router picks each token's top-k experts. The T x k (token, expert) pairs are sorted by
 expert, so each expert's rows are consecutive, and two grouped matmuls
@@ -58,8 +59,18 @@ class SparseMoe(nn.Module):
         h, experts, columns = cfg.hidden_size, cfg.num_experts, layout.moe_intermediate_size
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.routing = cfg.routing
         self.kernels = kernels
-        self.gate = Linear(h, experts, cfg.expert_bias, device, dtype)
+        # DeepSeek's router runs in float32 whatever the model's dtype, as transformers keeps it.
+        deepseek = cfg.latent_attention is not None
+        self.gate = Linear(
+            h, experts, cfg.expert_bias, device, torch.float32 if deepseek else dtype
+        )
+        self.score_bias = (
+            nn.Parameter(torch.empty(experts, device=device, dtype=torch.float32), False)
+            if cfg.routing.score_bias
+            else None
+        )
         self.experts_gate_up = nn.Parameter(
             torch.empty(experts, 2 * columns, h, device=device, dtype=dtype), requires_grad=False
         )
@@ -91,17 +102,16 @@ class SparseMoe(nn.Module):
             Linear(h, 2 * shared, False, device, dtype, kernels) if shared else None
         )
         self.shared_down = Linear(shared, h, False, device, dtype) if shared else None
-        self.shared_expert_gate = Linear(h, 1, False, device, dtype) if shared else None
+        self.shared_expert_gate = (
+            Linear(h, 1, False, device, dtype) if shared and cfg.shared_expert_gated else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The experts' weighted sum for each row of x [T, hidden] (this rank's partial sum
         under tensor parallelism). Routing as transformers': softmax in float32 over all
         experts, the top k, renormalized where the model says so."""
         num_tokens = x.shape[0]
-        probs = self.gate(x).softmax(dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        weights, experts = self._route(x)
         sorted_experts, order = experts.flatten().sort(stable=True)
         offsets = torch.searchsorted(sorted_experts, self.expert_ends).to(torch.int32)
         rows = x[order // self.top_k]
@@ -114,10 +124,45 @@ class SparseMoe(nn.Module):
         unsort = torch.empty_like(order).scatter_(0, order, pairs)
         mixed = out[unsort].view(num_tokens, self.top_k, -1).sum(dim=1)
         if self.shared_gate_up is not None:
-            assert self.shared_down is not None and self.shared_expert_gate is not None
+            assert self.shared_down is not None
             shared = self.shared_down(self.shared_gate_up.silu_mul(x))
-            mixed += torch.sigmoid(self.shared_expert_gate(x)) * shared
+            if self.shared_expert_gate is not None:
+                shared *= torch.sigmoid(self.shared_expert_gate(x))
+            mixed += shared
         return mixed
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's chosen experts [T, k] and their float32 weights [T, k], as
+        transformers routes: the top k of a softmax (or DeepSeek-V3's sigmoid, its bias
+        added for the choice only), among the best groups where experts are grouped."""
+        routing = self.routing
+        logits = self.gate(x.to(self.gate.weight.dtype))
+        scores = logits.sigmoid() if routing.sigmoid else logits.softmax(-1, dtype=torch.float32)
+        scores = scores.float()
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        if routing.num_groups > 1:
+            grouped = choice.view(x.shape[0], routing.num_groups, -1)
+            group_scores = (
+                grouped.topk(2, dim=-1).values.sum(dim=-1)
+                if routing.group_by_top2
+                else grouped.amax(dim=-1)
+            )
+            kept = group_scores.topk(routing.kept_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            # V2 ranks the masked experts at 0 (its softmax scores are not negative), V3 below all.
+            hidden = float("-inf") if routing.sigmoid else 0.0
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), hidden).view_as(choice)
+        weights, experts = choice.topk(self.top_k, dim=-1)
+        if self.score_bias is not None:
+            weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            # V3's sigmoid weights never sum to 0; transformers adds 1e-20 all the same.
+            weights = weights / (
+                weights.sum(dim=-1, keepdim=True) + (1e-20 if routing.sigmoid else 0)
+            )
+        if routing.scaling != 1.0:
+            weights = weights * routing.scaling
+        return weights, experts
 
     def _experts(
         self, rows: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor

@@ -26,7 +26,8 @@ from weir.services.executor.quantized_checkpoint import dequantized_tensors
 from weir.shared.model_config import ModelConfig, read_model_config, vocab_id
 from weir.shared.shard_layout import ShardLayout
 
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# DeepSeek-V3's router bias is named as no other tensor is: read as the router's score_bias.
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)")
 # An expert's tensor: Qwen's mlp.experts.E.{gate,up,down}_proj, Mixtral's
 # block_sparse_moe.experts.E.{w1,w3,w2}.
 _EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
@@ -71,6 +72,20 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "mlp.shared_expert.up_proj": ("moe.shared_gate_up", "shared_up"),
     "mlp.shared_expert.down_proj": ("moe.shared_down", "shared_down_in"),
     "mlp.shared_expert_gate": ("moe.shared_expert_gate", "all"),
+    "mlp.shared_experts.gate_proj": ("moe.shared_gate_up", "shared_gate"),
+    "mlp.shared_experts.up_proj": ("moe.shared_gate_up", "shared_up"),
+    "mlp.shared_experts.down_proj": ("moe.shared_down", "shared_down_in"),
+}
+# DeepSeek's latent attention in place of the q/k/v projections (``mla_``: split by heads).
+LATENT_ATTENTION_PARTS: dict[str, tuple[str, str]] = {
+    "self_attn.q_proj": ("mla.q_proj", "mla_q"),
+    "self_attn.q_a_proj": ("mla.q_a_proj", "all"),
+    "self_attn.q_a_layernorm": ("mla.q_a_layernorm", "all"),
+    "self_attn.q_b_proj": ("mla.q_b_proj", "mla_q"),
+    "self_attn.kv_a_proj_with_mqa": ("mla.kv_a_proj", "all"),
+    "self_attn.kv_a_layernorm": ("mla.kv_a_layernorm", "all"),
+    "self_attn.kv_b_proj": ("mla.kv_b_proj", "mla_kv_b"),
+    "self_attn.o_proj": ("o_proj", "mla_o_in"),
 }
 
 
@@ -151,6 +166,8 @@ def layer_part(
     mlp, _, part = (
         part.partition("_") if part.startswith(("expert_", "shared_")) else ("", "", part)
     )
+    if part.startswith("mla_"):
+        return _latent_part(cfg, layout, part, kind)
     d = cfg.head_dim
     inter = {
         "": layout.intermediate_size,
@@ -173,6 +190,26 @@ def layer_part(
         "up": (_span(inter, inter), (inter_src,)),
         "all": (slice(None), _ALL),
     }[part]
+
+
+def _latent_part(
+    cfg: ModelConfig, layout: ShardLayout, part: str, kind: str
+) -> tuple[slice, tuple[slice, ...]] | None:
+    """A latent attention projection's share: its rows of this rank's heads (the output
+    projection's columns)."""
+    mla = cfg.latent_attention
+    assert mla is not None
+    per_head = {
+        "mla_q": mla.qk_head_dim,
+        "mla_kv_b": mla.qk_nope_head_dim + mla.v_head_dim,
+        "mla_o_in": mla.v_head_dim,
+    }[part]
+    heads = _span(layout.q_head_start * per_head, layout.num_heads * per_head)
+    if part != "mla_o_in":
+        return slice(None), (heads,)
+    if kind == "bias":
+        return (slice(None), _ALL) if layout.rank == 0 else None
+    return slice(None), (slice(None), heads)
 
 
 class RowsOf:
@@ -223,7 +260,7 @@ def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     m = _LAYER_RE.fullmatch(name)
     assert m is not None  # _target refused any other name
     rows, columns = cfg.layer_tensor_shape(_module(m.group(2))[0])
-    return (rows,) if m.group(3) == "bias" or not columns else (rows, columns)
+    return (rows,) if m.group(3) != "weight" or not columns else (rows, columns)
 
 
 def _module(name: str) -> tuple[str, int | None]:
@@ -260,7 +297,18 @@ def _target(
         return "score", slice(None), _ALL
     m = _LAYER_RE.fullmatch(name)
     module, expert = _module(m.group(2)) if m is not None else ("", None)
-    if m is None or module not in LAYER_PARTS:
+    parts = LAYER_PARTS
+    if cfg.latent_attention is not None:
+        parts = {**LAYER_PARTS, **LATENT_ATTENTION_PARTS}
+    nextn = range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)
+    if m is not None and int(m.group(1)) in nextn:
+        return None  # DeepSeek-V3's multi-token prediction layers: Weir does not draft with them
+    score_bias = m is not None and m.group(3) == "e_score_correction_bias"
+    if (
+        m is None
+        or module not in parts
+        or (score_bias and not (module == "mlp.gate" and cfg.routing.score_bias))
+    ):
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     layer = int(m.group(1))
     if layer >= cfg.num_layers:
@@ -279,10 +327,12 @@ def _target(
         raise ValueError(
             f"checkpoint tensor {name!r} is past config.json's {cfg.num_experts} experts"
         )
-    weir_module, part = LAYER_PARTS[module]
+    weir_module, part = parts[module]
     target = layer_part(cfg, layout, part, m.group(3))
     if target is None:
         return None
+    if score_bias:
+        return f"layers.{layer}.moe.score_bias", *target
     if expert is not None:  # one expert's rows of the stacked experts' parameter (or bias)
         rows, index = target
         stacked = weir_module + ("_bias" if m.group(3) == "bias" else "")
@@ -384,7 +434,8 @@ def _checkpoint_names(param: str, cfg: ModelConfig) -> str:
     module, _, kind = (
         rest.rpartition(".") if rest.endswith((".weight", ".bias")) else (rest, "", "")
     )
-    sources = [hf for hf, (weir, _) in LAYER_PARTS.items() if weir == module]
+    parts = {**LAYER_PARTS, **LATENT_ATTENTION_PARTS}
+    sources = [hf for hf, (weir, _) in parts.items() if weir == module]
     suffix = f".{kind}" if kind else ".weight"
     names = [
         f"model.layers.{layer}." + hf.replace("mlp.experts.", "mlp.experts.E.") + suffix
