@@ -1,6 +1,6 @@
 """Write a model directory of a given shape, for `--load-format dummy`.
 
-    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b|phi4-mini|gpt-oss-small|gpt-oss-20b]
+    python benchmarks/model_shape.py DIR [--shape moe-small|qwen3-30b-a3b|gemma3-270m|gemma3-1b|phi4-mini|gpt-oss-small|gpt-oss-20b|deepseek-small|deepseek-v2-lite]
 
 The directory holds a `config.json` and the default model's tokenizer, no weights:
 `weir bench throughput --model DIR --load-format dummy --baseline hf-static,hf-cb` then
@@ -17,6 +17,10 @@ measures Weir and transformers on random weights of that shape.
   on every other layer, attention sinks, YaRN; ~20 B parameters), in bfloat16 for a GPU;
   `gpt-oss-small` that architecture at `moe-small`'s size (8 layers, hidden 1024, 32 experts
   of 512 columns, 4 a token), for a CPU.
+- `deepseek-v2-lite`: DeepSeek-V2-Lite's shape (27 layers, hidden 2048, 16 heads of latent
+  attention, 64 experts of 1408 columns, 6 a token, 2 shared; ~16 B parameters), for a GPU;
+  `deepseek-small` that architecture at `moe-small`'s size (8 layers, hidden 1024, 32
+  experts of 512 columns, 4 a token), for a CPU.
 """
 
 import argparse
@@ -64,6 +68,38 @@ GPT_OSS = {
         "truncate": False,
         "original_max_position_embeddings": 4096,
     },
+    "tie_word_embeddings": False,
+}
+# DeepSeek-V2-Lite's architecture: latent attention (a 512-channel latent and 64 rotated
+# channels cached a token, the query projected directly), YaRN with DeepSeek's mscale, a dense
+# first layer, two shared experts beside the routed ones.
+DEEPSEEK_V2 = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "topk_method": "greedy",
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
     "tie_word_embeddings": False,
 }
 SHAPES = {
@@ -138,6 +174,24 @@ SHAPES = {
         num_attention_heads=64,
         num_key_value_heads=8,
         layer_types=["sliding_attention", "full_attention"] * 12,
+    ),
+    "deepseek-v2-lite": dict(
+        DEEPSEEK_V2,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+    ),
+    "deepseek-small": dict(
+        DEEPSEEK_V2,
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=512,
+        num_hidden_layers=8,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
     ),
     "gpt-oss-small": dict(
         GPT_OSS,

@@ -509,6 +509,14 @@ class TileShape:
     num_stages: int
 
 
+# Heads wider than 256 channels (DeepSeek's latent rows: 576, padded to 1024) take decode
+# tiles of 16 rows x 16 keys, 8 warps, 2 stages: 99 KB of shared memory and 178 registers on
+# sm_90 without spills, where a prefill tile's 64 query rows of 1024 channels alone would take
+# 128 KB. Every query is walked through them, without split-KV; only 16 query heads fit a
+# tile's rows.
+WIDE_DECODE = TileShape(16, 16, 8, 2)
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchPlan:
     """The launches of one attention call, a function of shapes, device and hints only.
@@ -633,12 +641,20 @@ def plan_launches(
     wide = block_d > 128
     min_rows = max(16, triton.next_power_of_2(group))
     all_rows = triton.next_power_of_2(group * max(max_query_len, 1))
-    if all_rows <= max(DECODE_MAX_ROWS, min_rows):
-        decode_rows, short_query_len = max(all_rows, min_rows), INT32_MAX
+    if block_d > 256:
+        if min_rows > 16:
+            raise ValueError(
+                f"{group} query heads over one KV head of {head_dim} channels do not fit the "
+                "Triton kernel's tiles (at most 16 such heads a KV head on a GPU): split the "
+                "heads with --tensor-parallel-size, or use --attention-backend torch"
+            )
+        decode, short_query_len = WIDE_DECODE, INT32_MAX
+    elif all_rows <= max(DECODE_MAX_ROWS, min_rows):
+        decode = TileShape(max(all_rows, min_rows), 32 if wide else 64, 4, stages)
+        short_query_len = INT32_MAX
     else:
-        decode_rows = min_rows
-        short_query_len = decode_rows // group
-    decode = TileShape(decode_rows, 32 if wide else 64, 4, stages)
+        decode = TileShape(min_rows, 32 if wide else 64, 4, stages)
+        short_query_len = min_rows // group
     prefill = prefill_grid = None
     if short_query_len != INT32_MAX:
         if hopper and not wide:
@@ -647,7 +663,9 @@ def plan_launches(
             prefill = TileShape(max(64, min_rows), 32 if wide else 64, 8, stages)
         prefill_grid = (num_kv_heads, num_tokens // (prefill.block_m // group) + num_requests)
 
-    if split_kv is None:
+    if decode is WIDE_DECODE:
+        segments = 1
+    elif split_kv is None:
         # Not beside a prefill launch: its tokens would need workspace rows too (the workspace is
         # indexed by token), and the scheduler mixes prefill chunks with many decodes.
         if sliding_window is not None:

@@ -178,7 +178,7 @@ CONFIGS = {
     ),
     # Latent attention with the query projected directly, YaRN with DeepSeek's mscale (its
     # scores scaled too), a dense first layer, two shared experts, the top 2 of 8 experts
-    # from the best 2 of 4 groups, scaled.
+    # from the best of 4 groups, scaled.
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **{**COMMON, "num_key_value_heads": 4},
         intermediate_size=96,
@@ -194,7 +194,7 @@ CONFIGS = {
         first_k_dense_replace=1,
         topk_method="group_limited_greedy",
         n_group=4,
-        topk_group=2,
+        topk_group=1,
         routed_scaling_factor=1.5,
         rope_parameters={
             "rope_type": "yarn",
@@ -257,7 +257,9 @@ def save_model(kind: str, path, **changes) -> torch.nn.Module:
     with torch.no_grad():  # DeepSeek-V3's router bias: a buffer, left at 0 by the above
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.3 * torch.randn_like(buffer))
+                # Below -1: every expert's choice score is negative, so those of the groups
+                # left out must rank below all (transformers' -inf), not at 0.
+                buffer.copy_(0.3 * torch.randn_like(buffer) - 1.1)
     model.save_pretrained(path)
     return model
 
@@ -477,6 +479,44 @@ def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):
         ModelConfig.from_hf({**hf, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match="mlp_only_layers must be layer numbers"):
         ModelConfig.from_hf({**hf, "mlp_only_layers": "0"})
+
+
+def test_deepseek_caches_one_latent_row_and_skips_its_prediction_layers(tmp_path):
+    """A token's latent row is cached once (the value half is the key half's storage);
+    DeepSeek-V3's multi-token prediction layer past the last is left unread, a layer past
+    those is refused; routings transformers does not read are refused by name."""
+    path = tmp_path / "m"
+    hf_model = save_model("deepseek_v3", path)
+    hf = json.loads((path / "config.json").read_text())
+    assert hf["num_nextn_predict_layers"] == 1
+    tensors = load_file(path / "model.safetensors")
+    mtp = {n.replace("layers.2.", "layers.3."): w.clone() for n, w in tensors.items() if ".2." in n}
+    mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**tensors, **mtp}, path / "model.safetensors")
+    model = load_model(path)
+    ids = list(range(3, 30))
+    input_ids, positions, meta = PagedRequests(seed=0).step([("A", ids, 0)])
+    caches = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    assert caches[0][1].data_ptr() == caches[0][0].data_ptr()
+    row = 32 + 8  # latent and rotated channels, float32
+    assert model.kv_cache_bytes_per_block(BLOCK_SIZE) == 3 * BLOCK_SIZE * row * 4
+    with torch.inference_mode():
+        logits = model.compute_logits(model(input_ids, positions, meta, caches))
+        want = hf_model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    (path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.3\."):
+        load_model(path)
+    for changes, match in (
+        ({"moe_layer_freq": 2}, "moe_layer_freq other than 1"),
+        ({"scoring_func": "softmax"}, "routes by scoring_func 'softmax'"),
+        ({"topk_group": 5}, "n_group 4 groups, topk_group 5 kept"),
+        ({"n_group": 8}, "scored by their best two"),
+        ({"model_type": "deepseek_v2", "norm_topk_prob": True}, "V2 with norm_topk_prob"),
+        ({"model_type": "deepseek_v2", "topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf({**hf, **changes})
 
 
 def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):

@@ -24,9 +24,27 @@ GEMMA = {"model_type": "gemma3_text", **REQUIRED}
 def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type):
     # gpt-oss' default 8 KV heads would outnumber the 4 query heads
     required = {**REQUIRED, "num_key_value_heads": 2} if model_type == "gpt_oss" else REQUIRED
+    if model_type == "deepseek_v2":  # transformers' default is none, which its router cannot take
+        required = {**REQUIRED, "num_experts_per_tok": 2}
     ours = ModelConfig.from_hf({"model_type": model_type, **required})
     theirs = transformers.AutoConfig.for_model(model_type, **required, pad_token_id=0)
-    assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)
+    mla = ours.latent_attention
+    if mla is None:
+        assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)
+    else:  # the cached row: the latent and the rotated channels (transformers' head_dim)
+        shape = (
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        )
+        assert [getattr(mla, key) for key in shape] == [getattr(theirs, key) for key in shape]
+        assert ours.head_dim == theirs.kv_lora_rank + theirs.head_dim
+        assert ours.num_experts == theirs.n_routed_experts
+        assert ours.moe_layers == tuple(range(theirs.first_k_dense_replace, 2))
+        shared = theirs.n_shared_experts * theirs.moe_intermediate_size
+        assert ours.shared_expert_intermediate_size == shared
     assert ours.max_position_embeddings == theirs.max_position_embeddings
     assert ours.rms_norm_eps == theirs.rms_norm_eps
     rope = theirs.rope_parameters
@@ -45,7 +63,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         assert ours.moe_layers == (0, 1)
         shared = getattr(theirs, "shared_expert_intermediate_size", None) or 0
         assert ours.shared_expert_intermediate_size == shared
-    else:
+    elif mla is None:
         assert ours.num_experts == 0 and ours.moe_layers == ()
 
 

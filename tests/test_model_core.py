@@ -62,6 +62,21 @@ CONFIGS = {
     ),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=24, attention_bias=True),
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24, sliding_window=64),
+    # DeepSeek's latent attention (its MLPs dense here): 4 query heads over one cached row of
+    # 32 latent and 8 rotated channels.
+    "deepseek_v3-latent": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+    ),
 }
 
 
@@ -91,7 +106,10 @@ interpreted = pytest.mark.skipif(
     ("kind", "backend"),
     [(kind, "torch") for kind in sorted(CONFIGS)]
     + [pytest.param(kind, "native", marks=needs_native) for kind in sorted(CONFIGS)]
-    + [pytest.param(kind, "triton", marks=interpreted) for kind in ("qwen3", "llama")]
+    + [
+        pytest.param(kind, "triton", marks=interpreted)
+        for kind in ("qwen3", "llama", "deepseek_v3-latent")
+    ]
     + [("llama", "reference")],
 )
 def test_mixed_paged_batch_matches_transformers(kind, backend, tmp_path):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
-from weir.services.executor.layers import LayerKernels, Linear, RMSNorm, apply_rope
+from weir.services.executor.layers import LayerKernels, Linear, RMSNorm, rope_
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
 
@@ -94,19 +94,13 @@ class LatentAttention(nn.Module):
         qk[:, :heads, rope:] = absorbed.transpose(0, 1)
         qk[:, heads, :rope] = k_rope
         qk[:, heads, rope:] = self.kv_a_layernorm(latent)
-        self._rotate(qk[..., :rope], cos, sin)
+        rope_(qk[..., :rope], cos, sin, self.kernels)
         query, row = qk.split((heads, 1), dim=1)
         attention.write_kv(row, row, kv_cache, meta)
         out = attention.attend(query, kv_cache, meta, scale)
         latents = out[..., rope:].transpose(0, 1).to(x.dtype)
         values = torch.bmm(latents, up[:, self.nope_dim :].transpose(1, 2))
         return values.transpose(0, 1).reshape(num_tokens, heads * self.v_head_dim)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        if self.kernels is not None:
-            self.kernels.rope_(x, cos.squeeze(1), sin.squeeze(1))
-        else:
-            x.copy_(apply_rope(x, cos, sin))
 
     @torch.no_grad()
     def deinterleave_rope(self) -> None:

@@ -45,6 +45,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out
 
 
+def rope_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: "LayerKernels | None"
+) -> None:
+    """Rotate-half RoPE of x [T, heads, D] in place (x may be a view of each head's first D
+    channels); cos, sin: [T, 1, D/2]."""
+    if kernels is not None:
+        kernels.rope_(x, cos.squeeze(1), sin.squeeze(1))
+    else:
+        x.copy_(apply_rope(x, cos, sin))
+
+
 class RMSNorm(nn.Module):
     def __init__(
         self,

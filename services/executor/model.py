@@ -24,6 +24,7 @@ from weir.services.executor.layers import (
     RMSNorm,
     act_and_mul,
     apply_rope,
+    rope_,
 )
 from weir.services.executor.moe import SparseMoe
 from weir.services.executor.parallel import TensorParallel
@@ -148,13 +149,9 @@ class DecoderLayer(nn.Module):
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The Q and K heads (adjacent in the fused projection: one rotation for both) with
         their first rotary_dim channels rotated, in place where a kernel does it."""
-        rotated = qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim]
-        if self.kernels is not None:
-            self.kernels.rope_(rotated, cos.squeeze(1), sin.squeeze(1))
-        elif rotated is qk:
-            qk = apply_rope(qk, cos, sin)
-        else:
-            rotated.copy_(apply_rope(rotated, cos, sin))
+        if self.rotary_dim == self.head_dim and self.kernels is None:
+            return apply_rope(qk, cos, sin)
+        rope_(qk[..., : self.rotary_dim], cos, sin, self.kernels)
         return qk
 
     def forward(

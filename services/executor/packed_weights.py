@@ -89,6 +89,11 @@ def pack_model(model: CausalLM) -> None:
             linear: Linear | None = getattr(layer, name)
             if linear is not None:  # an MoE layer has no dense MLP
                 setattr(layer, name, PackedLinear(linear.weight, linear.bias, kernels))
+        if layer.mla is not None:  # its kv_b_proj is read by head, never as a projection
+            for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj"):
+                linear = getattr(layer.mla, name)
+                if linear is not None:
+                    setattr(layer.mla, name, PackedLinear(linear.weight, linear.bias, kernels))
         if layer.moe is not None:
             _pack_experts(layer.moe, kernels)
     if model.lm_head is None:

@@ -252,6 +252,16 @@ def test_head_dims(head_dim):
     assert_close(triton_output(step), reference_output(step))
 
 
+@pytest.mark.parametrize("group", [4, 16])
+def test_wide_heads_walk_every_query_through_decode_tiles(group):
+    """DeepSeek's latent rows (576 channels over one KV head): decode tiles for every query,
+    long prefill chunks included, as the reference."""
+    step = make_step(MIXED, num_heads=group, num_kv_heads=1, head_dim=576, dtype=torch.float16)
+    assert_close(triton_output(step), reference_output(step))
+    with pytest.raises(ValueError, match="32 query heads over one KV head of 576 channels"):
+        triton_attention.plan_launches(8, 1, 32, 1, 576, 16, torch.float16, 9, 132, 1, 64, None)
+
+
 def test_hints_do_not_change_result():
     # The hints pick tiles and launches only. Too low, long queries run in decode tiles (walked tile
     # by tile); too high, decodes run beside an extra prefill launch whose programs all exit.
