@@ -66,6 +66,7 @@ from weir.shared.protocol.client import (
     ClientMessage,
     ClientProtocolError,
     DetokenizeRequest,
+    EngineControlRequest,
     ErrorReply,
     GenerateRequest,
     HealthRequest,
@@ -539,6 +540,30 @@ class AsyncWeirClient:
         reply = await self._request(LoraAdapterRequest(uuid.uuid4().hex, lora_name))
         return reply.info
 
+    async def pause(
+        self, mode: str = "abort", clear_cache: bool = True, timeout: float = 600.0
+    ) -> None:
+        """Stop the engine's steps until ``resume`` (vLLM's ``pause_generation``, for weight
+        updates): ``mode`` "abort" ends the requests in flight (each gets what it has, with
+        finish reason "abort"), "wait" lets them finish first (requests that arrive meanwhile
+        wait), "keep" holds them where they are. Returns once no step runs. ``clear_cache``
+        drops every cached block: requests held are computed again on resuming. Requests
+        sent while paused wait. ``timeout``: how long to wait for it (with "wait", the
+        requests in flight may take long)."""
+        request = EngineControlRequest(uuid.uuid4().hex, "pause", mode, clear_cache)
+        await self._request(request, max(timeout, self.timeout))
+
+    async def resume(self) -> None:
+        await self._request(EngineControlRequest(uuid.uuid4().hex, "resume"))
+
+    async def is_paused(self) -> bool:
+        reply = await self._request(EngineControlRequest(uuid.uuid4().hex, "is_paused"))
+        return bool(reply.info["is_paused"])
+
+    async def reset_prefix_cache(self) -> None:
+        """vLLM's: no later request reads a block cached before."""
+        await self._request(EngineControlRequest(uuid.uuid4().hex, "reset_prefix_cache"))
+
     async def tokenize(
         self,
         prompt: str | list[dict[str, Any]],
@@ -704,7 +729,8 @@ class AsyncWeirClient:
         | ModelInfoRequest
         | TokenizeRequest
         | DetokenizeRequest
-        | LoraAdapterRequest,
+        | LoraAdapterRequest
+        | EngineControlRequest,
         timeout: float | None = None,
     ) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -1103,6 +1129,22 @@ class WeirClient:
     def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         self._check_open()
         return self._loop.run(self._client.unload_lora_adapter(lora_name))
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True, timeout: float = 600.0) -> None:
+        self._check_open()
+        self._loop.run(self._client.pause(mode, clear_cache, timeout))
+
+    def resume(self) -> None:
+        self._check_open()
+        self._loop.run(self._client.resume())
+
+    def is_paused(self) -> bool:
+        self._check_open()
+        return self._loop.run(self._client.is_paused())
+
+    def reset_prefix_cache(self) -> None:
+        self._check_open()
+        self._loop.run(self._client.reset_prefix_cache())
 
     def tokenize(
         self,

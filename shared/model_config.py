@@ -42,6 +42,8 @@ SUPPORTED_MODEL_TYPES = (
     "olmo3",
     "deepseek_v2",
     "deepseek_v3",
+    "glm4_moe",
+    "glm4_moe_lite",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -141,6 +143,39 @@ _DEFAULTS["deepseek_v3"] = {
     "topk_group": 4,
     "norm_topk_prob": True,
 }
+# GLM-4.5, 4.6 and 4.7: grouped-query attention rotating half of each head, DeepSeek-V3's
+# experts.
+_DEFAULTS["glm4_moe"] = {
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "partial_rotary_factor": 0.5,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 1408,
+    "num_experts_per_tok": 8,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "num_nextn_predict_layers": 1,
+}
+# GLM-4.7-Flash: DeepSeek-V3's attention and experts.
+_DEFAULTS["glm4_moe_lite"] = {
+    **_DEFAULTS["deepseek_v3"],
+    "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-5,
+    "q_lora_rank": 768,
+    "qk_nope_head_dim": 192,
+    "v_head_dim": 256,
+    "n_routed_experts": 64,
+    "moe_intermediate_size": 1536,
+    "num_experts_per_tok": 4,
+    "routed_scaling_factor": 1.8,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_nextn_predict_layers": 1,
+}
 # gpt-oss: transformers' defaults, YaRN among them where a config gives no rotation.
 _DEFAULTS["gpt_oss"] = {
     "vocab_size": 201088,
@@ -210,6 +245,9 @@ class ExpertRouting:
     group_by_top2: bool = False
     score_bias: bool = False
     scaling: float = 1.0
+    # The router's weight and logits in float32 whatever the model's dtype (DeepSeek's, as
+    # transformers keeps them).
+    float32: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,11 +432,12 @@ class ModelConfig:
             qkv_bias=attention_bias
             or model_type == "qwen2"
             or (model_type == "qwen2_moe" and flag(hf, "qkv_bias", True)),
-            o_bias=attention_bias and not qwen2,
+            o_bias=attention_bias and not qwen2 and model_type != "glm4_moe",
             # Only Llama's, Granite's and SmolLM3's configs have mlp_bias (transformers ignores
             # the key elsewhere).
             mlp_bias=model_type in ("llama", "granite", "smollm3") and flag(hf, "mlp_bias"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3")
+            or (model_type == "glm4_moe" and flag(hf, "use_qk_norm")),
             olmo_norms=model_type in ("olmo2", "olmo3"),
             float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
@@ -407,7 +446,8 @@ class ModelConfig:
             checkpoint_quantization=read_checkpoint_quantization(hf, model_type),
             **_classifier(hf),
             **_experts(model_type, hf, num_layers),
-            **_deepseek(latent, hf, num_layers),
+            **_latent_fields(latent, hf),
+            **_deepseek_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
         )
@@ -610,10 +650,16 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
     }
 
 
+# DeepSeek's architectures, and those built of its layers (GLM-4.7-Flash); GLM-4.5's and
+# 4.6's attention is of q/k/v heads, its experts DeepSeek-V3's.
+_LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+_DEEPSEEK_EXPERT_TYPES = (*_LATENT_ATTENTION_TYPES, "glm4_moe")
+
+
 def _latent_attention(
     model_type: str, hf: dict[str, Any], direct_query: bool
 ) -> LatentAttention | None:
-    if not model_type.startswith("deepseek"):
+    if model_type not in _LATENT_ATTENTION_TYPES:
         return None
     return LatentAttention(
         q_lora_rank=0 if direct_query else count(hf, "q_lora_rank"),
@@ -626,23 +672,28 @@ def _latent_attention(
     )
 
 
-def _deepseek(
-    latent: LatentAttention | None, hf: dict[str, Any], num_layers: int
-) -> dict[str, Any]:
-    """DeepSeek-V2's and V3's attention scale and experts, as transformers reads them: the
-    experts in every layer from first_k_dense_replace on, a shared expert of n_shared_experts
-    experts' columns, V2's softmax over all experts (the top k of the best topk_group groups
-    with group_limited_greedy) and V3's sigmoid with its correction bias (groups scored by
-    their best two), the weights scaled by routed_scaling_factor."""
+def _latent_fields(latent: LatentAttention | None, hf: dict[str, Any]) -> dict[str, Any]:
+    """The latent attention, and its scale: qk_head_dim ** -0.5, by DeepSeek's YaRN mscale
+    squared."""
     if latent is None:
         return {}
-    v3 = hf["model_type"] == "deepseek_v3"
+    return {
+        "latent_attention": latent,
+        "attention_multiplier": latent.qk_head_dim**-0.5 * _yarn_mscale(hf) ** 2,
+    }
+
+
+def _deepseek_experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """DeepSeek-V2's and V3's experts (and those of the GLM models built like V3's), as
+    transformers reads them: the experts in the sparse layers, a shared expert of
+    n_shared_experts experts' columns, V2's softmax over all experts (the top k of the best
+    topk_group groups with group_limited_greedy) and V3's sigmoid with its correction bias
+    (groups scored by their best two), the weights scaled by routed_scaling_factor, the
+    router in float32."""
+    if model_type not in _DEEPSEEK_EXPERT_TYPES:
+        return {}
+    v3 = model_type != "deepseek_v2"  # the GLM models route as V3
     experts, top_k = count(hf, "n_routed_experts"), count(hf, "num_experts_per_tok")
-    first_sparse = hf["first_k_dense_replace"]
-    if type(first_sparse) is not int or first_sparse < 0:
-        raise ValueError(
-            f"config.json: first_k_dense_replace must be a layer number, got {first_sparse!r}"
-        )
     if hf.get("moe_layer_freq", 1) != 1:
         raise ValueError(
             "config.json: moe_layer_freq other than 1 is not read (transformers' is 1)"
@@ -652,7 +703,7 @@ def _deepseek(
         not v3 and method not in ("greedy", "group_limited_greedy")
     ):
         raise ValueError(
-            f"config.json: {hf['model_type']} routes by scoring_func {scoring!r} and topk_method "
+            f"config.json: {model_type} routes by scoring_func {scoring!r} and topk_method "
             f"{method!r}, which Weir does not read (transformers reads neither)"
         )
     grouped = v3 or method == "group_limited_greedy"
@@ -685,7 +736,7 @@ def _deepseek(
         "norm_topk_prob": v3 and flag(hf, "norm_topk_prob"),
         "shared_expert_intermediate_size": shared * inter,
         "shared_expert_gated": False,
-        "moe_layers": tuple(range(first_sparse, num_layers)),
+        "moe_layers": _sparse_layers(hf, num_layers),
         "routing": ExpertRouting(
             sigmoid=v3,
             num_groups=groups,
@@ -693,11 +744,33 @@ def _deepseek(
             group_by_top2=v3,
             score_bias=v3,
             scaling=positive(hf, "routed_scaling_factor", 1.0),
+            float32=True,
         ),
-        "latent_attention": latent,
         "num_nextn_predict_layers": nextn,
-        "attention_multiplier": latent.qk_head_dim**-0.5 * _yarn_mscale(hf) ** 2,
     }
+
+
+def _sparse_layers(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """DeepSeek's layers from first_k_dense_replace on; GLM-4.7-Flash's where mlp_layer_types
+    says "sparse" (by default all but the first), as transformers reads each."""
+    if hf["model_type"] != "glm4_moe_lite":
+        first = hf["first_k_dense_replace"]
+        if type(first) is not int or first < 0:
+            raise ValueError(
+                f"config.json: first_k_dense_replace must be a layer number, got {first!r}"
+            )
+        return tuple(range(first, num_layers))
+    kinds = hf.get("mlp_layer_types", ["dense"] + ["sparse"] * (num_layers - 1))
+    if (
+        not isinstance(kinds, list)
+        or len(kinds) != num_layers
+        or any(k not in ("dense", "sparse") for k in kinds)
+    ):
+        raise ValueError(
+            f"config.json: mlp_layer_types must say dense or sparse for each of the "
+            f"{num_layers} layers, got {kinds!r}"
+        )
+    return tuple(i for i, kind in enumerate(kinds) if kind == "sparse")
 
 
 def _yarn_mscale(hf: dict[str, Any]) -> float:
@@ -756,6 +829,21 @@ def read_model_config(
         return ModelConfig.from_hf(read_hf_config(model_dir, overrides))
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
+
+
+def check_new_weights(
+    model_dir: str | os.PathLike[str], served: ModelConfig, overrides: str | None = None
+) -> None:
+    """ValueError unless ``model_dir`` holds safetensors weights for the ``served`` model: its
+    config.json (``overrides`` over it) describes the same architecture (its weights may be
+    quantized otherwise)."""
+    config = read_model_config(model_dir, overrides)
+    if dataclasses.replace(config, checkpoint_quantization=None) != dataclasses.replace(
+        served, checkpoint_quantization=None
+    ):
+        raise ValueError(f"{model_dir}: config.json describes another model than the one served")
+    if not any(Path(model_dir).glob("*.safetensors")):
+        raise ValueError(f"{model_dir}: no *.safetensors weights")
 
 
 def read_hf_config(model_dir: str | os.PathLike[str], overrides: str | None = None) -> Any:

@@ -223,6 +223,38 @@ CONFIGS = {
         n_group=4,
         topk_group=2,
     ),
+    # GLM-4.5's: biased q/k/v (not o), per-head q/k norms, half of each head rotating, V3's
+    # experts in groups.
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON,
+        head_dim=24,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.0,
+        attention_bias=True,
+        use_qk_norm=True,
+    ),
+    # GLM-4.7-Flash: V3's layers, its sparse layers by mlp_layer_types, values wider than
+    # the query's no-position channels, its experts in one group (as the model's).
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **{**COMMON, "num_key_value_heads": 4},
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=20,
+        mlp_layer_types=["sparse", "dense", "sparse"],
+    ),
 }
 MOE_LAYERS = {
     "granite": (),
@@ -241,6 +273,8 @@ MOE_LAYERS = {
     "qwen3_moe": (1, 2),
     "deepseek_v2": (1, 2),
     "deepseek_v3": (1, 2),
+    "glm4_moe": (1, 2),
+    "glm4_moe_lite": (0, 2),
 }
 
 

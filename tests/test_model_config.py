@@ -41,10 +41,17 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         )
         assert [getattr(mla, key) for key in shape] == [getattr(theirs, key) for key in shape]
         assert ours.head_dim == theirs.kv_lora_rank + theirs.head_dim
+    if hasattr(theirs, "n_routed_experts"):  # DeepSeek's experts (GLM's too)
         assert ours.num_experts == theirs.n_routed_experts
-        assert ours.moe_layers == tuple(range(theirs.first_k_dense_replace, 2))
+        model = transformers.AutoModelForCausalLM.from_config(theirs)
+        sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+        assert ours.moe_layers == tuple(sparse)
         shared = theirs.n_shared_experts * theirs.moe_intermediate_size
         assert ours.shared_expert_intermediate_size == shared
+        assert ours.rope.rotary_dim == int(
+            (theirs.qk_rope_head_dim if mla else ours.head_dim)
+            * theirs.rope_parameters.get("partial_rotary_factor", 1.0)
+        )
     assert ours.max_position_embeddings == theirs.max_position_embeddings
     assert ours.rms_norm_eps == theirs.rms_norm_eps
     rope = theirs.rope_parameters
@@ -63,7 +70,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         assert ours.moe_layers == (0, 1)
         shared = getattr(theirs, "shared_expert_intermediate_size", None) or 0
         assert ours.shared_expert_intermediate_size == shared
-    elif mla is None:
+    elif not hasattr(theirs, "n_routed_experts"):
         assert ours.num_experts == 0 and ours.moe_layers == ()
 
 

@@ -94,9 +94,21 @@ class EngineCore:
         self._observe_phase = observe_phase or _ignore
         self._depth = 2 if scheduler.scheduler_config.async_scheduling else 1
         self._submitted: deque[_Submitted] = deque()  # sent to the executor, oldest first
+        # While set no step is planned; those planned before still run (``settled`` once
+        # none is left). vLLM's pause_generation, for weight updates between steps.
+        self.paused = False
+        self._stepping = False  # inside step(), whose step left _submitted when it began
 
     def has_work(self) -> bool:
-        return bool(self._submitted) or self.scheduler.has_unfinished_requests()
+        return bool(self._submitted) or (
+            not self.paused and self.scheduler.has_unfinished_requests()
+        )
+
+    @property
+    def settled(self) -> bool:
+        """Paused, and no step is planned, running or being applied: the executor holds
+        still and the scheduler's state is its own."""
+        return self.paused and not self._submitted and not self._stepping
 
     async def step(self) -> EngineStep | None:
         """Run one step; None when nothing can run until a request arrives or ends."""
@@ -105,27 +117,43 @@ class EngineCore:
         if not self._submitted:
             return None
         submitted = self._submitted.popleft()
+        self._stepping = True
         try:
-            result = await submitted.result
-        except StepFailedError as exc:
-            await self._discard_submitted()
-            raise StepFailedError(str(exc), scheduler.on_step_failed(submitted.plan)) from exc
-        except ExecutorLostError:
-            await self._discard_submitted()
-            raise
-        start = time.perf_counter()
-        outputs = scheduler.update_from_output(submitted.plan, result)
-        updated = time.perf_counter()
-        self._observe_phase("update", updated - start)
-        if self.proposer is not None:
-            scheduler.update_draft_token_ids(self.proposer.propose(scheduler.running))
-            self._observe_phase("propose", time.perf_counter() - updated)
-        if self._depth > 1 and scheduler.has_unfinished_requests():
-            self._fill()  # before the caller's output work, which then overlaps the executor's
-        return EngineStep(submitted.plan, outputs, submitted.scheduled_at)
+            try:
+                result = await submitted.result
+            except StepFailedError as exc:
+                await self._discard_submitted()
+                raise StepFailedError(str(exc), scheduler.on_step_failed(submitted.plan)) from exc
+            except ExecutorLostError:
+                await self._discard_submitted()
+                raise
+            start = time.perf_counter()
+            outputs = scheduler.update_from_output(submitted.plan, result)
+            updated = time.perf_counter()
+            self._observe_phase("update", updated - start)
+            if self.proposer is not None:
+                scheduler.update_draft_token_ids(self.proposer.propose(scheduler.running))
+                self._observe_phase("propose", time.perf_counter() - updated)
+            if self._depth > 1 and scheduler.has_unfinished_requests():
+                self._fill()  # before the caller's output work, which then overlaps the executor's
+            return EngineStep(submitted.plan, outputs, submitted.scheduled_at)
+        finally:
+            self._stepping = False
+
+    async def load_weights(self, path: str) -> None:
+        """Have the executors serve the weights of model directory ``path``; the core must
+        be ``settled``. Raises ``StepFailedError`` where an executor could not (the others
+        may have: load the weights served before to agree again)."""
+        if not self.settled:
+            raise RuntimeError("weights are loaded while the engine is paused and settled")
+        self._stepping = True
+        try:
+            await self.executor.submit(self.scheduler.weights_plan(path))
+        finally:
+            self._stepping = False
 
     def _fill(self) -> None:
-        while len(self._submitted) < self._depth:
+        while not self.paused and len(self._submitted) < self._depth:
             start = time.perf_counter()
             plan = self.scheduler.schedule()
             self._observe_phase("schedule", time.perf_counter() - start)

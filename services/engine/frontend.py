@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from weir.services.engine.core import EngineCore, EngineStep
+from weir.services.engine.core import EngineCore, EngineStep, StepFailedError
 from weir.services.engine.lora_registry import AdapterNotFound, LoraRegistry
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
@@ -61,6 +61,7 @@ _TOKENIZER_THREADS = 2
 # reading (its requests end) rather than letting memory grow without bound.
 CLIENT_SNDHWM = 100_000
 _CATCH_UP_INTERVAL_S = 0.5
+_PAUSE_POLL_S = 0.01  # how often a pause looks whether the requests or steps it waits for ended
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class ClientFrontend:
         max_prompt_chars: int | None = None,
         loras: LoraRegistry | None = None,
         pooler: PoolerConfig | None = None,
+        check_weights: Callable[[str], None] | None = None,
     ) -> None:
         self._sock = sock
         self.tokenizer = tokenizer
@@ -131,6 +133,8 @@ class ClientFrontend:
         self._model_info = model_info
         self.loras = loras or LoraRegistry({}, "")  # the LoRA adapters requests may name
         self.pooler = pooler  # a pooling runner's (embeddings only); None: it generates
+        # ValueError unless a directory's weights fit the served model (update_weights).
+        self._check_weights = check_weights
         self.core: EngineCore | None = None
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
@@ -146,6 +150,9 @@ class ClientFrontend:
         # which they are told of once their queue has room again.
         self._behind: dict[bytes, list[str]] = {}
         self._catching_up: asyncio.TimerHandle | None = None
+        # Generate requests that arrived while a pause waits for those in flight: they are
+        # taken once it is paused (and run once it resumes).
+        self._held: list[tuple[bytes, client_protocol.GenerateRequest]] | None = None
 
     def close(self) -> None:
         if self._catching_up is not None:
@@ -232,11 +239,18 @@ class ClientFrontend:
             )
         elif isinstance(msg, client_protocol.ModelInfoRequest):
             self._send_model_info(identity, msg.request_id)
-        elif isinstance(msg, client_protocol.LoraAdapterRequest):
+        elif isinstance(
+            msg, client_protocol.LoraAdapterRequest | client_protocol.EngineControlRequest
+        ):
             if self.core is None or self.unavailable:
                 self._send_unavailable(identity, msg.request_id)
                 return
-            task = asyncio.get_running_loop().create_task(self._update_loras(identity, msg))
+            handle = (
+                self._update_loras
+                if isinstance(msg, client_protocol.LoraAdapterRequest)
+                else self._control
+            )
+            task = asyncio.get_running_loop().create_task(handle(identity, msg))  # type: ignore[arg-type]
             self._tokenize_tasks.add(task)
             task.add_done_callback(self._tokenize_tasks.discard)
         else:
@@ -296,8 +310,97 @@ class ClientFrontend:
         assert self.core is not None
         return any(r.lora_name == adapter_id for r in self.core.scheduler.requests.values())
 
+    # ------------------------------------------------------------------ pausing
+
+    @property
+    def paused(self) -> bool:
+        return self.core is not None and self.core.paused
+
+    async def _control(self, identity: bytes, msg: client_protocol.EngineControlRequest) -> None:
+        """vLLM's pause/resume/is_paused/reset_prefix_cache; answered once done."""
+        assert self.core is not None
+        if msg.action == "pause":
+            await self.pause(msg.mode, msg.clear_cache)
+        elif msg.action == "resume":
+            self.resume()
+        elif msg.action == "reset_prefix_cache":
+            self.core.scheduler.reset_prefix_cache()
+        elif msg.action == "update_weights":
+            assert msg.path is not None
+            try:
+                await self.update_weights(msg.path)
+            except ValueError as exc:
+                self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
+                return
+        reply = client_protocol.ControlReply(msg.request_id, {"is_paused": self.paused})
+        self._send(identity, client_protocol.encode_server_message(reply))
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        """Stop planning steps (``client_protocol.PAUSE_MODES`` say what becomes of the
+        requests in flight) and return once none runs. ``clear_cache``: the KV cache is
+        dropped, the prefix cache with it, and the requests kept are computed again from
+        their tokens when the engine resumes (as after new weights)."""
+        core = self.core
+        assert core is not None
+        if mode == "abort":
+            for rid, tokenizing in list(self._tokenizing.items()):
+                self._abort(rid, tokenizing.identity)
+            for stream in list(self.streams.values()):
+                self._abort(stream.request_id, stream.identity)
+        elif mode == "wait" and not core.paused:
+            if self._held is None:
+                self._held = []
+            while self.num_in_flight or core.scheduler.has_unfinished_requests():
+                await asyncio.sleep(_PAUSE_POLL_S)
+        core.paused = True
+        self._wake()  # the step loop runs out the steps already planned
+        while not core.settled:
+            await asyncio.sleep(_PAUSE_POLL_S)
+        if clear_cache:
+            core.scheduler.reset_executor_state(core.scheduler.cache_config)
+        held, self._held = self._held or [], None
+        for identity, msg in held:
+            self._add_request(identity, msg)
+        _log.warning("paused (%s; cache %s)", mode, "cleared" if clear_cache else "kept")
+
+    async def update_weights(self, path: str) -> None:
+        """Serve the weights of model directory ``path`` (SGLang's update_weights_from_disk):
+        the engine pauses keeping its requests, drops its cache, has the executors load them
+        and resumes (unless it was paused before); the requests kept are computed again with
+        them. ValueError where ``path`` does not fit the model or an executor could not load
+        it; the executors then serve the weights they served before."""
+        core = self.core
+        assert core is not None
+        if self._check_weights is None:
+            raise ValueError("this server does not load new weights")
+        self._check_weights(path)
+        was_paused = core.paused
+        await self.pause("keep", clear_cache=True)
+        served = core.scheduler.weights_path
+        try:
+            await core.load_weights(path)
+        except StepFailedError as exc:
+            if served is not None:  # the ranks that loaded them go back to the ones served
+                await core.load_weights(served)
+            else:
+                core.scheduler.weights_path = None
+            raise ValueError(f"the executors could not load the weights of {path}: {exc}") from None
+        finally:
+            if not was_paused:
+                self.resume()
+        _log.warning("serving the weights of %s", path)
+
+    def resume(self) -> None:
+        if self.core is not None and self.core.paused:
+            self.core.paused = False
+            self._wake()
+            _log.warning("resumed")
+
     def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:
         rid = msg.request_id
+        if self._held is not None:  # a pause waits for the requests before this one
+            self._held.append((identity, msg))
+            return
         if self.core is None or self.unavailable:
             self._send_unavailable(identity, rid)
             return
@@ -702,6 +805,10 @@ class ClientFrontend:
         return {"token_ids": ids, "max_model_len": self.max_model_len}
 
     def _abort(self, request_id: str, identity: bytes) -> None:
+        if self._held is not None:
+            self._held = [
+                (i, m) for i, m in self._held if (i, m.request_id) != (identity, request_id)
+            ]
         tokenizing = self._tokenizing.get(request_id)
         if tokenizing is not None and tokenizing.identity == identity:
             tokenizing.aborted = True

@@ -55,7 +55,7 @@ from weir.shared.keys import (
     start_authenticator,
 )
 from weir.shared.lora import check_adapter
-from weir.shared.model_config import read_model_config
+from weir.shared.model_config import check_new_weights, read_model_config
 from weir.shared.pooling import read_pooler_config, resolve_runner
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import MAX_LOGPROBS
@@ -187,6 +187,9 @@ class SchedulerServer:
     def _check_adapter(self, path: str) -> str:
         return check_adapter(path, self.model_config, self.engine_args.max_lora_rank).fingerprint
 
+    def _check_weights(self, path: str) -> None:
+        check_new_weights(path, self.model_config, self.engine_args.hf_overrides)
+
     @property
     def core(self) -> EngineCore | None:
         return self.frontend.core
@@ -231,6 +234,7 @@ class SchedulerServer:
             self.engine_args.max_prompt_chars,
             self.loras,
             self.pooler,
+            self._check_weights,
         )
         self.group = ExecutorGroup(
             executor_sock,
@@ -348,6 +352,7 @@ class SchedulerServer:
         )
         self._draining = True
         self.frontend.unavailable = "the server is shutting down; send the request elsewhere"
+        self.frontend.resume()  # a paused engine would finish nothing
         asyncio.get_running_loop().call_later(timeout, self._stop.set)
 
     def _serving(self) -> bool:

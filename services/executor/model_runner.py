@@ -58,7 +58,7 @@ from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
 from weir.shared.config import ENGINE_DEFAULTS, MAX_NUM_KV_BLOCKS, resolve_max_model_len
 from weir.shared.lora import LoraModule
-from weir.shared.model_config import eos_token_ids, read_model_config
+from weir.shared.model_config import check_new_weights, eos_token_ids, read_model_config
 from weir.shared.pooling import resolve_runner
 from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
 from weir.shared.shard_layout import ShardLayout
@@ -210,6 +210,7 @@ class ModelRunner:
             and not model_config.num_experts
         )
         self.graph_query_lens = (1, 1 + num_speculative_tokens)
+        self.hf_overrides = hf_overrides
         self.model = load_model(
             self.model_dir,
             device=self.device,
@@ -378,6 +379,39 @@ class ModelRunner:
         # hidden states so far, or its first token's.
         self._pooling: dict[str, torch.Tensor] = {}
 
+    def load_weights(self, path: str) -> None:
+        """Serve the weights of model directory ``path`` (its config.json the served
+        model's) from now on; this rank's share, all or nothing: they are read and checked
+        whole before any served weight changes. On a CPU the model is replaced; elsewhere
+        they are staged in host memory and copied into the served parameters, which CUDA
+        graphs go on reading."""
+        check_new_weights(path, self.config, self.hf_overrides)
+        if self.device.type == "cpu":
+            self.model = load_model(
+                path,
+                device=self.device,
+                dtype=self.dtype,
+                attention=self.attention,
+                tp=self.tp,
+                quantization=self.quantization,
+                lm_head_optional=self.pooling_runner,
+                hf_overrides=self.hf_overrides,
+            )
+            return
+        staged = load_model(
+            path,
+            device="cpu",
+            dtype=self.dtype,
+            attention=get_attention_backend("torch", "cpu", self.dtype),
+            tp=self.tp,
+            lm_head_optional=self.pooling_runner,
+            hf_overrides=self.hf_overrides,
+            pack=False,
+        )
+        served = dict(self.model.named_parameters())
+        for name, weight in staged.named_parameters():
+            served[name].copy_(weight)
+
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
 
@@ -391,6 +425,10 @@ class ModelRunner:
         previous, self._unfinished = self._unfinished, None
         if previous is not None and previous.reserved is None:
             raise RuntimeError("a step with drafts must finish before the next one launches")
+        if plan.load_weights is not None:
+            if previous is not None:
+                raise RuntimeError("weights are loaded between steps, never under one")
+            self.load_weights(plan.load_weights)
         if plan.lora_adapters is not None:
             self.loras.sync(self.model, plan.lora_adapters, self.max_lora_rank)
         for req_id in plan.finished_req_ids if self._pooling else ():

@@ -61,10 +61,8 @@ class SparseMoe(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routing = cfg.routing
         self.kernels = kernels
-        # DeepSeek's router runs in float32 whatever the model's dtype, as transformers keeps it.
-        deepseek = cfg.latent_attention is not None
         self.gate = Linear(
-            h, experts, cfg.expert_bias, device, torch.float32 if deepseek else dtype
+            h, experts, cfg.expert_bias, device, torch.float32 if cfg.routing.float32 else dtype
         )
         self.score_bias = (
             nn.Parameter(torch.empty(experts, device=device, dtype=torch.float32), False)
@@ -116,7 +114,7 @@ class SparseMoe(nn.Module):
         offsets = torch.searchsorted(sorted_experts, self.expert_ends).to(torch.int32)
         rows = x[order // self.top_k]
         out = self._experts(rows, offsets, sorted_experts)
-        out.mul_(weights.flatten()[order].to(x.dtype).unsqueeze(1))
+        out.mul_(weights.flatten()[order].unsqueeze(1))  # in float32, rounded once
         # Back to (token, choice) order by gathering with the inverse permutation (a CPU's
         # index_copy_ runs on one thread, 25x slower), then the k choices summed: no
         # scattered adds, so the sum is the same on every run.

@@ -526,11 +526,13 @@ def load_model(
     quantization: str | None = None,
     lm_head_optional: bool = False,
     hf_overrides: str | None = None,
+    pack: bool = True,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and load its safetensors weights
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
     rank's shard; with ``quantization``, its weights then quantized (see `quantization`);
-    with ``hf_overrides``, config.json's keys replaced by those (a JSON object's text)."""
+    with ``hf_overrides``, config.json's keys replaced by those (a JSON object's text).
+    ``pack``: on a CPU, the projections prepacked for its matmul (`packed_weights`)."""
     cfg = read_model_config(model_dir, hf_overrides)
     dtype = dtype or default_dtype(device)
     check_moe(cfg, torch.device(device), dtype, quantization)
@@ -557,7 +559,8 @@ def load_model(
     if quantization is not None:
         quantize_model(model, quantization)
     elif (
-        can_pack(torch.device(device), dtype, model.attention.kernels)
+        pack
+        and can_pack(torch.device(device), dtype, model.attention.kernels)
         and os.environ.get("WEIR_PACK_CPU_WEIGHTS", "1") != "0"
     ):
         pack_model(model)

@@ -76,7 +76,13 @@ from weir.shared.client import (
 )
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
 from weir.shared.pooling import cosine
-from weir.shared.protocol.client import NOT_FOUND, SERVER_UNAVAILABLE, Prompt, StreamOutput
+from weir.shared.protocol.client import (
+    NOT_FOUND,
+    PAUSE_MODES,
+    SERVER_UNAVAILABLE,
+    Prompt,
+    StreamOutput,
+)
 from weir.shared.sampling import SamplingParams
 
 VERSION = "0.1.0"
@@ -93,6 +99,10 @@ _ROUTES = (
     "/v2/rerank",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/reset_prefix_cache",
     "/tokenize",
     "/detokenize",
     "/health",
@@ -103,7 +113,19 @@ _ROUTES = (
 )
 # Routes outside /v1 that still make the engine work: they need the API key too.
 _ENGINE_ROUTES = frozenset(
-    {"/tokenize", "/detokenize", "/classify", "/score", "/rerank", "/v2/rerank", "/invocations"}
+    {
+        "/tokenize",
+        "/detokenize",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/v2/rerank",
+        "/invocations",
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/reset_prefix_cache",
+    }
 )
 
 
@@ -346,6 +368,29 @@ class Gateway:
             raise
         done = "removed" if path is None else "added"
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
+
+    async def control(self, action: str, mode: str = "abort", clear_cache: bool = True) -> Response:
+        """vLLM's reinforcement-learning endpoints, on every replica in turn: ``/pause``
+        (answered once no step runs), ``/resume``, ``/is_paused`` (true once every replica
+        is) and ``/reset_prefix_cache``."""
+        if mode not in PAUSE_MODES:
+            raise APIError(
+                400,
+                f"mode must be one of {PAUSE_MODES}, got {mode!r}",
+                "invalid_request_error",
+                param="mode",
+            )
+        paused = []
+        for replica in self.router.replicas:
+            client = replica.client
+            if action == "pause":
+                await client.pause(mode, clear_cache)
+            elif action == "resume":
+                await client.resume()
+            elif action == "reset_prefix_cache":
+                await client.reset_prefix_cache()
+            paused.append(await client.is_paused())
+        return JSONResponse({"is_paused": all(paused)})
 
     async def reasoning_end_is_a_token(self) -> bool:
         """Whether the model's reasoning ends on one token, which a structured output can
@@ -1392,6 +1437,22 @@ def create_app(
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoraAdapterBody) -> Response:
         return await answer(gateway.update_lora(body.lora_name, None))
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = True) -> Response:
+        return await answer(gateway.control("pause", mode, clear_cache))
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        return await answer(gateway.control("resume"))
+
+    @app.get("/is_paused")
+    async def is_paused() -> Response:
+        return await answer(gateway.control("is_paused"))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        return await answer(gateway.control("reset_prefix_cache"))
 
     @app.post("/tokenize")
     async def tokenize(request: Request, body: TokenizeBody) -> Response:

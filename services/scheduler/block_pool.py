@@ -121,5 +121,15 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block's content, so no later request reads it: free ones are
+        plain free blocks, ones in use stay with their requests and are freed uncached.
+        Returns how many blocks were cached."""
+        dropped = len(self.cached_blocks)
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return dropped
+
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)

@@ -102,6 +102,10 @@ class Scheduler:
         # its state).
         self.lora_adapters: dict[str, list[str]] | None = None
         self._send_lora_adapters = False
+        # The model directory whose weights replaced those executors start with (None: they
+        # were never replaced), and whether the next plan must carry it.
+        self.weights_path: str | None = None
+        self._send_weights = False
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -229,8 +233,9 @@ class Scheduler:
         # A step planned after the one that failed may have run and left requests in
         # the executor: it forgets every id it may hold before taking them again.
         self._finished_req_ids = list(self.requests)
-        # A new executor holds only the adapters it started with.
+        # A new executor holds only the adapters, and the weights, it started with.
         self._send_lora_adapters = self.lora_adapters is not None
+        self._send_weights = self.weights_path is not None
         self._sampling.clear()
         if self.scheduler_config.async_scheduling and cache_config is None:
             # The failed step may have left unwritten KV in blocks already registered.
@@ -302,6 +307,11 @@ class Scheduler:
     def _excluded(self, rid: str) -> bool:
         """While a trial runs, an unproven request outside its group waits."""
         return rid not in self._trials[0] and rid not in self._proven
+
+    def reset_prefix_cache(self) -> int:
+        """vLLM's: no request reads a block cached before this call (see
+        ``BlockPool.reset_prefix_cache``); returns how many blocks were cached."""
+        return self.kv_cache_manager.pool.reset_prefix_cache()
 
     def set_lora_adapters(self, adapters: dict[str, list[str]]) -> None:
         """From the next plan on, executors hold these adapters (and drop any other that
@@ -432,9 +442,8 @@ class Scheduler:
         total = config.max_num_batched_tokens - budget
         self._last_num_scheduled_tokens = total
         finished, self._finished_req_ids = self._finished_req_ids, []
-        adapters = None
-        if self._send_lora_adapters and (num_scheduled or finished or preempted):  # it is sent
-            adapters, self._send_lora_adapters = dict(self.lora_adapters or {}), False
+        sent = bool(num_scheduled or finished or preempted)
+        adapters, weights = self._executor_state(sent)
         self._step_id += 1
         return StepPlan(
             num_scheduled,
@@ -447,6 +456,31 @@ class Scheduler:
             self._step_id,
             grammar_bitmask,
             adapters,
+            weights,
+        )
+
+    def _executor_state(self, sent: bool) -> tuple[dict[str, list[str]] | None, str | None]:
+        """The adapters and weights the next plan carries, if it is ``sent`` and they are due."""
+        adapters = weights = None
+        if sent and self._send_lora_adapters:
+            adapters, self._send_lora_adapters = dict(self.lora_adapters or {}), False
+        if sent and self._send_weights:
+            weights, self._send_weights = self.weights_path, False
+        return adapters, weights
+
+    def weights_plan(self, path: str) -> StepPlan:
+        """A plan that schedules nothing and has the executors load ``path``'s weights
+        (and forget the requests ended since the last plan); for an engine whose steps are
+        paused and settled (``EngineCore.settled``)."""
+        self.weights_path, self._send_weights = path, True
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        adapters, weights = self._executor_state(True)
+        self._step_id += 1
+        return StepPlan(
+            finished_req_ids=finished,
+            step_id=self._step_id,
+            lora_adapters=adapters,
+            load_weights=weights,
         )
 
     def _grammar_bitmasks(self, num_scheduled: dict[str, int]) -> dict[str, bytes]:

@@ -187,9 +187,32 @@ class LoraAdapterRequest:
     lora_path: str | None = None
 
 
+# What an ``EngineControlRequest`` asks (vLLM's reinforcement-learning endpoints), and how
+# a pause treats the requests in flight: "abort" ends them, "wait" lets them finish,
+# "keep" holds them where they are until the engine resumes.
+CONTROL_ACTIONS = ("pause", "resume", "is_paused", "reset_prefix_cache", "update_weights")
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass(slots=True)
+class EngineControlRequest:
+    """Pause the engine's steps (``mode``; with ``clear_cache`` every cached block is
+    dropped, and requests kept are computed again on resuming), resume them, ask whether
+    they are paused, drop the prefix cache, or have the executors load the weights of model
+    directory ``path`` (SGLang's update_weights_from_disk). Answered with a ``ControlReply``
+    once done (a pause once no step runs)."""
+
+    request_id: str
+    action: str
+    mode: str = "abort"
+    clear_cache: bool = True
+    path: str | None = None
+
+
 ClientMessage = (
     GenerateRequest
     | LoraAdapterRequest
+    | EngineControlRequest
     | AbortRequest
     | HealthRequest
     | ModelInfoRequest
@@ -254,7 +277,17 @@ class TokensReply:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-ServerMessage = list[StreamOutput] | ErrorReply | HealthReply | ModelInfoReply | TokensReply
+@dataclass(slots=True)
+class ControlReply:
+    """An ``EngineControlRequest``'s ``{is_paused}`` once it is done."""
+
+    request_id: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+ServerMessage = (
+    list[StreamOutput] | ErrorReply | HealthReply | ModelInfoReply | TokensReply | ControlReply
+)
 
 
 def _pack(type_: str, body: dict[str, Any]) -> bytes:
@@ -313,6 +346,16 @@ def encode_client_message(msg: ClientMessage) -> bytes:
         if msg.lora_path is not None:
             fields["lora_path"] = msg.lora_path
         return _pack("lora_adapter", fields)
+    if isinstance(msg, EngineControlRequest):
+        fields = {
+            "request_id": msg.request_id,
+            "action": msg.action,
+            "mode": msg.mode,
+            "clear_cache": msg.clear_cache,
+        }
+        if msg.path is not None:
+            fields["path"] = msg.path
+        return _pack("engine_control", fields)
     if isinstance(msg, HealthRequest) and msg.stream_ids:
         return _pack("health", {"request_id": msg.request_id, "stream_ids": msg.stream_ids})
     type_ = {AbortRequest: "abort", HealthRequest: "health", ModelInfoRequest: "model_info"}[
@@ -353,6 +396,7 @@ _CLIENT_FIELDS = {
     "tokenize": {"request_id", "prompt", "add_special_tokens", *_CHAT_FIELDS},
     "detokenize": {"request_id", "token_ids"},
     "lora_adapter": {"request_id", "lora_name", "lora_path"},
+    "engine_control": {"request_id", "action", "mode", "clear_cache", "path"},
 }
 
 
@@ -418,6 +462,32 @@ def decode_client_message(frame: bytes) -> ClientMessage:
                 raw_id,
             )
         return LoraAdapterRequest(raw_id, name, path)
+    if type_ == "engine_control":
+        action, mode = data.get("action"), data.get("mode", "abort")
+        clear_cache = data.get("clear_cache", True)
+        if (
+            action not in CONTROL_ACTIONS
+            or mode not in PAUSE_MODES
+            or type(clear_cache) is not bool
+        ):
+            raise ClientProtocolError(
+                INVALID_REQUEST,
+                f"engine_control: action must be one of {CONTROL_ACTIONS}, mode one of "
+                f"{PAUSE_MODES} and clear_cache a bool, got {_short(action)}, {_short(mode)}, "
+                f"{_short(clear_cache)}",
+                raw_id,
+            )
+        path = data.get("path")
+        if (path is None) != (action != "update_weights") or (
+            path is not None and (type(path) is not str or not 0 < len(path) <= MAX_PATH_LEN)
+        ):
+            raise ClientProtocolError(
+                INVALID_REQUEST,
+                f"engine_control: update_weights takes a path (a non-empty string of at most "
+                f"{MAX_PATH_LEN} characters), the other actions none",
+                raw_id,
+            )
+        return EngineControlRequest(raw_id, action, mode, clear_cache, path)
     if type_ == "detokenize":
         token_ids = data.get("token_ids")
         if not isinstance(token_ids, list) or any(type(t) is not int or t < 0 for t in token_ids):
@@ -612,10 +682,17 @@ def encode_outputs(outputs: list[StreamOutput]) -> bytes:
     return _pack("outputs", {"items": items})
 
 
-_REPLY_TYPES = {HealthReply: "health", ModelInfoReply: "model_info", TokensReply: "tokens"}
+_REPLY_TYPES = {
+    HealthReply: "health",
+    ModelInfoReply: "model_info",
+    TokensReply: "tokens",
+    ControlReply: "control",
+}
 
 
-def encode_server_message(msg: ErrorReply | HealthReply | ModelInfoReply | TokensReply) -> bytes:
+def encode_server_message(
+    msg: ErrorReply | HealthReply | ModelInfoReply | TokensReply | ControlReply,
+) -> bytes:
     if isinstance(msg, ErrorReply):
         return _pack(
             "error", {"request_id": msg.request_id, "message": msg.message, "code": msg.code}
@@ -638,6 +715,8 @@ def decode_server_message(frame: bytes) -> ServerMessage:
             return ModelInfoReply(data["request_id"], data["info"])
         if type_ == "tokens":
             return TokensReply(data["request_id"], data["info"])
+        if type_ == "control":
+            return ControlReply(data["request_id"], data["info"])
     except (KeyError, TypeError) as exc:
         raise ClientProtocolError(MALFORMED_MESSAGE, f"bad server message: {exc!r}") from None
     raise ClientProtocolError(UNKNOWN_MESSAGE_TYPE, f"unknown server message type {type_!r}")

@@ -161,6 +161,10 @@ class StepPlan:
     # files]), when that set changed since the last plan or the executor may have lost it;
     # None: as it was.
     lora_adapters: dict[str, list[str]] | None = None
+    # A model directory whose weights the executor loads before this step (its
+    # architecture the served one's), when they changed since the last plan or the
+    # executor may have started with others; None: as they are.
+    load_weights: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cached_requests, CachedRequestData):

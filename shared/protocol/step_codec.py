@@ -169,7 +169,7 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 #  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]},
 #        {id: lora_name}, {id: pooling type}],
 #  spec {id: [tok]}, preempted_ids, finished_ids, grammar_bitmask {id: bytes},
-#  lora_adapters {adapter id: [path, fingerprint]} | nil]
+#  lora_adapters {adapter id: [path, fingerprint]} | nil, load_weights path | nil]
 
 
 def encode_step_plan(plan: StepPlan) -> bytes:
@@ -217,6 +217,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
             plan.finished_req_ids,
             plan.grammar_bitmask,
             plan.lora_adapters,
+            plan.load_weights,
         ],
     )
 
@@ -255,7 +256,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
 
 
 def decode_step_plan(data: bytes) -> StepPlan:
-    msg = unpack_array(data, _STEP_PLAN, 13)
+    msg = unpack_array(data, _STEP_PLAN, 14)
     step_id = non_negative_int("step_id", msg[2])
     total = non_negative_int("total_num_scheduled_tokens", msg[3])
     cached_ids = _split_ids("cached_requests.req_ids", msg[4])
@@ -302,7 +303,14 @@ def decode_step_plan(data: bytes) -> StepPlan:
         step_id,
         _bitmasks(msg[13], num_scheduled),
         _lora_adapters(msg[14]),
+        _path("load_weights", msg[15]),
     )
+
+
+def _path(name: str, value: Any) -> str | None:
+    if value is not None and (type(value) is not str or not value):
+        raise ProtocolError(f"{name}: expected a directory's path or nil")
+    return value
 
 
 def _lora_adapters(value: Any) -> dict[str, list[str]] | None:

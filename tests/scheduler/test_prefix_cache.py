@@ -123,3 +123,26 @@ def test_prefix_caching_off_never_hits():
         assert plan.new_requests[0].num_computed_tokens == 0
     assert scheduler.kv_cache_manager.pool.cached_blocks == {}
     assert scheduler.stats().prefix_cache_hits == 0
+
+
+def test_a_reset_prefix_cache_leaves_no_block_to_hit_and_running_requests_their_blocks():
+    """vLLM's reset_prefix_cache: a prompt cached before is computed whole after it, while
+    the request holding cached blocks keeps them (freed uncached when it ends)."""
+    scheduler, executor = make_scheduler(block_size=4, num_blocks=32)
+    prompt = _prompt(13)
+    scheduler.add_request(Request("A", prompt, LONG))
+    plan, _ = run_step(scheduler, executor)
+    a_blocks = plan.new_requests[0].block_ids
+    assert scheduler.reset_prefix_cache() == 3
+    pool = scheduler.kv_cache_manager.pool
+    assert [pool.blocks[i].ref_cnt for i in a_blocks] == [1, 1, 1, 1]
+    scheduler.add_request(Request("B", prompt, LONG))
+    plan, _ = run_step(scheduler, executor)
+    assert plan.new_requests[0].num_computed_tokens == 0
+    assert set(plan.new_requests[0].block_ids).isdisjoint(a_blocks)
+    scheduler.finish_requests(["A", "B"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv_cache_manager.num_free_blocks == 32
+    # B's blocks were cached as it ran: a third request reads them, none of A's.
+    scheduler.add_request(Request("C", prompt, LONG))
+    plan, _ = run_step(scheduler, executor)
+    assert plan.new_requests[0].num_computed_tokens == 12

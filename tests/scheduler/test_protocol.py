@@ -43,6 +43,7 @@ def _plan() -> StepPlan:
         step_id=12,
         grammar_bitmask={"n1": b"\xff\x00\x00\x01" * 3},
         lora_adapters={"sql": ["/adapters/sql", "fa"], "sql#2": ["/adapters/sql-v2", "fb"]},
+        load_weights="/checkpoints/step-200",
     )
 
 
@@ -119,7 +120,7 @@ def _raw(message: list) -> bytes:
         (_raw({"v": 1}), "[type, version"),
         (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
         (_raw(["StepPlan", 99]), "version 99"),
-        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 13 fields"),
+        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 14 fields"),
     ],
 )
 def test_step_plan_rejects_bad_envelopes(data, fragment):
@@ -147,6 +148,8 @@ def _plan_fields() -> list:
         (14, {"sql": "/a"}, "lora_adapters: expected {adapter id: \\[path, fingerprint\\]}"),
         (14, {"sql": ["/a", 3]}, "lora_adapters: expected"),
         (14, ["sql"], "lora_adapters: expected"),
+        (15, "", "load_weights: expected a directory's path or nil"),
+        (15, ["/a"], "load_weights: expected"),
     ],
 )
 def test_step_plan_rejects_wrong_types(index, value, fragment):

@@ -1,0 +1,137 @@
+"""vLLM's reinforcement-learning lifecycle over a real server: pausing the engine's steps
+(aborting, waiting for or keeping the requests in flight, the cache dropped or kept),
+resuming, and dropping the prefix cache; through the SDK and the HTTP routes. Kept requests
+resume where they were and decode what transformers decodes, recomputed when the cache was
+dropped; nothing accepted is lost."""
+
+import threading
+import time
+
+import httpx
+import pytest
+from serving_helpers import hf_greedy, metric, read_metrics, small_server
+
+from weir.shared.client import WeirClient
+from weir.shared.sampling import SamplingParams
+
+PROMPT = [5, 17, 230, 4000, 12, 9, 77, 310, 18, 64, 1024, 3, 88, 901, 45, 6, 2000, 13, 70]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with small_server(tiny_model_dir, "tiny") as processes:
+        yield processes
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class _Stream(threading.Thread):
+    """One request streamed in a thread: its token ids as they arrive, and its end."""
+
+    def __init__(self, address: str, prompt, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.address, self.prompt, self.max_tokens = address, prompt, max_tokens
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        with WeirClient(self.address) as client:
+            for out in client.generate(self.prompt, _greedy(self.max_tokens)):
+                self.tokens += out.new_token_ids
+                self.started.set()
+                self.finish_reason = out.finish_reason
+        self.started.set()
+
+
+def _quiet(stream: _Stream, seconds: float = 0.6) -> bool:
+    before = len(stream.tokens)
+    time.sleep(seconds)
+    return len(stream.tokens) == before
+
+
+@pytest.mark.parametrize("clear_cache", [True, False])
+def test_a_kept_request_waits_out_the_pause_and_decodes_as_transformers(
+    server, tiny_hf_model, clear_cache
+):
+    """Paused mid-stream with "keep", a request gets no token until the engine resumes, nor
+    does one sent meanwhile; both then finish as transformers decodes them. With the cache
+    dropped every block is free while paused (the kept request is computed again), kept
+    otherwise."""
+    other = PROMPT[::-1]
+    want = hf_greedy(tiny_hf_model, PROMPT, 300)
+    want_other = hf_greedy(tiny_hf_model, other, 20)
+    with WeirClient(server.client_address) as client:
+        stream = _Stream(server.client_address, PROMPT, 300)
+        stream.start()
+        assert stream.started.wait(60)
+        client.pause("keep", clear_cache=clear_cache)
+        assert client.is_paused()
+        later = _Stream(server.client_address, other, 20)
+        later.start()
+        assert _quiet(stream) and not later.tokens and stream.finish_reason is None
+        health = client.health()
+        assert (health["num_free_blocks"] == health["num_blocks"]) == clear_cache
+        client.resume()
+        assert not client.is_paused()
+        stream.join(120)
+        later.join(120)
+    assert (stream.tokens, stream.finish_reason) == (want, "length")
+    assert (later.tokens, later.finish_reason) == (want_other, "length")
+
+
+def test_abort_ends_the_requests_in_flight_and_wait_lets_them_finish(server, tiny_hf_model):
+    with WeirClient(server.client_address) as client:
+        stream = _Stream(server.client_address, PROMPT, 400)
+        stream.start()
+        assert stream.started.wait(60)
+        client.pause("abort")
+        stream.join(30)
+        assert stream.finish_reason == "abort" and 0 < len(stream.tokens) < 400
+        assert stream.tokens == hf_greedy(tiny_hf_model, PROMPT, len(stream.tokens))
+        client.resume()
+
+        # "wait": the pause answers once the request in flight has finished; one sent
+        # after the pause began waits for the resume.
+        first = _Stream(server.client_address, PROMPT, 120)
+        first.start()
+        assert first.started.wait(60)
+        pausing = threading.Thread(target=client.pause, args=("wait",), daemon=True)
+        pausing.start()
+        time.sleep(0.05)
+        held = _Stream(server.client_address, PROMPT[:7], 10)
+        held.start()
+        pausing.join(120)
+        assert first.finish_reason == "length" and len(first.tokens) == 120
+        assert client.is_paused() and _quiet(held) and not held.tokens
+        client.resume()
+        held.join(60)
+    assert held.tokens == hf_greedy(tiny_hf_model, PROMPT[:7], 10)
+
+
+def test_the_http_routes_pause_resume_and_drop_the_prefix_cache(server):
+    http = server.info["http_address"]
+    metrics = server.info["metrics_address"]
+
+    def hits() -> float:
+        return metric(read_metrics(metrics), "weir_prefix_cache_hit_tokens_total")
+
+    reply = httpx.post(http + "/pause", params={"mode": "keep"}, timeout=60)
+    assert reply.status_code == 200 and reply.json() == {"is_paused": True}
+    assert httpx.get(http + "/is_paused", timeout=10).json() == {"is_paused": True}
+    assert httpx.post(http + "/resume", timeout=10).json() == {"is_paused": False}
+    bad = httpx.post(http + "/pause", params={"mode": "later"}, timeout=10)
+    assert bad.status_code == 400 and "mode must be one of" in bad.json()["error"]["message"]
+
+    prompt = list(range(100, 164))  # four whole blocks
+    with WeirClient(server.client_address) as client:
+        list(client.generate(prompt, _greedy(1)))
+        before = hits()
+        list(client.generate(prompt, _greedy(1)))
+        assert hits() > before  # the second read the first's blocks
+        assert httpx.post(http + "/reset_prefix_cache", timeout=10).status_code == 200
+        after_reset = hits()
+        list(client.generate(prompt, _greedy(1)))
+        assert hits() == after_reset
