@@ -13,6 +13,7 @@ prompt at once so they batch together, and stops the processes on ``close()``.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -250,6 +251,17 @@ class LLM:
             )
             for a, b in pairs
         ]
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: later prompts read no block cached before this call."""
+        self._loop.run(self._client.reset_prefix_cache())
+
+    def update_weights_from_disk(self, model_path: str | os.PathLike[str]) -> None:
+        """Generate with the weights of model directory ``model_path`` from now on (a
+        trainer's checkpoint of the served model: its config.json the same architecture), as
+        SGLang's ``update_weights_from_disk``; ``InvalidRequestError`` where they do not fit
+        or cannot be loaded, and the weights before go on serving."""
+        self._loop.run(self._client.update_weights_from_disk(os.fspath(model_path)))
 
     def close(self) -> None:
         self._finalizer()

@@ -564,6 +564,16 @@ class AsyncWeirClient:
         """vLLM's: no later request reads a block cached before."""
         await self._request(EngineControlRequest(uuid.uuid4().hex, "reset_prefix_cache"))
 
+    async def update_weights_from_disk(self, model_path: str, timeout: float = 600.0) -> None:
+        """Serve the weights of model directory ``model_path`` (on the server's machines,
+        its config.json the served model's) from now on, as SGLang's update_weights_from_disk:
+        the engine pauses keeping its requests, drops its cache, the executors load the
+        weights, and it resumes (the requests in flight computed again with them; an engine
+        paused before stays paused). ``InvalidRequestError`` where they do not fit the model or
+        cannot be loaded: the server then serves the weights it served before."""
+        request = EngineControlRequest(uuid.uuid4().hex, "update_weights", path=model_path)
+        await self._request(request, max(timeout, self.timeout))
+
     async def tokenize(
         self,
         prompt: str | list[dict[str, Any]],
@@ -1145,6 +1155,10 @@ class WeirClient:
     def reset_prefix_cache(self) -> None:
         self._check_open()
         self._loop.run(self._client.reset_prefix_cache())
+
+    def update_weights_from_disk(self, model_path: str, timeout: float = 600.0) -> None:
+        self._check_open()
+        self._loop.run(self._client.update_weights_from_disk(model_path, timeout))
 
     def tokenize(
         self,

@@ -119,6 +119,7 @@ class ClientFrontend:
         loras: LoraRegistry | None = None,
         pooler: PoolerConfig | None = None,
         check_weights: Callable[[str], None] | None = None,
+        served_weights: str | None = None,
     ) -> None:
         self._sock = sock
         self.tokenizer = tokenizer
@@ -133,8 +134,10 @@ class ClientFrontend:
         self._model_info = model_info
         self.loras = loras or LoraRegistry({}, "")  # the LoRA adapters requests may name
         self.pooler = pooler  # a pooling runner's (embeddings only); None: it generates
-        # ValueError unless a directory's weights fit the served model (update_weights).
+        # ValueError unless a directory's weights fit the served model (update_weights), and
+        # the directory of the weights executors start with (None: random ones).
         self._check_weights = check_weights
+        self._served_weights = served_weights
         self.core: EngineCore | None = None
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
@@ -376,14 +379,14 @@ class ClientFrontend:
         self._check_weights(path)
         was_paused = core.paused
         await self.pause("keep", clear_cache=True)
-        served = core.scheduler.weights_path
+        served = core.scheduler.weights_path or self._served_weights
         try:
             await core.load_weights(path)
         except StepFailedError as exc:
-            if served is not None:  # the ranks that loaded them go back to the ones served
+            # The ranks that loaded them (under tensor parallelism) go back to those served.
+            core.scheduler.weights_path = None
+            if served is not None:
                 await core.load_weights(served)
-            else:
-                core.scheduler.weights_path = None
             raise ValueError(f"the executors could not load the weights of {path}: {exc}") from None
         finally:
             if not was_paused:

@@ -235,6 +235,7 @@ class SchedulerServer:
             self.loras,
             self.pooler,
             self._check_weights,
+            None if self.engine_args.load_format == "dummy" else str(self.options.model_dir),
         )
         self.group = ExecutorGroup(
             executor_sock,

@@ -61,6 +61,7 @@ from weir.services.gateway.schemas import (
     LoadLoraAdapterBody,
     TokenizeBody,
     UnloadLoraAdapterBody,
+    UpdateWeightsBody,
     chat_prompt,
 )
 from weir.shared.beam_search import BeamSearchParams
@@ -103,6 +104,7 @@ _ROUTES = (
     "/resume",
     "/is_paused",
     "/reset_prefix_cache",
+    "/update_weights_from_disk",
     "/tokenize",
     "/detokenize",
     "/health",
@@ -125,6 +127,7 @@ _ENGINE_ROUTES = frozenset(
         "/resume",
         "/is_paused",
         "/reset_prefix_cache",
+        "/update_weights_from_disk",
     }
 )
 
@@ -391,6 +394,13 @@ class Gateway:
                 await client.reset_prefix_cache()
             paused.append(await client.is_paused())
         return JSONResponse({"is_paused": all(paused)})
+
+    async def update_weights(self, path: str) -> Response:
+        """SGLang's ``/update_weights_from_disk``, on every replica in turn (a failure stops
+        there: the replicas before it serve the new weights)."""
+        for replica in self.router.replicas:
+            await replica.client.update_weights_from_disk(path)
+        return JSONResponse({"success": True, "message": f"serving the weights of {path}"})
 
     async def reasoning_end_is_a_token(self) -> bool:
         """Whether the model's reasoning ends on one token, which a structured output can
@@ -1453,6 +1463,10 @@ def create_app(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         return await answer(gateway.control("reset_prefix_cache"))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightsBody) -> Response:
+        return await answer(gateway.update_weights(body.model_path))
 
     @app.post("/tokenize")
     async def tokenize(request: Request, body: TokenizeBody) -> Response:

@@ -841,6 +841,14 @@ class DetokenizeBody(Body):
     tokens: Annotated[TokenIds, BeforeValidator(protocol_sized)]
 
 
+class UpdateWeightsBody(Body):
+    """SGLang's ``POST /update_weights_from_disk``: serve the weights of the model directory
+    at ``model_path`` (on the engine's machines; the served model's architecture)."""
+
+    model_path: str = Field(min_length=1, max_length=4096)
+    load_format: Literal["auto"] | None = None
+
+
 class LoadLoraAdapterBody(Body):
     """vLLM's ``POST /v1/load_lora_adapter``: serve the PEFT adapter at ``lora_path`` (on the
     engine's machines) as ``lora_name``."""

@@ -1,18 +1,28 @@
 """vLLM's reinforcement-learning lifecycle over a real server: pausing the engine's steps
 (aborting, waiting for or keeping the requests in flight, the cache dropped or kept),
-resuming, and dropping the prefix cache; through the SDK and the HTTP routes. Kept requests
-resume where they were and decode what transformers decodes, recomputed when the cache was
-dropped; nothing accepted is lost."""
+resuming, dropping the prefix cache, and loading new weights (SGLang's
+update_weights_from_disk); through the SDK and the HTTP routes. Kept requests resume where
+they were and decode what transformers decodes (with the new weights once loaded),
+recomputed when the cache was dropped; nothing accepted is lost."""
 
+import os
+import shutil
+import signal
 import threading
 import time
 
 import httpx
 import pytest
+import torch
+from conftest import save_speaking
+from safetensors.torch import load_file, save_file
 from serving_helpers import hf_greedy, metric, read_metrics, small_server
 
-from weir.shared.client import WeirClient
+from weir.services import LLM
+from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
 
 PROMPT = [5, 17, 230, 4000, 12, 9, 77, 310, 18, 64, 1024, 3, 88, 901, 45, 6, 2000, 13, 70]
 
@@ -135,3 +145,81 @@ def test_the_http_routes_pause_resume_and_drop_the_prefix_cache(server):
         after_reset = hits()
         list(client.generate(prompt, _greedy(1)))
         assert hits() == after_reset
+
+
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory, tiny_model_dir, default_model_dir):
+    """Other weights of the served tiny model's architecture (as a trainer's next
+    checkpoint), transformers' model of them, and a directory of another shape."""
+    path = tmp_path_factory.mktemp("trained") / "step-2"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    torch.manual_seed(7)
+    save_speaking(model, path, default_model_dir)
+    other = tmp_path_factory.mktemp("other") / "wider"
+    config = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    config.intermediate_size = 96
+    save_speaking(transformers.AutoModelForCausalLM.from_config(config), other, default_model_dir)
+    return path, model.eval(), other
+
+
+def test_new_weights_serve_the_requests_in_flight_and_every_later_one(
+    server, tiny_model_dir, tiny_hf_model, new_weights, tmp_path
+):
+    """Loaded mid-stream, new weights compute the rest of a request in flight (its tokens
+    so far computed again with them) and every request after, also on the executor that
+    replaces a killed one; weights that do not fit, or that an executor cannot load, are
+    refused, and the weights served before go on serving."""
+    path, trained, other = new_weights
+    with WeirClient(server.client_address) as client:
+        stream = _Stream(server.client_address, PROMPT, 300)
+        stream.start()
+        assert stream.started.wait(60)
+        client.update_weights_from_disk(str(path))
+        stream.join(120)
+        assert not client.is_paused()
+        tokens = stream.tokens
+        old = hf_greedy(tiny_hf_model, PROMPT, len(tokens))
+        split = next((i for i, (a, b) in enumerate(zip(tokens, old)) if a != b), len(tokens))
+        assert 0 < split < len(tokens) and stream.finish_reason == "length"
+        rest = hf_greedy(trained, PROMPT + tokens[:split], len(tokens) - split)
+        assert tokens[split:] == rest
+        want = hf_greedy(trained, PROMPT[:9], 12)
+        assert list(_tokens(client, PROMPT[:9], 12)) == want
+
+        with pytest.raises(InvalidRequestError, match="describes another model"):
+            client.update_weights_from_disk(str(other))
+        broken = tmp_path / "broken"
+        shutil.copytree(path, broken)
+        tensors = load_file(broken / "model.safetensors")
+        tensors.pop("model.layers.1.mlp.up_proj.weight")
+        save_file(tensors, broken / "model.safetensors")
+        with pytest.raises(InvalidRequestError, match="could not load the weights of"):
+            client.update_weights_from_disk(str(broken))
+        assert list(_tokens(client, PROMPT[:9], 12)) == want
+
+        os.kill(server.info["executors"][0]["pid"], signal.SIGKILL)
+        # The executor that replaces it starts with the served model's directory, and is sent
+        # the weights loaded since before its first step.
+        assert list(_tokens(client, PROMPT[:9], 12)) == want
+        client.update_weights_from_disk(str(tiny_model_dir))
+        assert list(_tokens(client, PROMPT[:9], 12)) == hf_greedy(tiny_hf_model, PROMPT[:9], 12)
+    reply = httpx.post(
+        server.info["http_address"] + "/update_weights_from_disk",
+        json={"model_path": str(other)},
+        timeout=60,
+    )
+    assert reply.status_code == 400 and "describes another model" in reply.text
+
+
+def _tokens(client: WeirClient, prompt, max_tokens: int):
+    for out in client.generate(prompt, _greedy(max_tokens)):
+        yield from out.new_token_ids
+
+
+def test_llm_loads_new_weights_and_drops_its_prefix_cache(tiny_model_dir, new_weights):
+    path, trained, _ = new_weights
+    with LLM(model=str(tiny_model_dir), max_model_len=256) as llm:
+        llm.reset_prefix_cache()
+        llm.update_weights_from_disk(path)
+        [out] = llm.generate([PROMPT[:9]], _greedy(12))
+    assert out.token_ids == hf_greedy(trained, PROMPT[:9], 12)
