@@ -364,7 +364,7 @@ class ClientFrontend:
         held, self._held = self._held or [], None
         for identity, msg in held:
             self._add_request(identity, msg)
-        _log.warning("paused (%s; cache %s)", mode, "cleared" if clear_cache else "kept")
+        _log.info("paused (%s; cache %s)", mode, "cleared" if clear_cache else "kept")
 
     async def update_weights(self, path: str) -> None:
         """Serve the weights of model directory ``path`` (SGLang's update_weights_from_disk):
@@ -391,13 +391,13 @@ class ClientFrontend:
         finally:
             if not was_paused:
                 self.resume()
-        _log.warning("serving the weights of %s", path)
+        _log.info("serving the weights of %s", path)
 
     def resume(self) -> None:
         if self.core is not None and self.core.paused:
             self.core.paused = False
             self._wake()
-            _log.warning("resumed")
+            _log.info("resumed")
 
     def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:
         rid = msg.request_id
