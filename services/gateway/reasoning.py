@@ -1,5 +1,5 @@
 """A thinking model's reasoning read out of its text: ``<think>...</think>``, as vLLM's
-``--reasoning-parser deepseek_r1`` and ``qwen3`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
+``--reasoning-parser deepseek_r1``, ``qwen3`` and ``glm45`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
 Magistral's, its markers special tokens).
 
 A thinking model's template may open the reasoning in the prompt (DeepSeek-R1, newer
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from weir.services.gateway.tool_calls import tag_prefix_at_end
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss")  # the last: harmony.py
+# glm45: GLM-4.5's to 4.7's, as qwen3's. The last: harmony.py.
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "mistral", "openai_gptoss")
 
 START, END = "<think>", "</think>"
 # Each parser's reasoning markers (the others': START and END).

@@ -748,7 +748,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     ) -> ChatOutput:
         """How the choices' text is read: its reasoning, if the server reads it, and how it
         holds tool calls (None: content only; so without tools), "auto" read by the
-        server's parser (OpenAI's default). Qwen3 asked not to think does not, nor a
+        server's parser (OpenAI's default). Qwen3 (and GLM) asked not to think does not, nor a
         structured output where the model's vocabulary has no reasoning end token to hold
         it to its format after (it is held from its first token), nor a continued message
         (the output goes on with its text): they think only where their text opens with
@@ -761,7 +761,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
                 (reasoning_end_is_a_token or not self.asks_structured_output())
                 and not self.continue_final_message
                 and not (
-                    parsers.reasoning == "qwen3"
+                    parsers.reasoning in ("qwen3", "glm45")
                     and (self.chat_template_kwargs or {}).get("enable_thinking") is False
                 )
             )

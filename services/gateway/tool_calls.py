@@ -14,8 +14,9 @@ and the calls read back out of its text, whole or as it streams.
   <function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`` blocks, each
   value read by its parameter's type in the tool's schema; ``mistral``: Mistral's
   ``[TOOL_CALLS]`` and a JSON array of calls (its tokenizers before v11) or ``NAME[ARGS]{...}``
-  per ``[TOOL_CALLS]`` (v11 on); ``openai``: gpt-oss' harmony messages (read whole by
-  ``harmony.py``).
+  per ``[TOOL_CALLS]`` (v11 on); ``glm45``: GLM-4.5's to 4.7's ``<tool_call>NAME<arg_key>KEY
+  </arg_key><arg_value>VALUE</arg_value>...</tool_call>`` blocks; ``openai``: gpt-oss'
+  harmony messages (read whole by ``harmony.py``).
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -36,7 +37,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic", "qwen3_coder", "mistral", "openai")
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "pythonic",
+    "qwen3_coder",
+    "mistral",
+    "glm45",
+    "openai",
+)
 # (openai: harmony.py)
 
 ToolChoiceKind = Literal["named", "required", "auto"]
@@ -357,6 +366,43 @@ def _typed(value: str, kind: Any) -> Any:
         return value
 
 
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def glm_call(properties: dict[str, Any], block: str) -> ToolCall | None:
+    """A GLM-4.5 to 4.7 block's call: the function's name, then ``<arg_key>KEY</arg_key>
+    <arg_value>VALUE</arg_value>`` pairs (4.5 and 4.6 write newlines between, 4.7 none),
+    each value (stripped) read as vLLM's glm45 parser reads it: as written where the tool's
+    schema says string, else as JSON, else as a Python literal, else as written."""
+    head, tag, rest = block.partition("<arg_key>")
+    name, body = head.strip(), tag + rest
+    if not name or any(c.isspace() or c == "<" for c in name):
+        return None
+    if _GLM_ARGUMENT.sub("", body).strip():
+        return None  # text outside the arguments: not a call
+    schema = properties.get(name)
+    arguments = {}
+    for raw_key, raw_value in _GLM_ARGUMENT.findall(body):
+        key, value = raw_key.strip(), raw_value.strip()
+        spec = schema.get(key) if isinstance(schema, dict) else None
+        string = isinstance(spec, dict) and spec.get("type") == "string"
+        arguments[key] = value if string else _literal(value)
+    return ToolCall(name, _arguments_text(arguments))
+
+
+def _literal(value: str) -> Any:
+    """``value`` as JSON, else as a Python literal (``True``, ``None``, ``'single quoted'``),
+    if what it reads as has a JSON text; else the text itself."""
+    for read in (json.loads, ast.literal_eval):
+        try:
+            found = read(value)
+            _arguments_text(found)
+            return found
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+    return value
+
+
 class PythonicReader:
     """Llama 3.2's and 4's calls: an output that begins with ``[`` (or Llama 4's
     ``<|python_start|>``) is a Python list of calls with keyword arguments of literal values,
@@ -502,7 +548,7 @@ class ToolChoice:
     kind: ToolChoiceKind
     name: str | None = None  # the named function's
     parser: str | None = None  # auto's: one of TOOL_CALL_PARSERS (None: the server has none)
-    # Each tool's parameters' schemas by name, which qwen3_coder reads its values by.
+    # Each tool's parameters' schemas by name, which qwen3_coder and glm45 read values by.
     properties: dict[str, Any] = field(default_factory=dict)
 
     def reader(self) -> ToolCallReader:
@@ -515,6 +561,8 @@ class ToolChoice:
             return HermesReader()
         if self.parser == "qwen3_coder":
             return HermesReader(functools.partial(xml_call, self.properties))
+        if self.parser == "glm45":
+            return HermesReader(functools.partial(glm_call, self.properties))
         if self.parser == "mistral":
             return MistralReader()
         return PythonicReader() if self.parser == "pythonic" else Llama3JsonReader()

@@ -357,6 +357,8 @@ JSON = {"response_format": {"type": "json_object"}}
         (None, {}, True, None),
         ("qwen3", {}, False, True),
         ("qwen3", {"chat_template_kwargs": {"enable_thinking": False}}, True, False),
+        ("glm45", {}, True, True),
+        ("glm45", {"chat_template_kwargs": {"enable_thinking": False}}, True, False),
         ("deepseek_r1", {"chat_template_kwargs": {"enable_thinking": False}}, False, True),
         ("deepseek_r1", JSON, False, False),
         ("deepseek_r1", JSON, True, True),

@@ -27,6 +27,7 @@ from weir.services.gateway.tool_calls import (
     Llama3JsonReader,
     NamedCallReader,
     PythonicReader,
+    glm_call,
     json_call,
     xml_call,
 )
@@ -635,6 +636,53 @@ def test_qwen3_coder_values_are_read_by_their_schema_types():
     for odd in ({"f": "x"}, {"f": {"i": "integer"}}, {"f": {"i": {"type": ["integer", "null"]}}}):
         call = xml_call(odd, "<function=f><parameter=i>\n4\n</parameter></function>")
         assert json.loads(call.arguments) == {"i": "4"}
+
+
+def test_auto_reads_glm45_calls_out_of_the_text(server):
+    """--tool-call-parser glm45: GLM-4.5's <tool_call> blocks (newlines between its tags)
+    and GLM-4.7's (none), each value read as JSON or a Python literal, as written where the
+    tool's schema says string (Oslo's twin tool)."""
+    glm45 = "<tool_call>{name}\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
+    glm45 += "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    glm47 = "<tool_call>{name}<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
+    glm47 += "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+    text = "Checking.\n" + glm45.format(name="get_weather") + glm47.format(name="echo")
+    echo = {
+        "type": "function",
+        "function": {
+            "name": "echo",
+            "parameters": {"type": "object", "properties": {"days": {"type": "string"}}},
+        },
+    }
+    with GatewayProcess([server.client_address], parsers=ChatParsers(tool_call="glm45")) as gateway:
+        glm = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
+        kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": None}
+        got = _answer(glm, False, tools=[*TOOLS, echo], **kwargs)[:3]
+    assert got == (
+        "Checking.\n",
+        [
+            ("get_weather", '{"city": "Oslo", "days": 3}'),
+            ("echo", '{"city": "Oslo", "days": "3"}'),
+        ],
+        "tool_calls",
+    )
+
+
+def test_glm45_values_are_json_then_python_literals_then_text():
+    properties = {"f": {"s": {"type": "string"}}}
+    values = {"s": " [1] ", "j": '{"k": [1, null]}', "p": "{'k': (1, True, None)}",
+              "t": "two words", "n": "1e400", "e": "...", "b": "false"}  # fmt: skip
+    block = "f\n" + "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in values.items()
+    )
+    assert json.loads(glm_call(properties, block).arguments) == {
+        "s": "[1]", "j": {"k": [1, None]}, "p": {"k": [1, True, None]}, "t": "two words",
+        "n": "1e400", "e": "...", "b": False,  # n: past JSON's range; e: no JSON text
+    }  # fmt: skip
+    assert json.loads(glm_call({}, " ping \n").arguments) == {}  # no arguments
+    assert glm_call({}, "f stray<arg_key>a</arg_key><arg_value>1</arg_value>") is None
+    assert glm_call({}, "f<arg_key>a</arg_key><arg_value>1</arg_value> and more") is None
+    assert glm_call({}, "") is None
 
 
 def read_in_pieces(reader, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
