@@ -16,7 +16,9 @@ and the calls read back out of its text, whole or as it streams.
   ``[TOOL_CALLS]`` and a JSON array of calls (its tokenizers before v11) or ``NAME[ARGS]{...}``
   per ``[TOOL_CALLS]`` (v11 on); ``glm45``: GLM-4.5's to 4.7's ``<tool_call>NAME<arg_key>KEY
   </arg_key><arg_value>VALUE</arg_value>...</tool_call>`` blocks; ``openai``: gpt-oss'
-  harmony messages (read whole by ``harmony.py``).
+  harmony messages (read whole by ``harmony.py``); ``deepseek_v3`` and ``deepseek_v31``:
+  DeepSeek's ``<｜tool▁calls▁begin｜>`` calls, V3's and R1's (``function<｜tool▁sep｜>NAME``
+  and a fenced JSON block) and V3.1's (``NAME<｜tool▁sep｜>{...}``), either read by both.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -44,6 +46,8 @@ TOOL_CALL_PARSERS = (
     "qwen3_coder",
     "mistral",
     "glm45",
+    "deepseek_v3",
+    "deepseek_v31",
     "openai",
 )
 # (openai: harmony.py)
@@ -529,6 +533,77 @@ class MistralReader:
         return calls or None
 
 
+class DeepSeekReader:
+    """DeepSeek's calls: after ``<｜tool▁calls▁begin｜>``, one ``<｜tool▁call▁begin｜>...
+    <｜tool▁call▁end｜>`` per call (its markers special tokens), V3's and R1's
+    ``function<｜tool▁sep｜>NAME`` then a fenced JSON block of arguments, V3.1's
+    ``NAME<｜tool▁sep｜>{...}``. Text before the first marker streams as content (less what may
+    begin it); the calls are read when the output ends, each one delta then; from the first
+    block that is no call (cut short by ``max_tokens``), the rest is content as written."""
+
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    _V3 = re.compile(r"function" + SEP + r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._pending = ""
+        self._tail: str | None = None  # the text after BEGIN
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._tail is not None:
+            self._tail += text
+            return "", []
+        self._pending += text
+        at = self._pending.find(self.BEGIN)
+        if at >= 0:
+            content, self._tail = self._pending[:at], self._pending[at + len(self.BEGIN) :]
+            self._pending = ""
+            return content, []
+        keep = tag_prefix_at_end(self._pending, self.BEGIN)
+        content = self._pending[: len(self._pending) - keep]
+        self._pending = self._pending[len(self._pending) - keep :]
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        if self._tail is None:
+            pending, self._pending = self._pending, ""
+            return pending, []
+        tail, read = self._tail, 0  # read: where the text not read as calls begins
+        while True:
+            at = len(tail) - len(tail[read:].lstrip())
+            end = tail.find(self.CALL_END, at)
+            if not tail.startswith(self.CALL, at) or end < 0:
+                break
+            call = self._call(tail[at + len(self.CALL) : end])
+            if call is None:
+                break
+            self.calls.append(call)
+            read = end + len(self.CALL_END)
+        if not self.calls:
+            return self.BEGIN + tail, []
+        rest = tail[read:]
+        deltas = [call.delta(n) for n, call in enumerate(self.calls)]
+        return ("" if rest.strip() in ("", self.END) else rest), deltas
+
+    @classmethod
+    def _call(cls, block: str) -> ToolCall | None:
+        v3 = cls._V3.fullmatch(block)
+        name, _, arguments = block.partition(cls.SEP)
+        if v3 is not None:
+            name, arguments = v3.groups()
+        elif not _:
+            return None
+        name = name.strip()
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return None
+        if not name or not isinstance(parsed, dict):
+            return None
+        return ToolCall(name, _arguments_text(parsed))
+
+
 def _mistral_call_id() -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
@@ -565,6 +640,8 @@ class ToolChoice:
             return HermesReader(functools.partial(glm_call, self.properties))
         if self.parser == "mistral":
             return MistralReader()
+        if self.parser in ("deepseek_v3", "deepseek_v31"):
+            return DeepSeekReader()
         return PythonicReader() if self.parser == "pythonic" else Llama3JsonReader()
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:

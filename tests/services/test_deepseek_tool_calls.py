@@ -1,0 +1,106 @@
+"""`--tool-call-parser deepseek_v3` (and `deepseek_v31`) through the official `openai` client,
+in front of a real `weir serve` of a tiny random Llama with SmolLM2's tokenizer and DeepSeek's
+tool-call markers as special tokens: V3's and R1's calls (`function<｜tool▁sep｜>NAME` and a
+fenced JSON block) and V3.1's (`NAME<｜tool▁sep｜>{...}`) are calls, whole and streamed; a
+call cut short is content after the calls before it. Outputs are forced by a choice
+constraint; the reader is also checked fed in pieces of every size."""
+
+import shutil
+
+import openai
+import pytest
+import torch
+from serving_helpers import read_chat, small_server
+from spread_weights import spread_weights_
+from test_tool_calls import read_in_pieces
+
+from weir.services.gateway.chat_output import ChatParsers
+from weir.services.gateway.tool_calls import DeepSeekReader
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = "tiny-deepseek-tools"
+BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+MARKERS = [BEGIN, END, CALL, CALL_END, SEP]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    for name in ("get_weather", "get_time")
+]
+ASK = [{"role": "user", "content": "Weather and time in Oslo?"}]
+V3 = (
+    f"Checking.{BEGIN}{CALL}function{SEP}get_weather\n```json\n"
+    + '{"city": "Oslo"}'
+    + f"\n```{CALL_END}{CALL}function{SEP}get_time\n```json\n"
+    + "{}"
+    + f"\n```{CALL_END}{END}"
+)
+V31 = f'{BEGIN}{CALL}get_weather{SEP}{{"city": "Oslo"}}{CALL_END}{CALL}get_time{SEP}{{}}{CALL_END}{END}'
+BOTH = [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, default_model_dir):
+    path = tmp_path_factory.mktemp("models") / MODEL
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    spread_weights_(model)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    shutil.copy(default_model_dir / "generation_config.json", path)
+    # The markers as the special tokens themselves wherever the choice allows them, as
+    # DeepSeek's models write them.
+    bias = {str(i): 100 for i in tokenizer.convert_tokens_to_ids(MARKERS)}
+    with small_server(path, MODEL, ChatParsers(tool_call="deepseek_v3")) as processes:
+        client = openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="unused")
+        client.bias = bias  # type: ignore[attr-defined]
+        yield client
+
+
+def _chat(client, stream: bool, text: str, **kwargs):
+    body = {"structured_outputs": {"choice": [text]}, "logit_bias": client.bias}
+    kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 300, "extra_body": body, **kwargs}
+    return read_chat(client, stream, **kwargs)[1:]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deepseek_calls_are_read_in_both_forms(client, stream):
+    assert _chat(client, stream, V3, tools=TOOLS) == ("Checking.", BOTH, "tool_calls")
+    assert _chat(client, stream, V31, tools=TOOLS) == (None, BOTH, "tool_calls")
+    # Without tools the text is content, its special tokens skipped as any others.
+    plain = 'get_weather{"city": "Oslo"}get_time{}'
+    assert _chat(client, stream, V31) == (plain, [], "stop")
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_a_deepseek_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    def read(text: str):
+        return read_in_pieces(DeepSeekReader(), text, step)
+
+    assert read(V3) == ("Checking.", BOTH)
+    assert read(V31) == ("", BOTH)
+    # A later call cut short (max_tokens): the calls before it, then the rest as content.
+    cut = V31[: V31.rindex(CALL_END)]
+    assert read(cut) == (f"{CALL}get_time{SEP}{{}}", BOTH[:1])
+    broken = f"{BEGIN}{CALL}get_weather{SEP}{{city: Oslo}}{CALL_END}"
+    assert read(broken) == (broken, [])
+    assert read(f"{BEGIN}{CALL}{SEP}{{}}{CALL_END}")[1] == []  # no name: no call
+    assert read("No calls <｜tool") == ("No calls <｜tool", [])
