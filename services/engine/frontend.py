@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from weir.services.engine.core import EngineCore, EngineStep, StepFailedError
+from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
 from weir.services.engine.lora_registry import AdapterNotFound, LoraRegistry
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
@@ -320,21 +320,31 @@ class ClientFrontend:
         return self.core is not None and self.core.paused
 
     async def _control(self, identity: bytes, msg: client_protocol.EngineControlRequest) -> None:
-        """vLLM's pause/resume/is_paused/reset_prefix_cache; answered once done."""
+        """vLLM's pause/resume/is_paused/reset_prefix_cache and SGLang's
+        update_weights_from_disk; answered once done, or with the error that stopped it."""
         assert self.core is not None
-        if msg.action == "pause":
-            await self.pause(msg.mode, msg.clear_cache)
-        elif msg.action == "resume":
-            self.resume()
-        elif msg.action == "reset_prefix_cache":
-            self.core.scheduler.reset_prefix_cache()
-        elif msg.action == "update_weights":
-            assert msg.path is not None
-            try:
+        try:
+            if msg.action == "pause":
+                await self.pause(msg.mode, msg.clear_cache)
+            elif msg.action == "resume":
+                self.resume()
+            elif msg.action == "reset_prefix_cache":
+                self.core.scheduler.reset_prefix_cache()
+            elif msg.action == "update_weights":
+                assert msg.path is not None
                 await self.update_weights(msg.path)
-            except ValueError as exc:
-                self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
-                return
+        except ValueError as exc:
+            self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
+            return
+        except ExecutorLostError:
+            self.send_error(
+                identity,
+                msg.request_id,
+                client_protocol.ENGINE_ERROR,
+                f"the executors were lost during {msg.action}; the group that replaces them "
+                "serves the weights last asked for: ask again once the server is healthy",
+            )
+            return
         reply = client_protocol.ControlReply(msg.request_id, {"is_paused": self.paused})
         self._send(identity, client_protocol.encode_server_message(reply))
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from serving_helpers import hf_greedy, metric, read_metrics, small_server
 
 from weir.services import LLM
+from weir.services.launcher import EXECUTOR
 from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.sampling import SamplingParams
 
@@ -56,6 +57,12 @@ class _Stream(threading.Thread):
         self.started.set()
 
 
+def _executor_pid(server) -> int:
+    """The live executor's (the one ``weir serve`` started last)."""
+    alive = [c for c in server._children if c.name.startswith(EXECUTOR) and c.proc.poll() is None]
+    return alive[-1].proc.pid
+
+
 def _quiet(stream: _Stream, seconds: float = 0.6) -> bool:
     before = len(stream.tokens)
     time.sleep(seconds)
@@ -90,6 +97,28 @@ def test_a_kept_request_waits_out_the_pause_and_decodes_as_transformers(
         later.join(120)
     assert (stream.tokens, stream.finish_reason) == (want, "length")
     assert (later.tokens, later.finish_reason) == (want_other, "length")
+
+
+def test_a_paused_engine_whose_executor_dies_stays_paused_and_loses_nothing(server, tiny_hf_model):
+    """SIGKILLed while paused, the executor is replaced; the engine stays paused, and on
+    resuming the kept request finishes as transformers decodes it."""
+    with WeirClient(server.client_address) as client:
+        stream = _Stream(server.client_address, PROMPT, 200)
+        stream.start()
+        assert stream.started.wait(60)
+        client.pause("keep", clear_cache=False)
+        os.kill(_executor_pid(server), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while client.health()["status"] != "ok" or time.monotonic() < deadline - 55:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert client.is_paused() and _quiet(stream)
+        client.resume()
+        stream.join(120)
+    assert (stream.tokens, stream.finish_reason) == (
+        hf_greedy(tiny_hf_model, PROMPT, 200),
+        "length",
+    )
 
 
 def test_abort_ends_the_requests_in_flight_and_wait_lets_them_finish(server, tiny_hf_model):
@@ -197,7 +226,7 @@ def test_new_weights_serve_the_requests_in_flight_and_every_later_one(
             client.update_weights_from_disk(str(broken))
         assert list(_tokens(client, PROMPT[:9], 12)) == want
 
-        os.kill(server.info["executors"][0]["pid"], signal.SIGKILL)
+        os.kill(_executor_pid(server), signal.SIGKILL)
         # The executor that replaces it starts with the served model's directory, and is sent
         # the weights loaded since before its first step.
         assert list(_tokens(client, PROMPT[:9], 12)) == want
