@@ -374,6 +374,7 @@ class ClientFrontend:
         held, self._held = self._held or [], None
         for identity, msg in held:
             self._add_request(identity, msg)
+        self._requests_ended()  # the gauges say paused (and show what the pause ended)
         _log.info("paused (%s; cache %s)", mode, "cleared" if clear_cache else "kept")
 
     async def update_weights(self, path: str) -> None:
@@ -401,12 +402,13 @@ class ClientFrontend:
         finally:
             if not was_paused:
                 self.resume()
+        self.metrics.weight_updates.inc()
         _log.info("serving the weights of %s", path)
 
     def resume(self) -> None:
         if self.core is not None and self.core.paused:
             self.core.paused = False
-            self._wake()
+            self._requests_ended()  # the gauges say so, and the step loop wakes
             _log.info("resumed")
 
     def _add_request(self, identity: bytes, msg: client_protocol.GenerateRequest) -> None:

@@ -194,6 +194,22 @@ class SchedulerMetrics:
         self.num_preemptions = one(
             Counter("weir_preemptions_total", "Preemptions (recompute)", names, registry=reg)
         )
+        self.engine_paused = one(
+            Gauge(
+                "weir_engine_paused",
+                "1 while the engine's steps are paused (/pause, a weight update), else 0",
+                names,
+                registry=reg,
+            )
+        )
+        self.weight_updates = one(
+            Counter(
+                "weir_weight_updates_total",
+                "New weights loaded by every executor (update_weights_from_disk)",
+                names,
+                registry=reg,
+            )
+        )
         self.prompt_tokens = one(
             Counter(
                 "weir_prompt_tokens_total",

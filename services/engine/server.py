@@ -495,6 +495,7 @@ class SchedulerServer:
             m.num_requests_waiting.set(0)
             m.kv_cache_usage_perc.set(0)
             return
+        m.engine_paused.set(1 if self.core.paused else 0)
         stats = self.core.scheduler.stats()
         m.num_requests_running.set(stats.num_running)
         m.num_requests_waiting.set(stats.num_waiting)

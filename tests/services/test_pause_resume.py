@@ -160,7 +160,9 @@ def test_the_http_routes_pause_resume_and_drop_the_prefix_cache(server):
     reply = httpx.post(http + "/pause", params={"mode": "keep"}, timeout=60)
     assert reply.status_code == 200 and reply.json() == {"is_paused": True}
     assert httpx.get(http + "/is_paused", timeout=10).json() == {"is_paused": True}
+    assert metric(read_metrics(metrics), "weir_engine_paused") == 1
     assert httpx.post(http + "/resume", timeout=10).json() == {"is_paused": False}
+    assert metric(read_metrics(metrics), "weir_engine_paused") == 0
     bad = httpx.post(http + "/pause", params={"mode": "later"}, timeout=10)
     assert bad.status_code == 400 and "mode must be one of" in bad.json()["error"]["message"]
 
@@ -199,6 +201,8 @@ def test_new_weights_serve_the_requests_in_flight_and_every_later_one(
     replaces a killed one; weights that do not fit, or that an executor cannot load, are
     refused, and the weights served before go on serving."""
     path, trained, other = new_weights
+    url = server.info["metrics_address"]
+    updates = metric(read_metrics(url), "weir_weight_updates_total")
     with WeirClient(server.client_address) as client:
         stream = _Stream(server.client_address, PROMPT, 300)
         stream.start()
@@ -231,6 +235,7 @@ def test_new_weights_serve_the_requests_in_flight_and_every_later_one(
         # the weights loaded since before its first step.
         assert list(_tokens(client, PROMPT[:9], 12)) == want
         client.update_weights_from_disk(str(tiny_model_dir))
+        assert metric(read_metrics(url), "weir_weight_updates_total") == updates + 2
         assert list(_tokens(client, PROMPT[:9], 12)) == hf_greedy(tiny_hf_model, PROMPT[:9], 12)
     reply = httpx.post(
         server.info["http_address"] + "/update_weights_from_disk",
