@@ -848,12 +848,14 @@ def check_new_weights(
 
 def read_hf_config(model_dir: str | os.PathLike[str], overrides: str | None = None) -> Any:
     """``model_dir/config.json`` as JSON, ``overrides``' keys over it (a JSON object's text,
-    ``--hf-overrides``); ValueError names a file that is not JSON."""
+    ``--hf-overrides``); ValueError names a file that is missing, unreadable or not JSON."""
     path = Path(model_dir) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    except OSError as exc:  # missing, unreadable, a directory
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if overrides is not None and isinstance(hf, dict):
         hf = {**hf, **json.loads(overrides)}
     return hf

@@ -345,6 +345,15 @@ class ClientFrontend:
                 "serves the weights last asked for: ask again once the server is healthy",
             )
             return
+        except Exception as exc:  # a bug must cost this call its answer, never its caller a wait
+            _log.exception("engine_control %s failed", msg.action)
+            self.send_error(
+                identity,
+                msg.request_id,
+                client_protocol.ENGINE_ERROR,
+                f"{msg.action} failed: {exc}",
+            )
+            return
         reply = client_protocol.ControlReply(msg.request_id, {"is_paused": self.paused})
         self._send(identity, client_protocol.encode_server_message(reply))
 
@@ -397,7 +406,12 @@ class ClientFrontend:
             # The ranks that loaded them (under tensor parallelism) go back to those served.
             core.scheduler.weights_path = None
             if served is not None:
-                await core.load_weights(served)
+                try:
+                    await core.load_weights(served)
+                except StepFailedError as again:
+                    _log.error(
+                        "the executors could not load the weights of %s again: %s", served, again
+                    )
             raise ValueError(f"the executors could not load the weights of {path}: {exc}") from None
         finally:
             if not was_paused:

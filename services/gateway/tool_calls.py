@@ -462,16 +462,12 @@ class PythonicReader:
             return None
 
 
-class MistralReader:
-    """Mistral's calls, after its ``[TOOL_CALLS]`` token: a JSON array of ``{"name",
-    "arguments"}`` objects, as its tokenizers before v11 have the model write them, or
-    ``NAME[ARGS]{...}``, one call per ``[TOOL_CALLS]``, as v11 and later (Mistral Small 3.2,
-    Devstral, Magistral). Text before the first tag streams as content (less what may begin
-    it); what follows is read when the output ends, each call one delta then; from the first
-    tag whose text is no call (cut short by ``max_tokens``), the rest is content as written.
-    Each call's id is 9 letters and digits, the only ids Mistral's chat templates take back."""
+class CallsAfterTag:
+    """The part of a reader whose calls follow a first ``TAG``: text before it streams as
+    content (less what may begin it); everything after it waits in ``_tail`` for the
+    subclass's ``finish`` to read when the output ends."""
 
-    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    TAG = ""
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
@@ -493,10 +489,26 @@ class MistralReader:
         self._pending = self._pending[len(self._pending) - keep :]
         return content, []
 
+    def _unread(self) -> str:
+        """What was held back as maybe the tag's start, when the output ends without it."""
+        pending, self._pending = self._pending, ""
+        return pending
+
+
+class MistralReader(CallsAfterTag):
+    """Mistral's calls, after its ``[TOOL_CALLS]`` token: a JSON array of ``{"name",
+    "arguments"}`` objects, as its tokenizers before v11 have the model write them, or
+    ``NAME[ARGS]{...}``, one call per ``[TOOL_CALLS]``, as v11 and later (Mistral Small 3.2,
+    Devstral, Magistral). Text before the first tag streams as content (less what may begin
+    it); what follows is read when the output ends, each call one delta then; from the first
+    tag whose text is no call (cut short by ``max_tokens``), the rest is content as written.
+    Each call's id is 9 letters and digits, the only ids Mistral's chat templates take back."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._tail is None:
-            pending, self._pending = self._pending, ""
-            return pending, []
+            return self._unread(), []
         segments = self._tail.split(self.TAG)
         for i, segment in enumerate(segments):
             calls = self._segment_calls(segment)
@@ -533,7 +545,7 @@ class MistralReader:
         return calls or None
 
 
-class DeepSeekReader:
+class DeepSeekReader(CallsAfterTag):
     """DeepSeek's calls: after ``<｜tool▁calls▁begin｜>``, one ``<｜tool▁call▁begin｜>...
     <｜tool▁call▁end｜>`` per call (its markers special tokens), V3's and R1's
     ``function<｜tool▁sep｜>NAME`` then a fenced JSON block of arguments, V3.1's
@@ -541,34 +553,14 @@ class DeepSeekReader:
     begin it); the calls are read when the output ends, each one delta then; from the first
     block that is no call (cut short by ``max_tokens``), the rest is content as written."""
 
-    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    TAG = "<｜tool▁calls▁begin｜>"
+    END = "<｜tool▁calls▁end｜>"
     CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
     _V3 = re.compile(r"function" + SEP + r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
 
-    def __init__(self) -> None:
-        self.calls: list[ToolCall] = []
-        self._pending = ""
-        self._tail: str | None = None  # the text after BEGIN
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        if self._tail is not None:
-            self._tail += text
-            return "", []
-        self._pending += text
-        at = self._pending.find(self.BEGIN)
-        if at >= 0:
-            content, self._tail = self._pending[:at], self._pending[at + len(self.BEGIN) :]
-            self._pending = ""
-            return content, []
-        keep = tag_prefix_at_end(self._pending, self.BEGIN)
-        content = self._pending[: len(self._pending) - keep]
-        self._pending = self._pending[len(self._pending) - keep :]
-        return content, []
-
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._tail is None:
-            pending, self._pending = self._pending, ""
-            return pending, []
+            return self._unread(), []
         tail, read = self._tail, 0  # read: where the text not read as calls begins
         while True:
             at = len(tail) - len(tail[read:].lstrip())
@@ -581,7 +573,7 @@ class DeepSeekReader:
             self.calls.append(call)
             read = end + len(self.CALL_END)
         if not self.calls:
-            return self.BEGIN + tail, []
+            return self.TAG + tail, []
         rest = tail[read:]
         deltas = [call.delta(n) for n, call in enumerate(self.calls)]
         return ("" if rest.strip() in ("", self.END) else rest), deltas

@@ -40,6 +40,32 @@ def save_speaking(model, path: Path, tokenizer_dir: Path) -> None:
         shutil.copy(tokenizer_dir / name, path / name)
 
 
+def save_with_markers(path: Path, tokenizer_dir: Path, markers: list[str]) -> dict[str, int]:
+    """A tiny random Llama with ``tokenizer_dir``'s tokenizer and ``markers`` added as special
+    tokens (a format's tool-call or reasoning markers); returns a logit bias towards them, so
+    an output forced by a choice writes each marker as its special token, as the models of
+    that format do, and not as the text's plain pieces."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    spread_weights_(model)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    shutil.copy(tokenizer_dir / "generation_config.json", path)
+    return {str(i): 100 for i in tokenizer.convert_tokens_to_ids(markers)}
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     path = tmp_path_factory.mktemp("models") / "tiny-llama"

@@ -5,13 +5,10 @@ fenced JSON block) and V3.1's (`NAME<｜tool▁sep｜>{...}`) are calls, whole a
 call cut short is content after the calls before it. Outputs are forced by a choice
 constraint; the reader is also checked fed in pieces of every size."""
 
-import shutil
-
 import openai
 import pytest
-import torch
+from conftest import save_with_markers
 from serving_helpers import read_chat, small_server
-from spread_weights import spread_weights_
 from test_tool_calls import read_in_pieces
 
 from weir.services.gateway.chat_output import ChatParsers
@@ -48,27 +45,7 @@ BOTH = [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, default_model_dir):
     path = tmp_path_factory.mktemp("models") / MODEL
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    spread_weights_(model)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    shutil.copy(default_model_dir / "generation_config.json", path)
-    # The markers as the special tokens themselves wherever the choice allows them, as
-    # DeepSeek's models write them.
-    bias = {str(i): 100 for i in tokenizer.convert_tokens_to_ids(MARKERS)}
+    bias = save_with_markers(path, default_model_dir, MARKERS)
     with small_server(path, MODEL, ChatParsers(tool_call="deepseek_v3")) as processes:
         client = openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="unused")
         client.bias = bias  # type: ignore[attr-defined]

@@ -7,13 +7,11 @@ wrote it; Magistral's `[THINK]...[/THINK]` is the reasoning. Outputs are forced 
 constraint; the reader is also checked fed in pieces of every size."""
 
 import re
-import shutil
 
 import openai
 import pytest
-import torch
+from conftest import save_with_markers
 from serving_helpers import read_chat, small_server
-from spread_weights import spread_weights_
 from test_tool_calls import read_in_pieces as read_pieces
 
 from weir.services.gateway.chat_output import ChatParsers
@@ -43,27 +41,7 @@ CALL = ("get_weather", '{"city": "Oslo"}')
 @pytest.fixture(scope="module")
 def client(tmp_path_factory, default_model_dir):
     path = tmp_path_factory.mktemp("models") / MODEL
-    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": MARKERS})
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    spread_weights_(model)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    shutil.copy(default_model_dir / "generation_config.json", path)
-    # The markers as the special tokens themselves wherever the choice allows them: the
-    # form Mistral's models write, which only a detokenization that keeps them can read.
-    bias = {str(i): 100 for i in tokenizer.convert_tokens_to_ids(MARKERS)}
+    bias = save_with_markers(path, default_model_dir, MARKERS)
     parsers = ChatParsers(tool_call="mistral", reasoning="mistral")
     with small_server(path, MODEL, parsers) as processes:
         client = openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="unused")

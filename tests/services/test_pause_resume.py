@@ -221,6 +221,8 @@ def test_new_weights_serve_the_requests_in_flight_and_every_later_one(
 
         with pytest.raises(InvalidRequestError, match="describes another model"):
             client.update_weights_from_disk(str(other))
+        with pytest.raises(InvalidRequestError, match="config.json: cannot be read"):
+            client.update_weights_from_disk(str(tmp_path / "nowhere"))
         broken = tmp_path / "broken"
         shutil.copytree(path, broken)
         tensors = load_file(broken / "model.safetensors")
