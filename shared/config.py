@@ -25,7 +25,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (vLLM's
 # name), for benchmarks on machines the weights cannot reach.
 LOAD_FORMATS = ("auto", "dummy")
-SPECULATIVE_METHODS = ("ngram",)
+# ngram: drafts copied from the prompt and output (the scheduler proposes them); draft_model:
+# drafts of a smaller model of the same vocabulary (each executor runs it after the target).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Weights kept quantized by the executor (CPU only; see services/executor/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
 # The executor's attention implementations (services/executor/attention.py builds them).
@@ -68,6 +70,8 @@ class SchedulerConfig:
     with the largest such key; ``"fcfs"`` orders by arrival and preempts the most
     recently admitted. ``async_scheduling`` plans step N+1 while step N runs: each
     request that step N samples for counts one placeholder token (see the scheduler).
+    ``num_lookahead_tokens``: slots a request gets past the tokens it computes, where
+    blocks are free, for a draft model's proposals (which the executor writes there).
     """
 
     max_num_batched_tokens: int = 2048
@@ -78,6 +82,7 @@ class SchedulerConfig:
     watermark: float = 0.01
     policy: str = "fcfs"
     num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
     async_scheduling: bool = False
     # Distinct LoRA adapters among running requests (0: the server serves none).
     max_loras: int = 0
@@ -89,6 +94,7 @@ class SchedulerConfig:
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        _check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0)
         if type(self.async_scheduling) is not bool:
             raise ValueError(
                 f"async_scheduling must be a bool, got {type(self.async_scheduling).__name__}"
@@ -332,8 +338,21 @@ class EngineArgs:
     speculative_method: str | None = _arg(
         None,
         _BOTH,  # the executor captures CUDA graphs of speculative decodes' query length
-        "draft proposer: ngram (prompt lookup; drafts are verified in the same forward pass)",
+        "draft proposer: ngram (prompt lookup) or draft_model (a smaller model of the same "
+        "vocabulary, --speculative-model); drafts are verified in the same forward pass",
         choices=SPECULATIVE_METHODS,
+    )
+    speculative_model: str | None = _arg(
+        None,
+        _BOTH,
+        "the draft model of draft_model speculative decoding (implies it): a Hugging Face "
+        "directory or .gguf file whose tokenizer is the served model's",
+    )
+    speculative_model_quantization: str | None = _arg(
+        None,
+        EXECUTOR,
+        "keep the draft model's weights quantized: int8 (CPU only, as --quantization)",
+        choices=QUANTIZATION_METHODS,
     )
     num_speculative_tokens: int = _arg(
         _default_of(SchedulerConfig, "num_speculative_tokens"),
@@ -352,8 +371,9 @@ class EngineArgs:
     speculative_config: str | dict[str, Any] | None = _arg(
         None,
         _BOTH,
-        'vLLM\'s form of the four options above, JSON: {"method": "ngram", '
-        '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M}',
+        'vLLM\'s form of the options above, JSON: {"method": "ngram", '
+        '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M} or '
+        '{"model": DIR, "num_speculative_tokens": K, "quantization": "int8"}',
     )
     max_message_size: int = _arg(
         DEFAULT_MAX_MESSAGE_BYTES,
@@ -453,6 +473,7 @@ class EngineArgs:
         # What can be told before any process starts; the executor checks the device it got.
         if self.speculative_config is not None:
             self._expand_speculative_config()
+        self._check_draft_model()
         if self.hf_overrides is not None:
             overrides = json_object("hf_overrides", self.hf_overrides)
             # One text for every role's command line.
@@ -517,7 +538,7 @@ class EngineArgs:
     def _expand_speculative_config(self) -> None:
         """vLLM's ``speculative_config`` (JSON text, or a dict from ``LLM``) set as the
         options it stands for, and then dropped: the roles get those options."""
-        config = json_object("speculative_config", self.speculative_config)
+        config = dict(json_object("speculative_config", self.speculative_config))
         if self.speculative_method is not None:
             raise ValueError("speculative_config and speculative_method: give one, not both")
         keys = {
@@ -525,21 +546,55 @@ class EngineArgs:
             "num_speculative_tokens": "num_speculative_tokens",
             "prompt_lookup_min": "ngram_min",
             "prompt_lookup_max": "ngram_max",
+            "model": "speculative_model",
+            "quantization": "speculative_model_quantization",
         }
         unknown = sorted(set(config) - set(keys))
         if unknown:
             raise ValueError(f"speculative_config takes {sorted(keys)}; {unknown} not supported")
+        if "model" in config:  # vLLM's too: a model names the method
+            config.setdefault("method", "draft_model")
         if config.get("method") not in SPECULATIVE_METHODS:
             raise ValueError(
-                f"speculative_config method must be one of {SPECULATIVE_METHODS} (drafts from "
-                f"the prompt and output), got {config.get('method')!r}"
+                f"speculative_config method must be one of {SPECULATIVE_METHODS} (ngram: drafts "
+                "from the prompt and output; draft_model: a smaller model's, named by "
+                f'"model"), got {config.get("method")!r}'
             )
         for key, name in keys.items():
             if key in config:
-                if key != "method":  # the roles would refuse a number's text at their start
+                if key in ("model", "quantization"):
+                    if type(config[key]) is not str or not config[key]:
+                        raise ValueError(f"speculative_config {key} must be a non-empty string")
+                elif key != "method":  # the roles would refuse a number's text at their start
                     _check_int(f"speculative_config {key}", config[key], 1)
                 object.__setattr__(self, name, config[key])  # frozen
         object.__setattr__(self, "speculative_config", None)
+
+    def _check_draft_model(self) -> None:
+        """A draft model names the method (vLLM's rule); the method needs one, and no other
+        method takes one."""
+        if self.speculative_model is not None and self.speculative_method is None:
+            object.__setattr__(self, "speculative_method", "draft_model")  # frozen
+        if self.speculative_method == "draft_model":
+            if self.speculative_model is None:
+                raise ValueError(
+                    "speculative_method draft_model needs speculative_model: the draft "
+                    "model's directory or .gguf file"
+                )
+        elif self.speculative_model is not None:
+            raise ValueError(
+                f"speculative_model is the draft of speculative_method draft_model, not of "
+                f"{self.speculative_method!r}: drop one of them"
+            )
+        quantization = self.speculative_model_quantization
+        if quantization is not None:
+            if self.speculative_model is None:
+                raise ValueError("speculative_model_quantization needs a speculative_model")
+            if quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"speculative_model_quantization must be one of {QUANTIZATION_METHODS}, "
+                    f"got {quantization!r}"
+                )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, role: str) -> None:
@@ -589,6 +644,9 @@ class EngineArgs:
             watermark=self.watermark,
             policy=self.policy,
             num_speculative_tokens=self.num_speculative_tokens if self.speculative_method else 0,
+            num_lookahead_tokens=(
+                self.num_speculative_tokens if self.speculative_method == "draft_model" else 0
+            ),
             async_scheduling=self.async_scheduling and not self.speculative_method,
             max_loras=self.max_loras if self.lora_enabled else 0,
         )

@@ -78,7 +78,8 @@ class _Submitted:
 
 class EngineCore:
     """A ``Scheduler``, the executor that runs its plans, and optionally a draft
-    proposer whose drafts the next step verifies. ``observe_phase(name, seconds)`` receives
+    proposer whose drafts the next step verifies (or the executor's own, from a draft model,
+    which come with each step's result). ``observe_phase(name, seconds)`` receives
     the time of the ``schedule``, ``update`` and ``propose`` phases of every step."""
 
     def __init__(
@@ -131,7 +132,9 @@ class EngineCore:
             outputs = scheduler.update_from_output(submitted.plan, result)
             updated = time.perf_counter()
             self._observe_phase("update", updated - start)
-            if self.proposer is not None:
+            if result.draft_token_ids is not None:  # a draft model's, run by the executor
+                scheduler.update_draft_token_ids(result.draft_token_ids)
+            elif self.proposer is not None:
                 scheduler.update_draft_token_ids(self.proposer.propose(scheduler.running))
                 self._observe_phase("propose", time.perf_counter() - updated)
             if self._depth > 1 and scheduler.has_unfinished_requests():

@@ -77,13 +77,18 @@ class NgramProposer:
 
 
 def make_proposer(args: EngineArgs) -> NgramProposer | None:
-    """The draft proposer the engine arguments ask for (None: no speculation)."""
+    """The scheduler's draft proposer the engine arguments ask for (None: no speculation, or
+    a draft model's, whose drafts the executor returns with each step's tokens)."""
     if args.speculative_method is None:
         if args.num_speculative_tokens:
-            raise ValueError("num_speculative_tokens needs a speculative_method (ngram)")
+            raise ValueError(
+                "num_speculative_tokens needs a speculative_method (ngram or draft_model)"
+            )
         return None
     if args.num_speculative_tokens < 1:
         raise ValueError(
             f"speculative_method {args.speculative_method!r} needs num_speculative_tokens >= 1"
         )
+    if args.speculative_method == "draft_model":
+        return None
     return NgramProposer(args.num_speculative_tokens, args.ngram_min, args.ngram_max)

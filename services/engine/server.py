@@ -56,6 +56,7 @@ from weir.shared.keys import (
 )
 from weir.shared.lora import check_adapter
 from weir.shared.model_config import check_new_weights, read_model_config
+from weir.shared.model_store import resolve_model
 from weir.shared.pooling import read_pooler_config, resolve_runner
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import MAX_LOGPROBS
@@ -155,6 +156,8 @@ class SchedulerServer:
             )
         )
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
+        if self.engine_args.speculative_model is not None:
+            self._check_draft_model(self.engine_args.speculative_model)
         # Bad adapters fail here too, before executors load them.
         self._static_loras = {m: self._check_adapter(m.path) for m in self.engine_args.loras}
         self.loras = LoraRegistry(
@@ -183,6 +186,20 @@ class SchedulerServer:
         self._reported_ready = False
         self._recovery_deadline: asyncio.TimerHandle | None = None
         self._draining = False
+
+    def _check_draft_model(self, model: str) -> None:
+        """A draft model whose tokenizer is not the served model's is refused at start-up:
+        its drafts would name other tokens and be rejected, at the cost of every step."""
+        draft_dir = resolve_model(model, load_format=self.engine_args.load_format)
+        draft = Tokenizer.from_model_dir(draft_dir)
+        if draft.backend.get_vocab(with_added_tokens=True) != self.tokenizer.backend.get_vocab(
+            with_added_tokens=True
+        ):
+            raise ValueError(
+                f"speculative_model {model!r}: its tokenizer is not the served model's (a "
+                "draft must number tokens as the served model does); choose a smaller model of "
+                "the same family"
+            )
 
     def _check_adapter(self, path: str) -> str:
         return check_adapter(path, self.model_config, self.engine_args.max_lora_rank).fingerprint

@@ -61,6 +61,20 @@ class StepInputs:
 
 
 @dataclass(slots=True)
+class Spans:
+    """Where the tokens of some requests' position ranges sit in a flat batch (``InputBatch.spans``)."""
+
+    query_start_loc: np.ndarray  # [R + 1] int32
+    token_slot: np.ndarray  # [T] the slot of each token
+    positions: np.ndarray  # [T] int64
+    rope_positions: np.ndarray  # [T] what the model rotates by (see ``StepInputs``)
+    slot_mapping: np.ndarray  # [T] int64
+    seq_lens: np.ndarray  # [R] int32
+    block_table: np.ndarray  # [R, max blocks] int32
+    max_seq_len: int
+
+
+@dataclass(slots=True)
 class Reservation:
     """Tokens counted in the batch before their ids are known (``InputBatch.reserve_tokens``)."""
 
@@ -298,29 +312,13 @@ class InputBatch:
             bad = req_ids[int(np.argmax((real_end > num_tokens) | (num_spec >= num_sched)))]
             raise ValueError(f"request {bad!r}: plan schedules tokens the executor does not know")
 
-        total = int(num_sched.sum())
-        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int32)
-        np.cumsum(num_sched, out=query_start_loc[1:])
-        token_slot = np.repeat(slots, num_sched)
-        positions = np.arange(total, dtype=np.int64) + np.repeat(
-            computed - query_start_loc[:-1], num_sched
+        spans = self.spans(slots, computed, num_sched, self.long_prompt_threshold)
+        query_start_loc, token_slot, positions = (
+            spans.query_start_loc,
+            spans.token_slot,
+            spans.positions,
         )
         input_ids = self.token_ids.reshape(-1)[token_slot * self.max_model_len + positions]
-        rope_positions = positions
-        if self.long_prompt_threshold is not None:
-            # Long-rotated: every token of a prompt over the threshold, else those past it.
-            limit = self.long_prompt_threshold
-            long_from = np.where(self.num_prompt_tokens[slots] > limit, 0, limit)
-            rope_positions = (
-                positions + (positions >= np.repeat(long_from, num_sched)) * LONG_ROTATION
-            )
-        blocks = self.block_table.reshape(-1)[
-            token_slot * self.max_blocks_per_req + positions // self.block_size
-        ]
-        slot_mapping = blocks.astype(np.int64) * self.block_size + positions % self.block_size
-        seq_lens = (computed + num_sched).astype(np.int32)
-        max_seq_len = int(seq_lens.max(initial=0))
-        block_table = self.block_table[slots, : cdiv(max_seq_len, self.block_size)]
 
         prefill_done = real_end >= num_tokens
         pooling = pooling_done = None
@@ -348,21 +346,63 @@ class InputBatch:
             slots=slots,
             input_ids=input_ids,
             positions=positions,
-            rope_positions=rope_positions,
+            rope_positions=spans.rope_positions,
             query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=block_table,
-            slot_mapping=slot_mapping,
+            seq_lens=spans.seq_lens,
+            block_table=spans.block_table,
+            slot_mapping=spans.slot_mapping,
             num_spec=num_spec,
             num_logits=num_logits,
             logits_indices=logits_indices,
             max_query_len=int(num_sched.max(initial=0)),
-            max_seq_len=max_seq_len,
+            max_seq_len=spans.max_seq_len,
             prompt_logits_indices=prompt_logits_indices,
             prompt_targets=prompt_targets.astype(np.int64),
             num_prompt_logits=num_prompt_logits,
             pooling=pooling,
             pooling_done=pooling_done,
+        )
+
+    def spans(
+        self,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        long_prompt_threshold: int | None,
+    ) -> Spans:
+        """The flat layout of positions ``[starts[i], starts[i] + lengths[i])`` of the
+        requests in ``slots`` (every length >= 1), rotated for a model whose LongRoPE
+        threshold is ``long_prompt_threshold``."""
+        total = int(lengths.sum())
+        query_start_loc = np.zeros(len(slots) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=query_start_loc[1:])
+        token_slot = np.repeat(slots, lengths)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(
+            starts - query_start_loc[:-1], lengths
+        )
+        rope_positions = positions
+        if long_prompt_threshold is not None:
+            # Long-rotated: every token of a prompt over the threshold, else those past it.
+            long_from = np.where(
+                self.num_prompt_tokens[slots] > long_prompt_threshold, 0, long_prompt_threshold
+            )
+            rope_positions = (
+                positions + (positions >= np.repeat(long_from, lengths)) * LONG_ROTATION
+            )
+        blocks = self.block_table.reshape(-1)[
+            token_slot * self.max_blocks_per_req + positions // self.block_size
+        ]
+        seq_lens = (starts + lengths).astype(np.int32)
+        max_seq_len = int(seq_lens.max(initial=0))
+        return Spans(
+            query_start_loc=query_start_loc,
+            token_slot=token_slot,
+            positions=positions,
+            rope_positions=rope_positions,
+            slot_mapping=blocks.astype(np.int64) * self.block_size + positions % self.block_size,
+            seq_lens=seq_lens,
+            block_table=self.block_table[slots, : cdiv(max_seq_len, self.block_size)],
+            max_seq_len=max_seq_len,
         )
 
     def _output_spans(

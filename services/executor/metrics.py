@@ -92,7 +92,7 @@ class ExecutorMetrics:
             buckets=_STEP_SECONDS_BUCKETS,
         )
         self.phase_seconds = {
-            p: phase.labels(**labels, phase=p) for p in ("prepare", "forward", "sample")
+            p: phase.labels(**labels, phase=p) for p in ("prepare", "forward", "sample", "draft")
         }
         self.device_memory_bytes = labelled(
             Gauge(
@@ -118,6 +118,8 @@ class ExecutorMetrics:
         self.phase_seconds["prepare"].observe(timings.prepare)
         self.phase_seconds["forward"].observe(timings.forward)
         self.phase_seconds["sample"].observe(timings.sample)
+        if timings.draft:  # a draft model's passes (speculative method draft_model)
+            self.phase_seconds["draft"].observe(timings.draft)
         self.batch_tokens.observe(num_tokens)
         if timings.graphed:
             self.graph_steps.inc()

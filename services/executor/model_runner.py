@@ -32,6 +32,7 @@ import torch
 from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from weir.services.executor.drafter import Drafter
 from weir.services.executor.input_batch import (
     ANY_TOKEN,
     CLS,
@@ -103,11 +104,13 @@ class StepTimings:
     collecting the result). On CUDA without
     ``sync_timings`` these are host times: work still queued on the device counts in the
     phase that waits for it (sampling, which copies the tokens back). ``graphed``: the
-    forward pass replayed a CUDA graph."""
+    forward pass replayed a CUDA graph; ``draft``: the time a draft model took to
+    propose the next step's drafts (0 without one)."""
 
     prepare: float = 0.0
     forward: float = 0.0
     sample: float = 0.0
+    draft: float = 0.0  # a draft model's passes and proposals, after the step's tokens
     graphed: bool = False
 
 
@@ -168,6 +171,8 @@ class ModelRunner:
         max_lora_rank: int = ENGINE_DEFAULTS.max_lora_rank,
         runner: str = ENGINE_DEFAULTS.runner,
         hf_overrides: str | None = None,
+        speculative_model: str | os.PathLike | None = None,
+        speculative_model_quantization: str | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -223,6 +228,16 @@ class ModelRunner:
             hf_overrides=hf_overrides,
         )
         self.config = self.model.config
+        self.drafter = (
+            None
+            if speculative_model is None
+            else self._load_drafter(
+                Path(speculative_model),
+                num_speculative_tokens,
+                speculative_model_quantization,
+                load_format,
+            )
+        )
         # Before the KV cache is sized: adapters take their share of the memory first.
         self.loras = LoraAdapters.load(self.model, loras or [], max_lora_rank)
         self.max_lora_rank = max_lora_rank
@@ -240,6 +255,8 @@ class ModelRunner:
                 "(or --gpu-memory-utilization on a GPU)"
             )
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, block_size)
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, block_size)
         self.reset()
         self.graphs = (
             DecodeGraphs(
@@ -275,10 +292,47 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
 
+    def _load_drafter(
+        self,
+        model_dir: Path,
+        num_speculative_tokens: int,
+        quantization: str | None,
+        load_format: str,
+    ) -> Drafter:
+        """The draft model of ``draft_model`` speculative decoding, on this rank's device
+        (and shard: it splits as the served model does)."""
+        if self.pooling_runner:
+            raise ValueError("a draft model proposes generated tokens; a pooling runner has none")
+        if num_speculative_tokens < 1:
+            raise ValueError("a draft model needs num_speculative_tokens >= 1")
+        check_quantization(quantization, self.device, self.dtype)
+        draft_config = read_model_config(model_dir)
+        rank, size = (0, 1) if self.tp is None else (self.tp.rank, self.tp.world_size)
+        try:
+            ShardLayout.of(draft_config, rank, size)
+        except ValueError as exc:
+            raise ValueError(f"draft model {model_dir.name}: {exc}") from None
+        if draft_config.num_labels:
+            raise ValueError(
+                f"draft model {model_dir.name} is a sequence classifier: a draft must generate"
+            )
+        model = load_model(
+            model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            attention=self.attention,
+            load_format=load_format,
+            tp=self.tp,
+            quantization=quantization,
+        )
+        return Drafter(model, num_speculative_tokens, self.config.vocab_size, self.device, self.tp)
+
     def _num_kv_blocks(
         self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float
     ) -> int:
         per_block = self.model.kv_cache_bytes_per_block(self.block_size)
+        if self.drafter is not None:  # the draft's cache shares the served model's blocks
+            per_block += self.drafter.kv_cache_bytes_per_block(self.block_size)
         if kv_cache_memory_bytes is not None:
             return kv_cache_memory_bytes // per_block
         if self.device.type != "cuda":
@@ -505,7 +559,7 @@ class ModelRunner:
         if self._unfinished is step:
             self._unfinished = None
         if step.ids is None and step.prompt_ids is None and step.pooled is None:
-            return StepResult(step_id=step.plan.step_id)
+            return self._draft(step, StepResult(step_id=step.plan.step_id))
         if step.ready is not None:
             step.ready.synchronize()  # the step's one wait for the device
         result = (
@@ -519,6 +573,18 @@ class ModelRunner:
                 rid: v.astype("<f4").tobytes() for rid, v in zip(req_ids, vectors.numpy())
             }
         step.timings.sample += time.perf_counter() - start
+        return self._draft(step, result)
+
+    def _draft(self, step: LaunchedStep, result: StepResult) -> StepResult:
+        """With a draft model: its cache brought up to the step's verified tokens, and its
+        proposals for the requests the step sampled for, in ``result``."""
+        if self.drafter is None or step.inputs is None:
+            return result
+        start = time.perf_counter()
+        result.draft_token_ids = self.drafter.propose(
+            self.batch, step.inputs, set(result.sampled_token_ids)
+        )
+        step.timings.draft = time.perf_counter() - start
         return result
 
     def device_busy_seconds(self) -> float:

@@ -238,6 +238,12 @@ class ExecutorWorker:
             max_lora_rank=args.max_lora_rank,
             runner=args.runner,
             hf_overrides=args.hf_overrides,
+            speculative_model=(
+                None
+                if args.speculative_model is None
+                else resolve_model(args.speculative_model, load_format=args.load_format)
+            ),
+            speculative_model_quantization=args.speculative_model_quantization,
         )
 
     def _handshake(

@@ -214,3 +214,6 @@ class StepResult:
     # Of pooling requests whose prompt this step completed: the pooled hidden state,
     # float32 little-endian bytes.
     pooled: dict[str, bytes] | None = None
+    # A draft model's proposals for each request it sampled for (speculative method
+    # ``draft_model``): the next step's drafts, which the scheduler caps and schedules.
+    draft_token_ids: dict[str, list[int]] | None = None

@@ -337,7 +337,8 @@ def _bitmasks(value: Any, num_scheduled: dict[str, int]) -> dict[str, bytes]:
 
 # ----------------------------------------------------------------------------- StepResult
 # [tag, v, step_id, ids, sampled rows, logprobs {id: [token_rows, logprob_rows]} | nil,
-#  prompt logprobs (the same) | nil, pooled {id: float32 bytes} | nil]
+#  prompt logprobs (the same) | nil, pooled {id: float32 bytes} | nil,
+#  drafts [ids, rows] | nil]
 
 
 def encode_step_result(result: StepResult) -> bytes:
@@ -351,12 +352,35 @@ def encode_step_result(result: StepResult) -> bytes:
             _logprobs_map_to_wire(result.logprobs),
             _logprobs_map_to_wire(result.prompt_logprobs),
             result.pooled,
+            _drafts_to_wire(result.draft_token_ids),
         ],
     )
 
 
+def _drafts_to_wire(drafts: dict[str, list[int]] | None) -> list[Any] | None:
+    if drafts is None:
+        return None
+    return [
+        _join_ids("draft_token_ids", list(drafts)),
+        _pack_rows("draft_token_ids", drafts.values(), len(drafts)),
+    ]
+
+
+def _drafts(value: Any) -> dict[str, list[int]] | None:
+    if value is None:
+        return None
+    value = array("draft_token_ids", value)
+    if len(value) != 2:
+        raise ProtocolError("draft_token_ids: expected [ids, rows] or nil")
+    ids = _split_ids("draft_token_ids", value[0])
+    drafts = dict(zip(ids, _unpack_rows("draft_token_ids", value[1], len(ids))))
+    if len(drafts) != len(ids):
+        raise ProtocolError("draft_token_ids: a request id appears twice")
+    return drafts
+
+
 def decode_step_result(data: bytes) -> StepResult:
-    msg = unpack_array(data, _STEP_RESULT, 6)
+    msg = unpack_array(data, _STEP_RESULT, 7)
     step_id = non_negative_int("step_id", msg[2])
     ids = _split_ids("sampled_token_ids", msg[3])
     sampled = dict(zip(ids, _unpack_rows("sampled_token_ids", msg[4], len(ids))))
@@ -368,6 +392,7 @@ def decode_step_result(data: bytes) -> StepResult:
         step_id,
         _logprobs_map_from_wire("prompt_logprobs", msg[6]),
         _pooled(msg[7]),
+        _drafts(msg[8]),
     )
 
 

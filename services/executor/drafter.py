@@ -1,0 +1,139 @@
+"""Draft-model speculative decoding (vLLM's ``draft_model`` method): a smaller model of the
+served model's vocabulary proposes each decoding request's next k tokens; the next step's
+forward pass verifies them (``ModelRunner._collect``), so outputs are the served model's.
+
+The draft keeps its own paged KV cache indexed by the served model's block ids: one block
+table and slot mapping serve both, so the scheduler's block accounting and the prefix cache
+cover both (a block costs both models' bytes). After each step the draft computes exactly
+the positions the served model computed and kept (rejected drafts left out) plus the token
+just sampled, so its cache holds every token the served model's holds, those of prefix-cache
+hits included (the draft computed them when the served model did). The sampled token's
+logits give the first proposal; k - 1 one-token passes give the rest, each the draft's
+argmax (deterministic drafts, which ``_collect``'s compare-and-accept verifies for sampled
+requests too: a draft is kept with the probability the served model gives it, and a
+rejection samples from the served model's distribution without it).
+
+Proposals at positions P, P + 1, ... past the last computed token write the draft's KV
+there: the scheduler allocates those slots ahead (``num_lookahead_tokens``) where blocks are
+free, and a request proposes only as far as its blocks reach. The next step computes those
+positions again with the verified tokens, so what the proposals wrote never outlives them.
+"""
+
+import numpy as np
+import torch
+
+from weir.services.executor.attention import AttentionMetadata
+from weir.services.executor.input_batch import InputBatch, Spans, StepInputs
+from weir.services.executor.model import CausalLM
+from weir.services.executor.parallel import TensorParallel
+from weir.services.executor.transfer import to_device
+
+
+class Drafter:
+    """The draft model, its KV cache and the proposing loop of one executor rank."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_speculative_tokens: int,
+        vocab_size: int,
+        device: torch.device,
+        tp: TensorParallel | None,
+    ) -> None:
+        self.model = model
+        self.k = num_speculative_tokens
+        # Tokens the served model knows: a draft with a larger (padded) vocabulary never
+        # proposes past it.
+        self.vocab_size = min(vocab_size, model.config.vocab_size)
+        self.tp = tp
+        self.device = device
+        self.context_len = model.config.max_position_embeddings
+        self.long_prompt_threshold = model.config.rope.long_prompt_threshold
+        self.kv_caches: list[torch.Tensor] = []
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return self.model.kv_cache_bytes_per_block(block_size)
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        self.kv_caches = self.model.allocate_kv_caches(num_blocks, block_size)
+
+    @torch.inference_mode()
+    def propose(
+        self, batch: InputBatch, inputs: StepInputs, sampled: set[str]
+    ) -> dict[str, list[int]]:
+        """Compute a finished step's kept tokens (``batch`` holds its verified outputs) and
+        propose up to k drafts for each request of ``sampled``, the requests it sampled
+        for: {request id: drafts}, on every rank."""
+        slots = inputs.slots
+        qsl = inputs.query_start_loc
+        starts = inputs.positions[qsl[:-1]]
+        proposing = np.fromiter((rid in sampled for rid in inputs.req_ids), bool, len(slots))
+        # Kept tokens, and the one sampled: a sampling request's whole known sequence.
+        ends = np.where(proposing, batch.num_tokens[slots], starts + np.diff(qsl))
+        limit = np.minimum(
+            batch.num_blocks[slots].astype(np.int64) * batch.block_size,
+            min(batch.max_model_len, self.context_len),
+        )
+        # The sampled token sits at ends - 1: proposal j is computed from position ends - 2 + j.
+        num_drafts = np.where(proposing, np.clip(limit - ends + 1, 0, self.k), 0)
+        beyond = ends > limit  # no slot for the sampled token: it proposes nothing
+        ends = np.where(beyond, ends - 1, ends)
+        spans = batch.spans(slots, starts, ends - starts, self.long_prompt_threshold)
+        input_ids = batch.token_ids.reshape(-1)[
+            spans.token_slot * batch.max_model_len + spans.positions
+        ]
+        hidden = self.model(
+            self._dev(input_ids),
+            self._dev(spans.rope_positions),
+            self._metadata(spans, int((ends - starts).max())),
+            self.kv_caches,
+        )
+        rows = np.flatnonzero(num_drafts > 0)
+        if not len(rows):
+            return {}
+        tokens = self._argmax(hidden[self._dev(spans.query_start_loc[1:][rows] - 1)])
+        drafts = [tokens]
+        positions = ends[rows]  # of each proposing request's latest proposal
+        live = np.arange(len(rows))  # of ``rows``, the requests still proposing
+        for j in range(2, self.k + 1):
+            keep = num_drafts[rows[live]] >= j
+            live, tokens = live[keep], tokens[self._dev(np.flatnonzero(keep))]
+            if not len(live):
+                break
+            one = np.ones(len(live), dtype=np.int64)
+            spans = batch.spans(slots[rows[live]], positions[live], one, self.long_prompt_threshold)
+            hidden = self.model(
+                tokens, self._dev(spans.rope_positions), self._metadata(spans, 1), self.kv_caches
+            )
+            positions[live] += 1
+            tokens = self._argmax(hidden)
+            column = torch.full((len(rows),), -1, dtype=tokens.dtype, device=tokens.device)
+            column[self._dev(live)] = tokens
+            drafts.append(column)
+        table = torch.stack(drafts, dim=1).cpu().tolist()  # the proposals' one wait
+        return {
+            inputs.req_ids[r]: row[: int(num_drafts[r])] for r, row in zip(rows.tolist(), table)
+        }
+
+    def _metadata(self, spans: Spans, max_query_len: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self._dev(spans.query_start_loc),
+            seq_lens=self._dev(spans.seq_lens),
+            block_table=self._dev(spans.block_table),
+            slot_mapping=self._dev(spans.slot_mapping),
+            max_query_len=max_query_len,
+            max_seq_len=spans.max_seq_len,
+        )
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's greedy token of each hidden row, on every rank (rank 0 holds the
+        logits under tensor parallelism and broadcasts)."""
+        logits = self.model.compute_logits(hidden)
+        tokens = None if logits is None else logits[:, : self.vocab_size].argmax(dim=1)
+        if self.tp is not None:
+            tokens = self.tp.broadcast_tokens(tokens, len(hidden), self.device)
+        assert tokens is not None
+        return tokens
+
+    def _dev(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.device)
