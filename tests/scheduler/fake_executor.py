@@ -73,8 +73,14 @@ class _State:
 
 
 class FakeExecutor:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """With ``lookahead`` > 0 it also writes as a draft model does after a step: a marker in
+    the slots of up to ``lookahead`` positions from each sampled request's next one, as far
+    as its blocks reach, which must be its own (a later check of another request's KV
+    would find the marker)."""
+
+    def __init__(self, num_blocks: int, block_size: int, lookahead: int = 0) -> None:
         self.block_size = block_size
+        self.lookahead = lookahead
         self.kv: list[list[tuple[int, int] | None]] = [
             [None] * block_size for _ in range(num_blocks)
         ]
@@ -82,6 +88,9 @@ class FakeExecutor:
 
     def reset(self) -> None:
         self.state.clear()
+
+    def _reach(self, state: _State) -> int:
+        return len(state.block_table) * self.block_size
 
     def _slot(self, state: _State, position: int) -> tuple[int, int]:
         return state.block_table[position // self.block_size], position % self.block_size
@@ -154,6 +163,10 @@ class FakeExecutor:
             state.tokens.extend(out)
             state.num_computed_tokens = len(state.tokens) - 1
             sampled[rid] = out
+            ahead = state.num_computed_tokens
+            for position in range(ahead, min(ahead + self.lookahead, self._reach(state))):
+                block, offset = self._slot(state, position)
+                self.kv[block][offset] = (-1, position)
         return StepResult(sampled, pooled=pooled or None)
 
 

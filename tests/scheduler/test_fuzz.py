@@ -1,5 +1,5 @@
-"""Random traffic through a tiny cache, in lockstep and with async scheduling: budget/leak
-invariants and exact outputs."""
+"""Random traffic through a tiny cache, in lockstep and with async scheduling, with drafts
+(and a draft model's writes ahead): budget/leak invariants and exact outputs."""
 
 import random
 from collections import Counter
@@ -30,6 +30,7 @@ def scenarios(draw):
     chunked = draw(st.booleans()) or draw(st.booleans())
     budget = draw(st.integers(8, 64))
     overlapped = draw(st.booleans())
+    num_speculative_tokens = 0 if overlapped else draw(st.sampled_from([0, 2, 3]))
     config = SchedulerConfig(
         max_num_batched_tokens=budget if chunked else max(budget, max_model_len),
         max_num_seqs=draw(st.integers(1, 6)),
@@ -38,7 +39,9 @@ def scenarios(draw):
         enable_chunked_prefill=chunked,
         watermark=draw(st.sampled_from([0.0, 0.1])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
-        num_speculative_tokens=0 if overlapped else draw(st.sampled_from([0, 2, 3])),
+        num_speculative_tokens=num_speculative_tokens,
+        # a draft model's: its executor writes ahead of the tokens it computes
+        num_lookahead_tokens=num_speculative_tokens if draw(st.booleans()) else 0,
         async_scheduling=overlapped,
         max_loras=draw(st.integers(0, 2)),
     )
@@ -87,6 +90,8 @@ def _check_plan(plan, config, scheduler):
     assert kv.num_free_blocks == kv.num_blocks - len(references)
     assert all(block.block_hash == key for key, block in kv.pool.cached_blocks.items())
     assert not any(r.block_ids for r in scheduler.waiting)
+    widest = -(-config.max_model_len // kv.block_size)  # an executor's block table
+    assert all(len(r.block_ids) <= widest for r in scheduler.running)
     adapters = {r.lora_name for r in scheduler.running} - {None}
     assert len(adapters) <= config.max_loras
     for new in plan.new_requests:
@@ -105,7 +110,7 @@ def test_random_traffic(scenario):
     produced: dict[str, list[int]] = {}
     ended: dict[str, str] = {}
     reusable: list[str] = []  # ids of requests ended from outside, for a new request to take
-    fake = FakeExecutor(cache.num_blocks, cache.block_size)
+    fake = FakeExecutor(cache.num_blocks, cache.block_size, config.num_lookahead_tokens)
     grammars: dict[str, _FollowingGrammar] = {}
     pooled: dict[str, bytes | None] = {}  # of pooling requests: what they pooled (None yet)
 

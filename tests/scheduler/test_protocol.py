@@ -107,6 +107,10 @@ def test_step_result_round_trip_with_variable_lengths_and_logprobs():
     assert decode_step_result(encode_step_result(pooled)) == pooled
     single = StepResult({"x": [7], "y": [8]})
     assert decode_step_result(encode_step_result(single)) == single
+    drafted = StepResult({"x": [7], "y": [8, 9]}, draft_token_ids={"x": [1, 2, 3], "y": []})
+    assert decode_step_result(encode_step_result(drafted)) == drafted
+    none_proposed = StepResult({"x": [7]}, draft_token_ids={})
+    assert decode_step_result(encode_step_result(none_proposed)) == none_proposed
 
 
 def _raw(message: list) -> bytes:
@@ -200,6 +204,10 @@ def test_step_result_rejects_wrong_types():
         (5, {"a": [[[1, 2]], [[-0.5]]]}, "row 0"),
         (7, {"a": b"\x00\x00\x80"}, "pooled"),
         (7, [b"\x00\x00\x80?"], "pooled"),
+        (8, {"a": [1]}, "draft_token_ids"),
+        (8, ["a", [b"\x01\x00\x00\x00", None], None], r"draft_token_ids: expected \[ids, rows\]"),
+        (8, ["a\0a", [b"\x01\x00\x00\x00" * 2, None]], "appears twice"),
+        (8, ["a", [b"\x01\x00", None]], "uint32"),
     ]:
         fields = list(good)
         fields[index] = value

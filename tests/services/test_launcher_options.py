@@ -104,8 +104,13 @@ def test_vllms_speculative_config_is_the_four_options_it_stands_for():
     scheduler = build_parser().parse_args(["scheduler", *engine.to_argv("scheduler")])
     assert EngineArgs.from_cli(scheduler).scheduler_config(100).num_speculative_tokens == 3
     for bad, words in [
-        ('{"method": "eagle"}', "method must be one of ('ngram',)"),
-        ('{"method": "ngram", "model": "x"}', "['model'] not supported"),
+        ('{"method": "eagle"}', "method must be one of ('ngram', 'draft_model')"),
+        ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "not supported"),
+        ('{"method": "ngram", "model": "x"}', "not of 'ngram'"),
+        ('{"method": "draft_model"}', "needs speculative_model"),
+        ('{"model": ""}', "model must be a non-empty string"),
+        ('{"model": "x", "quantization": 8}', "quantization must be a non-empty string"),
+        ('{"model": "x", "quantization": "fp8"}', "speculative_model_quantization must be one"),
         ("[1]", "must be a JSON object"),
         ("{", "not JSON"),
         (
@@ -118,6 +123,36 @@ def test_vllms_speculative_config_is_the_four_options_it_stands_for():
             EngineArgs(speculative_config=bad)
     with pytest.raises(ValueError, match="not both"):
         EngineArgs(speculative_config=config, speculative_method="ngram")
+
+
+def test_a_draft_model_names_its_method_and_gives_the_scheduler_lookahead():
+    """vLLM's {"model": ...} is draft_model speculative decoding; the scheduler allocates
+    slots ahead for the draft's proposals, and the roles get what they need."""
+    config = '{"model": "/models/draft", "num_speculative_tokens": 4, "quantization": "int8"}'
+    engine = EngineArgs.from_cli(
+        build_parser().parse_args(["serve", "--speculative-config", config])
+    )
+    assert engine == EngineArgs(
+        speculative_model="/models/draft",
+        num_speculative_tokens=4,
+        speculative_model_quantization="int8",
+    )
+    assert engine.speculative_method == "draft_model"
+    scheduler_config = engine.scheduler_config(100)
+    assert scheduler_config.num_lookahead_tokens == scheduler_config.num_speculative_tokens == 4
+    assert not scheduler_config.async_scheduling
+    assert (
+        EngineArgs(speculative_method="ngram", num_speculative_tokens=4)
+        .scheduler_config(100)
+        .num_lookahead_tokens
+        == 0
+    )  # the scheduler's own drafts are never written ahead
+    executor = build_parser().parse_args(
+        ["executor", "--scheduler", "tcp://h:1", *engine.to_argv("executor")]
+    )
+    assert EngineArgs.from_cli(executor).speculative_model_quantization == "int8"
+    with pytest.raises(ValueError, match="needs a speculative_model"):
+        EngineArgs(speculative_model_quantization="int8")
 
 
 def test_unknown_engine_option_is_a_type_error():
