@@ -22,8 +22,9 @@ GREEDY = SamplingParams(max_tokens=NUM_NEW, temperature=0.0)
 class Driver:
     """A scripted stand-in for the scheduler: tracks what it has told the executor and builds diffs."""
 
-    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, seed: int = 0, lookahead: int = 0) -> None:
         self.runner = runner
+        self.lookahead = lookahead  # blocks past the tokens computed, as for a draft model
         self.free = list(range(runner.num_blocks))
         random.Random(seed).shuffle(self.free)
         self.prompts: dict[str, list[int]] = {}
@@ -77,7 +78,8 @@ class Driver:
         for req_id, n in work.items():
             k = len(drafts.get(req_id, []))
             n = (len(self.tokens(req_id)) - self.computed[req_id] if n is None else n) + k
-            need = -(-(self.computed[req_id] + n) // BLOCK_SIZE) - len(self.blocks[req_id])
+            end = self.computed[req_id] + n + self.lookahead
+            need = -(-end // BLOCK_SIZE) - len(self.blocks[req_id])
             new_blocks = [self.free.pop() for _ in range(need)]
             self.blocks[req_id] += new_blocks
             num_scheduled[req_id] = n
@@ -157,7 +159,7 @@ def tiny(tmp_path_factory):
     return path, hf_model
 
 
-def make_runner(path, device: str = "cpu", dtype: str | None = None) -> ModelRunner:
+def make_runner(path, device: str = "cpu", dtype: str | None = None, **options) -> ModelRunner:
     return ModelRunner(
         path,
         device=device,
@@ -167,6 +169,7 @@ def make_runner(path, device: str = "cpu", dtype: str | None = None) -> ModelRun
         max_num_batched_tokens=64,
         max_num_seqs=4,
         seed=0,
+        **options,
     )
 
 
@@ -208,6 +211,30 @@ def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
         d.step({r: None for r in want if len(d.outputs[r]) < NUM_NEW})
     assert {r: d.outputs[r][:NUM_NEW] for r in want} == want
     assert len(runner.batch) == 3
+
+
+def test_a_draft_caches_the_kept_tokens_not_those_it_proposed(tiny, tmp_path):
+    """A Qwen3 drafting for a Llama, through steps that verify its own proposals and steps
+    that verify others (the Llama's greedy tokens, all kept where its own were not): its
+    next proposals equal those of a fresh draft given the whole sequence as a prompt. So
+    its cache holds each kept token, and of what it wrote while proposing, only positions
+    whose proposal was the token kept there."""
+    path, hf_model = tiny
+    save_tiny_model("qwen3", tmp_path / "draft")
+    prompt = [7, 3, 99, 12, 64, 5, 31, 8, 77]
+    want = hf_greedy(hf_model, prompt, 16)
+    draft = {"speculative_model": tmp_path / "draft", "num_speculative_tokens": 3}
+    d = Driver(make_runner(path, **draft), lookahead=3)
+    d.add("A", prompt)
+    proposals = d.step({"A": None}).draft_token_ids["A"]
+    for own in (True, False, True, False, False):
+        done = len(d.outputs["A"])
+        drafts = proposals if own else want[done : done + 3]
+        proposals = d.step({"A": None}, drafts={"A": drafts}).draft_token_ids["A"]
+    assert d.outputs["A"] == want[: len(d.outputs["A"])]
+    fresh = Driver(make_runner(path, **draft), lookahead=3)
+    fresh.add("A", d.tokens("A")[:-1])
+    assert fresh.step({"A": None}).draft_token_ids["A"] == proposals
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)

@@ -50,6 +50,16 @@ class Drafter:
         self.context_len = model.config.max_position_embeddings
         self.long_prompt_threshold = model.config.rope.long_prompt_threshold
         self.kv_caches: list[torch.Tensor] = []
+        self.forget()
+
+    def forget(self) -> None:
+        """Hold no proposal (the persistent batch was replaced). Of each batch slot, the
+        draft's last proposal: the tokens it fed from ``_fed_start`` on (``_fed_count`` of
+        them, into its cache), and the slot's generation then."""
+        self._fed = np.zeros((0, self.k), dtype=np.int32)
+        self._fed_start = np.zeros(0, dtype=np.int64)
+        self._fed_count = np.zeros(0, dtype=np.int64)
+        self._fed_generation = np.zeros(0, dtype=np.int64)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         return self.model.kv_cache_bytes_per_block(block_size)
@@ -78,6 +88,11 @@ class Drafter:
         num_drafts = np.where(proposing, np.clip(limit - ends + 1, 0, self.k), 0)
         beyond = ends > limit  # no slot for the sampled token: it proposes nothing
         ends = np.where(beyond, ends - 1, ends)
+        # Positions the draft computed while proposing with the tokens kept there need not
+        # be computed again: after a step that kept every draft, 2 of k + 2.
+        starts = np.minimum(
+            np.maximum(starts, self._held_until(batch, slots, starts, ends)), ends - 1
+        )
         spans = batch.spans(slots, starts, ends - starts, self.long_prompt_threshold)
         input_ids = batch.token_ids.reshape(-1)[
             spans.token_slot * batch.max_model_len + spans.positions
@@ -89,6 +104,7 @@ class Drafter:
             self.kv_caches,
         )
         rows = np.flatnonzero(num_drafts > 0)
+        self._fed_count[slots] = 0
         if not len(rows):
             return {}
         tokens = self._argmax(hidden[self._dev(spans.query_start_loc[1:][rows] - 1)])
@@ -110,10 +126,38 @@ class Drafter:
             column = torch.full((len(rows),), -1, dtype=tokens.dtype, device=tokens.device)
             column[self._dev(live)] = tokens
             drafts.append(column)
-        table = torch.stack(drafts, dim=1).cpu().tolist()  # the proposals' one wait
+        table = torch.stack(drafts, dim=1).cpu().numpy()  # the proposals' one wait
+        fed, last = slots[rows], ends[rows] - 1
+        self._fed[fed, 0] = batch.token_ids[fed, last]
+        self._fed[fed, 1 : table.shape[1]] = table[:, :-1]
+        self._fed_start[fed] = last
+        self._fed_count[fed] = num_drafts[rows]
+        self._fed_generation[fed] = batch.generation[fed]
         return {
-            inputs.req_ids[r]: row[: int(num_drafts[r])] for r, row in zip(rows.tolist(), table)
+            inputs.req_ids[r]: row[: int(num_drafts[r])]
+            for r, row in zip(rows.tolist(), table.tolist())
         }
+
+    def _held_until(
+        self, batch: InputBatch, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray
+    ) -> np.ndarray:
+        """Of each request, the first position from ``starts`` on whose draft KV its last
+        proposal did not write with the token the batch now holds there (before ``ends``)."""
+        if len(self._fed) < batch.capacity:  # the batch grew: so do the slots' records
+            grown = batch.capacity - len(self._fed)
+            self._fed = np.pad(self._fed, ((0, grown), (0, 0)))
+            for name in ("_fed_start", "_fed_count", "_fed_generation"):
+                setattr(self, name, np.pad(getattr(self, name), (0, grown)))
+        start, count = self._fed_start[slots], self._fed_count[slots]
+        # A resumed request's slot has a new generation (and new blocks).
+        held = (self._fed_generation[slots] == batch.generation[slots]) & (starts >= start)
+        column = np.arange(self.k)
+        positions = start[:, None] + column
+        written = (column < count[:, None]) & (positions < ends[:, None])
+        tokens = batch.token_ids[slots[:, None], np.minimum(positions, batch.max_model_len - 1)]
+        same = written & (tokens == self._fed[slots])
+        first_other = np.where(same.all(axis=1), self.k, same.argmin(axis=1))
+        return np.where(held, start + first_other, starts)
 
     def _metadata(self, spans: Spans, max_query_len: int) -> AttentionMetadata:
         return AttentionMetadata(

@@ -429,6 +429,8 @@ class ModelRunner:
             self.config.vocab_size,
         )
         self._unfinished: LaunchedStep | None = None  # launched, and its tokens may be read
+        if self.drafter is not None:
+            self.drafter.forget()  # its records name the old batch's slots
         # Of MEAN and CLS pooling requests whose prompt is partly computed: the sum of its
         # hidden states so far, or its first token's.
         self._pooling: dict[str, torch.Tensor] = {}
