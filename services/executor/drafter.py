@@ -15,8 +15,10 @@ rejection samples from the served model's distribution without it).
 
 Proposals at positions P, P + 1, ... past the last computed token write the draft's KV
 there: the scheduler allocates those slots ahead (``num_lookahead_tokens``) where blocks are
-free, and a request proposes only as far as its blocks reach. The next step computes those
-positions again with the verified tokens, so what the proposals wrote never outlives them.
+free, and a request proposes only as far as its blocks reach. The draft remembers what it
+fed at those positions; after the next step it computes again only from the first position
+whose kept token is not the one it fed (after a step that kept every draft, 2 positions of
+k + 2), so what the proposals wrote never outlives a token that replaced it.
 """
 
 import numpy as np
@@ -107,7 +109,8 @@ class Drafter:
         self._fed_count[slots] = 0
         if not len(rows):
             return {}
-        tokens = self._argmax(hidden[self._dev(spans.query_start_loc[1:][rows] - 1)])
+        sampled_rows = spans.query_start_loc[1:][rows].astype(np.int64) - 1
+        tokens = self._argmax(hidden[self._dev(sampled_rows)])
         drafts = [tokens]
         positions = ends[rows]  # of each proposing request's latest proposal
         live = np.arange(len(rows))  # of ``rows``, the requests still proposing

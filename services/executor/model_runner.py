@@ -411,6 +411,12 @@ class ModelRunner:
         if logits is not None:  # under tensor parallelism, only rank 0 samples
             self.sampler(logits, batch)
         del kv_caches, hidden, logits
+        if self.drafter is not None:  # its first pass after such a step is about as large
+            kv_caches = self.drafter.model.allocate_kv_caches(
+                num_reqs * blocks_per_req, self.block_size
+            )
+            self.drafter.model(input_ids, self._to_device(positions), meta, kv_caches)
+            del kv_caches
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
