@@ -213,7 +213,8 @@ def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
     assert len(runner.batch) == 3
 
 
-def test_a_draft_caches_the_kept_tokens_not_those_it_proposed(tiny, tmp_path):
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+def test_a_draft_caches_the_kept_tokens_not_those_it_proposed(tiny, tmp_path, device):
     """A Qwen3 drafting for a Llama, through steps that verify its own proposals and steps
     that verify others (the Llama's greedy tokens, all kept where its own were not): its
     next proposals equal those of a fresh draft given the whole sequence as a prompt. So
@@ -224,7 +225,7 @@ def test_a_draft_caches_the_kept_tokens_not_those_it_proposed(tiny, tmp_path):
     prompt = [7, 3, 99, 12, 64, 5, 31, 8, 77]
     want = hf_greedy(hf_model, prompt, 16)
     draft = {"speculative_model": tmp_path / "draft", "num_speculative_tokens": 3}
-    d = Driver(make_runner(path, **draft), lookahead=3)
+    d = Driver(make_runner(path, device, "float32", **draft), lookahead=3)
     d.add("A", prompt)
     proposals = d.step({"A": None}).draft_token_ids["A"]
     for own in (True, False, True, False, False):
@@ -232,7 +233,7 @@ def test_a_draft_caches_the_kept_tokens_not_those_it_proposed(tiny, tmp_path):
         drafts = proposals if own else want[done : done + 3]
         proposals = d.step({"A": None}, drafts={"A": drafts}).draft_token_ids["A"]
     assert d.outputs["A"] == want[: len(d.outputs["A"])]
-    fresh = Driver(make_runner(path, **draft), lookahead=3)
+    fresh = Driver(make_runner(path, device, "float32", **draft), lookahead=3)
     fresh.add("A", d.tokens("A")[:-1])
     assert fresh.step({"A": None}).draft_token_ids["A"] == proposals
 
