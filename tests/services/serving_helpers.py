@@ -5,8 +5,10 @@ from collections.abc import Sequence
 
 import torch
 
+from weir.services.engine.core import EngineCore, step_now
 from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.launcher import ServerProcesses
+from weir.services.scheduler import Request
 from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
 
@@ -107,6 +109,25 @@ def hf_constrained(model, prompt_ids: list[int], num_tokens: int, compiled, eos:
             logits_processor=[LogitsProcessor(compiled)],
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def generate_in_core(
+    core: EngineCore, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
+    """Each prompt's output tokens, the engine core stepped until every request ends (request
+    ids ``r0``, ``r1``...); with logprobs, one row per token checked (drafts' included)."""
+    for i, prompt in enumerate(prompts):
+        core.scheduler.add_request(Request(f"r{i}", prompt, params))
+    produced: list[list[int]] = [[] for _ in prompts]
+    while core.has_work():
+        step = step_now(core)
+        for out in step.outputs if step else ():
+            produced[int(out.request_id[1:])] += out.new_token_ids
+            if params.logprobs is not None:
+                assert out.logprobs is not None
+                assert [row[0] for row in out.logprobs.token_ids] == out.new_token_ids
+    step_now(core)  # tells the executor which requests finished
+    return produced
 
 
 def read_metrics(url: str) -> dict[str, float]:

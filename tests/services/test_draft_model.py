@@ -6,12 +6,12 @@ import openai
 import pytest
 import torch
 from conftest import save_speaking, save_with_markers, transformers
-from serving_helpers import hf_greedy, metric, read_metrics, small_server
+from serving_helpers import generate_in_core, hf_greedy, metric, read_metrics, small_server
 
-from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
+from weir.services.engine.core import EngineCore, InProcessExecutor
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.llm import LLM
-from weir.services.scheduler import Request, Scheduler
+from weir.services.scheduler import Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import Tokenizer
@@ -44,18 +44,6 @@ def other_draft_dir(tmp_path_factory, default_model_dir):
     path = tmp_path_factory.mktemp("models") / "tiny-draft"
     save_speaking(transformers.LlamaForCausalLM(config).eval(), path, default_model_dir)
     return path
-
-
-def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        core.scheduler.add_request(Request(f"r{i}", prompt, params))
-    produced: list[list[int]] = [[] for _ in prompts]
-    while core.has_work():
-        step = step_now(core)
-        for out in step.outputs if step else ():
-            produced[int(out.request_id[1:])] += out.new_token_ids
-    step_now(core)  # tells the executor which requests finished
-    return produced
 
 
 @pytest.mark.parametrize("draft", ["itself", "other"])
@@ -104,7 +92,7 @@ def test_outputs_are_the_served_models_whatever_the_draft(
             CacheConfig(num_blocks=runner.num_blocks),
         )
         engines[k] = (EngineCore(scheduler, InProcessExecutor(runner)), runner)
-    plain, spec = (_run(core, prompts, params) for core, _ in engines.values())
+    plain, spec = (generate_in_core(core, prompts, params) for core, _ in engines.values())
     assert spec == plain
     assert all(len(out) == 24 for out in spec)
     core, runner = engines[3]

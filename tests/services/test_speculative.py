@@ -5,14 +5,14 @@ import dataclasses
 
 import pytest
 import torch
-from serving_helpers import metric, read_metrics
+from serving_helpers import generate_in_core, metric, read_metrics
 
-from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
+from weir.services.engine.core import EngineCore, InProcessExecutor
 from weir.services.engine.frontend import bad_word_sequences
 from weir.services.engine.ngram import NgramProposer
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.llm import LLM
-from weir.services.scheduler import Request, Scheduler
+from weir.services.scheduler import Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.protocol.step import NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
@@ -24,21 +24,6 @@ PASSAGES = [
     "Signal fires burned on the hills: one for a ship, two for a storm, three for the king.",
     "She wrote the numbers down twice: 4 8 15 16 23 42, then 4 8 15 16 23 42 again.",
 ]
-
-
-def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    for i, prompt in enumerate(prompts):
-        core.scheduler.add_request(Request(f"r{i}", prompt, params))
-    produced: list[list[int]] = [[] for _ in prompts]
-    while core.has_work():
-        step = step_now(core)
-        for out in step.outputs if step else ():
-            produced[int(out.request_id[1:])] += out.new_token_ids
-            if params.logprobs is not None:  # one logprob row per token, drafts included
-                assert out.logprobs is not None
-                assert [row[0] for row in out.logprobs.token_ids] == out.new_token_ids
-    step_now(core)  # tells the executor which requests finished
-    return produced
 
 
 @pytest.mark.parametrize(
@@ -98,7 +83,7 @@ def test_outputs_are_identical_with_and_without_drafts(default_model_dir, params
         )
         proposer = NgramProposer(k, 2, 4) if k else None
         core = EngineCore(scheduler, InProcessExecutor(runner), proposer=proposer)
-        outputs.append(_run(core, prompts, params))
+        outputs.append(generate_in_core(core, prompts, params))
         stats.append(scheduler.stats())
     assert runner.num_blocks == 20
     assert outputs[0] == outputs[1]
