@@ -235,6 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
             allowed_origins=args.allowed_origins,
             parsers=_chat_parsers(args),
             startup_timeout=args.startup_timeout,
+            data_parallel_size=args.data_parallel_size,
         )
     except ValueError as exc:  # options that only tell together, e.g. ranks and cores
         _exit_with_option_error(args, exc)
@@ -252,17 +253,20 @@ def _serve(args: argparse.Namespace) -> int:
             else ""
         )
         print(
-            f"Weir is serving {info['model_name']} ({info['num_blocks']} KV blocks)\n"
-            f"{http}"
-            f"  clients:  {info['client_address']}\n"
-            f"  metrics:  {info['metrics_address']}  (scheduler)",
-            flush=True,
+            f"Weir is serving {info['model_name']} ({info['num_blocks']} KV blocks)\n{http}", end=""
         )
-        for executor in info["executors"]:
-            threads = f", {executor['threads']} threads" if "threads" in executor else ""
+        for i, replica in enumerate(info.get("replicas", [info])):
+            of = f" of replica {i}" if "replicas" in info else ""
             print(
-                f"            {executor['metrics_address']}  (executor {executor['rank']}{threads})"
+                f"  clients:  {replica['client_address']}{of}\n"
+                f"  metrics:  {replica['metrics_address']}  (scheduler{of})"
             )
+            for executor in replica["executors"]:
+                threads = f", {executor['threads']} threads" if "threads" in executor else ""
+                print(
+                    f"            {executor['metrics_address']}  (executor {executor['rank']}"
+                    f"{threads}{of})"
+                )
         print("Press Ctrl-C to stop.", flush=True)
         name, rc = server.wait()
         print(f"weir serve: {name} exited with code {rc}; stopping", file=sys.stderr)
@@ -589,6 +593,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"OpenAI-compatible HTTP API port (0 = any free; default: {DEFAULT_HTTP_PORT})",
     )
     p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines, each a scheduler and its executors (with --tensor-parallel-size N, N "
+        "GPUs each), behind the one HTTP gateway, whose router spreads the requests; replica i "
+        "takes --port + 100 i and --metrics-port + 100 i (default: 1)",
+    )
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
     _add_parser_flags(p)

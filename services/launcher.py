@@ -51,6 +51,9 @@ from weir.shared.config import (
 _log = logging.getLogger(__name__)
 
 GATEWAY = "gateway"
+# Replica i of a data-parallel server listens on --port and --metrics-port + this x i: past
+# the executors' metrics ports that follow the defaults (8103 + each rank of every replica).
+REPLICA_PORT_STRIDE = 100
 # An executor that dies is started again after this many seconds, doubled while it
 # keeps dying soon after starting.
 _RESTART_DELAY_S = (1.0, 30.0)
@@ -67,6 +70,8 @@ class ChildFailedError(RuntimeError):
 @dataclass(slots=True)
 class _Child:
     name: str
+    role: str  # SCHEDULER, EXECUTOR or GATEWAY
+    replica: int  # the engine it belongs to (data parallelism); 0 for the gateway
     argv: list[str]
     env: dict[str, str] | None
     proc: subprocess.Popen[bytes]
@@ -105,10 +110,18 @@ class ServerProcesses:
     """A scheduler and ``num_executors`` executors, and with ``http_port`` the HTTP gateway
     in front of them, started together and stopped together.
 
-    ``start()`` returns the scheduler's ready record (``client_address``,
+    With ``data_parallel_size`` N > 1 (vLLM's ``--data-parallel-size``), N such engines,
+    each its own scheduler and executors (replica i on ports ``port + 100 i`` and
+    ``metrics_port + 100 i``, clear of the ports the defaults give executors; its executor
+    ranks from ``executor_metrics_port + i * num_executors``, on its share of the cores, and on CUDA its own GPUs: those of
+    ``CUDA_VISIBLE_DEVICES``, or 0, 1..., taken ``num_executors`` at a time), behind the
+    one gateway, whose router sends each request to one of them.
+
+    ``start()`` returns the (first) scheduler's ready record (``client_address``,
     ``metrics_address``, ``executors`` with each rank's ``metrics_address``...), plus the
-    gateway's ``http_address``. Every process's /metrics and /health bind to
-    ``metrics_host`` (default: ``host``). Use as a context manager, or call ``shutdown()``.
+    gateway's ``http_address`` and, with replicas, ``replicas``: each one's record. Every
+    process's /metrics and /health bind to ``metrics_host`` (default: ``host``). Use as a
+    context manager, or call ``shutdown()``.
     """
 
     def __init__(
@@ -127,8 +140,12 @@ class ServerProcesses:
         parsers: ChatParsers = NO_PARSERS,
         startup_timeout: float = 600.0,
         stop_timeout: float = 5.0,
+        data_parallel_size: int = 1,
     ) -> None:
         self.engine_args = engine_args or EngineArgs()
+        if type(data_parallel_size) is not int or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an int >= 1, got {data_parallel_size!r}")
+        self.data_parallel_size = data_parallel_size
         self.http_port, self.api_key = http_port, api_key
         self.allowed_origins = allowed_origins  # the gateway's CORS origins
         self.parsers = parsers  # the gateway's
@@ -136,17 +153,21 @@ class ServerProcesses:
         self.metrics_host = metrics_host or host
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
         self.num_executors = resolve_num_executors(num_executors, self.engine_args)
+        replicas = range(data_parallel_size)
         _check_ports_apart(
             {
-                "--port": [port],
-                "--metrics-port": [metrics_port],
+                "--port": [self._port(port, i) for i in replicas],
+                "--metrics-port": [self._port(metrics_port, i) for i in replicas],
                 "--executor-metrics-port": [
-                    self._executor_metrics_port(r) for r in range(self.num_executors)
+                    self._executor_metrics_port(r)
+                    for r in range(self.num_executors * data_parallel_size)
                 ],
                 "--http-port": [http_port or 0],
             }
         )
-        self.cpu_plan = plan_cpus(available_cpus(), self.num_executors, self.engine_args.threads)
+        self.cpu_plan = plan_cpus(
+            available_cpus(), self.num_executors * data_parallel_size, self.engine_args.threads
+        )
         self.startup_timeout, self.stop_timeout = startup_timeout, stop_timeout
         self.info: dict[str, Any] = {}
         self._children: list[_Child] = []
@@ -168,61 +189,21 @@ class ServerProcesses:
         return self.info["client_address"]
 
     def start(self) -> dict[str, Any]:
-        # Linux's abstract namespace: no socket file to leave behind, whatever kills us.
-        executor_address = f"ipc://@weir-{os.getpid()}-{secrets.token_hex(4)}"
-        # A tensor-parallel group's rendezvous (torch.distributed's env://), on this machine.
-        group_env = (
-            {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-            if self.engine_args.tensor_parallel_size > 1
-            else None
-        )
         plan = self.cpu_plan
         _log.info("CPU plan: %s", plan.describe())
-        executor_args = replace(self.engine_args, threads=plan.executor_threads)
         try:
-            self._spawn(
-                SCHEDULER,
-                [
-                    SCHEDULER,
-                    "--host",
-                    self.host,
-                    "--port",
-                    str(self.port),
-                    "--metrics-host",
-                    self.metrics_host,
-                    "--metrics-port",
-                    str(self.metrics_port),
-                    "--executor-address",
-                    executor_address,
-                    "--num-executors",
-                    str(self.num_executors),
-                    *self.engine_args.to_argv(SCHEDULER),
-                    *_affinity_flag(plan.service_cores),
-                ],
-            )
-            for rank in range(self.num_executors):
-                metrics_port = self._executor_metrics_port(rank)
-                self._spawn(
-                    f"executor {rank}",
-                    [
-                        EXECUTOR,
-                        "--scheduler",
-                        executor_address,
-                        "--rank",
-                        str(rank),
-                        "--metrics-host",
-                        self.metrics_host,
-                        "--metrics-port",
-                        str(metrics_port),
-                        *executor_args.to_argv(EXECUTOR),
-                        *_affinity_flag(plan.executor_cores[rank]),
-                    ],
-                    group_env,
-                )
-            self.info = self._wait_ready(self._children[0])
-            self._add_executor_threads(self.info)
+            schedulers = [self._spawn_replica(i) for i in range(self.data_parallel_size)]
+            records = []
+            for i, scheduler in enumerate(schedulers):
+                records.append(self._wait_ready(scheduler))
+                self._add_executor_threads(records[-1], i)
+            self.info = dict(records[0])
+            if self.data_parallel_size > 1:
+                self.info["replicas"] = records
             if self.http_port is not None:
-                self.info["http_address"] = self._start_gateway([self.info["client_address"]])
+                self.info["http_address"] = self._start_gateway(
+                    [record["client_address"] for record in records]
+                )
         except Terminated:
             if not self.info:
                 self._abandon_start()
@@ -239,9 +220,88 @@ class ServerProcesses:
         self._supervisor.start()
         return self.info
 
-    def _executor_metrics_port(self, rank: int) -> int:
-        """Rank r serves its metrics on --executor-metrics-port + r (0: any free port)."""
-        return self.executor_metrics_port + rank if self.executor_metrics_port else 0
+    def _spawn_replica(self, replica: int) -> _Child:
+        """Start one engine's scheduler and executors; returns its scheduler."""
+        # Linux's abstract namespace: no socket file to leave behind, whatever kills us.
+        executor_address = f"ipc://@weir-{os.getpid()}-{secrets.token_hex(4)}"
+        env = self._replica_env(replica)
+        plan = self.cpu_plan
+        executor_args = replace(self.engine_args, threads=plan.executor_threads)
+        suffix = f" of replica {replica}" if self.data_parallel_size > 1 else ""
+        self._spawn(
+            SCHEDULER + suffix,
+            [
+                SCHEDULER,
+                "--host",
+                self.host,
+                "--port",
+                str(self._port(self.port, replica)),
+                "--metrics-host",
+                self.metrics_host,
+                "--metrics-port",
+                str(self._port(self.metrics_port, replica)),
+                "--executor-address",
+                executor_address,
+                "--num-executors",
+                str(self.num_executors),
+                *self.engine_args.to_argv(SCHEDULER),
+                *_affinity_flag(plan.service_cores),
+            ],
+            role=SCHEDULER,
+            replica=replica,
+        )
+        scheduler = self._children[-1]
+        for rank in range(self.num_executors):
+            index = replica * self.num_executors + rank  # among all replicas' executors
+            self._spawn(
+                f"executor {rank}{suffix}",
+                [
+                    EXECUTOR,
+                    "--scheduler",
+                    executor_address,
+                    "--rank",
+                    str(rank),
+                    "--metrics-host",
+                    self.metrics_host,
+                    "--metrics-port",
+                    str(self._executor_metrics_port(index)),
+                    *executor_args.to_argv(EXECUTOR),
+                    *_affinity_flag(plan.executor_cores[index]),
+                ],
+                env,
+                role=EXECUTOR,
+                replica=replica,
+            )
+        return scheduler
+
+    def _replica_env(self, replica: int) -> dict[str, str] | None:
+        """The environment of a replica's executors: a tensor-parallel group's rendezvous
+        (torch.distributed's env://, on this machine) and, with several replicas, the GPUs
+        that are theirs."""
+        env: dict[str, str] = {}
+        if self.engine_args.tensor_parallel_size > 1:
+            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        if self.data_parallel_size > 1:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = (
+                visible.split(",")
+                if visible
+                else [str(i) for i in range(self.data_parallel_size * self.num_executors)]
+            )
+            mine = gpus[replica * self.num_executors : (replica + 1) * self.num_executors]
+            if len(mine) == self.num_executors:  # else too few: the executors say so on CUDA
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        return {**os.environ, **env} if env else None
+
+    @staticmethod
+    def _port(port: int, replica: int) -> int:
+        """Replica i's port of a base port (0: any free port)."""
+        return port + REPLICA_PORT_STRIDE * replica if port else 0
+
+    def _executor_metrics_port(self, index: int) -> int:
+        """Executor ``index`` (rank r of replica i: i * num_executors + r) serves its metrics
+        on --executor-metrics-port + index (0: any free port)."""
+        return self.executor_metrics_port + index if self.executor_metrics_port else 0
 
     def wait(self) -> tuple[str, int]:
         """Block until the scheduler or the gateway exits; return its name and exit code."""
@@ -272,7 +332,7 @@ class ServerProcesses:
                     sel.unregister(key.fd)
                     rc = child.proc.wait()
                     child.read_status()
-                    if child.name in (SCHEDULER, GATEWAY):
+                    if child.role in (SCHEDULER, GATEWAY):
                         self._exited = child.name, rc
                         self._exit_event.set()
                         continue
@@ -294,20 +354,24 @@ class ServerProcesses:
                     if self.engine_args.tensor_parallel_size > 1:
                         # A group forms only whole: its other ranks start again with it.
                         for peer in self._children:
-                            if peer.name.startswith(EXECUTOR) and peer.proc.poll() is None:
+                            if (
+                                peer.role == EXECUTOR
+                                and peer.replica == child.replica
+                                and peer.proc.poll() is None
+                            ):
                                 _signal_group(peer.proc.pid, signal.SIGKILL)
 
     def _respawn(self, child: _Child) -> _Child:
         child.close()
         self._children.remove(child)
-        self._spawn(child.name, child.argv, child.env)
+        self._spawn(child.name, child.argv, child.env, role=child.role, replica=child.replica)
         return self._children[-1]
 
     def shutdown(self, drain: bool = False) -> None:
         """Stop the gateway and the scheduler, then the executors: SIGTERM (SIGINT for the
         scheduler unless ``drain``), and SIGKILL what is left after the grace period
         (``engine_args.drain_timeout`` longer with ``drain``)."""
-        front = [c for c in self._children if c.name in (SCHEDULER, GATEWAY)]
+        front = [c for c in self._children if c.role in (SCHEDULER, GATEWAY)]
         grace = self.stop_timeout + (self.engine_args.drain_timeout if drain else 0.0)
         deadline = time.monotonic() + grace
         if drain:
@@ -338,7 +402,7 @@ class ServerProcesses:
     def _signal(children: list[_Child], scheduler_signal: signal.Signals) -> None:
         for child in children:
             if child.proc.returncode is None:
-                sig = scheduler_signal if child.name == SCHEDULER else signal.SIGTERM
+                sig = scheduler_signal if child.role == SCHEDULER else signal.SIGTERM
                 _signal_group(child.proc.pid, sig)
 
     def _stop(
@@ -370,15 +434,15 @@ class ServerProcesses:
             argv += ["--keys-dir", self.engine_args.keys_dir]
         argv += ["--allowed-origins", ",".join(self.allowed_origins)]
         argv += self.parsers.argv()
-        self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env)
+        self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env, role=GATEWAY)
         return str(self._wait_ready(self._children[-1])["http_address"])
 
-    def _add_executor_threads(self, info: dict[str, Any]) -> None:
+    def _add_executor_threads(self, info: dict[str, Any], replica: int) -> None:
         """Each rank's torch threads and cores, as its executor reported them after loading
         (written before its handshake, so already in the pipe once the scheduler is ready)."""
         loaded = {}
         for child in self._children:
-            if child.name.startswith(EXECUTOR):
+            if child.role == EXECUTOR and child.replica == replica:
                 child.read_status()
                 for event in child.events:
                     if event.get("event") == "loaded":
@@ -388,7 +452,15 @@ class ServerProcesses:
                 event = loaded[executor["rank"]]
                 executor["threads"], executor["cores"] = event["threads"], event["cores"]
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        role: str,
+        replica: int = 0,
+    ) -> None:
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         cmd = [
@@ -412,7 +484,9 @@ class ServerProcesses:
             )
         finally:
             os.close(write_fd)
-        self._children.append(_Child(name, argv, env, proc, read_fd, os.pidfd_open(proc.pid)))
+        self._children.append(
+            _Child(name, role, replica, argv, env, proc, read_fd, os.pidfd_open(proc.pid))
+        )
 
     def _wait_ready(self, target: _Child) -> dict[str, Any]:
         """``target``'s ready record, failing if any child exits or reports an error first."""
