@@ -7,6 +7,9 @@ request, the matcher's bitmask of the tokens allowed next travels in the step pl
 executor masks every other token; after the step, the sampled token advances the matcher.
 The end tokens are allowed only where the constraint is complete, so a request ends, on its
 end token, with an output the constraint accepts (unless ``max_tokens`` cuts it short).
+Speculative drafts are cut to the longest prefix the constraint allows (``allowed_drafts``),
+and a step that verifies them carries a mask per position: after each draft, as if it were
+accepted (the matcher advances through them and rolls back).
 With a ``reasoning_end`` token (a thinking model's ``</think>``), the output is free until
 that token and held to the constraint after it, as vLLM treats reasoning models.
 xgrammar is imported on the first such request (a few seconds, in the tokenizer thread).
@@ -18,6 +21,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence
+from itertools import takewhile
 from typing import Any
 
 from weir.shared.sampling import STRUCTURED_OUTPUT_KINDS
@@ -27,8 +31,9 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 class RequestGrammar:
-    """One request's place in its constraint (see ``Scheduler``: ``bitmask`` before a step
-    that samples for it, ``accept`` for each token sampled)."""
+    """One request's place in its constraint (see ``Scheduler``: ``allowed_drafts`` for the
+    drafts proposed, ``bitmask`` before a step that samples for it, ``accept`` for each token
+    sampled)."""
 
     __slots__ = ("_matcher", "_bitmask", "_reasoning_end")
 
@@ -36,11 +41,42 @@ class RequestGrammar:
         self._matcher, self._bitmask = matcher, bitmask
         self._reasoning_end = reasoning_end  # None once the constraint holds
 
-    def bitmask(self) -> bytes | None:
-        """The tokens allowed next, bit ``t % 32`` of little-endian int32 word ``t // 32``;
-        None while the model reasons (any token)."""
+    def bitmask(self, drafts: Sequence[int] = ()) -> bytes | None:
+        """The tokens allowed next, bit ``t % 32`` of little-endian int32 word ``t // 32``,
+        and for a step that verifies ``drafts`` (``allowed_drafts``' own) the tokens allowed
+        after each of them, one such mask a position, concatenated; None while the model
+        reasons (any token: its drafts then hold no reasoning end)."""
         if self._reasoning_end is not None:
             return None
+        masks = [self._next_mask()]
+        for token in drafts:
+            if not self._matcher.accept_token(token):
+                raise ValueError(f"draft token {token} breaks the structured output")
+            masks.append(self._next_mask())
+        if drafts:
+            self._matcher.rollback(len(drafts))
+        return b"".join(masks)
+
+    def allowed_drafts(self, drafts: Sequence[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the constraint allows from here, short of an end
+        token (after which no position has a mask); while the model reasons, the drafts
+        before its reasoning end."""
+        if self._reasoning_end is not None:
+            return list(takewhile(self._reasoning_end.__ne__, drafts))
+        matcher = self._matcher
+        accepted, ended = 0, False
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                ended = True  # an end token: the step samples one itself where allowed
+                break
+        if accepted:
+            matcher.rollback(accepted)
+        return list(drafts[: accepted - ended])
+
+    def _next_mask(self) -> bytes:
         self._matcher.fill_next_token_bitmask(self._bitmask, 0)
         return bytes(self._bitmask.numpy().astype("<i4", copy=False).tobytes())
 

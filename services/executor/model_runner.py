@@ -879,21 +879,24 @@ class ModelRunner:
         return list(masks.items())
 
     def _grammar_masks(self, plan: StepPlan, inputs: StepInputs) -> list[tuple[int, bytes]]:
-        """(logits row, bitmask) of each structured-output request the step samples for."""
+        """(logits row, bitmask) of each structured-output request the step samples for: a
+        mask a row (a request that verifies drafts has one after each)."""
         if not plan.grammar_bitmask:
             return []
-        words = cdiv(self.config.vocab_size, 32)
+        size = 4 * cdiv(self.config.vocab_size, 32)
         first_row = np.cumsum(inputs.num_logits) - inputs.num_logits
         allowed = []
         for i, req_id in enumerate(inputs.req_ids):
             mask = plan.grammar_bitmask.get(req_id)
-            if mask is not None and inputs.num_logits[i]:
-                if len(mask) != 4 * words:
+            rows = int(inputs.num_logits[i])
+            if mask is not None and rows:
+                if len(mask) != size * rows:
                     raise ValueError(
-                        f"request {req_id!r}: a bitmask of {len(mask)} bytes for a vocabulary "
-                        f"of {self.config.vocab_size} tokens"
+                        f"request {req_id!r}: a bitmask of {len(mask)} bytes for {rows} "
+                        f"position(s) of a vocabulary of {self.config.vocab_size} tokens"
                     )
-                allowed.append((int(first_row[i]), mask))
+                row = int(first_row[i])
+                allowed += [(row + j, mask[j * size : (j + 1) * size]) for j in range(rows)]
         return allowed
 
     def _bad_words(

@@ -15,9 +15,14 @@ from weir.shared.sampling import SamplingParams
 class Grammar(Protocol):
     """A request's structured-output constraint (``engine.structured_output``)."""
 
-    def bitmask(self) -> bytes | None:
+    def bitmask(self, drafts: Sequence[int] = ()) -> bytes | None:
         """The tokens allowed next: bit ``t % 32`` of little-endian int32 word ``t // 32``;
-        None while any token is (the model is still reasoning)."""
+        with ``drafts`` (those ``allowed_drafts`` kept), one such mask more after each of
+        them, concatenated; None while any token is (the model is still reasoning)."""
+        ...
+
+    def allowed_drafts(self, drafts: Sequence[int]) -> list[int]:
+        """The longest prefix of ``drafts`` it allows from here (no end token among them)."""
         ...
 
     def accept(self, token_id: int) -> bool:

@@ -181,10 +181,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.status is not _RUNNING:
                 continue
-            if (
-                request.num_computed_tokens != len(request.all_token_ids) - 1
-                or request.grammar is not None  # a draft's mask needs the drafts before it
-            ):
+            if request.num_computed_tokens != len(request.all_token_ids) - 1:
                 request.spec_token_ids = []
                 continue
             room = (
@@ -196,7 +193,10 @@ class Scheduler:
             )
             if cap and cap < room:
                 room = cap
-            request.spec_token_ids = list(drafts[:room]) if room > 0 else []
+            drafts = list(drafts[:room]) if room > 0 else []
+            if drafts and request.grammar is not None:
+                drafts = request.grammar.allowed_drafts(drafts)
+            request.spec_token_ids = drafts
 
     # ------------------------------------------------------------------ the executor's state lost
 
@@ -428,7 +428,9 @@ class Scheduler:
         admitted: list[Request] = []
         if not preempted:
             budget = self._admit(budget, num_scheduled, new_requests, cached, admitted)
-        grammar_bitmask = self._grammar_bitmasks(num_scheduled) if self._grammars else {}
+        grammar_bitmask = (
+            self._grammar_bitmasks(num_scheduled, spec_tokens) if self._grammars else {}
+        )
         if config.async_scheduling:
             sampling = []
             for request in chain(scheduled_running, admitted):
@@ -485,14 +487,17 @@ class Scheduler:
             load_weights=weights,
         )
 
-    def _grammar_bitmasks(self, num_scheduled: dict[str, int]) -> dict[str, bytes]:
-        """The allowed tokens of each structured-output request this step samples for."""
+    def _grammar_bitmasks(
+        self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]
+    ) -> dict[str, bytes]:
+        """The allowed tokens of each structured-output request this step samples for (at
+        each position it verifies a draft, after the drafts before)."""
         masks = {}
         for request in self._grammars:
             num_new = num_scheduled.get(request.request_id)
             if num_new and request.num_computed_tokens + num_new >= len(request.all_token_ids):
                 assert request.grammar is not None
-                mask = request.grammar.bitmask()
+                mask = request.grammar.bitmask(spec_tokens.get(request.request_id, ()))
                 if mask is not None:
                     masks[request.request_id] = mask
         return masks

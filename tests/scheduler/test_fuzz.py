@@ -53,13 +53,18 @@ def scenarios(draw):
 
 
 class _FollowingGrammar:
-    """A structured output that allows every token and records the ones it is told of."""
+    """A structured output that allows every token and records the ones it is told of; it
+    cuts drafts before a 7 (as a real one cuts those it does not allow)."""
 
     def __init__(self) -> None:
         self.accepted: list[int] = []
 
-    def bitmask(self) -> bytes:
-        return b"\xff" * 8
+    def bitmask(self, drafts=()) -> bytes:
+        assert 7 not in drafts
+        return b"\xff" * 8 * (1 + len(drafts))
+
+    def allowed_drafts(self, drafts):
+        return list(drafts[: drafts.index(7)] if 7 in drafts else drafts)
 
     def accept(self, token_id: int) -> bool:
         self.accepted.append(token_id)
@@ -147,8 +152,12 @@ def test_random_traffic(scenario):
                 or request.admitted_step > plan.step_id
             ):
                 continue  # ended, preempted or its id reused while the step was in flight
-            # A structured output's mask went with the step, and no other samples for it.
+            # A structured output's mask went with the step, one for each position it
+            # samples, and no other samples for it.
             assert (rid in plan.grammar_bitmask) == (request.grammar is not None), rid
+            if request.grammar is not None:
+                drafts = plan.scheduled_spec_decode_tokens.get(rid, [])
+                assert len(plan.grammar_bitmask[rid]) == 8 * (1 + len(drafts)), rid
             assert request.grammar is None or request.num_output_placeholders <= 1, rid
         if rng.random() < 0.03 and plan.num_scheduled_tokens:
             # An abort arriving while the step is in flight: its late tokens are dropped.

@@ -7,12 +7,12 @@ import pytest
 import torch
 from serving_helpers import generate_in_core, metric, read_metrics
 
-from weir.services.engine.core import EngineCore, InProcessExecutor
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.engine.frontend import bad_word_sequences
 from weir.services.engine.ngram import NgramProposer
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.llm import LLM
-from weir.services.scheduler import Scheduler
+from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.protocol.step import NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
@@ -176,3 +176,73 @@ def test_bad_speculative_options_fail_start_up(tiny_model_dir):
 
     with pytest.raises(ChildFailedError, match="num_speculative_tokens"):
         LLM(str(tiny_model_dir), device="cpu", speculative_method="ngram", startup_timeout=120)
+
+
+def test_drafts_of_structured_outputs_are_cut_to_the_constraint_and_masked_per_position(
+    tiny_model_dir, tiny_hf_model
+):
+    """Drafts of requests held to a constraint: the constrained answer itself, and every
+    other step one with a token the constraint forbids in the middle. They are cut to what
+    the constraint allows (never past an end token) and each verified position is masked
+    as if the drafts before it were accepted, so every output is transformers' greedy
+    decoding under xgrammar's logits processor, with most drafts accepted."""
+    import transformers
+    import xgrammar as xgr
+    from serving_helpers import hf_constrained
+
+    from weir.services.engine.structured_output import GrammarCompiler
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = hf_tokenizer.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=49152, stop_token_ids=[eos])
+    reference = xgr.GrammarCompiler(info)
+    specs = [{"regex": r"(yes|no), [0-9]{3}"}, {"grammar": 'root ::= "x" [a-c] [a-c]? "!"'}]
+    compiled = [
+        reference.compile_regex(specs[0]["regex"]),
+        reference.compile_grammar(specs[1]["grammar"]),
+    ]
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    tiny_hf_model.generation_config.eos_token_id = None
+    want = [hf_constrained(tiny_hf_model, p, 12, c, eos) for p, c in zip(prompts, compiled)]
+    forbidden = hf_tokenizer.encode("Z", add_special_tokens=False)[0]
+
+    class Oracle:
+        """Drafts from the answer; every other call, one the constraint forbids inside."""
+
+        calls = 0
+
+        def propose(self, running):
+            self.calls += 1
+            drafts = {}
+            for request in running:
+                done = len(request.output_token_ids)
+                right = want[int(request.request_id[1:])][done : done + 3]
+                drafts[request.request_id] = (
+                    right[:1] + [forbidden] + right[2:] if self.calls % 2 else right
+                )
+            return drafts
+
+    runner = ModelRunner(
+        tiny_model_dir, device="cpu", max_num_batched_tokens=64, num_speculative_tokens=3
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, num_speculative_tokens=3),
+        CacheConfig(num_blocks=runner.num_blocks),
+    )
+    compiler = GrammarCompiler(Tokenizer.from_model_dir(tiny_model_dir), 49152, [eos])
+    core = EngineCore(scheduler, InProcessExecutor(runner), proposer=Oracle())
+    produced = {}
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        request = Request(f"r{i}", prompt, params, eos_token_id=eos)
+        request.grammar = compiler.matcher(specs[i])
+        scheduler.add_request(request)
+        produced[request.request_id] = []
+    while core.has_work():
+        step = step_now(core)
+        for out in step.outputs if step else ():
+            produced[out.request_id] += out.new_token_ids
+    assert [produced["r0"], produced["r1"]] == want
+    assert all(w[-1] == eos for w in want)
+    spec = scheduler.stats().spec_decode
+    assert spec.num_accepted_tokens >= spec.num_draft_tokens / 2 > 0, spec
