@@ -2,8 +2,8 @@
 # The GPU checks of the step path (issue 10) and the attention kernel (issue 11) in one run of
 # at most ~9.5 minutes on one H200 (the sections' limits add up to 570 s):
 #   1. the CUDA tests: graphs on/off give the same greedy tokens (tests/test_cuda_graphs.py),
-#      the model runner's steps (pooling and a draft model's cache on CUDA too) against
-#      transformers and a fresh draft (tests/test_model_runner.py), a MoE model in bf16 (tests/test_moe.py), and the Triton
+#      the model runner's steps (pooling, a draft model's cache and waking from sleep on
+#      CUDA too) against transformers and a fresh draft (tests/test_model_runner.py), a MoE model in bf16 (tests/test_moe.py), and the Triton
 #      kernel tests, natively; then benchmarks/attention.py --quick (issue 11)
 #      and benchmarks/layer_ops.py (the layer kernels against PyTorch's operators);
 #   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs

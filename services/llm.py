@@ -263,6 +263,18 @@ class LLM:
         or cannot be loaded, and the weights before go on serving."""
         self._loop.run(self._client.update_weights_from_disk(os.fspath(model_path)))
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``LLM.sleep``: free the KV cache and, at ``level`` 1, move the weights to
+        host memory (on a GPU), at level 2 free them too, until ``wake_up`` (which reads them
+        again from disk); for a trainer that needs the device between rollouts."""
+        self._loop.run(self._client.sleep(level))
+
+    def wake_up(self) -> None:
+        self._loop.run(self._client.wake_up())
+
+    def is_sleeping(self) -> bool:
+        return self._loop.run(self._client.is_sleeping())
+
     def close(self) -> None:
         self._finalizer()
 

@@ -574,6 +574,24 @@ class AsyncWeirClient:
         request = EngineControlRequest(uuid.uuid4().hex, "update_weights", path=model_path)
         await self._request(request, max(timeout, self.timeout))
 
+    async def sleep(self, level: int = 1, timeout: float = 600.0) -> None:
+        """vLLM's sleep mode, to lend the device to a trainer: the engine pauses keeping its
+        requests, and its executors free the KV cache and, at ``level`` 1, move the weights
+        to host memory (on a GPU), at level 2 free them too (read again from disk on
+        waking). Requests sent meanwhile wait for ``wake_up``."""
+        request = EngineControlRequest(uuid.uuid4().hex, "sleep", level=level)
+        await self._request(request, max(timeout, self.timeout))
+
+    async def wake_up(self, timeout: float = 600.0) -> None:
+        """The executors take their weights and KV cache back; the engine resumes (unless it
+        was paused before ``sleep``)."""
+        request = EngineControlRequest(uuid.uuid4().hex, "wake_up")
+        await self._request(request, max(timeout, self.timeout))
+
+    async def is_sleeping(self) -> bool:
+        reply = await self._request(EngineControlRequest(uuid.uuid4().hex, "is_sleeping"))
+        return bool(reply.info["is_sleeping"])
+
     async def tokenize(
         self,
         prompt: str | list[dict[str, Any]],
@@ -1159,6 +1177,18 @@ class WeirClient:
     def update_weights_from_disk(self, model_path: str, timeout: float = 600.0) -> None:
         self._check_open()
         self._loop.run(self._client.update_weights_from_disk(model_path, timeout))
+
+    def sleep(self, level: int = 1, timeout: float = 600.0) -> None:
+        self._check_open()
+        self._loop.run(self._client.sleep(level, timeout))
+
+    def wake_up(self, timeout: float = 600.0) -> None:
+        self._check_open()
+        self._loop.run(self._client.wake_up(timeout))
+
+    def is_sleeping(self) -> bool:
+        self._check_open()
+        return self._loop.run(self._client.is_sleeping())
 
     def tokenize(
         self,

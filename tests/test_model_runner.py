@@ -214,6 +214,27 @@ def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_runner_woken_from_sleep_decodes_as_transformers(tiny, device, level):
+    """Sleep frees the KV cache and the CUDA graphs (level 1 moves the weights to host
+    memory, level 2 drops them); waking takes them back (graphs captured again, weights read
+    again from disk) and decoding is transformers' again."""
+    path, hf_model = tiny
+    prompt = [3, 14, 15, 92, 65, 35]
+    want = hf_greedy(hf_model, prompt, NUM_NEW)
+    runner = make_runner(path, device, "float32")
+    for _ in range(2):
+        d = Driver(runner)  # the batch forgets its requests on sleeping: they come again
+        d.add("A", prompt)
+        while len(d.outputs["A"]) < NUM_NEW:
+            d.step({"A": None})
+        assert d.outputs["A"][:NUM_NEW] == want
+        runner.sleep(level)
+        assert runner.kv_caches == [] and runner.graphs is None
+        runner.wake()
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_a_draft_caches_the_kept_tokens_not_those_it_proposed(tiny, tmp_path, device):
     """A Qwen3 drafting for a Llama, through steps that verify its own proposals and steps
     that verify others (the Llama's greedy tokens, all kept where its own were not): its

@@ -143,15 +143,18 @@ class EngineCore:
         finally:
             self._stepping = False
 
-    async def load_weights(self, path: str) -> None:
-        """Have the executors serve the weights of model directory ``path``; the core must
-        be ``settled``. Raises ``StepFailedError`` where an executor could not (the others
-        may have: load the weights served before to agree again)."""
+    async def control(
+        self, load_weights: str | None = None, sleep_level: int | None = None
+    ) -> None:
+        """Have the executors wake up (``sleep_level`` 0), serve the weights of model
+        directory ``load_weights``, or sleep (1, 2); the core must be ``settled``. Raises
+        ``StepFailedError`` where an executor could not (the others may have: with weights,
+        load those served before to agree again)."""
         if not self.settled:
-            raise RuntimeError("weights are loaded while the engine is paused and settled")
+            raise RuntimeError("executors change state while the engine is paused and settled")
         self._stepping = True
         try:
-            await self.executor.submit(self.scheduler.weights_plan(path))
+            await self.executor.submit(self.scheduler.control_plan(load_weights, sleep_level))
         finally:
             self._stepping = False
 

@@ -156,6 +156,8 @@ class ClientFrontend:
         # Generate requests that arrived while a pause waits for those in flight: they are
         # taken once it is paused (and run once it resumes).
         self._held: list[tuple[bytes, client_protocol.GenerateRequest]] | None = None
+        self.sleep_level = 0  # vLLM's sleep mode: 0 awake, else the level it sleeps at
+        self._resume_on_waking = False  # the sleep paused it
 
     def close(self) -> None:
         if self._catching_up is not None:
@@ -333,6 +335,10 @@ class ClientFrontend:
             elif msg.action == "update_weights":
                 assert msg.path is not None
                 await self.update_weights(msg.path)
+            elif msg.action == "sleep":
+                await self.sleep(msg.level)
+            elif msg.action == "wake_up":
+                await self.wake_up()
         except ValueError as exc:
             self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
             return
@@ -354,7 +360,8 @@ class ClientFrontend:
                 f"{msg.action} failed: {exc}",
             )
             return
-        reply = client_protocol.ControlReply(msg.request_id, {"is_paused": self.paused})
+        info = {"is_paused": self.paused, "is_sleeping": bool(self.sleep_level)}
+        reply = client_protocol.ControlReply(msg.request_id, info)
         self._send(identity, client_protocol.encode_server_message(reply))
 
     async def pause(self, mode: str, clear_cache: bool) -> None:
@@ -396,18 +403,20 @@ class ClientFrontend:
         assert core is not None
         if self._check_weights is None:
             raise ValueError("this server does not load new weights")
+        if self.sleep_level:
+            raise ValueError("the engine sleeps: wake it up (wake_up) before loading weights")
         self._check_weights(path)
         was_paused = core.paused
         await self.pause("keep", clear_cache=True)
         served = core.scheduler.weights_path or self._served_weights
         try:
-            await core.load_weights(path)
+            await core.control(load_weights=path)
         except StepFailedError as exc:
             # The ranks that loaded them (under tensor parallelism) go back to those served.
             core.scheduler.weights_path = None
             if served is not None:
                 try:
-                    await core.load_weights(served)
+                    await core.control(load_weights=served)
                 except StepFailedError as again:
                     _log.error(
                         "the executors could not load the weights of %s again: %s", served, again
@@ -419,7 +428,52 @@ class ClientFrontend:
         self.metrics.weight_updates.inc()
         _log.info("serving the weights of %s", path)
 
+    async def sleep(self, level: int) -> None:
+        """vLLM's sleep mode, to lend the device to a trainer between rollouts: the engine
+        pauses keeping its requests (``pause("keep")``: computed again once awake) and the
+        executors free the KV cache and, at level 1, move the weights to host memory (a
+        GPU's; on a CPU they stay), at level 2 free them too (read again from disk on
+        waking). Requests sent meanwhile wait for ``wake_up``."""
+        core = self.core
+        assert core is not None
+        if self.sleep_level:
+            if level == self.sleep_level:
+                return
+            raise ValueError(
+                f"the engine sleeps at level {self.sleep_level}: wake it up (wake_up) before "
+                f"it sleeps at level {level}"
+            )
+        was_paused = core.paused
+        await self.pause("keep", clear_cache=True)
+        try:
+            await core.control(sleep_level=level)
+        except StepFailedError as exc:
+            await core.control(sleep_level=0)  # those that slept: the engine stays awake
+            if not was_paused:
+                self.resume()
+            raise ValueError(f"the executors could not sleep: {exc}") from None
+        self.sleep_level, self._resume_on_waking = level, not was_paused
+        _log.info("sleeping (level %d)", level)
+
+    async def wake_up(self, resume: bool = False) -> None:
+        """The executors take their weights and KV cache back, and the engine resumes if
+        ``sleep`` paused it (or ``resume``: a draining server must finish its requests)."""
+        core = self.core
+        assert core is not None
+        if self.sleep_level:
+            try:
+                await core.control(sleep_level=0)
+            except StepFailedError as exc:
+                raise ValueError(f"the executors could not wake up: {exc}") from None
+            self.sleep_level = 0
+            resume = resume or self._resume_on_waking
+            _log.info("awake")
+        if resume:
+            self.resume()
+
     def resume(self) -> None:
+        if self.sleep_level:
+            raise ValueError("the engine sleeps: wake it up (wake_up), which resumes it")
         if self.core is not None and self.core.paused:
             self.core.paused = False
             self._requests_ended()  # the gauges say so, and the step loop wakes

@@ -186,6 +186,7 @@ class SchedulerServer:
         self._reported_ready = False
         self._recovery_deadline: asyncio.TimerHandle | None = None
         self._draining = False
+        self._waking: asyncio.Task[None] | None = None  # a sleeping engine woken to drain
 
     def _check_draft_model(self, model: str) -> None:
         """A draft model whose tokenizer is not the served model's is refused at start-up:
@@ -370,8 +371,15 @@ class SchedulerServer:
         )
         self._draining = True
         self.frontend.unavailable = "the server is shutting down; send the request elsewhere"
-        self.frontend.resume()  # a paused engine would finish nothing
+        # A paused (or sleeping) engine would finish nothing.
+        self._waking = asyncio.get_running_loop().create_task(self._wake_to_drain())
         asyncio.get_running_loop().call_later(timeout, self._stop.set)
+
+    async def _wake_to_drain(self) -> None:
+        try:
+            await self.frontend.wake_up(resume=True)
+        except (ValueError, ExecutorLostError) as exc:
+            _log.error("draining: the engine could not wake up to finish its requests: %s", exc)
 
     def _serving(self) -> bool:
         """Serving and taking requests: the metrics endpoint's /health (readiness probe)."""

@@ -19,6 +19,8 @@ waiting, and phase timings synchronize only when asked for (``sync_timings``, or
 (``cuda_graphs.DecodeGraphs``) unless ``enforce_eager``.
 """
 
+import ctypes
+import gc
 import logging
 import os
 import time
@@ -43,6 +45,7 @@ from weir.services.executor.input_batch import (
     StepInputs,
 )
 from weir.services.executor.lora import LoraAdapters
+from weir.services.executor.model import CausalLM
 from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
 from weir.services.executor.quantization import check_quantization
 from weir.services.executor.sampler import (
@@ -216,28 +219,17 @@ class ModelRunner:
         )
         self.graph_query_lens = (1, 1 + num_speculative_tokens)
         self.hf_overrides = hf_overrides
-        self.model = load_model(
-            self.model_dir,
-            device=self.device,
-            dtype=self.dtype,
-            attention=self.attention,
-            load_format=load_format,
-            tp=self.tp,
-            quantization=quantization,
-            lm_head_optional=self.pooling_runner,
-            hf_overrides=hf_overrides,
-        )
+        self.max_num_seqs = max_num_seqs
+        # The weights served (read again by a wake from sleep level 2) and how to read them.
+        self.weights_dir, self.load_format = self.model_dir, load_format
+        self.model = self._load_model()
         self.config = self.model.config
-        self.drafter = (
+        self.draft_options = (
             None
             if speculative_model is None
-            else self._load_drafter(
-                Path(speculative_model),
-                num_speculative_tokens,
-                speculative_model_quantization,
-                load_format,
-            )
+            else (Path(speculative_model), num_speculative_tokens, speculative_model_quantization)
         )
+        self.drafter = None if self.draft_options is None else self._load_drafter()
         # Before the KV cache is sized: adapters take their share of the memory first.
         self.loras = LoraAdapters.load(self.model, loras or [], max_lora_rank)
         self.max_lora_rank = max_lora_rank
@@ -254,25 +246,10 @@ class ModelRunner:
                 "no memory left for the KV cache: raise --kv-cache-memory "
                 "(or --gpu-memory-utilization on a GPU)"
             )
-        self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, block_size)
-        if self.drafter is not None:
-            self.drafter.allocate(self.num_blocks, block_size)
         self.reset()
-        self.graphs = (
-            DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_blocks_per_req=self.batch.max_blocks_per_req,
-                query_lens=self.graph_query_lens,
-                capture=True,
-            )
-            if self.use_cuda_graphs
-            else None
-        )
-        if self.graphs is not None:
-            self.graphs.capture_all()
+        self.graphs: DecodeGraphs | None = None
+        self._allocate_caches()
+        self.sleep_level = 0  # vLLM's sleep mode: 0 awake, else what ``sleep`` freed
         self._busy_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._busy_seconds = 0.0
         self.load_seconds = time.perf_counter() - start
@@ -292,15 +269,83 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
 
-    def _load_drafter(
-        self,
-        model_dir: Path,
-        num_speculative_tokens: int,
-        quantization: str | None,
-        load_format: str,
-    ) -> Drafter:
+    def _load_model(self, **options: object) -> CausalLM:
+        """The served model from ``weights_dir``, on this rank's device (``options`` replace
+        load_model's)."""
+        return load_model(
+            self.weights_dir,
+            **{
+                "device": self.device,
+                "dtype": self.dtype,
+                "attention": self.attention,
+                "load_format": self.load_format,
+                "tp": self.tp,
+                "quantization": self.quantization,
+                "lm_head_optional": self.pooling_runner,
+                "hf_overrides": self.hf_overrides,
+                **options,
+            },
+        )
+
+    def _allocate_caches(self) -> None:
+        """The KV caches (the draft's too), and the CUDA graphs that read them."""
+        self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, self.block_size)
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, self.block_size)
+        if self.use_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_blocks_per_req=self.batch.max_blocks_per_req,
+                query_lens=self.graph_query_lens,
+                capture=True,
+            )
+            self.graphs.capture_all()
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep mode: free the KV caches and the CUDA graphs; level 1 moves the
+        weights to host memory (on a CPU they stay), level 2 frees them (``wake`` reads
+        them again). The batch forgets its requests: the scheduler sends them again."""
+        if self.sleep_level:
+            return
+        self.graphs = None
+        self.kv_caches = []
+        if self.drafter is not None:
+            self.drafter.kv_caches = []
+        if level == 2:  # the models go (a CPU's packed and quantized copies with them)
+            del self.model
+            self.drafter = None
+        elif self.device.type == "cuda":
+            self.model.to("cpu")
+            if self.drafter is not None:
+                self.drafter.model.to("cpu")
+        self.reset()
+        self.sleep_level = level
+        _give_back_freed_memory(self.device)
+
+    def wake(self) -> None:
+        """Take back what ``sleep`` freed: the weights (read again from ``weights_dir`` after
+        level 2), then the KV caches and CUDA graphs."""
+        if not self.sleep_level:
+            return
+        if self.sleep_level == 2:
+            self.model = self._load_model()
+            self.drafter = None if self.draft_options is None else self._load_drafter()
+        elif self.device.type == "cuda":
+            self.model.to(self.device)
+            if self.drafter is not None:
+                self.drafter.model.to(self.device)
+        self._allocate_caches()
+        self.sleep_level = 0
+
+    def _load_drafter(self) -> Drafter:
         """The draft model of ``draft_model`` speculative decoding, on this rank's device
         (and shard: it splits as the served model does)."""
+        assert self.draft_options is not None
+        model_dir, num_speculative_tokens, quantization = self.draft_options
+        load_format = self.load_format
         if self.pooling_runner:
             raise ValueError("a draft model proposes generated tokens; a pooling runner has none")
         if num_speculative_tokens < 1:
@@ -448,28 +493,21 @@ class ModelRunner:
         they are staged in host memory and copied into the served parameters, which CUDA
         graphs go on reading."""
         check_new_weights(path, self.config, self.hf_overrides)
-        if self.device.type == "cpu":
-            self.model = load_model(
-                path,
-                device=self.device,
-                dtype=self.dtype,
-                attention=self.attention,
-                tp=self.tp,
-                quantization=self.quantization,
-                lm_head_optional=self.pooling_runner,
-                hf_overrides=self.hf_overrides,
+        served_before = self.weights_dir, self.load_format
+        self.weights_dir, self.load_format = Path(path), "auto"
+        try:
+            if self.device.type == "cpu":
+                self.model = self._load_model()
+                return
+            staged = self._load_model(
+                device="cpu",
+                attention=get_attention_backend("torch", "cpu", self.dtype),
+                quantization=None,
+                pack=False,
             )
-            return
-        staged = load_model(
-            path,
-            device="cpu",
-            dtype=self.dtype,
-            attention=get_attention_backend("torch", "cpu", self.dtype),
-            tp=self.tp,
-            lm_head_optional=self.pooling_runner,
-            hf_overrides=self.hf_overrides,
-            pack=False,
-        )
+        except BaseException:
+            self.weights_dir, self.load_format = served_before
+            raise
         served = dict(self.model.named_parameters())
         for name, weight in staged.named_parameters():
             served[name].copy_(weight)
@@ -487,10 +525,16 @@ class ModelRunner:
         previous, self._unfinished = self._unfinished, None
         if previous is not None and previous.reserved is None:
             raise RuntimeError("a step with drafts must finish before the next one launches")
+        if plan.sleep_level == 0:
+            self.wake()  # before weights: a level-2 sleeper has none to load them into
         if plan.load_weights is not None:
             if previous is not None:
                 raise RuntimeError("weights are loaded between steps, never under one")
             self.load_weights(plan.load_weights)
+        if plan.sleep_level:
+            if previous is not None or plan.num_scheduled_tokens:
+                raise RuntimeError("an executor sleeps between steps, never under one")
+            self.sleep(plan.sleep_level)
         if plan.lora_adapters is not None:
             self.loras.sync(self.model, plan.lora_adapters, self.max_lora_rank)
         for req_id in plan.finished_req_ids if self._pooling else ():
@@ -1008,6 +1052,20 @@ class ModelRunner:
 
 
 _Feed = tuple[torch.Tensor, torch.Tensor]
+
+
+def _give_back_freed_memory(device: torch.device) -> None:
+    """Return freed memory to the system: CUDA's cached blocks, or on a CPU the heap pages
+    glibc keeps (its mmap threshold grows with each large free, so freed tensors stay in
+    the heap: a level-2 sleep would give back a third of the weights without this)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _scatter(input_ids: torch.Tensor, feed: _Feed) -> None:

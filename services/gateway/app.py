@@ -20,9 +20,9 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -81,6 +81,7 @@ from weir.shared.protocol.client import (
     NOT_FOUND,
     PAUSE_MODES,
     SERVER_UNAVAILABLE,
+    SLEEP_LEVELS,
     Prompt,
     StreamOutput,
 )
@@ -105,6 +106,9 @@ _ROUTES = (
     "/is_paused",
     "/reset_prefix_cache",
     "/update_weights_from_disk",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
     "/tokenize",
     "/detokenize",
     "/health",
@@ -128,6 +132,9 @@ _ENGINE_ROUTES = frozenset(
         "/is_paused",
         "/reset_prefix_cache",
         "/update_weights_from_disk",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
     }
 )
 
@@ -394,6 +401,26 @@ class Gateway:
                 await client.reset_prefix_cache()
             paused.append(await client.is_paused())
         return JSONResponse({"is_paused": all(paused)})
+
+    async def sleep(self, action: str, level: int = 1) -> Response:
+        """vLLM's sleep mode routes, on every replica in turn: ``/sleep`` (``level`` 1 or
+        2), ``/wake_up``, ``/is_sleeping`` (true once every replica is)."""
+        if level not in SLEEP_LEVELS:
+            raise APIError(
+                400,
+                f"level must be one of {SLEEP_LEVELS}, got {level}",
+                "invalid_request_error",
+                param="level",
+            )
+        sleeping = []
+        for replica in self.router.replicas:
+            client = replica.client
+            if action == "sleep":
+                await client.sleep(level)
+            elif action == "wake_up":
+                await client.wake_up()
+            sleeping.append(await client.is_sleeping())
+        return JSONResponse({"is_sleeping": all(sleeping)})
 
     async def update_weights(self, path: str) -> Response:
         """SGLang's ``/update_weights_from_disk``, on every replica in turn (a failure stops
@@ -1463,6 +1490,25 @@ def create_app(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         return await answer(gateway.control("reset_prefix_cache"))
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> Response:
+        return await answer(gateway.sleep("sleep", level))
+
+    @app.post("/wake_up")
+    async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
+        if tags is not None and set(tags) != {"weights", "kv_cache"}:
+            raise APIError(
+                400,
+                "the weights and the KV cache wake up together: leave tags out",
+                "invalid_request_error",
+                param="tags",
+            )
+        return await answer(gateway.sleep("wake_up"))
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return await answer(gateway.sleep("is_sleeping"))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsBody) -> Response:

@@ -472,11 +472,15 @@ class Scheduler:
             weights, self._send_weights = self.weights_path, False
         return adapters, weights
 
-    def weights_plan(self, path: str) -> StepPlan:
-        """A plan that schedules nothing and has the executors load ``path``'s weights
-        (and forget the requests ended since the last plan); for an engine whose steps are
+    def control_plan(
+        self, load_weights: str | None = None, sleep_level: int | None = None
+    ) -> StepPlan:
+        """A plan that schedules nothing: the executors wake up (``sleep_level`` 0), load
+        the weights of model directory ``load_weights``, and go to sleep (1, 2), as asked,
+        and forget the requests ended since the last plan; for an engine whose steps are
         paused and settled (``EngineCore.settled``)."""
-        self.weights_path, self._send_weights = path, True
+        if load_weights is not None:
+            self.weights_path, self._send_weights = load_weights, True
         finished, self._finished_req_ids = self._finished_req_ids, []
         adapters, weights = self._executor_state(True)
         self._step_id += 1
@@ -485,6 +489,7 @@ class Scheduler:
             step_id=self._step_id,
             lora_adapters=adapters,
             load_weights=weights,
+            sleep_level=sleep_level,
         )
 
     def _grammar_bitmasks(

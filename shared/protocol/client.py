@@ -190,23 +190,36 @@ class LoraAdapterRequest:
 # What an ``EngineControlRequest`` asks (vLLM's reinforcement-learning endpoints), and how
 # a pause treats the requests in flight: "abort" ends them, "wait" lets them finish,
 # "keep" holds them where they are until the engine resumes.
-CONTROL_ACTIONS = ("pause", "resume", "is_paused", "reset_prefix_cache", "update_weights")
+CONTROL_ACTIONS = (
+    "pause",
+    "resume",
+    "is_paused",
+    "reset_prefix_cache",
+    "update_weights",
+    "sleep",
+    "wake_up",
+    "is_sleeping",
+)
 PAUSE_MODES = ("abort", "wait", "keep")
+# vLLM's sleep levels: 1 frees the KV cache and moves the weights off the GPU; 2 frees both.
+SLEEP_LEVELS = (1, 2)
 
 
 @dataclass(slots=True)
 class EngineControlRequest:
     """Pause the engine's steps (``mode``; with ``clear_cache`` every cached block is
     dropped, and requests kept are computed again on resuming), resume them, ask whether
-    they are paused, drop the prefix cache, or have the executors load the weights of model
-    directory ``path`` (SGLang's update_weights_from_disk). Answered with a ``ControlReply``
-    once done (a pause once no step runs)."""
+    they are paused, drop the prefix cache, have the executors load the weights of model
+    directory ``path`` (SGLang's update_weights_from_disk), or put the engine to sleep at
+    ``level`` and wake it up (vLLM's sleep mode). Answered with a ``ControlReply`` once done
+    (a pause once no step runs)."""
 
     request_id: str
     action: str
     mode: str = "abort"
     clear_cache: bool = True
     path: str | None = None
+    level: int = 1
 
 
 ClientMessage = (
@@ -279,7 +292,7 @@ class TokensReply:
 
 @dataclass(slots=True)
 class ControlReply:
-    """An ``EngineControlRequest``'s ``{is_paused}`` once it is done."""
+    """An ``EngineControlRequest``'s ``{is_paused, is_sleeping}`` once it is done."""
 
     request_id: str
     info: dict[str, Any] = field(default_factory=dict)
@@ -352,6 +365,7 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             "action": msg.action,
             "mode": msg.mode,
             "clear_cache": msg.clear_cache,
+            "level": msg.level,
         }
         if msg.path is not None:
             fields["path"] = msg.path
@@ -396,7 +410,7 @@ _CLIENT_FIELDS = {
     "tokenize": {"request_id", "prompt", "add_special_tokens", *_CHAT_FIELDS},
     "detokenize": {"request_id", "token_ids"},
     "lora_adapter": {"request_id", "lora_name", "lora_path"},
-    "engine_control": {"request_id", "action", "mode", "clear_cache", "path"},
+    "engine_control": {"request_id", "action", "mode", "clear_cache", "path", "level"},
 }
 
 
@@ -487,7 +501,14 @@ def decode_client_message(frame: bytes) -> ClientMessage:
                 f"{MAX_PATH_LEN} characters), the other actions none",
                 raw_id,
             )
-        return EngineControlRequest(raw_id, action, mode, clear_cache, path)
+        level = data.get("level", 1)
+        if type(level) is not int or level not in SLEEP_LEVELS:
+            raise ClientProtocolError(
+                INVALID_REQUEST,
+                f"engine_control: level must be one of {SLEEP_LEVELS}, got {_short(level)}",
+                raw_id,
+            )
+        return EngineControlRequest(raw_id, action, mode, clear_cache, path, level)
     if type_ == "detokenize":
         token_ids = data.get("token_ids")
         if not isinstance(token_ids, list) or any(type(t) is not int or t < 0 for t in token_ids):

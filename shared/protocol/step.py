@@ -165,6 +165,10 @@ class StepPlan:
     # architecture the served one's), when they changed since the last plan or the
     # executor may have started with others; None: as they are.
     load_weights: str | None = None
+    # Sleep mode (vLLM's): 1 frees the KV cache and moves the weights to host memory, 2 frees
+    # both, 0 wakes up (an awake executor has nothing to do); None: as it is. Sent while the
+    # engine is paused and settled, with nothing scheduled.
+    sleep_level: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cached_requests, CachedRequestData):

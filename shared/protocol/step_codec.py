@@ -218,6 +218,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
             plan.grammar_bitmask,
             plan.lora_adapters,
             plan.load_weights,
+            plan.sleep_level,
         ],
     )
 
@@ -256,7 +257,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
 
 
 def decode_step_plan(data: bytes) -> StepPlan:
-    msg = unpack_array(data, _STEP_PLAN, 14)
+    msg = unpack_array(data, _STEP_PLAN, 15)
     step_id = non_negative_int("step_id", msg[2])
     total = non_negative_int("total_num_scheduled_tokens", msg[3])
     cached_ids = _split_ids("cached_requests.req_ids", msg[4])
@@ -304,7 +305,14 @@ def decode_step_plan(data: bytes) -> StepPlan:
         _bitmasks(msg[13], num_scheduled),
         _lora_adapters(msg[14]),
         _path("load_weights", msg[15]),
+        _sleep_level(msg[16]),
     )
+
+
+def _sleep_level(value: Any) -> int | None:
+    if value is not None and (type(value) is not int or value not in (0, 1, 2)):
+        raise ProtocolError("sleep_level: expected 0 (wake up), 1, 2 or nil")
+    return value
 
 
 def _path(name: str, value: Any) -> str | None:

@@ -124,7 +124,7 @@ def _raw(message: list) -> bytes:
         (_raw({"v": 1}), "[type, version"),
         (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
         (_raw(["StepPlan", 99]), "version 99"),
-        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 14 fields"),
+        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 15 fields"),
     ],
 )
 def test_step_plan_rejects_bad_envelopes(data, fragment):
