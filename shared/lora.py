@@ -205,6 +205,12 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
                     f"{weights}: tensor {key!r} is past the model's {model.num_layers} layers: "
                     "the adapter was trained for another model"
                 )
+            if model.interleaved_rope and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                raise ValueError(
+                    f"{weights}: tensor {key!r} adapts a query or key projection of a model "
+                    "whose heads rotate in adjacent pairs, which Weir reorders as it loads: "
+                    "train the adapter on the other projections"
+                )
             if module.startswith("mlp.") and model.is_moe_layer(layer):
                 raise ValueError(
                     f"{weights}: tensor {key!r} adapts the MLP of layer {layer}, a mixture of "

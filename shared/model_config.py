@@ -44,6 +44,8 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v3",
     "glm4_moe",
     "glm4_moe_lite",
+    "seed_oss",
+    "ernie4_5",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -176,6 +178,21 @@ _DEFAULTS["glm4_moe_lite"] = {
     "topk_group": 1,
     "num_nextn_predict_layers": 1,
 }
+# Seed-OSS: Llama's layers with biased q/k/v (attention_out_bias for o_proj's).
+_DEFAULTS["seed_oss"] = {
+    "max_position_embeddings": 524288,
+    "head_dim": 128,
+    "attention_bias": True,
+}
+# ERNIE 4.5 (dense): Llama's layers, every projection biased with use_bias, each head's
+# channels rotating in adjacent pairs.
+_DEFAULTS["ernie4_5"] = {
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+    "rope_theta": 500000.0,
+}
 # gpt-oss: transformers' defaults, YaRN among them where a config gives no rotation.
 _DEFAULTS["gpt_oss"] = {
     "vocab_size": 201088,
@@ -300,6 +317,9 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     # SmolLM3's NoPE layers: their queries and keys are not rotated.
     nope_layers: tuple[int, ...] = ()
+    # The checkpoint's rotated channels of each head turn in adjacent pairs (ERNIE 4.5's),
+    # not half against half: the loader reorders the q and k projections' rows.
+    interleaved_rope: bool = False
 
     sliding_layers: tuple[int, ...] = ()
     # Gemma 3's local (sliding_layers) layers rotate with their own base and no scaling; None:
@@ -431,11 +451,21 @@ class ModelConfig:
             # o_proj bias.
             qkv_bias=attention_bias
             or model_type == "qwen2"
-            or (model_type == "qwen2_moe" and flag(hf, "qkv_bias", True)),
-            o_bias=attention_bias and not qwen2 and model_type != "glm4_moe",
-            # Only Llama's, Granite's and SmolLM3's configs have mlp_bias (transformers ignores
-            # the key elsewhere).
-            mlp_bias=model_type in ("llama", "granite", "smollm3") and flag(hf, "mlp_bias"),
+            or (model_type == "qwen2_moe" and flag(hf, "qkv_bias", True))
+            or (model_type == "ernie4_5" and flag(hf, "use_bias")),
+            o_bias=(
+                flag(hf, "attention_out_bias")
+                if model_type == "seed_oss"
+                else attention_bias and not qwen2 and model_type != "glm4_moe"
+            )
+            or (model_type == "ernie4_5" and flag(hf, "use_bias")),
+            # Only these configs have mlp_bias (transformers ignores the key elsewhere);
+            # ERNIE's use_bias is every projection's.
+            mlp_bias=(
+                model_type in ("llama", "granite", "smollm3", "seed_oss") and flag(hf, "mlp_bias")
+            )
+            or (model_type == "ernie4_5" and flag(hf, "use_bias")),
+            interleaved_rope=model_type == "ernie4_5",
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3")
             or (model_type == "glm4_moe" and flag(hf, "use_qk_norm")),
             olmo_norms=model_type in ("olmo2", "olmo3"),

@@ -255,6 +255,19 @@ CONFIGS = {
         v_head_dim=20,
         mlp_layer_types=["sparse", "dense", "sparse"],
     ),
+    # Seed-OSS: biased q/k/v and o (attention_out_bias), a biased MLP.
+    "seed_oss": lambda: transformers.SeedOssConfig(
+        **COMMON,
+        head_dim=24,
+        intermediate_size=96,
+        attention_out_bias=True,
+        mlp_bias=True,
+        pad_token_id=0,
+    ),
+    # ERNIE 4.5: every projection biased, each head's channels rotating in adjacent pairs.
+    "ernie4_5": lambda: transformers.Ernie4_5Config(
+        **COMMON, head_dim=16, intermediate_size=96, use_bias=True, tie_word_embeddings=False
+    ),
 }
 MOE_LAYERS = {
     "granite": (),
@@ -275,6 +288,8 @@ MOE_LAYERS = {
     "deepseek_v3": (1, 2),
     "glm4_moe": (1, 2),
     "glm4_moe_lite": (0, 2),
+    "seed_oss": (),
+    "ernie4_5": (),
 }
 
 
@@ -485,6 +500,18 @@ def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path)
     if kind in ("phi3", "gemma3_text"):  # each rank takes its rows of every part of a fused update
         for report in tp_workload.run_group(work, world_size=2):
             assert report.outputs == outputs
+
+
+def test_adapters_of_reordered_query_and_key_rows_are_refused(tmp_path):
+    """ERNIE 4.5's q/k rows are reordered as they load: an adapter of them would update the
+    wrong channels, so it is refused by name; one of v and o fits."""
+    save_model("ernie4_5", tmp_path / "m")
+    cfg = read_model_config(tmp_path / "m")
+    _adapter(tmp_path / "qk", cfg, {0: ("self_attn.q_proj", "self_attn.v_proj")})
+    with pytest.raises(ValueError, match="rotate in adjacent pairs"):
+        check_adapter(tmp_path / "qk", cfg, 16)
+    _adapter(tmp_path / "vo", cfg, {0: ("self_attn.v_proj", "self_attn.o_proj")})
+    check_adapter(tmp_path / "vo", cfg, 16)
 
 
 def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):

@@ -146,6 +146,20 @@ class DecoderLayer(nn.Module):
             out = self.tp.all_reduce(out)
         return out if post_norm is None else residual + post_norm(out)
 
+    def deinterleave_rope(self) -> None:
+        """Reorder each query and key head's rotated rows from adjacent pairs (x0, x1), (x2,
+        x3)... (ERNIE 4.5's checkpoints) to the first half against the second, as Weir
+        rotates: the same permutation of a query's and a key's channels leaves their
+        product, the score, as it was."""
+        assert self.qkv_proj is not None
+        r = self.rotary_dim
+        order = torch.cat((torch.arange(0, r, 2), torch.arange(1, r, 2)))
+        num_heads = self.num_heads + self.num_kv_heads  # q's heads, then k's (v's follow)
+        for tensor in (self.qkv_proj.weight, self.qkv_proj.bias):
+            if tensor is not None:
+                heads = tensor[: num_heads * self.head_dim].view(num_heads, self.head_dim, -1)
+                heads[:, :r].copy_(heads[:, order.to(tensor.device)].clone())
+
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The Q and K heads (adjacent in the fused projection: one rotation for both) with
         their first rotary_dim channels rotated, in place where a kernel does it."""
@@ -385,6 +399,8 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             if layer.mla is not None:
                 layer.mla.deinterleave_rope()
+            elif self.config.interleaved_rope:
+                layer.deinterleave_rope()
         self._fold_residual_multiplier()
 
     def _fold_residual_multiplier(self) -> None:
