@@ -46,6 +46,7 @@ SUPPORTED_MODEL_TYPES = (
     "glm4_moe_lite",
     "seed_oss",
     "ernie4_5",
+    "glm4",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -193,6 +194,15 @@ _DEFAULTS["ernie4_5"] = {
     "tie_word_embeddings": True,
     "rope_theta": 500000.0,
 }
+# GLM-4-0414 (GLM-4-9B/32B, GLM-Z1): biased q/k/v, half of each head rotating in adjacent
+# pairs, norms before and after the attention and the MLP, gate/up fused in the checkpoint.
+_DEFAULTS["glm4"] = {
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1.5625e-7,
+    "head_dim": 128,
+    "attention_bias": True,
+    "partial_rotary_factor": 0.5,
+}
 # gpt-oss: transformers' defaults, YaRN among them where a config gives no rotation.
 _DEFAULTS["gpt_oss"] = {
     "vocab_size": 201088,
@@ -326,10 +336,13 @@ class ModelConfig:
     # every layer rotates by ``rope``.
     sliding_rope: RopeConfig | None = None
     hidden_act: str = "silu"
-    # Gemma: every RMSNorm scales by (1 + weight), and a layer normalizes the outputs of its
-    # attention and MLP before the residual adds too (post_attention_layernorm,
-    # pre_feedforward_layernorm before the MLP, post_feedforward_layernorm after it).
+    # Gemma: every RMSNorm scales by (1 + weight).
     gemma_norms: bool = False
+    # Gemma's and GLM-4's: a layer normalizes the outputs of its attention and MLP before
+    # the residual adds too (post_attention_layernorm, pre_feedforward_layernorm before the
+    # MLP, post_feedforward_layernorm after it; GLM-4 names them post_self_attn_layernorm,
+    # post_attention_layernorm and post_mlp_layernorm).
+    sandwich_norms: bool = False
     # OLMo 2 and 3: no norm before the attention or the MLP, only of their outputs before
     # each residual add (post_attention_layernorm, post_feedforward_layernorm), and its q/k
     # norms span the whole projection, not each head.
@@ -447,6 +460,7 @@ class ModelConfig:
             sliding_rope=sliding_rope,
             hidden_act=act,
             gemma_norms=gemma,
+            sandwich_norms=gemma or model_type == "glm4",
             # Qwen2 has q/k/v biases (Qwen2-MoE unless its qkv_bias says not) and never an
             # o_proj bias.
             qkv_bias=attention_bias
@@ -456,7 +470,7 @@ class ModelConfig:
             o_bias=(
                 flag(hf, "attention_out_bias")
                 if model_type == "seed_oss"
-                else attention_bias and not qwen2 and model_type != "glm4_moe"
+                else attention_bias and not qwen2 and model_type not in ("glm4_moe", "glm4")
             )
             or (model_type == "ernie4_5" and flag(hf, "use_bias")),
             # Only these configs have mlp_bias (transformers ignores the key elsewhere);
@@ -465,7 +479,7 @@ class ModelConfig:
                 model_type in ("llama", "granite", "smollm3", "seed_oss") and flag(hf, "mlp_bias")
             )
             or (model_type == "ernie4_5" and flag(hf, "use_bias")),
-            interleaved_rope=model_type == "ernie4_5",
+            interleaved_rope=model_type in ("ernie4_5", "glm4"),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3")
             or (model_type == "glm4_moe" and flag(hf, "use_qk_norm")),
             olmo_norms=model_type in ("olmo2", "olmo3"),

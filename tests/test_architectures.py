@@ -268,6 +268,11 @@ CONFIGS = {
     "ernie4_5": lambda: transformers.Ernie4_5Config(
         **COMMON, head_dim=16, intermediate_size=96, use_bias=True, tie_word_embeddings=False
     ),
+    # GLM-4-0414: biased q/k/v, half of each head rotating in adjacent pairs, norms around
+    # the attention and the MLP, gate/up fused in the checkpoint.
+    "glm4": lambda: transformers.Glm4Config(
+        **COMMON, head_dim=16, intermediate_size=96, pad_token_id=0
+    ),
 }
 MOE_LAYERS = {
     "granite": (),
@@ -290,6 +295,7 @@ MOE_LAYERS = {
     "glm4_moe_lite": (0, 2),
     "seed_oss": (),
     "ernie4_5": (),
+    "glm4": (),
 }
 
 

@@ -106,9 +106,9 @@ class DecoderLayer(nn.Module):
         # Gemma's and OLMo's norms of the attention's and MLP's outputs: post_attention_layernorm
         # then normalizes the attention's output rather than the MLP's input (Gemma's
         # pre_feedforward_layernorm does that).
-        self.output_norms = cfg.gemma_norms or cfg.olmo_norms
+        self.output_norms = cfg.sandwich_norms or cfg.olmo_norms
         self.pre_feedforward_layernorm = (
-            RMSNorm(h, eps, device, norm_dtype, kernels) if cfg.gemma_norms else None
+            RMSNorm(h, eps, device, norm_dtype, kernels) if cfg.sandwich_norms else None
         )
         self.post_feedforward_layernorm = (
             RMSNorm(h, eps, device, norm_dtype, kernels) if self.output_norms else None

@@ -38,6 +38,12 @@ FUSED_MODULES = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+# GLM-4's norms around the attention and the MLP, read as Gemma's (``sandwich_norms``).
+_GLM4_NORMS = {
+    "post_self_attn_layernorm": "post_attention_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_mlp_layernorm": "post_feedforward_layernorm",
+}
 _VOCAB_PARAMS = ("embed_tokens", "lm_head")
 # A multimodal checkpoint's language model, under the names transformers < 5 saves (and 5
 # still writes) or 5 loads, read as a causal LM's; its other towers are not read.
@@ -228,8 +234,10 @@ class RowsOf:
 
 def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str, TensorSource]]:
     """A fused checkpoint tensor's parts under their own names (its whole shape checked
-    first); any other tensor as it is."""
+    first), GLM-4's norms under Gemma's; any other tensor as it is."""
     m = _LAYER_RE.fullmatch(name)
+    if m is not None and cfg.model_type == "glm4" and m.group(2) in _GLM4_NORMS:
+        return [(f"model.layers.{m.group(1)}.{_GLM4_NORMS[m.group(2)]}.{m.group(3)}", source)]
     if m is None or m.group(2) not in FUSED_MODULES:
         return [(name, source)]
     expected = checkpoint_shape(cfg, name)
