@@ -47,6 +47,7 @@ SUPPORTED_MODEL_TYPES = (
     "seed_oss",
     "ernie4_5",
     "glm4",
+    "olmoe",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -203,6 +204,14 @@ _DEFAULTS["glm4"] = {
     "attention_bias": True,
     "partial_rotary_factor": 0.5,
 }
+# OLMoE: Llama's norms, q/k norms over the whole projections (OLMo 2's), Qwen's experts of
+# intermediate_size in every layer.
+_DEFAULTS["olmoe"] = {
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+}
 # gpt-oss: transformers' defaults, YaRN among them where a config gives no rotation.
 _DEFAULTS["gpt_oss"] = {
     "vocab_size": 201088,
@@ -344,9 +353,10 @@ class ModelConfig:
     # post_attention_layernorm and post_mlp_layernorm).
     sandwich_norms: bool = False
     # OLMo 2 and 3: no norm before the attention or the MLP, only of their outputs before
-    # each residual add (post_attention_layernorm, post_feedforward_layernorm), and its q/k
-    # norms span the whole projection, not each head.
+    # each residual add (post_attention_layernorm, post_feedforward_layernorm).
     olmo_norms: bool = False
+    # OLMo 2's, 3's and OLMoE's q/k norms span the whole projection, not each head.
+    whole_qk_norms: bool = False
     # gpt-oss' and OLMo's RMSNorms scale in float32 and only then round to the model's dtype
     # (their weights kept in float32); the others scale in the model's dtype, as Llama's.
     float32_norms: bool = False
@@ -422,6 +432,10 @@ class ModelConfig:
             )
         if flag(hf, "use_bidirectional_attention"):
             raise ValueError("config.json: use_bidirectional_attention is not supported")
+        if hf.get("clip_qkv") is not None:
+            raise ValueError(
+                "config.json: clip_qkv (queries, keys and values clamped) is not supported"
+            )
         hidden, num_heads = count(hf, "hidden_size"), count(hf, "num_attention_heads")
         num_kv_heads = count(hf, "num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
@@ -480,9 +494,10 @@ class ModelConfig:
             )
             or (model_type == "ernie4_5" and flag(hf, "use_bias")),
             interleaved_rope=model_type in ("ernie4_5", "glm4"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3")
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "olmoe")
             or (model_type == "glm4_moe" and flag(hf, "use_qk_norm")),
             olmo_norms=model_type in ("olmo2", "olmo3"),
+            whole_qk_norms=model_type in ("olmo2", "olmo3", "olmoe"),
             float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
@@ -524,9 +539,9 @@ class ModelConfig:
             "self_attn.k_proj": (kv, h),
             "self_attn.v_proj": (kv, h),
             "self_attn.o_proj": (h, q),
-            "self_attn.q_norm": (q if self.olmo_norms else d, 0),
+            "self_attn.q_norm": (q if self.whole_qk_norms else d, 0),
             "self_attn.sinks": (self.num_heads, 0),
-            "self_attn.k_norm": (kv if self.olmo_norms else d, 0),
+            "self_attn.k_norm": (kv if self.whole_qk_norms else d, 0),
             "mlp.gate_proj": (inter, h),
             "mlp.up_proj": (inter, h),
             "mlp.down_proj": (h, inter),
@@ -665,6 +680,10 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
                 "swiglu_limit": positive(hf, "swiglu_limit", 7.0),
                 "swiglu_alpha": positive(hf, "swiglu_alpha", 1.702),
             }
+    elif model_type == "olmoe":
+        experts = count(hf, "num_experts", hf.get("num_local_experts"))
+        inter, layers, shared = count(hf, "intermediate_size"), list(range(num_layers)), 0
+        norm = flag(hf, "norm_topk_prob")
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         # transformers >= 5 writes num_local_experts where Qwen's own files say num_experts.
         experts = count(hf, "num_experts", hf.get("num_local_experts"))

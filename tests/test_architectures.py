@@ -273,6 +273,10 @@ CONFIGS = {
     "glm4": lambda: transformers.Glm4Config(
         **COMMON, head_dim=16, intermediate_size=96, pad_token_id=0
     ),
+    # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
+    ),
 }
 MOE_LAYERS = {
     "granite": (),
@@ -296,6 +300,7 @@ MOE_LAYERS = {
     "seed_oss": (),
     "ernie4_5": (),
     "glm4": (),
+    "olmoe": (0, 1, 2),
 }
 
 
@@ -362,7 +367,7 @@ def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
     one = tp_workload.run(work)
     assert one.chunked and one.preempted and one.draft_tokens > 0
     assert one.outputs == want
-    if kind in ("olmo2", "olmo3"):  # their q/k norms span the heads the ranks would split
+    if kind in ("olmo2", "olmo3", "olmoe"):  # their q/k norms span the heads the ranks would split
         with pytest.raises(ValueError, match="OLMo's q/k norms span every attention head"):
             ShardLayout.of(read_model_config(path), 0, 2)
         return
@@ -427,7 +432,10 @@ def test_what_weir_refuses_of_a_mixture_of_experts(moe, tmp_path):
     with pytest.raises(ValueError, match="bfloat16 only, not float32"):
         check_moe(cfg, torch.device("cuda"), torch.float32, None)
     check_moe(cfg, torch.device("cuda"), torch.bfloat16, None)
-    odd = dataclasses.replace(cfg, moe_intermediate_size=cfg.moe_intermediate_size + 2)
+    # (OLMoE's whole-projection q/k norms, refused split, set aside for this.)
+    odd = dataclasses.replace(
+        cfg, moe_intermediate_size=cfg.moe_intermediate_size + 2, whole_qk_norms=False
+    )
     with pytest.raises(ValueError, match="does not divide the model's .* columns of each expert"):
         ShardLayout.of(odd, 0, 4)
     layer = cfg.moe_layers[0]

@@ -59,7 +59,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
     assert ours.rope.type == rope.get("full_attention", rope)["rope_type"]  # gpt-oss': YaRN
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
     assert _windows(ours) == _windows_of(transformers.AutoModelForCausalLM.from_config(theirs))
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe"):
         experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
         assert (ours.num_experts, ours.num_experts_per_tok) == (experts, theirs.num_experts_per_tok)
         assert ours.moe_intermediate_size == (
@@ -249,6 +249,10 @@ def test_a_classifier_has_its_labels_or_those_of_its_tokens():
         ({**GEMMA, "final_logit_softcapping": 0}, "final_logit_softcapping must be a positive"),
         ({**GEMMA, "attn_logit_softcapping": "50"}, "attn_logit_softcapping must be a positive"),
         ({**GEMMA, "use_bidirectional_attention": True}, "use_bidirectional_attention is not"),
+        (
+            {**REQUIRED, "model_type": "olmoe", "clip_qkv": 8.0},
+            "clip_qkv (queries, keys and values clamped) is not",
+        ),
         ({**GEMMA, "layer_types": ["full_attention"]}, "layer_types must name"),
         ({**GEMMA, "layer_types": ["sliding", "full"]}, "layer_types must name"),
         ({**REQUIRED, "model_type": "smollm3", "no_rope_layers": [1]}, "no_rope_layers must be"),

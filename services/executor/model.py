@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
             else None
         )
         # Per head, or (OLMo 2 and 3) over the whole q and k projections.
-        self.qk_norm_heads = not cfg.olmo_norms
+        self.qk_norm_heads = not cfg.whole_qk_norms
         q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
         self.q_norm = RMSNorm(q_norm, eps, device, norm_dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(k_norm, eps, device, norm_dtype) if cfg.qk_norm else None
