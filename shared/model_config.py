@@ -48,6 +48,8 @@ SUPPORTED_MODEL_TYPES = (
     "ernie4_5",
     "glm4",
     "olmoe",
+    "granitemoe",
+    "granitemoeshared",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -212,6 +214,15 @@ _DEFAULTS["olmoe"] = {
     "num_experts": 64,
     "num_experts_per_tok": 8,
 }
+# Granite 3's mixtures of experts: Granite's scalars, Mixtral's routing (softmax over the
+# top k logits), experts of intermediate_size in every layer; granitemoeshared adds a
+# shared expert of shared_intermediate_size, added ungated.
+_DEFAULTS["granitemoe"] = {
+    "max_position_embeddings": 2048,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+_DEFAULTS["granitemoeshared"] = {**_DEFAULTS["granitemoe"], "shared_intermediate_size": 0}
 # gpt-oss: transformers' defaults, YaRN among them where a config gives no rotation.
 _DEFAULTS["gpt_oss"] = {
     "vocab_size": 201088,
@@ -654,7 +665,7 @@ def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _granite(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
-    if model_type != "granite":
+    if model_type not in ("granite", "granitemoe", "granitemoeshared"):
         return {}
     return {
         "embedding_multiplier": positive(hf, "embedding_multiplier", 1.0),
@@ -669,17 +680,26 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
     experts (and gpt-oss') are the size of intermediate_size in every layer, always
     renormalized; Qwen's
     are moe_intermediate_size in every decoder_sparse_step-th layer not in mlp_only_layers."""
-    gpt_oss: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     if model_type in ("mixtral", "gpt_oss"):
         experts, inter = count(hf, "num_local_experts"), count(hf, "intermediate_size")
         layers, norm, shared = list(range(num_layers)), True, 0
         if model_type == "gpt_oss":
             # Its softmax over the top k logits is the renormalized top k of a softmax over all.
-            gpt_oss = {
+            extra = {
                 "expert_bias": True,
                 "swiglu_limit": positive(hf, "swiglu_limit", 7.0),
                 "swiglu_alpha": positive(hf, "swiglu_alpha", 1.702),
             }
+    elif model_type in ("granitemoe", "granitemoeshared"):
+        experts, inter = count(hf, "num_local_experts"), count(hf, "intermediate_size")
+        layers, norm = list(range(num_layers)), True
+        shared = hf.get("shared_intermediate_size", 0) if model_type == "granitemoeshared" else 0
+        if type(shared) is not int or shared < 0:
+            raise ValueError(
+                f"config.json: shared_intermediate_size must be a count, got {shared!r}"
+            )
+        extra = {"shared_expert_gated": False}
     elif model_type == "olmoe":
         experts = count(hf, "num_experts", hf.get("num_local_experts"))
         inter, layers, shared = count(hf, "intermediate_size"), list(range(num_layers)), 0
@@ -709,7 +729,7 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         "norm_topk_prob": norm,
         "shared_expert_intermediate_size": shared,
         "moe_layers": tuple(layers),
-        **gpt_oss,
+        **extra,
     }
 
 

@@ -59,7 +59,15 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
     assert ours.rope.type == rope.get("full_attention", rope)["rope_type"]  # gpt-oss': YaRN
     assert ours.tie_word_embeddings == theirs.tie_word_embeddings
     assert _windows(ours) == _windows_of(transformers.AutoModelForCausalLM.from_config(theirs))
-    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe"):
+    if model_type in (
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gpt_oss",
+        "olmoe",
+        "granitemoe",
+        "granitemoeshared",
+    ):
         experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
         assert (ours.num_experts, ours.num_experts_per_tok) == (experts, theirs.num_experts_per_tok)
         assert ours.moe_intermediate_size == (

@@ -10,6 +10,7 @@ Under tensor parallelism each rank builds only its `ShardLayout` share of every 
 sums the row-parallel partial products through `TensorParallel` (see `parallel.py`).
 """
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -406,7 +407,10 @@ class CausalLM(nn.Module):
     def _fold_residual_multiplier(self) -> None:
         """Granite scales each residual branch (attention's and the MLP's) by
         ``residual_multiplier``: folded into the weights of the projections that end them,
-        so the fused residual adds stay one matmul."""
+        so the fused residual adds stay one matmul; the experts' into their routing weights,
+        which multiply their outputs in float32 (folded into their weights it would round each
+        one to the model's dtype: in bfloat16 half again as far from float32 as
+        transformers)."""
         factor = self.config.residual_multiplier
         if factor == 1.0:
             return
@@ -414,7 +418,8 @@ class CausalLM(nn.Module):
             ends = [layer.o_proj, layer.down_proj]
             if layer.moe is not None:
                 ends += [layer.moe.shared_down]
-                layer.moe.experts_down.mul_(factor)
+                routing = layer.moe.routing
+                layer.moe.routing = dataclasses.replace(routing, scaling=routing.scaling * factor)
             for linear in ends:
                 if linear is not None:
                     linear.weight.mul_(factor)

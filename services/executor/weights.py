@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from weir.services.executor.attention import AttentionBackend, get_attention_backend
 from weir.services.executor.gpt_oss_checkpoint import CHECKPOINT_NAMES, split_gpt_oss_tensors
+from weir.services.executor.granite_moe_checkpoint import split_granite_moe_tensors
 from weir.services.executor.layers import layer_kernels_for
 from weir.services.executor.model import CausalLM
 from weir.services.executor.moe import check_moe
@@ -560,6 +561,8 @@ def load_model(
         )
         if cfg.model_type == "gpt_oss":
             tensors = split_gpt_oss_tensors(tensors, cfg)
+        elif cfg.model_type in ("granitemoe", "granitemoeshared"):
+            tensors = split_granite_moe_tensors(tensors)
         load_weights(model, tensors, lm_head_optional, _score_tokens(model_dir, cfg))
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
