@@ -379,18 +379,23 @@ class Gateway:
         done = "removed" if path is None else "added"
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
 
-    async def control(self, action: str, mode: str = "abort", clear_cache: bool = True) -> Response:
+    async def control(
+        self, action: str, mode: str = "abort", clear_cache: bool = True, level: int = 1
+    ) -> Response:
         """vLLM's reinforcement-learning endpoints, on every replica in turn: ``/pause``
-        (answered once no step runs), ``/resume``, ``/is_paused`` (true once every replica
-        is) and ``/reset_prefix_cache``."""
-        if mode not in PAUSE_MODES:
-            raise APIError(
-                400,
-                f"mode must be one of {PAUSE_MODES}, got {mode!r}",
-                "invalid_request_error",
-                param="mode",
-            )
-        paused = []
+        (answered once no step runs), ``/resume``, ``/is_paused`` and ``/reset_prefix_cache``
+        say ``is_paused``; the sleep mode's ``/sleep`` (``level`` 1 or 2), ``/wake_up`` and
+        ``/is_sleeping`` say ``is_sleeping``: true once every replica is."""
+        for param, value, choices in (("mode", mode, PAUSE_MODES), ("level", level, SLEEP_LEVELS)):
+            if value not in choices:
+                raise APIError(
+                    400,
+                    f"{param} must be one of {choices}, got {value!r}",
+                    "invalid_request_error",
+                    param=param,
+                )
+        sleep_route = action in ("sleep", "wake_up", "is_sleeping")
+        states = []
         for replica in self.router.replicas:
             client = replica.client
             if action == "pause":
@@ -399,28 +404,12 @@ class Gateway:
                 await client.resume()
             elif action == "reset_prefix_cache":
                 await client.reset_prefix_cache()
-            paused.append(await client.is_paused())
-        return JSONResponse({"is_paused": all(paused)})
-
-    async def sleep(self, action: str, level: int = 1) -> Response:
-        """vLLM's sleep mode routes, on every replica in turn: ``/sleep`` (``level`` 1 or
-        2), ``/wake_up``, ``/is_sleeping`` (true once every replica is)."""
-        if level not in SLEEP_LEVELS:
-            raise APIError(
-                400,
-                f"level must be one of {SLEEP_LEVELS}, got {level}",
-                "invalid_request_error",
-                param="level",
-            )
-        sleeping = []
-        for replica in self.router.replicas:
-            client = replica.client
-            if action == "sleep":
+            elif action == "sleep":
                 await client.sleep(level)
             elif action == "wake_up":
                 await client.wake_up()
-            sleeping.append(await client.is_sleeping())
-        return JSONResponse({"is_sleeping": all(sleeping)})
+            states.append(await (client.is_sleeping() if sleep_route else client.is_paused()))
+        return JSONResponse({"is_sleeping" if sleep_route else "is_paused": all(states)})
 
     async def update_weights(self, path: str) -> Response:
         """SGLang's ``/update_weights_from_disk``, on every replica in turn (a failure stops
@@ -1493,7 +1482,7 @@ def create_app(
 
     @app.post("/sleep")
     async def sleep(level: int = 1) -> Response:
-        return await answer(gateway.sleep("sleep", level))
+        return await answer(gateway.control("sleep", level=level))
 
     @app.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
@@ -1504,11 +1493,11 @@ def create_app(
                 "invalid_request_error",
                 param="tags",
             )
-        return await answer(gateway.sleep("wake_up"))
+        return await answer(gateway.control("wake_up"))
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> Response:
-        return await answer(gateway.sleep("is_sleeping"))
+        return await answer(gateway.control("is_sleeping"))
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightsBody) -> Response:
