@@ -113,9 +113,10 @@ class ServerProcesses:
     With ``data_parallel_size`` N > 1 (vLLM's ``--data-parallel-size``), N such engines,
     each its own scheduler and executors (replica i on ports ``port + 100 i`` and
     ``metrics_port + 100 i``, clear of the ports the defaults give executors; its executor
-    ranks from ``executor_metrics_port + i * num_executors``, on its share of the cores, and on CUDA its own GPUs: those of
-    ``CUDA_VISIBLE_DEVICES``, or 0, 1..., taken ``num_executors`` at a time), behind the
-    one gateway, whose router sends each request to one of them.
+    ranks from ``executor_metrics_port + i * num_executors``, on its share of the cores,
+    and on CUDA its own GPUs: those of ``CUDA_VISIBLE_DEVICES``, or 0, 1..., taken
+    ``num_executors`` at a time), behind the one gateway, whose router sends each request
+    to one of them.
 
     ``start()`` returns the (first) scheduler's ready record (``client_address``,
     ``metrics_address``, ``executors`` with each rank's ``metrics_address``...), plus the

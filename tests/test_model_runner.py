@@ -216,19 +216,22 @@ def test_chunked_preempted_speculative_steps_match_transformers_greedy(tiny):
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_runner_woken_from_sleep_decodes_as_transformers(tiny, device, level):
-    """Sleep frees the KV cache and the CUDA graphs (level 1 moves the weights to host
+    """Sleep frees the KV caches and the CUDA graphs (level 1 moves the weights to host
     memory, level 2 drops them); waking takes them back (graphs captured again, weights read
-    again from disk) and decoding is transformers' again."""
+    again from disk), and decoding is transformers' again, a draft model (the model itself)
+    proposing the answer again too."""
     path, hf_model = tiny
     prompt = [3, 14, 15, 92, 65, 35]
-    want = hf_greedy(hf_model, prompt, NUM_NEW)
-    runner = make_runner(path, device, "float32")
+    runner = make_runner(path, device, "float32", speculative_model=path, num_speculative_tokens=2)
     for _ in range(2):
-        d = Driver(runner)  # the batch forgets its requests on sleeping: they come again
+        d = Driver(runner, lookahead=2)  # the batch forgets its requests on sleeping
         d.add("A", prompt)
+        drafts = d.step({"A": None}).draft_token_ids["A"]
         while len(d.outputs["A"]) < NUM_NEW:
-            d.step({"A": None})
-        assert d.outputs["A"][:NUM_NEW] == want
+            result = d.step({"A": None}, drafts={"A": drafts})
+            drafts = result.draft_token_ids.get("A", [])
+        assert d.outputs["A"] == hf_greedy(hf_model, prompt, len(d.outputs["A"]))
+        assert len(d.outputs["A"]) >= NUM_NEW > d.step_id  # the draft's tokens were kept
         runner.sleep(level)
         assert runner.kv_caches == [] and runner.graphs is None
         runner.wake()

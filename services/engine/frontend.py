@@ -448,7 +448,15 @@ class ClientFrontend:
         try:
             await core.control(sleep_level=level)
         except StepFailedError as exc:
-            await core.control(sleep_level=0)  # those that slept: the engine stays awake
+            try:
+                await core.control(sleep_level=0)  # those that slept: the engine stays awake
+            except StepFailedError as again:
+                # Some may hold nothing to step with: asleep it stays, until a wake_up works.
+                self.sleep_level, self._resume_on_waking = level, not was_paused
+                raise ValueError(
+                    f"the executors could not sleep ({exc}) nor wake up again ({again}): "
+                    "call wake_up"
+                ) from None
             if not was_paused:
                 self.resume()
             raise ValueError(f"the executors could not sleep: {exc}") from None

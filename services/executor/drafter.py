@@ -63,9 +63,6 @@ class Drafter:
         self._fed_count = np.zeros(0, dtype=np.int64)
         self._fed_generation = np.zeros(0, dtype=np.int64)
 
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        return self.model.kv_cache_bytes_per_block(block_size)
-
     def allocate(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.model.allocate_kv_caches(num_blocks, block_size)
 

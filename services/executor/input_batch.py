@@ -313,11 +313,8 @@ class InputBatch:
             raise ValueError(f"request {bad!r}: plan schedules tokens the executor does not know")
 
         spans = self.spans(slots, computed, num_sched, self.long_prompt_threshold)
-        query_start_loc, token_slot, positions = (
-            spans.query_start_loc,
-            spans.token_slot,
-            spans.positions,
-        )
+        query_start_loc, positions = spans.query_start_loc, spans.positions
+        token_slot = spans.token_slot
         input_ids = self.token_ids.reshape(-1)[token_slot * self.max_model_len + positions]
 
         prefill_done = real_end >= num_tokens

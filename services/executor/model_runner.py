@@ -219,15 +219,21 @@ class ModelRunner:
         )
         self.graph_query_lens = (1, 1 + num_speculative_tokens)
         self.hf_overrides = hf_overrides
-        self.max_num_seqs = max_num_seqs
         # The weights served (read again by a wake from sleep level 2) and how to read them.
         self.weights_dir, self.load_format = self.model_dir, load_format
         self.model = self._load_model()
         self.config = self.model.config
+        # The draft model's directory, drafts a step, quantization and load format (its
+        # own: new weights of the served model change the served model's only).
         self.draft_options = (
             None
             if speculative_model is None
-            else (Path(speculative_model), num_speculative_tokens, speculative_model_quantization)
+            else (
+                Path(speculative_model),
+                num_speculative_tokens,
+                speculative_model_quantization,
+                load_format,
+            )
         )
         self.drafter = None if self.draft_options is None else self._load_drafter()
         # Before the KV cache is sized: adapters take their share of the memory first.
@@ -269,11 +275,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
 
-    def _load_model(self, **options: object) -> CausalLM:
-        """The served model from ``weights_dir``, on this rank's device (``options`` replace
-        load_model's)."""
+    def _load_model(self, path: Path | None = None, **options: object) -> CausalLM:
+        """The model of directory ``path`` (default: the served one, from ``weights_dir``),
+        on this rank's device and shard; ``options`` replace the served model's."""
         return load_model(
-            self.weights_dir,
+            self.weights_dir if path is None else path,
             **{
                 "device": self.device,
                 "dtype": self.dtype,
@@ -344,8 +350,7 @@ class ModelRunner:
         """The draft model of ``draft_model`` speculative decoding, on this rank's device
         (and shard: it splits as the served model does)."""
         assert self.draft_options is not None
-        model_dir, num_speculative_tokens, quantization = self.draft_options
-        load_format = self.load_format
+        model_dir, num_speculative_tokens, quantization, load_format = self.draft_options
         if self.pooling_runner:
             raise ValueError("a draft model proposes generated tokens; a pooling runner has none")
         if num_speculative_tokens < 1:
@@ -361,14 +366,12 @@ class ModelRunner:
             raise ValueError(
                 f"draft model {model_dir.name} is a sequence classifier: a draft must generate"
             )
-        model = load_model(
+        model = self._load_model(
             model_dir,
-            device=self.device,
-            dtype=self.dtype,
-            attention=self.attention,
             load_format=load_format,
-            tp=self.tp,
             quantization=quantization,
+            lm_head_optional=False,
+            hf_overrides=None,
         )
         return Drafter(model, num_speculative_tokens, self.config.vocab_size, self.device, self.tp)
 
@@ -377,7 +380,7 @@ class ModelRunner:
     ) -> int:
         per_block = self.model.kv_cache_bytes_per_block(self.block_size)
         if self.drafter is not None:  # the draft's cache shares the served model's blocks
-            per_block += self.drafter.kv_cache_bytes_per_block(self.block_size)
+            per_block += self.drafter.model.kv_cache_bytes_per_block(self.block_size)
         if kv_cache_memory_bytes is not None:
             return kv_cache_memory_bytes // per_block
         if self.device.type != "cuda":

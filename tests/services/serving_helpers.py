@@ -130,6 +130,18 @@ def generate_in_core(
     return produced
 
 
+def greedy_completion(client, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """The token ids of a greedy completion through the official openai client, EOS ignored."""
+    reply = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    return reply.choices[0].token_ids
+
+
 def read_metrics(url: str) -> dict[str, float]:
     """Prometheus text exposition -> {'name{labels}': value} (comments skipped)."""
     with urllib.request.urlopen(url, timeout=10) as resp:

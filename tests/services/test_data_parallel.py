@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from serving_helpers import hf_greedy, metric, read_metrics
+from serving_helpers import greedy_completion, hf_greedy, metric, read_metrics
 
 from weir.services.launcher import ServerProcesses
 from weir.shared.config import EngineArgs
@@ -47,14 +47,7 @@ def test_two_tensor_parallel_replicas_share_the_traffic_and_restart_apart(
         client = openai.OpenAI(base_url=info["http_address"] + "/v1", api_key="x")
 
         def complete(prompt: list[int]) -> list[int]:
-            reply = client.completions.create(
-                model="tiny",
-                prompt=prompt,
-                max_tokens=12,
-                temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            )
-            return reply.choices[0].token_ids
+            return greedy_completion(client, "tiny", prompt, 12)
 
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(complete, prompts)) == [

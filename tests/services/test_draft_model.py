@@ -6,7 +6,14 @@ import openai
 import pytest
 import torch
 from conftest import save_speaking, save_with_markers, transformers
-from serving_helpers import generate_in_core, hf_greedy, metric, read_metrics, small_server
+from serving_helpers import (
+    generate_in_core,
+    greedy_completion,
+    hf_greedy,
+    metric,
+    read_metrics,
+    small_server,
+)
 
 from weir.services.engine.core import EngineCore, InProcessExecutor
 from weir.services.executor.model_runner import ModelRunner
@@ -124,16 +131,10 @@ def test_served_draft_model_keeps_greedy_outputs_and_counts_its_drafts(
     config = f'{{"model": "{tiny_model_dir}", "num_speculative_tokens": 3}}'
     with small_server(tiny_model_dir, "tiny", speculative_config=config) as processes:
         client = openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="x")
-        reply = client.completions.create(
-            model="tiny",
-            prompt=prompt,
-            max_tokens=20,
-            temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True},
-        )
+        got = greedy_completion(client, "tiny", prompt, 20)
         scheduler = read_metrics(processes.info["metrics_address"])
         executor = read_metrics(processes.info["executors"][0]["metrics_address"])
-    assert reply.choices[0].token_ids == want
+    assert got == want
     drafts = metric(scheduler, "weir_spec_decode_draft_tokens_total")
     assert drafts >= 12  # at most 7 steps of 3 drafts give 20 tokens when all are kept
     assert metric(scheduler, "weir_spec_decode_accepted_tokens_total") == drafts
