@@ -9,8 +9,9 @@ segments and streams paged_attention picks from the step's hints) and for torch'
 difference between the two outputs, and the issue's floors. Writes its table into docs/benchmarks.md between
 the attention markers, leaving the rest of the file alone.
 
-Usage: python benchmarks/attention.py [--quick] [--peak-gbps N] [--no-write]
-Needs a CUDA GPU; elsewhere it exits with status 2.
+Usage: python benchmarks/attention.py [--quick] [--peak-gbps N] [--no-write] [--kv-cache-dtype fp8]
+With an fp8 cache (K/V one byte a value, read as such; SDPA reads widened dense copies) the
+table is printed only. Needs a CUDA GPU; elsewhere it exits with status 2.
 """
 
 import argparse
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 BEGIN, END = "<!-- attention:begin -->", "<!-- attention:end -->"
 # Peak HBM bandwidth in GB/s by device name, from the vendors' data sheets.
 PEAK_GBPS = {
@@ -98,6 +100,8 @@ def build_step(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> 
         table[r, :n] = physical[cursor : cursor + n]
         cursor += n
     kv_cache = torch.randn(2, sum(blocks), bs, hkv, d, dtype=dtype, device=device)
+    if args.kv_cache_dtype != "auto":
+        kv_cache = kv_cache.to(FP8[args.kv_cache_dtype])
     starts = [0]
     for _, q in batch.requests:
         starts.append(starts[-1] + q)
@@ -114,7 +118,7 @@ def build_step(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> 
 def dense_sdpa_inputs(batch: Batch, step: dict) -> dict:
     """The same attention as padded dense tensors: q [R, Hq, max_q, D], k/v [R, Hkv, max_s, D], and a
     mask only where equal-length decodes (no mask) or context-free equal prefills (is_causal) do not fit."""
-    kv_cache, table = step["kv_cache"], step["block_table"]
+    kv_cache, table = step["kv_cache"].to(step["query"].dtype), step["block_table"]
     _, _, bs, hkv, d = kv_cache.shape
     max_q = max(q for _, q in batch.requests)
     max_s = max(c + q for c, q in batch.requests)
@@ -144,9 +148,10 @@ def dense_sdpa_inputs(batch: Batch, step: dict) -> dict:
 
 def bytes_moved(batch: Batch, args: argparse.Namespace) -> int:
     elt = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    kv_elt = elt if args.kv_cache_dtype == "auto" else 1
     kv = sum(c + q for c, q in batch.requests) * args.num_kv_heads * args.head_dim * 2
     qo = sum(q for _, q in batch.requests) * args.num_heads * args.head_dim * 2
-    return (kv + qo) * elt
+    return kv * kv_elt + qo * elt
 
 
 def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> Result:
@@ -338,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", *FP8],
+        default="auto",
+        help="the cache's dtype (auto: --dtype); an fp8 run prints its table only",
+    )
+    parser.add_argument(
         "--no-write", action="store_true", help=f"print the table, do not update {DOC.name}"
     )
     parser.add_argument("--output", type=Path, default=DOC)
@@ -370,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Measured {datetime.date.today().isoformat()} on {device_name}"
             f" (peak {'unknown' if peak is None else f'{peak:.0f} GB/s'}), torch {torch.__version__},"
-            f" triton {triton.__version__}; {args.dtype}, {args.num_heads} query heads, {args.num_kv_heads} KV heads,"
+            f" triton {triton.__version__}; {args.dtype}, {args.kv_cache_dtype} KV cache, {args.num_heads} query heads, {args.num_kv_heads} KV heads,"
             f" head_dim {args.head_dim}, block size {args.block_size}, shuffled blocks.",
             f"Command: `{command}`. Bandwidth = (K/V read + Q read + O written) / time; times from"
             " triton.testing.do_bench. SDPA runs on dense copies (padded and masked where lengths differ).",
@@ -381,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     )
     print("\n".join(floor_lines(results, peak)))
-    if args.no_write:
+    if args.no_write or args.kv_cache_dtype != "auto":
         print(section)
     else:
         write_section(section, args.output)

@@ -5,7 +5,8 @@
 #      the model runner's steps (pooling, a draft model's cache and waking from sleep on
 #      CUDA too) against transformers and a fresh draft (tests/test_model_runner.py), a MoE model in bf16 (tests/test_moe.py), and the Triton
 #      kernel tests, natively; then benchmarks/attention.py --quick (issue 11)
-#      and benchmarks/layer_ops.py (the layer kernels against PyTorch's operators);
+#      and benchmarks/layer_ops.py (the layer kernels against PyTorch's operators), and the
+#      attention benchmark's decodes over an fp8 cache;
 #   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
 #      and with --enforce-eager (phases unsynchronized: the executor's idle time is real);
 #   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs, with
@@ -91,7 +92,9 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
         tests/test_architectures.py::test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA; then the
     # layer kernels against the operators they replace (one log: at most 8 files come back).
-    section attention 80 bash -c '"$0" benchmarks/attention.py --quick --no-write; "$0" benchmarks/layer_ops.py' "$PY"
+    # Last, so that a section cut short loses it first: the fp8 cache's decode tiles.
+    section attention 80 bash -c '"$0" benchmarks/attention.py --quick --no-write; "$0" benchmarks/layer_ops.py;
+        "$0" benchmarks/attention.py --quick --no-sdpa --kv-cache-dtype fp8' "$PY"
 fi
 
 if [[ " $SECTIONS " == *" breakdown "* ]]; then

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from weir.kernels.reference import check_sinks
+from weir.kernels.reference import check_sinks, to_cache
 
 SHORT_QUERY_MAX = 8
 # Each bucket costs about eight operator calls per layer, so a bucket splits only where that
@@ -255,12 +255,16 @@ def _long_query(
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan
 ) -> None:
-    """Write each token's K and V into its cache slot (in place); tokens with slot -1 are skipped."""
+    """Write each token's K and V into its cache slot (in place); tokens with slot -1 are skipped.
+    An fp8 cache takes them converted (saturating), as bytes: PyTorch copies no fp8 rows."""
     rows = kv_cache.shape[2] * kv_cache.shape[1]
     if plan.write_rows is not None:
         key, value = key[plan.write_rows], value[plan.write_rows]
-    kv_cache[0].view(rows, -1).index_copy_(0, plan.write_slots, key.flatten(1).to(kv_cache.dtype))
-    kv_cache[1].view(rows, -1).index_copy_(0, plan.write_slots, value.flatten(1).to(kv_cache.dtype))
+    for half, new in ((kv_cache[0], key), (kv_cache[1], value)):
+        new = to_cache(new.flatten(1), kv_cache.dtype)
+        if kv_cache.element_size() == 1:
+            half, new = half.view(torch.uint8), new.view(torch.uint8)
+        half.view(rows, -1).index_copy_(0, plan.write_slots, new)
 
 
 def paged_attention(
@@ -283,6 +287,8 @@ def paged_attention(
         sinks = check_sinks(sinks, hkv * group).float().view(hkv, 1, group)
     key_rows = kv_cache[0].view(-1, head_dim)
     value_rows = kv_cache[1].view(-1, head_dim)
+    # fp8 rows are read converted: embedding_bag takes no fp8 table, the bmm below does.
+    fp8 = kv_cache.element_size() == 1
     out = torch.empty_like(query)
     for b in plan.short:
         r, qg, s = b.num_reqs, b.query_len * group, b.seq_len
@@ -298,8 +304,13 @@ def paged_attention(
         if sinks is not None:
             column = sinks.expand(hkv, b.query_len, group).reshape(1, hkv, qg, 1)
             scores = torch.cat((scores, column.expand(r, -1, -1, -1)), dim=-1)
-        probs = torch.softmax(scores, dim=-1)[..., :s].reshape(-1, s).to(value_rows.dtype)
-        o = F.embedding_bag(b.bag_rows, value_rows, per_sample_weights=probs, mode="sum")
+        probs = torch.softmax(scores, dim=-1)[..., :s]
+        if fp8:
+            v = value_rows.index_select(0, b.kv_rows).view(r * hkv, s, head_dim).float()
+            o = torch.bmm(probs.reshape(r * hkv, qg, s), v).view(-1, head_dim)
+        else:
+            probs = probs.reshape(-1, s).to(value_rows.dtype)
+            o = F.embedding_bag(b.bag_rows, value_rows, per_sample_weights=probs, mode="sum")
         o = (
             o.view(r, hkv, b.query_len, group, head_dim)
             .transpose(1, 2)
@@ -310,6 +321,8 @@ def paged_attention(
         s = len(lq.kv_rows) // hkv
         k = key_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
         v = value_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
+        if fp8:
+            k, v = k.to(query.dtype), v.to(query.dtype)
         q = query[lq.start : lq.end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, Q, D]
         if softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(

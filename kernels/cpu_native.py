@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from weir.kernels.reference import check_sinks
+from weir.kernels.reference import check_sinks, to_cache
 from weir.shared.model_store import cache_root
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,34 @@ _F = ctypes.c_float
 _SIGNATURES = {
     "weir_rms_norm": (None, [_P, _I, _P, _P, _I, _I, _I, _F]),
     "weir_rope": (None, [_P, _I, _I, _I, _I, _I, _P, _P]),
-    "weir_write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I]),
+    "weir_write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I]),
     "weir_paged_attention": (
         ctypes.c_int,
-        [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P],
+        [
+            _P,
+            _I,
+            _P,
+            _I,
+            _I,
+            _P,
+            _P,
+            _I,
+            _P,
+            _P,
+            _I,
+            _P,
+            _I,
+            _I,
+            _I,
+            _I,
+            _I,
+            _I,
+            _F,
+            _I,
+            _F,
+            _P,
+            _P,
+        ],
     ),
     "weir_int8_linear": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]),
     "weir_silu_mul": (None, [_P, _I, _I, _I]),
@@ -125,6 +149,14 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+@functools.cache
+def fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """The float32 value of each of the 256 bytes of an fp8 ``dtype``, as PyTorch reads them."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"the native kernels read float32 or fp8 caches, not {dtype}")
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()
+
+
 class CpuKernels:
     """Typed wrappers. Tensors are float32 on the CPU; the last dimension of every activation
     is contiguous and rows may be strided (views into a fused projection's output)."""
@@ -175,8 +207,11 @@ class CpuKernels:
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """key, value [T, Hkv, D] (strided rows) into kv_cache [2, blocks, block_size, Hkv, D]
-        at int64 slots [T]; slot -1 is skipped. A slot outside the cache raises IndexError
-        (nothing is written), as PyTorch's indexing would: the step fails, the process lives."""
+        (float32, or fp8: converted first, saturating) at int64 slots [T]; slot -1 is skipped.
+        A slot outside the cache raises IndexError (nothing is written), as PyTorch's indexing
+        would: the step fails, the process lives."""
+        if kv_cache.dtype != torch.float32:
+            key, value = to_cache(key, kv_cache.dtype), to_cache(value, kv_cache.dtype)
         status = self._lib.weir_write_kv(
             _ptr(key),
             key.stride(0),
@@ -188,6 +223,7 @@ class CpuKernels:
             _ptr(kv_cache[1]),
             key.shape[1] * key.shape[2],
             kv_cache.shape[1] * kv_cache.shape[2],
+            kv_cache.element_size(),
         )
         if status != 0:
             raise IndexError("a K/V cache slot of this step lies outside the cache")
@@ -206,8 +242,8 @@ class CpuKernels:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`weir.kernels.reference.paged_attention`'s contract, its sliding window, soft
-        cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata; rows of no request are
-        left unset. Metadata that points outside the batch, the block table or the cache
+        cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata, a float32 or fp8
+        cache; rows of no request are left unset. Metadata that points outside the batch, the block table or the cache
         raises IndexError before anything is read."""
         num_tokens, num_heads, head_dim = query.shape
         if sliding_window is not None and sliding_window < 1:
@@ -245,6 +281,7 @@ class CpuKernels:
             0 if sliding_window is None else sliding_window,  # 0: no window
             0.0 if softcap is None else softcap,  # 0: no cap
             None if sinks is None else _ptr(sinks),
+            None if kv_cache.dtype == torch.float32 else _ptr(fp8_values(kv_cache.dtype)),
         )
         if status == -2:
             raise IndexError("attention metadata of this step points outside the batch or cache")

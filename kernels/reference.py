@@ -21,6 +21,9 @@ With a soft cap c (Gemma 2's attn_logit_softcapping), each scaled score s become
 c * tanh(s / c) before the mask and the softmax.
 With sinks (gpt-oss' learned attention sinks, one logit per query head), head h's softmax
 has one more logit, sinks[h], with no value: probs = exp(s) / (sum exp(s) + exp(sinks[h])).
+An fp8 cache (float8_e4m3fn or float8_e5m2, `--kv-cache-dtype`) holds each K/V value clamped
+to the format's largest finite value, then rounded to nearest (`to_cache`), and is read widened
+back to float, as vLLM's fp8 cache with scales of 1.
 """
 
 import torch
@@ -34,8 +37,17 @@ def reshape_and_cache(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[valid].to(kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = value[valid].to(kv_cache.dtype)
+    kv_cache[0, blocks, offsets] = to_cache(key[valid], kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = to_cache(value[valid], kv_cache.dtype)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` holds it: an fp8 cache saturates (PyTorch's e5m2 cast
+    would overflow to inf, which no attention recovers from)."""
+    if dtype.itemsize == 1:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def paged_attention(

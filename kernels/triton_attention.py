@@ -161,6 +161,8 @@ def _attend_tiles(
             key_valid[:, None] & dim_valid[None, :],
             MASKED or mask_dims,
         )
+        # An fp8 cache's tiles are widened to the query's dtype (no-ops for other caches).
+        k, v = k.to(q.dtype), v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP > 0:
             s = _tanh(s) * (SOFTCAP * _LOG2_E)
@@ -243,7 +245,10 @@ def _attend_query_block(
         query_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
-    ).to(cache_ptr.dtype.element_ty)
+    )
+    # The products run in the cache's dtype, or the query's over an fp8 cache.
+    if not cache_ptr.dtype.element_ty.is_fp8():
+        q = q.to(cache_ptr.dtype.element_ty)
 
     # Keys this block can see at all: up to the causal limit of its last token, and from the
     # window's lower edge for its first token; tiles outside are skipped, segments split the rest.
@@ -532,6 +537,7 @@ class LaunchPlan:
                      two K/V tiles in flight): one program per SM.
       head_dim 256   prefill 64 x 32 keys, 8 warps (4 spill the 64 x 256 accumulator); decode tiles of
                      32 keys.
+      fp8 cache      decode tiles of 32 keys (the widened tile's registers; not yet measured on a GPU).
     tests/kernels/test_triton_sm90_compile.py compiles these shapes for sm_90 (and the fallback for
     sm_80) without a GPU and checks that none spills, that decode tiles stay within 128 registers and
     that the Hopper prefill tiles use wgmma.
@@ -619,7 +625,7 @@ def plan_launches(
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
-    cache_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
     capability_major: int,
     num_sms: int,
     max_query_len: int,
@@ -628,6 +634,7 @@ def plan_launches(
     sliding_window: int | None = None,
     softcap: float | None = None,
     has_sinks: bool = False,
+    fp8_cache: bool = False,
 ) -> LaunchPlan:
     """The launch plan for one batch shape (cached: the same shape recurs every layer and step)."""
     if sliding_window is not None and sliding_window < 1:
@@ -639,6 +646,9 @@ def plan_launches(
     hopper = capability_major == 9
     stages = 3 if hopper else 2
     wide = block_d > 128
+    # An fp8 tile widened to the query's dtype in registers: 64 keys take 168 registers on sm_90,
+    # 32 keys 127, which keeps the four decode programs per SM the split-KV rule counts on.
+    decode_keys = 32 if wide or fp8_cache else 64
     min_rows = max(16, triton.next_power_of_2(group))
     all_rows = triton.next_power_of_2(group * max(max_query_len, 1))
     if block_d > 256:
@@ -650,10 +660,10 @@ def plan_launches(
             )
         decode, short_query_len = WIDE_DECODE, INT32_MAX
     elif all_rows <= max(DECODE_MAX_ROWS, min_rows):
-        decode = TileShape(max(all_rows, min_rows), 32 if wide else 64, 4, stages)
+        decode = TileShape(max(all_rows, min_rows), decode_keys, 4, stages)
         short_query_len = INT32_MAX
     else:
-        decode = TileShape(min_rows, 32 if wide else 64, 4, stages)
+        decode = TileShape(min_rows, decode_keys, 4, stages)
         short_query_len = min_rows // group
     prefill = prefill_grid = None
     if short_query_len != INT32_MAX:
@@ -689,7 +699,7 @@ def plan_launches(
         head_dim=head_dim,
         block_size=block_size,
         # tl.dot on fp32 would otherwise round its inputs to tf32.
-        dot_precision="ieee" if cache_dtype == torch.float32 else "tf32",
+        dot_precision="ieee" if compute_dtype == torch.float32 else "tf32",
         decode=decode,
         decode_grid=(num_requests, num_kv_heads, segments),
         segments=segments,
@@ -726,7 +736,7 @@ def plan_for(
         kv_cache.shape[3],
         head_dim,
         kv_cache.shape[2],
-        kv_cache.dtype,
+        query.dtype if kv_cache.element_size() == 1 else kv_cache.dtype,  # fp8 widens to it
         capability_major,
         num_sms,
         max_query_len,
@@ -735,6 +745,7 @@ def plan_for(
         sliding_window,
         softcap,
         has_sinks,
+        kv_cache.element_size() == 1,
     )
 
 

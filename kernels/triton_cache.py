@@ -29,6 +29,7 @@ def _reshape_and_cache_kernel(
     block_size,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -48,6 +49,9 @@ def _reshape_and_cache_kernel(
         value_ptr + token64 * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask
     )
 
+    if FP8_MAX > 0:  # an fp8 cache saturates, as weir.kernels.reference.to_cache
+        key = tl.minimum(tl.maximum(key.to(tl.float32), -FP8_MAX), FP8_MAX)
+        value = tl.minimum(tl.maximum(value.to(tl.float32), -FP8_MAX), FP8_MAX)
     dst = (
         cache_ptr
         + block * stride_c_block
@@ -65,7 +69,8 @@ def reshape_and_cache(
     """Write each token's K and V into its cache slot (in place).
 
     key, value: [T, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size,
-    num_kv_heads, head_dim] with a contiguous last dimension; slot_mapping: [T].
+    num_kv_heads, head_dim] with a contiguous last dimension (any float dtype, fp8 included);
+    slot_mapping: [T].
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -92,5 +97,6 @@ def reshape_and_cache(
         kv_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_cache.element_size() == 1 else 0.0,
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )

@@ -34,6 +34,9 @@ QUANTIZATION_METHODS = ("int8",)
 ATTENTION_BACKENDS = ("triton", "native", "torch", "reference")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's dtype (vLLM's names): auto, the model's; fp8 (= fp8_e4m3) and fp8_e5m2, one
+# byte a value, widened back as attention reads it.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -437,6 +440,14 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, EXECUTOR, "fraction of GPU memory for weights + KV cache", type=float
     )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        EXECUTOR,
+        "KV cache dtype: auto (the model's) or fp8 (fp8_e4m3; fp8_e5m2): one byte a value, "
+        "so the cache holds 2x the tokens of bfloat16 and 4x float32's; values are clamped "
+        "and rounded as written (no scales), so outputs move slightly",
+        choices=KV_CACHE_DTYPES,
+    )
     attention_backend: str | None = _arg(
         None,
         EXECUTOR,
@@ -512,7 +523,11 @@ class EngineArgs:
             )
         if self.device is not None and not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        for name, choices in (("dtype", DTYPES), ("attention_backend", ATTENTION_BACKENDS)):
+        for name, choices in (
+            ("dtype", DTYPES),
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("kv_cache_dtype", (None, *KV_CACHE_DTYPES)),
+        ):
             if getattr(self, name) not in (None, *choices):
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if str(self.log_level).upper() not in LOG_LEVELS:

@@ -321,6 +321,62 @@ def test_sinks_must_be_one_per_query_head():
             paged_attention(*args, sinks=torch.zeros(BATCHED_HEADS[1]))
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("sliding_window", [None, 37])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [BATCHED_HEADS, (9, 3, 64)], ids=["gqa3", "gqa3-64"]
+)
+def test_fp8_cache_equals_reference(num_heads, num_kv_heads, head_dim, sliding_window, cache_dtype):
+    """--kv-cache-dtype fp8: the batched path and the native kernels write the step's K/V
+    converted as PyTorch converts them (saturating: the poison is past e4m3's 448) and
+    attend over the cache's widened values, as the reference over a float32 copy of them;
+    and the cache's rounding shows in the result."""
+    step = mixed_step(MIXED, num_heads, num_kv_heads, head_dim, torch.float32)
+    step["kv_cache"] = step["kv_cache"].to(cache_dtype)
+    step["key"][5] *= 1e5  # past both formats' largest value: held as it, not as inf
+    scale = head_dim**-0.5
+    num_real = int(step["query_start_loc"][-1])
+    want_cache, want = reference_step(step, scale, sliding_window)
+    assert want_cache.float().isfinite().all()
+    limit = torch.finfo(cache_dtype).max
+    rounded = {
+        k: step[k].float().clamp(-limit, limit).to(cache_dtype).float()
+        for k in ("kv_cache", "key", "value")
+    }
+    _, over_floats = reference_step({**step, **rounded}, scale, sliding_window)
+    torch.testing.assert_close(want[:num_real], over_floats[:num_real], atol=1e-6, rtol=1e-6)
+    _, unrounded = reference_step(
+        {**step, "kv_cache": step["kv_cache"].float()}, scale, sliding_window
+    )
+    assert (want[:num_real] - unrounded[:num_real]).abs().max() > 1e-3
+
+    plan = cpu_attention.plan_step(
+        step["query_start_loc"],
+        step["seq_lens"],
+        step["block_table"],
+        step["slot_mapping"],
+        BLOCK_SIZE,
+        num_heads,
+        num_kv_heads,
+        sliding_window=sliding_window,
+    )
+    cache = step["kv_cache"].clone()
+    cpu_attention.reshape_and_cache(step["key"], step["value"], cache, plan)
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
+    if native is None:
+        return
+    cache = step["kv_cache"].clone()
+    native.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
+    assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
+    got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window)
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
+
+
 @needs_native
 @pytest.mark.parametrize("sliding_window", [3, 37])
 def test_native_sliding_window_ignores_hidden_keys_whatever_their_scores(sliding_window):

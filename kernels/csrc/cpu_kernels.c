@@ -131,20 +131,23 @@ void weir_silu_mul(float *x, int64_t row_stride, int64_t rows, int64_t dim) {
     }
 }
 
-/* Copy each row's K and V ([kv_heads * head_dim] floats each, at k + t * k_stride and
-   v + t * v_stride) to cache slot slots[t]; slot -1 (padding) writes nothing. Returns 0, or
-   -2 (nothing written) when a slot lies outside the cache's num_slots. */
-int weir_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
-                  const int64_t *slots, int64_t rows, float *key_cache, float *value_cache,
-                  int64_t slot_size, int64_t num_slots) {
+/* Copy each row's K and V ([kv_heads * head_dim] items of item_bytes each, at k + t * k_stride
+   and v + t * v_stride items: float32, or the bytes of an fp8 cache's already converted rows)
+   to cache slot slots[t]; slot -1 (padding) writes nothing. Returns 0, or -2 (nothing
+   written) when a slot lies outside the cache's num_slots. */
+int weir_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                  const int64_t *slots, int64_t rows, void *key_cache, void *value_cache,
+                  int64_t slot_size, int64_t num_slots, int64_t item_bytes) {
     for (int64_t t = 0; t < rows; t++)
         if (slots[t] < -1 || slots[t] >= num_slots) return -2;
-    const size_t bytes = (size_t)slot_size * sizeof(float);
+    const size_t bytes = (size_t)(slot_size * item_bytes);
+    const char *kb = k, *vb = v;
+    char *kc = key_cache, *vc = value_cache;
 #pragma omp parallel for schedule(static) if (rows > 64)
     for (int64_t t = 0; t < rows; t++) {
         if (slots[t] < 0) continue;
-        memcpy(key_cache + slots[t] * slot_size, k + t * k_stride, bytes);
-        memcpy(value_cache + slots[t] * slot_size, v + t * v_stride, bytes);
+        memcpy(kc + slots[t] * bytes, kb + t * k_stride * item_bytes, bytes);
+        memcpy(vc + slots[t] * bytes, vb + t * v_stride * item_bytes, bytes);
     }
     return 0;
 }
@@ -347,12 +350,12 @@ static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64
    walks each tile's cache slots once for all of them: the heads of a slot are adjacent, so
    the tile is read as contiguous runs rather than one head's stripe of every slot. */
 static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
-                        int64_t out_stride, const float *key_cache, const float *value_cache,
-                        const int32_t *query_start_loc, const int32_t *seq_lens,
-                        const int32_t *block_table, int64_t block_table_stride,
-                        int64_t block_size, int64_t num_kv_heads, int64_t group,
-                        int64_t head_dim, float scale, int64_t window, float softcap,
-                        const float *sinks, float *scratch) {
+                        int64_t out_stride, const void *key_cache, const void *value_cache,
+                        const float *fp8_values, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, const int32_t *block_table,
+                        int64_t block_table_stride, int64_t block_size, int64_t num_kv_heads,
+                        int64_t group, int64_t head_dim, float scale, int64_t window,
+                        float softcap, const float *sinks, float *scratch) {
     const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
     const int64_t rows = head_rows * heads;
     const int64_t tile = head_rows < TRANSPOSE_ROWS ? WIDE_TILE : KEY_TILE;
@@ -375,6 +378,10 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     float *kt = acc + rows * head_dim;   /* [head_dim][KEY_TILE] */
     float *s = kt + head_dim * KEY_TILE; /* [head_rows][tile] */
     float *row_max = s + head_rows * tile, *row_sum = row_max + rows;
+    /* An fp8 cache's tile, decoded through the 256 values of its bytes: [WIDE_TILE][item_floats]. */
+    float *kdec = row_sum + rows, *vdec = kdec + WIDE_TILE * item_floats;
+    const int64_t item_bytes = fp8_values ? 1 : (int64_t)sizeof(float);
+    const char *kc = key_cache, *vc = value_cache;
     const float *kslot[WIDE_TILE], *vslot[WIDE_TILE], *krow[WIDE_TILE], *vrow[WIDE_TILE];
     float p[WIDE_TILE];
 
@@ -393,8 +400,16 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
         int64_t block = j0 / block_size, offset = j0 % block_size;
         for (int64_t j = 0; j < nk; j++) {
             const int64_t at = ((int64_t)table[block] * block_size + offset) * slot_size + head_offset;
-            kslot[j] = key_cache + at;
-            vslot[j] = value_cache + at;
+            if (fp8_values) {
+                const uint8_t *kb = (const uint8_t *)kc + at, *vb = (const uint8_t *)vc + at;
+                float *kd = kdec + j * item_floats, *vd = vdec + j * item_floats;
+                for (int64_t d = 0; d < item_floats; d++)
+                    kd[d] = fp8_values[kb[d]], vd[d] = fp8_values[vb[d]];
+                kslot[j] = kd, vslot[j] = vd;
+            } else {
+                kslot[j] = (const float *)kc + at;
+                vslot[j] = (const float *)vc + at;
+            }
             if (++offset == block_size) offset = 0, block++;
         }
         for (int64_t j = nk; j < tile; j++) kslot[j] = kslot[0], vslot[j] = vslot[0];
@@ -403,9 +418,9 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
         const int64_t next_nk = last_key - j0 - tile + 1 < tile ? last_key - j0 - tile + 1 : tile;
         for (int64_t j = 0; j < next_nk; j++) {
             const int64_t at = ((int64_t)table[block] * block_size + offset) * slot_size + head_offset;
-            for (int64_t d = 0; d < item_floats; d += 16) {
-                __builtin_prefetch(key_cache + at + d, 0, 2);
-                __builtin_prefetch(value_cache + at + d, 0, 2);
+            for (int64_t d = 0; d < item_floats * item_bytes; d += 64) {
+                __builtin_prefetch(kc + at * item_bytes + d, 0, 2);
+                __builtin_prefetch(vc + at * item_bytes + d, 0, 2);
             }
             if (++offset == block_size) offset = 0, block++;
         }
@@ -463,17 +478,19 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
    softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they are.
    With sinks (gpt-oss' attention sinks: num_heads logits, NULL for none), query head h's
    softmax has one more term, exp(sinks[h]), in its denominator and no value for it.
+   With fp8_values (the 256 floats an fp8 cache's bytes stand for; NULL for a float32 cache),
+   the caches hold one byte a channel, decoded a tile at a time.
    Returns 0; -1 when scratch memory could not be allocated; -2 (nothing read) when the
    metadata points outside the batch's num_tokens rows, the block table's width or the
    cache's num_blocks. */
 int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t out_stride,
-                         int64_t num_tokens, const float *key_cache, const float *value_cache,
+                         int64_t num_tokens, const void *key_cache, const void *value_cache,
                          int64_t num_blocks, const int32_t *query_start_loc,
                          const int32_t *seq_lens, int64_t num_reqs, const int32_t *block_table,
                          int64_t block_table_stride, int64_t block_table_width,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, float scale, int64_t window, float softcap,
-                         const float *sinks) {
+                         const float *sinks, const float *fp8_values) {
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
         const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
@@ -526,7 +543,8 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
             }
     }
     const size_t scratch_floats =
-        (size_t)(2 * max_rows * head_dim + head_dim * KEY_TILE + max_rows * WIDE_TILE + 2 * max_rows);
+        (size_t)(2 * max_rows * head_dim + head_dim * KEY_TILE + max_rows * WIDE_TILE + 2 * max_rows +
+                 (fp8_values ? 2 * WIDE_TILE * num_kv_heads * head_dim : 0));
     int failed = 0;
 #pragma omp parallel
     {
@@ -539,7 +557,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
         for (int64_t i = 0; i < num_items; i++)
             if (scratch)
                 attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
-                            query_start_loc, seq_lens, block_table, block_table_stride,
+                            fp8_values, query_start_loc, seq_lens, block_table, block_table_stride,
                             block_size, num_kv_heads, group, head_dim, scale, window,
                             softcap, sinks, scratch);
         free(scratch);

@@ -31,7 +31,12 @@ from weir.services.bench.workload import (
     positive_int,
     workload_from_args,
 )
-from weir.shared.config import ENGINE_DEFAULTS, LOAD_FORMATS, QUANTIZATION_METHODS
+from weir.shared.config import (
+    ENGINE_DEFAULTS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+)
 
 BASELINE_CHOICES = ("hf-static", "hf-cb", "llama-cpp", "none")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -117,6 +122,12 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--kv-cache-memory", default=None, help="Weir engine option (KV cache size)")
     g.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="Weir engine option: fp8 keeps one byte a cached value (default: auto, the model's)",
+    )
+    g.add_argument(
         "--quantization",
         choices=QUANTIZATION_METHODS,
         default=None,
@@ -159,6 +170,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
         "tensor_parallel_size": args.tensor_parallel_size,
         "async_scheduling": args.async_scheduling,

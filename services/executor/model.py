@@ -258,15 +258,22 @@ class CausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         tp: TensorParallel | None = None,
         layer_kernels: LayerKernels | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
+        if kv_cache_dtype not in (None, dtype) and cfg.latent_attention:
+            raise ValueError(
+                f"a {kv_cache_dtype} KV cache with multi-head latent attention ({cfg.model_type}) "
+                "is not supported: use --kv-cache-dtype auto"
+            )
         self.config = cfg
         self.tp = tp
         self.layout = (
             ShardLayout.of(cfg) if tp is None else ShardLayout.of(cfg, tp.rank, tp.world_size)
         )
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.attention = attention
         vocab_rows = self.layout.vocab_per_rank
         self.embed_tokens = nn.Parameter(
@@ -428,7 +435,7 @@ class CausalLM(nn.Module):
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block costs on this rank across all layers (K and V)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.kv_cache_dtype.itemsize
         kv_heads, head_dim = self.layout.num_kv_heads, self.config.head_dim
         copies = 1 if self.config.latent_attention else 2
         return copies * self.config.num_layers * block_size * kv_heads * head_dim * itemsize
@@ -441,4 +448,6 @@ class CausalLM(nn.Module):
                 torch.zeros(one, dtype=self.dtype, device=self.device).expand(shape)
                 for _ in self.layers
             ]
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        return [
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in self.layers
+        ]

@@ -75,6 +75,7 @@ SYNC_STEP_TIMING_ENV = "WEIR_SYNC_STEP_TIMING"
 # at a time bound the memory (a 2048-token chunk at once: 400 MB for a 49k vocabulary).
 PROMPT_LOGITS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -85,6 +86,24 @@ def parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
+
+
+def parse_kv_cache_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """``--kv-cache-dtype``'s dtype (None: the model's)."""
+    if name == "auto":
+        return None
+    if name not in _FP8:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {['auto', *_FP8]}")
+    if (
+        _FP8[name] == torch.float8_e4m3fn
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError(
+            f"--kv-cache-dtype {name}: this GPU (compute capability below 8.9) has no e4m3 "
+            "conversions for the Triton kernels; use fp8_e5m2"
+        )
+    return _FP8[name]
 
 
 def set_cpu_threads(num_threads: int | None) -> int:
@@ -156,6 +175,7 @@ class ModelRunner:
         dtype: torch.dtype | str | None = None,
         kv_cache_memory_bytes: int | None = None,
         gpu_memory_utilization: float = ENGINE_DEFAULTS.gpu_memory_utilization,
+        kv_cache_dtype: str = ENGINE_DEFAULTS.kv_cache_dtype,
         block_size: int = ENGINE_DEFAULTS.block_size,
         attention_backend: str | None = None,
         max_num_batched_tokens: int = ENGINE_DEFAULTS.max_num_batched_tokens,
@@ -195,6 +215,7 @@ class ModelRunner:
         self.dtype = parse_dtype(dtype, self.device)
         check_quantization(quantization, self.device, self.dtype)
         self.quantization = quantization
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.device)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -261,7 +282,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         logger.info(
             "loaded %s on %s (%s%s, %s attention, %d torch threads) in %.2fs; %d KV blocks of "
-            "%d tokens",
+            "%d tokens (%s)",
             self.model_dir.name,
             self.device,
             self.dtype,
@@ -271,6 +292,7 @@ class ModelRunner:
             self.load_seconds,
             self.num_blocks,
             block_size,
+            self.model.kv_cache_dtype,
         )
 
     # ------------------------------------------------------------------ setup
@@ -289,6 +311,7 @@ class ModelRunner:
                 "quantization": self.quantization,
                 "lm_head_optional": self.pooling_runner,
                 "hf_overrides": self.hf_overrides,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 **options,
             },
         )

@@ -536,19 +536,27 @@ def load_model(
     lm_head_optional: bool = False,
     hf_overrides: str | None = None,
     pack: bool = True,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and load its safetensors weights
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
     rank's shard; with ``quantization``, its weights then quantized (see `quantization`);
     with ``hf_overrides``, config.json's keys replaced by those (a JSON object's text).
-    ``pack``: on a CPU, the projections prepacked for its matmul (`packed_weights`)."""
+    ``pack``: on a CPU, the projections prepacked for its matmul (`packed_weights`).
+    ``kv_cache_dtype``: what its caches hold (None: ``dtype``)."""
     cfg = read_model_config(model_dir, hf_overrides)
     dtype = dtype or default_dtype(device)
     check_moe(cfg, torch.device(device), dtype, quantization)
     if attention is None:
         attention = get_attention_backend(None, device, dtype)
     model = CausalLM(
-        cfg, attention, device, dtype, tp, layer_kernels_for(attention, torch.device(device))
+        cfg,
+        attention,
+        device,
+        dtype,
+        tp,
+        layer_kernels_for(attention, torch.device(device)),
+        kv_cache_dtype,
     )
     if load_format == "dummy":
         init_dummy_weights(model)

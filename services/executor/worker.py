@@ -221,6 +221,7 @@ class ExecutorWorker:
             kv_cache_memory_bytes=args.kv_cache_memory,
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype,
             attention_backend=args.attention_backend,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,

@@ -311,6 +311,33 @@ def test_split_kv_rule_on_an_h200(num_requests, max_seq_len, segments):
 
 
 @pytest.mark.parametrize("split_kv", [False, 4], ids=["single", "split"])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"]
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
+def test_fp8_cache_matches_reference(dtype, cache_dtype, split_kv):
+    """--kv-cache-dtype fp8: decode, speculative and prefill tiles (and split-KV segments)
+    widen the cache's tiles to the query's dtype. The cache is written by the reference here
+    (tests/kernels/test_triton_cache.py checks the Triton writer on a GPU)."""
+    step = make_step(MIXED_LONG, num_heads=4, num_kv_heads=2, dtype=dtype, num_padding_tokens=2)
+    cache = step.kv_cache.to(cache_dtype)
+    reference.reshape_and_cache(step.key, step.value, cache, step.slot_mapping)
+    meta = (step.query_start_loc, step.seq_lens, step.block_table, step.scale)
+    expected = reference.paged_attention(step.query, cache, *meta)[: step.num_real_tokens]
+    device = on_device(replace(step, kv_cache=cache))
+    actual = triton_attention.paged_attention(
+        device.query,
+        device.kv_cache,
+        device.query_start_loc,
+        device.seq_lens,
+        device.block_table,
+        step.scale,
+        split_kv=split_kv,
+    )
+    assert_close(actual[: step.num_real_tokens].cpu(), expected)
+
+
+@pytest.mark.parametrize("split_kv", [False, 4], ids=["single", "split"])
 def test_padding_requests_and_preallocated_output(split_kv):
     # A decode step padded to a fixed size (as for a CUDA graph): requests with no query tokens and
     # seq_len 0, padding tokens outside every request.

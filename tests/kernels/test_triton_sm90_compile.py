@@ -53,14 +53,15 @@ def compile_kernel(label, fn, pointers, ints, constexprs, capability=90, **optio
 
 
 def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_requests, split_kv=None,
-              capability=90, sliding_window=None, softcap=None, has_sinks=False):
-    cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+              capability=90, sliding_window=None, softcap=None, has_sinks=False, cache=None):
+    cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]  # an fp8 cache widens to it
     block_size, max_blocks = 16, 2048
     num_tokens = num_requests * max_query_len
     plan = ta.plan_launches(num_tokens, num_requests, num_heads, num_kv_heads, head_dim, block_size,
                             cache_dtype, capability // 10, 132, max_query_len, 4096, split_kv,
-                            sliding_window, softcap, has_sinks)
+                            sliding_window, softcap, has_sinks, cache is not None)
     pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr", "sinks_ptr")}
+    pointers["cache_ptr"] = cache or dtype
     pointers |= {name: "fp32" for name in ("segm_acc_ptr", "segm_max_ptr", "segm_sum_ptr")}
     pointers |= {name: "i32" for name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
     ints = {
@@ -102,12 +103,16 @@ attention("sinks_window_mixed", "bf16", 64, 8, 64, 512, 40, split_kv=False, slid
           has_sinks=True)
 # DeepSeek-V2-Lite's latent attention: 16 query heads over one KV head of 576 channels
 attention("latent_mixed", "bf16", 16, 1, 576, 256, 8, split_kv=False)
-compile_kernel("reshape_and_cache", tc._reshape_and_cache_kernel,
-               {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
-               {"stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128, "stride_c_kv": 2**26,
-                "stride_c_block": 16384, "stride_c_slot": 1024, "stride_c_head": 128, "num_kv_heads": 8,
-                "head_dim": 128, "block_size": 16},
-               {"BLOCK_H": 8, "BLOCK_D": 128}, num_warps=4)
+# --kv-cache-dtype fp8: e4m3 and e5m2 caches read by bf16 queries
+attention("fp8_split", "bf16", 64, 8, 128, 1, 32, cache="fp8e4nv")
+attention("fp8_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, cache="fp8e5")
+for label, cache, fp8_max in (("", "bf16", 0.0), ("_fp8", "fp8e4nv", 448.0)):
+    compile_kernel("reshape_and_cache" + label, tc._reshape_and_cache_kernel,
+                   {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": cache, "slot_mapping_ptr": "i64"},
+                   {"stride_kt": 6144, "stride_kh": 128, "stride_vt": 6144, "stride_vh": 128, "stride_c_kv": 2**26,
+                    "stride_c_block": 16384, "stride_c_slot": 1024, "stride_c_head": 128, "num_kv_heads": 8,
+                    "head_dim": 128, "block_size": 16},
+                   {"BLOCK_H": 8, "BLOCK_D": 128, "FP8_MAX": fp8_max}, num_warps=4)
 for hidden, warps in ((2048, 4), (8192, 8), (16384, 16)):
     compile_kernel(f"rms_norm_{hidden}", tly._rms_norm_kernel,
                    {"x_ptr": "bf16", "weight_ptr": "bf16", "out_ptr": "bf16"},
@@ -158,7 +163,12 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "sinks_window_mixed_decode",
         "sinks_window_mixed_prefill",
         "latent_mixed_decode",
+        "fp8_split_decode",
+        "fp8_split_merge",
+        "fp8_mixed_decode",
+        "fp8_mixed_prefill",
         "reshape_and_cache",
+        "reshape_and_cache_fp8",
         "rms_norm_2048",
         "rms_norm_8192",
         "rms_norm_16384",
@@ -182,6 +192,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "window_mixed_hd256_prefill",
         "softcap_mixed_prefill",
         "sinks_window_mixed_prefill",
+        "fp8_mixed_prefill",
     )
     assert all(kernels[name]["wgmma"] for name in prefill), kernels
     # Every tile, the sm_90 prefill tile included, fits the 100 KB of shared memory an Ada SM has.
