@@ -8,6 +8,8 @@ heads (9 query, 3 KV, head_dim 64), block size 16, shuffled blocks. Each call re
 different layer's cache of 30, as a forward does, so K/V come from memory and not from the
 last call's cache lines. Decode is reported as GB/s of K/V read (the bound), prefill as
 GFLOP/s of QK and PV. `--softcap CAP` caps every score (Gemma 2's attention, e.g. 50).
+`--kv-cache-dtype fp8` (or fp8_e5m2) adds each case over an fp8 cache (one byte a value: its
+GB/s count those bytes), in the same rounds.
 `--library` adds builds to compare (e.g. one compiled from an older
 `cpu_kernels.c`); they run interleaved with the current source's build, round by round.
 """
@@ -61,8 +63,12 @@ def make_case(lens: list[tuple[int, int]], seed: int) -> dict[str, torch.Tensor]
     }
 
 
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
 def kv_bytes(case: dict[str, torch.Tensor]) -> int:
-    return int(case["seq_lens"].sum()) * 2 * KV_HEADS * HEAD_DIM * 4
+    itemsize = case["caches"].element_size()
+    return int(case["seq_lens"].sum()) * 2 * KV_HEADS * HEAD_DIM * itemsize
 
 
 def attention_flops(case: dict[str, torch.Tensor]) -> int:
@@ -103,6 +109,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--library", type=Path, nargs="*", default=[], help="other builds")
     parser.add_argument("--softcap", type=float, default=None, help="cap every score at this")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=list(FP8), default=None, help="also time an fp8 cache"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -127,6 +136,14 @@ def main() -> None:
             "GFLOP/s",
         ),
     }
+    if args.kv_cache_dtype is not None:
+        for name, (case, work, unit) in list(cases.items()):
+            fp8 = {**case, "caches": case["caches"].to(FP8[args.kv_cache_dtype])}
+            cases[f"{name}, {args.kv_cache_dtype}"] = (
+                fp8,
+                kv_bytes(fp8) if unit == "GB/s" else work,
+                unit,
+            )
     for name, (case, _, _) in cases.items():  # the builds agree before they are timed
         outs = {
             build: k.paged_attention(
@@ -155,11 +172,11 @@ def main() -> None:
                 )
 
     print(f"threads {args.threads}, median of {args.rounds} rounds, each over {LAYERS} layers")
-    print(f"{'case':<34} {'build':<28} {'ms/call':>8} {'rate':>14}")
+    print(f"{'case':<40} {'build':<28} {'ms/call':>8} {'rate':>14}")
     for (name, build), secs in samples.items():
         _, work, unit = cases[name]
         t = statistics.median(secs)
-        print(f"{name:<34} {build:<28} {t * 1e3:8.3f} {work / t / 1e9:9.1f} {unit}")
+        print(f"{name:<40} {build:<28} {t * 1e3:8.3f} {work / t / 1e9:9.1f} {unit}")
 
 
 if __name__ == "__main__":

@@ -57,31 +57,8 @@ _SIGNATURES = {
     "weir_write_kv": (ctypes.c_int, [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I]),
     "weir_paged_attention": (
         ctypes.c_int,
-        [
-            _P,
-            _I,
-            _P,
-            _I,
-            _I,
-            _P,
-            _P,
-            _I,
-            _P,
-            _P,
-            _I,
-            _P,
-            _I,
-            _I,
-            _I,
-            _I,
-            _I,
-            _I,
-            _F,
-            _I,
-            _F,
-            _P,
-            _P,
-        ],
+        [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I]
+        + [_F, _I, _F, _P, _I, _P],  # scale, window, softcap, sinks, fp8 format and values
     ),
     "weir_int8_linear": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]),
     "weir_silu_mul": (None, [_P, _I, _I, _I]),
@@ -149,10 +126,14 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+# The fp8 caches the attention kernel reads, by its format number (0: a float32 cache).
+FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
 @functools.cache
 def fp8_values(dtype: torch.dtype) -> torch.Tensor:
     """The float32 value of each of the 256 bytes of an fp8 ``dtype``, as PyTorch reads them."""
-    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if dtype not in FP8_FORMATS:
         raise ValueError(f"the native kernels read float32 or fp8 caches, not {dtype}")
     return torch.arange(256, dtype=torch.uint8).view(dtype).float()
 
@@ -281,6 +262,7 @@ class CpuKernels:
             0 if sliding_window is None else sliding_window,  # 0: no window
             0.0 if softcap is None else softcap,  # 0: no cap
             None if sinks is None else _ptr(sinks),
+            FP8_FORMATS.get(kv_cache.dtype, 0),
             None if kv_cache.dtype == torch.float32 else _ptr(fp8_values(kv_cache.dtype)),
         )
         if status == -2:

@@ -586,7 +586,7 @@ def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):
         ModelConfig.from_hf({**hf, "mlp_only_layers": "0"})
 
 
-def test_deepseek_caches_one_latent_row_and_skips_its_prediction_layers(tmp_path):
+def test_deepseek_caches_one_latent_row_refuses_fp8_and_skips_its_prediction_layers(tmp_path):
     """A token's latent row is cached once (the value half is the key half's storage);
     DeepSeek-V3's multi-token prediction layer past the last is left unread, a layer past
     those is refused; routings transformers does not read are refused by name."""
@@ -609,6 +609,8 @@ def test_deepseek_caches_one_latent_row_and_skips_its_prediction_layers(tmp_path
         logits = model.compute_logits(model(input_ids, positions, meta, caches))
         want = hf_model(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="latent attention .* --kv-cache-dtype auto"):
+        load_model(path, kv_cache_dtype=torch.float8_e4m3fn)
     (path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 0}))
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.3\."):
         load_model(path)

@@ -378,6 +378,28 @@ def test_fp8_cache_equals_reference(num_heads, num_kv_heads, head_dim, sliding_w
 
 
 @needs_native
+@pytest.mark.parametrize("head_dim", [16, 12], ids=["vector", "vector-and-tail"])
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_native_kernel_reads_every_fp8_byte_as_pytorch_does(cache_dtype, head_dim):
+    """Each of the 256 bytes (subnormals, the largest values, e5m2's infinities, NaNs) as a
+    value of one token that attends only to itself (a window of one key): the output is the
+    value, widened by the kernel (eight at a time through a half, the rest through the
+    table), against PyTorch's own reading of the byte."""
+    num_tokens = -(-256 // head_dim)
+    codes = torch.arange(num_tokens * head_dim) % 256
+    cache = torch.zeros(2, num_tokens, 1, 1, head_dim, dtype=torch.uint8)
+    cache[1] = codes.to(torch.uint8).view(num_tokens, 1, 1, head_dim)
+    cache = cache.view(cache_dtype)
+    query = torch.zeros(num_tokens, 1, head_dim)
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
+    table = torch.arange(num_tokens, dtype=torch.int32).view(1, -1)
+    got = native.paged_attention(query, cache, qsl, seq_lens, table, 1.0, sliding_window=1)
+    want = cache[1].float().view(num_tokens, 1, head_dim)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_native
 @pytest.mark.parametrize("sliding_window", [3, 37])
 def test_native_sliding_window_ignores_hidden_keys_whatever_their_scores(sliding_window):
     """Scores spread over hundreds: a key below a row's window but inside its tile (seen by

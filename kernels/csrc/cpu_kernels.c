@@ -152,6 +152,33 @@ int weir_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stri
     return 0;
 }
 
+/* n fp8 values (format 1: e4m3, 2: e5m2) widened to float, as `values` (the 256 floats the
+   format's bytes stand for) reads them. With F16C, eight at a time through a half: e5m2 is a
+   half's high byte; e4m3 is a half's bits one place lower (its exponent bias, 7, is 8 below
+   the half's 15), so the half is scaled by 2^8 (subnormals included), and its NaNs (every
+   exponent and mantissa bit set) are made a half's NaN first. */
+static inline void widen_fp8(const uint8_t *src, float *dst, int64_t n, int64_t format,
+                             const float *values) {
+    int64_t d = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    const __m128i low7 = _mm_set1_epi16(0x7f), sign = _mm_set1_epi16(0x80);
+    for (; d + 8 <= n; d += 8) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + d)));
+        if (format == 2) {
+            _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_slli_epi16(b, 8)));
+            continue;
+        }
+        const __m128i em = _mm_and_si128(b, low7);
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, sign), 8), _mm_slli_epi16(em, 7));
+        h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(em, low7), _mm_set1_epi16(0x7e00)));
+        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f)));
+    }
+#else
+    (void)format;
+#endif
+    for (; d < n; d++) dst[d] = values[src[d]];
+}
+
 /* num_tokens consecutive query tokens of request req, times the query heads of KV heads
    kv_head .. kv_head + num_kv_heads - 1. */
 typedef struct {
@@ -351,7 +378,7 @@ static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64
    the tile is read as contiguous runs rather than one head's stripe of every slot. */
 static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
                         int64_t out_stride, const void *key_cache, const void *value_cache,
-                        const float *fp8_values, const int32_t *query_start_loc,
+                        int64_t fp8_format, const float *fp8_values, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const int32_t *block_table,
                         int64_t block_table_stride, int64_t block_size, int64_t num_kv_heads,
                         int64_t group, int64_t head_dim, float scale, int64_t window,
@@ -380,7 +407,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     float *row_max = s + head_rows * tile, *row_sum = row_max + rows;
     /* An fp8 cache's tile, decoded through the 256 values of its bytes: [WIDE_TILE][item_floats]. */
     float *kdec = row_sum + rows, *vdec = kdec + WIDE_TILE * item_floats;
-    const int64_t item_bytes = fp8_values ? 1 : (int64_t)sizeof(float);
+    const int64_t item_bytes = fp8_format ? 1 : (int64_t)sizeof(float);
     const char *kc = key_cache, *vc = value_cache;
     const float *kslot[WIDE_TILE], *vslot[WIDE_TILE], *krow[WIDE_TILE], *vrow[WIDE_TILE];
     float p[WIDE_TILE];
@@ -400,11 +427,10 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
         int64_t block = j0 / block_size, offset = j0 % block_size;
         for (int64_t j = 0; j < nk; j++) {
             const int64_t at = ((int64_t)table[block] * block_size + offset) * slot_size + head_offset;
-            if (fp8_values) {
-                const uint8_t *kb = (const uint8_t *)kc + at, *vb = (const uint8_t *)vc + at;
+            if (fp8_format) {
                 float *kd = kdec + j * item_floats, *vd = vdec + j * item_floats;
-                for (int64_t d = 0; d < item_floats; d++)
-                    kd[d] = fp8_values[kb[d]], vd[d] = fp8_values[vb[d]];
+                widen_fp8((const uint8_t *)kc + at, kd, item_floats, fp8_format, fp8_values);
+                widen_fp8((const uint8_t *)vc + at, vd, item_floats, fp8_format, fp8_values);
                 kslot[j] = kd, vslot[j] = vd;
             } else {
                 kslot[j] = (const float *)kc + at;
@@ -478,8 +504,8 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
    softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they are.
    With sinks (gpt-oss' attention sinks: num_heads logits, NULL for none), query head h's
    softmax has one more term, exp(sinks[h]), in its denominator and no value for it.
-   With fp8_values (the 256 floats an fp8 cache's bytes stand for; NULL for a float32 cache),
-   the caches hold one byte a channel, decoded a tile at a time.
+   With fp8_format 1 (e4m3) or 2 (e5m2), the caches hold one byte a channel, widened a tile at a
+   time (fp8_values: the 256 floats the format's bytes stand for); 0 is a float32 cache.
    Returns 0; -1 when scratch memory could not be allocated; -2 (nothing read) when the
    metadata points outside the batch's num_tokens rows, the block table's width or the
    cache's num_blocks. */
@@ -490,7 +516,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                          int64_t block_table_stride, int64_t block_table_width,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, float scale, int64_t window, float softcap,
-                         const float *sinks, const float *fp8_values) {
+                         const float *sinks, int64_t fp8_format, const float *fp8_values) {
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
         const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
@@ -544,7 +570,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
     }
     const size_t scratch_floats =
         (size_t)(2 * max_rows * head_dim + head_dim * KEY_TILE + max_rows * WIDE_TILE + 2 * max_rows +
-                 (fp8_values ? 2 * WIDE_TILE * num_kv_heads * head_dim : 0));
+                 (fp8_format ? 2 * WIDE_TILE * num_kv_heads * head_dim : 0));
     int failed = 0;
 #pragma omp parallel
     {
@@ -557,7 +583,8 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
         for (int64_t i = 0; i < num_items; i++)
             if (scratch)
                 attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
-                            fp8_values, query_start_loc, seq_lens, block_table, block_table_stride,
+                            fp8_format, fp8_values, query_start_loc, seq_lens, block_table,
+                            block_table_stride,
                             block_size, num_kv_heads, group, head_dim, scale, window,
                             softcap, sinks, scratch);
         free(scratch);

@@ -52,9 +52,16 @@ def test_write_section_creates_then_replaces_only_its_own_section(tmp_path):
 
 def test_floor_lines_judge_the_issue_floors():
     bench = load_benchmark()
-    args = bench.argparse.Namespace(dtype="bfloat16", num_heads=32, num_kv_heads=8, head_dim=128)
+    args = bench.argparse.Namespace(
+        dtype="bfloat16", num_heads=32, num_kv_heads=8, head_dim=128, kv_cache_dtype="auto"
+    )
     decode = bench.Batch("decode 32 x 4096", [(4095, 1)] * 32)
     nbytes = bench.bytes_moved(decode, args)
+    # K/V of 32 x 4096 keys x 8 heads x 128 channels, and Q and O of 32 tokens x 32 heads.
+    kv, qo = 32 * 4096 * 8 * 128 * 2, 32 * 32 * 128 * 2
+    assert nbytes == (kv + qo) * 2
+    fp8 = bench.argparse.Namespace(**{**vars(args), "kv_cache_dtype": "fp8"})
+    assert bench.bytes_moved(decode, fp8) == kv + qo * 2
     at_86_percent = nbytes / (0.86 * 4800e9) * 1e3  # ms
     prefill = bench.Batch("prefill 4k, no context", [(0, 4096)])
     mixed = bench.Batch("4 prefills 1k + 60 decodes @2k", [(0, 1024)] * 4 + [(2048, 1)] * 60)

@@ -187,6 +187,7 @@ def test_impossible_options_end_serve_with_one_line_naming_the_flag(flags, messa
     [
         ("serve", ["--attention-backend", "flash"], "'flash'"),
         ("serve", ["--dtype", "fp8"], "'fp8'"),
+        ("serve", ["--kv-cache-dtype", "fp8_inc"], "'fp8_inc'"),
         ("serve", ["--log-level", "loud"], "'LOUD'"),
         ("gateway", ["--log-level", "loud"], "'LOUD'"),
     ],
