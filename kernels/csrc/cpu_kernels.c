@@ -427,17 +427,17 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
         int64_t block = j0 / block_size, offset = j0 % block_size;
         for (int64_t j = 0; j < nk; j++) {
             const int64_t at = ((int64_t)table[block] * block_size + offset) * slot_size + head_offset;
-            if (fp8_format) {
-                float *kd = kdec + j * item_floats, *vd = vdec + j * item_floats;
-                widen_fp8((const uint8_t *)kc + at, kd, item_floats, fp8_format, fp8_values);
-                widen_fp8((const uint8_t *)vc + at, vd, item_floats, fp8_format, fp8_values);
-                kslot[j] = kd, vslot[j] = vd;
-            } else {
-                kslot[j] = (const float *)kc + at;
-                vslot[j] = (const float *)vc + at;
-            }
+            kslot[j] = (const float *)(kc + at * item_bytes);
+            vslot[j] = (const float *)(vc + at * item_bytes);
             if (++offset == block_size) offset = 0, block++;
         }
+        if (fp8_format)
+            for (int64_t j = 0; j < nk; j++) {
+                float *kd = kdec + j * item_floats, *vd = vdec + j * item_floats;
+                widen_fp8((const uint8_t *)kslot[j], kd, item_floats, fp8_format, fp8_values);
+                widen_fp8((const uint8_t *)vslot[j], vd, item_floats, fp8_format, fp8_values);
+                kslot[j] = kd, vslot[j] = vd;
+            }
         for (int64_t j = nk; j < tile; j++) kslot[j] = kslot[0], vslot[j] = vslot[0];
         /* The next tile's rows are scattered over blocks the hardware prefetcher cannot
            guess: ask for them now, so they arrive while this tile is computed. */
