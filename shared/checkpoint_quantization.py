@@ -13,8 +13,9 @@ unquantized model and gives its outputs on the dequantized weights. Read:
   where asymmetric.
 - ``mxfp4``: gpt-oss as OpenAI publishes it (`gpt_oss_checkpoint`).
 
-Activation scales (``input_scale``) and an FP8 KV cache's scales are not used: activations
-and the cache stay in the model's dtype. Anything else (GPTQ's and AWQ's own formats,
+Activation scales (``input_scale``) are not used: activations stay in the model's dtype. An
+FP8 KV cache's scales (compressed-tensors' ``kv_cache_scheme``: ``k_scale`` and ``v_scale``
+of each layer's attention) are used with ``--kv-cache-dtype fp8`` and skipped without it. Anything else (GPTQ's and AWQ's own formats,
 bitsandbytes, NVFP4, sparse or rotated compressed-tensors models) is refused by name before
 any process loads a weight.
 """
@@ -56,6 +57,9 @@ class CheckpointQuantization:
     # Whether its integer weights have zero points: every group's yes (True) or no (False),
     # None where the groups differ.
     asymmetric: bool | None = False
+    # compressed-tensors' kv_cache_scheme: None without one, "tensor" for static FP8 scales
+    # per tensor (a layer's k_scale and v_scale, which an fp8 cache applies), else what it is.
+    kv_cache_scales: str | None = None
 
 
 def read_checkpoint_quantization(
@@ -106,7 +110,9 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
                 "rotated weights) is not read"
             )
     groups = config.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
+    kv_cache_scales = _kv_cache_scales(config.get("kv_cache_scheme"))
+    # A checkpoint of KV cache scales alone quantizes no weights.
+    if not isinstance(groups, dict) or not (groups or kv_cache_scales):
         raise ValueError("config.json: compressed-tensors' config_groups must be an object")
     blocks: set[tuple[int, int]] = set()
     strategies: set[str] = set()
@@ -145,4 +151,18 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
         tuple(sorted(strategies)),
         tuple(sorted(bits)),
         None if len(symmetric) > 1 else symmetric == {False},
+        kv_cache_scales,
     )
+
+
+def _kv_cache_scales(scheme: Any) -> str | None:
+    """What a ``kv_cache_scheme`` holds, as `CheckpointQuantization.kv_cache_scales` says."""
+    if scheme is None:
+        return None
+    if not isinstance(scheme, dict):
+        return repr(scheme)
+    kind, bits, strategy = scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy")
+    if (kind, bits) == ("float", 8) and strategy == "tensor" and not scheme.get("dynamic"):
+        return "tensor"
+    dynamic = "dynamic " if scheme.get("dynamic") else ""
+    return f"{dynamic}{kind} {bits}-bit scales by {strategy}"

@@ -63,6 +63,7 @@ class DecoderLayer(nn.Module):
         kernels: LayerKernels | None,
         device: torch.device,
         dtype: torch.dtype,
+        kv_scales: bool = False,
     ):
         super().__init__()
         self.index = index
@@ -103,6 +104,16 @@ class DecoderLayer(nn.Module):
         attn_width = self.q_size if mla is None else layout.num_heads * mla.v_head_dim
         self.o_proj = Linear(attn_width, h, cfg.o_bias and row_bias, device, dtype)
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
+        # A calibrated fp8 cache's scales (the checkpoint's k_scale, v_scale): it holds K /
+        # k_scale and V / v_scale; on device, read by the kernels' launches and CUDA graphs.
+        self.k_scale, self.v_scale = (
+            (
+                nn.Parameter(torch.empty((), device=device), requires_grad=False),
+                nn.Parameter(torch.empty((), device=device), requires_grad=False),
+            )
+            if kv_scales
+            else (None, None)
+        )
         self.post_attention_layernorm = RMSNorm(h, eps, device, norm_dtype, kernels)
         # Gemma's and OLMo's norms of the attention's and MLP's outputs: post_attention_layernorm
         # then normalizes the attention's output rather than the MLP's input (Gemma's
@@ -232,7 +243,12 @@ class DecoderLayer(nn.Module):
         if self.rotary_dim:
             qk = self._rotate(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        self.attention.write_kv(k, v, kv_cache, meta)
+        if self.k_scale is not None and self.v_scale is not None:
+            # q . (k8 * k_scale) = (q * k_scale) . k8; sum p (v8 * v_scale) = v_scale sum p v8.
+            self.attention.write_kv(k / self.k_scale, v / self.v_scale, kv_cache, meta)
+            q = q * self.k_scale
+        else:
+            self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(
             q,
             kv_cache,
@@ -242,6 +258,8 @@ class DecoderLayer(nn.Module):
             self.softcap,
             None if self.sinks is None else self.sinks.weight,
         )
+        if self.v_scale is not None:
+            attn = attn * self.v_scale
         return attn.reshape(num_tokens, self.q_size)
 
 
@@ -262,10 +280,18 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         device = torch.device(device)
-        if kv_cache_dtype not in (None, dtype) and cfg.latent_attention:
+        fp8_cache = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
+        if fp8_cache and cfg.latent_attention:
             raise ValueError(
                 f"a {kv_cache_dtype} KV cache with multi-head latent attention ({cfg.model_type}) "
                 "is not supported: use --kv-cache-dtype auto"
+            )
+        quantized = cfg.checkpoint_quantization
+        kv_scales = quantized.kv_cache_scales if fp8_cache and quantized is not None else None
+        if kv_scales not in (None, "tensor"):
+            raise ValueError(
+                f"config.json: kv_cache_scheme of {kv_scales}: an fp8 cache applies static scales "
+                "per tensor; use --kv-cache-dtype auto (the scales then go unused)"
             )
         self.config = cfg
         self.tp = tp
@@ -281,7 +307,17 @@ class CausalLM(nn.Module):
             requires_grad=False,
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(i, cfg, self.layout, tp, attention, layer_kernels, device, dtype)
+            DecoderLayer(
+                i,
+                cfg,
+                self.layout,
+                tp,
+                attention,
+                layer_kernels,
+                device,
+                dtype,
+                kv_scales == "tensor",
+            )
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(

@@ -27,9 +27,11 @@ if TYPE_CHECKING:  # weights.py reads its quantized checkpoints through this mod
 _CODES = ("F8_E4M3", "F8_E5M2", "I8")
 # A quantized module's tensors besides its codes: read with them, not loaded on their own.
 _PARTS = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape")
-# Scales of activations and of an FP8 KV cache: Weir keeps both in the model's dtype.
+# Scales of activations and of attention's queries and probabilities, which Weir keeps in
+# the model's dtype (an fp8 KV cache's k_scale and v_scale go to the loader, which takes them
+# where the cache uses them).
 _UNUSED = ("input_scale", "input_zero_point", "output_scale", "activation_scale")
-_UNUSED += ("k_scale", "v_scale", "q_scale", "prob_scale")
+_UNUSED += ("q_scale", "prob_scale")
 
 
 def dequantized_tensors(

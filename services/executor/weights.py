@@ -29,6 +29,8 @@ from weir.shared.shard_layout import ShardLayout
 
 # DeepSeek-V3's router bias is named as no other tensor is: read as the router's score_bias.
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)")
+# An FP8 KV cache's scale (compressed-tensors' are the attention's own, self_attn.k_scale).
+_KV_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.([kv]_scale)")
 # An expert's tensor: Qwen's mlp.experts.E.{gate,up,down}_proj, Mixtral's
 # block_sparse_moe.experts.E.{w1,w3,w2}.
 _EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
@@ -392,6 +394,10 @@ def load_weights(
                 continue
         elif checkpoint_name.startswith(_BARE_PREFIXES):
             checkpoint_name = "model." + checkpoint_name
+        scale = _KV_SCALE_RE.fullmatch(checkpoint_name)
+        if scale is not None:
+            _load_kv_scale(params, filled, written, scale, whole)
+            continue
         for name, source in _parts(model.config, checkpoint_name, whole):
             if score_tokens is not None and name == head:
                 _score_from_rows(model, params, filled, written, name, source, score_tokens)
@@ -406,6 +412,32 @@ def load_weights(
         raise ValueError(
             f"checkpoint does not fill {len(missing)} parameters: it lacks some of {named}"
         )
+
+
+def _load_kv_scale(
+    params: dict[str, torch.nn.Parameter],
+    filled: dict[str, int],
+    written: dict[str, str],
+    match: re.Match[str],
+    source: TensorSource,
+) -> None:
+    """A layer's fp8 cache scale into its parameter, where the model has one (an fp8 cache
+    of a checkpoint with a kv_cache_scheme); skipped elsewhere, as the cache does not use it."""
+    name = match.group(0)
+    param_name = f"layers.{match.group(1)}.{match.group(3)}"
+    if match.group(2) != "self_attn" or param_name not in params:
+        return
+    if param_name in written:
+        raise ValueError(f"checkpoint tensor {name!r} appears twice (in two files?): keep one")
+    shape = tuple(source.get_shape())
+    if shape not in ((), (1,)):
+        raise ValueError(f"{name}: an fp8 cache's scale is one value, not of shape {shape}")
+    value = source[()] if shape == () else source[_ALL]
+    if not value.isfinite().all() or not (value > 0).all():
+        raise ValueError(f"{name}: an fp8 cache's scale must be positive, got {value.tolist()}")
+    params[param_name].copy_(value.reshape(()))
+    written[param_name] = name
+    filled[param_name] = 1
 
 
 def _score_from_rows(
@@ -436,6 +468,8 @@ def _checkpoint_names(param: str, cfg: ModelConfig) -> str:
             "norm.weight": "model.norm.weight",
         }.get(param, f"{param}.weight")
     _, layer, rest = param.split(".", 2)
+    if rest in ("k_scale", "v_scale"):
+        return f"model.layers.{layer}.self_attn.{rest}"
     if cfg.model_type == "gpt_oss" and rest in CHECKPOINT_NAMES:
         return f"model.layers.{layer}.{CHECKPOINT_NAMES[rest]}"
     if rest.endswith("_bias"):  # a stacked experts' bias
@@ -513,12 +547,13 @@ def _score_tokens(model_dir: str | Path, cfg: ModelConfig) -> list[int] | None:
 
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
-    """Random weights of the model's shape: norms at 1, everything else N(0, 0.02), the
-    scale of a trained model's initialisation, so activations stay finite at any depth.
-    Seeded, so every process (and rank) builds the same model."""
+    """Random weights of the model's shape: norms (and an fp8 cache's scales) at 1,
+    everything else N(0, 0.02), the scale of a trained model's initialisation, so
+    activations stay finite at any depth. Seeded, so every process (and rank) builds the
+    same model."""
     generator = torch.Generator(device=model.device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name or name.endswith(("k_scale", "v_scale")):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)

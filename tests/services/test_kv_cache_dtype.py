@@ -11,10 +11,13 @@ well closer to transformers' of the same format than to those of the other forma
 no rounding at all.
 """
 
+import json
+
 import pytest
 import torch
 from conftest import transformers
 
+from weir.services.executor.weights import load_model
 from weir.services.llm import LLM
 from weir.shared.model_config import read_model_config
 from weir.shared.sampling import SamplingParams
@@ -88,3 +91,105 @@ def test_fp8_cache_holds_4x_the_blocks_and_computes_as_transformers_rounding(
     distance = {name: (weir - ref).abs().mean().item() for name, ref in references.items()}
     others = [d for name, d in distance.items() if name != kv_cache_dtype]
     assert distance[kv_cache_dtype] < 0.6 * min(others), distance
+
+
+def _scales(num_layers: int) -> dict[str, torch.Tensor]:
+    """A calibrated checkpoint's k_scale and v_scale per layer, some as one-element vectors:
+    small enough that K / k_scale saturates e4m3 in places, so they change what is cached."""
+    tensors = {}
+    for layer in range(num_layers):
+        for kind, value in (("k", 0.02 * (1 + layer % 3)), ("v", 0.01 * (1 + layer % 2))):
+            shape = () if layer % 2 else (1,)
+            tensors[f"model.layers.{layer}.self_attn.{kind}_scale"] = torch.full(shape, value)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def scaled_checkpoint(tmp_path_factory, default_model_dir):
+    """The default model as llm-compressor saves a KV-cache-only recipe: compressed-tensors'
+    config with a kv_cache_scheme and no weight groups, the scales in a file of their own."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("kv-scales")
+    for f in default_model_dir.iterdir():
+        if f.name != "config.json":
+            (path / f.name).symlink_to(f)
+    config = json.loads((default_model_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "config_groups": {},
+        "kv_cache_scheme": {
+            "type": "float",
+            "num_bits": 8,
+            "strategy": "tensor",
+            "dynamic": False,
+            "symmetric": True,
+        },
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    scales = _scales(config["num_hidden_layers"])
+    save_file(scales, path / "kv_scales.safetensors")
+    with safe_open(str(default_model_dir / "model.safetensors"), "pt") as f:
+        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    weight_map |= dict.fromkeys(scales, "kv_scales.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return path, scales
+
+
+def test_checkpoint_scales_divide_what_an_fp8_cache_holds(
+    default_model_dir, prompt_and_references, scaled_checkpoint
+):
+    """vLLM's reading of a checkpoint's KV cache scales: the cache holds K / k_scale and
+    V / v_scale in e4m3 and attention reads them multiplied back. Against transformers whose
+    attention rounds K and V so, each layer by its own scales; the scales go unused without
+    an fp8 cache (the model computes as the plain checkpoint)."""
+    path, scales = scaled_checkpoint
+    ids, references = prompt_and_references
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def scaled_rounding(module, query, key, value, attention_mask, **kwargs):
+        layer = f"model.layers.{module.layer_idx}.self_attn"
+        rounded = []
+        for x, scale in ((key, scales[f"{layer}.k_scale"]), (value, scales[f"{layer}.v_scale"])):
+            x8 = (x / scale).clamp(-limit, limit).to(torch.float8_e4m3fn)
+            rounded.append(x8.to(x.dtype) * scale)
+        return sdpa_attention_forward(module, query, *rounded, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("weir_test_scaled_fp8", scaled_rounding)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32, attn_implementation="weir_test_scaled_fp8"
+    ).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)[:-1]
+    scaled = logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    weir = {}
+    for kv_cache_dtype in ("fp8", "auto"):
+        with LLM(str(path), kv_cache_dtype=kv_cache_dtype, kv_cache_memory=CACHE_BYTES) as llm:
+            (completion,) = llm.generate([ids], params)
+        weir[kv_cache_dtype] = torch.tensor(completion.prompt_logprobs[1:])
+    distance = {
+        name: (weir["fp8"] - ref).abs().mean().item()
+        for name, ref in {"scaled": scaled, **references}.items()
+    }
+    others = [d for name, d in distance.items() if name != "scaled"]
+    assert distance["scaled"] < 0.6 * min(others), distance
+    torch.testing.assert_close(weir["auto"], references["auto"], atol=1e-3, rtol=0)
+
+
+def test_scales_by_head_are_refused_for_an_fp8_cache(scaled_checkpoint, tmp_path):
+    """Scales an fp8 cache does not apply (per head here) stop the start with the reason,
+    rather than quietly caching with scales of 1."""
+    path, _ = scaled_checkpoint
+    for f in path.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f.resolve())
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="kv_cache_scheme of float 8-bit scales by attn_head"):
+        load_model(tmp_path, kv_cache_dtype=torch.float8_e4m3fn)
