@@ -82,6 +82,11 @@ def test_bench_throughput_against_both_baselines(tiny_model_dir: Path, tmp_path:
             "1",
             "--max-num-seqs",
             "4",
+            # Engine options reach Weir's LLM (its tokens counted as without them).
+            "--kv-cache-dtype",
+            "fp8",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 2}',
             "--output-json",
             str(result_path),
             "--markdown",
@@ -104,6 +109,8 @@ def test_bench_throughput_against_both_baselines(tiny_model_dir: Path, tmp_path:
         assert e["wall_s"] > 0
         assert e["requests_per_s"] > 0 and e["output_tokens_per_s"] > 0
         assert e["total_tokens_per_s"] > e["output_tokens_per_s"]
+    assert "kv_cache_dtype=fp8" in engines["weir"]["notes"]
+    assert '"method": "ngram"' in engines["weir"]["notes"]
     assert engines["hf-static"]["generated_tokens"] == static_generated
     assert engines["hf-cb"]["generated_tokens"] == output_tokens
     assert set(result["ratios_output_tokens_per_s"]) == {"weir/hf-static", "weir/hf-cb"}

@@ -135,6 +135,13 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         "channel; the baselines keep --dtype)",
     )
     g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='Weir engine option, vLLM\'s: {"method": "ngram", "num_speculative_tokens": 3} or '
+        '{"model": DIR, "num_speculative_tokens": 3} (a draft model)',
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         type=positive_int,
         default=None,
@@ -172,6 +179,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory": args.kv_cache_memory,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "speculative_config": args.speculative_config,
         "tensor_parallel_size": args.tensor_parallel_size,
         "async_scheduling": args.async_scheduling,
         "enforce_eager": args.enforce_eager,
