@@ -269,8 +269,10 @@ class LLM:
         again from disk); for a trainer that needs the device between rollouts."""
         self._loop.run(self._client.sleep(level))
 
-    def wake_up(self) -> None:
-        self._loop.run(self._client.wake_up())
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``LLM.wake_up``: ``tags`` ["weights"] first, then ["kv_cache"], to load new
+        weights (``update_weights_from_disk``) before the KV cache takes its memory back."""
+        self._loop.run(self._client.wake_up(tags))
 
     def is_sleeping(self) -> bool:
         return self._loop.run(self._client.is_sleeping())

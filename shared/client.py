@@ -582,10 +582,12 @@ class AsyncWeirClient:
         request = EngineControlRequest(uuid.uuid4().hex, "sleep", level=level)
         await self._request(request, max(timeout, self.timeout))
 
-    async def wake_up(self, timeout: float = 600.0) -> None:
-        """The executors take their weights and KV cache back; the engine resumes (unless it
-        was paused before ``sleep``)."""
-        request = EngineControlRequest(uuid.uuid4().hex, "wake_up")
+    async def wake_up(self, tags: list[str] | None = None, timeout: float = 600.0) -> None:
+        """The executors take their weights and KV cache back (vLLM's ``tags``: "weights" or
+        "kv_cache" alone, the weights first, so that new weights load before the cache
+        returns); once both are back the engine resumes (unless it was paused before
+        ``sleep``)."""
+        request = EngineControlRequest(uuid.uuid4().hex, "wake_up", tags=tags)
         await self._request(request, max(timeout, self.timeout))
 
     async def is_sleeping(self) -> bool:
@@ -1182,9 +1184,9 @@ class WeirClient:
         self._check_open()
         self._loop.run(self._client.sleep(level, timeout))
 
-    def wake_up(self, timeout: float = 600.0) -> None:
+    def wake_up(self, tags: list[str] | None = None, timeout: float = 600.0) -> None:
         self._check_open()
-        self._loop.run(self._client.wake_up(timeout))
+        self._loop.run(self._client.wake_up(tags, timeout))
 
     def is_sleeping(self) -> bool:
         self._check_open()

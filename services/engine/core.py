@@ -144,17 +144,22 @@ class EngineCore:
             self._stepping = False
 
     async def control(
-        self, load_weights: str | None = None, sleep_level: int | None = None
+        self,
+        load_weights: str | None = None,
+        sleep_level: int | None = None,
+        wake_tags: list[str] | None = None,
     ) -> None:
-        """Have the executors wake up (``sleep_level`` 0), serve the weights of model
-        directory ``load_weights``, or sleep (1, 2); the core must be ``settled``. Raises
+        """Have the executors wake up (``sleep_level`` 0: ``wake_tags``, None for all), serve
+        the weights of model directory ``load_weights``, or sleep (1, 2); the core must be
+        ``settled``. Raises
         ``StepFailedError`` where an executor could not (the others may have: with weights,
         load those served before to agree again)."""
         if not self.settled:
             raise RuntimeError("executors change state while the engine is paused and settled")
         self._stepping = True
         try:
-            await self.executor.submit(self.scheduler.control_plan(load_weights, sleep_level))
+            plan = self.scheduler.control_plan(load_weights, sleep_level, wake_tags)
+            await self.executor.submit(plan)
         finally:
             self._stepping = False
 

@@ -41,7 +41,7 @@ from weir.services.scheduler.output import EngineOutput
 from weir.services.scheduler.request import Grammar, Request, RequestStatus
 from weir.shared.pooling import PoolerConfig, PoolingParams
 from weir.shared.protocol import client as client_protocol
-from weir.shared.protocol.step import SampleLogprobs
+from weir.shared.protocol.step import WAKE_TAGS, SampleLogprobs
 from weir.shared.sampling import MAX_BAD_WORD_TOKENS, SamplingParams
 from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 from weir.shared.zmq_send import send_now
@@ -156,7 +156,10 @@ class ClientFrontend:
         # Generate requests that arrived while a pause waits for those in flight: they are
         # taken once it is paused (and run once it resumes).
         self._held: list[tuple[bytes, client_protocol.GenerateRequest]] | None = None
-        self.sleep_level = 0  # vLLM's sleep mode: 0 awake, else the level it sleeps at
+        # vLLM's sleep mode: 0 awake, else the level its KV cache sleeps at; the weights may
+        # wake alone (to load new ones before the cache returns).
+        self.sleep_level = 0
+        self.weights_asleep = False
         self._resume_on_waking = False  # the sleep paused it
 
     def close(self) -> None:
@@ -338,7 +341,7 @@ class ClientFrontend:
             elif msg.action == "sleep":
                 await self.sleep(msg.level)
             elif msg.action == "wake_up":
-                await self.wake_up()
+                await self.wake_up(msg.tags)
         except ValueError as exc:
             self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
             return
@@ -403,8 +406,11 @@ class ClientFrontend:
         assert core is not None
         if self._check_weights is None:
             raise ValueError("this server does not load new weights")
-        if self.sleep_level:
-            raise ValueError("the engine sleeps: wake it up (wake_up) before loading weights")
+        if self.weights_asleep:
+            raise ValueError(
+                "the engine sleeps: wake it up (wake_up; tags weights wakes the weights alone) "
+                "before loading weights"
+            )
         self._check_weights(path)
         was_paused = core.paused
         await self.pause("keep", clear_cache=True)
@@ -436,14 +442,15 @@ class ClientFrontend:
         waking). Requests sent meanwhile wait for ``wake_up``."""
         core = self.core
         assert core is not None
-        if self.sleep_level:
+        if self.weights_asleep:
             if level == self.sleep_level:
                 return
             raise ValueError(
                 f"the engine sleeps at level {self.sleep_level}: wake it up (wake_up) before "
                 f"it sleeps at level {level}"
             )
-        was_paused = core.paused
+        # Weights woken alone go back to sleep; the engine resumes as the first sleep said.
+        was_paused = not self._resume_on_waking if self.sleep_level else core.paused
         await self.pause("keep", clear_cache=True)
         try:
             await core.control(sleep_level=level)
@@ -453,6 +460,7 @@ class ClientFrontend:
             except StepFailedError as again:
                 # Some may hold nothing to step with: asleep it stays, until a wake_up works.
                 self.sleep_level, self._resume_on_waking = level, not was_paused
+                self.weights_asleep = True
                 raise ValueError(
                     f"the executors could not sleep ({exc}) nor wake up again ({again}): "
                     "call wake_up"
@@ -461,22 +469,38 @@ class ClientFrontend:
                 self.resume()
             raise ValueError(f"the executors could not sleep: {exc}") from None
         self.sleep_level, self._resume_on_waking = level, not was_paused
+        self.weights_asleep = True
         _log.info("sleeping (level %d)", level)
 
-    async def wake_up(self, resume: bool = False) -> None:
-        """The executors take their weights and KV cache back, and the engine resumes if
-        ``sleep`` paused it (or ``resume``: a draining server must finish its requests)."""
+    async def wake_up(self, tags: list[str] | None = None, resume: bool = False) -> None:
+        """The executors take back what ``tags`` names (vLLM's: ``weights``, ``kv_cache``;
+        None for both; the weights first, so that new ones load before the KV cache returns),
+        and once both are back the engine resumes if ``sleep`` paused it (or ``resume``: a
+        draining server must finish its requests)."""
         core = self.core
         assert core is not None
-        if self.sleep_level:
+        wanted = set(WAKE_TAGS if tags is None else tags)
+        waking = []
+        if "weights" in wanted and self.weights_asleep:
+            waking.append("weights")
+        if "kv_cache" in wanted and self.sleep_level:
+            if self.weights_asleep and not waking:
+                raise ValueError(
+                    "the KV cache wakes after the weights (its CUDA graphs run them): wake "
+                    "the weights first (tags weights), or both"
+                )
+            waking.append("kv_cache")
+        if waking:
             try:
-                await core.control(sleep_level=0)
+                await core.control(sleep_level=0, wake_tags=waking)
             except StepFailedError as exc:
                 raise ValueError(f"the executors could not wake up: {exc}") from None
-            self.sleep_level = 0
-            resume = resume or self._resume_on_waking
-            _log.info("awake")
-        if resume:
+            self.weights_asleep = self.weights_asleep and "weights" not in waking
+            if "kv_cache" in waking:
+                self.sleep_level = 0
+                resume = resume or self._resume_on_waking
+            _log.info("awake" if not self.sleep_level else "weights awake; the KV cache sleeps")
+        if resume and not self.sleep_level:
             self.resume()
 
     def resume(self) -> None:

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,7 +65,7 @@ from weir.shared.config import ENGINE_DEFAULTS, MAX_NUM_KV_BLOCKS, resolve_max_m
 from weir.shared.lora import LoraModule
 from weir.shared.model_config import check_new_weights, eos_token_ids, read_model_config
 from weir.shared.pooling import resolve_runner
-from weir.shared.protocol.step import SampleLogprobs, StepPlan, StepResult
+from weir.shared.protocol.step import WAKE_TAGS, SampleLogprobs, StepPlan, StepResult
 from weir.shared.shard_layout import ShardLayout
 
 logger = logging.getLogger(__name__)
@@ -276,7 +277,10 @@ class ModelRunner:
         self.reset()
         self.graphs: DecodeGraphs | None = None
         self._allocate_caches()
-        self.sleep_level = 0  # vLLM's sleep mode: 0 awake, else what ``sleep`` freed
+        # vLLM's sleep mode: 0 awake, else the level ``sleep`` freed the KV cache at; the
+        # weights may wake first (``wake(("weights",))``), to load new ones into.
+        self.sleep_level = 0
+        self.weights_asleep = False
         self._busy_spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._busy_seconds = 0.0
         self.load_seconds = time.perf_counter() - start
@@ -336,8 +340,9 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """vLLM's sleep mode: free the KV caches and the CUDA graphs; level 1 moves the
         weights to host memory (on a CPU they stay), level 2 frees them (``wake`` reads
-        them again). The batch forgets its requests: the scheduler sends them again."""
-        if self.sleep_level:
+        them again). The batch forgets its requests: the scheduler sends them again. The
+        weights of an executor whose KV cache sleeps (woken alone) go back to sleep."""
+        if self.weights_asleep:
             return
         self.graphs = None
         self.kv_caches = []
@@ -351,23 +356,28 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.model.to("cpu")
         self.reset()
-        self.sleep_level = level
+        self.sleep_level, self.weights_asleep = level, True
         _give_back_freed_memory(self.device)
 
-    def wake(self) -> None:
-        """Take back what ``sleep`` freed: the weights (read again from ``weights_dir`` after
-        level 2), then the KV caches and CUDA graphs."""
-        if not self.sleep_level:
-            return
-        if self.sleep_level == 2:
-            self.model = self._load_model()
-            self.drafter = None if self.draft_options is None else self._load_drafter()
-        elif self.device.type == "cuda":
-            self.model.to(self.device)
-            if self.drafter is not None:
-                self.drafter.model.to(self.device)
-        self._allocate_caches()
-        self.sleep_level = 0
+    def wake(self, tags: Iterable[str] = WAKE_TAGS) -> None:
+        """Take back what ``sleep`` freed of ``tags``: the weights (read again from
+        ``weights_dir`` after level 2), the KV caches and CUDA graphs (after the weights:
+        capturing the graphs runs them)."""
+        tags = set(tags)
+        if "weights" in tags and self.weights_asleep:
+            if self.sleep_level == 2:
+                self.model = self._load_model()
+                self.drafter = None if self.draft_options is None else self._load_drafter()
+            elif self.device.type == "cuda":
+                self.model.to(self.device)
+                if self.drafter is not None:
+                    self.drafter.model.to(self.device)
+            self.weights_asleep = False
+        if "kv_cache" in tags and self.sleep_level:
+            if self.weights_asleep:
+                raise ValueError("the KV cache wakes after the weights (its CUDA graphs run them)")
+            self._allocate_caches()
+            self.sleep_level = 0
 
     def _load_drafter(self) -> Drafter:
         """The draft model of ``draft_model`` speculative decoding, on this rank's device
@@ -552,7 +562,8 @@ class ModelRunner:
         if previous is not None and previous.reserved is None:
             raise RuntimeError("a step with drafts must finish before the next one launches")
         if plan.sleep_level == 0:
-            self.wake()  # before weights: a level-2 sleeper has none to load them into
+            # Before weights: a level-2 sleeper has none to load them into.
+            self.wake(WAKE_TAGS if plan.wake_tags is None else plan.wake_tags)
         if plan.load_weights is not None:
             if previous is not None:
                 raise RuntimeError("weights are loaded between steps, never under one")

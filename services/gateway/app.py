@@ -85,6 +85,7 @@ from weir.shared.protocol.client import (
     Prompt,
     StreamOutput,
 )
+from weir.shared.protocol.step import WAKE_TAGS
 from weir.shared.sampling import SamplingParams
 
 VERSION = "0.1.0"
@@ -380,12 +381,18 @@ class Gateway:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
 
     async def control(
-        self, action: str, mode: str = "abort", clear_cache: bool = True, level: int = 1
+        self,
+        action: str,
+        mode: str = "abort",
+        clear_cache: bool = True,
+        level: int = 1,
+        tags: list[str] | None = None,
     ) -> Response:
         """vLLM's reinforcement-learning endpoints, on every replica in turn: ``/pause``
         (answered once no step runs), ``/resume``, ``/is_paused`` and ``/reset_prefix_cache``
         say ``is_paused``; the sleep mode's ``/sleep`` (``level`` 1 or 2), ``/wake_up`` and
-        ``/is_sleeping`` say ``is_sleeping``: true once every replica is."""
+        ``/is_sleeping`` say ``is_sleeping``: true once every replica is (and until both of
+        ``/wake_up``'s ``tags`` woke)."""
         for param, value, choices in (("mode", mode, PAUSE_MODES), ("level", level, SLEEP_LEVELS)):
             if value not in choices:
                 raise APIError(
@@ -407,7 +414,7 @@ class Gateway:
             elif action == "sleep":
                 await client.sleep(level)
             elif action == "wake_up":
-                await client.wake_up()
+                await client.wake_up(tags)
             states.append(await (client.is_sleeping() if sleep_route else client.is_paused()))
         return JSONResponse({"is_sleeping" if sleep_route else "is_paused": all(states)})
 
@@ -1486,14 +1493,14 @@ def create_app(
 
     @app.post("/wake_up")
     async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
-        if tags is not None and set(tags) != {"weights", "kv_cache"}:
+        if tags is not None and not set(tags) <= set(WAKE_TAGS):
             raise APIError(
                 400,
-                "the weights and the KV cache wake up together: leave tags out",
+                f"tags must be some of {WAKE_TAGS}, got {tags!r}",
                 "invalid_request_error",
                 param="tags",
             )
-        return await answer(gateway.control("wake_up"))
+        return await answer(gateway.control("wake_up", tags=tags))
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> Response:

@@ -473,9 +473,13 @@ class Scheduler:
         return adapters, weights
 
     def control_plan(
-        self, load_weights: str | None = None, sleep_level: int | None = None
+        self,
+        load_weights: str | None = None,
+        sleep_level: int | None = None,
+        wake_tags: list[str] | None = None,
     ) -> StepPlan:
-        """A plan that schedules nothing: the executors wake up (``sleep_level`` 0), load
+        """A plan that schedules nothing: the executors wake up (``sleep_level`` 0: what
+        ``wake_tags`` names, None for all), load
         the weights of model directory ``load_weights``, and go to sleep (1, 2), as asked,
         and forget the requests ended since the last plan; for an engine whose steps are
         paused and settled (``EngineCore.settled``)."""
@@ -490,6 +494,7 @@ class Scheduler:
             lora_adapters=adapters,
             load_weights=weights,
             sleep_level=sleep_level,
+            wake_tags=wake_tags,
         )
 
     def _grammar_bitmasks(

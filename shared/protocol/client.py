@@ -59,6 +59,7 @@ from weir.shared.protocol.envelope import (
     pack_map,
     unpack_map,
 )
+from weir.shared.protocol.step import WAKE_TAGS
 from weir.shared.sampling import SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
@@ -211,8 +212,8 @@ class EngineControlRequest:
     dropped, and requests kept are computed again on resuming), resume them, ask whether
     they are paused, drop the prefix cache, have the executors load the weights of model
     directory ``path`` (SGLang's update_weights_from_disk), or put the engine to sleep at
-    ``level`` and wake it up (vLLM's sleep mode). Answered with a ``ControlReply`` once done
-    (a pause once no step runs)."""
+    ``level`` and wake it up (vLLM's sleep mode; ``tags``: what wakes, of ``WAKE_TAGS``, None
+    for both). Answered with a ``ControlReply`` once done (a pause once no step runs)."""
 
     request_id: str
     action: str
@@ -220,6 +221,7 @@ class EngineControlRequest:
     clear_cache: bool = True
     path: str | None = None
     level: int = 1
+    tags: list[str] | None = None
 
 
 ClientMessage = (
@@ -369,6 +371,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
         }
         if msg.path is not None:
             fields["path"] = msg.path
+        if msg.tags is not None:
+            fields["tags"] = msg.tags
         return _pack("engine_control", fields)
     if isinstance(msg, HealthRequest) and msg.stream_ids:
         return _pack("health", {"request_id": msg.request_id, "stream_ids": msg.stream_ids})
@@ -410,7 +414,7 @@ _CLIENT_FIELDS = {
     "tokenize": {"request_id", "prompt", "add_special_tokens", *_CHAT_FIELDS},
     "detokenize": {"request_id", "token_ids"},
     "lora_adapter": {"request_id", "lora_name", "lora_path"},
-    "engine_control": {"request_id", "action", "mode", "clear_cache", "path", "level"},
+    "engine_control": {"request_id", "action", "mode", "clear_cache", "path", "level", "tags"},
 }
 
 
@@ -508,7 +512,19 @@ def decode_client_message(frame: bytes) -> ClientMessage:
                 f"engine_control: level must be one of {SLEEP_LEVELS}, got {_short(level)}",
                 raw_id,
             )
-        return EngineControlRequest(raw_id, action, mode, clear_cache, path, level)
+        tags = data.get("tags")
+        if tags is not None and (
+            action != "wake_up"
+            or type(tags) is not list
+            or not tags
+            or not all(type(tag) is str and tag in WAKE_TAGS for tag in tags)
+        ):
+            raise ClientProtocolError(
+                INVALID_REQUEST,
+                f"engine_control: tags are wake_up's, some of {WAKE_TAGS}, got {_short(tags)}",
+                raw_id,
+            )
+        return EngineControlRequest(raw_id, action, mode, clear_cache, path, level, tags)
     if type_ == "detokenize":
         token_ids = data.get("token_ids")
         if not isinstance(token_ids, list) or any(type(t) is not int or t < 0 for t in token_ids):

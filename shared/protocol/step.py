@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 
 from weir.shared.sampling import SamplingParams
 
+# What a sleeping engine wakes (vLLM's wake_up tags): its weights, its KV cache (and CUDA
+# graphs, which need the weights).
+WAKE_TAGS = ("weights", "kv_cache")
+
 
 @dataclass(slots=True)
 class NewRequest:
@@ -169,6 +173,9 @@ class StepPlan:
     # both, 0 wakes up (an awake executor has nothing to do); None: as it is. Sent while the
     # engine is paused and settled, with nothing scheduled.
     sleep_level: int | None = None
+    # What sleep_level 0 wakes, of WAKE_TAGS (vLLM's tags: the weights first, then the KV
+    # cache, so that new weights load between the two); None: both.
+    wake_tags: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cached_requests, CachedRequestData):

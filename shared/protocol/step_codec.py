@@ -28,6 +28,7 @@ from weir.shared.protocol.checks import (
 )
 from weir.shared.protocol.envelope import ProtocolError, pack_array, unpack_array
 from weir.shared.protocol.step import (
+    WAKE_TAGS,
     CachedRequestData,
     NewRequest,
     SampleLogprobs,
@@ -219,6 +220,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
             plan.lora_adapters,
             plan.load_weights,
             plan.sleep_level,
+            plan.wake_tags,
         ],
     )
 
@@ -257,7 +259,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
 
 
 def decode_step_plan(data: bytes) -> StepPlan:
-    msg = unpack_array(data, _STEP_PLAN, 15)
+    msg = unpack_array(data, _STEP_PLAN, 16)
     step_id = non_negative_int("step_id", msg[2])
     total = non_negative_int("total_num_scheduled_tokens", msg[3])
     cached_ids = _split_ids("cached_requests.req_ids", msg[4])
@@ -306,12 +308,21 @@ def decode_step_plan(data: bytes) -> StepPlan:
         _lora_adapters(msg[14]),
         _path("load_weights", msg[15]),
         _sleep_level(msg[16]),
+        _wake_tags(msg[17]),
     )
 
 
 def _sleep_level(value: Any) -> int | None:
     if value is not None and (type(value) is not int or value not in (0, 1, 2)):
         raise ProtocolError("sleep_level: expected 0 (wake up), 1, 2 or nil")
+    return value
+
+
+def _wake_tags(value: Any) -> list[str] | None:
+    if value is not None and (
+        type(value) is not list or not value or not set(value) <= set(WAKE_TAGS)
+    ):
+        raise ProtocolError(f"wake_tags: expected some of {WAKE_TAGS}, or nil for both")
     return value
 
 

@@ -44,6 +44,8 @@ def _plan() -> StepPlan:
         grammar_bitmask={"n1": b"\xff\x00\x00\x01" * 3},
         lora_adapters={"sql": ["/adapters/sql", "fa"], "sql#2": ["/adapters/sql-v2", "fb"]},
         load_weights="/checkpoints/step-200",
+        sleep_level=0,
+        wake_tags=["weights"],
     )
 
 
@@ -124,7 +126,7 @@ def _raw(message: list) -> bytes:
         (_raw({"v": 1}), "[type, version"),
         (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
         (_raw(["StepPlan", 99]), "version 99"),
-        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 15 fields"),
+        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 16 fields"),
     ],
 )
 def test_step_plan_rejects_bad_envelopes(data, fragment):
@@ -154,6 +156,10 @@ def _plan_fields() -> list:
         (14, ["sql"], "lora_adapters: expected"),
         (15, "", "load_weights: expected a directory's path or nil"),
         (15, ["/a"], "load_weights: expected"),
+        (16, 3, "sleep_level: expected"),
+        (17, [], "wake_tags: expected"),
+        (17, ["weights", "gpu"], "wake_tags: expected"),
+        (17, "weights", "wake_tags: expected"),
     ],
 )
 def test_step_plan_rejects_wrong_types(index, value, fragment):

@@ -259,3 +259,32 @@ def test_llm_loads_new_weights_and_drops_its_prefix_cache(tiny_model_dir, new_we
         llm.update_weights_from_disk(path)
         [out] = llm.generate([PROMPT[:9]], _greedy(12))
     assert out.token_ids == hf_greedy(trained, PROMPT[:9], 12)
+
+
+def test_weights_wake_alone_to_load_new_ones_before_the_kv_cache(tiny_model_dir, new_weights):
+    """vLLM's partial wake-up, as an RL trainer drives it (verl's order): after a level-2
+    sleep the weights wake alone (the engine still sleeps, a request sent waits), new
+    weights load into them, then the KV cache wakes and the request runs on the new
+    weights. The cache cannot wake before the weights, nor weights load while asleep."""
+    path, trained, _ = new_weights
+    with LLM(model=str(tiny_model_dir), max_model_len=256) as llm:
+        llm.sleep(level=2)
+        with pytest.raises(InvalidRequestError, match="tags weights"):
+            llm.update_weights_from_disk(path)
+        with pytest.raises(InvalidRequestError, match="wakes after the weights"):
+            llm.wake_up(["kv_cache"])
+        llm.wake_up(["weights"])
+        assert llm.is_sleeping()
+        waiting: list[list[int]] = []
+        sent = threading.Thread(
+            target=lambda: waiting.append(llm.generate([PROMPT[:9]], _greedy(12))[0].token_ids)
+        )
+        sent.start()
+        sent.join(timeout=1.0)
+        assert sent.is_alive()  # the KV cache still sleeps: the engine does not step
+        llm.update_weights_from_disk(path)
+        assert llm.is_sleeping()
+        llm.wake_up(["kv_cache"])
+        sent.join(timeout=60)
+        assert not llm.is_sleeping()
+        assert waiting == [hf_greedy(trained, PROMPT[:9], 12)]

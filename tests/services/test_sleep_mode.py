@@ -66,7 +66,14 @@ def test_the_sleep_routes_of_the_gateway(tiny_model_dir):
             assert http.get("/is_sleeping").json() == {"is_sleeping": True}
             resumed = http.post("/resume")
             assert resumed.status_code == 400 and "wake it up" in resumed.text
-            assert http.post("/wake_up", params={"tags": "weights"}).status_code == 400
+            assert http.post("/wake_up", params={"tags": "optimizer"}).status_code == 400
+            assert http.post("/wake_up", params={"tags": "kv_cache"}).status_code == 400
+            weights = http.post("/wake_up", params={"tags": "weights"})
+            assert weights.json() == {"is_sleeping": True}
+            assert http.post("/wake_up", params={"tags": "kv_cache"}).json() == {
+                "is_sleeping": False
+            }
+            assert http.post("/sleep", params={"level": 1}).json() == {"is_sleeping": True}
             assert http.post("/wake_up").json() == {"is_sleeping": False}
             reply = http.post(
                 "/v1/completions",
@@ -75,9 +82,19 @@ def test_the_sleep_routes_of_the_gateway(tiny_model_dir):
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
 
 
-def test_a_sleep_request_on_the_wire_takes_level_1_or_2():
+def test_a_sleep_request_on_the_wire_takes_level_1_or_2_and_waking_its_tags():
     request = EngineControlRequest("s1", "sleep", level=2)
     assert decode_client_message(encode_client_message(request)) == request
+    wake = EngineControlRequest("w1", "wake_up", tags=["weights"])
+    assert decode_client_message(encode_client_message(wake)) == wake
+    for tags, action in (([], "wake_up"), (["gpu"], "wake_up"), ([1], "wake_up")):
+        wrong = EngineControlRequest("w2", action, tags=tags)  # type: ignore[list-item]
+        with pytest.raises(ClientProtocolError, match="tags are wake_up's"):
+            decode_client_message(encode_client_message(wrong))
+    with pytest.raises(ClientProtocolError, match="tags are wake_up's"):
+        decode_client_message(
+            encode_client_message(EngineControlRequest("w3", "sleep", tags=["weights"]))
+        )
     for level in (3, 0, True, "1"):
         wrong = EngineControlRequest("s2", "sleep", level=level)  # type: ignore[arg-type]
         with pytest.raises(ClientProtocolError, match=r"level must be one of \(1, 2\)"):
