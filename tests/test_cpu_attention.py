@@ -135,8 +135,10 @@ BATCHED = [
 BATCHED_HEADS = (6, 2, 16)  # query heads, KV heads, head_dim
 
 
-def batched_plan(step: dict, sliding_window: int | None = None) -> cpu_attention.StepPlan:
-    num_heads, num_kv_heads, _ = BATCHED_HEADS
+def batched_plan(
+    step: dict, sliding_window: int | None = None, heads: tuple[int, int, int] = BATCHED_HEADS
+) -> cpu_attention.StepPlan:
+    num_heads, num_kv_heads, _ = heads
     return cpu_attention.plan_step(
         step["query_start_loc"],
         step["seq_lens"],
@@ -353,16 +355,7 @@ def test_fp8_cache_equals_reference(num_heads, num_kv_heads, head_dim, sliding_w
     )
     assert (want[:num_real] - unrounded[:num_real]).abs().max() > 1e-3
 
-    plan = cpu_attention.plan_step(
-        step["query_start_loc"],
-        step["seq_lens"],
-        step["block_table"],
-        step["slot_mapping"],
-        BLOCK_SIZE,
-        num_heads,
-        num_kv_heads,
-        sliding_window=sliding_window,
-    )
+    plan = batched_plan(step, sliding_window, (num_heads, num_kv_heads, head_dim))
     cache = step["kv_cache"].clone()
     cpu_attention.reshape_and_cache(step["key"], step["value"], cache, plan)
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
