@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 from conftest import transformers
+from serving_helpers import metric, read_metrics
 
 from weir.services.executor.weights import load_model
 from weir.services.llm import LLM
@@ -91,6 +92,30 @@ def test_fp8_cache_holds_4x_the_blocks_and_computes_as_transformers_rounding(
     distance = {name: (weir - ref).abs().mean().item() for name, ref in references.items()}
     others = [d for name, d in distance.items() if name != kv_cache_dtype]
     assert distance[kv_cache_dtype] < 0.6 * min(others), distance
+
+
+def test_a_draft_models_cache_is_fp8_too(default_model_dir):
+    """With a draft model each block holds both models' K/V in fp8 (the default model
+    drafting for itself: two fp8 caches a block), and the draft, reading its own fp8 cache
+    as the served model reads its own, proposes what the served model then accepts."""
+    with LLM(
+        kv_cache_dtype="fp8",
+        kv_cache_memory=CACHE_BYTES,
+        speculative_model=str(default_model_dir),
+        num_speculative_tokens=3,
+    ) as llm:
+        llm.chat(
+            [{"role": "user", "content": "List the days of the week."}],
+            SamplingParams(max_tokens=32, temperature=0.0),
+        )
+        num_blocks = llm.server_info["num_blocks"]
+        samples = read_metrics(llm.server_info["metrics_address"])
+    cfg = read_model_config(default_model_dir)
+    block_bytes = cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim
+    assert num_blocks == CACHE_BYTES // (2 * block_bytes)
+    drafted = metric(samples, "weir_spec_decode_draft_tokens_total")
+    assert drafted > 0
+    assert metric(samples, "weir_spec_decode_accepted_tokens_total") > 0.9 * drafted
 
 
 def _scales(num_layers: int) -> dict[str, torch.Tensor]:
