@@ -283,8 +283,8 @@ class CausalLM(nn.Module):
         fp8_cache = kv_cache_dtype is not None and kv_cache_dtype.itemsize == 1
         if fp8_cache and cfg.latent_attention:
             raise ValueError(
-                f"a {kv_cache_dtype} KV cache with multi-head latent attention ({cfg.model_type}) "
-                "is not supported: use --kv-cache-dtype auto"
+                f"an fp8 KV cache with multi-head latent attention ({cfg.model_type}) is not "
+                "supported: use --kv-cache-dtype auto"
             )
         quantized = cfg.checkpoint_quantization
         kv_scales = quantized.kv_cache_scales if fp8_cache and quantized is not None else None
