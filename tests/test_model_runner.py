@@ -219,11 +219,12 @@ def test_a_runner_woken_from_sleep_decodes_as_transformers(tiny, device, level):
     """Sleep frees the KV caches and the CUDA graphs (level 1 moves the weights to host
     memory, level 2 drops them); waking takes them back (graphs captured again, weights read
     again from disk), and decoding is transformers' again, a draft model (the model itself)
-    proposing the answer again too."""
+    proposing the answer again too. The first time the weights wake alone (vLLM's tags: the
+    cache stays freed), the KV cache after them, never before."""
     path, hf_model = tiny
     prompt = [3, 14, 15, 92, 65, 35]
     runner = make_runner(path, device, "float32", speculative_model=path, num_speculative_tokens=2)
-    for _ in range(2):
+    for attempt in range(2):
         d = Driver(runner, lookahead=2)  # the batch forgets its requests on sleeping
         d.add("A", prompt)
         drafts = d.step({"A": None}).draft_token_ids["A"]
@@ -234,7 +235,15 @@ def test_a_runner_woken_from_sleep_decodes_as_transformers(tiny, device, level):
         assert len(d.outputs["A"]) >= NUM_NEW > d.step_id  # the draft's tokens were kept
         runner.sleep(level)
         assert runner.kv_caches == [] and runner.graphs is None
-        runner.wake()
+        if attempt == 0:
+            with pytest.raises(ValueError, match="after the weights"):
+                runner.wake(["kv_cache"])
+            runner.wake(["weights"])
+            assert runner.kv_caches == [] and runner.graphs is None
+            assert runner.drafter is not None and runner.drafter.kv_caches == []
+            runner.wake(["kv_cache"])
+        else:
+            runner.wake()
 
 
 @pytest.mark.parametrize("device", CPU_AND_CUDA)

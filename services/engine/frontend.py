@@ -495,7 +495,7 @@ class ClientFrontend:
                 await core.control(sleep_level=0, wake_tags=waking)
             except StepFailedError as exc:
                 raise ValueError(f"the executors could not wake up: {exc}") from None
-            self.weights_asleep = self.weights_asleep and "weights" not in waking
+            self.weights_asleep = False  # the cache never wakes before them
             if "kv_cache" in waking:
                 self.sleep_level = 0
                 resume = resume or self._resume_on_waking

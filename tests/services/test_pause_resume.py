@@ -271,7 +271,7 @@ def test_weights_wake_alone_to_load_new_ones_before_the_kv_cache(tiny_model_dir,
         llm.sleep(level=2)
         with pytest.raises(InvalidRequestError, match="tags weights"):
             llm.update_weights_from_disk(path)
-        with pytest.raises(InvalidRequestError, match="wakes after the weights"):
+        with pytest.raises(InvalidRequestError, match="wake the weights first"):
             llm.wake_up(["kv_cache"])
         llm.wake_up(["weights"])
         assert llm.is_sleeping()
