@@ -223,9 +223,9 @@ class CpuKernels:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`weir.kernels.reference.paged_attention`'s contract, its sliding window, soft
-        cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata, a float32 or fp8
-        cache; rows of no request are left unset. Metadata that points outside the batch, the block table or the cache
-        raises IndexError before anything is read."""
+        cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata, a float32 or
+        fp8 cache; rows of no request are left unset. Metadata that points outside the
+        batch, the block table or the cache raises IndexError before anything is read."""
         num_tokens, num_heads, head_dim = query.shape
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"a sliding window of {sliding_window} keys hides every key")

@@ -405,7 +405,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     float *kt = acc + rows * head_dim;   /* [head_dim][KEY_TILE] */
     float *s = kt + head_dim * KEY_TILE; /* [head_rows][tile] */
     float *row_max = s + head_rows * tile, *row_sum = row_max + rows;
-    /* An fp8 cache's tile, decoded through the 256 values of its bytes: [WIDE_TILE][item_floats]. */
+    /* An fp8 cache's tile, widened to floats: [WIDE_TILE][item_floats] each for K and V. */
     float *kdec = row_sum + rows, *vdec = kdec + WIDE_TILE * item_floats;
     const int64_t item_bytes = fp8_format ? 1 : (int64_t)sizeof(float);
     const char *kc = key_cache, *vc = value_cache;
@@ -584,9 +584,8 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
             if (scratch)
                 attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
                             fp8_format, fp8_values, query_start_loc, seq_lens, block_table,
-                            block_table_stride,
-                            block_size, num_kv_heads, group, head_dim, scale, window,
-                            softcap, sinks, scratch);
+                            block_table_stride, block_size, num_kv_heads, group, head_dim,
+                            scale, window, softcap, sinks, scratch);
         free(scratch);
     }
     free(items);
