@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from weir.services.executor.model_runner import FP8_KV_CACHE_DTYPES
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 BEGIN, END = "<!-- attention:begin -->", "<!-- attention:end -->"
 # Peak HBM bandwidth in GB/s by device name, from the vendors' data sheets.
 PEAK_GBPS = {
@@ -101,7 +102,7 @@ def build_step(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> 
         cursor += n
     kv_cache = torch.randn(2, sum(blocks), bs, hkv, d, dtype=dtype, device=device)
     if args.kv_cache_dtype != "auto":
-        kv_cache = kv_cache.to(FP8[args.kv_cache_dtype])
+        kv_cache = kv_cache.to(FP8_KV_CACHE_DTYPES[args.kv_cache_dtype])
     starts = [0]
     for _, q in batch.requests:
         starts.append(starts[-1] + q)
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", *FP8],
+        choices=["auto", *FP8_KV_CACHE_DTYPES],
         default="auto",
         help="the cache's dtype (auto: --dtype); an fp8 run prints its table only",
     )

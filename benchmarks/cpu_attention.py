@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from weir.kernels import cpu_native
+from weir.services.executor.model_runner import FP8_KV_CACHE_DTYPES
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
@@ -61,9 +62,6 @@ def make_case(lens: list[tuple[int, int]], seed: int) -> dict[str, torch.Tensor]
         "seq_lens": torch.tensor([t for _, t in lens], dtype=torch.int32),
         "block_table": table,
     }
-
-
-FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_bytes(case: dict[str, torch.Tensor]) -> int:
@@ -110,7 +108,10 @@ def main() -> None:
     parser.add_argument("--library", type=Path, nargs="*", default=[], help="other builds")
     parser.add_argument("--softcap", type=float, default=None, help="cap every score at this")
     parser.add_argument(
-        "--kv-cache-dtype", choices=list(FP8), default=None, help="also time an fp8 cache"
+        "--kv-cache-dtype",
+        choices=list(FP8_KV_CACHE_DTYPES),
+        default=None,
+        help="also time an fp8 cache",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -138,7 +139,7 @@ def main() -> None:
     }
     if args.kv_cache_dtype is not None:
         for name, (case, work, unit) in list(cases.items()):
-            fp8 = {**case, "caches": case["caches"].to(FP8[args.kv_cache_dtype])}
+            fp8 = {**case, "caches": case["caches"].to(FP8_KV_CACHE_DTYPES[args.kv_cache_dtype])}
             cases[f"{name}, {args.kv_cache_dtype}"] = (
                 fp8,
                 kv_bytes(fp8) if unit == "GB/s" else work,

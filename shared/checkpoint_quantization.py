@@ -15,9 +15,9 @@ unquantized model and gives its outputs on the dequantized weights. Read:
 
 Activation scales (``input_scale``) are not used: activations stay in the model's dtype. An
 FP8 KV cache's scales (compressed-tensors' ``kv_cache_scheme``: ``k_scale`` and ``v_scale``
-of each layer's attention) are used with ``--kv-cache-dtype fp8`` and skipped without it. Anything else (GPTQ's and AWQ's own formats,
-bitsandbytes, NVFP4, sparse or rotated compressed-tensors models) is refused by name before
-any process loads a weight.
+of each layer's attention) are used with ``--kv-cache-dtype fp8`` and skipped without it.
+Anything else (GPTQ's and AWQ's own formats, bitsandbytes, NVFP4, sparse or rotated
+compressed-tensors models) is refused by name before any process loads a weight.
 """
 
 from __future__ import annotations

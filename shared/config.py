@@ -445,7 +445,8 @@ class EngineArgs:
         EXECUTOR,
         "KV cache dtype: auto (the model's) or fp8 (fp8_e4m3; fp8_e5m2): one byte a value, "
         "so the cache holds 2x the tokens of bfloat16 and 4x float32's; values are clamped "
-        "and rounded as written (no scales), so outputs move slightly",
+        "and rounded as written (divided first by a checkpoint's calibrated k_scale and "
+        "v_scale where it has them), so outputs move slightly",
         choices=KV_CACHE_DTYPES,
     )
     attention_backend: str | None = _arg(
@@ -526,7 +527,7 @@ class EngineArgs:
         for name, choices in (
             ("dtype", DTYPES),
             ("attention_backend", ATTENTION_BACKENDS),
-            ("kv_cache_dtype", (None, *KV_CACHE_DTYPES)),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
         ):
             if getattr(self, name) not in (None, *choices):
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")

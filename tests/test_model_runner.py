@@ -1,5 +1,6 @@
 """ModelRunner driven by hand-made step plans over a tiny random model, against transformers."""
 
+import json
 import random
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from devices import CPU_AND_CUDA  # noqa: E402
+from kv_cache_scales import save_with_kv_scales  # noqa: E402
 from test_model_core import save_tiny_model  # noqa: E402
 
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
@@ -378,3 +380,33 @@ def test_a_cuda_device_without_cuda_is_one_clear_error(tiny):
     path, _ = tiny
     with pytest.raises(ValueError, match=r"--device cuda: (this torch has no CUDA|no GPU)"):
         ModelRunner(path, device="cuda", block_size=BLOCK_SIZE, kv_cache_memory_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+def test_new_weights_must_fill_the_served_parameters(tiny, tmp_path, device):
+    """With an fp8 cache, a checkpoint that brings KV cache scales (compressed-tensors'
+    kv_cache_scheme) has parameters the served model lacks: refused whole, before any
+    served weight changes (on a GPU they would be copied in one by one), and the runner
+    decodes on as before."""
+    path, _ = tiny
+    scaled = tmp_path / "scaled"
+    num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    scales = {
+        f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor(0.5)
+        for i in range(num_layers)
+        for kind in "kv"
+    }
+    save_with_kv_scales(path, scaled, scales)
+    outputs = []
+    for refused in (True, False):
+        runner = make_runner(path, device, "float32", kv_cache_dtype="fp8")
+        if refused:
+            with pytest.raises(ValueError, match="not the served model's parameters"):
+                runner.load_weights(str(scaled))
+            assert runner.weights_dir == path
+        d = Driver(runner)
+        d.add("A", [3, 14, 15, 92, 65, 35])
+        while len(d.outputs["A"]) < 8:
+            d.step({"A": None})
+        outputs.append(d.outputs["A"])
+    assert outputs[0] == outputs[1]  # as a runner that was never asked

@@ -76,7 +76,12 @@ SYNC_STEP_TIMING_ENV = "WEIR_SYNC_STEP_TIMING"
 # at a time bound the memory (a 2048-token chunk at once: 400 MB for a 49k vocabulary).
 PROMPT_LOGITS_ROWS = 256
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# --kv-cache-dtype's fp8 names (weir.shared.config.KV_CACHE_DTYPES) and their dtypes.
+FP8_KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -93,10 +98,12 @@ def parse_kv_cache_dtype(name: str, device: torch.device) -> torch.dtype | None:
     """``--kv-cache-dtype``'s dtype (None: the model's)."""
     if name == "auto":
         return None
-    if name not in _FP8:
-        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {['auto', *_FP8]}")
+    if name not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {name!r}; choose one of {['auto', *FP8_KV_CACHE_DTYPES]}"
+        )
     if (
-        _FP8[name] == torch.float8_e4m3fn
+        FP8_KV_CACHE_DTYPES[name] == torch.float8_e4m3fn
         and device.type == "cuda"
         and torch.cuda.get_device_capability(device) < (8, 9)
     ):
@@ -104,7 +111,7 @@ def parse_kv_cache_dtype(name: str, device: torch.device) -> torch.dtype | None:
             f"--kv-cache-dtype {name}: this GPU (compute capability below 8.9) has no e4m3 "
             "conversions for the Triton kernels; use fp8_e5m2"
         )
-    return _FP8[name]
+    return FP8_KV_CACHE_DTYPES[name]
 
 
 def set_cpu_threads(num_threads: int | None) -> int:
@@ -531,21 +538,35 @@ class ModelRunner:
         check_new_weights(path, self.config, self.hf_overrides)
         served_before = self.weights_dir, self.load_format
         self.weights_dir, self.load_format = Path(path), "auto"
+        served = dict(self.model.named_parameters())
         try:
-            if self.device.type == "cpu":
-                self.model = self._load_model()
-                return
-            staged = self._load_model(
-                device="cpu",
-                attention=get_attention_backend("torch", "cpu", self.dtype),
-                quantization=None,
-                pack=False,
+            cpu = self.device.type == "cpu"
+            staged = (
+                self._load_model()
+                if cpu
+                else self._load_model(
+                    device="cpu",
+                    attention=get_attention_backend("torch", "cpu", self.dtype),
+                    quantization=None,
+                    pack=False,
+                )
             )
+            new = dict(staged.named_parameters())
+            if new.keys() != served.keys():
+                # A checkpoint with an fp8 cache's scales where the served one had none (or
+                # the reverse) is another model to the layers that apply them.
+                differ = sorted(new.keys() ^ served.keys())
+                raise ValueError(
+                    f"{path}: its weights are not the served model's parameters ({len(differ)} "
+                    f"differ, e.g. {differ[0]}: an fp8 KV cache's scales?)"
+                )
         except BaseException:
             self.weights_dir, self.load_format = served_before
             raise
-        served = dict(self.model.named_parameters())
-        for name, weight in staged.named_parameters():
+        if cpu:
+            self.model = staged
+            return
+        for name, weight in new.items():
             served[name].copy_(weight)
 
     def execute(self, plan: StepPlan) -> StepResult:

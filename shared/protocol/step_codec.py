@@ -320,7 +320,7 @@ def _sleep_level(value: Any) -> int | None:
 
 def _wake_tags(value: Any) -> list[str] | None:
     if value is not None and (
-        type(value) is not list or not value or not set(value) <= set(WAKE_TAGS)
+        type(value) is not list or not value or not all(tag in WAKE_TAGS for tag in value)
     ):
         raise ProtocolError(f"wake_tags: expected some of {WAKE_TAGS}, or nil for both")
     return value

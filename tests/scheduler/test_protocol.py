@@ -160,6 +160,7 @@ def _plan_fields() -> list:
         (17, [], "wake_tags: expected"),
         (17, ["weights", "gpu"], "wake_tags: expected"),
         (17, "weights", "wake_tags: expected"),
+        (17, [["weights"]], "wake_tags: expected"),
     ],
 )
 def test_step_plan_rejects_wrong_types(index, value, fragment):

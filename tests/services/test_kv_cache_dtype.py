@@ -11,11 +11,10 @@ well closer to transformers' of the same format than to those of the other forma
 no rounding at all.
 """
 
-import json
-
 import pytest
 import torch
 from conftest import transformers
+from kv_cache_scales import save_with_kv_scales
 from serving_helpers import metric, read_metrics
 
 from weir.services.executor.weights import load_model
@@ -131,35 +130,11 @@ def _scales(num_layers: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def scaled_checkpoint(tmp_path_factory, default_model_dir):
-    """The default model as llm-compressor saves a KV-cache-only recipe: compressed-tensors'
-    config with a kv_cache_scheme and no weight groups, the scales in a file of their own."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
+    """The default model with a calibrated fp8 cache's scales (`kv_cache_scales`)."""
     path = tmp_path_factory.mktemp("kv-scales")
-    for f in default_model_dir.iterdir():
-        if f.name != "config.json":
-            (path / f.name).symlink_to(f)
-    config = json.loads((default_model_dir / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "dense",
-        "config_groups": {},
-        "kv_cache_scheme": {
-            "type": "float",
-            "num_bits": 8,
-            "strategy": "tensor",
-            "dynamic": False,
-            "symmetric": True,
-        },
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    scales = _scales(config["num_hidden_layers"])
-    save_file(scales, path / "kv_scales.safetensors")
-    with safe_open(str(default_model_dir / "model.safetensors"), "pt") as f:
-        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-    weight_map |= dict.fromkeys(scales, "kv_scales.safetensors")
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    num_layers = read_model_config(default_model_dir).num_layers
+    scales = _scales(num_layers)
+    save_with_kv_scales(default_model_dir, path, scales)
     return path, scales
 
 
@@ -206,15 +181,10 @@ def test_checkpoint_scales_divide_what_an_fp8_cache_holds(
     torch.testing.assert_close(weir["auto"], references["auto"], atol=1e-3, rtol=0)
 
 
-def test_scales_by_head_are_refused_for_an_fp8_cache(scaled_checkpoint, tmp_path):
+def test_scales_by_head_are_refused_for_an_fp8_cache(default_model_dir, tmp_path):
     """Scales an fp8 cache does not apply (per head here) stop the start with the reason,
     rather than quietly caching with scales of 1."""
-    path, _ = scaled_checkpoint
-    for f in path.iterdir():
-        if f.name != "config.json":
-            (tmp_path / f.name).symlink_to(f.resolve())
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "attn_head"
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    num_layers = read_model_config(default_model_dir).num_layers
+    save_with_kv_scales(default_model_dir, tmp_path, _scales(num_layers), strategy="attn_head")
     with pytest.raises(ValueError, match="kv_cache_scheme of float 8-bit scales by attn_head"):
         load_model(tmp_path, kv_cache_dtype=torch.float8_e4m3fn)
