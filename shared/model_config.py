@@ -50,6 +50,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "granitemoe",
     "granitemoeshared",
+    "exaone4",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -65,6 +66,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    "exaone4": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "smollm3": {
         "max_position_embeddings": 32768,
         "rope_theta": 2000000.0,
@@ -465,6 +467,12 @@ class ModelConfig:
             num_kv_heads, head_dim = 1, latent.kv_lora_rank + latent.qk_rope_head_dim
             rope, sliding_rope = read_rope(hf, model_type, latent.qk_rope_head_dim, max_pos)
         num_layers = count(hf, "num_hidden_layers")
+        # Gemma 3's and OLMo 3's sliding layers rotate as such even where no window is set.
+        sliding = (
+            ()
+            if window is None and sliding_rope is None
+            else _sliding_layers(model_type, hf, num_layers)
+        )
         return cls(
             model_type=model_type,
             vocab_size=count(hf, "vocab_size"),
@@ -478,10 +486,7 @@ class ModelConfig:
             rope=rope,
             max_position_embeddings=max_pos,
             sliding_window=window,
-            # Gemma 3's and OLMo 3's sliding layers rotate as such even where no window is set.
-            sliding_layers=()
-            if window is None and sliding_rope is None
-            else _sliding_layers(model_type, hf, num_layers),
+            sliding_layers=sliding,
             sliding_rope=sliding_rope,
             hidden_act=act,
             gemma_norms=gemma,
@@ -505,13 +510,19 @@ class ModelConfig:
             )
             or (model_type == "ernie4_5" and flag(hf, "use_bias")),
             interleaved_rope=model_type in ("ernie4_5", "glm4"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "olmoe")
+            qk_norm=model_type
+            in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "olmoe", "exaone4")
             or (model_type == "glm4_moe" and flag(hf, "use_qk_norm")),
-            olmo_norms=model_type in ("olmo2", "olmo3"),
+            olmo_norms=model_type in ("olmo2", "olmo3", "exaone4"),
             whole_qk_norms=model_type in ("olmo2", "olmo3", "olmoe"),
             float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
-            nope_layers=_nope_layers(hf, num_layers) if model_type == "smollm3" else (),
+            nope_layers=_nope_layers(hf, num_layers)
+            if model_type == "smollm3"
+            # EXAONE 4's global layers rotate nothing where it has local ones.
+            else tuple(i for i in range(num_layers) if i not in sliding)
+            if model_type == "exaone4" and window is not None
+            else (),
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
             checkpoint_quantization=read_checkpoint_quantization(hf, model_type),
             **_classifier(hf),
@@ -583,9 +594,19 @@ class ModelConfig:
 
 def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     """The window as transformers applies it: Mistral's and Gemma's (4096 where the key is
-    left out, none where it is null; OLMo 3's likewise), gpt-oss' (128 where left out), Mixtral's and Phi-3's
+    left out, none where it is null; OLMo 3's and EXAONE 4's likewise), gpt-oss' (128 where left
+    out), Mixtral's and Phi-3's
     whenever set; Qwen's (4096 by default) and SmolLM3's only with use_sliding_window."""
-    windowed = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "gpt_oss", "olmo3")
+    windowed = (
+        "mistral",
+        "mixtral",
+        "phi3",
+        "gemma2",
+        "gemma3_text",
+        "gpt_oss",
+        "olmo3",
+        "exaone4",
+    )
     if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
     default = {"mixtral": None, "phi3": None, "smollm3": None, "gpt_oss": 128}.get(model_type, 4096)
@@ -597,9 +618,9 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     """The layers the window applies to, as transformers picks them: every layer of Mistral,
     Mixtral, Phi-3 and Qwen3-MoE; elsewhere those config.json's layer_types names
     "sliding_attention", or where it has none, Qwen2's and Qwen3's layers from
-    max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 layer but each
-    sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer; OLMo 3's all but every
-    fourth), SmolLM3's NoPE layers."""
+    max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 and EXAONE 4
+    layer but each sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer; OLMo 3's
+    all but every fourth), SmolLM3's NoPE layers."""
     if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
         return tuple(range(num_layers))
     types = hf.get("layer_types")
@@ -621,8 +642,9 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
         return _nope_layers(hf, num_layers)
     if model_type == "olmo3":
         return tuple(i for i in range(num_layers) if (i + 1) % 4)
-    if model_type in ("gemma2", "gemma3_text"):
-        pattern = 2 if model_type == "gemma2" else count(hf, "sliding_window_pattern", 6)
+    if model_type in ("gemma2", "gemma3_text", "exaone4"):
+        default = {"gemma3_text": 6, "exaone4": 4}.get(model_type)
+        pattern = 2 if model_type == "gemma2" else count(hf, "sliding_window_pattern", default)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
     first_full = count(hf, "max_window_layers", 28)
     if model_type == "qwen2_moe":

@@ -273,6 +273,11 @@ CONFIGS = {
     "glm4": lambda: transformers.Glm4Config(
         **COMMON, head_dim=16, intermediate_size=96, pad_token_id=0
     ),
+    # EXAONE 4: OLMo 2's norms of the outputs only, q/k norms per head, local layers and
+    # global ones that rotate nothing.
+    "exaone4": lambda: transformers.Exaone4Config(
+        **COMMON, intermediate_size=96, sliding_window=7, sliding_window_pattern=2
+    ),
     # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
@@ -322,6 +327,7 @@ MOE_LAYERS = {
     "ernie4_5": (),
     "glm4": (),
     "olmoe": (0, 1, 2),
+    "exaone4": (),
     "granitemoe": (0, 1, 2),
     "granitemoeshared": (0, 1, 2),
 }

@@ -136,6 +136,9 @@ def _windows_of(model) -> list[int | None]:
             {"use_sliding_window": True, "sliding_window": 32, "no_rope_layers": [0, 1] * 2 + [0]},
         ),
         ("smollm3", {"use_sliding_window": True}),  # no window given: none
+        ("exaone4", {}),  # 4096 on all but every fourth layer
+        ("exaone4", {"sliding_window": 64, "sliding_window_pattern": 2}),
+        ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 5}),  # 1.2B's
     ],
 )
 def test_the_sliding_windows_are_the_ones_transformers_applies(model_type, keys):
@@ -153,6 +156,25 @@ def test_smollm3_rotates_the_layers_transformers_rotates(keys):
     hf = {"model_type": "smollm3", **REQUIRED, "num_hidden_layers": 5, **keys}
     theirs = transformers.AutoConfig.for_model(**hf, pad_token_id=0)
     nope = tuple(i for i, rotated in enumerate(theirs.no_rope_layers) if not rotated)
+    assert ModelConfig.from_hf(hf).nope_layers == nope
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"sliding_window_pattern": 2},
+        {"sliding_window": None, "layer_types": ["full_attention"] * 5},
+    ],
+)
+def test_exaone4_rotates_the_layers_transformers_rotates(keys):
+    """Its global layers rotate nothing where it has local ones (the 32B's), all where not."""
+    hf = {"model_type": "exaone4", **REQUIRED, "num_hidden_layers": 5, **keys}
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf))
+    attns = [layer.self_attn for layer in model.model.layers]
+    nope = tuple(
+        i for i, a in enumerate(attns) if a.sliding_window is not None and not a.is_sliding
+    )
     assert ModelConfig.from_hf(hf).nope_layers == nope
 
 
