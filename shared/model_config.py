@@ -51,6 +51,8 @@ SUPPORTED_MODEL_TYPES = (
     "granitemoe",
     "granitemoeshared",
     "exaone4",
+    "cohere",
+    "cohere2",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -67,6 +69,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "exaone4": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    "cohere": {
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+    },
+    "cohere2": {"max_position_embeddings": 8192, "tie_word_embeddings": True},
     "smollm3": {
         "max_position_embeddings": 32768,
         "rope_theta": 2000000.0,
@@ -370,6 +378,11 @@ class ModelConfig:
     olmo_norms: bool = False
     # OLMo 2's, 3's and OLMoE's q/k norms span the whole projection, not each head.
     whole_qk_norms: bool = False
+    # Cohere's: the norms before each layer's block and after the last are LayerNorms (the
+    # mean subtracted too, no bias; rms_norm_eps holds layer_norm_eps), and a layer's attention
+    # and MLP both read its one norm's output, each adding its output to the residual.
+    layer_norms: bool = False
+    parallel_block: bool = False
     # gpt-oss' and OLMo's RMSNorms scale in float32 and only then round to the model's dtype
     # (their weights kept in float32); the others scale in the model's dtype, as Llama's.
     float32_norms: bool = False
@@ -435,6 +448,12 @@ class ModelConfig:
         direct_query = "q_lora_rank" in hf and hf["q_lora_rank"] is None
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         gemma = model_type in ("gemma2", "gemma3_text")
+        cohere = model_type in ("cohere", "cohere2")
+        if flag(hf, "use_qk_norm") and model_type == "cohere":
+            raise ValueError(
+                "config.json: use_qk_norm (Command R+'s LayerNorms of each query and key head) "
+                "is not supported"
+            )
         # Gemma's configs name it hidden_activation (transformers reads only that one there).
         act_key = "hidden_activation" if gemma else "hidden_act"
         act = hf.get(act_key, "silu")
@@ -482,7 +501,9 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=positive(hf, "rms_norm_eps", 1e-6),
+            rms_norm_eps=positive(hf, "layer_norm_eps", 1e-5)
+            if cohere
+            else positive(hf, "rms_norm_eps", 1e-6),
             rope=rope,
             max_position_embeddings=max_pos,
             sliding_window=window,
@@ -509,7 +530,7 @@ class ModelConfig:
                 model_type in ("llama", "granite", "smollm3", "seed_oss") and flag(hf, "mlp_bias")
             )
             or (model_type == "ernie4_5" and flag(hf, "use_bias")),
-            interleaved_rope=model_type in ("ernie4_5", "glm4"),
+            interleaved_rope=model_type in ("ernie4_5", "glm4", "cohere", "cohere2"),
             qk_norm=model_type
             in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "olmoe", "exaone4")
             or (model_type == "glm4_moe" and flag(hf, "use_qk_norm")),
@@ -519,10 +540,13 @@ class ModelConfig:
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers)
             if model_type == "smollm3"
-            # EXAONE 4's global layers rotate nothing where it has local ones.
+            # EXAONE 4's global layers rotate nothing where it has local ones; Command R7B's
+            # (Cohere 2's) never, nor its local ones without a window.
             else tuple(i for i in range(num_layers) if i not in sliding)
-            if model_type == "exaone4" and window is not None
+            if (model_type == "exaone4" and window is not None) or model_type == "cohere2"
             else (),
+            layer_norms=cohere,
+            parallel_block=cohere,
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
             checkpoint_quantization=read_checkpoint_quantization(hf, model_type),
             **_classifier(hf),
@@ -531,6 +555,8 @@ class ModelConfig:
             **_deepseek_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
+            # Cohere multiplies its logits by logit_scale.
+            **({"logits_scaling": 1 / positive(hf, "logit_scale", 0.0625)} if cohere else {}),
         )
 
     def layer_tensor_shape(self, module: str) -> tuple[int, int]:
@@ -606,6 +632,7 @@ def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
         "gpt_oss",
         "olmo3",
         "exaone4",
+        "cohere2",
     )
     if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
@@ -642,8 +669,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
         return _nope_layers(hf, num_layers)
     if model_type == "olmo3":
         return tuple(i for i in range(num_layers) if (i + 1) % 4)
-    if model_type in ("gemma2", "gemma3_text", "exaone4"):
-        default = {"gemma3_text": 6, "exaone4": 4}.get(model_type)
+    if model_type in ("gemma2", "gemma3_text", "exaone4", "cohere2"):
+        default = {"gemma3_text": 6, "exaone4": 4, "cohere2": 4}.get(model_type)
         pattern = 2 if model_type == "gemma2" else count(hf, "sliding_window_pattern", default)
         return tuple(i for i in range(num_layers) if (i + 1) % pattern)
     first_full = count(hf, "max_window_layers", 28)

@@ -278,6 +278,15 @@ CONFIGS = {
     "exaone4": lambda: transformers.Exaone4Config(
         **COMMON, intermediate_size=96, sliding_window=7, sliding_window_pattern=2
     ),
+    # Command R (Cohere): LayerNorms, the attention and the MLP side by side on one norm's
+    # output, heads rotating in adjacent pairs, every projection biased, the logits scaled.
+    "cohere": lambda: transformers.CohereConfig(
+        **COMMON, intermediate_size=96, attention_bias=True, logit_scale=0.3
+    ),
+    # Command R7B (Cohere 2): local layers rotating, global ones not.
+    "cohere2": lambda: transformers.Cohere2Config(
+        **COMMON, intermediate_size=96, sliding_window=7, sliding_window_pattern=2
+    ),
     # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
@@ -328,6 +337,8 @@ MOE_LAYERS = {
     "glm4": (),
     "olmoe": (0, 1, 2),
     "exaone4": (),
+    "cohere": (),
+    "cohere2": (),
     "granitemoe": (0, 1, 2),
     "granitemoeshared": (0, 1, 2),
 }

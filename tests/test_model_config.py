@@ -53,7 +53,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
             * theirs.rope_parameters.get("partial_rotary_factor", 1.0)
         )
     assert ours.max_position_embeddings == theirs.max_position_embeddings
-    assert ours.rms_norm_eps == theirs.rms_norm_eps
+    assert ours.rms_norm_eps == (getattr(theirs, "rms_norm_eps", None) or theirs.layer_norm_eps)
     rope = theirs.rope_parameters
     assert ours.rope.theta == rope.get("full_attention", rope)["rope_theta"]
     assert ours.rope.type == rope.get("full_attention", rope)["rope_type"]  # gpt-oss': YaRN
@@ -139,6 +139,8 @@ def _windows_of(model) -> list[int | None]:
         ("exaone4", {}),  # 4096 on all but every fourth layer
         ("exaone4", {"sliding_window": 64, "sliding_window_pattern": 2}),
         ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 5}),  # 1.2B's
+        ("cohere2", {}),
+        ("cohere2", {"sliding_window": 64, "sliding_window_pattern": 2}),
     ],
 )
 def test_the_sliding_windows_are_the_ones_transformers_applies(model_type, keys):
@@ -160,21 +162,27 @@ def test_smollm3_rotates_the_layers_transformers_rotates(keys):
 
 
 @pytest.mark.parametrize(
-    "keys",
+    "model_type, keys",
     [
-        {},
-        {"sliding_window_pattern": 2},
-        {"sliding_window": None, "layer_types": ["full_attention"] * 5},
+        ("exaone4", {}),
+        ("exaone4", {"sliding_window_pattern": 2}),
+        ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 5}),
+        ("cohere2", {}),
+        ("cohere2", {"sliding_window_pattern": 2}),
+        ("cohere2", {"sliding_window": None}),
     ],
 )
-def test_exaone4_rotates_the_layers_transformers_rotates(keys):
-    """Its global layers rotate nothing where it has local ones (the 32B's), all where not."""
-    hf = {"model_type": "exaone4", **REQUIRED, "num_hidden_layers": 5, **keys}
+def test_global_layers_rotate_as_transformers_rotates_them(model_type, keys):
+    """EXAONE 4's global layers rotate nothing where it has local ones (the 32B's), all where
+    not; Cohere 2's local layers alone rotate, and only with a window."""
+    hf = {"model_type": model_type, **REQUIRED, "num_hidden_layers": 5, **keys}
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf))
     attns = [layer.self_attn for layer in model.model.layers]
-    nope = tuple(
-        i for i, a in enumerate(attns) if a.sliding_window is not None and not a.is_sliding
-    )
+    if model_type == "exaone4":
+        rotated = [a.sliding_window is None or a.is_sliding for a in attns]
+    else:
+        rotated = [a.sliding_window is not None for a in attns]
+    nope = tuple(i for i, r in enumerate(rotated) if not r)
     assert ModelConfig.from_hf(hf).nope_layers == nope
 
 
@@ -279,6 +287,10 @@ def test_a_classifier_has_its_labels_or_those_of_its_tokens():
         ({**GEMMA, "final_logit_softcapping": 0}, "final_logit_softcapping must be a positive"),
         ({**GEMMA, "attn_logit_softcapping": "50"}, "attn_logit_softcapping must be a positive"),
         ({**GEMMA, "use_bidirectional_attention": True}, "use_bidirectional_attention is not"),
+        (
+            {**REQUIRED, "model_type": "cohere", "use_qk_norm": True},
+            "use_qk_norm (Command R+'s LayerNorms of each query and key head) is not",
+        ),
         (
             {**REQUIRED, "model_type": "olmoe", "clip_qkv": 8.0},
             "clip_qkv (queries, keys and values clamped) is not",

@@ -1,5 +1,6 @@
-"""The building blocks of a decoder layer: RMSNorm, a projection, rotate-half RoPE and the
-gated MLP's activation, each in one kernel where `LayerKernels` has one."""
+"""The building blocks of a decoder layer: RMSNorm (and Cohere's LayerNorm), a projection,
+rotate-half RoPE and the gated MLP's activation, each in one kernel where `LayerKernels` has
+one."""
 
 from typing import Protocol
 
@@ -87,6 +88,22 @@ class RMSNorm(nn.Module):
         """Scale by (1 + weight) from now on, as Gemma's norms do: the sum kept in fp32,
         where transformers computes it."""
         self.weight = nn.Parameter(self.weight.float() + 1.0, requires_grad=False)
+
+
+class LayerNorm(nn.Module):
+    """Cohere's norm: the mean subtracted too, no bias, computed and scaled in float32 and
+    only then rounded to x's dtype, as transformers' CohereLayerNorm."""
+
+    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.empty(size, device=device, dtype=dtype), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        return F.layer_norm(x.float(), shape, self.weight.float(), None, self.eps).to(x.dtype)
 
 
 class Linear(nn.Module):

@@ -21,6 +21,7 @@ from weir.services.executor.attention import AttentionBackend, AttentionMetadata
 from weir.services.executor.latent_attention import LatentAttention
 from weir.services.executor.layers import (
     LayerKernels,
+    LayerNorm,
     Linear,
     RMSNorm,
     act_and_mul,
@@ -38,6 +39,19 @@ if TYPE_CHECKING:  # lora.py builds on this module
 
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
+
+
+def _block_norm(
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: LayerKernels | None,
+) -> RMSNorm | LayerNorm:
+    """The norm of the hidden states before a layer's block and after the last layer."""
+    if cfg.layer_norms:
+        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+    norm_dtype = torch.float32 if cfg.float32_norms else dtype
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, norm_dtype, kernels)
 
 
 class AttentionSinks(nn.Module):
@@ -86,9 +100,7 @@ class DecoderLayer(nn.Module):
         row_bias = layout.rank == 0
         eps = cfg.rms_norm_eps
         norm_dtype = torch.float32 if cfg.float32_norms else dtype
-        self.input_layernorm = (
-            None if cfg.olmo_norms else RMSNorm(h, eps, device, norm_dtype, kernels)
-        )
+        self.input_layernorm = None if cfg.olmo_norms else _block_norm(cfg, device, dtype, kernels)
         mla = cfg.latent_attention
         self.mla = None if mla is None else LatentAttention(cfg, layout, kernels, device, dtype)
         self.qkv_proj = (
@@ -114,7 +126,10 @@ class DecoderLayer(nn.Module):
             if kv_scales
             else (None, None)
         )
-        self.post_attention_layernorm = RMSNorm(h, eps, device, norm_dtype, kernels)
+        # None: Cohere's attention and MLP both read the input norm's output (parallel_block).
+        self.post_attention_layernorm = (
+            None if cfg.parallel_block else RMSNorm(h, eps, device, norm_dtype, kernels)
+        )
         # Gemma's and OLMo's norms of the attention's and MLP's outputs: post_attention_layernorm
         # then normalizes the attention's output rather than the MLP's input (Gemma's
         # pre_feedforward_layernorm does that).
@@ -196,7 +211,8 @@ class DecoderLayer(nn.Module):
             attn = self.mla(normed, cos, sin, meta, kv_cache, self.attention, self.scale)
         if not self.output_norms:
             x = self._add_row_parallel("o_proj", x, attn, lora, None)
-            normed = self.post_attention_layernorm(x)
+            if self.post_attention_layernorm is not None:  # None: the MLP reads `normed` too
+                normed = self.post_attention_layernorm(x)
         else:
             x = self._add_row_parallel("o_proj", x, attn, lora, self.post_attention_layernorm)
             ff_norm = self.pre_feedforward_layernorm
@@ -320,13 +336,7 @@ class CausalLM(nn.Module):
             )
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(
-            cfg.hidden_size,
-            cfg.rms_norm_eps,
-            device,
-            torch.float32 if cfg.float32_norms else dtype,
-            layer_kernels,
-        )
+        self.norm = _block_norm(cfg, device, dtype, layer_kernels)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -443,7 +453,7 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             if layer.mla is not None:
                 layer.mla.deinterleave_rope()
-            elif self.config.interleaved_rope:
+            elif self.config.interleaved_rope and layer.rotary_dim:  # a NoPE layer's stay
                 layer.deinterleave_rope()
         self._fold_residual_multiplier()
 
