@@ -53,10 +53,14 @@ SUPPORTED_MODEL_TYPES = (
     "exaone4",
     "cohere",
     "cohere2",
+    "ministral",
+    "ministral3",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
-TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
+# A multimodal checkpoint's language model: the model types its text_config may name, the
+# first where it names none.
+TEXT_OF_MULTIMODAL = {"gemma3": ("gemma3_text",), "mistral3": ("mistral", "ministral3")}
 # transformers' defaults, per model type, for keys a config.json may leave out.
 _QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_topk_prob": False}
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -75,6 +79,23 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
     "cohere2": {"max_position_embeddings": 8192, "tie_word_embeddings": True},
+    "ministral": {"max_position_embeddings": 131072},
+    "ministral3": {
+        "max_position_embeddings": 262144,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale_all_dim": 1.0,
+            "mscale": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+    },
     "smollm3": {
         "max_position_embeddings": 32768,
         "rope_theta": 2000000.0,
@@ -405,6 +426,12 @@ class ModelConfig:
     # How the checkpoint's weights are quantized (dequantized as they load); None: they are not.
     checkpoint_quantization: CheckpointQuantization | None = None
 
+    # Ministral 3's (as Llama 4's) queries are scaled by their position after the rotation:
+    # by 1 + beta * ln(1 + floor(position / length)), beta here and length
+    # original_max_position_embeddings; 0: not scaled.
+    query_scaling_beta: float = 0.0
+    query_scaling_length: int = 1
+
     # Granite's scalars: the embedding's and each residual branch's factor, the attention's
     # scale (None: head_dim ** -0.5) and the divisor of the logits.
     embedding_multiplier: float = 1.0
@@ -427,7 +454,14 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if model_type in TEXT_OF_MULTIMODAL:
             text = mapping(hf, "text_config")
-            text = cls.from_hf({**text, "model_type": TEXT_OF_MULTIMODAL[model_type]})
+            text_types = TEXT_OF_MULTIMODAL[model_type]
+            text_type = text.get("model_type", text_types[0])
+            if text_type not in text_types:
+                raise ValueError(
+                    f"config.json: a {model_type} checkpoint's text_config of model_type "
+                    f"{text_type!r} is not supported; supported: {text_types}"
+                )
+            text = cls.from_hf({**text, "model_type": text_type})
             # The whole model's tie_word_embeddings ties its head, as transformers reads it.
             tied = hf.get("tie_word_embeddings")
             tied = True if tied is None else flag(hf, "tie_word_embeddings")
@@ -555,6 +589,7 @@ class ModelConfig:
             **_deepseek_experts(model_type, hf, num_layers),
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
+            **_query_scaling(model_type, hf),
             # Cohere multiplies its logits by logit_scale.
             **({"logits_scaling": 1 / positive(hf, "logit_scale", 0.0625)} if cohere else {}),
         )
@@ -633,10 +668,13 @@ def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
         "olmo3",
         "exaone4",
         "cohere2",
+        "ministral",
+        "ministral3",
     )
     if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
-    default = {"mixtral": None, "phi3": None, "smollm3": None, "gpt_oss": 128}.get(model_type, 4096)
+    default = {"mixtral": None, "phi3": None, "smollm3": None, "gpt_oss": 128, "ministral3": None}
+    default = default.get(model_type, 4096)
     window = hf.get("sliding_window", default)
     return None if window is None else count({"sliding_window": window}, "sliding_window")
 
@@ -648,7 +686,7 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 and EXAONE 4
     layer but each sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer; OLMo 3's
     all but every fourth), SmolLM3's NoPE layers."""
-    if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe"):
+    if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe", "ministral3"):
         return tuple(range(num_layers))
     types = hf.get("layer_types")
     if types is not None:
@@ -663,6 +701,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
                 f"layers, got {types!r}"
             )
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if model_type == "ministral":
+        return tuple(range(num_layers))
     if model_type == "gpt_oss":
         return tuple(range(0, num_layers, 2))
     if model_type == "smollm3":
@@ -711,6 +751,21 @@ def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
         "attention_multiplier": positive(hf, "query_pre_attn_scalar", 256) ** -0.5,
         **{cap: positive(hf, cap, 1.0) if cap in hf else None for cap in caps},
     }
+
+
+def _query_scaling(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Ministral 3's position scaling of its queries, from its rope_parameters (where
+    transformers reads it)."""
+    if model_type != "ministral3":
+        return {}
+    rope = {**mapping(hf, "rope_parameters"), **mapping(hf, "rope_scaling")}
+    beta = rope.get("llama_4_scaling_beta", 0.0)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < math.inf:
+        raise ValueError(f"config.json: llama_4_scaling_beta must be a number >= 0, got {beta!r}")
+    if not beta:
+        return {}
+    length = count(rope, "original_max_position_embeddings")
+    return {"query_scaling_beta": float(beta), "query_scaling_length": length}
 
 
 def _granite(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,21 @@ COMMON = dict(
     max_position_embeddings=256,
 )
 LONGROPE_ORIGINAL = 16
+MINISTRAL3 = dict(
+    head_dim=16,
+    intermediate_size=96,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
+)
 CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=96, pad_token_id=0),
     # Phi-4-mini's rotation: LongRoPE from an original context of 16 (prompts of 5 to 29
@@ -287,6 +302,16 @@ CONFIGS = {
     "cohere2": lambda: transformers.Cohere2Config(
         **COMMON, intermediate_size=96, sliding_window=7, sliding_window_pattern=2
     ),
+    # Ministral 8B: Mistral's layers, its window on the layers layer_types names.
+    "ministral": lambda: transformers.MinistralConfig(
+        **COMMON,
+        head_dim=16,  # transformers' None fails its attention
+        intermediate_size=96,
+        sliding_window=7,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+    # Ministral 3: YaRN, and queries scaled by their position past each 8 tokens.
+    "ministral3": lambda: transformers.Ministral3Config(**COMMON, **MINISTRAL3),
     # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
@@ -337,6 +362,8 @@ MOE_LAYERS = {
     "glm4": (),
     "olmoe": (0, 1, 2),
     "exaone4": (),
+    "ministral": (),
+    "ministral3": (),
     "cohere": (),
     "cohere2": (),
     "granitemoe": (0, 1, 2),
@@ -702,6 +729,38 @@ def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     outputs = tp_workload.run(lora_work).outputs
     assert outputs == {"r0": greedy(hf, prompts[0], 8), "r1": want["r1"]}
     assert outputs["r0"] != want["r0"], "the adapter must matter"
+
+
+def test_a_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Mistral Small 3.x, Magistral and Ministral 3 are Mistral3ForConditionalGeneration: Weir
+    reads the language model its text_config names (here Ministral 3's) and leaves Pixtral's
+    tower and the projector unread."""
+    torch.manual_seed(0)
+    text = transformers.Ministral3Config(**COMMON, **MINISTRAL3).to_dict()
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=16,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Mistral3Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_index=VOCAB - 1,
+        tie_word_embeddings=False,
+    )
+    hf = transformers.Mistral3ForConditionalGeneration(config).eval()
+    spread_weights_(hf)
+    hf.save_pretrained(tmp_path)
+    cfg = read_model_config(tmp_path)
+    assert cfg.multimodal and cfg.model_type == "ministral3" and not cfg.tie_word_embeddings
+    prompts = [list(range(5, 25)), [20, 21, 22]]
+    work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
+    want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
+    assert tp_workload.run(work).outputs == want
 
 
 def test_an_mxfp4_checkpoint_decodes_as_transformers_dequantizes_it(tmp_path):

@@ -26,6 +26,8 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
     required = {**REQUIRED, "num_key_value_heads": 2} if model_type == "gpt_oss" else REQUIRED
     if model_type == "deepseek_v2":  # transformers' default is none, which its router cannot take
         required = {**REQUIRED, "num_experts_per_tok": 2}
+    if model_type == "ministral":  # transformers' attention fails on its default head_dim, None
+        required = {**REQUIRED, "head_dim": 16}
     ours = ModelConfig.from_hf({"model_type": model_type, **required})
     theirs = transformers.AutoConfig.for_model(model_type, **required, pad_token_id=0)
     mla = ours.latent_attention
@@ -141,6 +143,10 @@ def _windows_of(model) -> list[int | None]:
         ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 5}),  # 1.2B's
         ("cohere2", {}),
         ("cohere2", {"sliding_window": 64, "sliding_window_pattern": 2}),
+        ("ministral", {"head_dim": 16}),  # transformers' attention fails on its None
+        ("ministral", {"head_dim": 16, "sliding_window": None}),
+        ("ministral3", {}),
+        ("ministral3", {"sliding_window": 32}),
     ],
 )
 def test_the_sliding_windows_are_the_ones_transformers_applies(model_type, keys):
@@ -287,6 +293,10 @@ def test_a_classifier_has_its_labels_or_those_of_its_tokens():
         ({**GEMMA, "final_logit_softcapping": 0}, "final_logit_softcapping must be a positive"),
         ({**GEMMA, "attn_logit_softcapping": "50"}, "attn_logit_softcapping must be a positive"),
         ({**GEMMA, "use_bidirectional_attention": True}, "use_bidirectional_attention is not"),
+        (
+            {"model_type": "mistral3", "text_config": {**REQUIRED, "model_type": "llama"}},
+            "a mistral3 checkpoint's text_config of model_type 'llama' is not supported",
+        ),
         (
             {**REQUIRED, "model_type": "cohere", "use_qk_norm": True},
             "use_qk_norm (Command R+'s LayerNorms of each query and key head) is not",

@@ -1,6 +1,7 @@
-"""Decoder-only transformer for the Llama family (Mistral, Phi-3, Granite too), Qwen2 /
-Qwen3, their mixtures of experts included (`moe.py`), Gemma 2 and 3, gpt-oss, SmolLM3 and
-OLMo 2 and 3, on a flat token batch.
+"""Decoder-only transformer for the Llama family (Mistral, Ministral, Phi-3, Granite too),
+Qwen2 / Qwen3, their mixtures of experts included (`moe.py`), Gemma 2 and 3, gpt-oss, SmolLM3,
+OLMo 2 and 3, EXAONE 4 and Cohere's Command R, on a flat token batch (and the others
+docs/architecture.md lists).
 
 A step's tokens from all requests are concatenated into one batch of T tokens; the
 `AttentionMetadata` says which request each token belongs to and where its K/V goes in the
@@ -203,10 +204,13 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
         lora: "LoraBatch | None" = None,
+        query_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``query_scale`` [T, 1, 1]: each token's queries are multiplied by it after their
+        rotation (Ministral 3's)."""
         normed = x if self.input_layernorm is None else self.input_layernorm(x)
         if self.mla is None:
-            attn = self._attend(normed, cos, sin, meta, kv_cache, lora)
+            attn = self._attend(normed, cos, sin, meta, kv_cache, lora, query_scale)
         else:
             attn = self.mla(normed, cos, sin, meta, kv_cache, self.attention, self.scale)
         if not self.output_norms:
@@ -240,6 +244,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
         lora: "LoraBatch | None",
+        query_scale: torch.Tensor | None,
     ) -> torch.Tensor:
         """The heads' outputs [T, q_size] for the normalized states, their K/V cached."""
         num_tokens = normed.shape[0]
@@ -259,6 +264,8 @@ class DecoderLayer(nn.Module):
         if self.rotary_dim:
             qk = self._rotate(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        if query_scale is not None:
+            q = q * query_scale
         if self.k_scale is not None and self.v_scale is not None:
             # q . (k8 * k_scale) = (q * k_scale) . k8; sum p (v8 * v_scale) = v_scale sum p v8.
             self.attention.write_kv(k / self.k_scale, v / self.v_scale, kv_cache, meta)
@@ -384,13 +391,23 @@ class CausalLM(nn.Module):
         self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.windows)
         rotations = self.rotary(positions, self.dtype)
         local = rotations if self.local_rotary is None else self.local_rotary(positions, self.dtype)
+        query_scale = self._query_scale(positions)
         x = self._embed(input_ids)
         if self.embedding_multiplier != 1.0:
             x *= self.embedding_multiplier
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             cos, sin = local if layer.local_rope else rotations
-            x = layer(x, cos, sin, attn_metadata, kv_cache, lora)
+            x = layer(x, cos, sin, attn_metadata, kv_cache, lora, query_scale)
         return self.norm(x)
+
+    def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Ministral 3's factor of each token's queries, [T, 1, 1] in the model's dtype, as
+        transformers computes it (in float32, then rounded)."""
+        beta, length = self.config.query_scaling_beta, self.config.query_scaling_length
+        if not beta:
+            return None
+        scale = 1 + beta * torch.log(1 + torch.floor(positions / length))
+        return scale.to(self.dtype)[:, None, None]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
