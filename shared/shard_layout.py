@@ -33,11 +33,6 @@ class ShardLayout:
         if n < 1 or not 0 <= rank < n:
             raise ValueError(f"rank {rank} is outside a tensor-parallel world of size {n}")
         heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-        if cfg.whole_qk_norms and n > 1:
-            raise ValueError(
-                "OLMo's q/k norms span every attention head, which tensor parallelism splits "
-                "between ranks: serve it with tensor_parallel_size 1"
-            )
         if heads % n:
             raise ValueError(
                 f"tensor_parallel_size {n} does not divide the model's {heads} attention heads"

@@ -84,6 +84,14 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
+    def normalize(self, x: torch.Tensor, mean_square: torch.Tensor) -> torch.Tensor:
+        """x's rows normalized by a float32 mean square of their own (a whole row's, where
+        tensor parallelism holds some of its columns here), scaled as ``forward`` scales."""
+        normed = x.float() * torch.rsqrt(mean_square + self.eps)
+        if self.weight.dtype == torch.float32:
+            return (normed * self.weight).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
     def add_unit_offset(self) -> None:
         """Scale by (1 + weight) from now on, as Gemma's norms do: the sum kept in fp32,
         where transformers computes it."""

@@ -188,6 +188,24 @@ class DecoderLayer(nn.Module):
                 heads = tensor[: num_heads * self.head_dim].view(num_heads, self.head_dim, -1)
                 heads[:, :r].copy_(heads[:, order.to(tensor.device)].clone())
 
+    def _whole_qk_norms(
+        self, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo's q/k RMSNorms over the whole projections. Under tensor parallelism a rank
+        holds some heads' channels: one all-reduce sums the squares of q's and k's rows over
+        the ranks, each then divided by the channels summed (a KV head replicated on r ranks
+        adds its squares r times and its channels r times: the mean is the whole row's)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        if self.tp is None:
+            return self.q_norm(q), self.k_norm(k)
+        sums = torch.stack((q.float().square().sum(-1), k.float().square().sum(-1)), dim=-1)
+        sums = self.tp.all_reduce(sums)
+        n = self.tp.world_size
+        return (
+            self.q_norm.normalize(q, sums[:, :1] / (n * self.q_size)),
+            self.k_norm.normalize(k, sums[:, 1:] / (n * self.kv_size)),
+        )
+
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The Q and K heads (adjacent in the fused projection: one rotation for both) with
         their first rotary_dim channels rotated, in place where a kernel does it."""
@@ -255,7 +273,7 @@ class DecoderLayer(nn.Module):
             lora.add(qkv, normed, self.index, "qkv_proj")
         if self.q_norm is not None and not self.qk_norm_heads:
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+            qkv = torch.cat((*self._whole_qk_norms(q, k), v), dim=-1)
         qkv = qkv.view(num_tokens, heads, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
         if self.q_norm is not None and self.qk_norm_heads:

@@ -10,8 +10,8 @@ all-reduce) and computes the logits of its range (gathered on rank 0, which samp
 broadcasts the tokens so every rank's persistent batch advances alike). With fewer KV
 heads than ranks, each rank holds the one KV head its query heads read (replicated).
 
-Per step: 2 all-reduces per layer + 1 for the embedding, one logits gather, one token
-broadcast. A world of size 1 has no ``TensorParallel`` at all (``None``): the model
+Per step: 2 all-reduces per layer (3 with OLMo's q/k norms of whole projections) + 1 for
+the embedding, one logits gather, one token broadcast. A world of size 1 has no ``TensorParallel`` at all (``None``): the model
 calls no collective.
 """
 

@@ -85,6 +85,11 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "mlp.shared_experts.up_proj": ("moe.shared_gate_up", "shared_up"),
     "mlp.shared_experts.down_proj": ("moe.shared_down", "shared_down_in"),
 }
+# OLMo's q/k norms over the whole projections: each rank's weights of its heads' channels.
+WHOLE_QK_NORM_PARTS: dict[str, tuple[str, str]] = {
+    "self_attn.q_norm": ("q_norm", "q_heads"),
+    "self_attn.k_norm": ("k_norm", "kv_heads"),
+}
 # DeepSeek's latent attention in place of the q/k/v projections (``mla_``: split by heads).
 LATENT_ATTENTION_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_proj": ("mla.q_proj", "mla_q"),
@@ -195,6 +200,8 @@ def layer_part(
         "k": (_span(q, kv), (kv_src,)),
         "v": (_span(q + kv, kv), (kv_src,)),
         "heads": (slice(None), (_span(layout.q_head_start, layout.num_heads),)),
+        "q_heads": (slice(None), (q_src,)),
+        "kv_heads": (slice(None), (kv_src,)),
         "gate": (slice(0, inter), (inter_src,)),
         "up": (_span(inter, inter), (inter_src,)),
         "all": (slice(None), _ALL),
@@ -311,6 +318,8 @@ def _target(
     parts = LAYER_PARTS
     if cfg.latent_attention is not None:
         parts = {**LAYER_PARTS, **LATENT_ATTENTION_PARTS}
+    elif cfg.whole_qk_norms:
+        parts = {**LAYER_PARTS, **WHOLE_QK_NORM_PARTS}
     nextn = range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)
     if m is not None and int(m.group(1)) in nextn:
         return None  # DeepSeek-V3's multi-token prediction layers: Weir does not draft with them
