@@ -55,6 +55,7 @@ SUPPORTED_MODEL_TYPES = (
     "cohere2",
     "ministral",
     "ministral3",
+    "minimax_m2",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -80,6 +81,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "cohere2": {"max_position_embeddings": 8192, "tie_word_embeddings": True},
     "ministral": {"max_position_embeddings": 131072},
+    "minimax_m2": {
+        "max_position_embeddings": 196608,
+        "head_dim": 128,
+        "rope_theta": 5000000.0,
+        "num_local_experts": 256,
+        "num_experts_per_tok": 8,
+    },
     "ministral3": {
         "max_position_embeddings": 262144,
         "head_dim": 128,
@@ -512,6 +520,10 @@ class ModelConfig:
         max_pos = count(hf, "max_position_embeddings")
         attention_bias = flag(hf, "attention_bias")
         qwen2 = model_type in ("qwen2", "qwen2_moe")
+        if model_type == "minimax_m2" and "rotary_dim" in hf:
+            # MiniMax-M2's files give the rotated channels of each head, as transformers reads.
+            rotated = count(hf, "rotary_dim") / count(hf, "head_dim")
+            hf.setdefault("partial_rotary_factor", rotated)
         latent = _latent_attention(model_type, hf, direct_query)
         if latent is None:
             head_dim = count(hf, "head_dim", hidden // num_heads)
@@ -566,10 +578,19 @@ class ModelConfig:
             or (model_type == "ernie4_5" and flag(hf, "use_bias")),
             interleaved_rope=model_type in ("ernie4_5", "glm4", "cohere", "cohere2"),
             qk_norm=model_type
-            in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "olmoe", "exaone4")
+            in (
+                "qwen3",
+                "qwen3_moe",
+                "gemma3_text",
+                "olmo2",
+                "olmo3",
+                "olmoe",
+                "exaone4",
+                "minimax_m2",
+            )
             or (model_type == "glm4_moe" and flag(hf, "use_qk_norm")),
             olmo_norms=model_type in ("olmo2", "olmo3", "exaone4"),
-            whole_qk_norms=model_type in ("olmo2", "olmo3", "olmoe"),
+            whole_qk_norms=model_type in ("olmo2", "olmo3", "olmoe", "minimax_m2"),
             float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers)
@@ -804,6 +825,23 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
                 f"config.json: shared_intermediate_size must be a count, got {shared!r}"
             )
         extra = {"shared_expert_gated": False}
+    elif model_type == "minimax_m2":
+        # Mixtral's experts chosen by sigmoid scores and a bias, as V3's (one group, no
+        # scaling), renormalized; its multi-token prediction modules after the last layer.
+        experts, inter = count(hf, "num_local_experts"), count(hf, "intermediate_size")
+        layers, norm, shared = list(range(num_layers)), True, 0
+        if hf.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError(
+                f"config.json: MiniMax-M2 routes by scoring_func {hf['scoring_func']!r}, which "
+                "Weir does not read (transformers reads a sigmoid)"
+            )
+        nextn = hf.get("num_mtp_modules", 0) if flag(hf, "use_mtp") else 0
+        if type(nextn) is not int or nextn < 0:
+            raise ValueError(f"config.json: num_mtp_modules must be a count, got {nextn!r}")
+        extra = {
+            "routing": ExpertRouting(sigmoid=True, score_bias=True),
+            "num_nextn_predict_layers": nextn,
+        }
     elif model_type == "olmoe":
         experts = count(hf, "num_experts", hf.get("num_local_experts"))
         inter, layers, shared = count(hf, "intermediate_size"), list(range(num_layers)), 0

@@ -312,6 +312,16 @@ CONFIGS = {
     ),
     # Ministral 3: YaRN, and queries scaled by their position past each 8 tokens.
     "ministral3": lambda: transformers.Ministral3Config(**COMMON, **MINISTRAL3),
+    # MiniMax-M2: OLMo's q/k norms of the whole projections, half of each head rotating
+    # (rotary_dim), Mixtral's experts chosen as V3's by sigmoid scores and a bias.
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(
+        **COMMON,
+        head_dim=16,
+        rotary_dim=8,
+        intermediate_size=48,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+    ),
     # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
@@ -361,6 +371,7 @@ MOE_LAYERS = {
     "ernie4_5": (),
     "glm4": (),
     "olmoe": (0, 1, 2),
+    "minimax_m2": (0, 1, 2),
     "exaone4": (),
     "ministral": (),
     "ministral3": (),

@@ -69,6 +69,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         "olmoe",
         "granitemoe",
         "granitemoeshared",
+        "minimax_m2",
     ):
         experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
         assert (ours.num_experts, ours.num_experts_per_tok) == (experts, theirs.num_experts_per_tok)
@@ -464,3 +465,24 @@ def test_a_gemma3_multimodal_config_as_the_hub_writes_it_reads_as_transformers_d
         theirs.sliding_window if kind == "sliding_attention" else None
         for kind in theirs.layer_types
     ]
+
+
+def test_minimax_m2_reads_the_keys_of_its_released_files():
+    """MiniMax-M2's config.json gives each head's rotated channels as rotary_dim (read as
+    transformers reads it) and its multi-token prediction modules, whose layers are not
+    read."""
+    hf = {
+        "model_type": "minimax_m2",
+        **REQUIRED,
+        "head_dim": 16,
+        "rotary_dim": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "use_mtp": True,
+        "num_mtp_modules": 3,
+    }
+    theirs = transformers.AutoConfig.for_model(**hf)
+    ours = ModelConfig.from_hf(hf)
+    rotated = theirs.head_dim * theirs.rope_parameters["partial_rotary_factor"]
+    assert ours.rope.rotary_dim == rotated == 8
+    assert ours.num_nextn_predict_layers == 3

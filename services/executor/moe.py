@@ -135,8 +135,9 @@ class SparseMoe(nn.Module):
         added for the choice only), among the best groups where experts are grouped."""
         routing = self.routing
         logits = self.gate(x.to(self.gate.weight.dtype))
-        scores = logits.sigmoid() if routing.sigmoid else logits.softmax(-1, dtype=torch.float32)
-        scores = scores.float()
+        scores = (
+            logits.float().sigmoid() if routing.sigmoid else logits.softmax(-1, dtype=torch.float32)
+        )
         choice = scores if self.score_bias is None else scores + self.score_bias
         if routing.num_groups > 1:
             grouped = choice.view(x.shape[0], routing.num_groups, -1)

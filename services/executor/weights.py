@@ -29,6 +29,10 @@ from weir.shared.shard_layout import ShardLayout
 
 # DeepSeek-V3's router bias is named as no other tensor is: read as the router's score_bias.
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)")
+# MiniMax-M2 keeps the routing bias beside its router (as transformers 5 names it, mlp.),
+# read as DeepSeek-V3's, the router's own.
+_ROUTER_BIAS = "e_score_correction_bias"
+_BIAS_BESIDE_ROUTER = ("block_sparse_moe", "mlp")
 # An FP8 KV cache's scale (compressed-tensors' are the attention's own, self_attn.k_scale).
 _KV_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.([kv]_scale)")
 # An expert's tensor: Qwen's mlp.experts.E.{gate,up,down}_proj, Mixtral's
@@ -244,10 +248,13 @@ class RowsOf:
 
 def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str, TensorSource]]:
     """A fused checkpoint tensor's parts under their own names (its whole shape checked
-    first), GLM-4's norms under Gemma's; any other tensor as it is."""
+    first), GLM-4's norms under Gemma's, MiniMax-M2's routing bias under its router's; any
+    other tensor as it is."""
     m = _LAYER_RE.fullmatch(name)
     if m is not None and cfg.model_type == "glm4" and m.group(2) in _GLM4_NORMS:
         return [(f"model.layers.{m.group(1)}.{_GLM4_NORMS[m.group(2)]}.{m.group(3)}", source)]
+    if m is not None and m.group(2) in _BIAS_BESIDE_ROUTER and m.group(3) == _ROUTER_BIAS:
+        return [(f"model.layers.{m.group(1)}.mlp.gate.{_ROUTER_BIAS}", source)]
     if m is None or m.group(2) not in FUSED_MODULES:
         return [(name, source)]
     expected = checkpoint_shape(cfg, name)
