@@ -18,7 +18,10 @@ and the calls read back out of its text, whole or as it streams.
   </arg_key><arg_value>VALUE</arg_value>...</tool_call>`` blocks; ``openai``: gpt-oss'
   harmony messages (read whole by ``harmony.py``); ``deepseek_v3`` and ``deepseek_v31``:
   DeepSeek's ``<｜tool▁calls▁begin｜>`` calls, V3's and R1's (``function<｜tool▁sep｜>NAME``
-  and a fenced JSON block) and V3.1's (``NAME<｜tool▁sep｜>{...}``), either read by both.
+  and a fenced JSON block) and V3.1's (``NAME<｜tool▁sep｜>{...}``), either read by both;
+  ``minimax_m2``: MiniMax-M2's ``<minimax:tool_call>`` blocks of one or more ``<invoke
+  name="NAME">`` and their ``<parameter name="KEY">VALUE</parameter>``s, read as
+  qwen3_coder's.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -48,6 +51,7 @@ TOOL_CALL_PARSERS = (
     "glm45",
     "deepseek_v3",
     "deepseek_v31",
+    "minimax_m2",
     "openai",
 )
 # (openai: harmony.py)
@@ -245,19 +249,22 @@ class Llama3JsonReader:
 
 
 class HermesReader:
-    """``<tool_call>...</tool_call>`` blocks in free text, each read by ``parse`` (hermes':
-    ``{"name": ..., "arguments": {...}}``; Qwen3-Coder's: `xml_call`). Text before the first
-    call streams as content (less what may begin a tag); text between and after calls is
-    content unless it is only whitespace; a block that is not such a call, or is cut short,
-    is content as written."""
+    """``<tool_call>...</tool_call>`` blocks (or ``tags``') in free text, each read by
+    ``parse`` as a call or calls (hermes': ``{"name": ..., "arguments": {...}}``;
+    Qwen3-Coder's: `xml_call`). Text before the first call streams as content (less what may
+    begin a tag); text between and after calls is content unless it is only whitespace; a
+    block that is not such a call, or is cut short, is content as written."""
 
-    START, END = "<tool_call>", "</tool_call>"
-
-    def __init__(self, parse: Callable[[str], ToolCall | None] | None = None) -> None:
+    def __init__(
+        self,
+        parse: Callable[[str], ToolCall | list[ToolCall] | None] | None = None,
+        tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+    ) -> None:
         self.calls: list[ToolCall] = []
         self._pending = ""
         self._inside = False
-        self._call = parse or json_call
+        self._parse = parse or json_call
+        self._start, self._end = tags
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._pending += text
@@ -265,25 +272,25 @@ class HermesReader:
         deltas = []
         while True:
             if self._inside:
-                end = self._pending.find(self.END)
+                end = self._pending.find(self._end)
                 if end < 0:
                     break
-                block, self._pending = self._pending[:end], self._pending[end + len(self.END) :]
+                block, self._pending = self._pending[:end], self._pending[end + len(self._end) :]
                 self._inside = False
-                call = self._call(block)
-                if call is None:
-                    content.append(self.START + block + self.END)
-                else:
+                calls = self._calls(block)
+                if not calls:
+                    content.append(self._start + block + self._end)
+                for call in calls:
                     deltas.append(call.delta(len(self.calls)))
                     self.calls.append(call)
                 continue
-            start = self._pending.find(self.START)
+            start = self._pending.find(self._start)
             if start >= 0:
                 content.append(self._outside(self._pending[:start]))
-                self._pending = self._pending[start + len(self.START) :]
+                self._pending = self._pending[start + len(self._start) :]
                 self._inside = True
             elif not self.calls:  # stream what cannot begin a tag
-                keep = tag_prefix_at_end(self._pending, self.START)
+                keep = tag_prefix_at_end(self._pending, self._start)
                 content.append(self._pending[: len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep :]
                 break
@@ -297,11 +304,16 @@ class HermesReader:
         pending, self._pending = self._pending, ""
         if not self._inside:
             return self._outside(pending), []
-        call = self._call(pending)
-        if call is None:
-            return self.START + pending, []
-        self.calls.append(call)
-        return "", [call.delta(len(self.calls) - 1)]
+        calls = self._calls(pending)
+        if not calls:
+            return self._start + pending, []
+        deltas = [call.delta(len(self.calls) + i) for i, call in enumerate(calls)]
+        self.calls += calls
+        return "", deltas
+
+    def _calls(self, block: str) -> list[ToolCall]:
+        found = self._parse(block)
+        return [] if found is None else [found] if isinstance(found, ToolCall) else found
 
     def _outside(self, text: str) -> str:
         return "" if self.calls and not text.strip() else text
@@ -334,11 +346,18 @@ def xml_call(properties: dict[str, Any], block: str) -> ToolCall | None:
     name, body = match.groups()
     if _XML_PARAMETER.sub("", body).strip():
         return None  # text outside the parameters: not a call
+    return _schema_typed_call(properties, name, _XML_PARAMETER.findall(body))
+
+
+def _schema_typed_call(
+    properties: dict[str, Any], name: str, parameters: list[tuple[str, str]]
+) -> ToolCall | None:
+    """A call of ``name`` with the (key, text) ``parameters``, read as `xml_call` says."""
     # The request's schema, as its client wrote it: any JSON where an object is expected
     # leaves the values untyped.
     schema = properties.get(name)
     arguments = {}
-    for key, raw in _XML_PARAMETER.findall(body):
+    for key, raw in parameters:
         value = raw.removeprefix("\n").removesuffix("\n")
         spec = schema.get(key) if isinstance(schema, dict) else None
         arguments[key] = _typed(value, spec.get("type") if isinstance(spec, dict) else None)
@@ -368,6 +387,29 @@ def _typed(value: str, kind: Any) -> Any:
         return value
     except (ValueError, RecursionError):
         return value
+
+
+_MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>\s*', re.DOTALL)
+_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
+
+
+def minimax_calls(properties: dict[str, Any], block: str) -> list[ToolCall] | None:
+    """A MiniMax-M2 block's calls: ``<invoke name="NAME">`` and its ``<parameter
+    name="KEY">VALUE</parameter>``s each, the values read as `xml_call` reads them; None
+    where the block holds anything else, or no call."""
+    invokes = list(_MINIMAX_INVOKE.finditer(block))
+    if not invokes or "".join(m.group(0) for m in invokes) != block:
+        return None
+    calls = []
+    for invoke in invokes:
+        name, body = invoke.groups()
+        if _MINIMAX_PARAMETER.sub("", body).strip():
+            return None  # text outside the parameters: not a call
+        call = _schema_typed_call(properties, name, _MINIMAX_PARAMETER.findall(body))
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
 
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -630,6 +672,9 @@ class ToolChoice:
             return HermesReader(functools.partial(xml_call, self.properties))
         if self.parser == "glm45":
             return HermesReader(functools.partial(glm_call, self.properties))
+        if self.parser == "minimax_m2":
+            tags = ("<minimax:tool_call>", "</minimax:tool_call>")
+            return HermesReader(functools.partial(minimax_calls, self.properties), tags)
         if self.parser == "mistral":
             return MistralReader()
         if self.parser in ("deepseek_v3", "deepseek_v31"):

@@ -9,6 +9,7 @@ own template engine, the calls' arguments as maps) and, held to the same JSON sc
 xgrammar's own logits processor, writes the arguments the API must return.
 """
 
+import functools
 import json
 import shutil
 
@@ -18,7 +19,7 @@ import openai
 import pytest
 import torch
 import zmq
-from serving_helpers import hf_constrained, small_server
+from serving_helpers import hf_constrained, read_chat, small_server
 
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.tool_calls import (
@@ -29,6 +30,7 @@ from weir.services.gateway.tool_calls import (
     PythonicReader,
     glm_call,
     json_call,
+    minimax_calls,
     xml_call,
 )
 from weir.services.launcher import GatewayProcess, ServerProcesses
@@ -666,6 +668,68 @@ def test_auto_reads_glm45_calls_out_of_the_text(server):
         ],
         "tool_calls",
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_minimax_m2_reasoning_and_calls_out_of_the_text(server, stream):
+    """--tool-call-parser minimax_m2 --reasoning-parser minimax_m2: MiniMax-M2's reasoning,
+    then a <minimax:tool_call> block of two invokes (values by their schema types: the
+    string "3" for Oslo's twin tool), as its chat template writes them."""
+    invoke = (
+        '<invoke name="{name}">\n<parameter name="city">Oslo</parameter>\n'
+        '<parameter name="days">3</parameter>\n</invoke>\n'
+    )
+    text = (
+        "<think>\nThe weather, then an echo.\n</think>\n\nChecking.\n<minimax:tool_call>\n"
+        + invoke.format(name="get_weather")
+        + invoke.format(name="echo")
+        + "</minimax:tool_call>"
+    )
+    echo = {
+        "type": "function",
+        "function": {
+            "name": "echo",
+            "parameters": {"type": "object", "properties": {"days": {"type": "string"}}},
+        },
+    }
+    parsers = ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2")
+    with GatewayProcess([server.client_address], parsers=parsers) as gateway:
+        minimax = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
+        got = read_chat(
+            minimax,
+            stream,
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[*TOOLS, echo],
+            extra_body={"guided_choice": [text]},
+            max_tokens=None,
+        )
+    assert got == (
+        "\nThe weather, then an echo.\n",
+        "\n\nChecking.\n",
+        [
+            ("get_weather", '{"city": "Oslo", "days": 3}'),
+            ("echo", '{"city": "Oslo", "days": "3"}'),
+        ],
+        "tool_calls",
+    )
+
+
+def test_minimax_m2_blocks_hold_invokes_only():
+    invoke = '<invoke name="f"><parameter name="i">4</parameter></invoke>'
+    calls = minimax_calls({"f": {"i": {"type": "integer"}}}, f"\n{invoke}\n{invoke}\n")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"i": 4})] * 2
+    assert minimax_calls({}, "") is None
+    assert minimax_calls({}, f"{invoke} stray") is None
+    assert (
+        minimax_calls({}, '<invoke name="f">stray<parameter name="i">4</parameter></invoke>')
+        is None
+    )
+    text = f"Go.<minimax:tool_call>{invoke}{invoke}</minimax:tool_call><minimax:tool_call>{invoke}"
+    tags = ("<minimax:tool_call>", "</minimax:tool_call>")
+    for step in (1, 7, len(text)):  # the last block's end tag never came: still a call
+        reader = HermesReader(functools.partial(minimax_calls, {}), tags)
+        assert read_in_pieces(reader, text, step) == ("Go.", [("f", '{"i": "4"}')] * 3)
 
 
 def test_glm45_values_are_json_then_python_literals_then_text():
