@@ -56,6 +56,7 @@ SUPPORTED_MODEL_TYPES = (
     "ministral",
     "ministral3",
     "minimax_m2",
+    "ernie4_5_moe",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -235,6 +236,21 @@ _DEFAULTS["ernie4_5"] = {
     "head_dim": 128,
     "tie_word_embeddings": True,
     "rope_theta": 500000.0,
+}
+# ERNIE 4.5's mixtures of experts (ERNIE-4.5-21B-A3B, 300B-A47B): its dense layers', and
+# experts from moe_layer_start_index on.
+_DEFAULTS["ernie4_5_moe"] = {
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "rope_theta": 500000.0,
+    "moe_k": 6,
+    "moe_num_experts": 64,
+    "moe_num_shared_experts": 2,
+    "moe_intermediate_size": 1536,
+    "moe_layer_start_index": 1,
+    "moe_layer_end_index": -1,
+    "moe_layer_interval": 1,
 }
 # GLM-4-0414 (GLM-4-9B/32B, GLM-Z1): biased q/k/v, half of each head rotating in adjacent
 # pairs, norms before and after the attention and the MLP, gate/up fused in the checkpoint.
@@ -491,6 +507,7 @@ class ModelConfig:
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         gemma = model_type in ("gemma2", "gemma3_text")
         cohere = model_type in ("cohere", "cohere2")
+        ernie = model_type in ("ernie4_5", "ernie4_5_moe")
         if flag(hf, "use_qk_norm") and model_type == "cohere":
             raise ValueError(
                 "config.json: use_qk_norm (Command R+'s LayerNorms of each query and key head) "
@@ -563,20 +580,20 @@ class ModelConfig:
             qkv_bias=attention_bias
             or model_type == "qwen2"
             or (model_type == "qwen2_moe" and flag(hf, "qkv_bias", True))
-            or (model_type == "ernie4_5" and flag(hf, "use_bias")),
+            or (ernie and flag(hf, "use_bias")),
             o_bias=(
                 flag(hf, "attention_out_bias")
                 if model_type == "seed_oss"
                 else attention_bias and not qwen2 and model_type not in ("glm4_moe", "glm4")
             )
-            or (model_type == "ernie4_5" and flag(hf, "use_bias")),
+            or (ernie and flag(hf, "use_bias")),
             # Only these configs have mlp_bias (transformers ignores the key elsewhere);
             # ERNIE's use_bias is every projection's.
             mlp_bias=(
                 model_type in ("llama", "granite", "smollm3", "seed_oss") and flag(hf, "mlp_bias")
             )
-            or (model_type == "ernie4_5" and flag(hf, "use_bias")),
-            interleaved_rope=model_type in ("ernie4_5", "glm4", "cohere", "cohere2"),
+            or (ernie and flag(hf, "use_bias")),
+            interleaved_rope=ernie or model_type in ("glm4", "cohere", "cohere2"),
             qk_norm=model_type
             in (
                 "qwen3",
@@ -806,6 +823,7 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
     renormalized; Qwen's
     are moe_intermediate_size in every decoder_sparse_step-th layer not in mlp_only_layers."""
     extra: dict[str, Any] = {}
+    top_k_key = "num_experts_per_tok"
     if model_type in ("mixtral", "gpt_oss"):
         experts, inter = count(hf, "num_local_experts"), count(hf, "intermediate_size")
         layers, norm, shared = list(range(num_layers)), True, 0
@@ -842,6 +860,32 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
             "routing": ExpertRouting(sigmoid=True, score_bias=True),
             "num_nextn_predict_layers": nextn,
         }
+    elif model_type == "ernie4_5_moe":
+        # Chosen by a float32 softmax plus a bias (moe_statics), weighted by the softmax's
+        # scores renormalized; the shared experts' columns added ungated.
+        experts, inter = count(hf, "moe_num_experts"), count(hf, "moe_intermediate_size")
+        interval, start = count(hf, "moe_layer_interval"), hf["moe_layer_start_index"]
+        end = hf["moe_layer_end_index"]
+        end = num_layers - 1 if end == -1 else end
+        if type(start) is not int or type(end) is not int:
+            raise ValueError(
+                "config.json: moe_layer_start_index and moe_layer_end_index must be layer "
+                f"numbers, got {start!r} and {end!r}"
+            )
+        layers = [i for i in range(num_layers) if (i + 1) % interval == 0 and start <= i <= end]
+        norm, shared = True, inter * hf["moe_num_shared_experts"]
+        if type(shared) is not int or shared < 0:
+            raise ValueError(
+                f"config.json: moe_num_shared_experts must be a count, got "
+                f"{hf['moe_num_shared_experts']!r}"
+            )
+        if flag(hf, "use_bias"):
+            raise ValueError("config.json: ERNIE 4.5's experts with use_bias are not read")
+        top_k_key = "moe_k"
+        extra = {
+            "routing": ExpertRouting(score_bias=True, float32=True),
+            "shared_expert_gated": False,
+        }
     elif model_type == "olmoe":
         experts = count(hf, "num_experts", hf.get("num_local_experts"))
         inter, layers, shared = count(hf, "intermediate_size"), list(range(num_layers)), 0
@@ -859,7 +903,7 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         shared = count(hf, "shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
     else:
         return {}
-    top_k = count(hf, "num_experts_per_tok")
+    top_k = count(hf, top_k_key)
     if top_k > experts:
         raise ValueError(
             f"config.json: num_experts_per_tok {top_k} is more than the {experts} experts"

@@ -81,6 +81,16 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         assert ours.moe_layers == (0, 1)
         shared = getattr(theirs, "shared_expert_intermediate_size", None) or 0
         assert ours.shared_expert_intermediate_size == shared
+    elif model_type == "ernie4_5_moe":  # its experts from moe_layer_start_index on
+        model = transformers.AutoModelForCausalLM.from_config(theirs)
+        sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+        assert ours.moe_layers == tuple(sparse) == (1,)
+        assert (ours.num_experts, ours.num_experts_per_tok) == (
+            theirs.moe_num_experts,
+            theirs.moe_k,
+        )
+        shared = theirs.moe_num_shared_experts * theirs.moe_intermediate_size
+        assert ours.shared_expert_intermediate_size == shared
     elif not hasattr(theirs, "n_routed_experts"):
         assert ours.num_experts == 0 and ours.moe_layers == ()
 

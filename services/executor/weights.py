@@ -30,9 +30,9 @@ from weir.shared.shard_layout import ShardLayout
 # DeepSeek-V3's router bias is named as no other tensor is: read as the router's score_bias.
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correction_bias)")
 # MiniMax-M2 keeps the routing bias beside its router (as transformers 5 names it, mlp.),
-# read as DeepSeek-V3's, the router's own.
+# ERNIE 4.5 in its moe_statics, one row of one group: read as DeepSeek-V3's, the router's own.
 _ROUTER_BIAS = "e_score_correction_bias"
-_BIAS_BESIDE_ROUTER = ("block_sparse_moe", "mlp")
+_BIAS_BESIDE_ROUTER = ("block_sparse_moe", "mlp", "mlp.moe_statics")
 # An FP8 KV cache's scale (compressed-tensors' are the attention's own, self_attn.k_scale).
 _KV_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.([kv]_scale)")
 # An expert's tensor: Qwen's mlp.experts.E.{gate,up,down}_proj, Mixtral's
@@ -232,6 +232,23 @@ def _latent_part(
     return slice(None), (slice(None), heads)
 
 
+class Squeezed:
+    """A checkpoint tensor without its leading dimensions of size 1 (ERNIE's [1, experts]
+    routing bias, read as a vector)."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+        shape = source.get_shape()
+        self.ones = next((i for i, size in enumerate(shape) if size != 1), len(shape))
+
+    def get_shape(self) -> list[int]:
+        return self.source.get_shape()[self.ones :]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        part = self.source[(slice(None),) * self.ones + index]
+        return part.reshape(part.shape[self.ones :])
+
+
 class RowsOf:
     """Rows [start, start + rows) of a checkpoint tensor, read as a tensor of their own."""
 
@@ -254,7 +271,7 @@ def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str,
     if m is not None and cfg.model_type == "glm4" and m.group(2) in _GLM4_NORMS:
         return [(f"model.layers.{m.group(1)}.{_GLM4_NORMS[m.group(2)]}.{m.group(3)}", source)]
     if m is not None and m.group(2) in _BIAS_BESIDE_ROUTER and m.group(3) == _ROUTER_BIAS:
-        return [(f"model.layers.{m.group(1)}.mlp.gate.{_ROUTER_BIAS}", source)]
+        return [(f"model.layers.{m.group(1)}.mlp.gate.{_ROUTER_BIAS}", Squeezed(source))]
     if m is None or m.group(2) not in FUSED_MODULES:
         return [(name, source)]
     expected = checkpoint_shape(cfg, name)
@@ -318,6 +335,8 @@ def _target(
         return "lm_head", slice(0, rows.stop - rows.start), (rows,)
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    if cfg.model_type == "ernie4_5_moe" and "mtp" in name:
+        return None  # ERNIE 4.5's multi-token prediction block: Weir does not draft with it
     if name == "score.weight" and cfg.num_labels:  # a sequence classifier's head
         return "score", slice(None), _ALL
     m = _LAYER_RE.fullmatch(name)
