@@ -57,6 +57,7 @@ SUPPORTED_MODEL_TYPES = (
     "ministral3",
     "minimax_m2",
     "ernie4_5_moe",
+    "solar_open",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -205,6 +206,18 @@ _DEFAULTS["glm4_moe"] = {
     "topk_group": 1,
     "norm_topk_prob": True,
     "num_nextn_predict_layers": 1,
+}
+# Solar Open (Upstage): Llama's attention (q/k/v biased by attention_bias, o_proj never),
+# GLM-4.5's experts in every layer.
+_DEFAULTS["solar_open"] = {
+    **_DEFAULTS["glm4_moe"],
+    "vocab_size": 196608,
+    "rope_theta": 1000000.0,
+    "head_dim": 128,
+    "moe_intermediate_size": 1280,
+    "intermediate_size": 1280,  # no config gives it: unused, every layer's MLP is the experts
+    "partial_rotary_factor": 1.0,
+    "num_nextn_predict_layers": 0,
 }
 # GLM-4.7-Flash: DeepSeek-V3's attention and experts.
 _DEFAULTS["glm4_moe_lite"] = {
@@ -584,7 +597,9 @@ class ModelConfig:
             o_bias=(
                 flag(hf, "attention_out_bias")
                 if model_type == "seed_oss"
-                else attention_bias and not qwen2 and model_type not in ("glm4_moe", "glm4")
+                else attention_bias
+                and not qwen2
+                and model_type not in ("glm4_moe", "glm4", "solar_open")
             )
             or (ernie and flag(hf, "use_bias")),
             # Only these configs have mlp_bias (transformers ignores the key elsewhere);
@@ -922,7 +937,7 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
 # DeepSeek's architectures, and those built of its layers (GLM-4.7-Flash); GLM-4.5's and
 # 4.6's attention is of q/k/v heads, its experts DeepSeek-V3's.
 _LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
-_DEEPSEEK_EXPERT_TYPES = (*_LATENT_ATTENTION_TYPES, "glm4_moe")
+_DEEPSEEK_EXPERT_TYPES = (*_LATENT_ATTENTION_TYPES, "glm4_moe", "solar_open")
 
 
 def _latent_attention(
@@ -1020,8 +1035,10 @@ def _deepseek_experts(model_type: str, hf: dict[str, Any], num_layers: int) -> d
 
 
 def _sparse_layers(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
-    """DeepSeek's layers from first_k_dense_replace on; GLM-4.7-Flash's where mlp_layer_types
+    """DeepSeek's layers from first_k_dense_replace on (Solar Open's all); GLM-4.7-Flash's where mlp_layer_types
     says "sparse" (by default all but the first), as transformers reads each."""
+    if hf["model_type"] == "solar_open":  # every layer's, whatever its file says
+        return tuple(range(num_layers))
     if hf["model_type"] != "glm4_moe_lite":
         first = hf["first_k_dense_replace"]
         if type(first) is not int or first < 0:

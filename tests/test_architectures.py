@@ -334,6 +334,19 @@ CONFIGS = {
         moe_num_shared_experts=1,
         tie_word_embeddings=False,
     ),
+    # Solar Open: Llama's attention (q/k/v biased), GLM-4.5's experts in every layer.
+    "solar_open": lambda: transformers.SolarOpenConfig(
+        **COMMON,
+        head_dim=16,
+        attention_bias=True,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+    ),
     # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
@@ -383,6 +396,7 @@ MOE_LAYERS = {
     "ernie4_5": (),
     "glm4": (),
     "olmoe": (0, 1, 2),
+    "solar_open": (0, 1, 2),
     "ernie4_5_moe": (1, 2),
     "minimax_m2": (0, 1, 2),
     "exaone4": (),
