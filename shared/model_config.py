@@ -63,7 +63,13 @@ SUPPORTED_MODEL_TYPES = (
 # vision tower's weights are left unread, and a prompt is text only.
 # A multimodal checkpoint's language model: the model types its text_config may name, the
 # first where it names none.
-TEXT_OF_MULTIMODAL = {"gemma3": ("gemma3_text",), "mistral3": ("mistral", "ministral3")}
+TEXT_OF_MULTIMODAL = {
+    "gemma3": ("gemma3_text",),
+    "mistral3": ("mistral", "ministral3"),
+    "kimi_k25": ("deepseek_v3", "kimi_k2"),
+}
+# Model types read as another, as transformers reads them: Kimi K2's is DeepSeek-V3's.
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 # transformers' defaults, per model type, for keys a config.json may leave out.
 _QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_topk_prob": False}
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -489,6 +495,9 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ValueError(f"config.json must hold a JSON object, not a {type(hf).__name__}")
         model_type = hf.get("model_type")
+        if model_type in MODEL_TYPE_ALIASES:
+            model_type = MODEL_TYPE_ALIASES[model_type]
+            hf = {**hf, "model_type": model_type}
         if model_type in TEXT_OF_MULTIMODAL:
             text = mapping(hf, "text_config")
             text_types = TEXT_OF_MULTIMODAL[model_type]
@@ -511,7 +520,8 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"config.json: unsupported model_type {model_type!r}; "
-                f"supported: {SUPPORTED_MODEL_TYPES + tuple(TEXT_OF_MULTIMODAL)}"
+                "supported: "
+                f"{SUPPORTED_MODEL_TYPES + tuple(TEXT_OF_MULTIMODAL) + tuple(MODEL_TYPE_ALIASES)}"
             )
         # A null counts as left out, as transformers reads it (but a null sliding_window).
         window = _sliding_window(model_type, hf)

@@ -809,6 +809,36 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     assert tp_workload.run(work).outputs == want
 
 
+def test_a_kimi_k25_checkpoint_serves_its_deepseek_v3_language_model(tmp_path):
+    """Kimi K2.5's files as Moonshot writes them: config.json's text_config of model_type
+    kimi_k2 (read as DeepSeek-V3's, as transformers reads it), the language model's tensors
+    under language_model. and a vision tower beside them, unread. It decodes as
+    transformers' DeepSeek-V3 with those weights. (transformers' own save of the whole model
+    renames the language model's layers to blocks, so the files are written here.)"""
+    hf = save_model("deepseek_v3", tmp_path / "text")
+    text = json.loads((tmp_path / "text" / "config.json").read_text())
+    config = {
+        "model_type": "kimi_k25",
+        "text_config": {**text, "model_type": "kimi_k2"},
+        "vision_config": {"model_type": "kimi_k25_vision", "hidden_size": 32},
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tensors = {
+        "language_model." + name: t
+        for name, t in load_file(tmp_path / "text" / "model.safetensors").items()
+    }
+    tensors["vision_tower.encoder.blocks.0.mlp.fc0.weight"] = torch.zeros(48, 32)
+    tensors["mm_projector.proj.0.weight"] = torch.zeros(32, 32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = read_model_config(tmp_path)
+    assert cfg.multimodal and cfg.model_type == "deepseek_v3" and not cfg.tie_word_embeddings
+    prompts = [list(range(5, 25)), [20, 21, 22]]
+    work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
+    want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
+    assert tp_workload.run(work).outputs == want
+
+
 def test_an_mxfp4_checkpoint_decodes_as_transformers_dequantizes_it(tmp_path):
     """gpt-oss as OpenAI publishes it: the experts' projections in MXFP4 blocks and scales
     ([experts, out, in / 32, 16] and [experts, out, in / 32]). Random codes, dequantized by

@@ -496,3 +496,11 @@ def test_minimax_m2_reads_the_keys_of_its_released_files():
     rotated = theirs.head_dim * theirs.rope_parameters["partial_rotary_factor"]
     assert ours.rope.rotary_dim == rotated == 8
     assert ours.num_nextn_predict_layers == 3
+
+
+def test_kimi_k2_reads_as_deepseek_v3():
+    """Kimi K2's config.json (Instruct, Thinking) names model_type kimi_k2 for DeepSeek-V3's
+    architecture, as vLLM and transformers read it."""
+    hf = {**REQUIRED, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
+    kimi = ModelConfig.from_hf({**hf, "model_type": "kimi_k2"})
+    assert kimi == ModelConfig.from_hf({**hf, "model_type": "deepseek_v3"})
