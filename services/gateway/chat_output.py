@@ -138,7 +138,7 @@ class ChatOutput:
             or (
                 tool_choice is not None
                 and tool_choice.kind == "auto"
-                and tool_choice.parser in ("mistral", "deepseek_v3", "deepseek_v31")
+                and tool_choice.parser in ("mistral", "deepseek_v3", "deepseek_v31", "kimi_k2")
             )
         )
 

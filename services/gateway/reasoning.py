@@ -1,5 +1,5 @@
 """A thinking model's reasoning read out of its text: ``<think>...</think>``, as vLLM's
-``--reasoning-parser deepseek_r1``, ``qwen3``, ``glm45`` and ``minimax_m2`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
+``--reasoning-parser deepseek_r1``, ``qwen3``, ``glm45``, ``minimax_m2`` and ``kimi_k2`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
 Magistral's, its markers special tokens).
 
 A thinking model's template may open the reasoning in the prompt (DeepSeek-R1, newer
@@ -13,9 +13,17 @@ from __future__ import annotations
 
 from weir.services.gateway.tool_calls import tag_prefix_at_end
 
-# glm45: GLM-4.5's to 4.7's, as qwen3's; minimax_m2: MiniMax-M2's, as deepseek_r1's. The
-# last: harmony.py.
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "minimax_m2", "mistral", "openai_gptoss")
+# glm45: GLM-4.5's to 4.7's, as qwen3's; minimax_m2 and kimi_k2: MiniMax-M2's and Kimi K2
+# Thinking's, as deepseek_r1's. The last: harmony.py.
+REASONING_PARSERS = (
+    "deepseek_r1",
+    "qwen3",
+    "glm45",
+    "minimax_m2",
+    "kimi_k2",
+    "mistral",
+    "openai_gptoss",
+)
 
 START, END = "<think>", "</think>"
 # Each parser's reasoning markers (the others': START and END).

@@ -19,7 +19,8 @@ and the calls read back out of its text, whole or as it streams.
   harmony messages (read whole by ``harmony.py``); ``deepseek_v3`` and ``deepseek_v31``:
   DeepSeek's ``<｜tool▁calls▁begin｜>`` calls, V3's and R1's (``function<｜tool▁sep｜>NAME``
   and a fenced JSON block) and V3.1's (``NAME<｜tool▁sep｜>{...}``), either read by both;
-  ``minimax_m2``: MiniMax-M2's ``<minimax:tool_call>`` blocks of one or more ``<invoke
+  ``kimi_k2``: Kimi K2's ``<|tool_calls_section_begin|>`` calls, ``functions.NAME:N`` (its
+  call id) then ``<|tool_call_argument_begin|>{...}``; ``minimax_m2``: MiniMax-M2's ``<minimax:tool_call>`` blocks of one or more ``<invoke
   name="NAME">`` and their ``<parameter name="KEY">VALUE</parameter>``s, read as
   qwen3_coder's.
 
@@ -52,6 +53,7 @@ TOOL_CALL_PARSERS = (
     "deepseek_v3",
     "deepseek_v31",
     "minimax_m2",
+    "kimi_k2",
     "openai",
 )
 # (openai: harmony.py)
@@ -587,18 +589,14 @@ class MistralReader(CallsAfterTag):
         return calls or None
 
 
-class DeepSeekReader(CallsAfterTag):
-    """DeepSeek's calls: after ``<｜tool▁calls▁begin｜>``, one ``<｜tool▁call▁begin｜>...
-    <｜tool▁call▁end｜>`` per call (its markers special tokens), V3's and R1's
-    ``function<｜tool▁sep｜>NAME`` then a fenced JSON block of arguments, V3.1's
-    ``NAME<｜tool▁sep｜>{...}``. Text before the first marker streams as content (less what may
-    begin it); the calls are read when the output ends, each one delta then; from the first
-    block that is no call (cut short by ``max_tokens``), the rest is content as written."""
+class MarkedCallsReader(CallsAfterTag):
+    """Calls in a section that opens with ``TAG`` (and may close with ``END``), one ``CALL``
+    ... ``CALL_END`` block per call, each read by the subclass's ``_call``; the markers are
+    special tokens. Text before the section streams as content (less what may begin it);
+    the calls are read when the output ends, each one delta then; from the first block that
+    is no call (cut short by ``max_tokens``), the rest is content as written."""
 
-    TAG = "<｜tool▁calls▁begin｜>"
-    END = "<｜tool▁calls▁end｜>"
-    CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-    _V3 = re.compile(r"function" + SEP + r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
+    END = CALL = CALL_END = ""
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._tail is None:
@@ -622,6 +620,21 @@ class DeepSeekReader(CallsAfterTag):
 
     @classmethod
     def _call(cls, block: str) -> ToolCall | None:
+        raise NotImplementedError
+
+
+class DeepSeekReader(MarkedCallsReader):
+    """DeepSeek's calls: after ``<｜tool▁calls▁begin｜>``, one ``<｜tool▁call▁begin｜>...
+    <｜tool▁call▁end｜>`` per call, V3's and R1's ``function<｜tool▁sep｜>NAME`` then a fenced
+    JSON block of arguments, V3.1's ``NAME<｜tool▁sep｜>{...}``."""
+
+    TAG = "<｜tool▁calls▁begin｜>"
+    END = "<｜tool▁calls▁end｜>"
+    CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    _V3 = re.compile(r"function" + SEP + r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
+
+    @classmethod
+    def _call(cls, block: str) -> ToolCall | None:
         v3 = cls._V3.fullmatch(block)
         name, _, arguments = block.partition(cls.SEP)
         if v3 is not None:
@@ -636,6 +649,33 @@ class DeepSeekReader(CallsAfterTag):
         if not name or not isinstance(parsed, dict):
             return None
         return ToolCall(name, _arguments_text(parsed))
+
+
+class KimiK2Reader(MarkedCallsReader):
+    """Kimi K2's calls: after ``<|tool_calls_section_begin|>``, one ``<|tool_call_begin|>
+    functions.NAME:N<|tool_call_argument_begin|>{...}<|tool_call_end|>`` per call. The call's
+    id is the text before its arguments, ``functions.NAME:N``, which Kimi's chat template
+    writes back in the call and in the tool's answer."""
+
+    TAG, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    CALL, CALL_END, ARGS = (
+        "<|tool_call_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_call_argument_begin|>",
+    )
+
+    @classmethod
+    def _call(cls, block: str) -> ToolCall | None:
+        call_id, args, arguments = block.partition(cls.ARGS)
+        call_id = call_id.strip()
+        name = call_id.removeprefix("functions.").rpartition(":")[0]
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return None
+        if not args or not name or not isinstance(parsed, dict):
+            return None
+        return ToolCall(name, _arguments_text(parsed), call_id)
 
 
 def _mistral_call_id() -> str:
@@ -679,6 +719,8 @@ class ToolChoice:
             return MistralReader()
         if self.parser in ("deepseek_v3", "deepseek_v31"):
             return DeepSeekReader()
+        if self.parser == "kimi_k2":
+            return KimiK2Reader()
         return PythonicReader() if self.parser == "pythonic" else Llama3JsonReader()
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:

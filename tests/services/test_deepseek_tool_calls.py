@@ -1,9 +1,10 @@
-"""`--tool-call-parser deepseek_v3` (and `deepseek_v31`) through the official `openai` client,
-in front of a real `weir serve` of a tiny random Llama with SmolLM2's tokenizer and DeepSeek's
-tool-call markers as special tokens: V3's and R1's calls (`function<｜tool▁sep｜>NAME` and a
-fenced JSON block) and V3.1's (`NAME<｜tool▁sep｜>{...}`) are calls, whole and streamed; a
-call cut short is content after the calls before it. Outputs are forced by a choice
-constraint; the reader is also checked fed in pieces of every size."""
+"""`--tool-call-parser deepseek_v3` (and `deepseek_v31`, and `kimi_k2`) through the official
+`openai` client, in front of a real `weir serve` of a tiny random Llama with SmolLM2's
+tokenizer and DeepSeek's and Kimi K2's tool-call markers as special tokens: V3's and R1's
+calls (`function<｜tool▁sep｜>NAME` and a fenced JSON block) and V3.1's
+(`NAME<｜tool▁sep｜>{...}`) are calls, whole and streamed; a call cut short is content after
+the calls before it; Kimi K2's calls keep their `functions.NAME:N` ids. Outputs are forced
+by a choice constraint; the readers are also checked fed in pieces of every size."""
 
 import openai
 import pytest
@@ -12,14 +13,22 @@ from serving_helpers import read_chat, small_server
 from test_tool_calls import read_in_pieces
 
 from weir.services.gateway.chat_output import ChatParsers
-from weir.services.gateway.tool_calls import DeepSeekReader
+from weir.services.gateway.tool_calls import DeepSeekReader, KimiK2Reader
+from weir.services.launcher import GatewayProcess
 
 transformers = pytest.importorskip("transformers")
 
 MODEL = "tiny-deepseek-tools"
 BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-MARKERS = [BEGIN, END, CALL, CALL_END, SEP]
+KIMI = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_call_argument_begin|>",
+)
+MARKERS = [BEGIN, END, CALL, CALL_END, SEP, *KIMI]
 TOOLS = [
     {
         "type": "function",
@@ -49,6 +58,7 @@ def client(tmp_path_factory, default_model_dir):
     with small_server(path, MODEL, ChatParsers(tool_call="deepseek_v3")) as processes:
         client = openai.OpenAI(base_url=processes.info["http_address"] + "/v1", api_key="unused")
         client.bias = bias  # type: ignore[attr-defined]
+        client.address = processes.client_address  # type: ignore[attr-defined]
         yield client
 
 
@@ -81,3 +91,31 @@ def test_a_deepseek_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     assert read(broken) == (broken, [])
     assert read(f"{BEGIN}{CALL}{SEP}{{}}{CALL_END}")[1] == []  # no name: no call
     assert read("No calls <｜tool") == ("No calls <｜tool", [])
+
+
+def test_kimi_k2_calls_are_read_with_their_ids(client):
+    """Kimi's chat template writes each call's id (functions.NAME:N) back in the call and
+    in the tool's answer: the id is the model's text, not one of Weir's."""
+    k_begin, k_end, k_call, k_call_end, k_args = KIMI
+    text = (
+        f"Checking.{k_begin}{k_call}functions.get_weather:0{k_args}"
+        + '{"city": "Oslo"}'
+        + f"{k_call_end}{k_call}functions.get_time:1{k_args}{{}}{k_call_end}{k_end}"
+    )
+    body = {"structured_outputs": {"choice": [text]}, "logit_bias": client.bias}
+    with GatewayProcess([client.address], parsers=ChatParsers(tool_call="kimi_k2")) as gateway:
+        kimi = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
+        kwargs = {"model": MODEL, "messages": ASK, "max_tokens": 300, "extra_body": body}
+        for stream in (False, True):
+            got = read_chat(kimi, stream, tools=TOOLS, **kwargs)[1:]
+            assert got == ("Checking.", BOTH, "tool_calls")
+        [choice] = kimi.chat.completions.create(tools=TOOLS, **kwargs).choices
+        ids = [call.id for call in choice.message.tool_calls]
+        assert ids == ["functions.get_weather:0", "functions.get_time:1"]
+    for step in (1, 7, 1000):
+        assert read_in_pieces(KimiK2Reader(), text, step) == ("Checking.", BOTH)
+        cut = text[: text.rindex(k_call_end)]  # the last call cut short: content
+        assert read_in_pieces(KimiK2Reader(), cut, step) == (
+            f"Checking.{k_call}functions.get_time:1{k_args}{{}}",
+            BOTH[:1],
+        )
