@@ -777,12 +777,7 @@ def test_ernie4_5_moe_leaves_its_prediction_block_unread(tmp_path):
     load_model(tmp_path)
 
 
-def test_a_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
-    """Mistral Small 3.x, Magistral and Ministral 3 are Mistral3ForConditionalGeneration: Weir
-    reads the language model its text_config names (here Ministral 3's) and leaves Pixtral's
-    tower and the projector unread."""
-    torch.manual_seed(0)
-    text = transformers.Ministral3Config(**COMMON, **MINISTRAL3).to_dict()
+def _mistral3(text: dict):
     vision = dict(
         hidden_size=32,
         intermediate_size=48,
@@ -792,17 +787,55 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
         image_size=28,
         patch_size=14,
     )
-    config = transformers.Mistral3Config(
-        text_config=text,
-        vision_config=vision,
-        image_token_index=VOCAB - 1,
-        tie_word_embeddings=False,
+    return transformers.Mistral3ForConditionalGeneration(
+        transformers.Mistral3Config(
+            text_config=transformers.Ministral3Config(**text, **MINISTRAL3).to_dict(),
+            vision_config=vision,
+            image_token_index=VOCAB - 1,
+            tie_word_embeddings=False,
+        )
     )
-    hf = transformers.Mistral3ForConditionalGeneration(config).eval()
+
+
+def _qwen3_vl(text: dict):
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=64,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=16,
+    )
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(
+            text,
+            head_dim=16,
+            intermediate_size=96,
+            rope_parameters={**rope, "mrope_interleaved": True},
+        ),
+        vision_config=vision,
+        **{key: VOCAB - i for i, key in enumerate(("image", "video", "vision_start"), 1)},
+    )
+    return transformers.Qwen3VLForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize(
+    "build, kind", [(_mistral3, "ministral3"), (_qwen3_vl, "qwen3")], ids=["mistral3", "qwen3_vl"]
+)
+def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path):
+    """Mistral Small 3.x, Magistral and Ministral 3 are Mistral3ForConditionalGeneration,
+    the Qwen3-VL models Qwen3VLForConditionalGeneration: Weir reads the language model their
+    text_config names (Ministral 3's; Qwen3's, whose multimodal rotation turns a text's
+    positions as Qwen3's does) and leaves the vision tower and the projector unread. A text
+    prompt decodes as transformers decodes it with the whole model."""
+    torch.manual_seed(0)
+    hf = build(COMMON).eval()
     spread_weights_(hf)
     hf.save_pretrained(tmp_path)
     cfg = read_model_config(tmp_path)
-    assert cfg.multimodal and cfg.model_type == "ministral3" and not cfg.tie_word_embeddings
+    assert cfg.multimodal and cfg.model_type == kind and not cfg.tie_word_embeddings
     prompts = [list(range(5, 25)), [20, 21, 22]]
     work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
     want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
