@@ -153,6 +153,8 @@ class Tokenizer:
             chat_template = config.get("chat_template")
         if chat_template is None and (model_dir / "chat_template.jinja").is_file():
             chat_template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        if chat_template is None:  # a multimodal model's, where its processor keeps it
+            chat_template = read_json(model_dir / "chat_template.json").get("chat_template")
         try:
             backend = BackendTokenizer.from_file(str(model_dir / "tokenizer.json"))
         except Exception as exc:  # the tokenizers library raises a bare Exception

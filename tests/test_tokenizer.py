@@ -1,5 +1,7 @@
 """weir's Tokenizer and IncrementalDetokenizer against transformers' tokenizers for the default model."""
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -225,3 +227,20 @@ def test_a_decoder_that_is_not_byte_level_has_no_whole_pieces() -> None:
     ours = Tokenizer(backend)
     assert ours.whole_pieces[0] is None and ours.whole_pieces[1] is None
     assert IncrementalDetokenizer(ours, []).add([0, 1, 0]) == "Hello world Hello"
+
+
+def test_a_multimodal_model_s_chat_template_json_is_its_template(
+    ours: Tokenizer, hf_dir, default_model_dir: Path, tmp_path: Path
+) -> None:
+    """Qwen-VL's and Mistral 3's repositories keep the template in chat_template.json, as
+    their processors read it, not in tokenizer_config.json."""
+    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path)
+    messages = [{"role": "user", "content": "Hi"}]
+    want = hf_dir.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert Tokenizer.from_model_dir(tmp_path).apply_chat_template(messages) == want
