@@ -68,13 +68,26 @@ TEXT_OF_MULTIMODAL = {
     "mistral3": ("mistral", "ministral3"),
     "kimi_k25": ("deepseek_v3", "kimi_k2"),
     "qwen3_vl": ("qwen3_vl_text",),
+    "qwen3_vl_moe": ("qwen3_vl_moe_text",),
 }
-# Model types read as another, with the defaults of theirs that differ: Kimi K2's is
-# DeepSeek-V3's (as transformers reads it), Qwen3-VL's language model Qwen3's (its multimodal
-# rotation turns a text's positions as Qwen3's does).
-MODEL_TYPE_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "kimi_k2": ("deepseek_v3", {}),
-    "qwen3_vl_text": ("qwen3", {"rope_theta": 500000.0, "max_position_embeddings": 128000}),
+_QWEN3_VL = {"rope_theta": 500000.0, "max_position_embeddings": 128000}
+# Model types read as another, with the defaults of theirs that differ and the keys it
+# always reads as given: Kimi K2's is DeepSeek-V3's (as transformers reads it), Qwen3-VL's
+# language models Qwen3's and Qwen3-MoE's (their multimodal rotation turns a text's positions
+# as Qwen3's does; the experts' weights always renormalized).
+MODEL_TYPE_ALIASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "kimi_k2": ("deepseek_v3", {}, {}),
+    "qwen3_vl_text": ("qwen3", _QWEN3_VL, {}),
+    "qwen3_vl_moe_text": (
+        "qwen3_moe",
+        {
+            **_QWEN3_VL,
+            "num_local_experts": 60,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 1408,
+        },
+        {"norm_topk_prob": True},
+    ),
 }
 # transformers' defaults, per model type, for keys a config.json may leave out.
 _QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_topk_prob": False}
@@ -502,8 +515,8 @@ class ModelConfig:
             raise ValueError(f"config.json must hold a JSON object, not a {type(hf).__name__}")
         model_type = hf.get("model_type")
         if model_type in MODEL_TYPE_ALIASES:
-            model_type, defaults = MODEL_TYPE_ALIASES[model_type]
-            hf = {**defaults, **hf, "model_type": model_type}
+            model_type, defaults, fixed = MODEL_TYPE_ALIASES[model_type]
+            hf = {**defaults, **hf, **fixed, "model_type": model_type}
         if model_type in TEXT_OF_MULTIMODAL:
             text = mapping(hf, "text_config")
             text_types = TEXT_OF_MULTIMODAL[model_type]

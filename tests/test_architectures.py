@@ -7,6 +7,7 @@ preempted and with drafts, in one process and by a tensor-parallel group of two,
 transformers decodes it (its loop over experts); and what Weir refuses of them."""
 
 import dataclasses
+import functools
 import json
 import random
 
@@ -797,7 +798,7 @@ def _mistral3(text: dict):
     )
 
 
-def _qwen3_vl(text: dict):
+def _qwen3_vl(text: dict, moe: bool = False):
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     vision = dict(
         depth=1,
@@ -808,28 +809,49 @@ def _qwen3_vl(text: dict):
         deepstack_visual_indexes=[0],
         num_position_embeddings=16,
     )
-    config = transformers.Qwen3VLConfig(
+    experts = dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2) if moe else {}
+    config = (transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig)(
         text_config=dict(
             text,
             head_dim=16,
             intermediate_size=96,
             rope_parameters={**rope, "mrope_interleaved": True},
+            **experts,
         ),
         vision_config=vision,
-        **{key: VOCAB - i for i, key in enumerate(("image", "video", "vision_start"), 1)},
+        **{f"{key}_token_id": VOCAB - i for i, key in enumerate(("image", "video"), 1)},
     )
+    if moe:
+        return transformers.Qwen3VLMoeForConditionalGeneration(config)
     return transformers.Qwen3VLForConditionalGeneration(config)
 
 
+def _as_qwen_writes_experts(path) -> None:
+    """Qwen3-VL-MoE's stacked experts as Qwen's files hold them: [experts, hidden, 2 x
+    columns] and [experts, columns, hidden], where transformers saves them transposed."""
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize(
-    "build, kind", [(_mistral3, "ministral3"), (_qwen3_vl, "qwen3")], ids=["mistral3", "qwen3_vl"]
+    "build, kind",
+    [
+        (_mistral3, "ministral3"),
+        (_qwen3_vl, "qwen3"),
+        (functools.partial(_qwen3_vl, moe=True), "qwen3_moe"),
+    ],
+    ids=["mistral3", "qwen3_vl", "qwen3_vl_moe"],
 )
 def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path):
     """Mistral Small 3.x, Magistral and Ministral 3 are Mistral3ForConditionalGeneration,
-    the Qwen3-VL models Qwen3VLForConditionalGeneration: Weir reads the language model their
-    text_config names (Ministral 3's; Qwen3's, whose multimodal rotation turns a text's
-    positions as Qwen3's does) and leaves the vision tower and the projector unread. A text
-    prompt decodes as transformers decodes it with the whole model."""
+    the Qwen3-VL models Qwen3VLForConditionalGeneration (and its MoE's): Weir reads the
+    language model their text_config names (Ministral 3's; Qwen3's and Qwen3-MoE's, whose
+    multimodal rotation turns a text's positions as Qwen3's does, the MoE's experts stacked
+    as transformers saves them and as Qwen's files hold them) and leaves the vision tower and
+    the projector unread. A text prompt decodes as transformers decodes it with the whole
+    model."""
     torch.manual_seed(0)
     hf = build(COMMON).eval()
     spread_weights_(hf)
@@ -840,6 +862,10 @@ def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path
     work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
     want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
     assert tp_workload.run(work).outputs == want
+    if cfg.num_experts:
+        assert cfg.norm_topk_prob  # transformers' Qwen3-VL-MoE always renormalizes
+        _as_qwen_writes_experts(tmp_path)
+        assert tp_workload.run(work).outputs == want
 
 
 def test_a_kimi_k25_checkpoint_serves_its_deepseek_v3_language_model(tmp_path):

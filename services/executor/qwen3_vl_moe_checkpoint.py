@@ -1,0 +1,52 @@
+"""Qwen3-VL-MoE checkpoint tensors read under the names of the other mixtures of experts.
+
+Qwen3-VL's mixtures of experts (Qwen3-VL-30B-A3B, 235B-A22B) stack each layer's experts in two
+tensors: `mlp.experts.gate_up_proj`, the gate's columns then the up's, and
+`mlp.experts.down_proj`. Qwen's files hold them as [experts, hidden, 2 x columns] and
+[experts, columns, hidden]; transformers 5 saves them transposed, [experts, 2 x columns,
+hidden] and [experts, hidden, columns], and where both layouts have one shape (a square
+matrix) reads the second, as is done here. Each is read as one tensor per expert and
+projection, named as Qwen3-MoE's (`mlp.experts.E.gate_proj.weight`), so the loader shards and
+checks them as any other.
+"""
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from weir.services.executor.gpt_oss_checkpoint import Tensor
+from weir.shared.model_config import ModelConfig
+
+if TYPE_CHECKING:  # weights.py reads its checkpoints through this module
+    from weir.services.executor.weights import TensorSource
+
+_STACKED_RE = re.compile(r"(.+\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def split_qwen3_vl_moe_tensors(
+    tensors: Iterable[tuple[str, "TensorSource"]], cfg: ModelConfig
+) -> Iterator[tuple[str, "TensorSource"]]:
+    for name, source in tensors:
+        m = _STACKED_RE.fullmatch(name)
+        if m is None:
+            yield name, source
+            continue
+        experts, part = m.groups()
+        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        rows, columns = (2 * inter, h) if part == "gate_up_proj" else (h, inter)
+        whole = source[tuple(slice(None) for _ in source.get_shape())]
+        if tuple(whole.shape[1:]) == (columns, rows):
+            whole = whole.transpose(1, 2)
+        elif tuple(whole.shape[1:]) != (rows, columns):
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(whole.shape)} is neither [experts, {rows}, "
+                f"{columns}] nor [experts, {columns}, {rows}]: config.json does not describe "
+                "these weights"
+            )
+        for expert, weight in enumerate(whole):
+            if part == "gate_up_proj":
+                gate, up = weight.chunk(2, dim=0)
+                yield f"{experts}.{expert}.gate_proj.weight", Tensor(gate.contiguous())
+                yield f"{experts}.{expert}.up_proj.weight", Tensor(up.contiguous())
+            else:
+                yield f"{experts}.{expert}.down_proj.weight", Tensor(weight.contiguous())
