@@ -54,9 +54,10 @@ _TENSOR = re.compile(
     r"(self_attn\.[qkvo]_proj|self_attn\.qkv_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.gate_up_proj"
     r"|mlp\.down_proj)\.lora_([AB])\.weight"
 )
-# A multimodal model's other towers, which a text-only prompt never runs.
+# A multimodal model's other towers, which a text-only prompt never runs (Qwen-VL's visual,
+# Kimi K2.5's mm_projector).
 _OTHER_TOWERS = re.compile(
-    r"base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\."
+    r"base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector|visual|mm_projector)\."
 )
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}")
 

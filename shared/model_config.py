@@ -69,15 +69,22 @@ TEXT_OF_MULTIMODAL = {
     "kimi_k25": ("deepseek_v3", "kimi_k2"),
     "qwen3_vl": ("qwen3_vl_text",),
     "qwen3_vl_moe": ("qwen3_vl_moe_text",),
+    "qwen2_vl": ("qwen2_vl_text",),
+    "qwen2_5_vl": ("qwen2_5_vl_text",),
 }
+# Multimodal model types whose older files hold the language model's keys beside
+# vision_config, with no text_config (as transformers still reads them).
+_TEXT_AT_TOP_LEVEL = ("qwen2_vl", "qwen2_5_vl")
 _QWEN3_VL = {"rope_theta": 500000.0, "max_position_embeddings": 128000}
 # Model types read as another, with the defaults of theirs that differ and the keys it
-# always reads as given: Kimi K2's is DeepSeek-V3's (as transformers reads it), Qwen3-VL's
-# language models Qwen3's and Qwen3-MoE's (their multimodal rotation turns a text's positions
-# as Qwen3's does; the experts' weights always renormalized).
+# always reads as given: Kimi K2's is DeepSeek-V3's (as transformers reads it), the
+# Qwen-VL models' language models Qwen2's, Qwen3's and Qwen3-MoE's (their multimodal rotation
+# turns a text's positions as those do; Qwen3-VL-MoE's experts' weights always renormalized).
 MODEL_TYPE_ALIASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "kimi_k2": ("deepseek_v3", {}, {}),
     "qwen3_vl_text": ("qwen3", _QWEN3_VL, {}),
+    "qwen2_vl_text": ("qwen2", {"rope_theta": 1000000.0}, {}),
+    "qwen2_5_vl_text": ("qwen2", {"rope_theta": 1000000.0}, {}),
     "qwen3_vl_moe_text": (
         "qwen3_moe",
         {
@@ -519,6 +526,8 @@ class ModelConfig:
             hf = {**defaults, **hf, **fixed, "model_type": model_type}
         if model_type in TEXT_OF_MULTIMODAL:
             text = mapping(hf, "text_config")
+            if model_type in _TEXT_AT_TOP_LEVEL and "text_config" not in hf:
+                text = {k: v for k, v in hf.items() if k not in ("model_type", "vision_config")}
             text_types = TEXT_OF_MULTIMODAL[model_type]
             text_type = text.get("model_type", text_types[0])
             if text_type not in text_types:

@@ -98,6 +98,8 @@ def _scaled(
     rope: dict[str, Any], hf: dict[str, Any], model_type: str, head_dim: int, max_pos: int
 ) -> RopeConfig:
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "mrope":  # Qwen-VL's: a text's three axes turn by one position, as the default
+        kind = "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"config.json: unsupported rope type {kind!r}; supported: {ROPE_TYPES}")
     # transformers moves a top-level partial_rotary_factor into rope_parameters.

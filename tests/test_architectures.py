@@ -826,6 +826,41 @@ def _qwen3_vl(text: dict, moe: bool = False):
     return transformers.Qwen3VLForConditionalGeneration(config)
 
 
+def _qwen2_5_vl(text: dict):
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=64,
+        fullatt_block_indexes=[0],
+        window_size=28,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(text, intermediate_size=96, rope_parameters=rope),
+        vision_config=vision,
+        **{f"{key}_token_id": VOCAB - i for i, key in enumerate(("image", "video"), 1)},
+    )
+    return transformers.Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _as_qwen2_5_vl_hub_files(path) -> None:
+    """Qwen2.5-VL's files as its repositories hold them (transformers 4's): the language
+    model's keys beside vision_config, its rotation as mrope, its tensors under model. and
+    the vision tower's under visual."""
+    config = json.loads((path / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = {**text.pop("rope_parameters"), "type": "mrope"}
+    del rope["rope_type"]
+    (path / "config.json").write_text(json.dumps({**text, **config, "rope_scaling": rope}))
+    tensors = {
+        name.replace("model.language_model.", "model.").replace("model.visual.", "visual."): t
+        for name, t in load_file(path / "model.safetensors").items()
+    }
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
 def _as_qwen_writes_experts(path) -> None:
     """Qwen3-VL-MoE's stacked experts as Qwen's files hold them: [experts, hidden, 2 x
     columns] and [experts, columns, hidden], where transformers saves them transposed."""
@@ -841,8 +876,9 @@ def _as_qwen_writes_experts(path) -> None:
         (_mistral3, "ministral3"),
         (_qwen3_vl, "qwen3"),
         (functools.partial(_qwen3_vl, moe=True), "qwen3_moe"),
+        (_qwen2_5_vl, "qwen2"),
     ],
-    ids=["mistral3", "qwen3_vl", "qwen3_vl_moe"],
+    ids=["mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"],
 )
 def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path):
     """Mistral Small 3.x, Magistral and Ministral 3 are Mistral3ForConditionalGeneration,
@@ -865,6 +901,10 @@ def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path
     if cfg.num_experts:
         assert cfg.norm_topk_prob  # transformers' Qwen3-VL-MoE always renormalizes
         _as_qwen_writes_experts(tmp_path)
+        assert tp_workload.run(work).outputs == want
+    if kind == "qwen2":
+        _as_qwen2_5_vl_hub_files(tmp_path)
+        assert read_model_config(tmp_path) == cfg
         assert tp_workload.run(work).outputs == want
 
 

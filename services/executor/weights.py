@@ -61,6 +61,7 @@ _LANGUAGE_MODEL_PREFIXES = {
     "language_model.lm_head.": "lm_head.",
 }
 _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+_CAUSAL_LM_PREFIXES = tuple("model." + prefix for prefix in _BARE_PREFIXES)
 # HF sub-module name -> (Weir sub-module, which part of the fused output rows it fills;
 # "*_in": a row-parallel projection, split by its input columns: query heads or MLP columns).
 LAYER_PARTS: dict[str, tuple[str, str]] = {
@@ -392,6 +393,8 @@ def _language_model_name(name: str) -> str | None:
     for prefix, replacement in _LANGUAGE_MODEL_PREFIXES.items():
         if name.startswith(prefix):
             return replacement + name.removeprefix(prefix)
+    if name.startswith(_CAUSAL_LM_PREFIXES):  # Qwen2-VL's and Qwen2.5-VL's older files
+        return name
     # lm_head.weight: where transformers 5 saves the tied head of the whole model.
     return name if name == "lm_head.weight" else None
 
