@@ -906,6 +906,13 @@ def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path
         _as_qwen2_5_vl_hub_files(tmp_path)
         assert read_model_config(tmp_path) == cfg
         assert tp_workload.run(work).outputs == want
+        # An adapter of its vision tower's modules too (PEFT's default targets match them):
+        # those never run on text.
+        adapter = tmp_path / "adapter"
+        tensors = _adapter(adapter, cfg, {0: ("self_attn.v_proj",)})
+        tensors["base_model.model.visual.blocks.0.attn.qkv.lora_A.weight"] = torch.ones(2, 32)
+        save_file(tensors, adapter / "adapter_model.safetensors")
+        check_adapter(adapter, cfg, max_rank=16)
 
 
 def test_a_kimi_k25_checkpoint_serves_its_deepseek_v3_language_model(tmp_path):
