@@ -469,8 +469,9 @@ class ModelConfig:
     # OLMo 2's, 3's and OLMoE's q/k norms span the whole projection, not each head.
     whole_qk_norms: bool = False
     # Cohere's: the norms before each layer's block and after the last are LayerNorms (the
-    # mean subtracted too, no bias; rms_norm_eps holds layer_norm_eps), and a layer's attention
-    # and MLP both read its one norm's output, each adding its output to the residual.
+    # mean subtracted too, no bias; rms_norm_eps holds layer_norm_eps), and so are Command
+    # R+'s q/k norms, with weights of their own for each head; a layer's attention and MLP
+    # both read its one norm's output, each adding its output to the residual.
     layer_norms: bool = False
     parallel_block: bool = False
     # gpt-oss' and OLMo's RMSNorms scale in float32 and only then round to the model's dtype
@@ -559,11 +560,6 @@ class ModelConfig:
         gemma = model_type in ("gemma2", "gemma3_text")
         cohere = model_type in ("cohere", "cohere2")
         ernie = model_type in ("ernie4_5", "ernie4_5_moe")
-        if flag(hf, "use_qk_norm") and model_type == "cohere":
-            raise ValueError(
-                "config.json: use_qk_norm (Command R+'s LayerNorms of each query and key head) "
-                "is not supported"
-            )
         # Gemma's configs name it hidden_activation (transformers reads only that one there).
         act_key = "hidden_activation" if gemma else "hidden_act"
         act = hf.get(act_key, "silu")
@@ -658,7 +654,7 @@ class ModelConfig:
                 "exaone4",
                 "minimax_m2",
             )
-            or (model_type == "glm4_moe" and flag(hf, "use_qk_norm")),
+            or (model_type in ("glm4_moe", "cohere") and flag(hf, "use_qk_norm")),
             olmo_norms=model_type in ("olmo2", "olmo3", "exaone4"),
             whole_qk_norms=model_type in ("olmo2", "olmo3", "olmoe", "minimax_m2"),
             float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
@@ -713,9 +709,21 @@ class ModelConfig:
             "self_attn.k_proj": (kv, h),
             "self_attn.v_proj": (kv, h),
             "self_attn.o_proj": (h, q),
-            "self_attn.q_norm": (q if self.whole_qk_norms else d, 0),
+            "self_attn.q_norm": (
+                (q, 0)
+                if self.whole_qk_norms
+                else (self.num_heads, d)
+                if self.layer_norms
+                else (d, 0)
+            ),
             "self_attn.sinks": (self.num_heads, 0),
-            "self_attn.k_norm": (kv if self.whole_qk_norms else d, 0),
+            "self_attn.k_norm": (
+                (kv, 0)
+                if self.whole_qk_norms
+                else (self.num_kv_heads, d)
+                if self.layer_norms
+                else (d, 0)
+            ),
             "mlp.gate_proj": (inter, h),
             "mlp.up_proj": (inter, h),
             "mlp.down_proj": (h, inter),

@@ -295,9 +295,10 @@ CONFIGS = {
         **COMMON, intermediate_size=96, sliding_window=7, sliding_window_pattern=2
     ),
     # Command R (Cohere): LayerNorms, the attention and the MLP side by side on one norm's
-    # output, heads rotating in adjacent pairs, every projection biased, the logits scaled.
+    # output, heads rotating in adjacent pairs, every projection biased, the logits scaled;
+    # Command R+'s q/k LayerNorms, weights per head.
     "cohere": lambda: transformers.CohereConfig(
-        **COMMON, intermediate_size=96, attention_bias=True, logit_scale=0.3
+        **COMMON, intermediate_size=96, attention_bias=True, logit_scale=0.3, use_qk_norm=True
     ),
     # Command R7B (Cohere 2): local layers rotating, global ones not.
     "cohere2": lambda: transformers.Cohere2Config(

@@ -309,10 +309,6 @@ def test_a_classifier_has_its_labels_or_those_of_its_tokens():
             "a mistral3 checkpoint's text_config of model_type 'llama' is not supported",
         ),
         (
-            {**REQUIRED, "model_type": "cohere", "use_qk_norm": True},
-            "use_qk_norm (Command R+'s LayerNorms of each query and key head) is not",
-        ),
-        (
             {**REQUIRED, "model_type": "olmoe", "clip_qkv": 8.0},
             "clip_qkv (queries, keys and values clamped) is not",
         ),

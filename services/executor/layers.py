@@ -99,19 +99,22 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Cohere's norm: the mean subtracted too, no bias, computed and scaled in float32 and
-    only then rounded to x's dtype, as transformers' CohereLayerNorm."""
+    """Cohere's norm of x's last dimension: the mean subtracted too, no bias, computed and
+    scaled in float32 and only then rounded to x's dtype, as transformers' CohereLayerNorm.
+    ``shape`` (size,), or (heads, size) for Command R+'s q/k norms, a weight row per head."""
 
-    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], eps: float, device: torch.device, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(
-            torch.empty(size, device=device, dtype=dtype), requires_grad=False
+            torch.empty(shape, device=device, dtype=dtype), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = (x.shape[-1],)
-        return F.layer_norm(x.float(), shape, self.weight.float(), None, self.eps).to(x.dtype)
+        normed = F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
 
 
 class Linear(nn.Module):

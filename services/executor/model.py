@@ -50,7 +50,7 @@ def _block_norm(
 ) -> RMSNorm | LayerNorm:
     """The norm of the hidden states before a layer's block and after the last layer."""
     if cfg.layer_norms:
-        return LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        return LayerNorm((cfg.hidden_size,), cfg.rms_norm_eps, device, dtype)
     norm_dtype = torch.float32 if cfg.float32_norms else dtype
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, norm_dtype, kernels)
 
@@ -109,11 +109,18 @@ class DecoderLayer(nn.Module):
             if mla is None
             else None
         )
-        # Per head, or (OLMo 2 and 3) over the whole q and k projections.
+        # Per head, or (OLMo 2 and 3) over the whole q and k projections; Command R+'s
+        # LayerNorms per head, each head's weights its own.
         self.qk_norm_heads = not cfg.whole_qk_norms
         q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
-        self.q_norm = RMSNorm(q_norm, eps, device, norm_dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_norm, eps, device, norm_dtype) if cfg.qk_norm else None
+        self.q_norm: RMSNorm | LayerNorm | None = None
+        self.k_norm: RMSNorm | LayerNorm | None = None
+        if cfg.qk_norm and cfg.layer_norms:
+            self.q_norm = LayerNorm((layout.num_heads, d), eps, device, dtype)
+            self.k_norm = LayerNorm((layout.num_kv_heads, d), eps, device, dtype)
+        elif cfg.qk_norm:
+            self.q_norm = RMSNorm(q_norm, eps, device, norm_dtype)
+            self.k_norm = RMSNorm(k_norm, eps, device, norm_dtype)
         attn_width = self.q_size if mla is None else layout.num_heads * mla.v_head_dim
         self.o_proj = Linear(attn_width, h, cfg.o_bias and row_bias, device, dtype)
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
@@ -187,6 +194,9 @@ class DecoderLayer(nn.Module):
             if tensor is not None:
                 heads = tensor[: num_heads * self.head_dim].view(num_heads, self.head_dim, -1)
                 heads[:, :r].copy_(heads[:, order.to(tensor.device)].clone())
+        for norm in (self.q_norm, self.k_norm):  # Command R+'s: a weight per head and channel
+            if isinstance(norm, LayerNorm):
+                norm.weight[:, :r] = norm.weight[:, order.to(norm.weight.device)].clone()
 
     def _whole_qk_norms(
         self, q: torch.Tensor, k: torch.Tensor
@@ -195,7 +205,7 @@ class DecoderLayer(nn.Module):
         holds some heads' channels: one all-reduce sums the squares of q's and k's rows over
         the ranks, each then divided by the channels summed (a KV head replicated on r ranks
         adds its squares r times and its channels r times: the mean is the whole row's)."""
-        assert self.q_norm is not None and self.k_norm is not None
+        assert isinstance(self.q_norm, RMSNorm) and isinstance(self.k_norm, RMSNorm)
         if self.tp is None:
             return self.q_norm(q), self.k_norm(k)
         sums = torch.stack((q.float().square().sum(-1), k.float().square().sum(-1)), dim=-1)

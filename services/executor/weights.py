@@ -96,6 +96,11 @@ WHOLE_QK_NORM_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_norm": ("q_norm", "q_heads"),
     "self_attn.k_norm": ("k_norm", "kv_heads"),
 }
+# Command R+'s q/k LayerNorms, a weight row per head: each rank's rows of its heads.
+HEAD_LAYER_NORM_PARTS: dict[str, tuple[str, str]] = {
+    "self_attn.q_norm": ("q_norm", "heads"),
+    "self_attn.k_norm": ("k_norm", "kv_head_rows"),
+}
 # DeepSeek's latent attention in place of the q/k/v projections (``mla_``: split by heads).
 LATENT_ATTENTION_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_proj": ("mla.q_proj", "mla_q"),
@@ -208,6 +213,7 @@ def layer_part(
         "heads": (slice(None), (_span(layout.q_head_start, layout.num_heads),)),
         "q_heads": (slice(None), (q_src,)),
         "kv_heads": (slice(None), (kv_src,)),
+        "kv_head_rows": (slice(None), (_span(layout.kv_head_start, layout.num_kv_heads),)),
         "gate": (slice(0, inter), (inter_src,)),
         "up": (_span(inter, inter), (inter_src,)),
         "all": (slice(None), _ALL),
@@ -348,6 +354,8 @@ def _target(
         parts = {**LAYER_PARTS, **LATENT_ATTENTION_PARTS}
     elif cfg.whole_qk_norms:
         parts = {**LAYER_PARTS, **WHOLE_QK_NORM_PARTS}
+    elif cfg.layer_norms:
+        parts = {**LAYER_PARTS, **HEAD_LAYER_NORM_PARTS}
     nextn = range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)
     if m is not None and int(m.group(1)) in nextn:
         return None  # DeepSeek-V3's multi-token prediction layers: Weir does not draft with them
