@@ -218,6 +218,12 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
                     "experts, which Weir does not adapt: train the adapter on the attention "
                     "projections only"
                 )
+            if module.startswith("mlp.") and not model.gated_mlp:
+                raise ValueError(
+                    f"{weights}: tensor {key!r} adapts the MLP of a model whose MLP is not "
+                    "gated (Arcee's), which Weir does not adapt: train the adapter on the "
+                    "attention projections only"
+                )
             rows, columns = model.layer_tensor_shape(module)
             shape = (config.rank, columns) if matrix == "A" else (rows, config.rank)
             if tuple(f.get_slice(key).get_shape()) != shape:

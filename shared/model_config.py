@@ -58,6 +58,8 @@ SUPPORTED_MODEL_TYPES = (
     "minimax_m2",
     "ernie4_5_moe",
     "solar_open",
+    "starcoder2",
+    "arcee",
 )
 # Multimodal checkpoints Weir serves the language model of (its text_config's type); the
 # vision tower's weights are left unread, and a prompt is text only.
@@ -115,6 +117,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "cohere2": {"max_position_embeddings": 8192, "tie_word_embeddings": True},
     "ministral": {"max_position_embeddings": 131072},
+    "starcoder2": {
+        "max_position_embeddings": 4096,
+        "hidden_act": "gelu_pytorch_tanh",
+        "norm_epsilon": 1e-5,
+        "use_bias": True,
+        "tie_word_embeddings": True,
+    },
+    "arcee": {"max_position_embeddings": 4096, "hidden_act": "relu2", "rms_norm_eps": 1e-5},
     "minimax_m2": {
         "max_position_embeddings": 196608,
         "head_dim": 128,
@@ -352,7 +362,7 @@ _DEFAULTS["gpt_oss"] = {
 }
 # The activation of the gated MLP: SiLU, or Gemma's tanh-approximated GELU (Gemma only:
 # the experts of a mixture and the packed CPU kernels fuse SiLU).
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,6 +484,10 @@ class ModelConfig:
     # both read its one norm's output, each adding its output to the residual.
     layer_norms: bool = False
     parallel_block: bool = False
+    # Starcoder2's LayerNorms add a bias too.
+    norm_bias: bool = False
+    # A dense layer's MLP: down(act(gate) * up), or (Starcoder2's, Arcee's) down(act(up)).
+    gated_mlp: bool = True
     # gpt-oss' and OLMo's RMSNorms scale in float32 and only then round to the model's dtype
     # (their weights kept in float32); the others scale in the model's dtype, as Llama's.
     float32_norms: bool = False
@@ -560,10 +574,14 @@ class ModelConfig:
         gemma = model_type in ("gemma2", "gemma3_text")
         cohere = model_type in ("cohere", "cohere2")
         ernie = model_type in ("ernie4_5", "ernie4_5_moe")
+        # ERNIE's and Starcoder2's use_bias: every projection's.
+        use_bias = (ernie or model_type == "starcoder2") and flag(hf, "use_bias")
         # Gemma's configs name it hidden_activation (transformers reads only that one there).
         act_key = "hidden_activation" if gemma else "hidden_act"
         act = hf.get(act_key, "silu")
-        implemented = ACTIVATIONS if gemma else ACTIVATIONS[:1]
+        # Starcoder2's and Arcee's MLPs are not gated: up, the activation, down.
+        gated = model_type not in ("starcoder2", "arcee")
+        implemented = ACTIVATIONS if gemma or not gated else ACTIVATIONS[:1]
         if act not in implemented:
             raise ValueError(
                 f"config.json: unsupported {act_key} {act!r}; implemented: {implemented}"
@@ -613,6 +631,8 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=positive(hf, "layer_norm_eps", 1e-5)
             if cohere
+            else positive(hf, "norm_epsilon", 1e-5)
+            if model_type == "starcoder2"
             else positive(hf, "rms_norm_eps", 1e-6),
             rope=rope,
             max_position_embeddings=max_pos,
@@ -627,7 +647,7 @@ class ModelConfig:
             qkv_bias=attention_bias
             or model_type == "qwen2"
             or (model_type == "qwen2_moe" and flag(hf, "qkv_bias", True))
-            or (ernie and flag(hf, "use_bias")),
+            or use_bias,
             o_bias=(
                 flag(hf, "attention_out_bias")
                 if model_type == "seed_oss"
@@ -635,13 +655,13 @@ class ModelConfig:
                 and not qwen2
                 and model_type not in ("glm4_moe", "glm4", "solar_open")
             )
-            or (ernie and flag(hf, "use_bias")),
-            # Only these configs have mlp_bias (transformers ignores the key elsewhere);
-            # ERNIE's use_bias is every projection's.
+            or use_bias,
+            # Only these configs have mlp_bias (transformers ignores the key elsewhere).
             mlp_bias=(
-                model_type in ("llama", "granite", "smollm3", "seed_oss") and flag(hf, "mlp_bias")
+                model_type in ("llama", "granite", "smollm3", "seed_oss", "arcee")
+                and flag(hf, "mlp_bias")
             )
-            or (ernie and flag(hf, "use_bias")),
+            or use_bias,
             interleaved_rope=ernie or model_type in ("glm4", "cohere", "cohere2"),
             qk_norm=model_type
             in (
@@ -666,8 +686,10 @@ class ModelConfig:
             else tuple(i for i in range(num_layers) if i not in sliding)
             if (model_type == "exaone4" and window is not None) or model_type == "cohere2"
             else (),
-            layer_norms=cohere,
+            layer_norms=cohere or model_type == "starcoder2",
+            norm_bias=model_type == "starcoder2",
             parallel_block=cohere,
+            gated_mlp=gated,
             tie_word_embeddings=flag(hf, "tie_word_embeddings"),
             checkpoint_quantization=read_checkpoint_quantization(hf, model_type),
             **_classifier(hf),
@@ -727,6 +749,8 @@ class ModelConfig:
             "mlp.gate_proj": (inter, h),
             "mlp.up_proj": (inter, h),
             "mlp.down_proj": (h, inter),
+            "mlp.c_fc": (inter, h),  # Starcoder2's up and down projections
+            "mlp.c_proj": (h, inter),
             "input_layernorm": (h, 0),
             "post_attention_layernorm": (h, 0),
             "pre_feedforward_layernorm": (h, 0),
@@ -769,10 +793,14 @@ def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
         "cohere2",
         "ministral",
         "ministral3",
+        "starcoder2",
     )
     if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
-    default = {"mixtral": None, "phi3": None, "smollm3": None, "gpt_oss": 128, "ministral3": None}
+    default = {
+        **dict.fromkeys(("mixtral", "phi3", "smollm3", "ministral3", "starcoder2")),
+        "gpt_oss": 128,
+    }
     default = default.get(model_type, 4096)
     window = hf.get("sliding_window", default)
     return None if window is None else count({"sliding_window": window}, "sliding_window")
@@ -785,7 +813,7 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     max_window_layers on, Qwen2-MoE's even layers below it, and every Gemma 3 and EXAONE 4
     layer but each sliding_window_pattern-th (Gemma 2's and gpt-oss' every even layer; OLMo 3's
     all but every fourth), SmolLM3's NoPE layers."""
-    if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe", "ministral3"):
+    if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe", "ministral3", "starcoder2"):
         return tuple(range(num_layers))
     types = hf.get("layer_types")
     if types is not None:

@@ -349,6 +349,13 @@ CONFIGS = {
         topk_group=1,
         routed_scaling_factor=1.5,
     ),
+    # Starcoder2: LayerNorms with biases, an MLP not gated (c_fc, tanh GELU, c_proj), every
+    # projection biased, a window on every layer.
+    "starcoder2": lambda: transformers.Starcoder2Config(
+        **COMMON, intermediate_size=96, sliding_window=7
+    ),
+    # Arcee (AFM): Llama's layers, an MLP not gated (up, squared ReLU, down).
+    "arcee": lambda: transformers.ArceeConfig(**COMMON, intermediate_size=96),
     # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
@@ -398,6 +405,8 @@ MOE_LAYERS = {
     "ernie4_5": (),
     "glm4": (),
     "olmoe": (0, 1, 2),
+    "starcoder2": (),
+    "arcee": (),
     "solar_open": (0, 1, 2),
     "ernie4_5_moe": (1, 2),
     "minimax_m2": (0, 1, 2),
@@ -637,6 +646,17 @@ def test_adapters_of_reordered_query_and_key_rows_are_refused(tmp_path):
         check_adapter(tmp_path / "qk", cfg, 16)
     _adapter(tmp_path / "vo", cfg, {0: ("self_attn.v_proj", "self_attn.o_proj")})
     check_adapter(tmp_path / "vo", cfg, 16)
+
+
+def test_adapters_of_an_mlp_that_is_not_gated_are_refused(tmp_path):
+    """Arcee's MLP has no gate: an adapter of it is refused by name; one of the attention
+    fits."""
+    cfg = ModelConfig.from_hf(CONFIGS["arcee"]().to_dict())
+    _adapter(tmp_path / "up", cfg, {0: ("mlp.up_proj",)})
+    with pytest.raises(ValueError, match="whose MLP is not gated"):
+        check_adapter(tmp_path / "up", cfg, 16)
+    _adapter(tmp_path / "v", cfg, {0: ("self_attn.v_proj",)})
+    check_adapter(tmp_path / "v", cfg, 16)
 
 
 def test_a_config_that_does_not_describe_the_experts_is_refused(tmp_path):

@@ -55,7 +55,8 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
             * theirs.rope_parameters.get("partial_rotary_factor", 1.0)
         )
     assert ours.max_position_embeddings == theirs.max_position_embeddings
-    assert ours.rms_norm_eps == (getattr(theirs, "rms_norm_eps", None) or theirs.layer_norm_eps)
+    eps = ("rms_norm_eps", "layer_norm_eps", "norm_epsilon")  # Cohere's, Starcoder2's
+    assert ours.rms_norm_eps == next(getattr(theirs, k) for k in eps if hasattr(theirs, k))
     rope = theirs.rope_parameters
     assert ours.rope.theta == rope.get("full_attention", rope)["rope_theta"]
     assert ours.rope.type == rope.get("full_attention", rope)["rope_type"]  # gpt-oss': YaRN

@@ -99,22 +99,35 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Cohere's norm of x's last dimension: the mean subtracted too, no bias, computed and
-    scaled in float32 and only then rounded to x's dtype, as transformers' CohereLayerNorm.
-    ``shape`` (size,), or (heads, size) for Command R+'s q/k norms, a weight row per head."""
+    """A LayerNorm of x's last dimension (the mean subtracted too), computed and scaled in
+    float32 and only then rounded to x's dtype, as transformers' CohereLayerNorm; with
+    ``bias`` (Starcoder2's) a bias added too. ``shape`` (size,), or (heads, size) for Command
+    R+'s q/k norms, a weight row per head."""
 
     def __init__(
-        self, shape: tuple[int, ...], eps: float, device: torch.device, dtype: torch.dtype
+        self,
+        shape: tuple[int, ...],
+        eps: float,
+        device: torch.device,
+        dtype: torch.dtype,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(
             torch.empty(shape, device=device, dtype=dtype), requires_grad=False
         )
+        self.bias = (
+            nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        normed = F.layer_norm(x.float(), x.shape[-1:], None, None, self.eps) * self.weight.float()
+        if self.bias is not None:
+            normed += self.bias.float()
+        return normed.to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -156,11 +169,21 @@ class Linear(nn.Module):
 
 def act_and_mul(gate_up: torch.Tensor, act: str, kernels: LayerKernels | None) -> torch.Tensor:
     """act(gate) * up for gate_up [T, 2 * I], ``act`` one of `ModelConfig.hidden_act`'s:
-    SiLU (below) or Gemma's tanh-approximated GELU."""
+    SiLU (below) or another of `activation`'s."""
     if act == "silu":
         return silu_and_mul(gate_up, kernels)
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh").mul_(up)
+    return activation(gate, act).mul_(up)
+
+
+def activation(x: torch.Tensor, act: str) -> torch.Tensor:
+    """``act`` of x, new: SiLU, the tanh-approximated GELU (Gemma's, Starcoder2's) or the
+    squared ReLU (Arcee's relu2)."""
+    if act == "silu":
+        return F.silu(x)
+    if act == "relu2":
+        return F.relu(x).square_()
+    return F.gelu(x, approximate="tanh")
 
 
 def silu_and_mul(gate_up: torch.Tensor, kernels: LayerKernels | None) -> torch.Tensor:

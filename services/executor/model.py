@@ -26,6 +26,7 @@ from weir.services.executor.layers import (
     Linear,
     RMSNorm,
     act_and_mul,
+    activation,
     apply_rope,
     rope_,
 )
@@ -50,7 +51,7 @@ def _block_norm(
 ) -> RMSNorm | LayerNorm:
     """The norm of the hidden states before a layer's block and after the last layer."""
     if cfg.layer_norms:
-        return LayerNorm((cfg.hidden_size,), cfg.rms_norm_eps, device, dtype)
+        return LayerNorm((cfg.hidden_size,), cfg.rms_norm_eps, device, dtype, cfg.norm_bias)
     norm_dtype = torch.float32 if cfg.float32_norms else dtype
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, norm_dtype, kernels)
 
@@ -136,7 +137,7 @@ class DecoderLayer(nn.Module):
         )
         # None: Cohere's attention and MLP both read the input norm's output (parallel_block).
         self.post_attention_layernorm = (
-            None if cfg.parallel_block else RMSNorm(h, eps, device, norm_dtype, kernels)
+            None if cfg.parallel_block else _block_norm(cfg, device, dtype, kernels)
         )
         # Gemma's and OLMo's norms of the attention's and MLP's outputs: post_attention_layernorm
         # then normalizes the attention's output rather than the MLP's input (Gemma's
@@ -153,8 +154,11 @@ class DecoderLayer(nn.Module):
             SparseMoe(cfg, layout, kernels, device, dtype) if cfg.is_moe_layer(index) else None
         )
         dense = self.moe is None
+        # Not gated (Starcoder2's, Arcee's): gate_up_proj holds the up projection alone.
+        self.gated_mlp = cfg.gated_mlp
+        up_rows = (2 if cfg.gated_mlp else 1) * inter
         self.gate_up_proj = (
-            Linear(h, 2 * inter, cfg.mlp_bias, device, dtype, kernels) if dense else None
+            Linear(h, up_rows, cfg.mlp_bias, device, dtype, kernels) if dense else None
         )
         self.down_proj = (
             Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype) if dense else None
@@ -166,7 +170,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor,
         x: torch.Tensor,
         lora: "LoraBatch | None",
-        post_norm: RMSNorm | None,
+        post_norm: RMSNorm | LayerNorm | None,
     ) -> torch.Tensor:
         """residual + projection ``name`` of x (normalized by ``post_norm`` first where the
         model has one), where each rank holds some of x's columns: rank 0 adds the residual
@@ -255,7 +259,9 @@ class DecoderLayer(nn.Module):
                 out += x
             return out if self.tp is None else self.tp.all_reduce(out)
         assert self.gate_up_proj is not None
-        if lora is None and self.hidden_act == "silu":
+        if not self.gated_mlp:  # (adapters of its MLP are refused: shared/lora.py)
+            act = activation(self.gate_up_proj(normed), self.hidden_act)
+        elif lora is None and self.hidden_act == "silu":
             act = self.gate_up_proj.silu_mul(normed)
         else:  # an adapter's update joins gate/up before the activation
             gate_up = self.gate_up_proj(normed)

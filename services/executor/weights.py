@@ -75,6 +75,8 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "mlp.gate_proj": ("gate_up_proj", "gate"),
     "mlp.up_proj": ("gate_up_proj", "up"),
     "mlp.down_proj": ("down_proj", "down_in"),
+    "mlp.c_fc": ("gate_up_proj", "gate"),  # Starcoder2's up projection: not gated
+    "mlp.c_proj": ("down_proj", "down_in"),
     "input_layernorm": ("input_layernorm", "all"),
     "post_attention_layernorm": ("post_attention_layernorm", "all"),
     "pre_feedforward_layernorm": ("pre_feedforward_layernorm", "all"),
@@ -96,6 +98,8 @@ WHOLE_QK_NORM_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_norm": ("q_norm", "q_heads"),
     "self_attn.k_norm": ("k_norm", "kv_heads"),
 }
+# Arcee's MLP is not gated: its up projection alone fills gate_up_proj's rows.
+UNGATED_MLP_PARTS: dict[str, tuple[str, str]] = {"mlp.up_proj": ("gate_up_proj", "gate")}
 # Command R+'s q/k LayerNorms, a weight row per head: each rank's rows of its heads.
 HEAD_LAYER_NORM_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_norm": ("q_norm", "heads"),
@@ -303,7 +307,7 @@ def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     disagrees with its weights must fail, not load a slice of each."""
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return cfg.vocab_size, cfg.hidden_size
-    if name == "model.norm.weight":
+    if name in ("model.norm.weight", "model.norm.bias"):
         return (cfg.hidden_size,)
     if name == "score.weight":
         return cfg.num_labels, cfg.hidden_size
@@ -333,8 +337,8 @@ def _target(
     if name == "model.embed_tokens.weight":
         rows = _vocab_rows(cfg, layout)
         return "embed_tokens", slice(0, rows.stop - rows.start), (rows,)
-    if name == "model.norm.weight":
-        return "norm.weight", slice(None), _ALL
+    if name in ("model.norm.weight", "model.norm.bias"):  # a bias: Starcoder2's LayerNorm
+        return name.removeprefix("model."), slice(None), _ALL
     if name == "lm_head.weight":
         # Some tied checkpoints still ship a copy of the embedding as lm_head.
         if cfg.tie_word_embeddings:
@@ -356,6 +360,8 @@ def _target(
         parts = {**LAYER_PARTS, **WHOLE_QK_NORM_PARTS}
     elif cfg.layer_norms:
         parts = {**LAYER_PARTS, **HEAD_LAYER_NORM_PARTS}
+    if not cfg.gated_mlp:
+        parts = {**parts, **UNGATED_MLP_PARTS}
     nextn = range(cfg.num_layers, cfg.num_layers + cfg.num_nextn_predict_layers)
     if m is not None and int(m.group(1)) in nextn:
         return None  # DeepSeek-V3's multi-token prediction layers: Weir does not draft with them
