@@ -61,10 +61,9 @@ SUPPORTED_MODEL_TYPES = (
     "starcoder2",
     "arcee",
 )
-# Multimodal checkpoints Weir serves the language model of (its text_config's type); the
-# vision tower's weights are left unread, and a prompt is text only.
-# A multimodal checkpoint's language model: the model types its text_config may name, the
-# first where it names none.
+# Multimodal checkpoints Weir serves the language model of: the model types their
+# text_config may name, the first where it names none. The vision tower's weights are left
+# unread, and a prompt is text only.
 TEXT_OF_MULTIMODAL = {
     "gemma3": ("gemma3_text",),
     "mistral3": ("mistral", "ministral3"),
@@ -360,8 +359,9 @@ _DEFAULTS["gpt_oss"] = {
     "swiglu_limit": 7.0,
     "attention_bias": True,
 }
-# The activation of the gated MLP: SiLU, or Gemma's tanh-approximated GELU (Gemma only:
-# the experts of a mixture and the packed CPU kernels fuse SiLU).
+# The MLP's activation: SiLU, or (Gemma's, and those of the MLPs without a gate, Starcoder2's
+# and Arcee's) the tanh-approximated GELU or the squared ReLU; the experts of a mixture and
+# the packed CPU kernels fuse SiLU.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")
 
 

@@ -1,6 +1,5 @@
 """The building blocks of a decoder layer: RMSNorm (and Cohere's LayerNorm), a projection,
-rotate-half RoPE and the gated MLP's activation, each in one kernel where `LayerKernels` has
-one."""
+rotate-half RoPE and the MLP's activation, each in one kernel where `LayerKernels` has one."""
 
 from typing import Protocol
 

@@ -277,8 +277,8 @@ class RowsOf:
 
 def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str, TensorSource]]:
     """A fused checkpoint tensor's parts under their own names (its whole shape checked
-    first), GLM-4's norms under Gemma's, MiniMax-M2's routing bias under its router's; any
-    other tensor as it is."""
+    first), GLM-4's norms under Gemma's, MiniMax-M2's and ERNIE's routing biases under
+    their routers'; any other tensor as it is."""
     m = _LAYER_RE.fullmatch(name)
     if m is not None and cfg.model_type == "glm4" and m.group(2) in _GLM4_NORMS:
         return [(f"model.layers.{m.group(1)}.{_GLM4_NORMS[m.group(2)]}.{m.group(3)}", source)]
