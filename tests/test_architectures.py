@@ -166,9 +166,13 @@ CONFIGS = {
         tie_word_embeddings=False,
         pad_token_id=0,
     ),
-    # Norms of the attention's and MLP's outputs only, q/k norms over the whole projections.
+    # Norms of the attention's and MLP's outputs only, q/k norms over the whole projections;
+    # one KV head, which both ranks of a group of two hold (their k sums of squares reduced).
     "olmo2": lambda: transformers.Olmo2Config(
-        **COMMON, intermediate_size=96, attention_bias=True, pad_token_id=0
+        **{**COMMON, "num_key_value_heads": 1},
+        intermediate_size=96,
+        attention_bias=True,
+        pad_token_id=0,
     ),
     # OLMo 2's norms, windows on layers 0-2 of 4, the full layer scaled and on its own base.
     "olmo3": lambda: transformers.Olmo3Config(
