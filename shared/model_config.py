@@ -72,6 +72,7 @@ TEXT_OF_MULTIMODAL = {
     "qwen3_vl_moe": ("qwen3_vl_moe_text",),
     "qwen2_vl": ("qwen2_vl_text",),
     "qwen2_5_vl": ("qwen2_5_vl_text",),
+    "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),
 }
 # Multimodal model types whose older files hold the language model's keys beside
 # vision_config, with no text_config (as transformers still reads them).

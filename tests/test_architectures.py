@@ -870,6 +870,24 @@ def _qwen2_5_vl(text: dict):
     return transformers.Qwen2_5_VLForConditionalGeneration(config)
 
 
+def _internvl(text: dict):
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=[28, 28],
+        patch_size=[14, 14],
+    )
+    config = transformers.InternVLConfig(
+        text_config=transformers.Qwen3Config(**text, head_dim=16, intermediate_size=96).to_dict(),
+        vision_config=vision,
+        image_token_id=VOCAB - 1,
+        tie_word_embeddings=False,
+    )
+    return transformers.InternVLForConditionalGeneration(config)
+
+
 def _as_qwen2_5_vl_hub_files(path) -> None:
     """Qwen2.5-VL's files as its repositories hold them (transformers 4's): the language
     model's keys beside vision_config, its rotation as mrope, its tensors under model. and
@@ -902,13 +920,15 @@ def _as_qwen_writes_experts(path) -> None:
         (_qwen3_vl, "qwen3"),
         (functools.partial(_qwen3_vl, moe=True), "qwen3_moe"),
         (_qwen2_5_vl, "qwen2"),
+        (_internvl, "qwen3"),
     ],
-    ids=["mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"],
+    ids=["mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl", "internvl"],
 )
 def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path):
     """Mistral Small 3.x, Magistral and Ministral 3 are Mistral3ForConditionalGeneration,
-    the Qwen3-VL models Qwen3VLForConditionalGeneration (and its MoE's): Weir reads the
-    language model their text_config names (Ministral 3's; Qwen3's and Qwen3-MoE's, whose
+    the Qwen-VL models Qwen2_5_VL-, Qwen3VL- and Qwen3VLMoeForConditionalGeneration, InternVL
+    3 and 3.5 InternVLForConditionalGeneration: Weir reads the language model their
+    text_config names (Ministral 3's; Qwen3's and Qwen3-MoE's, whose
     multimodal rotation turns a text's positions as Qwen3's does, the MoE's experts stacked
     as transformers saves them and as Qwen's files hold them) and leaves the vision tower and
     the projector unread. A text prompt decodes as transformers decodes it with the whole
