@@ -73,6 +73,8 @@ TEXT_OF_MULTIMODAL = {
     "qwen2_vl": ("qwen2_vl_text",),
     "qwen2_5_vl": ("qwen2_5_vl_text",),
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),
+    "glm4v": ("glm4v_text",),
+    "glm4v_moe": ("glm4v_moe_text",),
 }
 # Multimodal model types whose older files hold the language model's keys beside
 # vision_config, with no text_config (as transformers still reads them).
@@ -80,13 +82,25 @@ _TEXT_AT_TOP_LEVEL = ("qwen2_vl", "qwen2_5_vl")
 _QWEN3_VL = {"rope_theta": 500000.0, "max_position_embeddings": 128000}
 # Model types read as another, with the defaults of theirs that differ and the keys it
 # always reads as given: Kimi K2's is DeepSeek-V3's (as transformers reads it), the
-# Qwen-VL models' language models Qwen2's, Qwen3's and Qwen3-MoE's (their multimodal rotation
-# turns a text's positions as those do; Qwen3-VL-MoE's experts' weights always renormalized).
+# Qwen-VL and GLM-V models' language models Qwen2's, Qwen3's, Qwen3-MoE's, GLM-4's and
+# GLM-4.5's (their multimodal rotation turns a text's positions as those do; Qwen3-VL-MoE's
+# experts' weights always renormalized, GLM-4.1V's q/k/v always biased, GLM-4.5V's q/k never
+# normalized).
 MODEL_TYPE_ALIASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "kimi_k2": ("deepseek_v3", {}, {}),
     "qwen3_vl_text": ("qwen3", _QWEN3_VL, {}),
     "qwen2_vl_text": ("qwen2", {"rope_theta": 1000000.0}, {}),
     "qwen2_5_vl_text": ("qwen2", {"rope_theta": 1000000.0}, {}),
+    "glm4v_text": (
+        "glm4",
+        {"rms_norm_eps": 1e-5, "max_position_embeddings": 32768, "partial_rotary_factor": 1.0},
+        {"attention_bias": True},
+    ),
+    "glm4v_moe_text": (
+        "glm4_moe",
+        {"max_position_embeddings": 65536, "attention_bias": True},
+        {"use_qk_norm": False},
+    ),
     "qwen3_vl_moe_text": (
         "qwen3_moe",
         {

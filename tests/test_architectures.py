@@ -888,6 +888,42 @@ def _internvl(text: dict):
     return transformers.InternVLForConditionalGeneration(config)
 
 
+def _glm4v(text: dict, moe: bool = False):
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=48,
+        num_heads=2,
+        out_hidden_size=64,
+        image_size=28,
+        patch_size=14,
+    )
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    experts = dict(
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+    )
+    config = (transformers.Glm4vMoeConfig if moe else transformers.Glm4vConfig)(
+        text_config=dict(
+            text,
+            head_dim=16,
+            intermediate_size=96,
+            rope_parameters={**rope, "mrope_section": [1, 1, 2]},
+            **(experts if moe else {}),
+        ),
+        vision_config=vision,
+        **{f"{key}_token_id": VOCAB - i for i, key in enumerate(("image", "video"), 1)},
+        tie_word_embeddings=False,
+    )
+    if moe:
+        return transformers.Glm4vMoeForConditionalGeneration(config)
+    return transformers.Glm4vForConditionalGeneration(config)
+
+
 def _as_qwen2_5_vl_hub_files(path) -> None:
     """Qwen2.5-VL's files as its repositories hold them (transformers 4's): the language
     model's keys beside vision_config, its rotation as mrope, its tensors under model. and
@@ -921,13 +957,16 @@ def _as_qwen_writes_experts(path) -> None:
         (functools.partial(_qwen3_vl, moe=True), "qwen3_moe"),
         (_qwen2_5_vl, "qwen2"),
         (_internvl, "qwen3"),
+        (_glm4v, "glm4"),
+        (functools.partial(_glm4v, moe=True), "glm4_moe"),
     ],
-    ids=["mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl", "internvl"],
+    ids=["mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl", "internvl", "glm4v", "glm4v_moe"],
 )
 def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path):
     """Mistral Small 3.x, Magistral and Ministral 3 are Mistral3ForConditionalGeneration,
     the Qwen-VL models Qwen2_5_VL-, Qwen3VL- and Qwen3VLMoeForConditionalGeneration, InternVL
-    3 and 3.5 InternVLForConditionalGeneration: Weir reads the language model their
+    3 and 3.5 InternVLForConditionalGeneration, GLM-4.1V and 4.6V-Flash Glm4v-, GLM-4.5V and
+    4.6V Glm4vMoeForConditionalGeneration: Weir reads the language model their
     text_config names (Ministral 3's; Qwen3's and Qwen3-MoE's, whose
     multimodal rotation turns a text's positions as Qwen3's does, the MoE's experts stacked
     as transformers saves them and as Qwen's files hold them) and leaves the vision tower and
