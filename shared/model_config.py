@@ -60,6 +60,7 @@ SUPPORTED_MODEL_TYPES = (
     "solar_open",
     "starcoder2",
     "arcee",
+    "hunyuan_v1_dense",
 )
 # Multimodal checkpoints Weir serves the language model of: the model types their
 # text_config may name, the first where it names none. The vision tower's weights are left
@@ -139,6 +140,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
     "arcee": {"max_position_embeddings": 4096, "hidden_act": "relu2", "rms_norm_eps": 1e-5},
+    "hunyuan_v1_dense": {
+        "vocab_size": 290943,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+    },
     "minimax_m2": {
         "max_position_embeddings": 196608,
         "head_dim": 128,
@@ -493,6 +499,8 @@ class ModelConfig:
     olmo_norms: bool = False
     # OLMo 2's, 3's and OLMoE's q/k norms span the whole projection, not each head.
     whole_qk_norms: bool = False
+    # Hunyuan's q/k norms (query_layernorm, key_layernorm) normalize the rotated heads.
+    qk_norm_after_rope: bool = False
     # Cohere's: the norms before each layer's block and after the last are LayerNorms (the
     # mean subtracted too, no bias; rms_norm_eps holds layer_norm_eps), and so are Command
     # R+'s q/k norms, with weights of their own for each head; a layer's attention and MLP
@@ -688,10 +696,12 @@ class ModelConfig:
                 "olmoe",
                 "exaone4",
                 "minimax_m2",
+                "hunyuan_v1_dense",
             )
             or (model_type in ("glm4_moe", "cohere") and flag(hf, "use_qk_norm")),
             olmo_norms=model_type in ("olmo2", "olmo3", "exaone4"),
             whole_qk_norms=model_type in ("olmo2", "olmo3", "olmoe", "minimax_m2"),
+            qk_norm_after_rope=model_type == "hunyuan_v1_dense",
             float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers)
@@ -754,6 +764,8 @@ class ModelConfig:
                 else (d, 0)
             ),
             "self_attn.sinks": (self.num_heads, 0),
+            "self_attn.query_layernorm": (d, 0),  # Hunyuan's q/k norms
+            "self_attn.key_layernorm": (d, 0),
             "self_attn.k_norm": (
                 (kv, 0)
                 if self.whole_qk_norms

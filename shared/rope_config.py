@@ -100,6 +100,11 @@ def _scaled(
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "mrope":  # Qwen-VL's: a text's three axes turn by one position, as the default
         kind = "default"
+    # Hunyuan's "dynamic" with a fixed alpha stretches the base alone, whatever the length (as
+    # transformers reads it, its own "ntk_alpha" type): a default rotation of a larger base.
+    alpha = rope.get("alpha") if kind == "dynamic" else None
+    if alpha is not None:
+        kind = "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"config.json: unsupported rope type {kind!r}; supported: {ROPE_TYPES}")
     # transformers moves a top-level partial_rotary_factor into rope_parameters.
@@ -123,6 +128,8 @@ def _scaled(
                 f"{head_dim} channels: it must rotate an even number, at least 2, at most all"
             )
     theta = positive(rope, "rope_theta", positive(hf, "rope_theta", 10000.0))
+    if alpha is not None:
+        theta *= positive(rope, "alpha", 1.0) ** (head_dim / (head_dim - 2))
     if kind == "default":
         return RopeConfig(theta=theta, rotary_dim=rotary_dim)
     # transformers gives a top-level original_max_position_embeddings (Phi-3's) priority.

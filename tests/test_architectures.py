@@ -360,6 +360,18 @@ CONFIGS = {
     ),
     # Arcee (AFM): Llama's layers, an MLP not gated (up, squared ReLU, down).
     "arcee": lambda: transformers.ArceeConfig(**COMMON, intermediate_size=96),
+    # Hunyuan (dense): q/k norms of the rotated heads, NTK-alpha's larger base.
+    "hunyuan_v1_dense": lambda: transformers.HunYuanDenseV1Config(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=96,
+        rope_parameters={
+            "rope_type": "dynamic",
+            "rope_theta": 10000.0,
+            "alpha": 50.0,
+            "factor": 1.0,
+        },
+    ),
     # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
@@ -409,6 +421,7 @@ MOE_LAYERS = {
     "ernie4_5": (),
     "glm4": (),
     "olmoe": (0, 1, 2),
+    "hunyuan_v1_dense": (),
     "starcoder2": (),
     "arcee": (),
     "solar_open": (0, 1, 2),

@@ -113,6 +113,7 @@ class DecoderLayer(nn.Module):
         # Per head, or (OLMo 2 and 3) over the whole q and k projections; Command R+'s
         # LayerNorms per head, each head's weights its own.
         self.qk_norm_heads = not cfg.whole_qk_norms
+        self.qk_norm_after_rope = cfg.qk_norm_after_rope
         q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
         self.q_norm: RMSNorm | LayerNorm | None = None
         self.k_norm: RMSNorm | LayerNorm | None = None
@@ -220,6 +221,12 @@ class DecoderLayer(nn.Module):
             self.k_norm.normalize(k, sums[:, 1:] / (n * self.kv_size)),
         )
 
+    def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
+        """The Q and K heads, each normalized by its norm of the head."""
+        assert self.q_norm is not None and self.k_norm is not None
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+
     def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The Q and K heads (adjacent in the fused projection: one rotation for both) with
         their first rotary_dim channels rotated, in place where a kernel does it."""
@@ -292,11 +299,12 @@ class DecoderLayer(nn.Module):
             qkv = torch.cat((*self._whole_qk_norms(q, k), v), dim=-1)
         qkv = qkv.view(num_tokens, heads, self.head_dim)
         qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
-        if self.q_norm is not None and self.qk_norm_heads:
-            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        if self.q_norm is not None and self.qk_norm_heads and not self.qk_norm_after_rope:
+            qk = self._head_norms(qk)
         if self.rotary_dim:
             qk = self._rotate(qk, cos, sin)
+        if self.qk_norm_after_rope:
+            qk = self._head_norms(qk)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         if query_scale is not None:
             q = q * query_scale

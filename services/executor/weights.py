@@ -72,6 +72,8 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_norm": ("q_norm", "all"),
     "self_attn.sinks": ("sinks", "heads"),
     "self_attn.k_norm": ("k_norm", "all"),
+    "self_attn.query_layernorm": ("q_norm", "all"),  # Hunyuan's
+    "self_attn.key_layernorm": ("k_norm", "all"),
     "mlp.gate_proj": ("gate_up_proj", "gate"),
     "mlp.up_proj": ("gate_up_proj", "up"),
     "mlp.down_proj": ("down_proj", "down_in"),
