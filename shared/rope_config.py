@@ -9,7 +9,8 @@ of a request whose prompt has P tokens rotates by the long factors when max(P, p
 than ``original_max_position`` (the whole prompt of a long prompt, the tokens past the
 original context of a short one). Weir applies that rule per token, so chunked prefill,
 preemption and drafts rotate every token as one cached generation does. ``dynamic`` (NTK by
-the current length) is refused.
+the current length) is refused, but with Hunyuan's fixed ``alpha`` (a static larger base);
+Qwen-VL's ``mrope`` turns a text as ``default``.
 """
 
 from __future__ import annotations
