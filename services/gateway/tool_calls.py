@@ -210,7 +210,7 @@ class JsonCallReader:
             call = json.loads(item)
             arguments = call["parameters"] if "parameters" in call else call["arguments"]
             return ToolCall(call["name"], _arguments_text(arguments))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return None
 
 
@@ -328,7 +328,7 @@ def json_call(block: str) -> ToolCall | None:
         if not isinstance(call, dict) or type(call.get("name")) is not str:
             return None
         return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: a model may write it
         return None
 
 
@@ -584,7 +584,7 @@ class MistralReader(CallsAfterTag):
                     return None
                 arguments_text = _arguments_text(item.get("arguments", {}))
                 calls.append(ToolCall(item["name"], arguments_text, _mistral_call_id()))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return calls or None
 
@@ -642,13 +642,7 @@ class DeepSeekReader(MarkedCallsReader):
         elif not _:
             return None
         name = name.strip()
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            return None
-        if not name or not isinstance(parsed, dict):
-            return None
-        return ToolCall(name, _arguments_text(parsed))
+        return _object_call(name, arguments) if name else None
 
 
 class KimiK2Reader(MarkedCallsReader):
@@ -669,13 +663,21 @@ class KimiK2Reader(MarkedCallsReader):
         call_id, args, arguments = block.partition(cls.ARGS)
         call_id = call_id.strip()
         name = call_id.removeprefix("functions.").rpartition(":")[0]
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
+        return _object_call(name, arguments, call_id) if args and name else None
+
+
+def _object_call(name: str, arguments: str, call_id: str | None = None) -> ToolCall | None:
+    """A call of ``name`` whose arguments are the JSON object ``arguments`` holds; None where
+    it holds none: malformed, nested past the parser's depth, or with a number JSON has no
+    text for (a model may write any of them)."""
+    try:
+        parsed = json.loads(arguments)
+        if not isinstance(parsed, dict):
             return None
-        if not args or not name or not isinstance(parsed, dict):
-            return None
-        return ToolCall(name, _arguments_text(parsed), call_id)
+        text = _arguments_text(parsed)
+    except (ValueError, RecursionError):
+        return None
+    return ToolCall(name, text) if call_id is None else ToolCall(name, text, call_id)
 
 
 def _mistral_call_id() -> str:

@@ -23,9 +23,12 @@ from serving_helpers import hf_constrained, read_chat, small_server
 
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.tool_calls import (
+    DeepSeekReader,
     HermesReader,
     JsonCallReader,
+    KimiK2Reader,
     Llama3JsonReader,
+    MistralReader,
     NamedCallReader,
     PythonicReader,
     glm_call,
@@ -730,6 +733,35 @@ def test_minimax_m2_blocks_hold_invokes_only():
     for step in (1, 7, len(text)):  # the last block's end tag never came: still a call
         reader = HermesReader(functools.partial(minimax_calls, {}), tags)
         assert read_in_pieces(reader, text, step) == ("Go.", [("f", '{"i": "4"}')] * 3)
+
+
+DEEP = "[" * 100_000  # past the JSON parser's depth
+KIMI_CALL = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+KIMI_ARGS = "<|tool_call_argument_begin|>"
+
+
+@pytest.mark.parametrize(
+    "reader, template",
+    [
+        (HermesReader, '<tool_call>{{"name": "f", "arguments": {}}}</tool_call>'),
+        (Llama3JsonReader, '{{"name": "f", "parameters": {}}}'),
+        (MistralReader, '[TOOL_CALLS][{{"name": "f", "arguments": {}}}]'),
+        (MistralReader, "[TOOL_CALLS]f[ARGS]{}"),
+        (
+            DeepSeekReader,
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+        ),
+        (KimiK2Reader, KIMI_CALL + KIMI_ARGS + "{}<|tool_call_end|>"),
+    ],
+    ids=["hermes", "llama3_json", "mistral", "mistral_v11", "deepseek", "kimi_k2"],
+)
+@pytest.mark.parametrize("arguments", [DEEP, '{"a": Infinity}'], ids=["deep", "infinity"])
+def test_arguments_json_has_no_text_for_are_no_call_and_no_error(reader, template, arguments):
+    """A model may write arguments nested past the parser's depth or a number JSON has no
+    text for (a client's constraint can make it): the reader returns no call, not an error
+    that would end the response."""
+    content, calls = read_in_pieces(reader(), template.format(arguments), 100_000)
+    assert calls == [] and content
 
 
 def test_glm45_values_are_json_then_python_literals_then_text():
