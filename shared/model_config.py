@@ -738,6 +738,15 @@ class ModelConfig:
         expert, shared = self.moe_intermediate_size, self.shared_expert_intermediate_size
         if self.latent_attention is not None and module.startswith("self_attn."):
             return self._latent_tensor_shape(module)
+        # q/k norms over the whole projections (OLMo's), a weight row per head (Command R+'s),
+        # or one weight every head shares.
+        q_norm, k_norm = (
+            ((q, 0), (kv, 0))
+            if self.whole_qk_norms
+            else ((self.num_heads, d), (self.num_kv_heads, d))
+            if self.layer_norms
+            else ((d, 0), (d, 0))
+        )
         return {
             "mlp.gate": (self.num_experts, h),
             "mlp.experts.gate_proj": (expert, h),
@@ -756,23 +765,11 @@ class ModelConfig:
             "self_attn.k_proj": (kv, h),
             "self_attn.v_proj": (kv, h),
             "self_attn.o_proj": (h, q),
-            "self_attn.q_norm": (
-                (q, 0)
-                if self.whole_qk_norms
-                else (self.num_heads, d)
-                if self.layer_norms
-                else (d, 0)
-            ),
+            "self_attn.q_norm": q_norm,
             "self_attn.sinks": (self.num_heads, 0),
             "self_attn.query_layernorm": (d, 0),  # Hunyuan's q/k norms
             "self_attn.key_layernorm": (d, 0),
-            "self_attn.k_norm": (
-                (kv, 0)
-                if self.whole_qk_norms
-                else (self.num_kv_heads, d)
-                if self.layer_norms
-                else (d, 0)
-            ),
+            "self_attn.k_norm": k_norm,
             "mlp.gate_proj": (inter, h),
             "mlp.up_proj": (inter, h),
             "mlp.down_proj": (h, inter),
@@ -989,12 +986,12 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
                 f"numbers, got {start!r} and {end!r}"
             )
         layers = [i for i in range(num_layers) if (i + 1) % interval == 0 and start <= i <= end]
-        norm, shared = True, inter * hf["moe_num_shared_experts"]
-        if type(shared) is not int or shared < 0:
+        num_shared = hf["moe_num_shared_experts"]
+        if type(num_shared) is not int or num_shared < 0:
             raise ValueError(
-                f"config.json: moe_num_shared_experts must be a count, got "
-                f"{hf['moe_num_shared_experts']!r}"
+                f"config.json: moe_num_shared_experts must be a count, got {num_shared!r}"
             )
+        norm, shared = True, inter * num_shared
         if flag(hf, "use_bias"):
             raise ValueError("config.json: ERNIE 4.5's experts with use_bias are not read")
         top_k_key = "moe_k"

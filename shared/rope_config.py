@@ -130,6 +130,8 @@ def _scaled(
             )
     theta = positive(rope, "rope_theta", positive(hf, "rope_theta", 10000.0))
     if alpha is not None:
+        if head_dim < 4:
+            raise ValueError(f"config.json: an NTK alpha needs head_dim 4 or more, not {head_dim}")
         theta *= positive(rope, "alpha", 1.0) ** (head_dim / (head_dim - 2))
     if kind == "default":
         return RopeConfig(theta=theta, rotary_dim=rotary_dim)

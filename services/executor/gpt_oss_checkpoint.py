@@ -12,7 +12,7 @@ and checks them as any other; the router is Mixtral's `mlp.gate`, and the attent
 """
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +54,21 @@ CHECKPOINT_NAMES = {
     "moe.experts_down": "mlp.experts.down_proj (or its _blocks and _scales)",
     "moe.experts_down_bias": "mlp.experts.down_proj_bias",
 }
+
+
+def split_matching(
+    tensors: Iterable[tuple[str, "TensorSource"]],
+    pattern: re.Pattern[str],
+    split: Callable[[re.Match[str], "TensorSource"], Iterable[tuple[str, "TensorSource"]]],
+) -> Iterator[tuple[str, "TensorSource"]]:
+    """The tensors, each whose name ``pattern`` matches whole replaced by what ``split``
+    makes of it (a stacked tensor's parts, under the names the loader reads)."""
+    for name, source in tensors:
+        m = pattern.fullmatch(name)
+        if m is None:
+            yield name, source
+        else:
+            yield from split(m, source)
 
 
 class Tensor:

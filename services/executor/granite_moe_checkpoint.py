@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from weir.services.executor.gpt_oss_checkpoint import Tensor
+from weir.services.executor.gpt_oss_checkpoint import Tensor, split_matching
 
 if TYPE_CHECKING:  # weights.py reads its checkpoints through this module
     from weir.services.executor.weights import TensorSource
@@ -29,27 +29,26 @@ _STACKED_RE = re.compile(
 def split_granite_moe_tensors(
     tensors: Iterable[tuple[str, "TensorSource"]],
 ) -> Iterator[tuple[str, "TensorSource"]]:
-    for name, source in tensors:
-        m = _STACKED_RE.fullmatch(name)
-        if m is None:
-            yield name, source
-            continue
-        layer, part = m.groups()
-        if part == "block_sparse_moe.router.layer":
-            yield f"{layer}.mlp.gate.weight", source
-            continue
-        whole = source[tuple(slice(None) for _ in source.get_shape())]
-        if part == "shared_mlp.input_linear":
-            gate, up = whole.chunk(2, dim=0)
-            yield f"{layer}.mlp.shared_experts.gate_proj.weight", Tensor(gate)
-            yield f"{layer}.mlp.shared_experts.up_proj.weight", Tensor(up)
-        elif part == "shared_mlp.output_linear":
-            yield f"{layer}.mlp.shared_experts.down_proj.weight", Tensor(whole)
-        elif part == "block_sparse_moe.input_linear":
-            for expert, rows in enumerate(whole):
-                gate, up = rows.chunk(2, dim=0)
-                yield f"{layer}.mlp.experts.{expert}.gate_proj.weight", Tensor(gate)
-                yield f"{layer}.mlp.experts.{expert}.up_proj.weight", Tensor(up)
-        else:
-            for expert, rows in enumerate(whole):
-                yield f"{layer}.mlp.experts.{expert}.down_proj.weight", Tensor(rows)
+    return split_matching(tensors, _STACKED_RE, _split)
+
+
+def _split(m: re.Match[str], source: "TensorSource") -> Iterator[tuple[str, "TensorSource"]]:
+    layer, part = m.groups()
+    if part == "block_sparse_moe.router.layer":
+        yield f"{layer}.mlp.gate.weight", source
+        return
+    whole = source[tuple(slice(None) for _ in source.get_shape())]
+    if part == "shared_mlp.input_linear":
+        gate, up = whole.chunk(2, dim=0)
+        yield f"{layer}.mlp.shared_experts.gate_proj.weight", Tensor(gate)
+        yield f"{layer}.mlp.shared_experts.up_proj.weight", Tensor(up)
+    elif part == "shared_mlp.output_linear":
+        yield f"{layer}.mlp.shared_experts.down_proj.weight", Tensor(whole)
+    elif part == "block_sparse_moe.input_linear":
+        for expert, rows in enumerate(whole):
+            gate, up = rows.chunk(2, dim=0)
+            yield f"{layer}.mlp.experts.{expert}.gate_proj.weight", Tensor(gate)
+            yield f"{layer}.mlp.experts.{expert}.up_proj.weight", Tensor(up)
+    else:
+        for expert, rows in enumerate(whole):
+            yield f"{layer}.mlp.experts.{expert}.down_proj.weight", Tensor(rows)

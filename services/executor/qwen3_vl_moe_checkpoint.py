@@ -10,11 +10,12 @@ projection, named as Qwen3-MoE's (`mlp.experts.E.gate_proj.weight`), so the load
 checks them as any other.
 """
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from weir.services.executor.gpt_oss_checkpoint import Tensor
+from weir.services.executor.gpt_oss_checkpoint import Tensor, split_matching
 from weir.shared.model_config import ModelConfig
 
 if TYPE_CHECKING:  # weights.py reads its checkpoints through this module
@@ -26,27 +27,28 @@ _STACKED_RE = re.compile(r"(.+\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_p
 def split_qwen3_vl_moe_tensors(
     tensors: Iterable[tuple[str, "TensorSource"]], cfg: ModelConfig
 ) -> Iterator[tuple[str, "TensorSource"]]:
-    for name, source in tensors:
-        m = _STACKED_RE.fullmatch(name)
-        if m is None:
-            yield name, source
-            continue
-        experts, part = m.groups()
-        h, inter = cfg.hidden_size, cfg.moe_intermediate_size
-        rows, columns = (2 * inter, h) if part == "gate_up_proj" else (h, inter)
-        whole = source[tuple(slice(None) for _ in source.get_shape())]
-        if tuple(whole.shape[1:]) == (columns, rows):
-            whole = whole.transpose(1, 2)
-        elif tuple(whole.shape[1:]) != (rows, columns):
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(whole.shape)} is neither [experts, {rows}, "
-                f"{columns}] nor [experts, {columns}, {rows}]: config.json does not describe "
-                "these weights"
-            )
-        for expert, weight in enumerate(whole):
-            if part == "gate_up_proj":
-                gate, up = weight.chunk(2, dim=0)
-                yield f"{experts}.{expert}.gate_proj.weight", Tensor(gate.contiguous())
-                yield f"{experts}.{expert}.up_proj.weight", Tensor(up.contiguous())
-            else:
-                yield f"{experts}.{expert}.down_proj.weight", Tensor(weight.contiguous())
+    return split_matching(tensors, _STACKED_RE, functools.partial(_split, cfg))
+
+
+def _split(
+    cfg: ModelConfig, m: re.Match[str], source: "TensorSource"
+) -> Iterator[tuple[str, "TensorSource"]]:
+    experts, part = m.groups()
+    h, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    rows, columns = (2 * inter, h) if part == "gate_up_proj" else (h, inter)
+    whole = source[tuple(slice(None) for _ in source.get_shape())]
+    if tuple(whole.shape[1:]) == (columns, rows):
+        whole = whole.transpose(1, 2)
+    elif tuple(whole.shape[1:]) != (rows, columns):
+        raise ValueError(
+            f"{m.group(0)}: checkpoint shape {tuple(whole.shape)} is neither [experts, {rows}, "
+            f"{columns}] nor [experts, {columns}, {rows}]: config.json does not describe "
+            "these weights"
+        )
+    for expert, weight in enumerate(whole):
+        if part == "gate_up_proj":
+            gate, up = weight.chunk(2, dim=0)
+            yield f"{experts}.{expert}.gate_proj.weight", Tensor(gate.contiguous())
+            yield f"{experts}.{expert}.up_proj.weight", Tensor(up.contiguous())
+        else:
+            yield f"{experts}.{expert}.down_proj.weight", Tensor(weight.contiguous())
