@@ -86,8 +86,10 @@ section() {
 }
 
 if [[ " $SECTIONS " == *" tests "* ]]; then
-    # The CPU test of the padded path needs the default model, which is not there.
-    section tests 130 "$PY" -m pytest -q -x -p no:cacheprovider -k "not on_cpu" \
+    # Only the CUDA cases: the CPU ones run in CI and some need the default model, which is
+    # not there. No -x: one failure must not hide the others.
+    section tests 120 "$PY" -m pytest -q -rfE -p no:cacheprovider --maxfail=20 --timeout=90 -n 8 \
+        -k "(cuda or kernels) and not on_cpu" \
         tests/test_cuda_graphs.py tests/test_model_runner.py tests/kernels \
         tests/test_architectures.py::test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA; then the
@@ -97,11 +99,20 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
         "$0" benchmarks/attention.py --quick --no-sdpa --kv-cache-dtype fp8' "$PY"
 fi
 
+if [[ " $SECTIONS " == *" profile "* ]]; then
+    # Not in the default sections: the kernels of a steady decode step, graphs and eager.
+    section profile 90 "$PY" benchmarks/step_profile.py --model "$model" --load-format dummy \
+        --dtype "$([[ $DEVICE == cuda ]] && echo bfloat16 || echo float32)" --device "$DEVICE" \
+        $([[ $SHAPE == tiny ]] && echo --batch 8 --kv-cache-gib 0.05 || echo --kv-cache-gib 4)
+fi
+
 if [[ " $SECTIONS " == *" breakdown "* ]]; then
-    for mode in graphs eager; do
+    # lockstep: graphs without async scheduling (not a default mode).
+    for mode in ${BREAKDOWN_MODES:-graphs eager}; do
         flags=(--device "$DEVICE" --dtype bfloat16 --load-format dummy --model "$model"
             --steady --num-prompts 256 --no-sync-phases)
         [[ $mode == eager ]] && flags+=(--enforce-eager)
+        [[ $mode == lockstep ]] && flags+=(--no-async-scheduling)
         [[ $SHAPE == tiny ]] && flags=(--device "$DEVICE" --load-format dummy --model "$model"
             --steady --num-prompts 8 --no-sync-phases)
         section "breakdown-$mode" 70 "$PY" benchmarks/step_breakdown.py "${flags[@]}"
@@ -112,7 +123,7 @@ if [[ " $SECTIONS " == *" throughput "* ]]; then
     common=(--model "$model" --load-format dummy --dtype bfloat16 --num-prompts 512)
     [[ $SHAPE == tiny ]] && common=(--model "$model" --load-format dummy --num-prompts 8 --threads 1)
     section throughput-graphs 80 "$PY" -m weir.services.cli bench throughput "${common[@]}"
-    section throughput-eager-hf-cb 140 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
+    section throughput-eager-hf-cb 120 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
         --enforce-eager --baseline hf-cb --output-json "$OUT/throughput-eager-hf-cb.json"
 fi
 log "done in $((SECONDS - start))s; results in $OUT"

@@ -22,37 +22,54 @@ from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
 
 
-def decode_latency(
-    runner: ModelRunner, batch: int, prompt_len: int, num_tokens: int
-) -> list[float]:
-    """Seconds per decode step with `batch` requests of `prompt_len` prompt tokens, greedy."""
+def prefill_plan(runner: ModelRunner, batch: int, prompt_len: int, num_tokens: int) -> StepPlan:
+    """The first step: `batch` greedy requests r0, r1, ... of `prompt_len` prompt tokens, with
+    blocks for `num_tokens` decode steps after it."""
     blocks_per_req = -(-(prompt_len + num_tokens + 1) // runner.block_size)
     params = SamplingParams(max_tokens=num_tokens + 1, temperature=0.0, ignore_eos=True)
-    ids = [f"r{i}" for i in range(batch)]
     new = [
         NewRequest(
-            rid,
+            f"r{i}",
             [(7 * i + j) % 1000 + 10 for j in range(prompt_len)],
             params,
             list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),
             0,
         )
-        for i, rid in enumerate(ids)
+        for i in range(batch)
     ]
-    runner.execute(StepPlan({rid: prompt_len for rid in ids}, batch * prompt_len, new_requests=new))
+    return StepPlan({r.request_id: prompt_len for r in new}, batch * prompt_len, new_requests=new)
+
+
+def decode_plan(batch: int, prompt_len: int, step: int) -> StepPlan:
+    """Decode step `step` (1, 2, ...) of every request of `prefill_plan`."""
+    ids = [f"r{i}" for i in range(batch)]
+    computed = prompt_len + step - 1
+    return StepPlan(
+        {rid: 1 for rid in ids},
+        batch,
+        cached_requests=[CachedRequest(rid, [], computed) for rid in ids],
+        step_id=step,
+    )
+
+
+def decode_latency(
+    runner: ModelRunner,
+    batch: int,
+    prompt_len: int,
+    num_tokens: int,
+    profiler: torch.profiler.profile | None = None,
+) -> list[float]:
+    """Seconds per decode step with `batch` requests of `prompt_len` prompt tokens, greedy.
+    A profiler is stepped after each decode step (its schedule leaves out the prefill)."""
+    runner.execute(prefill_plan(runner, batch, prompt_len, num_tokens))
     times = []
-    for step in range(num_tokens):
-        computed = prompt_len + step
-        plan = StepPlan(
-            {rid: 1 for rid in ids},
-            batch,
-            cached_requests=[CachedRequest(rid, [], computed) for rid in ids],
-            step_id=step + 1,
-        )
+    for step in range(1, num_tokens + 1):
         start = time.perf_counter()
-        runner.execute(plan)
+        runner.execute(decode_plan(batch, prompt_len, step))
         times.append(time.perf_counter() - start)
-    runner.execute(StepPlan(finished_req_ids=ids))
+        if profiler is not None:
+            profiler.step()
+    runner.execute(StepPlan(finished_req_ids=[f"r{i}" for i in range(batch)]))
     return times
 
 

@@ -87,8 +87,8 @@ def paged_attention(
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         context_len = seq_len - query_len
-        q_pos = torch.arange(query_len).unsqueeze(1) + context_len
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(query_len, device=query.device).unsqueeze(1) + context_len
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         hidden = k_pos > q_pos
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window

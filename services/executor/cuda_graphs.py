@@ -82,9 +82,9 @@ class _Buffers:
 
 
 class DecodeGraphs:
-    """Persistent input buffers and, with ``capture``, one CUDA graph per (requests, query
-    length) of the forward pass and logits. `padded_num_reqs` says whether a step fits;
-    `stage` + `forward` run it."""
+    """Persistent input buffers and, with ``capture``, ``copies`` CUDA graphs per (requests,
+    query length) of the forward pass and logits, replayed in turn (model_runner.GRAPH_COPIES
+    says why). `padded_num_reqs` says whether a step fits; `stage` + `forward` run it."""
 
     def __init__(
         self,
@@ -96,6 +96,7 @@ class DecodeGraphs:
         max_blocks_per_req: int,
         query_lens: tuple[int, ...] = (1,),
         capture: bool,
+        copies: int = 1,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -120,7 +121,10 @@ class DecodeGraphs:
         self._dev_table = torch.empty_like(self._host_table, device=self.device)
         self._host_views = {name: getattr(self.host, name).numpy() for name in _BUFFER_NAMES}
         self._copied: torch.cuda.Event | None = None  # when the last staged inputs were read
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Each size's captured copies and the index of the one replayed next.
+        self.copies = copies
+        self._graphs: dict[tuple[int, int], list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
+        self._turn: dict[tuple[int, int], int] = {}
 
     @property
     def max_num_tokens(self) -> int:
@@ -187,11 +191,15 @@ class DecodeGraphs:
     def forward(self, num_reqs: int, query_len: int) -> torch.Tensor:
         """Logits [num_reqs * query_len, vocab] of the staged step (padding rows included):
         the graph's replay if captured, else the same computation run eagerly."""
-        graph = self._graphs.get((num_reqs, query_len))
-        if graph is not None:
-            graph[0].replay()
-            return graph[1]
-        return self._forward(num_reqs, query_len)
+        key = (num_reqs, query_len)
+        graphs = self._graphs.get(key)
+        if graphs is None:
+            return self._forward(num_reqs, query_len)
+        turn = self._turn[key]
+        self._turn[key] = (turn + 1) % len(graphs)
+        graph, logits = graphs[turn]
+        graph.replay()
+        return logits
 
     def _forward(self, num_reqs: int, query_len: int) -> torch.Tensor:
         num_tokens = num_reqs * query_len
@@ -225,10 +233,13 @@ class DecodeGraphs:
                 # Warm up outside the capture: Triton compiles and cuBLAS picks its kernels here.
                 self._forward(num_reqs, q)
                 torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(num_reqs, q)
-                self._graphs[(num_reqs, q)] = (graph, logits)
+                self._graphs[(num_reqs, q)] = []
+                self._turn[(num_reqs, q)] = 0
+                for _ in range(self.copies):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = self._forward(num_reqs, q)
+                    self._graphs[(num_reqs, q)].append((graph, logits))
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graphs (query lengths %s, up to %d tokens) in %.2fs",

@@ -72,6 +72,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 SYNC_STEP_TIMING_ENV = "WEIR_SYNC_STEP_TIMING"
+# Each decode graph is captured twice and the copies replayed in turn: with async scheduling a
+# step's graph is launched while the step before (often the same size) still runs, and on the
+# H200 (2026-12-04, benchmarks/step_profile.py, 1B shape, 256 decodes) two copies took the
+# overlapped step from 2.59-3.17 ms to 2.02-2.26 ms; lockstep steps are unchanged.
+GRAPH_COPIES = 2
 # Prompt logprobs take logits over the vocabulary at every prompt position: this many rows
 # at a time bound the memory (a 2048-token chunk at once: 400 MB for a 49k vocabulary).
 PROMPT_LOGITS_ROWS = 256
@@ -341,6 +346,7 @@ class ModelRunner:
                 max_blocks_per_req=self.batch.max_blocks_per_req,
                 query_lens=self.graph_query_lens,
                 capture=True,
+                copies=GRAPH_COPIES,
             )
             self.graphs.capture_all()
 
@@ -449,8 +455,9 @@ class ModelRunner:
         return max(budget, 0) // per_block
 
     def _graph_memory(self) -> int:
-        """Activation memory of the largest graph's step: its private pool holds that much
-        for as long as the graphs live, beside what eager steps use."""
+        """Activation memory of the largest graph's step, once per copy (a bound: the copies
+        share one pool, but each keeps its logits): the pool holds that much for as long as
+        the graphs live, beside what eager steps use."""
         sizes = [
             (n * q, n)
             for q in self.graph_query_lens
@@ -463,7 +470,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(num_tokens, num_reqs)
         torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - before
+        return (torch.cuda.max_memory_allocated(self.device) - before) * GRAPH_COPIES
 
     @torch.inference_mode()
     def _profile_run(self, num_tokens: int, num_reqs: int) -> None:

@@ -1,0 +1,136 @@
+"""Where a decode step's device time goes: torch.profiler's kernel table over steady decode
+steps of ModelRunner, with CUDA graphs (at each KV cache size given) and eagerly (at the first).
+
+    python benchmarks/step_profile.py --model DIR --load-format dummy --dtype bfloat16 \
+        --batch 256 --kv-cache-gib 4 40
+
+Per configuration: the median wall time of a decode step (ModelRunner.execute waits for the
+step's tokens, so this is the step's whole time), and the kernels that took the most device
+time over the profiled steps (kernels replayed inside a CUDA graph are listed as CUPTI
+reports them). A step whose time grows with the KV cache size touches the whole cache.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from model_latency import decode_latency, decode_plan, prefill_plan
+
+from weir.services.executor.cuda_graphs import DecodeGraphs
+from weir.services.executor.model_runner import ModelRunner
+from weir.shared.protocol.step import StepPlan
+from weir.shared.config import LOAD_FORMATS
+from weir.shared.model_store import resolve_model
+
+
+def profile_decodes(runner: ModelRunner, batch: int, prompt_len: int, rows: int) -> None:
+    on_cuda = runner.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    schedule = torch.profiler.schedule(wait=2, warmup=2, active=8)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as profiler:
+        times = decode_latency(runner, batch, prompt_len, 12, profiler=profiler)
+    print(f"  decode step: median {1e3 * statistics.median(times[4:]):.2f} ms over 8 steps")
+    print(
+        profiler.key_averages().table(
+            sort_by="self_device_time_total" if on_cuda else "self_cpu_time_total",
+            row_limit=rows, max_name_column_width=70
+        )
+    )
+
+
+def host_phases(runner: ModelRunner, batch: int, prompt_len: int, overlap: bool) -> str:
+    """Median host milliseconds of a decode step's phases and the wall time per step, each step
+    finished before the next is launched, or (``overlap``, as the executor serves async
+    scheduling) launched before the previous one is finished."""
+    steps = 24
+    runner.execute(prefill_plan(runner, batch, prompt_len, steps))
+    launches: list[float] = []
+    timings = []
+    pending = None
+    began = time.perf_counter()
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        launched = runner.launch(decode_plan(batch, prompt_len, step))
+        launches.append(time.perf_counter() - start)
+        timings.append(launched.timings)
+        if overlap:
+            if pending is not None:
+                runner.finish(pending)
+            pending = launched
+        else:
+            runner.finish(launched)
+    if pending is not None:
+        runner.finish(pending)
+    wall = (time.perf_counter() - began) / steps
+    runner.execute(StepPlan(finished_req_ids=[f"r{i}" for i in range(batch)]))
+
+    def ms(values: list[float]) -> str:
+        return f"{1e3 * statistics.median(values[4:]):.2f}"
+
+    return (
+        f"wall {1e3 * wall:.2f} ms/step; launch {ms(launches)} (prepare "
+        f"{ms([t.prepare for t in timings])}, forward {ms([t.forward for t in timings])}), "
+        f"finish+sample {ms([t.sample for t in timings])}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--kv-cache-gib", type=float, nargs="+", default=[4.0])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (as --threads)")
+    parser.add_argument("--rows", type=int, default=14, help="kernels listed per configuration")
+    args = parser.parse_args()
+
+    model_dir = resolve_model(args.model, load_format=args.load_format)
+    for i, gib in enumerate(args.kv_cache_gib):
+        # Eagerly at the first size only: a cache size changes what both modes run alike.
+        for enforce_eager in (False, True) if i == 0 else (False,):
+            runner = ModelRunner(
+                model_dir,
+                device=args.device,
+                dtype=args.dtype,
+                kv_cache_memory_bytes=int(gib * 2**30) or None,  # 0: as served (profiled)
+                max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
+                max_num_seqs=args.batch,
+                load_format=args.load_format,
+                enforce_eager=enforce_eager,
+                num_threads=args.threads,
+            )
+            mode = "eager" if enforce_eager else "CUDA graphs"
+            print(f"== {mode}, KV cache {gib} GiB ({runner.num_blocks} blocks), dtype {runner.dtype}")
+            profile_decodes(runner, args.batch, args.prompt_len, args.rows)
+            if i == 0:
+                for copies in (1, 2) if runner.graphs is not None else (1,):
+                    if copies == 2:  # the same graphs captured twice, replayed in turn
+                        runner.graphs = DecodeGraphs(
+                            runner.model,
+                            runner.kv_caches,
+                            max_num_seqs=runner.max_num_seqs,
+                            max_num_batched_tokens=runner.max_num_batched_tokens,
+                            max_blocks_per_req=runner.batch.max_blocks_per_req,
+                            query_lens=runner.graph_query_lens,
+                            capture=True,
+                            copies=2,
+                        )
+                        runner.graphs.capture_all()
+                    for overlap in (False, True):
+                        phases = host_phases(runner, args.batch, args.prompt_len, overlap)
+                        print(f"  {copies} graph copies, {'overlapped' if overlap else 'lockstep'}: {phases}")
+            del runner
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
