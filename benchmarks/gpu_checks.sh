@@ -8,7 +8,8 @@
 #      and benchmarks/layer_ops.py (the layer kernels against PyTorch's operators), and the
 #      attention benchmark's decodes over an fp8 cache;
 #   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
-#      and with --enforce-eager (phases unsynchronized: the executor's idle time is real);
+#      (then again under the executor's torch.profiler: its table) and with --enforce-eager
+#      (phases unsynchronized: the executor's idle time is real);
 #   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs, with
 #      --enforce-eager, and the hf-cb baseline, in the same run;
 # all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,
@@ -19,7 +20,9 @@
 #   ../shared/device/prepare.sh && benchmarks/gpu_checks.sh --prepare
 # On the device (run tool, carry [".device"], timeout_s 600):
 #   source .device/setup.sh && bash benchmarks/gpu_checks.sh
-# SECTIONS="tests breakdown throughput" (the default) picks sections; SHAPE=tiny swaps the
+# SECTIONS="tests breakdown throughput" (the default) picks sections (also: profile, the
+# in-process kernel table of benchmarks/step_profile.py); BREAKDOWN_MODES="graphs eager" (the
+# default; also: lockstep, graphs without async scheduling) the breakdowns; SHAPE=tiny swaps the
 # 1B shape for a 2-layer one, to dry-run the script on a CPU (DEVICE=cpu).
 set -uo pipefail
 root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
@@ -113,6 +116,8 @@ if [[ " $SECTIONS " == *" breakdown "* ]]; then
             --steady --num-prompts 256 --no-sync-phases)
         [[ $mode == eager ]] && flags+=(--enforce-eager)
         [[ $mode == lockstep ]] && flags+=(--no-async-scheduling)
+        # Then the workload again under the executor's torch.profiler: its table in the log.
+        [[ $mode == graphs ]] && flags+=(--profiler-dir "$(mktemp -d)")
         [[ $SHAPE == tiny ]] && flags=(--device "$DEVICE" --load-format dummy --model "$model"
             --steady --num-prompts 8 --no-sync-phases)
         section "breakdown-$mode" 70 "$PY" benchmarks/step_breakdown.py "${flags[@]}"

@@ -33,6 +33,7 @@ import argparse
 import os
 import time
 import urllib.request
+from pathlib import Path
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -94,6 +95,12 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--profiler-dir",
+        default=None,
+        help="after the measured run, run the workload again under the executor's "
+        "torch.profiler (start_profile/stop_profile) and print its table; the trace stays here",
+    )
+    parser.add_argument(
         "--sync-phases",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -117,6 +124,7 @@ def main() -> None:
         device=device,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
+        profiler_dir=args.profiler_dir,
     ) as llm:
         urls = [llm.server_info["metrics_address"]] + [
             e["metrics_address"] for e in llm.server_info["executors"]
@@ -124,17 +132,20 @@ def main() -> None:
         llm.generate(
             [[1000, 1001, 1002]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         )
+        prompts = [r.prompt_token_ids for r in requests]
+        params = [
+            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            for r in requests
+        ]
         before = snapshot(urls)
         start = time.perf_counter()
-        llm.generate(
-            [r.prompt_token_ids for r in requests],
-            [
-                SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-                for r in requests
-            ],
-        )
+        llm.generate(prompts, params)
         wall = time.perf_counter() - start
         after = snapshot(urls)
+        if args.profiler_dir is not None:
+            llm.start_profile()
+            llm.generate(prompts, params)
+            llm.stop_profile()
 
     def delta(metric: str, phase: str = "") -> tuple[float, float]:
         s1, c1 = after.get((metric, phase), (0.0, 0.0))
@@ -207,6 +218,9 @@ def main() -> None:
             f"executor idle between steps (not hidden): {idle:.3f} ms per step = "
             f"{idle / wall_ms:.2%} of the wall time"
         )
+    if args.profiler_dir is not None:
+        (table,) = sorted(Path(args.profiler_dir).glob("executor0-*.txt"))[-1:]
+        print(f"\nThe workload again under torch.profiler ({table}):\n{table.read_text()}")
 
 
 if __name__ == "__main__":

@@ -269,6 +269,16 @@ class LLM:
         again from disk); for a trainer that needs the device between rollouts."""
         self._loop.run(self._client.sleep(level))
 
+    def start_profile(self) -> None:
+        """vLLM's ``LLM.start_profile``: the executors record torch.profiler traces of the
+        steps until ``stop_profile`` (an LLM made with ``profiler_dir``)."""
+        self._loop.run(self._client.start_profile())
+
+    def stop_profile(self) -> None:
+        """vLLM's ``LLM.stop_profile``: each executor writes its trace (Chrome/Perfetto JSON)
+        and a table of its costliest operators and kernels under ``profiler_dir``."""
+        self._loop.run(self._client.stop_profile())
+
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's ``LLM.wake_up``: ``tags`` ["weights"] first, then ["kv_cache"], to load new
         weights (``update_weights_from_disk``) before the KV cache takes its memory back."""

@@ -594,6 +594,16 @@ class AsyncWeirClient:
         reply = await self._request(EngineControlRequest(uuid.uuid4().hex, "is_sleeping"))
         return bool(reply.info["is_sleeping"])
 
+    async def start_profile(self) -> None:
+        """vLLM's: from the next step on, the executors record torch.profiler traces (a
+        server started with --profiler-dir; else ``InvalidRequestError``)."""
+        await self._request(EngineControlRequest(uuid.uuid4().hex, "start_profile"))
+
+    async def stop_profile(self) -> None:
+        """vLLM's: the executors stop recording and write their traces and tables under the
+        server's --profiler-dir (on the executors' machines), then this returns."""
+        await self._request(EngineControlRequest(uuid.uuid4().hex, "stop_profile"))
+
     async def tokenize(
         self,
         prompt: str | list[dict[str, Any]],
@@ -1191,6 +1201,14 @@ class WeirClient:
     def is_sleeping(self) -> bool:
         self._check_open()
         return self._loop.run(self._client.is_sleeping())
+
+    def start_profile(self) -> None:
+        self._check_open()
+        self._loop.run(self._client.start_profile())
+
+    def stop_profile(self) -> None:
+        self._check_open()
+        self._loop.run(self._client.stop_profile())
 
     def tokenize(
         self,

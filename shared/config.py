@@ -471,6 +471,13 @@ class EngineArgs:
         type=int,
     )
     seed: int | None = _arg(None, EXECUTOR, "sampler seed of requests without one", type=int)
+    profiler_dir: str | None = _arg(
+        None,
+        _BOTH,
+        "directory where each executor writes a torch.profiler trace (Chrome/Perfetto JSON) "
+        "and a table of its operators and kernels for the steps between /start_profile and "
+        "/stop_profile (vLLM's VLLM_TORCH_PROFILER_DIR); unset: profiling is refused",
+    )
     log_level: str = _arg(
         "WARNING", _BOTH, "logging level of the processes", type=str.upper, choices=LOG_LEVELS
     )

@@ -148,9 +148,11 @@ class EngineCore:
         load_weights: str | None = None,
         sleep_level: int | None = None,
         wake_tags: list[str] | None = None,
+        profile: str | None = None,
     ) -> None:
         """Have the executors wake up (``sleep_level`` 0: ``wake_tags``, None for all), serve
-        the weights of model directory ``load_weights``, or sleep (1, 2); the core must be
+        the weights of model directory ``load_weights``, sleep (1, 2), or start or stop their
+        profilers (``profile``); the core must be
         ``settled``. Raises
         ``StepFailedError`` where an executor could not (the others may have: with weights,
         load those served before to agree again)."""
@@ -158,7 +160,7 @@ class EngineCore:
             raise RuntimeError("executors change state while the engine is paused and settled")
         self._stepping = True
         try:
-            plan = self.scheduler.control_plan(load_weights, sleep_level, wake_tags)
+            plan = self.scheduler.control_plan(load_weights, sleep_level, wake_tags, profile)
             await self.executor.submit(plan)
         finally:
             self._stepping = False

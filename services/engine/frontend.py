@@ -120,6 +120,7 @@ class ClientFrontend:
         pooler: PoolerConfig | None = None,
         check_weights: Callable[[str], None] | None = None,
         served_weights: str | None = None,
+        profiler_dir: str | None = None,
     ) -> None:
         self._sock = sock
         self.tokenizer = tokenizer
@@ -138,6 +139,10 @@ class ClientFrontend:
         # the directory of the weights executors start with (None: random ones).
         self._check_weights = check_weights
         self._served_weights = served_weights
+        # Where the executors write their profiles (None: profiling refused), and whether
+        # they are recording one.
+        self.profiler_dir = profiler_dir
+        self.profiling = False
         self.core: EngineCore | None = None
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
@@ -342,6 +347,8 @@ class ClientFrontend:
                 await self.sleep(msg.level)
             elif msg.action == "wake_up":
                 await self.wake_up(msg.tags)
+            elif msg.action in ("start_profile", "stop_profile"):
+                await self.profile(msg.action.removesuffix("_profile"))
         except ValueError as exc:
             self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
             return
@@ -433,6 +440,39 @@ class ClientFrontend:
                 self.resume()
         self.metrics.weight_updates.inc()
         _log.info("serving the weights of %s", path)
+
+    async def profile(self, action: str) -> None:
+        """vLLM's start_profile ("start") and stop_profile ("stop"): between two steps, the
+        executors start torch.profiler, or stop it and write what it recorded under
+        ``profiler_dir``; the steps in flight finish first and the requests keep their
+        place (a pause, "keep", cache kept)."""
+        core = self.core
+        assert core is not None
+        if self.profiler_dir is None:
+            raise ValueError(
+                "this server was started without --profiler-dir: start it with one to profile"
+            )
+        if (action == "start") == self.profiling:
+            raise ValueError(
+                "a profile is already running: stop_profile first"
+                if self.profiling
+                else "no profile is running: start_profile first"
+            )
+        was_paused = core.paused
+        await self.pause("keep", clear_cache=False)
+        try:
+            await core.control(profile=action)
+        except StepFailedError as exc:
+            raise ValueError(f"the executors could not {action} profiling: {exc}") from None
+        finally:
+            if action == "stop":
+                # Even where it failed: an executor that lost its profile (one started again
+                # after a crash) has nothing to stop, and the others have stopped.
+                self.profiling = False
+            if not was_paused:
+                self.resume()
+        self.profiling = action == "start"
+        _log.info("profiling %s (%s)", "started" if self.profiling else "stopped", self.profiler_dir)
 
     async def sleep(self, level: int) -> None:
         """vLLM's sleep mode, to lend the device to a trainer between rollouts: the engine

@@ -254,6 +254,7 @@ class SchedulerServer:
             self.pooler,
             self._check_weights,
             None if self.engine_args.load_format == "dummy" else str(self.options.model_dir),
+            self.engine_args.profiler_dir,
         )
         self.group = ExecutorGroup(
             executor_sock,

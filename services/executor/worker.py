@@ -44,6 +44,7 @@ from weir.shared.protocol.step_codec import decode_step_plan, encode_step_result
 
 if TYPE_CHECKING:
     from weir.services.executor.model_runner import LaunchedStep, ModelRunner
+    from weir.services.executor.profiler import StepProfiler
 
 _log = logging.getLogger(__name__)
 
@@ -304,7 +305,11 @@ class ExecutorWorker:
         ``overlap``, a plan that arrives while a step runs on the device (async scheduling
         sends it ahead) is launched before that step's tokens are waited for: the device never
         idles while the host collects and sends them."""
+        # Imported here: this module starts before torch is imported (see _executor in cli).
+        from weir.services.executor.profiler import StepProfiler
+
         rank = self.options.rank
+        profiler = StepProfiler(self.options.engine_args.profiler_dir, rank, runner.device)
         pending: _Pending | None = None  # launched, its result not sent
         while True:
             if pending is not None and not (
@@ -313,7 +318,7 @@ class ExecutorWorker:
                 and pending.step.reserved is not None
                 and _frame_before_done(sock, pending.step)
             ):
-                failed = self._finish(sock, runner, metrics, pending)
+                failed = self._finish(sock, runner, metrics, pending, profiler)
                 pending = None
                 if failed and runner.tp is not None:
                     return 1
@@ -339,16 +344,19 @@ class ExecutorWorker:
             try:
                 plan = decode_step_plan(payload)
                 step_id = plan.step_id
-                launched = runner.launch(plan)
+                if plan.profile is not None:  # sent between steps: none is pending
+                    profiler.apply(plan.profile)
+                with profiler.span("weir::launch"):
+                    launched = runner.launch(plan)
             except Exception as exc:  # a bad plan or a failed forward pass: report, keep serving
                 if pending is not None:  # launched before this one: its result goes first
-                    self._finish(sock, runner, metrics, pending)
+                    self._finish(sock, runner, metrics, pending, profiler)
                     pending = None
                 self._fail(sock, runner, step_id, exc)
                 if runner.tp is not None:
                     return 1
                 continue
-            if pending is not None and self._finish(sock, runner, metrics, pending):
+            if pending is not None and self._finish(sock, runner, metrics, pending, profiler):
                 # The runner dropped its requests: the step launched after means nothing.
                 self._fail(sock, runner, step_id, RuntimeError("the step before it failed"))
                 pending = None
@@ -356,12 +364,18 @@ class ExecutorWorker:
             pending = _Pending(launched, start)
 
     def _finish(
-        self, sock: zmq.Socket, runner: ModelRunner, metrics: ExecutorMetrics, pending: _Pending
+        self,
+        sock: zmq.Socket,
+        runner: ModelRunner,
+        metrics: ExecutorMetrics,
+        pending: _Pending,
+        profiler: StepProfiler,
     ) -> bool:
         """Wait for a launched step and send its result; True if that failed (reported)."""
         step = pending.step
         try:
-            result = runner.finish(step)
+            with profiler.span("weir::finish"):
+                result = runner.finish(step)
             encoded = encode_step_result(result) if self.options.rank == 0 else None
         except Exception as exc:
             self._fail(sock, runner, step.plan.step_id, exc)

@@ -110,6 +110,8 @@ _ROUTES = (
     "/sleep",
     "/wake_up",
     "/is_sleeping",
+    "/start_profile",
+    "/stop_profile",
     "/tokenize",
     "/detokenize",
     "/health",
@@ -136,6 +138,8 @@ _ENGINE_ROUTES = frozenset(
         "/sleep",
         "/wake_up",
         "/is_sleeping",
+        "/start_profile",
+        "/stop_profile",
     }
 )
 
@@ -392,7 +396,9 @@ class Gateway:
         (answered once no step runs), ``/resume``, ``/is_paused`` and ``/reset_prefix_cache``
         say ``is_paused``; the sleep mode's ``/sleep`` (``level`` 1 or 2), ``/wake_up`` and
         ``/is_sleeping`` say ``is_sleeping``: true once every replica is (and until both of
-        ``/wake_up``'s ``tags`` woke)."""
+        ``/wake_up``'s ``tags`` woke); ``/start_profile`` and ``/stop_profile`` (the
+        executors' torch.profiler, a server started with --profiler-dir) answer an empty
+        200."""
         for param, value, choices in (("mode", mode, PAUSE_MODES), ("level", level, SLEEP_LEVELS)):
             if value not in choices:
                 raise APIError(
@@ -415,7 +421,12 @@ class Gateway:
                 await client.sleep(level)
             elif action == "wake_up":
                 await client.wake_up(tags)
+            elif action in ("start_profile", "stop_profile"):
+                await getattr(client, action)()
+                continue
             states.append(await (client.is_sleeping() if sleep_route else client.is_paused()))
+        if action in ("start_profile", "stop_profile"):
+            return Response(status_code=200)
         return JSONResponse({"is_sleeping" if sleep_route else "is_paused": all(states)})
 
     async def update_weights(self, path: str) -> Response:
@@ -1486,6 +1497,14 @@ def create_app(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         return await answer(gateway.control("reset_prefix_cache"))
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        return await answer(gateway.control("start_profile"))
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        return await answer(gateway.control("stop_profile"))
 
     @app.post("/sleep")
     async def sleep(level: int = 1) -> Response:

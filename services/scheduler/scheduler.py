@@ -477,10 +477,12 @@ class Scheduler:
         load_weights: str | None = None,
         sleep_level: int | None = None,
         wake_tags: list[str] | None = None,
+        profile: str | None = None,
     ) -> StepPlan:
         """A plan that schedules nothing: the executors wake up (``sleep_level`` 0: what
         ``wake_tags`` names, None for all), load
-        the weights of model directory ``load_weights``, and go to sleep (1, 2), as asked,
+        the weights of model directory ``load_weights``, go to sleep (1, 2), and start or
+        stop their profilers (``profile``), as asked,
         and forget the requests ended since the last plan; for an engine whose steps are
         paused and settled (``EngineCore.settled``)."""
         if load_weights is not None:
@@ -495,6 +497,7 @@ class Scheduler:
             load_weights=weights,
             sleep_level=sleep_level,
             wake_tags=wake_tags,
+            profile=profile,
         )
 
     def _grammar_bitmasks(

@@ -200,6 +200,8 @@ CONTROL_ACTIONS = (
     "sleep",
     "wake_up",
     "is_sleeping",
+    "start_profile",
+    "stop_profile",
 )
 PAUSE_MODES = ("abort", "wait", "keep")
 # vLLM's sleep levels: 1 frees the KV cache and moves the weights off the GPU; 2 frees both.
@@ -208,7 +210,7 @@ SLEEP_LEVELS = (1, 2)
 
 @dataclass(slots=True)
 class EngineControlRequest:
-    """Pause the engine's steps (``mode``; with ``clear_cache`` every cached block is
+    """Start or stop the executors' profilers (vLLM's start_profile, stop_profile), pause the engine's steps (``mode``; with ``clear_cache`` every cached block is
     dropped, and requests kept are computed again on resuming), resume them, ask whether
     they are paused, drop the prefix cache, have the executors load the weights of model
     directory ``path`` (SGLang's update_weights_from_disk), or put the engine to sleep at

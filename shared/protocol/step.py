@@ -38,6 +38,8 @@ from weir.shared.sampling import SamplingParams
 # What a sleeping engine wakes (vLLM's wake_up tags): its weights, its KV cache (and CUDA
 # graphs, which need the weights).
 WAKE_TAGS = ("weights", "kv_cache")
+# What a plan may tell the executors' profilers (vLLM's start_profile and stop_profile).
+PROFILE_ACTIONS = ("start", "stop")
 
 
 @dataclass(slots=True)
@@ -176,6 +178,9 @@ class StepPlan:
     # What sleep_level 0 wakes, of WAKE_TAGS (vLLM's tags: the weights first, then the KV
     # cache, so that new weights load between the two); None: both.
     wake_tags: list[str] | None = None
+    # Of PROFILE_ACTIONS: the executors start torch.profiler before this step, or stop it and
+    # write what it recorded (sent while the engine is paused and settled); None: as it is.
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.cached_requests, CachedRequestData):

@@ -28,6 +28,7 @@ from weir.shared.protocol.checks import (
 )
 from weir.shared.protocol.envelope import ProtocolError, pack_array, unpack_array
 from weir.shared.protocol.step import (
+    PROFILE_ACTIONS,
     WAKE_TAGS,
     CachedRequestData,
     NewRequest,
@@ -221,6 +222,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
             plan.load_weights,
             plan.sleep_level,
             plan.wake_tags,
+            plan.profile,
         ],
     )
 
@@ -259,7 +261,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
 
 
 def decode_step_plan(data: bytes) -> StepPlan:
-    msg = unpack_array(data, _STEP_PLAN, 16)
+    msg = unpack_array(data, _STEP_PLAN, 17)
     step_id = non_negative_int("step_id", msg[2])
     total = non_negative_int("total_num_scheduled_tokens", msg[3])
     cached_ids = _split_ids("cached_requests.req_ids", msg[4])
@@ -309,12 +311,19 @@ def decode_step_plan(data: bytes) -> StepPlan:
         _path("load_weights", msg[15]),
         _sleep_level(msg[16]),
         _wake_tags(msg[17]),
+        _profile(msg[18]),
     )
 
 
 def _sleep_level(value: Any) -> int | None:
     if value is not None and (type(value) is not int or value not in (0, 1, 2)):
         raise ProtocolError("sleep_level: expected 0 (wake up), 1, 2 or nil")
+    return value
+
+
+def _profile(value: Any) -> str | None:
+    if value is not None and value not in PROFILE_ACTIONS:
+        raise ProtocolError(f"profile: expected one of {PROFILE_ACTIONS}, or nil")
     return value
 
 

@@ -46,6 +46,7 @@ def _plan() -> StepPlan:
         load_weights="/checkpoints/step-200",
         sleep_level=0,
         wake_tags=["weights"],
+        profile="stop",
     )
 
 
@@ -126,7 +127,7 @@ def _raw(message: list) -> bytes:
         (_raw({"v": 1}), "[type, version"),
         (_raw(["StepResult", PROTOCOL_VERSION, 0, None, [b"", None], None]), "StepPlan message"),
         (_raw(["StepPlan", 99]), "version 99"),
-        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 16 fields"),
+        (_raw(["StepPlan", PROTOCOL_VERSION, 0]), "expected 17 fields"),
     ],
 )
 def test_step_plan_rejects_bad_envelopes(data, fragment):
@@ -161,6 +162,8 @@ def _plan_fields() -> list:
         (17, ["weights", "gpu"], "wake_tags: expected"),
         (17, "weights", "wake_tags: expected"),
         (17, [["weights"]], "wake_tags: expected"),
+        (18, "pause", "profile: expected"),
+        (18, 1, "profile: expected"),
     ],
 )
 def test_step_plan_rejects_wrong_types(index, value, fragment):

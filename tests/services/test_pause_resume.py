@@ -1,10 +1,12 @@
 """vLLM's reinforcement-learning lifecycle over a real server: pausing the engine's steps
 (aborting, waiting for or keeping the requests in flight, the cache dropped or kept),
 resuming, dropping the prefix cache, and loading new weights (SGLang's
-update_weights_from_disk); through the SDK and the HTTP routes. Kept requests resume where
+update_weights_from_disk); and vLLM's profiling between two steps (start_profile,
+stop_profile); through the SDK and the HTTP routes. Kept requests resume where
 they were and decode what transformers decodes (with the new weights once loaded),
 recomputed when the cache was dropped; nothing accepted is lost."""
 
+import json
 import os
 import shutil
 import signal
@@ -29,8 +31,13 @@ PROMPT = [5, 17, 230, 4000, 12, 9, 77, 310, 18, 64, 1024, 3, 88, 901, 45, 6, 200
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with small_server(tiny_model_dir, "tiny") as processes:
+def profiles(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, profiles):
+    with small_server(tiny_model_dir, "tiny", profiler_dir=str(profiles)) as processes:
         yield processes
 
 
@@ -176,6 +183,31 @@ def test_the_http_routes_pause_resume_and_drop_the_prefix_cache(server):
         after_reset = hits()
         list(client.generate(prompt, _greedy(1)))
         assert hits() == after_reset
+
+
+def test_a_profile_holds_the_steps_between_start_and_stop(server, profiles):
+    """/start_profile and /stop_profile (vLLM's): the executor writes a Chrome trace of the
+    steps between (each step's launch and finish, the operators under them) and a table of
+    its operators. A stop without a start and a second start are refused, and the engine
+    goes on serving."""
+    http = server.info["http_address"]
+    stop = httpx.post(http + "/stop_profile", timeout=10)
+    assert stop.status_code == 400 and "no profile is running" in stop.json()["error"]["message"]
+    started = httpx.post(http + "/start_profile", timeout=60)
+    assert started.status_code == 200 and not started.content
+    again = httpx.post(http + "/start_profile", timeout=10)
+    assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+    with WeirClient(server.client_address) as client:
+        assert sum(len(out.new_token_ids) for out in client.generate(PROMPT, _greedy(3))) == 3
+    assert httpx.post(http + "/stop_profile", timeout=60).status_code == 200
+
+    (trace,) = profiles.glob("executor0-*.trace.json")
+    (table,) = profiles.glob("executor0-*.txt")
+    names = [event.get("name", "") for event in json.loads(trace.read_text())["traceEvents"]]
+    # The plan that started it (it schedules nothing), the prefill and two decodes, and
+    # greedy sampling in each of the three.
+    assert names.count("weir::launch") == names.count("weir::finish") == 4
+    assert "aten::argmax" in names and "aten::argmax" in table.read_text()
 
 
 @pytest.fixture(scope="module")

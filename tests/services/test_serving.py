@@ -175,6 +175,15 @@ async def wait_for_free_kv(client: AsyncWeirClient) -> dict:
     return health
 
 
+async def test_profiling_is_refused_without_a_profiler_dir(server):
+    async with AsyncWeirClient(server.client_address) as client:
+        with pytest.raises(InvalidRequestError, match="started without --profiler-dir"):
+            await client.start_profile()
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        outputs = [out async for out in client.generate([5, 6], params)]
+        assert outputs[-1].finish_reason == "length"
+
+
 async def test_abort_and_close_free_kv_blocks(server):
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     async with AsyncWeirClient(server.client_address) as client:
