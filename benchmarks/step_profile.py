@@ -17,11 +17,10 @@ import time
 import torch
 from model_latency import decode_latency, decode_plan, prefill_plan
 
-from weir.services.executor.cuda_graphs import DecodeGraphs
-from weir.services.executor.model_runner import ModelRunner
-from weir.shared.protocol.step import StepPlan
+from weir.services.executor.model_runner import GRAPH_COPIES, ModelRunner
 from weir.shared.config import LOAD_FORMATS
 from weir.shared.model_store import resolve_model
+from weir.shared.protocol.step import StepPlan
 
 
 def profile_decodes(runner: ModelRunner, batch: int, prompt_len: int, rows: int) -> None:
@@ -36,7 +35,8 @@ def profile_decodes(runner: ModelRunner, batch: int, prompt_len: int, rows: int)
     print(
         profiler.key_averages().table(
             sort_by="self_device_time_total" if on_cuda else "self_cpu_time_total",
-            row_limit=rows, max_name_column_width=70
+            row_limit=rows,
+            max_name_column_width=70,
         )
     )
 
@@ -108,25 +108,20 @@ def main() -> None:
                 num_threads=args.threads,
             )
             mode = "eager" if enforce_eager else "CUDA graphs"
-            print(f"== {mode}, KV cache {gib} GiB ({runner.num_blocks} blocks), dtype {runner.dtype}")
+            print(
+                f"== {mode}, KV cache {gib} GiB ({runner.num_blocks} blocks), dtype {runner.dtype}"
+            )
             profile_decodes(runner, args.batch, args.prompt_len, args.rows)
             if i == 0:
-                for copies in (1, 2) if runner.graphs is not None else (1,):
-                    if copies == 2:  # the same graphs captured twice, replayed in turn
-                        runner.graphs = DecodeGraphs(
-                            runner.model,
-                            runner.kv_caches,
-                            max_num_seqs=runner.max_num_seqs,
-                            max_num_batched_tokens=runner.max_num_batched_tokens,
-                            max_blocks_per_req=runner.batch.max_blocks_per_req,
-                            query_lens=runner.graph_query_lens,
-                            capture=True,
-                            copies=2,
-                        )
-                        runner.graphs.capture_all()
+                # With graphs: the default copies (GRAPH_COPIES), then each graph captured once.
+                for copies in (GRAPH_COPIES, 1) if runner.graphs is not None else (GRAPH_COPIES,):
+                    if copies != GRAPH_COPIES:
+                        runner.capture_graphs(copies)
                     for overlap in (False, True):
                         phases = host_phases(runner, args.batch, args.prompt_len, overlap)
-                        print(f"  {copies} graph copies, {'overlapped' if overlap else 'lockstep'}: {phases}")
+                        label = f"{copies} graph copies, " if runner.graphs is not None else ""
+                        mode = "overlapped" if overlap else "lockstep"
+                        print(f"  {label}{mode}: {phases}")
             del runner
             if args.device == "cuda":
                 torch.cuda.empty_cache()

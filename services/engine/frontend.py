@@ -472,7 +472,9 @@ class ClientFrontend:
             if not was_paused:
                 self.resume()
         self.profiling = action == "start"
-        _log.info("profiling %s (%s)", "started" if self.profiling else "stopped", self.profiler_dir)
+        _log.info(
+            "profiling %s (%s)", "started" if self.profiling else "stopped", self.profiler_dir
+        )
 
     async def sleep(self, level: int) -> None:
         """vLLM's sleep mode, to lend the device to a trainer between rollouts: the engine

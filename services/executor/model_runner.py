@@ -338,17 +338,21 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, self.block_size)
         if self.use_cuda_graphs:
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_blocks_per_req=self.batch.max_blocks_per_req,
-                query_lens=self.graph_query_lens,
-                capture=True,
-                copies=GRAPH_COPIES,
-            )
-            self.graphs.capture_all()
+            self.capture_graphs()
+
+    def capture_graphs(self, copies: int = GRAPH_COPIES) -> None:
+        """Capture the decode graphs over the KV caches (again, for a benchmark's copies)."""
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_blocks_per_req=self.batch.max_blocks_per_req,
+            query_lens=self.graph_query_lens,
+            capture=True,
+            copies=copies,
+        )
+        self.graphs.capture_all()
 
     def sleep(self, level: int) -> None:
         """vLLM's sleep mode: free the KV caches and the CUDA graphs; level 1 moves the
