@@ -1,5 +1,6 @@
 """Helpers for the process-level tests (reference decoding, metrics scraping)."""
 
+import time
 import urllib.request
 from collections.abc import Sequence
 
@@ -157,6 +158,16 @@ def read_metrics(url: str) -> dict[str, float]:
 def metric(samples: dict[str, float], name: str) -> float:
     """Sum of every sample of ``name`` (over its label sets)."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def wait_for_metric(url: str, name: str, at_least: float, timeout: float = 10.0) -> float:
+    """``name``'s value once it reaches ``at_least``: the scheduler refreshes its counters
+    after the step whose output a reply carries, so a scrape right after may be early."""
+    deadline = time.monotonic() + timeout
+    while (value := metric(read_metrics(url), name)) < at_least:
+        assert time.monotonic() < deadline, f"{name} stayed at {value}, below {at_least}"
+        time.sleep(0.05)
+    return value
 
 
 def frontend_over(sock, tokenizer, scheduler, name: str):

@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 from lora_adapters import peft_model, save_random_adapter
-from serving_helpers import metric, read_metrics, small_server
+from serving_helpers import metric, read_metrics, small_server, wait_for_metric
 
 from weir.services import LLM
 from weir.shared.client import InvalidRequestError, WeirClient
@@ -103,11 +103,7 @@ def test_a_cached_prefix_gives_the_same_vector(server, hidden_states):
     client.embeddings.create(model=MODEL, input=prompt)
     hits = metric(read_metrics(url), "weir_prefix_cache_hit_tokens_total")
     again = client.embeddings.create(model=MODEL, input=prompt, encoding_format="float")
-    # The counters are refreshed after the step whose output the reply carries: poll.
-    deadline = time.monotonic() + 10
-    while metric(read_metrics(url), "weir_prefix_cache_hit_tokens_total") < hits + 64:
-        assert time.monotonic() < deadline, "the second request hit no cached block"
-        time.sleep(0.05)
+    wait_for_metric(url, "weir_prefix_cache_hit_tokens_total", hits + 64)
     assert close(again.data[0].embedding, pooled(hidden_states(prompt)))
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import save_speaking
 from safetensors.torch import load_file, save_file
-from serving_helpers import hf_greedy, metric, read_metrics, small_server
+from serving_helpers import hf_greedy, metric, read_metrics, small_server, wait_for_metric
 
 from weir.services import LLM
 from weir.services.launcher import EXECUTOR
@@ -178,10 +178,13 @@ def test_the_http_routes_pause_resume_and_drop_the_prefix_cache(server):
         list(client.generate(prompt, _greedy(1)))
         before = hits()
         list(client.generate(prompt, _greedy(1)))
-        assert hits() > before  # the second read the first's blocks
+        # The second read the first's blocks (the counters follow the reply: waited for).
+        after_reset = wait_for_metric(metrics, "weir_prefix_cache_hit_tokens_total", before + 1)
         assert httpx.post(http + "/reset_prefix_cache", timeout=10).status_code == 200
-        after_reset = hits()
+        queries = "weir_prefix_cache_query_tokens_total"
+        queried = metric(read_metrics(metrics), queries)
         list(client.generate(prompt, _greedy(1)))
+        wait_for_metric(metrics, queries, queried + 1)  # its lookup counted, and no hit
         assert hits() == after_reset
 
 
