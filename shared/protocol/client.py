@@ -210,12 +210,13 @@ SLEEP_LEVELS = (1, 2)
 
 @dataclass(slots=True)
 class EngineControlRequest:
-    """Start or stop the executors' profilers (vLLM's start_profile, stop_profile), pause the engine's steps (``mode``; with ``clear_cache`` every cached block is
+    """Pause the engine's steps (``mode``; with ``clear_cache`` every cached block is
     dropped, and requests kept are computed again on resuming), resume them, ask whether
     they are paused, drop the prefix cache, have the executors load the weights of model
-    directory ``path`` (SGLang's update_weights_from_disk), or put the engine to sleep at
+    directory ``path`` (SGLang's update_weights_from_disk), put the engine to sleep at
     ``level`` and wake it up (vLLM's sleep mode; ``tags``: what wakes, of ``WAKE_TAGS``, None
-    for both). Answered with a ``ControlReply`` once done (a pause once no step runs)."""
+    for both), or start and stop the executors' profilers (vLLM's start_profile,
+    stop_profile). Answered with a ``ControlReply`` once done (a pause once no step runs)."""
 
     request_id: str
     action: str

@@ -179,13 +179,15 @@ def test_the_http_routes_pause_resume_and_drop_the_prefix_cache(server):
         before = hits()
         list(client.generate(prompt, _greedy(1)))
         # The second read the first's blocks (the counters follow the reply: waited for).
-        after_reset = wait_for_metric(metrics, "weir_prefix_cache_hit_tokens_total", before + 1)
+        hits_before_reset = wait_for_metric(
+            metrics, "weir_prefix_cache_hit_tokens_total", before + 1
+        )
         assert httpx.post(http + "/reset_prefix_cache", timeout=10).status_code == 200
         queries = "weir_prefix_cache_query_tokens_total"
         queried = metric(read_metrics(metrics), queries)
         list(client.generate(prompt, _greedy(1)))
         wait_for_metric(metrics, queries, queried + 1)  # its lookup counted, and no hit
-        assert hits() == after_reset
+        assert hits() == hits_before_reset
 
 
 def test_a_profile_holds_the_steps_between_start_and_stop(server, profiles):
