@@ -322,7 +322,9 @@ def _sleep_level(value: Any) -> int | None:
 
 
 def _profile(value: Any) -> str | None:
-    if value is not None and value not in PROFILE_ACTIONS:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in PROFILE_ACTIONS:
         raise ProtocolError(f"profile: expected one of {PROFILE_ACTIONS}, or nil")
     return value
 
