@@ -1,7 +1,7 @@
 """torch.profiler over an executor's steps between start_profile and stop_profile (vLLM's
 VLLM_TORCH_PROFILER_DIR): on stop, a Chrome/Perfetto trace of every operator, kernel and host
-call (open it in ui.perfetto.dev) and a table of what took the most time (device time on a
-GPU, host time on a CPU), both under the server's --profiler-dir."""
+call (open it in ui.perfetto.dev) and tables of what took the most time (host time, and on a
+GPU device time too), both under the server's --profiler-dir."""
 
 import contextlib
 import itertools
@@ -63,12 +63,15 @@ class StepProfiler:
         stem = folder / f"executor{self.rank}-{stamp}-{os.getpid()}-{next(self._count)}"
         trace, table = stem.with_suffix(".trace.json"), stem.with_suffix(".txt")
         profile.export_chrome_trace(str(trace))
-        on_gpu = self.device.type == "cuda"
+        averages = profile.key_averages()
+        # On a GPU the kernels first; then, on both, where the host's time went (a launch
+        # call that blocks shows there, not among the kernels).
+        orders = ["self_device_time_total"] if self.device.type == "cuda" else []
         table.write_text(
-            profile.key_averages().table(
-                sort_by="self_device_time_total" if on_gpu else "self_cpu_time_total",
-                row_limit=TABLE_ROWS,
-                max_name_column_width=90,
+            "\n".join(
+                f"By {order}:\n"
+                + averages.table(sort_by=order, row_limit=TABLE_ROWS, max_name_column_width=90)
+                for order in [*orders, "self_cpu_time_total"]
             )
         )
         logger.info("executor %d wrote its profile: %s and %s", self.rank, trace, table)
