@@ -17,7 +17,7 @@ import transformers
 from test_model_runner import Driver, hf_greedy
 
 from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
-from weir.services.executor.model_runner import ModelRunner
+from weir.services.executor.model_runner import GRAPH_COPIES, ModelRunner
 from weir.shared.sampling import SamplingParams
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -211,6 +211,7 @@ def test_cuda_graphs_give_the_eager_tokens(dummy_model_dir):
     graphed = make_runner(False)
     assert graphed.graphs is not None
     assert set(graphed.graphs._graphs) == {(n, q) for n in (1, 2, 4, 8, 16) for q in (1, SPEC_LEN)}
+    assert all(len(copies) == GRAPH_COPIES for copies in graphed.graphs._graphs.values())
     steps = count_padded_steps(graphed)
     replayed = record_graphed(graphed)
     assert run_workload(graphed, prompts) == want

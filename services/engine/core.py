@@ -155,13 +155,18 @@ class EngineCore:
         profilers (``profile``); the core must be
         ``settled``. Raises
         ``StepFailedError`` where an executor could not (the others may have: with weights,
-        load those served before to agree again)."""
+        load those served before to agree again); that executor then holds no request, so
+        every request is sent again, as after a failed step (no culprit to look for: the plan
+        scheduled none)."""
         if not self.settled:
             raise RuntimeError("executors change state while the engine is paused and settled")
         self._stepping = True
         try:
             plan = self.scheduler.control_plan(load_weights, sleep_level, wake_tags, profile)
             await self.executor.submit(plan)
+        except StepFailedError:
+            self.scheduler.reset_executor_state()
+            raise
         finally:
             self._stepping = False
 

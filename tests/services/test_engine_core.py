@@ -110,6 +110,33 @@ def _run_to_completion(core: EngineCore) -> tuple[dict[str, list[int]], dict[str
     return produced, failed
 
 
+def test_requests_held_through_a_control_plan_that_failed_lose_nothing(
+    tiny_model_dir, tiny_hf_model, tmp_path
+):
+    """A control plan (new weights, sleep, profiling) that raises on the executor leaves it
+    holding no request: the request paused mid-decode (alone: a failed step of one request
+    would end it as the culprit) is sent again and finishes as transformers decodes it."""
+    core = _core(tiny_model_dir)
+    prompts = [[5, 17, 230, 4000, 12]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.scheduler.add_request(Request(f"r{i}", prompt, params))
+    produced: dict[str, list[int]] = {}
+    for _ in range(4):
+        for out in step_now(core).outputs:
+            produced.setdefault(out.request_id, []).extend(out.new_token_ids)
+    core.paused = True
+    with pytest.raises(StepFailedError, match="config.json|No such"):
+        asyncio.run(core.control(load_weights=str(tmp_path / "missing")))
+    core.scheduler.weights_path = None  # as the front end does: the served weights stay
+    core.paused = False
+    rest, failed = _run_to_completion(core)
+    assert not failed
+    for i, prompt in enumerate(prompts):
+        tokens = produced.get(f"r{i}", []) + rest.get(f"r{i}", [])
+        assert tokens == hf_greedy(tiny_hf_model, prompt, 10), f"r{i}"
+
+
 @BOTH_MODES
 def test_a_step_that_raises_fails_only_the_request_that_made_it_raise(
     tiny_model_dir, tiny_hf_model, async_scheduling

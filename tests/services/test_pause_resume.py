@@ -196,6 +196,7 @@ def test_a_profile_holds_the_steps_between_start_and_stop(server, profiles):
     its operators. A stop without a start and a second start are refused, and the engine
     goes on serving."""
     http = server.info["http_address"]
+    earlier = set(profiles.iterdir())  # other tests' profiles
     stop = httpx.post(http + "/stop_profile", timeout=10)
     assert stop.status_code == 400 and "no profile is running" in stop.json()["error"]["message"]
     started = httpx.post(http + "/start_profile", timeout=60)
@@ -206,13 +207,44 @@ def test_a_profile_holds_the_steps_between_start_and_stop(server, profiles):
         assert sum(len(out.new_token_ids) for out in client.generate(PROMPT, _greedy(3))) == 3
     assert httpx.post(http + "/stop_profile", timeout=60).status_code == 200
 
-    (trace,) = profiles.glob("executor0-*.trace.json")
-    (table,) = profiles.glob("executor0-*.txt")
+    written = set(profiles.iterdir()) - earlier
+    (trace,) = [p for p in written if p.name.startswith("executor0-") and p.suffix == ".json"]
+    (table,) = [p for p in written if p.name.startswith("executor0-") and p.suffix == ".txt"]
     names = [event.get("name", "") for event in json.loads(trace.read_text())["traceEvents"]]
     # The plan that started it (it schedules nothing), the prefill and two decodes, and
     # greedy sampling in each of the three.
     assert names.count("weir::launch") == names.count("weir::finish") == 4
     assert "aten::argmax" in names and "aten::argmax" in table.read_text()
+
+
+def test_a_stop_the_new_executor_refuses_loses_no_request(server, tiny_hf_model):
+    """An executor SIGKILLed while profiling is replaced by one that records nothing: the stop
+    is a 400 (the new one has no profile to stop), the request held (paused, "keep") through
+    all of it decodes as transformers does once resumed, and profiling works again."""
+    http = server.info["http_address"]
+    with WeirClient(server.client_address) as client:
+        stream = _Stream(server.client_address, PROMPT, 200)
+        stream.start()
+        assert stream.started.wait(60)
+        client.pause("keep", clear_cache=False)
+        assert httpx.post(http + "/start_profile", timeout=60).status_code == 200
+        os.kill(_executor_pid(server), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while client.health()["status"] != "ok" or time.monotonic() < deadline - 55:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        stop = httpx.post(http + "/stop_profile", timeout=60)
+        assert stop.status_code == 400
+        assert "no profile is running" in stop.json()["error"]["message"]
+        assert client.is_paused() and _quiet(stream, 0.2)
+        client.resume()
+        stream.join(120)
+        assert httpx.post(http + "/start_profile", timeout=60).status_code == 200
+        assert httpx.post(http + "/stop_profile", timeout=60).status_code == 200
+    assert (stream.tokens, stream.finish_reason) == (
+        hf_greedy(tiny_hf_model, PROMPT, 200),
+        "length",
+    )
 
 
 @pytest.fixture(scope="module")
