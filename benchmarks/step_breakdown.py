@@ -210,6 +210,14 @@ def main() -> None:
         delta("weir_executor_step_seconds")[1],
     )
     print(f"steps replayed from CUDA graphs: {graphed:.0f} of {executor_steps:.0f}")
+    compiles, compile_seconds = (
+        delta("weir_executor_kernel_compiles")[0],
+        delta("weir_executor_kernel_compile_seconds")[0],
+    )
+    print(
+        f"Triton kernels compiled while measured: {compiles:.0f}, {compile_seconds:.2f} s "
+        "(weir_executor_kernel_compiles: included in the step times above)"
+    )
     if not (args.async_scheduling and device == "cuda"):
         # Steps do not overlap on the executor here, so its idle time is what its step time
         # leaves of the wall time.

@@ -47,6 +47,7 @@ Every grid depends only on tensor shapes, the device, the window and the host-si
 """
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -58,20 +59,30 @@ from weir.kernels.triton_cache import reshape_and_cache
 
 __all__ = [
     "MAX_SEGMENTS",
+    "STEP_VARYING_ARGS",
     "LaunchPlan",
+    "LayerAttention",
     "SplitKVWorkspace",
     "TileShape",
     "allocate_split_kv_workspace",
+    "device_class",
     "paged_attention",
     "plan_for",
     "plan_launches",
     "reshape_and_cache",
     "split_kv_segments",
+    "warm_up_hints",
 ]
 
 LOG2_E = 1.4426950408889634
 _LOG2_E: tl.constexpr = tl.constexpr(LOG2_E)  # the kernels' copy: a global they read must be one
 INT32_MAX = 2**31 - 1
+# Integer arguments whose value changes from step to step. Triton compiles a variant of a kernel
+# for each class of every integer argument (1, a multiple of 16, any other): left specialized,
+# these would compile new variants in the middle of serving, a second or more each on a GPU's
+# host, whenever a step first meets a new class (one request, a block table 16 blocks wide...).
+# None of them strides the contiguous head dimension, so no vectorized load depends on them.
+STEP_VARYING_ARGS = ("num_requests", "short_query_len", "stride_bt_req")
 
 
 @triton.jit
@@ -331,7 +342,7 @@ def _attend_query_block(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING_ARGS)
 def _decode_attention_kernel(
     query_ptr,
     cache_ptr,
@@ -389,7 +400,7 @@ def _decode_attention_kernel(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_VARYING_ARGS)
 def _prefill_attention_kernel(
     query_ptr,
     cache_ptr,
@@ -443,7 +454,7 @@ def _prefill_attention_kernel(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("short_query_len",))
 def _merge_segments_kernel(
     out_ptr,
     segm_acc_ptr,
@@ -603,7 +614,7 @@ def split_kv_segments(
 
 
 @functools.cache
-def _device_class(device: torch.device) -> tuple[int, int]:
+def device_class(device: torch.device) -> tuple[int, int]:
     """(SM count, compute capability major) of a CUDA device; (0, 0) elsewhere."""
     if device.type != "cuda":
         return 0, 0
@@ -728,7 +739,7 @@ def plan_for(
     num_tokens, num_heads, head_dim = query.shape
     if max_query_len is None:
         max_query_len = num_tokens - num_requests + 1 if num_tokens >= num_requests else num_tokens
-    num_sms, capability_major = _device_class(query.device)
+    num_sms, capability_major = device_class(query.device)
     return plan_launches(
         num_tokens,
         num_requests,
@@ -747,6 +758,73 @@ def plan_for(
         has_sinks,
         kv_cache.element_size() == 1,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What one layer passes paged_attention besides the batch: its shapes and options."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    softcap: float | None = None
+    has_sinks: bool = False
+
+
+def warm_up_hints(
+    layers: Iterable[LayerAttention],
+    block_size: int,
+    compute_dtype: torch.dtype,
+    fp8_cache: bool,
+    max_model_len: int,
+    device_info: tuple[int, int],
+) -> list[tuple[int, int]]:
+    """(max_query_len, max_seq_len) hints of one-request steps that, run through ``layers``,
+    launch every kernel variant (tiles, segments, launches: the compile-time constants)
+    that plan_launches can choose for these layers on a device of ``device_info`` (its SM count
+    and compute capability major, as `device_class` gives them), each variant once.
+
+    Steps differ in two ways that reach a new variant: the query length (decode tiles grow
+    with it until the request goes to the prefill launch, whose tile is fixed) and the
+    segments split-KV picks, largest for one request and capped by max_seq_len (more
+    requests only lower it). So one request per (query length, segment cap) reaches all."""
+    num_sms, capability_major = device_info
+    layers = tuple(dict.fromkeys(layers))
+    # Past this length every query goes to the prefill launch (or, for heads too wide for
+    # prefill tiles, to the one wide decode tile): nothing new to reach.
+    longest = max(DECODE_MAX_ROWS, *(layer.num_heads for layer in layers)) + 1
+    hints: dict[tuple, tuple[int, int]] = {}
+    query_len, prefill = 1, False
+    while not prefill and query_len <= longest:
+        for segments in (2**i for i in range(MAX_SEGMENTS.bit_length())):
+            max_seq_len = max(min(segments * MIN_KEYS_PER_SEGMENT, max_model_len), query_len)
+            plans = [
+                plan_launches(
+                    query_len,
+                    1,
+                    layer.num_heads,
+                    layer.num_kv_heads,
+                    layer.head_dim,
+                    block_size,
+                    compute_dtype,
+                    capability_major,
+                    num_sms,
+                    query_len,
+                    max_seq_len,
+                    None,
+                    layer.sliding_window,
+                    layer.softcap,
+                    layer.has_sinks,
+                    fp8_cache,
+                )  # fmt: skip
+                for layer in layers
+            ]
+            variants = tuple((p.decode, p.segments, p.prefill) for p in plans)
+            hints.setdefault(variants, (query_len, max_seq_len))
+            prefill = all(p.prefill is not None for p in plans)
+        query_len += 1
+    return list(hints.values())
 
 
 @dataclass(slots=True)

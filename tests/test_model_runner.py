@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from devices import CPU_AND_CUDA  # noqa: E402
 from kv_cache_scales import save_with_kv_scales  # noqa: E402
 from test_model_core import save_tiny_model  # noqa: E402
+from triton_keys import LaunchKeys  # noqa: E402
 
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan, StepResult  # noqa: E402
@@ -410,3 +411,26 @@ def test_new_weights_must_fill_the_served_parameters(tiny, tmp_path, device):
             d.step({"A": None})
         outputs.append(d.outputs["A"])
     assert outputs[0] == outputs[1]  # as a runner that was never asked
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+def test_serving_launches_only_attention_kernels_compiled_at_startup(tiny, device):
+    """Steps of every kind (a long prefill, short prompts, chunks beside decodes, speculative
+    decodes, one request alone) launch no attention kernel variant that the runner's startup
+    did not: Triton's keys of serving's launches are all among startup's. On a GPU a new key
+    is a compilation that stalls the batch."""
+    path, _ = tiny
+    rng = random.Random(5)
+    with LaunchKeys() as startup:
+        runner = make_runner(path, device=device, attention_backend="triton")
+    with LaunchKeys() as serving:
+        d = Driver(runner)
+        for req_id, length in (("long", 44), ("a", 3), ("b", 12), ("c", 20), ("d", 9)):
+            d.add(req_id, [rng.randrange(128) for _ in range(length)])
+        d.step({"long": None})
+        d.step({"long": None, "a": None, "b": 5})
+        d.step({"long": None, "a": None, "b": None, "c": None})
+        d.step({"long": None, "a": None}, drafts={"long": [1, 2], "a": [3, 4, 5]})
+        d.step({"c": None, "d": None})
+        d.step({"d": None})
+    assert serving.keys and serving.keys <= startup.keys, serving.keys - startup.keys

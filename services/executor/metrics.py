@@ -66,6 +66,23 @@ class ExecutorMetrics:
                 registry=self.registry,
             )
         )
+        self.kernel_compiles = labelled(
+            Counter(
+                "weir_executor_kernel_compiles",
+                "Triton kernel variants compiled while serving (each stalls the running requests; "
+                "the startup warm-up compiles every variant a step can launch, so this stays 0)",
+                names,
+                registry=self.registry,
+            )
+        )
+        self.kernel_compile_seconds = labelled(
+            Counter(
+                "weir_executor_kernel_compile_seconds",
+                "Host time those compilations took",
+                names,
+                registry=self.registry,
+            )
+        )
         self.batch_tokens = labelled(
             Histogram(
                 "weir_executor_batch_tokens",

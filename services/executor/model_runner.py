@@ -45,6 +45,7 @@ from weir.services.executor.input_batch import (
     Reservation,
     StepInputs,
 )
+from weir.services.executor.kernel_warmup import warm_up_attention
 from weir.services.executor.lora import LoraAdapters
 from weir.services.executor.model import CausalLM
 from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
@@ -333,10 +334,17 @@ class ModelRunner:
         )
 
     def _allocate_caches(self) -> None:
-        """The KV caches (the draft's too), and the CUDA graphs that read them."""
+        """The KV caches (the draft's too), the attention kernels compiled over them, and
+        the CUDA graphs that read them."""
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, self.block_size)
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, self.block_size)
+        if self.attention.name == "triton":
+            warm_up_attention(self.model, self.kv_caches, self.block_size, self.max_model_len)
+            if self.drafter is not None:
+                warm_up_attention(
+                    self.drafter.model, self.drafter.kv_caches, self.block_size, self.max_model_len
+                )
         if self.use_cuda_graphs:
             self.capture_graphs()
 

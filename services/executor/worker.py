@@ -136,6 +136,8 @@ class ExecutorWorker:
             opts.engine_args.served_model_name or model_name, opts.rank, str(runner.device)
         )
         metrics.num_kv_blocks.set(runner.num_blocks)
+        if runner.attention.name == "triton":
+            self._watch_compiles(metrics)
         metrics_address = None
         if opts.metrics_port is not None:
             try:
@@ -208,6 +210,24 @@ class ExecutorWorker:
                 heartbeat.join(timeout=2)
             sock.close()
             ctx.term()
+
+    def _watch_compiles(self, metrics: ExecutorMetrics) -> None:
+        """Count and log the Triton compilations from now on: none is expected once loaded."""
+        # Imported here: this module starts before torch is imported (see _executor in cli).
+        from weir.services.executor.kernel_compiles import KernelCompiles
+
+        def compiled(kernel: str, seconds: float) -> None:
+            metrics.kernel_compiles.inc()
+            metrics.kernel_compile_seconds.inc(seconds)
+            _log.warning(
+                "executor %d compiled a Triton kernel variant while serving in %.2fs (the "
+                "running requests waited): %s; the startup warm-up missed it, please report it",
+                self.options.rank,
+                seconds,
+                kernel,
+            )
+
+        KernelCompiles(compiled).watch()
 
     def _load_runner(self) -> ModelRunner:
         # torch is imported here, not at module level: `weir --help` stays fast.
