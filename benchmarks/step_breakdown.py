@@ -53,12 +53,16 @@ from weir.shared.sampling import SamplingParams
 
 def metric_sums(url: str) -> dict[tuple[str, str], tuple[float, float]]:
     """(metric, phase label or '') -> (sum, count) of every histogram at ``url``, and
-    (value, 0) of every counter."""
+    (value, 0) of every counter; (metric, 'le=BOUND') -> (cumulative count, 0) of each
+    bucket of a histogram without a phase label."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     sums: dict[tuple[str, str], list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")) or (
+            if sample.name.endswith("_bucket") and "phase" not in sample.labels:
+                entry = sums.setdefault((family.name, f"le={sample.labels['le']}"), [0.0, 0.0])
+                entry[0] += sample.value
+            elif sample.name.endswith(("_sum", "_count")) or (
                 family.type == "counter" and sample.name.endswith("_total")
             ):
                 key = (family.name, sample.labels.get("phase", ""))
@@ -210,6 +214,22 @@ def main() -> None:
         delta("weir_executor_step_seconds")[1],
     )
     print(f"steps replayed from CUDA graphs: {graphed:.0f} of {executor_steps:.0f}")
+    # A few slow steps (a compilation, a large prefill) raise the means above; the median
+    # (to its histogram bucket) is what a typical step took.
+    bounds = sorted(
+        (float(phase[3:]), phase)
+        for metric, phase in after
+        if metric == "weir_executor_step_seconds" and phase.startswith("le=")
+    )
+    median = next(
+        b
+        for b, phase in bounds
+        if delta("weir_executor_step_seconds", phase)[0] >= executor_steps / 2
+    )
+    print(
+        f"executor step: mean {executor_ms:.3f} ms, median <= {median * 1e3:g} ms "
+        "(weir_executor_step_seconds buckets)"
+    )
     compiles, compile_seconds = (
         delta("weir_executor_kernel_compiles")[0],
         delta("weir_executor_kernel_compile_seconds")[0],
