@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of the step path (issue 10) and the attention kernel (issue 11) in one run of
-# at most ~9.5 minutes on one H200 (the default sections' limits add up to 540 s; on
+# at most ~9.5 minutes on one H200 (the default sections' limits add up to 560 s; on
 # 2026-12-04 they took 120+ (cut short: the tests need more), 46, 19 + the profiled rerun,
 # 14, 15 and 92 s):
 #   1. the CUDA tests: graphs on/off give the same greedy tokens (tests/test_cuda_graphs.py),
@@ -11,7 +11,10 @@
 #      attention benchmark's decodes over an fp8 cache;
 #   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
 #      (then again under the executor's torch.profiler: its table) and with --enforce-eager
-#      (phases unsynchronized: the executor's idle time is real);
+#      (phases unsynchronized: the executor's idle time is real); it prints the Triton kernels
+#      compiled while measured (0 expected: the executor's start-up compiles every attention
+#      variant, ~16 for this shape, which the first start on a fresh machine pays for) and
+#      the executor step's median beside its mean;
 #   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs, with
 #      --enforce-eager, and the hf-cb baseline, in the same run;
 # all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,
@@ -122,7 +125,7 @@ if [[ " $SECTIONS " == *" breakdown "* ]]; then
         [[ $mode == lockstep ]] && flags+=(--no-async-scheduling)
         # Then the workload again under the executor's torch.profiler: its table in the log.
         [[ $mode == graphs ]] && flags+=(--profiler-dir "$(mktemp -d)")
-        section "breakdown-$mode" "$([[ $mode == graphs ]] && echo 100 || echo 60)" \
+        section "breakdown-$mode" "$([[ $mode == graphs ]] && echo 120 || echo 60)" \
             "$PY" benchmarks/step_breakdown.py "${flags[@]}"
     done
 fi

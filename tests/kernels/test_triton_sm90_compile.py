@@ -4,7 +4,8 @@ Triton compiles ahead of time to a cubin with its bundled ptxas; no driver is ne
 catches code the interpreter runs but the GPU compiler rejects, and register spills. It runs
 in a subprocess because this test process has Triton in interpreter mode. Integer arguments
 get the specialisation a real launch gives them: multiples of 16 are marked divisible by 16
-and arguments equal to 1 become constants.
+and arguments equal to 1 become constants, except the step-varying ones the attention kernels
+leave unspecialized (`STEP_VARYING_ARGS`).
 """
 
 import json
@@ -32,6 +33,8 @@ def compile_kernel(label, fn, pointers, ints, constexprs, capability=90, **optio
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in ("qk_scale", "eps"):
             signature[name] = "fp32"
+        elif name in ta.STEP_VARYING_ARGS:  # never specialized (see the kernel)
+            signature[name] = "i32"
         else:
             value = ints[name]
             if value == 1:
