@@ -14,7 +14,7 @@
 #      (phases unsynchronized: the executor's idle time is real); it prints the Triton kernels
 #      compiled while measured (0 expected: the executor's start-up compiles every attention
 #      variant, ~16 for this shape, which the first start on a fresh machine pays for) and
-#      the executor step's median beside its mean;
+#      how many steps fell in each bucket of the executor step and forward histograms;
 #   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs, with
 #      --enforce-eager, and the hf-cb baseline, in the same run;
 # all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,

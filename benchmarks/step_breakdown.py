@@ -53,14 +53,15 @@ from weir.shared.sampling import SamplingParams
 
 def metric_sums(url: str) -> dict[tuple[str, str], tuple[float, float]]:
     """(metric, phase label or '') -> (sum, count) of every histogram at ``url``, and
-    (value, 0) of every counter; (metric, 'le=BOUND') -> (cumulative count, 0) of each
-    bucket of a histogram without a phase label."""
+    (value, 0) of every counter; (metric, 'PHASE le=BOUND') -> (cumulative count, 0) of each
+    histogram bucket."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     sums: dict[tuple[str, str], list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith("_bucket") and "phase" not in sample.labels:
-                entry = sums.setdefault((family.name, f"le={sample.labels['le']}"), [0.0, 0.0])
+            if sample.name.endswith("_bucket"):
+                bucket = f"{sample.labels.get('phase', '')} le={sample.labels['le']}"
+                entry = sums.setdefault((family.name, bucket), [0.0, 0.0])
                 entry[0] += sample.value
             elif sample.name.endswith(("_sum", "_count")) or (
                 family.type == "counter" and sample.name.endswith("_total")
@@ -214,22 +215,25 @@ def main() -> None:
         delta("weir_executor_step_seconds")[1],
     )
     print(f"steps replayed from CUDA graphs: {graphed:.0f} of {executor_steps:.0f}")
-    # A few slow steps (a compilation, a large prefill) raise the means above; the median
-    # (to its histogram bucket) is what a typical step took.
-    bounds = sorted(
-        (float(phase[3:]), phase)
-        for metric, phase in after
-        if metric == "weir_executor_step_seconds" and phase.startswith("le=")
-    )
-    median = next(
-        b
-        for b, phase in bounds
-        if delta("weir_executor_step_seconds", phase)[0] >= executor_steps / 2
-    )
-    print(
-        f"executor step: mean {executor_ms:.3f} ms, median <= {median * 1e3:g} ms "
-        "(weir_executor_step_seconds buckets)"
-    )
+    # A few slow steps (a compilation, a large prefill) raise the means above: how many
+    # steps fell in each bucket tells them from a slowdown of every step.
+    for metric, phase in (
+        ("weir_executor_step_seconds", ""),
+        ("weir_executor_phase_seconds", "forward"),
+    ):
+        bounds = sorted(
+            (float(bucket.split("le=")[1]), bucket)
+            for name, bucket in after
+            if name == metric and bucket.startswith(f"{phase} le=")
+        )
+        counts, below = [], 0.0
+        for bound, bucket in bounds:
+            cumulative = delta(metric, bucket)[0]
+            if cumulative > below:
+                counts.append(f"<= {bound * 1e3:g} ms: {cumulative - below:.0f}")
+            below = cumulative
+        label = "executor step" if not phase else f"executor {phase}"
+        print(f"{label}, steps per bucket: {', '.join(counts)}")
     compiles, compile_seconds = (
         delta("weir_executor_kernel_compiles")[0],
         delta("weir_executor_kernel_compile_seconds")[0],
