@@ -11,8 +11,11 @@ generation only: model loading and one short warmup request are excluded.
 import argparse
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from weir.services.bench.report import (
     EngineRun,
@@ -193,7 +196,8 @@ def run_weir(
     dtype: str,
     threads: int | None,
     engine_options: dict[str, Any],
-) -> EngineRun:
+) -> tuple[EngineRun, float]:
+    """Weir's run, and the Triton kernel variants its executors compiled during it."""
     from weir.services.llm import LLM
     from weir.shared.sampling import SamplingParams
 
@@ -205,15 +209,34 @@ def run_weir(
             SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
             for r in requests
         ]
+        compiled_before = _kernel_compiles(llm.server_info)
         start = time.perf_counter()
         completions = llm.generate([r.prompt_token_ids for r in requests], params)
         wall = time.perf_counter() - start
+        compiled = _kernel_compiles(llm.server_info) - compiled_before
     options = ", ".join(
         f"{k}={v}" for k, v in {**engine_options, "threads": threads or "default"}.items()
     )
-    return EngineRun.from_outputs(
+    run = EngineRun.from_outputs(
         "weir", requests, [len(c.token_ids) for c in completions], wall, f"LLM.generate, {options}"
     )
+    return run, compiled
+
+
+def _kernel_compiles(server_info: dict[str, Any]) -> float:
+    """Triton kernel variants the executors compiled since they started serving (their
+    weir_executor_kernel_compiles_total): each one stalled the batch, inside the wall time."""
+    total = 0.0
+    for executor in server_info["executors"]:
+        if executor.get("metrics_address") is None:
+            continue
+        with urllib.request.urlopen(executor["metrics_address"], timeout=10) as response:
+            text = response.read().decode()
+        for family in text_string_to_metric_families(text):
+            total += sum(
+                s.value for s in family.samples if s.name == "weir_executor_kernel_compiles_total"
+            )
+    return total
 
 
 def _run_baselines(
@@ -320,7 +343,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     runs: list[EngineRun] = []
     if not args.no_weir:
         _status(f"running weir on {len(requests)} requests")
-        runs.append(run_weir(requests, model_dir, args.dtype, args.threads, _engine_options(args)))
+        run, compiled = run_weir(
+            requests, model_dir, args.dtype, args.threads, _engine_options(args)
+        )
+        runs.append(run)
     if baselines:
         runs += _run_baselines(baselines, requests, model_dir, baseline_threads, args)
     if not runs:
@@ -349,6 +375,12 @@ def run_throughput(args: argparse.Namespace) -> int:
         "Wall time covers generation only: model load and one 2-token warmup request are excluded.",
         "Output tok/s counts each request's own output_len.",
     ]
+    if not args.no_weir:
+        notes.append(
+            f"Triton kernel variants Weir's executors compiled during the timed run: {compiled:.0f} "
+            "(weir_executor_kernel_compiles_total; each stalls the batch, and the start-up "
+            "warm-up compiles every variant a step can launch)."
+        )
     if "hf-static" in baselines:
         notes.append(
             f"hf-static: batches of {args.hf_batch_size} in request order, left padded; each batch decodes to its "
