@@ -14,7 +14,8 @@
 #      (phases unsynchronized: the executor's idle time is real); it prints the Triton kernels
 #      compiled while measured (0 expected: the executor's start-up compiles every attention
 #      variant, ~16 for this shape, which the first start on a fresh machine pays for) and
-#      how many steps fell in each bucket of the executor step and forward histograms;
+#      how many steps fell in each bucket of the executor step and forward histograms; the
+#      workload runs twice on one server (the second measured, both walls printed);
 #   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs, with
 #      --enforce-eager, and the hf-cb baseline, in the same run;
 # all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,
@@ -117,8 +118,10 @@ fi
 if [[ " $SECTIONS " == *" breakdown "* ]]; then
     # lockstep: graphs without async scheduling (not a default mode).
     for mode in ${BREAKDOWN_MODES:-graphs eager}; do
+        # Twice on one server, the second measured: the first run's wall against the second's
+        # tells costs a server pays once (compilations, first launches) from every step's.
         flags=(--device "$DEVICE" --dtype bfloat16 --load-format dummy --model "$model"
-            --steady --num-prompts 256 --no-sync-phases)
+            --steady --num-prompts 256 --no-sync-phases --repeat 2)
         [[ $SHAPE == tiny ]] && flags=(--device "$DEVICE" --load-format dummy --model "$model"
             --steady --num-prompts 8 --no-sync-phases)
         [[ $mode == eager ]] && flags+=(--enforce-eager)

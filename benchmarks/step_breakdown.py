@@ -100,6 +100,13 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the workload this many times on one server, measure the last (the walls of "
+        "the earlier runs, printed too, tell first-run costs from every run's)",
+    )
+    parser.add_argument(
         "--profiler-dir",
         default=None,
         help="after the measured run, run the workload again under the executor's "
@@ -117,10 +124,20 @@ def main() -> None:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = resolve_model(args.model, load_format=args.load_format)
-    spec = RandomWorkload(
-        args.num_prompts, 32, 32 if args.steady else 256, 128 if args.steady else 32, 128, args.seed
-    )
-    requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
+    vocab = normal_vocab_ids(load_tokenizer(model_dir))
+
+    def workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+        """The prompts and sampling parameters of one run (its own prompts: a repeated run
+        would otherwise find them in the prefix cache)."""
+        spec = RandomWorkload(
+            args.num_prompts, 32, 32 if args.steady else 256, 128 if args.steady else 32, 128, seed
+        )
+        requests = random_requests(spec, vocab)
+        return [r.prompt_token_ids for r in requests], [
+            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            for r in requests
+        ]
+
     with LLM(
         model=str(model_dir),
         threads=args.threads,
@@ -137,19 +154,18 @@ def main() -> None:
         llm.generate(
             [[1000, 1001, 1002]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         )
-        prompts = [r.prompt_token_ids for r in requests]
-        params = [
-            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-            for r in requests
-        ]
-        before = snapshot(urls)
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        wall = time.perf_counter() - start
-        after = snapshot(urls)
+        walls = []
+        for run in range(args.repeat):
+            prompts, params = workload(args.seed + run)
+            before = snapshot(urls)
+            start = time.perf_counter()
+            llm.generate(prompts, params)
+            walls.append(time.perf_counter() - start)
+            after = snapshot(urls)
+        wall = walls[-1]
         if args.profiler_dir is not None:
             llm.start_profile()
-            llm.generate(prompts, params)
+            llm.generate(*workload(args.seed + args.repeat))
             llm.stop_profile()
 
     def delta(metric: str, phase: str = "") -> tuple[float, float]:
@@ -190,8 +206,13 @@ def main() -> None:
     mode += "" if args.sync_phases else ", phases unsynchronized"
     print(
         f"{workload}; {mode}; {steps:.0f} steps, {total:.2f} ms per step (scheduler's view), "
-        f"executor threads {args.threads}\n"
+        f"executor threads {args.threads}"
     )
+    if args.repeat > 1:
+        print(
+            f"walls of the {args.repeat} runs (the last measured): {[round(w, 3) for w in walls]} s"
+        )
+    print()
     print("| part | ms per step | share |\n|---|---:|---:|")
     for name, value in rows:
         print(f"| {name} | {value:.3f} | {value / total:.1%} |")
