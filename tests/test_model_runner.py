@@ -11,8 +11,11 @@ transformers = pytest.importorskip("transformers")
 from devices import CPU_AND_CUDA  # noqa: E402
 from kv_cache_scales import save_with_kv_scales  # noqa: E402
 from test_model_core import save_tiny_model  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton_keys import LaunchKeys  # noqa: E402
 
+from weir.kernels import triton_attention  # noqa: E402
+from weir.services.executor.kernel_compiles import KernelCompiles  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan, StepResult  # noqa: E402
 from weir.shared.sampling import SamplingParams  # noqa: E402
@@ -423,6 +426,9 @@ def test_serving_launches_only_attention_kernels_compiled_at_startup(tiny, devic
     rng = random.Random(5)
     with LaunchKeys() as startup:
         runner = make_runner(path, device=device, attention_backend="triton")
+    compiled: list[str] = []  # on a GPU, what Triton's compile hooks report (as the executor's)
+    if device == "cuda":
+        KernelCompiles(lambda kernel, seconds: compiled.append(kernel)).watch()
     with LaunchKeys() as serving:
         d = Driver(runner)
         for req_id, length in (("long", 44), ("a", 3), ("b", 12), ("c", 20), ("d", 9)):
@@ -434,3 +440,17 @@ def test_serving_launches_only_attention_kernels_compiled_at_startup(tiny, devic
         d.step({"c": None, "d": None})
         d.step({"d": None})
     assert serving.keys and serving.keys <= startup.keys, serving.keys - startup.keys
+    if device == "cuda":
+        try:
+            assert compiled == []
+            # A variant no test launches (heads of 40 channels): the watch sees it compile.
+            query = torch.zeros(1, 2, 40, device=device)
+            ones = torch.ones(1, dtype=torch.int32, device=device)
+            triton_attention.paged_attention(
+                query, torch.zeros(2, 1, BLOCK_SIZE, 2, 40, device=device),
+                torch.tensor([0, 1], dtype=torch.int32, device=device), ones,
+                torch.zeros(1, 1, dtype=torch.int32, device=device), 1.0, split_kv=False,
+            )  # fmt: skip
+            assert [k.split("[")[0] for k in compiled] == ["_decode_attention_kernel"]
+        finally:
+            knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
