@@ -578,6 +578,13 @@ class LaunchPlan:
     softcap: float | None
     has_sinks: bool
 
+    @property
+    def variant(self) -> tuple:
+        """What Triton compiles a kernel for (the per-layer constants aside): the tiles, the
+        segments and whether a prefill launch runs. Grids and the step-varying arguments vary
+        freely within one variant."""
+        return self.decode, self.segments, self.prefill
+
     def constexprs(self, tile: TileShape) -> dict[str, int | str]:
         return {
             "BLOCK_SIZE": self.block_size,
@@ -772,6 +779,27 @@ class LayerAttention:
     softcap: float | None = None
     has_sinks: bool = False
 
+    def plan(
+        self,
+        num_tokens: int,
+        num_requests: int,
+        max_query_len: int,
+        max_seq_len: int | None,
+        *,
+        block_size: int,
+        compute_dtype: torch.dtype,
+        fp8_cache: bool,
+        device_info: tuple[int, int],
+    ) -> LaunchPlan:
+        """The launches this layer makes for a batch of that shape, as paged_attention plans
+        them on a device of ``device_info`` (SM count, compute capability major)."""
+        num_sms, capability_major = device_info
+        return plan_launches(
+            num_tokens, num_requests, self.num_heads, self.num_kv_heads, self.head_dim,
+            block_size, compute_dtype, capability_major, num_sms, max_query_len, max_seq_len,
+            None, self.sliding_window, self.softcap, self.has_sinks, fp8_cache,
+        )  # fmt: skip
+
 
 def warm_up_hints(
     layers: Iterable[LayerAttention],
@@ -790,7 +818,6 @@ def warm_up_hints(
     with it until the request goes to the prefill launch, whose tile is fixed) and the
     segments split-KV picks, largest for one request and capped by max_seq_len (more
     requests only lower it). So one request per (query length, segment cap) reaches all."""
-    num_sms, capability_major = device_info
     layers = tuple(dict.fromkeys(layers))
     # Past this length every query goes to the prefill launch (or, for heads too wide for
     # prefill tiles, to the one wide decode tile): nothing new to reach.
@@ -801,27 +828,19 @@ def warm_up_hints(
         for segments in (2**i for i in range(MAX_SEGMENTS.bit_length())):
             max_seq_len = max(min(segments * MIN_KEYS_PER_SEGMENT, max_model_len), query_len)
             plans = [
-                plan_launches(
+                layer.plan(
                     query_len,
                     1,
-                    layer.num_heads,
-                    layer.num_kv_heads,
-                    layer.head_dim,
-                    block_size,
-                    compute_dtype,
-                    capability_major,
-                    num_sms,
                     query_len,
                     max_seq_len,
-                    None,
-                    layer.sliding_window,
-                    layer.softcap,
-                    layer.has_sinks,
-                    fp8_cache,
-                )  # fmt: skip
+                    block_size=block_size,
+                    compute_dtype=compute_dtype,
+                    fp8_cache=fp8_cache,
+                    device_info=device_info,
+                )
                 for layer in layers
             ]
-            variants = tuple((p.decode, p.segments, p.prefill) for p in plans)
+            variants = tuple(p.variant for p in plans)
             hints.setdefault(variants, (query_len, max_seq_len))
             prefill = all(p.prefill is not None for p in plans)
         query_len += 1

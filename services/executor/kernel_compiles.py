@@ -1,11 +1,12 @@
 """Triton kernels compiled while this process serves: counted, timed and logged.
 
 Every kernel variant a step can launch is compiled before serving (`kernel_warmup`, the CUDA
-graphs' capture); one compiled later stalls every running request while it compiles (0.3-0.6 s
-for an attention variant on a 2-core host). Triton calls a hook before and after each compilation it
-makes (its process-wide ``knobs.runtime.jit_cache_hook`` and ``jit_post_compile_hook``, a
-load from its cache on disk included); ``KernelCompiles.watch`` sets them, once per process,
-so a compilation after startup shows in the executor's metrics and log, naming the kernel.
+graphs' capture); one compiled later stalls every running request while it compiles
+(0.3-0.6 s for an attention variant on a 2-core host). Triton calls a hook before and after
+each compilation it makes (its process-wide ``knobs.runtime.jit_cache_hook`` and
+``jit_post_compile_hook``, a load from its cache on disk included); ``KernelCompiles.watch``
+sets them, once per process, so a compilation after start-up shows in the executor's
+metrics and log, naming the kernel.
 """
 
 import time

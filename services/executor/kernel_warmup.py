@@ -2,9 +2,10 @@
 
 Triton compiles a kernel the first time it is launched with a new set of compile-time
 constants (tiles, split-KV segments, the prefill launch or not): 0.3-0.6 s per attention
-variant for sm_90 on a 2-core host (`benchmarks/kernel_compile_time.py`). Left to the steps that first need them, those
-compilations land in the middle of serving: the first short prompt, the first speculative
-step, the first batch small enough to split its keys each stall every running request.
+variant for sm_90 on a 2-core host (`benchmarks/kernel_compile_time.py`). Left to the steps
+that first need them, those compilations land in the middle of serving: the first short
+prompt, the first speculative step, the first batch small enough to split its keys each
+stall every running request.
 So the executor runs, once its KV caches exist, one tiny step per variant that
 `weir.kernels.triton_attention.warm_up_hints` finds reachable, through the model itself
 (the real layers, caches and strides, so each launch is the one serving makes). The steps
@@ -28,8 +29,10 @@ logger = logging.getLogger(__name__)
 @torch.inference_mode()
 def warm_up_attention(
     model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int
-) -> int:
-    """Run ``model`` over one step per attention kernel variant; returns how many steps."""
+) -> None:
+    """Run ``model`` over one step per attention kernel variant it can launch."""
+    # Imported here, as the attention backend imports it: Triton decides between compiling and
+    # interpreting (TRITON_INTERPRET, tests on a CPU) when the kernel module is first imported.
     from weir.kernels.triton_attention import LayerAttention, device_class, warm_up_hints
 
     start = time.perf_counter()
@@ -68,4 +71,3 @@ def warm_up_attention(
     logger.info(
         "attention kernels warmed up: %d steps in %.2fs", len(hints), time.perf_counter() - start
     )
-    return len(hints)

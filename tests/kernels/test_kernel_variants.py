@@ -15,7 +15,7 @@ import torch
 from triton_keys import LaunchKeys
 
 from weir.kernels import triton_attention
-from weir.kernels.triton_attention import LayerAttention, plan_launches, warm_up_hints
+from weir.kernels.triton_attention import LayerAttention, warm_up_hints
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICES = {"h200": (132, 9), "a100": (108, 8), "l4": (58, 8), "cpu": (0, 0)}
@@ -36,10 +36,6 @@ MODELS = {
 }
 
 
-def _variant(plan):
-    return plan.decode, plan.segments, plan.prefill
-
-
 @pytest.mark.parametrize("fp8_cache", [False, True])
 @pytest.mark.parametrize("device", sorted(DEVICES))
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -49,28 +45,12 @@ def test_warm_up_hints_reach_every_plan_a_batch_gets(model, device, fp8_cache):
 
     def plans(num_tokens, num_requests, max_query_len, max_seq_len):
         return tuple(
-            _variant(
-                plan_launches(
-                    num_tokens,
-                    num_requests,
-                    layer.num_heads,
-                    layer.num_kv_heads,
-                    layer.head_dim,
-                    16,
-                    torch.bfloat16,
-                    major,
-                    num_sms,
-                    max_query_len,
-                    max_seq_len,
-                    None,
-                    layer.sliding_window,
-                    layer.softcap,
-                    layer.has_sinks,
-                    fp8_cache,
-                )  # fmt: skip
-            )
+            layer.plan(
+                num_tokens, num_requests, max_query_len, max_seq_len, block_size=16,
+                compute_dtype=torch.bfloat16, fp8_cache=fp8_cache, device_info=(num_sms, major),
+            ).variant
             for layer in layers
-        )
+        )  # fmt: skip
 
     hints = warm_up_hints(layers, 16, torch.bfloat16, fp8_cache, max_model_len, (num_sms, major))
     warmed = {plans(q, 1, q, s) for q, s in hints}
