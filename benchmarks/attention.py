@@ -10,6 +10,9 @@ difference between the two outputs, and the issue's floors. Writes its table int
 the attention markers, leaving the rest of the file alone.
 
 Usage: python benchmarks/attention.py [--quick] [--peak-gbps N] [--no-write] [--kv-cache-dtype fp8]
+                                     [--sweep-segments]
+--sweep-segments also times each batch without prefill tiles at every split-KV segment count
+(1, 2, 4, 8, 16) and prints them beside the count the rule picks.
 With an fp8 cache (K/V one byte a value, read as such; SDPA reads widened dense copies) the
 table is printed only. Needs a CUDA GPU; elsewhere it exits with status 2.
 """
@@ -66,6 +69,8 @@ class Result:
     sdpa_ms: float | None
     bytes_moved: int
     max_abs_diff: float | None
+    # --sweep-segments: µs of the decode launch at each segment count (batches without prefill)
+    sweep_us: dict[int, float] | None = None
 
 
 def mixed_batches() -> list[Batch]:
@@ -172,7 +177,8 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
         max_seq_len=max_seq_len,
     )
     segments = plan.segments
-    measure_split = segments > 1 or max_query_len <= 4
+    sweep = args.sweep_segments and plan.prefill is None
+    measure_split = segments > 1 or max_query_len <= 4 or sweep
     workspace = (
         ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda")
         if measure_split
@@ -202,6 +208,14 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     serial_ms = (
         triton.testing.do_bench(lambda: triton_call(None, concurrent=False))
         if plan.prefill is not None
+        else None
+    )
+    sweep_us = (
+        {
+            s: 1e3 * triton.testing.do_bench(lambda s=s: triton_call(s))
+            for s in (2**i for i in range(ta.MAX_SEGMENTS.bit_length()))
+        }
+        if sweep
         else None
     )
     triton_call(None)
@@ -237,6 +251,7 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
         sdpa_ms,
         bytes_moved(batch, args),
         max_abs_diff,
+        sweep_us,
     )
 
 
@@ -274,6 +289,28 @@ MIXED_FLOORS_US = {
     "chunk 512 @ctx 2k + 63 decodes @4k": 244.0,
     "4 prefills 1k + 60 decodes @2k": 190.0,
 }
+
+
+def sweep_table(results: list[Result]) -> list[str]:
+    """Each decode batch's time at every segment count, beside the count the rule picks: the
+    measurements a split-KV rule is set from."""
+    swept = [r for r in results if r.sweep_us]
+    if not swept:
+        return []
+    counts = sorted(swept[0].sweep_us or {})
+    lines = [
+        "| batch | " + " | ".join(f"{s} seg. µs" for s in counts) + " | fastest | rule's |",
+        "|---|" + "---:|" * len(counts) + "---:|---:|",
+    ]
+    for r in swept:
+        us = r.sweep_us or {}
+        fastest = min(us, key=us.__getitem__)
+        lines.append(
+            f"| {r.batch.name} | "
+            + " | ".join(f"{us[s]:.1f}" for s in counts)
+            + f" | {fastest} | {r.segments} |"
+        )
+    return lines
 
 
 def floor_lines(results: list[Result], peak: float | None) -> list[str]:
@@ -344,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA comparison")
     parser.add_argument(
+        "--sweep-segments",
+        action="store_true",
+        help="also time every batch without prefill tiles at each split-KV segment count",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         choices=["auto", *FP8_KV_CACHE_DTYPES],
         default="auto",
@@ -389,10 +431,12 @@ def main(argv: list[str] | None = None) -> int:
             "",
             *format_table(results, peak),
             "",
+            *sweep_table(results),
+            "",
             *floor_lines(results, peak),
         ]
     )
-    print("\n".join(floor_lines(results, peak)))
+    print("\n".join(sweep_table(results) + floor_lines(results, peak)))
     if args.no_write or args.kv_cache_dtype != "auto":
         print(section)
     else:

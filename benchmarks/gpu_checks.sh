@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of the step path (issue 10) and the attention kernel (issue 11) in one run of
-# at most ~9.5 minutes on one H200 (the default sections' limits add up to 560 s; on
+# at most ~9.5 minutes on one H200 (the default sections' limits add up to 575 s; on
 # 2026-12-04 they took 120+ (cut short: the tests need more), 46, 19 + the profiled rerun,
 # 14, 15 and 92 s):
 #   1. the CUDA tests: graphs on/off give the same greedy tokens (tests/test_cuda_graphs.py),
 #      the model runner's steps (pooling, a draft model's cache and waking from sleep on
 #      CUDA too) against transformers and a fresh draft (tests/test_model_runner.py), a MoE model in bf16 (tests/test_moe.py), and the Triton
-#      kernel tests, natively; then benchmarks/attention.py --quick (issue 11)
+#      kernel tests, natively; then benchmarks/attention.py --quick --sweep-segments (issue 11)
 #      and benchmarks/layer_ops.py (the layer kernels against PyTorch's operators), and the
 #      attention benchmark's decodes over an fp8 cache;
 #   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
@@ -104,7 +104,8 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA; then the
     # layer kernels against the operators they replace (one log: at most 8 files come back).
     # Last, so that a section cut short loses it first: the fp8 cache's decode tiles.
-    section attention 60 bash -c '"$0" benchmarks/attention.py --quick --no-write; "$0" benchmarks/layer_ops.py;
+    # --sweep-segments: each decode at 1-16 split-KV segments, the data the split rule is set from.
+    section attention 75 bash -c '"$0" benchmarks/attention.py --quick --no-write --sweep-segments; "$0" benchmarks/layer_ops.py;
         "$0" benchmarks/attention.py --quick --no-sdpa --kv-cache-dtype fp8' "$PY"
 fi
 

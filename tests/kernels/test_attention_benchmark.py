@@ -79,3 +79,19 @@ def test_floor_lines_judge_the_issue_floors():
     assert lines[2] == "Floor (4 prefills 1k + 60 decodes @2k <= 190 µs): met; 185.0 µs."
     table = bench.format_table(results, 4800.0)
     assert "| – | split 4 " in table[2] and "| 410.0 | single 400.0 |" in table[3]
+
+
+def test_sweep_table_names_the_fastest_segment_count_beside_the_rules():
+    bench = load_benchmark()
+    spec = bench.Batch("64 speculative (1+3) @4k", [(4093, 4)] * 64)
+    decode = bench.Batch("decode 1 x 4096", [(4095, 1)])
+    results = [
+        bench.Result(spec, 0.27, 0.36, 0.31, 2, None, None, 0, None, {1: 268.8, 2: 305.0}),
+        bench.Result(decode, 0.12, 0.07, 0.07, 8, None, None, 0, None, {1: 123.5, 2: 80.1}),
+        bench.Result(spec, 0.27, None, 0.27, 1, None, None, 0, None),  # not swept: no row
+    ]
+    assert bench.sweep_table(results)[2:] == [
+        "| 64 speculative (1+3) @4k | 268.8 | 305.0 | 1 | 2 |",
+        "| decode 1 x 4096 | 123.5 | 80.1 | 2 | 8 |",
+    ]
+    assert bench.sweep_table(results[2:]) == []
