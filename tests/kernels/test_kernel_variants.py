@@ -66,14 +66,16 @@ def test_warm_up_hints_reach_every_plan_a_batch_gets(model, device, fp8_cache):
 
 
 def test_a_kernel_variant_does_not_depend_on_the_batch():
-    """The same plan for batches of 1, 3 and 16 requests with block tables 1, 5 and 16
-    blocks wide compiles to one kernel each: only the compile-time constants tell them apart."""
+    """The same plan for batches of 1, 3, 16 and 17 requests with block tables 1, 2, 3, 5
+    and 16 blocks wide compiles to one kernel each: only the compile-time constants tell them
+    apart."""
     with LaunchKeys() as launches:
         g = torch.Generator().manual_seed(0)
         num_blocks, block_size, heads, kv_heads, dim = 48, 16, 4, 2, 16
         cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=g).to(DEVICE)
-        for num_requests, width in ((1, 1), (3, 5), (16, 16), (17, 2)):
+        for num_requests, table_width in ((1, 1), (3, 5), (16, 16), (17, 2)):
             for query_len, split_kv in ((1, 1), (1, 2), (40, None)):
+                width = max(table_width, -(-query_len // block_size))  # the keys hold the query
                 seq_lens = torch.full((num_requests,), width * block_size, dtype=torch.int32)
                 qsl = torch.arange(num_requests + 1, dtype=torch.int32) * query_len
                 query = torch.randn(num_requests * query_len, heads, dim, generator=g)
