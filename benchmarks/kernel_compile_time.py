@@ -65,9 +65,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
         for query_len, max_seq_len in hints:
-            plan = ta.plan_launches(
-                query_len, 1, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, 9, 132,
-                query_len, max_seq_len, None,
+            plan = layer.plan(
+                query_len, 1, query_len, max_seq_len, block_size=16,
+                compute_dtype=torch.bfloat16, fp8_cache=False, device_info=(132, 9),
             )  # fmt: skip
             launches = [
                 (
