@@ -126,7 +126,7 @@ def main() -> None:
     model_dir = resolve_model(args.model, load_format=args.load_format)
     vocab = normal_vocab_ids(load_tokenizer(model_dir))
 
-    def workload(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    def requests_of_run(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
         """The prompts and sampling parameters of one run (its own prompts: a repeated run
         would otherwise find them in the prefix cache)."""
         spec = RandomWorkload(
@@ -156,7 +156,7 @@ def main() -> None:
         )
         walls = []
         for run in range(args.repeat):
-            prompts, params = workload(args.seed + run)
+            prompts, params = requests_of_run(args.seed + run)
             before = snapshot(urls)
             start = time.perf_counter()
             llm.generate(prompts, params)
@@ -165,7 +165,7 @@ def main() -> None:
         wall = walls[-1]
         if args.profiler_dir is not None:
             llm.start_profile()
-            llm.generate(*workload(args.seed + args.repeat))
+            llm.generate(*requests_of_run(args.seed + args.repeat))
             llm.stop_profile()
 
     def delta(metric: str, phase: str = "") -> tuple[float, float]:

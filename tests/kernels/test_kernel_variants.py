@@ -1,11 +1,11 @@
 """Every Triton kernel variant a step can launch is one the startup warm-up launched.
 
 Triton compiles a kernel again for each new set of compile-time constants and for each new
-class (1, a multiple of 16, other) of a specialized integer argument (`triton_keys`). A step that meets a
-variant first stalls the whole batch while it compiles, so (1) the arguments that change
-from step to step must not be specialized, and (2) the few steps `warm_up_hints` picks must
-reach every launch plan that plan_launches chooses for any batch: for an H100/H200 (132 SMs,
-sm_90), an A100 (108, sm_80), an L4 (58, sm_89) and a CPU.
+class (1, a multiple of 16, other) of a specialized integer argument (`triton_keys`). A step
+that meets a variant first stalls the whole batch while it compiles, so (1) the arguments
+that change from step to step must not be specialized, and (2) the few steps `warm_up_hints`
+picks must reach every launch plan that plan_launches chooses for any batch: for an
+H100/H200 (132 SMs, sm_90), an A100 (108, sm_80), an L4 (58, sm_89) and a CPU.
 """
 
 import random
