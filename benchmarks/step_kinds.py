@@ -6,11 +6,12 @@
 The real scheduler plans the benchmark's random workload (the same seeded prompt and output
 lengths as `weir bench throughput`, all requests at once, every output to its length)
 against an executor that answers at once, with enough KV cache that nothing is preempted.
-Each step is counted as a CUDA-graph step (every request has the same query length: plain
-decodes; `cuda_graphs.DecodeGraphs` replays those up to 512 requests) or an eager one (a
-prefill chunk beside decodes, or only prefills), with the tokens it schedules and the
-output tokens it produces. No model runs: what a GPU does with each kind is for
-`step_breakdown.py` and `layer_ops.py` to measure.
+Each step is counted by the CUDA graph shape it replays (`cuda_graphs.StepGraphs`): a decode
+shape (every request one new token, padded to a captured request count), a mixed shape
+(prefill chunks beside decodes, padded to a captured token count) or none (eager: more
+tokens than the largest mixed shape), with the tokens it schedules, the tokens its shape
+computes (padding included) and the output tokens it produces. No model runs: what a GPU
+does with each kind is for `step_breakdown.py` and `layer_ops.py` to measure.
 """
 
 import argparse
@@ -20,6 +21,7 @@ from scheduler_overhead import instant_core
 
 from weir.services.bench.workload import RandomWorkload, random_requests
 from weir.services.engine.core import step_now
+from weir.services.executor.cuda_graphs import capture_sizes, mixed_sizes
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.sampling import SamplingParams
@@ -50,21 +52,35 @@ def main() -> None:
         scheduler.add_request(Request(f"r{i}", r.prompt_token_ids, params, eos_token_id=2))
 
     core = instant_core(scheduler, {})
-    steps, tokens, outputs = Counter[str](), Counter[str](), Counter[str]()
+    decode_sizes = capture_sizes(args.max_num_seqs, args.max_num_batched_tokens, 1)
+    token_sizes = mixed_sizes(args.max_num_batched_tokens)
+    steps, tokens, computed, outputs = (Counter[str]() for _ in range(4))
     while (step := step_now(core)) is not None:
-        query_lens = set(step.plan.num_scheduled_tokens.values())
-        kind = "graph" if len(query_lens) == 1 and query_lens <= {1} else "eager"
+        scheduled = step.plan.total_num_scheduled_tokens
+        num_reqs = len(step.plan.num_scheduled_tokens)
+        if set(step.plan.num_scheduled_tokens.values()) == {1} and num_reqs <= decode_sizes[-1]:
+            kind, padded = "decode graph", next(n for n in decode_sizes if n >= num_reqs)
+        elif scheduled <= token_sizes[-1]:
+            kind, padded = "mixed graph", next(n for n in token_sizes if n >= scheduled)
+        else:
+            kind, padded = "eager", scheduled
         steps[kind] += 1
-        tokens[kind] += step.plan.total_num_scheduled_tokens
+        tokens[kind] += scheduled
+        computed[kind] += padded
         outputs[kind] += sum(len(o.new_token_ids) for o in step.outputs)
     print(f"{args.num_prompts} prompts, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens}, "
           f"{'lockstep' if args.no_async_scheduling else 'async'} scheduling")  # fmt: skip
-    print("| step kind | steps | scheduled tokens | tokens per step | output tokens |")
-    print("|---|---:|---:|---:|---:|")
-    for kind in ("graph", "eager"):
+    print(
+        "| step kind | steps | scheduled tokens | tokens per step | computed (padded) | output tokens |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind in ("decode graph", "mixed graph", "eager"):
         per_step = tokens[kind] / max(steps[kind], 1)
-        print(f"| {kind} | {steps[kind]} | {tokens[kind]} | {per_step:.0f} | {outputs[kind]} |")
+        print(
+            f"| {kind} | {steps[kind]} | {tokens[kind]} | {per_step:.0f} | {computed[kind]} "
+            f"| {outputs[kind]} |"
+        )
 
 
 if __name__ == "__main__":

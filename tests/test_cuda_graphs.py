@@ -1,4 +1,4 @@
-"""Decode steps on persistent, padded input buffers (`cuda_graphs.DecodeGraphs`).
+"""Steps on persistent, padded input buffers (`cuda_graphs.StepGraphs`).
 
 On a CPU the padded path runs eagerly on the same buffers a CUDA graph replays: it must give
 the unpadded path's tokens. On CUDA, graphs on and off must give the same greedy tokens
@@ -11,12 +11,19 @@ import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from test_model_runner import Driver, hf_greedy
 
-from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from weir.services.executor.cuda_graphs import (
+    GraphShape,
+    StepGraphs,
+    capture_sizes,
+    graph_shapes,
+    mixed_sizes,
+)
 from weir.services.executor.model_runner import GRAPH_COPIES, ModelRunner
 from weir.shared.sampling import SamplingParams
 
@@ -38,9 +45,64 @@ def test_capture_sizes_are_capped_by_the_step_limits():
     assert capture_sizes(256, 2048, 4) == [1, 2, 4, 8, 16, 32, 64, 128]
 
 
+def test_mixed_sizes_reach_the_step_budget():
+    assert mixed_sizes(2048) == [128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert mixed_sizes(300) == [128, 256, 300]
+    assert mixed_sizes(100) == [100]
+    assert mixed_sizes(16384)[-1] == 8192  # larger steps run eagerly
+    shapes = graph_shapes(16, 300, (1, 3))
+    assert [s for s in shapes if s.mixed] == [
+        GraphShape(16, n, n, mixed=True) for n in (128, 256, 300)
+    ]
+    assert all(s.num_logits == 16 for s in shapes if s.mixed)
+
+
+def test_a_step_pads_to_the_smallest_shape_that_holds_it():
+    from dataclasses import replace
+
+    from weir.services.executor.cuda_graphs import _no_requests
+
+    cache = torch.zeros(2, 4, 16, 1, 8)
+    graphs = StepGraphs(
+        None,  # type: ignore[arg-type]  # choosing a shape reads no model
+        [cache],
+        max_num_seqs=16,
+        max_num_batched_tokens=300,
+        max_blocks_per_req=8,
+        query_lens=(1, 3),
+        capture=False,
+    )
+
+    def step(query_lens: list[int], num_logits: int, prompt_logits: int = 0):
+        tokens = np.zeros(sum(query_lens), dtype=np.int64)
+        return replace(
+            _no_requests(max(query_lens)),
+            req_ids=[f"r{i}" for i in range(len(query_lens))],
+            input_ids=tokens,
+            logits_indices=np.zeros(num_logits, dtype=np.int64),
+            prompt_logits_indices=np.zeros(prompt_logits, dtype=np.int64),
+        )
+
+    assert graphs.shape_for(step([1] * 5, 5)) == GraphShape(8, 8, 1, mixed=False)
+    assert graphs.shape_for(step([3] * 3, 9)) == GraphShape(4, 12, 3, mixed=False)
+    # Decodes without logits at every token, unequal queries, a query length not captured:
+    # mixed shapes, by token count.
+    assert graphs.shape_for(step([3] * 3, 3)) == GraphShape(16, 128, 128, mixed=True)
+    assert graphs.shape_for(step([1, 3, 1], 5)) == GraphShape(16, 128, 128, mixed=True)
+    assert graphs.shape_for(step([2] * 4, 8)) == GraphShape(16, 128, 128, mixed=True)
+    assert graphs.shape_for(step([100, 29, 1], 3)) == GraphShape(16, 256, 256, mixed=True)
+    assert graphs.shape_for(step([299, 1], 2)) == GraphShape(16, 300, 300, mixed=True)
+    # Eager: more tokens than any shape, more logits rows than requests a shape holds,
+    # prompt logprobs (they need every token's hidden state).
+    assert graphs.shape_for(step([300, 1], 2)) is None
+    assert graphs.shape_for(step([1, 3] * 4, 17)) is None
+    assert graphs.shape_for(step([40, 1], 2, prompt_logits=39)) is None
+
+
 def run_workload(runner: ModelRunner, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     """Prefills, then decodes at 5 and 3 running requests (padded to 8 and 4), one uniform
-    speculative step, and a mixed step (a prefill chunk beside decodes: eager)."""
+    speculative step, a prefill chunk alone and two mixed steps (a chunk beside decodes,
+    then its rest)."""
     d = Driver(runner)
     d.free.remove(0)  # block 0, which padding requests read, stays unused: writes show there
     names = sorted(prompts)
@@ -58,7 +120,8 @@ def run_workload(runner: ModelRunner, prompts: dict[str, list[int]]) -> dict[str
     for _ in range(3):
         d.step({name: None for name in names[:3]})
     d.add("late", list(range(40, 60)), SamplingParams(max_tokens=64, temperature=0.0))
-    d.step({"late": 12, **{name: None for name in names[:3]}})
+    d.step({"late": 6})  # a prefill chunk alone: nothing sampled
+    d.step({"late": 6, **{name: None for name in names[:3]}})
     d.step({name: None for name in ["late", *names[:3]]})
     # Padding requests write no K/V: blocks no request holds are still zero.
     used = set().union(*d.blocks.values())
@@ -67,16 +130,21 @@ def run_workload(runner: ModelRunner, prompts: dict[str, list[int]]) -> dict[str
     return {name: d.outputs[name] for name in [*names, "late"]}
 
 
-def count_padded_steps(runner: ModelRunner) -> list[int]:
-    """Wrap the runner's graphs so each padded step appends its padded request count."""
-    padded: list[int] = []
+# The shapes run_workload's steps pad to with at most 16 requests and 256 tokens a step.
+WORKLOAD_SHAPES = ["mixed 128"] * 2 + [8] * 5 + [4] * 3 + ["mixed 128"] * 3
+
+
+def count_padded_steps(runner: ModelRunner) -> list[int | str]:
+    """Wrap the runner's graphs so each padded step appends its padded request count (a
+    decode shape) or "mixed <tokens>"."""
+    padded: list[int | str] = []
     graphs = runner.graphs
     assert graphs is not None
     stage = graphs.stage
 
-    def counting_stage(inputs, num_reqs):
-        padded.append(num_reqs)
-        stage(inputs, num_reqs)
+    def counting_stage(inputs, shape):
+        padded.append(f"mixed {shape.num_tokens}" if shape.mixed else shape.num_reqs)
+        stage(inputs, shape)
 
     graphs.stage = counting_stage  # type: ignore[method-assign]
     return padded
@@ -122,7 +190,7 @@ def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
     want = run_workload(eager, prompts)
 
     padded = make_runner()
-    padded.graphs = DecodeGraphs(
+    padded.graphs = StepGraphs(
         padded.model,
         padded.kv_caches,
         max_num_seqs=16,
@@ -135,10 +203,10 @@ def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
     graphed = record_graphed(padded)
     got = run_workload(padded, prompts)
     assert got == want
-    # 5 running -> 8, 3 running -> 4; the speculative step pads 5 -> 8 too; prefills and
-    # the mixed step ran eagerly.
-    assert steps == [8] * 5 + [4] * 3
-    assert len(graphed) == 12 and not any(graphed)  # nothing captured: no replay
+    # Prefills and the mixed step pad to 128 tokens; 5 running -> 8, 3 running -> 4; the
+    # speculative step pads 5 -> 8 too.
+    assert steps == WORKLOAD_SHAPES
+    assert len(graphed) == 13 and not any(graphed)  # nothing captured: no replay
     # And both are transformers' greedy tokens on the same weights (drafts never change them).
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_dir, dtype=torch.float32
@@ -210,13 +278,14 @@ def test_cuda_graphs_give_the_eager_tokens(dummy_model_dir):
     want = run_workload(eager, prompts)
     graphed = make_runner(False)
     assert graphed.graphs is not None
-    assert set(graphed.graphs._graphs) == {(n, q) for n in (1, 2, 4, 8, 16) for q in (1, SPEC_LEN)}
+    assert set(graphed.graphs._graphs) == set(graph_shapes(16, 256, (1, SPEC_LEN)))
+    assert {s.num_tokens for s in graphed.graphs._graphs if s.mixed} == {128, 256}
     assert all(len(copies) == GRAPH_COPIES for copies in graphed.graphs._graphs.values())
     steps = count_padded_steps(graphed)
     replayed = record_graphed(graphed)
     assert run_workload(graphed, prompts) == want
-    assert steps == [8] * 5 + [4] * 3
-    assert replayed.count(True) == 8  # every padded step replayed its graph
+    assert steps == WORKLOAD_SHAPES
+    assert replayed == [True] * 13  # every step replayed its graph
 
 
 @NEEDS_CUDA

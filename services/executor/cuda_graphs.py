@@ -1,25 +1,37 @@
-"""Decode steps on persistent input buffers, replayed from CUDA graphs.
+"""Steps on persistent input buffers, replayed from CUDA graphs.
 
-A decode step's forward pass is hundreds of small kernel launches (the model is launch-bound
-at decode sizes), so on CUDA it is captured once per padded batch size and replayed: one
-launch instead of hundreds. A graph replays fixed device addresses and a fixed grid, so:
+A step's forward pass is hundreds of kernel launches, and at the sizes a server runs most
+(decodes, and prefill chunks of a few thousand tokens beside them) the host's launches,
+not the GPU, set its time. So on CUDA the forward pass is captured once per padded step
+shape and replayed: one launch instead of hundreds. A graph replays fixed device
+addresses and a fixed grid, so:
 
 * Inputs live in persistent device buffers (`input_ids`, `positions`, `query_start_loc`,
-  `seq_lens`, `block_table`, `slot_mapping`); each step fills pinned host staging buffers
-  with NumPy and copies them in with non-blocking copies. The block table's rows are as
-  wide as max_model_len (a fixed stride), but a step copies only the columns its longest
-  request uses, compacted on the host and spread into the wide rows on the device.
-* A step of R requests, each with the same query length q (1 for plain decodes, 1 + k for
-  speculative decodes with k drafts each), and logits at every token, runs in the graph of
-  the smallest captured request count B >= R. The B - R padding requests are decodes of
-  query length q over a context of q keys in block 0 (any block: they only read it), with
-  slot_mapping -1 so no K/V is written; their rows' logits are dropped.
+  `seq_lens`, `block_table`, `slot_mapping`, `logits_indices`); each step fills pinned host
+  staging buffers with NumPy and copies them in with non-blocking copies. The block table's
+  rows are as wide as max_model_len (a fixed stride), but a step copies only the columns its
+  longest request uses, compacted on the host and spread into the wide rows on the device.
+* Decode shapes: a step of R requests, each with the same query length q (1 for plain
+  decodes, 1 + k for speculative decodes with k drafts each), and logits at every token,
+  runs in the graph of the smallest captured request count B >= R. The B - R padding
+  requests are decodes of query length q over a context of q keys in block 0 (any block:
+  they only read it), with slot_mapping -1 so no K/V is written; their rows' logits are
+  dropped.
+* Mixed shapes: any other step (prefill chunks beside decodes, prefills, unequal query
+  lengths) of T tokens runs in the graph of the smallest captured token count P >= T
+  (MIXED_TOKEN_SIZES), always with max_num_seqs requests. Its P - T padding tokens belong
+  to no request (slot_mapping -1, so the cache kernel writes nothing, and attention leaves
+  their rows unspecified); the padding requests hold no token (their query starts and ends
+  at T), so the attention kernels' programs for them return at once. The logits are taken
+  at the rows `logits_indices` names, max_num_seqs of them (padding rows name row 0).
 * The kernels' launch parameters depend only on shapes and the host-side hints, which are
-  the same for every step of a graph: the token count B * q, the request count B, the
-  block table's row stride (the buffer is max_model_len wide) and max_query_len = q.
+  the same for every step of a graph: the token and request counts, the block table's row
+  stride (the buffer is max_model_len wide) and max_query_len (q for a decode shape; P for
+  a mixed shape, whose plan launches prefill tiles for long queries and decode tiles for
+  the rest, whatever the step's longest query is).
 
-Larger steps and mixed steps (prefill chunks, unequal query lengths) run eagerly. Sampling
-stays outside the graph (its parameters and shapes change every step).
+Larger steps, steps with prompt logprobs and steps with more logits rows than max_num_seqs
+run eagerly. Sampling stays outside the graph (its parameters and shapes change every step).
 
 The executor builds this only with CUDA graphs on (which needs CUDA). Tests build it with
 ``capture=False``, also on a CPU: the same buffers and padding then run the forward pass
@@ -41,6 +53,10 @@ from weir.services.executor.model import CausalLM
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Token counts of the mixed shapes: finer where most mixed steps fall (the scheduler's
+# default budget is 2048 tokens), so a step pads by at most 256 tokens there. Steps of more
+# than 8192 tokens run eagerly: their arithmetic, not their launches, sets their time.
+MIXED_TOKEN_SIZES = (128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 6144, 8192)
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, query_len: int) -> list[int]:
@@ -52,7 +68,50 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, query_len: int
     ]
 
 
-_BUFFER_NAMES = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping")
+def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts to capture mixed steps at: every step up to the budget fits one (up to
+    the largest of MIXED_TOKEN_SIZES)."""
+    cap = min(max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
+    return [n for n in MIXED_TOKEN_SIZES if n < cap] + [cap]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """A captured step's padded shape: what its graph's launches are fixed for."""
+
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int  # the attention kernels' hint
+    mixed: bool  # logits at `logits_indices` (num_reqs rows), else at every token
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_reqs if self.mixed else self.num_tokens
+
+
+def graph_shapes(
+    max_num_seqs: int, max_num_batched_tokens: int, query_lens: tuple[int, ...]
+) -> list[GraphShape]:
+    """Every shape captured: decode shapes per query length, then mixed shapes."""
+    decode = [
+        GraphShape(n, n * q, q, mixed=False)
+        for q in sorted(set(query_lens))
+        for n in capture_sizes(max_num_seqs, max_num_batched_tokens, q)
+    ]
+    mixed = [
+        GraphShape(max_num_seqs, n, n, mixed=True) for n in mixed_sizes(max_num_batched_tokens)
+    ]
+    return decode + mixed
+
+
+_BUFFER_NAMES = (
+    "input_ids",
+    "positions",
+    "query_start_loc",
+    "seq_lens",
+    "slot_mapping",
+    "logits_indices",
+)
 
 
 @dataclass(slots=True)
@@ -63,6 +122,7 @@ class _Buffers:
     seq_lens: torch.Tensor  # [max_reqs] int32
     block_table: torch.Tensor  # [max_reqs, max_blocks_per_req] int32
     slot_mapping: torch.Tensor  # [max_tokens] int64
+    logits_indices: torch.Tensor  # [max_reqs] int64, rows a mixed step takes logits at
 
     @classmethod
     def allocate(
@@ -78,13 +138,14 @@ class _Buffers:
             seq_lens=zeros(max_reqs, dtype=torch.int32),
             block_table=zeros(max_reqs, max_blocks, dtype=torch.int32),
             slot_mapping=zeros(max_tokens, dtype=torch.int64),
+            logits_indices=zeros(max_reqs, dtype=torch.int64),
         )
 
 
-class DecodeGraphs:
-    """Persistent input buffers and, with ``capture``, ``copies`` CUDA graphs per (requests,
-    query length) of the forward pass and logits, replayed in turn (model_runner.GRAPH_COPIES
-    says why). `padded_num_reqs` says whether a step fits; `stage` + `forward` run it."""
+class StepGraphs:
+    """Persistent input buffers and, with ``capture``, ``copies`` CUDA graphs per step
+    shape of the forward pass and logits, replayed in turn (model_runner.GRAPH_COPIES says
+    why). `shape_for` says which shape a step pads to; `stage` + `forward` run it."""
 
     def __init__(
         self,
@@ -104,13 +165,16 @@ class DecodeGraphs:
         self.block_size = kv_caches[0].shape[2]
         self.capture = capture
         self.max_blocks_per_req = max_blocks_per_req
-        self.sizes = {
-            q: sizes
-            for q in sorted(set(query_lens))
-            if (sizes := capture_sizes(max_num_seqs, max_num_batched_tokens, q))
-        }
-        max_reqs = max((s[-1] for s in self.sizes.values()), default=0)
-        max_tokens = max((s[-1] * q for q, s in self.sizes.items()), default=0)
+        self.shapes = graph_shapes(max_num_seqs, max_num_batched_tokens, query_lens)
+        # Decode shapes' request counts per query length, and mixed shapes' token counts.
+        self.sizes: dict[int, list[int]] = {}
+        for shape in self.shapes:
+            if not shape.mixed:
+                self.sizes.setdefault(shape.max_query_len, []).append(shape.num_reqs)
+        self.mixed = [shape for shape in self.shapes if shape.mixed]
+        self._mixed_tokens = [shape.num_tokens for shape in self.mixed]
+        max_reqs = max(shape.num_reqs for shape in self.shapes)
+        max_tokens = max(shape.num_tokens for shape in self.shapes)
         on_cuda = self.device.type == "cuda"
         self.host = _Buffers.allocate(
             max_reqs, max_tokens, max_blocks_per_req, torch.device("cpu"), pin=on_cuda
@@ -121,35 +185,39 @@ class DecodeGraphs:
         self._dev_table = torch.empty_like(self._host_table, device=self.device)
         self._host_views = {name: getattr(self.host, name).numpy() for name in _BUFFER_NAMES}
         self._copied: torch.cuda.Event | None = None  # when the last staged inputs were read
-        # Each size's captured copies and the index of the one replayed next.
+        # Each shape's captured copies and the index of the one replayed next.
         self.copies = copies
-        self._graphs: dict[tuple[int, int], list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
-        self._turn: dict[tuple[int, int], int] = {}
+        self._graphs: dict[GraphShape, list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
+        self._turn: dict[GraphShape, int] = {}
 
     @property
     def max_num_tokens(self) -> int:
         return self.host.input_ids.shape[0]
 
-    def padded_num_reqs(self, inputs: StepInputs) -> int | None:
-        """The request count this step pads to, or None if it runs eagerly."""
+    def shape_for(self, inputs: StepInputs) -> GraphShape | None:
+        """The shape this step pads to, or None if it runs eagerly."""
         num_reqs, num_tokens = len(inputs.req_ids), len(inputs.input_ids)
-        sizes = self.sizes.get(inputs.max_query_len)
-        if (
-            sizes is None
-            or num_tokens != num_reqs * inputs.max_query_len
-            or len(inputs.logits_indices) != num_tokens
-        ):
+        num_logits = len(inputs.logits_indices)
+        if len(inputs.prompt_logits_indices):
             return None
+        q = inputs.max_query_len
+        sizes = self.sizes.get(q, [])
         i = bisect.bisect_left(sizes, num_reqs)
-        return sizes[i] if i < len(sizes) else None
+        if num_tokens == num_reqs * q and num_logits == num_tokens and i < len(sizes):
+            return GraphShape(sizes[i], sizes[i] * q, q, mixed=False)
+        i = bisect.bisect_left(self._mixed_tokens, num_tokens)
+        if i == len(self.mixed):
+            return None
+        shape = self.mixed[i]
+        return shape if num_reqs <= shape.num_reqs and num_logits <= shape.num_logits else None
 
     # ------------------------------------------------------------------ inputs
 
-    def stage(self, inputs: StepInputs, num_reqs: int) -> None:
-        """Fill the buffers' first ``num_reqs`` requests: the step's, then padding requests."""
-        q = inputs.max_query_len
+    def stage(self, inputs: StepInputs, shape: GraphShape) -> None:
+        """Fill the buffers' first ``shape.num_reqs`` requests and ``shape.num_tokens``
+        tokens: the step's, then padding."""
+        num_reqs, num_tokens = shape.num_reqs, shape.num_tokens
         real_reqs, real_tokens = len(inputs.req_ids), len(inputs.input_ids)
-        num_tokens = num_reqs * q
         if self._copied is not None:
             # The staging buffers are rewritten only after the previous step's copies read them.
             self._copied.synchronize()
@@ -161,17 +229,30 @@ class DecodeGraphs:
         v["slot_mapping"][:real_tokens] = inputs.slot_mapping
         v["slot_mapping"][real_tokens:num_tokens] = -1  # the cache write skips padding
         v["query_start_loc"][: real_reqs + 1] = inputs.query_start_loc
-        v["query_start_loc"][real_reqs + 1 : num_reqs + 1] = np.arange(
-            real_tokens + q, num_tokens + 1, q
-        )
+        if shape.mixed:
+            # Padding requests hold no token; padding tokens belong to none of them.
+            v["query_start_loc"][real_reqs + 1 : num_reqs + 1] = real_tokens
+            v["seq_lens"][real_reqs:num_reqs] = 0
+            num_logits = len(inputs.logits_indices)
+            v["logits_indices"][:num_logits] = inputs.logits_indices
+            v["logits_indices"][num_logits:num_reqs] = 0
+        else:
+            q = shape.max_query_len
+            v["query_start_loc"][real_reqs + 1 : num_reqs + 1] = np.arange(
+                real_tokens + q, num_tokens + 1, q
+            )
+            v["seq_lens"][real_reqs:num_reqs] = q
         v["seq_lens"][:real_reqs] = inputs.seq_lens
-        v["seq_lens"][real_reqs:num_reqs] = q
         width = inputs.block_table.shape[1]  # >= the padding requests' one column
         table_size = num_reqs * width
         table = self._host_table[:table_size].numpy().reshape(num_reqs, width)
         table[:real_reqs] = inputs.block_table
         table[real_reqs:] = 0
-        rows = {"query_start_loc": num_reqs + 1, "seq_lens": num_reqs}
+        rows = {
+            "query_start_loc": num_reqs + 1,
+            "seq_lens": num_reqs,
+            "logits_indices": num_reqs if shape.mixed else 0,
+        }
         for name in _BUFFER_NAMES:
             n = rows.get(name, num_tokens)
             getattr(self.dev, name)[:n].copy_(getattr(self.host, name)[:n], non_blocking=True)
@@ -184,68 +265,70 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ forward
 
-    def replays(self, num_reqs: int, query_len: int) -> bool:
-        """Whether ``forward`` replays a captured graph for this size (else runs eagerly)."""
-        return (num_reqs, query_len) in self._graphs
+    def replays(self, shape: GraphShape) -> bool:
+        """Whether ``forward`` replays a captured graph for this shape (else runs eagerly)."""
+        return shape in self._graphs
 
-    def forward(self, num_reqs: int, query_len: int) -> torch.Tensor:
-        """Logits [num_reqs * query_len, vocab] of the staged step (padding rows included):
-        the graph's replay if captured, else the same computation run eagerly."""
-        key = (num_reqs, query_len)
-        graphs = self._graphs.get(key)
+    def forward(self, shape: GraphShape) -> torch.Tensor:
+        """Logits [shape.num_logits, vocab] of the staged step (padding rows included, after
+        the step's): the graph's replay if captured, else the same computation run eagerly."""
+        graphs = self._graphs.get(shape)
         if graphs is None:
-            return self._forward(num_reqs, query_len)
-        turn = self._turn[key]
-        self._turn[key] = (turn + 1) % len(graphs)
+            return self._forward(shape)
+        turn = self._turn[shape]
+        self._turn[shape] = (turn + 1) % len(graphs)
         graph, logits = graphs[turn]
         graph.replay()
         return logits
 
-    def _forward(self, num_reqs: int, query_len: int) -> torch.Tensor:
-        num_tokens = num_reqs * query_len
+    def _forward(self, shape: GraphShape) -> torch.Tensor:
+        num_reqs, num_tokens = shape.num_reqs, shape.num_tokens
         d = self.dev
         meta = AttentionMetadata(
             query_start_loc=d.query_start_loc[: num_reqs + 1],
             seq_lens=d.seq_lens[:num_reqs],
             block_table=d.block_table[:num_reqs],
             slot_mapping=d.slot_mapping[:num_tokens],
-            max_query_len=query_len,
+            max_query_len=shape.max_query_len,
             # An upper bound: the same for every step a graph replays.
             max_seq_len=self.max_blocks_per_req * self.block_size,
         )
         hidden = self.model(
             d.input_ids[:num_tokens], d.positions[:num_tokens], meta, self.kv_caches
         )
+        if shape.mixed:
+            hidden = hidden[d.logits_indices[:num_reqs]]
         logits = self.model.compute_logits(hidden)
         assert logits is not None  # graphs run without tensor parallelism
         return logits
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every shape, largest first so the smaller graphs reuse its memory pool."""
         if not self.capture:
             return
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for q, sizes in self.sizes.items():
-            for num_reqs in reversed(sizes):
-                self.stage(_no_requests(q), num_reqs)
-                # Warm up outside the capture: Triton compiles and cuBLAS picks its kernels here.
-                self._forward(num_reqs, q)
-                torch.cuda.synchronize(self.device)
-                self._graphs[(num_reqs, q)] = []
-                self._turn[(num_reqs, q)] = 0
-                for _ in range(self.copies):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        logits = self._forward(num_reqs, q)
-                    self._graphs[(num_reqs, q)].append((graph, logits))
+        for shape in sorted(self.shapes, key=lambda s: (s.num_tokens, s.num_reqs), reverse=True):
+            self.stage(_no_requests(shape.max_query_len), shape)
+            # Warm up outside the capture: Triton compiles and cuBLAS picks its kernels here.
+            self._forward(shape)
+            torch.cuda.synchronize(self.device)
+            self._graphs[shape] = []
+            self._turn[shape] = 0
+            for _ in range(self.copies):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(shape)
+                self._graphs[shape].append((graph, logits))
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d CUDA graphs (query lengths %s, up to %d tokens) in %.2fs",
+            "captured %d CUDA graph shapes (decode query lengths %s up to %d requests, mixed "
+            "steps up to %d tokens) in %.2fs",
             len(self._graphs),
             sorted(self.sizes),
-            self.max_num_tokens,
+            max((n for sizes in self.sizes.values() for n in sizes), default=0),
+            max(self._mixed_tokens, default=0),
             time.perf_counter() - start,
         )
 

@@ -15,8 +15,8 @@ broadcasts the tokens, so every rank's persistent batch stays the same.
 On CUDA a step costs the host one wait: the copy of the sampled tokens (with their logprobs,
 when asked for) back to the host. Inputs go to the device through pinned memory without
 waiting, and phase timings synchronize only when asked for (``sync_timings``, or
-``WEIR_SYNC_STEP_TIMING=1`` in the environment). Decode steps replay CUDA graphs
-(``cuda_graphs.DecodeGraphs``) unless ``enforce_eager``.
+``WEIR_SYNC_STEP_TIMING=1`` in the environment). Steps of up to 8192 tokens replay CUDA
+graphs (``cuda_graphs.StepGraphs``) unless ``enforce_eager``.
 """
 
 import ctypes
@@ -34,7 +34,7 @@ import torch
 
 from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
-from weir.services.executor.cuda_graphs import DecodeGraphs, capture_sizes
+from weir.services.executor.cuda_graphs import StepGraphs, graph_shapes
 from weir.services.executor.drafter import Drafter
 from weir.services.executor.input_batch import (
     ANY_TOKEN,
@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 SYNC_STEP_TIMING_ENV = "WEIR_SYNC_STEP_TIMING"
-# Each decode graph is captured twice and the copies replayed in turn: with async scheduling a
+# Each graph is captured twice and the copies replayed in turn: with async scheduling a
 # step's graph is launched while the step before (often the same size) still runs, and on the
 # H200 (2026-12-04, benchmarks/step_profile.py, 1B shape, 256 decodes) two copies took the
 # overlapped step from 2.59-3.17 ms to 2.02-2.26 ms; lockstep steps are unchanged.
@@ -288,7 +288,7 @@ class ModelRunner:
                 "(or --gpu-memory-utilization on a GPU)"
             )
         self.reset()
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self._allocate_caches()
         # vLLM's sleep mode: 0 awake, else the level ``sleep`` freed the KV cache at; the
         # weights may wake first (``wake(("weights",))``), to load new ones into.
@@ -349,8 +349,8 @@ class ModelRunner:
             self.capture_graphs()
 
     def capture_graphs(self, copies: int = GRAPH_COPIES) -> None:
-        """Capture the decode graphs over the KV caches (again, for a benchmark's copies)."""
-        self.graphs = DecodeGraphs(
+        """Capture the step graphs over the KV caches (again, for a benchmark's copies)."""
+        self.graphs = StepGraphs(
             self.model,
             self.kv_caches,
             max_num_seqs=self.max_num_seqs,
@@ -470,14 +470,8 @@ class ModelRunner:
         """Activation memory of the largest graph's step, once per copy (a bound: the copies
         share one pool, but each keeps its logits): the pool holds that much for as long as
         the graphs live, beside what eager steps use."""
-        sizes = [
-            (n * q, n)
-            for q in self.graph_query_lens
-            for n in capture_sizes(self.max_num_seqs, self.max_num_batched_tokens, q)
-        ]
-        if not sizes:
-            return 0
-        num_tokens, num_reqs = max(sizes)
+        shapes = graph_shapes(self.max_num_seqs, self.max_num_batched_tokens, self.graph_query_lens)
+        num_tokens, num_reqs = max((s.num_tokens, s.num_reqs) for s in shapes)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(num_tokens, num_reqs)
@@ -634,23 +628,26 @@ class ModelRunner:
             )
         )
         # Graphs replay the base model's logits: a step with adapters or pooling runs eagerly.
-        num_reqs = (
+        shape = (
             None
             if self.graphs is None or lora is not None or inputs.pooling is not None
-            else self.graphs.padded_num_reqs(inputs)
+            else self.graphs.shape_for(inputs)
         )
-        if num_reqs is not None:
+        if shape is not None:
             assert self.graphs is not None
-            self.graphs.stage(inputs, num_reqs)
+            self.graphs.stage(inputs, shape)
             if feed is not None:
                 _scatter(self.graphs.dev.input_ids, feed)
             prepared = self._clock()
-            padded = self.graphs.forward(num_reqs, inputs.max_query_len)
-            real = padded[: len(inputs.logits_indices)]  # padding requests' rows come last
-            step = self._sample(
-                plan, inputs, self.graphs.dev.input_ids, real, start, prepared, began
-            )
-            step.timings.graphed = self.graphs.replays(num_reqs, inputs.max_query_len)
+            padded = self.graphs.forward(shape)
+            if len(inputs.logits_indices):
+                real = padded[: len(inputs.logits_indices)]  # padding rows come last
+                step = self._sample(
+                    plan, inputs, self.graphs.dev.input_ids, real, start, prepared, began
+                )
+            else:  # a prefill chunk alone: nothing to sample
+                step = self._unsampled(plan, inputs, start, prepared, began)
+            step.timings.graphed = self.graphs.replays(shape)
             return step
         meta = AttentionMetadata(
             query_start_loc=self._to_device(inputs.query_start_loc),
@@ -669,17 +666,29 @@ class ModelRunner:
         prompt = self._prompt_logprobs(hidden, inputs)
         pooled = None if inputs.pooling is None else self._pool(hidden, inputs)
         if not len(inputs.logits_indices):
-            step = LaunchedStep(plan, StepTimings(prepared - start), inputs=inputs)
+            step = self._unsampled(plan, inputs, start, prepared, began)
             step.prompt_ids, step.prompt_logprobs = prompt
             step.pooled = pooled
-            step.ready = self._device_event()
-            self._count_busy(began, step.ready, prepared)
-            step.timings.forward = self._clock() - prepared
             return step
         logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
         step = self._sample(plan, inputs, input_ids, logits, start, prepared, began)
         step.prompt_ids, step.prompt_logprobs = prompt
         step.pooled = pooled
+        return step
+
+    def _unsampled(
+        self,
+        plan: StepPlan,
+        inputs: StepInputs,
+        start: float,
+        prepared: float,
+        began: torch.cuda.Event | None,
+    ) -> LaunchedStep:
+        """A launched step that samples nothing (its work ends with the forward pass)."""
+        step = LaunchedStep(plan, StepTimings(prepared - start), inputs=inputs)
+        step.ready = self._device_event()
+        self._count_busy(began, step.ready, prepared)
+        step.timings.forward = self._clock() - prepared
         return step
 
     def finish(self, step: LaunchedStep) -> StepResult:

@@ -365,6 +365,27 @@ def test_padding_requests_and_preallocated_output(split_kv):
     assert_close(out[: step.num_real_tokens].cpu(), reference_output(step))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
+def test_mixed_step_padded_as_a_cuda_graph_replays_it(dtype):
+    # A mixed step in a mixed graph's shape (cuda_graphs.StepGraphs): a prefill chunk, a
+    # short prefill and decodes, then padding requests holding no token and padding tokens
+    # outside every request; the hint is the padded token count, whatever the longest query.
+    step = make_step(
+        [(30, 40), (20, 1), (0, 9), (45, 1), (0, 0), (0, 0), (0, 0)],
+        num_heads=8,
+        num_kv_heads=2,
+        num_padding_tokens=13,
+        dtype=dtype,
+    )
+    num_tokens = step.query.shape[0]
+    plan = triton_attention.plan_for(
+        step.query, step.kv_cache, 7, max_query_len=num_tokens, max_seq_len=1024
+    )
+    assert plan.prefill is not None and plan.short_query_len < 9  # both launches run
+    actual = triton_output(step, max_query_len=num_tokens, max_seq_len=1024)
+    assert_close(actual, reference_output(step))
+
+
 @pytest.mark.parametrize(
     ("requests", "group", "split_kv"),
     [
