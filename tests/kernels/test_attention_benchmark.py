@@ -95,3 +95,36 @@ def test_sweep_table_names_the_fastest_segment_count_beside_the_rules():
         "| decode 1 x 4096 | 123.5 | 80.1 | 2 | 8 |",
     ]
     assert bench.sweep_table(results[2:]) == []
+
+
+def test_floors_are_judged_on_calls_launched_and_replayed_from_graphs():
+    bench = load_benchmark()
+    args = bench.argparse.Namespace(
+        dtype="bfloat16", num_heads=32, num_kv_heads=8, head_dim=128, kv_cache_dtype="auto"
+    )
+    decode = bench.Batch("decode 32 x 4096", [(4095, 1)] * 32)
+    nbytes = bench.bytes_moved(decode, args)
+    at = {pct: nbytes / (pct / 100 * 4800e9) * 1e3 for pct in (70, 90)}  # ms at that share
+    small = bench.Batch("decode 1 x 4096", [(4095, 1)])
+    mixed = bench.Batch("chunk 512 @ctx 2k + 63 decodes @4k", [(2048, 512)] + [(4096, 1)] * 63)
+    results = [
+        bench.Result(decode, at[70], None, at[70], 4, None, None, nbytes, None, None, at[90]),
+        # Launched from Python the host's launch sets the small decode's time; in graphs not.
+        bench.Result(small, 0.07, 0.07, 0.07, 8, None, 0.017, 0, 0.0, None, 0.02, 0.016),
+        bench.Result(mixed, 0.3, None, 0.3, 1, 0.33, None, 0, None, None, 0.24),
+    ]
+    lines = bench.floor_lines(results, 4800.0)
+    assert lines[0] == (
+        "Floor (decode, >= 32 sequences, >= 4k context, >= 85% of peak): NOT met; lowest 70.0%"
+        " (decode 32 x 4096); in CUDA graphs: met; lowest 90.0% (decode 32 x 4096)."
+    )
+    assert lines[1] == (
+        "Floor (decode 1 x 4096 within 1.3x SDPA): NOT met; 4.12x; in CUDA graphs: met; 1.25x."
+    )
+    assert lines[2] == (
+        "Floor (chunk 512 @ctx 2k + 63 decodes @4k <= 244 µs): NOT met; 300.0 µs; "
+        "in CUDA graphs: met; 240.0 µs."
+    )
+    table = bench.format_table(results, 4800.0)
+    assert table[2].endswith("| 124.4 | 90.0 | – |")  # graph µs, its % of peak, no SDPA
+    assert table[3].endswith("| 20.0 | 0.0 | 16.0 |")
