@@ -160,6 +160,9 @@ class CacheConfig:
 # The most KV blocks an executor offers (more memory is left unused): the scheduler keeps
 # ~200 bytes per block, so this caps its pool near 1 GB (67M tokens at block size 16).
 MAX_NUM_KV_BLOCKS = 1 << 22
+# The largest mixed step a CUDA graph is captured for: larger steps' arithmetic, not their
+# kernel launches, sets their time (cuda_graphs.MIXED_TOKEN_SIZES ends here).
+MAX_MIXED_GRAPH_TOKENS = 8192
 
 
 # ------------------------------------------------------------------ ports
@@ -459,8 +462,17 @@ class EngineArgs:
     enforce_eager: bool = _arg(
         False,
         EXECUTOR,
-        "run every step eagerly (on CUDA, decode steps otherwise replay CUDA graphs captured "
-        "at start-up)",
+        "run every step eagerly (on CUDA, steps otherwise replay CUDA graphs captured at start-up)",
+    )
+    max_mixed_graph_tokens: int = _arg(
+        MAX_MIXED_GRAPH_TOKENS,
+        EXECUTOR,
+        "on CUDA, the largest mixed step (prefill chunks beside decodes) that replays a CUDA "
+        f"graph: mixed shapes are captured up to this many tokens (at most "
+        f"{MAX_MIXED_GRAPH_TOKENS}; the step budget caps it too), larger mixed steps run "
+        "eagerly; 0: only decode steps replay graphs, which saves the mixed graphs' "
+        "activation memory",
+        type=int,
     )
     threads: int | None = _arg(
         None,
@@ -518,6 +530,12 @@ class EngineArgs:
             raise ValueError("served_model_name must not be empty")
         if self.threads is not None:
             _check_int("threads", self.threads, 1)
+        _check_int("max_mixed_graph_tokens", self.max_mixed_graph_tokens, 0)
+        if self.max_mixed_graph_tokens > MAX_MIXED_GRAPH_TOKENS:
+            raise ValueError(
+                f"max_mixed_graph_tokens must be <= {MAX_MIXED_GRAPH_TOKENS} (larger steps are "
+                f"compute-bound: they run eagerly), got {self.max_mixed_graph_tokens}"
+            )
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2)
         for name in ("executor_timeout", "recovery_timeout"):

@@ -50,6 +50,9 @@ def test_mixed_sizes_reach_the_step_budget():
     assert mixed_sizes(300) == [128, 256, 300]
     assert mixed_sizes(100) == [100]
     assert mixed_sizes(16384)[-1] == 8192  # larger steps run eagerly
+    assert mixed_sizes(2048, 1000) == [128, 256, 512, 768, 1000]
+    assert mixed_sizes(2048, 0) == []  # --max-mixed-graph-tokens 0: decode graphs only
+    assert not any(s.mixed for s in graph_shapes(16, 2048, (1,), 0))
     shapes = graph_shapes(16, 300, (1, 3))
     assert [s for s in shapes if s.mixed] == [
         GraphShape(16, n, n, mixed=True) for n in (128, 256, 300)

@@ -161,7 +161,14 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         "--enforce-eager",
         action="store_true",
         default=None,
-        help="Weir engine option: no CUDA graphs (default: decode steps replay them on CUDA)",
+        help="Weir engine option: no CUDA graphs (default: steps replay them on CUDA)",
+    )
+    g.add_argument(
+        "--max-mixed-graph-tokens",
+        type=int,
+        default=None,
+        help="Weir engine option: the largest mixed step replayed from a CUDA graph (default "
+        "8192; 0: decode steps only)",
     )
     o = p.add_argument_group("output")
     o.add_argument("--output-json", type=Path, default=None, help="write the results as JSON here")
@@ -186,6 +193,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": args.tensor_parallel_size,
         "async_scheduling": args.async_scheduling,
         "enforce_eager": args.enforce_eager,
+        "max_mixed_graph_tokens": args.max_mixed_graph_tokens,
     }
     return {k: v for k, v in options.items() if v is not None}
 

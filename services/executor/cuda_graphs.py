@@ -19,7 +19,7 @@ addresses and a fixed grid, so:
   dropped.
 * Mixed shapes: any other step (prefill chunks beside decodes, prefills, unequal query
   lengths) of T tokens runs in the graph of the smallest captured token count P >= T
-  (MIXED_TOKEN_SIZES), always with max_num_seqs requests. Its P - T padding tokens belong
+  (MIXED_TOKEN_SIZES, up to --max-mixed-graph-tokens), always with max_num_seqs requests. Its P - T padding tokens belong
   to no request (slot_mapping -1, so the cache kernel writes nothing, and attention leaves
   their rows unspecified); the padding requests hold no token (their query starts and ends
   at T), so the attention kernels' programs for them return at once. The logits are taken
@@ -49,14 +49,15 @@ import torch
 from weir.services.executor.attention import AttentionMetadata
 from weir.services.executor.input_batch import StepInputs
 from weir.services.executor.model import CausalLM
+from weir.shared.config import MAX_MIXED_GRAPH_TOKENS
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Token counts of the mixed shapes: finer where most mixed steps fall (the scheduler's
-# default budget is 2048 tokens), so a step pads by at most 256 tokens there. Steps of more
-# than 8192 tokens run eagerly: their arithmetic, not their launches, sets their time.
-MIXED_TOKEN_SIZES = (128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 6144, 8192)
+# default budget is 2048 tokens), so a step pads by at most 256 tokens there.
+MIXED_TOKEN_SIZES = (128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 6144)
+MIXED_TOKEN_SIZES += (MAX_MIXED_GRAPH_TOKENS,)
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, query_len: int) -> list[int]:
@@ -68,11 +69,13 @@ def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, query_len: int
     ]
 
 
-def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token counts to capture mixed steps at: every step up to the budget fits one (up to
-    the largest of MIXED_TOKEN_SIZES)."""
-    cap = min(max_num_batched_tokens, MIXED_TOKEN_SIZES[-1])
-    return [n for n in MIXED_TOKEN_SIZES if n < cap] + [cap]
+def mixed_sizes(
+    max_num_batched_tokens: int, max_mixed_tokens: int = MAX_MIXED_GRAPH_TOKENS
+) -> list[int]:
+    """Token counts to capture mixed steps at: every step of up to ``max_mixed_tokens`` (and
+    the step budget) fits one; none for 0."""
+    cap = min(max_num_batched_tokens, max_mixed_tokens)
+    return [n for n in MIXED_TOKEN_SIZES if n < cap] + ([cap] if cap else [])
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +93,10 @@ class GraphShape:
 
 
 def graph_shapes(
-    max_num_seqs: int, max_num_batched_tokens: int, query_lens: tuple[int, ...]
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    query_lens: tuple[int, ...],
+    max_mixed_tokens: int = MAX_MIXED_GRAPH_TOKENS,
 ) -> list[GraphShape]:
     """Every shape captured: decode shapes per query length, then mixed shapes."""
     decode = [
@@ -99,7 +105,8 @@ def graph_shapes(
         for n in capture_sizes(max_num_seqs, max_num_batched_tokens, q)
     ]
     mixed = [
-        GraphShape(max_num_seqs, n, n, mixed=True) for n in mixed_sizes(max_num_batched_tokens)
+        GraphShape(max_num_seqs, n, n, mixed=True)
+        for n in mixed_sizes(max_num_batched_tokens, max_mixed_tokens)
     ]
     return decode + mixed
 
@@ -156,6 +163,7 @@ class StepGraphs:
         max_num_batched_tokens: int,
         max_blocks_per_req: int,
         query_lens: tuple[int, ...] = (1,),
+        max_mixed_tokens: int = MAX_MIXED_GRAPH_TOKENS,
         capture: bool,
         copies: int = 1,
     ) -> None:
@@ -165,7 +173,9 @@ class StepGraphs:
         self.block_size = kv_caches[0].shape[2]
         self.capture = capture
         self.max_blocks_per_req = max_blocks_per_req
-        self.shapes = graph_shapes(max_num_seqs, max_num_batched_tokens, query_lens)
+        self.shapes = graph_shapes(
+            max_num_seqs, max_num_batched_tokens, query_lens, max_mixed_tokens
+        )
         # Decode shapes' request counts per query length, and mixed shapes' token counts.
         self.sizes: dict[int, list[int]] = {}
         for shape in self.shapes:

@@ -15,8 +15,9 @@ broadcasts the tokens, so every rank's persistent batch stays the same.
 On CUDA a step costs the host one wait: the copy of the sampled tokens (with their logprobs,
 when asked for) back to the host. Inputs go to the device through pinned memory without
 waiting, and phase timings synchronize only when asked for (``sync_timings``, or
-``WEIR_SYNC_STEP_TIMING=1`` in the environment). Steps of up to 8192 tokens replay CUDA
-graphs (``cuda_graphs.StepGraphs``) unless ``enforce_eager``.
+``WEIR_SYNC_STEP_TIMING=1`` in the environment). Decode steps, and mixed steps of up to
+``max_mixed_graph_tokens``, replay CUDA graphs (``cuda_graphs.StepGraphs``) unless
+``enforce_eager``.
 """
 
 import ctypes
@@ -201,6 +202,7 @@ class ModelRunner:
         tensor_parallel_size: int = 1,
         rank: int = 0,
         enforce_eager: bool = ENGINE_DEFAULTS.enforce_eager,
+        max_mixed_graph_tokens: int = ENGINE_DEFAULTS.max_mixed_graph_tokens,
         num_speculative_tokens: int = 0,
         sync_timings: bool | None = None,
         quantization: str | None = None,
@@ -253,6 +255,7 @@ class ModelRunner:
             and not model_config.num_experts
         )
         self.graph_query_lens = (1, 1 + num_speculative_tokens)
+        self.max_mixed_graph_tokens = max_mixed_graph_tokens
         self.hf_overrides = hf_overrides
         # The weights served (read again by a wake from sleep level 2) and how to read them.
         self.weights_dir, self.load_format = self.model_dir, load_format
@@ -357,6 +360,7 @@ class ModelRunner:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_blocks_per_req=self.batch.max_blocks_per_req,
             query_lens=self.graph_query_lens,
+            max_mixed_tokens=self.max_mixed_graph_tokens,
             capture=True,
             copies=copies,
         )
@@ -470,7 +474,12 @@ class ModelRunner:
         """Activation memory of the largest graph's step, once per copy (a bound: the copies
         share one pool, but each keeps its logits): the pool holds that much for as long as
         the graphs live, beside what eager steps use."""
-        shapes = graph_shapes(self.max_num_seqs, self.max_num_batched_tokens, self.graph_query_lens)
+        shapes = graph_shapes(
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.graph_query_lens,
+            self.max_mixed_graph_tokens,
+        )
         num_tokens, num_reqs = max((s.num_tokens, s.num_reqs) for s in shapes)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -254,6 +254,7 @@ class ExecutorWorker:
             # Without tensor parallelism the group's ranks are replicas of the whole model.
             rank=self.options.rank if args.tensor_parallel_size > 1 else 0,
             enforce_eager=args.enforce_eager,
+            max_mixed_graph_tokens=args.max_mixed_graph_tokens,
             num_speculative_tokens=args.num_speculative_tokens if args.speculative_method else 0,
             quantization=args.quantization,
             loras=args.loras,

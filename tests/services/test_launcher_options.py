@@ -171,6 +171,8 @@ def test_unknown_engine_option_is_a_type_error():
         (["--threads", "0"], "--threads must be >= 1, got 0"),
         (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
         (["--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
+        (["--max-mixed-graph-tokens", "-1"], "--max-mixed-graph-tokens must be >= 0, got -1"),
+        (["--max-mixed-graph-tokens", "9000"], "--max-mixed-graph-tokens must be <= 8192"),
     ],
 )
 def test_impossible_options_end_serve_with_one_line_naming_the_flag(flags, message, capsys):
