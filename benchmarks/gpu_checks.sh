@@ -16,8 +16,8 @@
 #      variant, ~16 for this shape, which the first start on a fresh machine pays for) and
 #      how many steps fell in each bucket of the executor step and forward histograms; the
 #      workload runs twice on one server (the second measured, both walls printed);
-#   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs, with
-#      --enforce-eager, and the hf-cb baseline, in the same run;
+#   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs beside the
+#      hf-cb baseline, then with decode graphs only (--max-mixed-graph-tokens 0);
 # all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,
 # vocab 128256) with random weights: a config.json written here plus the default model's
 # tokenizer files (the default model itself cannot travel). Results land in $OUT.
@@ -138,8 +138,12 @@ fi
 if [[ " $SECTIONS " == *" throughput "* ]]; then
     common=(--model "$model" --load-format dummy --dtype bfloat16 --num-prompts 512)
     [[ $SHAPE == tiny ]] && common=(--model "$model" --load-format dummy --num-prompts 8 --threads 1)
-    section throughput-graphs 60 "$PY" -m weir.services.cli bench throughput "${common[@]}"
-    section throughput-eager-hf-cb 110 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
-        --enforce-eager --baseline hf-cb --output-json "$OUT/throughput-eager-hf-cb.json"
+    # The default (decode and mixed steps replay graphs) beside hf-cb, then decode graphs
+    # only (mixed steps eager, as before 2026-12-04's thirty-third session): the same-run
+    # baseline of the mixed graphs.
+    section throughput-graphs-hf-cb 110 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
+        --baseline hf-cb --output-json "$OUT/throughput-graphs-hf-cb.json"
+    section throughput-decode-graphs 60 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
+        --max-mixed-graph-tokens 0
 fi
 log "done in $((SECONDS - start))s; results in $OUT"
