@@ -283,6 +283,11 @@ def test_cuda_graphs_give_the_eager_tokens(dummy_model_dir):
     assert graphed.graphs is not None
     assert set(graphed.graphs._graphs) == set(graph_shapes(16, 256, (1, SPEC_LEN)))
     assert {s.num_tokens for s in graphed.graphs._graphs if s.mixed} == {128, 256}
+    # The mixed graphs' logits share one buffer (each would otherwise keep its own).
+    mixed_outputs = [
+        out for s, copies in graphed.graphs._graphs.items() if s.mixed for _, out in copies
+    ]
+    assert len({out.data_ptr() for out in mixed_outputs}) == 1
     assert all(len(copies) == GRAPH_COPIES for copies in graphed.graphs._graphs.values())
     steps = count_padded_steps(graphed)
     replayed = record_graphed(graphed)

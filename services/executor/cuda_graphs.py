@@ -195,6 +195,7 @@ class StepGraphs:
         self._dev_table = torch.empty_like(self._host_table, device=self.device)
         self._host_views = {name: getattr(self.host, name).numpy() for name in _BUFFER_NAMES}
         self._copied: torch.cuda.Event | None = None  # when the last staged inputs were read
+        self._mixed_logits: torch.Tensor | None = None
         # Each shape's captured copies and the index of the one replayed next.
         self.copies = copies
         self._graphs: dict[GraphShape, list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
@@ -310,7 +311,15 @@ class StepGraphs:
             hidden = hidden[d.logits_indices[:num_reqs]]
         logits = self.model.compute_logits(hidden)
         assert logits is not None  # graphs run without tensor parallelism
-        return logits
+        if not shape.mixed:
+            return logits
+        # Every mixed shape's logits land in one buffer (allocated by the first call, the
+        # warm-up outside any capture): a graph's own output would stay allocated as long as
+        # the graph, max_num_seqs x vocab for each of them. Sharing is safe: a step's
+        # sampling is queued before the next step's replay overwrites it.
+        if self._mixed_logits is None:
+            self._mixed_logits = torch.empty_like(logits)
+        return self._mixed_logits.copy_(logits)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
