@@ -19,11 +19,12 @@ addresses and a fixed grid, so:
   dropped.
 * Mixed shapes: any other step (prefill chunks beside decodes, prefills, unequal query
   lengths) of T tokens runs in the graph of the smallest captured token count P >= T
-  (MIXED_TOKEN_SIZES, up to --max-mixed-graph-tokens), always with max_num_seqs requests. Its P - T padding tokens belong
-  to no request (slot_mapping -1, so the cache kernel writes nothing, and attention leaves
-  their rows unspecified); the padding requests hold no token (their query starts and ends
-  at T), so the attention kernels' programs for them return at once. The logits are taken
-  at the rows `logits_indices` names, max_num_seqs of them (padding rows name row 0).
+  (MIXED_TOKEN_SIZES, up to --max-mixed-graph-tokens), always with max_num_seqs
+  requests. Its P - T padding tokens belong to no request (slot_mapping -1, so the cache
+  kernel writes nothing, and attention leaves their rows unspecified); the padding
+  requests hold no token (their query starts and ends at T), so the attention kernels'
+  programs for them return at once. The logits are taken at the rows `logits_indices`
+  names, max_num_seqs of them (padding rows name row 0).
 * The kernels' launch parameters depend only on shapes and the host-side hints, which are
   the same for every step of a graph: the token and request counts, the block table's row
   stride (the buffer is max_model_len wide) and max_query_len (q for a decode shape; P for
@@ -56,8 +57,10 @@ logger = logging.getLogger(__name__)
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # Token counts of the mixed shapes: finer where most mixed steps fall (the scheduler's
 # default budget is 2048 tokens), so a step pads by at most 256 tokens there.
-MIXED_TOKEN_SIZES = (128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 6144)
-MIXED_TOKEN_SIZES += (MAX_MIXED_GRAPH_TOKENS,)
+MIXED_TOKEN_SIZES = (
+    *(128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 6144),
+    MAX_MIXED_GRAPH_TOKENS,
+)
 
 
 def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, query_len: int) -> list[int]:
