@@ -181,9 +181,11 @@ class StepGraphs:
         )
         # Decode shapes' request counts per query length, and mixed shapes' token counts.
         self.sizes: dict[int, list[int]] = {}
+        self._decode: dict[tuple[int, int], GraphShape] = {}  # by (requests, query length)
         for shape in self.shapes:
             if not shape.mixed:
                 self.sizes.setdefault(shape.max_query_len, []).append(shape.num_reqs)
+                self._decode[shape.num_reqs, shape.max_query_len] = shape
         self.mixed = [shape for shape in self.shapes if shape.mixed]
         self._mixed_tokens = [shape.num_tokens for shape in self.mixed]
         max_reqs = max(shape.num_reqs for shape in self.shapes)
@@ -218,7 +220,7 @@ class StepGraphs:
         sizes = self.sizes.get(q, [])
         i = bisect.bisect_left(sizes, num_reqs)
         if num_tokens == num_reqs * q and num_logits == num_tokens and i < len(sizes):
-            return GraphShape(sizes[i], sizes[i] * q, q, mixed=False)
+            return self._decode[sizes[i], q]
         i = bisect.bisect_left(self._mixed_tokens, num_tokens)
         if i == len(self.mixed):
             return None
@@ -269,7 +271,8 @@ class StepGraphs:
         }
         for name in _BUFFER_NAMES:
             n = rows.get(name, num_tokens)
-            getattr(self.dev, name)[:n].copy_(getattr(self.host, name)[:n], non_blocking=True)
+            if n:
+                getattr(self.dev, name)[:n].copy_(getattr(self.host, name)[:n], non_blocking=True)
         self._dev_table[:table_size].copy_(self._host_table[:table_size], non_blocking=True)
         self.dev.block_table[:num_reqs, :width] = self._dev_table[:table_size].view(num_reqs, width)
         if self.device.type == "cuda":
