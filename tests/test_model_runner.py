@@ -15,6 +15,7 @@ from triton import knobs  # noqa: E402
 from triton_keys import LaunchKeys  # noqa: E402
 
 from weir.kernels import triton_attention  # noqa: E402
+from weir.services.executor.cuda_graphs import GraphShape, StepGraphs  # noqa: E402
 from weir.services.executor.kernel_compiles import KernelCompiles  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan, StepResult  # noqa: E402
@@ -416,6 +417,46 @@ def test_new_weights_must_fill_the_served_parameters(tiny, tmp_path, device):
     assert outputs[0] == outputs[1]  # as a runner that was never asked
 
 
+def serve_every_step_kind(runner: ModelRunner) -> None:
+    """A long prefill, short prompts, chunks beside decodes, speculative decodes, decodes,
+    one request alone."""
+    rng = random.Random(5)
+    d = Driver(runner)
+    for req_id, length in (("long", 44), ("a", 3), ("b", 12), ("c", 20), ("d", 9)):
+        d.add(req_id, [rng.randrange(128) for _ in range(length)])
+    d.step({"long": None})
+    d.step({"long": None, "a": None, "b": 5})
+    d.step({"long": None, "a": None, "b": None, "c": None})
+    d.step({"long": None, "a": None}, drafts={"long": [1, 2], "a": [3, 4, 5]})
+    d.step({"c": None, "d": None})
+    d.step({"d": None})
+
+
+def test_steps_padded_as_cuda_graphs_replay_them_launch_only_startups_kernels(tiny):
+    """The same on the CPU through the padded buffers CUDA graphs replay (run eagerly):
+    their hints (max_model_len's keys for decode shapes, the padded token count for mixed
+    shapes) choose no variant the startup did not compile."""
+    path, _ = tiny
+    with LaunchKeys() as startup:
+        runner = make_runner(path, attention_backend="triton")
+    runner.graphs = StepGraphs(
+        runner.model,
+        runner.kv_caches,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_blocks_per_req=runner.batch.max_blocks_per_req,
+        capture=False,
+    )
+    shapes: list[GraphShape] = []
+    stage = runner.graphs.stage
+    runner.graphs.stage = lambda inputs, shape: (shapes.append(shape), stage(inputs, shape))  # type: ignore[method-assign]
+    with LaunchKeys() as serving:
+        serve_every_step_kind(runner)
+    assert serving.keys and serving.keys <= startup.keys, serving.keys - startup.keys
+    # Every step but the speculative one (7 logits rows: more than a mixed shape's 4) padded.
+    assert [s.mixed for s in shapes] == [True, True, True, True, False]
+
+
 @pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_serving_launches_only_attention_kernels_compiled_at_startup(tiny, device):
     """Steps of every kind (a long prefill, short prompts, chunks beside decodes, speculative
@@ -423,22 +464,13 @@ def test_serving_launches_only_attention_kernels_compiled_at_startup(tiny, devic
     did not: Triton's keys of serving's launches are all among startup's. On a GPU a new key
     is a compilation that stalls the batch."""
     path, _ = tiny
-    rng = random.Random(5)
     with LaunchKeys() as startup:
         runner = make_runner(path, device=device, attention_backend="triton")
     compiled: list[str] = []  # on a GPU, what Triton's compile hooks report (as the executor's)
     if device == "cuda":
         KernelCompiles(lambda kernel, seconds: compiled.append(kernel)).watch()
     with LaunchKeys() as serving:
-        d = Driver(runner)
-        for req_id, length in (("long", 44), ("a", 3), ("b", 12), ("c", 20), ("d", 9)):
-            d.add(req_id, [rng.randrange(128) for _ in range(length)])
-        d.step({"long": None})
-        d.step({"long": None, "a": None, "b": 5})
-        d.step({"long": None, "a": None, "b": None, "c": None})
-        d.step({"long": None, "a": None}, drafts={"long": [1, 2], "a": [3, 4, 5]})
-        d.step({"c": None, "d": None})
-        d.step({"d": None})
+        serve_every_step_kind(runner)
     assert serving.keys and serving.keys <= startup.keys, serving.keys - startup.keys
     if device == "cuda":
         try:
