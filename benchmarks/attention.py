@@ -10,13 +10,16 @@ difference between the two outputs, and the issue's floors. Writes its table int
 the attention markers, leaving the rest of the file alone.
 
 Usage: python benchmarks/attention.py [--quick] [--peak-gbps N] [--no-write] [--kv-cache-dtype fp8]
-                                     [--sweep-segments] [--no-graphs]
+                                     [--sweep-segments] [--sweep-tiles] [--no-graphs]
 Each call is timed as launched from Python (triton.testing.do_bench: the host's launch cost
 shows where the kernel is shorter) and, for the default launches and SDPA, replayed from a
 CUDA graph, as the executor replays every step of up to 8192 tokens (`graph_time_ms`: the L2
 cache flushed before each call as do_bench does; --no-graphs skips it).
 --sweep-segments also times each batch without prefill tiles at every split-KV segment count
 (1, 2, 4, 8, 16) and prints them beside the count the rule picks.
+--sweep-tiles also times each batch's default launches with other tile constants
+(TILE_ALTERNATIVES: the 3 software-pipelining stages the kernels ran until 2026-12-04, decode
+tiles of 32 keys), in a CUDA graph unless --no-graphs.
 With an fp8 cache (K/V one byte a value, read as such; SDPA reads widened dense copies) the
 table is printed only. Needs a CUDA GPU; elsewhere it exits with status 2.
 """
@@ -27,12 +30,16 @@ import math
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from weir.services.executor.model_runner import FP8_KV_CACHE_DTYPES
+
+if TYPE_CHECKING:
+    from weir.kernels.triton_attention import LaunchPlan
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- attention:begin -->", "<!-- attention:end -->"
@@ -79,6 +86,27 @@ class Result:
     sweep_us: dict[int, float] | None = None
     graph_ms: float | None = None  # the default, replayed from a CUDA graph
     sdpa_graph_ms: float | None = None
+    # --sweep-tiles: µs of the default launches with each of TILE_ALTERNATIVES (None: not applicable)
+    tiles_us: dict[str, float | None] | None = None
+
+
+def stages_before(plan: "LaunchPlan") -> "LaunchPlan":
+    """The plan with the 3 pipelining stages every Hopper tile had until 2026-12-04."""
+    prefill = None if plan.prefill is None else replace(plan.prefill, num_stages=3)
+    return replace(plan, decode=replace(plan.decode, num_stages=3), prefill=prefill)
+
+
+def decode_keys_32(plan: "LaunchPlan") -> "LaunchPlan | None":
+    return (
+        None if plan.decode.tile_n == 32 else replace(plan, decode=replace(plan.decode, tile_n=32))
+    )
+
+
+# --sweep-tiles: other tile constants for a batch's default plan (None where one does not apply).
+TILE_ALTERNATIVES: dict[str, Callable[["LaunchPlan"], "LaunchPlan | None"]] = {
+    "3 stages (before)": stages_before,
+    "decode 32 keys": decode_keys_32,
+}
 
 
 def mixed_batches() -> list[Batch]:
@@ -237,7 +265,9 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     ]
     out = torch.empty_like(step["query"])
 
-    def triton_call(split: bool | None, concurrent: bool = True) -> None:
+    def triton_call(
+        split: bool | None, concurrent: bool = True, plan: "LaunchPlan | None" = None
+    ) -> None:
         # F821: ``out`` and ``workspace`` are deleted at the end, after the last call.
         ta.paged_attention(
             *positional,
@@ -247,6 +277,7 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
             split_kv=split,
             workspace=workspace,  # noqa: F821
             concurrent=concurrent,
+            plan=plan,
         )
 
     single_ms = triton.testing.do_bench(lambda: triton_call(False))
@@ -266,6 +297,17 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
         else None
     )
     graph_ms = None if args.no_graphs else graph_time_ms(lambda: triton_call(None))
+    tiles_us = None
+    if args.sweep_tiles:
+        timer = triton.testing.do_bench if args.no_graphs else graph_time_ms
+        tiles_us = {}
+        for name, alternative in TILE_ALTERNATIVES.items():
+            other = alternative(plan)
+            tiles_us[name] = (
+                None
+                if other is None
+                else 1e3 * timer(lambda other=other: triton_call(None, plan=other))
+            )
     triton_call(None)
 
     sdpa_ms = sdpa_graph_ms = max_abs_diff = None
@@ -303,6 +345,7 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
         sweep_us,
         graph_ms,
         sdpa_graph_ms,
+        tiles_us,
     )
 
 
@@ -366,6 +409,27 @@ def sweep_table(results: list[Result]) -> list[str]:
             f"| {r.batch.name} | "
             + " | ".join(f"{us[s]:.1f}" for s in counts)
             + f" | {fastest} | {r.segments} |"
+        )
+    return lines
+
+
+def tiles_table(results: list[Result]) -> list[str]:
+    """Each batch's default launches against the same launches with other tile constants."""
+    swept = [r for r in results if r.tiles_us is not None]
+    if not swept:
+        return []
+    names = list(TILE_ALTERNATIVES)
+    lines = [
+        "| batch | default µs | " + " | ".join(f"{n} µs" for n in names) + " |",
+        "|---|---:|" + "---:|" * len(names),
+    ]
+    for r in swept:
+        us = r.tiles_us or {}
+        default = r.graph_ms if r.graph_ms is not None else r.default_ms
+        lines.append(
+            f"| {r.batch.name} | {default * 1e3:.1f} | "
+            + " | ".join(_cell(us.get(n), ".1f") for n in names)
+            + " |"
         )
     return lines
 
@@ -469,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-graphs", action="store_true", help="do not time the calls replayed from CUDA graphs"
     )
     parser.add_argument(
+        "--sweep-tiles",
+        action="store_true",
+        help="also time every batch's default launches with other tile constants",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         choices=["auto", *FP8_KV_CACHE_DTYPES],
         default="auto",
@@ -518,10 +587,12 @@ def main(argv: list[str] | None = None) -> int:
             "",
             *sweep_table(results),
             "",
+            *tiles_table(results),
+            "",
             *floor_lines(results, peak),
         ]
     )
-    print("\n".join(sweep_table(results) + floor_lines(results, peak)))
+    print("\n".join(sweep_table(results) + tiles_table(results) + floor_lines(results, peak)))
     if args.no_write or args.kv_cache_dtype != "auto":
         print(section)
     else:

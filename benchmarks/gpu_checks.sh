@@ -105,8 +105,9 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
     # layer kernels against the operators they replace (one log: at most 8 files come back).
     # Last, so that a section cut short loses it first: the fp8 cache's decode tiles.
     # --sweep-segments: each decode at 1-16 split-KV segments, the data the split rule is set from.
-    # Every batch is also timed replayed from a CUDA graph (as served), beside SDPA's.
-    section attention 85 bash -c '"$0" benchmarks/attention.py --quick --no-write --sweep-segments; "$0" benchmarks/layer_ops.py;
+    # Every batch is also timed replayed from a CUDA graph (as served), beside SDPA's;
+    # --sweep-tiles: the default tiles against the 3 pipelining stages they had until 2026-12-04.
+    section attention 100 bash -c '"$0" benchmarks/attention.py --quick --no-write --sweep-segments --sweep-tiles; "$0" benchmarks/layer_ops.py;
         "$0" benchmarks/attention.py --quick --no-sdpa --kv-cache-dtype fp8' "$PY"
 fi
 
@@ -130,7 +131,7 @@ if [[ " $SECTIONS " == *" breakdown "* ]]; then
         [[ $mode == lockstep ]] && flags+=(--no-async-scheduling)
         # Then the workload again under the executor's torch.profiler: its table in the log.
         [[ $mode == graphs ]] && flags+=(--profiler-dir "$(mktemp -d)")
-        section "breakdown-$mode" "$([[ $mode == graphs ]] && echo 110 || echo 60)" \
+        section "breakdown-$mode" "$([[ $mode == graphs ]] && echo 110 || echo 45)" \
             "$PY" benchmarks/step_breakdown.py "${flags[@]}"
     done
 fi

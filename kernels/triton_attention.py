@@ -499,10 +499,14 @@ def _merge_segments_kernel(
 
 # Split-KV workspace slots per (token, query head); a launch uses a power of two up to this.
 MAX_SEGMENTS = 16
-# A decode launch is split until it has this many programs per SM: compiled for sm_90, a decode tile
-# (head_dim <= 128) uses at most 128 registers per thread (the compile test holds it there) and about
-# 39 KB of shared memory, so four programs share an SM, and fewer busy programs leave HBM bandwidth
-# unused.
+# Software-pipelining stages of every Hopper tile (see LaunchPlan: with fewer, a tile's K/V copies
+# are not kept in flight).
+HOPPER_STAGES = 5
+# A decode launch is split until it has this many programs per SM, since fewer busy programs leave
+# HBM bandwidth unused. Set when a decode tile (3 stages then) took 39 KB of shared memory and four
+# shared an SM; at 5 stages three do. Kept at four until the segment sweep of
+# `benchmarks/attention.py` measures it again: it errs toward one more segment, which the H200
+# measured no worse at 32 x 4096 (split 4 161 µs, single 167 µs, 2026-12-04).
 SPLIT_PROGRAMS_PER_SM = 4
 # ...but never into segments shorter than this many keys: each program pays a fixed start (request
 # metadata, Q tile, pipeline fill) that short segments do not amortise. On the H200 run of 2026-11-30
@@ -539,20 +543,29 @@ class LaunchPlan:
     """The launches of one attention call, a function of shapes, device and hints only.
 
     Tile constants for Hopper (sm_90: H100, H200), fixed per shape class, no autotuning:
-      decode tiles   16-64 rows x 64 keys, 4 warps, 3 stages, every key tile masked. Memory-bound:
-                     the smallest tensor-core tile and one key loop keep registers at 105-128 per
-                     thread (four programs per SM, enough loads in flight); the configuration measured
-                     at 84-89% of the H200's bandwidth on long decodes.
-      prefill tiles  128 rows x 64 keys, 8 warps, 3 stages (head_dim <= 128): FlashAttention-2's and
-                     Triton's fused-attention tile for Hopper, 128-row tl.dot for both products (two
-                     warpgroups of wgmma); 180 registers per thread and 97 KB of shared memory (Q and
-                     two K/V tiles in flight): one program per SM.
+      decode tiles   16-64 rows x 64 keys, 4 warps, HOPPER_STAGES stages, every key tile masked.
+                     Memory-bound: the smallest tensor-core tile and one key loop; 110-146 registers
+                     per thread and 71 KB of shared memory (two K/V tiles) on sm_90: three programs
+                     per SM.
+      prefill tiles  128 rows x 64 keys, 8 warps, HOPPER_STAGES stages (head_dim <= 128):
+                     FlashAttention-2's and Triton's fused-attention tile for Hopper, 128-row tl.dot for
+                     both products (two warpgroups of wgmma); 188 registers per thread and 129 KB of
+                     shared memory (Q and three K/V tiles): one program per SM.
       head_dim 256   prefill 64 x 32 keys, 8 warps (4 spill the 64 x 256 accumulator); decode tiles of
                      32 keys.
       fp8 cache      decode tiles of 32 keys (the widened tile's registers; not yet measured on a GPU).
+    Why HOPPER_STAGES is 5: a key tile's K/V addresses come from a load (its pages in the block
+    table), and Triton's software pipeliner puts such a dependent load one stage after the load it
+    depends on. With 3 or 4 stages that left one shared-memory buffer for K and one for V, and the
+    loop waited for every copy in flight at the top of each iteration (async_wait num=0 in the
+    TTGIR): the next tile's K/V was requested only after the current one was consumed, so each
+    program read its keys one round trip at a time. 5 stages give two buffers (three for prefill
+    tiles) and a wait that leaves the next copies in flight (num=2, 4). Up to 2026-12-04 the kernels
+    ran 3 stages; `benchmarks/attention.py --sweep-tiles` times both on one GPU.
     tests/kernels/test_triton_sm90_compile.py compiles these shapes for sm_90 (and the fallback for
-    sm_80) without a GPU and checks that none spills, that decode tiles stay within 128 registers and
-    that the Hopper prefill tiles use wgmma.
+    sm_80) without a GPU and checks that none spills, that decode tiles keep three programs per SM
+    (registers and shared memory), that the Hopper tiles' loops keep copies in flight and that the
+    Hopper prefill tiles use wgmma.
     Other GPUs (Ampere, Ada, Blackwell until measured) and the interpreter take a conservative fallback
     that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256), 8 warps (4 spill on
     sm_80), 2 stages; decode tiles as on Hopper with 2 stages.
@@ -663,10 +676,10 @@ def plan_launches(
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     hopper = capability_major == 9
-    stages = 3 if hopper else 2
+    stages = HOPPER_STAGES if hopper else 2
     wide = block_d > 128
-    # An fp8 tile widened to the query's dtype in registers: 64 keys take 168 registers on sm_90,
-    # 32 keys 127, which keeps the four decode programs per SM the split-KV rule counts on.
+    # An fp8 tile widened to the query's dtype in registers: 32 keys take 128-162 registers on
+    # sm_90 (64 keys took 168 at 3 stages), which keeps three decode programs per SM.
     decode_keys = 32 if wide or fp8_cache else 64
     min_rows = max(16, triton.next_power_of_2(group))
     all_rows = triton.next_power_of_2(group * max(max_query_len, 1))
@@ -687,7 +700,7 @@ def plan_launches(
     prefill = prefill_grid = None
     if short_query_len != INT32_MAX:
         if hopper and not wide:
-            prefill = TileShape(max(128, min_rows), 64, 8, 3)
+            prefill = TileShape(max(128, min_rows), 64, 8, HOPPER_STAGES)
         else:
             prefill = TileShape(max(64, min_rows), 32 if wide else 64, 8, stages)
         prefill_grid = (num_kv_heads, num_tokens // (prefill.block_m // group) + num_requests)
@@ -894,6 +907,7 @@ def paged_attention(
     split_kv: bool | int | None = None,
     workspace: SplitKVWorkspace | None = None,
     concurrent: bool = True,
+    plan: LaunchPlan | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its request's cached keys: a prefill-tile launch when the
     step has long queries, a decode-tile launch, and a merge launch on split-KV.
@@ -919,6 +933,8 @@ def paged_attention(
       workspace     split-KV buffers from allocate_split_kv_workspace; allocated per call if absent.
       concurrent    on a GPU, run the decode launch on a side stream beside the prefill launch
                     (False: one after the other on the caller's stream).
+      plan          launch as this plan says instead of planning (plan_for's plan for the same
+                    tensors and hints with other tile constants, for a benchmark comparing them).
     A hint below the truth costs speed, never correctness.
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -941,17 +957,18 @@ def paged_attention(
 
     if split_kv is None and workspace is not None and workspace.max_num_tokens < num_tokens:
         split_kv = False
-    plan = plan_for(
-        query,
-        kv_cache,
-        num_requests,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        split_kv=split_kv,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        has_sinks=sinks is not None,
-    )
+    if plan is None:
+        plan = plan_for(
+            query,
+            kv_cache,
+            num_requests,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            split_kv=split_kv,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            has_sinks=sinks is not None,
+        )
     if plan.segments > 1:
         if workspace is None:
             workspace = allocate_split_kv_workspace(num_tokens, num_heads, head_dim, query.device)

@@ -128,3 +128,27 @@ def test_floors_are_judged_on_calls_launched_and_replayed_from_graphs():
     table = bench.format_table(results, 4800.0)
     assert table[2].endswith("| 124.4 | 90.0 | – |")  # graph µs, its % of peak, no SDPA
     assert table[3].endswith("| 20.0 | 0.0 | 16.0 |")
+
+
+def test_tile_sweep_times_the_stages_before_and_32_key_decode_tiles():
+    bench = load_benchmark()
+    from weir.kernels import triton_attention as ta
+
+    def hopper_plan(num_tokens, num_requests, max_query_len, fp8=False):
+        return ta.plan_launches(
+            num_tokens, num_requests, 32, 8, 128, 16, torch.bfloat16, 9, 132, max_query_len,
+            4096, None, None, None, False, fp8,
+        )  # fmt: skip
+
+    mixed = hopper_plan(575, 64, 512)
+    assert mixed.prefill is not None and mixed.decode.num_stages == ta.HOPPER_STAGES == 5
+    before = bench.stages_before(mixed)
+    assert (before.decode.num_stages, before.prefill.num_stages) == (3, 3)
+    assert before.decode.tile_n == mixed.decode.tile_n and before.decode_grid == mixed.decode_grid
+    assert bench.decode_keys_32(mixed).decode.tile_n == 32
+    assert bench.decode_keys_32(hopper_plan(32, 32, 1, fp8=True)) is None  # already 32 keys
+    decode = bench.Batch("decode 32 x 4096", [(4095, 1)] * 32)
+    swept = bench.Result(decode, 0.2, None, 0.2, 4, None, None, 0, None, None, 0.15, None,
+                         {"3 stages (before)": 161.0, "decode 32 keys": None})  # fmt: skip
+    assert bench.tiles_table([swept])[2] == "| decode 32 x 4096 | 150.0 | 161.0 | – |"
+    assert bench.tiles_table([bench.Result(decode, 0.2, None, 0.2, 4, None, None, 0, None)]) == []

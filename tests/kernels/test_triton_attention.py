@@ -289,7 +289,7 @@ def test_launch_plan_routes_requests_by_query_length():
     assert speculative.prefill is None and speculative.decode.block_m == 32
     mixed = plan(512)
     assert mixed.decode.block_m == 16 and mixed.short_query_len == 4 and mixed.segments == 1
-    assert mixed.prefill == triton_attention.TileShape(128, 64, 8, 3)
+    assert mixed.prefill == triton_attention.TileShape(128, 64, 8, triton_attention.HOPPER_STAGES)
     assert mixed.prefill_grid == (8, 64 * 512 // 32 + 64)
     assert plan(512, capability=8).prefill == triton_attention.TileShape(64, 64, 8, 2)
     assert plan(512, head_dim=256).prefill.tile_n == 32
@@ -363,6 +363,30 @@ def test_padding_requests_and_preallocated_output(split_kv):
     )
     assert result is out
     assert_close(out[: step.num_real_tokens].cpu(), reference_output(step))
+
+
+def test_a_plan_given_launches_its_tiles():
+    # As benchmarks/attention.py --sweep-tiles does: plan_for's plan with other tile constants.
+    from dataclasses import replace
+
+    step = make_step([(30, 40), (20, 1), (45, 1)], num_heads=8, num_kv_heads=2)
+    device_step = on_device(step)
+    planned = triton_attention.plan_for(device_step.query, device_step.kv_cache, 3)
+    other = replace(planned, decode=replace(planned.decode, tile_n=32))
+    calls: list[dict] = []
+    launch = triton_attention._decode_attention_kernel.run
+
+    def recording_run(*args, **kwargs):
+        calls.append(kwargs)
+        return launch(*args, **kwargs)
+
+    triton_attention._decode_attention_kernel.run = recording_run
+    try:
+        actual = triton_output(step, plan=other)
+    finally:
+        triton_attention._decode_attention_kernel.run = launch
+    assert [c["TILE_N"] for c in calls] == [32]
+    assert_close(actual, reference_output(step))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
