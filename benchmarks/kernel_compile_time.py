@@ -1,10 +1,14 @@
-"""How long Triton takes to compile the attention kernel variants a model's warm-up compiles.
+"""How long Triton takes to compile the attention kernel variants a model's warm-up compiles,
+and what they compile to.
 
 Compiles, ahead of time and without a GPU (Triton's bundled ptxas, as
 tests/kernels/test_triton_sm90_compile.py does), every launch of the steps
 `warm_up_hints` picks for one layer shape on an sm_90 GPU of 132 SMs, into an empty cache,
-and prints each compilation's time: what a GPU's first start (or a step meeting a variant
-first, without the warm-up) spends on the host.
+and prints each compilation's time (what a GPU's first start, or a step meeting a variant
+first without the warm-up, spends on the host), its registers per thread and shared memory
+(cuobjdump), and how many copy groups its key loop keeps in flight where it waits (0: it
+drains every copy each iteration; see LaunchPlan). ``--stages N`` compiles the same tiles
+with N software-pipelining stages instead of the default.
 
     TRITON_INTERPRET=0 .venv/bin/python benchmarks/kernel_compile_time.py  # Llama-3.2-1B shape
     TRITON_INTERPRET=0 .venv/bin/python benchmarks/kernel_compile_time.py --heads 32 8 128
@@ -12,8 +16,11 @@ first, without the warm-up) spends on the host.
 
 import argparse
 import os
+import re
+import subprocess
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -49,6 +56,22 @@ def source(fn, constexprs: dict) -> ASTSource:
     return ASTSource(fn, signature, constexprs, attrs)
 
 
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(kernel) -> tuple[int, int, int]:
+    """(registers per thread, bytes of shared memory, copy groups in flight at the loop's wait)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    waits = re.findall(r"async_wait[^{]*[{]num = (\d+)", kernel.asm["ttgir"])
+    return registers, kernel.metadata.shared, max(map(int, waits), default=0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -56,6 +79,7 @@ def main() -> None:
     parser.add_argument(
         "--heads", type=int, nargs=3, default=[32, 8, 64], metavar=("Q", "KV", "DIM")
     )
+    parser.add_argument("--stages", type=int, default=None, help="pipelining stages of every tile")
     args = parser.parse_args()
     num_heads, num_kv_heads, head_dim = args.heads
     layer = ta.LayerAttention(num_heads, num_kv_heads, head_dim)
@@ -69,6 +93,10 @@ def main() -> None:
                 query_len, 1, query_len, max_seq_len, block_size=16,
                 compute_dtype=torch.bfloat16, fp8_cache=False, device_info=(132, 9),
             )  # fmt: skip
+            if args.stages is not None:
+                prefill = plan.prefill and replace(plan.prefill, num_stages=args.stages)
+                decode = replace(plan.decode, num_stages=args.stages)
+                plan = replace(plan, decode=decode, prefill=prefill)
             launches = [
                 (
                     ta._decode_attention_kernel,
@@ -103,14 +131,16 @@ def main() -> None:
                     continue
                 compiled.add(label)
                 start = time.perf_counter()
-                triton.compile(
+                kernel = triton.compile(
                     source(fn, constexprs), target=GPUTarget("cuda", 90, 32), options=options
                 )
                 seconds = time.perf_counter() - start
                 total += seconds
+                registers, shared, in_flight = resources(kernel)
                 print(
                     f"q={query_len:<3} max_seq_len={max_seq_len:<5} {fn.fn.__name__:<26} "
-                    f"segments {plan.segments:<2} {seconds:.2f} s"
+                    f"segments {plan.segments:<2} {seconds:.2f} s, {registers} registers, "
+                    f"{shared} B shared, {in_flight} copy groups in flight"
                 )
     print(
         f"{len(compiled)} variants from {len(hints)} warm-up steps ({num_heads}/{num_kv_heads} "

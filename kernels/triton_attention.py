@@ -544,9 +544,10 @@ class LaunchPlan:
 
     Tile constants for Hopper (sm_90: H100, H200), fixed per shape class, no autotuning:
       decode tiles   16-64 rows x 64 keys, 4 warps, HOPPER_STAGES stages, every key tile masked.
-                     Memory-bound: the smallest tensor-core tile and one key loop; 110-146 registers
-                     per thread and 71 KB of shared memory (two K/V tiles) on sm_90: three programs
-                     per SM.
+                     Memory-bound: the smallest tensor-core tile and one key loop. At head_dim 128 a
+                     16-row tile takes 110-146 registers per thread and 71 KB of shared memory (two
+                     K/V tiles) on sm_90: three programs per SM (five at head_dim 64: 37 KB); the
+                     32- and 64-row tiles of speculative steps 136-238 registers and 77-113 KB.
       prefill tiles  128 rows x 64 keys, 8 warps, HOPPER_STAGES stages (head_dim <= 128):
                      FlashAttention-2's and Triton's fused-attention tile for Hopper, 128-row tl.dot for
                      both products (two warpgroups of wgmma); 188 registers per thread and 129 KB of
