@@ -185,6 +185,7 @@ def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
             max_num_seqs=16,
             num_threads=1,
             seed=0,
+            num_speculative_tokens=SPEC_LEN - 1,  # graphs' shapes for 1 + 2 tokens too
         )
 
     prompts = random_prompts(0, 40000)
@@ -193,15 +194,7 @@ def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
     want = run_workload(eager, prompts)
 
     padded = make_runner()
-    padded.graphs = StepGraphs(
-        padded.model,
-        padded.kv_caches,
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-        max_blocks_per_req=padded.batch.max_blocks_per_req,
-        query_lens=(1, SPEC_LEN),
-        capture=False,
-    )
+    padded.capture_graphs(capture=False)
     steps = count_padded_steps(padded)
     graphed = record_graphed(padded)
     got = run_workload(padded, prompts)

@@ -15,7 +15,7 @@ from triton import knobs  # noqa: E402
 from triton_keys import LaunchKeys  # noqa: E402
 
 from weir.kernels import triton_attention  # noqa: E402
-from weir.services.executor.cuda_graphs import GraphShape, StepGraphs  # noqa: E402
+from weir.services.executor.cuda_graphs import GraphShape  # noqa: E402
 from weir.services.executor.kernel_compiles import KernelCompiles  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.shared.protocol.step import CachedRequest, NewRequest, StepPlan, StepResult  # noqa: E402
@@ -439,14 +439,8 @@ def test_steps_padded_as_cuda_graphs_replay_them_launch_only_startups_kernels(ti
     path, _ = tiny
     with LaunchKeys() as startup:
         runner = make_runner(path, attention_backend="triton")
-    runner.graphs = StepGraphs(
-        runner.model,
-        runner.kv_caches,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_blocks_per_req=runner.batch.max_blocks_per_req,
-        capture=False,
-    )
+    runner.capture_graphs(capture=False)
+    assert runner.graphs is not None
     shapes: list[GraphShape] = []
     stage = runner.graphs.stage
     runner.graphs.stage = lambda inputs, shape: (shapes.append(shape), stage(inputs, shape))  # type: ignore[method-assign]

@@ -351,8 +351,10 @@ class ModelRunner:
         if self.use_cuda_graphs:
             self.capture_graphs()
 
-    def capture_graphs(self, copies: int = GRAPH_COPIES) -> None:
-        """Capture the step graphs over the KV caches (again, for a benchmark's copies)."""
+    def capture_graphs(self, copies: int = GRAPH_COPIES, capture: bool = True) -> None:
+        """Capture the step graphs over the KV caches (again, for a benchmark's copies);
+        ``capture=False`` (tests, also on a CPU): the graphs' padded buffers only, through
+        which steps then run eagerly."""
         self.graphs = StepGraphs(
             self.model,
             self.kv_caches,
@@ -361,7 +363,7 @@ class ModelRunner:
             max_blocks_per_req=self.batch.max_blocks_per_req,
             query_lens=self.graph_query_lens,
             max_mixed_tokens=self.max_mixed_graph_tokens,
-            capture=True,
+            capture=capture,
             copies=copies,
         )
         self.graphs.capture_all()

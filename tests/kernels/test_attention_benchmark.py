@@ -50,13 +50,19 @@ def test_write_section_creates_then_replaces_only_its_own_section(tmp_path):
     assert text.startswith("# Benchmarks\n\nintro\n") and text.endswith("## Scheduler\n\nother\n")
 
 
-def test_floor_lines_judge_the_issue_floors():
-    bench = load_benchmark()
+def decode_32_x_4096(bench):
+    """The issue's shape (bf16, 32/8 heads of 128): its arguments, a 32 x 4096 decode and the
+    bytes it moves."""
     args = bench.argparse.Namespace(
         dtype="bfloat16", num_heads=32, num_kv_heads=8, head_dim=128, kv_cache_dtype="auto"
     )
     decode = bench.Batch("decode 32 x 4096", [(4095, 1)] * 32)
-    nbytes = bench.bytes_moved(decode, args)
+    return args, decode, bench.bytes_moved(decode, args)
+
+
+def test_floor_lines_judge_the_issue_floors():
+    bench = load_benchmark()
+    args, decode, nbytes = decode_32_x_4096(bench)
     # K/V of 32 x 4096 keys x 8 heads x 128 channels, and Q and O of 32 tokens x 32 heads.
     kv, qo = 32 * 4096 * 8 * 128 * 2, 32 * 32 * 128 * 2
     assert nbytes == (kv + qo) * 2
@@ -99,11 +105,7 @@ def test_sweep_table_names_the_fastest_segment_count_beside_the_rules():
 
 def test_floors_are_judged_on_calls_launched_and_replayed_from_graphs():
     bench = load_benchmark()
-    args = bench.argparse.Namespace(
-        dtype="bfloat16", num_heads=32, num_kv_heads=8, head_dim=128, kv_cache_dtype="auto"
-    )
-    decode = bench.Batch("decode 32 x 4096", [(4095, 1)] * 32)
-    nbytes = bench.bytes_moved(decode, args)
+    _, decode, nbytes = decode_32_x_4096(bench)
     at = {pct: nbytes / (pct / 100 * 4800e9) * 1e3 for pct in (70, 90)}  # ms at that share
     small = bench.Batch("decode 1 x 4096", [(4095, 1)])
     mixed = bench.Batch("chunk 512 @ctx 2k + 63 decodes @4k", [(2048, 512)] + [(4096, 1)] * 63)
