@@ -174,7 +174,7 @@ def random_prompts(seed: int, vocab: int) -> dict[str, list[int]]:
     }
 
 
-def test_padded_decode_steps_give_the_eager_tokens_on_cpu(default_model_dir):
+def test_padded_steps_give_the_eager_tokens_on_cpu(default_model_dir):
     def make_runner() -> ModelRunner:
         return ModelRunner(
             default_model_dir,
