@@ -179,15 +179,16 @@ class StepGraphs:
         self.shapes = graph_shapes(
             max_num_seqs, max_num_batched_tokens, query_lens, max_mixed_tokens
         )
-        # Decode shapes' request counts per query length, and mixed shapes' token counts.
+        # What shape_for searches: the decode shapes' request counts per query length (and
+        # the shapes by both), the mixed shapes in order of their token counts.
         self.sizes: dict[int, list[int]] = {}
-        self._decode: dict[tuple[int, int], GraphShape] = {}  # by (requests, query length)
+        self._decode: dict[tuple[int, int], GraphShape] = {}
         for shape in self.shapes:
             if not shape.mixed:
                 self.sizes.setdefault(shape.max_query_len, []).append(shape.num_reqs)
                 self._decode[shape.num_reqs, shape.max_query_len] = shape
-        self.mixed = [shape for shape in self.shapes if shape.mixed]
-        self._mixed_tokens = [shape.num_tokens for shape in self.mixed]
+        self._mixed = [shape for shape in self.shapes if shape.mixed]
+        self._mixed_tokens = [shape.num_tokens for shape in self._mixed]
         max_reqs = max(shape.num_reqs for shape in self.shapes)
         max_tokens = max(shape.num_tokens for shape in self.shapes)
         on_cuda = self.device.type == "cuda"
@@ -206,10 +207,6 @@ class StepGraphs:
         self._graphs: dict[GraphShape, list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
         self._turn: dict[GraphShape, int] = {}
 
-    @property
-    def max_num_tokens(self) -> int:
-        return self.host.input_ids.shape[0]
-
     def shape_for(self, inputs: StepInputs) -> GraphShape | None:
         """The shape this step pads to, or None if it runs eagerly."""
         num_reqs, num_tokens = len(inputs.req_ids), len(inputs.input_ids)
@@ -222,9 +219,9 @@ class StepGraphs:
         if num_tokens == num_reqs * q and num_logits == num_tokens and i < len(sizes):
             return self._decode[sizes[i], q]
         i = bisect.bisect_left(self._mixed_tokens, num_tokens)
-        if i == len(self.mixed):
+        if i == len(self._mixed):
             return None
-        shape = self.mixed[i]
+        shape = self._mixed[i]
         return shape if num_reqs <= shape.num_reqs and num_logits <= shape.num_logits else None
 
     # ------------------------------------------------------------------ inputs
