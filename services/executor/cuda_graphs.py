@@ -13,18 +13,17 @@ addresses and a fixed grid, so:
   longest request uses, compacted on the host and spread into the wide rows on the device.
 * Decode shapes: a step of R requests, each with the same query length q (1 for plain
   decodes, 1 + k for speculative decodes with k drafts each), and logits at every token,
-  runs in the graph of the smallest captured request count B >= R. The B - R padding
-  requests are decodes of query length q over a context of q keys in block 0 (any block:
-  they only read it), with slot_mapping -1 so no K/V is written; their rows' logits are
-  dropped.
+  runs in the graph of the smallest captured request count B >= R (CAPTURE_SIZES). The
+  B - R padding requests are decodes of query length q over a context of q keys in block
+  0 (any block: they only read it), with slot_mapping -1 so no K/V is written.
 * Mixed shapes: any other step (prefill chunks beside decodes, prefills, unequal query
   lengths) of T tokens runs in the graph of the smallest captured token count P >= T
   (MIXED_TOKEN_SIZES, up to --max-mixed-graph-tokens), always with max_num_seqs
   requests. Its P - T padding tokens belong to no request (slot_mapping -1, so the cache
   kernel writes nothing, and attention leaves their rows unspecified); the padding
   requests hold no token (their query starts and ends at T), so the attention kernels'
-  programs for them return at once. The logits are taken at the rows `logits_indices`
-  names, max_num_seqs of them (padding rows name row 0).
+  programs for them return at once. The hidden states are gathered at the rows
+  `logits_indices` names, max_num_seqs of them (padding rows name row 0).
 * The kernels' launch parameters depend only on shapes and the host-side hints, which are
   the same for every step of a graph: the token and request counts, the block table's row
   stride (the buffer is max_model_len wide) and max_query_len (q for a decode shape; P for
@@ -32,7 +31,11 @@ addresses and a fixed grid, so:
   the rest, whatever the step's longest query is).
 
 Larger steps, steps with prompt logprobs and steps with more logits rows than max_num_seqs
-run eagerly. Sampling stays outside the graph (its parameters and shapes change every step).
+run eagerly. A graph ends at the hidden states of the rows a step samples from, padding rows
+last: the LM head and sampling run outside it, on the step's own rows. A graph's output
+stays allocated as long as the graph, and hidden rows are vocab / hidden_size times smaller
+than logits (63x for Llama-3.2-1B: fine request counts cost no memory to speak of), and
+padding rows never reach the LM head, the largest GEMM of a decode step, for one launch.
 
 The executor builds this only with CUDA graphs on (which needs CUDA). Tests build it with
 ``capture=False``, also on a CPU: the same buffers and padding then run the forward pass
@@ -54,7 +57,9 @@ from weir.shared.config import MAX_MIXED_GRAPH_TOKENS
 
 logger = logging.getLogger(__name__)
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Request counts of the decode shapes (vLLM's): a step pads by at most 7 requests up to 256
+# (powers of two padded the benchmark's decode steps by 24%: benchmarks/step_kinds.py).
+CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 # Token counts of the mixed shapes: finer where most mixed steps fall (the scheduler's
 # default budget is 2048 tokens), so a step pads by at most 256 tokens there.
 MIXED_TOKEN_SIZES = (
@@ -88,10 +93,11 @@ class GraphShape:
     num_reqs: int
     num_tokens: int
     max_query_len: int  # the attention kernels' hint
-    mixed: bool  # logits at `logits_indices` (num_reqs rows), else at every token
+    mixed: bool  # sampled rows at `logits_indices` (num_reqs of them), else every token
 
     @property
     def num_logits(self) -> int:
+        """Rows of the graph's output (hidden states of the rows sampled from)."""
         return self.num_reqs if self.mixed else self.num_tokens
 
 
@@ -154,7 +160,7 @@ class _Buffers:
 
 class StepGraphs:
     """Persistent input buffers and, with ``capture``, ``copies`` CUDA graphs per step
-    shape of the forward pass and logits, replayed in turn (model_runner.GRAPH_COPIES says
+    shape of the forward pass (to the sampled rows' hidden states), replayed in turn (model_runner.GRAPH_COPIES says
     why). `shape_for` says which shape a step pads to; `stage` + `forward` run it."""
 
     def __init__(
@@ -201,7 +207,6 @@ class StepGraphs:
         self._dev_table = torch.empty_like(self._host_table, device=self.device)
         self._host_views = {name: getattr(self.host, name).numpy() for name in _BUFFER_NAMES}
         self._copied: torch.cuda.Event | None = None  # when the last staged inputs were read
-        self._mixed_logits: torch.Tensor | None = None
         # Each shape's captured copies and the index of the one replayed next.
         self.copies = copies
         self._graphs: dict[GraphShape, list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
@@ -284,16 +289,17 @@ class StepGraphs:
         return shape in self._graphs
 
     def forward(self, shape: GraphShape) -> torch.Tensor:
-        """Logits [shape.num_logits, vocab] of the staged step (padding rows included, after
-        the step's): the graph's replay if captured, else the same computation run eagerly."""
+        """Hidden states [shape.num_logits, hidden_size] of the staged step's rows to sample
+        from (padding rows included, after the step's): the graph's replay if captured, else
+        the same computation run eagerly."""
         graphs = self._graphs.get(shape)
         if graphs is None:
             return self._forward(shape)
         turn = self._turn[shape]
         self._turn[shape] = (turn + 1) % len(graphs)
-        graph, logits = graphs[turn]
+        graph, rows = graphs[turn]
         graph.replay()
-        return logits
+        return rows
 
     def _forward(self, shape: GraphShape) -> torch.Tensor:
         num_reqs, num_tokens = shape.num_reqs, shape.num_tokens
@@ -310,19 +316,7 @@ class StepGraphs:
         hidden = self.model(
             d.input_ids[:num_tokens], d.positions[:num_tokens], meta, self.kv_caches
         )
-        if shape.mixed:
-            hidden = hidden[d.logits_indices[:num_reqs]]
-        logits = self.model.compute_logits(hidden)
-        assert logits is not None  # graphs run without tensor parallelism
-        if not shape.mixed:
-            return logits
-        # Every mixed shape's logits land in one buffer (allocated by the first call, the
-        # warm-up outside any capture): a graph's own output would stay allocated as long as
-        # the graph, max_num_seqs x vocab for each of them. Sharing is safe: a step's
-        # sampling is queued before the next step's replay overwrites it.
-        if self._mixed_logits is None:
-            self._mixed_logits = torch.empty_like(logits)
-        return self._mixed_logits.copy_(logits)
+        return hidden[d.logits_indices[:num_reqs]] if shape.mixed else hidden
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -341,8 +335,8 @@ class StepGraphs:
             for _ in range(self.copies):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(shape)
-                self._graphs[shape].append((graph, logits))
+                    rows = self._forward(shape)
+                self._graphs[shape].append((graph, rows))
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graph shapes (decode query lengths %s up to %d requests, mixed "

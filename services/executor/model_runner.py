@@ -474,8 +474,8 @@ class ModelRunner:
 
     def _graph_memory(self) -> int:
         """Activation memory of the largest graph's step, once per copy (a bound: the copies
-        share one pool, but each keeps its logits): the pool holds that much for as long as
-        the graphs live, beside what eager steps use."""
+        share one pool, but each keeps its output rows): the pool holds that much for as long
+        as the graphs live, beside what eager steps use."""
         shapes = graph_shapes(
             self.max_num_seqs,
             self.max_num_batched_tokens,
@@ -652,9 +652,10 @@ class ModelRunner:
             prepared = self._clock()
             padded = self.graphs.forward(shape)
             if len(inputs.logits_indices):
-                real = padded[: len(inputs.logits_indices)]  # padding rows come last
+                # Padding rows come last and never reach the LM head.
+                logits = self.model.compute_logits(padded[: len(inputs.logits_indices)])
                 step = self._sample(
-                    plan, inputs, self.graphs.dev.input_ids, real, start, prepared, began
+                    plan, inputs, self.graphs.dev.input_ids, logits, start, prepared, began
                 )
             else:  # a prefill chunk alone: nothing to sample
                 step = self._unsampled(plan, inputs, start, prepared, began)
