@@ -536,7 +536,8 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(model, device)
     router logits nearly tie, bf16 may choose the other one, and such a position is far off
     whoever computes it, transformers or Weir).
     On CUDA the grouped matmul is the GPU's own kernel and the windows the Triton kernel's
-    (gpu_checks.sh runs this)."""
+    (gpu_checks.sh runs this). The logits an argmax alone takes (``widen=False``) are the
+    same values, left in bf16 unless the model scales or caps them."""
     kind, path, hf32 = model
     ids = list(range(3, 40))
     hf16 = transformers.AutoModelForCausalLM.from_pretrained(
@@ -559,8 +560,14 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(model, device)
         kv = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
         hidden = model(input_ids.to(device), positions.to(device), meta, kv)
         logits = model.compute_logits(hidden).cpu()
+        narrow = model.compute_logits(hidden, widen=False).cpu()
     error = (logits - want).abs().mean(dim=1).median()
     assert error < 1.5 * hf_error, (error, hf_error)
+    # For an argmax alone the LM head's bf16 logits do, unless something scales them after.
+    scaled = model.config.logits_scaling != 1 or model.config.final_logit_softcapping
+    assert logits.dtype == torch.float32
+    assert narrow.dtype == (torch.float32 if scaled else torch.bfloat16)
+    assert torch.equal(narrow.float(), logits)
 
 
 def test_what_weir_refuses_of_a_mixture_of_experts(moe, tmp_path):

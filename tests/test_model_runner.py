@@ -380,6 +380,51 @@ def test_min_tokens_bans_stop_token_ids_as_transformers_masking_them(tiny):
     assert d.outputs["M"][:6] == want
 
 
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+def test_only_steps_that_take_an_argmax_alone_sample_the_lm_heads_bfloat16(tiny, device):
+    """Widening the logits to float32 doubles the bytes the LM head wrote, for nothing an
+    argmax needs: a bf16 runner samples its LM head's logits while every row is greedy and
+    asks for nothing more, float32 ones once a row samples, wants logprobs or has its logits
+    changed; the greedy tokens are those of the float32 logits."""
+    path, _ = tiny
+    prompt = list(range(3, 15))
+
+    def run(widen_all: bool) -> tuple[dict[str, list[int]], list[torch.dtype]]:
+        runner = make_runner(path, device=device, dtype="bfloat16")
+        dtypes = []
+        sample = runner.sampler.__call__
+
+        def recording(logits, batch):
+            dtypes.append(logits.dtype)
+            return sample(logits, batch)
+
+        runner.sampler = recording
+        if widen_all:
+            compute = runner.model.compute_logits
+            runner.model.compute_logits = lambda hidden, widen=True: compute(hidden)
+        d = Driver(runner)
+        d.add("G", prompt)
+        for _ in range(3):
+            d.step({"G": None})
+        for name, params in (
+            ("S", SamplingParams(max_tokens=8, temperature=1.0, seed=1)),
+            ("L", SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)),
+            ("B", SamplingParams(max_tokens=8, temperature=0.0, logit_bias={7: 5.0})),
+        ):
+            d.add(name, prompt, params)
+            d.step({"G": None, name: None})
+            d.finish(name)
+        d.step({"G": None})
+        return d.outputs, dtypes
+
+    outputs, dtypes = run(widen_all=False)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert dtypes == [bf16, bf16, bf16, fp32, fp32, fp32, bf16]
+    widened, widened_dtypes = run(widen_all=True)
+    assert set(widened_dtypes) == {fp32}
+    assert outputs["G"] == widened["G"] and outputs["L"] == widened["L"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_a_cuda_device_without_cuda_is_one_clear_error(tiny):
     path, _ = tiny

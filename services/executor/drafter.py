@@ -172,7 +172,7 @@ class Drafter:
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's greedy token of each hidden row, on every rank (rank 0 holds the
         logits under tensor parallelism and broadcasts)."""
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden, widen=False)
         tokens = None if logits is None else logits[:, : self.vocab_size].argmax(dim=1)
         if self.tp is not None:
             tokens = self.tp.broadcast_tokens(tokens, len(hidden), self.device)

@@ -102,8 +102,8 @@ class ExecutorMetrics:
         )
         phase = Histogram(
             "weir_executor_phase_seconds",
-            "Time of one step by phase: prepare (plan to input tensors), forward (with logits), "
-            "sample (with collecting the result)",
+            "Time of one step by phase: prepare (plan to input tensors), forward (to the hidden "
+            "states), sample (logits, sampling, collecting the result)",
             [*names, "phase"],
             registry=self.registry,
             buckets=_STEP_SECONDS_BUCKETS,

@@ -137,8 +137,8 @@ def set_cpu_threads(num_threads: int | None) -> int:
 @dataclass(slots=True)
 class StepTimings:
     """Seconds one step (its ``LaunchedStep``, through ``launch`` and ``finish``) spent per
-    phase: building inputs from the plan, the forward pass (with logits), and sampling (with
-    collecting the result). On CUDA without
+    phase: building inputs from the plan, the forward pass (to the hidden states), and
+    sampling (its parameters, the logits, sampling, and collecting the result). On CUDA without
     ``sync_timings`` these are host times: work still queued on the device counts in the
     phase that waits for it (sampling, which copies the tokens back). ``graphed``: the
     forward pass replayed a CUDA graph; ``draft``: the time a draft model took to
@@ -653,10 +653,9 @@ class ModelRunner:
             padded = self.graphs.forward(shape)
             if len(inputs.logits_indices):
                 # Padding rows come last and never reach the LM head.
-                logits = self.model.compute_logits(padded[: len(inputs.logits_indices)])
-                step = self._sample(
-                    plan, inputs, self.graphs.dev.input_ids, logits, start, prepared, began
-                )
+                rows = padded[: len(inputs.logits_indices)]
+                input_ids = self.graphs.dev.input_ids
+                step = self._sample(plan, inputs, rows, input_ids, start, prepared, began)
             else:  # a prefill chunk alone: nothing to sample
                 step = self._unsampled(plan, inputs, start, prepared, began)
             step.timings.graphed = self.graphs.replays(shape)
@@ -682,8 +681,8 @@ class ModelRunner:
             step.prompt_ids, step.prompt_logprobs = prompt
             step.pooled = pooled
             return step
-        logits = self.model.compute_logits(hidden[self._to_device(inputs.logits_indices)])
-        step = self._sample(plan, inputs, input_ids, logits, start, prepared, began)
+        rows = hidden[self._to_device(inputs.logits_indices)]
+        step = self._sample(plan, inputs, rows, input_ids, start, prepared, began)
         step.prompt_ids, step.prompt_logprobs = prompt
         step.pooled = pooled
         return step
@@ -792,18 +791,27 @@ class ModelRunner:
         self,
         plan: StepPlan,
         inputs: StepInputs,
+        rows: torch.Tensor,
         input_ids: torch.Tensor,
-        logits: torch.Tensor | None,
         start: float,
         prepared: float,
         began: torch.cuda.Event | None,
     ) -> LaunchedStep:
+        """Queue the logits of the hidden ``rows`` the step samples from, and their sampling
+        (``input_ids`` as _sampling_batch takes them). The sampling parameters, built while
+        the device runs the forward pass, decide the logits' dtype: the LM head's own where
+        sampling takes only their argmax (see CausalLM.compute_logits)."""
         forwarded = self._clock()
+        # Under tensor parallelism rank 0 alone samples.
+        samples = self.tp is None or self.tp.rank == 0
+        sampling = self._sampling_batch(plan, inputs, input_ids) if samples else None
+        widen = sampling is None or not sampling.argmax_only
+        logits = self.model.compute_logits(rows, widen=widen)
         if self.tp is None:
-            assert logits is not None
-            sampled = self.sampler(logits, self._sampling_batch(plan, inputs, input_ids))
+            assert logits is not None and sampling is not None
+            sampled = self.sampler(logits, sampling)
         else:
-            sampled = self._sample_on_rank_0(logits, plan, inputs, input_ids)
+            sampled = self._sample_on_rank_0(logits, sampling, inputs)
         lp = sampled.logprobs
         # Rows [sampled token, top n alternatives...] and, with logprobs, their logprobs.
         ids = sampled.token_ids.unsqueeze(1)
@@ -923,11 +931,7 @@ class ModelRunner:
         return result
 
     def _sample_on_rank_0(
-        self,
-        logits: torch.Tensor | None,
-        plan: StepPlan,
-        inputs: StepInputs,
-        input_ids: torch.Tensor,
+        self, logits: torch.Tensor | None, sampling: SamplingBatch | None, inputs: StepInputs
     ) -> SamplerOutput:
         """Rank 0 samples (it alone holds the gathered logits) and broadcasts the tokens; the
         other ranks get the tokens only: their results are never sent."""
@@ -935,7 +939,8 @@ class ModelRunner:
         if logits is None:
             tokens = self.tp.broadcast_tokens(None, len(inputs.logits_indices), self.device)
             return SamplerOutput(tokens, None)
-        sampled = self.sampler(logits, self._sampling_batch(plan, inputs, input_ids))
+        assert sampling is not None
+        sampled = self.sampler(logits, sampling)
         self.tp.broadcast_tokens(
             sampled.token_ids.contiguous(), len(sampled.token_ids), self.device
         )

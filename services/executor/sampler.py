@@ -55,6 +55,23 @@ class SamplingBatch:
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     bad_words: "BadWords | None" = None
 
+    @property
+    def changes_logits(self) -> bool:
+        """Whether something changes logits before they are sampled from."""
+        return (
+            self.banned is not None
+            or self.logit_bias is not None
+            or self.penalties is not None
+            or self.allowed is not None
+            or self.bad_words is not None
+        )
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every row's token is its raw logits' argmax and nothing else is asked for
+        (no logprobs): the logits may then stay in the model's dtype."""
+        return self.all_greedy and self.num_logprobs < 0 and not self.changes_logits
+
     @classmethod
     def build(
         cls,
@@ -268,15 +285,9 @@ class Sampler:
             self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [N, vocab] fp32 raw model logits."""
+        """logits: [N, vocab] raw model logits, fp32 (or any dtype if ``batch.argmax_only``)."""
         raw = logits
-        if (
-            batch.banned is not None
-            or batch.logit_bias is not None
-            or batch.penalties is not None
-            or batch.allowed is not None
-            or batch.bad_words is not None
-        ):
+        if batch.changes_logits:
             logits = logits.clone()  # the raw logits stay for the logprobs
         if batch.allowed is not None:
             rows, words = batch.allowed
