@@ -63,7 +63,7 @@ def test_temperature_zero_is_argmax_even_in_a_mixed_batch():
     greedy = torch.arange(0, 8, 2)
     assert torch.equal(out.token_ids[greedy], logits[greedy].argmax(dim=-1))
     all_greedy = make_batch([{"temperature": 0.0}] * 8)
-    assert all_greedy.all_greedy
+    assert all_greedy.all_greedy and all_greedy.temperature is None  # nothing to copy
     assert torch.equal(Sampler(seed=0)(logits, all_greedy).token_ids, logits.argmax(dim=-1))
 
 

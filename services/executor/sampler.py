@@ -40,8 +40,7 @@ def row_seed(seed: int, position: int) -> int:
 class SamplingBatch:
     """Per-row sampling parameters of one step's logits rows (N rows; a request may own several)."""
 
-    temperature: torch.Tensor  # [N] fp32, 0 = greedy
-    all_greedy: bool
+    temperature: torch.Tensor | None  # [N] fp32, 0 = greedy; None when every row is greedy
     top_k: torch.Tensor | None  # [N] int64, 0 = off; None when no row filters
     top_p: torch.Tensor | None  # [N] fp32, 1 = off
     min_p: torch.Tensor | None  # [N] fp32, 0 = off
@@ -65,6 +64,10 @@ class SamplingBatch:
             or self.allowed is not None
             or self.bad_words is not None
         )
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.temperature is None
 
     @property
     def argmax_only(self) -> bool:
@@ -114,8 +117,8 @@ class SamplingBatch:
             rows = np.repeat(np.array([row for row, _ in banned]), [len(i) for _, i in banned])
             banned_index = (to_device(rows, device), to_device(ids, device))
         return cls(
-            temperature=to_device(temperature.astype(np.float32), device),
-            all_greedy=all_greedy,
+            # Nothing reads a greedy batch's temperatures: not copied to the device.
+            temperature=None if all_greedy else to_device(temperature.astype(np.float32), device),
             top_k=to_device(top_k.astype(np.int64), device) if use_top_k else None,
             top_p=to_device(top_p.astype(np.float32), device) if use_top_p else None,
             min_p=to_device(min_p.astype(np.float32), device) if use_min_p else None,
@@ -304,7 +307,7 @@ class Sampler:
         if batch.penalties is not None:
             apply_penalties_(logits, batch.penalties)
         greedy = logits.argmax(dim=-1)
-        if batch.all_greedy:
+        if batch.temperature is None:
             token_ids = greedy
         else:
             token_ids = torch.where(batch.temperature == 0, greedy, self._sample(logits, batch))
@@ -314,6 +317,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        assert batch.temperature is not None
         temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
         logits = logits / temperature.unsqueeze(1)
         if batch.min_p is not None:
