@@ -15,8 +15,9 @@ Each call is timed as launched from Python (triton.testing.do_bench: the host's 
 shows where the kernel is shorter) and, for the default launches and SDPA, replayed from a
 CUDA graph, as the executor replays every step of up to 8192 tokens (`graph_time_ms`: the L2
 cache flushed before each call as do_bench does; --no-graphs skips it).
---sweep-segments also times each batch without prefill tiles at every split-KV segment count
-(1, 2, 4, 8, 16) and prints them beside the count the rule picks.
+--sweep-segments also times each batch with requests on the decode launch (mixed batches too,
+whose decode launch the rule never splits) at every split-KV segment count (1, 2, 4, 8, 16)
+and prints them beside the count the rule picks.
 --sweep-tiles also times each batch's default launches with other tile constants
 (TILE_ALTERNATIVES: the 3 software-pipelining stages the kernels ran until 2026-12-04, decode
 tiles of 32 keys), in a CUDA graph unless --no-graphs.
@@ -82,7 +83,7 @@ class Result:
     sdpa_ms: float | None
     bytes_moved: int
     max_abs_diff: float | None
-    # --sweep-segments: µs of the decode launch at each segment count (batches without prefill)
+    # --sweep-segments: µs of the launches at each segment count (batches with decode requests)
     sweep_us: dict[int, float] | None = None
     graph_ms: float | None = None  # the default, replayed from a CUDA graph
     sdpa_graph_ms: float | None = None
@@ -252,7 +253,9 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
         max_seq_len=max_seq_len,
     )
     segments = plan.segments
-    sweep = args.sweep_segments and plan.prefill is None
+    # Every batch with requests on the decode launch: mixed ones too, whose decode launch the
+    # rule never splits (the workspace is indexed by token): whether splitting it would pay.
+    sweep = args.sweep_segments and any(q <= plan.short_query_len for _, q in batch.requests)
     measure_split = segments > 1 or max_query_len <= 4 or sweep
     workspace = (
         ta.allocate_split_kv_workspace(num_tokens, args.num_heads, args.head_dim, "cuda")
@@ -392,7 +395,7 @@ MIXED_FLOORS_US = {
 
 
 def sweep_table(results: list[Result]) -> list[str]:
-    """Each decode batch's time at every segment count, beside the count the rule picks: the
+    """Each swept batch's time at every segment count, beside the count the rule picks: the
     measurements a split-KV rule is set from."""
     swept = [r for r in results if r.sweep_us]
     if not swept:

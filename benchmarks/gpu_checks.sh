@@ -104,7 +104,8 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA; then the
     # layer kernels against the operators they replace (one log: at most 8 files come back).
     # Last, so that a section cut short loses it first: the fp8 cache's decode tiles.
-    # --sweep-segments: each decode at 1-16 split-KV segments, the data the split rule is set from.
+    # --sweep-segments: each batch with decodes (mixed ones too) at 1-16 split-KV segments, the
+    # data the split rule is set from.
     # Every batch is also timed replayed from a CUDA graph (as served), beside SDPA's;
     # --sweep-tiles: the default tiles against the 3 pipelining stages they had until 2026-12-04.
     section attention 100 bash -c '"$0" benchmarks/attention.py --quick --no-write --sweep-segments --sweep-tiles; "$0" benchmarks/layer_ops.py;
