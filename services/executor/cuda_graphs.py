@@ -160,8 +160,9 @@ class _Buffers:
 
 class StepGraphs:
     """Persistent input buffers and, with ``capture``, ``copies`` CUDA graphs per step
-    shape of the forward pass (to the sampled rows' hidden states), replayed in turn (model_runner.GRAPH_COPIES says
-    why). `shape_for` says which shape a step pads to; `stage` + `forward` run it."""
+    shape of the forward pass (to the sampled rows' hidden states), replayed in turn
+    (model_runner.GRAPH_COPIES says why). `shape_for` says which shape a step pads to;
+    `stage` + `forward` run it."""
 
     def __init__(
         self,

@@ -157,8 +157,10 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x), with the addition done by the matmul itself."""
-        out = torch.addmm(residual, x, self.weight.t())
+        """residual + self(x), with the addition done by the matmul itself, into ``residual``
+        (a layer's residual stream is its own): out of place, the matmul first copies
+        ``residual`` into its output, a device-to-device copy per projection on CUDA."""
+        out = residual.addmm_(x, self.weight.t())
         return out if self.bias is None else out.add_(self.bias)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:

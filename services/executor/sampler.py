@@ -307,7 +307,7 @@ class Sampler:
         if batch.penalties is not None:
             apply_penalties_(logits, batch.penalties)
         greedy = logits.argmax(dim=-1)
-        if batch.temperature is None:
+        if batch.all_greedy:
             token_ids = greedy
         else:
             token_ids = torch.where(batch.temperature == 0, greedy, self._sample(logits, batch))
