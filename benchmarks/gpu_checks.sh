@@ -9,14 +9,18 @@
 #      kernel tests, natively; then benchmarks/attention.py --quick --sweep-segments (issue 11)
 #      and benchmarks/layer_ops.py (the layer kernels against PyTorch's operators), and the
 #      attention benchmark's decodes over an fp8 cache;
-#   2. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
-#      (then again under the executor's torch.profiler: its table) and with --enforce-eager
-#      (phases unsynchronized: the executor's idle time is real); it prints the Triton kernels
+#   2. benchmarks/step_profile.py in process: a steady 256-request decode step's kernels, graphs
+#      and eager, and the host's side of a step, lockstep and overlapped: its phases and the
+#      runner's parts (where the host's time per step goes, which the GPU waits for when the
+#      host is slower than it);
+#   3. benchmarks/step_breakdown.py, steady decode at 256 running requests, with CUDA graphs
+#      (then again under the executor's torch.profiler: its table; phases unsynchronized: the
+#      executor's idle time is real); it prints the Triton kernels
 #      compiled while measured (0 expected: the executor's start-up compiles every attention
 #      variant, ~16 for this shape, which the first start on a fresh machine pays for) and
 #      how many steps fell in each bucket of the executor step and forward histograms; the
 #      workload runs twice on one server (the second measured, both walls printed);
-#   3. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs beside the
+#   4. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs beside the
 #      hf-cb baseline, then with decode graphs only (--max-mixed-graph-tokens 0);
 # all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,
 # vocab 128256) with random weights: a config.json written here plus the default model's
@@ -26,9 +30,9 @@
 #   ../shared/device/prepare.sh && benchmarks/gpu_checks.sh --prepare
 # On the device (run tool, carry [".device"], timeout_s 600):
 #   source .device/setup.sh && bash benchmarks/gpu_checks.sh
-# SECTIONS="tests breakdown throughput" (the default) picks sections (also: profile, the
-# in-process kernel table of benchmarks/step_profile.py); BREAKDOWN_MODES="graphs eager" (the
-# default; also: lockstep, graphs without async scheduling) the breakdowns; SHAPE=tiny swaps the
+# SECTIONS="tests profile breakdown throughput" (the default) picks sections;
+# BREAKDOWN_MODES="graphs" (the default; also: eager, --enforce-eager as served, measured on
+# 2026-12-04; lockstep, graphs without async scheduling) the breakdowns; SHAPE=tiny swaps the
 # 1B shape for a 2-layer one, to dry-run the script on a CPU (DEVICE=cpu).
 set -uo pipefail
 root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
@@ -47,7 +51,7 @@ fi
 OUT=${OUT:-$root/out/gpu-checks}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-SECTIONS=${SECTIONS:-"tests breakdown throughput"}
+SECTIONS=${SECTIONS:-"tests profile breakdown throughput"}
 SHAPE=${SHAPE:-1b}
 DEVICE=${DEVICE:-cuda}
 TOKENIZER_DIR=${TOKENIZER_DIR:-$root/.device/tokenizer}
@@ -97,7 +101,7 @@ section() {
 if [[ " $SECTIONS " == *" tests "* ]]; then
     # Only the CUDA cases: the CPU ones run in CI and some need the default model, which is
     # not there. No -x: one failure must not hide the others.
-    section tests 165 "$PY" -m pytest -q -rfE -p no:cacheprovider --maxfail=20 --timeout=90 -n 8 \
+    section tests 160 "$PY" -m pytest -q -rfE -p no:cacheprovider --maxfail=20 --timeout=90 -n 8 \
         -k "(cuda or kernels) and not on_cpu" \
         tests/test_cuda_graphs.py tests/test_model_runner.py tests/kernels \
         tests/test_architectures.py::test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16
@@ -113,15 +117,15 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
 fi
 
 if [[ " $SECTIONS " == *" profile "* ]]; then
-    # Not in the default sections: the kernels of a steady decode step, graphs and eager.
-    section profile 90 "$PY" benchmarks/step_profile.py --model "$model" --load-format dummy \
+    # The kernels of a steady decode step, graphs and eager, and the host's parts of a step.
+    section profile 60 "$PY" benchmarks/step_profile.py --model "$model" --load-format dummy \
         --dtype "$([[ $DEVICE == cuda ]] && echo bfloat16 || echo float32)" --device "$DEVICE" \
         $([[ $SHAPE == tiny ]] && echo --batch 8 --kv-cache-gib 0.05 || echo --kv-cache-gib 4)
 fi
 
 if [[ " $SECTIONS " == *" breakdown "* ]]; then
     # lockstep: graphs without async scheduling (not a default mode).
-    for mode in ${BREAKDOWN_MODES:-graphs eager}; do
+    for mode in ${BREAKDOWN_MODES:-graphs}; do
         # Twice on one server, the second measured: the first run's wall against the second's
         # tells costs a server pays once (compilations, first launches) from every step's.
         flags=(--device "$DEVICE" --dtype bfloat16 --load-format dummy --model "$model"
@@ -132,7 +136,7 @@ if [[ " $SECTIONS " == *" breakdown "* ]]; then
         [[ $mode == lockstep ]] && flags+=(--no-async-scheduling)
         # Then the workload again under the executor's torch.profiler: its table in the log.
         [[ $mode == graphs ]] && flags+=(--profiler-dir "$(mktemp -d)")
-        section "breakdown-$mode" "$([[ $mode == graphs ]] && echo 110 || echo 45)" \
+        section "breakdown-$mode" "$([[ $mode == graphs ]] && echo 100 || echo 45)" \
             "$PY" benchmarks/step_breakdown.py "${flags[@]}"
     done
 fi

@@ -8,13 +8,20 @@ Per configuration: the median wall time of a decode step (ModelRunner.execute wa
 step's tokens, so this is the step's whole time), and the kernels that took the most device
 time over the profiled steps (kernels replayed inside a CUDA graph are listed as CUPTI
 reports them). A step whose time grows with the KV cache size touches the whole cache.
+Then, at the first size, the host's side of a decode step, each finished before the next is
+launched and overlapped as served: its phases, and the mean host time of the runner's parts
+(HOST_PARTS: plan, inputs, staging, replay, sampling, collecting) that a GPU waits for when
+the host is slower than it.
 """
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 
 import torch
+from executor_step import Timers
 from model_latency import decode_latency, decode_plan, prefill_plan
 
 from weir.services.executor.model_runner import GRAPH_COPIES, ModelRunner
@@ -41,39 +48,90 @@ def profile_decodes(runner: ModelRunner, batch: int, prompt_len: int, rows: int)
     )
 
 
+# The runner's parts of a step timed on the host (attributes of the runner, its batch, graphs
+# and model: each wrapped for one host_phases call).
+HOST_PARTS = (
+    ("batch", "apply_plan", "apply plan"),
+    ("batch", "prepare_inputs", "prepare inputs"),
+    ("runner", "_feed", "feed sampled tokens"),
+    ("graphs", "stage", "stage inputs"),
+    ("graphs", "forward", "replay"),
+    ("runner", "_sampling_batch", "sampling parameters"),
+    ("model", "compute_logits", "LM head"),
+    ("runner", "sampler", "sampler"),
+    ("runner", "_collect", "collect"),
+)
+
+
+@contextlib.contextmanager
+def timed_parts(runner: ModelRunner) -> Iterator[Timers]:
+    """Time HOST_PARTS while inside (host times: nothing waits for the device)."""
+    timers = Timers()
+    owners = {
+        "runner": runner,
+        "batch": runner.batch,
+        "graphs": runner.graphs,
+        "model": runner.model,
+    }
+    wrapped = []
+    for owner_name, attribute, part in HOST_PARTS:
+        owner = owners[owner_name]
+        if owner is not None:
+            own = attribute in vars(owner)  # an instance attribute (the sampler), not a method
+            original = getattr(owner, attribute)
+            object.__setattr__(owner, attribute, timers.wrap(part, original))
+            wrapped.append((owner, attribute, original if own else None))
+    try:
+        yield timers
+    finally:
+        for owner, attribute, original in wrapped:
+            if original is None:
+                object.__delattr__(owner, attribute)
+            else:
+                object.__setattr__(owner, attribute, original)
+
+
 def host_phases(runner: ModelRunner, batch: int, prompt_len: int, overlap: bool) -> str:
     """Median host milliseconds of a decode step's phases and the wall time per step, each step
     finished before the next is launched, or (``overlap``, as the executor serves async
-    scheduling) launched before the previous one is finished."""
+    scheduling) launched before the previous one is finished; then the mean host milliseconds
+    per step of the runner's parts (HOST_PARTS) over the same steps."""
     steps = 24
     runner.execute(prefill_plan(runner, batch, prompt_len, steps))
     launches: list[float] = []
     timings = []
     pending = None
-    began = time.perf_counter()
-    for step in range(1, steps + 1):
-        start = time.perf_counter()
-        launched = runner.launch(decode_plan(batch, prompt_len, step))
-        launches.append(time.perf_counter() - start)
-        timings.append(launched.timings)
-        if overlap:
-            if pending is not None:
-                runner.finish(pending)
-            pending = launched
-        else:
-            runner.finish(launched)
-    if pending is not None:
-        runner.finish(pending)
-    wall = (time.perf_counter() - began) / steps
+    with timed_parts(runner) as timers:
+        began = time.perf_counter()
+        for step in range(1, steps + 1):
+            if step == 5:  # the first steps are left out, as of the medians below
+                timers.seconds.clear()
+            start = time.perf_counter()
+            launched = runner.launch(decode_plan(batch, prompt_len, step))
+            launches.append(time.perf_counter() - start)
+            timings.append(launched.timings)
+            if overlap:
+                if pending is not None:
+                    runner.finish(pending)
+                pending = launched
+            else:
+                runner.finish(launched)
+        if pending is not None:
+            runner.finish(pending)
+        wall = (time.perf_counter() - began) / steps
     runner.execute(StepPlan(finished_req_ids=[f"r{i}" for i in range(batch)]))
 
     def ms(values: list[float]) -> str:
         return f"{1e3 * statistics.median(values[4:]):.2f}"
 
+    parts = ", ".join(
+        f"{part} {1e3 * seconds / (steps - 4):.3f}" for part, seconds in timers.seconds.items()
+    )
     return (
         f"wall {1e3 * wall:.2f} ms/step; launch {ms(launches)} (prepare "
         f"{ms([t.prepare for t in timings])}, forward {ms([t.forward for t in timings])}), "
-        f"finish+sample {ms([t.sample for t in timings])}"
+        f"finish+sample {ms([t.sample for t in timings])}\n"
+        f"    host parts, mean ms per step: {parts}"
     )
 
 
