@@ -254,7 +254,7 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     )
     segments = plan.segments
     # Every batch with requests on the decode launch: mixed ones too, whose decode launch the
-    # rule never splits (the workspace is indexed by token): whether splitting it would pay.
+    # rule never splits: whether splitting it would pay.
     sweep = args.sweep_segments and any(q <= plan.short_query_len for _, q in batch.requests)
     measure_split = segments > 1 or max_query_len <= 4 or sweep
     workspace = (

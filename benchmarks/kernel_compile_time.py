@@ -100,7 +100,7 @@ def main() -> None:
             launches = [
                 (
                     ta._decode_attention_kernel,
-                    {**plan.constexprs(plan.decode), "NUM_SEGMENTS": plan.segments},
+                    plan.decode_constexprs(),
                     {"num_warps": plan.decode.num_warps, "num_stages": plan.decode.num_stages},
                 )
             ]
@@ -116,14 +116,12 @@ def main() -> None:
                     )
                 )
             if plan.segments > 1:
-                constexprs = {
-                    "BLOCK_D": plan.block_d,
-                    "HEAD_DIM": head_dim,
-                    "NUM_SEGMENTS": plan.segments,
-                    "HAS_SINKS": False,
-                }
                 launches.append(
-                    (ta._merge_segments_kernel, constexprs, {"num_warps": ta.MERGE_NUM_WARPS})
+                    (
+                        ta._merge_segments_kernel,
+                        plan.merge_constexprs(),
+                        {"num_warps": ta.MERGE_NUM_WARPS},
+                    )
                 )
             for fn, constexprs, options in launches:
                 label = f"{fn.fn.__name__} {sorted(constexprs.items())} {options}"

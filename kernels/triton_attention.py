@@ -70,6 +70,7 @@ __all__ = [
     "plan_for",
     "plan_launches",
     "reshape_and_cache",
+    "split_kv_rows",
     "split_kv_segments",
     "warm_up_hints",
 ]
@@ -237,9 +238,12 @@ def _attend_query_block(
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,
+    PARTIALS_BY_REQUEST: tl.constexpr,
 ):
     """Query tokens [q_block_local * BLOCK_Q, + BLOCK_Q) of request req, every query head of one
-    KV head, over key segment `segment` of NUM_SEGMENTS: the result, or its partial on split-KV.
+    KV head, over key segment `segment` of NUM_SEGMENTS: the result, or its partial on split-KV
+    (at its token's workspace row, or with PARTIALS_BY_REQUEST at req * BLOCK_Q + its index in
+    the request: see split_kv_rows).
     UNMASKED_TILES: key tiles every row sees whole skip the masks (a second loop; worth its
     registers on compute-bound prefill tiles, not on memory-bound decode tiles)."""
     context_len = seq_len - query_len
@@ -335,7 +339,11 @@ def _attend_query_block(
             mask=row_valid[:, None] & dim_valid[None, :],
         )
     else:
-        partial = (tokens * num_heads + heads) * NUM_SEGMENTS + segment
+        if PARTIALS_BY_REQUEST:
+            partial_rows = (req * BLOCK_Q + q_pos).to(tl.int64)
+        else:
+            partial_rows = tokens
+        partial = (partial_rows * num_heads + heads) * NUM_SEGMENTS + segment
         tl.store(segm_max_ptr + partial, m_i, mask=row_valid)
         tl.store(segm_sum_ptr + partial, l_i, mask=row_valid)
         tl.store(
@@ -380,6 +388,7 @@ def _decode_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PARTIALS_BY_REQUEST: tl.constexpr,
 ):
     """One request (longer than short_query_len: left to the prefill launch), one KV head, one key
     segment. A query longer than one tile (a max_query_len hint below the truth) is walked tile by tile."""
@@ -398,6 +407,7 @@ def _decode_attention_kernel(
                 stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt_req,
                 stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q, BLOCK_D, HEAD_DIM, TILE_N,
                 NUM_SEGMENTS, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, HAS_SINKS, False,
+                PARTIALS_BY_REQUEST,
             )  # fmt: skip
 
 
@@ -452,6 +462,7 @@ def _prefill_attention_kernel(
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_block, stride_c_slot,
             stride_c_head, stride_bt_req, stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q,
             BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, HAS_SINKS, True,
+            False,
         )  # fmt: skip
 
 
@@ -471,6 +482,7 @@ def _merge_segments_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PARTIALS_BY_REQUEST: tl.constexpr,
 ):
     """Every token of one request that the decode launch handled, one query head."""
     req = tl.program_id(0)
@@ -482,7 +494,11 @@ def _merge_segments_kernel(
         dims = tl.arange(0, BLOCK_D)
         for i in range(0, query_len):
             token = (q_start + i).to(tl.int64)
-            partial = (token * num_heads + head) * NUM_SEGMENTS + segments
+            if PARTIALS_BY_REQUEST:  # short_query_len is then the decode tiles' BLOCK_Q
+                row = (req * short_query_len + i).to(tl.int64)
+            else:
+                row = token
+            partial = (row * num_heads + head) * NUM_SEGMENTS + segments
             seg_max = tl.load(segm_max_ptr + partial)
             # Every token sees its own key in some segment, so the overall max is finite and the total
             # >= 1; a segment holding none of its keys (max -inf, sum and acc 0) gets weight 0.
@@ -614,6 +630,30 @@ class LaunchPlan:
             "HAS_SINKS": self.has_sinks,
         }
 
+    @property
+    def partials_by_request(self) -> bool:
+        """Whether split-KV partials are indexed by request (beside a prefill launch), not by
+        token: see split_kv_rows."""
+        return self.prefill is not None and self.segments > 1
+
+    def decode_constexprs(self) -> dict[str, int | str]:
+        """The decode launch's compile-time constants."""
+        return {
+            **self.constexprs(self.decode),
+            "NUM_SEGMENTS": self.segments,
+            "PARTIALS_BY_REQUEST": self.partials_by_request,
+        }
+
+    def merge_constexprs(self) -> dict[str, int | str]:
+        """The merge launch's compile-time constants (split-KV only)."""
+        return {
+            "BLOCK_D": self.block_d,
+            "HEAD_DIM": self.head_dim,
+            "NUM_SEGMENTS": self.segments,
+            "HAS_SINKS": self.has_sinks,
+            "PARTIALS_BY_REQUEST": self.partials_by_request,
+        }
+
 
 def split_kv_segments(
     num_requests: int, num_kv_heads: int, num_sms: int, max_seq_len: int | None = None
@@ -709,8 +749,10 @@ def plan_launches(
     if decode is WIDE_DECODE:
         segments = 1
     elif split_kv is None:
-        # Not beside a prefill launch: its tokens would need workspace rows too (the workspace is
-        # indexed by token), and the scheduler mixes prefill chunks with many decodes.
+        # Not beside a prefill launch until measured: a mixed step served replays a graph padded
+        # to max_num_seqs requests, so a rule by request count would never split it, and whether
+        # splitting the decode launch pays there is for `attention.py --sweep-segments` to say.
+        # (An explicit split_kv splits it: partials by request, see split_kv_rows.)
         if sliding_window is not None:
             # A decode tile visits at most the window of its first token plus its other tokens.
             window_keys = sliding_window + max_query_len - 1
@@ -863,25 +905,26 @@ def warm_up_hints(
 
 @dataclass(slots=True)
 class SplitKVWorkspace:
-    """Partial results of the split-KV path, indexed [token, query head, segment(, dim)]; a launch
-    with fewer than MAX_SEGMENTS segments packs its partials densely into the same buffers."""
+    """Partial results of the split-KV path, indexed [row, query head, segment(, dim)]: a token's
+    row is its index, or beside a prefill launch request r's i-th token's r * short_query_len + i
+    (split_kv_rows); a launch with fewer than MAX_SEGMENTS segments packs its partials densely
+    into the same buffers."""
 
-    acc: (
-        torch.Tensor
-    )  # fp32 [max_num_tokens, num_heads, MAX_SEGMENTS, padded head_dim], unnormalised
-    max: torch.Tensor  # fp32 [max_num_tokens, num_heads, MAX_SEGMENTS], running max in log2 units
-    sum: torch.Tensor  # fp32 [max_num_tokens, num_heads, MAX_SEGMENTS], running sum of exponentials
+    acc: torch.Tensor  # fp32 [max_rows, num_heads, MAX_SEGMENTS, padded head_dim], unnormalised
+    max: torch.Tensor  # fp32 [max_rows, num_heads, MAX_SEGMENTS], running max in log2 units
+    sum: torch.Tensor  # fp32 [max_rows, num_heads, MAX_SEGMENTS], running sum of exponentials
 
     @property
-    def max_num_tokens(self) -> int:
+    def max_rows(self) -> int:
         return self.acc.shape[0]
 
 
 def allocate_split_kv_workspace(
-    max_num_tokens: int, num_heads: int, head_dim: int, device: torch.device | str
+    max_rows: int, num_heads: int, head_dim: int, device: torch.device | str
 ) -> SplitKVWorkspace:
-    """Workspace for split-KV batches of up to max_num_tokens query tokens (allocate once, reuse)."""
-    shape = (max_num_tokens, num_heads, MAX_SEGMENTS)
+    """Workspace for split-KV launches of up to max_rows rows (split_kv_rows; allocate once,
+    reuse)."""
+    shape = (max_rows, num_heads, MAX_SEGMENTS)
     return SplitKVWorkspace(
         acc=torch.empty(
             *shape, triton.next_power_of_2(head_dim), dtype=torch.float32, device=device
@@ -889,6 +932,14 @@ def allocate_split_kv_workspace(
         max=torch.empty(shape, dtype=torch.float32, device=device),
         sum=torch.empty(shape, dtype=torch.float32, device=device),
     )
+
+
+def split_kv_rows(plan: LaunchPlan, num_tokens: int, num_requests: int) -> int:
+    """Workspace rows a split launch of this plan writes: one per token, or beside a prefill
+    launch (partials_by_request) short_query_len per request, which holds at most that many
+    tokens on the decode launch: the prefill chunks' tokens then take no rows, and a mixed
+    step of 8192 tokens and 256 requests 1024 at 4 query heads a KV head, not 8192."""
+    return num_requests * plan.short_query_len if plan.partials_by_request else num_tokens
 
 
 def paged_attention(
@@ -956,7 +1007,7 @@ def paged_attention(
     if num_tokens == 0 or num_requests == 0:
         return out
 
-    if split_kv is None and workspace is not None and workspace.max_num_tokens < num_tokens:
+    if split_kv is None and workspace is not None and workspace.max_rows < num_tokens:
         split_kv = False
     if plan is None:
         plan = plan_for(
@@ -971,9 +1022,10 @@ def paged_attention(
             has_sinks=sinks is not None,
         )
     if plan.segments > 1:
+        rows = split_kv_rows(plan, num_tokens, num_requests)
         if workspace is None:
-            workspace = allocate_split_kv_workspace(num_tokens, num_heads, head_dim, query.device)
-        elif workspace.max_num_tokens < num_tokens or workspace.acc.shape[1:] != (
+            workspace = allocate_split_kv_workspace(rows, num_heads, head_dim, query.device)
+        elif workspace.max_rows < rows or workspace.acc.shape[1:] != (
             num_heads,
             MAX_SEGMENTS,
             plan.block_d,
@@ -1038,8 +1090,7 @@ def paged_attention(
             plan.short_query_len,
             num_heads,
             *strides,
-            **plan.constexprs(plan.decode),
-            NUM_SEGMENTS=plan.segments,
+            **plan.decode_constexprs(),
             num_warps=plan.decode.num_warps,
             num_stages=plan.decode.num_stages,
         )
@@ -1055,10 +1106,7 @@ def paged_attention(
                 num_heads,
                 out.stride(0),
                 out.stride(1),
-                BLOCK_D=plan.block_d,
-                HEAD_DIM=head_dim,
-                NUM_SEGMENTS=plan.segments,
-                HAS_SINKS=plan.has_sinks,
+                **plan.merge_constexprs(),
                 num_warps=MERGE_NUM_WARPS,
             )
     if side is not None:

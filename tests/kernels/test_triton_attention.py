@@ -433,6 +433,23 @@ def test_split_kv_matches_single_pass(requests, group, split_kv):
     assert_close(split, reference_output(step))
 
 
+def test_split_kv_beside_a_prefill_launch_keeps_rows_for_the_decodes_only():
+    # A 100-token chunk beside three decodes: the split decode launch writes the partials of
+    # 4 requests x short_query_len rows, far fewer than the step's tokens (a workspace of the
+    # step's tokens, as the split launch took before, would be 8192 rows for a mixed graph).
+    requests = [(120, 100), (300, 1), (0, 1), (200, 1)]
+    step = make_step(requests, num_heads=4, num_kv_heads=2, block_size=32, dtype=torch.float16)
+    num_tokens = sum(q for _, q in requests)
+    plan = triton_attention.plan_for(
+        step.query, step.kv_cache, len(requests), max_query_len=100, split_kv=4
+    )
+    rows = triton_attention.split_kv_rows(plan, num_tokens, len(requests))
+    assert plan.prefill is not None and rows == 4 * plan.short_query_len < num_tokens
+    workspace = triton_attention.allocate_split_kv_workspace(rows, 4, 64, DEVICE)
+    split = triton_output(step, split_kv=4, workspace=workspace, max_query_len=100)
+    assert_close(split, reference_output(step))
+
+
 def test_split_kv_rejects_small_workspace():
     step = make_step(DECODE, num_heads=2, num_kv_heads=2)
     workspace = triton_attention.allocate_split_kv_workspace(2, 2, 64, DEVICE)

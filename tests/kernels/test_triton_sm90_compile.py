@@ -79,7 +79,7 @@ def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, nu
         "stride_bt_req": max_blocks, "stride_bt_block": 1,
     }
     compile_kernel(label + "_decode", ta._decode_attention_kernel, pointers, ints,
-                   {**plan.constexprs(plan.decode), "NUM_SEGMENTS": plan.segments}, capability,
+                   plan.decode_constexprs(), capability,
                    num_warps=plan.decode.num_warps, num_stages=plan.decode.num_stages)
     if plan.prefill is not None:
         compile_kernel(label + "_prefill", ta._prefill_attention_kernel, pointers, ints,
@@ -87,14 +87,13 @@ def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, nu
                        num_stages=plan.prefill.num_stages)
     if plan.segments > 1:
         compile_kernel(label + "_merge", ta._merge_segments_kernel, pointers, ints,
-                       {"BLOCK_D": plan.block_d, "HEAD_DIM": head_dim, "NUM_SEGMENTS": plan.segments,
-                        "HAS_SINKS": has_sinks},
-                       capability, num_warps=ta.MERGE_NUM_WARPS)
+                       plan.merge_constexprs(), capability, num_warps=ta.MERGE_NUM_WARPS)
 
 
 attention("decode", "bf16", 32, 8, 128, 1, 1, split_kv=False)
 attention("split", "bf16", 64, 8, 128, 1, 32)
 attention("mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False)
+attention("mixed_split", "bf16", 32, 8, 128, 512, 40, split_kv=4)  # partials by request
 attention("speculative_hd80", "fp16", 8, 8, 80, 4, 8, split_kv=False)
 attention("mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False)
 attention("ampere_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, capability=80)
@@ -149,6 +148,9 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "split_merge",
         "mixed_decode",
         "mixed_prefill",
+        "mixed_split_decode",
+        "mixed_split_prefill",
+        "mixed_split_merge",
         "speculative_hd80_decode",
         "mixed_hd256_decode",
         "mixed_hd256_prefill",
