@@ -638,7 +638,7 @@ class ModelRunner:
                 self.batch.lora_id[inputs.slots], inputs.query_start_loc, self.device
             )
         )
-        # Graphs replay the base model's logits: a step with adapters or pooling runs eagerly.
+        # Graphs replay the base model's forward pass: a step with adapters or pooling runs eagerly.
         shape = (
             None
             if self.graphs is None or lora is not None or inputs.pooling is not None
