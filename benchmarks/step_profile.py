@@ -165,6 +165,9 @@ def main() -> None:
                 enforce_eager=enforce_eager,
                 num_threads=args.threads,
             )
+            if runner.graphs is None and not enforce_eager:
+                # A CPU's dry run: the graphs' padded buffers, run eagerly, for their host parts.
+                runner.capture_graphs(capture=False)
             mode = "eager" if enforce_eager else "CUDA graphs"
             print(
                 f"== {mode}, KV cache {gib} GiB ({runner.num_blocks} blocks), dtype {runner.dtype}"
@@ -174,7 +177,7 @@ def main() -> None:
                 # With graphs: the default copies (GRAPH_COPIES), then each graph captured once.
                 for copies in (GRAPH_COPIES, 1) if runner.graphs is not None else (GRAPH_COPIES,):
                     if copies != GRAPH_COPIES:
-                        runner.capture_graphs(copies)
+                        runner.capture_graphs(copies, capture=args.device == "cuda")
                     for overlap in (False, True):
                         phases = host_phases(runner, args.batch, args.prompt_len, overlap)
                         label = f"{copies} graph copies, " if runner.graphs is not None else ""

@@ -149,9 +149,9 @@ def count_padded_steps(runner: ModelRunner) -> list[int | str]:
     assert graphs is not None
     stage = graphs.stage
 
-    def counting_stage(inputs, shape):
+    def counting_stage(inputs, shape, fed=None):
         padded.append(f"mixed {shape.num_tokens}" if shape.mixed else shape.num_reqs)
-        stage(inputs, shape)
+        return stage(inputs, shape, fed)
 
     graphs.stage = counting_stage  # type: ignore[method-assign]
     return padded

@@ -6,11 +6,13 @@ not the GPU, set its time. So on CUDA the forward pass is captured once per padd
 shape and replayed: one launch instead of hundreds. A graph replays fixed device
 addresses and a fixed grid, so:
 
-* Inputs live in persistent device buffers (`input_ids`, `positions`, `query_start_loc`,
-  `seq_lens`, `block_table`, `slot_mapping`, `logits_indices`); each step fills pinned host
-  staging buffers with NumPy and copies them in with non-blocking copies. The block table's
-  rows are as wide as max_model_len (a fixed stride), but a step copies only the columns its
-  longest request uses, compacted on the host and spread into the wide rows on the device.
+* Inputs live in one staging area, pinned on the host and mirrored on the device: each
+  shape's (`input_ids`, `positions`, `slot_mapping`, `logits_indices`, `query_start_loc`,
+  `seq_lens`) at offsets of its own, the addresses its graph reads. A step fills the host's
+  with NumPy and moves it in one non-blocking copy (each copy is a driver call and a few
+  torch calls on the host, which sets a decode step's pace). The block table's rows are as
+  wide as max_model_len (a fixed stride): a step stages only the columns its longest request
+  uses, compacted, which the device spreads into the wide rows of `block_table`.
 * Decode shapes: a step of R requests, each with the same query length q (1 for plain
   decodes, 1 + k for speculative decodes with k drafts each), and logits at every token,
   runs in the graph of the smallest captured request count B >= R (CAPTURE_SIZES). The
@@ -120,42 +122,47 @@ def graph_shapes(
     return decode + mixed
 
 
-_BUFFER_NAMES = (
-    "input_ids",
-    "positions",
-    "query_start_loc",
-    "seq_lens",
-    "slot_mapping",
-    "logits_indices",
-)
+# Every staged input starts at a multiple of this many bytes, as a fresh allocation does
+# (Triton specializes its kernels on pointers divisible by 16: no new variant to compile).
+_ALIGN = 256
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+def _graph_inputs(shape: GraphShape) -> tuple[list[tuple[str, torch.dtype, int, int]], int]:
+    """Where a shape's graph inputs lie in the staging area: (name, dtype, byte offset,
+    length) each, and the byte they end at."""
+    r, t = shape.num_reqs, shape.num_tokens
+    fields, offset = [], 0
+    for name, dtype, length in (
+        ("input_ids", torch.int64, t),
+        ("positions", torch.int64, t),
+        ("slot_mapping", torch.int64, t),
+        ("logits_indices", torch.int64, r if shape.mixed else 0),  # rows a mixed step samples
+        ("query_start_loc", torch.int32, r + 1),
+        ("seq_lens", torch.int32, r),
+    ):
+        fields.append((name, dtype, offset, length))
+        offset = _aligned(offset + length * dtype.itemsize)
+    return fields, offset
+
+
+def _views(
+    area: torch.Tensor, fields: list[tuple[str, torch.dtype, int, int]]
+) -> dict[str, torch.Tensor]:
+    return {name: area[at : at + n * dtype.itemsize].view(dtype) for name, dtype, at, n in fields}
 
 
 @dataclass(slots=True)
-class _Buffers:
-    input_ids: torch.Tensor  # [max_tokens] int64
-    positions: torch.Tensor  # [max_tokens] int64
-    query_start_loc: torch.Tensor  # [max_reqs + 1] int32
-    seq_lens: torch.Tensor  # [max_reqs] int32
-    block_table: torch.Tensor  # [max_reqs, max_blocks_per_req] int32
-    slot_mapping: torch.Tensor  # [max_tokens] int64
-    logits_indices: torch.Tensor  # [max_reqs] int64, rows a mixed step takes logits at
+class _StagedInputs:
+    """One shape's graph inputs in the staging area: views of the host's copy and the
+    device's (the graph's fixed addresses); the step's other inputs begin at ``end``."""
 
-    @classmethod
-    def allocate(
-        cls, max_reqs: int, max_tokens: int, max_blocks: int, device: torch.device, pin: bool
-    ) -> "_Buffers":
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-
-        return cls(
-            input_ids=zeros(max_tokens, dtype=torch.int64),
-            positions=zeros(max_tokens, dtype=torch.int64),
-            query_start_loc=zeros(max_reqs + 1, dtype=torch.int32),
-            seq_lens=zeros(max_reqs, dtype=torch.int32),
-            block_table=zeros(max_reqs, max_blocks, dtype=torch.int32),
-            slot_mapping=zeros(max_tokens, dtype=torch.int64),
-            logits_indices=zeros(max_reqs, dtype=torch.int64),
-        )
+    host: dict[str, np.ndarray]
+    dev: dict[str, torch.Tensor]
+    end: int  # bytes
 
 
 class StepGraphs:
@@ -198,15 +205,28 @@ class StepGraphs:
         self._mixed_tokens = [shape.num_tokens for shape in self._mixed]
         max_reqs = max(shape.num_reqs for shape in self.shapes)
         max_tokens = max(shape.num_tokens for shape in self.shapes)
-        on_cuda = self.device.type == "cuda"
-        self.host = _Buffers.allocate(
-            max_reqs, max_tokens, max_blocks_per_req, torch.device("cpu"), pin=on_cuda
+        self.block_table = torch.zeros(
+            max_reqs, max_blocks_per_req, dtype=torch.int32, device=self.device
         )
-        self.dev = _Buffers.allocate(max_reqs, max_tokens, max_blocks_per_req, self.device, False)
-        # The host's block table is used flat: [num_reqs, columns used] at its start.
-        self._host_table = self.host.block_table.view(-1)
-        self._dev_table = torch.empty_like(self._host_table, device=self.device)
-        self._host_views = {name: getattr(self.host, name).numpy() for name in _BUFFER_NAMES}
+        # One staging area, on the host (pinned) and on the device, holds all a step stages,
+        # so one copy moves it: the graph's inputs at its shape's offsets, then the block
+        # table's used columns (spread into `block_table`'s wide rows on the device) and the
+        # indices of the tokens fed from the step before.
+        layouts = {shape: _graph_inputs(shape) for shape in self.shapes}
+        graph_bytes = max(end for _, end in layouts.values())
+        size = graph_bytes + _aligned(4 * max_reqs * max_blocks_per_req) + 2 * 8 * max_tokens
+        on_cuda = self.device.type == "cuda"
+        self._host_area = torch.empty(size, dtype=torch.uint8, pin_memory=on_cuda)
+        self._host_bytes = self._host_area.numpy()
+        self._dev_area = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._staged = {
+            shape: _StagedInputs(
+                host={n: v.numpy() for n, v in _views(self._host_area, fields).items()},
+                dev=_views(self._dev_area, fields),
+                end=end,
+            )
+            for shape, (fields, end) in layouts.items()
+        }
         self._copied: torch.cuda.Event | None = None  # when the last staged inputs were read
         # Each shape's captured copies and the index of the one replayed next.
         self.copies = copies
@@ -232,56 +252,57 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ inputs
 
-    def stage(self, inputs: StepInputs, shape: GraphShape) -> None:
-        """Fill the buffers' first ``shape.num_reqs`` requests and ``shape.num_tokens``
-        tokens: the step's, then padding."""
+    def stage(
+        self, inputs: StepInputs, shape: GraphShape, fed: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fill the shape's inputs: the step's first, then padding. ``fed`` (int64, any
+        shape: the indices of the tokens fed from the step before) travels in the same
+        copy. Returns the device's input ids and copy of ``fed``."""
         num_reqs, num_tokens = shape.num_reqs, shape.num_tokens
         real_reqs, real_tokens = len(inputs.req_ids), len(inputs.input_ids)
         if self._copied is not None:
-            # The staging buffers are rewritten only after the previous step's copies read them.
+            # The staging area is rewritten only after the previous step's copy read it.
             self._copied.synchronize()
-        v = self._host_views
+        staged = self._staged[shape]
+        v = staged.host
         v["input_ids"][:real_tokens] = inputs.input_ids
-        v["input_ids"][real_tokens:num_tokens] = 0
+        v["input_ids"][real_tokens:] = 0
         v["positions"][:real_tokens] = inputs.rope_positions
-        v["positions"][real_tokens:num_tokens] = 0
+        v["positions"][real_tokens:] = 0
         v["slot_mapping"][:real_tokens] = inputs.slot_mapping
-        v["slot_mapping"][real_tokens:num_tokens] = -1  # the cache write skips padding
+        v["slot_mapping"][real_tokens:] = -1  # the cache write skips padding
         v["query_start_loc"][: real_reqs + 1] = inputs.query_start_loc
         if shape.mixed:
             # Padding requests hold no token; padding tokens belong to none of them.
-            v["query_start_loc"][real_reqs + 1 : num_reqs + 1] = real_tokens
-            v["seq_lens"][real_reqs:num_reqs] = 0
+            v["query_start_loc"][real_reqs + 1 :] = real_tokens
+            v["seq_lens"][real_reqs:] = 0
             num_logits = len(inputs.logits_indices)
             v["logits_indices"][:num_logits] = inputs.logits_indices
-            v["logits_indices"][num_logits:num_reqs] = 0
+            v["logits_indices"][num_logits:] = 0
         else:
             q = shape.max_query_len
-            v["query_start_loc"][real_reqs + 1 : num_reqs + 1] = np.arange(
-                real_tokens + q, num_tokens + 1, q
-            )
-            v["seq_lens"][real_reqs:num_reqs] = q
+            v["query_start_loc"][real_reqs + 1 :] = np.arange(real_tokens + q, num_tokens + 1, q)
+            v["seq_lens"][real_reqs:] = q
         v["seq_lens"][:real_reqs] = inputs.seq_lens
         width = inputs.block_table.shape[1]  # >= the padding requests' one column
-        table_size = num_reqs * width
-        table = self._host_table[:table_size].numpy().reshape(num_reqs, width)
+        table_at, table_end = staged.end, staged.end + 4 * num_reqs * width
+        table = self._host_bytes[table_at:table_end].view(np.int32).reshape(num_reqs, width)
         table[:real_reqs] = inputs.block_table
         table[real_reqs:] = 0
-        rows = {
-            "query_start_loc": num_reqs + 1,
-            "seq_lens": num_reqs,
-            "logits_indices": num_reqs if shape.mixed else 0,
-        }
-        for name in _BUFFER_NAMES:
-            n = rows.get(name, num_tokens)
-            if n:
-                getattr(self.dev, name)[:n].copy_(getattr(self.host, name)[:n], non_blocking=True)
-        self._dev_table[:table_size].copy_(self._host_table[:table_size], non_blocking=True)
-        self.dev.block_table[:num_reqs, :width] = self._dev_table[:table_size].view(num_reqs, width)
+        end = fed_at = _aligned(table_end)
+        if fed is not None:
+            end = fed_at + 8 * fed.size
+            self._host_bytes[fed_at:end].view(np.int64).reshape(fed.shape)[...] = fed
+        self._dev_area[:end].copy_(self._host_area[:end], non_blocking=True)
+        self.block_table[:num_reqs, :width] = (
+            self._dev_area[table_at:table_end].view(torch.int32).view(num_reqs, width)
+        )
         if self.device.type == "cuda":
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
+        fed_dev = None if fed is None else self._dev_area[fed_at:end].view(torch.int64)
+        return staged.dev["input_ids"], None if fed_dev is None else fed_dev.view(fed.shape)
 
     # ------------------------------------------------------------------ forward
 
@@ -303,21 +324,18 @@ class StepGraphs:
         return rows
 
     def _forward(self, shape: GraphShape) -> torch.Tensor:
-        num_reqs, num_tokens = shape.num_reqs, shape.num_tokens
-        d = self.dev
+        d = self._staged[shape].dev
         meta = AttentionMetadata(
-            query_start_loc=d.query_start_loc[: num_reqs + 1],
-            seq_lens=d.seq_lens[:num_reqs],
-            block_table=d.block_table[:num_reqs],
-            slot_mapping=d.slot_mapping[:num_tokens],
+            query_start_loc=d["query_start_loc"],
+            seq_lens=d["seq_lens"],
+            block_table=self.block_table[: shape.num_reqs],
+            slot_mapping=d["slot_mapping"],
             max_query_len=shape.max_query_len,
             # An upper bound: the same for every step a graph replays.
             max_seq_len=self.max_blocks_per_req * self.block_size,
         )
-        hidden = self.model(
-            d.input_ids[:num_tokens], d.positions[:num_tokens], meta, self.kv_caches
-        )
-        return hidden[d.logits_indices[:num_reqs]] if shape.mixed else hidden
+        hidden = self.model(d["input_ids"], d["positions"], meta, self.kv_caches)
+        return hidden[d["logits_indices"]] if shape.mixed else hidden
 
     @torch.inference_mode()
     def capture_all(self) -> None:

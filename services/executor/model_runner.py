@@ -646,15 +646,14 @@ class ModelRunner:
         )
         if shape is not None:
             assert self.graphs is not None
-            self.graphs.stage(inputs, shape)
-            if feed is not None:
-                _scatter(self.graphs.dev.input_ids, feed)
+            input_ids, fed = self.graphs.stage(inputs, shape, feed)
+            if fed is not None:
+                _scatter(input_ids, fed, previous)
             prepared = self._clock()
             padded = self.graphs.forward(shape)
             if len(inputs.logits_indices):
                 # Padding rows come last and never reach the LM head.
                 rows = padded[: len(inputs.logits_indices)]
-                input_ids = self.graphs.dev.input_ids
                 step = self._sample(plan, inputs, rows, input_ids, start, prepared, began)
             else:  # a prefill chunk alone: nothing to sample
                 step = self._unsampled(plan, inputs, start, prepared, began)
@@ -671,7 +670,7 @@ class ModelRunner:
         input_ids = self._to_device(inputs.input_ids)
         positions = self._to_device(inputs.rope_positions)
         if feed is not None:
-            _scatter(input_ids, feed)
+            _scatter(input_ids, self._to_device(feed), previous)
         prepared = self._clock()
         hidden = self.model(input_ids, positions, meta, self.kv_caches, lora)
         prompt = self._prompt_logprobs(hidden, inputs)
@@ -769,9 +768,9 @@ class ModelRunner:
         else:
             self._busy_seconds += time.perf_counter() - prepared
 
-    def _feed(self, previous: LaunchedStep, inputs: StepInputs) -> "_Feed | None":
-        """The tokens of this step that ``previous`` samples: (rows of this step's input ids,
-        rows of previous's sampled tokens), as device index tensors."""
+    def _feed(self, previous: LaunchedStep, inputs: StepInputs) -> np.ndarray | None:
+        """The tokens of this step that ``previous`` samples: [rows of this step's input ids,
+        rows of previous's sampled tokens] (int64, 2 x n), None for none."""
         reserved = previous.reserved
         assert reserved is not None and previous.token_ids is not None
         capacity = self.batch.capacity
@@ -784,8 +783,7 @@ class ModelRunner:
             return None
         sampled_row = np.zeros(capacity, dtype=np.int64)
         sampled_row[reserved.slots] = np.arange(len(reserved.slots))
-        tokens = previous.token_ids[self._to_device(sampled_row[token_slots[rows]])]
-        return self._to_device(rows), tokens
+        return np.stack((rows, sampled_row[token_slots[rows]]))
 
     def _sample(
         self,
@@ -1154,9 +1152,6 @@ class ModelRunner:
         )
 
 
-_Feed = tuple[torch.Tensor, torch.Tensor]
-
-
 def _give_back_freed_memory(device: torch.device) -> None:
     """Return freed memory to the system: CUDA's cached blocks, or on a CPU the heap pages
     glibc keeps (its mmap threshold grows with each large free, so freed tensors stay in
@@ -1171,9 +1166,12 @@ def _give_back_freed_memory(device: torch.device) -> None:
         pass
 
 
-def _scatter(input_ids: torch.Tensor, feed: _Feed) -> None:
-    rows, tokens = feed
-    input_ids[rows] = tokens.to(input_ids.dtype)
+def _scatter(input_ids: torch.Tensor, fed: torch.Tensor, previous: LaunchedStep) -> None:
+    """Write the tokens ``previous`` samples into ``input_ids`` where ``fed`` (``_feed``'s
+    indices, on the device) says."""
+    assert previous.token_ids is not None
+    rows, sampled = fed
+    input_ids[rows] = previous.token_ids[sampled].to(input_ids.dtype)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

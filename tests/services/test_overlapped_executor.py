@@ -78,7 +78,9 @@ class _Served:
     """A real ModelRunner served by ``ExecutorWorker.serve`` in a thread, the order of its
     launches and finishes recorded, and an engine core with an async scheduler driving it."""
 
-    def __init__(self, model_dir, *, overlap: bool, poison: str | None = None) -> None:
+    def __init__(
+        self, model_dir, *, overlap: bool, poison: str | None = None, padded: bool = False
+    ) -> None:
         self.runner = runner = ModelRunner(
             model_dir,
             device="cpu",
@@ -89,6 +91,17 @@ class _Served:
             max_model_len=64,
             seed=0,
         )
+        self.fed_stages = 0  # padded steps staged with tokens fed from the step ahead
+        if padded:  # through the staging area and padded shapes CUDA graphs replay
+            runner.capture_graphs(capture=False)
+            assert runner.graphs is not None
+            stage = runner.graphs.stage
+
+            def counted_stage(inputs, shape, fed=None):
+                self.fed_stages += fed is not None
+                return stage(inputs, shape, fed)
+
+            runner.graphs.stage = counted_stage  # type: ignore[method-assign]
         self.events: list[tuple[str, int]] = []
         self.failures = 0
         launch, finish = runner.launch, runner.finish
@@ -203,29 +216,36 @@ def _tokens(outputs: dict[str, list]) -> dict[str, list[int]]:
     return {r: [t for out in outs for t in out.new_token_ids] for r, outs in outputs.items()}
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
 def test_overlapped_steps_keep_greedy_outputs_through_chunking_and_preemption(
-    served, tiny_hf_model
+    served, tiny_hf_model, padded
 ):
-    s = served(overlap=True)
+    s = served(overlap=True, padded=padded)
     prompts = _prompts(3, 8, (5, 30))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs, failed, preempted = s.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
     assert not failed and preempted, "the workload must preempt"
     # Steps were launched before the step ahead of them finished: the overlap under test.
     assert s.launched_ahead() >= len(s.events) // 2 // 2
+    assert (s.fed_stages >= s.launched_ahead() // 2) if padded else not s.fed_stages
     for i, prompt in enumerate(prompts):
         assert _tokens(outputs)[f"r{i}"] == hf_greedy(tiny_hf_model, prompt, 12), f"r{i}"
 
 
-def test_penalties_count_the_token_the_step_ahead_samples_on_the_device(served, tiny_hf_model):
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
+def test_penalties_count_the_token_the_step_ahead_samples_on_the_device(
+    served, tiny_hf_model, padded
+):
     """Each overlapped decode step reads its input token (the previous step's output) on the
     device, before the host knows it: presence, frequency and repetition penalties must
-    still count it, through chunking and preemption."""
+    still count it, through chunking and preemption (also from the staged input ids CUDA
+    graphs read)."""
     prompts = _prompts(13, 8, (5, 30))
     params = penalized(12)
-    s = served(overlap=True)
+    s = served(overlap=True, padded=padded)
     outputs, failed, preempted = s.run([Request(f"r{i}", p, params) for i, p in enumerate(prompts)])
     assert not failed and preempted and s.launched_ahead()
+    assert bool(s.fed_stages) == padded
     tokens = _tokens(outputs)
     changed = 0
     for i, prompt in enumerate(prompts):
