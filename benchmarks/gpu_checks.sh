@@ -103,7 +103,7 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
     # not there. No -x: one failure must not hide the others.
     section tests 160 "$PY" -m pytest -q -rfE -p no:cacheprovider --maxfail=20 --timeout=90 -n 8 \
         -k "(cuda or kernels) and not on_cpu" \
-        tests/test_cuda_graphs.py tests/test_model_runner.py tests/kernels \
+        tests/test_cuda_graphs.py tests/test_model_runner.py tests/kernels tests/test_gpu_info.py \
         tests/test_architectures.py::test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA; then the
     # layer kernels against the operators they replace (one log: at most 8 files come back).

@@ -47,6 +47,7 @@ from weir.shared.config import (
     SCHEDULER,
     EngineArgs,
 )
+from weir.shared.gpu_info import probe_gpu
 
 _log = logging.getLogger(__name__)
 
@@ -142,8 +143,9 @@ class ServerProcesses:
         startup_timeout: float = 600.0,
         stop_timeout: float = 5.0,
         data_parallel_size: int = 1,
+        offline: bool = False,
     ) -> None:
-        self.engine_args = engine_args or EngineArgs()
+        self.engine_args = _with_step_limits(engine_args or EngineArgs(), offline)
         if type(data_parallel_size) is not int or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {data_parallel_size!r}")
         self.data_parallel_size = data_parallel_size
@@ -559,6 +561,22 @@ class GatewayProcess(ServerProcesses):
             self._abandon_start()
             raise
         return self.info
+
+
+def _with_step_limits(engine_args: EngineArgs, offline: bool) -> EngineArgs:
+    """``engine_args`` with the step limits it leaves out set for the GPU the executors will
+    run on, as vLLM sets them (config.default_step_limits)."""
+    gpu = probe_gpu(engine_args.device)
+    resolved = engine_args.with_step_limits(gpu, offline)
+    if gpu is not None and resolved != engine_args:
+        _log.info(
+            "step limits for %s (%.0f GiB): %d tokens, %d requests",
+            gpu.name,
+            gpu.total_memory / 2**30,
+            resolved.max_num_batched_tokens,
+            resolved.max_num_seqs,
+        )
+    return resolved
 
 
 def resolve_num_executors(num_executors: int | None, engine_args: EngineArgs) -> int:

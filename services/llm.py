@@ -61,6 +61,7 @@ class LLM:
             metrics_port=0,
             executor_metrics_port=0,
             startup_timeout=startup_timeout,
+            offline=True,
         )
         self.server_info = self._server.start()
         self._loop = EventLoopThread()

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any
 
 from weir.shared.config_fields import json_object
+from weir.shared.gpu_info import GpuInfo
 from weir.shared.lora import LoraModule, parse_lora_modules
 from weir.shared.pooling import RUNNERS
 
@@ -165,6 +166,24 @@ MAX_NUM_KV_BLOCKS = 1 << 22
 MAX_MIXED_GRAPH_TOKENS = 8192
 
 
+_STEP_LIMITS = ("max_num_batched_tokens", "max_num_seqs")
+
+
+def default_step_limits(device: str | None, gpu: GpuInfo | None, offline: bool) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) unless given: vLLM's defaults on CUDA
+    (EngineArgs.get_batch_defaults), where a GPU of 70 GiB or more that is not an A100 (an
+    H100, H200) takes larger steps, and an offline engine (``LLM``, the benchmarks) larger
+    than a server; on a CPU (no GPU found, device unset or cpu), the SchedulerConfig defaults,
+    measured for it (docs/benchmarks.md). ``gpu``: gpu_info.probe_gpu(device)."""
+    if gpu is None and (device is None or device.startswith("cpu")):
+        return _default_of(SchedulerConfig, "max_num_batched_tokens"), _default_of(
+            SchedulerConfig, "max_num_seqs"
+        )
+    if gpu is not None and gpu.total_memory >= 70 * 2**30 and "a100" not in gpu.name.lower():
+        return (16384 if offline else 8192), 1024
+    return (8192 if offline else 2048), 256
+
+
 # ------------------------------------------------------------------ ports
 
 DEFAULT_PORT = 8100  # clients
@@ -282,14 +301,19 @@ class EngineArgs:
     block_size: int = _arg(
         _default_of(CacheConfig, "block_size"), _BOTH, "KV cache block size in tokens", type=int
     )
-    max_num_batched_tokens: int = _arg(
-        _default_of(SchedulerConfig, "max_num_batched_tokens"),
+    max_num_batched_tokens: int | None = _arg(
+        None,
         _BOTH,
-        "token budget of one step",
+        "token budget of one step (default: 2048; on CUDA vLLM's: 8192 for `weir serve` and "
+        "16384 for LLM on a GPU of 70 GiB or more but an A100, else 2048 and 8192)",
         type=int,
     )
-    max_num_seqs: int = _arg(
-        _default_of(SchedulerConfig, "max_num_seqs"), _BOTH, "most requests in one step", type=int
+    max_num_seqs: int | None = _arg(
+        None,
+        _BOTH,
+        "most requests in one step (default: 256; 1024 on CUDA where the step budget is "
+        "vLLM's larger one)",
+        type=int,
     )
     max_model_len: int | None = _arg(
         None, _BOTH, "longest prompt + output (default: the model's context length)", type=int
@@ -530,6 +554,9 @@ class EngineArgs:
             raise ValueError("served_model_name must not be empty")
         if self.threads is not None:
             _check_int("threads", self.threads, 1)
+        for name in _STEP_LIMITS:
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
         _check_int("max_mixed_graph_tokens", self.max_mixed_graph_tokens, 0)
         if self.max_mixed_graph_tokens > MAX_MIXED_GRAPH_TOKENS:
             raise ValueError(
@@ -674,11 +701,29 @@ class EngineArgs:
                 argv += [flag, str(value)]
         return argv
 
+    def with_step_limits(self, gpu: GpuInfo | None, offline: bool = False) -> EngineArgs:
+        """These arguments with the step limits not given set for the device the executors
+        will run on (default_step_limits): what a launcher gives every process it starts."""
+        tokens, seqs = self._step_limits(default_step_limits(self.device, gpu, offline))
+        return replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs)
+
+    @property
+    def step_limits(self) -> tuple[int, int]:
+        """(max_num_batched_tokens, max_num_seqs); unset, a device's that no process knows
+        (2048, 256): what a scheduler and its executors started apart (Kubernetes) both
+        take, so they agree."""
+        return self._step_limits(default_step_limits(None, None, offline=False))
+
+    def _step_limits(self, defaults: tuple[int, int]) -> tuple[int, int]:
+        tokens, seqs = self.max_num_batched_tokens, self.max_num_seqs
+        return (defaults[0] if tokens is None else tokens, defaults[1] if seqs is None else seqs)
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's knobs; ``max_model_len`` already resolved against the model."""
+        max_num_batched_tokens, max_num_seqs = self.step_limits
         return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             enable_chunked_prefill=self.enable_chunked_prefill,

@@ -488,7 +488,12 @@ def test_steps_padded_as_cuda_graphs_replay_them_launch_only_startups_kernels(ti
     assert runner.graphs is not None
     shapes: list[GraphShape] = []
     stage = runner.graphs.stage
-    runner.graphs.stage = lambda inputs, shape, fed=None: (shapes.append(shape), stage(inputs, shape, fed))[1]  # type: ignore[method-assign]
+
+    def recording_stage(inputs, shape, fed=None):
+        shapes.append(shape)
+        return stage(inputs, shape, fed)
+
+    runner.graphs.stage = recording_stage  # type: ignore[method-assign]
     with LaunchKeys() as serving:
         serve_every_step_kind(runner)
     assert serving.keys and serving.keys <= startup.keys, serving.keys - startup.keys

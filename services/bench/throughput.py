@@ -35,10 +35,10 @@ from weir.services.bench.workload import (
     workload_from_args,
 )
 from weir.shared.config import (
-    ENGINE_DEFAULTS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
+    EngineArgs,
 )
 
 BASELINE_CHOICES = ("hf-static", "hf-cb", "llama-cpp", "none")
@@ -116,12 +116,18 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         default=16,
         help="batch size of the hf-static baseline",
     )
-    g.add_argument("--max-num-seqs", type=positive_int, default=None, help="Weir engine option")
+    g.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=None,
+        help="Weir engine option (default: as LLM sets it for the machine's device)",
+    )
     g.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
         default=None,
-        help=f"Weir engine option; also hf-cb's max_batch_tokens (default {ENGINE_DEFAULTS.max_num_batched_tokens})",
+        help="Weir engine option; also hf-cb's max_batch_tokens and llama-cpp's prefill batch "
+        "(default: as LLM sets it for the machine's device: 2048 on a CPU, vLLM's on CUDA)",
     )
     g.add_argument("--kv-cache-memory", default=None, help="Weir engine option (KV cache size)")
     g.add_argument(
@@ -181,11 +187,22 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_throughput)
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+def _step_limits(args: argparse.Namespace) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) of this run: as given, else as ``LLM`` sets them
+    on this machine; the baselines' budget too."""
+    from weir.shared.gpu_info import probe_gpu
+
+    given = EngineArgs(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+    )
+    return given.with_step_limits(probe_gpu(None), offline=True).step_limits
+
+
+def _engine_options(args: argparse.Namespace, step_limits: tuple[int, int]) -> dict[str, Any]:
     options = {
         "load_format": None if args.load_format == "auto" else args.load_format,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_batched_tokens": step_limits[0],
+        "max_num_seqs": step_limits[1],
         "kv_cache_memory": args.kv_cache_memory,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
@@ -253,6 +270,7 @@ def _run_baselines(
     model_dir: Path,
     threads: int,
     args: argparse.Namespace,
+    budget: int,
 ) -> list[EngineRun]:
     import torch
 
@@ -268,7 +286,6 @@ def _run_baselines(
             if name == "hf-static":
                 runs.append(run_hf_static(model, requests, args.hf_batch_size))
             else:
-                budget = args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens
                 runs.append(run_hf_continuous(model, requests, budget))
         del model
     if "llama-cpp" in names:
@@ -281,7 +298,6 @@ def _run_baselines(
         else:
             assert gguf is not None
             _status(f"running llama-cpp on {len(requests)} requests ({gguf.name})")
-            budget = args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens
             runs.append(llama_cpp_baseline.run_llama_cpp(gguf, requests, threads, budget))
     return runs
 
@@ -347,16 +363,19 @@ def run_throughput(args: argparse.Namespace) -> int:
         return 2
     workload = describe_workload(requests, args)
     _status(workload)
+    step_limits = _step_limits(args)
 
     runs: list[EngineRun] = []
     if not args.no_weir:
         _status(f"running weir on {len(requests)} requests")
         run, compiled = run_weir(
-            requests, model_dir, args.dtype, args.threads, _engine_options(args)
+            requests, model_dir, args.dtype, args.threads, _engine_options(args, step_limits)
         )
         runs.append(run)
     if baselines:
-        runs += _run_baselines(baselines, requests, model_dir, baseline_threads, args)
+        runs += _run_baselines(
+            baselines, requests, model_dir, baseline_threads, args, step_limits[0]
+        )
     if not runs:
         print("error: no engine could run (see the messages above)", file=sys.stderr)
         return 2
@@ -397,7 +416,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     if "hf-cb" in baselines:
         notes.append(
             "hf-cb: transformers' continuous batching manager (what generate_batch runs), each request with its own "
-            f"max_new_tokens, max_batch_tokens {args.max_num_batched_tokens or ENGINE_DEFAULTS.max_num_batched_tokens}, "
+            f"max_new_tokens, max_batch_tokens {step_limits[0]}, "
             "KV cache sized to hold every request at once."
         )
     if any(r.engine == "llama-cpp" for r in runs):

@@ -267,9 +267,10 @@ class ExecutorGroup:
                 f"executor's LoRA adapter files of {differ} differ from the scheduler's: "
                 "give both the same adapters"
             )
+        max_num_batched_tokens, max_num_seqs = args.step_limits
         for name, theirs, ours in (
-            ("max_num_batched_tokens", hello.max_num_batched_tokens, args.max_num_batched_tokens),
-            ("max_num_seqs", hello.max_num_seqs, args.max_num_seqs),
+            ("max_num_batched_tokens", hello.max_num_batched_tokens, max_num_batched_tokens),
+            ("max_num_seqs", hello.max_num_seqs, max_num_seqs),
             ("max_model_len", hello.max_model_len, want.max_model_len),
         ):
             if theirs < ours:

@@ -72,7 +72,7 @@ def _largest_executor_frame(args: EngineArgs) -> int:
     """A bound on what an executor sends, so a peer cannot make this process buffer a
     400 MB frame: its largest is a step result, every running request's tokens with up to
     MAX_LOGPROBS + 1 (token, logprob) pairs each, well under 32 bytes a pair."""
-    pairs = args.max_num_seqs * (1 + args.num_speculative_tokens) * (MAX_LOGPROBS + 1)
+    pairs = args.step_limits[1] * (1 + args.num_speculative_tokens) * (MAX_LOGPROBS + 1)
     return max(DEFAULT_MAX_MESSAGE_BYTES, 32 * pairs)
 
 

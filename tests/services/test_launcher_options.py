@@ -15,9 +15,11 @@ from weir.shared.config import (
     CacheConfig,
     EngineArgs,
     SchedulerConfig,
+    default_step_limits,
     parse_size,
     resolve_max_model_len,
 )
+from weir.shared.gpu_info import GpuInfo, probe_gpu
 
 
 @pytest.mark.parametrize(
@@ -92,6 +94,52 @@ def test_engine_defaults_are_the_configs_defaults():
     )
     assert not EngineArgs(speculative_method="ngram").scheduler_config(8192).async_scheduling
     assert EngineArgs().cache_config(7, None) == CacheConfig(num_blocks=7)
+
+
+H200 = GpuInfo("NVIDIA H200", 143_771 * 2**20)
+A100 = GpuInfo("NVIDIA A100-SXM4-80GB", 81_920 * 2**20)
+L4 = GpuInfo("NVIDIA L4", 23_034 * 2**20)
+
+
+@pytest.mark.parametrize(
+    "device, gpu, server, offline",
+    [
+        (None, None, (2048, 256), (2048, 256)),  # no GPU found: a CPU's
+        ("cpu", None, (2048, 256), (2048, 256)),
+        (None, H200, (8192, 1024), (16384, 1024)),  # vLLM's for a GPU of >= 70 GiB
+        ("cuda:0", H200, (8192, 1024), (16384, 1024)),
+        (None, A100, (2048, 256), (8192, 256)),  # but an A100 (vLLM #17885)
+        (None, L4, (2048, 256), (8192, 256)),
+        ("cuda", None, (2048, 256), (8192, 256)),  # CUDA asked for, NVML silent
+    ],
+)
+def test_step_limits_left_out_are_vllms_for_the_device(device, gpu, server, offline):
+    assert default_step_limits(device, gpu, offline=False) == server
+    assert default_step_limits(device, gpu, offline=True) == offline
+    args = EngineArgs(device=device).with_step_limits(gpu, offline=True)
+    assert (args.max_num_batched_tokens, args.max_num_seqs) == args.step_limits == offline
+
+
+def test_step_limits_given_are_kept_and_processes_started_apart_agree():
+    given = EngineArgs(max_num_seqs=64).with_step_limits(H200, offline=True)
+    assert given.step_limits == (16384, 64)
+    assert EngineArgs(max_num_batched_tokens=512).with_step_limits(H200).step_limits == (512, 1024)
+    # A scheduler and executors started apart (Kubernetes) know no GPU: both take a CPU's.
+    assert EngineArgs().step_limits == (2048, 256)
+    assert EngineArgs().max_num_seqs is None
+    # A launcher gives every process the limits it resolved, as flags.
+    argv = EngineArgs(device="cpu").with_step_limits(None).to_argv(SCHEDULER)
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
+    assert argv[argv.index("--max-num-seqs") + 1] == "256"
+
+
+def test_a_launcher_on_a_cpu_resolves_the_step_limits_it_was_not_given():
+    assert probe_gpu("cpu") is None
+    server = ServerProcesses(EngineArgs(device="cpu", max_num_seqs=8), port=0, metrics_port=0)
+    assert (server.engine_args.max_num_batched_tokens, server.engine_args.max_num_seqs) == (
+        2048,
+        8,
+    )
 
 
 def test_vllms_speculative_config_is_the_four_options_it_stands_for():
@@ -171,6 +219,8 @@ def test_unknown_engine_option_is_a_type_error():
         (["--threads", "0"], "--threads must be >= 1, got 0"),
         (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
         (["--max-model-len", "1"], "--max-model-len must be >= 2, got 1"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+        (["--max-num-batched-tokens", "-8"], "--max-num-batched-tokens must be >= 1, got -8"),
         (["--max-mixed-graph-tokens", "-1"], "--max-mixed-graph-tokens must be >= 0, got -1"),
         (["--max-mixed-graph-tokens", "9000"], "--max-mixed-graph-tokens must be <= 8192"),
     ],

@@ -167,8 +167,7 @@ def test_an_executor_with_other_adapters_is_turned_away():
         None, ExpectedExecutor(1, "m", 10, 64, args, wanted), 3.0, print, print, lambda *_: None
     )
     hello = control.ExecutorHello(
-        "s", 0, 1, "m", 10, 100, args.block_size, args.max_num_batched_tokens,
-        args.max_num_seqs, 64, [2], "float32", "cpu", "torch", lora_adapters={"b": "f2", "a": "f1"},
+        "s", 0, 1, "m", 10, 100, args.block_size, *args.step_limits, 64, [2], "float32", "cpu", "torch", lora_adapters={"b": "f2", "a": "f1"},
     )  # fmt: skip
     assert group._check_hello(hello) is None
     hello.lora_adapters = {"a": "f1"}
