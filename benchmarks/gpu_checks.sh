@@ -21,7 +21,8 @@
 #      how many steps fell in each bucket of the executor step and forward histograms; the
 #      workload runs twice on one server (the second measured, both walls printed);
 #   4. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs beside the
-#      hf-cb baseline, then with decode graphs only (--max-mixed-graph-tokens 0);
+#      hf-cb baseline, then at the step limits before vLLM's defaults (2048 tokens, 256
+#      requests);
 # all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,
 # vocab 128256) with random weights: a config.json written here plus the default model's
 # tokenizer files (the default model itself cannot travel). Results land in $OUT.
@@ -144,12 +145,12 @@ fi
 if [[ " $SECTIONS " == *" throughput "* ]]; then
     common=(--model "$model" --load-format dummy --dtype bfloat16 --num-prompts 512)
     [[ $SHAPE == tiny ]] && common=(--model "$model" --load-format dummy --num-prompts 8 --threads 1)
-    # The default (decode and mixed steps replay graphs) beside hf-cb, then decode graphs
-    # only (mixed steps eager, as before 2026-12-04's thirty-third session): the same-run
-    # baseline of the mixed graphs.
+    # The defaults (on an H200 vLLM's offline step limits, 16384 tokens and 1024 requests,
+    # since 2026-12-05's thirty-fifth session) beside hf-cb (the same budget), then the limits
+    # before (2048 tokens, 256 requests): the same-run baseline of the new defaults.
     section throughput-graphs-hf-cb 110 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
         --baseline hf-cb --output-json "$OUT/throughput-graphs-hf-cb.json"
-    section throughput-decode-graphs 60 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
-        --max-mixed-graph-tokens 0
+    section throughput-2048-256 60 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
+        --max-num-batched-tokens 2048 --max-num-seqs 256
 fi
 log "done in $((SECONDS - start))s; results in $OUT"

@@ -24,6 +24,7 @@ import torch
 from executor_step import Timers
 from model_latency import decode_latency, decode_plan, prefill_plan
 
+from weir.services.executor import model_runner
 from weir.services.executor.model_runner import GRAPH_COPIES, ModelRunner
 from weir.shared.config import LOAD_FORMATS
 from weir.shared.model_store import resolve_model
@@ -135,6 +136,46 @@ def host_phases(runner: ModelRunner, batch: int, prompt_len: int, overlap: bool)
     )
 
 
+def staging_calls(runner: ModelRunner, batch: int, prompt_len: int) -> float:
+    """Torch operators called per overlapped decode step to feed the tokens sampled the step
+    before and stage the graph's inputs: each a dispatch on the host, on CUDA most of them a
+    driver call too (torch.profiler's operators called directly inside the two)."""
+    graphs = runner.graphs
+    assert graphs is not None
+    steps = 6
+
+    def tagged(function):
+        def run(*args, **kwargs):
+            with torch.profiler.record_function("staging"):
+                return function(*args, **kwargs)
+
+        return run
+
+    scatter = model_runner._scatter
+    graphs.stage, model_runner._scatter = tagged(graphs.stage), tagged(scatter)
+    runner._feed = tagged(runner._feed)  # type: ignore[method-assign]
+    try:
+        runner.execute(prefill_plan(runner, batch, prompt_len, steps + 1))
+        pending = runner.launch(decode_plan(batch, prompt_len, 1))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            for step in range(2, steps + 2):
+                launched = runner.launch(decode_plan(batch, prompt_len, step))
+                runner.finish(pending)
+                pending = launched
+        runner.finish(pending)
+        runner.execute(StepPlan(finished_req_ids=[f"r{i}" for i in range(batch)]))
+    finally:
+        del graphs.stage, runner._feed  # the methods again
+        model_runner._scatter = scatter
+    calls = sum(
+        event.name.startswith("aten::")
+        and event.cpu_parent is not None
+        and event.cpu_parent.name == "staging"
+        for event in profiler.events()
+    )
+    return calls / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -173,6 +214,9 @@ def main() -> None:
                 f"== {mode}, KV cache {gib} GiB ({runner.num_blocks} blocks), dtype {runner.dtype}"
             )
             profile_decodes(runner, args.batch, args.prompt_len, args.rows)
+            if i == 0 and runner.graphs is not None:
+                calls = staging_calls(runner, args.batch, args.prompt_len)
+                print(f"  torch calls per overlapped decode step, feeding and staging: {calls:.0f}")
             if i == 0:
                 # With graphs: the default copies (GRAPH_COPIES), then each graph captured once.
                 for copies in (GRAPH_COPIES, 1) if runner.graphs is not None else (GRAPH_COPIES,):
