@@ -30,9 +30,9 @@ def probe_gpu(device: str | None) -> GpuInfo | None:
     index = int(device.partition(":")[2] or 0) if device else 0
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return None
-    if nvml.nvmlInit_v2() != 0:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+    except (OSError, AttributeError):  # no driver, or one too old for these calls
         return None
     try:
         handle = _handle(nvml, index)
