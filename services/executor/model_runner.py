@@ -1111,10 +1111,21 @@ class ModelRunner:
         assert step.ids is not None and step.inputs is not None
         inputs, b = step.inputs, self.batch
         ids = step.ids.tolist()
+        if step.reserved is not None:
+            b.fill_reserved(step.reserved, step.ids[:, 0].numpy())
+            if step.logprobs is None:
+                # No drafts to verify and no logprobs (the common decode step): each request
+                # that samples keeps its one token, a row [token] of ``ids``.
+                sampled = (
+                    inputs.req_ids
+                    if inputs.num_logits.all()
+                    else [r for r, n in zip(inputs.req_ids, inputs.num_logits.tolist()) if n]
+                )
+                return StepResult(
+                    sampled_token_ids=dict(zip(sampled, ids)), step_id=step.plan.step_id
+                )
         lps = None if step.logprobs is None else step.logprobs.tolist()
         tokens = [row[0] for row in ids]
-        if step.reserved is not None:
-            b.fill_reserved(step.reserved, np.array(tokens, dtype=np.int64))
         result: dict[str, list[int]] = {}
         logprobs: dict[str, SampleLogprobs] = {}
         row = 0
