@@ -57,6 +57,8 @@ def main() -> None:
     steps, tokens, computed, outputs = (Counter[str]() for _ in range(4))
     while (step := step_now(core)) is not None:
         scheduled = step.plan.total_num_scheduled_tokens
+        if not scheduled:  # only frees finished requests: the executor launches nothing
+            continue
         num_reqs = len(step.plan.num_scheduled_tokens)
         if set(step.plan.num_scheduled_tokens.values()) == {1} and num_reqs <= decode_sizes[-1]:
             kind, padded = "decode graph", next(n for n in decode_sizes if n >= num_reqs)
