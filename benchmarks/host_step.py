@@ -188,7 +188,7 @@ async def run() -> None:
     async def step() -> int:
         done = step_now(core)
         assert done is not None
-        publish(done)
+        publish([done])
         while await client.poll(0):  # the client's reading is another process's work
             await client.recv()
         return done.plan.total_num_scheduled_tokens

@@ -143,6 +143,19 @@ class EngineCore:
         finally:
             self._stepping = False
 
+    async def next_result_in(self, wait: float) -> bool:
+        """Whether the next step's result has come (waiting up to ``wait`` seconds for it),
+        so the caller can apply it before work that can wait (publishing outputs). False
+        with nothing in flight or an in-process executor (it runs when awaited)."""
+        if not self._submitted:
+            return False
+        result = self._submitted[0].result
+        if not isinstance(result, asyncio.Future):
+            return False
+        if not result.done():
+            await asyncio.wait((result,), timeout=wait)
+        return result.done()
+
     async def control(
         self,
         load_weights: str | None = None,

@@ -25,7 +25,7 @@ import errno
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +37,7 @@ from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError,
 from weir.services.engine.lora_registry import AdapterNotFound, LoraRegistry
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
-from weir.services.scheduler.output import EngineOutput
+from weir.services.scheduler.output import EngineOutput, coalesce
 from weir.services.scheduler.request import Grammar, Request, RequestStatus
 from weir.shared.pooling import PoolerConfig, PoolingParams
 from weir.shared.protocol import client as client_protocol
@@ -79,7 +79,7 @@ class _Stream:
     unsent: str = ""
     num_output_tokens: int = 0
     sent_prompt_ids: bool = False
-    scheduled: bool = False
+    admitted_step: int | None = None  # the step it was first scheduled in, once published
     last_token_time: float | None = None
     # Characters withheld while the text could still end in a stop string.
     holdback: int = 0
@@ -1091,24 +1091,39 @@ class ClientFrontend:
             self.send_error(tokenizing.identity, rid, code, message)
         self._tokenizing.clear()
 
-    def publish(self, step: EngineStep) -> None:
-        """Stream one step's outputs, one frame per client."""
-        for new in step.plan.new_requests:
-            stream = self.streams.get(new.request_id)
-            if stream is not None and not stream.scheduled:
-                stream.scheduled = True
-                self.metrics.request_queue_time.observe(step.scheduled_at - stream.arrival_time)
-                self.metrics.prompt_tokens.inc(len(stream.prompt_token_ids))
+    def publish(self, steps: Sequence[EngineStep]) -> None:
+        """Stream the outputs of consecutive steps, one frame per client (several steps'
+        tokens of a request in one output: see ``output.coalesce``)."""
+        streams = self.streams
+        current: list[list[EngineOutput]] = []
+        for step in steps:
+            step_id = step.plan.step_id
+            for new in step.plan.new_requests:
+                stream = streams.get(new.request_id)
+                if stream is not None and stream.admitted_step is None:
+                    stream.admitted_step = step_id
+                    queued = step.scheduled_at - stream.arrival_time
+                    self.metrics.request_queue_time.observe(queued)
+                    self.metrics.prompt_tokens.inc(len(stream.prompt_token_ids))
+            # A stream takes the outputs of steps from its admission on: the steps applied
+            # before and sent now (the loop read clients in between) may hold the outputs of
+            # an aborted request whose id a new stream took.
+            current.append(
+                [
+                    out
+                    for out in step.outputs
+                    if (stream := streams.get(out.request_id)) is not None
+                    and stream.admitted_step is not None
+                    and stream.admitted_step <= step_id
+                ]
+            )
         now = time.monotonic()
         by_client: dict[bytes, list[client_protocol.StreamOutput]] = {}
         stopped: list[str] = []
         inter_token: list[float] = []
         num_generated = 0
-        streams = self.streams
-        for out in step.outputs:
-            stream = streams.get(out.request_id)
-            if stream is None:
-                continue
+        for out in coalesce(current):
+            stream = streams[out.request_id]
             if out.new_token_ids:
                 if stream.last_token_time is None:
                     self.metrics.time_to_first_token.observe(now - stream.arrival_time)

@@ -254,8 +254,8 @@ class SchedulerMetrics:
         )
         self.inter_token_latency = StepHistogram(
             "weir_inter_token_latency_seconds",
-            "Time between consecutive outputs of a request, one per step (as vLLM: the tokens "
-            "of a speculative step arrive together)",
+            "Time between consecutive outputs of a request, one per output sent (as vLLM: the "
+            "tokens of a speculative step, or of steps sent together, arrive together)",
             {"model_name": model_name},
             _LATENCY_BUCKETS,
             reg,
@@ -314,7 +314,8 @@ class SchedulerMetrics:
             "weir_scheduler_step_phase_seconds",
             "Scheduler time per step by phase: schedule, plan_encode, executor (send to result, "
             "IPC included), update, propose (n-gram drafts, with speculative decoding), outputs "
-            "(detokenize, stop strings, push to clients)",
+            "(detokenize, stop strings, push to clients: once per send, which carries the steps "
+            "applied while the executor was ahead)",
             ["model_name", "phase"],
             registry=reg,
             buckets=_PHASE_BUCKETS,

@@ -66,6 +66,10 @@ from weir.shared.tokenizer import Tokenizer, chat_template_of
 _log = logging.getLogger(__name__)
 
 _PARENT_CHECK_INTERVAL_S = 0.5
+# Outputs wait for at most this many steps, and a step's outputs for its next result this long
+# (a result in the executor socket takes a few event-loop turns to be read).
+MAX_UNPUBLISHED_STEPS = 4
+RESULT_WAIT_S = 100e-6
 
 
 def _largest_executor_frame(args: EngineArgs) -> int:
@@ -464,6 +468,11 @@ class SchedulerServer:
     # ------------------------------------------------------------------ the loop
 
     async def _step_loop(self) -> None:
+        # Steps applied whose outputs are not yet sent: while the next result is already in,
+        # the loop applies it (and plans the step after) first, and sends both steps' outputs
+        # at once; publishing costs per request, not per token, so a loop slower than the
+        # executor catches up instead of leaving it idle.
+        unpublished: list[EngineStep] = []
         while True:
             core = self.core
             step = None
@@ -471,22 +480,40 @@ class SchedulerServer:
                 try:
                     step = await core.step()
                 except StepFailedError as exc:
+                    self._publish(unpublished)
                     self._on_step_failed(exc)
                     continue
                 except ExecutorLostError:
+                    self._publish(unpublished)
                     continue  # its requests wait for the next group (``_on_group_formed``)
             elif self._draining and not self.frontend.num_in_flight:
                 _log.warning("drained: stopping")
                 self._stop.set()
             if step is None:
+                self._publish(unpublished)
                 self._refresh_gauges()  # aborts may have changed them since the last step
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            start = time.perf_counter()
-            self.frontend.publish(step)
-            self._after_step(step)
-            self._observe_phase("outputs", time.perf_counter() - start)
+            unpublished.append(step)
+            assert core is not None
+            if len(unpublished) < MAX_UNPUBLISHED_STEPS and await core.next_result_in(
+                RESULT_WAIT_S
+            ):
+                continue
+            self._publish(unpublished)
+
+    def _publish(self, steps: list[EngineStep]) -> None:
+        """Send the outputs of ``steps`` (then none are left)."""
+        if not steps:
+            return
+        start = time.perf_counter()
+        self.frontend.publish(steps)
+        for step in steps:
+            self.metrics.iteration_tokens.observe(step.plan.total_num_scheduled_tokens)
+        self._refresh_gauges()
+        steps.clear()
+        self._observe_phase("outputs", time.perf_counter() - start)
 
     def _on_step_failed(self, exc: StepFailedError) -> None:
         if not exc.request_ids:
@@ -509,10 +536,6 @@ class SchedulerServer:
 
     def _observe_phase(self, phase: str, seconds: float) -> None:
         self.metrics.step_phase[phase].observe(seconds)
-
-    def _after_step(self, step: EngineStep) -> None:
-        self.metrics.iteration_tokens.observe(step.plan.total_num_scheduled_tokens)
-        self._refresh_gauges()
 
     def _refresh_gauges(self) -> None:
         m = self.metrics

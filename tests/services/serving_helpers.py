@@ -194,6 +194,20 @@ def frontend_over(sock, tokenizer, scheduler, name: str):
     return frontend
 
 
+def published_step(step_id: int, outputs: list, admitted: Sequence[str] = ()):
+    """A step as the engine core returns it, for a test that publishes steps itself: its
+    id, the requests it admitted (a stream takes outputs from its admission on) and its
+    outputs."""
+    from types import SimpleNamespace
+
+    from weir.services.engine.core import EngineStep
+
+    new_requests = [SimpleNamespace(request_id=rid) for rid in admitted]
+    return EngineStep(
+        SimpleNamespace(step_id=step_id, new_requests=new_requests), outputs, time.monotonic()
+    )
+
+
 def read_chat(client, stream: bool, **kwargs) -> tuple:
     """A chat's (reasoning, content, tool calls as (name, arguments), finish reason), whole
     or from its stream, through the openai client (``kwargs`` its create's); a stream's

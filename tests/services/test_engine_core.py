@@ -15,7 +15,7 @@ from weir.services.engine.core import (
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
-from weir.shared.protocol.step import StepResult
+from weir.shared.protocol.step import StepPlan, StepResult
 from weir.shared.sampling import SamplingParams
 
 BLOCK_SIZE = 4
@@ -201,3 +201,46 @@ def test_step_now_refuses_an_executor_that_suspends():
     scheduler.add_request(Request("A", [1, 2]))
     with pytest.raises(RuntimeError, match="event loop"):
         step_now(EngineCore(scheduler, Remote()))
+
+
+def test_the_next_result_is_in_once_the_executor_answered(tiny_model_dir):
+    """What the server's loop asks before publishing: a remote executor's next result has
+    come (or comes within the wait); an in-process one runs only when awaited."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        sent: list[tuple[StepPlan, asyncio.Future]] = []
+
+        class Remote:
+            def submit(self, plan):
+                sent.append((plan, loop.create_future()))
+                return sent[-1][1]
+
+        def answer(i: int) -> None:
+            plan, future = sent[i]
+            future.set_result(
+                StepResult({rid: [7] for rid in plan.num_scheduled_tokens}, step_id=plan.step_id)
+            )
+
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=16, async_scheduling=True),
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+        )
+        core = EngineCore(scheduler, Remote())
+        assert not await core.next_result_in(0.001)  # nothing in flight
+        scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=8)))
+        stepping = asyncio.create_task(core.step())
+        await asyncio.sleep(0)
+        assert len(sent) == 2  # the step and the one planned ahead
+        answer(0)
+        assert (await stepping).outputs[0].new_token_ids == [7]
+        assert len(sent) == 3 and not await core.next_result_in(0.001)
+        loop.call_later(0.001, answer, 1)
+        assert await core.next_result_in(1.0)  # came within the wait
+        assert await core.next_result_in(0.0)
+
+    asyncio.run(run())
+    local = _core(tiny_model_dir, async_scheduling=True)
+    local.scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=8)))
+    assert step_now(local) is not None and not asyncio.run(local.next_result_in(0.001))
+    local.abandon_next()

@@ -9,13 +9,11 @@ made-up tokens are published as an executor's would be.
 import asyncio
 import logging
 import time
-from types import SimpleNamespace
 
 import zmq
 import zmq.asyncio
-from serving_helpers import frontend_over
+from serving_helpers import frontend_over, published_step
 
-from weir.services.engine.core import EngineStep
 from weir.services.scheduler import Scheduler
 from weir.services.scheduler.output import EngineOutput
 from weir.shared.config import CacheConfig, SchedulerConfig
@@ -61,7 +59,7 @@ async def _serve(tokenizer: Tokenizer) -> tuple[list, list, set[str]]:
             for rid in ("s", "f")
             if rid in frontend.streams
         ]
-        frontend.publish(EngineStep(SimpleNamespace(new_requests=[]), outputs, time.monotonic()))
+        frontend.publish([published_step(step, outputs, ["s", "f"] if step == 0 else [])])
         while await fine.poll(0):
             heard[1].extend(client_protocol.decode_server_message(await fine.recv()))
         await asyncio.sleep(0)

@@ -14,12 +14,11 @@ are drawn from each case's own text so that most cases stop, some across steps.
 
 import asyncio
 import random
-import time
-from types import SimpleNamespace
 
+import pytest
 import zmq
 import zmq.asyncio
-from serving_helpers import frontend_over
+from serving_helpers import frontend_over, published_step
 
 from weir.services.engine import frontend as frontend_module
 from weir.services.engine.core import EngineStep
@@ -78,7 +77,7 @@ def _reference(tokenizer: Tokenizer, case: dict) -> tuple[str, str, int]:
     return text, "length", len(ids)
 
 
-async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
+async def _published(tokenizer: Tokenizer, cases: list[dict], steps_per_publish: int) -> list[list]:
     context = zmq.asyncio.Context()
     server = context.socket(zmq.ROUTER)
     client = context.socket(zmq.DEALER)
@@ -102,7 +101,9 @@ async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
     while len(frontend.streams) < len(cases):
         await asyncio.sleep(0.01)
     received: list[list] = [[] for _ in cases]
-    for step in range(max(len(case["chunks"]) for case in cases)):
+    num_steps = max(len(case["chunks"]) for case in cases)
+    steps: list[EngineStep] = []
+    for step in range(num_steps):
         outputs = []
         for i, case in enumerate(cases):
             if step < len(case["chunks"]) and f"r{i}" in frontend.streams:
@@ -112,8 +113,12 @@ async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
                 outputs.append(
                     EngineOutput(f"r{i}", chunk, last, "length" if last else None, logprobs=rows)
                 )
-        plan = SimpleNamespace(new_requests=[])
-        frontend.publish(EngineStep(plan, outputs, time.monotonic()))
+        admitted = [f"r{i}" for i in range(len(cases))] if step == 0 else []
+        steps.append(published_step(step, outputs, admitted))
+        if len(steps) < steps_per_publish and step < num_steps - 1:
+            continue  # published with the steps after it, as a server behind its executor does
+        frontend.publish(steps)
+        steps = []
         while await client.poll(50):
             for out in client_protocol.decode_server_message(await client.recv()):
                 received[int(out.request_id[1:])].append(out)
@@ -123,11 +128,16 @@ async def _published(tokenizer: Tokenizer, cases: list[dict]) -> list[list]:
     return received
 
 
-def test_published_text_ends_where_the_whole_text_first_holds_a_stop(default_model_dir) -> None:
+@pytest.mark.parametrize("steps_per_publish", [1, 2, 3])
+def test_published_text_ends_where_the_whole_text_first_holds_a_stop(
+    default_model_dir, steps_per_publish
+) -> None:
+    """Also where several steps' outputs go out together (the steps after a stop, planned
+    before it was seen, are cut as the reference cuts them)."""
     tokenizer = Tokenizer.from_model_dir(default_model_dir)
     rng = random.Random(7)
     cases = [_case(rng, tokenizer, tokenizer.vocab_size) for _ in range(CASES)]
-    received = asyncio.run(_published(tokenizer, cases))
+    received = asyncio.run(_published(tokenizer, cases, steps_per_publish))
     stopped = protected = 0
     for case, outs in zip(cases, received):
         text, reason, count = _reference(tokenizer, case)
