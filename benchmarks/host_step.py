@@ -19,6 +19,7 @@ import gc
 import json
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,11 +29,12 @@ import zmq
 import zmq.asyncio
 from executor_step import Timers
 
-from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
+from weir.services.engine.core import EngineCore, EngineStep, InProcessExecutor, step_now
 from weir.services.engine.frontend import ClientFrontend
 from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Scheduler
+from weir.services.scheduler.output import EngineOutput
 from weir.services.startup_heap import freeze_startup_heap
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.model_store import resolve_model
@@ -185,9 +187,13 @@ async def run() -> None:
         await asyncio.sleep(0.01)
     publish = timers.wrap("publish", frontend.publish)
 
+    last_step_id = 0
+
     async def step() -> int:
+        nonlocal last_step_id
         done = step_now(core)
         assert done is not None
+        last_step_id = done.plan.step_id
         publish([done])
         while await client.poll(0):  # the client's reading is another process's work
             await client.recv()
@@ -215,6 +221,27 @@ async def run() -> None:
         f"garbage collections during the timed steps (inside the parts above): "
         f"{collections.summary()}"
     )
+    # Publishing several steps at once (what the server does while behind its executor):
+    # the same streams' outputs carrying 1, 2 and 4 tokens each.
+    rng = random.Random(1)
+    plan = SimpleNamespace(step_id=last_step_id + 1, new_requests=[])
+    for tokens in (1, 2, 4):
+        times = []
+        for _ in range(30):
+            outputs = [
+                EngineOutput(f"r{i}", [rng.randrange(300, 20000) for _ in range(tokens)])
+                for i in range(n)
+            ]
+            start = time.perf_counter()
+            frontend.publish([EngineStep(plan, outputs, time.monotonic())])
+            times.append(time.perf_counter() - start)
+            while await client.poll(0):
+                await client.recv()
+        median = statistics.median(times)
+        print(
+            f"publishing {n} outputs of {tokens} token(s): {median * 1e3:.3f} ms "
+            f"({median * 1e6 / n / tokens:.2f} us per token)"
+        )
     receiving.cancel()
     context.destroy(linger=0)
 

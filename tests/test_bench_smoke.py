@@ -211,6 +211,10 @@ def server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
             "0",
             "--http-port",
             str(http_port),
+            # Lockstep: every step's outputs are sent alone (async scheduling sends the tiny
+            # model's steps several at once whenever publishing falls behind), so each token
+            # is one streamed chunk, which the ITL count below relies on.
+            "--no-async-scheduling",
         ],
         env=ENV,
         stdout=log,
