@@ -490,7 +490,9 @@ class SchedulerServer:
                 _log.warning("drained: stopping")
                 self._stop.set()
             if step is None:
-                self._publish(unpublished)
+                if unpublished:
+                    self._publish(unpublished)
+                    continue  # a drain may be done now
                 self._refresh_gauges()  # aborts may have changed them since the last step
                 self._wake.clear()
                 await self._wake.wait()
