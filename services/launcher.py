@@ -145,7 +145,7 @@ class ServerProcesses:
         data_parallel_size: int = 1,
         offline: bool = False,
     ) -> None:
-        self.engine_args = _with_step_limits(engine_args or EngineArgs(), offline)
+        self.engine_args = with_device_step_limits(engine_args or EngineArgs(), offline)
         if type(data_parallel_size) is not int or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {data_parallel_size!r}")
         self.data_parallel_size = data_parallel_size
@@ -563,9 +563,10 @@ class GatewayProcess(ServerProcesses):
         return self.info
 
 
-def _with_step_limits(engine_args: EngineArgs, offline: bool) -> EngineArgs:
+def with_device_step_limits(engine_args: EngineArgs, offline: bool) -> EngineArgs:
     """``engine_args`` with the step limits it leaves out set for the GPU the executors will
-    run on, as vLLM sets them (config.default_step_limits)."""
+    run on, as vLLM sets them (config.default_step_limits): what ``ServerProcesses`` starts
+    every process with."""
     gpu = probe_gpu(engine_args.device)
     resolved = engine_args.with_step_limits(gpu, offline)
     if gpu is not None and resolved != engine_args:

@@ -190,12 +190,12 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
 def _step_limits(args: argparse.Namespace) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) of this run: as given, else as ``LLM`` sets them
     on this machine; the baselines' budget too."""
-    from weir.shared.gpu_info import probe_gpu
+    from weir.services.launcher import with_device_step_limits
 
     given = EngineArgs(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
     )
-    return given.with_step_limits(probe_gpu(None), offline=True).step_limits
+    return with_device_step_limits(given, offline=True).step_limits
 
 
 def _engine_options(args: argparse.Namespace, step_limits: tuple[int, int]) -> dict[str, Any]:
