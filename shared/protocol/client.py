@@ -696,28 +696,45 @@ def validate_prompt(prompt: Any) -> Prompt:
 # ---------------------------------------------------------------- scheduler -> client
 
 
+# An output item is an array, not a map (a step's frame holds an item per running request,
+# packed and unpacked between two steps): StreamOutput's first _NUM_FIELDS fields in order,
+# then, only where any is set, a map of the optional fields that are.
+_NUM_FIELDS = 7
+_OPTIONAL_OUTPUT_FIELDS = (
+    "prompt_token_ids",
+    "logprobs",
+    "stop_reason",
+    "prompt_logprobs",
+    "embedding",
+)
+
+
 def encode_outputs(outputs: list[StreamOutput]) -> bytes:
     items = []
     for o in outputs:
-        item = {
-            "request_id": o.request_id,
-            "new_token_ids": o.new_token_ids,
-            "text": o.text,
-            "finished": o.finished,
-            "finish_reason": o.finish_reason,
-            "prompt_tokens": o.prompt_tokens,
-            "completion_tokens": o.completion_tokens,
-        }
-        if o.prompt_token_ids is not None:
-            item["prompt_token_ids"] = o.prompt_token_ids
-        if o.logprobs is not None:
-            item["logprobs"] = o.logprobs
-        if o.stop_reason is not None:
-            item["stop_reason"] = o.stop_reason
-        if o.prompt_logprobs is not None:
-            item["prompt_logprobs"] = o.prompt_logprobs
-        if o.embedding is not None:
-            item["embedding"] = o.embedding
+        item: list[Any] = [
+            o.request_id,
+            o.new_token_ids,
+            o.text,
+            o.finished,
+            o.finish_reason,
+            o.prompt_tokens,
+            o.completion_tokens,
+        ]
+        if (
+            o.prompt_token_ids is not None
+            or o.logprobs is not None
+            or o.stop_reason is not None
+            or o.prompt_logprobs is not None
+            or o.embedding is not None
+        ):
+            item.append(
+                {
+                    name: value
+                    for name in _OPTIONAL_OUTPUT_FIELDS
+                    if (value := getattr(o, name)) is not None
+                }
+            )
         items.append(item)
     return _pack("outputs", {"items": items})
 
@@ -746,7 +763,18 @@ def decode_server_message(frame: bytes) -> ServerMessage:
     try:
         type_ = data["type"]
         if type_ == "outputs":
-            return [StreamOutput(**item) for item in data["items"]]
+            # Items changed shape in version 2 (the replies did not: a server of another
+            # version still has its error read, "unsupported protocol version").
+            try:
+                check_version(data.get("v"), "outputs")
+            except ProtocolError as exc:
+                raise ClientProtocolError(UNSUPPORTED_VERSION, str(exc)) from None
+            return [
+                StreamOutput(*item)
+                if len(item) == _NUM_FIELDS
+                else StreamOutput(*item[:_NUM_FIELDS], **item[_NUM_FIELDS])
+                for item in data["items"]
+            ]
         if type_ == "error":
             return ErrorReply(data["request_id"], data["message"], data["code"])
         if type_ == "health":

@@ -11,7 +11,7 @@ CHAT = [{"role": "user", "content": "a"}]
 
 
 def frame(**fields) -> bytes:
-    return msgpack.packb({"v": 1, **fields})
+    return msgpack.packb({"v": client_protocol.PROTOCOL_VERSION, **fields})
 
 
 def test_round_trip_of_every_client_message():
@@ -73,8 +73,27 @@ def test_round_trip_of_server_messages():
             0,
             logprobs={"token_ids": [[1, 2]], "logprobs": [[-0.1, -2.0]]},
         ),
+        client_protocol.StreamOutput("c", [9], " x", False, None, 4, 3),
+        client_protocol.StreamOutput(
+            "d",
+            [4],
+            "",
+            True,
+            "stop",
+            2,
+            1,
+            [1, 2],
+            {"token_ids": [[4]], "logprobs": [[-0.5]], "tokens": [["y"]]},
+            "</s>",
+            {"token_ids": [[1], [2]], "logprobs": [[None], [-1.0]]},
+            b"\x00\x00\x80?",
+        ),
     ]
     assert client_protocol.decode_server_message(client_protocol.encode_outputs(outs)) == outs
+    # A frame of another protocol version is refused as such, not misread.
+    old = msgpack.packb({"v": 1, "type": "outputs", "items": [{"request_id": "a"}]})
+    with pytest.raises(client_protocol.ClientProtocolError, match="version 1"):
+        client_protocol.decode_server_message(old)
     for msg in (
         client_protocol.ErrorReply(None, "bad", client_protocol.MALFORMED_MESSAGE),
         client_protocol.HealthReply("h", {"status": "ok"}),

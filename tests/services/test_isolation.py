@@ -140,7 +140,7 @@ def _answer(sock: zmq.Socket, timeout_s: float = 60.0):
 def _generate(request_id: str, prompt: object, **sampling_params: object) -> bytes:
     return msgpack.packb(
         {
-            "v": 1,
+            "v": client_protocol.PROTOCOL_VERSION,
             "type": "generate",
             "request_id": request_id,
             "prompt": prompt,
@@ -164,20 +164,71 @@ GARBAGE = [
     [msgpack.packb(None)],
     [msgpack.packb([1, 2, 3])],
     [msgpack.packb("generate")],
-    [msgpack.packb({"v": 1, "type": [1], "request_id": "x"})],  # used to stop the scheduler
-    [msgpack.packb({"v": 1, "type": {"generate": 1}, "request_id": "x"})],
-    [msgpack.packb({"v": 1, "type": [1]})],
-    [msgpack.packb({"v": True, "type": "health", "request_id": "x"})],
-    [msgpack.packb({"v": 1.0, "type": "health", "request_id": "x"})],
-    [msgpack.packb({"v": 2**64 - 1, "type": "health", "request_id": "x"})],
-    [msgpack.packb({"v": 1, "type": "health", "request_id": {"a": [1]}})],
-    [msgpack.packb({"v": 1, "type": "health", "request_id": "x", "stream_ids": [[1], {}]})],
-    [msgpack.packb({b"v": 1, b"type": b"health"}, use_bin_type=True)],
-    [msgpack.packb({"v": 1, "type": "generate", "request_id": "x", "prompt": _nested(60)})],
-    [msgpack.packb({"v": 1, "type": "generate", "request_id": "x", "prompt": [{"role": []}]})],
+    [
+        msgpack.packb({"v": client_protocol.PROTOCOL_VERSION, "type": [1], "request_id": "x"})
+    ],  # used to stop the scheduler
     [
         msgpack.packb(
-            {"v": 1, "type": "generate", "request_id": "x", "prompt": [1], "sampling_params": [2]}
+            {"v": client_protocol.PROTOCOL_VERSION, "type": {"generate": 1}, "request_id": "x"}
+        )
+    ],
+    [msgpack.packb({"v": client_protocol.PROTOCOL_VERSION, "type": [1]})],
+    [msgpack.packb({"v": True, "type": "health", "request_id": "x"})],
+    [
+        msgpack.packb(
+            {"v": float(client_protocol.PROTOCOL_VERSION), "type": "health", "request_id": "x"}
+        )
+    ],
+    [msgpack.packb({"v": 2**64 - 1, "type": "health", "request_id": "x"})],
+    [
+        msgpack.packb(
+            {"v": client_protocol.PROTOCOL_VERSION, "type": "health", "request_id": {"a": [1]}}
+        )
+    ],
+    [
+        msgpack.packb(
+            {
+                "v": client_protocol.PROTOCOL_VERSION,
+                "type": "health",
+                "request_id": "x",
+                "stream_ids": [[1], {}],
+            }
+        )
+    ],
+    [
+        msgpack.packb(
+            {b"v": client_protocol.PROTOCOL_VERSION, b"type": b"health"}, use_bin_type=True
+        )
+    ],
+    [
+        msgpack.packb(
+            {
+                "v": client_protocol.PROTOCOL_VERSION,
+                "type": "generate",
+                "request_id": "x",
+                "prompt": _nested(60),
+            }
+        )
+    ],
+    [
+        msgpack.packb(
+            {
+                "v": client_protocol.PROTOCOL_VERSION,
+                "type": "generate",
+                "request_id": "x",
+                "prompt": [{"role": []}],
+            }
+        )
+    ],
+    [
+        msgpack.packb(
+            {
+                "v": client_protocol.PROTOCOL_VERSION,
+                "type": "generate",
+                "request_id": "x",
+                "prompt": [1],
+                "sampling_params": [2],
+            }
         )
     ],
     [_generate("x", [-1])],
@@ -187,7 +238,10 @@ GARBAGE = [
     [_generate("x", "hi", stop=[""], stop_token_ids="ab")],
     [b"\x91" * 3000 + b"\xc0"],  # nested deeper than msgpack unpacks
     [b"\xdd\xff\xff\xff\xff"],  # an array that claims 4 billion elements
-    [msgpack.packb({"v": 1, "type": "health", "request_id": "x"}), b"second part"],
+    [
+        msgpack.packb({"v": client_protocol.PROTOCOL_VERSION, "type": "health", "request_id": "x"}),
+        b"second part",
+    ],
     [b"a", b"b", b"c"],
 ]
 
@@ -227,7 +281,7 @@ _SAMPLING_FIELDS = [*SamplingParams().to_dict(), "warp"]
 _MESSAGES = st.fixed_dictionaries(
     {},
     optional={
-        "v": st.just(1) | _JUNK,
+        "v": st.just(client_protocol.PROTOCOL_VERSION) | _JUNK,
         "type": st.sampled_from(["generate", "abort", "health", "model_info"]) | _JUNK,
         "request_id": st.text(max_size=8) | _JUNK,
         "prompt": st.text(max_size=8) | st.lists(st.integers(-5, 2**40), max_size=4) | _JUNK,
@@ -298,7 +352,16 @@ async def test_poison_requests_are_refused_at_the_door_and_fail_no_one(server, r
             firsts = [await anext(v) for v in victims]  # every victim is in flight
             for fields, words in POISON:
                 message = {"request_id": "poison", "prompt": [1, 2, 3], "sampling_params": {}}
-                await sock.send(msgpack.packb({"v": 1, "type": "generate", **message, **fields}))
+                await sock.send(
+                    msgpack.packb(
+                        {
+                            "v": client_protocol.PROTOCOL_VERSION,
+                            "type": "generate",
+                            **message,
+                            **fields,
+                        }
+                    )
+                )
                 reply = client_protocol.decode_server_message(
                     await asyncio.wait_for(sock.recv(), 60)
                 )

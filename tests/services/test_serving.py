@@ -253,7 +253,7 @@ async def test_vanished_client_frees_its_blocks(server):
 
 def generate_frame(**fields) -> bytes:
     body = {
-        "v": 1,
+        "v": client_protocol.PROTOCOL_VERSION,
         "type": "generate",
         "request_id": "bad",
         "prompt": "hi",
@@ -267,7 +267,11 @@ BAD_FRAMES = [
     ([b"\xc1garbage"], client_protocol.MALFORMED_MESSAGE, "msgpack"),
     ([b"a", b"b"], client_protocol.MALFORMED_MESSAGE, "one frame"),
     (
-        [msgpack.packb({"v": 1, "type": "launch", "request_id": "bad"})],
+        [
+            msgpack.packb(
+                {"v": client_protocol.PROTOCOL_VERSION, "type": "launch", "request_id": "bad"}
+            )
+        ],
         client_protocol.UNKNOWN_MESSAGE_TYPE,
         "launch",
     ),
