@@ -112,6 +112,13 @@ async def run() -> None:
         default=True,
         help="freeze the start-up heap before the timed steps, as the serving processes do",
     )
+    parser.add_argument(
+        "--detokenize",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the requests' SamplingParams.detokenize (off: no text is published, as vLLM's "
+        "throughput benchmark's --disable-detokenize)",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -178,7 +185,9 @@ async def run() -> None:
     frontend.core = core
     receiving = asyncio.create_task(frontend.run())
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True, detokenize=args.detokenize
+    )
     for i in range(n):
         prompt = [rng.randrange(3, runner.config.vocab_size) for _ in range(32)]
         request = client_protocol.GenerateRequest(f"r{i}", prompt, params)
@@ -209,7 +218,8 @@ async def run() -> None:
         assert await step() == n, "not all decoding"
     collections.stop()
     core.abandon_next()
-    print(f"{n} running decodes, {args.steps} steps, {args.layers}-layer model on the CPU\n")
+    text = "" if args.detokenize else ", no detokenization"
+    print(f"{n} running decodes, {args.steps} steps, {args.layers}-layer model on the CPU{text}\n")
     print("| part | ms per step |\n|---|---:|")
     for label, key in PARTS:
         print(f"| {label} | {timers.seconds[key] / args.steps * 1e3:.3f} |")

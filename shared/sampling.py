@@ -66,7 +66,8 @@ class SamplingParams:
     EOS (unless ``ignore_eos``) are matched by the scheduler. No stop applies before
     ``min_tokens`` outputs; the text of what stopped a request (a stop string, a stop token)
     is left out unless ``include_stop_str_in_output``, and special tokens' text unless
-    ``skip_special_tokens`` is False (vLLM's). ``logprobs=n`` returns the sampled token's logprob and the
+    ``skip_special_tokens`` is False (vLLM's); ``detokenize=False`` (vLLM's) returns token ids
+    and no text, and takes no stop strings. ``logprobs=n`` returns the sampled token's logprob and the
     top-n alternatives per output token (``None`` = no logprobs); ``prompt_logprobs=n`` the
     same for each prompt token after the first (vLLM's: the prompt is computed in full, never
     read from the prefix cache). ``truncate_prompt_tokens=k`` keeps the prompt's last ``k``
@@ -104,6 +105,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
     structured_output: dict[str, Any] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -157,9 +159,16 @@ class SamplingParams:
             _int("stop_token_ids", token_id, 0)
         # Each id once: the executor bans these (before min_tokens) on every step.
         put(self, "stop_token_ids", tuple(dict.fromkeys(ids)))
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+        ):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if stop and not self.detokenize:
+            raise ValueError("stop strings are matched in the text: they need detokenize=True")
         _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -241,6 +250,7 @@ class SamplingParams:
             "prompt_logprobs": self.prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "detokenize": self.detokenize,
             "structured_output": self.structured_output,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,

@@ -287,6 +287,13 @@ _PROMPT_CONTEXT_TOKENS = 6
 _INVALID_PREFIX = "Invalid prefix"
 
 
+class NoText:
+    """The detokenizer of a request that asked for none (``detokenize=False``): no text."""
+
+    def add(self, new_token_ids: Sequence[int]) -> str:
+        return ""
+
+
 class IncrementalDetokenizer:
     """Text deltas for streamed token ids, holding back an incomplete UTF-8 character until it completes.
 

@@ -87,6 +87,7 @@ def test_bench_throughput_against_both_baselines(tiny_model_dir: Path, tmp_path:
             "fp8",
             "--speculative-config",
             '{"method": "ngram", "num_speculative_tokens": 2}',
+            "--disable-detokenize",
             "--output-json",
             str(result_path),
             "--markdown",
@@ -110,6 +111,7 @@ def test_bench_throughput_against_both_baselines(tiny_model_dir: Path, tmp_path:
         assert e["requests_per_s"] > 0 and e["output_tokens_per_s"] > 0
         assert e["total_tokens_per_s"] > e["output_tokens_per_s"]
     assert "kv_cache_dtype=fp8" in engines["weir"]["notes"]
+    assert "no detokenization" in engines["weir"]["notes"]
     # Read from the executor's metrics (a CPU has no Triton kernels to compile).
     assert any("compiled during the timed run: 0 " in note for note in result["notes"])
     assert '"method": "ngram"' in engines["weir"]["notes"]

@@ -111,6 +111,12 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--no-weir", action="store_true", help="measure only the baselines")
     g.add_argument(
+        "--disable-detokenize",
+        action="store_true",
+        help="vLLM's: Weir returns token ids without text (SamplingParams.detokenize=False), as "
+        "the Hugging Face baselines do",
+    )
+    g.add_argument(
         "--hf-batch-size",
         type=positive_int,
         default=16,
@@ -221,6 +227,7 @@ def run_weir(
     dtype: str,
     threads: int | None,
     engine_options: dict[str, Any],
+    detokenize: bool = True,
 ) -> tuple[EngineRun, float]:
     """Weir's run, and the Triton kernel variants its executors compiled during it."""
     from weir.services.llm import LLM
@@ -231,7 +238,9 @@ def run_weir(
             [list(WARMUP_PROMPT)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         )
         params = [
-            SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            SamplingParams(
+                max_tokens=r.output_len, temperature=0.0, ignore_eos=True, detokenize=detokenize
+            )
             for r in requests
         ]
         compiled_before = _kernel_compiles(llm.server_info)
@@ -242,6 +251,8 @@ def run_weir(
     options = ", ".join(
         f"{k}={v}" for k, v in {**engine_options, "threads": threads or "default"}.items()
     )
+    if not detokenize:
+        options += ", no detokenization"
     run = EngineRun.from_outputs(
         "weir", requests, [len(c.token_ids) for c in completions], wall, f"LLM.generate, {options}"
     )
@@ -369,7 +380,12 @@ def run_throughput(args: argparse.Namespace) -> int:
     if not args.no_weir:
         _status(f"running weir on {len(requests)} requests")
         run, compiled = run_weir(
-            requests, model_dir, args.dtype, args.threads, _engine_options(args, step_limits)
+            requests,
+            model_dir,
+            args.dtype,
+            args.threads,
+            _engine_options(args, step_limits),
+            detokenize=not args.disable_detokenize,
         )
         runs.append(run)
     if baselines:

@@ -43,7 +43,7 @@ from weir.shared.pooling import PoolerConfig, PoolingParams
 from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol.step import WAKE_TAGS, SampleLogprobs
 from weir.shared.sampling import MAX_BAD_WORD_TOKENS, SamplingParams
-from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from weir.shared.tokenizer import IncrementalDetokenizer, NoText, Tokenizer
 from weir.shared.zmq_send import send_now
 
 _log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class _Stream:
     identity: bytes
     params: SamplingParams
     prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoText
     arrival_time: float
     # Text not yet sent: what is withheld while it could still begin a stop string. The
     # text sent before is not kept (appending to the whole text copied it every token).
@@ -656,7 +656,9 @@ class ClientFrontend:
             prompt_ids,
             IncrementalDetokenizer(
                 self.tokenizer, prompt_ids, msg.sampling_params.skip_special_tokens
-            ),
+            )
+            if msg.sampling_params.detokenize
+            else NoText(),
             now,
         )
         if msg.sampling_params.stop:

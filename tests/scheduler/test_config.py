@@ -106,6 +106,8 @@ def test_cache_config_requires_num_blocks():
         ({"logit_bias": [[5, 1.0], [5, 2.0]]}, "logit_bias: token id 5 is given twice"),
         ({"logit_bias": "5"}, "logit_bias"),
         ({"skip_special_tokens": 1}, "skip_special_tokens"),
+        ({"detokenize": None}, "detokenize"),
+        ({"detokenize": False, "stop": ["x"]}, "stop strings .* need detokenize=True"),
         ({"structured_output": {"xml": "<a/>"}}, "structured_output"),
         ({"structured_output": {"choice": []}}, "structured_output.choice"),
         ({"structured_output": {"json_object": False}}, "structured_output.json_object"),
@@ -156,6 +158,8 @@ def test_sampling_params_normalises_and_round_trips():
     assert as_dict["stop"] == ["END"] and as_dict["stop_token_ids"] == [2, 3]
     assert SamplingParams.from_dict(as_dict) == params
     assert SamplingParams.from_dict({}) == SamplingParams()
+    quiet = SamplingParams(detokenize=False)
+    assert SamplingParams.from_dict(quiet.to_dict()) == quiet != SamplingParams()
     # Each stop id once: the executor bans them on every step before min_tokens.
     assert SamplingParams(stop_token_ids=[7, 2, 7, 2, 9] * 1000).stop_token_ids == (7, 2, 9)
     with pytest.raises(ValueError, match="unknown sampling parameter"):

@@ -26,6 +26,9 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
         pids = [llm.server_info["pid"]] + [e["pid"] for e in llm.server_info["executors"]]
         completions = llm.generate(prompts, params)
         [single] = llm.generate("Hello there", params[0])
+        [quiet] = llm.generate(
+            prompts[2], SamplingParams(**{**params[2].to_dict(), "detokenize": False})
+        )
         with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
             llm.generate(prompts, params[:2])
         # One bad prompt fails the call and aborts the others (they would run to the
@@ -50,6 +53,8 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
         assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
         assert c.finish_reason == "length" and c.request_id
     assert single.token_ids == completions[0].token_ids
+    # vLLM's detokenize=False: the same tokens, no text.
+    assert quiet.token_ids == completions[2].token_ids and completions[2].text and not quiet.text
 
 
 def test_an_llm_dropped_without_close_stops_its_processes(tiny_model_dir):

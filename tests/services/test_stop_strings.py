@@ -34,13 +34,19 @@ from weir.shared.tokenizer import IncrementalDetokenizer, Tokenizer
 CASES = 150
 
 
-def _case(rng: random.Random, tokenizer: Tokenizer, vocab: int) -> dict:
+def _chunks(rng: random.Random, vocab: int) -> tuple[list[int], list[list[int]]]:
+    """A prompt, and output tokens in steps of one to three."""
     prompt = [rng.randrange(200, vocab) for _ in range(6)]
     ids = [rng.randrange(200, vocab) for _ in range(rng.randint(1, 24))]
     chunks, i = [], 0
     while i < len(ids):
         chunks.append(ids[i : i + rng.randint(1, 3)])
         i += len(chunks[-1])
+    return prompt, chunks
+
+
+def _case(rng: random.Random, tokenizer: Tokenizer, vocab: int) -> dict:
+    prompt, chunks = _chunks(rng, vocab)
     detokenizer = IncrementalDetokenizer(tokenizer, prompt)
     text = "".join(detokenizer.add(chunk) for chunk in chunks)
     stops = []
@@ -53,7 +59,16 @@ def _case(rng: random.Random, tokenizer: Tokenizer, vocab: int) -> dict:
     if rng.random() < 0.3:
         stops.append("zq#" * 40)  # never matches, and holds all the text back
     min_tokens = rng.choice([0, 0, 0, rng.randint(1, 6)])
-    return {"prompt": prompt, "chunks": chunks, "stops": stops, "min_tokens": min_tokens}
+    params = SamplingParams(
+        max_tokens=32, stop=tuple(stops), ignore_eos=True, min_tokens=min_tokens, logprobs=0
+    )
+    return {
+        "prompt": prompt,
+        "chunks": chunks,
+        "stops": stops,
+        "min_tokens": min_tokens,
+        "params": params,
+    }
 
 
 def _reference(tokenizer: Tokenizer, case: dict) -> tuple[str, str, int]:
@@ -89,14 +104,7 @@ async def _published(tokenizer: Tokenizer, cases: list[dict], steps_per_publish:
     frontend = frontend_over(server, tokenizer, scheduler, "stops")
     receiving = asyncio.create_task(frontend.run())
     for i, case in enumerate(cases):
-        params = SamplingParams(
-            max_tokens=32,
-            stop=tuple(case["stops"]),
-            ignore_eos=True,
-            min_tokens=case["min_tokens"],
-            logprobs=0,
-        )
-        request = client_protocol.GenerateRequest(f"r{i}", case["prompt"], params)
+        request = client_protocol.GenerateRequest(f"r{i}", case["prompt"], case["params"])
         await client.send(client_protocol.encode_client_message(request))
     while len(frontend.streams) < len(cases):
         await asyncio.sleep(0.01)
@@ -109,7 +117,9 @@ async def _published(tokenizer: Tokenizer, cases: list[dict], steps_per_publish:
             if step < len(case["chunks"]) and f"r{i}" in frontend.streams:
                 last = step == len(case["chunks"]) - 1
                 chunk = case["chunks"][step]
-                rows = SampleLogprobs([[t] for t in chunk], [[-1.0] for _ in chunk])
+                rows = None
+                if case["params"].logprobs is not None:
+                    rows = SampleLogprobs([[t] for t in chunk], [[-1.0] for _ in chunk])
                 outputs.append(
                     EngineOutput(f"r{i}", chunk, last, "length" if last else None, logprobs=rows)
                 )
@@ -154,6 +164,40 @@ def test_published_text_ends_where_the_whole_text_first_holds_a_stop(
             assert not any(stop in o.text for o in outs for stop in case["stops"])
     assert CASES // 2 < stopped < CASES  # both endings are exercised
     assert protected  # some stop strings were ignored in the first min_tokens tokens' text
+
+
+@pytest.mark.parametrize("steps_per_publish", [1, 3])
+def test_streams_without_stop_strings_get_every_token_and_its_text(
+    default_model_dir, steps_per_publish
+) -> None:
+    """Most outputs skip the stop-string path (no text held back, none looked for): the text
+    must still be the reference detokenizer's, and none at all with detokenize=False (vLLM's);
+    the prompt's ids come with the first output only; with or without logprobs."""
+    tokenizer = Tokenizer.from_model_dir(default_model_dir)
+    rng = random.Random(11)
+    cases = []
+    for i in range(60):
+        prompt, chunks = _chunks(rng, tokenizer.vocab_size)
+        params = SamplingParams(
+            max_tokens=32,
+            ignore_eos=True,
+            detokenize=i % 3 != 0,
+            logprobs=0 if i % 4 == 1 else None,
+        )
+        cases.append({"prompt": prompt, "chunks": chunks, "params": params})
+    received = asyncio.run(_published(tokenizer, cases, steps_per_publish))
+    for case, outs in zip(cases, received):
+        ids = [t for chunk in case["chunks"] for t in chunk]
+        detokenizer = IncrementalDetokenizer(tokenizer, case["prompt"])
+        text = "".join(detokenizer.add([t]) for t in ids) if case["params"].detokenize else ""
+        assert "".join(o.text for o in outs) == text, (case, outs)
+        assert [t for o in outs for t in o.new_token_ids] == ids
+        assert [o.prompt_token_ids for o in outs] == [case["prompt"]] + [None] * (len(outs) - 1)
+        assert [o.completion_tokens for o in outs][-1] == len(ids)
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True], outs
+        assert outs[-1].finish_reason == "length"
+        assert (outs[0].logprobs is not None) == (case["params"].logprobs is not None)
+    assert any("".join(o.text for o in outs) for outs in received)
 
 
 def test_each_token_looks_for_stop_strings_in_its_own_text_only(
