@@ -20,7 +20,9 @@ whose decode launch the rule never splits) at every split-KV segment count (1, 2
 and prints them beside the count the rule picks.
 --sweep-tiles also times each batch's default launches with other tile constants
 (TILE_ALTERNATIVES: the 3 software-pipelining stages the kernels ran until 2026-12-04, decode
-tiles of 32 keys), in a CUDA graph unless --no-graphs.
+tiles of 32 keys, prefill tiles of 128 keys or of 64 rows), in a CUDA graph unless --no-graphs;
+one that this GPU's Triton cannot compile, or that computes another result, is said and not
+timed.
 With an fp8 cache (K/V one byte a value, read as such; SDPA reads widened dense copies) the
 table is printed only. Needs a CUDA GPU; elsewhere it exits with status 2.
 """
@@ -103,11 +105,56 @@ def decode_keys_32(plan: "LaunchPlan") -> "LaunchPlan | None":
     )
 
 
+def prefill_keys_128(plan: "LaunchPlan") -> "LaunchPlan | None":
+    """Prefill tiles of 128 keys (FlashAttention's 128 x 128 on Hopper). Compiled for sm_90
+    with Triton 3.8 (2026-12-05): no spills, 4 copy groups in flight; 236 registers and 231,424
+    B of shared memory at head_dim 128 (just inside the 232,448 a block may take), 202 and
+    116,736 at 64."""
+    if plan.prefill is None or plan.prefill.tile_n == 128:
+        return None
+    return replace(plan, prefill=replace(plan.prefill, tile_n=128))
+
+
+def prefill_rows_64(plan: "LaunchPlan") -> "LaunchPlan | None":
+    """Prefill tiles of 64 rows and 4 warps (one warpgroup): twice the programs, finer causal
+    skipping. sm_90, Triton 3.8: 190 registers and 115,712 B at head_dim 128, 134 and 58,368
+    at 64, no spills, 4 copy groups in flight."""
+    if plan.prefill is None or plan.prefill.block_m == 64:
+        return None
+    return replace(plan, prefill=replace(plan.prefill, block_m=64, num_warps=4))
+
+
 # --sweep-tiles: other tile constants for a batch's default plan (None where one does not apply).
 TILE_ALTERNATIVES: dict[str, Callable[["LaunchPlan"], "LaunchPlan | None"]] = {
     "3 stages (before)": stages_before,
     "decode 32 keys": decode_keys_32,
+    "prefill 128 keys": prefill_keys_128,
+    "prefill 64 rows, 4 warps": prefill_rows_64,
 }
+
+
+def alternative_us(
+    label: str,
+    call: Callable[[], None],
+    timer: Callable[[Callable[[], None]], float],
+    out: torch.Tensor,
+    default_out: torch.Tensor,
+) -> float | None:
+    """µs of an alternative's launches, or None (said why) where this GPU's Triton does not
+    compile them or they compute another result than the default's (into ``out``)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        ms = timer(call)
+    except (CompilationError, OutOfResources) as exc:
+        print(f"{label}: not timed ({type(exc).__name__}: {str(exc)[:200]})")
+        return None
+    diff = (out.float() - default_out.float()).abs().max().item()
+    if not diff <= 2e-2:
+        print(f"{label}: not timed (its output differs from the default's by {diff:.3g})")
+        return None
+    return 1e3 * ms
 
 
 def mixed_batches() -> list[Batch]:
@@ -303,13 +350,21 @@ def run_batch(batch: Batch, args: argparse.Namespace, gen: torch.Generator) -> R
     tiles_us = None
     if args.sweep_tiles:
         timer = triton.testing.do_bench if args.no_graphs else graph_time_ms
+        triton_call(None)
+        default_out = out.clone()
         tiles_us = {}
         for name, alternative in TILE_ALTERNATIVES.items():
             other = alternative(plan)
             tiles_us[name] = (
                 None
                 if other is None
-                else 1e3 * timer(lambda other=other: triton_call(None, plan=other))
+                else alternative_us(
+                    f"{batch.name}, {name}",
+                    lambda other=other: triton_call(None, plan=other),
+                    timer,
+                    out,
+                    default_out,
+                )
             )
     triton_call(None)
 

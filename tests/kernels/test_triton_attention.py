@@ -365,27 +365,38 @@ def test_padding_requests_and_preallocated_output(split_kv):
     assert_close(out[: step.num_real_tokens].cpu(), reference_output(step))
 
 
-def test_a_plan_given_launches_its_tiles():
+@pytest.mark.parametrize(
+    ("launch", "tile"),
+    [
+        ("decode", {"tile_n": 32}),
+        ("prefill", {"tile_n": 128}),
+        ("prefill", {"block_m": 64, "num_warps": 4}),
+    ],
+    ids=["decode 32 keys", "prefill 128 keys", "prefill 64 rows"],
+)
+def test_a_plan_given_launches_its_tiles(launch, tile):
     # As benchmarks/attention.py --sweep-tiles does: plan_for's plan with other tile constants.
     from dataclasses import replace
 
-    step = make_step([(30, 40), (20, 1), (45, 1)], num_heads=8, num_kv_heads=2)
+    step = make_step([(30, 40), (20, 1), (45, 1), (0, 150)], num_heads=8, num_kv_heads=2)
     device_step = on_device(step)
-    planned = triton_attention.plan_for(device_step.query, device_step.kv_cache, 3)
-    other = replace(planned, decode=replace(planned.decode, tile_n=32))
+    planned = triton_attention.plan_for(device_step.query, device_step.kv_cache, 4)
+    assert planned.prefill is not None
+    other = replace(planned, **{launch: replace(getattr(planned, launch), **tile)})
     calls: list[dict] = []
-    launch = triton_attention._decode_attention_kernel.run
+    kernel = getattr(triton_attention, f"_{launch}_attention_kernel")
+    run = kernel.run
 
     def recording_run(*args, **kwargs):
         calls.append(kwargs)
-        return launch(*args, **kwargs)
+        return run(*args, **kwargs)
 
-    triton_attention._decode_attention_kernel.run = recording_run
+    kernel.run = recording_run
     try:
         actual = triton_output(step, plan=other)
     finally:
-        triton_attention._decode_attention_kernel.run = launch
-    assert [c["TILE_N"] for c in calls] == [32]
+        kernel.run = run
+    assert [{k: c[k.upper()] if k != "num_warps" else c[k] for k in tile} for c in calls] == [tile]
     assert_close(actual, reference_output(step))
 
 
