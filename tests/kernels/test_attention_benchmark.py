@@ -132,7 +132,7 @@ def test_floors_are_judged_on_calls_launched_and_replayed_from_graphs():
     assert table[3].endswith("| 20.0 | 0.0 | 16.0 |")
 
 
-def test_tile_sweep_times_the_stages_before_and_32_key_decode_tiles():
+def test_tile_sweep_times_the_stages_before_and_other_tiles():
     bench = load_benchmark()
     from weir.kernels import triton_attention as ta
 
@@ -149,8 +149,35 @@ def test_tile_sweep_times_the_stages_before_and_32_key_decode_tiles():
     assert before.decode.tile_n == mixed.decode.tile_n and before.decode_grid == mixed.decode_grid
     assert bench.decode_keys_32(mixed).decode.tile_n == 32
     assert bench.decode_keys_32(hopper_plan(32, 32, 1, fp8=True)) is None  # already 32 keys
+    wide = bench.prefill_keys_128(mixed)
+    assert (wide.prefill.tile_n, wide.prefill.block_m, wide.decode) == (128, 128, mixed.decode)
+    narrow = bench.prefill_rows_64(mixed)
+    assert (narrow.prefill.block_m, narrow.prefill.num_warps, narrow.prefill.tile_n) == (64, 4, 64)
+    decodes = hopper_plan(32, 32, 1)
+    assert decodes.prefill is None
+    assert bench.prefill_keys_128(decodes) is None and bench.prefill_rows_64(decodes) is None
     decode = bench.Batch("decode 32 x 4096", [(4095, 1)] * 32)
     swept = bench.Result(decode, 0.2, None, 0.2, 4, None, None, 0, None, None, 0.15, None,
                          {"3 stages (before)": 161.0, "decode 32 keys": None})  # fmt: skip
-    assert bench.tiles_table([swept])[2] == "| decode 32 x 4096 | 150.0 | 161.0 | – |"
+    assert bench.tiles_table([swept])[2] == "| decode 32 x 4096 | 150.0 | 161.0 | – | – | – |"
     assert bench.tiles_table([bench.Result(decode, 0.2, None, 0.2, 4, None, None, 0, None)]) == []
+
+
+def test_a_tile_alternative_that_fails_or_computes_otherwise_is_not_timed(capsys):
+    bench = load_benchmark()
+    from triton.runtime.errors import OutOfResources
+
+    default_out = torch.ones(4, 2)
+    out = default_out.clone()
+
+    def out_of_shared_memory(call):
+        raise OutOfResources(232448, 227328, "shared memory")
+
+    args = ("prefill 4k, prefill 128 keys", lambda: None)
+    assert bench.alternative_us(*args, out_of_shared_memory, out, default_out) is None
+    assert bench.alternative_us(*args, lambda call: 0.25, out, default_out) == 250.0
+    out[1, 1] = 1.5
+    assert bench.alternative_us(*args, lambda call: 0.25, out, default_out) is None
+    said = capsys.readouterr().out
+    assert "prefill 128 keys: not timed (OutOfResources" in said
+    assert "differs from the default's by 0.5" in said
