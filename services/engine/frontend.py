@@ -86,8 +86,6 @@ class _Stream:
     # No stop string may end within unsent[:stop_after]: the first min_tokens tokens' text.
     stop_after: int = 0
     pooling: PoolingParams | None = None  # an embedding request's options
-    # No stop strings and no pooling: its text is never held back (see _stream_output).
-    plain: bool = False
 
 
 @dataclass(slots=True)
@@ -664,7 +662,6 @@ class ClientFrontend:
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
         stream.pooling = msg.pooling_params
-        stream.plain = not msg.sampling_params.stop and msg.pooling_params is None
         try:
             request = self._new_request(rid, prompt_ids, msg, now)
             request.grammar = grammar
@@ -1150,14 +1147,15 @@ class ClientFrontend:
         """Detokenize, apply stop strings, and build the client's output for one request."""
         new_ids = out.new_token_ids
         if (
-            stream.plain
-            and stream.sent_prompt_ids
+            stream.sent_prompt_ids
             and not out.finished
             and out.logprobs is None
             and out.prompt_logprobs is None
+            and not stream.params.stop
         ):
-            # Most outputs of a decode step: nothing to hold back, look for or add, so the
-            # text is the tokens' (publishing costs per request on the loop between steps).
+            # Most outputs of a decode step: no stop string, so nothing to hold back, look for
+            # or add, and the text is the tokens' (publishing costs per request on the loop
+            # between steps).
             stream.num_output_tokens += len(new_ids)
             return client_protocol.StreamOutput(
                 stream.request_id,

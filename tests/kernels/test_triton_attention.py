@@ -396,7 +396,10 @@ def test_a_plan_given_launches_its_tiles(launch, tile):
         actual = triton_output(step, plan=other)
     finally:
         kernel.run = run
-    assert [{k: c[k.upper()] if k != "num_warps" else c[k] for k in tile} for c in calls] == [tile]
+    launched = getattr(other, launch)
+    assert [(c["BLOCK_M"], c["TILE_N"], c["num_warps"]) for c in calls] == [
+        (launched.block_m, launched.tile_n, launched.num_warps)
+    ]
     assert_close(actual, reference_output(step))
 
 
