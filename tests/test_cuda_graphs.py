@@ -43,10 +43,14 @@ def test_capture_sizes_are_capped_by_the_step_limits():
     assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-2:] == [248, 256]
     # Every step of 8 requests or more pads by at most 7.
     assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
-    assert capture_sizes(1024, 2048, 1)[-3:] == [480, 496, 512]
+    # Past 256, every 16 requests up to 512, then every 32 up to vLLM's H200 limit of 1,024.
+    wide = capture_sizes(1024, 2048, 1)
+    assert wide[wide.index(256) :][:3] == [256, 272, 288] and wide[-3:] == [960, 992, 1024]
+    assert [b - a for a, b in zip(wide, wide[1:])][-17:] == [16] + [32] * 16
     assert capture_sizes(256, 100, 1)[-1] == 96
     assert capture_sizes(16, 2048, 1) == [1, 2, 4, 8, 16]
-    assert capture_sizes(256, 2048, 4)[-1] == 128  # 512 tokens at most
+    assert capture_sizes(256, 2048, 4)[-1] == 256  # 1,024 tokens at most
+    assert capture_sizes(256, 512, 4)[-1] == 128
 
 
 def test_mixed_sizes_reach_the_step_budget():
@@ -62,6 +66,10 @@ def test_mixed_sizes_reach_the_step_budget():
         GraphShape(16, n, n, mixed=True) for n in (128, 256, 300)
     ]
     assert all(s.num_logits == 16 for s in shapes if s.mixed)
+    # A step of P tokens holds at most P requests: smaller mixed shapes need no more slots.
+    assert [(s.num_reqs, s.num_tokens) for s in graph_shapes(256, 1024, (1,)) if s.mixed] == [
+        (128, 128), (256, 256), (256, 512), (256, 768), (256, 1024)
+    ]  # fmt: skip
 
 
 def test_a_step_pads_to_the_smallest_shape_that_holds_it():
@@ -179,14 +187,17 @@ def random_prompts(seed: int, vocab: int) -> dict[str, list[int]]:
 
 
 def test_padded_steps_give_the_eager_tokens_on_cpu(default_model_dir):
-    def make_runner() -> ModelRunner:
+    """Also with 160 requests a step allowed, where a mixed step of up to 128 tokens pads to
+    128 request slots (a shape of 128 tokens holds no more requests), not 160."""
+
+    def make_runner(max_num_seqs: int = 16) -> ModelRunner:
         return ModelRunner(
             default_model_dir,
             device="cpu",
             block_size=16,
             kv_cache_memory_bytes=64 << 20,
             max_num_batched_tokens=256,
-            max_num_seqs=16,
+            max_num_seqs=max_num_seqs,
             num_threads=1,
             seed=0,
             num_speculative_tokens=SPEC_LEN - 1,  # graphs' shapes for 1 + 2 tokens too
@@ -197,16 +208,20 @@ def test_padded_steps_give_the_eager_tokens_on_cpu(default_model_dir):
     assert eager.graphs is None  # never on a CPU
     want = run_workload(eager, prompts)
 
-    padded = make_runner()
-    padded.capture_graphs(capture=False)
-    steps = count_padded_steps(padded)
-    graphed = record_graphed(padded)
-    got = run_workload(padded, prompts)
-    assert got == want
-    # Prefills and the mixed step pad to 128 tokens; 5 running -> 8, 3 running -> 4; the
-    # speculative step pads 5 -> 8 too.
-    assert steps == WORKLOAD_SHAPES
-    assert len(graphed) == 13 and not any(graphed)  # nothing captured: no replay
+    for max_num_seqs in (16, 160):
+        padded = make_runner(max_num_seqs)
+        padded.capture_graphs(capture=False)
+        assert padded.graphs is not None
+        mixed_slots = [s.num_reqs for s in padded.graphs.shapes if s.mixed]
+        assert mixed_slots == [min(128, max_num_seqs), min(256, max_num_seqs)]
+        steps = count_padded_steps(padded)
+        graphed = record_graphed(padded)
+        got = run_workload(padded, prompts)
+        assert got == want, max_num_seqs
+        # Prefills and the mixed step pad to 128 tokens; 5 running -> 8, 3 running -> 4; the
+        # speculative step pads 5 -> 8 too.
+        assert steps == WORKLOAD_SHAPES
+        assert len(graphed) == 13 and not any(graphed)  # nothing captured: no replay
     # And both are transformers' greedy tokens on the same weights (drafts never change them).
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_dir, dtype=torch.float32

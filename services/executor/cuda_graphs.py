@@ -20,12 +20,13 @@ addresses and a fixed grid, so:
   0 (any block: they only read it), with slot_mapping -1 so no K/V is written.
 * Mixed shapes: any other step (prefill chunks beside decodes, prefills, unequal query
   lengths) of T tokens runs in the graph of the smallest captured token count P >= T
-  (MIXED_TOKEN_SIZES, up to --max-mixed-graph-tokens), always with max_num_seqs
-  requests. Its P - T padding tokens belong to no request (slot_mapping -1, so the cache
+  (MIXED_TOKEN_SIZES, up to --max-mixed-graph-tokens), with min(P, max_num_seqs)
+  requests (a request has a token in the step, so no step of P tokens has more). Its P - T padding tokens belong to no request (slot_mapping -1, so the cache
   kernel writes nothing, and attention leaves their rows unspecified); the padding
   requests hold no token (their query starts and ends at T), so the attention kernels'
-  programs for them return at once. The hidden states are gathered at the rows
-  `logits_indices` names, max_num_seqs of them (padding rows name row 0).
+  programs for them return at once, but each takes its place on an SM: the fewer, the
+  better. The hidden states are gathered at the rows `logits_indices` names, one per
+  request of the shape (padding rows name row 0).
 * The kernels' launch parameters depend only on shapes and the host-side hints, which are
   the same for every step of a graph: the token and request counts, the block table's row
   stride (the buffer is max_model_len wide) and max_query_len (q for a decode shape; P for
@@ -59,9 +60,12 @@ from weir.shared.config import MAX_MIXED_GRAPH_TOKENS
 
 logger = logging.getLogger(__name__)
 
-# Request counts of the decode shapes (vLLM's): a step pads by at most 7 requests up to 256
-# (powers of two padded the benchmark's decode steps by 24%: benchmarks/step_kinds.py).
-CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+# Request counts of the decode shapes: vLLM's up to 512 (a step pads by at most 7 requests up
+# to 256; powers of two padded the benchmark's decode steps by 24%: benchmarks/step_kinds.py),
+# then every 32 up to the 1,024 requests vLLM's H200 limits allow. vLLM runs larger decodes
+# piecewise; here they would replay a mixed shape, whose prefill launch and max_num_seqs
+# request slots cost them programs that do nothing.
+CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 512, 16), *range(512, 1025, 32))
 # Token counts of the mixed shapes: finer where most mixed steps fall (the scheduler's
 # default budget is 2048 tokens), so a step pads by at most 256 tokens there.
 MIXED_TOKEN_SIZES = (
@@ -116,7 +120,7 @@ def graph_shapes(
         for n in capture_sizes(max_num_seqs, max_num_batched_tokens, q)
     ]
     mixed = [
-        GraphShape(max_num_seqs, n, n, mixed=True)
+        GraphShape(min(n, max_num_seqs), n, n, mixed=True)
         for n in mixed_sizes(max_num_batched_tokens, max_mixed_tokens)
     ]
     return decode + mixed
