@@ -10,8 +10,10 @@ Each step is counted by the CUDA graph shape it replays (`cuda_graphs.StepGraphs
 shape (every request one new token, padded to a captured request count), a mixed shape
 (prefill chunks beside decodes, padded to a captured token count) or none (eager: more
 tokens than the largest mixed shape), with the tokens it schedules, the tokens its shape
-computes (padding included) and the output tokens it produces. No model runs: what a GPU
-does with each kind is for `step_breakdown.py` and `layer_ops.py` to measure.
+computes (padding included), its request slots (the requests its shape holds, padding
+included: the attention launches a program per slot and KV head, one that returns at once
+for a padding slot) and the output tokens it produces. No model runs: what a GPU does with
+each kind is for `step_breakdown.py` and `layer_ops.py` to measure.
 """
 
 import argparse
@@ -21,7 +23,7 @@ from scheduler_overhead import instant_core
 
 from weir.services.bench.workload import RandomWorkload, random_requests
 from weir.services.engine.core import step_now
-from weir.services.executor.cuda_graphs import capture_sizes, mixed_sizes
+from weir.services.executor.cuda_graphs import graph_shapes
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.sampling import SamplingParams
@@ -52,36 +54,41 @@ def main() -> None:
         scheduler.add_request(Request(f"r{i}", r.prompt_token_ids, params, eos_token_id=2))
 
     core = instant_core(scheduler, {})
-    decode_sizes = capture_sizes(args.max_num_seqs, args.max_num_batched_tokens, 1)
-    token_sizes = mixed_sizes(args.max_num_batched_tokens)
-    steps, tokens, computed, outputs = (Counter[str]() for _ in range(4))
+    shapes = graph_shapes(args.max_num_seqs, args.max_num_batched_tokens, (1,))
+    decode = [s for s in shapes if not s.mixed]
+    mixed = [s for s in shapes if s.mixed]
+    steps, tokens, computed, slots, outputs = (Counter[str]() for _ in range(5))
     while (step := step_now(core)) is not None:
         scheduled = step.plan.total_num_scheduled_tokens
         if not scheduled:  # only frees finished requests: the executor launches nothing
             continue
         num_reqs = len(step.plan.num_scheduled_tokens)
-        if set(step.plan.num_scheduled_tokens.values()) == {1} and num_reqs <= decode_sizes[-1]:
-            kind, padded = "decode graph", next(n for n in decode_sizes if n >= num_reqs)
-        elif scheduled <= token_sizes[-1]:
-            kind, padded = "mixed graph", next(n for n in token_sizes if n >= scheduled)
+        if set(step.plan.num_scheduled_tokens.values()) == {1} and num_reqs <= decode[-1].num_reqs:
+            kind, shape = "decode graph", next(s for s in decode if s.num_reqs >= num_reqs)
+            padded, num_slots = shape.num_tokens, shape.num_reqs
+        elif scheduled <= mixed[-1].num_tokens:
+            kind, shape = "mixed graph", next(s for s in mixed if s.num_tokens >= scheduled)
+            padded, num_slots = shape.num_tokens, shape.num_reqs
         else:
-            kind, padded = "eager", scheduled
+            kind, padded, num_slots = "eager", scheduled, num_reqs
         steps[kind] += 1
         tokens[kind] += scheduled
         computed[kind] += padded
+        slots[kind] += num_slots
         outputs[kind] += sum(len(o.new_token_ids) for o in step.outputs)
     print(f"{args.num_prompts} prompts, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens}, "
           f"{'lockstep' if args.no_async_scheduling else 'async'} scheduling")  # fmt: skip
     print(
-        "| step kind | steps | scheduled tokens | tokens per step | computed (padded) | output tokens |"
+        "| step kind | steps | scheduled tokens | tokens per step | computed (padded) "
+        "| request slots | output tokens |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for kind in ("decode graph", "mixed graph", "eager"):
         per_step = tokens[kind] / max(steps[kind], 1)
         print(
             f"| {kind} | {steps[kind]} | {tokens[kind]} | {per_step:.0f} | {computed[kind]} "
-            f"| {outputs[kind]} |"
+            f"| {slots[kind]} | {outputs[kind]} |"
         )
 
 
