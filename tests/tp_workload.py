@@ -11,6 +11,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from weir.services.cpu_cores import available_cpus, plan_cpus
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.engine.ngram import NgramProposer
 from weir.services.executor.model_runner import ModelRunner
@@ -78,6 +79,9 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
         max_model_len=256,
         tensor_parallel_size=world_size,
         rank=rank,
+        # The ranks share the machine's cores as served: with every core each, two ranks on
+        # two cores spin-waited for each other's (a tiny model's matmul took 2.7 ms, not 10 us).
+        num_threads=plan_cpus(available_cpus(), world_size).executor_threads,
         loras=[LoraModule.parse(spec) for spec in work.loras],
     )
     report = RankReport(rank, num_layers=runner.config.num_layers)
@@ -140,7 +144,7 @@ def _run_to_completion(core: EngineCore, report: RankReport) -> None:
 
 
 def run_rank(work: Workload, world_size: int, rank: int, port: int, results) -> None:
-    """A spawned rank: join the group through env://, run the workload, report."""
+    """A rank process: join the group through env://, run the workload, report."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         results.put(run(work, world_size, rank))
@@ -154,14 +158,20 @@ def run_rank(work: Workload, world_size: int, rank: int, port: int, results) -> 
             dist.destroy_process_group()
 
 
+# Ranks fork from a server process that imported torch and Weir once: a spawned rank imports
+# them anew (1.4 s to start a rank on two cores, 0.02 s forked). Forked from the test process
+# itself, a rank would inherit its threads and whatever state earlier tests left.
+_RANKS = multiprocessing.get_context("forkserver")
+_RANKS.set_forkserver_preload([__name__])
+
+
 def run_group(work: Workload, world_size: int) -> list[RankReport]:
-    """``work`` run by every rank of a group of ``world_size`` processes (spawned): their
-    reports, each checked for errors and a clean exit."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    """``work`` run by every rank of a group of ``world_size`` processes (forked from a clean
+    server process): their reports, each checked for errors and a clean exit."""
+    results = _RANKS.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=run_rank, args=(work, world_size, rank, port, results))
+        _RANKS.Process(target=run_rank, args=(work, world_size, rank, port, results))
         for rank in range(world_size)
     ]
     for p in procs:
