@@ -481,16 +481,20 @@ def _merge_segments_kernel(
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    SEGMENT_SLOTS: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PARTIALS_BY_REQUEST: tl.constexpr,
 ):
-    """Every token of one request that the decode launch handled, one query head."""
+    """Every token of one request that the decode launch handled, one query head.
+    SEGMENT_SLOTS: NUM_SEGMENTS rounded up to a power of two (a tl.arange's length); the slots
+    past NUM_SEGMENTS are masked off."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
     query_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     if query_len <= short_query_len:
-        segments = tl.arange(0, NUM_SEGMENTS)
+        segments = tl.arange(0, SEGMENT_SLOTS)
+        written = segments < NUM_SEGMENTS
         dims = tl.arange(0, BLOCK_D)
         for i in range(0, query_len):
             token = (q_start + i).to(tl.int64)
@@ -499,21 +503,28 @@ def _merge_segments_kernel(
             else:
                 row = token
             partial = (row * num_heads + head) * NUM_SEGMENTS + segments
-            seg_max = tl.load(segm_max_ptr + partial)
+            seg_max = tl.load(segm_max_ptr + partial, mask=written, other=float("-inf"))
             # Every token sees its own key in some segment, so the overall max is finite and the total
             # >= 1; a segment holding none of its keys (max -inf, sum and acc 0) gets weight 0.
             top = tl.max(seg_max, axis=0)
             weight = tl.exp2(seg_max - top)
-            total = tl.sum(tl.load(segm_sum_ptr + partial) * weight, axis=0)
+            total = tl.sum(
+                tl.load(segm_sum_ptr + partial, mask=written, other=0.0) * weight, axis=0
+            )
             if HAS_SINKS:
                 total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * _LOG2_E - top)
-            acc = tl.load(segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :])
+            acc = tl.load(
+                segm_acc_ptr + partial[:, None] * BLOCK_D + dims[None, :],
+                mask=written[:, None],
+                other=0.0,
+            )
             out = tl.sum(acc * weight[:, None], axis=0) / total
             out_row = out_ptr + token * stride_ot + head * stride_oh
             tl.store(out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-# Split-KV workspace slots per (token, query head); a launch uses a power of two up to this.
+# Split-KV workspace slots per (token, query head); a launch uses up to this many (the rule a
+# power of two; `benchmarks/attention.py --sweep-segments` also times counts between them).
 MAX_SEGMENTS = 16
 # Software-pipelining stages of every Hopper tile (see LaunchPlan: with fewer, a tile's K/V copies
 # are not kept in flight).
@@ -650,6 +661,7 @@ class LaunchPlan:
             "BLOCK_D": self.block_d,
             "HEAD_DIM": self.head_dim,
             "NUM_SEGMENTS": self.segments,
+            "SEGMENT_SLOTS": triton.next_power_of_2(self.segments),
             "HAS_SINKS": self.has_sinks,
             "PARTIALS_BY_REQUEST": self.partials_by_request,
         }
@@ -766,8 +778,8 @@ def plan_launches(
         segments = MAX_SEGMENTS if split_kv else 1
     else:
         segments = split_kv
-    if segments < 1 or segments > MAX_SEGMENTS or segments & (segments - 1):
-        raise ValueError(f"split_kv={split_kv}: segments must be a power of two <= {MAX_SEGMENTS}")
+    if not 1 <= segments <= MAX_SEGMENTS:
+        raise ValueError(f"split_kv={split_kv}: segments must be from 1 to {MAX_SEGMENTS}")
     return LaunchPlan(
         group=group,
         block_d=block_d,
@@ -979,9 +991,9 @@ def paged_attention(
       max_query_len longest query of the step, known to the caller; picks the tiles and launches.
                     Without it T - R + 1 is used, exact when every request has a query token.
       max_seq_len   longest sequence (context + query) of the step; bounds the split-KV segments.
-      split_kv      segments per request on the decode launch: an int (a power of two up to
-                    MAX_SEGMENTS), True (MAX_SEGMENTS), False (1: single pass) or None (the rule of
-                    split_kv_segments for this GPU; never split on a CPU).
+      split_kv      segments per request on the decode launch: an int (1 to MAX_SEGMENTS), True
+                    (MAX_SEGMENTS), False (1: single pass) or None (the rule of split_kv_segments
+                    for this GPU, a power of two; never split on a CPU).
       workspace     split-KV buffers from allocate_split_kv_workspace; allocated per call if absent.
       concurrent    on a GPU, run the decode launch on a side stream beside the prefill launch
                     (False: one after the other on the caller's stream).

@@ -295,8 +295,14 @@ def test_launch_plan_routes_requests_by_query_length():
     assert plan(512, head_dim=256).prefill.tile_n == 32
     wide_group = plan(512, group=32)  # one token's heads fill a decode tile of 32 rows
     assert wide_group.decode.block_m == 32 and wide_group.short_query_len == 1
-    with pytest.raises(ValueError, match="power of two"):
-        triton_attention.plan_launches(4, 4, 4, 2, 64, 16, torch.float16, 9, 132, 1, None, 3)
+    for segments in (0, triton_attention.MAX_SEGMENTS + 1):
+        with pytest.raises(ValueError, match="segments must be from 1 to 16"):
+            triton_attention.plan_launches(
+                4, 4, 4, 2, 64, 16, torch.float16, 9, 132, 1, None, segments
+            )
+    # Any count up to 16 when asked (the segment sweep), its merge over 4 slots, 1 masked off.
+    three = triton_attention.plan_launches(4, 4, 4, 2, 64, 16, torch.float16, 9, 132, 1, None, 3)
+    assert three.segments == 3 and three.merge_constexprs()["SEGMENT_SLOTS"] == 4
 
 
 @pytest.mark.parametrize(
@@ -430,8 +436,10 @@ def test_mixed_step_padded_as_a_cuda_graph_replays_it(dtype):
         ([(0, 1), (130, 1), (300, 1), (1000, 1)], 1, True),
         ([(7, 3), (290, 4), (250, 12)], 3, 4),
         ([(300, 1), (200, 40), (0, 0), (400, 3)], 2, 2),
+        ([(0, 1), (130, 1), (300, 1), (1000, 1)], 1, 3),
+        ([(7, 3), (290, 4), (250, 12)], 3, 6),
     ],
-    ids=["decode", "speculative", "mixed"],
+    ids=["decode", "speculative", "mixed", "decode_3_segments", "speculative_6_segments"],
 )
 def test_split_kv_matches_single_pass(requests, group, split_kv):
     # Contexts of several 64-key tiles, so segments are full, partial and empty; in the last
