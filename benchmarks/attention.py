@@ -249,6 +249,7 @@ def bytes_moved(batch: Batch, args: argparse.Namespace) -> int:
 # Calls per graph: the flush-and-call pairs one timed replay runs (enough that the events'
 # resolution and the replay's launch vanish in the mean).
 GRAPH_CALLS = 20
+# The split-KV segment counts --sweep-segments times (see the docstring).
 SWEPT_SEGMENTS = (1, 2, 3, 4, 6, 8, 16)
 
 FLUSH_BYTES = 256 << 20  # as triton.testing.do_bench: more than any GPU's L2 cache

@@ -21,7 +21,8 @@ addresses and a fixed grid, so:
 * Mixed shapes: any other step (prefill chunks beside decodes, prefills, unequal query
   lengths) of T tokens runs in the graph of the smallest captured token count P >= T
   (MIXED_TOKEN_SIZES, up to --max-mixed-graph-tokens), with min(P, max_num_seqs)
-  requests (a request has a token in the step, so no step of P tokens has more). Its P - T padding tokens belong to no request (slot_mapping -1, so the cache
+  requests (each request of a step has a token in it, so no step of P tokens has more).
+  Its P - T padding tokens belong to no request (slot_mapping -1, so the cache
   kernel writes nothing, and attention leaves their rows unspecified); the padding
   requests hold no token (their query starts and ends at T), so the attention kernels'
   programs for them return at once, but each takes its place on an SM: the fewer, the
