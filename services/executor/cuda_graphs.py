@@ -360,6 +360,10 @@ class StepGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     rows = self._forward(shape)
+                # Replayed once here, over the staged padding: a graph's first launch uploads
+                # it to the device, which a step would otherwise wait for the first time its
+                # shape comes (as the running requests' count falls, shape after shape).
+                graph.replay()
                 self._graphs[shape].append((graph, rows))
         torch.cuda.synchronize(self.device)
         logger.info(
