@@ -65,16 +65,14 @@ def main() -> None:
         num_reqs = len(step.plan.num_scheduled_tokens)
         if set(step.plan.num_scheduled_tokens.values()) == {1} and num_reqs <= decode[-1].num_reqs:
             kind, shape = "decode graph", next(s for s in decode if s.num_reqs >= num_reqs)
-            padded, num_slots = shape.num_tokens, shape.num_reqs
         elif scheduled <= mixed[-1].num_tokens:
             kind, shape = "mixed graph", next(s for s in mixed if s.num_tokens >= scheduled)
-            padded, num_slots = shape.num_tokens, shape.num_reqs
         else:
-            kind, padded, num_slots = "eager", scheduled, num_reqs
+            kind, shape = "eager", None
         steps[kind] += 1
         tokens[kind] += scheduled
-        computed[kind] += padded
-        slots[kind] += num_slots
+        computed[kind] += scheduled if shape is None else shape.num_tokens
+        slots[kind] += num_reqs if shape is None else shape.num_reqs
         outputs[kind] += sum(len(o.new_token_ids) for o in step.outputs)
     print(f"{args.num_prompts} prompts, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens}, "
