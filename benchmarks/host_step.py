@@ -11,6 +11,11 @@ codec on both sides (as the wire does), the scheduler's publishing of the output
 (detokenizing, stop strings, one frame to the one client, as behind the HTTP gateway or
 ``LLM``; requests arrive through that client over a real ZeroMQ socket), and the
 executor's parts of ``launch`` and ``finish`` that are not device work.
+
+Then the executor's admission of requests into slots no request used before, as after a
+start (``apply_plan`` of plans that each bring 64 new 32-token requests, into a persistent
+batch whose rows are ``--admit-max-model-len`` tokens wide: a row's first write maps its
+first pages, which takes microseconds at 4 KiB and milliseconds where the kernel maps 2 MiB).
 """
 
 import argparse
@@ -32,6 +37,7 @@ from executor_step import Timers
 from weir.services.engine.core import EngineCore, EngineStep, InProcessExecutor, step_now
 from weir.services.engine.frontend import ClientFrontend
 from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.executor.input_batch import InputBatch
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Scheduler
 from weir.services.scheduler.output import EngineOutput
@@ -40,8 +46,13 @@ from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.model_store import resolve_model
 from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol import step_codec
+from weir.shared.protocol.step import NewRequest, StepPlan
 from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import Tokenizer
+
+# New requests a plan brings in the admission measurement (a 2048-token prefill step of
+# 32-token prompts).
+ADMITTED_PER_PLAN = 64
 
 PARTS = (
     ("scheduler: schedule()", "schedule"),
@@ -106,6 +117,12 @@ async def run() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument(
+        "--admit-max-model-len",
+        type=int,
+        default=131_072,
+        help="max_model_len of the admission measurement (Llama-3.2's: a 512 KiB token row)",
+    )
     parser.add_argument(
         "--freeze-heap",
         action=argparse.BooleanOptionalAction,
@@ -254,6 +271,26 @@ async def run() -> None:
         )
     receiving.cancel()
     context.destroy(linger=0)
+    admit(n, args.admit_max_model_len, runner.block_size, rng)
+
+
+def admit(n: int, max_model_len: int, block_size: int, rng: random.Random) -> None:
+    """Print the time ``apply_plan`` takes to bring n new requests into unused slots."""
+    batch = InputBatch(max_model_len, block_size, n, eos_token_ids=(2,))
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    times = []
+    for first in range(0, n, ADMITTED_PER_PLAN):
+        new = [
+            NewRequest(f"a{i}", [rng.randrange(3, 20000) for _ in range(32)], params, [i], 0)
+            for i in range(first, min(first + ADMITTED_PER_PLAN, n))
+        ]
+        start = time.perf_counter()
+        batch.apply_plan(StepPlan(new_requests=new))
+        times.append(time.perf_counter() - start)
+    print(
+        f"admitting {n} requests into unused slots ({ADMITTED_PER_PLAN} a plan, max_model_len "
+        f"{max_model_len}): {sum(times) * 1e3:.2f} ms, slowest plan {max(times) * 1e3:.2f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """The executor's persistent batch grows its slot arrays without losing what they hold."""
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from weir.services.executor.input_batch import InputBatch
 from weir.shared.protocol.step import NewRequest
@@ -22,3 +25,36 @@ def test_growing_keeps_every_slots_state_and_adds_unused_rows() -> None:
     batch._grow(4)
     assert batch.top_p[2:].tolist() == [1, 1] and batch.num_logprobs[2:].tolist() == [-1, -1]
     assert sorted(batch._free) == [2, 3]
+
+
+def _mapping(array: np.ndarray) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``array``."""
+    address = array.__array_interface__["data"][0]
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside:
+                name, _, value = line.partition(":")
+                fields[name] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's smaps")
+def test_a_request_makes_kilobytes_of_its_rows_resident_never_huge_pages() -> None:
+    # At max_model_len 131,072 a slot's token row is 512 KiB; with huge pages the first write
+    # to a slot faulted in (and zeroed) 2 MiB, milliseconds each on a VM.
+    batch = InputBatch(max_model_len=131_072, block_size=16, capacity=256, eos_token_ids=(2,))
+    for i in range(64):
+        batch._add(NewRequest(f"r{i}", list(range(1, 33)), SamplingParams(), [i], 0))
+    for array in (batch.token_ids, batch.block_table):
+        mapping = _mapping(array)
+        assert "nh" in mapping["VmFlags"].split(), mapping["VmFlags"]
+        assert int(mapping["AnonHugePages"].split()[0]) == 0
+        assert int(mapping["Rss"].split()[0]) <= 64 * 8, mapping["Rss"]  # kB: a page or two a row
+    assert batch.token_ids[:64, :32].tolist() == [list(range(1, 33))] * 64
+    assert not batch.token_ids[:, 32:].any() and not batch.token_ids[64:].any()

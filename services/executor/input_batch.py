@@ -10,6 +10,8 @@ does not know yet: the previous step reserves one token per request it samples f
 (``reserve_tokens``), and fills the ids in when its result reaches the host.
 """
 
+import math
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -96,6 +98,23 @@ class PenaltyTokens:
     prompt: tuple[np.ndarray, np.ndarray] | None
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """Zeros in an anonymous mapping that the kernel backs 4 KiB at a time, on first write,
+    never with transparent huge pages.
+
+    A slot's row of token ids is max_model_len wide (512 KiB at 131,072 tokens) and a request
+    writes the first few KiB of it. np.zeros advises huge pages for arrays this large, and the
+    kernel then faults in 2 MiB (compacting memory for it first, under the default `defrag`
+    setting) at the first write to a slot: 64 new requests took 150-260 ms of the executor's
+    step on a 2-core VM (`benchmarks/host_step.py`'s admission row), and every slot used once
+    kept 2 MiB per 4 rows resident. 4 KiB pages: microseconds, and kilobytes a request."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the mapping is as it comes
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).reshape(shape)
+
+
 class InputBatch:
     """Per-request state in slot-indexed arrays. Slots grow on demand; preempted requests keep theirs."""
 
@@ -161,12 +180,19 @@ class InputBatch:
     def _grow(self, capacity: int) -> None:
         old = self.capacity
         for name, dtype, row_shape, fill in self._arrays():
-            # np.zeros, not np.full: the large token and block arrays stay untouched memory.
-            grown = np.zeros((capacity, *row_shape), dtype=dtype)
-            if fill:
-                grown[old:] = fill
-            if old:
-                grown[:old] = getattr(self, name)
+            if row_shape:
+                grown = lazy_zeros((capacity, *row_shape), dtype)
+                if old:
+                    # Only the columns some slot uses: copying whole rows would touch them all.
+                    used = self.num_tokens if name == "token_ids" else self.num_blocks
+                    width = int(used[:old].max(initial=0))
+                    grown[:old, :width] = getattr(self, name)[:, :width]
+            else:
+                grown = np.zeros(capacity, dtype=dtype)
+                if fill:
+                    grown[old:] = fill
+                if old:
+                    grown[:old] = getattr(self, name)
             setattr(self, name, grown)
         self._free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
