@@ -84,7 +84,10 @@ EOF
 log "model $model ($SHAPE shape), device $DEVICE"
 # At most 8 files come back from $OUT: the summary, 6 logs, 1 JSON result.
 {
-    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
+    # The kernel names the runtime (4.4.0: gVisor, whose system calls cost far more; -fc-:
+    # Firecracker): the host-side numbers depend on it.
+    echo "kernel $(uname -r), $(nproc) CPUs"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
     "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee -a "$OUT/summary.txt"
 
