@@ -14,6 +14,9 @@ def test_growing_keeps_every_slots_state_and_adds_unused_rows() -> None:
     batch = InputBatch(max_model_len=64, block_size=16, capacity=1, eos_token_ids=(2,))
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=5, seed=-(2**63), logprobs=3)
     batch._add(NewRequest("a", [5, 6, 7], params, [4], 0))
+    # A token sampled by a step in flight, then known: growing copies the columns in use.
+    batch.fill_reserved(batch.reserve_tokens(np.array([0])), np.array([11]))
+    assert batch.token_ids[0, :4].tolist() == [5, 6, 7, 11]
     before = {name: getattr(batch, name).copy() for name, *_ in batch._arrays()}
     batch._add(NewRequest("b", [8], SamplingParams(), [9], 0))  # no free slot: grows
     assert batch.capacity == 2 and batch.slot_of == {"a": 0, "b": 1}

@@ -105,9 +105,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
     A slot's row of token ids is max_model_len wide (512 KiB at 131,072 tokens) and a request
     writes the first few KiB of it. np.zeros advises huge pages for arrays this large, and the
     kernel then faults in 2 MiB (compacting memory for it first, under the default `defrag`
-    setting) at the first write to a slot: 64 new requests took 150-260 ms of the executor's
-    step on a 2-core VM (`benchmarks/host_step.py`'s admission row), and every slot used once
-    kept 2 MiB per 4 rows resident. 4 KiB pages: microseconds, and kilobytes a request."""
+    setting) at the first write to a slot: a served executor's plan of 64 new requests took
+    150-260 ms on a 2-core VM (admitting 256: 7-520 ms in `benchmarks/host_step.py`, 2 ms
+    now), and every slot used once kept 2 MiB per 4 rows resident. 4 KiB pages: microseconds,
+    and kilobytes a request."""
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     buffer = mmap.mmap(-1, max(nbytes, 1))
     if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux; elsewhere the mapping is as it comes
@@ -182,17 +183,17 @@ class InputBatch:
         for name, dtype, row_shape, fill in self._arrays():
             if row_shape:
                 grown = lazy_zeros((capacity, *row_shape), dtype)
-                if old:
-                    # Only the columns some slot uses: copying whole rows would touch them all.
-                    used = self.num_tokens if name == "token_ids" else self.num_blocks
-                    width = int(used[:old].max(initial=0))
-                    grown[:old, :width] = getattr(self, name)[:, :width]
             else:
                 grown = np.zeros(capacity, dtype=dtype)
-                if fill:
-                    grown[old:] = fill
-                if old:
-                    grown[:old] = getattr(self, name)
+            if fill:
+                grown[old:] = fill
+            if old and row_shape:
+                # Only the columns some slot uses: copying whole rows would touch every page.
+                used = {"token_ids": self.num_tokens, "block_table": self.num_blocks}[name]
+                width = int(used.max(initial=0))
+                grown[:old, :width] = getattr(self, name)[:, :width]
+            elif old:
+                grown[:old] = getattr(self, name)
             setattr(self, name, grown)
         self._free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
