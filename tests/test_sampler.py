@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from weir.services.executor.sampler import Penalties, Sampler, SamplingBatch, apply_penalties_
+from weir.services.executor.sampler import (
+    Penalties,
+    Sampler,
+    SamplingBatch,
+    apply_penalties_,
+    draw_by_inverse_cdf,
+    draw_by_race,
+)
 from weir.shared.sampling import SamplingParams
 
 VOCAB = 50
@@ -157,6 +164,33 @@ def test_unfiltered_sampling_follows_the_softmax_distribution():
     freq = torch.bincount(tokens, minlength=VOCAB).float() / draws
     expected = torch.softmax(vocab_logits[0] / 0.8, dim=-1)
     assert (freq - expected).abs().max() < 0.03
+
+
+# The GPU's draw and the CPU's, each run here.
+DRAWS = pytest.mark.parametrize("draw", [draw_by_race, draw_by_inverse_cdf])
+
+
+@DRAWS
+def test_each_draw_follows_the_probabilities_and_never_draws_an_impossible_token(draw):
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])  # zeros first, between and last
+    rows = 20_000
+    tokens = draw(probs.repeat(rows, 1), torch.Generator().manual_seed(0), {})
+    freq = torch.bincount(tokens, minlength=len(probs)).float() / rows
+    assert not freq[[0, 2, 5]].any()
+    assert (freq - probs).abs().max() < 0.015  # about 4 standard deviations
+
+
+@DRAWS
+def test_a_seeded_rows_draw_is_its_generators_alone(draw):
+    probs = torch.softmax(random_logits(5, seed=3, scale=0.5), dim=-1)
+    seeded = [
+        draw(probs[2:3], torch.Generator().manual_seed(s), {0: torch.Generator().manual_seed(7)})
+        for s in range(3)
+    ]
+    mixed = draw(probs, torch.Generator().manual_seed(99), {2: torch.Generator().manual_seed(7)})
+    assert {int(t) for t in seeded} == {int(mixed[2])}
+    others = {tuple(draw(probs, torch.Generator().manual_seed(s), {}).tolist()) for s in range(8)}
+    assert len(others) > 1  # unseeded rows follow the shared generator
 
 
 def test_logprobs_are_log_softmax_of_raw_logits():
