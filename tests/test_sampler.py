@@ -4,11 +4,13 @@ import numpy as np
 import pytest
 import torch
 
+from weir.services.executor import sampler
 from weir.services.executor.sampler import (
     Penalties,
     Sampler,
     SamplingBatch,
     apply_penalties_,
+    apply_top_k_top_p,
     draw_by_inverse_cdf,
     draw_by_race,
 )
@@ -164,6 +166,49 @@ def test_unfiltered_sampling_follows_the_softmax_distribution():
     freq = torch.bincount(tokens, minlength=VOCAB).float() / draws
     expected = torch.softmax(vocab_logits[0] / 0.8, dim=-1)
     assert (freq - expected).abs().max() < 0.03
+
+
+@pytest.mark.parametrize("candidates", [12, 1024])
+def test_filters_keep_exactly_the_reference_set_with_or_without_the_full_sort(
+    candidates, monkeypatch
+):
+    # On a CPU top-k and top-p first look at the largest logits only, and fall back to the
+    # full sort where a row's filters may keep one past them (here: top-k 20, or a wide
+    # nucleus): each row alone and all together run both paths.
+    monkeypatch.setattr(sampler, "CPU_FILTER_CANDIDATES", candidates)
+    rows = [
+        {"top_k": 3},
+        {"top_p": 0.5},
+        {"top_p": 0.95},
+        {"top_k": 8, "top_p": 0.6},
+        {"top_k": 0, "top_p": 1.0},  # not filtered, beside rows that are
+        {"top_k": 20, "top_p": 0.3},
+        {"top_k": 1},
+    ]
+    top_k = torch.tensor([r.get("top_k", 0) for r in rows])
+    top_p = torch.tensor([r.get("top_p", 1.0) for r in rows])
+    for seed in range(6):
+        logits = random_logits(len(rows), seed=50 + seed, scale=1.0 + seed)
+        together = apply_top_k_top_p(logits, top_k, top_p)
+        for i, row in enumerate(rows):
+            alone = apply_top_k_top_p(logits[i : i + 1], top_k[i : i + 1], top_p[i : i + 1])[0]
+            expected = allowed_set(
+                logits[i].numpy(), 1.0, row.get("top_k", 0), row.get("top_p", 1.0), 0.0
+            )
+            for kept in (together[i], alone):
+                finite = kept.isfinite()
+                assert set(torch.nonzero(finite).flatten().tolist()) == expected, (seed, row)
+                assert torch.equal(kept[finite], logits[i][finite])
+    # The candidates alone decide some rows here (a sort would hide a broken shortcut).
+    _, unsure = sampler._filter_candidates(logits, top_k, top_p)
+    assert not unsure[0] and not unsure[6]
+
+
+def test_ties_at_the_kth_logit_are_kept_past_the_candidates(monkeypatch):
+    monkeypatch.setattr(sampler, "CPU_FILTER_CANDIDATES", 2)
+    logits = torch.tensor([[5.0, 3.0, 1.0, 3.0, 3.0, 3.0, 0.0, -1.0]])
+    kept = apply_top_k_top_p(logits, torch.tensor([2]), None)
+    assert torch.nonzero(kept[0].isfinite()).flatten().tolist() == [0, 1, 3, 4, 5]
 
 
 # The GPU's draw and the CPU's, each run here.
