@@ -115,9 +115,10 @@ def test_outputs_are_the_served_models_whatever_the_draft(
     elif params.temperature == 0:
         assert rate > 0.9, drafts
     else:
-        # The draft's argmax is the token drawn at 0.8 about half the time (0.59 here); a
-        # draft whose cache kept rejected drafts' KV proposes worse (0.12 measured).
-        assert rate > 0.4, drafts
+        # The draft's argmax is the token drawn at 0.8 a bit under half the time (0.28-0.59
+        # over seeds 3-7, either draw of the sampler; 0.38 here); a draft whose cache kept
+        # rejected drafts' KV proposes worse (0.12 measured).
+        assert rate > 0.25, drafts
 
 
 def test_served_draft_model_keeps_greedy_outputs_and_counts_its_drafts(
