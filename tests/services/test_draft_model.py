@@ -2,6 +2,8 @@
 model's whatever the draft proposes, through chunked prefills, preemptions and the served
 path; a draft that numbers tokens otherwise is refused at start-up."""
 
+import dataclasses
+
 import openai
 import pytest
 import torch
@@ -107,7 +109,12 @@ def test_outputs_are_the_served_models_whatever_the_draft(
     assert runner.num_blocks < 12  # a block holds the draft's KV too
     assert stats.num_preemptions > 0
     assert stats.num_free_blocks == runner.num_blocks  # lookahead blocks freed too
-    drafts = stats.spec_decode
+    if draft == "itself" and params.temperature > 0:
+        # One seed's rate swings with its sampled texts (0.28-0.59 over seeds 3-7, with either
+        # draw of the sampler): the rate is pooled over five seeds' requests.
+        for seed in range(4, 8):
+            generate_in_core(core, prompts, dataclasses.replace(params, seed=seed))
+    drafts = core.scheduler.stats().spec_decode
     assert drafts.num_draft_tokens > 0
     rate = drafts.num_accepted_tokens / drafts.num_draft_tokens
     if draft == "other":
@@ -115,10 +122,10 @@ def test_outputs_are_the_served_models_whatever_the_draft(
     elif params.temperature == 0:
         assert rate > 0.9, drafts
     else:
-        # The draft's argmax is the token drawn at 0.8 a bit under half the time (0.28-0.59
-        # over seeds 3-7, either draw of the sampler; 0.38 here); a draft whose cache kept
-        # rejected drafts' KV proposes worse (0.12 measured).
-        assert rate > 0.25, drafts
+        # The draft's argmax is the token drawn at 0.8 a bit under half the time (pooled over
+        # seeds 3-7: 0.426 with the CPU's inverse-CDF draw, 0.433 with the race); a draft whose
+        # cache kept rejected drafts' KV proposes worse (0.12 measured).
+        assert rate > 0.35, drafts
 
 
 def test_served_draft_model_keeps_greedy_outputs_and_counts_its_drafts(
