@@ -19,10 +19,12 @@
 #      compiled while measured (0 expected: the executor's start-up compiles every attention
 #      variant, ~16 for this shape, which the first start on a fresh machine pays for) and
 #      how many steps fell in each bucket of the executor step and forward histograms; the
-#      workload runs twice on one server (the second measured, both walls printed);
+#      workload runs twice on one server (the second measured, both walls printed); then
+#      the same workload, scheduler and runner in one process (--in-process), the runner's
+#      phases per step beside the served executor's;
 #   4. `weir bench throughput` (512 prompts, bf16, dummy weights) with CUDA graphs beside the
-#      hf-cb baseline, then at the step limits before vLLM's defaults (2048 tokens, 256
-#      requests);
+#      hf-cb baseline (SECTIONS naming "limits" adds the step limits before vLLM's defaults,
+#      2048 tokens and 256 requests);
 # all on a Llama-3.2-1B-like shape (16 layers, hidden 2048, 32/8 heads, intermediate 8192,
 # vocab 128256) with random weights: a config.json written here plus the default model's
 # tokenizer files (the default model itself cannot travel). Results land in $OUT.
@@ -143,16 +145,27 @@ if [[ " $SECTIONS " == *" breakdown "* ]]; then
         section "breakdown-$mode" "$([[ $mode == graphs ]] && echo 100 || echo 45)" \
             "$PY" benchmarks/step_breakdown.py "${flags[@]}"
     done
+    # The same workload, scheduler and runner in one process (no executor process, no
+    # sockets), each runner phase's median and largest per step: a served forward phase far
+    # above this one's comes from the processes around the runner, not from the workload.
+    flags=(--device "$DEVICE" --dtype bfloat16 --load-format dummy --model "$model" --steady
+        --num-prompts 256 --no-sync-phases --repeat 2 --in-process)
+    [[ $SHAPE == tiny ]] && flags=(--device "$DEVICE" --load-format dummy --model "$model"
+        --steady --num-prompts 8 --no-sync-phases --in-process)
+    section breakdown-in-process 60 "$PY" benchmarks/step_breakdown.py "${flags[@]}"
 fi
 
+# `weir bench throughput`, 512 prompts: the defaults (on an H200 vLLM's offline step limits,
+# 16384 tokens and 1024 requests, since 2026-12-05's thirty-fifth session) beside hf-cb (the
+# same budget); with SECTIONS naming "limits", also the limits before (2048 tokens, 256
+# requests): the same-run baseline of the new defaults.
+common=(--model "$model" --load-format dummy --dtype bfloat16 --num-prompts 512)
+[[ $SHAPE == tiny ]] && common=(--model "$model" --load-format dummy --num-prompts 8 --threads 1)
 if [[ " $SECTIONS " == *" throughput "* ]]; then
-    common=(--model "$model" --load-format dummy --dtype bfloat16 --num-prompts 512)
-    [[ $SHAPE == tiny ]] && common=(--model "$model" --load-format dummy --num-prompts 8 --threads 1)
-    # The defaults (on an H200 vLLM's offline step limits, 16384 tokens and 1024 requests,
-    # since 2026-12-05's thirty-fifth session) beside hf-cb (the same budget), then the limits
-    # before (2048 tokens, 256 requests): the same-run baseline of the new defaults.
     section throughput-graphs-hf-cb 110 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
         --baseline hf-cb --output-json "$OUT/throughput-graphs-hf-cb.json"
+fi
+if [[ " $SECTIONS " == *" limits "* ]]; then
     section throughput-2048-256 60 "$PY" -m weir.services.cli bench throughput "${common[@]}" \
         --max-num-batched-tokens 2048 --max-num-seqs 256
 fi

@@ -27,12 +27,21 @@ On CUDA the executor's phases (prepare, forward, sample) include the device's wo
 because the executor synchronizes at each phase boundary, which it does only when asked
 (WEIR_SYNC_STEP_TIMING=1, set here unless --no-sync-phases); without it, it waits only for
 the sampled tokens, and the phase rows are host times.
+
+--in-process runs the same workload through the same scheduler and model runner (built
+from the same engine options, `load_runner`) in this one process instead: no sockets, no
+executor process, the runner's steps launched and finished in the executor process's order
+(with async scheduling on CUDA one step launched ahead). Its runner phases per step (mean,
+median, 90th percentile, largest) against the served run's tell whether a served slowdown
+comes from the processes around the runner or from what the workload asks of it.
 """
 
 import argparse
 import os
+import statistics
 import time
 import urllib.request
+from collections.abc import Awaitable
 from pathlib import Path
 
 import torch
@@ -44,10 +53,21 @@ from weir.services.bench.workload import (
     normal_vocab_ids,
     random_requests,
 )
-from weir.services.executor.model_runner import SYNC_STEP_TIMING_ENV
+from weir.services.engine.core import EngineCore, step_now
+from weir.services.executor.model_runner import (
+    SYNC_STEP_TIMING_ENV,
+    LaunchedStep,
+    ModelRunner,
+    StepTimings,
+)
+from weir.services.executor.worker import load_runner
+from weir.services.launcher import with_device_step_limits
 from weir.services.llm import LLM
-from weir.shared.config import LOAD_FORMATS
+from weir.services.scheduler import Request, Scheduler
+from weir.shared.config import LOAD_FORMATS, EngineArgs
+from weir.shared.model_config import read_model_config
 from weir.shared.model_store import resolve_model
+from weir.shared.protocol.step import StepPlan, StepResult
 from weir.shared.sampling import SamplingParams
 
 
@@ -77,6 +97,84 @@ def snapshot(urls: list[str]) -> dict[tuple[str, str], tuple[float, float]]:
     for url in urls:
         merged.update(metric_sums(url))
     return merged
+
+
+class RecordingRunner:
+    """The executor process's order in this process: a plan is launched when submitted and
+    finished when its result is awaited, so with async scheduling (the engine core submits
+    step N + 1 before it awaits step N) one step runs ahead, as served on CUDA; otherwise each
+    is launched when awaited. Keeps each step's timings."""
+
+    def __init__(self, runner: ModelRunner, launch_ahead: bool) -> None:
+        self.runner = runner
+        self.launch_ahead = launch_ahead
+        self.timings: list[StepTimings] = []
+
+    def submit(self, plan: StepPlan) -> Awaitable[StepResult]:
+        if self.launch_ahead:
+            return self._finish(self.runner.launch(plan))
+        return self._launch_and_finish(plan)
+
+    async def _launch_and_finish(self, plan: StepPlan) -> StepResult:
+        return await self._finish(self.runner.launch(plan))
+
+    async def _finish(self, step: LaunchedStep) -> StepResult:
+        result = self.runner.finish(step)
+        if step.plan.num_scheduled_tokens:
+            self.timings.append(step.timings)
+        return result
+
+
+def run_in_process(
+    engine_args: EngineArgs,
+    runs: list[tuple[list[list[int]], list[SamplingParams]]],
+    description: str,
+) -> None:
+    """``runs`` through one scheduler and one runner in this process; the first warms up, the
+    last is measured."""
+    runner = load_runner(engine_args)
+    rope = read_model_config(runner.model_dir, engine_args.hf_overrides).rope
+    scheduler = Scheduler(
+        engine_args.scheduler_config(runner.max_model_len),
+        engine_args.cache_config(runner.num_blocks, rope.long_prompt_threshold),
+    )
+    launch_ahead = engine_args.async_scheduling and runner.device.type == "cuda"
+    executor = RecordingRunner(runner, launch_ahead)
+    core = EngineCore(scheduler, executor)
+    walls = []
+    for run, (prompts, params) in enumerate(runs):
+        for i, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
+            scheduler.add_request(Request(f"run{run}-{i}", prompt, sampling))
+        executor.timings.clear()
+        runner.device_busy_seconds()
+        start = time.perf_counter()
+        while core.has_work():
+            step_now(core)
+        walls.append(time.perf_counter() - start)
+    busy = runner.device_busy_seconds()
+    timings, walls = executor.timings, walls[1:]
+    wall = walls[-1]
+    order = "one step launched ahead" if launch_ahead else "each step finished before the next"
+    print(
+        f"{description}; in one process ({order}); {len(timings)} steps, wall {wall:.2f} s = "
+        f"{wall / len(timings) * 1e3:.3f} ms per step, executor threads {runner.num_threads}"
+    )
+    if len(walls) > 1:
+        print(
+            f"walls of the {len(walls)} runs (the last measured): {[round(w, 3) for w in walls]} s"
+        )
+    print("\n| runner phase | mean ms | median | 90th pct | largest | total s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for phase in ("prepare", "forward", "sample"):
+        ms = sorted(getattr(t, phase) * 1e3 for t in timings)
+        print(
+            f"| {phase} | {statistics.fmean(ms):.3f} | {statistics.median(ms):.3f} | "
+            f"{ms[int(0.9 * (len(ms) - 1))]:.3f} | {ms[-1]:.3f} | {sum(ms) / 1e3:.3f} |"
+        )
+    print(
+        f"\nsteps replayed from CUDA graphs: {sum(t.graphed for t in timings)} of {len(timings)}; "
+        f"device busy {busy / wall:.2%} of the wall time"
+    )
 
 
 def main() -> None:
@@ -113,6 +211,11 @@ def main() -> None:
         "torch.profiler (start_profile/stop_profile) and print its table; the trace stays here",
     )
     parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="the same workload, scheduler and runner in this one process (no executor process)",
+    )
+    parser.add_argument(
         "--sync-phases",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -138,16 +241,32 @@ def main() -> None:
             for r in requests
         ]
 
-    with LLM(
-        model=str(model_dir),
+    options = dict(
         threads=args.threads,
         load_format=args.load_format,
         async_scheduling=args.async_scheduling,
         device=device,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
-        profiler_dir=args.profiler_dir,
-    ) as llm:
+    )
+    workload = (
+        f"{args.num_prompts} requests, 32-token prompts, 128 outputs"
+        if args.steady
+        else f"{args.num_prompts} requests, prompts 32-256, outputs 32-128"
+    )
+    if args.in_process:
+        # As the served run: a two-token request first, then the runs.
+        warm_up = (
+            [[1000, 1001, 1002]],
+            [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)],
+        )
+        run_in_process(
+            with_device_step_limits(EngineArgs(model=str(model_dir), **options), offline=True),
+            [warm_up] + [requests_of_run(args.seed + run) for run in range(args.repeat)],
+            workload,
+        )
+        return
+    with LLM(model=str(model_dir), profiler_dir=args.profiler_dir, **options) as llm:
         urls = [llm.server_info["metrics_address"]] + [
             e["metrics_address"] for e in llm.server_info["executors"]
         ]
@@ -196,11 +315,6 @@ def main() -> None:
         rows.append(("executor: plan decode, result encode", executor_ms - sum(runner.values())))
     else:
         rows.append(("executor: step (decode plan .. encode result)", executor_ms))
-    workload = (
-        f"{args.num_prompts} requests, 32-token prompts, 128 outputs"
-        if args.steady
-        else f"{args.num_prompts} requests, prompts 32-256, outputs 32-128"
-    )
     mode = "async scheduling" if args.async_scheduling else "lockstep"
     mode += ", eager" if args.enforce_eager else ""
     mode += "" if args.sync_phases else ", phases unsynchronized"

@@ -111,7 +111,7 @@ class ExecutorWorker:
         try:
             directory = keys_dir(opts.engine_args.keys_dir)
             cluster_key = None if directory is None else load_pair(directory, CLUSTER)
-            runner = self._load_runner()
+            runner = load_runner(opts.engine_args, opts.rank)
         except Exception as exc:
             # A bad option or missing model needs its message, not a traceback.
             _log.error(
@@ -228,46 +228,6 @@ class ExecutorWorker:
             )
 
         KernelCompiles(compiled).watch()
-
-    def _load_runner(self) -> ModelRunner:
-        # torch is imported here, not at module level: `weir --help` stays fast.
-        from weir.services.executor.model_runner import ModelRunner
-        from weir.shared.model_store import resolve_model
-
-        args = self.options.engine_args
-        return ModelRunner(
-            resolve_model(args.model, load_format=args.load_format),
-            device=args.device or _default_device(),
-            dtype=args.dtype,
-            kv_cache_memory_bytes=args.kv_cache_memory,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            attention_backend=args.attention_backend,
-            max_num_batched_tokens=args.step_limits[0],
-            max_num_seqs=args.step_limits[1],
-            max_model_len=args.max_model_len,
-            num_threads=args.threads,
-            seed=args.seed,
-            load_format=args.load_format,
-            tensor_parallel_size=args.tensor_parallel_size,
-            # Without tensor parallelism the group's ranks are replicas of the whole model.
-            rank=self.options.rank if args.tensor_parallel_size > 1 else 0,
-            enforce_eager=args.enforce_eager,
-            max_mixed_graph_tokens=args.max_mixed_graph_tokens,
-            num_speculative_tokens=args.num_speculative_tokens if args.speculative_method else 0,
-            quantization=args.quantization,
-            loras=args.loras,
-            max_lora_rank=args.max_lora_rank,
-            runner=args.runner,
-            hf_overrides=args.hf_overrides,
-            speculative_model=(
-                None
-                if args.speculative_model is None
-                else resolve_model(args.speculative_model, load_format=args.load_format)
-            ),
-            speculative_model_quantization=args.speculative_model_quantization,
-        )
 
     def _handshake(
         self, sock: zmq.Socket, handshakes: HandshakeMonitor, hello: control.ExecutorHello
@@ -424,6 +384,48 @@ class ExecutorWorker:
         runner.reset()
         failure = control.StepFailure(step_id, self.options.rank, f"{type(exc).__name__}: {exc}")
         sock.send_multipart([control.STEP_ERROR, control.pack(failure)])
+
+
+def load_runner(args: EngineArgs, rank: int = 0) -> ModelRunner:
+    """The model runner executor ``rank`` serves ``args`` with (benchmarks build the same one
+    in their own process)."""
+    # torch is imported here, not at module level: `weir --help` stays fast.
+    from weir.services.executor.model_runner import ModelRunner
+    from weir.shared.model_store import resolve_model
+
+    return ModelRunner(
+        resolve_model(args.model, load_format=args.load_format),
+        device=args.device or _default_device(),
+        dtype=args.dtype,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
+        max_num_batched_tokens=args.step_limits[0],
+        max_num_seqs=args.step_limits[1],
+        max_model_len=args.max_model_len,
+        num_threads=args.threads,
+        seed=args.seed,
+        load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size,
+        # Without tensor parallelism the group's ranks are replicas of the whole model.
+        rank=rank if args.tensor_parallel_size > 1 else 0,
+        enforce_eager=args.enforce_eager,
+        max_mixed_graph_tokens=args.max_mixed_graph_tokens,
+        num_speculative_tokens=args.num_speculative_tokens if args.speculative_method else 0,
+        quantization=args.quantization,
+        loras=args.loras,
+        max_lora_rank=args.max_lora_rank,
+        runner=args.runner,
+        hf_overrides=args.hf_overrides,
+        speculative_model=(
+            None
+            if args.speculative_model is None
+            else resolve_model(args.speculative_model, load_format=args.load_format)
+        ),
+        speculative_model_quantization=args.speculative_model_quantization,
+    )
 
 
 def _group_broken(exc: BaseException | None) -> bool:
