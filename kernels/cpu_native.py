@@ -79,12 +79,12 @@ def _cpu_id() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def _compile(compiler: str) -> Path:
+def _compile(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout
     key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_id())).encode()
+        "\0".join((SOURCE.read_text(), compiler, version, " ".join(flags), _cpu_id())).encode()
     ).hexdigest()[:16]
     target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -93,7 +93,7 @@ def _compile(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            [compiler, *flags, "-o", str(built), str(SOURCE), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -120,6 +120,12 @@ def load() -> "CpuKernels | None":
         log.warning("native CPU kernels unavailable (%s): using the PyTorch kernels", detail)
         return None
     return CpuKernels(lib)
+
+
+def load_with(extra_flags: tuple[str, ...]) -> "CpuKernels":
+    """The kernels compiled with more flags, uncached by `load`: tests build the 256-bit
+    matmul on a machine with AVX-512 (``-mno-avx512f``). Raises where they do not build."""
+    return CpuKernels(ctypes.CDLL(str(_compile(os.environ.get("CC") or "cc", FLAGS + extra_flags))))
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -672,11 +672,15 @@ void weir_int8_linear(const float *x, int64_t x_stride, int64_t m, const int8_t 
 }
 
 /* Float32 matmul against a weight prepacked into panels (weir_pack_panels): the projections
-   and the LM head of every CPU step. A 6 x 16 block of the output is held in twelve vector
-   registers while one pass over k reads its panel (16 weight rows interleaved, [k][16]) and
-   broadcasts six activations per step: twelve FMAs per two panel loads, about 1.2-1.4x the
-   rate of oneDNN's and MKL's float32 GEMM at a decode step's rows on the AVX2 machines
-   measured (docs/benchmarks.md). Written with vector extensions, so it builds anywhere. */
+   and the LM head of every CPU step, in blocks of 6 rows of x by a unit of one or two panels
+   (16 weight rows interleaved, [k][16]). With 256-bit vectors a panel's 6 x 16 block is twelve
+   registers: one pass over k per panel broadcasts six activations per step, twelve FMAs per
+   two panel loads, about 1.2-1.4x the rate of oneDNN's and MKL's float32 GEMM at a decode
+   step's rows on the AVX2 machines measured. With AVX-512 a panel's 16 columns fill one
+   register, so a unit is two panels in one pass: twelve FMAs of 16 lanes per two panel loads
+   and six broadcasts (there the 256-bit kernel ran at half of oneDNN's rate from 64 rows up,
+   this one as fast; docs/benchmarks.md). Written with vector extensions, so it builds
+   anywhere. */
 #define PANEL 16 /* output columns (weight rows) per panel */
 #define BLOCK_ROWS 6
 #define CHUNK_ROWS 96 /* rows of x per pass over the panels: 96 x k stays in L2 */
@@ -692,88 +696,158 @@ void weir_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
     }
 }
 
+/* unit_rows: a unit's block for ROWS rows of x (1 to 6; a constant where inlined, so rows a
+   block does not have cost nothing): ROWS x 16 outputs of panel a and of panel b (pb NULL: no
+   panel b) over all of k, each row's 16 outputs as two v8f halves in acc_a and acc_b. */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#if defined(__AVX512F__)
+#define UNIT_PANELS 2 /* a plain matmul's panels per unit: both in one pass */
+typedef float v16f __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* One pass over k: both panels' blocks in twelve 16-lane accumulators. */
+ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, const float *pa,
+                             const float *pb, int64_t k, v8f acc_a[2 * BLOCK_ROWS],
+                             v8f acc_b[2 * BLOCK_ROWS]) {
+    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
+    v16f b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
+    if (!pb) pb = pa; /* computed, never stored */
+    for (int64_t c = 0; c < k; c++) {
+        __builtin_prefetch(pa + (c + 32) * PANEL);
+        __builtin_prefetch(pb + (c + 32) * PANEL);
+        const v16f wa = load16(pa + c * PANEL), wb = load16(pb + c * PANEL);
+        float s = x[c];
+        a0 += s * wa, b0 += s * wb;
+        if (ROWS > 1) s = x[x_stride + c], a1 += s * wa, b1 += s * wb;
+        if (ROWS > 2) s = x[2 * x_stride + c], a2 += s * wa, b2 += s * wb;
+        if (ROWS > 3) s = x[3 * x_stride + c], a3 += s * wa, b3 += s * wb;
+        if (ROWS > 4) s = x[4 * x_stride + c], a4 += s * wa, b4 += s * wb;
+        if (ROWS > 5) s = x[5 * x_stride + c], a5 += s * wa, b5 += s * wb;
+    }
+    const v16f a[BLOCK_ROWS] = {a0, a1, a2, a3, a4, a5}, b[BLOCK_ROWS] = {b0, b1, b2, b3, b4, b5};
+    memcpy(acc_a, a, sizeof a);
+    memcpy(acc_b, b, sizeof b);
+}
+#else
+#define UNIT_PANELS 1 /* a second panel would be a second pass: no gain in pairing them */
 static inline v8f broadcast(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
 
-/* One block: rows x 16 outputs (rows <= 6) over all of k. */
-static inline void panel_block(const float *x, int64_t x_stride, int64_t rows,
-                               const float *panel, int64_t k, v8f acc[2 * BLOCK_ROWS]) {
-    /* Rows past `rows` repeat the first: computed, never stored. */
-    const float *x0 = x, *x1 = x + x_stride * (rows > 1), *x2 = x + 2 * x_stride * (rows > 2),
-                *x3 = x + 3 * x_stride * (rows > 3), *x4 = x + 4 * x_stride * (rows > 4),
-                *x5 = x + 5 * x_stride * (rows > 5);
+/* One panel's block: twelve 8-lane accumulators. */
+ALWAYS_INLINE void panel_rows(const float *x, int64_t x_stride, int ROWS, const float *panel,
+                              int64_t k, v8f acc[2 * BLOCK_ROWS]) {
     v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t c = 0; c < k; c++) {
         __builtin_prefetch(panel + (c + 32) * PANEL);
         const v8f b0 = load8(panel + c * PANEL), b1 = load8(panel + c * PANEL + 8);
-        v8f a = broadcast(x0[c]);
+        v8f a = broadcast(x[c]);
         c00 += a * b0, c01 += a * b1;
-        a = broadcast(x1[c]);
-        c10 += a * b0, c11 += a * b1;
-        a = broadcast(x2[c]);
-        c20 += a * b0, c21 += a * b1;
-        a = broadcast(x3[c]);
-        c30 += a * b0, c31 += a * b1;
-        a = broadcast(x4[c]);
-        c40 += a * b0, c41 += a * b1;
-        a = broadcast(x5[c]);
-        c50 += a * b0, c51 += a * b1;
+        if (ROWS > 1) a = broadcast(x[x_stride + c]), c10 += a * b0, c11 += a * b1;
+        if (ROWS > 2) a = broadcast(x[2 * x_stride + c]), c20 += a * b0, c21 += a * b1;
+        if (ROWS > 3) a = broadcast(x[3 * x_stride + c]), c30 += a * b0, c31 += a * b1;
+        if (ROWS > 4) a = broadcast(x[4 * x_stride + c]), c40 += a * b0, c41 += a * b1;
+        if (ROWS > 5) a = broadcast(x[5 * x_stride + c]), c50 += a * b0, c51 += a * b1;
     }
     acc[0] = c00, acc[1] = c01, acc[2] = c10, acc[3] = c11, acc[4] = c20, acc[5] = c21;
     acc[6] = c30, acc[7] = c31, acc[8] = c40, acc[9] = c41, acc[10] = c50, acc[11] = c51;
 }
 
-/* The matmul's loop over blocks of 6 rows x one panel, row chunks and panels shared out
-   between the threads. Plain: out[i, j] = (residual[i, j] +) (bias[j] +) x[i] . w[j] for
-   j < n. Gated (the gate/up projection of a gated MLP, n a multiple of PANEL): the panels
-   hold the gate's n rows and then the up's n rows, and out[i, j] = silu(g) * u with
-   g = (bias[j] +) x[i] . w[j] and u = (bias[n + j] +) x[i] . w[n + j], computed as
-   weir_silu_mul computes it, so the [m, 2n] projection output is never written. */
+/* A pass over k per panel (none for a missing panel b). */
+ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, const float *pa,
+                             const float *pb, int64_t k, v8f acc_a[2 * BLOCK_ROWS],
+                             v8f acc_b[2 * BLOCK_ROWS]) {
+    panel_rows(x, x_stride, ROWS, pa, k, acc_a);
+    if (pb) panel_rows(x, x_stride, ROWS, pb, k, acc_b);
+}
+#endif
+
+/* One unit's block of rows <= 6 rows of x. */
+static inline void unit_block(const float *x, int64_t x_stride, int64_t rows, const float *pa,
+                              const float *pb, int64_t k, v8f acc_a[2 * BLOCK_ROWS],
+                              v8f acc_b[2 * BLOCK_ROWS]) {
+    switch (rows) {
+    case 1: unit_rows(x, x_stride, 1, pa, pb, k, acc_a, acc_b); break;
+    case 2: unit_rows(x, x_stride, 2, pa, pb, k, acc_a, acc_b); break;
+    case 3: unit_rows(x, x_stride, 3, pa, pb, k, acc_a, acc_b); break;
+    case 4: unit_rows(x, x_stride, 4, pa, pb, k, acc_a, acc_b); break;
+    case 5: unit_rows(x, x_stride, 5, pa, pb, k, acc_a, acc_b); break;
+    default: unit_rows(x, x_stride, 6, pa, pb, k, acc_a, acc_b); break;
+    }
+}
+
+/* Rows [i0, i0 + rows) x outputs [j0, j0 + cols) of a plain matmul from a panel's block. */
+static inline void store_block(const v8f acc[2 * BLOCK_ROWS], int64_t i0, int64_t rows,
+                               int64_t j0, int64_t cols, const float *bias, const float *residual,
+                               int64_t residual_stride, float *out, int64_t out_stride) {
+    const v8f b0 = bias && cols == PANEL ? load8(bias + j0) : (v8f){0};
+    const v8f b1 = bias && cols == PANEL ? load8(bias + j0 + 8) : (v8f){0};
+    for (int64_t i = 0; i < rows; i++) {
+        float *o = out + (i0 + i) * out_stride + j0;
+        const float *r = residual ? residual + (i0 + i) * residual_stride + j0 : NULL;
+        if (cols == PANEL) {
+            v8f lo = acc[2 * i] + b0, hi = acc[2 * i + 1] + b1;
+            if (r) lo += load8(r), hi += load8(r + 8);
+            store8(o, lo);
+            store8(o + 8, hi);
+            continue;
+        }
+        float v[PANEL];
+        store8(v, acc[2 * i]);
+        store8(v + 8, acc[2 * i + 1]);
+        for (int64_t j = 0; j < cols; j++)
+            o[j] = (v[j] + (bias ? bias[j0 + j] : 0.0f)) + (r ? r[j] : 0.0f);
+    }
+}
+
+/* The matmul's loop over blocks of 6 rows x one unit, row chunks and units shared out between
+   the threads. Plain: out[i, j] = (residual[i, j] +) (bias[j] +) x[i] . w[j] for j < n, a unit
+   being UNIT_PANELS panels in order (an odd last one alone). Gated (the gate/up projection of a gated MLP, n a multiple of PANEL): the
+   panels hold the gate's n rows and then the up's n rows, a unit is panel p of each, and
+   out[i, j] = silu(g) * u with g = (bias[j] +) x[i] . w[j] and u = (bias[n + j] +) x[i] . w[n + j],
+   computed as weir_silu_mul computes it, so the [m, 2n] projection output is never written. */
 static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const float *panels,
                           int64_t n, int64_t k, const float *bias, const float *residual,
                           int64_t residual_stride, float *out, int64_t out_stride, int gated) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t units = gated ? num_panels : (num_panels + UNIT_PANELS - 1) / UNIT_PANELS;
     const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
 #pragma omp parallel for schedule(static) collapse(2)
     for (int64_t chunk = 0; chunk < chunks; chunk++)
-        for (int64_t p = 0; p < num_panels; p++) {
-            const int64_t j0 = p * PANEL, cols = n - j0 < PANEL ? n - j0 : PANEL;
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t pa = gated ? u : UNIT_PANELS * u;
+            const int64_t pb = gated ? num_panels + u : UNIT_PANELS * u + 1;
+            const int has_b = gated || (UNIT_PANELS == 2 && pb < num_panels);
+            const int64_t j0 = pa * PANEL, cols = n - j0 < PANEL ? n - j0 : PANEL;
             const int64_t end = (chunk + 1) * CHUNK_ROWS < m ? (chunk + 1) * CHUNK_ROWS : m;
             for (int64_t i0 = chunk * CHUNK_ROWS; i0 < end; i0 += BLOCK_ROWS) {
                 const int64_t rows = end - i0 < BLOCK_ROWS ? end - i0 : BLOCK_ROWS;
-                v8f acc[2 * BLOCK_ROWS];
-                panel_block(x + i0 * x_stride, x_stride, rows, panels + p * k * PANEL, k, acc);
-                const v8f b0 = bias && cols == PANEL ? load8(bias + j0) : (v8f){0};
-                const v8f b1 = bias && cols == PANEL ? load8(bias + j0 + 8) : (v8f){0};
-                if (gated) {
-                    v8f up[2 * BLOCK_ROWS];
-                    panel_block(x + i0 * x_stride, x_stride, rows,
-                                panels + (num_panels + p) * k * PANEL, k, up);
-                    const v8f u0 = bias ? load8(bias + n + j0) : (v8f){0};
-                    const v8f u1 = bias ? load8(bias + n + j0 + 8) : (v8f){0};
-                    for (int64_t i = 0; i < rows; i++) {
-                        const v8f g_lo = acc[2 * i] + b0, g_hi = acc[2 * i + 1] + b1;
-                        float *o = out + (i0 + i) * out_stride + j0;
-                        store8(o, g_lo / (1.0f + exp8(-g_lo)) * (up[2 * i] + u0));
-                        store8(o + 8, g_hi / (1.0f + exp8(-g_hi)) * (up[2 * i + 1] + u1));
+                v8f acc[2 * BLOCK_ROWS], acc_b[2 * BLOCK_ROWS];
+                unit_block(x + i0 * x_stride, x_stride, rows, panels + pa * k * PANEL,
+                           has_b ? panels + pb * k * PANEL : NULL, k, acc, acc_b);
+                if (!gated) {
+                    store_block(acc, i0, rows, j0, cols, bias, residual, residual_stride, out,
+                                out_stride);
+                    if (has_b) {
+                        const int64_t j1 = pb * PANEL;
+                        store_block(acc_b, i0, rows, j1, n - j1 < PANEL ? n - j1 : PANEL, bias,
+                                    residual, residual_stride, out, out_stride);
                     }
                     continue;
                 }
+                const v8f b0 = bias ? load8(bias + j0) : (v8f){0};
+                const v8f b1 = bias ? load8(bias + j0 + 8) : (v8f){0};
+                const v8f u0 = bias ? load8(bias + n + j0) : (v8f){0};
+                const v8f u1 = bias ? load8(bias + n + j0 + 8) : (v8f){0};
                 for (int64_t i = 0; i < rows; i++) {
+                    const v8f g_lo = acc[2 * i] + b0, g_hi = acc[2 * i + 1] + b1;
                     float *o = out + (i0 + i) * out_stride + j0;
-                    const float *r = residual ? residual + (i0 + i) * residual_stride + j0 : NULL;
-                    if (cols == PANEL) {
-                        v8f lo = acc[2 * i] + b0, hi = acc[2 * i + 1] + b1;
-                        if (r) lo += load8(r), hi += load8(r + 8);
-                        store8(o, lo);
-                        store8(o + 8, hi);
-                        continue;
-                    }
-                    float v[PANEL];
-                    store8(v, acc[2 * i]);
-                    store8(v + 8, acc[2 * i + 1]);
-                    for (int64_t j = 0; j < cols; j++)
-                        o[j] = (v[j] + (bias ? bias[j0 + j] : 0.0f)) + (r ? r[j] : 0.0f);
+                    store8(o, g_lo / (1.0f + exp8(-g_lo)) * (acc_b[2 * i] + u0));
+                    store8(o + 8, g_hi / (1.0f + exp8(-g_hi)) * (acc_b[2 * i + 1] + u1));
                 }
             }
         }

@@ -6,8 +6,10 @@ that repacking costs about as much as the arithmetic. Each projection and the LM
 therefore packed once at load time (a mixture of experts' experts one by one):
 
 - with the native CPU kernels built (`weir.kernels.cpu_native`), into their panels of 16
-  weight rows, multiplied by their 6 x 16 register-blocked GEMM: 1.15-1.25x oneDNN at a
-  decode step's 8-64 rows and as fast or faster at prefill sizes (docs/benchmarks.md);
+  weight rows, multiplied by their register-blocked GEMM (6 x 16 with 256-bit vectors, 6 x 32
+  with AVX-512): on the AVX2 machines measured 1.15-1.25x oneDNN at a decode step's 8-64 rows
+  and as fast or faster at prefill sizes; on an AVX-512 one 1.1x at 1-64 rows, 0.8-1x from
+  256 (docs/benchmarks.md);
 - otherwise into oneDNN's layout (`mkldnn._reorder_linear_weight`, the prepacking PyTorch's
   own compiler uses) for oneDNN's matmul: 20-35% faster than `F.linear` at 1-38 rows,
   1.4-2x for the LM head.
