@@ -73,14 +73,14 @@ class CallAB:
         """`a` wrapped; `same`: the two results must be equal."""
         self.labels[name] = labels
 
-        def both(*args: Any) -> Any:
+        def both(*args: Any, **kwargs: Any) -> Any:
             self.a_first = not self.a_first
             order = (0, 1) if self.a_first else (1, 0)
             outs: list[Any] = [None, None]
             seconds = self.seconds[name, step_kind(args)]
             for i in order:
                 start = time.perf_counter()
-                outs[i] = (a, b)[i](*args)
+                outs[i] = (a, b)[i](*args, **kwargs)
                 seconds[i] += time.perf_counter() - start
             if same and not torch.equal(*outs):
                 raise SystemExit(f"{name}: {labels[0]} and {labels[1]} differ")
