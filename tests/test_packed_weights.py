@@ -85,6 +85,19 @@ def test_packed_gate_up_silu_mul_matches_pytorch(intermediate, rows, packing):
     torch.testing.assert_close(unbiased, torch.nn.functional.silu(gate) * up, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.skipif(KERNELS is None or not AVX512, reason="one native kernel here")
+def test_the_512_and_256_bit_kernels_give_equal_results():
+    """Each output is summed in the same order by both: a model decodes the same on either."""
+    narrow = kernels_of("native-256")
+    gen = torch.Generator().manual_seed(1)
+    for n, k, m in ((100, 72, 13), (3072, 576, 97)):
+        weight, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+        wide_out = KERNELS.linear(x, KERNELS.pack_panels(weight), n)
+        assert torch.equal(wide_out, narrow.linear(x, narrow.pack_panels(weight), n))
+    gated = KERNELS.linear_silu_mul(x, KERNELS.pack_panels(weight), n // 2)
+    assert torch.equal(gated, narrow.linear_silu_mul(x, narrow.pack_panels(weight), n // 2))
+
+
 @pytest.mark.skipif(KERNELS is None, reason="native CPU kernels not built here")
 def test_native_linear_refuses_a_mismatched_input():
     packed = PackedLinear(torch.randn(32, 16), kernels=KERNELS)

@@ -806,10 +806,12 @@ static inline void store_block(const v8f acc[2 * BLOCK_ROWS], int64_t i0, int64_
 
 /* The matmul's loop over blocks of 6 rows x one unit, row chunks and units shared out between
    the threads. Plain: out[i, j] = (residual[i, j] +) (bias[j] +) x[i] . w[j] for j < n, a unit
-   being UNIT_PANELS panels in order (an odd last one alone). Gated (the gate/up projection of a gated MLP, n a multiple of PANEL): the
-   panels hold the gate's n rows and then the up's n rows, a unit is panel p of each, and
-   out[i, j] = silu(g) * u with g = (bias[j] +) x[i] . w[j] and u = (bias[n + j] +) x[i] . w[n + j],
-   computed as weir_silu_mul computes it, so the [m, 2n] projection output is never written. */
+   being UNIT_PANELS panels in order (an odd last one alone). Gated (the gate/up projection of
+   a gated MLP, n a multiple of PANEL): the panels hold the gate's n rows and then the up's n
+   rows, a unit is panel p of each, and out[i, j] = silu(g) * u with g = (bias[j] +) x[i] . w[j]
+   and u = (bias[n + j] +) x[i] . w[n + j], computed as weir_silu_mul computes it, so the
+   [m, 2n] projection output is never written. Both kernels sum each output in the same order:
+   their results are equal. */
 static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const float *panels,
                           int64_t n, int64_t k, const float *bias, const float *residual,
                           int64_t residual_stride, float *out, int64_t out_stride, int gated) {
