@@ -99,7 +99,7 @@ def snapshot(urls: list[str]) -> dict[tuple[str, str], tuple[float, float]]:
     return merged
 
 
-class RecordingRunner:
+class RecordingExecutor:
     """The executor process's order in this process: a plan is launched when submitted and
     finished when its result is awaited, so with async scheduling (the engine core submits
     step N + 1 before it awaits step N) one step runs ahead, as served on CUDA; otherwise each
@@ -139,7 +139,7 @@ def run_in_process(
         engine_args.cache_config(runner.num_blocks, rope.long_prompt_threshold),
     )
     launch_ahead = engine_args.async_scheduling and runner.device.type == "cuda"
-    executor = RecordingRunner(runner, launch_ahead)
+    executor = RecordingExecutor(runner, launch_ahead)
     core = EngineCore(scheduler, executor)
     walls = []
     for run, (prompts, params) in enumerate(runs):

@@ -1093,9 +1093,14 @@ class ClientFrontend:
             self.send_error(tokenizing.identity, rid, code, message)
         self._tokenizing.clear()
 
-    def publish(self, steps: Sequence[EngineStep]) -> None:
+    def publish(
+        self, steps: Sequence[EngineStep], before_send: Callable[[], None] = lambda: None
+    ) -> None:
         """Stream the outputs of consecutive steps, one frame per client (several steps'
-        tokens of a request in one output: see ``output.coalesce``)."""
+        tokens of a request in one output: see ``output.coalesce``). Metrics are updated
+        first, and ``before_send`` runs once the scheduler holds what the outputs say (stop
+        strings ended there): a client that has its outputs finds them counted in /metrics,
+        whose endpoint answers from its own thread."""
         streams = self.streams
         current: list[list[EngineOutput]] = []
         for step in steps:
@@ -1138,10 +1143,11 @@ class ClientFrontend:
                 stopped.append(out.request_id)
             by_client.setdefault(stream.identity, []).append(item)
         self._end_in_scheduler(stopped, RequestStatus.FINISHED_STOPPED)
-        for identity, items in by_client.items():
-            self._send(identity, client_protocol.encode_outputs(items))
         self.metrics.inter_token_latency.observe_many(inter_token)
         self.metrics.generation_tokens.inc(num_generated)
+        before_send()
+        for identity, items in by_client.items():
+            self._send(identity, client_protocol.encode_outputs(items))
 
     def _stream_output(self, stream: _Stream, out: EngineOutput) -> client_protocol.StreamOutput:
         """Detokenize, apply stop strings, and build the client's output for one request."""

@@ -510,10 +510,9 @@ class SchedulerServer:
         if not steps:
             return
         start = time.perf_counter()
-        self.frontend.publish(steps)
         for step in steps:
             self.metrics.iteration_tokens.observe(step.plan.total_num_scheduled_tokens)
-        self._refresh_gauges()
+        self.frontend.publish(steps, before_send=self._refresh_gauges)
         steps.clear()
         self._observe_phase("outputs", time.perf_counter() - start)
 
