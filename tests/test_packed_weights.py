@@ -3,8 +3,6 @@ kernels' panels and oneDNN's layout (the whole model with packed weights is chec
 transformers in test_model_core and test_smollm2_greedy), and packing applies to float32 on
 a CPU only."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,11 +12,7 @@ from weir.services.executor.packed_weights import PackedLinear, can_pack
 KERNELS = cpu_native.load()
 # The matmul has a 512-bit kernel where -march=native gives AVX-512, and a 256-bit one: on such
 # a machine the second is built too, without AVX-512, so that both are checked.
-AVX512 = (
-    "avx512f" in Path("/proc/cpuinfo").read_text().split()
-    if Path("/proc/cpuinfo").exists()
-    else False
-)
+AVX512 = "avx512f" in cpu_native._cpu_id().split()
 PACKINGS = [
     pytest.param(
         "native",

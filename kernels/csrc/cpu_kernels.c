@@ -679,8 +679,8 @@ void weir_int8_linear(const float *x, int64_t x_stride, int64_t m, const int8_t 
    step's rows on the AVX2 machines measured. With AVX-512 a panel's 16 columns fill one
    register, so a unit is two panels in one pass: twelve FMAs of 16 lanes per two panel loads
    and six broadcasts (there the 256-bit kernel ran at half of oneDNN's rate from 64 rows up,
-   this one as fast; docs/benchmarks.md). Written with vector extensions, so it builds
-   anywhere. */
+   this one at 0.8-1.17x of it; docs/benchmarks.md). Written with vector extensions, so it
+   builds anywhere. */
 #define PANEL 16 /* output columns (weight rows) per panel */
 #define BLOCK_ROWS 6
 #define CHUNK_ROWS 96 /* rows of x per pass over the panels: 96 x k stays in L2 */

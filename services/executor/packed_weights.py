@@ -8,8 +8,8 @@ therefore packed once at load time (a mixture of experts' experts one by one):
 - with the native CPU kernels built (`weir.kernels.cpu_native`), into their panels of 16
   weight rows, multiplied by their register-blocked GEMM (6 x 16 with 256-bit vectors, 6 x 32
   with AVX-512): on the AVX2 machines measured 1.15-1.25x oneDNN at a decode step's 8-64 rows
-  and as fast or faster at prefill sizes; on an AVX-512 one 1.1x at 1-64 rows, 0.8-1x from
-  256 (docs/benchmarks.md);
+  and as fast or faster at prefill sizes; on an AVX-512 one the projections 1.12-1.17x at
+  1-64 rows (the LM head 0.96-1.06x), 0.8-1.05x from 256 (docs/benchmarks.md);
 - otherwise into oneDNN's layout (`mkldnn._reorder_linear_weight`, the prepacking PyTorch's
   own compiler uses) for oneDNN's matmul: 20-35% faster than `F.linear` at 1-38 rows,
   1.4-2x for the LM head.
