@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from native_builds import BUILDS, NATIVE, build
 
-from weir.kernels import cpu_attention, cpu_native, reference
+from weir.kernels import cpu_attention, reference
 
 BLOCK_SIZE = 4
 POISON = 1e4
@@ -222,17 +223,19 @@ def test_batched_cpu_attention_with_sinks_equals_reference(dtype, tol, sliding_w
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
 
 
-native = cpu_native.load()
-needs_native = pytest.mark.skipif(native is None, reason="no C compiler: native kernels not built")
+needs_native = pytest.mark.skipif(NATIVE is None, reason="no C compiler: native kernels not built")
 
 
-def native_on_two_threads(step: dict, cache: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
-    """The native kernel's output for ``step`` over ``cache``, on two threads (the kernel's
-    OpenMP pool is PyTorch's): two or more requests per thread merge a decode's KV heads."""
+def native_on_two_threads(
+    step: dict, cache: torch.Tensor, scale: float, kernels: str = "native", **kwargs
+) -> torch.Tensor:
+    """The native kernel's output for ``step`` over ``cache`` (``kernels``: a BUILDS name), on
+    two threads (the kernel's OpenMP pool is PyTorch's): two or more requests per thread merge
+    a decode's KV heads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        return native.paged_attention(
+        return build(kernels).paged_attention(
             step["query"], cache, *attention_metadata(step), scale, **kwargs
         )
     finally:
@@ -252,8 +255,9 @@ MIXED = [(300, 1), (0, 1), (150, 1), (20, 3), (33, 4), (11, 25), (0, 17), (40, 7
     ids=["mixed", "one-decode", "one-speculative"],
 )
 @pytest.mark.parametrize("sliding_window", [None, *WINDOWS])
+@pytest.mark.parametrize("kernels", BUILDS)
 def test_native_cpu_attention_equals_reference(
-    num_heads, num_kv_heads, head_dim, requests, sliding_window
+    num_heads, num_kv_heads, head_dim, requests, sliding_window, kernels
 ):
     """Every query length and tile split (prefill chunks longer than one work item, a head
     size that is not a multiple of 8), against the reference, with the cache written by the
@@ -267,10 +271,10 @@ def test_native_cpu_attention_equals_reference(
 
     want_cache, want = reference_step(step, scale, sliding_window)
     cache = step["kv_cache"].clone()
-    native.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
+    NATIVE.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     assert torch.equal(cache, want_cache)
-    got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window)
-    unwindowed = native_on_two_threads(step, cache, scale)
+    got = native_on_two_threads(step, cache, scale, kernels, sliding_window=sliding_window)
+    unwindowed = native_on_two_threads(step, cache, scale, kernels)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
     if sliding_window is not None and sliding_window > int(step["seq_lens"].max()):
         assert torch.equal(got[:num_real], unwindowed[:num_real])
@@ -280,8 +284,9 @@ def test_native_cpu_attention_equals_reference(
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (9, 3, 64)])
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("sliding_window", [None, 3, 37])
+@pytest.mark.parametrize("kernels", BUILDS)
 def test_native_cpu_attention_with_softcap_equals_reference(
-    num_heads, num_kv_heads, head_dim, sliding_window, softcap
+    num_heads, num_kv_heads, head_dim, sliding_window, softcap, kernels
 ):
     """The cap on every tile's scores, wide and transposed, in the causal loop and the
     windowed rows'."""
@@ -289,7 +294,9 @@ def test_native_cpu_attention_with_softcap_equals_reference(
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
     cache, want = softcapped_step(step, scale, sliding_window, softcap)
-    got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window, softcap=softcap)
+    got = native_on_two_threads(
+        step, cache, scale, kernels, sliding_window=sliding_window, softcap=softcap
+    )
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
 
 
@@ -297,8 +304,9 @@ def test_native_cpu_attention_with_softcap_equals_reference(
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (8, 1, 20)])
 @pytest.mark.parametrize("requests", [MIXED, [(300, 1)]], ids=["mixed", "one-decode"])
 @pytest.mark.parametrize("sliding_window", [None, 3, 37])
+@pytest.mark.parametrize("kernels", BUILDS)
 def test_native_cpu_attention_with_sinks_equals_reference(
-    num_heads, num_kv_heads, head_dim, requests, sliding_window
+    num_heads, num_kv_heads, head_dim, requests, sliding_window, kernels
 ):
     """Each row's sink joins its sum once, after the tiles, in items of one KV head and of
     all of them (merged decodes), with and without a window; the sinks sent as bfloat16,
@@ -308,7 +316,9 @@ def test_native_cpu_attention_with_sinks_equals_reference(
     num_real = int(step["query_start_loc"][-1])
     sinks = sinks_for(step, scale, sliding_window).bfloat16()
     cache, want = reference_step(step, scale, sliding_window, sinks=sinks)
-    got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window, sinks=sinks)
+    got = native_on_two_threads(
+        step, cache, scale, kernels, sliding_window=sliding_window, sinks=sinks
+    )
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
 
 
@@ -317,7 +327,7 @@ def test_sinks_must_be_one_per_query_head():
     args = (step["query"], step["kv_cache"], *attention_metadata(step), 0.25)
     for paged_attention in (
         reference.paged_attention,
-        *(() if native is None else (native.paged_attention,)),
+        *(() if NATIVE is None else (NATIVE.paged_attention,)),
     ):
         with pytest.raises(ValueError, match="one per query head"):
             paged_attention(*args, sinks=torch.zeros(BATCHED_HEADS[1]))
@@ -361,10 +371,10 @@ def test_fp8_cache_equals_reference(num_heads, num_kv_heads, head_dim, sliding_w
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
     got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
-    if native is None:
+    if NATIVE is None:
         return
     cache = step["kv_cache"].clone()
-    native.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
+    NATIVE.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
     got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
@@ -387,7 +397,7 @@ def test_native_kernel_reads_every_fp8_byte_as_pytorch_does(cache_dtype, head_di
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
     seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
     table = torch.arange(num_tokens, dtype=torch.int32).view(1, -1)
-    got = native.paged_attention(query, cache, qsl, seq_lens, table, 1.0, sliding_window=1)
+    got = NATIVE.paged_attention(query, cache, qsl, seq_lens, table, 1.0, sliding_window=1)
     want = cache[1].float().view(num_tokens, 1, head_dim)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
@@ -405,7 +415,7 @@ def test_native_sliding_window_ignores_hidden_keys_whatever_their_scores(sliding
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
     cache, want = reference_step(step, scale, sliding_window)
-    got = native.paged_attention(
+    got = NATIVE.paged_attention(
         step["query"], cache, *attention_metadata(step), scale, sliding_window=sliding_window
     )
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-4, rtol=1e-4)
@@ -417,10 +427,10 @@ def test_a_window_of_no_keys_is_refused():
     step = mixed_step([(30, 1), (0, 5)], *BATCHED_HEADS, torch.float32)
     with pytest.raises(ValueError, match="hides every key"):
         batched_plan(step, 0)
-    if native is not None:
+    if NATIVE is not None:
         args = (step["query"], step["kv_cache"], *attention_metadata(step), 0.25)
         with pytest.raises(ValueError, match="hides every key"):
-            native.paged_attention(*args, sliding_window=0)
+            NATIVE.paged_attention(*args, sliding_window=0)
 
 
 @pytest.mark.parametrize("softcap", [0.0, -5.0])
@@ -431,10 +441,10 @@ def test_a_soft_cap_that_is_not_positive_is_refused(softcap):
         cpu_attention.paged_attention(
             step["query"], step["kv_cache"], batched_plan(step), 0.25, softcap
         )
-    if native is not None:
+    if NATIVE is not None:
         args = (step["query"], step["kv_cache"], *attention_metadata(step), 0.25)
         with pytest.raises(ValueError, match="not positive"):
-            native.paged_attention(*args, softcap=softcap)
+            NATIVE.paged_attention(*args, softcap=softcap)
 
 
 def request_kv(
@@ -538,7 +548,7 @@ def test_native_norm_and_rope_equal_pytorch():
     x = torch.randn(7, 3 * 96, generator=gen)[:, :96]  # strided rows
     weight = torch.randn(96, generator=gen)
     want = torch.nn.functional.rms_norm(x, (96,), weight, 1e-6)
-    torch.testing.assert_close(native.rms_norm(x, weight, 1e-6), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(NATIVE.rms_norm(x, weight, 1e-6), want, atol=1e-5, rtol=1e-5)
 
     qkv = torch.randn(5, 7, 32, generator=gen)
     angles = torch.randn(5, 16, generator=gen)
@@ -547,7 +557,7 @@ def test_native_norm_and_rope_equal_pytorch():
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
     untouched = qkv[:, 5:].clone()
-    native.rope_(qkv[:, :5], cos, sin)
+    NATIVE.rope_(qkv[:, :5], cos, sin)
     torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, 5:], untouched)
 
@@ -558,19 +568,19 @@ def test_native_norm_and_rope_equal_pytorch():
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, qkv[:, :5, 24:]), dim=-1)
     untouched = qkv[:, 5:].clone()
-    native.rope_(qkv[:, :5, :24], cos, sin)
+    NATIVE.rope_(qkv[:, :5, :24], cos, sin)
     torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
     assert torch.equal(qkv[:, 5:], untouched)
 
 
-@needs_native
-def test_native_silu_mul_equals_pytorch():
+@pytest.mark.parametrize("kernels", BUILDS)
+def test_native_silu_mul_equals_pytorch(kernels):
     gen = torch.Generator().manual_seed(2)
     gate_up = torch.randn(6, 2 * 2 * 37, generator=gen)[:, : 2 * 37] * 4  # strided rows
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -87.5])  # exp's range ends
     gate, up = gate_up.clone().chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
-    got = native.silu_mul_(gate_up)
+    got = build(kernels).silu_mul_(gate_up)
     assert got.data_ptr() == gate_up.data_ptr()  # in place, over the gate half
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -583,27 +593,27 @@ def test_native_kernels_refuse_metadata_outside_the_cache():
     step = mixed_step([(30, 1), (0, 5)], 4, 2, 16, torch.float32)
     cache = step["kv_cache"].clone()
     args = (*attention_metadata(step), 0.25)
-    native.paged_attention(step["query"], cache, *args)  # the untouched step is fine
+    NATIVE.paged_attention(step["query"], cache, *args)  # the untouched step is fine
 
     bad_table = step["block_table"].clone()
     bad_table[0, 1] = cache.shape[1]
     with pytest.raises(IndexError):
-        native.paged_attention(step["query"], cache, args[0], args[1], bad_table, 0.25)
+        NATIVE.paged_attention(step["query"], cache, args[0], args[1], bad_table, 0.25)
     too_long = step["seq_lens"].clone()
     too_long[1] = bad_table.shape[1] * BLOCK_SIZE + 1
     with pytest.raises(IndexError):
-        native.paged_attention(step["query"], cache, args[0], too_long, args[2], 0.25)
+        NATIVE.paged_attention(step["query"], cache, args[0], too_long, args[2], 0.25)
     past_batch = step["query_start_loc"].clone()
     past_batch[-1] = step["query"].shape[0] + 1
     with pytest.raises(IndexError):
-        native.paged_attention(step["query"], cache, past_batch, *args[1:])
+        NATIVE.paged_attention(step["query"], cache, past_batch, *args[1:])
 
     ungrouped = step["query"][:, :3]  # 3 query heads over 2 KV heads: no grouping
     with pytest.raises(ValueError, match="do not group"):
-        native.paged_attention(ungrouped.contiguous(), cache, *args)
+        NATIVE.paged_attention(ungrouped.contiguous(), cache, *args)
 
     slots = step["slot_mapping"].clone()
     slots[0] = cache.shape[1] * cache.shape[2]
     with pytest.raises(IndexError):
-        native.reshape_and_cache(step["key"], step["value"], cache, slots)
+        NATIVE.reshape_and_cache(step["key"], step["value"], cache, slots)
     assert torch.equal(cache, step["kv_cache"])

@@ -5,25 +5,13 @@ a CPU only."""
 
 import pytest
 import torch
+from native_builds import AVX512, BUILDS, NATIVE, build
 
 from weir.kernels import cpu_native
 from weir.services.executor.packed_weights import PackedLinear, can_pack
 
-KERNELS = cpu_native.load()
-# The matmul has a 512-bit kernel where -march=native gives AVX-512, and a 256-bit one: on such
-# a machine the second is built too, without AVX-512, so that both are checked.
-AVX512 = "avx512f" in cpu_native._cpu_id().split()
 PACKINGS = [
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(KERNELS is None, reason="native CPU kernels not built here"),
-    ),
-    pytest.param(
-        "native-256",
-        marks=pytest.mark.skipif(
-            KERNELS is None or not AVX512, reason="no AVX-512 here: 'native' is the 256-bit kernel"
-        ),
-    ),
+    *BUILDS,
     pytest.param(
         "onednn",
         marks=pytest.mark.skipif(
@@ -34,9 +22,7 @@ PACKINGS = [
 
 
 def kernels_of(packing: str) -> cpu_native.CpuKernels | None:
-    if packing == "native-256":
-        return cpu_native.load_with(("-mno-avx512f",))
-    return KERNELS if packing == "native" else None
+    return None if packing == "onednn" else build(packing)
 
 
 # Rows around the kernel's 6-row blocks and 96-row chunks; 100 outputs leave a partial panel.
@@ -79,31 +65,31 @@ def test_packed_gate_up_silu_mul_matches_pytorch(intermediate, rows, packing):
     torch.testing.assert_close(unbiased, torch.nn.functional.silu(gate) * up, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.skipif(KERNELS is None or not AVX512, reason="one native kernel here")
+@pytest.mark.skipif(NATIVE is None or not AVX512, reason="one native kernel here")
 def test_the_512_and_256_bit_kernels_give_equal_results():
     """Each output is summed in the same order by both: a model decodes the same on either."""
     narrow = kernels_of("native-256")
     gen = torch.Generator().manual_seed(1)
     for n, k, m in ((100, 72, 13), (3072, 576, 97)):
         weight, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
-        wide_out = KERNELS.linear(x, KERNELS.pack_panels(weight), n)
+        wide_out = NATIVE.linear(x, NATIVE.pack_panels(weight), n)
         assert torch.equal(wide_out, narrow.linear(x, narrow.pack_panels(weight), n))
-    gated = KERNELS.linear_silu_mul(x, KERNELS.pack_panels(weight), n // 2)
+    gated = NATIVE.linear_silu_mul(x, NATIVE.pack_panels(weight), n // 2)
     assert torch.equal(gated, narrow.linear_silu_mul(x, narrow.pack_panels(weight), n // 2))
 
 
-@pytest.mark.skipif(KERNELS is None, reason="native CPU kernels not built here")
+@pytest.mark.skipif(NATIVE is None, reason="native CPU kernels not built here")
 def test_native_linear_refuses_a_mismatched_input():
-    packed = PackedLinear(torch.randn(32, 16), kernels=KERNELS)
+    packed = PackedLinear(torch.randn(32, 16), kernels=NATIVE)
     with pytest.raises(ValueError, match="16 inputs"):
         packed(torch.randn(4, 17))
     with pytest.raises(ValueError, match="16 inputs"):
         packed(torch.randn(16, 4).t())
-    panels = KERNELS.pack_panels(torch.randn(32, 16))
+    panels = NATIVE.pack_panels(torch.randn(32, 16))
     with pytest.raises(ValueError, match="need 4 panels"):
-        KERNELS.linear_silu_mul(torch.randn(4, 16), panels, 32)
+        NATIVE.linear_silu_mul(torch.randn(4, 16), panels, 32)
 
 
 def test_only_float32_on_a_cpu_is_packed():
-    assert not can_pack(torch.device("cpu"), torch.bfloat16, KERNELS)
-    assert not can_pack(torch.device("cuda"), torch.float32, KERNELS)
+    assert not can_pack(torch.device("cpu"), torch.bfloat16, NATIVE)
+    assert not can_pack(torch.device("cuda"), torch.float32, NATIVE)

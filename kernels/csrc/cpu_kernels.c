@@ -37,42 +37,69 @@ static inline v8f load8(const float *p) {
 
 static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
-/* exp on 8 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp; inputs
+/* The attention's and the activations' vectors: 16 lanes where the CPU has AVX-512F (one
+   zmm register), 8 otherwise. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* The sum of a vector's two halves (the vector itself with 8 lanes). */
+static inline v8f fold8(vf v) {
+#if VL == 16
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return v;
+#endif
+}
+
+/* exp on VL lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial, ~1 ulp; inputs
    clamped to [-87.3, 88.3], so the result stays finite and normal); the
    scalar expf of libm does not vectorize, and softmax takes one per score. */
-static inline v8f exp8(v8f x) {
-    const v8f lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const v8f hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
-    const v8i below = x < lo, above = x > hi;
-    x = (v8f)((below & (v8i)lo) | (above & (v8i)hi) | (~(below | above) & (v8i)x));
-    v8f fx = x * 1.44269504088896341f + 0.5f;
-    v8i n = __builtin_convertvector(fx, v8i);
-    n -= (v8i)(__builtin_convertvector(n, v8f) > fx) & 1; /* floor, also for negatives */
-    v8f nf = __builtin_convertvector(n, v8f);
+static inline vf expv(vf x) {
+    const vf lo = (vf){0} - 87.3f, hi = (vf){0} + 88.3f;
+    const vi below = x < lo, above = x > hi;
+    x = (vf)((below & (vi)lo) | (above & (vi)hi) | (~(below | above) & (vi)x));
+    vf fx = x * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(fx, vi);
+    n -= (vi)(__builtin_convertvector(n, vf) > fx) & 1; /* floor, also for negatives */
+    vf nf = __builtin_convertvector(n, vf);
     x = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v8f y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+    vf y = x * 1.9875691500e-4f + 1.3981999507e-3f;
     y = y * x + 8.3334519073e-3f;
     y = y * x + 4.1665795894e-2f;
     y = y * x + 1.6666665459e-1f;
     y = y * x + 5.0000001201e-1f;
     y = y * x * x + x + 1.0f;
-    return y * (v8f)((n + 127) << 23);
+    return y * (vf)((n + 127) << 23);
 }
 
-/* tanh on 8 lanes (Cephes' tanhf: an odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1)
-   with its sign above, ~2 ulp; exp8's clamp keeps a large |x| at 1). */
-static inline v8f tanh8(v8f x) {
-    const v8i sign = (v8i)x & INT32_MIN;
-    const v8f z = (v8f)((v8i)x ^ sign);
-    const v8f far = (v8f)((v8i)(1.0f - 2.0f / (exp8(z + z) + 1.0f)) | sign);
-    const v8f s = x * x;
-    v8f near = -5.70498872745e-3f * s + 2.06390887954e-2f;
+/* tanh on VL lanes (Cephes' tanhf: an odd polynomial below |x| = 0.625, 1 - 2 / (exp(2|x|) + 1)
+   with its sign above, ~2 ulp; expv's clamp keeps a large |x| at 1). */
+static inline vf tanhv(vf x) {
+    const vi sign = (vi)x & INT32_MIN;
+    const vf z = (vf)((vi)x ^ sign);
+    const vf far = (vf)((vi)(1.0f - 2.0f / (expv(z + z) + 1.0f)) | sign);
+    const vf s = x * x;
+    vf near = -5.70498872745e-3f * s + 2.06390887954e-2f;
     near = near * s - 5.37397155531e-2f;
     near = near * s + 1.33314422036e-1f;
     near = near * s - 3.33332819422e-1f;
     near = near * s * x + x;
-    const v8i use_far = z > 0.625f;
-    return (v8f)((use_far & (v8i)far) | (~use_far & (v8i)near));
+    const vi use_far = z > 0.625f;
+    return (vf)((use_far & (vi)far) | (~use_far & (vi)near));
 }
 
 static inline float dot8(const float *a, const float *b, int64_t n) {
@@ -123,9 +150,9 @@ void weir_silu_mul(float *x, int64_t row_stride, int64_t rows, int64_t dim) {
         float *g = x + t * row_stride;
         const float *u = g + dim;
         int64_t i = 0;
-        for (; i + 8 <= dim; i += 8) {
-            const v8f gv = load8(g + i);
-            store8(g + i, gv / (1.0f + exp8(-gv)) * load8(u + i));
+        for (; i + VL <= dim; i += VL) {
+            const vf gv = loadv(g + i);
+            storev(g + i, gv / (1.0f + expv(-gv)) * loadv(u + i));
         }
         for (; i < dim; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
@@ -186,20 +213,22 @@ typedef struct {
 } WorkItem;
 
 /* The sums of eight vectors: out[k] = sum of acc[k]'s lanes. */
-static inline v8f sum8x8(const v8f acc[8]) {
+static inline v8f sum8x8(const vf acc[8]) {
+    v8f h[8];
+    for (int k = 0; k < 8; k++) h[k] = fold8(acc[k]);
 #if defined(__AVX__)
-    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]);
-    const __m256 t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
-    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]);
-    const __m256 t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
+    const __m256 t0 = _mm256_hadd_ps((__m256)h[0], (__m256)h[1]);
+    const __m256 t1 = _mm256_hadd_ps((__m256)h[2], (__m256)h[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)h[4], (__m256)h[5]);
+    const __m256 t3 = _mm256_hadd_ps((__m256)h[6], (__m256)h[7]);
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
                               _mm256_permute2f128_ps(u0, u1, 0x31));
 #else
     v8f out;
     for (int k = 0; k < 8; k++)
-        out[k] = ((acc[k][0] + acc[k][4]) + (acc[k][1] + acc[k][5])) +
-                 ((acc[k][2] + acc[k][6]) + (acc[k][3] + acc[k][7]));
+        out[k] = ((h[k][0] + h[k][4]) + (h[k][1] + h[k][5])) +
+                 ((h[k][2] + h[k][6]) + (h[k][3] + h[k][7]));
     return out;
 #endif
 }
@@ -209,18 +238,18 @@ static inline v8f sum8x8(const v8f acc[8]) {
    Few rows (decodes): eight keys at a time per row, eight independent accumulators summed
    across lanes at the end. Many rows (prefill, tile == KEY_TILE): the tile is transposed
    once into kt[d][key] so each row's scores are broadcast-and-FMA over contiguous keys, with
-   no horizontal sums; six rows share each load of the transposed tile. */
+   no horizontal sums; six rows share each load of two vectors of the transposed tile. */
 static inline void score_tile(const float *qs, int64_t rows, const float *const *krow,
                               int64_t tile, int64_t head_dim, float *kt, float *s) {
     if (rows < TRANSPOSE_ROWS) {
         for (int64_t r = 0; r < rows; r++) {
             const float *qr = qs + r * head_dim;
             for (int64_t g = 0; g < tile; g += 8) {
-                v8f acc[8] = {{0}};
+                vf acc[8] = {{0}};
                 int64_t d = 0;
-                for (; d + 8 <= head_dim; d += 8) {
-                    const v8f qv = load8(qr + d);
-                    for (int k = 0; k < 8; k++) acc[k] += qv * load8(krow[g + k] + d);
+                for (; d + VL <= head_dim; d += VL) {
+                    const vf qv = loadv(qr + d);
+                    for (int k = 0; k < 8; k++) acc[k] += qv * loadv(krow[g + k] + d);
                 }
                 v8f sums = sum8x8(acc);
                 for (; d < head_dim; d++)
@@ -232,16 +261,16 @@ static inline void score_tile(const float *qs, int64_t rows, const float *const 
     }
     for (int64_t j = 0; j < KEY_TILE; j++)
         for (int64_t d = 0; d < head_dim; d++) kt[d * KEY_TILE + j] = krow[j][d];
-    for (int64_t half = 0; half < KEY_TILE; half += 16) {
-        const float *k16 = kt + half;
+    for (int64_t half = 0; half < KEY_TILE; half += 2 * VL) {
+        const float *k2 = kt + half;
         int64_t r = 0;
-        for (; r + 6 <= rows; r += 6) { /* the panel matmul's 6 x 16 register block */
+        for (; r + 6 <= rows; r += 6) { /* the panel matmul's 6-row register block */
             const float *q0 = qs + r * head_dim, *q1 = q0 + head_dim, *q2 = q1 + head_dim,
                         *q3 = q2 + head_dim, *q4 = q3 + head_dim, *q5 = q4 + head_dim;
-            v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0};
-            v8f a3 = {0}, b3 = {0}, a4 = {0}, b4 = {0}, a5 = {0}, b5 = {0};
+            vf a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0};
+            vf a3 = {0}, b3 = {0}, a4 = {0}, b4 = {0}, a5 = {0}, b5 = {0};
             for (int64_t d = 0; d < head_dim; d++) {
-                const v8f lo = load8(k16 + d * KEY_TILE), hi = load8(k16 + d * KEY_TILE + 8);
+                const vf lo = loadv(k2 + d * KEY_TILE), hi = loadv(k2 + d * KEY_TILE + VL);
                 a0 += q0[d] * lo, b0 += q0[d] * hi;
                 a1 += q1[d] * lo, b1 += q1[d] * hi;
                 a2 += q2[d] * lo, b2 += q2[d] * hi;
@@ -250,42 +279,56 @@ static inline void score_tile(const float *qs, int64_t rows, const float *const 
                 a5 += q5[d] * lo, b5 += q5[d] * hi;
             }
             float *o = s + r * KEY_TILE + half;
-            store8(o, a0), store8(o + 8, b0), o += KEY_TILE;
-            store8(o, a1), store8(o + 8, b1), o += KEY_TILE;
-            store8(o, a2), store8(o + 8, b2), o += KEY_TILE;
-            store8(o, a3), store8(o + 8, b3), o += KEY_TILE;
-            store8(o, a4), store8(o + 8, b4), o += KEY_TILE;
-            store8(o, a5), store8(o + 8, b5);
+            storev(o, a0), storev(o + VL, b0), o += KEY_TILE;
+            storev(o, a1), storev(o + VL, b1), o += KEY_TILE;
+            storev(o, a2), storev(o + VL, b2), o += KEY_TILE;
+            storev(o, a3), storev(o + VL, b3), o += KEY_TILE;
+            storev(o, a4), storev(o + VL, b4), o += KEY_TILE;
+            storev(o, a5), storev(o + VL, b5);
         }
         for (; r < rows; r++) {
             const float *qr = qs + r * head_dim;
-            v8f lo_sum = {0}, hi_sum = {0};
+            vf lo_sum = {0}, hi_sum = {0};
             for (int64_t d = 0; d < head_dim; d++) {
-                lo_sum += qr[d] * load8(k16 + d * KEY_TILE);
-                hi_sum += qr[d] * load8(k16 + d * KEY_TILE + 8);
+                lo_sum += qr[d] * loadv(k2 + d * KEY_TILE);
+                hi_sum += qr[d] * loadv(k2 + d * KEY_TILE + VL);
             }
-            store8(s + r * KEY_TILE + half, lo_sum);
-            store8(s + r * KEY_TILE + half + 8, hi_sum);
+            storev(s + r * KEY_TILE + half, lo_sum);
+            storev(s + r * KEY_TILE + half + VL, hi_sum);
         }
     }
 }
 
-/* a[0, head_dim) = a * correction + sum over j < n of p[j] * vrow[j]. Sixty-four columns
-   at a time stay in eight registers, so the n-long sums run as eight independent chains. */
+/* a[0, head_dim) = a * correction + sum over j < n of p[j] * vrow[j], the n-long sums as eight
+   independent chains: eight vectors of columns at a time, then four vectors over the even
+   and the odd keys apart (a 64-wide head with 16 lanes), then one vector. */
 static inline void accumulate_values(float *a, float correction, const float *p,
                                      const float *const *vrow, int64_t n, int64_t head_dim) {
     int64_t d = 0;
-    for (; d + 64 <= head_dim; d += 64) {
-        v8f acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = load8(a + d + 8 * c) * correction;
+    for (; d + 8 * VL <= head_dim; d += 8 * VL) {
+        vf acc[8];
+        for (int c = 0; c < 8; c++) acc[c] = loadv(a + d + VL * c) * correction;
         for (int64_t j = 0; j < n; j++)
-            for (int c = 0; c < 8; c++) acc[c] += p[j] * load8(vrow[j] + d + 8 * c);
-        for (int c = 0; c < 8; c++) store8(a + d + 8 * c, acc[c]);
+            for (int c = 0; c < 8; c++) acc[c] += p[j] * loadv(vrow[j] + d + VL * c);
+        for (int c = 0; c < 8; c++) storev(a + d + VL * c, acc[c]);
     }
-    for (; d + 8 <= head_dim; d += 8) {
-        v8f av = load8(a + d) * correction;
-        for (int64_t j = 0; j < n; j++) av += p[j] * load8(vrow[j] + d);
-        store8(a + d, av);
+    for (; d + 4 * VL <= head_dim; d += 4 * VL) {
+        vf even[4], odd[4] = {{0}};
+        for (int c = 0; c < 4; c++) even[c] = loadv(a + d + VL * c) * correction;
+        int64_t j = 0;
+        for (; j + 2 <= n; j += 2)
+            for (int c = 0; c < 4; c++) {
+                even[c] += p[j] * loadv(vrow[j] + d + VL * c);
+                odd[c] += p[j + 1] * loadv(vrow[j + 1] + d + VL * c);
+            }
+        if (j < n)
+            for (int c = 0; c < 4; c++) even[c] += p[j] * loadv(vrow[j] + d + VL * c);
+        for (int c = 0; c < 4; c++) storev(a + d + VL * c, even[c] + odd[c]);
+    }
+    for (; d + VL <= head_dim; d += VL) {
+        vf av = loadv(a + d) * correction;
+        for (int64_t j = 0; j < n; j++) av += p[j] * loadv(vrow[j] + d);
+        storev(a + d, av);
     }
     for (; d < head_dim; d++) {
         float av = a[d] * correction;
@@ -294,49 +337,58 @@ static inline void accumulate_values(float *a, float correction, const float *p,
     }
 }
 
-static inline v8f max8(v8f a, v8f b) {
-    const v8i a_greater = a > b;
-    return (v8f)((a_greater & (v8i)a) | (~a_greater & (v8i)b));
+static inline vf maxv(vf a, vf b) {
+    const vi a_greater = a > b;
+    return (vf)((a_greater & (vi)a) | (~a_greater & (vi)b));
 }
 
-static inline float hmax8(v8f v) {
-    float m = v[0];
-    for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m; /* maxss; fmaxf is a libm call */
+static inline float hmaxv(vf v) {
+#if VL == 16
+    v8f h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8f high = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8i high_greater = high > h;
+    h = (v8f)((high_greater & (v8i)high) | (~high_greater & (v8i)h));
+#else
+    const v8f h = v;
+#endif
+    float m = h[0];
+    for (int i = 1; i < 8; i++) m = h[i] > m ? h[i] : m; /* maxss; fmaxf is a libm call */
     return m;
 }
 
 /* Online-softmax update of one row for the scores sr[0, n) of this tile: the row's running
    max and sum are moved to the new max, p[0, n) gets the probabilities (p[n, n rounded up to
-   8) zero) and the factor the row's accumulator must be scaled by is returned. */
+   VL) zero) and the factor the row's accumulator must be scaled by is returned. */
 static inline float softmax_tile(float *sr, int64_t n, float *row_max, float *row_sum, float *p) {
-    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    const v8f neg_inf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                         -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    v8f vmax = neg_inf;
-    for (int64_t c = 0; c < n; c += 8) {
-        const v8i visible = lane < (v8i){0} + (int32_t)(n - c);
-        const v8f v = (v8f)((visible & (v8i)load8(sr + c)) | (~visible & (v8i)neg_inf));
-        store8(sr + c, v);
-        vmax = max8(vmax, v);
+    vi lane;
+    for (int i = 0; i < VL; i++) lane[i] = i;
+    const vf neg_inf = (vf){0} - INFINITY;
+    vf vmax = neg_inf;
+    for (int64_t c = 0; c < n; c += VL) {
+        const vi visible = lane < (vi){0} + (int32_t)(n - c);
+        const vf v = (vf)((visible & (vi)loadv(sr + c)) | (~visible & (vi)neg_inf));
+        storev(sr + c, v);
+        vmax = maxv(vmax, v);
     }
-    const float tile_max = hmax8(vmax), m = tile_max > *row_max ? tile_max : *row_max;
-    v8f vsum = {0};
-    for (int64_t c = 0; c < n; c += 8) {
-        const v8i visible = lane < (v8i){0} + (int32_t)(n - c);
-        const v8f e = (v8f)(visible & (v8i)exp8(load8(sr + c) - m));
-        store8(p + c, e);
+    const float tile_max = hmaxv(vmax), m = tile_max > *row_max ? tile_max : *row_max;
+    vf vsum = {0};
+    for (int64_t c = 0; c < n; c += VL) {
+        const vi visible = lane < (vi){0} + (int32_t)(n - c);
+        const vf e = (vf)(visible & (vi)expv(loadv(sr + c) - m));
+        storev(p + c, e);
         vsum += e;
     }
     const float correction = expf(*row_max - m);
+    const v8f h = fold8(vsum);
     *row_sum = *row_sum * correction +
-               (((vsum[0] + vsum[4]) + (vsum[1] + vsum[5])) + ((vsum[2] + vsum[6]) + (vsum[3] + vsum[7])));
+               (((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7])));
     *row_max = m;
     return correction;
 }
 
 /* One row's online-softmax step over the keys [from, n) of this tile, the first `from` hidden
-   from it by a sliding window. Its scores from `from` rounded down to 8 up to `from` become
-   -inf, so softmax_tile reads whole vectors of this row only; their probabilities (exp8's
+   from it by a sliding window. Its scores from `from` rounded down to VL up to `from` become
+   -inf, so softmax_tile reads whole vectors of this row only; their probabilities (expv's
    floor, ~1e-38) vanish in the row's sum, which holds its max's own 1, and the values' sum
    starts at `from`. Not inlined: a second inlined copy of the softmax and the values' sum
    cost attend_item's causal loop registers (1% more instructions on the prefill of
@@ -345,7 +397,7 @@ static __attribute__((noinline)) void attend_window_row(float *sr, int64_t from,
                                                         float *row_max, float *row_sum, float *p,
                                                         float *a, const float *const *vrow,
                                                         int64_t head_dim) {
-    const int64_t c0 = from & ~(int64_t)7;
+    const int64_t c0 = from & ~(int64_t)(VL - 1);
     for (int64_t j = c0; j < from; j++) sr[j] = -INFINITY;
     const float correction = softmax_tile(sr + c0, n - c0, row_max, row_sum, p);
     accumulate_values(a, correction, p + (from - c0), vrow + from, n - from, head_dim);
@@ -360,7 +412,7 @@ static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64
     for (int64_t r = 0; r < rows; r++) {
         float *row = s + r * tile;
         int64_t j = 0;
-        for (; j + 8 <= nk; j += 8) store8(row + j, cap * tanh8(load8(row + j) / cap));
+        for (; j + VL <= nk; j += VL) storev(row + j, cap * tanhv(loadv(row + j) / cap));
         for (; j < nk; j++) row[j] = cap * tanhf(row[j] / cap);
     }
 }
@@ -841,15 +893,16 @@ static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const flo
                     }
                     continue;
                 }
-                const v8f b0 = bias ? load8(bias + j0) : (v8f){0};
-                const v8f b1 = bias ? load8(bias + j0 + 8) : (v8f){0};
-                const v8f u0 = bias ? load8(bias + n + j0) : (v8f){0};
-                const v8f u1 = bias ? load8(bias + n + j0 + 8) : (v8f){0};
                 for (int64_t i = 0; i < rows; i++) {
-                    const v8f g_lo = acc[2 * i] + b0, g_hi = acc[2 * i + 1] + b1;
+                    float g[PANEL], u[PANEL];
+                    memcpy(g, &acc[2 * i], sizeof g);
+                    memcpy(u, &acc_b[2 * i], sizeof u);
                     float *o = out + (i0 + i) * out_stride + j0;
-                    store8(o, g_lo / (1.0f + exp8(-g_lo)) * (acc_b[2 * i] + u0));
-                    store8(o + 8, g_hi / (1.0f + exp8(-g_hi)) * (acc_b[2 * i + 1] + u1));
+                    for (int64_t c = 0; c < PANEL; c += VL) {
+                        const vf gv = loadv(g + c) + (bias ? loadv(bias + j0 + c) : (vf){0});
+                        const vf uv = loadv(u + c) + (bias ? loadv(bias + n + j0 + c) : (vf){0});
+                        storev(o + c, gv / (1.0f + expv(-gv)) * uv);
+                    }
                 }
             }
         }
