@@ -23,7 +23,8 @@
 
 #define KEY_TILE 32    /* keys scored at a time for many query rows (two halves of 16) */
 #define MAX_TILE_ROWS 64 /* query rows (tokens x heads of one KV head) per work item */
-#define WIDE_TILE 64    /* keys per tile for few query rows */
+#define WIDE_TILE 128   /* keys per tile for few query rows */
+#define FP8_WIDE_TILE 64 /* the same over an fp8 cache: its widened K and V tiles stay in L2 */
 #define TRANSPOSE_ROWS 16 /* from this many rows a transposed key tile pays for itself */
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -424,10 +425,11 @@ static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64
    tile below its own window; with a softcap > 0, each tile's scores are capped first; with
    sinks, each query head's sink logit joins its softmax's denominator at the end),
    with an online softmax over tiles of keys read in place from the paged cache: WIDE_TILE
-   keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 64
-   keys), KEY_TILE for many (the transposed tile lives in L1). An item of several KV heads
-   walks each tile's cache slots once for all of them: the heads of a slot are adjacent, so
-   the tile is read as contiguous runs rather than one head's stripe of every slot. */
+   keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 128
+   keys; FP8_WIDE_TILE over an fp8 cache), KEY_TILE for many (the transposed tile lives in
+   L1). An item of several KV heads walks each tile's cache slots once for all of them: the
+   heads of a slot are adjacent, so the tile is read as contiguous runs rather than one
+   head's stripe of every slot. */
 static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
                         int64_t out_stride, const void *key_cache, const void *value_cache,
                         int64_t fp8_format, const float *fp8_values, const int32_t *query_start_loc,
@@ -437,7 +439,9 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                         float softcap, const float *sinks, float *scratch) {
     const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
     const int64_t rows = head_rows * heads;
-    const int64_t tile = head_rows < TRANSPOSE_ROWS ? WIDE_TILE : KEY_TILE;
+    const int64_t tile = head_rows >= TRANSPOSE_ROWS ? KEY_TILE
+                         : fp8_format              ? FP8_WIDE_TILE
+                                                   : WIDE_TILE;
     const int64_t q_len = query_start_loc[w->req + 1] - query_start_loc[w->req];
     const int64_t context = seq_lens[w->req] - q_len;
     const int64_t token0 = query_start_loc[w->req] + w->first_token;
@@ -457,8 +461,8 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     float *kt = acc + rows * head_dim;   /* [head_dim][KEY_TILE] */
     float *s = kt + head_dim * KEY_TILE; /* [head_rows][tile] */
     float *row_max = s + head_rows * tile, *row_sum = row_max + rows;
-    /* An fp8 cache's tile, widened to floats: [WIDE_TILE][item_floats] each for K and V. */
-    float *kdec = row_sum + rows, *vdec = kdec + WIDE_TILE * item_floats;
+    /* An fp8 cache's tile, widened to floats: [tile][item_floats] each for K and V. */
+    float *kdec = row_sum + rows, *vdec = kdec + tile * item_floats;
     const int64_t item_bytes = fp8_format ? 1 : (int64_t)sizeof(float);
     const char *kc = key_cache, *vc = value_cache;
     const float *kslot[WIDE_TILE], *vslot[WIDE_TILE], *krow[WIDE_TILE], *vrow[WIDE_TILE];
@@ -622,7 +626,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
     }
     const size_t scratch_floats =
         (size_t)(2 * max_rows * head_dim + head_dim * KEY_TILE + max_rows * WIDE_TILE + 2 * max_rows +
-                 (fp8_format ? 2 * WIDE_TILE * num_kv_heads * head_dim : 0));
+                 (fp8_format ? 2 * FP8_WIDE_TILE * num_kv_heads * head_dim : 0));
     int failed = 0;
 #pragma omp parallel
     {
