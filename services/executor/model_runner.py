@@ -35,6 +35,7 @@ import torch
 
 from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
+from weir.services.executor.cpu_heap import keep_step_buffers, step_buffer_bytes
 from weir.services.executor.cuda_graphs import StepGraphs, graph_shapes
 from weir.services.executor.drafter import Drafter
 from weir.services.executor.input_batch import (
@@ -226,6 +227,8 @@ class ModelRunner:
             self.device = local_cuda_device(rank)
         if self.device.type == "cpu":
             set_cpu_threads(num_threads)
+            sampled_rows = max_num_seqs * (1 + num_speculative_tokens)
+            keep_step_buffers(step_buffer_bytes(model_config, max_num_batched_tokens, sampled_rows))
         self.num_threads = torch.get_num_threads()
         self.tp = init_tensor_parallel(tensor_parallel_size, rank, self.device)
         self.dtype = parse_dtype(dtype, self.device)
