@@ -37,7 +37,7 @@ def step_buffer_bytes(config: ModelConfig, max_num_batched_tokens: int, sampled_
 
 def is_glibc() -> bool:
     try:
-        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
     except (ValueError, OSError):  # not a GNU C library
         return False
 
