@@ -8,8 +8,8 @@ every layer and every step: a quarter of a 2,048-token prefill step on a 2-core 
 (docs/benchmarks.md). With the mmap threshold above the step's largest tensor and the trim
 threshold at twice that, freed buffers stay in the heap for the next layer to reuse; the
 process holds at most the trim threshold in freed memory. Another C library (musl) is left
-as it is; an allocator preloaded in glibc's place (tcmalloc, jemalloc) gets the call as its
-own ``mallopt``.
+as it is; with an allocator preloaded in glibc's place (tcmalloc, jemalloc) the call sets
+what that allocator does not use.
 """
 
 import ctypes
@@ -25,12 +25,13 @@ MAX_MMAP_THRESHOLD = 512 << 20  # mallopt takes an int: twice this still fits
 
 
 def step_buffer_bytes(config: ModelConfig, max_num_batched_tokens: int, sampled_rows: int) -> int:
-    """An upper bound of a CPU step's largest tensor, float32: the gated MLP's fused gate/up
-    output of a full step, or the logits of every sampled row."""
-    intermediate = max(config.intermediate_size, config.moe_intermediate_size)
+    """The largest float32 tensor a CPU step allocates, of those that grow with it: a full
+    step's gated-MLP gate/up output, a mixture of experts' routed rows (each token once per
+    expert it chose) or their gate/up output, or every sampled row's logits."""
+    routed = max_num_batched_tokens * max(1, config.num_experts_per_tok)
     return 4 * max(
-        max_num_batched_tokens * 2 * intermediate,
-        max_num_batched_tokens * config.hidden_size,
+        max_num_batched_tokens * 2 * config.intermediate_size,
+        routed * max(config.hidden_size, 2 * config.moe_intermediate_size),
         sampled_rows * config.vocab_size,
     )
 
