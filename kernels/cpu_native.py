@@ -65,6 +65,9 @@ _SIGNATURES = {
     "weir_pack_panels": (None, [_P, _I, _I, _P]),
     "weir_linear": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]),
     "weir_linear_silu_mul": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
+    "weir_pack_panels_bf16": (None, [_P, _I, _I, _P]),
+    "weir_linear_bf16": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]),
+    "weir_linear_silu_mul_bf16": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
 }
 PANEL = 16  # weight rows per panel of `pack_panels` (PANEL in the C source)
 
@@ -304,9 +307,16 @@ class CpuKernels:
         return out
 
     def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [N, K] float32 -> the panel layout `linear` reads: [ceil(N / 16), K, 16]."""
+        """weight [N, K] -> the panel layout `linear` reads: float32 weights into float32
+        panels [ceil(N / 16), K, 16]; bfloat16 ones into panels of bf16 pairs, int32 words
+        [ceil(N / 16), ceil(K / 2), 16] (each word two consecutive inputs' bf16 bits, the
+        even input's in the low half)."""
         weight = weight.detach().contiguous()
         n, k = weight.shape
+        if weight.dtype == torch.bfloat16:
+            panels = torch.empty(-(-n // PANEL), -(-k // 2), PANEL, dtype=torch.int32)
+            self._lib.weir_pack_panels_bf16(_ptr(weight), n, k, _ptr(panels))
+            return panels
         panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
         self._lib.weir_pack_panels(_ptr(weight), n, k, _ptr(panels))
         return panels
@@ -320,9 +330,11 @@ class CpuKernels:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(residual +) x @ weight.T (+ bias) with the weight as `pack_panels` gave it: x [M, K]
-        float32 with contiguous rows, bias [N], residual [M, N] (rows may be strided)."""
+        float32 with contiguous rows, bias [N], residual [M, N] (rows may be strided). Over
+        bf16 panels x is rounded to bf16 and the sums are float32."""
+        bf16 = panels.dtype == torch.int32
         return self._panel_matmul(
-            self._lib.weir_linear,
+            self._lib.weir_linear_bf16 if bf16 else self._lib.weir_linear,
             x,
             panels,
             out_features,
@@ -347,7 +359,9 @@ class CpuKernels:
                 f"linear_silu_mul: {out_features} outputs need {2 * out_features // PANEL} "
                 f"panels of {PANEL} weight rows, got {panels.shape[0]}"
             )
-        return self._panel_matmul(self._lib.weir_linear_silu_mul, x, panels, out_features, bias)
+        bf16 = panels.dtype == torch.int32
+        fn = self._lib.weir_linear_silu_mul_bf16 if bf16 else self._lib.weir_linear_silu_mul
+        return self._panel_matmul(fn, x, panels, out_features, bias)
 
     @staticmethod
     def _panel_matmul(
@@ -360,11 +374,13 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Call a panel matmul: (x, x stride, rows, panels, N, K, bias, *epilogue, out, out
         stride), into a new [M, out_features] tensor."""
-        k = panels.shape[1]
-        if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-            raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {k} inputs")
+        k, steps = x.shape[-1], panels.shape[1]
+        bf16 = panels.dtype == torch.int32
+        if x.dim() != 2 or (-(-k // 2) if bf16 else k) != steps or x.stride(1) != 1:
+            inputs = f"{steps} input pairs" if bf16 else f"{steps} inputs"
+            raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {inputs}")
         out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        fn(
+        failed = fn(
             _ptr(x),
             x.stride(0),
             x.shape[0],
@@ -376,4 +392,6 @@ class CpuKernels:
             _ptr(out),
             out.stride(0),
         )
+        if failed:
+            raise MemoryError(f"linear: no memory to round {x.shape[0]} rows to bfloat16")
         return out

@@ -5,7 +5,7 @@ a CPU only."""
 
 import pytest
 import torch
-from native_builds import AVX512, BUILDS, NATIVE, build
+from native_builds import AVX512, AVX512_BF16, BF16_BUILDS, BUILDS, NATIVE, build
 
 from weir.kernels import cpu_native
 from weir.services.executor.packed_weights import PackedLinear, can_pack
@@ -78,6 +78,61 @@ def test_the_512_and_256_bit_kernels_give_equal_results():
     assert torch.equal(gated, narrow.linear_silu_mul(x, narrow.pack_panels(weight), n // 2))
 
 
+def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """What bf16 panels compute, in float64: x and the weight rounded to bfloat16 (PyTorch's
+    rounding), their products summed exactly."""
+    want = x.bfloat16().double() @ weight.bfloat16().double().t()
+    return want if bias is None else want + bias.double()
+
+
+# 71 inputs: an odd count, so the last pair is half padding.
+@pytest.mark.parametrize("rows", [1, 5, 7, 13, 64, 97, 300])
+@pytest.mark.parametrize("build_name", BF16_BUILDS)
+def test_bf16_panels_match_the_bf16_rounded_product(rows, build_name):
+    kernels = build(build_name)
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(100, 71, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    x = torch.randn(rows, 2 * 71, generator=gen)[:, :71]
+    residual = torch.randn(rows, 3 * 100, generator=gen)[:, 100:200]
+    packed = PackedLinear(weight.bfloat16(), bias, kernels)
+    assert packed.weight.dtype == torch.int32 and packed.weight.shape == (7, 36, 16)
+    want = bf16_reference(x, weight, bias)
+    # float32 sums of 71 products of magnitude ~1: within 1e-5 of the exact sum.
+    torch.testing.assert_close(packed(x).double(), want, atol=1e-4, rtol=1e-5)
+    got = packed.add_to(residual, x).double()
+    torch.testing.assert_close(got, want + residual.double(), atol=1e-4, rtol=1e-5)
+    assert torch.equal(packed.dense_weight(), weight.bfloat16())
+    # Far from x @ weight.T in float32: the rounding is there, not only the sums' order.
+    assert (packed(x) - torch.nn.functional.linear(x, weight, bias)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 7, 97])
+@pytest.mark.parametrize("build_name", BF16_BUILDS)
+def test_bf16_gate_up_silu_mul_matches_the_bf16_rounded_product(rows, build_name):
+    kernels = build(build_name)
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(2 * 48, 72, generator=gen)
+    bias = torch.randn(2 * 48, generator=gen)
+    x = torch.randn(rows, 72, generator=gen)
+    gate, up = bf16_reference(x, weight, bias).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = PackedLinear(weight.bfloat16(), bias, kernels).silu_mul(x)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not AVX512_BF16, reason="one bf16 matmul here")
+def test_bf16_dot_products_and_widened_pairs_agree():
+    """AVX512_BF16's pair dot products and the float32 arithmetic on widened pairs (what
+    other CPUs run) compute the same products; the sums differ by float32 rounding only."""
+    widened = build("native-no-bf16")
+    gen = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(3072, 576, generator=gen), torch.randn(97, 576, generator=gen)
+    a = NATIVE.linear(x, NATIVE.pack_panels(weight.bfloat16()), 3072)
+    b = widened.linear(x, widened.pack_panels(weight.bfloat16()), 3072)
+    torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-5)
+
+
 @pytest.mark.skipif(NATIVE is None, reason="native CPU kernels not built here")
 def test_native_linear_refuses_a_mismatched_input():
     packed = PackedLinear(torch.randn(32, 16), kernels=NATIVE)
@@ -88,6 +143,9 @@ def test_native_linear_refuses_a_mismatched_input():
     panels = NATIVE.pack_panels(torch.randn(32, 16))
     with pytest.raises(ValueError, match="need 4 panels"):
         NATIVE.linear_silu_mul(torch.randn(4, 16), panels, 32)
+    bf16 = PackedLinear(torch.randn(32, 16).bfloat16(), kernels=NATIVE)
+    with pytest.raises(ValueError, match="8 input pairs"):
+        bf16(torch.randn(4, 18))
 
 
 def test_only_float32_on_a_cpu_is_packed():

@@ -752,13 +752,30 @@ void weir_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
     }
 }
 
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* bfloat16 weights: the same panels of 16 weight rows, each 32-bit word holding a pair of
+   consecutive inputs' bf16 values (the even one in the low half), [ceil(n / 16)][ceil(k / 2)]
+   [16]; the rows of x are rounded to bf16 pairs alike, so a step of the loop over k covers two
+   inputs with the same loads as a float32 step covers one. With AVX512_BF16 one instruction
+   multiplies and adds a pair (twice the float32 FMA's work); elsewhere the pairs are widened
+   to float32 (exactly) and multiplied as float32, which halves only the weights' bytes. */
+
+/* x's words broadcast: a float32 (bf16 == 0) or a bf16 pair's 32 bits. */
+ALWAYS_INLINE uint32_t word(const float *x, int64_t c) {
+    uint32_t u;
+    memcpy(&u, x + c, sizeof u);
+    return u;
+}
+
 /* unit_rows: a unit's block for ROWS rows of x (1 to 6; a constant where inlined, so rows a
    block does not have cost nothing): ROWS x 16 outputs of panel a and of panel b (pb NULL: no
-   panel b) over all of k, each row's 16 outputs as two v8f halves in acc_a and acc_b. */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+   panel b) over all of k (for BF16: k pairs), each row's 16 outputs as two v8f halves in acc_a
+   and acc_b. */
 #if defined(__AVX512F__)
 #define UNIT_PANELS 2 /* a plain matmul's panels per unit: both in one pass */
 typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
 
 static inline v16f load16(const float *p) {
     v16f v;
@@ -766,10 +783,32 @@ static inline v16f load16(const float *p) {
     return v;
 }
 
+/* acc + x's pair times w's pair, lane by lane. */
+ALWAYS_INLINE v16f dot_bf16(v16f acc, v16u x, v16u w) {
+#if defined(__AVX512BF16__)
+    return (v16f)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
+#else
+    return acc + (v16f)(x << 16) * (v16f)(w << 16) +
+           (v16f)(x & 0xffff0000u) * (v16f)(w & 0xffff0000u);
+#endif
+}
+
+/* Row r's step c of both panels' blocks. */
+ALWAYS_INLINE void row_step(v16f *a, v16f *b, const float *xr, int64_t c, int BF16, v16f wa,
+                            v16f wb) {
+    if (BF16) {
+        const v16u s = (v16u){0} + word(xr, c);
+        *a = dot_bf16(*a, s, (v16u)wa), *b = dot_bf16(*b, s, (v16u)wb);
+    } else {
+        const float s = xr[c];
+        *a += s * wa, *b += s * wb;
+    }
+}
+
 /* One pass over k: both panels' blocks in twelve 16-lane accumulators. */
-ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, const float *pa,
-                             const float *pb, int64_t k, v8f acc_a[2 * BLOCK_ROWS],
-                             v8f acc_b[2 * BLOCK_ROWS]) {
+ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int BF16,
+                             const float *pa, const float *pb, int64_t k,
+                             v8f acc_a[2 * BLOCK_ROWS], v8f acc_b[2 * BLOCK_ROWS]) {
     v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
     v16f b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
     if (!pb) pb = pa; /* computed, never stored */
@@ -777,13 +816,12 @@ ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, const f
         __builtin_prefetch(pa + (c + 32) * PANEL);
         __builtin_prefetch(pb + (c + 32) * PANEL);
         const v16f wa = load16(pa + c * PANEL), wb = load16(pb + c * PANEL);
-        float s = x[c];
-        a0 += s * wa, b0 += s * wb;
-        if (ROWS > 1) s = x[x_stride + c], a1 += s * wa, b1 += s * wb;
-        if (ROWS > 2) s = x[2 * x_stride + c], a2 += s * wa, b2 += s * wb;
-        if (ROWS > 3) s = x[3 * x_stride + c], a3 += s * wa, b3 += s * wb;
-        if (ROWS > 4) s = x[4 * x_stride + c], a4 += s * wa, b4 += s * wb;
-        if (ROWS > 5) s = x[5 * x_stride + c], a5 += s * wa, b5 += s * wb;
+        row_step(&a0, &b0, x, c, BF16, wa, wb);
+        if (ROWS > 1) row_step(&a1, &b1, x + x_stride, c, BF16, wa, wb);
+        if (ROWS > 2) row_step(&a2, &b2, x + 2 * x_stride, c, BF16, wa, wb);
+        if (ROWS > 3) row_step(&a3, &b3, x + 3 * x_stride, c, BF16, wa, wb);
+        if (ROWS > 4) row_step(&a4, &b4, x + 4 * x_stride, c, BF16, wa, wb);
+        if (ROWS > 5) row_step(&a5, &b5, x + 5 * x_stride, c, BF16, wa, wb);
     }
     const v16f a[BLOCK_ROWS] = {a0, a1, a2, a3, a4, a5}, b[BLOCK_ROWS] = {b0, b1, b2, b3, b4, b5};
     memcpy(acc_a, a, sizeof a);
@@ -791,48 +829,65 @@ ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, const f
 }
 #else
 #define UNIT_PANELS 1 /* a second panel would be a second pass: no gain in pairing them */
+typedef uint32_t v8u __attribute__((vector_size(32)));
 static inline v8f broadcast(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
 
+/* acc + x's pair times w's pair, lane by lane. */
+ALWAYS_INLINE v8f dot_bf16_8(v8f acc, v8u x, v8u w) {
+    return acc + (v8f)(x << 16) * (v8f)(w << 16) + (v8f)(x & 0xffff0000u) * (v8f)(w & 0xffff0000u);
+}
+
+/* Row r's step c of a panel's block (its two halves). */
+ALWAYS_INLINE void row_step(v8f *lo, v8f *hi, const float *xr, int64_t c, int BF16, v8f w0,
+                            v8f w1) {
+    if (BF16) {
+        const v8u s = (v8u){0} + word(xr, c);
+        *lo = dot_bf16_8(*lo, s, (v8u)w0), *hi = dot_bf16_8(*hi, s, (v8u)w1);
+    } else {
+        const v8f a = broadcast(xr[c]);
+        *lo += a * w0, *hi += a * w1;
+    }
+}
+
 /* One panel's block: twelve 8-lane accumulators. */
-ALWAYS_INLINE void panel_rows(const float *x, int64_t x_stride, int ROWS, const float *panel,
-                              int64_t k, v8f acc[2 * BLOCK_ROWS]) {
+ALWAYS_INLINE void panel_rows(const float *x, int64_t x_stride, int ROWS, int BF16,
+                              const float *panel, int64_t k, v8f acc[2 * BLOCK_ROWS]) {
     v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
     v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
     for (int64_t c = 0; c < k; c++) {
         __builtin_prefetch(panel + (c + 32) * PANEL);
         const v8f b0 = load8(panel + c * PANEL), b1 = load8(panel + c * PANEL + 8);
-        v8f a = broadcast(x[c]);
-        c00 += a * b0, c01 += a * b1;
-        if (ROWS > 1) a = broadcast(x[x_stride + c]), c10 += a * b0, c11 += a * b1;
-        if (ROWS > 2) a = broadcast(x[2 * x_stride + c]), c20 += a * b0, c21 += a * b1;
-        if (ROWS > 3) a = broadcast(x[3 * x_stride + c]), c30 += a * b0, c31 += a * b1;
-        if (ROWS > 4) a = broadcast(x[4 * x_stride + c]), c40 += a * b0, c41 += a * b1;
-        if (ROWS > 5) a = broadcast(x[5 * x_stride + c]), c50 += a * b0, c51 += a * b1;
+        row_step(&c00, &c01, x, c, BF16, b0, b1);
+        if (ROWS > 1) row_step(&c10, &c11, x + x_stride, c, BF16, b0, b1);
+        if (ROWS > 2) row_step(&c20, &c21, x + 2 * x_stride, c, BF16, b0, b1);
+        if (ROWS > 3) row_step(&c30, &c31, x + 3 * x_stride, c, BF16, b0, b1);
+        if (ROWS > 4) row_step(&c40, &c41, x + 4 * x_stride, c, BF16, b0, b1);
+        if (ROWS > 5) row_step(&c50, &c51, x + 5 * x_stride, c, BF16, b0, b1);
     }
     acc[0] = c00, acc[1] = c01, acc[2] = c10, acc[3] = c11, acc[4] = c20, acc[5] = c21;
     acc[6] = c30, acc[7] = c31, acc[8] = c40, acc[9] = c41, acc[10] = c50, acc[11] = c51;
 }
 
 /* A pass over k per panel (none for a missing panel b). */
-ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, const float *pa,
-                             const float *pb, int64_t k, v8f acc_a[2 * BLOCK_ROWS],
-                             v8f acc_b[2 * BLOCK_ROWS]) {
-    panel_rows(x, x_stride, ROWS, pa, k, acc_a);
-    if (pb) panel_rows(x, x_stride, ROWS, pb, k, acc_b);
+ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int BF16,
+                             const float *pa, const float *pb, int64_t k,
+                             v8f acc_a[2 * BLOCK_ROWS], v8f acc_b[2 * BLOCK_ROWS]) {
+    panel_rows(x, x_stride, ROWS, BF16, pa, k, acc_a);
+    if (pb) panel_rows(x, x_stride, ROWS, BF16, pb, k, acc_b);
 }
 #endif
 
 /* One unit's block of rows <= 6 rows of x. */
-static inline void unit_block(const float *x, int64_t x_stride, int64_t rows, const float *pa,
-                              const float *pb, int64_t k, v8f acc_a[2 * BLOCK_ROWS],
-                              v8f acc_b[2 * BLOCK_ROWS]) {
+ALWAYS_INLINE void unit_block(const float *x, int64_t x_stride, int64_t rows, int BF16,
+                              const float *pa, const float *pb, int64_t k,
+                              v8f acc_a[2 * BLOCK_ROWS], v8f acc_b[2 * BLOCK_ROWS]) {
     switch (rows) {
-    case 1: unit_rows(x, x_stride, 1, pa, pb, k, acc_a, acc_b); break;
-    case 2: unit_rows(x, x_stride, 2, pa, pb, k, acc_a, acc_b); break;
-    case 3: unit_rows(x, x_stride, 3, pa, pb, k, acc_a, acc_b); break;
-    case 4: unit_rows(x, x_stride, 4, pa, pb, k, acc_a, acc_b); break;
-    case 5: unit_rows(x, x_stride, 5, pa, pb, k, acc_a, acc_b); break;
-    default: unit_rows(x, x_stride, 6, pa, pb, k, acc_a, acc_b); break;
+    case 1: unit_rows(x, x_stride, 1, BF16, pa, pb, k, acc_a, acc_b); break;
+    case 2: unit_rows(x, x_stride, 2, BF16, pa, pb, k, acc_a, acc_b); break;
+    case 3: unit_rows(x, x_stride, 3, BF16, pa, pb, k, acc_a, acc_b); break;
+    case 4: unit_rows(x, x_stride, 4, BF16, pa, pb, k, acc_a, acc_b); break;
+    case 5: unit_rows(x, x_stride, 5, BF16, pa, pb, k, acc_a, acc_b); break;
+    default: unit_rows(x, x_stride, 6, BF16, pa, pb, k, acc_a, acc_b); break;
     }
 }
 
@@ -867,10 +922,11 @@ static inline void store_block(const v8f acc[2 * BLOCK_ROWS], int64_t i0, int64_
    rows, a unit is panel p of each, and out[i, j] = silu(g) * u with g = (bias[j] +) x[i] . w[j]
    and u = (bias[n + j] +) x[i] . w[n + j], computed as weir_silu_mul computes it, so the
    [m, 2n] projection output is never written. Both kernels sum each output in the same order:
-   their results are equal. */
+   their results are equal. bf16: x and the panels hold bf16 pairs, k counts pairs. */
 static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const float *panels,
                           int64_t n, int64_t k, const float *bias, const float *residual,
-                          int64_t residual_stride, float *out, int64_t out_stride, int gated) {
+                          int64_t residual_stride, float *out, int64_t out_stride, int gated,
+                          int bf16) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
     const int64_t units = gated ? num_panels : (num_panels + UNIT_PANELS - 1) / UNIT_PANELS;
     const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
@@ -885,8 +941,12 @@ static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const flo
             for (int64_t i0 = chunk * CHUNK_ROWS; i0 < end; i0 += BLOCK_ROWS) {
                 const int64_t rows = end - i0 < BLOCK_ROWS ? end - i0 : BLOCK_ROWS;
                 v8f acc[2 * BLOCK_ROWS], acc_b[2 * BLOCK_ROWS];
-                unit_block(x + i0 * x_stride, x_stride, rows, panels + pa * k * PANEL,
-                           has_b ? panels + pb * k * PANEL : NULL, k, acc, acc_b);
+                const float *xi = x + i0 * x_stride, *wa = panels + pa * k * PANEL;
+                const float *wb = has_b ? panels + pb * k * PANEL : NULL;
+                if (bf16)
+                    unit_block(xi, x_stride, rows, 1, wa, wb, k, acc, acc_b);
+                else
+                    unit_block(xi, x_stride, rows, 0, wa, wb, k, acc, acc_b);
                 if (!gated) {
                     store_block(acc, i0, rows, j0, cols, bias, residual, residual_stride, out,
                                 out_stride);
@@ -917,7 +977,7 @@ void weir_linear(const float *x, int64_t x_stride, int64_t m, const float *panel
                  int64_t k, const float *bias, const float *residual, int64_t residual_stride,
                  float *out, int64_t out_stride) {
     linear_blocks(x, x_stride, m, panels, n, k, bias, residual, residual_stride, out, out_stride,
-                  0);
+                  0, 0);
 }
 
 /* out [m, n] = silu(x w[:n]^T + bias[:n]) * (x w[n:]^T + bias[n:]) for the fused gate/up
@@ -925,5 +985,67 @@ void weir_linear(const float *x, int64_t x_stride, int64_t m, const float *panel
 void weir_linear_silu_mul(const float *x, int64_t x_stride, int64_t m, const float *panels,
                           int64_t n, int64_t k, const float *bias, float *out,
                           int64_t out_stride) {
-    linear_blocks(x, x_stride, m, panels, n, k, bias, NULL, 0, out, out_stride, 1);
+    linear_blocks(x, x_stride, m, panels, n, k, bias, NULL, 0, out, out_stride, 1, 0);
+}
+
+/* float32 -> bfloat16, rounded to nearest even (as PyTorch's and the CPU's conversions). */
+static inline uint32_t to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (b >> 16) | 0x40u; /* NaN stays a quiet NaN */
+    return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
+/* w [n][k] bf16 row-major -> panels of bf16 pairs [ceil(n / 16)][ceil(k / 2)][16], zero past
+   n and k. */
+void weir_pack_panels_bf16(const uint16_t *w, int64_t n, int64_t k, uint32_t *panels) {
+    const int64_t pairs = (k + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += PANEL) {
+        uint32_t *panel = panels + (j0 / PANEL) * pairs * PANEL;
+        for (int64_t c = 0; c < pairs; c++)
+            for (int64_t j = 0; j < PANEL; j++) {
+                const uint16_t *row = w + (j0 + j) * k;
+                const uint32_t lo = j0 + j < n ? row[2 * c] : 0;
+                const uint32_t hi = j0 + j < n && 2 * c + 1 < k ? row[2 * c + 1] : 0;
+                panel[c * PANEL + j] = lo | hi << 16;
+            }
+    }
+}
+
+/* The matmul against bf16 panels: x's rows rounded to bf16 pairs first (once, not per panel),
+   then the float32 matmul's blocks over the pairs; sums and outputs stay float32. NULL if the
+   pairs' buffer could not be allocated. */
+static int linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32_t *panels,
+                       int64_t n, int64_t k, const float *bias, const float *residual,
+                       int64_t residual_stride, float *out, int64_t out_stride, int gated) {
+    const int64_t pairs = (k + 1) / 2;
+    uint32_t *xb = malloc((size_t)(m * pairs + 1) * sizeof *xb);
+    if (!xb) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x + i * x_stride;
+        uint32_t *o = xb + i * pairs;
+        for (int64_t c = 0; c < k / 2; c++) o[c] = to_bf16(xr[2 * c]) | to_bf16(xr[2 * c + 1]) << 16;
+        if (k % 2) o[pairs - 1] = to_bf16(xr[k - 1]);
+    }
+    linear_blocks((const float *)xb, pairs, m, (const float *)panels, n, pairs, bias, residual,
+                  residual_stride, out, out_stride, gated, 1);
+    free(xb);
+    return 0;
+}
+
+/* weir_linear with the weight packed by weir_pack_panels_bf16 (k: x's columns). */
+int weir_linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32_t *panels,
+                     int64_t n, int64_t k, const float *bias, const float *residual,
+                     int64_t residual_stride, float *out, int64_t out_stride) {
+    return linear_bf16(x, x_stride, m, panels, n, k, bias, residual, residual_stride, out,
+                       out_stride, 0);
+}
+
+/* weir_linear_silu_mul with the weight packed by weir_pack_panels_bf16. */
+int weir_linear_silu_mul_bf16(const float *x, int64_t x_stride, int64_t m,
+                              const uint32_t *panels, int64_t n, int64_t k, const float *bias,
+                              float *out, int64_t out_stride) {
+    return linear_bf16(x, x_stride, m, panels, n, k, bias, NULL, 0, out, out_stride, 1);
 }

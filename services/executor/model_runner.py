@@ -50,6 +50,7 @@ from weir.services.executor.input_batch import (
 from weir.services.executor.kernel_warmup import warm_up_attention
 from weir.services.executor.lora import LoraAdapters
 from weir.services.executor.model import CausalLM
+from weir.services.executor.packed_weights import cpu_dtypes
 from weir.services.executor.parallel import init_tensor_parallel, local_cuda_device
 from weir.services.executor.quantization import check_quantization
 from weir.services.executor.sampler import (
@@ -231,7 +232,10 @@ class ModelRunner:
             keep_step_buffers(step_buffer_bytes(model_config, max_num_batched_tokens, sampled_rows))
         self.num_threads = torch.get_num_threads()
         self.tp = init_tensor_parallel(tensor_parallel_size, rank, self.device)
-        self.dtype = parse_dtype(dtype, self.device)
+        # The model's dtype and its packed projections' (bfloat16 ones over a float32 model on
+        # a CPU); weight_dtype is what --dtype asked for.
+        self.weight_dtype = parse_dtype(dtype, self.device)
+        self.dtype, self.weight_dtype = cpu_dtypes(self.device, self.weight_dtype, quantization)
         check_quantization(quantization, self.device, self.dtype)
         self.quantization = quantization
         self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.device)
@@ -309,7 +313,9 @@ class ModelRunner:
             self.model_dir.name,
             self.device,
             self.dtype,
-            f", {quantization} weights" if quantization else "",
+            f", {quantization or self.weight_dtype} weights"
+            if quantization or self.weight_dtype != self.dtype
+            else "",
             self.attention.name,
             self.num_threads,
             self.load_seconds,
@@ -335,6 +341,7 @@ class ModelRunner:
                 "lm_head_optional": self.pooling_runner,
                 "hf_overrides": self.hf_overrides,
                 "kv_cache_dtype": self.kv_cache_dtype,
+                "weight_dtype": self.weight_dtype,
                 **options,
             },
         )

@@ -17,11 +17,21 @@ therefore packed once at load time (a mixture of experts' experts one by one):
 The packed tensors replace the float32 weights, so memory does not grow, except for a tied
 LM head: its packed copy sits beside the embedding, whose lookup needs the dense rows.
 `dense_weight` gives a weight back in the usual layout.
+
+`--dtype bfloat16` on a CPU with the native kernels (`cpu_dtypes`) packs the projections and
+the LM head in bfloat16 over a float32 model: the matmul rounds its input rows to bfloat16 and
+sums in float32 (AVX512_BF16's pair dot products where the CPU has them, 1.6-1.8x the float32
+panels' rate from 8 rows up), while norms, attention, the residual stream and the KV cache
+stay float32, as llama.cpp runs a BF16 GGUF. Elsewhere bfloat16 is the whole model's dtype.
 """
+
+import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from weir.kernels import cpu_native
 from weir.kernels.cpu_native import PANEL, CpuKernels
 from weir.services.executor.layers import Linear, silu_and_mul
 from weir.services.executor.model import PROJECTIONS, CausalLM
@@ -33,12 +43,30 @@ def can_pack(device: torch.device, dtype: torch.dtype, kernels: CpuKernels | Non
         device.type == "cpu"
         and dtype == torch.float32
         and (kernels is not None or torch.backends.mkldnn.is_available())
+        and os.environ.get("WEIR_PACK_CPU_WEIGHTS", "1") != "0"
     )
+
+
+def cpu_dtypes(
+    device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> tuple[torch.dtype, torch.dtype]:
+    """(the model's dtype, its packed weights' dtype) for ``--dtype`` ``dtype``: bfloat16 on a
+    CPU whose native kernels compiled, with no other weight format asked for, is bfloat16
+    weights over a float32 model; otherwise both are ``dtype``."""
+    if (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and quantization is None
+        and cpu_native.load() is not None
+        and can_pack(device, torch.float32, cpu_native.load())
+    ):
+        return torch.float32, torch.bfloat16
+    return dtype, dtype
 
 
 class PackedLinear(nn.Module):
     """`Linear` with its weight prepacked: the native kernels' panels when `kernels` is
-    given, oneDNN's blocked layout otherwise."""
+    given (float32 or bfloat16, as ``weight`` is), oneDNN's blocked layout otherwise."""
 
     def __init__(
         self,
@@ -49,6 +77,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.out_features, self.in_features = weight.shape
+        self.weight_dtype = weight.dtype
         if kernels is None:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         else:
@@ -76,44 +105,57 @@ class PackedLinear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         if self.kernels is None:
             return self.weight.to_dense()
-        # panels[p, c, j] holds weight[p * 16 + j, c]
-        rows = self.weight.permute(0, 2, 1).reshape(-1, self.in_features)
-        return rows[: self.out_features].contiguous()
+        # panels[p, c, j] holds weight[p * 16 + j, c] (bf16: inputs 2c and 2c + 1)
+        panels = self.weight
+        if self.weight_dtype == torch.bfloat16:
+            panels = panels.view(torch.bfloat16).unflatten(2, (PANEL, 2)).transpose(2, 3)
+            panels = panels.flatten(1, 2)
+        rows = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])
+        return rows[: self.out_features, : self.in_features].contiguous()
 
 
 @torch.no_grad()
-def pack_model(model: CausalLM) -> None:
+def pack_model(model: CausalLM, weight_dtype: torch.dtype = torch.float32) -> None:
     """Replace every layer's loaded projections with packed ones, and pack the LM head (in
-    place). A tied LM head is packed as a copy: the embedding lookup keeps the dense rows."""
+    place), their weights in ``weight_dtype`` (bfloat16 with the native kernels only). A tied
+    LM head is packed as a copy: the embedding lookup keeps the dense rows."""
     kernels = model.attention.kernels
+    if weight_dtype != torch.float32 and kernels is None:
+        raise ValueError(f"{weight_dtype} weight panels need the native CPU kernels")
+
+    def packed(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+        return PackedLinear(weight.to(weight_dtype), bias, kernels)
+
     for layer in model.layers:
         for name in PROJECTIONS:
             linear: Linear | None = getattr(layer, name)
             if linear is not None:  # an MoE layer has no dense MLP
-                setattr(layer, name, PackedLinear(linear.weight, linear.bias, kernels))
+                setattr(layer, name, packed(linear.weight, linear.bias))
         if layer.mla is not None:  # its kv_b_proj is read by head, never as a projection
             for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj"):
                 linear = getattr(layer.mla, name)
                 if linear is not None:
-                    setattr(layer.mla, name, PackedLinear(linear.weight, linear.bias, kernels))
+                    setattr(layer.mla, name, packed(linear.weight, linear.bias))
         if layer.moe is not None:
-            _pack_experts(layer.moe, kernels)
+            _pack_experts(layer.moe, packed)
     if model.lm_head is None:
-        model.packed_lm_head = PackedLinear(model.embed_tokens, kernels=kernels)
+        model.packed_lm_head = packed(model.embed_tokens)
     else:
-        model.packed_lm_head = PackedLinear(model.lm_head, kernels=kernels)
+        model.packed_lm_head = packed(model.lm_head)
         model.lm_head = nn.Parameter(torch.empty(0, model.config.hidden_size), False)
 
 
-def _pack_experts(moe: SparseMoe, kernels: CpuKernels | None) -> None:
+def _pack_experts(
+    moe: SparseMoe, packed: Callable[[torch.Tensor, torch.Tensor | None], PackedLinear]
+) -> None:
     """Each expert's projections, and the shared expert's, packed; the stacked weights freed."""
     experts = range(moe.experts_gate_up.shape[0])
     gate_up_bias, down_bias = moe.experts_gate_up_bias, moe.experts_down_bias
     moe.packed_gate_up = nn.ModuleList(
-        PackedLinear(moe.experts_gate_up[e], _row(gate_up_bias, e), kernels) for e in experts
+        packed(moe.experts_gate_up[e], _row(gate_up_bias, e)) for e in experts
     )
     moe.packed_down = nn.ModuleList(
-        PackedLinear(moe.experts_down[e], _row(down_bias, e), kernels) for e in experts
+        packed(moe.experts_down[e], _row(down_bias, e)) for e in experts
     )
     hidden = moe.experts_down.shape[1]
     moe.experts_gate_up = nn.Parameter(torch.empty(0, 0, hidden), False)
@@ -122,7 +164,7 @@ def _pack_experts(moe: SparseMoe, kernels: CpuKernels | None) -> None:
     for name in ("shared_gate_up", "shared_down"):
         linear: Linear | None = getattr(moe, name)
         if linear is not None:
-            setattr(moe, name, PackedLinear(linear.weight, linear.bias, kernels))
+            setattr(moe, name, packed(linear.weight, linear.bias))
 
 
 def _row(stacked: torch.Tensor | None, expert: int) -> torch.Tensor | None:

@@ -5,7 +5,6 @@ its `ShardLayout` share: rows of the column-parallel projections and of the voca
 columns of the row-parallel ones."""
 
 import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -627,13 +626,15 @@ def load_model(
     hf_overrides: str | None = None,
     pack: bool = True,
     kv_cache_dtype: torch.dtype | None = None,
+    weight_dtype: torch.dtype | None = None,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and load its safetensors weights
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
     rank's shard; with ``quantization``, its weights then quantized (see `quantization`);
     with ``hf_overrides``, config.json's keys replaced by those (a JSON object's text).
     ``pack``: on a CPU, the projections prepacked for its matmul (`packed_weights`).
-    ``kv_cache_dtype``: what its caches hold (None: ``dtype``)."""
+    ``kv_cache_dtype``: what its caches hold (None: ``dtype``). ``weight_dtype``: the packed
+    projections' (None: ``dtype``; bfloat16 over a float32 model: `packed_weights.cpu_dtypes`)."""
     cfg = read_model_config(model_dir, hf_overrides)
     dtype = dtype or default_dtype(device)
     check_moe(cfg, torch.device(device), dtype, quantization)
@@ -669,10 +670,6 @@ def load_model(
     model.finish_loading()
     if quantization is not None:
         quantize_model(model, quantization)
-    elif (
-        pack
-        and can_pack(torch.device(device), dtype, model.attention.kernels)
-        and os.environ.get("WEIR_PACK_CPU_WEIGHTS", "1") != "0"
-    ):
-        pack_model(model)
+    elif pack and can_pack(torch.device(device), dtype, model.attention.kernels):
+        pack_model(model, weight_dtype or dtype)
     return model.eval()

@@ -166,7 +166,7 @@ class ExecutorWorker:
             max_num_seqs=runner.max_num_seqs,
             max_model_len=runner.max_model_len,
             eos_token_ids=list(runner.eos_token_ids),
-            dtype=str(runner.dtype).removeprefix("torch."),
+            dtype=str(runner.weight_dtype).removeprefix("torch."),
             device=str(runner.device),
             attention_backend=runner.attention.name,
             metrics_address=metrics_address,
