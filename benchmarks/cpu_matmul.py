@@ -1,12 +1,16 @@
-"""The CPU's float32 projections: native panels vs oneDNN's packed matmul vs `F.linear`.
+"""The CPU's projections: native panels vs oneDNN's packed matmul vs `F.linear`, in float32
+and with bfloat16 weights.
 
     .venv/bin/python benchmarks/cpu_matmul.py [--threads 2] [--rows 1 8 38 64 2048]
 
 Shapes are SmolLM2-135M's four fused projections (q/k/v 960 x 576, o 576 x 576, gate/up
 3072 x 576, down 576 x 1536) over 30 layers of their own random weights, so every call reads
 its weight from memory as a forward does, plus the LM head (49152 x 576). Each row count is
-a decode step's (1-64 rows) or a prefill step's (2048); the three packings run interleaved
-round by round, and the best round of each is reported as GFLOP/s.
+a decode step's (1-64 rows) or a prefill step's (2048); the packings run interleaved round
+by round, and the best round of each is reported as GFLOP/s. "F.linear bf16" and "native
+bf16" round x and the weight to bfloat16 and sum in float32 (the latter: `--dtype
+bfloat16`'s panels; the former: PyTorch's bf16 matmul, its input converted and its output
+widened as in a float32 model).
 """
 
 import argparse
@@ -30,10 +34,15 @@ def packings(kernels: cpu_native.CpuKernels) -> dict[str, Callable[[torch.Tensor
     def dense(w: torch.Tensor) -> Callable:
         return lambda x: F.linear(x, w)
 
+    def dense_bf16(w: torch.Tensor) -> Callable:
+        w = w.bfloat16()
+        return lambda x: F.linear(x.bfloat16(), w).float()
+
     return {
         "F.linear (MKL)": dense,
         "oneDNN packed": lambda w: PackedLinear(w),
         "native panels": lambda w: PackedLinear(w, kernels=kernels),
+        "F.linear bf16": dense_bf16,
         "native bf16": lambda w: PackedLinear(w.bfloat16(), kernels=kernels),
     }
 

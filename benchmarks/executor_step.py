@@ -319,7 +319,7 @@ def main() -> None:
     )
 
     print(
-        f"model {model_dir.name}, dtype {runner.dtype}, attention {runner.attention.name}, "
+        f"model {model_dir.name}, {runner.precision}, attention {runner.attention.name}, "
         f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}"
         + (
             f", {len(adapters)} LoRA adapters of rank {args.lora_rank} on "

@@ -116,7 +116,7 @@ def main() -> None:
     runner = ModelRunner(model_dir, **kwargs)
     warm = time.perf_counter() - start
     print(
-        f"model {model_dir.name}, torch threads {torch.get_num_threads()}, dtype {runner.dtype}, "
+        f"model {model_dir.name}, torch threads {torch.get_num_threads()}, {runner.precision}, "
         f"quantization {args.quantization or 'none'}"
     )
     print(f"load: cold {cold:.2f} s, warm {warm:.2f} s ({runner.num_blocks} KV blocks)")

@@ -210,9 +210,7 @@ def main() -> None:
                 # A CPU's dry run: the graphs' padded buffers, run eagerly, for their host parts.
                 runner.capture_graphs(capture=False)
             mode = "eager" if enforce_eager else "CUDA graphs"
-            print(
-                f"== {mode}, KV cache {gib} GiB ({runner.num_blocks} blocks), dtype {runner.dtype}"
-            )
+            print(f"== {mode}, KV cache {gib} GiB ({runner.num_blocks} blocks), {runner.precision}")
             profile_decodes(runner, args.batch, args.prompt_len, args.rows)
             if i == 0 and runner.graphs is not None:
                 calls = staging_calls(runner, args.batch, args.prompt_len)

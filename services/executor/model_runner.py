@@ -308,14 +308,11 @@ class ModelRunner:
         self._busy_seconds = 0.0
         self.load_seconds = time.perf_counter() - start
         logger.info(
-            "loaded %s on %s (%s%s, %s attention, %d torch threads) in %.2fs; %d KV blocks of "
+            "loaded %s on %s (%s, %s attention, %d torch threads) in %.2fs; %d KV blocks of "
             "%d tokens (%s)",
             self.model_dir.name,
             self.device,
-            self.dtype,
-            f", {quantization or self.weight_dtype} weights"
-            if quantization or self.weight_dtype != self.dtype
-            else "",
+            self.precision,
             self.attention.name,
             self.num_threads,
             self.load_seconds,
@@ -323,6 +320,13 @@ class ModelRunner:
             block_size,
             self.model.kv_cache_dtype,
         )
+
+    @property
+    def precision(self) -> str:
+        """The model's dtype, and its weights' where they are held otherwise."""
+        weights = self.quantization or (self.weight_dtype != self.dtype and self.weight_dtype)
+        model = str(self.dtype).removeprefix("torch.")
+        return f"{model}, {str(weights).removeprefix('torch.')} weights" if weights else model
 
     # ------------------------------------------------------------------ setup
 
