@@ -8,8 +8,8 @@ heads (9 query, 3 KV, head_dim 64), block size 16, shuffled blocks. Each call re
 different layer's cache of 30, as a forward does, so K/V come from memory and not from the
 last call's cache lines. Decode is reported as GB/s of K/V read (the bound), prefill as
 GFLOP/s of QK and PV. `--softcap CAP` caps every score (Gemma 2's attention, e.g. 50).
-`--kv-cache-dtype fp8` (or fp8_e5m2) adds each case over an fp8 cache (one byte a value: its
-GB/s count those bytes), in the same rounds.
+`--kv-cache-dtype fp8` (or fp8_e5m2, or bfloat16: the cache of `--dtype bfloat16`'s float32
+model) adds each case over that cache (its GB/s count its bytes), in the same rounds.
 `--library` adds builds to compare (e.g. one compiled from an older
 `cpu_kernels.c`); they run interleaved with the current source's build, round by round.
 """
@@ -27,6 +27,7 @@ from weir.kernels import cpu_native
 from weir.services.executor.model_runner import FP8_KV_CACHE_DTYPES
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+NARROW_CACHES = {**FP8_KV_CACHE_DTYPES, "bfloat16": torch.bfloat16}
 
 
 class AttentionOnly:
@@ -109,9 +110,9 @@ def main() -> None:
     parser.add_argument("--softcap", type=float, default=None, help="cap every score at this")
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=list(FP8_KV_CACHE_DTYPES),
+        choices=list(NARROW_CACHES),
         default=None,
-        help="also time an fp8 cache",
+        help="also time a cache of this dtype",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -139,10 +140,10 @@ def main() -> None:
     }
     if args.kv_cache_dtype is not None:
         for name, (case, work, unit) in list(cases.items()):
-            fp8 = {**case, "caches": case["caches"].to(FP8_KV_CACHE_DTYPES[args.kv_cache_dtype])}
+            narrow = {**case, "caches": case["caches"].to(NARROW_CACHES[args.kv_cache_dtype])}
             cases[f"{name}, {args.kv_cache_dtype}"] = (
-                fp8,
-                kv_bytes(fp8) if unit == "GB/s" else work,
+                narrow,
+                kv_bytes(narrow) if unit == "GB/s" else work,
                 unit,
             )
     for name, (case, _, _) in cases.items():  # the builds agree before they are timed

@@ -287,8 +287,9 @@ def paged_attention(
         sinks = check_sinks(sinks, hkv * group).float().view(hkv, 1, group)
     key_rows = kv_cache[0].view(-1, head_dim)
     value_rows = kv_cache[1].view(-1, head_dim)
-    # fp8 rows are read converted: embedding_bag takes no fp8 table, the bmm below does.
-    fp8 = kv_cache.element_size() == 1
+    # Rows of another dtype than the query's (fp8; bfloat16 under a float32 model) are read
+    # converted: embedding_bag takes no fp8 table, and bfloat16 probabilities would round.
+    widen = kv_cache.dtype != query.dtype
     out = torch.empty_like(query)
     for b in plan.short:
         r, qg, s = b.num_reqs, b.query_len * group, b.seq_len
@@ -305,7 +306,7 @@ def paged_attention(
             column = sinks.expand(hkv, b.query_len, group).reshape(1, hkv, qg, 1)
             scores = torch.cat((scores, column.expand(r, -1, -1, -1)), dim=-1)
         probs = torch.softmax(scores, dim=-1)[..., :s]
-        if fp8:
+        if widen:
             v = value_rows.index_select(0, b.kv_rows).view(r * hkv, s, head_dim).float()
             o = torch.bmm(probs.reshape(r * hkv, qg, s), v).view(-1, head_dim)
         else:
@@ -321,7 +322,7 @@ def paged_attention(
         s = len(lq.kv_rows) // hkv
         k = key_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
         v = value_rows.index_select(0, lq.kv_rows).view(1, hkv, s, head_dim)
-        if fp8:
+        if widen:
             k, v = k.to(query.dtype), v.to(query.dtype)
         q = query[lq.start : lq.end].transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, H, Q, D]
         if softcap is None and sinks is None:

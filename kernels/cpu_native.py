@@ -135,8 +135,10 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-# The fp8 caches the attention kernel reads, by its format number (0: a float32 cache).
+# The caches the attention kernel widens as it reads them, by its format number (0: a float32
+# cache, read as it is).
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+CACHE_FORMATS = {**FP8_FORMATS, torch.bfloat16: 3}
 
 
 @functools.cache
@@ -197,7 +199,7 @@ class CpuKernels:
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """key, value [T, Hkv, D] (strided rows) into kv_cache [2, blocks, block_size, Hkv, D]
-        (float32, or fp8: converted first, saturating) at int64 slots [T]; slot -1 is skipped.
+        (float32, or bfloat16 or fp8: converted first, fp8 saturating) at int64 slots [T]; slot -1 is skipped.
         A slot outside the cache raises IndexError (nothing is written), as PyTorch's indexing
         would: the step fails, the process lives."""
         if kv_cache.dtype != torch.float32:
@@ -232,9 +234,9 @@ class CpuKernels:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`weir.kernels.reference.paged_attention`'s contract, its sliding window, soft
-        cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata, a float32 or
-        fp8 cache; rows of no request are left unset. Metadata that points outside the
-        batch, the block table or the cache raises IndexError before anything is read."""
+        cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata, a float32,
+        bfloat16 or fp8 cache; rows of no request are left unset. Metadata that points outside
+        the batch, the block table or the cache raises IndexError before anything is read."""
         num_tokens, num_heads, head_dim = query.shape
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"a sliding window of {sliding_window} keys hides every key")
@@ -271,8 +273,8 @@ class CpuKernels:
             0 if sliding_window is None else sliding_window,  # 0: no window
             0.0 if softcap is None else softcap,  # 0: no cap
             None if sinks is None else _ptr(sinks),
-            FP8_FORMATS.get(kv_cache.dtype, 0),
-            None if kv_cache.dtype == torch.float32 else _ptr(fp8_values(kv_cache.dtype)),
+            CACHE_FORMATS.get(kv_cache.dtype, 0),
+            _ptr(fp8_values(kv_cache.dtype)) if kv_cache.dtype in FP8_FORMATS else None,
         )
         if status == -2:
             raise IndexError("attention metadata of this step points outside the batch or cache")

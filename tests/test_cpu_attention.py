@@ -336,16 +336,19 @@ def test_sinks_must_be_one_per_query_head():
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("cache_dtype", [*FP8, torch.bfloat16], ids=["e4m3", "e5m2", "bf16"])
 @pytest.mark.parametrize("sliding_window", [None, 37])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), [BATCHED_HEADS, (9, 3, 64)], ids=["gqa3", "gqa3-64"]
 )
-def test_fp8_cache_equals_reference(num_heads, num_kv_heads, head_dim, sliding_window, cache_dtype):
-    """--kv-cache-dtype fp8: the batched path and the native kernels write the step's K/V
-    converted as PyTorch converts them (saturating: the poison is past e4m3's 448) and
-    attend over the cache's widened values, as the reference over a float32 copy of them;
-    and the cache's rounding shows in the result."""
+def test_narrow_cache_equals_reference(
+    num_heads, num_kv_heads, head_dim, sliding_window, cache_dtype
+):
+    """--kv-cache-dtype fp8, and the bfloat16 cache of bfloat16 weights over a float32 model:
+    the batched path and the native kernels write the step's K/V converted as PyTorch
+    converts them (fp8 saturating: the poison is past e4m3's 448) and attend over the cache's
+    widened values, as the reference over a float32 copy of them; and the cache's rounding
+    shows in the result."""
     step = mixed_step(MIXED, num_heads, num_kv_heads, head_dim, torch.float32)
     step["kv_cache"] = step["kv_cache"].to(cache_dtype)
     step["key"][5] *= 1e5  # past both formats' largest value: held as it, not as inf
@@ -382,16 +385,21 @@ def test_fp8_cache_equals_reference(num_heads, num_kv_heads, head_dim, sliding_w
 
 @needs_native
 @pytest.mark.parametrize("head_dim", [16, 12], ids=["vector", "vector-and-tail"])
-@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
-def test_native_kernel_reads_every_fp8_byte_as_pytorch_does(cache_dtype, head_dim):
-    """Each of the 256 bytes (subnormals, the largest values, e5m2's infinities, NaNs) as a
-    value of one token that attends only to itself (a window of one key): the output is the
-    value, widened by the kernel (eight at a time through a half, the rest through the
-    table), against PyTorch's own reading of the byte."""
-    num_tokens = -(-256 // head_dim)
-    codes = torch.arange(num_tokens * head_dim) % 256
-    cache = torch.zeros(2, num_tokens, 1, 1, head_dim, dtype=torch.uint8)
-    cache[1] = codes.to(torch.uint8).view(num_tokens, 1, 1, head_dim)
+@pytest.mark.parametrize(
+    ("cache_dtype", "codes_dtype"),
+    [(FP8[0], torch.uint8), (FP8[1], torch.uint8), (torch.bfloat16, torch.int16)],
+    ids=["e4m3", "e5m2", "bf16"],
+)
+def test_native_kernel_reads_every_cached_code_as_pytorch_does(cache_dtype, codes_dtype, head_dim):
+    """Each of the format's 256 or 65,536 codes (subnormals, the largest values, infinities,
+    NaNs) as a value of one token that attends only to itself (a window of one key): the
+    output is the value, widened by the kernel (fp8: eight at a time through a half, the
+    rest through the table), against PyTorch's own reading of the code."""
+    count = 1 << (8 * codes_dtype.itemsize)
+    num_tokens = -(-count // head_dim)
+    codes = torch.arange(num_tokens * head_dim) % count
+    cache = torch.zeros(2, num_tokens, 1, 1, head_dim, dtype=codes_dtype)
+    cache[1] = codes.to(codes_dtype).view(num_tokens, 1, 1, head_dim)
     cache = cache.view(cache_dtype)
     query = torch.zeros(num_tokens, 1, head_dim)
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32)

@@ -1,5 +1,6 @@
 """ModelRunner driven by hand-made step plans over a tiny random model, against transformers."""
 
+import copy
 import json
 import random
 
@@ -14,7 +15,7 @@ from test_model_core import save_tiny_model  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton_keys import LaunchKeys  # noqa: E402
 
-from weir.kernels import triton_attention  # noqa: E402
+from weir.kernels import cpu_native, triton_attention  # noqa: E402
 from weir.services.executor.cuda_graphs import GraphShape  # noqa: E402
 from weir.services.executor.kernel_compiles import KernelCompiles  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
@@ -427,6 +428,38 @@ def test_only_steps_that_take_an_argmax_alone_sample_the_lm_heads_bfloat16(
     widened, widened_dtypes = run(widen_all=True)
     assert set(widened_dtypes) == {fp32}
     assert outputs["G"] == widened["G"] and outputs["L"] == widened["L"]
+
+
+@pytest.mark.skipif(cpu_native.load() is None, reason="bf16 weight panels need the native kernels")
+def test_bfloat16_on_a_cpu_is_bfloat16_weights_and_cache_over_a_float32_model(tiny):
+    """The same memory holds twice a float32 cache's tokens, and the served steps (a prefill,
+    then decodes over the bfloat16 cache) keep the greedy tokens of transformers in float32
+    with every Linear's weight and input rounded to bfloat16. (The arithmetic itself is
+    checked closer in test_packed_weights, test_cpu_attention and test_quantization: on
+    this tiny model the unrounded tokens are the same.)"""
+    path, hf_model = tiny
+    runner = make_runner(path, dtype="bfloat16")
+    assert (runner.dtype, runner.weight_dtype) == (torch.float32, torch.bfloat16)
+    assert runner.model.kv_cache_dtype == torch.bfloat16
+    assert runner.precision == "float32, bfloat16 weights"
+    assert runner.attention.name == "native"
+    assert runner.num_blocks == 2 * make_runner(path).num_blocks
+    reference = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.bfloat16().float())
+                module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+    rng = random.Random(5)
+    d = Driver(runner)
+    prompts = {r: [rng.randrange(128) for _ in range(n)] for r, n in (("A", 9), ("B", 21))}
+    for r, prompt in prompts.items():
+        d.add(r, prompt)
+    while len(d.outputs["A"]) < NUM_NEW:
+        d.step({"A": None, "B": None})
+    with torch.no_grad():
+        for r, prompt in prompts.items():
+            assert d.outputs[r][:NUM_NEW] == hf_greedy(reference, prompt, NUM_NEW), r
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")

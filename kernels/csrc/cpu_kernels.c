@@ -25,7 +25,7 @@
 #define KEY_TILE 32    /* keys scored at a time for many query rows (two halves of 16) */
 #define MAX_TILE_ROWS 64 /* query rows (tokens x heads of one KV head) per work item */
 #define WIDE_TILE 128   /* keys per tile for few query rows */
-#define FP8_WIDE_TILE 64 /* the same over an fp8 cache: its widened K and V tiles stay in L2 */
+#define NARROW_TILE 64 /* the same over an fp8 or bf16 cache: its widened K and V tiles stay in L2 */
 #define TRANSPOSE_ROWS 16 /* from this many rows a transposed key tile pays for itself */
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -161,7 +161,7 @@ void weir_silu_mul(float *x, int64_t row_stride, int64_t rows, int64_t dim) {
 }
 
 /* Copy each row's K and V ([kv_heads * head_dim] items of item_bytes each, at k + t * k_stride
-   and v + t * v_stride items: float32, or the bytes of an fp8 cache's already converted rows)
+   and v + t * v_stride items: float32, or an fp8 or bf16 cache's already converted rows)
    to cache slot slots[t]; slot -1 (padding) writes nothing. Returns 0, or -2 (nothing
    written) when a slot lies outside the cache's num_slots. */
 int weir_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
@@ -206,6 +206,22 @@ static inline void widen_fp8(const uint8_t *src, float *dst, int64_t n, int64_t 
     (void)format;
 #endif
     for (; d < n; d++) dst[d] = values[src[d]];
+}
+
+/* n cached values of format 1 or 2 (fp8, as widen_fp8) or 3 (bfloat16: a float's upper half)
+   widened to float. */
+static inline void widen(const char *src, float *dst, int64_t n, int64_t format,
+                         const float *values) {
+    if (format != 3) {
+        widen_fp8((const uint8_t *)src, dst, n, format, values);
+        return;
+    }
+    for (int64_t d = 0; d < n; d++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * d, sizeof h);
+        const uint32_t u = (uint32_t)h << 16;
+        memcpy(dst + d, &u, sizeof u);
+    }
 }
 
 /* num_tokens consecutive query tokens of request req, times the query heads of KV heads
@@ -427,13 +443,13 @@ static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64
    sinks, each query head's sink logit joins its softmax's denominator at the end),
    with an online softmax over tiles of keys read in place from the paged cache: WIDE_TILE
    keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 128
-   keys; FP8_WIDE_TILE over an fp8 cache), KEY_TILE for many (the transposed tile lives in
+   keys; NARROW_TILE over an fp8 or bf16 cache), KEY_TILE for many (the transposed tile lives in
    L1). An item of several KV heads walks each tile's cache slots once for all of them: the
    heads of a slot are adjacent, so the tile is read as contiguous runs rather than one
    head's stripe of every slot. */
 static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
                         int64_t out_stride, const void *key_cache, const void *value_cache,
-                        int64_t fp8_format, const float *fp8_values, const int32_t *query_start_loc,
+                        int64_t cache_format, const float *fp8_values, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const int32_t *block_table,
                         int64_t block_table_stride, int64_t block_size, int64_t num_kv_heads,
                         int64_t group, int64_t head_dim, float scale, int64_t window,
@@ -441,7 +457,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
     const int64_t rows = head_rows * heads;
     const int64_t tile = head_rows >= TRANSPOSE_ROWS ? KEY_TILE
-                         : fp8_format              ? FP8_WIDE_TILE
+                         : cache_format            ? NARROW_TILE
                                                    : WIDE_TILE;
     const int64_t q_len = query_start_loc[w->req + 1] - query_start_loc[w->req];
     const int64_t context = seq_lens[w->req] - q_len;
@@ -462,9 +478,9 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     float *kt = acc + rows * head_dim;   /* [head_dim][KEY_TILE] */
     float *s = kt + head_dim * KEY_TILE; /* [head_rows][tile] */
     float *row_max = s + head_rows * tile, *row_sum = row_max + rows;
-    /* An fp8 cache's tile, widened to floats: [tile][item_floats] each for K and V. */
+    /* An fp8 or bf16 cache's tile, widened to floats: [tile][item_floats] each for K and V. */
     float *kdec = row_sum + rows, *vdec = kdec + tile * item_floats;
-    const int64_t item_bytes = fp8_format ? 1 : (int64_t)sizeof(float);
+    const int64_t item_bytes = cache_format == 3 ? 2 : cache_format ? 1 : (int64_t)sizeof(float);
     const char *kc = key_cache, *vc = value_cache;
     const float *kslot[WIDE_TILE], *vslot[WIDE_TILE], *krow[WIDE_TILE], *vrow[WIDE_TILE];
     float p[WIDE_TILE];
@@ -488,11 +504,11 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
             vslot[j] = (const float *)(vc + at * item_bytes);
             if (++offset == block_size) offset = 0, block++;
         }
-        if (fp8_format)
+        if (cache_format)
             for (int64_t j = 0; j < nk; j++) {
                 float *kd = kdec + j * item_floats, *vd = vdec + j * item_floats;
-                widen_fp8((const uint8_t *)kslot[j], kd, item_floats, fp8_format, fp8_values);
-                widen_fp8((const uint8_t *)vslot[j], vd, item_floats, fp8_format, fp8_values);
+                widen((const char *)kslot[j], kd, item_floats, cache_format, fp8_values);
+                widen((const char *)vslot[j], vd, item_floats, cache_format, fp8_values);
                 kslot[j] = kd, vslot[j] = vd;
             }
         for (int64_t j = nk; j < tile; j++) kslot[j] = kslot[0], vslot[j] = vslot[0];
@@ -561,8 +577,9 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
    softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they are.
    With sinks (gpt-oss' attention sinks: num_heads logits, NULL for none), query head h's
    softmax has one more term, exp(sinks[h]), in its denominator and no value for it.
-   With fp8_format 1 (e4m3) or 2 (e5m2), the caches hold one byte a channel, widened a tile at a
-   time (fp8_values: the 256 floats the format's bytes stand for); 0 is a float32 cache.
+   With cache_format 1 (e4m3) or 2 (e5m2), the caches hold one byte a channel (fp8_values: the
+   256 floats the format's bytes stand for), with 3 two (bfloat16), widened a tile at a time;
+   0 is a float32 cache.
    Returns 0; -1 when scratch memory could not be allocated; -2 (nothing read) when the
    metadata points outside the batch's num_tokens rows, the block table's width or the
    cache's num_blocks. */
@@ -573,7 +590,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                          int64_t block_table_stride, int64_t block_table_width,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, float scale, int64_t window, float softcap,
-                         const float *sinks, int64_t fp8_format, const float *fp8_values) {
+                         const float *sinks, int64_t cache_format, const float *fp8_values) {
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
         const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
@@ -627,7 +644,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
     }
     const size_t scratch_floats =
         (size_t)(2 * max_rows * head_dim + head_dim * KEY_TILE + max_rows * WIDE_TILE + 2 * max_rows +
-                 (fp8_format ? 2 * FP8_WIDE_TILE * num_kv_heads * head_dim : 0));
+                 (cache_format ? 2 * NARROW_TILE * num_kv_heads * head_dim : 0));
     int failed = 0;
 #pragma omp parallel
     {
@@ -640,7 +657,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
         for (int64_t i = 0; i < num_items; i++)
             if (scratch)
                 attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
-                            fp8_format, fp8_values, query_start_loc, seq_lens, block_table,
+                            cache_format, fp8_values, query_start_loc, seq_lens, block_table,
                             block_table_stride, block_size, num_kv_heads, group, head_dim,
                             scale, window, softcap, sinks, scratch);
         free(scratch);

@@ -238,7 +238,11 @@ class ModelRunner:
         self.dtype, self.weight_dtype = cpu_dtypes(self.device, self.weight_dtype, quantization)
         check_quantization(quantization, self.device, self.dtype)
         self.quantization = quantization
-        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.device)
+        # "auto": the cache of --dtype's dtype (bfloat16 weights over a float32 model keep a
+        # bfloat16 cache, as a bfloat16 model does: half a float32 cache's bytes).
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.device) or (
+            None if self.weight_dtype == self.dtype else self.weight_dtype
+        )
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
