@@ -199,9 +199,9 @@ class CpuKernels:
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """key, value [T, Hkv, D] (strided rows) into kv_cache [2, blocks, block_size, Hkv, D]
-        (float32, or bfloat16 or fp8: converted first, fp8 saturating) at int64 slots [T]; slot -1 is skipped.
-        A slot outside the cache raises IndexError (nothing is written), as PyTorch's indexing
-        would: the step fails, the process lives."""
+        (float32; bfloat16 or fp8: converted first, fp8 saturating) at int64 slots [T]; slot
+        -1 is skipped. A slot outside the cache raises IndexError (nothing is written), as
+        PyTorch's indexing would: the step fails, the process lives."""
         if kv_cache.dtype != torch.float32:
             key, value = to_cache(key, kv_cache.dtype), to_cache(value, kv_cache.dtype)
         status = self._lib.weir_write_kv(

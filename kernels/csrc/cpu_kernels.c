@@ -25,7 +25,7 @@
 #define KEY_TILE 32    /* keys scored at a time for many query rows (two halves of 16) */
 #define MAX_TILE_ROWS 64 /* query rows (tokens x heads of one KV head) per work item */
 #define WIDE_TILE 128   /* keys per tile for few query rows */
-#define NARROW_TILE 64 /* the same over an fp8 or bf16 cache: its widened K and V tiles stay in L2 */
+#define NARROW_TILE 64 /* the same over an fp8 or bf16 cache: its widened tiles stay in L2 */
 #define TRANSPOSE_ROWS 16 /* from this many rows a transposed key tile pays for itself */
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -443,15 +443,16 @@ static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64
    sinks, each query head's sink logit joins its softmax's denominator at the end),
    with an online softmax over tiles of keys read in place from the paged cache: WIDE_TILE
    keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 128
-   keys; NARROW_TILE over an fp8 or bf16 cache), KEY_TILE for many (the transposed tile lives in
-   L1). An item of several KV heads walks each tile's cache slots once for all of them: the
-   heads of a slot are adjacent, so the tile is read as contiguous runs rather than one
-   head's stripe of every slot. */
+   keys; NARROW_TILE over an fp8 or bf16 cache), KEY_TILE for many (the transposed tile
+   lives in L1). An item of several KV heads walks each tile's cache slots once for all of
+   them: the heads of a slot are adjacent, so the tile is read as contiguous runs rather than
+   one head's stripe of every slot. */
 static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, float *out,
                         int64_t out_stride, const void *key_cache, const void *value_cache,
-                        int64_t cache_format, const float *fp8_values, const int32_t *query_start_loc,
-                        const int32_t *seq_lens, const int32_t *block_table,
-                        int64_t block_table_stride, int64_t block_size, int64_t num_kv_heads,
+                        int64_t cache_format, const float *fp8_values,
+                        const int32_t *query_start_loc, const int32_t *seq_lens,
+                        const int32_t *block_table, int64_t block_table_stride,
+                        int64_t block_size, int64_t num_kv_heads,
                         int64_t group, int64_t head_dim, float scale, int64_t window,
                         float softcap, const float *sinks, float *scratch) {
     const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
@@ -480,7 +481,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     float *row_max = s + head_rows * tile, *row_sum = row_max + rows;
     /* An fp8 or bf16 cache's tile, widened to floats: [tile][item_floats] each for K and V. */
     float *kdec = row_sum + rows, *vdec = kdec + tile * item_floats;
-    const int64_t item_bytes = cache_format == 3 ? 2 : cache_format ? 1 : (int64_t)sizeof(float);
+    const int64_t item_bytes = cache_format == 3 ? 2 : cache_format ? 1 : 4;
     const char *kc = key_cache, *vc = value_cache;
     const float *kslot[WIDE_TILE], *vslot[WIDE_TILE], *krow[WIDE_TILE], *vrow[WIDE_TILE];
     float p[WIDE_TILE];
@@ -1023,28 +1024,31 @@ void weir_pack_panels_bf16(const uint16_t *w, int64_t n, int64_t k, uint32_t *pa
         uint32_t *panel = panels + (j0 / PANEL) * pairs * PANEL;
         for (int64_t c = 0; c < pairs; c++)
             for (int64_t j = 0; j < PANEL; j++) {
-                const uint16_t *row = w + (j0 + j) * k;
-                const uint32_t lo = j0 + j < n ? row[2 * c] : 0;
-                const uint32_t hi = j0 + j < n && 2 * c + 1 < k ? row[2 * c + 1] : 0;
-                panel[c * PANEL + j] = lo | hi << 16;
+                uint32_t pair = 0;
+                if (j0 + j < n) {
+                    const uint16_t *row = w + (j0 + j) * k;
+                    pair = row[2 * c] | (2 * c + 1 < k ? (uint32_t)row[2 * c + 1] << 16 : 0);
+                }
+                panel[c * PANEL + j] = pair;
             }
     }
 }
 
 /* The matmul against bf16 panels: x's rows rounded to bf16 pairs first (once, not per panel),
-   then the float32 matmul's blocks over the pairs; sums and outputs stay float32. NULL if the
-   pairs' buffer could not be allocated. */
+   then the float32 matmul's blocks over the pairs; sums and outputs stay float32. Returns 0,
+   or -1 when the pairs' buffer could not be allocated. */
 static int linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32_t *panels,
                        int64_t n, int64_t k, const float *bias, const float *residual,
                        int64_t residual_stride, float *out, int64_t out_stride, int gated) {
     const int64_t pairs = (k + 1) / 2;
-    uint32_t *xb = malloc((size_t)(m * pairs + 1) * sizeof *xb);
+    uint32_t *xb = malloc((size_t)(m * pairs + 1) * sizeof *xb); /* + 1: never malloc(0) */
     if (!xb) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; i++) {
         const float *xr = x + i * x_stride;
         uint32_t *o = xb + i * pairs;
-        for (int64_t c = 0; c < k / 2; c++) o[c] = to_bf16(xr[2 * c]) | to_bf16(xr[2 * c + 1]) << 16;
+        for (int64_t c = 0; c < k / 2; c++)
+            o[c] = to_bf16(xr[2 * c]) | to_bf16(xr[2 * c + 1]) << 16;
         if (k % 2) o[pairs - 1] = to_bf16(xr[k - 1]);
     }
     linear_blocks((const float *)xb, pairs, m, (const float *)panels, n, pairs, bias, residual,

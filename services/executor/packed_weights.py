@@ -20,9 +20,10 @@ LM head: its packed copy sits beside the embedding, whose lookup needs the dense
 
 `--dtype bfloat16` on a CPU with the native kernels (`cpu_dtypes`) packs the projections and
 the LM head in bfloat16 over a float32 model: the matmul rounds its input rows to bfloat16 and
-sums in float32 (AVX512_BF16's pair dot products where the CPU has them, 1.6-1.8x the float32
-panels' rate from 8 rows up), while norms, attention, the residual stream and the KV cache
-stay float32, as llama.cpp runs a BF16 GGUF. Elsewhere bfloat16 is the whole model's dtype.
+sums in float32 (AVX512_BF16's pair dot products where the CPU has them, 1.5-1.8x the float32
+panels' rate), while norms, attention's arithmetic and the residual stream stay float32, as
+llama.cpp runs a BF16 GGUF (the runner keeps a bfloat16 KV cache). Elsewhere bfloat16 is the
+whole model's dtype.
 """
 
 import os
@@ -53,15 +54,12 @@ def cpu_dtypes(
     """(the model's dtype, its packed weights' dtype) for ``--dtype`` ``dtype``: bfloat16 on a
     CPU whose native kernels compiled, with no other weight format asked for, is bfloat16
     weights over a float32 model; otherwise both are ``dtype``."""
-    if (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and quantization is None
-        and cpu_native.load() is not None
-        and can_pack(device, torch.float32, cpu_native.load())
-    ):
-        return torch.float32, torch.bfloat16
-    return dtype, dtype
+    if device.type != "cpu" or dtype != torch.bfloat16 or quantization is not None:
+        return dtype, dtype
+    kernels = cpu_native.load()
+    if kernels is None or not can_pack(device, torch.float32, kernels):
+        return dtype, dtype
+    return torch.float32, torch.bfloat16
 
 
 class PackedLinear(nn.Module):
