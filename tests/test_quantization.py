@@ -153,6 +153,16 @@ def _weir_logits(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _greedy_logits(model, reference, tokenizer):
+    """Per prompt of PROMPTS, over it and the reference's greedy continuation: (the prompt's
+    length, the tokens, Weir's logits, the reference's)."""
+    for text in PROMPTS:
+        prompt = _prompt_ids(tokenizer, text)
+        seq = _greedy(reference, tokenizer, prompt)
+        got = _weir_logits(model, seq, len(prompt))
+        yield len(prompt), seq, got, reference(torch.tensor([seq])).logits[0]
+
+
 def _hf_model(model_dir, dtype=torch.float32):
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
@@ -181,12 +191,7 @@ def test_int8_smollm2_matches_transformers_on_the_dequantized_weights(default_mo
     prefill_diff = decode_diff = 0.0
     decode_agree = decode_total = original_agree = 0
     with torch.no_grad():
-        for text in PROMPTS:
-            prompt = _prompt_ids(tokenizer, text)
-            seq = _greedy(reference, tokenizer, prompt)
-            want = reference(torch.tensor([seq])).logits[0]
-            got = _weir_logits(model, seq, len(prompt))
-            n = len(prompt)
+        for n, seq, got, want in _greedy_logits(model, reference, tokenizer):
             prefill_diff = max(prefill_diff, (got[:n] - want[:n]).abs().max().item())
             decode_diff = max(decode_diff, (got[n:] - want[n:]).abs().max().item())
             decode_agree += (got[n - 1 :].argmax(-1) == want[n - 1 :].argmax(-1)).sum().item()
@@ -211,12 +216,8 @@ def test_bfloat16_smollm2_matches_transformers_in_bfloat16(default_model_dir):
     model = load_model(default_model_dir, device="cpu", dtype=torch.bfloat16)
     worst, agree, total = 0.0, 0, 0
     with torch.no_grad():
-        for text in PROMPTS:
-            prompt = _prompt_ids(tokenizer, text)
-            seq = _greedy(reference, tokenizer, prompt)
-            want = reference(torch.tensor([seq])).logits[0].float()
-            got = _weir_logits(model, seq, len(prompt))
-            worst = max(worst, (got - want).abs().max().item())
+        for _, seq, got, want in _greedy_logits(model, reference, tokenizer):
+            worst = max(worst, (got - want.float()).abs().max().item())
             agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
             total += len(seq)
 
@@ -266,11 +267,7 @@ def test_bfloat16_weights_over_float32_match_transformers_with_bfloat16_matmuls(
         ours = rounding = 0.0
         agree = total = 0
         with torch.no_grad():
-            for text in PROMPTS:
-                prompt = _prompt_ids(tokenizer, text)
-                seq = _greedy(reference, tokenizer, prompt)
-                want = reference(torch.tensor([seq])).logits[0]
-                got = _weir_logits(model, seq, len(prompt))
+            for _, seq, got, want in _greedy_logits(model, reference, tokenizer):
                 ours += (got - want).abs().mean().item()
                 rounding += (unrounded(torch.tensor([seq])).logits[0] - want).abs().mean().item()
                 agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
