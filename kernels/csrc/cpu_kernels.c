@@ -747,17 +747,17 @@ void weir_int8_linear(const float *x, int64_t x_stride, int64_t m, const int8_t 
 }
 
 /* Float32 matmul against a weight prepacked into panels (weir_pack_panels): the projections
-   and the LM head of every CPU step, in blocks of 6 rows of x by a unit of one or two panels
-   (16 weight rows interleaved, [k][16]). With 256-bit vectors a panel's 6 x 16 block is twelve
-   registers: one pass over k per panel broadcasts six activations per step, twelve FMAs per
-   two panel loads, about 1.2-1.4x the rate of oneDNN's and MKL's float32 GEMM at a decode
+   and the LM head of every CPU step, in blocks of BLOCK_ROWS rows of x by a unit of one or two
+   panels (16 weight rows interleaved, [k][16]). With 256-bit vectors a panel's 6 x 16 block is
+   twelve registers: one pass over k per panel broadcasts six activations per step, twelve FMAs
+   per two panel loads, about 1.2-1.4x the rate of oneDNN's and MKL's float32 GEMM at a decode
    step's rows on the AVX2 machines measured. With AVX-512 a panel's 16 columns fill one
-   register, so a unit is two panels in one pass: twelve FMAs of 16 lanes per two panel loads
-   and six broadcasts (there the 256-bit kernel ran at half of oneDNN's rate from 64 rows up,
-   this one at 0.8-1.17x of it; docs/benchmarks.md). Written with vector extensions, so it
+   register and there are 32 registers, so a unit is two panels in one pass over blocks of 8
+   rows: sixteen FMAs of 16 lanes per two panel loads and eight broadcasts (there the 256-bit
+   kernel ran at half of oneDNN's rate from 64 rows up, this one at 0.8-1.17x of it in blocks of
+   6, 3-10% more in blocks of 8; docs/benchmarks.md). Written with vector extensions, so it
    builds anywhere. */
 #define PANEL 16 /* output columns (weight rows) per panel */
-#define BLOCK_ROWS 6
 #define CHUNK_ROWS 96 /* rows of x per pass over the panels: 96 x k stays in L2 */
 
 /* w [n][k] row-major -> panels [ceil(n / 16)][k][16], rows past n zero. */
@@ -793,6 +793,7 @@ ALWAYS_INLINE uint32_t word(const float *x, int64_t c) {
    and acc_b. */
 #if defined(__AVX512F__)
 #define UNIT_PANELS 2 /* a plain matmul's panels per unit: both in one pass */
+#define BLOCK_ROWS 8  /* sixteen accumulators of 32 registers (10 or 12 rows: no faster) */
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
@@ -824,30 +825,26 @@ ALWAYS_INLINE void row_step(v16f *a, v16f *b, const float *xr, int64_t c, int BF
     }
 }
 
-/* One pass over k: both panels' blocks in twelve 16-lane accumulators. */
+/* One pass over k: both panels' blocks in 16-lane accumulators (the row loop unrolled, so they
+   live in registers). */
 ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int BF16,
                              const float *pa, const float *pb, int64_t k,
                              v8f acc_a[2 * BLOCK_ROWS], v8f acc_b[2 * BLOCK_ROWS]) {
-    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
-    v16f b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0}, b5 = {0};
+    v16f a[BLOCK_ROWS] = {{0}}, b[BLOCK_ROWS] = {{0}};
     if (!pb) pb = pa; /* computed, never stored */
     for (int64_t c = 0; c < k; c++) {
         __builtin_prefetch(pa + (c + 32) * PANEL);
         __builtin_prefetch(pb + (c + 32) * PANEL);
         const v16f wa = load16(pa + c * PANEL), wb = load16(pb + c * PANEL);
-        row_step(&a0, &b0, x, c, BF16, wa, wb);
-        if (ROWS > 1) row_step(&a1, &b1, x + x_stride, c, BF16, wa, wb);
-        if (ROWS > 2) row_step(&a2, &b2, x + 2 * x_stride, c, BF16, wa, wb);
-        if (ROWS > 3) row_step(&a3, &b3, x + 3 * x_stride, c, BF16, wa, wb);
-        if (ROWS > 4) row_step(&a4, &b4, x + 4 * x_stride, c, BF16, wa, wb);
-        if (ROWS > 5) row_step(&a5, &b5, x + 5 * x_stride, c, BF16, wa, wb);
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) row_step(&a[r], &b[r], x + r * x_stride, c, BF16, wa, wb);
     }
-    const v16f a[BLOCK_ROWS] = {a0, a1, a2, a3, a4, a5}, b[BLOCK_ROWS] = {b0, b1, b2, b3, b4, b5};
     memcpy(acc_a, a, sizeof a);
     memcpy(acc_b, b, sizeof b);
 }
 #else
 #define UNIT_PANELS 1 /* a second panel would be a second pass: no gain in pairing them */
+#define BLOCK_ROWS 6  /* twelve accumulators of 16 registers */
 typedef uint32_t v8u __attribute__((vector_size(32)));
 static inline v8f broadcast(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
 
@@ -868,23 +865,17 @@ ALWAYS_INLINE void row_step(v8f *lo, v8f *hi, const float *xr, int64_t c, int BF
     }
 }
 
-/* One panel's block: twelve 8-lane accumulators. */
+/* One panel's block: twelve 8-lane accumulators (two halves a row). */
 ALWAYS_INLINE void panel_rows(const float *x, int64_t x_stride, int ROWS, int BF16,
                               const float *panel, int64_t k, v8f acc[2 * BLOCK_ROWS]) {
-    v8f c00 = {0}, c01 = {0}, c10 = {0}, c11 = {0}, c20 = {0}, c21 = {0};
-    v8f c30 = {0}, c31 = {0}, c40 = {0}, c41 = {0}, c50 = {0}, c51 = {0};
+    v8f lo[BLOCK_ROWS] = {{0}}, hi[BLOCK_ROWS] = {{0}};
     for (int64_t c = 0; c < k; c++) {
         __builtin_prefetch(panel + (c + 32) * PANEL);
         const v8f b0 = load8(panel + c * PANEL), b1 = load8(panel + c * PANEL + 8);
-        row_step(&c00, &c01, x, c, BF16, b0, b1);
-        if (ROWS > 1) row_step(&c10, &c11, x + x_stride, c, BF16, b0, b1);
-        if (ROWS > 2) row_step(&c20, &c21, x + 2 * x_stride, c, BF16, b0, b1);
-        if (ROWS > 3) row_step(&c30, &c31, x + 3 * x_stride, c, BF16, b0, b1);
-        if (ROWS > 4) row_step(&c40, &c41, x + 4 * x_stride, c, BF16, b0, b1);
-        if (ROWS > 5) row_step(&c50, &c51, x + 5 * x_stride, c, BF16, b0, b1);
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) row_step(&lo[r], &hi[r], x + r * x_stride, c, BF16, b0, b1);
     }
-    acc[0] = c00, acc[1] = c01, acc[2] = c10, acc[3] = c11, acc[4] = c20, acc[5] = c21;
-    acc[6] = c30, acc[7] = c31, acc[8] = c40, acc[9] = c41, acc[10] = c50, acc[11] = c51;
+    for (int r = 0; r < BLOCK_ROWS; r++) acc[2 * r] = lo[r], acc[2 * r + 1] = hi[r];
 }
 
 /* A pass over k per panel (none for a missing panel b). */
@@ -896,7 +887,7 @@ ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int BF1
 }
 #endif
 
-/* One unit's block of rows <= 6 rows of x. */
+/* One unit's block of rows <= BLOCK_ROWS rows of x. */
 ALWAYS_INLINE void unit_block(const float *x, int64_t x_stride, int64_t rows, int BF16,
                               const float *pa, const float *pb, int64_t k,
                               v8f acc_a[2 * BLOCK_ROWS], v8f acc_b[2 * BLOCK_ROWS]) {
@@ -906,7 +897,11 @@ ALWAYS_INLINE void unit_block(const float *x, int64_t x_stride, int64_t rows, in
     case 3: unit_rows(x, x_stride, 3, BF16, pa, pb, k, acc_a, acc_b); break;
     case 4: unit_rows(x, x_stride, 4, BF16, pa, pb, k, acc_a, acc_b); break;
     case 5: unit_rows(x, x_stride, 5, BF16, pa, pb, k, acc_a, acc_b); break;
-    default: unit_rows(x, x_stride, 6, BF16, pa, pb, k, acc_a, acc_b); break;
+#if BLOCK_ROWS == 8
+    case 6: unit_rows(x, x_stride, 6, BF16, pa, pb, k, acc_a, acc_b); break;
+    case 7: unit_rows(x, x_stride, 7, BF16, pa, pb, k, acc_a, acc_b); break;
+#endif
+    default: unit_rows(x, x_stride, BLOCK_ROWS, BF16, pa, pb, k, acc_a, acc_b); break;
     }
 }
 
@@ -934,14 +929,15 @@ static inline void store_block(const v8f acc[2 * BLOCK_ROWS], int64_t i0, int64_
     }
 }
 
-/* The matmul's loop over blocks of 6 rows x one unit, row chunks and units shared out between
-   the threads. Plain: out[i, j] = (residual[i, j] +) (bias[j] +) x[i] . w[j] for j < n, a unit
-   being UNIT_PANELS panels in order (an odd last one alone). Gated (the gate/up projection of
-   a gated MLP, n a multiple of PANEL): the panels hold the gate's n rows and then the up's n
-   rows, a unit is panel p of each, and out[i, j] = silu(g) * u with g = (bias[j] +) x[i] . w[j]
-   and u = (bias[n + j] +) x[i] . w[n + j], computed as weir_silu_mul computes it, so the
-   [m, 2n] projection output is never written. Both kernels sum each output in the same order:
-   their results are equal. bf16: x and the panels hold bf16 pairs, k counts pairs. */
+/* The matmul's loop over blocks of BLOCK_ROWS rows x one unit, row chunks and units shared
+   out between the threads. Plain: out[i, j] = (residual[i, j] +) (bias[j] +) x[i] . w[j] for
+   j < n, a unit being UNIT_PANELS panels in order (an odd last one alone). Gated (the gate/up
+   projection of a gated MLP, n a multiple of PANEL): the panels hold the gate's n rows and
+   then the up's n rows, a unit is panel p of each, and out[i, j] = silu(g) * u with g =
+   (bias[j] +) x[i] . w[j] and u = (bias[n + j] +) x[i] . w[n + j], computed as weir_silu_mul
+   computes it, so the [m, 2n] projection output is never written. Both kernels sum each
+   output in the same order: their results are equal. bf16: x and the panels hold bf16 pairs,
+   k counts pairs. */
 static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const float *panels,
                           int64_t n, int64_t k, const float *bias, const float *residual,
                           int64_t residual_stride, float *out, int64_t out_stride, int gated,
@@ -956,8 +952,10 @@ static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const flo
             const int64_t pb = gated ? num_panels + u : UNIT_PANELS * u + 1;
             const int has_b = gated || (UNIT_PANELS == 2 && pb < num_panels);
             const int64_t j0 = pa * PANEL, cols = n - j0 < PANEL ? n - j0 : PANEL;
-            const int64_t end = (chunk + 1) * CHUNK_ROWS < m ? (chunk + 1) * CHUNK_ROWS : m;
-            for (int64_t i0 = chunk * CHUNK_ROWS; i0 < end; i0 += BLOCK_ROWS) {
+            /* Chunks of equal sizes (to one row): as 96 + 4, 100 rows ran at half the rate
+               of 50 + 50, the 4-row chunk's work items as many as the 96-row chunk's. */
+            const int64_t begin = chunk * m / chunks, end = (chunk + 1) * m / chunks;
+            for (int64_t i0 = begin; i0 < end; i0 += BLOCK_ROWS) {
                 const int64_t rows = end - i0 < BLOCK_ROWS ? end - i0 : BLOCK_ROWS;
                 v8f acc[2 * BLOCK_ROWS], acc_b[2 * BLOCK_ROWS];
                 const float *xi = x + i0 * x_stride, *wa = panels + pa * k * PANEL;
