@@ -444,6 +444,9 @@ def test_bfloat16_on_a_cpu_is_bfloat16_weights_and_cache_over_a_float32_model(ti
     assert runner.precision == "float32, bfloat16 weights"
     assert runner.attention.name == "native"
     assert runner.num_blocks == 2 * make_runner(path).num_blocks
+    # The torch attention backend has no native kernels: bfloat16 is the whole model's dtype.
+    operators = make_runner(path, dtype="bfloat16", attention_backend="torch")
+    assert (operators.dtype, operators.precision) == (torch.bfloat16, "bfloat16")
     reference = copy.deepcopy(hf_model)
     with torch.no_grad():
         for module in reference.modules():

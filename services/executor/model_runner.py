@@ -235,7 +235,9 @@ class ModelRunner:
         # The model's dtype and its packed projections' (bfloat16 ones over a float32 model on
         # a CPU); weight_dtype is what --dtype asked for.
         self.weight_dtype = parse_dtype(dtype, self.device)
-        self.dtype, self.weight_dtype = cpu_dtypes(self.device, self.weight_dtype, quantization)
+        self.dtype, self.weight_dtype = cpu_dtypes(
+            self.device, self.weight_dtype, quantization, attention_backend
+        )
         check_quantization(quantization, self.device, self.dtype)
         self.quantization = quantization
         # "auto": the cache of --dtype's dtype (bfloat16 weights over a float32 model keep a

@@ -49,12 +49,21 @@ def can_pack(device: torch.device, dtype: torch.dtype, kernels: CpuKernels | Non
 
 
 def cpu_dtypes(
-    device: torch.device, dtype: torch.dtype, quantization: str | None
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None,
+    attention_backend: str | None = None,
 ) -> tuple[torch.dtype, torch.dtype]:
     """(the model's dtype, its packed weights' dtype) for ``--dtype`` ``dtype``: bfloat16 on a
-    CPU whose native kernels compiled, with no other weight format asked for, is bfloat16
-    weights over a float32 model; otherwise both are ``dtype``."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or quantization is not None:
+    CPU whose native kernels compiled and serve the model (the default attention backend, or
+    "native"), with no other weight format asked for, is bfloat16 weights over a float32
+    model; otherwise both are ``dtype``."""
+    if (
+        device.type != "cpu"
+        or dtype != torch.bfloat16
+        or quantization is not None
+        or attention_backend not in (None, "native")
+    ):
         return dtype, dtype
     kernels = cpu_native.load()
     if kernels is None or not can_pack(device, torch.float32, kernels):
