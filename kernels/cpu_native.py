@@ -135,6 +135,11 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+def is_bf16_panels(panels: torch.Tensor) -> bool:
+    """Whether `pack_panels` packed a bfloat16 weight (int32 words of bf16 pairs)."""
+    return panels.dtype == torch.int32
+
+
 # The caches the attention kernel widens as it reads them, by its format number (0: a float32
 # cache, read as it is).
 FP8_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -334,9 +339,8 @@ class CpuKernels:
         """(residual +) x @ weight.T (+ bias) with the weight as `pack_panels` gave it: x [M, K]
         float32 with contiguous rows, bias [N], residual [M, N] (rows may be strided). Over
         bf16 panels x is rounded to bf16 and the sums are float32."""
-        bf16 = panels.dtype == torch.int32
         return self._panel_matmul(
-            self._lib.weir_linear_bf16 if bf16 else self._lib.weir_linear,
+            (self._lib.weir_linear, self._lib.weir_linear_bf16),
             x,
             panels,
             out_features,
@@ -361,28 +365,28 @@ class CpuKernels:
                 f"linear_silu_mul: {out_features} outputs need {2 * out_features // PANEL} "
                 f"panels of {PANEL} weight rows, got {panels.shape[0]}"
             )
-        bf16 = panels.dtype == torch.int32
-        fn = self._lib.weir_linear_silu_mul_bf16 if bf16 else self._lib.weir_linear_silu_mul
-        return self._panel_matmul(fn, x, panels, out_features, bias)
+        fns = (self._lib.weir_linear_silu_mul, self._lib.weir_linear_silu_mul_bf16)
+        return self._panel_matmul(fns, x, panels, out_features, bias)
 
     @staticmethod
     def _panel_matmul(
-        fn: Callable[..., object],
+        fns: tuple[Callable[..., object], Callable[..., object]],
         x: torch.Tensor,
         panels: torch.Tensor,
         out_features: int,
         bias: torch.Tensor | None,
         *epilogue: int | None,
     ) -> torch.Tensor:
-        """Call a panel matmul: (x, x stride, rows, panels, N, K, bias, *epilogue, out, out
-        stride), into a new [M, out_features] tensor."""
+        """Call the panel matmul of fns (float32's, bf16's) that the panels' dtype names: (x,
+        x stride, rows, panels, N, K, bias, *epilogue, out, out stride), into a new [M,
+        out_features] tensor."""
         k, steps = x.shape[-1], panels.shape[1]
-        bf16 = panels.dtype == torch.int32
+        bf16 = is_bf16_panels(panels)
         if x.dim() != 2 or (-(-k // 2) if bf16 else k) != steps or x.stride(1) != 1:
             inputs = f"{steps} input pairs" if bf16 else f"{steps} inputs"
             raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {inputs}")
         out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        failed = fn(
+        failed = fns[bf16](
             _ptr(x),
             x.stride(0),
             x.shape[0],

@@ -5,7 +5,7 @@ a CPU only."""
 
 import pytest
 import torch
-from native_builds import AVX512, AVX512_BF16, BF16_BUILDS, BUILDS, NATIVE, build
+from native_builds import AVX512, BF16_BUILDS, BUILDS, NATIVE, build
 
 from weir.kernels import cpu_native
 from weir.services.executor.packed_weights import PackedLinear, can_pack
@@ -121,16 +121,15 @@ def test_bf16_gate_up_silu_mul_matches_the_bf16_rounded_product(rows, build_name
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.skipif(not AVX512_BF16, reason="one bf16 matmul here")
-def test_bf16_dot_products_and_widened_pairs_agree():
-    """AVX512_BF16's pair dot products and the float32 arithmetic on widened pairs (what
-    other CPUs run) compute the same products; the sums differ by float32 rounding only."""
-    widened = build("native-no-bf16")
+@pytest.mark.parametrize("build_name", BF16_BUILDS)
+def test_bf16_panels_at_the_default_models_gate_up_shape(build_name):
+    """3072 x 576 over 97 rows (two chunks of rows, 192 panels): the same product, with sums
+    576 long."""
+    kernels = build(build_name)
     gen = torch.Generator().manual_seed(2)
     weight, x = torch.randn(3072, 576, generator=gen), torch.randn(97, 576, generator=gen)
-    a = NATIVE.linear(x, NATIVE.pack_panels(weight.bfloat16()), 3072)
-    b = widened.linear(x, widened.pack_panels(weight.bfloat16()), 3072)
-    torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-5)
+    got = kernels.linear(x, kernels.pack_panels(weight.bfloat16()), 3072)
+    torch.testing.assert_close(got.double(), bf16_reference(x, weight), atol=2e-4, rtol=1e-5)
 
 
 @pytest.mark.skipif(NATIVE is None, reason="native CPU kernels not built here")

@@ -780,7 +780,7 @@ void weir_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
    multiplies and adds a pair (twice the float32 FMA's work); elsewhere the pairs are widened
    to float32 (exactly) and multiplied as float32, which halves only the weights' bytes. */
 
-/* x's words broadcast: a float32 (bf16 == 0) or a bf16 pair's 32 bits. */
+/* x's word c: a float32's bits (BF16 == 0) or a bf16 pair's. */
 ALWAYS_INLINE uint32_t word(const float *x, int64_t c) {
     uint32_t u;
     memcpy(&u, x + c, sizeof u);

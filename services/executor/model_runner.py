@@ -330,9 +330,10 @@ class ModelRunner:
     @property
     def precision(self) -> str:
         """The model's dtype, and its weights' where they are held otherwise."""
-        weights = self.quantization or (self.weight_dtype != self.dtype and self.weight_dtype)
-        model = str(self.dtype).removeprefix("torch.")
-        return f"{model}, {str(weights).removeprefix('torch.')} weights" if weights else model
+        model, weights = (str(d).removeprefix("torch.") for d in (self.dtype, self.weight_dtype))
+        if self.quantization:
+            weights = self.quantization
+        return model if weights == model else f"{model}, {weights} weights"
 
     # ------------------------------------------------------------------ setup
 

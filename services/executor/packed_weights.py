@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from weir.kernels import cpu_native
-from weir.kernels.cpu_native import PANEL, CpuKernels
+from weir.kernels.cpu_native import PANEL, CpuKernels, is_bf16_panels
 from weir.services.executor.layers import Linear, silu_and_mul
 from weir.services.executor.model import PROJECTIONS, CausalLM
 from weir.services.executor.moe import SparseMoe
@@ -84,7 +84,6 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.out_features, self.in_features = weight.shape
-        self.weight_dtype = weight.dtype
         if kernels is None:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         else:
@@ -114,7 +113,7 @@ class PackedLinear(nn.Module):
             return self.weight.to_dense()
         # panels[p, c, j] holds weight[p * 16 + j, c] (bf16: inputs 2c and 2c + 1)
         panels = self.weight
-        if self.weight_dtype == torch.bfloat16:
+        if is_bf16_panels(panels):
             panels = panels.view(torch.bfloat16).unflatten(2, (PANEL, 2)).transpose(2, 3)
             panels = panels.flatten(1, 2)
         rows = panels.permute(0, 2, 1).reshape(-1, panels.shape[1])
