@@ -1,8 +1,11 @@
 """The native CPU kernels' builds a test checks: the one `-march=native` gives here and, on a
 machine with AVX-512, the 256-bit one too (built with ``-mno-avx512f``), which AVX2 machines
 run: the matmul, the attention and the activations have a kernel for each vector width. The
-bfloat16 matmul has a third where the CPU has AVX512_BF16: the 512-bit build without it
-(``-mno-avx512bf16``), which widens the pairs as AVX-512 machines without it do."""
+bfloat16 matmul has two more where the CPU has them: where it has AVX512_BF16, the 512-bit
+build without it (``-mno-avx512bf16``), which widens the pairs as AVX-512 machines without it
+do; where it has AMX (whose tiles the native build uses from a few rows up), the build without
+AMX (``-mno-amx-tile``), whose vector kernel the other rows and machines without AMX run. The
+builds without a feature drop AMX too, as the machines they stand for have none."""
 
 import functools
 
@@ -11,25 +14,23 @@ import pytest
 from weir.kernels import cpu_native
 
 NATIVE = cpu_native.load()
-AVX512 = NATIVE is not None and "avx512f" in cpu_native._cpu_id().split()
-AVX512_BF16 = NATIVE is not None and "avx512_bf16" in cpu_native._cpu_id().split()
+FLAGS = cpu_native._cpu_id().split() if NATIVE is not None else []
+AVX512 = "avx512f" in FLAGS
+AVX512_BF16 = "avx512_bf16" in FLAGS
+AMX_BF16 = "amx_bf16" in FLAGS
+
+NO_AMX = ("-mno-amx-tile",)
+BUILD_FLAGS = {
+    "native-256": ("-mno-avx512f", *NO_AMX),
+    "native-no-bf16": ("-mno-avx512bf16", *NO_AMX),
+    "native-no-amx": NO_AMX,
+}
 
 
 @functools.cache
-def narrow() -> cpu_native.CpuKernels:
-    return cpu_native.load_with(("-mno-avx512f",))
-
-
-@functools.cache
-def without_bf16() -> cpu_native.CpuKernels:
-    return cpu_native.load_with(("-mno-avx512bf16",))
-
-
 def build(name: str) -> cpu_native.CpuKernels | None:
     """The kernels of a BUILDS or BF16_BUILDS name."""
-    if name == "native-256":
-        return narrow()
-    return without_bf16() if name == "native-no-bf16" else NATIVE
+    return cpu_native.load_with(BUILD_FLAGS[name]) if name in BUILD_FLAGS else NATIVE
 
 
 BUILDS = [
@@ -51,5 +52,9 @@ BF16_BUILDS = [
         marks=pytest.mark.skipif(
             not AVX512_BF16, reason="no AVX512_BF16 here: 'native' widens the pairs"
         ),
+    ),
+    pytest.param(
+        "native-no-amx",
+        marks=pytest.mark.skipif(not AMX_BF16, reason="no AMX here: 'native' has no tiles"),
     ),
 ]

@@ -85,20 +85,23 @@ def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Te
     return want if bias is None else want + bias.double()
 
 
-# 71 inputs: an odd count, so the last pair is half padding.
+# 71 inputs: an odd count, so the last pair is half padding; 96: three steps of AMX's tiles
+# (used from 4 rows where the CPU has them), seven panels the last unit's one alone.
+@pytest.mark.parametrize("inputs", [71, 96])
 @pytest.mark.parametrize("rows", [1, 5, 7, 13, 64, 97, 300])
 @pytest.mark.parametrize("build_name", BF16_BUILDS)
-def test_bf16_panels_match_the_bf16_rounded_product(rows, build_name):
+def test_bf16_panels_match_the_bf16_rounded_product(inputs, rows, build_name):
     kernels = build(build_name)
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(100, 71, generator=gen)
+    weight = torch.randn(100, inputs, generator=gen)
     bias = torch.randn(100, generator=gen)
-    x = torch.randn(rows, 2 * 71, generator=gen)[:, :71]
+    x = torch.randn(rows, 2 * inputs, generator=gen)[:, :inputs]
     residual = torch.randn(rows, 3 * 100, generator=gen)[:, 100:200]
     packed = PackedLinear(weight.bfloat16(), bias, kernels)
-    assert packed.weight.dtype == torch.int32 and packed.weight.shape == (7, 36, 16)
+    assert packed.weight.dtype == torch.int32
+    assert packed.weight.shape == (7, -(-inputs // 2), 16)
     want = bf16_reference(x, weight, bias)
-    # float32 sums of 71 products of magnitude ~1: within 1e-5 of the exact sum.
+    # float32 sums of ~100 products of magnitude ~1: within 1e-5 of the exact sum.
     torch.testing.assert_close(packed(x).double(), want, atol=1e-4, rtol=1e-5)
     got = packed.add_to(residual, x).double()
     torch.testing.assert_close(got, want + residual.double(), atol=1e-4, rtol=1e-5)
@@ -107,14 +110,16 @@ def test_bf16_panels_match_the_bf16_rounded_product(rows, build_name):
     assert (packed(x) - torch.nn.functional.linear(x, weight, bias)).abs().max() > 1e-3
 
 
+# 72 inputs: the vector kernel's; 64: AMX's tiles where the CPU has them (from 4 rows).
+@pytest.mark.parametrize("inputs", [72, 64])
 @pytest.mark.parametrize("rows", [1, 7, 97])
 @pytest.mark.parametrize("build_name", BF16_BUILDS)
-def test_bf16_gate_up_silu_mul_matches_the_bf16_rounded_product(rows, build_name):
+def test_bf16_gate_up_silu_mul_matches_the_bf16_rounded_product(inputs, rows, build_name):
     kernels = build(build_name)
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(2 * 48, 72, generator=gen)
+    weight = torch.randn(2 * 48, inputs, generator=gen)
     bias = torch.randn(2 * 48, generator=gen)
-    x = torch.randn(rows, 72, generator=gen)
+    x = torch.randn(rows, inputs, generator=gen)
     gate, up = bf16_reference(x, weight, bias).chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     got = PackedLinear(weight.bfloat16(), bias, kernels).silu_mul(x)
