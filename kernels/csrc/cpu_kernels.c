@@ -1047,23 +1047,49 @@ void weir_pack_panels_bf16(const uint16_t *w, int64_t n, int64_t k, uint32_t *pa
     }
 }
 
+#define ROUND_PAIRS 16 /* pairs of inputs round_row writes together */
+
+/* A row of x rounded to bf16 pairs: ROUND_PAIRS pairs (32 inputs) at a time into
+   dst[s * step] for step s (the whole steps, k / 32 of them), the last k % 32 inputs' pairs
+   after them. */
+static inline void round_row(const float *xr, int64_t k, uint32_t *dst, int64_t step) {
+    int64_t s = 0;
+    for (; 32 * (s + 1) <= k; s++) {
+        const float *src = xr + 32 * s;
+        uint32_t *o = dst + s * step;
+#if defined(__AVX512BF16__)
+        /* RNE as to_bf16 (and inputs below 2^-126 as zero, as the dot products read them) */
+        const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        _mm512_storeu_si512(o, (__m512i)pairs);
+#else
+        for (int c = 0; c < 16; c++) o[c] = to_bf16(src[2 * c]) | to_bf16(src[2 * c + 1]) << 16;
+#endif
+    }
+    uint32_t *o = dst + s * step;
+    for (int64_t c = 0; 32 * s + 2 * c < k; c++) {
+        const int64_t at = 32 * s + 2 * c;
+        o[c] = to_bf16(xr[at]) | (at + 1 < k ? to_bf16(xr[at + 1]) << 16 : 0);
+    }
+}
+
 /* With AMX (Intel's tile unit: Sapphire Rapids and later), the bf16 panels are already the
-   layout its dot product takes for its second operand: a panel's 16 consecutive pair rows are
-   one 16 x 64-byte tile (16 pairs of inputs by 16 outputs), and 16 rows of x's pairs are the
-   other. One TDPBF16PS adds a 16 x 16 block of 32-input dot products (8,192 multiply-adds), 16
-   times a vdpbf16ps's; measured 4-8x the vector kernel from 38 rows (docs/benchmarks.md).
-   Blocks of 32 rows x a unit's two panels: two tiles of x and two of weights feed four
-   accumulator tiles (all eight tiles); a block of 16 rows or fewer, one tile of x and two
-   accumulators (10% faster at 6-16 rows than computing zero rows). x's pairs carry 15 zero
-   rows past m, so every tile is 16 full rows and the rows past a chunk's end are computed,
-   never stored. From AMX_MIN_ROWS rows and for k a multiple of 32 inputs (every shape of
-   the supported models); elsewhere the vector kernel. */
+   layout its dot product takes for its second operand: a panel's 16 consecutive pair rows
+   are one 16 x 64-byte tile (16 pairs of inputs by 16 outputs). x's pairs are laid out as
+   tiles too, [m / 16][k / 32][16 rows][16 pairs], so each tile of either operand is 1 KiB
+   read in order (x's rows as they are, 1,152 bytes apart, ran 11-19% slower from 256 rows).
+   One TDPBF16PS adds a 16 x 16 block of 32-input dot products (8,192 multiply-adds), 16
+   times a vdpbf16ps's. Blocks of 32 rows x a unit's two panels: two tiles of x and two of
+   weights feed four accumulator tiles (all eight tiles); a block of one tile of x, two
+   accumulators (10% faster at 6-16 rows than computing zero rows). Chunks of rows are whole
+   tiles; the last tile's rows past m are zero, computed and never stored. From AMX_MIN_ROWS
+   rows and for k a multiple of 32 inputs (every shape of the supported models); elsewhere
+   the vector kernel. Measured 3-7x the vector kernel from 38 rows (docs/benchmarks.md). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX_ROWS 16  /* rows of a tile */
-#define AMX_PAIRS 16 /* pairs of inputs a tile step covers: 64 bytes */
-#define AMX_PAD_ROWS (AMX_ROWS - 1) /* a block's last tile reads up to 15 rows past m */
+#define AMX_PAIRS ROUND_PAIRS /* pairs of inputs a tile step covers: 64 bytes */
+#define AMX_TILE_WORDS (AMX_ROWS * AMX_PAIRS)
 #define AMX_MIN_ROWS 4 /* fewer rows: the vector kernel (10-20% faster at 1-3 rows) */
 
 typedef struct {
@@ -1086,13 +1112,19 @@ static int amx_usable(void) {
     return s > 0;
 }
 
-static void amx_blocks(const uint32_t *xb, int64_t m, const uint32_t *panels, int64_t n,
-                       int64_t pairs, const float *bias, const float *residual,
+static int amx_fits(int64_t m, int64_t k) {
+    return m >= AMX_MIN_ROWS && k % (2 * AMX_PAIRS) == 0 && amx_usable();
+}
+
+/* xt: x's pairs as tiles (see above), steps = k / 32 tile steps a row. */
+static void amx_blocks(const uint32_t *xt, int64_t m, const uint32_t *panels, int64_t n,
+                       int64_t steps, const float *bias, const float *residual,
                        int64_t residual_stride, float *out, int64_t out_stride, int gated) {
-    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t num_panels = (n + PANEL - 1) / PANEL, pairs = steps * AMX_PAIRS;
     const int64_t units = gated ? num_panels : (num_panels + 1) / 2;
-    const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
-    const int64_t x_bytes = pairs * (int64_t)sizeof *xb;
+    const int64_t row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t chunk_tiles = CHUNK_ROWS / AMX_ROWS;
+    const int64_t chunks = (row_tiles + chunk_tiles - 1) / chunk_tiles;
 #pragma omp parallel
     {
         TileConfig config = {.palette = 1};
@@ -1105,30 +1137,31 @@ static void amx_blocks(const uint32_t *xb, int64_t m, const uint32_t *panels, in
                 const int has_b = gated || pb < num_panels;
                 const uint32_t *wa = panels + pa * pairs * PANEL;
                 const uint32_t *wb = panels + (has_b ? pb : pa) * pairs * PANEL;
-                const int64_t begin = chunk * m / chunks, end = (chunk + 1) * m / chunks;
-                for (int64_t i0 = begin; i0 < end; i0 += 2 * AMX_ROWS) {
-                    const int64_t rows = end - i0 < 2 * AMX_ROWS ? end - i0 : 2 * AMX_ROWS;
-                    const uint32_t *x0 = xb + i0 * pairs, *x1 = x0 + AMX_ROWS * pairs;
+                const int64_t begin = chunk * row_tiles / chunks;
+                const int64_t end = (chunk + 1) * row_tiles / chunks;
+                for (int64_t t = begin; t < end; t += 2) {
+                    const uint32_t *x0 = xt + t * steps * AMX_TILE_WORDS;
+                    const uint32_t *x1 = x0 + steps * AMX_TILE_WORDS;
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_zero(2);
                     _tile_zero(3);
-                    if (rows > AMX_ROWS)
-                        for (int64_t c = 0; c < pairs; c += AMX_PAIRS) {
-                            _tile_loadd(4, x0 + c, x_bytes);
-                            _tile_loadd(5, x1 + c, x_bytes);
-                            _tile_loadd(6, wa + c * PANEL, PANEL * sizeof *wa);
-                            _tile_loadd(7, wb + c * PANEL, PANEL * sizeof *wb);
+                    if (t + 1 < end)
+                        for (int64_t c = 0; c < steps; c++) {
+                            _tile_loadd(4, x0 + c * AMX_TILE_WORDS, 64);
+                            _tile_loadd(5, x1 + c * AMX_TILE_WORDS, 64);
+                            _tile_loadd(6, wa + c * AMX_TILE_WORDS, 64);
+                            _tile_loadd(7, wb + c * AMX_TILE_WORDS, 64);
                             _tile_dpbf16ps(0, 4, 6);
                             _tile_dpbf16ps(1, 4, 7);
                             _tile_dpbf16ps(2, 5, 6);
                             _tile_dpbf16ps(3, 5, 7);
                         }
                     else
-                        for (int64_t c = 0; c < pairs; c += AMX_PAIRS) {
-                            _tile_loadd(4, x0 + c, x_bytes);
-                            _tile_loadd(6, wa + c * PANEL, PANEL * sizeof *wa);
-                            _tile_loadd(7, wb + c * PANEL, PANEL * sizeof *wb);
+                        for (int64_t c = 0; c < steps; c++) {
+                            _tile_loadd(4, x0 + c * AMX_TILE_WORDS, 64);
+                            _tile_loadd(6, wa + c * AMX_TILE_WORDS, 64);
+                            _tile_loadd(7, wb + c * AMX_TILE_WORDS, 64);
                             _tile_dpbf16ps(0, 4, 6);
                             _tile_dpbf16ps(1, 4, 7);
                         }
@@ -1137,45 +1170,50 @@ static void amx_blocks(const uint32_t *xb, int64_t m, const uint32_t *panels, in
                     _tile_stored(1, sb, PANEL * sizeof *sb);
                     _tile_stored(2, sa + AMX_ROWS * PANEL, PANEL * sizeof *sa);
                     _tile_stored(3, sb + AMX_ROWS * PANEL, PANEL * sizeof *sb);
-                    store_unit(sa, sb, i0, rows, pa, pb, has_b, n, bias, residual,
-                               residual_stride, out, out_stride, gated);
+                    const int64_t i0 = t * AMX_ROWS;
+                    const int64_t last = (t + 2 <= end ? t + 2 : end) * AMX_ROWS;
+                    store_unit(sa, sb, i0, (last < m ? last : m) - i0, pa, pb, has_b, n, bias,
+                               residual, residual_stride, out, out_stride, gated);
                 }
             }
         _tile_release();
     }
 }
-#define AMX_PAD_ROWS_FOR(m, pairs) \
-    ((m) >= AMX_MIN_ROWS && (pairs) % AMX_PAIRS == 0 && amx_usable() ? AMX_PAD_ROWS : 0)
-#else
-#define AMX_PAD_ROWS_FOR(m, pairs) 0
 #endif
 
-/* The matmul against bf16 panels: x's rows rounded to bf16 pairs first (once, not per panel),
-   then the float32 matmul's blocks over the pairs; sums and outputs stay float32. Returns 0,
-   or -1 when the pairs' buffer could not be allocated. */
+/* The matmul against bf16 panels: x's rows rounded to bf16 pairs first (once, not per panel;
+   as tiles for AMX), then the float32 matmul's blocks over the pairs, or AMX's; sums and
+   outputs stay float32. Returns 0, or -1 when the pairs' buffer could not be allocated. */
 static int linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32_t *panels,
                        int64_t n, int64_t k, const float *bias, const float *residual,
                        int64_t residual_stride, float *out, int64_t out_stride, int gated) {
-    const int64_t pairs = (k + 1) / 2, pad = AMX_PAD_ROWS_FOR(m, pairs);
-    uint32_t *xb = malloc((size_t)((m + pad) * pairs + 1) * sizeof *xb); /* + 1: never malloc(0) */
-    if (!xb) return -1;
-    memset(xb + m * pairs, 0, (size_t)(pad * pairs) * sizeof *xb);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m; i++) {
-        const float *xr = x + i * x_stride;
-        uint32_t *o = xb + i * pairs;
-        for (int64_t c = 0; c < k / 2; c++)
-            o[c] = to_bf16(xr[2 * c]) | to_bf16(xr[2 * c + 1]) << 16;
-        if (k % 2) o[pairs - 1] = to_bf16(xr[k - 1]);
-    }
+    const int64_t pairs = (k + 1) / 2;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (pad)
-        amx_blocks(xb, m, panels, n, pairs, bias, residual, residual_stride, out, out_stride,
+    if (amx_fits(m, k)) {
+        const int64_t steps = pairs / AMX_PAIRS, row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
+        uint32_t *xt = malloc((size_t)(row_tiles * steps * AMX_TILE_WORDS) * sizeof *xt);
+        if (!xt) return -1;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < row_tiles * AMX_ROWS; i++) {
+            uint32_t *row = xt + (i / AMX_ROWS * steps * AMX_ROWS + i % AMX_ROWS) * AMX_PAIRS;
+            if (i < m)
+                round_row(x + i * x_stride, k, row, AMX_TILE_WORDS);
+            else
+                for (int64_t s = 0; s < steps; s++)
+                    memset(row + s * AMX_TILE_WORDS, 0, AMX_PAIRS * sizeof *row);
+        }
+        amx_blocks(xt, m, panels, n, steps, bias, residual, residual_stride, out, out_stride,
                    gated);
-    else
+        free(xt);
+        return 0;
+    }
 #endif
-        linear_blocks((const float *)xb, pairs, m, (const float *)panels, n, pairs, bias,
-                      residual, residual_stride, out, out_stride, gated, 1);
+    uint32_t *xb = malloc((size_t)(m * pairs + 1) * sizeof *xb); /* + 1: never malloc(0) */
+    if (!xb) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) round_row(x + i * x_stride, k, xb + i * pairs, ROUND_PAIRS);
+    linear_blocks((const float *)xb, pairs, m, (const float *)panels, n, pairs, bias, residual,
+                  residual_stride, out, out_stride, gated, 1);
     free(xb);
     return 0;
 }
