@@ -76,6 +76,19 @@ def test_temperature_zero_is_argmax_even_in_a_mixed_batch():
     assert torch.equal(Sampler(seed=0)(logits, all_greedy).token_ids, logits.argmax(dim=-1))
 
 
+def test_greedy_rows_take_the_first_of_tied_maxima_and_a_nan_as_numpy_does():
+    """Ties (bf16 logits have many) and NaNs decide as NumPy's argmax: the first maximum, the
+    first NaN."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (64, 1000), generator=gen).float()
+    logits[::3][torch.rand(22, 1000, generator=gen) < 0.002] = float("nan")
+    logits[5] = float("-inf")
+    batch = make_batch([{"temperature": 0.0}] * 64)
+    for rows in (logits, logits.bfloat16().float()):
+        got = Sampler(seed=0)(rows, batch).token_ids
+        assert torch.equal(got, torch.from_numpy(rows.numpy().argmax(axis=-1)))
+
+
 def test_extreme_temperatures_neither_overflow_nor_stick_to_token_zero():
     # A denormal temperature made every logit inf (NaN probabilities: token 0 forever):
     # SamplingParams makes it greedy. A temperature beyond float32 made them NaN; it stays

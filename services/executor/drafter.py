@@ -28,6 +28,7 @@ from weir.services.executor.attention import AttentionMetadata
 from weir.services.executor.input_batch import InputBatch, Spans, StepInputs
 from weir.services.executor.model import CausalLM
 from weir.services.executor.parallel import TensorParallel
+from weir.services.executor.sampler import greedy_tokens
 from weir.services.executor.transfer import to_device
 
 
@@ -173,7 +174,7 @@ class Drafter:
         """The draft's greedy token of each hidden row, on every rank (rank 0 holds the
         logits under tensor parallelism and broadcasts)."""
         logits = self.model.compute_logits(hidden, widen=False)
-        tokens = None if logits is None else logits[:, : self.vocab_size].argmax(dim=1)
+        tokens = None if logits is None else greedy_tokens(logits[:, : self.vocab_size])
         if self.tp is not None:
             tokens = self.tp.broadcast_tokens(tokens, len(hidden), self.device)
         assert tokens is not None
