@@ -68,7 +68,10 @@ _SIGNATURES = {
     "weir_pack_panels_bf16": (None, [_P, _I, _I, _P]),
     "weir_linear_bf16": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]),
     "weir_linear_silu_mul_bf16": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
+    "weir_bf16_matmul_unit": (ctypes.c_int, []),
 }
+# What weir_bf16_matmul_unit's answers name.
+BF16_MATMUL_UNITS = ("float32 FMAs", "AVX512_BF16", "AMX tiles")
 PANEL = 16  # weight rows per panel of `pack_panels` (PANEL in the C source)
 
 
@@ -163,6 +166,12 @@ class CpuKernels:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self._lib = lib
+
+    @property
+    def bf16_matmul_unit(self) -> str:
+        """What the bfloat16 panels' matmul multiplies with on this CPU (one of
+        BF16_MATMUL_UNITS; AMX's tiles from a few rows up)."""
+        return BF16_MATMUL_UNITS[self._lib.weir_bf16_matmul_unit()]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x [T, dim] into a new [T, dim] tensor."""

@@ -19,7 +19,7 @@ AVX512 = "avx512f" in FLAGS
 AVX512_BF16 = "avx512_bf16" in FLAGS
 AMX_BF16 = "amx_bf16" in FLAGS
 
-NO_AMX = ("-mno-amx-tile",)
+NO_AMX = ("-mno-amx-tile",) if AMX_BF16 else ()  # a compiler without AMX may not know it
 BUILD_FLAGS = {
     "native-256": ("-mno-avx512f", *NO_AMX),
     "native-no-bf16": ("-mno-avx512bf16", *NO_AMX),

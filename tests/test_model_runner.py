@@ -441,7 +441,7 @@ def test_bfloat16_on_a_cpu_is_bfloat16_weights_and_cache_over_a_float32_model(ti
     runner = make_runner(path, dtype="bfloat16")
     assert (runner.dtype, runner.weight_dtype) == (torch.float32, torch.bfloat16)
     assert runner.model.kv_cache_dtype == torch.bfloat16
-    assert runner.precision == "float32, bfloat16 weights"
+    assert runner.precision.startswith("float32, bfloat16 weights (")
     assert runner.attention.name == "native"
     assert runner.num_blocks == 2 * make_runner(path).num_blocks
     # The torch attention backend has no native kernels: bfloat16 is the whole model's dtype.

@@ -5,7 +5,7 @@ a CPU only."""
 
 import pytest
 import torch
-from native_builds import AVX512, BF16_BUILDS, BUILDS, NATIVE, build
+from native_builds import AMX_BF16, AVX512, AVX512_BF16, BF16_BUILDS, BUILDS, NATIVE, build
 
 from weir.kernels import cpu_native
 from weir.services.executor.packed_weights import PackedLinear, can_pack
@@ -135,6 +135,20 @@ def test_bf16_panels_at_the_default_models_gate_up_shape(build_name):
     weight, x = torch.randn(3072, 576, generator=gen), torch.randn(97, 576, generator=gen)
     got = kernels.linear(x, kernels.pack_panels(weight.bfloat16()), 3072)
     torch.testing.assert_close(got.double(), bf16_reference(x, weight), atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="native CPU kernels not built here")
+def test_each_build_names_what_its_bf16_matmul_multiplies_with():
+    """The CPU's flags (from /proc/cpuinfo) against what each build reports: AMX's tiles
+    where the CPU has them, else AVX512_BF16's dot products, else float32 FMAs."""
+    want = "AMX tiles" if AMX_BF16 else "AVX512_BF16" if AVX512_BF16 else "float32 FMAs"
+    assert NATIVE.bf16_matmul_unit == want
+    if AVX512:
+        assert build("native-256").bf16_matmul_unit == "float32 FMAs"
+    if AVX512_BF16:
+        assert build("native-no-bf16").bf16_matmul_unit == "float32 FMAs"
+    if AMX_BF16:
+        assert build("native-no-amx").bf16_matmul_unit == "AVX512_BF16"
 
 
 @pytest.mark.skipif(NATIVE is None, reason="native CPU kernels not built here")

@@ -1218,6 +1218,19 @@ static int linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32
     return 0;
 }
 
+/* What the bf16 matmul multiplies with here: 2, AMX's tiles (from AMX_MIN_ROWS rows); 1,
+   AVX512_BF16's pair dot products; 0, float32 FMAs over the pairs widened. */
+int weir_bf16_matmul_unit(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_usable()) return 2;
+#endif
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* weir_linear with the weight packed by weir_pack_panels_bf16 (k: x's columns). */
 int weir_linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32_t *panels,
                      int64_t n, int64_t k, const float *bias, const float *residual,

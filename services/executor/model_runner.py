@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from weir.kernels import cpu_native
 from weir.services.cpu_cores import executor_threads
 from weir.services.executor.attention import AttentionMetadata, get_attention_backend
 from weir.services.executor.cpu_heap import keep_step_buffers, step_buffer_bytes
@@ -329,11 +330,16 @@ class ModelRunner:
 
     @property
     def precision(self) -> str:
-        """The model's dtype, and its weights' where they are held otherwise."""
+        """The model's dtype, and its weights' where they are held otherwise (bfloat16 panels
+        with what multiplies them here)."""
         model, weights = (str(d).removeprefix("torch.") for d in (self.dtype, self.weight_dtype))
         if self.quantization:
             weights = self.quantization
-        return model if weights == model else f"{model}, {weights} weights"
+        if weights == model:
+            return model
+        kernels = cpu_native.load() if self.weight_dtype != self.dtype else None
+        unit = "" if kernels is None else f" ({kernels.bf16_matmul_unit})"
+        return f"{model}, {weights} weights{unit}"
 
     # ------------------------------------------------------------------ setup
 
