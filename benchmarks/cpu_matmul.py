@@ -10,7 +10,8 @@ a decode step's (1-64 rows) or a prefill step's (2048); the packings run interle
 by round, and the best round of each is reported as GFLOP/s. "F.linear bf16" and "native
 bf16" round x and the weight to bfloat16 and sum in float32 (the latter: `--dtype
 bfloat16`'s panels; the former: PyTorch's bf16 matmul, its input converted and its output
-widened as in a float32 model).
+widened as in a float32 model). Where the native bf16 matmul runs on AMX's tiles, "native
+bf16 no AMX" is the same source built without them (its vector kernel).
 """
 
 import argparse
@@ -38,13 +39,17 @@ def packings(kernels: cpu_native.CpuKernels) -> dict[str, Callable[[torch.Tensor
         w = w.bfloat16()
         return lambda x: F.linear(x.bfloat16(), w).float()
 
-    return {
+    ways = {
         "F.linear (MKL)": dense,
         "oneDNN packed": lambda w: PackedLinear(w),
         "native panels": lambda w: PackedLinear(w, kernels=kernels),
         "F.linear bf16": dense_bf16,
         "native bf16": lambda w: PackedLinear(w.bfloat16(), kernels=kernels),
     }
+    if kernels.bf16_matmul_unit == "AMX tiles":
+        vector = cpu_native.load_with(("-mno-amx-tile",))
+        ways["native bf16 no AMX"] = lambda w: PackedLinear(w.bfloat16(), kernels=vector)
+    return ways
 
 
 def main() -> None:
@@ -70,7 +75,7 @@ def main() -> None:
         for name, pack in ways.items()
     }
     print(f"threads {args.threads}, best of {args.rounds} rounds, GFLOP/s")
-    print(f"{'rows':>5} {'what':<28}" + "".join(f"{name:>18}" for name in ways))
+    print(f"{'rows':>5} {'what':<28}" + "".join(f"{name:>20}" for name in ways))
     for rows in args.rows:
         xs = [torch.randn(rows, k, generator=gen) for _, k in LAYER_SHAPES]
         x_head = torch.randn(rows, LM_HEAD[1], generator=gen)
@@ -94,7 +99,7 @@ def main() -> None:
         layer_flops = 2 * rows * sum(n * k for n, k in LAYER_SHAPES) * LAYERS
         head_flops = 2 * rows * LM_HEAD[0] * LM_HEAD[1]
         for what, flops in (("30 layers", layer_flops), ("LM head", head_flops)):
-            rates = "".join(f"{flops / best[what, name] / 1e9:18.1f}" for name in ways)
+            rates = "".join(f"{flops / best[what, name] / 1e9:20.1f}" for name in ways)
             print(f"{rows:>5} {what:<28}{rates}")
 
 
