@@ -86,7 +86,7 @@ def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Te
 
 
 # 71 inputs: an odd count, so the last pair is half padding; 96: three steps of AMX's tiles
-# (used from 4 rows where the CPU has them), seven panels the last unit's one alone.
+# (used from 5 rows where the CPU has them), seven panels the last unit's one alone.
 @pytest.mark.parametrize("inputs", [71, 96])
 @pytest.mark.parametrize("rows", [1, 5, 7, 13, 64, 97, 300])
 @pytest.mark.parametrize("build_name", BF16_BUILDS)
@@ -110,7 +110,7 @@ def test_bf16_panels_match_the_bf16_rounded_product(inputs, rows, build_name):
     assert (packed(x) - torch.nn.functional.linear(x, weight, bias)).abs().max() > 1e-3
 
 
-# 72 inputs: the vector kernel's; 64: AMX's tiles where the CPU has them (from 4 rows).
+# 72 inputs: the vector kernel's; 64: AMX's tiles where the CPU has them (from 5 rows).
 @pytest.mark.parametrize("inputs", [72, 64])
 @pytest.mark.parametrize("rows", [1, 7, 97])
 @pytest.mark.parametrize("build_name", BF16_BUILDS)
