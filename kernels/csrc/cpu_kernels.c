@@ -1083,7 +1083,7 @@ static inline void round_row(const float *xr, int64_t k, uint32_t *dst, int64_t 
    accumulators (10% faster at 6-16 rows than computing zero rows). Chunks of rows are whole
    tiles; the last tile's rows past m are zero, computed and never stored. From AMX_MIN_ROWS
    rows and for k a multiple of 32 inputs (every shape of the supported models); elsewhere
-   the vector kernel. Measured 3-7x the vector kernel from 38 rows (docs/benchmarks.md). */
+   the vector kernel. Measured 3-8x the vector kernel from 38 rows (docs/benchmarks.md). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
