@@ -4,8 +4,8 @@
    operator calls, and reads its operands once: RMSNorm, rotary embedding in place, the K/V
    cache write, paged attention straight from the block table (no gathered copies of the
    context), SiLU-and-multiply in place, the float32 matmul against prepacked weight panels
-   (float32 or bfloat16 ones), and the int8-weight matmul of decode-sized batches (float32
-   activations). Loops are written as `acc += a * b` on vector types and rely on
+   (float32 or bfloat16 ones; the latter on AMX's tiles where the CPU has them), and the
+   int8-weight matmul of decode-sized batches (float32 activations). Loops are written as `acc += a * b` on vector types and rely on
    -ffp-contract=fast to become FMAs.
    Threads come from OpenMP; the library is loaded into a process where PyTorch already
    loaded libgomp, so both share one thread pool and torch.set_num_threads applies to both.
