@@ -3,7 +3,7 @@ r"""The native CPU kernels of this build against another build, call by call ins
     git show REV:kernels/csrc/cpu_kernels.c > old.c
     cc -O3 -march=native -ffp-contract=fast -falign-loops=64 -fopenmp -shared -fPIC -std=c11 \
         -o old.so old.c -lm           # the flags of kernels/cpu_native.py (or REV's own)
-    .venv/bin/python benchmarks/kernel_ab.py old.so [--threads 2]
+    .venv/bin/python benchmarks/kernel_ab.py old.so [--threads 2] [--dtype bfloat16]
 
 The executor runs `executor_step.py`'s workload once (64 requests,
 the real scheduler's steps) on this build; every call of a kernel that has no side effects
@@ -14,7 +14,9 @@ then `silu_mul_`) the same way, and both results must be equal. On a VM whose sp
 by 15% within minutes, builds compared within each call agree to ~1% (a build against a
 copy of itself, or against one with the same kernels: 0.99-1.01), where whole runs one after
 the other do not. RMSNorm at prefill steps (150 calls with 4.7 MB outputs) is the exception:
-0.57-1.16 between identical kernels, so that row says nothing.
+0.57-1.16 between identical kernels, so that row says nothing. `--dtype bfloat16` serves the
+model as `--dtype bfloat16` does on a CPU (bf16 panels, a bf16 cache): the other build may be
+this source built without AMX (`-mno-amx-tile`), say.
 """
 
 import argparse
@@ -49,10 +51,10 @@ def step_kind(args: tuple) -> str:
 def bind(lib: ctypes.CDLL) -> cpu_native.CpuKernels:
     """`CpuKernels` over another build, with the signatures of the functions it has (an
     older build may lack later kernels; only `PURE` ones are called)."""
-    for name in PURE:
-        restype, argtypes = cpu_native._SIGNATURES[f"weir_{name}"]
-        fn = getattr(lib, f"weir_{name}")
-        fn.restype, fn.argtypes = restype, argtypes
+    for name, (restype, argtypes) in cpu_native._SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
     kernels = cpu_native.CpuKernels.__new__(cpu_native.CpuKernels)
     kernels._lib = lib
     return kernels
@@ -95,6 +97,9 @@ def main() -> None:
     )
     parser.add_argument("library", type=Path, help="the other build (.so)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--dtype", default="float32", help="bfloat16: the bf16 panels' matmuls (AMX's, say)"
+    )
     args = parser.parse_args()
 
     model_dir = resolve_model(None)
@@ -104,6 +109,7 @@ def main() -> None:
         max_num_batched_tokens=2048,
         max_num_seqs=256,
         num_threads=args.threads,
+        dtype=args.dtype,
     )
     kernels = runner.model.attention.kernels
     if kernels is None:
@@ -127,7 +133,10 @@ def main() -> None:
 
     spec = RandomWorkload(64, 32, 256, 32, 128, 0)
     requests = random_requests(spec, normal_vocab_ids(load_tokenizer(model_dir)))
-    print(f"this build vs {args.library.name}, torch threads {torch.get_num_threads()}")
+    print(
+        f"this build vs {args.library.name}, {runner.precision}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     run_workload(runner, requests, 2048, Timers())
     print(f"{'kernel':16s} {'steps':8s} {'A':>8s} {'s':>7s} {'B':>8s} {'s':>7s} {'B / A':>7s}")
     for (name, kind), (sa, sb) in sorted(ab.seconds.items()):
