@@ -5,8 +5,8 @@
    cache write, paged attention straight from the block table (no gathered copies of the
    context), SiLU-and-multiply in place, the float32 matmul against prepacked weight panels
    (float32 or bfloat16 ones; the latter on AMX's tiles where the CPU has them), and the
-   int8-weight matmul of decode-sized batches (float32 activations). Loops are written as `acc += a * b` on vector types and rely on
-   -ffp-contract=fast to become FMAs.
+   int8-weight matmul of decode-sized batches (float32 activations). Loops are written as
+   `acc += a * b` on vector types and rely on -ffp-contract=fast to become FMAs.
    Threads come from OpenMP; the library is loaded into a process where PyTorch already
    loaded libgomp, so both share one thread pool and torch.set_num_threads applies to both.
    Row strides are in elements. */
@@ -21,6 +21,10 @@
 #endif
 #if defined(__AVX__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define KEY_TILE 32    /* keys scored at a time for many query rows (two halves of 16) */
@@ -1059,8 +1063,8 @@ static inline void round_row(const float *xr, int64_t k, uint32_t *dst, int64_t 
         uint32_t *o = dst + s * step;
 #if defined(__AVX512BF16__)
         /* RNE as to_bf16 (and inputs below 2^-126 as zero, as the dot products read them) */
-        const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-        _mm512_storeu_si512(o, (__m512i)pairs);
+        const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+        _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 #else
         for (int c = 0; c < 16; c++) o[c] = to_bf16(src[2 * c]) | to_bf16(src[2 * c + 1]) << 16;
 #endif
@@ -1085,8 +1089,6 @@ static inline void round_row(const float *xr, int64_t k, uint32_t *dst, int64_t 
    rows and for k a multiple of 32 inputs (every shape of the supported models); elsewhere
    the vector kernel. Measured 3-8x the vector kernel from 38 rows (docs/benchmarks.md). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define AMX_ROWS 16  /* rows of a tile */
 #define AMX_PAIRS ROUND_PAIRS /* pairs of inputs a tile step covers: 64 bytes */
 #define AMX_TILE_WORDS (AMX_ROWS * AMX_PAIRS)
