@@ -5,8 +5,9 @@ calls per step (each RMSNorm, rotation, cache write and attention bucket is seve
 the batched attention gathers every request's context into new tensors each layer before
 reading it. These kernels do each of those in one call that reads its operands once and
 attends straight from the paged cache through the block table; `linear` is the float32
-matmul against weights packed once by `pack_panels` (services/executor/packed_weights.py),
-`int8_linear` the decode matmul of ``--quantization int8`` with float32 activations.
+matmul against weights packed once by `pack_panels` (services/executor/packed_weights.py;
+bfloat16 weights and the int8 codes of ``--quantization int8`` into panels of their own, the
+activations float32).
 
 The source is compiled with the system C compiler (``$CC``, else ``cc``) with `FLAGS` into
 ``$WEIR_CACHE/kernels/`` (a file per source, compiler and CPU), once per machine; the
@@ -24,7 +25,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,7 +60,6 @@ _SIGNATURES = {
         [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I]
         + [_F, _I, _F, _P, _I, _P],  # scale, window, softcap, sinks, fp8 format and values
     ),
-    "weir_int8_linear": (None, [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]),
     "weir_silu_mul": (None, [_P, _I, _I, _I]),
     "weir_pack_panels": (None, [_P, _I, _I, _P]),
     "weir_linear": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]),
@@ -69,6 +68,9 @@ _SIGNATURES = {
     "weir_linear_bf16": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]),
     "weir_linear_silu_mul_bf16": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
     "weir_bf16_matmul_unit": (ctypes.c_int, []),
+    "weir_pack_panels_int8": (None, [_P, _I, _I, _P]),
+    "weir_linear_int8": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _I]),
+    "weir_linear_silu_mul_int8": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I]),
 }
 # What weir_bf16_matmul_unit's answers name.
 BF16_MATMUL_UNITS = ("float32 FMAs", "AVX512_BF16", "AMX tiles")
@@ -296,39 +298,17 @@ class CpuKernels:
             raise MemoryError("native paged attention could not allocate its scratch memory")
         return out
 
-    def int8_linear(
-        self,
-        x: torch.Tensor,
-        qweight: torch.Tensor,
-        scale: torch.Tensor,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """(residual +) x @ (qweight * scale[:, None]).T: x [M, K] float32 (a few rows),
-        qweight [N, K] int8 contiguous, scale [N] float32, residual [M, N] float32."""
-        n, k = qweight.shape
-        out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        self._lib.weir_int8_linear(
-            _ptr(x),
-            x.stride(0),
-            x.shape[0],
-            _ptr(qweight),
-            _ptr(scale),
-            n,
-            k,
-            None if residual is None else _ptr(residual),
-            0 if residual is None else residual.stride(0),
-            _ptr(out),
-            out.stride(0),
-        )
-        return out
-
     def pack_panels(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] -> the panel layout `linear` reads: float32 weights into float32
-        panels [ceil(N / 16), K, 16]; bfloat16 ones into panels of bf16 pairs, int32 words
-        [ceil(N / 16), ceil(K / 2), 16] (each word two consecutive inputs' bf16 bits, the
-        even input's in the low half)."""
+        panels [ceil(N / 16), K, 16], int8 codes into int8 panels alike; bfloat16 ones into
+        panels of bf16 pairs, int32 words [ceil(N / 16), ceil(K / 2), 16] (each word two
+        consecutive inputs' bf16 bits, the even input's in the low half)."""
         weight = weight.detach().contiguous()
         n, k = weight.shape
+        if weight.dtype == torch.int8:
+            panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.int8)
+            self._lib.weir_pack_panels_int8(_ptr(weight), n, k, _ptr(panels))
+            return panels
         if weight.dtype == torch.bfloat16:
             panels = torch.empty(-(-n // PANEL), -(-k // 2), PANEL, dtype=torch.int32)
             self._lib.weir_pack_panels_bf16(_ptr(weight), n, k, _ptr(panels))
@@ -344,15 +324,19 @@ class CpuKernels:
         out_features: int,
         bias: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(residual +) x @ weight.T (+ bias) with the weight as `pack_panels` gave it: x [M, K]
         float32 with contiguous rows, bias [N], residual [M, N] (rows may be strided). Over
-        bf16 panels x is rounded to bf16 and the sums are float32."""
+        bf16 panels x is rounded to bf16 and the sums are float32; int8 panels hold codes, the
+        weight being codes[j] * scale[j] (scale float32 [N], applied to the sums)."""
         return self._panel_matmul(
-            (self._lib.weir_linear, self._lib.weir_linear_bf16),
+            "weir_linear",
             x,
             panels,
             out_features,
+            out_features,
+            scale,
             bias,
             None if residual is None else _ptr(residual),
             0 if residual is None else residual.stride(0),
@@ -364,44 +348,57 @@ class CpuKernels:
         panels: torch.Tensor,
         out_features: int,
         bias: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """silu(gate) * up of a gated MLP in one pass: the panels hold its fused gate/up weight
-        [2 * out_features, K] (gate rows first; out_features a multiple of 16), bias [2 *
-        out_features]; x [M, K] -> [M, out_features], never writing the [M, 2 * out_features]
-        projection. The same arithmetic as `linear` then `silu_mul_`."""
+        [2 * out_features, K] (gate rows first; out_features a multiple of 16), bias and int8
+        panels' scale [2 * out_features]; x [M, K] -> [M, out_features], never writing the
+        [M, 2 * out_features] projection. The same arithmetic as `linear` then `silu_mul_`."""
         if out_features % PANEL or panels.shape[0] * PANEL != 2 * out_features:
             raise ValueError(
                 f"linear_silu_mul: {out_features} outputs need {2 * out_features // PANEL} "
                 f"panels of {PANEL} weight rows, got {panels.shape[0]}"
             )
-        fns = (self._lib.weir_linear_silu_mul, self._lib.weir_linear_silu_mul_bf16)
-        return self._panel_matmul(fns, x, panels, out_features, bias)
+        return self._panel_matmul(
+            "weir_linear_silu_mul", x, panels, out_features, 2 * out_features, scale, bias
+        )
 
-    @staticmethod
     def _panel_matmul(
-        fns: tuple[Callable[..., object], Callable[..., object]],
+        self,
+        name: str,
         x: torch.Tensor,
         panels: torch.Tensor,
         out_features: int,
+        weight_rows: int,
+        scale: torch.Tensor | None,
         bias: torch.Tensor | None,
         *epilogue: int | None,
     ) -> torch.Tensor:
-        """Call the panel matmul of fns (float32's, bf16's) that the panels' dtype names: (x,
-        x stride, rows, panels, N, K, bias, *epilogue, out, out stride), into a new [M,
-        out_features] tensor."""
+        """Call the panel matmul ``name`` for the panels' dtype (float32's; ``_bf16``'s; the
+        ``_int8``'s, which takes the weight_rows scales after K): (x, x stride, rows, panels,
+        N, K, bias, *epilogue, out, out stride), into a new [M, out_features] tensor."""
         k, steps = x.shape[-1], panels.shape[1]
-        bf16 = is_bf16_panels(panels)
+        bf16, int8 = is_bf16_panels(panels), panels.dtype == torch.int8
         if x.dim() != 2 or (-(-k // 2) if bf16 else k) != steps or x.stride(1) != 1:
             inputs = f"{steps} input pairs" if bf16 else f"{steps} inputs"
             raise ValueError(f"linear: x {tuple(x.shape)} does not fit a weight of {inputs}")
+        scales: tuple[int, ...] = ()
+        if int8:
+            if scale is None or scale.dtype != torch.float32 or not scale.is_contiguous():
+                raise ValueError("linear: int8 panels need their float32 scales, contiguous")
+            if scale.numel() != weight_rows:
+                raise ValueError(f"linear: {scale.numel()} scales for {weight_rows} weight rows")
+            scales = (_ptr(scale),)
+        fn = getattr(self._lib, name + ("_bf16" if bf16 else "_int8" if int8 else ""))
         out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        failed = fns[bf16](
+        failed = fn(
             _ptr(x),
             x.stride(0),
             x.shape[0],
             _ptr(panels),
             out_features,
             k,
+            *scales,
             None if bias is None else _ptr(bias),
             *epilogue,
             _ptr(out),

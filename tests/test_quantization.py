@@ -4,11 +4,11 @@ checked against transformers by a stated reference.
 - int8: the reference is transformers in float32 running the *same int8-dequantized
   weights* (every HF Linear and the embedding quantized by the same per-row rule, then
   dequantized), an implementation independent of Weir's model and kernels. Prompt tokens
-  (prefill, >8 rows: float32 GEMM on weights dequantized block by block) must match it to
-  float32 rounding. Decode tokens (1 row) must too where the native kernel runs (float32
-  activations); on PyTorch's packed int8 kernel (no C compiler), which takes its input and
-  gives its output in bfloat16, within a stated logits tolerance, with the same top-1 token
-  at nearly every position. Against the original float32 weights the top-1
+  (prefill, >8 rows: the native int8 panel matmul, or without it a float32 GEMM on weights
+  dequantized block by block) must match it to float32 rounding. Decode tokens (1 row) must
+  too where the native kernel runs (float32 activations); on PyTorch's packed int8 kernel (no
+  C compiler), which takes its input and gives its output in bfloat16, within a stated logits
+  tolerance, with the same top-1 token at nearly every position. Against the original float32 weights the top-1
   token must agree at >= 90% of the positions (measured 97%).
 - bfloat16: the reference is transformers in bfloat16 on the same weights, by a logits
   tolerance and top-1 agreement.
@@ -25,6 +25,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+from native_builds import BUILDS, build  # noqa: E402
 
 from weir.kernels import cpu_native  # noqa: E402
 from weir.services.executor.attention import AttentionMetadata  # noqa: E402
@@ -50,40 +52,55 @@ PROMPTS = [
 native = cpu_native.load()
 
 
-@pytest.mark.parametrize(
-    "decode_kernel",
-    [
-        "packed",
-        pytest.param("native", marks=pytest.mark.skipif(native is None, reason="no C compiler")),
-    ],
-)
-def test_int8_weight_codes_and_every_kernel_match_the_dequantized_matmul(decode_kernel):
+@pytest.mark.parametrize("kernel", ["pytorch", *BUILDS])
+def test_int8_weight_codes_and_every_kernel_match_the_dequantized_matmul(kernel):
     g = torch.Generator().manual_seed(0)
-    # Rows off the native kernel's blocks of 4, and (native only: the packed kernel
-    # crashes on such shapes, which models never have) columns off its 8 lanes.
-    cols = 100 if decode_kernel == "native" else 96
+    # Rows off whole panels of 16, and (native only: PyTorch's packed kernel crashes on such
+    # shapes, which models never have) columns off the vector lanes.
+    cols = 96 if kernel == "pytorch" else 100
     w = torch.randn(1101, cols, generator=g) * 0.05
     w[3, 7] = 2.0  # an outlier row
-    q = Int8Weight(w, native if decode_kernel == "native" else None)
-    assert q.qweight.dtype == torch.int8 and q.qweight.abs().max() <= 127
-    dequantized = q.qweight.float() * q.scale[:, None]
+    q = Int8Weight(w, None if kernel == "pytorch" else build(kernel))
+    codes = q.codes()
+    assert codes.dtype == torch.int8 and codes.shape == w.shape and codes.abs().max() <= 127
+    dequantized = codes.double() * q.scale.double()[:, None]
     # Round to nearest with the applied scale: never more than half a step off, never clipped.
     assert ((w - dequantized).abs() <= q.scale[:, None] * (0.5 + 1e-3)).all()
-    assert torch.equal(q.scale, q.scale_bf16.float())
-    for rows in (1, 3, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 64):
+    assert torch.equal(codes, Int8Weight(w).codes())  # both layouts quantize alike
+    bias = torch.randn(1101, generator=g)
+    # Rows: PyTorch's packed kernel's and its dequantizing path's; the panel kernel's blocks
+    # of 8 (6 with 256-bit vectors) and chunks of 96 rows.
+    for rows in (1, 3, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 64, 203):
         x = torch.randn(rows, 2 * cols, generator=g)[:, :cols]  # strided rows
         residual = torch.randn(rows, 1101, generator=g)
-        want = x @ dequantized.t()
+        want = x.double() @ dequantized.t()
         got = q.matmul(x)
         assert got.dtype == torch.float32 and got.shape == want.shape
         err = (got - want).abs().max() / want.abs().max()
-        # bfloat16 in and out (8 mantissa bits) on the packed kernel; float32 otherwise.
-        bf16 = rows <= PACKED_MAX_ROWS and decode_kernel == "packed"
-        assert err < (2e-2 if bf16 else 1e-5), (rows, err)
-        with_residual = q.matmul(x, residual)
-        assert (with_residual - residual - got).abs().max() < 1e-4 * want.abs().max()
-    ids = torch.tensor([3, 0, 1099])
-    assert torch.equal(q.rows(ids), dequantized[ids])
+        # bfloat16 in and out (8 mantissa bits) on PyTorch's packed kernel; float32 otherwise.
+        bf16 = rows <= PACKED_MAX_ROWS and kernel == "pytorch"
+        assert err < (2e-2 if bf16 else 1e-6), (rows, err)
+        fused = q.matmul(x, residual, bias)
+        assert (fused - residual - bias - got).abs().max() < 1e-5 * want.abs().max()
+    ids = torch.tensor([3, 0, 1099, 1100])
+    assert torch.equal(q.rows(ids), (codes[ids].float() * q.scale[ids, None]))
+
+
+@pytest.mark.parametrize("kernel", ["pytorch", *BUILDS])
+def test_int8_gated_projection_matches_silu_of_the_dequantized_gate_times_up(kernel):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(2 * 96, 64, generator=g) * 0.1  # gate rows, then up rows
+    bias = torch.randn(2 * 96, generator=g)
+    q = Int8Weight(w, None if kernel == "pytorch" else build(kernel))
+    dequantized = q.codes().double() * q.scale.double()[:, None]
+    for rows in (1, 9, 100):
+        x = torch.randn(rows, 64, generator=g)
+        gate_up = x.double() @ dequantized.t() + bias.double()
+        want = torch.nn.functional.silu(gate_up[:, :96]) * gate_up[:, 96:]
+        got = q.silu_mul(x, bias)
+        assert got.shape == (rows, 96)
+        tolerance = 5e-2 if rows <= PACKED_MAX_ROWS and kernel == "pytorch" else 1e-5
+        assert (got - want).abs().max() < tolerance * want.abs().max(), rows
 
 
 def test_quantization_is_refused_where_it_cannot_run(default_model_dir):
@@ -178,7 +195,7 @@ def _dequantize_like_weir(hf_model) -> None:
                 continue
             done.add(module.weight.data_ptr())
             q = Int8Weight(module.weight)
-            module.weight.copy_(q.qweight.float() * q.scale[:, None])
+            module.weight.copy_(q.codes().float() * q.scale[:, None])
 
 
 @pytest.mark.slow

@@ -4,9 +4,8 @@
    operator calls, and reads its operands once: RMSNorm, rotary embedding in place, the K/V
    cache write, paged attention straight from the block table (no gathered copies of the
    context), SiLU-and-multiply in place, the float32 matmul against prepacked weight panels
-   (float32 or bfloat16 ones; the latter on AMX's tiles where the CPU has them), and the
-   int8-weight matmul of decode-sized batches (float32 activations). Loops are written as
-   `acc += a * b` on vector types and rely on -ffp-contract=fast to become FMAs.
+   (float32, bfloat16 or int8 ones; bfloat16 on AMX's tiles where the CPU has them). Loops are
+   written as `acc += a * b` on vector types and rely on -ffp-contract=fast to become FMAs.
    Threads come from OpenMP; the library is loaded into a process where PyTorch already
    loaded libgomp, so both share one thread pool and torch.set_num_threads applies to both.
    Row strides are in elements. */
@@ -672,85 +671,6 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
     return failed ? -1 : 0;
 }
 
-/* out[i, j] = (residual[i, j] +) scale[j] * sum_c x[i, c] * w[j, c] for a few rows of x:
-   a decode step reads each int8 weight once (a quarter of float32's bytes, which bound it)
-   while the rows of x stay in L1. Four weight rows at a time share each load of x. */
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 int8x8_to_float(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-static inline int64_t dot4_int8(const float *x, const int8_t *const w[4], int64_t k,
-                                const int8_t *next, float s[4]) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    int64_t c = 0;
-    /* Two accumulators per row: eight FMA chains in flight instead of four. */
-    for (; c + 16 <= k; c += 16) {
-        /* The next four rows, one line per step: the four k-byte rows read here are streams
-           too short for the hardware prefetcher to learn. */
-        if (next) _mm_prefetch((const char *)(next + 4 * c), _MM_HINT_T0);
-        const __m256 xv = _mm256_loadu_ps(x + c), xw = _mm256_loadu_ps(x + c + 8);
-        a0 = _mm256_fmadd_ps(int8x8_to_float(w[0] + c), xv, a0);
-        b0 = _mm256_fmadd_ps(int8x8_to_float(w[0] + c + 8), xw, b0);
-        a1 = _mm256_fmadd_ps(int8x8_to_float(w[1] + c), xv, a1);
-        b1 = _mm256_fmadd_ps(int8x8_to_float(w[1] + c + 8), xw, b1);
-        a2 = _mm256_fmadd_ps(int8x8_to_float(w[2] + c), xv, a2);
-        b2 = _mm256_fmadd_ps(int8x8_to_float(w[2] + c + 8), xw, b2);
-        a3 = _mm256_fmadd_ps(int8x8_to_float(w[3] + c), xv, a3);
-        b3 = _mm256_fmadd_ps(int8x8_to_float(w[3] + c + 8), xw, b3);
-    }
-    a0 = _mm256_add_ps(a0, b0), a1 = _mm256_add_ps(a1, b1);
-    a2 = _mm256_add_ps(a2, b2), a3 = _mm256_add_ps(a3, b3);
-    for (; c + 8 <= k; c += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + c);
-        a0 = _mm256_fmadd_ps(int8x8_to_float(w[0] + c), xv, a0);
-        a1 = _mm256_fmadd_ps(int8x8_to_float(w[1] + c), xv, a1);
-        a2 = _mm256_fmadd_ps(int8x8_to_float(w[2] + c), xv, a2);
-        a3 = _mm256_fmadd_ps(int8x8_to_float(w[3] + c), xv, a3);
-    }
-    s[0] = hsum(a0), s[1] = hsum(a1), s[2] = hsum(a2), s[3] = hsum(a3);
-    return c;
-}
-#else
-static inline int64_t dot4_int8(const float *x, const int8_t *const w[4], int64_t k,
-                                const int8_t *next, float s[4]) {
-    (void)x, (void)w, (void)k, (void)next;
-    s[0] = s[1] = s[2] = s[3] = 0.0f;
-    return 0;
-}
-#endif
-
-void weir_int8_linear(const float *x, int64_t x_stride, int64_t m, const int8_t *w,
-                      const float *scale, int64_t n, int64_t k, const float *residual,
-                      int64_t residual_stride, float *out, int64_t out_stride) {
-#pragma omp parallel for schedule(static)
-    for (int64_t j0 = 0; j0 < n; j0 += 4) {
-        const int64_t nj = n - j0 < 4 ? n - j0 : 4;
-        /* Past the last weight row, repeat it: computed, never stored. */
-        const int8_t *rows[4];
-        for (int64_t t = 0; t < 4; t++) rows[t] = w + (j0 + (t < nj ? t : nj - 1)) * k;
-        const int8_t *next = j0 + 8 <= n ? w + (j0 + 4) * k : NULL;
-        for (int64_t i = 0; i < m; i++) {
-            const float *xr = x + i * x_stride;
-            float s[4];
-            for (int64_t c = dot4_int8(xr, rows, k, i == 0 ? next : NULL, s); c < k; c++)
-                for (int64_t t = 0; t < 4; t++) s[t] += xr[c] * (float)rows[t][c];
-            for (int64_t t = 0; t < nj; t++) {
-                const int64_t j = j0 + t;
-                const float v = s[t] * scale[j];
-                out[i * out_stride + j] = residual ? residual[i * residual_stride + j] + v : v;
-            }
-        }
-    }
-}
-
 /* Float32 matmul against a weight prepacked into panels (weir_pack_panels): the projections
    and the LM head of every CPU step, in blocks of BLOCK_ROWS rows of x by a unit of one or two
    panels (16 weight rows interleaved, [k][16]). With 256-bit vectors a panel's 6 x 16 block is
@@ -764,19 +684,35 @@ void weir_int8_linear(const float *x, int64_t x_stride, int64_t m, const int8_t 
    builds anywhere. */
 #define PANEL 16 /* output columns (weight rows) per panel */
 #define CHUNK_ROWS 96 /* rows of x per pass over the panels: 96 x k stays in L2 */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* w [n][k] row-major -> panels [ceil(n / 16)][k][16], rows past n zero. */
-void weir_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
+/* w [n][k] row-major -> panels [ceil(n / 16)][k][16], rows past n zero; elements of `size`
+   bytes. */
+ALWAYS_INLINE void pack_panels(const char *w, int64_t n, int64_t k, size_t size, char *panels) {
 #pragma omp parallel for schedule(static)
     for (int64_t j0 = 0; j0 < n; j0 += PANEL) {
-        float *panel = panels + (j0 / PANEL) * k * PANEL;
+        char *panel = panels + (j0 / PANEL) * k * PANEL * size;
         for (int64_t c = 0; c < k; c++)
-            for (int64_t j = 0; j < PANEL; j++)
-                panel[c * PANEL + j] = j0 + j < n ? w[(j0 + j) * k + c] : 0.0f;
+            for (int64_t j = 0; j < PANEL; j++) {
+                char *to = panel + (c * PANEL + j) * size;
+                if (j0 + j < n)
+                    memcpy(to, w + ((j0 + j) * k + c) * size, size);
+                else
+                    memset(to, 0, size);
+            }
     }
 }
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+void weir_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
+    pack_panels((const char *)w, n, k, sizeof *w, (char *)panels);
+}
+
+/* int8 weights (`--quantization int8`): the same panels of int8 codes, a quarter of float32's
+   bytes; the kernel widens each step's 16 codes to float32 in registers and multiplies as
+   float32, the rows' per-output scales applied to the sums. */
+void weir_pack_panels_int8(const int8_t *w, int64_t n, int64_t k, int8_t *panels) {
+    pack_panels((const char *)w, n, k, sizeof *w, (char *)panels);
+}
 
 /* bfloat16 weights: the same panels of 16 weight rows, each 32-bit word holding a pair of
    consecutive inputs' bf16 values (the even one in the low half), [ceil(n / 16)][ceil(k / 2)]
@@ -785,7 +721,11 @@ void weir_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
    multiplies and adds a pair (twice the float32 FMA's work); elsewhere the pairs are widened
    to float32 (exactly) and multiplied as float32, which halves only the weights' bytes. */
 
-/* x's word c: a float32's bits (BF16 == 0) or a bf16 pair's. */
+/* What a panel's elements are (the kernel's KIND, a constant where inlined). */
+enum { W_F32, W_BF16, W_INT8 };
+#define PREFETCH_BYTES 2048 /* how far ahead in a panel its lines are asked for */
+
+/* x's word c: a float32's bits (W_F32, W_INT8) or a bf16 pair's (W_BF16). */
 ALWAYS_INLINE uint32_t word(const float *x, int64_t c) {
     uint32_t u;
     memcpy(&u, x + c, sizeof u);
@@ -794,7 +734,7 @@ ALWAYS_INLINE uint32_t word(const float *x, int64_t c) {
 
 /* unit_rows: a unit's block for ROWS rows of x (1 to 6; a constant where inlined, so rows a
    block does not have cost nothing): ROWS x 16 outputs of panel a and of panel b (pb NULL: no
-   panel b) over all of k (for BF16: k pairs), each row's 16 outputs as two v8f halves in acc_a
+   panel b) over all of k (W_BF16: k pairs), each row's 16 outputs as two v8f halves in acc_a
    and acc_b. */
 #if defined(__AVX512F__)
 #define UNIT_PANELS 2 /* a plain matmul's panels per unit: both in one pass */
@@ -802,10 +742,19 @@ ALWAYS_INLINE uint32_t word(const float *x, int64_t c) {
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
+
 static inline v16f load16(const float *p) {
     v16f v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* Step c of a panel: its 16 weights (bf16: pairs) as a vector of float32 lanes. */
+ALWAYS_INLINE v16f panel_step(const void *panel, int64_t c, int KIND) {
+    if (KIND == W_INT8) /* GCC 12 builds __builtin_convertvector's widening byte by byte */
+        return (v16f)_mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)((const int8_t *)panel + c * PANEL))));
+    return load16((const float *)panel + c * PANEL);
 }
 
 /* acc + x's pair times w's pair, lane by lane. */
@@ -819,9 +768,9 @@ ALWAYS_INLINE v16f dot_bf16(v16f acc, v16u x, v16u w) {
 }
 
 /* Row r's step c of both panels' blocks. */
-ALWAYS_INLINE void row_step(v16f *a, v16f *b, const float *xr, int64_t c, int BF16, v16f wa,
+ALWAYS_INLINE void row_step(v16f *a, v16f *b, const float *xr, int64_t c, int KIND, v16f wa,
                             v16f wb) {
-    if (BF16) {
+    if (KIND == W_BF16) {
         const v16u s = (v16u){0} + word(xr, c);
         *a = dot_bf16(*a, s, (v16u)wa), *b = dot_bf16(*b, s, (v16u)wb);
     } else {
@@ -832,17 +781,18 @@ ALWAYS_INLINE void row_step(v16f *a, v16f *b, const float *xr, int64_t c, int BF
 
 /* One pass over k: both panels' blocks in 16-lane accumulators (the row loop unrolled, so they
    live in registers). */
-ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int BF16,
-                             const float *pa, const float *pb, int64_t k,
+ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int KIND,
+                             const void *pa, const void *pb, int64_t k,
                              v8f acc_a[2 * BLOCK_ROWS], v8f acc_b[2 * BLOCK_ROWS]) {
     v16f a[BLOCK_ROWS] = {{0}}, b[BLOCK_ROWS] = {{0}};
+    const int64_t step_bytes = PANEL * (KIND == W_INT8 ? 1 : 4);
     if (!pb) pb = pa; /* computed, never stored */
     for (int64_t c = 0; c < k; c++) {
-        __builtin_prefetch(pa + (c + 32) * PANEL);
-        __builtin_prefetch(pb + (c + 32) * PANEL);
-        const v16f wa = load16(pa + c * PANEL), wb = load16(pb + c * PANEL);
+        __builtin_prefetch((const char *)pa + c * step_bytes + PREFETCH_BYTES);
+        __builtin_prefetch((const char *)pb + c * step_bytes + PREFETCH_BYTES);
+        const v16f wa = panel_step(pa, c, KIND), wb = panel_step(pb, c, KIND);
 #pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) row_step(&a[r], &b[r], x + r * x_stride, c, BF16, wa, wb);
+        for (int r = 0; r < ROWS; r++) row_step(&a[r], &b[r], x + r * x_stride, c, KIND, wa, wb);
     }
     memcpy(acc_a, a, sizeof a);
     memcpy(acc_b, b, sizeof b);
@@ -853,15 +803,29 @@ ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int BF1
 typedef uint32_t v8u __attribute__((vector_size(32)));
 static inline v8f broadcast(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
 
+/* Half h of step c of a panel: 8 of its 16 weights (bf16: pairs) as float32 lanes. */
+ALWAYS_INLINE v8f panel_half(const void *panel, int64_t c, int h, int KIND) {
+    if (KIND == W_INT8) {
+        const int8_t *codes = (const int8_t *)panel + c * PANEL + 8 * h;
+#if defined(__AVX2__)
+        return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)codes)));
+#else
+        return (v8f){codes[0], codes[1], codes[2], codes[3], codes[4], codes[5], codes[6],
+                     codes[7]};
+#endif
+    }
+    return load8((const float *)panel + c * PANEL + 8 * h);
+}
+
 /* acc + x's pair times w's pair, lane by lane. */
 ALWAYS_INLINE v8f dot_bf16_8(v8f acc, v8u x, v8u w) {
     return acc + (v8f)(x << 16) * (v8f)(w << 16) + (v8f)(x & 0xffff0000u) * (v8f)(w & 0xffff0000u);
 }
 
 /* Row r's step c of a panel's block (its two halves). */
-ALWAYS_INLINE void row_step(v8f *lo, v8f *hi, const float *xr, int64_t c, int BF16, v8f w0,
+ALWAYS_INLINE void row_step(v8f *lo, v8f *hi, const float *xr, int64_t c, int KIND, v8f w0,
                             v8f w1) {
-    if (BF16) {
+    if (KIND == W_BF16) {
         const v8u s = (v8u){0} + word(xr, c);
         *lo = dot_bf16_8(*lo, s, (v8u)w0), *hi = dot_bf16_8(*hi, s, (v8u)w1);
     } else {
@@ -871,42 +835,43 @@ ALWAYS_INLINE void row_step(v8f *lo, v8f *hi, const float *xr, int64_t c, int BF
 }
 
 /* One panel's block: twelve 8-lane accumulators (two halves a row). */
-ALWAYS_INLINE void panel_rows(const float *x, int64_t x_stride, int ROWS, int BF16,
-                              const float *panel, int64_t k, v8f acc[2 * BLOCK_ROWS]) {
+ALWAYS_INLINE void panel_rows(const float *x, int64_t x_stride, int ROWS, int KIND,
+                              const void *panel, int64_t k, v8f acc[2 * BLOCK_ROWS]) {
     v8f lo[BLOCK_ROWS] = {{0}}, hi[BLOCK_ROWS] = {{0}};
+    const int64_t step_bytes = PANEL * (KIND == W_INT8 ? 1 : 4);
     for (int64_t c = 0; c < k; c++) {
-        __builtin_prefetch(panel + (c + 32) * PANEL);
-        const v8f b0 = load8(panel + c * PANEL), b1 = load8(panel + c * PANEL + 8);
+        __builtin_prefetch((const char *)panel + c * step_bytes + PREFETCH_BYTES);
+        const v8f b0 = panel_half(panel, c, 0, KIND), b1 = panel_half(panel, c, 1, KIND);
 #pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) row_step(&lo[r], &hi[r], x + r * x_stride, c, BF16, b0, b1);
+        for (int r = 0; r < ROWS; r++) row_step(&lo[r], &hi[r], x + r * x_stride, c, KIND, b0, b1);
     }
     for (int r = 0; r < BLOCK_ROWS; r++) acc[2 * r] = lo[r], acc[2 * r + 1] = hi[r];
 }
 
 /* A pass over k per panel (none for a missing panel b). */
-ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int BF16,
-                             const float *pa, const float *pb, int64_t k,
+ALWAYS_INLINE void unit_rows(const float *x, int64_t x_stride, int ROWS, int KIND,
+                             const void *pa, const void *pb, int64_t k,
                              v8f acc_a[2 * BLOCK_ROWS], v8f acc_b[2 * BLOCK_ROWS]) {
-    panel_rows(x, x_stride, ROWS, BF16, pa, k, acc_a);
-    if (pb) panel_rows(x, x_stride, ROWS, BF16, pb, k, acc_b);
+    panel_rows(x, x_stride, ROWS, KIND, pa, k, acc_a);
+    if (pb) panel_rows(x, x_stride, ROWS, KIND, pb, k, acc_b);
 }
 #endif
 
 /* One unit's block of rows <= BLOCK_ROWS rows of x. */
-ALWAYS_INLINE void unit_block(const float *x, int64_t x_stride, int64_t rows, int BF16,
-                              const float *pa, const float *pb, int64_t k,
+ALWAYS_INLINE void unit_block(const float *x, int64_t x_stride, int64_t rows, int KIND,
+                              const void *pa, const void *pb, int64_t k,
                               v8f acc_a[2 * BLOCK_ROWS], v8f acc_b[2 * BLOCK_ROWS]) {
     switch (rows) {
-    case 1: unit_rows(x, x_stride, 1, BF16, pa, pb, k, acc_a, acc_b); break;
-    case 2: unit_rows(x, x_stride, 2, BF16, pa, pb, k, acc_a, acc_b); break;
-    case 3: unit_rows(x, x_stride, 3, BF16, pa, pb, k, acc_a, acc_b); break;
-    case 4: unit_rows(x, x_stride, 4, BF16, pa, pb, k, acc_a, acc_b); break;
-    case 5: unit_rows(x, x_stride, 5, BF16, pa, pb, k, acc_a, acc_b); break;
+    case 1: unit_rows(x, x_stride, 1, KIND, pa, pb, k, acc_a, acc_b); break;
+    case 2: unit_rows(x, x_stride, 2, KIND, pa, pb, k, acc_a, acc_b); break;
+    case 3: unit_rows(x, x_stride, 3, KIND, pa, pb, k, acc_a, acc_b); break;
+    case 4: unit_rows(x, x_stride, 4, KIND, pa, pb, k, acc_a, acc_b); break;
+    case 5: unit_rows(x, x_stride, 5, KIND, pa, pb, k, acc_a, acc_b); break;
 #if BLOCK_ROWS == 8
-    case 6: unit_rows(x, x_stride, 6, BF16, pa, pb, k, acc_a, acc_b); break;
-    case 7: unit_rows(x, x_stride, 7, BF16, pa, pb, k, acc_a, acc_b); break;
+    case 6: unit_rows(x, x_stride, 6, KIND, pa, pb, k, acc_a, acc_b); break;
+    case 7: unit_rows(x, x_stride, 7, KIND, pa, pb, k, acc_a, acc_b); break;
 #endif
-    default: unit_rows(x, x_stride, BLOCK_ROWS, BF16, pa, pb, k, acc_a, acc_b); break;
+    default: unit_rows(x, x_stride, BLOCK_ROWS, KIND, pa, pb, k, acc_a, acc_b); break;
     }
 }
 
@@ -968,6 +933,19 @@ static inline void store_unit(const float *sa, const float *sb, int64_t i0, int6
     }
 }
 
+/* A block of sums [rows][PANEL] of outputs [j0, j0 + PANEL) times their weight rows' scales
+   (int8 codes), outputs from `columns` on left as they are (never stored). */
+static inline void scale_sums(float *sums, int64_t rows, const float *scale, int64_t j0,
+                              int64_t columns) {
+    if (columns - j0 >= PANEL) {
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t j = 0; j < PANEL; j++) sums[i * PANEL + j] *= scale[j0 + j];
+        return;
+    }
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < columns - j0; j++) sums[i * PANEL + j] *= scale[j0 + j];
+}
+
 /* The matmul's loop over blocks of BLOCK_ROWS rows x one unit, row chunks and units shared
    out between the threads. Plain: out[i, j] = (residual[i, j] +) (bias[j] +) x[i] . w[j] for
    j < n, a unit being UNIT_PANELS panels in order (an odd last one alone). Gated (the gate/up
@@ -977,13 +955,14 @@ static inline void store_unit(const float *sa, const float *sb, int64_t i0, int6
    computes it, so the [m, 2n] projection output is never written. Both kernels sum each
    output in the same order: their results are equal. bf16: x and the panels hold bf16 pairs,
    k counts pairs. */
-static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const float *panels,
-                          int64_t n, int64_t k, const float *bias, const float *residual,
-                          int64_t residual_stride, float *out, int64_t out_stride, int gated,
-                          int bf16) {
+static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const void *panels,
+                          int64_t n, int64_t k, const float *scale, const float *bias,
+                          const float *residual, int64_t residual_stride, float *out,
+                          int64_t out_stride, int gated, int kind) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
     const int64_t units = gated ? num_panels : (num_panels + UNIT_PANELS - 1) / UNIT_PANELS;
     const int64_t chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t panel_bytes = k * PANEL * (kind == W_INT8 ? 1 : 4);
 #pragma omp parallel for schedule(static) collapse(2)
     for (int64_t chunk = 0; chunk < chunks; chunk++)
         for (int64_t u = 0; u < units; u++) {
@@ -996,12 +975,20 @@ static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const flo
             for (int64_t i0 = begin; i0 < end; i0 += BLOCK_ROWS) {
                 const int64_t rows = end - i0 < BLOCK_ROWS ? end - i0 : BLOCK_ROWS;
                 v8f acc[2 * BLOCK_ROWS], acc_b[2 * BLOCK_ROWS];
-                const float *xi = x + i0 * x_stride, *wa = panels + pa * k * PANEL;
-                const float *wb = has_b ? panels + pb * k * PANEL : NULL;
-                if (bf16)
-                    unit_block(xi, x_stride, rows, 1, wa, wb, k, acc, acc_b);
+                const float *xi = x + i0 * x_stride;
+                const char *wa = (const char *)panels + pa * panel_bytes;
+                const char *wb = has_b ? (const char *)panels + pb * panel_bytes : NULL;
+                if (kind == W_BF16)
+                    unit_block(xi, x_stride, rows, W_BF16, wa, wb, k, acc, acc_b);
+                else if (kind == W_INT8)
+                    unit_block(xi, x_stride, rows, W_INT8, wa, wb, k, acc, acc_b);
                 else
-                    unit_block(xi, x_stride, rows, 0, wa, wb, k, acc, acc_b);
+                    unit_block(xi, x_stride, rows, W_F32, wa, wb, k, acc, acc_b);
+                if (scale) {
+                    const int64_t columns = gated ? 2 * n : n;
+                    scale_sums((float *)acc, rows, scale, pa * PANEL, columns);
+                    if (has_b) scale_sums((float *)acc_b, rows, scale, pb * PANEL, columns);
+                }
                 store_unit((const float *)acc, (const float *)acc_b, i0, rows, pa, pb, has_b,
                            n, bias, residual, residual_stride, out, out_stride, gated);
             }
@@ -1012,8 +999,8 @@ static void linear_blocks(const float *x, int64_t x_stride, int64_t m, const flo
 void weir_linear(const float *x, int64_t x_stride, int64_t m, const float *panels, int64_t n,
                  int64_t k, const float *bias, const float *residual, int64_t residual_stride,
                  float *out, int64_t out_stride) {
-    linear_blocks(x, x_stride, m, panels, n, k, bias, residual, residual_stride, out, out_stride,
-                  0, 0);
+    linear_blocks(x, x_stride, m, panels, n, k, NULL, bias, residual, residual_stride, out,
+                  out_stride, 0, W_F32);
 }
 
 /* out [m, n] = silu(x w[:n]^T + bias[:n]) * (x w[n:]^T + bias[n:]) for the fused gate/up
@@ -1021,7 +1008,25 @@ void weir_linear(const float *x, int64_t x_stride, int64_t m, const float *panel
 void weir_linear_silu_mul(const float *x, int64_t x_stride, int64_t m, const float *panels,
                           int64_t n, int64_t k, const float *bias, float *out,
                           int64_t out_stride) {
-    linear_blocks(x, x_stride, m, panels, n, k, bias, NULL, 0, out, out_stride, 1, 0);
+    linear_blocks(x, x_stride, m, panels, n, k, NULL, bias, NULL, 0, out, out_stride, 1, W_F32);
+}
+
+/* weir_linear with int8 codes packed by weir_pack_panels_int8, weight row j's being
+   w[j] / scale[j]: out[i, j] = (residual[i, j] +) (bias[j] +) scale[j] * x[i] . codes[j]. */
+void weir_linear_int8(const float *x, int64_t x_stride, int64_t m, const int8_t *panels,
+                      int64_t n, int64_t k, const float *scale, const float *bias,
+                      const float *residual, int64_t residual_stride, float *out,
+                      int64_t out_stride) {
+    linear_blocks(x, x_stride, m, panels, n, k, scale, bias, residual, residual_stride, out,
+                  out_stride, 0, W_INT8);
+}
+
+/* weir_linear_silu_mul with int8 codes packed by weir_pack_panels_int8 and scale [2n]. */
+void weir_linear_silu_mul_int8(const float *x, int64_t x_stride, int64_t m,
+                               const int8_t *panels, int64_t n, int64_t k, const float *scale,
+                               const float *bias, float *out, int64_t out_stride) {
+    linear_blocks(x, x_stride, m, panels, n, k, scale, bias, NULL, 0, out, out_stride, 1,
+                  W_INT8);
 }
 
 /* float32 -> bfloat16, rounded to nearest even (as PyTorch's and the CPU's conversions). */
@@ -1214,8 +1219,8 @@ static int linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32
     if (!xb) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; i++) round_row(x + i * x_stride, k, xb + i * pairs, ROUND_PAIRS);
-    linear_blocks((const float *)xb, pairs, m, (const float *)panels, n, pairs, bias, residual,
-                  residual_stride, out, out_stride, gated, 1);
+    linear_blocks((const float *)xb, pairs, m, panels, n, pairs, NULL, bias, residual,
+                  residual_stride, out, out_stride, gated, W_BF16);
     free(xb);
     return 0;
 }
