@@ -5,11 +5,13 @@
 One "pass" is every projection of SmolLM2-135M's 30 layers (distinct weights, so a decode
 step reads them from memory, not cache: 576->960 qkv, 576->576 o, 576->3072 gate/up,
 1536->576 down) plus the 49152x576 LM head, on M rows of activations. Kernels, each timed
-including its input/output conversions: fp32 ``F.linear``; bf16 ``F.linear``; PyTorch's packed
-int8 (``_weight_int8pack_mm``, bf16 in/out), packed int4 (``_weight_int4pack_mm_for_cpu``, group
-32, bf16 in/out); fbgemm's dynamic int8 (``quantized.linear_dynamic``, activations quantized
-per tensor); and Weir's ``Int8Weight.matmul`` (what ``--quantization int8`` runs). Methods
-are interleaved and the minimum over rounds is kept, so a shared machine's noise hits all.
+including its input/output conversions: fp32 ``F.linear``; Weir's float32 panels
+(``fp32-panels``, what the float32 default runs); bf16 ``F.linear``; PyTorch's packed int8
+(``_weight_int8pack_mm``, bf16 in/out), packed int4 (``_weight_int4pack_mm_for_cpu``, group 32,
+bf16 in/out); fbgemm's dynamic int8 (``quantized.linear_dynamic``, activations quantized per
+tensor); and Weir's ``Int8Weight.matmul`` (what ``--quantization int8`` runs): over the native
+int8 panels (``weir-int8``) and without the native kernels (``weir-int8-pytorch``). Methods are
+interleaved and the minimum over rounds is kept, so a shared machine's noise hits all.
 """
 
 import argparse
@@ -20,6 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from weir.kernels import cpu_native
+from weir.kernels.cpu_native import CpuKernels
+from weir.services.executor.packed_weights import PackedLinear
 from weir.services.executor.quantization import Int8Weight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -67,12 +72,34 @@ def kernel(method: str, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tenso
         qw = torch.quantize_per_channel(w, scale.double(), zero, 0, torch.qint8)
         packed_fb = torch.ops.quantized.linear_prepack(qw, None)
         return lambda x: torch.ops.quantized.linear_dynamic(x, packed_fb, True)
+    if method == "fp32-panels":
+        return PackedLinear(w, kernels=_native()).forward
     if method == "weir-int8":
+        return Int8Weight(w, _native()).matmul
+    if method == "weir-int8-pytorch":
         return Int8Weight(w).matmul
     raise ValueError(method)
 
 
-METHODS = ("fp32", "bf16", "int8pack", "int4pack", "fbgemm-dyn", "weir-int8")
+def _native() -> CpuKernels:
+    kernels = cpu_native.load()
+    if kernels is None:
+        raise SystemExit(
+            "the native CPU kernels did not build here: leave out fp32-panels, weir-int8"
+        )
+    return kernels
+
+
+METHODS = (
+    "fp32",
+    "fp32-panels",
+    "bf16",
+    "int8pack",
+    "int4pack",
+    "fbgemm-dyn",
+    "weir-int8",
+    "weir-int8-pytorch",
+)
 
 
 def main() -> None:

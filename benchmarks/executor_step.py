@@ -1,7 +1,7 @@
 """Offline throughput of the executor alone (ModelRunner.execute), with a breakdown of step time.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/executor_step.py [--threads 1] [--repeats 2]
-        [--loras N --lora-rank R --lora-share F]
+        [--loras N --lora-rank R --lora-share F] [--dtype bfloat16 | --quantization int8]
 
 The workload is `weir bench throughput`'s default: 64 requests with seeded random prompts of
 32-256 tokens and outputs of 32-128 tokens, greedy, EOS ignored. Step plans come from the
@@ -43,7 +43,7 @@ from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.arith import cdiv
-from weir.shared.config import LOAD_FORMATS, CacheConfig, SchedulerConfig
+from weir.shared.config import LOAD_FORMATS, QUANTIZATION_METHODS, CacheConfig, SchedulerConfig
 from weir.shared.lora import LoraModule
 from weir.shared.model_config import read_model_config
 from weir.shared.model_store import resolve_model
@@ -235,6 +235,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16, float16")
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -284,6 +285,7 @@ def main() -> None:
         model_dir,
         device="cpu",
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
         attention_backend=args.attention_backend,
