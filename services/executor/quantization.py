@@ -9,7 +9,7 @@ matmuls:
   panels once and every matmul, whatever its rows, is the panel matmul over them: each step's
   16 codes widened to float32 in registers, the scales applied to the sums, the bias, the
   residual add and a gated MLP's SiLU in the same pass. It reads a quarter of float32's bytes
-  and ran 1.0-2.3x the row-major int8 decode kernel it replaced at 1-8 rows and 1.1-1.6x the
+  and ran 1.0-2.3x the row-major int8 decode kernel it replaced at 1-8 rows and 1.1-3.6x the
   dequantize-then-GEMM path from 16 rows (docs/benchmarks.md);
 - otherwise PyTorch: up to ``PACKED_MAX_ROWS`` rows its ``_weight_int8pack_mm``, whose x86
   kernel is vectorized for bfloat16 inputs only (float32 inputs take a scalar loop, ~50x
