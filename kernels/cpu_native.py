@@ -69,8 +69,8 @@ _SIGNATURES = {
     "weir_linear_silu_mul_bf16": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
     "weir_bf16_matmul_unit": (ctypes.c_int, []),
     "weir_pack_panels_int8": (None, [_P, _I, _I, _P]),
-    "weir_linear_int8": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _I]),
-    "weir_linear_silu_mul_int8": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I]),
+    "weir_linear_int8": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _I]),
+    "weir_linear_silu_mul_int8": (ctypes.c_int, [_P, _I, _I, _P, _I, _I, _P, _P, _P, _I]),
 }
 # What weir_bf16_matmul_unit's answers name.
 BF16_MATMUL_UNITS = ("float32 FMAs", "AVX512_BF16", "AMX tiles")
@@ -405,5 +405,5 @@ class CpuKernels:
             out.stride(0),
         )
         if failed:
-            raise MemoryError(f"linear: no memory to round {x.shape[0]} rows to bfloat16")
+            raise MemoryError(f"linear: no memory for {x.shape[0]} rows' bfloat16 tiles")
         return out

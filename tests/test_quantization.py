@@ -5,7 +5,8 @@ checked against transformers by a stated reference.
   weights* (every HF Linear and the embedding quantized by the same per-row rule, then
   dequantized), an implementation independent of Weir's model and kernels. Prompt tokens
   (prefill, >8 rows: the native int8 panel matmul, or without it a float32 GEMM on weights
-  dequantized block by block) must match it to float32 rounding. Decode tokens (1 row) must
+  dequantized block by block) must match it to float32 rounding (on a CPU with AMX, whose
+  tiles take the matmul's input in two bf16 parts from 24 rows: to 16 significant bits). Decode tokens (1 row) must
   too where the native kernel runs (float32 activations); on PyTorch's packed int8 kernel (no
   C compiler), which takes its input and gives its output in bfloat16, within a stated logits
   tolerance, with the same top-1 token at nearly every position. Against the original float32 weights the top-1
@@ -53,12 +54,14 @@ native = cpu_native.load()
 
 
 @pytest.mark.parametrize("kernel", ["pytorch", *BUILDS])
-def test_int8_weight_codes_and_every_kernel_match_the_dequantized_matmul(kernel):
+@pytest.mark.parametrize("cols", [96, 100])
+def test_int8_weight_codes_and_every_kernel_match_the_dequantized_matmul(kernel, cols):
+    # 100 inputs: off the vector lanes and AMX's 32 inputs a tile step (PyTorch's packed kernel
+    # crashes on such shapes, which models never have).
+    if kernel == "pytorch" and cols % 32:
+        pytest.skip("PyTorch's packed int8 kernel takes inputs in multiples of 32")
     g = torch.Generator().manual_seed(0)
-    # Rows off whole panels of 16, and (native only: PyTorch's packed kernel crashes on such
-    # shapes, which models never have) columns off the vector lanes.
-    cols = 96 if kernel == "pytorch" else 100
-    w = torch.randn(1101, cols, generator=g) * 0.05
+    w = torch.randn(1101, cols, generator=g) * 0.05  # rows off whole panels of 16
     w[3, 7] = 2.0  # an outlier row
     q = Int8Weight(w, None if kernel == "pytorch" else build(kernel))
     codes = q.codes()
@@ -69,7 +72,8 @@ def test_int8_weight_codes_and_every_kernel_match_the_dequantized_matmul(kernel)
     assert torch.equal(codes, Int8Weight(w).codes())  # both layouts quantize alike
     bias = torch.randn(1101, generator=g)
     # Rows: PyTorch's packed kernel's and its dequantizing path's; the panel kernel's blocks
-    # of 8 (6 with 256-bit vectors) and chunks of 96 rows.
+    # of 8 (6 with 256-bit vectors), chunks of 96 rows, and (96 inputs, from 24 rows, on a
+    # CPU with AMX) tiles of 16 rows in blocks of 32.
     for rows in (1, 3, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 64, 203):
         x = torch.randn(rows, 2 * cols, generator=g)[:, :cols]  # strided rows
         residual = torch.randn(rows, 1101, generator=g)
@@ -77,9 +81,10 @@ def test_int8_weight_codes_and_every_kernel_match_the_dequantized_matmul(kernel)
         got = q.matmul(x)
         assert got.dtype == torch.float32 and got.shape == want.shape
         err = (got - want).abs().max() / want.abs().max()
-        # bfloat16 in and out (8 mantissa bits) on PyTorch's packed kernel; float32 otherwise.
+        # bfloat16 in and out (8 mantissa bits) on PyTorch's packed kernel; float32 otherwise,
+        # x in two bf16 parts (16 significant bits) on AMX's tiles.
         bf16 = rows <= PACKED_MAX_ROWS and kernel == "pytorch"
-        assert err < (2e-2 if bf16 else 1e-6), (rows, err)
+        assert err < (2e-2 if bf16 else 1e-5), (rows, err)
         fused = q.matmul(x, residual, bias)
         assert (fused - residual - bias - got).abs().max() < 1e-5 * want.abs().max()
     ids = torch.tensor([3, 0, 1099, 1100])
@@ -216,7 +221,8 @@ def test_int8_smollm2_matches_transformers_on_the_dequantized_weights(default_mo
             fp32 = original(torch.tensor([seq])).logits[0]
             original_agree += (got[n - 1 :].argmax(-1) == fp32[n - 1 :].argmax(-1)).sum().item()
 
-    assert prefill_diff < 1e-3, prefill_diff  # measured 4.5e-5
+    # measured 4.5e-5 in float32; 6.1e-4 on AMX (from 24 rows x in two bf16 parts, 16 bits)
+    assert prefill_diff < 2e-3, prefill_diff
     if model.attention.kernels is not None:  # float32 activations on the native kernel
         assert decode_diff < 1e-3, decode_diff
         assert decode_agree == decode_total, (decode_agree, decode_total)

@@ -21,7 +21,13 @@
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX's tiles (every CPU with them has AVX-512 too) */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define AMX 1
+#else
+#define AMX 0
+#endif
+#if AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -1011,24 +1017,6 @@ void weir_linear_silu_mul(const float *x, int64_t x_stride, int64_t m, const flo
     linear_blocks(x, x_stride, m, panels, n, k, NULL, bias, NULL, 0, out, out_stride, 1, W_F32);
 }
 
-/* weir_linear with int8 codes packed by weir_pack_panels_int8, weight row j's being
-   w[j] / scale[j]: out[i, j] = (residual[i, j] +) (bias[j] +) scale[j] * x[i] . codes[j]. */
-void weir_linear_int8(const float *x, int64_t x_stride, int64_t m, const int8_t *panels,
-                      int64_t n, int64_t k, const float *scale, const float *bias,
-                      const float *residual, int64_t residual_stride, float *out,
-                      int64_t out_stride) {
-    linear_blocks(x, x_stride, m, panels, n, k, scale, bias, residual, residual_stride, out,
-                  out_stride, 0, W_INT8);
-}
-
-/* weir_linear_silu_mul with int8 codes packed by weir_pack_panels_int8 and scale [2n]. */
-void weir_linear_silu_mul_int8(const float *x, int64_t x_stride, int64_t m,
-                               const int8_t *panels, int64_t n, int64_t k, const float *scale,
-                               const float *bias, float *out, int64_t out_stride) {
-    linear_blocks(x, x_stride, m, panels, n, k, scale, bias, NULL, 0, out, out_stride, 1,
-                  W_INT8);
-}
-
 /* float32 -> bfloat16, rounded to nearest even (as PyTorch's and the CPU's conversions). */
 static inline uint32_t to_bf16(float f) {
     uint32_t b;
@@ -1058,10 +1046,20 @@ void weir_pack_panels_bf16(const uint16_t *w, int64_t n, int64_t k, uint32_t *pa
 
 #define ROUND_PAIRS 16 /* pairs of inputs round_row writes together */
 
+/* bf16 bits -> the float32 they stand for. */
+static inline float from_bf16(uint32_t b) {
+    const uint32_t u = b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* A row of x rounded to bf16 pairs: ROUND_PAIRS pairs (32 inputs) at a time into
    dst[s * step] for step s (the whole steps, k / 32 of them), the last k % 32 inputs' pairs
-   after them. */
-static inline void round_row(const float *xr, int64_t k, uint32_t *dst, int64_t step) {
+   after them. With `rest` (k a multiple of 32), what rounding left, x minus its bf16 value,
+   rounded to bf16 pairs alike: x = dst + rest to 16 significant bits. */
+static inline void round_row(const float *xr, int64_t k, uint32_t *dst, uint32_t *rest,
+                             int64_t step) {
     int64_t s = 0;
     for (; 32 * (s + 1) <= k; s++) {
         const float *src = xr + 32 * s;
@@ -1069,9 +1067,23 @@ static inline void round_row(const float *xr, int64_t k, uint32_t *dst, int64_t 
 #if defined(__AVX512BF16__)
         /* RNE as to_bf16 (and inputs below 2^-126 as zero, as the dot products read them) */
         const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
-        _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_storeu_si512(o, pairs);
+        if (rest) {
+            const __m512i lo16 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(pairs));
+            const __m512i hi16 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(pairs, 1));
+            const __m512 lo_rest = lo - (__m512)_mm512_slli_epi32(lo16, 16);
+            const __m512 hi_rest = hi - (__m512)_mm512_slli_epi32(hi16, 16);
+            _mm512_storeu_si512(rest + s * step, (__m512i)_mm512_cvtne2ps_pbh(hi_rest, lo_rest));
+        }
 #else
-        for (int c = 0; c < 16; c++) o[c] = to_bf16(src[2 * c]) | to_bf16(src[2 * c + 1]) << 16;
+        for (int c = 0; c < 16; c++) {
+            const uint32_t a = to_bf16(src[2 * c]), b = to_bf16(src[2 * c + 1]);
+            o[c] = a | b << 16;
+            if (rest)
+                rest[s * step + c] = to_bf16(src[2 * c] - from_bf16(a)) |
+                                     to_bf16(src[2 * c + 1] - from_bf16(b)) << 16;
+        }
 #endif
     }
     uint32_t *o = dst + s * step;
@@ -1093,11 +1105,14 @@ static inline void round_row(const float *xr, int64_t k, uint32_t *dst, int64_t 
    tiles; the last tile's rows past m are zero, computed and never stored. From AMX_MIN_ROWS
    rows and for k a multiple of 32 inputs (every shape of the supported models); elsewhere
    the vector kernel. Measured 3-8x the vector kernel from 38 rows (docs/benchmarks.md). */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if AMX
 #define AMX_ROWS 16  /* rows of a tile */
 #define AMX_PAIRS ROUND_PAIRS /* pairs of inputs a tile step covers: 64 bytes */
 #define AMX_TILE_WORDS (AMX_ROWS * AMX_PAIRS)
 #define AMX_MIN_ROWS 5 /* fewer rows: the vector kernel (10-20% faster at 1-3 rows, equal at 4) */
+#ifndef AMX_INT8_MIN_ROWS
+#define AMX_INT8_MIN_ROWS 24 /* fewer rows: the vector kernel (equal at 16-20 rows, 0.6x at 8) */
+#endif
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1119,31 +1134,97 @@ static int amx_usable(void) {
     return s > 0;
 }
 
-static int amx_fits(int64_t m, int64_t k) {
-    return m >= AMX_MIN_ROWS && k % (2 * AMX_PAIRS) == 0 && amx_usable();
+static int amx_fits(int64_t m, int64_t k, int64_t min_rows) {
+    return m >= min_rows && k % (2 * AMX_PAIRS) == 0 && amx_usable();
 }
 
-/* xt: x's pairs as tiles (see above), steps = k / 32 tile steps a row. */
-static void amx_blocks(const uint32_t *xt, int64_t m, const uint32_t *panels, int64_t n,
-                       int64_t steps, const float *bias, const float *residual,
-                       int64_t residual_stride, float *out, int64_t out_stride, int gated) {
+/* A block's dot products over all steps: accumulators 0-1 (x's first tile times weight tiles
+   wa and wb), 2-3 with a second tile of x (TWO); x in PARTS bf16 parts, part p's tiles
+   p * part_words words on from the first's (x = hi + lo: the products of both parts summed
+   into the same accumulators). */
+ALWAYS_INLINE void amx_steps(const uint32_t *x0, const uint32_t *x1, int64_t part_words,
+                             int PARTS, int TWO, const uint32_t *wa, const uint32_t *wb,
+                             int64_t steps) {
+    for (int64_t c = 0; c < steps; c++) {
+        _tile_loadd(4, x0 + c * AMX_TILE_WORDS, 64);
+        if (TWO) _tile_loadd(5, x1 + c * AMX_TILE_WORDS, 64);
+        _tile_loadd(6, wa + c * AMX_TILE_WORDS, 64);
+        _tile_loadd(7, wb + c * AMX_TILE_WORDS, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (TWO) _tile_dpbf16ps(2, 5, 6);
+        if (TWO) _tile_dpbf16ps(3, 5, 7);
+        if (PARTS == 2) {
+            _tile_loadd(4, x0 + part_words + c * AMX_TILE_WORDS, 64);
+            if (TWO) _tile_loadd(5, x1 + part_words + c * AMX_TILE_WORDS, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (TWO) _tile_dpbf16ps(2, 5, 6);
+            if (TWO) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* An int8 panel's codes as bf16-pair weight tiles (exact: |code| <= 127 has 7 bits), all
+   `steps` of it: pair row r (inputs 2r and 2r + 1) from the panel's 32 bytes at 32r. A code
+   widened to float32 has zero low 16 bits, so its bf16 is the float's high half. */
+static void int8_panel_tiles(const int8_t *panel, int64_t steps, uint32_t *tiles) {
+    for (int64_t r = 0; r < steps * AMX_ROWS; r++) {
+        const __m128i *codes = (const void *)(panel + 32 * r);
+        const __m512i even =
+            (__m512i)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes)));
+        const __m512i odd =
+            (__m512i)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes + 1)));
+        /* 0xca: the mask ? odd : even shifted down, bit by bit */
+        _mm512_storeu_si512(tiles + PANEL * r,
+                            _mm512_ternarylogic_epi32(_mm512_set1_epi32(-65536), odd,
+                                                      _mm512_srli_epi32(even, 16), 0xca));
+    }
+}
+
+/* xt: x's pairs as tiles (see above), steps = k / 32 tile steps a row, in `parts` parts (two:
+   x = hi + lo, the second part row_tiles * steps tiles on). Weights: bf16 panels, or int8
+   panels (int8) whose unit of two panels is made bf16 tiles first, once per chunk of rows,
+   and whose sums are scaled by `scale`. Returns 0, or -1 where those tiles' buffer could not
+   be allocated. */
+static int amx_blocks(const uint32_t *xt, int parts, int64_t m, const void *panels, int int8,
+                      int64_t n, int64_t steps, const float *scale, const float *bias,
+                      const float *residual, int64_t residual_stride, float *out,
+                      int64_t out_stride, int gated) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL, pairs = steps * AMX_PAIRS;
     const int64_t units = gated ? num_panels : (num_panels + 1) / 2;
     const int64_t row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t chunk_tiles = CHUNK_ROWS / AMX_ROWS;
     const int64_t chunks = (row_tiles + chunk_tiles - 1) / chunk_tiles;
+    const int64_t part_words = row_tiles * steps * AMX_TILE_WORDS;
+    int failed = 0;
 #pragma omp parallel
     {
         TileConfig config = {.palette = 1};
         for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = AMX_ROWS;
         _tile_loadconfig(&config);
+        uint32_t *unit_tiles = int8 ? malloc(2 * steps * AMX_TILE_WORDS * sizeof *unit_tiles)
+                                    : NULL;
+        if (int8 && !unit_tiles) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp for schedule(static) collapse(2)
         for (int64_t chunk = 0; chunk < chunks; chunk++)
             for (int64_t u = 0; u < units; u++) {
+                if (int8 && !unit_tiles) continue;
                 const int64_t pa = gated ? u : 2 * u, pb = gated ? num_panels + u : 2 * u + 1;
                 const int has_b = gated || pb < num_panels;
-                const uint32_t *wa = panels + pa * pairs * PANEL;
-                const uint32_t *wb = panels + (has_b ? pb : pa) * pairs * PANEL;
+                const uint32_t *wa, *wb;
+                if (int8) {
+                    const int8_t *codes = panels;
+                    int8_panel_tiles(codes + pa * steps * 32 * PANEL, steps, unit_tiles);
+                    if (has_b)
+                        int8_panel_tiles(codes + pb * steps * 32 * PANEL, steps,
+                                         unit_tiles + steps * AMX_TILE_WORDS);
+                    wa = unit_tiles;
+                    wb = has_b ? unit_tiles + steps * AMX_TILE_WORDS : wa;
+                } else {
+                    wa = (const uint32_t *)panels + pa * pairs * PANEL;
+                    wb = (const uint32_t *)panels + (has_b ? pb : pa) * pairs * PANEL;
+                }
                 const int64_t begin = chunk * row_tiles / chunks;
                 const int64_t end = (chunk + 1) * row_tiles / chunks;
                 for (int64_t t = begin; t < end; t += 2) {
@@ -1153,25 +1234,14 @@ static void amx_blocks(const uint32_t *xt, int64_t m, const uint32_t *panels, in
                     _tile_zero(1);
                     _tile_zero(2);
                     _tile_zero(3);
-                    if (t + 1 < end)
-                        for (int64_t c = 0; c < steps; c++) {
-                            _tile_loadd(4, x0 + c * AMX_TILE_WORDS, 64);
-                            _tile_loadd(5, x1 + c * AMX_TILE_WORDS, 64);
-                            _tile_loadd(6, wa + c * AMX_TILE_WORDS, 64);
-                            _tile_loadd(7, wb + c * AMX_TILE_WORDS, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
+                    if (t + 1 < end && parts == 2)
+                        amx_steps(x0, x1, part_words, 2, 1, wa, wb, steps);
+                    else if (t + 1 < end)
+                        amx_steps(x0, x1, part_words, 1, 1, wa, wb, steps);
+                    else if (parts == 2)
+                        amx_steps(x0, x1, part_words, 2, 0, wa, wb, steps);
                     else
-                        for (int64_t c = 0; c < steps; c++) {
-                            _tile_loadd(4, x0 + c * AMX_TILE_WORDS, 64);
-                            _tile_loadd(6, wa + c * AMX_TILE_WORDS, 64);
-                            _tile_loadd(7, wb + c * AMX_TILE_WORDS, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                        }
+                        amx_steps(x0, x1, part_words, 1, 0, wa, wb, steps);
                     float sa[2 * AMX_ROWS * PANEL], sb[2 * AMX_ROWS * PANEL];
                     _tile_stored(0, sa, PANEL * sizeof *sa);
                     _tile_stored(1, sb, PANEL * sizeof *sb);
@@ -1179,12 +1249,42 @@ static void amx_blocks(const uint32_t *xt, int64_t m, const uint32_t *panels, in
                     _tile_stored(3, sb + AMX_ROWS * PANEL, PANEL * sizeof *sb);
                     const int64_t i0 = t * AMX_ROWS;
                     const int64_t last = (t + 2 <= end ? t + 2 : end) * AMX_ROWS;
-                    store_unit(sa, sb, i0, (last < m ? last : m) - i0, pa, pb, has_b, n, bias,
-                               residual, residual_stride, out, out_stride, gated);
+                    const int64_t rows = (last < m ? last : m) - i0;
+                    if (scale) {
+                        const int64_t columns = gated ? 2 * n : n;
+                        scale_sums(sa, rows, scale, pa * PANEL, columns);
+                        if (has_b) scale_sums(sb, rows, scale, pb * PANEL, columns);
+                    }
+                    store_unit(sa, sb, i0, rows, pa, pb, has_b, n, bias, residual,
+                               residual_stride, out, out_stride, gated);
                 }
             }
+        free(unit_tiles);
         _tile_release();
     }
+    return failed ? -1 : 0;
+}
+
+/* x's rows as AMX tiles of bf16 pairs, in `parts` parts (see amx_blocks), rows past m zero;
+   NULL where the buffer could not be allocated. */
+static uint32_t *amx_x_tiles(const float *x, int64_t x_stride, int64_t m, int64_t k, int parts) {
+    const int64_t steps = k / (2 * AMX_PAIRS), row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t part_words = row_tiles * steps * AMX_TILE_WORDS;
+    uint32_t *xt = malloc((size_t)(parts * part_words) * sizeof *xt);
+    if (!xt) return NULL;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < row_tiles * AMX_ROWS; i++) {
+        uint32_t *row = xt + (i / AMX_ROWS * steps * AMX_ROWS + i % AMX_ROWS) * AMX_PAIRS;
+        if (i < m)
+            round_row(x + i * x_stride, k, row, parts == 2 ? row + part_words : NULL,
+                      AMX_TILE_WORDS);
+        else
+            for (int p = 0; p < parts; p++)
+                for (int64_t s = 0; s < steps; s++)
+                    memset(row + p * part_words + s * AMX_TILE_WORDS, 0,
+                           AMX_PAIRS * sizeof *row);
+    }
+    return xt;
 }
 #endif
 
@@ -1195,40 +1295,71 @@ static int linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32
                        int64_t n, int64_t k, const float *bias, const float *residual,
                        int64_t residual_stride, float *out, int64_t out_stride, int gated) {
     const int64_t pairs = (k + 1) / 2;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx_fits(m, k)) {
-        const int64_t steps = pairs / AMX_PAIRS, row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
-        uint32_t *xt = malloc((size_t)(row_tiles * steps * AMX_TILE_WORDS) * sizeof *xt);
+#if AMX
+    if (amx_fits(m, k, AMX_MIN_ROWS)) {
+        uint32_t *xt = amx_x_tiles(x, x_stride, m, k, 1);
         if (!xt) return -1;
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < row_tiles * AMX_ROWS; i++) {
-            uint32_t *row = xt + (i / AMX_ROWS * steps * AMX_ROWS + i % AMX_ROWS) * AMX_PAIRS;
-            if (i < m)
-                round_row(x + i * x_stride, k, row, AMX_TILE_WORDS);
-            else
-                for (int64_t s = 0; s < steps; s++)
-                    memset(row + s * AMX_TILE_WORDS, 0, AMX_PAIRS * sizeof *row);
-        }
-        amx_blocks(xt, m, panels, n, steps, bias, residual, residual_stride, out, out_stride,
-                   gated);
+        const int failed = amx_blocks(xt, 1, m, panels, 0, n, pairs / AMX_PAIRS, NULL, bias,
+                                      residual, residual_stride, out, out_stride, gated);
         free(xt);
-        return 0;
+        return failed;
     }
 #endif
     uint32_t *xb = malloc((size_t)(m * pairs + 1) * sizeof *xb); /* + 1: never malloc(0) */
     if (!xb) return -1;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < m; i++) round_row(x + i * x_stride, k, xb + i * pairs, ROUND_PAIRS);
+    for (int64_t i = 0; i < m; i++)
+        round_row(x + i * x_stride, k, xb + i * pairs, NULL, ROUND_PAIRS);
     linear_blocks((const float *)xb, pairs, m, panels, n, pairs, NULL, bias, residual,
                   residual_stride, out, out_stride, gated, W_BF16);
     free(xb);
     return 0;
 }
 
+/* The matmul against int8 panels: with AMX from AMX_INT8_MIN_ROWS rows, x split into two
+   bf16 parts (x = hi + lo to 16 significant bits, 2^-16 of x: a 256th of a code's step) times
+   the codes made bf16 tiles (exact), on the tiles; otherwise the float32 blocks, the codes
+   widened in registers. Returns 0, or -1 when a buffer could not be allocated. */
+static int linear_int8(const float *x, int64_t x_stride, int64_t m, const int8_t *panels,
+                       int64_t n, int64_t k, const float *scale, const float *bias,
+                       const float *residual, int64_t residual_stride, float *out,
+                       int64_t out_stride, int gated) {
+#if AMX
+    if (amx_fits(m, k, AMX_INT8_MIN_ROWS)) {
+        uint32_t *xt = amx_x_tiles(x, x_stride, m, k, 2);
+        if (!xt) return -1;
+        const int failed = amx_blocks(xt, 2, m, panels, 1, n, k / (2 * AMX_PAIRS), scale, bias,
+                                      residual, residual_stride, out, out_stride, gated);
+        free(xt);
+        return failed;
+    }
+#endif
+    linear_blocks(x, x_stride, m, panels, n, k, scale, bias, residual, residual_stride, out,
+                  out_stride, gated, W_INT8);
+    return 0;
+}
+
+/* weir_linear with int8 codes packed by weir_pack_panels_int8, weight row j's being
+   w[j] / scale[j]: out[i, j] = (residual[i, j] +) (bias[j] +) scale[j] * x[i] . codes[j]. */
+int weir_linear_int8(const float *x, int64_t x_stride, int64_t m, const int8_t *panels,
+                     int64_t n, int64_t k, const float *scale, const float *bias,
+                     const float *residual, int64_t residual_stride, float *out,
+                     int64_t out_stride) {
+    return linear_int8(x, x_stride, m, panels, n, k, scale, bias, residual, residual_stride,
+                       out, out_stride, 0);
+}
+
+/* weir_linear_silu_mul with int8 codes packed by weir_pack_panels_int8 and scale [2n]. */
+int weir_linear_silu_mul_int8(const float *x, int64_t x_stride, int64_t m,
+                              const int8_t *panels, int64_t n, int64_t k, const float *scale,
+                              const float *bias, float *out, int64_t out_stride) {
+    return linear_int8(x, x_stride, m, panels, n, k, scale, bias, NULL, 0, out, out_stride, 1);
+}
+
 /* What the bf16 matmul multiplies with here: 2, AMX's tiles (from AMX_MIN_ROWS rows); 1,
    AVX512_BF16's pair dot products; 0, float32 FMAs over the pairs widened. */
 int weir_bf16_matmul_unit(void) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if AMX
     if (amx_usable()) return 2;
 #endif
 #if defined(__AVX512BF16__)
