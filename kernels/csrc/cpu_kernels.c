@@ -1104,7 +1104,12 @@ static inline void round_row(const float *xr, int64_t k, uint32_t *dst, uint32_t
    accumulators (10% faster at 6-16 rows than computing zero rows). Chunks of rows are whole
    tiles; the last tile's rows past m are zero, computed and never stored. From AMX_MIN_ROWS
    rows and for k a multiple of 32 inputs (every shape of the supported models); elsewhere
-   the vector kernel. Measured 3-8x the vector kernel from 38 rows (docs/benchmarks.md). */
+   the vector kernel. Measured 3-8x the vector kernel from 38 rows (docs/benchmarks.md).
+   int8 panels run on the tiles too, from AMX_INT8_MIN_ROWS rows: a unit's codes are made
+   bf16 tiles (exactly) once per chunk of rows, and x goes in as two bf16 parts, hi + lo, whose
+   products add into the same accumulators: x to 16 significant bits, where the float32
+   kernel has 24 (a 256th of the codes' own rounding step). 1.4-2.4x the vector kernel from
+   32 rows (docs/benchmarks.md). */
 #if AMX
 #define AMX_ROWS 16  /* rows of a tile */
 #define AMX_PAIRS ROUND_PAIRS /* pairs of inputs a tile step covers: 64 bytes */
@@ -1182,82 +1187,99 @@ static void int8_panel_tiles(const int8_t *panel, int64_t steps, uint32_t *tiles
     }
 }
 
-/* xt: x's pairs as tiles (see above), steps = k / 32 tile steps a row, in `parts` parts (two:
-   x = hi + lo, the second part row_tiles * steps tiles on). Weights: bf16 panels, or int8
-   panels (int8) whose unit of two panels is made bf16 tiles first, once per chunk of rows,
-   and whose sums are scaled by `scale`. Returns 0, or -1 where those tiles' buffer could not
-   be allocated. */
-static int amx_blocks(const uint32_t *xt, int parts, int64_t m, const void *panels, int int8,
-                      int64_t n, int64_t steps, const float *scale, const float *bias,
-                      const float *residual, int64_t residual_stride, float *out,
-                      int64_t out_stride, int gated) {
-    const int64_t num_panels = (n + PANEL - 1) / PANEL, pairs = steps * AMX_PAIRS;
-    const int64_t units = gated ? num_panels : (num_panels + 1) / 2;
-    const int64_t row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
-    const int64_t chunk_tiles = CHUNK_ROWS / AMX_ROWS;
-    const int64_t chunks = (row_tiles + chunk_tiles - 1) / chunk_tiles;
-    const int64_t part_words = row_tiles * steps * AMX_TILE_WORDS;
+/* One AMX matmul: xt, x's pairs as tiles (see above), steps = k / 32 tile steps a row, in one
+   part or (int8 panels) two, x = hi + lo, the second part_words words on; the panels (bf16's,
+   or int8 codes with their `scale`s); the epilogue's operands as store_unit takes them. */
+typedef struct {
+    const uint32_t *xt;
+    int64_t m, n, steps, part_words, row_tiles, chunks, num_panels;
+    const void *panels;
+    const float *scale, *bias, *residual;
+    int64_t residual_stride, out_stride;
+    float *out;
+    int gated;
+} AmxMatmul;
+
+/* Unit u's blocks over the rows of chunk `chunk`: with INT8, x in two parts and the unit's two
+   int8 panels made bf16 tiles into unit_tiles first. A constant INT8 where inlined, so each
+   kind's copy has only its own loops. */
+ALWAYS_INLINE void amx_unit(const AmxMatmul *p, int64_t chunk, int64_t u, int INT8,
+                            uint32_t *unit_tiles) {
+    const int64_t steps = p->steps, num_panels = p->num_panels;
+    const int64_t pa = p->gated ? u : 2 * u, pb = p->gated ? num_panels + u : 2 * u + 1;
+    const int has_b = p->gated || pb < num_panels;
+    const uint32_t *wa, *wb;
+    if (INT8) {
+        const int8_t *codes = p->panels;
+        int8_panel_tiles(codes + pa * steps * 32 * PANEL, steps, unit_tiles);
+        if (has_b)
+            int8_panel_tiles(codes + pb * steps * 32 * PANEL, steps,
+                             unit_tiles + steps * AMX_TILE_WORDS);
+        wa = unit_tiles;
+        wb = has_b ? unit_tiles + steps * AMX_TILE_WORDS : wa;
+    } else {
+        wa = (const uint32_t *)p->panels + pa * steps * AMX_TILE_WORDS;
+        wb = (const uint32_t *)p->panels + (has_b ? pb : pa) * steps * AMX_TILE_WORDS;
+    }
+    const int64_t begin = chunk * p->row_tiles / p->chunks;
+    const int64_t end = (chunk + 1) * p->row_tiles / p->chunks;
+    for (int64_t t = begin; t < end; t += 2) {
+        const uint32_t *x0 = p->xt + t * steps * AMX_TILE_WORDS;
+        const uint32_t *x1 = x0 + steps * AMX_TILE_WORDS;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        if (t + 1 < end)
+            amx_steps(x0, x1, p->part_words, INT8 ? 2 : 1, 1, wa, wb, steps);
+        else
+            amx_steps(x0, x1, p->part_words, INT8 ? 2 : 1, 0, wa, wb, steps);
+        float sa[2 * AMX_ROWS * PANEL], sb[2 * AMX_ROWS * PANEL];
+        _tile_stored(0, sa, PANEL * sizeof *sa);
+        _tile_stored(1, sb, PANEL * sizeof *sb);
+        _tile_stored(2, sa + AMX_ROWS * PANEL, PANEL * sizeof *sa);
+        _tile_stored(3, sb + AMX_ROWS * PANEL, PANEL * sizeof *sb);
+        const int64_t i0 = t * AMX_ROWS;
+        const int64_t last = (t + 2 <= end ? t + 2 : end) * AMX_ROWS;
+        const int64_t rows = (last < p->m ? last : p->m) - i0;
+        if (INT8) {
+            const int64_t columns = p->gated ? 2 * p->n : p->n;
+            scale_sums(sa, rows, p->scale, pa * PANEL, columns);
+            if (has_b) scale_sums(sb, rows, p->scale, pb * PANEL, columns);
+        }
+        store_unit(sa, sb, i0, rows, pa, pb, has_b, p->n, p->bias, p->residual,
+                   p->residual_stride, p->out, p->out_stride, p->gated);
+    }
+}
+
+static void amx_unit_bf16(const AmxMatmul *p, int64_t chunk, int64_t u) {
+    amx_unit(p, chunk, u, 0, NULL);
+}
+
+static void amx_unit_int8(const AmxMatmul *p, int64_t chunk, int64_t u, uint32_t *unit_tiles) {
+    amx_unit(p, chunk, u, 1, unit_tiles);
+}
+
+/* The matmul on the tiles, chunks of rows and units shared out between the threads (int8:
+   each thread's unit tiles allocated once). Returns 0, or -1 where those could not be. */
+static int amx_blocks(const AmxMatmul *p, int int8) {
+    const int64_t units = p->gated ? p->num_panels : (p->num_panels + 1) / 2;
     int failed = 0;
 #pragma omp parallel
     {
         TileConfig config = {.palette = 1};
         for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = AMX_ROWS;
         _tile_loadconfig(&config);
-        uint32_t *unit_tiles = int8 ? malloc(2 * steps * AMX_TILE_WORDS * sizeof *unit_tiles)
-                                    : NULL;
+        uint32_t *unit_tiles =
+            int8 ? malloc(2 * p->steps * AMX_TILE_WORDS * sizeof *unit_tiles) : NULL;
         if (int8 && !unit_tiles) __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp for schedule(static) collapse(2)
-        for (int64_t chunk = 0; chunk < chunks; chunk++)
+        for (int64_t chunk = 0; chunk < p->chunks; chunk++)
             for (int64_t u = 0; u < units; u++) {
-                if (int8 && !unit_tiles) continue;
-                const int64_t pa = gated ? u : 2 * u, pb = gated ? num_panels + u : 2 * u + 1;
-                const int has_b = gated || pb < num_panels;
-                const uint32_t *wa, *wb;
-                if (int8) {
-                    const int8_t *codes = panels;
-                    int8_panel_tiles(codes + pa * steps * 32 * PANEL, steps, unit_tiles);
-                    if (has_b)
-                        int8_panel_tiles(codes + pb * steps * 32 * PANEL, steps,
-                                         unit_tiles + steps * AMX_TILE_WORDS);
-                    wa = unit_tiles;
-                    wb = has_b ? unit_tiles + steps * AMX_TILE_WORDS : wa;
-                } else {
-                    wa = (const uint32_t *)panels + pa * pairs * PANEL;
-                    wb = (const uint32_t *)panels + (has_b ? pb : pa) * pairs * PANEL;
-                }
-                const int64_t begin = chunk * row_tiles / chunks;
-                const int64_t end = (chunk + 1) * row_tiles / chunks;
-                for (int64_t t = begin; t < end; t += 2) {
-                    const uint32_t *x0 = xt + t * steps * AMX_TILE_WORDS;
-                    const uint32_t *x1 = x0 + steps * AMX_TILE_WORDS;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    if (t + 1 < end && parts == 2)
-                        amx_steps(x0, x1, part_words, 2, 1, wa, wb, steps);
-                    else if (t + 1 < end)
-                        amx_steps(x0, x1, part_words, 1, 1, wa, wb, steps);
-                    else if (parts == 2)
-                        amx_steps(x0, x1, part_words, 2, 0, wa, wb, steps);
-                    else
-                        amx_steps(x0, x1, part_words, 1, 0, wa, wb, steps);
-                    float sa[2 * AMX_ROWS * PANEL], sb[2 * AMX_ROWS * PANEL];
-                    _tile_stored(0, sa, PANEL * sizeof *sa);
-                    _tile_stored(1, sb, PANEL * sizeof *sb);
-                    _tile_stored(2, sa + AMX_ROWS * PANEL, PANEL * sizeof *sa);
-                    _tile_stored(3, sb + AMX_ROWS * PANEL, PANEL * sizeof *sb);
-                    const int64_t i0 = t * AMX_ROWS;
-                    const int64_t last = (t + 2 <= end ? t + 2 : end) * AMX_ROWS;
-                    const int64_t rows = (last < m ? last : m) - i0;
-                    if (scale) {
-                        const int64_t columns = gated ? 2 * n : n;
-                        scale_sums(sa, rows, scale, pa * PANEL, columns);
-                        if (has_b) scale_sums(sb, rows, scale, pb * PANEL, columns);
-                    }
-                    store_unit(sa, sb, i0, rows, pa, pb, has_b, n, bias, residual,
-                               residual_stride, out, out_stride, gated);
-                }
+                if (!int8)
+                    amx_unit_bf16(p, chunk, u);
+                else if (unit_tiles)
+                    amx_unit_int8(p, chunk, u, unit_tiles);
             }
         free(unit_tiles);
         _tile_release();
@@ -1265,26 +1287,50 @@ static int amx_blocks(const uint32_t *xt, int parts, int64_t m, const void *pane
     return failed ? -1 : 0;
 }
 
-/* x's rows as AMX tiles of bf16 pairs, in `parts` parts (see amx_blocks), rows past m zero;
-   NULL where the buffer could not be allocated. */
-static uint32_t *amx_x_tiles(const float *x, int64_t x_stride, int64_t m, int64_t k, int parts) {
+/* x [m, k] times the panels (bf16's, or int8's with their scales) on the tiles: x's rows made
+   tiles of bf16 pairs, in two parts for int8 panels (rows past m zero), then amx_blocks.
+   Returns 0, or -1 where a buffer could not be allocated. */
+static int amx_matmul(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *panels,
+                      int int8, int64_t n, const float *scale, const float *bias,
+                      const float *residual, int64_t residual_stride, float *out,
+                      int64_t out_stride, int gated) {
     const int64_t steps = k / (2 * AMX_PAIRS), row_tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t chunk_tiles = CHUNK_ROWS / AMX_ROWS, parts = int8 ? 2 : 1;
     const int64_t part_words = row_tiles * steps * AMX_TILE_WORDS;
     uint32_t *xt = malloc((size_t)(parts * part_words) * sizeof *xt);
-    if (!xt) return NULL;
+    if (!xt) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < row_tiles * AMX_ROWS; i++) {
         uint32_t *row = xt + (i / AMX_ROWS * steps * AMX_ROWS + i % AMX_ROWS) * AMX_PAIRS;
         if (i < m)
-            round_row(x + i * x_stride, k, row, parts == 2 ? row + part_words : NULL,
-                      AMX_TILE_WORDS);
+            round_row(x + i * x_stride, k, row, int8 ? row + part_words : NULL, AMX_TILE_WORDS);
         else
-            for (int p = 0; p < parts; p++)
+            for (int64_t part = 0; part < parts; part++)
                 for (int64_t s = 0; s < steps; s++)
-                    memset(row + p * part_words + s * AMX_TILE_WORDS, 0,
+                    memset(row + part * part_words + s * AMX_TILE_WORDS, 0,
                            AMX_PAIRS * sizeof *row);
     }
-    return xt;
+    const AmxMatmul plan = {
+        .xt = xt,
+        .m = m,
+        .n = n,
+        .steps = steps,
+        .part_words = part_words,
+        .row_tiles = row_tiles,
+        .chunks = (row_tiles + chunk_tiles - 1) / chunk_tiles,
+        .num_panels = (n + PANEL - 1) / PANEL,
+        .panels = panels,
+        .scale = scale,
+        .bias = bias,
+        .residual = residual,
+        .residual_stride = residual_stride,
+        .out_stride = out_stride,
+        .out = out,
+        .gated = gated,
+    };
+    const int failed = amx_blocks(&plan, int8);
+    free(xt);
+    return failed;
 }
 #endif
 
@@ -1296,14 +1342,9 @@ static int linear_bf16(const float *x, int64_t x_stride, int64_t m, const uint32
                        int64_t residual_stride, float *out, int64_t out_stride, int gated) {
     const int64_t pairs = (k + 1) / 2;
 #if AMX
-    if (amx_fits(m, k, AMX_MIN_ROWS)) {
-        uint32_t *xt = amx_x_tiles(x, x_stride, m, k, 1);
-        if (!xt) return -1;
-        const int failed = amx_blocks(xt, 1, m, panels, 0, n, pairs / AMX_PAIRS, NULL, bias,
-                                      residual, residual_stride, out, out_stride, gated);
-        free(xt);
-        return failed;
-    }
+    if (amx_fits(m, k, AMX_MIN_ROWS))
+        return amx_matmul(x, x_stride, m, k, panels, 0, n, NULL, bias, residual,
+                          residual_stride, out, out_stride, gated);
 #endif
     uint32_t *xb = malloc((size_t)(m * pairs + 1) * sizeof *xb); /* + 1: never malloc(0) */
     if (!xb) return -1;
@@ -1325,14 +1366,9 @@ static int linear_int8(const float *x, int64_t x_stride, int64_t m, const int8_t
                        const float *residual, int64_t residual_stride, float *out,
                        int64_t out_stride, int gated) {
 #if AMX
-    if (amx_fits(m, k, AMX_INT8_MIN_ROWS)) {
-        uint32_t *xt = amx_x_tiles(x, x_stride, m, k, 2);
-        if (!xt) return -1;
-        const int failed = amx_blocks(xt, 2, m, panels, 1, n, k / (2 * AMX_PAIRS), scale, bias,
-                                      residual, residual_stride, out, out_stride, gated);
-        free(xt);
-        return failed;
-    }
+    if (amx_fits(m, k, AMX_INT8_MIN_ROWS))
+        return amx_matmul(x, x_stride, m, k, panels, 1, n, scale, bias, residual,
+                          residual_stride, out, out_stride, gated);
 #endif
     linear_blocks(x, x_stride, m, panels, n, k, scale, bias, residual, residual_stride, out,
                   out_stride, gated, W_INT8);
