@@ -2,15 +2,17 @@
 
 int8 is weight-only: every projection and the (tied) embedding / LM head are stored as int8
 with one scale per output row, symmetric, requantized from the loaded weights (for a
-quantized GGUF, from its dequantized weights). Activations stay float32 between and in the
-matmuls:
+quantized GGUF, from its dequantized weights). Activations stay float32 between the matmuls
+and (but for AMX's tiles) in them:
 
 - with the native CPU kernels (`weir.kernels.cpu_native`), the codes are packed into int8
   panels once and every matmul, whatever its rows, is the panel matmul over them: each step's
   16 codes widened to float32 in registers, the scales applied to the sums, the bias, the
   residual add and a gated MLP's SiLU in the same pass. It reads a quarter of float32's bytes
   and ran 1.0-2.3x the row-major int8 decode kernel it replaced at 1-8 rows and 1.1-3.6x the
-  dequantize-then-GEMM path from 16 rows (docs/benchmarks.md);
+  dequantize-then-GEMM path from 16 rows. On a CPU with AMX, from 24 rows, the panels run on
+  its tiles: the codes made bf16 (exactly) and x split into two bf16 parts, hi + lo, so x
+  carries 16 significant bits there instead of 24: 1.4-2.1x from 32 rows (docs/benchmarks.md);
 - otherwise PyTorch: up to ``PACKED_MAX_ROWS`` rows its ``_weight_int8pack_mm``, whose x86
   kernel is vectorized for bfloat16 inputs only (float32 inputs take a scalar loop, ~50x
   slower), so those rows go in as bfloat16 and come back as bfloat16; more rows dequantize the
