@@ -405,5 +405,5 @@ class CpuKernels:
             out.stride(0),
         )
         if failed:
-            raise MemoryError(f"linear: no memory for {x.shape[0]} rows' bfloat16 tiles")
+            raise MemoryError(f"linear: no memory for {x.shape[0]} rows' bfloat16 copy")
         return out

@@ -1311,22 +1311,11 @@ static int amx_matmul(const float *x, int64_t x_stride, int64_t m, int64_t k, co
                            AMX_PAIRS * sizeof *row);
     }
     const AmxMatmul plan = {
-        .xt = xt,
-        .m = m,
-        .n = n,
-        .steps = steps,
-        .part_words = part_words,
-        .row_tiles = row_tiles,
-        .chunks = (row_tiles + chunk_tiles - 1) / chunk_tiles,
-        .num_panels = (n + PANEL - 1) / PANEL,
-        .panels = panels,
-        .scale = scale,
-        .bias = bias,
-        .residual = residual,
-        .residual_stride = residual_stride,
-        .out_stride = out_stride,
-        .out = out,
-        .gated = gated,
+        .xt = xt, .m = m, .n = n, .steps = steps, .part_words = part_words,
+        .row_tiles = row_tiles, .chunks = (row_tiles + chunk_tiles - 1) / chunk_tiles,
+        .num_panels = (n + PANEL - 1) / PANEL, .panels = panels, .scale = scale, .bias = bias,
+        .residual = residual, .residual_stride = residual_stride, .out_stride = out_stride,
+        .out = out, .gated = gated,
     };
     const int failed = amx_blocks(&plan, int8);
     free(xt);
