@@ -692,32 +692,35 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
 #define CHUNK_ROWS 96 /* rows of x per pass over the panels: 96 x k stays in L2 */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* w [n][k] row-major -> panels [ceil(n / 16)][k][16], rows past n zero; elements of `size`
-   bytes. */
-ALWAYS_INLINE void pack_panels(const char *w, int64_t n, int64_t k, size_t size, char *panels) {
-#pragma omp parallel for schedule(static)
-    for (int64_t j0 = 0; j0 < n; j0 += PANEL) {
-        char *panel = panels + (j0 / PANEL) * k * PANEL * size;
-        for (int64_t c = 0; c < k; c++)
-            for (int64_t j = 0; j < PANEL; j++) {
-                char *to = panel + (c * PANEL + j) * size;
-                if (j0 + j < n)
-                    memcpy(to, w + ((j0 + j) * k + c) * size, size);
-                else
-                    memset(to, 0, size);
-            }
-    }
+/* w [n][k] row-major -> panels [ceil(n / 16)][k][16], rows past n zero: the panel of rows
+   [j0, j0 + 16), elements of `size` bytes (a constant where inlined, so each copy is inlined;
+   the callers' parallel loops are outlined before that could happen). */
+ALWAYS_INLINE void pack_panel(const char *w, int64_t n, int64_t k, size_t size, int64_t j0,
+                              char *panels) {
+    char *panel = panels + (j0 / PANEL) * k * PANEL * size;
+    for (int64_t c = 0; c < k; c++)
+        for (int64_t j = 0; j < PANEL; j++) {
+            char *to = panel + (c * PANEL + j) * size;
+            if (j0 + j < n)
+                memcpy(to, w + ((j0 + j) * k + c) * size, size);
+            else
+                memset(to, 0, size);
+        }
 }
 
 void weir_pack_panels(const float *w, int64_t n, int64_t k, float *panels) {
-    pack_panels((const char *)w, n, k, sizeof *w, (char *)panels);
+#pragma omp parallel for schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += PANEL)
+        pack_panel((const char *)w, n, k, sizeof *w, j0, (char *)panels);
 }
 
 /* int8 weights (`--quantization int8`): the same panels of int8 codes, a quarter of float32's
    bytes; the kernel widens each step's 16 codes to float32 in registers and multiplies as
    float32, the rows' per-output scales applied to the sums. */
 void weir_pack_panels_int8(const int8_t *w, int64_t n, int64_t k, int8_t *panels) {
-    pack_panels((const char *)w, n, k, sizeof *w, (char *)panels);
+#pragma omp parallel for schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += PANEL)
+        pack_panel((const char *)w, n, k, sizeof *w, j0, (char *)panels);
 }
 
 /* bfloat16 weights: the same panels of 16 weight rows, each 32-bit word holding a pair of
@@ -748,7 +751,6 @@ ALWAYS_INLINE uint32_t word(const float *x, int64_t c) {
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
-
 static inline v16f load16(const float *p) {
     v16f v;
     memcpy(&v, p, sizeof v);
@@ -757,9 +759,10 @@ static inline v16f load16(const float *p) {
 
 /* Step c of a panel: its 16 weights (bf16: pairs) as a vector of float32 lanes. */
 ALWAYS_INLINE v16f panel_step(const void *panel, int64_t c, int KIND) {
-    if (KIND == W_INT8) /* GCC 12 builds __builtin_convertvector's widening byte by byte */
-        return (v16f)_mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)((const int8_t *)panel + c * PANEL))));
+    if (KIND == W_INT8) { /* GCC 12 builds __builtin_convertvector's widening byte by byte */
+        const void *codes = (const int8_t *)panel + c * PANEL;
+        return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(codes)));
+    }
     return load16((const float *)panel + c * PANEL);
 }
 
