@@ -6,11 +6,12 @@ checked against transformers by a stated reference.
   dequantized), an implementation independent of Weir's model and kernels. Prompt tokens
   (prefill, >8 rows: the native int8 panel matmul, or without it a float32 GEMM on weights
   dequantized block by block) must match it to float32 rounding (on a CPU with AMX, whose
-  tiles take the matmul's input in two bf16 parts from 24 rows: to 16 significant bits). Decode tokens (1 row) must
-  too where the native kernel runs (float32 activations); on PyTorch's packed int8 kernel (no
-  C compiler), which takes its input and gives its output in bfloat16, within a stated logits
-  tolerance, with the same top-1 token at nearly every position. Against the original float32 weights the top-1
-  token must agree at >= 90% of the positions (measured 97%).
+  tiles take the matmul's input in two bf16 parts from 24 rows: to 16 significant bits).
+  Decode tokens (1 row) must too where the native kernel runs (float32 activations); on
+  PyTorch's packed int8 kernel (no C compiler), which takes its input and gives its output in
+  bfloat16, within a stated logits tolerance, with the same top-1 token at nearly every
+  position. Against the original float32 weights the top-1 token must agree at >= 90% of the
+  positions (measured 97%).
 - bfloat16: the reference is transformers in bfloat16 on the same weights, by a logits
   tolerance and top-1 agreement.
 - bfloat16 weights over a float32 model (``--dtype bfloat16`` on a CPU with the native
@@ -222,7 +223,7 @@ def test_int8_smollm2_matches_transformers_on_the_dequantized_weights(default_mo
             original_agree += (got[n - 1 :].argmax(-1) == fp32[n - 1 :].argmax(-1)).sum().item()
 
     # measured 4.5e-5 in float32; 6.1e-4 on AMX (from 24 rows x in two bf16 parts, 16 bits)
-    assert prefill_diff < 2e-3, prefill_diff
+    assert prefill_diff < 1e-3, prefill_diff
     if model.attention.kernels is not None:  # float32 activations on the native kernel
         assert decode_diff < 1e-3, decode_diff
         assert decode_agree == decode_total, (decode_agree, decode_total)
