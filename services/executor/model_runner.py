@@ -227,6 +227,10 @@ class ModelRunner:
             raise ValueError(f"--device {device}: {why} (torch {torch.__version__})")
         if self.device.type == "cuda" and self.device.index is None and tensor_parallel_size > 1:
             self.device = local_cuda_device(rank)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Events, graph captures and NCCL's communicators use the current device, not
+            # the tensors': on cuda:1 they would otherwise land on GPU 0.
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             set_cpu_threads(num_threads)
             sampled_rows = max_num_seqs * (1 + num_speculative_tokens)

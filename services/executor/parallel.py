@@ -82,8 +82,6 @@ def init_tensor_parallel(world_size: int, rank: int, device: torch.device) -> Te
     ``MASTER_PORT``; default 127.0.0.1:29500): gloo on a CPU, NCCL on CUDA. None for 1."""
     if world_size == 1:
         return None
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL's communicators live on the current device
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", DEFAULT_MASTER_ADDR)
         os.environ.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
