@@ -173,12 +173,14 @@ class _Inbox:
     ``asyncio.Queue`` per output (no getter bookkeeping), and its reader takes all that
     arrived at once. Outputs that arrive after the stream failed are dropped."""
 
-    __slots__ = ("outputs", "error", "ended", "_waiter")
+    __slots__ = ("outputs", "error", "ended", "given_up", "_waiter")
 
     def __init__(self) -> None:
         self.outputs: list[StreamOutput] = []
         self.error: WeirError | None = None
         self.ended = False  # its last output was taken, or its error raised
+        # Failed by this client (the server silent), not by the server: it may still run it.
+        self.given_up = False
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, out: StreamOutput) -> None:
@@ -190,6 +192,11 @@ class _Inbox:
         if self.error is None:
             self.error = error
             self._wake()
+
+    def give_up(self, error: WeirError) -> None:
+        if self.error is None:
+            self.given_up = True
+            self.fail(error)
 
     def answered(self) -> bool:
         """Whether nothing more of it will come: its finished output is here, or it failed
@@ -701,9 +708,12 @@ class AsyncWeirClient:
             yield inbox
         finally:
             del self._streams[request_id]
-            if not inbox.ended and not self._closed:
+            # A stream given up on after the server fell silent may still run there: a server
+            # that comes back frees it, and its id waits for that (or the timeout) as a left
+            # stream's does.
+            if (not inbox.ended or inbox.given_up) and not self._closed:
                 self._send(AbortRequest(request_id))
-                if not inbox.answered():
+                if not inbox.answered() or inbox.given_up:
                     self._leaving[request_id] = asyncio.get_running_loop().create_future()
 
     async def _wait_until_left(self, request_id: str | None) -> None:
@@ -812,31 +822,27 @@ class AsyncWeirClient:
         try:
             reply = await self._request(HealthRequest(uuid.uuid4().hex, quiet), self.timeout / 2)
         except Exception as exc:  # the watch must outlive whatever one check meets
-            error = (
-                exc
-                if isinstance(exc, WeirError)
-                else ServerUnavailableError(f"liveness check failed: {exc!r}")
-            )
             for rid in quiet:
-                self._fail_stream(rid, error)
+                inbox = self._streams.get(rid)
+                if inbox is not None:
+                    inbox.give_up(
+                        ServerUnavailableError(
+                            f"request {rid}: no answer from the server ({exc}); an abort "
+                            "frees it there if the server still runs it: send it again"
+                        )
+                    )
             return
         for rid in reply.info.get("lost_request_ids", ()):
             # Outputs sent before the reply are already queued: only an empty inbox is lost.
             inbox = self._streams.get(rid)
             if inbox is not None and inbox.idle():
-                self._fail_stream(
-                    rid,
+                inbox.fail(
                     EngineError(
                         f"request {rid} was lost: the server no longer knows it "
                         "(it restarted); send it again",
                         ENGINE_ERROR,
-                    ),
+                    )
                 )
-
-    def _fail_stream(self, request_id: str, error: WeirError) -> None:
-        inbox = self._streams.get(request_id)
-        if inbox is not None:
-            inbox.fail(error)
 
     async def _watch_handshake(self) -> None:
         """A server that refuses our keys (or their absence) drops the connection for good:

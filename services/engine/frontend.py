@@ -180,11 +180,17 @@ class ClientFrontend:
         return len(self.streams) + len(self._tokenizing)
 
     def in_flight_ids(self) -> list[str]:
-        return [*self.streams, *self._tokenizing]
+        """Requests streaming, being tokenized or held until a pause's wait ends."""
+        return [*self.streams, *self._tokenizing, *(m.request_id for _, m in self._held or ())]
 
     def in_flight(self, request_id: str) -> bool:
-        """Whether the request is known: streaming, or its prompt still being tokenized."""
-        return request_id in self.streams or request_id in self._tokenizing
+        """Whether the request is known: streaming, its prompt still being tokenized, or
+        held while a pause waits for the requests before it (it is no lost request)."""
+        return (
+            request_id in self.streams
+            or request_id in self._tokenizing
+            or any(m.request_id == request_id for _, m in self._held or ())
+        )
 
     # ------------------------------------------------------------------ messages in
 
@@ -496,6 +502,11 @@ class ClientFrontend:
         await self.pause("keep", clear_cache=True)
         try:
             await core.control(sleep_level=level)
+        except ExecutorLostError:
+            # The group that replaces them starts awake, and so does the engine.
+            if not was_paused:
+                self.resume()
+            raise
         except StepFailedError as exc:
             try:
                 await core.control(sleep_level=0)  # those that slept: the engine stays awake
@@ -965,19 +976,16 @@ class ClientFrontend:
 
     def _abort(self, request_id: str, identity: bytes) -> None:
         if self._held is not None:
-            self._held = [
-                (i, m) for i, m in self._held if (i, m.request_id) != (identity, request_id)
-            ]
+            kept = [(i, m) for i, m in self._held if (i, m.request_id) != (identity, request_id)]
+            if len(kept) < len(self._held):
+                self._held = kept
+                self._send_aborted(identity, request_id)
+                return
         tokenizing = self._tokenizing.get(request_id)
         if tokenizing is not None and tokenizing.identity == identity:
             tokenizing.aborted = True
             del self._tokenizing[request_id]
-            self._send(
-                identity,
-                client_protocol.encode_outputs(
-                    [client_protocol.StreamOutput(request_id, [], "", True, "abort")]
-                ),
-            )
+            self._send_aborted(identity, request_id)
             self._requests_ended()  # a drain may be waiting for this one
             return
         stream = self.streams.get(request_id)
@@ -991,6 +999,15 @@ class ClientFrontend:
         self._requests_ended()
 
     # ------------------------------------------------------------------ messages out
+
+    def _send_aborted(self, identity: bytes, request_id: str) -> None:
+        """The last word on a request aborted before it reached the scheduler."""
+        self._send(
+            identity,
+            client_protocol.encode_outputs(
+                [client_protocol.StreamOutput(request_id, [], "", True, "abort")]
+            ),
+        )
 
     def _send(self, identity: bytes, frame: bytes) -> None:
         """Send without waiting. A client that is gone loses its requests; so does one so
@@ -1092,6 +1109,10 @@ class ClientFrontend:
             tokenizing.aborted = True
             self.send_error(tokenizing.identity, rid, code, message)
         self._tokenizing.clear()
+        if self._held is not None:  # the pause that holds them ends with nothing to release
+            for identity, msg in self._held:
+                self.send_error(identity, msg.request_id, code, message)
+            self._held = []
 
     def publish(
         self, steps: Sequence[EngineStep], before_send: Callable[[], None] = lambda: None

@@ -1,10 +1,12 @@
 """Helpers for the process-level tests (reference decoding, metrics scraping)."""
 
+import contextlib
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
+import zmq
 
 from weir.services.engine.core import EngineCore, step_now
 from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
@@ -36,6 +38,20 @@ def small_server(
         http_port=0,
         parsers=parsers,
     )
+
+
+@contextlib.contextmanager
+def raw_dealer(address: str) -> Iterator[zmq.Socket]:
+    """A bare ZeroMQ DEALER: what a client that ignores the SDK sends from."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def hf_greedy(

@@ -102,6 +102,7 @@ async def _scenario(answer_health: bool, lost: set[str]) -> dict[str, object]:
     serving.cancel()
     server.context.destroy(linger=0)
     results["health_ids"] = server.health_ids
+    results["aborts"] = server.aborts
     return results
 
 
@@ -130,15 +131,20 @@ def test_a_stream_the_server_lost_ends_with_engine_error() -> None:
     error, _ = results["quiet2"]
     assert isinstance(error, EngineError) and "was lost" in str(error)
     assert results["quiet1"] == results["quiet3"] == results["busy"] == "finished"
+    assert results["aborts"] == []  # a stream the server does not know has nothing to free
 
 
 def test_a_server_that_stops_answering_fails_the_quiet_streams_within_the_timeout() -> None:
+    """...naming each, and aborts them: a server that was only slow frees them, rather than
+    running them to the end for nobody and refusing their ids sent again."""
     results = asyncio.run(_scenario(answer_health=False, lost=set()))
     for rid in ("quiet1", "quiet2", "quiet3"):
         error, seconds = results[rid]
         assert isinstance(error, ServerUnavailableError), error
+        assert str(error).startswith(f"request {rid}: "), error
         assert seconds < TIMEOUT * 1.25, seconds
     assert results["busy"] == "finished"
+    assert sorted(results["aborts"]) == ["quiet1", "quiet2", "quiet3"]
 
 
 async def _batches() -> dict[str, object]:

@@ -9,11 +9,9 @@ undisturbed run.
 """
 
 import asyncio
-import contextlib
 import random
 import threading
 import time
-from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -21,6 +19,7 @@ import zmq
 import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from serving_helpers import raw_dealer
 
 from weir.services.launcher import ServerProcesses
 from weir.shared.client import AsyncWeirClient, InvalidRequestError, WeirClient
@@ -37,20 +36,6 @@ MAX_MESSAGE_SIZE = 8 << 20
 MAX_PROMPT_CHARS = 6_000_000
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[random.Random(i).randrange(3, VOCAB) for _ in range(3 + i)] for i in range(6)]
-
-
-@contextlib.contextmanager
-def raw_dealer(address: str) -> Iterator[zmq.Socket]:
-    """A bare ZeroMQ DEALER: what a client that ignores the SDK sends from."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        yield sock
-    finally:
-        sock.close()
-        ctx.term()
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,19 @@ import pytest
 import torch
 from conftest import save_speaking
 from safetensors.torch import load_file, save_file
-from serving_helpers import hf_greedy, metric, read_metrics, small_server, wait_for_metric
+from serving_helpers import (
+    hf_greedy,
+    metric,
+    raw_dealer,
+    read_metrics,
+    small_server,
+    wait_for_metric,
+)
 
 from weir.services import LLM
 from weir.services.launcher import EXECUTOR
-from weir.shared.client import InvalidRequestError, WeirClient
+from weir.shared.client import EngineError, InvalidRequestError, WeirClient
+from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -155,6 +163,89 @@ def test_abort_ends_the_requests_in_flight_and_wait_lets_them_finish(server, tin
         client.resume()
         held.join(60)
     assert held.tokens == hf_greedy(tiny_hf_model, PROMPT[:7], 10)
+
+
+def _wait_healthy(client: WeirClient) -> None:
+    deadline = time.monotonic() + 60
+    while client.health()["status"] != "ok":
+        assert time.monotonic() < deadline, "no executor group formed again"
+        time.sleep(0.1)
+
+
+def test_requests_held_by_a_waiting_pause_are_known_and_abortable(server, tiny_hf_model):
+    """While pause("wait") waits for the request in flight (its executor stopped, so it waits
+    long enough to look), requests sent then are held: a health check naming them calls
+    them lost only once aborted (the SDK fails a lost stream), an abort ends one at once
+    with its last word, and the other decodes as transformers once the engine resumes."""
+    with WeirClient(server.client_address) as client, raw_dealer(server.client_address) as sock:
+        first = _Stream(server.client_address, PROMPT, 200)
+        first.start()
+        assert first.started.wait(60)
+        executor = _executor_pid(server)
+        os.kill(executor, signal.SIGSTOP)
+        try:
+            pausing = threading.Thread(target=client.pause, args=("wait",), daemon=True)
+            pausing.start()
+            time.sleep(0.3)
+            for msg in (
+                client_protocol.GenerateRequest("held-1", PROMPT[:7], _greedy(5)),
+                client_protocol.GenerateRequest("held-2", PROMPT[:9], _greedy(5)),
+                client_protocol.AbortRequest("held-2"),
+                client_protocol.HealthRequest("probe", ["held-1", "held-2"]),
+            ):
+                sock.send(client_protocol.encode_client_message(msg))
+            answers = []
+            while not any(isinstance(a, client_protocol.HealthReply) for a in answers):
+                assert sock.poll(10_000), "no answer while the pause waits"
+                msg = client_protocol.decode_server_message(sock.recv())
+                answers += msg if isinstance(msg, list) else [msg]
+        finally:
+            os.kill(executor, signal.SIGCONT)
+        aborted, health = answers
+        assert (aborted.request_id, aborted.finished, aborted.finish_reason) == (
+            "held-2",
+            True,
+            "abort",
+        )
+        assert health.info["lost_request_ids"] == ["held-2"]
+        pausing.join(60)
+        assert first.finish_reason == "length" and client.is_paused()
+        client.resume()
+        tokens = []
+        while True:
+            assert sock.poll(60_000), "the held request never ran"
+            outs = client_protocol.decode_server_message(sock.recv())
+            tokens += [t for out in outs for t in out.new_token_ids]
+            if outs[-1].finished:
+                break
+        assert tokens == hf_greedy(tiny_hf_model, PROMPT[:7], 5)
+
+
+def test_an_executor_lost_while_the_engine_goes_to_sleep_leaves_it_awake(server):
+    """sleep() pauses the engine, then the executors are lost before they sleep: the call
+    fails, naming that, and the group that replaces them serves, unpaused (the engine was
+    not paused before the sleep)."""
+    with WeirClient(server.client_address) as client:
+        executor = _executor_pid(server)
+        os.kill(executor, signal.SIGSTOP)
+        failed: list[BaseException] = []
+
+        def sleep() -> None:
+            try:
+                client.sleep(1)
+            except BaseException as exc:
+                failed.append(exc)
+
+        sleeping = threading.Thread(target=sleep, daemon=True)
+        sleeping.start()
+        time.sleep(0.3)
+        os.kill(executor, signal.SIGKILL)
+        sleeping.join(60)
+        assert len(failed) == 1 and isinstance(failed[0], EngineError), failed
+        assert "lost during sleep" in str(failed[0])
+        _wait_healthy(client)
+        assert not client.is_paused()
+        assert len(list(_tokens(client, PROMPT[:7], 5))) == 5
 
 
 def test_the_http_routes_pause_resume_and_drop_the_prefix_cache(server):
