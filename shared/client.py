@@ -50,7 +50,7 @@ from weir.shared.beam_search import (
     beam_search,
     first_token_logprobs,
 )
-from weir.shared.config import DEFAULT_ADDRESS
+from weir.shared.config import DEFAULT_ADDRESS, DEFAULT_MAX_MESSAGE_BYTES
 from weir.shared.keys import ClientKeys, HandshakeMonitor, connect_curve
 from weir.shared.keys import keys_dir as resolve_keys_dir
 from weir.shared.pooling import PoolingParams
@@ -239,6 +239,9 @@ class AsyncWeirClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
+        # The server's --max-message-size (model_info says it): a larger message would cost
+        # the connection, and with it every stream of this client, so it is refused here.
+        self.max_message_size = DEFAULT_MAX_MESSAGE_BYTES
         directory = resolve_keys_dir(keys_dir)
         try:
             keys = None if directory is None else ClientKeys.load(directory)
@@ -532,6 +535,7 @@ class AsyncWeirClient:
 
     async def model_info(self) -> dict[str, Any]:
         reply = await self._request(ModelInfoRequest(uuid.uuid4().hex))
+        self.max_message_size = reply.info.get("max_message_size", self.max_message_size)
         return reply.info
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
@@ -758,6 +762,12 @@ class AsyncWeirClient:
             raise InvalidRequestError(
                 f"request {msg.request_id!r}: {exc}", INVALID_REQUEST
             ) from None
+        if len(frame) > self.max_message_size:
+            raise InvalidRequestError(
+                f"request {msg.request_id!r} takes {len(frame)} bytes encoded; the server takes "
+                f"messages of at most {self.max_message_size} (its --max-message-size)",
+                INVALID_REQUEST,
+            )
         try:
             # Aborts are sent from generator finalizers, where awaiting is not always possible.
             send_now(self._sock, [frame])
@@ -1298,6 +1308,16 @@ def _json_text(name: str, value: Any) -> str | None:
     if value is None:
         return None
     try:
-        return json.dumps(value, allow_nan=False)
+        # Compact, and non-ASCII text as itself (ASCII escapes made an emoji 12 bytes).
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(f"{name} must be JSON: {exc}", INVALID_REQUEST) from None
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(
+                f"{name} holds {text[exc.start : exc.end]!r}, a lone surrogate, not Unicode",
+                INVALID_REQUEST,
+            ) from None
+    return text

@@ -594,6 +594,7 @@ class SchedulerServer:
         return {
             "model_name": self.model_name,
             "max_model_len": self.scheduler_config.max_model_len,
+            "max_message_size": self.engine_args.max_message_size,
             "vocab_size": self.vocab_size,
             "eos_token_id": self.tokenizer.eos_token_id,
             "block_size": self.engine_args.block_size,

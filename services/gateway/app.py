@@ -160,9 +160,16 @@ class APIError(Exception):
         self.param = param  # the field at fault, as OpenAI names it
 
     def response(self) -> Response:
-        # ASCII JSON: a message may quote the caller's text, which need not be valid Unicode.
-        body = json.dumps(fmt.error_body(self.message, self.type, self.code, self.param))
-        return Response(body, self.status, media_type="application/json")
+        # A message may quote the caller's text.
+        return ascii_json(
+            fmt.error_body(self.message, self.type, self.code, self.param), self.status
+        )
+
+
+def ascii_json(content: Any, status: int = 200) -> Response:
+    """JSON in ASCII, for a body that echoes the caller's text, which need not be valid
+    Unicode (a lone surrogate, "\\ud800", is valid JSON): UTF-8 could not encode it."""
+    return Response(json.dumps(content), status, media_type="application/json")
 
 
 def _unavailable(exc: Exception) -> bool:
@@ -753,7 +760,7 @@ class Gateway:
             )
         if delete:
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-        return JSONResponse(stored.body)
+        return ascii_json(stored.body)
 
     async def _chat(self, body: ChatCompletionRequest, respond: _ChatResponder) -> Response:
         """Run a chat and ``respond`` with its outputs."""
@@ -927,7 +934,7 @@ class Gateway:
         response = whole_response(skeleton, output, choice)
         if store is not None:
             store(response)
-        return JSONResponse(response)
+        return ascii_json(response)  # it echoes the request's tools and text format
 
     async def embeddings(self, body: EmbeddingRequest) -> Response:
         served = await self.check_model(body.model)

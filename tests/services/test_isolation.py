@@ -377,6 +377,27 @@ def test_the_sdk_refuses_a_prompt_the_protocol_cannot_carry_itself(server):
         assert time.monotonic() - start < 5
 
 
+async def test_the_sdk_refuses_a_message_over_the_servers_limit_and_its_streams_go_on(
+    server, reference
+):
+    """A message over --max-message-size would cost the connection, and every stream on it
+    (the gateway's every request): the SDK, told the limit by model_info, refuses it itself.
+    Text a JSON field carries is sent as itself, not as ASCII escapes three times its size."""
+    async with AsyncWeirClient(server.client_address) as client:
+        assert (await client.model_info())["max_message_size"] == MAX_MESSAGE_SIZE
+        assert client.max_message_size == MAX_MESSAGE_SIZE
+        victims = [client.generate(p, GREEDY) for p in PROMPTS]
+        firsts = [await anext(v) for v in victims]
+        with pytest.raises(InvalidRequestError, match="at most 8388608 .its --max-message-size"):
+            await anext(client.generate("a" * MAX_MESSAGE_SIZE, GREEDY, request_id="big"))
+        tools = [{"type": "function", "function": {"name": "f", "description": "😀" * 600_000}}]
+        chat = [{"role": "user", "content": "hi"}]
+        text = "".join([o.text async for o in client.generate(chat, GREEDY, tools=tools)])
+        rests = await asyncio.gather(*(_tokens(v) for v in victims))
+    assert text  # 2.4 MB of emoji, where escapes (12 bytes an emoji) took 7.2 MB of the 8 MiB
+    assert [first.new_token_ids + rest for first, rest in zip(firsts, rests)] == reference
+
+
 async def test_a_denormal_temperature_is_greedy_not_token_zero(server, reference):
     # 1e-45 is sent raw (the SDK's SamplingParams would already turn it into 0).
     ctx = zmq.asyncio.Context()

@@ -4,6 +4,8 @@ input makes, answered as output items. References: transformers renders the same
 decodes greedily; the stream's events add up to the whole response.
 """
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -173,6 +175,29 @@ def test_what_a_response_cannot_do_is_a_400_that_names_it(server, fields, param,
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_lone_surrogate_is_echoed_as_json_can_and_refused_where_the_model_reads_it(server):
+    """JSON may escape a lone surrogate, which UTF-8 cannot encode: a response echoing the
+    request's text format carries it back escaped (it failed with a 500 after generating,
+    stored), and so does the stored response read back; in a tool, which the chat template
+    renders, it is a 400 naming the field."""
+    http = server.info["http_address"]
+    headers = {"content-type": "application/json"}
+    # json.dumps escapes it, as a client's JSON may.
+    fields = {"model": MODEL, "input": "Hi", "max_output_tokens": 2}
+    body = json.dumps({**fields, "text": {"format": {"type": "json_object", "name": "\ud800"}}})
+    reply = httpx.post(http + "/v1/responses", content=body, headers=headers)
+    assert reply.status_code == 200, reply.text
+    response = reply.json()
+    assert response["text"]["format"]["name"] == "\ud800"
+    again = httpx.get(f"{http}/v1/responses/{response['id']}")
+    assert again.status_code == 200 and again.json()["text"] == response["text"]
+    tools = [{"type": "function", "name": "f", "description": "\ud800"}]
+    body = json.dumps({**fields, "tool_choice": "none", "tools": tools})
+    reply = httpx.post(http + "/v1/responses", content=body, headers=headers)
+    assert reply.status_code == 400, reply.text
+    assert "tools holds '\\ud800', a lone surrogate" in reply.json()["error"]["message"]
 
 
 def test_a_stored_response_is_continued_read_back_and_deleted(client, tokenizer, tiny_hf_model):
