@@ -86,14 +86,15 @@ class _Child:
         os.close(self.status_fd)
         os.close(self.pidfd)
 
-    def read_status(self) -> None:
+    def read_status(self) -> bool:
+        """Take in what the child wrote; False once it closed its end."""
         while True:
             try:
                 chunk = os.read(self.status_fd, 65536)
             except BlockingIOError:
-                return
+                return True
             if not chunk:
-                return
+                return False
             self.buffer += chunk
             *lines, self.buffer = self.buffer.split(b"\n")
             for line in lines:
@@ -315,23 +316,32 @@ class ServerProcesses:
     def _supervise(self, wake_fd: int) -> None:
         """Until ``shutdown``: start a dead executor again (after 1 s, doubled up to 30 s
         while it keeps dying within a minute of its start; the scheduler resumes its
-        requests once it is back); note when the scheduler or the gateway exits."""
+        requests once it is back), and kill one its scheduler gave up on first; note when
+        the scheduler or the gateway exits."""
         delay: dict[str, float] = {}
         restarts: list[tuple[float, _Child]] = []
         with selectors.DefaultSelector() as sel:
-            sel.register(wake_fd, selectors.EVENT_READ)
+            sel.register(wake_fd, selectors.EVENT_READ, None)
             for child in self._children:
-                sel.register(child.pidfd, selectors.EVENT_READ)
+                sel.register(child.pidfd, selectors.EVENT_READ, child)
+                if child.role == SCHEDULER:
+                    sel.register(child.status_fd, selectors.EVENT_READ, child)
             while not self._stopping.is_set():
                 now = time.monotonic()
                 for due, child in [r for r in restarts if r[0] <= now]:
                     restarts.remove((due, child))
-                    sel.register(self._respawn(child).pidfd, selectors.EVENT_READ)
+                    new = self._respawn(child)
+                    sel.register(new.pidfd, selectors.EVENT_READ, new)
                 timeout = min(due for due, _ in restarts) - now if restarts else None
                 for key, _ in sel.select(timeout):
-                    child = next((c for c in self._children if c.pidfd == key.fd), None)
+                    child = key.data
                     if child is None:  # the wake pipe: shutdown
                         return
+                    if key.fd == child.status_fd:
+                        if not child.read_status():
+                            sel.unregister(key.fd)
+                        self._kill_lost_executors(child)
+                        continue
                     sel.unregister(key.fd)
                     rc = child.proc.wait()
                     child.read_status()
@@ -363,6 +373,30 @@ class ServerProcesses:
                                 and peer.proc.poll() is None
                             ):
                                 _signal_group(peer.proc.pid, signal.SIGKILL)
+
+    def _kill_lost_executors(self, scheduler: _Child) -> None:
+        """The executors ``scheduler`` gave up on: one that stopped answering without
+        exiting (hung, or stopped) never comes back to be told; killed, it starts again."""
+        pids = {
+            pid
+            for event in scheduler.events
+            if event.get("event") == "executors_lost"
+            for pid in event.get("pids", ())
+        }
+        scheduler.events = [e for e in scheduler.events if e.get("event") != "executors_lost"]
+        for child in self._children:
+            if (
+                child.role == EXECUTOR
+                and child.replica == scheduler.replica
+                and child.proc.pid in pids
+                and child.proc.poll() is None
+            ):
+                _log.error(
+                    "%s (pid %d) stopped answering its scheduler; killing it to start it again",
+                    child.name,
+                    child.proc.pid,
+                )
+                _signal_group(child.proc.pid, signal.SIGKILL)
 
     def _respawn(self, child: _Child) -> _Child:
         child.close()

@@ -8,8 +8,8 @@ and returns the future of rank 0's result (ranks run plans in the order sent, so
 several may be in flight), so the group is the ``EngineCore``'s executor. When a
 rank stops answering (no heartbeat for ``timeout`` seconds, or a plan cannot be
 sent, or a new executor takes its rank after it fell silent), every rank is
-forgotten and ``on_lost(message)`` is called; a new group forms as ranks say hello
-again.
+forgotten and ``on_lost(message, pids)`` is called (the pids of the ranks given up, some
+of which may still run, hung); a new group forms as ranks say hello again.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class ExecutorGroup:
         expected: ExpectedExecutor,
         timeout: float,
         on_formed: Callable[[int], None],
-        on_lost: Callable[[str], None],
+        on_lost: Callable[[str, list[int]], None],
         observe_phase: Callable[[str, float], None],
     ) -> None:
         self._sock = sock
@@ -134,10 +134,11 @@ class ExecutorGroup:
             if not future.done():
                 future.set_exception(ExecutorLostError(message))
         self._in_flight.clear()
+        pids = [rank.hello.pid for rank in self.ranks.values()]
         self.ranks.clear()
         if self.formed:
             self.formed = False
-            self._on_lost(message)
+            self._on_lost(message, pids)
 
     # ------------------------------------------------------------------ frames in
 

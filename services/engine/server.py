@@ -437,7 +437,10 @@ class SchedulerServer:
             )
         self._wake.set()
 
-    def _on_group_lost(self, message: str) -> None:
+    def _on_group_lost(self, message: str, pids: list[int]) -> None:
+        # A rank given up on may still run, hung (it never comes back to be reset): its
+        # supervisor kills it, and the executor started again takes its place.
+        self.status.report("executors_lost", pids=pids)
         if self.core is not None:
             self.core.abandon_next()
         timeout = self.engine_args.recovery_timeout

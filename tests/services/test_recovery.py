@@ -29,15 +29,26 @@ def _wait_status(client: WeirClient, wanted: str, timeout: float = 120.0) -> dic
         time.sleep(0.05)
 
 
-def test_an_executor_killed_mid_run_under_serve_loses_no_request(tiny_model_dir, tiny_hf_model):
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_an_executor_killed_mid_run_under_serve_loses_no_request(
+    tiny_model_dir, tiny_hf_model, stop
+):
+    """Killed, or hung (stopped: the scheduler gives it up after --executor-timeout and
+    `weir serve` kills it, or it would never be replaced), the executor is started again
+    and every request finishes as transformers decodes it."""
     rng = random.Random(21)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(4, 40))] for _ in range(20)]
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     engine_args = EngineArgs(
-        model=str(tiny_model_dir), max_num_seqs=8, max_num_batched_tokens=64, device="cpu"
+        model=str(tiny_model_dir),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        device="cpu",
+        executor_timeout=2.0,
     )
     with ServerProcesses(engine_args, port=0, metrics_port=0, executor_metrics_port=0) as server:
         executor_pid = server.info["executors"][0]["pid"]
+        executor = next(c for c in server._children if c.proc.pid == executor_pid)
 
         async def run() -> tuple[list[list[int]], bool]:
             async with AsyncWeirClient(server.client_address, timeout=120) as client:
@@ -50,7 +61,7 @@ def test_an_executor_killed_mid_run_under_serve_loses_no_request(tiny_model_dir,
                         produced[i] += out.new_token_ids
                         # Killed right here, not after a wake-up that a busy loop may delay.
                         if not unfinished and sum(map(len, produced)) >= 60:
-                            os.kill(executor_pid, signal.SIGKILL)
+                            os.kill(executor_pid, stop)
                             unfinished = sum(len(p) < NUM_TOKENS for p in produced)
 
                 await asyncio.gather(*(one(i) for i in range(len(prompts))))
@@ -65,6 +76,7 @@ def test_an_executor_killed_mid_run_under_serve_loses_no_request(tiny_model_dir,
             assert health["status"] == "ok" and health["num_streams"] == 0
             assert health["num_free_blocks"] == health["num_blocks"]
         assert any(c.name == "executor 0" and c.proc.pid != executor_pid for c in server._children)
+        assert executor.proc.returncode == -signal.SIGKILL
 
 
 def test_requests_of_a_lost_executor_fail_clearly_when_none_comes_back(tiny_model_dir):
