@@ -186,7 +186,7 @@ def test_requests_held_by_a_waiting_pause_are_known_and_abortable(server, tiny_h
         try:
             pausing = threading.Thread(target=client.pause, args=("wait",), daemon=True)
             pausing.start()
-            time.sleep(0.3)
+            time.sleep(0.5)  # the pause is waiting: what comes now is held
             for msg in (
                 client_protocol.GenerateRequest("held-1", PROMPT[:7], _greedy(5)),
                 client_protocol.GenerateRequest("held-2", PROMPT[:9], _greedy(5)),
