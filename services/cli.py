@@ -59,6 +59,14 @@ def _setup_logging(level: str, role: str) -> None:
     )
 
 
+def _port(text: str) -> int:
+    """A TCP port (0: any free one): argparse's int would let 70000 wrap to 4464."""
+    port = int(text) if text.lstrip("-").isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535; 0 = any free)")
+    return port
+
+
 def _positive_seconds(text: str) -> float:
     try:
         seconds = float(text)
@@ -568,27 +576,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=DEFAULT_PORT,
         help=f"client port (0 = any free; default: {DEFAULT_PORT})",
     )
     _add_metrics_host_flag(p, "every process's /metrics and /health")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=DEFAULT_METRICS_PORT,
         help=f"scheduler Prometheus port (0 = any free; default: {DEFAULT_METRICS_PORT})",
     )
     p.add_argument(
         "--executor-metrics-port",
-        type=int,
+        type=_port,
         default=DEFAULT_EXECUTOR_METRICS_PORT,
         help="executor rank 0's Prometheus port, rank r uses +r (0 = any free; default: "
         f"{DEFAULT_EXECUTOR_METRICS_PORT})",
     )
     p.add_argument(
         "--http-port",
-        type=int,
+        type=_port,
         default=DEFAULT_HTTP_PORT,
         help=f"OpenAI-compatible HTTP API port (0 = any free; default: {DEFAULT_HTTP_PORT})",
     )
@@ -624,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds to")
     p.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=DEFAULT_HTTP_PORT,
         help=f"HTTP port (0 = any free; default: {DEFAULT_HTTP_PORT})",
     )
@@ -654,12 +662,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=DEFAULT_PORT,
         help=f"client port (0 = any free; default: {DEFAULT_PORT})",
     )
     _add_metrics_host_flag(p, "/metrics and /health")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
+    p.add_argument("--metrics-port", type=_port, default=DEFAULT_METRICS_PORT)
     p.add_argument(
         "--executor-address",
         default=None,
@@ -698,7 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=_port,
         default=None,
         help=f"Prometheus port (default {DEFAULT_EXECUTOR_METRICS_PORT} + rank; 0 = any free)",
     )

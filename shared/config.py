@@ -540,6 +540,7 @@ class EngineArgs:
                 raise ValueError(f"kv_cache_memory: {exc}") from None
             object.__setattr__(self, "kv_cache_memory", size)  # frozen
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("block_size", self.block_size, 1)
         if isinstance(self.lora_modules, (str, list)):  # LLM(lora_modules="a=/x") or a list
             modules = (
                 (self.lora_modules,) if isinstance(self.lora_modules, str) else self.lora_modules

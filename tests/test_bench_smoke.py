@@ -183,6 +183,30 @@ def test_bench_throughput_says_how_to_install_llama_cpp(
     assert "pip install llama-cpp-python" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["throughput", "--model", "/no/such/model"], "error: model '/no/such/model': no such"),
+        (["throughput", "--kv-cache-memory", "12XB"], "--kv-cache-memory: not a size: '12XB'"),
+        (
+            ["serve", "--backend", "openai", "--address", "tcp://127.0.0.1:1"],
+            "error: --address is not read by --backend openai, which takes --base-url",
+        ),
+    ],
+)
+def test_bench_refuses_bad_options_in_one_line(flags, error, capsys) -> None:
+    """Before anything runs, and without a traceback."""
+    from weir.services.bench import run_cli
+
+    try:
+        code = run_cli(flags)
+    except SystemExit as exc:  # argparse's refusal
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert error in err and "Traceback" not in err, err
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -258,10 +282,7 @@ def test_bench_serve_writes_results_and_plots(
             "serve",
             "--backend",
             backend,
-            "--address",
-            address,
-            "--base-url",
-            base_url,
+            *(["--base-url", base_url] if backend == "openai" else ["--address", address]),
             "--model",
             str(tiny_model_dir),
             "--num-prompts",

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # at run time imported where used (zmq only for --backend wei
     from weir.shared.client import AsyncWeirClient
 
 _READY_POLL_S = 0.5
+_DEFAULT_BASE_URL = f"http://127.0.0.1:{DEFAULT_HTTP_PORT}/v1"
 
 
 @dataclass(slots=True)
@@ -328,11 +329,15 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
         default="weir",
         help="weir: the client SDK at --address; openai: an OpenAI-compatible server at --base-url",
     )
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="server address (ZeroMQ endpoint)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help=f"server address of --backend weir (default {DEFAULT_ADDRESS})",
+    )
     p.add_argument(
         "--base-url",
-        default=f"http://127.0.0.1:{DEFAULT_HTTP_PORT}/v1",
-        help="the OpenAI-compatible API of --backend openai",
+        default=None,
+        help=f"the OpenAI-compatible API of --backend openai (default {_DEFAULT_BASE_URL})",
     )
     p.add_argument(
         "--model",
@@ -390,13 +395,24 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.request_rate <= 0:
         print("error: --request-rate must be > 0", file=sys.stderr)
         return 2
+    # The other backend's option would be ignored: the run would not measure what was meant.
+    used, unused = ("base_url", "address") if args.backend == "openai" else ("address", "base_url")
+    if getattr(args, unused) is not None:
+        print(
+            f"error: --{unused.replace('_', '-')} is not read by --backend {args.backend}, "
+            f"which takes --{used.replace('_', '-')}",
+            file=sys.stderr,
+        )
+        return 2
+    if getattr(args, used) is None:
+        setattr(args, used, _DEFAULT_BASE_URL if used == "base_url" else DEFAULT_ADDRESS)
     try:
         requests = workload_from_args(args, load_tokenizer(resolve_model(args.model)))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        target = args.base_url if args.backend == "openai" else args.address
+        target = getattr(args, used)
         traces, duration = asyncio.run(
             run_load(
                 target,
@@ -412,9 +428,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (TimeoutError, WeirError, OSError) as e:
         print(f"error: {target}: {e}", file=sys.stderr)
         return 1
-    # Only the address this backend used (the other option's default would mislead).
-    unused = "address" if args.backend == "openai" else "base_url"
-    command = command_line("weir bench serve", argparse.Namespace(**{**vars(args), unused: None}))
+    command = command_line("weir bench serve", args)
     result = {
         "command": command,
         "machine": machine_info(None),

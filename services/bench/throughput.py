@@ -39,6 +39,7 @@ from weir.shared.config import (
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
     EngineArgs,
+    parse_size,
 )
 
 BASELINE_CHOICES = ("hf-static", "hf-cb", "llama-cpp", "none")
@@ -135,7 +136,12 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="Weir engine option; also hf-cb's max_batch_tokens and llama-cpp's prefill batch "
         "(default: as LLM sets it for the machine's device: 2048 on a CPU, vLLM's on CUDA)",
     )
-    g.add_argument("--kv-cache-memory", default=None, help="Weir engine option (KV cache size)")
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="Weir engine option (KV cache size, e.g. 512MiB)",
+    )
     g.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
@@ -366,8 +372,8 @@ def run_throughput(args: argparse.Namespace) -> int:
         return 2
     num_executors = args.tensor_parallel_size or 1
     threads, baseline_threads = _set_threads(args.threads, num_executors)
-    model_dir = resolve_model(args.model, load_format=args.load_format)
     try:
+        model_dir = resolve_model(args.model, load_format=args.load_format)
         requests = workload_from_args(args, load_tokenizer(model_dir))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -62,8 +62,8 @@ class SchedulerStats:
     num_waiting: int
     kv_cache_usage: float
     num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # cumulative, tokens looked up at admission
-    prefix_cache_hits: int  # cumulative, tokens found
+    prefix_cache_queries: int  # cumulative, prompt tokens looked up at first admission
+    prefix_cache_hits: int  # cumulative, those found
     num_scheduled_tokens: int  # of the last plan
     num_free_blocks: int
     num_blocks: int
@@ -630,8 +630,11 @@ class Scheduler:
             kv.allocate_slots(request, num_new)  # fits: checked for the whole prompt above
             if config.num_lookahead_tokens:
                 self._allocate_lookahead(request, num_new, {})
-            self._prefix_cache_queries += num_tokens
-            self._prefix_cache_hits += num_hit_tokens
+            if request.admitted_step == 0:
+                # A prompt's lookup, as vLLM's counters: recomputing after a preemption or a
+                # lost executor group hits the request's own blocks, not the cache's reuse.
+                self._prefix_cache_queries += num_tokens
+                self._prefix_cache_hits += num_hit_tokens
             rid = request.request_id
             if request.status is RequestStatus.PREEMPTED:
                 cached.append(

@@ -151,6 +151,9 @@ def test_resumed_request_carries_its_whole_table_and_outputs_and_reuses_cache_hi
     assert plan.num_scheduled_tokens["B"] == 9 + len(outputs_before) - record.num_computed_tokens
     _finish_all(scheduler, executor, produced)
     assert produced["B"] == reference_generate(_prompt(9, 30), 12, eos=None)[0]
+    # The prompts' lookups only: B's resumption found its own blocks, which is no reuse.
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18, 0)
 
 
 def test_a_request_may_preempt_itself():

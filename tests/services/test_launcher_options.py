@@ -223,6 +223,7 @@ def test_unknown_engine_option_is_a_type_error():
         (["--max-num-batched-tokens", "-8"], "--max-num-batched-tokens must be >= 1, got -8"),
         (["--max-mixed-graph-tokens", "-1"], "--max-mixed-graph-tokens must be >= 0, got -1"),
         (["--max-mixed-graph-tokens", "9000"], "--max-mixed-graph-tokens must be <= 8192"),
+        (["--block-size", "0"], "--block-size must be >= 1, got 0"),
     ],
 )
 def test_impossible_options_end_serve_with_one_line_naming_the_flag(flags, message, capsys):
@@ -251,6 +252,26 @@ def test_a_named_choice_outside_the_list_is_refused_by_the_parser(command, flags
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.splitlines()[-1]
     assert f"{flags[0]}: invalid choice: {choice}" in err, err
+
+
+@pytest.mark.parametrize(
+    "command, flag, value",
+    [
+        ("serve", "--port", "70000"),  # int() took it, and the socket bound 70000 - 65536
+        ("serve", "--port", "-1"),
+        ("serve", "--http-port", "65536"),
+        ("serve", "--metrics-port", "x"),
+        ("gateway", "--port", "70000"),
+        ("scheduler", "--metrics-port", "99999"),
+        ("executor", "--metrics-port", "-2"),
+    ],
+)
+def test_a_port_outside_0_to_65535_is_refused_by_the_parser(command, flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert f"{flag}: not a port: '{value}' (0-65535; 0 = any free)" in err, err
 
 
 @pytest.mark.parametrize(
