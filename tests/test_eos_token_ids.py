@@ -76,15 +76,17 @@ def test_every_files_end_token_counts(disagreeing_model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
-def test_the_scheduler_stops_on_what_the_executor_bans(
+def test_the_executor_bans_every_end_before_min_tokens_and_the_scheduler_stops_on_them(
     disagreeing_model_dir: Path, ignore_eos: bool
 ) -> None:
+    """Under ignore_eos the model's ends do not stop a request, but min_tokens still bans
+    them, as vLLM's does (its stop set always holds the model's end)."""
     params = SamplingParams(min_tokens=4, stop_token_ids=(9,), ignore_eos=ignore_eos)
     request = _scheduler_request(disagreeing_model_dir, params)
-    expected = {9} if ignore_eos else {9, CONFIG_EOS, GENERATION_EOS, TOKENIZER_EOS}
-    assert request.stop_ids == expected
+    ends = {9, CONFIG_EOS, GENERATION_EOS, TOKENIZER_EOS}
+    assert request.stop_ids == ({9} if ignore_eos else ends)
     # The executor gets the parameters the scheduler sends (with the ends it added).
-    assert _banned(disagreeing_model_dir, request.sampling_params) == expected
+    assert _banned(disagreeing_model_dir, request.sampling_params) == ends
 
 
 def test_no_end_token_is_sampled_before_min_tokens(disagreeing_model_dir: Path) -> None:

@@ -1205,7 +1205,8 @@ class ClientFrontend:
                 # unless asked for, as in vLLM.
                 if not stream.params.include_stop_str_in_output:
                     text_ids = new_ids[:-1]
-                if new_ids[-1] != self.tokenizer.eos_token_id:
+                # Under ignore_eos only stop_token_ids stop it, the end token among them.
+                if new_ids[-1] != self.tokenizer.eos_token_id or stream.params.ignore_eos:
                     stop_reason = new_ids[-1]
             if stream.params.stop:
                 unsent, kept, stop = self._add_until_stop(stream, unsent, text_ids)

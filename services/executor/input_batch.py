@@ -283,9 +283,10 @@ class InputBatch:
         if sp.allowed_token_ids is not None:
             self.allowed_tokens[slot] = token_bitmask(sp.allowed_token_ids, self.vocab_size)
         if sp.min_tokens > 0:
-            eos = () if sp.ignore_eos else self.eos_token_ids
+            # The model's ends too under ignore_eos, which only says they do not stop it:
+            # vLLM's min_tokens bans them all the same.
             self.stop_ids[slot] = np.fromiter(
-                dict.fromkeys((*sp.stop_token_ids, *eos)), dtype=np.int64
+                dict.fromkeys((*sp.stop_token_ids, *self.eos_token_ids)), dtype=np.int64
             )
 
     def _set_tokens(self, slot: int, prompt: list[int], outputs: list[int]) -> None:

@@ -1,6 +1,8 @@
 """Helpers for the process-level tests (reference decoding, metrics scraping)."""
 
 import contextlib
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -12,7 +14,7 @@ from weir.services.engine.core import EngineCore, step_now
 from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.launcher import ServerProcesses
 from weir.services.scheduler import Request
-from weir.shared.config import EngineArgs
+from weir.shared.config import EXECUTOR, EngineArgs
 from weir.shared.sampling import SamplingParams
 
 
@@ -38,6 +40,23 @@ def small_server(
         http_port=0,
         parsers=parsers,
     )
+
+
+def stop_the_replacement(server: ServerProcesses, lost_pid: int, timeout: float = 60.0) -> int:
+    """SIGSTOP the executor `weir serve` starts in place of ``lost_pid`` (which its scheduler
+    gave up on) before it can join, so the replica stays recovering; its pid."""
+    deadline = time.monotonic() + timeout
+    while True:
+        new = [
+            c.proc.pid
+            for c in server._children
+            if c.role == EXECUTOR and c.proc.pid != lost_pid and c.proc.poll() is None
+        ]
+        if new:
+            os.kill(new[0], signal.SIGSTOP)
+            return new[0]
+        assert time.monotonic() < deadline, f"executor {lost_pid} was never replaced"
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import openai
 import pytest
 import torch
 import transformers
-from serving_helpers import hf_greedy, metric, read_metrics
+from serving_helpers import hf_greedy, metric, read_metrics, stop_the_replacement
 
 from weir.services.cli import main
 from weir.services.launcher import GatewayProcess, ServerProcesses
@@ -386,6 +386,31 @@ def test_the_largest_seed_with_n_samples_is_taken(client):
     call = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 2, "seed": 2**63 - 1}
     first, second = client.completions.create(**call), client.completions.create(**call)
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
+
+
+def test_the_end_token_in_stop_token_ids_under_ignore_eos_is_the_stop_reason(server, client):
+    """As in vLLM: under ignore_eos only stop_token_ids stop a request, so the end token
+    listed there stops it as a stop id (after min_tokens), and stop_reason names it (the
+    end token's own stop has none)."""
+    with WeirClient(server.client_address) as sdk:
+        eos = sdk.model_info()["eos_token_id"]
+    call = {
+        "model": MODEL,
+        "prompt": [7, 8, 9],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logit_bias": {str(eos): 100},  # the end token, whenever it may be sampled
+        "extra_body": {
+            "stop_token_ids": [eos],
+            "ignore_eos": True,
+            "min_tokens": 3,
+            "return_token_ids": True,
+        },
+    }
+    choice = client.completions.create(**call).choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == eos
+    tokens = choice.model_extra["token_ids"]
+    assert len(tokens) == 4 and eos not in tokens[:3] and tokens[3] == eos
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -1135,13 +1160,12 @@ def test_a_client_that_leaves_before_its_response_aborts_its_request(server, str
 def test_requests_wait_while_the_only_replica_replaces_its_executor(server, client):
     """A replica that is recovering queues requests (the SDK's wait there too): the gateway
     sends them to it rather than refusing with 503 when no replica is ok."""
-    executor = next(c for c in server._children if c.name == "executor 0").proc.pid
+    lost = next(c for c in server._children if c.name == "executor 0").proc.pid
     with WeirClient(server.client_address) as sdk:
-        os.kill(executor, signal.SIGSTOP)  # silent: the scheduler declares it lost
+        os.kill(lost, signal.SIGSTOP)  # silent: the scheduler declares it lost, serve kills it
+        new = stop_the_replacement(server, lost)  # the replica stays recovering
         try:
-            deadline = time.monotonic() + 30
-            while sdk.health()["status"] != "recovering" and time.monotonic() < deadline:
-                time.sleep(0.1)
+            assert sdk.health()["status"] == "recovering"
             time.sleep(2.5)  # the gateway's health checks have seen it by now
             # Still ready (a Kubernetes readiness probe keeps the gateway in its Service).
             health = httpx.get(server.info["http_address"] + "/health")
@@ -1151,7 +1175,7 @@ def test_requests_wait_while_the_only_replica_replaces_its_executor(server, clie
             )
             time.sleep(0.5)
         finally:
-            os.kill(executor, signal.SIGCONT)  # told to reset, it exits; serve restarts it
+            os.kill(new, signal.SIGCONT)
         assert pending.result(timeout=120).choices[0].finish_reason == "length"
     deadline = time.monotonic() + 30
     while httpx.get(server.info["http_address"] + "/health").json()["status"] != "ok":

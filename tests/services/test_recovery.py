@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from serving_helpers import hf_greedy
+from serving_helpers import hf_greedy, stop_the_replacement
 from test_serving_processes import children_of, read_until, start_serve
 
 from weir.services.launcher import ServerProcesses
@@ -90,8 +90,10 @@ def test_requests_of_a_lost_executor_fail_clearly_when_none_comes_back(tiny_mode
                 [1, 2, 3], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0)
             )
             next(stream)
-            # Stopped, not killed: its heartbeats end but `weir serve` does not restart it.
+            # Silent: the scheduler gives it up and `weir serve` kills it; the executor it
+            # starts instead is held before it joins, so none comes back.
             os.kill(executor.proc.pid, signal.SIGSTOP)
+            new = stop_the_replacement(server, executor.proc.pid)
             try:
                 assert _wait_status(client, "recovering", 30)["status"] == "recovering"
                 with pytest.raises(EngineError, match="no executor group formed again within 2s"):
@@ -103,7 +105,7 @@ def test_requests_of_a_lost_executor_fail_clearly_when_none_comes_back(tiny_mode
                     list(client.generate([1, 2], SamplingParams(max_tokens=2)))
                 assert refused.value.code == "server_unavailable"
             finally:
-                os.kill(executor.proc.pid, signal.SIGCONT)
+                os.kill(new, signal.SIGCONT)
 
 
 @pytest.mark.parametrize("executor_dies", [False, True])
