@@ -79,7 +79,7 @@ from weir.shared.protocol.client import (
     encode_client_message,
     request_id_problem,
 )
-from weir.shared.protocol.envelope import ProtocolError
+from weir.shared.protocol.envelope import ProtocolError, encoding_problem
 from weir.shared.sampling import SamplingParams
 from weir.shared.zmq_send import send_now
 
@@ -199,9 +199,11 @@ class _Inbox:
             self.fail(error)
 
     def answered(self) -> bool:
-        """Whether nothing more of it will come: its finished output is here, or it failed
-        (an error reply, or the server lost it or us)."""
-        return self.error is not None or bool(self.outputs and self.outputs[-1].finished)
+        """Whether the server had its last word: its finished output is here, or it failed
+        (an error reply, or the server lost it or us), not given up on by this client."""
+        if self.error is not None:
+            return not self.given_up
+        return bool(self.outputs and self.outputs[-1].finished)
 
     def idle(self) -> bool:
         return not self.outputs and self.error is None
@@ -717,7 +719,7 @@ class AsyncWeirClient:
             # stream's does.
             if (not inbox.ended or inbox.given_up) and not self._closed:
                 self._send(AbortRequest(request_id))
-                if not inbox.answered() or inbox.given_up:
+                if not inbox.answered():
                     self._leaving[request_id] = asyncio.get_running_loop().create_future()
 
     async def _wait_until_left(self, request_id: str | None) -> None:
@@ -1314,10 +1316,7 @@ def _json_text(name: str, value: Any) -> str | None:
         raise InvalidRequestError(f"{name} must be JSON: {exc}", INVALID_REQUEST) from None
     if not text.isascii():
         try:
-            text.encode()
+            text.encode()  # the message's encoding would fail too, naming no field
         except UnicodeEncodeError as exc:
-            raise InvalidRequestError(
-                f"{name} holds {text[exc.start : exc.end]!r}, a lone surrogate, not Unicode",
-                INVALID_REQUEST,
-            ) from None
+            raise InvalidRequestError(f"{name}: {encoding_problem(exc)}", INVALID_REQUEST) from None
     return text

@@ -409,7 +409,7 @@ class EngineArgs:
         DEFAULT_MAX_MESSAGE_BYTES,
         SCHEDULER,
         "largest client message in bytes (ZMQ_MAXMSGSIZE), e.g. 64MiB; a client that sends a "
-        "larger one is disconnected",
+        "larger one is disconnected (the SDK refuses one itself)",
         type=parse_size,
     )
     max_prompt_chars: int | None = _arg(

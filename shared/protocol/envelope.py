@@ -45,7 +45,7 @@ def pack_array(tag: str, fields: list[Any]) -> bytes:
     try:
         packed: bytes = msgpack.packb([tag, PROTOCOL_VERSION, *fields])
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"{tag}: cannot encode ({_encoding_problem(exc)})") from None
+        raise ProtocolError(f"{tag}: cannot encode ({encoding_problem(exc)})") from None
     return packed
 
 
@@ -67,11 +67,11 @@ def pack_map(body: dict[str, Any]) -> bytes:
     try:
         packed: bytes = msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"cannot encode ({_encoding_problem(exc)})") from None
+        raise ProtocolError(f"cannot encode ({encoding_problem(exc)})") from None
     return packed
 
 
-def _encoding_problem(exc: Exception) -> str:
+def encoding_problem(exc: Exception) -> str:
     if isinstance(exc, UnicodeEncodeError):
         return f"text holds {exc.object[exc.start : exc.end]!r}, a lone surrogate, not Unicode"
     if isinstance(exc, OverflowError):

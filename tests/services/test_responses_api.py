@@ -197,7 +197,7 @@ def test_a_lone_surrogate_is_echoed_as_json_can_and_refused_where_the_model_read
     body = json.dumps({**fields, "tool_choice": "none", "tools": tools})
     reply = httpx.post(http + "/v1/responses", content=body, headers=headers)
     assert reply.status_code == 400, reply.text
-    assert "tools holds '\\ud800', a lone surrogate" in reply.json()["error"]["message"]
+    assert "tools: text holds '\\ud800', a lone surrogate" in reply.json()["error"]["message"]
 
 
 def test_a_stored_response_is_continued_read_back_and_deleted(client, tokenizer, tiny_hf_model):
