@@ -286,12 +286,15 @@ def _samples(
 async def _echoed(
     outputs: Batches,
     samples: list[_Sample],
+    detokenize: Callable[[list[int]], Awaitable[str]],
     *,
     with_logprobs: bool,
 ) -> Batches:
     """The outputs with each sample's prompt before its first output's text (the prompt as
-    sent, or its tokens' text for token ids) and, ``with_logprobs``, its prompt's rows
-    before the first output's rows."""
+    sent, or for token ids their text decoded whole, as vLLM's: a character split across
+    tokens has no text of its own) and, ``with_logprobs``, its prompt's rows before the
+    first output's rows."""
+    texts: dict[int, str] = {}  # prompt -> the text of its token ids
     async with aclosing(outputs):
         async for batch in outputs:
             for index, outs in batch:
@@ -299,9 +302,12 @@ async def _echoed(
                 if first.prompt_token_ids is None:
                     continue  # not a first output
                 rows = first.prompt_logprobs or {}
-                prompt = samples[index].prompt
+                sample = samples[index]
+                prompt = sample.prompt
                 if not isinstance(prompt, str):
-                    prompt = "".join(row[0] for row in rows.get("tokens", []))
+                    if sample.group not in texts:
+                        texts[sample.group] = await detokenize(first.prompt_token_ids)
+                    prompt = texts[sample.group]
                 logprobs = first.logprobs
                 if with_logprobs:
                     logprobs = {
@@ -675,7 +681,12 @@ class Gateway:
         }
         outputs = self._outputs(response_id, samples, body)
         if body.echo:
-            outputs = _echoed(outputs, samples, with_logprobs=body.logprobs is not None)
+            outputs = _echoed(
+                outputs,
+                samples,
+                lambda ids: self.router.choose([]).client.detokenize(ids),
+                with_logprobs=body.logprobs is not None,
+            )
         if body.return_tokens_as_token_ids:
             outputs = _tokens_as_ids(outputs)
         if body.stream:

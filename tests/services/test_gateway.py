@@ -678,10 +678,15 @@ def test_bad_words_are_never_written_as_vllm_tokenizes_them(client, tiny_model_d
     assert completion.choices[0].model_dump()["token_ids"] == want
 
 
-def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, tiny_hf_model):
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(
+    client, tiny_hf_model, tiny_model_dir
+):
     """lm-eval's loglikelihood over the completions API: echo, logprobs and one new token;
     it sums ``token_logprobs`` over the continuation and checks each is the top one."""
-    prompt = [17, 900, 3, 44, 5021, 8, 8]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    # An emoji's bytes split across tokens: the echo is the prompt's text decoded whole
+    # (vLLM's), where the tokens' own texts have only replacement characters for it.
+    prompt = [17, 900, 3, 44, 5021, 8, 8, *hf_tokenizer.encode(" 😀 日本語")]
     call = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
     plain = client.completions.create(**call, extra_body={"ignore_eos": True})
     echoed = client.completions.create(
@@ -698,7 +703,8 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(client, 
     for i in range(1, len(prompt)):
         top = ref[i - 1].argmax().item() == prompt[i]
         assert (lp.token_logprobs[i] == max(lp.top_logprobs[i].values())) == top
-    assert choice.text == "".join(lp.tokens[: len(prompt)]) + plain.choices[0].text
+    assert "\ufffd" in "".join(lp.tokens[: len(prompt)])
+    assert choice.text == hf_tokenizer.decode(prompt) + plain.choices[0].text
     assert lp.text_offset[len(prompt)] == len("".join(lp.tokens[: len(prompt)]))
     assert echoed.usage.prompt_tokens == len(prompt)
     streamed = client.completions.create(
