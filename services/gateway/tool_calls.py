@@ -154,7 +154,8 @@ class JsonCallReader:
     items of vLLM's array under ``required``, 1 for calls written one after another (Llama 3's,
     ``;`` between). Each is a call once its object closes (strings and depth are tracked,
     not the prefix parsed again each token); an object that is no call, text outside the
-    objects other than separators, and an object cut short (``max_tokens``) are content."""
+    objects unless it is only separators, and an object cut short (``max_tokens``) are
+    content, as written."""
 
     _SEPARATORS = frozenset(" \t\r\n,;[]")
 
@@ -162,6 +163,8 @@ class JsonCallReader:
         self.calls: list[ToolCall] = [] if calls is None else calls
         self._item_depth = depth
         self._item: list[str] = []  # the characters of the object being read
+        self._gap: list[str] = []  # separators since the last object, held back
+        self._prose = False  # whether the text since the last object is content
         self._depth = 0
         self._in_string = self._escaped = False
 
@@ -170,7 +173,8 @@ class JsonCallReader:
         deltas = []
         item_depth = self._item_depth
         for char in text:
-            if self._depth >= item_depth:
+            inside = self._depth >= item_depth
+            if inside:
                 self._item.append(char)
             if self._in_string:
                 if self._escaped:
@@ -179,13 +183,18 @@ class JsonCallReader:
                     self._escaped = True
                 elif char == '"':
                     self._in_string = False
-            elif char == '"':
+                if not inside:
+                    content.append(char)  # a string outside the objects: prose already
+                continue
+            if char == '"':
                 self._in_string = True
             elif char in "[{":
                 self._depth += 1
                 if self._depth == item_depth:
                     self._item = [char]
-            elif char in "]}":
+                    self._gap, self._prose = [], False
+                    continue
+            elif char in "]}" and (inside or self._depth > 0):
                 self._depth -= 1
                 if self._depth == item_depth - 1:
                     item, self._item = "".join(self._item), []
@@ -195,8 +204,16 @@ class JsonCallReader:
                     else:
                         deltas.append(call.delta(len(self.calls)))
                         self.calls.append(call)
-            elif self._depth < item_depth and char not in self._SEPARATORS:
+                    continue
+            if inside:
+                continue
+            if self._prose or char not in self._SEPARATORS:
+                self._prose = True
+                content += self._gap
+                self._gap = []
                 content.append(char)
+            else:
+                self._gap.append(char)
         return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:

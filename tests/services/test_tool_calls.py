@@ -821,7 +821,17 @@ def test_a_llama3_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
         '{"name": "g"',
         [("f", '{"s": "};{"}')],
     )
-    assert read('\n{"name": "f", "arguments": {}} then') == ("then", [("f", "{}")])
+    assert read('\n{"name": "f", "arguments": {}} then') == (" then", [("f", "{}")])
+    # Text that is not calls is content as the model wrote it: its spaces, brackets and
+    # quoted words too, and a stray closing brace does not hide the object after it.
+    prose = '{"answer": 42} is the JSON you asked "for", ok; done]'
+    assert read(prose) == (prose, [])
+    assert read('{"name": "f", "parameters": {}}}} and "x"') == ('}} and "x"', [("f", "{}")])
+    assert read('{"x": 1}} {"name": "f", "parameters": {}}') == ('{"x": 1}} ', [("f", "{}")])
+    assert read('{"name": "f", "parameters": {}} ; {"name": "g", "parameters": {"a": 1}}\n') == (
+        "",
+        [("f", "{}"), ("g", '{"a": 1}')],
+    )
     assert read("<|pyth") == ("<|pyth", [])
     assert read("  <b>{not a call}</b>") == ("  <b>{not a call}</b>", [])
     assert read('{"x": 1}') == ('{"x": 1}', [])
