@@ -797,12 +797,13 @@ class AsyncWeirClient:
     ) -> Any:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._replies[msg.request_id] = future
+        timeout = timeout or self.timeout
         try:
             self._send(msg)
-            reply = await asyncio.wait_for(future, timeout or self.timeout)
+            reply = await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise ServerUnavailableError(
-                f"no reply from {self.address} within {self.timeout:g}s{self._keys_hint()}"
+                f"no reply from {self.address} within {timeout:g}s{self._keys_hint()}"
             ) from None
         finally:
             self._replies.pop(msg.request_id, None)

@@ -382,10 +382,10 @@ class Gateway:
 
     async def update_lora(self, name: str, path: str | None) -> Response:
         """vLLM's ``/v1/load_lora_adapter`` (a path) and ``/v1/unload_lora_adapter`` (none),
-        on every replica in turn: a failure stops there, and the replicas before it keep
-        the change."""
+        on every replica in turn (each answering, else none is asked): a failure stops
+        there, and the replicas before it keep the change."""
         try:
-            for replica in self.router.replicas:
+            for replica in await self.router.every_replica():
                 if path is None:
                     await replica.client.unload_lora_adapter(name)
                 else:
@@ -405,7 +405,8 @@ class Gateway:
         level: int = 1,
         tags: list[str] | None = None,
     ) -> Response:
-        """vLLM's reinforcement-learning endpoints, on every replica in turn: ``/pause``
+        """vLLM's reinforcement-learning endpoints, on every replica in turn (each answering,
+        else a 503 names those that do not and none is asked): ``/pause``
         (answered once no step runs), ``/resume``, ``/is_paused`` and ``/reset_prefix_cache``
         say ``is_paused``; the sleep mode's ``/sleep`` (``level`` 1 or 2), ``/wake_up`` and
         ``/is_sleeping`` say ``is_sleeping``: true once every replica is (and until both of
@@ -422,7 +423,7 @@ class Gateway:
                 )
         sleep_route = action in ("sleep", "wake_up", "is_sleeping")
         states = []
-        for replica in self.router.replicas:
+        for replica in await self.router.every_replica():
             client = replica.client
             if action == "pause":
                 await client.pause(mode, clear_cache)
@@ -443,9 +444,9 @@ class Gateway:
         return JSONResponse({"is_sleeping" if sleep_route else "is_paused": all(states)})
 
     async def update_weights(self, path: str) -> Response:
-        """SGLang's ``/update_weights_from_disk``, on every replica in turn (a failure stops
-        there: the replicas before it serve the new weights)."""
-        for replica in self.router.replicas:
+        """SGLang's ``/update_weights_from_disk``, on every replica in turn, each answering (a
+        failure stops there: the replicas before it serve the new weights)."""
+        for replica in await self.router.every_replica():
             await replica.client.update_weights_from_disk(path)
         return JSONResponse({"success": True, "message": f"serving the weights of {path}"})
 

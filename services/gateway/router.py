@@ -223,6 +223,20 @@ class Router:
 
         await asyncio.gather(*(one(r) for r in self.replicas))
 
+    async def every_replica(self) -> list[Replica]:
+        """Every replica, each having answered a health check just now, for an action that
+        must reach them all (pause, sleep, new weights or adapters): one that does not
+        answer fails it before any replica changes, rather than after the ones before it
+        did, with a wait for the one that is gone."""
+        await self.check_health()
+        silent = [r.address for r in self.replicas if r.status is None]
+        if silent:
+            raise NoReplicaError(
+                f"replica {', '.join(silent)} does not answer, so no replica was changed; "
+                "try again once it is back"
+            )
+        return self.replicas
+
     async def watch_health(self) -> None:
         while True:
             await self.check_health()

@@ -18,7 +18,7 @@ from serving_helpers import read_metrics
 from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.router import Router
 from weir.services.launcher import GatewayProcess, ServerProcesses
-from weir.shared.client import AsyncWeirClient
+from weir.shared.client import AsyncWeirClient, WeirClient
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES, EngineArgs
 from weir.shared.sampling import SamplingParams
 
@@ -133,6 +133,13 @@ def test_a_new_gateway_serves_at_once_while_a_listed_replica_is_down(replicas):
         [result] = asyncio.run(_complete_all(base, [[[60, 61]]]))
         assert result.choices[0].finish_reason == "length"
         assert time.monotonic() - start < 10
+        # An action for every replica is refused at once, naming the one that does not
+        # answer, and changes none (the live one is not left paused).
+        for method, path in (("POST", "/pause"), ("POST", "/sleep"), ("GET", "/is_paused")):
+            reply = httpx.request(method, base + path, timeout=20)
+            assert reply.status_code == 503 and dead in reply.json()["error"]["message"]
+        with WeirClient(replicas[1].client_address) as live:
+            assert not live.is_paused() and not live.is_sleeping()
     with GatewayProcess([dead, _free_address()], timeout=30) as process:
         start = time.monotonic()
         [result] = asyncio.run(_complete_all(process.info["http_address"], [[[60, 61]]]))
