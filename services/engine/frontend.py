@@ -635,8 +635,18 @@ class ClientFrontend:
     def _prepare(self, msg: client_protocol.GenerateRequest) -> tuple[list[int], Grammar | None]:
         """The prompt's token ids and the request's structured-output state (in the pool)."""
         prompt_ids = self._tokenize(msg)
-        spec = msg.sampling_params.structured_output
-        return prompt_ids, None if spec is None else self.grammars.matcher(spec)
+        params = msg.sampling_params
+        if params.structured_output is None:
+            return prompt_ids, None
+        grammar = self.grammars.matcher(params.structured_output)
+        allowed = params.allowed_token_ids
+        if allowed is not None and not grammar.allows_any(allowed):
+            # The two masks together would leave no token to sample.
+            raise ValueError(
+                "allowed_token_ids: none of them can begin the structured output; allow "
+                "one that can, or drop one of the two"
+            )
+        return prompt_ids, grammar
 
     def _admit(
         self,

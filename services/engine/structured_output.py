@@ -57,6 +57,16 @@ class RequestGrammar:
             self._matcher.rollback(len(drafts))
         return b"".join(masks)
 
+    def allows_any(self, token_ids: Sequence[int]) -> bool:
+        """Whether one of ``token_ids`` may come next (any may while the model reasons)."""
+        mask = self.bitmask()
+        if mask is None:
+            return True
+        return any(
+            int.from_bytes(mask[t // 32 * 4 : t // 32 * 4 + 4], "little") >> (t % 32) & 1
+            for t in token_ids
+        )
+
     def allowed_drafts(self, drafts: Sequence[int]) -> list[int]:
         """The longest prefix of ``drafts`` the constraint allows from here, short of an end
         token (after which no position has a mask); while the model reasons, the drafts

@@ -790,13 +790,16 @@ class Scheduler:
                 grammar = request.grammar
                 for token in sampled:
                     if grammar is not None and not grammar.accept(token):
-                        # The executor masks what the constraint forbids: not reached.
+                        # The executor masks what the constraint forbids, so only its mask
+                        # and the request's allowed_token_ids or bad_words, leaving no token
+                        # between them, lead here: an output the format does not accept.
                         logger.error(
-                            "request %s: token %d breaks its structured output; ending it",
+                            "request %s: token %d breaks its structured output (no token "
+                            "its format allows was left to sample); ending it",
                             rid,
                             token,
                         )
-                        status = _STOPPED
+                        status = RequestStatus.FINISHED_ABORTED
                         break
                     outputs_so_far.append(token)
                     all_tokens.append(token)

@@ -828,6 +828,17 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_mode
         extra_body={"guided_choice": colours, "allowed_token_ids": allowed},
     )
     assert [c.text for c in sampled.choices] == ["green pear"] * 6
+    # Where the two leave no token: refused if none can begin the choice; cut short (abort,
+    # not stop: the output is not one the format accepts) where none can go on with it.
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids: none of them can"):
+        client.completions.create(
+            **call, extra_body={"guided_choice": colours, "allowed_token_ids": [100, 101]}
+        )
+    red, *_ = tokenizer.encode("red apple")
+    [cut] = client.completions.create(
+        **call, extra_body={"guided_choice": colours, "allowed_token_ids": [red]}
+    ).choices
+    assert cut.finish_reason == "abort" and "red apple".startswith(cut.text), cut
     regex = r"(yes|no), [0-9]{3}"
     [choice] = client.completions.create(**call, extra_body={"guided_regex": regex}).choices
     assert re.fullmatch(regex, choice.text), choice.text
