@@ -308,7 +308,7 @@ class _SamplingFields(Options):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # vLLM's int64
     stop: Stop | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False

@@ -297,6 +297,7 @@ def test_logprobs_in_both_apis(client):
         ({"logit_bias": {"100000000": 1}}, "vocabulary"),
         ({"logit_bias": {"5": 1, "05": 2}}, "token id 5 is given twice"),
         ({"temperature": -1}, "temperature"),
+        ({"seed": 2**64}, "seed"),  # vLLM's int64 (was wrapped: the seed of 0)
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": "word " * 80}, "too long"),
         ({"prompt": [[5, 10**9]]}, "vocabulary"),
