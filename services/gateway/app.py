@@ -234,6 +234,7 @@ class _Sample:
     chat: dict[str, Any] = field(default_factory=dict)  # a chat's template arguments (SDK's)
     cache_salt: str | None = None
     lora_name: str | None = None
+    prompt_field: str | None = None  # how an error names its prompt, one of several
 
 
 @dataclass(slots=True, frozen=True)
@@ -275,7 +276,18 @@ def _samples(
         )
     try:
         return [
-            _Sample(p * n + i, p, i, prompt, params(i), priority, {}, cache_salt, lora_name)
+            _Sample(
+                p * n + i,
+                p,
+                i,
+                prompt,
+                params(i),
+                priority,
+                {},
+                cache_salt,
+                lora_name,
+                f"prompt[{p}]" if len(prompts) > 1 else None,
+            )
             for p, prompt in enumerate(prompts)
             for i in range(n)
         ]
@@ -604,6 +616,8 @@ class Gateway:
                 async for outs in rest:
                     queue.put_nowait((sample.index, outs))
         except Exception as exc:
+            if isinstance(exc, InvalidRequestError) and sample.prompt_field is not None:
+                exc = InvalidRequestError(f"{sample.prompt_field}: {exc}", exc.code)
             first_token.set()
             queue.put_nowait((sample.index, exc))
             return

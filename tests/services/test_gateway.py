@@ -301,6 +301,7 @@ def test_logprobs_in_both_apis(client):
         ({"max_tokens": 0}, "max_tokens"),
         ({"prompt": "word " * 80}, "too long"),
         ({"prompt": [[5, 10**9]]}, "vocabulary"),
+        ({"prompt": [[5, 6], [7, 10**9]]}, "prompt[1]: prompt[1]: token id 1000000000"),
         ({"extra_body": {"min_tokens": 5}, "max_tokens": 2}, "min_tokens"),
         ({"prompt": ["Hi"] * 65, "n": 2}, "choices"),
         ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
