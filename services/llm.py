@@ -27,6 +27,7 @@ from weir.shared.client import (
     EmbeddingOutput,
     EventLoopThread,
     ScoreOutput,
+    WeirError,
     gather_all,
 )
 from weir.shared.config import EngineArgs
@@ -45,6 +46,12 @@ class Completion:
     finish_reason: str | None
     # With ``SamplingParams.prompt_logprobs``: each prompt token's logprob (None for the first).
     prompt_logprobs: list[float | None] | None = None
+    # With ``SamplingParams.logprobs``: per output token, the logprob of it and of the most
+    # likely ones, by token id (vLLM's ``CompletionOutput.logprobs``).
+    logprobs: list[dict[int, float]] | None = None
+    # The stop string or stop token id that ended it (vLLM's); None for the end token or a
+    # length cut.
+    stop_reason: str | int | None = None
 
 
 class LLM:
@@ -67,7 +74,7 @@ class LLM:
         self._loop = EventLoopThread()
         try:
             address, keys_dir = self._server.client_address, self._server.engine_args.keys_dir
-            self._client = self._loop.call(
+            self._open_client = self._loop.call(
                 lambda: AsyncWeirClient(address, timeout=60.0, keys_dir=keys_dir)
             )
         except BaseException:
@@ -75,7 +82,17 @@ class LLM:
             self._server.shutdown()
             raise
         # An LLM dropped without close() (or alive at exit) still stops its processes.
-        self._finalizer = weakref.finalize(self, _close, self._loop, self._client, self._server)
+        self._finalizer = weakref.finalize(
+            self, _close, self._loop, self._open_client, self._server
+        )
+
+    @property
+    def _client(self) -> AsyncWeirClient:
+        """The client, asked for before each call builds its coroutines: a closed LLM's
+        calls raise ``WeirError``."""
+        if not self._finalizer.alive:
+            raise WeirError("LLM is closed")
+        return self._open_client
 
     def __enter__(self) -> LLM:
         return self
@@ -90,14 +107,18 @@ class LLM:
         priority: Sequence[int] | None = None,
         lora_name: str | Sequence[str | None] | None = None,
     ) -> list[Completion]:
-        """One ``Completion`` per prompt, in prompt order; a prompt is text, token ids or
-        chat messages (``[{"role": "user", "content": "..."}]``). If one fails, the call
+        """One ``Completion`` per prompt, in prompt order; a prompt is text, token ids, chat
+        messages (``[{"role": "user", "content": "..."}]``) or vLLM's prompt dicts
+        (``{"prompt": text}``, ``{"prompt_token_ids": ids}``). If one fails, the call
         raises its error and the others are aborted. ``priority``: one per prompt, lower
         first (with ``policy="priority"``). ``lora_name``: the LoRA adapter (of
         ``lora_modules``) of every prompt, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int | dict)):
+        if isinstance(prompts, str | dict) or (
+            prompts and isinstance(prompts[0], int | dict) and not _is_vllm_prompt(prompts[0])
+        ):
             prompts = [prompts]  # a single prompt
-        return self._run(list(prompts), sampling_params, priority, lora_name, {})
+        prompts = [_vllm_prompt(p) for p in prompts]
+        return self._run(prompts, sampling_params, priority, lora_name, {})
 
     def chat(
         self,
@@ -161,7 +182,9 @@ class LLM:
             )
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_names for {len(prompts)} prompts")
-        return self._loop.run(self._generate_all(prompts, params, priorities, loras, chat))
+        return self._loop.run(
+            self._generate_all(self._client, prompts, params, priorities, loras, chat)
+        )
 
     def embed(
         self,
@@ -293,6 +316,7 @@ class LLM:
 
     async def _generate_all(
         self,
+        client: AsyncWeirClient,
         prompts: list[Prompt],
         params: list[SamplingParams],
         priorities: list[int],
@@ -301,13 +325,14 @@ class LLM:
     ) -> list[Completion]:
         return await gather_all(
             [
-                self._generate_one(*request, chat)
+                self._generate_one(client, *request, chat)
                 for request in zip(prompts, params, priorities, loras)
             ]
         )
 
+    @staticmethod
     async def _generate_one(
-        self,
+        client: AsyncWeirClient,
         prompt: Prompt,
         params: SamplingParams,
         priority: int,
@@ -315,19 +340,23 @@ class LLM:
         chat: dict[str, Any],
     ) -> Completion:
         completion = Completion("", [], [], "", None)
+        if params.logprobs is not None:
+            completion.logprobs = []
         texts = []
-        stream = self._client.generate(
-            prompt, params, priority=priority, lora_name=lora_name, **chat
-        )
+        stream = client.generate(prompt, params, priority=priority, lora_name=lora_name, **chat)
         async for out in stream:
             completion.request_id = out.request_id
             if out.prompt_token_ids is not None:
                 completion.prompt_token_ids = out.prompt_token_ids
             if out.prompt_logprobs is not None:
                 completion.prompt_logprobs = [row[0] for row in out.prompt_logprobs["logprobs"]]
+            if out.logprobs is not None and completion.logprobs is not None:
+                rows = zip(out.logprobs["token_ids"], out.logprobs["logprobs"], strict=True)
+                completion.logprobs += [dict(zip(ids, lps, strict=True)) for ids, lps in rows]
             completion.token_ids += out.new_token_ids
             texts.append(out.text)
             completion.finish_reason = out.finish_reason
+            completion.stop_reason = out.stop_reason
         completion.text = "".join(texts)
         return completion
 
@@ -336,6 +365,24 @@ def _close(loop: EventLoopThread, client: AsyncWeirClient, server: ServerProcess
     loop.run(client.close())
     loop.stop()
     server.shutdown()
+
+
+def _is_vllm_prompt(prompt: object) -> bool:
+    return isinstance(prompt, dict) and ("prompt" in prompt or "prompt_token_ids" in prompt)
+
+
+def _vllm_prompt(prompt: Any) -> Prompt:
+    """A prompt as Weir takes it: vLLM's ``TextPrompt`` is its text, its ``TokensPrompt``
+    its token ids (a prompt dict with other keys is refused: Weir does not take them)."""
+    if not _is_vllm_prompt(prompt):
+        return prompt  # type: ignore[no-any-return]
+    extra = set(prompt) - {"prompt", "prompt_token_ids"}
+    if extra or len(prompt) != 1:
+        raise ValueError(
+            "a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids', "
+            f"not {sorted(prompt)}"
+        )
+    return prompt.get("prompt", prompt.get("prompt_token_ids"))  # type: ignore[no-any-return]
 
 
 def _pooling_prompts(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

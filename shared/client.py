@@ -23,6 +23,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import threading
 import uuid
@@ -239,6 +240,8 @@ class AsyncWeirClient:
         timeout: float = 30.0,
         keys_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if not (isinstance(timeout, int | float) and 0 < timeout < math.inf):
+            raise ValueError(f"timeout must be a number of seconds > 0, not {timeout!r}")
         self.address = address
         self.timeout = timeout
         # The server's --max-message-size (model_info says it): a larger message would cost
@@ -645,12 +648,19 @@ class AsyncWeirClient:
         return str(reply.info["text"])
 
     async def close(self) -> None:
-        """Abort every open stream and close the socket."""
+        """Abort every open stream and close the socket; a stream or reply waited on
+        meanwhile raises ``WeirError``."""
         if self._closed:
             return
         for request_id in list(self._streams):
             self._send(AbortRequest(request_id))
         self._closed = True
+        closed = WeirError("client is closed")
+        for inbox in self._streams.values():
+            inbox.fail(closed)
+        for reply in self._replies.values():
+            if not reply.done():
+                reply.set_exception(closed)
         for request_id in list(self._leaving):
             self._left(request_id)
         for task in (self._receiver, self._watcher, self._stream_watch):
@@ -963,9 +973,22 @@ class EventLoopThread:
         return self.run(call())
 
     def stop(self) -> None:
+        """Stop the loop once the calls waiting on it ended (those a closed client failed
+        raise its error in their threads; any other is cancelled)."""
+        self.run(_end_tasks())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.loop.close()
+
+
+async def _end_tasks(grace: float = 1.0) -> None:
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if not others:
+        return
+    _, pending = await asyncio.wait(others, timeout=grace)
+    for task in pending:
+        task.cancel()
+    await asyncio.wait(pending, timeout=grace)
 
 
 class WeirClient:
@@ -1054,6 +1077,7 @@ class WeirClient:
         )
         try:
             while True:
+                self._check_open()  # a stream read after close(): the loop is gone
                 try:
                     item = self._loop.run(anext(stream))
                 except StopAsyncIteration:

@@ -7,8 +7,10 @@ together, an error comes after the outputs that preceded it, and only a stream l
 before its last output is aborted."""
 
 import asyncio
+import threading
 import time
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -18,6 +20,8 @@ from weir.shared.client import (
     EngineError,
     InvalidRequestError,
     ServerUnavailableError,
+    WeirClient,
+    WeirError,
 )
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
@@ -219,3 +223,46 @@ def test_a_request_msgpack_cannot_carry_is_refused_before_it_is_sent() -> None:
     assert len(problems) == 3 and "'\\ud800', a lone surrogate" in problems[0]
     assert all("64-bit" in problem for problem in problems[1:])
     assert requests == ["good"] and aborts == []
+
+
+def test_closing_a_client_ends_the_calls_waiting_on_it_at_once() -> None:
+    """A stream read and a reply waited on in other threads raise ``WeirError`` when the
+    client closes (they waited forever: the loop they waited on was stopped under them);
+    a closed client's calls raise it too, and a timeout that is no wait is refused."""
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)  # takes the requests, never answers
+    address = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+    client = WeirClient(address, timeout=30)
+    errors: dict[str, BaseException] = {}
+
+    def wait(name: str, call) -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors[name] = exc
+
+    waiters = [
+        threading.Thread(target=wait, args=(name, call), daemon=True)
+        for name, call in (
+            ("stream", lambda: list(client.generate([1], SamplingParams()))),
+            ("reply", client.model_info),
+        )
+    ]
+    for waiter in waiters:
+        waiter.start()
+    for _ in waiters:
+        assert server.poll(10_000), "the requests never arrived"
+        server.recv_multipart()
+    start = time.monotonic()
+    client.close()
+    for waiter in waiters:
+        waiter.join(timeout=5)
+    assert not [w for w in waiters if w.is_alive()] and time.monotonic() - start < 5
+    for name in ("stream", "reply"):
+        assert isinstance(errors[name], WeirError) and "client is closed" in str(errors[name])
+    with pytest.raises(WeirError, match="client is closed"):
+        next(client.generate([1], SamplingParams()))
+    context.destroy(linger=0)
+    for timeout in (None, 0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            WeirClient(address, timeout=timeout)

@@ -4,10 +4,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from serving_helpers import hf_greedy, read_metrics
 
 from weir.services import LLM, Completion
-from weir.shared.client import InvalidRequestError
+from weir.shared.client import InvalidRequestError, WeirError
 from weir.shared.sampling import SamplingParams
 
 MODEL = "tiny-llama"
@@ -43,7 +44,23 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
             time.sleep(0.05)
         [chat] = llm.generate([{"role": "user", "content": "Hi"}], params[0])  # one prompt
         assert len(chat.token_ids) == 3
+        # vLLM's prompt dicts, its logprobs and stop_reason.
+        as_dicts = llm.generate(
+            [{"prompt": prompts[0]}, {"prompt_token_ids": prompts[1]}], params[:2]
+        )
+        [one_dict] = llm.generate({"prompt_token_ids": prompts[1]}, params[1])
+        with pytest.raises(ValueError, match="a prompt dict holds one of"):
+            llm.generate({"prompt": "Hi", "multi_modal_data": {}})
+        [scored] = llm.generate(
+            prompts[1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
+        )
+        stop_id = completions[1].token_ids[2]
+        [stopped] = llm.generate(
+            prompts[1], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop_id])
+        )
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    with pytest.raises(WeirError, match="LLM is closed"):
+        llm.generate("Hi", params[0])
 
     assert [type(c) for c in completions] == [Completion] * 3
     for prompt, n, c in zip(prompts, lengths, completions):
@@ -55,6 +72,21 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
     assert single.token_ids == completions[0].token_ids
     # vLLM's detokenize=False: the same tokens, no text.
     assert quiet.token_ids == completions[2].token_ids and completions[2].text and not quiet.text
+    assert [c.token_ids for c in as_dicts] == [c.token_ids for c in completions[:2]]
+    assert one_dict.token_ids == completions[1].token_ids
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
+    assert completions[1].stop_reason is None and completions[1].logprobs is None
+    with torch.no_grad():
+        ids = prompts[1] + scored.token_ids
+        ref = torch.log_softmax(tiny_hf_model(torch.tensor([ids])).logits[0].double(), -1)
+    assert scored.token_ids == completions[1].token_ids[:3] and len(scored.logprobs) == 3
+    for i, (token, row) in enumerate(zip(scored.token_ids, scored.logprobs)):
+        want = ref[len(prompts[1]) - 1 + i]
+        top = want.topk(2).indices.tolist()
+        assert set(row) == {token, *top}
+        assert [row[t] for t in (token, *top)] == pytest.approx(
+            [want[t].item() for t in (token, *top)], abs=1e-4
+        )
 
 
 def test_an_llm_dropped_without_close_stops_its_processes(tiny_model_dir):
