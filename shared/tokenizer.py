@@ -315,10 +315,26 @@ class IncrementalDetokenizer:
         self._pieces = tokenizer.whole_pieces
         self._skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         # Whether the text so far ends on a whole character; the first output token decodes
         # in the prompt's context, which may not.
         self._whole = False
+        # Characters of the prompt's text that the first output text repeats (see below).
+        self._repeated = 0
+        prompt_text = (
+            self._backend.decode(context, skip_special_tokens=skip_special_tokens)
+            if context and self._pieces[context[-1]] is None
+            else ""
+        )
+        if prompt_text.endswith("\ufffd"):
+            # A prompt that ends inside a character: given it as its prefix, DecodeStream's
+            # first step would return the text of the whole window. Stepped through, as
+            # vLLM primes its stream, it holds back the token the character begins in, which
+            # the first output text then repeats, less what the output completes.
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            primed = "".join(chunk or "" for chunk in map(self._decode_step, context))
+            self._repeated = len(prompt_text.rstrip("\ufffd")) - len(primed)
+        else:
+            self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         if len(new_token_ids) == 1:  # a decode step's one token: no generator, no join
@@ -336,6 +352,8 @@ class IncrementalDetokenizer:
                 return piece
         chunk = self._decode_step(token_id)
         self._whole = chunk is not None
+        if chunk is not None and self._repeated:
+            chunk, self._repeated = chunk[self._repeated :], 0
         return chunk
 
     def _decode_step(self, token_id: int) -> str | None:

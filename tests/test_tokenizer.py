@@ -202,12 +202,40 @@ def test_whole_pieces_change_no_character(
     prompt = data.draw(st.lists(any_id, max_size=8))
     detok = IncrementalDetokenizer(ours, prompt)
     text = "".join(detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk))
-    alone = _decode_stream_alone(ours, prompt, ids)
-    if alone is not None:
+    before = hf_dir.decode(prompt[-6:], skip_special_tokens=True)
+    if before.endswith("\ufffd"):
+        # A prompt that ends inside a character: the output's text is what its tokens add
+        # to the prompt's whole text (the character they complete, not the prompt's end).
+        both = hf_dir.decode(prompt[-6:] + ids, skip_special_tokens=True)
+        clean = before.rstrip("\ufffd")
+        if both.startswith(clean) and "\ufffd" not in both[len(clean) :]:
+            assert text == both[len(clean) :]
+    elif (alone := _decode_stream_alone(ours, prompt, ids)) is not None:
         assert text == alone
     full = hf_dir.decode(ids, skip_special_tokens=True)
     if "\ufffd" not in full + hf_dir.decode(prompt[-6:]):
         assert text == full
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_prompt_that_ends_inside_a_character_is_not_repeated_in_the_output(
+    ours: Tokenizer, hf_dir, skip_special_tokens: bool
+) -> None:
+    """Token-id prompts cut anywhere: the output's text is what transformers decodes of
+    prompt and output together past the prompt's whole text (its first step returned the
+    prompt's last tokens' text too, where the prompt ended inside a character)."""
+    ids = ours.encode("The Japanese word for Japan is 日本 😀 <|im_end|> テキスト 🎉 ok")
+    inside = 0
+    for cut in range(1, len(ids)):
+        prompt, out = ids[:cut], ids[cut:]
+        detok = IncrementalDetokenizer(ours, prompt, skip_special_tokens=skip_special_tokens)
+        text = "".join(detok.add([t]) for t in out)
+        before = hf_dir.decode(prompt, skip_special_tokens=skip_special_tokens)
+        inside += before.endswith("\ufffd")
+        clean = before.rstrip("\ufffd")
+        whole = hf_dir.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert whole.startswith(clean) and text == whole[len(clean) :], cut
+    assert inside >= 5
 
 
 def test_common_tokens_have_whole_pieces(ours: Tokenizer, partial_ids: list[int]) -> None:
