@@ -541,6 +541,12 @@ class EngineArgs:
             object.__setattr__(self, "kv_cache_memory", size)  # frozen
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("block_size", self.block_size, 1)
+        _check_int("ngram_min", self.ngram_min, 1)
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(
+                f"ngram_max (prompt_lookup_max) {self.ngram_max} is less than ngram_min "
+                f"(prompt_lookup_min) {self.ngram_min}"
+            )
         if isinstance(self.lora_modules, (str, list)):  # LLM(lora_modules="a=/x") or a list
             modules = (
                 (self.lora_modules,) if isinstance(self.lora_modules, str) else self.lora_modules
@@ -637,6 +643,11 @@ class EngineArgs:
                 elif key != "method":  # the roles would refuse a number's text at their start
                     _check_int(f"speculative_config {key}", config[key], 1)
                 object.__setattr__(self, name, config[key])  # frozen
+        # vLLM's: one bound given is the other too.
+        if "prompt_lookup_min" in config and "prompt_lookup_max" not in config:
+            object.__setattr__(self, "ngram_max", config["prompt_lookup_min"])
+        if "prompt_lookup_max" in config and "prompt_lookup_min" not in config:
+            object.__setattr__(self, "ngram_min", config["prompt_lookup_max"])
         object.__setattr__(self, "speculative_config", None)
 
     def _check_draft_model(self) -> None:

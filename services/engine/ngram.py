@@ -9,7 +9,10 @@ several tokens per forward pass.
 Cost: each request keeps a map from every n-gram it has seen to the position after
 its latest occurrence, extended only by the tokens added since the last step, so a
 proposal costs O((tokens added) x (n_max - n_min + 1)) dict operations, independent of
-the sequence length. It runs in the scheduler process, where the tokens already are
+the sequence length. The map holds n-grams of at most ``MAX_NGRAM_LENGTHS`` lengths from
+``n_min`` up (a larger ``n_max`` matches as ``n_min + MAX_NGRAM_LENGTHS - 1``): each
+length adds a key of that many tokens per position, so 256 lengths took a 4k-token prompt's
+first proposal 3 s and 1 GB. A match that long copies as well as a longer one would. It runs in the scheduler process, where the tokens already are
 (the executor would need them sent back or kept twice), between ``update_from_output``
 and the next ``schedule``.
 """
@@ -21,6 +24,10 @@ from dataclasses import dataclass, field
 
 from weir.services.scheduler.request import Request
 from weir.shared.config import EngineArgs
+
+
+# The n-gram lengths a request's map holds at most (see above).
+MAX_NGRAM_LENGTHS = 16
 
 
 @dataclass(slots=True)
@@ -37,7 +44,8 @@ class NgramProposer:
             raise ValueError(
                 f"ngram: need k >= 1 and 1 <= n_min <= n_max, got {k}, {n_min}, {n_max}"
             )
-        self.k, self.n_min, self.n_max = k, n_min, n_max
+        self.k, self.n_min = k, n_min
+        self.n_max = min(n_max, n_min + MAX_NGRAM_LENGTHS - 1)
         # By request object, not id: a new request may reuse an ended one's id.
         self._indexes: dict[Request, _Index] = {}
 

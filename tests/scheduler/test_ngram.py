@@ -1,9 +1,10 @@
 """The n-gram (prompt-lookup) proposer against a brute-force search."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weir.services.engine.ngram import NgramProposer, make_proposer
+from weir.services.engine.ngram import MAX_NGRAM_LENGTHS, NgramProposer, make_proposer
 from weir.services.scheduler import Request
 from weir.shared.config import EngineArgs
 
@@ -66,16 +67,32 @@ def test_incremental_index_equals_brute_force(prompt, appended, k, n_min, extra)
         )
 
 
+def test_a_long_n_max_matches_as_the_longest_length_the_map_holds():
+    """n-grams of up to MAX_NGRAM_LENGTHS lengths are kept (each length costs a key of that
+    many tokens per position: 256 lengths took a 4k-token prompt 3 s and 1 GB)."""
+    passage = list(range(100, 140))
+    tokens = passage + [1, 1, 1, 1] + passage[-20:] + [2, 2, 2, 2] + passage
+    proposer = NgramProposer(k=4, n_min=1, n_max=256)
+    assert proposer.n_max == MAX_NGRAM_LENGTHS
+    drafts = proposer.propose([decoding("r", tokens)])
+    assert drafts == {"r": brute_force(tokens, 4, 1, MAX_NGRAM_LENGTHS)}
+    assert drafts == {"r": [2, 2, 2, 2]}  # the latest 16 tokens' match, not the first 40's
+    assert brute_force(tokens, 4, 1, 256) == [1, 1, 1, 1]
+    [index] = proposer._indexes.values()
+    assert len(index.after) <= MAX_NGRAM_LENGTHS * len(tokens)
+
+
 def test_options_are_checked():
     assert make_proposer(EngineArgs()) is None
     assert make_proposer(EngineArgs(speculative_method="ngram", num_speculative_tokens=4)).k == 4
     for bad in (
         EngineArgs(speculative_method="ngram"),
         EngineArgs(num_speculative_tokens=2),
-        EngineArgs(speculative_method="ngram", num_speculative_tokens=2, ngram_min=3, ngram_max=2),
     ):
         try:
             make_proposer(bad)
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad}")
+    with pytest.raises(ValueError, match="ngram_max .* is less than ngram_min"):
+        EngineArgs(speculative_method="ngram", num_speculative_tokens=2, ngram_min=3, ngram_max=2)

@@ -147,8 +147,12 @@ def test_vllms_speculative_config_is_the_four_options_it_stands_for():
     config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
     args = build_parser().parse_args(["serve", "--speculative-config", config])
     engine = EngineArgs.from_cli(args)
-    want = EngineArgs(speculative_method="ngram", num_speculative_tokens=3, ngram_max=5)
+    # One bound given is the other too (vLLM's).
+    want = EngineArgs(
+        speculative_method="ngram", num_speculative_tokens=3, ngram_min=5, ngram_max=5
+    )
     assert engine == want == EngineArgs(speculative_config=json.loads(config))
+    assert want == EngineArgs(speculative_config=config.replace("max", "min"))
     scheduler = build_parser().parse_args(["scheduler", *engine.to_argv("scheduler")])
     assert EngineArgs.from_cli(scheduler).scheduler_config(100).num_speculative_tokens == 3
     for bad, words in [
@@ -166,6 +170,10 @@ def test_vllms_speculative_config_is_the_four_options_it_stands_for():
             "num_speculative_tokens must be an int",
         ),
         ('{"method": "ngram", "prompt_lookup_min": 0}', "prompt_lookup_min must be >= 1"),
+        (
+            '{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 4}',
+            "ngram_max (prompt_lookup_max) 4 is less than ngram_min (prompt_lookup_min) 5",
+        ),
     ]:
         with pytest.raises(ValueError, match=re.escape(words)):
             EngineArgs(speculative_config=bad)
