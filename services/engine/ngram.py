@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from weir.services.scheduler.request import Request
 from weir.shared.config import EngineArgs
 
-
 # The n-gram lengths a request's map holds at most (see above).
 MAX_NGRAM_LENGTHS = 16
 
