@@ -59,16 +59,22 @@ class KVCacheManager:
         long = limit is not None and len(request.prompt_token_ids) > limit
         return salted_root(request.cache_salt, request.lora_name, long)
 
+    def looks_up(self, request: Request) -> bool:
+        """Whether ``get_computed_blocks`` looks in the cache for it: not for a request
+        that asks for prompt logprobs (vLLM's rule), or that pools more than the last
+        token's hidden state (each prompt position is computed for them), nor without
+        prefix caching."""
+        return (
+            self.enable_prefix_caching
+            and request.prompt_logprobs is None
+            and request.pooling in (None, "LAST")
+        )
+
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Longest cached prefix of the request's tokens, whole blocks only, and never
-        all of them: the last token is always computed so the step yields logits. None for
-        a request that asks for prompt logprobs (vLLM's rule), or that pools more than the
-        last token's hidden state: each prompt position is computed for them."""
-        if (
-            not self.enable_prefix_caching
-            or request.prompt_logprobs is not None
-            or request.pooling not in (None, "LAST")
-        ):
+        all of them: the last token is always computed so the step yields logits; none
+        where it does not look (``looks_up``)."""
+        if not self.looks_up(request):
             return []
         get = self.pool.get_cached_block
         hits = []

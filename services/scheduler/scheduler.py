@@ -630,9 +630,10 @@ class Scheduler:
             kv.allocate_slots(request, num_new)  # fits: checked for the whole prompt above
             if config.num_lookahead_tokens:
                 self._allocate_lookahead(request, num_new, {})
-            if request.admitted_step == 0:
+            if request.admitted_step == 0 and kv.looks_up(request):
                 # A prompt's lookup, as vLLM's counters: recomputing after a preemption or a
-                # lost executor group hits the request's own blocks, not the cache's reuse.
+                # lost executor group hits the request's own blocks, not the cache's reuse;
+                # a request that skips the cache is no lookup.
                 self._prefix_cache_queries += num_tokens
                 self._prefix_cache_hits += num_hit_tokens
             rid = request.request_id

@@ -49,6 +49,14 @@ def test_prefix_hits_are_whole_blocks_and_never_the_whole_prompt():
     }
     stats = scheduler.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (8 + 8 + 10 + 6, 16)
+    # A request that skips the cache (prompt logprobs: every position computed) is no
+    # lookup, as vLLM counts them: it would lower the hit rate of the ones that are.
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    scheduler.add_request(Request("logprobs", base, params))
+    plan, _ = run_step(scheduler, executor)
+    assert plan.new_requests[0].num_computed_tokens == 0
+    stats = scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (8 + 8 + 10 + 6, 16)
 
 
 def test_watermark_reserve_applies_only_while_something_runs():
