@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
@@ -47,10 +49,23 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationBlocks(Extension):
+    """``{% generation %}...{% endgeneration %}``, which marks the assistant's text for
+    training (TRL's assistant-only loss): rendered as its body, as transformers renders it
+    when no one asks for the marks."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the environment transformers' `apply_chat_template` uses."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlocks]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

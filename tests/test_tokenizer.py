@@ -120,6 +120,30 @@ def test_the_developer_role_is_the_system_role(ours: Tokenizer, hf_dir) -> None:
     assert ours.apply_chat_template(developer) == expected
 
 
+def test_generation_blocks_render_as_transformers_renders_them(
+    default_model_dir: Path, hf_dir
+) -> None:
+    """TRL's assistant-only-loss templates mark the assistant's text with ``{% generation
+    %}``: rendered as its body (a template with it was refused as not Jinja)."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}{% generation %}{% set n = 1 %}{{ m.content }}"
+        "<|im_end|>{% endgeneration %}{{ n | default('x') }}\n"
+        "{% else %}{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 🎉?"},
+    ]
+    expected = hf_dir.apply_chat_template(
+        chat, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    ours = Tokenizer.from_model_dir(default_model_dir, chat_template=template)
+    assert ours.apply_chat_template(chat) == expected and "<|im_end|>x" in expected
+
+
 @pytest.mark.parametrize("text", TEXTS)
 def test_decode_round_trip_matches_transformers(text: str, ours: Tokenizer, hf_dir) -> None:
     ids = ours.encode(text)
