@@ -310,7 +310,17 @@ class ModelRunner:
             )
         self.reset()
         self.graphs: StepGraphs | None = None
-        self._allocate_caches()
+        try:
+            self._allocate_caches()
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if "allocate" not in str(exc):
+                raise
+            size = self.num_blocks * self.model.kv_cache_bytes_per_block(self.block_size)
+            raise ValueError(
+                f"the KV cache ({self.num_blocks} blocks, {size / 2**30:.1f} GiB) does not fit "
+                f"in {self.device}'s memory: lower --kv-cache-memory (or "
+                f"--gpu-memory-utilization on a GPU) ({str(exc).splitlines()[0]})"
+            ) from None
         # vLLM's sleep mode: 0 awake, else the level ``sleep`` freed the KV cache at; the
         # weights may wake first (``wake(("weights",))``), to load new ones into.
         self.sleep_level = 0
