@@ -119,7 +119,17 @@ _ROUTES = (
     "/invocations",
     "/metrics",
     "/version",
+    "/v1/responses",
 )
+_STORED_RESPONSE_ROUTE = "/v1/responses/{response_id}"
+
+
+def _route_label(path: str) -> str:
+    """A request's ``route`` label: its route (a stored response's by its template), or
+    "other" for any other path, so that a client cannot mint series."""
+    if path in _ROUTES:
+        return path
+    return _STORED_RESPONSE_ROUTE if path.startswith("/v1/responses/") else "other"
 # Routes outside /v1 that still make the engine work: they need the API key too.
 _ENGINE_ROUTES = frozenset(
     {
@@ -1283,7 +1293,7 @@ class _Metered:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in _ROUTES else "other"
+        route = _route_label(scope["path"])
         start = time.perf_counter()
         status = 500
 

@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-from serving_helpers import hf_greedy, small_server
+from serving_helpers import hf_greedy, read_metrics, small_server
 
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.response_store import ResponseStore
@@ -200,7 +200,9 @@ def test_a_lone_surrogate_is_echoed_as_json_can_and_refused_where_the_model_read
     assert "tools: text holds '\\ud800', a lone surrogate" in reply.json()["error"]["message"]
 
 
-def test_a_stored_response_is_continued_read_back_and_deleted(client, tokenizer, tiny_hf_model):
+def test_a_stored_response_is_continued_read_back_and_deleted(
+    server, client, tokenizer, tiny_hf_model
+):
     """store (OpenAI's default): previous_response_id continues a conversation as if its
     input and output were sent again (its instructions not carried over, as OpenAI's),
     whole or streamed; retrieve reads a response back and delete drops it; store: false
@@ -240,6 +242,11 @@ def test_a_stored_response_is_continued_read_back_and_deleted(client, tokenizer,
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+    # The gateway's metrics name these routes (they were "other", with unknown paths).
+    samples = read_metrics(server.info["http_address"] + "/metrics")
+    assert samples['weir_gateway_requests_total{route="/v1/responses",status="200"}'] >= 4
+    stored = 'weir_gateway_requests_total{route="/v1/responses/{response_id}",status="404"}'
+    assert samples[stored] >= 2
 
 
 def test_the_store_keeps_each_conversation_once_within_its_bounds():
