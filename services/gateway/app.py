@@ -130,6 +130,8 @@ def _route_label(path: str) -> str:
     if path in _ROUTES:
         return path
     return _STORED_RESPONSE_ROUTE if path.startswith("/v1/responses/") else "other"
+
+
 # Routes outside /v1 that still make the engine work: they need the API key too.
 _ENGINE_ROUTES = frozenset(
     {
