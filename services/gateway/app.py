@@ -211,6 +211,8 @@ CLIENT_CLOSED_REQUEST = 499
 # Every choice is a request of its own: one HTTP request may not ask for more.
 MAX_CHOICES = 128
 # How the engine names the structured output a tool choice asks for in its refusals.
+# Fields the engine names in its errors, and the Responses fields they came from.
+_RESPONSES_FIELDS = (("max_tokens", "max_output_tokens"), ("structured_output.json", "text.format"))
 _TOOL_SCHEMA_FIELD = "structured_output.json"
 
 # A request's outputs as they arrive: per batch, each choice index with its new outputs.
@@ -784,7 +786,16 @@ class Gateway:
             chat = body.chat_request()
         except ResponsesFieldError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param=exc.field) from None
-        return await self._chat(chat, functools.partial(self._response, body, store))
+        try:
+            return await self._chat(chat, functools.partial(self._response, body, store))
+        except (APIError, InvalidRequestError) as exc:
+            error = _api_error(exc)
+            # The engine names the chat's fields; the client sent the Responses ones.
+            for engine_field, field in _RESPONSES_FIELDS:
+                if error.message.startswith(engine_field):
+                    message = error.message.replace(engine_field, field)
+                    raise APIError(error.status, message, error.type, error.code, field) from None
+            raise
 
     async def stored_response(self, response_id: str, delete: bool = False) -> Response:
         """``GET`` (or ``DELETE``) ``/v1/responses/{id}``: a stored response."""

@@ -165,6 +165,13 @@ def test_a_thought_that_nothing_followed_keeps_its_turn():
         ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice", "needs tools"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"top_k": 5}, "top_k", "unsupported field"),
+        # What the engine refuses, in the request's own fields (it named the chat's).
+        ({"max_output_tokens": 10**6}, "max_output_tokens", "max_output_tokens is too large"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no"}}}},
+            "text.format",
+            "text.format: cannot compile it",
+        ),
     ],
 )
 def test_what_a_response_cannot_do_is_a_400_that_names_it(server, fields, param, words):
