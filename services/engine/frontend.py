@@ -359,12 +359,13 @@ class ClientFrontend:
             self.send_error(identity, msg.request_id, client_protocol.INVALID_REQUEST, str(exc))
             return
         except ExecutorLostError:
+            # Lost during the action, or before it (a group being replaced): a retry's case.
             self.send_error(
                 identity,
                 msg.request_id,
-                client_protocol.ENGINE_ERROR,
-                f"the executors were lost during {msg.action}; the group that replaces them "
-                "serves the weights last asked for: ask again once the server is healthy",
+                client_protocol.SERVER_UNAVAILABLE,
+                f"{msg.action}: the executors were lost; the group that replaces them "
+                "serves the weights last asked for, awake: ask again once the server is healthy",
             )
             return
         except Exception as exc:  # a bug must cost this call its answer, never its caller a wait
@@ -555,6 +556,16 @@ class ClientFrontend:
             _log.info("awake" if not self.sleep_level else "weights awake; the KV cache sleeps")
         if resume and not self.sleep_level:
             self.resume()
+
+    def group_replaced(self) -> None:
+        """A new executor group took the lost one's place: it starts awake, and so does
+        the engine, resuming as a wake_up would (it says so rather than sleep while the
+        executors hold their memory)."""
+        if self.sleep_level:
+            self.sleep_level, self.weights_asleep = 0, False
+            _log.warning("the executors were replaced while the engine slept: it is awake")
+            if self._resume_on_waking:
+                self.resume()
 
     def resume(self) -> None:
         if self.sleep_level:

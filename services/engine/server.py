@@ -409,6 +409,7 @@ class SchedulerServer:
                 self._recovery_deadline = None
             if not self._draining:
                 self.frontend.unavailable = None
+            self.frontend.group_replaced()
             too_big = core.scheduler.reset_executor_state(cache_config)
             for rid, problem in too_big.items():
                 _log.error(

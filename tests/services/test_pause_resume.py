@@ -24,12 +24,17 @@ from serving_helpers import (
     raw_dealer,
     read_metrics,
     small_server,
+    stop_the_replacement,
     wait_for_metric,
 )
 
 from weir.services import LLM
 from weir.services.launcher import EXECUTOR
-from weir.shared.client import EngineError, InvalidRequestError, WeirClient
+from weir.shared.client import (
+    InvalidRequestError,
+    ServerUnavailableError,
+    WeirClient,
+)
 from weir.shared.protocol import client as client_protocol
 from weir.shared.sampling import SamplingParams
 
@@ -241,9 +246,32 @@ def test_an_executor_lost_while_the_engine_goes_to_sleep_leaves_it_awake(server)
         time.sleep(0.3)
         os.kill(executor, signal.SIGKILL)
         sleeping.join(60)
-        assert len(failed) == 1 and isinstance(failed[0], EngineError), failed
-        assert "lost during sleep" in str(failed[0])
+        assert len(failed) == 1 and isinstance(failed[0], ServerUnavailableError), failed
+        assert "sleep: the executors were lost" in str(failed[0])
         _wait_healthy(client)
+        assert not client.is_paused()
+        assert len(list(_tokens(client, PROMPT[:7], 5))) == 5
+
+
+def test_executors_replaced_while_the_engine_sleeps_wake_it(server):
+    """The group that replaces a sleeping one starts awake, holding its memory: the engine
+    says so and resumes, as a wake_up would (it said it slept, and held its requests, with
+    the new executors awake), and a wake_up meanwhile is a retry's 503, not an engine error."""
+    with WeirClient(server.client_address) as client:
+        client.sleep(1)
+        lost = _executor_pid(server)
+        os.kill(lost, signal.SIGKILL)
+        replacement = stop_the_replacement(server, lost)
+        deadline = time.monotonic() + 60
+        while client.health()["status"] == "ok":  # until the scheduler saw the loss
+            assert time.monotonic() < deadline, "the lost executor was never noticed"
+            time.sleep(0.05)
+        with pytest.raises(ServerUnavailableError, match="wake_up: the executors were lost"):
+            client.wake_up()
+        os.kill(replacement, signal.SIGCONT)
+        while client.is_sleeping():
+            assert time.monotonic() < deadline, "the replaced executors' engine still sleeps"
+            time.sleep(0.1)
         assert not client.is_paused()
         assert len(list(_tokens(client, PROMPT[:7], 5))) == 5
 
