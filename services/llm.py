@@ -376,8 +376,7 @@ def _vllm_prompt(prompt: Any) -> Prompt:
     its token ids (a prompt dict with other keys is refused: Weir does not take them)."""
     if not _is_vllm_prompt(prompt):
         return prompt  # type: ignore[no-any-return]
-    extra = set(prompt) - {"prompt", "prompt_token_ids"}
-    if extra or len(prompt) != 1:
+    if len(prompt) != 1:
         raise ValueError(
             "a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids', "
             f"not {sorted(prompt)}"

@@ -347,7 +347,7 @@ class IncrementalDetokenizer:
             # the first output text then repeats, less what the output completes.
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
             primed = "".join(chunk or "" for chunk in map(self._decode_step, context))
-            self._repeated = len(prompt_text.rstrip("\ufffd")) - len(primed)
+            self._repeated = max(0, len(prompt_text.rstrip("\ufffd")) - len(primed))
         else:
             self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 

@@ -12,9 +12,10 @@ proposal costs O((tokens added) x (n_max - n_min + 1)) dict operations, independ
 the sequence length. The map holds n-grams of at most ``MAX_NGRAM_LENGTHS`` lengths from
 ``n_min`` up (a larger ``n_max`` matches as ``n_min + MAX_NGRAM_LENGTHS - 1``): each
 length adds a key of that many tokens per position, so 256 lengths took a 4k-token prompt's
-first proposal 3 s and 1 GB. A match that long copies as well as a longer one would. It runs in the scheduler process, where the tokens already are
-(the executor would need them sent back or kept twice), between ``update_from_output``
-and the next ``schedule``.
+first proposal 3 s and 1 GB. A match that long copies as well as a longer one would.
+
+It runs in the scheduler process, where the tokens already are (the executor would need
+them sent back or kept twice), between ``update_from_output`` and the next ``schedule``.
 """
 
 from __future__ import annotations
