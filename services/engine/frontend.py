@@ -154,6 +154,7 @@ class ClientFrontend:
         if tokenizer.eos_token_id is not None:
             end_ids.add(tokenizer.eos_token_id)
         self.grammars = GrammarCompiler(tokenizer, vocab_size, sorted(end_ids))
+        self._grammar_end_ids = frozenset(end_ids)
         # Clients whose send queue filled (not reading) -> the requests that ended for it,
         # which they are told of once their queue has room again.
         self._behind: dict[bytes, list[str]] = {}
@@ -696,7 +697,12 @@ class ClientFrontend:
         stream.pooling = msg.pooling_params
         try:
             request = self._new_request(rid, prompt_ids, msg, now)
-            request.grammar = grammar
+            if grammar is not None:
+                request.grammar = grammar
+                # Its format allows them only where it is complete, and nothing after: they
+                # end it under ignore_eos too (the scheduler asked a finished matcher for a
+                # mask and stopped).
+                request.stop_ids |= self._grammar_end_ids
             self.core.scheduler.add_request(request)
         except AdapterNotFound as exc:
             self.send_error(identity, rid, client_protocol.NOT_FOUND, str(exc))

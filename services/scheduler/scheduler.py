@@ -807,10 +807,11 @@ class Scheduler:
                     count += 1
                     num_outputs = len(outputs_so_far)
                     # A structured output allows an end token only where it is complete,
-                    # and nothing after it: it ends the request even before min_tokens, and
-                    # under ignore_eos (where its end tokens are not in stop_ids).
-                    if (token in stop_ids and num_outputs >= request.min_tokens) or (
-                        grammar is not None and grammar.is_terminated()
+                    # and nothing after it: it ends the request even before min_tokens (and
+                    # under ignore_eos: the front end adds its end tokens to stop_ids).
+                    if token in stop_ids and (
+                        num_outputs >= request.min_tokens
+                        or (grammar is not None and grammar.is_terminated())
                     ):
                         status = _STOPPED
                         break
