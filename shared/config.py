@@ -635,19 +635,25 @@ class EngineArgs:
                 "from the prompt and output; draft_model: a smaller model's, named by "
                 f'"model"), got {config.get("method")!r}'
             )
-        for key, name in keys.items():
-            if key in config:
-                if key in ("model", "quantization"):
-                    if type(config[key]) is not str or not config[key]:
-                        raise ValueError(f"speculative_config {key} must be a non-empty string")
-                elif key != "method":  # the roles would refuse a number's text at their start
-                    _check_int(f"speculative_config {key}", config[key], 1)
-                object.__setattr__(self, name, config[key])  # frozen
+        for key in ("model", "quantization"):
+            if key in config and (type(config[key]) is not str or not config[key]):
+                raise ValueError(f"speculative_config {key} must be a non-empty string")
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            if key in config:  # the roles would refuse a number's text at their start
+                _check_int(f"speculative_config {key}", config[key], 1)
         # vLLM's: one bound given is the other too.
-        if "prompt_lookup_min" in config and "prompt_lookup_max" not in config:
-            object.__setattr__(self, "ngram_max", config["prompt_lookup_min"])
-        if "prompt_lookup_max" in config and "prompt_lookup_min" not in config:
-            object.__setattr__(self, "ngram_min", config["prompt_lookup_max"])
+        bounds = ("prompt_lookup_min", "prompt_lookup_max")
+        for key, other in (bounds, bounds[::-1]):
+            if key in config:
+                config.setdefault(other, config[key])
+        for key, value in config.items():
+            name = keys[key]
+            given = getattr(self, name)
+            if given != _default_of(EngineArgs, name) and given != value:
+                raise ValueError(
+                    f"speculative_config {key} {value!r} and {name} {given!r}: give it in one place"
+                )
+            object.__setattr__(self, name, value)  # frozen
         object.__setattr__(self, "speculative_config", None)
 
     def _check_draft_model(self) -> None:

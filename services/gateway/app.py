@@ -121,15 +121,27 @@ _ROUTES = (
     "/version",
     "/v1/responses",
 )
-_STORED_RESPONSE_ROUTE = "/v1/responses/{response_id}"
+# The routes with a path parameter, labelled by their template.
+_TEMPLATE_ROUTES = {
+    "/v1/responses/": "/v1/responses/{response_id}",
+    "/v1/models/": "/v1/models/{name}",
+}
 
 
 def _route_label(path: str) -> str:
-    """A request's ``route`` label: its route (a stored response's by its template), or
+    """A request's ``route`` label: its route (one with a parameter by its template), or
     "other" for any other path, so that a client cannot mint series."""
     if path in _ROUTES:
         return path
-    return _STORED_RESPONSE_ROUTE if path.startswith("/v1/responses/") else "other"
+    return next((t for p, t in _TEMPLATE_ROUTES.items() if path.startswith(p)), "other")
+
+
+def _not_json_content(request: Request) -> APIError:
+    """A body sent as another type: FastAPI reads JSON only under its content type (a
+    browser's form cannot forge that without asking CORS first)."""
+    sent = request.headers.get("content-type", "none")
+    message = f"the body must be JSON sent with Content-Type: application/json (got {sent})"
+    return APIError(400, message, "invalid_request_error")
 
 
 # Routes outside /v1 that still make the engine work: they need the API key too.
@@ -420,6 +432,8 @@ class Gateway:
             if exc.code == NOT_FOUND:
                 raise APIError(404, str(exc), "not_found_error", NOT_FOUND, "lora_name") from None
             raise
+        finally:
+            self._model = None  # the adapters listed changed: the next request asks again
         done = "removed" if path is None else "added"
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
 
@@ -1441,10 +1455,14 @@ def create_app(
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         # A body that is not JSON, an unknown route or method: OpenAI's error shape too.
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_).response()
+        response = APIError(exc.status_code, str(exc.detail), type_).response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
+        if isinstance(exc.body, bytes) and exc.body:  # FastAPI reads only a JSON body
+            return _not_json_content(request).response()
         problems, fields = [], []
         for error in exc.errors():
             if error["type"] == "json_invalid":
@@ -1645,9 +1663,14 @@ def create_app(
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json" and not (
+            media.startswith("application/") and media.endswith("+json")
+        ):  # FastAPI's rule for the other routes' bodies
+            return _not_json_content(request).response()
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested too deep
             return APIError(400, "the body is not valid JSON", "invalid_request_error").response()
         if not isinstance(body, dict) or not {"messages", "prompt", "input"} & body.keys():
             message = "an invocation is a chat (messages), a completion (prompt) or an input"

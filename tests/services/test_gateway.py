@@ -375,6 +375,19 @@ def test_bodies_and_routes_http_refuses_get_openai_error_bodies(server):
     for reply, status in ((not_utf8, 400), (unknown, 404), (wrong_method, 405)):
         assert reply.status_code == status
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}, reply.text
+    assert wrong_method.headers["allow"] == "POST"  # RFC 9110's, which the 405 had lost
+    # JSON sent as another type (curl -d's default) is told so; /invocations as the others.
+    for route in ("/v1/completions", "/invocations"):
+        for sent in ({"Content-Type": "application/x-www-form-urlencoded"}, {}):
+            reply = httpx.post(base + route, content=b'{"prompt": "hi"}', headers=sent)
+            message = reply.json()["error"]["message"]
+            assert reply.status_code == 400 and "Content-Type: application/json" in message
+    # Arrays nested past Python's recursion limit (json.loads raises RecursionError).
+    deep = b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    for route in ("/v1/completions", "/invocations"):
+        reply = httpx.post(base + route, content=deep, headers=headers)
+        assert reply.status_code == 400
+        assert reply.json()["error"]["type"] == "invalid_request_error", reply.text
     not_json = httpx.post(base + "/v1/completions", content=b'{"prompt": ', headers=headers)
     assert not_json.json()["error"]["message"].startswith("the body is not valid JSON: ")
     # As OpenAI's: `param` names the field at fault.

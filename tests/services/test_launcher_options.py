@@ -179,6 +179,11 @@ def test_vllms_speculative_config_is_the_four_options_it_stands_for():
             EngineArgs(speculative_config=bad)
     with pytest.raises(ValueError, match="not both"):
         EngineArgs(speculative_config=config, speculative_method="ngram")
+    # An option given on its own too must agree with the config (it was overridden silently).
+    for option, value in [("num_speculative_tokens", 5), ("ngram_min", 3)]:
+        with pytest.raises(ValueError, match=rf"{option} {value}: give it in one place"):
+            EngineArgs(speculative_config=config, **{option: value})
+    assert EngineArgs(speculative_config=config, num_speculative_tokens=3) == want
 
 
 def test_a_draft_model_names_its_method_and_gives_the_scheduler_lookahead():

@@ -117,6 +117,9 @@ def test_the_models_endpoint_lists_each_adapter_under_its_parent(server):
         ("poet", MODEL),
     ]
     assert httpx.get(base + "/v1/models/poet").json()["parent"] == MODEL
+    # The gateway's metrics name the route by its template (it was "other").
+    samples = read_metrics(base + "/metrics")
+    assert samples['weir_gateway_requests_total{route="/v1/models/{name}",status="200"}'] >= 1
     missing = httpx.post(
         base + "/v1/chat/completions",
         json={"model": "prose", "messages": [{"role": "user", "content": "hi"}]},
@@ -289,6 +292,10 @@ def test_adapters_loaded_and_unloaded_at_runtime_as_vllm_does(
         200,
         "Success: LoRA adapter 'sql' removed successfully.",
     )
+    # Gone at once for the routes that name a model (the gateway's list was kept).
+    base = server.info["http_address"]
+    assert httpx.get(base + "/v1/models/sql").status_code == 404
+    assert _post(server, "/tokenize", {"model": "sql", "prompt": "hi"}).status_code == 404
     assert models() == [MODEL]
     assert (
         _post(
