@@ -126,7 +126,7 @@ def _scheduler(args: argparse.Namespace) -> int:
         ShardLayout.of(model_config, 0, engine_args.tensor_parallel_size)
         max_model_len = resolve_max_model_len(
             engine_args.max_model_len,
-            model_config.max_position_embeddings,
+            model_config.context_len,
         )
         executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
         num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)

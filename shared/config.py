@@ -45,12 +45,13 @@ _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 def resolve_max_model_len(requested: int | None, context_len: int) -> int:
     """The longest prompt + output served: ``requested``, or the model's context length
-    (``max_position_embeddings``), which it may not exceed (vLLM refuses it too)."""
+    (``ModelConfig.context_len``), which it may not exceed (vLLM refuses it too)."""
     if requested is not None and requested > context_len:
         raise ValueError(
             f"max_model_len {requested} is longer than this model's context of {context_len} "
-            "tokens (max_position_embeddings in its config.json): it was never trained on "
-            "later positions; lower --max-model-len or leave it out"
+            "tokens (max_position_embeddings in its config.json, times a linear or yarn "
+            "rope_scaling's factor): it was never trained on later positions; lower "
+            "--max-model-len or leave it out"
         )
     return context_len if requested is None else requested
 

@@ -546,6 +546,19 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
 
+    @property
+    def context_len(self) -> int:
+        """The longest context the model serves, as vLLM derives it: max_position_embeddings,
+        stretched by a linear rope scaling's factor, or YaRN's original context times its
+        factor (Qwen's long-context recipe adds only rope_scaling). Llama 3's and LongRoPE's
+        lengths are already the stretched ones, and so is Gemma 3's, whose linear factor
+        stretches its global layers alone."""
+        if self.rope.type == "yarn":
+            return int(self.rope.original_max_position * self.rope.factor)
+        if self.rope.type == "linear" and self.model_type != "gemma3_text":
+            return int(self.max_position_embeddings * self.rope.factor)
+        return self.max_position_embeddings
+
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
 
@@ -895,9 +908,13 @@ def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
         return {}
     # Gemma scales its embeddings by sqrt(hidden_size) and its attention by
     # query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5. A cap left out or null is
-    # none (the nulls were dropped above).
-    caps = ("attn_logit_softcapping", "final_logit_softcapping")
+    # none (the nulls were dropped above). Gemma 3's config keeps Gemma 2's attention cap,
+    # which its attention never applies (transformers' and vLLM's).
+    caps = ("final_logit_softcapping",)
+    if model_type == "gemma2":
+        caps += ("attn_logit_softcapping",)
     return {
+        "attn_logit_softcapping": None,
         "embedding_multiplier": math.sqrt(count(hf, "hidden_size")),
         "attention_multiplier": positive(hf, "query_pre_attn_scalar", 256) ** -0.5,
         **{cap: positive(hf, cap, 1.0) if cap in hf else None for cap in caps},

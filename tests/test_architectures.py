@@ -93,10 +93,12 @@ CONFIGS = {
     ),
     # Local (windowed) layers 0 and 2 rotate by their own base, the global one by a scaled
     # other; attention scaled by query_pre_attn_scalar, not head_dim. Untied: with random
-    # weights a tied head mostly predicts the last token again.
+    # weights a tied head mostly predicts the last token again. The attention cap is Gemma
+    # 2's, kept in Gemma 3's config and never applied.
     "gemma3_text": lambda: transformers.Gemma3TextConfig(
         **COMMON,
         tie_word_embeddings=False,
+        attn_logit_softcapping=4.0,
         head_dim=16,
         intermediate_size=96,
         sliding_window=8,

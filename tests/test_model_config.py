@@ -303,7 +303,10 @@ def test_a_classifier_has_its_labels_or_those_of_its_tokens():
             "unsupported hidden_act 'gelu_pytorch_tanh'",
         ),
         ({**GEMMA, "final_logit_softcapping": 0}, "final_logit_softcapping must be a positive"),
-        ({**GEMMA, "attn_logit_softcapping": "50"}, "attn_logit_softcapping must be a positive"),
+        (
+            {**GEMMA, "model_type": "gemma2", "attn_logit_softcapping": "50"},
+            "attn_logit_softcapping must be a positive",
+        ),
         ({**GEMMA, "use_bidirectional_attention": True}, "use_bidirectional_attention is not"),
         (
             {"model_type": "mistral3", "text_config": {**REQUIRED, "model_type": "llama"}},

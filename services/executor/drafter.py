@@ -50,7 +50,7 @@ class Drafter:
         self.vocab_size = min(vocab_size, model.config.vocab_size)
         self.tp = tp
         self.device = device
-        self.context_len = model.config.max_position_embeddings
+        self.context_len = model.config.context_len
         self.long_prompt_threshold = model.config.rope.long_prompt_threshold
         self.kv_caches: list[torch.Tensor] = []
         self.forget()

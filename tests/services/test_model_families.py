@@ -213,3 +213,33 @@ def test_phi4_mini_rotation_is_served_as_transformers_generates(tmp_path, defaul
         params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
     assert [o.token_ids for o in outputs] == [cached_greedy(hf, p, 32) for p in prompts]
+
+
+def test_a_yarn_rope_scaling_stretches_the_served_context(tmp_path, default_model_dir):
+    """Qwen's long-context recipe adds only rope_scaling (YaRN, factor 4) to a config whose
+    max_position_embeddings stays the original context (64 here): the served context is
+    256, as vLLM derives it, and a 150-token prompt decodes as transformers generates."""
+    torch.manual_seed(1)
+    config = transformers.Qwen2Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    save_speaking(
+        transformers.AutoModelForCausalLM.from_config(config), tmp_path, default_model_dir
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = list(range(300, 450))
+    with LLM(str(tmp_path)) as llm:
+        with WeirClient(llm.server_info["client_address"]) as client:
+            assert client.model_info()["max_model_len"] == 256
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        assert llm.generate([prompt], params)[0].token_ids == hf_greedy(hf, prompt, 16)
