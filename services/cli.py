@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -72,7 +73,7 @@ def _positive_seconds(text: str) -> float:
         seconds = float(text)
     except ValueError:
         seconds = float("nan")
-    if not seconds > 0:
+    if not 0 < seconds < math.inf:
         raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
     return seconds
 
@@ -550,7 +551,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_positive_seconds,
         default=30.0,
         help="seconds before an unresponsive server is an error (default: 30)",
     )
@@ -641,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parser_flags(p)
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_positive_seconds,
         default=30.0,
         help="seconds a replica may stay silent before its requests fail (default: 30)",
     )
@@ -735,7 +736,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="exit 0 when a server is ready (readiness probe)")
     p.add_argument("--address", default=os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS))
     p.add_argument(
-        "--timeout", type=float, default=5.0, help="seconds to wait for the answer (default: 5)"
+        "--timeout",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds to wait for the answer (default: 5)",
     )
     _add_keys_dir_flag(p)
     p.set_defaults(func=_health)

@@ -647,6 +647,12 @@ class AsyncWeirClient:
         reply = await self._request(DetokenizeRequest(uuid.uuid4().hex, list(token_ids)))
         return str(reply.info["text"])
 
+    async def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's entry in the vocabulary (transformers' ``convert_ids_to_tokens``: byte
+        level pieces as written there, e.g. ``"Ġworld"``)."""
+        request = DetokenizeRequest(uuid.uuid4().hex, list(token_ids), as_tokens=True)
+        return list((await self._request(request)).info["tokens"])
+
     async def close(self) -> None:
         """Abort every open stream and close the socket; a stream or reply waited on
         meanwhile raises ``WeirError``."""
@@ -1278,6 +1284,10 @@ class WeirClient:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         self._check_open()
         return self._loop.run(self._client.detokenize(token_ids))
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        self._check_open()
+        return self._loop.run(self._client.convert_ids_to_tokens(token_ids))
 
     def close(self) -> None:
         self._finalizer()

@@ -996,6 +996,8 @@ class ClientFrontend:
     def _tokens_info(
         self, msg: client_protocol.TokenizeRequest | client_protocol.DetokenizeRequest
     ) -> dict[str, Any]:
+        if isinstance(msg, client_protocol.DetokenizeRequest) and msg.as_tokens:
+            return {"tokens": [self.tokenizer.backend.id_to_token(i) for i in msg.token_ids]}
         if isinstance(msg, client_protocol.DetokenizeRequest):
             return {"text": self.tokenizer.decode(msg.token_ids, skip_special_tokens=False)}
         ids = self._prompt_ids(msg.prompt, msg.chat, msg.add_special_tokens)

@@ -1146,12 +1146,13 @@ class Gateway:
             add_special_tokens=body.add_special_tokens,
             **body.template_args(),
         )
+        strs = await client.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse(
             {
                 "count": len(ids),
                 "max_model_len": info["max_model_len"],
                 "tokens": ids,
-                "token_strs": None,
+                "token_strs": strs,
             }
         )
 

@@ -817,6 +817,7 @@ class TokenizeBody(_ChatTemplateFields):
     prompt: str | None = None
     messages: Messages | None = None
     add_special_tokens: bool | None = None
+    return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeBody:

@@ -173,8 +173,11 @@ class TokenizeRequest:
 
 @dataclass(slots=True)
 class DetokenizeRequest:
+    """The text of token ids, or (``as_tokens``) each id's vocabulary entry."""
+
     request_id: str
     token_ids: list[int]
+    as_tokens: bool = False
 
 
 @dataclass(slots=True)
@@ -358,7 +361,10 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["add_special_tokens"] = False
         return _pack("tokenize", fields | _chat_fields(msg.chat))
     if isinstance(msg, DetokenizeRequest):
-        return _pack("detokenize", {"request_id": msg.request_id, "token_ids": msg.token_ids})
+        fields = {"request_id": msg.request_id, "token_ids": msg.token_ids}
+        if msg.as_tokens:
+            fields["as_tokens"] = True
+        return _pack("detokenize", fields)
     if isinstance(msg, LoraAdapterRequest):
         fields = {"request_id": msg.request_id, "lora_name": msg.lora_name}
         if msg.lora_path is not None:
@@ -415,7 +421,7 @@ _CLIENT_FIELDS = {
     "health": {"request_id", "stream_ids"},
     "model_info": {"request_id"},
     "tokenize": {"request_id", "prompt", "add_special_tokens", *_CHAT_FIELDS},
-    "detokenize": {"request_id", "token_ids"},
+    "detokenize": {"request_id", "token_ids", "as_tokens"},
     "lora_adapter": {"request_id", "lora_name", "lora_path"},
     "engine_control": {"request_id", "action", "mode", "clear_cache", "path", "level", "tags"},
 }
@@ -534,7 +540,12 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             raise ClientProtocolError(
                 INVALID_REQUEST, "detokenize: token_ids must be a list of token ids", raw_id
             )
-        return DetokenizeRequest(raw_id, token_ids)
+        as_tokens = data.get("as_tokens", False)
+        if type(as_tokens) is not bool:
+            raise ClientProtocolError(
+                INVALID_REQUEST, "detokenize: as_tokens must be a bool", raw_id
+            )
+        return DetokenizeRequest(raw_id, token_ids, as_tokens)
     if type_ == "tokenize":
         try:  # an empty text has tokens too: none, or the model's BOS
             prompt = "" if data.get("prompt") == "" else validate_prompt(data.get("prompt"))

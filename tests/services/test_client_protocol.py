@@ -299,6 +299,11 @@ def test_round_trip_of_server_messages():
             "token_ids must be a list of token ids",
         ),
         (
+            frame(type="detokenize", request_id="x", token_ids=[1], as_tokens=1),
+            client_protocol.INVALID_REQUEST,
+            "as_tokens must be a bool",
+        ),
+        (
             frame(type="generate", request_id="x", prompt="hi", tools="[]"),
             client_protocol.INVALID_REQUEST,
             "tools comes with a chat",

@@ -1035,6 +1035,10 @@ def test_tokenize_and_detokenize_answer_as_transformers_tokenizes(server, tiny_m
             "tokens": want,
             "token_strs": None,
         }
+    # vLLM's return_token_strs: each id's vocabulary entry, as convert_ids_to_tokens.
+    body = {"prompt": text, "return_token_strs": True}
+    reply = httpx.post(base + "/tokenize", json=body, timeout=30).json()
+    assert reply["token_strs"] == tokenizer.convert_ids_to_tokens(cases[0][1])
     ids = cases[3][1]
     reply = httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": ids}, timeout=30)
     assert reply.json() == {"prompt": tokenizer.decode(ids)}

@@ -317,6 +317,14 @@ def test_client_commands_refuse_bad_input_with_one_line(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "x", "--json", "--regex", "a+"])
     assert "not allowed with argument" in capsys.readouterr().err
+    # A timeout the client would refuse is argparse's one line (was a traceback).
+    for command in (["generate", "x"], ["chat"], ["health"], ["gateway"]):
+        for timeout in ("0", "-1", "nan", "inf"):
+            with pytest.raises(SystemExit) as exit_info:
+                main([*command, "--timeout", timeout])
+            assert exit_info.value.code == 2
+            err = capsys.readouterr().err
+            assert err.endswith(f"--timeout: not a positive number of seconds: '{timeout}'\n")
     assert main(["health", "--address", "bogus"]) == 1
     err = capsys.readouterr().err
     assert (
