@@ -111,9 +111,9 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ``ValueError`` for a duplicate id, a prompt longer
-        than ``max_model_len``, or one whose longest possible KV footprint (prompt +
-        max_tokens - 1 tokens, capped at ``max_model_len``) exceeds the whole cache:
-        such a request could never finish and would otherwise wait forever."""
+        than ``max_model_len``, or one whose longest possible KV footprint
+        (``_past_the_cache``) exceeds the whole cache: such a request could never finish
+        and would otherwise wait forever."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request {rid!r} already exists")
@@ -202,17 +202,20 @@ class Scheduler:
 
     def _past_the_cache(self, request: Request) -> str | None:
         """Why ``request`` can never finish in this KV cache, or None: its longest footprint
-        (prompt + max_tokens - 1 tokens, capped at ``max_model_len``) needs more blocks than
-        the whole cache has."""
+        (prompt + max_tokens - 1 tokens: the last token is never fed back, so at most
+        ``max_model_len - 1``, or a whole context's prompt) needs more blocks than the whole
+        cache has."""
         max_len = self.scheduler_config.max_model_len
-        footprint = min(request.num_prompt_tokens + request.max_tokens - 1, max_len)
+        longest = max(max_len - 1, request.num_prompt_tokens)
+        footprint = min(request.num_prompt_tokens + request.max_tokens - 1, longest)
         kv = self.kv_cache_manager
         if kv.num_blocks_for(footprint) <= kv.num_blocks:
             return None
+        max_tokens = "a smaller max_tokens" if request.max_tokens < max_len else "max_tokens"
         return (
             f"up to {footprint} tokens of KV need {kv.num_blocks_for(footprint)} blocks but "
-            f"the cache has only {kv.num_blocks}: send a shorter prompt or a smaller "
-            "max_tokens (or start the server with a larger --kv-cache-memory)"
+            f"the cache has only {kv.num_blocks}: send a shorter prompt or {max_tokens} "
+            "(or start the server with a larger --kv-cache-memory)"
         )
 
     def reset_executor_state(self, cache_config: CacheConfig | None = None) -> dict[str, str]:

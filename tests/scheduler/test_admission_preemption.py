@@ -1,5 +1,7 @@
 """Behaviour 3-4: admission (prefix hits, watermark, FCFS) and recompute preemption."""
 
+import pytest
+
 from weir.services.scheduler import Request, RequestStatus
 from weir.shared.sampling import SamplingParams
 
@@ -206,3 +208,22 @@ def test_priority_policy_orders_waiting_and_preempts_the_least_urgent():
     assert scheduler.requests["low"].status is RequestStatus.PREEMPTED
     _finish_all(scheduler, executor)
     assert scheduler.kv_cache_manager.num_free_blocks == 6
+
+
+def test_a_request_fills_a_cache_one_token_short_of_its_context_with_or_without_max_tokens():
+    """A generation's KV holds max_model_len - 1 tokens at most (its last token is never fed
+    back): in a cache of 12 token slots and a context of 13, a request that omits max_tokens
+    is admitted as one that asks for the room left is, and both fill the context; a prompt
+    and max_tokens past the cache are refused with the blocks they would need."""
+    prompt = [5, 6, 7, 8]
+    for max_tokens in (9, None):
+        scheduler, core = make_scheduler(block_size=4, num_blocks=3, max_model_len=13)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        scheduler.add_request(Request("r", prompt, params))
+        produced = []
+        while scheduler.requests:
+            produced += [t for out in run_step(scheduler, core)[1] for t in out.new_token_ids]
+        assert produced == reference_generate(prompt, 9, eos=None)[0], max_tokens
+    scheduler, _ = make_scheduler(block_size=4, num_blocks=2, max_model_len=13)
+    with pytest.raises(ValueError, match="need 3 blocks but the cache has only 2: send a "):
+        scheduler.add_request(Request("big", prompt, SamplingParams(ignore_eos=True)))
