@@ -128,6 +128,7 @@ class ClientFrontend:
         self.max_model_len = max_model_len
         # No text longer than this tokenizes into max_model_len tokens.
         self.max_prompt_chars = max_prompt_chars or max_model_len * tokenizer.max_token_chars
+        self._prompt_chars_given = max_prompt_chars is not None
         self.metrics = metrics
         self._wake = wake
         self._requests_ended = requests_ended
@@ -766,7 +767,8 @@ class ClientFrontend:
         if not isinstance(msg.prompt, str) and not isinstance(msg.prompt[0], dict):
             return len(msg.prompt)  # token ids: their count is checked against max_model_len
         pair = None if msg.pooling_params is None else msg.pooling_params.text_pair
-        return self._check_prompt_chars(msg.prompt, msg.chat, len(pair or ""))
+        truncated = msg.sampling_params.truncate_prompt_tokens is not None
+        return self._check_prompt_chars(msg.prompt, msg.chat, len(pair or ""), truncated)
 
     def _check_runner(self, msg: client_protocol.GenerateRequest) -> None:
         """A pooling server takes pooling requests only (embeddings, or a classifier's
@@ -810,13 +812,16 @@ class ClientFrontend:
         prompt: client_protocol.TextOrChat,
         chat: client_protocol.ChatTemplateArgs,
         pair_chars: int = 0,
+        truncated: bool = False,
     ) -> int:
         """A text's (and the text it is paired with) or chat's size in characters;
-        ValueError if no such prompt can fit."""
+        ValueError if no such prompt can fit. A prompt to be truncated fits whatever its
+        length (vLLM tokenizes it whole): only a --max-prompt-chars given bounds it."""
+        bounded = not truncated or self._prompt_chars_given
         if isinstance(prompt, str):
             num_chars = len(prompt) + pair_chars
         else:
-            if len(prompt) > self.max_model_len:
+            if bounded and len(prompt) > self.max_model_len:
                 raise ValueError(
                     f"a chat of {len(prompt)} messages cannot fit max_model_len="
                     f"{self.max_model_len} tokens (each message takes at least one)"
@@ -824,7 +829,7 @@ class ClientFrontend:
             num_chars = (
                 sum(map(_message_chars, prompt)) + len(chat.tools or "") + len(chat.kwargs or "")
             )
-        if num_chars > self.max_prompt_chars:
+        if bounded and num_chars > self.max_prompt_chars:
             raise ValueError(
                 f"prompt is too long: {num_chars} characters, more than this server's limit "
                 f"of {self.max_prompt_chars} (such a text cannot fit max_model_len="

@@ -1392,6 +1392,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
         )
         assert reply.usage.prompt_tokens == 20
         assert reply.choices[0].model_dump()["token_ids"] == hf_greedy(tiny_hf_model, ids[-20:], 4)
+    # A text longer than any the context could hold unless truncated (the server's
+    # characters limit, max_model_len x the longest token, was checked first).
+    long = prompt * 40
+    assert len(long) > MAX_MODEL_LEN * max(map(len, tokenizer.get_vocab()))
+    reply = client.completions.create(
+        model=MODEL, prompt=long, max_tokens=4, temperature=0, extra_body=extra
+    )
+    assert reply.choices[0].text == tokenizer.decode(hf_greedy(tiny_hf_model, ids[-20:], 4))
     chat = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
