@@ -356,6 +356,25 @@ async def _echoed(
             yield batch
 
 
+async def _without_completion(outputs: Batches) -> Batches:
+    """The outputs with no completion: no tokens, text or logprob rows of their own, each
+    ended by its length (the prompt is the whole answer)."""
+    async with aclosing(outputs):
+        async for batch in outputs:
+            for _, outs in batch:
+                for i, out in enumerate(outs):
+                    outs[i] = dataclasses.replace(
+                        out,
+                        new_token_ids=[],
+                        text="",
+                        completion_tokens=0,
+                        logprobs=None if out.logprobs is None else dict.fromkeys(out.logprobs, []),
+                        finish_reason="length" if out.finished else None,
+                        stop_reason=None,
+                    )
+            yield batch
+
+
 async def _tokens_as_ids(
     outputs: Batches,
 ) -> Batches:
@@ -705,10 +724,11 @@ class Gateway:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from None
         defaults = served.info.get("default_sampling_params", {})
+        max_tokens = 1 if body.echo_only else body.max_tokens
         samples = _samples(
             prompts,
             body.n,
-            lambda i: body.sampling_params(body.max_tokens, body.logprobs, i, defaults),
+            lambda i: body.sampling_params(max_tokens, body.logprobs, i, defaults),
             body.priority,
             body.cache_salt,
             served.lora_name,
@@ -723,6 +743,8 @@ class Gateway:
             "model": served.name,
         }
         outputs = self._outputs(response_id, samples, body)
+        if body.echo_only:
+            outputs = _without_completion(outputs)
         if body.echo:
             outputs = _echoed(
                 outputs,

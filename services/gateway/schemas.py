@@ -494,11 +494,26 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``: one prompt or a batch (text or token ids)."""
 
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # 0 only with echo: the prompt alone, no completion (OpenAI's and vLLM's way of scoring
+    # a prompt's logprobs).
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # The prompt before the completion in each choice's text (and its tokens' logprobs,
     # the first null, before the completion's).
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _generates_or_echoes(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            message = "max_tokens must be at least 1 (0 only with echo: the prompt alone)"
+            raise field_errors(type(self).__name__, [("max_tokens", 0, message)])
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt alone is the answer: one token is generated (the engine's prompt
+        logprobs come with a step) and dropped."""
+        return self.max_tokens == 0
 
     def prompt_params(self, params: SamplingParams, prompt: str | list[int]) -> SamplingParams:
         """``params`` with the prompt logprobs echo needs: the rows asked for, or, for a

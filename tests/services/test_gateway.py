@@ -730,6 +730,20 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == (
         lp.tokens
     )
+    # max_tokens 0 with echo (OpenAI's, vLLM's): the prompt and its logprobs alone.
+    for stream in (False, True):
+        reply = client.completions.create(
+            **{**call, "max_tokens": 0}, echo=True, logprobs=1, stream=stream
+        )
+        chunks = list(reply) if stream else [reply]
+        assert "".join(c.choices[0].text for c in chunks) == hf_tokenizer.decode(prompt)
+        assert [
+            t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+        ] == lp.tokens[: len(prompt)]
+        assert chunks[-1].choices[0].finish_reason == "length"
+    only = client.completions.create(**{**call, "max_tokens": 0}, echo=True, logprobs=1)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(prompt)]
+    assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (len(prompt), 0)
 
 
 def test_prompt_logprobs_are_vllms_with_each_tokens_rank(client, tiny_hf_model):
