@@ -1251,6 +1251,8 @@ def read_hf_config(model_dir: str | os.PathLike[str], overrides: str | None = No
     """``model_dir/config.json`` as JSON, ``overrides``' keys over it (a JSON object's text,
     ``--hf-overrides``); ValueError names a file that is missing, unreadable or not JSON."""
     path = Path(model_dir) / "config.json"
+    if "\x00" in str(path):  # open() would raise a ValueError, read below as the JSON's
+        raise ValueError(f"{str(path)!r}: a path holds no NUL character")
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -80,7 +80,9 @@ class PoolingParams:
             raise ValueError(
                 "activation is a classification's option, dimensions and normalize an embedding's"
             )
-        if (self.task == "score") != isinstance(self.text_pair, str):
+        if self.text_pair is not None and type(self.text_pair) is not str:
+            raise ValueError(f"text_pair must be a string, got {type(self.text_pair).__name__}")
+        if (self.task == "score") != (self.text_pair is not None):
             raise ValueError("a score pairs its prompt with one text_pair (a string); only a score")
 
     def to_dict(self) -> dict[str, Any]:

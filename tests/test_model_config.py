@@ -352,6 +352,8 @@ def test_read_model_config_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match=f"{tmp_path}: config.json has no 'hidden_size'"):
         read_model_config(tmp_path)
+    with pytest.raises(ValueError, match="a path holds no NUL character"):
+        read_model_config(f"{tmp_path}/\x00")
 
 
 def _save_llama(path, attention_bias: bool = False, **save_kwargs) -> torch.nn.Module:

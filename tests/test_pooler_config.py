@@ -182,6 +182,12 @@ def test_a_request_asks_the_task_the_server_serves():
     for unpaired in ({"task": "score"}, {"task": "classify", "text_pair": "b"}):
         with pytest.raises(ValueError, match="a score pairs its prompt with one text_pair"):
             PoolingParams(**unpaired)
+    # Any other type is refused as such, whatever the task (an embedding's was let through,
+    # then failed the frontend as an internal error).
+    for task in ("embed", "score"):
+        for pair in (5, b"x", [], False):
+            with pytest.raises(ValueError, match="text_pair must be a string, got"):
+                PoolingParams(task=task, text_pair=pair)
     score = PoolingParams(task="score", text_pair="a document")
     with pytest.raises(ValueError, match="has 2 labels: only a classifier of one label"):
         classifier.check(score)

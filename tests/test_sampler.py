@@ -196,6 +196,7 @@ def test_filters_keep_exactly_the_reference_set_with_or_without_the_full_sort(
         {"top_k": 0, "top_p": 1.0},  # not filtered, beside rows that are
         {"top_k": 20, "top_p": 0.3},
         {"top_k": 1},
+        {"top_p": 1e-300},  # 0 in float32: the likeliest token still survives
     ]
     top_k = torch.tensor([r.get("top_k", 0) for r in rows])
     top_p = torch.tensor([r.get("top_p", 1.0) for r in rows])

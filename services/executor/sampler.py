@@ -279,7 +279,8 @@ def _filter_candidates(
     rows, vocab = logits.shape
     k = torch.full((rows,), vocab) if top_k is None else torch.where(top_k > 0, top_k, vocab)
     k = k.clamp(max=vocab)
-    p = torch.ones(rows) if top_p is None else top_p
+    # A p that float32 rounds to 0 still keeps the likeliest token, as a sorted row does.
+    p = torch.ones(rows) if top_p is None else top_p.clamp(min=torch.finfo(top_p.dtype).tiny)
     limited, nucleus = k < vocab, p < 1
     filtered = limited | nucleus
     if not filtered.any():

@@ -113,6 +113,15 @@ def test_cache_config_requires_num_blocks():
         ({"structured_output": {"json_object": False}}, "structured_output.json_object"),
         ({"structured_output": {"regex": "a" * 65537}}, "structured_output.regex: 65537"),
         ({"structured_output": {"choice": ["ab"] * 40000}}, "structured_output.choice: 80000"),
+        # 129 levels of arrays (xgrammar's compile time grows as about the nesting's cube).
+        (
+            {"structured_output": {"json": '{"items": ' * 128 + "{}" + "}" * 128}},
+            "nests objects and arrays more than 128 levels",
+        ),
+        (
+            {"structured_output": {"json": "[" * 5000 + "]" * 5000}},
+            "nests objects and arrays more than 128 levels",
+        ),
         (
             {"structured_output": {"regex": "a", "disable_any_whitespace": 1}},
             "structured_output.disable_any_whitespace",
@@ -140,6 +149,11 @@ def test_sampling_params_rejects(kwargs, field):
         SamplingParams(**kwargs)
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict(kwargs)
+
+
+def test_a_json_schema_nested_as_deep_as_compiled_is_taken():
+    schema = '{"items": ' * 127 + "{}" + "}" * 127  # 128 levels
+    assert SamplingParams(structured_output={"json": schema}).structured_output == {"json": schema}
 
 
 def test_sampling_params_normalises_and_round_trips():
