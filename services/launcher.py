@@ -313,6 +313,11 @@ class ServerProcesses:
         assert self._exited is not None
         return self._exited
 
+    @property
+    def exited(self) -> tuple[str, int] | None:
+        """The scheduler or gateway that exited (its name and exit code), or None."""
+        return self._exited
+
     def _supervise(self, wake_fd: int) -> None:
         """Until ``shutdown``: start a dead executor again (after 1 s, doubled up to 30 s
         while it keeps dying within a minute of its start; the scheduler resumes its

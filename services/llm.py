@@ -92,6 +92,9 @@ class LLM:
         calls raise ``WeirError``."""
         if not self._finalizer.alive:
             raise WeirError("LLM is closed")
+        if (exited := self._server.exited) is not None:  # else each call waits its timeout
+            name, code = exited
+            raise WeirError(f"the LLM's {name} exited (code {code}): close it and start another")
         return self._open_client
 
     def __enter__(self) -> LLM:

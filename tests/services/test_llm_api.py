@@ -1,5 +1,7 @@
 """The offline LLM API: batch generation through real scheduler and executor processes."""
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -162,3 +164,20 @@ def test_hf_overrides_replace_config_keys_for_every_process(tiny_model_dir, tmp_
     assert plain.token_ids != want, "the overrides must matter"
     with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
         LLM(str(tiny_model_dir), hf_overrides="[1]")
+
+
+def test_an_llm_whose_scheduler_died_fails_its_calls_at_once(tiny_model_dir):
+    """A call after the scheduler died (which would wait the client's 60 s for an answer)
+    fails at once, naming the process that exited."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model_dir)) as llm:
+        llm.generate("Hi", params)
+        os.kill(llm.server_info["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while llm._server.exited is None:
+            assert time.monotonic() < deadline, "the launcher did not see the scheduler exit"
+            time.sleep(0.05)
+        started = time.monotonic()
+        with pytest.raises(WeirError, match=r"the LLM's scheduler exited \(code -9\)"):
+            llm.generate("Hi", params)
+        assert time.monotonic() - started < 1
