@@ -18,6 +18,7 @@ as the request grows: the costs that must not grow with what a client controls.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import msgpack
@@ -143,4 +144,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     main()

@@ -4,6 +4,7 @@ Expected token counts are computed here from the workload the test writes, not
 taken from the harness; string prompts are counted with transformers' tokenizer.
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -192,6 +193,14 @@ def test_bench_throughput_says_how_to_install_llama_cpp(
             ["serve", "--backend", "openai", "--address", "tcp://127.0.0.1:1"],
             "error: --address is not read by --backend openai, which takes --base-url",
         ),
+        # Each of these was a traceback, or (nan) a run of every request at once.
+        (["throughput", "--speculative-config", "{bad"], "error: speculative_config is not JSON"),
+        (["throughput", "--max-mixed-graph-tokens", "-5"], "must be >= 0, got -5"),
+        (["serve", "--request-rate", "nan"], "error: --request-rate must be > 0"),
+        # Results that could not be written are refused before the run, not after it.
+        (["serve", "--output-json", "/"], "error: /: is a directory"),
+        (["serve", "--plot-dir", "/etc/passwd"], "error: /etc/passwd: is not a directory"),
+        (["throughput", "--output-json", "/etc/passwd/x.json"], "/etc/passwd is not a writable"),
     ],
 )
 def test_bench_refuses_bad_options_in_one_line(flags, error, capsys) -> None:
@@ -205,6 +214,34 @@ def test_bench_refuses_bad_options_in_one_line(flags, error, capsys) -> None:
     assert code == 2
     err = capsys.readouterr().err
     assert error in err and "Traceback" not in err, err
+
+
+def test_a_bad_dataset_record_is_named_by_its_line(tmp_path: Path, capsys) -> None:
+    from weir.services.bench import run_cli
+
+    for record in ('{"prompt": 5, "output_len": 2}', '{"prompt": "hi", "output_len": 2.7}', "{"):
+        dataset = tmp_path / "data.jsonl"
+        dataset.write_text('{"prompt": "ok", "output_len": 2}\n' + record + "\n")
+        assert run_cli(["throughput", "--dataset", str(dataset)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {dataset}:2: need 'prompt' (text or token ids) and an integer" in err
+
+
+def test_the_reported_command_repeats_a_negated_option() -> None:
+    """--no-async-scheduling (a BooleanOptionalAction's False) is part of the run's
+    command; an unset plain flag is not."""
+    from weir.services.bench import add_bench_subcommands
+    from weir.services.bench.report import command_line
+
+    parser = argparse.ArgumentParser(prog="weir")
+    add_bench_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "throughput", "--no-async-scheduling"])
+    words = command_line("weir bench throughput", args).split()
+    assert "--no-async-scheduling" in words
+    assert not {"--no-weir", "--no-no-weir", "--disable-detokenize", "--no-enforce-eager"} & set(
+        words
+    )
+    assert parser.parse_args(words[1:]) == args
 
 
 def _free_port() -> int:
@@ -335,6 +372,17 @@ def test_bench_serve_writes_results_and_plots(
     assert ("--base-url" in result["command"]) == (backend == "openai"), result["command"]
     for name in ("latency_cdf.png", "throughput_over_time.png"):
         assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if backend == "openai":  # a base URL without /v1: the gateway's 404, in one line
+        proc = subprocess.run(
+            [*BENCH, "serve", "--backend", "openai", "--base-url", base_url.removesuffix("/v1")]
+            + ["--model", str(tiny_model_dir), "--num-prompts", "1", "--no-progress"],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "does --base-url end in /v1?" in proc.stderr
 
 
 def test_bench_serve_gives_up_after_its_ready_timeout(tiny_model_dir: Path) -> None:

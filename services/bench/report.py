@@ -126,14 +126,16 @@ def machine_line(info: dict[str, Any]) -> str:
 
 def command_line(prog: str, args: argparse.Namespace) -> str:
     """The command with every option spelled out, rebuilt from the parsed options (each --flag-name
-    maps to args.flag_name), so a table shows the exact settings whichever way the run was started."""
+    maps to args.flag_name), so a table shows the exact settings whichever way the run was started.
+    False is a ``BooleanOptionalAction``'s ``--no-`` flag: the bench's plain flags default to
+    None, not False."""
     words = prog.split()
     for dest, value in vars(args).items():
-        if dest in _NOT_OPTIONS or value is None or value is False:
+        if dest in _NOT_OPTIONS or value is None:
             continue
         flag = "--" + dest.replace("_", "-")
-        if value is True:
-            words.append(flag)
+        if value is True or value is False:
+            words.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):
             words += [w for v in value for w in (flag, str(v))]
         else:
@@ -150,6 +152,20 @@ def summarize(values: list[float]) -> dict[str, float | None]:
     return {"count": len(values), "mean": float(arr.mean())} | {
         f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES
     }
+
+
+def check_output_paths(
+    files: tuple[str | Path | None, ...], folders: tuple[str | Path | None, ...] = ()
+) -> None:
+    """Refuse, before a run, a path its results could not be written to (OSError): a file
+    that is a folder, a folder that is a file, or one under no writable folder."""
+    paths = [(Path(p), False) for p in files if p] + [(Path(p), True) for p in folders if p]
+    for path, folder in paths:
+        if path.exists() and path.is_dir() != folder:
+            raise OSError(f"{path}: is {'not ' if folder else ''}a directory")
+        base = next(p for p in (path, *path.parents) if p.exists() or p == Path("."))
+        if not base.is_dir() or not os.access(base, os.W_OK):
+            raise OSError(f"{path}: cannot be written ({base} is not a writable directory)")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

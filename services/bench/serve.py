@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from weir.services.bench.report import (
     append_markdown,
+    check_output_paths,
     command_line,
     machine_info,
     plot_latency_cdfs,
@@ -175,7 +176,13 @@ async def _sender(
         await _wait_http_ready(target, ready_timeout_s)
         api_key = os.environ.get("OPENAI_API_KEY") or "none"
         async with openai.AsyncOpenAI(base_url=target, api_key=api_key, max_retries=0) as client:
-            model = (await client.models.list()).data[0].id
+            try:
+                model = (await client.models.list()).data[0].id
+            except openai.APIError as exc:
+                raise ConnectionError(
+                    f"GET /models: {exc} (does --base-url end in /v1? an API key is read from "
+                    "OPENAI_API_KEY)"
+                ) from None
             yield lambda request, trace, t0: _one_openai_request(client, model, request, trace, t0)
         return
     from weir.shared.client import AsyncWeirClient
@@ -368,7 +375,7 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="wait this long for the server to be ready",
     )
-    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--no-progress", action="store_true", default=None, help="hide the progress bar")
     o = p.add_argument_group("output")
     o.add_argument(
         "--output-json",
@@ -392,7 +399,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from weir.shared.client import WeirError
     from weir.shared.model_store import resolve_model
 
-    if args.request_rate <= 0:
+    if not args.request_rate > 0:  # nan too
         print("error: --request-rate must be > 0", file=sys.stderr)
         return 2
     # The other backend's option would be ignored: the run would not measure what was meant.
@@ -407,6 +414,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if getattr(args, used) is None:
         setattr(args, used, _DEFAULT_BASE_URL if used == "base_url" else DEFAULT_ADDRESS)
     try:
+        check_output_paths((args.output_json, args.markdown), (args.plot_dir,))
         requests = workload_from_args(args, load_tokenizer(resolve_model(args.model)))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

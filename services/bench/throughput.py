@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from weir.services.bench.report import (
     EngineRun,
     append_markdown,
+    check_output_paths,
     command_line,
     machine_info,
     throughput_markdown,
@@ -31,6 +32,7 @@ from weir.services.bench.workload import (
     add_workload_arguments,
     describe_workload,
     load_tokenizer,
+    non_negative_int,
     positive_int,
     workload_from_args,
 )
@@ -110,10 +112,13 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
         help="GGUF file of the llama-cpp baseline (default: --model when it is a .gguf, else the "
         "default model's GGUF, the file Weir converts)",
     )
-    g.add_argument("--no-weir", action="store_true", help="measure only the baselines")
+    g.add_argument(
+        "--no-weir", action="store_true", default=None, help="measure only the baselines"
+    )
     g.add_argument(
         "--disable-detokenize",
         action="store_true",
+        default=None,
         help="vLLM's: Weir returns token ids without text (SamplingParams.detokenize=False), as "
         "the Hugging Face baselines do",
     )
@@ -183,7 +188,7 @@ def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--max-mixed-graph-tokens",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="Weir engine option: the largest mixed step replayed from a CUDA graph (default "
         "8192; 0: decode steps only)",
@@ -360,6 +365,7 @@ def _ratios(runs: list[EngineRun]) -> dict[str, float]:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
+    from weir.shared.client import WeirError
     from weir.shared.model_store import resolve_model
 
     try:
@@ -372,27 +378,34 @@ def run_throughput(args: argparse.Namespace) -> int:
         return 2
     num_executors = args.tensor_parallel_size or 1
     threads, baseline_threads = _set_threads(args.threads, num_executors)
+    step_limits = _step_limits(args)
     try:
+        check_output_paths((args.output_json, args.markdown))
         model_dir = resolve_model(args.model, load_format=args.load_format)
         requests = workload_from_args(args, load_tokenizer(model_dir))
+        if not args.no_weir:  # refused now, not after the workload and the model loaded
+            EngineArgs(model=str(model_dir), **_engine_options(args, step_limits))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     workload = describe_workload(requests, args)
     _status(workload)
-    step_limits = _step_limits(args)
 
     runs: list[EngineRun] = []
     if not args.no_weir:
         _status(f"running weir on {len(requests)} requests")
-        run, compiled = run_weir(
-            requests,
-            model_dir,
-            args.dtype,
-            args.threads,
-            _engine_options(args, step_limits),
-            detokenize=not args.disable_detokenize,
-        )
+        try:
+            run, compiled = run_weir(
+                requests,
+                model_dir,
+                args.dtype,
+                args.threads,
+                _engine_options(args, step_limits),
+                detokenize=not args.disable_detokenize,
+            )
+        except WeirError as e:  # a request the engine refused (a prompt past its context...)
+            print(f"error: weir: {e}", file=sys.stderr)
+            return 1
         runs.append(run)
     if baselines:
         runs += _run_baselines(
@@ -402,7 +415,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         print("error: no engine could run (see the messages above)", file=sys.stderr)
         return 2
 
-    machine = machine_info(baseline_threads)
+    machine = machine_info(baseline_threads if baselines else None)
     command = command_line("weir bench throughput", args)
     notes = [
         f"Model {model_dir.name}, {args.dtype}"

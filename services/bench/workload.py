@@ -70,18 +70,21 @@ def load_dataset(
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
             try:
-                prompt, output_len = record["prompt"], int(record["output_len"])
-            except (KeyError, TypeError, ValueError) as e:
+                record = json.loads(line)
+                prompt, output_len = record["prompt"], record["output_len"]
+            except (ValueError, KeyError, TypeError):  # not JSON, not an object, a key missing
+                prompt, output_len = None, None
+            if type(output_len) is not int or not (
+                isinstance(prompt, str)
+                or isinstance(prompt, list)
+                and all(type(t) is int for t in prompt)
+            ):
                 raise ValueError(
-                    f"{path}:{line_no}: need 'prompt' and an integer 'output_len'"
-                ) from e
-            ids = (
-                tokenizer.encode(prompt).ids
-                if isinstance(prompt, str)
-                else [int(t) for t in prompt]
-            )
+                    f"{path}:{line_no}: need 'prompt' (text or token ids) and an integer "
+                    "'output_len'"
+                )
+            ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else prompt
             if not ids or output_len < 1:
                 raise ValueError(f"{path}:{line_no}: empty prompt or output_len < 1")
             requests.append(BenchRequest(ids, output_len))
@@ -110,6 +113,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
