@@ -550,14 +550,16 @@ class ModelConfig:
     def context_len(self) -> int:
         """The longest context the model serves, as vLLM derives it: max_position_embeddings,
         stretched by a linear rope scaling's factor, or YaRN's original context times its
-        factor (Qwen's long-context recipe adds only rope_scaling). Llama 3's and LongRoPE's
-        lengths are already the stretched ones, and so is Gemma 3's, whose linear factor
-        stretches its global layers alone."""
+        factor (Qwen's long-context recipe adds only rope_scaling), whichever is longer (vLLM
+        takes the derived one even where shorter). Llama 3's and LongRoPE's lengths are
+        already the stretched ones, and so is Gemma 3's, whose linear factor stretches its
+        global layers alone."""
+        stretched = self.max_position_embeddings
         if self.rope.type == "yarn":
-            return int(self.rope.original_max_position * self.rope.factor)
-        if self.rope.type == "linear" and self.model_type != "gemma3_text":
-            return int(self.max_position_embeddings * self.rope.factor)
-        return self.max_position_embeddings
+            stretched = int(self.rope.original_max_position * self.rope.factor)
+        elif self.rope.type == "linear" and self.model_type != "gemma3_text":
+            stretched = int(self.max_position_embeddings * self.rope.factor)
+        return max(stretched, self.max_position_embeddings)
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers

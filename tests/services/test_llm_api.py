@@ -156,8 +156,9 @@ def test_hf_overrides_replace_config_keys_for_every_process(tiny_model_dir, tmp_
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with LLM(str(tiny_model_dir), hf_overrides=overrides, kv_cache_memory="4MiB") as llm:
         [got] = llm.generate([prompt], params)
-        with pytest.raises(InvalidRequestError, match="256"):  # the scheduler's context
-            llm.generate([[5] * 300], params)
+        # The scheduler's context: 256 x the linear factor (vLLM's), not the model's 512.
+        with pytest.raises(InvalidRequestError, match="max_model_len is 1024"):
+            llm.generate([[5] * 1100], params)
     assert got.token_ids == want
     with LLM(str(tiny_model_dir), kv_cache_memory="4MiB") as llm:
         [plain] = llm.generate([prompt], params)
