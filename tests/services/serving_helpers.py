@@ -5,6 +5,7 @@ import os
 import signal
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -93,19 +94,24 @@ def hf_greedy(
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(num_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].tolist()
+            # The last position's logits only (the LM head over every position made a long
+            # reference quadratic), in float64 as Python's floats were.
+            logits = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].double()
             outputs = ids[len(prompt_ids) :]
             for *before, last in bad_words:
                 if len(before) <= len(outputs) and outputs[len(outputs) - len(before) :] == before:
                     logits[last] = float("-inf")
             for token, bias in (logit_bias or {}).items():
                 logits[token] += bias
-            for token in set(ids) if repetition != 1 else ():
-                x = logits[token]
-                logits[token] = x / repetition if x > 0 else x * repetition
-            for token in set(outputs):
-                logits[token] -= presence + frequency * outputs.count(token)
-            ids.append(max(range(len(logits)), key=logits.__getitem__))
+            if repetition != 1:
+                seen = torch.tensor(sorted(set(ids)))
+                x = logits[seen]
+                logits[seen] = torch.where(x > 0, x / repetition, x * repetition)
+            if outputs:
+                counts = Counter(outputs)
+                occurrences = torch.tensor(list(counts.values()), dtype=torch.float64)
+                logits[torch.tensor(list(counts))] -= presence + frequency * occurrences
+            ids.append(int(logits.argmax()))  # the first of equal maxima, as max() took
     return ids[len(prompt_ids) :]
 
 
