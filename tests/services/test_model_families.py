@@ -148,6 +148,13 @@ WINDOWED = {
 }
 
 
+def _saved_and_loaded(config, path, default_model_dir):
+    """A random model of ``config`` saved under ``path`` with the default model's tokenizer,
+    and transformers' copy loaded back from there (the reference)."""
+    save_speaking(transformers.AutoModelForCausalLM.from_config(config), path, default_model_dir)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 @pytest.mark.parametrize("kind", sorted(WINDOWED))
 def test_sliding_windows_are_served_past_their_length(kind, tmp_path, default_model_dir):
     """A window of 24 tokens and prompts of 80: the whole context is served (not the
@@ -164,10 +171,7 @@ def test_sliding_windows_are_served_past_their_length(kind, tmp_path, default_mo
         num_key_value_heads=2,
         max_position_embeddings=512,
     )
-    save_speaking(
-        transformers.AutoModelForCausalLM.from_config(config), tmp_path, default_model_dir
-    )
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    hf = _saved_and_loaded(config, tmp_path, default_model_dir)
     prompts = [list(range(200, 280)), list(range(200, 248)) + list(range(900, 932))]
     with LLM(str(tmp_path), max_num_batched_tokens=16) as llm:
         with WeirClient(llm.server_info["client_address"]) as client:
@@ -203,10 +207,7 @@ def test_phi4_mini_rotation_is_served_as_transformers_generates(tmp_path, defaul
         eos_token_id=2,
         pad_token_id=0,
     )
-    save_speaking(
-        transformers.AutoModelForCausalLM.from_config(config), tmp_path, default_model_dir
-    )
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    hf = _saved_and_loaded(config, tmp_path, default_model_dir)
     first = list(range(200, 240))
     prompts = [first, first + list(range(900, 910)), first + list(range(900, 940))]
     with LLM(str(tmp_path), max_num_batched_tokens=16) as llm:
@@ -233,10 +234,7 @@ def test_a_yarn_rope_scaling_stretches_the_served_context(tmp_path, default_mode
         eos_token_id=2,
         pad_token_id=0,
     )
-    save_speaking(
-        transformers.AutoModelForCausalLM.from_config(config), tmp_path, default_model_dir
-    )
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    hf = _saved_and_loaded(config, tmp_path, default_model_dir)
     prompt = list(range(300, 450))
     with LLM(str(tmp_path)) as llm:
         with WeirClient(llm.server_info["client_address"]) as client:
