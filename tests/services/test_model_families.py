@@ -148,6 +148,20 @@ WINDOWED = {
 }
 
 
+# The shape of the rotation tests' random models (the default model's vocabulary and ids).
+SMALL = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
 def _saved_and_loaded(config, path, default_model_dir):
     """A random model of ``config`` saved under ``path`` with the default model's tokenizer,
     and transformers' copy loaded back from there (the reference)."""
@@ -189,12 +203,7 @@ def test_phi4_mini_rotation_is_served_as_transformers_generates(tmp_path, defaul
     decodes what transformers generates with its cache."""
     torch.manual_seed(1)
     config = transformers.Phi3Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL,
         max_position_embeddings=512,
         original_max_position_embeddings=64,
         partial_rotary_factor=0.75,
@@ -203,9 +212,6 @@ def test_phi4_mini_rotation_is_served_as_transformers_generates(tmp_path, defaul
             "short_factor": [1.0 + 0.1 * i for i in range(6)],
             "long_factor": [3.0**i for i in range(6)],
         },
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     hf = _saved_and_loaded(config, tmp_path, default_model_dir)
     first = list(range(200, 240))
@@ -222,17 +228,9 @@ def test_a_yarn_rope_scaling_stretches_the_served_context(tmp_path, default_mode
     256, as vLLM derives it, and a 150-token prompt decodes as transformers generates."""
     torch.manual_seed(1)
     config = transformers.Qwen2Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SMALL,
         max_position_embeddings=64,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     hf = _saved_and_loaded(config, tmp_path, default_model_dir)
     prompt = list(range(300, 450))
