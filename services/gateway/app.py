@@ -139,7 +139,7 @@ def _route_label(path: str) -> str:
 def _not_json_content(request: Request) -> APIError:
     """A body sent as another type: FastAPI reads JSON only under its content type (a
     browser's form cannot forge that without asking CORS first)."""
-    sent = request.headers.get("content-type", "none")
+    sent = request.headers.get("content-type", "none")[:100]
     message = f"the body must be JSON sent with Content-Type: application/json (got {sent})"
     return APIError(400, message, "invalid_request_error")
 

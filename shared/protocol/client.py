@@ -19,7 +19,7 @@ Client -> scheduler::
     model_info {request_id}
     tokenize   {request_id, prompt, add_special_tokens?, CHAT...}
                prompt: str | list[{role, content, ...}] (as generate's)
-    detokenize {request_id, token_ids}
+    detokenize {request_id, token_ids, as_tokens?}   as_tokens: each id's vocabulary entry
     lora_adapter {request_id, lora_name, lora_path?}   load an adapter (path), or unload it
 
     CHAT: a chat's fields for its template (``ChatTemplateArgs``), only with chat messages:
@@ -35,7 +35,7 @@ Scheduler -> client::
     error      {request_id | None, message, code}
     health     {request_id, info}
     model_info {request_id, info}
-    tokens     {request_id, info}   info: {token_ids, max_model_len} | {text}
+    tokens     {request_id, info}   info: {token_ids, max_model_len} | {text} | {tokens}
                (a lora_adapter request is answered with model_info, the adapters after it)
 
 ``outputs`` batches every output one step produced for one client; ``text`` is
