@@ -216,6 +216,19 @@ def test_bench_refuses_bad_options_in_one_line(flags, error, capsys) -> None:
     assert error in err and "Traceback" not in err, err
 
 
+def test_output_paths_that_can_be_written_pass_the_check_before_a_run(tmp_path: Path) -> None:
+    """A results file replaced or a markdown file appended to, a new one in a new folder, a
+    plot folder that exists or not: none is refused (the refusals are above)."""
+    from weir.services.bench.report import check_output_paths
+
+    existing = tmp_path / "benchmarks.md"
+    existing.write_text("| table |\n")
+    check_output_paths((existing, tmp_path / "new" / "deeper" / "run.json"), (tmp_path,))
+    check_output_paths((), (tmp_path / "plots",))
+    with pytest.raises(OSError, match="is a directory"):
+        check_output_paths((tmp_path,))
+
+
 def test_a_bad_dataset_record_is_named_by_its_line(tmp_path: Path, capsys) -> None:
     from weir.services.bench import run_cli
 

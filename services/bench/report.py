@@ -161,9 +161,13 @@ def check_output_paths(
     that is a folder, a folder that is a file, or one under no writable folder."""
     paths = [(Path(p), False) for p in files if p] + [(Path(p), True) for p in folders if p]
     for path, folder in paths:
-        if path.exists() and path.is_dir() != folder:
-            raise OSError(f"{path}: is {'not ' if folder else ''}a directory")
-        base = next(p for p in (path, *path.parents) if p.exists() or p == Path("."))
+        if path.exists():  # replaced, or appended to (a markdown table)
+            if path.is_dir() != folder:
+                raise OSError(f"{path}: is {'not ' if folder else ''}a directory")
+            if not os.access(path, os.W_OK):
+                raise OSError(f"{path}: cannot be written")
+            continue
+        base = next(p for p in path.parents if p.exists())
         if not base.is_dir() or not os.access(base, os.W_OK):
             raise OSError(f"{path}: cannot be written ({base} is not a writable directory)")
 

@@ -57,6 +57,9 @@ _INLINE_TOKENIZE_CHARS = 4096
 # chat's size: a million empty messages are not a short prompt (rendering them took 45 s).
 _CHAT_MESSAGE_CHARS = 16
 _TOKENIZER_THREADS = 2
+# The longest text a request to be truncated may send: tokenizing it holds one of the
+# tokenizer threads every long prompt waits for (11.4 M characters took 7.8 s).
+MAX_TRUNCATED_PROMPT_CHARS = 1 << 20
 # Replies wait in ZeroMQ's queue for a slow client; past this many it is treated as not
 # reading (its requests end) rather than letting memory grow without bound.
 CLIENT_SNDHWM = 100_000
@@ -815,13 +818,16 @@ class ClientFrontend:
         truncated: bool = False,
     ) -> int:
         """A text's (and the text it is paired with) or chat's size in characters;
-        ValueError if no such prompt can fit. A prompt to be truncated fits whatever its
-        length (vLLM tokenizes it whole): only a --max-prompt-chars given bounds it."""
-        bounded = not truncated or self._prompt_chars_given
+        ValueError if no such prompt can fit. A prompt to be truncated may be longer than
+        any that fits (vLLM tokenizes it whole), up to ``MAX_TRUNCATED_PROMPT_CHARS`` unless
+        --max-prompt-chars was given."""
+        limit = self.max_prompt_chars
+        if truncated and not self._prompt_chars_given:
+            limit = max(limit, MAX_TRUNCATED_PROMPT_CHARS)
         if isinstance(prompt, str):
             num_chars = len(prompt) + pair_chars
         else:
-            if bounded and len(prompt) > self.max_model_len:
+            if len(prompt) > self.max_model_len:
                 raise ValueError(
                     f"a chat of {len(prompt)} messages cannot fit max_model_len="
                     f"{self.max_model_len} tokens (each message takes at least one)"
@@ -829,11 +835,15 @@ class ClientFrontend:
             num_chars = (
                 sum(map(_message_chars, prompt)) + len(chat.tools or "") + len(chat.kwargs or "")
             )
-        if bounded and num_chars > self.max_prompt_chars:
+        if num_chars > limit:
+            why = (
+                "to tokenize for truncate_prompt_tokens"
+                if limit > self.max_prompt_chars
+                else f"(such a text cannot fit max_model_len={self.max_model_len} tokens)"
+            )
             raise ValueError(
                 f"prompt is too long: {num_chars} characters, more than this server's limit "
-                f"of {self.max_prompt_chars} (such a text cannot fit max_model_len="
-                f"{self.max_model_len} tokens); shorten the prompt"
+                f"of {limit} {why}; shorten the prompt"
             )
         return num_chars
 

@@ -223,9 +223,9 @@ CLIENT_CLOSED_REQUEST = 499
 # Every choice is a request of its own: one HTTP request may not ask for more.
 MAX_CHOICES = 128
 # How the engine names the structured output a tool choice asks for in its refusals.
-# Fields the engine names in its errors, and the Responses fields they came from.
-_RESPONSES_FIELDS = (("max_tokens", "max_output_tokens"), ("structured_output.json", "text.format"))
 _TOOL_SCHEMA_FIELD = "structured_output.json"
+# Fields the engine names in its errors, and the Responses fields they came from.
+_RESPONSES_FIELDS = (("max_tokens", "max_output_tokens"), (_TOOL_SCHEMA_FIELD, "text.format"))
 
 # A request's outputs as they arrive: per batch, each choice index with its new outputs.
 T = TypeVar("T")

@@ -1414,6 +1414,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
         model=MODEL, prompt=long, max_tokens=4, temperature=0, extra_body=extra
     )
     assert reply.choices[0].text == tokenizer.decode(hf_greedy(tiny_hf_model, ids[-20:], 4))
+    # Bounded still: tokenizing it holds a thread other clients' long prompts wait for.
+    with pytest.raises(openai.BadRequestError, match="to tokenize for truncate_prompt_tokens"):
+        client.completions.create(
+            model=MODEL, prompt="word " * 300_000, max_tokens=4, extra_body=extra
+        )
     chat = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": prompt}],
