@@ -341,16 +341,25 @@ class AsyncWeirClient:
         continue_final_message: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        waited_s: float = 0.0,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
-        write them together when it falls behind."""
+        write them together when it falls behind. ``waited_s``: seconds the request
+        already waited (the protocol's; it queues as having arrived that long ago)."""
         chat = _chat_args(
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
         await self._wait_until_left(request_id)
         with self._open_stream(
-            prompt, sampling_params, request_id, priority, chat, cache_salt, lora_name
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            chat,
+            cache_salt,
+            lora_name,
+            waited_s=waited_s,
         ) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
@@ -694,6 +703,7 @@ class AsyncWeirClient:
         cache_salt: str | None,
         lora_name: str | None,
         pooling_params: PoolingParams | None = None,
+        waited_s: float = 0.0,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -721,6 +731,7 @@ class AsyncWeirClient:
                 cache_salt,
                 lora_name,
                 pooling_params,
+                waited_s,
             )
         )
         inbox = _Inbox()

@@ -683,7 +683,8 @@ class ClientFrontend:
         except ValueError as exc:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
-        now = time.monotonic()
+        # A choice of n > 1 sent after its first arrived with it (``waited_s``).
+        arrival = time.monotonic() - msg.waited_s
         stream = _Stream(
             rid,
             identity,
@@ -694,13 +695,13 @@ class ClientFrontend:
             )
             if msg.sampling_params.detokenize
             else NoText(),
-            now,
+            arrival,
         )
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
         stream.pooling = msg.pooling_params
         try:
-            request = self._new_request(rid, prompt_ids, msg, now)
+            request = self._new_request(rid, prompt_ids, msg, arrival)
             if grammar is not None:
                 request.grammar = grammar
                 # Its format allows them only where it is complete, and nothing after: they

@@ -619,9 +619,10 @@ class Gateway:
             return
         queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]] = asyncio.Queue()
         first_token = {sample.group: asyncio.Event() for sample in samples}
+        arrival = time.monotonic()
         tasks = [
             asyncio.create_task(
-                self._sample(f"{request_id}-{s.index}", s, queue, first_token[s.group])
+                self._sample(f"{request_id}-{s.index}", s, queue, first_token[s.group], arrival)
             )
             for s in samples
         ]
@@ -653,11 +654,14 @@ class Gateway:
         sample: _Sample,
         queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]],
         first_token: asyncio.Event,
+        arrival: float,
     ) -> None:
         try:
+            waited_s = 0.0
             if sample.number:  # the first sample of a prompt fills the prefix cache
                 await first_token.wait()
-            async with self._sample_stream(request_id, sample) as (first, rest):
+                waited_s = time.monotonic() - arrival  # it queues with the first
+            async with self._sample_stream(request_id, sample, waited_s) as (first, rest):
                 first_token.set()
                 queue.put_nowait((sample.index, first))
                 async for outs in rest:
@@ -673,7 +677,7 @@ class Gateway:
 
     @asynccontextmanager
     async def _sample_stream(
-        self, request_id: str, sample: _Sample
+        self, request_id: str, sample: _Sample, waited_s: float = 0.0
     ) -> AsyncIterator[tuple[list[StreamOutput], AsyncGenerator[list[StreamOutput], None]]]:
         """One sample's first batch of outputs and the stream of the rest, from the replica
         the router picks, reserved there while it is open (closing it aborts the request).
@@ -696,6 +700,7 @@ class Gateway:
                     priority=sample.priority,
                     cache_salt=sample.cache_salt,
                     lora_name=sample.lora_name,
+                    waited_s=waited_s,
                     **sample.chat,
                 )
                 async with aclosing(stream):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Iterator
 
 from weir.services.scheduler.request import Request
 
-_Key = int | tuple[float, ...]  # FCFS: a ticket; priority: priority_key + ticket
+_Key = tuple[float, ...]  # FCFS: (arrival, ticket); priority: priority_key + ticket
 
 
 def priority_key(request: Request) -> tuple[int, float, int]:
@@ -16,13 +17,15 @@ def priority_key(request: Request) -> tuple[int, float, int]:
 
 
 class WaitingQueue:
-    """FCFS keeps arrival order and puts a preempted request back at the head. Under
-    ``policy="priority"`` the queue is ordered by (priority, arrival_time, admission
-    sequence), and a preempted request goes back to its place by that key, not ahead of
-    more urgent ones.
+    """FCFS keeps arrival order (``arrival_time``, then admission) and puts a preempted
+    request back at the head. Under ``policy="priority"`` the queue is ordered by
+    (priority, arrival_time, admission sequence), and a preempted request goes back to its
+    place by that key, not ahead of more urgent ones. Arrival, not admission, comes first:
+    a choice of ``n > 1`` sent once its first choice began arrived with it, before requests
+    admitted in between (as vLLM queues the n choices together).
 
-    One heap serves both orders (FCFS ranks an arrival by a rising ticket, a requeue by
-    a falling one). Removal only forgets the request's entry, which the head skips when
+    One heap serves both orders (FCFS ranks a requeue before every arrival, the latest
+    first, by a falling ticket). Removal only forgets the request's entry, which the head skips when
     it reaches it: aborting one of 50,000 queued requests scanned the whole queue
     (milliseconds each, one per disconnecting client)."""
 
@@ -35,13 +38,18 @@ class WaitingQueue:
     def add(self, request: Request) -> None:
         ticket = next(self._tickets)
         # Tickets make every key unique, so the heap never compares two requests.
-        self._push(request, (*priority_key(request), ticket) if self._by_priority else ticket)
+        self._push(
+            request,
+            (*priority_key(request), ticket)
+            if self._by_priority
+            else (request.arrival_time, ticket),
+        )
 
     def requeue(self, request: Request) -> None:
         if self._by_priority:
             self.add(request)
         else:
-            self._push(request, -next(self._tickets))
+            self._push(request, (-math.inf, -next(self._tickets)))
 
     def _push(self, request: Request, key: _Key) -> None:
         self._live[request] = key

@@ -7,7 +7,9 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 Client -> scheduler::
 
     generate   {request_id, prompt, sampling_params, priority?, cache_salt?, lora_name?,
-                pooling_params?, CHAT...}
+                pooling_params?, waited_s?, CHAT...}
+               waited_s: seconds the request had waited before it was sent; it queues as
+               having arrived that long ago (a choice of n > 1 sent once its first began)
                pooling_params {task?, dimensions?, normalize?, activation?, text_pair?}: a
                vector, not tokens (a server with the pooling runner): an embedding (task
                embed), a classifier's scores (classify), a cross-encoder's score of the
@@ -48,6 +50,7 @@ model (vocabulary, ``max_model_len``) is checked by the scheduler when it tokeni
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +141,10 @@ class GenerateRequest:
     # An embedding request: the prompt's pooled hidden states come back, no tokens
     # (``sampling_params`` may then set only truncate_prompt_tokens).
     pooling_params: PoolingParams | None = None
+    # Seconds it waited before it was sent: it queues as having arrived that long ago (the
+    # gateway's choices of n > 1 after the first, sent once the first has begun, so that
+    # they find its prompt cached, queue with it, as vLLM's n choices do).
+    waited_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -352,6 +359,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["lora_name"] = msg.lora_name
         if msg.pooling_params is not None:
             fields["pooling_params"] = msg.pooling_params.to_dict()
+        if msg.waited_s:
+            fields["waited_s"] = msg.waited_s
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)
@@ -415,6 +424,7 @@ _CLIENT_FIELDS = {
         "cache_salt",
         "lora_name",
         "pooling_params",
+        "waited_s",
         *_CHAT_FIELDS,
     },
     "abort": {"request_id"},
@@ -589,9 +599,24 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             f"lora_name must be a non-empty string of at most {MAX_LORA_NAME_LEN} characters",
             raw_id,
         )
+    waited_s = data.get("waited_s", 0.0)
+    if type(waited_s) not in (int, float) or not 0 <= waited_s < math.inf:
+        raise ClientProtocolError(
+            INVALID_REQUEST,
+            f"waited_s must be a finite number of seconds >= 0, got {_short(waited_s)}",
+            raw_id,
+        )
     chat = _chat_args(data, prompt, raw_id)
     return GenerateRequest(
-        raw_id, prompt, sampling_params, priority, chat, salt, lora_name, pooling_params
+        raw_id,
+        prompt,
+        sampling_params,
+        priority,
+        chat,
+        salt,
+        lora_name,
+        pooling_params,
+        float(waited_s),
     )
 
 

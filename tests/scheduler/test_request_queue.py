@@ -17,14 +17,22 @@ def _request(i: int, rng: random.Random) -> Request:
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(20))
 def test_random_operations_keep_the_promised_order(policy, seed):
-    """Arrivals, requeues of popped requests (preemption), removals anywhere (aborts,
-    also of requeued ones) and pops, interleaved; the reference re-sorts a list."""
+    """Arrivals (out of arrival_time order), requeues of popped requests (preemption),
+    removals anywhere (aborts, also of requeued ones) and pops, interleaved; the
+    reference re-sorts a list."""
     rng = random.Random(seed)
     queue, reference, popped = WaitingQueue(policy), [], []
+    requeued = set()  # FCFS: at the head, the latest requeued first
 
     def order(requests):
         if policy == "priority":
             requests.sort(key=lambda r: (r.priority, r.arrival_time, r.seq))
+        else:  # requeued ones stay at the head, in their order; arrivals by arrival_time
+            head = [r for r in requests if r in requeued]
+            requests[len(head) :] = sorted(
+                (r for r in requests if r not in requeued), key=lambda r: (r.arrival_time, r.seq)
+            )
+            requests[: len(head)] = head
 
     for i in range(400):
         action = rng.random()
@@ -36,14 +44,17 @@ def test_random_operations_keep_the_promised_order(policy, seed):
             request = popped.pop(rng.randrange(len(popped)))
             queue.requeue(request)
             reference.insert(0, request)
+            requeued.add(request)
         elif action < 0.8:
             request = rng.choice(reference)
             queue.remove(request)
             reference.remove(request)
+            requeued.discard(request)
         else:
             assert queue.peek() is reference[0]
             popped.append(queue.pop())
             assert popped[-1] is reference.pop(0)
+            requeued.discard(popped[-1])
         order(reference)
         assert len(queue) == len(reference)
         if i % 25 == 0:

@@ -39,8 +39,14 @@ def test_round_trip_of_every_client_message():
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
-    for pooling in (PoolingParams(), PoolingParams(64, False)):
-        msg = client_protocol.GenerateRequest("e", "hi", SamplingParams(), pooling_params=pooling)
+    for msg in (
+        *(
+            client_protocol.GenerateRequest("e", "hi", SamplingParams(), pooling_params=pooling)
+            for pooling in (PoolingParams(), PoolingParams(64, False))
+        ),
+        client_protocol.GenerateRequest("w", "hi", SamplingParams(), waited_s=0.25),
+        client_protocol.GenerateRequest("w", "hi", SamplingParams(), waited_s=3),  # int seconds
+    ):
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )

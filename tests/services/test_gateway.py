@@ -6,6 +6,7 @@ as in test_serving.py; the gateway is the one `weir serve` starts (`--http-port 
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import os
 import re
@@ -222,6 +223,48 @@ def test_n_samples_with_seeds_reproduce_and_share_the_prompt_blocks(server, clie
         before, "weir_prefix_cache_hit_tokens_total"
     )
     assert hits >= 5 * 36
+
+
+def test_n_samples_queue_together_before_later_requests(tiny_model_dir):
+    """One request runs at a time: a request of n=3 sent behind a running one, then
+    another: all three choices start before the later request (vLLM queues a request's n
+    choices at its arrival), although choices 1 and 2 are sent only once choice 0 began
+    (so that they find its prompt cached)."""
+    engine = dataclasses.replace(_engine(tiny_model_dir), max_num_seqs=1)
+    started: list[str] = []
+
+    async def stream(client, name: str, max_tokens: int, n: int = 1) -> None:
+        chunks = await client.completions.create(
+            model=MODEL,
+            prompt=[list(range(100, 108))],
+            max_tokens=max_tokens,
+            temperature=0,
+            n=n,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                label = f"{name}{choice.index}"
+                if label not in started:
+                    started.append(label)
+
+    async def order(base_url: str) -> list[str]:
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused") as client:
+            running = asyncio.create_task(stream(client, "R", 40))
+            while not started:
+                await asyncio.sleep(0.001)
+            asked = asyncio.create_task(stream(client, "X", 30, n=3))
+            await asyncio.sleep(0.2)  # X's first choice queued before Z
+            await asyncio.gather(running, asked, stream(client, "Z", 4))
+        return started
+
+    with ServerProcesses(
+        engine, port=0, metrics_port=0, executor_metrics_port=0, http_port=0
+    ) as processes:
+        first = asyncio.run(order(processes.info["http_address"] + "/v1"))
+    assert first[:2] == ["R0", "X0"] and sorted(first[2:4]) == ["X1", "X2"], first
+    assert first[4] == "Z0", first
 
 
 def test_stop_strings_end_the_text(server, client):
