@@ -52,6 +52,8 @@ class Completion:
     # The stop string or stop token id that ended it (vLLM's); None for the end token or a
     # length cut.
     stop_reason: str | int | None = None
+    # Of the prompt's tokens, how many the prefix cache held (vLLM's).
+    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -351,6 +353,8 @@ class LLM:
             completion.request_id = out.request_id
             if out.prompt_token_ids is not None:
                 completion.prompt_token_ids = out.prompt_token_ids
+            if out.num_cached_tokens is not None:
+                completion.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None:
                 completion.prompt_logprobs = [row[0] for row in out.prompt_logprobs["logprobs"]]
             if out.logprobs is not None and completion.logprobs is not None:

@@ -1284,6 +1284,7 @@ class ClientFrontend:
             None
             if out.prompt_logprobs is None
             else self._prompt_logprobs(stream.prompt_token_ids[0], out.prompt_logprobs),
+            num_cached_tokens=None if stream.sent_prompt_ids else out.num_cached_tokens,
         )
         if out.pooled is not None:
             assert self.pooler is not None and stream.pooling is not None

@@ -1209,10 +1209,15 @@ class Gateway:
         return choices
 
     @staticmethod
-    def _usage(choices: list[fmt.Choice], n: int) -> dict[str, int]:
-        # The n samples of one prompt count its tokens once.
-        prompt = sum(c.prompt_tokens for c in choices[::n])
-        return fmt.usage(prompt, sum(c.completion_tokens for c in choices))
+    def _usage(choices: list[fmt.Choice], n: int) -> dict[str, Any]:
+        # The n samples of one prompt count its tokens once: the first sample's (the
+        # others find the prompt it computed in the cache).
+        firsts = choices[::n]
+        return fmt.usage(
+            sum(c.prompt_tokens for c in firsts),
+            sum(c.completion_tokens for c in choices),
+            sum(c.num_cached_tokens for c in firsts),
+        )
 
     async def _sse(
         self,

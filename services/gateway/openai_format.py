@@ -110,12 +110,19 @@ class ChunkEvents:
         )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; with ``cached_tokens``, its ``prompt_tokens_details`` too (the
+    prompt's tokens found in the prefix cache)."""
+    fields: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        fields["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return fields
 
 
 def _rows(out: StreamOutput) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
@@ -172,6 +179,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt's, found in the prefix cache
     completion_tokens: int = 0
     logprobs: list[StreamOutput] = field(default_factory=list)
     token_ids: list[int] | None = None  # kept when asked for (return_token_ids)
@@ -187,6 +195,8 @@ class Choice:
         self.length += len(out.text)
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
+        if out.num_cached_tokens is not None:
+            self.num_cached_tokens = out.num_cached_tokens
         if self.token_ids is not None:
             self.token_ids += out.new_token_ids
             if out.prompt_token_ids is not None:

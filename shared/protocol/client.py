@@ -31,7 +31,8 @@ Client -> scheduler::
 Scheduler -> client::
 
     outputs    {items: [{request_id, new_token_ids, text, finished, finish_reason,
-                         prompt_tokens, completion_tokens, prompt_token_ids, embedding?}]}
+                         prompt_tokens, completion_tokens, prompt_token_ids,
+                         num_cached_tokens, embedding?}]}
                embedding: a pooling request's vector (an embedding, or a classifier's
                scores), float32 little-endian bytes
     error      {request_id | None, message, code}
@@ -41,8 +42,9 @@ Scheduler -> client::
                (a lora_adapter request is answered with model_info, the adapters after it)
 
 ``outputs`` batches every output one step produced for one client; ``text`` is
-the delta since the previous output of that request and ``prompt_token_ids`` is
-sent once, with the request's first output. The scheduler validates every field
+the delta since the previous output of that request; ``prompt_token_ids`` and
+``num_cached_tokens`` (the prompt's tokens found in the prefix cache) are sent once,
+with the request's first output. The scheduler validates every field
 of every incoming message; anything wrong becomes an ``error`` reply naming the
 problem (see ``ClientProtocolError``), never a dropped connection. What needs the
 model (vocabulary, ``max_model_len``) is checked by the scheduler when it tokenizes.
@@ -275,6 +277,9 @@ class StreamOutput:
     prompt_logprobs: dict[str, list[list[Any]]] | None = None
     # A pooling request's embedding (its only output): float32, little-endian.
     embedding: bytes | None = None
+    # With the first output: how many prompt tokens the prefix cache held (vLLM's
+    # num_cached_tokens; usage's prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -742,6 +747,7 @@ _OPTIONAL_OUTPUT_FIELDS = (
     "stop_reason",
     "prompt_logprobs",
     "embedding",
+    "num_cached_tokens",
 )
 
 
@@ -763,6 +769,7 @@ def encode_outputs(outputs: list[StreamOutput]) -> bytes:
             or o.stop_reason is not None
             or o.prompt_logprobs is not None
             or o.embedding is not None
+            or o.num_cached_tokens is not None
         ):
             item.append(
                 {

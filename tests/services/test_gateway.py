@@ -198,7 +198,7 @@ def test_chat_whole_and_streamed(server, client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_n_samples_with_seeds_reproduce_and_share_the_prompt_blocks(server, client):
+def test_n_samples_with_seeds_reproduce_share_the_prompt_blocks_and_report_them(server, client):
     prompt = list(range(100, 140))  # 10 full blocks
     before = read_metrics(server.info["metrics_address"])
     kwargs = dict(
@@ -218,6 +218,10 @@ def test_n_samples_with_seeds_reproduce_and_share_the_prompt_blocks(server, clie
     assert texts == [c.text for c in again.choices]
     assert len(set(texts)) > 1, "each sample draws from its own seed"
     assert first.usage.prompt_tokens == 40 and first.usage.completion_tokens == 24
+    # The prompt's tokens found in the prefix cache (of the first sample of each prompt):
+    # none the first time; the second time, all but the last block (one token is computed).
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 36
     # Samples 2 and 3 of each call (and all of the second call) hit the prompt's cached blocks.
     hits = metric(after, "weir_prefix_cache_hit_tokens_total") - metric(
         before, "weir_prefix_cache_hit_tokens_total"

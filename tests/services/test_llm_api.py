@@ -74,6 +74,9 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
     assert single.token_ids == completions[0].token_ids
     # vLLM's detokenize=False: the same tokens, no text.
     assert quiet.token_ids == completions[2].token_ids and completions[2].text and not quiet.text
+    # The second time, the prompt's whole blocks were in the prefix cache (vLLM's count).
+    assert completions[2].num_cached_tokens == 0 < quiet.num_cached_tokens
+    assert quiet.num_cached_tokens < len(quiet.prompt_token_ids)
     assert [c.token_ids for c in as_dicts] == [c.token_ids for c in completions[:2]]
     assert one_dict.token_ids == completions[1].token_ids
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id

@@ -238,6 +238,8 @@ def test_a_stored_response_is_continued_read_back_and_deleted(
         return_dict=False,
     )
     assert third.usage.input_tokens == len(ids)
+    # It begins with the second's prompt, whose blocks the prefix cache holds.
+    assert 0 < third.usage.input_tokens_details.cached_tokens < len(ids)
     assert client.responses.retrieve(third.id).output_text == third.output_text
     assert client.responses.retrieve(first.id).output_text == first.output_text
     client.responses.delete(first.id)
