@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from tqdm import tqdm
 
 from weir.services.launcher import ServerProcesses
 from weir.shared.beam_search import BeamSearchOutput, BeamSearchParams
@@ -36,6 +38,13 @@ from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
 from weir.shared.sampling_defaults import default_params
 
+T = TypeVar("T")
+# vLLM's use_tqdm: a progress bar of the prompts done, or a tqdm-like class to make it.
+UseTqdm = bool | Callable[..., Any]
+# A text, token ids or vLLM's prompt dict ({"prompt": text} or {"prompt_token_ids": ids}),
+# or a list of them.
+OnePromptOrMany = str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]]
+
 
 @dataclass(slots=True)
 class Completion:
@@ -52,6 +61,8 @@ class Completion:
     # The stop string or stop token id that ended it (vLLM's); None for the end token or a
     # length cut.
     stop_reason: str | int | None = None
+    # With ``SamplingParams.logprobs``: the sum of the output tokens' logprobs (vLLM's).
+    cumulative_logprob: float | None = None
     # Of the prompt's tokens, how many the prefix cache held (vLLM's).
     num_cached_tokens: int = 0
 
@@ -111,19 +122,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         lora_name: str | Sequence[str | None] | None = None,
+        use_tqdm: UseTqdm = True,
     ) -> list[Completion]:
         """One ``Completion`` per prompt, in prompt order; a prompt is text, token ids, chat
         messages (``[{"role": "user", "content": "..."}]``) or vLLM's prompt dicts
         (``{"prompt": text}``, ``{"prompt_token_ids": ids}``). If one fails, the call
         raises its error and the others are aborted. ``priority``: one per prompt, lower
         first (with ``policy="priority"``). ``lora_name``: the LoRA adapter (of
-        ``lora_modules``) of every prompt, or one per prompt (None: the base model)."""
+        ``lora_modules``) of every prompt, or one per prompt (None: the base model).
+        ``use_tqdm`` (vLLM's, as every batch method here): a progress bar on stderr, or
+        the tqdm-like class that makes it."""
         if isinstance(prompts, str | dict) or (
             prompts and isinstance(prompts[0], int | dict) and not _is_vllm_prompt(prompts[0])
         ):
             prompts = [prompts]  # a single prompt
         prompts = [_vllm_prompt(p) for p in prompts]
-        return self._run(prompts, sampling_params, priority, lora_name, {})
+        return self._run(prompts, sampling_params, priority, lora_name, {}, use_tqdm)
 
     def chat(
         self,
@@ -136,6 +150,7 @@ class LLM:
         continue_final_message: bool = False,
         priority: Sequence[int] | None = None,
         lora_name: str | Sequence[str | None] | None = None,
+        use_tqdm: UseTqdm = True,
     ) -> list[Completion]:
         """One ``Completion`` per conversation (one, or a list of them), rendered by the
         model's chat template with ``tools`` and the other template arguments, as vLLM's
@@ -151,7 +166,7 @@ class LLM:
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
         }
-        return self._run(list(conversations), sampling_params, priority, lora_name, chat)
+        return self._run(list(conversations), sampling_params, priority, lora_name, chat, use_tqdm)
 
     def _run(
         self,
@@ -160,6 +175,7 @@ class LLM:
         priority: Sequence[int] | None,
         lora_name: str | Sequence[str | None] | None,
         chat: dict[str, Any],
+        use_tqdm: UseTqdm,
     ) -> list[Completion]:
         if sampling_params is None:
             # vLLM's LLM too samples with the model's recommended defaults when given none.
@@ -187,18 +203,24 @@ class LLM:
             )
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_names for {len(prompts)} prompts")
-        return self._loop.run(
-            self._generate_all(self._client, prompts, params, priorities, loras, chat)
+        client = self._client
+        return self._all(
+            [
+                self._generate_one(client, *request, chat)
+                for request in zip(prompts, params, priorities, loras)
+            ],
+            use_tqdm,
         )
 
     def embed(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
+        prompts: OnePromptOrMany,
         *,
         dimensions: int | None = None,
         normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         lora_name: str | None = None,
+        use_tqdm: UseTqdm = True,
     ) -> list[EmbeddingOutput]:
         """One embedding per prompt (text or token ids), in prompt order, from an ``LLM``
         with the pooling runner (``runner="pooling"``, or an embedding model), through the
@@ -212,15 +234,16 @@ class LLM:
             "lora_name": lora_name,
         }
         client = self._client
-        return self._loop.run(gather_all([client.embed(p, **options) for p in prompts]))
+        return self._all([client.embed(p, **options) for p in prompts], use_tqdm)
 
     def classify(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
+        prompts: OnePromptOrMany,
         *,
         activation: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         lora_name: str | None = None,
+        use_tqdm: UseTqdm = True,
     ) -> list[ClassificationOutput]:
         """One classification per prompt (text or token ids), in prompt order, from an
         ``LLM`` of a sequence classifier (a ``*ForSequenceClassification`` checkpoint, which
@@ -233,14 +256,15 @@ class LLM:
             "lora_name": lora_name,
         }
         client = self._client
-        return self._loop.run(gather_all([client.classify(p, **options) for p in prompts]))
+        return self._all([client.classify(p, **options) for p in prompts], use_tqdm)
 
     def beam_search(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
+        prompts: OnePromptOrMany,
         params: BeamSearchParams,
         *,
         lora_name: str | None = None,
+        use_tqdm: UseTqdm = True,
     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: each prompt's best ``params.beam_width`` beams, best
         first (``weir.shared.beam_search``), the prompts searched together. If one fails,
@@ -248,7 +272,7 @@ class LLM:
         prompts = _pooling_prompts(prompts)
         client = self._client
         searches = [client.beam_search(p, params, lora_name=lora_name) for p in prompts]
-        return self._loop.run(gather_all(searches))
+        return self._all(searches, use_tqdm)
 
     def score(
         self,
@@ -257,6 +281,7 @@ class LLM:
         *,
         truncate_prompt_tokens: int | None = None,
         lora_name: str | None = None,
+        use_tqdm: UseTqdm = True,
     ) -> list[ScoreOutput]:
         """vLLM's ``LLM.score``: ``text_1`` against each ``text_2`` (one text against many),
         or pair by pair; a cross-encoder (a sequence classifier of one label) scores each pair
@@ -266,11 +291,10 @@ class LLM:
         options = {"truncate_prompt_tokens": truncate_prompt_tokens, "lora_name": lora_name}
         client = self._client
         if self._loop.run(client.model_info()).get("labels"):
-            scored = [client.score(a, b, **options) for a, b in pairs]
-            return self._loop.run(gather_all(scored))
+            return self._all([client.score(a, b, **options) for a, b in pairs], use_tqdm)
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
         embedded = dict(
-            zip(texts, self._loop.run(gather_all([client.embed(t, **options) for t in texts])))
+            zip(texts, self._all([client.embed(t, **options) for t in texts], use_tqdm))
         )
         return [
             ScoreOutput(
@@ -319,21 +343,23 @@ class LLM:
     def close(self) -> None:
         self._finalizer()
 
-    async def _generate_all(
-        self,
-        client: AsyncWeirClient,
-        prompts: list[Prompt],
-        params: list[SamplingParams],
-        priorities: list[int],
-        loras: list[str | None],
-        chat: dict[str, Any],
-    ) -> list[Completion]:
-        return await gather_all(
-            [
-                self._generate_one(client, *request, chat)
-                for request in zip(prompts, params, priorities, loras)
-            ]
+    def _all(self, awaitables: Sequence[Awaitable[T]], use_tqdm: UseTqdm) -> list[T]:
+        """Every result, in order (``gather_all``), counted on a progress bar where asked."""
+        if not use_tqdm:
+            return self._loop.run(gather_all(awaitables))
+        bar = (use_tqdm if callable(use_tqdm) else tqdm)(
+            total=len(awaitables), desc="Processed prompts", dynamic_ncols=True
         )
+
+        async def counted(awaitable: Awaitable[T]) -> T:
+            result = await awaitable
+            bar.update(1)
+            return result
+
+        try:
+            return self._loop.run(gather_all([counted(a) for a in awaitables]))
+        finally:
+            bar.close()
 
     @staticmethod
     async def _generate_one(
@@ -365,6 +391,10 @@ class LLM:
             completion.finish_reason = out.finish_reason
             completion.stop_reason = out.stop_reason
         completion.text = "".join(texts)
+        if completion.logprobs is not None:
+            completion.cumulative_logprob = sum(
+                row[token] for row, token in zip(completion.logprobs, completion.token_ids)
+            )
         return completion
 
 
@@ -391,8 +421,8 @@ def _vllm_prompt(prompt: Any) -> Prompt:
     return prompt.get("prompt", prompt.get("prompt_token_ids"))  # type: ignore[no-any-return]
 
 
-def _pooling_prompts(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
-    """Prompts given one (text or token ids) or many, as a list."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]  # type: ignore[list-item]  # a single prompt of token ids
-    return list(prompts)  # type: ignore[arg-type]
+def _pooling_prompts(prompts: OnePromptOrMany) -> list[str | list[int]]:
+    """Prompts given one (text, token ids or vLLM's prompt dict) or many, as a list."""
+    if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # a single prompt
+    return [_vllm_prompt(p) for p in prompts]  # type: ignore[misc]

@@ -96,8 +96,9 @@ class WeirError(Exception):
     """Base of every error the SDK raises."""
 
 
-class InvalidRequestError(WeirError):
-    """The server rejected a request; ``code`` and the message come from the server."""
+class InvalidRequestError(WeirError, ValueError):
+    """The server rejected a request; ``code`` and the message come from the server. A
+    ``ValueError`` too, as vLLM's ``LLM`` raises for a bad request."""
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -159,6 +160,29 @@ class ScoreOutput:
     request_id: str
     score: float
     prompt_token_ids: list[int]
+
+
+def _chat_texts(prompt: Prompt) -> Prompt:
+    """A chat's messages as the protocol takes them, from OpenAI's forms (as the gateway and
+    vLLM's ``LLM.chat`` read them): a null content is empty (an assistant's tool-call turn),
+    text parts are joined with newlines. Anything else is left to the server to refuse."""
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], dict):
+        return prompt
+    return [_message_text(message) for message in prompt]  # type: ignore[arg-type]
+
+
+def _message_text(message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if content is None:  # also left out, as OpenAI's assistant turn with tool_calls may
+        return {**message, "content": ""}
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return {**message, "content": "\n".join(part["text"] for part in content)}
+    return message
 
 
 def _error_from_reply(reply: ErrorReply) -> WeirError:
@@ -648,7 +672,7 @@ class AsyncWeirClient:
         chat = _chat_args(
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
-        request = TokenizeRequest(uuid.uuid4().hex, prompt, add_special_tokens, chat)
+        request = TokenizeRequest(uuid.uuid4().hex, _chat_texts(prompt), add_special_tokens, chat)
         return list((await self._request(request)).info["token_ids"])
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -724,7 +748,7 @@ class AsyncWeirClient:
         self._send(
             GenerateRequest(
                 request_id,
-                prompt,
+                _chat_texts(prompt),
                 sampling_params or SamplingParams(),
                 priority,
                 chat,

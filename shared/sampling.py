@@ -145,6 +145,10 @@ class SamplingParams:
         put(self, "min_p", min_p)
         if self.seed is not None:
             _int("seed", self.seed, -(2**63), 2**63 - 1)
+        # vLLM's None for none (a caller passing its optional arguments on).
+        for name in ("stop", "stop_token_ids", "logit_bias", "bad_words"):
+            if getattr(self, name) is None:
+                put(self, name, ())
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)

@@ -176,6 +176,9 @@ def test_sampling_params_normalises_and_round_trips():
     assert SamplingParams.from_dict(quiet.to_dict()) == quiet != SamplingParams()
     # Each stop id once: the executor bans them on every step before min_tokens.
     assert SamplingParams(stop_token_ids=[7, 2, 7, 2, 9] * 1000).stop_token_ids == (7, 2, 9)
+    # vLLM's None for none, as a caller passing its optional arguments on sends them.
+    nones = dict.fromkeys(("stop", "stop_token_ids", "logit_bias", "bad_words"))
+    assert SamplingParams(**nones) == SamplingParams()
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"n": 2})
     with pytest.raises(ValueError, match="dict"):

@@ -10,6 +10,7 @@ import torch
 from serving_helpers import hf_greedy, read_metrics
 
 from weir.services import LLM, Completion
+from weir.shared.beam_search import BeamSearchParams
 from weir.shared.client import InvalidRequestError, WeirError
 from weir.shared.sampling import SamplingParams
 
@@ -60,6 +61,24 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
         [stopped] = llm.generate(
             prompts[1], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop_id])
         )
+        # vLLM's forms in the other methods: prompt dicts for a beam search (one or a list),
+        # OpenAI's chat messages (text parts, an assistant's null content); its ValueError.
+        search = BeamSearchParams(beam_width=2, max_tokens=2)
+        beams = llm.beam_search([prompts[1], prompts[0]], search, use_tqdm=False)
+        as_dict_beams = llm.beam_search(
+            [{"prompt_token_ids": prompts[1]}, {"prompt": prompts[0]}], search
+        )
+        [one_dict_beam] = llm.beam_search({"prompt_token_ids": prompts[1]}, search)
+        chats = [
+            [{"role": "user", "content": "Hi\nthere"}, {"role": "assistant", "content": ""}],
+            [{"role": "user", "content": [{"type": "text", "text": t} for t in ("Hi", "there")]}]
+            + [{"role": "assistant", "content": None}],
+        ]
+        plain, openai_shaped = llm.chat(
+            chats, params[0], continue_final_message=True, add_generation_prompt=False
+        )
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[10**6]], params[0])
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
     with pytest.raises(WeirError, match="LLM is closed"):
         llm.generate("Hi", params[0])
@@ -81,6 +100,10 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
     assert one_dict.token_ids == completions[1].token_ids
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id
     assert completions[1].stop_reason is None and completions[1].logprobs is None
+    assert [b.sequences for b in as_dict_beams] == [b.sequences for b in beams]
+    assert one_dict_beam.sequences == beams[0].sequences
+    assert openai_shaped.prompt_token_ids == plain.prompt_token_ids
+    assert openai_shaped.token_ids == plain.token_ids
     with torch.no_grad():
         ids = prompts[1] + scored.token_ids
         ref = torch.log_softmax(tiny_hf_model(torch.tensor([ids])).logits[0].double(), -1)
@@ -92,6 +115,10 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
         assert [row[t] for t in (token, *top)] == pytest.approx(
             [want[t].item() for t in (token, *top)], abs=1e-4
         )
+    # vLLM's cumulative_logprob: the sum of the output tokens' logprobs (with logprobs only).
+    want = sum(ref[len(prompts[1]) - 1 + i, t].item() for i, t in enumerate(scored.token_ids))
+    assert scored.cumulative_logprob == pytest.approx(want, abs=1e-4)
+    assert completions[1].cumulative_logprob is None
 
 
 def test_an_llm_dropped_without_close_stops_its_processes(tiny_model_dir):
