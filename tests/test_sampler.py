@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from weir.services.executor import sampler
+from weir.services.executor.input_batch import token_bitmask
 from weir.services.executor.sampler import (
     Penalties,
     Sampler,
@@ -342,3 +343,38 @@ def test_biases_and_penalties_change_the_choice_but_not_the_logprobs():
     assert out.token_ids[1] != top[1] and torch.equal(out.token_ids[[0, 2]], top[[0, 2]])
     raw = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(out.logprobs.top_logprobs, raw.topk(2, dim=-1).values)
+
+
+def test_logprobs_see_a_structured_outputs_mask_and_nothing_after_it():
+    """vLLM masks the logits with the grammar's bitmask before its sampler, which takes the
+    logprobs first: a forbidden token is -inf (written -9999.0, as vLLM's API does), the
+    others renormalised over what the grammar allows; allowed_token_ids, like biases, act
+    after the logprobs."""
+    logits = random_logits(2, seed=8)
+    grammar_ids = logits[0].topk(6).indices[3:].tolist()  # not the three likeliest
+    grammar = token_bitmask(tuple(grammar_ids), VOCAB)
+    only = token_bitmask(tuple(grammar_ids[:2]), VOCAB)  # allowed_token_ids, on both rows
+    both = (np.frombuffer(grammar, "<i4") & np.frombuffer(only, "<i4")).tobytes()
+    batch = make_batch(
+        [{"temperature": 0.0}] * 2,
+        num_logprobs=4,
+        allowed=[(0, both), (1, only)],
+        grammar=[(0, grammar)],
+    )
+    out = Sampler(seed=0)(logits, batch)
+    assert out.token_ids.tolist() == [
+        max(grammar_ids[:2], key=lambda t: logits[0, t]),
+        max(grammar_ids[:2], key=lambda t: logits[1, t]),
+    ]
+    masked = torch.full((VOCAB,), float("-inf"), dtype=torch.float64)
+    masked[grammar_ids] = logits[0, grammar_ids].double()
+    want = torch.log_softmax(masked, -1)
+    top = want.topk(3).values.tolist() + [sampler.MIN_LOGPROB]  # three allowed, then none
+    assert out.logprobs.top_logprobs[0].tolist() == pytest.approx(top, abs=1e-5)
+    assert out.logprobs.token_logprobs[0].item() == pytest.approx(
+        want[out.token_ids[0]].item(), abs=1e-5
+    )
+    raw = torch.log_softmax(logits[1].double(), -1)  # allowed_token_ids alone: raw
+    assert out.logprobs.top_logprobs[1].tolist() == pytest.approx(
+        raw.topk(4).values.tolist(), abs=1e-5
+    )

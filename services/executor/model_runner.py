@@ -1037,6 +1037,7 @@ class ModelRunner:
             penalties=self._penalties(inputs, rows, input_ids),
             allowed=allowed,
             bad_words=self._bad_words(inputs, rows, input_ids),
+            grammar=grammar,
         )
 
     def _with_allowed_tokens(

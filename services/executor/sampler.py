@@ -50,9 +50,13 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None
     logit_bias: "LogitBias | None" = None
     penalties: "Penalties | None" = None
-    # (rows, packed int32 bitmasks [rows, words]) of rows a structured output constrains
+    # (rows, packed int32 bitmasks [rows, words]) of the only tokens rows may produce: a
+    # structured output's, ANDed with allowed_token_ids
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     bad_words: "BadWords | None" = None
+    # The structured outputs' masks alone, where logprobs are asked for: vLLM masks the
+    # logits with them before the sampler, so its logprobs see them (and nothing after)
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def changes_logits(self) -> bool:
@@ -91,10 +95,12 @@ class SamplingBatch:
         penalties: "Penalties | None" = None,
         allowed: Sequence[tuple[int, bytes]] = (),
         bad_words: "BadWords | None" = None,
+        grammar: Sequence[tuple[int, bytes]] = (),
     ) -> "SamplingBatch":
         """From host arrays; `seeds` holds (row, seed, output position) for seeded rows,
-        `banned` (row, token ids it may not produce), `logit_bias` (row, token ids, biases) and
-        `allowed` (row, the packed bitmask of the only tokens it may produce)."""
+        `banned` (row, token ids it may not produce), `logit_bias` (row, token ids, biases),
+        `allowed` (row, the packed bitmask of the only tokens it may produce) and `grammar`
+        (the same, of its structured output alone: read only for logprobs)."""
         device = torch.device(device)
         # SamplingParams (also on the wire: from_dict) already made a tiny temperature 0, but
         # takes any finite one: past float32 it would turn the logits into NaN.
@@ -128,17 +134,20 @@ class SamplingBatch:
             logit_bias=LogitBias.build(logit_bias, device) if logit_bias else None,
             penalties=penalties,
             bad_words=bad_words,
-            allowed=(
-                (
-                    to_device(np.array([row for row, _ in allowed], dtype=np.int64), device),
-                    to_device(
-                        np.stack([np.frombuffer(m, dtype="<i4") for _, m in allowed]), device
-                    ),
-                )
-                if allowed
-                else None
-            ),
+            allowed=_row_masks(allowed, device),
+            grammar=_row_masks(grammar, device) if num_logprobs >= 0 else None,
         )
+
+
+def _row_masks(
+    masks: Sequence[tuple[int, bytes]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, packed int32 bitmasks [rows, words]) on ``device`` of (row, bitmask) pairs."""
+    if not masks:
+        return None
+    rows = np.array([row for row, _ in masks], dtype=np.int64)
+    words = np.stack([np.frombuffer(mask, dtype="<i4") for _, mask in masks])
+    return to_device(rows, device), to_device(words, device)
 
 
 @dataclass(slots=True)
@@ -221,6 +230,12 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool [rows, vocab_size] of packed int32 rows: token t is bit t % 32 of word t // 32."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     return ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+
+
+def mask_rows_(logits: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """-inf in place for each token a row's packed bitmask does not allow."""
+    rows, words = masks
+    logits[rows] = logits[rows].masked_fill(~unpack_bitmask(words, logits.shape[1]), float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -334,8 +349,12 @@ def apply_penalties_(logits: torch.Tensor, penalties: Penalties) -> None:
     flat[outputs] = flat[outputs] - p.presence[out_row] - p.frequency[out_row] * counts
 
 
+# What a token the logits rule out (-inf) reports, as vLLM's API writes it: JSON has no -inf.
+MIN_LOGPROB = -9999.0
+
+
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> Logprobs:
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).clamp_(min=MIN_LOGPROB)
     token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
     return Logprobs(token_logprobs, top_ids, top_logprobs)
@@ -364,10 +383,7 @@ class Sampler:
         if batch.changes_logits:
             logits = logits.clone()  # the raw logits stay for the logprobs
         if batch.allowed is not None:
-            rows, words = batch.allowed
-            logits[rows] = logits[rows].masked_fill(
-                ~unpack_bitmask(words, logits.shape[1]), float("-inf")
-            )
+            mask_rows_(logits, batch.allowed)
         if batch.bad_words is not None:
             batch.bad_words.apply_(logits)
         if batch.banned is not None:
@@ -382,9 +398,12 @@ class Sampler:
             token_ids = greedy
         else:
             token_ids = torch.where(batch.temperature == 0, greedy, self._sample(logits, batch))
-        logprobs = (
-            None if batch.num_logprobs < 0 else compute_logprobs(raw, token_ids, batch.num_logprobs)
-        )
+        logprobs = None
+        if batch.num_logprobs >= 0:
+            if batch.grammar is not None:  # vLLM's logprobs: after the grammar, before the rest
+                raw = raw.clone()
+                mask_rows_(raw, batch.grammar)
+            logprobs = compute_logprobs(raw, token_ids, batch.num_logprobs)
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

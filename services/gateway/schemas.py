@@ -302,7 +302,7 @@ class _SamplingFields(Options):
     """The fields both endpoints share."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=16)] = 1
+    n: Annotated[int, Field(ge=1)] = 1  # prompts x n at most MAX_CHOICES (OpenAI's 128)
     # None: the server's default (the model's generation_config.json, else Weir's).
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None

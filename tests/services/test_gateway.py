@@ -217,6 +217,9 @@ def test_n_samples_with_seeds_reproduce_share_the_prompt_blocks_and_report_them(
     assert [c.index for c in first.choices] == [0, 1, 2]
     assert texts == [c.text for c in again.choices]
     assert len(set(texts)) > 1, "each sample draws from its own seed"
+    # Up to OpenAI's 128 choices of one prompt (n was held to 16).
+    many = client.completions.create(**{**kwargs, "n": 128, "max_tokens": 1})
+    assert [c.index for c in many.choices] == list(range(128))
     assert first.usage.prompt_tokens == 40 and first.usage.completion_tokens == 24
     # The prompt's tokens found in the prefix cache (of the first sample of each prompt):
     # none the first time; the second time, all but the last block (one token is computed).
@@ -351,6 +354,7 @@ def test_logprobs_in_both_apis(client):
         ({"prompt": [[5, 6], [7, 10**9]]}, "prompt[1]: prompt[1]: token id 1000000000"),
         ({"extra_body": {"min_tokens": 5}, "max_tokens": 2}, "min_tokens"),
         ({"prompt": ["Hi"] * 65, "n": 2}, "choices"),
+        ({"n": 129}, "1 prompt(s) x n=129 is more than 128 choices"),
         ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
         ({"extra_body": {"bad_words": ["  "]}}, "bad_words"),
         ({"extra_body": {"bad_words": [" ".join(map(str, range(60)))]}}, "at most 32"),
@@ -893,6 +897,12 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_mode
         assert choice.text in colours and choice.finish_reason == "stop"
         usages.append(completion.usage.completion_tokens)
     assert len(set(usages)) == 1
+    # Logprobs are taken after the format's mask, as vLLM's: the likeliest first tokens are
+    # ones that begin a choice, the rest ruled out (-9999.0, vLLM's stand-in for -inf).
+    scored = client.completions.create(**call, logprobs=5, extra_body={"guided_choice": colours})
+    first = scored.choices[0].logprobs.top_logprobs[0]
+    assert any(lp > -9999.0 for lp in first.values())
+    assert all(lp == -9999.0 or any(c.startswith(t) for c in colours) for t, lp in first.items())
     # allowed_token_ids hold with the choice's mask: only "green pear"'s tokens (and the
     # special ones, the end among them) are allowed, so every sample is that choice whole.
     tokenizer = Tokenizer.from_model_dir(tiny_model_dir)
