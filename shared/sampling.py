@@ -310,11 +310,21 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# vLLM's: JSON without free whitespace between tokens (a weak model may otherwise write
-# whitespace until max_tokens).
+# disable_any_whitespace (vLLM's): JSON without free whitespace between tokens (a weak model
+# may otherwise write whitespace until max_tokens).
 # reasoning_end: the token that ends a thinking model's reasoning, which the constraint
 # follows (the reasoning is free), as vLLM holds a reasoning model's output to a format.
-STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "reasoning_end")
+# vLLM's other options, either value served as its xgrammar backend serves it:
+# disable_fallback (one backend here, which never falls back) and
+# disable_additional_properties (xgrammar closes an object that lists properties to them,
+# unless it says otherwise, as the option asks); whitespace_pattern only unset (null).
+STRUCTURED_OUTPUT_OPTIONS = (
+    "disable_any_whitespace",
+    "reasoning_end",
+    "disable_fallback",
+    "disable_additional_properties",
+    "whitespace_pattern",
+)
 # A spec's characters (a choice list's in all): compiling one holds the tokenizer thread
 # every other request's long prompt waits for (a 17.8 kB schema took 1.3 s).
 MAX_STRUCTURED_OUTPUT_CHARS = 1 << 16
@@ -326,25 +336,34 @@ MAX_JSON_SCHEMA_DEPTH = 128
 
 def _structured_output(value: Any) -> dict[str, Any]:
     """One kind of constraint and its spec, checked for type (the server compiles it), and
-    vLLM's ``disable_any_whitespace`` option for the JSON kinds."""
+    the options that shape it (``disable_any_whitespace``, ``reasoning_end``). A key set to
+    null is unset, as in vLLM's ``StructuredOutputsParams`` (a client that sends the whole
+    object sends its unset fields so)."""
     if not isinstance(value, dict):
         raise ValueError(
             f"structured_output must be a map of one of {list(STRUCTURED_OUTPUT_KINDS)} to its "
             f"spec, got {type(value).__name__}"
         )
+    value = {k: v for k, v in value.items() if v is not None}
     options = {k: v for k, v in value.items() if k in STRUCTURED_OUTPUT_OPTIONS}
     kinds = [k for k in value if k not in options]
     unknown = [k for k in kinds if k not in STRUCTURED_OUTPUT_KINDS]
     if unknown:
         raise ValueError(
-            f"structured_output: unknown kind {str(unknown[0])[:100]!r}; one of "
-            f"{list(STRUCTURED_OUTPUT_KINDS)} (and the option {list(STRUCTURED_OUTPUT_OPTIONS)})"
+            f"structured_output: unknown key {str(unknown[0])[:100]!r}; the kinds are "
+            f"{list(STRUCTURED_OUTPUT_KINDS)} and the options {list(STRUCTURED_OUTPUT_OPTIONS)}"
         )
     if len(kinds) != 1:
         named = " and ".join(map(str, kinds)) or "none"
         raise ValueError(f"structured_output: ask for one kind of output, got {named}")
-    if type(options.get("disable_any_whitespace", False)) is not bool:
-        raise ValueError("structured_output.disable_any_whitespace must be a bool")
+    for option in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
+        if type(options.get(option, False)) is not bool:
+            raise ValueError(f"structured_output.{option} must be a bool")
+    if "whitespace_pattern" in options:
+        raise ValueError(
+            "structured_output.whitespace_pattern is not supported (disable_any_whitespace "
+            "writes JSON with no whitespace between its tokens)"
+        )
     end = options.get("reasoning_end", "-")
     if type(end) is not str or not 0 < len(end) <= 64:
         raise ValueError("structured_output.reasoning_end must be a token's text (1-64 characters)")

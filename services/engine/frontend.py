@@ -24,6 +24,8 @@ import dataclasses
 import errno
 import json
 import logging
+import os
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +34,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from tokenizers.decoders import ByteLevel
 
 from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
 from weir.services.engine.lora_registry import AdapterNotFound, LoraRegistry
@@ -65,6 +68,47 @@ MAX_TRUNCATED_PROMPT_CHARS = 1 << 20
 CLIENT_SNDHWM = 100_000
 _CATCH_UP_INTERVAL_S = 0.5
 _PAUSE_POLL_S = 0.01  # how often a pause looks whether the requests or steps it waits for ended
+# The tokens before a part of a character that its logprob text is decoded after (vLLM's):
+# a UTF-8 character's bytes span at most 4 tokens.
+_LOGPROB_CONTEXT = 4
+# A byte-fallback vocabulary's entry for one byte (SentencePiece's).
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte table reversed: the byte each character of a byte-level vocabulary's
+    entries stands for (printable bytes stand for themselves, the others are shifted past
+    U+00FF in order)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = sorted(set(range(256)) - set(kept))
+    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(shifted)}
+
+
+class _TokenBytes(dict[int, bytes]):
+    """Token id -> the bytes it adds to the text, as OpenAI's logprob ``bytes`` give them
+    (a part of a character's too, so that the tokens' bytes laid end to end are the text's
+    UTF-8): a byte-level vocabulary's entry read through GPT-2's byte table, a byte-fallback
+    entry's (``<0xE3>``) byte, else (an added token, another vocabulary) its text's UTF-8.
+    Filled as ids are first seen."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        super().__init__()
+        backend = self._backend = tokenizer.backend
+        self._table = _byte_level_table() if isinstance(backend.decoder, ByteLevel) else {}
+        self._byte_fallback = bool(getattr(backend.model, "byte_fallback", False))
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+
+    def __missing__(self, token_id: int) -> bytes:
+        entry = None if token_id in self._added_ids else self._backend.id_to_token(token_id)
+        table = self._table
+        if entry and table and all(c in table for c in entry):
+            raw = bytes(table[c] for c in entry)
+        elif entry and self._byte_fallback and (piece := _BYTE_PIECE.fullmatch(entry)):
+            raw = bytes([int(piece[1], 16)])
+        else:
+            raw = self._backend.decode([token_id], skip_special_tokens=False).encode()
+        self[token_id] = raw
+        return raw
 
 
 @dataclass(slots=True)
@@ -89,6 +133,11 @@ class _Stream:
     # No stop string may end within unsent[:stop_after]: the first min_tokens tokens' text.
     stop_after: int = 0
     pooling: PoolingParams | None = None  # an embedding request's options
+    # Set only for logprobs: the last sampled ids (at most _LOGPROB_CONTEXT), which a token
+    # that ends inside a character is decoded after; and whether each token's own bytes go
+    # with its text (a chat's, OpenAI's ``bytes``).
+    recent_ids: tuple[int, ...] = ()
+    token_bytes: bool = False
 
 
 @dataclass(slots=True)
@@ -151,6 +200,8 @@ class ClientFrontend:
         self.unavailable: str | None = None
         self.streams: dict[str, _Stream] = {}
         self._token_text: dict[int, str] = {}  # id -> its text alone, at most the vocabulary
+        self._partial_ids: set[int] = set()  # of those, the ids whose text ends in U+FFFD
+        self._token_bytes = _TokenBytes(tokenizer)
         self._tokenizing: dict[str, _Tokenizing] = {}
         self._tokenize_tasks: set[asyncio.Task[None]] = set()
         self._tokenizer_pool = ThreadPoolExecutor(_TOKENIZER_THREADS, "weir-tokenize")
@@ -700,6 +751,12 @@ class ClientFrontend:
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
         stream.pooling = msg.pooling_params
+        prompt = msg.prompt
+        stream.token_bytes = (
+            msg.sampling_params.logprobs is not None
+            and not isinstance(prompt, str)
+            and isinstance(prompt[0], dict)
+        )
         try:
             request = self._new_request(rid, prompt_ids, msg, arrival)
             if grammar is not None:
@@ -1279,7 +1336,7 @@ class ClientFrontend:
             len(stream.prompt_token_ids),
             stream.num_output_tokens,
             None if stream.sent_prompt_ids else stream.prompt_token_ids,
-            None if logprobs is None else self._logprobs(logprobs),
+            None if logprobs is None else self._logprobs(stream, logprobs),
             stop_reason,
             None
             if out.prompt_logprobs is None
@@ -1319,13 +1376,21 @@ class ClientFrontend:
                 return unsent[:end], i + 1, found[1]
         return unsent, len(token_ids), None
 
-    def _logprobs(self, logprobs: SampleLogprobs) -> dict[str, list[list[Any]]]:
-        """The client's logprob rows, with each token's text (decoded alone)."""
-        return {
-            "token_ids": logprobs.token_ids,
+    def _logprobs(self, stream: _Stream, logprobs: SampleLogprobs) -> dict[str, list[list[Any]]]:
+        """The client's logprob rows, with each token's text (see ``_texts``: after the
+        tokens sampled before it) and, for a chat, each token's own bytes."""
+        rows = logprobs.token_ids
+        context = stream.recent_ids
+        stream.recent_ids = (*context, *(row[0] for row in rows))[-_LOGPROB_CONTEXT:]
+        result: dict[str, list[list[Any]]] = {
+            "token_ids": rows,
             "logprobs": logprobs.logprobs,
-            "tokens": self._texts(logprobs.token_ids),
+            "tokens": self._texts(rows, context),
         }
+        if stream.token_bytes:
+            token_bytes = self._token_bytes
+            result["bytes"] = [[token_bytes[t] for t in row] for row in rows]
+        return result
 
     def _prompt_logprobs(self, first: int, rows: SampleLogprobs) -> dict[str, list[list[Any]]]:
         """The client's prompt logprob rows: the first prompt token's, with a logprob of None
@@ -1338,18 +1403,49 @@ class ClientFrontend:
         return {
             "token_ids": token_ids,
             "logprobs": [[None], *rows.logprobs],
-            "tokens": self._texts(token_ids),
+            "tokens": self._texts(token_ids, ()),
             "ranks": [[rank] for rank in ranks],
         }
 
-    def _texts(self, rows: list[list[int]]) -> list[list[str]]:
-        """Each token's text, decoded alone."""
-        text = self._token_text
+    def _texts(self, rows: list[list[int]], context: tuple[int, ...]) -> list[list[str]]:
+        """Each token's text, decoded alone, but where that ends inside a character (U+FFFD),
+        as vLLM corrects it: decoded after the tokens before its row (``context``, then
+        each row's first: the sampled or prompt token), less their text. A part of a
+        character so has none, and the token that completes it has the whole character."""
+        text, partial = self._token_text, self._partial_ids
         for token_id in {t for row in rows for t in row} - text.keys():
             # Each id is decoded once per process: top-20 rows of a big batch would
             # otherwise decode thousands of tokens between two steps.
             text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return [[text[t] for t in row] for row in rows]
+            if text[token_id].endswith("\ufffd"):
+                partial.add(token_id)
+        texts = []
+        for i, row in enumerate(rows):
+            if partial.isdisjoint(row):
+                texts.append([text[t] for t in row])
+                continue
+            before = [*context, *(r[0] for r in rows[max(0, i - _LOGPROB_CONTEXT) : i])]
+            before = before[-_LOGPROB_CONTEXT:]
+            texts.append([self._text_after(t, before) if t in partial else text[t] for t in row])
+        return texts
+
+    def _text_after(self, token_id: int, context: list[int]) -> str:
+        """vLLM's text of a token that decodes alone to a part of a character: decoded after
+        the fewest tokens of ``context`` that complete the character, less the text of those
+        before the context's own parts of it (which have none of their own); "" where none do."""
+        decode = self.tokenizer.backend.decode
+        for start in range(len(context) - 1, -1, -1):
+            before = context[start:]
+            whole = decode([*before, token_id], skip_special_tokens=False)
+            if whole.endswith("\ufffd"):
+                continue
+            clean = len(before)
+            while clean and before[clean - 1] in self._partial_ids:
+                clean -= 1
+            prefix = decode(before[:clean], skip_special_tokens=False) if clean else ""
+            # A normalizing decoder may change the prefix's text in the longer one.
+            return whole[len(os.path.commonprefix([prefix, whole])) :]
+        return ""
 
     def _final_output(self, stream: _Stream, reason: str) -> client_protocol.StreamOutput:
         return client_protocol.StreamOutput(

@@ -13,6 +13,9 @@ accepted (the matcher advances through them and rolls back).
 With a ``reasoning_end`` token (a thinking model's ``</think>``), the output is free until
 that token and held to the constraint after it, as vLLM treats reasoning models.
 xgrammar is imported on the first such request (a few seconds, in the tokenizer thread).
+A JSON schema is checked first for what xgrammar 0.2.9 would drop without a word
+(``check_json_schema``): such a request is refused, as vLLM's xgrammar backend refuses it,
+rather than answered with output the schema does not accept.
 """
 
 from __future__ import annotations
@@ -119,8 +122,10 @@ class GrammarCompiler:
     def matcher(self, spec: dict[str, Any]) -> RequestGrammar:
         """A new matcher for ``spec`` (``SamplingParams.structured_output``); ValueError
         says what xgrammar could not compile."""
-        compiler, xgr = self._ready()
         [(kind, value)] = [(k, v) for k, v in spec.items() if k in STRUCTURED_OUTPUT_KINDS]
+        if kind == "json":
+            check_json_schema(value)
+        compiler, xgr = self._ready()
         any_whitespace = not spec.get("disable_any_whitespace", False)
         try:
             if kind == "json":
@@ -174,3 +179,170 @@ def choice_grammar(choices: Sequence[str]) -> str:
     # Characters as they are: xgrammar reads \u escapes one UTF-16 unit at a time, so an
     # escaped character past U+FFFF would become two unpaired surrogates.
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+# What xgrammar 0.2.9 compiles and then drops (it logs a warning, or nothing), so the output
+# would not be held to it: each was seen by compiling a schema and having the matcher accept
+# a text that breaks it.
+# Standard formats it does not hold a string to (it holds the others; a format the standard
+# does not define is an annotation, as JSON Schema has it, and asserts nothing).
+_UNHELD_FORMATS = frozenset(("regex", "idn-email", "idn-hostname", "iri", "iri-reference"))
+# Keywords it ignores wherever they stand.
+_UNHELD_KEYWORDS = {
+    "not": "'not'",
+    "dependentRequired": "'dependentRequired'",
+    "dependentSchemas": "'dependentSchemas'",
+    "dependencies": "'dependencies'",
+    "contains": "'contains' (and minContains/maxContains)",
+    "$dynamicRef": "'$dynamicRef'",
+    "$recursiveRef": "'$recursiveRef'",
+}
+# Keywords it holds a value to alone: it ignores any other keyword beside them that asserts
+# something (annotations such as title, description or default are free).
+_SOLE_KEYWORDS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
+# Keywords of one type, ignored in a schema with no type (unless one of _TYPE_HINTS, from
+# which it tells an object or an array, stands there).
+_TYPED_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "array": ("minItems", "maxItems", "uniqueItems", "unevaluatedItems"),
+    "object": (
+        "required",
+        "minProperties",
+        "maxProperties",
+        "propertyNames",
+        "unevaluatedProperties",
+    ),
+}
+_TYPE_HINTS = ("properties", "patternProperties", "additionalProperties", "items", "prefixItems")
+_ASSERTIONS = frozenset(
+    ("type", "if", "then", "else", *_UNHELD_KEYWORDS, *_SOLE_KEYWORDS, *_TYPE_HINTS)
+    + tuple(keyword for keywords in _TYPED_KEYWORDS.values() for keyword in keywords)
+)
+# Where a schema holds schemas (those under a keyword refused above are never reached; enum,
+# const, default and examples hold data): one, a map of them, a list of them.
+_SUBSCHEMA = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "null": type(None),
+    "array": list,
+    "object": dict,
+}
+
+
+def check_json_schema(text: str) -> None:
+    """ValueError naming the first keyword of the JSON schema ``text`` that xgrammar would
+    not hold the output to, and where it sits (a JSON pointer); text that is not JSON passes
+    (the compiler names its fault)."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return
+    # Each schema, where it sits, and whether it holds a property's name (a string, with or
+    # without a type). A stack, not recursion: the nesting is capped, but not so low.
+    stack: list[tuple[Any, str, bool]] = [(schema, "", False)]
+    while stack:
+        node, path, names = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        reason = _unheld(node, names)
+        if reason is not None:
+            raise ValueError(
+                f"structured_output.json: {reason} (at {path or '/'}) is not supported: "
+                "the output would not be held to it"
+            )
+        stack.extend((node.get(key), f"{path}/{key}", False) for key in _SUBSCHEMA)
+        stack.append((node.get("propertyNames"), f"{path}/propertyNames", True))
+        for key in _SUBSCHEMA_MAPS:
+            children = node.get(key)
+            if isinstance(children, dict):
+                stack.extend(
+                    (child, f"{path}/{key}/{_escape(name)}", names)
+                    for name, child in children.items()
+                )
+        for key in _SUBSCHEMA_LISTS:
+            children = node.get(key)
+            if isinstance(children, list):
+                stack.extend(
+                    (child, f"{path}/{key}/{i}", names) for i, child in enumerate(children)
+                )
+
+
+def _unheld(node: dict[str, Any], names: bool) -> str | None:
+    """What in this one schema xgrammar would drop, or None (``names``: it holds property
+    names, strings whether it says so or not)."""
+    for key, name in _UNHELD_KEYWORDS.items():
+        if key in node:
+            return name
+    if "if" in node and ("then" in node or "else" in node):
+        return "'if' with 'then'/'else'"
+    if node.get("uniqueItems") is True:
+        return "'uniqueItems'"
+    if "multipleOf" in node and not (
+        node.get("type") == "integer" and type(node["multipleOf"]) is int
+    ):
+        return "'multipleOf' but for an integer multiple of an integer"
+    format_ = node.get("format")
+    if isinstance(format_, str) and format_ in _UNHELD_FORMATS:
+        return f"format {format_!r}"
+    # A string is held to one of its pattern, its format and its length.
+    if "pattern" in node and "format" in node:
+        return "'pattern' beside 'format'"
+    for key in ("pattern", "format"):
+        if key in node and ("minLength" in node or "maxLength" in node):
+            return f"'minLength'/'maxLength' beside {key!r}"
+    for key in ("anyOf", "oneOf", "type"):
+        if node.get(key) == []:
+            return f"an empty {key!r}"
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        return "'allOf' of more than one schema"
+    required, properties = node.get("required"), node.get("properties")
+    if isinstance(required, list) and required:
+        listed = properties if isinstance(properties, dict) else {}
+        unlisted = [n for n in required if isinstance(n, str) and n not in listed]
+        if unlisted:
+            return f"'required' naming {str(unlisted[0])[:100]!r}, not in 'properties'"
+    asserted = node.keys() & _ASSERTIONS
+    for key in _SOLE_KEYWORDS:
+        if key in node and len(asserted) > 1:
+            return _beside(node, key, asserted - {key})
+    if "type" not in node and not names and not asserted.intersection(_TYPE_HINTS):
+        for type_, keywords in _TYPED_KEYWORDS.items():
+            for key in keywords:
+                if key in node:
+                    return f"{key!r} in a schema of no 'type' (give it {type_!r})"
+    return None
+
+
+def _beside(node: dict[str, Any], key: str, others: set[str]) -> str | None:
+    """The keyword beside ``key`` that xgrammar drops, or None: beside enum or const a type
+    all their values have is no constraint."""
+    if others == {"type"} and key in ("enum", "const"):
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        values = node["enum"] if key == "enum" else [node["const"]]
+        if isinstance(values, list) and all(_has_type(v, types) for v in values):
+            return None
+    return f"{sorted(others)[0]!r} beside {key!r}"
+
+
+def _has_type(value: Any, types: list[Any]) -> bool:
+    """Whether a JSON value is of one of ``types`` (JSON's true is no number, 1.0 is an
+    integer)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return any(
+        isinstance(value, _JSON_TYPES.get(name, ()))
+        and isinstance(value, bool) == (name == "boolean")
+        for name in types
+        if isinstance(name, str)
+    )
+
+
+def _escape(name: str) -> str:
+    """A name as a JSON pointer writes it."""
+    return name.replace("~", "~0").replace("/", "~1")

@@ -71,9 +71,7 @@ class ChunkEvents:
     def completion(self, out: StreamOutput, choice: Choice) -> str:
         """A ``text_completion`` chunk (``choice`` has already added ``out``)."""
         logprobs = (
-            "null"
-            if out.logprobs is None
-            else _json(completion_logprobs(out, choice.length - len(out.text)))
+            "null" if out.logprobs is None else _json(completion_logprobs(out, choice.text_offset))
         )
         ids = self._ids(out, "prompt_token_ids") if self.token_ids else ""
         return (
@@ -135,7 +133,8 @@ def _rows(out: StreamOutput) -> list[tuple[str, float | None, list[tuple[str, fl
 
 
 def completion_logprobs(out: StreamOutput, text_offset: int) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object for one output's tokens."""
+    """The legacy completions ``logprobs`` object for one output's tokens, the first at
+    ``text_offset``."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for token, logprob, alternatives in _rows(out):
         offsets.append(text_offset)
@@ -144,7 +143,14 @@ def completion_logprobs(out: StreamOutput, text_offset: int) -> dict[str, Any]:
         token_logprobs.append(logprob)
         # The sampled token first, then the n most likely (up to n + 1 entries), as OpenAI
         # and vLLM give it; null for an echoed prompt's first token, which nothing predicts.
-        top.append(None if logprob is None else {token: logprob, **dict(alternatives)})
+        # An alternative of the same text (another part of a character has none) keeps
+        # the first entry's logprob: the sampled token's is its own.
+        entries: dict[str, float] | None = None
+        if logprob is not None:
+            entries = {token: logprob}
+            for alternative, alternative_logprob in alternatives:
+                entries.setdefault(alternative, alternative_logprob)
+        top.append(entries)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -154,15 +160,20 @@ def completion_logprobs(out: StreamOutput, text_offset: int) -> dict[str, Any]:
 
 
 def chat_logprobs(out: StreamOutput) -> dict[str, Any]:
-    """The chat ``logprobs`` object (``content``: one entry per token) for one output."""
+    """The chat ``logprobs`` object (``content``: one entry per token) for one output.
+    A token's ``bytes`` are its own, a part of a character's too (the scheduler's rows of
+    a chat carry them), so that laid end to end they are the text's UTF-8, as OpenAI's."""
+    lp = out.logprobs or {}
+    tokens, logprobs = lp.get("tokens", []), lp.get("logprobs", [])
+    raw = lp.get("bytes") or [[token.encode() for token in row] for row in tokens]
 
-    def entry(token: str, logprob: float | None) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def entry(i: int, j: int) -> dict[str, Any]:
+        return {"token": tokens[i][j], "logprob": logprobs[i][j], "bytes": list(raw[i][j])}
 
     return {
         "content": [
-            {**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in alternatives]}
-            for token, logprob, alternatives in _rows(out)
+            {**entry(i, 0), "top_logprobs": [entry(i, j) for j in range(1, len(row))]}
+            for i, row in enumerate(tokens)
         ]
     }
 
@@ -182,6 +193,11 @@ class Choice:
     num_cached_tokens: int = 0  # of the prompt's, found in the prefix cache
     completion_tokens: int = 0
     logprobs: list[StreamOutput] = field(default_factory=list)
+    # Characters of the logprob tokens before the last output's: its first token's
+    # text_offset, counted as the whole response's (the text sent so far may be shorter,
+    # held back while it could begin a stop string).
+    text_offset: int = 0
+    token_chars: int = 0  # characters of the logprob tokens so far
     token_ids: list[int] | None = None  # kept when asked for (return_token_ids)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: dict[str, list[list[Any]]] | None = None  # the first output's rows
@@ -205,6 +221,8 @@ class Choice:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         if out.logprobs is not None:
             self.logprobs.append(out)
+            self.text_offset = self.token_chars
+            self.token_chars += sum(len(row[0]) for row in out.logprobs.get("tokens", ()))
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
 
@@ -233,8 +251,8 @@ class Choice:
         return result
 
     def merged_logprobs(self) -> StreamOutput:
-        merged: dict[str, list[list[Any]]] = {"tokens": [], "logprobs": []}
+        merged: dict[str, list[list[Any]]] = {}
         for out in self.logprobs:
-            merged["tokens"] += (out.logprobs or {}).get("tokens", [])
-            merged["logprobs"] += (out.logprobs or {}).get("logprobs", [])
+            for key, rows in (out.logprobs or {}).items():
+                merged.setdefault(key, []).extend(rows)
         return StreamOutput(request_id="", new_token_ids=[], text="", logprobs=merged)

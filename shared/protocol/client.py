@@ -32,9 +32,12 @@ Scheduler -> client::
 
     outputs    {items: [{request_id, new_token_ids, text, finished, finish_reason,
                          prompt_tokens, completion_tokens, prompt_token_ids,
-                         num_cached_tokens, embedding?}]}
+                         num_cached_tokens, logprobs?, embedding?}]}
                embedding: a pooling request's vector (an embedding, or a classifier's
                scores), float32 little-endian bytes
+               logprobs (when asked for): rows {token_ids, logprobs, tokens}, and for a
+               chat's also bytes: each token's own bytes of the text (a part of a
+               character's too, OpenAI's logprob bytes)
     error      {request_id | None, message, code}
     health     {request_id, info}
     model_info {request_id, info}
@@ -266,7 +269,8 @@ class StreamOutput:
     prompt_token_ids: list[int] | None = None
     # When asked for: {"token_ids": rows, "logprobs": rows, "tokens": rows}, one row per
     # new token, entry 0 the sampled token, then the top-n alternatives; "tokens" holds
-    # each id's text decoded alone (what OpenAI's API reports as the token).
+    # each token's text (a part of a character's decoded after the tokens before it, as
+    # vLLM's), and for a chat "bytes", each token's own bytes (OpenAI's).
     logprobs: dict[str, list[list[Any]]] | None = None
     # What ended a request that finished with "stop", as vLLM reports it: the stop string,
     # or the stop token's id; None for EOS (and for every other finish).

@@ -142,6 +142,14 @@ def test_cache_config_requires_num_blocks():
         ({"bad_words": ["w" * 257]}, "at most 256 characters"),
         ({"bad_words_token_ids": [[5] * 33]}, "1 to 32 tokens"),
         ({"structured_output": {"regex": "a", "reasoning_end": 16}}, "reasoning_end"),
+        ({"structured_output": {"xml": "<a/>"}}, "unknown key 'xml'"),
+        ({"structured_output": {"regex": None}}, "one kind of output, got none"),
+        ({"structured_output": {"regex": "a", "disable_fallback": 0}}, "disable_fallback"),
+        (
+            {"structured_output": {"regex": "a", "disable_additional_properties": "yes"}},
+            "disable_additional_properties",
+        ),
+        ({"structured_output": {"regex": "a", "whitespace_pattern": " "}}, "whitespace_pattern"),
     ],
 )
 def test_sampling_params_rejects(kwargs, field):
@@ -154,6 +162,27 @@ def test_sampling_params_rejects(kwargs, field):
 def test_a_json_schema_nested_as_deep_as_compiled_is_taken():
     schema = '{"items": ' * 127 + "{}" + "}" * 127  # 128 levels
     assert SamplingParams(structured_output={"json": schema}).structured_output == {"json": schema}
+
+
+def test_structured_output_fields_left_null_are_unset():
+    """vLLM's StructuredOutputsParams is a dataclass whose unset fields are None (a client
+    that sends it whole sends them null); only a kind set counts, and its options
+    disable_fallback and disable_additional_properties are bools either way."""
+    asked = {
+        "choice": ["yes", "no"],
+        "json": None,
+        "regex": None,
+        "grammar": None,
+        "json_object": None,
+        "disable_any_whitespace": None,
+        "disable_fallback": False,
+        "disable_additional_properties": True,
+        "whitespace_pattern": None,
+    }
+    spec = SamplingParams(structured_output=asked).structured_output
+    assert spec is not None and spec["choice"] == ["yes", "no"]
+    assert {k for k, v in asked.items() if v is None}.isdisjoint(spec)
+    assert SamplingParams.from_dict({"structured_output": asked}).structured_output == spec
 
 
 def test_sampling_params_normalises_and_round_trips():

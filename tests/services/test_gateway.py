@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 from serving_helpers import hf_greedy, metric, read_metrics, stop_the_replacement
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from weir.services.cli import main
 from weir.services.launcher import GatewayProcess, ServerProcesses
@@ -769,7 +770,9 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(
     for i in range(1, len(prompt)):
         top = ref[i - 1].argmax().item() == prompt[i]
         assert (lp.token_logprobs[i] == max(lp.top_logprobs[i].values())) == top
-    assert "\ufffd" in "".join(lp.tokens[: len(prompt)])
+    # vLLM's texts of the tokens: a part of a character has none, the token that completes
+    # it has the whole character.
+    assert "".join(lp.tokens[: len(prompt)]) == hf_tokenizer.decode(prompt)
     assert choice.text == hf_tokenizer.decode(prompt) + plain.choices[0].text
     assert lp.text_offset[len(prompt)] == len("".join(lp.tokens[: len(prompt)]))
     assert echoed.usage.prompt_tokens == len(prompt)
@@ -833,6 +836,64 @@ def test_prompt_logprobs_are_vllms_with_each_tokens_rank(client, tiny_hf_model):
             )
 
 
+def test_logprobs_of_the_parts_of_a_character_rebuild_its_text(client, tiny_model_dir):
+    """Katakana, two byte-level tokens a character: as vLLM corrects a token's text (with
+    the sampled or prompt tokens before it), a part of a character has none and the token
+    that completes it has the whole character. A chat's ``bytes`` are each token's own, as
+    OpenAI's: transformers' vocabulary entry read through GPT-2's byte table, laid end to end
+    the text's UTF-8. A completion's top_logprobs keep the sampled token's own logprob (an
+    alternative of the same text does not replace it), and its streamed text offsets are
+    the whole response's, while a stop string holds the text back."""
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    word = "ケッ"
+    ids = hf_tokenizer.encode(word)
+    assert len(ids) == 4 and all(hf_tokenizer.decode([t]).endswith("\ufffd") for t in ids)
+    added = [
+        hf_tokenizer.decode(ids[: i + 1]).rstrip("\ufffd")[
+            len(hf_tokenizer.decode(ids[:i]).rstrip("\ufffd")) :
+        ]
+        for i in range(len(ids))
+    ]
+    assert added == ["", "ケ", "", "ッ"]
+    own_bytes = [[byte_of[c] for c in entry] for entry in hf_tokenizer.convert_ids_to_tokens(ids)]
+    ends = hf_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    # The grammar spells the word; the allowed ids spell it only in parts of characters.
+    extra = {"guided_choice": [word], "allowed_token_ids": [*ids, *ends], "return_token_ids": True}
+    call = {"model": MODEL, "max_tokens": 8, "temperature": 0, "extra_body": extra}
+    chat = {**call, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
+    whole = client.chat.completions.create(**chat, top_logprobs=2).choices[0]
+    assert whole.message.content == word and whole.model_dump()["token_ids"][:4] == ids
+    content = [entry.model_dump() for entry in whole.logprobs.content[:4]]
+    assert [entry["token"] for entry in content] == added
+    assert [entry["bytes"] for entry in content] == own_bytes
+    assert b"".join(bytes(entry["bytes"]) for entry in content) == word.encode()
+    streamed = client.chat.completions.create(**chat, top_logprobs=2, stream=True)
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [entry.model_dump() for lp in chunks for entry in lp.content][:4] == content
+    completion = {**call, "prompt": "Hi", "logprobs": 2, "stop": ["ッッ"]}
+    lp = client.completions.create(**completion).choices[0].logprobs
+    assert lp.tokens[:4] == added
+    assert all(
+        top[token] == x for token, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    )
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**completion, stream=True)]
+    rows = [row for part in streamed if part for row in zip(part.tokens, part.text_offset)]
+    assert rows == list(zip(lp.tokens, lp.text_offset))
+    assert lp.text_offset[:4] == [0, 0, 1, 1]
+    # vLLM's prompt_logprobs: each prompt token's decoded_token, corrected the same way.
+    prompt = [*hf_tokenizer.encode("Hi "), *ids]
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    decoded = [
+        entry[str(t)]["decoded_token"]
+        for entry, t in zip(reply.choices[0].prompt_logprobs[1:], prompt[1:])
+    ]
+    assert "".join(decoded) == hf_tokenizer.decode(prompt)[len(hf_tokenizer.decode(prompt[:1])) :]
+    assert decoded[-4:] == added
+
+
 def test_echo_of_text_prompts_prepends_each_prompt_to_each_choice(client):
     prompts = ["The quick brown fox", "One, two,"]
     call = {"model": MODEL, "prompt": prompts, "max_tokens": 4, "temperature": 0, "n": 2}
@@ -891,6 +952,18 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_mode
         {"guided_choice": colours, "min_tokens": 15},
         # Nor ignore_eos (its end token, complete, is the last the format allows).
         {"guided_choice": colours, "ignore_eos": True},
+        # vLLM's StructuredOutputsParams sent whole: its unset fields null, its options.
+        {
+            "structured_outputs": {
+                "choice": colours,
+                "regex": None,
+                "json": None,
+                "disable_any_whitespace": None,
+                "disable_fallback": False,
+                "disable_additional_properties": True,
+                "whitespace_pattern": None,
+            }
+        },
     ):
         completion = client.completions.create(**call, extra_body=extra)
         [choice] = completion.choices
@@ -943,7 +1016,24 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_mode
     for extra, fragment in (
         ({"guided_regex": "(", "guided_choice": colours}, "not guided_regex and guided_choice"),
         ({"guided_regex": "("}, "structured_output.regex: cannot compile it"),
-        ({"structured_outputs": {"xml": "<a/>"}}, "unknown kind 'xml'"),
+        ({"structured_outputs": {"xml": "<a/>"}}, "unknown key 'xml'"),
+        (
+            {"structured_outputs": {"json": schema, "whitespace_pattern": " "}},
+            "structured_output.whitespace_pattern is not supported",
+        ),
+        # A schema whose keyword xgrammar would drop (the output then breaking it).
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "s",
+                        "schema": {"type": "string", "pattern": "[a-z]+", "maxLength": 3},
+                    },
+                }
+            },
+            "'minLength'/'maxLength' beside 'pattern' (at /) is not supported",
+        ),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "got regex and choice"),
         ({"response_format": {"type": "json_schema"}}, "json_schema"),
     ):
@@ -959,6 +1049,138 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_mode
         == 0
     )
     assert capsys.readouterr().out.strip() in colours
+
+
+# JSON schemas with a keyword xgrammar drops, a JSON text each breaks (by JSON Schema 2020-12;
+# each checked with the jsonschema library), and what the refusal names.
+_DROPPED_KEYWORDS = [
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"', "'minLength'/'max"),
+    (
+        {
+            "type": "object",
+            "properties": {"d": {"type": "string", "format": "date", "maxLength": 4}},
+        },
+        '{"d": "2024-01-01"}',
+        "'minLength'/'maxLength' beside 'format' (at /properties/d)",
+    ),
+    ({"type": "string", "format": "date", "pattern": "^x"}, '"2024-01-01"', "'pattern' beside"),
+    ({"type": "string", "format": "idn-email"}, '"nope"', "format 'idn-email'"),
+    ({"type": "number", "multipleOf": 0.5}, "1.3", "'multipleOf'"),
+    ({"type": "integer", "multipleOf": 2.5}, "4", "'multipleOf'"),
+    (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        "[1, 1]",
+        "'uniqueItems'",
+    ),
+    (
+        {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}},
+        "[1]",
+        "'contains'",
+    ),
+    (
+        {
+            "$defs": {
+                "p": {
+                    "type": "object",
+                    "properties": {"a": {}, "b": {}},
+                    "dependentRequired": {"a": ["b"]},
+                }
+            },
+            "$ref": "#/$defs/p",
+        },
+        '{"a": 1}',
+        "'dependentRequired' (at /$defs/p)",
+    ),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 7}}, "9", "'if' with"),
+    (
+        {"type": "object", "properties": {"a/b": {"type": "integer", "not": {"const": 3}}}},
+        '{"a/b": 3}',
+        "'not' (at /properties/a~1b)",
+    ),
+    ({"allOf": [{"type": "integer"}, {"maximum": 3}]}, "9", "'allOf' of more than one schema"),
+    ({"type": "integer", "maximum": 5, "allOf": [{"minimum": 3}]}, "1", "beside 'allOf'"),
+    ({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": 1}]}, "3", "'type' beside 'anyOf'"),
+    (
+        {"$defs": {"i": {"minimum": 2}}, "$ref": "#/$defs/i", "type": "integer"},
+        '"a"',
+        "beside '$ref'",
+    ),
+    ({"type": "string", "enum": ["a", 1]}, "1", "'type' beside 'enum'"),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {}},
+            "required": ["a", "b"],
+            "additionalProperties": True,
+        },
+        '{"a": 1}',
+        "'required' naming 'b'",
+    ),
+    (
+        {"type": "array", "items": {"maxLength": 2}},
+        '["abc"]',
+        "'maxLength' in a schema of no 'type'",
+    ),
+    ({"anyOf": []}, "", "an empty 'anyOf'"),  # its output: "", not JSON at all
+]
+
+
+@pytest.mark.parametrize("schema, breaking, named", _DROPPED_KEYWORDS)
+def test_json_schema_keywords_xgrammar_drops_are_refused(schema, breaking, named):
+    """As vLLM's xgrammar backend refuses what xgrammar does not support, rather than
+    answer with output the schema does not accept."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from weir.services.engine.structured_output import check_json_schema
+
+    text = json.dumps(schema)
+    # The reference: xgrammar's own matcher takes the text that breaks the schema.
+    assert _is_grammar_accept_string(Grammar.from_json_schema(text), breaking)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_json_schema(text)
+
+
+# Schemas xgrammar holds, and a JSON text each breaks: taken.
+_HELD_KEYWORDS = [
+    ({"type": "integer", "multipleOf": 3}, "4"),
+    ({"type": "string", "pattern": "^[a-z]+$"}, '"ABC"'),
+    ({"type": "string", "maxLength": 3}, '"abcd"'),
+    ({"type": "string", "format": "date"}, '"x"'),
+    ({"type": "object", "patternProperties": {"^a": {"type": "integer"}}}, '{"a": "x"}'),
+    (
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^a"},
+            "additionalProperties": {"type": "integer"},
+        },
+        '{"b": 1}',
+    ),
+    ({"type": "string", "enum": ["a", "b"], "title": "E"}, '"c"'),
+    ({"const": 1.0, "type": "integer"}, "2"),
+    ({"$defs": {"x": {"type": "integer", "maximum": 2}}, "$ref": "#/$defs/x", "title": "X"}, "9"),
+    ({"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}], "default": None}, "-1"),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "true"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a"], "maxProperties": 1}, "{}"),
+    (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 1},
+        "[1, 1]",
+    ),
+    # Data, not schemas: an enum's or a default's objects are not walked.
+    ({"enum": [{"not": 1}], "default": {"not": 1}}, '{"not": 2}'),
+]
+
+
+@pytest.mark.parametrize("schema, breaking", _HELD_KEYWORDS)
+def test_json_schema_keywords_xgrammar_holds_are_taken(schema, breaking):
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from weir.services.engine.structured_output import check_json_schema
+
+    text = json.dumps(schema)
+    assert not _is_grammar_accept_string(Grammar.from_json_schema(text), breaking)
+    check_json_schema(text)
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,15 @@ def _output(text, finished, reason, rows, stop_reason=None) -> StreamOutput:
     return StreamOutput("r", [0], text, finished, reason, 3, 1, None, logprobs, stop_reason)
 
 
+def _top_logprobs(token: str, logprob: float, top: list[tuple[str, float]]) -> dict:
+    """The sampled token's entry, then the alternatives': one of a text already there (a
+    part of a character has none) does not replace its logprob."""
+    entries = {token: logprob}
+    for alternative, alternative_logprob in top:
+        entries.setdefault(alternative, alternative_logprob)
+    return entries
+
+
 def _entry(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
@@ -74,14 +83,16 @@ def test_chunk_events_are_the_json_of_openai_chunks(
     base = {"id": "cmpl-1", "object": "text_completion", "created": created, "model": model}
     legacy = None
     if rows is not None:
-        offsets, offset = [], len(before)
+        # Counted over the logprob tokens before (none here: the text before had no rows),
+        # as the whole response counts them, whatever text was sent.
+        offsets, offset = [], 0
         for token, _, _ in rows:
             offsets.append(offset)
             offset += len(token)
         legacy = {
             "tokens": [token for token, _, _ in rows],
             "token_logprobs": [lp for _, lp, _ in rows],
-            "top_logprobs": [{token: lp, **dict(top)} for token, lp, top in rows],
+            "top_logprobs": [_top_logprobs(token, lp, top) for token, lp, top in rows],
             "text_offset": offsets,
         }
     completion = {
