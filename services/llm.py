@@ -13,10 +13,11 @@ prompt at once so they batch together, and stops the processes on ``close()``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from tqdm import tqdm
@@ -35,7 +36,7 @@ from weir.shared.client import (
 from weir.shared.config import EngineArgs
 from weir.shared.pooling import cosine, score_pairs
 from weir.shared.protocol.client import Prompt
-from weir.shared.sampling import SamplingParams
+from weir.shared.sampling import SamplingParams, sample_seed
 from weir.shared.sampling_defaults import default_params
 
 T = TypeVar("T")
@@ -48,6 +49,10 @@ OnePromptOrMany = str | list[int] | dict[str, Any] | Sequence[str | list[int] | 
 
 @dataclass(slots=True)
 class Completion:
+    """One prompt's completion: vLLM's ``RequestOutput`` and its first ``CompletionOutput``
+    in one. With ``SamplingParams.n`` > 1, ``outputs`` holds the prompt's n samples (this
+    one first), each a ``Completion`` of its own ``index``."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -65,6 +70,13 @@ class Completion:
     cumulative_logprob: float | None = None
     # Of the prompt's tokens, how many the prefix cache held (vLLM's).
     num_cached_tokens: int = 0
+    index: int = 0  # which of the prompt's n samples it is (vLLM's CompletionOutput.index)
+    samples: list[Completion] | None = field(default=None, repr=False)  # n > 1: all n
+
+    @property
+    def outputs(self) -> list[Completion]:
+        """vLLM's ``RequestOutput.outputs``: the prompt's samples (this one alone for n=1)."""
+        return [self] if self.samples is None else self.samples
 
 
 class LLM:
@@ -206,7 +218,7 @@ class LLM:
         client = self._client
         return self._all(
             [
-                self._generate_one(client, *request, chat)
+                _generate_samples(client, *request, chat)
                 for request in zip(prompts, params, priorities, loras)
             ],
             use_tqdm,
@@ -361,41 +373,79 @@ class LLM:
         finally:
             bar.close()
 
-    @staticmethod
-    async def _generate_one(
-        client: AsyncWeirClient,
-        prompt: Prompt,
-        params: SamplingParams,
-        priority: int,
-        lora_name: str | None,
-        chat: dict[str, Any],
-    ) -> Completion:
-        completion = Completion("", [], [], "", None)
-        if params.logprobs is not None:
-            completion.logprobs = []
-        texts = []
-        stream = client.generate(prompt, params, priority=priority, lora_name=lora_name, **chat)
-        async for out in stream:
-            completion.request_id = out.request_id
-            if out.prompt_token_ids is not None:
-                completion.prompt_token_ids = out.prompt_token_ids
-            if out.num_cached_tokens is not None:
-                completion.num_cached_tokens = out.num_cached_tokens
-            if out.prompt_logprobs is not None:
-                completion.prompt_logprobs = [row[0] for row in out.prompt_logprobs["logprobs"]]
-            if out.logprobs is not None and completion.logprobs is not None:
-                rows = zip(out.logprobs["token_ids"], out.logprobs["logprobs"], strict=True)
-                completion.logprobs += [dict(zip(ids, lps, strict=True)) for ids, lps in rows]
-            completion.token_ids += out.new_token_ids
-            texts.append(out.text)
-            completion.finish_reason = out.finish_reason
-            completion.stop_reason = out.stop_reason
-        completion.text = "".join(texts)
-        if completion.logprobs is not None:
-            completion.cumulative_logprob = sum(
-                row[token] for row, token in zip(completion.logprobs, completion.token_ids)
-            )
-        return completion
+
+async def _generate_samples(
+    client: AsyncWeirClient,
+    prompt: Prompt,
+    params: SamplingParams,
+    priority: int,
+    lora_name: str | None,
+    chat: dict[str, Any],
+) -> Completion:
+    """The prompt's ``params.n`` samples, each its own request (seed + i where seeded, as
+    vLLM's); the others are sent once the first has an output, so that they find its prompt
+    in the prefix cache."""
+    request = (prompt, priority, lora_name, chat)
+    if params.n == 1:
+        return await _generate_one(client, params, *request)
+    samples = [replace(params, n=1, seed=sample_seed(params.seed, i)) for i in range(params.n)]
+    started = asyncio.Event()
+    first = asyncio.ensure_future(_generate_one(client, samples[0], *request, started))
+    try:
+        waiting = asyncio.ensure_future(started.wait())
+        try:
+            await asyncio.wait((first, waiting), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+        if first.done():
+            first.result()  # a refused prompt: its error, and no more requests
+        rest = (_generate_one(client, p, *request, index=i) for i, p in enumerate(samples[1:], 1))
+        done = await gather_all([first, *rest])
+    finally:
+        first.cancel()  # cancelled while it runs: its stream closes, which aborts it
+    done[0].samples = done
+    return done[0]
+
+
+async def _generate_one(
+    client: AsyncWeirClient,
+    params: SamplingParams,
+    prompt: Prompt,
+    priority: int,
+    lora_name: str | None,
+    chat: dict[str, Any],
+    started: asyncio.Event | None = None,
+    index: int = 0,
+) -> Completion:
+    """One request's completion; ``started`` is set at its first output."""
+    completion = Completion("", [], [], "", None, index=index)
+    if params.logprobs is not None:
+        completion.logprobs = []
+    texts = []
+    stream = client.generate(prompt, params, priority=priority, lora_name=lora_name, **chat)
+    async for out in stream:
+        if started is not None:
+            started.set()
+        completion.request_id = out.request_id
+        if out.prompt_token_ids is not None:
+            completion.prompt_token_ids = out.prompt_token_ids
+        if out.num_cached_tokens is not None:
+            completion.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            completion.prompt_logprobs = [row[0] for row in out.prompt_logprobs["logprobs"]]
+        if out.logprobs is not None and completion.logprobs is not None:
+            rows = zip(out.logprobs["token_ids"], out.logprobs["logprobs"], strict=True)
+            completion.logprobs += [dict(zip(ids, lps, strict=True)) for ids, lps in rows]
+        completion.token_ids += out.new_token_ids
+        texts.append(out.text)
+        completion.finish_reason = out.finish_reason
+        completion.stop_reason = out.stop_reason
+    completion.text = "".join(texts)
+    if completion.logprobs is not None:
+        completion.cumulative_logprob = sum(
+            row[token] for row, token in zip(completion.logprobs, completion.token_ids)
+        )
+    return completion
 
 
 def _close(loop: EventLoopThread, client: AsyncWeirClient, server: ServerProcesses) -> None:

@@ -55,6 +55,12 @@ def _float(name: str, value: Any) -> float:
     return value
 
 
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a request's n (vLLM's ``seed + index``, wrapped into
+    int64): the n samples differ, yet reproduce."""
+    return None if seed is None else (seed + index + 2**63) % 2**64 - 2**63
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How to sample one request's tokens and when to stop.
@@ -116,6 +122,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's: sequences to sample of the prompt, each its own request (seed + i where seeded)
+    # sent by ``LLM`` (the HTTP API takes its own ``n``); a server samples one a request.
+    n: int = 1
 
     @property
     def has_penalties(self) -> bool:
@@ -128,6 +137,7 @@ class SamplingParams:
         put = object.__setattr__
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, 1)
+        _int("n", self.n, 1)
         temperature = _float("temperature", self.temperature)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -267,6 +277,7 @@ class SamplingParams:
             ),
             "bad_words": list(self.bad_words),
             "bad_words_token_ids": [list(seq) for seq in self.bad_words_token_ids],
+            **({"n": self.n} if self.n != 1 else {}),
         }
 
     @classmethod

@@ -40,6 +40,7 @@ from weir.shared.sampling import (
     MAX_PENALTY,
     REPETITION_PENALTY_RANGE,
     SamplingParams,
+    sample_seed,
 )
 from weir.shared.sampling_defaults import with_defaults
 
@@ -134,10 +135,6 @@ def not_zero(value: int) -> int:
     if value == 0:
         raise ValueError("must be -1 or at least 1")
     return value
-
-
-def _wrap_int64(value: int) -> int:
-    return (value + 2**63) % 2**64 - 2**63
 
 
 # Fields Weir does not implement, and the one value of each (besides null) that changes
@@ -446,7 +443,7 @@ class _SamplingFields(Options):
                 min_p=self.min_p,
                 repetition_penalty=self.repetition_penalty,
             ),
-            seed=None if self.seed is None else _wrap_int64(self.seed + index),
+            seed=sample_seed(self.seed, index),
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,

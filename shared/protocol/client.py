@@ -587,6 +587,13 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         pooling_params = None if pooling is None else PoolingParams.from_dict(pooling)
     except (ValueError, TypeError) as exc:
         raise ClientProtocolError(INVALID_REQUEST, str(exc), raw_id) from None
+    if sampling_params.n != 1:
+        raise ClientProtocolError(
+            INVALID_REQUEST,
+            f"sampling_params.n is {sampling_params.n}: a request samples one sequence; send "
+            "n requests (LLM and the HTTP API's n do, with seed + i where seeded)",
+            raw_id,
+        )
     priority = data.get("priority", 0)
     if type(priority) is not int or not -(2**31) <= priority < 2**31:
         raise ClientProtocolError(

@@ -209,6 +209,7 @@ def test_sampling_params_normalises_and_round_trips():
     nones = dict.fromkeys(("stop", "stop_token_ids", "logit_bias", "bad_words"))
     assert SamplingParams(**nones) == SamplingParams()
     with pytest.raises(ValueError, match="unknown sampling parameter"):
-        SamplingParams.from_dict({"n": 2})
+        SamplingParams.from_dict({"best_of": 2})
+    assert SamplingParams.from_dict(SamplingParams(n=3).to_dict()).n == 3
     with pytest.raises(ValueError, match="dict"):
         SamplingParams.from_dict([1])

@@ -208,6 +208,19 @@ def test_round_trip_of_server_messages():
         (msgpack.packb([[[[1]]]] * 2), client_protocol.MALFORMED_MESSAGE, "map"),
         (b"\x91" * 5000 + b"\xc0", client_protocol.MALFORMED_MESSAGE, "msgpack"),
         (
+            frame(type="generate", request_id="x", prompt="hi", sampling_params={"n": 2}),
+            client_protocol.INVALID_REQUEST,
+            "a request samples one sequence",
+        ),
+        *(
+            (
+                frame(type="generate", request_id="x", prompt="hi", waited_s=bad),
+                client_protocol.INVALID_REQUEST,
+                "waited_s must be a finite number of seconds >= 0",
+            )
+            for bad in (-1, float("nan"), float("inf"), "1", True)
+        ),
+        (
             frame(
                 type="generate", request_id="x", prompt=[1] * (client_protocol.MAX_ARRAY_LEN + 1)
             ),

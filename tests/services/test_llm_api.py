@@ -3,6 +3,7 @@
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,10 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
         )
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate([[10**6]], params[0])
+        # vLLM's n: a prompt's samples in outputs, sample i seeded seed + i.
+        sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+        [many] = llm.generate(prompts[2], replace(sampled, n=3), use_tqdm=False)
+        alone = llm.generate([prompts[2]] * 3, [replace(sampled, seed=7 + i) for i in range(3)])
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
     with pytest.raises(WeirError, match="LLM is closed"):
         llm.generate("Hi", params[0])
@@ -104,6 +109,10 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
     assert one_dict_beam.sequences == beams[0].sequences
     assert openai_shaped.prompt_token_ids == plain.prompt_token_ids
     assert openai_shaped.token_ids == plain.token_ids
+    assert [o.index for o in many.outputs] == [0, 1, 2] and many.outputs[0] is many
+    assert [o.token_ids for o in many.outputs] == [c.token_ids for c in alone]
+    assert len({tuple(o.token_ids) for o in many.outputs}) > 1
+    assert [o.text for o in completions[0].outputs] == [completions[0].text]  # n=1
     with torch.no_grad():
         ids = prompts[1] + scored.token_ids
         ref = torch.log_softmax(tiny_hf_model(torch.tensor([ids])).logits[0].double(), -1)
