@@ -1087,8 +1087,17 @@ class Gateway:
         options = {"truncate_prompt_tokens": body.truncate_prompt_tokens, "priority": body.priority}
         if served.info.get("labels"):
             names = [f"{a} and {b}" for a, b in zip(*fields, strict=True)]
+            options["activation"] = body.activation
             scored = await self._pool_all(pairs, names, options, served.lora_name, "score")
             return [out.score for out in scored], sum(len(o.prompt_token_ids) for o in scored)
+        if body.activation is not None:
+            raise APIError(
+                400,
+                "activation: an embedding model scores a pair by the cosine similarity of its "
+                "texts' embeddings, which has no activation; leave it out (a cross-encoder's)",
+                "invalid_request_error",
+                param="activation",
+            )
         distinct: dict[str, str] = {}  # text -> the first field that holds it
         for pair, pair_fields in zip(pairs, zip(*fields, strict=True), strict=True):
             for text, field_name in zip(pair, pair_fields, strict=True):

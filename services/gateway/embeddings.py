@@ -114,11 +114,13 @@ def embedding_response(
 
 
 class _PairFields(Options):
-    """What vLLM's score and rerank bodies share."""
+    """What vLLM's score and rerank bodies share; ``activation`` (false: a cross-encoder's
+    logit, not its probability)."""
 
     model: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(not_zero)] | None = None
     priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
+    activation: bool | None = None
 
 
 Texts = Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS, fail_fast=True)]

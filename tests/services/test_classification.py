@@ -211,6 +211,13 @@ def test_a_one_label_classifier_scores_and_reranks_pairs_as_a_cross_encoder(cros
         results = ranked.json()["results"]
         assert [r["index"] for r in results] == sorted(range(3), key=lambda i: -want[i])[:2]
         assert close([r["relevance_score"] for r in results], sorted(want, reverse=True)[:2])
+        # vLLM's activation: false, the logits.
+        logits = [logit(QUERY, d) for d in DOCUMENTS]
+        raw = _post(server, "/score", {"text_1": QUERY, "text_2": DOCUMENTS, "activation": False})
+        assert close([item["score"] for item in raw.json()["data"]], logits), raw.text
+        body = {"query": QUERY, "documents": DOCUMENTS, "activation": False}
+        raw_ranked = _post(server, "/rerank", body).json()["results"]
+        assert close([r["relevance_score"] for r in raw_ranked], sorted(logits, reverse=True))
         with WeirClient(server.client_address) as client:
             out = client.score(QUERY, DOCUMENTS[0], activation=False)
             assert close(out.score, logit(QUERY, DOCUMENTS[0]))

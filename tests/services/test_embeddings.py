@@ -231,6 +231,7 @@ def test_score_and_rerank_by_the_cosine_of_embeddings(server, hidden_states):
         ("/rerank", {"query": query, "documents": documents, "top_n": -1}, "top_n"),
         ("/rerank", {"query": query, "documents": [SHORT, "word " * 600]}, "documents[1]: prompt"),
         ("/score", {"text_1": "word " * 600, "text_2": SHORT}, "text_1[0]: prompt is too long"),
+        ("/score", {"text_1": query, "text_2": SHORT, "activation": False}, "no activation"),
     ):
         reply = _post(server, route, body)
         assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text
