@@ -133,6 +133,12 @@ class PoolerConfig:
                 "this server's model is a sequence classifier: it classifies (POST /classify, "
                 "the SDK's classify) and has no embeddings"
             )
+        if not self.labels and params.task == "score":
+            raise ValueError(
+                "this server's model is an embedding model, not a cross-encoder: a pair is "
+                "scored by the cosine of its texts' embeddings (embed each; HTTP /score and "
+                "LLM.score do)"
+            )
         if not self.labels and params.task != "embed":
             raise ValueError(
                 "this server's model is an embedding model, not a sequence classifier "

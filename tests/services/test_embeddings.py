@@ -191,6 +191,9 @@ def test_a_pooling_server_refuses_generation_and_classification(server):
     reply = _post(server, "/classify", {"input": SHORT})
     assert reply.status_code == 400
     assert "embedding model, not a sequence classifier" in reply.json()["error"]["message"]
+    with WeirClient(server.client_address) as client:  # the SDK's score is a cross-encoder's
+        with pytest.raises(InvalidRequestError, match="not a cross-encoder.*LLM.score"):
+            client.score(SHORT, LONG)
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
