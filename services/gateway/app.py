@@ -513,8 +513,9 @@ class Gateway:
         """Whether the model's reasoning ends on one token, which a structured output can
         hold after (asked of a replica once)."""
         if self._reasoning_end_token is None:
-            client = self.router.choose([]).client
-            ids = await client.tokenize(REASONING_END, add_special_tokens=False)
+            ids = await self._on_replica(
+                "", None, lambda c: c.tokenize(REASONING_END, add_special_tokens=False)
+            )
             self._reasoning_end_token = len(ids) == 1
         return self._reasoning_end_token
 
@@ -754,7 +755,7 @@ class Gateway:
             outputs = _echoed(
                 outputs,
                 samples,
-                lambda ids: self.router.choose([]).client.detokenize(ids),
+                lambda ids: self._on_replica("", None, lambda c: c.detokenize(ids)),
                 with_logprobs=body.logprobs is not None,
             )
         if body.return_tokens_as_token_ids:
@@ -1159,8 +1160,8 @@ class Gateway:
         lora_name: str | None,
         call: Callable[[AsyncWeirClient], Awaitable[T]],
     ) -> T:
-        """``call`` on the replica the router picks for ``prompt``; one that cannot take it
-        leaves the rotation and another gets it (nothing was returned yet)."""
+        """``call`` on the replica the router picks for ``prompt`` (any, for ""); one that
+        cannot take it leaves the rotation and another gets it (nothing was returned yet)."""
         tried: frozenset[str] = frozenset()
         while True:
             async with self.router.reserve(prompt, 0, tried, None, lora_name) as replica:
@@ -1176,13 +1177,17 @@ class Gateway:
 
     async def tokenize(self, body: TokenizeBody) -> Response:
         info = (await self.check_model(body.model)).info
-        client = self.router.choose([]).client
-        ids = await client.tokenize(
-            chat_prompt(body.messages) if body.messages is not None else body.prompt or "",
-            add_special_tokens=body.add_special_tokens,
-            **body.template_args(),
-        )
-        strs = await client.convert_ids_to_tokens(ids) if body.return_token_strs else None
+
+        async def tokenize(client: AsyncWeirClient) -> tuple[list[int], list[str] | None]:
+            ids = await client.tokenize(
+                chat_prompt(body.messages) if body.messages is not None else body.prompt or "",
+                add_special_tokens=body.add_special_tokens,
+                **body.template_args(),
+            )
+            strs = await client.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            return ids, strs
+
+        ids, strs = await self._on_replica("", None, tokenize)
         return JSONResponse(
             {
                 "count": len(ids),
@@ -1195,7 +1200,7 @@ class Gateway:
     async def detokenize(self, body: DetokenizeBody) -> Response:
         await self.check_model(body.model)
         try:
-            text = await self.router.choose([]).client.detokenize(body.tokens)
+            text = await self._on_replica("", None, lambda c: c.detokenize(body.tokens))
         except InvalidRequestError as exc:  # an id outside the vocabulary
             message = str(exc).replace("token_ids:", "tokens:", 1)
             raise APIError(400, message, "invalid_request_error", exc.code, "tokens") from None

@@ -264,6 +264,27 @@ def test_a_rolling_update_loses_no_request(gateway, replicas):
     test_concurrent_load_spreads_over_both_replicas(gateway, replicas)
 
 
+def test_tokenize_and_detokenize_go_on_to_another_replica(gateway, replicas):
+    """A replica that does not answer (its scheduler stopped, before a health check saw
+    it) costs /tokenize and /detokenize one timeout, then another replica answers them, as
+    it answers generations."""
+    scheduler = replicas[0]._children[0].proc.pid  # the replica the router tries first
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        tokenized = httpx.post(gateway + "/tokenize", json={"prompt": "Hello there"}, timeout=30)
+        detokenized = httpx.post(gateway + "/detokenize", json={"tokens": [5, 6]}, timeout=30)
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    assert tokenized.status_code == 200, tokenized.text
+    with WeirClient(replicas[1].client_address) as client:
+        assert tokenized.json()["tokens"] == client.tokenize("Hello there")
+        assert detokenized.json() == {"prompt": client.detokenize([5, 6])}
+    deadline = time.monotonic() + 30
+    while not all(_health(gateway).values()):  # back in the rotation for the next tests
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
 def test_a_killed_replica_leaves_no_request_hanging(gateway, replicas):
     # The victim is the one the router picks among equally loaded replicas.
     victim, survivor = replicas[0], replicas[1]
