@@ -47,6 +47,7 @@ from weir.shared.config import (
     EngineArgs,
     parse_size,
     resolve_max_model_len,
+    tcp_address,
 )
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
@@ -129,7 +130,7 @@ def _scheduler(args: argparse.Namespace) -> int:
             engine_args.max_model_len,
             model_config.context_len,
         )
-        executor_address = args.executor_address or f"tcp://{args.host}:{DEFAULT_EXECUTOR_PORT}"
+        executor_address = args.executor_address or tcp_address(args.host, DEFAULT_EXECUTOR_PORT)
         num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)
         server = SchedulerServer(
             SchedulerServerOptions(
@@ -240,6 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             executor_metrics_port=args.executor_metrics_port,
             http_port=None if args.no_http else args.http_port,
+            http_host=args.http_host,
             api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
             allowed_origins=args.allowed_origins,
             parsers=_chat_parsers(args),
@@ -460,7 +462,8 @@ def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $WEIR_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on the API (/v1/..., /tokenize, the engine "
+        "controls; not /health, /metrics, /version, /ping) (default: $WEIR_API_KEY, else none)",
     )
 
 
@@ -573,7 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run a scheduler and its executor on this machine")
     p.add_argument(
-        "--host", default="127.0.0.1", help="address the sockets bind to (default: 127.0.0.1)"
+        "--host",
+        default="127.0.0.1",
+        help="address the engine's sockets (and, unless --http-host, the HTTP API) bind to "
+        "(default: 127.0.0.1)",
     )
     p.add_argument(
         "--port",
@@ -600,6 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_port,
         default=DEFAULT_HTTP_PORT,
         help=f"OpenAI-compatible HTTP API port (0 = any free; default: {DEFAULT_HTTP_PORT})",
+    )
+    p.add_argument(
+        "--http-host",
+        default=None,
+        help="address the HTTP API binds to (default: --host); e.g. 0.0.0.0 for the API alone",
     )
     p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
     p.add_argument(

@@ -44,6 +44,7 @@ from weir.shared.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
     EXECUTOR,
+    LOOPBACK_HOSTS,
     SCHEDULER,
     EngineArgs,
 )
@@ -123,8 +124,8 @@ class ServerProcesses:
     ``start()`` returns the (first) scheduler's ready record (``client_address``,
     ``metrics_address``, ``executors`` with each rank's ``metrics_address``...), plus the
     gateway's ``http_address`` and, with replicas, ``replicas``: each one's record. Every
-    process's /metrics and /health bind to ``metrics_host`` (default: ``host``). Use as a
-    context manager, or call ``shutdown()``.
+    process's /metrics and /health bind to ``metrics_host``, the gateway to ``http_host``
+    (both default: ``host``). Use as a context manager, or call ``shutdown()``.
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class ServerProcesses:
         executor_metrics_port: int = DEFAULT_EXECUTOR_METRICS_PORT,
         num_executors: int | None = None,
         http_port: int | None = None,
+        http_host: str | None = None,
         api_key: str | None = None,
         allowed_origins: Sequence[str] = ("*",),
         parsers: ChatParsers = NO_PARSERS,
@@ -155,6 +157,14 @@ class ServerProcesses:
         self.parsers = parsers  # the gateway's
         self.host, self.port = host, port
         self.metrics_host = metrics_host or host
+        self.http_host = http_host or host
+        if api_key is not None and host not in LOOPBACK_HOSTS and self.engine_args.keys_dir is None:
+            raise ValueError(
+                f"host {host} opens the engine's client port (--port) to anyone who reaches it, "
+                "and --api-key guards only the HTTP API: bind the engine to 127.0.0.1 and the "
+                "API to the network (--http-host 0.0.0.0), or give --keys-dir DIR (made by "
+                "`weir keys DIR`) so that only holders of its keys reach the engine"
+            )
         self.metrics_port, self.executor_metrics_port = metrics_port, executor_metrics_port
         self.num_executors = resolve_num_executors(num_executors, self.engine_args)
         replicas = range(data_parallel_size)
@@ -470,7 +480,7 @@ class ServerProcesses:
         # The key travels in the environment: a command line is world-readable.
         env = None if self.api_key is None else {**os.environ, "WEIR_API_KEY": self.api_key}
         argv = [GATEWAY, *[a for address in schedulers for a in ("--scheduler", address)]]
-        argv += ["--host", self.host, "--port", str(self.http_port), *extra]
+        argv += ["--host", self.http_host, "--port", str(self.http_port), *extra]
         argv += _affinity_flag(self.cpu_plan.service_cores)
         if self.engine_args.keys_dir is not None:
             argv += ["--keys-dir", self.engine_args.keys_dir]

@@ -279,6 +279,7 @@ class AsyncWeirClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IPV6, 1)  # a server at tcp://[::1]:PORT (IPv4 ones too)
         if keys is not None:
             connect_curve(self._sock, keys.own, keys.server_public)
             self._no_reply_hint = f"; or it does not accept the keys in {directory}"

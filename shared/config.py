@@ -124,7 +124,9 @@ class SchedulerConfig:
             if self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(
                     "max_num_batched_tokens must be >= max_model_len when chunked prefill is "
-                    f"disabled, got {self.max_num_batched_tokens} < {self.max_model_len}"
+                    f"disabled, got {self.max_num_batched_tokens} < {self.max_model_len}: a "
+                    "step holds a whole prompt then; give --max-num-batched-tokens "
+                    f"{self.max_model_len} (or more), or a smaller --max-model-len"
                 )
             if self.long_prefill_token_threshold:
                 raise ValueError(
@@ -193,6 +195,15 @@ DEFAULT_EXECUTOR_PORT = 8102  # executors connect here when run apart
 DEFAULT_EXECUTOR_METRICS_PORT = 8103  # rank 0's /metrics; rank r uses + r
 DEFAULT_HTTP_PORT = 8000  # the gateway's OpenAI-compatible API
 DEFAULT_ADDRESS = f"tcp://127.0.0.1:{DEFAULT_PORT}"
+# Hosts only this machine reaches: a socket bound to one needs no keys.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def tcp_address(host: str, port: int | str) -> str:
+    """ZeroMQ's ``tcp://HOST:PORT``, an IPv6 host in brackets (its sockets set zmq.IPV6)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 # The largest client message the scheduler takes, and HTTP body the gateway parses: what
 # fits any model's context is far smaller.
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20

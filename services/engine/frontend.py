@@ -819,11 +819,10 @@ class ClientFrontend:
         )
         stop_chars = sum(map(len, params.stop)) + sum(map(len, params.bad_words))
         if stop_chars > self.max_prompt_chars:
+            derived = f"(no output of max_model_len={self.max_model_len} tokens is that long)"
             raise ValueError(
                 f"stop strings and bad words of {stop_chars} characters in all: more than this "
-                "server's "
-                f"limit of {self.max_prompt_chars} (no output of max_model_len="
-                f"{self.max_model_len} tokens is that long)"
+                f"server's limit of {self.max_prompt_chars} {self._limit_reason(derived)}"
             )
         if not isinstance(msg.prompt, str) and not isinstance(msg.prompt[0], dict):
             return len(msg.prompt)  # token ids: their count is checked against max_model_len
@@ -897,13 +896,19 @@ class ClientFrontend:
             why = (
                 "to tokenize for truncate_prompt_tokens"
                 if limit > self.max_prompt_chars
-                else f"(such a text cannot fit max_model_len={self.max_model_len} tokens)"
+                else self._limit_reason(
+                    f"(such a text cannot fit max_model_len={self.max_model_len} tokens)"
+                )
             )
             raise ValueError(
                 f"prompt is too long: {num_chars} characters, more than this server's limit "
                 f"of {limit} {why}; shorten the prompt"
             )
         return num_chars
+
+    def _limit_reason(self, derived: str) -> str:
+        """Why the characters limit is what it is: the operator's, or ``derived``."""
+        return "(its --max-prompt-chars)" if self._prompt_chars_given else derived
 
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """The prompt and the tokens asked for fit max_model_len (as vLLM's API refuses)."""

@@ -45,7 +45,7 @@ from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
-from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES, EngineArgs
+from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES, LOOPBACK_HOSTS, EngineArgs, tcp_address
 from weir.shared.keys import (
     CLIENT_DOMAIN,
     EXECUTOR_DOMAIN,
@@ -223,12 +223,14 @@ class SchedulerServer:
         ctx = zmq.asyncio.Context()
         client_sock = ctx.socket(zmq.ROUTER)
         client_sock.setsockopt(zmq.LINGER, 0)
+        client_sock.setsockopt(zmq.IPV6, 1)  # an IPv6 --host (IPv4 ones bind as before)
         client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         client_sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
         # A client sending more is disconnected by ZeroMQ before the frame is buffered.
         client_sock.setsockopt(zmq.MAXMSGSIZE, self.engine_args.max_message_size)
         executor_sock = ctx.socket(zmq.ROUTER)
         executor_sock.setsockopt(zmq.LINGER, 0)
+        executor_sock.setsockopt(zmq.IPV6, 1)
         executor_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         executor_sock.setsockopt(zmq.MAXMSGSIZE, _largest_executor_frame(self.engine_args))
         auth = None
@@ -236,7 +238,7 @@ class SchedulerServer:
             auth = start_authenticator(ctx, self.keys)
             serve_curve(client_sock, self.keys.server, CLIENT_DOMAIN)
             serve_curve(executor_sock, self.keys.cluster, EXECUTOR_DOMAIN)
-        elif opts.host not in ("127.0.0.1", "localhost", "::1"):
+        elif opts.host not in LOOPBACK_HOSTS:
             _log.warning(
                 "binding %s without keys: anyone who reaches these ports can send requests "
                 "or join as an executor (make keys with `weir keys DIR`, pass --keys-dir)",
@@ -278,7 +280,7 @@ class SchedulerServer:
 
         try:
             for sock, endpoint, option in (
-                (client_sock, f"tcp://{opts.host}:{opts.port or '*'}", "--port"),
+                (client_sock, tcp_address(opts.host, opts.port or "*"), "--port"),
                 (executor_sock, opts.executor_address, "--executor-address"),
             ):
                 try:

@@ -459,6 +459,7 @@ def _dealer(ctx: zmq.Context, cluster_key: KeyPair | None) -> zmq.Socket:
     key (the scheduler's executor socket serves with the same key pair)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)  # a scheduler at an IPv6 address (IPv4 ones too)
     if cluster_key is not None:
         connect_curve(sock, cluster_key, cluster_key.public)
     return sock

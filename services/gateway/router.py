@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from hashlib import blake2b
 
 from weir.shared.client import AsyncWeirClient, WeirError
+from weir.shared.config import tcp_address
 from weir.shared.protocol.client import Prompt
 
 _log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def expand_addresses(addresses: list[str]) -> list[str]:
             continue
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
         ips = sorted({str(info[4][0]) for info in infos})
-        expanded += [f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}" for ip in ips]
+        expanded += [tcp_address(ip, port) for ip in ips]
     return list(dict.fromkeys(expanded))
 
 

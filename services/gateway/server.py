@@ -74,7 +74,8 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
             if not server.servers or not server.servers[0].sockets:  # stopped before it bound
                 return
             port = server.servers[0].sockets[0].getsockname()[1]
-            address = f"http://{options.host}:{port}"
+            host = f"[{options.host}]" if ":" in options.host else options.host
+            address = f"http://{host}:{port}"
             _log.info("gateway at %s for %s", address, ", ".join(options.schedulers))
             freeze_startup_heap()
             status.ready(http_address=address, pid=os.getpid())

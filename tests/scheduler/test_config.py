@@ -18,9 +18,9 @@ from weir.shared.sampling import SamplingParams
         ({"watermark": "0.1"}, "watermark"),
         ({"policy": "lifo"}, "policy"),
         ({"num_speculative_tokens": -2}, "num_speculative_tokens"),
-        (
+        (  # the message names the flags that fix it
             {"enable_chunked_prefill": False, "max_num_batched_tokens": 512},
-            "max_num_batched_tokens",
+            "512 < 8192: a step holds a whole prompt then; give --max-num-batched-tokens 8192",
         ),
         (
             {

@@ -314,14 +314,18 @@ POISON = [
     ({"prompt": [{"role": "", "content": "hi"}]}, "chat role"),
     ({"sampling_params": {"max_tokens": 100}}, "maximum context length is 64"),
     ({"sampling_params": {"max_tokens": None, "min_tokens": 62}}, "min_tokens is too large"),
-    ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, "6000001 characters"),
+    (
+        {"prompt": "x" * (MAX_PROMPT_CHARS + 1)},
+        "6000001 characters, more than this server's limit of 6000000 (its --max-prompt-chars)",
+    ),
     # The template's markup counts: 60 empty messages are no short prompt (a million of them
     # held the scheduler's loop 45 s), and more messages than tokens cannot fit.
     ({"prompt": [{"role": "user", "content": "x" * 99_990}] * 60}, "6000360 characters"),
     ({"prompt": [{"role": "user", "content": ""}] * (MAX_MODEL_LEN + 1)}, "65 messages"),
     (
         {"sampling_params": {"stop": ["x" * 3_000_000, "y" * 3_000_001]}},
-        "stop strings and bad words of 6000001 characters",
+        "stop strings and bad words of 6000001 characters in all: more than this server's "
+        "limit of 6000000 (its --max-prompt-chars)",
     ),
 ]
 

@@ -237,6 +237,9 @@ def test_unknown_engine_option_is_a_type_error():
         (["--max-mixed-graph-tokens", "-1"], "--max-mixed-graph-tokens must be >= 0, got -1"),
         (["--max-mixed-graph-tokens", "9000"], "--max-mixed-graph-tokens must be <= 8192"),
         (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+        # vLLM's --host binds its API alone; here the engine's client port too, which the
+        # API key does not guard.
+        (["--host", "0.0.0.0", "--api-key", "k"], "--host 0.0.0.0 opens the engine's client"),
     ],
 )
 def test_impossible_options_end_serve_with_one_line_naming_the_flag(flags, message, capsys):

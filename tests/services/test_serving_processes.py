@@ -136,14 +136,18 @@ def test_sigterm_while_the_gateway_starts_drains_what_the_scheduler_took(
 
 
 def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
-    proc = start_serve(tiny_model_dir, "--http-port", "0")
+    """The engine on IPv6 loopback (vLLM's --host takes one), the API apart (--http-host)."""
+    flags = ("--host", "::1", "--http-host", "127.0.0.1", "--api-key", "k")
+    proc = start_serve(tiny_model_dir, "--http-port", "0", *flags)
     try:
         banner = read_until(proc, "Press Ctrl-C")
         address = re.search(r"clients:\s+(\S+)", banner).group(1)
         http = re.search(r"HTTP:\s+(\S+)", banner).group(1)
+        assert address.startswith("tcp://[::1]:") and http.startswith("http://127.0.0.1:")
         children = children_of(proc.pid)
         assert len(children) == 3  # the scheduler, one executor and the HTTP gateway
-        with urllib.request.urlopen(f"{http}/models", timeout=30) as resp:
+        models = urllib.request.Request(f"{http}/models", headers={"Authorization": "Bearer k"})
+        with urllib.request.urlopen(models, timeout=30) as resp:
             assert json.load(resp)["data"][0]["id"] == "tiny-llama"
         out = subprocess.run(
             [
