@@ -196,7 +196,7 @@ def _gateway(args: argparse.Namespace) -> int:
         schedulers=schedulers,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
+        api_key=_api_key(args),
         timeout=args.timeout,
         keys_dir=args.keys_dir,
         max_request_bytes=args.max_request_size,
@@ -217,6 +217,15 @@ def _gateway(args: argparse.Namespace) -> int:
 def _engine_args(args: argparse.Namespace) -> EngineArgs:
     """The engine options of parsed flags; an invalid one ends the command with status 2
     and a message that names its flag."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            print(
+                f"weir {args.command}: the model is {tag!r} or --model {args.model!r}, not both",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
+        args.model = tag
     try:
         return EngineArgs.from_cli(args)
     except ValueError as exc:
@@ -242,7 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
             executor_metrics_port=args.executor_metrics_port,
             http_port=None if args.no_http else args.http_port,
             http_host=args.http_host,
-            api_key=args.api_key or os.environ.get("WEIR_API_KEY") or None,
+            api_key=_api_key(args),
             allowed_origins=args.allowed_origins,
             parsers=_chat_parsers(args),
             startup_timeout=args.startup_timeout,
@@ -458,12 +467,19 @@ def _add_metrics_host_flag(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $WEIR_API_KEY, else vLLM's $VLLM_API_KEY (a deployment moved from
+    vLLM must not serve open)."""
+    return args.api_key or os.environ.get("WEIR_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+
 def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on the API (/v1/..., /tokenize, the engine "
-        "controls; not /health, /metrics, /version, /ping) (default: $WEIR_API_KEY, else none)",
+        "controls; not /health, /metrics, /version, /ping) (default: $WEIR_API_KEY, else "
+        "$VLLM_API_KEY, else none)",
     )
 
 
@@ -632,6 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`weir serve` gives up (default 600)",
     )
     EngineArgs.add_cli_args(p, "serve")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (or --model)",
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway alone")

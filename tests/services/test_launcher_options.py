@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import pytest
 
-from weir.services.cli import build_parser, main
+from weir.services.cli import _api_key, _engine_args, build_parser, main
 from weir.services.launcher import ChildFailedError, ServerProcesses
 from weir.services.llm import LLM
 from weir.shared.config import (
@@ -83,6 +83,22 @@ def test_serve_options_reach_each_role_unchanged():
         assert role[f.name] == serve[f.name], f.name
     assert scheduler["enable_prefix_caching"] is False and executor["kv_cache_memory"] == 4 * 2**20
     assert scheduler["keys_dir"] == executor["keys_dir"] == "/etc/weir/keys"
+
+
+def test_serve_takes_the_model_and_the_key_as_vllm_serve_does(monkeypatch, capsys):
+    """`vllm serve MODEL` (or --model, not both, unless they agree); $VLLM_API_KEY too."""
+    assert (
+        _engine_args(build_parser().parse_args(["serve", "/m", "--block-size", "8"])).model == "/m"
+    )
+    assert _engine_args(build_parser().parse_args(["serve", "/m", "--model", "/m"])).model == "/m"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/m", "--model", "/n"])
+    assert exit_info.value.code == 2 and "'/m' or --model '/n', not both" in capsys.readouterr().err
+    monkeypatch.delenv("WEIR_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _api_key(build_parser().parse_args(["serve"])) == "from-vllm"
+    monkeypatch.setenv("WEIR_API_KEY", "from-weir")
+    assert _api_key(build_parser().parse_args(["serve"])) == "from-weir"
 
 
 def test_engine_defaults_are_the_configs_defaults():
