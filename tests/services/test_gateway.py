@@ -1122,6 +1122,40 @@ _DROPPED_KEYWORDS = [
         "'maxLength' in a schema of no 'type'",
     ),
     ({"anyOf": []}, "", "an empty 'anyOf'"),  # its output: "", not JSON at all
+    (  # held as anyOf: 4 meets both
+        {
+            "type": "object",
+            "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+        },
+        '{"n": 4}',
+        "'oneOf' of schemas a value may meet more than one of",
+    ),
+    (  # a $ref's target outside the keywords that hold schemas (OpenAPI's components)
+        {
+            "$ref": "#/components/schemas/P",
+            "components": {"schemas": {"P": {"type": "integer", "not": {"const": 4}}}},
+        },
+        "4",
+        "'not' (at /components/schemas/P)",
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"abcdef": {"type": "integer"}},
+            "propertyNames": {"maxLength": 3},
+        },
+        '{"abcdef": 1}',
+        "'propertyNames' that listed property 'abcdef' does not meet",
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"a1": {"type": "string"}},
+            "patternProperties": {"^a": {"type": "string", "maxLength": 1}},
+        },
+        '{"a1": "xyz"}',
+        "'patternProperties' '^a' matching listed property 'a1'",
+    ),
 ]
 
 
@@ -1132,7 +1166,7 @@ def test_json_schema_keywords_xgrammar_drops_are_refused(schema, breaking, named
     from xgrammar import Grammar
     from xgrammar.testing import _is_grammar_accept_string
 
-    from weir.services.engine.structured_output import check_json_schema
+    from weir.services.engine.json_schema_check import check_json_schema
 
     text = json.dumps(schema)
     # The reference: xgrammar's own matcher takes the text that breaks the schema.
@@ -1168,6 +1202,27 @@ _HELD_KEYWORDS = [
     ),
     # Data, not schemas: an enum's or a default's objects are not walked.
     ({"enum": [{"not": 1}], "default": {"not": 1}}, '{"not": 2}'),
+    # pydantic's: a Literal (2.7-2.9), SecretStr and bytes with lengths (formats the standard
+    # does not define assert nothing), AnyUrl (no URI is empty), a discriminated union.
+    ({"const": "cat", "enum": ["cat"], "type": "string"}, '"dog"'),
+    ({"type": "string", "format": "password", "minLength": 8, "maxLength": 64}, '"short"'),
+    ({"type": "string", "format": "uri", "minLength": 1}, '""'),
+    ({"type": "integer", "multipleOf": 2.0}, "3"),
+    ({"type": ["integer", "null"], "multipleOf": 3}, "4"),
+    (
+        {
+            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+            "$defs": {
+                name: {
+                    "type": "object",
+                    "properties": {"kind": {"const": name.lower(), "type": "string"}},
+                    "required": ["kind"],
+                }
+                for name in ("Cat", "Dog")
+            },
+        },
+        '{"kind": "cow"}',
+    ),
 ]
 
 
@@ -1176,7 +1231,7 @@ def test_json_schema_keywords_xgrammar_holds_are_taken(schema, breaking):
     from xgrammar import Grammar
     from xgrammar.testing import _is_grammar_accept_string
 
-    from weir.services.engine.structured_output import check_json_schema
+    from weir.services.engine.json_schema_check import check_json_schema
 
     text = json.dumps(schema)
     assert not _is_grammar_accept_string(Grammar.from_json_schema(text), breaking)
