@@ -219,7 +219,7 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
     and a message that names its flag."""
     tag = getattr(args, "model_tag", None)
     if tag is not None:
-        if args.model is not None and args.model != tag:
+        if args.model is not None and os.path.normpath(args.model) != os.path.normpath(tag):
             print(
                 f"weir {args.command}: the model is {tag!r} or --model {args.model!r}, not both",
                 file=sys.stderr,

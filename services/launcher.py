@@ -161,7 +161,8 @@ class ServerProcesses:
         if api_key is not None and host not in LOOPBACK_HOSTS and self.engine_args.keys_dir is None:
             raise ValueError(
                 f"host {host} opens the engine's client port (--port) to anyone who reaches it, "
-                "and --api-key guards only the HTTP API: bind the engine to 127.0.0.1 and the "
+                "and the API key (--api-key, $WEIR_API_KEY or $VLLM_API_KEY) guards only the "
+                "HTTP API: bind the engine to 127.0.0.1 and the "
                 "API to the network (--http-host 0.0.0.0), or give --keys-dir DIR (made by "
                 "`weir keys DIR`) so that only holders of its keys reach the engine"
             )

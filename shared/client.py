@@ -366,12 +366,12 @@ class AsyncWeirClient:
         continue_final_message: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
-        waited_s: float = 0.0,
+        queued_with: str | None = None,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
-        write them together when it falls behind. ``waited_s``: seconds the request
-        already waited (the protocol's; it queues as having arrived that long ago)."""
+        write them together when it falls behind. ``queued_with``: the id of a request of
+        this client in flight whose arrival it takes (the protocol's)."""
         chat = _chat_args(
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
@@ -384,7 +384,7 @@ class AsyncWeirClient:
             chat,
             cache_salt,
             lora_name,
-            waited_s=waited_s,
+            queued_with=queued_with,
         ) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
@@ -728,7 +728,7 @@ class AsyncWeirClient:
         cache_salt: str | None,
         lora_name: str | None,
         pooling_params: PoolingParams | None = None,
-        waited_s: float = 0.0,
+        queued_with: str | None = None,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -756,7 +756,7 @@ class AsyncWeirClient:
                 cache_salt,
                 lora_name,
                 pooling_params,
-                waited_s,
+                queued_with,
             )
         )
         inbox = _Inbox()

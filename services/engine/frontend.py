@@ -734,8 +734,12 @@ class ClientFrontend:
         except ValueError as exc:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
-        # A choice of n > 1 sent after its first arrived with it (``waited_s``).
-        arrival = time.monotonic() - msg.waited_s
+        arrival = time.monotonic()
+        # A choice of n > 1 sent after its first arrived with it; only a request of the same
+        # client in flight is taken (a claim of any other arrival would jump the queue).
+        first = None if msg.queued_with is None else self.streams.get(msg.queued_with)
+        if first is not None and first.identity == identity:
+            arrival = first.arrival_time
         stream = _Stream(
             rid,
             identity,

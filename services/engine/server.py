@@ -223,14 +223,16 @@ class SchedulerServer:
         ctx = zmq.asyncio.Context()
         client_sock = ctx.socket(zmq.ROUTER)
         client_sock.setsockopt(zmq.LINGER, 0)
-        client_sock.setsockopt(zmq.IPV6, 1)  # an IPv6 --host (IPv4 ones bind as before)
+        if ":" in opts.host:  # an IPv6 --host (an IPv4 one's address is then shown mapped)
+            client_sock.setsockopt(zmq.IPV6, 1)
         client_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         client_sock.setsockopt(zmq.SNDHWM, CLIENT_SNDHWM)
         # A client sending more is disconnected by ZeroMQ before the frame is buffered.
         client_sock.setsockopt(zmq.MAXMSGSIZE, self.engine_args.max_message_size)
         executor_sock = ctx.socket(zmq.ROUTER)
         executor_sock.setsockopt(zmq.LINGER, 0)
-        executor_sock.setsockopt(zmq.IPV6, 1)
+        if "[" in opts.executor_address:
+            executor_sock.setsockopt(zmq.IPV6, 1)
         executor_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         executor_sock.setsockopt(zmq.MAXMSGSIZE, _largest_executor_frame(self.engine_args))
         auth = None

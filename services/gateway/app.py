@@ -620,10 +620,12 @@ class Gateway:
             return
         queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]] = asyncio.Queue()
         first_token = {sample.group: asyncio.Event() for sample in samples}
-        arrival = time.monotonic()
+        firsts = {s.group: f"{request_id}-{s.index}" for s in samples if s.number == 0}
         tasks = [
             asyncio.create_task(
-                self._sample(f"{request_id}-{s.index}", s, queue, first_token[s.group], arrival)
+                self._sample(
+                    f"{request_id}-{s.index}", s, queue, first_token[s.group], firsts[s.group]
+                )
             )
             for s in samples
         ]
@@ -655,14 +657,14 @@ class Gateway:
         sample: _Sample,
         queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]],
         first_token: asyncio.Event,
-        arrival: float,
+        first_id: str,
     ) -> None:
         try:
-            waited_s = 0.0
+            queued_with = None
             if sample.number:  # the first sample of a prompt fills the prefix cache
                 await first_token.wait()
-                waited_s = time.monotonic() - arrival  # it queues with the first
-            async with self._sample_stream(request_id, sample, waited_s) as (first, rest):
+                queued_with = first_id  # and this one queues with it
+            async with self._sample_stream(request_id, sample, queued_with) as (first, rest):
                 first_token.set()
                 queue.put_nowait((sample.index, first))
                 async for outs in rest:
@@ -678,7 +680,7 @@ class Gateway:
 
     @asynccontextmanager
     async def _sample_stream(
-        self, request_id: str, sample: _Sample, waited_s: float = 0.0
+        self, request_id: str, sample: _Sample, queued_with: str | None = None
     ) -> AsyncIterator[tuple[list[StreamOutput], AsyncGenerator[list[StreamOutput], None]]]:
         """One sample's first batch of outputs and the stream of the rest, from the replica
         the router picks, reserved there while it is open (closing it aborts the request).
@@ -701,7 +703,7 @@ class Gateway:
                     priority=sample.priority,
                     cache_salt=sample.cache_salt,
                     lora_name=sample.lora_name,
-                    waited_s=waited_s,
+                    queued_with=queued_with,
                     **sample.chat,
                 )
                 async with aclosing(stream):
@@ -1227,10 +1229,11 @@ class Gateway:
         # The n samples of one prompt count its tokens once: the first sample's (the
         # others find the prompt it computed in the cache).
         firsts = choices[::n]
+        cached = [c.num_cached_tokens for c in firsts if c.num_cached_tokens is not None]
         return fmt.usage(
             sum(c.prompt_tokens for c in firsts),
             sum(c.completion_tokens for c in choices),
-            sum(c.num_cached_tokens for c in firsts),
+            sum(cached) if len(cached) == len(firsts) else None,  # a beam search's: untold
         )
 
     async def _sse(

@@ -190,7 +190,8 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # of the prompt's, found in the prefix cache
+    # Of the prompt's, found in the prefix cache; None where not told (a beam search's).
+    num_cached_tokens: int | None = None
     completion_tokens: int = 0
     logprobs: list[StreamOutput] = field(default_factory=list)
     # Characters of the logprob tokens before the last output's: its first token's

@@ -386,7 +386,7 @@ def _finished(body: dict[str, Any], items: list[dict[str, Any]], choice: Choice)
         "output": items,
         "usage": {
             "input_tokens": choice.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
+            "input_tokens_details": {"cached_tokens": choice.num_cached_tokens or 0},
             "output_tokens": choice.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": choice.prompt_tokens + choice.completion_tokens,

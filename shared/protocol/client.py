@@ -7,9 +7,9 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 Client -> scheduler::
 
     generate   {request_id, prompt, sampling_params, priority?, cache_salt?, lora_name?,
-                pooling_params?, waited_s?, CHAT...}
-               waited_s: seconds the request had waited before it was sent; it queues as
-               having arrived that long ago (a choice of n > 1 sent once its first began)
+                pooling_params?, queued_with?, CHAT...}
+               queued_with: the id of this client's request in flight whose arrival it takes
+               (a choice of n > 1 sent once its first began queues with it)
                pooling_params {task?, dimensions?, normalize?, activation?, text_pair?}: a
                vector, not tokens (a server with the pooling runner): an embedding (task
                embed), a classifier's scores (classify), a cross-encoder's score of the
@@ -55,7 +55,6 @@ model (vocabulary, ``max_model_len``) is checked by the scheduler when it tokeni
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,10 +145,10 @@ class GenerateRequest:
     # An embedding request: the prompt's pooled hidden states come back, no tokens
     # (``sampling_params`` may then set only truncate_prompt_tokens).
     pooling_params: PoolingParams | None = None
-    # Seconds it waited before it was sent: it queues as having arrived that long ago (the
-    # gateway's choices of n > 1 after the first, sent once the first has begun, so that
-    # they find its prompt cached, queue with it, as vLLM's n choices do).
-    waited_s: float = 0.0
+    # A request of this client's in flight whose arrival it takes (the gateway's choices of
+    # n > 1 after the first, sent once the first has begun so that they find its prompt
+    # cached, queue with it, as vLLM's n choices do); unknown, it arrives now.
+    queued_with: str | None = None
 
 
 @dataclass(slots=True)
@@ -368,8 +367,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["lora_name"] = msg.lora_name
         if msg.pooling_params is not None:
             fields["pooling_params"] = msg.pooling_params.to_dict()
-        if msg.waited_s:
-            fields["waited_s"] = msg.waited_s
+        if msg.queued_with is not None:
+            fields["queued_with"] = msg.queued_with
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)
@@ -433,7 +432,7 @@ _CLIENT_FIELDS = {
         "cache_salt",
         "lora_name",
         "pooling_params",
-        "waited_s",
+        "queued_with",
         *_CHAT_FIELDS,
     },
     "abort": {"request_id"},
@@ -615,12 +614,12 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             f"lora_name must be a non-empty string of at most {MAX_LORA_NAME_LEN} characters",
             raw_id,
         )
-    waited_s = data.get("waited_s", 0.0)
-    if type(waited_s) not in (int, float) or not 0 <= waited_s < math.inf:
+    queued_with = data.get("queued_with")
+    if queued_with is not None and (
+        type(queued_with) is not str or request_id_problem(queued_with) is not None
+    ):
         raise ClientProtocolError(
-            INVALID_REQUEST,
-            f"waited_s must be a finite number of seconds >= 0, got {_short(waited_s)}",
-            raw_id,
+            INVALID_REQUEST, f"queued_with must be a request id, got {_short(queued_with)}", raw_id
         )
     chat = _chat_args(data, prompt, raw_id)
     return GenerateRequest(
@@ -632,7 +631,7 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         salt,
         lora_name,
         pooling_params,
-        float(waited_s),
+        queued_with,
     )
 
 

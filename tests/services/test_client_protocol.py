@@ -44,8 +44,7 @@ def test_round_trip_of_every_client_message():
             client_protocol.GenerateRequest("e", "hi", SamplingParams(), pooling_params=pooling)
             for pooling in (PoolingParams(), PoolingParams(64, False))
         ),
-        client_protocol.GenerateRequest("w", "hi", SamplingParams(), waited_s=0.25),
-        client_protocol.GenerateRequest("w", "hi", SamplingParams(), waited_s=3),  # int seconds
+        client_protocol.GenerateRequest("w", "hi", SamplingParams(), queued_with="r-0"),
     ):
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
@@ -214,11 +213,11 @@ def test_round_trip_of_server_messages():
         ),
         *(
             (
-                frame(type="generate", request_id="x", prompt="hi", waited_s=bad),
+                frame(type="generate", request_id="x", prompt="hi", queued_with=bad),
                 client_protocol.INVALID_REQUEST,
-                "waited_s must be a finite number of seconds >= 0",
+                "queued_with must be a request id",
             )
-            for bad in (-1, float("nan"), float("inf"), "1", True)
+            for bad in (1, "", "a\x00b", "x" * 300, ["r-0"])
         ),
         (
             frame(

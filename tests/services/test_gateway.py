@@ -234,18 +234,18 @@ def test_n_samples_with_seeds_reproduce_share_the_prompt_blocks_and_report_them(
 
 
 def test_n_samples_queue_together_before_later_requests(tiny_model_dir):
-    """One request runs at a time: a request of n=3 sent behind a running one, then
-    another: all three choices start before the later request (vLLM queues a request's n
+    """One request runs at a time: a request of n=3, then another, queued while the engine
+    is paused: all three choices start before the later request (vLLM queues a request's n
     choices at its arrival), although choices 1 and 2 are sent only once choice 0 began
     (so that they find its prompt cached)."""
     engine = dataclasses.replace(_engine(tiny_model_dir), max_num_seqs=1)
     started: list[str] = []
 
-    async def stream(client, name: str, max_tokens: int, n: int = 1) -> None:
+    async def stream(client, name: str, n: int = 1) -> None:
         chunks = await client.completions.create(
             model=MODEL,
             prompt=[list(range(100, 108))],
-            max_tokens=max_tokens,
+            max_tokens=50,  # choice 0 runs long enough for 1 and 2 to be sent meanwhile
             temperature=0,
             n=n,
             stream=True,
@@ -257,22 +257,26 @@ def test_n_samples_queue_together_before_later_requests(tiny_model_dir):
                 if label not in started:
                     started.append(label)
 
-    async def order(base_url: str) -> list[str]:
-        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused") as client:
-            running = asyncio.create_task(stream(client, "R", 40))
-            while not started:
-                await asyncio.sleep(0.001)
-            asked = asyncio.create_task(stream(client, "X", 30, n=3))
-            await asyncio.sleep(0.2)  # X's first choice queued before Z
-            await asyncio.gather(running, asked, stream(client, "Z", 4))
+    async def order(http: str, metrics: str) -> list[str]:
+        waiting = f'weir_num_requests_waiting{{model_name="{MODEL}"}}'
+        async with openai.AsyncOpenAI(base_url=http + "/v1", api_key="unused") as client:
+            assert httpx.post(http + "/pause", params={"mode": "keep"}).status_code == 200
+            asked = asyncio.create_task(stream(client, "X", n=3))
+            while read_metrics(metrics).get(waiting) != 1:
+                await asyncio.sleep(0.01)
+            later = asyncio.create_task(stream(client, "Z"))
+            while read_metrics(metrics).get(waiting) != 2:
+                await asyncio.sleep(0.01)
+            assert httpx.post(http + "/resume").status_code == 200
+            await asyncio.gather(asked, later)
         return started
 
     with ServerProcesses(
         engine, port=0, metrics_port=0, executor_metrics_port=0, http_port=0
     ) as processes:
-        first = asyncio.run(order(processes.info["http_address"] + "/v1"))
-    assert first[:2] == ["R0", "X0"] and sorted(first[2:4]) == ["X1", "X2"], first
-    assert first[4] == "Z0", first
+        info = processes.info
+        first = asyncio.run(order(info["http_address"], info["metrics_address"]))
+    assert first[0] == "X0" and sorted(first[1:3]) == ["X1", "X2"] and first[3] == "Z0", first
 
 
 def test_stop_strings_end_the_text(server, client):

@@ -468,6 +468,42 @@ def test_requests_wait_in_priority_order_under_the_priority_policy(server, tiny_
         assert asyncio.run(order()) == ["running", "urgent", "later"]
 
 
+def test_a_request_queues_with_a_request_of_its_own_client_only(tiny_model_dir):
+    """``queued_with`` takes the arrival of a request of the same client in flight (the
+    gateway's choices of n > 1 queue with their first); another client's id changes
+    nothing, so no one jumps the queue by naming a request that came before theirs."""
+    engine = EngineArgs(model=str(tiny_model_dir), max_num_seqs=1, kv_cache_memory="1MiB")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def order(address: str) -> list[str]:
+        first: list[str] = []
+
+        async def one(client: AsyncWeirClient, name: str, **kwargs) -> None:
+            async for _ in client.generate_batches([5, 6, 7], params, request_id=name, **kwargs):
+                if name not in first:
+                    first.append(name)
+
+        async with AsyncWeirClient(address) as a, AsyncWeirClient(address) as b:
+            await a.pause(mode="keep")  # nothing runs: they queue in the order sent
+            sends = [
+                (a, "a-first", {}),
+                (b, "b-next", {}),
+                (b, "b-jumping", {"queued_with": "a-first"}),
+                (a, "a-sibling", {"queued_with": "a-first"}),
+            ]
+            tasks = []
+            for client, name, kwargs in sends:
+                tasks.append(asyncio.create_task(one(client, name, **kwargs)))
+                await asyncio.sleep(0.2)
+            await a.resume()
+            await asyncio.gather(*tasks)
+        return first
+
+    with ServerProcesses(engine, port=0, metrics_port=0, executor_metrics_port=0) as processes:
+        started = asyncio.run(order(processes.client_address))
+    assert started == ["a-first", "a-sibling", "b-next", "b-jumping"]
+
+
 def test_sdk_misuse_is_a_weir_error_and_a_dropped_client_ends_its_thread(server):
     with pytest.raises(WeirError, match="cannot connect to 'bogus'.*tcp://HOST:PORT"):
         WeirClient("bogus")
