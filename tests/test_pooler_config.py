@@ -192,7 +192,7 @@ def test_a_request_asks_the_task_the_server_serves():
     with pytest.raises(ValueError, match="has 2 labels: only a classifier of one label"):
         classifier.check(score)
     PoolerConfig("LAST", False, 1, labels=("relevant",)).check(score)
-    with pytest.raises(ValueError, match="not a sequence classifier"):
+    with pytest.raises(ValueError, match="not a cross-encoder: a pair is scored by the cosine"):
         embedder.check(score)
     for params in (PoolingParams(task="classify", activation=False), score):
         assert PoolingParams.from_dict(params.to_dict()) == params
