@@ -11,8 +11,8 @@ and is taken.
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 from typing import Any
 
 # Standard formats it holds a string to; one it does not (regex, idn-email...) is refused,
@@ -88,6 +88,7 @@ _JSON_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+@functools.lru_cache(maxsize=64)  # a schema sent again (the compiler caches it too)
 def check_json_schema(text: str) -> None:
     """ValueError naming the first keyword of the JSON schema ``text`` that xgrammar would
     not hold the output to, and where it sits (a JSON pointer); text that is not JSON passes
@@ -165,9 +166,13 @@ def _unheld(node: dict[str, Any], names: bool, root: Any) -> str | None:
     if "type" not in node and not names and not asserted.intersection(_TYPE_HINTS):
         for type_, keywords in _TYPED_KEYWORDS.items():
             for key in keywords:
-                if key in node and not (key == "format" and node[key] not in _HELD_FORMATS):
+                if key in node and not (key == "format" and not _is_held_format(node[key])):
                     return f"{key!r} in a schema of no 'type' (give it {type_!r})"
     return None
+
+
+def _is_held_format(value: Any) -> bool:
+    return isinstance(value, str) and value in _HELD_FORMATS
 
 
 def _integer_multiple(node: dict[str, Any]) -> bool:
@@ -184,9 +189,11 @@ def _unheld_string(node: dict[str, Any]) -> str | None:
     others beside it are dropped (a minLength of 1 beside a format no empty string meets
     asks nothing more)."""
     format_ = node.get("format")
-    if isinstance(format_, str) and format_ in _UNHELD_FORMATS:
+    if not isinstance(format_, str):  # not JSON Schema's: left to the compiler
+        format_ = None
+    if format_ in _UNHELD_FORMATS:
         return f"format {format_!r}"
-    held_format = format_ if format_ in _HELD_FORMATS else None
+    held_format = format_ if _is_held_format(format_) else None
     if "pattern" in node and held_format is not None:
         return "'pattern' beside 'format'"
     lengths = {"minLength", "maxLength"} & node.keys()
@@ -201,7 +208,10 @@ def _unheld_string(node: dict[str, Any]) -> str | None:
 def _unheld_names(node: dict[str, Any]) -> str | None:
     """An object's rules on its property names that its listed properties escape: a
     required name not listed, a listed name that ``propertyNames`` refuses, a listed name a
-    ``patternProperties`` pattern also matches (only the listed schema holds it)."""
+    ``patternProperties`` pattern may also match (only the listed schema holds it). A
+    client's pattern is never run here: Python's backtracking search of one (``(a+)+$``
+    against 40 characters) would hold the tokenizer thread for hours, so a pattern beside
+    listed properties is refused whether it matches them or not."""
     properties = node.get("properties")
     listed = properties if isinstance(properties, dict) else {}
     required = node.get("required")
@@ -209,43 +219,29 @@ def _unheld_names(node: dict[str, Any]) -> str | None:
         unlisted = [n for n in required if isinstance(n, str) and n not in listed]
         if unlisted:
             return f"'required' naming {str(unlisted[0])[:100]!r}, not in 'properties'"
+    if not listed:
+        return None
     names_schema = node.get("propertyNames")
     if isinstance(names_schema, dict):
+        if "pattern" in names_schema:
+            return "'propertyNames' with a pattern beside listed properties"
         refused = [name for name in listed if not _name_meets(name, names_schema)]
         if refused:
             return f"'propertyNames' that listed property {refused[0][:100]!r} does not meet"
-    patterns = node.get("patternProperties")
-    if isinstance(patterns, dict):
-        for pattern in patterns:
-            matched = [name for name in listed if _searches(pattern, name)]
-            if matched:
-                return (
-                    f"'patternProperties' {pattern[:100]!r} matching listed property "
-                    f"{matched[0][:100]!r}"
-                )
+    if node.get("patternProperties"):
+        return "'patternProperties' beside listed properties"
     return None
 
 
 def _name_meets(name: str, schema: dict[str, Any]) -> bool:
-    """Whether a property name meets a ``propertyNames`` schema (in what such schemas
-    say: a pattern, lengths, enum, const; others are taken as met)."""
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str) and not _searches(pattern, name):
-        return False
-    if len(name) < schema.get("minLength", 0) or len(name) > schema.get("maxLength", len(name)):
+    """Whether a property name meets a ``propertyNames`` schema's lengths, enum and const
+    (its other keywords are taken as met)."""
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if (type(low) is int and len(name) < low) or (type(high) is int and len(name) > high):
         return False
     if "const" in schema and schema["const"] != name:
         return False
     return not isinstance(schema.get("enum"), list) or name in schema["enum"]
-
-
-def _searches(pattern: str, text: str) -> bool:
-    """JSON Schema's pattern match (a search, not anchored); an unreadable pattern is left
-    to the compiler."""
-    try:
-        return re.search(pattern, text) is not None
-    except re.error:
-        return False
 
 
 def _apart(branches: list[Any], root: Any) -> bool:
@@ -259,13 +255,10 @@ def _apart(branches: list[Any], root: Any) -> bool:
 def _disjoint(a: Any, b: Any) -> bool:
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
-    kinds = {a.get("type"), b.get("type")}
-    if (
-        all(isinstance(k, str) for k in kinds)
-        and len(kinds) == 2
-        and kinds != {"integer", "number"}
-    ):
-        return True
+    kind_a, kind_b = a.get("type"), b.get("type")
+    if isinstance(kind_a, str) and isinstance(kind_b, str):
+        if kind_a != kind_b and {kind_a, kind_b} != {"integer", "number"}:
+            return True
     tags = _tags(a)
     for name, values in _tags(b).items():
         if name in tags and not any(_same_in(v, tags[name]) for v in values):

@@ -1158,7 +1158,12 @@ _DROPPED_KEYWORDS = [
             "patternProperties": {"^a": {"type": "string", "maxLength": 1}},
         },
         '{"a1": "xyz"}',
-        "'patternProperties' '^a' matching listed property 'a1'",
+        "'patternProperties' beside listed properties",
+    ),
+    (
+        {"type": "object", "properties": {"b": {}}, "propertyNames": {"pattern": "^a"}},
+        '{"b": 1}',
+        "'propertyNames' with a pattern beside listed properties",
     ),
 ]
 
@@ -1177,6 +1182,26 @@ def test_json_schema_keywords_xgrammar_drops_are_refused(schema, breaking, named
     assert _is_grammar_accept_string(Grammar.from_json_schema(text), breaking)
     with pytest.raises(ValueError, match=re.escape(named)):
         check_json_schema(text)
+
+
+def test_a_schemas_patterns_are_never_run_by_the_check():
+    """A client's pattern is not searched in Python (its backtracking would hold the
+    tokenizer thread for hours on this one: 26 characters took 3.9 s, each one more twice
+    as long): a pattern beside listed properties is refused unread. Odd values of any
+    keyword are a refusal or the compiler's business, never an internal error."""
+    from weir.services.engine.json_schema_check import check_json_schema
+
+    name = "a" * 60 + "!"
+    for names in (
+        {"patternProperties": {"(a+)+$": {"type": "integer"}}},
+        {"propertyNames": {"pattern": "(a+)+$"}},
+    ):
+        with pytest.raises(ValueError, match="pattern"):
+            check_json_schema(json.dumps({"type": "object", "properties": {name: {}}, **names}))
+    odd = {"format": {"a": 1}, "oneOf": [{"type": ["string", "null"]}, {"type": "integer"}]}
+    with pytest.raises(ValueError, match="'oneOf' of schemas a value may meet"):
+        check_json_schema(json.dumps(odd))
+    check_json_schema(json.dumps({"type": "string", "minLength": "1", "format": {"x": 1}}))
 
 
 # Schemas xgrammar holds, and a JSON text each breaks: taken.
