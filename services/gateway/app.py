@@ -708,7 +708,7 @@ class Gateway:
                 )
                 async with aclosing(stream):
                     try:
-                        first = await anext(stream)
+                        first = await self.router.first_output(stream, replica, tried)
                     except ServerUnavailableError as exc:
                         self.router.mark_down(replica, str(exc))
                         tried |= {replica.address}

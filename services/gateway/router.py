@@ -16,7 +16,9 @@ The choice, per request:
 A replica whose health check fails, or that fails a request as unavailable (its
 connection was lost, it timed out, or it refused the request because it drains or has no
 executor), leaves the rotation until a health check answers again. The gateway then sends
-a request that had no output yet to another replica (``exclude``).
+a request that had no output yet to another replica (``exclude``); so too the requests
+waiting there for a first output once it stalls (no health answer, or its executor lost):
+they would otherwise wait out the client's timeout, or the executor's replacement.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from hashlib import blake2b
+from typing import TypeVar
 
-from weir.shared.client import AsyncWeirClient, WeirError
+from weir.shared.client import AsyncWeirClient, ServerUnavailableError, WeirError
 from weir.shared.config import tcp_address
 from weir.shared.protocol.client import Prompt
 
@@ -44,6 +47,8 @@ _CHARS_PER_TOKEN = 4  # a prompt's token estimate before the scheduler tokenizes
 # A replica unreachable this long after the gateway started is worth a warning (before
 # that, an engine still starting is the usual reason).
 _QUIET_START_S = 30.0
+
+T = TypeVar("T")
 
 
 class NoReplicaError(RuntimeError):
@@ -61,6 +66,10 @@ class Replica:
     warned: bool = False
     # Prefix hash -> None, least recently served first (an LRU set).
     prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    # Set while it cannot run what it holds: its health check went unanswered (hung or
+    # gone) or it lost its executor. A request waiting there for a first output then
+    # goes to another replica rather than waiting out the client's timeout.
+    stalled: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def healthy(self) -> bool:
@@ -204,6 +213,8 @@ class Router:
             _log.warning("replica %s out of rotation: %s", replica.address, reason)
             replica.warned = True
         replica.status = status
+        if status in (None, "recovering"):
+            replica.stalled.set()
 
     async def check_health(self) -> None:
         async def one(replica: Replica) -> None:
@@ -221,8 +232,34 @@ class Router:
                 log("replica %s in rotation", replica.address)
                 replica.warned = False
                 replica.status = status
+                replica.stalled.clear()
 
         await asyncio.gather(*(one(r) for r in self.replicas))
+
+    async def first_output(
+        self, stream: AsyncGenerator[T, None], replica: Replica, tried: frozenset[str]
+    ) -> T:
+        """The stream's first item, unless the replica stalls first while another could
+        take the request: then ``ServerUnavailableError`` (the caller closes the stream,
+        which aborts the request there, and sends it elsewhere)."""
+        if not self.candidates(tried | {replica.address}):
+            return await anext(stream)
+        first = asyncio.ensure_future(anext(stream))
+        stalled = asyncio.ensure_future(replica.stalled.wait())
+        try:
+            await asyncio.wait((first, stalled), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stalled.cancel()
+            if not first.done():
+                first.cancel()
+                with suppress(asyncio.CancelledError):
+                    await first
+        if first.cancelled():
+            raise ServerUnavailableError(
+                f"{replica.address} stalled ({replica.status or 'no health answer'}) "
+                "before the request's first output"
+            )
+        return first.result()
 
     async def every_replica(self) -> list[Replica]:
         """Every replica, each having answered a health check just now, for an action that
