@@ -226,6 +226,15 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
             )
             raise SystemExit(2)
         args.model = tag
+    names = getattr(args, "served_model_name", None) or ()
+    if args.model is None and len(names) > 1 and os.path.exists(names[-1]):
+        # argparse gave the model after --served-model-name's names to them.
+        print(
+            f"weir {args.command}: --served-model-name took {names[-1]!r}, a path: give the "
+            f"model first (weir {args.command} MODEL --served-model-name ...) or as --model",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     try:
         return EngineArgs.from_cli(args)
     except ValueError as exc:

@@ -34,6 +34,7 @@ from weir.shared.client import (
     gather_all,
 )
 from weir.shared.config import EngineArgs
+from weir.shared.model_store import resolve_model
 from weir.shared.pooling import cosine, score_pairs
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams, sample_seed
@@ -351,6 +352,21 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self._loop.run(self._client.is_sleeping())
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's ``LLM.get_tokenizer``: the model's Hugging Face tokenizer (transformers'
+        ``AutoTokenizer``, for ``apply_chat_template`` and the like in a client's own code;
+        the server tokenizes with the same ``tokenizer.json``)."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ImportError(
+                "LLM.get_tokenizer returns a transformers tokenizer: pip install transformers"
+            ) from None
+        args = self._server.engine_args
+        return AutoTokenizer.from_pretrained(
+            resolve_model(args.model, load_format=args.load_format)
+        )
 
     def close(self) -> None:
         self._finalizer()

@@ -256,11 +256,12 @@ class EngineArgs:
     model: str | None = _arg(
         None, _BOTH, "HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
     )
-    served_model_name: str | None = _arg(
-        None,
+    served_model_name: tuple[str, ...] = _arg(
+        (),
         _BOTH,
-        "the name the API answers to and reports, and the metrics' model_name (default: the "
-        "model directory's name)",
+        "the names the API answers to (vLLM's: the first is the metrics' model_name and what "
+        "a request naming none reports; default: the model directory's name)",
+        nargs="+",
     )
     chat_template: str | None = _arg(
         None,
@@ -559,18 +560,19 @@ class EngineArgs:
                 f"ngram_max (prompt_lookup_max) {self.ngram_max} is less than ngram_min "
                 f"(prompt_lookup_min) {self.ngram_min}"
             )
-        if isinstance(self.lora_modules, (str, list)):  # LLM(lora_modules="a=/x") or a list
-            modules = (
-                (self.lora_modules,) if isinstance(self.lora_modules, str) else self.lora_modules
-            )
-            object.__setattr__(self, "lora_modules", tuple(modules))  # frozen
+        for name in ("lora_modules", "served_model_name"):  # LLM(lora_modules="a=/x"), a list
+            value = getattr(self, name)
+            if isinstance(value, (str, list)):
+                object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         parse_lora_modules(self.lora_modules, self.served_model_name)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
-        if self.served_model_name is not None and not self.served_model_name.strip():
+        if any(not str(name).strip() for name in self.served_model_name):
             raise ValueError("served_model_name must not be empty")
+        if len(set(self.served_model_name)) < len(self.served_model_name):
+            raise ValueError(f"served_model_name {list(self.served_model_name)} repeats a name")
         if self.threads is not None:
             _check_int("threads", self.threads, 1)
         for name in _STEP_LIMITS:

@@ -71,12 +71,34 @@ class LoraModule:
 
     @classmethod
     def parse(cls, spec: str) -> LoraModule:
-        """``name=path`` (vLLM's form); ValueError says what is wrong with it."""
-        name, sep, path = str(spec).partition("=")
-        if not sep or not path:
-            raise ValueError(f"lora_modules: {spec!r} is not name=path")
+        """``name=path``, or vLLM's JSON form ``{"name": ..., "path": ...}`` (its optional
+        ``base_model_name`` is taken and not used); ValueError says what is wrong."""
+        spec = str(spec)
+        if spec.lstrip().startswith("{"):
+            name, path = _parse_json_module(spec)
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not path:
+                raise ValueError(f"lora_modules: {spec!r} is not name=path")
         check_name(name, "lora_modules: adapter name")
         return cls(name, path)
+
+
+def _parse_json_module(spec: str) -> tuple[str, str]:
+    form = 'name=path or {"name": ..., "path": ...}'
+    try:
+        fields = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"lora_modules: {spec[:200]!r} is not JSON ({exc}); give {form}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"lora_modules: {spec[:200]!r} is not {form}")
+    unknown = set(fields) - {"name", "path", "base_model_name"}
+    if unknown:
+        raise ValueError(f"lora_modules: unknown field(s) {sorted(unknown)} in {spec[:200]!r}")
+    name, path = fields.get("name"), fields.get("path")
+    if not isinstance(name, str) or not isinstance(path, str) or not path:
+        raise ValueError(f"lora_modules: {spec[:200]!r} needs a string name and path")
+    return name, path
 
 
 def check_name(name: str, what: str) -> None:
@@ -102,14 +124,14 @@ class AdapterConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
-def parse_lora_modules(specs: tuple[str, ...], served_model_name: str | None) -> list[LoraModule]:
+def parse_lora_modules(specs: tuple[str, ...], served_names: tuple[str, ...]) -> list[LoraModule]:
     """The ``--lora-modules`` entries, each name once and none the base model's."""
     modules = [LoraModule.parse(spec) for spec in specs]
     names = [m.name for m in modules]
     for name in names:
         if names.count(name) > 1:
             raise ValueError(f"lora_modules: adapter name {name!r} is given twice")
-        if name == served_model_name:
+        if name in served_names:
             raise ValueError(
                 f"lora_modules: adapter name {name!r} is the served model's name: requests "
                 "for it would not know which they mean"

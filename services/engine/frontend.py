@@ -186,7 +186,7 @@ class ClientFrontend:
         self._requests_ended = requests_ended
         self._health = health
         self._model_info = model_info
-        self.loras = loras or LoraRegistry({}, "")  # the LoRA adapters requests may name
+        self.loras = loras or LoraRegistry({}, ())  # the LoRA adapters requests may name
         self.pooler = pooler  # a pooling runner's (embeddings only); None: it generates
         # ValueError unless a directory's weights fit the served model (update_weights), and
         # the directory of the weights executors start with (None: random ones).

@@ -36,18 +36,18 @@ class LoraRegistry:
     def __init__(
         self,
         modules: dict[LoraModule, str],
-        model_name: str,
+        model_names: tuple[str, ...],
         check: Callable[[str], str] | None = None,
     ) -> None:
         for module in modules:
-            if module.name == model_name:
+            if module.name in model_names:
                 raise ValueError(
                     f"lora_modules: adapter name {module.name!r} is the served model's name: "
                     "requests for it would not know which they mean"
                 )
         self.ids = {m.name: m.name for m in modules}
         self.adapters = {m.name: [m.path, fingerprint] for m, fingerprint in modules.items()}
-        self.model_name = model_name
+        self.model_names = model_names
         self.unloading: set[str] = set()  # names that take no new request: they drain
         self._check = check
         self._loads = itertools.count(1)
@@ -61,7 +61,7 @@ class LoraRegistry:
         if self._check is None:
             raise ValueError(RUNTIME_UPDATES_OFF)
         check_name(name, "lora_name")
-        if name == self.model_name:
+        if name in self.model_names:
             raise ValueError(f"lora_name {name!r} is the served model's name")
         if name in self.ids:
             raise ValueError(f"the LoRA adapter {name!r} is already loaded: unload it first")

@@ -136,7 +136,8 @@ class SchedulerServer:
             )
         self.vocab_size = self.model_config.vocab_size
         # What clients and metrics call the model; executors report the directory's name.
-        self.model_name = self.engine_args.served_model_name or model_dir.name
+        self.model_names = self.engine_args.served_model_name or (model_dir.name,)
+        self.model_name = self.model_names[0]
         if self.engine_args.max_message_size < 1:
             raise ValueError("max_message_size must be at least 1 byte")
         if self.engine_args.max_prompt_chars is not None and self.engine_args.max_prompt_chars < 1:
@@ -166,7 +167,7 @@ class SchedulerServer:
         self._static_loras = {m: self._check_adapter(m.path) for m in self.engine_args.loras}
         self.loras = LoraRegistry(
             self._static_loras,
-            self.model_name,
+            self.model_names,
             self._check_adapter if self.engine_args.allow_runtime_lora_updating else None,
         )
         directory = keys_dir(self.engine_args.keys_dir)
@@ -601,6 +602,8 @@ class SchedulerServer:
         # (the operator finds those in the logs and the ready report).
         return {
             "model_name": self.model_name,
+            # Every name a request may use for it (--served-model-name a b).
+            "model_names": list(self.model_names),
             "max_model_len": self.scheduler_config.max_model_len,
             "max_message_size": self.engine_args.max_message_size,
             "vocab_size": self.vocab_size,

@@ -523,8 +523,10 @@ class Gateway:
         """The model a request names (None: the served one): the served model or one of its
         LoRA adapters (vLLM's: an adapter is asked for as the model); else a 404."""
         info = await self.model()
-        if name is None or name == info["model_name"]:
+        if name is None:
             return _Model(info, info["model_name"], None)
+        if name in info["model_names"]:  # answered under the name asked for, as vLLM
+            return _Model(info, name, None)
         if name not in info["lora_names"]:  # perhaps loaded since (here or elsewhere)
             info = await self.model(fresh=True)
         if name in info["lora_names"]:
@@ -532,7 +534,8 @@ class Gateway:
         adapters = ", ".join(f"`{a}`" for a in info["lora_names"])
         raise APIError(
             404,
-            f"The model `{name}` does not exist; this server serves `{info['model_name']}`"
+            f"The model `{name}` does not exist; this server serves "
+            + ", ".join(f"`{n}`" for n in info["model_names"])
             + (f" and the LoRA adapters {adapters}." if adapters else "."),
             "not_found_error",
             "model_not_found",
@@ -1680,7 +1683,7 @@ def create_app(
     async def models() -> Response:
         async def listing() -> Response:
             info = await gateway.model(fresh=True)  # adapters come and go
-            names = [info["model_name"], *info["lora_names"]]
+            names = [*info["model_names"], *info["lora_names"]]
             cards = [model_card(await gateway.check_model(name)) for name in names]
             return JSONResponse({"object": "list", "data": cards})
 

@@ -36,6 +36,8 @@ MAX_MODEL_LEN = 64
 KV_BYTES = NUM_BLOCKS * 2 * 2 * BLOCK_SIZE * 2 * 8 * 4
 # The name the API answers to (--served-model-name), not the directory's, tiny-llama.
 MODEL = "tiny-served"
+# Another name it answers to (vLLM's --served-model-name takes several).
+ALIAS = "org/tiny-alias"
 # A web page allowed to call the API (--allowed-origins, passed on by `weir serve`).
 ORIGIN = "https://app.example"
 
@@ -49,7 +51,7 @@ def _engine(model_dir) -> EngineArgs:
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=64,
         device="cpu",
-        served_model_name=MODEL,
+        served_model_name=(MODEL, ALIAS),
     )
 
 
@@ -82,7 +84,7 @@ def _sdk_greedy(server, prompt, max_tokens: int) -> tuple[str, list[int]]:
 
 
 def test_models_version_health(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
     base = server.info["http_address"]
     for path, key in (("/version", "version"), ("/health", "status")):
         with urllib.request.urlopen(base + path, timeout=10) as resp:
@@ -596,7 +598,10 @@ def test_the_served_model_name_is_the_one_answered_to_and_reported(server, clien
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, stream=True
     )
     assert {chunk.model for chunk in chat} == {MODEL}
-    with pytest.raises(openai.NotFoundError, match="tiny-llama"):
+    # vLLM's: every name answers, and a reply names the model as it was asked for.
+    assert client.completions.create(model=ALIAS, prompt="Hi", max_tokens=2).model == ALIAS
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    with pytest.raises(openai.NotFoundError, match=f"`{MODEL}`, `{ALIAS}`"):
         client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2)
     card = client.models.retrieve(MODEL)
     assert (card.id, card.object) == (MODEL, "model")
@@ -606,7 +611,7 @@ def test_the_served_model_name_is_the_one_answered_to_and_reported(server, clien
     for address in (server.info["metrics_address"], server.info["executors"][0]["metrics_address"]):
         samples = read_metrics(address)
         assert any(f'model_name="{MODEL}"' in key for key in samples)
-        assert not any('model_name="tiny-llama"' in key for key in samples)
+        assert not any('model_name="tiny-llama"' in key or ALIAS in key for key in samples)
 
 
 def test_null_is_the_default_and_neutral_values_of_unsupported_fields_are_ignored(client):

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import re
 from dataclasses import fields
 
@@ -94,6 +95,13 @@ def test_serve_takes_the_model_and_the_key_as_vllm_serve_does(monkeypatch, capsy
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "/m", "--model", "/n"])
     assert exit_info.value.code == 2 and "'/m' or --model '/n', not both" in capsys.readouterr().err
+    named = _engine_args(
+        build_parser().parse_args(["serve", "/m", "--served-model-name", "a", "b"])
+    )
+    assert named.served_model_name == ("a", "b")
+    with pytest.raises(SystemExit) as exit_info:  # argparse hands the model to the names
+        main(["serve", "--served-model-name", "a", os.getcwd()])
+    assert exit_info.value.code == 2 and "give the model first" in capsys.readouterr().err
     monkeypatch.delenv("WEIR_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
     assert _api_key(build_parser().parse_args(["serve"])) == "from-vllm"

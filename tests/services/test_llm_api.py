@@ -161,7 +161,10 @@ def test_llm_chat_renders_as_transformers_and_generates_its_greedy_tokens(
         )
         with pytest.raises(InvalidRequestError, match="add_generation_prompt false"):
             llm.chat(started, params, continue_final_message=True)
+        own = llm.get_tokenizer()  # vLLM's: the model's transformers tokenizer
     want = hf_ids(ask, add_generation_prompt=True)
+    assert type(own) is type(tokenizer)
+    assert own.apply_chat_template(ask, add_generation_prompt=True, return_dict=False) == want
     assert one.prompt_token_ids == two[0].prompt_token_ids == want
     assert one.token_ids == hf_greedy(tiny_hf_model, want, 3)
     assert two[1].prompt_token_ids == hf_ids(started, add_generation_prompt=True)

@@ -124,24 +124,35 @@ def test_adapter_weights_that_do_not_fit_the_model_are_refused(
 
 def test_lora_modules_are_name_equals_path_each_name_once():
     assert LoraModule.parse("sql=/a/b=c") == LoraModule("sql", "/a/b=c")
+    # vLLM's JSON form (its base_model_name only names the parent in its model cards).
+    as_json = '{"name": "sql", "path": "/a/b=c", "base_model_name": "org/base"}'
+    assert LoraModule.parse(as_json) == LoraModule("sql", "/a/b=c")
     for spec, refusal in (
         ("sql", "is not name=path"),
         ("sql=", "is not name=path"),
         ("=/a", "adapter name '' must be"),
         ("a b=/a", "adapter name 'a b' must be"),
+        ('{"name": "sql"', "is not JSON"),
+        ('{"name": "sql", "path": 3}', "needs a string name and path"),
+        ('{"name": "sql", "path": "/a", "rank": 8}', r"unknown field\(s\) \['rank'\]"),
+        ('{"name": "a b", "path": "/a"}', "adapter name 'a b' must be"),
     ):
         with pytest.raises(ValueError, match=refusal):
             LoraModule.parse(spec)
     with pytest.raises(ValueError, match="adapter name 'a' is given twice"):
-        parse_lora_modules(("a=/x", "a=/y"), None)
+        parse_lora_modules(("a=/x", "a=/y"), ())
     with pytest.raises(ValueError, match="is the served model's name"):
         EngineArgs(lora_modules=("m=/x",), served_model_name="m")
+    with pytest.raises(ValueError, match="'b' is the served model's name"):
+        EngineArgs(lora_modules=("b=/x",), served_model_name=["a", "b"])
+    with pytest.raises(ValueError, match="repeats a name"):
+        EngineArgs(served_model_name=("a", "a"))
 
 
 def test_an_adapter_may_not_take_the_served_models_name():
     """Whether the name is given (--served-model-name) or the model directory's."""
     with pytest.raises(ValueError, match="adapter name 'smol' is the served model's name"):
-        LoraRegistry({LoraModule("smol", "/x"): "f"}, "smol")
+        LoraRegistry({LoraModule("smol", "/x"): "f"}, ("smol",))
 
 
 def test_lora_modules_reach_each_role_as_given():
