@@ -2,14 +2,21 @@
 
 import asyncio
 import json
+import os
 import re
 import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
 import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -255,7 +262,8 @@ def test_the_pods_become_ready_in_some_order() -> None:
     is ready, or merely started when the Service publishes not-ready addresses."""
     scheduler_args = build_parser().parse_args(_container("weir-scheduler")["args"])
     executors = _by_kind_name("Deployment", "weir-executor")["spec"]["replicas"]
-    assert scheduler_args.num_executors == executors
+    # A Deployment gives each pod the same --rank, which a scheduler takes once.
+    assert scheduler_args.num_executors == executors == 1
 
     def reachable(service: dict, ready: set[str]) -> bool:
         targets = [
@@ -418,3 +426,63 @@ def test_the_pod_monitor_carries_the_label_kube_prometheus_stack_selects() -> No
     default) selects only PodMonitors labelled ``release: <its Helm release>``."""
     monitor = _by_kind_name("PodMonitor", "weir")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def _unshare_pid_namespace() -> list[str] | None:
+    """The command that runs a command as PID 1 of a new PID namespace (as a container
+    runtime does), or None where this machine cannot."""
+    command = ["unshare", "--pid", "--fork", "--mount-proc"]
+    try:
+        ok = subprocess.run([*command, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return command if ok else None
+
+
+def test_sigterm_stops_a_starting_pod_under_the_image_entrypoint(tmp_path) -> None:
+    """The image's entrypoint as its pod's PID 1: an executor waiting for its
+    tensor-parallel group (SIGTERM left to its default action there, the wait being in C)
+    must stop on SIGTERM at once, not hold the pod's deletion for its grace period. The
+    kernel ignores such a signal for a namespace's PID 1, hence the image's init."""
+    unshare = _unshare_pid_namespace()
+    if unshare is None:
+        pytest.skip("no PID namespace can be made here (unshare)")
+    entrypoint = json.loads(
+        re.search(r"^ENTRYPOINT (\[.*\])$", (K8S / "Dockerfile").read_text(), re.M).group(1)
+    )
+    bin_dir = Path(sys.executable).parent
+    argv = [str(bin_dir / w) if (bin_dir / w).exists() else w for w in entrypoint]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    executor = [
+        *("executor", "--scheduler", "tcp://127.0.0.1:9", "--tensor-parallel-size", "3"),
+        *("--rank", "0", "--device", "cpu", "--threads", "1", "--kv-cache-memory", "8MiB"),
+        *("--metrics-port", "0"),
+    ]
+    log = open(tmp_path / "pod.log", "wb")
+    pod = subprocess.Popen([*unshare, *argv, *executor], env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # rank 0 listens for the group's other rank: it waits in C now
+            assert pod.poll() is None, (tmp_path / "pod.log").read_text()
+            assert time.monotonic() < deadline, "the executor never began to wait for its group"
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        [pid1] = psutil.Process(pod.pid).children()
+        os.kill(pid1.pid, signal.SIGTERM)
+        try:
+            pod.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{entrypoint} as PID 1 was still running 15 s after SIGTERM")
+    finally:
+        for process in (
+            psutil.Process(pod.pid).children(recursive=True) if pod.poll() is None else []
+        ):
+            process.kill()
+        pod.kill()
+        pod.wait()
+        log.close()
