@@ -1261,7 +1261,11 @@ class ClientFrontend:
         stopped: list[str] = []
         inter_token: list[float] = []
         num_generated = 0
+        failed: list[EngineOutput] = []
         for out in coalesce(current):
+            if out.error is not None:
+                failed.append(out)
+                continue
             stream = streams[out.request_id]
             if out.new_token_ids:
                 if stream.last_token_time is None:
@@ -1280,6 +1284,8 @@ class ClientFrontend:
         before_send()
         for identity, items in by_client.items():
             self._send(identity, client_protocol.encode_outputs(items))
+        for out in failed:
+            self.fail([out.request_id], client_protocol.INVALID_REQUEST, str(out.error))
 
     def _stream_output(self, stream: _Stream, out: EngineOutput) -> client_protocol.StreamOutput:
         """Detokenize, apply stop strings, and build the client's output for one request."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Sequence
 from itertools import takewhile
 from typing import Any
@@ -34,16 +35,38 @@ from weir.shared.tokenizer import Tokenizer
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
+# A matcher's work for one token (a mask, or a token accepted) may take this long this many
+# times in a row before its request is ended (``RequestGrammar.too_costly``): an ambiguous
+# grammar's Earley matcher (``s ::= s s s | s s | "a" | ""``) costs about the cube of the
+# output's length, and the scheduler waits on it between every two steps of every request.
+# A mask of an unambiguous grammar takes microseconds to a millisecond; three in a row keep a
+# busy machine's passing stall from ending a request.
+GRAMMAR_TOKEN_LIMIT_S = 0.05
+_SLOW_IN_A_ROW = 3
+
+
 class RequestGrammar:
     """One request's place in its constraint (see ``Scheduler``: ``allowed_drafts`` for the
     drafts proposed, ``bitmask`` before a step that samples for it, ``accept`` for each token
     sampled)."""
 
-    __slots__ = ("_matcher", "_bitmask", "_reasoning_end")
+    __slots__ = ("_matcher", "_bitmask", "_reasoning_end", "_slow", "last_cost_s")
 
     def __init__(self, matcher: Any, bitmask: Any, reasoning_end: int | None = None) -> None:
         self._matcher, self._bitmask = matcher, bitmask
         self._reasoning_end = reasoning_end  # None once the constraint holds
+        self._slow = 0  # calls in a row over GRAMMAR_TOKEN_LIMIT_S
+        self.last_cost_s = 0.0
+
+    @property
+    def too_costly(self) -> bool:
+        """Whether following the constraint has cost over ``GRAMMAR_TOKEN_LIMIT_S`` a token
+        for a while: the request is to end, as it slows every other."""
+        return self._slow >= _SLOW_IN_A_ROW
+
+    def _timed(self, start: float) -> None:
+        self.last_cost_s = cost = time.perf_counter() - start
+        self._slow = self._slow + 1 if cost > GRAMMAR_TOKEN_LIMIT_S else 0
 
     def bitmask(self, drafts: Sequence[int] = ()) -> bytes | None:
         """The tokens allowed next, bit ``t % 32`` of little-endian int32 word ``t // 32``,
@@ -52,6 +75,7 @@ class RequestGrammar:
         reasons (any token: its drafts then hold no reasoning end)."""
         if self._reasoning_end is not None:
             return None
+        start = time.perf_counter()
         masks = [self._next_mask()]
         for token in drafts:
             if not self._matcher.accept_token(token):
@@ -59,6 +83,7 @@ class RequestGrammar:
             masks.append(self._next_mask())
         if drafts:
             self._matcher.rollback(len(drafts))
+        self._timed(start)
         return b"".join(masks)
 
     def allows_any(self, token_ids: Sequence[int]) -> bool:
@@ -100,7 +125,10 @@ class RequestGrammar:
             if token_id == self._reasoning_end:
                 self._reasoning_end = None
             return True
-        return bool(self._matcher.accept_token(token_id))
+        start = time.perf_counter()
+        accepted = bool(self._matcher.accept_token(token_id))
+        self._timed(start)
+        return accepted
 
     def is_terminated(self) -> bool:
         """Whether an end token completed the output."""

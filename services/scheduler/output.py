@@ -24,6 +24,8 @@ class EngineOutput:
     prompt_logprobs: SampleLogprobs | None = None
     # A pooling request's only output: its pooled hidden state, float32 little-endian bytes.
     pooled: bytes | None = None
+    # Why the scheduler ended the request for a fault of its own ("abort"): its client's error.
+    error: str | None = None
 
 
 def coalesce(steps: list[list[EngineOutput]]) -> list[EngineOutput]:
@@ -48,6 +50,7 @@ def coalesce(steps: list[list[EngineOutput]]) -> list[EngineOutput]:
                     _joined(have.logprobs, out.logprobs),
                     have.prompt_logprobs or out.prompt_logprobs,
                     have.pooled or out.pooled,
+                    out.error,
                 )
             )
     return list(merged.values())

@@ -33,6 +33,15 @@ class Grammar(Protocol):
         """Whether an end token completed it (the request ends, even before min_tokens)."""
         ...
 
+    @property
+    def too_costly(self) -> bool:
+        """Whether following it has cost so long a token for a while that the request is to
+        end: the scheduler waits on it between every two steps of every request."""
+        ...
+
+    # Seconds its last mask or accepted token took.
+    last_cost_s: float
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0

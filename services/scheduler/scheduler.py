@@ -821,6 +821,16 @@ class Scheduler:
                     if num_outputs >= request.max_tokens or len(all_tokens) >= max_model_len:
                         status = _LENGTH
                         break
+                error = None
+                if status is None and grammar is not None and grammar.too_costly:
+                    status = RequestStatus.FINISHED_ABORTED
+                    error = (
+                        f"its structured output took {grammar.last_cost_s * 1e3:.0f} ms a "
+                        "token to follow (an ambiguous grammar, whose rules match one text "
+                        "in many ways?), holding up every other request; it was ended: "
+                        "send a grammar that matches a text one way"
+                    )
+                    logger.warning("request %s ended: %s", rid, error)
                 new_tokens = sampled if count == len(sampled) else sampled[:count]
                 lp = logprobs.get(rid) if logprobs else None
                 if lp is not None and len(lp) > count:
@@ -843,6 +853,7 @@ class Scheduler:
                             request.num_cached_tokens,
                             lp,
                             prompt_lp,
+                            error=error,
                         )
                     )
             elif vector is not None:

@@ -56,6 +56,9 @@ class _FollowingGrammar:
     """A structured output that allows every token and records the ones it is told of; it
     cuts drafts before a 7 (as a real one cuts those it does not allow)."""
 
+    too_costly = False
+    last_cost_s = 0.0
+
     def __init__(self) -> None:
         self.accepted: list[int] = []
 

@@ -1260,6 +1260,28 @@ _HELD_KEYWORDS = [
 ]
 
 
+def test_an_ambiguous_grammar_ends_its_own_request_not_the_servers_pace(server, client):
+    """An EBNF rule that matches one text in many ways makes xgrammar's Earley matcher cost
+    about the cube of the output's length a token, paid between every two steps of every
+    request: its request ends with an error once its tokens cost over 50 ms (minutes of
+    every client's steps otherwise), and the others' go on."""
+    ambiguous = 'root ::= s\ns ::= s s s | s s | "a" | "b" | ""'
+    aaaa = Tokenizer.from_model_dir(server.engine_args.model).encode("aaaa")
+    assert len(aaaa) == 1  # the longest token the grammar allows: its cost grows fastest
+    call = {"model": MODEL, "prompt": "Hi", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0}
+    extra = {"guided_grammar": ambiguous, "allowed_token_ids": aaaa, "ignore_eos": True}
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    start = time.monotonic()
+    attack = pool.submit(client.completions.create, **call, extra_body=extra)
+    time.sleep(1)
+    other = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert time.monotonic() - start < 30 and other.choices[0].finish_reason == "length"
+    with pytest.raises(openai.APIError, match="ambiguous grammar") as ended:
+        attack.result(timeout=120)
+    assert time.monotonic() - start < 60, ended.value
+    pool.shutdown()
+
+
 @pytest.mark.parametrize("schema, breaking", _HELD_KEYWORDS)
 def test_json_schema_keywords_xgrammar_holds_are_taken(schema, breaking):
     from xgrammar import Grammar
