@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hmac
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -728,7 +729,7 @@ class Gateway:
 
     # ------------------------------------------------------------------ endpoints
 
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, header_id: str | None = None) -> Response:
         served = await self.check_model(body.model)
         try:
             prompts = body.prompts()
@@ -746,14 +747,14 @@ class Gateway:
         )
         for sample in samples:
             sample.params = body.prompt_params(sample.params, prompts[sample.group])
-        response_id = f"cmpl-{uuid.uuid4().hex}"
+        response_id, engine_id = _request_ids("cmpl", header_id or body.request_id)
         base = {
             "id": response_id,
             "object": "text_completion",
             "created": int(time.time()),
             "model": served.name,
         }
-        outputs = self._outputs(response_id, samples, body)
+        outputs = self._outputs(engine_id, samples, body)
         if body.echo_only:
             outputs = _without_completion(outputs)
         if body.echo:
@@ -803,8 +804,10 @@ class Gateway:
             }
         )
 
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
-        return await self._chat(body, self._chat_completion)
+    async def chat_completions(
+        self, body: ChatCompletionRequest, header_id: str | None = None
+    ) -> Response:
+        return await self._chat(body, self._chat_completion, header_id)
 
     async def responses(self, body: ResponsesRequest) -> Response:
         """OpenAI's Responses API: the chat its input makes (after its previous response's
@@ -858,7 +861,9 @@ class Gateway:
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         return ascii_json(stored.body)
 
-    async def _chat(self, body: ChatCompletionRequest, respond: _ChatResponder) -> Response:
+    async def _chat(
+        self, body: ChatCompletionRequest, respond: _ChatResponder, header_id: str | None = None
+    ) -> Response:
         """Run a chat and ``respond`` with its outputs."""
         output = body.chat_output(
             self.parsers,
@@ -872,8 +877,8 @@ class Gateway:
             samples = self._chat_samples(
                 body, output, served.lora_name, served.info.get("default_sampling_params", {})
             )
-            response_id = f"chatcmpl-{uuid.uuid4().hex}"
-            outputs = self._outputs(response_id, samples, body)
+            response_id, engine_id = _request_ids("chatcmpl", header_id or body.request_id)
+            outputs = self._outputs(engine_id, samples, body)
             if body.return_tokens_as_token_ids:
                 outputs = _tokens_as_ids(outputs)
             return await respond(body, output, served.name, response_id, outputs)
@@ -1397,11 +1402,38 @@ def _authorized(headers: dict[bytes, bytes], api_key: bytes) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), api_key)
 
 
+_CLIENT_ID = re.compile(r"[\x21-\x7e]{1,200}")
+
+
+def _request_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """A response's id (``prefix-`` and the client's id, as vLLM's, or a random one) and its
+    requests' base id in the engine: the client's id with a random part, since two clients
+    may send one id at once, and the engine takes each id once at a time."""
+    random_part = uuid.uuid4().hex
+    if client_id is None:
+        return f"{prefix}-{random_part}", f"{prefix}-{random_part}"
+    if not _CLIENT_ID.fullmatch(client_id):
+        raise APIError(
+            400,
+            f"request id {client_id[:100]!r} (X-Request-Id or request_id) must be 1-200 "
+            "printable ASCII characters without spaces",
+            "invalid_request_error",
+        )
+    return f"{prefix}-{client_id}", f"{prefix}-{client_id}-{random_part[:12]}"
+
+
+# JSON arrays and objects one body may hold (its brackets and braces, in strings too): Python
+# builds each as a collected object, so parsing 20M empty lists (60 MB) held the event loop
+# 6.8 s and took gigabytes; 1M took 0.22 s. A request needs a few per prompt or message.
+MAX_JSON_CONTAINERS = 1_000_000
+
+
 class _Admission:
     """ASGI middleware: what a request must pass before its body is read. Without the API
     key (``/v1/`` routes, ``/tokenize``, ``/detokenize``) it is answered 401, and a body larger than ``max_bytes`` 413 (by
-    its Content-Length, or while it streams in): a client holding neither cannot make the
-    gateway parse, or hold, an arbitrary amount of JSON. A body cut short by the client
+    its Content-Length, or while it streams in), or one of over ``MAX_JSON_CONTAINERS``
+    arrays and objects: a client holding neither cannot make the gateway parse, or hold,
+    an arbitrary amount of JSON. A body cut short by the client
     leaving is dropped, not run. A browser's CORS preflight, which carries no key, never
     gets here: the CORS middleware outside answers it."""
 
@@ -1439,6 +1471,9 @@ class _Admission:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
+        if body.count(b"[") + body.count(b"{") > MAX_JSON_CONTAINERS:
+            await _send_error(send, _TOO_MANY_CONTAINERS)
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -1459,6 +1494,13 @@ class _Admission:
         )
 
 
+_TOO_MANY_CONTAINERS = APIError(
+    413,
+    f"request body holds over {MAX_JSON_CONTAINERS:,} JSON arrays and objects (its brackets "
+    "and braces, in strings too): send fewer at a time",
+    "invalid_request_error",
+    "request_too_large",
+)
 _UNAUTHORIZED = APIError(
     401,
     "invalid or missing API key (Authorization: Bearer ...)",
@@ -1562,11 +1604,13 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await answer_connected(request, gateway.completions(body))
+        header_id = request.headers.get("x-request-id")
+        return await answer_connected(request, gateway.completions(body, header_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await answer_connected(request, gateway.chat_completions(body))
+        header_id = request.headers.get("x-request-id")
+        return await answer_connected(request, gateway.chat_completions(body, header_id))
 
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest) -> Response:
@@ -1691,6 +1735,9 @@ def create_app(
 
     @get("/v1/models/{name:path}")  # a path: served names may hold slashes (org/model)
     async def model(name: str) -> Response:
+        if not name:  # /v1/models/: the list, as the other routes take a trailing slash
+            return await models()
+
         async def card() -> Response:
             return JSONResponse(model_card(await gateway.check_model(name)))
 

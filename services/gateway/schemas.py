@@ -299,6 +299,8 @@ class _SamplingFields(Options):
     """The fields both endpoints share."""
 
     model: str | None = None
+    # vLLM's: the response's id (after its "cmpl-"/"chatcmpl-"); an X-Request-Id header wins.
+    request_id: str | None = None
     n: Annotated[int, Field(ge=1)] = 1  # prompts x n at most MAX_CHOICES (OpenAI's 128)
     # None: the server's default (the model's generation_config.json, else Weir's).
     temperature: Annotated[float, Field(ge=0)] | None = None

@@ -86,6 +86,8 @@ def _sdk_greedy(server, prompt, max_tokens: int) -> tuple[str, list[int]]:
 def test_models_version_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
     base = server.info["http_address"]
+    with urllib.request.urlopen(base + "/v1/models/", timeout=10) as resp:
+        assert [m["id"] for m in json.load(resp)["data"]] == [MODEL, ALIAS]
     for path, key in (("/version", "version"), ("/health", "status")):
         with urllib.request.urlopen(base + path, timeout=10) as resp:
             assert resp.status == 200 and key in resp.read().decode()
@@ -579,11 +581,44 @@ def test_an_oversized_body_is_413_and_the_gateway_serves_on(server, client):
             yield big[start : start + (1 << 20)]
 
     streamed = httpx.post(url, content=chunks(), timeout=60)
-    for reply in (declared, streamed):
+    # Small in bytes, but a million lists for Python to build (20M held the loop 6.8 s).
+    nested = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "metadata": {"k": []}}
+    lists = json.dumps(nested).replace("[]", "[" + ",".join(["[]"] * 1_000_001) + "]")
+    many = httpx.post(url, content=lists, headers={"Content-Type": "application/json"})
+    for reply in (declared, streamed, many):
         assert reply.status_code == 413
         assert reply.json()["error"]["code"] == "request_too_large"
     ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_clients_request_id_names_the_response_as_vllms(client):
+    """vLLM's: the X-Request-Id header, else the body's request_id, after the response id's
+    prefix; two requests of one id at once both run."""
+    call = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    by_header = client.completions.create(**call, extra_headers={"X-Request-Id": "job-7"})
+    assert by_header.id == "cmpl-job-7"
+    both = client.completions.create(
+        **call, extra_headers={"X-Request-Id": "job-8"}, extra_body={"request_id": "body-8"}
+    )
+    assert both.id == "cmpl-job-8"
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=2,
+        stream=True,
+        extra_body={"request_id": "chat-9"},
+    )
+    assert {chunk.id for chunk in chat} == {"chatcmpl-chat-9"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        same = [
+            pool.submit(client.completions.create, **call, extra_body={"request_id": "twice"})
+            for _ in range(2)
+        ]
+        assert [f.result().id for f in same] == ["cmpl-twice"] * 2
+    for bad in ("with space", "x" * 201):
+        with pytest.raises(openai.BadRequestError, match="must be 1-200 printable"):
+            client.completions.create(**call, extra_body={"request_id": bad})
 
 
 def test_unknown_model_is_404(client):
