@@ -53,7 +53,9 @@ from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
 
 
-def _setup_logging(level: str, role: str) -> None:
+def _setup_logging(level: str, role: str, replica: int | None = None) -> None:
+    if replica is not None:  # one of several engines under `weir serve --data-parallel-size`
+        role += f" of replica {replica}"
     logging.basicConfig(
         level=level.upper(),
         stream=sys.stderr,
@@ -118,7 +120,7 @@ def _scheduler(args: argparse.Namespace) -> int:
     from weir.shared.model_store import resolve_model
     from weir.shared.shard_layout import ShardLayout
 
-    _setup_logging(args.log_level, "scheduler")
+    _setup_logging(args.log_level, "scheduler", args.replica)
     status = StatusReporter(args.status_fd)
     try:
         engine_args = EngineArgs.from_cli(args)
@@ -165,7 +167,7 @@ def _executor(args: argparse.Namespace) -> int:
 
     # RANK: the torch.distributed convention (one pod per rank sets it from its index).
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
-    _setup_logging(args.log_level, f"executor {rank}")
+    _setup_logging(args.log_level, f"executor {rank}", args.replica)
     metrics_port = (
         args.metrics_port if args.metrics_port is not None else DEFAULT_EXECUTOR_METRICS_PORT + rank
     )
@@ -466,6 +468,8 @@ def _add_child_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     # The cores this process is pinned to (the supervisor's CPU plan), set before any thread.
     p.add_argument("--cpu-affinity", type=parse_cores, default=None, help=argparse.SUPPRESS)
+    # Which of `weir serve --data-parallel-size`'s engines it is part of: its log lines say so.
+    p.add_argument("--replica", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_metrics_host_flag(p: argparse.ArgumentParser, what: str) -> None:

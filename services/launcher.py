@@ -243,6 +243,7 @@ class ServerProcesses:
         plan = self.cpu_plan
         executor_args = replace(self.engine_args, threads=plan.executor_threads)
         suffix = f" of replica {replica}" if self.data_parallel_size > 1 else ""
+        tag = ("--replica", str(replica)) if self.data_parallel_size > 1 else ()
         self._spawn(
             SCHEDULER + suffix,
             [
@@ -261,6 +262,7 @@ class ServerProcesses:
                 str(self.num_executors),
                 *self.engine_args.to_argv(SCHEDULER),
                 *_affinity_flag(plan.service_cores),
+                *tag,
             ],
             role=SCHEDULER,
             replica=replica,
@@ -282,6 +284,7 @@ class ServerProcesses:
                     str(self._executor_metrics_port(index)),
                     *executor_args.to_argv(EXECUTOR),
                     *_affinity_flag(plan.executor_cores[index]),
+                    *tag,
                 ],
                 env,
                 role=EXECUTOR,

@@ -23,11 +23,12 @@ def _alive(pid: int) -> bool:
 
 
 def test_two_tensor_parallel_replicas_share_the_traffic_and_restart_apart(
-    tiny_model_dir, tiny_hf_model
+    tiny_model_dir, tiny_hf_model, capfd
 ):
     """Two engines of two ranks each: the router spreads concurrent requests over both,
     every answer is transformers' greedy one, and a rank killed in replica 1 takes down its
-    own group only (replica 0's ranks keep their processes) while requests go on."""
+    own group only (replica 0's ranks keep their processes) while requests go on; the
+    log lines of the loss say which replica lost it."""
     engine = EngineArgs(
         model=str(tiny_model_dir),
         device="cpu",
@@ -70,6 +71,8 @@ def test_two_tensor_parallel_replicas_share_the_traffic_and_restart_apart(
             assert list(pool.map(complete, prompts[:4])) == [
                 hf_greedy(tiny_hf_model, p, 12) for p in prompts[:4]
             ]
+    logged = capfd.readouterr().err
+    assert "[scheduler of replica 1] " in logged and "[scheduler] " not in logged, logged
 
 
 def test_each_replica_sees_its_own_gpus(monkeypatch):
