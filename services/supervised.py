@@ -12,13 +12,17 @@ class StatusReporter:
     """The child's end of the status pipe (a no-op when run by hand or by Kubernetes)."""
 
     def __init__(self, fd: int | None) -> None:
-        self._file = os.fdopen(fd, "w", buffering=1) if fd is not None else None
+        # The bare descriptor, which exit closes: a file object left open at exit is a
+        # ResourceWarning, and no role has one place to close it.
+        self._fd = fd
 
     def report(self, event: str, **fields: Any) -> None:
-        if self._file is None:
+        if self._fd is None:
             return
+        line = (json.dumps({"event": event, **fields}) + "\n").encode()
         try:
-            self._file.write(json.dumps({"event": event, **fields}) + "\n")
+            while line:
+                line = line[os.write(self._fd, line) :]
         except OSError:  # supervisor already gone; the parent watchdog handles that
             pass
 

@@ -86,13 +86,16 @@ def serve_argv(model_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def start_serve(model_dir: Path, *extra: str) -> subprocess.Popen:
+def start_serve(
+    model_dir: Path, *extra: str, stderr: int | None = None, env: dict[str, str] = ENV
+) -> subprocess.Popen:
     """`weir serve` on free ports with a small KV cache; stdout unbuffered, for read_until."""
     return subprocess.Popen(
         serve_argv(model_dir, "--kv-cache-memory", "1MiB", *extra),
         stdout=subprocess.PIPE,
+        stderr=stderr,
         bufsize=0,
-        env=ENV,
+        env=env,
     )
 
 
@@ -136,9 +139,13 @@ def test_sigterm_while_the_gateway_starts_drains_what_the_scheduler_took(
 
 
 def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
-    """The engine on IPv6 loopback (vLLM's --host takes one), the API apart (--http-host)."""
+    """The engine on IPv6 loopback (vLLM's --host takes one), the API apart (--http-host);
+    its stop says nothing, warnings shown (a file left open at exit is one)."""
     flags = ("--host", "::1", "--http-host", "127.0.0.1", "--api-key", "k")
-    proc = start_serve(tiny_model_dir, "--http-port", "0", *flags)
+    warnings = {**ENV, "PYTHONWARNINGS": "default"}
+    proc = start_serve(
+        tiny_model_dir, "--http-port", "0", *flags, stderr=subprocess.PIPE, env=warnings
+    )
     try:
         banner = read_until(proc, "Press Ctrl-C")
         address = re.search(r"clients:\s+(\S+)", banner).group(1)
@@ -171,6 +178,8 @@ def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
         assert not [pid for pid in children if alive(pid)]
+        stopped = proc.stderr.read().decode()
+        assert "Warning" not in stopped and "Traceback" not in stopped, stopped
     finally:
         if proc.poll() is None:
             proc.kill()
