@@ -183,6 +183,7 @@ def _executor(args: argparse.Namespace) -> int:
 
 def _gateway(args: argparse.Namespace) -> int:
     os.environ.update(single_thread_env())
+    from weir.services.gateway.app import REQUESTS_LOGGER
     from weir.services.gateway.router import expand_addresses
     from weir.services.gateway.server import GatewayOptions, serve
 
@@ -204,7 +205,10 @@ def _gateway(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_size,
         allowed_origins=args.allowed_origins,
         parsers=_chat_parsers(args),
+        uvicorn_log_level=args.uvicorn_log_level,
     )
+    if args.enable_log_requests:
+        logging.getLogger(REQUESTS_LOGGER).setLevel(logging.INFO)
     import uvloop
 
     # uvicorn installs uvloop only in a loop it makes itself; this one is ours (uvloop's
@@ -267,6 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
             parsers=_chat_parsers(args),
             startup_timeout=args.startup_timeout,
             data_parallel_size=args.data_parallel_size,
+            gateway_argv=_gateway_log_argv(args),
         )
     except ValueError as exc:  # options that only tell together, e.g. ranks and cores
         _exit_with_option_error(args, exc)
@@ -511,6 +516,33 @@ def _chat_parsers(args: argparse.Namespace) -> ChatParsers:
     return ChatParsers(args.tool_call_parser, args.reasoning_parser)
 
 
+def _add_log_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's logging flags, so that its command lines start Weir."""
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request the gateway sends on (id, prompt, sampling parameters) at INFO",
+    )
+    for flag, what in (("requests", "no request"), ("stats", "no periodic stats")):
+        p.add_argument(
+            f"--disable-log-{flag}",
+            action="store_true",
+            help=f"vLLM's; Weir logs {what} unless asked, so it changes nothing",
+        )
+    p.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="the HTTP server's (uvicorn's) own logging level (default warning)",
+    )
+
+
+def _gateway_log_argv(args: argparse.Namespace) -> list[str]:
+    """What of ``_add_log_flags``' the gateway that `weir serve` starts takes."""
+    argv = ["--uvicorn-log-level", args.uvicorn_log_level]
+    return [*argv, "--enable-log-requests"] if args.enable_log_requests else argv
+
+
 def _add_parser_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tool-call-parser",
@@ -653,6 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
     _add_parser_flags(p)
+    _add_log_flags(p)
     p.add_argument(
         "--startup-timeout",
         type=_positive_seconds,
@@ -687,6 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
     _add_parser_flags(p)
+    _add_log_flags(p)
     p.add_argument(
         "--timeout",
         type=_positive_seconds,

@@ -147,6 +147,7 @@ class ServerProcesses:
         stop_timeout: float = 5.0,
         data_parallel_size: int = 1,
         offline: bool = False,
+        gateway_argv: Sequence[str] = (),
     ) -> None:
         self.engine_args = with_device_step_limits(engine_args or EngineArgs(), offline)
         if type(data_parallel_size) is not int or data_parallel_size < 1:
@@ -155,6 +156,7 @@ class ServerProcesses:
         self.http_port, self.api_key = http_port, api_key
         self.allowed_origins = allowed_origins  # the gateway's CORS origins
         self.parsers = parsers  # the gateway's
+        self.gateway_argv = gateway_argv  # its other flags (logging)
         self.host, self.port = host, port
         self.metrics_host = metrics_host or host
         self.http_host = http_host or host
@@ -489,7 +491,7 @@ class ServerProcesses:
         if self.engine_args.keys_dir is not None:
             argv += ["--keys-dir", self.engine_args.keys_dir]
         argv += ["--allowed-origins", ",".join(self.allowed_origins)]
-        argv += self.parsers.argv()
+        argv += [*self.parsers.argv(), *self.gateway_argv]
         self._spawn(GATEWAY, [*argv, "--log-level", self.engine_args.log_level], env, role=GATEWAY)
         return str(self._wait_ready(self._children[-1])["http_address"])
 

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hmac
 import json
+import logging
 import re
 import time
 import uuid
@@ -694,6 +695,7 @@ class Gateway:
         own stream, so no generator sits between it and the response."""
         # Without max_tokens a request may run to max_model_len: count it so.
         budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
+        _log_request(request_id, sample.prompt, sample.params, sample.lora_name)
         tried: frozenset[str] = frozenset()
         while True:
             async with self.router.reserve(
@@ -1149,6 +1151,7 @@ class Gateway:
         task: str,
     ) -> EmbeddingOutput | ClassificationOutput | ScoreOutput:
         """One input's embedding, classification or score."""
+        _log_request(request_id, prompt, options, lora_name)
         # A pair is routed by its first text: a query's documents go where it is cached.
         routed = prompt[0] if isinstance(prompt, tuple) else prompt
 
@@ -1400,6 +1403,22 @@ def _authorized(headers: dict[bytes, bytes], api_key: bytes) -> bool:
     in constant time."""
     scheme, _, credentials = headers.get(b"authorization", b"").partition(b" ")
     return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), api_key)
+
+
+# Requests as the gateway sends them on, at INFO: `--enable-log-requests` (vLLM's) sets it so.
+REQUESTS_LOGGER = "weir.requests"
+_requests_log = logging.getLogger(REQUESTS_LOGGER)
+_LOGGED_PROMPT_CHARS = 500
+
+
+def _log_request(request_id: str, prompt: object, params: object, lora_name: str | None) -> None:
+    if not _requests_log.isEnabledFor(logging.INFO):
+        return
+    shown = repr(prompt)
+    if len(shown) > _LOGGED_PROMPT_CHARS:
+        shown = f"{shown[:_LOGGED_PROMPT_CHARS]}... ({len(shown)} characters)"
+    lora = f", LoRA adapter {lora_name}" if lora_name else ""
+    _requests_log.info("request %s: prompt %s, %s%s", request_id, shown, params, lora)
 
 
 _CLIENT_ID = re.compile(r"[\x21-\x7e]{1,200}")

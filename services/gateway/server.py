@@ -48,6 +48,7 @@ class GatewayOptions:
     keys_dir: str | None = None  # CurveZMQ client keys (None: $WEIR_KEYS_DIR, else none)
     max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger HTTP bodies get 413
     parsers: ChatParsers = NO_PARSERS  # what it reads out of chats' text
+    uvicorn_log_level: str = "warning"  # the HTTP server's own lines
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
@@ -101,7 +102,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         app,
         http=BoundedHttpProtocol,
         log_config=None,
-        log_level="warning",
+        log_level=options.uvicorn_log_level,
         access_log=False,
         limit_concurrency=_connection_limit(),
     )

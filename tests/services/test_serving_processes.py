@@ -186,6 +186,39 @@ def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
             proc.wait()
 
 
+def test_vllms_logging_flags_start_and_log_requests(tiny_model_dir):
+    """vLLM's command lines start Weir: --enable-log-requests logs each request the gateway
+    sends on (at INFO, whatever --log-level), --uvicorn-log-level the HTTP server's lines;
+    --disable-log-requests and --disable-log-stats change nothing."""
+    flags = ("--enable-log-requests", "--disable-log-requests", "--disable-log-stats")
+    proc = start_serve(
+        tiny_model_dir,
+        "--http-port",
+        "0",
+        *flags,
+        "--uvicorn-log-level",
+        "info",
+        stderr=subprocess.PIPE,
+    )
+    try:
+        http = re.search(r"HTTP:\s+(\S+)", read_until(proc, "Press Ctrl-C")).group(1)
+        body = json.dumps({"prompt": "Hello there", "max_tokens": 2, "temperature": 0})
+        call = urllib.request.Request(
+            f"{http}/completions", body.encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(call, timeout=30) as resp:
+            completion_id = json.load(resp)["id"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        logged = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert f"request {completion_id}-0: prompt 'Hello there', SamplingParams(" in logged, logged
+    assert "uvicorn.error: Started server process" in logged, logged
+
+
 def test_serve_exits_nonzero_with_the_childs_error(tmp_path):
     missing = tmp_path / "no-such-model"
     out = subprocess.run(
