@@ -78,6 +78,7 @@ from weir.shared.client import (
     gather_all,
 )
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES
+from weir.shared.log_limit import limited_logger
 from weir.shared.pooling import cosine
 from weir.shared.protocol.client import (
     NOT_FOUND,
@@ -203,6 +204,9 @@ def _unavailable(exc: Exception) -> bool:
     return isinstance(exc, NoReplicaError | ServerUnavailableError)
 
 
+_faults_log = limited_logger(__name__)
+
+
 def _api_error(exc: Exception) -> APIError:
     """The HTTP status and OpenAI error type of an engine-side failure."""
     if isinstance(exc, APIError):
@@ -215,6 +219,8 @@ def _api_error(exc: Exception) -> APIError:
         return APIError(503, str(exc), "service_unavailable_error", SERVER_UNAVAILABLE)
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), "server_error", exc.code)
+    # The gateway's own fault: the operator gets its traceback (once a second at most).
+    _faults_log.error("request failed in the gateway: %r", exc, exc_info=exc)
     return APIError(500, f"{type(exc).__name__}: {exc}", "server_error")
 
 

@@ -621,6 +621,19 @@ def test_a_clients_request_id_names_the_response_as_vllms(client):
             client.completions.create(**call, extra_body={"request_id": bad})
 
 
+def test_a_fault_of_the_gateways_own_is_a_500_with_its_traceback_logged(caplog):
+    """A bug (not a client's error, nor the engine's) tells the operator where it is."""
+    from weir.services.gateway.app import _api_error
+
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        error = _api_error(exc)
+    assert error.status == 500
+    assert "request failed in the gateway: KeyError('missing')" in caplog.text
+    assert "Traceback (most recent call last)" in caplog.text and '{}["missing"]' in caplog.text
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError, match="nope"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
