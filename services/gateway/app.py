@@ -720,9 +720,9 @@ class Gateway:
                 )
                 async with aclosing(stream):
                     try:
-                        first = await self.router.first_output(stream, replica, tried)
+                        first = await self.router.unless_stalled(anext(stream), replica, tried)
                     except ServerUnavailableError as exc:
-                        self.router.mark_down(replica, str(exc))
+                        self.router.request_failed(replica, exc)
                         tried |= {replica.address}
                         if not self.router.candidates(tried):
                             raise
@@ -731,7 +731,7 @@ class Gateway:
                     try:
                         yield first, stream
                     except ServerUnavailableError as exc:  # after the first output
-                        self.router.mark_down(replica, str(exc))
+                        self.router.request_failed(replica, exc)
                         raise
                     return
 
@@ -1186,9 +1186,9 @@ class Gateway:
             async with self.router.reserve(prompt, 0, tried, None, lora_name) as replica:
                 self.metrics.routed.labels(replica.address).inc()
                 try:
-                    return await call(replica.client)
+                    return await self.router.unless_stalled(call(replica.client), replica, tried)
                 except ServerUnavailableError as exc:
-                    self.router.mark_down(replica, str(exc))
+                    self.router.request_failed(replica, exc)
                     tried |= {replica.address}
                     if not self.router.candidates(tried):
                         raise

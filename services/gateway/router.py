@@ -28,7 +28,7 @@ import logging
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from hashlib import blake2b
@@ -207,6 +207,12 @@ class Router:
         finally:
             replica.outstanding_tokens -= cost
 
+    def request_failed(self, replica: Replica, exc: ServerUnavailableError) -> None:
+        """A request failed there as unavailable: the replica leaves the rotation, unless a
+        health check has said why already (it stalled: a request's failure says less)."""
+        if not replica.stalled.is_set():
+            self.mark_down(replica, str(exc))
+
     def mark_down(self, replica: Replica, reason: str, status: str | None = None) -> None:
         unreachable_past_start = status is None and time.monotonic() > self._quiet_until
         if replica.healthy or (unreachable_past_start and not replica.warned):
@@ -236,30 +242,39 @@ class Router:
 
         await asyncio.gather(*(one(r) for r in self.replicas))
 
-    async def first_output(
-        self, stream: AsyncGenerator[T, None], replica: Replica, tried: frozenset[str]
+    async def unless_stalled(
+        self, work: Awaitable[T], replica: Replica, tried: frozenset[str]
     ) -> T:
-        """The stream's first item, unless the replica stalls first while another could
-        take the request: then ``ServerUnavailableError`` (the caller closes the stream,
-        which aborts the request there, and sends it elsewhere)."""
-        if not self.candidates(tried | {replica.address}):
-            return await anext(stream)
-        first = asyncio.ensure_future(anext(stream))
-        stalled = asyncio.ensure_future(replica.stalled.wait())
+        """``work``'s result (a request's first output, or its answer) from ``replica``,
+        unless the replica stalls first while another could take the request: then
+        ``ServerUnavailableError`` (``work`` is cancelled, which aborts the request there,
+        and the caller sends it elsewhere). With no other replica ready it waits on, as the
+        stalled engine keeps its requests through a recovery, looking again at each health
+        check."""
+        if len(self.replicas) == 1:
+            return await work
+        task = asyncio.ensure_future(work)
         try:
-            await asyncio.wait((first, stalled), return_when=asyncio.FIRST_COMPLETED)
+            while not task.done():
+                if not replica.stalled.is_set():
+                    stalled = asyncio.ensure_future(replica.stalled.wait())
+                    try:
+                        await asyncio.wait((task, stalled), return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        stalled.cancel()
+                elif self.candidates(tried | {replica.address}):
+                    raise ServerUnavailableError(
+                        f"{replica.address} stalled ({replica.status or 'no health answer'}) "
+                        "before the request's first output"
+                    )
+                else:
+                    await asyncio.wait((task,), timeout=self._health_interval)
+            return task.result()
         finally:
-            stalled.cancel()
-            if not first.done():
-                first.cancel()
+            if not task.done():
+                task.cancel()
                 with suppress(asyncio.CancelledError):
-                    await first
-        if first.cancelled():
-            raise ServerUnavailableError(
-                f"{replica.address} stalled ({replica.status or 'no health answer'}) "
-                "before the request's first output"
-            )
-        return first.result()
+                    await task
 
     async def every_replica(self) -> list[Replica]:
         """Every replica, each having answered a health check just now, for an action that

@@ -288,31 +288,51 @@ def test_tokenize_and_detokenize_go_on_to_another_replica(gateway, replicas):
 def test_requests_queued_on_a_hung_replica_go_to_another(replicas):
     """Requests waiting for their first output on a replica that hangs (its scheduler
     stopped) go to the other replica once the health check goes unanswered (2 s), not
-    after the client's timeout (60 s here)."""
+    after the client's timeout (60 s here); with both hung they wait for either (an
+    engine keeps its requests through a pause), rather than failing."""
+    schedulers = [r._children[0].proc.pid for r in replicas]  # the first is tried first
     with GatewayProcess([r.client_address for r in replicas], timeout=60) as process:
         base = process.info["http_address"]
-        deadline = time.monotonic() + 30
-        while not all(_health(base).values()):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        scheduler = replicas[0]._children[0].proc.pid  # the replica the router tries first
+
+        def until_both_healthy() -> None:
+            deadline = time.monotonic() + 30
+            while not all(_health(base).values()):
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+
+        until_both_healthy()
         prompts = [[[50 + i, 51, 52 + i]] for i in range(6)]
-        os.kill(scheduler, signal.SIGSTOP)
+        os.kill(schedulers[0], signal.SIGSTOP)
         try:
             start = time.monotonic()
             results = asyncio.run(_complete_all(base, prompts))
             elapsed = time.monotonic() - start
             rerouted = read_metrics(base + "/metrics")["weir_gateway_rerouted_requests_total"]
         finally:
-            os.kill(scheduler, signal.SIGCONT)
+            os.kill(schedulers[0], signal.SIGCONT)
+        until_both_healthy()
+
+        async def both_hung_then_one_back() -> list:
+            waiting = asyncio.ensure_future(_complete_all(base, prompts))
+            await asyncio.sleep(4)  # both out of rotation meanwhile
+            os.kill(schedulers[1], signal.SIGCONT)
+            return await waiting
+
+        for pid in schedulers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            waited = asyncio.run(both_hung_then_one_back())
+        finally:
+            for pid in schedulers:
+                os.kill(pid, signal.SIGCONT)
     assert elapsed < 20, elapsed
     assert rerouted >= 1
     with WeirClient(replicas[1].client_address) as client:
-        for prompt, result in zip(prompts, results, strict=True):
+        for prompt, result, after in zip(prompts, results, waited, strict=True):
             assert result.choices[0].finish_reason == "length", result
             params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
             expected = "".join(out.text for out in client.generate(prompt[0], params))
-            assert result.choices[0].text == expected
+            assert result.choices[0].text == after.choices[0].text == expected, after
 
 
 def test_a_killed_replica_leaves_no_request_hanging(gateway, replicas):
