@@ -233,10 +233,10 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
             raise SystemExit(2)
         args.model = tag
     names = getattr(args, "served_model_name", None) or ()
-    if args.model is None and len(names) > 1 and os.path.exists(names[-1]):
+    if args.model is None and len(names) > 1 and _is_a_model(names[-1]):
         # argparse gave the model after --served-model-name's names to them.
         print(
-            f"weir {args.command}: --served-model-name took {names[-1]!r}, a path: give the "
+            f"weir {args.command}: --served-model-name took {names[-1]!r}, a model: give the "
             f"model first (weir {args.command} MODEL --served-model-name ...) or as --model",
             file=sys.stderr,
         )
@@ -245,6 +245,14 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
         return EngineArgs.from_cli(args)
     except ValueError as exc:
         _exit_with_option_error(args, exc)
+
+
+def _is_a_model(path: str) -> bool:
+    """Whether ``path`` is what a model is given as: a directory with a config.json, or a
+    .gguf file."""
+    return os.path.isfile(os.path.join(path, "config.json")) or (
+        path.endswith(".gguf") and os.path.isfile(path)
+    )
 
 
 def _exit_with_option_error(args: argparse.Namespace, exc: ValueError) -> NoReturn:

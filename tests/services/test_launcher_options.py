@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import os
 import re
 from dataclasses import fields
 
@@ -21,6 +20,7 @@ from weir.shared.config import (
     resolve_max_model_len,
 )
 from weir.shared.gpu_info import GpuInfo, probe_gpu
+from weir.shared.model_store import resolve_model
 
 
 @pytest.mark.parametrize(
@@ -99,9 +99,13 @@ def test_serve_takes_the_model_and_the_key_as_vllm_serve_does(monkeypatch, capsy
         build_parser().parse_args(["serve", "/m", "--served-model-name", "a", "b"])
     )
     assert named.served_model_name == ("a", "b")
+    model = str(resolve_model(None))
     with pytest.raises(SystemExit) as exit_info:  # argparse hands the model to the names
-        main(["serve", "--served-model-name", "a", os.getcwd()])
+        main(["serve", "--served-model-name", "a", model])
     assert exit_info.value.code == 2 and "give the model first" in capsys.readouterr().err
+    # A name that is merely a directory here is a name.
+    beside = _engine_args(build_parser().parse_args(["serve", "--served-model-name", "a", "/"]))
+    assert beside.served_model_name == ("a", "/")
     monkeypatch.delenv("WEIR_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
     assert _api_key(build_parser().parse_args(["serve"])) == "from-vllm"
