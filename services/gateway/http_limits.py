@@ -38,6 +38,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True  # reading a request head (or waiting for the next one)
         self._head_bytes = 0
+        # The parser saw the head begin: its bytes may have come with the previous request's,
+        # uncounted in _head_bytes.
+        self._head_begun = False
         self._deadline: asyncio.TimerHandle | None = None
         self._cycles: weakref.WeakSet[RequestResponseCycle] = weakref.WeakSet()
 
@@ -66,11 +69,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._head_begun = True
         if self._deadline is None and not self._behind_a_response():
             self._arm(self._head_timed_out)  # else the connection's, or on_response_complete's
 
     def on_headers_complete(self) -> None:
-        self._in_head, self._head_bytes = False, 0
+        self._in_head, self._head_bytes, self._head_begun = False, 0, False
         self._disarm()
         previous = self.cycle
         super().on_headers_complete()
@@ -96,8 +100,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().on_response_complete()  # starts the next pipelined request, if any
         if self.transport.is_closing() or self._behind_a_response():
             return
-        # what was read behind the response is timed from its end
-        if self._in_head and self._head_bytes:
+        # what was read behind the response is timed from its end (a head begun: not by
+        # uvicorn's keep-alive timeout, which is for a connection between requests)
+        if self._in_head and (self._head_bytes or self._head_begun):
+            self._unset_keepalive_if_required()
             self._arm(self._head_timed_out)
         elif not self._in_head and self.cycle.more_body and not self.cycle.response_complete:
             self._arm(self._body_timed_out)
@@ -120,7 +126,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._deadline = None
-        if self._head_bytes:
+        if self._head_bytes or self._head_begun:
             self._refuse(408, f"request not received within {READ_TIMEOUT_S:g}s")
         else:
             self.transport.close()  # nothing sent

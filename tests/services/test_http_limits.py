@@ -213,6 +213,19 @@ def test_a_head_pipelined_behind_a_long_response_is_timed_from_its_end(port):
     assert re.fullmatch(STREAMED * 2, reply), reply
 
 
+def test_a_head_begun_in_the_previous_requests_packet_is_timed_not_taken_for_idle(port):
+    """A head that came with the request before it (its bytes read while that one's were)
+    stalls: after that response it gets the read timeout's 408, not the silent close that
+    uvicorn's keep-alive timeout (5 s) gives an idle connection."""
+    with _connect(port) as sock:
+        sock.sendall(_post() + b"GET /?n=1 HTTP/1.1\r\nHo")
+        _read_response(sock)
+        start = time.monotonic()
+        reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 408"), reply
+    assert time.monotonic() - start < TIMEOUT_S * 6
+
+
 def test_a_head_too_large_behind_a_response_ends_the_connection_after_it(port):
     with _connect(port) as sock:
         sock.sendall(_post() + b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
