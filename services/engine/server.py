@@ -402,6 +402,7 @@ class SchedulerServer:
         )
         core = self.core
         if core is None:
+            self._check_cache_holds_max_model_len(num_blocks)
             self.frontend.core = EngineCore(
                 Scheduler(self.scheduler_config, cache_config),
                 self.group,
@@ -442,6 +443,24 @@ class SchedulerServer:
                 executors=self.group.describe(),
             )
         self._wake.set()
+
+    def _check_cache_holds_max_model_len(self, num_blocks: int) -> None:
+        """Say at start where the longest request (max_model_len - 1 tokens of KV) cannot
+        fit: each request that could grow past the cache, one without max_tokens among
+        them, is refused (vLLM refuses to start)."""
+        tokens = num_blocks * self.engine_args.block_size
+        max_len = self.scheduler_config.max_model_len
+        if tokens < max_len - 1:
+            _log.warning(
+                "the KV cache holds %d tokens (%d blocks), fewer than a request of "
+                "max_model_len %d may need: requests that could grow past it are refused. "
+                "Give the executors more --kv-cache-memory (or --gpu-memory-utilization), "
+                "or --max-model-len %d or less",
+                tokens,
+                num_blocks,
+                max_len,
+                tokens + 1,
+            )
 
     def _on_group_lost(self, message: str, pids: list[int]) -> None:
         # A rank given up on may still run, hung (it never comes back to be reset): its

@@ -198,6 +198,8 @@ def test_vllms_logging_flags_start_and_log_requests(tiny_model_dir):
         *flags,
         "--uvicorn-log-level",
         "info",
+        "--kv-cache-memory",  # less than the tiny model's context takes
+        "32KiB",
         stderr=subprocess.PIPE,
     )
     try:
@@ -216,6 +218,8 @@ def test_vllms_logging_flags_start_and_log_requests(tiny_model_dir):
             proc.kill()
             proc.wait()
     assert f"request {completion_id}-0: prompt 'Hello there', SamplingParams(" in logged, logged
+    # A cache too small for max_model_len is said at start (vLLM's start fails).
+    assert re.search(r"holds \d+ tokens .* fewer than a request of max_model_len", logged)
     assert "uvicorn.error: Started server process" in logged, logged
 
 
