@@ -207,6 +207,13 @@ def _unavailable(exc: Exception) -> bool:
 _faults_log = limited_logger(__name__)
 
 
+def _served_names(info: dict[str, Any]) -> list[str]:
+    """Every name the model answers to; a scheduler older than the gateway (a rolling
+    update) tells its one."""
+    names: list[str] = info.get("model_names") or [info["model_name"]]
+    return names
+
+
 def _api_error(exc: Exception) -> APIError:
     """The HTTP status and OpenAI error type of an engine-side failure."""
     if isinstance(exc, APIError):
@@ -533,7 +540,7 @@ class Gateway:
         info = await self.model()
         if name is None:
             return _Model(info, info["model_name"], None)
-        if name in info["model_names"]:  # answered under the name asked for, as vLLM
+        if name in _served_names(info):  # answered under the name asked for, as vLLM
             return _Model(info, name, None)
         if name not in info["lora_names"]:  # perhaps loaded since (here or elsewhere)
             info = await self.model(fresh=True)
@@ -543,7 +550,7 @@ class Gateway:
         raise APIError(
             404,
             f"The model `{name}` does not exist; this server serves "
-            + ", ".join(f"`{n}`" for n in info["model_names"])
+            + ", ".join(f"`{n}`" for n in _served_names(info))
             + (f" and the LoRA adapters {adapters}." if adapters else "."),
             "not_found_error",
             "model_not_found",
@@ -1752,7 +1759,7 @@ def create_app(
     async def models() -> Response:
         async def listing() -> Response:
             info = await gateway.model(fresh=True)  # adapters come and go
-            names = [*info["model_names"], *info["lora_names"]]
+            names = [*_served_names(info), *info["lora_names"]]
             cards = [model_card(await gateway.check_model(name)) for name in names]
             return JSONResponse({"object": "list", "data": cards})
 
