@@ -716,6 +716,11 @@ class EngineArgs:
         values = vars(args)
         return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
+    def model_names(self, directory_name: str) -> tuple[str, ...]:
+        """The names the model answers to: ``served_model_name``'s, else its directory's
+        (the first names it in metrics and in replies to requests that name none)."""
+        return self.served_model_name or (directory_name,)
+
     def to_argv(self, role: str) -> list[str]:
         """The flags that give ``role`` these arguments (None, every such option's default, is
         left out)."""

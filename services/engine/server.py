@@ -136,7 +136,7 @@ class SchedulerServer:
             )
         self.vocab_size = self.model_config.vocab_size
         # What clients and metrics call the model; executors report the directory's name.
-        self.model_names = self.engine_args.served_model_name or (model_dir.name,)
+        self.model_names = self.engine_args.model_names(model_dir.name)
         self.model_name = self.model_names[0]
         if self.engine_args.max_message_size < 1:
             raise ValueError("max_message_size must be at least 1 byte")

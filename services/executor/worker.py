@@ -133,7 +133,7 @@ class ExecutorWorker:
         )
         model_name = runner.model_dir.name  # the scheduler checks it against its own model's
         metrics = ExecutorMetrics(
-            (opts.engine_args.served_model_name or (model_name,))[0], opts.rank, str(runner.device)
+            opts.engine_args.model_names(model_name)[0], opts.rank, str(runner.device)
         )
         metrics.num_kv_blocks.set(runner.num_blocks)
         if runner.attention.name == "triton":

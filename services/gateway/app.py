@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import re
+import reprlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -1421,16 +1422,16 @@ def _authorized(headers: dict[bytes, bytes], api_key: bytes) -> bool:
 # Requests as the gateway sends them on, at INFO: `--enable-log-requests` (vLLM's) sets it so.
 REQUESTS_LOGGER = "weir.requests"
 _requests_log = logging.getLogger(REQUESTS_LOGGER)
-_LOGGED_PROMPT_CHARS = 500
+# A prompt's repr cut short as it is built (a million token ids are not written out first).
+_LOGGED_PROMPT = reprlib.Repr()
+_LOGGED_PROMPT.maxstring, _LOGGED_PROMPT.maxlist, _LOGGED_PROMPT.maxdict = 500, 64, 16
 
 
 def _log_request(request_id: str, prompt: object, params: object, lora_name: str | None) -> None:
     if not _requests_log.isEnabledFor(logging.INFO):
         return
-    shown = repr(prompt)
-    if len(shown) > _LOGGED_PROMPT_CHARS:
-        shown = f"{shown[:_LOGGED_PROMPT_CHARS]}... ({len(shown)} characters)"
     lora = f", LoRA adapter {lora_name}" if lora_name else ""
+    shown = _LOGGED_PROMPT.repr(prompt)
     _requests_log.info("request %s: prompt %s, %s%s", request_id, shown, params, lora)
 
 
