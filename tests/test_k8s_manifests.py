@@ -356,6 +356,9 @@ def test_the_scheduler_pod_is_given_time_to_drain() -> None:
     args = build_parser().parse_args(_container("weir-scheduler")["args"])
     # Kubernetes SIGKILLs after the grace period: the drain must end well inside it.
     assert pod["terminationGracePeriodSeconds"] >= args.drain_timeout + 10
+    # An executor stopped with it (a node drain) serves until the drain ends.
+    executor = _by_kind_name("Deployment", "weir-executor")["spec"]["template"]["spec"]
+    assert executor["terminationGracePeriodSeconds"] >= pod["terminationGracePeriodSeconds"]
 
 
 @pytest.mark.parametrize(

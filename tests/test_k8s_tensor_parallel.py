@@ -328,3 +328,16 @@ def _without_images(doc: dict) -> dict | None:
     for container in (spec or {}).get("template", {}).get("spec", {}).get("containers", []):
         container.pop("image", None)
     return spec
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_executor_pod_serves_through_the_schedulers_drain(overlay):
+    """A node drain stops the executors' pods with the scheduler's: each serves until the
+    scheduler has drained, which its grace period (Kubernetes' default: 30 s) must allow."""
+    grace: dict[str, list[int]] = {}
+    for d in _built(overlay):
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            component = d["metadata"]["labels"]["app.kubernetes.io/component"]
+            seconds = d["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
+            grace.setdefault(component, []).append(seconds)
+    assert grace["executor"] and min(grace["executor"]) >= max(grace["scheduler"])

@@ -82,6 +82,7 @@ class ExecutorGroup:
         self._observe_phase = observe_phase
         self.ranks: dict[int, _Rank] = {}  # handshaken ranks, by rank
         self.formed = False
+        self.draining = False  # told to every rank, and to each joining while it lasts
         # The watchdog's last tick, and when this loop last came out of a stall: while it
         # stalls, heartbeats wait unread in the socket, so a rank's silence proves nothing.
         self._last_tick = self._free_since = time.monotonic()
@@ -139,6 +140,19 @@ class ExecutorGroup:
         if self.formed:
             self.formed = False
             self._on_lost(message, pids)
+
+    def drain(self) -> None:
+        """Tell every rank the scheduler drains: a rank sent SIGTERM meanwhile (its pod
+        stopped with this one's) serves on until ``goodbye``."""
+        self.draining = True
+        for rank in self.ranks.values():
+            self._send(rank.identity, control.DRAINING)
+
+    def goodbye(self) -> None:
+        """Tell every rank the scheduler stops: a rank sent SIGTERM may go."""
+        for rank in self.ranks.values():
+            with suppress(zmq.ZMQError):  # a rank already gone
+                send_now(self._sock, [rank.identity, control.GOODBYE, b""])
 
     # ------------------------------------------------------------------ frames in
 
@@ -213,6 +227,8 @@ class ExecutorGroup:
             return
         self.ranks[hello.rank] = _Rank(hello, identity, time.monotonic())
         self._send(identity, control.WELCOME)
+        if self.draining:
+            self._send(identity, control.DRAINING)
         _log.info(
             "executor rank %d (pid %d) joined: %d KV blocks",
             hello.rank,

@@ -357,8 +357,10 @@ class SchedulerServer:
             for task in [stop, *tasks]:
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
-            # Give the shutdown errors just queued a moment to reach their clients.
+            self.group.goodbye()
+            # Give the shutdown errors and goodbyes just queued a moment to reach their peers.
             client_sock.close(linger=500)
+            executor_sock.close(linger=500)
             if auth is not None:
                 auth.stop()
             ctx.destroy(linger=0)
@@ -380,6 +382,7 @@ class SchedulerServer:
             timeout,
         )
         self._draining = True
+        self.group.drain()
         self.frontend.unavailable = "the server is shutting down; send the request elsewhere"
         # A paused (or sleeping) engine would finish nothing.
         self._waking = asyncio.get_running_loop().create_task(self._wake_to_drain())

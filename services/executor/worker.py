@@ -8,8 +8,9 @@ scheduler sends them all again and isolates the one that made the step raise) an
 serving, except in a tensor-parallel group (the other ranks may be waiting in a collective
 this rank never joins): there the rank exits and the group fails. A heartbeat thread proves liveness (see
 ``weir.shared.protocol.control``). The process exits
-when told to (SIGTERM), when its supervisor dies, or when the scheduler it
-handshook with is replaced.
+when told to (SIGTERM; once serving, when its scheduler no longer needs it: see
+``_Stopping``), when its supervisor dies, or when the scheduler it handshook with is
+replaced.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ _HELLO_RETRY_MS = 2000
 _SILENT_SCHEDULER_S = 30.0
 # Handshakes dropped in a row that suggest our cluster key is not the scheduler's.
 _DROPPED_HANDSHAKES_WARNING = 5
+# How long an executor sent SIGTERM serves on, to hear whether its scheduler drains:
+# Kubernetes signals both pods of a node drain or a deletion at about the same time.
+_DRAIN_NOTICE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -95,6 +99,30 @@ class _Heartbeat(threading.Thread):
             self._sock.close()
 
 
+class _Stopping:
+    """SIGTERM while serving: the executor stops once its scheduler no longer needs it. Told
+    that the scheduler drains, it serves until the scheduler's goodbye; else it waits
+    ``_DRAIN_NOTICE_S`` to be told, serving meanwhile."""
+
+    def __init__(self) -> None:
+        self.requested_at: float | None = None
+        self.scheduler_draining = False
+        self.scheduler_gone = False
+
+    def request(self, signum: int, frame: object) -> None:
+        if self.requested_at is None:
+            self.requested_at = time.monotonic()
+
+    def due(self) -> bool:
+        if self.requested_at is None:
+            return False
+        if self.scheduler_gone:
+            return True
+        return not self.scheduler_draining and (
+            time.monotonic() - self.requested_at >= _DRAIN_NOTICE_S
+        )
+
+
 class ExecutorWorker:
     def __init__(
         self, options: ExecutorOptions, status: StatusReporter, parent_pid: int | None = None
@@ -104,8 +132,13 @@ class ExecutorWorker:
         self.parent_pid = parent_pid
         self.session = uuid.uuid4().hex
         self.joined = threading.Event()  # welcomed by the scheduler: /health answers 200
+        self.stopping = _Stopping()
 
-    def run(self, on_loaded: Callable[[], object] = lambda: None) -> int:
+    def run(
+        self,
+        on_loaded: Callable[[], object] = lambda: None,
+        on_joined: Callable[[], object] = lambda: None,
+    ) -> int:
         """Load, handshake and serve until stopped; returns the process exit code."""
         opts = self.options
         try:
@@ -189,6 +222,7 @@ class ExecutorWorker:
                 _log.error("scheduler rejected executor %d: %s", opts.rank, rejection)
                 return 1
             self.joined.set()
+            on_joined()
             heartbeat = _Heartbeat(ctx, opts.scheduler, cluster_key, self.session, opts.rank)
             heartbeat.start()
             freeze_startup_heap()
@@ -293,6 +327,9 @@ class ExecutorWorker:
         profiler = StepProfiler(self.options.engine_args.profiler_dir, rank, runner.device)
         pending: _Pending | None = None  # launched, its result not sent
         while True:
+            if pending is None and self.stopping.due():
+                _log.info("executor %d stopping (SIGTERM)", rank)
+                return 0
             if pending is not None and not (
                 # A step with drafts (reserved None) must finish first: the next depends on it.
                 overlap
@@ -304,7 +341,7 @@ class ExecutorWorker:
                 if failed and runner.tp is not None:
                     return 1
                 continue
-            if not sock.poll(_POLL_MS):
+            if not sock.poll(_POLL_MS if self.stopping.requested_at is None else 100):
                 if heartbeat.reset.is_set():
                     _log.error(
                         "executor %d: the scheduler does not know this executor (it restarted, "
@@ -316,6 +353,12 @@ class ExecutorWorker:
                     return 0
                 continue
             kind, payload = sock.recv_multipart()
+            if kind == control.DRAINING:
+                self.stopping.scheduler_draining = True
+                continue
+            if kind == control.GOODBYE:
+                self.stopping.scheduler_gone = True
+                continue
             if kind != control.PLAN:
                 if kind != control.WELCOME:  # welcomes answer hellos resent while connecting
                     _log.warning("executor %d ignoring unexpected %r frame", rank, kind)
@@ -480,11 +523,13 @@ def run_executor(
         raise SystemExit(0)
 
     status = StatusReporter(status_fd)
+    worker = ExecutorWorker(options, status, parent_pid)
     try:
         # Until loaded SIGTERM kills outright: a rank waiting for its group waits in C
         # (init_process_group), where a Python handler would not run for minutes.
-        return ExecutorWorker(options, status, parent_pid).run(
-            on_loaded=lambda: signal.signal(signal.SIGTERM, stop)
+        return worker.run(
+            on_loaded=lambda: signal.signal(signal.SIGTERM, stop),
+            on_joined=lambda: signal.signal(signal.SIGTERM, worker.stopping.request),
         )
     except KeyboardInterrupt:
         return 0

@@ -11,6 +11,10 @@ ROUTER:
   scheduler that does not know the heartbeat's session (it restarted) answers
   ``reset`` and the executor exits, to be restarted clean.
 
+The scheduler also tells its ranks when it starts to drain (``draining``) and when it
+stops (``goodbye``): an executor sent SIGTERM while serving stops once its scheduler no
+longer needs it (Kubernetes stops both pods of a node drain at once).
+
 Every frame is ``[kind, payload]``: plans and results use ``step_codec``;
 everything else is a msgpack map (``envelope.unpack_map``), decoded here into
 typed records.
@@ -31,6 +35,10 @@ RESULT = b"result"
 STEP_ERROR = b"step_error"
 HEARTBEAT = b"heartbeat"
 RESET = b"reset"
+# Scheduler -> executors on the step socket: it drains (an executor told to stop serves on
+# until ``goodbye``), and it stops.
+DRAINING = b"draining"
+GOODBYE = b"goodbye"
 
 HEARTBEAT_INTERVAL_S = 0.5
 

@@ -288,8 +288,9 @@ def test_a_port_in_use_is_named_without_a_traceback(tiny_model_dir, flag, messag
 
 
 @pytest.fixture
-def standalone_scheduler(tiny_model_dir, tmp_path):
-    """`weir scheduler` alone (as in Kubernetes), waiting for executors on an ipc socket."""
+def standalone_scheduler(tiny_model_dir, tmp_path, request):
+    """`weir scheduler` alone (as in Kubernetes), waiting for executors on an ipc socket; an
+    indirect parameter adds scheduler flags."""
     port = free_port()
     executor_address = f"ipc://{tmp_path}/executors.sock"
     procs: list[subprocess.Popen] = []
@@ -328,6 +329,7 @@ def standalone_scheduler(tiny_model_dir, tmp_path):
             "0",
             "--executor-address",
             executor_address,
+            *getattr(request, "param", ()),
         ],
         env=ENV,
     )
@@ -576,22 +578,65 @@ def test_a_stream_notices_a_killed_scheduler_at_once(standalone_scheduler):
     client's timeout (a scheduler that hangs instead is test_client_streams.py's case)."""
     address, start_executor, _ = standalone_scheduler
     start_executor()
-    port = address.rsplit(":", 1)[1].encode()
-    scheduler_pid = next(
-        pid
-        for pid in children_of(os.getpid())
-        if b"\0scheduler\0" in (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes())
-        and b"\0" + port + b"\0" in cmdline
-    )
     with WeirClient(address, timeout=60) as client:
         wait_healthy(client)
         stream = client.generate(
             [1, 2, 3], SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0)
         )
         next(stream)
-        os.kill(scheduler_pid, signal.SIGKILL)
+        os.kill(scheduler_pid(address), signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(ServerUnavailableError, match="connection to .* was lost"):
             for _ in stream:
                 pass
         assert time.monotonic() - start < 5
+
+
+def scheduler_pid(address: str) -> int:
+    """The pid of this test's `weir scheduler` serving clients at ``address``."""
+    port = address.rsplit(":", 1)[1].encode()
+    return next(
+        pid
+        for pid in children_of(os.getpid())
+        if b"\0scheduler\0" in (cmdline := Path(f"/proc/{pid}/cmdline").read_bytes())
+        and b"\0" + port + b"\0" in cmdline
+    )
+
+
+@pytest.mark.parametrize(
+    "standalone_scheduler", [("--max-num-seqs", "1", "--drain-timeout", "120")], indirect=True
+)
+@pytest.mark.parametrize("first", ["executor", "scheduler"])
+def test_pods_stopped_together_finish_the_requests_in_flight(standalone_scheduler, first):
+    """A node drain (or `kubectl delete`) sends SIGTERM to the scheduler's pod and the
+    executor's at once, in either order: the scheduler drains, and its executor serves on until
+    the scheduler has drained."""
+    address, start_executor, _ = standalone_scheduler
+    executor = start_executor()
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    with WeirClient(address, timeout=60) as client:
+        wait_healthy(client)
+        reference = [t for o in client.generate([1, 2, 3], params) for t in o.new_token_ids]
+        results: list[list[int]] = []
+
+        def generate() -> None:
+            with WeirClient(address, timeout=60) as own:
+                results.append(
+                    [t for o in own.generate([1, 2, 3], params) for t in o.new_token_ids]
+                )
+
+        # One runs at a time (--max-num-seqs 1): the others wait, for seconds in all.
+        threads = [threading.Thread(target=generate) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while client.health()["num_requests_waiting"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    pids = {"executor": executor.pid, "scheduler": scheduler_pid(address)}
+    os.kill(pids.pop(first), signal.SIGTERM)
+    time.sleep(0.5)
+    os.kill(pids.popitem()[1], signal.SIGTERM)
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results == [reference] * 6
+    assert executor.wait(timeout=30) == 0
