@@ -379,14 +379,19 @@ def response_body(request: ResponsesRequest, response_id: str, model: str) -> di
 def _finished(body: dict[str, Any], items: list[dict[str, Any]], choice: Choice) -> dict[str, Any]:
     """The response whole: its output items, status and usage."""
     cut = choice.finish_reason == "length"
+    # Aborted (`/pause?mode=abort`): cut short by the server, not an answer to rely on.
+    status = "cancelled" if choice.finish_reason == "abort" else "completed"
     return {
         **body,
-        "status": "incomplete" if cut else "completed",
+        "status": "incomplete" if cut else status,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "output": items,
         "usage": {
             "input_tokens": choice.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": choice.num_cached_tokens or 0},
+            "input_tokens_details": {
+                "cached_tokens": choice.num_cached_tokens or 0,
+                "cache_write_tokens": 0,  # prefix caching writes as it computes: nothing extra
+            },
             "output_tokens": choice.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": choice.prompt_tokens + choice.completion_tokens,
@@ -427,14 +432,14 @@ def _call_item(item_id: str, call: dict[str, Any], arguments: str, status: str) 
 
 def whole_response(body: dict[str, Any], output: ChatOutput, choice: Choice) -> dict[str, Any]:
     """A finished choice as a response: its reasoning, text and calls as output items (the
-    last ``incomplete`` where ``max_output_tokens`` cut it)."""
+    last ``incomplete`` where ``max_output_tokens`` or an abort cut it)."""
     message = output.message(choice)["message"]
     items = []
     if message.get("reasoning") is not None:
         items.append(_reasoning_item(_id("rs"), message["reasoning"], "completed"))
     calls = message.get("tool_calls") or []
-    if message["content"] or (message["content"] is not None and not items and not calls):
-        items.append(_message_item(_id("msg"), message["content"], "completed"))
+    if message["content"] or (not items and not calls):  # an empty answer: an empty message
+        items.append(_message_item(_id("msg"), message["content"] or "", "completed"))
     for call in calls:
         items.append(_call_item(_id("fc"), call, call["function"]["arguments"], "completed"))
     if items:
@@ -443,13 +448,14 @@ def whole_response(body: dict[str, Any], output: ChatOutput, choice: Choice) -> 
 
 
 def _last_item_status(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
+    return "incomplete" if finish_reason in ("length", "abort") else "completed"
 
 
 class ResponseEvents:
     """The server-sent events of one streamed response: ``opening`` (created, in progress),
     one ``chunk`` per output of its choice (each output item opened, its text or arguments
-    as deltas, closed when the next begins), and ``ending`` (completed, or incomplete)."""
+    as deltas, closed when the next begins), and ``ending`` (completed, or incomplete: cut
+    by ``max_output_tokens``, or cancelled)."""
 
     def __init__(self, body: dict[str, Any], output: ChatOutput) -> None:
         self._body = body
@@ -486,6 +492,7 @@ class ResponseEvents:
 
     def ending(self, choices: list[Choice]) -> bytes:
         self.response = response = _finished(self._body, self._items, choices[0])
+        # The events know no cancellation: a cancelled response ends as an incomplete one.
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return self._event(kind, response=response).encode()
 

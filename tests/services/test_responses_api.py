@@ -5,10 +5,13 @@ decodes greedily; the stream's events add up to the whole response.
 """
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response
 from serving_helpers import hf_greedy, read_metrics, small_server
 
 from weir.services.gateway.chat_output import ChatParsers
@@ -110,6 +113,41 @@ def test_reasoning_comes_back_as_a_reasoning_item(server, client, tokenizer, tin
         assert "".join(deltas) == want
         [done] = [e for e in events if e.type == "response.output_item.done"]
         assert done.item.type == "reasoning" and done.item.content[0].text == want
+
+
+def test_an_aborted_response_is_cancelled_whole_and_streamed_alike(server):
+    """`/pause?mode=abort` ends the requests in flight: such a response is ``cancelled``
+    (OpenAI's status), never ``completed``, and whole or streamed it has the same output, one
+    empty message, incomplete (behind a tool parser too, which reads no text as no content).
+    The whole one is checked strictly against the openai package's type (raw JSON)."""
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+    body = {"model": MODEL, "input": "Hi", "tools": [tool], "max_output_tokens": 5}
+    waiting = f'weir_num_requests_waiting{{model_name="{MODEL}"}}'
+    parsers = ChatParsers(tool_call="hermes")
+    with GatewayProcess([server.client_address], parsers=parsers) as gateway:
+        http = gateway.info["http_address"]
+        client = openai.OpenAI(base_url=http + "/v1", api_key="-")
+        assert httpx.post(http + "/pause", params={"mode": "keep"}).status_code == 200
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                whole = pool.submit(httpx.post, http + "/v1/responses", json=body, timeout=60)
+                streamed = pool.submit(lambda: list(client.responses.create(stream=True, **body)))
+                while read_metrics(server.info["metrics_address"]).get(waiting) != 2:
+                    time.sleep(0.01)
+                assert httpx.post(http + "/pause", params={"mode": "abort"}).status_code == 200
+                response = Response.model_validate(whole.result().json(), strict=True)
+                last = streamed.result()[-1]
+        finally:
+            httpx.post(http + "/resume")
+    assert response.status == last.response.status == "cancelled"
+    assert last.type == "response.incomplete"  # OpenAI's events have no cancellation
+    for output in (response.output, last.response.output):
+        [item] = output
+        assert (item.type, item.status, [c.text for c in item.content]) == (
+            "message",
+            "incomplete",
+            [""],
+        )
 
 
 def test_what_clients_send_back_or_leave_unset_is_taken(client):
