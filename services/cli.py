@@ -207,8 +207,10 @@ def _gateway(args: argparse.Namespace) -> int:
         parsers=_chat_parsers(args),
         uvicorn_log_level=args.uvicorn_log_level,
     )
-    if args.enable_log_requests:
-        logging.getLogger(REQUESTS_LOGGER).setLevel(logging.INFO)
+    # Prompts are logged only when asked (vLLM's flag), whatever --log-level says.
+    logging.getLogger(REQUESTS_LOGGER).setLevel(
+        logging.INFO if args.enable_log_requests else logging.WARNING
+    )
     import uvloop
 
     # uvicorn installs uvloop only in a loop it makes itself; this one is ours (uvloop's

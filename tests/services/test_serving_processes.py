@@ -186,11 +186,17 @@ def test_serve_generate_and_sigterm_leave_no_process_behind(tiny_model_dir):
             proc.wait()
 
 
-def test_vllms_logging_flags_start_and_log_requests(tiny_model_dir):
+@pytest.mark.parametrize("asked", [True, False])
+def test_vllms_logging_flags_start_and_log_requests(tiny_model_dir, asked):
     """vLLM's command lines start Weir: --enable-log-requests logs each request the gateway
     sends on (at INFO, whatever --log-level), --uvicorn-log-level the HTTP server's lines;
-    --disable-log-requests and --disable-log-stats change nothing."""
-    flags = ("--enable-log-requests", "--disable-log-requests", "--disable-log-stats")
+    --disable-log-requests and --disable-log-stats change nothing. Unasked, no prompt is
+    logged, at --log-level INFO too (vLLM's)."""
+    flags = (
+        ("--enable-log-requests", "--disable-log-requests", "--disable-log-stats")
+        if asked
+        else ("--log-level", "INFO")
+    )
     proc = start_serve(
         tiny_model_dir,
         "--http-port",
@@ -217,7 +223,8 @@ def test_vllms_logging_flags_start_and_log_requests(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert f"request {completion_id}-0: prompt 'Hello there', SamplingParams(" in logged, logged
+    line = f"request {completion_id}-0: prompt 'Hello there', SamplingParams("
+    assert (line in logged) == asked and ("Hello there" in logged) == asked, logged
     # A cache too small for max_model_len is said at start (vLLM's start fails).
     assert re.search(r"holds \d+ tokens .* fewer than a request of max_model_len", logged)
     assert "uvicorn.error: Started server process" in logged, logged
