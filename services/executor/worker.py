@@ -110,6 +110,8 @@ class _Stopping:
         self.scheduler_gone = False
 
     def request(self, signum: int, frame: object) -> None:
+        if self.scheduler_gone:
+            raise SystemExit(0)  # nothing to wait for: at once (the loop may be in a long poll)
         if self.requested_at is None:
             self.requested_at = time.monotonic()
 
