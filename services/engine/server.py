@@ -66,6 +66,9 @@ from weir.shared.tokenizer import Tokenizer, chat_template_of
 _log = logging.getLogger(__name__)
 
 _PARENT_CHECK_INTERVAL_S = 0.5
+# A step may take seconds (a long prefill on a CPU), and arrivals do not refresh the
+# gauges (a burst would pay for it): the gauges catch up at this pace meanwhile.
+_GAUGE_INTERVAL_S = 1.0
 # Outputs wait for at most this many steps, and a step's outputs for its next result this long
 # (a result in the executor socket takes a few event-loop turns to be read).
 MAX_UNPUBLISHED_STEPS = 4
@@ -332,6 +335,7 @@ class SchedulerServer:
                 self.group.watchdog(),
                 self._step_loop(),
                 self._watch_parent(),
+                self._refresh_gauges_meanwhile(),
             )
         ]
         stop = loop.create_task(self._stop.wait())
@@ -370,6 +374,11 @@ class SchedulerServer:
             await asyncio.sleep(_PARENT_CHECK_INTERVAL_S)
         _log.error("supervisor exited; stopping")
         self._stop.set()
+
+    async def _refresh_gauges_meanwhile(self) -> None:
+        while True:
+            await asyncio.sleep(_GAUGE_INTERVAL_S)
+            self._refresh_gauges()
 
     def _drain(self) -> None:
         if self._draining or not self.frontend.num_in_flight:

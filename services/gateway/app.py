@@ -1778,12 +1778,10 @@ def create_app(
 
     @get("/health")
     async def health() -> Response:
-        # Ready while requests have somewhere to go: a replica replacing its executor queues
-        # them (a pause), so it keeps the gateway in its Service.
+        # Ready while requests have somewhere to go: a replica replacing its executor, or
+        # stalled, queues them (a pause), so it keeps the gateway in its Service.
         candidates = gateway.router.candidates()
-        status = (
-            "unavailable" if not candidates else "ok" if candidates[0].healthy else "recovering"
-        )
+        status = "unavailable" if not candidates else candidates[0].status or "stalled"
         replicas = {r.address: r.healthy for r in gateway.router.replicas}
         return JSONResponse({"status": status, "replicas": replicas}, 200 if candidates else 503)
 

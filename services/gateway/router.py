@@ -64,6 +64,8 @@ class Replica:
     outstanding_tokens: int = 0
     # A warning said it is out of rotation (so its return is said at the same level).
     warned: bool = False
+    # It has answered a health check: a silence since is a stall of a running engine.
+    answered: bool = False
     # Prefix hash -> None, least recently served first (an LRU set).
     prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     # Set while it cannot run what it holds: its health check went unanswered (hung or
@@ -167,8 +169,11 @@ class Router:
         reachable = [
             r for r in self.replicas if not r.client.connection_lost and r.address not in exclude
         ]
+        # Without one ready, those that will be: an engine replacing its executor, or
+        # silent since it answered, its connection up (stalled: a long pause, a starved
+        # CPU); either keeps what it is sent meanwhile.
         return [r for r in reachable if r.healthy] or [
-            r for r in reachable if r.status == "recovering"
+            r for r in reachable if r.status == "recovering" or (r.status is None and r.answered)
         ]
 
     def choose(self, hashes: list[bytes], exclude: frozenset[str] = frozenset()) -> Replica:
@@ -230,6 +235,7 @@ class Router:
                 why = exc if isinstance(exc, WeirError) else f"no answer in {self._health_timeout}s"
                 self.mark_down(replica, f"health check failed: {why}")
                 return
+            replica.answered = True
             status = info.get("status")
             if status != "ok":
                 self.mark_down(replica, f"status {status!r}", str(status))
@@ -246,7 +252,7 @@ class Router:
         self, work: Awaitable[T], replica: Replica, tried: frozenset[str]
     ) -> T:
         """``work``'s result (a request's first output, or its answer) from ``replica``,
-        unless the replica stalls first while another could take the request: then
+        unless the replica stalls first while another is ready to take the request: then
         ``ServerUnavailableError`` (``work`` is cancelled, which aborts the request there,
         and the caller sends it elsewhere). With no other replica ready it waits on, as the
         stalled engine keeps its requests through a recovery, looking again at each health
@@ -262,7 +268,7 @@ class Router:
                         await asyncio.wait((task, stalled), return_when=asyncio.FIRST_COMPLETED)
                     finally:
                         stalled.cancel()
-                elif self.candidates(tried | {replica.address}):
+                elif any(r.healthy for r in self.candidates(tried | {replica.address})):
                     raise ServerUnavailableError(
                         f"{replica.address} stalled ({replica.status or 'no health answer'}) "
                         "before the request's first output"

@@ -285,6 +285,38 @@ def test_tokenize_and_detokenize_go_on_to_another_replica(gateway, replicas):
         time.sleep(0.2)
 
 
+def test_a_lone_replica_that_stalls_a_few_seconds_queues_requests_not_refuses_them(replicas):
+    """The only replica stalls (its scheduler stopped 4 s: a long pause, a starved CPU):
+    requests sent meanwhile and after wait for it, as its engine keeps them; none is a
+    503 for want of a ready replica, nor is the gateway's /health (its readiness)."""
+    scheduler = replicas[1]._children[0].proc.pid
+    with GatewayProcess([replicas[1].client_address], timeout=60) as process:
+        base = process.info["http_address"]
+        while not all(_health(base).values()):
+            time.sleep(0.05)
+
+        async def through_the_stall() -> tuple[list, list[int]]:
+            sent, probes = [], []
+            async with httpx.AsyncClient(timeout=60) as http:
+                os.kill(scheduler, signal.SIGSTOP)
+                try:
+                    for _ in range(25):  # 5 s: the stall, and a second after
+                        body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2}
+                        sent.append(
+                            asyncio.ensure_future(http.post(f"{base}/v1/completions", json=body))
+                        )
+                        probes.append((await http.get(base + "/health")).status_code)
+                        await asyncio.sleep(0.2)
+                        if len(sent) == 20:
+                            os.kill(scheduler, signal.SIGCONT)
+                finally:
+                    os.kill(scheduler, signal.SIGCONT)
+                return [r.status_code for r in await asyncio.gather(*sent)], probes
+
+        codes, probes = asyncio.run(through_the_stall())
+    assert codes == [200] * 25 and probes == [200] * 25, (codes, probes)
+
+
 def test_requests_queued_on_a_hung_replica_go_to_another(replicas):
     """Requests waiting for their first output on a replica that hangs (its scheduler
     stopped) go to the other replica once the health check goes unanswered (2 s), not

@@ -177,6 +177,36 @@ def _wait_healthy(client: WeirClient) -> None:
         time.sleep(0.1)
 
 
+def test_the_queue_gauges_follow_arrivals_while_a_step_runs(server):
+    """A step may take seconds (a long prefill on a CPU; here its executor is stopped): the
+    gauges a scrape reads count the requests that arrive meanwhile (they were refreshed only
+    between steps, so a busy engine read as idle)."""
+    waiting = 'weir_num_requests_waiting{model_name="tiny"}'
+    running = 'weir_num_requests_running{model_name="tiny"}'
+    first = _Stream(server.client_address, PROMPT, 200)
+    first.start()
+    assert first.started.wait(60)
+    executor = _executor_pid(server)
+    os.kill(executor, signal.SIGSTOP)
+    try:
+        queued = [_Stream(server.client_address, PROMPT[: 5 + i], 5) for i in range(3)]
+        for stream in queued:
+            stream.start()
+        # Read before the scheduler gives the silent executor up (--executor-timeout, 3 s).
+        deadline = time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            gauges = read_metrics(server.info["metrics_address"])
+            if gauges[waiting] == 3:
+                break
+            time.sleep(0.05)
+    finally:
+        os.kill(executor, signal.SIGCONT)
+    assert (gauges[waiting], gauges[running]) == (3, 1)
+    for stream in [first, *queued]:
+        stream.join(60)
+        assert stream.finish_reason == "length"
+
+
 def test_requests_held_by_a_waiting_pause_are_known_and_abortable(server, tiny_hf_model):
     """While pause("wait") waits for the request in flight (its executor stopped, so it waits
     long enough to look), requests sent then are held: a health check naming them calls
