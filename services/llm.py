@@ -97,7 +97,7 @@ class LLM:
             offline=True,
         )
         self.server_info = self._server.start()
-        self._loop = EventLoopThread()
+        self._loop = EventLoopThread("LLM")
         try:
             address, keys_dir = self._server.client_address, self._server.engine_args.keys_dir
             self._open_client = self._loop.call(
@@ -118,6 +118,7 @@ class LLM:
         calls raise ``WeirError``."""
         if not self._finalizer.alive:
             raise WeirError("LLM is closed")
+        self._loop.check_process()  # in a fork, whose server is its parent's
         if (exited := self._server.exited) is not None:  # else each call waits its timeout
             name, code = exited
             raise WeirError(f"the LLM's {name} exited (code {code}): close it and start another")
@@ -465,9 +466,15 @@ async def _generate_one(
 
 
 def _close(loop: EventLoopThread, client: AsyncWeirClient, server: ServerProcesses) -> None:
-    loop.run(client.close())
-    loop.stop()
-    server.shutdown()
+    """``LLM.close()``, or the finalizer of an LLM dropped without it; in a fork nothing (the
+    processes are the parent's)."""
+
+    def close() -> None:
+        loop.run(client.close())
+        loop.stop()
+        server.shutdown()
+
+    loop.finalize(close)
 
 
 def _is_vllm_prompt(prompt: object) -> bool:

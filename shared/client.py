@@ -703,17 +703,19 @@ class AsyncWeirClient:
                 reply.set_exception(closed)
         for request_id in list(self._leaving):
             self._left(request_id)
-        for task in (self._receiver, self._watcher, self._stream_watch):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-        self._handshakes.close()
-        # LINGER 0 would drop the aborts just queued; give them a moment to leave.
-        self._sock.close(linger=200)
-        self._ctx.term()
+        tasks = [t for t in (self._receiver, self._watcher, self._stream_watch) if t is not None]
+        for task in tasks:
+            task.cancel()
+        try:
+            if tasks:
+                # Waited for, not awaited: their CancelledError is not this caller's, which
+                # (a cancelled close) still comes through.
+                await asyncio.wait(tasks)
+        finally:
+            self._handshakes.close()
+            # LINGER 0 would drop the aborts just queued; give them a moment to leave.
+            self._sock.close(linger=200)
+            self._ctx.term()
 
     # ------------------------------------------------------------ internals
 
@@ -984,17 +986,35 @@ class AsyncWeirClient:
 
 
 class EventLoopThread:
-    """An asyncio loop on a daemon thread, for synchronous callers."""
+    """An asyncio loop on a daemon thread, for synchronous callers in the process that made
+    it (a fork's copy has no thread to run it). ``owner`` names what it serves in errors."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str = "client") -> None:
+        self.owner = owner
+        self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(
-            target=self.loop.run_forever, name="weir-client-loop", daemon=True
-        )
+        self.thread = threading.Thread(target=self._serve, name="weir-client-loop", daemon=True)
+        self._scheduled: set[asyncio.Task[Any]] = set()  # the loop holds its tasks weakly
         self.thread.start()
+
+    def _serve(self) -> None:
+        self.loop.run_forever()
+        # Here, not in stop(): a loop stopped from its own thread has no caller to close it.
+        self.loop.close()
+
+    def check_process(self) -> None:
+        """Raise ``WeirError`` in a fork: its copy of the loop has no thread to run it."""
+        if os.getpid() != self.pid:
+            raise WeirError(
+                f"this {self.owner} was created in process {self.pid}; create a new one after fork"
+            )
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait; an interrupt (Ctrl-C) cancels it there."""
+        if os.getpid() != self.pid or threading.current_thread() is self.thread:
+            coro.close()  # it will not run: no warning that it was never awaited
+            self.check_process()
+            raise RuntimeError("a call on the loop's own thread would wait for itself forever")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result()
@@ -1005,6 +1025,31 @@ class EventLoopThread:
                 except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
                     pass
             raise
+
+    def run_or_schedule(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """``run``, for a cleanup that may run anywhere: on the loop's own thread (where the
+        cyclic GC finalizes what it collects there) ``coro`` runs as a task instead, and in a
+        fork (whose loop has no thread) not at all."""
+        if os.getpid() != self.pid:
+            coro.close()
+        elif threading.current_thread() is self.thread:
+            task = self.loop.create_task(coro)
+            self._scheduled.add(task)
+            task.add_done_callback(self._scheduled.discard)
+        else:
+            self.run(coro)
+
+    def finalize(self, close: Callable[[], None]) -> None:
+        """Call a finalizer's ``close``, which waits on the loop: on a helper thread where the
+        cyclic GC runs the finalizer on the loop's own thread, and not at all in a fork (the
+        loop, and whatever it serves, belong to the parent: closing them is its business)."""
+        if os.getpid() != self.pid:
+            return
+        if threading.current_thread() is self.thread:
+            # Not a daemon: an exit waits for it (an LLM's processes stopped).
+            threading.Thread(target=close, name="weir-close").start()
+        else:
+            close()
 
     def call(self, fn: Callable[[], T]) -> T:
         """Call ``fn`` on the loop's thread (to create objects bound to the loop)."""
@@ -1020,7 +1065,6 @@ class EventLoopThread:
         self.run(_end_tasks())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
-        self.loop.close()
 
 
 async def _end_tasks(grace: float = 1.0) -> None:
@@ -1127,7 +1171,7 @@ class WeirClient:
                 yield item
         finally:
             if self._finalizer.alive:  # closing the client closed its streams
-                self._loop.run(stream.aclose())
+                self._loop.run_or_schedule(stream.aclose())
 
     def embed(
         self,
@@ -1348,10 +1392,12 @@ async def gather_all(awaitables: Sequence[Awaitable[T]]) -> list[T]:
 def _close_client(loop: EventLoopThread, client: AsyncWeirClient) -> None:
     """Close ``client`` and stop its loop thread: ``WeirClient.close()``, or the finalizer of
     a client dropped without it."""
-    if threading.current_thread() is loop.thread:
-        return  # collected on its own loop (in a cycle): it cannot wait for itself there
-    loop.run(client.close())
-    loop.stop()
+
+    def close() -> None:
+        loop.run(client.close())
+        loop.stop()
+
+    loop.finalize(close)
 
 
 def _chat_args(

@@ -7,6 +7,9 @@ together, an error comes after the outputs that preceded it, and only a stream l
 before its last output is aborted."""
 
 import asyncio
+import gc
+import os
+import signal
 import threading
 import time
 
@@ -266,3 +269,110 @@ def test_closing_a_client_ends_the_calls_waiting_on_it_at_once() -> None:
     for timeout in (None, 0, -1.0, float("inf")):
         with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
             WeirClient(address, timeout=timeout)
+
+
+def _router() -> tuple[zmq.Context, zmq.Socket, str]:
+    """A server that takes requests and answers only what a test sends itself."""
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    return context, server, f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+
+
+def _collect_on_loop_thread(loop: sdk.EventLoopThread) -> None:
+    """What the cyclic GC does when the loop thread happens to allocate next: finalize the
+    garbage there (gc is disabled meanwhile so that no other thread collects it first)."""
+    loop.loop.call_soon_threadsafe(gc.collect)
+
+
+def test_a_stream_left_in_a_cycle_and_collected_on_the_loop_thread_is_aborted() -> None:
+    """The stream's finalizer, run on the client's loop thread, waited there for its own
+    loop: every later call hung, and the request was never aborted."""
+    context, server, address = _router()
+    client = WeirClient(address, timeout=30)
+
+    def answer() -> None:
+        identity, _ = server.recv_multipart()
+        out = client_protocol.StreamOutput("cycle", [7], "x", False, None, 3, 1)
+        server.send_multipart([identity, client_protocol.encode_outputs([out])])
+
+    def read_first_then_fail() -> None:
+        stream = client.generate([1], SamplingParams(), request_id="cycle")
+        try:
+            for _ in stream:
+                raise ValueError("stop reading")
+        except ValueError as exc:
+            kept = exc  # noqa: F841 (exc -> traceback -> this frame -> stream: a cycle)
+
+    answering = threading.Thread(target=answer)
+    answering.start()
+    gc.disable()
+    try:
+        read_first_then_fail()
+        answering.join()
+        _collect_on_loop_thread(client._loop)
+        assert server.poll(5000), "the stream was not aborted (the loop thread hangs)"
+        abort = client_protocol.decode_client_message(server.recv_multipart()[1])
+    finally:
+        gc.enable()
+    assert isinstance(abort, client_protocol.AbortRequest) and abort.request_id == "cycle"
+    client.close()
+    context.destroy(linger=0)
+
+
+def test_a_client_collected_on_its_loop_thread_still_closes() -> None:
+    """Its finalizer returned there without closing (and never ran again): the loop thread,
+    its socket and its file descriptors leaked."""
+    context, server, address = _router()
+    client = WeirClient(address, timeout=30)
+    loop, inner = client._loop, client._client
+    client.me = client  # a cycle
+    gc.disable()
+    try:
+        del client
+        _collect_on_loop_thread(loop)
+        loop.thread.join(timeout=5)
+    finally:
+        gc.enable()
+    assert not loop.thread.is_alive() and loop.loop.is_closed() and inner._sock.closed
+    context.destroy(linger=0)
+
+
+def test_a_fork_of_a_process_with_a_client_neither_hangs_nor_uses_it() -> None:
+    """The child's calls waited forever on a loop that has no thread there, and so did its
+    exit (the client's finalizer); now they raise, and its exit leaves the parent's client
+    alone."""
+    context, server, address = _router()
+    client = WeirClient(address, timeout=30)
+    pid = os.fork()
+    if pid == 0:
+        done = False
+        try:  # never back into pytest, whatever happens
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(10)  # a child that hangs dies of it
+            with pytest.raises(WeirError, match=f"client was created in process {os.getppid()}"):
+                client.health()
+            client.close()  # what its finalizer does at exit
+            done = True
+        finally:
+            os._exit(0 if done else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child hung or failed"
+    client.abort("parent")  # and the parent's client still sends
+    assert server.poll(5000), "the parent's client no longer sends"
+    client.close()
+    context.destroy(linger=0)
+
+
+async def test_a_cancelled_close_is_cancelled_and_still_closes_the_socket() -> None:
+    """close() swallowed its caller's cancellation while it awaited its own tasks' ends."""
+    server = ScriptedServer()
+    serving = asyncio.create_task(server.serve())
+    client = AsyncWeirClient(server.address, timeout=TIMEOUT)
+    await client.health()  # starts the client's tasks
+    closing = asyncio.create_task(client.close())
+    await asyncio.sleep(0)  # it now waits for its tasks
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert client._sock.closed
+    serving.cancel()
+    server.context.destroy(linger=0)

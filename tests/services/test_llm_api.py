@@ -1,5 +1,6 @@
 """The offline LLM API: batch generation through real scheduler and executor processes."""
 
+import gc
 import os
 import signal
 import time
@@ -131,11 +132,38 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
 
 
 def test_an_llm_dropped_without_close_stops_its_processes(tiny_model_dir):
+    """...also in a cycle the GC collects on the LLM's own loop thread (its finalizer waited
+    there for itself, and the processes ran on). A fork's child cannot use it, and its exit
+    neither hangs (waiting on a loop with no thread there) nor stops the parent's processes."""
     llm = LLM(str(tiny_model_dir), kv_cache_memory="1MiB")
     pids = [llm.server_info["pid"]] + [e["pid"] for e in llm.server_info["executors"]]
-    assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].finish_reason
-    del llm
-    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    params = SamplingParams(max_tokens=2)
+    pid = os.fork()
+    if pid == 0:
+        done = False
+        try:  # never back into pytest, whatever happens
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(10)  # a child that hangs dies of it
+            with pytest.raises(WeirError, match=f"LLM was created in process {os.getppid()}"):
+                llm.generate("Hi", params, use_tqdm=False)
+            llm.close()  # what its finalizer does at exit
+            done = True
+        finally:
+            os._exit(0 if done else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child hung or failed"
+    assert llm.generate("Hi", params, use_tqdm=False)[0].finish_reason
+    loop = llm._loop
+    llm.me = llm  # a cycle
+    gc.disable()  # until the loop thread collects it
+    try:
+        del llm
+        loop.loop.call_soon_threadsafe(gc.collect)
+        deadline = time.monotonic() + 10
+        while [pid for pid in pids if Path(f"/proc/{pid}").exists()]:
+            assert time.monotonic() < deadline, "the dropped LLM's processes still run"
+            time.sleep(0.05)
+    finally:
+        gc.enable()
 
 
 def test_llm_chat_renders_as_transformers_and_generates_its_greedy_tokens(
