@@ -142,8 +142,9 @@ class ExecutorGroup:
             self._on_lost(message, pids)
 
     def drain(self) -> None:
-        """Tell every rank the scheduler drains: a rank sent SIGTERM meanwhile (its pod
-        stopped with this one's) serves on until ``goodbye``."""
+        """Tell every rank the scheduler drains (said each ``control.DRAINING_INTERVAL_S``
+        while it does): a rank sent SIGTERM meanwhile (its pod stopped with this one's)
+        serves on until ``goodbye``."""
         self.draining = True
         for rank in self.ranks.values():
             self._send(rank.identity, control.DRAINING)

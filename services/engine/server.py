@@ -59,6 +59,7 @@ from weir.shared.model_config import check_new_weights, read_model_config
 from weir.shared.model_store import resolve_model
 from weir.shared.pooling import read_pooler_config, resolve_runner
 from weir.shared.protocol import client as client_protocol
+from weir.shared.protocol import control
 from weir.shared.sampling import MAX_LOGPROBS
 from weir.shared.sampling_defaults import read_sampling_defaults
 from weir.shared.tokenizer import Tokenizer, chat_template_of
@@ -195,6 +196,7 @@ class SchedulerServer:
         self._recovery_deadline: asyncio.TimerHandle | None = None
         self._draining = False
         self._waking: asyncio.Task[None] | None = None  # a sleeping engine woken to drain
+        self._telling_executors: asyncio.Task[None] | None = None  # the drain, each second
 
     def _check_draft_model(self, model: str) -> None:
         """A draft model whose tokenizer is not the served model's is refused at start-up:
@@ -360,6 +362,8 @@ class SchedulerServer:
             self.frontend.close()
             for task in [stop, *tasks]:
                 task.cancel()
+            if self._telling_executors is not None:
+                self._telling_executors.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
             self.group.goodbye()
             # Give the shutdown errors and goodbyes just queued a moment to reach their peers.
@@ -391,11 +395,18 @@ class SchedulerServer:
             timeout,
         )
         self._draining = True
-        self.group.drain()
+        self._telling_executors = asyncio.get_running_loop().create_task(self._tell_draining())
         self.frontend.unavailable = "the server is shutting down; send the request elsewhere"
         # A paused (or sleeping) engine would finish nothing.
         self._waking = asyncio.get_running_loop().create_task(self._wake_to_drain())
         asyncio.get_running_loop().call_later(timeout, self._stop.set)
+
+    async def _tell_draining(self) -> None:
+        """Tell the executors the drain goes on, until the process stops: one sent SIGTERM
+        serves while it hears it (and stops if the scheduler dies without its goodbye)."""
+        while True:
+            self.group.drain()
+            await asyncio.sleep(control.DRAINING_INTERVAL_S)
 
     async def _wake_to_drain(self) -> None:
         try:

@@ -57,6 +57,9 @@ _DROPPED_HANDSHAKES_WARNING = 5
 # How long an executor sent SIGTERM serves on, to hear whether its scheduler drains:
 # Kubernetes signals both pods of a node drain or a deletion at about the same time.
 _DRAIN_NOTICE_S = 2.0
+# A draining scheduler says so every second (control.DRAINING_INTERVAL_S): silent this
+# long, with no step to run, it is gone (killed without its goodbye).
+_DRAIN_SILENCE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -101,12 +104,12 @@ class _Heartbeat(threading.Thread):
 
 class _Stopping:
     """SIGTERM while serving: the executor stops once its scheduler no longer needs it. Told
-    that the scheduler drains, it serves until the scheduler's goodbye; else it waits
-    ``_DRAIN_NOTICE_S`` to be told, serving meanwhile."""
+    that the scheduler drains, it serves until the scheduler's goodbye (or silence); else it
+    waits ``_DRAIN_NOTICE_S`` to be told, serving meanwhile."""
 
     def __init__(self) -> None:
         self.requested_at: float | None = None
-        self.scheduler_draining = False
+        self.draining_heard_at: float | None = None
         self.scheduler_gone = False
 
     def request(self, signum: int, frame: object) -> None:
@@ -115,14 +118,16 @@ class _Stopping:
         if self.requested_at is None:
             self.requested_at = time.monotonic()
 
-    def due(self) -> bool:
+    def due(self, idle: bool) -> bool:
+        """Whether to stop now; ``idle``: no step in flight and no frame waiting."""
         if self.requested_at is None:
             return False
         if self.scheduler_gone:
             return True
-        return not self.scheduler_draining and (
-            time.monotonic() - self.requested_at >= _DRAIN_NOTICE_S
-        )
+        now = time.monotonic()
+        if self.draining_heard_at is not None:
+            return idle and now - self.draining_heard_at > _DRAIN_SILENCE_S
+        return now - self.requested_at >= _DRAIN_NOTICE_S
 
 
 class ExecutorWorker:
@@ -329,9 +334,11 @@ class ExecutorWorker:
         profiler = StepProfiler(self.options.engine_args.profiler_dir, rank, runner.device)
         pending: _Pending | None = None  # launched, its result not sent
         while True:
-            if pending is None and self.stopping.due():
+            if self.stopping.requested_at is not None and self.stopping.due(
+                idle=pending is None and not sock.poll(0)
+            ):
                 _log.info("executor %d stopping (SIGTERM)", rank)
-                return 0
+                return 0  # a step in flight is lost: the scheduler sends its requests again
             if pending is not None and not (
                 # A step with drafts (reserved None) must finish first: the next depends on it.
                 overlap
@@ -356,7 +363,7 @@ class ExecutorWorker:
                 continue
             kind, payload = sock.recv_multipart()
             if kind == control.DRAINING:
-                self.stopping.scheduler_draining = True
+                self.stopping.draining_heard_at = time.monotonic()
                 continue
             if kind == control.GOODBYE:
                 self.stopping.scheduler_gone = True

@@ -47,6 +47,10 @@ _CHARS_PER_TOKEN = 4  # a prompt's token estimate before the scheduler tokenizes
 # A replica unreachable this long after the gateway started is worth a warning (before
 # that, an engine still starting is the usual reason).
 _QUIET_START_S = 30.0
+# A serving replica that stops answering its health checks (a long pause, a starved CPU)
+# takes requests this long while no replica is ready; silent longer, it is down (a dead
+# node's connection may never close).
+_STALL_CANDIDATE_S = 10.0
 
 T = TypeVar("T")
 
@@ -64,8 +68,9 @@ class Replica:
     outstanding_tokens: int = 0
     # A warning said it is out of rotation (so its return is said at the same level).
     warned: bool = False
-    # It has answered a health check: a silence since is a stall of a running engine.
-    answered: bool = False
+    # The status of its last answer, kept through a silence, and when the silence began.
+    last_answer: str | None = None
+    silent_since: float = 0.0
     # Prefix hash -> None, least recently served first (an LRU set).
     prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     # Set while it cannot run what it holds: its health check went unanswered (hung or
@@ -169,12 +174,21 @@ class Router:
         reachable = [
             r for r in self.replicas if not r.client.connection_lost and r.address not in exclude
         ]
-        # Without one ready, those that will be: an engine replacing its executor, or
-        # silent since it answered, its connection up (stalled: a long pause, a starved
-        # CPU); either keeps what it is sent meanwhile.
-        return [r for r in reachable if r.healthy] or [
-            r for r in reachable if r.status == "recovering" or (r.status is None and r.answered)
-        ]
+        # Without one ready, those that will be, which keep what they are sent meanwhile:
+        # an engine replacing its executor, else one serving until it went silent a short
+        # while ago, its connection up (stalled).
+        now = time.monotonic()
+        return (
+            [r for r in reachable if r.healthy]
+            or [r for r in reachable if r.status == "recovering"]
+            or [
+                r
+                for r in reachable
+                if r.status is None
+                and r.last_answer in ("ok", "recovering")
+                and now - r.silent_since < _STALL_CANDIDATE_S
+            ]
+        )
 
     def choose(self, hashes: list[bytes], exclude: frozenset[str] = frozenset()) -> Replica:
         """The replica for a prompt of these prefix hashes."""
@@ -223,6 +237,8 @@ class Router:
         if replica.healthy or (unreachable_past_start and not replica.warned):
             _log.warning("replica %s out of rotation: %s", replica.address, reason)
             replica.warned = True
+        if status is None and replica.status is not None:
+            replica.silent_since = time.monotonic()
         replica.status = status
         if status in (None, "recovering"):
             replica.stalled.set()
@@ -235,8 +251,7 @@ class Router:
                 why = exc if isinstance(exc, WeirError) else f"no answer in {self._health_timeout}s"
                 self.mark_down(replica, f"health check failed: {why}")
                 return
-            replica.answered = True
-            status = info.get("status")
+            status = replica.last_answer = info.get("status")
             if status != "ok":
                 self.mark_down(replica, f"status {status!r}", str(status))
             elif not replica.healthy:

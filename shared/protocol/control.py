@@ -35,10 +35,11 @@ RESULT = b"result"
 STEP_ERROR = b"step_error"
 HEARTBEAT = b"heartbeat"
 RESET = b"reset"
-# Scheduler -> executors on the step socket: it drains (an executor told to stop serves on
-# until ``goodbye``), and it stops.
+# Scheduler -> executors on the step socket: it drains (said every DRAINING_INTERVAL_S; an
+# executor told to stop serves on until ``goodbye``, or until these stop), and it stops.
 DRAINING = b"draining"
 GOODBYE = b"goodbye"
+DRAINING_INTERVAL_S = 1.0
 
 HEARTBEAT_INTERVAL_S = 0.5
 

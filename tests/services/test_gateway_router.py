@@ -317,6 +317,29 @@ def test_a_lone_replica_that_stalls_a_few_seconds_queues_requests_not_refuses_th
     assert codes == [200] * 25 and probes == [200] * 25, (codes, probes)
 
 
+def test_a_replica_silent_for_long_is_down_even_alone(replicas):
+    """A stalled replica is a last resort only for a while: a scheduler silent for longer
+    (a dead node whose connection never closes) must not make every request wait out the
+    gateway's timeout, nor keep the gateway ready. Its own replica answered "ok" (a real
+    health check), then a silence of 10 s is taken from its clock."""
+
+    async def candidates_through_a_silence() -> list[int]:
+        router = Router([replicas[1].client_address])
+        [replica] = router.replicas
+        try:
+            await router.check_health()
+            counts = [len(router.candidates())]
+            router.mark_down(replica, "health check failed: no answer in 2.0s")
+            counts.append(len(router.candidates()))
+            replica.silent_since -= 10
+            counts.append(len(router.candidates()))
+        finally:
+            await replica.client.close()
+        return counts
+
+    assert asyncio.run(candidates_through_a_silence()) == [1, 1, 0]
+
+
 def test_requests_queued_on_a_hung_replica_go_to_another(replicas):
     """Requests waiting for their first output on a replica that hangs (its scheduler
     stopped) go to the other replica once the health check goes unanswered (2 s), not

@@ -1,5 +1,6 @@
 """Process lifecycle: `weir serve` start-up, supervision and shutdown; executor death and recovery."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,14 +16,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx
 import msgpack
 import psutil
 import pytest
 import zmq
 
 from weir.services import launcher
+from weir.services.launcher import GatewayProcess
 from weir.services.sigterm import Terminated, raise_terminated
-from weir.shared.client import ServerUnavailableError, WeirClient
+from weir.shared.client import ServerUnavailableError, WeirClient, WeirError
 from weir.shared.config import EngineArgs
 from weir.shared.protocol import control
 from weir.shared.sampling import SamplingParams
@@ -613,11 +616,12 @@ def scheduler_pid(address: str) -> int:
 @pytest.mark.parametrize(
     "standalone_scheduler", [("--max-num-seqs", "1", "--drain-timeout", "120")], indirect=True
 )
-@pytest.mark.parametrize("first", ["executor", "scheduler"])
+@pytest.mark.parametrize("first", ["executor", "scheduler", "scheduler, then killed"])
 def test_pods_stopped_together_finish_the_requests_in_flight(standalone_scheduler, first):
     """A node drain (or `kubectl delete`) sends SIGTERM to the scheduler's pod and the
     executor's at once, in either order: the scheduler drains, and its executor serves on until
-    the scheduler has drained."""
+    the scheduler has drained. A draining scheduler killed (its grace over) leaves the
+    executor to stop by itself, not serve on an engine that is gone."""
     address, start_executor, _ = standalone_scheduler
     executor = start_executor()
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -627,7 +631,7 @@ def test_pods_stopped_together_finish_the_requests_in_flight(standalone_schedule
         results: list[list[int]] = []
 
         def generate() -> None:
-            with WeirClient(address, timeout=60) as own:
+            with WeirClient(address, timeout=60) as own, contextlib.suppress(WeirError):
                 results.append(
                     [t for o in own.generate([1, 2, 3], params) for t in o.new_token_ids]
                 )
@@ -639,11 +643,39 @@ def test_pods_stopped_together_finish_the_requests_in_flight(standalone_schedule
         deadline = time.monotonic() + 30
         while client.health()["num_requests_waiting"] < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
-    pids = {"executor": executor.pid, "scheduler": scheduler_pid(address)}
-    os.kill(pids.pop(first), signal.SIGTERM)
+    scheduler = scheduler_pid(address)
+    pids = {"executor": executor.pid, "scheduler": scheduler}
+    os.kill(pids.pop(first.split(",")[0]), signal.SIGTERM)
     time.sleep(0.5)
     os.kill(pids.popitem()[1], signal.SIGTERM)
+    if first == "scheduler, then killed":
+        time.sleep(0.5)
+        os.kill(scheduler, signal.SIGKILL)
+        assert executor.wait(timeout=15) == 0
     for thread in threads:
         thread.join(timeout=120)
-    assert results == [reference] * 6
+    if first != "scheduler, then killed":
+        assert results == [reference] * 6
     assert executor.wait(timeout=30) == 0
+
+
+def test_a_gateway_queues_nothing_on_a_scheduler_that_was_never_ready(standalone_scheduler):
+    """A scheduler still waiting for its executors that then goes silent (stopped) is not a
+    stalled engine to wait for: the gateway stays unready and refuses at once (503)."""
+    address, _, _ = standalone_scheduler
+    pid = scheduler_pid(address)
+    with GatewayProcess([address], timeout=60) as gateway:
+        http = gateway.info["http_address"]
+        time.sleep(1.5)  # a health check has found it waiting for executors
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(3.5)  # the next one goes unanswered (2 s)
+            health = httpx.get(http + "/health", timeout=10)
+            start = time.monotonic()
+            body = {"model": "tiny-llama", "prompt": [1, 2], "max_tokens": 2}
+            reply = httpx.post(http + "/v1/completions", json=body, timeout=60)
+            waited = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert reply.status_code == 503 and waited < 5, (reply.text, waited)
