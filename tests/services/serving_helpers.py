@@ -6,7 +6,7 @@ import signal
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import zmq
@@ -277,3 +277,19 @@ def read_chat(client, stream: bool, **kwargs) -> tuple:
         ]
         finish = choice.finish_reason or finish
     return reasoning, content, calls, finish
+
+
+def exit_code_of_a_fork(child: Callable[[], object]) -> int:
+    """Run ``child`` in a forked child, which never returns into pytest: it exits 0 once
+    ``child`` returns, 1 if it raises, and dies of an alarm if it hangs 10 s."""
+    pid = os.fork()
+    if pid == 0:
+        done = False
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(10)
+            child()
+            done = True
+        finally:
+            os._exit(0 if done else 1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])

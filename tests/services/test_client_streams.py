@@ -9,13 +9,13 @@ before its last output is aborted."""
 import asyncio
 import gc
 import os
-import signal
 import threading
 import time
 
 import pytest
 import zmq
 import zmq.asyncio
+from serving_helpers import exit_code_of_a_fork
 
 from weir.shared import client as sdk
 from weir.shared.client import (
@@ -343,19 +343,13 @@ def test_a_fork_of_a_process_with_a_client_neither_hangs_nor_uses_it() -> None:
     alone."""
     context, server, address = _router()
     client = WeirClient(address, timeout=30)
-    pid = os.fork()
-    if pid == 0:
-        done = False
-        try:  # never back into pytest, whatever happens
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(10)  # a child that hangs dies of it
-            with pytest.raises(WeirError, match=f"client was created in process {os.getppid()}"):
-                client.health()
-            client.close()  # what its finalizer does at exit
-            done = True
-        finally:
-            os._exit(0 if done else 1)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child hung or failed"
+
+    def child() -> None:
+        with pytest.raises(WeirError, match=f"client was created in process {os.getppid()}"):
+            client.health()
+        client.close()  # what its finalizer does at exit
+
+    assert exit_code_of_a_fork(child) == 0, "the child hung or failed"
     client.abort("parent")  # and the parent's client still sends
     assert server.poll(5000), "the parent's client no longer sends"
     client.close()

@@ -1,5 +1,6 @@
 """The offline LLM API: batch generation through real scheduler and executor processes."""
 
+import functools
 import gc
 import os
 import signal
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serving_helpers import hf_greedy, read_metrics
+from serving_helpers import exit_code_of_a_fork, hf_greedy, read_metrics
 
 from weir.services import LLM, Completion
 from weir.shared.beam_search import BeamSearchParams
@@ -131,6 +132,12 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
     assert completions[1].cumulative_logprob is None
 
 
+def _refused_in_a_fork(llm: LLM, params: SamplingParams) -> None:
+    with pytest.raises(WeirError, match=f"LLM was created in process {os.getppid()}"):
+        llm.generate("Hi", params, use_tqdm=False)
+    llm.close()  # what its finalizer does at exit
+
+
 def test_an_llm_dropped_without_close_stops_its_processes(tiny_model_dir):
     """...also in a cycle the GC collects on the LLM's own loop thread (its finalizer waited
     there for itself, and the processes ran on). A fork's child cannot use it, and its exit
@@ -138,19 +145,9 @@ def test_an_llm_dropped_without_close_stops_its_processes(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), kv_cache_memory="1MiB")
     pids = [llm.server_info["pid"]] + [e["pid"] for e in llm.server_info["executors"]]
     params = SamplingParams(max_tokens=2)
-    pid = os.fork()
-    if pid == 0:
-        done = False
-        try:  # never back into pytest, whatever happens
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(10)  # a child that hangs dies of it
-            with pytest.raises(WeirError, match=f"LLM was created in process {os.getppid()}"):
-                llm.generate("Hi", params, use_tqdm=False)
-            llm.close()  # what its finalizer does at exit
-            done = True
-        finally:
-            os._exit(0 if done else 1)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child hung or failed"
+    child = functools.partial(_refused_in_a_fork, llm, params)  # no closure: llm is deleted
+    assert exit_code_of_a_fork(child) == 0, "the child hung or failed"
+    del child
     assert llm.generate("Hi", params, use_tqdm=False)[0].finish_reason
     loop = llm._loop
     llm.me = llm  # a cycle

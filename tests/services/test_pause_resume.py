@@ -6,12 +6,14 @@ stop_profile); through the SDK and the HTTP routes. Kept requests resume where
 they were and decode what transformers decodes (with the new weights once loaded),
 recomputed when the cache was dropped; nothing accepted is lost."""
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -177,18 +179,27 @@ def _wait_healthy(client: WeirClient) -> None:
         time.sleep(0.1)
 
 
-def test_the_queue_gauges_follow_arrivals_while_a_step_runs(server):
-    """A step may take seconds (a long prefill on a CPU; here its executor is stopped): the
-    gauges a scrape reads count the requests that arrive meanwhile (they were refreshed only
-    between steps, so a busy engine read as idle)."""
-    waiting = 'weir_num_requests_waiting{model_name="tiny"}'
-    running = 'weir_num_requests_running{model_name="tiny"}'
+@contextlib.contextmanager
+def _executor_stopped_mid_stream(server) -> Iterator[_Stream]:
+    """A 200-token stream under way, its executor stopped (SIGSTOP) for the block's time."""
     first = _Stream(server.client_address, PROMPT, 200)
     first.start()
     assert first.started.wait(60)
     executor = _executor_pid(server)
     os.kill(executor, signal.SIGSTOP)
     try:
+        yield first
+    finally:
+        os.kill(executor, signal.SIGCONT)
+
+
+def test_the_queue_gauges_follow_arrivals_while_a_step_runs(server):
+    """A step may take seconds (a long prefill on a CPU; here its executor is stopped): the
+    gauges a scrape reads count the requests that arrive meanwhile (they were refreshed only
+    between steps, so a busy engine read as idle)."""
+    waiting = 'weir_num_requests_waiting{model_name="tiny"}'
+    running = 'weir_num_requests_running{model_name="tiny"}'
+    with _executor_stopped_mid_stream(server) as first:
         queued = [_Stream(server.client_address, PROMPT[: 5 + i], 5) for i in range(3)]
         for stream in queued:
             stream.start()
@@ -199,8 +210,6 @@ def test_the_queue_gauges_follow_arrivals_while_a_step_runs(server):
             if gauges[waiting] == 3:
                 break
             time.sleep(0.05)
-    finally:
-        os.kill(executor, signal.SIGCONT)
     assert (gauges[waiting], gauges[running]) == (3, 1)
     for stream in [first, *queued]:
         stream.join(60)
@@ -213,12 +222,7 @@ def test_requests_held_by_a_waiting_pause_are_known_and_abortable(server, tiny_h
     them lost only once aborted (the SDK fails a lost stream), an abort ends one at once
     with its last word, and the other decodes as transformers once the engine resumes."""
     with WeirClient(server.client_address) as client, raw_dealer(server.client_address) as sock:
-        first = _Stream(server.client_address, PROMPT, 200)
-        first.start()
-        assert first.started.wait(60)
-        executor = _executor_pid(server)
-        os.kill(executor, signal.SIGSTOP)
-        try:
+        with _executor_stopped_mid_stream(server) as first:
             pausing = threading.Thread(target=client.pause, args=("wait",), daemon=True)
             pausing.start()
             time.sleep(0.5)  # the pause is waiting: what comes now is held
@@ -234,8 +238,6 @@ def test_requests_held_by_a_waiting_pause_are_known_and_abortable(server, tiny_h
                 assert sock.poll(10_000), "no answer while the pause waits"
                 msg = client_protocol.decode_server_message(sock.recv())
                 answers += msg if isinstance(msg, list) else [msg]
-        finally:
-            os.kill(executor, signal.SIGCONT)
         aborted, health = answers
         assert (aborted.request_id, aborted.finished, aborted.finish_reason) == (
             "held-2",
