@@ -82,7 +82,6 @@ class ExecutorGroup:
         self._observe_phase = observe_phase
         self.ranks: dict[int, _Rank] = {}  # handshaken ranks, by rank
         self.formed = False
-        self.draining = False  # told to every rank, and to each joining while it lasts
         # The watchdog's last tick, and when this loop last came out of a stall: while it
         # stalls, heartbeats wait unread in the socket, so a rank's silence proves nothing.
         self._last_tick = self._free_since = time.monotonic()
@@ -141,11 +140,10 @@ class ExecutorGroup:
             self.formed = False
             self._on_lost(message, pids)
 
-    def drain(self) -> None:
+    def tell_draining(self) -> None:
         """Tell every rank the scheduler drains (said each ``control.DRAINING_INTERVAL_S``
-        while it does): a rank sent SIGTERM meanwhile (its pod stopped with this one's)
-        serves on until ``goodbye``."""
-        self.draining = True
+        while it does, so a rank joining meanwhile hears it too): a rank sent SIGTERM
+        meanwhile (its pod stopped with this one's) serves on until ``goodbye``."""
         for rank in self.ranks.values():
             self._send(rank.identity, control.DRAINING)
 
@@ -228,8 +226,6 @@ class ExecutorGroup:
             return
         self.ranks[hello.rank] = _Rank(hello, identity, time.monotonic())
         self._send(identity, control.WELCOME)
-        if self.draining:
-            self._send(identity, control.DRAINING)
         _log.info(
             "executor rank %d (pid %d) joined: %d KV blocks",
             hello.rank,

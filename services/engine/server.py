@@ -405,7 +405,7 @@ class SchedulerServer:
         """Tell the executors the drain goes on, until the process stops: one sent SIGTERM
         serves while it hears it (and stops if the scheduler dies without its goodbye)."""
         while True:
-            self.group.drain()
+            self.group.tell_draining()
             await asyncio.sleep(control.DRAINING_INTERVAL_S)
 
     async def _wake_to_drain(self) -> None:
