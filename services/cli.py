@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import signal
+import ssl
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -30,6 +31,7 @@ from weir.services.cpu_cores import (
 )
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.reasoning import REASONING_PARSERS
+from weir.services.gateway.tls import Tls
 from weir.services.gateway.tool_calls import TOOL_CALL_PARSERS
 from weir.services.sigterm import Terminated, raise_terminated
 from weir.services.supervised import StatusReporter
@@ -79,6 +81,13 @@ def _positive_seconds(text: str) -> float:
     if not 0 < seconds < math.inf:
         raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
     return seconds
+
+
+def _root_path(text: str) -> str:
+    path = text.rstrip("/")
+    if path and (not path.startswith("/") or any(c in path for c in "?#% ")):
+        raise argparse.ArgumentTypeError(f"not a URL path: {text!r} (e.g. /llm)")
+    return path
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -187,6 +196,7 @@ def _gateway(args: argparse.Namespace) -> int:
     from weir.services.gateway.router import expand_addresses
     from weir.services.gateway.server import GatewayOptions, serve
 
+    tls = _tls(args)
     _setup_logging(args.log_level, "gateway")
     status = StatusReporter(args.status_fd)
     try:
@@ -206,6 +216,8 @@ def _gateway(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         parsers=_chat_parsers(args),
         uvicorn_log_level=args.uvicorn_log_level,
+        root_path=args.root_path,
+        tls=tls,
     )
     # Prompts are logged only when asked (vLLM's flag), whatever --log-level says.
     logging.getLogger(REQUESTS_LOGGER).setLevel(
@@ -265,6 +277,7 @@ def _exit_with_option_error(args: argparse.Namespace, exc: ValueError) -> NoRetu
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _tls(args)
     _setup_logging(args.log_level, "serve")
     try:
         server = launcher.ServerProcesses(
@@ -281,7 +294,7 @@ def _serve(args: argparse.Namespace) -> int:
             parsers=_chat_parsers(args),
             startup_timeout=args.startup_timeout,
             data_parallel_size=args.data_parallel_size,
-            gateway_argv=_gateway_log_argv(args),
+            gateway_argv=_gateway_argv(args),
         )
     except ValueError as exc:  # options that only tell together, e.g. ranks and cores
         _exit_with_option_error(args, exc)
@@ -294,7 +307,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"weir serve: {exc}", file=sys.stderr)
             return 1
         http = (
-            f"  HTTP:     {info['http_address']}/v1  (OpenAI API)\n"
+            f"  HTTP:     {info['http_address']}{args.root_path}/v1  (OpenAI API)\n"
             if "http_address" in info
             else ""
         )
@@ -547,10 +560,71 @@ def _add_log_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _gateway_log_argv(args: argparse.Namespace) -> list[str]:
-    """What of ``_add_log_flags``' the gateway that `weir serve` starts takes."""
+def _add_http_server_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for where the API is served: behind a proxy's path, over HTTPS."""
+    p.add_argument(
+        "--root-path",
+        type=_root_path,
+        default="",
+        help="the path prefix a proxy serves the API under, e.g. /llm: the routes answer "
+        "with and without it (FastAPI's root_path)",
+    )
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    p.add_argument(
+        "--ssl-keyfile", default=None, help="the certificate's private key (PEM), for HTTPS"
+    )
+    p.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates that client certificates must match"
+    )
+    p.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=(ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED),
+        default=ssl.CERT_NONE,
+        help="client certificates: 0 not asked, 1 optional, 2 required (default 0)",
+    )
+
+
+def _tls(args: argparse.Namespace) -> Tls | None:
+    """HTTPS as the ``--ssl-*`` flags ask for it, its files loaded: a wrong one ends the
+    command at once (`weir serve` would find it only once the engine has started)."""
+    problem = None
+    if args.ssl_certfile is None and (
+        args.ssl_keyfile is not None
+        or args.ssl_ca_certs is not None
+        or args.ssl_cert_reqs != ssl.CERT_NONE
+    ):
+        problem = "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"
+    elif args.ssl_cert_reqs != ssl.CERT_NONE and args.ssl_ca_certs is None:
+        problem = "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (the CAs client certificates match)"
+    tls = None
+    if problem is None and args.ssl_certfile is not None:
+        tls = Tls(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+        try:
+            tls.check()
+        except (OSError, ssl.SSLError) as exc:
+            problem = f"cannot serve HTTPS with {tls.files()}: {exc}"
+    if problem is not None:
+        print(f"weir {args.command}: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    return tls
+
+
+def _gateway_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of ``_add_log_flags`` and ``_add_http_server_flags`` that the gateway `weir
+    serve` starts takes."""
     argv = ["--uvicorn-log-level", args.uvicorn_log_level]
-    return [*argv, "--enable-log-requests"] if args.enable_log_requests else argv
+    if args.enable_log_requests:
+        argv.append("--enable-log-requests")
+    if args.root_path:
+        argv += ["--root-path", args.root_path]
+    for flag in ("certfile", "keyfile", "ca_certs"):
+        path = getattr(args, f"ssl_{flag}")
+        if path is not None:  # absolute: the gateway may run from another directory
+            argv += [f"--ssl-{flag.replace('_', '-')}", os.path.abspath(path)]
+    if args.ssl_cert_reqs != ssl.CERT_NONE:
+        argv += ["--ssl-cert-reqs", str(args.ssl_cert_reqs)]
+    return argv
 
 
 def _add_parser_flags(p: argparse.ArgumentParser) -> None:
@@ -696,6 +770,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_allowed_origins_flag(p)
     _add_parser_flags(p)
     _add_log_flags(p)
+    _add_http_server_flags(p)
     p.add_argument(
         "--startup-timeout",
         type=_positive_seconds,
@@ -731,6 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_allowed_origins_flag(p)
     _add_parser_flags(p)
     _add_log_flags(p)
+    _add_http_server_flags(p)
     p.add_argument(
         "--timeout",
         type=_positive_seconds,

@@ -1395,7 +1395,7 @@ class _Metered:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = _route_label(scope["path"])
+        route = _route_label(_route_path(scope))
         start = time.perf_counter()
         status = 500
 
@@ -1410,6 +1410,16 @@ class _Metered:
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes match: without ``--root-path``'s prefix where it has one (as
+    Starlette's router takes it), so that both spellings meet the same checks."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
 
 
 def _authorized(headers: dict[bytes, bytes], api_key: bytes) -> bool:
@@ -1479,9 +1489,10 @@ class _Admission:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        path = _route_path(scope)  # without --root-path's prefix
         if (
             self.api_key is not None
-            and (scope["path"].startswith("/v1/") or scope["path"] in _ENGINE_ROUTES)
+            and (path.startswith("/v1/") or path in _ENGINE_ROUTES)
             and not _authorized(headers, self.api_key)
         ):
             await _send_error(send, _UNAUTHORIZED)
@@ -1557,7 +1568,9 @@ async def _send_client_closed(send: Send) -> None:
 
 
 def create_app(
-    gateway: Gateway, on_startup: Callable[[], Awaitable[None]] | None = None
+    gateway: Gateway,
+    on_startup: Callable[[], Awaitable[None]] | None = None,
+    root_path: str = "",
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -1573,7 +1586,8 @@ def create_app(
                 await watcher
             await gateway.router.close()
 
-    app = FastAPI(title="Weir", version=VERSION, lifespan=lifespan)
+    # FastAPI's root_path (vLLM's): the routes answer with and without the prefix.
+    app = FastAPI(title="Weir", version=VERSION, lifespan=lifespan, root_path=root_path)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:

@@ -59,6 +59,16 @@ class BoundedHttpProtocol(HttpToolsProtocol):
                 cycle.message_event.set()
         super().connection_lost(exc)
 
+    def shutdown(self) -> None:
+        # An idle connection over TLS is dropped, not closed: a TLS close waits (up to 30 s)
+        # for the client's close_notify, which a pooled connection sends only when next
+        # used, and the gateway's stop waited for each.
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self.scheme == "https":
+            self.transport.abort()
+        else:
+            super().shutdown()
+
     def data_received(self, data: bytes) -> None:
         if self._in_head:
             self._head_bytes += len(data)

@@ -16,6 +16,7 @@ from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.gateway.http_limits import BoundedHttpProtocol
 from weir.services.gateway.router import Router
+from weir.services.gateway.tls import Tls
 from weir.services.sigterm import Terminated, raise_terminated
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
@@ -49,6 +50,8 @@ class GatewayOptions:
     max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # larger HTTP bodies get 413
     parsers: ChatParsers = NO_PARSERS  # what it reads out of chats' text
     uvicorn_log_level: str = "warning"  # the HTTP server's own lines
+    root_path: str = ""  # the path prefix a proxy serves the API under (vLLM's --root-path)
+    tls: Tls | None = None  # None: plain HTTP
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
@@ -76,7 +79,8 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
                 return
             port = server.servers[0].sockets[0].getsockname()[1]
             host = f"[{options.host}]" if ":" in options.host else options.host
-            address = f"http://{host}:{port}"
+            scheme = "http" if options.tls is None else "https"
+            address = f"{scheme}://{host}:{port}"
             _log.info("gateway at %s for %s", address, ", ".join(options.schedulers))
             freeze_startup_heap()
             status.ready(http_address=address, pid=os.getpid())
@@ -94,7 +98,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         status.error(f"{message} (--port; under `weir serve`: --http-port)")
         _log.error("gateway cannot start: %s", message)
         return 1
-    app = create_app(gateway, on_startup=report_ready)
+    app = create_app(gateway, on_startup=report_ready, root_path=options.root_path)
     # uvicorn's lines in this process's format (no log_config of its own), and its line per
     # malformed request (any client can send them without pause) at most once a second.
     limited_logger("uvicorn.error")
@@ -105,6 +109,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         log_level=options.uvicorn_log_level,
         access_log=False,
         limit_concurrency=_connection_limit(),
+        **({} if options.tls is None else options.tls.uvicorn_settings()),
     )
     server = uvicorn.Server(config)
 
