@@ -39,10 +39,12 @@ from weir.services.gateway.chat_output import NO_PARSERS, ChatChunks, ChatOutput
 from weir.services.gateway.embeddings import (
     ClassificationRequest,
     EmbeddingRequest,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     classification_response,
     embedding_response,
+    pooling_response,
     rerank_response,
     score_response,
 )
@@ -101,6 +103,7 @@ _ROUTES = (
     "/v1/score",
     "/v1/rerank",
     "/classify",
+    "/pooling",
     "/score",
     "/rerank",
     "/v2/rerank",
@@ -154,6 +157,7 @@ _ENGINE_ROUTES = frozenset(
         "/tokenize",
         "/detokenize",
         "/classify",
+        "/pooling",
         "/score",
         "/rerank",
         "/v2/rerank",
@@ -288,8 +292,10 @@ class _Model:
     lora_name: str | None  # the adapter, None for the base model
 
 
-def _inputs(body: EmbeddingRequest | ClassificationRequest) -> list[str | list[int]]:
-    """An embeddings or classification body's inputs, each one prompt; a 400 names a bad one."""
+def _inputs(
+    body: EmbeddingRequest | ClassificationRequest | PoolingRequest,
+) -> list[str | list[int]]:
+    """A pooling body's inputs, each one prompt; a 400 names a bad one."""
     try:
         return body.inputs()
     except ValueError as exc:
@@ -983,6 +989,7 @@ class Gateway:
                     base,
                     body.n,
                     bool(options and options.usage_in_every_chunk),
+                    body.return_token_ids,
                 ),
             )
         choices = await self._collect(outputs, body.n, body.return_token_ids)
@@ -1078,6 +1085,20 @@ class Gateway:
         )
         labels = served.info.get("labels") or []
         return JSONResponse(classification_response(served.name, outputs, labels))
+
+    async def pooling(self, body: PoolingRequest) -> Response:
+        served = await self.check_model(body.model)
+        prompts = _inputs(body)
+        task = body.task or ("classify" if served.info.get("labels") else "embed")
+        try:
+            options = body.task_options(task)
+        except ValueError as exc:
+            param = str(exc).partition(":")[0]
+            raise APIError(400, str(exc), "invalid_request_error", param=param) from None
+        outputs = await self._pool_all(
+            prompts, _input_fields(prompts), options, served.lora_name, task
+        )
+        return JSONResponse(pooling_response(served.name, outputs, body.encoding_format))
 
     async def score(self, body: ScoreRequest) -> Response:
         served = await self.check_model(body.model)
@@ -1335,14 +1356,18 @@ class Gateway:
         base: dict[str, Any],
         n: int,
         with_usage: bool,
+        token_ids: bool,
         first: list[tuple[int, list[StreamOutput]]] | None,
     ) -> bytes:
         """Each choice's first chunk, its role; ``with_usage`` (continuous usage stats), its
-        usage too: the prompt (every choice's is the one chat's), nothing completed yet."""
-        usage = {}
+        usage too: the prompt (every choice's is the one chat's), nothing completed yet;
+        ``token_ids`` (vLLM's return_token_ids), the prompt's token ids."""
+        extra: dict[str, Any] = {}
+        if token_ids and first:
+            extra["prompt_token_ids"] = first[0][1][0].prompt_token_ids
         if with_usage:
             prompt_tokens = first[0][1][0].prompt_tokens if first else 0
-            usage = {"usage": fmt.usage(prompt_tokens, 0)}
+            extra["usage"] = fmt.usage(prompt_tokens, 0)
         return b"".join(
             fmt.sse(
                 {
@@ -1355,7 +1380,7 @@ class Gateway:
                             "finish_reason": None,
                         }
                     ],
-                    **usage,
+                    **extra,
                 }
             )
             for index in range(n)
@@ -1678,6 +1703,10 @@ def create_app(
     @app.post("/classify")
     async def classify(request: Request, body: ClassificationRequest) -> Response:
         return await answer_connected(request, gateway.classify(body))
+
+    @app.post("/pooling")
+    async def pooling(request: Request, body: PoolingRequest) -> Response:
+        return await answer_connected(request, gateway.pooling(body))
 
     # vLLM's routes for scores and ranks, with and without a version.
     for route in ("/score", "/v1/score"):

@@ -217,7 +217,7 @@ class ChatChunks:
             or deltas
             or out.finished
             or out.logprobs is not None
-            or (self._events.token_ids and (out.new_token_ids or out.prompt_token_ids))
+            or (self._events.token_ids and out.new_token_ids)
         ):
             return ""  # text held back (a tag's start, a call's unfinished object)
         delta: dict[str, Any] = {}

@@ -1,6 +1,7 @@
 """``POST /v1/embeddings``: OpenAI's body (and vLLM's extra fields) and its response;
-vLLM's ``/score`` and ``/rerank`` on an embedding model, and its ``/classify`` of a sequence
-classifier.
+vLLM's ``/score`` and ``/rerank`` on an embedding model, its ``/classify`` of a sequence
+classifier, and its generic ``/pooling`` of either (what the model pools: the embedding, or
+the scores per label).
 
 Each input is one engine request on a server with the pooling runner; the response lists
 their vectors in input order, as JSON floats or, with ``encoding_format: "base64"`` (what
@@ -18,6 +19,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
+import numpy as np
 from pydantic import AfterValidator, Field
 
 from weir.services.gateway.schemas import Options, Prompt, not_zero, prompt_list
@@ -65,6 +67,58 @@ class ClassificationRequest(_InputFields):
     """vLLM's ``POST /classify`` body, with its ``activation`` (false: the logits)."""
 
     activation: bool | None = None
+
+
+class PoolingRequest(_InputFields):
+    """vLLM's ``POST /pooling`` body: ``task`` (default: what the model serves, ``classify``
+    for a sequence classifier, else ``embed``) and the fields of that task's own body."""
+
+    task: Literal["embed", "classify"] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=MAX_DIMENSIONS)] | None = None
+    normalize: bool | None = None
+    activation: bool | None = None
+
+    def task_options(self, task: str) -> dict[str, Any]:
+        """The options of ``task``'s engine requests; ValueError naming a field the task
+        does not take."""
+        given = {"dimensions": self.dimensions, "normalize": self.normalize}
+        if task == "classify":
+            given = {"activation": self.activation}
+            wrong = "dimensions" if self.dimensions is not None else "normalize"
+            if self.dimensions is not None or self.normalize is not None:
+                raise ValueError(f"{wrong}: the classify task has no {wrong} (an embed task's)")
+        elif self.activation is not None:
+            raise ValueError("activation: the embed task has no activation (a classify task's)")
+        return {
+            **given,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "priority": self.priority,
+        }
+
+
+def pooling_response(
+    model: str, outputs: list[EmbeddingOutput] | list[ClassificationOutput], encoding_format: str
+) -> dict[str, Any]:
+    """vLLM's response: each input's pooled vector (floats, or float32 bytes in base64)."""
+    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    return {
+        "id": f"pool-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": [
+            {
+                "index": index,
+                "object": "pooling",
+                "data": base64.b64encode(out.data).decode()
+                if encoding_format == "base64"
+                else np.frombuffer(out.data, dtype="<f4").tolist(),
+            }
+            for index, out in enumerate(outputs)
+        ],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+    }
 
 
 def classification_response(

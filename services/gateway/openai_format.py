@@ -50,7 +50,8 @@ class ChunkEvents:
         self._base = "data: " + _json(base)[:-1]
         self._head = self._base + ',"choices":[{"index":'
         self._chat_logprobs = chat_logprobs
-        # vLLM's return_token_ids: each chunk's token ids, and the prompt's with the first.
+        # vLLM's return_token_ids: each chunk's token ids, and the prompt's with the first
+        # (a chat's with its role's chunk).
         self.token_ids = token_ids
         # vLLM's continuous_usage_stats: each chunk's choice's usage so far.
         self._usage = usage
@@ -93,16 +94,9 @@ class ChunkEvents:
 
     def _chat(self, index: int, delta: str, out: StreamOutput, finish_reason: str | None) -> str:
         logprobs = _json(chat_logprobs(out)) if self._chat_logprobs else "null"
-        head, ids = self._head, ""
-        if self.token_ids:
-            ids = self._ids(out, "")
-            if out.prompt_token_ids is not None:  # the chat's, at the top (vLLM's place)
-                head = (
-                    f'{self._base},"prompt_token_ids":{_json(out.prompt_token_ids)},'
-                    '"choices":[{"index":'
-                )
+        ids = self._ids(out, "") if self.token_ids else ""  # the prompt's went with the role
         return (
-            f'{head}{index},"delta":{delta},"logprobs":{logprobs},'
+            f'{self._head}{index},"delta":{delta},"logprobs":{logprobs},'
             f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(out.stop_reason)}'
             f"{ids}{self._end(out)}"
         )

@@ -291,7 +291,7 @@ class ResponsesRequest(Options):
             ]
         if isinstance(self.tool_choice, NamedFunctionChoice):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
-        else:
+        elif self.tools is not None or self.tool_choice != "auto":  # Responses' default alone
             body["tool_choice"] = self.tool_choice
         format_ = self.text.format if self.text is not None else None
         if format_ is not None and format_.type == "json_schema":

@@ -352,8 +352,9 @@ class _SamplingFields(Options):
                     (
                         "prompt_logprobs",
                         self.prompt_logprobs,
-                        "comes in a whole response, without echo (as vLLM's); drop stream "
-                        "and echo, or this field",
+                        "comes in a whole response (vLLM's rule), without echo (Weir's: "
+                        "echo's logprobs are the prompt's already); drop stream and echo, or "
+                        "this field",
                     )
                 ],
             )
@@ -748,6 +749,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         problem = None
         if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
             problem = "needs tools"
+        elif choice == "auto" and self.tools is None:  # OpenAI's and vLLM's 400
+            problem = "'auto' needs tools"
         elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             problem = f"names {choice.function.name!r}, which is not among the tools"
         if problem is not None:

@@ -6,6 +6,7 @@ computes from the same weights: the last token's final hidden state through the 
 then a softmax over the labels (a sigmoid for one label), or the logits themselves when
 asked. A classifier serves no embeddings and no generation."""
 
+import base64
 import json
 import shutil
 
@@ -111,6 +112,26 @@ def test_classify_answers_what_transformers_computes(server, logits):
 
     raw = _post(server, "/classify", {"input": SHORT, "activation": False}).json()
     assert close(raw["data"][0]["probs"], logits(SHORT))
+
+
+def test_pooling_a_classifier_gives_its_scores_per_label(server, logits):
+    """vLLM's generic /pooling: a classifier's task is classify, its data the scores."""
+    reply = _post(server, "/pooling", {"model": MODEL, "input": [SHORT, LONG]})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    for index, (item, prompt) in enumerate(zip(body["data"], [SHORT, LONG])):
+        assert (item["index"], item["object"]) == (index, "pooling")
+        assert close(item["data"], softmax(logits(prompt)))
+    raw = _post(
+        server, "/pooling", {"input": SHORT, "activation": False, "encoding_format": "base64"}
+    )
+    [item] = raw.json()["data"]
+    assert close(np.frombuffer(base64.b64decode(item["data"]), "<f4"), logits(SHORT))
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 50
+    for fields, param in (({"dimensions": 2}, "dimensions"), ({"task": "embed"}, None)):
+        refused = _post(server, "/pooling", {"input": SHORT, **fields})
+        assert refused.status_code == 400, refused.text
+        assert param is None or refused.json()["error"]["param"] == param
 
 
 def test_the_sdk_classifies_and_names_the_labels(server, logits):

@@ -4,6 +4,7 @@ SDK's `embed` and `LLM.embed`, and every vector equals what transformers compute
 same weights (the last hidden state after the final norm, pooled, L2-normalized) however
 the prompt was chunked, cached or preempted."""
 
+import base64
 import json
 import os
 import shutil
@@ -92,6 +93,27 @@ def test_the_openai_client_gets_what_transformers_computes(server, hidden_states
     assert close(by_ids.data[1].embedding, want[0])
     single = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
     assert len(single.data) == 1 and close(single.data[0].embedding, by_ids.data[0].embedding)
+
+
+def test_pooling_an_embedding_model_gives_its_embeddings(server, hidden_states):
+    """vLLM's generic /pooling: an embedding model's task is embed, its data the vectors,
+    with the embed task's dimensions and normalize."""
+    want = [pooled(hidden_states(p)) for p in (SHORT, LONG)]
+    reply = _post(server, "/pooling", {"model": MODEL, "input": [SHORT, LONG]})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["object"] == "list" and body["model"] == MODEL
+    for index, (item, expected) in enumerate(zip(body["data"], want)):
+        assert (item["index"], item["object"]) == (index, "pooling")
+        assert close(item["data"], expected)
+    raw = _post(server, "/pooling", {"input": SHORT, "normalize": False, "task": "embed"}).json()
+    assert close(raw["data"][0]["data"], pooled(hidden_states(SHORT), normalize=False))
+    encoded = _post(server, "/pooling", {"input": SHORT, "encoding_format": "base64"}).json()
+    assert close(np.frombuffer(base64.b64decode(encoded["data"][0]["data"]), "<f4"), want[0])
+    for fields, param in (({"activation": True}, "activation"), ({"task": "classify"}, None)):
+        refused = _post(server, "/pooling", {"input": SHORT, **fields})
+        assert refused.status_code == 400, refused.text
+        assert param is None or refused.json()["error"]["param"] == param
 
 
 def test_a_cached_prefix_gives_the_same_vector(server, hidden_states):

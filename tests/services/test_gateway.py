@@ -1788,8 +1788,10 @@ def test_return_token_ids_are_transformers_own(client, tiny_model_dir, tiny_hf_m
     chat = client.chat.completions.create(messages=messages, stream=stream, **kwargs)
     if stream:
         chunks = [c.model_dump() for c in chat]
-        [first] = [c for c in chunks if "prompt_token_ids" in c]
-        assert first["prompt_token_ids"] == chat_ids
+        # In the role's chunk, the first (vLLM's place), and no other.
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[0]["prompt_token_ids"] == chat_ids
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
         got = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
     else:
         reply = chat.model_dump()

@@ -401,6 +401,7 @@ def test_auto_without_a_call_is_content_and_tool_choice_none_lists_no_calls(clie
     "body, param, fragment",
     [
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": "auto"}, "tool_choice", "'auto' needs tools"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
