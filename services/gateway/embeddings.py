@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
@@ -98,7 +99,7 @@ class PoolingRequest(_InputFields):
 
 
 def pooling_response(
-    model: str, outputs: list[EmbeddingOutput] | list[ClassificationOutput], encoding_format: str
+    model: str, outputs: Sequence[EmbeddingOutput | ClassificationOutput], encoding_format: str
 ) -> dict[str, Any]:
     """vLLM's response: each input's pooled vector (floats, or float32 bytes in base64)."""
     num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
