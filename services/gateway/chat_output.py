@@ -9,9 +9,7 @@ from typing import Any, Protocol
 
 from weir.services.gateway.harmony import HarmonyReader
 from weir.services.gateway.openai_format import Choice, ChunkEvents
-from weir.services.gateway.reasoning import END as REASONING_END
-from weir.services.gateway.reasoning import REASONING_PARSERS, ReasoningReader
-from weir.services.gateway.reasoning import START as REASONING_START
+from weir.services.gateway.reasoning import REASONING_PARSERS, Markers, ReasoningReader
 from weir.services.gateway.tool_calls import (
     TOOL_CALL_PARSERS,
     ToolCall,
@@ -124,7 +122,7 @@ class ChatOutput:
     with_tools: bool = False  # a request with tools lists its calls, maybe none
     harmony: bool = False  # read as gpt-oss' harmony format (HarmonyReader)
     # The reasoning's opening and closing markers (the reasoning parser's).
-    reasoning_markers: tuple[str, str] = (REASONING_START, REASONING_END)
+    reasoning_markers: Markers = Markers()
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -134,7 +132,7 @@ class ChatOutput:
         tool_choice = self.tool_choice
         return (
             self.harmony
-            or (self.thinking is not None and self.reasoning_markers[0] == "[THINK]")
+            or (self.thinking is not None and self.reasoning_markers.start == "[THINK]")
             or (
                 tool_choice is not None
                 and tool_choice.kind == "auto"

@@ -7,9 +7,13 @@ Qwen3), or the model writes ``<think>`` itself: so while a request thinks, its t
 reasoning up to the first ``</think>`` (all of it, if cut short before), an opening tag left
 out. A request that does not think (Qwen3 asked with ``enable_thinking: false``, or an output
 held to a format from its first token) is content, unless its text opens with ``<think>``.
+Under ``qwen3`` a ``<tool_call>`` also ends the reasoning, unclosed, and opens the content
+(Qwen3 may call a tool before its ``</think>``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from weir.services.gateway.tool_calls import tag_prefix_at_end
 
@@ -26,17 +30,30 @@ REASONING_PARSERS = (
 )
 
 START, END = "<think>", "</think>"
-# Each parser's reasoning markers (the others': START and END).
-MARKERS = {"mistral": ("[THINK]", "[/THINK]")}
+
+
+@dataclass(frozen=True, slots=True)
+class Markers:
+    """A parser's reasoning markers."""
+
+    start: str = START
+    end: str = END
+    # What ends the reasoning unclosed and opens the content, kept in it: Qwen3's tool call
+    # written before its ``</think>`` (vLLM's qwen3 parser reads it so); "" for none.
+    call: str = ""
+
+
+# Each parser's (the others': Markers()).
+MARKERS = {"mistral": Markers("[THINK]", "[/THINK]"), "qwen3": Markers(call="<tool_call>")}
 
 
 class ReasoningReader:
     """One choice's text, as it streams, split into reasoning and content; held back: what
     may begin a tag. Fed piece by piece it splits as it does the whole text."""
 
-    def __init__(self, thinking: bool, markers: tuple[str, str] = (START, END)) -> None:
+    def __init__(self, thinking: bool, markers: Markers = Markers()) -> None:
         self._thinking = thinking
-        self._start, self._end = markers
+        self._start, self._end, self._call = markers.start, markers.end, markers.call
         self._pending = ""
         self._state = "open"  # the start is not known yet; then "reasoning", "content"
         self.reasoned = False  # whether the text holds reasoning (maybe empty)
@@ -56,12 +73,19 @@ class ReasoningReader:
         reasoning = ""
         if self._state == "reasoning":
             end = self._pending.find(self._end)
-            if end < 0:
+            call = self._pending.find(self._call) if self._call else -1
+            if 0 <= call and (end < 0 or call < end):
+                reasoning, self._pending = self._pending[:call], self._pending[call:]
+            elif end < 0:
                 keep = tag_prefix_at_end(self._pending, self._end)
+                if self._call:
+                    keep = max(keep, tag_prefix_at_end(self._pending, self._call))
                 reasoning = self._pending[: len(self._pending) - keep]
                 self._pending = self._pending[len(self._pending) - keep :]
                 return reasoning, ""
-            reasoning, self._pending = self._pending[:end], self._pending[end + len(self._end) :]
+            else:
+                reasoning = self._pending[:end]
+                self._pending = self._pending[end + len(self._end) :]
             self._state = "content"
         content, self._pending = self._pending, ""
         return reasoning, content

@@ -28,9 +28,8 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from weir.services.gateway.chat_output import ChatOutput, ChatParsers
-from weir.services.gateway.reasoning import END as REASONING_END
 from weir.services.gateway.reasoning import MARKERS as REASONING_MARKERS
-from weir.services.gateway.reasoning import START as REASONING_START
+from weir.services.gateway.reasoning import Markers
 from weir.services.gateway.tool_calls import ToolChoice, parameters_schema, required_schema
 from weir.shared.beam_search import MAX_BEAM_WIDTH
 from weir.shared.protocol.client import MAX_ARRAY_LEN, MAX_CACHE_SALT_LEN
@@ -801,7 +800,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             self.include_reasoning,
             self.tools is not None,
             harmony,
-            REASONING_MARKERS.get(parsers.reasoning or "", (REASONING_START, REASONING_END)),
+            REASONING_MARKERS.get(parsers.reasoning or "", Markers()),
         )
 
     def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:

@@ -17,9 +17,10 @@ import openai
 import pytest
 from serving_helpers import read_chat, small_server
 
-from weir.services.gateway.chat_output import ChatParsers
-from weir.services.gateway.reasoning import ReasoningReader
+from weir.services.gateway.chat_output import ChatOutput, ChatParsers
+from weir.services.gateway.reasoning import MARKERS, ReasoningReader
 from weir.services.gateway.schemas import ChatCompletionRequest
+from weir.services.gateway.tool_calls import ToolChoice
 
 transformers = pytest.importorskip("transformers")
 
@@ -346,6 +347,47 @@ def test_reasoning_reader_splits_alike_in_any_pieces(thinking, text, reasoning, 
         assert "".join(r for r, _ in got) == (reasoning or "")
         assert "".join(c for _, c in got) == content
         assert reader.reasoned == (reasoning is not None)
+
+
+QWEN3_CASES = [
+    # A tool call written before </think> ends the thought and is content (vLLM's qwen3).
+    (True, "I read it.\n<tool_call>\n<function=f>", "I read it.\n", "<tool_call>\n<function=f>"),
+    (True, "<think>a</think>b<tool_call>c", "a", "b<tool_call>c"),
+    (True, "a<tool_call>b</think>c", "a", "<tool_call>b</think>c"),
+    (True, "a<tool_cal", "a<tool_cal", ""),  # cut short
+    (False, "<tool_call>a", None, "<tool_call>a"),
+]
+
+
+@pytest.mark.parametrize("thinking, text, reasoning, content", QWEN3_CASES)
+def test_qwen3s_tool_call_ends_its_thought_in_any_pieces(thinking, text, reasoning, content):
+    for size in (1, 2, 3, 5, 1000):
+        reader = ReasoningReader(thinking, MARKERS["qwen3"])
+        got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        got.append(reader.finish())
+        assert "".join(r for r, _ in got) == (reasoning or "")
+        assert "".join(c for _, c in got) == content
+
+
+def test_qwen3s_tool_call_before_the_thoughts_end_is_a_call():
+    output = ChatOutput(
+        True,
+        ToolChoice("auto", parser="qwen3_coder", properties={"bash": {}}),
+        with_tools=True,
+        reasoning_markers=MARKERS["qwen3"],
+    )
+    text = (
+        "I need the file.\n\n<tool_call>\n<function=bash>\n<parameter=command>\n"
+        "cat /etc/hosts\n</parameter>\n</function>\n</tool_call>"
+    )
+    reader = output.reader()
+    reasoning, content, deltas = reader.feed(text)
+    more_reasoning, rest, more = reader.finish("stop", None)
+    assert reasoning + more_reasoning == "I need the file.\n\n"
+    assert (content + rest).strip() == ""
+    [call] = deltas + more
+    assert call["function"]["name"] == "bash"
+    assert json.loads(call["function"]["arguments"]) == {"command": "cat /etc/hosts"}
 
 
 JSON = {"response_format": {"type": "json_object"}}
