@@ -5,6 +5,11 @@ hot loop reads it without a lookup). Full blocks get chained content hashes,
 computed lazily into ``request.block_hashes`` and registered in the prefix cache
 only once their KV has been computed (``cache_blocks`` after a step), so a hit
 never points at KV that a preempted or aborted step did not write.
+
+Meanwhile the blocks a planned step computes are ``pending``: a waiting request whose
+next block is one of them is admitted a step later, to hit it, rather than compute the
+same prefix again beside it (a burst of prompts sharing a system prompt computes it once;
+vLLM shares such blocks within the step itself).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from weir.services.scheduler.block_pool import (
     chain_block_hashes,
     salted_root,
 )
-from weir.services.scheduler.request import Request
+from weir.services.scheduler.request import Request, RequestStatus
 from weir.shared.arith import cdiv
 from weir.shared.config import CacheConfig
 
@@ -27,6 +32,9 @@ class KVCacheManager:
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.pool = BlockPool(cache_config.num_blocks)
         self.long_prompt_threshold = cache_config.long_prompt_threshold
+        # Hashed full blocks that planned steps compute and no step has cached yet: the
+        # request computing each, and the block's index in it.
+        self.pending: dict[bytes, tuple[Request, int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,6 +95,37 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def computes(self, request: Request, num_computed: int, num_new: int) -> None:
+        """Note the hashed full blocks (a prompt's, hashed by ``get_computed_blocks``) that
+        the step being planned completes for ``request`` as ``pending``."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        end = min((num_computed + num_new) // bs, len(hashes))
+        for index in range(num_computed // bs, end):
+            self.pending.setdefault(hashes[index], (request, index))
+
+    def waits_for_pending(self, request: Request, num_hits: int) -> bool:
+        """Whether the request's first block past its ``num_hits`` cached ones is one a
+        running request's planned step computes (a block it could hit: never the one of
+        its last token)."""
+        hashes = request.block_hashes  # none where it does not look up
+        limit = (request.num_tokens - 1) // self.block_size
+        if num_hits >= min(len(hashes), limit) or not self.looks_up(request):
+            return False
+        holder = self.pending.get(hashes[num_hits])
+        return (
+            holder is not None
+            and holder[0] is not request
+            and holder[0].status is RequestStatus.RUNNING
+        )
+
+    def _forget_pending(self, request: Request, start: int, end: int) -> None:
+        pending, hashes = self.pending, request.block_hashes
+        for index in range(start, min(end, len(hashes))):
+            holder = pending.get(hashes[index])
+            if holder is not None and holder[0] is request:
+                del pending[hashes[index]]
+
     def num_blocks_to_admit(self, request: Request, hits: list[KVCacheBlock]) -> int:
         """Free blocks that admitting the request's whole remaining prompt consumes:
         new blocks plus the hits that are currently free (evictable)."""
@@ -125,10 +164,14 @@ class KVCacheManager:
         cache_block = self.pool.cache_block
         for index in range(start, num_full):
             cache_block(block_ids[index], hashes[index])
+        if self.pending:
+            self._forget_pending(request, start, num_full)
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (see ``BlockPool``)."""
+        if self.pending:
+            self._forget_pending(request, request.num_cached_blocks, len(request.block_hashes))
         self.pool.free(request.block_ids[::-1])
         request.block_ids = []
         request.num_cached_blocks = 0

@@ -416,6 +416,8 @@ class Scheduler:
             rid = request.request_id
             num_scheduled[rid] = num_new
             budget -= num_new
+            if num_new > 1 and request.block_hashes:  # a prefill's chunk (or drafts)
+                kv.computes(request, computed, num_new)
             num_drafts = computed + num_new - num_tokens
             if num_drafts > 0:
                 spec_tokens[rid] = request.spec_token_ids[:num_drafts]
@@ -609,6 +611,8 @@ class Scheduler:
                         break
                     by_name = True
             hits = kv.get_computed_blocks(request)
+            if kv.pending and not on_trial and kv.waits_for_pending(request, len(hits)):
+                break  # it hits what a planned step computes once that step is applied
             num_tokens = len(request.all_token_ids)
             num_hit_tokens = len(hits) * kv.block_size
             num_new = num_tokens - num_hit_tokens
@@ -631,6 +635,7 @@ class Scheduler:
                 adapters.add(request.lora_name)
             kv.admit(request, hits)
             kv.allocate_slots(request, num_new)  # fits: checked for the whole prompt above
+            kv.computes(request, num_hit_tokens, num_new)
             if config.num_lookahead_tokens:
                 self._allocate_lookahead(request, num_new, {})
             if request.admitted_step == 0 and kv.looks_up(request):

@@ -4,11 +4,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from weir.services.scheduler import Request, RequestStatus
 from weir.services.scheduler.block_pool import ROOT_BLOCK_HASH, chain_block_hashes
 from weir.shared.sampling import SamplingParams
 
-from .fake_executor import make_scheduler, run_step
+from .fake_executor import make_scheduler, reference_generate, run_step
 
 ONE = SamplingParams(max_tokens=1)
 LONG = SamplingParams(max_tokens=100, ignore_eos=True)
@@ -146,3 +148,49 @@ def test_a_reset_prefix_cache_leaves_no_block_to_hit_and_running_requests_their_
     scheduler.add_request(Request("C", prompt, LONG))
     plan, _ = run_step(scheduler, executor)
     assert plan.new_requests[0].num_computed_tokens == 12
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["lockstep", "async"])
+def test_a_prefix_that_a_planned_step_computes_is_hit_a_step_later_not_computed_again(
+    async_scheduling,
+):
+    """Prompts sharing a prefix sent together: the first computes it, the others wait for
+    its step (two when steps overlap) and hit its blocks; none computes it beside it.
+    The outputs are the model's, and nothing stays pending."""
+    scheduler, core = make_scheduler(
+        block_size=16, num_blocks=64, max_num_batched_tokens=1000, async_scheduling=async_scheduling
+    )
+    shared = _prompt(96)
+    prompts = {rid: shared + _prompt(4, 10 + i) for i, rid in enumerate("ABC")}
+    for rid, prompt in prompts.items():
+        scheduler.add_request(Request(rid, prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    steps, tokens = [], {rid: [] for rid in prompts}
+    while scheduler.has_unfinished_requests():
+        plan, outputs = run_step(scheduler, core)
+        steps.append(plan.num_scheduled_tokens)
+        for out in outputs:
+            tokens[out.request_id] += out.new_token_ids
+    assert steps[0] == {"A": 100}
+    admitted = next(step for step in steps if "B" in step)
+    assert admitted["B"] == admitted["C"] == 4  # 96 hit
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == reference_generate(prompt, 3, eos=None)[0]
+    assert scheduler.kv_cache_manager.pending == {}
+
+
+def test_a_request_waiting_on_a_pending_prefix_computes_it_once_its_holder_is_aborted():
+    """Behind a chunked prefill it follows the chunks, hitting each once computed."""
+    scheduler, core = make_scheduler(
+        block_size=4, num_blocks=64, max_num_batched_tokens=16, long_prefill_token_threshold=8
+    )
+    prompt = _prompt(30)
+    scheduler.add_request(Request("A", prompt, LONG))
+    run_step(scheduler, core)  # A's first 8 tokens: 2 blocks cached after the step
+    scheduler.add_request(Request("B", prompt, LONG))
+    plan, _ = run_step(scheduler, core)
+    assert plan.num_scheduled_tokens == {"A": 8}  # B would compute blocks 2-3 beside A
+    scheduler.finish_requests(["A"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv_cache_manager.pending == {}
+    plan, _ = run_step(scheduler, core)
+    assert plan.new_requests[0].request_id == "B"
+    assert plan.new_requests[0].num_computed_tokens == 16  # A's 4 computed blocks
