@@ -339,14 +339,28 @@ class HermesReader:
 
 
 def json_call(block: str) -> ToolCall | None:
-    """A hermes block's call: ``{"name": ..., "arguments": {...}}``."""
+    """A hermes block's call: ``{"name": ..., "arguments": {...}}``; arguments written as
+    a JSON string holding an object (Granite 4 writes them so) are that object, as vLLM
+    reads them, where encoding them again would give clients a string, not a mapping."""
     try:
         call = json.loads(block)
         if not isinstance(call, dict) or type(call.get("name")) is not str:
             return None
-        return ToolCall(call["name"], _arguments_text(call.get("arguments", {})))
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = _object_or_text(arguments)
+        return ToolCall(call["name"], _arguments_text(arguments))
     except (ValueError, RecursionError):  # nested past the parser's depth: a model may write it
         return None
+
+
+def _object_or_text(text: str) -> Any:
+    """The JSON object ``text`` is, else ``text`` itself (any other string stays one)."""
+    try:
+        found = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return found if isinstance(found, dict) else text
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
@@ -356,9 +370,9 @@ _XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL
 def xml_call(properties: dict[str, Any], block: str) -> ToolCall | None:
     """A Qwen3-Coder block's call: ``<function=NAME>`` and its ``<parameter=KEY>VALUE
     </parameter>``s, each value (less the newline that opens and the one that closes it)
-    read by the type ``properties[NAME][KEY]`` gives it, as vLLM's parser reads it: a
-    number or boolean by its text, an object or array as JSON, anything else (no type
-    given, or a text that is not of its type) as the string written."""
+    read by the types ``properties[NAME][KEY]`` gives it (`_value_types`), as vLLM's parser
+    reads it: a number or boolean by its text, an object or array as JSON, anything else
+    (no type given, or a text that is of none of its types) as the string written."""
     match = _XML_FUNCTION.fullmatch(block)
     if match is None:
         return None
@@ -379,33 +393,58 @@ def _schema_typed_call(
     for key, raw in parameters:
         value = raw.removeprefix("\n").removesuffix("\n")
         spec = schema.get(key) if isinstance(schema, dict) else None
-        arguments[key] = _typed(value, spec.get("type") if isinstance(spec, dict) else None)
+        arguments[key] = _typed(value, _value_types(spec))
     try:
         return ToolCall(name, _arguments_text(arguments))
     except ValueError:  # an object's number past JSON's range
         return None
 
 
-def _typed(value: str, kind: Any) -> Any:
+def _value_types(spec: Any) -> list[str]:
+    """The types, other than null, a parameter's schema lets its value be, in its order:
+    ``type`` (a name or a list of names) and each of ``anyOf``'s or ``oneOf``'s options, as
+    Pydantic writes an ``Optional[...]`` field (``{"anyOf": [{"type": "integer"}, {"type":
+    "null"}]}``)."""
+    if not isinstance(spec, dict):
+        return []
+    kind = spec.get("type")
+    kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    for union in ("anyOf", "oneOf"):
+        options = spec.get(union)
+        for option in options if isinstance(options, list) else []:
+            kinds += _value_types(option)
+    return [k for k in kinds if isinstance(k, str) and k != "null"]
+
+
+def _typed(value: str, kinds: list[str]) -> Any:
+    """``value`` read as the first of ``kinds`` it is text of, else the text as written."""
     if value.strip().lower() == "null":
         return None
-    try:
-        if kind == "string":
-            return value
-        if kind == "integer":
-            return int(value.strip())
-        if kind == "number":
-            number = float(value.strip())
-            if not math.isfinite(number):
-                return value
-            return int(number) if number.is_integer() and "." not in value else number
-        if kind == "boolean":
-            return value.strip().lower() == "true"
-        if kind in ("object", "array"):
-            return json.loads(value)
+    for kind in kinds:
+        try:
+            return _as_type(value, kind)
+        except (ValueError, RecursionError):
+            continue
+    return value
+
+
+def _as_type(value: str, kind: str) -> Any:
+    """``value`` read as a ``kind`` (a JSON schema type, or "float" and "int" as some
+    clients write them); ValueError where it is not one, or the type is not known."""
+    if kind == "string":
         return value
-    except (ValueError, RecursionError):
-        return value
+    if kind in ("integer", "int"):
+        return int(value.strip())
+    if kind in ("number", "float"):
+        number = float(value.strip())
+        if not math.isfinite(number):
+            raise ValueError(value)
+        return int(number) if number.is_integer() and "." not in value else number
+    if kind == "boolean":
+        return value.strip().lower() == "true"
+    if kind in ("object", "array"):
+        return json.loads(value)
+    raise ValueError(kind)
 
 
 _MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>\s*', re.DOTALL)
@@ -437,8 +476,9 @@ _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_va
 def glm_call(properties: dict[str, Any], block: str) -> ToolCall | None:
     """A GLM-4.5 to 4.7 block's call: the function's name, then ``<arg_key>KEY</arg_key>
     <arg_value>VALUE</arg_value>`` pairs (4.5 and 4.6 write newlines between, 4.7 none),
-    each value (stripped) read as vLLM's glm45 parser reads it: as written where the tool's
-    schema says string, else as JSON, else as a Python literal, else as written."""
+    each value read as vLLM's glm45 parser reads it: as written, its whitespace too (code's
+    indent), where the tool's schema says string, else (stripped) as JSON, else as a Python
+    literal, else as written."""
     head, tag, rest = block.partition("<arg_key>")
     name, body = head.strip(), tag + rest
     if not name or any(c.isspace() or c == "<" for c in name):
@@ -448,10 +488,10 @@ def glm_call(properties: dict[str, Any], block: str) -> ToolCall | None:
     schema = properties.get(name)
     arguments = {}
     for raw_key, raw_value in _GLM_ARGUMENT.findall(body):
-        key, value = raw_key.strip(), raw_value.strip()
+        key = raw_key.strip()
         spec = schema.get(key) if isinstance(schema, dict) else None
         string = isinstance(spec, dict) and spec.get("type") == "string"
-        arguments[key] = value if string else _literal(value)
+        arguments[key] = raw_value if string else _literal(raw_value.strip())
     return ToolCall(name, _arguments_text(arguments))
 
 
@@ -501,25 +541,59 @@ class PythonicReader:
         self.calls += calls
         return "", [call.delta(i) for i, call in enumerate(calls)]
 
-    @staticmethod
-    def _calls(source: str) -> list[ToolCall] | None:
+    # Where one call in the list is not Python (a broken quote), the list is cut into its
+    # calls at each ")," that a name and "(" follow, each then read alone.
+    _CALL_BOUNDARY = re.compile(r"\)\s*,\s*(?=[A-Za-z_]\w*\s*\()")
+
+    @classmethod
+    def _calls(cls, source: str) -> list[ToolCall] | None:
+        """The list's calls; as vLLM's parser, a call with no JSON text for its arguments
+        (bytes, an infinite number, positional ones) or that is no Python is passed over
+        and its siblings kept. None where no call is left, or the text is no list of calls."""
+        source = source.strip()
         try:
-            tree = ast.parse(source.strip(), mode="eval").body
-            if not isinstance(tree, ast.List) or not tree.elts:
+            tree = ast.parse(source, mode="eval").body
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            nodes = cls._parsable_calls(source)
+        else:
+            if not isinstance(tree, ast.List) or not all(
+                isinstance(n, ast.Call) for n in tree.elts
+            ):
                 return None
-            calls = []
-            for node in tree.elts:
-                if (
-                    not isinstance(node, ast.Call)
-                    or not isinstance(node.func, ast.Name)
-                    or node.args
-                    or any(kw.arg is None for kw in node.keywords)
-                ):
-                    return None
-                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-                calls.append(ToolCall(node.func.id, _arguments_text(arguments)))
-            return calls
-        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            nodes = tree.elts
+        calls = [call for node in nodes if (call := cls._call(node)) is not None]
+        return calls or None
+
+    @classmethod
+    def _parsable_calls(cls, source: str) -> list[ast.expr]:
+        """The calls of a list that is no Python as a whole which are, each alone."""
+        if not (source.startswith("[") and source.endswith("]")):
+            return []
+        pieces = cls._CALL_BOUNDARY.split(source[1:-1])
+        nodes: list[ast.expr] = []
+        for i, piece in enumerate(pieces):
+            try:
+                node = ast.parse(piece if i == len(pieces) - 1 else piece + ")", mode="eval")
+            except (SyntaxError, ValueError, MemoryError, RecursionError):
+                continue
+            if isinstance(node.body, ast.Call):
+                nodes.append(node.body)
+        return nodes
+
+    @staticmethod
+    def _call(node: ast.expr) -> ToolCall | None:
+        """The call ``node`` is, of keyword arguments of literal values that have JSON text."""
+        if (
+            not isinstance(node, ast.Call)
+            or not isinstance(node.func, ast.Name)
+            or node.args
+            or any(kw.arg is None for kw in node.keywords)
+        ):
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            return ToolCall(node.func.id, _arguments_text(arguments))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return None
 
 
@@ -562,8 +636,9 @@ class MistralReader(CallsAfterTag):
     ``NAME[ARGS]{...}``, one call per ``[TOOL_CALLS]``, as v11 and later (Mistral Small 3.2,
     Devstral, Magistral). Text before the first tag streams as content (less what may begin
     it); what follows is read when the output ends, each call one delta then; from the first
-    tag whose text is no call (cut short by ``max_tokens``), the rest is content as written.
-    Each call's id is 9 letters and digits, the only ids Mistral's chat templates take back."""
+    tag whose text is no call (cut short by ``max_tokens``), the rest is content: as written
+    for v11's form, less the tag and the whitespace around for the JSON form (vLLM's). Each
+    call's id is 9 letters and digits, the only ids Mistral's chat templates take back."""
 
     TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
@@ -575,7 +650,8 @@ class MistralReader(CallsAfterTag):
             calls = self._segment_calls(segment)
             if calls is None:  # cut short (max_tokens) or not a call: content from here
                 deltas = [call.delta(n) for n, call in enumerate(self.calls)]
-                return self.TAG + self.TAG.join(segments[i:]), deltas
+                rest = self.TAG.join(segments[i:])
+                return (self.TAG + rest if self.ARGS in segment else rest.strip()), deltas
             self.calls += calls
         return "", [call.delta(n) for n, call in enumerate(self.calls)]
 
@@ -588,7 +664,7 @@ class MistralReader(CallsAfterTag):
             if args:
                 items = [{"name": name.strip(), "arguments": json.loads(arguments)}]
             else:
-                items = json.loads(segment)
+                items = _leading_json(segment)
                 items = items if isinstance(items, list) else [items]
             calls = []
             for item in items:
@@ -606,34 +682,48 @@ class MistralReader(CallsAfterTag):
         return calls or None
 
 
-class MarkedCallsReader(CallsAfterTag):
-    """Calls in a section that opens with ``TAG`` (and may close with ``END``), one ``CALL``
-    ... ``CALL_END`` block per call, each read by the subclass's ``_call``; the markers are
-    special tokens. Text before the section streams as content (less what may begin it);
-    the calls are read when the output ends, each one delta then; from the first block that
-    is no call (cut short by ``max_tokens``), the rest is content as written."""
+def _leading_json(text: str) -> Any:
+    """The JSON value ``text`` begins with, text after it passed over; else the widest
+    ``[{...}]`` in it (vLLM's pre-v11 Mistral parser reads the calls so). ValueError where
+    neither is JSON."""
+    text = text.strip()
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except ValueError:
+        start, end = text.find("[{"), text.rfind("}]")
+        if start < 0 or end < start + 2:
+            raise
+        return json.loads(text[start : end + 2])
 
-    END = CALL = CALL_END = ""
+
+class MarkedCallsReader(CallsAfterTag):
+    """Calls in a section that opens with ``TAG`` (and may close with an end marker), one
+    ``CALL`` ... ``CALL_END`` block per call, each read by the subclass's ``_call``; the
+    markers are special tokens. Text before the section streams as content (less what may
+    begin it); the calls are read when the output ends, each one delta then. As vLLM's
+    parsers, a block that is no call (or is cut short by ``max_tokens``) is passed over, and
+    the content is the text before the section: what follows it, its end marker too, is
+    not; a section without a call is content as written."""
+
+    CALL = CALL_END = ""
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._tail is None:
             return self._unread(), []
-        tail, read = self._tail, 0  # read: where the text not read as calls begins
-        while True:
-            at = len(tail) - len(tail[read:].lstrip())
-            end = tail.find(self.CALL_END, at)
-            if not tail.startswith(self.CALL, at) or end < 0:
-                break
-            call = self._call(tail[at + len(self.CALL) : end])
-            if call is None:
-                break
-            self.calls.append(call)
-            read = end + len(self.CALL_END)
+        for block in self._blocks(self._tail):
+            call = self._call(block)
+            if call is not None:
+                self.calls.append(call)
         if not self.calls:
-            return self.TAG + tail, []
-        rest = tail[read:]
-        deltas = [call.delta(n) for n, call in enumerate(self.calls)]
-        return ("" if rest.strip() in ("", self.END) else rest), deltas
+            return self.TAG + self._tail, []
+        return "", [call.delta(n) for n, call in enumerate(self.calls)]
+
+    @classmethod
+    def _blocks(cls, section: str) -> list[str]:
+        """The text of each ``CALL`` ... ``CALL_END`` block; one that another ``CALL`` or
+        the output's end cuts short is none."""
+        cut = [piece.partition(cls.CALL_END) for piece in section.split(cls.CALL)[1:]]
+        return [block for block, end, _ in cut if end]
 
     @classmethod
     def _call(cls, block: str) -> ToolCall | None:
@@ -646,7 +736,6 @@ class DeepSeekReader(MarkedCallsReader):
     JSON block of arguments, V3.1's ``NAME<｜tool▁sep｜>{...}``."""
 
     TAG = "<｜tool▁calls▁begin｜>"
-    END = "<｜tool▁calls▁end｜>"
     CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
     _V3 = re.compile(r"function" + SEP + r"([^\n]+)\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
 
@@ -668,19 +757,26 @@ class KimiK2Reader(MarkedCallsReader):
     id is the text before its arguments, ``functions.NAME:N``, which Kimi's chat template
     writes back in the call and in the tool's answer."""
 
-    TAG, END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    TAG = "<|tool_calls_section_begin|>"
     CALL, CALL_END, ARGS = (
         "<|tool_call_begin|>",
         "<|tool_call_end|>",
         "<|tool_call_argument_begin|>",
     )
 
+    _ID = re.compile(r"(?:functions\.)?(.+):\d+")
+
     @classmethod
     def _call(cls, block: str) -> ToolCall | None:
+        """The block's call; arguments that are no JSON object are kept as written (vLLM's
+        parser passes them on), a call whose id is not ``NAME:N`` is none."""
         call_id, args, arguments = block.partition(cls.ARGS)
         call_id = call_id.strip()
-        name = call_id.removeprefix("functions.").rpartition(":")[0]
-        return _object_call(name, arguments, call_id) if args and name else None
+        valid = cls._ID.fullmatch(call_id)
+        if not args or valid is None:
+            return None
+        name = valid.group(1)
+        return _object_call(name, arguments, call_id) or ToolCall(name, arguments.strip(), call_id)
 
 
 def _object_call(name: str, arguments: str, call_id: str | None = None) -> ToolCall | None:

@@ -84,9 +84,9 @@ def test_a_deepseek_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
 
     assert read(V3) == ("Checking.", BOTH)
     assert read(V31) == ("", BOTH)
-    # A later call cut short (max_tokens): the calls before it, then the rest as content.
+    # A later call cut short (max_tokens): the calls before it, as vLLM reads them.
     cut = V31[: V31.rindex(CALL_END)]
-    assert read(cut) == (f"{CALL}get_time{SEP}{{}}", BOTH[:1])
+    assert read(cut) == ("", BOTH[:1])
     broken = f"{BEGIN}{CALL}get_weather{SEP}{{city: Oslo}}{CALL_END}"
     assert read(broken) == (broken, [])
     assert read(f"{BEGIN}{CALL}{SEP}{{}}{CALL_END}")[1] == []  # no name: no call
@@ -114,8 +114,39 @@ def test_kimi_k2_calls_are_read_with_their_ids(client):
         assert ids == ["functions.get_weather:0", "functions.get_time:1"]
     for step in (1, 7, 1000):
         assert read_in_pieces(KimiK2Reader(), text, step) == ("Checking.", BOTH)
-        cut = text[: text.rindex(k_call_end)]  # the last call cut short: content
-        assert read_in_pieces(KimiK2Reader(), cut, step) == (
-            f"Checking.{k_call}functions.get_time:1{k_args}{{}}",
-            BOTH[:1],
-        )
+        cut = text[: text.rindex(k_call_end)]  # the last call cut short: passed over
+        assert read_in_pieces(KimiK2Reader(), cut, step) == ("Checking.", BOTH[:1])
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_the_content_is_the_text_before_the_calls_and_bad_blocks_are_passed_over(step):
+    """As vLLM's parsers (test_extract_tool_calls_with_multiple_tools): the section's end
+    marker and any text after it are not content; a block that is no call does not drop
+    the calls after it."""
+    bad = f"{CALL}bad{SEP}{{x: 1}}{CALL_END}"
+    text = f"some prefix text{BEGIN}{V31[len(BEGIN) :]} some suffix text"
+    text = text.replace(CALL, bad + CALL, 1)
+    assert read_in_pieces(DeepSeekReader(), text, step) == ("some prefix text", BOTH)
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_a_bad_kimi_k2_call_keeps_the_others_and_no_marker_is_content(step):
+    """vLLM's test_invalid_json_still_extracted and test_invalid_funcall_id_skipped: arguments
+    that are no JSON are kept as written, a call whose id is not NAME:N is none, and the
+    calls after either are read; the content is the text before the section."""
+    k_begin, k_end, k_call, k_call_end, k_args = KIMI
+
+    def call(call_id: str, arguments: str) -> str:
+        return f"{k_call}{call_id} {k_args}{arguments}{k_call_end}"
+
+    text = (
+        f"Help. {k_begin}"
+        + call("functions.bad:0", '{"city": "Oslo"')
+        + call("functions.invalid.1", '{"city": "Oslo"}')
+        + call("functions.get_weather:2", '{"city": "Oslo"}')
+        + f"{k_end} Done."
+    )
+    assert read_in_pieces(KimiK2Reader(), text, step) == (
+        "Help. ",
+        [("bad", '{"city": "Oslo"'), BOTH[0]],
+    )

@@ -121,9 +121,28 @@ def test_a_mistral_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     assert read_in_pieces("[TOOL_CALL", step) == ("[TOOL_CALL", [])
     assert read_in_pieces("No calls.", step) == ("No calls.", [])
     assert read_in_pieces('[TOOL_CALLS][{"name": "f"}]', step) == ("", [("f", "{}")])
-    assert read_in_pieces('[TOOL_CALLS][{"name": ""}]', step) == ('[TOOL_CALLS][{"name": ""}]', [])
+    assert read_in_pieces('[TOOL_CALLS][{"name": ""}]', step) == ('[{"name": ""}]', [])
     assert read_in_pieces("[TOOL_CALLS]f[ARGS][1]", step) == ("[TOOL_CALLS]f[ARGS][1]", [])
     # A later call cut short (max_tokens): the calls before it, then the rest as content.
     cut = V11[: V11.rindex("[ARGS]") + len("[ARGS]")]
     assert read_in_pieces(cut, step) == ("[TOOL_CALLS]get_time[ARGS]", [CALL])
-    assert read_in_pieces(V11[: V11.rindex("get_time")], step) == ("[TOOL_CALLS]", [CALL])
+    assert read_in_pieces(V11[: V11.rindex("get_time")], step) == ("", [CALL])
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_a_pre_v11_array_is_read_as_vllm_reads_it(step):
+    """vLLM's test_extract_tool_calls_pre_v11_tokenizer[trailing_data_after_json] and
+    _regex_fallback(_fails): text after the array, or junk around it, does not lose the
+    calls (nor is it content); text after the tag that holds no calls is content without
+    the tag."""
+    array = ARRAY.removeprefix("Checking.[TOOL_CALLS]")
+    trailing = f"[TOOL_CALLS] {array}\nextra trailing data"
+    assert read_pieces(MistralReader(), trailing, step) == ("", [CALL])
+    junk = f"Hi[TOOL_CALLS]  junk {array} trail"
+    assert read_pieces(MistralReader(), junk, step) == ("Hi", [CALL])
+    assert read_pieces(MistralReader(), "[TOOL_CALLS] not json at all", step) == (
+        "not json at all",
+        [],
+    )
+    cut = f"[TOOL_CALLS] {array[:-5]}"  # max_tokens
+    assert read_pieces(MistralReader(), cut, step) == (array[:-5], [])

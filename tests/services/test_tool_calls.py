@@ -26,7 +26,6 @@ from weir.services.gateway.tool_calls import (
     DeepSeekReader,
     HermesReader,
     JsonCallReader,
-    KimiK2Reader,
     Llama3JsonReader,
     MistralReader,
     NamedCallReader,
@@ -639,9 +638,41 @@ def test_qwen3_coder_values_are_read_by_their_schema_types():
     assert json.loads(bad.arguments) == {"i": "many"}  # not an integer: the text as written
     # A client's schema that is no schema (properties not an object, a property a string)
     # leaves its values untyped rather than failing the response.
-    for odd in ({"f": "x"}, {"f": {"i": "integer"}}, {"f": {"i": {"type": ["integer", "null"]}}}):
+    for odd in ({"f": "x"}, {"f": {"i": "integer"}}, {"f": {"i": {"anyOf": "integer"}}}):
         call = xml_call(odd, "<function=f><parameter=i>\n4\n</parameter></function>")
         assert json.loads(call.arguments) == {"i": "4"}
+
+
+def test_qwen3_coder_and_minimax_m2_values_are_read_by_nullable_and_union_types():
+    """Pydantic writes an Optional[T] field as anyOf T and null, or as a list of types: a
+    value is read as the first of the types, null aside, that it is text of (vLLM's
+    test_extract_tool_calls_anyof_type_conversion; "float" as some clients write it)."""
+    properties = {
+        "f": {
+            "i": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 5},
+            "s": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "a": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+            "o": {"oneOf": [{"type": "object"}, {"type": "null"}]},
+            "l": {"type": ["integer", "null"]},
+            "m": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
+            "n": {"anyOf": [{"type": "integer"}, {"type": "object"}]},
+            "x": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "b": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+            "f": {"type": "float"},
+            "z": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        }
+    }
+    values = {"i": "5", "s": "hello", "a": '["a", "b"]', "o": '{"k": "v", "c": 42}',
+              "l": "42", "m": "42", "n": '{"k": 1}', "x": "many", "b": "true", "f": "3.14",
+              "z": "null"}  # fmt: skip
+    expected = {"i": 5, "s": "hello", "a": ["a", "b"], "o": {"k": "v", "c": 42}, "l": 42,
+                "m": "42", "n": {"k": 1}, "x": "many", "b": True, "f": 3.14, "z": None}  # fmt: skip
+    qwen = "".join(f"<parameter={k}>{v}</parameter>" for k, v in values.items())
+    call = xml_call(properties, f"<function=f>{qwen}</function>")
+    assert json.loads(call.arguments) == expected
+    minimax = "".join(f'<parameter name="{k}">{v}</parameter>' for k, v in values.items())
+    [call] = minimax_calls(properties, f'<invoke name="f">{minimax}</invoke>')
+    assert json.loads(call.arguments) == expected
 
 
 def test_auto_reads_glm45_calls_out_of_the_text(server):
@@ -737,8 +768,6 @@ def test_minimax_m2_blocks_hold_invokes_only():
 
 
 DEEP = "[" * 100_000  # past the JSON parser's depth
-KIMI_CALL = "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
-KIMI_ARGS = "<|tool_call_argument_begin|>"
 
 
 @pytest.mark.parametrize(
@@ -752,15 +781,15 @@ KIMI_ARGS = "<|tool_call_argument_begin|>"
             DeepSeekReader,
             "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
         ),
-        (KimiK2Reader, KIMI_CALL + KIMI_ARGS + "{}<|tool_call_end|>"),
     ],
-    ids=["hermes", "llama3_json", "mistral", "mistral_v11", "deepseek", "kimi_k2"],
+    ids=["hermes", "llama3_json", "mistral", "mistral_v11", "deepseek"],
 )
 @pytest.mark.parametrize("arguments", [DEEP, '{"a": Infinity}'], ids=["deep", "infinity"])
 def test_arguments_json_has_no_text_for_are_no_call_and_no_error(reader, template, arguments):
     """A model may write arguments nested past the parser's depth or a number JSON has no
     text for (a client's constraint can make it): the reader returns no call, not an error
-    that would end the response."""
+    that would end the response (Kimi K2's reader keeps such arguments as written, as
+    vLLM's does: test_deepseek_tool_calls)."""
     content, calls = read_in_pieces(reader(), template.format(arguments), 100_000)
     assert calls == [] and content
 
@@ -773,9 +802,13 @@ def test_glm45_values_are_json_then_python_literals_then_text():
         f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in values.items()
     )
     assert json.loads(glm_call(properties, block).arguments) == {
-        "s": "[1]", "j": {"k": [1, None]}, "p": {"k": [1, True, None]}, "t": "two words",
+        "s": " [1] ", "j": {"k": [1, None]}, "p": {"k": [1, True, None]}, "t": "two words",
         "n": "1e400", "e": "...", "b": False,  # n: past JSON's range; e: no JSON text
     }  # fmt: skip
+    # A string keeps its whitespace, as vLLM's test_whitespace_preserved_in_arg_values
+    # has it: the indent of code the model writes.
+    code = "f\n<arg_key>s</arg_key>\n<arg_value>    indented code    </arg_value>\n"
+    assert json.loads(glm_call(properties, code).arguments) == {"s": "    indented code    "}
     assert json.loads(glm_call({}, " ping \n").arguments) == {}  # no arguments
     assert glm_call({}, "f stray<arg_key>a</arg_key><arg_value>1</arg_value>") is None
     assert glm_call({}, "f<arg_key>a</arg_key><arg_value>1</arg_value> and more") is None
@@ -811,6 +844,14 @@ def test_a_pythonic_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     assert read("[]") == ("[]", [])
     assert read("Hi [f(a=1)]") == ("Hi [f(a=1)]", [])
     assert read("<|python_s") == ("<|python_s", [])
+    # As vLLM's parser (test_bad_sibling_call_does_not_drop_good_calls and others): a call
+    # with no JSON text for its arguments, or that is no Python, does not drop the others.
+    good = ("g", '{"c": "X"}')
+    assert read("[bad(x=b'z'), g(c='X')]") == ("", [good])
+    assert read("[calc(x=1e999), g(c='X'), h(1)]") == ("", [good])
+    assert read("[g(c='X'), f(a='x 'y', b='z')]") == ("", [good])
+    for text in ("[f(a='x 'y' 'z), g(b='p 'q' 'r)]", "[foo(x=1])]", "[g(c='X'), 2]"):
+        assert read(text) == (text, [])
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
@@ -878,6 +919,21 @@ def test_a_hermes_text_streamed_in_any_pieces_reads_as_it_does_whole(step):
     ]
     if step == 1:  # content streams as it comes, less what may begin a tag
         assert content[:6] == ["a", " ", "", "<b", ">", " "]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_hermes_arguments_written_as_a_json_string_of_an_object_are_that_object(step):
+    """vLLM's test_hermes_parser_non_streaming_serialized_arguments: Granite 4 writes the
+    arguments serialized, which must not reach the client encoded twice; any other string
+    (not JSON, or JSON of no object) stays the string it is."""
+
+    def read(arguments: str):
+        block = json.dumps({"name": "f", "arguments": arguments})
+        return read_in_pieces(HermesReader(), f"<tool_call>{block}</tool_call>", step)
+
+    assert read('{"param": "max_connections"}') == ("", [("f", '{"param": "max_connections"}')])
+    for plain in ("hello", "{hello world}", "[oops", '{"a": 1} tail text', "[1]", "3"):
+        assert read(plain) == ("", [("f", json.dumps(plain))])
 
 
 def test_a_hermes_call_without_its_end_tag_is_read_at_the_end():
