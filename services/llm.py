@@ -59,8 +59,12 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str | None
-    # With ``SamplingParams.prompt_logprobs``: each prompt token's logprob (None for the first).
-    prompt_logprobs: list[float | None] | None = None
+    # The prompt's text as given (vLLM's ``RequestOutput.prompt``); None for token ids or a
+    # chat.
+    prompt: str | None = None
+    # With ``SamplingParams.prompt_logprobs``: per prompt token, the logprob of it and of the
+    # most likely ones there, by token id (vLLM's; None for the first, which nothing predicts).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # With ``SamplingParams.logprobs``: per output token, the logprob of it and of the most
     # likely ones, by token id (vLLM's ``CompletionOutput.logprobs``).
     logprobs: list[dict[int, float]] | None = None
@@ -78,6 +82,11 @@ class Completion:
     def outputs(self) -> list[Completion]:
         """vLLM's ``RequestOutput.outputs``: the prompt's samples (this one alone for n=1)."""
         return [self] if self.samples is None else self.samples
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's ``RequestOutput.finished``: an ``LLM`` returns finished requests only."""
+        return True
 
 
 class LLM:
@@ -134,15 +143,15 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
         lora_name: str | Sequence[str | None] | None = None,
         use_tqdm: UseTqdm = True,
     ) -> list[Completion]:
         """One ``Completion`` per prompt, in prompt order; a prompt is text, token ids, chat
         messages (``[{"role": "user", "content": "..."}]``) or vLLM's prompt dicts
         (``{"prompt": text}``, ``{"prompt_token_ids": ids}``). If one fails, the call
-        raises its error and the others are aborted. ``priority``: one per prompt, lower
-        first (with ``policy="priority"``). ``lora_name``: the LoRA adapter (of
+        raises its error and the others are aborted. ``priority``: one for every prompt or
+        one per prompt, lower first (with ``policy="priority"``). ``lora_name``: the LoRA adapter (of
         ``lora_modules``) of every prompt, or one per prompt (None: the base model).
         ``use_tqdm`` (vLLM's, as every batch method here): a progress bar on stderr, or
         the tqdm-like class that makes it."""
@@ -162,7 +171,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
         lora_name: str | Sequence[str | None] | None = None,
         use_tqdm: UseTqdm = True,
     ) -> list[Completion]:
@@ -186,7 +195,7 @@ class LLM:
         self,
         prompts: list[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        priority: Sequence[int] | None,
+        priority: int | Sequence[int] | None,
         lora_name: str | Sequence[str | None] | None,
         chat: dict[str, Any],
         use_tqdm: UseTqdm,
@@ -201,7 +210,10 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompts)
+        else:
+            priorities = list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         if lora_name is None or isinstance(lora_name, str):
@@ -439,7 +451,12 @@ async def _generate_one(
     if params.logprobs is not None:
         completion.logprobs = []
     texts = []
-    stream = client.generate(prompt, params, priority=priority, lora_name=lora_name, **chat)
+    if isinstance(prompt, str):
+        completion.prompt = prompt
+    # vLLM's offline LLM cuts a max_tokens past max_model_len to what fits (its API refuses).
+    stream = client.generate(
+        prompt, params, priority=priority, lora_name=lora_name, cap_max_tokens=True, **chat
+    )
     async for out in stream:
         if started is not None:
             started.set()
@@ -449,7 +466,14 @@ async def _generate_one(
         if out.num_cached_tokens is not None:
             completion.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
-            completion.prompt_logprobs = [row[0] for row in out.prompt_logprobs["logprobs"]]
+            prompt_rows = zip(
+                out.prompt_logprobs["token_ids"], out.prompt_logprobs["logprobs"], strict=True
+            )
+            # The first row is the first prompt token's, whose logprob is None.
+            completion.prompt_logprobs = [
+                None if lps[0] is None else dict(zip(ids, lps, strict=True))
+                for ids, lps in prompt_rows
+            ]
         if out.logprobs is not None and completion.logprobs is not None:
             rows = zip(out.logprobs["token_ids"], out.logprobs["logprobs"], strict=True)
             completion.logprobs += [dict(zip(ids, lps, strict=True)) for ids, lps in rows]

@@ -132,6 +132,12 @@ class EmbeddingOutput:
     prompt_token_ids: list[int]
 
     @property
+    def outputs(self) -> EmbeddingOutput:
+        """vLLM's ``EmbeddingRequestOutput.outputs`` (``out.outputs.embedding``): this output
+        itself, so that code written for vLLM reads it too."""
+        return self
+
+    @property
     def embedding(self) -> list[float]:
         return list(np.frombuffer(self.data, dtype="<f4").tolist())
 
@@ -147,6 +153,12 @@ class ClassificationOutput:
     prompt_token_ids: list[int]
 
     @property
+    def outputs(self) -> ClassificationOutput:
+        """vLLM's ``ClassificationRequestOutput.outputs`` (``out.outputs.probs``): this output
+        itself, so that code written for vLLM reads it too."""
+        return self
+
+    @property
     def probs(self) -> list[float]:
         return list(np.frombuffer(self.data, dtype="<f4").tolist())
 
@@ -160,6 +172,12 @@ class ScoreOutput:
     request_id: str
     score: float
     prompt_token_ids: list[int]
+
+    @property
+    def outputs(self) -> ScoreOutput:
+        """vLLM's ``ScoringRequestOutput.outputs`` (``out.outputs.score``): this output
+        itself, so that code written for vLLM reads it too."""
+        return self
 
 
 def _chat_texts(prompt: Prompt) -> Prompt:
@@ -332,6 +350,7 @@ class AsyncWeirClient:
         continue_final_message: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        cap_max_tokens: bool = False,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration.
         ``priority``: lower is served first by a server started with ``--policy priority``
@@ -341,13 +360,23 @@ class AsyncWeirClient:
         ``continue_final_message`` renders that message open for the model to go on with
         (vLLM's chat fields). ``cache_salt``: the prompt's cached KV blocks are shared only
         with requests of the same salt (vLLM's; one per tenant). ``lora_name``: the LoRA
-        adapter (of the server's ``--lora-modules``) the request runs through."""
+        adapter (of the server's ``--lora-modules``) the request runs through.
+        ``cap_max_tokens``: a ``max_tokens`` that does not fit ``max_model_len`` after the
+        prompt is cut to what does (the output ends there, "length"), as vLLM's offline
+        ``LLM``, instead of refused as its API refuses it."""
         chat = _chat_args(
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
         await self._wait_until_left(request_id)
         with self._open_stream(
-            prompt, sampling_params, request_id, priority, chat, cache_salt, lora_name
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            chat,
+            cache_salt,
+            lora_name,
+            cap_max_tokens=cap_max_tokens,
         ) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
@@ -367,6 +396,7 @@ class AsyncWeirClient:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         queued_with: str | None = None,
+        cap_max_tokens: bool = False,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
@@ -385,6 +415,7 @@ class AsyncWeirClient:
             cache_salt,
             lora_name,
             queued_with=queued_with,
+            cap_max_tokens=cap_max_tokens,
         ) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
@@ -731,6 +762,7 @@ class AsyncWeirClient:
         lora_name: str | None,
         pooling_params: PoolingParams | None = None,
         queued_with: str | None = None,
+        cap_max_tokens: bool = False,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -759,6 +791,7 @@ class AsyncWeirClient:
                 lora_name,
                 pooling_params,
                 queued_with,
+                cap_max_tokens,
             )
         )
         inbox = _Inbox()
@@ -1118,6 +1151,7 @@ class WeirClient:
         continue_final_message: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        cap_max_tokens: bool = False,
     ) -> Iterator[StreamOutput]:
         # In batches: one round trip to the loop thread per batch, not per output.
         for batch in self.generate_batches(
@@ -1131,6 +1165,7 @@ class WeirClient:
             continue_final_message=continue_final_message,
             cache_salt=cache_salt,
             lora_name=lora_name,
+            cap_max_tokens=cap_max_tokens,
         ):
             yield from batch
 
@@ -1147,6 +1182,7 @@ class WeirClient:
         continue_final_message: bool = False,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        cap_max_tokens: bool = False,
     ) -> Iterator[list[StreamOutput]]:
         self._check_open()
         stream = self._client.generate_batches(
@@ -1160,6 +1196,7 @@ class WeirClient:
             continue_final_message=continue_final_message,
             cache_salt=cache_salt,
             lora_name=lora_name,
+            cap_max_tokens=cap_max_tokens,
         )
         try:
             while True:

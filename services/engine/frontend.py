@@ -730,7 +730,9 @@ class ClientFrontend:
             return
         try:
             if msg.pooling_params is None:  # an embedding generates nothing
-                self._check_fits(len(prompt_ids), msg.sampling_params)
+                params = self._check_fits(len(prompt_ids), msg.sampling_params, msg.cap_max_tokens)
+                if params is not msg.sampling_params:
+                    msg = dataclasses.replace(msg, sampling_params=params)
         except ValueError as exc:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
@@ -914,10 +916,16 @@ class ClientFrontend:
         """Why the characters limit is what it is: the operator's, or ``derived``."""
         return "(its --max-prompt-chars)" if self._prompt_chars_given else derived
 
-    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """The prompt and the tokens asked for fit max_model_len (as vLLM's API refuses)."""
+    def _check_fits(
+        self, num_prompt_tokens: int, params: SamplingParams, cap_max_tokens: bool = False
+    ) -> SamplingParams:
+        """The prompt and the tokens asked for fit max_model_len (as vLLM's API refuses);
+        returns ``params``, with ``cap_max_tokens`` a max_tokens past it cut to the room left
+        (as vLLM's offline LLM: the output ends at max_model_len, "length")."""
         room = self.max_model_len - num_prompt_tokens
-        for name, wanted in (("max_tokens", params.max_tokens), ("min_tokens", params.min_tokens)):
+        capped = cap_max_tokens and params.max_tokens is not None and params.max_tokens > room
+        max_tokens = None if capped else params.max_tokens
+        for name, wanted in (("max_tokens", max_tokens), ("min_tokens", params.min_tokens)):
             if wanted is not None and wanted > room:
                 raise ValueError(
                     f"{name} is too large: this model's maximum context length is "
@@ -925,6 +933,7 @@ class ClientFrontend:
                     f"most {room} can be generated, but {name} is {wanted}; ask for at most "
                     f"{room} (a null max_tokens asks for as many as fit)"
                 )
+        return dataclasses.replace(params, max_tokens=room) if capped else params
 
     def _new_request(
         self,

@@ -7,9 +7,11 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 Client -> scheduler::
 
     generate   {request_id, prompt, sampling_params, priority?, cache_salt?, lora_name?,
-                pooling_params?, queued_with?, CHAT...}
+                pooling_params?, queued_with?, cap_max_tokens?, CHAT...}
                queued_with: the id of this client's request in flight whose arrival it takes
                (a choice of n > 1 sent once its first began queues with it)
+               cap_max_tokens: a max_tokens past max_model_len is cut to what fits, not
+               refused (vLLM's offline LLM)
                pooling_params {task?, dimensions?, normalize?, activation?, text_pair?}: a
                vector, not tokens (a server with the pooling runner): an embedding (task
                embed), a classifier's scores (classify), a cross-encoder's score of the
@@ -149,6 +151,9 @@ class GenerateRequest:
     # n > 1 after the first, sent once the first has begun so that they find its prompt
     # cached, queue with it, as vLLM's n choices do); unknown, it arrives now.
     queued_with: str | None = None
+    # A max_tokens that does not fit max_model_len after the prompt is cut to the room left
+    # (vLLM's offline LLM: the output ends at max_model_len) instead of refused (its API).
+    cap_max_tokens: bool = False
 
 
 @dataclass(slots=True)
@@ -369,6 +374,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["pooling_params"] = msg.pooling_params.to_dict()
         if msg.queued_with is not None:
             fields["queued_with"] = msg.queued_with
+        if msg.cap_max_tokens:
+            fields["cap_max_tokens"] = True
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)
@@ -433,6 +440,7 @@ _CLIENT_FIELDS = {
         "lora_name",
         "pooling_params",
         "queued_with",
+        "cap_max_tokens",
         *_CHAT_FIELDS,
     },
     "abort": {"request_id"},
@@ -621,6 +629,11 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         raise ClientProtocolError(
             INVALID_REQUEST, f"queued_with must be a request id, got {_short(queued_with)}", raw_id
         )
+    cap_max_tokens = data.get("cap_max_tokens", False)
+    if type(cap_max_tokens) is not bool:
+        raise ClientProtocolError(
+            INVALID_REQUEST, f"cap_max_tokens must be a bool, got {_short(cap_max_tokens)}", raw_id
+        )
     chat = _chat_args(data, prompt, raw_id)
     return GenerateRequest(
         raw_id,
@@ -632,6 +645,7 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         lora_name,
         pooling_params,
         queued_with,
+        cap_max_tokens,
     )
 
 

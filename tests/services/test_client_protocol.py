@@ -45,6 +45,7 @@ def test_round_trip_of_every_client_message():
             for pooling in (PoolingParams(), PoolingParams(64, False))
         ),
         client_protocol.GenerateRequest("w", "hi", SamplingParams(), queued_with="r-0"),
+        client_protocol.GenerateRequest("c", "hi", SamplingParams(), cap_max_tokens=True),
     ):
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
@@ -218,6 +219,14 @@ def test_round_trip_of_server_messages():
                 "queued_with must be a request id",
             )
             for bad in (1, "", "a\x00b", "x" * 300, ["r-0"])
+        ),
+        *(
+            (
+                frame(type="generate", request_id="x", prompt="hi", cap_max_tokens=bad),
+                client_protocol.INVALID_REQUEST,
+                "cap_max_tokens must be a bool",
+            )
+            for bad in (1, "yes", None, [True])
         ),
         (
             frame(
@@ -448,6 +457,17 @@ def test_tiny_temperatures_are_greedy_and_max_tokens_may_be_left_to_the_server()
     assert SamplingParams(temperature=1e-5).temperature == 1e-5
     params = SamplingParams(max_tokens=None, min_tokens=5)
     assert SamplingParams.from_dict(params.to_dict()) == params
+
+
+def test_cap_max_tokens_is_sent_only_when_set_and_a_message_without_it_decodes():
+    """An older peer's generate message, which has no cap_max_tokens, decodes as one that
+    does not cap (a max_tokens past max_model_len is refused, as before)."""
+    sent = frame(type="generate", request_id="r", prompt="hi", sampling_params={})
+    assert client_protocol.decode_client_message(sent).cap_max_tokens is False
+    plain = client_protocol.GenerateRequest("r", "hi", SamplingParams())
+    assert "cap_max_tokens" not in msgpack.unpackb(client_protocol.encode_client_message(plain))
+    capped = client_protocol.GenerateRequest("r", "hi", SamplingParams(), cap_max_tokens=True)
+    assert msgpack.unpackb(client_protocol.encode_client_message(capped))["cap_max_tokens"]
 
 
 def test_health_stream_ids_must_be_strings():

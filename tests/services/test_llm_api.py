@@ -8,13 +8,21 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from serving_helpers import exit_code_of_a_fork, hf_greedy, read_metrics
 
 from weir.services import LLM, Completion
 from weir.shared.beam_search import BeamSearchParams
-from weir.shared.client import InvalidRequestError, WeirError
+from weir.shared.client import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    InvalidRequestError,
+    ScoreOutput,
+    WeirClient,
+    WeirError,
+)
 from weir.shared.sampling import SamplingParams
 
 MODEL = "tiny-llama"
@@ -130,6 +138,60 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
     want = sum(ref[len(prompts[1]) - 1 + i, t].item() for i, t in enumerate(scored.token_ids))
     assert scored.cumulative_logprob == pytest.approx(want, abs=1e-4)
     assert completions[1].cumulative_logprob is None
+
+
+def test_llm_cuts_max_tokens_at_the_context_and_takes_one_priority_for_every_prompt(
+    tiny_model_dir,
+):
+    """vLLM's offline LLM: a max_tokens past max_model_len ends the output there ("length",
+    the tokens of the max_tokens that fits) instead of failing the batch; the SDK refuses it
+    (as the HTTP API) unless asked to cap. One priority number is every prompt's (vLLM's)."""
+    max_model_len = 48
+    prompts = ["Hello there", list(range(5, 25))]
+    beyond = SamplingParams(max_tokens=max_model_len + 10, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(tiny_model_dir),
+        max_model_len=max_model_len,
+        policy="priority",
+        kv_cache_memory="1MiB",
+    ) as llm:
+        capped = llm.generate(prompts, beyond, priority=1, use_tqdm=False)
+        chat = [{"role": "user", "content": "Hi"}]
+        [capped_chat] = llm.chat(chat, beyond, priority=-1, use_tqdm=False)
+        rooms = [max_model_len - len(c.prompt_token_ids) for c in capped]
+        fitting = llm.generate(
+            prompts, [replace(beyond, max_tokens=room) for room in rooms], use_tqdm=False
+        )
+        with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+            llm.generate(prompts, beyond, priority=[1], use_tqdm=False)
+        with pytest.raises(InvalidRequestError, match="min_tokens is too large"):
+            llm.generate(
+                prompts[0], replace(beyond, min_tokens=max_model_len), priority=1, use_tqdm=False
+            )
+        with WeirClient(llm.server_info["client_address"]) as client:
+            with pytest.raises(InvalidRequestError, match="max_tokens is too large"):
+                list(client.generate(prompts[0], beyond))
+            sdk = client.generate(prompts[0], beyond, cap_max_tokens=True)
+            sdk_tokens = [t for out in sdk for t in out.new_token_ids]
+    assert len(capped_chat.prompt_token_ids) < max_model_len
+    for c in (*capped, capped_chat):
+        assert len(c.prompt_token_ids) + len(c.token_ids) == max_model_len
+        assert c.finish_reason == "length" and c.finished
+    assert [c.token_ids for c in capped] == [c.token_ids for c in fitting]
+    assert sdk_tokens == capped[0].token_ids
+    # vLLM's RequestOutput.prompt: the text as given, None for token ids.
+    assert [c.prompt for c in capped] == ["Hello there", None] and capped_chat.prompt is None
+
+
+def test_pooling_outputs_read_as_vllms_too():
+    """vLLM's pooling outputs hold their result in ``outputs``: ``out.outputs.embedding``."""
+    data = np.array([0.5, -1.0], dtype="<f4").tobytes()
+    embedding = EmbeddingOutput("e", data, [1, 2])
+    classification = ClassificationOutput("c", data, [1, 2])
+    score = ScoreOutput("s", 0.25, [1, 2])
+    assert embedding.outputs.embedding == embedding.embedding == [0.5, -1.0]
+    assert classification.outputs.probs == classification.probs == [0.5, -1.0]
+    assert score.outputs.score == score.score == 0.25
 
 
 def _refused_in_a_fork(llm: LLM, params: SamplingParams) -> None:

@@ -84,10 +84,18 @@ def test_prompt_logprobs_through_chunks_preemption_and_the_prefix_cache(
 
 
 def test_prompt_logprobs_reach_the_sdk_with_the_first_token_none(tiny_model_dir, tiny_hf_model):
+    """vLLM's rows: per prompt token after the first, {token id: logprob} of it and of the
+    TOP likeliest there."""
     prompt = [5, 900, 17, 3000, 42, 7, 7, 7]
-    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP)
     with LLM(str(tiny_model_dir), kv_cache_memory="1MiB") as llm:
         [completion] = llm.generate(prompt, params)
-    want, _, _ = _reference(tiny_hf_model, prompt)
-    assert completion.prompt_logprobs[0] is None
-    assert completion.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    want, want_top, _ = _reference(tiny_hf_model, prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny_hf_model(torch.tensor([prompt])).logits[0].double(), -1)
+    first, *rows = completion.prompt_logprobs
+    assert first is None and len(rows) == len(prompt) - 1
+    assert [row[token] for row, token in zip(rows, prompt[1:])] == pytest.approx(want, abs=1e-4)
+    for i, (row, token, top) in enumerate(zip(rows, prompt[1:], want_top)):
+        assert set(row) == {token, *top}
+        assert [row[t] for t in top] == pytest.approx([ref[i, t].item() for t in top], abs=1e-4)
