@@ -6,10 +6,10 @@ computed lazily into ``request.block_hashes`` and registered in the prefix cache
 only once their KV has been computed (``cache_blocks`` after a step), so a hit
 never points at KV that a preempted or aborted step did not write.
 
-Meanwhile the blocks a planned step computes are ``pending``: a waiting request whose
-next block is one of them is admitted a step later, to hit it, rather than compute the
-same prefix again beside it (a burst of prompts sharing a system prompt computes it once;
-vLLM shares such blocks within the step itself).
+Meanwhile the first block of each prefill chunk a planned step computes is ``pending``:
+a waiting request whose next block is one of them is admitted a step later, to hit it,
+rather than compute the same prefix again beside it (a burst of prompts sharing a system
+prompt computes it once; vLLM shares such blocks within the step itself).
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ class KVCacheManager:
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         self.pool = BlockPool(cache_config.num_blocks)
         self.long_prompt_threshold = cache_config.long_prompt_threshold
-        # Hashed full blocks that planned steps compute and no step has cached yet: the
-        # request computing each, and the block's index in it.
+        # The first hashed full block of each prefill chunk that planned steps compute, by
+        # hash: the request computing it and the block's index in it. An entry is stale
+        # once its request caches the block or stops running (``_still_pending``).
         self.pending: dict[bytes, tuple[Request, int]] = {}
+        self._pending_limit = 1024
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,13 +98,18 @@ class KVCacheManager:
         return hits
 
     def computes(self, request: Request, num_computed: int, num_new: int) -> None:
-        """Note the hashed full blocks (a prompt's, hashed by ``get_computed_blocks``) that
-        the step being planned completes for ``request`` as ``pending``."""
-        bs = self.block_size
-        hashes = request.block_hashes
-        end = min((num_computed + num_new) // bs, len(hashes))
-        for index in range(num_computed // bs, end):
-            self.pending.setdefault(hashes[index], (request, index))
+        """Note the first hashed full block (a prompt's, hashed by ``get_computed_blocks``)
+        that the step being planned computes for ``request`` as ``pending``: a request
+        sharing the prefix finds its hits end there (the blocks before are cached, or in
+        an earlier step still pending)."""
+        first = num_computed // self.block_size
+        if first < min((num_computed + num_new) // self.block_size, len(request.block_hashes)):
+            if len(self.pending) >= self._pending_limit:
+                self._drop_stale_pending()
+            block_hash = request.block_hashes[first]
+            held = self.pending.get(block_hash)
+            if held is None or not _still_pending(held):
+                self.pending[block_hash] = (request, first)
 
     def waits_for_pending(self, request: Request, num_hits: int) -> bool:
         """Whether the request's first block past its ``num_hits`` cached ones is one a
@@ -113,18 +120,18 @@ class KVCacheManager:
         if num_hits >= min(len(hashes), limit) or not self.looks_up(request):
             return False
         holder = self.pending.get(hashes[num_hits])
-        return (
-            holder is not None
-            and holder[0] is not request
-            and holder[0].status is RequestStatus.RUNNING
-        )
+        if holder is None:
+            return False
+        if not _still_pending(holder):
+            del self.pending[hashes[num_hits]]
+            return False
+        return holder[0] is not request
 
-    def _forget_pending(self, request: Request, start: int, end: int) -> None:
-        pending, hashes = self.pending, request.block_hashes
-        for index in range(start, min(end, len(hashes))):
-            holder = pending.get(hashes[index])
-            if holder is not None and holder[0] is request:
-                del pending[hashes[index]]
+    def _drop_stale_pending(self) -> None:
+        """Entries are dropped when found stale, or all stale ones at once when they add
+        up (each step adds at most one a prefill)."""
+        self.pending = {h: e for h, e in self.pending.items() if _still_pending(e)}
+        self._pending_limit = max(1024, 2 * len(self.pending))
 
     def num_blocks_to_admit(self, request: Request, hits: list[KVCacheBlock]) -> int:
         """Free blocks that admitting the request's whole remaining prompt consumes:
@@ -164,14 +171,15 @@ class KVCacheManager:
         cache_block = self.pool.cache_block
         for index in range(start, num_full):
             cache_block(block_ids[index], hashes[index])
-        if self.pending:
-            self._forget_pending(request, start, num_full)
         request.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (see ``BlockPool``)."""
-        if self.pending:
-            self._forget_pending(request, request.num_cached_blocks, len(request.block_hashes))
         self.pool.free(request.block_ids[::-1])
         request.block_ids = []
         request.num_cached_blocks = 0
+
+
+def _still_pending(entry: tuple[Request, int]) -> bool:
+    request, index = entry
+    return request.status is RequestStatus.RUNNING and request.num_cached_blocks <= index

@@ -264,5 +264,4 @@ def test_random_traffic(scenario):
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     assert all(block.ref_cnt == 0 for block in kv.pool.blocks)
-    assert kv.pending == {}, "a pending block outlived its request"
     assert scheduler.stats().num_running == 0
