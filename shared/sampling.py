@@ -58,7 +58,9 @@ def _float(name: str, value: Any) -> float:
 def sample_seed(seed: int | None, index: int) -> int | None:
     """The seed of sample ``index`` of a request's n (vLLM's ``seed + index``, wrapped into
     int64): the n samples differ, yet reproduce."""
-    return None if seed is None else (seed + index + 2**63) % 2**64 - 2**63
+    if seed is None or seed == -1:  # -1: unseeded, as vLLM's SamplingParams takes it
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 @dataclass(slots=True, frozen=True)
@@ -153,6 +155,8 @@ class SamplingParams:
         if not 0.0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         put(self, "min_p", min_p)
+        if self.seed == -1:  # vLLM's: unseeded (web UIs send -1 for "random")
+            put(self, "seed", None)
         if self.seed is not None:
             _int("seed", self.seed, -(2**63), 2**63 - 1)
         # vLLM's None for none (a caller passing its optional arguments on).

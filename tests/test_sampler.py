@@ -378,3 +378,10 @@ def test_logprobs_see_a_structured_outputs_mask_and_nothing_after_it():
     assert out.logprobs.top_logprobs[1].tolist() == pytest.approx(
         raw.topk(4).values.tolist(), abs=1e-5
     )
+
+
+def test_a_tokens_rank_counts_the_tokens_at_least_as_likely_as_vllms():
+    """A tie ranks each of its tokens last among them (vLLM counts logits >= the token's)."""
+    logits = torch.tensor([[1.0, 1.0, 0.5, 2.0]] * 4)
+    ranks = sampler.token_ranks(logits, torch.tensor([3, 0, 1, 2]))
+    assert ranks.tolist() == [1, 3, 3, 4]

@@ -361,10 +361,10 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs
 
 
 def token_ranks(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Each row's token's rank in its row, 1 for the likeliest (vLLM's: one more than the
-    tokens strictly likelier)."""
+    """Each row's token's rank in its row, 1 for the likeliest (vLLM's: the tokens at least
+    as likely, itself included, so a tie ranks each of its tokens last among them)."""
     token_logits = logits.gather(1, token_ids.unsqueeze(1))
-    return (logits > token_logits).sum(-1) + 1
+    return (logits >= token_logits).sum(-1)
 
 
 class Sampler:

@@ -3,7 +3,7 @@
 import pytest
 
 from weir.shared.config import CacheConfig, EngineArgs, SchedulerConfig
-from weir.shared.sampling import SamplingParams
+from weir.shared.sampling import SamplingParams, sample_seed
 
 
 @pytest.mark.parametrize(
@@ -208,6 +208,10 @@ def test_sampling_params_normalises_and_round_trips():
     # vLLM's None for none, as a caller passing its optional arguments on sends them.
     nones = dict.fromkeys(("stop", "stop_token_ids", "logit_bias", "bad_words"))
     assert SamplingParams(**nones) == SamplingParams()
+    # vLLM's seed -1: unseeded, in every sample of n (web UIs send it for "random").
+    assert SamplingParams(seed=-1).seed is None
+    assert [sample_seed(-1, i) for i in range(3)] == [None] * 3
+    assert [sample_seed(7, i) for i in range(3)] == [7, 8, 9]
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"best_of": 2})
     assert SamplingParams.from_dict(SamplingParams(n=3).to_dict()).n == 3
