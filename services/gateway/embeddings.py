@@ -98,35 +98,46 @@ class PoolingRequest(_InputFields):
         }
 
 
-def pooling_response(
-    model: str, outputs: Sequence[EmbeddingOutput | ClassificationOutput], encoding_format: str
-) -> dict[str, Any]:
-    """vLLM's response: each input's pooled vector (floats, or float32 bytes in base64)."""
-    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+def _listed(kind: str, model: str, data: list[dict[str, Any]], num_tokens: int) -> dict[str, Any]:
+    """A response listing ``data`` in input order, with its prompts' ``num_tokens``."""
     return {
-        "id": f"pool-{uuid.uuid4().hex}",
+        "id": f"{kind}-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
         "model": model,
-        "data": [
-            {
-                "index": index,
-                "object": "pooling",
-                "data": base64.b64encode(out.data).decode()
-                if encoding_format == "base64"
-                else np.frombuffer(out.data, dtype="<f4").tolist(),
-            }
-            for index, out in enumerate(outputs)
-        ],
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+        "data": data,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
+
+
+def _vector(out: EmbeddingOutput | ClassificationOutput, encoding_format: str) -> Any:
+    """Floats, or with ``base64`` their float32 little-endian bytes in base64."""
+    if encoding_format == "base64":
+        return base64.b64encode(out.data).decode()
+    return np.frombuffer(out.data, dtype="<f4").tolist()
+
+
+def _num_tokens(outputs: Sequence[EmbeddingOutput | ClassificationOutput]) -> int:
+    return sum(len(out.prompt_token_ids) for out in outputs)
+
+
+def pooling_response(
+    model: str, outputs: Sequence[EmbeddingOutput | ClassificationOutput], encoding_format: str
+) -> dict[str, Any]:
+    """vLLM's response: each input's pooled vector."""
+    data = [
+        {"index": index, "object": "pooling", "data": _vector(out, encoding_format)}
+        for index, out in enumerate(outputs)
+    ]
+    response = _listed("pool", model, data, _num_tokens(outputs))
+    response["usage"]["completion_tokens"] = 0
+    return response
 
 
 def classification_response(
     model: str, outputs: list[ClassificationOutput], labels: list[str]
 ) -> dict[str, Any]:
     """vLLM's response: each input's scores per label and the label that scores highest."""
-    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
     data = []
     for index, out in enumerate(outputs):
         probs = out.probs
@@ -134,38 +145,20 @@ def classification_response(
         data.append(
             {"index": index, "label": labels[best], "probs": probs, "num_classes": len(probs)}
         )
-    return {
-        "id": f"classify-{uuid.uuid4().hex}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": model,
-        "data": data,
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
-    }
+    response = _listed("classify", model, data, _num_tokens(outputs))
+    response["usage"]["completion_tokens"] = 0
+    return response
 
 
 def embedding_response(
     model: str, outputs: list[EmbeddingOutput], encoding_format: str
 ) -> dict[str, Any]:
     """OpenAI's response listing the embeddings in input order, with their prompt tokens."""
-    num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    return {
-        "id": f"embd-{uuid.uuid4().hex}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": model,
-        "data": [
-            {
-                "index": index,
-                "object": "embedding",
-                "embedding": base64.b64encode(out.data).decode()
-                if encoding_format == "base64"
-                else out.embedding,
-            }
-            for index, out in enumerate(outputs)
-        ],
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    }
+    data = [
+        {"index": index, "object": "embedding", "embedding": _vector(out, encoding_format)}
+        for index, out in enumerate(outputs)
+    ]
+    return _listed("embd", model, data, _num_tokens(outputs))
 
 
 class _PairFields(Options):
@@ -208,14 +201,8 @@ class RerankRequest(_PairFields):
 
 
 def score_response(model: str, scores: list[float], num_tokens: int) -> dict[str, Any]:
-    return {
-        "id": f"score-{uuid.uuid4().hex}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": model,
-        "data": [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)],
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-    }
+    data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
+    return _listed("score", model, data, num_tokens)
 
 
 def rerank_response(
