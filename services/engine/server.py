@@ -476,7 +476,8 @@ class SchedulerServer:
         if tokens < max_len - 1:
             _log.warning(
                 "the KV cache holds %d tokens (%d blocks), fewer than a request of "
-                "max_model_len %d may need: requests that could grow past it are refused. "
+                "max_model_len %d may need: requests that could grow past it are refused, "
+                "and those without max_tokens end there (length). "
                 "Give the executors more --kv-cache-memory (or --gpu-memory-utilization), "
                 "or --max-model-len %d or less",
                 tokens,

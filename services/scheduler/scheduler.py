@@ -21,6 +21,7 @@ at once and its late results are ignored. See docs/architecture.md for the loop.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
@@ -204,12 +205,17 @@ class Scheduler:
         """Why ``request`` can never finish in this KV cache, or None: its longest footprint
         (prompt + max_tokens - 1 tokens: the last token is never fed back, so at most
         ``max_model_len - 1``, or a whole context's prompt) needs more blocks than the whole
-        cache has."""
+        cache has. Without a max_tokens ("as many as fit") it is given what the cache
+        holds, where that is more than its outputs so far: it ends there, "length"."""
         max_len = self.scheduler_config.max_model_len
         longest = max(max_len - 1, request.num_prompt_tokens)
         footprint = min(request.num_prompt_tokens + request.max_tokens - 1, longest)
         kv = self.kv_cache_manager
         if kv.num_blocks_for(footprint) <= kv.num_blocks:
+            return None
+        room = kv.num_blocks * kv.block_size + 1 - request.num_prompt_tokens
+        if request.max_tokens == sys.maxsize and room > len(request.output_token_ids):
+            request.max_tokens = room
             return None
         max_tokens = "a smaller max_tokens" if request.max_tokens < max_len else "max_tokens"
         return (

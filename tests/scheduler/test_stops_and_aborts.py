@@ -195,6 +195,23 @@ def test_finishing_many_queued_requests_at_once_keeps_the_rest_in_order(policy):
     assert not scheduler.requests
 
 
+def test_a_request_without_max_tokens_ends_where_a_cache_smaller_than_the_context_is_full():
+    """No max_tokens asks for as many tokens as fit: in a cache of 32 token slots under a
+    context of 64, a 20-token prompt gets 13 (its KV then fills the cache), "length"."""
+    scheduler, core = make_scheduler(block_size=4, num_blocks=8, max_model_len=64)
+    prompt = [5, 6, 7, 8] * 5
+    scheduler.add_request(Request("r", prompt, SamplingParams(max_tokens=None, ignore_eos=True)))
+    produced, reasons = [], []
+    while scheduler.requests:
+        for out in run_step(scheduler, core)[1]:
+            produced += out.new_token_ids
+            reasons.append(out.finish_reason)
+    assert produced == reference_generate(prompt, 13, eos=None)[0]
+    assert reasons[-1] == "length"
+    with pytest.raises(ValueError, match="cache has only 8"):  # the prompt alone cannot fit
+        scheduler.add_request(Request("huge", [1] * 40, SamplingParams(max_tokens=None)))
+
+
 def test_add_request_refuses_what_could_never_run():
     scheduler, _ = make_scheduler(block_size=4, num_blocks=8, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
