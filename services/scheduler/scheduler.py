@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -589,12 +589,21 @@ class Scheduler:
         on_trial = bool(self._trials)
         # LoRA adapters of the running requests, once a waiting request has one.
         adapters: set[str] | None = None
+        # Requests held back for a pending block, and once there is one the queue walked in
+        # order past them: a request that shares nothing with them is not held up.
+        held: set[Request] = set()
+        behind: Iterator[Request] | None = None
         while len(waiting) and budget > 0 and len(running) < config.max_num_seqs:
             by_name = on_trial  # taken out of the queue by name, not popped from its head
             if on_trial:
                 request = next((r for r in waiting if not self._excluded(r.request_id)), None)
                 if request is None:
                     break
+            elif behind is not None:
+                request = next((r for r in behind if r not in held), None)
+                if request is None:
+                    break
+                by_name = True
             else:
                 request = waiting.peek()
             if request.lora_name is not None:
@@ -609,6 +618,7 @@ class Scheduler:
                             r
                             for r in waiting
                             if r.lora_name is None
+                            and r not in held
                             and not (on_trial and self._excluded(r.request_id))
                         ),
                         None,
@@ -618,7 +628,11 @@ class Scheduler:
                     by_name = True
             hits = kv.get_computed_blocks(request)
             if kv.pending and not on_trial and kv.waits_for_pending(request, len(hits)):
-                break  # it hits what a planned step computes once that step is applied
+                # It hits what a planned step computes once that step is applied.
+                held.add(request)
+                if behind is None:
+                    behind = iter(waiting)
+                continue
             num_tokens = len(request.all_token_ids)
             num_hit_tokens = len(hits) * kv.block_size
             num_new = num_tokens - num_hit_tokens

@@ -192,3 +192,19 @@ def test_a_request_waiting_on_a_pending_prefix_computes_it_once_its_holder_is_ab
     plan, _ = run_step(scheduler, core)
     assert plan.new_requests[0].request_id == "B"
     assert plan.new_requests[0].num_computed_tokens == 16  # A's 4 computed blocks
+
+
+def test_a_request_held_for_a_pending_prefix_holds_up_no_one_behind_it():
+    """Held back while its prefix's holder prefills in chunks, it lets the request behind
+    it, which shares nothing, be admitted at once."""
+    scheduler, core = make_scheduler(
+        block_size=4, num_blocks=64, max_num_batched_tokens=16, long_prefill_token_threshold=8
+    )
+    prompt = _prompt(30)
+    scheduler.add_request(Request("A", prompt, LONG))
+    run_step(scheduler, core)
+    scheduler.add_request(Request("B", prompt, LONG))
+    scheduler.add_request(Request("C", _prompt(6, 40), LONG))
+    plan, _ = run_step(scheduler, core)
+    assert plan.num_scheduled_tokens == {"A": 8, "C": 6}
+    assert [r.request_id for r in scheduler.waiting] == ["B"]
