@@ -212,8 +212,12 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         if priority is None or isinstance(priority, int):
             priorities = [priority or 0] * len(prompts)
-        else:
+        elif isinstance(priority, list | tuple) and all(isinstance(p, int) for p in priority):
             priorities = list(priority)
+        else:
+            raise TypeError(
+                f"priority must be an int or a list of ints (one per prompt), not {priority!r:.80}"
+            )
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         if lora_name is None or isinstance(lora_name, str):

@@ -374,8 +374,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["pooling_params"] = msg.pooling_params.to_dict()
         if msg.queued_with is not None:
             fields["queued_with"] = msg.queued_with
-        if msg.cap_max_tokens:
-            fields["cap_max_tokens"] = True
+        if msg.cap_max_tokens is not False:  # as given: the server refuses a non-bool
+            fields["cap_max_tokens"] = msg.cap_max_tokens
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)

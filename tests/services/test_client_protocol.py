@@ -468,6 +468,10 @@ def test_cap_max_tokens_is_sent_only_when_set_and_a_message_without_it_decodes()
     assert "cap_max_tokens" not in msgpack.unpackb(client_protocol.encode_client_message(plain))
     capped = client_protocol.GenerateRequest("r", "hi", SamplingParams(), cap_max_tokens=True)
     assert msgpack.unpackb(client_protocol.encode_client_message(capped))["cap_max_tokens"]
+    # An SDK caller's truthy non-bool reaches the server as given, and is refused there.
+    loose = client_protocol.GenerateRequest("r", "hi", SamplingParams(), cap_max_tokens="yes")  # type: ignore[arg-type]
+    with pytest.raises(client_protocol.ClientProtocolError, match="must be a bool"):
+        client_protocol.decode_client_message(client_protocol.encode_client_message(loose))
 
 
 def test_health_stream_ids_must_be_strings():

@@ -164,6 +164,9 @@ def test_llm_cuts_max_tokens_at_the_context_and_takes_one_priority_for_every_pro
         )
         with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
             llm.generate(prompts, beyond, priority=[1], use_tqdm=False)
+        for wrong in ("x", 1.5):
+            with pytest.raises(TypeError, match="priority must be an int or a list of ints"):
+                llm.generate(prompts, beyond, priority=wrong, use_tqdm=False)
         with pytest.raises(InvalidRequestError, match="min_tokens is too large"):
             llm.generate(
                 prompts[0], replace(beyond, min_tokens=max_model_len), priority=1, use_tqdm=False
