@@ -1611,8 +1611,11 @@ def create_app(
                 await watcher
             await gateway.router.close()
 
-    # FastAPI's root_path (vLLM's): the routes answer with and without the prefix.
-    app = FastAPI(title="Weir", version=VERSION, lifespan=lifespan, root_path=root_path)
+    app = FastAPI(title="Weir", version=VERSION, lifespan=lifespan)
+    # vLLM's --root-path, as FastAPI's root_path: the routes answer with and without the
+    # prefix (uvicorn's would take it only from a proxy that strips it). Set, not passed:
+    # the parameter warns as deprecated on every start; the attribute is what it sets.
+    app.root_path = root_path
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
