@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import ssl
 import sys
 from pathlib import Path
@@ -47,6 +48,7 @@ from weir.shared.config import (
     LOG_LEVELS,
     SCHEDULER,
     EngineArgs,
+    check_connect_address,
     parse_size,
     resolve_max_model_len,
     tcp_address,
@@ -81,6 +83,35 @@ def _positive_seconds(text: str) -> float:
     if not 0 < seconds < math.inf:
         raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
     return seconds
+
+
+def _host(text: str) -> str:
+    """An address (or name) of this machine to bind: ZeroMQ's bind error named the port
+    option for a host that does not resolve or is not here."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(
+            text, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot bind {text!r}: {exc.strerror} (an address or name of this machine, e.g. "
+            "127.0.0.1, or 0.0.0.0 for all)"
+        ) from None
+    return text
+
+
+# The least --max-request-size: a chat request with its sampling options is a few hundred
+# bytes (0 answered every POST with 413).
+_MIN_REQUEST_BYTES = 1 << 10
+
+
+def _request_size(text: str) -> int:
+    size = parse_size(text)
+    if size < _MIN_REQUEST_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 1KiB: no request fits (e.g. 1MiB)")
+    return size
 
 
 def _root_path(text: str) -> str:
@@ -133,6 +164,7 @@ def _scheduler(args: argparse.Namespace) -> int:
     status = StatusReporter(args.status_fd)
     try:
         engine_args = EngineArgs.from_cli(args)
+        num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)
         model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
         model_config = read_model_config(model_dir, engine_args.hf_overrides)
         # Refused here, not by each rank as it loads (a group that cannot form waits forever).
@@ -142,7 +174,6 @@ def _scheduler(args: argparse.Namespace) -> int:
             model_config.context_len,
         )
         executor_address = args.executor_address or tcp_address(args.host, DEFAULT_EXECUTOR_PORT)
-        num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)
         server = SchedulerServer(
             SchedulerServerOptions(
                 model_dir=str(model_dir),
@@ -161,12 +192,16 @@ def _scheduler(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         status.error(str(exc))
         if args.status_fd is None:  # a supervisor reports it otherwise
-            print(f"weir scheduler: {exc}", file=sys.stderr)
+            print(f"weir scheduler: {_option_message(args, exc)}", file=sys.stderr)
         return 2
     return asyncio.run(server.run())
 
 
 def _executor(args: argparse.Namespace) -> int:
+    try:
+        check_connect_address(args.scheduler)  # before the model loads, for minutes maybe
+    except ValueError as exc:
+        return _refuse(args, f"--scheduler: {exc}")
     # Before torch is imported: its OpenMP pool starts at this size, whatever the caller's
     # OMP_NUM_THREADS (an invalid --threads is reported when the model loads).
     if args.threads is None or args.threads >= 1:
@@ -180,14 +215,37 @@ def _executor(args: argparse.Namespace) -> int:
     metrics_port = (
         args.metrics_port if args.metrics_port is not None else DEFAULT_EXECUTOR_METRICS_PORT + rank
     )
+    engine_args = _engine_args(args)
+    if engine_args.attention_backend == "triton" and not _runs_on_cuda(engine_args.device):
+        # Else Triton's traceback at the first forward pass (it finds no GPU driver).
+        return _refuse(args, "--attention-backend triton needs a CUDA GPU; use native or torch")
     options = ExecutorOptions(
         scheduler=args.scheduler,
-        engine_args=_engine_args(args),
+        engine_args=engine_args,
         rank=rank,
         metrics_host=args.metrics_host,
         metrics_port=metrics_port,
     )
     return run_executor(options, args.status_fd, args.parent_pid)
+
+
+def _runs_on_cuda(device: str | None) -> bool:
+    """Whether an executor given ``device`` runs on CUDA: cuda named (the model runner says
+    why, if it cannot), or nothing named and a GPU there."""
+    if device is not None:
+        return device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _refuse(args: argparse.Namespace, message: str) -> int:
+    """Status 2 for an option a role cannot start with: ``message`` to its supervisor, which
+    reports it, or else on stderr."""
+    StatusReporter(args.status_fd).error(message)
+    if args.status_fd is None:
+        print(f"weir {args.command}: {message}", file=sys.stderr)
+    return 2
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -201,9 +259,9 @@ def _gateway(args: argparse.Namespace) -> int:
     status = StatusReporter(args.status_fd)
     try:
         schedulers = expand_addresses(args.scheduler or [DEFAULT_ADDRESS])
-    except OSError as exc:
+    except (ValueError, OSError) as exc:
         status.error(str(exc))
-        print(f"weir gateway: {exc}", file=sys.stderr)
+        print(f"weir gateway: --scheduler: {exc}", file=sys.stderr)
         return 2
     options = GatewayOptions(
         schedulers=schedulers,
@@ -270,10 +328,15 @@ def _is_a_model(path: str) -> bool:
 
 
 def _exit_with_option_error(args: argparse.Namespace, exc: ValueError) -> NoReturn:
+    print(f"weir {args.command}: {_option_message(args, exc)}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _option_message(args: argparse.Namespace, exc: Exception) -> str:
+    """``exc``'s message, the option it starts with (a config field) named as its flag."""
     name, _, rest = str(exc).partition(" ")
     flag = "--" + name.replace("_", "-") if name in vars(args) else name
-    print(f"weir {args.command}: {flag} {rest}", file=sys.stderr)
-    raise SystemExit(2)
+    return f"{flag} {rest}"
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -503,6 +566,7 @@ def _add_child_flags(p: argparse.ArgumentParser) -> None:
 def _add_metrics_host_flag(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--metrics-host",
+        type=_host,
         default=None,
         help=f"address {what} bind to (default: --host)",
     )
@@ -722,6 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a scheduler and its executor on this machine")
     p.add_argument(
         "--host",
+        type=_host,
         default="127.0.0.1",
         help="address the engine's sockets (and, unless --http-host, the HTTP API) bind to "
         "(default: 127.0.0.1)",
@@ -754,6 +819,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--http-host",
+        type=_host,
         default=None,
         help="address the HTTP API binds to (default: --host); e.g. 0.0.0.0 for the API alone",
     )
@@ -795,7 +861,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"an engine replica's client address, repeatable; a host name that resolves to "
         f"several addresses counts as one replica each (default {DEFAULT_ADDRESS})",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds to")
+    p.add_argument(
+        "--host", type=_host, default="127.0.0.1", help="address the HTTP server binds to"
+    )
     p.add_argument(
         "--port",
         type=_port,
@@ -815,9 +883,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-request-size",
-        type=parse_size,
+        type=_request_size,
         default=DEFAULT_MAX_MESSAGE_BYTES,
-        help="largest HTTP request body, e.g. 1MiB; larger ones get 413 (default 64MiB)",
+        help="largest HTTP request body, e.g. 1MiB, at least 1KiB; larger ones get 413 "
+        "(default 64MiB)",
     )
     _add_keys_dir_flag(p)
     p.add_argument(
@@ -827,7 +896,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_gateway)
 
     p = sub.add_parser("scheduler", help="run the scheduler process alone")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", type=_host, default="127.0.0.1", help="address the sockets bind to")
     p.add_argument(
         "--port",
         type=_port,
@@ -845,7 +914,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-executors",
         type=int,
         default=None,
-        help="executor ranks to wait for (default: --tensor-parallel-size; more than 1 "
+        help="executor ranks to wait for, at least 1 (default: --tensor-parallel-size; more than 1 "
         "without it: replicas that each run the whole model)",
     )
     EngineArgs.add_cli_args(p, SCHEDULER)
@@ -869,6 +938,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-host",
+        type=_host,
         default="127.0.0.1",
         help="address /metrics and /health bind to (default 127.0.0.1)",
     )

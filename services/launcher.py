@@ -641,6 +641,8 @@ def resolve_num_executors(num_executors: int | None, engine_args: EngineArgs) ->
     tp = engine_args.tensor_parallel_size  # an int >= 1: EngineArgs checked it
     if num_executors is None:
         return tp
+    if num_executors < 1:  # a scheduler waiting for no executor is never ready
+        raise ValueError(f"num_executors must be >= 1, got {num_executors}")
     if tp > 1 and num_executors != tp:
         raise ValueError(
             f"num_executors {num_executors} != tensor_parallel_size {tp}: a tensor-parallel "

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from dataclasses import Field, dataclass, field, fields, replace
+from decimal import Decimal
 from typing import Any
 
 from weir.shared.config_fields import json_object
@@ -207,6 +209,52 @@ def tcp_address(host: str, port: int | str) -> str:
 # The largest client message the scheduler takes, and HTTP body the gateway parses: what
 # fits any model's context is far smaller.
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# The least --max-message-size: the SDK's own messages must fit, or the scheduler drops the
+# connection (a health check did not fit 1 byte: every request was "no engine replica is
+# ready"). The largest is a health check of its quiet streams, 4096 request ids of up to
+# 256 characters (protocol.client's MAX_HEALTH_STREAM_IDS, MAX_REQUEST_ID_LEN): ~1.04 MB.
+MIN_MAX_MESSAGE_BYTES = 2 << 20
+# The most --max-num-seqs: each slot maps a row of max_model_len token ids, so 10^8 slots
+# failed to allocate (ENOMEM) as the executor started; 16x vLLM's largest default (1024).
+MAX_NUM_SEQS = 1 << 14
+# ZeroMQ's limit on an ipc:// path (a socket address's sun_path, less its NUL).
+_MAX_IPC_PATH_BYTES = 107
+
+
+def check_connect_address(address: str) -> None:
+    """ValueError unless a socket can connect to ``address``: tcp://HOST:PORT (PORT 1-65535)
+    or ipc://PATH. ZeroMQ takes tcp://HOST:99999 and then never connects."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    why = None
+    if not sep or scheme not in ("tcp", "ipc"):
+        why = "no tcp:// or ipc:// in front"
+    elif scheme == "ipc" and not rest:
+        why = "no path"
+    elif scheme == "ipc" and len(rest.encode()) > _MAX_IPC_PATH_BYTES:
+        why = f"the path is longer than {_MAX_IPC_PATH_BYTES} bytes"
+    elif scheme == "tcp" and not colon:
+        why = "no :PORT"
+    elif scheme == "tcp" and host in ("", "*", "[]"):
+        why = "no host"
+    elif scheme == "tcp" and not (port.isdigit() and 1 <= int(port) <= 65535):
+        why = f"port {port!r} is not in 1-65535"
+    if why is not None:
+        raise ValueError(
+            f"cannot connect to {address!r}: {why} (an address is tcp://HOST:PORT or ipc://PATH)"
+        )
+
+
+def make_profiler_dir(directory: str) -> None:
+    """Create ``directory`` if missing (vLLM's profiler does), or ValueError naming
+    profiler_dir: a file in its place lost the trace at /stop_profile."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"profiler_dir {directory!r} is not a directory and cannot be made one "
+            f"({exc.strerror}): name a directory, which is created if missing"
+        ) from None
 
 
 # ------------------------------------------------------------------ engine arguments
@@ -234,6 +282,22 @@ def parse_size(text: str) -> int:
         "TI": 2**40,
     }[unit]
     return int(number * scale)
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integers with a suffix: k, m, g, t powers of 1000 ('25.6k' = 25600), K, M, G,
+    T powers of 1024 ('32K' = 32768, whole numbers only); else a plain integer."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT]?)\s*", text)
+    if match is None or ("." in match.group(1) and not match.group(2).islower()):
+        raise argparse.ArgumentTypeError(
+            f"not a whole number: {text!r} (e.g. 4096; 32k = 32000, 32K = 32768)"
+        )
+    number, suffix = match.groups()
+    if not suffix:
+        return int(number)
+    base = 1000 if suffix.islower() else 1024
+    # Decimal: a float made 1.001k 1000.
+    return int(Decimal(number) * base ** ("kmgt".index(suffix.lower()) + 1))
 
 
 def _default_of(cls: type, name: str) -> Any:
@@ -324,12 +388,16 @@ class EngineArgs:
     max_num_seqs: int | None = _arg(
         None,
         _BOTH,
-        "most requests in one step (default: 256; 1024 on CUDA where the step budget is "
-        "vLLM's larger one)",
+        f"most requests in one step, at most {MAX_NUM_SEQS} (default: 256; 1024 on CUDA where "
+        "the step budget is vLLM's larger one)",
         type=int,
     )
     max_model_len: int | None = _arg(
-        None, _BOTH, "longest prompt + output (default: the model's context length)", type=int
+        None,
+        _BOTH,
+        "longest prompt + output, e.g. 32768, 32k (32000) or 32K (32768) (default: the model's "
+        "context length)",
+        type=human_readable_int,
     )
     long_prefill_token_threshold: int = _arg(
         _default_of(SchedulerConfig, "long_prefill_token_threshold"),
@@ -421,8 +489,8 @@ class EngineArgs:
     max_message_size: int = _arg(
         DEFAULT_MAX_MESSAGE_BYTES,
         SCHEDULER,
-        "largest client message in bytes (ZMQ_MAXMSGSIZE), e.g. 64MiB; a client that sends a "
-        "larger one is disconnected (the SDK refuses one itself)",
+        "largest client message in bytes (ZMQ_MAXMSGSIZE), e.g. 64MiB, at least 2MiB; a client "
+        "that sends a larger one is disconnected (the SDK refuses one itself)",
         type=parse_size,
     )
     max_prompt_chars: int | None = _arg(
@@ -456,7 +524,7 @@ class EngineArgs:
         1,
         _BOTH,
         "executor ranks that each hold 1/N of the model and run every step together "
-        "(torch.distributed: NCCL on GPUs, gloo on the CPU)",
+        "(torch.distributed: NCCL on GPUs, gloo on the CPU); -tp N as in vLLM",
         type=int,
     )
     device: str | None = _arg(None, EXECUTOR, "cpu or cuda (default: cuda if available)")
@@ -578,6 +646,19 @@ class EngineArgs:
         for name in _STEP_LIMITS:
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
+        if self.max_num_seqs is not None and self.max_num_seqs > MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs must be <= {MAX_NUM_SEQS}, got {self.max_num_seqs}")
+        _check_int("max_message_size", self.max_message_size, 0)
+        if self.max_message_size < MIN_MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_size must be at least {MIN_MAX_MESSAGE_BYTES >> 20}MiB, got "
+                f"{self.max_message_size}: the client SDK's own messages (health checks) take "
+                "up to ~1 MB"
+            )
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63))
+            if self.seed >= 2**63:  # a request's seed is bounded so too; the sampler takes 64 bits
+                raise ValueError(f"seed must be < 2**63 (a 64-bit integer), got {self.seed}")
         _check_int("max_mixed_graph_tokens", self.max_mixed_graph_tokens, 0)
         if self.max_mixed_graph_tokens > MAX_MIXED_GRAPH_TOKENS:
             raise ValueError(
@@ -708,7 +789,9 @@ class EngineArgs:
                 help_text += f" (default: {'on' if f.default else 'off'})"
             elif f.default is not None and "default" not in help_text:
                 help_text += f" (default: {f.default})"
-            parser.add_argument(flag, default=f.default, help=help_text, **kwargs)
+            parser.add_argument(
+                *_SHORT_FLAGS.get(f.name, ()), flag, default=f.default, help=help_text, **kwargs
+            )
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineArgs:
@@ -791,6 +874,10 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             long_prompt_threshold=long_prompt_threshold,
         )
+
+
+# vLLM's short spellings.
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
 
 
 def _engine_fields(role: str) -> list[Field[Any]]:

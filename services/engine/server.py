@@ -45,7 +45,13 @@ from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
-from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES, LOOPBACK_HOSTS, EngineArgs, tcp_address
+from weir.shared.config import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    LOOPBACK_HOSTS,
+    EngineArgs,
+    make_profiler_dir,
+    tcp_address,
+)
 from weir.shared.keys import (
     CLIENT_DOMAIN,
     EXECUTOR_DOMAIN,
@@ -142,8 +148,8 @@ class SchedulerServer:
         # What clients and metrics call the model; executors report the directory's name.
         self.model_names = self.engine_args.model_names(model_dir.name)
         self.model_name = self.model_names[0]
-        if self.engine_args.max_message_size < 1:
-            raise ValueError("max_message_size must be at least 1 byte")
+        if self.engine_args.profiler_dir is not None:  # before any trace is taken
+            make_profiler_dir(self.engine_args.profiler_dir)
         if self.engine_args.max_prompt_chars is not None and self.engine_args.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars must be at least 1")
         self.scheduler_config = self.engine_args.scheduler_config(options.max_model_len)

@@ -35,7 +35,7 @@ from hashlib import blake2b
 from typing import TypeVar
 
 from weir.shared.client import AsyncWeirClient, ServerUnavailableError, WeirError
-from weir.shared.config import tcp_address
+from weir.shared.config import check_connect_address, tcp_address
 from weir.shared.protocol.client import Prompt
 
 _log = logging.getLogger(__name__)
@@ -101,12 +101,14 @@ class Replica:
 def expand_addresses(addresses: list[str]) -> list[str]:
     """``tcp://NAME:PORT`` -> one address per IP that NAME resolves to now; other addresses
     are kept as given. Names are resolved once, at start: a headless Service's pod IPs would
-    go stale when a pod restarts (a ClusterIP Service's address does not)."""
+    go stale when a pod restarts (a ClusterIP Service's address does not). ValueError for an
+    address no socket connects to (check_connect_address)."""
     expanded: list[str] = []
     for address in addresses:
+        check_connect_address(address)
         scheme, _, rest = address.partition("://")
         host, _, port = rest.rpartition(":")
-        if scheme != "tcp" or not port.isdigit() or host in ("*", ""):
+        if scheme != "tcp":
             expanded.append(address)
             continue
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)

@@ -1,8 +1,20 @@
 """Config and sampling-parameter validation: every bad value names its field."""
 
+import argparse
+import re
+
 import pytest
 
-from weir.shared.config import CacheConfig, EngineArgs, SchedulerConfig
+from weir.shared.config import (
+    MAX_NUM_SEQS,
+    MIN_MAX_MESSAGE_BYTES,
+    CacheConfig,
+    EngineArgs,
+    SchedulerConfig,
+    check_connect_address,
+    human_readable_int,
+    make_profiler_dir,
+)
 from weir.shared.sampling import SamplingParams, sample_seed
 
 
@@ -55,6 +67,82 @@ def test_engine_args_take_a_kv_cache_size_as_text_or_bytes():
     assert EngineArgs(kv_cache_memory=4096).kv_cache_memory == 4096
     with pytest.raises(ValueError, match="kv_cache_memory: not a size"):
         EngineArgs(kv_cache_memory="lots")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_message_size": 1}, "max_message_size must be at least 2MiB, got 1"),
+        ({"max_message_size": MIN_MAX_MESSAGE_BYTES - 1}, "max_message_size must be at least"),
+        ({"max_num_seqs": MAX_NUM_SEQS + 1}, f"max_num_seqs must be <= {MAX_NUM_SEQS}"),
+        ({"seed": 2**63}, "seed must be < 2**63"),
+        ({"seed": -(2**63) - 1}, "seed must be >= -9223372036854775808"),
+    ],
+)
+def test_engine_args_refuse_what_no_process_can_start_with(kwargs, message):
+    """LLM(...) too: the limits are the engine's, not the command line's."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineArgs(**kwargs)
+
+
+def test_engine_args_take_their_bounds():
+    EngineArgs(max_message_size=MIN_MAX_MESSAGE_BYTES, max_num_seqs=MAX_NUM_SEQS, seed=2**63 - 1)
+    EngineArgs(seed=-(2**63))
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("4096", 4096), ("1k", 1000), ("1K", 1024), ("1m", 10**6), ("1M", 2**20), ("25.6k", 25600)]
+    + [("1.001k", 1001), ("2g", 2 * 10**9), ("2G", 2 * 2**30), ("1t", 10**12), ("1T", 2**40)],
+)
+def test_human_readable_ints_are_vllms(text, value):
+    assert human_readable_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["1.5K", "1.5", "k", "1x", "", "1kk", "-1"])
+def test_human_readable_ints_refuse_what_vllm_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a whole number"):
+        human_readable_int(text)
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["tcp://127.0.0.1:8100", "tcp://[::1]:1", "tcp://scheduler.ns.svc:65535", "ipc:///tmp/s"]
+    + ["ipc://@weir-1-ab", f"ipc://@{'x' * 106}"],
+)
+def test_a_connectable_address_is_taken(address):
+    check_connect_address(address)
+
+
+@pytest.mark.parametrize(
+    "address, why",
+    [
+        ("bogus", "no tcp:// or ipc:// in front"),
+        ("udp://h:1", "no tcp:// or ipc:// in front"),
+        ("tcp://127.0.0.1:99999", "port '99999' is not in 1-65535"),
+        ("tcp://127.0.0.1:0", "port '0' is not in 1-65535"),
+        ("tcp://127.0.0.1", "no :PORT"),
+        ("tcp://*:8100", "no host"),
+        ("ipc://", "no path"),
+        (f"ipc://@{'x' * 107}", "the path is longer than 107 bytes"),
+    ],
+)
+def test_an_address_no_socket_connects_to_is_refused(address, why):
+    with pytest.raises(ValueError) as refused:
+        check_connect_address(address)
+    assert str(refused.value) == (
+        f"cannot connect to {address!r}: {why} (an address is tcp://HOST:PORT or ipc://PATH)"
+    )
+
+
+def test_the_profiler_dir_is_made_or_refused(tmp_path):
+    make_profiler_dir(str(tmp_path / "a" / "b"))
+    assert (tmp_path / "a" / "b").is_dir()
+    make_profiler_dir(str(tmp_path / "a"))  # there already
+    (tmp_path / "file").write_text("")
+    for taken in (tmp_path / "file", tmp_path / "file" / "below"):
+        with pytest.raises(ValueError, match=f"profiler_dir '{taken}' is not a directory"):
+            make_profiler_dir(str(taken))
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,10 @@
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
 from dataclasses import fields
 
 import pytest
@@ -280,6 +283,27 @@ def test_impossible_options_end_serve_with_one_line_naming_the_flag(flags, messa
 
 
 @pytest.mark.parametrize(
+    "flags, message",
+    [
+        # The SDK's own health checks did not fit: every request was "no replica is ready".
+        (["--max-message-size", "200"], "--max-message-size must be at least 2MiB, got 200"),
+        # The executor failed to start: "Overflow when unpacking long long".
+        (["--seed", str(10**20)], f"--seed must be < 2**63 (a 64-bit integer), got {10**20}"),
+        # The executor's slot arrays failed to allocate: an OSError traceback.
+        (["--max-num-seqs", "100000000"], "--max-num-seqs must be <= 16384, got 100000000"),
+        (["-tp", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+    ],
+)
+def test_engine_options_no_process_can_start_with_end_serve_first(flags, message, capsys):
+    """The options `weir serve` checks before it starts a process (a server, were they taken)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _engine_args(build_parser().parse_args(["serve", *flags]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"weir serve: {message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
     "command, flags, choice",
     [
         ("serve", ["--attention-backend", "flash"], "'flash'"),
@@ -324,6 +348,128 @@ def test_a_port_outside_0_to_65535_is_refused_by_the_parser(command, flag, value
 def test_llm_refuses_a_named_choice_outside_the_list(option):
     with pytest.raises(ValueError, match=f"{next(iter(option))} must be one of"):
         EngineArgs(**option)
+
+
+def test_vllms_spellings_of_tensor_parallelism_and_the_context_length_are_taken(capsys):
+    """vLLM's -tp N, and its --max-model-len suffixes: k = 1000, K = 1024."""
+    for given, want in [("32k", 32_000), ("32K", 32_768), ("25.6k", 25_600), ("4096", 4096)]:
+        args = build_parser().parse_args(["serve", "-tp", "2", "--max-model-len", given])
+        assert (args.tensor_parallel_size, args.max_model_len) == (2, want), given
+        engine = EngineArgs.from_cli(args)
+        scheduler = build_parser().parse_args(["scheduler", *engine.to_argv("scheduler")])
+        assert scheduler.max_model_len == want
+    for bad in ("1.5K", "1x", "k"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-model-len", bad])
+        assert f"--max-model-len: not a whole number: '{bad}'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # other unknown flags are still refused
+        build_parser().parse_args(["serve", "-pp", "2"])
+    assert "unrecognized arguments: -pp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command, flag, value, message",
+    [
+        # Every POST was a 413.
+        ("gateway", "--max-request-size", "0", "'0' is below 1KiB: no request fits"),
+        # The scheduler's bind error named --port.
+        ("serve", "--host", "999.1.1.1", "cannot bind '999.1.1.1': Name or service not known"),
+        ("scheduler", "--host", "not_a_host", "cannot bind 'not_a_host': Name or service"),
+        ("gateway", "--host", "not_a_host", "cannot bind 'not_a_host': Name or service"),
+        ("serve", "--http-host", "not_a_host", "cannot bind 'not_a_host': Name or service"),
+        ("serve", "--host", "192.0.2.1", "cannot bind '192.0.2.1': Cannot assign requested"),
+    ],
+)
+def test_a_value_no_server_can_start_with_is_refused_by_the_parser(
+    command, flag, value, message, capsys
+):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert f"argument {flag}: {message}" in err, err
+
+
+def test_the_hosts_of_this_machine_are_taken():
+    args = build_parser().parse_args(["serve", "--host", "localhost", "--http-host", "0.0.0.0"])
+    assert (args.host, args.http_host) == ("localhost", "0.0.0.0")
+
+
+def run_weir(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "weir.services.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=60,  # a refusal takes seconds; a role that took the value serves on
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # Accepted, and never ready.
+        (["scheduler", "--num-executors", "0"], "--num-executors must be >= 1, got 0"),
+        (["scheduler", "--num-executors", "-2"], "--num-executors must be >= 1, got -2"),
+        (["scheduler", "--max-message-size", "1"], "--max-message-size must be at least 2MiB"),
+        # A 20-line ZeroMQ traceback, once the model had loaded.
+        (
+            ["executor", "--scheduler", "bogus"],
+            "--scheduler: cannot connect to 'bogus': no tcp:// or ipc:// in front (an address "
+            "is tcp://HOST:PORT or ipc://PATH)",
+        ),
+        (
+            ["executor", "--scheduler", f"ipc://@{'x' * 107}"],
+            "--scheduler: cannot connect to 'ipc://@xxx",
+        ),
+        # Accepted, then 503 forever.
+        (
+            ["gateway", "--scheduler", "tcp://127.0.0.1:99999"],
+            "--scheduler: cannot connect to 'tcp://127.0.0.1:99999': port '99999' is not in "
+            "1-65535",
+        ),
+        (
+            ["gateway", "--scheduler", "tcp://:8100"],
+            "--scheduler: cannot connect to 'tcp://:8100': no host",
+        ),
+        # Triton's 57-line traceback at the first forward pass.
+        (
+            ["executor", "--scheduler", "ipc://@x", "--device", "cpu", "--attention-backend"]
+            + ["triton"],
+            "--attention-backend triton needs a CUDA GPU; use native or torch",
+        ),
+    ],
+)
+def test_a_role_refuses_a_value_it_cannot_start_with_in_one_line(argv, message):
+    out = run_weir(*argv)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"weir {argv[0]}: {message}"), out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+
+
+def test_the_triton_backend_is_refused_where_no_gpu_is_the_default(tiny_model_dir):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the executor runs on the GPU here")
+    out = run_weir("executor", "--scheduler", "ipc://@x", "--attention-backend", "triton")
+    assert out.returncode == 2
+    assert out.stderr == (
+        "weir executor: --attention-backend triton needs a CUDA GPU; use native or torch\n"
+    )
+
+
+def test_a_profiler_dir_that_cannot_be_a_directory_is_refused_at_start(tiny_model_dir, tmp_path):
+    """Not at /stop_profile, with the trace lost (FileExistsError)."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    argv = ["scheduler", "--model", str(tiny_model_dir), "--port", "0", "--metrics-port", "0"]
+    out = run_weir(*argv, "--profiler-dir", str(taken))
+    assert out.returncode == 2
+    assert out.stderr == (
+        f"weir scheduler: --profiler-dir {str(taken)!r} is not a directory and cannot be made "
+        "one (File exists): name a directory, which is created if missing\n"
+    )
 
 
 def test_max_model_len_past_the_models_context_is_refused():
