@@ -69,6 +69,11 @@ def prompt_and_references(default_model_dir):
     return ids, references
 
 
+def _prompt_token_logprobs(completion, ids: list[int]) -> torch.Tensor:
+    """Each prompt token's logprob after the first, of its row of ``{id: logprob}``."""
+    return torch.tensor([row[t] for row, t in zip(completion.prompt_logprobs[1:], ids[1:])])
+
+
 @pytest.mark.parametrize("kv_cache_dtype", list(FORMATS))
 def test_fp8_cache_holds_4x_the_blocks_and_computes_as_transformers_rounding(
     default_model_dir, prompt_and_references, kv_cache_dtype
@@ -87,7 +92,7 @@ def test_fp8_cache_holds_4x_the_blocks_and_computes_as_transformers_rounding(
     block_bytes = cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim  # one byte a value
     assert num_blocks == CACHE_BYTES // block_bytes
 
-    weir = torch.tensor(completion.prompt_logprobs[1:])
+    weir = _prompt_token_logprobs(completion, ids)
     distance = {name: (weir - ref).abs().mean().item() for name, ref in references.items()}
     others = [d for name, d in distance.items() if name != kv_cache_dtype]
     assert distance[kv_cache_dtype] < 0.6 * min(others), distance
@@ -171,7 +176,7 @@ def test_checkpoint_scales_divide_what_an_fp8_cache_holds(
     for kv_cache_dtype in ("fp8", "auto"):
         with LLM(str(path), kv_cache_dtype=kv_cache_dtype, kv_cache_memory=CACHE_BYTES) as llm:
             (completion,) = llm.generate([ids], params)
-        weir[kv_cache_dtype] = torch.tensor(completion.prompt_logprobs[1:])
+        weir[kv_cache_dtype] = _prompt_token_logprobs(completion, ids)
     distance = {
         name: (weir["fp8"] - ref).abs().mean().item()
         for name, ref in {"scaled": scaled, **references}.items()
