@@ -71,7 +71,7 @@ def test_a_scheduler_alone_refuses_such_a_group_before_waiting_for_it(default_mo
     )
     assert scheduler.returncode == 2
     assert scheduler.stderr.strip() == (
-        "weir scheduler: tensor_parallel_size 2 does not divide the model's 9 attention heads"
+        "weir scheduler: --tensor-parallel-size 2 does not divide the model's 9 attention heads"
     )
 
 
