@@ -113,7 +113,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ``ValueError`` for a duplicate id, a prompt longer
         than ``max_model_len``, or one whose longest possible KV footprint
-        (``_past_the_cache``) exceeds the whole cache: such a request could never finish
+        (``_fit_to_the_cache``) exceeds the whole cache: such a request could never finish
         and would otherwise wait forever."""
         rid = request.request_id
         if rid in self.requests:
@@ -126,7 +126,7 @@ class Scheduler:
                 f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens, "
                 f"more than max_model_len={max_len}"
             )
-        if (problem := self._past_the_cache(request)) is not None:
+        if (problem := self._fit_to_the_cache(request)) is not None:
             raise ValueError(f"request {rid!r}: {problem}")
         request.seq = self._next_seq
         self._next_seq += 1
@@ -201,12 +201,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the executor's state lost
 
-    def _past_the_cache(self, request: Request) -> str | None:
-        """Why ``request`` can never finish in this KV cache, or None: its longest footprint
+    def _fit_to_the_cache(self, request: Request) -> str | None:
+        """Fit ``request`` to this KV cache: without a max_tokens ("as many as fit") it is
+        given what the cache holds, where that is more than its outputs so far (it ends
+        there, "length"). Returns why it can never finish, or None: its longest footprint
         (prompt + max_tokens - 1 tokens: the last token is never fed back, so at most
         ``max_model_len - 1``, or a whole context's prompt) needs more blocks than the whole
-        cache has. Without a max_tokens ("as many as fit") it is given what the cache
-        holds, where that is more than its outputs so far: it ends there, "length"."""
+        cache has."""
         max_len = self.scheduler_config.max_model_len
         longest = max(max_len - 1, request.num_prompt_tokens)
         footprint = min(request.num_prompt_tokens + request.max_tokens - 1, longest)
@@ -255,7 +256,7 @@ class Scheduler:
         too_big = {
             rid: problem
             for rid, request in self.requests.items()
-            if (problem := self._past_the_cache(request)) is not None
+            if (problem := self._fit_to_the_cache(request)) is not None
         }
         self.finish_requests(too_big, RequestStatus.FINISHED_ABORTED)
         return too_big
