@@ -1,6 +1,7 @@
 """The gateway's router in front of two real engine replicas."""
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -9,6 +10,9 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from operator import methodcaller
 
 import httpx
 import openai
@@ -25,6 +29,20 @@ from weir.shared.sampling import SamplingParams
 MODEL = "tiny-llama"
 
 
+@contextlib.contextmanager
+def _together(processes: list[ServerProcesses]) -> Iterator[list[ServerProcesses]]:
+    """``processes`` (servers or gateways) started at once and stopped at once: most of a
+    start or stop is waiting (children importing, a dead replica's health check timing out,
+    a grace period). Stops what the list holds at the end (a test may replace one)."""
+    try:
+        with ThreadPoolExecutor(len(processes)) as pool:
+            list(pool.map(methodcaller("start"), processes))
+        yield processes
+    finally:
+        with ThreadPoolExecutor(len(processes)) as pool:
+            list(pool.map(methodcaller("shutdown"), processes))
+
+
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir):
     engine = EngineArgs(
@@ -36,16 +54,11 @@ def replicas(tiny_model_dir):
         device="cpu",
         threads=1,  # two servers on one machine: each executor's default would take every core
     )
-    started = []
-    try:
-        for _ in range(2):
-            processes = ServerProcesses(engine, port=0, metrics_port=0, executor_metrics_port=0)
-            processes.start()
-            started.append(processes)
+    servers = [
+        ServerProcesses(engine, port=0, metrics_port=0, executor_metrics_port=0) for _ in range(2)
+    ]
+    with _together(servers) as started:
         yield started
-    finally:
-        for processes in started:
-            processes.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +136,12 @@ def test_a_new_gateway_serves_at_once_while_a_listed_replica_is_down(replicas):
     answer health checks, together: a dead one listed first costs no timeout. With every
     replica dead a request is a 503 at once, not after a timeout per replica."""
     dead = _free_address()
-    with GatewayProcess([dead, replicas[1].client_address], timeout=30) as process:
-        base = process.info["http_address"]
+    gateways = [
+        GatewayProcess([dead, replicas[1].client_address], timeout=30),
+        GatewayProcess([dead, _free_address()], timeout=30),
+    ]
+    with _together(gateways):
+        base = gateways[0].info["http_address"]
         deadline = time.monotonic() + 30
         while _health(base)[replicas[1].client_address] is not True:
             assert time.monotonic() < deadline
@@ -133,23 +150,32 @@ def test_a_new_gateway_serves_at_once_while_a_listed_replica_is_down(replicas):
         [result] = asyncio.run(_complete_all(base, [[[60, 61]]]))
         assert result.choices[0].finish_reason == "length"
         assert time.monotonic() - start < 10
+
         # An action for every replica is refused at once, naming the one that does not
-        # answer, and changes none (the live one is not left paused).
-        for method, path in (("POST", "/pause"), ("POST", "/sleep"), ("GET", "/is_paused")):
-            reply = httpx.request(method, base + path, timeout=20)
+        # answer, and changes none (the live one is not left paused). Sent together: each
+        # waits out one health check of the dead replica.
+        async def actions() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=20) as http:
+                return await asyncio.gather(
+                    http.post(base + "/pause"),
+                    http.post(base + "/sleep"),
+                    http.get(base + "/is_paused"),
+                )
+
+        for reply in asyncio.run(actions()):
             assert reply.status_code == 503 and dead in reply.json()["error"]["message"]
         with WeirClient(replicas[1].client_address) as live:
             assert not live.is_paused() and not live.is_sleeping()
-    with GatewayProcess([dead, _free_address()], timeout=30) as process:
         start = time.monotonic()
-        [result] = asyncio.run(_complete_all(process.info["http_address"], [[[60, 61]]]))
+        [result] = asyncio.run(_complete_all(gateways[1].info["http_address"], [[[60, 61]]]))
         assert isinstance(result, openai.InternalServerError) and result.status_code == 503
         assert time.monotonic() - start < 10
 
 
 def test_sigterm_stops_the_gateway_with_status_0():
-    """As the scheduler and executor (uvicorn raises the signal again once stopped: 143)."""
-    with GatewayProcess([_free_address()], timeout=3) as process:
+    """As the scheduler and executor (uvicorn raises the signal again once stopped: 143).
+    Its timeout is short: its start waits out a health check of its (dead) replica."""
+    with GatewayProcess([_free_address()], timeout=0.5) as process:
         gateway = process._children[0].proc
         gateway.send_signal(signal.SIGTERM)
         assert gateway.wait(timeout=30) == 0
@@ -157,11 +183,13 @@ def test_sigterm_stops_the_gateway_with_status_0():
 
 def test_the_log_says_when_a_replica_leaves_the_rotation_and_when_it_returns(replicas, caplog):
     """At the default level: an engine unreachable past the gateway's start (once, not per
-    health check), and a replica back after a warning, at the warning's level."""
+    health check), and a replica back after a warning, at the warning's level. Each health
+    check waits out the dead one's timeout (1 s: the live replica, idle, answers well within
+    it)."""
     dead, live = _free_address(), replicas[0].client_address
 
     async def main() -> list[str]:
-        router = Router([dead, live], timeout=2.0)
+        router = Router([dead, live], timeout=1.0)
         said = []
         try:
             await router.check_health()
@@ -181,7 +209,7 @@ def test_the_log_says_when_a_replica_leaves_the_rotation_and_when_it_returns(rep
         starting, later = asyncio.run(main())
     assert starting == []
     assert later == [
-        f"replica {dead} out of rotation: health check failed: no answer in 2.0s",
+        f"replica {dead} out of rotation: health check failed: no answer in 1.0s",
         f"replica {live} out of rotation: a request failed",
         f"replica {live} in rotation",
     ]
@@ -369,8 +397,12 @@ def test_requests_queued_on_a_hung_replica_go_to_another(replicas):
 
         async def both_hung_then_one_back() -> list:
             waiting = asyncio.ensure_future(_complete_all(base, prompts))
-            await asyncio.sleep(4)  # both out of rotation meanwhile
-            os.kill(schedulers[1], signal.SIGCONT)
+            async with httpx.AsyncClient(timeout=10) as http:
+                deadline = time.monotonic() + 30
+                while any((await http.get(base + "/health")).json()["replicas"].values()):
+                    assert time.monotonic() < deadline, "a hung replica stayed in rotation"
+                    await asyncio.sleep(0.1)
+            os.kill(schedulers[1], signal.SIGCONT)  # both out of rotation till now
             return await waiting
 
         for pid in schedulers:

@@ -22,7 +22,7 @@ _left = threading.Event()  # /watch saw its client leave
 
 
 async def _app(scope, receive, send):
-    """Reads the whole body, then streams ?n pieces "x" (4 unless told: longer than the read
+    """Reads the whole body, then streams ?n pieces "x" (3 unless told: longer than the read
     timeout) half a read timeout apart, then "done", of a length not said up front; ?n=0:
     "done" at once, with its Content-Length. /watch first waits for its client to leave,
     as the gateway does to abort a request."""
@@ -35,7 +35,7 @@ async def _app(scope, receive, send):
             if (await asyncio.wait_for(receive(), 5))["type"] == "http.disconnect":
                 _left.set()
                 return
-    pieces = int(dict(parse.parse_qsl(scope["query_string"].decode())).get("n", 4))
+    pieces = int(dict(parse.parse_qsl(scope["query_string"].decode())).get("n", 3))
     if not pieces:
         headers = [(b"content-length", b"4")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -9,6 +9,7 @@ with the plain loop.
 """
 
 import random
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -38,7 +39,7 @@ BUDGET = 16
 # How long each step seems to run on the device after its launch returns: on a CPU the
 # work is done by then, and without this the loop would overlap only when the next plan
 # happened to be there already.
-STEP_SECONDS = 0.05
+STEP_SECONDS = 0.02
 
 
 class _DeviceTime:
@@ -130,15 +131,15 @@ class _Served:
         dealer.send(control.HELLO)
         router.recv_multipart()
         self.router, self.dealer = router, dealer
-        worker = ExecutorWorker(
+        self.worker = worker = ExecutorWorker(
             ExecutorOptions(f"tcp://127.0.0.1:{port}", EngineArgs(model=str(model_dir))),
             StatusReporter(None),
         )
-        # The heartbeat thread's one field the loop reads: set, it makes the loop exit.
-        self.stop = SimpleNamespace(reset=threading.Event())
+        # The heartbeat thread's one field the loop reads (never set: no scheduler resets us).
+        heartbeat = SimpleNamespace(reset=threading.Event())
         self.thread = threading.Thread(
             target=worker.serve,
-            args=(dealer, runner, ExecutorMetrics("tiny", 0, "cpu"), self.stop),
+            args=(dealer, runner, ExecutorMetrics("tiny", 0, "cpu"), heartbeat),
             kwargs={"overlap": overlap},
             daemon=True,
         )
@@ -187,8 +188,12 @@ class _Served:
         return ahead
 
     def close(self) -> None:
-        self.stop.reset.set()
+        # As a stopping server: the executor's SIGTERM, then its scheduler's goodbye, which
+        # wakes the loop at once (a reset is only looked at after a second without frames).
+        self.worker.stopping.request(signal.SIGTERM, None)
+        self.router.send_multipart([b"rank0", control.GOODBYE, b""])
         self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
         self.router.close()
         self.dealer.close()
         self.ctx.term()
