@@ -138,7 +138,7 @@ def test_a_rank_killed_mid_stream_loses_the_group_not_the_request(
         threads=1,
         async_scheduling=False,  # in lockstep the failure is always inside a step
     )
-    prompt, n = [5, 6, 7, 8], 200
+    prompt, n = [5, 6, 7, 8], 80  # the rank is killed after 20
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     with ServerProcesses(engine, port=0, metrics_port=0, executor_metrics_port=0) as server:
         pids = [e["pid"] for e in server.info["executors"]]

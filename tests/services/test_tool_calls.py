@@ -12,6 +12,7 @@ xgrammar's own logits processor, writes the arguments the API must return.
 import functools
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgpack
@@ -21,7 +22,7 @@ import torch
 import zmq
 from serving_helpers import hf_constrained, read_chat, small_server
 
-from weir.services.gateway.chat_output import ChatParsers
+from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.gateway.tool_calls import (
     DeepSeekReader,
     HermesReader,
@@ -145,6 +146,37 @@ def client(server):
     return openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
 
 
+# The parsers of the gateways that tests put in front of ``server``'s engine.
+GATEWAY_PARSERS = (
+    NO_PARSERS,
+    ChatParsers(tool_call="llama3_json"),
+    ChatParsers(tool_call="pythonic"),
+    ChatParsers(tool_call="qwen3_coder"),
+    ChatParsers(tool_call="glm45"),
+    ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2"),
+)
+
+
+@pytest.fixture(scope="module")
+def gateway(server):
+    """An openai client of a `weir gateway` with the given parsers in front of ``server``'s
+    engine: one gateway per parsers, shared by the tests (a whole and a streamed case), all
+    started at once on first use (each start is seconds of imports)."""
+    gateways = {p: GatewayProcess([server.client_address], parsers=p) for p in GATEWAY_PARSERS}
+    with ThreadPoolExecutor(len(gateways)) as pool:
+        started = {parsers: pool.submit(g.start) for parsers, g in gateways.items()}
+
+    def client_of(parsers: ChatParsers) -> openai.OpenAI:
+        info = started[parsers].result()  # a start's failure fails the tests of its gateway
+        return openai.OpenAI(base_url=info["http_address"] + "/v1", api_key="-")
+
+    try:
+        yield client_of
+    finally:
+        for g in gateways.values():
+            g.shutdown()
+
+
 def _hf_ids(hf_tokenizer, messages, tools=None) -> list[int]:
     return hf_tokenizer.apply_chat_template(
         messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -179,6 +211,12 @@ def _hf_format(smollm2, schema, max_tokens: int) -> str:
     )
     assert ids[-1] == tokenizer.eos_token_id, "the reference must complete its JSON"
     return tokenizer.decode(ids[:-1])
+
+
+@pytest.fixture(scope="module")
+def weather_arguments(smollm2) -> str:
+    """What transformers writes for ASK held to the schema of get_weather's parameters."""
+    return _hf_format(smollm2, WEATHER, 80)
 
 
 def _call(client, messages=ASK, **kwargs):
@@ -267,9 +305,10 @@ def test_the_server_renders_tools_calls_and_answers_as_transformers_does(
 
 
 @pytest.mark.slow
-def test_a_named_function_returns_its_arguments_as_transformers_writes_them(smollm2):
-    client = smollm2[0]
-    want = _hf_format(smollm2, WEATHER, 80)
+def test_a_named_function_returns_its_arguments_as_transformers_writes_them(
+    smollm2, weather_arguments
+):
+    client, want = smollm2[0], weather_arguments
     choice = {"type": "function", "function": {"name": "get_weather"}}
     [reply] = _call(client, tool_choice=choice).choices
     [call] = reply.message.tool_calls
@@ -283,13 +322,12 @@ def test_a_named_function_returns_its_arguments_as_transformers_writes_them(smol
 
 
 @pytest.mark.slow
-def test_the_responses_api_calls_a_function_as_transformers_writes_it(smollm2):
+def test_the_responses_api_calls_a_function_as_transformers_writes_it(smollm2, weather_arguments):
     """The Responses API's function_call item, whole and streamed (its arguments' deltas,
     and the SDK's stream helper), holds what transformers writes under the same schema; a
     call and its output sent back as items render as the chat with the call and the tool's
     answer does."""
-    client = smollm2[0]
-    want = _hf_format(smollm2, WEATHER, 80)
+    client, want = smollm2[0], weather_arguments
     model = client.models.list().data[0].id
     tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
     kwargs = {
@@ -522,21 +560,18 @@ def test_tools_the_engine_cannot_read_are_refused_by_the_sdk_and_the_scheduler(s
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_auto_reads_llama3_json_calls_out_of_the_text(server, stream):
+def test_auto_reads_llama3_json_calls_out_of_the_text(gateway, stream):
     """A gateway with --tool-call-parser llama3_json in front of the same engine: an output
     that is calls (one after another, ';' between) is calls, any other is content."""
     calls_text = (
         '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}; '
         '{"name": "get_time", "parameters": {}}'
     )
-    with GatewayProcess(
-        [server.client_address], parsers=ChatParsers(tool_call="llama3_json")
-    ) as gateway:
-        llama = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
-        got = []
-        for text in (calls_text, "Snow {all week}."):
-            kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": 120}
-            got.append(_answer(llama, stream, **kwargs)[:3])
+    llama = gateway(ChatParsers(tool_call="llama3_json"))
+    got = []
+    for text in (calls_text, "Snow {all week}."):
+        kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": 120}
+        got.append(_answer(llama, stream, **kwargs)[:3])
     assert got == [
         (
             "" if stream else None,
@@ -547,19 +582,16 @@ def test_auto_reads_llama3_json_calls_out_of_the_text(server, stream):
     ]
 
 
-def test_auto_reads_pythonic_calls_out_of_the_text(server):
+def test_auto_reads_pythonic_calls_out_of_the_text(gateway):
     """--tool-call-parser pythonic (Llama 3.2's and 4's format): an output that is a Python
     list of calls is calls; any other, or a list that is not of calls, is content (whole and
     streamed alike: the reader is the same, fed in any pieces below)."""
     calls_text = '[get_weather(city="Oslo", days=3), get_time()]'
-    with GatewayProcess(
-        [server.client_address], parsers=ChatParsers(tool_call="pythonic")
-    ) as gateway:
-        llama = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
-        got = []
-        for text in (calls_text, "Snow [all week].", "[get_weather(city=Oslo)]"):
-            kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": 120}
-            got.append(_answer(llama, False, **kwargs)[:3])
+    llama = gateway(ChatParsers(tool_call="pythonic"))
+    got = []
+    for text in (calls_text, "Snow [all week].", "[get_weather(city=Oslo)]"):
+        kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": 120}
+        got.append(_answer(llama, False, **kwargs)[:3])
     assert got == [
         (
             None,
@@ -571,7 +603,7 @@ def test_auto_reads_pythonic_calls_out_of_the_text(server):
     ]
 
 
-def test_auto_reads_qwen3_coder_calls_out_of_the_text(server):
+def test_auto_reads_qwen3_coder_calls_out_of_the_text(gateway):
     """--tool-call-parser qwen3_coder: <tool_call> blocks of <function=NAME> and its
     <parameter=KEY> values, each read by its type in the tool's schema (days an integer,
     the string "3" where the schema says string: Oslo's twin tool)."""
@@ -587,12 +619,9 @@ def test_auto_reads_qwen3_coder_calls_out_of_the_text(server):
             "parameters": {"type": "object", "properties": {"days": {"type": "string"}}},
         },
     }
-    with GatewayProcess(
-        [server.client_address], parsers=ChatParsers(tool_call="qwen3_coder")
-    ) as gateway:
-        qwen = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
-        kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": None}
-        got = _answer(qwen, True, tools=[*TOOLS, echo], **kwargs)[:3]
+    qwen = gateway(ChatParsers(tool_call="qwen3_coder"))
+    kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": None}
+    got = _answer(qwen, True, tools=[*TOOLS, echo], **kwargs)[:3]
     assert got == (
         "Checking.\n",  # streamed: hermes' reader, whose whole reading its tests check
         [
@@ -675,7 +704,7 @@ def test_qwen3_coder_and_minimax_m2_values_are_read_by_nullable_and_union_types(
     assert json.loads(call.arguments) == expected
 
 
-def test_auto_reads_glm45_calls_out_of_the_text(server):
+def test_auto_reads_glm45_calls_out_of_the_text(gateway):
     """--tool-call-parser glm45: GLM-4.5's <tool_call> blocks (newlines between its tags)
     and GLM-4.7's (none), each value read as JSON or a Python literal, as written where the
     tool's schema says string (Oslo's twin tool)."""
@@ -691,10 +720,9 @@ def test_auto_reads_glm45_calls_out_of_the_text(server):
             "parameters": {"type": "object", "properties": {"days": {"type": "string"}}},
         },
     }
-    with GatewayProcess([server.client_address], parsers=ChatParsers(tool_call="glm45")) as gateway:
-        glm = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
-        kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": None}
-        got = _answer(glm, False, tools=[*TOOLS, echo], **kwargs)[:3]
+    glm = gateway(ChatParsers(tool_call="glm45"))
+    kwargs = {"extra_body": {"guided_choice": [text]}, "max_tokens": None}
+    got = _answer(glm, False, tools=[*TOOLS, echo], **kwargs)[:3]
     assert got == (
         "Checking.\n",
         [
@@ -706,7 +734,7 @@ def test_auto_reads_glm45_calls_out_of_the_text(server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_auto_reads_minimax_m2_reasoning_and_calls_out_of_the_text(server, stream):
+def test_auto_reads_minimax_m2_reasoning_and_calls_out_of_the_text(gateway, stream):
     """--tool-call-parser minimax_m2 --reasoning-parser minimax_m2: MiniMax-M2's reasoning,
     then a <minimax:tool_call> block of two invokes (values by their schema types: the
     string "3" for Oslo's twin tool), as its chat template writes them."""
@@ -727,18 +755,16 @@ def test_auto_reads_minimax_m2_reasoning_and_calls_out_of_the_text(server, strea
             "parameters": {"type": "object", "properties": {"days": {"type": "string"}}},
         },
     }
-    parsers = ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2")
-    with GatewayProcess([server.client_address], parsers=parsers) as gateway:
-        minimax = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="-")
-        got = read_chat(
-            minimax,
-            stream,
-            model=MODEL,
-            messages=[{"role": "user", "content": "Weather in Oslo?"}],
-            tools=[*TOOLS, echo],
-            extra_body={"guided_choice": [text]},
-            max_tokens=None,
-        )
+    minimax = gateway(ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2"))
+    got = read_chat(
+        minimax,
+        stream,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[*TOOLS, echo],
+        extra_body={"guided_choice": [text]},
+        max_tokens=None,
+    )
     assert got == (
         "\nThe weather, then an echo.\n",
         "\n\nChecking.\n",
@@ -879,18 +905,17 @@ def test_a_llama3_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     assert read('{"x": 1}') == ('{"x": 1}', [])
 
 
-def test_auto_needs_a_parser_and_the_other_choices_do_not(server):
+def test_auto_needs_a_parser_and_the_other_choices_do_not(gateway):
     """A gateway started without --tool-call-parser refuses "auto" (OpenAI's default with
     tools), as vLLM does, and serves the rest."""
-    with GatewayProcess([server.client_address]) as gateway:
-        plain = openai.OpenAI(base_url=gateway.info["http_address"] + "/v1", api_key="unused")
-        with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as refused:
-            _call(plain)
-        assert refused.value.body["param"] == "tool_choice"
-        choice = {"type": "function", "function": {"name": "get_time"}}
-        [reply] = _call(plain, tool_choice=choice, max_tokens=5).choices
-        [call] = reply.message.tool_calls
-        assert call.function.name == "get_time" and call.function.arguments.startswith("{")
+    plain = gateway(NO_PARSERS)
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as refused:
+        _call(plain)
+    assert refused.value.body["param"] == "tool_choice"
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    [reply] = _call(plain, tool_choice=choice, max_tokens=5).choices
+    [call] = reply.message.tool_calls
+    assert call.function.name == "get_time" and call.function.arguments.startswith("{")
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])
