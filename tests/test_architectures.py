@@ -459,8 +459,22 @@ def save_model(kind: str, path, **changes) -> torch.nn.Module:
     return model
 
 
-def reference(kind: str, model, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    return (cached_greedy if kind == "phi3_longrope" else greedy)(model, prompt_ids, num_tokens)
+def reference(kind: str, model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """``greedy``'s tokens for each prompt (LongRoPE's: ``cached_greedy``'s, its rotation
+    chosen by the pass's length), the prompts decoded side by side: right-padded into one
+    batch, each row's next token read at its own last token. Attention is causal, so the
+    padding after a row's tokens changes none of their logits: a forward pass per token,
+    not per token of every prompt."""
+    if kind == "phi3_longrope":
+        return [cached_greedy(model, prompt, num_tokens) for prompt in prompts]
+    rows = [list(prompt) for prompt in prompts]
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            width = max(map(len, rows))
+            logits = model(torch.tensor([row + [0] * (width - len(row)) for row in rows])).logits
+            for row, row_logits in zip(rows, logits, strict=True):
+                row.append(int(row_logits[len(row) - 1].argmax()))
+    return [row[len(prompt) :] for row, prompt in zip(rows, prompts, strict=True)]
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -502,7 +516,7 @@ def test_decodes_as_transformers_in_one_process_and_at_tp2(model):
     work = tp_workload.Workload(
         str(path), prompts, max_tokens=10, num_blocks=20, num_speculative_tokens=2
     )
-    want = {f"r{i}": reference(kind, hf, prompt, 10) for i, prompt in enumerate(prompts)}
+    want = {f"r{i}": tokens for i, tokens in enumerate(reference(kind, hf, prompts, 10))}
     one = tp_workload.run(work)
     assert one.chunked and one.preempted and one.draft_tokens > 0
     assert one.outputs == want
