@@ -12,8 +12,8 @@ import time
 import httpx
 import openai
 import pytest
-from lora_adapters import ALL_PROJECTIONS, greedy, peft_model, save_random_adapter
-from serving_helpers import read_metrics, small_server
+from lora_adapters import ALL_PROJECTIONS, peft_model, save_random_adapter
+from serving_helpers import hf_greedy, read_metrics, small_server
 
 from weir.services import LLM
 from weir.services.cli import main
@@ -61,11 +61,12 @@ def prompts(default_model_dir):
 
 @pytest.fixture(scope="module")
 def references(default_model_dir, adapters, prompts):
-    """PEFT's greedy tokens of every prompt, per model name (None: the base model)."""
+    """PEFT's greedy tokens of every prompt, per model name (None: the base model); each pass
+    computes the LM head at the last position only."""
     out = {}
     for name in (None, *adapters):
         model = peft_model(default_model_dir, adapters.get(name))
-        out[name] = [greedy(model, prompt, NUM_TOKENS) for prompt in prompts]
+        out[name] = [hf_greedy(model, prompt, NUM_TOKENS) for prompt in prompts]
     assert out["sql"] != out[None] and out["poet"] != out[None], "adapters must matter"
     return out
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from serving_helpers import generate_in_core, metric, read_metrics
+from serving_helpers import generate_in_core, hf_greedy, metric, read_metrics
 
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.engine.frontend import bad_word_sequences
@@ -24,6 +24,19 @@ PASSAGES = [
     "Signal fires burned on the hills: one for a ship, two for a storm, three for the king.",
     "She wrote the numbers down twice: 4 8 15 16 23 42, then 4 8 15 16 23 42 again.",
 ]
+
+
+@pytest.fixture(scope="module")
+def runner(default_model_dir):
+    """The default model's runner, built once: each engine core below ends all its requests,
+    so the next one starts on an empty cache."""
+    return ModelRunner(
+        default_model_dir,
+        device="cpu",
+        kv_cache_memory_bytes=20 * 737_280,  # 20 blocks of 16 tokens: forces preemption
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )
 
 
 @pytest.mark.parametrize(
@@ -57,7 +70,7 @@ PASSAGES = [
     ],
     ids=["greedy", "seeded", "penalized", "allowed", "bad_words"],
 )
-def test_outputs_are_identical_with_and_without_drafts(default_model_dir, params):
+def test_outputs_are_identical_with_and_without_drafts(default_model_dir, runner, params):
     tokenizer = Tokenizer.from_model_dir(default_model_dir)
     if params.bad_words:  # the server tokenizes them; this test drives the engine core
         words = bad_word_sequences(tokenizer, params.bad_words, tokenizer.vocab_size)
@@ -68,13 +81,6 @@ def test_outputs_are_identical_with_and_without_drafts(default_model_dir, params
         )
         for text in PASSAGES
     ]
-    runner = ModelRunner(
-        default_model_dir,
-        device="cpu",
-        kv_cache_memory_bytes=20 * 737_280,  # 20 blocks of 16 tokens: forces preemption
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
-    )
     outputs, stats = [], []
     for k in (0, 4):
         scheduler = Scheduler(
@@ -149,11 +155,12 @@ def test_a_sampled_step_with_a_draft_draws_from_the_target_distribution(
     assert chi2 < 18.47, (observed, [round(e, 1) for e in expected])  # df 4, p = 0.001
 
 
-def test_served_speculation_keeps_greedy_outputs_and_counts_drafts(tiny_model_dir):
+def test_served_speculation_keeps_greedy_outputs_and_counts_drafts(tiny_model_dir, tiny_hf_model):
+    """Served with n-gram drafts, the tiny model returns transformers' greedy tokens (what
+    it returns without drafts) and the metrics count the drafts."""
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9, 10]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with LLM(str(tiny_model_dir), device="cpu") as plain:
-        want = [c.token_ids for c in plain.generate(prompts, params)]
+    want = [hf_greedy(tiny_hf_model, prompt, 12) for prompt in prompts]
     with LLM(
         str(tiny_model_dir),
         device="cpu",
