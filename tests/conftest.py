@@ -1,5 +1,6 @@
 """Fixtures shared by the whole suite."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,3 +12,13 @@ from weir.shared.model_store import resolve_model
 def default_model_dir() -> Path:
     """The default model (SmolLM2-135M-Instruct) as a Hugging Face directory, downloaded and converted once."""
     return resolve_model(None)
+
+
+def pytest_configure(config) -> None:
+    # Under pytest-xdist each worker gets a core of its own: executors size their OpenMP
+    # threads from this process's affinity, and two workers spinning on every core each waited
+    # for the other's threads (a step 10x slower); pinned, a worker is a one-core machine.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})

@@ -10,6 +10,8 @@ undisturbed run.
 
 import asyncio
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -436,27 +438,37 @@ def test_a_frame_over_the_size_limit_costs_only_its_sender_the_connection(server
             assert isinstance(reply, client_protocol.HealthReply) and reply.info["status"] == "ok"
 
 
+# Sends a byte that is never valid msgpack as fast as the socket takes it, from a process of
+# its own: a flooding thread in the test's process held the GIL the client's thread needed
+# (on one core beside a busy one, the stream then took 30-45 s, not 0.6 s).
+_FLOOD = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+sock.send(b"\\xc1")
+print("flooding", flush=True)
+while True:
+    sock.send(b"\\xc1")
+"""
+
+
 @pytest.mark.timeout(60)  # a loop held by the flood answers health, so nothing else ends
 def test_a_client_sending_without_pause_does_not_hold_up_the_others(server, reference):
     """Its frames are handled one per turn of the scheduler's loop, not all while they keep
     coming: another client's stream goes on at once."""
-    flooding = threading.Event()
-
-    def flood() -> None:
-        with raw_dealer(server.client_address) as sock:
-            while not flooding.is_set():
-                sock.send(b"\xc1")  # never valid msgpack: an error reply each
-
-    flooder = threading.Thread(target=flood)
-    flooder.start()
+    flooder = subprocess.Popen(
+        [sys.executable, "-c", _FLOOD, server.client_address], stdout=subprocess.PIPE, text=True
+    )
     try:
+        assert flooder.stdout.readline() == "flooding\n"
         time.sleep(0.5)
         with WeirClient(server.client_address, timeout=20) as client:
             got = [t for out in client.generate(PROMPTS[2], GREEDY) for t in out.new_token_ids]
         assert got == reference[2]
+        assert flooder.poll() is None  # still flooding: the stream went on beside it
     finally:
-        flooding.set()
-        flooder.join()
+        flooder.kill()
+        flooder.wait()
 
 
 def _long_text(num_chars: int) -> str:
