@@ -46,10 +46,11 @@ lint: $(INSTALLED)
 	for d in services shared kernels; do ln -sfn ../../../$$d $(VENV)/typecheck/weir/$$d; done
 	cd $(VENV)/typecheck && MYPYPATH=. ../bin/mypy --config-file ../../pyproject.toml $(TYPED)
 
-# One pytest-xdist worker per core (at most 8: each holds its own servers and references),
-# each pinned to its core by tests/conftest.py; a file's tests stay on one worker, as its
-# module-scoped servers are shared by them.
-TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(len(os.sched_getaffinity(0)), 8))")
+# One pytest-xdist worker per core this machine gives us (affinity capped by the cgroup quota,
+# as the executors count them; at most 8: each holds its own servers and references), each
+# pinned to a core by tests/conftest.py; a file's tests stay on one worker, which starts its
+# module-scoped servers once for them.
+TEST_WORKERS ?= $(shell $(PY) -c "from weir.services.cpu_cores import available_cpus as a; print(min(a().count, 8))")
 test: $(MODEL_READY) lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
