@@ -200,6 +200,10 @@ def test_the_queue_gauges_follow_arrivals_while_a_step_runs(server):
     waiting = 'weir_num_requests_waiting{model_name="tiny"}'
     running = 'weir_num_requests_running{model_name="tiny"}'
     with _executor_stopped_mid_stream(server) as first:
+        # The scheduler plans the step after the one in flight as a result comes (async
+        # scheduling): given a moment, it has done so before the arrivals, which then wait (on
+        # one busy core, one was once taken into that step: waiting 2, running 2).
+        time.sleep(0.2)
         queued = [_Stream(server.client_address, PROMPT[: 5 + i], 5) for i in range(3)]
         for stream in queued:
             stream.start()
