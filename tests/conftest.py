@@ -16,8 +16,9 @@ def default_model_dir() -> Path:
 
 def pytest_configure(config) -> None:
     # Under pytest-xdist each worker gets a core of its own: executors size their OpenMP
-    # threads from this process's affinity, and two workers spinning on every core each waited
-    # for the other's threads (a step 10x slower); pinned, a worker is a one-core machine.
+    # threads from this process's affinity, and two unpinned workers' executors spin-waited on
+    # each other's threads (a draft-model test took 245 s beside another run, 32 s alone);
+    # pinned, a worker is a one-core machine.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         cores = sorted(os.sched_getaffinity(0))

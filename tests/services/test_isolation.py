@@ -456,19 +456,17 @@ while True:
 def test_a_client_sending_without_pause_does_not_hold_up_the_others(server, reference):
     """Its frames are handled one per turn of the scheduler's loop, not all while they keep
     coming: another client's stream goes on at once."""
-    flooder = subprocess.Popen(
-        [sys.executable, "-c", _FLOOD, server.client_address], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert flooder.stdout.readline() == "flooding\n"
-        time.sleep(0.5)
-        with WeirClient(server.client_address, timeout=20) as client:
-            got = [t for out in client.generate(PROMPTS[2], GREEDY) for t in out.new_token_ids]
-        assert got == reference[2]
-        assert flooder.poll() is None  # still flooding: the stream went on beside it
-    finally:
-        flooder.kill()
-        flooder.wait()
+    command = [sys.executable, "-c", _FLOOD, server.client_address]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as flooder:
+        try:
+            assert flooder.stdout.readline() == "flooding\n"
+            time.sleep(0.5)
+            with WeirClient(server.client_address, timeout=20) as client:
+                got = [t for out in client.generate(PROMPTS[2], GREEDY) for t in out.new_token_ids]
+            assert got == reference[2]
+            assert flooder.poll() is None  # still flooding: the stream went on beside it
+        finally:
+            flooder.kill()  # the context's exit then reaps it and closes its pipe
 
 
 def _long_text(num_chars: int) -> str:
