@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from weir.services.launcher import free_port
 from weir.shared.protocol import client as client_protocol
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -40,12 +40,6 @@ def _cpu_seconds(pid: int) -> tuple[float, float]:
     """User and system CPU seconds of a process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) / _TICKS, int(fields[12]) / _TICKS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _answer(server: zmq.asyncio.Socket, identity: bytes, msg: object) -> None:
@@ -138,7 +132,7 @@ async def main_async(args: argparse.Namespace) -> None:
     context = zmq.asyncio.Context()
     server = context.socket(zmq.ROUTER)
     engine_port = server.bind_to_random_port("tcp://127.0.0.1")
-    http_port = _free_port()
+    http_port = free_port()
     gateway = subprocess.Popen(
         [
             sys.executable,

@@ -300,7 +300,7 @@ class ServerProcesses:
         that are theirs."""
         env: dict[str, str] = {}
         if self.engine_args.tensor_parallel_size > 1:
-            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         if self.data_parallel_size > 1:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             gpus = (
@@ -669,7 +669,9 @@ def _affinity_flag(cores: tuple[int, ...] | None) -> list[str]:
     return [] if cores is None else ["--cpu-affinity", format_cores(cores)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on the loopback now (the OS picks it; another process may take it before
+    it is bound again, which the callers' short gap makes unlikely)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

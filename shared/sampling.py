@@ -128,12 +128,6 @@ class SamplingParams:
     # sent by ``LLM`` (the HTTP API takes its own ``n``); a server samples one a request.
     n: int = 1
 
-    @property
-    def has_penalties(self) -> bool:
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-        )
-
     def __post_init__(self) -> None:
         # frozen: normalised values are written with object.__setattr__.
         put = object.__setattr__

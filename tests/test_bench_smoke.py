@@ -19,6 +19,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from weir.services.launcher import free_port
+
 BENCH = [sys.executable, "-m", "weir.services.cli", "bench"]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 SERVER_START_TIMEOUT_S = 60.0
@@ -257,12 +259,6 @@ def test_the_reported_command_repeats_a_negated_option() -> None:
     assert parser.parse_args(words[1:]) == args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -271,7 +267,7 @@ def server(
     OpenAI base URL)."""
     from weir.shared.client import WeirClient, WeirError
 
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     address = f"tcp://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     log = log_path.open("w")

@@ -8,13 +8,13 @@ rank plans and executes the same steps in lockstep: the collectives line up.
 
 import multiprocessing
 import os
-import socket
 from dataclasses import dataclass, field
 
 from weir.services.cpu_cores import available_cpus, plan_cpus
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.engine.ngram import NgramProposer
 from weir.services.executor.model_runner import ModelRunner
+from weir.services.launcher import free_port
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.lora import LoraModule
@@ -52,12 +52,6 @@ class RankReport:
     broadcasts: int = 0
     num_layers: int = 0
     error: str | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _counting(collective, report: RankReport, counter: str):

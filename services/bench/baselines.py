@@ -22,8 +22,6 @@ from weir.shared.arith import cdiv
 
 logger = logging.getLogger(__name__)
 
-BASELINES = ("hf-static", "hf-cb")
-
 # Left-padding id; its value never matters because the attention mask hides it.
 _PAD_TOKEN_ID = 0
 _CB_RESULT_POLL_S = 1.0

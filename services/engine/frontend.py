@@ -344,7 +344,7 @@ class ClientFrontend:
             if msg.lora_path is None:
                 await self._unload_lora(msg.lora_name)
             else:
-                loras.check_load(msg.lora_name, msg.lora_path)
+                loras.check_load(msg.lora_name)
                 fingerprint = await asyncio.get_running_loop().run_in_executor(
                     self._tokenizer_pool, loras.read, msg.lora_path
                 )

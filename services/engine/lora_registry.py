@@ -56,8 +56,9 @@ class LoraRegistry:
     def runtime_updates(self) -> bool:
         return self._check is not None
 
-    def check_load(self, name: str, path: str) -> None:
-        """What can be told of loading ``path`` as ``name`` without reading it (ValueError)."""
+    def check_load(self, name: str) -> None:
+        """Whether an adapter may be loaded as ``name``, told before its files are read
+        (ValueError)."""
         if self._check is None:
             raise ValueError(RUNTIME_UPDATES_OFF)
         check_name(name, "lora_name")
@@ -72,7 +73,7 @@ class LoraRegistry:
         return self._check(path)
 
     def add(self, name: str, path: str, fingerprint: str) -> None:
-        self.check_load(name, path)  # again: another load of the name may have come first
+        self.check_load(name)  # again: another load of the name may have come first
         adapter_id = f"{name}#{next(self._loads)}"
         self.ids[name] = adapter_id
         self.adapters[adapter_id] = [path, fingerprint]

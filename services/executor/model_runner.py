@@ -257,7 +257,8 @@ class ModelRunner:
         self.sync_timings = (
             os.environ.get(SYNC_STEP_TIMING_ENV) == "1" if sync_timings is None else sync_timings
         )
-        # A pooling runner only prefills (graphs replay decodes) and needs no LM head.
+        # A pooling runner only prefills, pools what it prefilled (steps graphs never replay)
+        # and needs no LM head.
         self.pooling_runner = (
             resolve_runner(runner, self.model_dir, model_config.num_labels) == "pooling"
         )

@@ -13,9 +13,8 @@ import openai
 import pytest
 import trustme
 
-from tests.tp_workload import free_port
 from weir.services.cli import _gateway_argv, build_parser
-from weir.services.launcher import ServerProcesses
+from weir.services.launcher import ServerProcesses, free_port
 from weir.shared.config import EngineArgs
 
 API_KEY = "sesame"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from weir.services.launcher import free_port
 from weir.shared.log_limit import OncePerInterval
 
 
@@ -35,18 +36,12 @@ def test_what_it_remembers_is_bounded_when_lines_are_preformatted():
     assert len(limit._last) <= 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_flood_of_malformed_http_requests_is_a_line_a_second(tmp_path):
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "gateway.log").open("w+")
     gateway = subprocess.Popen(
         [sys.executable, "-m", "weir.services.cli", "gateway", "--port", str(port)]
-        + ["--scheduler", f"tcp://127.0.0.1:{_free_port()}"],
+        + ["--scheduler", f"tcp://127.0.0.1:{free_port()}"],
         stderr=log,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

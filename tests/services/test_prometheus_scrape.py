@@ -11,7 +11,6 @@ gateway, then evaluates each dashboard expression through Prometheus's HTTP API 
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from weir.services.launcher import ServerProcesses
+from weir.services.launcher import ServerProcesses, free_port
 from weir.shared.config import EngineArgs
 
 PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
@@ -43,12 +42,6 @@ PROMPTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _target(url: str) -> str:
     parsed = urlparse(url)
     return f"{parsed.hostname}:{parsed.port}"
@@ -69,7 +62,7 @@ def _start_prometheus(
         ],
     }
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             PROMETHEUS,

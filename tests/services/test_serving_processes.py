@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from weir.services import launcher
-from weir.services.launcher import GatewayProcess
+from weir.services.launcher import GatewayProcess, free_port
 from weir.services.sigterm import Terminated, raise_terminated
 from weir.shared.client import ServerUnavailableError, WeirClient, WeirError
 from weir.shared.config import EngineArgs
@@ -64,12 +64,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_argv(model_dir: Path, *extra: str) -> list[str]:
