@@ -154,9 +154,14 @@ def run_rank(work: Workload, world_size: int, rank: int, port: int, results) -> 
 
 # Ranks fork from a server process that imported torch and Weir once: a spawned rank imports
 # them anew (1.4 s to start a rank on two cores, 0.02 s forked). Forked from the test process
-# itself, a rank would inherit its threads and whatever state earlier tests left.
+# itself, a rank would inherit its threads and whatever state earlier tests left. The server
+# preloads Weir's modules by their installed names: Python 3.11's forkserver does not take the
+# tests' sys.path, so this module's own name failed to import there, silently, and every rank
+# imported torch and Weir itself (~6 s a group on a pytest-xdist worker's one core).
 _RANKS = multiprocessing.get_context("forkserver")
-_RANKS.set_forkserver_preload([__name__])
+_RANKS.set_forkserver_preload(
+    ["weir.services.executor.model_runner", "weir.services.engine.core", "weir.services.launcher"]
+)
 
 
 def run_group(work: Workload, world_size: int) -> list[RankReport]:
