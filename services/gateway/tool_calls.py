@@ -132,21 +132,25 @@ class ToolCallReader(Protocol):
 
 
 class NamedCallReader:
-    """The whole text is one call's arguments, streamed as they come."""
+    """The whole answer is one call's arguments, streamed as they come. The call begins with
+    the answer's first text: an output cut off before any (``max_tokens`` in a thought) holds
+    no call, as vLLM streams it, rather than one whose arguments are no JSON."""
 
     def __init__(self, name: str) -> None:
         self.calls: list[ToolCall] = []
         self._name = name
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if not text:
+            return "", []
         if not self.calls:
             self.calls.append(ToolCall(self._name, text))
             return "", [self.calls[0].delta(0)]
         self.calls[0].arguments += text
-        return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+        return "", [{"index": 0, "function": {"arguments": text}}]
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        return self.feed("") if not self.calls else ("", [])
+        return "", []
 
 
 class JsonCallReader:

@@ -18,6 +18,7 @@ import pytest
 from serving_helpers import read_chat, small_server
 
 from weir.services.gateway.chat_output import ChatOutput, ChatParsers
+from weir.services.gateway.openai_format import Choice
 from weir.services.gateway.reasoning import MARKERS, ReasoningReader
 from weir.services.gateway.schemas import ChatCompletionRequest
 from weir.services.gateway.tool_calls import ToolChoice
@@ -388,6 +389,22 @@ def test_qwen3s_tool_call_before_the_thoughts_end_is_a_call():
     [call] = deltas + more
     assert call["function"]["name"] == "bash"
     assert json.loads(call["function"]["arguments"]) == {"command": "cat /etc/hosts"}
+
+
+def test_a_named_call_cut_off_in_its_thought_is_no_call():
+    """``max_tokens`` reached before ``</think>``: the choice holds no call (a stream sends
+    none), not one whose arguments are no JSON; a thought that ends gives the call."""
+    output = ChatOutput(True, ToolChoice("named", "f"), with_tools=True)
+    cut = Choice(0, ["<think>Let me see what", " the user"], finish_reason="length")
+    message = output.message(cut)
+    assert message["message"]["tool_calls"] == []
+    assert message["message"]["reasoning"] == "Let me see what the user"
+    reader = output.reader()
+    streamed = [reader.feed(piece)[2] for piece in cut.pieces]
+    assert streamed + [reader.finish("length")[2]] == [[], [], []]
+    ended = Choice(0, ["<think>ok</think>", '{"a": 1}'], finish_reason="stop")
+    [call] = output.message(ended)["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"a": 1}
 
 
 JSON = {"response_format": {"type": "json_object"}}
