@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from weir.services.cpu_cores import available_cpus, format_cores, plan_cpus
@@ -669,9 +670,29 @@ def _affinity_flag(cores: tuple[int, ...] | None) -> list[str]:
     return [] if cores is None else ["--cpu-affinity", format_cores(cores)]
 
 
+# Ports free_port draws from: below the kernel's range for the ports of outgoing connections.
+_LISTEN_PORTS_FROM = 10_000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    """A port free on the loopback now (the OS picks it; another process may take it before
-    it is bound again, which the callers' short gap makes unlikely)."""
+    """A port free on the loopback now, for a listener started next. Not one the OS picks
+    (bind to 0): it draws that from the range any connect() takes its local port from, so
+    under load a connection could take it before its listener binds it (seen: a
+    tensor-parallel group's rendezvous port, EADDRINUSE). Drawn at random below that range,
+    where only another listener can take it."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0  # not Linux: the OS's pick
+    for _ in range(100 if low > _LISTEN_PORTS_FROM + 1000 else 0):
+        port = _LISTEN_PORTS_FROM + secrets.randbelow(low - _LISTEN_PORTS_FROM)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -405,9 +404,7 @@ def test_bench_serve_writes_results_and_plots(
 
 def test_bench_serve_gives_up_after_its_ready_timeout(tiny_model_dir: Path) -> None:
     """Not after the SDK's 30 s request timeout: --ready-timeout bounds the wait."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        nobody = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    nobody = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
     proc = subprocess.run(
         [*BENCH, "serve", "--address", nobody, "--model", str(tiny_model_dir)]

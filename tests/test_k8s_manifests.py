@@ -27,6 +27,7 @@ from weir.services.engine.metrics import SchedulerMetrics
 from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.router import Router
+from weir.services.launcher import free_port
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.shared.config import DEFAULT_EXECUTOR_METRICS_PORT
 from weir.shared.keys import FILES_NEEDED
@@ -455,9 +456,7 @@ def test_sigterm_stops_a_starting_pod_under_the_image_entrypoint(tmp_path) -> No
     )
     bin_dir = Path(sys.executable).parent
     argv = [str(bin_dir / w) if (bin_dir / w).exists() else w for w in entrypoint]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     executor = [
         *("executor", "--scheduler", "tcp://127.0.0.1:9", "--tensor-parallel-size", "3"),

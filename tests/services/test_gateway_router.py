@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +20,7 @@ from serving_helpers import read_metrics
 
 from weir.services.gateway.app import Gateway, create_app
 from weir.services.gateway.router import Router
-from weir.services.launcher import GatewayProcess, ServerProcesses
+from weir.services.launcher import GatewayProcess, ServerProcesses, free_port
 from weir.shared.client import AsyncWeirClient, WeirClient
 from weir.shared.config import DEFAULT_MAX_MESSAGE_BYTES, EngineArgs
 from weir.shared.sampling import SamplingParams
@@ -126,9 +125,7 @@ def test_a_shared_prefix_stays_on_one_replica_and_hits_its_cache(gateway, replic
 
 
 def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def test_a_new_gateway_serves_at_once_while_a_listed_replica_is_down(replicas):

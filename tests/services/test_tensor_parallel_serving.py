@@ -3,7 +3,6 @@ scheduler and two executor ranks that form one gloo group and answer like one pr
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,12 @@ import pytest
 from serving_helpers import hf_greedy
 
 from weir.services import LLM
-from weir.services.launcher import ChildFailedError, ServerProcesses, resolve_num_executors
+from weir.services.launcher import (
+    ChildFailedError,
+    ServerProcesses,
+    free_port,
+    resolve_num_executors,
+)
 from weir.shared.client import WeirClient
 from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
@@ -78,11 +82,7 @@ def test_a_scheduler_alone_refuses_such_a_group_before_waiting_for_it(default_mo
 def test_a_rank_waiting_for_its_group_stops_at_sigterm(default_model_dir):
     """Waiting in torch's rendezvous (C++) a Python SIGTERM handler never ran: a pod being
     deleted stayed for its whole grace period, a process for 10 minutes."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = [free_port(), free_port()]
     rank = subprocess.Popen(
         [sys.executable, "-m", "weir.services.cli", "executor", "--rank", "1"]
         + ["--scheduler", f"tcp://127.0.0.1:{ports[0]}", "--model", str(default_model_dir)]
