@@ -684,18 +684,24 @@ def free_port() -> int:
     try:
         low = int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        low = 0  # not Linux: the OS's pick
-    for _ in range(100 if low > _LISTEN_PORTS_FROM + 1000 else 0):
-        port = _LISTEN_PORTS_FROM + secrets.randbelow(low - _LISTEN_PORTS_FROM)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+        low = 0  # not Linux
+    if low > _LISTEN_PORTS_FROM + 1000:  # else no room below that range: the OS picks
+        for _ in range(100):
+            port = _LISTEN_PORTS_FROM + secrets.randbelow(low - _LISTEN_PORTS_FROM)
+            if _bindable(port):
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -4,14 +4,16 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from weir.services.cli import _api_key, _engine_args, build_parser, main
-from weir.services.launcher import ChildFailedError, ServerProcesses
+from weir.services.launcher import ChildFailedError, ServerProcesses, free_port
 from weir.services.llm import LLM
 from weir.shared.config import (
     SCHEDULER,
@@ -548,3 +550,16 @@ def test_the_startup_timeout_is_positive_and_its_expiry_names_who_was_still_star
         server.start()
     assert str(expired.value).startswith("server not ready within 0.5s (still starting: ")
     assert "executor" in str(expired.value) and "--startup-timeout" in str(expired.value)
+
+
+def test_free_ports_lie_below_the_ports_connections_take():
+    """A listener's port comes from below the kernel's range for outgoing connections'
+    local ports (a port picked by binding 0 comes from that range, and a connection took one
+    before its listener bound it); each can be listened on."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert max(ports) < low and len(set(ports)) > 40
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
