@@ -12,7 +12,8 @@ export OMP_NUM_THREADS ?= 1
 # The scheduling core and everything on the wire are type-checked strictly; mypy finds
 # them by their import names through a link tree (pyproject maps the folders at install).
 TYPED := -p weir.services.scheduler -p weir.services.engine -p weir.services.gateway \
-	-p weir.shared.protocol -p weir.shared.config -p weir.shared.arith -m weir.services.cpu_cores
+	-p weir.shared.protocol -p weir.shared.config -p weir.shared.arith -m weir.services.cpu_cores \
+	-m weir.services.batch
 
 .PHONY: serve test lint setup model clean
 

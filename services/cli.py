@@ -4,6 +4,7 @@ weir serve                     scheduler + executor(s) on this machine, supervis
 weir scheduler / weir executor one role alone (how Kubernetes runs them)
 weir generate "prompt"         one request against a running server
 weir chat                      an interactive chat against a running server
+weir run-batch -i IN -o OUT    a file of OpenAI batch requests, answered by engines of its own
 weir prepare-model             fetch/convert a model and print its directory
 weir keys DIR                  make the CurveZMQ keys that authenticate clients and executors
 weir bench throughput|serve    measurements (see services/bench)
@@ -20,6 +21,7 @@ import signal
 import socket
 import ssl
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -406,6 +408,67 @@ def _serve(args: argparse.Namespace) -> int:
             # Ctrl-C while draining (which can take minutes): stop now, as a first one does.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             server.shutdown()
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from weir.services import batch
+    from weir.services.gateway.app import REQUESTS_LOGGER
+
+    _setup_logging(args.log_level, "run-batch")
+    logging.getLogger(REQUESTS_LOGGER).setLevel(
+        logging.INFO if args.enable_log_requests else logging.WARNING
+    )
+    try:
+        server = launcher.ServerProcesses(
+            _engine_args(args),
+            port=0,
+            metrics_port=0,
+            executor_metrics_port=0,
+            startup_timeout=args.startup_timeout,
+            offline=True,
+        )
+    except ValueError as exc:  # options that only tell together
+        _exit_with_option_error(args, exc)
+    try:
+        source = batch.open_input(args.input_file)
+    except (OSError, ValueError) as exc:
+        print(f"weir run-batch: --input-file {args.input_file}: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, raise_terminated)
+    started = time.monotonic()
+    try:
+        with source, batch.open_output(args.output_file) as output:
+            try:
+                server.start()
+            except launcher.ChildFailedError as exc:
+                print(f"weir run-batch: {exc}", file=sys.stderr)
+                return 1
+            try:
+                counts = asyncio.run(
+                    batch.answer_batch(
+                        [server.client_address],
+                        server.engine_args.keys_dir,
+                        _chat_parsers(args),
+                        source,
+                        output,
+                        max_in_flight=2 * server.engine_args.max_num_seqs,
+                    )
+                )
+            finally:
+                server.shutdown()
+    except OSError as exc:  # the output cannot be written or uploaded, the input read on
+        print(f"weir run-batch: {exc}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Terminated):
+        print("weir run-batch: stopped before the last line", file=sys.stderr)
+        return 130
+    print(
+        f"weir run-batch: {counts.succeeded + counts.failed} requests, {counts.succeeded} "
+        f"succeeded, {counts.failed} failed, in {time.monotonic() - started:.1f} s; results "
+        f"in {args.output_file}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 # ------------------------------------------------------------------ clients
@@ -853,6 +916,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model, as `vllm serve MODEL` takes it (or --model)",
     )
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser(
+        "run-batch",
+        help="answer a file of OpenAI batch requests with engines started for it",
+        description="Answer a file of OpenAI batch requests (vLLM's run-batch): each line "
+        '{"custom_id", "method": "POST", "url", "body"}, the url one of the API\'s generation, '
+        "embedding, scoring and pooling endpoints (/v1/chat/completions, /v1/completions, "
+        "/v1/responses, /v1/embeddings, /v1/score, /v1/rerank, /classify, /pooling); "
+        "each output line, in the input's order, "
+        '{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}.',
+    )
+    p.add_argument(
+        "-i", "--input-file", required=True, help="the requests: a JSONL file or an http(s) URL"
+    )
+    p.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        help="the results: a JSONL file, or an http(s) URL they are PUT to once all are done",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=_positive_seconds,
+        default=600.0,
+        help="seconds the engine gets to start before `weir run-batch` gives up (default 600)",
+    )
+    _add_parser_flags(p)
+    _add_log_flags(p)
+    EngineArgs.add_cli_args(p, "serve")
+    p.set_defaults(func=_run_batch)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway alone")
     p.add_argument(

@@ -1,0 +1,199 @@
+"""`weir run-batch`: a file of OpenAI batch requests, answered by engines it starts itself,
+each line's output in the input's order; greedy answers equal transformers', and every bad
+line gets its own error line while the others are answered."""
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+CHATS = {  # custom_id: (question, max_tokens); the first runs longest, so finishes last
+    "france": ("What is the capital of France?", 24),
+    "haiku": ("Write a haiku about the sea.", 6),
+    "primes": ("List three prime numbers greater than 10.", 9),
+}
+COMPLETION = ("sky", "The sky is", 7)
+
+
+class _Files(BaseHTTPRequestHandler):
+    """A web server of files: GET serves one, PUT stores one (as object stores do)."""
+
+    files: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:
+        data = self.files.get(self.path)
+        self.send_response(200 if data is not None else 404)
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def do_PUT(self) -> None:
+        self.files[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def web():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _Files.files
+    server.shutdown()
+    server.server_close()
+
+
+def _line(custom_id: str, url: str, body: dict, method: str = "POST") -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body})
+
+
+def _run_batch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "weir.services.cli", "run-batch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(default_model_dir):
+    """transformers' greedy token ids for each chat and the completion."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32
+    ).eval()
+    prompts = {
+        custom_id: (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+            )["input_ids"],
+            max_tokens,
+        )
+        for custom_id, (question, max_tokens) in CHATS.items()
+    }
+    custom_id, text, max_tokens = COMPLETION
+    prompts[custom_id] = (tokenizer(text)["input_ids"], max_tokens)
+    expected = {}
+    with torch.no_grad():
+        for custom_id, (ids, max_tokens) in prompts.items():
+            input_ids = torch.tensor([list(ids)])
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            expected[custom_id] = out[0, input_ids.shape[1] :].tolist()
+    return expected
+
+
+def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
+    default_model_dir, tmp_path, web, hf_greedy
+):
+    base, files = web
+    model = Path(default_model_dir).name
+    lines = [
+        _line(
+            custom_id,
+            "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
+        for custom_id, (question, max_tokens) in CHATS.items()
+    ]
+    custom_id, text, max_tokens = COMPLETION
+    lines.append(
+        _line(
+            custom_id,
+            "/v1/completions",
+            {"prompt": text, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True},
+        )
+    )
+    lines += [
+        "",  # blank lines are skipped, as vLLM skips them
+        _line("no-model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}),
+        _line("streamed", "/v1/completions", {"prompt": "x", "stream": True}),
+        "{not json",
+        _line("audio", "/v1/audio/transcriptions", {}),
+        _line("get", "/v1/completions", {"prompt": "x"}, method="GET"),
+        _line("haiku", "/v1/completions", {"prompt": "x"}),  # a custom_id already used
+        _line("negative", "/v1/completions", {"prompt": "x", "max_tokens": -1}),
+        _line("embedding", "/v1/embeddings", {"input": "x"}),  # a text model's server
+    ]
+    source = tmp_path / "batch.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+
+    done = _run_batch(
+        "-i", str(source), "-o", f"{base}/results.jsonl", "--model", default_model_dir,
+        "--max-model-len", "512",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "12 requests, 4 succeeded, 8 failed" in done.stderr
+    results = [json.loads(line) for line in files["/results.jsonl"].decode().splitlines()]
+    assert [r["custom_id"] for r in results] == [
+        *CHATS, "sky", "no-model", "streamed", None, "audio", "get", "haiku", "negative",
+        "embedding",
+    ]  # fmt: skip
+    assert len({r["id"] for r in results}) == len(results)
+
+    for result in results[:4]:
+        assert result["error"] is None
+        response = result["response"]
+        assert response["status_code"] == 200
+        choice = response["body"]["choices"][0]
+        assert choice["token_ids"] == hf_greedy[result["custom_id"]], result["custom_id"]
+        assert response["body"]["id"].endswith(response["request_id"])
+    assert results[0]["response"]["body"]["choices"][0]["message"]["content"]
+
+    answered = {r["custom_id"]: r for r in results[4:] if r["response"] is not None}
+    assert {k: r["response"]["status_code"] for k, r in answered.items()} == {
+        "no-model": 404,
+        "negative": 400,
+        "embedding": 400,
+    }
+    for r in answered.values():  # the API's error, whole in the body and in `error`
+        assert r["error"] == r["response"]["body"]["error"]
+    assert "max_tokens" in answered["negative"]["error"]["message"]
+    assert "--runner pooling" in answered["embedding"]["error"]["message"]
+
+    refused = {r["custom_id"]: r["error"]["message"] for r in results[4:] if r["response"] is None}
+    assert refused == {
+        "streamed": "line 7: stream is not served in a batch (one whole body a line)",
+        None: refused[None],
+        "audio": refused["audio"],
+        "get": "line 10: method must be 'POST', got 'GET'",
+        "haiku": "line 11: custom_id 'haiku' repeats an earlier one",
+    }
+    assert refused[None].startswith("line 8 is not JSON")
+    assert refused["audio"].startswith("line 9: url '/v1/audio/transcriptions' is none of")
+
+
+def test_an_input_that_cannot_be_read_fails_before_any_engine_starts(web, tmp_path):
+    base, _ = web
+    for source in (str(tmp_path / "missing.jsonl"), f"{base}/missing.jsonl"):
+        done = _run_batch("-i", source, "-o", str(tmp_path / "out.jsonl"), timeout=60)
+        assert done.returncode == 2
+        assert f"--input-file {source}:" in done.stderr
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out.jsonl").exists()
