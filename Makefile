@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 # them by their import names through a link tree (pyproject maps the folders at install).
 TYPED := -p weir.services.scheduler -p weir.services.engine -p weir.services.gateway \
 	-p weir.shared.protocol -p weir.shared.config -p weir.shared.arith -m weir.services.cpu_cores \
-	-m weir.services.batch
+	-m weir.services.batch -m weir.services.config_file
 
 .PHONY: serve test lint setup model clean
 

@@ -26,6 +26,12 @@ from pathlib import Path
 from typing import NoReturn
 
 from weir.services import launcher
+from weir.services.config_file import (
+    ConfigFileError,
+    add_config_flag,
+    apply_config_file,
+    none_required,
+)
 from weir.services.cpu_cores import (
     THREAD_ENV_VARS,
     executor_threads,
@@ -915,6 +921,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the model, as `vllm serve MODEL` takes it (or --model)",
     )
+    add_config_flag(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser(
@@ -945,6 +952,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parser_flags(p)
     _add_log_flags(p)
     EngineArgs.add_cli_args(p, "serve")
+    add_config_flag(p)
     p.set_defaults(func=_run_batch)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway alone")
@@ -986,6 +994,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS, help="logging level"
     )
     _add_child_flags(p)
+    add_config_flag(p)
     p.set_defaults(func=_gateway)
 
     p = sub.add_parser("scheduler", help="run the scheduler process alone")
@@ -1012,6 +1021,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(p, SCHEDULER)
     _add_child_flags(p)
+    add_config_flag(p)
     p.set_defaults(func=_scheduler)
 
     p = sub.add_parser(
@@ -1043,6 +1053,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(p, EXECUTOR)
     _add_child_flags(p)
+    add_config_flag(p)
     p.set_defaults(func=_executor)
 
     p = sub.add_parser("generate", help="send one prompt to a running server")
@@ -1081,6 +1092,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv``'s flags, with those of a ``--config`` file under them; exits with status 2
+    on a bad one, as argparse does."""
+    parser = build_parser()
+    command = _subcommand_parser(parser, argv[0]) if argv else None
+    if command is None or "--config" not in command._option_string_actions:
+        return parser.parse_args(argv)
+    with none_required(command):  # they may come from the file
+        first = command.parse_args(argv[1:])
+    if first.config is None:
+        return parser.parse_args(argv)
+    # A model given on the command line wins over the file's, as vLLM's.
+    skip = {"model"} if getattr(first, "model_tag", None) is not None else set()
+    try:
+        apply_config_file(command, first.config, skip)
+    except ConfigFileError as exc:
+        print(f"weir {argv[0]}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return parser.parse_args(argv)
+
+
+def _subcommand_parser(
+    parser: argparse.ArgumentParser, name: str
+) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -1088,7 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
         from weir.services.bench import run_cli
 
         return run_cli(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if getattr(args, "cpu_affinity", None):
         os.sched_setaffinity(0, args.cpu_affinity)
     return args.func(args)

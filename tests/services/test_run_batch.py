@@ -144,10 +144,9 @@ def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
     source = tmp_path / "batch.jsonl"
     source.write_text("\n".join(lines) + "\n")
 
-    done = _run_batch(
-        "-i", str(source), "-o", f"{base}/results.jsonl", "--model", default_model_dir,
-        "--max-model-len", "512",
-    )  # fmt: skip
+    config = tmp_path / "engine.yaml"  # vLLM's --config: the engine's flags in a file
+    config.write_text(f"model: {default_model_dir}\nmax-model-len: 512\n")
+    done = _run_batch("-i", str(source), "-o", f"{base}/results.jsonl", "--config", str(config))
     assert done.returncode == 0, done.stderr
     assert "12 requests, 4 succeeded, 8 failed" in done.stderr
     results = [json.loads(line) for line in files["/results.jsonl"].decode().splitlines()]
