@@ -460,6 +460,7 @@ def _run_batch(args: argparse.Namespace) -> int:
                         max_in_flight=2 * server.engine_args.max_num_seqs,
                     )
                 )
+                stopped = server.exited
             finally:
                 server.shutdown()
     except OSError as exc:  # the output cannot be written or uploaded, the input read on
@@ -474,6 +475,10 @@ def _run_batch(args: argparse.Namespace) -> int:
         f"in {args.output_file}",
         file=sys.stderr,
     )
+    if stopped is not None:  # the lines after it hold its errors: a job must not pass
+        name, rc = stopped
+        print(f"weir run-batch: the engine stopped: {name} exited with code {rc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -196,3 +196,39 @@ def test_an_input_that_cannot_be_read_fails_before_any_engine_starts(web, tmp_pa
         assert f"--input-file {source}:" in done.stderr
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_scheduler_killed_mid_batch_fails_the_run_and_leaves_no_line_unanswered(
+    default_model_dir, tmp_path
+):
+    psutil = pytest.importorskip("psutil")
+    body = {"prompt": "Count to a thousand:", "max_tokens": 200, "ignore_eos": True}
+    source = tmp_path / "batch.jsonl"
+    source.write_text("".join(_line(str(i), "/v1/completions", body) + "\n" for i in range(8)))
+    output = tmp_path / "results.jsonl"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "weir.services.cli", "run-batch", "-i", str(source),
+         "-o", str(output), "--model", default_model_dir, "--max-model-len", "512",
+         "--enable-log-requests"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        for line in run.stderr:  # the first request logged: the engine has them
+            if "weir.requests: request" in line:
+                break
+        (scheduler,) = [
+            child for child in psutil.Process(run.pid).children() if "scheduler" in child.cmdline()
+        ]
+        scheduler.kill()
+        assert run.wait(timeout=120) == 1
+        rest = run.stderr.read()
+    finally:
+        run.kill()
+        run.wait()
+    assert "the engine stopped: scheduler exited with code -9" in rest
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [str(i) for i in range(8)]
+    for r in results:
+        assert r["response"]["status_code"] == 503
+        assert r["error"]["code"] == "server_unavailable"
