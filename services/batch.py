@@ -28,7 +28,7 @@ from typing import IO
 from starlette.types import ASGIApp, Message
 from tqdm import tqdm
 
-from weir.services.gateway.app import Gateway, create_app
+from weir.services.gateway.app import ApiOptions, Gateway, create_app
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.router import Router
 
@@ -316,13 +316,14 @@ async def answer_batch(
     addresses: list[str],
     keys_dir: str | None,
     parsers: ChatParsers,
+    options: ApiOptions,
     source: IO[bytes],
     output: IO[str],
     max_in_flight: int,
 ) -> BatchCounts:
     """``run_batch`` through the HTTP API's app over the engines at ``addresses``, with a
     progress bar on a terminal's stderr."""
-    gateway = Gateway(Router(addresses, keys_dir=keys_dir), parsers=parsers)
+    gateway = Gateway(Router(addresses, keys_dir=keys_dir), parsers=parsers, options=options)
     app = create_app(gateway)
     with tqdm(desc="run-batch", unit="req", mininterval=5, file=sys.stderr, disable=None) as bar:
         async with app.router.lifespan_context(app):

@@ -23,7 +23,7 @@ import ssl
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from weir.services import launcher
 from weir.services.config_file import (
@@ -63,6 +63,9 @@ from weir.shared.config import (
 )
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the app's module imports FastAPI: only the commands that serve it pay
+    from weir.services.gateway.app import ApiOptions
 
 
 def _setup_logging(level: str, role: str, replica: int | None = None) -> None:
@@ -120,6 +123,13 @@ def _request_size(text: str) -> int:
     if size < _MIN_REQUEST_BYTES:
         raise argparse.ArgumentTypeError(f"{text!r} is below 1KiB: no request fits (e.g. 1MiB)")
     return size
+
+
+def _count(text: str) -> int:
+    count = int(text) if text.isdigit() else -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r} (e.g. 100)")
+    return count
 
 
 def _root_path(text: str) -> str:
@@ -284,6 +294,9 @@ def _gateway(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         root_path=args.root_path,
         tls=tls,
+        api=_api_options(args),
+        docs=not args.disable_fastapi_docs,
+        request_id_headers=args.enable_request_id_headers,
     )
     # Prompts are logged only when asked (vLLM's flag), whatever --log-level says.
     logging.getLogger(REQUESTS_LOGGER).setLevel(
@@ -455,6 +468,7 @@ def _run_batch(args: argparse.Namespace) -> int:
                         [server.client_address],
                         server.engine_args.keys_dir,
                         _chat_parsers(args),
+                        _api_options(args),
                         source,
                         output,
                         max_in_flight=2 * server.engine_args.max_num_seqs,
@@ -677,12 +691,51 @@ def _chat_parsers(args: argparse.Namespace) -> ChatParsers:
     return ChatParsers(args.tool_call_parser, args.reasoning_parser)
 
 
+def _add_api_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags of what the API answers."""
+    p.add_argument(
+        "--response-role",
+        default="assistant",
+        metavar="ROLE",
+        help="the role of a chat's message where the request adds the generation prompt (its "
+        "default, add_generation_prompt true; else the last message's role) (default: "
+        "assistant)",
+    )
+    p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="streamed completions and chats end with the usage chunk and carry each choice's "
+        "usage so far in every chunk, whatever stream_options say (whole responses always "
+        "carry usage)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="vLLM's; usage always holds prompt_tokens_details (cached_tokens), so it changes "
+        "nothing",
+    )
+
+
+def _api_options(args: argparse.Namespace) -> ApiOptions:
+    from weir.services.gateway.app import ApiOptions
+
+    return ApiOptions(args.response_role, args.enable_force_include_usage, args.max_log_len)
+
+
 def _add_log_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's logging flags, so that its command lines start Weir."""
     p.add_argument(
         "--enable-log-requests",
         action="store_true",
         help="log each request the gateway sends on (id, prompt, sampling parameters) at INFO",
+    )
+    p.add_argument(
+        "--max-log-len",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests, a logged prompt's texts are cut to N characters and "
+        "its token ids to N ids (default: 500 characters and 64 ids, elided in the middle)",
     )
     for flag, what in (("requests", "no request"), ("stats", "no periodic stats")):
         p.add_argument(
@@ -721,6 +774,22 @@ def _add_http_server_flags(p: argparse.ArgumentParser) -> None:
         default=ssl.CERT_NONE,
         help="client certificates: 0 not asked, 1 optional, 2 required (default 0)",
     )
+    p.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no /docs, /redoc or /openapi.json (the API's schema and its pages)",
+    )
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer every request with an X-Request-Id header: the request's own, else a "
+        "random one",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="vLLM's; Weir's HTTP server writes no access log, so it changes nothing",
+    )
 
 
 def _tls(args: argparse.Namespace) -> Tls | None:
@@ -749,11 +818,19 @@ def _tls(args: argparse.Namespace) -> Tls | None:
 
 
 def _gateway_argv(args: argparse.Namespace) -> list[str]:
-    """The flags of ``_add_log_flags`` and ``_add_http_server_flags`` that the gateway `weir
-    serve` starts takes."""
-    argv = ["--uvicorn-log-level", args.uvicorn_log_level]
-    if args.enable_log_requests:
-        argv.append("--enable-log-requests")
+    """The flags of ``_add_api_flags``, ``_add_log_flags`` and ``_add_http_server_flags`` that
+    the gateway `weir serve` starts takes (those that change nothing are not passed on)."""
+    argv = ["--uvicorn-log-level", args.uvicorn_log_level, "--response-role", args.response_role]
+    for switch in (
+        "enable_force_include_usage",
+        "enable_log_requests",
+        "disable_fastapi_docs",
+        "enable_request_id_headers",
+    ):
+        if getattr(args, switch):
+            argv.append("--" + switch.replace("_", "-"))
+    if args.max_log_len is not None:
+        argv += ["--max-log-len", str(args.max_log_len)]
     if args.root_path:
         argv += ["--root-path", args.root_path]
     for flag in ("certfile", "keyfile", "ca_certs"):
@@ -763,6 +840,25 @@ def _gateway_argv(args: argparse.Namespace) -> list[str]:
     if args.ssl_cert_reqs != ssl.CERT_NONE:
         argv += ["--ssl-cert-reqs", str(args.ssl_cert_reqs)]
     return argv
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's engine flags whose behaviour Weir always has."""
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="vLLM's; Weir runs no code from a model's files (its own architectures, "
+        "safetensors or GGUF weights, tokenizer.json, a sandboxed chat template), so it "
+        "changes nothing",
+    )
+    p.add_argument(
+        "--swap-space",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="vLLM's; its V1 engine swaps no KV cache to the CPU and neither does Weir (a "
+        "preempted request is recomputed), so it changes nothing",
+    )
 
 
 def _add_parser_flags(p: argparse.ArgumentParser) -> None:
@@ -909,6 +1005,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
     _add_parser_flags(p)
+    _add_api_flags(p)
     _add_log_flags(p)
     _add_http_server_flags(p)
     p.add_argument(
@@ -919,6 +1016,7 @@ def build_parser() -> argparse.ArgumentParser:
         "`weir serve` gives up (default 600)",
     )
     EngineArgs.add_cli_args(p, "serve")
+    _add_model_flags(p)
     p.add_argument(
         "model_tag",
         nargs="?",
@@ -955,8 +1053,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the engine gets to start before `weir run-batch` gives up (default 600)",
     )
     _add_parser_flags(p)
+    _add_api_flags(p)
     _add_log_flags(p)
     EngineArgs.add_cli_args(p, "serve")
+    _add_model_flags(p)
     add_config_flag(p)
     p.set_defaults(func=_run_batch)
 
@@ -979,6 +1079,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
     _add_parser_flags(p)
+    _add_api_flags(p)
     _add_log_flags(p)
     _add_http_server_flags(p)
     p.add_argument(

@@ -16,9 +16,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from weir.shared.sampling import MAX_LOGPROBS, SamplingParams
+from weir.shared.sampling import DEFAULT_MAX_LOGPROBS, SamplingParams
 
-MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# Each step asks for 2 x width logprobs: within the servers' default --max-logprobs.
+MAX_BEAM_WIDTH = DEFAULT_MAX_LOGPROBS // 2
 
 
 @dataclass(slots=True, frozen=True)

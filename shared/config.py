@@ -23,6 +23,7 @@ from weir.shared.config_fields import json_object
 from weir.shared.gpu_info import GpuInfo
 from weir.shared.lora import LoraModule, parse_lora_modules
 from weir.shared.pooling import RUNNERS
+from weir.shared.sampling import DEFAULT_MAX_LOGPROBS
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (vLLM's
@@ -424,8 +425,16 @@ class EngineArgs:
     policy: str = _arg(
         _default_of(SchedulerConfig, "policy"),
         SCHEDULER,
-        "waiting-queue order",
+        "waiting-queue order (--scheduling-policy as in vLLM)",
         choices=SCHEDULING_POLICIES,
+    )
+    max_logprobs: int = _arg(
+        DEFAULT_MAX_LOGPROBS,
+        SCHEDULER,
+        "the most logprobs (a completion's logprobs, a chat's top_logprobs) and "
+        "prompt_logprobs a request may ask for, more is refused (vLLM's; -1: the vocabulary's "
+        "size)",
+        type=int,
     )
     enable_lora: bool = _arg(
         False, _BOTH, "serve LoRA adapters (those of --lora-modules; implied by it)"
@@ -635,6 +644,7 @@ class EngineArgs:
         parse_lora_modules(self.lora_modules, self.served_model_name)
         _check_int("max_loras", self.max_loras, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1)
+        _check_int("max_logprobs", self.max_logprobs, -1)
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if any(not str(name).strip() for name in self.served_model_name):
@@ -790,7 +800,12 @@ class EngineArgs:
             elif f.default is not None and "default" not in help_text:
                 help_text += f" (default: {f.default})"
             parser.add_argument(
-                *_SHORT_FLAGS.get(f.name, ()), flag, default=f.default, help=help_text, **kwargs
+                *_OTHER_SPELLINGS.get(f.name, ()),
+                flag,
+                dest=f.name,
+                default=f.default,
+                help=help_text,
+                **kwargs,
             )
 
     @classmethod
@@ -876,8 +891,8 @@ class EngineArgs:
         )
 
 
-# vLLM's short spellings.
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
+# vLLM's other spellings of the flags.
+_OTHER_SPELLINGS = {"tensor_parallel_size": ("-tp",), "policy": ("--scheduling-policy",)}
 
 
 def _engine_fields(role: str) -> list[Field[Any]]:

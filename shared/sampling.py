@@ -13,8 +13,9 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
-# OpenAI's API caps top_logprobs at 20; the executor sizes its top-k gather by this.
-MAX_LOGPROBS = 20
+# The most logprobs a request may ask for unless the server says otherwise (--max-logprobs):
+# vLLM's default, and OpenAI's cap on top_logprobs.
+DEFAULT_MAX_LOGPROBS = 20
 # Counts (max_tokens, min_tokens, top_k) must fit the executor's int32 columns.
 MAX_COUNT = 2**31 - 1
 # A temperature below vLLM's sampling epsilon is greedy: dividing logits by it overflows.
@@ -187,9 +188,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
             )
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the server's --max-logprobs bounds them
             if getattr(self, name) is not None:
-                _int(name, getattr(self, name), 0, MAX_LOGPROBS)
+                _int(name, getattr(self, name), 0)
         for name in ("presence_penalty", "frequency_penalty"):
             penalty = _float(name, getattr(self, name))
             if not -MAX_PENALTY <= penalty <= MAX_PENALTY:

@@ -45,7 +45,7 @@ from weir.services.scheduler.request import Grammar, Request, RequestStatus
 from weir.shared.pooling import PoolerConfig, PoolingParams
 from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol.step import WAKE_TAGS, SampleLogprobs
-from weir.shared.sampling import MAX_BAD_WORD_TOKENS, SamplingParams
+from weir.shared.sampling import DEFAULT_MAX_LOGPROBS, MAX_BAD_WORD_TOKENS, SamplingParams
 from weir.shared.tokenizer import IncrementalDetokenizer, NoText, Tokenizer
 from weir.shared.zmq_send import send_now
 
@@ -168,6 +168,7 @@ class ClientFrontend:
         health: Callable[[list[str]], dict[str, Any]],
         model_info: Callable[[], dict[str, Any]],
         max_prompt_chars: int | None = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         loras: LoraRegistry | None = None,
         pooler: PoolerConfig | None = None,
         check_weights: Callable[[str], None] | None = None,
@@ -181,6 +182,7 @@ class ClientFrontend:
         # No text longer than this tokenizes into max_model_len tokens.
         self.max_prompt_chars = max_prompt_chars or max_model_len * tokenizer.max_token_chars
         self._prompt_chars_given = max_prompt_chars is not None
+        self.max_logprobs = max_logprobs  # what a request's logprobs may ask for at most
         self.metrics = metrics
         self._wake = wake
         self._requests_ended = requests_ended
@@ -817,6 +819,14 @@ class ClientFrontend:
                 f"truncate_prompt_tokens {params.truncate_prompt_tokens} is more than "
                 f"max_model_len {self.max_model_len}: ask for at most that many (or -1)"
             )
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                # vLLM's words, which clients match.
+                raise ValueError(
+                    f"Requested {kind} logprobs of {asked}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (this server's --max-logprobs)"
+                )
         self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         self._check_vocabulary("logit_bias", (t for t, _ in params.logit_bias))
         self._check_vocabulary("allowed_token_ids", params.allowed_token_ids or ())

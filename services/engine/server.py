@@ -66,7 +66,6 @@ from weir.shared.model_store import resolve_model
 from weir.shared.pooling import read_pooler_config, resolve_runner
 from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol import control
-from weir.shared.sampling import MAX_LOGPROBS
 from weir.shared.sampling_defaults import read_sampling_defaults
 from weir.shared.tokenizer import Tokenizer, chat_template_of
 
@@ -82,12 +81,15 @@ MAX_UNPUBLISHED_STEPS = 4
 RESULT_WAIT_S = 100e-6
 
 
-def _largest_executor_frame(args: EngineArgs) -> int:
+def _largest_executor_frame(args: EngineArgs, max_logprobs: int) -> int:
     """A bound on what an executor sends, so a peer cannot make this process buffer a
-    400 MB frame: its largest is a step result, every running request's tokens with up to
-    MAX_LOGPROBS + 1 (token, logprob) pairs each, well under 32 bytes a pair."""
-    pairs = args.step_limits[1] * (1 + args.num_speculative_tokens) * (MAX_LOGPROBS + 1)
-    return max(DEFAULT_MAX_MESSAGE_BYTES, 32 * pairs)
+    400 MB frame: its largest is a step result, a row per running request's token or
+    prompt token computed (prompt logprobs), each of up to ``max_logprobs`` + 2 (token,
+    logprob) pairs (the sampled or prompt token's and its rank beside the top ones), well
+    under 32 bytes a pair."""
+    tokens, seqs = args.step_limits
+    rows = max(tokens, seqs * (1 + args.num_speculative_tokens))
+    return max(DEFAULT_MAX_MESSAGE_BYTES, 32 * rows * (max_logprobs + 2))
 
 
 @dataclass(slots=True)
@@ -145,6 +147,10 @@ class SchedulerServer:
                 self.sampling_defaults,
             )
         self.vocab_size = self.model_config.vocab_size
+        # The most a request's logprobs and prompt_logprobs may ask for: no more than the
+        # vocabulary holds (vLLM's --max-logprobs, -1 meaning all of it).
+        limit = self.engine_args.max_logprobs
+        self.max_logprobs = self.vocab_size if limit == -1 else min(limit, self.vocab_size)
         # What clients and metrics call the model; executors report the directory's name.
         self.model_names = self.engine_args.model_names(model_dir.name)
         self.model_name = self.model_names[0]
@@ -246,7 +252,9 @@ class SchedulerServer:
         if "[" in opts.executor_address:
             executor_sock.setsockopt(zmq.IPV6, 1)
         executor_sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        executor_sock.setsockopt(zmq.MAXMSGSIZE, _largest_executor_frame(self.engine_args))
+        executor_sock.setsockopt(
+            zmq.MAXMSGSIZE, _largest_executor_frame(self.engine_args, self.max_logprobs)
+        )
         auth = None
         if self.keys is not None:
             auth = start_authenticator(ctx, self.keys)
@@ -270,6 +278,7 @@ class SchedulerServer:
             self._health,
             self._model_info,
             self.engine_args.max_prompt_chars,
+            self.max_logprobs,
             self.loras,
             self.pooler,
             self._check_weights,

@@ -64,6 +64,7 @@ from weir.services.gateway.schemas import (
     CompletionRequest,
     DetokenizeBody,
     LoadLoraAdapterBody,
+    StreamOptions,
     TokenizeBody,
     UnloadLoraAdapterBody,
     UpdateWeightsBody,
@@ -426,6 +427,21 @@ def _token_ids(choice: fmt.Choice, prompt_key: str = "") -> dict[str, Any]:
     return fields
 
 
+@dataclass(frozen=True, slots=True)
+class ApiOptions:
+    """vLLM's options of what the API answers and logs (``weir serve``, ``weir gateway`` and
+    ``weir run-batch`` take them as vLLM spells them)."""
+
+    # A chat's message role where the request adds the generation prompt (--response-role).
+    response_role: str = "assistant"
+    # Streams carry usage as though stream_options asked for it, in every chunk too
+    # (--enable-force-include-usage).
+    force_include_usage: bool = False
+    # The most characters of a logged prompt's texts, and ids of its token ids (--max-log-len;
+    # None: the log's own cut).
+    max_log_len: int | None = None
+
+
 class Gateway:
     def __init__(
         self,
@@ -434,9 +450,11 @@ class Gateway:
         max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         allowed_origins: Sequence[str] = ("*",),
         parsers: ChatParsers = NO_PARSERS,
+        options: ApiOptions = ApiOptions(),
     ) -> None:
         self.router = router
         self.parsers = parsers
+        self.options = options
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.allowed_origins = allowed_origins  # CORS: the web pages that may call the API
@@ -715,7 +733,9 @@ class Gateway:
         own stream, so no generator sits between it and the response."""
         # Without max_tokens a request may run to max_model_len: count it so.
         budget = sample.params.max_tokens or int((await self.model())["max_model_len"])
-        _log_request(request_id, sample.prompt, sample.params, sample.lora_name)
+        _log_request(
+            request_id, sample.prompt, sample.params, sample.lora_name, self.options.max_log_len
+        )
         tried: frozenset[str] = frozenset()
         while True:
             async with self.router.reserve(
@@ -789,9 +809,7 @@ class Gateway:
         if body.return_tokens_as_token_ids:
             outputs = _tokens_as_ids(outputs)
         if body.stream:
-            options = body.stream_options
-            include_usage = bool(options and options.include_usage)
-            every_chunk = bool(options and options.usage_in_every_chunk)
+            include_usage, every_chunk = self._stream_usage(body.stream_options)
             return await self._sse(
                 outputs,
                 fmt.ChunkEvents(
@@ -892,6 +910,7 @@ class Gateway:
             self.parsers.reasoning is not None
             and body.asks_structured_output()
             and await self.reasoning_end_is_a_token(),
+            self.options.response_role,
         )
         tool_choice = output.tool_choice
         try:
@@ -971,13 +990,12 @@ class Gateway:
                 "created": created,
                 "model": model,
             }
-            options = body.stream_options
-            include_usage = bool(options and options.include_usage)
+            include_usage, every_chunk = self._stream_usage(body.stream_options)
             events = fmt.ChunkEvents(
                 base,
                 chat_logprobs=logprobs is not None,
                 token_ids=body.return_token_ids,
-                usage=bool(options and options.usage_in_every_chunk),
+                usage=every_chunk,
             )
             return await self._sse(
                 outputs,
@@ -988,7 +1006,8 @@ class Gateway:
                     self._chat_role_chunks,
                     base,
                     body.n,
-                    bool(options and options.usage_in_every_chunk),
+                    output.role,
+                    every_chunk,
                     body.return_token_ids,
                 ),
             )
@@ -1186,7 +1205,7 @@ class Gateway:
         task: str,
     ) -> EmbeddingOutput | ClassificationOutput | ScoreOutput:
         """One input's embedding, classification or score."""
-        _log_request(request_id, prompt, options, lora_name)
+        _log_request(request_id, prompt, options, lora_name, self.options.max_log_len)
         # A pair is routed by its first text: a query's documents go where it is cached.
         routed = prompt[0] if isinstance(prompt, tuple) else prompt
 
@@ -1340,6 +1359,16 @@ class Gateway:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    def _stream_usage(self, options: StreamOptions | None) -> tuple[bool, bool]:
+        """Whether a stream ends with the usage chunk, and whether every chunk carries its
+        choice's usage so far (vLLM's ``should_include_usage``: --enable-force-include-usage
+        turns both on, whatever the request's stream_options say)."""
+        if self.options.force_include_usage:
+            return True, True
+        if options is None:
+            return False, False
+        return options.include_usage, options.usage_in_every_chunk
+
     def _chunks_ending(
         self, base: dict[str, Any], include_usage: bool, prompts_of: int
     ) -> Callable[[list[fmt.Choice]], bytes]:
@@ -1355,11 +1384,12 @@ class Gateway:
     def _chat_role_chunks(
         base: dict[str, Any],
         n: int,
+        role: str,
         with_usage: bool,
         token_ids: bool,
         first: list[tuple[int, list[StreamOutput]]] | None,
     ) -> bytes:
-        """Each choice's first chunk, its role; ``with_usage`` (continuous usage stats), its
+        """Each choice's first chunk, its ``role``; ``with_usage`` (continuous usage stats), its
         usage too: the prompt (every choice's is the one chat's), nothing completed yet;
         ``token_ids`` (vLLM's return_token_ids), the prompt's token ids."""
         extra: dict[str, Any] = {}
@@ -1375,7 +1405,7 @@ class Gateway:
                     "choices": [
                         {
                             "index": index,
-                            "delta": {"role": "assistant", "content": ""},
+                            "delta": {"role": role, "content": ""},
                             "logprobs": None,
                             "finish_reason": None,
                         }
@@ -1437,6 +1467,28 @@ class _Metered:
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
 
 
+class _RequestIdHeader:
+    """ASGI middleware: vLLM's --enable-request-id-headers, an X-Request-Id header on every
+    response: the request's own, else a random one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id", uuid.uuid4().hex.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (b"x-request-id", request_id)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def _route_path(scope: Scope) -> str:
     """The path the routes match: without ``--root-path``'s prefix where it has one (as
     Starlette's router takes it), so that both spellings meet the same checks."""
@@ -1462,12 +1514,34 @@ _LOGGED_PROMPT = reprlib.Repr()
 _LOGGED_PROMPT.maxstring, _LOGGED_PROMPT.maxlist, _LOGGED_PROMPT.maxdict = 500, 64, 16
 
 
-def _log_request(request_id: str, prompt: object, params: object, lora_name: str | None) -> None:
+def _log_request(
+    request_id: str,
+    prompt: object,
+    params: object,
+    lora_name: str | None,
+    max_len: int | None = None,
+) -> None:
     if not _requests_log.isEnabledFor(logging.INFO):
         return
     lora = f", LoRA adapter {lora_name}" if lora_name else ""
-    shown = _LOGGED_PROMPT.repr(prompt)
+    shown = _LOGGED_PROMPT.repr(prompt) if max_len is None else repr(_cut(prompt, max_len))
     _requests_log.info("request %s: prompt %s, %s%s", request_id, shown, params, lora)
+
+
+def _cut(value: object, max_len: int) -> object:
+    """``value`` with every text cut to ``max_len`` characters and every list to ``max_len``
+    items, as vLLM's --max-log-len cuts a logged prompt: a text's characters, a token-id
+    prompt's ids (a chat's messages and a pair's texts each too: vLLM cuts the prompt its
+    template rendered, which the gateway never sees)."""
+    if isinstance(value, str):
+        return value[:max_len]
+    if isinstance(value, list):
+        return [_cut(item, max_len) for item in value[:max_len]]
+    if isinstance(value, tuple):
+        return tuple(_cut(item, max_len) for item in value)
+    if isinstance(value, dict):
+        return {key: _cut(item, max_len) for key, item in value.items()}
+    return value
 
 
 _CLIENT_ID = re.compile(r"[\x21-\x7e]{1,200}")
@@ -1596,7 +1670,13 @@ def create_app(
     gateway: Gateway,
     on_startup: Callable[[], Awaitable[None]] | None = None,
     root_path: str = "",
+    docs: bool = True,
+    request_id_headers: bool = False,
 ) -> FastAPI:
+    """The API's app; ``docs`` False serves no /docs, /redoc or /openapi.json (vLLM's
+    --disable-fastapi-docs), ``request_id_headers`` answers every request with an
+    X-Request-Id header (vLLM's --enable-request-id-headers)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.router.check_health()
@@ -1611,7 +1691,15 @@ def create_app(
                 await watcher
             await gateway.router.close()
 
-    app = FastAPI(title="Weir", version=VERSION, lifespan=lifespan)
+    # FastAPI's schema and its two pages (its defaults), or none of them.
+    app = FastAPI(
+        title="Weir",
+        version=VERSION,
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     # vLLM's --root-path, as FastAPI's root_path: the routes answer with and without the
     # prefix (uvicorn's would take it only from a proxy that strips it). Set, not passed:
     # the parameter warns as deprecated on every start; the attribute is what it sets.
@@ -1893,4 +1981,6 @@ def create_app(
         allow_headers=["*"],
     )
     app.add_middleware(_Metered, metrics=gateway.metrics)
+    if request_id_headers:  # outermost: a 401, a 413 and a preflight carry it too
+        app.add_middleware(_RequestIdHeader)
     return app

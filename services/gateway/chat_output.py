@@ -123,6 +123,7 @@ class ChatOutput:
     harmony: bool = False  # read as gpt-oss' harmony format (HarmonyReader)
     # The reasoning's opening and closing markers (the reasoning parser's).
     reasoning_markers: Markers = Markers()
+    role: str = "assistant"  # the message's
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -159,14 +160,14 @@ class ChatOutput:
     def message(self, choice: Choice) -> dict[str, Any]:
         """A whole choice's message and finish reason."""
         if self.plain:  # all content, "" too (null content stands for calls)
-            message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+            message: dict[str, Any] = {"role": self.role, "content": choice.text}
             if self.with_tools:
                 message["tool_calls"] = []
             return {"message": message, "finish_reason": choice.finish_reason}
         reader = self.reader()
         reasoning, content, _ = reader.feed(choice.text)
         more_reasoning, rest, _ = reader.finish(choice.finish_reason, choice.stop_reason)
-        message = {"role": "assistant", "content": (content + rest) or None}
+        message = {"role": self.role, "content": (content + rest) or None}
         if reader.reasoned is not None:
             # An empty thought is none, as a stream (which sends no empty delta) has it.
             reasoned = reader.reasoned and self.include_reasoning

@@ -35,7 +35,6 @@ from weir.shared.beam_search import MAX_BEAM_WIDTH
 from weir.shared.protocol.client import MAX_ARRAY_LEN, MAX_CACHE_SALT_LEN
 from weir.shared.sampling import (
     MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
     MAX_PENALTY,
     REPETITION_PENALTY_RANGE,
     SamplingParams,
@@ -49,6 +48,8 @@ from weir.shared.sampling_defaults import with_defaults
 # A token id is below 2^31 (every vocabulary is): a larger int is a 400 naming its place,
 # not a request the engine's protocol cannot carry.
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(fail_fast=True)]
+# How many logprobs a request asks for: the engine refuses more than its --max-logprobs.
+Logprobs = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 def _prompt_form(value: Any) -> str:
@@ -340,7 +341,7 @@ class _SamplingFields(Options):
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
     # vLLM's: each prompt token's logprob, rank and the n likeliest tokens in its place.
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Logprobs | None = None
 
     @model_validator(mode="after")
     def _prompt_logprobs_come_whole(self) -> _SamplingFields:
@@ -496,7 +497,7 @@ class CompletionRequest(_SamplingFields):
     # 0 only with echo: the prompt alone, no completion (OpenAI's and vLLM's way of scoring
     # a prompt's logprobs).
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Logprobs | None = None
     # The prompt before the completion in each choice's text (and its tokens' logprobs,
     # the first null, before the completion's).
     echo: bool = False
@@ -725,7 +726,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Logprobs | None = None
     tool_choice: ToolChoiceField | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out
@@ -760,15 +761,19 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         return bool(self._structured_outputs_asked())
 
     def chat_output(
-        self, parsers: ChatParsers, reasoning_end_is_a_token: bool = False
+        self,
+        parsers: ChatParsers,
+        reasoning_end_is_a_token: bool = False,
+        response_role: str = "assistant",
     ) -> ChatOutput:
         """How the choices' text is read: its reasoning, if the server reads it, and how it
         holds tool calls (None: content only; so without tools), "auto" read by the
-        server's parser (OpenAI's default). Qwen3 (and GLM) asked not to think does not, nor a
-        structured output where the model's vocabulary has no reasoning end token to hold
-        it to its format after (it is held from its first token), nor a continued message
-        (the output goes on with its text): they think only where their text opens with
-        the tag."""
+        server's parser (OpenAI's default); the message's role: ``response_role`` where the
+        generation prompt is added, else the last message's, as vLLM's. Qwen3 (and GLM)
+        asked not to think does not, nor a structured output where the model's vocabulary
+        has no reasoning end token to hold it to its format after (it is held from its first
+        token), nor a continued message (the output goes on with its text): they think only
+        where their text opens with the tag."""
         thinking = None
         if parsers.reasoning == "mistral":  # Magistral's prompt opens no reasoning
             thinking = False
@@ -801,6 +806,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             self.tools is not None,
             harmony,
             REASONING_MARKERS.get(parsers.reasoning or "", Markers()),
+            response_role if self.add_generation_prompt else self.messages[-1].role,
         )
 
     def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:

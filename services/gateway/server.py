@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from weir.services.gateway.app import Gateway, create_app
+from weir.services.gateway.app import ApiOptions, Gateway, create_app
 from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.gateway.http_limits import BoundedHttpProtocol
 from weir.services.gateway.router import Router
@@ -52,6 +52,9 @@ class GatewayOptions:
     uvicorn_log_level: str = "warning"  # the HTTP server's own lines
     root_path: str = ""  # the path prefix a proxy serves the API under (vLLM's --root-path)
     tls: Tls | None = None  # None: plain HTTP
+    api: ApiOptions = ApiOptions()  # what the API answers and logs
+    docs: bool = True  # /docs, /redoc, /openapi.json (off: vLLM's --disable-fastapi-docs)
+    request_id_headers: bool = False  # vLLM's --enable-request-id-headers
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
@@ -67,6 +70,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         options.max_request_bytes,
         options.allowed_origins,
         options.parsers,
+        options.api,
     )
     server: uvicorn.Server | None = None
 
@@ -98,7 +102,13 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         status.error(f"{message} (--port; under `weir serve`: --http-port)")
         _log.error("gateway cannot start: %s", message)
         return 1
-    app = create_app(gateway, on_startup=report_ready, root_path=options.root_path)
+    app = create_app(
+        gateway,
+        on_startup=report_ready,
+        root_path=options.root_path,
+        docs=options.docs,
+        request_id_headers=options.request_id_headers,
+    )
     # uvicorn's lines in this process's format (no log_config of its own), and its line per
     # malformed request (any client can send them without pause) at most once a second.
     limited_logger("uvicorn.error")

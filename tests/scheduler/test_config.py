@@ -183,9 +183,9 @@ def test_cache_config_requires_num_blocks():
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"ignore_eos": "no"}, "ignore_eos"),
         ({"min_tokens": 17}, "min_tokens"),
-        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": 2**31}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
-        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 2**31}, "prompt_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": 10**400}, "frequency_penalty"),  # past float: not OverflowError
         ({"repetition_penalty": 0}, "repetition_penalty"),

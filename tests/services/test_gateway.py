@@ -91,6 +91,11 @@ def test_models_version_health(server, client):
     for path, key in (("/version", "version"), ("/health", "status")):
         with urllib.request.urlopen(base + path, timeout=10) as resp:
             assert resp.status == 200 and key in resp.read().decode()
+    # FastAPI's pages and schema (test_vllm_serve_flags.py: --disable-fastapi-docs), and no
+    # X-Request-Id header unasked (--enable-request-id-headers).
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        with urllib.request.urlopen(base + path, timeout=10) as resp:
+            assert resp.status == 200 and "x-request-id" not in resp.headers
 
 
 def test_completion_greedy_equals_the_sdk_path_token_for_token(server, client):

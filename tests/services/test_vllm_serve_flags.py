@@ -1,0 +1,257 @@
+"""`vllm serve` flags on `weir serve`: one server started from such a command line, as a user
+runs it, checked with the official `openai` client, httpx and the SDK. What the flags change
+is compared with test_gateway.py's server, started without them."""
+
+import io
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from weir.services import batch
+from weir.services.cli import _api_options, _gateway_argv, build_parser
+from weir.services.gateway.chat_output import NO_PARSERS
+from weir.shared.client import InvalidRequestError, WeirClient
+from weir.shared.sampling import SamplingParams
+
+MODEL = "tiny"
+MAX_LOGPROBS = 25  # not vLLM's default 20, so that a limit left at 20 shows
+MAX_LOG_LEN = 12
+ROLE = "narrator"
+ENGINE_FLAGS = ["--scheduling-policy", "priority", "--max-logprobs", str(MAX_LOGPROBS)]
+API_FLAGS = [
+    "--enable-force-include-usage",
+    "--response-role", ROLE,
+    "--enable-log-requests",
+    "--max-log-len", str(MAX_LOG_LEN),
+]  # fmt: skip
+HTTP_FLAGS = ["--disable-fastapi-docs", "--enable-request-id-headers"]
+# vLLM's flags whose behaviour Weir always has (run-batch takes the first three).
+UNCHANGED = [
+    "--trust-remote-code",
+    "--swap-space=4",
+    "--enable-prompt-tokens-details",
+    "--disable-uvicorn-access-log",
+]
+FLAGS = ENGINE_FLAGS + API_FLAGS + HTTP_FLAGS + UNCHANGED
+
+
+class _Server:
+    def __init__(self, tiny_model_dir) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weir.services.cli", "serve", str(tiny_model_dir),
+             "--served-model-name", MODEL, "--device", "cpu", "--max-model-len", "256",
+             "--block-size", "16", "--max-num-batched-tokens", "64", "--kv-cache-memory",
+             "4MiB", "--port", "0", "--metrics-port", "0", "--executor-metrics-port", "0",
+             "--http-port", "0", *FLAGS],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        self.log: list[str] = []
+        # Read on, so that the processes never block on a full pipe.
+        threading.Thread(target=self.log.extend, args=(self.proc.stderr,), daemon=True).start()
+        printed = ""
+        for line in self.proc.stdout:
+            printed += line
+            if line.startswith("Press Ctrl-C"):
+                break
+        else:
+            raise AssertionError(f"weir serve did not start: {printed}{''.join(self.log)}")
+        self.http = re.search(r"HTTP:\s+(\S+)/v1", printed).group(1)
+        self.clients = re.search(r"clients:\s+(\S+)", printed).group(1)
+
+    def logged(self, words: str) -> str:
+        """The first line of the log holding ``words``, once it is written."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            found = [line for line in list(self.log) if words in line]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError(f"{words!r} never logged")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            assert self.proc.wait(timeout=60) == 0
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    server = _Server(tiny_model_dir)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0)
+
+
+def test_scheduling_policy_is_vllms_name_for_policy(client):
+    for flag in ("--scheduling-policy", "--policy"):
+        assert build_parser().parse_args(["serve", flag, "priority"]).policy == "priority"
+    # A FCFS server refuses a priority.
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"priority": -1}
+    )
+    assert out.usage.completion_tokens == 2
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask_for(server, client):
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, logprobs=MAX_LOGPROBS
+    )
+    assert len(out.choices[0].logprobs.top_logprobs[0]) >= MAX_LOGPROBS
+    limit = f"greater than max allowed: {MAX_LOGPROBS}"
+    refused = [
+        dict(prompt="Hello", logprobs=MAX_LOGPROBS + 1),
+        dict(prompt="Hello", logprobs=MAX_LOGPROBS + 1, stream=True),
+        dict(prompt="Hello", extra_body={"prompt_logprobs": MAX_LOGPROBS + 1}),
+    ]
+    for fields in refused:
+        with pytest.raises(openai.BadRequestError, match=limit):
+            client.completions.create(model=MODEL, max_tokens=2, **fields)
+    with pytest.raises(openai.BadRequestError, match=limit):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            logprobs=True,
+            top_logprobs=MAX_LOGPROBS + 1,
+        )
+    with WeirClient(server.clients) as sdk:  # the engine's limit, not the gateway's
+        outs = list(sdk.generate("Hello", SamplingParams(max_tokens=1, logprobs=22)))
+        assert len(outs[-1].logprobs["tokens"][0]) == 23  # the sampled token and 22 more
+        with pytest.raises(InvalidRequestError, match=limit):
+            list(sdk.generate("Hello", SamplingParams(max_tokens=1, logprobs=MAX_LOGPROBS + 1)))
+
+
+def test_fastapi_docs_are_not_served(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.http + path).status_code == 404, path
+    assert httpx.get(server.http + "/health").status_code == 200
+
+
+def test_every_response_carries_the_request_id(server):
+    given = {"X-Request-Id": "trace-7"}
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    whole = httpx.post(server.http + "/v1/completions", json=body, headers=given)
+    assert whole.status_code == 200 and whole.headers["x-request-id"] == "trace-7"
+    with httpx.stream(
+        "POST", server.http + "/v1/completions", json={**body, "stream": True}, headers=given
+    ) as streamed:
+        assert streamed.headers["x-request-id"] == "trace-7"
+    health = httpx.get(server.http + "/health")
+    assert re.fullmatch("[0-9a-f]{32}", health.headers["x-request-id"])
+    assert (
+        httpx.get(server.http + "/nowhere").headers["x-request-id"]
+        != health.headers["x-request-id"]
+    )
+
+
+def test_streams_carry_usage_without_asking_and_the_chat_role_is_the_servers(client):
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 4 and not chunks[-1].choices
+    # vLLM's forced usage is continuous too: each chunk's choice's so far.
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 4
+    messages = [{"role": "user", "content": "Hi"}]
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": False},
+        )
+    )
+    opening = streamed[0]
+    assert opening.choices[0].delta.role == ROLE and opening.usage.completion_tokens == 0
+    assert streamed[-1].usage.completion_tokens == 2
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert whole.choices[0].message.role == ROLE
+    # Without the generation prompt, the output goes on with the last message: its role.
+    continued = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"add_generation_prompt": False}
+    )
+    assert continued.choices[0].message.role == "user"
+
+
+def test_logged_prompts_are_cut_to_max_log_len(server, client):
+    text = "abcdefghijklmnopqrstuvwxyz"
+    client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+    client.completions.create(model=MODEL, prompt=list(range(100, 140)), max_tokens=1)
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1
+    )
+    assert f"prompt {text[:MAX_LOG_LEN]!r}," in server.logged(f"prompt {text[:MAX_LOG_LEN]!r}")
+    ids = list(range(100, 100 + MAX_LOG_LEN))
+    assert f"prompt {ids}," in server.logged(f"prompt {ids}")
+    chat = [{"role": "user", "content": text[:MAX_LOG_LEN]}]
+    assert f"prompt {chat}," in server.logged(f"prompt {chat}")
+    assert text[: MAX_LOG_LEN + 1] not in "".join(server.log)
+
+
+def test_the_flags_are_listed_and_reach_the_gateway_and_run_batch(capsys):
+    """`weir serve` passes the gateway's flags on (the server above took them so), and the
+    no-op flags are there to be taken."""
+    parser = build_parser()
+    batch_flags = ENGINE_FLAGS + API_FLAGS + UNCHANGED[:3]
+    for command, flags in (
+        ("serve", FLAGS),
+        ("run-batch", batch_flags),
+        ("gateway", API_FLAGS + HTTP_FLAGS + UNCHANGED[2:]),
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        listed = capsys.readouterr().out
+        for flag in flags:
+            assert not flag.startswith("--") or flag.split("=")[0] in listed, (command, flag)
+    serve = parser.parse_args(["serve", *FLAGS])
+    gateway = parser.parse_args(["gateway", *_gateway_argv(serve)])
+    assert _api_options(gateway) == _api_options(serve)
+    assert gateway.disable_fastapi_docs and gateway.enable_request_id_headers
+    run_batch = parser.parse_args(["run-batch", "-i", "x", "-o", "y", *batch_flags])
+    assert _api_options(run_batch) == _api_options(serve)
+    assert run_batch.policy == "priority" and run_batch.max_logprobs == MAX_LOGPROBS
+
+
+async def test_run_batch_answers_with_the_servers_role_and_logprobs_limit(server):
+    lines = [
+        {"body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}},
+        {"body": {"prompt": "Hi", "max_tokens": 1, "logprobs": MAX_LOGPROBS + 1}},
+    ]
+    urls = ["/v1/chat/completions", "/v1/completions"]
+    source = io.BytesIO(
+        "".join(
+            json.dumps({"custom_id": str(i), "method": "POST", "url": url, **line}) + "\n"
+            for i, (url, line) in enumerate(zip(urls, lines))
+        ).encode()
+    )
+    output = io.StringIO()
+    build = build_parser().parse_args(["run-batch", "-i", "x", "-o", "y", "--response-role", ROLE])
+    await batch.answer_batch(
+        [server.clients], None, NO_PARSERS, _api_options(build), source, output, 4
+    )
+    chat, refused = map(json.loads, output.getvalue().splitlines())
+    assert chat["response"]["body"]["choices"][0]["message"]["role"] == ROLE
+    assert refused["response"]["status_code"] == 400
+    assert f"max allowed: {MAX_LOGPROBS}" in json.dumps(refused["response"]["body"])
