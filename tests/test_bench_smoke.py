@@ -418,6 +418,21 @@ def test_bench_serve_gives_up_after_its_ready_timeout(tiny_model_dir: Path) -> N
     assert time.monotonic() - start < 25
 
 
+def test_bench_serve_reads_weir_address(tiny_model_dir: Path) -> None:
+    """Without --address it benchmarks $WEIR_ADDRESS, as the other `weir` commands read it
+    (it went to 127.0.0.1:8100, whatever answered there)."""
+    nobody = f"tcp://127.0.0.1:{free_port()}"
+    proc = subprocess.run(
+        [*BENCH, "serve", "--model", str(tiny_model_dir)]
+        + ["--num-prompts", "1", "--ready-timeout", "0.5", "--no-progress"],
+        env=ENV | {"WEIR_ADDRESS": nobody},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and f"error: {nobody}: server not ready" in proc.stderr, proc.stderr
+
+
 def test_serve_metrics_from_hand_made_traces() -> None:
     from weir.services.bench.serve import RequestTrace, summarize_run
 

@@ -339,7 +339,7 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--address",
         default=None,
-        help=f"server address of --backend weir (default {DEFAULT_ADDRESS})",
+        help=f"server address of --backend weir (default $WEIR_ADDRESS, else {DEFAULT_ADDRESS})",
     )
     p.add_argument(
         "--base-url",
@@ -412,7 +412,10 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         return 2
     if getattr(args, used) is None:
-        setattr(args, used, _DEFAULT_BASE_URL if used == "base_url" else DEFAULT_ADDRESS)
+        # $WEIR_ADDRESS, as the other `weir` commands read it, here rather than as the flag's
+        # default: the openai backend refuses an --address typed, not one in the environment.
+        default = os.environ.get("WEIR_ADDRESS", DEFAULT_ADDRESS)
+        setattr(args, used, _DEFAULT_BASE_URL if used == "base_url" else default)
     try:
         check_output_paths((args.output_json, args.markdown), (args.plot_dir,))
         requests = workload_from_args(args, load_tokenizer(resolve_model(args.model)))
