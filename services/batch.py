@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO
 
+from pydantic import TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message
 from tqdm import tqdm
 
@@ -49,6 +50,8 @@ BATCH_URLS = (
 _log = logging.getLogger(__name__)
 _READ_HINT = 1 << 20  # bytes of lines read at a time
 _UPLOAD_TIMEOUT_S = 600.0
+# The API reads a body's stream as pydantic reads a bool: "true", 1, "yes" too.
+_AS_BOOL = TypeAdapter(bool)
 
 
 @dataclass(slots=True)
@@ -91,12 +94,20 @@ def _parse_line(raw: bytes, number: int, seen: set[str]) -> _Line:
         )
     if not isinstance(body, dict):
         return _Line(custom_id, error=f"line {number}: body must be a JSON object")
-    if body.get("stream") is True:
+    if _streams(body.get("stream")):
         return _Line(
             custom_id,
             error=f"line {number}: stream is not served in a batch (one whole body a line)",
         )
     return _Line(custom_id, url, json.dumps(body).encode())
+
+
+def _streams(value: object) -> bool:
+    """Whether the API would stream an answer whose body's ``stream`` is ``value``."""
+    try:
+        return _AS_BOOL.validate_python(value)
+    except ValidationError:  # the API refuses it itself
+        return False
 
 
 async def _post(app: ASGIApp, path: str, body: bytes, request_id: str) -> tuple[int, bytes]:

@@ -140,6 +140,7 @@ def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
         _line("haiku", "/v1/completions", {"prompt": "x"}),  # a custom_id already used
         _line("negative", "/v1/completions", {"prompt": "x", "max_tokens": -1}),
         _line("embedding", "/v1/embeddings", {"input": "x"}),  # a text model's server
+        _line("streamed-1", "/v1/completions", {"prompt": "x", "stream": 1}),  # the API's true
     ]
     source = tmp_path / "batch.jsonl"
     source.write_text("\n".join(lines) + "\n")
@@ -148,11 +149,11 @@ def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
     config.write_text(f"model: {default_model_dir}\nmax-model-len: 512\n")
     done = _run_batch("-i", str(source), "-o", f"{base}/results.jsonl", "--config", str(config))
     assert done.returncode == 0, done.stderr
-    assert "12 requests, 4 succeeded, 8 failed" in done.stderr
+    assert "13 requests, 4 succeeded, 9 failed" in done.stderr
     results = [json.loads(line) for line in files["/results.jsonl"].decode().splitlines()]
     assert [r["custom_id"] for r in results] == [
         *CHATS, "sky", "no-model", "streamed", None, "audio", "get", "haiku", "negative",
-        "embedding",
+        "embedding", "streamed-1",
     ]  # fmt: skip
     assert len({r["id"] for r in results}) == len(results)
 
@@ -183,6 +184,7 @@ def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
         "audio": refused["audio"],
         "get": "line 10: method must be 'POST', got 'GET'",
         "haiku": "line 11: custom_id 'haiku' repeats an earlier one",
+        "streamed-1": "line 14: stream is not served in a batch (one whole body a line)",
     }
     assert refused[None].startswith("line 8 is not JSON")
     assert refused["audio"].startswith("line 9: url '/v1/audio/transcriptions' is none of")
