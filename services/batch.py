@@ -288,6 +288,17 @@ def open_input(path: str) -> IO[bytes]:
     return open(path, "rb")
 
 
+def same_file(input_path: str, output_path: str) -> bool:
+    """Whether the output is the input's own file, which opening it to write would empty
+    before a line is read."""
+    if _is_url(input_path) or _is_url(output_path) or not os.path.isfile(output_path):
+        return False
+    try:
+        return os.path.samefile(input_path, output_path)
+    except OSError:  # the input's own error comes when it is opened
+        return False
+
+
 @contextmanager
 def open_output(path: str) -> Iterator[IO[str]]:
     """The output file; for an http(s) URL a temporary file, PUT to it once written. An

@@ -448,6 +448,13 @@ def _run_batch(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # options that only tell together
         _exit_with_option_error(args, exc)
+    if batch.same_file(args.input_file, args.output_file):
+        print(
+            f"weir run-batch: --output-file {args.output_file} is the input file: writing the "
+            "results would erase the requests",
+            file=sys.stderr,
+        )
+        return 2
     try:
         source = batch.open_input(args.input_file)
     except (OSError, ValueError) as exc:

@@ -200,6 +200,17 @@ def test_an_input_that_cannot_be_read_fails_before_any_engine_starts(web, tmp_pa
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_an_output_that_is_the_input_is_refused_before_it_is_emptied(tmp_path):
+    source = tmp_path / "batch.jsonl"
+    requests = _line("a", "/v1/completions", {"prompt": "x"}) + "\n"
+    source.write_text(requests)
+    (tmp_path / "link.jsonl").symlink_to(source)
+    done = _run_batch("-i", str(source), "-o", str(tmp_path / "link.jsonl"), timeout=60)
+    assert done.returncode == 2
+    assert "is the input file" in done.stderr
+    assert source.read_text() == requests
+
+
 def test_a_scheduler_killed_mid_batch_fails_the_run_and_leaves_no_line_unanswered(
     default_model_dir, tmp_path
 ):
