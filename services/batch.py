@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import urllib.request
@@ -32,6 +33,7 @@ from tqdm import tqdm
 from weir.services.gateway.app import ApiOptions, Gateway, create_app
 from weir.services.gateway.chat_output import ChatParsers
 from weir.services.gateway.router import Router
+from weir.services.sigterm import Terminated
 
 # The endpoints a batch line may name: OpenAI's batch endpoints and vLLM's pooling ones.
 BATCH_URLS = (
@@ -262,17 +264,24 @@ async def run_batch(
 
     seen: set[str] = set()
     index = 0
-    async for number, raw in _read_lines(source):
-        line = _parse_line(raw, number, seen)
-        if line.error is not None:
-            finish(index, *await _answer(app, line))
-        else:
-            await slots.acquire()
-            task = asyncio.create_task(answer(index, line))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        index += 1
-    await asyncio.gather(*tasks)
+    try:
+        async for number, raw in _read_lines(source):
+            line = _parse_line(raw, number, seen)
+            if line.error is not None:
+                finish(index, *await _answer(app, line))
+            else:
+                await slots.acquire()
+                task = asyncio.create_task(answer(index, line))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            index += 1
+        await asyncio.gather(*tasks)
+    finally:
+        # Stopped (Ctrl-C, SIGTERM): the lines in flight get no output line, rather than
+        # the errors of the engine's client closing under them.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return counts
 
 
@@ -347,6 +356,31 @@ async def answer_batch(
     progress bar on a terminal's stderr."""
     gateway = Gateway(Router(addresses, keys_dir=keys_dir), parsers=parsers, options=options)
     app = create_app(gateway)
-    with tqdm(desc="run-batch", unit="req", mininterval=5, file=sys.stderr, disable=None) as bar:
-        async with app.router.lifespan_context(app):
-            return await run_batch(app, source, output, max_in_flight, bar.update)
+    # SIGTERM stops the batch as Ctrl-C does under asyncio.run, by cancelling this task: a
+    # handler that raises would raise in whatever callback the loop runs, which logs and
+    # drops it (the batch went on, or hung).
+    main = asyncio.current_task()
+    assert main is not None
+    terminated = False
+
+    def terminate() -> None:
+        nonlocal terminated
+        terminated = True
+        main.cancel()
+
+    loop = asyncio.get_running_loop()
+    handler = signal.getsignal(signal.SIGTERM)
+    loop.add_signal_handler(signal.SIGTERM, terminate)
+    try:
+        with tqdm(
+            desc="run-batch", unit="req", mininterval=5, file=sys.stderr, disable=None
+        ) as bar:
+            async with app.router.lifespan_context(app):
+                return await run_batch(app, source, output, max_in_flight, bar.update)
+    except asyncio.CancelledError:
+        if terminated:
+            raise Terminated from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, handler)  # the caller's again, as it stops the engine

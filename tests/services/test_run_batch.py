@@ -3,6 +3,7 @@ each line's output in the input's order; greedy answers equal transformers', and
 line gets its own error line while the others are answered."""
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -245,3 +246,33 @@ def test_a_scheduler_killed_mid_batch_fails_the_run_and_leaves_no_line_unanswere
     for r in results:
         assert r["response"]["status_code"] == 503
         assert r["error"]["code"] == "server_unavailable"
+
+
+def test_sigterm_mid_batch_stops_it_leaving_the_answered_lines(tiny_model_dir, tmp_path):
+    body = {"prompt": "Count to a thousand:", "max_tokens": 400, "ignore_eos": True}
+    source = tmp_path / "batch.jsonl"
+    source.write_text("".join(_line(str(i), "/v1/completions", body) + "\n" for i in range(64)))
+    output = tmp_path / "results.jsonl"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "weir.services.cli", "run-batch", "-i", str(source),
+         "-o", str(output), "--model", str(tiny_model_dir), "--max-num-seqs", "4",
+         "--enable-log-requests"],  # 8 in flight: the rest wait for them
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        for line in run.stderr:  # the first request logged: the batch is under way
+            if "weir.requests: request" in line:
+                break
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=60) == 130
+        rest = run.stderr.read()
+    finally:
+        run.kill()
+        run.wait()
+    assert "stopped before the last line" in rest and "Traceback" not in rest
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    # In order, and only answers: the lines in flight have none, not the closing's errors.
+    assert [r["custom_id"] for r in results] == [str(i) for i in range(len(results))]
+    assert len(results) < 64
+    assert all(r["response"]["status_code"] == 200 for r in results)
