@@ -13,6 +13,7 @@ gets its error in ``error`` (and, when the API answered, its status and error bo
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import os
@@ -219,11 +220,26 @@ async def _read_lines(source: IO[bytes]) -> AsyncIterator[tuple[int, bytes]]:
         except OSError as exc:
             raise OSError(f"reading the input failed after line {number}: {exc}") from exc
         if not chunk:
+            if _cut_short(source):
+                raise OSError(
+                    f"reading the input failed after line {number}: its connection closed "
+                    "before the whole body came"
+                )
             return
         for raw in chunk:
             number += 1
             if raw.strip():
                 yield number, raw
+
+
+def _cut_short(source: IO[bytes]) -> bool:
+    """Whether ``source``, an HTTP response read to its end, lacks some of its body: read
+    line by line, http.client takes a closed connection for the body's end."""
+    if not isinstance(source, http.client.HTTPResponse):
+        return False
+    if source.chunked:
+        return source.chunk_left is not None  # None once the last chunk came
+    return bool(source.length)  # Content-Length's bytes yet to come
 
 
 async def run_batch(

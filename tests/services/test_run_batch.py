@@ -33,6 +33,8 @@ class _Files(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         data = self.files.get(self.path)
         self.send_response(200 if data is not None else 404)
+        if data is not None and self.path.endswith(".cut"):  # a connection lost mid-body
+            self.send_header("Content-Length", str(len(data) + 100))
         self.end_headers()
         self.wfile.write(data or b"")
 
@@ -199,6 +201,15 @@ def test_an_input_that_cannot_be_read_fails_before_any_engine_starts(web, tmp_pa
         assert f"--input-file {source}:" in done.stderr
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_input_whose_connection_closes_mid_body_fails_the_run(web, tiny_model_dir, tmp_path):
+    base, files = web
+    files["/batch.jsonl.cut"] = (_line("a", "/v1/completions", {"prompt": "x"}) + "\n").encode()
+    done = _run_batch("-i", f"{base}/batch.jsonl.cut", "-o", str(tmp_path / "out.jsonl"),
+                      "--model", str(tiny_model_dir), timeout=120)  # fmt: skip
+    assert done.returncode == 1
+    assert "failed after line 1: its connection closed before the whole body came" in done.stderr
 
 
 def test_an_output_that_is_the_input_is_refused_before_it_is_emptied(tmp_path):
