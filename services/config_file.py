@@ -84,13 +84,14 @@ def _flag_argv(flag: str, action: argparse.Action, value: Any, path: str) -> lis
         return [flag] if value else []
     items = value if isinstance(value, list) else [value]
     texts = [json.dumps(item) if isinstance(item, dict | list) else _text(item) for item in items]
+    # FLAG=TEXT: a text that begins with "-" (an API key's) is the flag's value, not a flag.
     if isinstance(action, argparse._AppendAction):
-        return [part for text in texts for part in (flag, text)]
+        return [f"{flag}={text}" for text in texts]
     if action.nargs in ("+", "*"):
         return [flag, *texts]
     if isinstance(value, list):
         raise ConfigFileError(f"--config {path}: {flag[2:]} takes one value, not a list")
-    return [flag, texts[0]]
+    return [f"{flag}={texts[0]}"]
 
 
 def _text(value: Any) -> str:

@@ -29,6 +29,7 @@ speculative-config: {method: ngram, num_speculative_tokens: 3}
 allowed-origins: http://x
 lora-modules: null             # null: left at its default
 port: 9000
+api-key: -k3y                  # a value that begins with a dash is still the value
 """,
     )
     args = parse_args(["serve", "--config", path])
@@ -43,6 +44,7 @@ port: 9000
     assert args.served_model_name == ["a", "b"]
     assert args.speculative_config == '{"method": "ngram", "num_speculative_tokens": 3}'
     assert args.allowed_origins == ["http://x"] and args.port == 9000
+    assert args.api_key == "-k3y"
     assert args.lora_modules == ()  # its default
 
     args = parse_args(
