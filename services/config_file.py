@@ -83,7 +83,11 @@ def _flag_argv(flag: str, action: argparse.Action, value: Any, path: str) -> lis
             raise ConfigFileError(f"--config {path}: {flag[2:]} must be true or false")
         return [flag] if value else []
     items = value if isinstance(value, list) else [value]
-    texts = [json.dumps(item) if isinstance(item, dict | list) else _text(item) for item in items]
+    # YAML's dates and times in a mapping are their text, as they are as a flag's value.
+    texts = [
+        json.dumps(item, default=str) if isinstance(item, dict | list) else _text(item)
+        for item in items
+    ]
     # FLAG=TEXT: a text that begins with "-" (an API key's) is the flag's value, not a flag.
     if isinstance(action, argparse._AppendAction):
         return [f"{flag}={text}" for text in texts]

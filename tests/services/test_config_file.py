@@ -26,6 +26,7 @@ enforce-eager: true
 enable-log-requests: true      # a store_true flag
 served-model-name: [a, b]      # nargs +
 speculative-config: {method: ngram, num_speculative_tokens: 3}
+hf-overrides: {released: 2024-01-31}  # a YAML date: its text in the JSON
 allowed-origins: http://x
 lora-modules: null             # null: left at its default
 port: 9000
@@ -43,6 +44,7 @@ api-key: -k3y                  # a value that begins with a dash is still the va
     assert args.enable_log_requests is True
     assert args.served_model_name == ["a", "b"]
     assert args.speculative_config == '{"method": "ngram", "num_speculative_tokens": 3}'
+    assert args.hf_overrides == '{"released": "2024-01-31"}'
     assert args.allowed_origins == ["http://x"] and args.port == 9000
     assert args.api_key == "-k3y"
     assert args.lora_modules == ()  # its default
