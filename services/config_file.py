@@ -33,7 +33,7 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str, skip: set[str]
     try:
         with open(path, encoding="utf-8") as file:
             values = yaml.safe_load(file)
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigFileError(f"--config {path}: {exc}") from None
     if values is None:
         return

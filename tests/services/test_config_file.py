@@ -95,3 +95,12 @@ def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(SystemExit) as exited:
         parse_args(["scheduler", "--config", str(tmp_path / "absent.yaml")])
     assert exited.value.code == 2
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("served-model-name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["serve", "--config", str(path)])
+    assert exited.value.code == 2
+    assert f"--config {path}: 'utf-8' codec can't decode" in capsys.readouterr().err
