@@ -444,6 +444,7 @@ def _run_batch(args: argparse.Namespace) -> int:
             metrics_port=0,
             executor_metrics_port=0,
             startup_timeout=args.startup_timeout,
+            data_parallel_size=args.data_parallel_size,
             offline=True,
         )
     except ValueError as exc:  # options that only tell together
@@ -470,15 +471,16 @@ def _run_batch(args: argparse.Namespace) -> int:
                 print(f"weir run-batch: {exc}", file=sys.stderr)
                 return 1
             try:
+                replicas = server.info.get("replicas", [server.info])
                 counts = asyncio.run(
                     batch.answer_batch(
-                        [server.client_address],
+                        [replica["client_address"] for replica in replicas],
                         server.engine_args.keys_dir,
                         _chat_parsers(args),
                         _api_options(args),
                         source,
                         output,
-                        max_in_flight=2 * server.engine_args.max_num_seqs,
+                        max_in_flight=2 * server.engine_args.max_num_seqs * len(replicas),
                     )
                 )
                 stopped = server.exited
@@ -900,6 +902,16 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_data_parallel_flag(p: argparse.ArgumentParser, behind: str, ports: str = "") -> None:
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines, each a scheduler and its executors (with --tensor-parallel-size N, N "
+        f"GPUs each), behind {behind}, whose router spreads the requests{ports} (default: 1)",
+    )
+
+
 def _add_keys_dir_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keys-dir",
@@ -1001,13 +1013,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the HTTP API binds to (default: --host); e.g. 0.0.0.0 for the API alone",
     )
     p.add_argument("--no-http", action="store_true", help="do not start the HTTP gateway")
-    p.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="engines, each a scheduler and its executors (with --tensor-parallel-size N, N "
-        "GPUs each), behind the one HTTP gateway, whose router spreads the requests; replica i "
-        "takes --port + 100 i and --metrics-port + 100 i (default: 1)",
+    _add_data_parallel_flag(
+        p, "the one HTTP gateway", "; replica i takes --port + 100 i and --metrics-port + 100 i"
     )
     _add_api_key_flag(p)
     _add_allowed_origins_flag(p)
@@ -1059,6 +1066,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds the engine gets to start before `weir run-batch` gives up (default 600)",
     )
+    _add_data_parallel_flag(p, "the batch's in-process API")
     _add_parser_flags(p)
     _add_api_flags(p)
     _add_log_flags(p)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from serving_helpers import hf_greedy as tiny_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -287,3 +288,41 @@ def test_sigterm_mid_batch_stops_it_leaving_the_answered_lines(tiny_model_dir, t
     assert [r["custom_id"] for r in results] == [str(i) for i in range(len(results))]
     assert len(results) < 64
     assert all(r["response"]["status_code"] == 200 for r in results)
+
+
+def test_data_parallel_engines_answer_one_batch(tiny_model_dir, tiny_hf_model, tmp_path):
+    """--data-parallel-size 2: two schedulers, each with its executor, behind the batch's one
+    in-process API; every line answered as transformers decodes it, in the input's order."""
+    psutil = pytest.importorskip("psutil")
+    prompts = [[5 + i, 6, 7, 8 + i, 9] for i in range(8)]
+    greedy = {"max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    source = tmp_path / "batch.jsonl"
+    source.write_text(
+        "".join(
+            _line(str(i), "/v1/completions", {"prompt": p, **greedy}) + "\n"
+            for i, p in enumerate(prompts)
+        )
+    )
+    output = tmp_path / "results.jsonl"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "weir.services.cli", "run-batch", "-i", str(source),
+         "-o", str(output), "--model", str(tiny_model_dir), "--data-parallel-size", "2",
+         "--kv-cache-memory", "1MiB", "--enable-log-requests"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        for line in run.stderr:  # the first request logged: both engines are up
+            if "weir.requests: request" in line:
+                break
+        children = [c.cmdline() for c in psutil.Process(run.pid).children()]
+        assert sum("scheduler" in c for c in children) == 2
+        assert run.wait(timeout=120) == 0, run.stderr.read()
+    finally:
+        run.kill()
+        run.wait()
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [str(i) for i in range(8)]
+    assert [r["response"]["body"]["choices"][0]["token_ids"] for r in results] == [
+        tiny_greedy(tiny_hf_model, p, 6) for p in prompts
+    ]
