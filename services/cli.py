@@ -22,6 +22,7 @@ import socket
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -334,6 +335,7 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
             file=sys.stderr,
         )
         raise SystemExit(2)
+    _check_tokenizer(args)
     try:
         return EngineArgs.from_cli(args)
     except ValueError as exc:
@@ -852,7 +854,8 @@ def _gateway_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags whose behaviour Weir always has."""
+    """vLLM's engine flags whose behaviour Weir always has (at some values: the others are
+    refused, saying why)."""
     p.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -868,6 +871,68 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="vLLM's; its V1 engine swaps no KV cache to the CPU and neither does Weir (a "
         "preempted request is recomputed), so it changes nothing",
     )
+    p.add_argument(
+        "-pp",
+        "--pipeline-parallel-size",
+        type=_vllm_value(
+            ("1",),
+            "Weir splits a model across GPUs by tensor parallelism (--tensor-parallel-size), "
+            "not into pipeline stages",
+        ),
+        metavar="1",
+        help="vLLM's; 1, one stage, changes nothing; more is refused: Weir splits a model "
+        "across GPUs by --tensor-parallel-size only",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="MODEL",
+        help="vLLM's; Weir reads the model's own tokenizer, so the model itself changes "
+        "nothing and another is refused",
+    )
+    p.add_argument(
+        "--tokenizer-mode",
+        type=_vllm_value(
+            ("auto", "hf"),
+            "Weir reads the model's tokenizer.json with the tokenizers library (vLLM's auto), "
+            "and has no slow or mistral_common tokenizer",
+        ),
+        metavar="auto",
+        help="vLLM's; auto (or hf), the model's tokenizer.json, changes nothing; slow and "
+        "mistral are refused",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_vllm_value((), "Weir serves text-only models: no image, video or audio inputs"),
+        metavar="LIMITS",
+        help="vLLM's; refused: Weir serves text-only models",
+    )
+
+
+def _vllm_value(taken: tuple[str, ...], why: str) -> Callable[[str], str]:
+    """The type of a vLLM flag whose values ``taken`` ask for what Weir does; any other is
+    refused, saying ``why``, rather than left without effect."""
+
+    def check(text: str) -> str:
+        if text not in taken:
+            raise argparse.ArgumentTypeError(f"{text!r} is refused: {why}")
+        return text
+
+    return check
+
+
+def _check_tokenizer(args: argparse.Namespace) -> None:
+    """vLLM's ``--tokenizer`` is taken where it names the model (``args.model``)."""
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is None or tokenizer == args.model:
+        return
+    if args.model is None or os.path.realpath(tokenizer) != os.path.realpath(args.model):
+        print(
+            f"weir {args.command}: --tokenizer {tokenizer!r} is refused: Weir reads the "
+            "tokenizer of the model's own files (tokenizer.json, or a .gguf file's), not "
+            "another's",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def _add_parser_flags(p: argparse.ArgumentParser) -> None:
@@ -1216,6 +1281,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``argv``'s flags, with those of a ``--config`` file under them; exits with status 2
     on a bad one, as argparse does."""
+    argv = [_dashed(arg) for arg in argv]
     parser = build_parser()
     command = _subcommand_parser(parser, argv[0]) if argv else None
     if command is None or "--config" not in command._option_string_actions:
@@ -1232,6 +1298,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         print(f"weir {argv[0]}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     return parser.parse_args(argv)
+
+
+def _dashed(arg: str) -> str:
+    """A flag spelt with underscores (``--max_model_len=2048``) as its dashed name, as vLLM's
+    parser takes it; its value is left as given."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
 def _subcommand_parser(

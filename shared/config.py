@@ -34,10 +34,25 @@ LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Weights kept quantized by the executor (CPU only; see services/executor/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
+# vLLM's --quantization methods, which are kernels Weir does not have: why each is refused.
+_CHECKPOINT_READ = (
+    "Weir has no {} matmul kernels; leave --quantization out: an fp8 or compressed-tensors "
+    "checkpoint is read by its config.json (dequantized to the model's dtype)"
+)
+_VLLM_QUANTIZATION = {
+    **dict.fromkeys(("fp8", "compressed-tensors"), _CHECKPOINT_READ),
+    **dict.fromkeys(
+        ("awq", "awq_marlin", "gptq", "gptq_marlin", "bitsandbytes", "gguf", "marlin"),
+        "Weir has no {} matmul kernels and reads no such checkpoint (fp8 and compressed-tensors "
+        "checkpoints are read without --quantization; int8 is Weir's own, on the CPU)",
+    ),
+}
 # The executor's attention implementations (services/executor/attention.py builds them).
 ATTENTION_BACKENDS = ("triton", "native", "torch", "reference")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other names of the dtypes (--dtype half on GPUs without bfloat16).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # The KV cache's dtype (vLLM's names): auto, the model's; fp8 (= fp8_e4m3) and fp8_e5m2, one
 # byte a value, widened back as attention reads it.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -301,6 +316,14 @@ def human_readable_int(text: str) -> int:
     return int(Decimal(number) * base ** ("kmgt".index(suffix.lower()) + 1))
 
 
+def _quantization_method(text: str) -> str:
+    """--quantization's value; vLLM's methods are refused saying why (argparse's choices
+    would only list int8)."""
+    if text in _VLLM_QUANTIZATION:
+        raise argparse.ArgumentTypeError(_VLLM_QUANTIZATION[text].format(text))
+    return text
+
+
 def _default_of(cls: type, name: str) -> Any:
     return next(f.default for f in fields(cls) if f.name == name)
 
@@ -540,14 +563,16 @@ class EngineArgs:
     dtype: str | None = _arg(
         None,
         EXECUTOR,
-        "weight/activation dtype (default: per device, float32 on a CPU, bfloat16 on CUDA)",
-        choices=DTYPES,
+        "weight/activation dtype, half and float as in vLLM (float16, float32) (default: per "
+        "device, float32 on a CPU, bfloat16 on CUDA)",
+        choices=(*DTYPES, *DTYPE_ALIASES),
     )
     quantization: str | None = _arg(
         None,
         EXECUTOR,
         "keep the weights quantized (CPU only, float32 activations): int8 = weight-only int8 "
         "with a scale per output channel, requantized from the loaded weights (default: none)",
+        type=_quantization_method,
         choices=QUANTIZATION_METHODS,
     )
     # In bytes; a size such as "64MiB" (``LLM(kv_cache_memory=...)``) is parsed on construction.
@@ -629,6 +654,8 @@ class EngineArgs:
             except argparse.ArgumentTypeError as exc:
                 raise ValueError(f"kv_cache_memory: {exc}") from None
             object.__setattr__(self, "kv_cache_memory", size)  # frozen
+        if self.dtype in DTYPE_ALIASES:  # LLM(dtype="half") as the command line's
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("block_size", self.block_size, 1)
         _check_int("ngram_min", self.ngram_min, 1)

@@ -16,9 +16,10 @@ import openai
 import pytest
 
 from weir.services import batch
-from weir.services.cli import _api_options, _gateway_argv, build_parser
+from weir.services.cli import _api_options, _engine_args, _gateway_argv, build_parser, parse_args
 from weir.services.gateway.chat_output import NO_PARSERS
 from weir.shared.client import InvalidRequestError, WeirClient
+from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
 
 MODEL = "tiny"
@@ -41,6 +42,9 @@ UNCHANGED = [
     "--disable-uvicorn-access-log",
 ]
 FLAGS = ENGINE_FLAGS + API_FLAGS + HTTP_FLAGS + UNCHANGED
+# vLLM's spellings the server is started with too: a flag with underscores, -pp 1,
+# --tokenizer-mode auto, --dtype float (float32), and --tokenizer naming the model.
+SPELLINGS = ["--max_num_seqs=32", "-pp", "1", "--tokenizer-mode", "auto", "--dtype", "float"]
 
 
 class _Server:
@@ -50,7 +54,7 @@ class _Server:
              "--served-model-name", MODEL, "--device", "cpu", "--max-model-len", "256",
              "--block-size", "16", "--max-num-batched-tokens", "64", "--kv-cache-memory",
              "4MiB", "--port", "0", "--metrics-port", "0", "--executor-metrics-port", "0",
-             "--http-port", "0", *FLAGS],
+             "--http-port", "0", *FLAGS, *SPELLINGS, "--tokenizer", str(tiny_model_dir)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -255,3 +259,85 @@ async def test_run_batch_answers_with_the_servers_role_and_logprobs_limit(server
     assert chat["response"]["body"]["choices"][0]["message"]["role"] == ROLE
     assert refused["response"]["status_code"] == 400
     assert f"max allowed: {MAX_LOGPROBS}" in json.dumps(refused["response"]["body"])
+
+
+# Command lines of vLLM deployments (scripts, Dockerfiles, Kubernetes manifests, vLLM's
+# docs), the model made the test's: the options each gives Weir.
+VLLM_COMMAND_LINES = [
+    (
+        "--model M --max-model-len 8192 --gpu-memory-utilization 0.85 --max-num-seqs 64 "
+        "--tensor-parallel-size 1 --port 8000",
+        {"max_model_len": 8192, "gpu_memory_utilization": 0.85, "max_num_seqs": 64},
+    ),
+    (  # vLLM's Kubernetes guide
+        "M --trust-remote-code --enable-chunked-prefill --max_num_batched_tokens 1024",
+        {"enable_chunked_prefill": True, "max_num_batched_tokens": 1024},
+    ),
+    (  # docker run vllm/vllm-openai ...
+        "--model M --max_model_len 1024 --api_key EMPTY --gpu_memory_utilization 0.7",
+        {"max_model_len": 1024, "api_key": "EMPTY", "gpu_memory_utilization": 0.7},
+    ),
+    (
+        "M --host 127.0.0.1 --port 8000 --gpu-memory-utilization 0.9 --tensor-parallel-size 1 "
+        "--pipeline-parallel-size 1 --max-model-len 2084 --max-num-seqs 50 --dtype=bfloat16 "
+        "--served-model-name m",
+        {"pipeline_parallel_size": "1", "dtype": "bfloat16", "served_model_name": ["m"]},
+    ),
+    (
+        "--model M --max_model_len=15000 --port=9003 --tensor_parallel_size=1 "
+        "--gpu_memory_utilization=0.95",
+        {"max_model_len": 15000, "tensor_parallel_size": 1, "port": 9003},
+    ),
+    (
+        "M --max-model-len 16384 --dtype half --gpu-memory-utilization 0.50 --port 8002",
+        {"dtype": "half", "max_model_len": 16384},
+    ),
+    (
+        "M --tokenizer M --seed 42 --max-model-len 2048 --tokenizer-mode auto",
+        {"tokenizer": "M", "seed": 42, "tokenizer_mode": "auto"},
+    ),
+    (
+        "M --enforce_eager --trust_remote_code --enable-auto-tool-choice "
+        "--tool-call-parser hermes --kv-cache-dtype fp8 --disable-log-requests",
+        {"enforce_eager": True, "tool_call_parser": "hermes", "kv_cache_dtype": "fp8"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("line", "options"), VLLM_COMMAND_LINES)
+def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, options):
+    model = str(tiny_model_dir)
+    args = parse_args(["serve", *(model if word == "M" else word for word in line.split())])
+    if "tokenizer" in options:
+        options = {**options, "tokenizer": model}
+    assert {name: getattr(args, name) for name in options} == options
+    engine_args = _engine_args(args)
+    assert engine_args.model == model
+    # vLLM's half (and float) are float16 (float32), on the command line and in LLM(...).
+    assert engine_args.dtype in (None, "bfloat16", "float16")
+    assert EngineArgs(dtype="half").dtype == "float16" and EngineArgs(dtype="float").dtype == (
+        "float32"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["-pp", "2"], "'2' is refused: Weir splits a model across GPUs by tensor parallelism"),
+        (["--pipeline_parallel_size=2"], "-pp/--pipeline-parallel-size: '2' is refused"),
+        (["--tokenizer-mode", "mistral"], "'mistral' is refused: Weir reads the model's tokenizer"),
+        (["--tokenizer-mode", "slow"], "and has no slow or mistral_common tokenizer"),
+        (["--limit-mm-per-prompt", "image=2"], "refused: Weir serves text-only models"),
+        (["--quantization", "awq"], "Weir has no awq matmul kernels and reads no such checkpoint"),
+        (["--quantization", "fp8"], "Weir has no fp8 matmul kernels; leave --quantization out"),
+        (["--tokenizer", "/elsewhere"], "--tokenizer '/elsewhere' is refused: Weir reads the"),
+    ],
+)
+def test_vllm_flags_weir_cannot_honour_end_with_status_2_saying_why(
+    tiny_model_dir, capsys, flags, message
+):
+    with pytest.raises(SystemExit) as exit_info:
+        _engine_args(parse_args(["serve", str(tiny_model_dir), *flags]))
+    assert exit_info.value.code == 2
+    # One line (after argparse's usage) says why.
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
