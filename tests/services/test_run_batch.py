@@ -71,6 +71,20 @@ def _run_batch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[
     )
 
 
+def _started(*args: str) -> subprocess.Popen[str]:
+    """`weir run-batch ARGS`, returned once it logs its first request: its engines are up
+    and the batch is under way. Read the rest of its stderr from ``.stderr``."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "weir.services.cli", "run-batch", *args, "--enable-log-requests"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in run.stderr:
+        if "weir.requests: request" in line:
+            break
+    return run
+
+
 @pytest.fixture(scope="module")
 def hf_greedy(default_model_dir):
     """transformers' greedy token ids for each chat and the completion."""
@@ -232,17 +246,11 @@ def test_a_scheduler_killed_mid_batch_fails_the_run_and_leaves_no_line_unanswere
     source = tmp_path / "batch.jsonl"
     source.write_text("".join(_line(str(i), "/v1/completions", body) + "\n" for i in range(8)))
     output = tmp_path / "results.jsonl"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "weir.services.cli", "run-batch", "-i", str(source),
-         "-o", str(output), "--model", default_model_dir, "--max-model-len", "512",
-         "--enable-log-requests"],
-        stderr=subprocess.PIPE,
-        text=True,
+    run = _started(
+        "-i", str(source), "-o", str(output), "--model", default_model_dir,
+        "--max-model-len", "512",
     )  # fmt: skip
     try:
-        for line in run.stderr:  # the first request logged: the engine has them
-            if "weir.requests: request" in line:
-                break
         (scheduler,) = [
             child for child in psutil.Process(run.pid).children() if "scheduler" in child.cmdline()
         ]
@@ -265,17 +273,11 @@ def test_sigterm_mid_batch_stops_it_leaving_the_answered_lines(tiny_model_dir, t
     source = tmp_path / "batch.jsonl"
     source.write_text("".join(_line(str(i), "/v1/completions", body) + "\n" for i in range(64)))
     output = tmp_path / "results.jsonl"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "weir.services.cli", "run-batch", "-i", str(source),
-         "-o", str(output), "--model", str(tiny_model_dir), "--max-num-seqs", "4",
-         "--enable-log-requests"],  # 8 in flight: the rest wait for them
-        stderr=subprocess.PIPE,
-        text=True,
+    run = _started(
+        "-i", str(source), "-o", str(output), "--model", str(tiny_model_dir),
+        "--max-num-seqs", "4",  # 8 in flight: the rest wait for them
     )  # fmt: skip
     try:
-        for line in run.stderr:  # the first request logged: the batch is under way
-            if "weir.requests: request" in line:
-                break
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=60) == 130
         rest = run.stderr.read()
@@ -304,17 +306,11 @@ def test_data_parallel_engines_answer_one_batch(tiny_model_dir, tiny_hf_model, t
         )
     )
     output = tmp_path / "results.jsonl"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "weir.services.cli", "run-batch", "-i", str(source),
-         "-o", str(output), "--model", str(tiny_model_dir), "--data-parallel-size", "2",
-         "--kv-cache-memory", "1MiB", "--enable-log-requests"],
-        stderr=subprocess.PIPE,
-        text=True,
+    run = _started(
+        "-i", str(source), "-o", str(output), "--model", str(tiny_model_dir),
+        "--data-parallel-size", "2", "--kv-cache-memory", "1MiB",
     )  # fmt: skip
     try:
-        for line in run.stderr:  # the first request logged: both engines are up
-            if "weir.requests: request" in line:
-                break
         children = [c.cmdline() for c in psutil.Process(run.pid).children()]
         assert sum("scheduler" in c for c in children) == 2
         assert run.wait(timeout=120) == 0, run.stderr.read()
