@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from serving_helpers import hf_greedy as tiny_greedy
+from serving_helpers import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,8 +86,9 @@ def _started(*args: str) -> subprocess.Popen[str]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(default_model_dir):
-    """transformers' greedy token ids for each chat and the completion."""
+def reference_tokens(default_model_dir):
+    """transformers' greedy token ids for each chat and the completion (EOS ignored, as the
+    batch's lines ask)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_dir, dtype=torch.float32
@@ -106,23 +107,11 @@ def hf_greedy(default_model_dir):
     }
     custom_id, text, max_tokens = COMPLETION
     prompts[custom_id] = (tokenizer(text)["input_ids"], max_tokens)
-    expected = {}
-    with torch.no_grad():
-        for custom_id, (ids, max_tokens) in prompts.items():
-            input_ids = torch.tensor([list(ids)])
-            out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=False,
-                max_new_tokens=max_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            expected[custom_id] = out[0, input_ids.shape[1] :].tolist()
-    return expected
+    return {key: hf_greedy(model, list(ids), n) for key, (ids, n) in prompts.items()}
 
 
 def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
-    default_model_dir, tmp_path, web, hf_greedy
+    default_model_dir, tmp_path, web, reference_tokens
 ):
     base, files = web
     model = Path(default_model_dir).name
@@ -135,6 +124,7 @@ def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
                 "messages": [{"role": "user", "content": question}],
                 "max_tokens": max_tokens,
                 "temperature": 0,
+                "ignore_eos": True,
                 "return_token_ids": True,
             },
         )
@@ -145,7 +135,13 @@ def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
         _line(
             custom_id,
             "/v1/completions",
-            {"prompt": text, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True},
+            {
+                "prompt": text,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
         )
     )
     lines += [
@@ -180,7 +176,7 @@ def test_a_batch_file_is_answered_in_order_and_bad_lines_get_errors(
         response = result["response"]
         assert response["status_code"] == 200
         choice = response["body"]["choices"][0]
-        assert choice["token_ids"] == hf_greedy[result["custom_id"]], result["custom_id"]
+        assert choice["token_ids"] == reference_tokens[result["custom_id"]], result["custom_id"]
         assert response["body"]["id"].endswith(response["request_id"])
     assert results[0]["response"]["body"]["choices"][0]["message"]["content"]
 
@@ -320,5 +316,5 @@ def test_data_parallel_engines_answer_one_batch(tiny_model_dir, tiny_hf_model, t
     results = [json.loads(line) for line in output.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [str(i) for i in range(8)]
     assert [r["response"]["body"]["choices"][0]["token_ids"] for r in results] == [
-        tiny_greedy(tiny_hf_model, p, 6) for p in prompts
+        hf_greedy(tiny_hf_model, p, 6) for p in prompts
     ]
