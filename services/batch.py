@@ -324,6 +324,18 @@ def same_file(input_path: str, output_path: str) -> bool:
         return False
 
 
+def check_output(path: str) -> None:
+    """Raise ``OSError`` if the output file cannot be written, leaving it as it is (and not
+    there if it was not): the engines start before it is emptied, as vLLM's do."""
+    if _is_url(path):
+        return
+    existed = os.path.lexists(path)
+    with open(path, "a", encoding="utf-8"):
+        pass
+    if not existed:
+        os.unlink(path)
+
+
 @contextmanager
 def open_output(path: str) -> Iterator[IO[str]]:
     """The output file; for an http(s) URL a temporary file, PUT to it once written. An

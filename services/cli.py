@@ -466,26 +466,29 @@ def _run_batch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, raise_terminated)
     started = time.monotonic()
     try:
-        with source, batch.open_output(args.output_file) as output:
+        with source:
+            batch.check_output(args.output_file)
             try:
                 server.start()
             except launcher.ChildFailedError as exc:
                 print(f"weir run-batch: {exc}", file=sys.stderr)
                 return 1
             try:
-                replicas = server.info.get("replicas", [server.info])
-                counts = asyncio.run(
-                    batch.answer_batch(
-                        [replica["client_address"] for replica in replicas],
-                        server.engine_args.keys_dir,
-                        _chat_parsers(args),
-                        _api_options(args),
-                        source,
-                        output,
-                        max_in_flight=2 * server.engine_args.max_num_seqs * len(replicas),
+                with batch.open_output(args.output_file) as output:
+                    replicas = server.info.get("replicas", [server.info])
+                    counts = asyncio.run(
+                        batch.answer_batch(
+                            [replica["client_address"] for replica in replicas],
+                            server.engine_args.keys_dir,
+                            _chat_parsers(args),
+                            _api_options(args),
+                            source,
+                            output,
+                            max_in_flight=2 * server.engine_args.max_num_seqs * len(replicas),
+                        )
                     )
-                )
-                stopped = server.exited
+                    stopped = server.exited
+                    server.shutdown()  # before an upload, which may take long
             finally:
                 server.shutdown()
     except OSError as exc:  # the output cannot be written or uploaded, the input read on
@@ -1293,7 +1296,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # A model given on the command line wins over the file's, as vLLM's.
     skip = {"model"} if getattr(first, "model_tag", None) is not None else set()
     try:
-        apply_config_file(command, first.config, skip)
+        if len(first.config) > 1:
+            raise ConfigFileError(f"--config is given {len(first.config)} times; give one file")
+        apply_config_file(command, first.config[0], skip)
     except ConfigFileError as exc:
         print(f"weir {argv[0]}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

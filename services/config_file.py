@@ -19,6 +19,7 @@ class ConfigFileError(ValueError):
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
+        action="append",  # so that a second one is seen, and refused as vLLM refuses it
         default=None,
         metavar="FILE",
         help="a YAML file of this command's long flags and their values (model: ..., "
@@ -47,7 +48,7 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str, skip: set[str]
         action = actions.get(flag)
         if action is None or flag == "--config":
             raise ConfigFileError(f"--config {path}: {key!r} is no option of this command")
-        if key in skip or value is None:
+        if key in skip or value is None or value == []:  # vLLM's: an empty list gives nothing
             continue
         argv += _flag_argv(flag, action, value, path)
         given.add(action.dest)

@@ -28,7 +28,8 @@ served-model-name: [a, b]      # nargs +
 speculative-config: {method: ngram, num_speculative_tokens: 3}
 hf-overrides: {released: 2024-01-31}  # a YAML date: its text in the JSON
 allowed-origins: http://x
-lora-modules: null             # null: left at its default
+lora-modules: []               # left at its default, as vLLM's
+tool-call-parser: null         # null too
 port: 9000
 api-key: -k3y                  # a value that begins with a dash is still the value
 """,
@@ -47,7 +48,7 @@ api-key: -k3y                  # a value that begins with a dash is still the va
     assert args.hf_overrides == '{"released": "2024-01-31"}'
     assert args.allowed_origins == ["http://x"] and args.port == 9000
     assert args.api_key == "-k3y"
-    assert args.lora_modules == ()  # its default
+    assert args.lora_modules == () and args.tool_call_parser is None  # their defaults
 
     args = parse_args(
         ["serve", "/models/cli-model", "--config", path, "--max-num-seqs", "8", "--port", "0",
@@ -104,3 +105,12 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
         parse_args(["serve", "--config", str(path)])
     assert exited.value.code == 2
     assert f"--config {path}: 'utf-8' codec can't decode" in capsys.readouterr().err
+
+
+def test_a_second_file_is_refused_rather_than_one_of_them_dropped(tmp_path, capsys):
+    first, second = _config(tmp_path, "max-num-seqs: 8\n"), str(tmp_path / "second.yaml")
+    (tmp_path / "second.yaml").write_text("max-model-len: 256\n")
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["serve", "--config", first, "--config", second])
+    assert exited.value.code == 2
+    assert "--config is given 2 times; give one file" in capsys.readouterr().err

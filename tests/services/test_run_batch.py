@@ -3,6 +3,7 @@ each line's output in the input's order; greedy answers equal transformers', and
 line gets its own error line while the others are answered."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +213,26 @@ def test_an_input_that_cannot_be_read_fails_before_any_engine_starts(web, tmp_pa
         assert f"--input-file {source}:" in done.stderr
         assert "Traceback" not in done.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_engine_that_fails_to_start_leaves_the_output_as_it_was(tiny_model_dir, tmp_path):
+    """The engines start before the output is emptied (vLLM's order): weights that cannot be
+    read end the run with status 1, the earlier results kept; an output that cannot be
+    written is found before any engine starts."""
+    model = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes(b"not safetensors")
+    source = tmp_path / "batch.jsonl"
+    source.write_text(_line("a", "/v1/completions", {"prompt": "x"}) + "\n")
+    output = tmp_path / "results.jsonl"
+    output.write_text("earlier results\n")
+    done = _run_batch("-i", str(source), "-o", str(output), "--model", str(model), timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert output.read_text() == "earlier results\n"
+    done = _run_batch("-i", str(source), "-o", str(tmp_path), "--model", str(model), timeout=60)
+    assert done.returncode == 1
+    assert "Is a directory" in done.stderr
+    assert "executor" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_an_input_whose_connection_closes_mid_body_fails_the_run(web, tiny_model_dir, tmp_path):
