@@ -298,6 +298,7 @@ def _gateway(args: argparse.Namespace) -> int:
         api=_api_options(args),
         docs=not args.disable_fastapi_docs,
         request_id_headers=args.enable_request_id_headers,
+        load_tracking=args.enable_server_load_tracking,
     )
     # Prompts are logged only when asked (vLLM's flag), whatever --log-level says.
     logging.getLogger(REQUESTS_LOGGER).setLevel(
@@ -336,6 +337,7 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
         )
         raise SystemExit(2)
     _check_tokenizer(args)
+    _check_download_dir(args)
     try:
         return EngineArgs.from_cli(args)
     except ValueError as exc:
@@ -685,8 +687,8 @@ def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on the API (/v1/..., /tokenize, the engine "
-        "controls; not /health, /metrics, /version, /ping) (default: $WEIR_API_KEY, else "
-        "$VLLM_API_KEY, else none)",
+        "controls; not /health, /metrics, /version, /ping, /load) (default: $WEIR_API_KEY, "
+        "else $VLLM_API_KEY, else none)",
     )
 
 
@@ -804,6 +806,13 @@ def _add_http_server_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="vLLM's; Weir's HTTP server writes no access log, so it changes nothing",
     )
+    p.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help='GET /load answers {"server_load": N}, N the requests of the generation, '
+        "embedding, scoring and pooling routes being answered now (a stream until its end), "
+        "as vLLM's (without it, N is always 0)",
+    )
 
 
 def _tls(args: argparse.Namespace) -> Tls | None:
@@ -840,6 +849,7 @@ def _gateway_argv(args: argparse.Namespace) -> list[str]:
         "enable_log_requests",
         "disable_fastapi_docs",
         "enable_request_id_headers",
+        "enable_server_load_tracking",
     ):
         if getattr(args, switch):
             argv.append("--" + switch.replace("_", "-"))
@@ -854,6 +864,100 @@ def _gateway_argv(args: argparse.Namespace) -> list[str]:
     if args.ssl_cert_reqs != ssl.CERT_NONE:
         argv += ["--ssl-cert-reqs", str(args.ssl_cert_reqs)]
     return argv
+
+
+def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags of where a model's files come from and how its engine is laid out, taken
+    where they ask for what Weir does and refused, saying why, where they do not."""
+    p.add_argument(
+        "--download-dir",
+        metavar="DIR",
+        help="vLLM's; Weir downloads no model (it reads the directory or .gguf file given "
+        "where it is), so it changes nothing; without a model it is refused: the bundled "
+        "default model is kept in $WEIR_CACHE",
+    )
+    for flag, files in (
+        ("--revision", "model's files"),
+        ("--tokenizer-revision", "tokenizer's files"),
+    ):
+        p.add_argument(
+            flag,
+            type=_vllm_value(
+                ("main",),
+                f"Weir reads the {files} as they are on disk and fetches no revision: check "
+                "the revision out into a directory and serve that",
+            ),
+            metavar="main",
+            help=f"vLLM's; main changes nothing (Weir reads the {files} as they are on "
+            "disk); another revision is refused",
+        )
+    p.add_argument(
+        "--code-revision",
+        metavar="REVISION",
+        help="vLLM's; Weir runs no code from a model's files, so it changes nothing",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        type=_vllm_value(
+            ("mp", "uni"),
+            "Weir's executors are processes that `weir serve` starts on this machine (mp); "
+            "across machines each runs as `weir executor` (a Kubernetes pod: k8s/)",
+        ),
+        metavar="mp",
+        help="vLLM's; mp (or uni, one GPU) changes nothing: Weir's executors are processes "
+        "`weir serve` starts; ray and external_launcher are refused",
+    )
+    p.add_argument(
+        "--cpu-offload-gb",
+        type=_no_cpu_offload,
+        metavar="0",
+        help="vLLM's; 0 changes nothing; more is refused: Weir keeps a model's weights on the "
+        "device that runs it",
+    )
+    p.add_argument(
+        "--kv-transfer-config",
+        type=_vllm_value(
+            (),
+            "Weir has no disaggregated prefill: each engine computes the KV cache of its own "
+            "requests and sends none to another",
+        ),
+        metavar="JSON",
+        help="vLLM's; refused: Weir has no disaggregated prefill (KV connectors)",
+    )
+    p.add_argument(
+        "--max-seq-len-to-capture",
+        type=_count,
+        metavar="N",
+        help="vLLM's; Weir's CUDA graphs serve steps at any context length up to "
+        "--max-model-len (their block tables are that wide), so it changes nothing "
+        "(--enforce-eager runs without graphs, --max-mixed-graph-tokens bounds the mixed "
+        "steps that replay them)",
+    )
+
+
+def _no_cpu_offload(text: str) -> float:
+    """--cpu-offload-gb's value: 0 GiB, what Weir does; more is refused."""
+    try:
+        gib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
+    if gib != 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is refused: Weir keeps a model's weights on the device that runs it, "
+            "none offloaded to CPU memory"
+        )
+    return gib
+
+
+def _check_download_dir(args: argparse.Namespace) -> None:
+    """vLLM's ``--download-dir`` is taken where a model is given: Weir reads it in place."""
+    if getattr(args, "download_dir", None) is not None and args.model is None:
+        print(
+            f"weir {args.command}: --download-dir is refused without a model: Weir keeps its "
+            "bundled default model in $WEIR_CACHE (set it to choose where)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -1099,6 +1203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(p, "serve")
     _add_model_flags(p)
+    _add_deployment_flags(p)
     p.add_argument(
         "model_tag",
         nargs="?",
@@ -1140,6 +1245,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_flags(p)
     EngineArgs.add_cli_args(p, "serve")
     _add_model_flags(p)
+    _add_deployment_flags(p)
     add_config_flag(p)
     p.set_defaults(func=_run_batch)
 

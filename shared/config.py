@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields, replace
 from decimal import Decimal
 from typing import Any
@@ -29,6 +30,35 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: the checkpoint's weights; dummy: random weights of the checkpoint's shape (vLLM's
 # name), for benchmarks on machines the weights cannot reach.
 LOAD_FORMATS = ("auto", "dummy")
+# vLLM's load formats that name what auto does: safetensors, the only weights Weir reads; gguf,
+# a .gguf file given as the model (which Weir tells by its name).
+LOAD_FORMAT_ALIASES = ("safetensors", "gguf")
+# vLLM's other load formats: why each is refused.
+_READS_ITSELF = (
+    "Weir reads a model's safetensors files from its local directory itself (--load-format "
+    "auto), with no {} loader"
+)
+_VLLM_LOAD_FORMATS = {
+    **dict.fromkeys(
+        ("pt", "npcache"),
+        "Weir reads safetensors weights only ({}: a .bin checkpoint is a pickle, which Weir "
+        "never loads)",
+    ),
+    "bitsandbytes": "Weir has no bitsandbytes kernels and reads no such checkpoint",
+    "mistral": "Weir reads a model's Hugging Face files (config.json, *.safetensors), not "
+    "Mistral's consolidated ones (params.json)",
+    **dict.fromkeys(
+        (
+            "tensorizer",
+            "sharded_state",
+            "runai_streamer",
+            "runai_streamer_sharded",
+            "fastsafetensors",
+            "instanttensor",
+        ),
+        _READS_ITSELF,
+    ),
+}
 # ngram: drafts copied from the prompt and output (the scheduler proposes them); draft_model:
 # drafts of a smaller model of the same vocabulary (each executor runs it after the target).
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -316,12 +346,16 @@ def human_readable_int(text: str) -> int:
     return int(Decimal(number) * base ** ("kmgt".index(suffix.lower()) + 1))
 
 
-def _quantization_method(text: str) -> str:
-    """--quantization's value; vLLM's methods are refused saying why (argparse's choices
-    would only list int8)."""
-    if text in _VLLM_QUANTIZATION:
-        raise argparse.ArgumentTypeError(_VLLM_QUANTIZATION[text].format(text))
-    return text
+def _refusing(reasons: dict[str, str]) -> Callable[[str], str]:
+    """The type of a flag whose values among ``reasons`` (vLLM's, which Weir does not have)
+    are refused, saying why (argparse's choices would list only Weir's own)."""
+
+    def check(text: str) -> str:
+        if text in reasons:
+            raise argparse.ArgumentTypeError(f"{text!r} is refused: " + reasons[text].format(text))
+        return text
+
+    return check
 
 
 def _default_of(cls: type, name: str) -> Any:
@@ -381,8 +415,10 @@ class EngineArgs:
         "auto",
         _BOTH,
         "auto: the model's weights; dummy: random weights of its shape (config.json and a "
-        "tokenizer suffice)",
-        choices=LOAD_FORMATS,
+        "tokenizer suffice); vLLM's safetensors, and gguf for a .gguf model, are auto; its "
+        "other formats are refused",
+        type=_refusing(_VLLM_LOAD_FORMATS),
+        choices=(*LOAD_FORMATS, *LOAD_FORMAT_ALIASES),
     )
     runner: str = _arg(
         "auto",
@@ -572,7 +608,7 @@ class EngineArgs:
         EXECUTOR,
         "keep the weights quantized (CPU only, float32 activations): int8 = weight-only int8 "
         "with a scale per output channel, requantized from the loaded weights (default: none)",
-        type=_quantization_method,
+        type=_refusing(_VLLM_QUANTIZATION),
         choices=QUANTIZATION_METHODS,
     )
     # In bytes; a size such as "64MiB" (``LLM(kv_cache_memory=...)``) is parsed on construction.
@@ -656,6 +692,7 @@ class EngineArgs:
             object.__setattr__(self, "kv_cache_memory", size)  # frozen
         if self.dtype in DTYPE_ALIASES:  # LLM(dtype="half") as the command line's
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
+        self._resolve_load_format()
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("block_size", self.block_size, 1)
         _check_int("ngram_min", self.ngram_min, 1)
@@ -787,6 +824,17 @@ class EngineArgs:
                 )
             object.__setattr__(self, name, value)  # frozen
         object.__setattr__(self, "speculative_config", None)
+
+    def _resolve_load_format(self) -> None:
+        """vLLM's names of what auto does (LOAD_FORMAT_ALIASES) as auto: every role is then
+        given one format."""
+        if self.load_format == "gguf" and not str(self.model or "").endswith(".gguf"):
+            raise ValueError(
+                "load_format gguf reads a .gguf file: give one as the model (Weir reads it as "
+                "such by its name, without --load-format)"
+            )
+        if self.load_format in LOAD_FORMAT_ALIASES:
+            object.__setattr__(self, "load_format", "auto")  # frozen
 
     def _check_draft_model(self) -> None:
         """A draft model names the method (vLLM's rule); the method needs one, and no other

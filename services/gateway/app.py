@@ -127,6 +127,7 @@ _ROUTES = (
     "/invocations",
     "/metrics",
     "/version",
+    "/load",
     "/v1/responses",
 )
 # The routes with a path parameter, labelled by their template.
@@ -150,6 +151,27 @@ def _not_json_content(request: Request) -> APIError:
     sent = request.headers.get("content-type", "none")[:100]
     message = f"the body must be JSON sent with Content-Type: application/json (got {sent})"
     return APIError(400, message, "invalid_request_error")
+
+
+# The routes whose requests /load counts (vLLM's --enable-server-load-tracking: those of
+# its load_aware_call handlers that Weir serves; /invocations is one of them by its body).
+_LOAD_COUNTED = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/embeddings",
+        "/classify",
+        "/pooling",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/invocations",
+    }
+)
 
 
 # Routes outside /v1 that still make the engine work: they need the API key too.
@@ -1467,6 +1489,33 @@ class _Metered:
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
 
 
+@dataclass(slots=True)
+class _ServerLoad:
+    """The requests of ``_LOAD_COUNTED`` routes the gateway is handling now (vLLM's
+    server_load_metrics)."""
+
+    in_flight: int = 0
+
+
+class _LoadTracked:
+    """ASGI middleware: vLLM's --enable-server-load-tracking, counting each request of a
+    ``_LOAD_COUNTED`` route from when its body has been read until its response's last byte
+    is sent (a stream's too) or its client leaves."""
+
+    def __init__(self, app: ASGIApp, load: _ServerLoad) -> None:
+        self.app, self.load = app, load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _route_label(_route_path(scope)) not in _LOAD_COUNTED:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= 1
+
+
 class _RequestIdHeader:
     """ASGI middleware: vLLM's --enable-request-id-headers, an X-Request-Id header on every
     response: the request's own, else a random one."""
@@ -1672,10 +1721,13 @@ def create_app(
     root_path: str = "",
     docs: bool = True,
     request_id_headers: bool = False,
+    load_tracking: bool = False,
 ) -> FastAPI:
     """The API's app; ``docs`` False serves no /docs, /redoc or /openapi.json (vLLM's
     --disable-fastapi-docs), ``request_id_headers`` answers every request with an
-    X-Request-Id header (vLLM's --enable-request-id-headers)."""
+    X-Request-Id header (vLLM's --enable-request-id-headers), ``load_tracking`` counts the
+    requests in flight that /load reports (vLLM's --enable-server-load-tracking; without
+    it /load answers 0, as vLLM's)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -1965,12 +2017,20 @@ def create_app(
     async def version() -> Response:
         return JSONResponse({"version": VERSION})
 
+    load = _ServerLoad()
+
+    @get("/load")
+    async def server_load() -> Response:
+        return JSONResponse({"server_load": load.in_flight})
+
     @get("/metrics")
     async def metrics(request: Request) -> Response:
         # Text or OpenMetrics, as the scraper asks (as every Weir metrics endpoint does).
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encode(gateway.metrics.registry), media_type=content_type)
 
+    if load_tracking:  # inside the key and size checks: a refused request is never counted
+        app.add_middleware(_LoadTracked, load=load)
     app.add_middleware(_Admission, max_bytes=gateway.max_request_bytes, api_key=gateway.api_key)
     # Outside the key check: a browser's preflight carries no key, and a page reads a 401 or
     # a 413 only with the CORS headers on it. No credentials, as vLLM: the key is a header.

@@ -55,6 +55,7 @@ class GatewayOptions:
     api: ApiOptions = ApiOptions()  # what the API answers and logs
     docs: bool = True  # /docs, /redoc, /openapi.json (off: vLLM's --disable-fastapi-docs)
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers
+    load_tracking: bool = False  # vLLM's --enable-server-load-tracking: /load counts requests
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
@@ -108,6 +109,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         root_path=options.root_path,
         docs=options.docs,
         request_id_headers=options.request_id_headers,
+        load_tracking=options.load_tracking,
     )
     # uvicorn's lines in this process's format (no log_config of its own), and its line per
     # malformed request (any client can send them without pause) at most once a second.

@@ -1618,6 +1618,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
                 # Held (well inside the executor timeout) so the request cannot run to its
                 # end before the gateway notices the client leave (it did, on a loaded VM).
                 os.kill(executor, signal.SIGSTOP)
+                # vLLM's /load counts nothing without --enable-server-load-tracking
+                # (test_vllm_serve_flags.py counts with it).
+                load = http.get(server.info["http_address"] + "/load")
+                assert load.json() == {"server_load": 0}
             # Leaving the block closes the connection after one event.
         _wait_aborted(server, before + 1)
     finally:

@@ -365,8 +365,8 @@ def test_vllms_spellings_of_tensor_parallelism_and_the_context_length_are_taken(
             build_parser().parse_args(["serve", "--max-model-len", bad])
         assert f"--max-model-len: not a whole number: '{bad}'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # other unknown flags are still refused
-        build_parser().parse_args(["serve", "--kv-transfer-config", "{}"])
-    assert "unrecognized arguments: --kv-transfer-config" in capsys.readouterr().err
+        build_parser().parse_args(["serve", "--worker-cls", "auto"])
+    assert "unrecognized arguments: --worker-cls" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

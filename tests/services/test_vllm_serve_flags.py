@@ -33,7 +33,11 @@ API_FLAGS = [
     "--enable-log-requests",
     "--max-log-len", str(MAX_LOG_LEN),
 ]  # fmt: skip
-HTTP_FLAGS = ["--disable-fastapi-docs", "--enable-request-id-headers"]
+HTTP_FLAGS = [
+    "--disable-fastapi-docs",
+    "--enable-request-id-headers",
+    "--enable-server-load-tracking",
+]
 # vLLM's flags whose behaviour Weir always has (run-batch takes the first three).
 UNCHANGED = [
     "--trust-remote-code",
@@ -43,8 +47,14 @@ UNCHANGED = [
 ]
 FLAGS = ENGINE_FLAGS + API_FLAGS + HTTP_FLAGS + UNCHANGED
 # vLLM's spellings the server is started with too: a flag with underscores, -pp 1,
-# --tokenizer-mode auto, --dtype float (float32), and --tokenizer naming the model.
+# --tokenizer-mode auto, --dtype float (float32), and --tokenizer naming the model; and
+# vLLM's deployment flags at the values that ask for what Weir does.
 SPELLINGS = ["--max_num_seqs=32", "-pp", "1", "--tokenizer-mode", "auto", "--dtype", "float"]
+DEPLOYMENT = [
+    "--download-dir", "/nonexistent", "--revision", "main", "--code-revision", "abc123",
+    "--distributed-executor-backend", "mp", "--cpu-offload-gb", "0",
+    "--max-seq-len-to-capture", "8192", "--load-format", "safetensors",
+]  # fmt: skip
 
 
 class _Server:
@@ -54,7 +64,8 @@ class _Server:
              "--served-model-name", MODEL, "--device", "cpu", "--max-model-len", "256",
              "--block-size", "16", "--max-num-batched-tokens", "64", "--kv-cache-memory",
              "4MiB", "--port", "0", "--metrics-port", "0", "--executor-metrics-port", "0",
-             "--http-port", "0", *FLAGS, *SPELLINGS, "--tokenizer", str(tiny_model_dir)],
+             "--http-port", "0", *FLAGS, *SPELLINGS, *DEPLOYMENT, "--tokenizer",
+             str(tiny_model_dir)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -167,6 +178,51 @@ def test_every_response_carries_the_request_id(server):
     )
 
 
+def _load(server) -> int:
+    reply = httpx.get(server.http + "/load", timeout=30)
+    assert reply.status_code == 200
+    return reply.json()["server_load"]
+
+
+def _load_becomes(server, expected: int) -> None:
+    """Until /load says ``expected``: a response's last byte reaches the client just before
+    its handler returns."""
+    deadline = time.monotonic() + 30
+    while _load(server) != expected:
+        assert time.monotonic() < deadline, f"/load never said {expected}"
+        time.sleep(0.02)
+
+
+def test_load_counts_the_requests_in_flight_a_stream_until_its_end(server):
+    assert _load(server) == 0
+    http = server.http
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
+    with httpx.Client(base_url=http, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            events = stream.iter_lines()
+            assert next(events).startswith("data:")
+            # Held with its request kept (200 tokens take the engine a second or so): the
+            # stream has begun and not ended.
+            paused = client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+            try:
+                assert paused.status_code == 200
+                # A whole response waits for the paused engine too: counted while it does.
+                whole = threading.Thread(
+                    target=httpx.post,
+                    args=(http + "/v1/completions",),
+                    kwargs={"json": body, "timeout": 60},
+                )
+                whole.start()
+                _load_becomes(server, 2)
+                # Neither /load itself nor the engine's controls nor /health count.
+                assert client.get("/health").status_code == 200 and _load(server) == 2
+            finally:
+                client.post("/resume")
+            assert [line for line in events if line][-1] == "data: [DONE]"
+        whole.join(timeout=60)
+    _load_becomes(server, 0)
+
+
 def test_streams_carry_usage_without_asking_and_the_chat_role_is_the_servers(client):
     chunks = list(
         client.completions.create(
@@ -220,8 +276,8 @@ def test_the_flags_are_listed_and_reach_the_gateway_and_run_batch(capsys):
     parser = build_parser()
     batch_flags = ENGINE_FLAGS + API_FLAGS + UNCHANGED[:3]
     for command, flags in (
-        ("serve", FLAGS),
-        ("run-batch", batch_flags),
+        ("serve", FLAGS + DEPLOYMENT),
+        ("run-batch", batch_flags + DEPLOYMENT),
         ("gateway", API_FLAGS + HTTP_FLAGS + UNCHANGED[2:]),
     ):
         with pytest.raises(SystemExit):
@@ -233,6 +289,7 @@ def test_the_flags_are_listed_and_reach_the_gateway_and_run_batch(capsys):
     gateway = parser.parse_args(["gateway", *_gateway_argv(serve)])
     assert _api_options(gateway) == _api_options(serve)
     assert gateway.disable_fastapi_docs and gateway.enable_request_id_headers
+    assert gateway.enable_server_load_tracking
     run_batch = parser.parse_args(["run-batch", "-i", "x", "-o", "y", *batch_flags])
     assert _api_options(run_batch) == _api_options(serve)
     assert run_batch.policy == "priority" and run_batch.max_logprobs == MAX_LOGPROBS
@@ -301,6 +358,16 @@ VLLM_COMMAND_LINES = [
         "--tool-call-parser hermes --kv-cache-dtype fp8 --disable-log-requests",
         {"enforce_eager": True, "tool_call_parser": "hermes", "kv_cache_dtype": "fp8"},
     ),
+    (
+        "M --download-dir /data/hf --revision main --tokenizer_revision main "
+        "--distributed-executor-backend=mp --cpu-offload-gb 0 --max_seq_len_to_capture 4096",
+        {"download_dir": "/data/hf", "revision": "main", "cpu_offload_gb": 0.0},
+    ),
+    (
+        "M --load-format safetensors --distributed_executor_backend uni --code-revision v2 "
+        "--enable-server-load-tracking",
+        {"load_format": "safetensors", "enable_server_load_tracking": True},
+    ),
 ]
 
 
@@ -313,6 +380,7 @@ def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, option
     assert {name: getattr(args, name) for name in options} == options
     engine_args = _engine_args(args)
     assert engine_args.model == model
+    assert engine_args.load_format == "auto"  # vLLM's safetensors too: the weights Weir reads
     # vLLM's half (and float) are float16 (float32), on the command line and in LLM(...).
     assert engine_args.dtype in (None, "bfloat16", "float16")
     assert EngineArgs(dtype="half").dtype == "float16" and EngineArgs(dtype="float").dtype == (
@@ -331,6 +399,20 @@ def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, option
         (["--quantization", "awq"], "Weir has no awq matmul kernels and reads no such checkpoint"),
         (["--quantization", "fp8"], "Weir has no fp8 matmul kernels; leave --quantization out"),
         (["--tokenizer", "/elsewhere"], "--tokenizer '/elsewhere' is refused: Weir reads the"),
+        (["--revision", "v1.1"], "'v1.1' is refused: Weir reads the model's files as they are"),
+        (["--tokenizer-revision", "dev"], "'dev' is refused: Weir reads the tokenizer's files"),
+        (["--distributed-executor-backend", "ray"], "'ray' is refused: Weir's executors are"),
+        (["--distributed_executor_backend=external_launcher"], "`weir executor` (a Kubernetes"),
+        (["--cpu-offload-gb", "8"], "'8' is refused: Weir keeps a model's weights on the device"),
+        (
+            ["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
+            "is refused: Weir has no disaggregated prefill",
+        ),
+        (["--load-format", "bitsandbytes"], "'bitsandbytes' is refused: Weir has no bitsandbytes"),
+        (["--load-format", "pt"], "Weir reads safetensors weights only (pt: a .bin checkpoint"),
+        (["--load-format", "mistral"], "not Mistral's consolidated ones (params.json)"),
+        (["--load-format", "runai_streamer"], "from its local directory itself"),
+        (["--load-format", "gguf"], "--load-format gguf reads a .gguf file: give one as the"),
     ],
 )
 def test_vllm_flags_weir_cannot_honour_end_with_status_2_saying_why(
@@ -341,3 +423,36 @@ def test_vllm_flags_weir_cannot_honour_end_with_status_2_saying_why(
     assert exit_info.value.code == 2
     # One line (after argparse's usage) says why.
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_download_dir_is_refused_without_a_model(capsys):
+    """Weir reads a model given where it is; only the bundled default is fetched, into
+    $WEIR_CACHE."""
+    with pytest.raises(SystemExit) as exit_info:
+        _engine_args(parse_args(["serve", "--download-dir", "/data/hf"]))
+    assert exit_info.value.code == 2
+    assert "--download-dir is refused without a model" in capsys.readouterr().err
+
+
+def test_the_deployment_flags_are_taken_and_refused_from_a_config_file(tmp_path, capsys):
+    """vLLM's --config YAML, its keys spelt either way."""
+    taken = tmp_path / "taken.yaml"
+    taken.write_text(
+        "download_dir: /data/hf\nrevision: main\ndistributed-executor-backend: mp\n"
+        "cpu_offload_gb: 0\nmax-seq-len-to-capture: 8192\nload_format: safetensors\n"
+        "enable-server-load-tracking: true\n"
+    )
+    args = parse_args(["serve", "/models/m", "--config", str(taken)])
+    assert (args.download_dir, args.revision, args.distributed_executor_backend) == (
+        "/data/hf",
+        "main",
+        "mp",
+    )
+    assert args.cpu_offload_gb == 0 and args.max_seq_len_to_capture == 8192
+    assert args.load_format == "safetensors" and args.enable_server_load_tracking
+    refused = tmp_path / "refused.yaml"
+    refused.write_text("kv_transfer_config: {kv_connector: LMCacheConnectorV1, kv_role: kv_both}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["serve", "/models/m", "--config", str(refused)])
+    assert exit_info.value.code == 2
+    assert "Weir has no disaggregated prefill" in capsys.readouterr().err
