@@ -336,7 +336,6 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    _check_tokenizer(args)
     _check_download_dir(args)
     try:
         return EngineArgs.from_cli(args)
@@ -991,21 +990,15 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         "across GPUs by --tensor-parallel-size only",
     )
     p.add_argument(
-        "--tokenizer",
-        metavar="MODEL",
-        help="vLLM's; Weir reads the model's own tokenizer, so the model itself changes "
-        "nothing and another is refused",
-    )
-    p.add_argument(
         "--tokenizer-mode",
         type=_vllm_value(
             ("auto", "hf"),
-            "Weir reads the model's tokenizer.json with the tokenizers library (vLLM's auto), "
-            "and has no slow or mistral_common tokenizer",
+            "Weir reads the model's tokenizer.json (or --tokenizer's) with the tokenizers "
+            "library (vLLM's auto), and has no slow or mistral_common tokenizer",
         ),
         metavar="auto",
-        help="vLLM's; auto (or hf), the model's tokenizer.json, changes nothing; slow and "
-        "mistral are refused",
+        help="vLLM's; auto (or hf), the model's tokenizer.json (or --tokenizer's), changes "
+        "nothing; slow and mistral are refused",
     )
     p.add_argument(
         "--limit-mm-per-prompt",
@@ -1025,21 +1018,6 @@ def _vllm_value(taken: tuple[str, ...], why: str) -> Callable[[str], str]:
         return text
 
     return check
-
-
-def _check_tokenizer(args: argparse.Namespace) -> None:
-    """vLLM's ``--tokenizer`` is taken where it names the model (``args.model``)."""
-    tokenizer = getattr(args, "tokenizer", None)
-    if tokenizer is None or tokenizer == args.model:
-        return
-    if args.model is None or os.path.realpath(tokenizer) != os.path.realpath(args.model):
-        print(
-            f"weir {args.command}: --tokenizer {tokenizer!r} is refused: Weir reads the "
-            "tokenizer of the model's own files (tokenizer.json, or a .gguf file's), not "
-            "another's",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
 
 
 def _add_parser_flags(p: argparse.ArgumentParser) -> None:

@@ -151,6 +151,8 @@ class ServerProcesses:
         gateway_argv: Sequence[str] = (),
     ) -> None:
         self.engine_args = with_device_step_limits(engine_args or EngineArgs(), offline)
+        if self.engine_args.tokenizer is not None:
+            _check_tokenizer(self.engine_args)
         if type(data_parallel_size) is not int or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an int >= 1, got {data_parallel_size!r}")
         self.data_parallel_size = data_parallel_size
@@ -634,6 +636,25 @@ def with_device_step_limits(engine_args: EngineArgs, offline: bool) -> EngineArg
             resolved.max_num_seqs,
         )
     return resolved
+
+
+def _check_tokenizer(engine_args: EngineArgs) -> None:
+    """ValueError for a ``--tokenizer`` the scheduler would refuse (ids past the model's
+    embeddings, an unreadable tokenizer or template), told before any process starts, not
+    once the executors have loaded the model."""
+    # Imported here: the tokenizer and the model store are no part of `weir --help`.
+    from weir.shared.model_config import read_model_config
+    from weir.shared.model_store import resolve_model
+    from weir.shared.tokenizer import chat_template_of, served_tokenizer
+
+    try:
+        model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
+        vocab_size = read_model_config(model_dir, engine_args.hf_overrides).vocab_size
+    except (ValueError, OSError, RuntimeError):
+        return  # the model's own problem: the scheduler reports it, as without --tokenizer
+    served_tokenizer(
+        model_dir, vocab_size, engine_args.tokenizer, chat_template_of(engine_args.chat_template)
+    )
 
 
 def resolve_num_executors(num_executors: int | None, engine_args: EngineArgs) -> int:

@@ -92,7 +92,8 @@ class Completion:
 class LLM:
     """A private server for batch jobs. ``model=None`` is the default model; other keyword
     arguments are engine options named like the ``weir serve`` flags
-    (``max_num_batched_tokens=32``, ``kv_cache_memory="64MiB"``, ``device="cpu"``...)."""
+    (``max_num_batched_tokens=32``, ``kv_cache_memory="64MiB"``, ``device="cpu"``,
+    ``tokenizer="DIR"``...)."""
 
     def __init__(
         self, model: str | None = None, *, startup_timeout: float = 600.0, **engine_options: Any
@@ -371,9 +372,10 @@ class LLM:
         return self._loop.run(self._client.is_sleeping())
 
     def get_tokenizer(self) -> Any:
-        """vLLM's ``LLM.get_tokenizer``: the model's Hugging Face tokenizer (transformers'
-        ``AutoTokenizer``, for ``apply_chat_template`` and the like in a client's own code;
-        the server tokenizes with the same ``tokenizer.json``)."""
+        """vLLM's ``LLM.get_tokenizer``: the model's Hugging Face tokenizer, or
+        ``tokenizer``'s where one was given (transformers' ``AutoTokenizer``, for
+        ``apply_chat_template`` and the like in a client's own code; the server tokenizes
+        with the same ``tokenizer.json``)."""
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -382,7 +384,7 @@ class LLM:
             ) from None
         args = self._server.engine_args
         return AutoTokenizer.from_pretrained(
-            resolve_model(args.model, load_format=args.load_format)
+            args.tokenizer or resolve_model(args.model, load_format=args.load_format)
         )
 
     def close(self) -> None:

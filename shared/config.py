@@ -385,6 +385,16 @@ class EngineArgs:
         "a request naming none reports; default: the model directory's name)",
         nargs="+",
     )
+    tokenizer: str | None = _arg(
+        None,
+        _BOTH,  # the executor bans the tokenizer's end token before min_tokens
+        "a directory holding the Hugging Face tokenizer to serve the model with, in place of "
+        "its own (vLLM's; a .gguf model with its original tokenizer, or a chat template and "
+        "special tokens of another): its tokenizer.json, and from its tokenizer_config.json "
+        "(or chat_template.jinja) the chat template and bos/eos tokens; the sampling defaults "
+        "and the model's own end tokens stay the model's (generation_config.json)",
+        metavar="DIR",
+    )
     chat_template: str | None = _arg(
         None,
         SCHEDULER,
@@ -680,6 +690,8 @@ class EngineArgs:
         if self.speculative_config is not None:
             self._expand_speculative_config()
         self._check_draft_model()
+        if self.tokenizer is not None:
+            self._check_tokenizer(self.tokenizer)
         if self.hf_overrides is not None:
             overrides = json_object("hf_overrides", self.hf_overrides)
             # One text for every role's command line.
@@ -861,6 +873,26 @@ class EngineArgs:
                     f"speculative_model_quantization must be one of {QUANTIZATION_METHODS}, "
                     f"got {quantization!r}"
                 )
+
+    def _check_tokenizer(self, path: str) -> None:
+        """``tokenizer`` (``path``) names a directory with a tokenizer.json; the model itself
+        (vLLM's default) is no other tokenizer. Whether its ids fit the model's embeddings
+        is told once the model is found (``tokenizer.served_tokenizer``)."""
+        if self.model is not None and os.path.realpath(path) == os.path.realpath(self.model):
+            object.__setattr__(self, "tokenizer", None)  # frozen
+            return
+        if not os.path.isdir(path):
+            why = "not a directory" if os.path.exists(path) else "no such directory"
+            raise ValueError(
+                f"tokenizer {path!r}: {why}; give a directory holding a Hugging Face "
+                "tokenizer (tokenizer.json, tokenizer_config.json)"
+            )
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise ValueError(
+                f"tokenizer {path!r}: no tokenizer.json in it; Weir reads a fast tokenizer's "
+                "tokenizer.json (transformers' save_pretrained writes one), not a slow "
+                "tokenizer's files alone"
+            )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, role: str) -> None:

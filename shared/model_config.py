@@ -1266,10 +1266,14 @@ def read_hf_config(model_dir: str | os.PathLike[str], overrides: str | None = No
     return hf
 
 
-def eos_token_ids(model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
+def eos_token_ids(
+    model_dir: str | os.PathLike[str], tokenizer_dir: str | os.PathLike[str] | None = None
+) -> tuple[int, ...]:
     """Every token that ends a sequence: ``eos_token_id`` of config.json and of
     generation_config.json, and the tokenizer's ``eos_token`` (tokenizer_config.json, its id
-    from tokenizer.json). The scheduler stops on these and the executor bans them before
+    from tokenizer.json), the tokenizer's read from ``tokenizer_dir`` where one is given
+    (``--tokenizer``; vLLM's end token is its tokenizer's, and the model's generation config
+    adds its own). The scheduler stops on these and the executor bans them before
     ``min_tokens``: both read them here, or a stop token could be sampled too early."""
     model_dir = Path(model_dir)
     ids: list[int] = []
@@ -1279,10 +1283,11 @@ def eos_token_ids(model_dir: str | os.PathLike[str]) -> tuple[int, ...]:
         if not all(type(t) is int for t in found):  # bool is an int subclass
             raise ValueError(f"{model_dir / name}: eos_token_id must be token ids, got {eos!r}")
         ids += found
-    token = read_json(model_dir / "tokenizer_config.json").get("eos_token")
+    tokenizer_dir = model_dir if tokenizer_dir is None else Path(tokenizer_dir)
+    token = read_json(tokenizer_dir / "tokenizer_config.json").get("eos_token")
     if isinstance(token, dict):  # a serialized AddedToken
         token = token.get("content")
-    if isinstance(token, str) and (token_id := vocab_id(model_dir, token)) is not None:
+    if isinstance(token, str) and (token_id := vocab_id(tokenizer_dir, token)) is not None:
         ids.append(token_id)
     return tuple(dict.fromkeys(ids))
 

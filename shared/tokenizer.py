@@ -2,7 +2,8 @@
 
 `Tokenizer` reads a Hugging Face model directory (tokenizer.json, tokenizer_config.json; its
 stop tokens are `weir.shared.model_config.eos_token_ids`, the ones the executor bans before
-min_tokens) and renders the chat template the way transformers does.
+min_tokens), or another directory's tokenizer for the model (``--tokenizer``,
+`served_tokenizer`), and renders the chat template the way transformers does.
 `IncrementalDetokenizer` turns streamed token ids into text deltas for the scheduler's hot loop.
 """
 
@@ -156,24 +157,30 @@ class Tokenizer:
 
     @classmethod
     def from_model_dir(
-        cls, path: str | os.PathLike, chat_template: str | None = None
+        cls,
+        path: str | os.PathLike,
+        chat_template: str | None = None,
+        tokenizer_dir: str | os.PathLike | None = None,
     ) -> "Tokenizer":
         """The model directory's tokenizer, with ``chat_template`` (its text) in place of the
-        model's, if given."""
+        model's, if given. With ``tokenizer_dir`` (``--tokenizer``), that directory's
+        tokenizer, special tokens and chat template instead, as vLLM takes them; the model's
+        config.json and generation_config.json still add their end tokens."""
         model_dir = Path(path)
-        config = read_json(model_dir / "tokenizer_config.json")
+        source = model_dir if tokenizer_dir is None else Path(tokenizer_dir)
+        config = read_json(source / "tokenizer_config.json")
         # Before tokenizer.json is loaded: a malformed config file is named even without it.
-        eos_ids = eos_token_ids(model_dir)
+        eos_ids = eos_token_ids(model_dir, tokenizer_dir)
         if chat_template is None:
             chat_template = config.get("chat_template")
-        if chat_template is None and (model_dir / "chat_template.jinja").is_file():
-            chat_template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+        if chat_template is None and (source / "chat_template.jinja").is_file():
+            chat_template = (source / "chat_template.jinja").read_text(encoding="utf-8")
         if chat_template is None:  # a multimodal model's, where its processor keeps it
-            chat_template = read_json(model_dir / "chat_template.json").get("chat_template")
+            chat_template = read_json(source / "chat_template.json").get("chat_template")
         try:
-            backend = BackendTokenizer.from_file(str(model_dir / "tokenizer.json"))
+            backend = BackendTokenizer.from_file(str(source / "tokenizer.json"))
         except Exception as exc:  # the tokenizers library raises a bare Exception
-            raise ValueError(f"{model_dir / 'tokenizer.json'}: cannot be read: {exc}") from None
+            raise ValueError(f"{source / 'tokenizer.json'}: cannot be read: {exc}") from None
         return cls(
             backend,
             chat_template=chat_template,
@@ -248,6 +255,28 @@ class Tokenizer:
             | {"messages": chat, "tools": tools, "add_generation_prompt": add_generation_prompt}
         )
         return _cut_at_tag(text, messages[-1]) if continue_final_message else text
+
+
+def served_tokenizer(
+    model_dir: str | os.PathLike,
+    num_embeddings: int,
+    tokenizer_dir: str | os.PathLike | None = None,
+    chat_template: str | None = None,
+) -> Tokenizer:
+    """The tokenizer a model is served with (``Tokenizer.from_model_dir``): with
+    ``tokenizer_dir`` (``--tokenizer``), ValueError where that one numbers a token the model
+    has no embedding row for (``num_embeddings``: config.json's vocab_size). Fewer tokens
+    than rows is usual: embeddings are padded to a multiple of 64 or 128."""
+    tokenizer = Tokenizer.from_model_dir(model_dir, chat_template, tokenizer_dir)
+    if tokenizer_dir is not None:
+        largest = max(tokenizer.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        if largest >= num_embeddings:
+            raise ValueError(
+                f"tokenizer {str(tokenizer_dir)!r}: its vocabulary numbers tokens up to id "
+                f"{largest}, but the model embeds {num_embeddings} (ids 0-{num_embeddings - 1}): "
+                "give the tokenizer of this model or of its family"
+            )
+    return tokenizer
 
 
 # What a request sets itself; documents: transformers' (RAG), which Weir does not take.

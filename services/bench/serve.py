@@ -349,7 +349,8 @@ def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="the served model's HF dir or .gguf, for its tokenizer (default: SmolLM2-135M-Instruct)",
+        help="the served model's HF dir or .gguf, for its tokenizer unless --tokenizer gives "
+        "another (default: SmolLM2-135M-Instruct)",
     )
     add_workload_arguments(p, num_prompts=100)
     g = p.add_argument_group("load")
@@ -418,7 +419,9 @@ def run_serve(args: argparse.Namespace) -> int:
         setattr(args, used, _DEFAULT_BASE_URL if used == "base_url" else default)
     try:
         check_output_paths((args.output_json, args.markdown), (args.plot_dir,))
-        requests = workload_from_args(args, load_tokenizer(resolve_model(args.model)))
+        requests = workload_from_args(
+            args, load_tokenizer(args.tokenizer or resolve_model(args.model))
+        )
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

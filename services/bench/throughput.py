@@ -228,6 +228,7 @@ def _engine_options(args: argparse.Namespace, step_limits: tuple[int, int]) -> d
         "async_scheduling": args.async_scheduling,
         "enforce_eager": args.enforce_eager,
         "max_mixed_graph_tokens": args.max_mixed_graph_tokens,
+        "tokenizer": args.tokenizer,
     }
     return {k: v for k, v in options.items() if v is not None}
 
@@ -382,7 +383,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     try:
         check_output_paths((args.output_json, args.markdown))
         model_dir = resolve_model(args.model, load_format=args.load_format)
-        requests = workload_from_args(args, load_tokenizer(model_dir))
+        requests = workload_from_args(args, load_tokenizer(args.tokenizer or model_dir))
         if not args.no_weir:  # refused now, not after the workload and the model loaded
             EngineArgs(model=str(model_dir), **_engine_options(args, step_limits))
     except (OSError, ValueError) as e:

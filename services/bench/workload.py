@@ -33,8 +33,13 @@ class RandomWorkload:
     seed: int
 
 
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer of a model directory, or of the directory given as --tokenizer."""
+    path = Path(directory) / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise ValueError(f"{path}: cannot be read: {exc}") from None
 
 
 def normal_vocab_ids(tokenizer: Tokenizer) -> list[int]:
@@ -142,6 +147,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser, num_prompts: int) ->
         default=None,
         help='JSONL file of {"prompt": text or token ids, "output_len": n} (replaces the random prompts; '
         "--num-prompts still caps the count)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the directory of the tokenizer the model is served with (weir serve --tokenizer), "
+        "which tokenizes --dataset's texts and whose vocabulary random prompts draw from "
+        "(default: the model's own)",
     )
 
 

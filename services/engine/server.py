@@ -67,7 +67,7 @@ from weir.shared.pooling import read_pooler_config, resolve_runner
 from weir.shared.protocol import client as client_protocol
 from weir.shared.protocol import control
 from weir.shared.sampling_defaults import read_sampling_defaults
-from weir.shared.tokenizer import Tokenizer, chat_template_of
+from weir.shared.tokenizer import Tokenizer, chat_template_of, served_tokenizer
 
 _log = logging.getLogger(__name__)
 
@@ -131,10 +131,13 @@ class SchedulerServer:
         self.parent_pid = parent_pid
         model_dir = Path(options.model_dir)
         self.engine_args = options.engine_args
-        self.tokenizer = Tokenizer.from_model_dir(
-            model_dir, chat_template_of(self.engine_args.chat_template)
-        )
         self.model_config = read_model_config(model_dir, self.engine_args.hf_overrides)
+        self.tokenizer = served_tokenizer(
+            model_dir,
+            self.model_config.vocab_size,
+            self.engine_args.tokenizer,
+            chat_template_of(self.engine_args.chat_template),
+        )
         self.sampling_defaults = read_sampling_defaults(
             self.engine_args.generation_config,
             model_dir,

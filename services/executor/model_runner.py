@@ -215,6 +215,7 @@ class ModelRunner:
         hf_overrides: str | None = None,
         speculative_model: str | os.PathLike | None = None,
         speculative_model_quantization: str | None = None,
+        tokenizer: str | os.PathLike | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -297,7 +298,8 @@ class ModelRunner:
         self.loras = LoraAdapters.load(self.model, loras or [], max_lora_rank)
         self.max_lora_rank = max_lora_rank
         self.max_model_len = resolve_max_model_len(max_model_len, self.config.context_len)
-        self.eos_token_ids = eos_token_ids(self.model_dir)
+        # The served tokenizer's end token (--tokenizer's, if given), as the scheduler's.
+        self.eos_token_ids = eos_token_ids(self.model_dir, tokenizer)
         self.sampler = Sampler(self.device, seed)
         self.num_blocks = min(
             self._num_kv_blocks(kv_cache_memory_bytes, gpu_memory_utilization), MAX_NUM_KV_BLOCKS

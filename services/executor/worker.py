@@ -477,6 +477,7 @@ def load_runner(args: EngineArgs, rank: int = 0) -> ModelRunner:
             else resolve_model(args.speculative_model, load_format=args.load_format)
         ),
         speculative_model_quantization=args.speculative_model_quantization,
+        tokenizer=args.tokenizer,
     )
 
 

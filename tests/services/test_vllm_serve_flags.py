@@ -197,15 +197,20 @@ def test_load_counts_the_requests_in_flight_a_stream_until_its_end(server):
     assert _load(server) == 0
     http = server.http
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
+    streamed = {**body, "stream": True}
     with httpx.Client(base_url=http, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        with client.stream("POST", "/v1/completions", json=streamed) as stream:
             events = stream.iter_lines()
             assert next(events).startswith("data:")
-            # Held with its request kept (200 tokens take the engine a second or so): the
-            # stream has begun and not ended.
-            paused = client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+            with client.stream("POST", "/v1/completions", json=streamed) as left:
+                assert next(left.iter_lines()).startswith("data:")
+                # Held with their requests kept (200 tokens take the engine a second or
+                # so): both streams have begun and not ended.
+                paused = client.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             try:
                 assert paused.status_code == 200
+                # The client that left is no longer counted, while the engine holds still.
+                _load_becomes(server, 1)
                 # A whole response waits for the paused engine too: counted while it does.
                 whole = threading.Thread(
                     target=httpx.post,
@@ -398,7 +403,6 @@ def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, option
         (["--limit-mm-per-prompt", "image=2"], "refused: Weir serves text-only models"),
         (["--quantization", "awq"], "Weir has no awq matmul kernels and reads no such checkpoint"),
         (["--quantization", "fp8"], "Weir has no fp8 matmul kernels; leave --quantization out"),
-        (["--tokenizer", "/elsewhere"], "--tokenizer '/elsewhere' is refused: Weir reads the"),
         (["--revision", "v1.1"], "'v1.1' is refused: Weir reads the model's files as they are"),
         (["--tokenizer-revision", "dev"], "'dev' is refused: Weir reads the tokenizer's files"),
         (["--distributed-executor-backend", "ray"], "'ray' is refused: Weir's executors are"),
