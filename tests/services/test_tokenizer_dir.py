@@ -121,6 +121,29 @@ def test_the_given_tokenizers_end_token_stops_and_waits_for_min_tokens(http, oth
     assert waited["choices"][0]["finish_reason"] == "stop"
 
 
+def test_bench_serve_tokenizes_its_dataset_with_the_given_tokenizer(
+    http, other_dir, other, own, tmp_path
+):
+    texts = [f"{RENAMED[1]} red", f"{RENAMED[1]}{RENAMED[1]}"]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": t, "output_len": 1}) + "\n" for t in texts))
+    result = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "weir.services.cli", "bench", "serve", "--backend", "openai"]
+        + ["--base-url", http + "/v1", "--tokenizer", str(other_dir), "--dataset", str(dataset)]
+        + ["--no-progress", "--output-json", str(result)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    def count(tokenizer):
+        return sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+
+    assert json.loads(result.read_text())["total_input_tokens"] == count(other) != count(own)
+
+
 @pytest.fixture(scope="module")
 def too_large_dir(tmp_path_factory, other_dir):
     """A tokenizer of one token more than the model has embedding rows for."""
@@ -196,6 +219,8 @@ def test_the_flag_reaches_every_process_and_a_config_file(tmp_path, other_dir, d
         argv = args.to_argv(role)
         assert argv[argv.index("--tokenizer") + 1] == str(other_dir)
     assert parse_args(["serve", "--config", str(config)]).tokenizer == str(other_dir)
+    batch = parse_args(["run-batch", "-i", "in", "-o", "out", "--tokenizer", str(other_dir)])
+    assert _engine_args(batch).tokenizer == str(other_dir)
     # vLLM's default: the model's own tokenizer, which is no other.
     assert (
         EngineArgs(model=str(default_model_dir), tokenizer=str(default_model_dir)).tokenizer is None
