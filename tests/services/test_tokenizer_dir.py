@@ -19,6 +19,7 @@ from weir.services.llm import LLM
 from weir.shared.config import EXECUTOR, SCHEDULER, EngineArgs
 from weir.shared.model_store import default_gguf_path
 from weir.shared.sampling import SamplingParams
+from weir.shared.tokenizer import served_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,8 +180,10 @@ def test_a_tokenizer_dir_that_is_not_one_ends_serve_with_status_2(
 
 
 def test_a_tokenizer_of_more_tokens_than_the_model_embeds_ends_serve_before_it_starts(
-    too_large_dir,
+    too_large_dir, default_model_dir
 ):
+    # Fewer tokens than embedding rows is served: a model's rows padded to a multiple of 64.
+    assert served_tokenizer(default_model_dir, 49152 + 64, too_large_dir).vocab_size == 49153
     done = subprocess.run(
         [sys.executable, "-m", "weir.services.cli", "serve", str(default_gguf_path())]
         + ["--tokenizer", str(too_large_dir), "--device", "cpu", "--port", "0"],
