@@ -195,6 +195,12 @@ class RerankRequest(_PairFields):
     """vLLM's (Jina's, Cohere's) ``POST /rerank``: the ``documents`` ranked by relevance to
     the ``query``, the ``top_n`` best (0: all)."""
 
+    # Cohere's ``return_documents``, which litellm's hosted_vllm rerank sends as true by
+    # default: each result always holds its document (vLLM ignores the field), so only true
+    # changes nothing.
+    _NEUTRAL: ClassVar[dict[str, Any]] = {**_PairFields._NEUTRAL, "return_documents": True}
+    _ACCEPTED = frozenset(_NEUTRAL) | Options._IGNORED
+
     query: str
     documents: Texts
     top_n: Annotated[int, Field(ge=0)] = 0
