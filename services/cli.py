@@ -184,7 +184,9 @@ def _scheduler(args: argparse.Namespace) -> int:
     try:
         engine_args = EngineArgs.from_cli(args)
         num_executors = launcher.resolve_num_executors(args.num_executors, engine_args)
-        model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
+        model_dir = resolve_model(
+            engine_args.model, load_format=engine_args.load_format, tokenizer=engine_args.tokenizer
+        )
         model_config = read_model_config(model_dir, engine_args.hf_overrides)
         # Refused here, not by each rank as it loads (a group that cannot form waits forever).
         ShardLayout.of(model_config, 0, engine_args.tensor_parallel_size)

@@ -648,7 +648,9 @@ def _check_tokenizer(engine_args: EngineArgs) -> None:
     from weir.shared.tokenizer import chat_template_of, served_tokenizer
 
     try:
-        model_dir = resolve_model(engine_args.model, load_format=engine_args.load_format)
+        model_dir = resolve_model(
+            engine_args.model, load_format=engine_args.load_format, tokenizer=engine_args.tokenizer
+        )
         vocab_size = read_model_config(model_dir, engine_args.hf_overrides).vocab_size
     except (ValueError, OSError, RuntimeError):
         return  # the model's own problem: the scheduler reports it, as without --tokenizer

@@ -4,7 +4,9 @@ The output is what `transformers` would save: config.json, model.safetensors (fl
 tokenizer.json, tokenizer_config.json and generation_config.json. Supported architectures are
 llama (Mixtral where it has experts), qwen2, qwen3, qwen2moe and qwen3moe with a byte-level
 BPE ("gpt2") tokenizer; anything else raises `UnsupportedGGUFError` naming what the file
-states. llama.cpp stacks a layer's experts in one tensor per projection; they are written
+states. Converted for a model served with another tokenizer (``--tokenizer``), the file's own
+is left out, whatever its kind: vLLM's advice for GGUF files, whose tokenizers convert
+slowly or not at all (SentencePiece's "llama" kind here). llama.cpp stacks a layer's experts in one tensor per projection; they are written
 one tensor per expert, as Hugging Face checkpoints hold them.
 """
 
@@ -33,6 +35,11 @@ from tokenizers import (
 
 logger = logging.getLogger(__name__)
 
+# What an unsupported tokenizer's error adds: vLLM's way round it.
+_GIVE_TOKENIZER = (
+    "; serve the file with its original Hugging Face tokenizer instead: --tokenizer DIR "
+    "(a directory with its tokenizer.json and tokenizer_config.json)"
+)
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
@@ -142,7 +149,7 @@ def _pretokenization(pre: str) -> _Pretokenization:
         return _Pretokenization(_split_then_bytes(_QWEN2_SPLIT), normalizer=normalizers.NFC())
     raise UnsupportedGGUFError(
         f"GGUF tokenizer pre-tokenizer {pre!r} is not supported "
-        "(supported: gpt2, smollm, starcoder, refact, llama-bpe, qwen2)"
+        f"(supported: gpt2, smollm, starcoder, refact, llama-bpe, qwen2){_GIVE_TOKENIZER}"
     )
 
 
@@ -330,7 +337,8 @@ def _build_tokenizer(meta: _Metadata) -> Tokenizer:
     kind = meta.require("tokenizer.ggml.model")
     if kind != "gpt2":
         raise UnsupportedGGUFError(
-            f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)"
+            f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level "
+            f"BPE){_GIVE_TOKENIZER}"
         )
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -424,8 +432,9 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write the Hugging Face files for `gguf_path` into the existing directory `out_dir`."""
+def convert_gguf(gguf_path: Path, out_dir: Path, *, with_tokenizer: bool = True) -> None:
+    """Write the Hugging Face files for `gguf_path` into the existing directory `out_dir`;
+    without tokenizer.json and tokenizer_config.json unless `with_tokenizer`."""
     try:
         reader = GGUFReader(gguf_path)
     except Exception as exc:  # the reader reports a malformed file with assorted exception types
@@ -443,7 +452,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if rope_scaling != "none":
         raise UnsupportedGGUFError(f"GGUF rope scaling {rope_scaling!r} is not supported")
     # Build the tokenizer first: it fails fast on an unsupported vocabulary, before the costly dequantization.
-    tokenizer = _build_tokenizer(meta)
+    tokenizer = _build_tokenizer(meta) if with_tokenizer else None
     n_head = int(meta.require(f"{arch_name}.attention.head_count"))
     n_kv_head = int(meta.get(f"{arch_name}.attention.head_count_kv", n_head))
     tensors = _convert_tensors(reader, arch, n_head, n_kv_head)
@@ -453,12 +462,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     logger.info("converted %d tensors from %s", len(tensors), gguf_path)
 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "config.json", config)
-    _write_json(
-        out_dir / "tokenizer_config.json",
-        _tokenizer_config(meta, config["max_position_embeddings"]),
-    )
+    if tokenizer is not None:
+        tokenizer.save(str(out_dir / "tokenizer.json"))
+        _write_json(
+            out_dir / "tokenizer_config.json",
+            _tokenizer_config(meta, config["max_position_embeddings"]),
+        )
     _write_json(out_dir / "generation_config.json", _generation_config(meta))
     # safetensors writes through a private (0600) temporary file: give every file the mode a
     # newly created file gets, so a cache one user prepared can be read by others the umask allows.

@@ -65,11 +65,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("WEIR_CACHE") or Path.home() / ".cache" / "weir").expanduser()
 
 
-def is_model_dir(path: Path, *, need_weights: bool = True) -> bool:
+def is_model_dir(path: Path, *, need_weights: bool = True, need_tokenizer: bool = True) -> bool:
     return (
         path.is_dir()
         and (path / "config.json").is_file()
-        and (path / "tokenizer.json").is_file()
+        and (not need_tokenizer or (path / "tokenizer.json").is_file())
         and (not need_weights or any(path.glob("*.safetensors")))
     )
 
@@ -293,14 +293,14 @@ def _make_dir(path: Path) -> None:
         ) from exc
 
 
-def _converted(model_name: str, gguf_path: Callable[[], Path]) -> Path:
+def _converted(model_name: str, gguf_path: Callable[[], Path], with_tokenizer: bool = True) -> Path:
     """The cached conversion named `model_name`; `gguf_path` is only asked for when converting."""
     models_dir = cache_root() / "models"
     _make_dir(models_dir)
 
     def build(out_dir: Path) -> None:
         out_dir.mkdir()
-        convert_gguf(gguf_path(), out_dir)
+        convert_gguf(gguf_path(), out_dir, with_tokenizer=with_tokenizer)
         _write_manifest(out_dir)  # last: only a finished build has one
 
     return _build_once(models_dir / model_name, build, _model_dir_damage)
@@ -315,16 +315,27 @@ def _gguf_cache_name(gguf_path: Path) -> str:
     return f"{gguf_path.stem}-{key}"
 
 
-def resolve_model(model: str | os.PathLike | None, *, load_format: str = "auto") -> Path:
+def resolve_model(
+    model: str | os.PathLike | None,
+    *,
+    load_format: str = "auto",
+    tokenizer: str | os.PathLike | None = None,
+) -> Path:
     """A Hugging Face model directory for `model`: None means the bundled default model.
-    With ``load_format="dummy"`` a directory needs no weights (config.json and a tokenizer)."""
+    With ``load_format="dummy"`` a directory needs no weights (config.json and a tokenizer).
+    Served with another ``tokenizer`` (a directory, vLLM's ``--tokenizer``), a model needs
+    none of its own: a directory without one is a model, and a .gguf file's is not
+    converted (so a file whose tokenizer Weir cannot convert is served all the same)."""
     if model is None:
         return _converted(DEFAULT_MODEL_NAME, default_gguf_path)
     path = Path(model).expanduser()
-    if is_model_dir(path, need_weights=load_format != "dummy"):
+    own_tokenizer = tokenizer is None
+    if is_model_dir(path, need_weights=load_format != "dummy", need_tokenizer=own_tokenizer):
         return path.resolve()
     if path.is_file() and path.suffix == ".gguf":
-        return _converted(_gguf_cache_name(path), lambda: path)
+        if own_tokenizer:
+            return _converted(_gguf_cache_name(path), lambda: path)
+        return _converted(f"{_gguf_cache_name(path)}-no-tokenizer", lambda: path, False)
     if not path.exists():
         raise ModelNotFoundError(f"model {str(model)!r}: no such file or directory")
     if load_format == "dummy" and path.is_dir():

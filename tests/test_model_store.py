@@ -226,7 +226,9 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{suffix}"
 
 
-def _write_gguf(path: Path, arch: str, model: torch.nn.Module, config) -> None:
+def _write_gguf(
+    path: Path, arch: str, model: torch.nn.Module, config, tokenizer_model: str = "gpt2"
+) -> None:
     tokens, types, merges = _tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -241,7 +243,7 @@ def _write_gguf(path: Path, arch: str, model: torch.nn.Module, config) -> None:
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
@@ -387,8 +389,11 @@ def test_unsupported_architecture_is_named(tmp_path: Path, monkeypatch: pytest.M
 # --- The model cache: damaged builds, the default GGUF's checks, WEIR_CACHE, file modes ---
 
 
-def _tiny_llama_gguf(path: Path, *, nan_in: str | None = None) -> Path:
-    """A tiny random llama model as a GGUF file; `nan_in` names a parameter to put a NaN into."""
+def _tiny_llama_gguf(
+    path: Path, *, nan_in: str | None = None, tokenizer_model: str = "gpt2"
+) -> Path:
+    """A tiny random llama model as a GGUF file; `nan_in` names a parameter to put a NaN into,
+    `tokenizer_model` is the kind of tokenizer the file states."""
     tokens, _, _ = _tiny_vocab()
     config = transformers.LlamaConfig(**TINY, head_dim=8, tie_word_embeddings=False)
     config.vocab_size = len(tokens)
@@ -397,8 +402,46 @@ def _tiny_llama_gguf(path: Path, *, nan_in: str | None = None) -> Path:
     if nan_in is not None:
         with torch.no_grad():
             model.state_dict()[nan_in][1, 2] = float("nan")
-    _write_gguf(path, "llama", model, config)
+    _write_gguf(path, "llama", model, config, tokenizer_model)
     return path
+
+
+def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's advice for GGUF files: serve them with the original tokenizer (--tokenizer DIR).
+    A SentencePiece ("llama") tokenizer, which Weir does not convert, is then left out and
+    the file served: its greedy tokens are those of transformers' own GGUF loading."""
+    from weir.services.llm import LLM
+    from weir.shared.sampling import SamplingParams
+
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    tokenizer_dir = tmp_path / "tokenizer"  # the same vocabulary, as Hugging Face saves it
+    tokenizer_dir.mkdir()
+    with_tokenizer = resolve_model(_tiny_llama_gguf(tmp_path / "bpe.gguf"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(with_tokenizer / name, tokenizer_dir / name)
+    path = _tiny_llama_gguf(tmp_path / "sentencepiece.gguf", tokenizer_model="llama")
+    with pytest.raises(UnsupportedGGUFError, match="'llama' is not supported .*--tokenizer DIR"):
+        resolve_model(path)
+    model_dir = resolve_model(path, tokenizer=tokenizer_dir)
+    assert not (model_dir / "tokenizer.json").exists()
+    assert resolve_model(path, tokenizer=tokenizer_dir) == model_dir  # built once
+    # So is a directory without a tokenizer: a model only with another one.
+    with pytest.raises(ModelNotFoundError):
+        resolve_model(model_dir)
+    assert resolve_model(model_dir, tokenizer=tokenizer_dir) == model_dir
+
+    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    original.generation_config.eos_token_id = None  # as ignore_eos
+    prompt = [1, 5, 80, 200, 258]
+    expected = original.generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), tokenizer=str(tokenizer_dir), kv_cache_memory="1MiB") as llm:
+        [out] = llm.generate([{"prompt_token_ids": prompt}], params)
+    assert out.token_ids == expected
 
 
 @pytest.fixture

@@ -382,7 +382,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     step_limits = _step_limits(args)
     try:
         check_output_paths((args.output_json, args.markdown))
-        model_dir = resolve_model(args.model, load_format=args.load_format)
+        model_dir = resolve_model(
+            args.model, load_format=args.load_format, tokenizer=args.tokenizer
+        )
         requests = workload_from_args(args, load_tokenizer(args.tokenizer or model_dir))
         if not args.no_weir:  # refused now, not after the workload and the model loaded
             EngineArgs(model=str(model_dir), **_engine_options(args, step_limits))

@@ -446,7 +446,7 @@ def load_runner(args: EngineArgs, rank: int = 0) -> ModelRunner:
     from weir.shared.model_store import resolve_model
 
     return ModelRunner(
-        resolve_model(args.model, load_format=args.load_format),
+        resolve_model(args.model, load_format=args.load_format, tokenizer=args.tokenizer),
         device=args.device or _default_device(),
         dtype=args.dtype,
         kv_cache_memory_bytes=args.kv_cache_memory,
