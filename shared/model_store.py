@@ -294,8 +294,9 @@ def _make_dir(path: Path) -> None:
 
 
 def _converted(model_name: str, gguf_path: Callable[[], Path], with_tokenizer: bool = True) -> Path:
-    """The cached conversion named `model_name`; `gguf_path` is only asked for when converting."""
-    models_dir = cache_root() / "models"
+    """The cached conversion named `model_name`; `gguf_path` is only asked for when converting.
+    One without the tokenizer is kept apart under the same name (the model's served name)."""
+    models_dir = cache_root() / ("models" if with_tokenizer else "models-without-tokenizer")
     _make_dir(models_dir)
 
     def build(out_dir: Path) -> None:
@@ -335,7 +336,7 @@ def resolve_model(
     if path.is_file() and path.suffix == ".gguf":
         if own_tokenizer:
             return _converted(_gguf_cache_name(path), lambda: path)
-        return _converted(f"{_gguf_cache_name(path)}-no-tokenizer", lambda: path, False)
+        return _converted(_gguf_cache_name(path), lambda: path, with_tokenizer=False)
     if not path.exists():
         raise ModelNotFoundError(f"model {str(model)!r}: no such file or directory")
     if load_format == "dummy" and path.is_dir():

@@ -427,6 +427,9 @@ def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_
     model_dir = resolve_model(path, tokenizer=tokenizer_dir)
     assert not (model_dir / "tokenizer.json").exists()
     assert resolve_model(path, tokenizer=tokenizer_dir) == model_dir  # built once
+    # Kept apart from builds with a tokenizer, named as they are (the model's served name).
+    assert model_dir.parent != with_tokenizer.parent
+    assert re.fullmatch("sentencepiece-[0-9a-f]{12}", model_dir.name)
     # So is a directory without a tokenizer: a model only with another one.
     with pytest.raises(ModelNotFoundError):
         resolve_model(model_dir)
