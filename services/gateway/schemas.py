@@ -37,6 +37,7 @@ from weir.shared.sampling import (
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
     REPETITION_PENALTY_RANGE,
+    STRUCTURED_OUTPUT_OPTIONS,
     SamplingParams,
     sample_seed,
 )
@@ -467,8 +468,21 @@ class _SamplingFields(Options):
         )
 
     def _structured_output(self) -> dict[str, Any] | None:
-        """The one structured output asked for, as ``SamplingParams`` takes it."""
+        """The one structured output asked for, as ``SamplingParams`` takes it. A
+        ``structured_outputs`` of options alone (``disable_any_whitespace``...) shapes the
+        format another field asks for, as vLLM sets ``response_format``'s into them: how a
+        client of ``response_format`` (the openai SDK's ``parse``, langchain's
+        ``with_structured_output``) stops a weak model writing whitespace until max_tokens."""
         asked = self._structured_outputs_asked()
+        # A null key is unset, as SamplingParams reads it.
+        options = {k: v for k, v in asked.get("structured_outputs", {}).items() if v is not None}
+        if (
+            len(asked) > 1
+            and "structured_outputs" in asked
+            and options.keys() <= set(STRUCTURED_OUTPUT_OPTIONS)
+        ):
+            del asked["structured_outputs"]
+            asked = {field: {**spec, **options} for field, spec in asked.items()}
         if len(asked) > 1:
             raise ValueError(f"ask for one structured output, not {' and '.join(asked)}")
         return next(iter(asked.values()), None)

@@ -1113,6 +1113,43 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_mode
     assert capsys.readouterr().out.strip() in colours
 
 
+def test_structured_outputs_options_shape_a_response_format(server):
+    """The body the openai SDK's parse (and langchain's with_structured_output) sends with
+    extra_body={"structured_outputs": {"disable_any_whitespace": true}}, vLLM's way to keep a
+    weak model from writing whitespace until max_tokens: the options shape the response
+    format's JSON (as vLLM sets it into them), whole or sent as vLLM's object with nulls."""
+    schema = {
+        "type": "object",
+        "properties": {"pick": {"enum": ["alpha", "beta"]}},
+        "required": ["pick"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Pick one."}],
+        "max_completion_tokens": 20,
+        "temperature": 0,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "Pick", "schema": schema, "strict": True},
+        },
+    }
+    url = server.info["http_address"] + "/v1/chat/completions"
+    for options in (
+        {"disable_any_whitespace": True},
+        {"json": None, "disable_any_whitespace": True},
+    ):
+        reply = httpx.post(url, json={**body, "structured_outputs": options}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        text = reply.json()["choices"][0]["message"]["content"]
+        # xgrammar's JSON without free whitespace: json.dumps' separators, nothing else.
+        assert text == json.dumps(json.loads(text)), text
+    both = {**body, "structured_outputs": {"regex": "a", "disable_any_whitespace": True}}
+    refused = httpx.post(url, json=both, timeout=60)
+    assert refused.status_code == 400
+    assert "not response_format and structured_outputs" in refused.json()["error"]["message"]
+
+
 # JSON schemas with a keyword xgrammar drops, a JSON text each breaks (by JSON Schema 2020-12;
 # each checked with the jsonschema library), and what the refusal names.
 _DROPPED_KEYWORDS = [
