@@ -30,6 +30,7 @@ from weir.services.gateway.schemas import (
     Body,
     ChatCompletionRequest,
     Options,
+    ReasoningEffort,
     field_errors,
     protocol_sized,
 )
@@ -152,7 +153,7 @@ class ReasoningOptions(Body):
     """OpenAI's reasoning options: the effort is the chat's ``reasoning_effort`` (the template
     variable gpt-oss' reads); a summary is not written (null, as agents send it unset)."""
 
-    effort: Literal["low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
     summary: None = None
     generate_summary: None = None
 

@@ -51,6 +51,8 @@ from weir.shared.sampling_defaults import with_defaults
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(fail_fast=True)]
 # How many logprobs a request asks for: the engine refuses more than its --max-logprobs.
 Logprobs = Annotated[int, Field(ge=0, lt=2**31)]
+# OpenAI's reasoning efforts and DeepSeek's "max", each one vLLM takes.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 def _prompt_form(value: Any) -> str:
@@ -693,8 +695,9 @@ class _ChatTemplateFields(Body):
 
     tools: Tools | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more variables (enable_thinking...)
-    # OpenAI's: how long a reasoning model thinks, the template variable gpt-oss' reads.
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # OpenAI's: how long a reasoning model thinks, the template variable gpt-oss' reads (every
+    # value vLLM takes: litellm's ``thinking`` asks for "minimal", GPT-5 clients "none").
+    reasoning_effort: ReasoningEffort | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # render the last message open, to go on with it
 
@@ -713,14 +716,24 @@ class _ChatTemplateFields(Body):
             )
         return self
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's variables: ``chat_template_kwargs`` and, where a reasoning effort
+        is given, ``reasoning_effort`` and, as vLLM sets it, ``enable_thinking`` (Qwen3's
+        and GLM's switch): false for "none" (a chat_template_kwargs' own values win)."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is not None:
+            effort = {
+                "reasoning_effort": self.reasoning_effort,
+                "enable_thinking": self.reasoning_effort != "none",
+            }
+            kwargs = {**effort, **(kwargs or {})}
+        return kwargs
+
     def template_args(self) -> dict[str, Any]:
         """The SDK's arguments of the chat's template."""
-        kwargs = self.chat_template_kwargs
-        if self.reasoning_effort is not None:  # a chat_template_kwargs' own value wins
-            kwargs = {"reasoning_effort": self.reasoning_effort, **(kwargs or {})}
         return {
             "tools": tool_prompt(self.tools),
-            "chat_template_kwargs": kwargs,
+            "chat_template_kwargs": self.template_kwargs(),
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }
@@ -797,7 +810,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
                 and not self.continue_final_message
                 and not (
                     parsers.reasoning in ("qwen3", "glm45")
-                    and (self.chat_template_kwargs or {}).get("enable_thinking") is False
+                    and (self.template_kwargs() or {}).get("enable_thinking") is False
                 )
             )
         choice = self.tool_choice or "auto"

@@ -196,7 +196,7 @@ def test_a_thought_that_nothing_followed_keeps_its_turn():
 @pytest.mark.parametrize(
     "fields, param, words",
     [
-        ({"reasoning": {"effort": "minimal"}}, "reasoning.effort", "'low', 'medium' or 'high'"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", "'xhigh' or 'max'"),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "Input should be None"),
         ({"include": ["message.output_text.logprobs"]}, "include", "only []"),
         ({"input": []}, "input", "must not be empty"),

@@ -315,6 +315,25 @@ def test_a_thinking_request_is_reasoning_until_the_thought_ends(client, stream):
     assert reasoning is None and content and finish == "length"
 
 
+def test_every_reasoning_effort_vllm_takes(http):
+    """litellm's thinking={"type": "enabled", "budget_tokens": 100} posts reasoning_effort
+    "minimal", GPT-5 clients "none": both vLLM's. An effort other than "none" thinks; "none"
+    asks the template not to (enable_thinking false, as vLLM sets it): the output is answer."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "temperature": 0}
+
+    def reply(**fields) -> dict:
+        response = http.post("/v1/chat/completions", json={**body, **fields})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    minimal = reply(reasoning_effort="minimal")["choices"][0]["message"]
+    assert minimal["reasoning"] and minimal["content"] is None
+    none = reply(reasoning_effort="none")
+    off = reply(chat_template_kwargs={"enable_thinking": False})
+    assert none["choices"][0]["message"] == off["choices"][0]["message"]
+    assert none["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"]
+
+
 def test_a_structured_output_is_content(client):
     """Held to a format from its first token, the output does not think."""
     reasoning, content, _, _ = _chat(client, False, extra_body=_forced("four"))
