@@ -162,7 +162,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
     from weir.shared.model_store import resolve_model
 
     try:
-        print(resolve_model(args.model))
+        print(resolve_model(args.model, tokenizer=args.tokenizer))
     except (ValueError, OSError, RuntimeError) as exc:  # each says what to do, in one line
         print(f"weir prepare-model: {exc}", file=sys.stderr)
         return 1
@@ -1117,6 +1117,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare-model", help="fetch and convert a model; print its directory")
     p.add_argument(
         "--model", default=None, help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the tokenizer the model will be served with (serve's --tokenizer): a .gguf file "
+        "is then converted without its own",
     )
     p.set_defaults(func=_prepare_model)
 

@@ -407,11 +407,12 @@ def _tiny_llama_gguf(
 
 
 def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """vLLM's advice for GGUF files: serve them with the original tokenizer (--tokenizer DIR).
     A SentencePiece ("llama") tokenizer, which Weir does not convert, is then left out and
     the file served: its greedy tokens are those of transformers' own GGUF loading."""
+    from weir.services.cli import main
     from weir.services.llm import LLM
     from weir.shared.sampling import SamplingParams
 
@@ -430,6 +431,9 @@ def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_
     # Kept apart from builds with a tokenizer, named as they are (the model's served name).
     assert model_dir.parent != with_tokenizer.parent
     assert re.fullmatch("sentencepiece-[0-9a-f]{12}", model_dir.name)
+    # What an init container prepares for `weir serve FILE --tokenizer DIR`.
+    assert main(["prepare-model", "--model", str(path), "--tokenizer", str(tokenizer_dir)]) == 0
+    assert capsys.readouterr().out == f"{model_dir}\n"
     # So is a directory without a tokenizer: a model only with another one.
     with pytest.raises(ModelNotFoundError):
         resolve_model(model_dir)
