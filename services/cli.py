@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import os
@@ -62,6 +63,8 @@ from weir.shared.config import (
     resolve_max_model_len,
     tcp_address,
 )
+from weir.shared.config_fields import json_object
+from weir.shared.pooling import RUNNERS
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
 
@@ -340,6 +343,14 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
         raise SystemExit(2)
     _check_download_dir(args)
     try:
+        if getattr(args, "enable_reasoning", False) and args.reasoning_parser is None:
+            raise ValueError(
+                "enable_reasoning is refused without --reasoning-parser: Weir separates a "
+                "model's reasoning in the format --reasoning-parser names"
+            )
+        if getattr(args, "task", None) is not None:
+            args.runner = args.task
+        _rope_into_hf_overrides(args)
         return EngineArgs.from_cli(args)
     except ValueError as exc:
         _exit_with_option_error(args, exc)
@@ -910,7 +921,9 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cpu-offload-gb",
-        type=_no_cpu_offload,
+        type=_only_zero(
+            "Weir keeps a model's weights on the device that runs it, none offloaded to CPU memory"
+        ),
         metavar="0",
         help="vLLM's; 0 changes nothing; more is refused: Weir keeps a model's weights on the "
         "device that runs it",
@@ -934,20 +947,105 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
         "(--enforce-eager runs without graphs, --max-mixed-graph-tokens bounds the mixed "
         "steps that replay them)",
     )
-
-
-def _no_cpu_offload(text: str) -> float:
-    """--cpu-offload-gb's value: 0 GiB, what Weir does; more is refused."""
-    try:
-        gib = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
-    if gib != 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is refused: Weir keeps a model's weights on the device that runs it, "
-            "none offloaded to CPU memory"
+    for flag in ("--compilation-config", "--cuda-graph-sizes"):
+        p.add_argument(
+            flag,
+            type=_vllm_value((), _WEIRS_GRAPHS),
+            metavar="VALUE",
+            help="vLLM's; refused: " + _WEIRS_GRAPHS,
         )
-    return gib
+    p.add_argument(
+        "--num-scheduler-steps",
+        type=_vllm_value(
+            ("1",),
+            "Weir schedules every step, as vLLM's V1 engine does (multi-step scheduling was its "
+            "V0 engine's); --async-scheduling plans a step while the one before runs",
+        ),
+        metavar="1",
+        help="vLLM's (V0); 1, a schedule every step, changes nothing; more is refused",
+    )
+    p.add_argument(
+        "--scheduler-delay-factor",
+        type=_only_zero(
+            "Weir schedules a waiting prompt at the first step its tokens and blocks fit, "
+            "delaying none"
+        ),
+        metavar="0",
+        help="vLLM's (V0); 0, no delay, changes nothing; more is refused",
+    )
+    p.add_argument(
+        "--use-v2-block-manager",
+        action="store_true",
+        help="vLLM's (V0, where 0.6 made it change nothing); Weir's KV cache is paged blocks, "
+        "so it changes nothing",
+    )
+    p.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="vLLM's; Weir's tensor-parallel ranks all-reduce through torch.distributed (NCCL "
+        "on GPU), with no custom kernel to disable, so it changes nothing",
+    )
+    p.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="vLLM's; its V1 engine ignores it too: the engine runs in processes of its own, "
+        "as Weir's scheduler and executors do, so it changes nothing",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action=_Refused,
+        why="Weir splits every MoE expert across the --tensor-parallel-size ranks (vLLM's "
+        "layout without expert parallelism), and its data-parallel replicas share no experts",
+        help="vLLM's; refused: Weir splits each MoE expert by tensor parallelism",
+    )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action=_Refused,
+        why="Weir has no /sleep or /wake_up: an engine keeps its weights and KV cache on its "
+        "device while it runs (stop the server to free them)",
+        help="vLLM's; refused: Weir has no /sleep or /wake_up",
+    )
+
+
+# Why vLLM's torch.compile and CUDA graph settings are refused.
+_WEIRS_GRAPHS = (
+    "Weir compiles nothing with torch.compile; on CUDA it captures its own graphs, of the "
+    "decode steps and of mixed steps up to --max-mixed-graph-tokens (--enforce-eager: none)"
+)
+
+
+def _only_zero(why: str) -> Callable[[str], float]:
+    """The type of a vLLM flag whose number 0 asks for what Weir does; any other is refused,
+    saying ``why``."""
+
+    def check(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value != 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is refused: {why}")
+        return value
+
+    return check
+
+
+class _Refused(argparse.Action):
+    """A vLLM switch that asks for what Weir does not do: refused, saying ``why``, when given
+    (argparse would only call it unrecognized)."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str, help: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+        self.why = why
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(f"{option_string} is refused: {self.why}")
 
 
 def _check_download_dir(args: argparse.Namespace) -> None:
@@ -1008,6 +1106,84 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="LIMITS",
         help="vLLM's; refused: Weir serves text-only models",
     )
+    p.add_argument(
+        "--language-model-only",
+        action="store_true",
+        help="vLLM's; Weir serves a vision-language checkpoint's language model alone anyway, "
+        "so it changes nothing",
+    )
+    p.add_argument(
+        "--task",
+        type=_task_runner,
+        metavar="TASK",
+        help="vLLM's name before --runner: generate is --runner generate; embed (embedding), "
+        "classify and score are --runner pooling; auto is auto; reward and transcription are "
+        "refused",
+    )
+    p.add_argument(
+        "--rope-scaling",
+        metavar="JSON",
+        help="vLLM's; config.json's rope_scaling replaced, as --hf-overrides "
+        "'{\"rope_scaling\": JSON}' does (over --hf-overrides' own)",
+    )
+    p.add_argument(
+        "--guided-decoding-backend",
+        type=_vllm_value(
+            ("xgrammar",),
+            "Weir's structured outputs are xgrammar's, with no outlines, lm-format-enforcer or "
+            "guidance backend (nor vLLM's auto fallback to guidance)",
+        ),
+        metavar="xgrammar",
+        help="vLLM's; xgrammar, the backend of Weir's structured outputs, changes nothing; "
+        "others are refused",
+    )
+    p.add_argument(
+        "--chat-template-content-format",
+        type=_vllm_value(
+            ("string",),
+            "Weir gives the chat template each message's content as one string, its text parts "
+            "joined by newlines (vLLM's string), never as a list of parts",
+        ),
+        metavar="string",
+        help="vLLM's; string, the text parts joined by newlines as Weir always gives them to "
+        "the chat template, changes nothing; openai and auto are refused",
+    )
+    p.add_argument(
+        "--logits-processor-pattern",
+        type=_vllm_value(
+            (),
+            "Weir loads no logits processor a request names (the pattern would let requests "
+            "name them)",
+        ),
+        metavar="REGEX",
+        help="vLLM's; refused: Weir loads no logits processor a request names",
+    )
+
+
+# vLLM's --task values (before --runner): the runner each is. Each runner is its own too:
+# a --config file's task comes back through the type as the runner it was made.
+_TASK_RUNNERS = {
+    **{runner: runner for runner in RUNNERS},
+    **dict.fromkeys(("embed", "embedding", "classify", "score"), "pooling"),
+}
+
+
+def _task_runner(text: str) -> str:
+    if text not in _TASK_RUNNERS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is refused: Weir's runners generate text (generate) or pool a prompt "
+            "into one embedding or classification (embed, classify, score)"
+        )
+    return _TASK_RUNNERS[text]
+
+
+def _rope_into_hf_overrides(args: argparse.Namespace) -> None:
+    """vLLM's --rope-scaling, which its engine lays over config.json as hf_overrides, over
+    --hf-overrides' rope_scaling (as there)."""
+    if getattr(args, "rope_scaling", None) is not None:
+        overrides = json_object("hf_overrides", args.hf_overrides or "{}")
+        rope = json_object("rope_scaling", args.rope_scaling)
+        args.hf_overrides = json.dumps({**overrides, "rope_scaling": rope})
 
 
 def _vllm_value(taken: tuple[str, ...], why: str) -> Callable[[str], str]:
@@ -1051,6 +1227,13 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
         "(deepseek_r1: DeepSeek-R1 and its distills, QwQ; qwen3: Qwen3, which also honours "
         "chat_template_kwargs enable_thinking false); mistral: [THINK]...[/THINK], "
         "Magistral; openai_gptoss: gpt-oss' harmony analysis channel",
+    )
+    p.add_argument(
+        "--enable-reasoning",
+        action="store_true",
+        help="vLLM's (0.7-0.9, where it needed --reasoning-parser); Weir separates the "
+        "reasoning whenever --reasoning-parser is given, so with it this changes nothing; "
+        "alone it is refused",
     )
 
 

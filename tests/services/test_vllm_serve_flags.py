@@ -20,6 +20,7 @@ from weir.services.cli import _api_options, _engine_args, _gateway_argv, build_p
 from weir.services.gateway.chat_output import NO_PARSERS
 from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.config import EngineArgs
+from weir.shared.model_config import read_model_config
 from weir.shared.sampling import SamplingParams
 
 MODEL = "tiny"
@@ -373,6 +374,17 @@ VLLM_COMMAND_LINES = [
         "--enable-server-load-tracking",
         {"load_format": "safetensors", "enable_server_load_tracking": True},
     ),
+    (
+        "M --enable-reasoning --reasoning-parser deepseek_r1 --task generate "
+        "--num-scheduler-steps 1 --scheduler-delay-factor 0.0 --use-v2-block-manager "
+        "--disable-custom-all-reduce --disable-frontend-multiprocessing",
+        {"reasoning_parser": "deepseek_r1", "task": "generate", "num_scheduler_steps": "1"},
+    ),
+    (
+        "M --task embed --guided-decoding-backend xgrammar --chat-template-content-format "
+        "string --language-model-only",
+        {"task": "pooling", "guided_decoding_backend": "xgrammar"},
+    ),
 ]
 
 
@@ -417,6 +429,18 @@ def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, option
         (["--load-format", "mistral"], "not Mistral's consolidated ones (params.json)"),
         (["--load-format", "runai_streamer"], "from its local directory itself"),
         (["--load-format", "gguf"], "--load-format gguf reads a .gguf file: give one as the"),
+        (["--enable-reasoning"], "--enable-reasoning is refused without --reasoning-parser"),
+        (["--task", "reward"], "'reward' is refused: Weir's runners generate text"),
+        (["--num-scheduler-steps", "8"], "'8' is refused: Weir schedules every step"),
+        (["--scheduler-delay-factor", "0.5"], "Weir schedules a waiting prompt at the first"),
+        (["--enable-expert-parallel"], "--enable-expert-parallel is refused: Weir splits every"),
+        (["--enable-sleep-mode"], "--enable-sleep-mode is refused: Weir has no /sleep"),
+        (["--compilation-config", '{"level": 3}'], "Weir compiles nothing with torch.compile"),
+        (["--cuda-graph-sizes", "512"], "'512' is refused: Weir compiles nothing"),
+        (["--guided-decoding-backend", "outlines"], "Weir's structured outputs are xgrammar's"),
+        (["--chat-template-content-format", "openai"], "its text parts joined by newlines"),
+        (["--logits-processor-pattern", "my.procs.*"], "Weir loads no logits processor"),
+        (["--rope-scaling", "yarn"], "--rope-scaling is not JSON"),
     ],
 )
 def test_vllm_flags_weir_cannot_honour_end_with_status_2_saying_why(
@@ -427,6 +451,41 @@ def test_vllm_flags_weir_cannot_honour_end_with_status_2_saying_why(
     assert exit_info.value.code == 2
     # One line (after argparse's usage) says why.
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_vllms_older_flags_are_taken_and_refused_from_a_config_file(
+    tiny_model_dir, tmp_path, capsys
+):
+    """--task is the runner it names; a refused switch is refused from the file too."""
+    taken = tmp_path / "taken.yaml"
+    taken.write_text(
+        "task: embed\nenable-reasoning: true\nreasoning_parser: deepseek_r1\n"
+        "num_scheduler_steps: 1\nuse-v2-block-manager: true\n"
+    )
+    args = parse_args(["serve", str(tiny_model_dir), "--config", str(taken)])
+    assert _engine_args(args).runner == "pooling" and args.use_v2_block_manager
+    refused = tmp_path / "refused.yaml"
+    refused.write_text("enable_sleep_mode: true\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["serve", str(tiny_model_dir), "--config", str(refused)])
+    assert exit_info.value.code == 2
+    assert "--enable-sleep-mode is refused: Weir has no /sleep" in capsys.readouterr().err
+
+
+def test_rope_scaling_is_hf_overrides_over_the_models_config(tiny_model_dir):
+    """vLLM's --rope-scaling replaces config.json's rope_scaling, over --hf-overrides' own, in
+    the config the engine reads."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    linear = {"rope_type": "linear", "factor": 2.0}
+    args = parse_args(
+        ["serve", str(tiny_model_dir), "--hf-overrides", json.dumps(
+            {"max_position_embeddings": 256, "rope_scaling": linear}),
+         "--rope-scaling", json.dumps(yarn)]
+    )  # fmt: skip
+    overrides = _engine_args(args).hf_overrides
+    assert json.loads(overrides) == {"max_position_embeddings": 256, "rope_scaling": yarn}
+    rope = read_model_config(tiny_model_dir, overrides).rope
+    assert (rope.type, rope.factor, rope.original_max_position) == ("yarn", 4.0, 256)
 
 
 def test_download_dir_is_refused_without_a_model(capsys):
