@@ -1000,10 +1000,9 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enable-sleep-mode",
-        action=_Refused,
-        why="Weir has no /sleep or /wake_up: an engine keeps its weights and KV cache on its "
-        "device while it runs (stop the server to free them)",
-        help="vLLM's; refused: Weir has no /sleep or /wake_up",
+        action="store_true",
+        help="vLLM's; Weir's sleep mode (POST /sleep, /wake_up, GET /is_sleeping) is always "
+        "served, so it changes nothing",
     )
 
 
@@ -1140,13 +1139,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat-template-content-format",
         type=_vllm_value(
-            ("string",),
+            ("string", "auto"),
             "Weir gives the chat template each message's content as one string, its text parts "
             "joined by newlines (vLLM's string), never as a list of parts",
         ),
         metavar="string",
-        help="vLLM's; string, the text parts joined by newlines as Weir always gives them to "
-        "the chat template, changes nothing; openai and auto are refused",
+        help="vLLM's; string (and auto, the default: Weir's is string) changes nothing: Weir "
+        "always gives the chat template the text parts joined by newlines; openai is refused",
     )
     p.add_argument(
         "--logits-processor-pattern",

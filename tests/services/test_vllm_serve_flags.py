@@ -377,7 +377,8 @@ VLLM_COMMAND_LINES = [
     (
         "M --enable-reasoning --reasoning-parser deepseek_r1 --task generate "
         "--num-scheduler-steps 1 --scheduler-delay-factor 0.0 --use-v2-block-manager "
-        "--disable-custom-all-reduce --disable-frontend-multiprocessing",
+        "--disable-custom-all-reduce --disable-frontend-multiprocessing --enable-sleep-mode "
+        "--chat-template-content-format auto",
         {"reasoning_parser": "deepseek_r1", "task": "generate", "num_scheduler_steps": "1"},
     ),
     (
@@ -434,7 +435,6 @@ def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, option
         (["--num-scheduler-steps", "8"], "'8' is refused: Weir schedules every step"),
         (["--scheduler-delay-factor", "0.5"], "Weir schedules a waiting prompt at the first"),
         (["--enable-expert-parallel"], "--enable-expert-parallel is refused: Weir splits every"),
-        (["--enable-sleep-mode"], "--enable-sleep-mode is refused: Weir has no /sleep"),
         (["--compilation-config", '{"level": 3}'], "Weir compiles nothing with torch.compile"),
         (["--cuda-graph-sizes", "512"], "'512' is refused: Weir compiles nothing"),
         (["--guided-decoding-backend", "outlines"], "Weir's structured outputs are xgrammar's"),
@@ -465,11 +465,11 @@ def test_vllms_older_flags_are_taken_and_refused_from_a_config_file(
     args = parse_args(["serve", str(tiny_model_dir), "--config", str(taken)])
     assert _engine_args(args).runner == "pooling" and args.use_v2_block_manager
     refused = tmp_path / "refused.yaml"
-    refused.write_text("enable_sleep_mode: true\n")
+    refused.write_text("enable_expert_parallel: true\n")
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["serve", str(tiny_model_dir), "--config", str(refused)])
     assert exit_info.value.code == 2
-    assert "--enable-sleep-mode is refused: Weir has no /sleep" in capsys.readouterr().err
+    assert "--enable-expert-parallel is refused: Weir splits" in capsys.readouterr().err
 
 
 def test_rope_scaling_is_hf_overrides_over_the_models_config(tiny_model_dir):
