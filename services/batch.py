@@ -13,11 +13,13 @@ gets its error in ``error`` (and, when the API answered, its status and error bo
 from __future__ import annotations
 
 import asyncio
+import errno
 import http.client
 import json
 import logging
 import os
 import signal
+import stat
 import sys
 import tempfile
 import urllib.request
@@ -329,11 +331,23 @@ def check_output(path: str) -> None:
     there if it was not): the engines start before it is emptied, as vLLM's do."""
     if _is_url(path):
         return
-    existed = os.path.lexists(path)
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except FileNotFoundError:  # no file (or a symlink to none): made and removed below
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        # A FIFO, /dev/stdout, a device: opened here and again for the results, a FIFO's
+        # reader would take the first close for the end of its input (the second open then
+        # waits for a reader forever); whether it is writable is all there is to tell.
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return
     with open(path, "a", encoding="utf-8"):
         pass
-    if not existed:
-        os.unlink(path)
+    if mode is None:  # a symlink's missing target is what was made
+        os.unlink(os.path.realpath(path))
 
 
 @contextmanager

@@ -339,3 +339,30 @@ def test_data_parallel_engines_answer_one_batch(tiny_model_dir, tiny_hf_model, t
     assert [r["response"]["body"]["choices"][0]["token_ids"] for r in results] == [
         hf_greedy(tiny_hf_model, p, 6) for p in prompts
     ]
+
+
+def test_an_output_fifo_is_opened_once_and_a_dangling_symlink_left_dangling(tmp_path):
+    """The output check before the engines start opens no FIFO (its reader would take that
+    open's close for the end of its input, and the results' open then wait for a reader
+    forever: `mkfifo out; cat out & weir run-batch -o out` never ended), and a symlink to a
+    missing file is left as it was."""
+    import os
+
+    from weir.services.batch import check_output
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    checked = threading.Thread(target=check_output, args=(str(fifo),), daemon=True)
+    checked.start()
+    checked.join(timeout=5)
+    if checked.is_alive():  # blocked in open(): a reader lets it end
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        pytest.fail("check_output opened the FIFO")
+    fifo.chmod(0o400)
+    if not os.access(fifo, os.W_OK):  # (root may write any file)
+        with pytest.raises(PermissionError):
+            check_output(str(fifo))
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tmp_path / "target.jsonl")
+    check_output(str(link))
+    assert link.is_symlink() and not (tmp_path / "target.jsonl").exists()
