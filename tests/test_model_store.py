@@ -451,6 +451,41 @@ def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_
     assert out.token_ids == expected
 
 
+def test_a_draft_model_is_served_with_the_given_tokenizer_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's draft model takes the target's tokenizer: with --tokenizer DIR a .gguf draft
+    whose own tokenizer Weir cannot convert is converted without it, as the target is (its
+    start failed, telling to give the --tokenizer that was given); its drafts change no
+    greedy token."""
+    from weir.services.llm import LLM
+    from weir.shared.sampling import SamplingParams
+
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    with_tokenizer = resolve_model(_tiny_llama_gguf(tmp_path / "bpe.gguf"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(with_tokenizer / name, tokenizer_dir / name)
+    path = _tiny_llama_gguf(tmp_path / "sentencepiece.gguf", tokenizer_model="llama")
+    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    original.generation_config.eos_token_id = None  # as ignore_eos
+    prompt = [1, 5, 80, 200, 258]
+    expected = original.generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(path),
+        tokenizer=str(tokenizer_dir),
+        speculative_model=str(path),
+        num_speculative_tokens=2,
+        kv_cache_memory="1MiB",
+    ) as llm:
+        [out] = llm.generate([{"prompt_token_ids": prompt}], params)
+    assert out.token_ids == expected
+
+
 @pytest.fixture
 def tiny_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache in tmp_path whose default model is converted from a tiny GGUF (no download)."""

@@ -215,8 +215,21 @@ class SchedulerServer:
 
     def _check_draft_model(self, model: str) -> None:
         """A draft model whose tokenizer is not the served model's is refused at start-up:
-        its drafts would name other tokens and be rejected, at the cost of every step."""
-        draft_dir = resolve_model(model, load_format=self.engine_args.load_format)
+        its drafts would name other tokens and be rejected, at the cost of every step. With
+        ``--tokenizer`` the draft is served with that tokenizer too (vLLM's draft model
+        config takes the target's tokenizer): it needs none of its own (a .gguf draft's is
+        not converted), only an embedding row for each of that tokenizer's ids."""
+        tokenizer_dir = self.engine_args.tokenizer
+        draft_dir = resolve_model(
+            model, load_format=self.engine_args.load_format, tokenizer=tokenizer_dir
+        )
+        if tokenizer_dir is not None:
+            draft_vocab = read_model_config(draft_dir, None).vocab_size
+            try:
+                served_tokenizer(draft_dir, draft_vocab, tokenizer_dir)
+            except ValueError as exc:
+                raise ValueError(f"speculative_model {model!r}: {exc}") from None
+            return
         draft = Tokenizer.from_model_dir(draft_dir)
         if draft.backend.get_vocab(with_added_tokens=True) != self.tokenizer.backend.get_vocab(
             with_added_tokens=True

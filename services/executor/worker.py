@@ -474,7 +474,10 @@ def load_runner(args: EngineArgs, rank: int = 0) -> ModelRunner:
         speculative_model=(
             None
             if args.speculative_model is None
-            else resolve_model(args.speculative_model, load_format=args.load_format)
+            # Served with --tokenizer too, as the target: it needs no tokenizer of its own.
+            else resolve_model(
+                args.speculative_model, load_format=args.load_format, tokenizer=args.tokenizer
+            )
         ),
         speculative_model_quantization=args.speculative_model_quantization,
         tokenizer=args.tokenizer,
