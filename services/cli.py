@@ -165,7 +165,11 @@ def _prepare_model(args: argparse.Namespace) -> int:
     from weir.shared.model_store import resolve_model
 
     try:
-        print(resolve_model(args.model, tokenizer=args.tokenizer))
+        # The tokenizer as serve takes it: a directory with a tokenizer.json (a typo is told
+        # here, not by the served engine after a build it would not use), and the model's
+        # own path naming no other tokenizer (serve then uses the build with it).
+        tokenizer = EngineArgs(model=args.model, tokenizer=args.tokenizer).tokenizer
+        print(resolve_model(args.model, tokenizer=tokenizer))
     except (ValueError, OSError, RuntimeError) as exc:  # each says what to do, in one line
         print(f"weir prepare-model: {exc}", file=sys.stderr)
         return 1

@@ -434,6 +434,13 @@ def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_
     # What an init container prepares for `weir serve FILE --tokenizer DIR`.
     assert main(["prepare-model", "--model", str(path), "--tokenizer", str(tokenizer_dir)]) == 0
     assert capsys.readouterr().out == f"{model_dir}\n"
+    # A tokenizer serve would refuse is refused before a build serve would not use.
+    missing = str(tmp_path / "no-such-tokenizer")
+    assert main(["prepare-model", "--model", str(path), "--tokenizer", missing]) == 1
+    assert "no such directory" in capsys.readouterr().err
+    bpe = tmp_path / "bpe.gguf"  # the model itself as its tokenizer: serve's build with it
+    assert main(["prepare-model", "--model", str(bpe), "--tokenizer", str(bpe)]) == 0
+    assert capsys.readouterr().out == f"{with_tokenizer}\n"
     # So is a directory without a tokenizer: a model only with another one.
     with pytest.raises(ModelNotFoundError):
         resolve_model(model_dir)
