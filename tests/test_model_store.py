@@ -493,6 +493,31 @@ def test_a_draft_model_is_served_with_the_given_tokenizer_too(
     assert out.token_ids == expected
 
 
+def test_a_rerankers_classifier_tokens_are_the_given_tokenizers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3-Reranker's way (classifier_from_token) with --tokenizer DIR: the tokens are
+    numbered by the served tokenizer, as vLLM's; a .gguf converted without its own
+    tokenizer failed start-up ('not a token of the model's tokenizer.json')."""
+    from weir.services.llm import LLM
+
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    path = _tiny_llama_gguf(tmp_path / "bpe.gguf")
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model(path) / name, tokenizer_dir / name)
+    overrides = {
+        "architectures": ["LlamaForSequenceClassification"],
+        "classifier_from_token": ["he", "Ġthe"],
+        "is_original_qwen3_reranker": True,
+    }
+    options = {"runner": "pooling", "hf_overrides": overrides, "kv_cache_memory": "1MiB"}
+    with LLM(str(path), tokenizer=str(tokenizer_dir), **options) as llm:
+        scores = [s.score for s in llm.score("the", ["he the", "t"])]
+    assert len(scores) == 2 and all(0 < s < 1 for s in scores)
+
+
 @pytest.fixture
 def tiny_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache in tmp_path whose default model is converted from a tiny GGUF (no download)."""

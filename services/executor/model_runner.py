@@ -279,6 +279,7 @@ class ModelRunner:
         self.hf_overrides = hf_overrides
         # The weights served (read again by a wake from sleep level 2) and how to read them.
         self.weights_dir, self.load_format = self.model_dir, load_format
+        self.tokenizer_dir = tokenizer  # --tokenizer's, which numbers classifier_from_token
         self.model = self._load_model()
         self.config = self.model.config
         # The draft model's directory, drafts a step, quantization and load format (its
@@ -374,6 +375,7 @@ class ModelRunner:
                 "hf_overrides": self.hf_overrides,
                 "kv_cache_dtype": self.kv_cache_dtype,
                 "weight_dtype": self.weight_dtype,
+                "tokenizer_dir": self.tokenizer_dir,
                 **options,
             },
         )

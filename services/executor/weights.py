@@ -585,16 +585,21 @@ def _load_tensor(
     filled[param_name] = filled.get(param_name, 0) + tensor.numel()
 
 
-def _score_tokens(model_dir: str | Path, cfg: ModelConfig) -> list[int] | None:
-    """The token ids of a classifier's ``classifier_from_token``; None for any other model."""
+def _score_tokens(
+    model_dir: str | Path, cfg: ModelConfig, tokenizer_dir: str | Path | None = None
+) -> list[int] | None:
+    """The token ids of a classifier's ``classifier_from_token``, in the served tokenizer
+    (``tokenizer_dir``'s, --tokenizer, where given: vLLM reads them with its tokenizer);
+    None for any other model."""
     if not cfg.classifier_from_token:
         return None
-    ids = [vocab_id(Path(model_dir), token) for token in cfg.classifier_from_token]
+    source = Path(model_dir if tokenizer_dir is None else tokenizer_dir)
+    ids = [vocab_id(source, token) for token in cfg.classifier_from_token]
     missing = [t for t, i in zip(cfg.classifier_from_token, ids, strict=True) if i is None]
     if missing:
         raise ValueError(
-            f"config.json: classifier_from_token {missing[0]!r} is not a token of the model's "
-            "tokenizer.json"
+            f"config.json: classifier_from_token {missing[0]!r} is not a token of "
+            f"{source / 'tokenizer.json'}"
         )
     return [i for i in ids if i is not None]
 
@@ -627,6 +632,7 @@ def load_model(
     pack: bool = True,
     kv_cache_dtype: torch.dtype | None = None,
     weight_dtype: torch.dtype | None = None,
+    tokenizer_dir: str | Path | None = None,
 ) -> CausalLM:
     """Build the model from `model_dir/config.json` and load its safetensors weights
     (``load_format="dummy"``: random weights, no checkpoint read); with ``tp``, this
@@ -634,7 +640,9 @@ def load_model(
     with ``hf_overrides``, config.json's keys replaced by those (a JSON object's text).
     ``pack``: on a CPU, the projections prepacked for its matmul (`packed_weights`).
     ``kv_cache_dtype``: what its caches hold (None: ``dtype``). ``weight_dtype``: the packed
-    projections' (None: ``dtype``; bfloat16 over a float32 model: `packed_weights.cpu_dtypes`)."""
+    projections' (None: ``dtype``; bfloat16 over a float32 model: `packed_weights.cpu_dtypes`).
+    ``tokenizer_dir``: the tokenizer served in place of the model's (--tokenizer), which
+    numbers a reranker's ``classifier_from_token``."""
     cfg = read_model_config(model_dir, hf_overrides)
     dtype = dtype or default_dtype(device)
     check_moe(cfg, torch.device(device), dtype, quantization)
@@ -664,7 +672,7 @@ def load_model(
             tensors = split_granite_moe_tensors(tensors)
         elif cfg.model_type == "qwen3_moe" and cfg.multimodal:
             tensors = split_qwen3_vl_moe_tensors(tensors, cfg)
-        load_weights(model, tensors, lm_head_optional, _score_tokens(model_dir, cfg))
+        load_weights(model, tensors, lm_head_optional, _score_tokens(model_dir, cfg, tokenizer_dir))
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
     model.finish_loading()
