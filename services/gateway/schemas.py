@@ -157,6 +157,11 @@ _IGNORED = frozenset(
         "store",
         "metadata",
         "service_tier",
+        # OpenAI's caching and abuse-tracking hints (the openai SDK and agent frameworks send
+        # them; vLLM ignores them): Weir's prefix cache needs no key.
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
         "parallel_tool_calls",  # in completions
         "include_obfuscation",
         "guided_decoding_backend",  # vLLM's: which library holds the output to its format

@@ -697,6 +697,9 @@ def test_null_is_the_default_and_neutral_values_of_unsupported_fields_are_ignore
             "store": True,
             "metadata": {"run": "7"},
             "service_tier": "auto",
+            "prompt_cache_key": "session-7",
+            "prompt_cache_retention": "24h",
+            "safety_identifier": "user-7",
         },
     )
     assert neutral.choices[0].text == reference
