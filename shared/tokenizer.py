@@ -90,9 +90,33 @@ def chat_template_of(option: str | None) -> str | None:
         ) from None
 
 
-def _token_content(value: str | dict | None) -> str | None:
+def _token_content(value: str | dict | None, path: Path | None = None) -> str | None:
     # tokenizer_config.json writes a special token either as a string or as a serialized AddedToken.
-    return value.get("content") if isinstance(value, dict) else value
+    content = value.get("content") if isinstance(value, dict) else value
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f"{path}: a special token must be a string, got {value!r}")
+    return content
+
+
+def _config_templates(value: Any, path: Path) -> tuple[str | None, str | None]:
+    """tokenizer_config.json's ``chat_template``: one template, or transformers' named ones
+    (a list of ``{"name", "template"}``, as Command-R's and Hermes' tokenizers save them), of
+    which a chat is rendered by "default" and one with tools by "tool_use" where there is
+    one, as transformers (and so vLLM) choose. Returns (default, tool_use)."""
+    if value is None or isinstance(value, str):
+        return value, None
+    if isinstance(value, list) and all(
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in value
+    ):
+        named = {t["name"]: t["template"] for t in value}
+        return named.get("default"), named.get("tool_use")
+    raise ValueError(
+        f"{path}: chat_template must be a template or a list of named templates "
+        f'({{"name": ..., "template": ...}}), got {type(value).__name__}'
+    )
 
 
 class _WholePieces(dict[int, str | None]):
@@ -135,6 +159,7 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         extra_stop_token_ids: Sequence[int] = (),
+        tool_chat_template: str | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
@@ -148,6 +173,10 @@ class Tokenizer:
         try:
             self._chat_template = (
                 None if chat_template is None else compile_chat_template(chat_template)
+            )
+            # A named "tool_use" template (see _config_templates): a chat with tools's.
+            self._tool_chat_template = (
+                None if tool_chat_template is None else compile_chat_template(tool_chat_template)
             )
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"the chat template is not valid Jinja: {exc}") from None
@@ -168,11 +197,17 @@ class Tokenizer:
         config.json and generation_config.json still add their end tokens."""
         model_dir = Path(path)
         source = model_dir if tokenizer_dir is None else Path(tokenizer_dir)
-        config = read_json(source / "tokenizer_config.json")
+        config_path = source / "tokenizer_config.json"
+        config = read_json(config_path)
         # Before tokenizer.json is loaded: a malformed config file is named even without it.
         eos_ids = eos_token_ids(model_dir, tokenizer_dir)
+        bos_token = _token_content(config.get("bos_token"), config_path)
+        eos_token = _token_content(config.get("eos_token"), config_path)
+        tool_chat_template = None
         if chat_template is None:
-            chat_template = config.get("chat_template")
+            chat_template, tool_chat_template = _config_templates(
+                config.get("chat_template"), config_path
+            )
         if chat_template is None and (source / "chat_template.jinja").is_file():
             chat_template = (source / "chat_template.jinja").read_text(encoding="utf-8")
         if chat_template is None:  # a multimodal model's, where its processor keeps it
@@ -184,9 +219,10 @@ class Tokenizer:
         return cls(
             backend,
             chat_template=chat_template,
-            bos_token=_token_content(config.get("bos_token")),
-            eos_token=_token_content(config.get("eos_token")),
+            bos_token=bos_token,
+            eos_token=eos_token,
             extra_stop_token_ids=eos_ids,
+            tool_chat_template=tool_chat_template,
         )
 
     @property
@@ -235,7 +271,10 @@ class Tokenizer:
         the last message's text, so the model goes on with it. Messages are OpenAI's,
         adapted as transformers' templates expect: "developer" is "system", and a tool
         call's arguments are a map, not JSON text."""
-        if self._chat_template is None:
+        template = self._chat_template
+        if tools and self._tool_chat_template is not None:
+            template = self._tool_chat_template
+        if template is None:
             raise ValueError(
                 "this model has no chat template (tokenizer_config.json has no 'chat_template')"
             )
@@ -249,7 +288,7 @@ class Tokenizer:
             chat[-1] = {**chat[-1], "content": chat[-1].get("content", "") + _CONTINUE_TAG}
         # As transformers: a template variable may stand for a special token. One map, so
         # that no variable's name collides with render's own arguments.
-        text = self._chat_template.render(
+        text = template.render(
             {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
             | (template_kwargs or {})
             | {"messages": chat, "tools": tools, "add_generation_prompt": add_generation_prompt}

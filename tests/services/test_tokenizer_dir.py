@@ -228,3 +228,40 @@ def test_the_flag_reaches_every_process_and_a_config_file(tmp_path, other_dir, d
     assert (
         EngineArgs(model=str(default_model_dir), tokenizer=str(default_model_dir)).tokenizer is None
     )
+
+
+def test_named_chat_templates_render_as_transformers_and_bad_configs_are_named(
+    tmp_path, other_dir, default_model_dir
+):
+    """A tokenizer_config.json of transformers' named templates (Command-R's and Hermes'
+    tokenizers: a list of {name, template}) renders a chat by "default" and one with tools
+    by "tool_use", as transformers does; a chat template or special token of another type
+    is a ValueError naming the file (serve: status 2 and one line). Each was a TypeError
+    (a traceback from `weir serve --tokenizer`)."""
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "tokenizer.json").write_bytes((other_dir / "tokenizer.json").read_bytes())
+    config = {
+        "eos_token": EOS,
+        "chat_template": [
+            {"name": "default", "template": "D:{{ messages[0]['content'] }}"},
+            {"name": "tool_use", "template": "T:{{ tools | length }}:{{ messages[0]['content'] }}"},
+        ],
+    }
+    (named / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = served_tokenizer(default_model_dir, 49152, named)
+    theirs = transformers.AutoTokenizer.from_pretrained(named)
+    chat = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "description": "", "parameters": {}}}]
+    for given in (None, tools):
+        assert ours.apply_chat_template(chat, tools=given) == theirs.apply_chat_template(
+            chat, tools=given, tokenize=False
+        )
+    for bad, message in (
+        ({"chat_template": 7}, "chat_template must be a template"),
+        ({"eos_token": {"content": 5}}, "a special token must be a string"),
+        ({"bos_token": ["<s>"]}, "a special token must be a string"),
+    ):
+        (named / "tokenizer_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"tokenizer_config.json: {message}"):
+            served_tokenizer(default_model_dir, 49152, named)
