@@ -353,6 +353,10 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
                 "model's reasoning in the format --reasoning-parser names"
             )
         if getattr(args, "task", None) is not None:
+            if args.runner not in ("auto", args.task):  # both named, and not alike
+                raise ValueError(
+                    f"task is the runner {args.task}, not --runner {args.runner}: give one"
+                )
             args.runner = args.task
         _rope_into_hf_overrides(args)
         return EngineArgs.from_cli(args)
@@ -1186,6 +1190,12 @@ def _rope_into_hf_overrides(args: argparse.Namespace) -> None:
     if getattr(args, "rope_scaling", None) is not None:
         overrides = json_object("hf_overrides", args.hf_overrides or "{}")
         rope = json_object("rope_scaling", args.rope_scaling)
+        if rope and "rope_type" not in rope and "type" not in rope:
+            # Without its type the rotation would stay the model's default, the factor unread.
+            raise ValueError(
+                f"rope_scaling {args.rope_scaling} names no rope_type (linear, llama3, yarn, "
+                "longrope): give it, as config.json's rope_scaling does"
+            )
         args.hf_overrides = json.dumps({**overrides, "rope_scaling": rope})
 
 

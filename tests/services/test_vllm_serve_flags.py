@@ -441,6 +441,10 @@ def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, option
         (["--chat-template-content-format", "openai"], "its text parts joined by newlines"),
         (["--logits-processor-pattern", "my.procs.*"], "Weir loads no logits processor"),
         (["--rope-scaling", "yarn"], "--rope-scaling is not JSON"),
+        # A factor without its type changed nothing: the model's own rotation was served.
+        (["--rope-scaling", '{"factor": 4.0}'], "names no rope_type (linear, llama3, yarn"),
+        # Two runners named: the --task one was served, the --runner one silently dropped.
+        (["--task", "embed", "--runner", "generate"], "task is the runner pooling, not --runner"),
     ],
 )
 def test_vllm_flags_weir_cannot_honour_end_with_status_2_saying_why(
