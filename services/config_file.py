@@ -50,7 +50,10 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str, skip: set[str]
             raise ConfigFileError(f"--config {path}: {key!r} is no option of this command")
         if key in skip or value is None or value == []:  # vLLM's: an empty list gives nothing
             continue
-        argv += _flag_argv(flag, action, value, path)
+        flag_argv = _flag_argv(flag, action, value, path)
+        if not flag_argv:  # a switch's false: its default (a refused switch's has no value)
+            continue
+        argv += flag_argv
         given.add(action.dest)
     # Parsed alone, the file need not hold the options the command line must give.
     with none_required(parser):

@@ -468,6 +468,11 @@ def test_vllms_older_flags_are_taken_and_refused_from_a_config_file(
     )
     args = parse_args(["serve", str(tiny_model_dir), "--config", str(taken)])
     assert _engine_args(args).runner == "pooling" and args.use_v2_block_manager
+    # A refused switch's false is its default, as vLLM takes it (a traceback before).
+    untaken = tmp_path / "untaken.yaml"
+    untaken.write_text("enable_expert_parallel: false\nenable-server-load-tracking: false\n")
+    args = parse_args(["serve", str(tiny_model_dir), "--config", str(untaken)])
+    assert not args.enable_server_load_tracking and "enable_expert_parallel" not in vars(args)
     refused = tmp_path / "refused.yaml"
     refused.write_text("enable_expert_parallel: true\n")
     with pytest.raises(SystemExit) as exit_info:
