@@ -828,7 +828,8 @@ def _add_http_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enable-server-load-tracking",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='GET /load answers {"server_load": N}, N the requests of the generation, '
         "embedding, scoring and pooling routes being answered now (a stream until its end), "
         "as vLLM's (without it, N is always 0)",
@@ -989,18 +990,21 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--disable-custom-all-reduce",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="vLLM's; Weir's tensor-parallel ranks all-reduce through torch.distributed (NCCL "
         "on GPU), with no custom kernel to disable, so it changes nothing",
     )
     p.add_argument(
         "--disable-frontend-multiprocessing",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="vLLM's; its V1 engine ignores it too: the engine runs in processes of its own, "
         "as Weir's scheduler and executors do, so it changes nothing",
     )
     p.add_argument(
         "--enable-expert-parallel",
+        "--no-enable-expert-parallel",
         action=_Refused,
         why="Weir splits every MoE expert across the --tensor-parallel-size ranks (vLLM's "
         "layout without expert parallelism), and its data-parallel replicas share no experts",
@@ -1008,7 +1012,8 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enable-sleep-mode",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="vLLM's; Weir's sleep mode (POST /sleep, /wake_up, GET /is_sleeping) is always "
         "served, so it changes nothing",
     )
@@ -1052,6 +1057,8 @@ class _Refused(argparse.Action):
         values: object,
         option_string: str | None = None,
     ) -> None:
+        if option_string is not None and option_string.startswith("--no-"):
+            return  # vLLM's --no-FLAG of a bool field: what Weir does
         parser.error(f"{option_string} is refused: {self.why}")
 
 
@@ -1115,7 +1122,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--language-model-only",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="vLLM's; Weir serves a vision-language checkpoint's language model alone anyway, "
         "so it changes nothing",
     )

@@ -386,6 +386,12 @@ VLLM_COMMAND_LINES = [
         "string --language-model-only",
         {"task": "pooling", "guided_decoding_backend": "xgrammar"},
     ),
+    (  # vLLM's bool fields take --no-FLAG too (argparse's BooleanOptionalAction)
+        "M --no-enable-server-load-tracking --no-enable-expert-parallel --no-enable-sleep-mode "
+        "--no-disable-custom-all-reduce --no-disable-frontend-multiprocessing "
+        "--no-language-model-only",
+        {"enable_server_load_tracking": False, "enable_sleep_mode": False},
+    ),
 ]
 
 
