@@ -204,12 +204,14 @@ class Tokenizer:
         bos_token = _token_content(config.get("bos_token"), config_path)
         eos_token = _token_content(config.get("eos_token"), config_path)
         tool_chat_template = None
+        # chat_template.jinja before tokenizer_config.json's, as transformers (and so vLLM)
+        # reads them: a repository that updated its template there may keep the old one.
+        if chat_template is None and (source / "chat_template.jinja").is_file():
+            chat_template = (source / "chat_template.jinja").read_text(encoding="utf-8")
         if chat_template is None:
             chat_template, tool_chat_template = _config_templates(
                 config.get("chat_template"), config_path
             )
-        if chat_template is None and (source / "chat_template.jinja").is_file():
-            chat_template = (source / "chat_template.jinja").read_text(encoding="utf-8")
         if chat_template is None:  # a multimodal model's, where its processor keeps it
             chat_template = read_json(source / "chat_template.json").get("chat_template")
         try:

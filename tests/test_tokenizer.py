@@ -296,3 +296,22 @@ def test_a_multimodal_model_s_chat_template_json_is_its_template(
         messages, chat_template=template, tokenize=False, add_generation_prompt=True
     )
     assert Tokenizer.from_model_dir(tmp_path).apply_chat_template(messages) == want
+
+
+def test_a_chat_template_jinja_wins_over_tokenizer_config_s_as_in_transformers(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    """transformers reads chat_template.jinja over tokenizer_config.json's chat_template (a
+    repository that updated its template there may keep the old one); Weir rendered the
+    old one."""
+    transformers = pytest.importorskip("transformers")
+    shutil.copy(default_model_dir / "tokenizer.json", tmp_path)
+    config = {"eos_token": "<|im_end|>", "chat_template": "old:{{ messages[0]['content'] }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text("new:{{ messages[0]['content'] }}")
+    messages = [{"role": "user", "content": "Hi"}]
+    want = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        messages, tokenize=False
+    )
+    assert want == "new:Hi"
+    assert Tokenizer.from_model_dir(tmp_path).apply_chat_template(messages) == want
