@@ -218,7 +218,8 @@ class SchedulerServer:
         its drafts would name other tokens and be rejected, at the cost of every step. With
         ``--tokenizer`` the draft is served with that tokenizer too (vLLM's draft model
         config takes the target's tokenizer): it needs none of its own (a .gguf draft's is
-        not converted), only an embedding row for each of that tokenizer's ids."""
+        not converted), only an embedding row for each of that tokenizer's ids; one it has
+        (a directory's tokenizer.json) must still number tokens as the served one does."""
         tokenizer_dir = self.engine_args.tokenizer
         draft_dir = resolve_model(
             model, load_format=self.engine_args.load_format, tokenizer=tokenizer_dir
@@ -229,7 +230,8 @@ class SchedulerServer:
                 served_tokenizer(draft_dir, draft_vocab, tokenizer_dir)
             except ValueError as exc:
                 raise ValueError(f"speculative_model {model!r}: {exc}") from None
-            return
+            if not (draft_dir / "tokenizer.json").is_file():
+                return
         draft = Tokenizer.from_model_dir(draft_dir)
         if draft.backend.get_vocab(with_added_tokens=True) != self.tokenizer.backend.get_vocab(
             with_added_tokens=True

@@ -157,10 +157,19 @@ def test_served_draft_model_keeps_greedy_outputs_and_counts_its_drafts(
     assert executor['weir_executor_phase_seconds_count{model_name="tiny",phase="draft",rank="0"}']
 
 
-def test_a_draft_of_another_vocabulary_fails_start_up(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("given_tokenizer", [False, True])
+def test_a_draft_of_another_vocabulary_fails_start_up(tiny_model_dir, tmp_path, given_tokenizer):
+    """Served with --tokenizer too: a draft with a tokenizer of its own must number tokens
+    as the served one does (one without, a .gguf's conversion, is served with it)."""
     from weir.services.launcher import ChildFailedError
 
     save_with_markers(tmp_path / "marked", tiny_model_dir, ["<extra>"])
+    tokenizer = None
+    if given_tokenizer:
+        tokenizer = tmp_path / "tokenizer"
+        tokenizer.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (tokenizer / name).write_bytes((tiny_model_dir / name).read_bytes())
     with pytest.raises(ChildFailedError, match="its tokenizer is not the served model's"):
         LLM(
             str(tiny_model_dir),
@@ -168,6 +177,7 @@ def test_a_draft_of_another_vocabulary_fails_start_up(tiny_model_dir, tmp_path):
             speculative_model=str(tmp_path / "marked"),
             num_speculative_tokens=2,
             startup_timeout=120,
+            tokenizer=None if tokenizer is None else str(tokenizer),
         )
 
 
