@@ -390,8 +390,8 @@ class EngineArgs:
         _BOTH,  # the executor bans the tokenizer's end token before min_tokens
         "a directory holding the Hugging Face tokenizer to serve the model with, in place of "
         "its own (vLLM's; a .gguf model with its original tokenizer, or a chat template and "
-        "special tokens of another): its tokenizer.json, and from its tokenizer_config.json "
-        "(or chat_template.jinja) the chat template and bos/eos tokens; the sampling defaults "
+        "special tokens of another): its tokenizer.json, its chat template (chat_template.jinja, "
+        "else tokenizer_config.json's) and bos/eos tokens; the sampling defaults "
         "and the model's own end tokens stay the model's (generation_config.json)",
         metavar="DIR",
     )
