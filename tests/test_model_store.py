@@ -11,6 +11,7 @@ import stat
 import subprocess
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -406,23 +407,60 @@ def _tiny_llama_gguf(
     return path
 
 
+PROMPT = [1, 5, 80, 200, 258]
+
+
+def _tokenizer_of(model_dir: Path, directory: Path) -> Path:
+    """`directory`, made to hold `model_dir`'s tokenizer alone, as Hugging Face saves one."""
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, directory / name)
+    return directory
+
+
+@pytest.fixture
+def sentencepiece_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, Path, list[int]]:
+    """A tiny llama .gguf stating a SentencePiece ("llama") tokenizer, which Weir does not
+    convert; a directory of its original tokenizer (the same vocabulary, as Hugging Face
+    saves it); and the greedy tokens after PROMPT of transformers' own loading of the file."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    with_tokenizer = resolve_model(_tiny_llama_gguf(tmp_path / "bpe.gguf"))
+    tokenizer_dir = _tokenizer_of(with_tokenizer, tmp_path / "tokenizer")
+    path = _tiny_llama_gguf(tmp_path / "sentencepiece.gguf", tokenizer_model="llama")
+    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    original.generation_config.eos_token_id = None  # as ignore_eos
+    expected = original.generate(
+        torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0, len(PROMPT) :].tolist()
+    return path, tokenizer_dir, expected
+
+
+def _greedy(**llm_options: Any) -> list[int]:
+    """Weir's greedy tokens after PROMPT, EOS ignored, from an `LLM` of `llm_options`."""
+    from weir.services.llm import LLM
+    from weir.shared.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(kv_cache_memory="1MiB", **llm_options) as llm:
+        [out] = llm.generate([{"prompt_token_ids": PROMPT}], params)
+    return out.token_ids
+
+
 def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    sentencepiece_gguf: tuple[Path, Path, list[int]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """vLLM's advice for GGUF files: serve them with the original tokenizer (--tokenizer DIR).
     A SentencePiece ("llama") tokenizer, which Weir does not convert, is then left out and
     the file served: its greedy tokens are those of transformers' own GGUF loading."""
     from weir.services.cli import main
-    from weir.services.llm import LLM
-    from weir.shared.sampling import SamplingParams
 
-    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
-    tokenizer_dir = tmp_path / "tokenizer"  # the same vocabulary, as Hugging Face saves it
-    tokenizer_dir.mkdir()
-    with_tokenizer = resolve_model(_tiny_llama_gguf(tmp_path / "bpe.gguf"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(with_tokenizer / name, tokenizer_dir / name)
-    path = _tiny_llama_gguf(tmp_path / "sentencepiece.gguf", tokenizer_model="llama")
+    path, tokenizer_dir, expected = sentencepiece_gguf
+    bpe = tmp_path / "bpe.gguf"  # the same model, its tokenizer one Weir converts
+    with_tokenizer = resolve_model(bpe)
     with pytest.raises(UnsupportedGGUFError, match="'llama' is not supported .*--tokenizer DIR"):
         resolve_model(path)
     model_dir = resolve_model(path, tokenizer=tokenizer_dir)
@@ -438,59 +476,31 @@ def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_
     missing = str(tmp_path / "no-such-tokenizer")
     assert main(["prepare-model", "--model", str(path), "--tokenizer", missing]) == 1
     assert "no such directory" in capsys.readouterr().err
-    bpe = tmp_path / "bpe.gguf"  # the model itself as its tokenizer: serve's build with it
+    # The model itself as its tokenizer: serve's build with it.
     assert main(["prepare-model", "--model", str(bpe), "--tokenizer", str(bpe)]) == 0
     assert capsys.readouterr().out == f"{with_tokenizer}\n"
     # So is a directory without a tokenizer: a model only with another one.
     with pytest.raises(ModelNotFoundError):
         resolve_model(model_dir)
     assert resolve_model(model_dir, tokenizer=tokenizer_dir) == model_dir
-
-    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
-    original.generation_config.eos_token_id = None  # as ignore_eos
-    prompt = [1, 5, 80, 200, 258]
-    expected = original.generate(
-        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
-    )[0, len(prompt) :].tolist()
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with LLM(str(path), tokenizer=str(tokenizer_dir), kv_cache_memory="1MiB") as llm:
-        [out] = llm.generate([{"prompt_token_ids": prompt}], params)
-    assert out.token_ids == expected
+    assert _greedy(model=str(path), tokenizer=str(tokenizer_dir)) == expected
 
 
 def test_a_draft_model_is_served_with_the_given_tokenizer_too(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sentencepiece_gguf: tuple[Path, Path, list[int]],
 ) -> None:
     """vLLM's draft model takes the target's tokenizer: with --tokenizer DIR a .gguf draft
     whose own tokenizer Weir cannot convert is converted without it, as the target is (its
     start failed, telling to give the --tokenizer that was given); its drafts change no
     greedy token."""
-    from weir.services.llm import LLM
-    from weir.shared.sampling import SamplingParams
-
-    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
-    tokenizer_dir = tmp_path / "tokenizer"
-    tokenizer_dir.mkdir()
-    with_tokenizer = resolve_model(_tiny_llama_gguf(tmp_path / "bpe.gguf"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(with_tokenizer / name, tokenizer_dir / name)
-    path = _tiny_llama_gguf(tmp_path / "sentencepiece.gguf", tokenizer_model="llama")
-    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
-    original.generation_config.eos_token_id = None  # as ignore_eos
-    prompt = [1, 5, 80, 200, 258]
-    expected = original.generate(
-        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0
-    )[0, len(prompt) :].tolist()
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with LLM(
-        str(path),
+    path, tokenizer_dir, expected = sentencepiece_gguf
+    drafted = _greedy(
+        model=str(path),
         tokenizer=str(tokenizer_dir),
         speculative_model=str(path),
         num_speculative_tokens=2,
-        kv_cache_memory="1MiB",
-    ) as llm:
-        [out] = llm.generate([{"prompt_token_ids": prompt}], params)
-    assert out.token_ids == expected
+    )
+    assert drafted == expected
 
 
 def test_a_rerankers_classifier_tokens_are_the_given_tokenizers(
@@ -503,10 +513,7 @@ def test_a_rerankers_classifier_tokens_are_the_given_tokenizers(
 
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
     path = _tiny_llama_gguf(tmp_path / "bpe.gguf")
-    tokenizer_dir = tmp_path / "tokenizer"
-    tokenizer_dir.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(resolve_model(path) / name, tokenizer_dir / name)
+    tokenizer_dir = _tokenizer_of(resolve_model(path), tmp_path / "tokenizer")
     overrides = {
         "architectures": ["LlamaForSequenceClassification"],
         "classifier_from_token": ["he", "Ġthe"],
