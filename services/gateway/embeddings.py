@@ -193,17 +193,13 @@ class ScoreRequest(_PairFields):
 
 class RerankRequest(_PairFields):
     """vLLM's (Jina's, Cohere's) ``POST /rerank``: the ``documents`` ranked by relevance to
-    the ``query``, the ``top_n`` best (0: all)."""
-
-    # Cohere's ``return_documents``, which litellm's hosted_vllm rerank sends as true by
-    # default: each result always holds its document (vLLM ignores the field), so only true
-    # changes nothing.
-    _NEUTRAL: ClassVar[dict[str, Any]] = {**_PairFields._NEUTRAL, "return_documents": True}
-    _ACCEPTED = frozenset(_NEUTRAL) | Options._IGNORED
+    the ``query``, the ``top_n`` best (0: all); each result with its document unless
+    Cohere's ``return_documents`` is false (litellm's hosted_vllm rerank sends it)."""
 
     query: str
     documents: Texts
     top_n: Annotated[int, Field(ge=0)] = 0
+    return_documents: bool = True
 
 
 def score_response(model: str, scores: list[float], num_tokens: int) -> dict[str, Any]:
@@ -218,6 +214,8 @@ def rerank_response(
     ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
     results = [
         {"index": i, "document": {"text": body.documents[i]}, "relevance_score": scores[i]}
+        if body.return_documents
+        else {"index": i, "relevance_score": scores[i]}
         for i in ranked
     ]
     return {
