@@ -739,14 +739,16 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enable-force-include-usage",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="streamed completions and chats end with the usage chunk and carry each choice's "
         "usage so far in every chunk, whatever stream_options say (whole responses always "
         "carry usage)",
     )
     p.add_argument(
         "--enable-prompt-tokens-details",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="vLLM's; usage always holds prompt_tokens_details (cached_tokens), so it changes "
         "nothing",
     )
@@ -762,7 +764,8 @@ def _add_log_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's logging flags, so that its command lines start Weir."""
     p.add_argument(
         "--enable-log-requests",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="log each request the gateway sends on (id, prompt, sampling parameters) at INFO",
     )
     p.add_argument(
@@ -773,10 +776,15 @@ def _add_log_flags(p: argparse.ArgumentParser) -> None:
         help="with --enable-log-requests, a logged prompt's texts are cut to N characters and "
         "its token ids to N ids (default: 500 characters and 64 ids, elided in the middle)",
     )
-    for flag, what in (("requests", "no request"), ("stats", "no periodic stats")):
+    # vLLM's --disable-log-requests has a --no- form, its --disable-log-stats none.
+    for flag, what, action in (
+        ("requests", "no request", argparse.BooleanOptionalAction),
+        ("stats", "no periodic stats", "store_true"),
+    ):
         p.add_argument(
             f"--disable-log-{flag}",
-            action="store_true",
+            action=action,
+            default=False,
             help=f"vLLM's; Weir logs {what} unless asked, so it changes nothing",
         )
     p.add_argument(
@@ -812,18 +820,21 @@ def _add_http_server_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--disable-fastapi-docs",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="serve no /docs, /redoc or /openapi.json (the API's schema and its pages)",
     )
     p.add_argument(
         "--enable-request-id-headers",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="answer every request with an X-Request-Id header: the request's own, else a "
         "random one",
     )
     p.add_argument(
         "--disable-uvicorn-access-log",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="vLLM's; Weir's HTTP server writes no access log, so it changes nothing",
     )
     p.add_argument(
@@ -1078,7 +1089,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     refused, saying why)."""
     p.add_argument(
         "--trust-remote-code",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="vLLM's; Weir runs no code from a model's files (its own architectures, "
         "safetensors or GGUF weights, tokenizer.json, a sandboxed chat template), so it "
         "changes nothing",
@@ -1235,7 +1247,8 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted as vLLM's command lines give it: tool_choice 'auto' is served whenever "
         "--tool-call-parser is given",
     )

@@ -392,6 +392,13 @@ VLLM_COMMAND_LINES = [
         "--no-language-model-only",
         {"enable_server_load_tracking": False, "enable_sleep_mode": False},
     ),
+    (
+        "M --no-enable-log-requests --no-disable-log-requests --no-enable-request-id-headers "
+        "--no-enable-force-include-usage --no-enable-prompt-tokens-details "
+        "--no-disable-fastapi-docs --no-disable-uvicorn-access-log --no-trust-remote-code "
+        "--no-enable-auto-tool-choice",
+        {"enable_log_requests": False, "enable_request_id_headers": False},
+    ),
 ]
 
 
