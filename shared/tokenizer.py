@@ -278,7 +278,8 @@ class Tokenizer:
             template = self._tool_chat_template
         if template is None:
             raise ValueError(
-                "this model has no chat template (tokenizer_config.json has no 'chat_template')"
+                "this model has no chat template (tokenizer_config.json has no 'chat_template', "
+                "or none named 'default'); give one with --chat-template"
             )
         if reserved := sorted((template_kwargs or {}).keys() & _TEMPLATE_ARGUMENTS):
             raise ValueError(

@@ -265,3 +265,8 @@ def test_named_chat_templates_render_as_transformers_and_bad_configs_are_named(
         (named / "tokenizer_config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=f"tokenizer_config.json: {message}"):
             served_tokenizer(default_model_dir, 49152, named)
+    # Named templates without a "default" render no chat, as transformers refuses one.
+    config["chat_template"] = config["chat_template"][1:]
+    (named / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="or none named 'default'"):
+        served_tokenizer(default_model_dir, 49152, named).apply_chat_template(chat)
