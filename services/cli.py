@@ -737,18 +737,16 @@ def _add_api_flags(p: argparse.ArgumentParser) -> None:
         "default, add_generation_prompt true; else the last message's role) (default: "
         "assistant)",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--enable-force-include-usage",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="streamed completions and chats end with the usage chunk and carry each choice's "
         "usage so far in every chunk, whatever stream_options say (whole responses always "
         "carry usage)",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--enable-prompt-tokens-details",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="vLLM's; usage always holds prompt_tokens_details (cached_tokens), so it changes "
         "nothing",
     )
@@ -762,10 +760,9 @@ def _api_options(args: argparse.Namespace) -> ApiOptions:
 
 def _add_log_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's logging flags, so that its command lines start Weir."""
-    p.add_argument(
+    _add_switch(
+        p,
         "--enable-log-requests",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="log each request the gateway sends on (id, prompt, sampling parameters) at INFO",
     )
     p.add_argument(
@@ -776,17 +773,12 @@ def _add_log_flags(p: argparse.ArgumentParser) -> None:
         help="with --enable-log-requests, a logged prompt's texts are cut to N characters and "
         "its token ids to N ids (default: 500 characters and 64 ids, elided in the middle)",
     )
-    # vLLM's --disable-log-requests has a --no- form, its --disable-log-stats none.
-    for flag, what, action in (
-        ("requests", "no request", argparse.BooleanOptionalAction),
-        ("stats", "no periodic stats", "store_true"),
-    ):
-        p.add_argument(
-            f"--disable-log-{flag}",
-            action=action,
-            default=False,
-            help=f"vLLM's; Weir logs {what} unless asked, so it changes nothing",
-        )
+    unlogged = "vLLM's; Weir logs {} unless asked, so it changes nothing"
+    _add_switch(p, "--disable-log-requests", help=unlogged.format("no request"))
+    # vLLM's has no --no- form.
+    p.add_argument(
+        "--disable-log-stats", action="store_true", help=unlogged.format("no periodic stats")
+    )
     p.add_argument(
         "--uvicorn-log-level",
         default="warning",
@@ -818,29 +810,25 @@ def _add_http_server_flags(p: argparse.ArgumentParser) -> None:
         default=ssl.CERT_NONE,
         help="client certificates: 0 not asked, 1 optional, 2 required (default 0)",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--disable-fastapi-docs",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="serve no /docs, /redoc or /openapi.json (the API's schema and its pages)",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--enable-request-id-headers",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="answer every request with an X-Request-Id header: the request's own, else a "
         "random one",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--disable-uvicorn-access-log",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="vLLM's; Weir's HTTP server writes no access log, so it changes nothing",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--enable-server-load-tracking",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help='GET /load answers {"server_load": N}, N the requests of the generation, '
         "embedding, scoring and pooling routes being answered now (a stream until its end), "
         "as vLLM's (without it, N is always 0)",
@@ -999,17 +987,15 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
         help="vLLM's (V0, where 0.6 made it change nothing); Weir's KV cache is paged blocks, "
         "so it changes nothing",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--disable-custom-all-reduce",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="vLLM's; Weir's tensor-parallel ranks all-reduce through torch.distributed (NCCL "
         "on GPU), with no custom kernel to disable, so it changes nothing",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--disable-frontend-multiprocessing",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="vLLM's; its V1 engine ignores it too: the engine runs in processes of its own, "
         "as Weir's scheduler and executors do, so it changes nothing",
     )
@@ -1021,10 +1007,9 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
         "layout without expert parallelism), and its data-parallel replicas share no experts",
         help="vLLM's; refused: Weir splits each MoE expert by tensor parallelism",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--enable-sleep-mode",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="vLLM's; Weir's sleep mode (POST /sleep, /wake_up, GET /is_sleeping) is always "
         "served, so it changes nothing",
     )
@@ -1087,10 +1072,9 @@ def _check_download_dir(args: argparse.Namespace) -> None:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's engine flags whose behaviour Weir always has (at some values: the others are
     refused, saying why)."""
-    p.add_argument(
+    _add_switch(
+        p,
         "--trust-remote-code",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="vLLM's; Weir runs no code from a model's files (its own architectures, "
         "safetensors or GGUF weights, tokenizer.json, a sandboxed chat template), so it "
         "changes nothing",
@@ -1132,10 +1116,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="LIMITS",
         help="vLLM's; refused: Weir serves text-only models",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--language-model-only",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="vLLM's; Weir serves a vision-language checkpoint's language model alone anyway, "
         "so it changes nothing",
     )
@@ -1219,6 +1202,12 @@ def _rope_into_hf_overrides(args: argparse.Namespace) -> None:
         args.hf_overrides = json.dumps({**overrides, "rope_scaling": rope})
 
 
+def _add_switch(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """An off-by-default switch that takes vLLM's --no- form too (its bool fields are
+    argparse's BooleanOptionalAction)."""
+    p.add_argument(flag, action=argparse.BooleanOptionalAction, default=False, help=help)
+
+
 def _vllm_value(taken: tuple[str, ...], why: str) -> Callable[[str], str]:
     """The type of a vLLM flag whose values ``taken`` ask for what Weir does; any other is
     refused, saying ``why``, rather than left without effect."""
@@ -1245,10 +1234,9 @@ def _add_parser_flags(p: argparse.ArgumentParser) -> None:
         "functions.NAME); without it "
         "'auto' is refused, and 'required' or a named function still work",
     )
-    p.add_argument(
+    _add_switch(
+        p,
         "--enable-auto-tool-choice",
-        action=argparse.BooleanOptionalAction,
-        default=False,
         help="accepted as vLLM's command lines give it: tool_choice 'auto' is served whenever "
         "--tool-call-parser is given",
     )
