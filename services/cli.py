@@ -308,6 +308,7 @@ def _gateway(args: argparse.Namespace) -> int:
         docs=not args.disable_fastapi_docs,
         request_id_headers=args.enable_request_id_headers,
         load_tracking=args.enable_server_load_tracking,
+        engine_metrics=args.engine_metrics,
     )
     # Prompts are logged only when asked (vLLM's flag), whatever --log-level says.
     logging.getLogger(REQUESTS_LOGGER).setLevel(
@@ -1475,6 +1476,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_MESSAGE_BYTES,
         help="largest HTTP request body, e.g. 1MiB, at least 1KiB; larger ones get 413 "
         "(default 64MiB)",
+    )
+    p.add_argument(
+        "--engine-metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an engine replica's scheduler /metrics URL, repeatable: its series join the "
+        "gateway's own at /metrics, labelled engine=<index> (`weir serve` gives them)",
     )
     _add_keys_dir_flag(p)
     p.add_argument(

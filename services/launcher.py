@@ -222,7 +222,8 @@ class ServerProcesses:
                 self.info["replicas"] = records
             if self.http_port is not None:
                 self.info["http_address"] = self._start_gateway(
-                    [record["client_address"] for record in records]
+                    [record["client_address"] for record in records],
+                    *[a for r in records for a in ("--engine-metrics", r["metrics_address"])],
                 )
         except Terminated:
             if not self.info:

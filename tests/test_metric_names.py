@@ -14,11 +14,22 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, exposition
+from prometheus_client.parser import text_string_to_metric_families
 
-from weir.services.engine.metrics import LoraRequestGauges, SchedulerMetrics, StepHistogram
+from weir.services.engine.metrics import (
+    CacheConfigInfo,
+    LoraRequestGauges,
+    SchedulerMetrics,
+    StepHistogram,
+)
 from weir.services.executor.metrics import ExecutorMetrics
+from weir.services.gateway.engine_metrics import EngineMetrics
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.router import Router
+from weir.services.launcher import free_port
+from weir.services.metrics_endpoint import start_metrics_server
+from weir.services.scheduler.scheduler import Scheduler
+from weir.shared.config import CacheConfig, SchedulerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = re.compile(r"weir_[a-z][a-z0-9_]*")
@@ -45,8 +56,10 @@ def _registries() -> dict[str, CollectorRegistry]:
     scheduler = SchedulerMetrics("m")
     scheduler.request_success("stop")  # label children exist only once used
     LoraRequestGauges(
-        "m", lambda: {"sql": "sql"}, lambda: None, scheduler.registry
+        "m", 2, lambda: {"sql": "sql"}, lambda: None, scheduler.registry
     )  # served with adapters
+    cache = Scheduler(SchedulerConfig(), CacheConfig(num_blocks=64))
+    CacheConfigInfo("m", lambda: cache, scheduler.registry)
     return {
         "scheduler": scheduler.registry,
         "executor": ExecutorMetrics("m", 0, "cpu").registry,
@@ -94,6 +107,28 @@ def test_promtool_accepts_the_exposition(process: str) -> None:
         [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
     )
     assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+
+
+def test_the_gateway_serves_each_engines_series_under_one_family() -> None:
+    """Two schedulers' /metrics endpoints, and one where nobody listens, behind the gateway's
+    /metrics: each family declared once, each engine's samples labelled with its index, the
+    silent one left out, and promtool accepts the whole."""
+    disable_created_metrics()
+    engines = [SchedulerMetrics("m") for _ in range(2)]
+    engines[1].num_requests_waiting.set(3)
+    urls = [start_metrics_server(e.registry, "127.0.0.1", 0) for e in engines]
+    urls.append(f"http://127.0.0.1:{free_port()}/metrics")
+    own = asyncio.run(gateway_registry())
+    text = exposition.generate_latest(asyncio.run(EngineMetrics(urls, 1.0).registry(own)))
+    families = {f.name: f for f in text_string_to_metric_families(text.decode())}
+    waiting = families["weir_num_requests_waiting"].samples
+    assert {s.labels["engine"]: s.value for s in waiting} == {"0": 0.0, "1": 3.0}
+    declared = [line.split()[2] for line in text.decode().splitlines() if line.startswith("# TYPE")]
+    assert len(declared) == len(set(declared)) and "weir_gateway_requests_total" in declared
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True)
+        assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
 
 
 def test_no_colon_metric_names_are_left_in_the_repository() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
@@ -76,19 +77,24 @@ _bound_text = cast(Callable[[float], str], floatToGoString)
 
 
 class LoraRequestGauges:
-    """``weir_lora_requests_running`` and ``weir_lora_requests_waiting`` per adapter (vLLM's
-    ``lora_requests_info`` says which adapters run and wait; these count their requests),
-    counted when scraped: a step pays nothing for them. The scrape runs on the /metrics
-    thread, and copies the scheduler's lists in one call each, which the GIL keeps whole."""
+    """``weir_lora_requests_running`` and ``weir_lora_requests_waiting`` per adapter, and
+    ``weir_lora_requests_info`` in vLLM's form (labels ``max_lora``,
+    ``running_lora_adapters``, ``waiting_lora_adapters``: the adapters of the running and
+    waiting requests, comma-separated; the value the time it was read), which the Gateway
+    API Inference Extension's endpoint picker reads for its LoRA affinity. Counted when
+    scraped: a step pays nothing for them. The scrape runs on the /metrics thread, and
+    copies the scheduler's lists in one call each, which the GIL keeps whole."""
 
     def __init__(
         self,
         model_name: str,
+        max_loras: int,
         adapters: Callable[[], dict[str, str]],
         scheduler: Callable[[], Scheduler | None],
         registry: CollectorRegistry,
     ) -> None:
         self._model_name = model_name
+        self._max_loras = max_loras
         self._adapters = adapters  # name -> the adapter id its requests carry
         self._scheduler = scheduler
         registry.register(self)
@@ -97,6 +103,7 @@ class LoraRequestGauges:
         """The families without their values (the registry asks before the server runs)."""
         for state in ("running", "waiting"):
             yield self._family(state)
+        yield self._info_family()
 
     @staticmethod
     def _family(state: str) -> GaugeMetricFamily:
@@ -106,11 +113,21 @@ class LoraRequestGauges:
             labels=["model_name", "lora_name"],
         )
 
+    @staticmethod
+    def _info_family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "weir_lora_requests_info",
+            "The LoRA adapters of running and waiting requests (vLLM's lora_requests_info); "
+            "the value is when it was read (Unix seconds)",
+            labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+
     def collect(self) -> Iterator[Metric]:
         scheduler = self._scheduler()
         running = [] if scheduler is None else list(scheduler.running)
         waiting = [] if scheduler is None else scheduler.waiting.requests()
         adapters = dict(self._adapters())
+        in_use = []
         for state, requests in (("running", running), ("waiting", waiting)):
             family = self._family(state)
             counts = dict.fromkeys(adapters.values(), 0)
@@ -119,7 +136,48 @@ class LoraRequestGauges:
                     counts[request.lora_name] += 1
             for name, adapter_id in adapters.items():
                 family.add_metric([self._model_name, name], counts[adapter_id])
+            in_use.append(",".join(name for name, i in adapters.items() if counts[i]))
             yield family
+        info = self._info_family()
+        info.add_metric([self._model_name, str(self._max_loras), *in_use], time.time())
+        yield info
+
+
+class CacheConfigInfo:
+    """``weir_cache_config_info``: the KV cache's geometry as labels (vLLM's
+    ``cache_config_info``; the endpoint picker's prefix-cache scorer reads ``block_size``
+    and ``num_gpu_blocks``), value 1; none until the executors have sized the cache, and
+    read again when a new executor group resizes it."""
+
+    def __init__(
+        self,
+        model_name: str,
+        scheduler: Callable[[], Scheduler | None],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._model_name = model_name
+        self._scheduler = scheduler
+        registry.register(self)
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "weir_cache_config_info",
+            "The KV cache's configuration (vLLM's cache_config_info), value 1",
+            labels=["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        scheduler = self._scheduler()
+        if scheduler is not None:
+            config = scheduler.cache_config
+            labels = (config.block_size, config.num_blocks, config.enable_prefix_caching)
+            family.add_metric([self._model_name, *map(str, labels)], 1)
+        yield family
 
 
 class StepHistogram:

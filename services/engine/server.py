@@ -39,7 +39,7 @@ from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError,
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
 from weir.services.engine.frontend import CLIENT_SNDHWM, ClientFrontend
 from weir.services.engine.lora_registry import LoraRegistry
-from weir.services.engine.metrics import LoraRequestGauges, SchedulerMetrics
+from weir.services.engine.metrics import CacheConfigInfo, LoraRequestGauges, SchedulerMetrics
 from weir.services.engine.ngram import make_proposer
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
@@ -192,11 +192,13 @@ class SchedulerServer:
         directory = keys_dir(self.engine_args.keys_dir)
         self.keys = None if directory is None else SchedulerKeys.load(directory)
         self.metrics = SchedulerMetrics(self.model_name)
+        CacheConfigInfo(self.model_name, self._scheduler, self.metrics.registry)
         if self.engine_args.lora_enabled:
             LoraRequestGauges(
                 self.model_name,
+                self.engine_args.max_loras,
                 lambda: self.loras.ids,
-                lambda: None if self.core is None else self.core.scheduler,
+                self._scheduler,
                 self.metrics.registry,
             )
         self.metrics_address: str | None = None
@@ -446,6 +448,10 @@ class SchedulerServer:
             await self.frontend.wake_up(resume=True)
         except (ValueError, ExecutorLostError) as exc:
             _log.error("draining: the engine could not wake up to finish its requests: %s", exc)
+
+    def _scheduler(self) -> Scheduler | None:
+        """The scheduler, once the executors have sized the cache (the metrics' collectors)."""
+        return None if self.core is None else self.core.scheduler
 
     def _serving(self) -> bool:
         """Serving and taking requests: the metrics endpoint's /health (readiness probe)."""

@@ -48,6 +48,7 @@ from weir.services.gateway.embeddings import (
     rerank_response,
     score_response,
 )
+from weir.services.gateway.engine_metrics import EngineMetrics
 from weir.services.gateway.metrics import GatewayMetrics
 from weir.services.gateway.reasoning import END as REASONING_END
 from weir.services.gateway.response_store import MAX_STORED_RESPONSES, ResponseStore
@@ -473,6 +474,7 @@ class Gateway:
         allowed_origins: Sequence[str] = ("*",),
         parsers: ChatParsers = NO_PARSERS,
         options: ApiOptions = ApiOptions(),
+        engine_metrics: Sequence[str] = (),
     ) -> None:
         self.router = router
         self.parsers = parsers
@@ -481,6 +483,7 @@ class Gateway:
         self.max_request_bytes = max_request_bytes
         self.allowed_origins = allowed_origins  # CORS: the web pages that may call the API
         self.metrics = GatewayMetrics(router)
+        self.engine_metrics = EngineMetrics(engine_metrics)  # their series join /metrics
         self._model: dict[str, Any] | None = None
         self._model_lookup: asyncio.Future[dict[str, Any]] | None = None
         self._reasoning_end_token: bool | None = None  # whether </think> is one token
@@ -2027,7 +2030,8 @@ def create_app(
     async def metrics(request: Request) -> Response:
         # Text or OpenMetrics, as the scraper asks (as every Weir metrics endpoint does).
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(gateway.metrics.registry), media_type=content_type)
+        registry = await gateway.engine_metrics.registry(gateway.metrics.registry)
+        return Response(encode(registry), media_type=content_type)
 
     if load_tracking:  # inside the key and size checks: a refused request is never counted
         app.add_middleware(_LoadTracked, load=load)

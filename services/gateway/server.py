@@ -8,7 +8,7 @@ import os
 import resource
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
@@ -56,6 +56,7 @@ class GatewayOptions:
     docs: bool = True  # /docs, /redoc, /openapi.json (off: vLLM's --disable-fastapi-docs)
     request_id_headers: bool = False  # vLLM's --enable-request-id-headers
     load_tracking: bool = False  # vLLM's --enable-server-load-tracking: /load counts requests
+    engine_metrics: list[str] = field(default_factory=list)  # scheduler /metrics URLs
 
 
 async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int | None) -> int:
@@ -72,6 +73,7 @@ async def serve(options: GatewayOptions, status: StatusReporter, parent_pid: int
         options.allowed_origins,
         options.parsers,
         options.api,
+        options.engine_metrics,
     )
     server: uvicorn.Server | None = None
 

@@ -59,6 +59,12 @@ def test_two_tensor_parallel_replicas_share_the_traffic_and_restart_apart(
             for r in replicas
         ]
         assert sum(served) == 8 and min(served) > 0, served
+        # The API port's /metrics carries each replica's series, told apart by engine=i.
+        on_api_port = read_metrics(info["http_address"] + "/metrics").items()
+        finished = 'weir_requests_finished_total{{engine="{}",'
+        assert [
+            sum(v for k, v in on_api_port if k.startswith(finished.format(i))) for i in (0, 1)
+        ] == served
 
         pids = {c.name: c.proc.pid for c in processes._children if c.role == "executor"}
         os.kill(pids["executor 1 of replica 1"], signal.SIGKILL)

@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 from lora_adapters import ALL_PROJECTIONS, peft_model, save_random_adapter
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from serving_helpers import hf_greedy, read_metrics, small_server
 
 from weir.services import LLM
@@ -186,11 +188,42 @@ def test_the_scheduler_counts_each_adapters_requests(server):
             ("waiting", "sql"): 0,
             ("waiting", "poet"): 0,
         }
+        # --max-loras 1: a request of the other adapter waits while poet's runs.
+        body = {"model": "sql", "prompt": "Write a query.", "max_tokens": 1}
+        completions = server.info["http_address"] + "/v1/completions"
+        waiting = threading.Thread(
+            target=httpx.post, args=(completions,), kwargs={"json": body, "timeout": 60}
+        )
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while counts()[("waiting", "sql")] != 1:
+            assert time.monotonic() < deadline, counts()
+            time.sleep(0.05)
+        before = time.time()
+        info = _lora_info(server.info["http_address"] + "/metrics")
+        assert before - 1 <= info.value <= time.time() + 1, info
+        assert info.labels == {
+            "model_name": MODEL,
+            "max_lora": "1",
+            "running_lora_adapters": "poet",
+            "waiting_lora_adapters": "sql",
+            "engine": "0",
+        }
         stream.close()
+        waiting.join(timeout=60)
     deadline = time.monotonic() + 10
     while set(counts().values()) != {0}:  # the abort reaches the scheduler soon after
         assert time.monotonic() < deadline, counts()
         time.sleep(0.05)
+
+
+def _lora_info(url: str) -> Sample:
+    """The one sample of vLLM's lora_requests_info as the gateway's /metrics (the API port an
+    endpoint picker scrapes) serves it."""
+    text = httpx.get(url, timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    [sample] = families["weir_lora_requests_info"].samples
+    return sample
 
 
 def test_weir_generate_takes_an_adapter(server, default_model_dir, references, capsys):

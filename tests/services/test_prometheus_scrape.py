@@ -127,6 +127,11 @@ def _has_data(base: str, expr: str) -> bool:
     return any(value not in ("NaN", "+Inf", "-Inf") for _, value in (r["value"] for r in result))
 
 
+def _value(base: str, expr: str) -> float:
+    [series] = _api(base, "query", query=expr)["result"]
+    return float(series["value"][1])
+
+
 def test_every_dashboard_query_returns_data_under_a_real_prometheus(tmp_path):
     engine = EngineArgs(
         model=None,
@@ -187,6 +192,19 @@ def test_every_dashboard_query_returns_data_under_a_real_prometheus(tmp_path):
                     timeout=120,
                 )
                 time.sleep(1)
+            # The API port serves the engine's series too (vLLM's one port), labelled with
+            # its replica: what an endpoint picker scraping only that port reads.
+            query = 'weir_cache_config_info{job="gateway"}'
+            [config] = _api(base, "query", query=query)["result"]
+            assert config["metric"]["num_gpu_blocks"] == str(server.info["num_blocks"])
+            assert (config["metric"]["block_size"], config["metric"]["engine"]) == ("16", "0")
+            tokens = 'weir_prompt_tokens_total{{job="{}"}}'
+            deadline = time.monotonic() + 30  # the two jobs' last scrapes agree once idle
+            while _value(base, tokens.format("gateway")) != _value(
+                base, tokens.format("scheduler")
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
         finally:
             prometheus.terminate()
             prometheus.wait(timeout=30)
