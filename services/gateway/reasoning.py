@@ -1,12 +1,14 @@
 """A thinking model's reasoning read out of its text: ``<think>...</think>``, as vLLM's
 ``--reasoning-parser deepseek_r1``, ``qwen3``, ``glm45``, ``minimax_m2`` and ``kimi_k2`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
-Magistral's, its markers special tokens).
+Magistral's, its markers special tokens), or ``Here's my thought process:...Here's my
+response:`` (``granite``: Granite 3.2's and 3.3's, asked to think, "Here is" too).
 
 A thinking model's template may open the reasoning in the prompt (DeepSeek-R1, newer
 Qwen3), or the model writes ``<think>`` itself: so while a request thinks, its text is
 reasoning up to the first ``</think>`` (all of it, if cut short before), an opening tag left
-out. A request that does not think (Qwen3 asked with ``enable_thinking: false``, or an output
-held to a format from its first token) is content, unless its text opens with ``<think>``.
+out. A request that does not think (Qwen3 asked with ``enable_thinking: false``, an output
+held to a format from its first token, or any under ``mistral`` and ``granite``, whose
+models open their reasoning themselves) is content, unless its text opens with the start.
 Under ``qwen3`` a ``<tool_call>`` also ends the reasoning, unclosed, and opens the content
 (Qwen3 may call a tool before its ``</think>``).
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from weir.services.gateway.tool_calls import tag_prefix_at_end
 
 # glm45: GLM-4.5's to 4.7's, as qwen3's; minimax_m2 and kimi_k2: MiniMax-M2's and Kimi K2
-# Thinking's, as deepseek_r1's. The last: harmony.py.
+# Thinking's, as deepseek_r1's; granite: Granite 3.2's and 3.3's. The last: harmony.py.
 REASONING_PARSERS = (
     "deepseek_r1",
     "qwen3",
@@ -26,6 +28,7 @@ REASONING_PARSERS = (
     "minimax_m2",
     "kimi_k2",
     "mistral",
+    "granite",
     "openai_gptoss",
 )
 
@@ -34,17 +37,30 @@ START, END = "<think>", "</think>"
 
 @dataclass(frozen=True, slots=True)
 class Markers:
-    """A parser's reasoning markers."""
+    """A parser's reasoning markers: each a string, or a tuple of the spellings that mark
+    alike."""
 
-    start: str = START
-    end: str = END
+    start: str | tuple[str, ...] = START
+    end: str | tuple[str, ...] = END
     # What ends the reasoning unclosed and opens the content, kept in it: Qwen3's tool call
     # written before its ``</think>`` (vLLM's qwen3 parser reads it so); "" for none.
     call: str = ""
 
 
 # Each parser's (the others': Markers()).
-MARKERS = {"mistral": Markers("[THINK]", "[/THINK]"), "qwen3": Markers(call="<tool_call>")}
+MARKERS = {
+    "mistral": Markers("[THINK]", "[/THINK]"),
+    "qwen3": Markers(call="<tool_call>"),
+    # vLLM's granite parser takes "Here's" for "Here is", which quantized models write.
+    "granite": Markers(
+        ("Here is my thought process:", "Here's my thought process:"),
+        ("Here is my response:", "Here's my response:"),
+    ),
+}
+
+
+def _spellings(marker: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (marker,) if isinstance(marker, str) else marker
 
 
 class ReasoningReader:
@@ -53,7 +69,8 @@ class ReasoningReader:
 
     def __init__(self, thinking: bool, markers: Markers = Markers()) -> None:
         self._thinking = thinking
-        self._start, self._end, self._call = markers.start, markers.end, markers.call
+        self._starts, self._ends = _spellings(markers.start), _spellings(markers.end)
+        self._call = markers.call
         self._pending = ""
         self._state = "open"  # the start is not known yet; then "reasoning", "content"
         self.reasoned = False  # whether the text holds reasoning (maybe empty)
@@ -63,21 +80,25 @@ class ReasoningReader:
         self._pending += text
         if self._state == "open":
             head = self._pending.lstrip()
-            if head.startswith(self._start):
-                self._pending = head[len(self._start) :]
+            start = next((s for s in self._starts if head.startswith(s)), None)
+            if start is not None:
+                self._pending = head[len(start) :]
                 self._enter("reasoning")
-            elif self._start.startswith(head):
+            elif any(s.startswith(head) for s in self._starts):
                 return "", ""
             else:
                 self._enter("reasoning" if self._thinking else "content")
         reasoning = ""
         if self._state == "reasoning":
-            end = self._pending.find(self._end)
+            end, end_marker = min(
+                ((at, e) for e in self._ends if (at := self._pending.find(e)) >= 0),
+                default=(-1, ""),
+            )
             call = self._pending.find(self._call) if self._call else -1
             if 0 <= call and (end < 0 or call < end):
                 reasoning, self._pending = self._pending[:call], self._pending[call:]
             elif end < 0:
-                keep = tag_prefix_at_end(self._pending, self._end)
+                keep = max(tag_prefix_at_end(self._pending, e) for e in self._ends)
                 if self._call:
                     keep = max(keep, tag_prefix_at_end(self._pending, self._call))
                 reasoning = self._pending[: len(self._pending) - keep]
@@ -85,7 +106,7 @@ class ReasoningReader:
                 return reasoning, ""
             else:
                 reasoning = self._pending[:end]
-                self._pending = self._pending[end + len(self._end) :]
+                self._pending = self._pending[end + len(end_marker) :]
             self._state = "content"
         content, self._pending = self._pending, ""
         return reasoning, content

@@ -807,7 +807,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         token), nor a continued message (the output goes on with its text): they think only
         where their text opens with the tag."""
         thinking = None
-        if parsers.reasoning == "mistral":  # Magistral's prompt opens no reasoning
+        if parsers.reasoning in ("mistral", "granite"):  # their prompts open no reasoning
             thinking = False
         elif parsers.reasoning is not None:
             thinking = (

@@ -22,7 +22,11 @@ and the calls read back out of its text, whole or as it streams.
   ``kimi_k2``: Kimi K2's ``<|tool_calls_section_begin|>`` calls, ``functions.NAME:N`` (its
   call id) then ``<|tool_call_argument_begin|>{...}``; ``minimax_m2``: MiniMax-M2's ``<minimax:tool_call>`` blocks of one or more ``<invoke
   name="NAME">`` and their ``<parameter name="KEY">VALUE</parameter>``s, read as
-  qwen3_coder's.
+  qwen3_coder's; ``granite``: Granite 3's ``<|tool_call|>`` (or 3.0's ``<tool_call>``) and a
+  JSON array of ``{"name", "arguments"}`` objects, the whole output; ``phi4_mini_json``:
+  Phi-4-mini's ``functools[{"name": ..., "arguments": {...}}, ...]``; ``xlam``: xLAM's JSON
+  array of calls, the whole output or in a ```json fence, a ``[TOOL_CALLS]`` line or a
+  ``<tool_call>`` block.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -54,6 +58,9 @@ TOOL_CALL_PARSERS = (
     "deepseek_v31",
     "minimax_m2",
     "kimi_k2",
+    "granite",
+    "phi4_mini_json",
+    "xlam",
     "openai",
 )
 # (openai: harmony.py)
@@ -343,19 +350,41 @@ class HermesReader:
 
 
 def json_call(block: str) -> ToolCall | None:
-    """A hermes block's call: ``{"name": ..., "arguments": {...}}``; arguments written as
-    a JSON string holding an object (Granite 4 writes them so) are that object, as vLLM
-    reads them, where encoding them again would give clients a string, not a mapping."""
+    """A hermes block's call: ``{"name": ..., "arguments": {...}}`` (`value_call`)."""
     try:
-        call = json.loads(block)
-        if not isinstance(call, dict) or type(call.get("name")) is not str:
-            return None
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = _object_or_text(arguments)
-        return ToolCall(call["name"], _arguments_text(arguments))
+        return value_call(json.loads(block))
     except (ValueError, RecursionError):  # nested past the parser's depth: a model may write it
         return None
+
+
+def value_call(call: Any, keys: tuple[str, ...] = ("arguments",)) -> ToolCall | None:
+    """The call a JSON value is: ``{"name": ..., "arguments": {...}}`` (the first of ``keys``
+    it holds; none: no arguments); arguments written as a JSON string holding an object
+    (Granite 4 writes them so) are that object, as vLLM reads them, where encoding them
+    again would give clients a string, not a mapping."""
+    if not isinstance(call, dict) or type(call.get("name")) is not str:
+        return None
+    arguments: Any = next((call[key] for key in keys if key in call), {})
+    if isinstance(arguments, str):
+        arguments = _object_or_text(arguments)
+    try:
+        return ToolCall(call["name"], _arguments_text(arguments))
+    except (ValueError, RecursionError):
+        return None
+
+
+def array_calls(items: Any, keys: tuple[str, ...] = ("arguments",)) -> list[ToolCall] | None:
+    """The calls of a JSON array each item of which is a call (`value_call`); None where
+    ``items`` is no such array, or an empty one."""
+    if not isinstance(items, list) or not items:
+        return None
+    calls = []
+    for item in items:
+        call = value_call(item, keys)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
 
 def _object_or_text(text: str) -> Any:
@@ -512,13 +541,13 @@ def _literal(value: str) -> Any:
     return value
 
 
-class PythonicReader:
-    """Llama 3.2's and 4's calls: an output that begins with ``[`` (or Llama 4's
-    ``<|python_start|>``) is a Python list of calls with keyword arguments of literal values,
-    read when the output ends (each call one delta then); one that does not parse so, and
-    any other output, is content as written."""
+class LeadingListReader:
+    """An output that is calls as a whole: one that begins with ``[`` (after any of
+    ``OPENERS``, the markers its format may put first, in their order) is held until the
+    output ends, then read by the subclass's ``_calls`` (each call one delta then); one in
+    which ``_calls`` finds none, and any other output, is content as written."""
 
-    TAGS = ("<|python_start|>", "<|python_end|>")
+    OPENERS: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
@@ -529,8 +558,8 @@ class PythonicReader:
         if self._is_content:
             return text, []
         self._text += text
-        start = self._text.lstrip()
-        if not start or start.startswith("[") or self.TAGS[0].startswith(start[:16]):
+        rest = self._after_openers(self._text)
+        if not rest or rest.startswith("[") or any(o.startswith(rest) for o in self.OPENERS):
             return "", []  # held until the end, when the list is read whole
         self._is_content = True
         text, self._text = self._text, ""
@@ -538,12 +567,48 @@ class PythonicReader:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         text, self._text = self._text, ""
-        source = text.strip().removeprefix(self.TAGS[0]).removesuffix(self.TAGS[1])
-        calls = None if self._is_content else self._calls(source)
+        calls = None if self._is_content else self._calls(self._after_openers(text))
         if calls is None:
             return text, []
         self.calls += calls
         return "", [call.delta(i) for i, call in enumerate(calls)]
+
+    def _after_openers(self, text: str) -> str:
+        """``text`` less its leading whitespace and the openers it begins with."""
+        rest = text.lstrip()
+        for opener in self.OPENERS:
+            if rest.startswith(opener):
+                rest = rest[len(opener) :].lstrip()
+        return rest
+
+    @classmethod
+    def _calls(cls, source: str) -> list[ToolCall] | None:
+        raise NotImplementedError
+
+
+class GraniteReader(LeadingListReader):
+    """Granite 3's calls: an output that is ``<|tool_call|>`` (a special token from 3.1 on)
+    or ``<tool_call>`` (3.0) and a JSON array of ``{"name", "arguments"}`` objects, or the
+    array alone; as vLLM's parser, an array with an item that is no call, or cut short, and
+    text before the marker or after the array make the output content as written."""
+
+    OPENERS = ("<|tool_call|>", "<tool_call>")
+
+    @classmethod
+    def _calls(cls, source: str) -> list[ToolCall] | None:
+        try:
+            return array_calls(json.loads(source))
+        except (ValueError, RecursionError):
+            return None
+
+
+class PythonicReader(LeadingListReader):
+    """Llama 3.2's and 4's calls: an output that begins with ``[`` (or Llama 4's
+    ``<|python_start|>``) is a Python list of calls with keyword arguments of literal values,
+    read when the output ends (each call one delta then); one that does not parse so, and
+    any other output, is content as written."""
+
+    OPENERS, END = ("<|python_start|>",), "<|python_end|>"
 
     # Where one call in the list is not Python (a broken quote), the list is cut into its
     # calls at each ")," that a name and "(" follow, each then read alone.
@@ -554,7 +619,7 @@ class PythonicReader:
         """The list's calls; as vLLM's parser, a call with no JSON text for its arguments
         (bytes, an infinite number, positional ones) or that is no Python is passed over
         and its siblings kept. None where no call is left, or the text is no list of calls."""
-        source = source.strip()
+        source = source.strip().removesuffix(cls.END).strip()
         try:
             tree = ast.parse(source, mode="eval").body
         except (SyntaxError, ValueError, MemoryError, RecursionError):
@@ -684,6 +749,122 @@ class MistralReader(CallsAfterTag):
         except (ValueError, RecursionError):
             return None
         return calls or None
+
+
+class Phi4MiniReader(CallsAfterTag):
+    """Phi-4-mini's calls: ``functools`` and a JSON array of ``{"name", "arguments"}`` (or
+    ``"parameters"``) objects, as vLLM's phi4_mini_json chat template asks for them. Text
+    before the marker streams as content (less what may begin it); the array is read when
+    the output ends, each call one delta then, text after it passed over (vLLM's); an
+    array with an item that is no call, or cut short, leaves the rest content as written."""
+
+    TAG = "functools["
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        if self._tail is None:
+            return self._unread(), []
+        try:
+            calls = array_calls(_leading_json("[" + self._tail), ("arguments", "parameters"))
+        except (ValueError, RecursionError):
+            calls = None
+        if calls is None:
+            return self.TAG + self._tail, []
+        self.calls += calls
+        return "", [call.delta(n) for n, call in enumerate(calls)]
+
+
+class XlamReader:
+    """xLAM's calls: a JSON array of ``{"name", "arguments"}`` objects, the whole output
+    (as xLAM-2's chat template writes them), or in a block: a json code fence (or a bare
+    fence the array opens), a ``[TOOL_CALLS]`` line or a ``<tool_call>...</tool_call>``;
+    after a ``</think>`` (the thought left in the content) the text is read anew. Text
+    before the first block streams as content (less what may begin one); from there the
+    output is held and read when it ends, as vLLM's xlam parser reads it: the first block
+    that is JSON, the kinds tried in that order, gives the calls (items that are no call
+    passed over) and the text around the blocks of its kind, stripped, the content; where
+    no call is found, the rest is content as written."""
+
+    STARTS = ("```json", "```\n[", "[TOOL_CALLS]", "<tool_call>")
+    THINK_END = "</think>"
+    BLOCKS = (
+        re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL),
+        re.compile(r"\[TOOL_CALLS\](.*?)(?=\n|$)", re.DOTALL),
+        re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL),
+    )
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._pending = ""  # content that may begin a block or a </think>
+        self._at_start = True  # at the output's start, or just after a </think>
+        self._tail: str | None = None  # from where calls may stand to the end
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._tail is not None:
+            self._tail += text
+            return "", []
+        self._pending += text
+        content = []
+        while True:
+            if self._at_start:
+                head = self._pending.lstrip()
+                if not head:
+                    break
+                self._at_start = False
+                if head.startswith("["):
+                    self._tail, self._pending = self._pending, ""
+                    break
+            marks = (*self.STARTS, self.THINK_END)
+            found = [(at, mark) for mark in marks if (at := self._pending.find(mark)) >= 0]
+            if not found:
+                keep = max(tag_prefix_at_end(self._pending, mark) for mark in marks)
+                content.append(self._pending[: len(self._pending) - keep])
+                self._pending = self._pending[len(self._pending) - keep :]
+                break
+            at, mark = min(found)
+            if mark != self.THINK_END:
+                content.append(self._pending[:at])
+                self._tail, self._pending = self._pending[at:], ""
+                break
+            end = at + len(mark)
+            content.append(self._pending[:end])
+            self._pending, self._at_start = self._pending[end:], True
+        return "".join(content), []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        pending, self._pending = self._pending, ""
+        if self._tail is None:
+            return pending, []
+        calls, rest = self._read(self._tail)
+        if not calls:
+            return self._tail, []
+        self.calls += calls
+        return rest, [call.delta(n) for n, call in enumerate(calls)]
+
+    @classmethod
+    def _read(cls, tail: str) -> tuple[list[ToolCall], str]:
+        """The calls ``tail`` holds, and the text around them."""
+        found = cls._block(tail)
+        if found is None:
+            try:
+                found = json.loads(tail), ""
+            except (ValueError, RecursionError):
+                return [], ""
+        items, rest = found
+        if not isinstance(items, list):
+            return [], ""
+        return [call for item in items if (call := value_call(item)) is not None], rest.strip()
+
+    @classmethod
+    def _block(cls, tail: str) -> tuple[Any, str] | None:
+        """The JSON value of the first block (of the first kind, in order) that is JSON,
+        and the text less the blocks of its kind; None where no block is."""
+        for block in cls.BLOCKS:
+            for match in block.finditer(tail):
+                try:
+                    return json.loads(match.group(1)), block.sub("", tail)
+                except (ValueError, RecursionError):
+                    continue
+        return None
 
 
 def _leading_json(text: str) -> Any:
@@ -840,6 +1021,12 @@ class ToolChoice:
             return DeepSeekReader()
         if self.parser == "kimi_k2":
             return KimiK2Reader()
+        if self.parser == "granite":
+            return GraniteReader()
+        if self.parser == "phi4_mini_json":
+            return Phi4MiniReader()
+        if self.parser == "xlam":
+            return XlamReader()
         return PythonicReader() if self.parser == "pythonic" else Llama3JsonReader()
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:

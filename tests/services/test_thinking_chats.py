@@ -389,6 +389,33 @@ def test_qwen3s_tool_call_ends_its_thought_in_any_pieces(thinking, text, reasoni
         assert "".join(c for _, c in got) == content
 
 
+GRANITE_CASES = [
+    # Granite 3.2's markers, "Here's" or "Here is" (vLLM's granite parser takes both).
+    ("Here is my thought process:\na\nHere is my response:\nb", "\na\n", "\nb"),
+    (" Here's my thought process: a Here's my response: b", " a ", " b"),
+    ("Here's my thought process:a", "a", ""),  # cut short
+    ("Four.", None, "Four."),  # not asked to think: no markers, all answer
+    ("Here is my thought", None, "Here is my thought"),
+    ("I said: Here is my thought process:", None, "I said: Here is my thought process:"),
+]
+
+
+@pytest.mark.parametrize("text, reasoning, content", GRANITE_CASES)
+def test_granites_markers_split_alike_in_any_pieces(text, reasoning, content):
+    body = ChatCompletionRequest.model_validate(
+        {"messages": ASK, "chat_template_kwargs": {"thinking": True}}
+    )
+    output = body.chat_output(ChatParsers(reasoning="granite"))
+    assert output.thinking is False  # the model opens its thought itself
+    for size in (1, 2, 3, 5, 1000):
+        reader = ReasoningReader(output.thinking, output.reasoning_markers)
+        got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        got.append(reader.finish())
+        assert "".join(r for r, _ in got) == (reasoning or "")
+        assert "".join(c for _, c in got) == content
+        assert reader.reasoned == (reasoning is not None)
+
+
 def test_qwen3s_tool_call_before_the_thoughts_end_is_a_call():
     output = ChatOutput(
         True,

@@ -22,15 +22,19 @@ import torch
 import zmq
 from serving_helpers import hf_constrained, read_chat, small_server
 
-from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
+from weir.services.gateway.chat_output import NO_PARSERS, ChatOutput, ChatParsers
 from weir.services.gateway.tool_calls import (
     DeepSeekReader,
+    GraniteReader,
     HermesReader,
     JsonCallReader,
     Llama3JsonReader,
     MistralReader,
     NamedCallReader,
+    Phi4MiniReader,
     PythonicReader,
+    ToolChoice,
+    XlamReader,
     glm_call,
     json_call,
     minimax_calls,
@@ -154,6 +158,9 @@ GATEWAY_PARSERS = (
     ChatParsers(tool_call="qwen3_coder"),
     ChatParsers(tool_call="glm45"),
     ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2"),
+    ChatParsers(tool_call="granite", reasoning="granite"),
+    ChatParsers(tool_call="phi4_mini_json"),
+    ChatParsers(tool_call="xlam"),
 )
 
 
@@ -776,6 +783,78 @@ def test_auto_reads_minimax_m2_reasoning_and_calls_out_of_the_text(gateway, stre
     )
 
 
+# Two calls as a JSON array of {"name", "arguments"} objects, as Granite 3, Phi-4-mini and
+# xLAM write them.
+CALLS_ARRAY = (
+    '[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}, '
+    '{"name": "get_time", "arguments": {}}]'
+)
+TWO_CALLS = [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", "{}")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_granite_reasoning_and_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser granite --reasoning-parser granite: Granite 3.2's thought and
+    response markers (its chat template asks "Write your thoughts after 'Here is my thought
+    process:' and write your response after 'Here is my response:'" when thinking is on),
+    the response ``<|tool_call|>`` and a JSON array of calls (Granite 3.1's template writes
+    an assistant's calls so; llama.cpp's granite format and vLLM's test_granite_tool_parser
+    read it); an output without the markers is all answer, and calls that max_tokens cut
+    short are content."""
+    thought = "Here is my thought process:\nOslo, 3 days.\n\nHere is my response:\n"
+    granite = gateway(ChatParsers(tool_call="granite", reasoning="granite"))
+    got = [
+        read_chat(
+            granite,
+            stream,
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            extra_body={"guided_choice": [text], "chat_template_kwargs": {"thinking": True}},
+            max_tokens=max_tokens,
+        )
+        for text, max_tokens in (
+            (thought + "<|tool_call|>" + CALLS_ARRAY, None),
+            ("Snow all week.", None),
+            ("<|tool_call|>" + CALLS_ARRAY, 12),
+        )
+    ]
+    assert got[:2] == [
+        ("\nOslo, 3 days.\n\n", None, TWO_CALLS, "tool_calls"),
+        (None, "Snow all week.", [], "stop"),
+    ]
+    reasoning, content, calls, finish = got[2]
+    assert (reasoning, calls, finish) == (None, [], "length")
+    assert content and ("<|tool_call|>" + CALLS_ARRAY).startswith(content)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_phi4_mini_json_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser phi4_mini_json: ``functools[...]``, the array of calls vLLM's
+    tool_chat_template_phi4_mini.jinja asks Phi-4-mini for ("prefix function calls with
+    functools marker"); the text before it is content."""
+    phi4 = gateway(ChatParsers(tool_call="phi4_mini_json"))
+    kwargs = {"extra_body": {"guided_choice": ["Checking. functools" + CALLS_ARRAY]}}
+    got = _answer(phi4, stream, max_tokens=None, **kwargs)[:3]
+    assert got == ("Checking. ", TWO_CALLS, "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_xlam_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser xlam: xLAM-2's output, the JSON array of calls alone (as its chat
+    template writes an assistant's calls, and vLLM's test_xlam_tool_parser has them), or
+    in a json code fence after text (the text the content)."""
+    xlam = gateway(ChatParsers(tool_call="xlam"))
+    got = [
+        _answer(xlam, stream, max_tokens=None, extra_body={"guided_choice": [text]})[:3]
+        for text in (CALLS_ARRAY, "Checking.\n```json\n" + CALLS_ARRAY + "\n```")
+    ]
+    assert got == [
+        ("" if stream else None, TWO_CALLS, "tool_calls"),
+        ("Checking.\n", TWO_CALLS, "tool_calls"),
+    ]
+
+
 def test_minimax_m2_blocks_hold_invokes_only():
     invoke = '<invoke name="f"><parameter name="i">4</parameter></invoke>'
     calls = minimax_calls({"f": {"i": {"type": "integer"}}}, f"\n{invoke}\n{invoke}\n")
@@ -903,6 +982,77 @@ def test_a_llama3_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     assert read("<|pyth") == ("<|pyth", [])
     assert read("  <b>{not a call}</b>") == ("  <b>{not a call}</b>", [])
     assert read('{"x": 1}') == ('{"x": 1}', [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_granite_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    def read(text):
+        return read_in_pieces(GraniteReader(), text, step)
+
+    assert read("<|tool_call|>" + CALLS_ARRAY) == ("", TWO_CALLS)
+    assert read(" <tool_call>\n" + CALLS_ARRAY + "\n") == ("", TWO_CALLS)  # Granite 3.0's
+    assert read(CALLS_ARRAY) == ("", TWO_CALLS)
+    serialized = '<|tool_call|>[{"name": "f", "arguments": "{\\"a\\": 1}"}]'
+    assert read(serialized) == ("", [("f", '{"a": 1}')])
+    # As vLLM's parser: anything but the array (text before or after it, an object, an item
+    # that is no call, an array cut short) is content as written.
+    # <|tool_call|> is a special token of Granite 3.1 on: the text must keep it.
+    assert ChatOutput(None, ToolChoice("auto", parser="granite")).keeps_special_tokens
+    for text in (
+        "Hi <|tool_call|>" + CALLS_ARRAY,
+        "<|tool_call|>" + CALLS_ARRAY + " done",
+        '<|tool_call|>{"name": "f", "arguments": {}}',
+        '<|tool_call|>[{"name": "f"}, 2]',
+        '<|tool_call|>[{"name": "f", "arguments": {',
+        "<|tool_call|>[]",
+        "<|tool_c",
+        "[1] is a list",
+    ):
+        assert read(text) == (text, [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_phi4_mini_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    def read(text):
+        return read_in_pieces(Phi4MiniReader(), text, step)
+
+    assert read("functools" + CALLS_ARRAY) == ("", TWO_CALLS)
+    nested = 'functools[{"name": "f", "parameters": {"a": [1, [2]]}}] '  # Llama's key too
+    assert read(nested) == ("", [("f", '{"a": [1, [2]]}')])
+    assert read("Use functools.partial.") == ("Use functools.partial.", [])
+    prose = Phi4MiniReader()  # the word alone begins no call: it streams
+    assert prose.feed("Use functools.") == ("Use functools.", [])
+    for text in ('functools[{"name": "f", "arguments": {', "functools[] text", "functools[{}]"):
+        assert read(text) == (text, [])
+    assert read("I'll ask. functool") == ("I'll ask. functool", [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_an_xlam_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    def read(text):
+        return read_in_pieces(XlamReader(), text, step)
+
+    # vLLM's test_extract_tool_calls cases: the array alone, after a thought, in a fence,
+    # after [TOOL_CALLS], in <tool_call> tags.
+    assert read(" " + CALLS_ARRAY) == ("", TWO_CALLS)
+    assert read("<think>Weather.</think>" + CALLS_ARRAY) == ("<think>Weather.</think>", TWO_CALLS)
+    assert read("I'll help.\n```json\n" + CALLS_ARRAY + "\n```\nDone.") == (
+        "I'll help.\nDone.",
+        TWO_CALLS,
+    )
+    assert read("Checking.[TOOL_CALLS]" + CALLS_ARRAY) == ("Checking.", TWO_CALLS)
+    assert read("Ok.<tool_call>" + CALLS_ARRAY + "</tool_call>") == ("Ok.", TWO_CALLS)
+    assert read('[{"name": "f", "arguments": {}}, {"no": "call"}]') == ("", [("f", "{}")])
+    for text in (
+        "Snow [all week].",
+        "```python\nprint([1])\n```",
+        "[1, 2]",
+        '[{"name": "f", "argu',  # cut short
+        '```json\n{"name": "f", "arguments": {}}\n```',  # no array
+        "<think>a</think>  ",
+        "Done.</thi",
+    ):
+        assert read(text) == (text, [])
 
 
 def test_auto_needs_a_parser_and_the_other_choices_do_not(gateway):
