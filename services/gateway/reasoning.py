@@ -1,12 +1,14 @@
 """A thinking model's reasoning read out of its text: ``<think>...</think>``, as vLLM's
-``--reasoning-parser deepseek_r1``, ``qwen3``, ``glm45``, ``minimax_m2`` and ``kimi_k2`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
+``--reasoning-parser deepseek_r1``, ``qwen3``, ``glm45`` (``glm47``), ``minimax_m2``, ``kimi_k2``,
+``olmo3``, ``deepseek_v3`` and ``holo2`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
 Magistral's, its markers special tokens).
 
 A thinking model's template may open the reasoning in the prompt (DeepSeek-R1, newer
 Qwen3), or the model writes ``<think>`` itself: so while a request thinks, its text is
 reasoning up to the first ``</think>`` (all of it, if cut short before), an opening tag left
-out. A request that does not think (Qwen3 asked with ``enable_thinking: false``, or an output
-held to a format from its first token) is content, unless its text opens with ``<think>``.
+out. A request that does not think (Qwen3 asked with ``enable_thinking: false``, DeepSeek-V3.1
+not asked with ``thinking: true``, or an output held to a format from its first token) is
+content, unless its text opens with ``<think>``.
 Under ``qwen3`` a ``<tool_call>`` also ends the reasoning, unclosed, and opens the content
 (Qwen3 may call a tool before its ``</think>``).
 """
@@ -17,14 +19,20 @@ from dataclasses import dataclass
 
 from weir.services.gateway.tool_calls import tag_prefix_at_end
 
-# glm45: GLM-4.5's to 4.7's, as qwen3's; minimax_m2 and kimi_k2: MiniMax-M2's and Kimi K2
-# Thinking's, as deepseek_r1's. The last: harmony.py.
+# glm45 (or glm47, vLLM's other name): GLM-4.5's to 4.7's, as qwen3's; minimax_m2, kimi_k2
+# and olmo3: MiniMax-M2's, Kimi K2 Thinking's and OLMo 3 Think's, as deepseek_r1's;
+# deepseek_v3 and holo2: DeepSeek-V3.1's and Holo2's, as deepseek_r1's where the request
+# thinks (schemas.py says which do). The last: harmony.py.
 REASONING_PARSERS = (
     "deepseek_r1",
     "qwen3",
     "glm45",
+    "glm47",
     "minimax_m2",
     "kimi_k2",
+    "olmo3",
+    "deepseek_v3",
+    "holo2",
     "mistral",
     "openai_gptoss",
 )

@@ -22,7 +22,9 @@ and the calls read back out of its text, whole or as it streams.
   ``kimi_k2``: Kimi K2's ``<|tool_calls_section_begin|>`` calls, ``functions.NAME:N`` (its
   call id) then ``<|tool_call_argument_begin|>{...}``; ``minimax_m2``: MiniMax-M2's ``<minimax:tool_call>`` blocks of one or more ``<invoke
   name="NAME">`` and their ``<parameter name="KEY">VALUE</parameter>``s, read as
-  qwen3_coder's.
+  qwen3_coder's; ``olmo3``: OLMo 3's ``<function_calls>`` blocks, one Python call a line,
+  ``f(a=1)``, its values Python's or JSON's literals (``true``, ``null``). ``qwen3_xml``
+  and ``glm47`` are vLLM's other names of qwen3_coder and glm45.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -48,15 +50,18 @@ TOOL_CALL_PARSERS = (
     "llama3_json",
     "pythonic",
     "qwen3_coder",
+    "qwen3_xml",
     "mistral",
     "glm45",
+    "glm47",
     "deepseek_v3",
     "deepseek_v31",
     "minimax_m2",
     "kimi_k2",
+    "olmo3",
     "openai",
 )
-# (openai: harmony.py)
+# (qwen3_xml and glm47: vLLM's other names of qwen3_coder's and glm45's; openai: harmony.py)
 
 ToolChoiceKind = Literal["named", "required", "auto"]
 
@@ -595,10 +600,35 @@ class PythonicReader:
         ):
             return None
         try:
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            arguments = {kw.arg: _python_literal(kw.value) for kw in node.keywords}
             return ToolCall(node.func.id, _arguments_text(arguments))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return None
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+class _JsonNames(ast.NodeTransformer):
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        if node.id not in _JSON_NAMES:
+            return node
+        return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+
+
+def _python_literal(node: ast.expr) -> Any:
+    """The value of a literal, JSON's ``true``, ``false`` and ``null`` read too: OLMo 3 writes
+    them in its calls, and vLLM's pythonic parsers read them so."""
+    return ast.literal_eval(_JsonNames().visit(node))
+
+
+def olmo3_calls(block: str) -> list[ToolCall] | None:
+    """An OLMo 3 ``<function_calls>`` block's calls: one Python call a line, read as the
+    items of a pythonic list (`PythonicReader`), so a call that is no Python or has no JSON
+    text for its arguments is passed over and the others kept; None where no line is a
+    call."""
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    return PythonicReader._calls("[" + ", ".join(lines) + "]") if lines else None
 
 
 class CallsAfterTag:
@@ -827,10 +857,12 @@ class ToolChoice:
             return JsonCallReader(2)
         if self.parser == "hermes":
             return HermesReader()
-        if self.parser == "qwen3_coder":
+        if self.parser in ("qwen3_coder", "qwen3_xml"):
             return HermesReader(functools.partial(xml_call, self.properties))
-        if self.parser == "glm45":
+        if self.parser in ("glm45", "glm47"):
             return HermesReader(functools.partial(glm_call, self.properties))
+        if self.parser == "olmo3":
+            return HermesReader(olmo3_calls, ("<function_calls>", "</function_calls>"))
         if self.parser == "minimax_m2":
             tags = ("<minimax:tool_call>", "</minimax:tool_call>")
             return HermesReader(functools.partial(minimax_calls, self.properties), tags)
