@@ -1,7 +1,8 @@
 """A thinking model's reasoning read out of its text: ``<think>...</think>``, as vLLM's
 ``--reasoning-parser deepseek_r1``, ``qwen3``, ``glm45`` (``glm47``), ``minimax_m2``, ``kimi_k2``,
 ``olmo3``, ``deepseek_v3`` and ``holo2`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
-Magistral's, its markers special tokens).
+Magistral's, its markers special tokens); ``minimax_m2_append_think`` leaves it in the content,
+``<think>`` put first.
 
 A thinking model's template may open the reasoning in the prompt (DeepSeek-R1, newer
 Qwen3), or the model writes ``<think>`` itself: so while a request thinks, its text is
@@ -21,6 +22,7 @@ from weir.services.gateway.tool_calls import tag_prefix_at_end
 
 # glm45 (or glm47, vLLM's other name): GLM-4.5's to 4.7's, as qwen3's; minimax_m2, kimi_k2
 # and olmo3: MiniMax-M2's, Kimi K2 Thinking's and OLMo 3 Think's, as deepseek_r1's;
+# minimax_m2_append_think: MiniMax-M2's, all content, ``<think>`` put first (Markers.inline);
 # deepseek_v3 and holo2: DeepSeek-V3.1's and Holo2's, as deepseek_r1's where the request
 # thinks (schemas.py says which do). The last: harmony.py.
 REASONING_PARSERS = (
@@ -29,6 +31,7 @@ REASONING_PARSERS = (
     "glm45",
     "glm47",
     "minimax_m2",
+    "minimax_m2_append_think",
     "kimi_k2",
     "olmo3",
     "deepseek_v3",
@@ -49,10 +52,18 @@ class Markers:
     # What ends the reasoning unclosed and opens the content, kept in it: Qwen3's tool call
     # written before its ``</think>`` (vLLM's qwen3 parser reads it so); "" for none.
     call: str = ""
+    # Whether the reasoning stays in the content, ``start`` put before it (the template opened
+    # it in the prompt): vLLM's minimax_m2_append_think, for clients that send the thought back
+    # as content.
+    inline: bool = False
 
 
 # Each parser's (the others': Markers()).
-MARKERS = {"mistral": Markers("[THINK]", "[/THINK]"), "qwen3": Markers(call="<tool_call>")}
+MARKERS = {
+    "mistral": Markers("[THINK]", "[/THINK]"),
+    "qwen3": Markers(call="<tool_call>"),
+    "minimax_m2_append_think": Markers(inline=True),
+}
 
 
 class ReasoningReader:
@@ -62,8 +73,9 @@ class ReasoningReader:
     def __init__(self, thinking: bool, markers: Markers = Markers()) -> None:
         self._thinking = thinking
         self._start, self._end, self._call = markers.start, markers.end, markers.call
-        self._pending = ""
-        self._state = "open"  # the start is not known yet; then "reasoning", "content"
+        self._pending = markers.start if markers.inline else ""
+        # "open": the start is not known yet; then "reasoning", "content"
+        self._state = "content" if markers.inline else "open"
         self.reasoned = False  # whether the text holds reasoning (maybe empty)
 
     def feed(self, text: str) -> tuple[str, str]:

@@ -389,6 +389,20 @@ def test_qwen3s_tool_call_ends_its_thought_in_any_pieces(thinking, text, reasoni
         assert "".join(c for _, c in got) == content
 
 
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("text", ["a\n</think>\n\nb", "<think>a</think>b", ""])
+def test_minimax_m2_append_think_keeps_the_thought_in_the_content(thinking, text):
+    """vLLM's minimax_m2_append_think: no reasoning, the content ``<think>`` and the text
+    (MiniMax-M2's template opens the thought in the prompt), however the request thinks."""
+    for size in (1, 2, 5, 1000):
+        reader = ReasoningReader(thinking, MARKERS["minimax_m2_append_think"])
+        got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        got.append(reader.finish())
+        assert "".join(r for r, _ in got) == ""
+        assert "".join(c for _, c in got) == "<think>" + text
+        assert reader.reasoned is False
+
+
 def test_qwen3s_tool_call_before_the_thoughts_end_is_a_call():
     output = ChatOutput(
         True,

@@ -155,6 +155,7 @@ GATEWAY_PARSERS = (
     ChatParsers(tool_call="qwen3_coder"),
     ChatParsers(tool_call="glm45"),
     ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2"),
+    ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2_append_think"),
     ChatParsers(tool_call="olmo3", reasoning="olmo3"),
     ChatParsers(tool_call="deepseek_v31", reasoning="deepseek_v3"),
     ChatParsers(tool_call="glm47", reasoning="glm47"),
@@ -884,6 +885,27 @@ def test_qwen3_xml_and_glm47_read_as_qwen3_coder_and_glm45(gateway, stream):
         )
         want = ("Echo.", "Checking.\n", [("echo", '{"city": "Oslo", "days": "3"}')], "tool_calls")
         assert got == want, parsers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_minimax_m2_append_think_keeps_the_thought_in_the_content(gateway, stream):
+    """--reasoning-parser minimax_m2_append_think (vLLM's): MiniMax-M2's template opens the
+    thought in the prompt, so its output is the thought, ``</think>``, then the answer and
+    its calls; the content is all of it, ``<think>`` put first, the calls read out of it."""
+    invoke = '<invoke name="get_time">\n</invoke>\n'
+    text = f"The time.\n</think>\n\nChecking.\n<minimax:tool_call>\n{invoke}</minimax:tool_call>"
+    minimax = gateway(ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2_append_think"))
+    got = read_chat(
+        minimax,
+        stream,
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        extra_body={"guided_choice": [text]},
+        max_tokens=None,
+    )
+    content = "<think>The time.\n</think>\n\nChecking.\n"
+    assert got == (None, content, [("get_time", "{}")], "tool_calls")
 
 
 def test_minimax_m2_blocks_hold_invokes_only():
