@@ -625,8 +625,8 @@ def _python_literal(node: ast.expr) -> Any:
 def olmo3_calls(block: str) -> list[ToolCall] | None:
     """An OLMo 3 ``<function_calls>`` block's calls: one Python call a line, read as the
     items of a pythonic list (`PythonicReader`), so a call that is no Python or has no JSON
-    text for its arguments is passed over and the others kept; None where no line is a
-    call."""
+    text for its arguments is passed over and the others kept; None where no call is left,
+    or a line is other text."""
     lines = [line.strip() for line in block.splitlines() if line.strip()]
     return PythonicReader._calls("[" + ", ".join(lines) + "]") if lines else None
 
