@@ -751,6 +751,22 @@ def tool_prompt(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     return [tool.model_dump(exclude_none=True, by_alias=True) for tool in tools]
 
 
+def _asked_not_to_think(parser: str, kwargs: dict[str, Any]) -> bool:
+    """Whether the template's variables ask the model not to think, as ``parser`` reads them
+    (vLLM's): Qwen3's and GLM's ``enable_thinking`` false; DeepSeek-V3.1's template thinks
+    only given ``thinking`` (or ``enable_thinking``) true, Holo2's unless either is given
+    and neither is true."""
+    if parser in ("qwen3", "glm45", "glm47"):
+        return kwargs.get("enable_thinking") is False
+    asked = bool(kwargs.get("thinking") or kwargs.get("enable_thinking"))
+    if parser == "deepseek_v3":
+        return not asked
+    if parser == "holo2":
+        given = kwargs.get("thinking") is not None or kwargs.get("enable_thinking") is not None
+        return given and not asked
+    return False
+
+
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """``POST /v1/chat/completions``: the model's chat template renders ``messages``."""
 
@@ -801,8 +817,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         """How the choices' text is read: its reasoning, if the server reads it, and how it
         holds tool calls (None: content only; so without tools), "auto" read by the
         server's parser (OpenAI's default); the message's role: ``response_role`` where the
-        generation prompt is added, else the last message's, as vLLM's. Qwen3 (and GLM)
-        asked not to think does not, nor a structured output where the model's vocabulary
+        generation prompt is added, else the last message's, as vLLM's. Qwen3 (and GLM,
+        DeepSeek-V3.1, Holo2) asked not to think does not (`_asked_not_to_think`), nor a structured output where the model's vocabulary
         has no reasoning end token to hold it to its format after (it is held from its first
         token), nor a continued message (the output goes on with its text): they think only
         where their text opens with the tag."""
@@ -813,10 +829,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             thinking = (
                 (reasoning_end_is_a_token or not self.asks_structured_output())
                 and not self.continue_final_message
-                and not (
-                    parsers.reasoning in ("qwen3", "glm45")
-                    and (self.template_kwargs() or {}).get("enable_thinking") is False
-                )
+                and not _asked_not_to_think(parsers.reasoning, self.template_kwargs() or {})
             )
         choice = self.tool_choice or "auto"
         tool_choice = None

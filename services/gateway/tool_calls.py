@@ -26,7 +26,9 @@ and the calls read back out of its text, whole or as it streams.
   JSON array of ``{"name", "arguments"}`` objects, the whole output; ``phi4_mini_json``:
   Phi-4-mini's ``functools[{"name": ..., "arguments": {...}}, ...]``; ``xlam``: xLAM's JSON
   array of calls, the whole output or in a ```json fence, a ``[TOOL_CALLS]`` line or a
-  ``<tool_call>`` block.
+  ``<tool_call>`` block; ``olmo3``: OLMo 3's ``<function_calls>`` blocks, one Python call a
+  line, ``f(a=1)``, its values Python's or JSON's literals (``true``, ``null``). ``qwen3_xml``
+  and ``glm47`` are vLLM's other names of qwen3_coder and glm45.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -52,8 +54,10 @@ TOOL_CALL_PARSERS = (
     "llama3_json",
     "pythonic",
     "qwen3_coder",
+    "qwen3_xml",
     "mistral",
     "glm45",
+    "glm47",
     "deepseek_v3",
     "deepseek_v31",
     "minimax_m2",
@@ -61,9 +65,10 @@ TOOL_CALL_PARSERS = (
     "granite",
     "phi4_mini_json",
     "xlam",
+    "olmo3",
     "openai",
 )
-# (openai: harmony.py)
+# (qwen3_xml and glm47: vLLM's other names of qwen3_coder's and glm45's; openai: harmony.py)
 
 ToolChoiceKind = Literal["named", "required", "auto"]
 
@@ -660,10 +665,35 @@ class PythonicReader(LeadingListReader):
         ):
             return None
         try:
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            arguments = {kw.arg: _python_literal(kw.value) for kw in node.keywords}
             return ToolCall(node.func.id, _arguments_text(arguments))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return None
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+class _JsonNames(ast.NodeTransformer):
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        if node.id not in _JSON_NAMES:
+            return node
+        return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+
+
+def _python_literal(node: ast.expr) -> Any:
+    """The value of a literal, JSON's ``true``, ``false`` and ``null`` read too: OLMo 3 writes
+    them in its calls, and vLLM's pythonic parsers read them so."""
+    return ast.literal_eval(_JsonNames().visit(node))
+
+
+def olmo3_calls(block: str) -> list[ToolCall] | None:
+    """An OLMo 3 ``<function_calls>`` block's calls: one Python call a line, read as the
+    items of a pythonic list (`PythonicReader`), so a call that is no Python or has no JSON
+    text for its arguments is passed over and the others kept; None where no call is left,
+    or a line is other text."""
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    return PythonicReader._calls("[" + ", ".join(lines) + "]") if lines else None
 
 
 class CallsAfterTag:
@@ -1008,10 +1038,12 @@ class ToolChoice:
             return JsonCallReader(2)
         if self.parser == "hermes":
             return HermesReader()
-        if self.parser == "qwen3_coder":
+        if self.parser in ("qwen3_coder", "qwen3_xml"):
             return HermesReader(functools.partial(xml_call, self.properties))
-        if self.parser == "glm45":
+        if self.parser in ("glm45", "glm47"):
             return HermesReader(functools.partial(glm_call, self.properties))
+        if self.parser == "olmo3":
+            return HermesReader(olmo3_calls, ("<function_calls>", "</function_calls>"))
         if self.parser == "minimax_m2":
             tags = ("<minimax:tool_call>", "</minimax:tool_call>")
             return HermesReader(functools.partial(minimax_calls, self.properties), tags)

@@ -416,6 +416,20 @@ def test_granites_markers_split_alike_in_any_pieces(text, reasoning, content):
         assert reader.reasoned == (reasoning is not None)
 
 
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("text", ["a\n</think>\n\nb", "<think>a</think>b", ""])
+def test_minimax_m2_append_think_keeps_the_thought_in_the_content(thinking, text):
+    """vLLM's minimax_m2_append_think: no reasoning, the content ``<think>`` and the text
+    (MiniMax-M2's template opens the thought in the prompt), however the request thinks."""
+    for size in (1, 2, 5, 1000):
+        reader = ReasoningReader(thinking, MARKERS["minimax_m2_append_think"])
+        got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        got.append(reader.finish())
+        assert "".join(r for r, _ in got) == ""
+        assert "".join(c for _, c in got) == "<think>" + text
+        assert reader.reasoned is False
+
+
 def test_qwen3s_tool_call_before_the_thoughts_end_is_a_call():
     output = ChatOutput(
         True,
@@ -467,6 +481,23 @@ JSON = {"response_format": {"type": "json_object"}}
         ("deepseek_r1", {"chat_template_kwargs": {"enable_thinking": False}}, False, True),
         ("deepseek_r1", JSON, False, False),
         ("deepseek_r1", JSON, True, True),
+        ("glm47", {"chat_template_kwargs": {"enable_thinking": False}}, True, False),
+        ("glm47", {"reasoning_effort": "none"}, True, False),
+        ("olmo3", {"chat_template_kwargs": {"enable_thinking": False}}, True, True),
+        ("deepseek_v3", {}, True, False),
+        ("deepseek_v3", {"chat_template_kwargs": {"thinking": True}}, True, True),
+        ("deepseek_v3", {"chat_template_kwargs": {"enable_thinking": True}}, True, True),
+        ("deepseek_v3", {"chat_template_kwargs": {"thinking": False}}, True, False),
+        ("holo2", {}, True, True),
+        ("holo2", {"chat_template_kwargs": {"thinking": False}}, True, False),
+        (
+            "holo2",
+            {"chat_template_kwargs": {"thinking": False, "enable_thinking": True}},
+            True,
+            True,
+        ),
+        ("holo2", {"chat_template_kwargs": {"thinking": None}}, True, True),
+        ("holo2", JSON, False, False),
         ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, False, False),
         ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, True, True),
     ],

@@ -161,6 +161,11 @@ GATEWAY_PARSERS = (
     ChatParsers(tool_call="granite", reasoning="granite"),
     ChatParsers(tool_call="phi4_mini_json"),
     ChatParsers(tool_call="xlam"),
+    ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2_append_think"),
+    ChatParsers(tool_call="olmo3", reasoning="olmo3"),
+    ChatParsers(tool_call="deepseek_v31", reasoning="deepseek_v3"),
+    ChatParsers(tool_call="glm47", reasoning="glm47"),
+    ChatParsers(tool_call="qwen3_xml", reasoning="holo2"),
 )
 
 
@@ -855,6 +860,132 @@ def test_auto_reads_xlam_calls_out_of_the_text(gateway, stream):
     ]
 
 
+ECHO = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "parameters": {"type": "object", "properties": {"days": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_olmo3_reasoning_and_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser olmo3 --reasoning-parser olmo3: OLMo 3 Think's reasoning, its
+    answer, then ``<function_calls>`` and one Python call a line, JSON's literals too
+    (vLLM's olmo3 parser and its tests, tests/tool_parsers/test_olmo3_tool_parser.py; the
+    chat template, allenai/open-instruct's "olmo_thinker" in
+    open_instruct/dataset_transformation.py, writes ``'<function_calls>' + calls +
+    '</function_calls>'`` after the content). Its template opens the thought in the prompt
+    (``<|im_start|>assistant\\n<think>``), but an output forced from its first token does not
+    think unless it opens with ``<think>``, so it is written here."""
+    text = (
+        "<think>Oslo's weather, then the time.</think>Checking.\n<function_calls>"
+        "get_weather(city='Oslo', days=3)\necho(city=\"Oslo\", days='3', loud=true, to=null)"
+        "</function_calls>"
+    )
+    olmo = gateway(ChatParsers(tool_call="olmo3", reasoning="olmo3"))
+
+    def chat(text: str, max_tokens: int | None) -> tuple:
+        extra = {"guided_choice": [text]}
+        return read_chat(
+            olmo,
+            stream,
+            model=MODEL,
+            messages=ASK,
+            tools=[*TOOLS, ECHO],
+            extra_body=extra,
+            max_tokens=max_tokens,
+        )
+
+    assert chat(text, None) == (
+        "Oslo's weather, then the time.",
+        "Checking.\n",
+        [
+            ("get_weather", '{"city": "Oslo", "days": 3}'),
+            ("echo", '{"city": "Oslo", "days": "3", "loud": true, "to": null}'),
+        ],
+        "tool_calls",
+    )
+    # Cut short by max_tokens, the block is content, as written.
+    block = "<function_calls>get_weather(city='Oslo')"
+    _, content, calls, finish = chat(block, 6)
+    assert content and block.startswith(content) and content != block
+    assert (calls, finish) == ([], "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deepseek_v3_and_holo2_think_as_their_templates_are_asked(gateway, stream):
+    """--reasoning-parser deepseek_v3: DeepSeek-V3.1's template opens the thought (its
+    generation prompt ends ``<think>``) only given ``thinking: true`` (else it ends
+    ``</think>``: the model answers), so vLLM's parser reads reasoning only then; holo2
+    (Holo2, of Qwen3) thinks unless ``thinking`` or ``enable_thinking`` is given and neither
+    is true (vLLM's deepseek_v3_reasoning_parser.py). The random model never ends a thought:
+    a thinking request's output is all reasoning, cut short."""
+    deepseek = gateway(ChatParsers(tool_call="deepseek_v31", reasoning="deepseek_v3"))
+    holo2 = gateway(ChatParsers(tool_call="qwen3_xml", reasoning="holo2"))
+    for client, kwargs, thinks in (
+        (deepseek, None, False),
+        (deepseek, {"thinking": True}, True),
+        (holo2, None, True),
+        (holo2, {"enable_thinking": False}, False),
+    ):
+        extra = {"chat_template_kwargs": kwargs}
+        reasoning, content, _, finish = read_chat(
+            client, stream, model=MODEL, messages=ASK, max_tokens=8, extra_body=extra
+        )
+        got = (reasoning is not None, content is not None, finish)
+        assert got == (thinks, not thinks, "length"), (client.base_url, kwargs)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_qwen3_xml_and_glm47_read_as_qwen3_coder_and_glm45(gateway, stream):
+    """vLLM's other names: qwen3_xml reads Qwen3-Coder's blocks, glm47 GLM-4.7's (here after
+    their thoughts: holo2's and glm47's reasoning parsers in front)."""
+    qwen = (
+        "<tool_call>\n<function=echo>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    glm = "<tool_call>echo<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
+    glm += "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+    for parsers, calls in (
+        (ChatParsers(tool_call="qwen3_xml", reasoning="holo2"), qwen),
+        (ChatParsers(tool_call="glm47", reasoning="glm47"), glm),
+    ):
+        got = read_chat(
+            gateway(parsers),
+            stream,
+            model=MODEL,
+            messages=ASK,
+            tools=[*TOOLS, ECHO],
+            extra_body={"guided_choice": [f"<think>Echo.</think>Checking.\n{calls}"]},
+            max_tokens=None,
+        )
+        want = ("Echo.", "Checking.\n", [("echo", '{"city": "Oslo", "days": "3"}')], "tool_calls")
+        assert got == want, parsers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_minimax_m2_append_think_keeps_the_thought_in_the_content(gateway, stream):
+    """--reasoning-parser minimax_m2_append_think (vLLM's): MiniMax-M2's template opens the
+    thought in the prompt, so its output is the thought, ``</think>``, then the answer and
+    its calls; the content is all of it, ``<think>`` put first, the calls read out of it."""
+    invoke = '<invoke name="get_time">\n</invoke>\n'
+    text = f"The time.\n</think>\n\nChecking.\n<minimax:tool_call>\n{invoke}</minimax:tool_call>"
+    minimax = gateway(ChatParsers(tool_call="minimax_m2", reasoning="minimax_m2_append_think"))
+    got = read_chat(
+        minimax,
+        stream,
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        extra_body={"guided_choice": [text]},
+        max_tokens=None,
+    )
+    content = "<think>The time.\n</think>\n\nChecking.\n"
+    assert got == (None, content, [("get_time", "{}")], "tool_calls")
+
+
 def test_minimax_m2_blocks_hold_invokes_only():
     invoke = '<invoke name="f"><parameter name="i">4</parameter></invoke>'
     calls = minimax_calls({"f": {"i": {"type": "integer"}}}, f"\n{invoke}\n{invoke}\n")
@@ -942,6 +1073,7 @@ def test_a_pythonic_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     llama4 = ' <|python_start|>[f(a=[1, {"b": None}], c=True)]<|python_end|>'
     assert read(llama4) == ("", [("f", '{"a": [1, {"b": null}], "c": true}')])
     assert read("[f(s='])'), g()]") == ("", [("f", '{"s": "])"}'), ("g", "{}")])
+    assert read("[f(a=true, b=null)]") == ("", [("f", '{"a": true, "b": null}')])  # vLLM's
     assert read("[f(1)]") == ("[f(1)]", [])  # positional: no parameter names
     assert read("[f(a=1e400)]") == ("[f(a=1e400)]", [])  # no JSON for an infinite number
     assert read("[f(a=1)] and more") == ("[f(a=1)] and more", [])
@@ -1051,6 +1183,29 @@ def test_an_xlam_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
         '```json\n{"name": "f", "arguments": {}}\n```',  # no array
         "<think>a</think>  ",
         "Done.</thi",
+    ):
+        assert read(text) == (text, [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_an_olmo3_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    def read(text):
+        return read_in_pieces(ToolChoice("auto", parser="olmo3").reader(), text, step)
+
+    calls = "f(a=[1, {'b': None}], c=True)\n\ng(d=false, e=null)\n"
+    f, g = ("f", '{"a": [1, {"b": null}], "c": true}'), ("g", '{"d": false, "e": null}')
+    assert read(f"Hi <b>.<function_calls>\n{calls}</function_calls>\n") == ("Hi <b>.", [f, g])
+    assert read(f"<function_calls>{calls}") == ("", [f, g])  # ended on its end token
+    # As vLLM's: a call that has no JSON text or is no Python does not drop the others.
+    assert read("<function_calls>bad(x=b'z')\ng(d=false, e=null)</function_calls>") == ("", [g])
+    assert read("<function_calls>calc(x=1e999)\nf(a=[1, {'b': None}], c=True)") == ("", [f])
+    for text in (
+        "No call.",
+        "<function_calls>f(a=",  # cut short
+        "<function_calls>g(d=1)\nnot a call</function_calls>",
+        "<function_calls>\n</function_calls>",
+        "<function_calls>foo(x=1])</function_calls>",
+        "<function_ca",
     ):
         assert read(text) == (text, [])
 
