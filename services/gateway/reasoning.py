@@ -1,6 +1,11 @@
 """A thinking model's reasoning read out of its text: ``<think>...</think>``, as vLLM's
 ``--reasoning-parser deepseek_r1``, ``qwen3``, ``glm45``, ``minimax_m2`` and ``kimi_k2`` read it, or ``[THINK]...[/THINK]`` (``mistral``:
-Magistral's, its markers special tokens).
+Magistral's, its markers special tokens), or ``<seed:think>...</seed:think>`` (``seed_oss``:
+Seed-OSS', its budget reflections, ``<seed:cot_budget_reflect>...``, left in the reasoning).
+``hunyuan_a13b`` (Hunyuan's ``<think>\n...\n</think>\n<answer>\n...\n</answer>``) and
+``ernie45`` (ERNIE 4.5 Thinking's ``...</think>`` then ``<response>...</response>``) also take
+the answer out of its tags: the content is what they hold, the whitespace before them and
+anything after them left out.
 
 A thinking model's template may open the reasoning in the prompt (DeepSeek-R1, newer
 Qwen3), or the model writes ``<think>`` itself: so while a request thinks, its text is
@@ -18,13 +23,17 @@ from dataclasses import dataclass
 from weir.services.gateway.tool_calls import tag_prefix_at_end
 
 # glm45: GLM-4.5's to 4.7's, as qwen3's; minimax_m2 and kimi_k2: MiniMax-M2's and Kimi K2
-# Thinking's, as deepseek_r1's. The last: harmony.py.
+# Thinking's, as deepseek_r1's; seed_oss: Seed-OSS', ernie45: ERNIE 4.5 Thinking's, both as
+# deepseek_r1's; hunyuan_a13b: Hunyuan's, whose prompt opens no reasoning. The last: harmony.py.
 REASONING_PARSERS = (
     "deepseek_r1",
     "qwen3",
     "glm45",
     "minimax_m2",
     "kimi_k2",
+    "seed_oss",
+    "hunyuan_a13b",
+    "ernie45",
     "mistral",
     "openai_gptoss",
 )
@@ -41,10 +50,22 @@ class Markers:
     # What ends the reasoning unclosed and opens the content, kept in it: Qwen3's tool call
     # written before its ``</think>`` (vLLM's qwen3 parser reads it so); "" for none.
     call: str = ""
+    # The tags the answer is written in, not content: Hunyuan's <answer>, ERNIE's
+    # <response>; ("", "") for none.
+    answer: tuple[str, str] = ("", "")
+    # Whether one newline inside each tag belongs to the tag (Hunyuan writes its tags on
+    # lines of their own, and vLLM's parser reads them so), not to the text.
+    newlines: bool = False
 
 
 # Each parser's (the others': Markers()).
-MARKERS = {"mistral": Markers("[THINK]", "[/THINK]"), "qwen3": Markers(call="<tool_call>")}
+MARKERS = {
+    "mistral": Markers("[THINK]", "[/THINK]"),
+    "qwen3": Markers(call="<tool_call>"),
+    "seed_oss": Markers("<seed:think>", "</seed:think>"),
+    "hunyuan_a13b": Markers(answer=("<answer>", "</answer>"), newlines=True),
+    "ernie45": Markers(answer=("<response>", "</response>")),
+}
 
 
 class ReasoningReader:
@@ -54,30 +75,56 @@ class ReasoningReader:
     def __init__(self, thinking: bool, markers: Markers = Markers()) -> None:
         self._thinking = thinking
         self._start, self._end, self._call = markers.start, markers.end, markers.call
+        # Hunyuan's: the reasoning's end held back with the newline before it.
+        self._ends = (self._end, "\n" + self._end) if markers.newlines else (self._end,)
+        self._newlines = markers.newlines
+        self._answer = AnswerReader(markers) if markers.answer[0] else None
         self._pending = ""
         self._state = "open"  # the start is not known yet; then "reasoning", "content"
+        self._opening = False  # whether the newline after the start tag may come yet
         self.reasoned = False  # whether the text holds reasoning (maybe empty)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and content that ``text`` completes."""
+        reasoning, content = self._split(text)
+        return reasoning, self._answer.feed(content) if self._answer else content
+
+    def finish(self) -> tuple[str, str]:
+        """The text held back, at the end of the output."""
+        pending, self._pending = self._pending, ""
+        if self._state == "open":
+            self._enter("reasoning" if self._thinking else "content")
+        if self._state == "reasoning":
+            return pending, ""
+        if self._answer is None:
+            return "", pending
+        return "", self._answer.feed(pending) + self._answer.finish()
+
+    def _split(self, text: str) -> tuple[str, str]:
         self._pending += text
         if self._state == "open":
             head = self._pending.lstrip()
             if head.startswith(self._start):
                 self._pending = head[len(self._start) :]
                 self._enter("reasoning")
+                self._opening = self._newlines
             elif self._start.startswith(head):
                 return "", ""
             else:
                 self._enter("reasoning" if self._thinking else "content")
         reasoning = ""
         if self._state == "reasoning":
+            if self._opening:
+                if not self._pending:
+                    return "", ""
+                self._pending = self._pending.removeprefix("\n")
+                self._opening = False
             end = self._pending.find(self._end)
             call = self._pending.find(self._call) if self._call else -1
             if 0 <= call and (end < 0 or call < end):
                 reasoning, self._pending = self._pending[:call], self._pending[call:]
             elif end < 0:
-                keep = tag_prefix_at_end(self._pending, self._end)
+                keep = max(tag_prefix_at_end(self._pending, tag) for tag in self._ends)
                 if self._call:
                     keep = max(keep, tag_prefix_at_end(self._pending, self._call))
                 reasoning = self._pending[: len(self._pending) - keep]
@@ -85,18 +132,62 @@ class ReasoningReader:
                 return reasoning, ""
             else:
                 reasoning = self._pending[:end]
+                if self._newlines:
+                    reasoning = reasoning.removesuffix("\n")
                 self._pending = self._pending[end + len(self._end) :]
             self._state = "content"
         content, self._pending = self._pending, ""
         return reasoning, content
 
-    def finish(self) -> tuple[str, str]:
-        """The text held back, at the end of the output."""
-        pending, self._pending = self._pending, ""
-        if self._state == "open":
-            self._enter("reasoning" if self._thinking else "content")
-        return (pending, "") if self._state == "reasoning" else ("", pending)
-
     def _enter(self, state: str) -> None:
         self._state = state
         self.reasoned = state == "reasoning"
+
+
+class AnswerReader:
+    """The content of a format that writes its answer in tags (``Markers.answer``), as it
+    streams: where it opens with the tag (whitespace aside), what the tags hold; else the
+    text less the whitespace it opens with. Text after the closing tag is not content (the
+    answer has ended; vLLM's parsers drop it too)."""
+
+    def __init__(self, markers: Markers) -> None:
+        self._open, self._close = markers.answer
+        self._newlines = markers.newlines
+        self._closes = (self._close, "\n" + self._close) if self._newlines else (self._close,)
+        self._pending = ""
+        self._state = "head"  # then "answer", "plain" (no tags) or "done"
+
+    def feed(self, text: str) -> str:
+        self._pending += text
+        if self._state == "head":
+            head = self._pending.lstrip()
+            if head.startswith(self._open):
+                after = head[len(self._open) :]
+                if self._newlines and not after:
+                    return ""  # the newline that belongs to the tag may come next
+                self._pending = after.removeprefix("\n") if self._newlines else after
+                self._state = "answer"
+            elif not head or self._open.startswith(head):
+                return ""
+            else:
+                self._pending, self._state = head, "plain"
+        if self._state == "answer":
+            end = self._pending.find(self._close)
+            if end < 0:
+                keep = max(tag_prefix_at_end(self._pending, tag) for tag in self._closes)
+                answer = self._pending[: len(self._pending) - keep]
+                self._pending = self._pending[len(self._pending) - keep :]
+                return answer
+            answer = self._pending[:end]
+            self._pending, self._state = "", "done"
+            return answer.removesuffix("\n") if self._newlines else answer
+        text, self._pending = ("", "") if self._state == "done" else (self._pending, "")
+        return text
+
+    def finish(self) -> str:
+        """What was held back, at the end of the output: a tag's start cut short is text;
+        whitespace alone, before any answer, is none."""
+        pending, self._pending = self._pending, ""
+        if self._state == "head":
+            return pending.lstrip()
+        return "" if self._state == "done" else pending

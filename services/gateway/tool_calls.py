@@ -22,7 +22,10 @@ and the calls read back out of its text, whole or as it streams.
   ``kimi_k2``: Kimi K2's ``<|tool_calls_section_begin|>`` calls, ``functions.NAME:N`` (its
   call id) then ``<|tool_call_argument_begin|>{...}``; ``minimax_m2``: MiniMax-M2's ``<minimax:tool_call>`` blocks of one or more ``<invoke
   name="NAME">`` and their ``<parameter name="KEY">VALUE</parameter>``s, read as
-  qwen3_coder's.
+  qwen3_coder's; ``seed_oss``: Seed-OSS' ``<seed:tool_call>`` blocks of qwen3_coder's
+  ``<function=NAME>``, read as its; ``hunyuan_a13b``: Hunyuan's ``<tool_calls>`` block of a
+  JSON array of ``{"name": ..., "arguments": {...}}`` calls; ``ernie45``: ERNIE 4.5's
+  ``<tool_call>`` blocks, read as hermes'.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -54,6 +57,9 @@ TOOL_CALL_PARSERS = (
     "deepseek_v31",
     "minimax_m2",
     "kimi_k2",
+    "seed_oss",
+    "hunyuan_a13b",
+    "ernie45",
     "openai",
 )
 # (openai: harmony.py)
@@ -347,14 +353,36 @@ def json_call(block: str) -> ToolCall | None:
     a JSON string holding an object (Granite 4 writes them so) are that object, as vLLM
     reads them, where encoding them again would give clients a string, not a mapping."""
     try:
-        call = json.loads(block)
-        if not isinstance(call, dict) or type(call.get("name")) is not str:
-            return None
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = _object_or_text(arguments)
-        return ToolCall(call["name"], _arguments_text(arguments))
+        return _mapping_call(json.loads(block))
     except (ValueError, RecursionError):  # nested past the parser's depth: a model may write it
+        return None
+
+
+def hunyuan_calls(block: str) -> list[ToolCall] | None:
+    """A Hunyuan ``<tool_calls>`` block's calls: a JSON array of ``{"name": ..., "arguments":
+    {...}}`` objects, each read as hermes' (`json_call`); as vLLM's parser, an item that is
+    no call is passed over and its siblings kept. None where the block holds no call."""
+    try:
+        items = json.loads(block)
+        if not isinstance(items, list):
+            return None
+        calls = [call for item in items if (call := _mapping_call(item)) is not None]
+    except (ValueError, RecursionError):
+        return None
+    return calls or None
+
+
+def _mapping_call(call: Any) -> ToolCall | None:
+    """The call a JSON value is, as `json_call` reads it; None where it is none, or its
+    arguments have no JSON text (an infinite number)."""
+    if not isinstance(call, dict) or type(call.get("name")) is not str:
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        arguments = _object_or_text(arguments)
+    try:
+        return ToolCall(call["name"], _arguments_text(arguments))
+    except ValueError:
         return None
 
 
@@ -816,7 +844,8 @@ class ToolChoice:
     kind: ToolChoiceKind
     name: str | None = None  # the named function's
     parser: str | None = None  # auto's: one of TOOL_CALL_PARSERS (None: the server has none)
-    # Each tool's parameters' schemas by name, which qwen3_coder and glm45 read values by.
+    # Each tool's parameters' schemas by name, which qwen3_coder (seed_oss, minimax_m2) and
+    # glm45 read values by.
     properties: dict[str, Any] = field(default_factory=dict)
 
     def reader(self) -> ToolCallReader:
@@ -829,6 +858,13 @@ class ToolChoice:
             return HermesReader()
         if self.parser == "qwen3_coder":
             return HermesReader(functools.partial(xml_call, self.properties))
+        if self.parser == "seed_oss":
+            tags = ("<seed:tool_call>", "</seed:tool_call>")
+            return HermesReader(functools.partial(xml_call, self.properties), tags)
+        if self.parser == "hunyuan_a13b":
+            return HermesReader(hunyuan_calls, ("<tool_calls>", "</tool_calls>"))
+        if self.parser == "ernie45":
+            return HermesReader()
         if self.parser == "glm45":
             return HermesReader(functools.partial(glm_call, self.properties))
         if self.parser == "minimax_m2":
