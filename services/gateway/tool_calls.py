@@ -373,8 +373,9 @@ def hunyuan_calls(block: str) -> list[ToolCall] | None:
 
 
 def _mapping_call(call: Any) -> ToolCall | None:
-    """The call a JSON value is, as `json_call` reads it; None where it is none, or its
-    arguments have no JSON text (an infinite number)."""
+    """The call a parsed JSON value is: an object with a string ``name`` and its
+    ``arguments`` (none: ``{}``); None where it is none, or its arguments have no JSON text
+    (an infinite number)."""
     if not isinstance(call, dict) or type(call.get("name")) is not str:
         return None
     arguments = call.get("arguments", {})
@@ -854,7 +855,7 @@ class ToolChoice:
             return NamedCallReader(self.name)
         if self.kind == "required":
             return JsonCallReader(2)
-        if self.parser == "hermes":
+        if self.parser in ("hermes", "ernie45"):
             return HermesReader()
         if self.parser == "qwen3_coder":
             return HermesReader(functools.partial(xml_call, self.properties))
@@ -863,8 +864,6 @@ class ToolChoice:
             return HermesReader(functools.partial(xml_call, self.properties), tags)
         if self.parser == "hunyuan_a13b":
             return HermesReader(hunyuan_calls, ("<tool_calls>", "</tool_calls>"))
-        if self.parser == "ernie45":
-            return HermesReader()
         if self.parser == "glm45":
             return HermesReader(functools.partial(glm_call, self.properties))
         if self.parser == "minimax_m2":
