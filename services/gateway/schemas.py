@@ -802,12 +802,11 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         holds tool calls (None: content only; so without tools), "auto" read by the
         server's parser (OpenAI's default); the message's role: ``response_role`` where the
         generation prompt is added, else the last message's, as vLLM's. Qwen3 (and GLM)
-        asked not to think does not, nor Seed-OSS given a ``thinking_budget`` of 0, nor a
-        structured output where the model's vocabulary has no reasoning end token to hold it
-        to its format after (it is held from its first token), nor a continued message (the
-        output goes on with its text): they think only where their text opens with the tag."""
+        asked not to think does not, nor a structured output where the model's vocabulary
+        has no reasoning end token to hold it to its format after (it is held from its first
+        token), nor a continued message (the output goes on with its text): they think only
+        where their text opens with the tag."""
         thinking = None
-        kwargs = self.template_kwargs() or {}
         # Magistral's and Hunyuan's prompts open no reasoning: the model writes the tag.
         if parsers.reasoning in ("mistral", "hunyuan_a13b"):
             thinking = False
@@ -817,10 +816,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
                 and not self.continue_final_message
                 and not (
                     parsers.reasoning in ("qwen3", "glm45")
-                    and kwargs.get("enable_thinking") is False
+                    and (self.template_kwargs() or {}).get("enable_thinking") is False
                 )
-                # Seed-OSS' template closes the thought in the prompt for a budget of 0.
-                and not (parsers.reasoning == "seed_oss" and kwargs.get("thinking_budget") == 0)
             )
         choice = self.tool_choice or "auto"
         tool_choice = None

@@ -401,7 +401,14 @@ MARKED_CASES = [
     ),
     ("seed_oss", True, "a\n</seed:think>\nc", "a\n", "\nc"),
     ("seed_oss", True, "<seed:think>a</think>b", "a</think>b", ""),  # not its tag
-    ("seed_oss", False, "c", None, "c"),  # a thinking budget of 0: the prompt closed it
+    # A thinking budget of 0: its template's prompt opens the thought and a reflection.
+    (
+        "seed_oss",
+        True,
+        "Budget 0.</seed:cot_budget_reflect>\n</seed:think>\nc",
+        "Budget 0.</seed:cot_budget_reflect>\n",
+        "\nc",
+    ),
     # Hunyuan: its tags' lines, the answer out of its tags (vLLM's
     # test_hunyuan_reasoning_parser), with or without the newlines.
     ("hunyuan_a13b", False, "<think>\na\n</think>\n<answer>\nb\n</answer>", "a", "b"),
@@ -521,9 +528,7 @@ JSON = {"response_format": {"type": "json_object"}}
         ("deepseek_r1", JSON, True, True),
         ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, False, False),
         ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, True, True),
-        ("seed_oss", {}, False, True),
-        ("seed_oss", {"chat_template_kwargs": {"thinking_budget": 0}}, True, False),
-        ("seed_oss", {"chat_template_kwargs": {"thinking_budget": 512}}, True, True),
+        ("seed_oss", {"chat_template_kwargs": {"thinking_budget": 0}}, True, True),
         ("hunyuan_a13b", {}, True, False),  # Hunyuan writes its <think> itself
         ("ernie45", {}, False, True),
     ],
