@@ -50,7 +50,8 @@ from weir.services.gateway.embeddings import (
 )
 from weir.services.gateway.engine_metrics import EngineMetrics
 from weir.services.gateway.metrics import GatewayMetrics
-from weir.services.gateway.reasoning import END as REASONING_END
+from weir.services.gateway.reasoning import MARKERS as REASONING_MARKERS
+from weir.services.gateway.reasoning import Markers
 from weir.services.gateway.response_store import MAX_STORED_RESPONSES, ResponseStore
 from weir.services.gateway.responses import (
     ResponseEvents,
@@ -486,7 +487,7 @@ class Gateway:
         self.engine_metrics = EngineMetrics(engine_metrics)  # their series join /metrics
         self._model: dict[str, Any] | None = None
         self._model_lookup: asyncio.Future[dict[str, Any]] | None = None
-        self._reasoning_end_token: bool | None = None  # whether </think> is one token
+        self._reasoning_end_token: bool | None = None  # whether the reasoning end is one token
         self.stored_responses = ResponseStore()
 
     async def model(self, fresh: bool = False) -> dict[str, Any]:
@@ -578,8 +579,13 @@ class Gateway:
         """Whether the model's reasoning ends on one token, which a structured output can
         hold after (asked of a replica once)."""
         if self._reasoning_end_token is None:
-            ids = await self._on_replica(
-                "", None, lambda c: c.tokenize(REASONING_END, add_special_tokens=False)
+            end = REASONING_MARKERS.get(self.parsers.reasoning or "", Markers()).one_end
+            ids = (
+                []
+                if end is None
+                else await self._on_replica(
+                    "", None, lambda c: c.tokenize(end, add_special_tokens=False)
+                )
             )
             self._reasoning_end_token = len(ids) == 1
         return self._reasoning_end_token
@@ -980,7 +986,11 @@ class Gateway:
                 param="tool_choice",
             )
         # A structured output of a thinking request holds after its reasoning.
-        reasoning_end = REASONING_END if output.thinking and body.asks_structured_output() else None
+        reasoning_end = (
+            output.reasoning_markers.one_end
+            if output.thinking and body.asks_structured_output()
+            else None
+        )
         max_tokens = body.requested_max_tokens()
         logprobs = body.requested_logprobs()
         samples = _samples(

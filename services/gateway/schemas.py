@@ -823,7 +823,8 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         token), nor a continued message (the output goes on with its text): they think only
         where their text opens with the tag."""
         thinking = None
-        if parsers.reasoning in ("mistral", "granite"):  # their prompts open no reasoning
+        # Magistral's, Granite's and Hunyuan's prompts open no reasoning: the model writes it.
+        if parsers.reasoning in ("mistral", "granite", "hunyuan_a13b"):
             thinking = False
         elif parsers.reasoning is not None:
             thinking = (

@@ -27,8 +27,12 @@ and the calls read back out of its text, whole or as it streams.
   Phi-4-mini's ``functools[{"name": ..., "arguments": {...}}, ...]``; ``xlam``: xLAM's JSON
   array of calls, the whole output or in a ```json fence, a ``[TOOL_CALLS]`` line or a
   ``<tool_call>`` block; ``olmo3``: OLMo 3's ``<function_calls>`` blocks, one Python call a
-  line, ``f(a=1)``, its values Python's or JSON's literals (``true``, ``null``). ``qwen3_xml``
-  and ``glm47`` are vLLM's other names of qwen3_coder and glm45.
+  line, ``f(a=1)``, its values Python's or JSON's literals (``true``, ``null``);
+  ``seed_oss``: Seed-OSS' ``<seed:tool_call>`` blocks of qwen3_coder's ``<function=NAME>``,
+  read as its; ``hunyuan_a13b``: Hunyuan's ``<tool_calls>`` block of a JSON array of
+  ``{"name": ..., "arguments": {...}}`` calls; ``ernie45``: ERNIE 4.5's ``<tool_call>``
+  blocks, read as hermes'. ``qwen3_xml`` and ``glm47`` are vLLM's other names of qwen3_coder
+  and glm45.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -66,6 +70,9 @@ TOOL_CALL_PARSERS = (
     "phi4_mini_json",
     "xlam",
     "olmo3",
+    "seed_oss",
+    "hunyuan_a13b",
+    "ernie45",
     "openai",
 )
 # (qwen3_xml and glm47: vLLM's other names of qwen3_coder's and glm45's; openai: harmony.py)
@@ -390,6 +397,19 @@ def array_calls(items: Any, keys: tuple[str, ...] = ("arguments",)) -> list[Tool
             return None
         calls.append(call)
     return calls
+
+
+def hunyuan_calls(block: str) -> list[ToolCall] | None:
+    """A Hunyuan ``<tool_calls>`` block's calls: a JSON array of ``{"name": ..., "arguments":
+    {...}}`` objects (`value_call`); as vLLM's parser, an item that is no call is passed over
+    and its siblings kept. None where the block holds no call."""
+    try:
+        items = json.loads(block)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(items, list):
+        return None
+    return [call for item in items if (call := value_call(item)) is not None] or None
 
 
 def _object_or_text(text: str) -> Any:
@@ -1027,7 +1047,8 @@ class ToolChoice:
     kind: ToolChoiceKind
     name: str | None = None  # the named function's
     parser: str | None = None  # auto's: one of TOOL_CALL_PARSERS (None: the server has none)
-    # Each tool's parameters' schemas by name, which qwen3_coder and glm45 read values by.
+    # Each tool's parameters' schemas by name, which qwen3_coder (seed_oss, minimax_m2) and
+    # glm45 read values by.
     properties: dict[str, Any] = field(default_factory=dict)
 
     def reader(self) -> ToolCallReader:
@@ -1036,10 +1057,15 @@ class ToolChoice:
             return NamedCallReader(self.name)
         if self.kind == "required":
             return JsonCallReader(2)
-        if self.parser == "hermes":
+        if self.parser in ("hermes", "ernie45"):
             return HermesReader()
         if self.parser in ("qwen3_coder", "qwen3_xml"):
             return HermesReader(functools.partial(xml_call, self.properties))
+        if self.parser == "seed_oss":
+            tags = ("<seed:tool_call>", "</seed:tool_call>")
+            return HermesReader(functools.partial(xml_call, self.properties), tags)
+        if self.parser == "hunyuan_a13b":
+            return HermesReader(hunyuan_calls, ("<tool_calls>", "</tool_calls>"))
         if self.parser in ("glm45", "glm47"):
             return HermesReader(functools.partial(glm_call, self.properties))
         if self.parser == "olmo3":

@@ -19,7 +19,7 @@ from serving_helpers import read_chat, small_server
 
 from weir.services.gateway.chat_output import ChatOutput, ChatParsers
 from weir.services.gateway.openai_format import Choice
-from weir.services.gateway.reasoning import MARKERS, ReasoningReader
+from weir.services.gateway.reasoning import MARKERS, Markers, ReasoningReader
 from weir.services.gateway.schemas import ChatCompletionRequest
 from weir.services.gateway.tool_calls import ToolChoice
 
@@ -360,8 +360,13 @@ CASES = [
 
 @pytest.mark.parametrize("thinking, text, reasoning, content", CASES)
 def test_reasoning_reader_splits_alike_in_any_pieces(thinking, text, reasoning, content):
+    _assert_splits_alike(Markers(), thinking, text, reasoning, content)
+
+
+def _assert_splits_alike(markers, thinking, text, reasoning, content):
+    """``text``, fed in pieces of every size, is ``reasoning`` (None: none) and ``content``."""
     for size in (1, 2, 3, 5, 1000):
-        reader = ReasoningReader(thinking)
+        reader = ReasoningReader(thinking, markers)
         got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
         got.append(reader.finish())
         assert "".join(r for r, _ in got) == (reasoning or "")
@@ -381,12 +386,52 @@ QWEN3_CASES = [
 
 @pytest.mark.parametrize("thinking, text, reasoning, content", QWEN3_CASES)
 def test_qwen3s_tool_call_ends_its_thought_in_any_pieces(thinking, text, reasoning, content):
-    for size in (1, 2, 3, 5, 1000):
-        reader = ReasoningReader(thinking, MARKERS["qwen3"])
-        got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
-        got.append(reader.finish())
-        assert "".join(r for r, _ in got) == (reasoning or "")
-        assert "".join(c for _, c in got) == content
+    _assert_splits_alike(MARKERS["qwen3"], thinking, text, reasoning, content)
+
+
+MARKED_CASES = [
+    # (parser, thinking, text, reasoning (None: none), content)
+    # Seed-OSS writes <seed:think> itself; its budget reflections are reasoning (its README).
+    (
+        "seed_oss",
+        True,
+        "<seed:think>a<seed:cot_budget_reflect>b</seed:cot_budget_reflect></seed:think>c",
+        "a<seed:cot_budget_reflect>b</seed:cot_budget_reflect>",
+        "c",
+    ),
+    ("seed_oss", True, "a\n</seed:think>\nc", "a\n", "\nc"),
+    ("seed_oss", True, "<seed:think>a</think>b", "a</think>b", ""),  # not its tag
+    # A thinking budget of 0: its template's prompt opens the thought and a reflection.
+    (
+        "seed_oss",
+        True,
+        "Budget 0.</seed:cot_budget_reflect>\n</seed:think>\nc",
+        "Budget 0.</seed:cot_budget_reflect>\n",
+        "\nc",
+    ),
+    # Hunyuan: its tags' lines, the answer out of its tags (vLLM's
+    # test_hunyuan_reasoning_parser), with or without the newlines.
+    ("hunyuan_a13b", False, "<think>\na\n</think>\n<answer>\nb\n</answer>", "a", "b"),
+    ("hunyuan_a13b", False, "<think>\n\n</think>\n<answer>\nb\n</answer>", "", "b"),
+    ("hunyuan_a13b", False, "<think>a\n\n</think><answer>b\n\n</answer>", "a\n", "b\n"),
+    ("hunyuan_a13b", False, "<answer>\nb\n</answer>\n", None, "b"),  # enable_thinking false
+    ("hunyuan_a13b", False, "<think>\na\n</think>\n<answer>\nb\n</answer>\nc", "a", "b"),
+    ("hunyuan_a13b", False, "b <answer>", None, "b <answer>"),  # no tags around: as written
+    ("hunyuan_a13b", False, "<think>\na\nb", "a\nb", ""),  # cut short (max_tokens)
+    ("hunyuan_a13b", False, "<think>\na\n</think>\n<answer>\nb\n</ans", "a", "b\n</ans"),
+    ("hunyuan_a13b", False, "\n<answ", None, "<answ"),
+    # ERNIE 4.5 Thinking: its prompt opens the thought; the answer out of <response>, the
+    # whitespace before a call no content (vLLM's ernie45 parsers).
+    ("ernie45", True, "abc\n</think>\n\n<response>\ndef\n</response>\n", "abc\n", "\ndef\n"),
+    ("ernie45", True, "abc\n</think>\n\n\n<tool_call>x", "abc\n", "<tool_call>x"),
+    ("ernie45", True, "abc</think>def", "abc", "def"),
+    ("ernie45", True, "abc", "abc", ""),
+]
+
+
+@pytest.mark.parametrize("parser, thinking, text, reasoning, content", MARKED_CASES)
+def test_each_parsers_markers_split_alike_in_any_pieces(parser, thinking, text, reasoning, content):
+    _assert_splits_alike(MARKERS[parser], thinking, text, reasoning, content)
 
 
 GRANITE_CASES = [
@@ -451,6 +496,47 @@ def test_qwen3s_tool_call_before_the_thoughts_end_is_a_call():
     assert json.loads(call["function"]["arguments"]) == {"command": "cat /etc/hosts"}
 
 
+@pytest.mark.parametrize(
+    "parser, thinking, text",
+    [
+        (
+            "seed_oss",
+            True,
+            "a</seed:think>Ok.\n<seed:tool_call>\n<function=f>\n<parameter=n>2</parameter>\n"
+            "</function>\n</seed:tool_call>",
+        ),
+        (
+            "hunyuan_a13b",
+            False,
+            "<think>\na\n</think>\n<answer>\nOk.\n"
+            '<tool_calls>[{"name": "f", "arguments": {"n": 2}}]</tool_calls>\n</answer>',
+        ),
+        (
+            "ernie45",
+            True,
+            'a</think>\n\nOk.\n<tool_call>\n{"name": "f", "arguments": {"n": 2}}\n</tool_call>\n',
+        ),
+    ],
+)
+def test_a_thought_then_a_call_read_char_by_char_as_whole(parser, thinking, text):
+    """The reasoning reader of each parser, then its tool-call reader on the content (both
+    named alike in vLLM): the thought, the content before the call, the call."""
+    output = ChatOutput(
+        thinking,
+        ToolChoice("auto", parser=parser, properties={"f": {"n": {"type": "integer"}}}),
+        with_tools=True,
+        reasoning_markers=MARKERS[parser],
+    )
+    for size in (1, len(text)):
+        reader = output.reader()
+        got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        got.append(reader.finish("stop", None))
+        assert "".join(r for r, _, _ in got) == "a"
+        assert "".join(c for _, c, _ in got) == "Ok.\n"
+        [call] = [delta["function"] for _, _, deltas in got for delta in deltas]
+        assert (call["name"], json.loads(call["arguments"])) == ("f", {"n": 2})
+
+
 def test_a_named_call_cut_off_in_its_thought_is_no_call():
     """``max_tokens`` reached before ``</think>``: the choice holds no call (a stream sends
     none), not one whose arguments are no JSON; a thought that ends gives the call."""
@@ -500,6 +586,9 @@ JSON = {"response_format": {"type": "json_object"}}
         ("holo2", JSON, False, False),
         ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, False, False),
         ("qwen3", {"tools": TOOLS, "tool_choice": "required"}, True, True),
+        ("seed_oss", {"chat_template_kwargs": {"thinking_budget": 0}}, True, True),
+        ("hunyuan_a13b", {}, True, False),  # Hunyuan writes its <think> itself
+        ("ernie45", {}, False, True),
     ],
 )
 def test_which_requests_think(parser, fields, end_is_a_token, thinking):

@@ -36,6 +36,7 @@ from weir.services.gateway.tool_calls import (
     ToolChoice,
     XlamReader,
     glm_call,
+    hunyuan_calls,
     json_call,
     minimax_calls,
     xml_call,
@@ -166,6 +167,9 @@ GATEWAY_PARSERS = (
     ChatParsers(tool_call="deepseek_v31", reasoning="deepseek_v3"),
     ChatParsers(tool_call="glm47", reasoning="glm47"),
     ChatParsers(tool_call="qwen3_xml", reasoning="holo2"),
+    ChatParsers(tool_call="seed_oss", reasoning="seed_oss"),
+    ChatParsers(tool_call="hunyuan_a13b", reasoning="hunyuan_a13b"),
+    ChatParsers(tool_call="ernie45", reasoning="ernie45"),
 )
 
 
@@ -1001,6 +1005,149 @@ def test_minimax_m2_blocks_hold_invokes_only():
     for step in (1, 7, len(text)):  # the last block's end tag never came: still a call
         reader = HermesReader(functools.partial(minimax_calls, {}), tags)
         assert read_in_pieces(reader, text, step) == ("Go.", [("f", '{"i": "4"}')] * 3)
+
+
+ECHO = {
+    "type": "function",
+    "function": {
+        "name": "echo",
+        "parameters": {"type": "object", "properties": {"days": {"type": "string"}}},
+    },
+}
+
+
+def _read(client, stream: bool, text: str, tools=(*TOOLS, ECHO), **kwargs):
+    """`read_chat` of a chat whose output is ``text``, with the tools (Oslo's twin too)."""
+    body = {"guided_choice": [text], **kwargs.pop("extra_body", {})}
+    return read_chat(
+        client,
+        stream,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=list(tools),
+        extra_body=body,
+        max_tokens=None,
+        **kwargs,
+    )
+
+
+# Seed-OSS-36B-Instruct's chat template (chat_template.jinja) writes an assistant's turn as
+# "\n<seed:think>REASONING</seed:think>", "\nCONTENT\n", then per call "\n<seed:tool_call>\n
+# <function=NAME>\n", "<parameter=KEY>VALUE</parameter>\n" per argument and "</function>\n
+# </seed:tool_call>"; its README shows the budget reflections inside the thought.
+SEED_OSS_OUTPUT = (
+    "<seed:think>The weather, then the time.\n<seed:cot_budget_reflect>I have used 9 tokens."
+    "</seed:cot_budget_reflect>\n</seed:think>\nChecking.\n\n<seed:tool_call>\n"
+    "<function=get_weather>\n<parameter=city>Oslo</parameter>\n<parameter=days>3</parameter>\n"
+    "</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=get_time>\n</function>\n"
+    "</seed:tool_call>"
+)
+OSLO_TWICE = [
+    ("get_weather", '{"city": "Oslo", "days": 3}'),
+    ("echo", '{"city": "Oslo", "days": "3"}'),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_seed_oss_reasoning_and_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser seed_oss --reasoning-parser seed_oss: Seed-OSS' thought (its budget
+    reflections in it), then <seed:tool_call> blocks read as qwen3_coder's (days by its
+    schema type, an integer)."""
+    seed = gateway(ChatParsers(tool_call="seed_oss", reasoning="seed_oss"))
+    assert _read(seed, stream, SEED_OSS_OUTPUT, tools=TOOLS) == (
+        "The weather, then the time.\n<seed:cot_budget_reflect>I have used 9 tokens."
+        "</seed:cot_budget_reflect>\n",
+        "\nChecking.\n\n",
+        [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", "{}")],
+        "tool_calls",
+    )
+
+
+# Hunyuan-A13B's README ("think_pattern"): "<think>\n{think}\n</think>\n<answer>\n{answer}
+# \n</answer>", a fast thought (/no_think) "<think>\n\n</think>\n<answer>\n..."; its calls a
+# <tool_calls> JSON array inside the answer (vLLM's test_hunyuan_a13b_tool_parser_streaming).
+HUNYUAN_OUTPUT = (
+    "<think>\nThe weather, then an echo.\n</think>\n<answer>\n<tool_calls>["
+    '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}, '
+    '{"name": "echo", "arguments": {"city": "Oslo", "days": "3"}}]</tool_calls>\n</answer>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_hunyuan_a13b_reasoning_and_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser hunyuan_a13b --reasoning-parser hunyuan_a13b: the thought less the
+    newlines of its tags' lines, the answer out of its <answer> tags, the calls out of the
+    answer; a fast thought is none, and a request that does not think answers in the tags."""
+    hunyuan = gateway(ChatParsers(tool_call="hunyuan_a13b", reasoning="hunyuan_a13b"))
+    assert _read(hunyuan, stream, HUNYUAN_OUTPUT) == (
+        "The weather, then an echo.",
+        None,
+        OSLO_TWICE,
+        "tool_calls",
+    )
+    fast = "<think>\n\n</think>\n<answer>\nSnow, -4 C.\n</answer>"
+    assert _read(hunyuan, stream, fast) == (None, "Snow, -4 C.", [], "stop")
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    answer = "<answer>\nSnow.\n</answer>"
+    assert _read(hunyuan, stream, answer, extra_body=off) == (None, "Snow.", [], "stop")
+
+
+# vLLM's ernie45 parsers (ERNIE-4.5-21B-A3B-Thinking, whose prompt opens the thought): "abc\n
+# </think>\n\n<response>\ndef\n</response>\n" or, calling, "abc\n</think>\n\n\n<tool_call>\n
+# {json}\n</tool_call>\n". Forced by a choice, a structured output, the output thinks only
+# where it opens with <think> (the tiny model has no </think> token to hold the format after).
+ERNIE_OUTPUT = (
+    "<think>The weather, then an echo.\n</think>\n\n\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "echo", "arguments": {"city": "Oslo", "days": "3"}}\n</tool_call>\n'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_ernie45_reasoning_and_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser ernie45 --reasoning-parser ernie45: the thought up to </think>, then
+    hermes' <tool_call> blocks (the newlines before them no content), or the answer out of
+    its <response> tags, as vLLM's parsers read them."""
+    ernie = gateway(ChatParsers(tool_call="ernie45", reasoning="ernie45"))
+    assert _read(ernie, stream, ERNIE_OUTPUT) == (
+        "The weather, then an echo.\n",
+        None,
+        OSLO_TWICE,
+        "tool_calls",
+    )
+    answer = "<think>Snow.\n</think>\n\n<response>\nSnow, -4 C.\n</response>\n"
+    assert _read(ernie, stream, answer) == ("Snow.\n", "\nSnow, -4 C.\n", [], "stop")
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_seed_oss_and_hunyuan_calls_streamed_in_any_pieces_read_as_they_do_whole(step):
+    """Seed-OSS' blocks as qwen3_coder's (a block cut short by max_tokens is content, as
+    written); Hunyuan's array: an item that is no call is passed over, its siblings kept
+    (vLLM's parser), and an array of none, or no array, is content."""
+    properties = {"get_weather": WEATHER["properties"]}
+    tags = ("<seed:tool_call>", "</seed:tool_call>")
+
+    def seed(text):
+        return read_in_pieces(
+            HermesReader(functools.partial(xml_call, properties), tags), text, step
+        )
+
+    calls = SEED_OSS_OUTPUT[SEED_OSS_OUTPUT.index("Checking") :]
+    both = [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", "{}")]
+    assert seed(calls) == ("Checking.\n\n", both)
+    cut = calls[: calls.rindex("</function>")]  # max_tokens: the last block is content
+    assert seed(cut) == ("Checking.\n\n" + cut[cut.rindex("<seed:tool_call>") :], both[:1])
+
+    def hunyuan(text):
+        return read_in_pieces(
+            HermesReader(hunyuan_calls, ("<tool_calls>", "</tool_calls>")), text, step
+        )
+
+    block = '<tool_calls>[{{"name": "f", "arguments": {}}}, 3, {{"arguments": {{}}}}]</tool_calls>'
+    assert hunyuan("Go. " + block.format('{"a": [1]}')) == ("Go. ", [("f", '{"a": [1]}')])
+    assert hunyuan(block.format("Infinity")) == (block.format("Infinity"), [])
+    assert hunyuan('<tool_calls>{"name": "f"}</tool_calls>')[1] == []
+    assert hunyuan('<tool_calls>[{"name": "f", "argu') == ('<tool_calls>[{"name": "f", "argu', [])
 
 
 DEEP = "[" * 100_000  # past the JSON parser's depth
