@@ -1211,6 +1211,9 @@ def test_a_functiongemma_output_streamed_in_any_pieces_reads_as_it_does_whole(st
             )
         ],
     )
+    # A string written bare, not between <escape> tokens, is read as written (vLLM's: {}).
+    bare = call("get_weather", "location:Paris,unit:celsius")
+    assert read(bare) == ("", [("get_weather", '{"location": "Paris", "unit": "celsius"}')])
     assert read("\n" + london + "\n") == ("\n", [("get_weather", '{"location": "London"}')])
     # Ended on its end token: a whole call without its end tag is still one.
     assert read(london.removesuffix("<end_function_call>")) == (
