@@ -128,8 +128,8 @@ class ChatOutput:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the text is detokenized with the special tokens its format marks with:
-        harmony's, Mistral's ``[THINK]`` and ``[TOOL_CALLS]``, DeepSeek's, Kimi K2's and
-        Granite's tool-call markers (as vLLM's parsers ask)."""
+        harmony's, Mistral's ``[THINK]`` and ``[TOOL_CALLS]``, DeepSeek's, Kimi K2's,
+        Granite's and FunctionGemma's tool-call markers (as vLLM's parsers ask)."""
         tool_choice = self.tool_choice
         return (
             self.harmony
@@ -138,7 +138,7 @@ class ChatOutput:
                 tool_choice is not None
                 and tool_choice.kind == "auto"
                 and tool_choice.parser
-                in ("mistral", "deepseek_v3", "deepseek_v31", "kimi_k2", "granite")
+                in ("mistral", "deepseek_v3", "deepseek_v31", "kimi_k2", "granite", "functiongemma")
             )
         )
 

@@ -31,8 +31,9 @@ and the calls read back out of its text, whole or as it streams.
   ``seed_oss``: Seed-OSS' ``<seed:tool_call>`` blocks of qwen3_coder's ``<function=NAME>``,
   read as its; ``hunyuan_a13b``: Hunyuan's ``<tool_calls>`` block of a JSON array of
   ``{"name": ..., "arguments": {...}}`` calls; ``ernie45``: ERNIE 4.5's ``<tool_call>``
-  blocks, read as hermes'. ``qwen3_xml`` and ``glm47`` are vLLM's other names of qwen3_coder
-  and glm45.
+  blocks, read as hermes'; ``functiongemma``: FunctionGemma's ``<start_function_call>call:NAME
+  {KEY:VALUE,...}<end_function_call>``, a string value between ``<escape>`` tokens, others
+  bare. ``qwen3_xml`` and ``glm47`` are vLLM's other names of qwen3_coder and glm45.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -73,6 +74,7 @@ TOOL_CALL_PARSERS = (
     "seed_oss",
     "hunyuan_a13b",
     "ernie45",
+    "functiongemma",
     "openai",
 )
 # (qwen3_xml and glm47: vLLM's other names of qwen3_coder's and glm45's; openai: harmony.py)
@@ -566,6 +568,99 @@ def _literal(value: str) -> Any:
     return value
 
 
+_GEMMA_CALL = re.compile(r"\s*call:([\w.-]+)(\{.*\})\s*", re.DOTALL)
+_GEMMA_ESCAPE = "<escape>"  # FunctionGemma's string delimiter, a token of its own
+
+
+def functiongemma_call(properties: dict[str, Any], block: str) -> ToolCall | None:
+    """A FunctionGemma block's call: ``call:NAME{KEY:VALUE,...}``, the values in its chat
+    template's notation: a string between ``<escape>`` tokens, a number, boolean or null
+    bare, an object ``{KEY:VALUE,...}``, an array ``[VALUE,...]``. A string argument whose
+    parameter the tool's schema types otherwise (a number the model escaped) is read by
+    those types, as `xml_call` reads its values. None where the block is other text."""
+    match = _GEMMA_CALL.fullmatch(block)
+    if match is None:
+        return None
+    name, body = match.groups()
+    try:
+        arguments, end = _gemma_value(body, 0)
+    except (ValueError, RecursionError):
+        return None
+    if end != len(body):
+        return None
+    schema = properties.get(name)
+    for key, value in arguments.items():
+        spec = schema.get(key) if isinstance(schema, dict) else None
+        kinds = _value_types(spec)
+        if isinstance(value, str) and kinds:
+            arguments[key] = _typed(value, kinds)
+    try:
+        return ToolCall(name, _arguments_text(arguments))
+    except ValueError:
+        return None
+
+
+def _gemma_value(text: str, at: int) -> tuple[Any, int]:
+    """The value FunctionGemma's notation (`functiongemma_call`) writes at ``text[at:]``, and
+    where it ends; ValueError where none is."""
+    at = _gemma_space_end(text, at)
+    if text.startswith(_GEMMA_ESCAPE, at):
+        start = at + len(_GEMMA_ESCAPE)
+        end = text.find(_GEMMA_ESCAPE, start)
+        if end < 0:
+            raise ValueError("a string never closed")
+        return text[start:end], end + len(_GEMMA_ESCAPE)
+    if text.startswith(("{", "["), at):
+        keyed = text[at] == "{"
+        close = "}" if keyed else "]"
+        items: list[tuple[str | None, Any]] = []
+        at = _gemma_space_end(text, at + 1)
+        while not text.startswith(close, at):
+            if items:
+                if not text.startswith(",", at):
+                    raise ValueError("no separator")
+                at += 1
+            key = None
+            if keyed:
+                key, at = _gemma_key(text, at)
+            value, at = _gemma_value(text, at)
+            items.append((key, value))
+            at = _gemma_space_end(text, at)
+        if keyed:
+            return {key: value for key, value in items}, at + 1
+        return [value for _, value in items], at + 1
+    end = at
+    while end < len(text) and text[end] not in ",}]":
+        end += 1
+    word = text[at:end].strip()
+    if not word or _GEMMA_ESCAPE in word:
+        raise ValueError("no value")
+    return _literal(word), end  # a bare word that is no literal is a string as written
+
+
+def _gemma_key(text: str, at: int) -> tuple[str, int]:
+    """An object's key, bare (as calls write them) or between ``<escape>`` tokens (as
+    declarations do), and where its ``:`` ends."""
+    if text.startswith(_GEMMA_ESCAPE, _gemma_space_end(text, at)):
+        key, at = _gemma_value(text, at)
+        at = _gemma_space_end(text, at)
+        if not text.startswith(":", at):
+            raise ValueError("a key without its value")
+        return key, at + 1
+    colon = text.find(":", at)
+    key = text[at:colon].strip() if colon >= 0 else ""
+    if not key or any(c in key for c in ",{}[]<"):
+        raise ValueError("no key")
+    return key, colon + 1
+
+
+def _gemma_space_end(text: str, at: int) -> int:
+    """Where the whitespace at ``text[at:]`` ends."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
 class LeadingListReader:
     """An output that is calls as a whole: one that begins with ``[`` (after any of
     ``OPENERS``, the markers its format may put first, in their order) is held until the
@@ -1047,8 +1142,8 @@ class ToolChoice:
     kind: ToolChoiceKind
     name: str | None = None  # the named function's
     parser: str | None = None  # auto's: one of TOOL_CALL_PARSERS (None: the server has none)
-    # Each tool's parameters' schemas by name, which qwen3_coder (seed_oss, minimax_m2) and
-    # glm45 read values by.
+    # Each tool's parameters' schemas by name, which qwen3_coder (seed_oss, minimax_m2),
+    # glm45 and functiongemma read values by.
     properties: dict[str, Any] = field(default_factory=dict)
 
     def reader(self) -> ToolCallReader:
@@ -1070,6 +1165,9 @@ class ToolChoice:
             return HermesReader(functools.partial(glm_call, self.properties))
         if self.parser == "olmo3":
             return HermesReader(olmo3_calls, ("<function_calls>", "</function_calls>"))
+        if self.parser == "functiongemma":
+            tags = ("<start_function_call>", "<end_function_call>")
+            return HermesReader(functools.partial(functiongemma_call, self.properties), tags)
         if self.parser == "minimax_m2":
             tags = ("<minimax:tool_call>", "</minimax:tool_call>")
             return HermesReader(functools.partial(minimax_calls, self.properties), tags)

@@ -170,6 +170,7 @@ GATEWAY_PARSERS = (
     ChatParsers(tool_call="seed_oss", reasoning="seed_oss"),
     ChatParsers(tool_call="hunyuan_a13b", reasoning="hunyuan_a13b"),
     ChatParsers(tool_call="ernie45", reasoning="ernie45"),
+    ChatParsers(tool_call="functiongemma"),
 )
 
 
@@ -1016,8 +1017,9 @@ ECHO = {
 }
 
 
-def _read(client, stream: bool, text: str, tools=(*TOOLS, ECHO), **kwargs):
-    """`read_chat` of a chat whose output is ``text``, with the tools (Oslo's twin too)."""
+def _read(client, stream: bool, text: str, tools=(*TOOLS, ECHO), max_tokens=None, **kwargs):
+    """`read_chat` of a chat whose output is ``text`` (less what ``max_tokens`` cuts), with
+    the tools (Oslo's twin too)."""
     body = {"guided_choice": [text], **kwargs.pop("extra_body", {})}
     return read_chat(
         client,
@@ -1026,7 +1028,7 @@ def _read(client, stream: bool, text: str, tools=(*TOOLS, ECHO), **kwargs):
         messages=[{"role": "user", "content": "Weather in Oslo?"}],
         tools=list(tools),
         extra_body=body,
-        max_tokens=None,
+        max_tokens=max_tokens,
         **kwargs,
     )
 
@@ -1117,6 +1119,119 @@ def test_auto_reads_ernie45_reasoning_and_calls_out_of_the_text(gateway, stream)
     )
     answer = "<think>Snow.\n</think>\n\n<response>\nSnow, -4 C.\n</response>\n"
     assert _read(ernie, stream, answer) == ("Snow.\n", "\nSnow, -4 C.\n", [], "stop")
+
+
+# FunctionGemma's chat template (google/functiongemma-270m-it) writes each call as
+# "<start_function_call>call:" + NAME + "{", then KEY:VALUE per argument, "," between, and
+# "}<end_function_call>"; its format_argument writes a string between <escape> tokens and a
+# number or boolean bare (Google's "FunctionGemma formatting and best practices").
+FUNCTIONGEMMA_OUTPUT = (
+    "Checking.\n<start_function_call>call:get_weather{city:<escape>Oslo<escape>,days:3}"
+    "<end_function_call><start_function_call>call:echo{city:<escape>Oslo<escape>,"
+    "days:<escape>3<escape>}<end_function_call>"
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_functiongemma_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser functiongemma: FunctionGemma's calls after the text before them;
+    a call cut short by max_tokens is content, as written."""
+    gemma = gateway(ChatParsers(tool_call="functiongemma"))
+    assert _read(gemma, stream, FUNCTIONGEMMA_OUTPUT) == (
+        None,
+        "Checking.\n",
+        OSLO_TWICE,
+        "tool_calls",
+    )
+    block = "<start_function_call>call:get_weather{city:<escape>Oslo<escape>,days:3}"
+    _, content, calls, finish = _read(gemma, stream, block, max_tokens=8)
+    assert content and block.startswith(content) and content != block
+    assert (calls, finish) == ([], "length")
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_functiongemma_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    """vLLM's tests/tool_parsers/test_functiongemma_tool_parser.py, and the notation's other
+    values (bare numbers, booleans and null, objects, arrays, strings holding its
+    punctuation). Where Weir differs: text before a call is content as written (vLLM strips
+    it), streamed before the call is known; a string between <escape> tokens stays a string
+    (vLLM reads it as JSON: count 42) unless the tool's schema types the parameter
+    otherwise; a block cut short is content as written (vLLM reads the arguments it holds);
+    vLLM's streamed case writes no "," between its arguments, which the template always
+    writes (here with it: without, the block is no call, content as written)."""
+    schema = {"count": {"type": "integer"}, "enabled": {"type": "boolean"}}
+
+    def read(text, properties=None):
+        choice = ToolChoice("auto", parser="functiongemma", properties=properties or {})
+        return read_in_pieces(choice.reader(), text, step)
+
+    def call(name, body):
+        return f"<start_function_call>call:{name}{{{body}}}<end_function_call>"
+
+    london = call("get_weather", "location:<escape>London<escape>")
+    assert read("Hello, how can I help you today?") == ("Hello, how can I help you today?", [])
+    assert read(london) == ("", [("get_weather", '{"location": "London"}')])
+    two = "location:<escape>San Francisco<escape>,unit:<escape>celsius<escape>"
+    sf = ("get_weather", '{"location": "San Francisco", "unit": "celsius"}')
+    assert read(call("get_weather", two)) == ("", [sf])
+    paris = call("get_weather", "location:<escape>Paris<escape>")
+    assert read("Let me check the weather for you. " + paris) == (
+        "Let me check the weather for you. ",
+        [("get_weather", '{"location": "Paris"}')],
+    )
+    utc = call("get_time", "timezone:<escape>UTC<escape>")
+    assert read(london + utc) == (
+        "",
+        [("get_weather", '{"location": "London"}'), ("get_time", '{"timezone": "UTC"}')],
+    )
+    assert read(call("f", "")) == ("", [("f", "{}")])
+    counted = call("get_weather", "count:<escape>42<escape>,enabled:<escape>true<escape>")
+    assert read(counted, {"get_weather": schema}) == (
+        "",
+        [("get_weather", '{"count": 42, "enabled": true}')],
+    )
+    assert read(counted) == ("", [("get_weather", '{"count": "42", "enabled": "true"}')])
+    hello = call("f", "message:<escape>Hello World<escape>")
+    assert read(hello) == ("", [("f", '{"message": "Hello World"}')])
+    nyc = call("get_weather", "city:<escape>NYC<escape>,unit:<escape>celsius<escape>")
+    assert read(nyc) == ("", [("get_weather", '{"city": "NYC", "unit": "celsius"}')])
+    search = "query:<escape>python<escape>,limit:10,sort:<escape>relevance<escape>"
+    assert read(call("search", search)) == (
+        "",
+        [("search", '{"query": "python", "limit": 10, "sort": "relevance"}')],
+    )
+    typed = "a:1,ratio:0.5,on:false,to:null,note:<escape>x, {y}: [z]<escape>,o:{k:[1,{b:true}]}"
+    assert read(call("f", typed)) == (
+        "",
+        [
+            (
+                "f",
+                '{"a": 1, "ratio": 0.5, "on": false, "to": null, "note": "x, {y}: [z]", '
+                '"o": {"k": [1, {"b": true}]}}',
+            )
+        ],
+    )
+    # A string written bare, not between <escape> tokens, is read as written (vLLM's: {}).
+    bare = call("get_weather", "location:Paris,unit:celsius")
+    assert read(bare) == ("", [("get_weather", '{"location": "Paris", "unit": "celsius"}')])
+    assert read("\n" + london + "\n") == ("\n", [("get_weather", '{"location": "London"}')])
+    # Ended on its end token: a whole call without its end tag is still one.
+    assert read(london.removesuffix("<end_function_call>")) == (
+        "",
+        [("get_weather", '{"location": "London"}')],
+    )
+    for text in (
+        "<start_function_call>call:get_weather{location:<escape>Lon",  # cut short
+        call("get_weather", "city:<escape>NYC<escape>unit:<escape>celsius<escape>"),
+        call("f", "a:1,"),
+        "<start_function_call>get_weather{}<end_function_call>",
+        call("f", "a:1}"),
+        "<start_function_",
+    ):
+        assert read(text) == (text, [])
+    # <start_function_call>, <end_function_call> and <escape> are FunctionGemma's special
+    # tokens: the text must keep them (vLLM's parser sets skip_special_tokens False).
+    assert ChatOutput(None, ToolChoice("auto", parser="functiongemma")).keeps_special_tokens
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
