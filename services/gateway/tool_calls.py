@@ -29,7 +29,7 @@ and the calls read back out of its text, whole or as it streams.
   ``<tool_call>`` block; ``olmo3``: OLMo 3's ``<function_calls>`` blocks, one Python call a
   line, ``f(a=1)``, its values Python's or JSON's literals (``true``, ``null``);
   ``seed_oss``: Seed-OSS' ``<seed:tool_call>`` blocks of qwen3_coder's ``<function=NAME>``,
-  read as its; ``hunyuan_a13b``: Hunyuan's ``<tool_calls>`` block of a JSON array of
+  read as its (a ``<seed:think>`` thought left in the content holds none); ``hunyuan_a13b``: Hunyuan's ``<tool_calls>`` block of a JSON array of
   ``{"name": ..., "arguments": {...}}`` calls; ``ernie45``: ERNIE 4.5's ``<tool_call>``
   blocks, read as hermes'. ``qwen3_xml`` and ``glm47`` are vLLM's other names of qwen3_coder
   and glm45.
@@ -359,6 +359,54 @@ class HermesReader:
 
     def _outside(self, text: str) -> str:
         return "" if self.calls and not text.strip() else text
+
+
+class AfterThought:
+    """Calls after a thought left in the content: an output that opens (whitespace aside)
+    with ``start`` is content up to its ``end``, a call written out in the thought no call
+    (vLLM's seed_oss parser reads Seed-OSS' ``<seed:think>`` so, where no reasoning parser
+    took it out); the rest, and any other output, is read by ``reader``."""
+
+    def __init__(self, reader: ToolCallReader, start: str, end: str) -> None:
+        self._reader = reader
+        self.calls = reader.calls  # the one list, which the reader fills
+        self._start, self._end = start, end
+        self._pending = ""
+        self._state = "open"  # then "thought" or "calls"
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._state == "calls":
+            return self._reader.feed(text)
+        self._pending += text
+        if self._state == "open":
+            head = self._pending.lstrip()
+            if head.startswith(self._start):
+                self._state = "thought"
+            elif self._start.startswith(head):
+                return "", []
+            else:
+                self._state = "calls"
+                pending, self._pending = self._pending, ""
+                return self._reader.feed(pending)
+        end = self._pending.find(self._end)
+        if end < 0:
+            keep = tag_prefix_at_end(self._pending, self._end)
+            thought = self._pending[: len(self._pending) - keep]
+            self._pending = self._pending[len(self._pending) - keep :]
+            return thought, []
+        end += len(self._end)
+        thought, rest = self._pending[:end], self._pending[end:]
+        self._pending, self._state = "", "calls"
+        content, deltas = self._reader.feed(rest)
+        return thought + content, deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        pending, self._pending = self._pending, ""
+        if self._state == "thought":  # cut short in the thought
+            return pending, []
+        content, deltas = self._reader.feed(pending)
+        rest, more = self._reader.finish()
+        return content + rest, deltas + more
 
 
 def json_call(block: str) -> ToolCall | None:
@@ -1063,7 +1111,8 @@ class ToolChoice:
             return HermesReader(functools.partial(xml_call, self.properties))
         if self.parser == "seed_oss":
             tags = ("<seed:tool_call>", "</seed:tool_call>")
-            return HermesReader(functools.partial(xml_call, self.properties), tags)
+            calls = HermesReader(functools.partial(xml_call, self.properties), tags)
+            return AfterThought(calls, "<seed:think>", "</seed:think>")
         if self.parser == "hunyuan_a13b":
             return HermesReader(hunyuan_calls, ("<tool_calls>", "</tool_calls>"))
         if self.parser in ("glm45", "glm47"):

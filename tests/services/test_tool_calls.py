@@ -1150,6 +1150,37 @@ def test_seed_oss_and_hunyuan_calls_streamed_in_any_pieces_read_as_they_do_whole
     assert hunyuan('<tool_calls>[{"name": "f", "argu') == ('<tool_calls>[{"name": "f", "argu', [])
 
 
+# vLLM's seed_oss cases (tests/tool_parsers/test_seed_oss_tool_parser.py): without a
+# reasoning parser, a <seed:think> thought is content, and a call it writes out no call.
+SEED_CALL = (
+    "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Oslo</parameter>\n"
+    "</function>\n</seed:tool_call>"
+)
+SEED_THOUGHT = "<seed:think>\nThe format is " + SEED_CALL + ". Call it.</seed:think>\n"
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        (SEED_CALL, "", 1),  # thinking_budget 0
+        (SEED_THOUGHT + SEED_CALL, SEED_THOUGHT, 1),
+        (" " + SEED_THOUGHT + "Sure.\n" + SEED_CALL, " " + SEED_THOUGHT + "Sure.\n", 1),
+        (SEED_THOUGHT, SEED_THOUGHT, 0),
+        (SEED_THOUGHT[:-20], SEED_THOUGHT[:-20], 0),  # cut short in the thought
+        ("<seed:th", "<seed:th", 0),
+    ],
+)
+def test_seed_oss_reads_calls_after_a_thought_left_in_the_content(text, content, calls, step):
+    choice = ToolChoice(
+        "auto", parser="seed_oss", properties={"get_weather": WEATHER["properties"]}
+    )
+    assert read_in_pieces(choice.reader(), text, step) == (
+        content,
+        [("get_weather", '{"city": "Oslo"}')] * calls,
+    )
+
+
 DEEP = "[" * 100_000  # past the JSON parser's depth
 
 
