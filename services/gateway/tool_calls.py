@@ -470,14 +470,18 @@ def _object_or_text(text: str) -> Any:
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+# A parameter whose </parameter> the model left out ends where the next one begins (vLLM's).
+_XML_PARAMETER = re.compile(
+    r"<parameter=([^>\s]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL
+)
 
 
 def xml_call(properties: dict[str, Any], block: str) -> ToolCall | None:
     """A Qwen3-Coder block's call: ``<function=NAME>`` and its ``<parameter=KEY>VALUE
     </parameter>``s, each value (less the newline that opens and the one that closes it)
     read by the types ``properties[NAME][KEY]`` gives it (`_value_types`), as vLLM's parser
-    reads it: a number or boolean by its text, an object or array as JSON, anything else
+    reads it: a number or boolean by its text, an object or array as JSON or a Python
+    literal (or a JSON string of either), ``null`` as null but for a string, anything else
     (no type given, or a text that is of none of its types) as the string written."""
     match = _XML_FUNCTION.fullmatch(block)
     if match is None:
@@ -523,8 +527,11 @@ def _value_types(spec: Any) -> list[str]:
 
 
 def _typed(value: str, kinds: list[str]) -> Any:
-    """``value`` read as the first of ``kinds`` it is text of, else the text as written."""
-    if value.strip().lower() == "null":
+    """``value`` read as the first of ``kinds`` it is text of, else the text as written;
+    ``null`` is null, and so is Python's ``None`` where a type is given (Qwen3.5's template
+    writes a null it was given so), but where the first of ``kinds`` is string (vLLM's)."""
+    word = value.strip()
+    if kinds[:1] != ["string"] and (word.lower() == "null" or (kinds and word == "None")):
         return None
     for kind in kinds:
         try:
@@ -549,7 +556,16 @@ def _as_type(value: str, kind: str) -> Any:
     if kind == "boolean":
         return value.strip().lower() == "true"
     if kind in ("object", "array"):
-        return json.loads(value)
+        try:
+            found = json.loads(value)
+        except ValueError:  # a Python literal, {'k': 'v'}, as vLLM reads it too
+            found = _literal_value(value.strip())
+        if not isinstance(found, str):
+            return found
+        try:  # its text written as a string (a template's json.dumps of it)
+            return _literal_value(found)
+        except ValueError:
+            return found
     raise ValueError(kind)
 
 
@@ -602,8 +618,16 @@ def glm_call(properties: dict[str, Any], block: str) -> ToolCall | None:
 
 
 def _literal(value: str) -> Any:
+    """`_literal_value`, else the text itself."""
+    try:
+        return _literal_value(value)
+    except ValueError:
+        return value
+
+
+def _literal_value(value: str) -> Any:
     """``value`` as JSON, else as a Python literal (``True``, ``None``, ``'single quoted'``),
-    if what it reads as has a JSON text; else the text itself."""
+    if what it reads as has a JSON text; ValueError where it is neither."""
     for read in (json.loads, ast.literal_eval):
         try:
             found = read(value)
@@ -611,7 +635,7 @@ def _literal(value: str) -> Any:
             return found
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue
-    return value
+    raise ValueError(value)
 
 
 class LeadingListReader:
