@@ -511,7 +511,7 @@ def _schema_typed_call(
 
 
 def _value_types(spec: Any) -> list[str]:
-    """The types, other than null, a parameter's schema lets its value be, in its order:
+    """The types, null too, a parameter's schema lets its value be, in its order:
     ``type`` (a name or a list of names) and each of ``anyOf``'s or ``oneOf``'s options, as
     Pydantic writes an ``Optional[...]`` field (``{"anyOf": [{"type": "integer"}, {"type":
     "null"}]}``)."""
@@ -523,15 +523,18 @@ def _value_types(spec: Any) -> list[str]:
         options = spec.get(union)
         for option in options if isinstance(options, list) else []:
             kinds += _value_types(option)
-    return [k for k in kinds if isinstance(k, str) and k != "null"]
+    return [k for k in kinds if isinstance(k, str)]
 
 
 def _typed(value: str, kinds: list[str]) -> Any:
     """``value`` read as the first of ``kinds`` it is text of, else the text as written;
-    ``null`` is null, and so is Python's ``None`` where a type is given (Qwen3.5's template
-    writes a null it was given so), but where the first of ``kinds`` is string (vLLM's)."""
+    ``null`` is null but for a string that cannot be null, and Python's ``None`` is too
+    where null may be (Qwen3.5's and 3.6's way of writing it), as vLLM reads them."""
     word = value.strip()
-    if kinds[:1] != ["string"] and (word.lower() == "null" or (kinds and word == "None")):
+    nullable = "null" in kinds
+    if word == "None" and nullable:
+        return None
+    if word.lower() == "null" and (nullable or kinds[:1] != ["string"]):
         return None
     for kind in kinds:
         try:

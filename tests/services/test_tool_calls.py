@@ -725,6 +725,8 @@ def test_qwen3_coder_and_minimax_m2_values_are_read_by_nullable_and_union_types(
 QWEN3_VALUES = [
     ("null", {"type": "string"}, "null"),  # a string stays one
     ("None", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, None),  # Qwen3.5's null
+    ("None", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
+    ("null", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
     ("None", {}, "None"),
     ("{'key': 'value'}", {"type": "object"}, {"key": "value"}),  # a Python literal
     ("\"{'key': 'value', 'n': 1}\"", {"type": "object"}, {"key": "value", "n": 1}),
