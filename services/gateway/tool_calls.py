@@ -29,7 +29,7 @@ and the calls read back out of its text, whole or as it streams.
   ``<tool_call>`` block; ``olmo3``: OLMo 3's ``<function_calls>`` blocks, one Python call a
   line, ``f(a=1)``, its values Python's or JSON's literals (``true``, ``null``);
   ``seed_oss``: Seed-OSS' ``<seed:tool_call>`` blocks of qwen3_coder's ``<function=NAME>``,
-  read as its; ``hunyuan_a13b``: Hunyuan's ``<tool_calls>`` block of a JSON array of
+  read as its (a ``<seed:think>`` thought left in the content holds none); ``hunyuan_a13b``: Hunyuan's ``<tool_calls>`` block of a JSON array of
   ``{"name": ..., "arguments": {...}}`` calls; ``ernie45``: ERNIE 4.5's ``<tool_call>``
   blocks, read as hermes'; ``functiongemma``: FunctionGemma's ``<start_function_call>call:NAME
   {KEY:VALUE,...}<end_function_call>``, a string value between ``<escape>`` tokens, others
@@ -363,6 +363,54 @@ class HermesReader:
         return "" if self.calls and not text.strip() else text
 
 
+class AfterThought:
+    """Calls after a thought left in the content: an output that opens (whitespace aside)
+    with ``start`` is content up to its ``end``, a call written out in the thought no call
+    (vLLM's seed_oss parser reads Seed-OSS' ``<seed:think>`` so, where no reasoning parser
+    took it out); the rest, and any other output, is read by ``reader``."""
+
+    def __init__(self, reader: ToolCallReader, start: str, end: str) -> None:
+        self._reader = reader
+        self.calls = reader.calls  # the one list, which the reader fills
+        self._start, self._end = start, end
+        self._pending = ""
+        self._state = "open"  # then "thought" or "calls"
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._state == "calls":
+            return self._reader.feed(text)
+        self._pending += text
+        if self._state == "open":
+            head = self._pending.lstrip()
+            if head.startswith(self._start):
+                self._state = "thought"
+            elif self._start.startswith(head):
+                return "", []
+            else:
+                self._state = "calls"
+                pending, self._pending = self._pending, ""
+                return self._reader.feed(pending)
+        end = self._pending.find(self._end)
+        if end < 0:
+            keep = tag_prefix_at_end(self._pending, self._end)
+            thought = self._pending[: len(self._pending) - keep]
+            self._pending = self._pending[len(self._pending) - keep :]
+            return thought, []
+        end += len(self._end)
+        thought, rest = self._pending[:end], self._pending[end:]
+        self._pending, self._state = "", "calls"
+        content, deltas = self._reader.feed(rest)
+        return thought + content, deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        pending, self._pending = self._pending, ""
+        if self._state == "thought":  # cut short in the thought
+            return pending, []
+        content, deltas = self._reader.feed(pending)
+        rest, more = self._reader.finish()
+        return content + rest, deltas + more
+
+
 def json_call(block: str) -> ToolCall | None:
     """A hermes block's call: ``{"name": ..., "arguments": {...}}`` (`value_call`)."""
     try:
@@ -424,14 +472,18 @@ def _object_or_text(text: str) -> Any:
 
 
 _XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+# A parameter whose </parameter> the model left out ends where the next one begins (vLLM's).
+_XML_PARAMETER = re.compile(
+    r"<parameter=([^>\s]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL
+)
 
 
 def xml_call(properties: dict[str, Any], block: str) -> ToolCall | None:
     """A Qwen3-Coder block's call: ``<function=NAME>`` and its ``<parameter=KEY>VALUE
     </parameter>``s, each value (less the newline that opens and the one that closes it)
     read by the types ``properties[NAME][KEY]`` gives it (`_value_types`), as vLLM's parser
-    reads it: a number or boolean by its text, an object or array as JSON, anything else
+    reads it: a number or boolean by its text, an object or array as JSON or a Python
+    literal (or a JSON string of either), ``null`` as null but for a string, anything else
     (no type given, or a text that is of none of its types) as the string written."""
     match = _XML_FUNCTION.fullmatch(block)
     if match is None:
@@ -461,7 +513,7 @@ def _schema_typed_call(
 
 
 def _value_types(spec: Any) -> list[str]:
-    """The types, other than null, a parameter's schema lets its value be, in its order:
+    """The types, null too, a parameter's schema lets its value be, in its order:
     ``type`` (a name or a list of names) and each of ``anyOf``'s or ``oneOf``'s options, as
     Pydantic writes an ``Optional[...]`` field (``{"anyOf": [{"type": "integer"}, {"type":
     "null"}]}``)."""
@@ -473,12 +525,18 @@ def _value_types(spec: Any) -> list[str]:
         options = spec.get(union)
         for option in options if isinstance(options, list) else []:
             kinds += _value_types(option)
-    return [k for k in kinds if isinstance(k, str) and k != "null"]
+    return [k for k in kinds if isinstance(k, str)]
 
 
 def _typed(value: str, kinds: list[str]) -> Any:
-    """``value`` read as the first of ``kinds`` it is text of, else the text as written."""
-    if value.strip().lower() == "null":
+    """``value`` read as the first of ``kinds`` it is text of, else the text as written;
+    ``null`` is null but for a string that cannot be null, and Python's ``None`` is too
+    where null may be (Qwen3.5's and 3.6's way of writing it), as vLLM reads them."""
+    word = value.strip()
+    nullable = "null" in kinds
+    if word == "None" and nullable:
+        return None
+    if word.lower() == "null" and (nullable or kinds[:1] != ["string"]):
         return None
     for kind in kinds:
         try:
@@ -503,7 +561,16 @@ def _as_type(value: str, kind: str) -> Any:
     if kind == "boolean":
         return value.strip().lower() == "true"
     if kind in ("object", "array"):
-        return json.loads(value)
+        try:
+            found = json.loads(value)
+        except ValueError:  # a Python literal, {'k': 'v'}, as vLLM reads it too
+            found = _literal_value(value.strip())
+        if not isinstance(found, str):
+            return found
+        try:  # its text written as a string (a template's json.dumps of it)
+            return _literal_value(found)
+        except ValueError:
+            return found
     raise ValueError(kind)
 
 
@@ -556,8 +623,16 @@ def glm_call(properties: dict[str, Any], block: str) -> ToolCall | None:
 
 
 def _literal(value: str) -> Any:
+    """`_literal_value`, else the text itself."""
+    try:
+        return _literal_value(value)
+    except ValueError:
+        return value
+
+
+def _literal_value(value: str) -> Any:
     """``value`` as JSON, else as a Python literal (``True``, ``None``, ``'single quoted'``),
-    if what it reads as has a JSON text; else the text itself."""
+    if what it reads as has a JSON text; ValueError where it is neither."""
     for read in (json.loads, ast.literal_eval):
         try:
             found = read(value)
@@ -565,7 +640,7 @@ def _literal(value: str) -> Any:
             return found
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue
-    return value
+    raise ValueError(value)
 
 
 _GEMMA_CALL = re.compile(r"\s*call:([\w.-]+)(\{.*\})\s*", re.DOTALL)
@@ -1158,7 +1233,8 @@ class ToolChoice:
             return HermesReader(functools.partial(xml_call, self.properties))
         if self.parser == "seed_oss":
             tags = ("<seed:tool_call>", "</seed:tool_call>")
-            return HermesReader(functools.partial(xml_call, self.properties), tags)
+            calls = HermesReader(functools.partial(xml_call, self.properties), tags)
+            return AfterThought(calls, "<seed:think>", "</seed:think>")
         if self.parser == "hunyuan_a13b":
             return HermesReader(hunyuan_calls, ("<tool_calls>", "</tool_calls>"))
         if self.parser in ("glm45", "glm47"):

@@ -721,6 +721,42 @@ def test_qwen3_coder_and_minimax_m2_values_are_read_by_nullable_and_union_types(
     assert json.loads(call.arguments) == expected
 
 
+# vLLM's cases of qwen3_xml and qwen3_coder (tests/tool_parsers/test_qwen3_xml_coder_shared.py):
+# (value written, its schema, the argument read).
+QWEN3_VALUES = [
+    ("null", {"type": "string"}, "null"),  # a string stays one
+    ("None", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, None),  # Qwen3.5's null
+    ("None", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
+    ("null", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
+    ("None", {}, "None"),
+    ("{'key': 'value'}", {"type": "object"}, {"key": "value"}),  # a Python literal
+    ("\"{'key': 'value', 'n': 1}\"", {"type": "object"}, {"key": "value", "n": 1}),
+    ('["a", "b", 1, true]', {"type": "array"}, ["a", "b", 1, True]),
+]
+
+
+@pytest.mark.parametrize("step", [1, 1000])
+@pytest.mark.parametrize("value, schema, read", QWEN3_VALUES)
+def test_qwen3_xml_values_read_as_vllm_reads_them(value, schema, read, step):
+    choice = ToolChoice("auto", parser="qwen3_xml", properties={"f": {"v": schema}})
+    text = f"<tool_call>\n<function=f>\n<parameter=v>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    assert read_in_pieces(choice.reader(), text, step) == ("", [("f", json.dumps({"v": read}))])
+
+
+@pytest.mark.parametrize("step", [1, 1000])
+def test_qwen3_xml_parameter_without_its_end_tag_ends_at_the_next(step):
+    """vLLM's test_extract_tool_calls_missing_closing_parameter_tag."""
+    text = (
+        "Let me check:\n<tool_call>\n<function=f>\n<parameter=city>\nDallas\n"
+        "<parameter=state>\nTX\n</parameter>\n<parameter=unit>\nF\n</function>\n</tool_call>"
+    )
+    choice = ToolChoice("auto", parser="qwen3_xml")
+    assert read_in_pieces(choice.reader(), text, step) == (
+        "Let me check:\n",
+        [("f", '{"city": "Dallas", "state": "TX", "unit": "F"}')],
+    )
+
+
 def test_auto_reads_glm45_calls_out_of_the_text(gateway):
     """--tool-call-parser glm45: GLM-4.5's <tool_call> blocks (newlines between its tags)
     and GLM-4.7's (none), each value read as JSON or a Python literal, as written where the
@@ -1263,6 +1299,37 @@ def test_seed_oss_and_hunyuan_calls_streamed_in_any_pieces_read_as_they_do_whole
     assert hunyuan(block.format("Infinity")) == (block.format("Infinity"), [])
     assert hunyuan('<tool_calls>{"name": "f"}</tool_calls>')[1] == []
     assert hunyuan('<tool_calls>[{"name": "f", "argu') == ('<tool_calls>[{"name": "f", "argu', [])
+
+
+# vLLM's seed_oss cases (tests/tool_parsers/test_seed_oss_tool_parser.py): without a
+# reasoning parser, a <seed:think> thought is content, and a call it writes out no call.
+SEED_CALL = (
+    "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Oslo</parameter>\n"
+    "</function>\n</seed:tool_call>"
+)
+SEED_THOUGHT = "<seed:think>\nThe format is " + SEED_CALL + ". Call it.</seed:think>\n"
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        (SEED_CALL, "", 1),  # thinking_budget 0
+        (SEED_THOUGHT + SEED_CALL, SEED_THOUGHT, 1),
+        (" " + SEED_THOUGHT + "Sure.\n" + SEED_CALL, " " + SEED_THOUGHT + "Sure.\n", 1),
+        (SEED_THOUGHT, SEED_THOUGHT, 0),
+        (SEED_THOUGHT[:-20], SEED_THOUGHT[:-20], 0),  # cut short in the thought
+        ("<seed:th", "<seed:th", 0),
+    ],
+)
+def test_seed_oss_reads_calls_after_a_thought_left_in_the_content(text, content, calls, step):
+    choice = ToolChoice(
+        "auto", parser="seed_oss", properties={"get_weather": WEATHER["properties"]}
+    )
+    assert read_in_pieces(choice.reader(), text, step) == (
+        content,
+        [("get_weather", '{"city": "Oslo"}')] * calls,
+    )
 
 
 DEEP = "[" * 100_000  # past the JSON parser's depth
