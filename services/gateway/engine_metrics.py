@@ -41,10 +41,10 @@ class EngineMetrics:
         """``own``'s series and the engines' at this moment, as one registry to encode."""
         if not self.urls:
             return own
-        texts = await asyncio.gather(*(asyncio.to_thread(self._read, url) for url in self.urls))
+        read = await asyncio.gather(*(asyncio.to_thread(self._read, url) for url in self.urls))
         merged: dict[str, Metric] = {}
-        for engine, text in enumerate(texts):
-            for family in [] if text is None else text_string_to_metric_families(text):
+        for engine, families in enumerate(read):
+            for family in families:
                 into = merged.setdefault(
                     family.name, Metric(family.name, family.documentation, family.type)
                 )
@@ -55,11 +55,12 @@ class EngineMetrics:
         registry.register(_Families([*own.collect(), *merged.values()]))
         return registry
 
-    def _read(self, url: str) -> str | None:
+    def _read(self, url: str) -> list[Metric]:
+        """The families at ``url``, parsed here, off the event loop; none if it fails."""
         try:
             with urllib.request.urlopen(url, timeout=self.timeout) as response:
                 body: bytes = response.read()
-                return body.decode()
+            return list(text_string_to_metric_families(body.decode()))
         except (OSError, ValueError) as exc:
             _log.warning("engine metrics at %s left out of this scrape: %s", url, exc)
-            return None
+            return []
