@@ -12,7 +12,8 @@ and the calls read back out of its text, whole or as it streams.
   ``pythonic``: an output that is a Python list of calls, ``[f(a=1), g(b="x")]``, as Llama 3.2
   and 4 write (vLLM's parser of the name); ``qwen3_coder``: Qwen3-Coder's ``<tool_call>
   <function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`` blocks, each
-  value read by its parameter's type in the tool's schema; ``mistral``: Mistral's
+  value read by its parameter's type in the tool's schema (the format's tags in it text, as
+  vLLM's parser tells them); ``mistral``: Mistral's
   ``[TOOL_CALLS]`` and a JSON array of calls (its tokenizers before v11) or ``NAME[ARGS]{...}``
   per ``[TOOL_CALLS]`` (v11 on); ``glm45``: GLM-4.5's to 4.7's ``<tool_call>NAME<arg_key>KEY
   </arg_key><arg_value>VALUE</arg_value>...</tool_call>`` blocks; ``openai``: gpt-oss'
@@ -297,36 +298,34 @@ class HermesReader:
     ``parse`` as a call or calls (hermes': ``{"name": ..., "arguments": {...}}``;
     Qwen3-Coder's: `xml_call`). Text before the first call streams as content (less what may
     begin a tag); text between and after calls is content unless it is only whitespace; a
-    block that is not such a call, or is cut short, is content as written."""
+    block that is not such a call, or is cut short, is content as written. With ``nested``
+    (Qwen3-Coder's), a start tag opening a line in a block begins one written out in a value
+    (a coding agent writing a parser's test), and the end tag that closes it is text of it."""
 
     def __init__(
         self,
         parse: Callable[[str], ToolCall | list[ToolCall] | None] | None = None,
         tags: tuple[str, str] = ("<tool_call>", "</tool_call>"),
+        nested: bool = False,
     ) -> None:
         self.calls: list[ToolCall] = []
         self._pending = ""
         self._inside = False
         self._parse = parse or json_call
         self._start, self._end = tags
+        self._nested = nested
+        self._searched = 0  # the block's end tags before this closed blocks in it
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._pending += text
         content: list[str] = []
-        deltas = []
+        deltas: list[dict[str, Any]] = []
         while True:
             if self._inside:
-                end = self._pending.find(self._end)
+                end = self._block_end()
                 if end < 0:
                     break
-                block, self._pending = self._pending[:end], self._pending[end + len(self._end) :]
-                self._inside = False
-                calls = self._calls(block)
-                if not calls:
-                    content.append(self._start + block + self._end)
-                for call in calls:
-                    deltas.append(call.delta(len(self.calls)))
-                    self.calls.append(call)
+                self._read(end, content, deltas)
                 continue
             start = self._pending.find(self._start)
             if start >= 0:
@@ -344,16 +343,49 @@ class HermesReader:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """The rest: a last block whose end tag never came (the output ended on its end
-        token, or on the end tag as a stop string) is still a call if it holds one."""
+        token, or on the end tag as a stop string) is still a call if it holds one; a block
+        whose end tags all closed blocks in it (``nested``) is, or else ends at its first."""
+        content: list[str] = []
+        deltas: list[dict[str, Any]] = []
+        while self._inside and self._end in self._pending and not self._calls(self._pending):
+            self._read(self._pending.find(self._end), content, deltas)
+            more, found = self.feed("")
+            content.append(more)
+            deltas += found
         pending, self._pending = self._pending, ""
         if not self._inside:
-            return self._outside(pending), []
+            return "".join(content) + self._outside(pending), deltas
         calls = self._calls(pending)
         if not calls:
-            return self._start + pending, []
-        deltas = [call.delta(len(self.calls) + i) for i, call in enumerate(calls)]
+            return "".join(content) + self._start + pending, deltas
+        deltas += [call.delta(len(self.calls) + i) for i, call in enumerate(calls)]
         self.calls += calls
-        return "", deltas
+        return "".join(content), deltas
+
+    def _block_end(self) -> int:
+        """Where the block's end tag is, -1 until it comes (with ``nested``: the first that
+        closes no block written out in it)."""
+        end = self._pending.find(self._end, self._searched)
+        while end >= 0 and self._nested and self._opened(end):
+            end = self._pending.find(self._end, end + 1)
+        self._searched = end if end >= 0 else max(len(self._pending) - len(self._end) + 1, 0)
+        return end
+
+    def _opened(self, end: int) -> bool:
+        """Whether a block opening a line before ``end`` in the pending one is still open."""
+        opened = self._pending.count("\n" + self._start, 0, end)
+        return opened > self._pending.count(self._end, 0, end)
+
+    def _read(self, end: int, content: list[str], deltas: list[dict[str, Any]]) -> None:
+        """The block that ends at ``end``: its calls' deltas, or itself as content."""
+        block, self._pending = self._pending[:end], self._pending[end + len(self._end) :]
+        self._inside, self._searched = False, 0
+        calls = self._calls(block)
+        if not calls:
+            content.append(self._start + block + self._end)
+        for call in calls:
+            deltas.append(call.delta(len(self.calls)))
+            self.calls.append(call)
 
     def _calls(self, block: str) -> list[ToolCall]:
         found = self._parse(block)
@@ -476,22 +508,75 @@ _XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTA
 _XML_PARAMETER = re.compile(
     r"<parameter=([^>\s]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL
 )
+_XML_KEY = re.compile(r"\s*<parameter=([^>\s]+)>")
+# The tags in a value that pair up: a <parameter=KEY> opening a line (a call written out in
+# it, as a coding agent writes a parser's test) and the </parameter> after it.
+_XML_VALUE_TAGS = re.compile(r"^<parameter=([^>\s]+)>|</parameter>", re.MULTILINE)
 
 
 def xml_call(properties: dict[str, Any], block: str) -> ToolCall | None:
     """A Qwen3-Coder block's call: ``<function=NAME>`` and its ``<parameter=KEY>VALUE
-    </parameter>``s, each value (less the newline that opens and the one that closes it)
-    read by the types ``properties[NAME][KEY]`` gives it (`_value_types`), as vLLM's parser
-    reads it: a number or boolean by its text, an object or array as JSON or a Python
-    literal (or a JSON string of either), ``null`` as null but for a string, anything else
-    (no type given, or a text that is of none of its types) as the string written."""
+    </parameter>``s (each value to its first ``</parameter>``, or where that leaves text
+    outside them, to its end as `_xml_parameters` finds it; None where it finds none), each
+    value (less the newline that opens and the one that closes it) read by the types
+    ``properties[NAME][KEY]`` gives it (`_value_types`), as vLLM's parser reads it: a number
+    or boolean by its text, an object or array as JSON or a Python literal (or a JSON string
+    of either), ``null`` as null but for a string, anything else (no type given, or a text
+    that is of none of its types) as the string written."""
     match = _XML_FUNCTION.fullmatch(block)
     if match is None:
         return None
     name, body = match.groups()
-    if _XML_PARAMETER.sub("", body).strip():
-        return None  # text outside the parameters: not a call
-    return _schema_typed_call(properties, name, _XML_PARAMETER.findall(body))
+    parameters: list[tuple[str, str]] | None = _XML_PARAMETER.findall(body)
+    if _XML_PARAMETER.sub("", body).strip():  # text outside them: a value's own tags, or no call
+        parameters = _xml_parameters(body, _xml_keys(properties, name))
+    return None if parameters is None else _schema_typed_call(properties, name, parameters)
+
+
+def _xml_keys(properties: dict[str, Any], name: str) -> set[str] | None:
+    """The parameters ``name``'s schema lists; None where it lists none."""
+    schema = properties.get(name)
+    return set(schema) if isinstance(schema, dict) and schema else None
+
+
+def _xml_parameters(body: str, keys: set[str] | None) -> list[tuple[str, str]] | None:
+    """A function body's (key, text) parameters where a value may hold the format's own
+    tags as text, as vLLM's parser reads them: a value ends at its first ``</parameter>``
+    that closes no ``<parameter=KEY>`` opening a line in it and is followed by the body's
+    end or a parameter of ``keys`` (any, where None); where none does, at the next line that
+    opens a parameter of ``keys`` not yet read (its ``</parameter>`` left out). None where a
+    value has no end, or there is text outside the parameters."""
+    parameters: list[tuple[str, str]] = []
+    at = 0
+    while body[at:].strip():
+        key = _XML_KEY.match(body, at)
+        if key is None:
+            return None
+        read = {k for k, _ in parameters} | {key[1]}
+        end, at = _xml_value_end(body, key.end(), keys, read)
+        if end < 0:
+            return None
+        parameters.append((key[1], body[key.end() : end]))
+    return parameters
+
+
+def _xml_value_end(body: str, start: int, keys: set[str] | None, read: set[str]) -> tuple[int, int]:
+    """Where the value from ``start`` ends and the text after it begins (`_xml_parameters`);
+    -1s where it does not end."""
+    depth = 0
+    for tag in _XML_VALUE_TAGS.finditer(body, start):
+        if tag[1]:
+            depth += 1
+        elif depth:
+            depth -= 1
+        else:
+            after = _XML_KEY.match(body, tag.end())
+            if not body[tag.end() :].strip() or after and (keys is None or after[1] in keys):
+                return tag.start(), tag.end()
+    for tag in _XML_VALUE_TAGS.finditer(body, start):
+        if tag[1] and tag[1] not in read and (keys is None or tag[1] in keys):
+            return tag.start(), tag.start()
+    return -1, -1
 
 
 def _schema_typed_call(
@@ -1230,10 +1315,9 @@ class ToolChoice:
         if self.parser in ("hermes", "ernie45"):
             return HermesReader()
         if self.parser in ("qwen3_coder", "qwen3_xml"):
-            return HermesReader(functools.partial(xml_call, self.properties))
+            return self._xml_reader(("<tool_call>", "</tool_call>"))
         if self.parser == "seed_oss":
-            tags = ("<seed:tool_call>", "</seed:tool_call>")
-            calls = HermesReader(functools.partial(xml_call, self.properties), tags)
+            calls = self._xml_reader(("<seed:tool_call>", "</seed:tool_call>"))
             return AfterThought(calls, "<seed:think>", "</seed:think>")
         if self.parser == "hunyuan_a13b":
             return HermesReader(hunyuan_calls, ("<tool_calls>", "</tool_calls>"))
@@ -1260,6 +1344,10 @@ class ToolChoice:
         if self.parser == "xlam":
             return XlamReader()
         return PythonicReader() if self.parser == "pythonic" else Llama3JsonReader()
+
+    def _xml_reader(self, tags: tuple[str, str]) -> HermesReader:
+        """Qwen3-Coder's blocks in ``tags``."""
+        return HermesReader(functools.partial(xml_call, self.properties), tags, nested=True)
 
     def finish_reason(self, calls: list[ToolCall], reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call (not when a named function

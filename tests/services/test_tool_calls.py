@@ -743,6 +743,91 @@ def test_qwen3_xml_values_read_as_vllm_reads_them(value, schema, read, step):
     assert read_in_pieces(choice.reader(), text, step) == ("", [("f", json.dumps({"v": read}))])
 
 
+def _write_file(path: str, content: str) -> str:
+    return (
+        "<tool_call>\n<function=write_file>\n"
+        f"<parameter=path>\n{path}\n</parameter>\n"
+        f"<parameter=content>\n{content}</parameter>\n</function>\n</tool_call>"
+    )
+
+
+_WRITE_FILE = {"write_file": {"path": {"type": "string"}, "content": {"type": "string"}}}
+_FOO = "<tool_call>\n<function=foo>\n<parameter=bar>baz</parameter>\n</function>\n</tool_call>"
+# vLLM's cases of a value that holds the format's own tags as text, as a coding agent writes
+# a parser's test (tests/tool_parsers/test_qwen3_xml_coder_shared.py, test_content_with_*
+# and test_two_tools_second_with_out_of_schema_nested_literal): write_file's content.
+QWEN3_TAGS_IN_VALUES = {
+    "xml tags in content": (
+        '[\n    "<tool_call>\\n",\n    "<parameter=query>\\n",\n'
+        '    "\\n</parameter>\\n",\n    "</function>\\n",\n]\n'
+    ),
+    "param-like lines": (
+        '"""\n</parameter>\n<parameter=new_string>\n#!/usr/bin/env python3\n</parameter>\n"""\n'
+    ),
+    "real param name literal": 'doc = """\n<parameter=path>\nliteral/value\n</parameter>\n"""\n',
+    "full nested call": 'doc = """\n' + _write_file("literal/value.txt", "hello\n") + '\n"""\n',
+    "out of schema nested": f'template = """\n{_FOO}\n"""\n',  # after a call of foo
+}
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("parser", ["qwen3_coder", "seed_oss"])
+@pytest.mark.parametrize("case", QWEN3_TAGS_IN_VALUES)
+def test_qwen3_xml_values_holding_its_tags_read_as_vllm_reads_them(case, parser, step):
+    """A value ends at a </parameter> that a parameter of the tool's schema or the
+    function's end follows and that closes no <parameter=KEY> opening a line in it; a block
+    at the first end tag that closes no start tag opening a line in it, as it arrives."""
+    content = QWEN3_TAGS_IN_VALUES[case]
+    text = _write_file("fixture.py", content)
+    calls = [("write_file", {"path": "fixture.py", "content": content.removesuffix("\n")})]
+    if case == "out of schema nested":
+        text, calls = _FOO + "\n\n" + text, [("foo", {"bar": "baz"}), *calls]
+    if parser == "seed_oss":  # the same blocks in Seed-OSS' tags, those in values too
+        text = text.replace("tool_call>", "seed:tool_call>")
+        calls = [
+            (n, {k: v.replace("tool_call>", "seed:tool_call>") for k, v in a.items()})
+            for n, a in calls
+        ]
+    choice = ToolChoice("auto", parser=parser, properties=_WRITE_FILE)
+    got, read = read_in_pieces(choice.reader(), text, step)
+    assert (got, [(name, json.loads(arguments)) for name, arguments in read]) == ("", calls)
+    reader = choice.reader()
+    assert len(reader.feed(text[:-1])[1]) == len(calls) - 1
+    assert len(reader.feed(text[-1])[1]) == 1  # the last read as its end tag arrives
+
+
+_PHANTOM = "<tool_call>\n<function={{ tc.name }}>\n<parameter={{ k }}>\n{{ v }}\n</parameter>\n"
+_PHANTOM += "</function>\n</tool_call>\n\n"
+_NESTED = QWEN3_TAGS_IN_VALUES["full nested call"]
+# Around those: (the output, its tools' schemas, the content and call read). A block that
+# holds no call (vLLM's unrendered Jinja, an inline <tool_call>example</tool_call>) is
+# content up to its first end tag; a schema that lists no properties filters no key (vLLM's
+# reading: new_string a parameter); a key outside the schema is still one; a block cut at
+# its end tag (a stop string) is still read whole, and one whose <tool_call> opening a line
+# in a value is never closed ends at its first end tag when the output ends.
+QWEN3_AROUND_TAGS_IN_VALUES = [
+    (_PHANTOM + _write_file("a", "b\n"), _WRITE_FILE, _PHANTOM, {"path": "a", "content": "b"}),
+    ("Show: <tool_call>example</tool_call>. Now:\n" + _write_file("a", "b\n"), _WRITE_FILE,
+     "Show: <tool_call>example</tool_call>. Now:\n", {"path": "a", "content": "b"}),
+    (_write_file("t.py", QWEN3_TAGS_IN_VALUES["param-like lines"]), {"write_file": {}}, "",
+     {"path": "t.py", "content": '"""', "new_string": '#!/usr/bin/env python3\n</parameter>\n"""'}),
+    (_write_file("a", "b\n").replace("content>", "mode>"), _WRITE_FILE, "",
+     {"path": "a", "mode": "b"}),
+    (_write_file("a", _NESTED).removesuffix("</tool_call>"), _WRITE_FILE, "",
+     {"path": "a", "content": _NESTED.removesuffix("\n")}),
+    (_write_file("a", "see:\n<tool_call>\n") + "\nDone.", _WRITE_FILE, "\nDone.",
+     {"path": "a", "content": "see:\n<tool_call>"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+@pytest.mark.parametrize("text, properties, content, arguments", QWEN3_AROUND_TAGS_IN_VALUES)
+def test_qwen3_xml_blocks_around_tags_in_values(text, properties, content, arguments, step):
+    choice = ToolChoice("auto", parser="qwen3_coder", properties=properties)
+    got, [(name, read)] = read_in_pieces(choice.reader(), text, step)
+    assert (got, name, json.loads(read)) == (content, "write_file", arguments)
+
+
 @pytest.mark.parametrize("step", [1, 1000])
 def test_qwen3_xml_parameter_without_its_end_tag_ends_at_the_next(step):
     """vLLM's test_extract_tool_calls_missing_closing_parameter_tag."""
