@@ -8,14 +8,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from weir.services.gateway.harmony import HarmonyReader
+from weir.services.gateway.json_calls import ToolCall, ToolCallReader
 from weir.services.gateway.openai_format import Choice, ChunkEvents
 from weir.services.gateway.reasoning import REASONING_PARSERS, Markers, ReasoningReader
-from weir.services.gateway.tool_calls import (
-    TOOL_CALL_PARSERS,
-    ToolCall,
-    ToolCallReader,
-    ToolChoice,
-)
+from weir.services.gateway.tool_calls import TOOL_CALL_PARSERS, ToolChoice
 from weir.shared.protocol.client import StreamOutput
 
 # The parsers of gpt-oss' harmony format (`harmony.py`): either reads the whole message.

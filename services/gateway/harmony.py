@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from weir.services.gateway.tool_calls import ToolCall, tag_prefix_at_end
+from weir.services.gateway.json_calls import ToolCall, tag_prefix_at_end
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")

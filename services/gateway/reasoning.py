@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weir.services.gateway.tool_calls import tag_prefix_at_end
+from weir.services.gateway.json_calls import tag_prefix_at_end
 
 # glm45 (or glm47, vLLM's other name): GLM-4.5's to 4.7's, as qwen3's; minimax_m2, kimi_k2
 # and olmo3: MiniMax-M2's, Kimi K2 Thinking's and OLMo 3 Think's, as deepseek_r1's;

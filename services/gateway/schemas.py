@@ -28,9 +28,10 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from weir.services.gateway.chat_output import ChatOutput, ChatParsers
+from weir.services.gateway.json_calls import parameters_schema, required_schema
 from weir.services.gateway.reasoning import MARKERS as REASONING_MARKERS
 from weir.services.gateway.reasoning import Markers
-from weir.services.gateway.tool_calls import ToolChoice, parameters_schema, required_schema
+from weir.services.gateway.tool_calls import ToolChoice
 from weir.shared.beam_search import MAX_BEAM_WIDTH
 from weir.shared.protocol.client import MAX_ARRAY_LEN, MAX_CACHE_SALT_LEN
 from weir.shared.sampling import (

@@ -13,7 +13,7 @@ from serving_helpers import read_chat, small_server
 from test_tool_calls import read_in_pieces
 
 from weir.services.gateway.chat_output import ChatParsers
-from weir.services.gateway.tool_calls import DeepSeekReader, KimiK2Reader
+from weir.services.gateway.marked_calls import DeepSeekReader, KimiK2Reader
 from weir.services.launcher import GatewayProcess
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from serving_helpers import read_chat, small_server
 from test_tool_calls import read_in_pieces as read_pieces
 
 from weir.services.gateway.chat_output import ChatParsers
-from weir.services.gateway.tool_calls import MistralReader
+from weir.services.gateway.marked_calls import MistralReader
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,24 +23,27 @@ import zmq
 from serving_helpers import hf_constrained, read_chat, small_server
 
 from weir.services.gateway.chat_output import NO_PARSERS, ChatOutput, ChatParsers
-from weir.services.gateway.tool_calls import (
-    DeepSeekReader,
-    GraniteReader,
-    HermesReader,
+from weir.services.gateway.json_calls import (
     JsonCallReader,
     Llama3JsonReader,
-    MistralReader,
     NamedCallReader,
+    json_call,
+)
+from weir.services.gateway.list_calls import GraniteReader, PythonicReader
+from weir.services.gateway.marked_calls import (
+    DeepSeekReader,
+    MistralReader,
     Phi4MiniReader,
-    PythonicReader,
-    ToolChoice,
     XlamReader,
+)
+from weir.services.gateway.tagged_calls import (
+    HermesReader,
     glm_call,
     hunyuan_calls,
-    json_call,
     minimax_calls,
     xml_call,
 )
+from weir.services.gateway.tool_calls import ToolChoice
 from weir.services.launcher import GatewayProcess, ServerProcesses
 from weir.shared.client import InvalidRequestError, WeirClient
 from weir.shared.config import EngineArgs
