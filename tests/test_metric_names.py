@@ -10,10 +10,12 @@ import random
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, exposition
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from weir.services.engine.metrics import (
@@ -129,6 +131,32 @@ def test_the_gateway_serves_each_engines_series_under_one_family() -> None:
     if promtool is not None:
         done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True)
         assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+
+
+def test_a_flood_of_scrapes_reads_the_engines_once_a_second() -> None:
+    """The API port is open to every client: fifty scrapes at once cost the scheduler one
+    render of its metrics, and scrapes within the next second none."""
+    renders = []
+
+    class Counted:
+        def collect(self):
+            renders.append(1)
+            yield GaugeMetricFamily("weir_num_requests_waiting", "w", value=0)
+
+    engine = CollectorRegistry(auto_describe=False)
+    engine.register(Counted())
+    engine_metrics = EngineMetrics([start_metrics_server(engine, "127.0.0.1", 0)], 1.0, 0.5)
+
+    async def scrapes(n: int) -> None:
+        own = CollectorRegistry()
+        await asyncio.gather(*(engine_metrics.registry(own) for _ in range(n)))
+
+    asyncio.run(scrapes(50))
+    asyncio.run(scrapes(10))
+    assert len(renders) == 1
+    time.sleep(0.5)
+    asyncio.run(scrapes(10))
+    assert len(renders) == 2
 
 
 def test_no_colon_metric_names_are_left_in_the_repository() -> None:

@@ -50,8 +50,7 @@ from weir.services.gateway.embeddings import (
 )
 from weir.services.gateway.engine_metrics import EngineMetrics
 from weir.services.gateway.metrics import GatewayMetrics
-from weir.services.gateway.reasoning import MARKERS as REASONING_MARKERS
-from weir.services.gateway.reasoning import Markers
+from weir.services.gateway.reasoning import markers_of
 from weir.services.gateway.response_store import MAX_STORED_RESPONSES, ResponseStore
 from weir.services.gateway.responses import (
     ResponseEvents,
@@ -579,7 +578,7 @@ class Gateway:
         """Whether the model's reasoning ends on one token, which a structured output can
         hold after (asked of a replica once)."""
         if self._reasoning_end_token is None:
-            end = REASONING_MARKERS.get(self.parsers.reasoning or "", Markers()).one_end
+            end = markers_of(self.parsers.reasoning).one_end
             ids = (
                 []
                 if end is None

@@ -4,11 +4,12 @@ the gateway is scraped, each series labelled ``engine`` (the replica's index, as
 its data-parallel engines). So a scrape of the API port alone (a vLLM ServiceMonitor, the
 Gateway API Inference Extension's endpoint picker) finds the queue, the KV cache usage and
 the LoRA adapters. A replica that does not answer within the timeout is left out of that
-scrape."""
+read."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 
@@ -20,6 +21,7 @@ from weir.shared.log_limit import limited_logger
 
 _log = limited_logger(__name__)
 TIMEOUT_S = 2.0
+MIN_INTERVAL_S = 1.0
 
 
 class _Families:
@@ -33,14 +35,47 @@ class _Families:
 
 
 class EngineMetrics:
-    def __init__(self, urls: Sequence[str], timeout: float = TIMEOUT_S) -> None:
+    """The replicas' series, read at most once per ``min_interval`` seconds however many
+    scrapes arrive: the API port is open to every client, and a flood of scrapes must not
+    become a flood of work in the schedulers' processes (each render costs one of them a few
+    milliseconds of the interpreter its step loop runs on). Scrapes that arrive while a read
+    is under way wait for it."""
+
+    def __init__(
+        self, urls: Sequence[str], timeout: float = TIMEOUT_S, min_interval: float = MIN_INTERVAL_S
+    ) -> None:
         self.urls = list(urls)
         self.timeout = timeout
+        self.min_interval = min_interval
+        self._families: list[Metric] = []
+        self._fresh_until = float("-inf")  # time.monotonic() until which they are reused
+        self._reading: asyncio.Task[list[Metric]] | None = None
 
     async def registry(self, own: CollectorRegistry) -> CollectorRegistry:
-        """``own``'s series and the engines' at this moment, as one registry to encode."""
+        """``own``'s series and the engines', as one registry to encode."""
         if not self.urls:
             return own
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families([*own.collect(), *await self._engine_families()]))
+        return registry
+
+    async def _engine_families(self) -> list[Metric]:
+        if self._reading is None and time.monotonic() >= self._fresh_until:
+            self._reading = asyncio.create_task(self._read_all())
+        reading = self._reading
+        if reading is None:
+            return self._families
+        try:
+            return await asyncio.shield(reading)  # a scraper that leaves cancels only itself
+        finally:
+            if self._reading is reading and reading.done():
+                self._reading = None
+                self._fresh_until = time.monotonic() + self.min_interval
+                if not reading.cancelled() and reading.exception() is None:
+                    self._families = reading.result()
+
+    async def _read_all(self) -> list[Metric]:
+        """Every replica's families, merged by name, each sample labelled with its replica."""
         read = await asyncio.gather(*(asyncio.to_thread(self._read, url) for url in self.urls))
         merged: dict[str, Metric] = {}
         for engine, families in enumerate(read):
@@ -51,9 +86,7 @@ class EngineMetrics:
                 into.samples += [
                     s._replace(labels={**s.labels, "engine": str(engine)}) for s in family.samples
                 ]
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families([*own.collect(), *merged.values()]))
-        return registry
+        return list(merged.values())
 
     def _read(self, url: str) -> list[Metric]:
         """The families at ``url``, parsed here, off the event loop; none if it fails."""

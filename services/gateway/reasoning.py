@@ -99,6 +99,11 @@ MARKERS = {
 }
 
 
+def markers_of(parser: str | None) -> Markers:
+    """The reasoning parser's markers (``<think>``'s for those that use them, or none)."""
+    return MARKERS.get(parser or "", Markers())
+
+
 def _spellings(marker: str | tuple[str, ...]) -> tuple[str, ...]:
     return (marker,) if isinstance(marker, str) else marker
 

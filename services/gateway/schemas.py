@@ -29,8 +29,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from weir.services.gateway.chat_output import ChatOutput, ChatParsers
 from weir.services.gateway.json_calls import parameters_schema, required_schema
-from weir.services.gateway.reasoning import MARKERS as REASONING_MARKERS
-from weir.services.gateway.reasoning import Markers
+from weir.services.gateway.reasoning import markers_of
 from weir.services.gateway.tool_calls import ToolChoice
 from weir.shared.beam_search import MAX_BEAM_WIDTH
 from weir.shared.protocol.client import MAX_ARRAY_LEN, MAX_CACHE_SALT_LEN
@@ -852,7 +851,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             self.include_reasoning,
             self.tools is not None,
             harmony,
-            REASONING_MARKERS.get(parsers.reasoning or "", Markers()),
+            markers_of(parsers.reasoning),
             response_role if self.add_generation_prompt else self.messages[-1].role,
         )
 
