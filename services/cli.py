@@ -213,6 +213,7 @@ def _scheduler(args: argparse.Namespace) -> int:
                 executor_address=executor_address,
                 num_executors=num_executors,
                 metrics_host=args.metrics_host,
+                replica=args.replica or 0,
             ),
             status,
             args.parent_pid,

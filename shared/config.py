@@ -22,6 +22,7 @@ from typing import Any
 
 from weir.shared.config_fields import json_object
 from weir.shared.gpu_info import GpuInfo
+from weir.shared.kv_events_config import KVEventsConfig
 from weir.shared.lora import LoraModule, parse_lora_modules
 from weir.shared.pooling import RUNNERS
 from weir.shared.sampling import DEFAULT_MAX_LOGPROBS
@@ -485,6 +486,14 @@ class EngineArgs:
         SCHEDULER,
         "reuse KV blocks of identical prompt prefixes",
     )
+    kv_events_config: str | dict[str, Any] | None = _arg(
+        None,
+        SCHEDULER,
+        "publish the prefix cache's changes for KV-cache-aware routers (llm-d, Dynamo), "
+        'vLLM\'s JSON: {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": 10000, "hwm": '
+        "100000}; replica i of --data-parallel-size adds i to the ports",
+    )
     watermark: float = _arg(
         _default_of(SchedulerConfig, "watermark"),
         SCHEDULER,
@@ -696,6 +705,10 @@ class EngineArgs:
             overrides = json_object("hf_overrides", self.hf_overrides)
             # One text for every role's command line.
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
+        if self.kv_events_config is not None:
+            KVEventsConfig.parse(self.kv_events_config)  # refused before any process starts
+            text = json.dumps(json_object("kv_events_config", self.kv_events_config))
+            object.__setattr__(self, "kv_events_config", text)  # frozen
         if isinstance(self.kv_cache_memory, str):
             try:
                 size = parse_size(self.kv_cache_memory)
@@ -987,6 +1000,10 @@ class EngineArgs:
     def loras(self) -> list[LoraModule]:
         """The adapters of ``lora_modules``, in their order."""
         return parse_lora_modules(self.lora_modules, self.served_model_name)
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        return KVEventsConfig.parse(self.kv_events_config or "{}")
 
     def cache_config(self, num_blocks: int, long_prompt_threshold: int | None) -> CacheConfig:
         """``long_prompt_threshold``: the model's (`RopeConfig.long_prompt_threshold`)."""

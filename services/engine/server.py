@@ -38,10 +38,12 @@ import zmq.asyncio
 from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
 from weir.services.engine.frontend import CLIENT_SNDHWM, ClientFrontend
+from weir.services.engine.kv_event_publisher import KVEventPublisher
 from weir.services.engine.lora_registry import LoraRegistry
 from weir.services.engine.metrics import CacheConfigInfo, LoraRequestGauges, SchedulerMetrics
 from weir.services.engine.ngram import make_proposer
 from weir.services.metrics_endpoint import start_metrics_server
+from weir.services.scheduler.kv_events import KVEventLog
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
@@ -105,6 +107,7 @@ class SchedulerServerOptions:
     executor_address: str
     num_executors: int
     metrics_host: str | None = None  # None: the same address as the client socket
+    replica: int = 0  # its index among `weir serve --data-parallel-size` engines
 
 
 @dataclass(slots=True)
@@ -201,6 +204,13 @@ class SchedulerServer:
                 self._scheduler,
                 self.metrics.registry,
             )
+        self.kv_events_config = self.engine_args.kv_events.for_replica(options.replica)
+        self.kv_event_log = (
+            KVEventLog(self.engine_args.block_size) if self.kv_events_config.publishes else None
+        )
+        if self.kv_event_log is not None and not self.engine_args.enable_prefix_caching:
+            _log.warning("KV events report the prefix cache's blocks: none without prefix caching")
+        self.kv_event_publisher: KVEventPublisher | None = None
         self.metrics_address: str | None = None
         self.client_address = ""
         self.executor_address = ""
@@ -343,6 +353,8 @@ class SchedulerServer:
                     )
                 except OSError as exc:
                     raise OSError(exc.errno, f"{exc.strerror} (--metrics-port)") from None
+            if self.kv_event_log is not None:
+                self.kv_event_publisher = KVEventPublisher(ctx, self.kv_events_config, opts.replica)
         except OSError as exc:
             message = exc.strerror or str(exc)
             self.status.error(message)
@@ -360,6 +372,9 @@ class SchedulerServer:
             self.executor_address,
             self.metrics_address,
         )
+        publisher = self.kv_event_publisher
+        if publisher is not None:
+            _log.info("KV events on %s (replays: %s)", publisher.address, publisher.replay_address)
 
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._drain)
@@ -373,6 +388,7 @@ class SchedulerServer:
                 self._step_loop(),
                 self._watch_parent(),
                 self._refresh_gauges_meanwhile(),
+                *(() if publisher is None else (publisher.serve_replays(),)),
             )
         ]
         stop = loop.create_task(self._stop.wait())
@@ -404,6 +420,8 @@ class SchedulerServer:
             # Give the shutdown errors and goodbyes just queued a moment to reach their peers.
             client_sock.close(linger=500)
             executor_sock.close(linger=500)
+            if publisher is not None:
+                publisher.close()
             if auth is not None:
                 auth.stop()
             ctx.destroy(linger=0)
@@ -418,6 +436,7 @@ class SchedulerServer:
         while True:
             await asyncio.sleep(_GAUGE_INTERVAL_S)
             self._refresh_gauges()
+            self._send_kv_events()  # a prefix cache reset or a new executor group's cache
 
     def _drain(self) -> None:
         if self._draining or not self.frontend.num_in_flight:
@@ -466,7 +485,7 @@ class SchedulerServer:
         if core is None:
             self._check_cache_holds_max_model_len(num_blocks)
             self.frontend.core = EngineCore(
-                Scheduler(self.scheduler_config, cache_config),
+                Scheduler(self.scheduler_config, cache_config, self.kv_event_log),
                 self.group,
                 self._observe_phase,
                 make_proposer(self.engine_args),
@@ -495,10 +514,13 @@ class SchedulerServer:
         if not self._reported_ready:
             self._reported_ready = True
             freeze_startup_heap()
+            publisher = self.kv_event_publisher
             self.status.ready(
                 client_address=self.client_address,
                 executor_address=self.executor_address,
                 metrics_address=self.metrics_address,
+                kv_events_address=None if publisher is None else publisher.address,
+                kv_events_replay_address=None if publisher is None else publisher.replay_address,
                 model_name=self.model_name,
                 pid=os.getpid(),
                 num_blocks=num_blocks,
@@ -585,6 +607,7 @@ class SchedulerServer:
                     self._publish(unpublished)
                     continue  # a drain may be done now
                 self._refresh_gauges()  # aborts may have changed them since the last step
+                self._send_kv_events()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -604,6 +627,7 @@ class SchedulerServer:
         for step in steps:
             self.metrics.iteration_tokens.observe(step.plan.total_num_scheduled_tokens)
         self.frontend.publish(steps, before_send=self._refresh_gauges)
+        self._send_kv_events()
         steps.clear()
         self._observe_phase("outputs", time.perf_counter() - start)
 
@@ -628,6 +652,11 @@ class SchedulerServer:
 
     def _observe_phase(self, phase: str, seconds: float) -> None:
         self.metrics.step_phase[phase].observe(seconds)
+
+    def _send_kv_events(self) -> None:
+        log, publisher = self.kv_event_log, self.kv_event_publisher
+        if log is not None and log.events and publisher is not None:
+            publisher.publish(log.take())
 
     def _refresh_gauges(self) -> None:
         m = self.metrics

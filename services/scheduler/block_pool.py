@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
 
+from weir.services.scheduler.kv_events import KVEventLog
+
 # Chained-hash root. What else changes a block's KV is mixed into the root (a LoRA
 # adapter, see ``salted_root``; multimodal inputs or a cache dtype would be too); a version
 # tag keeps hashes from different layouts apart.
@@ -67,7 +69,8 @@ class KVCacheBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
+        self.events = events  # where evictions and resets are told, if anywhere
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
@@ -82,11 +85,14 @@ class BlockPool:
         """Take ``num_blocks`` free blocks (evicting their cached content); the caller
         has checked ``num_free_blocks``."""
         pop = self.free_queue.popitem
+        events = self.events
         ids = []
         for _ in range(num_blocks):
             block_id, block = pop(last=False)
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
+                if events is not None:
+                    events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             ids.append(block_id)
@@ -129,6 +135,8 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.cleared()
         return dropped
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:

@@ -20,17 +20,18 @@ from weir.services.scheduler.block_pool import (
     chain_block_hashes,
     salted_root,
 )
+from weir.services.scheduler.kv_events import KVEventLog
 from weir.services.scheduler.request import Request, RequestStatus
 from weir.shared.arith import cdiv
 from weir.shared.config import CacheConfig
 
 
 class KVCacheManager:
-    def __init__(self, cache_config: CacheConfig) -> None:
+    def __init__(self, cache_config: CacheConfig, events: KVEventLog | None = None) -> None:
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
         self.enable_prefix_caching = cache_config.enable_prefix_caching
-        self.pool = BlockPool(cache_config.num_blocks)
+        self.pool = BlockPool(cache_config.num_blocks, events)
         self.long_prompt_threshold = cache_config.long_prompt_threshold
         # The first hashed full block of each prefill chunk that planned steps compute, by
         # hash: the request computing it and the block's index in it. An entry is stale
@@ -172,6 +173,17 @@ class KVCacheManager:
         for index in range(start, num_full):
             cache_block(block_ids[index], hashes[index])
         request.num_cached_blocks = num_full
+        events = self.pool.events
+        if events is not None:
+            # vLLM's too: a block whose content another block already holds is reported
+            # again (routers keep a set of hashes per engine).
+            bs = self.block_size
+            events.stored(
+                hashes[start:num_full],
+                hashes[start - 1] if start else None,
+                request.all_token_ids[start * bs : num_full * bs],
+                request.lora_name,
+            )
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (see ``BlockPool``)."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from weir.services.scheduler.kv_cache_manager import KVCacheManager
+from weir.services.scheduler.kv_events import KVEventLog
 from weir.services.scheduler.output import EngineOutput
 from weir.services.scheduler.request import FINISH_REASONS, Request, RequestStatus
 from weir.services.scheduler.request_queue import WaitingQueue, priority_key
@@ -72,8 +73,14 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_events: KVEventLog | None = None,
+    ) -> None:
         self.scheduler_config = scheduler_config
+        self.kv_events = kv_events  # the prefix cache's changes, for KV-cache-aware routers
         self._use_cache(cache_config)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
@@ -253,6 +260,8 @@ class Scheduler:
         if cache_config is None:
             return {}
         self._use_cache(cache_config)
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         too_big = {
             rid: problem
             for rid, request in self.requests.items()
@@ -264,7 +273,7 @@ class Scheduler:
     def _use_cache(self, cache_config: CacheConfig) -> None:
         """A new, empty KV cache of ``cache_config``'s size."""
         self.cache_config = cache_config
-        self.kv_cache_manager = KVCacheManager(cache_config)
+        self.kv_cache_manager = KVCacheManager(cache_config, self.kv_events)
         self._watermark_blocks = int(self.scheduler_config.watermark * cache_config.num_blocks)
 
     def _send_again(self, request: Request) -> None:

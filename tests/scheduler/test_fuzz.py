@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Request, RequestStatus, Scheduler
+from weir.services.scheduler.kv_events import KVEventLog, external_hash
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.pooling import POOLING_TYPES
 from weir.shared.protocol.step_codec import (
@@ -108,12 +109,29 @@ def _check_plan(plan, config, scheduler):
             assert new.lora_name == request.lora_name
 
 
+def _follow(events: list, stored: set[int]) -> None:
+    for event in events:
+        if event[0] == "BlockStored":
+            _, hashes, _, token_ids, block_size, *_ = event
+            assert len(token_ids) == block_size * len(hashes)
+            stored.update(hashes)
+        elif event[0] == "BlockRemoved":
+            assert stored.issuperset(event[1]), "a block removed that was never stored"
+            stored.difference_update(event[1])
+        else:
+            stored.clear()
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_traffic(scenario):
     config, cache, seed = scenario
     rng = random.Random(seed)
-    scheduler = Scheduler(config, cache)
+    # The prefix cache's events, as a KV-cache-aware router follows them: what they say is
+    # cached is what is, after every step.
+    events = KVEventLog(cache.block_size)
+    routed: set[int] = set()
+    scheduler = Scheduler(config, cache, events)
     expected: dict[str, tuple[list[int], str]] = {}
     produced: dict[str, list[int]] = {}
     ended: dict[str, str] = {}
@@ -236,6 +254,9 @@ def test_random_traffic(scenario):
                 end_from_outside(out.request_id, "stop string")
 
         engine_step = step_now(core)
+        _follow(events.take(), routed)
+        cached = scheduler.kv_cache_manager.pool.cached_blocks
+        assert routed == {external_hash(h) for h in cached}
         for out in engine_step.outputs if engine_step else ():
             assert out.request_id not in ended, f"{out.request_id} answered after it ended"
             produced[out.request_id].extend(out.new_token_ids)

@@ -6,9 +6,10 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgpack
 import openai
 import pytest
-from serving_helpers import greedy_completion, hf_greedy, metric, read_metrics
+from serving_helpers import greedy_completion, hf_greedy, metric, raw_dealer, read_metrics
 
 from weir.services.launcher import ServerProcesses
 from weir.shared.config import EngineArgs
@@ -36,6 +37,12 @@ def test_two_tensor_parallel_replicas_share_the_traffic_and_restart_apart(
         max_num_batched_tokens=32,
         kv_cache_memory="1MiB",
         served_model_name="tiny",
+        block_size=4,
+        kv_events_config={
+            "enable_kv_cache_events": True,
+            "endpoint": "tcp://127.0.0.1:*",
+            "replay_endpoint": "tcp://127.0.0.1:*",
+        },
     )
     prompts = [[5 + i, 6, 7, 8 + i, 9] for i in range(8)]
     with ServerProcesses(
@@ -77,8 +84,34 @@ def test_two_tensor_parallel_replicas_share_the_traffic_and_restart_apart(
             assert list(pool.map(complete, prompts[:4])) == [
                 hf_greedy(tiny_hf_model, p, 12) for p in prompts[:4]
             ]
+        # Each replica publishes its own cache's events, vLLM's data_parallel_rank its index;
+        # replica 1's new group comes with an empty cache, and says so.
+        for i, replica in enumerate(replicas):
+            batches = _kv_events(replica["kv_events_replay_address"])
+            assert batches and {rank for _, _, rank in batches} == {i}
+        assert not _cleared(_kv_events(replicas[0]["kv_events_replay_address"]))
+        while not _cleared(_kv_events(replicas[1]["kv_events_replay_address"])):
+            assert time.monotonic() < deadline + 60, "replica 1 never said its cache was new"
+            time.sleep(0.2)
     logged = capfd.readouterr().err
     assert "[scheduler of replica 1] " in logged and "[scheduler] " not in logged, logged
+
+
+def _kv_events(replay_address: str) -> list:
+    """Every KV event batch a replica kept, through its replay socket."""
+    with raw_dealer(replay_address) as dealer:
+        dealer.send_multipart([b"", bytes(8)])
+        batches = []
+        while True:
+            assert dealer.poll(10_000)
+            _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return batches
+            batches.append(msgpack.unpackb(payload))
+
+
+def _cleared(batches: list) -> bool:
+    return any(event[0] == "AllBlocksCleared" for _, events, _ in batches for event in events)
 
 
 def test_each_replica_sees_its_own_gpus(monkeypatch):

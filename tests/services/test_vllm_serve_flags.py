@@ -386,6 +386,14 @@ VLLM_COMMAND_LINES = [
         "string --language-model-only",
         {"task": "pooling", "guided_decoding_backend": "xgrammar"},
     ),
+    (  # llm-d's precise prefix-cache routing: the engine connects to its indexer's socket
+        'M --kv-events-config {"enable_kv_cache_events":'
+        'true,"publisher":"zmq","endpoint":"tcp://epp.llm-d:5557","topic":"kv@10.0.0.7@m"}',
+        {
+            "kv_events_config": '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":'
+            '"tcp://epp.llm-d:5557","topic":"kv@10.0.0.7@m"}'
+        },
+    ),
     (  # vLLM's bool fields take --no-FLAG too (argparse's BooleanOptionalAction)
         "M --no-enable-server-load-tracking --no-enable-expert-parallel --no-enable-sleep-mode "
         "--no-disable-custom-all-reduce --no-disable-frontend-multiprocessing "
@@ -417,6 +425,28 @@ def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, option
     assert EngineArgs(dtype="half").dtype == "float16" and EngineArgs(dtype="float").dtype == (
         "float32"
     )
+
+
+def test_kv_events_endpoints_of_data_parallel_replicas_are_vllms():
+    """vLLM's rule for replica i: the port plus i, an ipc name with _dp<i>; a wildcard port
+    binds a free one for each."""
+    config = EngineArgs(
+        kv_events_config={
+            "enable_kv_cache_events": True,
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "ipc:///tmp/replay",
+        }
+    ).kv_events
+    assert config.publishes and config.for_replica(0) == config
+    second = config.for_replica(2)
+    assert (second.endpoint, second.replay_endpoint) == ("tcp://*:5559", "ipc:///tmp/replay_dp2")
+    assert EngineArgs(kv_events_config='{"endpoint": "tcp://*:*"}').kv_events.for_replica(
+        1
+    ).endpoint == ("tcp://*:*")
+    assert not EngineArgs().kv_events.publishes  # vLLM's defaults: off
+    assert not EngineArgs(
+        kv_events_config={"enable_kv_cache_events": True, "publisher": "null"}
+    ).kv_events.publishes
 
 
 @pytest.mark.parametrize(
@@ -454,6 +484,10 @@ def test_vllm_command_lines_parse_into_weir_options(tiny_model_dir, line, option
         (["--chat-template-content-format", "openai"], "its text parts joined by newlines"),
         (["--logits-processor-pattern", "my.procs.*"], "Weir loads no logits processor"),
         (["--rope-scaling", "yarn"], "--rope-scaling is not JSON"),
+        (["--kv-events-config", '{"enable_kv_cache_events": 1}'], "must be a bool, got 1"),
+        (["--kv-events-config", '{"publisher": "kafka"}'], "publisher must be one of ('zmq'"),
+        (["--kv-events-config", '{"endpoint": "localhost:5557"}'], "must be a ZeroMQ address"),
+        (["--kv-events-config", '{"buffer_step": 10}'], "['buffer_step'] not supported"),
         # A factor without its type changed nothing: the model's own rotation was served.
         (["--rope-scaling", '{"factor": 4.0}'], "names no rope_type (linear, llama3, yarn"),
         # Two runners named: the --task one was served, the --runner one silently dropped.
