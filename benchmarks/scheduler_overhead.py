@@ -11,9 +11,12 @@ The model's output is a ready-made StepResult (its cost belongs to the executor)
 Also measured: msgpack encode + decode of a plan and of a result for 256 decodes.
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--steps 200] [--async-scheduling]
+        [--kv-events]
 
 With ``--async-scheduling`` each step is planned before the previous one's result is
-applied (the engine's default; the scheduler's own default is lockstep).
+applied (the engine's default; the scheduler's own default is lockstep). With
+``--kv-events`` the scheduler logs its prefix cache's events (``--kv-events-config``), and
+each step's time includes packing them into the batch the publisher sends.
 
 Reports medians over steps (and the best of several repeats for the codec).
 """
@@ -24,11 +27,15 @@ import argparse
 import gc
 import random
 import statistics
+import time
 import timeit
 from types import SimpleNamespace
 
+import msgpack
+
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.scheduler import Request, Scheduler
+from weir.services.scheduler.kv_events import KVEventLog
 from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.protocol.step import StepPlan, StepResult
 from weir.shared.protocol.step_codec import (
@@ -48,6 +55,7 @@ def _prompt(rng: random.Random, prefix: list[int]) -> list[int]:
 
 
 ASYNC_SCHEDULING = False  # set by --async-scheduling
+KV_EVENTS = False  # set by --kv-events
 
 
 def _make_scheduler(num_seqs: int, steps: int) -> Scheduler:
@@ -60,7 +68,18 @@ def _make_scheduler(num_seqs: int, steps: int) -> Scheduler:
             async_scheduling=ASYNC_SCHEDULING,
         ),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * num_seqs * blocks_per_request),
+        KVEventLog(BLOCK_SIZE) if KV_EVENTS else None,
     )
+
+
+def _send_kv_events(scheduler: Scheduler) -> float:
+    """Seconds to pack the step's events as the publisher does (0 without them)."""
+    log = scheduler.kv_events
+    if log is None or not log.events:
+        return 0.0
+    start = time.perf_counter()
+    msgpack.packb([time.time(), log.take(), 0])
+    return time.perf_counter() - start
 
 
 def instant_core(scheduler: Scheduler, phases: dict[str, float]) -> EngineCore:
@@ -114,7 +133,7 @@ def bench_steady(num_seqs: int, steps: int) -> tuple[float, float]:
         for _ in range(steps):
             step = step_now(core)
             assert step is not None and len(step.plan.num_scheduled_tokens) == num_seqs
-            totals.append(phases["schedule"] + phases["update"])
+            totals.append(phases["schedule"] + phases["update"] + _send_kv_events(scheduler))
             schedules.append(phases["schedule"])
     finally:
         gc.enable()
@@ -148,8 +167,9 @@ def bench_churn(num_seqs: int, steps: int) -> tuple[float, float, float]:
             assert step is not None
             done = sum(o.finished for o in step.outputs)
             add(done)  # replaced next step
+            sent = _send_kv_events(scheduler)
             if index >= 20:  # past the initial all-prefill steps
-                totals.append(phases["schedule"] + phases["update"])
+                totals.append(phases["schedule"] + phases["update"] + sent)
                 running.append(len(step.plan.num_scheduled_tokens))
                 finished += done
     finally:
@@ -187,12 +207,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--kv-events", action="store_true")
     args = parser.parse_args()
-    global ASYNC_SCHEDULING
-    ASYNC_SCHEDULING = args.async_scheduling
+    global ASYNC_SCHEDULING, KV_EVENTS
+    ASYNC_SCHEDULING, KV_EVENTS = args.async_scheduling, args.kv_events
 
     mode = "async scheduling" if ASYNC_SCHEDULING else "lockstep"
-    print(f"schedule() + update_from_output(), prefix caching on, {mode} (median over steps)")
+    events = ", KV events packed" if KV_EVENTS else ""
+    print(
+        f"schedule() + update_from_output(), prefix caching on, {mode}{events} (median over steps)"
+    )
     print(
         f"{'workload':>16} {'running':>8} {'us/step':>10} {'us/request':>11} {'schedule us/req':>16}"
     )
