@@ -319,7 +319,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(bias.items())
 
 
-STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # disable_any_whitespace (vLLM's): JSON without free whitespace between tokens (a weak model
 # may otherwise write whitespace until max_tokens).
 # reasoning_end: the token that ends a thinking model's reasoning, which the constraint
@@ -379,8 +379,10 @@ def _structured_output(value: Any) -> dict[str, Any]:
         raise ValueError("structured_output.reasoning_end must be a token's text (1-64 characters)")
     [kind] = kinds
     spec = value[kind]
-    if kind == "json" and isinstance(spec, dict):
+    if kind in ("json", "structural_tag") and isinstance(spec, dict):
         spec = json.dumps(spec)
+    if kind == "structural_tag":
+        check_structural_tag(spec)
     if kind == "json_object":
         if spec is not True:
             raise ValueError("structured_output.json_object must be true")
@@ -400,12 +402,54 @@ def _structured_output(value: Any) -> dict[str, Any]:
             f"structured_output.{kind}: {size} characters, more than this server compiles "
             f"({MAX_STRUCTURED_OUTPUT_CHARS})"
         )
-    if kind == "json" and _json_depth(spec) > MAX_JSON_SCHEMA_DEPTH:
+    if kind in ("json", "structural_tag") and _json_depth(spec) > MAX_JSON_SCHEMA_DEPTH:
         raise ValueError(
-            f"structured_output.json: the schema nests objects and arrays more than "
+            f"structured_output.{kind}: the schema nests objects and arrays more than "
             f"{MAX_JSON_SCHEMA_DEPTH} levels deep, more than this server compiles"
         )
     return {kind: spec, **options}
+
+
+def check_structural_tag(spec: Any) -> None:
+    """A structural tag (vLLM's and SGLang's ``structural_tag``, xgrammar's) as JSON text:
+    its first form, ``{"structures": [{"begin", "schema", "end"}...], "triggers": [...]}``
+    (free text until a trigger, which opens the structure whose ``begin`` it starts), or
+    xgrammar's ``{"type": "structural_tag", "format": {...}}``, whose format the compiler
+    checks. ValueError says what is wrong with the first."""
+    where = "structured_output.structural_tag"
+    if type(spec) is not str or not spec:
+        raise ValueError(f"{where} must be a non-empty string (JSON) or an object")
+    try:
+        tag = json.loads(spec)
+    except ValueError:
+        raise ValueError(f"{where} is not JSON") from None
+    if not isinstance(tag, dict) or ("structures" in tag) == ("format" in tag):
+        raise ValueError(
+            f'{where} must be an object of "structures" and "triggers", or of "format"'
+        )
+    if "format" in tag:
+        return
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not isinstance(structures, list) or not all(
+        isinstance(s, dict)
+        and type(s.get("begin")) is str
+        and type(s.get("end")) is str
+        and isinstance(s.get("schema", {}), dict | bool | None)
+        and s.keys() <= {"begin", "schema", "end"}
+        for s in structures
+    ):
+        raise ValueError(
+            f'{where}.structures must be a list of {{"begin": text, "schema": a JSON schema, '
+            '"end": text}'
+        )
+    if not isinstance(triggers, list) or not all(type(t) is str and t for t in triggers):
+        raise ValueError(f"{where}.triggers must be a list of non-empty strings")
+    for structure in structures:
+        if not any(structure["begin"].startswith(t) for t in triggers):
+            raise ValueError(
+                f"{where}: no trigger begins the structure {structure['begin'][:100]!r}, "
+                "which therefore could never be written"
+            )
 
 
 def _json_depth(text: str) -> int:

@@ -1,5 +1,6 @@
 """Structured outputs (vLLM's): a request's output held to a JSON schema, any JSON object, a
-regular expression, a list of choices or an EBNF grammar.
+regular expression, a list of choices, an EBNF grammar or a structural tag (xgrammar's:
+free text with tagged parts held to schemas, or its composable formats).
 
 xgrammar compiles the constraint against the model's vocabulary once per distinct spec (its
 compiler caches them) and gives each request a matcher: before a step that samples for the
@@ -24,7 +25,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import takewhile
 from typing import Any
 
@@ -32,7 +33,7 @@ from weir.services.engine.json_schema_check import check_json_schema
 from weir.shared.sampling import STRUCTURED_OUTPUT_KINDS
 from weir.shared.tokenizer import Tokenizer
 
-_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: \(.*?\) is false: )?")
 
 
 # A matcher's work for one token (a mask, or a token accepted) may take this long this many
@@ -152,10 +153,15 @@ class GrammarCompiler:
         """A new matcher for ``spec`` (``SamplingParams.structured_output``); ValueError
         says what xgrammar could not compile."""
         [(kind, value)] = [(k, v) for k, v in spec.items() if k in STRUCTURED_OUTPUT_KINDS]
+        any_whitespace = not spec.get("disable_any_whitespace", False)
         if kind == "json":
             check_json_schema(value)
+        elif kind == "structural_tag":
+            value = structural_tag_format(value)
+            json_parts = list(_json_schema_parts(value))
+            for part in json_parts:
+                check_json_schema(json.dumps(part["json_schema"]))
         compiler, xgr = self._ready()
-        any_whitespace = not spec.get("disable_any_whitespace", False)
         try:
             if kind == "json":
                 compiled = compiler.compile_json_schema(value, any_whitespace=any_whitespace)
@@ -169,6 +175,11 @@ class GrammarCompiler:
                 compiled = compiler.compile_regex(value)
             elif kind == "choice":
                 compiled = compiler.compile_grammar(choice_grammar(value))
+            elif kind == "structural_tag":
+                if not any_whitespace:
+                    for part in json_parts:
+                        _compact(part, xgr)
+                compiled = compiler.compile_structural_tag(value)
             else:
                 compiled = compiler.compile_grammar(value)
         except Exception as exc:  # xgrammar raises RuntimeError (and others) for a bad spec
@@ -200,6 +211,47 @@ class GrammarCompiler:
                 )
                 self._compiler, self._xgr = xgr.GrammarCompiler(info, max_threads=1), xgr
             return self._compiler, self._xgr
+
+
+def structural_tag_format(text: str) -> dict[str, Any]:
+    """A structural tag in xgrammar's form: the first form's structures become the tags its
+    triggers open (as xgrammar reads its deprecated tags and triggers)."""
+    tag = json.loads(text)
+    if "structures" in tag:
+        tags = [
+            {
+                "type": "tag",
+                "begin": s["begin"],
+                "content": {"type": "json_schema", "json_schema": s.get("schema", {})},
+                "end": s["end"],
+            }
+            for s in tag["structures"]
+        ]
+        tag = {"format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": tags}}
+    return {"type": "structural_tag", "format": tag["format"]}
+
+
+def _compact(part: dict[str, Any], xgr: Any) -> None:
+    """A JSON part of a structural tag without free whitespace (``disable_any_whitespace``),
+    as its schema's grammar: xgrammar's format bounds a run of whitespace, but not to none."""
+    if part.get("style", "json") == "json":
+        text = json.dumps(part["json_schema"])
+        grammar = str(xgr.Grammar.from_json_schema(text, any_whitespace=False))
+        part.clear()
+        part.update(type="grammar", grammar=grammar)
+
+
+def _json_schema_parts(tag: Any) -> Iterator[dict[str, Any]]:
+    """Each part of a structural tag's format that is JSON of a schema, wherever it nests."""
+    stack = [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                yield node
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

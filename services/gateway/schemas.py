@@ -260,20 +260,76 @@ class JsonSchemaFormat(Body):
     strict: bool | None = None
 
 
-class ResponseFormat(Body):
-    """OpenAI's: free text, any JSON object, or JSON that follows a schema."""
+class TagStructure(Body):
+    """A structure of a structural tag's first form: what begins it, the JSON schema of
+    what it holds, what ends it."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    _ACCEPTED = frozenset({"schema"})
+
+    begin: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
+class ResponseFormat(Body):
+    """OpenAI's: free text, any JSON object, or JSON that follows a schema; and vLLM's
+    structural tag, in its first form (``structures`` opened by ``triggers``) or
+    xgrammar's (a ``format``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _schema_with_json_schema(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise field_errors(
-                type(self).__name__,
-                [("json_schema", None, 'given with, and only with, type "json_schema"')],
-            )
+    def _fields_of_the_type(self) -> ResponseFormat:
+        tagged = self.type == "structural_tag"
+        first_form = self.structures is not None or self.triggers is not None
+        for name, given, wanted, rule in (
+            (
+                "json_schema",
+                self.json_schema is not None,
+                self.type == "json_schema",
+                'given with, and only with, type "json_schema"',
+            ),
+            (
+                "format",
+                self.format is not None,
+                tagged and not first_form,
+                'given with type "structural_tag", without structures and triggers',
+            ),
+            (
+                "structures",
+                self.structures is not None,
+                tagged and self.format is None,
+                'given with type "structural_tag" and triggers, or format',
+            ),
+            (
+                "triggers",
+                self.triggers is not None,
+                tagged and self.format is None,
+                'given with type "structural_tag" and structures, or format',
+            ),
+        ):
+            if given != wanted:
+                raise field_errors(type(self).__name__, [(name, None, rule)])
         return self
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """What it asks for, as ``SamplingParams.structured_output`` takes it."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.json_schema is not None:
+            return {"json": self.json_schema.schema_}
+        if self.format is not None:
+            return {"structural_tag": {"type": "structural_tag", "format": self.format}}
+        if self.structures is not None:
+            structures = [
+                {"begin": s.begin, "schema": s.schema_ or {}, "end": s.end} for s in self.structures
+            ]
+            return {"structural_tag": {"structures": structures, "triggers": self.triggers}}
+        return None
 
 
 # Fields that shape sampled outputs, which a beam search (ranking, not sampling) refuses
@@ -497,11 +553,9 @@ class _SamplingFields(Options):
     def _structured_outputs_asked(self) -> dict[str, dict[str, Any]]:
         """Each field that asks for a structured output, and what it asks for."""
         asked: dict[str, dict[str, Any]] = {}
-        format_ = self.response_format
-        if format_ is not None and format_.type == "json_object":
-            asked["response_format"] = {"json_object": True}
-        elif format_ is not None and format_.json_schema is not None:
-            asked["response_format"] = {"json": format_.json_schema.schema_}
+        if self.response_format is not None:
+            if (spec := self.response_format.structured_output()) is not None:
+                asked["response_format"] = spec
         if self.structured_outputs is not None:
             asked["structured_outputs"] = self.structured_outputs
         for kind in ("json", "regex", "choice", "grammar"):

@@ -1116,6 +1116,114 @@ def test_structured_outputs_in_each_of_their_api_forms(client, server, tiny_mode
     assert capsys.readouterr().out.strip() in colours
 
 
+_FORECAST = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def _is_forecast(text: str) -> bool:
+    value = json.loads(text)
+    return (
+        value.keys() == {"city", "days"}
+        and value["city"] in ("Paris", "Rome")
+        and type(value["days"]) is int
+        and 1 <= value["days"] <= 7
+    )
+
+
+def test_structural_tags_in_both_forms(client, server, tiny_model_dir):
+    """vLLM's structural_tag (xgrammar's): xgrammar's format, here a tag around JSON of a
+    schema, is the whole output; the first form leaves text free until a trigger, after
+    which the structure it begins is written whole (a logit bias makes the random model
+    write the trigger, a single token, whenever the text is free)."""
+    call = {"model": MODEL, "prompt": "Forecast:", "max_tokens": 60, "temperature": 0}
+    tagged = {
+        "type": "tag",
+        "begin": "<forecast>",
+        "content": {"type": "json_schema", "json_schema": _FORECAST},
+        "end": "</forecast>",
+    }
+    # Without free whitespace in the JSON: the random model would write it to max_tokens.
+    compact = {"disable_any_whitespace": True}
+    for extra in (
+        {
+            "response_format": {"type": "structural_tag", "format": tagged},
+            "structured_outputs": compact,
+        },
+        {
+            "structured_outputs": {
+                "structural_tag": {"type": "structural_tag", "format": tagged},
+                **compact,
+            }
+        },
+        {"structured_outputs": {"structural_tag": json.dumps({"format": tagged}), **compact}},
+    ):
+        [choice] = client.completions.create(**call, extra_body=extra).choices
+        match = re.fullmatch(r"<forecast>(.*)</forecast>", choice.text, re.DOTALL)
+        assert match and _is_forecast(match.group(1)), choice.text
+        assert choice.finish_reason == "stop"
+    [trigger] = Tokenizer.from_model_dir(tiny_model_dir).encode(" the")
+    structures = [{"begin": " the forecast:", "schema": _FORECAST, "end": ";"}]
+    bias = {"logit_bias": {str(trigger): 100}}
+    first_form = {"structures": structures, "triggers": [" the"]}
+    for extra in (
+        {
+            "response_format": {"type": "structural_tag", **first_form},
+            "structured_outputs": compact,
+        },
+        {"structured_outputs": {"structural_tag": first_form, **compact}},
+    ):
+        [choice] = client.completions.create(**call, **bias, extra_body=extra).choices
+        written = re.findall(r" the forecast:(.*?);", choice.text, re.DOTALL)
+        assert written and all(map(_is_forecast, written)), choice.text
+        assert choice.text.startswith(" the forecast:{")  # the trigger, then the structure
+    for extra, fragment in (
+        ({"response_format": {"type": "structural_tag"}}, "structures"),
+        (
+            {"response_format": {"type": "json_object", "format": tagged}},
+            'given with type "structural_tag"',
+        ),
+        (
+            {"response_format": {"type": "structural_tag", "format": {"type": "nope"}}},
+            "Format type not recognized: nope",
+        ),
+        (
+            {
+                "structured_outputs": {
+                    "structural_tag": {"structures": structures, "triggers": ["<"]}
+                }
+            },
+            "no trigger begins the structure ' the forecast:'",
+        ),
+        (
+            {
+                "structured_outputs": {
+                    "structural_tag": {
+                        "format": {
+                            **tagged,
+                            "content": {
+                                "type": "json_schema",
+                                "json_schema": {"type": "number", "multipleOf": 0.5},
+                            },
+                        }
+                    }
+                }
+            },
+            "'multipleOf'",
+        ),
+        ({"structured_outputs": {"structural_tag": "{"}}, "structural_tag is not JSON"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
+            client.completions.create(**call, extra_body=extra)
+    assert client.completions.create(**call).choices  # still serving
+
+
 def test_structured_outputs_options_shape_a_response_format(server):
     """The body the openai SDK's parse (and langchain's with_structured_output) sends with
     extra_body={"structured_outputs": {"disable_any_whitespace": true}}, vLLM's way to keep a
