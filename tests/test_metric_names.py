@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from weir.services.engine.metrics import (
     CacheConfigInfo,
     LoraRequestGauges,
+    RequestTimes,
     SchedulerMetrics,
     StepHistogram,
 )
@@ -56,7 +57,8 @@ async def gateway_registry() -> CollectorRegistry:
 def _registries() -> dict[str, CollectorRegistry]:
     disable_created_metrics()  # as every Weir metrics endpoint does
     scheduler = SchedulerMetrics("m")
-    scheduler.request_success("stop")  # label children exist only once used
+    # Label children exist only once used.
+    scheduler.request_finished("stop", RequestTimes(0.0, 0.5, 1.0, 2.0), 5, 3, 3)
     LoraRequestGauges(
         "m", 2, lambda: {"sql": "sql"}, lambda: None, scheduler.registry
     )  # served with adapters

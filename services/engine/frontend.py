@@ -38,7 +38,7 @@ from tokenizers.decoders import ByteLevel
 
 from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
 from weir.services.engine.lora_registry import AdapterNotFound, LoraRegistry
-from weir.services.engine.metrics import SchedulerMetrics
+from weir.services.engine.metrics import RequestTimes, SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
 from weir.services.scheduler.output import EngineOutput, coalesce
 from weir.services.scheduler.request import Grammar, Request, RequestStatus
@@ -127,6 +127,8 @@ class _Stream:
     num_output_tokens: int = 0
     sent_prompt_ids: bool = False
     admitted_step: int | None = None  # the step it was first scheduled in, once published
+    scheduled_time: float | None = None  # when that step was planned
+    first_token_time: float | None = None
     last_token_time: float | None = None
     # Characters withheld while the text could still end in a stop string.
     holdback: int = 0
@@ -1260,6 +1262,7 @@ class ClientFrontend:
                 stream = streams.get(new.request_id)
                 if stream is not None and stream.admitted_step is None:
                     stream.admitted_step = step_id
+                    stream.scheduled_time = step.scheduled_at
                     queued = step.scheduled_at - stream.arrival_time
                     self.metrics.request_queue_time.observe(queued)
                     self.metrics.prompt_tokens.inc(len(stream.prompt_token_ids))
@@ -1289,6 +1292,7 @@ class ClientFrontend:
             if out.new_token_ids:
                 if stream.last_token_time is None:
                     self.metrics.time_to_first_token.observe(now - stream.arrival_time)
+                    stream.first_token_time = now
                 else:
                     inter_token.append(now - stream.last_token_time)
                 stream.last_token_time = now
@@ -1496,8 +1500,18 @@ class ClientFrontend:
     def _finish_stream(self, stream: _Stream, reason: str) -> None:
         if self.streams.pop(stream.request_id, None) is None:
             return
-        self.metrics.request_success(reason)
-        self.metrics.e2e_request_latency.observe(time.monotonic() - stream.arrival_time)
+        self.metrics.request_finished(
+            reason,
+            RequestTimes(
+                stream.arrival_time,
+                stream.scheduled_time,
+                stream.first_token_time,
+                time.monotonic(),
+            ),
+            len(stream.prompt_token_ids),
+            stream.num_output_tokens,
+            stream.params.max_tokens,
+        )
 
     def _end_in_scheduler(self, request_ids: list[str], status: RequestStatus) -> None:
         if request_ids and self.core is not None:

@@ -11,6 +11,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import TypeVar, cast
 
@@ -72,6 +73,8 @@ _REQUEST_BUCKETS = (
 _PHASE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 STEP_PHASES = ("schedule", "plan_encode", "executor", "update", "propose", "outputs")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A request's tokens: up to the longest contexts served (1M).
+_REQUEST_TOKEN_BUCKETS = tuple(2**i for i in range(21))
 # How prometheus_client writes a bucket bound ("0.001", "1.0", "+Inf"); untyped upstream.
 _bound_text = cast(Callable[[float], str], floatToGoString)
 
@@ -327,6 +330,70 @@ class SchedulerMetrics:
                 buckets=_REQUEST_BUCKETS,
             )
         )
+        # Per finished request, as vLLM's (its Grafana dashboard plots them).
+        self.request_prompt_tokens = one(
+            Histogram(
+                "weir_request_prompt_tokens",
+                "Prompt tokens of each finished request",
+                names,
+                registry=reg,
+                buckets=_REQUEST_TOKEN_BUCKETS,
+            )
+        )
+        self.request_generation_tokens = one(
+            Histogram(
+                "weir_request_generation_tokens",
+                "Output tokens of each finished request",
+                names,
+                registry=reg,
+                buckets=_REQUEST_TOKEN_BUCKETS,
+            )
+        )
+        self.request_params_max_tokens = one(
+            Histogram(
+                "weir_request_params_max_tokens",
+                "max_tokens of each finished request that set it",
+                names,
+                registry=reg,
+                buckets=_REQUEST_TOKEN_BUCKETS,
+            )
+        )
+        self.request_prefill_time = one(
+            Histogram(
+                "weir_request_prefill_time_seconds",
+                "First scheduled to first output token",
+                names,
+                registry=reg,
+                buckets=_REQUEST_BUCKETS,
+            )
+        )
+        self.request_decode_time = one(
+            Histogram(
+                "weir_request_decode_time_seconds",
+                "First output token to finish",
+                names,
+                registry=reg,
+                buckets=_REQUEST_BUCKETS,
+            )
+        )
+        self.request_inference_time = one(
+            Histogram(
+                "weir_request_inference_time_seconds",
+                "First scheduled to finish",
+                names,
+                registry=reg,
+                buckets=_REQUEST_BUCKETS,
+            )
+        )
+        self.request_time_per_output_token = one(
+            Histogram(
+                "weir_request_time_per_output_token_seconds",
+                "A request's decode time over its output tokens after the first",
+                names,
+                registry=reg,
+                buckets=_LATENCY_BUCKETS,
+            )
+        )
         self.request_queue_time = one(
             Histogram(
                 "weir_request_queue_time_seconds",
@@ -398,7 +465,42 @@ class SchedulerMetrics:
                     model_name=self._model_name, position=str(position)
                 ).inc(count - done)
 
-    def request_success(self, finished_reason: str) -> None:
+    def request_finished(
+        self,
+        finished_reason: str,
+        times: RequestTimes,
+        prompt_tokens: int,
+        generation_tokens: int,
+        max_tokens: int | None,
+    ) -> None:
+        """One request ended, ``times.finished`` ago or now: its counts and its phases'
+        times (those it reached: one ended while queued was never scheduled)."""
         self._request_success.labels(
             model_name=self._model_name, finished_reason=finished_reason
         ).inc()
+        end = times.finished
+        self.e2e_request_latency.observe(end - times.arrival)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        if max_tokens is not None:
+            self.request_params_max_tokens.observe(max_tokens)
+        if times.scheduled is not None:
+            self.request_inference_time.observe(end - times.scheduled)
+            if times.first_token is not None:
+                self.request_prefill_time.observe(times.first_token - times.scheduled)
+        if times.first_token is not None:
+            decode = end - times.first_token
+            self.request_decode_time.observe(decode)
+            if generation_tokens > 1:
+                self.request_time_per_output_token.observe(decode / (generation_tokens - 1))
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """When a request arrived, was first scheduled, sent its first output token and
+    finished (``time.monotonic()``)."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finished: float

@@ -536,6 +536,13 @@ def test_metrics_endpoints_expose_every_series(server):
         "weir_e2e_request_latency_seconds_count",
         "weir_request_queue_time_seconds_count",
         "weir_iteration_tokens_count",
+        "weir_request_prompt_tokens_count",
+        "weir_request_generation_tokens_count",
+        "weir_request_params_max_tokens_count",
+        "weir_request_prefill_time_seconds_count",
+        "weir_request_decode_time_seconds_count",
+        "weir_request_inference_time_seconds_count",
+        "weir_request_time_per_output_token_seconds_count",
     ]
     for name in names:
         assert any(
@@ -560,6 +567,57 @@ def test_metrics_endpoints_expose_every_series(server):
     with open(f"/proc/{pid}/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     assert metric(executor, "weir_executor_device_memory_bytes") == pytest.approx(rss, rel=0.1)
+
+
+def test_each_finished_request_is_counted_as_vllm_counts_it(server):
+    """vLLM's per-request histograms, from one request timed by its client: its prompt and
+    output lengths and max_tokens; prefill (first scheduled to first token) and decode
+    (first token to finish) add up to its inference time, within its end-to-end latency,
+    within what the client waited; its time per output token is decode over the tokens
+    after the first."""
+
+    def sums() -> dict[str, tuple[float, float]]:
+        samples = read_metrics(server.info["metrics_address"])
+        return {
+            name: (metric(samples, f"weir_{name}_count"), metric(samples, f"weir_{name}_sum"))
+            for name in (
+                "request_prompt_tokens",
+                "request_generation_tokens",
+                "request_params_max_tokens",
+                "request_prefill_time_seconds",
+                "request_decode_time_seconds",
+                "request_inference_time_seconds",
+                "request_time_per_output_token_seconds",
+                "e2e_request_latency_seconds",
+            )
+        }
+
+    before = sums()
+    prompt = [5 + (i * 7) % 300 for i in range(37)]
+    with WeirClient(server.client_address) as client:
+        start = time.monotonic()
+        outputs = list(client.generate(prompt, SamplingParams(max_tokens=9, ignore_eos=True)))
+        waited = time.monotonic() - start
+    assert sum(len(o.new_token_ids) for o in outputs) == 9
+    deadline = time.monotonic() + 10
+    while (after := sums())["e2e_request_latency_seconds"][0] == before[
+        "e2e_request_latency_seconds"
+    ][0]:
+        assert time.monotonic() < deadline, "the request was never counted"
+        time.sleep(0.05)
+    delta = {
+        name: (after[name][0] - before[name][0], after[name][1] - before[name][1]) for name in after
+    }
+    assert all(count == 1 for count, _ in delta.values()), delta
+    value = {name: total for name, (_, total) in delta.items()}
+    assert value["request_prompt_tokens"] == 37
+    assert value["request_generation_tokens"] == 9
+    assert value["request_params_max_tokens"] == 9
+    prefill, decode = value["request_prefill_time_seconds"], value["request_decode_time_seconds"]
+    assert prefill > 0 and decode > 0
+    assert value["request_inference_time_seconds"] == pytest.approx(prefill + decode)
+    assert value["request_inference_time_seconds"] <= value["e2e_request_latency_seconds"] <= waited
+    assert value["request_time_per_output_token_seconds"] == pytest.approx(decode / 8)
 
 
 PHASES = ("prepare", "forward", "sample")
