@@ -351,6 +351,7 @@ class AsyncWeirClient:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         cap_max_tokens: bool = False,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration.
         ``priority``: lower is served first by a server started with ``--policy priority``
@@ -363,7 +364,9 @@ class AsyncWeirClient:
         adapter (of the server's ``--lora-modules``) the request runs through.
         ``cap_max_tokens``: a ``max_tokens`` that does not fit ``max_model_len`` after the
         prompt is cut to what does (the output ends there, "length"), as vLLM's offline
-        ``LLM``, instead of refused as its API refuses it."""
+        ``LLM``, instead of refused as its API refuses it. ``trace_headers``: the W3C trace
+        context (``traceparent``, ``tracestate``) whose trace the request's span joins on a
+        server that exports traces (``--otlp-traces-endpoint``)."""
         chat = _chat_args(
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
@@ -377,6 +380,7 @@ class AsyncWeirClient:
             cache_salt,
             lora_name,
             cap_max_tokens=cap_max_tokens,
+            trace_headers=trace_headers,
         ) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
@@ -397,6 +401,7 @@ class AsyncWeirClient:
         lora_name: str | None = None,
         queued_with: str | None = None,
         cap_max_tokens: bool = False,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
@@ -416,6 +421,7 @@ class AsyncWeirClient:
             lora_name,
             queued_with=queued_with,
             cap_max_tokens=cap_max_tokens,
+            trace_headers=trace_headers,
         ) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
@@ -763,6 +769,7 @@ class AsyncWeirClient:
         pooling_params: PoolingParams | None = None,
         queued_with: str | None = None,
         cap_max_tokens: bool = False,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -792,6 +799,7 @@ class AsyncWeirClient:
                 pooling_params,
                 queued_with,
                 cap_max_tokens,
+                None if trace_headers is None else dict(trace_headers),
             )
         )
         inbox = _Inbox()
@@ -1152,6 +1160,7 @@ class WeirClient:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         cap_max_tokens: bool = False,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> Iterator[StreamOutput]:
         # In batches: one round trip to the loop thread per batch, not per output.
         for batch in self.generate_batches(
@@ -1166,6 +1175,7 @@ class WeirClient:
             cache_salt=cache_salt,
             lora_name=lora_name,
             cap_max_tokens=cap_max_tokens,
+            trace_headers=trace_headers,
         ):
             yield from batch
 
@@ -1183,6 +1193,7 @@ class WeirClient:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         cap_max_tokens: bool = False,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> Iterator[list[StreamOutput]]:
         self._check_open()
         stream = self._client.generate_batches(
@@ -1197,6 +1208,7 @@ class WeirClient:
             cache_salt=cache_salt,
             lora_name=lora_name,
             cap_max_tokens=cap_max_tokens,
+            trace_headers=trace_headers,
         )
         try:
             while True:

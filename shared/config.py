@@ -486,6 +486,14 @@ class EngineArgs:
         SCHEDULER,
         "reuse KV blocks of identical prompt prefixes",
     )
+    otlp_traces_endpoint: str | None = _arg(
+        None,
+        SCHEDULER,
+        "export a span per request (vLLM's llm_request) to this OpenTelemetry collector, e.g. "
+        "http://collector:4317 (OTLP/gRPC; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf "
+        "and http://collector:4318/v1/traces for OTLP/HTTP); an HTTP request's traceparent "
+        "makes it a child of the caller's span",
+    )
     kv_events_config: str | dict[str, Any] | None = _arg(
         None,
         SCHEDULER,

@@ -40,6 +40,7 @@ from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError,
 from weir.services.engine.lora_registry import AdapterNotFound, LoraRegistry
 from weir.services.engine.metrics import RequestTimes, SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
+from weir.services.engine.tracing import RequestTracer
 from weir.services.scheduler.output import EngineOutput, coalesce
 from weir.services.scheduler.request import Grammar, Request, RequestStatus
 from weir.shared.pooling import PoolerConfig, PoolingParams
@@ -140,6 +141,7 @@ class _Stream:
     # with its text (a chat's, OpenAI's ``bytes``).
     recent_ids: tuple[int, ...] = ()
     token_bytes: bool = False
+    trace_headers: dict[str, str] | None = None  # kept only where requests are traced
 
 
 @dataclass(slots=True)
@@ -176,8 +178,10 @@ class ClientFrontend:
         check_weights: Callable[[str], None] | None = None,
         served_weights: str | None = None,
         profiler_dir: str | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self._sock = sock
+        self._tracer = tracer
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -761,6 +765,8 @@ class ClientFrontend:
         if msg.sampling_params.stop:
             stream.holdback = max(map(len, msg.sampling_params.stop)) - 1
         stream.pooling = msg.pooling_params
+        if self._tracer is not None:
+            stream.trace_headers = msg.trace_headers
         prompt = msg.prompt
         stream.token_bytes = (
             msg.sampling_params.logprobs is not None
@@ -1500,18 +1506,22 @@ class ClientFrontend:
     def _finish_stream(self, stream: _Stream, reason: str) -> None:
         if self.streams.pop(stream.request_id, None) is None:
             return
-        self.metrics.request_finished(
-            reason,
-            RequestTimes(
-                stream.arrival_time,
-                stream.scheduled_time,
-                stream.first_token_time,
-                time.monotonic(),
-            ),
-            len(stream.prompt_token_ids),
-            stream.num_output_tokens,
-            stream.params.max_tokens,
+        times = RequestTimes(
+            stream.arrival_time, stream.scheduled_time, stream.first_token_time, time.monotonic()
         )
+        prompt_tokens = len(stream.prompt_token_ids)
+        self.metrics.request_finished(
+            reason, times, prompt_tokens, stream.num_output_tokens, stream.params.max_tokens
+        )
+        if self._tracer is not None:
+            self._tracer.request_finished(
+                stream.request_id,
+                stream.trace_headers,
+                times,
+                prompt_tokens,
+                stream.num_output_tokens,
+                stream.params,
+            )
 
     def _end_in_scheduler(self, request_ids: list[str], status: RequestStatus) -> None:
         if request_ids and self.core is not None:

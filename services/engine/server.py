@@ -42,6 +42,7 @@ from weir.services.engine.kv_event_publisher import KVEventPublisher
 from weir.services.engine.lora_registry import LoraRegistry
 from weir.services.engine.metrics import CacheConfigInfo, LoraRequestGauges, SchedulerMetrics
 from weir.services.engine.ngram import make_proposer
+from weir.services.engine.tracing import RequestTracer
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.scheduler.kv_events import KVEventLog
 from weir.services.scheduler.scheduler import Scheduler, SpecDecodeStats
@@ -195,6 +196,8 @@ class SchedulerServer:
         directory = keys_dir(self.engine_args.keys_dir)
         self.keys = None if directory is None else SchedulerKeys.load(directory)
         self.metrics = SchedulerMetrics(self.model_name)
+        endpoint = self.engine_args.otlp_traces_endpoint
+        self.tracer = None if endpoint is None else RequestTracer(endpoint, self.model_name)
         CacheConfigInfo(self.model_name, self._scheduler, self.metrics.registry)
         if self.engine_args.lora_enabled:
             LoraRequestGauges(
@@ -314,6 +317,7 @@ class SchedulerServer:
             self._check_weights,
             None if self.engine_args.load_format == "dummy" else str(self.options.model_dir),
             self.engine_args.profiler_dir,
+            self.tracer,
         )
         self.group = ExecutorGroup(
             executor_sock,
@@ -422,6 +426,8 @@ class SchedulerServer:
             executor_sock.close(linger=500)
             if publisher is not None:
                 publisher.close()
+            if self.tracer is not None:
+                self.tracer.close()
             if auth is not None:
                 auth.stop()
             ctx.destroy(linger=0)

@@ -20,7 +20,14 @@ import re
 import reprlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol, TypeVar
@@ -90,6 +97,7 @@ from weir.shared.protocol.client import (
     PAUSE_MODES,
     SERVER_UNAVAILABLE,
     SLEEP_LEVELS,
+    TRACE_HEADERS,
     Prompt,
     StreamOutput,
 )
@@ -305,6 +313,25 @@ class _Sample:
     cache_salt: str | None = None
     lora_name: str | None = None
     prompt_field: str | None = None  # how an error names its prompt, one of several
+    trace_headers: dict[str, str] | None = None  # the caller's W3C trace context
+
+
+@dataclass(slots=True, frozen=True)
+class Caller:
+    """What a request's HTTP headers say of it: its ``X-Request-Id``, and the W3C trace
+    context (``traceparent``, ``tracestate``) that its span joins on an engine exporting
+    traces."""
+
+    request_id: str | None = None
+    trace_headers: dict[str, str] | None = None
+
+    @classmethod
+    def of(cls, headers: Mapping[str, str]) -> Caller:
+        trace = {name: headers[name] for name in TRACE_HEADERS if name in headers}
+        return cls(headers.get("x-request-id"), trace or None)
+
+
+NO_CALLER = Caller()
 
 
 @dataclass(slots=True, frozen=True)
@@ -338,6 +365,7 @@ def _samples(
     priority: int,
     cache_salt: str | None = None,
     lora_name: str | None = None,
+    trace_headers: dict[str, str] | None = None,
 ) -> list[_Sample]:
     """``n`` samples of each prompt, choice ``p * n + i``; invalid parameters are a 400."""
     if len(prompts) * n > MAX_CHOICES:
@@ -359,6 +387,7 @@ def _samples(
                 cache_salt,
                 lora_name,
                 f"prompt[{p}]" if len(prompts) > 1 else None,
+                trace_headers,
             )
             for p, prompt in enumerate(prompts)
             for i in range(n)
@@ -780,6 +809,7 @@ class Gateway:
                     cache_salt=sample.cache_salt,
                     lora_name=sample.lora_name,
                     queued_with=queued_with,
+                    trace_headers=sample.trace_headers,
                     **sample.chat,
                 )
                 async with aclosing(stream):
@@ -801,7 +831,7 @@ class Gateway:
 
     # ------------------------------------------------------------------ endpoints
 
-    async def completions(self, body: CompletionRequest, header_id: str | None = None) -> Response:
+    async def completions(self, body: CompletionRequest, caller: Caller = NO_CALLER) -> Response:
         served = await self.check_model(body.model)
         try:
             prompts = body.prompts()
@@ -816,10 +846,11 @@ class Gateway:
             body.priority,
             body.cache_salt,
             served.lora_name,
+            caller.trace_headers,
         )
         for sample in samples:
             sample.params = body.prompt_params(sample.params, prompts[sample.group])
-        response_id, engine_id = _request_ids("cmpl", header_id or body.request_id)
+        response_id, engine_id = _request_ids("cmpl", caller.request_id or body.request_id)
         base = {
             "id": response_id,
             "object": "text_completion",
@@ -875,11 +906,11 @@ class Gateway:
         )
 
     async def chat_completions(
-        self, body: ChatCompletionRequest, header_id: str | None = None
+        self, body: ChatCompletionRequest, caller: Caller = NO_CALLER
     ) -> Response:
-        return await self._chat(body, self._chat_completion, header_id)
+        return await self._chat(body, self._chat_completion, caller)
 
-    async def responses(self, body: ResponsesRequest) -> Response:
+    async def responses(self, body: ResponsesRequest, caller: Caller = NO_CALLER) -> Response:
         """OpenAI's Responses API: the chat its input makes (after its previous response's
         conversation), answered as output items, and stored unless it says not to."""
         previous = body.previous_response_id
@@ -907,7 +938,7 @@ class Gateway:
         except ResponsesFieldError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param=exc.field) from None
         try:
-            return await self._chat(chat, functools.partial(self._response, body, store))
+            return await self._chat(chat, functools.partial(self._response, body, store), caller)
         except (APIError, InvalidRequestError) as exc:
             error = _api_error(exc)
             # The engine names the chat's fields; the client sent the Responses ones.
@@ -932,7 +963,7 @@ class Gateway:
         return ascii_json(stored.body)
 
     async def _chat(
-        self, body: ChatCompletionRequest, respond: _ChatResponder, header_id: str | None = None
+        self, body: ChatCompletionRequest, respond: _ChatResponder, caller: Caller = NO_CALLER
     ) -> Response:
         """Run a chat and ``respond`` with its outputs."""
         output = body.chat_output(
@@ -946,9 +977,13 @@ class Gateway:
         try:
             served = await self.check_model(body.model)
             samples = self._chat_samples(
-                body, output, served.lora_name, served.info.get("default_sampling_params", {})
+                body,
+                output,
+                served.lora_name,
+                served.info.get("default_sampling_params", {}),
+                caller.trace_headers,
             )
-            response_id, engine_id = _request_ids("chatcmpl", header_id or body.request_id)
+            response_id, engine_id = _request_ids("chatcmpl", caller.request_id or body.request_id)
             outputs = self._outputs(engine_id, samples, body)
             if body.return_tokens_as_token_ids:
                 outputs = _tokens_as_ids(outputs)
@@ -973,6 +1008,7 @@ class Gateway:
         output: ChatOutput,
         lora_name: str | None,
         defaults: dict[str, Any],
+        trace_headers: dict[str, str] | None,
     ) -> list[_Sample]:
         tool_choice = output.tool_choice
         if tool_choice is not None and tool_choice.kind == "auto" and tool_choice.parser is None:
@@ -999,6 +1035,7 @@ class Gateway:
             body.priority,
             body.cache_salt,
             lora_name,
+            trace_headers,
         )
         for sample in samples:
             sample.chat = body.template_args()
@@ -1831,17 +1868,17 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        header_id = request.headers.get("x-request-id")
-        return await answer_connected(request, gateway.completions(body, header_id))
+        caller = Caller.of(request.headers)
+        return await answer_connected(request, gateway.completions(body, caller))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        header_id = request.headers.get("x-request-id")
-        return await answer_connected(request, gateway.chat_completions(body, header_id))
+        caller = Caller.of(request.headers)
+        return await answer_connected(request, gateway.chat_completions(body, caller))
 
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest) -> Response:
-        return await answer_connected(request, gateway.responses(body))
+        return await answer_connected(request, gateway.responses(body, Caller.of(request.headers)))
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> Response:

@@ -7,11 +7,13 @@ scheduler's ROUTER socket, so replies come back on the same connection.
 Client -> scheduler::
 
     generate   {request_id, prompt, sampling_params, priority?, cache_salt?, lora_name?,
-                pooling_params?, queued_with?, cap_max_tokens?, CHAT...}
+                pooling_params?, queued_with?, cap_max_tokens?, trace_headers?, CHAT...}
                queued_with: the id of this client's request in flight whose arrival it takes
                (a choice of n > 1 sent once its first began queues with it)
                cap_max_tokens: a max_tokens past max_model_len is cut to what fits, not
                refused (vLLM's offline LLM)
+               trace_headers {traceparent?, tracestate?}: the W3C trace context the caller's
+               span is in, which the request's span joins (--otlp-traces-endpoint)
                pooling_params {task?, dimensions?, normalize?, activation?, text_pair?}: a
                vector, not tokens (a server with the pooling runner): an embedding (task
                embed), a classifier's scores (classify), a cross-encoder's score of the
@@ -73,6 +75,8 @@ from weir.shared.sampling import SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 1024
+TRACE_HEADERS = ("traceparent", "tracestate")
+MAX_TRACE_HEADER_LEN = 512  # W3C's tracestate limit (a traceparent is 55 characters)
 MAX_LORA_NAME_LEN = 256  # as --lora-modules names are
 MAX_PATH_LEN = 4096  # Linux's PATH_MAX
 # Bounds on what one client frame may unpack to: a token-id prompt of a million tokens,
@@ -154,6 +158,8 @@ class GenerateRequest:
     # A max_tokens that does not fit max_model_len after the prompt is cut to the room left
     # (vLLM's offline LLM: the output ends at max_model_len) instead of refused (its API).
     cap_max_tokens: bool = False
+    # The caller's W3C trace context (``TRACE_HEADERS``): the request's span joins its trace.
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -376,6 +382,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["queued_with"] = msg.queued_with
         if msg.cap_max_tokens is not False:  # as given: the server refuses a non-bool
             fields["cap_max_tokens"] = msg.cap_max_tokens
+        if msg.trace_headers:
+            fields["trace_headers"] = msg.trace_headers
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)
@@ -441,6 +449,7 @@ _CLIENT_FIELDS = {
         "pooling_params",
         "queued_with",
         "cap_max_tokens",
+        "trace_headers",
         *_CHAT_FIELDS,
     },
     "abort": {"request_id"},
@@ -634,6 +643,20 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         raise ClientProtocolError(
             INVALID_REQUEST, f"cap_max_tokens must be a bool, got {_short(cap_max_tokens)}", raw_id
         )
+    trace_headers = data.get("trace_headers")
+    if trace_headers is not None and (
+        not isinstance(trace_headers, dict)
+        or not trace_headers.keys() <= set(TRACE_HEADERS)
+        or not all(
+            type(v) is str and 0 < len(v) <= MAX_TRACE_HEADER_LEN for v in trace_headers.values()
+        )
+    ):
+        raise ClientProtocolError(
+            INVALID_REQUEST,
+            f"trace_headers must map {' and/or '.join(TRACE_HEADERS)} to their text (at most "
+            f"{MAX_TRACE_HEADER_LEN} characters), got {_short(trace_headers)}",
+            raw_id,
+        )
     chat = _chat_args(data, prompt, raw_id)
     return GenerateRequest(
         raw_id,
@@ -646,6 +669,7 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         pooling_params,
         queued_with,
         cap_max_tokens,
+        trace_headers,
     )
 
 
