@@ -78,6 +78,9 @@ from weir.services.gateway.schemas import (
     UpdateWeightsBody,
     chat_prompt,
 )
+from weir.services.gateway.sglang_generate import FIELD_NAMES as SGLANG_FIELD_NAMES
+from weir.services.gateway.sglang_generate import NativeGenerateRequest
+from weir.services.gateway.sglang_generate import result as sglang_result
 from weir.shared.beam_search import BeamSearchParams
 from weir.shared.client import (
     AsyncWeirClient,
@@ -830,6 +833,60 @@ class Gateway:
                     return
 
     # ------------------------------------------------------------------ endpoints
+
+    async def sglang_generate(
+        self, body: NativeGenerateRequest, caller: Caller = NO_CALLER
+    ) -> Response:
+        """SGLang's ``POST /generate`` (``sglang_generate.py``): its prompts as completions."""
+        served = await self.check_model(body.lora_path)
+        try:
+            prompts = body.prompts()
+            if isinstance(body.sampling_params, list) and len(body.sampling_params) != len(prompts):
+                raise ValueError("sampling_params: give one, or one per prompt")
+            if isinstance(body.rid, list) and len(body.rid) != len(prompts):
+                raise ValueError("rid: give one per prompt")
+            completions = [body.completion_body(i, p) for i, p in enumerate(prompts)]
+        except ValidationError as exc:
+            raise APIError(400, _sglang_problems(exc), "invalid_request_error") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error") from None
+        defaults = served.info.get("default_sampling_params", {})
+        samples: list[_Sample] = []
+        rids: list[str] = []
+        for group, (prompt, completion) in enumerate(zip(prompts, completions)):
+            rid = body.rid_of(group) or uuid.uuid4().hex
+            for sample in _samples(
+                [prompt],
+                completion.n,
+                _params_of(completion, defaults),
+                completion.priority,
+                None,
+                served.lora_name,
+                caller.trace_headers,
+            ):
+                rids.append(rid if completion.n == 1 else f"{rid}-{sample.number}")
+                sample.index, sample.group = len(samples), group
+                samples.append(sample)
+        _, engine_id = _request_ids("generate", caller.request_id)
+        started = time.monotonic()
+        outputs = self.run(engine_id, samples)
+        if body.stream:
+            token_ids: list[list[int]] = [[] for _ in samples]
+
+            def chunk(out: StreamOutput, choice: fmt.Choice) -> str:
+                ids = token_ids[choice.index]
+                ids += out.new_token_ids
+                latency = time.monotonic() - started
+                done = sglang_result(choice, ids, rids[choice.index], latency, body)
+                return fmt.sse({**done, "index": choice.index} if body.is_batch else done).decode()
+
+            return await self._sse(outputs, chunk, len(samples), lambda _: fmt.sse("[DONE]"))
+        choices = await self._collect(outputs, len(samples), token_ids=True)
+        latency = time.monotonic() - started
+        results = [
+            sglang_result(c, c.token_ids or [], rids[c.index], latency, body) for c in choices
+        ]
+        return JSONResponse(results if body.is_batch or len(results) > 1 else results[0])
 
     async def completions(self, body: CompletionRequest, caller: Caller = NO_CALLER) -> Response:
         served = await self.check_model(body.model)
@@ -1645,6 +1702,22 @@ def _cut(value: object, max_len: int) -> object:
 _CLIENT_ID = re.compile(r"[\x21-\x7e]{1,200}")
 
 
+def _params_of(
+    body: CompletionRequest, defaults: dict[str, Any]
+) -> Callable[[int], SamplingParams]:
+    return lambda index: body.sampling_params(body.max_tokens, body.logprobs, index, defaults)
+
+
+def _sglang_problems(exc: ValidationError) -> str:
+    """A translated completion's errors in SGLang's field names."""
+    names = dict(SGLANG_FIELD_NAMES)
+    problems = []
+    for error in exc.errors():
+        where = ".".join(names.get(str(part), str(part)) for part in error["loc"])
+        problems.append(f"{where}: {error['msg']}" if where else error["msg"])
+    return "; ".join(problems)
+
+
 def _request_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
     """A response's id (``prefix-`` and the client's id, as vLLM's, or a random one) and its
     requests' base id in the engine: the client's id with a random part, since two clients
@@ -1870,6 +1943,11 @@ def create_app(
     async def completions(request: Request, body: CompletionRequest) -> Response:
         caller = Caller.of(request.headers)
         return await answer_connected(request, gateway.completions(body, caller))
+
+    @app.post("/generate")
+    async def sglang_generate(request: Request, body: NativeGenerateRequest) -> Response:
+        caller = Caller.of(request.headers)
+        return await answer_connected(request, gateway.sglang_generate(body, caller))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:

@@ -1,0 +1,158 @@
+"""SGLang's native POST /generate, as its clients (and RL frameworks rolling out with SGLang)
+send it, over httpx: tokens and logprobs against transformers on the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from serving_helpers import hf_greedy, small_server
+
+from weir.shared.tokenizer import Tokenizer
+
+PROMPT = [5, 17, 99, 123, 456, 789, 1011]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with small_server(tiny_model_dir, "tiny") as processes:
+        yield processes
+
+
+def _post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.info["http_address"] + "/generate", json=body, timeout=60)
+
+
+def _hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at each position of ``token_ids``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_greedy_tokens_and_logprobs_are_transformers(server, tiny_hf_model, tiny_model_dir):
+    """input_ids in, SGLang's result out: the greedy ids transformers writes, the text they
+    decode to, a length finish, and with return_logprob each output and prompt token's
+    logprob (and the top 3) as transformers computes them."""
+    reply = _post(
+        server,
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": 3,
+            "logprob_start_len": 0,
+            "return_text_in_logprobs": True,
+            "rid": "roll-1",
+        },
+    )
+    assert reply.status_code == 200, reply.text
+    result = reply.json()
+    expected = hf_greedy(tiny_hf_model, PROMPT, 8)
+    assert result["output_ids"] == expected
+    tokenizer = Tokenizer.from_model_dir(tiny_model_dir)
+    assert result["text"] == tokenizer.decode(expected)
+    meta = result["meta_info"]
+    assert meta["id"] == "roll-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(PROMPT), 8)
+    reference = _hf_logprobs(tiny_hf_model, PROMPT + expected)
+    outputs = meta["output_token_logprobs"]
+    assert [token for _, token, _ in outputs] == expected
+    for position, ((logprob, token, text), top) in enumerate(
+        zip(outputs, meta["output_top_logprobs"], strict=True)
+    ):
+        row = reference[len(PROMPT) - 1 + position]
+        assert logprob == pytest.approx(row[token].item(), abs=1e-3)
+        assert text == tokenizer.decode([token])
+        best = torch.topk(row, 3)
+        assert [t for _, t, _ in top] == best.indices.tolist()
+        assert [lp for lp, _, _ in top] == pytest.approx(best.values.tolist(), abs=1e-3)
+    inputs = meta["input_token_logprobs"]
+    assert [token for _, token, _ in inputs] == PROMPT
+    assert inputs[0][0] is None  # nothing predicts the first token
+    for position, (logprob, token, _) in enumerate(inputs[1:], 1):
+        assert logprob == pytest.approx(reference[position - 1][token].item(), abs=1e-3)
+
+
+def test_a_batch_of_texts_with_their_own_parameters_and_samples(server):
+    """A batch: a result per prompt (n of them for n samples), in order, each with its rid
+    and its own sampling parameters; a stop string ends one with SGLang's matched."""
+    reply = _post(
+        server,
+        {
+            "text": ["The capital of France is", "Once upon a time"],
+            "sampling_params": [
+                {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+                {"max_new_tokens": 4, "temperature": 1.0, "n": 2, "sampling_seed": 7},
+            ],
+            "rid": ["a", "b"],
+        },
+    )
+    assert reply.status_code == 200, reply.text
+    results = reply.json()
+    assert [r["meta_info"]["id"] for r in results] == ["a", "b-0", "b-1"]
+    assert [r["meta_info"]["completion_tokens"] for r in results][0] == 5
+    assert all(len(r["output_ids"]) == r["meta_info"]["completion_tokens"] for r in results)
+    first = results[0]["text"]
+    stopped = _post(
+        server,
+        {
+            "text": "The capital of France is",
+            "sampling_params": {
+                "max_new_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop": [first[2:4]],
+            },
+        },
+    ).json()
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": first[2:4]}
+    assert stopped["text"] == first[: first.index(first[2:4])]
+
+
+def test_a_stream_sends_each_result_so_far_then_done(server):
+    """Streamed, each event holds the text and ids so far (SGLang's), the last its finish;
+    they end as the whole answer does."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    whole = _post(server, body).json()
+    events = []
+    with httpx.stream(
+        "POST",
+        server.info["http_address"] + "/generate",
+        json={**body, "stream": True},
+        timeout=60,
+    ) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: ") :])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) >= 2
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"text": "a", "input_ids": [1]}, "give text or input_ids, one of them"),
+        ({"text": "a", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
+        ({"text": "a", "sampling_params": {"top_p": 2}}, "top_p"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"text": ["a", "b"], "sampling_params": [{}]}, "give one, or one per prompt"),
+        ({"text": "a", "lora_path": "nope"}, "The model `nope` does not exist"),
+    ],
+)
+def test_what_is_wrong_is_a_400_naming_it(server, body, fragment):
+    reply = _post(server, body)
+    assert reply.status_code in (400, 404), reply.text
+    assert fragment in reply.json()["error"]["message"]
+    assert _post(server, {"text": "a", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
