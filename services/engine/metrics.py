@@ -206,6 +206,11 @@ class StepHistogram:
         self._lock = threading.Lock()  # the /metrics server collects on its own thread
         registry.register(self)
 
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect_left(self._bounds, value)] += 1
+            self._sum += value
+
     def observe_many(self, values: Sequence[float]) -> None:
         bounds, counts = self._bounds, self._counts
         with self._lock:
@@ -321,78 +326,62 @@ class SchedulerMetrics:
             _LATENCY_BUCKETS,
             reg,
         )
-        self.e2e_request_latency = one(
-            Histogram(
-                "weir_e2e_request_latency_seconds",
-                "Arrival to finish",
-                names,
-                registry=reg,
-                buckets=_REQUEST_BUCKETS,
-            )
+        self.e2e_request_latency = StepHistogram(
+            "weir_e2e_request_latency_seconds",
+            "Arrival to finish",
+            {"model_name": model_name},
+            _REQUEST_BUCKETS,
+            reg,
         )
         # Per finished request, as vLLM's (its Grafana dashboard plots them).
-        self.request_prompt_tokens = one(
-            Histogram(
-                "weir_request_prompt_tokens",
-                "Prompt tokens of each finished request",
-                names,
-                registry=reg,
-                buckets=_REQUEST_TOKEN_BUCKETS,
-            )
+        self.request_prompt_tokens = StepHistogram(
+            "weir_request_prompt_tokens",
+            "Prompt tokens of each finished request",
+            {"model_name": model_name},
+            _REQUEST_TOKEN_BUCKETS,
+            reg,
         )
-        self.request_generation_tokens = one(
-            Histogram(
-                "weir_request_generation_tokens",
-                "Output tokens of each finished request",
-                names,
-                registry=reg,
-                buckets=_REQUEST_TOKEN_BUCKETS,
-            )
+        self.request_generation_tokens = StepHistogram(
+            "weir_request_generation_tokens",
+            "Output tokens of each finished request",
+            {"model_name": model_name},
+            _REQUEST_TOKEN_BUCKETS,
+            reg,
         )
-        self.request_params_max_tokens = one(
-            Histogram(
-                "weir_request_params_max_tokens",
-                "max_tokens of each finished request that set it",
-                names,
-                registry=reg,
-                buckets=_REQUEST_TOKEN_BUCKETS,
-            )
+        self.request_params_max_tokens = StepHistogram(
+            "weir_request_params_max_tokens",
+            "max_tokens of each finished request that set it",
+            {"model_name": model_name},
+            _REQUEST_TOKEN_BUCKETS,
+            reg,
         )
-        self.request_prefill_time = one(
-            Histogram(
-                "weir_request_prefill_time_seconds",
-                "First scheduled to first output token",
-                names,
-                registry=reg,
-                buckets=_REQUEST_BUCKETS,
-            )
+        self.request_prefill_time = StepHistogram(
+            "weir_request_prefill_time_seconds",
+            "First scheduled to first output token",
+            {"model_name": model_name},
+            _REQUEST_BUCKETS,
+            reg,
         )
-        self.request_decode_time = one(
-            Histogram(
-                "weir_request_decode_time_seconds",
-                "First output token to finish",
-                names,
-                registry=reg,
-                buckets=_REQUEST_BUCKETS,
-            )
+        self.request_decode_time = StepHistogram(
+            "weir_request_decode_time_seconds",
+            "First output token to finish",
+            {"model_name": model_name},
+            _REQUEST_BUCKETS,
+            reg,
         )
-        self.request_inference_time = one(
-            Histogram(
-                "weir_request_inference_time_seconds",
-                "First scheduled to finish",
-                names,
-                registry=reg,
-                buckets=_REQUEST_BUCKETS,
-            )
+        self.request_inference_time = StepHistogram(
+            "weir_request_inference_time_seconds",
+            "First scheduled to finish",
+            {"model_name": model_name},
+            _REQUEST_BUCKETS,
+            reg,
         )
-        self.request_time_per_output_token = one(
-            Histogram(
-                "weir_request_time_per_output_token_seconds",
-                "A request's decode time over its output tokens after the first",
-                names,
-                registry=reg,
-                buckets=_LATENCY_BUCKETS,
-            )
+        self.request_time_per_output_token = StepHistogram(
+            "weir_request_time_per_output_token_seconds",
+            "A request's decode time over its output tokens after the first",
+            {"model_name": model_name},
+            _LATENCY_BUCKETS,
+            reg,
         )
         self.request_queue_time = one(
             Histogram(
