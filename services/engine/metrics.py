@@ -184,10 +184,11 @@ class CacheConfigInfo:
 
 
 class StepHistogram:
-    """A histogram that takes one step's values at once, exposed exactly as a
-    ``Histogram`` with the same buckets. prometheus_client's ``observe`` takes two locks
-    per value (~1.3 us); one value per stream per step would cost a third of a
-    millisecond of every step at 256 streams, on the loop that plans the next one."""
+    """A histogram of one label set, exposed exactly as a ``Histogram`` with the same
+    buckets, that takes a value or one step's values under one lock. prometheus_client's
+    ``observe`` takes two locks per value and looks up its child (~1.3-1.7 us); one value
+    per stream per step would cost a third of a millisecond of every step at 256 streams,
+    on the loop that plans the next one, and a finished request's eight histograms 12 us."""
 
     def __init__(
         self,
