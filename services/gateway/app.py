@@ -79,7 +79,11 @@ from weir.services.gateway.schemas import (
     chat_prompt,
 )
 from weir.services.gateway.sglang_generate import FIELD_NAMES as SGLANG_FIELD_NAMES
-from weir.services.gateway.sglang_generate import NativeGenerateRequest
+from weir.services.gateway.sglang_generate import (
+    NativeGenerateRequest,
+    SglangMemoryBody,
+    SglangPauseBody,
+)
 from weir.services.gateway.sglang_generate import result as sglang_result
 from weir.shared.beam_search import BeamSearchParams
 from weir.shared.client import (
@@ -207,6 +211,13 @@ _ENGINE_ROUTES = frozenset(
         "/is_sleeping",
         "/start_profile",
         "/stop_profile",
+        # SGLang's native API
+        "/generate",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
     }
 )
 
@@ -2014,6 +2025,42 @@ def create_app(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         return await answer(gateway.control("reset_prefix_cache"))
+
+    # SGLang's names of these: what RL frameworks that roll out with SGLang call between
+    # rollouts (its pause keeps requests by default: "in_place"; its "abort" is ours).
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        return await answer(gateway.control("reset_prefix_cache"))
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: SglangPauseBody | None = None) -> Response:
+        # in_place keeps the requests and their KV; retract keeps them, their KV recomputed.
+        mode = "in_place" if body is None else body.mode
+        keep = mode != "abort"
+        return await answer(
+            gateway.control("pause", "keep" if keep else "abort", mode != "in_place")
+        )
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        return await answer(gateway.control("resume"))
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(body: SglangMemoryBody | None = None) -> Response:
+        if body is not None and body.tags is not None and set(body.tags) != set(WAKE_TAGS):
+            raise APIError(
+                400,
+                "tags: Weir releases the weights and the KV cache together (vLLM's sleep "
+                "level 1); send no tags, then resume the weights and the cache apart if need be",
+                "invalid_request_error",
+                param="tags",
+            )
+        return await answer(gateway.control("sleep", level=1))
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(body: SglangMemoryBody | None = None) -> Response:
+        tags: list[str] | None = None if body is None or body.tags is None else [*body.tags]
+        return await answer(gateway.control("wake_up", tags=tags))
 
     @app.post("/start_profile")
     async def start_profile() -> Response:

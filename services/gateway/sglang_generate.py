@@ -9,7 +9,7 @@ a stream sends each result's text and ids so far, then ``[DONE]``, as SGLang doe
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -134,6 +134,20 @@ class NativeGenerateRequest(Body):
 
     def rid_of(self, index: int) -> str | None:
         return self.rid[index] if isinstance(self.rid, list) else self.rid
+
+
+class SglangPauseBody(Body):
+    """``/pause_generation``'s: ``in_place`` (SGLang's default) keeps the requests where
+    they are, ``retract`` keeps them waiting, ``abort`` ends them."""
+
+    mode: Literal["in_place", "retract", "abort"] = "in_place"
+
+
+class SglangMemoryBody(Body):
+    """``/release_memory_occupation`` and ``/resume_memory_occupation``'s: which of the
+    weights and the KV cache (all by default)."""
+
+    tags: list[Literal["weights", "kv_cache"]] | None = None
 
 
 def result(

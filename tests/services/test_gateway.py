@@ -1880,7 +1880,11 @@ def test_api_key_is_required_when_set(server):
         reply = httpx.post(base + "/v1/completions", content=b"{not json")
         assert reply.status_code == 401, reply.text
         # Tokenizing is engine work too.
-        for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
+        for path, body in (
+            ("/tokenize", {"prompt": "Hi"}),
+            ("/detokenize", {"tokens": [1]}),
+            ("/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}),  # SGLang's
+        ):
             assert httpx.post(base + path, json=body).status_code == 401
             keyed = httpx.post(base + path, json=body, headers={"Authorization": "Bearer s3cret"})
             assert keyed.status_code == 200

@@ -3,7 +3,9 @@ send it, over httpx: tokens and logprobs against transformers on the same weight
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 
 import httpx
 import pytest
@@ -156,3 +158,39 @@ def test_what_is_wrong_is_a_400_naming_it(server, body, fragment):
     assert reply.status_code in (400, 404), reply.text
     assert fragment in reply.json()["error"]["message"]
     assert _post(server, {"text": "a", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_sglangs_cache_pause_and_memory_calls(server):
+    """What an RL framework calls between rollouts, by SGLang's names: /flush_cache (the
+    prefix cache reset: a prompt computed before is computed again), /pause_generation and
+    /continue_generation (a request sent meanwhile waits, then runs), and
+    /release_memory_occupation and /resume_memory_occupation (vLLM's sleep and wake up)."""
+    base = server.info["http_address"]
+    body = {"input_ids": PROMPT * 6, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    _post(server, body)
+    assert _post(server, body).json()["meta_info"]["cached_tokens"] > 0
+    assert httpx.post(base + "/flush_cache", timeout=30).status_code == 200
+    assert _post(server, body).json()["meta_info"]["cached_tokens"] == 0
+
+    def waits_until(call: str, check: str, field: str) -> None:
+        assert httpx.post(base + call, timeout=30).status_code == 200
+        assert httpx.get(base + check, timeout=30).json()[field] is True
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_post, server, body)
+            time.sleep(0.5)
+            assert not pending.done()  # held while paused or asleep
+            again = (
+                "/continue_generation"
+                if call == "/pause_generation"
+                else ("/resume_memory_occupation")
+            )
+            assert httpx.post(base + again, timeout=60).status_code == 200
+            assert pending.result(timeout=60).status_code == 200
+        assert httpx.get(base + check, timeout=30).json()[field] is False
+
+    waits_until("/pause_generation", "/is_paused", "is_paused")
+    waits_until("/release_memory_occupation", "/is_sleeping", "is_sleeping")
+    refused = httpx.post(
+        base + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30
+    )
+    assert refused.status_code == 400 and "together" in refused.json()["error"]["message"]
