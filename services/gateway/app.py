@@ -2032,6 +2032,21 @@ def create_app(
     async def flush_cache() -> Response:
         return await answer(gateway.control("reset_prefix_cache"))
 
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        info = await answer_value(gateway.model())
+        if isinstance(info, Response):
+            return info
+        return JSONResponse(
+            {
+                # SGLang's path is the model's; Weir names it as the API does.
+                "model_path": info["model_name"],
+                "tokenizer_path": info["model_name"],
+                "is_generation": info["runner"] == "generate",
+                "preferred_sampling_params": info.get("default_sampling_params") or None,
+            }
+        )
+
     @app.post("/pause_generation")
     async def pause_generation(body: SglangPauseBody | None = None) -> Response:
         # in_place keeps the requests and their KV; retract keeps them, their KV recomputed.

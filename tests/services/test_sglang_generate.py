@@ -194,3 +194,8 @@ def test_sglangs_cache_pause_and_memory_calls(server):
         base + "/release_memory_occupation", json={"tags": ["kv_cache"]}, timeout=30
     )
     assert refused.status_code == 400 and "together" in refused.json()["error"]["message"]
+
+
+def test_get_model_info_is_sglangs(server):
+    info = httpx.get(server.info["http_address"] + "/get_model_info", timeout=30).json()
+    assert info["model_path"] == "tiny" and info["is_generation"] is True
