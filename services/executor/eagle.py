@@ -15,7 +15,12 @@ from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
 from weir.services.executor.layers import Linear, layer_kernels_for
-from weir.services.executor.model import CausalLM, DecoderLayer
+from weir.services.executor.model import (
+    CausalLM,
+    DecoderLayer,
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+)
 from weir.services.executor.rotary import Rotary
 from weir.services.executor.weights import (
     TensorSource,
@@ -41,12 +46,14 @@ class EagleLayers(nn.Module):
         self.config = cfg
         self.layout = ShardLayout.of(cfg)
         kernels = layer_kernels_for(attention, device)
-        self.layers = nn.ModuleList(
+        layers = [
             DecoderLayer(i, cfg, self.layout, None, attention, kernels, device, dtype)
             for i in range(cfg.num_layers)
-        )
+        ]
         # fc's output is the first layer's input as it is (EAGLE's layer 0 has no input norm).
-        self.layers[0].input_layernorm = None
+        layers[0].input_layernorm = None
+        self.windows = tuple(dict.fromkeys(layer.sliding_window for layer in layers))
+        self.layers = nn.ModuleList(layers)
 
 
 class EagleHead(nn.Module):
@@ -64,17 +71,28 @@ class EagleHead(nn.Module):
         self.decoder = EagleLayers(cfg, self.attention, self.device, self.dtype)
         self.layers, self.layout = self.decoder.layers, self.decoder.layout
         self.rotary = Rotary(cfg.rope, self.device)
-        self.windows = tuple(dict.fromkeys(layer.sliding_window for layer in self.layers))
-        self.read_from(target)
+        self.windows = self.decoder.windows
+        # A tuple: not a submodule, whose weights would count as the head's.
+        self._target: tuple[CausalLM] = (target,)
 
     def read_from(self, target: CausalLM) -> None:
-        """Read ``target``'s embedding and LM head (from now on, where the served model was
+        """Read ``target``'s embedding and LM head from now on (the served model was
         replaced by one of new weights)."""
-        self._target = (target,)  # a tuple: not a submodule, whose weights would be the head's
+        self._target = (target,)
 
-    # The KV cache of its layers is shaped as a served model's.
-    kv_cache_bytes_per_block = CausalLM.kv_cache_bytes_per_block
-    allocate_kv_caches = CausalLM.allocate_kv_caches
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return kv_cache_bytes_per_block(self.config, self.layout, self.kv_cache_dtype, block_size)
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        return allocate_kv_caches(
+            self.config,
+            self.layout,
+            self.dtype,
+            self.kv_cache_dtype,
+            self.device,
+            num_blocks,
+            block_size,
+        )
 
     def forward(
         self,

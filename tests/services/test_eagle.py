@@ -196,3 +196,13 @@ def test_a_head_that_does_not_fit_is_refused(tiny_model_dir, tiny_hf_model, tmp_
 def test_eagle_options_refused_before_start(options, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**options)
+
+
+def test_the_scheduler_gives_eagle_drafts_lookahead_slots():
+    """The head writes its KV past the last computed token, as a draft model does."""
+    args = EngineArgs(
+        speculative_config={"method": "eagle", "model": "/heads/x", "num_speculative_tokens": 3}
+    )
+    assert (args.speculative_method, args.speculative_model) == ("eagle", "/heads/x")
+    config = args.scheduler_config(100)
+    assert (config.num_speculative_tokens, config.num_lookahead_tokens) == (3, 3)
