@@ -62,6 +62,22 @@ def head_dir(tmp_path_factory, tiny_hf_model):
     return path
 
 
+@pytest.fixture(scope="module")
+def copy_head_dir(tmp_path_factory, tiny_hf_model):
+    """A head whose output is its context row (fc takes the hidden half, the layer adds
+    nothing): it proposes the target's own prediction at the position before, the token
+    just sampled, so the tiny model's runs of one token keep its drafts."""
+    path = tmp_path_factory.mktemp("heads") / "copy"
+    config = head_config(tiny_hf_model)
+    tensors = random_head(config)
+    h = config.hidden_size
+    tensors["fc.weight"] = torch.cat((torch.zeros(h, h), torch.eye(h)), dim=1)
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        tensors[f"layers.0.{name}.weight"].zero_()
+    save_head(path, config, tensors)
+    return path
+
+
 def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16):
     """An engine core of ``model_dir`` with ``k`` EAGLE drafts a step, and its runner."""
     runner = ModelRunner(
@@ -121,37 +137,60 @@ def reference_drafts(tiny_hf_model, head_dir, prompt: list[int], k: int) -> list
     return drafts
 
 
-def test_first_proposals_are_the_heads_as_transformers_computes_them(
-    tiny_model_dir, tiny_hf_model, head_dir
+@pytest.mark.parametrize("head", ["random", "copy"])
+def test_proposals_are_the_heads_as_transformers_computes_them(
+    tiny_model_dir, tiny_hf_model, head_dir, copy_head_dir, head
 ):
-    """After a prompt's prefill (in chunks of 16, the head computing each chunk as it comes)
-    the drafts are the reference's: the shifted inputs, the target's hidden rows and the
-    head's own outputs in its later passes."""
-    prompts = [list(range(100, 140)), [5, 6, 7, 8, 9]]
-    core, runner = engine(tiny_model_dir, head_dir, 3)
+    """Every step's drafts are the reference's of the sequence so far: after prefills in
+    chunks of 16 (the head computing each chunk as it comes) and after verified steps,
+    the head's cache recomputed over the kept positions only (the copy head's drafts are
+    kept in a run of one token, so some steps keep 1 + 3 positions)."""
+    directory = head_dir if head == "random" else copy_head_dir
+    prompts = [list(range(100, 140)), [5, 6, 7, 8, 9], [9, 9, 9, 9, 9]]
+    core, runner = engine(tiny_model_dir, directory, 3)
     assert runner.drafter is not None
-    proposed: list[dict[str, list[int]]] = []
+    proposed: list[tuple[list[int], list[int]]] = []  # (sequence so far, drafts)
     propose = runner.drafter.propose
 
-    def recording(*args, **kwargs):
-        proposed.append(propose(*args, **kwargs))
-        return proposed[-1]
+    def recording(batch, inputs, sampled, hidden):
+        drafts = propose(batch, inputs, sampled, hidden)
+        for rid, row in drafts.items():
+            slot = inputs.slots[inputs.req_ids.index(rid)]
+            proposed.append((batch.token_ids[slot, : batch.num_tokens[slot]].tolist(), row))
+        return drafts
 
     runner.drafter.propose = recording  # type: ignore[method-assign]
-    generate_in_core(core, prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    for i, prompt in enumerate(prompts):
-        first = next(p[f"r{i}"] for p in proposed if f"r{i}" in p)
-        assert first == reference_drafts(tiny_hf_model, head_dir, prompt, 3)
+    generate_in_core(core, prompts, GREEDY)
+    assert len(proposed) > len(prompts)
+    for sequence, drafts in proposed:
+        # The reference samples the sequence's last token itself.
+        assert drafts == reference_drafts(tiny_hf_model, directory, sequence[:-1], len(drafts))
+    if head == "copy":
+        assert core.scheduler.stats().spec_decode.num_accepted_tokens >= 3
 
 
-def test_greedy_outputs_are_the_served_models(tiny_model_dir, tiny_hf_model, head_dir):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+def test_greedy_outputs_are_the_served_models(tiny_model_dir, tiny_hf_model, head_dir, graphs):
     """Prompts longer than a chunk, four at a time, with 3 drafts a step: transformers'
-    greedy tokens, and drafts were proposed and some kept."""
+    greedy tokens, and drafts were proposed. With the CUDA graphs' padded buffers (run
+    eagerly on a CPU), the head reads a decode graph's rows; mixed steps run eagerly."""
     prompts = [list(range(100, 140)), [5, 6, 7, 8], list(range(300, 320)), [9, 9, 9, 9, 9]]
-    core, _ = engine(tiny_model_dir, head_dir, 3)
+    core, runner = engine(tiny_model_dir, head_dir, 3)
+    shapes = []
+    if graphs:
+        runner.capture_graphs(capture=False)
+        assert runner.graphs is not None
+        forward = runner.graphs.forward
+
+        def recording(shape):
+            shapes.append(shape)
+            return forward(shape)
+
+        runner.graphs.forward = recording  # type: ignore[method-assign]
     outputs = generate_in_core(core, prompts, GREEDY)
     assert outputs == [hf_greedy(tiny_hf_model, p, GREEDY.max_tokens) for p in prompts]
     assert core.scheduler.stats().spec_decode.num_draft_tokens > 0
+    assert bool(shapes) == graphs and not any(shape.mixed for shape in shapes)
 
 
 def test_llm_with_an_eagle_config(tiny_model_dir, tiny_hf_model, head_dir):
