@@ -462,7 +462,8 @@ class ModelRunner:
 
     def _load_drafter(self) -> Drafter:
         """The draft model of ``draft_model`` speculative decoding, on this rank's device
-        (and shard: it splits as the served model does)."""
+        (and shard: it splits as the served model does), or the EAGLE head of ``eagle``
+        over the served model (one rank only)."""
         assert self.draft_options is not None
         model_dir, num_speculative_tokens, quantization, load_format, eagle = self.draft_options
         if self.pooling_runner:
