@@ -221,6 +221,17 @@ def test_a_head_that_does_not_fit_is_refused(tiny_model_dir, tiny_hf_model, tmp_
         engine(tiny_model_dir, tmp_path / "no-fc", 2)
 
 
+def test_a_wide_head_fails_the_servers_start_up(tiny_model_dir, tiny_hf_model, tmp_path):
+    """Through the processes: the executor's refusal is the start-up's one line."""
+    from weir.services.launcher import ChildFailedError
+
+    wide = head_config(tiny_hf_model, hidden_size=48)
+    save_head(tmp_path / "wide", wide, random_head(wide))
+    config = {"method": "eagle", "model": str(tmp_path / "wide"), "num_speculative_tokens": 2}
+    with pytest.raises(ChildFailedError, match="hidden_size 48 is not the served model's 32"):
+        LLM(str(tiny_model_dir), device="cpu", speculative_config=config, startup_timeout=120)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
