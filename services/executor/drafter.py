@@ -181,6 +181,21 @@ class Drafter:
             return self.model(input_ids, context, positions, meta, kv_caches)
         return self.model(input_ids, positions, meta, kv_caches)
 
+    def warm_up_pass(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """A pass of made-up tokens (an EAGLE head's context rows zero), which launches the
+        kernels a step's pass does."""
+        context = None
+        if self.eagle:
+            rows = (len(input_ids), self.model.config.hidden_size)
+            context = torch.zeros(rows, dtype=self.model.dtype, device=self.device)
+        return self.run(input_ids, context, positions, meta, kv_caches)
+
     def _remember(
         self,
         batch: InputBatch,

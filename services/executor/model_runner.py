@@ -396,7 +396,11 @@ class ModelRunner:
             warm_up_attention(self.model, self.kv_caches, self.block_size, self.max_model_len)
             if self.drafter is not None:
                 warm_up_attention(
-                    self.drafter.model, self.drafter.kv_caches, self.block_size, self.max_model_len
+                    self.drafter.model,
+                    self.drafter.kv_caches,
+                    self.block_size,
+                    self.max_model_len,
+                    self.drafter.warm_up_pass,
                 )
         if self.use_cuda_graphs:
             self.capture_graphs()

@@ -3,9 +3,15 @@ proposes what an independent transformers reference of the head proposes, output
 served model's, and a head that does not fit is refused at start-up."""
 
 import json
+import os
 
 import pytest
 import torch
+
+# Triton's attention runs on CPU tensors under its interpreter, which Triton reads when the
+# kernel module is first imported (lazily, by get_attention_backend), as test_model_core.py.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from conftest import transformers
 from safetensors.torch import save_file
 from serving_helpers import generate_in_core, hf_greedy, metric, read_metrics
@@ -78,8 +84,9 @@ def copy_head_dir(tmp_path_factory, tiny_hf_model):
     return path
 
 
-def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16):
-    """An engine core of ``model_dir`` with ``k`` EAGLE drafts a step, and its runner."""
+def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16, **options):
+    """An engine core of ``model_dir`` with ``k`` EAGLE drafts a step, and its runner
+    (``options``: more of ModelRunner's)."""
     runner = ModelRunner(
         model_dir,
         device="cpu",
@@ -89,6 +96,7 @@ def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16):
         num_speculative_tokens=k,
         speculative_model=head_dir,
         speculative_method="eagle",
+        **options,
     )
     scheduler = Scheduler(
         SchedulerConfig(
@@ -191,6 +199,15 @@ def test_greedy_outputs_are_the_served_models(tiny_model_dir, tiny_hf_model, hea
     assert outputs == [hf_greedy(tiny_hf_model, p, GREEDY.max_tokens) for p in prompts]
     assert core.scheduler.stats().spec_decode.num_draft_tokens > 0
     assert bool(shapes) == graphs and not any(shape.mixed for shape in shapes)
+
+
+def test_triton_attention_warms_up_the_heads_kernels_too(tiny_model_dir, tiny_hf_model, head_dir):
+    """With Triton's attention (interpreted on a CPU) the start-up warms the head's layer up
+    through its own pass (its context rows zero), and outputs stay transformers'."""
+    prompt = [5, 6, 7, 8, 9]
+    core, _ = engine(tiny_model_dir, head_dir, 2, attention_backend="triton")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert generate_in_core(core, [prompt], params) == [hf_greedy(tiny_hf_model, prompt, 4)]
 
 
 def test_llm_with_an_eagle_config(tiny_model_dir, tiny_hf_model, head_dir):
