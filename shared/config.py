@@ -66,6 +66,7 @@ _VLLM_LOAD_FORMATS = {
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
 # The methods whose drafts the executor proposes, with speculative_model.
 MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle")
+EAGLE3_UNSUPPORTED = 'speculative method "eagle3" is not supported yet (EAGLE-1 heads are: "eagle")'
 # Weights kept quantized by the executor (CPU only; see services/executor/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
 # vLLM's --quantization methods, which are kernels Weir does not have: why each is refused.
@@ -838,10 +839,7 @@ class EngineArgs:
         if "model" in config:  # vLLM's too: a model names the method
             config.setdefault("method", "draft_model")
         if config.get("method") == "eagle3":
-            raise ValueError(
-                'speculative_config method "eagle3" is not supported yet (EAGLE-1 heads are: '
-                '"eagle")'
-            )
+            raise ValueError(EAGLE3_UNSUPPORTED)
         if config.get("method") not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {SPECULATIVE_METHODS} (ngram: drafts "
@@ -884,6 +882,8 @@ class EngineArgs:
     def _check_draft_model(self) -> None:
         """A draft model names the method (vLLM's rule); the method needs one, and no other
         method takes one."""
+        if self.speculative_method == "eagle3":
+            raise ValueError(EAGLE3_UNSUPPORTED)
         if self.speculative_model is not None and self.speculative_method is None:
             object.__setattr__(self, "speculative_method", "draft_model")  # frozen
         if self.speculative_method in MODEL_SPECULATIVE_METHODS:

@@ -253,6 +253,7 @@ def test_a_wide_head_fails_the_servers_start_up(tiny_model_dir, tiny_hf_model, t
     "options, message",
     [
         ({"speculative_config": {"method": "eagle3", "model": "x"}}, "eagle3.*not supported"),
+        ({"speculative_method": "eagle3", "speculative_model": "x"}, "eagle3.*not supported"),
         ({"speculative_method": "eagle"}, "eagle needs speculative_model"),
         (
             {"speculative_method": "eagle", "speculative_model": "x", "tensor_parallel_size": 2},
