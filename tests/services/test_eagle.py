@@ -117,13 +117,16 @@ def reference_drafts(tiny_hf_model, head_dir, prompt: list[int], k: int) -> list
     from safetensors.torch import load_file
 
     tensors = {
-        k.removeprefix("model."): v for k, v in load_file(head_dir / "model.safetensors").items()
+        name.removeprefix("model."): t
+        for name, t in load_file(head_dir / "model.safetensors").items()
     }
     config = transformers.LlamaConfig.from_pretrained(head_dir)
     head = transformers.LlamaModel(config).eval()
-    head.load_state_dict(
-        {k: v for k, v in tensors.items() if k.startswith("layers.")}, strict=False
-    )
+    layer = {name: t for name, t in tensors.items() if name.startswith("layers.")}
+    loaded = head.load_state_dict(layer, strict=False)
+    # Only what the head has no use for is left unloaded (Identity below, or unused).
+    unused = {"embed_tokens.weight", "layers.0.input_layernorm.weight", "norm.weight"}
+    assert set(loaded.missing_keys) == unused and not loaded.unexpected_keys
     head.layers[0].input_layernorm = torch.nn.Identity()
     head.norm = torch.nn.Identity()
     fc = tensors["fc.weight"]
