@@ -57,8 +57,9 @@ class Drafter:
         self.eagle = isinstance(model, EagleHead)
         self.k = num_speculative_tokens
         # Tokens the served model knows: a draft with a larger (padded) vocabulary never
-        # proposes past it.
-        self.vocab_size = min(vocab_size, model.config.vocab_size)
+        # proposes past it (an EAGLE head's logits are the served model's, whatever its
+        # config.json says).
+        self.vocab_size = vocab_size if self.eagle else min(vocab_size, model.config.vocab_size)
         self.tp = tp
         self.device = device
         self.context_len = model.config.context_len
