@@ -61,8 +61,12 @@ _VLLM_LOAD_FORMATS = {
     ),
 }
 # ngram: drafts copied from the prompt and output (the scheduler proposes them); draft_model:
-# drafts of a smaller model of the same vocabulary (each executor runs it after the target).
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+# drafts of a smaller model of the same vocabulary (each executor runs it after the target);
+# eagle: an EAGLE-1 head's, which reads the target's hidden states (executor too).
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+# The methods whose drafts the executor proposes, with speculative_model.
+MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle")
+EAGLE3_UNSUPPORTED = 'speculative method "eagle3" is not supported yet (EAGLE-1 heads are: "eagle")'
 # Weights kept quantized by the executor (CPU only; see services/executor/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
 # vLLM's --quantization methods, which are kernels Weir does not have: why each is refused.
@@ -544,15 +548,17 @@ class EngineArgs:
     speculative_method: str | None = _arg(
         None,
         _BOTH,  # the executor captures CUDA graphs of speculative decodes' query length
-        "draft proposer: ngram (prompt lookup) or draft_model (a smaller model of the same "
-        "vocabulary, --speculative-model); drafts are verified in the same forward pass",
+        "draft proposer: ngram (prompt lookup), draft_model (a smaller model of the same "
+        "vocabulary, --speculative-model) or eagle (an EAGLE-1 head of a Llama-family model, "
+        "--speculative-model); drafts are verified in the same forward pass",
         choices=SPECULATIVE_METHODS,
     )
     speculative_model: str | None = _arg(
         None,
         _BOTH,
         "the draft model of draft_model speculative decoding (implies it): a Hugging Face "
-        "directory or .gguf file whose tokenizer is the served model's",
+        "directory or .gguf file whose tokenizer is the served model's; with "
+        "--speculative-method eagle, the EAGLE-1 head's directory",
     )
     speculative_model_quantization: str | None = _arg(
         None,
@@ -579,7 +585,8 @@ class EngineArgs:
         _BOTH,
         'vLLM\'s form of the options above, JSON: {"method": "ngram", '
         '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M} or '
-        '{"model": DIR, "num_speculative_tokens": K, "quantization": "int8"}',
+        '{"model": DIR, "num_speculative_tokens": K, "quantization": "int8"} or '
+        '{"method": "eagle", "model": DIR, "num_speculative_tokens": K}',
     )
     max_message_size: int = _arg(
         DEFAULT_MAX_MESSAGE_BYTES,
@@ -831,11 +838,14 @@ class EngineArgs:
             raise ValueError(f"speculative_config takes {sorted(keys)}; {unknown} not supported")
         if "model" in config:  # vLLM's too: a model names the method
             config.setdefault("method", "draft_model")
+        if config.get("method") == "eagle3":
+            raise ValueError(EAGLE3_UNSUPPORTED)
         if config.get("method") not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {SPECULATIVE_METHODS} (ngram: drafts "
                 "from the prompt and output; draft_model: a smaller model's, named by "
-                f'"model"), got {config.get("method")!r}'
+                f'"model"; eagle: an EAGLE-1 head\'s, named by "model"), got '
+                f"{config.get('method')!r}"
             )
         for key in ("model", "quantization"):
             if key in config and (type(config[key]) is not str or not config[key]):
@@ -872,19 +882,32 @@ class EngineArgs:
     def _check_draft_model(self) -> None:
         """A draft model names the method (vLLM's rule); the method needs one, and no other
         method takes one."""
+        if self.speculative_method == "eagle3":
+            raise ValueError(EAGLE3_UNSUPPORTED)
         if self.speculative_model is not None and self.speculative_method is None:
             object.__setattr__(self, "speculative_method", "draft_model")  # frozen
-        if self.speculative_method == "draft_model":
+        if self.speculative_method in MODEL_SPECULATIVE_METHODS:
             if self.speculative_model is None:
                 raise ValueError(
-                    "speculative_method draft_model needs speculative_model: the draft "
-                    "model's directory or .gguf file"
+                    f"speculative_method {self.speculative_method} needs speculative_model: the "
+                    "draft model's directory or .gguf file (an EAGLE head's directory)"
                 )
         elif self.speculative_model is not None:
             raise ValueError(
-                f"speculative_model is the draft of speculative_method draft_model, not of "
-                f"{self.speculative_method!r}: drop one of them"
+                f"speculative_model is the draft of speculative_method draft_model or eagle, not "
+                f"of {self.speculative_method!r}: drop one of them"
             )
+        if self.speculative_method == "eagle":
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "speculative_method eagle under tensor parallelism is not supported yet: "
+                    "use tensor_parallel_size 1, or draft_model"
+                )
+            if self.speculative_model_quantization is not None:
+                raise ValueError(
+                    "speculative_model_quantization is for draft_model: an EAGLE head is not "
+                    "quantized"
+                )
         quantization = self.speculative_model_quantization
         if quantization is not None:
             if self.speculative_model is None:
@@ -994,7 +1017,9 @@ class EngineArgs:
             policy=self.policy,
             num_speculative_tokens=self.num_speculative_tokens if self.speculative_method else 0,
             num_lookahead_tokens=(
-                self.num_speculative_tokens if self.speculative_method == "draft_model" else 0
+                self.num_speculative_tokens
+                if self.speculative_method in MODEL_SPECULATIVE_METHODS
+                else 0
             ),
             async_scheduling=self.async_scheduling and not self.speculative_method,
             max_loras=self.max_loras if self.lora_enabled else 0,

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from weir.services.scheduler.request import Request
-from weir.shared.config import EngineArgs
+from weir.shared.config import MODEL_SPECULATIVE_METHODS, EngineArgs
 
 # The n-gram lengths a request's map holds at most (see above).
 MAX_NGRAM_LENGTHS = 16
@@ -90,13 +90,13 @@ def make_proposer(args: EngineArgs) -> NgramProposer | None:
     if args.speculative_method is None:
         if args.num_speculative_tokens:
             raise ValueError(
-                "num_speculative_tokens needs a speculative_method (ngram or draft_model)"
+                "num_speculative_tokens needs a speculative_method (ngram, draft_model or eagle)"
             )
         return None
     if args.num_speculative_tokens < 1:
         raise ValueError(
             f"speculative_method {args.speculative_method!r} needs num_speculative_tokens >= 1"
         )
-    if args.speculative_method == "draft_model":
+    if args.speculative_method in MODEL_SPECULATIVE_METHODS:
         return None
     return NgramProposer(args.num_speculative_tokens, args.ngram_min, args.ngram_max)

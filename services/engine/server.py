@@ -184,7 +184,9 @@ class SchedulerServer:
             )
         )
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
-        if self.engine_args.speculative_model is not None:
+        # An EAGLE head has no tokenizer: it reads the served model's embedding.
+        if self.engine_args.speculative_method == "draft_model":
+            assert self.engine_args.speculative_model is not None
             self._check_draft_model(self.engine_args.speculative_model)
         # Bad adapters fail here too, before executors load them.
         self._static_loras = {m: self._check_adapter(m.path) for m in self.engine_args.loras}

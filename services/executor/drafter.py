@@ -19,12 +19,21 @@ free, and a request proposes only as far as its blocks reach. The draft remember
 fed at those positions; after the next step it computes again only from the first position
 whose kept token is not the one it fed (after a step that kept every draft, 2 positions of
 k + 2), so what the proposals wrote never outlives a token that replaced it.
+
+An EAGLE head (vLLM's ``eagle``, ``eagle.py``) runs the same loop over the same cache with
+its inputs shifted: at position q it reads the token at q + 1 and the served model's final
+hidden state at q (the step's row there), so it computes the positions the served model
+computed and kept, the last of them with the token just sampled, whose output gives the
+first proposal; each later pass reads the proposal before and the head's own output. Its
+KV at a position depends on the served model's hidden state there, which a proposal did
+not have: every step computes all the step's kept positions again (nothing is held).
 """
 
 import numpy as np
 import torch
 
 from weir.services.executor.attention import AttentionMetadata
+from weir.services.executor.eagle import EagleHead
 from weir.services.executor.input_batch import InputBatch, Spans, StepInputs
 from weir.services.executor.model import CausalLM
 from weir.services.executor.parallel import TensorParallel
@@ -33,21 +42,24 @@ from weir.services.executor.transfer import to_device
 
 
 class Drafter:
-    """The draft model, its KV cache and the proposing loop of one executor rank."""
+    """The draft model (or EAGLE head), its KV cache and the proposing loop of one executor
+    rank."""
 
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | EagleHead,
         num_speculative_tokens: int,
         vocab_size: int,
         device: torch.device,
         tp: TensorParallel | None,
     ) -> None:
         self.model = model
+        self.eagle = isinstance(model, EagleHead)
         self.k = num_speculative_tokens
         # Tokens the served model knows: a draft with a larger (padded) vocabulary never
-        # proposes past it.
-        self.vocab_size = min(vocab_size, model.config.vocab_size)
+        # proposes past it (an EAGLE head's logits are the served model's, whatever its
+        # config.json says).
+        self.vocab_size = vocab_size if self.eagle else min(vocab_size, model.config.vocab_size)
         self.tp = tp
         self.device = device
         self.context_len = model.config.context_len
@@ -69,58 +81,79 @@ class Drafter:
 
     @torch.inference_mode()
     def propose(
-        self, batch: InputBatch, inputs: StepInputs, sampled: set[str]
+        self,
+        batch: InputBatch,
+        inputs: StepInputs,
+        sampled: set[str],
+        target_hidden: torch.Tensor | None = None,
     ) -> dict[str, list[int]]:
         """Compute a finished step's kept tokens (``batch`` holds its verified outputs) and
         propose up to k drafts for each request of ``sampled``, the requests it sampled
-        for: {request id: drafts}, on every rank."""
+        for: {request id: drafts}, on every rank. ``target_hidden``: an EAGLE head's, the
+        served model's final hidden states of the step's rows."""
         slots = inputs.slots
         qsl = inputs.query_start_loc
         starts = inputs.positions[qsl[:-1]]
         proposing = np.fromiter((rid in sampled for rid in inputs.req_ids), bool, len(slots))
-        # Kept tokens, and the one sampled: a sampling request's whole known sequence.
-        ends = np.where(proposing, batch.num_tokens[slots], starts + np.diff(qsl))
+        # Kept tokens, and the one sampled: a sampling request's whole known sequence; EAGLE's
+        # last input is the sampled token, at the position before it.
+        shift = int(self.eagle)
+        ends = np.where(proposing, batch.num_tokens[slots] - shift, starts + np.diff(qsl))
         limit = np.minimum(
             batch.num_blocks[slots].astype(np.int64) * batch.block_size,
             min(batch.max_model_len, self.context_len),
         )
-        # The sampled token sits at ends - 1: proposal j is computed from position ends - 2 + j.
+        # The last input sits at ends - 1: proposal j is computed from position ends - 2 + j.
         num_drafts = np.where(proposing, np.clip(limit - ends + 1, 0, self.k), 0)
-        beyond = ends > limit  # no slot for the sampled token: it proposes nothing
-        ends = np.where(beyond, ends - 1, ends)
-        # Positions the draft computed while proposing with the tokens kept there need not
-        # be computed again: after a step that kept every draft, 2 of k + 2.
-        starts = np.minimum(
-            np.maximum(starts, self._held_until(batch, slots, starts, ends)), ends - 1
-        )
+        if not self.eagle:
+            beyond = ends > limit  # no slot for the sampled token: it proposes nothing
+            ends = np.where(beyond, ends - 1, ends)
+            # Positions the draft computed while proposing with the tokens kept there need
+            # not be computed again: after a step that kept every draft, 2 of k + 2.
+            starts = np.minimum(
+                np.maximum(starts, self._held_until(batch, slots, starts, ends)), ends - 1
+            )
         spans = batch.spans(slots, starts, ends - starts, self.long_prompt_threshold)
         input_ids = batch.token_ids.reshape(-1)[
-            spans.token_slot * batch.max_model_len + spans.positions
+            spans.token_slot * batch.max_model_len + spans.positions + shift
         ]
-        hidden = self.model(
+        context = None
+        if target_hidden is not None:  # the served model's rows of the positions computed
+            lengths = np.diff(spans.query_start_loc)
+            offsets = np.repeat(qsl[:-1] - spans.query_start_loc[:-1], lengths)
+            context = target_hidden[self._dev(np.arange(len(input_ids)) + offsets)]
+        hidden = self.run(
             self._dev(input_ids),
+            context,
             self._dev(spans.rope_positions),
             self._metadata(spans, int((ends - starts).max())),
             self.kv_caches,
         )
         rows = np.flatnonzero(num_drafts > 0)
-        self._fed_count[slots] = 0
+        if not self.eagle:
+            self._fed_count[slots] = 0
         if not len(rows):
             return {}
         sampled_rows = spans.query_start_loc[1:][rows].astype(np.int64) - 1
-        tokens = self._argmax(hidden[self._dev(sampled_rows)])
+        hidden = hidden[self._dev(sampled_rows)]
+        tokens = self._argmax(hidden)
         drafts = [tokens]
         positions = ends[rows]  # of each proposing request's latest proposal
         live = np.arange(len(rows))  # of ``rows``, the requests still proposing
         for j in range(2, self.k + 1):
             keep = num_drafts[rows[live]] >= j
-            live, tokens = live[keep], tokens[self._dev(np.flatnonzero(keep))]
+            kept = self._dev(np.flatnonzero(keep))
+            live, tokens = live[keep], tokens[kept]
             if not len(live):
                 break
             one = np.ones(len(live), dtype=np.int64)
             spans = batch.spans(slots[rows[live]], positions[live], one, self.long_prompt_threshold)
-            hidden = self.model(
-                tokens, self._dev(spans.rope_positions), self._metadata(spans, 1), self.kv_caches
+            hidden = self.run(
+                tokens,
+                hidden[kept] if self.eagle else None,
+                self._dev(spans.rope_positions),
+                self._metadata(spans, 1),
+                self.kv_caches,
             )
             positions[live] += 1
             tokens = self._argmax(hidden)
@@ -128,16 +161,57 @@ class Drafter:
             column[self._dev(live)] = tokens
             drafts.append(column)
         table = torch.stack(drafts, dim=1).cpu().numpy()  # the proposals' one wait
-        fed, last = slots[rows], ends[rows] - 1
-        self._fed[fed, 0] = batch.token_ids[fed, last]
-        self._fed[fed, 1 : table.shape[1]] = table[:, :-1]
-        self._fed_start[fed] = last
-        self._fed_count[fed] = num_drafts[rows]
-        self._fed_generation[fed] = batch.generation[fed]
+        if not self.eagle:
+            self._remember(batch, slots[rows], ends[rows] - 1, num_drafts[rows], table)
         return {
             inputs.req_ids[r]: row[: int(num_drafts[r])]
             for r, row in zip(rows.tolist(), table.tolist())
         }
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        context: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """One pass of the draft over ``kv_caches``; ``context``: an EAGLE head's hidden rows."""
+        if isinstance(self.model, EagleHead):
+            assert context is not None, "an EAGLE head reads the served model's hidden states"
+            return self.model(input_ids, context, positions, meta, kv_caches)
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def warm_up_pass(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """A pass of made-up tokens (an EAGLE head's context rows zero), which launches the
+        kernels a step's pass does."""
+        context = None
+        if self.eagle:
+            rows = (len(input_ids), self.model.config.hidden_size)
+            context = torch.zeros(rows, dtype=self.model.dtype, device=self.device)
+        return self.run(input_ids, context, positions, meta, kv_caches)
+
+    def _remember(
+        self,
+        batch: InputBatch,
+        fed: np.ndarray,
+        last: np.ndarray,
+        num_drafts: np.ndarray,
+        table: np.ndarray,
+    ) -> None:
+        """Of the proposing requests' slots ``fed``: what the draft fed from position
+        ``last`` on (the sampled token, then its proposals but the last)."""
+        self._fed[fed, 0] = batch.token_ids[fed, last]
+        self._fed[fed, 1 : table.shape[1]] = table[:, :-1]
+        self._fed_start[fed] = last
+        self._fed_count[fed] = num_drafts
+        self._fed_generation[fed] = batch.generation[fed]
 
     def _held_until(
         self, batch: InputBatch, slots: np.ndarray, starts: np.ndarray, ends: np.ndarray

@@ -15,22 +15,33 @@ the compiled kernels for the next start, which then only loads them.
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from weir.services.executor.attention import AttentionMetadata
+from weir.services.executor.eagle import EagleHead
 from weir.services.executor.model import CausalLM
 from weir.shared.arith import cdiv
 
 logger = logging.getLogger(__name__)
 
 
+# A model's pass over a step: input ids, positions, metadata and its KV caches.
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, list[torch.Tensor]], object]
+
+
 @torch.inference_mode()
 def warm_up_attention(
-    model: CausalLM, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int
+    model: CausalLM | EagleHead,
+    kv_caches: list[torch.Tensor],
+    block_size: int,
+    max_model_len: int,
+    forward: Forward | None = None,
 ) -> None:
-    """Run ``model`` over one step per attention kernel variant it can launch."""
+    """Run ``model`` (through ``forward``, where it takes more than a step's tokens) over one
+    step per attention kernel variant it can launch."""
     # Imported here, as the attention backend imports it: Triton decides between compiling and
     # interpreting (TRITON_INTERPRET, tests on a CPU) when the kernel module is first imported.
     from weir.kernels.triton_attention import LayerAttention, device_class, warm_up_hints
@@ -65,7 +76,7 @@ def warm_up_attention(
         )
         input_ids = torch.zeros(query_len, dtype=torch.int64, device=device)
         positions = torch.from_numpy(np.arange(query_len)).to(device)
-        model(input_ids, positions, meta, kv_caches)
+        (model if forward is None else forward)(input_ids, positions, meta, kv_caches)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     logger.info(

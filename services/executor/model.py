@@ -550,19 +550,44 @@ class CausalLM(nn.Module):
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block costs on this rank across all layers (K and V)."""
-        itemsize = self.kv_cache_dtype.itemsize
-        kv_heads, head_dim = self.layout.num_kv_heads, self.config.head_dim
-        copies = 1 if self.config.latent_attention else 2
-        return copies * self.config.num_layers * block_size * kv_heads * head_dim * itemsize
+        return kv_cache_bytes_per_block(self.config, self.layout, self.kv_cache_dtype, block_size)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        shape = (2, num_blocks, block_size, self.layout.num_kv_heads, self.config.head_dim)
-        if self.config.latent_attention:  # a latent row is its own value: one copy, seen twice
-            one = (1, *shape[1:])
-            return [
-                torch.zeros(one, dtype=self.dtype, device=self.device).expand(shape)
-                for _ in self.layers
-            ]
+        return allocate_kv_caches(
+            self.config,
+            self.layout,
+            self.dtype,
+            self.kv_cache_dtype,
+            self.device,
+            num_blocks,
+            block_size,
+        )
+
+
+def kv_cache_bytes_per_block(
+    cfg: ModelConfig, layout: ShardLayout, kv_cache_dtype: torch.dtype, block_size: int
+) -> int:
+    """Bytes one block of ``cfg``'s layers costs on a rank of ``layout`` (K and V)."""
+    itemsize = kv_cache_dtype.itemsize
+    copies = 1 if cfg.latent_attention else 2
+    return copies * cfg.num_layers * block_size * layout.num_kv_heads * cfg.head_dim * itemsize
+
+
+def allocate_kv_caches(
+    cfg: ModelConfig,
+    layout: ShardLayout,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int,
+    block_size: int,
+) -> list[torch.Tensor]:
+    """Each of ``cfg``'s layers' paged KV cache on a rank of ``layout``."""
+    shape = (2, num_blocks, block_size, layout.num_kv_heads, cfg.head_dim)
+    if cfg.latent_attention:  # a latent row is its own value: one copy, seen twice
+        one = (1, *shape[1:])
         return [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in self.layers
+            torch.zeros(one, dtype=dtype, device=device).expand(shape)
+            for _ in range(cfg.num_layers)
         ]
+    return [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(cfg.num_layers)]

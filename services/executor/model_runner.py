@@ -39,6 +39,7 @@ from weir.services.executor.attention import AttentionMetadata, get_attention_ba
 from weir.services.executor.cpu_heap import keep_step_buffers, step_buffer_bytes
 from weir.services.executor.cuda_graphs import StepGraphs, graph_shapes
 from weir.services.executor.drafter import Drafter
+from weir.services.executor.eagle import EagleHead, load_eagle_head
 from weir.services.executor.input_batch import (
     ANY_TOKEN,
     CLS,
@@ -174,6 +175,8 @@ class LaunchedStep:
     # Of pooling requests whose prompt it completes: their ids and pooled states, [n, hidden]
     # float32, on their way to the host.
     pooled: tuple[list[str], torch.Tensor] | None = None
+    # With an EAGLE head: the final hidden states of the step's rows, which it reads.
+    hidden: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     reserved: Reservation | None = None
 
@@ -215,6 +218,7 @@ class ModelRunner:
         hf_overrides: str | None = None,
         speculative_model: str | os.PathLike | None = None,
         speculative_model_quantization: str | None = None,
+        speculative_method: str = "draft_model",
         tokenizer: str | os.PathLike | None = None,
     ) -> None:
         start = time.perf_counter()
@@ -282,8 +286,9 @@ class ModelRunner:
         self.tokenizer_dir = tokenizer  # --tokenizer's, which numbers classifier_from_token
         self.model = self._load_model()
         self.config = self.model.config
-        # The draft model's directory, drafts a step, quantization and load format (its
-        # own: new weights of the served model change the served model's only).
+        # The draft model's directory, drafts a step, quantization, load format (its
+        # own: new weights of the served model change the served model's only) and whether
+        # it is an EAGLE head (``speculative_method`` eagle) rather than a draft_model.
         self.draft_options = (
             None
             if speculative_model is None
@@ -292,6 +297,7 @@ class ModelRunner:
                 num_speculative_tokens,
                 speculative_model_quantization,
                 load_format,
+                speculative_method == "eagle",
             )
         )
         self.drafter = None if self.draft_options is None else self._load_drafter()
@@ -390,7 +396,11 @@ class ModelRunner:
             warm_up_attention(self.model, self.kv_caches, self.block_size, self.max_model_len)
             if self.drafter is not None:
                 warm_up_attention(
-                    self.drafter.model, self.drafter.kv_caches, self.block_size, self.max_model_len
+                    self.drafter.model,
+                    self.drafter.kv_caches,
+                    self.block_size,
+                    self.max_model_len,
+                    self.drafter.warm_up_pass,
                 )
         if self.use_cuda_graphs:
             self.capture_graphs()
@@ -456,14 +466,25 @@ class ModelRunner:
 
     def _load_drafter(self) -> Drafter:
         """The draft model of ``draft_model`` speculative decoding, on this rank's device
-        (and shard: it splits as the served model does)."""
+        (and shard: it splits as the served model does), or the EAGLE head of ``eagle``
+        over the served model (one rank only)."""
         assert self.draft_options is not None
-        model_dir, num_speculative_tokens, quantization, load_format = self.draft_options
+        model_dir, num_speculative_tokens, quantization, load_format, eagle = self.draft_options
         if self.pooling_runner:
             raise ValueError("a draft model proposes generated tokens; a pooling runner has none")
         if num_speculative_tokens < 1:
             raise ValueError("a draft model needs num_speculative_tokens >= 1")
         check_quantization(quantization, self.device, self.dtype)
+        if eagle:
+            if self.tp is not None:
+                raise ValueError(
+                    "EAGLE speculative decoding under tensor parallelism is not supported yet: "
+                    "serve on one rank, or use draft_model"
+                )
+            if quantization is not None:
+                raise ValueError("an EAGLE head is not quantized: drop its quantization")
+            head = load_eagle_head(model_dir, self.model, load_format)
+            return Drafter(head, num_speculative_tokens, self.config.vocab_size, self.device, None)
         draft_config = read_model_config(model_dir)
         rank, size = (0, 1) if self.tp is None else (self.tp.rank, self.tp.world_size)
         try:
@@ -566,12 +587,13 @@ class ModelRunner:
         )
         if logits is not None:  # under tensor parallelism, only rank 0 samples
             self.sampler(logits, batch)
-        del kv_caches, hidden, logits
+        del kv_caches, logits
         if self.drafter is not None:  # its first pass after such a step is about as large
             kv_caches = self.drafter.model.allocate_kv_caches(
                 num_reqs * blocks_per_req, self.block_size
             )
-            self.drafter.model(input_ids, self._to_device(positions), meta, kv_caches)
+            context = hidden if self.drafter.eagle else None
+            self.drafter.run(input_ids, context, self._to_device(positions), meta, kv_caches)
             del kv_caches
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -633,6 +655,8 @@ class ModelRunner:
             raise
         if cpu:
             self.model = staged
+            if self.drafter is not None and isinstance(self.drafter.model, EagleHead):
+                self.drafter.model.read_from(staged)
             return
         for name, weight in new.items():
             served[name].copy_(weight)
@@ -688,6 +712,9 @@ class ModelRunner:
             if self.graphs is None or lora is not None or inputs.pooling is not None
             else self.graphs.shape_for(inputs)
         )
+        eagle = self.drafter is not None and self.drafter.eagle
+        if shape is not None and shape.mixed and eagle:
+            shape = None  # a mixed graph keeps only the rows it samples; an EAGLE head reads all
         if shape is not None:
             assert self.graphs is not None
             input_ids, fed = self.graphs.stage(inputs, shape, feed)
@@ -702,6 +729,7 @@ class ModelRunner:
             else:  # a prefill chunk alone: nothing to sample
                 step = self._unsampled(plan, inputs, start, prepared, began)
             step.timings.graphed = self.graphs.replays(shape)
+            step.hidden = padded if eagle else None  # a decode graph's rows: every token's
             return step
         meta = AttentionMetadata(
             query_start_loc=self._to_device(inputs.query_start_loc),
@@ -723,11 +751,13 @@ class ModelRunner:
             step = self._unsampled(plan, inputs, start, prepared, began)
             step.prompt_ids, step.prompt_logprobs = prompt
             step.pooled = pooled
+            step.hidden = hidden if eagle else None
             return step
         rows = hidden[self._to_device(inputs.logits_indices)]
         step = self._sample(plan, inputs, rows, input_ids, start, prepared, began)
         step.prompt_ids, step.prompt_logprobs = prompt
         step.pooled = pooled
+        step.hidden = hidden if eagle else None
         return step
 
     def _unsampled(
@@ -774,7 +804,7 @@ class ModelRunner:
             return result
         start = time.perf_counter()
         result.draft_token_ids = self.drafter.propose(
-            self.batch, step.inputs, set(result.sampled_token_ids)
+            self.batch, step.inputs, set(result.sampled_token_ids), step.hidden
         )
         step.timings.draft = time.perf_counter() - start
         return result

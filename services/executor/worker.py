@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
@@ -474,12 +475,16 @@ def load_runner(args: EngineArgs, rank: int = 0) -> ModelRunner:
         speculative_model=(
             None
             if args.speculative_model is None
+            # An EAGLE head's directory: weights and config.json, never a tokenizer.
+            else Path(args.speculative_model).expanduser()
+            if args.speculative_method == "eagle"
             # Served with --tokenizer too, as the target: it needs no tokenizer of its own.
             else resolve_model(
                 args.speculative_model, load_format=args.load_format, tokenizer=args.tokenizer
             )
         ),
         speculative_model_quantization=args.speculative_model_quantization,
+        speculative_method=args.speculative_method or "draft_model",
         tokenizer=args.tokenizer,
     )
 
