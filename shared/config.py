@@ -884,6 +884,12 @@ class EngineArgs:
         method takes one."""
         if self.speculative_method == "eagle3":
             raise ValueError(EAGLE3_UNSUPPORTED)
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            # The command line's choices say so; LLM(...) and a config file come here.
+            raise ValueError(
+                f"speculative_method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
         if self.speculative_model is not None and self.speculative_method is None:
             object.__setattr__(self, "speculative_method", "draft_model")  # frozen
         if self.speculative_method in MODEL_SPECULATIVE_METHODS:

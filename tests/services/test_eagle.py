@@ -258,6 +258,8 @@ def test_a_wide_head_fails_the_servers_start_up(tiny_model_dir, tiny_hf_model, t
         ({"speculative_config": {"method": "eagle3", "model": "x"}}, "eagle3.*not supported"),
         ({"speculative_method": "eagle3", "speculative_model": "x"}, "eagle3.*not supported"),
         ({"speculative_method": "eagle"}, "eagle needs speculative_model"),
+        # LLM(...)'s and a config file's method, which argparse's choices do not see.
+        ({"speculative_method": "medusa", "num_speculative_tokens": 2}, "must be one of"),
         (
             {"speculative_method": "eagle", "speculative_model": "x", "tensor_parallel_size": 2},
             "eagle under tensor parallelism is not supported",
