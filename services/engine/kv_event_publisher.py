@@ -85,9 +85,11 @@ class KVEventPublisher:
         self._buffer.append((seq, payload))
 
     async def serve_replays(self) -> None:
-        """Answer replay requests until cancelled (returns at once without a replay socket)."""
+        """Answer replay requests until cancelled (a task of the scheduler's, whose end
+        would stop it: with no replay socket it waits for its cancellation)."""
         replay = self._replay
         if replay is None:
+            await asyncio.Event().wait()
             return
         while True:
             frames = await replay.recv_multipart()
@@ -98,16 +100,20 @@ class KVEventPublisher:
                     len(frames),
                 )
                 continue
-            client, _, start = frames
-            first = int.from_bytes(start, "big")
-            sent = 0
-            for seq, payload in list(self._buffer):  # batches published meanwhile are live
-                if int.from_bytes(seq, "big") >= first:
-                    await replay.send_multipart((client, b"", seq, payload), copy=False)
-                    sent += 1
-                    if sent % _REPLAY_SENDS_PER_YIELD == 0:
-                        await asyncio.sleep(0)
-            await replay.send_multipart((client, b"", END_SEQ, b""))
+            try:
+                await self._replay_from(replay, frames[0], int.from_bytes(frames[2], "big"))
+            except zmq.ZMQError as exc:  # the subscriber's to lose, not the scheduler's
+                _log.warning("a KV events replay failed: %s", exc)
+
+    async def _replay_from(self, replay: zmq.asyncio.Socket, client: bytes, first: int) -> None:
+        sent = 0
+        for seq, payload in list(self._buffer):  # batches published meanwhile are live
+            if int.from_bytes(seq, "big") >= first:
+                await replay.send_multipart((client, b"", seq, payload), copy=False)
+                sent += 1
+                if sent % _REPLAY_SENDS_PER_YIELD == 0:
+                    await asyncio.sleep(0)
+        await replay.send_multipart((client, b"", END_SEQ, b""))
 
     def close(self) -> None:
         self._pub_owner.close(linger=0)

@@ -249,3 +249,39 @@ def test_reset_prefix_cache_is_all_blocks_cleared(served, subscriber):
     assert index.cached_blocks(prompt) == 0
     _, cached = _complete(client, prompt, 2)
     assert cached == 0
+
+
+def test_without_a_replay_socket_events_flow_and_the_engine_serves_on(tiny_model_dir):
+    """vLLM's default: no replay_endpoint. The engine keeps serving (a replay task that ended
+    at once used to stop the scheduler) and publishes on a connected endpoint, the form
+    llm-d's indexer takes: it binds, each engine connects to it."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}
+    try:
+        with small_server(
+            tiny_model_dir, "tiny", kv_cache_memory="160KiB", kv_events_config=config
+        ) as server:
+            assert server.info["kv_events_replay_address"] is None
+            http = server.info["http_address"]
+            client = openai.OpenAI(base_url=http + "/v1", api_key="x")
+            stored: list[BlockStored] = []
+            deadline = time.monotonic() + 20
+            # A new prompt each time: a cached one stores nothing (and the first batches may
+            # go before the subscription reaches the engine).
+            for start in range(500, 50_000, 100):
+                assert time.monotonic() < deadline, "no BlockStored from a connecting engine"
+                if stored:
+                    break
+                _complete(client, list(range(start, start + 40)), 2)
+                while sub.poll(300):
+                    _, _, payload = sub.recv_multipart()
+                    stored += [e for e in decode(payload).events if isinstance(e, BlockStored)]
+            time.sleep(1.5)  # past the scheduler's periodic tasks' first rounds
+            assert _complete(client, [7, 8, 9], 2)[0]
+    finally:
+        sub.close()
+        ctx.term()
