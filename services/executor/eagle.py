@@ -18,8 +18,7 @@ from weir.services.executor.layers import Linear, layer_kernels_for
 from weir.services.executor.model import (
     CausalLM,
     DecoderLayer,
-    allocate_kv_caches,
-    kv_cache_bytes_per_block,
+    KVCacheShape,
 )
 from weir.services.executor.rotary import Rotary
 from weir.services.executor.weights import (
@@ -70,6 +69,9 @@ class EagleHead(nn.Module):
         self.fc = Linear(2 * h, h, False, self.device, self.dtype)
         self.decoder = EagleLayers(cfg, self.attention, self.device, self.dtype)
         self.layers, self.layout = self.decoder.layers, self.decoder.layout
+        self.kv_cache_shape = KVCacheShape(
+            cfg, self.layout, self.dtype, self.kv_cache_dtype, self.device
+        )
         self.rotary = Rotary(cfg.rope, self.device)
         self.windows = self.decoder.windows
         # A tuple: not a submodule, whose weights would count as the head's.
@@ -81,18 +83,10 @@ class EagleHead(nn.Module):
         self._target = (target,)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        return kv_cache_bytes_per_block(self.config, self.layout, self.kv_cache_dtype, block_size)
+        return self.kv_cache_shape.bytes_per_block(block_size)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        return allocate_kv_caches(
-            self.config,
-            self.layout,
-            self.dtype,
-            self.kv_cache_dtype,
-            self.device,
-            num_blocks,
-            block_size,
-        )
+        return self.kv_cache_shape.allocate(num_blocks, block_size)
 
     def forward(
         self,

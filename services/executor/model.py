@@ -12,6 +12,7 @@ sums the row-parallel partial products through `TensorParallel` (see `parallel.p
 """
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -365,6 +366,7 @@ class CausalLM(nn.Module):
         )
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
+        self.kv_cache_shape = KVCacheShape(cfg, self.layout, dtype, self.kv_cache_dtype, device)
         self.attention = attention
         vocab_rows = self.layout.vocab_per_rank
         self.embed_tokens = nn.Parameter(
@@ -550,44 +552,40 @@ class CausalLM(nn.Module):
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one block costs on this rank across all layers (K and V)."""
-        return kv_cache_bytes_per_block(self.config, self.layout, self.kv_cache_dtype, block_size)
+        return self.kv_cache_shape.bytes_per_block(block_size)
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        return allocate_kv_caches(
-            self.config,
-            self.layout,
-            self.dtype,
-            self.kv_cache_dtype,
-            self.device,
-            num_blocks,
-            block_size,
-        )
+        return self.kv_cache_shape.allocate(num_blocks, block_size)
 
 
-def kv_cache_bytes_per_block(
-    cfg: ModelConfig, layout: ShardLayout, kv_cache_dtype: torch.dtype, block_size: int
-) -> int:
-    """Bytes one block of ``cfg``'s layers costs on a rank of ``layout`` (K and V)."""
-    itemsize = kv_cache_dtype.itemsize
-    copies = 1 if cfg.latent_attention else 2
-    return copies * cfg.num_layers * block_size * layout.num_kv_heads * cfg.head_dim * itemsize
+@dataclass(frozen=True, slots=True)
+class KVCacheShape:
+    """The paged KV cache of a model's layers on one rank (a served model's, an EAGLE
+    head's)."""
 
+    config: ModelConfig
+    layout: ShardLayout
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    device: torch.device
 
-def allocate_kv_caches(
-    cfg: ModelConfig,
-    layout: ShardLayout,
-    dtype: torch.dtype,
-    kv_cache_dtype: torch.dtype,
-    device: torch.device,
-    num_blocks: int,
-    block_size: int,
-) -> list[torch.Tensor]:
-    """Each of ``cfg``'s layers' paged KV cache on a rank of ``layout``."""
-    shape = (2, num_blocks, block_size, layout.num_kv_heads, cfg.head_dim)
-    if cfg.latent_attention:  # a latent row is its own value: one copy, seen twice
-        one = (1, *shape[1:])
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block costs across all layers (K and V)."""
+        cfg = self.config
+        copies = 1 if cfg.latent_attention else 2
+        per_token = self.layout.num_kv_heads * cfg.head_dim * self.kv_cache_dtype.itemsize
+        return copies * cfg.num_layers * block_size * per_token
+
+    def allocate(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        cfg = self.config
+        shape = (2, num_blocks, block_size, self.layout.num_kv_heads, cfg.head_dim)
+        if cfg.latent_attention:  # a latent row is its own value: one copy, seen twice
+            one = (1, *shape[1:])
+            return [
+                torch.zeros(one, dtype=self.dtype, device=self.device).expand(shape)
+                for _ in range(cfg.num_layers)
+            ]
         return [
-            torch.zeros(one, dtype=dtype, device=device).expand(shape)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(cfg.num_layers)
         ]
-    return [torch.zeros(shape, dtype=kv_cache_dtype, device=device) for _ in range(cfg.num_layers)]

@@ -857,6 +857,12 @@ class Gateway:
             if isinstance(body.rid, list) and len(body.rid) != len(prompts):
                 raise ValueError("rid: give one per prompt")
             completions = [body.completion_body(i, p) for i, p in enumerate(prompts)]
+            # A completion's bound, over the whole batch: each prompt is sampled on its own.
+            if (outcomes := sum(c.n for c in completions)) > MAX_CHOICES:
+                raise ValueError(
+                    f"{len(prompts)} prompt(s) with their n make {outcomes} results, more than "
+                    f"{MAX_CHOICES} per request"
+                )
         except ValidationError as exc:
             raise APIError(400, _sglang_problems(exc), "invalid_request_error") from None
         except ValueError as exc:

@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import zmq
 
-from weir.services.engine.core import EngineCore, step_now
+from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.launcher import ServerProcesses
-from weir.services.scheduler import Request
-from weir.shared.config import EXECUTOR, EngineArgs
+from weir.services.scheduler import Request, Scheduler
+from weir.shared.config import EXECUTOR, CacheConfig, EngineArgs, SchedulerConfig
 from weir.shared.sampling import SamplingParams
 
 
@@ -293,3 +293,19 @@ def exit_code_of_a_fork(child: Callable[[], object]) -> int:
         finally:
             os._exit(0 if done else 1)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def drafting_core(runner, k: int, max_num_batched_tokens: int) -> EngineCore:
+    """An engine core over ``runner`` (an in-process ``ModelRunner`` whose drafts the
+    executor proposes: a draft model's or an EAGLE head's), ``k`` drafts a step, four
+    requests at a time."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=4,
+            num_speculative_tokens=k,
+            num_lookahead_tokens=k,
+        ),
+        CacheConfig(num_blocks=runner.num_blocks),
+    )
+    return EngineCore(scheduler, InProcessExecutor(runner))

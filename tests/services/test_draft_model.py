@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import save_speaking, save_with_markers, transformers
 from serving_helpers import (
+    drafting_core,
     generate_in_core,
     greedy_completion,
     hf_greedy,
@@ -17,11 +18,8 @@ from serving_helpers import (
     small_server,
 )
 
-from weir.services.engine.core import EngineCore, InProcessExecutor
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.llm import LLM
-from weir.services.scheduler import Scheduler
-from weir.shared.config import CacheConfig, SchedulerConfig
 from weir.shared.sampling import SamplingParams
 from weir.shared.tokenizer import Tokenizer
 
@@ -67,16 +65,7 @@ def engine(model_dir, draft_dir, k: int, cache_bytes: int, max_num_batched_token
         num_speculative_tokens=k,
         speculative_model=draft_dir if k else None,
     )
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=4,
-            num_speculative_tokens=k,
-            num_lookahead_tokens=k,
-        ),
-        CacheConfig(num_blocks=runner.num_blocks),
-    )
-    return EngineCore(scheduler, InProcessExecutor(runner)), runner
+    return drafting_core(runner, k, max_num_batched_tokens), runner
 
 
 @pytest.mark.parametrize("draft", ["itself", "other"])

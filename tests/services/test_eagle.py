@@ -14,14 +14,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from conftest import transformers
 from safetensors.torch import save_file
-from serving_helpers import generate_in_core, hf_greedy, metric, read_metrics
+from serving_helpers import drafting_core, generate_in_core, hf_greedy, metric, read_metrics
 from spread_weights import spread_weights_
 
-from weir.services.engine.core import EngineCore, InProcessExecutor
 from weir.services.executor.model_runner import ModelRunner
 from weir.services.llm import LLM
-from weir.services.scheduler import Scheduler
-from weir.shared.config import CacheConfig, EngineArgs, SchedulerConfig
+from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -98,16 +96,7 @@ def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16, **opti
         speculative_method="eagle",
         **options,
     )
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=4,
-            num_speculative_tokens=k,
-            num_lookahead_tokens=k,
-        ),
-        CacheConfig(num_blocks=runner.num_blocks),
-    )
-    return EngineCore(scheduler, InProcessExecutor(runner)), runner
+    return drafting_core(runner, k, max_num_batched_tokens), runner
 
 
 def reference_drafts(tiny_hf_model, head_dir, prompt: list[int], k: int) -> list[int]:

@@ -151,6 +151,11 @@ def test_a_stream_sends_each_result_so_far_then_done(server):
         ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "give one, or one per prompt"),
         ({"text": "a", "lora_path": "nope"}, "The model `nope` does not exist"),
+        # The bound of a completion's choices, over the batch.
+        (
+            {"text": ["a"] * 65, "sampling_params": {"n": 2, "max_new_tokens": 1}},
+            "65 prompt(s) with their n make 130 results, more than 128",
+        ),
     ],
 )
 def test_what_is_wrong_is_a_400_naming_it(server, body, fragment):
