@@ -41,6 +41,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from weir.services.gateway import anthropic_messages as anthropic
 from weir.services.gateway import openai_format as fmt
 from weir.services.gateway.chat_output import NO_PARSERS, ChatChunks, ChatOutput, ChatParsers
 from weir.services.gateway.embeddings import (
@@ -61,13 +62,13 @@ from weir.services.gateway.reasoning import markers_of
 from weir.services.gateway.response_store import MAX_STORED_RESPONSES, ResponseStore
 from weir.services.gateway.responses import (
     ResponseEvents,
-    ResponsesFieldError,
     ResponsesRequest,
     response_body,
     whole_response,
 )
 from weir.services.gateway.router import NoReplicaError, Router
 from weir.services.gateway.schemas import (
+    BodyFieldError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
@@ -145,6 +146,8 @@ _ROUTES = (
     "/version",
     "/load",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
 )
 # The routes with a path parameter, labelled by their template.
 _TEMPLATE_ROUTES = {
@@ -177,6 +180,7 @@ _LOAD_COUNTED = frozenset(
         "/v1/chat/completions",
         "/v1/responses",
         "/v1/responses/{response_id}",
+        "/v1/messages",
         "/v1/embeddings",
         "/classify",
         "/pooling",
@@ -223,7 +227,7 @@ _ENGINE_ROUTES = frozenset(
 
 
 class APIError(Exception):
-    """An error answered in OpenAI's schema."""
+    """An error answered in OpenAI's schema (Anthropic's, on its routes)."""
 
     def __init__(
         self,
@@ -237,11 +241,18 @@ class APIError(Exception):
         self.status, self.message, self.type, self.code = status, message, type_, code
         self.param = param  # the field at fault, as OpenAI names it
 
-    def response(self) -> Response:
+    def response(self, anthropic_route: bool = False) -> Response:
         # A message may quote the caller's text.
+        if anthropic_route:
+            return ascii_json(anthropic.error_body(self.message, self.type), self.status)
         return ascii_json(
             fmt.error_body(self.message, self.type, self.code, self.param), self.status
         )
+
+
+def _anthropic_route(path: str) -> bool:
+    """Whether a route is Anthropic's Messages API, whose errors take its shape."""
+    return path.startswith("/v1/messages")
 
 
 def ascii_json(content: Any, status: int = 200) -> Response:
@@ -290,8 +301,21 @@ CLIENT_CLOSED_REQUEST = 499
 MAX_CHOICES = 128
 # How the engine names the structured output a tool choice asks for in its refusals.
 _TOOL_SCHEMA_FIELD = "structured_output.json"
-# Fields the engine names in its errors, and the Responses fields they came from.
+# Fields the engine names in its errors, and the Responses (and Messages) fields they came
+# from.
 _RESPONSES_FIELDS = (("max_tokens", "max_output_tokens"), (_TOOL_SCHEMA_FIELD, "text.format"))
+_ANTHROPIC_FIELDS = ((_TOOL_SCHEMA_FIELD, "output_config.format"), ("stop:", "stop_sequences:"))
+
+
+def _in_fields_of(exc: Exception, fields: Sequence[tuple[str, str]]) -> APIError:
+    """An engine's refusal in the fields the client sent: the engine names the chat's."""
+    error = _api_error(exc)
+    for engine_field, client_field in fields:
+        if error.message.startswith(engine_field):
+            message = error.message.replace(engine_field, client_field)
+            return APIError(error.status, message, error.type, error.code, client_field)
+    return error
+
 
 # A request's outputs as they arrive: per batch, each choice index with its new outputs.
 T = TypeVar("T")
@@ -328,6 +352,8 @@ class _Sample:
     lora_name: str | None = None
     prompt_field: str | None = None  # how an error names its prompt, one of several
     trace_headers: dict[str, str] | None = None  # the caller's W3C trace context
+    # A max_tokens past max_model_len cut to the room left (Anthropic's), not refused.
+    cap_max_tokens: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -824,6 +850,7 @@ class Gateway:
                     lora_name=sample.lora_name,
                     queued_with=queued_with,
                     trace_headers=sample.trace_headers,
+                    cap_max_tokens=sample.cap_max_tokens,
                     **sample.chat,
                 )
                 async with aclosing(stream):
@@ -1009,18 +1036,12 @@ class Gateway:
             body = body.continued(conversation)
         try:
             chat = body.chat_request()
-        except ResponsesFieldError as exc:
+        except BodyFieldError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param=exc.field) from None
         try:
             return await self._chat(chat, functools.partial(self._response, body, store), caller)
         except (APIError, InvalidRequestError) as exc:
-            error = _api_error(exc)
-            # The engine names the chat's fields; the client sent the Responses ones.
-            for engine_field, field in _RESPONSES_FIELDS:
-                if error.message.startswith(engine_field):
-                    message = error.message.replace(engine_field, field)
-                    raise APIError(error.status, message, error.type, error.code, field) from None
-            raise
+            raise _in_fields_of(exc, _RESPONSES_FIELDS) from None
 
     async def stored_response(self, response_id: str, delete: bool = False) -> Response:
         """``GET`` (or ``DELETE``) ``/v1/responses/{id}``: a stored response."""
@@ -1036,10 +1057,79 @@ class Gateway:
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         return ascii_json(stored.body)
 
-    async def _chat(
-        self, body: ChatCompletionRequest, respond: _ChatResponder, caller: Caller = NO_CALLER
+    async def messages(
+        self, body: anthropic.MessagesRequest, caller: Caller = NO_CALLER
     ) -> Response:
-        """Run a chat and ``respond`` with its outputs."""
+        """Anthropic's Messages API: the chat its body makes, answered as a message."""
+        chat = self._anthropic_chat(body)
+        # Anthropic's max_tokens is a bound: an output that reaches the model's context ends
+        # there (stop_reason "model_context_window_exceeded").
+        respond = functools.partial(self._message, body)
+        try:
+            return await self._chat(chat, respond, caller, cap_max_tokens=True)
+        except (APIError, InvalidRequestError) as exc:
+            raise _in_fields_of(exc, _ANTHROPIC_FIELDS) from None
+
+    async def count_message_tokens(self, body: anthropic.CountTokensRequest) -> Response:
+        """Anthropic's ``/v1/messages/count_tokens``: the tokens of the prompt its chat makes
+        (system prompt, turns and tools, as the model's template renders them)."""
+        chat = self._anthropic_chat(body)
+        await self.check_model(chat.model)
+        ids = await self._on_replica(
+            "", None, lambda c: c.tokenize(chat_prompt(chat.messages), **chat.template_args())
+        )
+        return JSONResponse({"input_tokens": len(ids)})
+
+    def _anthropic_chat(self, body: anthropic.CountTokensRequest) -> ChatCompletionRequest:
+        try:
+            chat = body.chat_request()
+        except BodyFieldError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", param=exc.field) from None
+        auto = body.tool_choice is None or body.tool_choice.type == "auto"
+        if body.tools and auto and self.parsers.tool_call is None:
+            raise APIError(
+                400,
+                'tool_choice "auto" (the default with tools) needs a server started with '
+                "--tool-call-parser, which reads the calls out of the model's text; send "
+                'tool_choice {"type": "any"}, {"type": "none"} or {"type": "tool", "name": ...}',
+                "invalid_request_error",
+                param="tool_choice",
+            )
+        return chat
+
+    async def _message(
+        self,
+        request: anthropic.MessagesRequest,
+        body: ChatCompletionRequest,
+        output: ChatOutput,
+        model: str,
+        response_id: str,
+        outputs: Batches,
+    ) -> Response:
+        """A chat's outputs as Anthropic's message, whole or as events."""
+        message_id = f"msg_{response_id[len('chatcmpl-') :]}"
+        max_model_len = (await self.model())["max_model_len"]
+        if request.stream:
+            events = anthropic.MessageEvents(message_id, model, output, max_model_len)
+            return await self._sse(
+                outputs,
+                events.chunk,
+                1,
+                events.ending,
+                opening=events.opening,
+                failure=lambda error: events.error(error.message, error.type),
+            )
+        [choice] = await self._collect(outputs, 1)
+        return ascii_json(anthropic.whole_message(message_id, model, output, choice, max_model_len))
+
+    async def _chat(
+        self,
+        body: ChatCompletionRequest,
+        respond: _ChatResponder,
+        caller: Caller = NO_CALLER,
+        cap_max_tokens: bool = False,
+    ) -> Response:
+        """Run a chat and ``respond`` with its outputs (``_Sample.cap_max_tokens``)."""
         output = body.chat_output(
             self.parsers,
             self.parsers.reasoning is not None
@@ -1057,6 +1147,8 @@ class Gateway:
                 served.info.get("default_sampling_params", {}),
                 caller.trace_headers,
             )
+            for sample in samples:
+                sample.cap_max_tokens = cap_max_tokens
             response_id, engine_id = _request_ids("chatcmpl", caller.request_id or body.request_id)
             outputs = self._outputs(engine_id, samples, body)
             if body.return_tokens_as_token_ids:
@@ -1672,10 +1764,12 @@ def _route_path(scope: Scope) -> str:
 
 
 def _authorized(headers: dict[bytes, bytes], api_key: bytes) -> bool:
-    """``Authorization: Bearer <key>`` (the scheme in any case, as HTTP has it), compared
-    in constant time."""
+    """``Authorization: Bearer <key>`` (the scheme in any case, as HTTP has it), or
+    Anthropic's ``x-api-key: <key>`` (its SDK's), compared in constant time."""
     scheme, _, credentials = headers.get(b"authorization", b"").partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), api_key)
+    if scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), api_key):
+        return True
+    return hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), api_key)
 
 
 # Requests as the gateway sends them on, at INFO: `--enable-log-requests` (vLLM's) sets it so.
@@ -1782,11 +1876,11 @@ class _Admission:
             and (path.startswith("/v1/") or path in _ENGINE_ROUTES)
             and not _authorized(headers, self.api_key)
         ):
-            await _send_error(send, _UNAUTHORIZED)
+            await _send_error(send, _UNAUTHORIZED, path)
             return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(send, self._too_large())
+            await _send_error(send, self._too_large(), path)
             return
         chunks, size = [], 0
         while True:
@@ -1797,13 +1891,13 @@ class _Admission:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await _send_error(send, self._too_large())
+                await _send_error(send, self._too_large(), path)
                 return
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
         if body.count(b"[") + body.count(b"{") > MAX_JSON_CONTAINERS:
-            await _send_error(send, _TOO_MANY_CONTAINERS)
+            await _send_error(send, _TOO_MANY_CONTAINERS, path)
             return
         replayed = False
 
@@ -1834,14 +1928,14 @@ _TOO_MANY_CONTAINERS = APIError(
 )
 _UNAUTHORIZED = APIError(
     401,
-    "invalid or missing API key (Authorization: Bearer ...)",
+    "invalid or missing API key (Authorization: Bearer ..., or x-api-key)",
     "authentication_error",
     "invalid_api_key",
 )
 
 
-async def _send_error(send: Send, error: APIError) -> None:
-    response = error.response()
+async def _send_error(send: Send, error: APIError, path: str) -> None:
+    response = error.response(_anthropic_route(path))
     await send(
         {"type": "http.response.start", "status": error.status, "headers": response.raw_headers}
     )
@@ -1898,20 +1992,22 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
+        return exc.response(_anthropic_route(_route_path(request.scope)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         # A body that is not JSON, an unknown route or method: OpenAI's error shape too.
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        response = APIError(exc.status_code, str(exc.detail), type_).response()
+        error = APIError(exc.status_code, str(exc.detail), type_)
+        response = error.response(_anthropic_route(_route_path(request.scope)))
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
+        anthropic_route = _anthropic_route(_route_path(request.scope))
         if isinstance(exc.body, bytes) and exc.body:  # FastAPI reads only a JSON body
-            return _not_json_content(request).response()
+            return _not_json_content(request).response(anthropic_route)
         problems, fields = [], []
         for error in exc.errors():
             if error["type"] == "json_invalid":
@@ -1923,13 +2019,14 @@ def create_app(
             problems.append(f"{where}: {message}" if where else message)
             fields.append(where)
         param = fields[0] if fields and fields[0] else None
-        return APIError(400, "; ".join(problems), "invalid_request_error", param=param).response()
+        error = APIError(400, "; ".join(problems), "invalid_request_error", param=param)
+        return error.response(anthropic_route)
 
-    async def answer(call: Awaitable[Response]) -> Response:
+    async def answer(call: Awaitable[Response], anthropic_route: bool = False) -> Response:
         try:
             return await call
         except Exception as exc:
-            return _api_error(exc).response()
+            return _api_error(exc).response(anthropic_route)
 
     async def answer_value(call: Awaitable[T]) -> T | Response:
         """``call``'s value, or the error response of its failure."""
@@ -1938,12 +2035,14 @@ def create_app(
         except Exception as exc:
             return _api_error(exc).response()
 
-    async def answer_connected(request: Request, call: Awaitable[Response]) -> Response:
+    async def answer_connected(
+        request: Request, call: Awaitable[Response], anthropic_route: bool = False
+    ) -> Response:
         """``answer(call)``, cancelled if the client disconnects first: nothing else notices
         a client leaving before a response exists (a whole body being collected, or a stream
         waiting for its first output), and the cancellation closes the sample streams, which
         aborts their requests."""
-        work = asyncio.ensure_future(answer(call))
+        work = asyncio.ensure_future(answer(call, anthropic_route))
         left = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait((work, left), return_when=asyncio.FIRST_COMPLETED)
@@ -1974,6 +2073,15 @@ def create_app(
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         return await answer_connected(request, gateway.responses(body, Caller.of(request.headers)))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request, body: anthropic.MessagesRequest) -> Response:
+        caller = Caller.of(request.headers)
+        return await answer_connected(request, gateway.messages(body, caller), True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: anthropic.CountTokensRequest) -> Response:
+        return await answer(gateway.count_message_tokens(body), True)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str) -> Response:

@@ -70,6 +70,16 @@ class MessageReader(Protocol):
     ) -> tuple[str, str, list[dict[str, Any]]]: ...
 
 
+def read_output(reader: MessageReader, out: StreamOutput) -> tuple[str, str, list[dict[str, Any]]]:
+    """The reasoning, content and tool-call deltas that one output completes, with what was
+    held back where it is the last."""
+    reasoning, content, deltas = reader.feed(out.text)
+    if out.finished:
+        more_reasoning, rest, more = reader.finish(out.finish_reason, out.stop_reason)
+        reasoning, content, deltas = reasoning + more_reasoning, content + rest, deltas + more
+    return reasoning, content, deltas
+
+
 class ChoiceReader:
     """One choice's text, piece by piece: its reasoning first, then its content, out of
     which the tool-call reader takes the calls."""
@@ -195,11 +205,9 @@ class ChatChunks:
         reader = self._readers.get(choice.index)
         if reader is None:
             reader = self._readers[choice.index] = self._output.reader()
-        reasoning, content, deltas = reader.feed(out.text)
+        reasoning, content, deltas = read_output(reader, out)
         finish_reason = None
         if out.finished:
-            more_reasoning, rest, more = reader.finish(out.finish_reason, out.stop_reason)
-            reasoning, content, deltas = reasoning + more_reasoning, content + rest, deltas + more
             finish_reason = out.finish_reason
             calls = reader.calls
             if calls is not None:

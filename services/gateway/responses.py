@@ -20,17 +20,17 @@ from pydantic import (
     Field,
     Tag,
     TypeAdapter,
-    ValidationError,
     model_validator,
 )
 
-from weir.services.gateway.chat_output import ChatOutput, MessageReader
+from weir.services.gateway.chat_output import ChatOutput, MessageReader, read_output
 from weir.services.gateway.openai_format import Choice
 from weir.services.gateway.schemas import (
     Body,
     ChatCompletionRequest,
     Options,
     ReasoningEffort,
+    chat_of,
     field_errors,
     protocol_sized,
 )
@@ -272,7 +272,8 @@ class ResponsesRequest(Options):
         return messages
 
     def chat_request(self) -> ChatCompletionRequest:
-        """The chat completion this response runs; ValueError names a field of this body."""
+        """The chat completion this response runs; ``BodyFieldError`` names a field of this
+        body."""
         body: dict[str, Any] = {
             "model": self.model,
             "messages": self.messages(),
@@ -304,12 +305,7 @@ class ResponsesRequest(Options):
             body["response_format"] = {"type": "json_schema", "json_schema": schema}
         elif format_ is not None:
             body["response_format"] = {"type": format_.type}
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            field = _FIELD_OF_CHAT.get(str(error["loc"][0]), str(error["loc"][0]))
-            raise ResponsesFieldError(field, error["msg"]) from None
+        return chat_of(body, _FIELD_OF_CHAT)
 
     def echo(self) -> dict[str, Any]:
         """The request's settings, as a response repeats them."""
@@ -347,14 +343,6 @@ _FIELD_OF_CHAT = {
     "response_format": "text.format",
     "reasoning_effort": "reasoning.effort",
 }
-
-
-class ResponsesFieldError(ValueError):
-    """A field of a Responses body the chat it makes cannot take."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 def _id(prefix: str) -> str:
@@ -474,10 +462,7 @@ class ResponseEvents:
         ).encode()
 
     def chunk(self, out: StreamOutput, choice: Choice) -> str:
-        reasoning, content, deltas = self._reader.feed(out.text)
-        if out.finished:
-            more_reasoning, rest, more = self._reader.finish(out.finish_reason, out.stop_reason)
-            reasoning, content, deltas = reasoning + more_reasoning, content + rest, deltas + more
+        reasoning, content, deltas = read_output(self._reader, out)
         events = []
         if reasoning:
             events.append(self._write("reasoning", reasoning))

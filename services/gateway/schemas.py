@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
@@ -927,6 +928,26 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class BodyFieldError(ValueError):
+    """A field of a body that becomes a chat (the Responses API's, the Messages API's) that
+    the chat cannot take."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def chat_of(body: dict[str, Any], fields: Mapping[str, str]) -> ChatCompletionRequest:
+    """The chat request of ``body``; ``BodyFieldError`` names the field at fault as the
+    client's body does (``fields``: a chat field's name there, where it differs)."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = str(error["loc"][0]) if error["loc"] else "messages"
+        raise BodyFieldError(fields.get(where, where), error["msg"]) from None
 
 
 class TokenizeBody(_ChatTemplateFields):

@@ -14,6 +14,7 @@ import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import anthropic
 import httpx
 import msgpack
 import openai
@@ -322,6 +323,93 @@ def test_the_server_renders_tools_calls_and_answers_as_transformers_does(
         assert tokenized.json()["tokens"] == want
     # The rendering differs with and without tools: the count above is a check.
     assert len(_hf_ids(hf_tokenizer, ASK, TOOLS)) > len(_hf_ids(hf_tokenizer, ASK)) + 50
+
+
+# The tools as Anthropic's Messages API takes them.
+ANTHROPIC_TOOLS = [
+    {
+        "name": tool["function"]["name"],
+        "input_schema": tool["function"]["parameters"],
+        **(
+            {"description": tool["function"]["description"]}
+            if "description" in tool["function"]
+            else {}
+        ),
+    }
+    for tool in TOOLS
+]
+
+
+def test_anthropics_tool_use_and_result_render_as_the_chat_they_are(server, hf_tokenizer):
+    """A Messages conversation after a call (the assistant's tool_use, the user's
+    tool_result) counts the tokens of the same chat in OpenAI's form, as transformers
+    renders it with the tools."""
+    client = anthropic.Anthropic(base_url=server.info["http_address"], api_key="-")
+    call = FOLLOW_UP[1]["tool_calls"][0]
+    turns = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": call["id"],
+                    "name": call["function"]["name"],
+                    "input": json.loads(call["function"]["arguments"]),
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": call["id"], "content": "Snow, -4 C."}
+            ],
+        },
+    ]
+    want = _hf_ids(hf_tokenizer, _hf_messages(FOLLOW_UP), TOOLS)
+    counted = client.messages.count_tokens(model=MODEL, messages=turns, tools=ANTHROPIC_TOOLS)
+    assert counted.input_tokens == len(want)
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=1,
+        messages=turns,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "none"},
+    )
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(want)
+
+
+@pytest.mark.slow
+def test_anthropics_tool_use_holds_what_transformers_writes(smollm2, weather_arguments):
+    """Anthropic's tool_use block, whole and streamed (its input_json deltas, accumulated by
+    the SDK's stream helper), holds the arguments transformers writes under the tool's
+    schema; a forced tool's use is stop_reason "tool_use", as Anthropic's."""
+    base_url = str(smollm2[0].base_url).removesuffix("/v1/")
+    client = anthropic.Anthropic(base_url=base_url, api_key="-")
+    kwargs = {
+        "model": smollm2[0].models.list().data[0].id,
+        "max_tokens": 80,
+        "messages": ASK,
+        "tools": ANTHROPIC_TOOLS,
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "extra_body": {"temperature": 0},
+    }
+    whole = client.messages.create(**kwargs)
+    [block] = whole.content
+    assert (block.type, block.name, block.input) == (
+        "tool_use",
+        "get_weather",
+        json.loads(weather_arguments),
+    )
+    assert whole.stop_reason == "tool_use"
+    with client.messages.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    [streamed] = final.content
+    assert (streamed.name, streamed.input) == (block.name, block.input)  # ids: each its own
+    assert final.stop_reason == "tool_use"
+    deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert "".join(deltas) == weather_arguments
 
 
 @pytest.mark.slow
