@@ -96,7 +96,12 @@ ContentBlock = Annotated[
 
 
 class InputMessage(Body):
-    role: Literal["user", "assistant"]
+    # "system" turns join the system prompt (vLLM takes them); Claude Code's newer
+    # versions send "ctx" and "msg" turns, which are the user's (vLLM's reading).
+    role: Annotated[
+        Literal["user", "assistant", "system"],
+        BeforeValidator(lambda role: "user" if role in ("ctx", "msg") else role),
+    ]
     content: Annotated[list[ContentBlock], Field(fail_fast=True)] | str
 
 
@@ -148,8 +153,17 @@ class OutputConfig(Body):
 class CountTokensRequest(_Block):
     """``POST /v1/messages/count_tokens``: what a message's prompt would hold."""
 
+    # context_management: Anthropic's server-side clearing of old tool results and thoughts
+    # (Claude Code asks for it); nothing is cleared here, the prompt is computed as sent.
     _IGNORED = frozenset(
-        {"cache_control", "speed", "inference_geo", "user_profile_id", "workspace_id"}
+        {
+            "cache_control",
+            "speed",
+            "inference_geo",
+            "user_profile_id",
+            "workspace_id",
+            "context_management",
+        }
     )
     _ACCEPTED = _IGNORED
 
@@ -259,6 +273,19 @@ def _joined(blocks: list[TextBlock] | str) -> str:
     return "\n".join(block.text for block in blocks)
 
 
+def _system_text(prompt: list[Any] | str) -> str:
+    """A system prompt's text: its text blocks but Claude Code's billing header."""
+    if isinstance(prompt, str):
+        return prompt
+    texts = []
+    for block in prompt:
+        if not isinstance(block, TextBlock):
+            raise BodyFieldError("system", f"a system prompt has text blocks, not {block.type}")
+        if not block.text.startswith(_BILLING_HEADER):
+            texts.append(block.text)
+    return "\n".join(texts)
+
+
 def _chat_messages(
     system: list[TextBlock] | str | None, turns: list[InputMessage]
 ) -> list[dict[str, Any]]:
@@ -266,11 +293,13 @@ def _chat_messages(
     are tool messages (before its text, which follows them); an assistant turn's thinking is
     its reasoning and its tool uses its tool calls."""
     messages: list[dict[str, Any]] = []
-    if isinstance(system, list):
-        system = [block for block in system if not block.text.startswith(_BILLING_HEADER)]
-    if system:
-        messages.append({"role": "system", "content": _joined(system)})
+    prompts = [system, *(turn.content for turn in turns if turn.role == "system")]
+    texts = [_system_text(prompt) for prompt in prompts if prompt]
+    if any(texts):
+        messages.append({"role": "system", "content": "\n".join(text for text in texts if text)})
     for turn in turns:
+        if turn.role == "system":
+            continue
         if isinstance(turn.content, str):
             messages.append({"role": turn.role, "content": turn.content})
             continue

@@ -54,6 +54,12 @@ def _hf_answer(tokenizer, model, messages, num_tokens: int, prefill: bool = Fals
     return ids, tokenizer.decode(hf_greedy(model, ids, num_tokens), skip_special_tokens=True)
 
 
+def _streamed(client, **kwargs) -> Message:
+    """A streamed message as the SDK's stream helper accumulates it from the events."""
+    with client.messages.stream(**kwargs) as stream:
+        return stream.get_final_message()
+
+
 def _blocks(message) -> list[dict]:
     """A message's content blocks as dicts (a streamed text block is the SDK's parsed kind)."""
     return [block.model_dump(exclude_none=True) for block in message.content]
@@ -94,10 +100,11 @@ def test_a_message_is_transformers_greedy_answer_whole_and_streamed(
 
 def test_system_blocks_and_turns_render_as_the_chat_they_are(client, tokenizer, tiny_hf_model):
     """Text blocks join as chat parts do, Claude Code's billing header is left out (it
-    changes each request and would defeat the prefix cache), and a last assistant turn is
-    a prefill that the answer goes on from."""
+    changes each request and would defeat the prefix cache), a system turn joins the system
+    prompt (and Claude Code's "msg" turn is the user's, as vLLM reads them), and a last
+    assistant turn is a prefill that the answer goes on from."""
     chat = [
-        {"role": "system", "content": "Be brief.\nBe kind."},
+        {"role": "system", "content": "Be brief.\nBe kind.\nBe quick."},
         {"role": "user", "content": "Hi\nthere"},
         {"role": "assistant", "content": "Hello! I"},
     ]
@@ -108,8 +115,9 @@ def test_system_blocks_and_turns_render_as_the_chat_they_are(client, tokenizer, 
         {"type": "text", "text": "Be kind."},
     ]
     turns = [
+        {"role": "system", "content": "Be quick."},
         {
-            "role": "user",
+            "role": "msg",
             "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
         },
         {"role": "assistant", "content": "Hello! I"},
@@ -128,10 +136,18 @@ def test_a_stop_sequence_ends_the_message_and_is_named(client, tokenizer, tiny_h
     _, want = _hf_answer(tokenizer, tiny_hf_model, messages, 12)
     stop = want[len(want) // 2 : len(want) // 2 + 2]
     assert stop.strip() and stop in want
-    kwargs = {"model": MODEL, "max_tokens": 12, "messages": messages, "extra_body": GREEDY}
+    # What Claude Code sends that changes nothing here: taken.
+    unused = {"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}
+    kwargs = {
+        "model": MODEL,
+        "max_tokens": 12,
+        "messages": messages,
+        "metadata": {"user_id": "u1"},
+        "extra_body": {**GREEDY, **unused},
+    }
     for reply in (
         client.messages.create(stop_sequences=[stop], **kwargs),
-        client.messages.stream(stop_sequences=[stop], **kwargs).__enter__().get_final_message(),
+        _streamed(client, stop_sequences=[stop], **kwargs),
     ):
         assert reply.content[0].text == want[: want.index(stop)]
         assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", stop)
@@ -160,8 +176,7 @@ def test_max_tokens_bounds_the_output_and_the_models_context_ends_it(client):
     prompt = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
     assert prompt < 500
     kwargs = {"model": MODEL, "max_tokens": 32_000, "messages": messages}
-    with client.messages.stream(**kwargs) as stream:
-        streamed = stream.get_final_message()
+    streamed = _streamed(client, **kwargs)
     # The SDK asks a whole request of that many tokens for a timeout of its own.
     for reply in (client.messages.create(**kwargs, timeout=60), streamed):
         assert _input_tokens(reply.usage) == prompt
@@ -189,8 +204,7 @@ def test_thinking_comes_back_as_a_thinking_block(server, tokenizer, tiny_hf_mode
         }
         [block] = thinking.messages.create(**kwargs).content
         assert (block.type, block.thinking) == ("thinking", want) and block.signature
-        with thinking.messages.stream(**kwargs) as stream:
-            [streamed] = stream.get_final_message().content
+        [streamed] = _streamed(thinking, **kwargs).content
         assert (streamed.type, streamed.thinking) == ("thinking", want) and streamed.signature
         turns = [
             {"role": "user", "content": "Hi"},
@@ -287,6 +301,15 @@ def test_tool_uses_read_by_a_tool_call_parser_are_the_same_whole_and_streamed():
             "this server reads text: no images",
         ),
         ({"mcp_servers": []}, "mcp_servers: unsupported field"),
+        (
+            {
+                "messages": [
+                    {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "1"}]},
+                    {"role": "user", "content": "Hi"},
+                ]
+            },
+            "system: a system prompt has text blocks, not tool_result",
+        ),
         (
             {"tools": [{"name": "f", "input_schema": {"type": "object"}}]},
             'tool_choice "auto" (the default with tools) needs a server started with',
