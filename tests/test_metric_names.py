@@ -197,3 +197,19 @@ def test_a_step_histogram_is_exposed_as_prometheus_client_exposes_a_histogram(fm
         for value in values:
             histogram.observe(value)
         assert encoder(ours) == encoder(reference)
+
+
+def test_every_route_the_api_serves_is_counted_under_a_label_of_its_own():
+    """A route missing from the gateway's list is counted as "other" in
+    weir_gateway_requests_total, mixed with whatever paths clients make up."""
+    from fastapi.routing import APIRoute
+
+    from weir.services.gateway.app import Gateway, _route_label, create_app
+    from weir.services.gateway.router import Router
+
+    app = create_app(Gateway(Router(["tcp://127.0.0.1:1"])))
+    paths = {route.path for route in app.routes if isinstance(route, APIRoute)}
+    assert {"/v1/messages", "/generate", "/abort_request"} <= paths
+    # A path with a parameter (each value its own path) is counted under its template.
+    concrete = {re.sub(r"\{[^}]*\}", "x", path) for path in paths}
+    assert [path for path in sorted(concrete) if _route_label(path) == "other"] == []

@@ -82,6 +82,7 @@ from weir.services.gateway.schemas import (
 from weir.services.gateway.sglang_generate import FIELD_NAMES as SGLANG_FIELD_NAMES
 from weir.services.gateway.sglang_generate import (
     NativeGenerateRequest,
+    SglangAbortBody,
     SglangMemoryBody,
     SglangPauseBody,
 )
@@ -148,6 +149,16 @@ _ROUTES = (
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    # SGLang's
+    "/generate",
+    "/flush_cache",
+    "/get_model_info",
+    "/pause_generation",
+    "/continue_generation",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/abort_request",
+    "/health_generate",
 )
 # The routes with a path parameter, labelled by their template.
 _TEMPLATE_ROUTES = {
@@ -181,6 +192,7 @@ _LOAD_COUNTED = frozenset(
         "/v1/responses",
         "/v1/responses/{response_id}",
         "/v1/messages",
+        "/generate",
         "/v1/embeddings",
         "/classify",
         "/pooling",
@@ -222,6 +234,7 @@ _ENGINE_ROUTES = frozenset(
         "/resume_memory_occupation",
         "/pause_generation",
         "/continue_generation",
+        "/abort_request",
     }
 )
 
@@ -297,6 +310,9 @@ def _api_error(exc: Exception) -> APIError:
 # nobody receives it, the gateway's metrics count it.
 CLIENT_CLOSED_REQUEST = 499
 
+# How long SGLang's /health_generate waits for each replica's token (SGLang's own wait).
+HEALTH_GENERATE_TIMEOUT = 20.0
+
 # Every choice is a request of its own: one HTTP request may not ask for more.
 MAX_CHOICES = 128
 # How the engine names the structured output a tool choice asks for in its refusals.
@@ -354,6 +370,17 @@ class _Sample:
     trace_headers: dict[str, str] | None = None  # the caller's W3C trace context
     # A max_tokens past max_model_len cut to the room left (Anthropic's), not refused.
     cap_max_tokens: bool = False
+    rid: str | None = None  # SGLang's request id, which /abort_request names
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A sample in flight, which SGLang's /abort_request may end: its ``rid``, and the
+    client of the replica it was sent to (None before)."""
+
+    rid: str | None
+    client: AsyncWeirClient | None = None
+    aborted: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -471,6 +498,12 @@ async def _echoed(
             yield batch
 
 
+async def _none() -> AsyncGenerator[list[StreamOutput], None]:
+    """A stream that has ended."""
+    return
+    yield
+
+
 async def _without_completion(outputs: Batches) -> Batches:
     """The outputs with no completion: no tokens, text or logprob rows of their own, each
     ended by its length (the prompt is the whole answer)."""
@@ -557,6 +590,7 @@ class Gateway:
         self._model_lookup: asyncio.Future[dict[str, Any]] | None = None
         self._reasoning_end_token: bool | None = None  # whether the reasoning end is one token
         self.stored_responses = ResponseStore()
+        self._in_flight: dict[str, _InFlight] = {}  # by the engine's request id
 
     async def model(self, fresh: bool = False) -> dict[str, Any]:
         """The served model's info: asked of a replica once, then kept. ``fresh`` asks
@@ -635,6 +669,49 @@ class Gateway:
         if action in ("start_profile", "stop_profile"):
             return Response(status_code=200)
         return JSONResponse({"is_sleeping" if sleep_route else "is_paused": all(states)})
+
+    async def abort_request(self, rid: str, abort_all: bool) -> Response:
+        """SGLang's ``/abort_request``: the ``/generate`` requests of ``rid`` (every request
+        of this gateway with ``abort_all``) end now, each with what it has and finish reason
+        abort; a rid not in flight here is no error (it may have finished)."""
+        for request_id, sample in list(self._in_flight.items()):
+            if abort_all or (sample.rid is not None and sample.rid == rid):
+                sample.aborted = True
+                if sample.client is not None:
+                    await sample.client.abort(request_id)
+        return Response(status_code=200)
+
+    async def health_generate(self) -> Response:
+        """SGLang's ``/health_generate``: each replica generates a token (a pooling model
+        answers a health check) within ``HEALTH_GENERATE_TIMEOUT``; 503 names those that
+        did not."""
+        info = await self.model()
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+        async def check(client: AsyncWeirClient) -> None:
+            if info["runner"] != "generate":
+                await client.health()
+                return
+            stream = client.generate_batches(
+                "Hi", params, request_id=f"health-generate-{uuid.uuid4().hex}"
+            )
+            async with aclosing(stream):
+                async for _ in stream:
+                    pass
+
+        failed = []
+        for replica in self.router.replicas:
+            try:
+                async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT):
+                    await check(replica.client)
+            except Exception as exc:
+                failed.append(f"{replica.address} ({type(exc).__name__}: {exc})")
+        if failed:
+            message = f"no token generated within {HEALTH_GENERATE_TIMEOUT:g} s by " + ", ".join(
+                failed
+            )
+            raise APIError(503, message, "service_unavailable_error", SERVER_UNAVAILABLE)
+        return Response(status_code=200)
 
     async def update_weights(self, path: str) -> Response:
         """SGLang's ``/update_weights_from_disk``, on every replica in turn, each answering (a
@@ -753,45 +830,53 @@ class Gateway:
         """Every sample's outputs, merged as they come: each batch holds, per choice index,
         all that arrived since the last batch (at least one output); the first failure is
         raised. Closing this iterator cancels the samples, which aborts their requests."""
-        if len(samples) == 1:  # nothing to merge: read the stream here, no task in between
-            only = samples[0]
-            async with self._sample_stream(f"{request_id}-{only.index}", only) as (first, rest):
-                yield [(only.index, first)]
-                async for outs in rest:
-                    yield [(only.index, outs)]
-            return
-        queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]] = asyncio.Queue()
-        first_token = {sample.group: asyncio.Event() for sample in samples}
-        firsts = {s.group: f"{request_id}-{s.index}" for s in samples if s.number == 0}
-        tasks = [
-            asyncio.create_task(
-                self._sample(
-                    f"{request_id}-{s.index}", s, queue, first_token[s.group], firsts[s.group]
-                )
-            )
-            for s in samples
-        ]
+        in_flight = {f"{request_id}-{s.index}": _InFlight(s.rid) for s in samples}
+        self._in_flight.update(in_flight)
         try:
-            remaining = len(tasks)
-            while remaining:
-                batch: list[tuple[int, list[StreamOutput]]] = []
-                index, item = await queue.get()
-                while True:
-                    if item is None:
-                        remaining -= 1
-                    elif isinstance(item, Exception):
-                        raise item
-                    else:
-                        batch.append((index, item))
-                    if queue.empty():
-                        break
-                    index, item = queue.get_nowait()
-                if batch:
-                    yield batch
+            if len(samples) == 1:  # nothing to merge: read the stream here, no task in between
+                only = samples[0]
+                async with self._sample_stream(f"{request_id}-{only.index}", only) as (first, rest):
+                    yield [(only.index, first)]
+                    async for outs in rest:
+                        yield [(only.index, outs)]
+                return
+            queue: asyncio.Queue[tuple[int, list[StreamOutput] | Exception | None]] = (
+                asyncio.Queue()
+            )
+            first_token = {sample.group: asyncio.Event() for sample in samples}
+            firsts = {s.group: f"{request_id}-{s.index}" for s in samples if s.number == 0}
+            tasks = [
+                asyncio.create_task(
+                    self._sample(
+                        f"{request_id}-{s.index}", s, queue, first_token[s.group], firsts[s.group]
+                    )
+                )
+                for s in samples
+            ]
+            try:
+                remaining = len(tasks)
+                while remaining:
+                    batch: list[tuple[int, list[StreamOutput]]] = []
+                    index, item = await queue.get()
+                    while True:
+                        if item is None:
+                            remaining -= 1
+                        elif isinstance(item, Exception):
+                            raise item
+                        else:
+                            batch.append((index, item))
+                        if queue.empty():
+                            break
+                        index, item = queue.get_nowait()
+                    if batch:
+                        yield batch
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for key in in_flight:
+                del self._in_flight[key]
 
     async def _sample(
         self,
@@ -835,6 +920,10 @@ class Gateway:
         _log_request(
             request_id, sample.prompt, sample.params, sample.lora_name, self.options.max_log_len
         )
+        in_flight = self._in_flight[request_id]
+        if in_flight.aborted:  # by /abort_request before it was sent: it ends with nothing
+            yield [StreamOutput(request_id, [], "", finished=True, finish_reason="abort")], _none()
+            return
         tried: frozenset[str] = frozenset()
         while True:
             async with self.router.reserve(
@@ -853,9 +942,12 @@ class Gateway:
                     cap_max_tokens=sample.cap_max_tokens,
                     **sample.chat,
                 )
+                in_flight.client = replica.client
                 async with aclosing(stream):
                     try:
                         first = await self.router.unless_stalled(anext(stream), replica, tried)
+                        if in_flight.aborted:  # the abort may have gone before the request did
+                            await replica.client.abort(request_id)
                     except ServerUnavailableError as exc:
                         self.router.request_failed(replica, exc)
                         tried |= {replica.address}
@@ -909,6 +1001,7 @@ class Gateway:
                 caller.trace_headers,
             ):
                 rids.append(rid if completion.n == 1 else f"{rid}-{sample.number}")
+                sample.rid = rid
                 sample.index, sample.group = len(samples), group
                 samples.append(sample)
         _, engine_id = _request_ids("generate", caller.request_id)
@@ -2160,6 +2253,14 @@ def create_app(
                 "preferred_sampling_params": info.get("default_sampling_params") or None,
             }
         )
+
+    @app.post("/abort_request")
+    async def abort_request(body: SglangAbortBody) -> Response:
+        return await answer(gateway.abort_request(body.rid, body.abort_all))
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return await answer(gateway.health_generate())
 
     @app.post("/pause_generation")
     async def pause_generation(body: SglangPauseBody | None = None) -> Response:

@@ -143,6 +143,13 @@ class SglangPauseBody(Body):
     mode: Literal["in_place", "retract", "abort"] = "in_place"
 
 
+class SglangAbortBody(Body):
+    """``/abort_request``'s: the ``rid`` of the requests to end, or ``abort_all``."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 class SglangMemoryBody(Body):
     """``/release_memory_occupation`` and ``/resume_memory_occupation``'s: which of the
     weights and the KV cache (all by default)."""

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 import torch
-from serving_helpers import hf_greedy, small_server
+from serving_helpers import hf_greedy, metric, read_metrics, small_server
 
 from weir.shared.tokenizer import Tokenizer
 
@@ -204,3 +204,61 @@ def test_sglangs_cache_pause_and_memory_calls(server):
 def test_get_model_info_is_sglangs(server):
     info = httpx.get(server.info["http_address"] + "/get_model_info", timeout=30).json()
     assert info["model_path"] == "tiny" and info["is_generation"] is True
+
+
+def test_abort_request_ends_the_requests_of_a_rid_or_all(server):
+    """SGLang's /abort_request: held by a pause, the requests of rid "a" (both of its n, the
+    second not sent yet) end at once with finish reason abort while the others wait;
+    abort_all ends every request in flight; a streamed request aborted mid-way ends with
+    what it has."""
+    base = server.info["http_address"]
+    waiting = server.info["metrics_address"]
+
+    def body(rid: str, n: int = 1, tokens: int = 4) -> dict:
+        params = {"max_new_tokens": tokens, "ignore_eos": True, "n": n}
+        return {"input_ids": PROMPT, "sampling_params": params, "rid": rid}
+
+    def held(count: int) -> None:
+        while metric(read_metrics(waiting), "weir_num_requests_waiting") != count:
+            time.sleep(0.01)
+
+    assert httpx.post(base + "/pause_generation", timeout=30).status_code == 200
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            a, b = pool.submit(_post, server, body("a", n=2)), pool.submit(_post, server, body("b"))
+            held(2)  # a's second sample waits for its first's prompt in the cache
+            assert httpx.post(base + "/abort_request", json={"rid": "a"}).status_code == 200
+            for result in a.result(timeout=30).json():
+                assert result["meta_info"]["finish_reason"]["type"] == "abort"
+                assert result["output_ids"] == []
+            assert not b.done()
+            c = pool.submit(_post, server, body("c"))
+            held(2)
+            assert httpx.post(base + "/abort_request", json={"abort_all": True}).status_code == 200
+            for reply in (b, c):
+                assert (
+                    reply.result(timeout=30).json()["meta_info"]["finish_reason"]["type"] == "abort"
+                )
+    finally:
+        httpx.post(base + "/continue_generation", timeout=30)
+    assert _post(server, body("a")).json()["meta_info"]["finish_reason"]["type"] == "length"
+    with httpx.stream(
+        "POST", base + "/generate", json={**body("s", tokens=480), "stream": True}, timeout=60
+    ) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert json.loads(first[5:])["meta_info"]["finish_reason"] is None
+        assert httpx.post(base + "/abort_request", json={"rid": "s"}).status_code == 200
+        results = [json.loads(line[5:]) for line in lines if line.startswith("data: {")]
+    last = results[-1]["meta_info"]
+    assert last["finish_reason"]["type"] == "abort" and 0 < last["completion_tokens"] < 480
+
+
+def test_health_generate_generates_a_token(server):
+    """SGLang's /health_generate: 200 once a replica generated a token (counted by the
+    engine), 503 where none can."""
+    metrics = server.info["metrics_address"]
+    before = metric(read_metrics(metrics), "weir_generation_tokens_total")
+    reply = httpx.get(server.info["http_address"] + "/health_generate", timeout=30)
+    assert reply.status_code == 200
+    assert metric(read_metrics(metrics), "weir_generation_tokens_total") == before + 1
