@@ -82,9 +82,11 @@ def copy_head_dir(tmp_path_factory, tiny_hf_model):
     return path
 
 
-def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16, **options):
-    """An engine core of ``model_dir`` with ``k`` EAGLE drafts a step, and its runner
-    (``options``: more of ModelRunner's)."""
+def engine(
+    model_dir, head_dir, k: int, max_num_batched_tokens: int = 16, method="eagle", **options
+):
+    """An engine core of ``model_dir`` with ``k`` drafts a step of the EAGLE head of
+    ``method``, and its runner (``options``: more of ModelRunner's)."""
     runner = ModelRunner(
         model_dir,
         device="cpu",
@@ -93,7 +95,7 @@ def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16, **opti
         max_num_seqs=4,
         num_speculative_tokens=k,
         speculative_model=head_dir,
-        speculative_method="eagle",
+        speculative_method=method,
         **options,
     )
     return drafting_core(runner, k, max_num_batched_tokens), runner
@@ -244,8 +246,6 @@ def test_a_wide_head_fails_the_servers_start_up(tiny_model_dir, tiny_hf_model, t
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"speculative_config": {"method": "eagle3", "model": "x"}}, "eagle3.*not supported"),
-        ({"speculative_method": "eagle3", "speculative_model": "x"}, "eagle3.*not supported"),
         ({"speculative_method": "eagle"}, "eagle needs speculative_model"),
         # LLM(...)'s and a config file's method, which argparse's choices do not see.
         ({"speculative_method": "medusa", "num_speculative_tokens": 2}, "must be one of"),
