@@ -21,6 +21,7 @@ from test_eagle import GREEDY, engine, save_head
 from weir.services.executor.eagle import Eagle3Head, aux_hidden_state_layers
 from weir.services.llm import LLM
 from weir.shared.config import EngineArgs
+from weir.shared.sampling import SamplingParams
 
 # The layers whose inputs the heads read, listed out of order: vLLM concatenates them in
 # the layers' order. Layer 0's input is the token's embedding.
@@ -222,14 +223,28 @@ class ReferenceHead:
         return drafts
 
 
-@pytest.mark.parametrize("head", ["random", "norm-first", "copy"])
+@pytest.mark.parametrize("head", ["random", "random-unpacked", "norm-first", "copy"])
 def test_proposals_are_the_heads_as_transformers_computes_them(
-    deep_model_dir, deep_hf_model, head_dir, norm_first_head_dir, copy_head_dir, head
+    deep_model_dir,
+    deep_hf_model,
+    head_dir,
+    norm_first_head_dir,
+    copy_head_dir,
+    head,
+    monkeypatch,
 ):
     """Every step's drafts are the reference's of the sequence so far: after prefills in
     chunks of 16 and after verified steps (the copy head's drafts kept in runs of one
-    token, so some steps keep 1 + 3 positions)."""
-    directory = {"random": head_dir, "norm-first": norm_first_head_dir, "copy": copy_head_dir}
+    token, so some steps keep 1 + 3 positions). Unpacked, the projections add into the
+    residual stream in place, as on a GPU: the kept layer inputs must be copies."""
+    if head == "random-unpacked":
+        monkeypatch.setenv("WEIR_PACK_CPU_WEIGHTS", "0")
+    directory = {
+        "random": head_dir,
+        "random-unpacked": head_dir,
+        "norm-first": norm_first_head_dir,
+        "copy": copy_head_dir,
+    }
     core, runner = engine(deep_model_dir, directory[head], 3, method="eagle3")
     assert runner.drafter is not None and isinstance(runner.drafter.model, Eagle3Head)
     assert runner.model.aux_hidden_state_layers == (0, 2, 3)
@@ -283,12 +298,22 @@ def test_greedy_outputs_are_the_served_models(deep_model_dir, deep_hf_model, hea
     assert bool(shapes) == graphs
 
 
+def test_triton_attention_warms_up_the_heads_kernels_too(deep_model_dir, deep_hf_model, head_dir):
+    """With Triton's attention (interpreted on a CPU) the start-up warms the head's layer
+    up through its own pass (zero rows of three layers' width), and outputs stay
+    transformers'."""
+    prompt = [5, 6, 7, 8, 9]
+    core, _ = engine(deep_model_dir, head_dir, 2, method="eagle3", attention_backend="triton")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert generate_in_core(core, [prompt], params) == [hf_greedy(deep_hf_model, prompt, 4)]
+
+
 def test_dummy_weights_draft(deep_model_dir, head_dir):
     """load_format dummy: the head's weights random, d2t zeros (draft ids are target ids)."""
     core, runner = engine(deep_model_dir, head_dir, 2, method="eagle3", load_format="dummy")
     assert runner.drafter is not None and isinstance(runner.drafter.model, Eagle3Head)
     assert not runner.drafter.model.d2t.any()
-    params = GREEDY.__class__(max_tokens=4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert len(generate_in_core(core, [[5, 6, 7, 8, 9]], params)[0]) == 4
     assert core.scheduler.stats().spec_decode.num_draft_tokens > 0
 
