@@ -101,6 +101,23 @@ def engine(
     return drafting_core(runner, k, max_num_batched_tokens), runner
 
 
+def record_proposals(runner) -> list[tuple[list[int], list[int]]]:
+    """The list the runner's drafter appends each proposal to from now on: (the request's
+    sequence so far, its drafts)."""
+    proposed: list[tuple[list[int], list[int]]] = []
+    propose = runner.drafter.propose
+
+    def recording(batch, inputs, sampled, hidden):
+        drafts = propose(batch, inputs, sampled, hidden)
+        for rid, row in drafts.items():
+            slot = inputs.slots[inputs.req_ids.index(rid)]
+            proposed.append((batch.token_ids[slot, : batch.num_tokens[slot]].tolist(), row))
+        return drafts
+
+    runner.drafter.propose = recording
+    return proposed
+
+
 def reference_drafts(tiny_hf_model, head_dir, prompt: list[int], k: int) -> list[int]:
     """The head's k greedy drafts after the prompt, in transformers: a 1-layer LlamaModel
     of the head's layer (input norm and final norm Identity) fed fc(embedding of the
@@ -151,17 +168,7 @@ def test_proposals_are_the_heads_as_transformers_computes_them(
     prompts = [list(range(100, 140)), [5, 6, 7, 8, 9], [9, 9, 9, 9, 9]]
     core, runner = engine(tiny_model_dir, directory, 3)
     assert runner.drafter is not None
-    proposed: list[tuple[list[int], list[int]]] = []  # (sequence so far, drafts)
-    propose = runner.drafter.propose
-
-    def recording(batch, inputs, sampled, hidden):
-        drafts = propose(batch, inputs, sampled, hidden)
-        for rid, row in drafts.items():
-            slot = inputs.slots[inputs.req_ids.index(rid)]
-            proposed.append((batch.token_ids[slot, : batch.num_tokens[slot]].tolist(), row))
-        return drafts
-
-    runner.drafter.propose = recording  # type: ignore[method-assign]
+    proposed = record_proposals(runner)
     generate_in_core(core, prompts, GREEDY)
     assert len(proposed) > len(prompts)
     for sequence, drafts in proposed:

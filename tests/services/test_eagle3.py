@@ -12,11 +12,11 @@ import torch
 # Triton's attention runs on CPU tensors under its interpreter (as test_eagle.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from conftest import save_speaking, transformers
+from conftest import save_tiny_llama, transformers
 from safetensors.torch import load_file
 from serving_helpers import generate_in_core, hf_greedy, metric, read_metrics
 from spread_weights import spread_weights_
-from test_eagle import GREEDY, engine, save_head
+from test_eagle import GREEDY, engine, record_proposals, save_head
 
 from weir.services.executor.eagle import Eagle3Head, aux_hidden_state_layers
 from weir.services.llm import LLM
@@ -33,23 +33,8 @@ PROMPTS = [list(range(100, 140)), [5, 6, 7, 8, 9], [7, 7, 7], [100, 100]]
 @pytest.fixture(scope="module")
 def deep_model_dir(tmp_path_factory, default_model_dir):
     """The tiny Llama of conftest with 4 layers: three distinct layer inputs to read."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
     path = tmp_path_factory.mktemp("models") / "deep-llama"
-    save_speaking(transformers.LlamaForCausalLM(config).eval(), path, default_model_dir)
+    save_tiny_llama(path, default_model_dir, num_layers=4)
     return path
 
 
@@ -248,17 +233,7 @@ def test_proposals_are_the_heads_as_transformers_computes_them(
     core, runner = engine(deep_model_dir, directory[head], 3, method="eagle3")
     assert runner.drafter is not None and isinstance(runner.drafter.model, Eagle3Head)
     assert runner.model.aux_hidden_state_layers == (0, 2, 3)
-    proposed: list[tuple[list[int], list[int]]] = []  # (sequence so far, drafts)
-    propose = runner.drafter.propose
-
-    def recording(batch, inputs, sampled, hidden):
-        drafts = propose(batch, inputs, sampled, hidden)
-        for rid, row in drafts.items():
-            slot = inputs.slots[inputs.req_ids.index(rid)]
-            proposed.append((batch.token_ids[slot, : batch.num_tokens[slot]].tolist(), row))
-        return drafts
-
-    runner.drafter.propose = recording  # type: ignore[method-assign]
+    proposed = record_proposals(runner)
     outputs = generate_in_core(core, PROMPTS, GREEDY)
     assert outputs == [hf_greedy(deep_hf_model, p, GREEDY.max_tokens) for p in PROMPTS]
     assert len(proposed) > len(PROMPTS)
