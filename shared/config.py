@@ -62,11 +62,13 @@ _VLLM_LOAD_FORMATS = {
 }
 # ngram: drafts copied from the prompt and output (the scheduler proposes them); draft_model:
 # drafts of a smaller model of the same vocabulary (each executor runs it after the target);
-# eagle: an EAGLE-1 head's, which reads the target's hidden states (executor too).
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")
+# eagle: an EAGLE-1 head's, which reads the target's hidden states (executor too); eagle3:
+# an EAGLE-3 head's, which reads three of its layers' inputs.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # The methods whose drafts the executor proposes, with speculative_model.
-MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle")
-EAGLE3_UNSUPPORTED = 'speculative method "eagle3" is not supported yet (EAGLE-1 heads are: "eagle")'
+MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3")
+# The methods whose draft is a head over the served model's hidden states.
+EAGLE_METHODS = ("eagle", "eagle3")
 # Weights kept quantized by the executor (CPU only; see services/executor/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
 # vLLM's --quantization methods, which are kernels Weir does not have: why each is refused.
@@ -549,8 +551,8 @@ class EngineArgs:
         None,
         _BOTH,  # the executor captures CUDA graphs of speculative decodes' query length
         "draft proposer: ngram (prompt lookup), draft_model (a smaller model of the same "
-        "vocabulary, --speculative-model) or eagle (an EAGLE-1 head of a Llama-family model, "
-        "--speculative-model); drafts are verified in the same forward pass",
+        "vocabulary, --speculative-model), eagle or eagle3 (an EAGLE-1 or EAGLE-3 head of a "
+        "Llama-family model, --speculative-model); drafts are verified in the same forward pass",
         choices=SPECULATIVE_METHODS,
     )
     speculative_model: str | None = _arg(
@@ -558,7 +560,7 @@ class EngineArgs:
         _BOTH,
         "the draft model of draft_model speculative decoding (implies it): a Hugging Face "
         "directory or .gguf file whose tokenizer is the served model's; with "
-        "--speculative-method eagle, the EAGLE-1 head's directory",
+        "--speculative-method eagle or eagle3, the EAGLE head's directory",
     )
     speculative_model_quantization: str | None = _arg(
         None,
@@ -586,7 +588,7 @@ class EngineArgs:
         'vLLM\'s form of the options above, JSON: {"method": "ngram", '
         '"num_speculative_tokens": K, "prompt_lookup_min": N, "prompt_lookup_max": M} or '
         '{"model": DIR, "num_speculative_tokens": K, "quantization": "int8"} or '
-        '{"method": "eagle", "model": DIR, "num_speculative_tokens": K}',
+        '{"method": "eagle", "model": DIR, "num_speculative_tokens": K} (or "eagle3")',
     )
     max_message_size: int = _arg(
         DEFAULT_MAX_MESSAGE_BYTES,
@@ -838,13 +840,11 @@ class EngineArgs:
             raise ValueError(f"speculative_config takes {sorted(keys)}; {unknown} not supported")
         if "model" in config:  # vLLM's too: a model names the method
             config.setdefault("method", "draft_model")
-        if config.get("method") == "eagle3":
-            raise ValueError(EAGLE3_UNSUPPORTED)
         if config.get("method") not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method must be one of {SPECULATIVE_METHODS} (ngram: drafts "
                 "from the prompt and output; draft_model: a smaller model's, named by "
-                f'"model"; eagle: an EAGLE-1 head\'s, named by "model"), got '
+                f'"model"; eagle, eagle3: an EAGLE-1 or EAGLE-3 head\'s, named by "model"), got '
                 f"{config.get('method')!r}"
             )
         for key in ("model", "quantization"):
@@ -882,8 +882,6 @@ class EngineArgs:
     def _check_draft_model(self) -> None:
         """A draft model names the method (vLLM's rule); the method needs one, and no other
         method takes one."""
-        if self.speculative_method == "eagle3":
-            raise ValueError(EAGLE3_UNSUPPORTED)
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):
             # The command line's choices say so; LLM(...) and a config file come here.
             raise ValueError(
@@ -900,14 +898,14 @@ class EngineArgs:
                 )
         elif self.speculative_model is not None:
             raise ValueError(
-                f"speculative_model is the draft of speculative_method draft_model or eagle, not "
-                f"of {self.speculative_method!r}: drop one of them"
+                "speculative_model is the draft of speculative_method draft_model, eagle or "
+                f"eagle3, not of {self.speculative_method!r}: drop one of them"
             )
-        if self.speculative_method == "eagle":
+        if self.speculative_method in EAGLE_METHODS:
             if self.tensor_parallel_size > 1:
                 raise ValueError(
-                    "speculative_method eagle under tensor parallelism is not supported yet: "
-                    "use tensor_parallel_size 1, or draft_model"
+                    f"speculative_method {self.speculative_method} under tensor parallelism is "
+                    "not supported yet: use tensor_parallel_size 1, or draft_model"
                 )
             if self.speculative_model_quantization is not None:
                 raise ValueError(

@@ -545,6 +545,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Channels the q/k/v projections read; 0: hidden_size. An EAGLE-3 head's (never a
+    # config.json's) reads twice that: the token's embedding and the hidden state, side by side.
+    qkv_input_size: int = 0
 
     @property
     def context_len(self) -> int:
@@ -750,6 +753,7 @@ class ModelConfig:
         models do not have."""
         h, d, inter = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
+        qkv_in = self.qkv_input_size or h
         expert, shared = self.moe_intermediate_size, self.shared_expert_intermediate_size
         if self.latent_attention is not None and module.startswith("self_attn."):
             return self._latent_tensor_shape(module)
@@ -774,11 +778,11 @@ class ModelConfig:
             "mlp.shared_experts.gate_proj": (shared, h),
             "mlp.shared_experts.up_proj": (shared, h),
             "mlp.shared_experts.down_proj": (h, shared),
-            "self_attn.qkv_proj": (q + 2 * kv, h),  # Phi-3's fused checkpoint tensors
+            "self_attn.qkv_proj": (q + 2 * kv, qkv_in),  # Phi-3's fused checkpoint tensors
             "mlp.gate_up_proj": (2 * inter, h),
-            "self_attn.q_proj": (q, h),
-            "self_attn.k_proj": (kv, h),
-            "self_attn.v_proj": (kv, h),
+            "self_attn.q_proj": (q, qkv_in),
+            "self_attn.k_proj": (kv, qkv_in),
+            "self_attn.v_proj": (kv, qkv_in),
             "self_attn.o_proj": (h, q),
             "self_attn.q_norm": q_norm,
             "self_attn.sinks": (self.num_heads, 0),

@@ -90,7 +90,7 @@ def make_proposer(args: EngineArgs) -> NgramProposer | None:
     if args.speculative_method is None:
         if args.num_speculative_tokens:
             raise ValueError(
-                "num_speculative_tokens needs a speculative_method (ngram, draft_model or eagle)"
+                "num_speculative_tokens needs a speculative_method (ngram, draft_model, eagle or eagle3)"
             )
         return None
     if args.num_speculative_tokens < 1:

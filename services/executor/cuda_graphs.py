@@ -170,6 +170,10 @@ class _StagedInputs:
     end: int  # bytes
 
 
+# A graph's outputs: the rows to sample from, and the auxiliary hidden states (or None).
+GraphOutputs = tuple[torch.Tensor, torch.Tensor | None]
+
+
 class StepGraphs:
     """Persistent input buffers and, with ``capture``, ``copies`` CUDA graphs per step
     shape of the forward pass (to the sampled rows' hidden states), replayed in turn
@@ -235,7 +239,7 @@ class StepGraphs:
         self._copied: torch.cuda.Event | None = None  # when the last staged inputs were read
         # Each shape's captured copies and the index of the one replayed next.
         self.copies = copies
-        self._graphs: dict[GraphShape, list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]] = {}
+        self._graphs: dict[GraphShape, list[tuple[torch.cuda.CUDAGraph, GraphOutputs]]] = {}
         self._turn: dict[GraphShape, int] = {}
 
     def shape_for(self, inputs: StepInputs) -> GraphShape | None:
@@ -315,20 +319,21 @@ class StepGraphs:
         """Whether ``forward`` replays a captured graph for this shape (else runs eagerly)."""
         return shape in self._graphs
 
-    def forward(self, shape: GraphShape) -> torch.Tensor:
+    def forward(self, shape: GraphShape) -> GraphOutputs:
         """Hidden states [shape.num_logits, hidden_size] of the staged step's rows to sample
-        from (padding rows included, after the step's): the graph's replay if captured, else
-        the same computation run eagerly."""
+        from (padding rows included, after the step's), and every row's auxiliary hidden
+        states where the model keeps them (``CausalLM.forward_with_aux``): the graph's
+        replay if captured, else the same computation run eagerly."""
         graphs = self._graphs.get(shape)
         if graphs is None:
             return self._forward(shape)
         turn = self._turn[shape]
         self._turn[shape] = (turn + 1) % len(graphs)
-        graph, rows = graphs[turn]
+        graph, outputs = graphs[turn]
         graph.replay()
-        return rows
+        return outputs
 
-    def _forward(self, shape: GraphShape) -> torch.Tensor:
+    def _forward(self, shape: GraphShape) -> GraphOutputs:
         d = self._staged[shape].dev
         meta = AttentionMetadata(
             query_start_loc=d["query_start_loc"],
@@ -339,8 +344,10 @@ class StepGraphs:
             # An upper bound: the same for every step a graph replays.
             max_seq_len=self.max_blocks_per_req * self.block_size,
         )
-        hidden = self.model(d["input_ids"], d["positions"], meta, self.kv_caches)
-        return hidden[d["logits_indices"]] if shape.mixed else hidden
+        hidden, aux = self.model.forward_with_aux(
+            d["input_ids"], d["positions"], meta, self.kv_caches
+        )
+        return (hidden[d["logits_indices"]] if shape.mixed else hidden), aux
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -359,12 +366,12 @@ class StepGraphs:
             for _ in range(self.copies):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    rows = self._forward(shape)
+                    outputs = self._forward(shape)
                 # Replayed once here, over the staged padding: a graph's first launch uploads
                 # it to the device, which a step would otherwise wait for the first time its
                 # shape comes (as the running requests' count falls, shape after shape).
                 graph.replay()
-                self._graphs[shape].append((graph, rows))
+                self._graphs[shape].append((graph, outputs))
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graph shapes (decode query lengths %s up to %d requests, mixed "

@@ -26,14 +26,17 @@ hidden state at q (the step's row there), so it computes the positions the serve
 computed and kept, the last of them with the token just sampled, whose output gives the
 first proposal; each later pass reads the proposal before and the head's own output. Its
 KV at a position depends on the served model's hidden state there, which a proposal did
-not have: every step computes all the step's kept positions again (nothing is held).
+not have: every step computes all the step's kept positions again (nothing is held). An
+EAGLE-3 head (``eagle3``) reads the inputs of three of the served model's layers instead
+of its final hidden state (``fc`` turns them into its first pass's context), and its argmax
+over a draft vocabulary maps to the served model's token through ``d2t``.
 """
 
 import numpy as np
 import torch
 
 from weir.services.executor.attention import AttentionMetadata
-from weir.services.executor.eagle import EagleHead
+from weir.services.executor.eagle import Eagle3Head, EagleHead
 from weir.services.executor.input_batch import InputBatch, Spans, StepInputs
 from weir.services.executor.model import CausalLM
 from weir.services.executor.parallel import TensorParallel
@@ -57,9 +60,15 @@ class Drafter:
         self.eagle = isinstance(model, EagleHead)
         self.k = num_speculative_tokens
         # Tokens the served model knows: a draft with a larger (padded) vocabulary never
-        # proposes past it (an EAGLE head's logits are the served model's, whatever its
-        # config.json says).
-        self.vocab_size = vocab_size if self.eagle else min(vocab_size, model.config.vocab_size)
+        # proposes past it (an EAGLE-1 head's logits are the served model's, whatever its
+        # config.json says; an EAGLE-3 head's, its draft vocabulary's).
+        self.vocab_size = (
+            model.draft_vocab_size
+            if isinstance(model, Eagle3Head)
+            else vocab_size
+            if self.eagle
+            else min(vocab_size, model.config.vocab_size)
+        )
         self.tp = tp
         self.device = device
         self.context_len = model.config.context_len
@@ -90,7 +99,7 @@ class Drafter:
         """Compute a finished step's kept tokens (``batch`` holds its verified outputs) and
         propose up to k drafts for each request of ``sampled``, the requests it sampled
         for: {request id: drafts}, on every rank. ``target_hidden``: an EAGLE head's, the
-        served model's final hidden states of the step's rows."""
+        served model's rows of the step that it reads (``ModelRunner._eagle_rows``)."""
         slots = inputs.slots
         qsl = inputs.query_start_loc
         starts = inputs.positions[qsl[:-1]]
@@ -122,7 +131,7 @@ class Drafter:
             lengths = np.diff(spans.query_start_loc)
             offsets = np.repeat(qsl[:-1] - spans.query_start_loc[:-1], lengths)
             context = target_hidden[self._dev(np.arange(len(input_ids)) + offsets)]
-        hidden = self.run(
+        hidden = self.first_pass(
             self._dev(input_ids),
             context,
             self._dev(spans.rope_positions),
@@ -182,6 +191,22 @@ class Drafter:
             return self.model(input_ids, context, positions, meta, kv_caches)
         return self.model(input_ids, positions, meta, kv_caches)
 
+    def first_pass(
+        self,
+        input_ids: torch.Tensor,
+        target_rows: torch.Tensor | None,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """A pass over positions the served model computed: an EAGLE head's context is
+        its ``target_rows`` there (as ``combine_hidden_states`` makes them its own)."""
+        context = None
+        if isinstance(self.model, EagleHead):
+            assert target_rows is not None, "an EAGLE head reads the served model's hidden states"
+            context = self.model.combine_hidden_states(target_rows)
+        return self.run(input_ids, context, positions, meta, kv_caches)
+
     def warm_up_pass(
         self,
         input_ids: torch.Tensor,
@@ -191,11 +216,11 @@ class Drafter:
     ) -> torch.Tensor:
         """A pass of made-up tokens (an EAGLE head's context rows zero), which launches the
         kernels a step's pass does."""
-        context = None
-        if self.eagle:
-            rows = (len(input_ids), self.model.config.hidden_size)
-            context = torch.zeros(rows, dtype=self.model.dtype, device=self.device)
-        return self.run(input_ids, context, positions, meta, kv_caches)
+        rows = None
+        if isinstance(self.model, EagleHead):
+            shape = (len(input_ids), self.model.context_size)
+            rows = torch.zeros(shape, dtype=self.model.dtype, device=self.device)
+        return self.first_pass(input_ids, rows, positions, meta, kv_caches)
 
     def _remember(
         self,
@@ -252,7 +277,7 @@ class Drafter:
         if self.tp is not None:
             tokens = self.tp.broadcast_tokens(tokens, len(hidden), self.device)
         assert tokens is not None
-        return tokens
+        return self.model.to_target(tokens) if isinstance(self.model, EagleHead) else tokens
 
     def _dev(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)

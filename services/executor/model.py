@@ -107,7 +107,9 @@ class DecoderLayer(nn.Module):
         mla = cfg.latent_attention
         self.mla = None if mla is None else LatentAttention(cfg, layout, kernels, device, dtype)
         self.qkv_proj = (
-            Linear(h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype)
+            Linear(
+                cfg.qkv_input_size or h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype
+            )
             if mla is None
             else None
         )
@@ -249,6 +251,21 @@ class DecoderLayer(nn.Module):
         """``query_scale`` [T, 1, 1]: each token's queries are multiplied by it after their
         rotation (Ministral 3's)."""
         normed = x if self.input_layernorm is None else self.input_layernorm(x)
+        return self.residual_block(x, normed, cos, sin, meta, kv_cache, lora, query_scale)
+
+    def residual_block(
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        lora: "LoraBatch | None" = None,
+        query_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layer's output for residual stream ``x`` (added into in place) and the
+        attention's input ``normed``: x normalized, or (an EAGLE-3 head's) more than x."""
         if self.mla is None:
             attn = self._attend(normed, cos, sin, meta, kv_cache, lora, query_scale)
         else:
@@ -421,6 +438,8 @@ class CausalLM(nn.Module):
         self.quantized_lm_head: Any = None
         # Set by `packed_weights.pack_model`: the LM head prepacked for the CPU's matmul.
         self.packed_lm_head: Any = None
+        # Set by an EAGLE-3 head over this model: the layers whose inputs it reads, in order.
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def forward(
         self,
@@ -432,6 +451,37 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for T flat tokens (with ``lora``,
         each request's adapter added to its tokens)."""
+        return self.norm(self._decode(input_ids, positions, attn_metadata, kv_caches, lora, None))
+
+    def forward_with_aux(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        lora: "LoraBatch | None" = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s hidden states and, where ``aux_hidden_state_layers`` names layers
+        (an EAGLE-3 head reads them), the residual stream entering each of them, in the
+        layers' order, side by side: [T, n * hidden]; None where it names none."""
+        if not self.aux_hidden_state_layers:
+            return self(input_ids, positions, attn_metadata, kv_caches, lora), None
+        width = len(self.aux_hidden_state_layers) * self.config.hidden_size
+        aux = torch.empty(len(input_ids), width, dtype=self.dtype, device=self.device)
+        x = self._decode(input_ids, positions, attn_metadata, kv_caches, lora, aux)
+        return self.norm(x), aux
+
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        lora: "LoraBatch | None",
+        aux: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The residual stream after the last layer; into ``aux``'s columns, that entering
+        each layer of ``aux_hidden_state_layers`` (copied: a layer adds into it in place)."""
         self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.windows)
         rotations = self.rotary(positions, self.dtype)
         local = rotations if self.local_rotary is None else self.local_rotary(positions, self.dtype)
@@ -439,10 +489,14 @@ class CausalLM(nn.Module):
         x = self._embed(input_ids)
         if self.embedding_multiplier != 1.0:
             x *= self.embedding_multiplier
+        h = self.config.hidden_size
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if aux is not None and layer.index in self.aux_hidden_state_layers:
+                column = self.aux_hidden_state_layers.index(layer.index) * h
+                aux[:, column : column + h].copy_(x)
             cos, sin = local if layer.local_rope else rotations
             x = layer(x, cos, sin, attn_metadata, kv_cache, lora, query_scale)
-        return self.norm(x)
+        return x
 
     def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Ministral 3's factor of each token's queries, [T, 1, 1] in the model's dtype, as

@@ -67,7 +67,12 @@ from weir.services.executor.sampler import (
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
-from weir.shared.config import ENGINE_DEFAULTS, MAX_NUM_KV_BLOCKS, resolve_max_model_len
+from weir.shared.config import (
+    EAGLE_METHODS,
+    ENGINE_DEFAULTS,
+    MAX_NUM_KV_BLOCKS,
+    resolve_max_model_len,
+)
 from weir.shared.lora import LoraModule
 from weir.shared.model_config import check_new_weights, eos_token_ids, read_model_config
 from weir.shared.pooling import resolve_runner
@@ -175,7 +180,7 @@ class LaunchedStep:
     # Of pooling requests whose prompt it completes: their ids and pooled states, [n, hidden]
     # float32, on their way to the host.
     pooled: tuple[list[str], torch.Tensor] | None = None
-    # With an EAGLE head: the final hidden states of the step's rows, which it reads.
+    # With an EAGLE head: what it reads of the step's rows (``ModelRunner._eagle_rows``).
     hidden: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     reserved: Reservation | None = None
@@ -287,8 +292,8 @@ class ModelRunner:
         self.model = self._load_model()
         self.config = self.model.config
         # The draft model's directory, drafts a step, quantization, load format (its
-        # own: new weights of the served model change the served model's only) and whether
-        # it is an EAGLE head (``speculative_method`` eagle) rather than a draft_model.
+        # own: new weights of the served model change the served model's only) and the
+        # method: draft_model, or an EAGLE head's (eagle, eagle3).
         self.draft_options = (
             None
             if speculative_model is None
@@ -297,7 +302,7 @@ class ModelRunner:
                 num_speculative_tokens,
                 speculative_model_quantization,
                 load_format,
-                speculative_method == "eagle",
+                speculative_method,
             )
         )
         self.drafter = None if self.draft_options is None else self._load_drafter()
@@ -466,16 +471,16 @@ class ModelRunner:
 
     def _load_drafter(self) -> Drafter:
         """The draft model of ``draft_model`` speculative decoding, on this rank's device
-        (and shard: it splits as the served model does), or the EAGLE head of ``eagle``
-        over the served model (one rank only)."""
+        (and shard: it splits as the served model does), or the EAGLE head of ``eagle`` or
+        ``eagle3`` over the served model (one rank only)."""
         assert self.draft_options is not None
-        model_dir, num_speculative_tokens, quantization, load_format, eagle = self.draft_options
+        model_dir, num_speculative_tokens, quantization, load_format, method = self.draft_options
         if self.pooling_runner:
             raise ValueError("a draft model proposes generated tokens; a pooling runner has none")
         if num_speculative_tokens < 1:
             raise ValueError("a draft model needs num_speculative_tokens >= 1")
         check_quantization(quantization, self.device, self.dtype)
-        if eagle:
+        if method in EAGLE_METHODS:
             if self.tp is not None:
                 raise ValueError(
                     "EAGLE speculative decoding under tensor parallelism is not supported yet: "
@@ -483,7 +488,7 @@ class ModelRunner:
                 )
             if quantization is not None:
                 raise ValueError("an EAGLE head is not quantized: drop its quantization")
-            head = load_eagle_head(model_dir, self.model, load_format)
+            head = load_eagle_head(model_dir, self.model, load_format, method)
             return Drafter(head, num_speculative_tokens, self.config.vocab_size, self.device, None)
         draft_config = read_model_config(model_dir)
         rank, size = (0, 1) if self.tp is None else (self.tp.rank, self.tp.world_size)
@@ -577,7 +582,9 @@ class ModelRunner:
             max_seq_len=int(lens.max()),
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, self._to_device(positions), meta, kv_caches)
+        hidden, aux = self.model.forward_with_aux(
+            input_ids, self._to_device(positions), meta, kv_caches
+        )
         logits = self.model.compute_logits(
             hidden[self._to_device(query_start_loc[1:].astype(np.int64) - 1)]
         )
@@ -592,8 +599,8 @@ class ModelRunner:
             kv_caches = self.drafter.model.allocate_kv_caches(
                 num_reqs * blocks_per_req, self.block_size
             )
-            context = hidden if self.drafter.eagle else None
-            self.drafter.run(input_ids, context, self._to_device(positions), meta, kv_caches)
+            rows = self._eagle_rows(hidden, aux)
+            self.drafter.first_pass(input_ids, rows, self._to_device(positions), meta, kv_caches)
             del kv_caches
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -721,7 +728,7 @@ class ModelRunner:
             if fed is not None:
                 _scatter(input_ids, fed, previous)
             prepared = self._clock()
-            padded = self.graphs.forward(shape)
+            padded, aux = self.graphs.forward(shape)
             if len(inputs.logits_indices):
                 # Padding rows come last and never reach the LM head.
                 rows = padded[: len(inputs.logits_indices)]
@@ -729,7 +736,7 @@ class ModelRunner:
             else:  # a prefill chunk alone: nothing to sample
                 step = self._unsampled(plan, inputs, start, prepared, began)
             step.timings.graphed = self.graphs.replays(shape)
-            step.hidden = padded if eagle else None  # a decode graph's rows: every token's
+            step.hidden = self._eagle_rows(padded, aux)  # a decode graph's rows: every token's
             return step
         meta = AttentionMetadata(
             query_start_loc=self._to_device(inputs.query_start_loc),
@@ -744,21 +751,29 @@ class ModelRunner:
         if feed is not None:
             _scatter(input_ids, self._to_device(feed), previous)
         prepared = self._clock()
-        hidden = self.model(input_ids, positions, meta, self.kv_caches, lora)
+        hidden, aux = self.model.forward_with_aux(input_ids, positions, meta, self.kv_caches, lora)
         prompt = self._prompt_logprobs(hidden, inputs)
         pooled = None if inputs.pooling is None else self._pool(hidden, inputs)
         if not len(inputs.logits_indices):
             step = self._unsampled(plan, inputs, start, prepared, began)
             step.prompt_ids, step.prompt_logprobs = prompt
             step.pooled = pooled
-            step.hidden = hidden if eagle else None
+            step.hidden = self._eagle_rows(hidden, aux)
             return step
         rows = hidden[self._to_device(inputs.logits_indices)]
         step = self._sample(plan, inputs, rows, input_ids, start, prepared, began)
         step.prompt_ids, step.prompt_logprobs = prompt
         step.pooled = pooled
-        step.hidden = hidden if eagle else None
+        step.hidden = self._eagle_rows(hidden, aux)
         return step
+
+    def _eagle_rows(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor | None:
+        """What an EAGLE head reads of a forward pass's rows: the served model's final
+        hidden states (EAGLE-1's), or the auxiliary ones it keeps for an EAGLE-3 head; None
+        without a head."""
+        if self.drafter is None or not self.drafter.eagle:
+            return None
+        return hidden if aux is None else aux
 
     def _unsampled(
         self,

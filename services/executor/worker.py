@@ -32,7 +32,7 @@ from weir.services.executor.metrics import ExecutorMetrics
 from weir.services.metrics_endpoint import start_metrics_server
 from weir.services.startup_heap import freeze_startup_heap
 from weir.services.supervised import StatusReporter, parent_gone
-from weir.shared.config import EngineArgs
+from weir.shared.config import EAGLE_METHODS, EngineArgs
 from weir.shared.keys import (
     CLUSTER,
     HandshakeMonitor,
@@ -477,7 +477,7 @@ def load_runner(args: EngineArgs, rank: int = 0) -> ModelRunner:
             if args.speculative_model is None
             # An EAGLE head's directory: weights and config.json, never a tokenizer.
             else Path(args.speculative_model).expanduser()
-            if args.speculative_method == "eagle"
+            if args.speculative_method in EAGLE_METHODS
             # Served with --tokenizer too, as the target: it needs no tokenizer of its own.
             else resolve_model(
                 args.speculative_model, load_format=args.load_format, tokenizer=args.tokenizer

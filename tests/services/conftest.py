@@ -12,14 +12,14 @@ transformers = pytest.importorskip("transformers")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def save_tiny_llama(path: Path, tokenizer_dir: Path) -> None:
-    """A 2-layer random Llama with SmolLM2's vocabulary, so text prompts and chat work."""
+def save_tiny_llama(path: Path, tokenizer_dir: Path, num_layers: int = 2) -> None:
+    """A random Llama (2 layers unless told) with SmolLM2's vocabulary, so text prompts and chat work."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=49152,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,

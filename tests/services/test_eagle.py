@@ -82,9 +82,11 @@ def copy_head_dir(tmp_path_factory, tiny_hf_model):
     return path
 
 
-def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16, **options):
-    """An engine core of ``model_dir`` with ``k`` EAGLE drafts a step, and its runner
-    (``options``: more of ModelRunner's)."""
+def engine(
+    model_dir, head_dir, k: int, max_num_batched_tokens: int = 16, method="eagle", **options
+):
+    """An engine core of ``model_dir`` with ``k`` drafts a step of the EAGLE head of
+    ``method``, and its runner (``options``: more of ModelRunner's)."""
     runner = ModelRunner(
         model_dir,
         device="cpu",
@@ -93,10 +95,27 @@ def engine(model_dir, head_dir, k: int, max_num_batched_tokens: int = 16, **opti
         max_num_seqs=4,
         num_speculative_tokens=k,
         speculative_model=head_dir,
-        speculative_method="eagle",
+        speculative_method=method,
         **options,
     )
     return drafting_core(runner, k, max_num_batched_tokens), runner
+
+
+def record_proposals(runner) -> list[tuple[list[int], list[int]]]:
+    """The list the runner's drafter appends each proposal to from now on: (the request's
+    sequence so far, its drafts)."""
+    proposed: list[tuple[list[int], list[int]]] = []
+    propose = runner.drafter.propose
+
+    def recording(batch, inputs, sampled, hidden):
+        drafts = propose(batch, inputs, sampled, hidden)
+        for rid, row in drafts.items():
+            slot = inputs.slots[inputs.req_ids.index(rid)]
+            proposed.append((batch.token_ids[slot, : batch.num_tokens[slot]].tolist(), row))
+        return drafts
+
+    runner.drafter.propose = recording
+    return proposed
 
 
 def reference_drafts(tiny_hf_model, head_dir, prompt: list[int], k: int) -> list[int]:
@@ -149,17 +168,7 @@ def test_proposals_are_the_heads_as_transformers_computes_them(
     prompts = [list(range(100, 140)), [5, 6, 7, 8, 9], [9, 9, 9, 9, 9]]
     core, runner = engine(tiny_model_dir, directory, 3)
     assert runner.drafter is not None
-    proposed: list[tuple[list[int], list[int]]] = []  # (sequence so far, drafts)
-    propose = runner.drafter.propose
-
-    def recording(batch, inputs, sampled, hidden):
-        drafts = propose(batch, inputs, sampled, hidden)
-        for rid, row in drafts.items():
-            slot = inputs.slots[inputs.req_ids.index(rid)]
-            proposed.append((batch.token_ids[slot, : batch.num_tokens[slot]].tolist(), row))
-        return drafts
-
-    runner.drafter.propose = recording  # type: ignore[method-assign]
+    proposed = record_proposals(runner)
     generate_in_core(core, prompts, GREEDY)
     assert len(proposed) > len(prompts)
     for sequence, drafts in proposed:
@@ -244,8 +253,6 @@ def test_a_wide_head_fails_the_servers_start_up(tiny_model_dir, tiny_hf_model, t
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"speculative_config": {"method": "eagle3", "model": "x"}}, "eagle3.*not supported"),
-        ({"speculative_method": "eagle3", "speculative_model": "x"}, "eagle3.*not supported"),
         ({"speculative_method": "eagle"}, "eagle needs speculative_model"),
         # LLM(...)'s and a config file's method, which argparse's choices do not see.
         ({"speculative_method": "medusa", "num_speculative_tokens": 2}, "must be one of"),

@@ -189,7 +189,7 @@ def test_vllms_speculative_config_is_the_four_options_it_stands_for():
     scheduler = build_parser().parse_args(["scheduler", *engine.to_argv("scheduler")])
     assert EngineArgs.from_cli(scheduler).scheduler_config(100).num_speculative_tokens == 3
     for bad, words in [
-        ('{"method": "medusa"}', "method must be one of ('ngram', 'draft_model', 'eagle')"),
+        ('{"method": "medusa"}', "one of ('ngram', 'draft_model', 'eagle', 'eagle3')"),
         ('{"method": "eagle"}', "eagle needs speculative_model"),
         ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "not supported"),
         ('{"method": "ngram", "model": "x"}', "not of 'ngram'"),
