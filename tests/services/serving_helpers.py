@@ -14,6 +14,7 @@ import zmq
 from weir.services.engine.core import EngineCore, InProcessExecutor, step_now
 from weir.services.gateway.chat_output import NO_PARSERS, ChatParsers
 from weir.services.launcher import ServerProcesses
+from weir.services.llm import LLM
 from weir.services.scheduler import Request, Scheduler
 from weir.shared.config import EXECUTOR, CacheConfig, EngineArgs, SchedulerConfig
 from weir.shared.sampling import SamplingParams
@@ -309,3 +310,21 @@ def drafting_core(runner, k: int, max_num_batched_tokens: int) -> EngineCore:
         CacheConfig(num_blocks=runner.num_blocks),
     )
     return EngineCore(scheduler, InProcessExecutor(runner))
+
+
+def check_llm_drafts(model_dir, hf_model, speculative_config: dict) -> None:
+    """vLLM's ``speculative_config`` through ``LLM``'s processes: greedy outputs are
+    transformers' (drafts never change them), and the draft proposed some."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(100, 130))]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(
+        str(model_dir),
+        device="cpu",
+        max_num_batched_tokens=16,
+        speculative_config=speculative_config,
+    ) as llm:
+        completions = llm.generate(prompts, greedy)
+        samples = read_metrics(llm.server_info["metrics_address"])
+    assert metric(samples, "weir_spec_decode_draft_tokens_total") > 0
+    for prompt, completion in zip(prompts, completions):
+        assert completion.token_ids == hf_greedy(hf_model, prompt, greedy.max_tokens)

@@ -14,7 +14,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from conftest import transformers
 from safetensors.torch import save_file
-from serving_helpers import drafting_core, generate_in_core, hf_greedy, metric, read_metrics
+from serving_helpers import (
+    check_llm_drafts,
+    drafting_core,
+    generate_in_core,
+    hf_greedy,
+)
 from spread_weights import spread_weights_
 
 from weir.services.executor.model_runner import ModelRunner
@@ -214,16 +219,8 @@ def test_triton_attention_warms_up_the_heads_kernels_too(tiny_model_dir, tiny_hf
 def test_llm_with_an_eagle_config(tiny_model_dir, tiny_hf_model, head_dir):
     """vLLM's speculative_config through the processes: outputs are transformers', and
     the head drafted."""
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(100, 130))]
     config = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 2}
-    with LLM(
-        str(tiny_model_dir), device="cpu", max_num_batched_tokens=16, speculative_config=config
-    ) as llm:
-        completions = llm.generate(prompts, GREEDY)
-        samples = read_metrics(llm.server_info["metrics_address"])
-    assert metric(samples, "weir_spec_decode_draft_tokens_total") > 0
-    for prompt, completion in zip(prompts, completions):
-        assert completion.token_ids == hf_greedy(tiny_hf_model, prompt, GREEDY.max_tokens)
+    check_llm_drafts(tiny_model_dir, tiny_hf_model, config)
 
 
 def test_a_head_that_does_not_fit_is_refused(tiny_model_dir, tiny_hf_model, tmp_path):

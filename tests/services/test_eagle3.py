@@ -14,12 +14,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from conftest import save_tiny_llama, transformers
 from safetensors.torch import load_file
-from serving_helpers import generate_in_core, hf_greedy, metric, read_metrics
+from serving_helpers import check_llm_drafts, generate_in_core, hf_greedy
 from spread_weights import spread_weights_
 from test_eagle import GREEDY, engine, record_proposals, save_head
 
 from weir.services.executor.eagle import Eagle3Head, aux_hidden_state_layers
-from weir.services.llm import LLM
 from weir.shared.config import EngineArgs
 from weir.shared.sampling import SamplingParams
 
@@ -296,16 +295,8 @@ def test_dummy_weights_draft(deep_model_dir, head_dir):
 def test_llm_with_an_eagle3_config(deep_model_dir, deep_hf_model, head_dir):
     """vLLM's speculative_config through the processes: outputs are transformers', and
     the head drafted."""
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(100, 130))]
     config = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 2}
-    with LLM(
-        str(deep_model_dir), device="cpu", max_num_batched_tokens=16, speculative_config=config
-    ) as llm:
-        completions = llm.generate(prompts, GREEDY)
-        samples = read_metrics(llm.server_info["metrics_address"])
-    assert metric(samples, "weir_spec_decode_draft_tokens_total") > 0
-    for prompt, completion in zip(prompts, completions):
-        assert completion.token_ids == hf_greedy(deep_hf_model, prompt, GREEDY.max_tokens)
+    check_llm_drafts(deep_model_dir, deep_hf_model, config)
 
 
 def _without(name):
