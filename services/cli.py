@@ -64,6 +64,7 @@ from weir.shared.config import (
     tcp_address,
 )
 from weir.shared.config_fields import json_object
+from weir.shared.hub_cache import cached_snapshot
 from weir.shared.pooling import RUNNERS
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
@@ -894,9 +895,10 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--download-dir",
         metavar="DIR",
-        help="vLLM's; Weir downloads no model (it reads the directory or .gguf file given "
-        "where it is), so it changes nothing; without a model it is refused: the bundled "
-        "default model is kept in $WEIR_CACHE",
+        help="vLLM's: the Hugging Face cache a Hub repo id's snapshot is read from (in place "
+        "of $HF_HUB_CACHE; Weir downloads no model); a directory or .gguf file is read where "
+        "it is; without a model it is refused: the bundled default model is kept in "
+        "$WEIR_CACHE",
     )
     for flag, files in (
         ("--revision", "model's files"),
@@ -1061,14 +1063,24 @@ class _Refused(argparse.Action):
 
 
 def _check_download_dir(args: argparse.Namespace) -> None:
-    """vLLM's ``--download-dir`` is taken where a model is given: Weir reads it in place."""
-    if getattr(args, "download_dir", None) is not None and args.model is None:
+    """vLLM's ``--download-dir``, taken where a model is given: the Hugging Face cache a repo
+    id is read from (vLLM's cache_dir): the model, tokenizer and draft it names are their
+    snapshots there."""
+    download_dir = getattr(args, "download_dir", None)
+    if download_dir is None:
+        return
+    if args.model is None:
         print(
             f"weir {args.command}: --download-dir is refused without a model: Weir keeps its "
             "bundled default model in $WEIR_CACHE (set it to choose where)",
             file=sys.stderr,
         )
         raise SystemExit(2)
+    cache = Path(download_dir).expanduser()
+    for name in ("model", "tokenizer", "speculative_model"):
+        value = getattr(args, name, None)
+        if value is not None and (snapshot := cached_snapshot(value, cache)) is not None:
+            setattr(args, name, str(snapshot))
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:

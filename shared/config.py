@@ -22,6 +22,7 @@ from typing import Any
 
 from weir.shared.config_fields import json_object
 from weir.shared.gpu_info import GpuInfo
+from weir.shared.hub_cache import local_path
 from weir.shared.kv_events_config import KVEventsConfig
 from weir.shared.lora import LoraModule, parse_lora_modules
 from weir.shared.pooling import RUNNERS
@@ -715,6 +716,9 @@ class EngineArgs:
         # What can be told before any process starts; the executor checks the device it got.
         if self.speculative_config is not None:
             self._expand_speculative_config()
+        for name in ("tokenizer", "speculative_model"):  # a Hub repo id: its cached snapshot
+            if (value := getattr(self, name)) is not None:
+                object.__setattr__(self, name, local_path(value))  # frozen
         self._check_draft_model()
         if self.tokenizer is not None:
             self._check_tokenizer(self.tokenizer)

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from weir.shared.gguf_convert import convert_gguf
+from weir.shared.hub_cache import REPO_ID, cached_snapshot, hub_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +323,8 @@ def resolve_model(
     load_format: str = "auto",
     tokenizer: str | os.PathLike | None = None,
 ) -> Path:
-    """A Hugging Face model directory for `model`: None means the bundled default model.
+    """A Hugging Face model directory for `model`: None means the bundled default model; a
+    Hub repo id, its snapshot in the Hugging Face cache (``cached_snapshot``).
     With ``load_format="dummy"`` a directory needs no weights (config.json and a tokenizer).
     Served with another ``tokenizer`` (a directory, vLLM's ``--tokenizer``), a model needs
     none of its own: a directory without one is a model, and a .gguf file's is not
@@ -330,6 +332,8 @@ def resolve_model(
     if model is None:
         return _converted(DEFAULT_MODEL_NAME, default_gguf_path)
     path = Path(model).expanduser()
+    if (snapshot := cached_snapshot(model)) is not None:
+        path = snapshot
     own_tokenizer = tokenizer is None
     if is_model_dir(path, need_weights=load_format != "dummy", need_tokenizer=own_tokenizer):
         return path.resolve()
@@ -338,7 +342,13 @@ def resolve_model(
             return _converted(_gguf_cache_name(path), lambda: path)
         return _converted(_gguf_cache_name(path), lambda: path, with_tokenizer=False)
     if not path.exists():
-        raise ModelNotFoundError(f"model {str(model)!r}: no such file or directory")
+        hub = (
+            f", nor a Hugging Face Hub repo in the cache {hub_cache_dir()} ($HF_HUB_CACHE, "
+            f"$HF_HOME): Weir downloads no model; `huggingface-cli download {model}` first"
+            if REPO_ID.fullmatch(str(model))
+            else ""
+        )
+        raise ModelNotFoundError(f"model {str(model)!r}: no such file or directory{hub}")
     if load_format == "dummy" and path.is_dir():
         raise ModelNotFoundError(
             f"model {str(model)!r}: --load-format dummy needs config.json and a tokenizer "

@@ -55,6 +55,7 @@ from weir.shared.config import (
     make_profiler_dir,
     tcp_address,
 )
+from weir.shared.hub_cache import model_name_of
 from weir.shared.keys import (
     CLIENT_DOMAIN,
     EXECUTOR_DOMAIN,
@@ -159,7 +160,7 @@ class SchedulerServer:
         limit = self.engine_args.max_logprobs
         self.max_logprobs = self.vocab_size if limit == -1 else min(limit, self.vocab_size)
         # What clients and metrics call the model; executors report the directory's name.
-        self.model_names = self.engine_args.model_names(model_dir.name)
+        self.model_names = self.engine_args.model_names(model_name_of(model_dir))
         self.model_name = self.model_names[0]
         if self.engine_args.profiler_dir is not None:  # before any trace is taken
             make_profiler_dir(self.engine_args.profiler_dir)

@@ -1,0 +1,54 @@
+"""Models in the Hugging Face cache: a Hub repo id (``vllm serve Qwen/Qwen3-8B``) names the
+snapshot that ``huggingface-cli download`` (or an earlier vLLM run) left on this machine. Weir
+downloads nothing; a repo id that the cache lacks stays a name that is no file.
+"""
+
+import os
+import re
+from pathlib import Path
+
+# A Hugging Face Hub repo id ("org/name", or a name alone), as `vllm serve` takes a model.
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps what it downloads, as it reads its variables:
+    $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub (under $XDG_CACHE_HOME)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+def cached_snapshot(name: str | os.PathLike, cache: Path | None = None) -> Path | None:
+    """The snapshot of repo id ``name`` at its main revision in the Hugging Face cache
+    (``cache``, else ``hub_cache_dir()``: what ``huggingface-cli download`` or an earlier
+    vLLM run left there), for a ``name`` that is no file or directory; None where the cache
+    has none. Weir downloads nothing."""
+    name = str(name)
+    if not REPO_ID.fullmatch(name) or Path(name).exists():
+        return None
+    repo = (cache or hub_cache_dir()) / ("models--" + name.replace("/", "--"))
+    try:
+        commit = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if commit and snapshot.is_dir() else None
+
+
+def local_path(name: str) -> str:
+    """``name``, or the cached snapshot of the Hub repo it names (``cached_snapshot``)."""
+    snapshot = cached_snapshot(name)
+    return name if snapshot is None else str(snapshot)
+
+
+def model_name_of(model_dir: Path) -> str:
+    """What the API calls a model by default: its directory's name, or the repo id of a
+    Hugging Face cache snapshot (``.../models--ORG--NAME/snapshots/COMMIT``), as vLLM."""
+    repo = model_dir.parent.parent.name
+    if model_dir.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return model_dir.name
