@@ -331,7 +331,32 @@ def _chat_messages(
             message["tool_calls"] = calls
         if texts or reasoning or calls or not turn.content:
             messages.append(message)
-    return messages
+    return _combined(messages)
+
+
+def _combined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user turns as one, and consecutive assistant turns (but after a tool
+    call), as Anthropic combines them: templates that want roles to alternate refuse them
+    apart."""
+    combined: list[dict[str, Any]] = []
+    for message in messages:
+        last = combined[-1] if combined else None
+        if (
+            last is None
+            or message["role"] != last["role"]
+            or last["role"] not in ("user", "assistant")
+            or "tool_calls" in last
+        ):
+            combined.append(message)
+            continue
+        last["content"] = "\n".join(text for text in (last["content"], message["content"]) if text)
+        if "reasoning_content" in message:
+            last["reasoning_content"] = (
+                last.get("reasoning_content", "") + message["reasoning_content"]
+            )
+        if "tool_calls" in message:
+            last["tool_calls"] = message["tool_calls"]
+    return combined
 
 
 def message_id() -> str:

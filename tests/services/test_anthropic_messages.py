@@ -99,10 +99,10 @@ def test_a_message_is_transformers_greedy_answer_whole_and_streamed(
 
 
 def test_system_blocks_and_turns_render_as_the_chat_they_are(client, tokenizer, tiny_hf_model):
-    """Text blocks join as chat parts do, Claude Code's billing header is left out (it
-    changes each request and would defeat the prefix cache), a system turn joins the system
-    prompt (and Claude Code's "msg" turn is the user's, as vLLM reads them), and a last
-    assistant turn is a prefill that the answer goes on from."""
+    """Text blocks join as chat parts do (and consecutive user turns as one), Claude Code's
+    billing header is left out (it changes each request and would defeat the prefix cache),
+    a system turn joins the system prompt (and Claude Code's "msg" turn is the user's, as
+    vLLM reads them), and a last assistant turn is a prefill the answer goes on from."""
     chat = [
         {"role": "system", "content": "Be brief.\nBe kind.\nBe quick."},
         {"role": "user", "content": "Hi\nthere"},
@@ -128,6 +128,10 @@ def test_system_blocks_and_turns_render_as_the_chat_they_are(client, tokenizer, 
     assert reply.content[0].text == want
     assert _input_tokens(reply.usage) == len(ids)
     counted = client.messages.count_tokens(model=MODEL, system=system, messages=turns)
+    assert counted.input_tokens == len(ids)
+    # Consecutive user turns are one, as Anthropic combines them.
+    apart = [*turns[:1], {"role": "user", "content": "Hi"}, {"role": "user", "content": "there"}]
+    counted = client.messages.count_tokens(model=MODEL, system=system, messages=[*apart, turns[-1]])
     assert counted.input_tokens == len(ids)
 
 
