@@ -22,7 +22,7 @@ def hub_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def cached_snapshot(name: str | os.PathLike, cache: Path | None = None) -> Path | None:
+def cached_snapshot(name: str | os.PathLike[str], cache: Path | None = None) -> Path | None:
     """The snapshot of repo id ``name`` at its main revision in the Hugging Face cache
     (``cache``, else ``hub_cache_dir()``: what ``huggingface-cli download`` or an earlier
     vLLM run left there), for a ``name`` that is no file or directory; None where the cache
