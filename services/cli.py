@@ -64,7 +64,7 @@ from weir.shared.config import (
     tcp_address,
 )
 from weir.shared.config_fields import json_object
-from weir.shared.hub_cache import cached_snapshot
+from weir.shared.hub_cache import cached_snapshot, hub_cache_dir
 from weir.shared.pooling import RUNNERS
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
@@ -348,7 +348,7 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    _check_download_dir(args)
+    _resolve_hub_ids(args)
     try:
         if getattr(args, "enable_reasoning", False) and args.reasoning_parser is None:
             raise ValueError(
@@ -901,19 +901,15 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
         "$WEIR_CACHE",
     )
     for flag, files in (
-        ("--revision", "model's files"),
-        ("--tokenizer-revision", "tokenizer's files"),
+        ("--revision", "model"),
+        ("--tokenizer-revision", "tokenizer"),
     ):
         p.add_argument(
             flag,
-            type=_vllm_value(
-                ("main",),
-                f"Weir reads the {files} as they are on disk and fetches no revision: check "
-                "the revision out into a directory and serve that",
-            ),
-            metavar="main",
-            help=f"vLLM's; main changes nothing (Weir reads the {files} as they are on "
-            "disk); another revision is refused",
+            metavar="REVISION",
+            help=f"vLLM's: the revision (branch, tag or commit) of the {files} that a Hub repo "
+            "id names, read from its snapshot in the Hugging Face cache (Weir fetches none); "
+            "main changes nothing for a directory or .gguf file, another revision is refused",
         )
     p.add_argument(
         "--code-revision",
@@ -1062,25 +1058,47 @@ class _Refused(argparse.Action):
         parser.error(f"{option_string} is refused: {self.why}")
 
 
-def _check_download_dir(args: argparse.Namespace) -> None:
-    """vLLM's ``--download-dir``, taken where a model is given: the Hugging Face cache a repo
-    id is read from (vLLM's cache_dir): the model, tokenizer and draft it names are their
-    snapshots there."""
+def _resolve_hub_ids(args: argparse.Namespace) -> None:
+    """vLLM's ``--download-dir`` (the Hugging Face cache a repo id is read from, vLLM's
+    cache_dir), ``--revision`` and ``--tokenizer-revision`` (the snapshot read there): a
+    model, tokenizer or draft naming a repo id in the cache becomes its snapshot; another
+    revision of anything else is refused (Weir fetches none)."""
     download_dir = getattr(args, "download_dir", None)
-    if download_dir is None:
-        return
-    if args.model is None:
-        print(
-            f"weir {args.command}: --download-dir is refused without a model: Weir keeps its "
-            "bundled default model in $WEIR_CACHE (set it to choose where)",
-            file=sys.stderr,
+    if download_dir is not None and args.model is None:
+        _refuse(
+            args,
+            "--download-dir is refused without a model: Weir keeps its bundled default model "
+            "in $WEIR_CACHE (set it to choose where)",
         )
-        raise SystemExit(2)
-    cache = Path(download_dir).expanduser()
-    for name in ("model", "tokenizer", "speculative_model"):
+    cache = None if download_dir is None else Path(download_dir).expanduser()
+    tokenizer_revision = getattr(args, "tokenizer_revision", None) or "main"
+    if getattr(args, "tokenizer", None) is None and tokenizer_revision != "main":
+        args.tokenizer = args.model  # vLLM's: the model's tokenizer, at that revision
+    for name, flag, revision in (
+        ("model", "--revision", getattr(args, "revision", None) or "main"),
+        ("tokenizer", "--tokenizer-revision", tokenizer_revision),
+        ("speculative_model", None, "main"),
+    ):
         value = getattr(args, name, None)
-        if value is not None and (snapshot := cached_snapshot(value, cache)) is not None:
+        snapshot = None if value is None else cached_snapshot(value, cache, revision)
+        if snapshot is not None:
             setattr(args, name, str(snapshot))
+        elif revision != "main":
+            files = "model's" if name == "model" else "tokenizer's"
+            _refuse(
+                args,
+                f"{flag} {revision!r} is refused: Weir reads the {files} files as they are on "
+                f"disk and fetches no revision, and {value or 'the bundled model'!r} is no Hub "
+                f"repo whose {revision} "
+                f"the Hugging Face cache {cache or hub_cache_dir()} holds: download it "
+                f"(huggingface-cli download {value} --revision {revision}) or check it out "
+                "into a directory",
+            )
+
+
+def _refuse(args: argparse.Namespace, why: str) -> NoReturn:
+    print(f"weir {args.command}: {why}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:

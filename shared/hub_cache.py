@@ -22,17 +22,20 @@ def hub_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def cached_snapshot(name: str | os.PathLike[str], cache: Path | None = None) -> Path | None:
-    """The snapshot of repo id ``name`` at its main revision in the Hugging Face cache
-    (``cache``, else ``hub_cache_dir()``: what ``huggingface-cli download`` or an earlier
-    vLLM run left there), for a ``name`` that is no file or directory; None where the cache
-    has none. Weir downloads nothing."""
+def cached_snapshot(
+    name: str | os.PathLike[str], cache: Path | None = None, revision: str = "main"
+) -> Path | None:
+    """The snapshot of repo id ``name`` at ``revision`` (a branch or tag its refs name, or a
+    commit) in the Hugging Face cache (``cache``, else ``hub_cache_dir()``: what
+    ``huggingface-cli download`` or an earlier vLLM run left there), for a ``name`` that is
+    no file or directory; None where the cache has none. Weir downloads nothing."""
     name = str(name)
-    if not REPO_ID.fullmatch(name) or Path(name).exists():
+    if not REPO_ID.fullmatch(name) or Path(name).exists() or ".." in revision.split("/"):
         return None
     repo = (cache or hub_cache_dir()) / ("models--" + name.replace("/", "--"))
+    ref = repo / "refs" / revision
     try:
-        commit = (repo / "refs" / "main").read_text().strip()
+        commit = ref.read_text().strip() if ref.is_file() else revision
     except OSError:
         return None
     snapshot = repo / "snapshots" / commit

@@ -82,3 +82,22 @@ def test_vllms_download_dir_is_the_cache_a_repo_id_is_read_from(hub_cache, monke
     )
     # The tokenizer is the model's own (vLLM's default), so none apart.
     assert (args.model, args.tokenizer) == (str(hub_cache), None)
+
+
+def test_vllms_revision_reads_that_snapshot_and_refuses_one_the_cache_lacks(hub_cache, capsys):
+    from weir.services.cli import _engine_args, parse_args
+
+    repo = hub_cache.parent.parent
+    other = "fedcba9876543210fedcba9876543210fedcba98"
+    shutil.copytree(hub_cache, repo / "snapshots" / other, symlinks=True)
+    (repo / "refs" / "v2").write_text(other)
+    for revision in ("v2", other):
+        args = _engine_args(parse_args(["serve", REPO, "--revision", revision]))
+        assert args.model == str(repo / "snapshots" / other)
+    assert _engine_args(parse_args(["serve", REPO, "--revision", "main"])).model == str(hub_cache)
+    tokenizer = _engine_args(parse_args(["serve", REPO, "--tokenizer-revision", "v2"])).tokenizer
+    assert tokenizer == str(repo / "snapshots" / other)  # the model's tokenizer, at v2
+    with pytest.raises(SystemExit) as exit_info:
+        _engine_args(parse_args(["serve", REPO, "--revision", "v3"]))
+    assert exit_info.value.code == 2
+    assert "huggingface-cli download acme/tiny-chat --revision v3" in capsys.readouterr().err
