@@ -699,8 +699,7 @@ def device_class(device: torch.device) -> tuple[int, int]:
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """The stream decode launches share with prefill launches on a GPU; None elsewhere."""
-    # torch leaves Stream's constructor unannotated.
-    return torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
 @functools.lru_cache(maxsize=1024, typed=True)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
-from weir.services.executor.layers import Linear, RMSNorm, layer_kernels_for
+from weir.services.executor.layers import Linear, ModuleList, RMSNorm, layer_kernels_for
 from weir.services.executor.model import (
     CausalLM,
     DecoderLayer,
@@ -77,7 +77,7 @@ class EagleLayers(nn.Module):
             # fc's output is the first layer's input as it is (EAGLE's layer 0 has no input norm).
             layers[0].input_layernorm = None
         self.windows = tuple(dict.fromkeys(layer.sliding_window for layer in layers))
-        self.layers = nn.ModuleList(layers)
+        self.layers = ModuleList(layers)
 
 
 class EagleHead(nn.Module):

@@ -188,8 +188,7 @@ class LaunchedStep:
 
     def is_ready(self) -> bool:
         """Whether ``finish`` would return without waiting for the device."""
-        # torch leaves Event.query unannotated.
-        return self.ready is None or self.ready.query()  # type: ignore[no-untyped-call]
+        return self.ready is None or self.ready.query()
 
 
 class ModelRunner:
@@ -835,15 +834,14 @@ class ModelRunner:
 
     def _fold_finished_spans(self) -> None:
         """Add the device time of the steps whose events have happened (without waiting)."""
-        # torch leaves Event's methods unannotated.
-        while self._busy_spans and self._busy_spans[0][1].query():  # type: ignore[no-untyped-call]
+        while self._busy_spans and self._busy_spans[0][1].query():
             began, ended = self._busy_spans.popleft()
             self._busy_seconds += began.elapsed_time(ended) / 1e3
 
     def _device_event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 

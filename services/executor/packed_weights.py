@@ -75,6 +75,9 @@ class PackedLinear(nn.Module):
     """`Linear` with its weight prepacked: the native kernels' panels when `kernels` is
     given (float32 or bfloat16, as ``weight`` is), oneDNN's blocked layout otherwise."""
 
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
+
     def __init__(
         self,
         weight: torch.Tensor,
