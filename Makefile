@@ -9,10 +9,11 @@ MODEL_READY := $(VENV)/.weir-model-ready
 # its own threads from the cores it may use (`make serve ARGS="--threads 1"` to pin it).
 export OMP_NUM_THREADS ?= 1
 
-# The scheduling core and everything on the wire are type-checked strictly; mypy finds
-# them by their import names through a link tree (pyproject maps the folders at install).
+# The scheduling core, everything on the wire, the executor and the kernels are type-checked
+# strictly; mypy finds them by their import names through a link tree (pyproject maps the
+# folders at install).
 TYPED := -p weir.services.scheduler -p weir.services.engine -p weir.services.gateway \
-	-p weir.shared.protocol -p weir.shared.config -p weir.shared.arith -m weir.services.cpu_cores \
+	-p weir.services.executor -p weir.kernels -p weir.shared -m weir.services.cpu_cores \
 	-m weir.services.batch -m weir.services.config_file
 
 .PHONY: serve test lint setup model clean

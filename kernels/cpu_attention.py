@@ -123,7 +123,11 @@ def plan_step(
         for r in long_reqs
     ]
     plan = StepPlan(num_kv_heads, group, torch.from_numpy(write_slots), write_rows, short, long)
-    return plan if torch.device(device).type == "cpu" else _to_device(plan, device)
+    if torch.device(device).type == "cpu":
+        return plan
+    moved = _to_device(plan, device)
+    assert isinstance(moved, StepPlan)
+    return moved
 
 
 def _to_device(obj: object, device: torch.device | str) -> object:
@@ -132,7 +136,7 @@ def _to_device(obj: object, device: torch.device | str) -> object:
         return obj.to(device)
     if isinstance(obj, list):
         return [_to_device(x, device) for x in obj]
-    if dataclasses.is_dataclass(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(
             obj,
             **{f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)},
@@ -174,7 +178,10 @@ def _kv_rows(
     )  # [R, S]
     blocks = np.take_along_axis(table[reqs], pos // block_size, axis=1).astype(np.int64)
     token_slots = blocks * block_size + pos % block_size
-    return token_slots[:, None, :] * num_kv_heads + np.arange(num_kv_heads)[None, :, None]
+    rows: np.ndarray = (
+        token_slots[:, None, :] * num_kv_heads + np.arange(num_kv_heads)[None, :, None]
+    )
+    return rows
 
 
 def _visible(
@@ -189,7 +196,7 @@ def _visible(
     first_key + j): iff that is <= context_len + i, and > context_len + i - W with a window W."""
     key_pos = first_keys[reqs][:, None, None] + np.arange(seq_len)[None, None, :]
     query_pos = (lens[reqs] - query_len)[:, None, None] + np.arange(query_len)[None, :, None]
-    visible = key_pos <= query_pos
+    visible: np.ndarray = key_pos <= query_pos
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
     return visible

@@ -620,13 +620,13 @@ class LaunchPlan:
     has_sinks: bool
 
     @property
-    def variant(self) -> tuple:
+    def variant(self) -> tuple[TileShape, int, TileShape | None]:
         """What Triton compiles a kernel for (the per-layer constants aside): the tiles, the
         segments and whether a prefill launch runs. Grids and the step-varying arguments vary
         freely within one variant."""
         return self.decode, self.segments, self.prefill
 
-    def constexprs(self, tile: TileShape) -> dict[str, int | str]:
+    def constexprs(self, tile: TileShape) -> dict[str, int | float | str]:
         return {
             "BLOCK_SIZE": self.block_size,
             "GROUP": self.group,
@@ -647,7 +647,7 @@ class LaunchPlan:
         token: see split_kv_rows."""
         return self.prefill is not None and self.segments > 1
 
-    def decode_constexprs(self) -> dict[str, int | str]:
+    def decode_constexprs(self) -> dict[str, int | float | str]:
         """The decode launch's compile-time constants."""
         return {
             **self.constexprs(self.decode),
@@ -655,7 +655,7 @@ class LaunchPlan:
             "PARTIALS_BY_REQUEST": self.partials_by_request,
         }
 
-    def merge_constexprs(self) -> dict[str, int | str]:
+    def merge_constexprs(self) -> dict[str, int | float | str]:
         """The merge launch's compile-time constants (split-KV only)."""
         return {
             "BLOCK_D": self.block_d,
@@ -890,7 +890,7 @@ def warm_up_hints(
     # Past this length every query goes to the prefill launch (or, for heads too wide for
     # prefill tiles, to the one wide decode tile): nothing new to reach.
     longest = max(DECODE_MAX_ROWS, *(layer.num_heads for layer in layers)) + 1
-    hints: dict[tuple, tuple[int, int]] = {}
+    hints: dict[tuple[tuple[TileShape, int, TileShape | None], ...], tuple[int, int]] = {}
     query_len, prefill = 1, False
     while not prefill and query_len <= longest:
         for segments in (2**i for i in range(MAX_SEGMENTS.bit_length())):

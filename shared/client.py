@@ -39,7 +39,7 @@ from collections.abc import (
 )
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import zmq
@@ -70,11 +70,14 @@ from weir.shared.protocol.client import (
     EngineControlRequest,
     ErrorReply,
     GenerateRequest,
+    HealthReply,
     HealthRequest,
     LoraAdapterRequest,
+    ModelInfoReply,
     ModelInfoRequest,
     Prompt,
     StreamOutput,
+    TextOrChat,
     TokenizeRequest,
     decode_server_message,
     encode_client_message,
@@ -180,13 +183,21 @@ class ScoreOutput:
         return self
 
 
+@overload
+def _chat_texts(prompt: TextOrChat) -> TextOrChat: ...
+
+
+@overload
+def _chat_texts(prompt: Prompt) -> Prompt: ...
+
+
 def _chat_texts(prompt: Prompt) -> Prompt:
     """A chat's messages as the protocol takes them, from OpenAI's forms (as the gateway and
     vLLM's ``LLM.chat`` read them): a null content is empty (an assistant's tool-call turn),
     text parts are joined with newlines. Anything else is left to the server to refuse."""
     if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], dict):
         return prompt
-    return [_message_text(message) for message in prompt]  # type: ignore[arg-type]
+    return [_message_text(message) for message in prompt]
 
 
 def _message_text(message: Any) -> Any:
@@ -524,7 +535,7 @@ class AsyncWeirClient:
         beams, best first. Each step is one one-token request per live beam."""
         info = await self.model_info()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            prompt_ids = list(prompt)  # type: ignore[arg-type]
+            prompt_ids = list(prompt)
         else:
             prompt_ids = await self.tokenize(
                 prompt,  # type: ignore[arg-type]
@@ -606,11 +617,11 @@ class AsyncWeirClient:
 
     async def health(self) -> dict[str, Any]:
         """Server status (``status``, running/waiting counts, KV usage); raises on timeout."""
-        reply = await self._request(HealthRequest(uuid.uuid4().hex))
+        reply: HealthReply = await self._request(HealthRequest(uuid.uuid4().hex))
         return reply.info
 
     async def model_info(self) -> dict[str, Any]:
-        reply = await self._request(ModelInfoRequest(uuid.uuid4().hex))
+        reply: ModelInfoReply = await self._request(ModelInfoRequest(uuid.uuid4().hex))
         self.max_message_size = reply.info.get("max_message_size", self.max_message_size)
         return reply.info
 
@@ -618,13 +629,16 @@ class AsyncWeirClient:
         """Serve the PEFT adapter in directory ``lora_path`` (on the server's machines) as
         ``lora_name``, on a server started with ``--allow-runtime-lora-updating``; returns
         the model info, which lists the adapters."""
-        reply = await self._request(LoraAdapterRequest(uuid.uuid4().hex, lora_name, lora_path))
+        # Answered with the model info, which lists the adapters.
+        reply: ModelInfoReply = await self._request(
+            LoraAdapterRequest(uuid.uuid4().hex, lora_name, lora_path)
+        )
         return reply.info
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Stop serving ``lora_name`` (refused while requests of it are in flight; an
         unknown name raises ``InvalidRequestError`` with code ``not_found``)."""
-        reply = await self._request(LoraAdapterRequest(uuid.uuid4().hex, lora_name))
+        reply: ModelInfoReply = await self._request(LoraAdapterRequest(uuid.uuid4().hex, lora_name))
         return reply.info
 
     async def pause(
@@ -827,7 +841,9 @@ class AsyncWeirClient:
             # A stream left with `break` is closed by the loop's async-generator finalizer,
             # a task queued when the loop dropped it: let it run before calling the id taken.
             await asyncio.sleep(0)
-        future = self._leaving.get(request_id) if request_id else None
+        if not request_id:
+            return
+        future = self._leaving.get(request_id)
         if future is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(future), self.timeout)
@@ -956,7 +972,8 @@ class AsyncWeirClient:
         """A server that refuses our keys (or their absence) drops the connection for good:
         what waits, and every later request, fails with the reason instead of a timeout."""
         while self._refusal is None:
-            frames = await self._handshakes.socket.recv_multipart()
+            # The monitor of an asyncio socket is an asyncio socket (typed as a plain one).
+            frames = await self._handshakes.socket.recv_multipart()  # type: ignore[misc]
             self._refuse(self._handshakes.reason(frames))
 
     @property

@@ -240,7 +240,7 @@ def _as_mixtral(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _build_config(
     meta: _Metadata, arch_name: str, arch: _Architecture, tensors: dict[str, np.ndarray]
-) -> dict:
+) -> dict[str, Any]:
     def key(name: str) -> str:
         return f"{arch_name}.{name}"
 
@@ -279,8 +279,8 @@ def _build_config(
 
 
 def _experts(
-    meta: _Metadata, arch_name: str, arch: _Architecture, config: dict, found: int
-) -> dict:
+    meta: _Metadata, arch_name: str, arch: _Architecture, config: dict[str, Any], found: int
+) -> dict[str, Any]:
     """The config keys of a mixture of experts (a llama file with experts is Mixtral);
     ``found``: how many experts the file's ffn_*_exps tensors hold."""
     experts = meta.get(f"{arch_name}.expert_count")
@@ -388,7 +388,7 @@ def _build_tokenizer(meta: _Metadata) -> Tokenizer:
     return tokenizer
 
 
-def _tokenizer_config(meta: _Metadata, context_length: int) -> dict:
+def _tokenizer_config(meta: _Metadata, context_length: int) -> dict[str, Any]:
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
 
@@ -416,7 +416,7 @@ def _tokenizer_config(meta: _Metadata, context_length: int) -> dict:
     return config
 
 
-def _generation_config(meta: _Metadata) -> dict:
+def _generation_config(meta: _Metadata) -> dict[str, Any]:
     stop_ids: list[int] = []
     # End-of-turn / end-of-message tokens also stop a chat turn (llama.cpp keeps them apart from eos).
     for meta_key in ("eos_token_id", "eot_token_id", "eom_token_id"):
@@ -428,7 +428,7 @@ def _generation_config(meta: _Metadata) -> dict:
     }
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

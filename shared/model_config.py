@@ -591,15 +591,15 @@ class ModelConfig:
                     f"config.json: a {model_type} checkpoint's text_config of model_type "
                     f"{text_type!r} is not supported; supported: {text_types}"
                 )
-            text = cls.from_hf({**text, "model_type": text_type})
+            language_model = cls.from_hf({**text, "model_type": text_type})
             # The whole model's tie_word_embeddings ties its head, as transformers reads it.
             tied = hf.get("tie_word_embeddings")
             tied = True if tied is None else flag(hf, "tie_word_embeddings")
             return dataclasses.replace(
-                text,
+                language_model,
                 multimodal=True,
                 tie_word_embeddings=tied,
-                checkpoint_quantization=read_checkpoint_quantization(hf, text.model_type),
+                checkpoint_quantization=read_checkpoint_quantization(hf, language_model.model_type),
             )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -614,6 +614,10 @@ class ModelConfig:
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         gemma = model_type in ("gemma2", "gemma3_text")
         cohere = model_type in ("cohere", "cohere2")
+        # Cohere multiplies its logits by logit_scale.
+        logits_scaling: dict[str, Any] = (
+            {"logits_scaling": 1 / positive(hf, "logit_scale", 0.0625)} if cohere else {}
+        )
         ernie = model_type in ("ernie4_5", "ernie4_5_moe")
         # ERNIE's and Starcoder2's use_bias: every projection's.
         use_bias = (ernie or model_type == "starcoder2") and flag(hf, "use_bias")
@@ -742,8 +746,7 @@ class ModelConfig:
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
             **_query_scaling(model_type, hf),
-            # Cohere multiplies its logits by logit_scale.
-            **({"logits_scaling": 1 / positive(hf, "logit_scale", 0.0625)} if cohere else {}),
+            **logits_scaling,
         )
 
     def layer_tensor_shape(self, module: str) -> tuple[int, int]:
@@ -840,12 +843,11 @@ def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
     )
     if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
-    default = {
+    defaults = {
         **dict.fromkeys(("mixtral", "phi3", "smollm3", "ministral3", "starcoder2")),
         "gpt_oss": 128,
     }
-    default = default.get(model_type, 4096)
-    window = hf.get("sliding_window", default)
+    window = hf.get("sliding_window", defaults.get(model_type, 4096))
     return None if window is None else count({"sliding_window": window}, "sliding_window")
 
 
@@ -916,7 +918,7 @@ def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
     # query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5. A cap left out or null is
     # none (the nulls were dropped above). Gemma 3's config keeps Gemma 2's attention cap,
     # which its attention never applies (transformers' and vLLM's).
-    caps = ("final_logit_softcapping",)
+    caps: tuple[str, ...] = ("final_logit_softcapping",)
     if model_type == "gemma2":
         caps += ("attn_logit_softcapping",)
     return {

@@ -318,10 +318,10 @@ def _gguf_cache_name(gguf_path: Path) -> str:
 
 
 def resolve_model(
-    model: str | os.PathLike | None,
+    model: str | os.PathLike[str] | None,
     *,
     load_format: str = "auto",
-    tokenizer: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
 ) -> Path:
     """A Hugging Face model directory for `model`: None means the bundled default model; a
     Hub repo id, its snapshot in the Hugging Face cache (``cached_snapshot``).

@@ -188,7 +188,8 @@ class PoolerConfig:
             if self.activation == "sigmoid":
                 return (1 / (1 + np.exp(-logits))).astype("<f4").tobytes()
             exp = np.exp(logits - logits.max())
-            return (exp / exp.sum()).astype("<f4").tobytes()
+            softmax: np.ndarray = exp / exp.sum()
+            return softmax.astype("<f4").tobytes()
         normalize = self.normalize if params.normalize is None else params.normalize
         if normalize:
             norm = float(np.linalg.norm(vector.astype(np.float64)))

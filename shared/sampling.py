@@ -46,14 +46,14 @@ def _float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
     try:
-        value = float(value)
-    except OverflowError:  # an int past float's range
+        number = float(value)
+    except OverflowError:  # an int past float's range (a float is in it)
         raise ValueError(
-            f"{name} must be finite, got an int of {value.bit_length()} bits"
+            f"{name} must be finite, got an int of {int(value).bit_length()} bits"
         ) from None
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number}")
+    return number
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

@@ -90,7 +90,7 @@ def chat_template_of(option: str | None) -> str | None:
         ) from None
 
 
-def _token_content(value: str | dict | None, path: Path | None = None) -> str | None:
+def _token_content(value: str | dict[str, Any] | None, path: Path | None = None) -> str | None:
     # tokenizer_config.json writes a special token either as a string or as a serialized AddedToken.
     content = value.get("content") if isinstance(value, dict) else value
     if content is not None and not isinstance(content, str):
@@ -187,9 +187,9 @@ class Tokenizer:
     @classmethod
     def from_model_dir(
         cls,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         chat_template: str | None = None,
-        tokenizer_dir: str | os.PathLike | None = None,
+        tokenizer_dir: str | os.PathLike[str] | None = None,
     ) -> "Tokenizer":
         """The model directory's tokenizer, with ``chat_template`` (its text) in place of the
         model's, if given. With ``tokenizer_dir`` (``--tokenizer``), that directory's
@@ -261,9 +261,9 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
-        tools: list[dict] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
@@ -300,9 +300,9 @@ class Tokenizer:
 
 
 def served_tokenizer(
-    model_dir: str | os.PathLike,
+    model_dir: str | os.PathLike[str],
     num_embeddings: int,
-    tokenizer_dir: str | os.PathLike | None = None,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
     chat_template: str | None = None,
 ) -> Tokenizer:
     """The tokenizer a model is served with (``Tokenizer.from_model_dir``): with

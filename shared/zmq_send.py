@@ -14,6 +14,7 @@ def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
     """
     future = sock.send_multipart(frames, zmq.NOBLOCK)
     # A NOBLOCK send with no other send pending completes (or fails) before returning.
-    error = future.exception()
+    # pyzmq types the send as an Awaitable; zmq.asyncio's is an asyncio Future.
+    error = future.exception()  # type: ignore[attr-defined]
     if error is not None:
         raise error

@@ -90,14 +90,17 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         windows: tuple[int | None, ...],
     ) -> None:
-        host = [
+        query_start_loc, seq_lens, block_table, slot_mapping = (
             t.cpu()
             for t in (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping)
-        ]
+        )
         # One plan per window: a windowed plan gathers only the keys its window shows.
         meta.plan = {
             window: self._module.plan_step(
-                *host,
+                query_start_loc,
+                seq_lens,
+                block_table,
+                slot_mapping,
                 block_size=kv_cache.shape[2],
                 num_heads=num_heads,
                 num_kv_heads=kv_cache.shape[3],
@@ -184,7 +187,8 @@ class PagedKernelAttention:
             if self._takes_hints
             else {}
         )
-        return self._module.paged_attention(
+        # The kernels' module is chosen at run time (Any): what it returns is a tensor.
+        out: torch.Tensor = self._module.paged_attention(
             query,
             kv_cache,
             meta.query_start_loc,
@@ -196,6 +200,7 @@ class PagedKernelAttention:
             sinks=sinks,
             **hints,
         )
+        return out
 
 
 def _native() -> PagedKernelAttention:

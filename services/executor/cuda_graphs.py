@@ -310,8 +310,9 @@ class StepGraphs:
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
-        fed_dev = None if fed is None else self._dev_area[fed_at:end].view(torch.int64)
-        return staged.dev["input_ids"], None if fed_dev is None else fed_dev.view(fed.shape)
+        if fed is None:
+            return staged.dev["input_ids"], None
+        return staged.dev["input_ids"], self._dev_area[fed_at:end].view(torch.int64).view(fed.shape)
 
     # ------------------------------------------------------------------ forward
 

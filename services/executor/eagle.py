@@ -21,6 +21,7 @@ stream; its own final norm and LM head give logits over a draft vocabulary, whos
 """
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
-from weir.services.executor.layers import Linear, RMSNorm, layer_kernels_for
+from weir.services.executor.layers import Linear, ModuleList, RMSNorm, layer_kernels_for
 from weir.services.executor.model import (
     CausalLM,
     DecoderLayer,
@@ -77,13 +78,17 @@ class EagleLayers(nn.Module):
             # fc's output is the first layer's input as it is (EAGLE's layer 0 has no input norm).
             layers[0].input_layernorm = None
         self.windows = tuple(dict.fromkeys(layer.sliding_window for layer in layers))
-        self.layers = nn.ModuleList(layers)
+        self.layers = ModuleList(layers)
 
 
 class EagleHead(nn.Module):
     """What EAGLE-1's and EAGLE-3's heads share: decoder layers of ``decoder_cfg`` and
     their KV cache, over ``target``, the served model, whose embedding they read (it stays
     the target's parameter, not the head's)."""
+
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
+    fc: Linear  # each head's own: it reads a context of the head's width
 
     def __init__(
         self,
@@ -171,6 +176,9 @@ class Eagle1Head(EagleHead):
 class Eagle3Head(EagleHead):
     """An EAGLE-3 head reading the inputs of the served model's ``aux_layers``, proposing
     from a draft vocabulary of ``draft_vocab_size`` tokens."""
+
+    # A buffer (register_buffer), which nn.Module's attribute lookup types only as Tensor | Module.
+    d2t: torch.Tensor
 
     def __init__(
         self,
@@ -325,7 +333,7 @@ def _load_head_weights(name: str, head_dir: Path, head: EagleHead) -> None:
     kind = "EAGLE-3" if eagle3 else "EAGLE-1"
     own: dict[str, torch.Tensor] = {"fc.weight": head.fc.weight}
     ignored = {"embed_tokens.weight"}  # the served model's embedding is read instead
-    decoder = ("layers.",)
+    decoder: tuple[str, ...] = ("layers.",)
     if isinstance(head, Eagle3Head):
         own.update({"layers.0.hidden_norm.weight": head.hidden_norm.weight, "d2t": head.d2t})
         ignored.add("t2d")  # the target vocabulary's mask of draft tokens: for training

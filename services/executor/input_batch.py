@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from weir.shared.arith import cdiv
 from weir.shared.pooling import POOLING_TYPES
@@ -118,6 +119,29 @@ def lazy_zeros(shape: tuple[int, ...], dtype: type) -> np.ndarray:
 
 class InputBatch:
     """Per-request state in slot-indexed arrays. Slots grow on demand; preempted requests keep theirs."""
+
+    # The slot arrays, which ``_grow`` sets by name from ``_arrays`` (rows by slot).
+    token_ids: npt.NDArray[np.int32]  # [capacity, max_model_len]
+    block_table: npt.NDArray[np.int32]  # [capacity, max_blocks_per_req]
+    num_blocks: npt.NDArray[np.int32]
+    num_tokens: npt.NDArray[np.int32]
+    num_prompt_tokens: npt.NDArray[np.int32]
+    num_computed_tokens: npt.NDArray[np.int32]
+    temperature: npt.NDArray[np.float32]
+    top_k: npt.NDArray[np.int64]
+    top_p: npt.NDArray[np.float32]
+    min_p: npt.NDArray[np.float32]
+    seed: npt.NDArray[np.object_]
+    has_seed: npt.NDArray[np.bool_]
+    num_logprobs: npt.NDArray[np.int32]
+    num_prompt_logprobs: npt.NDArray[np.int32]
+    min_tokens: npt.NDArray[np.int32]
+    presence_penalty: npt.NDArray[np.float32]
+    frequency_penalty: npt.NDArray[np.float32]
+    repetition_penalty: npt.NDArray[np.float32]
+    lora_id: npt.NDArray[np.int32]
+    pooling: npt.NDArray[np.int8]
+    generation: npt.NDArray[np.int64]
 
     def __init__(
         self,
@@ -499,7 +523,8 @@ class InputBatch:
     def reserved_now(self, reservation: Reservation) -> np.ndarray:
         """Which of a reservation's tokens are still this batch's: not since freed, taken by
         another request or set again from a plan (a resumed request's outputs)."""
-        return self.generation[reservation.slots] == reservation.generations
+        now: npt.NDArray[np.bool_] = self.generation[reservation.slots] == reservation.generations
+        return now
 
     def fill_reserved(self, reservation: Reservation, token_ids: np.ndarray) -> None:
         keep = self.reserved_now(reservation)
@@ -524,7 +549,10 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The concatenated ranges ``[start, start + length)``, as int64."""
     total = int(lengths.sum())
     offsets = np.cumsum(lengths) - lengths
-    return np.arange(total, dtype=np.int64) + np.repeat(starts.astype(np.int64) - offsets, lengths)
+    ranges: npt.NDArray[np.int64] = np.arange(total, dtype=np.int64) + np.repeat(
+        starts.astype(np.int64) - offsets, lengths
+    )
+    return ranges
 
 
 # A bad word's entry before its last token that matches whatever output stands there (its

@@ -1,13 +1,38 @@
 """The building blocks of a decoder layer: RMSNorm (and Cohere's LayerNorm), a projection,
 rotate-half RoPE and the MLP's activation, each in one kernel where `LayerKernels` has one."""
 
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from weir.services.executor.attention import AttentionBackend
+
+M = TypeVar("M", bound=nn.Module)
+
+if TYPE_CHECKING:
+
+    class ModuleList(nn.ModuleList, Generic[M]):
+        """``nn.ModuleList`` as the type checker sees it: of one kind of module, which
+        iterating and indexing give (torch's says only ``nn.Module``)."""
+
+        def __init__(self, modules: Iterable[M] | None = None) -> None: ...
+
+        def __iter__(self) -> Iterator[M]: ...
+
+        @overload
+        def __getitem__(self, idx: slice) -> "ModuleList[M]": ...
+
+        @overload
+        def __getitem__(self, idx: int) -> M: ...
+
+        def __getitem__(self, idx: int | slice) -> "M | ModuleList[M]": ...
+
+else:
+    # At run time torch's own: the models' loops pay nothing for the typing.
+    ModuleList = nn.ModuleList
 
 
 class LayerKernels(Protocol):
@@ -57,6 +82,9 @@ def rope_(
 
 
 class RMSNorm(nn.Module):
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
+
     def __init__(
         self,
         size: int,
@@ -103,6 +131,9 @@ class LayerNorm(nn.Module):
     ``bias`` (Starcoder2's) a bias added too. ``shape`` (size,), or (heads, size) for Command
     R+'s q/k norms, a weight row per head."""
 
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
+
     def __init__(
         self,
         shape: tuple[int, ...],
@@ -132,6 +163,9 @@ class LayerNorm(nn.Module):
 class Linear(nn.Module):
     """nn.Linear without the random init: every weight is loaded from the checkpoint.
     ``kernels`` serve ``silu_mul`` (a gated MLP's gate/up projection)."""
+
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
 
     def __init__(
         self,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:  # the model runner imports torch; the metrics do not need it
     from weir.services.executor.model_runner import StepTimings
+
+_Metric = TypeVar("_Metric", Counter, Gauge, Histogram)
 
 _STEP_SECONDS_BUCKETS = (
     0.001,
@@ -36,7 +38,7 @@ class ExecutorMetrics:
         labels = {"model_name": model_name, "rank": str(rank)}
         names = list(labels)
 
-        def labelled(metric):
+        def labelled(metric: _Metric) -> _Metric:
             return metric.labels(**labels)
 
         self.step_seconds = labelled(

@@ -12,8 +12,9 @@ sums the row-parallel partial products through `TensorParallel` (see `parallel.p
 """
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from weir.services.executor.layers import (
     LayerKernels,
     LayerNorm,
     Linear,
+    ModuleList,
     RMSNorm,
     act_and_mul,
     activation,
@@ -37,8 +39,10 @@ from weir.services.executor.rotary import Rotary
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
 
-if TYPE_CHECKING:  # lora.py builds on this module
+if TYPE_CHECKING:  # lora.py, quantization.py and packed_weights.py build on this module
     from weir.services.executor.lora import LoraBatch
+    from weir.services.executor.packed_weights import PackedLinear
+    from weir.services.executor.quantization import Int8Weight
 
 CPU_LOGITS_SLICE = 1024  # vocab rows per matmul when computing logits on a CPU
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a DecoderLayer's matmuls
@@ -70,6 +74,9 @@ class AttentionSinks(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
+
     def __init__(
         self,
         index: int,
@@ -131,6 +138,8 @@ class DecoderLayer(nn.Module):
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
         # A calibrated fp8 cache's scales (the checkpoint's k_scale, v_scale): it holds K /
         # k_scale and V / v_scale; on device, read by the kernels' launches and CUDA graphs.
+        self.k_scale: nn.Parameter | None
+        self.v_scale: nn.Parameter | None
         self.k_scale, self.v_scale = (
             (
                 nn.Parameter(torch.empty((), device=device), requires_grad=False),
@@ -351,6 +360,9 @@ class CausalLM(nn.Module):
     With ``tp`` (a world larger than 1), this rank's shard of them. Without
     ``layer_kernels`` (see ``layer_kernels_for``) the layers run PyTorch operators."""
 
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -390,7 +402,7 @@ class CausalLM(nn.Module):
             torch.empty(vocab_rows, cfg.hidden_size, device=device, dtype=dtype),
             requires_grad=False,
         )
-        self.layers = nn.ModuleList(
+        self.layers = ModuleList(
             DecoderLayer(
                 i,
                 cfg,
@@ -434,10 +446,10 @@ class CausalLM(nn.Module):
             else cfg.embedding_multiplier
         )
         # Set by `quantization.quantize_model`: the vocabulary matrices kept quantized.
-        self.quantized_embed: Any = None
-        self.quantized_lm_head: Any = None
+        self.quantized_embed: Int8Weight | None = None
+        self.quantized_lm_head: Int8Weight | None = None
         # Set by `packed_weights.pack_model`: the LM head prepacked for the CPU's matmul.
-        self.packed_lm_head: Any = None
+        self.packed_lm_head: PackedLinear | None = None
         # Set by an EAGLE-3 head over this model: the layers whose inputs it reads, in order.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
 

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -195,7 +196,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model_dir: str | os.PathLike,
+        model_dir: str | os.PathLike[str],
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str | None = None,
@@ -221,10 +222,10 @@ class ModelRunner:
         max_lora_rank: int = ENGINE_DEFAULTS.max_lora_rank,
         runner: str = ENGINE_DEFAULTS.runner,
         hf_overrides: str | None = None,
-        speculative_model: str | os.PathLike | None = None,
+        speculative_model: str | os.PathLike[str] | None = None,
         speculative_model_quantization: str | None = None,
         speculative_method: str = "draft_model",
-        tokenizer: str | os.PathLike | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
     ) -> None:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
@@ -370,26 +371,24 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
 
-    def _load_model(self, path: Path | None = None, **options: object) -> CausalLM:
+    def _load_model(self, path: Path | None = None, **options: Any) -> CausalLM:
         """The model of directory ``path`` (default: the served one, from ``weights_dir``),
         on this rank's device and shard; ``options`` replace the served model's."""
-        return load_model(
-            self.weights_dir if path is None else path,
-            **{
-                "device": self.device,
-                "dtype": self.dtype,
-                "attention": self.attention,
-                "load_format": self.load_format,
-                "tp": self.tp,
-                "quantization": self.quantization,
-                "lm_head_optional": self.pooling_runner,
-                "hf_overrides": self.hf_overrides,
-                "kv_cache_dtype": self.kv_cache_dtype,
-                "weight_dtype": self.weight_dtype,
-                "tokenizer_dir": self.tokenizer_dir,
-                **options,
-            },
-        )
+        # Any: the options differ in type, and load_model's signature checks each by name.
+        served: dict[str, Any] = {
+            "device": self.device,
+            "dtype": self.dtype,
+            "attention": self.attention,
+            "load_format": self.load_format,
+            "tp": self.tp,
+            "quantization": self.quantization,
+            "lm_head_optional": self.pooling_runner,
+            "hf_overrides": self.hf_overrides,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "weight_dtype": self.weight_dtype,
+            "tokenizer_dir": self.tokenizer_dir,
+        }
+        return load_model(self.weights_dir if path is None else path, **{**served, **options})
 
     def _allocate_caches(self) -> None:
         """The KV caches (the draft's too), the attention kernels compiled over them, and
@@ -1198,7 +1197,8 @@ class ModelRunner:
         )
 
     def _collect(self, step: LaunchedStep) -> StepResult:
-        assert step.ids is not None and step.inputs is not None
+        # A step that samples carries all three (``_sample``).
+        assert step.ids is not None and step.inputs is not None and step.num_logprobs is not None
         inputs, b = step.inputs, self.batch
         ids = step.ids.tolist()
         if step.reserved is not None:
@@ -1267,10 +1267,10 @@ def _give_back_freed_memory(device: torch.device) -> None:
         pass
 
 
-def _scatter(input_ids: torch.Tensor, fed: torch.Tensor, previous: LaunchedStep) -> None:
+def _scatter(input_ids: torch.Tensor, fed: torch.Tensor, previous: LaunchedStep | None) -> None:
     """Write the tokens ``previous`` samples into ``input_ids`` where ``fed`` (``_feed``'s
-    indices, on the device) says."""
-    assert previous.token_ids is not None
+    indices, on the device) says: there are such indices only after a previous step."""
+    assert previous is not None and previous.token_ids is not None
     rows, sampled = fed
     input_ids[rows] = previous.token_ids[sampled].to(input_ids.dtype)
 

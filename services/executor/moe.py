@@ -13,12 +13,17 @@ projections (its down projections' by rank 0 only, as a row-parallel bias) and g
 clamped SwiGLU.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from weir.services.executor.layers import LayerKernels, Linear, silu_and_mul
+from weir.services.executor.layers import LayerKernels, Linear, ModuleList, silu_and_mul
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
+
+if TYPE_CHECKING:  # packed_weights.py builds on this module
+    from weir.services.executor.packed_weights import PackedLinear
 
 
 def check_moe(
@@ -46,6 +51,9 @@ class SparseMoe(nn.Module):
     gate/up and down weights are stacked: [experts, 2 x columns, hidden] and
     [experts, hidden, columns] (gpt-oss' biases likewise: [experts, 2 x columns] and
     [experts, hidden])."""
+
+    # A buffer (register_buffer), which nn.Module's attribute lookup types only as Tensor | Module.
+    expert_ends: torch.Tensor
 
     def __init__(
         self,
@@ -93,8 +101,8 @@ class SparseMoe(nn.Module):
         # Set by `packed_weights.pack_model` on a CPU: each expert's two projections packed
         # for the CPU's matmul, which beats the grouped matmul 1.2-2x; they replace the
         # stacked weights.
-        self.packed_gate_up: nn.ModuleList | None = None
-        self.packed_down: nn.ModuleList | None = None
+        self.packed_gate_up: ModuleList[PackedLinear] | None = None
+        self.packed_down: ModuleList[PackedLinear] | None = None
         shared = layout.shared_expert_intermediate_size
         self.shared_gate_up = (
             Linear(h, 2 * shared, False, device, dtype, kernels) if shared else None
@@ -181,15 +189,17 @@ class SparseMoe(nn.Module):
         # costs no device sync.
         out = torch.empty_like(rows)
         start = 0
-        for gate_up, down, end in zip(self.packed_gate_up, self.packed_down, offsets.tolist()):
+        for packed_gate_up, packed_down, end in zip(
+            self.packed_gate_up, self.packed_down, offsets.tolist()
+        ):
             if end > start:
                 expert_rows = rows[start:end]
                 act = (
-                    gate_up.silu_mul(expert_rows)
+                    packed_gate_up.silu_mul(expert_rows)
                     if self.swiglu is None
-                    else self._activation(gate_up(expert_rows))
+                    else self._activation(packed_gate_up(expert_rows))
                 )
-                out[start:end] = down(act)
+                out[start:end] = packed_down(act)
             start = end
         return out
 

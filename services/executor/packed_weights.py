@@ -34,7 +34,7 @@ from torch import nn
 
 from weir.kernels import cpu_native
 from weir.kernels.cpu_native import PANEL, CpuKernels, is_bf16_panels
-from weir.services.executor.layers import Linear, silu_and_mul
+from weir.services.executor.layers import Linear, ModuleList, silu_and_mul
 from weir.services.executor.model import PROJECTIONS, CausalLM
 from weir.services.executor.moe import SparseMoe
 
@@ -75,6 +75,9 @@ class PackedLinear(nn.Module):
     """`Linear` with its weight prepacked: the native kernels' panels when `kernels` is
     given (float32 or bfloat16, as ``weight`` is), oneDNN's blocked layout otherwise."""
 
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -84,6 +87,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.out_features, self.in_features = weight.shape
+        # torch.ops are untyped: oneDNN's blocked layout is a tensor all the same.
+        self.weight: torch.Tensor
         if kernels is None:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         else:
@@ -93,13 +98,19 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.linear(x, self.weight, self.out_features, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.weight, self.bias, "none", [None], ""
+        )
+        return out
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x), the addition fused into the matmul."""
         if self.kernels is not None:
             return self.kernels.linear(x, self.weight, self.out_features, self.bias, residual)
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(
+            x, residual, self.weight, self.bias, "add"
+        )
+        return out
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, this being a gated MLP's fused gate/up projection: with the native
@@ -157,12 +168,10 @@ def _pack_experts(
     """Each expert's projections, and the shared expert's, packed; the stacked weights freed."""
     experts = range(moe.experts_gate_up.shape[0])
     gate_up_bias, down_bias = moe.experts_gate_up_bias, moe.experts_down_bias
-    moe.packed_gate_up = nn.ModuleList(
+    moe.packed_gate_up = ModuleList(
         packed(moe.experts_gate_up[e], _row(gate_up_bias, e)) for e in experts
     )
-    moe.packed_down = nn.ModuleList(
-        packed(moe.experts_down[e], _row(down_bias, e)) for e in experts
-    )
+    moe.packed_down = ModuleList(packed(moe.experts_down[e], _row(down_bias, e)) for e in experts)
     hidden = moe.experts_down.shape[1]
     moe.experts_gate_up = nn.Parameter(torch.empty(0, 0, hidden), False)
     moe.experts_down = nn.Parameter(torch.empty(0, hidden, 0), False)

@@ -24,6 +24,8 @@ faster still but changes SmolLM2's greedy tokens too often (top-1 agreement with
 0.58 with per-tensor scales), so it is not offered.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -61,6 +63,12 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
 class Int8Weight(nn.Module):
     """A [rows, K] weight as int8 codes with a per-row scale: ``w ~= codes * scale[:, None]``;
     the codes in the native kernels' int8 panels when `kernels` is given, row-major otherwise."""
+
+    # Buffers (register_buffer), which nn.Module's attribute lookup types only as Tensor | Module.
+    scale: torch.Tensor
+    qweight: torch.Tensor  # [rows, K], without kernels
+    scale_bf16: torch.Tensor  # without kernels
+    panels: torch.Tensor  # with kernels
 
     def __init__(self, weight: torch.Tensor, kernels: CpuKernels | None = None) -> None:
         super().__init__()
@@ -117,7 +125,9 @@ class Int8Weight(nn.Module):
 
     def _torch_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= PACKED_MAX_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale_bf16)
+            y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(
+                x.bfloat16(), self.qweight, self.scale_bf16
+            )
             return y.float()
         n, k = self.qweight.shape
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
@@ -132,6 +142,9 @@ class Int8Weight(nn.Module):
 
 class Int8Linear(nn.Module):
     """`Linear` with its weight kept as an `Int8Weight` (the bias, if any, in float32)."""
+
+    # What calling it returns (forward's result): torch types a module call as Any.
+    __call__: Callable[..., torch.Tensor]
 
     def __init__(self, linear: Linear, kernels: CpuKernels | None) -> None:
         super().__init__()

@@ -30,7 +30,7 @@ _PARTS = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape
 # Scales of activations and of attention's queries and probabilities, which Weir keeps in
 # the model's dtype (an fp8 KV cache's k_scale and v_scale go to the loader, which takes them
 # where the cache uses them).
-_UNUSED = ("input_scale", "input_zero_point", "output_scale", "activation_scale")
+_UNUSED: tuple[str, ...] = ("input_scale", "input_zero_point", "output_scale", "activation_scale")
 _UNUSED += ("q_scale", "prob_scale")
 
 
@@ -196,6 +196,7 @@ class DequantizedWeight:
         rows, columns = (*index, slice(None))[:2]
         r0, r1, _ = rows.indices(self.shape[0])
         c0, c1, _ = columns.indices(self.shape[1])
+        codes: torch.Tensor  # read from the checkpoint's (untyped) slice
         if self.bits is None:
             codes = self.codes[(slice(r0, r1), slice(c0, c1))]
         else:

@@ -75,6 +75,10 @@ class Rotary(nn.Module):
     transformers computes them (so bf16 rotations match), scaled by the type's attention
     factor."""
 
+    # Buffers (register_buffer), which nn.Module's attribute lookup types only as Tensor | Module.
+    inv_freq: torch.Tensor
+    long_inv_freq: torch.Tensor | None
+
     def __init__(self, rope: RopeConfig, device: torch.device) -> None:
         super().__init__()
         self.attention_factor = rope.attention_factor

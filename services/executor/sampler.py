@@ -88,9 +88,9 @@ class SamplingBatch:
         min_p: np.ndarray,
         *,
         device: torch.device | str,
-        seeds: list[tuple[int, int, int]] = (),
+        seeds: Sequence[tuple[int, int, int]] = (),
         num_logprobs: int = -1,
-        banned: Sequence[tuple[int, Sequence[int]]] = (),
+        banned: Sequence[tuple[int, Sequence[int] | np.ndarray]] = (),
         logit_bias: Sequence[tuple[int, np.ndarray, np.ndarray]] = (),
         penalties: "Penalties | None" = None,
         allowed: Sequence[tuple[int, bytes]] = (),
@@ -397,7 +397,12 @@ class Sampler:
         if batch.all_greedy:
             token_ids = greedy
         else:
-            token_ids = torch.where(batch.temperature == 0, greedy, self._sample(logits, batch))
+            # A batch that is not all greedy has its temperatures (``build``).
+            token_ids = torch.where(
+                batch.temperature == 0,  # type: ignore[arg-type]
+                greedy,
+                self._sample(logits, batch),
+            )
         logprobs = None
         if batch.num_logprobs >= 0:
             if batch.grammar is not None:  # vLLM's logprobs: after the grammar, before the rest

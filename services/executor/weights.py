@@ -443,9 +443,10 @@ def load_weights(
     written: dict[str, str] = {}
     for checkpoint_name, whole in tensors:
         if model.config.multimodal:
-            checkpoint_name = _language_model_name(checkpoint_name)
-            if checkpoint_name is None:
+            language_model_name = _language_model_name(checkpoint_name)
+            if language_model_name is None:
                 continue
+            checkpoint_name = language_model_name
         elif checkpoint_name.startswith(_BARE_PREFIXES):
             checkpoint_name = "model." + checkpoint_name
         scale = _KV_SCALE_RE.fullmatch(checkpoint_name)

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -78,7 +78,12 @@ class _Heartbeat(threading.Thread):
     """Sends heartbeats on its own socket; sets ``reset`` when the scheduler does not know us."""
 
     def __init__(
-        self, ctx: zmq.Context, address: str, cluster_key: KeyPair | None, session: str, rank: int
+        self,
+        ctx: zmq.Context[Any],
+        address: str,
+        cluster_key: KeyPair | None,
+        session: str,
+        rank: int,
     ) -> None:
         super().__init__(name="weir-heartbeat", daemon=True)
         self._sock = _dealer(ctx, cluster_key)
@@ -272,7 +277,7 @@ class ExecutorWorker:
         KernelCompiles(compiled).watch()
 
     def _handshake(
-        self, sock: zmq.Socket, handshakes: HandshakeMonitor, hello: control.ExecutorHello
+        self, sock: zmq.Socket[Any], handshakes: HandshakeMonitor, hello: control.ExecutorHello
     ) -> str | None:
         """Send hello until the scheduler answers; None when welcomed, else the rejection
         (the scheduler's, or its socket's refusal of our key)."""
@@ -317,7 +322,7 @@ class ExecutorWorker:
 
     def serve(
         self,
-        sock: zmq.Socket,
+        sock: zmq.Socket[Any],
         runner: ModelRunner,
         metrics: ExecutorMetrics,
         heartbeat: _Heartbeat,
@@ -399,7 +404,7 @@ class ExecutorWorker:
 
     def _finish(
         self,
-        sock: zmq.Socket,
+        sock: zmq.Socket[Any],
         runner: ModelRunner,
         metrics: ExecutorMetrics,
         pending: _Pending,
@@ -426,7 +431,9 @@ class ExecutorWorker:
         )
         return False
 
-    def _fail(self, sock: zmq.Socket, runner: ModelRunner, step_id: int, exc: Exception) -> None:
+    def _fail(
+        self, sock: zmq.Socket[Any], runner: ModelRunner, step_id: int, exc: Exception
+    ) -> None:
         """Report a failed step; the runner drops every request (the scheduler sends them again).
         A broken tensor-parallel group is not reported as the step's failure: the scheduler
         would look for a request to blame. The rank exits, and the group is lost instead."""
@@ -506,7 +513,7 @@ class _Pending:
     started: float  # when its plan was received
 
 
-def _frame_before_done(sock: zmq.Socket, step: LaunchedStep) -> bool:
+def _frame_before_done(sock: zmq.Socket[Any], step: LaunchedStep) -> bool:
     """Whether a frame (the next plan, normally) arrives before ``step`` is done on the device.
     Spins: a step is a few milliseconds, and the next launch should not wait for a wakeup."""
     while not step.is_ready():
@@ -515,10 +522,10 @@ def _frame_before_done(sock: zmq.Socket, step: LaunchedStep) -> bool:
     return bool(sock.poll(0))
 
 
-def _dealer(ctx: zmq.Context, cluster_key: KeyPair | None) -> zmq.Socket:
+def _dealer(ctx: zmq.Context[Any], cluster_key: KeyPair | None) -> zmq.Socket[Any]:
     """A DEALER for the scheduler; with a cluster key, a CURVE client proving it holds the
     key (the scheduler's executor socket serves with the same key pair)."""
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IPV6, 1)  # a scheduler at an IPv6 address (IPv4 ones too)
     if cluster_key is not None:
