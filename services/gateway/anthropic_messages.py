@@ -479,10 +479,15 @@ class MessageEvents:
         self._tool_use = False
 
     def opening(self, first: list[tuple[int, list[StreamOutput]]] | None) -> bytes:
+        """message_start: the prompt's usage, which the first output tells, and nothing
+        generated yet (the first output's text follows as its chunk)."""
         choice = Choice(0)
         if first:
-            choice.add(first[0][1][0])
-            choice.completion_tokens = 0
+            out = first[0][1][0]
+            choice.prompt_tokens, choice.num_cached_tokens = (
+                out.prompt_tokens,
+                out.num_cached_tokens,
+            )
         message: dict[str, Any] = {
             "id": self._id,
             "type": "message",

@@ -93,6 +93,8 @@ def test_a_message_is_transformers_greedy_answer_whole_and_streamed(
     assert (_input_tokens(final.usage), final.usage.output_tokens) == (len(ids), 6)
     types = [e.type for e in events if e.type != "text"]  # the helper's own text events
     assert types[:2] == ["message_start", "content_block_start"]
+    start = events[0].message.usage  # the prompt's, before any output
+    assert (_input_tokens(start), start.output_tokens) == (len(ids), 0)
     assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     deltas = [e.delta.text for e in events if e.type == "content_block_delta"]
     assert "".join(deltas) == want and len(deltas) > 1
