@@ -64,7 +64,7 @@ from weir.shared.config import (
     tcp_address,
 )
 from weir.shared.config_fields import json_object
-from weir.shared.hub_cache import cached_snapshot, hub_cache_dir
+from weir.shared.hub_cache import resolve_hub_ids
 from weir.shared.pooling import RUNNERS
 from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams
@@ -1059,46 +1059,22 @@ class _Refused(argparse.Action):
 
 
 def _resolve_hub_ids(args: argparse.Namespace) -> None:
-    """vLLM's ``--download-dir`` (the Hugging Face cache a repo id is read from, vLLM's
-    cache_dir), ``--revision`` and ``--tokenizer-revision`` (the snapshot read there): a
-    model, tokenizer or draft naming a repo id in the cache becomes its snapshot; another
-    revision of anything else is refused (Weir fetches none)."""
-    download_dir = getattr(args, "download_dir", None)
-    if download_dir is not None and args.model is None:
-        _refuse(
-            args,
-            "--download-dir is refused without a model: Weir keeps its bundled default model "
-            "in $WEIR_CACHE (set it to choose where)",
+    """vLLM's ``--download-dir``, ``--revision`` and ``--tokenizer-revision``
+    (``hub_cache.resolve_hub_ids``): a model, tokenizer or draft naming a repo id in the
+    Hugging Face cache becomes its snapshot."""
+    names = ("model", "tokenizer", "speculative_model")
+    try:
+        resolved = resolve_hub_ids(
+            {name: getattr(args, name, None) for name in names},
+            getattr(args, "download_dir", None),
+            getattr(args, "revision", None),
+            getattr(args, "tokenizer_revision", None),
         )
-    cache = None if download_dir is None else Path(download_dir).expanduser()
-    tokenizer_revision = getattr(args, "tokenizer_revision", None) or "main"
-    if getattr(args, "tokenizer", None) is None and tokenizer_revision != "main":
-        args.tokenizer = args.model  # vLLM's: the model's tokenizer, at that revision
-    for name, flag, revision in (
-        ("model", "--revision", getattr(args, "revision", None) or "main"),
-        ("tokenizer", "--tokenizer-revision", tokenizer_revision),
-        ("speculative_model", None, "main"),
-    ):
-        value = getattr(args, name, None)
-        snapshot = None if value is None else cached_snapshot(value, cache, revision)
-        if snapshot is not None:
-            setattr(args, name, str(snapshot))
-        elif revision != "main":
-            files = "model's" if name == "model" else "tokenizer's"
-            _refuse(
-                args,
-                f"{flag} {revision!r} is refused: Weir reads the {files} files as they are on "
-                f"disk and fetches no revision, and {value or 'the bundled model'!r} is no Hub "
-                f"repo whose {revision} "
-                f"the Hugging Face cache {cache or hub_cache_dir()} holds: download it "
-                f"(huggingface-cli download {value} --revision {revision}) or check it out "
-                "into a directory",
-            )
-
-
-def _refuse(args: argparse.Namespace, why: str) -> NoReturn:
-    print(f"weir {args.command}: {why}", file=sys.stderr)
-    raise SystemExit(2)
+    except ValueError as exc:
+        _exit_with_option_error(args, exc)
+    for name in names:
+        if hasattr(args, name):
+            setattr(args, name, resolved[name])
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:

@@ -34,6 +34,7 @@ from weir.shared.client import (
     gather_all,
 )
 from weir.shared.config import EngineArgs
+from weir.shared.hub_cache import resolve_hub_ids
 from weir.shared.model_store import resolve_model
 from weir.shared.pooling import cosine, score_pairs
 from weir.shared.protocol.client import Prompt
@@ -96,10 +97,22 @@ class LLM:
     ``tokenizer="DIR"``...)."""
 
     def __init__(
-        self, model: str | None = None, *, startup_timeout: float = 600.0, **engine_options: Any
+        self,
+        model: str | None = None,
+        *,
+        startup_timeout: float = 600.0,
+        download_dir: str | None = None,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        **engine_options: Any,
     ) -> None:
+        # vLLM's: a Hub repo id read from the Hugging Face cache (download_dir's), at that
+        # revision (hub_cache.resolve_hub_ids).
+        options = resolve_hub_ids(
+            {"model": model, **engine_options}, download_dir, revision, tokenizer_revision
+        )
         self._server = ServerProcesses(
-            EngineArgs(model=model, **engine_options),
+            EngineArgs(**options),
             port=0,
             metrics_port=0,
             executor_metrics_port=0,

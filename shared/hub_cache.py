@@ -6,6 +6,7 @@ downloads nothing; a repo id that the cache lacks stays a name that is no file.
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 # A Hugging Face Hub repo id ("org/name", or a name alone), as `vllm serve` takes a model.
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -55,3 +56,47 @@ def model_name_of(model_dir: Path) -> str:
     if model_dir.parent.name == "snapshots" and repo.startswith("models--"):
         return repo.removeprefix("models--").replace("--", "/")
     return model_dir.name
+
+
+def resolve_hub_ids(
+    options: dict[str, Any],
+    download_dir: str | None = None,
+    revision: str | None = None,
+    tokenizer_revision: str | None = None,
+) -> dict[str, Any]:
+    """``options`` (engine options) with the ``model``, ``tokenizer`` and
+    ``speculative_model`` that name a repo id in the Hugging Face cache as their snapshots:
+    vLLM's ``download_dir`` (the cache to read, its cache_dir), ``revision`` and
+    ``tokenizer_revision`` (the snapshot read there). ValueError: a ``download_dir``
+    without a model, or another revision than main of anything the cache does not hold at
+    that revision (Weir fetches none)."""
+    model = options.get("model")
+    if download_dir is not None and model is None:
+        raise ValueError(
+            "--download-dir is refused without a model: Weir keeps its bundled default model "
+            "in $WEIR_CACHE (set it to choose where)"
+        )
+    cache = None if download_dir is None else Path(download_dir).expanduser()
+    resolved = dict(options)
+    tokenizer_revision = tokenizer_revision or "main"
+    if resolved.get("tokenizer") is None and tokenizer_revision != "main":
+        resolved["tokenizer"] = model  # vLLM's: the model's tokenizer, at that revision
+    for name, flag, at in (
+        ("model", "--revision", revision or "main"),
+        ("tokenizer", "--tokenizer-revision", tokenizer_revision),
+        ("speculative_model", None, "main"),
+    ):
+        value = resolved.get(name)
+        snapshot = None if value is None else cached_snapshot(value, cache, at)
+        if snapshot is not None:
+            resolved[name] = str(snapshot)
+        elif at != "main":
+            files = "model's" if name == "model" else "tokenizer's"
+            raise ValueError(
+                f"{flag} {at!r} is refused: Weir reads the {files} files as they are on disk "
+                f"and fetches no revision, and {value or 'the bundled model'!r} is no Hub repo "
+                f"whose {at} the Hugging Face cache {cache or hub_cache_dir()} holds: download "
+                f"it (huggingface-cli download {value} --revision {at}) or check it out into a "
+                "directory"
+            )
+    return resolved

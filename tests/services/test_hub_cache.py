@@ -10,9 +10,11 @@ import openai
 import pytest
 from serving_helpers import hf_greedy, small_server
 
+from weir.services.llm import LLM
 from weir.shared.config import EngineArgs
-from weir.shared.hub_cache import cached_snapshot, model_name_of
+from weir.shared.hub_cache import cached_snapshot, model_name_of, resolve_hub_ids
 from weir.shared.model_store import ModelNotFoundError, resolve_model
+from weir.shared.sampling import SamplingParams
 
 REPO = "acme/tiny-chat"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -101,3 +103,19 @@ def test_vllms_revision_reads_that_snapshot_and_refuses_one_the_cache_lacks(hub_
         _engine_args(parse_args(["serve", REPO, "--revision", "v3"]))
     assert exit_info.value.code == 2
     assert "huggingface-cli download acme/tiny-chat --revision v3" in capsys.readouterr().err
+
+
+def test_llm_takes_vllms_revision_and_download_dir(hub_cache, tiny_hf_model):
+    """vLLM's LLM(model, revision=..., download_dir=...): the same snapshot resolution as
+    the command line's (``hub_cache.resolve_hub_ids``); one the cache lacks is refused
+    before any process starts."""
+    repo = hub_cache.parent.parent
+    (repo / "refs" / "v2").write_text(COMMIT)
+    assert resolve_hub_ids({"model": REPO}, revision="v2") == {"model": str(hub_cache)}
+    with pytest.raises(ValueError, match="huggingface-cli download acme/tiny-chat --revision v9"):
+        LLM(REPO, revision="v9")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    cache = str(repo.parent)
+    with LLM(REPO, revision="v2", download_dir=cache, device="cpu") as llm:
+        [completion] = llm.generate([[5, 6, 7, 8]], greedy)
+    assert completion.token_ids == hf_greedy(tiny_hf_model, [5, 6, 7, 8], 4)
