@@ -66,7 +66,7 @@ from weir.services.gateway.responses import (
     response_body,
     whole_response,
 )
-from weir.services.gateway.router import NoReplicaError, Router
+from weir.services.gateway.router import NoReplicaError, Replica, Router
 from weir.services.gateway.schemas import (
     BodyFieldError,
     ChatCompletionRequest,
@@ -591,6 +591,7 @@ class Gateway:
         self._reasoning_end_token: bool | None = None  # whether the reasoning end is one token
         self.stored_responses = ResponseStore()
         self._in_flight: dict[str, _InFlight] = {}  # by the engine's request id
+        self._generation_check: asyncio.Future[list[str]] | None = None  # /health_generate's
 
     async def model(self, fresh: bool = False) -> dict[str, Any]:
         """The served model's info: asked of a replica once, then kept. ``fresh`` asks
@@ -684,34 +685,41 @@ class Gateway:
     async def health_generate(self) -> Response:
         """SGLang's ``/health_generate``: each replica generates a token (a pooling model
         answers a health check) within ``HEALTH_GENERATE_TIMEOUT``; 503 names those that
-        did not."""
-        info = await self.model()
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-        async def check(client: AsyncWeirClient) -> None:
-            if info["runner"] != "generate":
-                await client.health()
-                return
-            stream = client.generate_batches(
-                "Hi", params, request_id=f"health-generate-{uuid.uuid4().hex}"
-            )
-            async with aclosing(stream):
-                async for _ in stream:
-                    pass
-
-        failed = []
-        for replica in self.router.replicas:
-            try:
-                async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT):
-                    await check(replica.client)
-            except Exception as exc:
-                failed.append(f"{replica.address} ({type(exc).__name__}: {exc})")
+        did not. It needs no key (a probe's, as SGLang's): callers share the check in
+        flight, so however many ask, the engines run one such request at a time."""
+        check = self._generation_check
+        if check is None or check.done():
+            check = self._generation_check = asyncio.ensure_future(self._generate_everywhere())
+        failed = await asyncio.shield(check)  # a caller that leaves cancels only itself
         if failed:
             message = f"no token generated within {HEALTH_GENERATE_TIMEOUT:g} s by " + ", ".join(
                 failed
             )
             raise APIError(503, message, "service_unavailable_error", SERVER_UNAVAILABLE)
         return Response(status_code=200)
+
+    async def _generate_everywhere(self) -> list[str]:
+        """The replicas (with why) that did not generate a token in time, asked at once."""
+        info = await self.model()
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+        async def check(replica: Replica) -> str | None:
+            try:
+                async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT):
+                    if info["runner"] != "generate":
+                        await replica.client.health()
+                        return None
+                    request_id = f"health-generate-{uuid.uuid4().hex}"
+                    stream = replica.client.generate_batches("Hi", params, request_id=request_id)
+                    async with aclosing(stream):
+                        async for _ in stream:
+                            pass
+            except Exception as exc:
+                return f"{replica.address} ({type(exc).__name__}: {exc})"
+            return None
+
+        results = await asyncio.gather(*(check(r) for r in self.router.replicas))
+        return [failure for failure in results if failure is not None]
 
     async def update_weights(self, path: str) -> Response:
         """SGLang's ``/update_weights_from_disk``, on every replica in turn, each answering (a

@@ -255,10 +255,21 @@ def test_abort_request_ends_the_requests_of_a_rid_or_all(server):
 
 
 def test_health_generate_generates_a_token(server):
-    """SGLang's /health_generate: 200 once a replica generated a token (counted by the
-    engine), 503 where none can."""
-    metrics = server.info["metrics_address"]
-    before = metric(read_metrics(metrics), "weir_generation_tokens_total")
-    reply = httpx.get(server.info["http_address"] + "/health_generate", timeout=30)
-    assert reply.status_code == 200
-    assert metric(read_metrics(metrics), "weir_generation_tokens_total") == before + 1
+    """SGLang's /health_generate: 200 once a replica generated a token. It needs no key, so
+    callers at once share one check: five probes held by a pause are one request waiting
+    at the engine, and all five answer 200 once it runs."""
+    base, metrics = server.info["http_address"], server.info["metrics_address"]
+    assert httpx.post(base + "/pause_generation", timeout=30).status_code == 200
+    try:
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            probes = [
+                pool.submit(httpx.get, base + "/health_generate", timeout=60) for _ in range(5)
+            ]
+            while metric(read_metrics(metrics), "weir_num_requests_waiting") == 0:
+                time.sleep(0.01)
+            time.sleep(0.5)  # the other probes have arrived
+            assert metric(read_metrics(metrics), "weir_num_requests_waiting") == 1
+            assert httpx.post(base + "/continue_generation", timeout=30).status_code == 200
+            assert [probe.result().status_code for probe in probes] == [200] * 5
+    finally:
+        httpx.post(base + "/continue_generation", timeout=30)
