@@ -454,7 +454,6 @@ def error_body(message: str, type_: str) -> dict[str, Any]:
 _ERROR_TYPES = {
     "server_error": "api_error",
     "service_unavailable_error": "overloaded_error",
-    "not_found_error": "not_found_error",
 }
 
 
