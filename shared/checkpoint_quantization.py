@@ -11,12 +11,20 @@ unquantized model and gives its outputs on the dequantized weights. Read:
   ``-quantized.w8a8``, ...): FP8 or INT8 weights, or INT4-INT8 packed in int32
   (``weight_packed``), with scales per tensor, channel, group or block, and zero points
   where asymmetric.
+- ``gptq`` (AutoGPTQ's and GPTQModel's ``-GPTQ-Int4``/``-Int8`` releases): 2-, 3-, 4- or
+  8-bit codes packed along the input rows, a scale and a zero point per group of input
+  rows, the groups in activation order where ``desc_act`` (``g_idx``), zero points stored
+  less one (``checkpoint_format`` ``gptq``) or as they are (``gptq_v2``); GPTQModel's
+  per-module ``dynamic`` widths.
+- ``awq`` (AutoAWQ's ``-AWQ`` releases, its GEMM layout): 4-bit codes packed along the
+  output columns, interleaved, a scale and a zero point per group of input rows
+  (`gptq_checkpoint` reads both).
 - ``mxfp4``: gpt-oss as OpenAI publishes it (`gpt_oss_checkpoint`).
 
 Activation scales (``input_scale``) are not used: activations stay in the model's dtype. An
 FP8 KV cache's scales (compressed-tensors' ``kv_cache_scheme``: ``k_scale`` and ``v_scale``
 of each layer's attention) are used with ``--kv-cache-dtype fp8`` and skipped without it.
-Anything else (GPTQ's and AWQ's own formats, bitsandbytes, NVFP4, sparse or rotated
+Anything else (bitsandbytes, Marlin's and AWQ's GEMV layouts, NVFP4, sparse or rotated
 compressed-tensors models) is refused by name before any process loads a weight.
 """
 
@@ -25,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("fp8", "compressed-tensors", "mxfp4")
+METHODS = ("fp8", "compressed-tensors", "mxfp4", "gptq", "awq")
 # compressed-tensors' formats whose weights are codes times scales (less zero points).
 COMPRESSED_TENSORS_FORMATS = (
     "float-quantized",
@@ -60,6 +68,9 @@ class CheckpointQuantization:
     # compressed-tensors' kv_cache_scheme: None without one, "tensor" for static FP8 scales
     # per tensor (a layer's k_scale and v_scale, which an fp8 cache applies), else what it is.
     kv_cache_scales: str | None = None
+    # What each stored zero point lacks: 1 in GPTQ's v1 checkpoints (AutoGPTQ stored every
+    # zero point less one), else 0.
+    zero_point_offset: int = 0
 
 
 def read_checkpoint_quantization(
@@ -76,14 +87,19 @@ def read_checkpoint_quantization(
     if method not in METHODS or (method == "mxfp4") != (model_type == "gpt_oss"):
         raise ValueError(
             f"config.json: quantization_config.quant_method {method!r} is not read; Weir "
-            "reads fp8 and compressed-tensors checkpoints (and gpt-oss' mxfp4): take the "
-            "model's unquantized, FP8 or llm-compressor (w4a16, w8a8) release"
+            "reads fp8, compressed-tensors, GPTQ and AWQ checkpoints (and gpt-oss' mxfp4): "
+            "take the model's unquantized, FP8, GPTQ, AWQ or llm-compressor (w4a16, w8a8) "
+            "release"
         )
     if method == "fp8":
         block = _block(config.get("weight_block_size"), method)
         return CheckpointQuantization(method, block, ("tensor",) if block is None else ("block",))
     if method == "compressed-tensors":
         return _compressed_tensors(config)
+    if method == "gptq":
+        return _gptq(config)
+    if method == "awq":
+        return _awq(config)
     return CheckpointQuantization(method)
 
 
@@ -152,6 +168,59 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
         tuple(sorted(bits)),
         None if len(symmetric) > 1 else symmetric == {False},
         kv_cache_scales,
+    )
+
+
+# GPTQ's widths as vLLM reads them (GPTQModel's 5- to 7-bit codes are packed otherwise).
+GPTQ_BITS = (2, 3, 4, 8)
+# GPTQ's checkpoint formats: v1 stored each zero point less one, v2 as it is.
+_GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
+
+
+def _gptq(config: dict[str, Any]) -> CheckpointQuantization:
+    """A GPTQ config: its widths (GPTQModel's ``dynamic`` may give modules others; each
+    weight's own is read off its shape) and checkpoint format."""
+    fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
+    dynamic = config.get("dynamic") or {}
+    if not isinstance(dynamic, dict) or not all(isinstance(v, dict) for v in dynamic.values()):
+        raise ValueError(
+            f"config.json: GPTQ's dynamic must map patterns to objects, got {dynamic!r}"
+        )
+    bits = {config.get("bits"), *(v["bits"] for v in dynamic.values() if "bits" in v)}
+    if fmt not in _GPTQ_FORMATS or not bits <= set(GPTQ_BITS):
+        raise ValueError(
+            f"config.json: GPTQ {fmt} checkpoint of {sorted(bits, key=str)}-bit weights; Weir "
+            f"reads gptq and gptq_v2 checkpoints of {', '.join(map(str, GPTQ_BITS))} bits"
+        )
+    if config.get("pack_dtype", "int32") != "int32":
+        raise ValueError(
+            f"config.json: GPTQ's pack_dtype {config['pack_dtype']!r} is not read (int32 is)"
+        )
+    strategy = "channel" if config.get("group_size", 128) == -1 else "group"
+    return CheckpointQuantization(
+        "gptq",
+        strategies=(strategy,),
+        num_bits=tuple(sorted(bits)),
+        asymmetric=None,
+        zero_point_offset=_GPTQ_FORMATS[fmt],
+    )
+
+
+def _awq(config: dict[str, Any]) -> CheckpointQuantization:
+    """An AutoAWQ config (transformers' keys or AutoAWQ's own: ``w_bit``, ``q_group_size``):
+    4-bit codes in its GEMM layout."""
+    version = str(config.get("version") or "gemm").lower()
+    bits = config.get("bits", config.get("w_bit", 4))
+    if bits != 4 or version != "gemm":
+        raise ValueError(
+            f"config.json: AWQ {version} checkpoint of {bits}-bit weights; Weir reads "
+            "AutoAWQ's 4-bit GEMM layout (version gemm)"
+        )
+    group_size = config.get("group_size", config.get("q_group_size", 128))
+    strategy = "channel" if group_size == -1 else "group"
+    zero_point = config.get("zero_point", True) is not False
+    return CheckpointQuantization(
+        "awq", strategies=(strategy,), num_bits=(4,), asymmetric=zero_point
     )
 
 

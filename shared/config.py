@@ -74,15 +74,18 @@ EAGLE_METHODS = ("eagle", "eagle3")
 QUANTIZATION_METHODS = ("int8",)
 # vLLM's --quantization methods, which are kernels Weir does not have: why each is refused.
 _CHECKPOINT_READ = (
-    "Weir has no {} matmul kernels; leave --quantization out: an fp8 or compressed-tensors "
-    "checkpoint is read by its config.json (dequantized to the model's dtype)"
+    "Weir has no {} matmul kernels; leave --quantization out: an fp8, compressed-tensors, "
+    "GPTQ or AWQ checkpoint is read by its config.json (dequantized to the model's dtype)"
 )
 _VLLM_QUANTIZATION = {
-    **dict.fromkeys(("fp8", "compressed-tensors"), _CHECKPOINT_READ),
     **dict.fromkeys(
-        ("awq", "awq_marlin", "gptq", "gptq_marlin", "bitsandbytes", "gguf", "marlin"),
-        "Weir has no {} matmul kernels and reads no such checkpoint (fp8 and compressed-tensors "
-        "checkpoints are read without --quantization; int8 is Weir's own, on the CPU)",
+        ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin"), _CHECKPOINT_READ
+    ),
+    **dict.fromkeys(
+        ("bitsandbytes", "gguf", "marlin"),
+        "Weir has no {} matmul kernels and reads no such checkpoint (fp8, compressed-tensors, "
+        "GPTQ and AWQ checkpoints are read without --quantization; int8 is Weir's own, on the "
+        "CPU)",
     ),
 }
 # The executor's attention implementations (services/executor/attention.py builds them).

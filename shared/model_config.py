@@ -1269,7 +1269,18 @@ def read_hf_config(model_dir: str | os.PathLike[str], overrides: str | None = No
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if overrides is not None and isinstance(hf, dict):
         hf = {**hf, **json.loads(overrides)}
+    if isinstance(hf, dict) and "quantization_config" not in hf:
+        for name, method in _QUANTIZATION_FILES.items():
+            if (Path(model_dir) / name).is_file():
+                quantization = read_json(Path(model_dir) / name)
+                hf = {**hf, "quantization_config": {"quant_method": method, **quantization}}
+                break
     return hf
+
+
+# The files older AutoGPTQ and AutoAWQ checkpoints keep their quantization in, beside a
+# config.json without one, and the method each holds (as vLLM reads them).
+_QUANTIZATION_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 
 
 def eos_token_ids(

@@ -1,9 +1,12 @@
 """Quantized checkpoints: FP8 ones as DeepSeek and Qwen publish them (blocks of E4M3 weights,
-``weight_scale_inv``), read by transformers' own dequantizing loader as the reference, and
-llm-compressor's compressed-tensors ones (W4A16 by groups, symmetric and not; W8A16; FP8 by channel and by block; INT8 by channel), written by the
-compressed-tensors library and decompressed by it for the reference. Weir, dequantizing as
-it loads, decodes as that reference does (through the engine core, chunked and preempted, in
-one process and at TP=2); what it does not read is refused by name."""
+``weight_scale_inv``), read by transformers' own dequantizing loader as the reference;
+llm-compressor's compressed-tensors ones (W4A16 by groups, symmetric and not; W8A16; FP8 by
+channel and by block; INT8 by channel), written by the compressed-tensors library and
+decompressed by it for the reference; AutoAWQ's, which the library converts to its own
+format for the reference; GPTQ's, packed by the library's packer in GPTQ's layout, the
+reference weights each code less its group's zero point times its scale. Weir, dequantizing
+as it loads, decodes as that reference does (through the engine core, chunked and
+preempted, in one process and at TP=2); what it does not read is refused by name."""
 
 import json
 
@@ -15,6 +18,8 @@ compressed_tensors = pytest.importorskip("compressed_tensors")
 
 import tp_workload  # noqa: E402
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
+from compressed_tensors.entrypoints.convert import AutoAWQConverter, convert_checkpoint  # noqa: E402
 from compressed_tensors.quantization import (  # noqa: E402
     QuantizationConfig,
     apply_quantization_config,
@@ -25,9 +30,17 @@ from lora_adapters import greedy  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
 
-from weir.services.executor.quantized_checkpoint import DequantizedWeight, unpack_int32  # noqa: E402
+from weir.services.executor.dequantized_weight import (  # noqa: E402
+    DenseCodes,
+    DequantizedWeight,
+    unpack_int32,
+)
+from weir.services.executor.gptq_checkpoint import packed_linear_weight  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
-from weir.shared.checkpoint_quantization import CheckpointQuantization  # noqa: E402
+from weir.shared.checkpoint_quantization import (  # noqa: E402
+    CheckpointQuantization,
+    read_checkpoint_quantization,
+)
 from weir.shared.model_config import read_model_config  # noqa: E402
 
 VOCAB = 131
@@ -190,6 +203,135 @@ def test_a_compressed_tensors_checkpoint_decodes_as_the_library_decompresses_it(
     decodes_as(tmp_path, reference, world_sizes=(1, 2) if scheme == "w4a16-asym" else (1,))
 
 
+def _quantized_projections(
+    tensors: dict, bits: int, group_size: int, *, act_order=False, sym=False
+):
+    """Each projection's [out, in] weight quantized to unsigned ``bits``-bit codes by round to
+    nearest, a scale and zero point per output and group of inputs (its inputs' groups in a
+    random order with ``act_order``, as GPTQ's desc_act leaves them); yields (name, codes,
+    zeros [out, groups], scales [out, groups] as float16 rounds them, each input's group)."""
+    generator = torch.Generator().manual_seed(bits)
+    top = (1 << bits) - 1
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        weight = tensors[name]
+        inputs = weight.shape[1]
+        size = inputs if group_size == -1 else group_size
+        order = torch.randperm(inputs, generator=generator) if act_order else torch.arange(inputs)
+        groups = torch.empty(inputs, dtype=torch.int32)
+        groups[order] = torch.arange(inputs, dtype=torch.int32) // size
+        low = torch.stack([weight[:, groups == g].amin(1) for g in range(inputs // size)], 1)
+        high = torch.stack([weight[:, groups == g].amax(1) for g in range(inputs // size)], 1)
+        if sym:
+            scales = torch.maximum(low.abs(), high.abs()) / (top // 2)
+            zeros = torch.full_like(scales, (top + 1) // 2, dtype=torch.int32)
+        else:
+            scales = (high - low) / top
+            zeros = (-low / scales).round().clamp(1, top).to(torch.int32)
+        scales = scales.half().float()
+        codes = (weight / scales[:, groups]).round() + zeros[:, groups]
+        yield name, codes.clamp(0, top).to(torch.int32), zeros, scales, groups
+
+
+def _signed(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes as the library's packer takes them (it adds 2^(bits-1) back)."""
+    return (codes - (1 << (bits - 1))).to(torch.int8)
+
+
+def _dequantized(codes, zeros, scales, groups) -> torch.Tensor:
+    return (codes - zeros[:, groups]).float() * scales[:, groups]
+
+
+def _save_quantized(path, tensors: dict, quantization: dict, beside: str | None = None) -> None:
+    """``tensors`` saved with ``quantization`` in config.json, or in the file ``beside`` it
+    (older AutoGPTQ and AutoAWQ checkpoints)."""
+    save_file(tensors, path / "model.safetensors")
+    if beside is not None:
+        (path / beside).write_text(json.dumps(quantization))
+        return
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+
+
+GPTQ_CASES = {
+    "int4-v1-desc-act": dict(bits=4, group_size=32, act_order=True, fmt="gptq"),
+    "int4-v1-sym-moe": dict(bits=4, group_size=32, sym=True, fmt="gptq", kind="qwen3_moe"),
+    "int8-v2-channel": dict(bits=8, group_size=-1, fmt="gptq_v2"),
+    "int3-v1": dict(bits=3, group_size=64, act_order=True, fmt="gptq", beside=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GPTQ_CASES))
+def test_a_gptq_checkpoint_decodes_as_its_codes_dequantize(case, tmp_path):
+    """AutoGPTQ's and GPTQModel's layout: qweight [in x bits / 32, out], each output's codes
+    packed down its inputs (by the library's packer: a little-endian stream, 3-bit codes
+    across words), qzeros [groups, out x bits / 32] (less one in the v1 format), float16
+    scales [groups, out], g_idx; its config in config.json or, as older AutoGPTQ wrote it,
+    quantize_config.json; the reference, which transformers loads, has each weight its code
+    less its group's zero point times its scale (every expert's too)."""
+    spec = dict(GPTQ_CASES[case])
+    bits, group_size, fmt = spec.pop("bits"), spec.pop("group_size"), spec.pop("fmt")
+    beside = "quantize_config.json" if spec.pop("beside", False) else None
+    gptq, dequantized = tmp_path / "gptq", tmp_path / "dequantized"
+    model = random_model(spec.pop("kind", "llama"))
+    model.save_pretrained(gptq)
+    model.save_pretrained(dequantized)
+    tensors = load_file(gptq / "model.safetensors")
+    reference = {**tensors}
+    offset = 1 if fmt == "gptq" else 0
+    for name, codes, zeros, scales, groups in list(
+        _quantized_projections(tensors, bits, group_size, **spec)
+    ):
+        module = name.removesuffix(".weight")
+        del tensors[name]
+        tensors[f"{module}.qweight"] = pack_to_int32(_signed(codes.T, bits), bits, packed_dim=0)
+        tensors[f"{module}.qzeros"] = pack_to_int32(_signed(zeros.T - offset, bits), bits)
+        tensors[f"{module}.scales"] = scales.T.half().contiguous()
+        tensors[f"{module}.g_idx"] = groups
+        reference[name] = _dequantized(codes, zeros, scales, groups)
+    quantization = {"quant_method": "gptq", "bits": bits, "group_size": group_size}
+    quantization |= {"desc_act": spec.get("act_order", False), "sym": spec.get("sym", False)}
+    _save_quantized(gptq, tensors, quantization | {"checkpoint_format": fmt}, beside)
+    save_file(reference, dequantized / "model.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
+    decodes_as(gptq, model.eval(), world_sizes=(1, 2) if case == "int4-v1-desc-act" else (1,))
+
+
+def _awq_words(codes: torch.Tensor) -> torch.Tensor:
+    """[n, columns] 4-bit codes -> [n, columns / 8] int32 in AutoAWQ's GEMM order: a word's
+    k-th code (from its lowest bits) is column (0, 2, 4, 6, 1, 3, 5, 7)[k] of its eight."""
+    words = torch.zeros(codes.shape[0], codes.shape[1] // 8, dtype=torch.int64)
+    for k, column in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+        words |= codes[:, column::8].long() << (4 * k)
+    return words.to(torch.int32)  # wraps a top code of 8 or more into the sign bit, as int32 does
+
+
+def test_an_awq_checkpoint_decodes_as_the_library_converts_it(tmp_path):
+    """AutoAWQ's GEMM layout (qweight [in, out / 8] interleaved, qzeros [groups, out / 8],
+    float16 scales [groups, out]); the reference is compressed-tensors' converter of AutoAWQ
+    checkpoints, whose output transformers loads and the library decompresses."""
+    model = random_model("llama")
+    awq, converted = tmp_path / "awq", tmp_path / "converted"
+    model.save_pretrained(awq)
+    tensors = load_file(awq / "model.safetensors")
+    for name, codes, zeros, scales, _ in list(_quantized_projections(tensors, 4, 32)):
+        module = name.removesuffix(".weight")
+        del tensors[name]
+        tensors[f"{module}.qweight"] = _awq_words(codes.T)
+        tensors[f"{module}.qzeros"] = _awq_words(zeros.T)
+        tensors[f"{module}.scales"] = scales.T.half().contiguous()
+    quantization = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
+    _save_quantized(awq, tensors, quantization | {"version": "gemm"})
+    converter = AutoAWQConverter.from_autoawq_config(quantization)
+    convert_checkpoint(awq, converted, converter, max_workers=1, device="cpu")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        converted,
+        dtype=torch.float32,
+        quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
+    ).eval()
+    assert type(reference.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    decodes_as(awq, reference)
+
+
 def test_packed_integers_unpack_as_the_library_packs_them():
     """Every width from 2 to 8 bits, rows not a multiple of 32 long."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -210,12 +352,12 @@ def test_blocks_that_do_not_divide_the_weight_are_cut_short():
     scale = torch.rand(2, 2, generator=generator) + 0.5
     want = codes.float() * scale.repeat_interleave(64, 0)[:100].repeat_interleave(64, 1)[:, :70]
     blocks = CheckpointQuantization("fp8", (64, 64), ("block",))
-    weight = DequantizedWeight("w", _Source(codes), (100, 70), scale, None, blocks)
+    weight = DequantizedWeight("w", DenseCodes(_Source(codes)), (100, 70), scale, None, blocks)
     assert torch.equal(weight[(slice(None),)], want)
     assert torch.equal(weight[(slice(30, 90), slice(10, 66))], want[30:90, 10:66])
     with pytest.raises(ValueError, match=r"w: scales \(2, 2\) do not cover a \(100, 70\) weight"):
         other = CheckpointQuantization("fp8", (32, 64), ("block",))
-        DequantizedWeight("w", _Source(codes), (100, 70), scale, None, other)
+        DequantizedWeight("w", DenseCodes(_Source(codes)), (100, 70), scale, None, other)
 
 
 class _Source:
@@ -234,10 +376,96 @@ class _Source:
         return self.tensor[index]
 
 
+def test_autoawqs_own_config_file_and_keys_are_read(tmp_path):
+    """AutoAWQ's quant_config.json beside a config.json without a quantization_config, in
+    its own keys (w_bit, q_group_size)."""
+    random_model("llama").config.save_pretrained(tmp_path)
+    own = {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}
+    (tmp_path / "quant_config.json").write_text(json.dumps(own))
+    quantization = read_model_config(tmp_path).checkpoint_quantization
+    assert quantization == CheckpointQuantization("awq", None, ("group",), (4,), True)
+    (tmp_path / "quant_config.json").write_text(json.dumps({**own, "w_bit": 3}))
+    with pytest.raises(ValueError, match="AWQ gemm checkpoint of 3-bit weights"):
+        read_model_config(tmp_path)
+
+
+class _File:
+    """Tensors in memory as safetensors' opened file of them."""
+
+    def __init__(self, tensors: dict) -> None:
+        self.tensors = tensors
+
+    def get_slice(self, name: str) -> _Source:
+        return _Source(self.tensors[name])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+def _packed_module(method: str, bits: int) -> tuple[dict, torch.Tensor]:
+    """A 40 x 96 layer's GPTQ (3-bit v2, activation order) or AWQ tensors under "m", and the
+    weight they hold."""
+    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(1))
+    (_, codes, zeros, scales, groups), *_ = _quantized_projections(
+        {"m.up_proj.weight": weight}, bits, 32, act_order=method == "gptq"
+    )
+    tensors = {"m.scales": scales.T.half().contiguous()}
+    if method == "gptq":
+        tensors["m.qweight"] = pack_to_int32(_signed(codes.T, bits), bits, packed_dim=0)
+        tensors["m.qzeros"] = pack_to_int32(_signed(zeros.T, bits), bits)
+        tensors["m.g_idx"] = groups
+    else:
+        tensors["m.qweight"], tensors["m.qzeros"] = _awq_words(codes.T), _awq_words(zeros.T)
+    return tensors, _dequantized(codes, zeros, scales, groups)
+
+
+@pytest.mark.parametrize(("method", "bits"), [("gptq", 3), ("gptq", 4), ("awq", 4)])
+def test_a_packed_layer_reads_any_rows_and_columns(method, bits):
+    """A rank's share of a GPTQ or AWQ weight, its bounds inside a word's codes."""
+    tensors, want = _packed_module(method, bits)
+    config = {"quant_method": method, "bits": bits, "checkpoint_format": "gptq_v2"}
+    quantization = read_checkpoint_quantization({"quantization_config": config}, "llama")
+    weight = packed_linear_weight("m", dict.fromkeys(tensors, _File(tensors)), quantization)
+    assert weight.get_shape() == [40, 96]
+    assert torch.equal(weight[(slice(None),)], want)
+    for rows, columns in [(slice(3, 37), slice(5, 91)), (slice(9, 10), slice(33, 34))]:
+        assert torch.equal(weight[(rows, columns)], want[rows, columns])
+
+
+@pytest.mark.parametrize(
+    ("method", "change", "error"),
+    [
+        ("gptq", {"m.scales": None}, "m.qweight: the checkpoint has no floating-point 2-D m.sc"),
+        ("gptq", {"m.qzeros": None}, "m.qweight: the checkpoint has no m.qzeros"),
+        ("gptq", {"m.qzeros": torch.zeros(3, 4, dtype=torch.int32)}, "does not pack the 3 x 40"),
+        ("gptq", {"m.g_idx": torch.zeros(96)}, "m.g_idx: torch.float32 .96,. is no 1-D integer"),
+        ("gptq", {"m.g_idx": torch.arange(96) // 16}, "do not give each of its 96 columns one of"),
+        ("gptq", {"m.g_idx": torch.arange(64) // 32}, r"\[12, 40\] int32 does not pack 64 x 40"),
+        ("awq", {"m.qweight": torch.zeros(96, 4, dtype=torch.int32)}, "the 40 columns of its"),
+        ("awq", {"m.qzeros": None}, "m.qweight: the checkpoint has no m.qzeros"),
+    ],
+)
+def test_a_packed_layer_that_does_not_fit_is_refused_by_name(method, change, error):
+    tensors, _ = _packed_module(method, 4)
+    for name, tensor in change.items():
+        tensors.pop(name) if tensor is None else tensors.__setitem__(name, tensor)
+    config = {"quant_method": method, "bits": 4, "zero_point": True}
+    quantization = read_checkpoint_quantization({"quantization_config": config}, "llama")
+    with pytest.raises(ValueError, match=error):
+        packed_linear_weight("m", dict.fromkeys(tensors, _File(tensors)), quantization)
+
+
 @pytest.mark.parametrize(
     ("quantization", "error"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not read"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not read"),
+        ({"quant_method": "gptq", "bits": 6}, r"GPTQ gptq checkpoint of \[6\]-bit weights"),
+        (
+            {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+            "GPTQ marlin checkpoint",
+        ),
+        ({"quant_method": "gptq", "bits": 4, "pack_dtype": "int8"}, "pack_dtype 'int8'"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ gemv checkpoint"),
         ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' is not read"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "block size must be"),
         (
