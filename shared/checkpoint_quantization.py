@@ -19,12 +19,15 @@ unquantized model and gives its outputs on the dequantized weights. Read:
 - ``awq`` (AutoAWQ's ``-AWQ`` releases, its GEMM layout): 4-bit codes packed along the
   output columns, interleaved, a scale and a zero point per group of input rows
   (`gptq_checkpoint` reads both).
+- ``bitsandbytes`` (transformers' ``load_in_4bit`` and ``load_in_8bit`` models saved
+  quantized, Unsloth's ``-bnb-4bit`` releases): NF4 or FP4 codes with a scale per block,
+  doubly quantized or not, and LLM.int8()'s int8 rows (`bnb_checkpoint`).
 - ``mxfp4``: gpt-oss as OpenAI publishes it (`gpt_oss_checkpoint`).
 
 Activation scales (``input_scale``) are not used: activations stay in the model's dtype. An
 FP8 KV cache's scales (compressed-tensors' ``kv_cache_scheme``: ``k_scale`` and ``v_scale``
 of each layer's attention) are used with ``--kv-cache-dtype fp8`` and skipped without it.
-Anything else (bitsandbytes, Marlin's and AWQ's GEMV layouts, NVFP4, sparse or rotated
+Anything else (Marlin's and AWQ's GEMV layouts, NVFP4, sparse or rotated
 compressed-tensors models) is refused by name before any process loads a weight.
 """
 
@@ -33,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("fp8", "compressed-tensors", "mxfp4", "gptq", "awq")
+METHODS = ("fp8", "compressed-tensors", "mxfp4", "gptq", "awq", "bitsandbytes")
 # compressed-tensors' formats whose weights are codes times scales (less zero points).
 COMPRESSED_TENSORS_FORMATS = (
     "float-quantized",
@@ -87,9 +90,9 @@ def read_checkpoint_quantization(
     if method not in METHODS or (method == "mxfp4") != (model_type == "gpt_oss"):
         raise ValueError(
             f"config.json: quantization_config.quant_method {method!r} is not read; Weir "
-            "reads fp8, compressed-tensors, GPTQ and AWQ checkpoints (and gpt-oss' mxfp4): "
-            "take the model's unquantized, FP8, GPTQ, AWQ or llm-compressor (w4a16, w8a8) "
-            "release"
+            "reads fp8, compressed-tensors, GPTQ, AWQ and bitsandbytes checkpoints (and "
+            "gpt-oss' mxfp4): take the model's unquantized, FP8, GPTQ, AWQ or llm-compressor "
+            "(w4a16, w8a8) release"
         )
     if method == "fp8":
         block = _block(config.get("weight_block_size"), method)
@@ -100,6 +103,8 @@ def read_checkpoint_quantization(
         return _gptq(config)
     if method == "awq":
         return _awq(config)
+    if method == "bitsandbytes":
+        return _bitsandbytes(config)
     return CheckpointQuantization(method)
 
 
@@ -222,6 +227,22 @@ def _awq(config: dict[str, Any]) -> CheckpointQuantization:
     return CheckpointQuantization(
         "awq", strategies=(strategy,), num_bits=(4,), asymmetric=zero_point
     )
+
+
+def _bitsandbytes(config: dict[str, Any]) -> CheckpointQuantization:
+    """A bitsandbytes config: 4-bit codes stored in bytes, or 8-bit ones."""
+    four = bool(config.get("load_in_4bit", config.get("_load_in_4bit")))
+    eight = bool(config.get("load_in_8bit", config.get("_load_in_8bit")))
+    storage = config.get("bnb_4bit_quant_storage", "uint8")
+    if four == eight or (four and storage != "uint8"):
+        raise ValueError(
+            f"config.json: a bitsandbytes checkpoint of load_in_4bit {four}, load_in_8bit "
+            f"{eight}, 4-bit storage {storage}; Weir reads one of 4-bit codes stored in uint8 "
+            "or 8-bit codes"
+        )
+    if four:
+        return CheckpointQuantization("bitsandbytes", strategies=("group",), num_bits=(4,))
+    return CheckpointQuantization("bitsandbytes", strategies=("channel",), num_bits=(8,))
 
 
 def _kv_cache_scales(scheme: Any) -> str | None:

@@ -75,17 +75,19 @@ QUANTIZATION_METHODS = ("int8",)
 # vLLM's --quantization methods, which are kernels Weir does not have: why each is refused.
 _CHECKPOINT_READ = (
     "Weir has no {} matmul kernels; leave --quantization out: an fp8, compressed-tensors, "
-    "GPTQ or AWQ checkpoint is read by its config.json (dequantized to the model's dtype)"
+    "GPTQ, AWQ or bitsandbytes checkpoint is read by its config.json (dequantized to the "
+    "model's dtype)"
 )
 _VLLM_QUANTIZATION = {
     **dict.fromkeys(
-        ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin"), _CHECKPOINT_READ
+        ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "bitsandbytes"),
+        _CHECKPOINT_READ,
     ),
     **dict.fromkeys(
-        ("bitsandbytes", "gguf", "marlin"),
+        ("gguf", "marlin"),
         "Weir has no {} matmul kernels and reads no such checkpoint (fp8, compressed-tensors, "
-        "GPTQ and AWQ checkpoints are read without --quantization; int8 is Weir's own, on the "
-        "CPU)",
+        "GPTQ, AWQ and bitsandbytes checkpoints are read without --quantization; int8 is "
+        "Weir's own, on the CPU)",
     ),
 }
 # The executor's attention implementations (services/executor/attention.py builds them).

@@ -36,7 +36,8 @@ from weir.services.executor.dequantized_weight import (  # noqa: E402
     unpack_int32,
 )
 from weir.services.executor.gptq_checkpoint import packed_linear_weight  # noqa: E402
-from weir.services.executor.weights import load_model  # noqa: E402
+from weir.services.executor.quantized_checkpoint import dequantized_tensors  # noqa: E402
+from weir.services.executor.weights import load_model, open_checkpoint  # noqa: E402
 from weir.shared.checkpoint_quantization import (  # noqa: E402
     CheckpointQuantization,
     read_checkpoint_quantization,
@@ -88,6 +89,21 @@ def decodes_as(path, reference: torch.nn.Module, world_sizes=(1, 2)) -> None:
     if 2 in world_sizes:
         for report in tp_workload.run_group(work, world_size=2):
             assert report.outputs == want
+
+
+def dequantizes_as(path, weights: dict[str, torch.Tensor], dtype=torch.float32) -> None:
+    """The quantized weights of the checkpoint at ``path`` as Weir dequantizes them (in
+    float32), rounded to ``dtype``, are ``weights`` (greedy outputs alone miss small uniform
+    errors)."""
+    quantization = read_model_config(path).checkpoint_quantization
+    read = {
+        name: tensor[(slice(None),)]
+        for name, tensor in dequantized_tensors(open_checkpoint(path), quantization)
+        if isinstance(tensor, DequantizedWeight)
+    }
+    assert read.keys() == weights.keys()
+    for name, tensor in read.items():
+        torch.testing.assert_close(tensor.to(dtype).float(), weights[name], msg=name)
 
 
 def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,6 +308,7 @@ def test_a_gptq_checkpoint_decodes_as_its_codes_dequantize(case, tmp_path):
     quantization |= {"desc_act": spec.get("act_order", False), "sym": spec.get("sym", False)}
     _save_quantized(gptq, tensors, quantization | {"checkpoint_format": fmt}, beside)
     save_file(reference, dequantized / "model.safetensors")
+    dequantizes_as(gptq, {n: t for n, t in reference.items() if n.endswith("_proj.weight")})
     model = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
     decodes_as(gptq, model.eval(), world_sizes=(1, 2) if case == "int4-v1-desc-act" else (1,))
 
@@ -329,7 +346,50 @@ def test_an_awq_checkpoint_decodes_as_the_library_converts_it(tmp_path):
         quantization_config=transformers.CompressedTensorsConfig(run_compressed=False),
     ).eval()
     assert type(reference.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    parameters = dict(reference.named_parameters())
+    # The library dequantizes in its scales' float16: the same products, rounded once more.
+    projections = {n: parameters[n] for n in parameters if n.endswith("_proj.weight")}
+    dequantizes_as(awq, projections, torch.float16)
     decodes_as(awq, reference)
+
+
+BNB = {
+    "nf4-double": dict(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
+    ),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BNB))
+def test_a_bitsandbytes_checkpoint_decodes_as_the_library_dequantizes_it(case, tmp_path):
+    """transformers quantizes a model with bitsandbytes on the CPU and saves it quantized
+    (4-bit NF4 doubly quantized, as Unsloth's -bnb-4bit releases; FP4; LLM.int8()); the
+    reference's weights are each layer's as the library dequantizes it."""
+    bnb = pytest.importorskip("bitsandbytes")
+    random_model("llama").save_pretrained(tmp_path / "source")
+    config = transformers.BitsAndBytesConfig(**BNB[case], bnb_4bit_compute_dtype=torch.float32)
+    quantized = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "source", dtype=torch.float32, device_map="cpu", quantization_config=config
+    )
+    quantized.save_pretrained(tmp_path / "bnb")
+    dequantized = {}
+    for name, module in quantized.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, bnb.nn.Linear4bit):
+            dequantized[f"{name}.weight"] = bnb.functional.dequantize_4bit(
+                weight, weight.quant_state
+            )
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            dequantized[f"{name}.weight"] = bnb.functional.int8_vectorwise_dequant(
+                weight, weight.SCB
+            )
+    assert len(dequantized) == 14  # two layers' seven projections
+    dequantizes_as(tmp_path / "bnb", dequantized)
+    reference = random_model("llama")
+    reference.load_state_dict(dequantized, strict=False)
+    decodes_as(tmp_path / "bnb", reference, world_sizes=(1, 2) if case == "nf4-double" else (1,))
 
 
 def test_packed_integers_unpack_as_the_library_packs_them():
@@ -425,7 +485,7 @@ def test_a_packed_layer_reads_any_rows_and_columns(method, bits):
     tensors, want = _packed_module(method, bits)
     config = {"quant_method": method, "bits": bits, "checkpoint_format": "gptq_v2"}
     quantization = read_checkpoint_quantization({"quantization_config": config}, "llama")
-    weight = packed_linear_weight("m", dict.fromkeys(tensors, _File(tensors)), quantization)
+    weight = packed_linear_weight("m.qweight", dict.fromkeys(tensors, _File(tensors)), quantization)
     assert weight.get_shape() == [40, 96]
     assert torch.equal(weight[(slice(None),)], want)
     for rows, columns in [(slice(3, 37), slice(5, 91)), (slice(9, 10), slice(33, 34))]:
@@ -452,13 +512,25 @@ def test_a_packed_layer_that_does_not_fit_is_refused_by_name(method, change, err
     config = {"quant_method": method, "bits": 4, "zero_point": True}
     quantization = read_checkpoint_quantization({"quantization_config": config}, "llama")
     with pytest.raises(ValueError, match=error):
-        packed_linear_weight("m", dict.fromkeys(tensors, _File(tensors)), quantization)
+        packed_linear_weight("m.qweight", dict.fromkeys(tensors, _File(tensors)), quantization)
 
 
 @pytest.mark.parametrize(
     ("quantization", "error"),
     [
-        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not read"),
+        ({"quant_method": "hqq"}, "quant_method 'hqq' is not read"),
+        (
+            {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": True},
+            "a bitsandbytes checkpoint of load_in_4bit True, load_in_8bit True",
+        ),
+        (
+            {
+                "quant_method": "bitsandbytes",
+                "load_in_4bit": True,
+                "bnb_4bit_quant_storage": "bfloat16",
+            },
+            "4-bit storage bfloat16",
+        ),
         ({"quant_method": "gptq", "bits": 6}, r"GPTQ gptq checkpoint of \[6\]-bit weights"),
         (
             {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},

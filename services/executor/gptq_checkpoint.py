@@ -27,7 +27,7 @@ from weir.services.executor.dequantized_weight import DequantizedWeight, unpack_
 from weir.shared.checkpoint_quantization import CheckpointQuantization
 
 # A packed module's tensors besides its codes: read with them, not loaded on their own.
-PACKED_LINEAR_PARTS = ("qzeros", "scales", "g_idx")
+PACKED_LINEAR_PARTS = (".qzeros", ".scales", ".g_idx")
 # The output column of the eight in an AWQ word that each of its codes (lowest bits first) is.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # The code of a word that each of its eight output columns is.
@@ -76,11 +76,14 @@ def _awq_columns(words: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear_weight(
-    module: str, where: dict[str, Any], quantization: CheckpointQuantization
-) -> DequantizedWeight:
-    """A GPTQ or AWQ module's weight, its parts checked against each other and config.json
-    (ValueError names the tensor)."""
-    name = f"{module}.qweight"
+    name: str, where: dict[str, Any], quantization: CheckpointQuantization
+) -> DequantizedWeight | None:
+    """The weight of a GPTQ or AWQ module whose ``qweight`` is ``name`` (None for any other
+    tensor), its parts checked against each other and config.json (ValueError names the
+    tensor)."""
+    module, _, kind = name.rpartition(".")
+    if kind != "qweight":
+        return None
 
     def part(kind: str) -> torch.Tensor | None:
         part_name = f"{module}.{kind}"

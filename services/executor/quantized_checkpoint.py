@@ -11,10 +11,11 @@ compressed-tensors versions saved it (``weight_g_idx``), is refused.
 """
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from weir.services.executor.bnb_checkpoint import BNB_PARTS, bnb_weight
 from weir.services.executor.dequantized_weight import (
     Codes,
     DenseCodes,
@@ -32,39 +33,55 @@ if TYPE_CHECKING:  # weights.py reads its quantized checkpoints through this mod
 # safetensors' names of the dtypes of codes.
 _CODES = ("F8_E4M3", "F8_E5M2", "I8")
 # A quantized module's tensors besides its codes: read with them, not loaded on their own.
-_PARTS = ("weight_scale_inv", "weight_scale", "weight_zero_point", "weight_shape")
+_PARTS = (".weight_scale_inv", ".weight_scale", ".weight_zero_point", ".weight_shape")
 # Scales of activations and of attention's queries and probabilities, which Weir keeps in
 # the model's dtype (an fp8 KV cache's k_scale and v_scale go to the loader, which takes them
 # where the cache uses them).
-_UNUSED: tuple[str, ...] = ("input_scale", "input_zero_point", "output_scale", "activation_scale")
-_UNUSED += ("q_scale", "prob_scale")
+_UNUSED: tuple[str, ...] = (".input_scale", ".input_zero_point", ".output_scale")
+_UNUSED += (".activation_scale", ".q_scale", ".prob_scale")
+
+
+class WeightReader(Protocol):
+    """A layout's reader: the quantized weight a tensor's name is the codes of, else None."""
+
+    def __call__(
+        self, name: str, where: dict[str, Any], quantization: CheckpointQuantization
+    ) -> DequantizedWeight | None: ...
 
 
 def dequantized_tensors(
     opened: list[Any], quantization: CheckpointQuantization
 ) -> Iterator[tuple[str, "TensorSource"]]:
-    """Every tensor of the checkpoint's opened files, lazily, quantized weights dequantized."""
+    """Every tensor of the checkpoint's opened files, lazily, quantized weights dequantized
+    (under their plain names, ``X.weight``)."""
     where = {name: f for f in opened for name in f.keys()}
-    packed_linear = quantization.method in ("gptq", "awq")
-    parts = PACKED_LINEAR_PARTS if packed_linear else _PARTS
+    parts, read = _LAYOUTS[quantization.method]
     for f in opened:
         for name in f.keys():
-            module, _, kind = name.rpartition(".")
-            if kind == "weight_g_idx":
-                raise ValueError(
-                    f"{name}: GPTQ's activation order (group indices) is not read; take a "
-                    'checkpoint quantized without it (actorder null or "weight")'
-                )
-            if kind in parts or kind in _UNUSED:
+            if name.endswith(parts + _UNUSED):
                 continue
-            if packed_linear and kind == "qweight":
-                yield f"{module}.weight", packed_linear_weight(module, where, quantization)
-                continue
-            scaled = f"{module}.weight_scale" in where or f"{module}.weight_scale_inv" in where
-            if not packed_linear and (kind == "weight_packed" or (kind == "weight" and scaled)):
-                yield f"{module}.weight", _weight(module, kind, where, quantization)
-            else:
+            weight = read(name, where, quantization)
+            if weight is None:
                 yield name, f.get_slice(name)
+            else:
+                yield weight.name, weight
+
+
+def scaled_weight(
+    name: str, where: dict[str, Any], quantization: CheckpointQuantization
+) -> DequantizedWeight | None:
+    """An fp8 or compressed-tensors weight: FP8 or INT8 codes beside their scale, or
+    integers packed into int32 (``weight_packed``)."""
+    module, _, kind = name.rpartition(".")
+    if kind == "weight_g_idx":
+        raise ValueError(
+            f"{name}: GPTQ's activation order (group indices) is not read; take a "
+            'checkpoint quantized without it (actorder null or "weight")'
+        )
+    scaled = f"{module}.weight_scale" in where or f"{module}.weight_scale_inv" in where
+    if kind == "weight_packed" or (kind == "weight" and scaled):
+        return _weight(module, kind, where, quantization)
+    return None
 
 
 def _weight(
@@ -117,3 +134,12 @@ def _weight(
     return DequantizedWeight(
         f"{module}.weight", reader, (rows, columns), scale, zero_point, quantization
     )
+
+
+_LAYOUTS: dict[str, tuple[tuple[str, ...], WeightReader]] = {
+    "fp8": (_PARTS, scaled_weight),
+    "compressed-tensors": (_PARTS, scaled_weight),
+    "gptq": (PACKED_LINEAR_PARTS, packed_linear_weight),
+    "awq": (PACKED_LINEAR_PARTS, packed_linear_weight),
+    "bitsandbytes": (BNB_PARTS, bnb_weight),
+}

@@ -458,7 +458,7 @@ def test_kv_events_endpoints_of_data_parallel_replicas_are_vllms():
         (["--tokenizer-mode", "slow"], "and has no slow or mistral_common tokenizer"),
         (["--limit-mm-per-prompt", "image=2"], "refused: Weir serves text-only models"),
         (["--quantization", "awq"], "no awq matmul kernels; leave --quantization out: an fp8, c"),
-        (["--quantization", "bitsandbytes"], "no bitsandbytes matmul kernels and reads no such"),
+        (["--quantization", "marlin"], "no marlin matmul kernels and reads no such checkpoint"),
         (["--quantization", "fp8"], "Weir has no fp8 matmul kernels; leave --quantization out"),
         (["--revision", "v1.1"], "'v1.1' is refused: Weir reads the model's files as they are"),
         (["--tokenizer-revision", "dev"], "'dev' is refused: Weir reads the tokenizer's files"),
