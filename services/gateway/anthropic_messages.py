@@ -446,6 +446,25 @@ def whole_message(
     }
 
 
+def model_info(name: str) -> dict[str, Any]:
+    """A served model as Anthropic's models API describes one."""
+    # No creation date is known: the epoch's, as the OpenAI card's created is 0.
+    return {"type": "model", "id": name, "display_name": name, "created_at": _EPOCH}
+
+
+def model_list(names: list[str]) -> dict[str, Any]:
+    """The served models as Anthropic's models API lists them: one page of all."""
+    return {
+        "data": [model_info(name) for name in names],
+        "has_more": False,
+        "first_id": names[0] if names else None,
+        "last_id": names[-1] if names else None,
+    }
+
+
+_EPOCH = "1970-01-01T00:00:00Z"
+
+
 def error_body(message: str, type_: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(type_, type_), "message": message}}
 
@@ -479,7 +498,8 @@ class MessageEvents:
 
     def opening(self, first: list[tuple[int, list[StreamOutput]]] | None) -> bytes:
         """message_start: the prompt's usage, which the first output tells, and nothing
-        generated yet (the first output's text follows as its chunk)."""
+        generated yet (the first output's text follows as its chunk); then a ping, as
+        Anthropic's streams send one."""
         choice = Choice(0)
         if first:
             out = first[0][1][0]
@@ -497,7 +517,7 @@ class MessageEvents:
             "stop_sequence": None,
             "usage": usage(choice),
         }
-        return _event("message_start", message=message).encode()
+        return (_event("message_start", message=message) + _event("ping")).encode()
 
     def chunk(self, out: StreamOutput, choice: Choice) -> str:
         reasoning, content, deltas = read_output(self._reader, out)

@@ -263,9 +263,15 @@ class APIError(Exception):
         )
 
 
-def _anthropic_route(path: str) -> bool:
-    """Whether a route is Anthropic's Messages API, whose errors take its shape."""
-    return path.startswith("/v1/messages")
+def _anthropic_shaped(scope: Scope) -> bool:
+    """Whether a request's answers and errors take Anthropic's shape: those of its Messages
+    API, and of the model routes where its client asks (its SDK sends anthropic-version)."""
+    path = _route_path(scope)  # without --root-path's prefix
+    if path.startswith("/v1/messages"):
+        return True
+    return path.startswith("/v1/models") and any(
+        name == b"anthropic-version" for name, _ in scope["headers"]
+    )
 
 
 def ascii_json(content: Any, status: int = 200) -> Response:
@@ -1977,11 +1983,11 @@ class _Admission:
             and (path.startswith("/v1/") or path in _ENGINE_ROUTES)
             and not _authorized(headers, self.api_key)
         ):
-            await _send_error(send, _UNAUTHORIZED, path)
+            await _send_error(send, _UNAUTHORIZED, scope)
             return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await _send_error(send, self._too_large(), path)
+            await _send_error(send, self._too_large(), scope)
             return
         chunks, size = [], 0
         while True:
@@ -1992,13 +1998,13 @@ class _Admission:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await _send_error(send, self._too_large(), path)
+                await _send_error(send, self._too_large(), scope)
                 return
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
         if body.count(b"[") + body.count(b"{") > MAX_JSON_CONTAINERS:
-            await _send_error(send, _TOO_MANY_CONTAINERS, path)
+            await _send_error(send, _TOO_MANY_CONTAINERS, scope)
             return
         replayed = False
 
@@ -2035,8 +2041,8 @@ _UNAUTHORIZED = APIError(
 )
 
 
-async def _send_error(send: Send, error: APIError, path: str) -> None:
-    response = error.response(_anthropic_route(path))
+async def _send_error(send: Send, error: APIError, scope: Scope) -> None:
+    response = error.response(_anthropic_shaped(scope))
     await send(
         {"type": "http.response.start", "status": error.status, "headers": response.raw_headers}
     )
@@ -2093,20 +2099,20 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        return exc.response(_anthropic_route(_route_path(request.scope)))
+        return exc.response(_anthropic_shaped(request.scope))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         # A body that is not JSON, an unknown route or method: OpenAI's error shape too.
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         error = APIError(exc.status_code, str(exc.detail), type_)
-        response = error.response(_anthropic_route(_route_path(request.scope)))
+        response = error.response(_anthropic_shaped(request.scope))
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
-        anthropic_route = _anthropic_route(_route_path(request.scope))
+        anthropic_route = _anthropic_shaped(request.scope)
         if isinstance(exc.body, bytes) and exc.body:  # FastAPI reads only a JSON body
             return _not_json_content(request).response(anthropic_route)
         problems, fields = [], []
@@ -2355,24 +2361,30 @@ def create_app(
         }
 
     @get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        shaped = _anthropic_shaped(request.scope)
+
         async def listing() -> Response:
             info = await gateway.model(fresh=True)  # adapters come and go
             names = [*_served_names(info), *info["lora_names"]]
+            if shaped:
+                return JSONResponse(anthropic.model_list(names))
             cards = [model_card(await gateway.check_model(name)) for name in names]
             return JSONResponse({"object": "list", "data": cards})
 
-        return await answer(listing())
+        return await answer(listing(), shaped)
 
     @get("/v1/models/{name:path}")  # a path: served names may hold slashes (org/model)
-    async def model(name: str) -> Response:
+    async def model(request: Request, name: str) -> Response:
         if not name:  # /v1/models/: the list, as the other routes take a trailing slash
-            return await models()
+            return await models(request)
+        shaped = _anthropic_shaped(request.scope)
 
         async def card() -> Response:
-            return JSONResponse(model_card(await gateway.check_model(name)))
+            served = await gateway.check_model(name)
+            return JSONResponse(anthropic.model_info(name) if shaped else model_card(served))
 
-        return await answer(card())
+        return await answer(card(), shaped)
 
     @get("/health")
     async def health() -> Response:

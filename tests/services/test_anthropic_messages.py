@@ -269,6 +269,8 @@ def _hermes_message(stream: bool, pieces: list[str]) -> dict:
     snapshot, json_bufs = None, {}
     for event in text.split("\n\n")[:-1]:
         name, data = event.split("\n")
+        if name == "event: ping":  # the SDK's stream skips it
+            continue
         parsed = adapter.validate_python(json.loads(data.removeprefix("data: ")))
         assert name == f"event: {parsed.type}"
         snapshot = accumulate_event(event=parsed, current_snapshot=snapshot, json_bufs=json_bufs)
@@ -375,3 +377,29 @@ def test_an_unknown_model_and_a_wrong_key_are_anthropics_errors(server, client):
             headers={"Authorization": "Bearer s3cret"},
         )
         assert reply.status_code == 200 and reply.json()["input_tokens"] > 0
+
+
+def test_the_models_are_listed_in_anthropics_shape_to_its_client(server, client):
+    """The SDK's models.list and models.retrieve (it sends anthropic-version) get Anthropic's
+    shape, an unknown model its 404; the openai SDK's request, OpenAI's list."""
+    listed = list(client.models.list())
+    assert [(m.type, m.id, m.display_name) for m in listed] == [("model", MODEL, MODEL)]
+    page = client.models.list()
+    assert (page.has_more, page.first_id, page.last_id) == (False, MODEL, MODEL)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.models.retrieve("claude-x")
+    assert caught.value.body["type"] == "error"
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    openai_shape = httpx.get(server.info["http_address"] + "/v1/models").json()
+    assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"
+
+
+def test_a_stream_pings_after_its_message_starts(server):
+    """Anthropic's streams send a ping event (the SDK skips it): read off the wire."""
+    body = {"model": MODEL, "max_tokens": 2, "stream": True}
+    body["messages"] = [{"role": "user", "content": "Hi"}]
+    with httpx.stream("POST", server.info["http_address"] + "/v1/messages", json=body) as reply:
+        events = [line[7:] for line in reply.iter_lines() if line.startswith("event: ")]
+    assert events[:3] == ["message_start", "ping", "content_block_start"]
+    assert events[-1] == "message_stop"
