@@ -8,6 +8,12 @@ states. Converted for a model served with another tokenizer (``--tokenizer``), t
 is left out, whatever its kind: vLLM's advice for GGUF files, whose tokenizers convert
 slowly or not at all (SentencePiece's "llama" kind here). llama.cpp stacks a layer's experts in one tensor per projection; they are written
 one tensor per expert, as Hugging Face checkpoints hold them.
+
+RoPE scaling: ``rope.scaling.type`` linear and yarn (with their factor and original context)
+become Hugging Face's ``rope_scaling``. Llama 3.1's and later (``llama3``) files state no
+type: llama.cpp writes the divisor of each rotated pair's frequency as the tensor
+``rope_freqs``, which becomes a ``longrope`` scaling of those factors, short and long alike,
+with no attention scale (its original context the file's): the rotation llama.cpp applies.
 """
 
 import json
@@ -71,7 +77,9 @@ _TOP_LEVEL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    "rope_freqs": "rope_freqs",  # llama3's scaling, read into the config (_rope_scaling)
 }
+_ROPE_FREQS = "rope_freqs.weight"
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -238,8 +246,46 @@ def _as_mixtral(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return renamed
 
 
+def _rope_scaling(
+    meta: _Metadata, arch_name: str, rope_freqs: np.ndarray | None
+) -> dict[str, Any] | None:
+    """Hugging Face's rope_scaling of the file's (see the module docstring)."""
+    kind = meta.get(f"{arch_name}.rope.scaling.type", "none")
+    if rope_freqs is not None:
+        if kind != "none":
+            raise UnsupportedGGUFError(f"GGUF rope scaling {kind!r} with rope_freqs factors")
+        factors = [float(f) for f in rope_freqs.reshape(-1)]
+        return {
+            "rope_type": "longrope",
+            "short_factor": factors,
+            "long_factor": factors,
+            "original_max_position_embeddings": int(meta.require(f"{arch_name}.context_length")),
+            "attention_factor": 1.0,
+        }
+    if kind == "none":
+        return None
+    if kind not in ("linear", "yarn"):
+        raise UnsupportedGGUFError(
+            f"GGUF rope scaling {kind!r} is not supported (supported: linear, yarn, and "
+            "llama3's rope_freqs)"
+        )
+    scaling = {
+        "rope_type": kind,
+        "factor": _f32(meta.require(f"{arch_name}.rope.scaling.factor")),
+    }
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = int(
+            meta.require(f"{arch_name}.rope.scaling.original_context_length")
+        )
+    return scaling
+
+
 def _build_config(
-    meta: _Metadata, arch_name: str, arch: _Architecture, tensors: dict[str, np.ndarray]
+    meta: _Metadata,
+    arch_name: str,
+    arch: _Architecture,
+    tensors: dict[str, np.ndarray],
+    rope_freqs: np.ndarray | None,
 ) -> dict[str, Any]:
     def key(name: str) -> str:
         return f"{arch_name}.{name}"
@@ -263,7 +309,7 @@ def _build_config(
         "max_position_embeddings": int(meta.require(key("context_length"))),
         "rms_norm_eps": _f32(meta.require(key("attention.layer_norm_rms_epsilon"))),
         "rope_theta": _f32(meta.get(key("rope.freq_base"), 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling(meta, arch_name, rope_freqs),
         "vocab_size": int(vocab_size),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "hidden_act": "silu",
@@ -448,15 +494,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, with_tokenizer: bool = True)
         raise UnsupportedGGUFError(
             f"GGUF architecture {arch_name!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
         )
-    rope_scaling = meta.get(f"{arch_name}.rope.scaling.type", "none")
-    if rope_scaling != "none":
-        raise UnsupportedGGUFError(f"GGUF rope scaling {rope_scaling!r} is not supported")
     # Build the tokenizer first: it fails fast on an unsupported vocabulary, before the costly dequantization.
     tokenizer = _build_tokenizer(meta) if with_tokenizer else None
     n_head = int(meta.require(f"{arch_name}.attention.head_count"))
     n_kv_head = int(meta.get(f"{arch_name}.attention.head_count_kv", n_head))
     tensors = _convert_tensors(reader, arch, n_head, n_kv_head)
-    config = _build_config(meta, arch_name, arch, tensors)
+    config = _build_config(meta, arch_name, arch, tensors, tensors.pop(_ROPE_FREQS, None))
     if config["model_type"] == "mixtral":
         tensors = _as_mixtral(tensors)
     logger.info("converted %d tensors from %s", len(tensors), gguf_path)

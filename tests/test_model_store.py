@@ -4,6 +4,7 @@ import base64
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -17,6 +18,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import tp_workload
+from lora_adapters import greedy
 from safetensors.numpy import load_file
 
 from weir.services.executor.weights import load_model
@@ -175,6 +178,18 @@ TINY = dict(
     rms_norm_eps=1e-5,
 )
 
+# Room for the tests' workload (256 tokens) past a scaled rotation's original context.
+LONG = {**TINY, "max_position_embeddings": 256}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+LINEAR = {"rope_type": "linear", "factor": 2.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
 GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -227,6 +242,44 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{suffix}"
 
 
+def _llama_cpp_rope_factors(config) -> np.ndarray:
+    """What convert_hf_to_gguf.py writes of Llama 3.1's rope scaling: each rotated pair's
+    frequency divisor, as tensor rope_freqs (llama.cpp divides the frequency by it)."""
+    scaling = config.rope_parameters
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+    low_wavelen = old_context / scaling["low_freq_factor"]
+    high_wavelen = old_context / scaling["high_freq_factor"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * scaling["rope_theta"] ** (i / dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - scaling["low_freq_factor"]) / (
+                scaling["high_freq_factor"] - scaling["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _write_rope_scaling(writer: gguf.GGUFWriter, config) -> None:
+    """convert_hf_to_gguf.py's metadata (and llama3's tensor) of a rope scaling."""
+    kind = config.rope_parameters.get("rope_type", "default")
+    if kind == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(config))
+    elif kind in ("linear", "yarn"):
+        writer.add_rope_scaling_type(
+            gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN
+        )
+        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
+    if kind == "yarn":
+        original = config.rope_parameters["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+
+
 def _write_gguf(
     path: Path, arch: str, model: torch.nn.Module, config, tokenizer_model: str = "gpt2"
 ) -> None:
@@ -254,6 +307,7 @@ def _write_gguf(
     writer.add_chat_template(
         "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     )
+    _write_rope_scaling(writer, config)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     if experts:  # what convert_hf_to_gguf.py writes of a mixture of experts
         writer.add_expert_count(experts)
@@ -293,6 +347,10 @@ def _write_gguf(
     [
         ("llama", lambda: transformers.LlamaConfig(**TINY, head_dim=8, tie_word_embeddings=False)),
         ("qwen2", lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True)),
+        # Llama 3.1's rope scaling: rope_freqs (a short original context: every pair scaled)
+        ("llama", lambda: transformers.LlamaConfig(**LONG, head_dim=8, rope_scaling=LLAMA3)),
+        ("qwen2", lambda: transformers.Qwen2Config(**LONG, rope_scaling=LINEAR)),
+        ("qwen3", lambda: transformers.Qwen3Config(**LONG, head_dim=16, rope_scaling=YARN)),
         ("qwen3", lambda: transformers.Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False)),
         # Mixtral is a llama file with experts
         ("llama", lambda: transformers.MixtralConfig(**TINY, num_local_experts=4)),
@@ -348,6 +406,12 @@ def test_tiny_gguf_converts_back_to_the_original_model(
     input_ids = torch.tensor([[1, 5, 80, 200, 258, 2]])
     with torch.no_grad():
         torch.testing.assert_close(converted(input_ids).logits, original(input_ids).logits)
+    if config.rope_parameters.get("rope_type", "default") != "default":
+        # Weir rotates the converted scaling as transformers rotates the original, past the
+        # original context too.
+        prompt = [(7 * i) % 250 + 3 for i in range(20)]
+        work = tp_workload.Workload(str(resolve_model(path)), [prompt], 8, num_blocks=8)
+        assert tp_workload.run(work).outputs == {"r0": greedy(original, prompt, 8)}
 
 
 @pytest.mark.parametrize(
