@@ -2,8 +2,11 @@
 
 The output is what `transformers` would save: config.json, model.safetensors (float32),
 tokenizer.json, tokenizer_config.json and generation_config.json. Supported architectures are
-llama (Mixtral where it has experts), qwen2, qwen3, qwen2moe and qwen3moe with a byte-level
-BPE ("gpt2") tokenizer; anything else raises `UnsupportedGGUFError` naming what the file
+llama (Mixtral where it has experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 (their
+norm weights stored plus one, as llama.cpp's converter writes them; its fixed patterns of
+sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models')
+and phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors) with a
+byte-level BPE ("gpt2") tokenizer; anything else raises `UnsupportedGGUFError` naming what the file
 states. Converted for a model served with another tokenizer (``--tokenizer``), the file's own
 is left out, whatever its kind: vLLM's advice for GGUF files, whose tokenizers convert
 slowly or not at all (SentencePiece's "llama" kind here). llama.cpp stacks a layer's experts in one tensor per projection; they are written
@@ -61,6 +64,18 @@ class _Architecture:
     model_type: str
     # llama.cpp's converter interleaves q/k rows for its rotary layout on these architectures only.
     permuted_qk: bool
+    # Layer tensors that are other modules than llama's of the same name (Gemma's norms,
+    # Phi-3's fused projections): (GGUF name, Hugging Face module) pairs.
+    renames: tuple[tuple[str, str], ...] = ()
+    # llama.cpp's converter adds one to Gemma's norm weights (its norms scale by 1 + weight).
+    norms_plus_one: bool = False
+
+
+_GEMMA_NORMS = (
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+)
 
 
 _ARCHITECTURES = {
@@ -69,6 +84,14 @@ _ARCHITECTURES = {
     "qwen3": _Architecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False),
     "qwen2moe": _Architecture("Qwen2MoeForCausalLM", "qwen2_moe", permuted_qk=False),
     "qwen3moe": _Architecture("Qwen3MoeForCausalLM", "qwen3_moe", permuted_qk=False),
+    "gemma2": _Architecture("Gemma2ForCausalLM", "gemma2", False, _GEMMA_NORMS, True),
+    "gemma3": _Architecture("Gemma3ForCausalLM", "gemma3_text", False, _GEMMA_NORMS, True),
+    "phi3": _Architecture(
+        "Phi3ForCausalLM",
+        "phi3",
+        permuted_qk=False,
+        renames=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
+    ),
 }
 # llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -77,9 +100,12 @@ _TOP_LEVEL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
-    "rope_freqs": "rope_freqs",  # llama3's scaling, read into the config (_rope_scaling)
+    # Rotations' factors, read into the config (_rope_scaling): llama3's, Phi-3's LongRoPE.
+    "rope_freqs": "rope_freqs",
+    "rope_factors_long": "rope_factors_long",
+    "rope_factors_short": "rope_factors_short",
 }
-_ROPE_FREQS = "rope_freqs.weight"
+_ROPE_FACTORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -188,17 +214,18 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_tensor_name(gguf_name: str) -> str:
+def _hf_tensor_name(gguf_name: str, arch: _Architecture) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_LEVEL_TENSORS:
         return f"{_TOP_LEVEL_TENSORS[stem]}.{suffix}"
     match = _LAYER_TENSOR_NAME.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
+    names = {**_LAYER_TENSORS, **dict(arch.renames)}
+    if match is None or match.group(2) not in names:
         raise UnsupportedGGUFError(
             f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this converter"
         )
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+    return f"model.layers.{layer}.{names[kind]}.{suffix}"
 
 
 def _convert_tensors(
@@ -229,7 +256,9 @@ def _convert_tensors(
             continue
         if match is not None and match.group(2) == "ffn_gate_inp_shexp":
             w = w.reshape(1, -1)  # llama.cpp keeps the shared expert's gate as a vector
-        tensors[_hf_tensor_name(tensor.name)] = np.ascontiguousarray(w)
+        if arch.norms_plus_one and tensor.name.endswith("norm.weight"):
+            w = w - np.float32(1)
+        tensors[_hf_tensor_name(tensor.name, arch)] = np.ascontiguousarray(w)
     return tensors
 
 
@@ -247,37 +276,58 @@ def _as_mixtral(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _rope_scaling(
-    meta: _Metadata, arch_name: str, rope_freqs: np.ndarray | None
+    meta: _Metadata, arch_name: str, factors: dict[str, np.ndarray]
 ) -> dict[str, Any] | None:
     """Hugging Face's rope_scaling of the file's (see the module docstring)."""
-    kind = meta.get(f"{arch_name}.rope.scaling.type", "none")
-    if rope_freqs is not None:
-        if kind != "none":
-            raise UnsupportedGGUFError(f"GGUF rope scaling {kind!r} with rope_freqs factors")
-        factors = [float(f) for f in rope_freqs.reshape(-1)]
-        return {
-            "rope_type": "longrope",
-            "short_factor": factors,
-            "long_factor": factors,
-            "original_max_position_embeddings": int(meta.require(f"{arch_name}.context_length")),
-            "attention_factor": 1.0,
-        }
+
+    def key(name: str) -> str:
+        return f"{arch_name}.rope.scaling.{name}"
+
+    kind = meta.get(key("type"), "none")
+    if factors and kind != "none":
+        raise UnsupportedGGUFError(f"GGUF rope scaling {kind!r} with rope factor tensors")
+    if "rope_freqs.weight" in factors:
+        llama3 = [float(f) for f in factors["rope_freqs.weight"].reshape(-1)]
+        context = int(meta.require(f"{arch_name}.context_length"))
+        return _longrope(llama3, llama3, context, 1.0)
+    if factors:  # Phi-3's LongRoPE: both lists, its original context and attention scale
+        if len(factors) != 2:
+            raise UnsupportedGGUFError(f"GGUF file has {sorted(factors)} but not both lists")
+        long, short = ([float(f) for f in w.reshape(-1)] for _, w in sorted(factors.items()))
+        original = int(meta.require(key("original_context_length")))
+        return _longrope(short, long, original, _f32(meta.get(key("attn_factor"), 0.0)))
     if kind == "none":
         return None
     if kind not in ("linear", "yarn"):
         raise UnsupportedGGUFError(
-            f"GGUF rope scaling {kind!r} is not supported (supported: linear, yarn, and "
-            "llama3's rope_freqs)"
+            f"GGUF rope scaling {kind!r} is not supported (supported: linear, yarn, and the "
+            "rope_freqs and rope_factors tensors)"
         )
-    scaling = {
-        "rope_type": kind,
-        "factor": _f32(meta.require(f"{arch_name}.rope.scaling.factor")),
-    }
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(meta.require(key("factor")))}
     if kind == "yarn":
         scaling["original_max_position_embeddings"] = int(
-            meta.require(f"{arch_name}.rope.scaling.original_context_length")
+            meta.require(key("original_context_length"))
         )
+        stated = {
+            "beta_fast": meta.get(key("yarn_beta_fast")),
+            "beta_slow": meta.get(key("yarn_beta_slow")),
+            "attention_factor": meta.get(key("attn_factor")),
+        }
+        scaling |= {name: _f32(value) for name, value in stated.items() if value is not None}
     return scaling
+
+
+def _longrope(
+    short: list[float], long: list[float], original: int, attention_factor: float
+) -> dict[str, Any]:
+    """A longrope scaling; an attention factor of 0 is none stated (transformers computes it)."""
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": original,
+    }
+    return scaling | ({"attention_factor": attention_factor} if attention_factor else {})
 
 
 def _build_config(
@@ -285,7 +335,7 @@ def _build_config(
     arch_name: str,
     arch: _Architecture,
     tensors: dict[str, np.ndarray],
-    rope_freqs: np.ndarray | None,
+    rope_factors: dict[str, np.ndarray],
 ) -> dict[str, Any]:
     def key(name: str) -> str:
         return f"{arch_name}.{name}"
@@ -309,7 +359,7 @@ def _build_config(
         "max_position_embeddings": int(meta.require(key("context_length"))),
         "rms_norm_eps": _f32(meta.require(key("attention.layer_norm_rms_epsilon"))),
         "rope_theta": _f32(meta.get(key("rope.freq_base"), 10000.0)),
-        "rope_scaling": _rope_scaling(meta, arch_name, rope_freqs),
+        "rope_scaling": _rope_scaling(meta, arch_name, rope_factors),
         "vocab_size": int(vocab_size),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "hidden_act": "silu",
@@ -320,8 +370,55 @@ def _build_config(
     # model.layers.L.mlp.experts.E.*: the experts the file's stacked tensors hold
     found = {name.split(".")[5] for name in tensors if ".mlp.experts." in name}
     config.update(_experts(meta, arch_name, arch, config, len(found)))
+    config.update(_family(meta, arch_name, config))
     config.update(_special_token_ids(meta))
     return config
+
+
+# Gemma's layers of each full-attention layer and the sliding ones before it (llama.cpp's
+# fixed patterns), and the layer count of its 27B, whose queries llama.cpp scales by
+# hidden_size / heads rather than head_dim (the files state no query_pre_attn_scalar).
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _family(meta: _Metadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The config keys of Gemma 2 and 3 and Phi-3 that the file states or llama.cpp
+    implies."""
+
+    def key(name: str) -> str:
+        return f"{arch_name}.{name}"
+
+    layers, head_dim = config["num_hidden_layers"], config["head_dim"]
+    if arch_name == "phi3":
+        window, rotated = (
+            meta.get(key("attention.sliding_window")),
+            meta.get(key("rope.dimension_count"), head_dim),
+        )
+        family: dict[str, Any] = {"sliding_window": None if window is None else int(window)}
+        if int(rotated) != head_dim:
+            family["partial_rotary_factor"] = int(rotated) / head_dim
+        return family
+    if arch_name not in _GEMMA_PATTERN:
+        return {}
+    pattern = _GEMMA_PATTERN[arch_name]
+    big = layers == _GEMMA_27B_LAYERS[arch_name]
+    family = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": (
+            config["hidden_size"] // config["num_attention_heads"] if big else head_dim
+        ),
+        "sliding_window": int(meta.require(key("attention.sliding_window"))),
+        "layer_types": [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ],
+        "final_logit_softcapping": meta.get(key("final_logit_softcapping")),
+        "attn_logit_softcapping": meta.get(key("attn_logit_softcapping")),
+    }
+    if arch_name == "gemma3":
+        family["rope_local_base_freq"] = 10000.0  # llama.cpp's, for every Gemma 3
+    return family
 
 
 def _experts(
@@ -499,7 +596,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, with_tokenizer: bool = True)
     n_head = int(meta.require(f"{arch_name}.attention.head_count"))
     n_kv_head = int(meta.get(f"{arch_name}.attention.head_count_kv", n_head))
     tensors = _convert_tensors(reader, arch, n_head, n_kv_head)
-    config = _build_config(meta, arch_name, arch, tensors, tensors.pop(_ROPE_FREQS, None))
+    factors = {name: tensors.pop(name) for name in _ROPE_FACTORS if name in tensors}
+    config = _build_config(meta, arch_name, arch, tensors, factors)
     if config["model_type"] == "mixtral":
         tensors = _as_mixtral(tensors)
     logger.info("converted %d tensors from %s", len(tensors), gguf_path)

@@ -229,7 +229,18 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _gguf_name(hf_name: str) -> str:
+# convert_hf_to_gguf.py's names of modules that Gemma and Phi-3 name otherwise than llama.
+FAMILY_LAYER_NAMES = {
+    "gemma": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -239,7 +250,9 @@ def _gguf_name(hf_name: str) -> str:
         return top[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, suffix = rest.rpartition(".")
-    return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{suffix}"
+    family = "gemma" if arch.startswith("gemma") else arch
+    names = {**GGUF_LAYER_NAMES, **FAMILY_LAYER_NAMES.get(family, {})}
+    return f"blk.{layer}.{names[module]}.{suffix}"
 
 
 def _llama_cpp_rope_factors(config) -> np.ndarray:
@@ -265,19 +278,38 @@ def _llama_cpp_rope_factors(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def _write_rope_scaling(writer: gguf.GGUFWriter, config) -> None:
-    """convert_hf_to_gguf.py's metadata (and llama3's tensor) of a rope scaling."""
-    kind = config.rope_parameters.get("rope_type", "default")
+def _write_rope_scaling(writer: gguf.GGUFWriter, config, rope: dict) -> None:
+    """convert_hf_to_gguf.py's metadata (and tensors) of a rope scaling."""
+    kind = rope.get("rope_type", "default")
     if kind == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(config))
     elif kind in ("linear", "yarn"):
         writer.add_rope_scaling_type(
             gguf.RopeScalingType.LINEAR if kind == "linear" else gguf.RopeScalingType.YARN
         )
-        writer.add_rope_scaling_factor(config.rope_parameters["factor"])
-    if kind == "yarn":
-        original = config.rope_parameters["original_max_position_embeddings"]
-        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if kind in ("yarn", "longrope"):
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if kind == "longrope":  # Phi-3's: both factor lists, and the scale llama.cpp computes
+        original = rope["original_max_position_embeddings"]
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for which in ("long", "short"):
+            factors = np.array(rope[f"{which}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{which}.weight", factors)
+
+
+def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
+    """convert_hf_to_gguf.py's metadata of Gemma 2 and 3 and Phi-3."""
+    if arch in ("gemma2", "gemma3", "phi3"):
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    partial = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    if arch == "phi3" and partial != 1.0:
+        head_dim = config.hidden_size // config.num_attention_heads
+        writer.add_rope_dimension_count(int(partial * head_dim))
 
 
 def _write_gguf(
@@ -296,7 +328,8 @@ def _write_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
     writer.add_token_list(tokens)
@@ -304,10 +337,12 @@ def _write_gguf(
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)  # else transformers' loader takes Phi-3's default, 32000
     writer.add_chat_template(
         "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     )
-    _write_rope_scaling(writer, config)
+    _write_rope_scaling(writer, config, rope)
+    _write_family(writer, arch, config)
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     if experts:  # what convert_hf_to_gguf.py writes of a mixture of experts
         writer.add_expert_count(experts)
@@ -335,7 +370,9 @@ def _write_gguf(
             w = _llama_cpp_permute(w, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             w = _llama_cpp_permute(w, config.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            w = w + np.float32(1)  # llama.cpp's norms scale by the weight itself
+        writer.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -412,6 +449,68 @@ def test_tiny_gguf_converts_back_to_the_original_model(
         prompt = [(7 * i) % 250 + 3 for i in range(20)]
         work = tp_workload.Workload(str(resolve_model(path)), [prompt], 8, num_blocks=8)
         assert tp_workload.run(work).outputs == {"r0": greedy(original, prompt, 8)}
+
+
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+FAMILIES = {
+    "gemma2": lambda: transformers.Gemma2Config(
+        **LONG, head_dim=8, query_pre_attn_scalar=8, sliding_window=6
+    ),
+    # Six layers: llama.cpp's fixed pattern, five sliding and a full one (linearly scaled)
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**LONG, "num_hidden_layers": 6},
+        head_dim=8,
+        query_pre_attn_scalar=8,
+        sliding_window=6,
+        rope_parameters=GEMMA3_ROPE,
+    ),
+    # Phi-4-mini's partial rotation and LongRoPE (a short original context: long factors)
+    "phi3": lambda: transformers.Phi3Config(
+        **LONG,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=16,
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.5],
+            "long_factor": [2.0, 4.0],
+        },
+        sliding_window=6,
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_a_gemma_or_phi3_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch) -> None:
+    """llama.cpp's files of Gemma 2 and 3 (norm weights stored plus one, their soft caps,
+    windows and Gemma 3's scaled full layers) and Phi-3 (fused q/k/v and gate/up, LongRoPE's
+    factor tensors, a partial rotation): the conversion holds the weights transformers' own
+    GGUF loader reads from the file, and Weir decodes greedily as transformers decodes the
+    original model (past the windows and the original context)."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    tokens, _, _ = _tiny_vocab()
+    config = FAMILIES[arch]()
+    config.vocab_size = len(tokens)
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 2, 1
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in original.named_parameters():
+            # Queries and keys 5x larger: attention sharp enough that its rotation shows.
+            sharp = any(part in name for part in ("q_proj", "k_proj", "qkv_proj"))
+            p.copy_(torch.randn_like(p) * (1.0 if sharp else 0.2))
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, original, config)
+    converted = load_file(str(resolve_model(path) / "model.safetensors"))
+    hf_gguf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+    for name, tensor in hf_gguf.state_dict().items():
+        if name != "lm_head.weight" or name in converted:  # tied
+            torch.testing.assert_close(torch.from_numpy(converted[name]), tensor, msg=name)
+    prompt = [(7 * i) % 250 + 3 for i in range(20)]
+    work = tp_workload.Workload(str(resolve_model(path)), [prompt], 8, num_blocks=8)
+    assert tp_workload.run(work).outputs == {"r0": greedy(original, prompt, 8)}
 
 
 @pytest.mark.parametrize(
