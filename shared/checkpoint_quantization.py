@@ -22,12 +22,16 @@ unquantized model and gives its outputs on the dequantized weights. Read:
 - ``bitsandbytes`` (transformers' ``load_in_4bit`` and ``load_in_8bit`` models saved
   quantized, Unsloth's ``-bnb-4bit`` releases): NF4 or FP4 codes with a scale per block,
   doubly quantized or not, and LLM.int8()'s int8 rows (`bnb_checkpoint`).
+- ``modelopt`` (NVIDIA's ``-FP8`` and ``-FP4`` releases, in config.json or
+  ``hf_quant_config.json``): FP8 weights with a scale per tensor, or NVFP4's (E2M1 codes
+  two a byte, an FP8 scale per 16 columns times ``weight_scale_2``); compressed-tensors'
+  ``nvfp4-pack-quantized`` is the same with the reciprocal, ``weight_global_scale``.
 - ``mxfp4``: gpt-oss as OpenAI publishes it (`gpt_oss_checkpoint`).
 
 Activation scales (``input_scale``) are not used: activations stay in the model's dtype. An
 FP8 KV cache's scales (compressed-tensors' ``kv_cache_scheme``: ``k_scale`` and ``v_scale``
 of each layer's attention) are used with ``--kv-cache-dtype fp8`` and skipped without it.
-Anything else (Marlin's and AWQ's GEMV layouts, NVFP4, sparse or rotated
+Anything else (Marlin's and AWQ's GEMV layouts, sparse or rotated
 compressed-tensors models) is refused by name before any process loads a weight.
 """
 
@@ -36,17 +40,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("fp8", "compressed-tensors", "mxfp4", "gptq", "awq", "bitsandbytes")
+METHODS = ("fp8", "compressed-tensors", "mxfp4", "gptq", "awq", "bitsandbytes", "modelopt")
 # compressed-tensors' formats whose weights are codes times scales (less zero points).
 COMPRESSED_TENSORS_FORMATS = (
     "float-quantized",
     "int-quantized",
     "naive-quantized",
     "pack-quantized",
+    "nvfp4-pack-quantized",
     "dense",
 )
-# (type, num_bits) of the weights read: FP8, and integers of 2 to 8 bits.
+# (type, num_bits) of the weights read: FP8, and integers of 2 to 8 bits; NVFP4's E2M1
+# (its own format only).
 _BITS = {("float", 8), *(("int", bits) for bits in range(2, 9))}
+_NVFP4 = "nvfp4-pack-quantized"
 
 
 # How a weight's scales cover it: one for the tensor, one per row (channel), one per group of
@@ -74,6 +81,8 @@ class CheckpointQuantization:
     # What each stored zero point lacks: 1 in GPTQ's v1 checkpoints (AutoGPTQ stored every
     # zero point less one), else 0.
     zero_point_offset: int = 0
+    # Whether weights may be NVFP4's E2M1 codes, two a byte (uint8).
+    fp4: bool = False
 
 
 def read_checkpoint_quantization(
@@ -105,6 +114,8 @@ def read_checkpoint_quantization(
         return _awq(config)
     if method == "bitsandbytes":
         return _bitsandbytes(config)
+    if method == "modelopt":
+        return _modelopt(config)
     return CheckpointQuantization(method)
 
 
@@ -139,6 +150,7 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
     strategies: set[str] = set()
     bits: set[int] = set()
     symmetric: set[bool] = set()
+    fp4 = False
     for name, group in groups.items():
         where = f"compressed-tensors' config group {name!r}"
         if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
@@ -147,15 +159,19 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
         weights = group["weights"]
         kind, width = weights.get("type"), weights.get("num_bits")
         strategy = weights.get("strategy")
-        if (
+        if fmt == _NVFP4 and (kind, width, strategy) == ("float", 4, "tensor_group"):
+            strategy = "group"  # a scale per 16 columns, divided by the tensor's global scale
+            fp4 = True
+        elif (
             fmt not in COMPRESSED_TENSORS_FORMATS
+            or fmt == _NVFP4
             or (kind, width) not in _BITS
             or strategy not in STRATEGIES
         ):
             raise ValueError(
                 f"config.json: {where} is {fmt} {kind} {width}-bit weights by {strategy}; Weir "
-                f"reads {', '.join(COMPRESSED_TENSORS_FORMATS[:-1])} FP8 and INT2-INT8 weights "
-                f"by {', '.join(STRATEGIES)}"
+                f"reads {', '.join(COMPRESSED_TENSORS_FORMATS[:-2])} FP8 and INT2-INT8 weights "
+                f"by {', '.join(STRATEGIES)}, and {_NVFP4} FP4 weights by tensor_group"
             )
         strategies.add(strategy)
         if kind == "int":
@@ -173,6 +189,7 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
         tuple(sorted(bits)),
         None if len(symmetric) > 1 else symmetric == {False},
         kv_cache_scales,
+        fp4=fp4,
     )
 
 
@@ -243,6 +260,23 @@ def _bitsandbytes(config: dict[str, Any]) -> CheckpointQuantization:
     if four:
         return CheckpointQuantization("bitsandbytes", strategies=("group",), num_bits=(4,))
     return CheckpointQuantization("bitsandbytes", strategies=("channel",), num_bits=(8,))
+
+
+# ModelOpt's weight formats: FP8 with a scale per tensor, NVFP4 (E2M1 with an FP8 scale per
+# 16 columns, times a scale per tensor).
+_MODELOPT_ALGORITHMS = {"FP8": ("tensor",), "NVFP4": ("group",)}
+
+
+def _modelopt(config: dict[str, Any]) -> CheckpointQuantization:
+    """A ModelOpt config, in config.json or hf_quant_config.json (its ``quantization``)."""
+    algorithm = config.get("quantization", config).get("quant_algo")
+    if algorithm not in _MODELOPT_ALGORITHMS:
+        raise ValueError(
+            f"config.json: ModelOpt's quant_algo {algorithm!r} is not read; Weir reads "
+            f"{' and '.join(_MODELOPT_ALGORITHMS)}"
+        )
+    strategies = _MODELOPT_ALGORITHMS[algorithm]
+    return CheckpointQuantization("modelopt", strategies=strategies, fp4=algorithm == "NVFP4")
 
 
 def _kv_cache_scales(scheme: Any) -> str | None:

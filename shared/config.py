@@ -75,12 +75,22 @@ QUANTIZATION_METHODS = ("int8",)
 # vLLM's --quantization methods, which are kernels Weir does not have: why each is refused.
 _CHECKPOINT_READ = (
     "Weir has no {} matmul kernels; leave --quantization out: an fp8, compressed-tensors, "
-    "GPTQ, AWQ or bitsandbytes checkpoint is read by its config.json (dequantized to the "
-    "model's dtype)"
+    "GPTQ, AWQ, bitsandbytes or ModelOpt checkpoint is read by its config.json (dequantized "
+    "to the model's dtype)"
 )
 _VLLM_QUANTIZATION = {
     **dict.fromkeys(
-        ("fp8", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "bitsandbytes"),
+        (
+            "fp8",
+            "compressed-tensors",
+            "gptq",
+            "gptq_marlin",
+            "awq",
+            "awq_marlin",
+            "bitsandbytes",
+            "modelopt",
+            "modelopt_fp4",
+        ),
         _CHECKPOINT_READ,
     ),
     **dict.fromkeys(

@@ -1278,9 +1278,14 @@ def read_hf_config(model_dir: str | os.PathLike[str], overrides: str | None = No
     return hf
 
 
-# The files older AutoGPTQ and AutoAWQ checkpoints keep their quantization in, beside a
-# config.json without one, and the method each holds (as vLLM reads them).
-_QUANTIZATION_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+# The files older AutoGPTQ and AutoAWQ checkpoints and NVIDIA's ModelOpt ones keep their
+# quantization in, beside a config.json without one, and the method each holds (as vLLM
+# reads them).
+_QUANTIZATION_FILES = {
+    "quantize_config.json": "gptq",
+    "quant_config.json": "awq",
+    "hf_quant_config.json": "modelopt",
+}
 
 
 def eos_token_ids(

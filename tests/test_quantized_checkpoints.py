@@ -18,6 +18,7 @@ compressed_tensors = pytest.importorskip("compressed_tensors")
 
 import tp_workload  # noqa: E402
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8  # noqa: E402
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
 from compressed_tensors.entrypoints.convert import AutoAWQConverter, convert_checkpoint  # noqa: E402
 from compressed_tensors.quantization import (  # noqa: E402
@@ -25,7 +26,12 @@ from compressed_tensors.quantization import (  # noqa: E402
     apply_quantization_config,
     preset_name_to_scheme,
 )
-from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized  # noqa: E402
+from compressed_tensors.quantization.lifecycle.forward import dequantize  # noqa: E402
+from compressed_tensors.quantization.utils import (  # noqa: E402
+    calculate_qparams,
+    generate_gparam,
+    is_module_quantized,
+)
 from lora_adapters import greedy  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
@@ -154,7 +160,12 @@ def compressed(model: torch.nn.Module, preset: str, path, **weights) -> torch.nn
         for module in model.modules():
             if is_module_quantized(module):
                 low, high = _ranges(module)
-                scale, zero_point = calculate_qparams(low, high, module.quantization_scheme.weights)
+                global_scale = None
+                if hasattr(module, "weight_global_scale"):  # NVFP4's: FP8 scales in range
+                    global_scale = generate_gparam(module.weight.min(), module.weight.max())
+                    module.weight_global_scale.copy_(global_scale.reshape(1))
+                args = module.quantization_scheme.weights
+                scale, zero_point = calculate_qparams(low, high, args, global_scale)
                 module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
                 if hasattr(module, "weight_zero_point"):
                     module.weight_zero_point.copy_(
@@ -173,8 +184,10 @@ def compressed(model: torch.nn.Module, preset: str, path, **weights) -> torch.nn
 
 
 def _ranges(module) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each scale's (min, max) of its weights: per channel, group or block."""
+    """Each scale's (min, max) of its weights: per tensor, channel, group or block."""
     weight, args = module.weight, module.quantization_scheme.weights
+    if args.strategy == "tensor":
+        return weight.amin().reshape(1), weight.amax().reshape(1)
     if args.strategy == "channel":
         return weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
     if args.strategy == "block":
@@ -192,7 +205,68 @@ SCHEMES = {
     "fp8-channel": ("FP8_DYNAMIC", {}),
     "fp8-block": ("FP8_BLOCK", {"block_structure": [32, 32]}),
     "int8-channel": ("W8A8", {}),
+    "nvfp4": ("NVFP4A16", {}),
 }
+
+
+# The weights' arguments of a scheme, where the test computes with them itself.
+SCHEMES_ARGS = {"nvfp4": lambda: preset_name_to_scheme("NVFP4A16", ["Linear"]).weights}
+
+
+def _nvfp4_weights(tensors: dict, args) -> dict[str, torch.Tensor]:
+    """Each NVFP4 projection as the library's own unpacking and dequantization compute it,
+    in float32."""
+    weights = {}
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        packed = tensors[name]
+        codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, torch.float32)
+        weights[f"{module}.weight"] = dequantize(
+            codes,
+            tensors[f"{module}.weight_scale"].float(),
+            args=args,
+            dtype=torch.float32,
+            global_scale=tensors[f"{module}.weight_global_scale"],
+        )
+    return weights
+
+
+MODELOPT = {"FP8": "FP8", "NVFP4": "NVFP4A16"}
+
+
+@pytest.mark.parametrize("algorithm", sorted(MODELOPT))
+def test_a_modelopt_checkpoint_decodes_as_its_compressed_tensors_twin(algorithm, tmp_path):
+    """NVIDIA ModelOpt's FP8 (a scale per tensor, a scalar) and NVFP4 (codes under weight,
+    weight_scale_2 the reciprocal of compressed-tensors' weight_global_scale, as the library's
+    converter of ModelOpt checkpoints reads it) with hf_quant_config.json beside config.json,
+    activation and KV cache scales left unused: each weight is the compressed-tensors twin's."""
+    reference = compressed(random_model("llama"), MODELOPT[algorithm], tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    parameters = dict(reference.named_parameters())
+    weights = {n: parameters[n] for n in parameters if n.endswith("_proj.weight")}
+    if algorithm == "NVFP4":
+        weights = _nvfp4_weights(tensors, SCHEMES_ARGS["nvfp4"]())
+        reference.load_state_dict(weights, strict=False)
+    for name in list(tensors):
+        module, _, kind = name.rpartition(".")
+        if kind == "weight_packed":
+            tensors[f"{module}.weight"] = tensors.pop(name)
+        elif kind == "weight_global_scale":
+            tensors[f"{module}.weight_scale_2"] = 1 / tensors.pop(name)
+        elif kind == "weight_scale" and algorithm == "FP8":
+            tensors[name] = tensors[name].reshape(())
+        if module.endswith(("k_proj", "v_proj")) and kind == "weight_scale":
+            tensors[f"{module}.{module[-6]}_scale"] = torch.tensor(1.0)
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    quantization = {"quant_algo": algorithm, "kv_cache_quant_algo": "FP8", "group_size": 16}
+    beside = {"producer": {"name": "modelopt"}, "quantization": quantization}
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(beside))
+    assert read_model_config(tmp_path).checkpoint_quantization.method == "modelopt"
+    dequantizes_as(tmp_path, weights)
+    decodes_as(tmp_path, reference, world_sizes=(1, 2) if algorithm == "NVFP4" else (1,))
 
 
 @pytest.mark.parametrize("preset", ["W4A16", "W8A16"])
@@ -216,7 +290,14 @@ def test_a_compressed_tensors_checkpoint_decodes_as_the_library_decompresses_it(
     assert "model.layers.0.self_attn.q_proj.weight" not in tensors or tensors[
         "model.layers.0.self_attn.q_proj.weight"
     ].dtype in (torch.float8_e4m3fn, torch.int8)
-    decodes_as(tmp_path, reference, world_sizes=(1, 2) if scheme == "w4a16-asym" else (1,))
+    parameters = dict(reference.named_parameters())
+    projections = {n: parameters[n] for n in parameters if n.endswith("_proj.weight")}
+    if scheme == "nvfp4":  # the library decompresses it into bfloat16: its float32 arithmetic
+        projections = _nvfp4_weights(tensors, SCHEMES_ARGS["nvfp4"]())
+        reference.load_state_dict(projections, strict=False)
+    dequantizes_as(tmp_path, projections)
+    world_sizes = (1, 2) if scheme in ("w4a16-asym", "nvfp4") else (1,)
+    decodes_as(tmp_path, reference, world_sizes=world_sizes)
 
 
 def _quantized_projections(

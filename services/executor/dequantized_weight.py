@@ -11,7 +11,10 @@ from typing import Any, Protocol
 
 import torch
 
+from weir.services.executor.gpt_oss_checkpoint import FP4_VALUES
 from weir.shared.checkpoint_quantization import CheckpointQuantization
+
+_E2M1 = torch.tensor(FP4_VALUES)
 
 
 def packed_width(
@@ -71,6 +74,18 @@ class PackedRows:
 
     def read(self, rows: slice, columns: slice) -> torch.Tensor:
         return unpack_int32(self.packed[(rows,)], self.bits, self.columns)[:, columns]
+
+
+class FP4Codes:
+    """NVFP4's E2M1 codes, two a byte (the first in the low four bits), as their values."""
+
+    def __init__(self, packed: Any, columns: int) -> None:
+        self.packed, self.columns = packed, columns
+
+    def read(self, rows: slice, columns: slice) -> torch.Tensor:
+        packed: torch.Tensor = self.packed[(rows,)]
+        codes = torch.stack([packed & 15, packed >> 4], -1).reshape(-1, self.columns)
+        return _E2M1[codes[:, columns].long()]
 
 
 class DequantizedWeight:

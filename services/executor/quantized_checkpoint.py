@@ -20,6 +20,7 @@ from weir.services.executor.dequantized_weight import (
     Codes,
     DenseCodes,
     DequantizedWeight,
+    FP4Codes,
     PackedRows,
     packed_width,
     unpack_int32,
@@ -33,12 +34,15 @@ if TYPE_CHECKING:  # weights.py reads its quantized checkpoints through this mod
 # safetensors' names of the dtypes of codes.
 _CODES = ("F8_E4M3", "F8_E5M2", "I8")
 # A quantized module's tensors besides its codes: read with them, not loaded on their own.
-_PARTS = (".weight_scale_inv", ".weight_scale", ".weight_zero_point", ".weight_shape")
+_PARTS: tuple[str, ...] = (".weight_scale_inv", ".weight_scale", ".weight_zero_point")
+_PARTS += (".weight_shape", ".weight_global_scale", ".weight_scale_2")  # NVFP4's last two
 # Scales of activations and of attention's queries and probabilities, which Weir keeps in
 # the model's dtype (an fp8 KV cache's k_scale and v_scale go to the loader, which takes them
 # where the cache uses them).
 _UNUSED: tuple[str, ...] = (".input_scale", ".input_zero_point", ".output_scale")
-_UNUSED += (".activation_scale", ".q_scale", ".prob_scale")
+_UNUSED += (".activation_scale", ".q_scale", ".prob_scale", ".input_global_scale")
+# ModelOpt's KV cache scales, under the projections: an fp8 cache does not take them.
+_UNUSED += (".k_proj.k_scale", ".v_proj.v_scale")
 
 
 class WeightReader(Protocol):
@@ -97,8 +101,9 @@ def _weight(
     name = f"{module}.{kind}"
     codes = where[name].get_slice(name)
     dtype, shape = codes.get_dtype(), codes.get_shape()
-    packed = kind == "weight_packed"
-    if len(shape) != 2 or (dtype != "I32" if packed else dtype not in _CODES):
+    fp4 = quantization.fp4 and dtype == "U8"
+    packed = kind == "weight_packed" and not fp4
+    if len(shape) != 2 or not fp4 and (dtype != "I32" if packed else dtype not in _CODES):
         raise ValueError(
             f"{name}: {dtype} {shape} is not a quantized weight's codes (2-D "
             + ("int32)" if packed else "FP8 or INT8, as its scale says)")
@@ -112,6 +117,10 @@ def _weight(
         )
     rows, columns = shape
     reader: Codes = DenseCodes(codes)
+    if fp4:
+        columns *= 2
+        reader = FP4Codes(codes, columns)
+        scale = _nvfp4_scale(module, scale, part("weight_global_scale"), part("weight_scale_2"))
     zero_point = part("weight_zero_point")
     if packed:
         logical = part("weight_shape")
@@ -136,10 +145,30 @@ def _weight(
     )
 
 
+def _nvfp4_scale(
+    module: str,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    scale_2: torch.Tensor | None,
+) -> torch.Tensor:
+    """An NVFP4 weight's scale per 16 columns with its tensor's folded in: divided by
+    compressed-tensors' weight_global_scale, or times ModelOpt's weight_scale_2."""
+    if (global_scale is None) == (scale_2 is None):
+        raise ValueError(
+            f"{module}: NVFP4 codes need one weight_global_scale (compressed-tensors') or "
+            "weight_scale_2 (ModelOpt's)"
+        )
+    if global_scale is not None:
+        return scale.float() / global_scale.float().reshape(())
+    assert scale_2 is not None
+    return scale.float() * scale_2.float().reshape(())
+
+
 _LAYOUTS: dict[str, tuple[tuple[str, ...], WeightReader]] = {
     "fp8": (_PARTS, scaled_weight),
     "compressed-tensors": (_PARTS, scaled_weight),
     "gptq": (PACKED_LINEAR_PARTS, packed_linear_weight),
     "awq": (PACKED_LINEAR_PARTS, packed_linear_weight),
     "bitsandbytes": (BNB_PARTS, bnb_weight),
+    "modelopt": (_PARTS, scaled_weight),
 }
