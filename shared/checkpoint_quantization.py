@@ -25,7 +25,8 @@ unquantized model and gives its outputs on the dequantized weights. Read:
 - ``modelopt`` (NVIDIA's ``-FP8`` and ``-FP4`` releases, in config.json or
   ``hf_quant_config.json``): FP8 weights with a scale per tensor, or NVFP4's (E2M1 codes
   two a byte, an FP8 scale per 16 columns times ``weight_scale_2``); compressed-tensors'
-  ``nvfp4-pack-quantized`` is the same with the reciprocal, ``weight_global_scale``.
+  ``nvfp4-pack-quantized`` is the same with the reciprocal, ``weight_global_scale``, and its
+  ``mxfp4-pack-quantized`` the same codes with an E8M0 scale per 32 columns.
 - ``mxfp4``: gpt-oss as OpenAI publishes it (`gpt_oss_checkpoint`).
 
 Activation scales (``input_scale``) are not used: activations stay in the model's dtype. An
@@ -48,12 +49,15 @@ COMPRESSED_TENSORS_FORMATS = (
     "naive-quantized",
     "pack-quantized",
     "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
     "dense",
 )
 # (type, num_bits) of the weights read: FP8, and integers of 2 to 8 bits; NVFP4's E2M1
 # (its own format only).
 _BITS = {("float", 8), *(("int", bits) for bits in range(2, 9))}
-_NVFP4 = "nvfp4-pack-quantized"
+# compressed-tensors' FP4 formats and their weights' strategies: NVFP4's scales per 16
+# columns (tensor_group: divided by the tensor's global scale), MXFP4's E8M0 per 32.
+_FP4 = {"nvfp4-pack-quantized": "tensor_group", "mxfp4-pack-quantized": "group"}
 
 
 # How a weight's scales cover it: one for the tensor, one per row (channel), one per group of
@@ -159,19 +163,19 @@ def _compressed_tensors(config: dict[str, Any]) -> CheckpointQuantization:
         weights = group["weights"]
         kind, width = weights.get("type"), weights.get("num_bits")
         strategy = weights.get("strategy")
-        if fmt == _NVFP4 and (kind, width, strategy) == ("float", 4, "tensor_group"):
-            strategy = "group"  # a scale per 16 columns, divided by the tensor's global scale
-            fp4 = True
+        if fmt in _FP4 and (kind, width, strategy) == ("float", 4, _FP4[fmt]):
+            strategy, fp4 = "group", True
         elif (
             fmt not in COMPRESSED_TENSORS_FORMATS
-            or fmt == _NVFP4
+            or fmt in _FP4
             or (kind, width) not in _BITS
             or strategy not in STRATEGIES
         ):
             raise ValueError(
                 f"config.json: {where} is {fmt} {kind} {width}-bit weights by {strategy}; Weir "
-                f"reads {', '.join(COMPRESSED_TENSORS_FORMATS[:-2])} FP8 and INT2-INT8 weights "
-                f"by {', '.join(STRATEGIES)}, and {_NVFP4} FP4 weights by tensor_group"
+                f"reads {', '.join(COMPRESSED_TENSORS_FORMATS[:-3])} FP8 and INT2-INT8 weights "
+                f"by {', '.join(STRATEGIES)}, and FP4 weights of "
+                + " and ".join(f"{f} by {s}" for f, s in _FP4.items())
             )
         strategies.add(strategy)
         if kind == "int":

@@ -206,6 +206,7 @@ SCHEMES = {
     "fp8-block": ("FP8_BLOCK", {"block_structure": [32, 32]}),
     "int8-channel": ("W8A8", {}),
     "nvfp4": ("NVFP4A16", {}),
+    "mxfp4": ("MXFP4A16", {}),
 }
 
 

@@ -110,6 +110,10 @@ def _weight(
         )
     scale = part("weight_scale_inv")
     scale = part("weight_scale") if scale is None else scale
+    mx = fp4 and scale is not None and scale.dtype == torch.uint8
+    if mx:  # MXFP4's scales: E8M0, powers of two by their biased exponents
+        assert scale is not None
+        scale = torch.exp2(scale.float() - 127)
     if scale is None or not scale.is_floating_point() or scale.dim() > 2:
         raise ValueError(
             f"{name} is quantized ({dtype}) but the checkpoint has no floating-point "
@@ -120,6 +124,7 @@ def _weight(
     if fp4:
         columns *= 2
         reader = FP4Codes(codes, columns)
+    if fp4 and not mx:
         scale = _nvfp4_scale(module, scale, part("weight_global_scale"), part("weight_scale_2"))
     zero_point = part("weight_zero_point")
     if packed:
