@@ -144,6 +144,21 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral's Tekken (Nemo, Small 3, Ministral): words split at a case change, single digits.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# o200k's (gpt-oss, Llama 4, MiniMax-M2): Tekken's words with their contractions, 1-3 digits.
+_O200K_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    + _O200K_CONTRACTION
+    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    + _O200K_CONTRACTION
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
@@ -177,13 +192,17 @@ def _pretokenization(pre: str) -> _Pretokenization:
                 ]
             )
         )
-    if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe"):
+    if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "pixtral"):
         return _Pretokenization(_split_then_bytes(_LLAMA3_SPLIT), ignore_merges=True)
     if pre in ("qwen2", "deepseek-r1-qwen"):
         return _Pretokenization(_split_then_bytes(_QWEN2_SPLIT), normalizer=normalizers.NFC())
+    if pre == "tekken":
+        return _Pretokenization(_split_then_bytes(_TEKKEN_SPLIT))
+    if pre in ("gpt-4o", "llama4", "minimax-m2"):
+        return _Pretokenization(_split_then_bytes(_O200K_SPLIT))
     raise UnsupportedGGUFError(
-        f"GGUF tokenizer pre-tokenizer {pre!r} is not supported "
-        f"(supported: gpt2, smollm, starcoder, refact, llama-bpe, qwen2){_GIVE_TOKENIZER}"
+        f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: gpt2, smollm, "
+        f"starcoder, refact, llama-bpe, qwen2, tekken, gpt-4o){_GIVE_TOKENIZER}"
     )
 
 

@@ -214,8 +214,11 @@ def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
-    merges = ["Ġ t", "h e", "Ġt he"]
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet, "Ġt", "he", "Ġthe"]
+    # Merges across where pre-tokenizers split differently: digits (one, or up to three),
+    # a change of case inside a word, a contraction kept with its word.
+    merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3", "123 4", "o W", "t '"]
+    merged = ["Ġt", "he", "Ġthe", "12", "123", "1234", "oW", "t'"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet, *merged]
     types = [3, 3, 3] + [1] * (len(tokens) - 3)
     return tokens, types, merges
 
@@ -313,7 +316,12 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
 
 
 def _write_gguf(
-    path: Path, arch: str, model: torch.nn.Module, config, tokenizer_model: str = "gpt2"
+    path: Path,
+    arch: str,
+    model: torch.nn.Module,
+    config,
+    tokenizer_model: str = "gpt2",
+    pre: str | None = None,
 ) -> None:
     tokens, types, merges = _tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
@@ -331,7 +339,7 @@ def _write_gguf(
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "smollm")
+    writer.add_tokenizer_pre(pre or ("qwen2" if arch.startswith("qwen") else "smollm"))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -511,6 +519,34 @@ def test_a_gemma_or_phi3_gguf_decodes_as_the_original_model(arch, tmp_path, monk
     prompt = [(7 * i) % 250 + 3 for i in range(20)]
     work = tp_workload.Workload(str(resolve_model(path)), [prompt], 8, num_blocks=8)
     assert tp_workload.run(work).outputs == {"r0": greedy(original, prompt, 8)}
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "tekken", "gpt-4o", "llama4"])
+def test_a_pre_tokenizer_splits_text_as_transformers_gguf_tokenizer_does(
+    pre, tmp_path, monkeypatch
+) -> None:
+    """llama.cpp's pre-tokenizer names (Llama 3's, Qwen's, Mistral's Tekken, o200k's): the
+    converted tokenizer encodes text as transformers' tokenizer of the same file, merges
+    across the places the splits differ included."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    tokens, _, _ = _tiny_vocab()
+    config = transformers.LlamaConfig(**TINY, head_dim=8, vocab_size=len(tokens))
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path / f"tiny-{pre}.gguf"
+    _write_gguf(path, "llama", model, config, pre=pre)
+    ours = Tokenizer.from_model_dir(resolve_model(path))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    texts = [
+        "the 1234 and 12345678 then 7",
+        "HelloWorld, it's what they'd DON'T",
+        "Grüße, 世界! Ünïcode\n\n  two  spaces\tand/slashes//x",
+        " the the\r\n\nthe",
+    ]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+    # The splits do differ: single digits (Qwen's, Tekken's) or runs of up to three.
+    digits = len(ours.encode("1234"))
+    assert digits == (4 if pre in ("qwen2", "tekken") else 2)
 
 
 @pytest.mark.parametrize(
