@@ -9,12 +9,15 @@ MODEL_READY := $(VENV)/.weir-model-ready
 # its own threads from the cores it may use (`make serve ARGS="--threads 1"` to pin it).
 export OMP_NUM_THREADS ?= 1
 
-# The scheduling core, everything on the wire, the executor and the kernels are type-checked
-# strictly; mypy finds them by their import names through a link tree (pyproject maps the
-# folders at install).
+# All of weir.services but the benchmark harness (the processes, the commands, the launcher
+# and LLM), the kernels and weir.shared are type-checked strictly; mypy finds them by their
+# import names through a link tree (pyproject maps the folders at install).
 TYPED := -p weir.services.scheduler -p weir.services.engine -p weir.services.gateway \
-	-p weir.services.executor -p weir.kernels -p weir.shared -m weir.services.cpu_cores \
-	-m weir.services.batch -m weir.services.config_file
+	-p weir.services.executor -p weir.kernels -p weir.shared -m weir.services \
+	-m weir.services.cli -m weir.services.llm -m weir.services.launcher \
+	-m weir.services.cpu_cores -m weir.services.batch -m weir.services.config_file \
+	-m weir.services.metrics_endpoint -m weir.services.sigterm -m weir.services.startup_heap \
+	-m weir.services.supervised
 
 .PHONY: serve test lint setup model clean
 

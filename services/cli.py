@@ -23,7 +23,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -339,7 +339,7 @@ def _engine_args(args: argparse.Namespace) -> EngineArgs:
             )
             raise SystemExit(2)
         args.model = tag
-    names = getattr(args, "served_model_name", None) or ()
+    names: Sequence[str] = getattr(args, "served_model_name", None) or ()
     if args.model is None and len(names) > 1 and _is_a_model(names[-1]):
         # argparse gave the model after --served-model-name's names to them.
         print(
@@ -509,7 +509,7 @@ def _run_batch(args: argparse.Namespace) -> int:
                             _api_options(args),
                             source,
                             output,
-                            max_in_flight=2 * server.engine_args.max_num_seqs * len(replicas),
+                            max_in_flight=2 * server.engine_args.step_limits[1] * len(replicas),
                         )
                     )
                     stopped = server.exited
@@ -1647,7 +1647,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if getattr(args, "cpu_affinity", None):
         os.sched_setaffinity(0, args.cpu_affinity)
-    return args.func(args)
+    command: Callable[[argparse.Namespace], int] = args.func
+    return command(args)
 
 
 if __name__ == "__main__":

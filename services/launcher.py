@@ -206,7 +206,9 @@ class ServerProcesses:
 
     @property
     def client_address(self) -> str:
-        return self.info["client_address"]
+        # The scheduler's ready record: JSON, whose client_address is its socket's endpoint.
+        address: str = self.info["client_address"]
+        return address
 
     def start(self) -> dict[str, Any]:
         plan = self.cpu_plan
@@ -570,7 +572,7 @@ class ServerProcesses:
                         f"{', '.join(waiting)}); give it longer with --startup-timeout"
                     )
                 for key, _ in sel.select(remaining):
-                    child: _Child = key.data
+                    child = key.data
                     child.read_status()
                     if key.fd == child.pidfd:
                         rc = child.proc.wait()

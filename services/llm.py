@@ -18,7 +18,7 @@ import os
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeGuard, TypeVar
 
 from tqdm import tqdm
 
@@ -41,12 +41,25 @@ from weir.shared.protocol.client import Prompt
 from weir.shared.sampling import SamplingParams, sample_seed
 from weir.shared.sampling_defaults import default_params
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's from Python 3.13
+
 T = TypeVar("T")
+PromptT = TypeVar("PromptT", bound=Prompt)
 # vLLM's use_tqdm: a progress bar of the prompts done, or a tqdm-like class to make it.
 UseTqdm = bool | Callable[..., Any]
 # A text, token ids or vLLM's prompt dict ({"prompt": text} or {"prompt_token_ids": ids}),
 # or a list of them.
 OnePromptOrMany = str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]]
+# What generate takes: the same, chat messages too.
+PromptOrMany = Prompt | dict[str, Any] | Sequence[Prompt | dict[str, Any]]
+
+
+class _PoolingOptions(TypedDict):
+    """The options ``score`` gives each request, a pair's or (an embedding model's) a text's."""
+
+    truncate_prompt_tokens: int | None
+    lora_name: str | None
 
 
 @dataclass(slots=True)
@@ -155,7 +168,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptOrMany,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: int | Sequence[int] | None = None,
         lora_name: str | Sequence[str | None] | None = None,
@@ -169,12 +182,10 @@ class LLM:
         ``lora_modules``) of every prompt, or one per prompt (None: the base model).
         ``use_tqdm`` (vLLM's, as every batch method here): a progress bar on stderr, or
         the tqdm-like class that makes it."""
-        if isinstance(prompts, str | dict) or (
-            prompts and isinstance(prompts[0], int | dict) and not _is_vllm_prompt(prompts[0])
-        ):
-            prompts = [prompts]  # a single prompt
-        prompts = [_vllm_prompt(p) for p in prompts]
-        return self._run(prompts, sampling_params, priority, lora_name, {}, use_tqdm)
+        batch = [prompts] if _is_one_prompt(prompts) else prompts
+        return self._run(
+            [_vllm_prompt(p) for p in batch], sampling_params, priority, lora_name, {}, use_tqdm
+        )
 
     def chat(
         self,
@@ -196,7 +207,7 @@ class LLM:
             raise TypeError(
                 "messages must be a conversation (a list of messages) or a list of them"
             )
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = _conversations(messages)
         chat = {
             "tools": tools,
             "chat_template_kwargs": chat_template_kwargs,
@@ -270,15 +281,19 @@ class LLM:
         with the pooling runner (``runner="pooling"``, or an embedding model), through the
         LoRA adapter ``lora_name`` if given; each one's ``embedding`` is a list of floats.
         If one fails, the call raises its error."""
-        prompts = _pooling_prompts(prompts)
-        options = {
-            "dimensions": dimensions,
-            "normalize": normalize,
-            "truncate_prompt_tokens": truncate_prompt_tokens,
-            "lora_name": lora_name,
-        }
+        batch = _pooling_prompts(prompts)
         client = self._client
-        return self._all([client.embed(p, **options) for p in prompts], use_tqdm)
+        embeddings = [
+            client.embed(
+                p,
+                dimensions=dimensions,
+                normalize=normalize,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                lora_name=lora_name,
+            )
+            for p in batch
+        ]
+        return self._all(embeddings, use_tqdm)
 
     def classify(
         self,
@@ -293,14 +308,18 @@ class LLM:
         ``LLM`` of a sequence classifier (a ``*ForSequenceClassification`` checkpoint, which
         takes the pooling runner by itself); each one's ``probs`` holds a score per label
         (the logits with ``activation=False``). If one fails, the call raises its error."""
-        prompts = _pooling_prompts(prompts)
-        options = {
-            "activation": activation,
-            "truncate_prompt_tokens": truncate_prompt_tokens,
-            "lora_name": lora_name,
-        }
+        batch = _pooling_prompts(prompts)
         client = self._client
-        return self._all([client.classify(p, **options) for p in prompts], use_tqdm)
+        classifications = [
+            client.classify(
+                p,
+                activation=activation,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                lora_name=lora_name,
+            )
+            for p in batch
+        ]
+        return self._all(classifications, use_tqdm)
 
     def beam_search(
         self,
@@ -313,9 +332,9 @@ class LLM:
         """vLLM's ``LLM.beam_search``: each prompt's best ``params.beam_width`` beams, best
         first (``weir.shared.beam_search``), the prompts searched together. If one fails,
         the call raises its error."""
-        prompts = _pooling_prompts(prompts)
+        batch = _pooling_prompts(prompts)
         client = self._client
-        searches = [client.beam_search(p, params, lora_name=lora_name) for p in prompts]
+        searches = [client.beam_search(p, params, lora_name=lora_name) for p in batch]
         return self._all(searches, use_tqdm)
 
     def score(
@@ -332,7 +351,9 @@ class LLM:
         encoded together, an embedding model by the cosine similarity of the two texts'
         embeddings. If one fails, the call raises its error."""
         pairs = score_pairs(text_1, text_2)
-        options = {"truncate_prompt_tokens": truncate_prompt_tokens, "lora_name": lora_name}
+        options = _PoolingOptions(
+            truncate_prompt_tokens=truncate_prompt_tokens, lora_name=lora_name
+        )
         client = self._client
         if self._loop.run(client.model_info()).get("labels"):
             return self._all([client.score(a, b, **options) for a, b in pairs], use_tqdm)
@@ -520,25 +541,58 @@ def _close(loop: EventLoopThread, client: AsyncWeirClient, server: ServerProcess
     loop.finalize(close)
 
 
-def _is_vllm_prompt(prompt: object) -> bool:
+def _is_vllm_prompt(prompt: object) -> TypeGuard[dict[str, Any]]:
     return isinstance(prompt, dict) and ("prompt" in prompt or "prompt_token_ids" in prompt)
 
 
-def _vllm_prompt(prompt: Any) -> Prompt:
+def _is_one_prompt(prompts: PromptOrMany) -> TypeIs[Prompt | dict[str, Any]]:
+    """Whether ``generate`` was given a single prompt (text, token ids, a chat or vLLM's
+    prompt dict), not a list of them."""
+    return isinstance(prompts, str | dict) or (
+        bool(prompts) and isinstance(prompts[0], int | dict) and not _is_vllm_prompt(prompts[0])
+    )
+
+
+def _is_conversation(
+    messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+) -> TypeIs[list[dict[str, Any]]]:
+    """Whether ``chat`` was given one conversation (a list of messages), not a list of them."""
+    return bool(messages) and isinstance(messages[0], dict)
+
+
+def _conversations(
+    messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+) -> Sequence[list[dict[str, Any]]]:
+    """``chat``'s conversations, given one or a list of them."""
+    return [messages] if _is_conversation(messages) else messages
+
+
+def _is_one_pooling_prompt(prompts: OnePromptOrMany) -> TypeIs[str | list[int] | dict[str, Any]]:
+    """Whether a pooling method was given a single prompt (text, token ids or vLLM's prompt
+    dict), not a list of them."""
+    return isinstance(prompts, str | dict) or (bool(prompts) and isinstance(prompts[0], int))
+
+
+def _vllm_prompt(prompt: PromptT | dict[str, Any]) -> PromptT | str | list[int]:
     """A prompt as Weir takes it: vLLM's ``TextPrompt`` is its text, its ``TokensPrompt``
     its token ids (a prompt dict with other keys is refused: Weir does not take them)."""
     if not _is_vllm_prompt(prompt):
-        return prompt  # type: ignore[no-any-return]
+        # As given, a dict of neither key too: the client refuses what is no prompt
+        # (validate_prompt).
+        return prompt  # type: ignore[return-value]
     if len(prompt) != 1:
         raise ValueError(
             "a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids', "
             f"not {sorted(prompt)}"
         )
-    return prompt.get("prompt", prompt.get("prompt_token_ids"))  # type: ignore[no-any-return]
+    # Unchecked, as any prompt given: the client checks it.
+    text_or_ids: str | list[int] = (
+        prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    )
+    return text_or_ids
 
 
 def _pooling_prompts(prompts: OnePromptOrMany) -> list[str | list[int]]:
     """Prompts given one (text, token ids or vLLM's prompt dict) or many, as a list."""
-    if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]  # a single prompt
-    return [_vllm_prompt(p) for p in prompts]  # type: ignore[misc]
+    batch = [prompts] if _is_one_pooling_prompt(prompts) else prompts
+    return [_vllm_prompt(p) for p in batch]

@@ -30,7 +30,9 @@ def _endpoint_app(registry: CollectorRegistry, ready: Callable[[], bool]) -> Cal
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
-            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+            # make_wsgi_app's app is a bare Callable; what it returns is a WSGI body.
+            metrics: Iterable[bytes] = metrics_app(environ, start_response)
+            return metrics
         if path == "/health":
             status, body = (
                 ("200 OK", b"ok\n") if ready() else ("503 Service Unavailable", b"not ready\n")
