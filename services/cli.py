@@ -201,6 +201,7 @@ def _scheduler(args: argparse.Namespace) -> int:
         max_model_len = resolve_max_model_len(
             engine_args.max_model_len,
             model_config.context_len,
+            model_config.attention_chunk_size,
         )
         executor_address = args.executor_address or tcp_address(args.host, DEFAULT_EXECUTOR_PORT)
         server = SchedulerServer(

@@ -61,6 +61,7 @@ SUPPORTED_MODEL_TYPES = (
     "starcoder2",
     "arcee",
     "hunyuan_v1_dense",
+    "llama4_text",
 )
 # Multimodal checkpoints Weir serves the language model of: the model types their
 # text_config may name, the first where it names none. The vision tower's weights are left
@@ -76,6 +77,7 @@ TEXT_OF_MULTIMODAL = {
     "internvl": ("qwen2", "qwen3", "qwen3_moe", "llama"),
     "glm4v": ("glm4v_text",),
     "glm4v_moe": ("glm4v_moe_text",),
+    "llama4": ("llama4_text",),
 }
 # Multimodal model types whose older files hold the language model's keys beside
 # vision_config, with no text_config (as transformers still reads them).
@@ -203,6 +205,29 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
+    },
+    # Llama 4's (Scout's shape; its multimodal checkpoints' text_config may leave keys out).
+    "llama4_text": {
+        "vocab_size": 202048,
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1,
+        "no_rope_layer_interval": 4,
+        "use_qk_norm": True,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "attention_chunk_size": 8192,
     },
     # Gemma 3's multimodal checkpoints leave most of text_config to these (the 4B's shape).
     "gemma3_text": {
@@ -426,6 +451,9 @@ class ExpertRouting:
     # The router's weight and logits in float32 whatever the model's dtype (DeepSeek's, as
     # transformers keeps them).
     float32: bool = False
+    # Llama 4's: each chosen expert's weight scales the token's row before the expert's MLP
+    # (rounded to the model's dtype, as transformers' routed_in), not the MLP's output after.
+    weights_on_inputs: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,7 +504,7 @@ class ModelConfig:
     latent_attention: LatentAttention | None = None
     # DeepSeek-V3's multi-token prediction layers after the last one, left unread.
     num_nextn_predict_layers: int = 0
-    # SmolLM3's NoPE layers: their queries and keys are not rotated.
+    # SmolLM3's and Llama 4's NoPE layers: their queries and keys are not rotated.
     nope_layers: tuple[int, ...] = ()
     # The checkpoint's rotated channels of each head turn in adjacent pairs (ERNIE 4.5's),
     # not half against half: the loader reorders the q and k projections' rows.
@@ -501,6 +529,9 @@ class ModelConfig:
     whole_qk_norms: bool = False
     # Hunyuan's q/k norms (query_layernorm, key_layernorm) normalize the rotated heads.
     qk_norm_after_rope: bool = False
+    # Llama 4's use_qk_norm: the rotated layers' q and k heads RMS-normalized after their
+    # rotation without a weight (its Llama4TextL2Norm), in float32; NoPE layers' are not.
+    qk_l2_norm: bool = False
     # Cohere's: the norms before each layer's block and after the last are LayerNorms (the
     # mean subtracted too, no bias; rms_norm_eps holds layer_norm_eps), and so are Command
     # R+'s q/k norms, with weights of their own for each head; a layer's attention and MLP
@@ -538,6 +569,14 @@ class ModelConfig:
     # original_max_position_embeddings; 0: not scaled.
     query_scaling_beta: float = 0.0
     query_scaling_length: int = 1
+    # Llama 4's form of that scaling (its attn_temperature_tuning: beta attn_scale, length
+    # floor_scale): positions counted from 1, the NoPE layers' queries only, multiplied in
+    # float32 and rounded once after.
+    attn_temperature_tuning: bool = False
+    # Llama 4's chunked local attention: a token of a rotated layer attends to the earlier
+    # tokens of its own chunk of this many. Weir's kernels do not implement it: the context
+    # is capped at one chunk, where it is full causal attention. None: no chunks.
+    attention_chunk_size: int | None = None
 
     # Granite's scalars: the embedding's and each residual branch's factor, the attention's
     # scale (None: head_dim ** -0.5) and the divisor of the logits.
@@ -556,13 +595,15 @@ class ModelConfig:
         factor (Qwen's long-context recipe adds only rope_scaling), whichever is longer (vLLM
         takes the derived one even where shorter). Llama 3's and LongRoPE's lengths are
         already the stretched ones, and so is Gemma 3's, whose linear factor stretches its
-        global layers alone."""
+        global layers alone. Llama 4's is one chunk of its chunked attention at most
+        (``attention_chunk_size``)."""
         stretched = self.max_position_embeddings
         if self.rope.type == "yarn":
             stretched = int(self.rope.original_max_position * self.rope.factor)
         elif self.rope.type == "linear" and self.model_type != "gemma3_text":
             stretched = int(self.max_position_embeddings * self.rope.factor)
-        return max(stretched, self.max_position_embeddings)
+        context = max(stretched, self.max_position_embeddings)
+        return min(context, self.attention_chunk_size or context)
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
@@ -592,9 +633,10 @@ class ModelConfig:
                     f"{text_type!r} is not supported; supported: {text_types}"
                 )
             language_model = cls.from_hf({**text, "model_type": text_type})
-            # The whole model's tie_word_embeddings ties its head, as transformers reads it.
+            # The whole model's tie_word_embeddings ties its head, as transformers reads it
+            # (left out: tied, but Llama 4's, whose config class unties it).
             tied = hf.get("tie_word_embeddings")
-            tied = True if tied is None else flag(hf, "tie_word_embeddings")
+            tied = model_type != "llama4" if tied is None else flag(hf, "tie_word_embeddings")
             return dataclasses.replace(
                 language_model,
                 multimodal=True,
@@ -611,6 +653,8 @@ class ModelConfig:
         window = _sliding_window(model_type, hf)
         # DeepSeek's null q_lora_rank: a query projected directly, not the default latent.
         direct_query = "q_lora_rank" in hf and hf["q_lora_rank"] is None
+        # Llama 4's null attention_chunk_size: attention not chunked, not the default chunk.
+        unchunked = "attention_chunk_size" in hf and hf["attention_chunk_size"] is None
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         gemma = model_type in ("gemma2", "gemma3_text")
         cohere = model_type in ("cohere", "cohere2")
@@ -669,7 +713,10 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=count(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=count(hf, "intermediate_size"),
+            # Llama 4's intermediate_size is its experts'; its dense layers' MLP is larger.
+            intermediate_size=count(
+                hf, "intermediate_size_mlp" if model_type == "llama4_text" else "intermediate_size"
+            ),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -707,7 +754,7 @@ class ModelConfig:
                 and flag(hf, "mlp_bias")
             )
             or use_bias,
-            interleaved_rope=ernie or model_type in ("glm4", "cohere", "cohere2"),
+            interleaved_rope=ernie or model_type in ("glm4", "cohere", "cohere2", "llama4_text"),
             qk_norm=model_type
             in (
                 "qwen3",
@@ -727,7 +774,7 @@ class ModelConfig:
             float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers)
-            if model_type == "smollm3"
+            if model_type in ("smollm3", "llama4_text")
             # EXAONE 4's global layers rotate nothing where it has local ones; Command R7B's
             # (Cohere 2's) never, nor its local ones without a window.
             else tuple(i for i in range(num_layers) if i not in sliding)
@@ -746,6 +793,7 @@ class ModelConfig:
             **_granite(model_type, hf),
             **_gemma(model_type, hf),
             **_query_scaling(model_type, hf),
+            **_llama4(model_type, hf, unchunked),
             **logits_scaling,
         )
 
@@ -892,11 +940,11 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
 
 
 def _nope_layers(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
-    """SmolLM3's layers without a rotation, as transformers reads them: where
-    no_rope_layers (one flag per layer, 1: rotated) says 0, else every
-    no_rope_layer_interval-th layer."""
+    """SmolLM3's and Llama 4's layers without a rotation, as transformers reads them: where
+    no_rope_layers (one flag per layer, 1: rotated) says 0, else (where it is left out or
+    empty, as in Llama 4 Scout's file) every no_rope_layer_interval-th layer."""
     flags = hf.get("no_rope_layers")
-    if flags is None:
+    if not flags:
         interval = count(hf, "no_rope_layer_interval")
         return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
     if (
@@ -942,6 +990,35 @@ def _query_scaling(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
         return {}
     length = count(rope, "original_max_position_embeddings")
     return {"query_scaling_beta": float(beta), "query_scaling_length": length}
+
+
+def _llama4(model_type: str, hf: dict[str, Any], unchunked: bool) -> dict[str, Any]:
+    """Llama 4's attention beside Llama's, as transformers reads it: q/k norms without a
+    weight on its rotated layers (use_qk_norm), its NoPE layers' queries scaled by their
+    position (attn_temperature_tuning, by attn_scale past each floor_scale tokens; Meta's
+    files write it as a number, 4, read as true as vLLM reads it), and the chunk of its
+    chunked attention."""
+    if model_type != "llama4_text":
+        return {}
+    tuning = hf["attn_temperature_tuning"]
+    if type(tuning) not in (bool, int):
+        raise ValueError(
+            f"config.json: attn_temperature_tuning must be true or false, got {tuning!r}"
+        )
+    temperature = (
+        {
+            "attn_temperature_tuning": True,
+            "query_scaling_beta": positive(hf, "attn_scale", 0.1),
+            "query_scaling_length": count(hf, "floor_scale"),
+        }
+        if tuning
+        else {}
+    )
+    return {
+        "qk_l2_norm": flag(hf, "use_qk_norm"),
+        "attention_chunk_size": None if unchunked else count(hf, "attention_chunk_size"),
+        **temperature,
+    }
 
 
 def _granite(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -1022,6 +1099,21 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         top_k_key = "moe_k"
         extra = {
             "routing": ExpertRouting(score_bias=True, float32=True),
+            "shared_expert_gated": False,
+        }
+    elif model_type == "llama4_text":
+        # The top k of the logits weighted by their sigmoids, not renormalized, each scaling
+        # its expert's input; a shared expert of the experts' size added ungated; the experts
+        # in the layers moe_layers lists, else in every interleave_moe_layer_step-th.
+        experts, inter = count(hf, "num_local_experts"), count(hf, "intermediate_size")
+        step = count(hf, "interleave_moe_layer_step")
+        listed = hf.get("moe_layers", list(range(step - 1, num_layers, step)))
+        if not isinstance(listed, list) or not all(type(i) is int for i in listed):
+            raise ValueError(f"config.json: moe_layers must be layer numbers, got {listed!r}")
+        layers = [i for i in range(num_layers) if i in listed]
+        norm, shared = False, inter
+        extra = {
+            "routing": ExpertRouting(sigmoid=True, weights_on_inputs=True),
             "shared_expert_gated": False,
         }
     elif model_type == "olmoe":

@@ -23,8 +23,10 @@ from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
 
+from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.services.executor.moe import check_moe  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
+from weir.shared.config import resolve_max_model_len  # noqa: E402
 from weir.shared.lora import check_adapter  # noqa: E402
 from weir.shared.model_config import ModelConfig, read_model_config  # noqa: E402
 from weir.shared.rope_config import LONG_ROTATION  # noqa: E402
@@ -399,6 +401,34 @@ CONFIGS = {
         residual_multiplier=0.4,
         pad_token_id=0,
     ),
+    # Llama 4: its rotated layers (0 and 3) turn adjacent pairs by Llama 3's scaled rotation,
+    # then q/k normalized without weights; its NoPE layers (1 and 2) scale their queries by
+    # position past each 4 tokens; the experts of every other layer (1 and 3) weight their
+    # inputs, beside a shared expert; the dense layers' MLP larger than an expert's. One
+    # chunk of its chunked attention covers the whole context.
+    "llama4_text": lambda: transformers.Llama4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4},
+        head_dim=16,
+        intermediate_size=32,
+        intermediate_size_mlp=96,
+        num_local_experts=6,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        no_rope_layers=[1, 0, 0, 1],
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+        attn_scale=0.3,
+        attention_chunk_size=256,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
 }
 MOE_LAYERS = {
     "granite": (),
@@ -436,6 +466,7 @@ MOE_LAYERS = {
     "cohere2": (),
     "granitemoe": (0, 1, 2),
     "granitemoeshared": (0, 1, 2),
+    "llama4_text": (1, 3),
 }
 
 
@@ -501,7 +532,13 @@ def test_config_reads_the_experts_as_transformers_does(moe):
     sparse = [
         i
         for i, layer in enumerate(hf.model.layers)
-        if hasattr(getattr(layer, "mlp", None) or layer.block_sparse_moe, "experts")  # Granite's
+        # Granite's block_sparse_moe, Llama 4's feed_forward
+        if hasattr(
+            getattr(layer, "mlp", None)
+            or getattr(layer, "feed_forward", None)
+            or layer.block_sparse_moe,
+            "experts",
+        )
     ]
     assert tuple(sparse) == cfg.moe_layers
 
@@ -1146,3 +1183,103 @@ def test_bfloat16_norms_round_as_transformers_norms_do(kind, tmp_path):
     x = (3 * torch.randn(64, 64, generator=torch.Generator().manual_seed(1))).bfloat16()
     with torch.no_grad():
         assert torch.equal(model.norm(x), hf.model.norm(x))
+
+
+def test_llama4_with_two_experts_a_token_decodes_as_transformers(tmp_path):
+    """Llama 4's releases route each token to one expert; with two, each chosen expert's
+    input is weighted by its own sigmoid, the two outputs summed with the shared expert's."""
+    hf = save_model("llama4_text", tmp_path, num_experts_per_tok=2)
+    assert read_model_config(tmp_path).num_experts_per_tok == 2
+    prompts = [list(range(5, 45)), [20, 21, 22]]
+    work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
+    want = {f"r{i}": tokens for i, tokens in enumerate(reference("llama4_text", hf, prompts, 8))}
+    assert tp_workload.run(work).outputs == want
+
+
+def test_a_llama4_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Llama 4 Scout and Maverick are Llama4ForConditionalGeneration: Weir reads the
+    language model (text_config, the language_model.* tensors, its experts stacked) and
+    leaves the vision model and the projector unread; a text prompt decodes as transformers
+    decodes it with the whole model."""
+    torch.manual_seed(0)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=64,
+    )
+    config = transformers.Llama4Config(
+        text_config=CONFIGS["llama4_text"]().to_dict(),
+        vision_config=vision,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+        image_token_index=VOCAB - 1,
+    )
+    hf = transformers.Llama4ForConditionalGeneration(config).eval()
+    spread_weights_(hf)
+    hf.save_pretrained(tmp_path)
+    assert any(n.startswith("vision_model.") for n in load_file(tmp_path / "model.safetensors"))
+    cfg = read_model_config(tmp_path)
+    assert cfg.multimodal and cfg.model_type == "llama4_text" and not cfg.tie_word_embeddings
+    assert cfg.moe_layers == MOE_LAYERS["llama4_text"]
+    prompts = [list(range(5, 45)), [20, 21, 22]]
+    work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
+    # transformers 5.24's whole model fails as it builds its output (it reads an
+    # image_outputs its language model's lacks), after running that language model on the
+    # prompt's embeddings: which decodes the text alone.
+    want = {f"r{i}": greedy(hf.language_model, prompt, 8) for i, prompt in enumerate(prompts)}
+    assert tp_workload.run(work).outputs == want
+
+
+def test_llama4_serves_one_chunk_of_its_chunked_attention(tmp_path):
+    """Weir's kernels do not chunk attention: Llama 4 is served to one chunk of
+    attention_chunk_size, within which its chunked attention is full causal attention, and a
+    longer --max-model-len is refused naming it (a null chunk: none, and no such bound)."""
+    save_model("llama4_text", tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert ModelConfig.from_hf({**hf, "attention_chunk_size": 128}).context_len == 128
+    assert ModelConfig.from_hf({**hf, "attention_chunk_size": None}).context_len == 256
+    runner = functools.partial(
+        ModelRunner,
+        str(tmp_path),
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=1 << 20,
+        hf_overrides=json.dumps({"attention_chunk_size": 128}),
+    )
+    assert runner(max_model_len=128).max_model_len == 128
+    with pytest.raises(ValueError, match="context of 128 tokens .*chunked local attention"):
+        runner(max_model_len=129)
+    with pytest.raises(ValueError, match="context of 256 tokens .*max_position_embeddings"):
+        resolve_max_model_len(257, 256, None)
+
+
+def test_llama4_config_reads_meta_s_files_as_transformers_does():
+    """Scout's file leaves no_rope_layers empty (every fourth layer NoPE) and writes
+    attn_temperature_tuning as 4 (true, as vLLM reads it; transformers 5 refuses it);
+    Maverick's experts are in every other layer (interleave_moe_layer_step); each as
+    transformers' config derives them."""
+    hf = CONFIGS["llama4_text"]().to_dict()
+    for step in (1, 2):
+        release = {
+            **hf,
+            "num_hidden_layers": 8,
+            "no_rope_layers": [],
+            "moe_layers": None,
+            "interleave_moe_layer_step": step,
+            "attn_temperature_tuning": 4,
+        }
+        cfg = ModelConfig.from_hf(release)
+        want = transformers.Llama4TextConfig(
+            num_hidden_layers=8, no_rope_layers=[], interleave_moe_layer_step=step
+        )
+        assert cfg.nope_layers == tuple(i for i, r in enumerate(want.no_rope_layers) if not r)
+        assert cfg.moe_layers == tuple(want.moe_layers)
+        assert cfg.attn_temperature_tuning and cfg.query_scaling_length == 4
+    with pytest.raises(ValueError, match="attn_temperature_tuning must be true or false"):
+        ModelConfig.from_hf({**hf, "attn_temperature_tuning": "yes"})

@@ -22,8 +22,12 @@ GEMMA = {"model_type": "gemma3_text", **REQUIRED}
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type):
-    # gpt-oss' default 8 KV heads would outnumber the 4 query heads
-    required = {**REQUIRED, "num_key_value_heads": 2} if model_type == "gpt_oss" else REQUIRED
+    # gpt-oss' and Llama 4's default 8 KV heads would outnumber the 4 query heads
+    required = (
+        {**REQUIRED, "num_key_value_heads": 2}
+        if model_type in ("gpt_oss", "llama4_text")
+        else REQUIRED
+    )
     if model_type == "deepseek_v2":  # transformers' default is none, which its router cannot take
         required = {**REQUIRED, "num_experts_per_tok": 2}
     if model_type in ("ministral", "hunyuan_v1_dense"):  # their default head_dim, None, fails
@@ -92,6 +96,16 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         )
         shared = theirs.moe_num_shared_experts * theirs.moe_intermediate_size
         assert ours.shared_expert_intermediate_size == shared
+    elif model_type == "llama4_text":  # experts and a shared expert of intermediate_size
+        assert ours.moe_layers == tuple(theirs.moe_layers) == (0, 1)
+        assert (ours.num_experts, ours.num_experts_per_tok) == (
+            theirs.num_local_experts,
+            theirs.num_experts_per_tok,
+        )
+        assert ours.moe_intermediate_size == ours.shared_expert_intermediate_size == 96
+        assert ours.intermediate_size == theirs.intermediate_size_mlp
+        assert ours.nope_layers == tuple(i for i, r in enumerate(theirs.no_rope_layers) if not r)
+        assert ours.context_len == theirs.attention_chunk_size
     elif not hasattr(theirs, "n_routed_experts"):
         assert ours.num_experts == 0 and ours.moe_layers == ()
 

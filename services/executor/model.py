@@ -102,6 +102,11 @@ class DecoderLayer(nn.Module):
         # The first rotary_dim channels of each head rotate (all but in Phi-4-mini; none in
         # SmolLM3's NoPE layers).
         self.rotary_dim = 0 if index in cfg.nope_layers else cfg.rope.rotary_dim
+        # Llama 4's q/k norms without a weight, of its rotated layers only.
+        self.qk_l2_norm_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and self.rotary_dim else None
+        # Whether the model's query scale applies here: Ministral 3's every layer, Llama 4's
+        # NoPE layers only.
+        self.scales_queries = not (cfg.attn_temperature_tuning and self.rotary_dim)
         self.hidden_act = cfg.hidden_act
         self.attention = attention
         self.kernels = kernels
@@ -258,7 +263,7 @@ class DecoderLayer(nn.Module):
         query_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query_scale`` [T, 1, 1]: each token's queries are multiplied by it after their
-        rotation (Ministral 3's)."""
+        rotation (Ministral 3's; Llama 4's NoPE layers')."""
         normed = x if self.input_layernorm is None else self.input_layernorm(x)
         return self.residual_block(x, normed, cos, sin, meta, kv_cache, lora, query_scale)
 
@@ -332,9 +337,11 @@ class DecoderLayer(nn.Module):
             qk = self._rotate(qk, cos, sin)
         if self.qk_norm_after_rope:
             qk = self._head_norms(qk)
+        if self.qk_l2_norm_eps is not None:
+            qk = F.rms_norm(qk.float(), (self.head_dim,), eps=self.qk_l2_norm_eps).to(qk.dtype)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        if query_scale is not None:
-            q = q * query_scale
+        if query_scale is not None and self.scales_queries:
+            q = (q * query_scale).to(qk.dtype)
         if self.k_scale is not None and self.v_scale is not None:
             # q . (k8 * k_scale) = (q * k_scale) . k8; sum p (v8 * v_scale) = v_scale sum p v8.
             self.attention.write_kv(k / self.k_scale, v / self.v_scale, kv_cache, meta)
@@ -512,12 +519,14 @@ class CausalLM(nn.Module):
 
     def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Ministral 3's factor of each token's queries, [T, 1, 1] in the model's dtype, as
-        transformers computes it (in float32, then rounded)."""
+        transformers computes it (in float32, then rounded); Llama 4's in float32, its
+        positions counted from 1 (transformers rounds its queries once, after the product)."""
         beta, length = self.config.query_scaling_beta, self.config.query_scaling_length
         if not beta:
             return None
-        scale = 1 + beta * torch.log(1 + torch.floor(positions / length))
-        return scale.to(self.dtype)[:, None, None]
+        llama4 = self.config.attn_temperature_tuning
+        scale = 1 + beta * torch.log(1 + torch.floor((positions + int(llama4)) / length))
+        return (scale if llama4 else scale.to(self.dtype))[:, None, None]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

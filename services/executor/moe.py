@@ -10,7 +10,7 @@ parallelism each rank holds its share of every expert's columns, as the dense ML
 and the router whole: every rank routes a token alike, and the partial sums are reduced
 with the layer's one all-reduce. gpt-oss adds biases to the router and to each expert's
 projections (its down projections' by rank 0 only, as a row-parallel bias) and gates with a
-clamped SwiGLU.
+clamped SwiGLU. Llama 4 weights each chosen expert's input rather than its output.
 """
 
 from typing import TYPE_CHECKING
@@ -121,8 +121,12 @@ class SparseMoe(nn.Module):
         sorted_experts, order = experts.flatten().sort(stable=True)
         offsets = torch.searchsorted(sorted_experts, self.expert_ends).to(torch.int32)
         rows = x[order // self.top_k]
+        row_weights = weights.flatten()[order].unsqueeze(1)
+        if self.routing.weights_on_inputs:
+            rows *= row_weights.to(rows.dtype)
         out = self._experts(rows, offsets, sorted_experts)
-        out.mul_(weights.flatten()[order].unsqueeze(1))  # in float32, rounded once
+        if not self.routing.weights_on_inputs:
+            out.mul_(row_weights)  # in float32, rounded once
         # Back to (token, choice) order by gathering with the inverse permutation (a CPU's
         # index_copy_ runs on one thread, 25x slower), then the k choices summed: no
         # scattered adds, so the sum is the same on every run.
@@ -139,14 +143,20 @@ class SparseMoe(nn.Module):
 
     def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's chosen experts [T, k] and their float32 weights [T, k], as
-        transformers routes: the top k of a softmax (or DeepSeek-V3's sigmoid, its bias
-        added for the choice only), among the best groups where experts are grouped."""
+        transformers routes: the top k of a softmax (or of DeepSeek-V3's sigmoid, its bias
+        added for the choice only; Llama 4's: of the logits, weighted by their sigmoids),
+        among the best groups where experts are grouped."""
         routing = self.routing
         logits = self.gate(x.to(self.gate.weight.dtype))
         scores = (
             logits.float().sigmoid() if routing.sigmoid else logits.softmax(-1, dtype=torch.float32)
         )
-        choice = scores if self.score_bias is None else scores + self.score_bias
+        if self.score_bias is not None:
+            choice = scores + self.score_bias
+        elif routing.sigmoid:  # the logits, which do not tie where float32 sigmoids reach 1
+            choice = logits.float()
+        else:
+            choice = scores
         if routing.num_groups > 1:
             grouped = choice.view(x.shape[0], routing.num_groups, -1)
             group_scores = (
@@ -160,7 +170,7 @@ class SparseMoe(nn.Module):
             hidden = float("-inf") if routing.sigmoid else 0.0
             choice = grouped.masked_fill(~keep.unsqueeze(-1), hidden).view_as(choice)
         weights, experts = choice.topk(self.top_k, dim=-1)
-        if self.score_bias is not None:
+        if routing.sigmoid or self.score_bias is not None:
             weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             # V3's sigmoid weights never sum to 0; transformers adds 1e-20 all the same.

@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+import torch
+
 from weir.services.executor.gpt_oss_checkpoint import Tensor, split_matching
 from weir.shared.model_config import ModelConfig
 
@@ -45,7 +47,16 @@ def _split(
             f"{columns}] nor [experts, {columns}, {rows}]: config.json does not describe "
             "these weights"
         )
-    for expert, weight in enumerate(whole):
+    yield from per_expert(experts, part, whole)
+
+
+def per_expert(
+    experts: str, part: str, stacked: torch.Tensor
+) -> Iterator[tuple[str, "TensorSource"]]:
+    """Each expert's tensors of a stacked ``part`` (gate_up_proj or down_proj) in a linear
+    layer's layout, [experts, out, in] (gate_up_proj's rows the gate's then the up's), named
+    as Qwen3-MoE's under ``experts``."""
+    for expert, weight in enumerate(stacked):
         if part == "gate_up_proj":
             gate, up = weight.chunk(2, dim=0)
             yield f"{experts}.{expert}.gate_proj.weight", Tensor(gate.contiguous())

@@ -17,6 +17,7 @@ from weir.services.executor.attention import AttentionBackend, get_attention_bac
 from weir.services.executor.gpt_oss_checkpoint import CHECKPOINT_NAMES, split_gpt_oss_tensors
 from weir.services.executor.granite_moe_checkpoint import split_granite_moe_tensors
 from weir.services.executor.layers import layer_kernels_for
+from weir.services.executor.llama4_checkpoint import split_llama4_tensors
 from weir.services.executor.model import CausalLM
 from weir.services.executor.moe import check_moe
 from weir.services.executor.packed_weights import can_pack, pack_model
@@ -673,6 +674,8 @@ def load_model(
             tensors = split_granite_moe_tensors(tensors)
         elif cfg.model_type == "qwen3_moe" and cfg.multimodal:
             tensors = split_qwen3_vl_moe_tensors(tensors, cfg)
+        elif cfg.model_type == "llama4_text":
+            tensors = split_llama4_tensors(tensors, cfg)
         load_weights(model, tensors, lm_head_optional, _score_tokens(model_dir, cfg, tokenizer_dir))
     else:
         raise ValueError(f"load_format must be one of ('auto', 'dummy'), got {load_format!r}")
