@@ -89,6 +89,39 @@ class CheckpointQuantization:
     fp4: bool = False
 
 
+# vLLM's --quantization names of the checkpoints Weir reads, and the method each names: given,
+# the flag only says what the checkpoint is (vLLM's kernels for it), which it must be.
+CHECKPOINT_FLAGS = {
+    "fp8": "fp8",
+    "compressed-tensors": "compressed-tensors",
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "bitsandbytes": "bitsandbytes",
+    "modelopt": "modelopt",
+    "modelopt_fp4": "modelopt",
+    "mxfp4": "mxfp4",
+}
+
+
+def weight_quantization(flag: str | None, checkpoint: CheckpointQuantization | None) -> str | None:
+    """What ``--quantization`` asks of the loaded weights: Weir's own method (int8), or None
+    where it names the checkpoint's (read as it is, dequantized); ValueError where it names
+    another, as vLLM refuses a flag its model's config contradicts."""
+    if flag not in CHECKPOINT_FLAGS:
+        return flag
+    method = CHECKPOINT_FLAGS[flag]
+    if checkpoint is not None and checkpoint.method == method:
+        return None
+    stated = "no quantization_config" if checkpoint is None else f"{checkpoint.method!r}"
+    raise ValueError(
+        f"--quantization {flag} names a {method} checkpoint, but the model's config.json states "
+        f"{stated}: Weir reads a quantized checkpoint by its config.json (leave --quantization "
+        "out) and quantizes no weights itself but with int8 on a CPU"
+    )
+
+
 def read_checkpoint_quantization(
     hf: dict[str, Any], model_type: str
 ) -> CheckpointQuantization | None:

@@ -20,6 +20,7 @@ from dataclasses import Field, dataclass, field, fields, replace
 from decimal import Decimal
 from typing import Any
 
+from weir.shared.checkpoint_quantization import CHECKPOINT_FLAGS
 from weir.shared.config_fields import json_object
 from weir.shared.gpu_info import GpuInfo
 from weir.shared.hub_cache import local_path
@@ -72,34 +73,14 @@ MODEL_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3")
 EAGLE_METHODS = ("eagle", "eagle3")
 # Weights kept quantized by the executor (CPU only; see services/executor/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
-# vLLM's --quantization methods, which are kernels Weir does not have: why each is refused.
-_CHECKPOINT_READ = (
-    "Weir has no {} matmul kernels; leave --quantization out: an fp8, compressed-tensors, "
-    "GPTQ, AWQ, bitsandbytes or ModelOpt checkpoint is read by its config.json (dequantized "
-    "to the model's dtype)"
+# vLLM's --quantization methods of checkpoints Weir does not read: why each is refused (the
+# names of those it reads, CHECKPOINT_FLAGS, are taken where the checkpoint is one).
+_VLLM_QUANTIZATION = dict.fromkeys(
+    ("gguf", "marlin"),
+    "Weir has no {} matmul kernels and reads no such checkpoint (fp8, compressed-tensors, "
+    "GPTQ, AWQ, bitsandbytes and ModelOpt checkpoints are read by their config.json; int8 is "
+    "Weir's own, on the CPU)",
 )
-_VLLM_QUANTIZATION = {
-    **dict.fromkeys(
-        (
-            "fp8",
-            "compressed-tensors",
-            "gptq",
-            "gptq_marlin",
-            "awq",
-            "awq_marlin",
-            "bitsandbytes",
-            "modelopt",
-            "modelopt_fp4",
-        ),
-        _CHECKPOINT_READ,
-    ),
-    **dict.fromkeys(
-        ("gguf", "marlin"),
-        "Weir has no {} matmul kernels and reads no such checkpoint (fp8, compressed-tensors, "
-        "GPTQ, AWQ and bitsandbytes checkpoints are read without --quantization; int8 is "
-        "Weir's own, on the CPU)",
-    ),
-}
 # The executor's attention implementations (services/executor/attention.py builds them).
 ATTENTION_BACKENDS = ("triton", "native", "torch", "reference")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -667,9 +648,11 @@ class EngineArgs:
         None,
         EXECUTOR,
         "keep the weights quantized (CPU only, float32 activations): int8 = weight-only int8 "
-        "with a scale per output channel, requantized from the loaded weights (default: none)",
+        "with a scale per output channel, requantized from the loaded weights (default: none); "
+        "vLLM's name of a quantized checkpoint's method (gptq, awq, fp8, ...), as vLLM takes "
+        "it, only says what the checkpoint is (read dequantized, by its config.json)",
         type=_refusing(_VLLM_QUANTIZATION),
-        choices=QUANTIZATION_METHODS,
+        choices=(*QUANTIZATION_METHODS, *CHECKPOINT_FLAGS),
     )
     # In bytes; a size such as "64MiB" (``LLM(kv_cache_memory=...)``) is parsed on construction.
     kv_cache_memory: int | None = _arg(
@@ -830,12 +813,12 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if str(self.log_level).upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
-        if self.quantization is None:
-            return
+        if self.quantization is None or self.quantization in CHECKPOINT_FLAGS:
+            return  # a checkpoint's method: the executor checks the model is quantized so
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
-                f"quantization must be one of {QUANTIZATION_METHODS} or None, "
-                f"got {self.quantization!r}"
+                f"quantization must be one of {QUANTIZATION_METHODS}, a quantized checkpoint's "
+                f"method ({', '.join(CHECKPOINT_FLAGS)}) or None, got {self.quantization!r}"
             )
         if self.device is not None and not self.device.startswith("cpu"):
             raise ValueError(

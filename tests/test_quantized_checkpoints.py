@@ -42,6 +42,7 @@ from weir.services.executor.dequantized_weight import (  # noqa: E402
     unpack_int32,
 )
 from weir.services.executor.gptq_checkpoint import packed_linear_weight  # noqa: E402
+from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.services.executor.quantized_checkpoint import dequantized_tensors  # noqa: E402
 from weir.services.executor.weights import load_model, open_checkpoint  # noqa: E402
 from weir.shared.checkpoint_quantization import (  # noqa: E402
@@ -433,6 +434,16 @@ def test_an_awq_checkpoint_decodes_as_the_library_converts_it(tmp_path):
     projections = {n: parameters[n] for n in parameters if n.endswith("_proj.weight")}
     dequantizes_as(awq, projections, torch.float16)
     decodes_as(awq, reference)
+    # vLLM's names of its kernels for the checkpoint only say what it is; another is refused.
+    for flag in ("awq", "awq_marlin"):
+        assert (
+            ModelRunner(awq, quantization=flag, kv_cache_memory_bytes=1 << 20).quantization is None
+        )
+    with pytest.raises(ValueError, match="--quantization gptq names a gptq checkpoint, but"):
+        ModelRunner(awq, quantization="gptq", kv_cache_memory_bytes=1 << 20)
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="states no quantization_config"):
+        ModelRunner(tmp_path / "plain", quantization="awq")
 
 
 BNB = {

@@ -115,6 +115,8 @@ class DequantizedWeight:
                     f"{name}: zero points {tuple(self.zero_point.shape)} do not match its "
                     f"scales {tuple(self.scale.shape)}"
                 )
+        # Whether each block of columns has its own scale in order (not GPTQ's activation order).
+        self.in_order = column_groups is None
         if column_groups is None:
             column_groups = torch.arange(columns) // self.block[1]
         elif column_groups.shape != (columns,) or not bool(
@@ -164,8 +166,27 @@ class DequantizedWeight:
         r0, r1, _ = rows.indices(self.shape[0])
         c0, c1, _ = columns.indices(self.shape[1])
         values = self.codes.read(slice(r0, r1), slice(c0, c1)).float()
-        scale_rows = torch.arange(r0, r1) // self.block[0]
+        # A row's own scales (a view), else its block's (gathered).
+        scale_rows: slice | torch.Tensor = (
+            slice(r0, r1) if self.block[0] == 1 else torch.arange(r0, r1) // self.block[0]
+        )
+        width = self.block[1]
+        if self.in_order and c0 % width == 0 and (c1 - c0) % width == 0:
+            # Whole blocks of columns: each block's scale broadcast over it, not gathered
+            # for every value (several times faster).
+            groups = slice(c0 // width, c0 // width + (c1 - c0) // width)
+            blocks = values.unflatten(1, (-1, width))
+            if self.zero_point is not None:
+                blocks -= self.zero_point[scale_rows][:, groups, None]
+            blocks *= self.scale[scale_rows][:, groups, None]
+            return values
         scale_columns = self.column_groups[c0:c1]
+        if values.stride(1) != 1:  # codes read down the columns (GPTQ's): gathered so too
+            by_column = values.T
+            if self.zero_point is not None:
+                by_column -= self.zero_point.T[scale_columns][:, scale_rows]
+            by_column *= self.scale.T[scale_columns][:, scale_rows]
+            return values
         if self.zero_point is not None:
             values -= self.zero_point[scale_rows][:, scale_columns]
         return values * self.scale[scale_rows][:, scale_columns]

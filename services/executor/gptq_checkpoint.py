@@ -46,6 +46,13 @@ class GPTQCodes:
         self.qweight, self.bits, self.inputs = qweight, bits, inputs
 
     def read(self, rows: slice, columns: slice) -> torch.Tensor:
+        if 32 % self.bits == 0:  # whole codes in each word: shifted out along the inputs
+            per = 32 // self.bits
+            first = columns.start // per
+            words: torch.Tensor = self.qweight[(slice(first, math.ceil(columns.stop / per)), rows)]
+            shifts = torch.arange(0, 32, self.bits, dtype=torch.int32).view(1, -1, 1)
+            codes = ((words.unsqueeze(1) >> shifts) & ((1 << self.bits) - 1)).flatten(0, 1)
+            return codes[columns.start - first * per : columns.stop - first * per].T
         # 32 codes fill ``bits`` words exactly: read from the 32-code run the slice starts in.
         first = columns.start // 32 * 32
         end = min(math.ceil(columns.stop / 32) * 32, self.inputs)
@@ -70,9 +77,10 @@ class AWQCodes:
 
 
 def _awq_columns(words: torch.Tensor) -> torch.Tensor:
-    """[n, words] AWQ words -> [n, 8 x words] unsigned codes in their columns' order."""
-    codes = _unsigned(words, 4, words.shape[1] * 8).view(words.shape[0], -1, 8)
-    return codes[..., list(_AWQ_CODE_OF_COLUMN)].flatten(1)
+    """[n, words] AWQ words -> [n, 8 x words] unsigned codes in their columns' order: each
+    column shifted out of its code's place."""
+    shifts = torch.tensor([4 * code for code in _AWQ_CODE_OF_COLUMN], dtype=torch.int32)
+    return ((words.unsqueeze(-1) >> shifts) & 15).flatten(1)
 
 
 def packed_linear_weight(
@@ -129,9 +137,16 @@ def packed_linear_weight(
         zeros = _awq_columns(qzeros)
     else:
         zeros = _unsigned(qzeros, bits, outputs) + quantization.zero_point_offset
+    if g_idx is not None and torch.equal(g_idx, _in_order(inputs, groups)):
+        g_idx = None  # as GPTQ without desc_act writes it: its groups in order
     return DequantizedWeight(
         f"{module}.weight", codes, (outputs, inputs), scales.T, zeros.T, quantization, g_idx
     )
+
+
+def _in_order(inputs: int, groups: int) -> torch.Tensor:
+    """Each input row's group where the groups take the rows in order."""
+    return torch.arange(inputs) // math.ceil(inputs / groups)
 
 
 def _gptq_width(

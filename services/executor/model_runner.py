@@ -68,6 +68,7 @@ from weir.services.executor.sampler import (
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import default_dtype, load_model
 from weir.shared.arith import cdiv
+from weir.shared.checkpoint_quantization import weight_quantization
 from weir.shared.config import (
     EAGLE_METHODS,
     ENGINE_DEFAULTS,
@@ -232,6 +233,8 @@ class ModelRunner:
         # Before joining the group: a model that cannot be split fails every rank at once.
         model_config = read_model_config(self.model_dir, hf_overrides)
         ShardLayout.of(model_config, rank, tensor_parallel_size)
+        # vLLM's name of the checkpoint's method asks nothing of the weights: read as they are.
+        quantization = weight_quantization(quantization, model_config.checkpoint_quantization)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             why = "no GPU is visible" if torch.version.cuda else "this torch has no CUDA"

@@ -394,6 +394,10 @@ VLLM_COMMAND_LINES = [
             '"tcp://epp.llm-d:5557","topic":"kv@10.0.0.7@m"}'
         },
     ),
+    (  # the name of a quantized checkpoint's method (its kernels'), as vLLM's docs write it
+        "M --quantization awq_marlin",
+        {"quantization": "awq_marlin"},
+    ),
     (  # vLLM's bool fields take --no-FLAG too (argparse's BooleanOptionalAction)
         "M --no-enable-server-load-tracking --no-enable-expert-parallel --no-enable-sleep-mode "
         "--no-disable-custom-all-reduce --no-disable-frontend-multiprocessing "
@@ -457,9 +461,8 @@ def test_kv_events_endpoints_of_data_parallel_replicas_are_vllms():
         (["--tokenizer-mode", "mistral"], "'mistral' is refused: Weir reads the model's tokenizer"),
         (["--tokenizer-mode", "slow"], "and has no slow or mistral_common tokenizer"),
         (["--limit-mm-per-prompt", "image=2"], "refused: Weir serves text-only models"),
-        (["--quantization", "awq"], "no awq matmul kernels; leave --quantization out: an fp8, c"),
         (["--quantization", "marlin"], "no marlin matmul kernels and reads no such checkpoint"),
-        (["--quantization", "fp8"], "Weir has no fp8 matmul kernels; leave --quantization out"),
+        (["--quantization", "gguf"], "'gguf' is refused: Weir has no gguf matmul kernels"),
         (["--revision", "v1.1"], "'v1.1' is refused: Weir reads the model's files as they are"),
         (["--tokenizer-revision", "dev"], "'dev' is refused: Weir reads the tokenizer's files"),
         (["--distributed-executor-backend", "ray"], "'ray' is refused: Weir's executors are"),
