@@ -305,15 +305,21 @@ _MODELOPT_ALGORITHMS = {"FP8": ("tensor",), "NVFP4": ("group",)}
 
 
 def _modelopt(config: dict[str, Any]) -> CheckpointQuantization:
-    """A ModelOpt config, in config.json or hf_quant_config.json (its ``quantization``)."""
-    algorithm = config.get("quantization", config).get("quant_algo")
+    """A ModelOpt config, in config.json or hf_quant_config.json (its ``quantization``); an
+    FP8 KV cache's scales (``kv_cache_quant_algo`` FP8) are one per tensor."""
+    quantization = config.get("quantization", config)
+    algorithm, kv_cache = quantization.get("quant_algo"), quantization.get("kv_cache_quant_algo")
     if algorithm not in _MODELOPT_ALGORITHMS:
         raise ValueError(
             f"config.json: ModelOpt's quant_algo {algorithm!r} is not read; Weir reads "
             f"{' and '.join(_MODELOPT_ALGORITHMS)}"
         )
-    strategies = _MODELOPT_ALGORITHMS[algorithm]
-    return CheckpointQuantization("modelopt", strategies=strategies, fp4=algorithm == "NVFP4")
+    return CheckpointQuantization(
+        "modelopt",
+        strategies=_MODELOPT_ALGORITHMS[algorithm],
+        kv_cache_scales=None if kv_cache is None else "tensor" if kv_cache == "FP8" else kv_cache,
+        fp4=algorithm == "NVFP4",
+    )
 
 
 def _kv_cache_scales(scheme: Any) -> str | None:

@@ -234,6 +234,7 @@ def _nvfp4_weights(tensors: dict, args) -> dict[str, torch.Tensor]:
 
 
 MODELOPT = {"FP8": "FP8", "NVFP4": "NVFP4A16"}
+KV_SCALES = {"k": 0.5, "v": 0.25}
 
 
 @pytest.mark.parametrize("algorithm", sorted(MODELOPT))
@@ -257,8 +258,8 @@ def test_a_modelopt_checkpoint_decodes_as_its_compressed_tensors_twin(algorithm,
             tensors[f"{module}.weight_scale_2"] = 1 / tensors.pop(name)
         elif kind == "weight_scale" and algorithm == "FP8":
             tensors[name] = tensors[name].reshape(())
-        if module.endswith(("k_proj", "v_proj")) and kind == "weight_scale":
-            tensors[f"{module}.{module[-6]}_scale"] = torch.tensor(1.0)
+        if module.endswith(("k_proj", "v_proj")) and kind == "weight_scale":  # ModelOpt's
+            tensors[f"{module}.{module[-6]}_scale"] = torch.tensor(KV_SCALES[module[-6]])
     save_file(tensors, tmp_path / "model.safetensors")
     config = json.loads((tmp_path / "config.json").read_text())
     del config["quantization_config"]
@@ -269,6 +270,9 @@ def test_a_modelopt_checkpoint_decodes_as_its_compressed_tensors_twin(algorithm,
     assert read_model_config(tmp_path).checkpoint_quantization.method == "modelopt"
     dequantizes_as(tmp_path, weights)
     decodes_as(tmp_path, reference, world_sizes=(1, 2) if algorithm == "NVFP4" else (1,))
+    # An fp8 cache takes the projections' KV cache scales as the attention's.
+    layer = load_model(tmp_path, kv_cache_dtype=torch.float8_e4m3fn).layers[1]
+    assert (float(layer.k_scale), float(layer.v_scale)) == (KV_SCALES["k"], KV_SCALES["v"])
 
 
 @pytest.mark.parametrize("preset", ["W4A16", "W8A16"])

@@ -41,8 +41,6 @@ _PARTS += (".weight_shape", ".weight_global_scale", ".weight_scale_2")  # NVFP4'
 # where the cache uses them).
 _UNUSED: tuple[str, ...] = (".input_scale", ".input_zero_point", ".output_scale")
 _UNUSED += (".activation_scale", ".q_scale", ".prob_scale", ".input_global_scale")
-# ModelOpt's KV cache scales, under the projections: an fp8 cache does not take them.
-_UNUSED += (".k_proj.k_scale", ".v_proj.v_scale")
 
 
 class WeightReader(Protocol):

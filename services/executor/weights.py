@@ -34,7 +34,8 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias|e_score_correc
 # ERNIE 4.5 in its moe_statics, one row of one group: read as DeepSeek-V3's, the router's own.
 _ROUTER_BIAS = "e_score_correction_bias"
 _BIAS_BESIDE_ROUTER = ("block_sparse_moe", "mlp", "mlp.moe_statics")
-# An FP8 KV cache's scale (compressed-tensors' are the attention's own, self_attn.k_scale).
+# An FP8 KV cache's scale (compressed-tensors' are the attention's own, self_attn.k_scale;
+# ModelOpt's its projections', self_attn.k_proj.k_scale, as vLLM reads them).
 _KV_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.([kv]_scale)")
 # An expert's tensor: Qwen's mlp.experts.E.{gate,up,down}_proj, Mixtral's
 # block_sparse_moe.experts.E.{w1,w3,w2}.
@@ -481,7 +482,11 @@ def _load_kv_scale(
     of a checkpoint with a kv_cache_scheme); skipped elsewhere, as the cache does not use it."""
     name = match.group(0)
     param_name = f"layers.{match.group(1)}.{match.group(3)}"
-    if match.group(2) != "self_attn" or param_name not in params:
+    owner = match.group(2)
+    if (
+        owner not in ("self_attn", f"self_attn.{match.group(3)[0]}_proj")
+        or param_name not in params
+    ):
         return
     if param_name in written:
         raise ValueError(f"checkpoint tensor {name!r} appears twice (in two files?): keep one")
