@@ -61,6 +61,7 @@ SUPPORTED_MODEL_TYPES = (
     "starcoder2",
     "arcee",
     "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
     "llama4_text",
 )
 # Multimodal checkpoints Weir serves the language model of: the model types their
@@ -146,6 +147,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "vocab_size": 290943,
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
+    },
+    "hunyuan_v1_moe": {
+        "vocab_size": 290943,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "num_experts": 1,
+        "moe_topk": 1,
     },
     "minimax_m2": {
         "max_position_embeddings": 196608,
@@ -766,11 +775,12 @@ class ModelConfig:
                 "exaone4",
                 "minimax_m2",
                 "hunyuan_v1_dense",
+                "hunyuan_v1_moe",
             )
             or (model_type in ("glm4_moe", "cohere") and flag(hf, "use_qk_norm")),
             olmo_norms=model_type in ("olmo2", "olmo3", "exaone4"),
             whole_qk_norms=model_type in ("olmo2", "olmo3", "olmoe", "minimax_m2"),
-            qk_norm_after_rope=model_type == "hunyuan_v1_dense",
+            qk_norm_after_rope=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
             float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers)
@@ -1116,6 +1126,16 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
             "routing": ExpertRouting(sigmoid=True, weights_on_inputs=True),
             "shared_expert_gated": False,
         }
+    elif model_type == "hunyuan_v1_moe":
+        # Hunyuan-A13B's: a float32 router's softmax, its top k renormalized, experts and
+        # the shared MLP (added ungated) of intermediate_size, in every layer; its file may
+        # give the top k and the experts per layer (the same in every layer, as released).
+        experts = _one_per_layer(hf, "num_experts", num_layers)
+        inter, layers, norm = count(hf, "intermediate_size"), list(range(num_layers)), True
+        shared = inter
+        hf = {**hf, "moe_topk": _one_per_layer(hf, "moe_topk", num_layers)}
+        top_k_key = "moe_topk"
+        extra = {"routing": ExpertRouting(float32=True), "shared_expert_gated": False}
     elif model_type == "olmoe":
         experts = count(hf, "num_experts", hf.get("num_local_experts"))
         inter, layers, shared = count(hf, "intermediate_size"), list(range(num_layers)), 0
@@ -1147,6 +1167,18 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         "moe_layers": tuple(layers),
         **extra,
     }
+
+
+def _one_per_layer(hf: dict[str, Any], key: str, num_layers: int) -> int:
+    """A count config.json may give once or per layer (Hunyuan's), the same in each."""
+    value = hf[key]
+    if isinstance(value, list):
+        if len(value) != num_layers or len(set(value)) != 1:
+            raise ValueError(
+                f"config.json: {key} differs between layers ({value!r}); Weir reads one for all"
+            )
+        value = value[0]
+    return count({key: value}, key)
 
 
 # DeepSeek's architectures, and those built of its layers (GLM-4.7-Flash); GLM-4.5's and

@@ -376,6 +376,21 @@ CONFIGS = {
             "factor": 1.0,
         },
     ),
+    # Hunyuan-A13B's: the dense model's attention, a float32 router's renormalized top k of
+    # experts and a shared MLP in every layer, the top k given per layer as its file does.
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=48,
+        num_experts=6,
+        moe_topk=[2, 2, 2],
+        rope_parameters={
+            "rope_type": "dynamic",
+            "rope_theta": 10000.0,
+            "alpha": 50.0,
+            "factor": 1.0,
+        },
+    ),
     # OLMoE: q/k norms over the whole projections, top 3 of 6 experts not renormalized.
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=48, num_experts=6, num_experts_per_tok=3, pad_token_id=0
@@ -454,6 +469,7 @@ MOE_LAYERS = {
     "glm4": (),
     "olmoe": (0, 1, 2),
     "hunyuan_v1_dense": (),
+    "hunyuan_v1_moe": (0, 1, 2),
     "starcoder2": (),
     "arcee": (),
     "solar_open": (0, 1, 2),
@@ -528,7 +544,10 @@ def test_config_reads_the_experts_as_transformers_does(moe):
     hf_cfg = hf.config
     experts = getattr(hf_cfg, "num_experts", None) or hf_cfg.num_local_experts
     assert cfg.num_experts == experts
-    assert cfg.num_experts_per_tok == hf_cfg.num_experts_per_tok
+    top_k = hf_cfg.num_experts_per_tok
+    if isinstance(top_k, list) and len(set(top_k)) == 1:  # Hunyuan's, given per layer
+        top_k = top_k[0]
+    assert cfg.num_experts_per_tok == top_k
     sparse = [
         i
         for i, layer in enumerate(hf.model.layers)

@@ -322,9 +322,11 @@ def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 
 def _module(name: str) -> tuple[str, int | None]:
     """A decoder layer's sub-module name as `LAYER_PARTS` knows it, and the expert's number
-    for an expert's tensor (Mixtral's names read as Qwen's)."""
-    if name == "block_sparse_moe.gate":
+    for an expert's tensor (Mixtral's and Hunyuan's names read as Qwen's)."""
+    if name in ("block_sparse_moe.gate", "mlp.gate.wg"):
         return "mlp.gate", None
+    if name.startswith("mlp.shared_mlp."):
+        return name.replace("mlp.shared_mlp.", "mlp.shared_expert."), None
     m = _EXPERT_RE.fullmatch(name)
     if m is None:
         return name, None
