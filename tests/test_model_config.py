@@ -30,7 +30,11 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
     )
     if model_type == "deepseek_v2":  # transformers' default is none, which its router cannot take
         required = {**REQUIRED, "num_experts_per_tok": 2}
-    if model_type in ("ministral", "hunyuan_v1_dense"):  # their default head_dim, None, fails
+    if model_type in (
+        "ministral",
+        "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
+    ):  # default head_dim None fails
         required = {**REQUIRED, "head_dim": 16}
     ours = ModelConfig.from_hf({"model_type": model_type, **required})
     theirs = transformers.AutoConfig.for_model(model_type, **required, pad_token_id=0)
@@ -106,6 +110,10 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         assert ours.intermediate_size == theirs.intermediate_size_mlp
         assert ours.nope_layers == tuple(i for i, r in enumerate(theirs.no_rope_layers) if not r)
         assert ours.context_len == theirs.attention_chunk_size
+    elif model_type == "hunyuan_v1_moe":  # every layer's experts and shared MLP
+        assert (ours.num_experts, ours.num_experts_per_tok) == (1, theirs.moe_topk) == (1, 1)
+        assert ours.moe_layers == (0, 1)
+        assert ours.moe_intermediate_size == ours.shared_expert_intermediate_size == 96
     elif not hasattr(theirs, "n_routed_experts"):
         assert ours.num_experts == 0 and ours.moe_layers == ()
 
