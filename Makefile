@@ -9,7 +9,7 @@ MODEL_READY := $(VENV)/.weir-model-ready
 # its own threads from the cores it may use (`make serve ARGS="--threads 1"` to pin it).
 export OMP_NUM_THREADS ?= 1
 
-# All of weir.services but the benchmark harness (the processes, the commands, the launcher
+# All of weir.services (the processes, the benchmark harness, the commands, the launcher
 # and LLM), the kernels and weir.shared are type-checked strictly; mypy finds them by their
 # import names through a link tree (pyproject maps the folders at install).
 TYPED := -p weir.services.scheduler -p weir.services.engine -p weir.services.gateway \
@@ -17,7 +17,7 @@ TYPED := -p weir.services.scheduler -p weir.services.engine -p weir.services.gat
 	-m weir.services.cli -m weir.services.llm -m weir.services.launcher \
 	-m weir.services.cpu_cores -m weir.services.batch -m weir.services.config_file \
 	-m weir.services.metrics_endpoint -m weir.services.sigterm -m weir.services.startup_heap \
-	-m weir.services.supervised
+	-m weir.services.supervised -p weir.services.bench
 
 .PHONY: serve test lint setup model clean
 

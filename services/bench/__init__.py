@@ -8,7 +8,9 @@ from weir.services.bench.throughput import add_throughput_parser
 from weir.services.launcher import ChildFailedError
 
 
-def add_bench_subcommands(subparsers: argparse._SubParsersAction) -> None:
+def add_bench_subcommands(
+    subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]",
+) -> None:
     """Register `bench throughput` and `bench serve`; each sets `func(args) -> int` (the exit code)."""
     bench = subparsers.add_parser("bench", help="measure throughput and latency")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -22,7 +24,8 @@ def run_cli(argv: list[str]) -> int:
     add_bench_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *argv])
     try:
-        return args.func(args)
+        exit_code: int = args.func(args)
+        return exit_code
     except ChildFailedError as exc:  # e.g. a model that cannot be split N ways: its message
         print(f"weir bench: {exc}", file=sys.stderr)
         return 1

@@ -13,12 +13,21 @@ as for Weir.
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from weir.services.bench.report import EngineRun
 from weir.services.bench.workload import WARMUP_PROMPT, BenchRequest
 from weir.shared.arith import cdiv
+
+if TYPE_CHECKING:
+    from transformers import ContinuousBatchingManager
+
+    # What AutoModelForCausalLM loads: a PreTrainedModel with GenerationMixin's generate and
+    # continuous batching; transformers names that type only for type checkers.
+    from transformers.models.auto.modeling_auto import _BaseModelWithGenerate as CausalLM
+
 
 logger = logging.getLogger(__name__)
 
@@ -30,17 +39,22 @@ _CB_PAGE_SIZE = 256
 
 def load_hf_model(
     model_dir: Path, dtype: str, device: str, load_format: str = "auto"
-) -> torch.nn.Module:
+) -> "CausalLM":
     """transformers' model of ``model_dir``; ``load_format="dummy"``: its own random
     initialisation of the same shape (the baselines' speed does not depend on the values)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    model: CausalLM
     if load_format == "dummy":
         config = AutoConfig.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    return model.to(device).eval()
+    # In place, as Module.to and eval are; the wraps(Module.to) on transformers' override gives
+    # a type whose call binds no self.
+    model.to(device)  # type: ignore[arg-type]
+    model.eval()
+    return model
 
 
 def _sync(device: str) -> None:
@@ -48,7 +62,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _static_generate(model: torch.nn.Module, batch: list[BenchRequest]) -> int:
+def _static_generate(model: "CausalLM", batch: list[BenchRequest]) -> int:
     """Generate one left-padded batch; returns the number of tokens decoded per row."""
     from transformers import GenerationConfig
 
@@ -71,6 +85,8 @@ def _static_generate(model: torch.nn.Module, batch: list[BenchRequest]) -> int:
         attention_mask=torch.tensor(mask, device=model.device),
         generation_config=config,
     )
+    if not isinstance(out, torch.Tensor):  # a GenerateOutput only where return_dict_in_generate
+        raise TypeError(f"hf-static generate returned {type(out).__name__}, not the token ids")
     decoded = out.shape[1] - max_prompt
     if decoded != new_tokens:
         raise RuntimeError(f"hf-static decoded {decoded} tokens per row, expected {new_tokens}")
@@ -78,9 +94,7 @@ def _static_generate(model: torch.nn.Module, batch: list[BenchRequest]) -> int:
 
 
 @torch.inference_mode()
-def run_hf_static(
-    model: torch.nn.Module, requests: list[BenchRequest], batch_size: int
-) -> EngineRun:
+def run_hf_static(model: "CausalLM", requests: list[BenchRequest], batch_size: int) -> EngineRun:
     device = str(model.device)
     _static_generate(model, [BenchRequest(list(WARMUP_PROMPT), 2)])
     _sync(device)
@@ -103,8 +117,8 @@ def run_hf_static(
 
 
 def _cb_collect(
-    manager, request_ids: set[str]
-) -> dict[str, list[int]]:  # manager: ContinuousBatchingManager
+    manager: "ContinuousBatchingManager", request_ids: set[str]
+) -> dict[str, list[int]]:
     """Wait for every request in request_ids; returns their generated token ids."""
     outputs: dict[str, list[int]] = {}
     while len(outputs) < len(request_ids):
@@ -125,7 +139,7 @@ def _cb_collect(
 
 @torch.inference_mode()
 def run_hf_continuous(
-    model: torch.nn.Module, requests: list[BenchRequest], max_batch_tokens: int
+    model: "CausalLM", requests: list[BenchRequest], max_batch_tokens: int
 ) -> EngineRun:
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints

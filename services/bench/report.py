@@ -11,11 +11,14 @@ import platform
 import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from weir.services.bench.workload import BenchRequest
+
+if TYPE_CHECKING:  # matplotlib is imported only by the runs that plot
+    from matplotlib.figure import Figure
 
 PERCENTILES = (50, 90, 99)
 # Namespace entries set by the CLI plumbing rather than by an option.
@@ -147,10 +150,12 @@ def summarize(values: list[float]) -> dict[str, float | None]:
     """Count, mean and percentiles; None for an empty series (for example ITL when every
     output is 1 token)."""
     if not values:
-        return {"count": 0, "mean": None} | {f"p{p}": None for p in PERCENTILES}
+        return {"count": 0, "mean": None, **{f"p{p}": None for p in PERCENTILES}}
     arr = np.asarray(values, dtype=np.float64)
-    return {"count": len(values), "mean": float(arr.mean())} | {
-        f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES
+    return {
+        "count": len(values),
+        "mean": float(arr.mean()),
+        **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES},
     }
 
 
@@ -237,7 +242,7 @@ def serve_markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
-def _new_figure(width: float, height: float):  # -> matplotlib.figure.Figure
+def _new_figure(width: float, height: float) -> "Figure":
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

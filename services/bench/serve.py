@@ -46,6 +46,8 @@ from weir.services.bench.workload import (
 from weir.shared.config import DEFAULT_ADDRESS, DEFAULT_HTTP_PORT
 
 if TYPE_CHECKING:  # at run time imported where used (zmq only for --backend weir)
+    from openai import AsyncOpenAI
+
     from weir.shared.client import AsyncWeirClient
 
 _READY_POLL_S = 0.5
@@ -72,19 +74,25 @@ class RequestTrace:
     def ok(self) -> bool:
         return self.error is None and self.end_s is not None and self.output_tokens > 0
 
+    def finished_s(self) -> float:
+        """end_s of a request that ended: the latencies are only asked of those."""
+        if self.end_s is None:
+            raise ValueError("the request has not finished")
+        return self.end_s
+
     def ttft_s(self) -> float:
         return self.chunk_s[0] - self.send_s
 
     def tpot_s(self) -> float | None:
         if self.output_tokens < 2:
             return None
-        return (self.end_s - self.chunk_s[0]) / (self.output_tokens - 1)
+        return (self.finished_s() - self.chunk_s[0]) / (self.output_tokens - 1)
 
     def itl_s(self) -> list[float]:
         return [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:])]
 
     def e2el_s(self) -> float:
-        return self.end_s - self.send_s
+        return self.finished_s() - self.send_s
 
 
 def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
@@ -99,7 +107,9 @@ def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
     return offsets
 
 
-async def _one_request(client, request: BenchRequest, trace: RequestTrace, t0: float) -> None:
+async def _one_request(
+    client: "AsyncWeirClient", request: BenchRequest, trace: RequestTrace, t0: float
+) -> None:
     from weir.shared.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
@@ -118,7 +128,7 @@ async def _one_request(client, request: BenchRequest, trace: RequestTrace, t0: f
 
 
 async def _one_openai_request(
-    client, model: str, request: BenchRequest, trace: RequestTrace, t0: float
+    client: "AsyncOpenAI", model: str, request: BenchRequest, trace: RequestTrace, t0: float
 ) -> None:
     try:
         stream = await client.completions.create(
@@ -235,26 +245,24 @@ async def run_load(
             )
         with tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress) as bar:
             t0 = time.perf_counter()
-            traces: list[RequestTrace | None] = [None] * len(requests)
 
-            async def launch(index: int, request: BenchRequest, offset: float) -> None:
+            async def launch(request: BenchRequest, offset: float) -> RequestTrace:
                 await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
                 if limit is not None:
                     await limit.acquire()
                 trace = RequestTrace(
                     len(request.prompt_token_ids), request.output_len, time.perf_counter() - t0
                 )
-                traces[index] = trace
                 try:
                     await send(request, trace, t0)
                 finally:
                     if limit is not None:
                         limit.release()
                     bar.update(1)
+                return trace
 
-            await asyncio.gather(
-                *(launch(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets)))
-            )
+            # gather returns the traces in the order of its arguments: workload order.
+            traces = await asyncio.gather(*(launch(r, o) for r, o in zip(requests, offsets)))
             duration = time.perf_counter() - t0
     return traces, duration
 
@@ -318,12 +326,14 @@ def _plot(traces: list[RequestTrace], duration_s: float, plot_dir: Path) -> list
     throughput_path = plot_dir / "throughput_over_time.png"
     token_times = [s for t in ok for s, n in zip(t.chunk_s, t.chunk_tokens) for _ in range(n)]
     plot_throughput_over_time(
-        token_times, [(t.send_s, t.end_s) for t in ok], duration_s, throughput_path
+        token_times, [(t.send_s, t.finished_s()) for t in ok], duration_s, throughput_path
     )
     return [cdf_path, throughput_path]
 
 
-def add_serve_parser(bench_sub: argparse._SubParsersAction) -> None:
+def add_serve_parser(
+    bench_sub: "argparse._SubParsersAction[argparse.ArgumentParser]",
+) -> None:
     p = bench_sub.add_parser(
         "serve",
         help="online latency/throughput against a running server",

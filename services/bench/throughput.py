@@ -63,7 +63,9 @@ def _baselines(values: list[str] | None) -> list[str]:
     return chosen
 
 
-def add_throughput_parser(bench_sub: argparse._SubParsersAction) -> None:
+def add_throughput_parser(
+    bench_sub: "argparse._SubParsersAction[argparse.ArgumentParser]",
+) -> None:
     p = bench_sub.add_parser(
         "throughput",
         help="offline throughput of the LLM API, optionally against Hugging Face baselines",
