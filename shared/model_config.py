@@ -1381,7 +1381,9 @@ def check_new_weights(
 
 def read_hf_config(model_dir: str | os.PathLike[str], overrides: str | None = None) -> Any:
     """``model_dir/config.json`` as JSON, ``overrides``' keys over it (a JSON object's text,
-    ``--hf-overrides``); ValueError names a file that is missing, unreadable or not JSON."""
+    ``--hf-overrides``), its quantization_config from the file older AutoGPTQ, AutoAWQ and
+    ModelOpt checkpoints keep it in where it has none (`_QUANTIZATION_FILES`); ValueError
+    names a file that is missing, unreadable or not JSON."""
     path = Path(model_dir) / "config.json"
     if "\x00" in str(path):  # open() would raise a ValueError, read below as the JSON's
         raise ValueError(f"{str(path)!r}: a path holds no NUL character")

@@ -79,13 +79,12 @@ def _four_bit(
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{state_name}: not a 4-bit quant state's JSON ({exc})") from None
     packed = where[name].get_slice(name)
-    parts = {p: where[f"{name}.{p}"] for p in ("absmax", "quant_map") if f"{name}.{p}" in where}
     if packed.get_dtype() != "U8" or math.prod(packed.get_shape()) * 2 != rows * columns:
         raise ValueError(
             f"{name}: {packed.get_dtype()} {packed.get_shape()} does not hold the "
             f"{rows} x {columns} 4-bit codes its quant state names (uint8, two a byte)"
         )
-    if len(parts) != 2:
+    if f"{name}.absmax" not in where or f"{name}.quant_map" not in where:
         raise ValueError(f"{name}: the checkpoint has no {name}.absmax and {name}.quant_map")
     if columns % blocksize:
         raise ValueError(

@@ -11,10 +11,18 @@ from typing import Any, Protocol
 
 import torch
 
-from weir.services.executor.gpt_oss_checkpoint import FP4_VALUES
 from weir.shared.checkpoint_quantization import CheckpointQuantization
 
-_E2M1 = torch.tensor(FP4_VALUES)
+# E2M1: the value of each 4-bit code (sign, two exponent bits, one mantissa bit).
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1 = torch.tensor([*_E2M1_MAGNITUDES, *(-m for m in _E2M1_MAGNITUDES)])
+
+
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] of two E2M1 codes a byte (the earlier in the low four bits, as MXFP4
+    and NVFP4 pack them) -> float32 [..., 2n], their values."""
+    codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
+    return _E2M1[codes.long()]
 
 
 def packed_width(
@@ -84,8 +92,7 @@ class FP4Codes:
 
     def read(self, rows: slice, columns: slice) -> torch.Tensor:
         packed: torch.Tensor = self.packed[(rows,)]
-        codes = torch.stack([packed & 15, packed >> 4], -1).reshape(-1, self.columns)
-        return _E2M1[codes[:, columns].long()]
+        return e2m1_values(packed)[:, columns]
 
 
 class DequantizedWeight:
@@ -181,15 +188,27 @@ class DequantizedWeight:
             blocks *= self.scale[scale_rows][:, groups, None]
             return values
         scale_columns = self.column_groups[c0:c1]
-        if values.stride(1) != 1:  # codes read down the columns (GPTQ's): gathered so too
-            by_column = values.T
-            if self.zero_point is not None:
-                by_column -= self.zero_point.T[scale_columns][:, scale_rows]
-            by_column *= self.scale.T[scale_columns][:, scale_rows]
-            return values
-        if self.zero_point is not None:
-            values -= self.zero_point[scale_rows][:, scale_columns]
-        return values * self.scale[scale_rows][:, scale_columns]
+        zero_point = self.zero_point
+        if values.stride(1) == 1:
+            _dequantize_(values, zero_point, self.scale, scale_rows, scale_columns)
+        else:  # codes read down the columns (GPTQ's): gathered in that layout too
+            zero_point = None if zero_point is None else zero_point.T
+            _dequantize_(values.T, zero_point, self.scale.T, scale_columns, scale_rows)
+        return values
+
+
+def _dequantize_(
+    values: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    scale: torch.Tensor,
+    rows: slice | torch.Tensor,
+    columns: slice | torch.Tensor,
+) -> None:
+    """``values`` less their zero points, times their scales, in place: each value's the
+    grid's at its (row, column) entry of ``rows`` and ``columns``."""
+    if zero_point is not None:
+        values -= zero_point[rows][:, columns]
+    values *= scale[rows][:, columns]
 
 
 def _grid(scale: torch.Tensor, rows: int) -> torch.Tensor:

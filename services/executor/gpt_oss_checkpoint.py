@@ -17,30 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weir.services.executor.dequantized_weight import e2m1_values
 from weir.shared.model_config import ModelConfig
 
 if TYPE_CHECKING:  # weights.py reads its checkpoints through this module
     from weir.services.executor.weights import TensorSource
 
-# E2M1: the value of each 4-bit code (sign, two exponent bits, one mantissa bit).
-FP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
 _STACKED_RE = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(.*)")
 _QUANTIZED_PARTS = ("_blocks", "_scales")
 _SUFFIXES = ("", "_bias", *_QUANTIZED_PARTS)
@@ -88,9 +70,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     """[..., rows, groups, 16] uint8 blocks and [..., rows, groups] uint8 scales (as the
     caller checked them) -> float32 [..., rows, groups x 32]: each byte's low nibble is the
     earlier value."""
-    lut = torch.tensor(FP4_VALUES)
-    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
-    values = values.flatten(-2)  # [..., groups, 32]
+    values = e2m1_values(blocks)  # [..., groups, 32]
     exponents = scales.to(torch.int32) - 127
     return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
 

@@ -109,8 +109,7 @@ def _weight(
     scale = part("weight_scale_inv")
     scale = part("weight_scale") if scale is None else scale
     mx = fp4 and scale is not None and scale.dtype == torch.uint8
-    if mx:  # MXFP4's scales: E8M0, powers of two by their biased exponents
-        assert scale is not None
+    if mx and scale is not None:  # MXFP4's scales: E8M0, powers of two by biased exponents
         scale = torch.exp2(scale.float() - 127)
     if scale is None or not scale.is_floating_point() or scale.dim() > 2:
         raise ValueError(
