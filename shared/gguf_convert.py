@@ -5,12 +5,13 @@ tokenizer.json, tokenizer_config.json and generation_config.json. Supported arch
 llama (Mixtral where it has experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 (their
 norm weights stored plus one, as llama.cpp's converter writes them; its fixed patterns of
 sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models')
-and phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors) with a
-byte-level BPE ("gpt2") tokenizer; anything else raises `UnsupportedGGUFError` naming what the file
-states. Converted for a model served with another tokenizer (``--tokenizer``), the file's own
-is left out, whatever its kind: vLLM's advice for GGUF files, whose tokenizers convert
-slowly or not at all (SentencePiece's "llama" kind here). llama.cpp stacks a layer's experts in one tensor per projection; they are written
-one tensor per expert, as Hugging Face checkpoints hold them.
+and phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), with the
+tokenizer the file states (`weir.shared.gguf_tokenizer`); anything else raises
+`UnsupportedGGUFError` naming what the file states. Converted for a model served with another
+tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
+GGUF files, whose tokenizers it converts slowly or not at all). llama.cpp stacks a layer's
+experts in one tensor per projection; they are written one tensor per expert, as Hugging Face
+checkpoints hold them.
 
 RoPE scaling: ``rope.scaling.type`` linear and yarn (with their factor and original context)
 become Hugging Face's ``rope_scaling``. Llama 3.1's and later (``llama3``) files state no
@@ -31,31 +32,18 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
-from tokenizers import (
-    AddedToken,
-    Regex,
-    Tokenizer,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
+
+from weir.shared.gguf_metadata import GGUFMetadata, UnsupportedGGUFError
+from weir.shared.gguf_tokenizer import (
+    build_tokenizer,
+    generation_config,
+    special_token_ids,
+    tokenizer_config,
 )
 
 logger = logging.getLogger(__name__)
 
-# What an unsupported tokenizer's error adds: vLLM's way round it.
-_GIVE_TOKENIZER = (
-    "; serve the file with its original Hugging Face tokenizer instead: --tokenizer DIR "
-    "(a directory with its tokenizer.json and tokenizer_config.json)"
-)
-# llama.cpp's token types (tokenizer.ggml.token_type).
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-
-class UnsupportedGGUFError(ValueError):
-    """The GGUF file is unreadable, or describes a model or tokenizer this converter cannot rebuild."""
+__all__ = ["UnsupportedGGUFError", "convert_gguf"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,91 +124,6 @@ _MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Mistral's Tekken (Nemo, Small 3, Ministral): words split at a case change, single digits.
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# o200k's (gpt-oss, Llama 4, MiniMax-M2): Tekken's words with their contractions, 1-3 digits.
-_O200K_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-_O200K_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    + _O200K_CONTRACTION
-    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    + _O200K_CONTRACTION
-    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
-@dataclass(slots=True, frozen=True)
-class _Pretokenization:
-    """How the original HF tokenizer cut text before BPE; llama.cpp names it in `tokenizer.ggml.pre`."""
-
-    pre_tokenizer: pre_tokenizers.PreTokenizer
-    normalizer: normalizers.Normalizer | None = None
-    ignore_merges: bool = False
-
-
-def _pretokenization(pre: str) -> _Pretokenization:
-    if pre in ("gpt2", "default"):
-        return _Pretokenization(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-    if pre in ("smollm", "starcoder", "refact"):
-        # StarCoder-family vocabularies were trained on single digits; HF splits them before the GPT-2 regex.
-        return _Pretokenization(
-            pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        )
-    if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "pixtral"):
-        return _Pretokenization(_split_then_bytes(_LLAMA3_SPLIT), ignore_merges=True)
-    if pre in ("qwen2", "deepseek-r1-qwen"):
-        return _Pretokenization(_split_then_bytes(_QWEN2_SPLIT), normalizer=normalizers.NFC())
-    if pre == "tekken":
-        return _Pretokenization(_split_then_bytes(_TEKKEN_SPLIT))
-    if pre in ("gpt-4o", "llama4", "minimax-m2"):
-        return _Pretokenization(_split_then_bytes(_O200K_SPLIT))
-    raise UnsupportedGGUFError(
-        f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: gpt2, smollm, "
-        f"starcoder, refact, llama-bpe, qwen2, tekken, gpt-4o){_GIVE_TOKENIZER}"
-    )
-
-
-class _Metadata:
-    """Typed access to a GGUF file's key/value metadata."""
-
-    def __init__(self, reader: GGUFReader) -> None:
-        self._fields = reader.fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        if key not in self._fields:
-            raise UnsupportedGGUFError(f"GGUF file has no {key!r} metadata")
-        return self._fields[key].contents()
-
 
 def _f32(value: float) -> float:
     # GGUF stores float32; print the shortest decimal that round-trips (1e-05, not 9.99999974e-06).
@@ -295,7 +198,7 @@ def _as_mixtral(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _rope_scaling(
-    meta: _Metadata, arch_name: str, factors: dict[str, np.ndarray]
+    meta: GGUFMetadata, arch_name: str, factors: dict[str, np.ndarray]
 ) -> dict[str, Any] | None:
     """Hugging Face's rope_scaling of the file's (see the module docstring)."""
 
@@ -350,7 +253,7 @@ def _longrope(
 
 
 def _build_config(
-    meta: _Metadata,
+    meta: GGUFMetadata,
     arch_name: str,
     arch: _Architecture,
     tensors: dict[str, np.ndarray],
@@ -390,7 +293,7 @@ def _build_config(
     found = {name.split(".")[5] for name in tensors if ".mlp.experts." in name}
     config.update(_experts(meta, arch_name, arch, config, len(found)))
     config.update(_family(meta, arch_name, config))
-    config.update(_special_token_ids(meta))
+    config.update(special_token_ids(meta))
     return config
 
 
@@ -401,7 +304,7 @@ _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def _family(meta: _Metadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+def _family(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
     """The config keys of Gemma 2 and 3 and Phi-3 that the file states or llama.cpp
     implies."""
 
@@ -441,7 +344,7 @@ def _family(meta: _Metadata, arch_name: str, config: dict[str, Any]) -> dict[str
 
 
 def _experts(
-    meta: _Metadata, arch_name: str, arch: _Architecture, config: dict[str, Any], found: int
+    meta: GGUFMetadata, arch_name: str, arch: _Architecture, config: dict[str, Any], found: int
 ) -> dict[str, Any]:
     """The config keys of a mixture of experts (a llama file with experts is Mixtral);
     ``found``: how many experts the file's ffn_*_exps tensors hold."""
@@ -483,113 +386,6 @@ def _experts(
     return moe
 
 
-def _special_token_ids(meta: _Metadata) -> dict[str, int]:
-    """bos/eos/pad ids under their Hugging Face config names, for those the file states."""
-    names = {
-        "bos_token_id": "bos_token_id",
-        "eos_token_id": "eos_token_id",
-        "pad_token_id": "padding_token_id",
-    }
-    ids = {name: meta.get(f"tokenizer.ggml.{meta_key}") for name, meta_key in names.items()}
-    return {name: int(value) for name, value in ids.items() if value is not None}
-
-
-def _build_tokenizer(meta: _Metadata) -> Tokenizer:
-    """A `tokenizers` byte-level BPE equal to the model's original tokenizer.json."""
-    kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedGGUFError(
-            f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level "
-            f"BPE){_GIVE_TOKENIZER}"
-        )
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
-    vocab = {token: index for index, token in enumerate(tokens)}
-
-    pretokenization = _pretokenization(meta.get("tokenizer.ggml.pre", "default"))
-    tokenizer = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            ignore_merges=pretokenization.ignore_merges,
-            byte_fallback=False,
-        )
-    )
-    tokenizer.normalizer = pretokenization.normalizer
-    tokenizer.pre_tokenizer = pretokenization.pre_tokenizer
-    tokenizer.decoder = decoders.ByteLevel()
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
-        bos = tokens[bos_id]
-        tokenizer.post_processor = processors.Sequence(
-            [
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(
-                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-                ),
-            ]
-        )
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(token, special=True, normalized=False)
-            for token, token_type in zip(tokens, token_types)
-            if token_type == _TOKEN_CONTROL
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(token, special=False, normalized=False)
-            for token, token_type in zip(tokens, token_types)
-            if token_type == _TOKEN_USER_DEFINED
-        ]
-    )
-    return tokenizer
-
-
-def _tokenizer_config(meta: _Metadata, context_length: int) -> dict[str, Any]:
-    tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
-
-    def token(meta_key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{meta_key}")
-        return None if index is None else tokens[index]
-
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "additional_special_tokens": [
-            t for t, kind in zip(tokens, token_types) if kind == _TOKEN_CONTROL
-        ],
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": context_length,
-    }
-    template = meta.get("tokenizer.chat_template")
-    if template is not None:
-        config["chat_template"] = template
-    return config
-
-
-def _generation_config(meta: _Metadata) -> dict[str, Any]:
-    stop_ids: list[int] = []
-    # End-of-turn / end-of-message tokens also stop a chat turn (llama.cpp keeps them apart from eos).
-    for meta_key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = meta.get(f"tokenizer.ggml.{meta_key}")
-        if value is not None and int(value) not in stop_ids:
-            stop_ids.append(int(value))
-    return _special_token_ids(meta) | {
-        "eos_token_id": stop_ids[0] if len(stop_ids) == 1 else stop_ids
-    }
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -603,7 +399,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, with_tokenizer: bool = True)
         raise UnsupportedGGUFError(
             f"cannot read GGUF file {str(gguf_path)!r} (damaged or truncated?): {exc}"
         ) from exc
-    meta = _Metadata(reader)
+    meta = GGUFMetadata(reader)
     arch_name = meta.require("general.architecture")
     arch = _ARCHITECTURES.get(arch_name)
     if arch is None:
@@ -611,7 +407,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, with_tokenizer: bool = True)
             f"GGUF architecture {arch_name!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
         )
     # Build the tokenizer first: it fails fast on an unsupported vocabulary, before the costly dequantization.
-    tokenizer = _build_tokenizer(meta) if with_tokenizer else None
+    tokenizer = build_tokenizer(meta, arch_name) if with_tokenizer else None
     n_head = int(meta.require(f"{arch_name}.attention.head_count"))
     n_kv_head = int(meta.get(f"{arch_name}.attention.head_count_kv", n_head))
     tensors = _convert_tensors(reader, arch, n_head, n_kv_head)
@@ -627,9 +423,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, with_tokenizer: bool = True)
         tokenizer.save(str(out_dir / "tokenizer.json"))
         _write_json(
             out_dir / "tokenizer_config.json",
-            _tokenizer_config(meta, config["max_position_embeddings"]),
+            tokenizer_config(meta, config["max_position_embeddings"]),
         )
-    _write_json(out_dir / "generation_config.json", _generation_config(meta))
+    _write_json(out_dir / "generation_config.json", generation_config(meta))
     # safetensors writes through a private (0600) temporary file: give every file the mode a
     # newly created file gets, so a cache one user prepared can be read by others the umask allows.
     mode = 0o666 & ~_umask()

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +211,23 @@ GGUF_LAYER_NAMES = {
 }
 
 
-def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
+@dataclass(slots=True)
+class GGUFVocab:
+    """A tokenizer as llama.cpp's converter writes it: byte-level BPE's merges, or a
+    SentencePiece vocabulary's scores (and its add_space_prefix, where stated)."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str] | None = None
+    scores: list[float] | None = None
+    add_space_prefix: bool | None = None
+
+    @property
+    def kind(self) -> str:
+        return "gpt2" if self.merges is not None else "llama"
+
+
+def _tiny_vocab() -> GGUFVocab:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     alphabet = list(bytes_to_unicode().values())
@@ -220,7 +237,7 @@ def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     merged = ["Ġt", "he", "Ġthe", "12", "123", "1234", "oW", "t'"]
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet, *merged]
     types = [3, 3, 3] + [1] * (len(tokens) - 3)
-    return tokens, types, merges
+    return GGUFVocab(tokens, types, merges)
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -322,8 +339,9 @@ def _write_gguf(
     config,
     tokenizer_model: str = "gpt2",
     pre: str | None = None,
+    vocab: GGUFVocab | None = None,
 ) -> None:
-    tokens, types, merges = _tiny_vocab()
+    vocab = vocab or _tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -338,14 +356,25 @@ def _write_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(pre or ("qwen2" if arch.startswith("qwen") else "smollm"))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    if vocab.kind == "llama":
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+    else:
+        writer.add_tokenizer_model(tokenizer_model)
+        writer.add_tokenizer_pre(pre or ("qwen2" if arch.startswith("qwen") else "smollm"))
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    if vocab.merges is not None:
+        writer.add_token_merges(vocab.merges)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    if vocab.add_space_prefix is not None:
+        writer.add_add_space_prefix(vocab.add_space_prefix)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)  # else transformers' loader takes Phi-3's default, 32000
+    if vocab.kind == "llama":
+        writer.add_unk_token_id(0)
     writer.add_chat_template(
         "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     )
@@ -426,7 +455,7 @@ def test_tiny_gguf_converts_back_to_the_original_model(
     arch, make_config, tmp_path, monkeypatch
 ) -> None:
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
-    tokens, _, _ = _tiny_vocab()
+    tokens = _tiny_vocab().tokens
     config = make_config()
     config.vocab_size = len(tokens)
     torch.manual_seed(0)
@@ -498,7 +527,7 @@ def test_a_gemma_or_phi3_gguf_decodes_as_the_original_model(arch, tmp_path, monk
     GGUF loader reads from the file, and Weir decodes greedily as transformers decodes the
     original model (past the windows and the original context)."""
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
-    tokens, _, _ = _tiny_vocab()
+    tokens = _tiny_vocab().tokens
     config = FAMILIES[arch]()
     config.vocab_size = len(tokens)
     config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 2, 1
@@ -529,7 +558,7 @@ def test_a_pre_tokenizer_splits_text_as_transformers_gguf_tokenizer_does(
     converted tokenizer encodes text as transformers' tokenizer of the same file, merges
     across the places the splits differ included."""
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
-    tokens, _, _ = _tiny_vocab()
+    tokens = _tiny_vocab().tokens
     config = transformers.LlamaConfig(**TINY, head_dim=8, vocab_size=len(tokens))
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     path = tmp_path / f"tiny-{pre}.gguf"
@@ -549,6 +578,163 @@ def test_a_pre_tokenizer_splits_text_as_transformers_gguf_tokenizer_does(
     assert digits == (4 if pre in ("qwen2", "tekken") else 2)
 
 
+# --- SentencePiece ("llama") tokenizers: a vocabulary trained by sentencepiece itself ---
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog and then runs away from hunter while birds sing "
+    "in trees Grüße 世界 naïve café 1234 2025 it's don't reasoning done"
+).split()
+SENTENCEPIECE_TEXTS = [
+    "the quick brown fox",
+    "  two spaces first, then   three and a trailing one ",
+    "Grüße aus 世界 ☃ naïve\n\nnew lines\tand a tab",
+    "digits 12345 and don't",
+    "<think>reasoning</think> done",
+    # Words never seen whole: the order of merges decides their pieces.
+    "quickly, the hunters overran treetops; brownish foxes were dogsitting",
+]
+
+
+def _sentencepiece_vocab(arch: str, prefix: bool) -> tuple[GGUFVocab, Any]:
+    """A SentencePiece BPE model trained on a few thousand random sentences with Llama's
+    settings (bytes for unseen characters, no normalization, spaces kept) and, for Gemma,
+    its pieces of spaces; and its vocabulary as convert_hf_to_gguf.py writes it (Gemma's
+    pieces of spaces, user-defined in its tokenizer, stored as spaces)."""
+    import io
+    import random
+
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    lines = [" ".join(rng.choices(WORDS, k=rng.randint(3, 12))) for _ in range(2000)]
+    spaces = ["\u2581" * n for n in (2, 3, 4)] if arch.startswith("gemma") else []
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=420,
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=prefix,
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        character_coverage=1.0,
+        user_defined_symbols=["<think>", "</think>", *spaces],
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    tokens, types, scores = [], [], []
+    for index in range(sp.get_piece_size()):
+        piece = sp.id_to_piece(index)
+        kind = 1
+        if sp.is_unknown(index):
+            kind = 2
+        elif sp.is_control(index):
+            kind = 3
+        elif sp.is_byte(index):
+            kind = 6
+        elif piece in spaces:
+            kind, piece = 4, piece.replace("\u2581", " ")
+        elif piece.startswith("<"):
+            kind = 4
+        tokens.append(piece)
+        types.append(kind)
+        scores.append(-1000.0 if kind == 4 else sp.get_score(index))
+    return GGUFVocab(tokens, types, scores=scores, add_space_prefix=prefix), sp
+
+
+def test_recovered_merges_are_transformers_own_in_its_order() -> None:
+    """A SentencePiece file's merges, recovered from its pieces and scores, are those
+    transformers' `generate_merges` recovers, in its order, ties of scores included (a
+    vocabulary grown as BPE training grows one, 20,000 pieces)."""
+    import random
+
+    from transformers.tokenization_utils_base import generate_merges
+
+    from weir.shared.gguf_tokenizer import _recovered_merges
+
+    rng = random.Random(0)
+    tokens = list("abcdefghijklmnop\u2581")
+    seen = set(tokens)
+    while len(tokens) < 20_000:
+        piece = rng.choice(tokens) + rng.choice(tokens)
+        if piece not in seen and len(piece) <= 12:
+            seen.add(piece)
+            tokens.append(piece)
+    scores = [float(rng.randint(-50, 0)) for _ in tokens]  # many pieces share a score
+    expected = generate_merges({t: i for i, t in enumerate(tokens)}, dict(zip(tokens, scores)))
+    assert _recovered_merges(tokens, scores) == expected
+
+
+def _sentencepiece_ids(sp: Any, text: str, added: dict[str, int]) -> list[int]:
+    """What the original tokenizer.json of a SentencePiece model (Llama 2's, Mistral's,
+    Gemma's) encodes: sentencepiece's ids of each stretch of text between added tokens."""
+    ids: list[int] = []
+    for part in re.split("(" + "|".join(map(re.escape, added)) + ")", text):
+        if part in added:
+            ids.append(added[part])
+        elif part:
+            ids.extend(sp.encode(part))
+    return ids
+
+
+SENTENCEPIECE_MODELS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY, head_dim=8),
+    "gemma2": FAMILIES["gemma2"],
+    "phi3": FAMILIES["phi3"],
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "prefix"), [("llama", True), ("llama", False), ("gemma2", False), ("phi3", True)]
+)
+def test_a_sentencepiece_gguf_tokenizes_as_its_original_tokenizer(
+    arch, prefix, tmp_path, monkeypatch
+) -> None:
+    """Llama 2's, Mistral's, Gemma's and Phi-3's GGUF files state a SentencePiece vocabulary
+    without merges: the converted tokenizer holds the vocabulary transformers reads from the
+    file, encodes (BOS, bytes for unseen characters, runs of spaces, added tokens, words
+    never seen whole) as the original tokenizer.json does, sentencepiece on each stretch
+    between added tokens, and decodes, whole and streamed, as sentencepiece does. Gemma's and
+    Phi-3's equal transformers' tokenizer of the file (vLLM's) too; its Llama tokenizer
+    prepends no space to text that starts with one, nor after an added token."""
+    from weir.shared.tokenizer import IncrementalDetokenizer
+
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    vocab, sp = _sentencepiece_vocab(arch, prefix)
+    config = SENTENCEPIECE_MODELS[arch]()
+    config.vocab_size = len(vocab.tokens)
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = 0, 2, 1
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path / f"sentencepiece-{arch}.gguf"
+    _write_gguf(path, arch, model, config, vocab=vocab)
+    ours = Tokenizer.from_model_dir(resolve_model(path))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    # The same pieces under the same ids (transformers' Gemma class adds its own specials).
+    theirs_vocab = {t: i for t, i in theirs.get_vocab().items() if i < len(vocab.tokens)}
+    assert ours.backend.get_vocab(with_added_tokens=True) == theirs_vocab
+    added = {t: i for i, (t, kind) in enumerate(zip(vocab.tokens, vocab.types)) if kind in (3, 4)}
+    for text in SENTENCEPIECE_TEXTS:
+        ids = ours.encode(text, add_special_tokens=True)
+        # Gemma's tokenizer.json leaves runs of spaces whole, where sentencepiece keeps the
+        # last space for the next word.
+        if not (arch == "gemma2" and "  " in text):
+            assert ids == [1, *_sentencepiece_ids(sp, text, added)], text
+        if arch == "llama":
+            assert ours.decode(ids) == sp.decode(ids[1:]), text
+        else:
+            assert ids == theirs.encode(text), text
+            assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+        streamed = IncrementalDetokenizer(ours, ids[:1])
+        assert "".join(streamed.add([i]) for i in ids[1:]) == ours.decode(ids), text
+    assert ours.decode(ours.encode(SENTENCEPIECE_TEXTS[2])) == SENTENCEPIECE_TEXTS[2]
+    # Pieces build words (no byte or character soup), and unseen characters become bytes.
+    assert len(ours.encode("the quick brown fox")) <= 6
+    assert ours.backend.id_to_token(ours.encode("☃")[-1]) == "<0x83>"
+
+
 @pytest.mark.parametrize(
     ("stated", "message"),
     [
@@ -562,7 +748,7 @@ def test_experts_the_metadata_does_not_state_are_refused_before_any_build(
     """A llama file whose stacked experts its expert_count leaves out or miscounts: no
     build is cached (transformers would load such a build with random MLPs)."""
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
-    tokens, _, _ = _tiny_vocab()
+    tokens = _tiny_vocab().tokens
     config = transformers.MixtralConfig(**TINY, num_local_experts=4)
     config.vocab_size = len(tokens)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -594,7 +780,7 @@ def _tiny_llama_gguf(
 ) -> Path:
     """A tiny random llama model as a GGUF file; `nan_in` names a parameter to put a NaN into,
     `tokenizer_model` is the kind of tokenizer the file states."""
-    tokens, _, _ = _tiny_vocab()
+    tokens = _tiny_vocab().tokens
     config = transformers.LlamaConfig(**TINY, head_dim=8, tie_word_embeddings=False)
     config.vocab_size = len(tokens)
     torch.manual_seed(0)
@@ -621,13 +807,13 @@ def _tokenizer_of(model_dir: Path, directory: Path) -> Path:
 def sentencepiece_gguf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[Path, Path, list[int]]:
-    """A tiny llama .gguf stating a SentencePiece ("llama") tokenizer, which Weir does not
+    """A tiny llama .gguf stating a SentencePiece Unigram ("t5") tokenizer, which Weir does not
     convert; a directory of its original tokenizer (the same vocabulary, as Hugging Face
     saves it); and the greedy tokens after PROMPT of transformers' own loading of the file."""
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
     with_tokenizer = resolve_model(_tiny_llama_gguf(tmp_path / "bpe.gguf"))
     tokenizer_dir = _tokenizer_of(with_tokenizer, tmp_path / "tokenizer")
-    path = _tiny_llama_gguf(tmp_path / "sentencepiece.gguf", tokenizer_model="llama")
+    path = _tiny_llama_gguf(tmp_path / "sentencepiece.gguf", tokenizer_model="t5")
     original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
     original.generation_config.eos_token_id = None  # as ignore_eos
     expected = original.generate(
@@ -653,14 +839,14 @@ def test_a_gguf_whose_tokenizer_weir_cannot_convert_is_served_with_its_original_
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """vLLM's advice for GGUF files: serve them with the original tokenizer (--tokenizer DIR).
-    A SentencePiece ("llama") tokenizer, which Weir does not convert, is then left out and
+    A SentencePiece Unigram ("t5") tokenizer, which Weir does not convert, is then left out and
     the file served: its greedy tokens are those of transformers' own GGUF loading."""
     from weir.services.cli import main
 
     path, tokenizer_dir, expected = sentencepiece_gguf
     bpe = tmp_path / "bpe.gguf"  # the same model, its tokenizer one Weir converts
     with_tokenizer = resolve_model(bpe)
-    with pytest.raises(UnsupportedGGUFError, match="'llama' is not supported .*--tokenizer DIR"):
+    with pytest.raises(UnsupportedGGUFError, match="'t5' is not supported .*--tokenizer DIR"):
         resolve_model(path)
     model_dir = resolve_model(path, tokenizer=tokenizer_dir)
     assert not (model_dir / "tokenizer.json").exists()
