@@ -490,12 +490,13 @@ def test_split_kv_rejects_small_workspace():
 # that blocks have key tiles below their span skipped, masked at the span's lower edge, unmasked and
 # masked on the diagonal. Chunks of 16, 40 and 64 put chunk boundaries inside the query blocks of
 # (100, 70) and (0, 150) (a block's rows in two chunks), start the (100, 70) prefill chunk mid-chunk,
-# and make the decodes at 80 (16, 40) and 130 (64) the first token of their chunk.
+# and make the decodes at 80 (16, 40) and 130 (64) the first token of their chunk; of 160, the
+# (100, 70) block of 132-163 sees two key tiles whole from its first token but not from its last.
 @pytest.mark.parametrize(
     "span",
     [
         *(AttentionSpan(window) for window in (1, 5, 17, 100)),
-        *(AttentionSpan(chunk, chunked=True) for chunk in (1, 16, 40, 64)),
+        *(AttentionSpan(chunk, chunked=True) for chunk in (1, 16, 40, 64, 160)),
     ],
     ids=lambda span: f"{'chunk' if span.chunked else 'window'}{span.size}",
 )
