@@ -483,9 +483,8 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     const int64_t context = seq_lens[w->req] - q_len;
     const int64_t token0 = query_start_loc[w->req] + w->first_token;
     const int64_t last_key = context + w->first_token + w->num_tokens - 1;
-    const int64_t pos0 = context + w->first_token;
-    const int64_t first_key =
-        first_visible(pos0, span, chunked) > 0 ? first_visible(pos0, span, chunked) : 0;
+    const int64_t pos0 = context + w->first_token, first0 = first_visible(pos0, span, chunked);
+    const int64_t first_key = first0 > 0 ? first0 : 0;
     /* The item's last row's first key: no row's is later. */
     const int64_t last_first = first_visible(last_key, span, chunked);
     const int32_t *table = block_table + (int64_t)w->req * block_table_stride;
@@ -570,7 +569,7 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                     const int64_t from = first > 0 ? first : 0;
                     if (n <= from) continue;
                     attend_span_row(s + r * tile, from, n, row_max + r0 + r, row_sum + r0 + r,
-                                      p, acc + (r0 + r) * head_dim, vrow, head_dim);
+                                    p, acc + (r0 + r) * head_dim, vrow, head_dim);
                 }
             }
         }
@@ -594,9 +593,9 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
    span > 0, each query token sees only those from first_visible(its position) on: the last
    `span` up to its own (itself included, a sliding-window layer) or with `chunked` those of
    its own chunk of `span` positions (Llama 4's chunked local attention); span 0 is plain
-   causal attention. With
-   softcap > 0 (Gemma 2's attn_logit_softcapping), each scaled score s becomes
-   softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they are.
+   causal attention. With softcap > 0 (Gemma 2's attn_logit_softcapping), each scaled score s
+   becomes softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they
+   are.
    With sinks (gpt-oss' attention sinks: num_heads logits, NULL for none), query head h's
    softmax has one more term, exp(sinks[h]), in its denominator and no value for it.
    With cache_format 1 (e4m3) or 2 (e5m2), the caches hold one byte a channel (fp8_values: the
@@ -612,8 +611,8 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                          int64_t block_table_stride, int64_t block_table_width,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, float scale, int64_t span, int64_t chunked,
-                         float softcap,
-                         const float *sinks, int64_t cache_format, const float *fp8_values) {
+                         float softcap, const float *sinks, int64_t cache_format,
+                         const float *fp8_values) {
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
         const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
