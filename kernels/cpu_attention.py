@@ -22,9 +22,9 @@ softmax as one more logit per query head, and likewise take the explicit path fo
 queries.
 
 The cache stays paged: gathers read the blocks through the block table every layer. With a
-sliding window W, a request gathers only from the first key its first query sees, so a short
-query reads at most W + Q - 1 keys however long its sequence, and the masks hide the keys
-below each later query's window.
+span (a sliding window W or a chunk C), a request gathers only from the first key its first
+query sees, so a short query reads at most W + Q - 1 (C + Q - 1) keys however long its
+sequence, and the masks hide the keys below each later query's first.
 """
 
 import dataclasses
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from weir.kernels.reference import check_sinks, to_cache
+from weir.kernels.reference import AttentionSpan, check_sinks, to_cache
 
 SHORT_QUERY_MAX = 8
 # Each bucket costs about eight operator calls per layer, so a bucket splits only where that
@@ -85,13 +85,12 @@ def plan_step(
     num_heads: int,
     num_kv_heads: int,
     device: torch.device | str = "cpu",
-    sliding_window: int | None = None,
+    span: AttentionSpan | None = None,
 ) -> StepPlan:
     """Host-side planning from the reference's metadata (CPU tensors); the plan's tensors go to
-    `device`. With `sliding_window` (the reference's), each token attends to that many keys up
-    to its own, and no key below the window of its request's first query is gathered."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"a sliding window of {sliding_window} keys hides every key")
+    `device`. With `span` (the reference's), each token attends to the keys from its first
+    visible one (its window's or its chunk's) up to its own, and no key below its request's
+    first query's first is gathered."""
     qsl = query_start_loc.numpy().astype(np.int64)
     lens = seq_lens.numpy().astype(np.int64)
     table = block_table.numpy()
@@ -106,20 +105,16 @@ def plan_step(
     query_lens = qsl[1:] - qsl[:-1]
     # The first key any query of a request sees: its first query's.
     first_keys = (
-        np.zeros_like(lens)
-        if sliding_window is None
-        else np.maximum(lens - query_lens - sliding_window + 1, 0)
+        np.zeros_like(lens) if span is None else np.maximum(span.first_key(lens - query_lens), 0)
     )
     short_reqs = np.flatnonzero((query_lens > 0) & (query_lens <= SHORT_QUERY_MAX))
     long_reqs = np.flatnonzero(query_lens > SHORT_QUERY_MAX)
     short = [
-        _short_bucket(
-            reqs, qsl, lens, first_keys, table, block_size, num_kv_heads, group, sliding_window
-        )
+        _short_bucket(reqs, qsl, lens, first_keys, table, block_size, num_kv_heads, group, span)
         for reqs in _buckets(short_reqs, query_lens, lens - first_keys)
     ]
     long = [
-        _long_query(int(r), qsl, lens, first_keys, table, block_size, num_kv_heads, sliding_window)
+        _long_query(int(r), qsl, lens, first_keys, table, block_size, num_kv_heads, span)
         for r in long_reqs
     ]
     plan = StepPlan(num_kv_heads, group, torch.from_numpy(write_slots), write_rows, short, long)
@@ -190,15 +185,15 @@ def _visible(
     first_keys: np.ndarray,
     query_len: int,
     seq_len: int,
-    sliding_window: int | None,
+    span: AttentionSpan | None,
 ) -> np.ndarray:
     """[R, Q, S] whether query i of each request sees its gathered key j (position
-    first_key + j): iff that is <= context_len + i, and > context_len + i - W with a window W."""
+    first_key + j): iff that is <= context_len + i, and with a span from its first key on."""
     key_pos = first_keys[reqs][:, None, None] + np.arange(seq_len)[None, None, :]
     query_pos = (lens[reqs] - query_len)[:, None, None] + np.arange(query_len)[None, :, None]
     visible: np.ndarray = key_pos <= query_pos
-    if sliding_window is not None:
-        visible &= key_pos > query_pos - sliding_window
+    if span is not None:
+        visible &= key_pos >= span.first_key(query_pos)
     return visible
 
 
@@ -211,13 +206,13 @@ def _short_bucket(
     block_size: int,
     num_kv_heads: int,
     group: int,
-    sliding_window: int | None,
+    span: AttentionSpan | None,
 ) -> ShortBucket:
     query_len = int(qsl[reqs[0] + 1] - qsl[reqs[0]])
     seq_len = int((lens[reqs] - first_keys[reqs]).max())
     query_rows = qsl[reqs][:, None] + np.arange(query_len)[None, :]  # [R, Q]
     kv_rows = _kv_rows(table, reqs, lens, first_keys, seq_len, block_size, num_kv_heads)
-    visible = _visible(reqs, lens, first_keys, query_len, seq_len, sliding_window)
+    visible = _visible(reqs, lens, first_keys, query_len, seq_len, span)
     mask = None
     if not visible.all():
         additive = np.where(visible, np.float32(0), np.float32(-np.inf))
@@ -245,16 +240,18 @@ def _long_query(
     table: np.ndarray,
     block_size: int,
     num_kv_heads: int,
-    sliding_window: int | None,
+    span: AttentionSpan | None,
 ) -> LongQuery:
     reqs = np.array([r])
     start, end = int(qsl[r]), int(qsl[r + 1])
     seq_len = int(lens[r] - first_keys[r])
     kv_rows = _kv_rows(table, reqs, lens, first_keys, seq_len, block_size, num_kv_heads)
     mask = None
-    # A fresh prompt no window binds is SDPA's own causal case: no mask to build or read.
-    if seq_len != end - start or (sliding_window is not None and sliding_window < seq_len):
-        visible = _visible(reqs, lens, first_keys, end - start, seq_len, sliding_window)
+    # Keys gathered from the first query's own on, none of them hidden from the last query by
+    # its span, is SDPA's own causal case: no mask to build or read.
+    hidden = span is not None and span.first_key(int(lens[r]) - 1) > first_keys[r]
+    if seq_len != end - start or hidden:
+        visible = _visible(reqs, lens, first_keys, end - start, seq_len, span)
         mask = torch.from_numpy(visible[0])
     return LongQuery(start, end, torch.from_numpy(kv_rows.reshape(-1)), mask)
 

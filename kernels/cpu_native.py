@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from weir.kernels.reference import check_sinks, to_cache
+from weir.kernels.reference import AttentionSpan, check_sinks, to_cache
 from weir.shared.model_store import cache_root
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ _SIGNATURES = {
     "weir_paged_attention": (
         ctypes.c_int,
         [_P, _I, _P, _I, _I, _P, _P, _I, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I]
-        + [_F, _I, _F, _P, _I, _P],  # scale, window, softcap, sinks, fp8 format and values
+        # scale, span, chunked, softcap, sinks, fp8 format and values
+        + [_F, _I, _I, _F, _P, _I, _P],
     ),
     "weir_silu_mul": (None, [_P, _I, _I, _I]),
     "weir_pack_panels": (None, [_P, _I, _I, _P]),
@@ -245,17 +246,15 @@ class CpuKernels:
         block_table: torch.Tensor,
         scale: float,
         *,
-        sliding_window: int | None = None,
+        span: AttentionSpan | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`weir.kernels.reference.paged_attention`'s contract, its sliding window, soft
-        cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata, a float32,
-        bfloat16 or fp8 cache; rows of no request are left unset. Metadata that points outside
+        """`weir.kernels.reference.paged_attention`'s contract, its span (sliding window or
+        chunk), soft cap and sinks included: query [T, H, D] -> [T, H, D], int32 metadata, a
+        float32, bfloat16 or fp8 cache; rows of no request are left unset. Metadata that points outside
         the batch, the block table or the cache raises IndexError before anything is read."""
         num_tokens, num_heads, head_dim = query.shape
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"a sliding window of {sliding_window} keys hides every key")
         if softcap is not None and softcap <= 0:
             raise ValueError(f"a soft cap of {softcap} is not positive")
         if num_heads % kv_cache.shape[3] or head_dim != kv_cache.shape[4]:
@@ -286,7 +285,8 @@ class CpuKernels:
             kv_cache.shape[3],
             head_dim,
             scale,
-            0 if sliding_window is None else sliding_window,  # 0: no window
+            0 if span is None else span.size,  # 0: no span
+            span is not None and span.chunked,
             0.0 if softcap is None else softcap,  # 0: no cap
             None if sinks is None else _ptr(sinks),
             CACHE_FORMATS.get(kv_cache.dtype, 0),

@@ -14,9 +14,12 @@ Shapes (the flat mixed-batch layout):
 
 Causal rule: query i of request r (0-based within its new tokens) sees key
 position j iff j <= context_len + i, where context_len = seq_len - query_len.
-With a sliding window W (a layer of Mistral, Gemma 3, Qwen2 with use_sliding_window), also
-j > context_len + i - W: each token sees itself and the W - 1 keys before it, as
-transformers' `sliding_window_overlay` and FlashAttention's window (W - 1, 0) do.
+A layer's `AttentionSpan` bounds the keys from below, j >= span.first_key(context_len + i):
+a sliding window W (a layer of Mistral, Gemma 3, Qwen2 with use_sliding_window) lets each
+token see itself and the W - 1 keys before it, as transformers' `sliding_window_overlay` and
+FlashAttention's window (W - 1, 0) do; a chunk C (Llama 4's chunked local attention on its
+rotated layers) the keys of its own chunk, j // C == p // C at position p, as transformers'
+`chunked_overlay` does.
 With a soft cap c (Gemma 2's attn_logit_softcapping), each scaled score s becomes
 c * tanh(s / c) before the mask and the softmax.
 With sinks (gpt-oss' learned attention sinks, one logit per query head), head h's softmax
@@ -26,7 +29,37 @@ to the format's largest finite value, then rounded to nearest (`to_cache`), and 
 back to float, as vLLM's fp8 cache with scales of 1.
 """
 
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
 import torch
+
+# Positions: one, or many elementwise (the torch path plans with numpy, the reference masks
+# with tensors).
+Positions = TypeVar("Positions", int, np.ndarray, torch.Tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpan:
+    """The earliest key a layer's query sees, where not the sequence's first: the last ``size``
+    positions up to its own (a sliding window), or with ``chunked`` those of its own chunk,
+    the ``size``-aligned run of positions that holds it (Llama 4's chunked local attention).
+    One concept for both, since the kernels need only the lower bound and that it never
+    decreases along the query: a query block's first token then bounds the keys the whole block
+    reads (O(size) of them), and its last token those every row of it sees."""
+
+    size: int
+    chunked: bool = False
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"an attention span of {self.size} keys hides every key")
+
+    def first_key(self, pos: Positions) -> Positions:
+        """The first key position a query at ``pos`` sees (a window's may be negative: none
+        hidden yet)."""
+        return pos - pos % self.size if self.chunked else pos - (self.size - 1)
 
 
 def reshape_and_cache(
@@ -58,12 +91,12 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     *,
-    sliding_window: int | None = None,
+    span: AttentionSpan | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its request's cached keys (one request at a time);
-    with ``sliding_window``, over the last that many of them only; with ``softcap``, its
+    with ``span``, over those from its first key on only; with ``softcap``, its
     scores soft-capped; with ``sinks``, each head's sink logit in its softmax."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     if sinks is not None:
@@ -90,8 +123,8 @@ def paged_attention(
         q_pos = torch.arange(query_len, device=query.device).unsqueeze(1) + context_len
         k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         hidden = k_pos > q_pos
-        if sliding_window is not None:
-            hidden |= k_pos <= q_pos - sliding_window
+        if span is not None:
+            hidden |= k_pos < span.first_key(q_pos)
         scores.masked_fill_(hidden, float("-inf"))
         if sinks is not None:
             sink_column = sinks.view(-1, 1, 1).expand(-1, query_len, 1)

@@ -1,10 +1,10 @@
 """Triton attention over the paged KV cache for a whole mixed batch.
 
-Same semantics, positional signature and sliding_window and softcap keywords as
+Same semantics, positional signature and span and softcap keywords as
 `weir.kernels.reference.paged_attention` (prefill chunks with cached context, decodes and
 speculative 1 + k queries share the flat layout; query i of request r sees key j iff
-j <= context_len + i, and with a sliding window W also j > context_len + i - W; with a soft cap c
-each scaled score s becomes c * tanh(s / c)).
+j <= context_len + i, and with a span (a sliding window or a chunk) also
+j >= span.first_key(context_len + i); with a soft cap c each scaled score s becomes c * tanh(s / c)).
 
 Two kinds of tile, one launch each (no launch when the step has none of that kind):
 
@@ -26,13 +26,13 @@ Two kinds of tile, one launch each (no launch when the step has none of that kin
 
 Either kind walks its request's keys in tiles of TILE_N positions (independent of the
 page size) with an online softmax accumulated in fp32. Key tiles past the causal limit
-of a block's last token are never visited, nor, with a window, tiles below the window of
-its first token: a windowed step reads O(W) keys per block however long the context. In
-prefill tiles, key tiles that every row of the block sees whole are processed without
-masks, and only the one or two tiles on the diagonal (or holding the sequence end), and
-with a window those at its lower edge, are masked. The window is a compile-time constant
-(one compilation per window size, as a model has one or two): without one, the kernels
-are exactly the unwindowed ones. So is the soft cap (one per model), applied to each key
+of a block's last token are never visited, nor, with a span, tiles below the first key of
+its first token: a windowed or chunked step reads O(W) or O(C) keys per block however long
+the context. In prefill tiles, key tiles that every row of the block sees whole are processed
+without masks, and only the one or two tiles on the diagonal (or holding the sequence end), and
+with a span those at its lower edge, are masked. The span is a compile-time constant
+(one compilation per span, as a model has one or two): without one, the kernels
+are exactly the unspanned ones. So is the soft cap (one per model), applied to each key
 tile's scores in every loop; without one the kernels are exactly the uncapped ones.
 
 Split-KV. When the decode launch of a step without long queries would leave the GPU's
@@ -42,7 +42,7 @@ max, running sum) into a workspace and a second kernel merges them. The workspac
 be allocated once (`allocate_split_kv_workspace`) so the launches can be captured in a
 CUDA graph. The rule and the per-GPU tile constants are explained at `LaunchPlan`.
 
-Every grid depends only on tensor shapes, the device, the window and the host-side hints
+Every grid depends only on tensor shapes, the device, the span and the host-side hints
 (max_query_len, max_seq_len); the hints choose tiles and launches, never the result.
 """
 
@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weir.kernels.reference import check_sinks
+from weir.kernels.reference import AttentionSpan, check_sinks
 from weir.kernels.triton_cache import reshape_and_cache
 
 __all__ = [
@@ -103,6 +103,15 @@ def _find_request(query_start_loc_ptr, q_block, num_requests, BLOCK_Q: tl.conste
 
 
 @triton.jit
+def _first_key(pos, SPAN: tl.constexpr, CHUNKED: tl.constexpr):
+    """AttentionSpan.first_key: the first key a query at ``pos`` sees under a span of SPAN."""
+    if CHUNKED:
+        return pos - pos % SPAN
+    else:
+        return pos - (SPAN - 1)
+
+
+@triton.jit
 def _load(ptrs, mask, MASKED: tl.constexpr):
     if MASKED:
         return tl.load(ptrs, mask=mask, other=0.0)
@@ -145,12 +154,13 @@ def _attend_tiles(
     HEAD_DIM: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr,
+    SPAN: tl.constexpr,
+    CHUNKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Online softmax over key tiles [tile_begin, tile_end). Unless MASKED, every row sees every
-    key of these tiles and they lie inside the sequence: no bounds checks, causal or window masks.
+    key of these tiles and they lie inside the sequence: no bounds checks, causal or span masks.
     Scores are kept in log2 units for exp2; qk_scale takes q.k there (scale * log2(e)), or with a
     SOFTCAP to the tanh's argument (scale / SOFTCAP)."""
     offs_n = tl.arange(0, TILE_N)
@@ -182,8 +192,8 @@ def _attend_tiles(
         if MASKED:
             # Also hides key_pos >= kv_len, since a valid row's last visible key is below kv_len.
             visible = key_pos[None, :] <= last_visible[:, None]
-            if SLIDING_WINDOW:
-                visible &= key_pos[None, :] > last_visible[:, None] - SLIDING_WINDOW
+            if SPAN:
+                visible &= key_pos[None, :] >= _first_key(last_visible, SPAN, CHUNKED)[:, None]
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no visible key yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -234,7 +244,8 @@ def _attend_query_block(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr,
+    SPAN: tl.constexpr,
+    CHUNKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,
@@ -267,29 +278,30 @@ def _attend_query_block(
         q = q.to(cache_ptr.dtype.element_ty)
 
     # Keys this block can see at all: up to the causal limit of its last token, and from the
-    # window's lower edge for its first token; tiles outside are skipped, segments split the rest.
+    # span's lower edge for its first token; tiles outside are skipped, segments split the rest.
     kv_len = tl.minimum(seq_len, context_len + q_first + BLOCK_Q)
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    if SLIDING_WINDOW:
+    if SPAN:
         # Clamped after the division (truncating: a negative edge gives at most 0), not before: the
         # same tile, but ptxas then fits the sm_90 split decode tile in 128 registers, not 142.
-        first_tile = tl.maximum((context_len + q_first - SLIDING_WINDOW + 1) // TILE_N, 0)
+        first_tile = tl.maximum(_first_key(context_len + q_first, SPAN, CHUNKED) // TILE_N, 0)
         tiles_per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
         tile_begin = first_tile + segment * tiles_per_segment
     else:
         tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
         tile_begin = segment * tiles_per_segment
     tile_end = tl.minimum(tile_begin + tiles_per_segment, num_tiles)
-    # Tiles below the first token's causal limit (and, with a window, from the lower edge of the
-    # last token's window) are seen whole by every row; masked tiles remain only at the two edges.
+    # Tiles below the first token's causal limit (and, with a span, from the last token's first
+    # key: no row's is later) are seen whole by every row; masked tiles remain only at the edges.
     if UNMASKED_TILES:
         full_end = tl.maximum(
             tl.minimum((context_len + q_first + 1) // TILE_N, tile_end), tile_begin
         )
-        if SLIDING_WINDOW:
-            # The block's last token, at kv_len - 1, sees keys from kv_len - SLIDING_WINDOW on.
+        if SPAN:
+            # The block's last token is at kv_len - 1.
             full_begin = tl.minimum(
-                tl.maximum(tl.cdiv(kv_len - SLIDING_WINDOW, TILE_N), tile_begin), full_end
+                tl.maximum(tl.cdiv(_first_key(kv_len - 1, SPAN, CHUNKED), TILE_N), tile_begin),
+                full_end,
             )
         else:
             full_begin = tile_begin
@@ -297,8 +309,8 @@ def _attend_query_block(
         full_end = tile_begin
 
     last_visible = context_len + q_pos
-    if SLIDING_WINDOW:
-        # Rows past the request's end are never stored; given its last token's window, they still
+    if SPAN:
+        # Rows past the request's end are never stored; given its last token's span, they still
         # see a key, so that no 0 / 0 (a NaN) is computed even there.
         last_visible = tl.minimum(last_visible, seq_len - 1)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
@@ -309,21 +321,21 @@ def _attend_query_block(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if UNMASKED_TILES:
-        if SLIDING_WINDOW:
+        if SPAN:
             acc, m_i, l_i = _attend_tiles(
                 acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_begin, full_begin, kv_len,
                 last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot, BLOCK_SIZE,
-                BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, True,
+                BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SPAN, CHUNKED, SOFTCAP, True,
             )  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_base, v_base, block_table_row, full_begin, full_end, kv_len,
             last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot, BLOCK_SIZE,
-            BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, False,
+            BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SPAN, CHUNKED, SOFTCAP, False,
         )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_base, v_base, block_table_row, full_end, tile_end, kv_len,
         last_visible, qk_scale, stride_bt_block, stride_c_block, stride_c_slot,
-        BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, True,
+        BLOCK_SIZE, BLOCK_D, HEAD_DIM, TILE_N, DOT_PRECISION, SPAN, CHUNKED, SOFTCAP, True,
     )  # fmt: skip
 
     if NUM_SEGMENTS == 1:
@@ -385,7 +397,8 @@ def _decode_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr,
+    SPAN: tl.constexpr,
+    CHUNKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PARTIALS_BY_REQUEST: tl.constexpr,
@@ -406,7 +419,7 @@ def _decode_attention_kernel(
                 kv_head, segment, qk_scale, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
                 stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, stride_bt_req,
                 stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q, BLOCK_D, HEAD_DIM, TILE_N,
-                NUM_SEGMENTS, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, HAS_SINKS, False,
+                NUM_SEGMENTS, DOT_PRECISION, SPAN, CHUNKED, SOFTCAP, HAS_SINKS, False,
                 PARTIALS_BY_REQUEST,
             )  # fmt: skip
 
@@ -442,7 +455,8 @@ def _prefill_attention_kernel(
     HEAD_DIM: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr,
+    SPAN: tl.constexpr,
+    CHUNKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
@@ -461,7 +475,7 @@ def _prefill_attention_kernel(
             req, q_start, query_len, seq_len, q_block_local, kv_head, 0, qk_scale, num_heads,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_block, stride_c_slot,
             stride_c_head, stride_bt_req, stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q,
-            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SLIDING_WINDOW, SOFTCAP, HAS_SINKS, True,
+            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SPAN, CHUNKED, SOFTCAP, HAS_SINKS, True,
             False,
         )  # fmt: skip
 
@@ -599,8 +613,8 @@ class LaunchPlan:
     sm_80), 2 stages; decode tiles as on Hopper with 2 stages.
 
     Split-KV (by default only in steps without a prefill launch): see split_kv_segments. With a
-    sliding window the segments divide only the tiles a request's window covers, so the rule counts
-    the window (plus the query), not the sequence, as the keys to split.
+    span (a sliding window or a chunk) the segments divide only the tiles a request's span covers,
+    so the rule counts the span (plus the query), not the sequence, as the keys to split.
     """
 
     group: int
@@ -615,7 +629,7 @@ class LaunchPlan:
     short_query_len: int
     prefill: TileShape | None
     prefill_grid: tuple[int, int] | None
-    sliding_window: int | None
+    span: AttentionSpan | None
     softcap: float | None
     has_sinks: bool
 
@@ -636,7 +650,8 @@ class LaunchPlan:
             "HEAD_DIM": self.head_dim,
             "TILE_N": tile.tile_n,
             "DOT_PRECISION": self.dot_precision,
-            "SLIDING_WINDOW": self.sliding_window or 0,
+            "SPAN": 0 if self.span is None else self.span.size,
+            "CHUNKED": self.span is not None and self.span.chunked,
             "SOFTCAP": self.softcap or 0.0,
             "HAS_SINKS": self.has_sinks,
         }
@@ -716,14 +731,12 @@ def plan_launches(
     max_query_len: int,
     max_seq_len: int | None,
     split_kv: bool | int | None,
-    sliding_window: int | None = None,
+    span: AttentionSpan | None = None,
     softcap: float | None = None,
     has_sinks: bool = False,
     fp8_cache: bool = False,
 ) -> LaunchPlan:
     """The launch plan for one batch shape (cached: the same shape recurs every layer and step)."""
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window}: a token must see at least itself")
     if softcap is not None and not 0 < softcap < float("inf"):
         raise ValueError(f"softcap={softcap}: a soft cap must be positive and finite")
     group = num_heads // num_kv_heads
@@ -765,10 +778,10 @@ def plan_launches(
         # to max_num_seqs requests, so a rule by request count would never split it, and whether
         # splitting the decode launch pays there is for `attention.py --sweep-segments` to say.
         # (An explicit split_kv splits it: partials by request, see split_kv_rows.)
-        if sliding_window is not None:
-            # A decode tile visits at most the window of its first token plus its other tokens.
-            window_keys = sliding_window + max_query_len - 1
-            max_seq_len = window_keys if max_seq_len is None else min(max_seq_len, window_keys)
+        if span is not None:
+            # A decode tile visits at most the span of its first token plus its other tokens.
+            span_keys = span.size + max_query_len - 1
+            max_seq_len = span_keys if max_seq_len is None else min(max_seq_len, span_keys)
         segments = (
             split_kv_segments(num_requests, num_kv_heads, num_sms, max_seq_len)
             if prefill is None
@@ -793,7 +806,7 @@ def plan_launches(
         short_query_len=short_query_len,
         prefill=prefill,
         prefill_grid=prefill_grid,
-        sliding_window=sliding_window,
+        span=span,
         softcap=None if softcap is None else float(softcap),
         has_sinks=has_sinks,
     )
@@ -807,7 +820,7 @@ def plan_for(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     split_kv: bool | int | None = None,
-    sliding_window: int | None = None,
+    span: AttentionSpan | None = None,
     softcap: float | None = None,
     has_sinks: bool = False,
 ) -> LaunchPlan:
@@ -829,7 +842,7 @@ def plan_for(
         max_query_len,
         max_seq_len,
         split_kv,
-        sliding_window,
+        span,
         softcap,
         has_sinks,
         kv_cache.element_size() == 1,
@@ -843,7 +856,7 @@ class LayerAttention:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    sliding_window: int | None = None
+    span: AttentionSpan | None = None
     softcap: float | None = None
     has_sinks: bool = False
 
@@ -865,7 +878,7 @@ class LayerAttention:
         return plan_launches(
             num_tokens, num_requests, self.num_heads, self.num_kv_heads, self.head_dim,
             block_size, compute_dtype, capability_major, num_sms, max_query_len, max_seq_len,
-            None, self.sliding_window, self.softcap, self.has_sinks, fp8_cache,
+            None, self.span, self.softcap, self.has_sinks, fp8_cache,
         )  # fmt: skip
 
 
@@ -962,7 +975,7 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     *,
-    sliding_window: int | None = None,
+    span: AttentionSpan | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -978,10 +991,10 @@ def paged_attention(
 
     The cache must already hold the new tokens' K/V (call reshape_and_cache first). Nothing is read
     back to the host. Optional keyword arguments, all host-side (the executor passes the layer's
-    sliding_window and softcap and the max_query_len and max_seq_len hints; out, split_kv, workspace
+    span and softcap and the max_query_len and max_seq_len hints; out, split_kv, workspace
     and concurrent are for benchmarks and tests):
-      sliding_window each token sees only itself and the sliding_window - 1 keys before it (None:
-                    every earlier key), as in the reference.
+      span          each token sees only the keys from span.first_key of its position on, its
+                    sliding window or its chunk (None: every earlier key), as in the reference.
       softcap       each scaled score s becomes softcap * tanh(s / softcap) before the mask and the
                     softmax (None: no cap), as in the reference.
       sinks         [num_heads] logits, one more term of each head's softmax with no value (gpt-oss;
@@ -1029,7 +1042,7 @@ def paged_attention(
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             split_kv=split_kv,
-            sliding_window=sliding_window,
+            span=span,
             softcap=softcap,
             has_sinks=sinks is not None,
         )

@@ -198,11 +198,7 @@ def _scheduler(args: argparse.Namespace) -> int:
         model_config = read_model_config(model_dir, engine_args.hf_overrides)
         # Refused here, not by each rank as it loads (a group that cannot form waits forever).
         ShardLayout.of(model_config, 0, engine_args.tensor_parallel_size)
-        max_model_len = resolve_max_model_len(
-            engine_args.max_model_len,
-            model_config.context_len,
-            model_config.attention_chunk_size,
-        )
+        max_model_len = resolve_max_model_len(engine_args.max_model_len, model_config.context_len)
         executor_address = args.executor_address or tcp_address(args.host, DEFAULT_EXECUTOR_PORT)
         server = SchedulerServer(
             SchedulerServerOptions(

@@ -95,23 +95,15 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
-def resolve_max_model_len(
-    requested: int | None, context_len: int, attention_chunk_size: int | None = None
-) -> int:
+def resolve_max_model_len(requested: int | None, context_len: int) -> int:
     """The longest prompt + output served: ``requested``, or the model's context length
-    (``ModelConfig.context_len``), which it may not exceed (vLLM refuses it too; Llama 4's,
-    one chunk of its chunked attention, ``attention_chunk_size``, is Weir's own bound)."""
+    (``ModelConfig.context_len``), which it may not exceed (vLLM refuses it too)."""
     if requested is not None and requested > context_len:
-        why = (
-            "attention_chunk_size in its config.json): Weir does not implement chunked "
-            "local attention, so it serves one chunk, where that is full causal attention"
-            if context_len == attention_chunk_size
-            else "max_position_embeddings in its config.json, times a linear or yarn "
-            "rope_scaling's factor): it was never trained on later positions"
-        )
         raise ValueError(
             f"max_model_len {requested} is longer than this model's context of {context_len} "
-            f"tokens ({why}; lower --max-model-len or leave it out"
+            "tokens (max_position_embeddings in its config.json, times a linear or yarn "
+            "rope_scaling's factor): it was never trained on later positions; lower "
+            "--max-model-len or leave it out"
         )
     return context_len if requested is None else requested
 

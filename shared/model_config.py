@@ -583,8 +583,7 @@ class ModelConfig:
     # float32 and rounded once after.
     attn_temperature_tuning: bool = False
     # Llama 4's chunked local attention: a token of a rotated layer attends to the earlier
-    # tokens of its own chunk of this many. Weir's kernels do not implement it: the context
-    # is capped at one chunk, where it is full causal attention. None: no chunks.
+    # tokens of its own chunk of this many (positions p - p % size .. p). None: no chunks.
     attention_chunk_size: int | None = None
 
     # Granite's scalars: the embedding's and each residual branch's factor, the attention's
@@ -604,15 +603,13 @@ class ModelConfig:
         factor (Qwen's long-context recipe adds only rope_scaling), whichever is longer (vLLM
         takes the derived one even where shorter). Llama 3's and LongRoPE's lengths are
         already the stretched ones, and so is Gemma 3's, whose linear factor stretches its
-        global layers alone. Llama 4's is one chunk of its chunked attention at most
-        (``attention_chunk_size``)."""
+        global layers alone."""
         stretched = self.max_position_embeddings
         if self.rope.type == "yarn":
             stretched = int(self.rope.original_max_position * self.rope.factor)
         elif self.rope.type == "linear" and self.model_type != "gemma3_text":
             stretched = int(self.max_position_embeddings * self.rope.factor)
-        context = max(stretched, self.max_position_embeddings)
-        return min(context, self.attention_chunk_size or context)
+        return max(stretched, self.max_position_embeddings)
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
@@ -620,6 +617,11 @@ class ModelConfig:
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index``; None where it attends to every token."""
         return self.sliding_window if index in self.sliding_layers else None
+
+    def layer_chunk(self, index: int) -> int | None:
+        """The attention chunk of layer ``index``: Llama 4's on its rotated layers, as
+        transformers' default layer_types chunks them; None where attention is not chunked."""
+        return None if index in self.nope_layers else self.attention_chunk_size
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:

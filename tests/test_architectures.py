@@ -2,7 +2,7 @@
 Qwen3-MoE, gpt-oss: its biased experts, clamped SwiGLU and attention sinks), Phi-3 (q/k/v and gate/up fused in its checkpoint), Granite (its scalars),
 Gemma 2 (its soft caps), Gemma 3 (its norms, GELU, local and global layers) and sliding windows (Mistral's and
 Mixtral's every layer, Qwen2's from max_window_layers on, Gemma 3's local layers), with
-windows far shorter than the sequences. Each is decoded through the engine core, chunked,
+windows far shorter than the sequences, and Llama 4's chunked attention across chunk boundaries. Each is decoded through the engine core, chunked,
 preempted and with drafts, in one process and by a tensor-parallel group of two, as
 transformers decodes it (its loop over experts); and what Weir refuses of them."""
 
@@ -26,7 +26,6 @@ from spread_weights import spread_weights_  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.services.executor.moe import check_moe  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
-from weir.shared.config import resolve_max_model_len  # noqa: E402
 from weir.shared.lora import check_adapter  # noqa: E402
 from weir.shared.model_config import ModelConfig, read_model_config  # noqa: E402
 from weir.shared.rope_config import LONG_ROTATION  # noqa: E402
@@ -420,7 +419,7 @@ CONFIGS = {
     # then q/k normalized without weights; its NoPE layers (1 and 2) scale their queries by
     # position past each 4 tokens; the experts of every other layer (1 and 3) weight their
     # inputs, beside a shared expert; the dense layers' MLP larger than an expert's. One
-    # chunk of its chunked attention covers the whole context.
+    # chunk of its chunked attention covers the whole context here (shorter chunks: below).
     "llama4_text": lambda: transformers.Llama4TextConfig(
         **{**COMMON, "num_hidden_layers": 4},
         head_dim=16,
@@ -1255,13 +1254,48 @@ def test_a_llama4_multimodal_checkpoint_serves_its_language_model(tmp_path):
     assert tp_workload.run(work).outputs == want
 
 
-def test_llama4_serves_one_chunk_of_its_chunked_attention(tmp_path):
-    """Weir's kernels do not chunk attention: Llama 4 is served to one chunk of
-    attention_chunk_size, within which its chunked attention is full causal attention, and a
-    longer --max-model-len is refused naming it (a null chunk: none, and no such bound)."""
+def test_llama4_attends_in_chunks_across_their_boundaries_as_transformers(tmp_path):
+    """Llama 4's rotated layers (0 and 3) attend within chunks of attention_chunk_size, here
+    16, its NoPE layers to the whole context: decoding across several chunk boundaries, the
+    prompts chunked by the step budget (chunks of the prefill starting mid-chunk), preempted,
+    with drafts and by a tensor-parallel group of two, as transformers decodes it (whose
+    tokens the chunk size changes: its mask is applied); and a prompt whose first 24 tokens,
+    past a boundary, the prefix cache holds."""
+    hf = save_model("llama4_text", tmp_path, attention_chunk_size=16)
+    assert [read_model_config(tmp_path).layer_chunk(i) for i in range(4)] == [16, None, None, 16]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (40, 23, 57, 9, 33)]
+    want = reference("llama4_text", hf, prompts, 12)
+    hf.config.attention_chunk_size = 256
+    assert reference("llama4_text", hf, prompts, 12) != want
+    want = {f"r{i}": tokens for i, tokens in enumerate(want)}
+    work = tp_workload.Workload(
+        str(tmp_path), prompts, max_tokens=12, num_blocks=30, num_speculative_tokens=2
+    )
+    one = tp_workload.run(work)
+    assert one.chunked and one.preempted and one.draft_tokens > 0
+    assert one.outputs == want
+    for report in tp_workload.run_group(work, world_size=2):
+        assert report.outputs == want
+
+    hf.config.attention_chunk_size = 16
+    base = prompts[2][:24]  # six blocks of 4, across the boundary at 16
+    cached = [base + [7, 8, 9], base + [30, 31, 32, 33, 34]]
+    work = tp_workload.Workload(
+        str(tmp_path), cached, max_tokens=12, num_blocks=40, one_at_a_time=True
+    )
+    report = tp_workload.run(work)
+    assert report.prefix_cache_hits == len(base)
+    want = reference("llama4_text", hf, cached, 12)
+    assert report.outputs == {f"r{i}": tokens for i, tokens in enumerate(want)}
+
+
+def test_llama4_is_served_past_a_chunk_to_its_whole_context(tmp_path):
+    """Chunked attention bounds no context: a Llama 4 is served to max_position_embeddings
+    whatever its attention_chunk_size, and a longer --max-model-len is refused naming that."""
     save_model("llama4_text", tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
-    assert ModelConfig.from_hf({**hf, "attention_chunk_size": 128}).context_len == 128
+    assert ModelConfig.from_hf({**hf, "attention_chunk_size": 128}).context_len == 256
     assert ModelConfig.from_hf({**hf, "attention_chunk_size": None}).context_len == 256
     runner = functools.partial(
         ModelRunner,
@@ -1271,11 +1305,9 @@ def test_llama4_serves_one_chunk_of_its_chunked_attention(tmp_path):
         kv_cache_memory_bytes=1 << 20,
         hf_overrides=json.dumps({"attention_chunk_size": 128}),
     )
-    assert runner(max_model_len=128).max_model_len == 128
-    with pytest.raises(ValueError, match="context of 128 tokens .*chunked local attention"):
-        runner(max_model_len=129)
+    assert runner(max_model_len=256).max_model_len == 256
     with pytest.raises(ValueError, match="context of 256 tokens .*max_position_embeddings"):
-        resolve_max_model_len(257, 256, None)
+        runner(max_model_len=257)
 
 
 def test_llama4_config_reads_meta_s_files_as_transformers_does():

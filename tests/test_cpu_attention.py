@@ -4,8 +4,10 @@ One step mixes decodes of very different lengths (so they split into several buc
 speculative decodes with two draft counts, a prefill chunk over earlier context and a fresh
 prefill, under GQA, with shuffled physical blocks, a strided block table whose unused
 entries are -1, padding tokens (slot -1), and poisoned cache slots no request owns. Both
-paths also run it under sliding windows from one key to more than any sequence, with
-Gemma 2's soft cap of the scores, and with gpt-oss' attention sinks.
+paths also run it under sliding windows from one key to more than any sequence, under Llama
+4's attention chunks (boundaries inside a step's queries, prefill chunks starting mid-chunk,
+decodes of a chunk's first token), with Gemma 2's soft cap of the scores, and with gpt-oss'
+attention sinks.
 """
 
 from types import SimpleNamespace
@@ -15,16 +17,32 @@ import torch
 from native_builds import BUILDS, NATIVE, build
 
 from weir.kernels import cpu_attention, reference
+from weir.kernels.reference import AttentionSpan
 
 BLOCK_SIZE = 4
 POISON = 1e4
 # Sliding windows: the token itself only, less than a block, binding on some requests of the
-# mixed batches and not others, and longer than every sequence (the same as no window).
-WINDOWS = [1, 3, 37, 160, 400]
+# mixed batches and not others, and longer than every sequence (the same as no window). Chunks:
+# the token itself only, boundaries inside the prefill chunks and speculative queries of the
+# mixed batches (a chunk of 10: (11, 25) starts mid-chunk and crosses three boundaries, (20, 3)
+# decodes the first token of its chunk and (5, 3) straddles one; of 37: (33, 4) straddles one),
+# and a chunk no sequence reaches (the same as none).
+SPANS = [
+    *(AttentionSpan(window) for window in (1, 3, 37, 160, 400)),
+    *(AttentionSpan(chunk, chunked=True) for chunk in (1, 10, 37, 400)),
+]
+
+# Windows and a chunk, each binding on some requests.
+SOME_SPANS = [None, AttentionSpan(3), AttentionSpan(37), AttentionSpan(10, chunked=True)]
 # Soft caps: one that flattens most scores of queries scaled up by QUERY_BOOST, one that
 # bends only their largest.
 SOFTCAPS = [5.0, 50.0]
 QUERY_BOOST = 8
+
+
+def span_id(span: AttentionSpan | None) -> str:
+    """A test id naming the span: "window37", "chunk10"."""
+    return "none" if span is None else f"{'chunk' if span.chunked else 'window'}{span.size}"
 
 
 def mixed_step(
@@ -78,7 +96,7 @@ def attention_metadata(step: dict) -> tuple[torch.Tensor, ...]:
 def reference_step(
     step: dict,
     scale: float,
-    sliding_window: int | None = None,
+    span: AttentionSpan | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,32 +108,32 @@ def reference_step(
         cache,
         *attention_metadata(step),
         scale,
-        sliding_window=sliding_window,
+        span=span,
         softcap=softcap,
         sinks=sinks,
     )
     return cache, out
 
 
-def sinks_for(step: dict, scale: float, sliding_window: int | None) -> torch.Tensor:
+def sinks_for(step: dict, scale: float, span: AttentionSpan | None) -> torch.Tensor:
     """One sink logit per query head, from far below the scores (no effect) to far above
     them (outputs near 0), the reference's output checked to change with them."""
     num_heads = step["query"].shape[1]
     sinks = torch.linspace(-30.0, 6.0, num_heads)
     num_real = int(step["query_start_loc"][-1])
-    _, with_sinks = reference_step(step, scale, sliding_window, sinks=sinks)
-    _, without = reference_step(step, scale, sliding_window)
+    _, with_sinks = reference_step(step, scale, span, sinks=sinks)
+    _, without = reference_step(step, scale, span)
     assert (with_sinks[:num_real] - without[:num_real]).abs().max() > 0.05
     return sinks
 
 
-def softcapped_step(step: dict, scale: float, sliding_window: int | None, softcap: float):
+def softcapped_step(step: dict, scale: float, span: AttentionSpan | None, softcap: float):
     """Boost the step's queries so the cap saturates; the cache and reference output as
     `reference_step`'s, after checking that the cap changes the reference's output."""
     step["query"] = step["query"] * QUERY_BOOST
     num_real = int(step["query_start_loc"][-1])
-    cache, want = reference_step(step, scale, sliding_window, softcap)
-    _, uncapped = reference_step(step, scale, sliding_window)
+    cache, want = reference_step(step, scale, span, softcap)
+    _, uncapped = reference_step(step, scale, span)
     assert (want[:num_real] - uncapped[:num_real]).abs().max() > 0.05
     return cache, want
 
@@ -137,7 +155,7 @@ BATCHED_HEADS = (6, 2, 16)  # query heads, KV heads, head_dim
 
 
 def batched_plan(
-    step: dict, sliding_window: int | None = None, heads: tuple[int, int, int] = BATCHED_HEADS
+    step: dict, span: AttentionSpan | None = None, heads: tuple[int, int, int] = BATCHED_HEADS
 ) -> cpu_attention.StepPlan:
     num_heads, num_kv_heads, _ = heads
     return cpu_attention.plan_step(
@@ -148,7 +166,7 @@ def batched_plan(
         BLOCK_SIZE,
         num_heads,
         num_kv_heads,
-        sliding_window=sliding_window,
+        span=span,
     )
 
 
@@ -169,55 +187,55 @@ def test_batched_cpu_attention_equals_reference(dtype, tol):
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("sliding_window", WINDOWS)
+@pytest.mark.parametrize("span", SPANS, ids=span_id)
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_batched_cpu_attention_with_sliding_window_equals_reference(dtype, tol, sliding_window):
-    """A windowed plan gathers each request's keys from its first query's window on (so a
-    short query's bucket pads to at most W + Q - 1 keys) and masks below each later query's;
-    a window no sequence reaches plans, and computes, exactly what no window does."""
+def test_batched_cpu_attention_with_span_equals_reference(dtype, tol, span):
+    """A spanned plan gathers each request's keys from its first query's first key on (so a
+    short query's bucket pads to at most W + Q - 1 keys, or C + Q - 1) and masks below each
+    later query's; a span no sequence reaches plans, and computes, exactly what none does."""
     step = mixed_step(BATCHED, *BATCHED_HEADS, dtype)
     scale = BATCHED_HEADS[2] ** -0.5
     num_real = int(step["query_start_loc"][-1])
-    cache, want = reference_step(step, scale, sliding_window)
+    cache, want = reference_step(step, scale, span)
 
-    plan = batched_plan(step, sliding_window)
+    plan = batched_plan(step, span)
     for bucket in plan.short:
-        assert bucket.seq_len <= sliding_window + bucket.query_len - 1
+        assert bucket.seq_len <= span.size + bucket.query_len - 1
     got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
-    if sliding_window > int(step["seq_lens"].max()):
+    if span.size > int(step["seq_lens"].max()):
         unwindowed = cpu_attention.paged_attention(step["query"], cache, batched_plan(step), scale)
         assert torch.equal(got[:num_real], unwindowed[:num_real])
 
 
 @pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("sliding_window", [None, 3, 37])
+@pytest.mark.parametrize("span", SOME_SPANS, ids=span_id)
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_batched_cpu_attention_with_softcap_equals_reference(dtype, tol, sliding_window, softcap):
+def test_batched_cpu_attention_with_softcap_equals_reference(dtype, tol, span, softcap):
     """Capped before the mask in the buckets, and in the long queries' explicit attention
     that stands in for SDPA (which cannot cap)."""
     step = mixed_step(BATCHED, *BATCHED_HEADS, dtype)
     scale = BATCHED_HEADS[2] ** -0.5
     num_real = int(step["query_start_loc"][-1])
-    cache, want = softcapped_step(step, scale, sliding_window, softcap)
+    cache, want = softcapped_step(step, scale, span, softcap)
 
-    plan = batched_plan(step, sliding_window)
+    plan = batched_plan(step, span)
     got = cpu_attention.paged_attention(step["query"], cache, plan, scale, softcap)
     assert got.dtype == dtype
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("sliding_window", [None, 3, 37])
+@pytest.mark.parametrize("span", SOME_SPANS, ids=span_id)
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_batched_cpu_attention_with_sinks_equals_reference(dtype, tol, sliding_window):
+def test_batched_cpu_attention_with_sinks_equals_reference(dtype, tol, span):
     """The sinks join the buckets' softmax, each folded row its own head's, and the long
     queries' explicit attention that stands in for SDPA (which has no sinks)."""
     step = mixed_step(BATCHED, *BATCHED_HEADS, dtype)
     scale = BATCHED_HEADS[2] ** -0.5
     num_real = int(step["query_start_loc"][-1])
-    sinks = sinks_for(step, scale, sliding_window)
-    cache, want = reference_step(step, scale, sliding_window, sinks=sinks)
-    plan = batched_plan(step, sliding_window)
+    sinks = sinks_for(step, scale, span)
+    cache, want = reference_step(step, scale, span, sinks=sinks)
+    plan = batched_plan(step, span)
     got = cpu_attention.paged_attention(step["query"], cache, plan, scale, sinks=sinks)
     assert got.dtype == dtype
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
@@ -254,59 +272,57 @@ MIXED = [(300, 1), (0, 1), (150, 1), (20, 3), (33, 4), (11, 25), (0, 17), (40, 7
     [MIXED, [(300, 1)], [(70, 2)]],
     ids=["mixed", "one-decode", "one-speculative"],
 )
-@pytest.mark.parametrize("sliding_window", [None, *WINDOWS])
+@pytest.mark.parametrize("span", [None, *SPANS], ids=span_id)
 @pytest.mark.parametrize("kernels", BUILDS)
 def test_native_cpu_attention_equals_reference(
-    num_heads, num_kv_heads, head_dim, requests, sliding_window, kernels
+    num_heads, num_kv_heads, head_dim, requests, span, kernels
 ):
     """Every query length and tile split (prefill chunks longer than one work item, a head
     size that is not a multiple of 8), against the reference, with the cache written by the
     native kernel from strided views of one fused projection. On two threads the mixed batch
     (two or more requests per thread) gives each decode one work item over all its KV heads;
-    a lone decode is split per KV head. Under a window the key tiles start mid-block and rows
-    skip keys inside a tile; a window no sequence reaches computes exactly what none does."""
+    a lone decode is split per KV head. Under a span the key tiles start mid-block and rows
+    skip keys inside a tile; a span no sequence reaches computes exactly what none does."""
     step = mixed_step(requests, num_heads, num_kv_heads, head_dim, torch.float32)
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
 
-    want_cache, want = reference_step(step, scale, sliding_window)
+    want_cache, want = reference_step(step, scale, span)
     cache = step["kv_cache"].clone()
     NATIVE.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     assert torch.equal(cache, want_cache)
-    got = native_on_two_threads(step, cache, scale, kernels, sliding_window=sliding_window)
+    got = native_on_two_threads(step, cache, scale, kernels, span=span)
     unwindowed = native_on_two_threads(step, cache, scale, kernels)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
-    if sliding_window is not None and sliding_window > int(step["seq_lens"].max()):
+    if span is not None and span.size > int(step["seq_lens"].max()):
         assert torch.equal(got[:num_real], unwindowed[:num_real])
 
 
 @needs_native
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (9, 3, 64)])
 @pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("sliding_window", [None, 3, 37])
+@pytest.mark.parametrize("span", SOME_SPANS, ids=span_id)
 @pytest.mark.parametrize("kernels", BUILDS)
 def test_native_cpu_attention_with_softcap_equals_reference(
-    num_heads, num_kv_heads, head_dim, sliding_window, softcap, kernels
+    num_heads, num_kv_heads, head_dim, span, softcap, kernels
 ):
     """The cap on every tile's scores, wide and transposed, in the causal loop and the
     windowed rows'."""
     step = mixed_step(MIXED, num_heads, num_kv_heads, head_dim, torch.float32)
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
-    cache, want = softcapped_step(step, scale, sliding_window, softcap)
-    got = native_on_two_threads(
-        step, cache, scale, kernels, sliding_window=sliding_window, softcap=softcap
-    )
+    cache, want = softcapped_step(step, scale, span, softcap)
+    got = native_on_two_threads(step, cache, scale, kernels, span=span, softcap=softcap)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
 
 
 @needs_native
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (8, 1, 20)])
 @pytest.mark.parametrize("requests", [MIXED, [(300, 1)]], ids=["mixed", "one-decode"])
-@pytest.mark.parametrize("sliding_window", [None, 3, 37])
+@pytest.mark.parametrize("span", SOME_SPANS, ids=span_id)
 @pytest.mark.parametrize("kernels", BUILDS)
 def test_native_cpu_attention_with_sinks_equals_reference(
-    num_heads, num_kv_heads, head_dim, requests, sliding_window, kernels
+    num_heads, num_kv_heads, head_dim, requests, span, kernels
 ):
     """Each row's sink joins its sum once, after the tiles, in items of one KV head and of
     all of them (merged decodes), with and without a window; the sinks sent as bfloat16,
@@ -314,11 +330,9 @@ def test_native_cpu_attention_with_sinks_equals_reference(
     step = mixed_step(requests, num_heads, num_kv_heads, head_dim, torch.float32)
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
-    sinks = sinks_for(step, scale, sliding_window).bfloat16()
-    cache, want = reference_step(step, scale, sliding_window, sinks=sinks)
-    got = native_on_two_threads(
-        step, cache, scale, kernels, sliding_window=sliding_window, sinks=sinks
-    )
+    sinks = sinks_for(step, scale, span).bfloat16()
+    cache, want = reference_step(step, scale, span, sinks=sinks)
+    got = native_on_two_threads(step, cache, scale, kernels, span=span, sinks=sinks)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
 
 
@@ -337,13 +351,13 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 @pytest.mark.parametrize("cache_dtype", [*FP8, torch.bfloat16], ids=["e4m3", "e5m2", "bf16"])
-@pytest.mark.parametrize("sliding_window", [None, 37])
+@pytest.mark.parametrize(
+    "span", [None, AttentionSpan(37), AttentionSpan(10, chunked=True)], ids=span_id
+)
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), [BATCHED_HEADS, (9, 3, 64)], ids=["gqa3", "gqa3-64"]
 )
-def test_narrow_cache_equals_reference(
-    num_heads, num_kv_heads, head_dim, sliding_window, cache_dtype
-):
+def test_narrow_cache_equals_reference(num_heads, num_kv_heads, head_dim, span, cache_dtype):
     """--kv-cache-dtype fp8, and the bfloat16 cache of bfloat16 weights over a float32 model:
     the batched path and the native kernels write the step's K/V converted as PyTorch
     converts them (fp8 saturating: the poison is past e4m3's 448) and attend over the cache's
@@ -354,21 +368,19 @@ def test_narrow_cache_equals_reference(
     step["key"][5] *= 1e5  # past both formats' largest value: held as it, not as inf
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
-    want_cache, want = reference_step(step, scale, sliding_window)
+    want_cache, want = reference_step(step, scale, span)
     assert want_cache.float().isfinite().all()
     limit = torch.finfo(cache_dtype).max
     rounded = {
         k: step[k].float().clamp(-limit, limit).to(cache_dtype).float()
         for k in ("kv_cache", "key", "value")
     }
-    _, over_floats = reference_step({**step, **rounded}, scale, sliding_window)
+    _, over_floats = reference_step({**step, **rounded}, scale, span)
     torch.testing.assert_close(want[:num_real], over_floats[:num_real], atol=1e-6, rtol=1e-6)
-    _, unrounded = reference_step(
-        {**step, "kv_cache": step["kv_cache"].float()}, scale, sliding_window
-    )
+    _, unrounded = reference_step({**step, "kv_cache": step["kv_cache"].float()}, scale, span)
     assert (want[:num_real] - unrounded[:num_real]).abs().max() > 1e-3
 
-    plan = batched_plan(step, sliding_window, (num_heads, num_kv_heads, head_dim))
+    plan = batched_plan(step, span, (num_heads, num_kv_heads, head_dim))
     cache = step["kv_cache"].clone()
     cpu_attention.reshape_and_cache(step["key"], step["value"], cache, plan)
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
@@ -379,7 +391,7 @@ def test_narrow_cache_equals_reference(
     cache = step["kv_cache"].clone()
     NATIVE.reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
-    got = native_on_two_threads(step, cache, scale, sliding_window=sliding_window)
+    got = native_on_two_threads(step, cache, scale, span=span)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
 
 
@@ -405,15 +417,17 @@ def test_native_kernel_reads_every_cached_code_as_pytorch_does(cache_dtype, code
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
     seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
     table = torch.arange(num_tokens, dtype=torch.int32).view(1, -1)
-    got = NATIVE.paged_attention(query, cache, qsl, seq_lens, table, 1.0, sliding_window=1)
+    got = NATIVE.paged_attention(query, cache, qsl, seq_lens, table, 1.0, span=AttentionSpan(1))
     want = cache[1].float().view(num_tokens, 1, head_dim)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 @needs_native
-@pytest.mark.parametrize("sliding_window", [3, 37])
-def test_native_sliding_window_ignores_hidden_keys_whatever_their_scores(sliding_window):
-    """Scores spread over hundreds: a key below a row's window but inside its tile (seen by
+@pytest.mark.parametrize(
+    "span", [AttentionSpan(3), AttentionSpan(37), AttentionSpan(16, chunked=True)], ids=span_id
+)
+def test_native_span_ignores_hidden_keys_whatever_their_scores(span):
+    """Scores spread over hundreds: a key below a row's first but inside its tile (seen by
     the item's earlier tokens) that took any part in the row's softmax, its running max
     included, would swamp or underflow the keys the row does see."""
     num_heads, num_kv_heads, head_dim = 4, 2, 16
@@ -422,23 +436,17 @@ def test_native_sliding_window_ignores_hidden_keys_whatever_their_scores(sliding
     step["key"] *= 40
     scale = head_dim**-0.5
     num_real = int(step["query_start_loc"][-1])
-    cache, want = reference_step(step, scale, sliding_window)
-    got = NATIVE.paged_attention(
-        step["query"], cache, *attention_metadata(step), scale, sliding_window=sliding_window
-    )
+    cache, want = reference_step(step, scale, span)
+    got = NATIVE.paged_attention(step["query"], cache, *attention_metadata(step), scale, span=span)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-4, rtol=1e-4)
 
 
-def test_a_window_of_no_keys_is_refused():
-    """A window below one key would hide a token from itself (the native kernel would read
-    0 as no window at all)."""
-    step = mixed_step([(30, 1), (0, 5)], *BATCHED_HEADS, torch.float32)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_span_of_no_keys_is_refused(chunked):
+    """A span below one key would hide a token from itself (the native kernel would read 0
+    as no span at all)."""
     with pytest.raises(ValueError, match="hides every key"):
-        batched_plan(step, 0)
-    if NATIVE is not None:
-        args = (step["query"], step["kv_cache"], *attention_metadata(step), 0.25)
-        with pytest.raises(ValueError, match="hides every key"):
-            NATIVE.paged_attention(*args, sliding_window=0)
+        AttentionSpan(0, chunked=chunked)
 
 
 @pytest.mark.parametrize("softcap", [0.0, -5.0])
@@ -456,13 +464,13 @@ def test_a_soft_cap_that_is_not_positive_is_refused(softcap):
 
 
 def request_kv(
-    step: dict, cache: torch.Tensor, seq_len: int, group: int
+    step: dict, cache: torch.Tensor, seq_len: int, group: int, request: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first request's K and V read from the cache through its block table, [Hkv * group,
-    S, D] with every KV head repeated for the query heads of its group (as `repeat_kv`)."""
+    """A request's K and V read from the cache through its block table, [Hkv * group, S, D]
+    with every KV head repeated for the query heads of its group (as `repeat_kv`)."""
     num_kv_heads, head_dim = cache.shape[3], cache.shape[4]
     pos = torch.arange(seq_len)
-    slots = step["block_table"][0, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    slots = step["block_table"][request, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
     k, v = (cache[i].view(-1, num_kv_heads, head_dim)[slots] for i in (0, 1))
     return tuple(t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
 
@@ -475,7 +483,7 @@ def test_reference_sliding_window_is_transformers_mask():
     window, context, query_len, num_heads, num_kv_heads, head_dim = 5, 9, 7, 4, 2, 8
     step = mixed_step([(context, query_len)], num_heads, num_kv_heads, head_dim, torch.float32)
     scale = head_dim**-0.5
-    cache, got = reference_step(step, scale, window)
+    cache, got = reference_step(step, scale, AttentionSpan(window))
 
     seq_len = context + query_len
     pos = torch.arange(seq_len)
@@ -491,6 +499,41 @@ def test_reference_sliding_window_is_transformers_mask():
     scores = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
     want = (scores.softmax(-1) @ v).transpose(0, 1)
     torch.testing.assert_close(got[:query_len], want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_reference_chunk_is_the_definition(chunk):
+    """The reference's chunks against a dense softmax masked by their definition, query at
+    position p seeing key j iff j <= p and j // C == p // C (transformers' `chunked_overlay`
+    and `causal_mask_function` agree on it), under GQA: prefill chunks starting mid-chunk and
+    crossing boundaries, a decode of a chunk's first token (at 28, a multiple of 4 and 7), a
+    speculative query straddling a boundary, and a fresh prompt."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    requests = [(9, 7), (28, 1), (5, 4), (0, 17), (13, 30)]
+    num_heads, num_kv_heads, head_dim = 6, 2, 8
+    step = mixed_step(requests, num_heads, num_kv_heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    cache, got = reference_step(step, scale, AttentionSpan(chunk, chunked=True))
+    attend = masking_utils.and_masks(
+        masking_utils.chunked_overlay(chunk, torch.tensor([0])), masking_utils.causal_mask_function
+    )
+    zero = torch.tensor(0)
+    start = 0
+    for r, (context, query_len) in enumerate(requests):
+        seq_len = context + query_len
+        k, v = request_kv(step, cache, seq_len, num_heads // num_kv_heads, request=r)
+        q_pos = context + torch.arange(query_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        mask = (k_pos <= q_pos) & (k_pos // chunk == q_pos // chunk)
+        assert torch.equal(mask, attend(zero, zero, q_pos, k_pos))
+        q = step["query"][start : start + query_len].transpose(0, 1)  # [H, Q, D]
+        scores = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+        want = (scores.softmax(-1) @ v).transpose(0, 1)
+        torch.testing.assert_close(got[start : start + query_len], want, atol=1e-6, rtol=1e-6)
+        start += query_len
+    # The chunk binds: without it, some query attends differently.
+    _, unchunked = reference_step(step, scale)
+    assert (got[:start] - unchunked[:start]).abs().max() > 0.05
 
 
 def test_reference_softcap_is_gemma2_eager_attention():

@@ -109,7 +109,13 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         assert ours.moe_intermediate_size == ours.shared_expert_intermediate_size == 96
         assert ours.intermediate_size == theirs.intermediate_size_mlp
         assert ours.nope_layers == tuple(i for i, r in enumerate(theirs.no_rope_layers) if not r)
-        assert ours.context_len == theirs.attention_chunk_size
+        # Chunks bound the attention of the layers transformers chunks, not the context.
+        assert ours.context_len == theirs.max_position_embeddings
+        chunked = [t == "chunked_attention" for t in theirs.layer_types]
+        assert [ours.layer_chunk(i) is not None for i in range(ours.num_layers)] == chunked
+        assert {ours.layer_chunk(i) for i in range(ours.num_layers)} - {None} == {
+            theirs.attention_chunk_size
+        }
     elif model_type == "hunyuan_v1_moe":  # every layer's experts and shared MLP
         assert (ours.num_experts, ours.num_experts_per_tok) == (1, theirs.moe_topk) == (1, 1)
         assert ours.moe_layers == (0, 1)

@@ -414,17 +414,26 @@ static inline float softmax_tile(float *sr, int64_t n, float *row_max, float *ro
     return correction;
 }
 
+/* The first key a query token at `pos` sees (weir.kernels.reference.AttentionSpan.first_key):
+   with span > 0 its sliding window's, pos - span + 1 (negative: none hidden yet), or with
+   `chunked` its chunk's; 0 without a span. It never decreases along a request's tokens, so an
+   item's first token bounds the keys the item reads, and its last those every row sees. */
+static inline int64_t first_visible(int64_t pos, int64_t span, int64_t chunked) {
+    if (span <= 0) return 0;
+    return chunked ? pos - pos % span : pos - span + 1;
+}
+
 /* One row's online-softmax step over the keys [from, n) of this tile, the first `from` hidden
-   from it by a sliding window. Its scores from `from` rounded down to VL up to `from` become
+   from it by its span. Its scores from `from` rounded down to VL up to `from` become
    -inf, so softmax_tile reads whole vectors of this row only; their probabilities (expv's
    floor, ~1e-38) vanish in the row's sum, which holds its max's own 1, and the values' sum
    starts at `from`. Not inlined: a second inlined copy of the softmax and the values' sum
    cost attend_item's causal loop registers (1% more instructions on the prefill of
    benchmarks/cpu_attention.py, by callgrind). */
-static __attribute__((noinline)) void attend_window_row(float *sr, int64_t from, int64_t n,
-                                                        float *row_max, float *row_sum, float *p,
-                                                        float *a, const float *const *vrow,
-                                                        int64_t head_dim) {
+static __attribute__((noinline)) void attend_span_row(float *sr, int64_t from, int64_t n,
+                                                      float *row_max, float *row_sum, float *p,
+                                                      float *a, const float *const *vrow,
+                                                      int64_t head_dim) {
     const int64_t c0 = from & ~(int64_t)(VL - 1);
     for (int64_t j = c0; j < from; j++) sr[j] = -INFINITY;
     const float correction = softmax_tile(sr + c0, n - c0, row_max, row_sum, p);
@@ -447,9 +456,9 @@ static __attribute__((noinline)) void softcap_tile(float *s, int64_t rows, int64
 
 /* One work item: `num_tokens` consecutive query tokens of one request, times the `group`
    query heads of each of its KV heads, against that request's keys 0 .. context + token
-   (with a sliding window > 0, context + token - window + 1 .. context + token: the tiles
-   start at the item's first token's first visible key, and each row skips the keys of a
-   tile below its own window; with a softcap > 0, each tile's scores are capped first; with
+   (with a span > 0, first_visible(context + token) .. context + token: the tiles start at
+   the item's first token's first visible key, and each row skips the keys of a tile below
+   its own first one; with a softcap > 0, each tile's scores are capped first; with
    sinks, each query head's sink logit joins its softmax's denominator at the end),
    with an online softmax over tiles of keys read in place from the paged cache: WIDE_TILE
    keys for few rows per KV head (the per-tile softmax bookkeeping is then paid once per 128
@@ -463,8 +472,8 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                         const int32_t *query_start_loc, const int32_t *seq_lens,
                         const int32_t *block_table, int64_t block_table_stride,
                         int64_t block_size, int64_t num_kv_heads,
-                        int64_t group, int64_t head_dim, float scale, int64_t window,
-                        float softcap, const float *sinks, float *scratch) {
+                        int64_t group, int64_t head_dim, float scale, int64_t span,
+                        int64_t chunked, float softcap, const float *sinks, float *scratch) {
     const int64_t head_rows = (int64_t)w->num_tokens * group, heads = w->num_kv_heads;
     const int64_t rows = head_rows * heads;
     const int64_t tile = head_rows >= TRANSPOSE_ROWS ? KEY_TILE
@@ -474,11 +483,10 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
     const int64_t context = seq_lens[w->req] - q_len;
     const int64_t token0 = query_start_loc[w->req] + w->first_token;
     const int64_t last_key = context + w->first_token + w->num_tokens - 1;
-    /* Keys each token sees (itself included); without a window, more than any token of the
-       item has, so the window's bounds below never bind. */
-    const int64_t reach = window > 0 ? window : last_key + 1;
-    const int64_t first_key =
-        context + w->first_token - reach + 1 > 0 ? context + w->first_token - reach + 1 : 0;
+    const int64_t pos0 = context + w->first_token, first0 = first_visible(pos0, span, chunked);
+    const int64_t first_key = first0 > 0 ? first0 : 0;
+    /* The item's last row's first key: no row's is later. */
+    const int64_t last_first = first_visible(last_key, span, chunked);
     const int32_t *table = block_table + (int64_t)w->req * block_table_stride;
     const int64_t slot_size = num_kv_heads * head_dim, head_offset = w->kv_head * head_dim;
     const int64_t item_floats = heads * head_dim;
@@ -540,11 +548,10 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
             const int64_t r0 = h * head_rows;
             score_tile(qs + r0 * head_dim, head_rows, krow, tile, head_dim, kt, s);
             if (softcap > 0.0f) softcap_tile(s, head_rows, tile, nk, softcap);
-            /* Row r's token, at position pos0 + r / group, sees keys pos - reach + 1 .. pos:
-               this tile's [from, n). Where even the tile's last row sees back to j0 (always
-               without a window), no row has hidden keys here: the plain causal loop. */
-            const int64_t pos0 = context + w->first_token;
-            if (pos0 + (head_rows - 1) / group - reach + 1 <= j0) {
+            /* Row r's token, at position pos0 + r / group, sees keys first_visible(pos) .. pos:
+               this tile's [from, n). Where even the item's last row sees back to j0 (always
+               without a span), no row has hidden keys here: the plain causal loop. */
+            if (last_first <= j0) {
                 for (int64_t r = 0; r < head_rows; r++) {
                     const int64_t visible = pos0 + r / group - j0 + 1;
                     const int64_t n = visible < nk ? visible : nk;
@@ -558,10 +565,11 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
                 for (int64_t r = 0; r < head_rows; r++) {
                     const int64_t pos = pos0 + r / group;
                     const int64_t n = pos - j0 + 1 < nk ? pos - j0 + 1 : nk;
-                    const int64_t from = pos - reach + 1 - j0 > 0 ? pos - reach + 1 - j0 : 0;
+                    const int64_t first = first_visible(pos, span, chunked) - j0;
+                    const int64_t from = first > 0 ? first : 0;
                     if (n <= from) continue;
-                    attend_window_row(s + r * tile, from, n, row_max + r0 + r, row_sum + r0 + r,
-                                      p, acc + (r0 + r) * head_dim, vrow, head_dim);
+                    attend_span_row(s + r * tile, from, n, row_max + r0 + r, row_sum + r0 + r,
+                                    p, acc + (r0 + r) * head_dim, vrow, head_dim);
                 }
             }
         }
@@ -582,10 +590,12 @@ static void attend_item(const WorkItem *w, const float *q, int64_t q_stride, flo
    out likewise; the cache is [num_blocks * block_size, num_kv_heads, head_dim] per K and V.
    Request r owns query rows query_start_loc[r] .. query_start_loc[r + 1] and has
    seq_lens[r] keys, the last of them its own queries' (causal within the chunk). With
-   window > 0 (a sliding-window layer), each query token sees only the last `window` of
-   those keys up to its own (itself included); window 0 is plain causal attention. With
-   softcap > 0 (Gemma 2's attn_logit_softcapping), each scaled score s becomes
-   softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they are.
+   span > 0, each query token sees only those from first_visible(its position) on: the last
+   `span` up to its own (itself included, a sliding-window layer) or with `chunked` those of
+   its own chunk of `span` positions (Llama 4's chunked local attention); span 0 is plain
+   causal attention. With softcap > 0 (Gemma 2's attn_logit_softcapping), each scaled score s
+   becomes softcap * tanh(s / softcap) before the softmax; softcap 0 leaves the scores as they
+   are.
    With sinks (gpt-oss' attention sinks: num_heads logits, NULL for none), query head h's
    softmax has one more term, exp(sinks[h]), in its denominator and no value for it.
    With cache_format 1 (e4m3) or 2 (e5m2), the caches hold one byte a channel (fp8_values: the
@@ -600,8 +610,9 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                          const int32_t *seq_lens, int64_t num_reqs, const int32_t *block_table,
                          int64_t block_table_stride, int64_t block_table_width,
                          int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, float scale, int64_t window, float softcap,
-                         const float *sinks, int64_t cache_format, const float *fp8_values) {
+                         int64_t head_dim, float scale, int64_t span, int64_t chunked,
+                         float softcap, const float *sinks, int64_t cache_format,
+                         const float *fp8_values) {
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t start = query_start_loc[r], end = query_start_loc[r + 1];
         const int64_t blocks = (seq_lens[r] + block_size - 1) / block_size;
@@ -670,7 +681,7 @@ int weir_paged_attention(const float *q, int64_t q_stride, float *out, int64_t o
                 attend_item(&items[i], q, q_stride, out, out_stride, key_cache, value_cache,
                             cache_format, fp8_values, query_start_loc, seq_lens, block_table,
                             block_table_stride, block_size, num_kv_heads, group, head_dim,
-                            scale, window, softcap, sinks, scratch);
+                            scale, span, chunked, softcap, sinks, scratch);
         free(scratch);
     }
     free(items);

@@ -2,8 +2,8 @@
 
 Every backend implements the semantics of `weir.kernels.reference` (paged KV layout
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, flat token batch, causal rule
-relative to each request's context length, a layer's sliding window, soft cap and attention
-sinks if it has them). "native" runs `weir.kernels.cpu_native`
+relative to each request's context length, a layer's span (a sliding window or Llama 4's
+attention chunk), soft cap and attention sinks if it has them). "native" runs `weir.kernels.cpu_native`
 (compiled C, attending straight from the paged cache) and is the CPU default in float32
 where a C compiler is at hand; its kernels also serve the model's norms and rotary
 embeddings. "torch" runs `weir.kernels.cpu_attention` (batched PyTorch operators, planned
@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from weir.kernels import cpu_native
+from weir.kernels.reference import AttentionSpan
 
 
 @dataclass(slots=True)
@@ -47,10 +48,10 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         num_heads: int,
         kv_cache: torch.Tensor,
-        windows: tuple[int | None, ...],
+        spans: tuple[AttentionSpan | None, ...],
     ) -> None:
-        """Called once per step, before any layer's write_kv/attend; ``windows``: the sliding
-        windows the model's layers attend with (None: a layer that attends to every token)."""
+        """Called once per step, before any layer's write_kv/attend; ``spans``: the spans the
+        model's layers attend with (None: a layer that attends to every earlier token)."""
 
     def write_kv(
         self,
@@ -66,7 +67,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        sliding_window: int | None = None,
+        span: AttentionSpan | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
@@ -88,15 +89,15 @@ class TorchAttention:
         meta: AttentionMetadata,
         num_heads: int,
         kv_cache: torch.Tensor,
-        windows: tuple[int | None, ...],
+        spans: tuple[AttentionSpan | None, ...],
     ) -> None:
         query_start_loc, seq_lens, block_table, slot_mapping = (
             t.cpu()
             for t in (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping)
         )
-        # One plan per window: a windowed plan gathers only the keys its window shows.
+        # One plan per span: a spanned plan gathers only the keys its span shows.
         meta.plan = {
-            window: self._module.plan_step(
+            span: self._module.plan_step(
                 query_start_loc,
                 seq_lens,
                 block_table,
@@ -105,9 +106,9 @@ class TorchAttention:
                 num_heads=num_heads,
                 num_kv_heads=kv_cache.shape[3],
                 device=kv_cache.device,
-                sliding_window=window,
+                span=span,
             )
-            for window in windows
+            for span in spans
         }
 
     def write_kv(
@@ -118,7 +119,7 @@ class TorchAttention:
         meta: AttentionMetadata,
     ) -> None:
         assert isinstance(meta.plan, dict)
-        # Every window's plan writes the same slots.
+        # Every span's plan writes the same slots.
         self._module.reshape_and_cache(key, value, kv_cache, next(iter(meta.plan.values())))
 
     def attend(
@@ -127,12 +128,12 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        sliding_window: int | None = None,
+        span: AttentionSpan | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta.plan, dict)
-        plan = meta.plan[sliding_window]
+        plan = meta.plan[span]
         return self._module.paged_attention(query, kv_cache, plan, scale, softcap, sinks)
 
 
@@ -159,7 +160,7 @@ class PagedKernelAttention:
         meta: AttentionMetadata,
         num_heads: int,
         kv_cache: torch.Tensor,
-        windows: tuple[int | None, ...],
+        spans: tuple[AttentionSpan | None, ...],
     ) -> None:
         pass
 
@@ -178,7 +179,7 @@ class PagedKernelAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        sliding_window: int | None = None,
+        span: AttentionSpan | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -195,7 +196,7 @@ class PagedKernelAttention:
             meta.seq_lens,
             meta.block_table,
             scale,
-            sliding_window=sliding_window,
+            span=span,
             softcap=softcap,
             sinks=sinks,
             **hints,

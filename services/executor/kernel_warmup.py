@@ -53,7 +53,7 @@ def warm_up_attention(
             layer.num_heads,
             cache.shape[3],
             cache.shape[4],
-            layer.sliding_window,
+            layer.span,
             layer.softcap,
             layer.sinks is not None,
         )

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weir.kernels.reference import AttentionSpan
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
 from weir.services.executor.latent_attention import LatentAttention
 from weir.services.executor.layers import (
@@ -61,6 +62,15 @@ def _block_norm(
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, norm_dtype, kernels)
 
 
+def attention_span(cfg: ModelConfig, index: int) -> AttentionSpan | None:
+    """The keys layer ``index`` attends to below each token's own: its sliding window, or
+    Llama 4's chunk on its rotated layers; None: every earlier key."""
+    window, chunk = cfg.layer_window(index), cfg.layer_chunk(index)
+    if window is not None:
+        return AttentionSpan(window)
+    return None if chunk is None else AttentionSpan(chunk, chunked=True)
+
+
 class AttentionSinks(nn.Module):
     """gpt-oss' learned logit per query head (this rank's heads), one more term of each of
     the head's softmax denominators; float32 whatever the model's dtype, as the kernels
@@ -95,7 +105,7 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, d
         self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
         self.scale = cfg.attention_multiplier or d**-0.5
-        self.sliding_window = cfg.layer_window(index)
+        self.span = attention_span(cfg, index)
         self.softcap = cfg.attn_logit_softcapping
         # Which rotation the model's forward computes for this layer (Gemma 3's local ones).
         self.local_rope = index in cfg.sliding_layers and cfg.sliding_rope is not None
@@ -353,7 +363,7 @@ class DecoderLayer(nn.Module):
             kv_cache,
             meta,
             self.scale,
-            self.sliding_window,
+            self.span,
             self.softcap,
             None if self.sinks is None else self.sinks.weight,
         )
@@ -444,7 +454,7 @@ class CausalLM(nn.Module):
         self.device = device
         self.rotary = Rotary(cfg.rope, device)
         self.local_rotary = None if cfg.sliding_rope is None else Rotary(cfg.sliding_rope, device)
-        self.windows = tuple(dict.fromkeys(layer.sliding_window for layer in self.layers))
+        self.spans = tuple(dict.fromkeys(layer.span for layer in self.layers))
         # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype
         # (transformers' embed_scale buffer); Granite by its multiplier as it is.
         self.embedding_multiplier = (
@@ -501,7 +511,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """The residual stream after the last layer; into ``aux``'s columns, that entering
         each layer of ``aux_hidden_state_layers`` (copied: a layer adds into it in place)."""
-        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.windows)
+        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.spans)
         rotations = self.rotary(positions, self.dtype)
         local = rotations if self.local_rotary is None else self.local_rotary(positions, self.dtype)
         query_scale = self._query_scale(positions)

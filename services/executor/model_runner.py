@@ -313,9 +313,7 @@ class ModelRunner:
         # Before the KV cache is sized: adapters take their share of the memory first.
         self.loras = LoraAdapters.load(self.model, loras or [], max_lora_rank)
         self.max_lora_rank = max_lora_rank
-        self.max_model_len = resolve_max_model_len(
-            max_model_len, self.config.context_len, self.config.attention_chunk_size
-        )
+        self.max_model_len = resolve_max_model_len(max_model_len, self.config.context_len)
         # The served tokenizer's end token (--tokenizer's, if given), as the scheduler's.
         self.eos_token_ids = eos_token_ids(self.model_dir, tokenizer)
         self.sampler = Sampler(self.device, seed)

@@ -15,6 +15,7 @@ import torch
 from triton_keys import LaunchKeys
 
 from weir.kernels import triton_attention
+from weir.kernels.reference import AttentionSpan
 from weir.kernels.triton_attention import LayerAttention, warm_up_hints
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,12 +26,16 @@ MODELS = {
     "mha-128": [LayerAttention(16, 16, 128)],
     "gqa-16": [LayerAttention(16, 1, 128)],
     "gemma2": [
-        LayerAttention(8, 4, 256, sliding_window=4096, softcap=50.0),
+        LayerAttention(8, 4, 256, span=AttentionSpan(4096), softcap=50.0),
         LayerAttention(8, 4, 256, softcap=50.0),
     ],
     "gpt-oss": [
-        LayerAttention(64, 8, 64, sliding_window=128, has_sinks=True),
+        LayerAttention(64, 8, 64, span=AttentionSpan(128), has_sinks=True),
         LayerAttention(64, 8, 64, has_sinks=True),
+    ],
+    "llama4": [
+        LayerAttention(40, 8, 128, span=AttentionSpan(8192, chunked=True)),
+        LayerAttention(40, 8, 128),
     ],
     "latent-576": [LayerAttention(16, 1, 576)],
 }

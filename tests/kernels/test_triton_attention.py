@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from weir.kernels import reference, triton_attention
+from weir.kernels.reference import AttentionSpan
 
 POISON = 30.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +107,7 @@ def make_step(
 
 def reference_output(
     step: Step,
-    sliding_window: int | None = None,
+    span: AttentionSpan | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -119,7 +120,7 @@ def reference_output(
         step.seq_lens,
         step.block_table,
         step.scale,
-        sliding_window=sliding_window,
+        span=span,
         softcap=softcap,
         sinks=sinks,
     )
@@ -175,30 +176,30 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2e-2)
 
 
-def assert_window_matches(
+def assert_span_matches(
     step: Step,
-    window: int,
+    span: AttentionSpan,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     **kwargs,
 ) -> None:
-    """Windowed attention against the reference, with NaN in the cached K/V of every key tile below
-    the window of a request's first token: the kernels must skip those tiles, not load and mask them
-    (a NaN value times a zero weight is NaN)."""
+    """Windowed or chunked attention against the reference, with NaN in the cached K/V of every key
+    tile below the first key of a request's first token: the kernels must skip those tiles, not load
+    and mask them (a NaN value times a zero weight is NaN)."""
     plan = triton_attention.plan_for(on_device(step).query, step.kv_cache, step.seq_lens.shape[0])
     tile_n = max(tile.tile_n for tile in (plan.decode, plan.prefill) if tile is not None)
     block_size = step.kv_cache.shape[2]
     cache = step.kv_cache.clone()
     query_lens = step.query_start_loc.diff()
     for r, (seq_len, query_len) in enumerate(zip(step.seq_lens.tolist(), query_lens.tolist())):
-        first_visible = max(seq_len - query_len - window + 1, 0)
+        first_visible = max(span.first_key(seq_len - query_len), 0)
         positions = torch.arange(first_visible // tile_n * tile_n)
         slots = step.block_table[r, positions // block_size].long() * block_size
         cache.view(2, -1, *cache.shape[3:])[:, slots + positions % block_size] = float("nan")
     actual = triton_output(
-        replace(step, kv_cache=cache), sliding_window=window, softcap=softcap, sinks=sinks, **kwargs
+        replace(step, kv_cache=cache), span=span, softcap=softcap, sinks=sinks, **kwargs
     )
-    expected = reference_output(step, sliding_window=window, softcap=softcap, sinks=sinks)
+    expected = reference_output(step, span=span, softcap=softcap, sinks=sinks)
     assert_close(actual, expected)
 
 
@@ -274,7 +275,7 @@ def test_hints_do_not_change_result():
     assert_close(triton_output(step, max_query_len=1, max_seq_len=1), expected)
     assert_close(triton_output(step, max_query_len=150, max_seq_len=230), expected)
     # Windowed, each query block walked in a decode tile starts at its own first visible key tile.
-    assert_window_matches(step, 100, max_query_len=1, max_seq_len=1)
+    assert_span_matches(step, AttentionSpan(100), max_query_len=1, max_seq_len=1)
     step = make_step(SPECULATIVE, num_heads=4, num_kv_heads=4)
     assert_close(triton_output(step, max_query_len=1000), reference_output(step))
 
@@ -483,20 +484,33 @@ def test_split_kv_rejects_small_workspace():
         triton_output(step, split_kv=True, workspace=workspace)
 
 
-# Sliding windows over MIXED_LONG (the prefill blocks of (100, 70) start at key 100, 132 and 164, of
-# (0, 150) at 0, 32, ..., 128; key tiles of 64): one key, windows inside a key tile whose lower edge
-# crosses from the chunk into its context, and a window over a page and a query block, so that
-# blocks have key tiles below their window skipped, masked at the window's lower edge, unmasked and
-# masked on the diagonal.
-@pytest.mark.parametrize("window", [1, 5, 17, 100])
+# Sliding windows and chunks over MIXED_LONG (the prefill blocks of (100, 70) start at key 100, 132
+# and 164, of (0, 150) at 0, 32, ..., 128; key tiles of 64): one key, spans inside a key tile whose
+# lower edge crosses from the chunk into its context, and a span over a page and a query block, so
+# that blocks have key tiles below their span skipped, masked at the span's lower edge, unmasked and
+# masked on the diagonal. Chunks of 16, 40 and 64 put chunk boundaries inside the query blocks of
+# (100, 70) and (0, 150) (a block's rows in two chunks), start the (100, 70) prefill chunk mid-chunk,
+# and make the decodes at 80 (16, 40) and 130 (64) the first token of their chunk; of 160, the
+# (100, 70) block of 132-163 sees two key tiles whole from its first token but not from its last.
+@pytest.mark.parametrize(
+    "span",
+    [
+        *(AttentionSpan(window) for window in (1, 5, 17, 100)),
+        *(AttentionSpan(chunk, chunked=True) for chunk in (1, 16, 40, 64, 160)),
+    ],
+    ids=lambda span: f"{'chunk' if span.chunked else 'window'}{span.size}",
+)
 @pytest.mark.parametrize("dtype", MASK_DTYPES, ids=lambda dtype: str(dtype).removeprefix("torch."))
-def test_sliding_window_batch_kinds_match_reference(window, dtype):
-    step = make_step(MIXED_LONG, num_heads=4, num_kv_heads=2, dtype=dtype, num_padding_tokens=2)
-    assert_window_matches(step, window)
+def test_span_batch_kinds_match_reference(span, dtype):
+    step = make_step(
+        [*MIXED_LONG, (64, 1), (126, 5)], num_heads=4, num_kv_heads=2, dtype=dtype,
+        num_padding_tokens=2,
+    )  # fmt: skip
+    assert_span_matches(step, span)
 
 
 @pytest.mark.parametrize(
-    ("requests", "group", "window", "split_kv"),
+    ("requests", "group", "size", "split_kv"),
     [
         ([(0, 1), (130, 1), (300, 1), (1000, 1)], 1, 200, True),
         ([(7, 3), (290, 4), (250, 12)], 3, 70, 4),
@@ -505,21 +519,24 @@ def test_sliding_window_batch_kinds_match_reference(window, dtype):
     ],
     ids=["decode", "speculative", "speculative_window_1", "mixed"],
 )
-def test_sliding_window_split_kv(requests, group, window, split_kv):
-    # Segments divide only the key tiles inside the window: with 16 segments over the 4 tiles of
+@pytest.mark.parametrize("chunked", [False, True], ids=["window", "chunk"])
+def test_span_split_kv(requests, group, size, split_kv, chunked):
+    # Segments divide only the key tiles inside the span: with 16 segments over the 4 tiles of
     # (1000, 1) most are empty, and of (250, 12) over tiles 2-4 the last query sees nothing of
     # tile 2 and the first nothing of tile 4, so the merge weighs segments without a key of a row
     # by 0.
     step = make_step(
         requests, num_heads=2 * group, num_kv_heads=2, block_size=32, dtype=torch.float16
     )
-    assert_window_matches(step, window, split_kv=False)
-    assert_window_matches(step, window, split_kv=split_kv)
+    span = AttentionSpan(size, chunked=chunked)
+    assert_span_matches(step, span, split_kv=False)
+    assert_span_matches(step, span, split_kv=split_kv)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_sliding_window_gqa_ratios_and_block_sizes(group, block_size):
+@pytest.mark.parametrize("chunked", [False, True], ids=["window", "chunk"])
+def test_span_gqa_ratios_and_block_sizes(group, block_size, chunked):
     step = make_step(
         [(90, 1), (40, 30), (45, 4)],
         num_heads=2 * group,
@@ -528,7 +545,7 @@ def test_sliding_window_gqa_ratios_and_block_sizes(group, block_size):
         transposed_table=block_size == 32,
         seed=group,
     )
-    assert_window_matches(step, 37)
+    assert_span_matches(step, AttentionSpan(37, chunked=chunked))
 
 
 @pytest.mark.parametrize("head_dim", [80, 128, 256])
@@ -537,7 +554,7 @@ def test_sliding_window_head_dims(head_dim):
     step = make_step(
         [(100, 40), (70, 1)], num_heads=2, num_kv_heads=1, head_dim=head_dim, dtype=torch.float16
     )
-    assert_window_matches(step, 45)
+    assert_span_matches(step, AttentionSpan(45))
 
 
 @pytest.mark.parametrize("split_kv", [False, 4], ids=["single", "split"])
@@ -545,15 +562,9 @@ def test_window_over_every_sequence_changes_nothing(split_kv):
     # A window of the longest sequence (100, 70) hides no key: the same tiles and sums as without a
     # window, to the bit.
     step = make_step(MIXED_LONG, num_heads=4, num_kv_heads=2, num_padding_tokens=2)
-    windowed = triton_output(step, sliding_window=170, split_kv=split_kv)
+    windowed = triton_output(step, span=AttentionSpan(170), split_kv=split_kv)
     assert torch.equal(windowed, triton_output(step, split_kv=split_kv))
-    assert_close(windowed, reference_output(step, sliding_window=170))
-
-
-def test_sliding_window_must_be_positive():
-    step = make_step(DECODE, num_heads=2, num_kv_heads=2)
-    with pytest.raises(ValueError, match="sliding_window"):
-        triton_output(step, sliding_window=0)
+    assert_close(windowed, reference_output(step, span=AttentionSpan(170)))
 
 
 def test_split_kv_rule_counts_the_window():
@@ -563,7 +574,9 @@ def test_split_kv_rule_counts_the_window():
             1, 1, 32, 8, 128, 16, torch.bfloat16, 9, 132, 1, 32768, None, window
         ).segments
 
-    assert segments(None) == 16 and segments(1024) == 2 and segments(100) == 1
+    assert segments(None) == 16
+    assert segments(AttentionSpan(1024)) == segments(AttentionSpan(1024, chunked=True)) == 2
+    assert segments(AttentionSpan(100)) == 1
 
 
 @triton.jit
@@ -601,7 +614,7 @@ def assert_softcap_matches(step: Step, softcap: float, window: int | None, **kwa
         expected = reference_output(step, softcap=softcap)
         assert_close(triton_output(step, softcap=softcap, **kwargs), expected)
     else:
-        assert_window_matches(step, window, softcap=softcap, **kwargs)
+        assert_span_matches(step, AttentionSpan(window), softcap=softcap, **kwargs)
 
 
 # MIXED_LONG: decode tiles, prefill tiles with unmasked and masked key tiles, a speculative query,
@@ -681,4 +694,4 @@ def test_sinks_match_reference(requests, group, window, split_kv):
             triton_output(step, sinks=sinks, split_kv=split_kv), reference_output(step, sinks=sinks)
         )
     else:
-        assert_window_matches(step, window, sinks=sinks, split_kv=split_kv)
+        assert_span_matches(step, AttentionSpan(window), sinks=sinks, split_kv=split_kv)

@@ -68,13 +68,13 @@ def compile_kernel(label, fn, pointers, ints, constexprs, capability=90, **optio
 
 
 def attention(label, dtype, num_heads, num_kv_heads, head_dim, max_query_len, num_requests, split_kv=None,
-              capability=90, sliding_window=None, softcap=None, has_sinks=False, cache=None):
+              capability=90, span=None, softcap=None, has_sinks=False, cache=None):
     cache_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]  # an fp8 cache widens to it
     block_size, max_blocks = 16, 2048
     num_tokens = num_requests * max_query_len
     plan = ta.plan_launches(num_tokens, num_requests, num_heads, num_kv_heads, head_dim, block_size,
                             cache_dtype, capability // 10, 132, max_query_len, 4096, split_kv,
-                            sliding_window, softcap, has_sinks, cache is not None)
+                            span, softcap, has_sinks, cache is not None)
     pointers = {name: dtype for name in ("query_ptr", "cache_ptr", "out_ptr", "sinks_ptr")}
     pointers["cache_ptr"] = cache or dtype
     pointers |= {name: "fp32" for name in ("segm_acc_ptr", "segm_max_ptr", "segm_sum_ptr")}
@@ -106,15 +106,19 @@ attention("mixed_split", "bf16", 32, 8, 128, 512, 40, split_kv=4)  # partials by
 attention("speculative_hd80", "fp16", 8, 8, 80, 4, 8, split_kv=False)
 attention("mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False)
 attention("ampere_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, capability=80)
-attention("window_split", "bf16", 64, 8, 128, 1, 32, sliding_window=4096)
-attention("window_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, sliding_window=4096)
-attention("window_mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False, sliding_window=4096)
+attention("window_split", "bf16", 64, 8, 128, 1, 32, span=ta.AttentionSpan(4096))
+attention("window_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, span=ta.AttentionSpan(4096))
+attention("window_mixed_hd256", "bf16", 16, 8, 256, 64, 4, split_kv=False, span=ta.AttentionSpan(4096))
 attention("softcap_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, softcap=50.0)
-attention("softcap_window_split", "bf16", 64, 8, 128, 1, 32, sliding_window=4096, softcap=50.0)
+attention("softcap_window_split", "bf16", 64, 8, 128, 1, 32, span=ta.AttentionSpan(4096), softcap=50.0)
 # gpt-oss: 64 query heads over 8 KV heads of 64 dimensions, windows of 128, sinks
 attention("sinks_split", "bf16", 64, 8, 64, 1, 32, has_sinks=True)
-attention("sinks_window_mixed", "bf16", 64, 8, 64, 512, 40, split_kv=False, sliding_window=128,
+attention("sinks_window_mixed", "bf16", 64, 8, 64, 512, 40, split_kv=False, span=ta.AttentionSpan(128),
           has_sinks=True)
+# Llama 4's chunks of 8192 (its rotated layers), in the windows' shapes above
+attention("chunk_split", "bf16", 64, 8, 128, 1, 32, span=ta.AttentionSpan(8192, chunked=True))
+attention("chunk_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False,
+          span=ta.AttentionSpan(8192, chunked=True))
 # DeepSeek-V2-Lite's latent attention: 16 query heads over one KV head of 576 channels
 attention("latent_mixed", "bf16", 16, 1, 576, 256, 8, split_kv=False)
 # --kv-cache-dtype fp8: e4m3 and e5m2 caches read by bf16 queries
@@ -190,6 +194,10 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "sinks_split_merge",
         "sinks_window_mixed_decode",
         "sinks_window_mixed_prefill",
+        "chunk_split_decode",
+        "chunk_split_merge",
+        "chunk_mixed_decode",
+        "chunk_mixed_prefill",
         "latent_mixed_decode",
         "fp8_split_decode",
         "fp8_split_merge",
@@ -230,6 +238,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "window_mixed_hd256_prefill",
         "softcap_mixed_prefill",
         "sinks_window_mixed_prefill",
+        "chunk_mixed_prefill",
         "fp8_mixed_prefill",
     )
     assert all(kernels[name]["wgmma"] for name in prefill), kernels
