@@ -4,8 +4,10 @@ The output is what `transformers` would save: config.json, model.safetensors (fl
 tokenizer.json, tokenizer_config.json and generation_config.json. Supported architectures are
 llama (Mixtral where it has experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 (their
 norm weights stored plus one, as llama.cpp's converter writes them; its fixed patterns of
-sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models')
-and phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), with the
+sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models'),
+phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors) and granite
+(llama's layout, its multipliers and logit scale; an attention multiplier the file leaves out
+is llama.cpp's, 1 / sqrt(head_dim)), with the
 tokenizer the file states (`weir.shared.gguf_tokenizer`); anything else raises
 `UnsupportedGGUFError` naming what the file states. Converted for a model served with another
 tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
@@ -22,8 +24,10 @@ with no attention scale (its original context the file's): the rotation llama.cp
 
 import json
 import logging
+import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +84,7 @@ _ARCHITECTURES = {
         permuted_qk=False,
         renames=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
     ),
+    "granite": _Architecture("GraniteForCausalLM", "granite", permuted_qk=True),
 }
 # llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -292,7 +297,8 @@ def _build_config(
     # model.layers.L.mlp.experts.E.*: the experts the file's stacked tensors hold
     found = {name.split(".")[5] for name in tensors if ".mlp.experts." in name}
     config.update(_experts(meta, arch_name, arch, config, len(found)))
-    config.update(_family(meta, arch_name, config))
+    if arch_name in _FAMILIES:
+        config.update(_FAMILIES[arch_name](meta, arch_name, config))
     config.update(special_token_ids(meta))
     return config
 
@@ -304,25 +310,22 @@ _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def _family(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
-    """The config keys of Gemma 2 and 3 and Phi-3 that the file states or llama.cpp
-    implies."""
+def _partial_rotation(meta: GGUFMetadata, arch_name: str, head_dim: int) -> dict[str, Any]:
+    """partial_rotary_factor where the file rotates fewer channels than a head has."""
+    rotated = int(meta.get(f"{arch_name}.rope.dimension_count", head_dim))
+    return {} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}
 
-    def key(name: str) -> str:
-        return f"{arch_name}.{name}"
 
+def _phi3(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+    window = meta.get(f"{arch_name}.attention.sliding_window")
+    return {
+        "sliding_window": None if window is None else int(window),
+        **_partial_rotation(meta, arch_name, config["head_dim"]),
+    }
+
+
+def _gemma(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
     layers, head_dim = config["num_hidden_layers"], config["head_dim"]
-    if arch_name == "phi3":
-        window, rotated = (
-            meta.get(key("attention.sliding_window")),
-            meta.get(key("rope.dimension_count"), head_dim),
-        )
-        family: dict[str, Any] = {"sliding_window": None if window is None else int(window)}
-        if int(rotated) != head_dim:
-            family["partial_rotary_factor"] = int(rotated) / head_dim
-        return family
-    if arch_name not in _GEMMA_PATTERN:
-        return {}
     pattern = _GEMMA_PATTERN[arch_name]
     big = layers == _GEMMA_27B_LAYERS[arch_name]
     family = {
@@ -331,16 +334,41 @@ def _family(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[
         "query_pre_attn_scalar": (
             config["hidden_size"] // config["num_attention_heads"] if big else head_dim
         ),
-        "sliding_window": int(meta.require(key("attention.sliding_window"))),
+        "sliding_window": int(meta.require(f"{arch_name}.attention.sliding_window")),
         "layer_types": [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
         ],
-        "final_logit_softcapping": meta.get(key("final_logit_softcapping")),
-        "attn_logit_softcapping": meta.get(key("attn_logit_softcapping")),
+        "final_logit_softcapping": meta.get(f"{arch_name}.final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get(f"{arch_name}.attn_logit_softcapping"),
     }
     if arch_name == "gemma3":
         family["rope_local_base_freq"] = 10000.0  # llama.cpp's, for every Gemma 3
     return family
+
+
+def _granite(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp's converter writes a multiplier only where the checkpoint states one (not
+    # zero), and its runtime reads one left out as none: queries scaled by 1 / sqrt(head_dim).
+    def stated(name: str, otherwise: float) -> float:
+        value = meta.get(f"{arch_name}.{name}")
+        return _f32(value) if value else otherwise
+
+    return {
+        "embedding_multiplier": stated("embedding_scale", 1.0),
+        "residual_multiplier": stated("residual_scale", 1.0),
+        "attention_multiplier": stated("attention.scale", 1 / math.sqrt(config["head_dim"])),
+        "logits_scaling": _f32(meta.require(f"{arch_name}.logit_scale")),
+    }
+
+
+_Family = Callable[[GGUFMetadata, str, dict[str, Any]], dict[str, Any]]
+# The config keys, beyond llama's, that a file of these architectures states or llama.cpp implies.
+_FAMILIES: dict[str, _Family] = {
+    "phi3": _phi3,
+    "gemma2": _gemma,
+    "gemma3": _gemma,
+    "granite": _granite,
+}
 
 
 def _experts(

@@ -240,6 +240,10 @@ def _tiny_vocab() -> GGUFVocab:
     return GGUFVocab(tokens, types, merges)
 
 
+# The architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's subclasses).
+PERMUTED_QK = ("llama", "granite")
+
+
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # convert_hf_to_gguf.py's LlamaModel.permute: what llama.cpp does to q/k rows on the way in.
     return (
@@ -320,7 +324,7 @@ def _write_rope_scaling(writer: gguf.GGUFWriter, config, rope: dict) -> None:
 
 
 def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
-    """convert_hf_to_gguf.py's metadata of Gemma 2 and 3 and Phi-3."""
+    """convert_hf_to_gguf.py's metadata of Gemma 2 and 3, Phi-3 and Granite."""
     if arch in ("gemma2", "gemma3", "phi3"):
         writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
@@ -330,6 +334,15 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
     if arch == "phi3" and partial != 1.0:
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(partial * head_dim))
+    if arch == "granite":  # its multipliers, each where the checkpoint states it
+        for add, value in (
+            (writer.add_attention_scale, config.attention_multiplier),
+            (writer.add_embedding_scale, config.embedding_multiplier),
+            (writer.add_residual_scale, config.residual_multiplier),
+            (writer.add_logit_scale, config.logits_scaling),
+        ):
+            if value:
+                add(value)
 
 
 def _write_gguf(
@@ -403,9 +416,9 @@ def _write_gguf(
             continue
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(-1)  # llama.cpp keeps it as a vector
-        if arch == "llama" and ".q_proj." in name:
+        if arch in PERMUTED_QK and ".q_proj." in name:
             w = _llama_cpp_permute(w, config.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif arch in PERMUTED_QK and ".k_proj." in name:
             w = _llama_cpp_permute(w, config.num_key_value_heads)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + np.float32(1)  # llama.cpp's norms scale by the weight itself
@@ -516,16 +529,28 @@ FAMILIES = {
         },
         sliding_window=6,
     ),
+    # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
+    "granite": lambda: transformers.GraniteConfig(
+        **LONG,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.5,
+        logits_scaling=8.0,
+    ),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
-def test_a_gemma_or_phi3_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch) -> None:
+def test_a_family_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch) -> None:
     """llama.cpp's files of Gemma 2 and 3 (norm weights stored plus one, their soft caps,
-    windows and Gemma 3's scaled full layers) and Phi-3 (fused q/k/v and gate/up, LongRoPE's
-    factor tensors, a partial rotation): the conversion holds the weights transformers' own
-    GGUF loader reads from the file, and Weir decodes greedily as transformers decodes the
+    windows and Gemma 3's scaled full layers), Phi-3 (fused q/k/v and gate/up, LongRoPE's
+    factor tensors, a partial rotation) and Granite (its multipliers and logit scale): the
+    conversion is the original model (its weights, and its logits as transformers reads the
+    converted config), holds the weights transformers' own GGUF loader reads from the file
+    where it reads the architecture, and Weir decodes greedily as transformers decodes the
     original model (past the windows and the original context)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
     tokens = _tiny_vocab().tokens
     config = FAMILIES[arch]()
@@ -540,11 +565,22 @@ def test_a_gemma_or_phi3_gguf_decodes_as_the_original_model(arch, tmp_path, monk
             p.copy_(torch.randn_like(p) * (1.0 if sharp else 0.2))
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_gguf(path, arch, original, config)
-    converted = load_file(str(resolve_model(path) / "model.safetensors"))
-    hf_gguf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
-    for name, tensor in hf_gguf.state_dict().items():
-        if name != "lm_head.weight" or name in converted:  # tied
-            torch.testing.assert_close(torch.from_numpy(converted[name]), tensor, msg=name)
+    model_dir = resolve_model(path)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert type(ours) is type(original)
+    reference = original.state_dict()
+    assert set(ours.state_dict()) == set(reference)
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], msg=name)
+    input_ids = torch.tensor([[1, 5, 80, 200, 258, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids).logits, original(input_ids).logits)
+    if arch in GGUF_SUPPORTED_ARCHITECTURES:
+        converted = load_file(str(model_dir / "model.safetensors"))
+        hf_gguf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+        for name, tensor in hf_gguf.state_dict().items():
+            if name != "lm_head.weight" or name in converted:  # tied
+                torch.testing.assert_close(torch.from_numpy(converted[name]), tensor, msg=name)
     prompt = [(7 * i) % 250 + 3 for i in range(20)]
     work = tp_workload.Workload(str(resolve_model(path)), [prompt], 8, num_blocks=8)
     assert tp_workload.run(work).outputs == {"r0": greedy(original, prompt, 8)}
