@@ -5,9 +5,10 @@ tokenizer.json, tokenizer_config.json and generation_config.json. Supported arch
 llama (Mixtral where it has experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 (their
 norm weights stored plus one, as llama.cpp's converter writes them; its fixed patterns of
 sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models'),
-phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors) and granite
+phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), granite
 (llama's layout, its multipliers and logit scale; an attention multiplier the file leaves out
-is llama.cpp's, 1 / sqrt(head_dim)), with the
+is llama.cpp's, 1 / sqrt(head_dim)) and olmo2 (norms after the attention and the MLP, q/k
+norms over the whole projections; OLMo 3's sliding layers are refused), with the
 tokenizer the file states (`weir.shared.gguf_tokenizer`); anything else raises
 `UnsupportedGGUFError` naming what the file states. Converted for a model served with another
 tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
@@ -63,11 +64,12 @@ class _Architecture:
     norms_plus_one: bool = False
 
 
-_GEMMA_NORMS = (
+# Norms after the attention and the MLP (OLMo 2's, Gemma's), and Gemma's before its MLP.
+_POST_NORMS = (
     ("post_attention_norm", "post_attention_layernorm"),
-    ("ffn_norm", "pre_feedforward_layernorm"),
     ("post_ffw_norm", "post_feedforward_layernorm"),
 )
+_GEMMA_NORMS = (*_POST_NORMS, ("ffn_norm", "pre_feedforward_layernorm"))
 
 
 _ARCHITECTURES = {
@@ -85,6 +87,8 @@ _ARCHITECTURES = {
         renames=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
     ),
     "granite": _Architecture("GraniteForCausalLM", "granite", permuted_qk=True),
+    # Its q/k norms span the whole projections: stored as they are.
+    "olmo2": _Architecture("Olmo2ForCausalLM", "olmo2", False, _POST_NORMS),
 }
 # llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -361,6 +365,15 @@ def _granite(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict
     }
 
 
+def _olmo2(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp writes OLMo 3 as olmo2 with a sliding window and its pattern of layers.
+    if meta.get(f"{arch_name}.attention.sliding_window") is not None:
+        raise UnsupportedGGUFError(
+            "GGUF olmo2 file with sliding-window layers (OLMo 3) is not supported"
+        )
+    return {}
+
+
 _Family = Callable[[GGUFMetadata, str, dict[str, Any]], dict[str, Any]]
 # The config keys, beyond llama's, that a file of these architectures states or llama.cpp implies.
 _FAMILIES: dict[str, _Family] = {
@@ -368,6 +381,7 @@ _FAMILIES: dict[str, _Family] = {
     "gemma2": _gemma,
     "gemma3": _gemma,
     "granite": _granite,
+    "olmo2": _olmo2,
 }
 
 

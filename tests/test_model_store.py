@@ -261,6 +261,10 @@ FAMILY_LAYER_NAMES = {
         "post_feedforward_layernorm": "post_ffw_norm",
     },
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "olmo2": {
+        "post_attention_layernorm": "post_attention_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
 }
 
 
@@ -334,6 +338,9 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
     if arch == "phi3" and partial != 1.0:
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(partial * head_dim))
+    if arch == "olmo2" and getattr(config, "sliding_window", None):  # OLMo 3's
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     if arch == "granite":  # its multipliers, each where the checkpoint states it
         for add, value in (
             (writer.add_attention_scale, config.attention_multiplier),
@@ -529,6 +536,8 @@ FAMILIES = {
         },
         sliding_window=6,
     ),
+    # OLMo 2's norms after the attention and the MLP, q/k norms over the whole projections
+    "olmo2": lambda: transformers.Olmo2Config(**LONG),
     # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
     "granite": lambda: transformers.GraniteConfig(
         **LONG,
@@ -544,7 +553,8 @@ FAMILIES = {
 def test_a_family_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch) -> None:
     """llama.cpp's files of Gemma 2 and 3 (norm weights stored plus one, their soft caps,
     windows and Gemma 3's scaled full layers), Phi-3 (fused q/k/v and gate/up, LongRoPE's
-    factor tensors, a partial rotation) and Granite (its multipliers and logit scale): the
+    factor tensors, a partial rotation), Granite (its multipliers and logit scale) and OLMo 2
+    (norms after the attention and the MLP, q/k norms over the whole projections): the
     conversion is the original model (its weights, and its logits as transformers reads the
     converted config), holds the weights transformers' own GGUF loader reads from the file
     where it reads the architecture, and Weir decodes greedily as transformers decodes the
@@ -560,8 +570,11 @@ def test_a_family_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch
     original = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in original.named_parameters():
-            # Queries and keys 5x larger: attention sharp enough that its rotation shows.
-            sharp = any(part in name for part in ("q_proj", "k_proj", "qkv_proj"))
+            # Queries and keys 5x larger (OLMo's norms of them too): attention sharp enough
+            # that its rotation shows.
+            sharp = any(
+                part in name for part in ("q_proj", "k_proj", "qkv_proj", "q_norm", "k_norm")
+            )
             p.copy_(torch.randn_like(p) * (1.0 if sharp else 0.2))
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_gguf(path, arch, original, config)
@@ -793,6 +806,18 @@ def test_experts_the_metadata_does_not_state_are_refused_before_any_build(
     with pytest.raises(UnsupportedGGUFError, match=message):
         resolve_model(tmp_path / "mixtral.gguf")
     assert not list((tmp_path / "cache" / "models").glob("*/config.json"))
+
+
+def test_an_olmo3_gguf_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp writes OLMo 3 as olmo2 with sliding-window layers, which are not converted."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    config = transformers.Olmo3Config(
+        **TINY, sliding_window=6, vocab_size=len(_tiny_vocab().tokens)
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _write_gguf(tmp_path / "olmo3.gguf", "olmo2", model, config)
+    with pytest.raises(UnsupportedGGUFError, match="sliding-window layers \\(OLMo 3\\)"):
+        resolve_model(tmp_path / "olmo3.gguf")
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
