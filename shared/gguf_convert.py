@@ -7,8 +7,9 @@ norm weights stored plus one, as llama.cpp's converter writes them; its fixed pa
 sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models'),
 phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), granite
 (llama's layout, its multipliers and logit scale; an attention multiplier the file leaves out
-is llama.cpp's, 1 / sqrt(head_dim)) and olmo2 (norms after the attention and the MLP, q/k
-norms over the whole projections; OLMo 3's sliding layers are refused), with the
+is llama.cpp's, 1 / sqrt(head_dim)), olmo2 (norms after the attention and the MLP, q/k
+norms over the whole projections; OLMo 3's sliding layers are refused) and smollm3 (llama's
+layout, every fourth layer unrotated: llama.cpp's fixed step), with the
 tokenizer the file states (`weir.shared.gguf_tokenizer`); anything else raises
 `UnsupportedGGUFError` naming what the file states. Converted for a model served with another
 tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
@@ -89,6 +90,7 @@ _ARCHITECTURES = {
     "granite": _Architecture("GraniteForCausalLM", "granite", permuted_qk=True),
     # Its q/k norms span the whole projections: stored as they are.
     "olmo2": _Architecture("Olmo2ForCausalLM", "olmo2", False, _POST_NORMS),
+    "smollm3": _Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),
 }
 # llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -374,6 +376,18 @@ def _olmo2(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[s
     return {}
 
 
+# SmolLM3's layers without rotation: every fourth, llama.cpp's fixed step (no key states it).
+_SMOLLM3_NO_ROPE_STEP = 4
+
+
+def _smollm3(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+    step = _SMOLLM3_NO_ROPE_STEP
+    return {
+        "no_rope_layer_interval": step,
+        "no_rope_layers": [int((i + 1) % step != 0) for i in range(config["num_hidden_layers"])],
+    }
+
+
 _Family = Callable[[GGUFMetadata, str, dict[str, Any]], dict[str, Any]]
 # The config keys, beyond llama's, that a file of these architectures states or llama.cpp implies.
 _FAMILIES: dict[str, _Family] = {
@@ -382,6 +396,7 @@ _FAMILIES: dict[str, _Family] = {
     "gemma3": _gemma,
     "granite": _granite,
     "olmo2": _olmo2,
+    "smollm3": _smollm3,
 }
 
 

@@ -241,7 +241,7 @@ def _tiny_vocab() -> GGUFVocab:
 
 
 # The architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's subclasses).
-PERMUTED_QK = ("llama", "granite")
+PERMUTED_QK = ("llama", "granite", "smollm3")
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -538,6 +538,8 @@ FAMILIES = {
     ),
     # OLMo 2's norms after the attention and the MLP, q/k norms over the whole projections
     "olmo2": lambda: transformers.Olmo2Config(**LONG),
+    # SmolLM3's layers without rotation: every fourth
+    "smollm3": lambda: transformers.SmolLM3Config(**{**LONG, "num_hidden_layers": 4}),
     # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
     "granite": lambda: transformers.GraniteConfig(
         **LONG,
@@ -553,8 +555,9 @@ FAMILIES = {
 def test_a_family_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch) -> None:
     """llama.cpp's files of Gemma 2 and 3 (norm weights stored plus one, their soft caps,
     windows and Gemma 3's scaled full layers), Phi-3 (fused q/k/v and gate/up, LongRoPE's
-    factor tensors, a partial rotation), Granite (its multipliers and logit scale) and OLMo 2
-    (norms after the attention and the MLP, q/k norms over the whole projections): the
+    factor tensors, a partial rotation), Granite (its multipliers and logit scale), OLMo 2
+    (norms after the attention and the MLP, q/k norms over the whole projections) and SmolLM3
+    (every fourth layer unrotated): the
     conversion is the original model (its weights, and its logits as transformers reads the
     converted config), holds the weights transformers' own GGUF loader reads from the file
     where it reads the architecture, and Weir decodes greedily as transformers decodes the
