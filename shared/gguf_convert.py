@@ -8,8 +8,9 @@ sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 
 phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), granite
 (llama's layout, its multipliers and logit scale; an attention multiplier the file leaves out
 is llama.cpp's, 1 / sqrt(head_dim)), olmo2 (norms after the attention and the MLP, q/k
-norms over the whole projections; OLMo 3's sliding layers are refused) and smollm3 (llama's
-layout, every fourth layer unrotated: llama.cpp's fixed step), with the
+norms over the whole projections; OLMo 3's sliding layers are refused), smollm3 (llama's
+layout, every fourth layer unrotated: llama.cpp's fixed step) and glm4 (GLM-4-0414: norms
+before and after the attention and the MLP, fused gate/up, a partial rotation), with the
 tokenizer the file states (`weir.shared.gguf_tokenizer`); anything else raises
 `UnsupportedGGUFError` naming what the file states. Converted for a model served with another
 tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
@@ -91,6 +92,19 @@ _ARCHITECTURES = {
     # Its q/k norms span the whole projections: stored as they are.
     "olmo2": _Architecture("Olmo2ForCausalLM", "olmo2", False, _POST_NORMS),
     "smollm3": _Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),
+    # GLM-4-0414: rotates adjacent pairs as llama.cpp does (no permutation), its norms before
+    # and after the attention and the MLP, gate/up fused.
+    "glm4": _Architecture(
+        "Glm4ForCausalLM",
+        "glm4",
+        permuted_qk=False,
+        renames=(
+            ("post_attention_norm", "post_self_attn_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("post_ffw_norm", "post_mlp_layernorm"),
+            ("ffn_up", "mlp.gate_up_proj"),
+        ),
+    ),
 }
 # llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -317,9 +331,9 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _partial_rotation(meta: GGUFMetadata, arch_name: str, head_dim: int) -> dict[str, Any]:
-    """partial_rotary_factor where the file rotates fewer channels than a head has."""
+    """partial_rotary_factor, stated even when whole: GLM-4's default is half."""
     rotated = int(meta.get(f"{arch_name}.rope.dimension_count", head_dim))
-    return {} if rotated == head_dim else {"partial_rotary_factor": rotated / head_dim}
+    return {"partial_rotary_factor": rotated / head_dim}
 
 
 def _phi3(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -397,6 +411,7 @@ _FAMILIES: dict[str, _Family] = {
     "granite": _granite,
     "olmo2": _olmo2,
     "smollm3": _smollm3,
+    "glm4": lambda meta, arch_name, config: _partial_rotation(meta, arch_name, config["head_dim"]),
 }
 
 

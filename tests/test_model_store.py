@@ -265,6 +265,11 @@ FAMILY_LAYER_NAMES = {
         "post_attention_layernorm": "post_attention_norm",
         "post_feedforward_layernorm": "post_ffw_norm",
     },
+    "glm4": {
+        "post_self_attn_layernorm": "post_attention_norm",
+        "post_mlp_layernorm": "post_ffw_norm",
+        "mlp.gate_up_proj": "ffn_up",
+    },
 }
 
 
@@ -338,6 +343,8 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
     if arch == "phi3" and partial != 1.0:
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(partial * head_dim))
+    if arch == "glm4":  # always, of head_dim
+        writer.add_rope_dimension_count(int(partial * config.head_dim))
     if arch == "olmo2" and getattr(config, "sliding_window", None):  # OLMo 3's
         writer.add_sliding_window(config.sliding_window)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
@@ -540,6 +547,8 @@ FAMILIES = {
     "olmo2": lambda: transformers.Olmo2Config(**LONG),
     # SmolLM3's layers without rotation: every fourth
     "smollm3": lambda: transformers.SmolLM3Config(**{**LONG, "num_hidden_layers": 4}),
+    # GLM-4-0414's biased q/k/v, half of each head rotating in adjacent pairs, its four norms
+    "glm4": lambda: transformers.Glm4Config(**LONG, head_dim=8),
     # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
     "granite": lambda: transformers.GraniteConfig(
         **LONG,
@@ -556,8 +565,9 @@ def test_a_family_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch
     """llama.cpp's files of Gemma 2 and 3 (norm weights stored plus one, their soft caps,
     windows and Gemma 3's scaled full layers), Phi-3 (fused q/k/v and gate/up, LongRoPE's
     factor tensors, a partial rotation), Granite (its multipliers and logit scale), OLMo 2
-    (norms after the attention and the MLP, q/k norms over the whole projections) and SmolLM3
-    (every fourth layer unrotated): the
+    (norms after the attention and the MLP, q/k norms over the whole projections), SmolLM3
+    (every fourth layer unrotated) and GLM-4 (its four norms, fused gate/up, half of each
+    head rotating in adjacent pairs): the
     conversion is the original model (its weights, and its logits as transformers reads the
     converted config), holds the weights transformers' own GGUF loader reads from the file
     where it reads the architecture, and Weir decodes greedily as transformers decodes the
