@@ -9,8 +9,10 @@ phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), g
 (llama's layout, its multipliers and logit scale; an attention multiplier the file leaves out
 is llama.cpp's, 1 / sqrt(head_dim)), olmo2 (norms after the attention and the MLP, q/k
 norms over the whole projections; OLMo 3's sliding layers are refused), smollm3 (llama's
-layout, every fourth layer unrotated: llama.cpp's fixed step) and glm4 (GLM-4-0414: norms
-before and after the attention and the MLP, fused gate/up, a partial rotation), with the
+layout, every fourth layer unrotated: llama.cpp's fixed step), glm4 (GLM-4-0414: norms
+before and after the attention and the MLP, fused gate/up, a partial rotation), command-r
+(layer norms, its logit scale, Command R+'s q/k norms per head) and cohere2 (Command R7B: its
+sliding layers, three of each four where the file states no pattern, llama.cpp's period), with the
 tokenizer the file states (`weir.shared.gguf_tokenizer`); anything else raises
 `UnsupportedGGUFError` naming what the file states. Converted for a model served with another
 tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
@@ -64,6 +66,9 @@ class _Architecture:
     renames: tuple[tuple[str, str], ...] = ()
     # llama.cpp's converter adds one to Gemma's norm weights (its norms scale by 1 + weight).
     norms_plus_one: bool = False
+    # The config key of the norms' epsilon: RMS norms' (the file's layer_norm_rms_epsilon),
+    # or another, of layer norms (the file's layer_norm_epsilon).
+    norm_eps: str = "rms_norm_eps"
 
 
 # Norms after the attention and the MLP (OLMo 2's, Gemma's), and Gemma's before its MLP.
@@ -94,6 +99,14 @@ _ARCHITECTURES = {
     "smollm3": _Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),
     # GLM-4-0414: rotates adjacent pairs as llama.cpp does (no permutation), its norms before
     # and after the attention and the MLP, gate/up fused.
+    # Cohere's layer norms without bias, attention and MLP in parallel, adjacent pairs rotating
+    # as llama.cpp rotates them; Command R+'s q/k norms per head.
+    "command-r": _Architecture(
+        "CohereForCausalLM", "cohere", permuted_qk=False, norm_eps="layer_norm_eps"
+    ),
+    "cohere2": _Architecture(
+        "Cohere2ForCausalLM", "cohere2", permuted_qk=False, norm_eps="layer_norm_eps"
+    ),
     "glm4": _Architecture(
         "Glm4ForCausalLM",
         "glm4",
@@ -146,6 +159,8 @@ _EXPERT_TENSORS = {
 }
 # Mixtral's Hugging Face names for what Qwen's MoE calls mlp.gate and mlp.experts.E.*_proj.
 _MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+_Tensors = dict[str, np.ndarray]
 
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -304,7 +319,13 @@ def _build_config(
         "num_key_value_heads": int(meta.get(key("attention.head_count_kv"), n_head)),
         "head_dim": int(meta.get(key("attention.key_length"), hidden // n_head)),
         "max_position_embeddings": int(meta.require(key("context_length"))),
-        "rms_norm_eps": _f32(meta.require(key("attention.layer_norm_rms_epsilon"))),
+        arch.norm_eps: _f32(
+            meta.require(
+                key("attention.layer_norm_rms_epsilon")
+                if arch.norm_eps == "rms_norm_eps"
+                else key("attention.layer_norm_epsilon")
+            )
+        ),
         "rope_theta": _f32(meta.get(key("rope.freq_base"), 10000.0)),
         "rope_scaling": _rope_scaling(meta, arch_name, rope_factors),
         "vocab_size": int(vocab_size),
@@ -318,7 +339,7 @@ def _build_config(
     found = {name.split(".")[5] for name in tensors if ".mlp.experts." in name}
     config.update(_experts(meta, arch_name, arch, config, len(found)))
     if arch_name in _FAMILIES:
-        config.update(_FAMILIES[arch_name](meta, arch_name, config))
+        config.update(_FAMILIES[arch_name](meta, arch_name, config, tensors))
     config.update(special_token_ids(meta))
     return config
 
@@ -336,7 +357,9 @@ def _partial_rotation(meta: GGUFMetadata, arch_name: str, head_dim: int) -> dict
     return {"partial_rotary_factor": rotated / head_dim}
 
 
-def _phi3(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+def _phi3(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
     window = meta.get(f"{arch_name}.attention.sliding_window")
     return {
         "sliding_window": None if window is None else int(window),
@@ -344,7 +367,9 @@ def _phi3(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[st
     }
 
 
-def _gemma(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+def _gemma(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
     layers, head_dim = config["num_hidden_layers"], config["head_dim"]
     pattern = _GEMMA_PATTERN[arch_name]
     big = layers == _GEMMA_27B_LAYERS[arch_name]
@@ -366,7 +391,9 @@ def _gemma(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[s
     return family
 
 
-def _granite(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+def _granite(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
     # llama.cpp's converter writes a multiplier only where the checkpoint states one (not
     # zero), and its runtime reads one left out as none: queries scaled by 1 / sqrt(head_dim).
     def stated(name: str, otherwise: float) -> float:
@@ -381,7 +408,9 @@ def _granite(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict
     }
 
 
-def _olmo2(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+def _olmo2(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
     # llama.cpp writes OLMo 3 as olmo2 with a sliding window and its pattern of layers.
     if meta.get(f"{arch_name}.attention.sliding_window") is not None:
         raise UnsupportedGGUFError(
@@ -394,7 +423,9 @@ def _olmo2(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[s
 _SMOLLM3_NO_ROPE_STEP = 4
 
 
-def _smollm3(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
+def _smollm3(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
     step = _SMOLLM3_NO_ROPE_STEP
     return {
         "no_rope_layer_interval": step,
@@ -402,7 +433,35 @@ def _smollm3(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict
     }
 
 
-_Family = Callable[[GGUFMetadata, str, dict[str, Any]], dict[str, Any]]
+def _cohere(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
+    family: dict[str, Any] = {
+        "logit_scale": _f32(meta.require(f"{arch_name}.logit_scale")),
+        "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in tensors,
+    }
+    if arch_name == "cohere2":
+        if _partial_rotation(meta, arch_name, config["head_dim"])["partial_rotary_factor"] != 1:
+            raise UnsupportedGGUFError("GGUF cohere2 file with a partial rotation")
+        family |= {
+            "sliding_window": int(meta.require(f"{arch_name}.attention.sliding_window")),
+            "layer_types": _layer_types(meta, arch_name, config["num_hidden_layers"], 4),
+        }
+    return family
+
+
+def _layer_types(meta: GGUFMetadata, arch_name: str, layers: int, period: int) -> list[str]:
+    """Which layers slide: the file's pattern (a period, or a flag per layer) where it states
+    one, else every layer but each `period`-th, llama.cpp's fixed period."""
+    stated = meta.get(f"{arch_name}.attention.sliding_window_pattern", period)
+    if isinstance(stated, list):
+        sliding = [bool(flag) for flag in stated]
+    else:
+        sliding = [(i + 1) % int(stated) != 0 for i in range(layers)]
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
+
+
+_Family = Callable[[GGUFMetadata, str, dict[str, Any], _Tensors], dict[str, Any]]
 # The config keys, beyond llama's, that a file of these architectures states or llama.cpp implies.
 _FAMILIES: dict[str, _Family] = {
     "phi3": _phi3,
@@ -411,7 +470,11 @@ _FAMILIES: dict[str, _Family] = {
     "granite": _granite,
     "olmo2": _olmo2,
     "smollm3": _smollm3,
-    "glm4": lambda meta, arch_name, config: _partial_rotation(meta, arch_name, config["head_dim"]),
+    "command-r": _cohere,
+    "cohere2": _cohere,
+    "glm4": lambda meta, arch_name, config, _: _partial_rotation(
+        meta, arch_name, config["head_dim"]
+    ),
 }
 
 

@@ -240,6 +240,8 @@ def _tiny_vocab() -> GGUFVocab:
     return GGUFVocab(tokens, types, merges)
 
 
+# The architectures of layer norms, and their configs' key of its epsilon.
+LAYER_NORM_EPS = {"command-r": "layer_norm_eps", "cohere2": "layer_norm_eps"}
 # The architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's subclasses).
 PERMUTED_QK = ("llama", "granite", "smollm3")
 
@@ -343,6 +345,11 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
     if arch == "phi3" and partial != 1.0:
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(partial * head_dim))
+    if arch in ("command-r", "cohere2"):
+        writer.add_logit_scale(config.logit_scale)
+    if arch == "cohere2":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_rope_dimension_count(config.head_dim)
     if arch == "glm4":  # always, of head_dim
         writer.add_rope_dimension_count(int(partial * config.head_dim))
     if arch == "olmo2" and getattr(config, "sliding_window", None):  # OLMo 3's
@@ -380,7 +387,10 @@ def _write_gguf(
     if head_dim is not None:  # llama.cpp writes it only where it is not hidden_size / heads
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch in LAYER_NORM_EPS:
+        writer.add_layer_norm_eps(getattr(config, LAYER_NORM_EPS[arch]))
+    else:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's
     writer.add_rope_freq_base(rope["rope_theta"])
     if vocab.kind == "llama":
@@ -549,6 +559,13 @@ FAMILIES = {
     "smollm3": lambda: transformers.SmolLM3Config(**{**LONG, "num_hidden_layers": 4}),
     # GLM-4-0414's biased q/k/v, half of each head rotating in adjacent pairs, its four norms
     "glm4": lambda: transformers.Glm4Config(**LONG, head_dim=8),
+    # Command R+'s q/k norms per head, its logit scale (layer norms, attention and MLP in
+    # parallel)
+    "command-r": lambda: transformers.CohereConfig(**LONG, use_qk_norm=True, logit_scale=0.5),
+    # Command R7B's three sliding layers and a full one (unrotated)
+    "cohere2": lambda: transformers.Cohere2Config(
+        **{**LONG, "num_hidden_layers": 4}, sliding_window=6, logit_scale=0.5
+    ),
     # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
     "granite": lambda: transformers.GraniteConfig(
         **LONG,
@@ -566,8 +583,9 @@ def test_a_family_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch
     windows and Gemma 3's scaled full layers), Phi-3 (fused q/k/v and gate/up, LongRoPE's
     factor tensors, a partial rotation), Granite (its multipliers and logit scale), OLMo 2
     (norms after the attention and the MLP, q/k norms over the whole projections), SmolLM3
-    (every fourth layer unrotated) and GLM-4 (its four norms, fused gate/up, half of each
-    head rotating in adjacent pairs): the
+    (every fourth layer unrotated), GLM-4 (its four norms, fused gate/up, half of each
+    head rotating in adjacent pairs) and Command R (layer norms, logit scale, Command R+'s q/k
+    norms per head, R7B's sliding layers): the
     conversion is the original model (its weights, and its logits as transformers reads the
     converted config), holds the weights transformers' own GGUF loader reads from the file
     where it reads the architecture, and Weir decodes greedily as transformers decodes the
