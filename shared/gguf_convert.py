@@ -11,10 +11,12 @@ is llama.cpp's, 1 / sqrt(head_dim)), olmo2 (norms after the attention and the ML
 norms over the whole projections; OLMo 3's sliding layers are refused), smollm3 (llama's
 layout, every fourth layer unrotated: llama.cpp's fixed step), glm4 (GLM-4-0414: norms
 before and after the attention and the MLP, fused gate/up, a partial rotation), command-r
-(layer norms, its logit scale, Command R+'s q/k norms per head) and cohere2 (Command R7B: its
-sliding layers, three of each four where the file states no pattern, llama.cpp's period), with the
-tokenizer the file states (`weir.shared.gguf_tokenizer`); anything else raises
-`UnsupportedGGUFError` naming what the file states. Converted for a model served with another
+(layer norms, its logit scale, Command R+'s q/k norms per head), cohere2 (Command R7B: its
+sliding layers, three of each four where the file states no pattern, llama.cpp's period) and
+starcoder2 (biased layer norms and projections, an ungated MLP, and no sliding window, as
+llama.cpp's converter drops it), with the tokenizer the file states
+(`weir.shared.gguf_tokenizer`); anything else raises `UnsupportedGGUFError` naming what the
+file states. Converted for a model served with another
 tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
 GGUF files, whose tokenizers it converts slowly or not at all). llama.cpp stacks a layer's
 experts in one tensor per projection; they are written one tensor per expert, as Hugging Face
@@ -106,6 +108,14 @@ _ARCHITECTURES = {
     ),
     "cohere2": _Architecture(
         "Cohere2ForCausalLM", "cohere2", permuted_qk=False, norm_eps="layer_norm_eps"
+    ),
+    # Biased layer norms and projections, an ungated MLP.
+    "starcoder2": _Architecture(
+        "Starcoder2ForCausalLM",
+        "starcoder2",
+        permuted_qk=False,
+        renames=(("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")),
+        norm_eps="norm_epsilon",
     ),
     "glm4": _Architecture(
         "Glm4ForCausalLM",
@@ -461,6 +471,18 @@ def _layer_types(meta: GGUFMetadata, arch_name: str, layers: int, period: int) -
     return ["sliding_attention" if flag else "full_attention" for flag in sliding]
 
 
+def _starcoder2(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "use_bias": config["attention_bias"],
+        # llama.cpp's converter leaves the checkpoint's window out, and its runtime attends
+        # to every earlier token: so does the conversion.
+        "sliding_window": None,
+    }
+
+
 _Family = Callable[[GGUFMetadata, str, dict[str, Any], _Tensors], dict[str, Any]]
 # The config keys, beyond llama's, that a file of these architectures states or llama.cpp implies.
 _FAMILIES: dict[str, _Family] = {
@@ -470,6 +492,7 @@ _FAMILIES: dict[str, _Family] = {
     "granite": _granite,
     "olmo2": _olmo2,
     "smollm3": _smollm3,
+    "starcoder2": _starcoder2,
     "command-r": _cohere,
     "cohere2": _cohere,
     "glm4": lambda meta, arch_name, config, _: _partial_rotation(

@@ -241,7 +241,11 @@ def _tiny_vocab() -> GGUFVocab:
 
 
 # The architectures of layer norms, and their configs' key of its epsilon.
-LAYER_NORM_EPS = {"command-r": "layer_norm_eps", "cohere2": "layer_norm_eps"}
+LAYER_NORM_EPS = {
+    "command-r": "layer_norm_eps",
+    "cohere2": "layer_norm_eps",
+    "starcoder2": "norm_epsilon",
+}
 # The architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's subclasses).
 PERMUTED_QK = ("llama", "granite", "smollm3")
 
@@ -267,6 +271,7 @@ FAMILY_LAYER_NAMES = {
         "post_attention_layernorm": "post_attention_norm",
         "post_feedforward_layernorm": "post_ffw_norm",
     },
+    "starcoder2": {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"},
     "glm4": {
         "post_self_attn_layernorm": "post_attention_norm",
         "post_mlp_layernorm": "post_ffw_norm",
@@ -279,6 +284,7 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
         "lm_head.weight": "output.weight",
     }
     if hf_name in top:
@@ -566,6 +572,8 @@ FAMILIES = {
     "cohere2": lambda: transformers.Cohere2Config(
         **{**LONG, "num_hidden_layers": 4}, sliding_window=6, logit_scale=0.5
     ),
+    # StarCoder2's biased layer norms and projections, its ungated MLP
+    "starcoder2": lambda: transformers.Starcoder2Config(**LONG),
     # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
     "granite": lambda: transformers.GraniteConfig(
         **LONG,
@@ -584,8 +592,9 @@ def test_a_family_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch
     factor tensors, a partial rotation), Granite (its multipliers and logit scale), OLMo 2
     (norms after the attention and the MLP, q/k norms over the whole projections), SmolLM3
     (every fourth layer unrotated), GLM-4 (its four norms, fused gate/up, half of each
-    head rotating in adjacent pairs) and Command R (layer norms, logit scale, Command R+'s q/k
-    norms per head, R7B's sliding layers): the
+    head rotating in adjacent pairs), Command R (layer norms, logit scale, Command R+'s q/k
+    norms per head, R7B's sliding layers) and StarCoder2 (biased layer norms and projections,
+    an ungated MLP): the
     conversion is the original model (its weights, and its logits as transformers reads the
     converted config), holds the weights transformers' own GGUF loader reads from the file
     where it reads the architecture, and Weir decodes greedily as transformers decodes the
