@@ -16,11 +16,10 @@ sliding layers, three of each four where the file states no pattern, llama.cpp's
 starcoder2 (biased layer norms and projections, an ungated MLP, and no sliding window, as
 llama.cpp's converter drops it), with the tokenizer the file states
 (`weir.shared.gguf_tokenizer`); anything else raises `UnsupportedGGUFError` naming what the
-file states. Converted for a model served with another
-tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
-GGUF files, whose tokenizers it converts slowly or not at all). llama.cpp stacks a layer's
-experts in one tensor per projection; they are written one tensor per expert, as Hugging Face
-checkpoints hold them.
+file states. Converted for a model served with another tokenizer (``--tokenizer``), the file's
+own is left out, whatever its kind (vLLM's advice for GGUF files, whose tokenizers it converts
+slowly or not at all). llama.cpp stacks a layer's experts in one tensor per projection; they
+are written one tensor per expert, as Hugging Face checkpoints hold them.
 
 RoPE scaling: ``rope.scaling.type`` linear and yarn (with their factor and original context)
 become Hugging Face's ``rope_scaling``. Llama 3.1's and later (``llama3``) files state no
@@ -99,8 +98,6 @@ _ARCHITECTURES = {
     # Its q/k norms span the whole projections: stored as they are.
     "olmo2": _Architecture("Olmo2ForCausalLM", "olmo2", False, _POST_NORMS),
     "smollm3": _Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),
-    # GLM-4-0414: rotates adjacent pairs as llama.cpp does (no permutation), its norms before
-    # and after the attention and the MLP, gate/up fused.
     # Cohere's layer norms without bias, attention and MLP in parallel, adjacent pairs rotating
     # as llama.cpp rotates them; Command R+'s q/k norms per head.
     "command-r": _Architecture(
@@ -117,6 +114,8 @@ _ARCHITECTURES = {
         renames=(("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")),
         norm_eps="norm_epsilon",
     ),
+    # GLM-4-0414: rotates adjacent pairs as llama.cpp does (no permutation), its norms before
+    # and after the attention and the MLP, gate/up fused.
     "glm4": _Architecture(
         "Glm4ForCausalLM",
         "glm4",
