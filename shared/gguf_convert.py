@@ -4,14 +4,22 @@ The output is what `transformers` would save: config.json, model.safetensors (fl
 tokenizer.json, tokenizer_config.json and generation_config.json. Supported architectures are
 llama (Mixtral where it has experts), qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 (their
 norm weights stored plus one, as llama.cpp's converter writes them; its fixed patterns of
-sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models')
-and phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), with the
-tokenizer the file states (`weir.shared.gguf_tokenizer`); anything else raises
-`UnsupportedGGUFError` naming what the file states. Converted for a model served with another
-tokenizer (``--tokenizer``), the file's own is left out, whatever its kind (vLLM's advice for
-GGUF files, whose tokenizers it converts slowly or not at all). llama.cpp stacks a layer's
-experts in one tensor per projection; they are written one tensor per expert, as Hugging Face
-checkpoints hold them.
+sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models'),
+phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), granite
+(llama's layout, its multipliers and logit scale; an attention multiplier the file leaves out
+is llama.cpp's, 1 / sqrt(head_dim)), olmo2 (norms after the attention and the MLP, q/k
+norms over the whole projections; OLMo 3's sliding layers are refused), smollm3 (llama's
+layout, every fourth layer unrotated: llama.cpp's fixed step), glm4 (GLM-4-0414: norms
+before and after the attention and the MLP, fused gate/up, a partial rotation), command-r
+(layer norms, its logit scale, Command R+'s q/k norms per head), cohere2 (Command R7B: its
+sliding layers, three of each four where the file states no pattern, llama.cpp's period) and
+starcoder2 (biased layer norms and projections, an ungated MLP, and no sliding window, as
+llama.cpp's converter drops it), with the tokenizer the file states
+(`weir.shared.gguf_tokenizer`); anything else raises `UnsupportedGGUFError` naming what the
+file states. Converted for a model served with another tokenizer (``--tokenizer``), the file's
+own is left out, whatever its kind (vLLM's advice for GGUF files, whose tokenizers it converts
+slowly or not at all). llama.cpp stacks a layer's experts in one tensor per projection; they
+are written one tensor per expert, as Hugging Face checkpoints hold them.
 
 RoPE scaling: ``rope.scaling.type`` linear and yarn (with their factor and original context)
 become Hugging Face's ``rope_scaling``. Llama 3.1's and later (``llama3``) files state no
@@ -22,8 +30,10 @@ with no attention scale (its original context the file's): the rotation llama.cp
 
 import json
 import logging
+import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,13 +67,17 @@ class _Architecture:
     renames: tuple[tuple[str, str], ...] = ()
     # llama.cpp's converter adds one to Gemma's norm weights (its norms scale by 1 + weight).
     norms_plus_one: bool = False
+    # The config key of the norms' epsilon: RMS norms' (the file's layer_norm_rms_epsilon),
+    # or another, of layer norms (the file's layer_norm_epsilon).
+    norm_eps: str = "rms_norm_eps"
 
 
-_GEMMA_NORMS = (
+# Norms after the attention and the MLP (OLMo 2's, Gemma's), and Gemma's before its MLP.
+_POST_NORMS = (
     ("post_attention_norm", "post_attention_layernorm"),
-    ("ffn_norm", "pre_feedforward_layernorm"),
     ("post_ffw_norm", "post_feedforward_layernorm"),
 )
+_GEMMA_NORMS = (*_POST_NORMS, ("ffn_norm", "pre_feedforward_layernorm"))
 
 
 _ARCHITECTURES = {
@@ -79,6 +93,39 @@ _ARCHITECTURES = {
         "phi3",
         permuted_qk=False,
         renames=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
+    ),
+    "granite": _Architecture("GraniteForCausalLM", "granite", permuted_qk=True),
+    # Its q/k norms span the whole projections: stored as they are.
+    "olmo2": _Architecture("Olmo2ForCausalLM", "olmo2", False, _POST_NORMS),
+    "smollm3": _Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),
+    # Cohere's layer norms without bias, attention and MLP in parallel, adjacent pairs rotating
+    # as llama.cpp rotates them; Command R+'s q/k norms per head.
+    "command-r": _Architecture(
+        "CohereForCausalLM", "cohere", permuted_qk=False, norm_eps="layer_norm_eps"
+    ),
+    "cohere2": _Architecture(
+        "Cohere2ForCausalLM", "cohere2", permuted_qk=False, norm_eps="layer_norm_eps"
+    ),
+    # Biased layer norms and projections, an ungated MLP.
+    "starcoder2": _Architecture(
+        "Starcoder2ForCausalLM",
+        "starcoder2",
+        permuted_qk=False,
+        renames=(("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj")),
+        norm_eps="norm_epsilon",
+    ),
+    # GLM-4-0414: rotates adjacent pairs as llama.cpp does (no permutation), its norms before
+    # and after the attention and the MLP, gate/up fused.
+    "glm4": _Architecture(
+        "Glm4ForCausalLM",
+        "glm4",
+        permuted_qk=False,
+        renames=(
+            ("post_attention_norm", "post_self_attn_layernorm"),
+            ("ffn_norm", "post_attention_layernorm"),
+            ("post_ffw_norm", "post_mlp_layernorm"),
+            ("ffn_up", "mlp.gate_up_proj"),
+        ),
     ),
 }
 # llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
@@ -121,6 +168,8 @@ _EXPERT_TENSORS = {
 }
 # Mixtral's Hugging Face names for what Qwen's MoE calls mlp.gate and mlp.experts.E.*_proj.
 _MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+_Tensors = dict[str, np.ndarray]
 
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -279,7 +328,13 @@ def _build_config(
         "num_key_value_heads": int(meta.get(key("attention.head_count_kv"), n_head)),
         "head_dim": int(meta.get(key("attention.key_length"), hidden // n_head)),
         "max_position_embeddings": int(meta.require(key("context_length"))),
-        "rms_norm_eps": _f32(meta.require(key("attention.layer_norm_rms_epsilon"))),
+        arch.norm_eps: _f32(
+            meta.require(
+                key("attention.layer_norm_rms_epsilon")
+                if arch.norm_eps == "rms_norm_eps"
+                else key("attention.layer_norm_epsilon")
+            )
+        ),
         "rope_theta": _f32(meta.get(key("rope.freq_base"), 10000.0)),
         "rope_scaling": _rope_scaling(meta, arch_name, rope_factors),
         "vocab_size": int(vocab_size),
@@ -292,7 +347,8 @@ def _build_config(
     # model.layers.L.mlp.experts.E.*: the experts the file's stacked tensors hold
     found = {name.split(".")[5] for name in tensors if ".mlp.experts." in name}
     config.update(_experts(meta, arch_name, arch, config, len(found)))
-    config.update(_family(meta, arch_name, config))
+    if arch_name in _FAMILIES:
+        config.update(_FAMILIES[arch_name](meta, arch_name, config, tensors))
     config.update(special_token_ids(meta))
     return config
 
@@ -304,25 +360,26 @@ _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def _family(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[str, Any]:
-    """The config keys of Gemma 2 and 3 and Phi-3 that the file states or llama.cpp
-    implies."""
+def _partial_rotation(meta: GGUFMetadata, arch_name: str, head_dim: int) -> dict[str, Any]:
+    """partial_rotary_factor, stated even when whole: GLM-4's default is half."""
+    rotated = int(meta.get(f"{arch_name}.rope.dimension_count", head_dim))
+    return {"partial_rotary_factor": rotated / head_dim}
 
-    def key(name: str) -> str:
-        return f"{arch_name}.{name}"
 
+def _phi3(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
+    window = meta.get(f"{arch_name}.attention.sliding_window")
+    return {
+        "sliding_window": None if window is None else int(window),
+        **_partial_rotation(meta, arch_name, config["head_dim"]),
+    }
+
+
+def _gemma(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
     layers, head_dim = config["num_hidden_layers"], config["head_dim"]
-    if arch_name == "phi3":
-        window, rotated = (
-            meta.get(key("attention.sliding_window")),
-            meta.get(key("rope.dimension_count"), head_dim),
-        )
-        family: dict[str, Any] = {"sliding_window": None if window is None else int(window)}
-        if int(rotated) != head_dim:
-            family["partial_rotary_factor"] = int(rotated) / head_dim
-        return family
-    if arch_name not in _GEMMA_PATTERN:
-        return {}
     pattern = _GEMMA_PATTERN[arch_name]
     big = layers == _GEMMA_27B_LAYERS[arch_name]
     family = {
@@ -331,16 +388,116 @@ def _family(meta: GGUFMetadata, arch_name: str, config: dict[str, Any]) -> dict[
         "query_pre_attn_scalar": (
             config["hidden_size"] // config["num_attention_heads"] if big else head_dim
         ),
-        "sliding_window": int(meta.require(key("attention.sliding_window"))),
+        "sliding_window": int(meta.require(f"{arch_name}.attention.sliding_window")),
         "layer_types": [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
         ],
-        "final_logit_softcapping": meta.get(key("final_logit_softcapping")),
-        "attn_logit_softcapping": meta.get(key("attn_logit_softcapping")),
+        "final_logit_softcapping": meta.get(f"{arch_name}.final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get(f"{arch_name}.attn_logit_softcapping"),
     }
     if arch_name == "gemma3":
         family["rope_local_base_freq"] = 10000.0  # llama.cpp's, for every Gemma 3
     return family
+
+
+def _granite(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
+    # llama.cpp's converter writes a multiplier only where the checkpoint states one (not
+    # zero), and its runtime reads one left out as none: queries scaled by 1 / sqrt(head_dim).
+    def stated(name: str, otherwise: float) -> float:
+        value = meta.get(f"{arch_name}.{name}")
+        return _f32(value) if value else otherwise
+
+    return {
+        "embedding_multiplier": stated("embedding_scale", 1.0),
+        "residual_multiplier": stated("residual_scale", 1.0),
+        "attention_multiplier": stated("attention.scale", 1 / math.sqrt(config["head_dim"])),
+        "logits_scaling": _f32(meta.require(f"{arch_name}.logit_scale")),
+    }
+
+
+def _olmo2(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
+    # llama.cpp writes OLMo 3 as olmo2 with a sliding window and its pattern of layers.
+    if meta.get(f"{arch_name}.attention.sliding_window") is not None:
+        raise UnsupportedGGUFError(
+            "GGUF olmo2 file with sliding-window layers (OLMo 3) is not supported"
+        )
+    return {}
+
+
+# SmolLM3's layers without rotation: every fourth, llama.cpp's fixed step (no key states it).
+_SMOLLM3_NO_ROPE_STEP = 4
+
+
+def _smollm3(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
+    step = _SMOLLM3_NO_ROPE_STEP
+    return {
+        "no_rope_layer_interval": step,
+        "no_rope_layers": [int((i + 1) % step != 0) for i in range(config["num_hidden_layers"])],
+    }
+
+
+def _cohere(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
+    family: dict[str, Any] = {
+        "logit_scale": _f32(meta.require(f"{arch_name}.logit_scale")),
+        "use_qk_norm": "model.layers.0.self_attn.q_norm.weight" in tensors,
+    }
+    if arch_name == "cohere2":
+        if _partial_rotation(meta, arch_name, config["head_dim"])["partial_rotary_factor"] != 1:
+            raise UnsupportedGGUFError("GGUF cohere2 file with a partial rotation")
+        family |= {
+            "sliding_window": int(meta.require(f"{arch_name}.attention.sliding_window")),
+            "layer_types": _layer_types(meta, arch_name, config["num_hidden_layers"], 4),
+        }
+    return family
+
+
+def _layer_types(meta: GGUFMetadata, arch_name: str, layers: int, period: int) -> list[str]:
+    """Which layers slide: the file's pattern (a period, or a flag per layer) where it states
+    one, else every layer but each `period`-th, llama.cpp's fixed period."""
+    stated = meta.get(f"{arch_name}.attention.sliding_window_pattern", period)
+    if isinstance(stated, list):
+        sliding = [bool(flag) for flag in stated]
+    else:
+        sliding = [(i + 1) % int(stated) != 0 for i in range(layers)]
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
+
+
+def _starcoder2(
+    meta: GGUFMetadata, arch_name: str, config: dict[str, Any], tensors: _Tensors
+) -> dict[str, Any]:
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "use_bias": config["attention_bias"],
+        # llama.cpp's converter leaves the checkpoint's window out, and its runtime attends
+        # to every earlier token: so does the conversion.
+        "sliding_window": None,
+    }
+
+
+_Family = Callable[[GGUFMetadata, str, dict[str, Any], _Tensors], dict[str, Any]]
+# The config keys, beyond llama's, that a file of these architectures states or llama.cpp implies.
+_FAMILIES: dict[str, _Family] = {
+    "phi3": _phi3,
+    "gemma2": _gemma,
+    "gemma3": _gemma,
+    "granite": _granite,
+    "olmo2": _olmo2,
+    "smollm3": _smollm3,
+    "starcoder2": _starcoder2,
+    "command-r": _cohere,
+    "cohere2": _cohere,
+    "glm4": lambda meta, arch_name, config, _: _partial_rotation(
+        meta, arch_name, config["head_dim"]
+    ),
+}
 
 
 def _experts(

@@ -240,6 +240,16 @@ def _tiny_vocab() -> GGUFVocab:
     return GGUFVocab(tokens, types, merges)
 
 
+# The architectures of layer norms, and their configs' key of its epsilon.
+LAYER_NORM_EPS = {
+    "command-r": "layer_norm_eps",
+    "cohere2": "layer_norm_eps",
+    "starcoder2": "norm_epsilon",
+}
+# The architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's subclasses).
+PERMUTED_QK = ("llama", "granite", "smollm3")
+
+
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # convert_hf_to_gguf.py's LlamaModel.permute: what llama.cpp does to q/k rows on the way in.
     return (
@@ -257,6 +267,16 @@ FAMILY_LAYER_NAMES = {
         "post_feedforward_layernorm": "post_ffw_norm",
     },
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+    "olmo2": {
+        "post_attention_layernorm": "post_attention_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "starcoder2": {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"},
+    "glm4": {
+        "post_self_attn_layernorm": "post_attention_norm",
+        "post_mlp_layernorm": "post_ffw_norm",
+        "mlp.gate_up_proj": "ffn_up",
+    },
 }
 
 
@@ -264,6 +284,7 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     top = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
+        "model.norm.bias": "output_norm.bias",
         "lm_head.weight": "output.weight",
     }
     if hf_name in top:
@@ -320,7 +341,7 @@ def _write_rope_scaling(writer: gguf.GGUFWriter, config, rope: dict) -> None:
 
 
 def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
-    """convert_hf_to_gguf.py's metadata of Gemma 2 and 3 and Phi-3."""
+    """convert_hf_to_gguf.py's metadata of Gemma 2 and 3, Phi-3 and Granite."""
     if arch in ("gemma2", "gemma3", "phi3"):
         writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
@@ -330,6 +351,25 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
     if arch == "phi3" and partial != 1.0:
         head_dim = config.hidden_size // config.num_attention_heads
         writer.add_rope_dimension_count(int(partial * head_dim))
+    if arch in ("command-r", "cohere2"):
+        writer.add_logit_scale(config.logit_scale)
+    if arch == "cohere2":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_rope_dimension_count(config.head_dim)
+    if arch == "glm4":  # always, of head_dim
+        writer.add_rope_dimension_count(int(partial * config.head_dim))
+    if arch == "olmo2" and getattr(config, "sliding_window", None):  # OLMo 3's
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
+    if arch == "granite":  # its multipliers, each where the checkpoint states it
+        for add, value in (
+            (writer.add_attention_scale, config.attention_multiplier),
+            (writer.add_embedding_scale, config.embedding_multiplier),
+            (writer.add_residual_scale, config.residual_multiplier),
+            (writer.add_logit_scale, config.logits_scaling),
+        ):
+            if value:
+                add(value)
 
 
 def _write_gguf(
@@ -353,7 +393,10 @@ def _write_gguf(
     if head_dim is not None:  # llama.cpp writes it only where it is not hidden_size / heads
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch in LAYER_NORM_EPS:
+        writer.add_layer_norm_eps(getattr(config, LAYER_NORM_EPS[arch]))
+    else:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's
     writer.add_rope_freq_base(rope["rope_theta"])
     if vocab.kind == "llama":
@@ -403,9 +446,9 @@ def _write_gguf(
             continue
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(-1)  # llama.cpp keeps it as a vector
-        if arch == "llama" and ".q_proj." in name:
+        if arch in PERMUTED_QK and ".q_proj." in name:
             w = _llama_cpp_permute(w, config.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
+        elif arch in PERMUTED_QK and ".k_proj." in name:
             w = _llama_cpp_permute(w, config.num_key_value_heads)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + np.float32(1)  # llama.cpp's norms scale by the weight itself
@@ -516,16 +559,48 @@ FAMILIES = {
         },
         sliding_window=6,
     ),
+    # OLMo 2's norms after the attention and the MLP, q/k norms over the whole projections
+    "olmo2": lambda: transformers.Olmo2Config(**LONG),
+    # SmolLM3's layers without rotation: every fourth
+    "smollm3": lambda: transformers.SmolLM3Config(**{**LONG, "num_hidden_layers": 4}),
+    # GLM-4-0414's biased q/k/v, half of each head rotating in adjacent pairs, its four norms
+    "glm4": lambda: transformers.Glm4Config(**LONG, head_dim=8),
+    # Command R+'s q/k norms per head, its logit scale (layer norms, attention and MLP in
+    # parallel)
+    "command-r": lambda: transformers.CohereConfig(**LONG, use_qk_norm=True, logit_scale=0.5),
+    # Command R7B's three sliding layers and a full one (unrotated)
+    "cohere2": lambda: transformers.Cohere2Config(
+        **{**LONG, "num_hidden_layers": 4}, sliding_window=6, logit_scale=0.5
+    ),
+    # StarCoder2's biased layer norms and projections, its ungated MLP
+    "starcoder2": lambda: transformers.Starcoder2Config(**LONG),
+    # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
+    "granite": lambda: transformers.GraniteConfig(
+        **LONG,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.5,
+        logits_scaling=8.0,
+    ),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
-def test_a_gemma_or_phi3_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch) -> None:
+def test_a_family_gguf_decodes_as_the_original_model(arch, tmp_path, monkeypatch) -> None:
     """llama.cpp's files of Gemma 2 and 3 (norm weights stored plus one, their soft caps,
-    windows and Gemma 3's scaled full layers) and Phi-3 (fused q/k/v and gate/up, LongRoPE's
-    factor tensors, a partial rotation): the conversion holds the weights transformers' own
-    GGUF loader reads from the file, and Weir decodes greedily as transformers decodes the
+    windows and Gemma 3's scaled full layers), Phi-3 (fused q/k/v and gate/up, LongRoPE's
+    factor tensors, a partial rotation), Granite (its multipliers and logit scale), OLMo 2
+    (norms after the attention and the MLP, q/k norms over the whole projections), SmolLM3
+    (every fourth layer unrotated), GLM-4 (its four norms, fused gate/up, half of each
+    head rotating in adjacent pairs), Command R (layer norms, logit scale, Command R+'s q/k
+    norms per head, R7B's sliding layers) and StarCoder2 (biased layer norms and projections,
+    an ungated MLP): the
+    conversion is the original model (its weights, and its logits as transformers reads the
+    converted config), holds the weights transformers' own GGUF loader reads from the file
+    where it reads the architecture, and Weir decodes greedily as transformers decodes the
     original model (past the windows and the original context)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
     tokens = _tiny_vocab().tokens
     config = FAMILIES[arch]()
@@ -535,16 +610,30 @@ def test_a_gemma_or_phi3_gguf_decodes_as_the_original_model(arch, tmp_path, monk
     original = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in original.named_parameters():
-            # Queries and keys 5x larger: attention sharp enough that its rotation shows.
-            sharp = any(part in name for part in ("q_proj", "k_proj", "qkv_proj"))
+            # Queries and keys 5x larger (OLMo's norms of them too): attention sharp enough
+            # that its rotation shows.
+            sharp = any(
+                part in name for part in ("q_proj", "k_proj", "qkv_proj", "q_norm", "k_norm")
+            )
             p.copy_(torch.randn_like(p) * (1.0 if sharp else 0.2))
     path = tmp_path / f"tiny-{arch}.gguf"
     _write_gguf(path, arch, original, config)
-    converted = load_file(str(resolve_model(path) / "model.safetensors"))
-    hf_gguf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
-    for name, tensor in hf_gguf.state_dict().items():
-        if name != "lm_head.weight" or name in converted:  # tied
-            torch.testing.assert_close(torch.from_numpy(converted[name]), tensor, msg=name)
+    model_dir = resolve_model(path)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert type(ours) is type(original)
+    reference = original.state_dict()
+    assert set(ours.state_dict()) == set(reference)
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], msg=name)
+    input_ids = torch.tensor([[1, 5, 80, 200, 258, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids).logits, original(input_ids).logits)
+    if arch in GGUF_SUPPORTED_ARCHITECTURES:
+        converted = load_file(str(model_dir / "model.safetensors"))
+        hf_gguf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name)
+        for name, tensor in hf_gguf.state_dict().items():
+            if name != "lm_head.weight" or name in converted:  # tied
+                torch.testing.assert_close(torch.from_numpy(converted[name]), tensor, msg=name)
     prompt = [(7 * i) % 250 + 3 for i in range(20)]
     work = tp_workload.Workload(str(resolve_model(path)), [prompt], 8, num_blocks=8)
     assert tp_workload.run(work).outputs == {"r0": greedy(original, prompt, 8)}
@@ -757,6 +846,18 @@ def test_experts_the_metadata_does_not_state_are_refused_before_any_build(
     with pytest.raises(UnsupportedGGUFError, match=message):
         resolve_model(tmp_path / "mixtral.gguf")
     assert not list((tmp_path / "cache" / "models").glob("*/config.json"))
+
+
+def test_an_olmo3_gguf_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp writes OLMo 3 as olmo2 with sliding-window layers, which are not converted."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    config = transformers.Olmo3Config(
+        **TINY, sliding_window=6, vocab_size=len(_tiny_vocab().tokens)
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _write_gguf(tmp_path / "olmo3.gguf", "olmo2", model, config)
+    with pytest.raises(UnsupportedGGUFError, match="sliding-window layers \\(OLMo 3\\)"):
+        resolve_model(tmp_path / "olmo3.gguf")
 
 
 def test_unsupported_architecture_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
