@@ -3,7 +3,8 @@
 Two of llama.cpp's kinds (``tokenizer.ggml.model``) convert:
 
 - ``gpt2``: byte-level BPE with the file's merges, cut first as ``tokenizer.ggml.pre`` names
-  (GPT-2's, StarCoder's digits, Llama 3's, Qwen's, Mistral's Tekken, o200k's).
+  (GPT-2's; StarCoder's, SmolLM's, Granite's and Cohere's digits; Llama 3's and GLM-4's;
+  Qwen's; Mistral's Tekken; o200k's).
 - ``llama``: SentencePiece BPE (Llama 1 and 2, Mistral 7B's first three, Gemma, Phi-3, Yi, ...)
   as the original tokenizer.json holds it, and so as sentencepiece encodes each stretch of
   text between added tokens: spaces spelled "▁", one more prepended unless the file's
@@ -93,10 +94,21 @@ class _Pretokenization:
     ignore_merges: bool = False
 
 
+# llama.cpp's names of the pre-tokenizers (tokenizer.ggml.pre) that cut text alike.
+_GPT2_NAMES = ("gpt2", "default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion")
+# StarCoder's, SmolLM's, Granite 3's, Cohere's, EXAONE's: digits one by one, then GPT-2's cuts.
+_DIGITS_NAMES = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+_LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "pixtral")
+# GLM-4's cuts are Llama 3's; its tokenizer.json does not skip the merges of whole words.
+_GLM4_NAMES = ("glm4", "chatglm-bpe")
+_QWEN2_NAMES = ("qwen2", "deepseek-r1-qwen")
+_O200K_NAMES = ("gpt-4o", "llama4", "minimax-m2")
+
+
 def _pretokenization(pre: str) -> _Pretokenization:
-    if pre in ("gpt2", "default"):
+    if pre in _GPT2_NAMES:
         return _Pretokenization(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-    if pre in ("smollm", "starcoder", "refact"):
+    if pre in _DIGITS_NAMES:
         # StarCoder-family vocabularies were trained on single digits; HF splits them before the GPT-2 regex.
         return _Pretokenization(
             pre_tokenizers.Sequence(
@@ -106,17 +118,28 @@ def _pretokenization(pre: str) -> _Pretokenization:
                 ]
             )
         )
-    if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "pixtral"):
+    if pre in _LLAMA3_NAMES:
         return _Pretokenization(_split_then_bytes(_LLAMA3_SPLIT), ignore_merges=True)
-    if pre in ("qwen2", "deepseek-r1-qwen"):
+    if pre in _GLM4_NAMES:
+        return _Pretokenization(_split_then_bytes(_LLAMA3_SPLIT))
+    if pre in _QWEN2_NAMES:
         return _Pretokenization(_split_then_bytes(_QWEN2_SPLIT), normalizer=normalizers.NFC())
     if pre == "tekken":
         return _Pretokenization(_split_then_bytes(_TEKKEN_SPLIT))
-    if pre in ("gpt-4o", "llama4", "minimax-m2"):
+    if pre in _O200K_NAMES:
         return _Pretokenization(_split_then_bytes(_O200K_SPLIT))
+    known = (
+        *_GPT2_NAMES,
+        *_DIGITS_NAMES,
+        *_LLAMA3_NAMES,
+        *_GLM4_NAMES,
+        *_QWEN2_NAMES,
+        "tekken",
+        *_O200K_NAMES,
+    )
     raise UnsupportedGGUFError(
-        f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: gpt2, smollm, "
-        f"starcoder, refact, llama-bpe, qwen2, tekken, gpt-4o){GIVE_TOKENIZER}"
+        f"GGUF tokenizer pre-tokenizer {pre!r} is not supported (supported: "
+        f"{', '.join(known)}){GIVE_TOKENIZER}"
     )
 
 
