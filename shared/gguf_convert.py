@@ -7,7 +7,8 @@ norm weights stored plus one, as llama.cpp's converter writes them; its fixed pa
 sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 27B models'),
 phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), granite
 (llama's layout, its multipliers and logit scale; an attention multiplier the file leaves out
-is llama.cpp's, 1 / sqrt(head_dim)), olmo2 (norms after the attention and the MLP, q/k
+is llama.cpp's, 1 / sqrt(head_dim)), granitemoe (granite's, its experts stacked again as
+Granite's checkpoints hold them, with a shared expert GraniteMoeShared's), olmo2 (norms after the attention and the MLP, q/k
 norms over the whole projections; OLMo 3's sliding layers are refused), smollm3 (llama's
 layout, every fourth layer unrotated: llama.cpp's fixed step), glm4 (GLM-4-0414: norms
 before and after the attention and the MLP, fused gate/up, a partial rotation), command-r
@@ -95,6 +96,8 @@ _ARCHITECTURES = {
         renames=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
     ),
     "granite": _Architecture("GraniteForCausalLM", "granite", permuted_qk=True),
+    # Granite 3's mixtures of experts (with a shared expert: GraniteMoeShared's).
+    "granitemoe": _Architecture("GraniteMoeForCausalLM", "granitemoe", permuted_qk=True),
     # Its q/k norms span the whole projections: stored as they are.
     "olmo2": _Architecture("Olmo2ForCausalLM", "olmo2", False, _POST_NORMS),
     "smollm3": _Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),
@@ -129,7 +132,7 @@ _ARCHITECTURES = {
     ),
 }
 # llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "granitemoe": True}
 
 _TOP_LEVEL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -244,6 +247,36 @@ def _as_mixtral(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             name = f"{stem}.{_MIXTRAL_NAMES[projection]}.{suffix}"
         renamed[name] = w
     return renamed
+
+
+_GRANITE_MOE_PROJECTION = re.compile(
+    r"(model\.layers\.\d+)\.mlp\.(?:experts\.(\d+)|shared_expert)\.(gate|up|down)_proj\.weight"
+)
+
+
+def _as_granite_moe(tensors: _Tensors) -> _Tensors:
+    """A granitemoe file's experts as Granite's checkpoints hold them: a layer's experts
+    stacked, each one's gate rows then up rows in `block_sparse_moe.input_linear` [experts,
+    2 x columns, hidden], its down rows in `output_linear`; the router as `router.layer`;
+    the shared expert's gate and up rows in `shared_mlp.input_linear`."""
+    held: _Tensors = {}
+    parts: dict[tuple[str, str], dict[tuple[int, str], np.ndarray]] = {}
+    for name, w in tensors.items():
+        match = _GRANITE_MOE_PROJECTION.fullmatch(name)
+        if match is None:
+            held[name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")] = w
+            continue
+        layer, expert, projection = match.groups()
+        module = "shared_mlp" if expert is None else "block_sparse_moe"
+        parts.setdefault((layer, module), {})[int(expert or 0), projection] = w
+    for (layer, module), weights in parts.items():
+        count = 1 + max(expert for expert, _ in weights)
+        inputs = [np.concatenate([weights[e, "gate"], weights[e, "up"]]) for e in range(count)]
+        outputs = [weights[e, "down"] for e in range(count)]
+        shared = module == "shared_mlp"
+        held[f"{layer}.{module}.input_linear.weight"] = inputs[0] if shared else np.stack(inputs)
+        held[f"{layer}.{module}.output_linear.weight"] = outputs[0] if shared else np.stack(outputs)
+    return held
 
 
 def _rope_scaling(
@@ -489,6 +522,7 @@ _FAMILIES: dict[str, _Family] = {
     "gemma2": _gemma,
     "gemma3": _gemma,
     "granite": _granite,
+    "granitemoe": _granite,
     "olmo2": _olmo2,
     "smollm3": _smollm3,
     "starcoder2": _starcoder2,
@@ -517,9 +551,19 @@ def _experts(
         )
     used = int(meta.require(f"{arch_name}.expert_used_count"))
     norm = bool(meta.get(f"{arch_name}.expert_weights_norm", _NORM_TOPK[arch_name]))
+    if arch_name in ("llama", "granitemoe") and not norm:
+        raise UnsupportedGGUFError(f"GGUF {arch_name} experts without renormalized weights")
+    if arch_name == "granitemoe":
+        shared = meta.get(f"{arch_name}.expert_shared_feed_forward_length")
+        granite = {"num_local_experts": int(experts), "num_experts_per_tok": used}
+        if not shared:
+            return granite
+        return granite | {
+            "architectures": ["GraniteMoeSharedForCausalLM"],
+            "model_type": "granitemoeshared",
+            "shared_intermediate_size": int(shared),
+        }
     if arch_name == "llama":
-        if not norm:
-            raise UnsupportedGGUFError("GGUF llama experts without renormalized weights")
         return {
             "architectures": ["MixtralForCausalLM"],
             "model_type": "mixtral",
@@ -572,6 +616,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, with_tokenizer: bool = True)
     config = _build_config(meta, arch_name, arch, tensors, factors)
     if config["model_type"] == "mixtral":
         tensors = _as_mixtral(tensors)
+    elif arch.model_type == "granitemoe":
+        tensors = _as_granite_moe(tensors)
     logger.info("converted %d tensors from %s", len(tensors), gguf_path)
 
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -204,6 +204,8 @@ GGUF_LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.router": "ffn_gate_inp",
+    "shared_mlp.output_linear": "ffn_down_shexp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
@@ -247,7 +249,7 @@ LAYER_NORM_EPS = {
     "starcoder2": "norm_epsilon",
 }
 # The architectures whose q/k rows convert_hf_to_gguf.py interleaves (LlamaModel's subclasses).
-PERMUTED_QK = ("llama", "granite", "smollm3")
+PERMUTED_QK = ("llama", "granite", "granitemoe", "smollm3")
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -361,7 +363,7 @@ def _write_family(writer: gguf.GGUFWriter, arch: str, config) -> None:
     if arch == "olmo2" and getattr(config, "sliding_window", None):  # OLMo 3's
         writer.add_sliding_window(config.sliding_window)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
-    if arch == "granite":  # its multipliers, each where the checkpoint states it
+    if arch.startswith("granite"):  # its multipliers, each where the checkpoint states it
         for add, value in (
             (writer.add_attention_scale, config.attention_multiplier),
             (writer.add_embedding_scale, config.embedding_multiplier),
@@ -429,19 +431,26 @@ def _write_gguf(
         writer.add_expert_used_count(config.num_experts_per_tok)
     if getattr(config, "moe_intermediate_size", None):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if getattr(config, "shared_expert_intermediate_size", None):
-        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    shared = getattr(config, "shared_expert_intermediate_size", None) or getattr(
+        config, "shared_intermediate_size", None
+    )
+    if shared:
+        writer.add_expert_shared_feed_forward_length(shared)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = tensor.numpy()
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("mlp.experts.gate_up_proj"):  # transformers' stacked experts
-            gate, up = np.split(w, 2, axis=1)
-            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+        # transformers' stacked experts (Qwen's, Granite's), and Granite's shared expert:
+        # gate and up rows in one tensor, llama.cpp's in two.
+        fused = {"experts.gate_up_proj": "exps", "shared_mlp.input_linear.weight": "shexp"}
+        kind = next((kind for end, kind in fused.items() if name.endswith(end)), None)
+        if kind is not None:
+            gate, up = np.split(w, 2, axis=-2)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_{kind}.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"blk.{layer}.ffn_up_{kind}.weight", np.ascontiguousarray(up))
             continue
-        if name.endswith("mlp.experts.down_proj"):
+        if name.endswith("experts.down_proj"):
             writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(w))
             continue
         if name.endswith("shared_expert_gate.weight"):
@@ -574,6 +583,17 @@ FAMILIES = {
     ),
     # StarCoder2's biased layer norms and projections, its ungated MLP
     "starcoder2": lambda: transformers.Starcoder2Config(**LONG),
+    # Granite 3's mixtures of experts, the shared expert of GraniteMoeShared
+    "granitemoe": lambda: transformers.GraniteMoeSharedConfig(
+        **LONG,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=24,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.5,
+        logits_scaling=8.0,
+    ),
     # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
     "granite": lambda: transformers.GraniteConfig(
         **LONG,
