@@ -8,7 +8,8 @@ sliding layers, Gemma 3's local base, and its query scale, head_dim but for the 
 phi3 (fused q/k/v and gate/up, a partial rotation, LongRoPE's factor tensors), granite
 (llama's layout, its multipliers and logit scale; an attention multiplier the file leaves out
 is llama.cpp's, 1 / sqrt(head_dim)), granitemoe (granite's, its experts stacked again as
-Granite's checkpoints hold them, with a shared expert GraniteMoeShared's), olmo2 (norms after the attention and the MLP, q/k
+Granite's checkpoints hold them, with a shared expert GraniteMoeShared's), seed_oss (llama's
+layers, biased q/k/v, unpermuted), olmoe (Qwen's experts, OLMo 2's q/k norms), olmo2 (norms after the attention and the MLP, q/k
 norms over the whole projections; OLMo 3's sliding layers are refused), smollm3 (llama's
 layout, every fourth layer unrotated: llama.cpp's fixed step), glm4 (GLM-4-0414: norms
 before and after the attention and the MLP, fused gate/up, a partial rotation), command-r
@@ -96,6 +97,10 @@ _ARCHITECTURES = {
         renames=(("attn_qkv", "self_attn.qkv_proj"), ("ffn_up", "mlp.gate_up_proj")),
     ),
     "granite": _Architecture("GraniteForCausalLM", "granite", permuted_qk=True),
+    # Seed-OSS: llama's layers with biased q/k/v, rotating as llama.cpp does (no permutation).
+    "seed_oss": _Architecture("SeedOssForCausalLM", "seed_oss", permuted_qk=False),
+    # OLMoE: Qwen's experts, OLMo 2's q/k norms over the whole projections.
+    "olmoe": _Architecture("OlmoeForCausalLM", "olmoe", permuted_qk=False),
     # Granite 3's mixtures of experts (with a shared expert: GraniteMoeShared's).
     "granitemoe": _Architecture("GraniteMoeForCausalLM", "granitemoe", permuted_qk=True),
     # Its q/k norms span the whole projections: stored as they are.
@@ -132,7 +137,13 @@ _ARCHITECTURES = {
     ),
 }
 # llama.cpp renormalizes the chosen experts' weights for these (where the file does not say).
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "granitemoe": True}
+_NORM_TOPK = {
+    "llama": True,
+    "qwen2moe": False,
+    "qwen3moe": True,
+    "granitemoe": True,
+    "olmoe": False,
+}
 
 _TOP_LEVEL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -563,6 +574,8 @@ def _experts(
             "model_type": "granitemoeshared",
             "shared_intermediate_size": int(shared),
         }
+    if arch_name == "olmoe":  # its experts' columns are the file's feed_forward_length
+        return {"num_experts": int(experts), "num_experts_per_tok": used, "norm_topk_prob": norm}
     if arch_name == "llama":
         return {
             "architectures": ["MixtralForCausalLM"],

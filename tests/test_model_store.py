@@ -583,6 +583,10 @@ FAMILIES = {
     ),
     # StarCoder2's biased layer norms and projections, its ungated MLP
     "starcoder2": lambda: transformers.Starcoder2Config(**LONG),
+    # Seed-OSS's biased q/k/v
+    "seed_oss": lambda: transformers.SeedOssConfig(**LONG, head_dim=8, attention_bias=True),
+    # OLMoE's experts (not renormalized) and q/k norms over the whole projections
+    "olmoe": lambda: transformers.OlmoeConfig(**LONG, num_experts=4, num_experts_per_tok=2),
     # Granite 3's mixtures of experts, the shared expert of GraniteMoeShared
     "granitemoe": lambda: transformers.GraniteMoeSharedConfig(
         **LONG,
