@@ -31,6 +31,12 @@ from weir.shared.model_config import ModelConfig, read_model_config  # noqa: E40
 from weir.shared.rope_config import LONG_ROTATION  # noqa: E402
 from weir.shared.shard_layout import ShardLayout  # noqa: E402
 
+# transformers 5.24 maps mistral4 to Mistral4ForCausalLM for pretraining and image-text-to-text,
+# not as a causal LM, which the helpers below build and load.
+transformers.AutoModelForCausalLM.register(
+    transformers.Mistral4Config, transformers.Mistral4ForCausalLM, exist_ok=True
+)
+
 VOCAB = 131
 COMMON = dict(
     vocab_size=VOCAB,
@@ -55,6 +61,26 @@ MINISTRAL3 = dict(
         "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.1,
     },
+)
+MISTRAL4 = dict(
+    COMMON,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    kv_lora_rank=32,
+    q_lora_rank=24,
+    qk_nope_head_dim=24,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.5,
+    rope_parameters={**MINISTRAL3["rope_parameters"], "llama_4_scaling_beta": 0.3},
 )
 CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=96, pad_token_id=0),
@@ -246,6 +272,11 @@ CONFIGS = {
         n_group=4,
         topk_group=2,
     ),
+    # Mistral 4: V3's latent attention (a query latent, interleaved rotation) under YaRN with
+    # its mscale (the scores scaled too), its queries scaled by position past each 8 tokens;
+    # a dense first layer, then the top 2 of 8 experts by a softmax from the best 2 of 4
+    # groups (each scored by its best two), renormalized and scaled, beside a shared expert.
+    "mistral4": lambda: transformers.Mistral4Config(**MISTRAL4),
     # GLM-4.5's: biased q/k/v (not o), per-head q/k norms, half of each head rotating, V3's
     # experts in groups.
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
@@ -461,6 +492,7 @@ MOE_LAYERS = {
     "qwen3_moe": (1, 2),
     "deepseek_v2": (1, 2),
     "deepseek_v3": (1, 2),
+    "mistral4": (1, 2),
     "glm4_moe": (1, 2),
     "glm4_moe_lite": (0, 2),
     "seed_oss": (),
