@@ -1247,13 +1247,20 @@ def _latent_rope(
     """The rotation of each head's qk_rope_head_dim channels. Mistral 4's config gives it as
     transformers reads it, a partial_rotary_factor of the whole qk_head_dim (by default the
     rotated channels' share), of which int(qk_head_dim * factor) rotate: a factor that does
-    not come to qk_rope_head_dim (a float's rounding can make it one less) is refused."""
+    not come to qk_rope_head_dim (a float's rounding can make it one less) is refused, and so
+    is its default rotation, which transformers' Mistral 4 computes over the whole
+    qk_head_dim (its partial_rotary_factor unread), wider than the channels it turns."""
     if model_type != "mistral4":
         return read_rope(hf, model_type, latent.qk_rope_head_dim, max_pos)
     share = latent.qk_rope_head_dim / latent.qk_head_dim
     rope, local = read_rope(
         {"partial_rotary_factor": share, **hf}, model_type, latent.qk_head_dim, max_pos
     )
+    if rope.type == "default":
+        raise ValueError(
+            "config.json: Mistral 4's default rotation is not read: transformers computes it "
+            "over all qk_head_dim channels, not the qk_rope_head_dim that turn, and cannot run it"
+        )
     if rope.rotary_dim != latent.qk_rope_head_dim:
         raise ValueError(
             f"config.json: partial_rotary_factor rotates {rope.rotary_dim} of the "
