@@ -16,6 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import hf_auto_classes  # noqa: E402, F401
 import tp_workload  # noqa: E402
 from devices import CPU_AND_CUDA  # noqa: E402
 from lora_adapters import cached_greedy, greedy  # noqa: E402
@@ -30,12 +31,6 @@ from weir.shared.lora import check_adapter  # noqa: E402
 from weir.shared.model_config import ModelConfig, read_model_config  # noqa: E402
 from weir.shared.rope_config import LONG_ROTATION  # noqa: E402
 from weir.shared.shard_layout import ShardLayout  # noqa: E402
-
-# transformers 5.24 maps mistral4 to Mistral4ForCausalLM for pretraining and image-text-to-text,
-# not as a causal LM, which the helpers below build and load.
-transformers.AutoModelForCausalLM.register(
-    transformers.Mistral4Config, transformers.Mistral4ForCausalLM, exist_ok=True
-)
 
 VOCAB = 131
 COMMON = dict(
