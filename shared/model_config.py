@@ -63,13 +63,14 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_dense",
     "hunyuan_v1_moe",
     "llama4_text",
+    "mistral4",
 )
 # Multimodal checkpoints Weir serves the language model of: the model types their
 # text_config may name, the first where it names none. The vision tower's weights are left
 # unread, and a prompt is text only.
 TEXT_OF_MULTIMODAL = {
     "gemma3": ("gemma3_text",),
-    "mistral3": ("mistral", "ministral3"),
+    "mistral3": ("mistral", "ministral3", "mistral4"),
     "kimi_k25": ("deepseek_v3", "kimi_k2"),
     "qwen3_vl": ("qwen3_vl_text",),
     "qwen3_vl_moe": ("qwen3_vl_moe_text",),
@@ -285,6 +286,41 @@ _DEFAULTS["deepseek_v3"] = {
     "n_group": 8,
     "topk_group": 4,
     "norm_topk_prob": True,
+}
+# Mistral 4 (Mistral Small 4): DeepSeek-V3's latent attention and shared experts, routed by a
+# softmax among groups, its queries scaled by position (Ministral 3's), YaRN rotating the
+# qk_rope_head_dim channels of each head.
+_DEFAULTS["mistral4"] = {
+    **_DEEPSEEK,
+    "vocab_size": 131072,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "max_position_embeddings": 1048576,
+    "kv_lora_rank": 256,
+    "q_lora_rank": 1024,
+    "qk_nope_head_dim": 64,
+    "first_k_dense_replace": 0,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 2048,
+    "num_experts_per_tok": 4,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 128.0,
+        "original_max_position_embeddings": 8192,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale_all_dim": 1.0,
+        "mscale": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
 }
 # GLM-4.5, 4.6 and 4.7: grouped-query attention rotating half of each head, DeepSeek-V3's
 # experts.
@@ -712,7 +748,7 @@ class ModelConfig:
             rope, sliding_rope = read_rope(hf, model_type, head_dim, max_pos)
         else:  # one KV head: the latent and the rotated channels every head reads
             num_kv_heads, head_dim = 1, latent.kv_lora_rank + latent.qk_rope_head_dim
-            rope, sliding_rope = read_rope(hf, model_type, latent.qk_rope_head_dim, max_pos)
+            rope, sliding_rope = _latent_rope(model_type, hf, latent, max_pos)
         num_layers = count(hf, "num_hidden_layers")
         # Gemma 3's and OLMo 3's sliding layers rotate as such even where no window is set.
         sliding = (
@@ -990,9 +1026,9 @@ def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _query_scaling(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
-    """Ministral 3's position scaling of its queries, from its rope_parameters (where
-    transformers reads it)."""
-    if model_type != "ministral3":
+    """Ministral 3's and Mistral 4's position scaling of their queries, from their
+    rope_parameters (where transformers reads it)."""
+    if model_type not in ("ministral3", "mistral4"):
         return {}
     rope = {**mapping(hf, "rope_parameters"), **mapping(hf, "rope_scaling")}
     beta = rope.get("llama_4_scaling_beta", 0.0)
@@ -1183,9 +1219,9 @@ def _one_per_layer(hf: dict[str, Any], key: str, num_layers: int) -> int:
     return count({key: value}, key)
 
 
-# DeepSeek's architectures, and those built of its layers (GLM-4.7-Flash); GLM-4.5's and
-# 4.6's attention is of q/k/v heads, its experts DeepSeek-V3's.
-_LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+# DeepSeek's architectures, and those built of its layers (GLM-4.7-Flash, Mistral 4); GLM-4.5's
+# and 4.6's attention is of q/k/v heads, its experts DeepSeek-V3's.
+_LATENT_ATTENTION_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
 _DEEPSEEK_EXPERT_TYPES = (*_LATENT_ATTENTION_TYPES, "glm4_moe", "solar_open")
 
 
@@ -1205,6 +1241,35 @@ def _latent_attention(
     )
 
 
+def _latent_rope(
+    model_type: str, hf: dict[str, Any], latent: LatentAttention, max_pos: int
+) -> tuple[RopeConfig, RopeConfig | None]:
+    """The rotation of each head's qk_rope_head_dim channels. Mistral 4's config gives it as
+    transformers reads it, a partial_rotary_factor of the whole qk_head_dim (by default the
+    rotated channels' share), of which int(qk_head_dim * factor) rotate: a factor that does
+    not come to qk_rope_head_dim (a float's rounding can make it one less) is refused, and so
+    is its default rotation, which transformers' Mistral 4 computes over the whole
+    qk_head_dim (its partial_rotary_factor unread), wider than the channels it turns."""
+    if model_type != "mistral4":
+        return read_rope(hf, model_type, latent.qk_rope_head_dim, max_pos)
+    share = latent.qk_rope_head_dim / latent.qk_head_dim
+    rope, local = read_rope(
+        {"partial_rotary_factor": share, **hf}, model_type, latent.qk_head_dim, max_pos
+    )
+    if rope.type == "default":
+        raise ValueError(
+            "config.json: Mistral 4's default rotation is not read: transformers computes it "
+            "over all qk_head_dim channels, not the qk_rope_head_dim that turn, and cannot run it"
+        )
+    if rope.rotary_dim != latent.qk_rope_head_dim:
+        raise ValueError(
+            f"config.json: partial_rotary_factor rotates {rope.rotary_dim} of the "
+            f"{latent.qk_head_dim} query and key channels, not qk_rope_head_dim "
+            f"{latent.qk_rope_head_dim}"
+        )
+    return rope, local
+
+
 def _latent_fields(latent: LatentAttention | None, hf: dict[str, Any]) -> dict[str, Any]:
     """The latent attention, and its scale: qk_head_dim ** -0.5, by DeepSeek's YaRN mscale
     squared."""
@@ -1217,29 +1282,33 @@ def _latent_fields(latent: LatentAttention | None, hf: dict[str, Any]) -> dict[s
 
 
 def _deepseek_experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """DeepSeek-V2's and V3's experts (and those of the GLM models built like V3's), as
-    transformers reads them: the experts in the sparse layers, a shared expert of
-    n_shared_experts experts' columns, V2's softmax over all experts (the top k of the best
-    topk_group groups with group_limited_greedy) and V3's sigmoid with its correction bias
-    (groups scored by their best two), the weights scaled by routed_scaling_factor, the
-    router in float32."""
+    """DeepSeek-V2's and V3's experts (and those of the GLM models built like V3's, and of
+    Mistral 4), as transformers reads them: the experts in the sparse layers, a shared expert
+    of n_shared_experts experts' columns, V2's softmax over all experts (the top k of the best
+    topk_group groups with group_limited_greedy), V3's sigmoid with its correction bias and
+    Mistral 4's softmax (groups scored by their best two), the weights scaled by
+    routed_scaling_factor, the router in float32 (Mistral 4's in the model's dtype)."""
     if model_type not in _DEEPSEEK_EXPERT_TYPES:
         return {}
-    v3 = model_type != "deepseek_v2"  # the GLM models route as V3
-    experts, top_k = count(hf, "n_routed_experts"), count(hf, "num_experts_per_tok")
+    v2, mistral4 = model_type == "deepseek_v2", model_type == "mistral4"
+    v3 = not (v2 or mistral4)  # the GLM models route as V3
+    # Mistral 4's num_local_experts is its n_routed_experts (transformers' attribute_map),
+    # and wins where a file has both.
+    experts = count(hf, "num_local_experts" if "num_local_experts" in hf else "n_routed_experts")
+    top_k = count(hf, "num_experts_per_tok")
     if hf.get("moe_layer_freq", 1) != 1:
         raise ValueError(
             "config.json: moe_layer_freq other than 1 is not read (transformers' is 1)"
         )
     scoring, method = hf.get("scoring_func"), hf.get("topk_method")
     if scoring not in (None, "sigmoid" if v3 else "softmax") or (
-        not v3 and method not in ("greedy", "group_limited_greedy")
+        v2 and method not in ("greedy", "group_limited_greedy")
     ):
         raise ValueError(
             f"config.json: {model_type} routes by scoring_func {scoring!r} and topk_method "
             f"{method!r}, which Weir does not read (transformers reads neither)"
         )
-    grouped = v3 or method == "group_limited_greedy"
+    grouped = not v2 or method == "group_limited_greedy"
     groups = count(hf, "n_group") if grouped else 1
     kept = count(hf, "topk_group") if grouped else 1
     if experts % groups or kept > groups or top_k > kept * (experts // groups):
@@ -1247,11 +1316,14 @@ def _deepseek_experts(model_type: str, hf: dict[str, Any], num_layers: int) -> d
             f"config.json: {experts} experts in n_group {groups} groups, topk_group {kept} kept, "
             f"cannot give num_experts_per_tok {top_k}"
         )
-    if v3 and experts // groups < 2:
-        raise ValueError("config.json: DeepSeek-V3's groups are scored by their best two experts")
+    if not v2 and experts // groups < 2:
+        raise ValueError(
+            f"config.json: {model_type}'s groups are scored by their best two experts, so "
+            "each needs two"
+        )
     if flag(hf, "mlp_bias"):
         raise ValueError("config.json: DeepSeek's MLPs with mlp_bias are not read")
-    if not v3 and flag(hf, "norm_topk_prob"):
+    if v2 and flag(hf, "norm_topk_prob"):
         raise ValueError(
             "config.json: DeepSeek-V2 with norm_topk_prob is not read (transformers ignores it)"
         )
@@ -1266,7 +1338,7 @@ def _deepseek_experts(model_type: str, hf: dict[str, Any], num_layers: int) -> d
         "num_experts": experts,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": inter,
-        "norm_topk_prob": v3 and flag(hf, "norm_topk_prob"),
+        "norm_topk_prob": not v2 and flag(hf, "norm_topk_prob"),
         "shared_expert_intermediate_size": shared * inter,
         "shared_expert_gated": False,
         "moe_layers": _sparse_layers(hf, num_layers),
@@ -1274,10 +1346,10 @@ def _deepseek_experts(model_type: str, hf: dict[str, Any], num_layers: int) -> d
             sigmoid=v3,
             num_groups=groups,
             kept_groups=kept,
-            group_by_top2=v3,
+            group_by_top2=not v2,
             score_bias=v3,
             scaling=positive(hf, "routed_scaling_factor", 1.0),
-            float32=True,
+            float32=not mistral4,
         ),
         "num_nextn_predict_layers": nextn,
     }

@@ -16,6 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import hf_auto_classes  # noqa: E402, F401
 import tp_workload  # noqa: E402
 from devices import CPU_AND_CUDA  # noqa: E402
 from lora_adapters import cached_greedy, greedy  # noqa: E402
@@ -55,6 +56,26 @@ MINISTRAL3 = dict(
         "mscale_all_dim": 1.0,
         "llama_4_scaling_beta": 0.1,
     },
+)
+MISTRAL4 = dict(
+    COMMON,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    kv_lora_rank=32,
+    q_lora_rank=24,
+    qk_nope_head_dim=24,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.5,
+    rope_parameters={**MINISTRAL3["rope_parameters"], "llama_4_scaling_beta": 0.3},
 )
 CONFIGS = {
     "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=96, pad_token_id=0),
@@ -246,6 +267,11 @@ CONFIGS = {
         n_group=4,
         topk_group=2,
     ),
+    # Mistral 4: V3's latent attention (a query latent, interleaved rotation) under YaRN with
+    # its mscale (the scores scaled too), its queries scaled by position past each 8 tokens;
+    # a dense first layer, then the top 2 of 8 experts by a softmax from the best 2 of 4
+    # groups (each scored by its best two), renormalized and scaled, beside a shared expert.
+    "mistral4": lambda: transformers.Mistral4Config(**MISTRAL4),
     # GLM-4.5's: biased q/k/v (not o), per-head q/k norms, half of each head rotating, V3's
     # experts in groups.
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
@@ -461,6 +487,7 @@ MOE_LAYERS = {
     "qwen3_moe": (1, 2),
     "deepseek_v2": (1, 2),
     "deepseek_v3": (1, 2),
+    "mistral4": (1, 2),
     "glm4_moe": (1, 2),
     "glm4_moe_lite": (0, 2),
     "seed_oss": (),
@@ -822,6 +849,67 @@ def test_deepseek_caches_one_latent_row_refuses_fp8_and_skips_its_prediction_lay
             ModelConfig.from_hf({**hf, **changes})
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"q_lora_rank": None, "rope_interleave": False},
+        {
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "llama_4_scaling_beta": 0.0,
+            },
+        },
+    ],
+    ids=["direct_query_half_rotation", "ungrouped_unscaled"],
+)
+def test_mistral4_variants_decode_as_transformers(changes, tmp_path, monkeypatch):
+    """Mistral 4 with its query projected directly and its channels rotating half against
+    half (not in adjacent pairs); and routed from one group, not renormalized, its queries
+    not scaled, YaRN's scale on cos and sin (no mscale_all_dim: the scores unscaled)."""
+    # Built with the changes (its rotation is set up as the config is made, not after).
+    config = functools.partial(transformers.Mistral4Config, **{**MISTRAL4, **changes})
+    monkeypatch.setitem(CONFIGS, "mistral4", config)
+    hf = save_model("mistral4", tmp_path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
+    work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
+    want = {f"r{i}": tokens for i, tokens in enumerate(reference("mistral4", hf, prompts, 8))}
+    assert tp_workload.run(work).outputs == want
+
+
+def test_mistral4_config_reads_and_refuses_as_transformers_does():
+    """transformers' defaults where config.json leaves keys out; num_local_experts (its
+    attribute_map's name of n_routed_experts) winning where both are given; and refused by
+    name: a partial_rotary_factor of qk_head_dim that does not rotate qk_rope_head_dim
+    channels (transformers' int(qk_head_dim * factor), one less for some shapes), the default
+    rotation (transformers' spans all of qk_head_dim), routings transformers does not read."""
+    assert ModelConfig.from_hf({"model_type": "mistral4"}) == ModelConfig.from_hf(
+        transformers.Mistral4Config().to_dict()
+    )
+    hf = CONFIGS["mistral4"]().to_dict()
+    assert ModelConfig.from_hf({**hf, "num_local_experts": 16}).num_experts == 16
+    rope = {k: v for k, v in hf["rope_parameters"].items() if k != "partial_rotary_factor"}
+    for changes, match in (
+        ({"rope_parameters": {**rope, "partial_rotary_factor": 1.0}}, "rotates 32 of the 32"),
+        (
+            {"qk_nope_head_dim": 14, "qk_rope_head_dim": 30, "rope_parameters": rope},
+            "partial_rotary_factor 0.68.* rotates 29 of 44 channels",
+        ),
+        ({"rope_parameters": {**rope, "rope_type": "default"}}, "default rotation is not read"),
+        ({"scoring_func": "sigmoid"}, "routes by scoring_func 'sigmoid'"),
+        ({"n_group": 8}, "scored by their best two experts"),
+        ({"topk_group": 5}, "n_group 4 groups, topk_group 5 kept"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf({**hf, **changes})
+
+
 def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     """Gemma 3's 4B-27B checkpoints are Gemma3ForConditionalGeneration: Weir reads the
     language model (text_config, the language_model.* tensors) and leaves the vision tower
@@ -894,7 +982,7 @@ def test_ernie4_5_moe_leaves_its_prediction_block_unread(tmp_path):
     load_model(tmp_path)
 
 
-def _mistral3(text: dict):
+def _mistral3(text: dict, mistral4: bool = False):
     vision = dict(
         hidden_size=32,
         intermediate_size=48,
@@ -906,7 +994,11 @@ def _mistral3(text: dict):
     )
     return transformers.Mistral3ForConditionalGeneration(
         transformers.Mistral3Config(
-            text_config=transformers.Ministral3Config(**text, **MINISTRAL3).to_dict(),
+            text_config=(
+                transformers.Mistral4Config(**{**text, **MISTRAL4})
+                if mistral4
+                else transformers.Ministral3Config(**text, **MINISTRAL3)
+            ).to_dict(),
             vision_config=vision,
             image_token_index=VOCAB - 1,
             tie_word_embeddings=False,
@@ -1044,6 +1136,7 @@ def _as_qwen_writes_experts(path) -> None:
     "build, kind",
     [
         (_mistral3, "ministral3"),
+        (functools.partial(_mistral3, mistral4=True), "mistral4"),
         (_qwen3_vl, "qwen3"),
         (functools.partial(_qwen3_vl, moe=True), "qwen3_moe"),
         (_qwen2_5_vl, "qwen2"),
@@ -1051,14 +1144,24 @@ def _as_qwen_writes_experts(path) -> None:
         (_glm4v, "glm4"),
         (functools.partial(_glm4v, moe=True), "glm4_moe"),
     ],
-    ids=["mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl", "internvl", "glm4v", "glm4v_moe"],
+    ids=[
+        "mistral3",
+        "mistral3_mistral4",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "qwen2_5_vl",
+        "internvl",
+        "glm4v",
+        "glm4v_moe",
+    ],
 )
 def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path):
     """Mistral Small 3.x, Magistral and Ministral 3 are Mistral3ForConditionalGeneration,
     the Qwen-VL models Qwen2_5_VL-, Qwen3VL- and Qwen3VLMoeForConditionalGeneration, InternVL
     3 and 3.5 InternVLForConditionalGeneration, GLM-4.1V and 4.6V-Flash Glm4v-, GLM-4.5V and
     4.6V Glm4vMoeForConditionalGeneration: Weir reads the language model their
-    text_config names (Ministral 3's; Qwen3's and Qwen3-MoE's, whose
+    text_config names (Ministral 3's, Mistral Small 4's Mistral 4, its stacked experts read
+    in transformers' layout only; Qwen3's and Qwen3-MoE's, whose
     multimodal rotation turns a text's positions as Qwen3's does, the MoE's experts stacked
     as transformers saves them and as Qwen's files hold them) and leaves the vision tower and
     the projector unread. A text prompt decodes as transformers decodes it with the whole
@@ -1073,10 +1176,14 @@ def test_a_multimodal_checkpoint_serves_its_language_model(build, kind, tmp_path
     work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
     want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
     assert tp_workload.run(work).outputs == want
-    if cfg.num_experts:
+    if kind == "qwen3_moe":
         assert cfg.norm_topk_prob  # transformers' Qwen3-VL-MoE always renormalizes
         _as_qwen_writes_experts(tmp_path)
         assert tp_workload.run(work).outputs == want
+    if kind == "mistral4":
+        _as_qwen_writes_experts(tmp_path)
+        with pytest.raises(ValueError, match=r"down_proj: checkpoint shape \(8, 32, 64\) is not"):
+            load_model(tmp_path)
     if kind == "qwen2":
         _as_qwen2_5_vl_hub_files(tmp_path)
         assert read_model_config(tmp_path) == cfg

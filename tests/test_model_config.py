@@ -14,6 +14,8 @@ from weir.shared.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, read_mo
 
 transformers = pytest.importorskip("transformers")
 
+import hf_auto_classes  # noqa: E402, F401
+
 REQUIRED = dict(
     vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4
 )
@@ -41,7 +43,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
     mla = ours.latent_attention
     if mla is None:
         assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)
-    else:  # the cached row: the latent and the rotated channels (transformers' head_dim)
+    else:  # the cached row: the latent and the rotated channels
         shape = (
             "q_lora_rank",
             "kv_lora_rank",
@@ -50,7 +52,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
             "v_head_dim",
         )
         assert [getattr(mla, key) for key in shape] == [getattr(theirs, key) for key in shape]
-        assert ours.head_dim == theirs.kv_lora_rank + theirs.head_dim
+        assert ours.head_dim == theirs.kv_lora_rank + theirs.qk_rope_head_dim
     if hasattr(theirs, "n_routed_experts"):  # DeepSeek's experts (GLM's too)
         assert ours.num_experts == theirs.n_routed_experts
         model = transformers.AutoModelForCausalLM.from_config(theirs)
@@ -58,8 +60,9 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         assert ours.moe_layers == tuple(sparse)
         shared = theirs.n_shared_experts * theirs.moe_intermediate_size
         assert ours.shared_expert_intermediate_size == shared
+        # transformers' head_dim: DeepSeek's rotated channels, Mistral 4's qk_head_dim
         assert ours.rope.rotary_dim == int(
-            (theirs.qk_rope_head_dim if mla else ours.head_dim)
+            (theirs.head_dim if mla else ours.head_dim)
             * theirs.rope_parameters.get("partial_rotary_factor", 1.0)
         )
     assert ours.max_position_embeddings == theirs.max_position_embeddings

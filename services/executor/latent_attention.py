@@ -72,9 +72,11 @@ class LatentAttention(nn.Module):
         kv_cache: torch.Tensor,
         attention: AttentionBackend,
         scale: float,
+        query_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The heads' outputs [T, heads x v_head_dim] of x [T, hidden], K/V of its tokens
-        written to ``kv_cache`` first."""
+        written to ``kv_cache`` first. ``query_scale`` [T, 1, 1]: Mistral 4's factor of each
+        token's queries after their rotation, which scales its absorbed latent query alike."""
         num_tokens, heads, rope = x.shape[0], self.num_heads, self.rope_dim
         if self.q_proj is not None:
             q = self.q_proj(x)
@@ -96,6 +98,8 @@ class LatentAttention(nn.Module):
         qk[:, heads, rope:] = self.kv_a_layernorm(latent)
         rope_(qk[..., :rope], cos, sin, self.kernels)
         query, row = qk.split((heads, 1), dim=1)
+        if query_scale is not None:
+            query = query * query_scale
         attention.write_kv(row, row, kv_cache, meta)
         out = attention.attend(query, kv_cache, meta, scale)
         latents = out[..., rope:].transpose(0, 1).to(x.dtype)

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from weir.services.executor.gpt_oss_checkpoint import split_matching
-from weir.services.executor.qwen3_vl_moe_checkpoint import per_expert
+from weir.services.executor.stacked_experts_checkpoint import per_expert
 from weir.shared.model_config import ModelConfig
 
 if TYPE_CHECKING:  # weights.py reads its checkpoints through this module

@@ -114,8 +114,8 @@ class DecoderLayer(nn.Module):
         self.rotary_dim = 0 if index in cfg.nope_layers else cfg.rope.rotary_dim
         # Llama 4's q/k norms without a weight, of its rotated layers only.
         self.qk_l2_norm_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and self.rotary_dim else None
-        # Whether the model's query scale applies here: Ministral 3's every layer, Llama 4's
-        # NoPE layers only.
+        # Whether the model's query scale applies here: Ministral 3's and Mistral 4's every
+        # layer, Llama 4's NoPE layers only.
         self.scales_queries = not (cfg.attn_temperature_tuning and self.rotary_dim)
         self.hidden_act = cfg.hidden_act
         self.attention = attention
@@ -273,7 +273,7 @@ class DecoderLayer(nn.Module):
         query_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query_scale`` [T, 1, 1]: each token's queries are multiplied by it after their
-        rotation (Ministral 3's; Llama 4's NoPE layers')."""
+        rotation (Ministral 3's, Mistral 4's; Llama 4's NoPE layers')."""
         normed = x if self.input_layernorm is None else self.input_layernorm(x)
         return self.residual_block(x, normed, cos, sin, meta, kv_cache, lora, query_scale)
 
@@ -293,7 +293,9 @@ class DecoderLayer(nn.Module):
         if self.mla is None:
             attn = self._attend(normed, cos, sin, meta, kv_cache, lora, query_scale)
         else:
-            attn = self.mla(normed, cos, sin, meta, kv_cache, self.attention, self.scale)
+            attn = self.mla(
+                normed, cos, sin, meta, kv_cache, self.attention, self.scale, query_scale
+            )
         if not self.output_norms:
             x = self._add_row_parallel("o_proj", x, attn, lora, None)
             if self.post_attention_layernorm is not None:  # None: the MLP reads `normed` too
@@ -528,9 +530,10 @@ class CausalLM(nn.Module):
         return x
 
     def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """Ministral 3's factor of each token's queries, [T, 1, 1] in the model's dtype, as
-        transformers computes it (in float32, then rounded); Llama 4's in float32, its
-        positions counted from 1 (transformers rounds its queries once, after the product)."""
+        """Ministral 3's and Mistral 4's factor of each token's queries, [T, 1, 1] in the
+        model's dtype, as transformers computes it (in float32, then rounded); Llama 4's in
+        float32, its positions counted from 1 (transformers rounds its queries once, after the
+        product)."""
         beta, length = self.config.query_scaling_beta, self.config.query_scaling_length
         if not beta:
             return None

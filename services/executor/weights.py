@@ -24,7 +24,7 @@ from weir.services.executor.packed_weights import can_pack, pack_model
 from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.quantization import quantize_model
 from weir.services.executor.quantized_checkpoint import dequantized_tensors
-from weir.services.executor.qwen3_vl_moe_checkpoint import split_qwen3_vl_moe_tensors
+from weir.services.executor.stacked_experts_checkpoint import split_stacked_experts
 from weir.shared.model_config import ModelConfig, read_model_config, vocab_id
 from weir.shared.shard_layout import ShardLayout
 
@@ -679,8 +679,8 @@ def load_model(
             tensors = split_gpt_oss_tensors(tensors, cfg)
         elif cfg.model_type in ("granitemoe", "granitemoeshared"):
             tensors = split_granite_moe_tensors(tensors)
-        elif cfg.model_type == "qwen3_moe" and cfg.multimodal:
-            tensors = split_qwen3_vl_moe_tensors(tensors, cfg)
+        elif (cfg.model_type == "qwen3_moe" and cfg.multimodal) or cfg.model_type == "mistral4":
+            tensors = split_stacked_experts(tensors, cfg, qwen_layout=cfg.model_type == "qwen3_moe")
         elif cfg.model_type == "llama4_text":
             tensors = split_llama4_tensors(tensors, cfg)
         load_weights(model, tensors, lm_head_optional, _score_tokens(model_dir, cfg, tokenizer_dir))

@@ -1,11 +1,12 @@
-"""Qwen3-VL-MoE checkpoint tensors read under the names of the other mixtures of experts.
+"""Stacked experts' checkpoint tensors read under the names of the other mixtures of experts.
 
-Qwen3-VL's mixtures of experts (Qwen3-VL-30B-A3B, 235B-A22B) stack each layer's experts in two
-tensors: `mlp.experts.gate_up_proj`, the gate's columns then the up's, and
-`mlp.experts.down_proj`. Qwen's files hold them as [experts, hidden, 2 x columns] and
-[experts, columns, hidden]; transformers 5 saves them transposed, [experts, 2 x columns,
-hidden] and [experts, hidden, columns], and where both layouts have one shape (a square
-matrix) reads the second, as is done here. Each is read as one tensor per expert and
+Qwen3-VL's mixtures of experts (Qwen3-VL-30B-A3B, 235B-A22B) and Mistral 4 stack each layer's
+experts in two tensors: `mlp.experts.gate_up_proj`, the gate's columns then the up's, and
+`mlp.experts.down_proj`. transformers 5 saves them as its forward multiplies them, [experts,
+2 x columns, hidden] and [experts, hidden, columns] (Mistral 4's only layout: transformers has
+no other for it); Qwen's own files hold them transposed, [experts, hidden, 2 x columns] and
+[experts, columns, hidden], and where both layouts have one shape (a square matrix)
+transformers reads the first, as is done here. Each is read as one tensor per expert and
 projection, named as Qwen3-MoE's (`mlp.experts.E.gate_proj.weight`), so the loader shards and
 checks them as any other.
 """
@@ -26,26 +27,30 @@ if TYPE_CHECKING:  # weights.py reads its checkpoints through this module
 _STACKED_RE = re.compile(r"(.+\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 
-def split_qwen3_vl_moe_tensors(
-    tensors: Iterable[tuple[str, "TensorSource"]], cfg: ModelConfig
+def split_stacked_experts(
+    tensors: Iterable[tuple[str, "TensorSource"]], cfg: ModelConfig, qwen_layout: bool
 ) -> Iterator[tuple[str, "TensorSource"]]:
-    return split_matching(tensors, _STACKED_RE, functools.partial(_split, cfg))
+    """The tensors, stacked experts cut into one tensor per expert; ``qwen_layout``: Qwen's
+    transposed layout is read too."""
+    return split_matching(tensors, _STACKED_RE, functools.partial(_split, cfg, qwen_layout))
 
 
 def _split(
-    cfg: ModelConfig, m: re.Match[str], source: "TensorSource"
+    cfg: ModelConfig, qwen_layout: bool, m: re.Match[str], source: "TensorSource"
 ) -> Iterator[tuple[str, "TensorSource"]]:
     experts, part = m.groups()
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     rows, columns = (2 * inter, h) if part == "gate_up_proj" else (h, inter)
     whole = source[tuple(slice(None) for _ in source.get_shape())]
-    if tuple(whole.shape[1:]) == (columns, rows):
-        whole = whole.transpose(1, 2)
-    elif tuple(whole.shape[1:]) != (rows, columns):
+    layouts = f"[experts, {rows}, {columns}]"
+    if qwen_layout:
+        layouts += f" nor [experts, {columns}, {rows}]"
+        if tuple(whole.shape[1:]) == (columns, rows) != (rows, columns):
+            whole = whole.transpose(1, 2)
+    if tuple(whole.shape[1:]) != (rows, columns):
         raise ValueError(
-            f"{m.group(0)}: checkpoint shape {tuple(whole.shape)} is neither [experts, {rows}, "
-            f"{columns}] nor [experts, {columns}, {rows}]: config.json does not describe "
-            "these weights"
+            f"{m.group(0)}: checkpoint shape {tuple(whole.shape)} is not {layouts}: "
+            "config.json does not describe these weights"
         )
     yield from per_expert(experts, part, whole)
 
