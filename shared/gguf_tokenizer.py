@@ -220,12 +220,11 @@ def _sentencepiece(meta: GGUFMetadata, tokens: list[str], arch_name: str) -> Tok
         merges = _recovered_merges(tokens, [-float(i) for i in range(len(tokens))])
     else:
         merges = _recovered_merges(tokens, meta.require("tokenizer.ggml.scores"))
-    unknown = meta.get("tokenizer.ggml.unknown_token_id")
     tokenizer = Tokenizer(
         models.BPE(
             vocab={token: index for index, token in enumerate(tokens)},
             merges=merges,
-            unk_token=None if unknown is None else tokens[unknown],
+            unk_token=_special_token(meta, tokens, "unknown_token_id"),
             fuse_unk=True,
             byte_fallback=True,
         )
@@ -259,6 +258,20 @@ def _recovered_merges(tokens: list[str], ranks: list[float]) -> list[tuple[str, 
     return [(left, right) for *_, left, right in splits]
 
 
+def _special_token(meta: GGUFMetadata, tokens: list[str], key: str) -> str | None:
+    """The token the file names by id under ``tokenizer.ggml.{key}`` (None where it names
+    none); an id outside the vocabulary is a damaged file, said by name."""
+    index = meta.get(f"tokenizer.ggml.{key}")
+    if index is None:
+        return None
+    if not 0 <= int(index) < len(tokens):
+        raise UnsupportedGGUFError(
+            f"GGUF tokenizer.ggml.{key} {int(index)} is outside its {len(tokens)} tokens: "
+            "the file is damaged"
+        )
+    return tokens[int(index)]
+
+
 def _adds_bos(meta: GGUFMetadata) -> bool:
     # llama.cpp and transformers add a SentencePiece vocabulary's BOS where the file does not say.
     return bool(
@@ -272,8 +285,8 @@ def _post_processor(
     """Adds the BOS and EOS the file asks for."""
 
     def special(wanted: bool, key: str) -> tuple[str, int] | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return (tokens[index], int(index)) if wanted and index is not None else None
+        token = _special_token(meta, tokens, key) if wanted else None
+        return None if token is None else (token, int(meta.require(f"tokenizer.ggml.{key}")))
 
     bos = special(_adds_bos(meta), "bos_token_id")
     eos = special(bool(meta.get("tokenizer.ggml.add_eos_token", False)), "eos_token_id")
@@ -301,16 +314,12 @@ def tokenizer_config(meta: GGUFMetadata, context_length: int) -> dict[str, Any]:
     tokens: list[str] = meta.require("tokenizer.ggml.tokens")
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or []
 
-    def token(meta_key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{meta_key}")
-        return None if index is None else tokens[index]
-
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
+        "bos_token": _special_token(meta, tokens, "bos_token_id"),
+        "eos_token": _special_token(meta, tokens, "eos_token_id"),
+        "unk_token": _special_token(meta, tokens, "unknown_token_id"),
+        "pad_token": _special_token(meta, tokens, "padding_token_id"),
         "add_bos_token": _adds_bos(meta),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "additional_special_tokens": [

@@ -544,6 +544,13 @@ GEMMA3_ROPE = {
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
 }
+# Granite 3's multipliers (its 2B's, but the attention's, larger to show)
+GRANITE_MULTIPLIERS = {
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "attention_multiplier": 0.5,
+    "logits_scaling": 8.0,
+}
 FAMILIES = {
     "gemma2": lambda: transformers.Gemma2Config(
         **LONG, head_dim=8, query_pre_attn_scalar=8, sliding_window=6
@@ -590,22 +597,12 @@ FAMILIES = {
     # Granite 3's mixtures of experts, the shared expert of GraniteMoeShared
     "granitemoe": lambda: transformers.GraniteMoeSharedConfig(
         **LONG,
+        **GRANITE_MULTIPLIERS,
         num_local_experts=4,
         num_experts_per_tok=2,
         shared_intermediate_size=24,
-        embedding_multiplier=12.0,
-        residual_multiplier=0.22,
-        attention_multiplier=0.5,
-        logits_scaling=8.0,
     ),
-    # Granite 3's multipliers (its 2B's, but the attention's, larger to show)
-    "granite": lambda: transformers.GraniteConfig(
-        **LONG,
-        embedding_multiplier=12.0,
-        residual_multiplier=0.22,
-        attention_multiplier=0.5,
-        logits_scaling=8.0,
-    ),
+    "granite": lambda: transformers.GraniteConfig(**LONG, **GRANITE_MULTIPLIERS),
 }
 
 
@@ -908,6 +905,30 @@ def test_unsupported_architecture_is_named(tmp_path: Path, monkeypatch: pytest.M
     writer.close()
     with pytest.raises(UnsupportedGGUFError, match="'mamba' is not supported"):
         resolve_model(path)
+
+
+@pytest.mark.parametrize("key", ["bos_token_id", "unknown_token_id"])
+def test_a_special_token_id_outside_the_vocabulary_is_named(
+    key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged file's special token id past its vocabulary is refused naming the key,
+    before any weight is read, and leaves no build behind."""
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "damaged.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", "a", "b"])
+    writer.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0])
+    writer.add_token_types([2, 3, 3, 1, 1])
+    writer.add_uint32(f"tokenizer.ggml.{key}", 7)
+    writer.add_tensor("token_embd.weight", np.zeros((5, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedGGUFError, match=f"tokenizer.ggml.{key} 7 is outside its 5"):
+        resolve_model(path)
+    assert [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()] == []
 
 
 # --- The model cache: damaged builds, the default GGUF's checks, WEIR_CACHE, file modes ---
