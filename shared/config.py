@@ -1044,12 +1044,15 @@ class EngineArgs:
     def kv_events(self) -> KVEventsConfig:
         return KVEventsConfig.parse(self.kv_events_config or "{}")
 
-    def cache_config(self, num_blocks: int, long_prompt_threshold: int | None) -> CacheConfig:
-        """``long_prompt_threshold``: the model's (`RopeConfig.long_prompt_threshold`)."""
+    def cache_config(
+        self, num_blocks: int, long_prompt_threshold: int | None, prefix_caching: bool = True
+    ) -> CacheConfig:
+        """``long_prompt_threshold``: the model's (`RopeConfig.long_prompt_threshold`);
+        ``prefix_caching``: whether the model's KV alone is a prefix's state (not Qwen 3.5's)."""
         return CacheConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching and prefix_caching,
             long_prompt_threshold=long_prompt_threshold,
         )
 

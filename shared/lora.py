@@ -200,10 +200,11 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
     """The adapter in directory ``path``, its config and its tensors' names and shapes
     checked against ``model`` (the file's header only); ValueError names the file and what
     does not fit."""
-    if model.latent_attention is not None:
+    if model.latent_attention is not None or model.linear_layers:
+        kind = "DeepSeek's latent" if model.linear_layers == () else "linear"
         raise ValueError(
-            f"{path}: Weir does not serve LoRA adapters of a model with DeepSeek's latent "
-            "attention: serve the model without them"
+            f"{path}: Weir does not serve LoRA adapters of a model with {kind} attention: "
+            "serve the model without them"
         )
     config = read_adapter_config(path, max_rank)
     weights = Path(path) / ADAPTER_WEIGHTS

@@ -64,7 +64,12 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_moe",
     "llama4_text",
     "mistral4",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
+# Qwen 3.5's language models, dense and mixture of experts: hybrid, linear attention and
+# attention (``_linear_attention``).
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 # Multimodal checkpoints Weir serves the language model of: the model types their
 # text_config may name, the first where it names none. The vision tower's weights are left
 # unread, and a prompt is text only.
@@ -80,6 +85,8 @@ TEXT_OF_MULTIMODAL = {
     "glm4v": ("glm4v_text",),
     "glm4v_moe": ("glm4v_moe_text",),
     "llama4": ("llama4_text",),
+    "qwen3_5": ("qwen3_5_text",),
+    "qwen3_5_moe": ("qwen3_5_moe_text",),
 }
 # Multimodal model types whose older files hold the language model's keys beside
 # vision_config, with no text_config (as transformers still reads them).
@@ -117,6 +124,18 @@ MODEL_TYPE_ALIASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"norm_topk_prob": True},
     ),
 }
+_QWEN3_5 = {
+    "vocab_size": 248320,
+    "max_position_embeddings": 32768,
+    "head_dim": 256,
+    "partial_rotary_factor": 0.25,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "full_attention_interval": 4,
+}
 # transformers' defaults, per model type, for keys a config.json may leave out.
 _QWEN_MOE = {"max_position_embeddings": 32768, "decoder_sparse_step": 1, "norm_topk_prob": False}
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -126,6 +145,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "qwen3_5_text": _QWEN3_5,
+    "qwen3_5_moe_text": {
+        **_QWEN3_5,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+    },
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "exaone4": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
@@ -480,6 +507,26 @@ class LatentAttention:
 
 
 @dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """Qwen 3.5's Gated DeltaNet, its linear_attention layers' token mixer: a state of
+    num_v_heads matrices (head_k_dim x head_v_dim) per request in place of a KV cache, read
+    and updated by each token's key-head queries and keys (each serving num_v_heads /
+    num_k_heads value heads) after a causal depthwise convolution of conv_kernel_size over
+    the q/k/v channels."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel_size: int
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels the convolution mixes: q's, k's and v's."""
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ExpertRouting:
     """How a router turns its logits into the chosen experts' weights, beyond the top k of
     a softmax (Mixtral's, Qwen's, gpt-oss'): DeepSeek's groups of experts (only the
@@ -628,6 +675,13 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Qwen 3.5's hybrid layers: those of linear_layers mix tokens by a Gated DeltaNet
+    # (linear_attention) instead of attention; the others are attention layers whose output
+    # is gated by the sigmoid of a gate their q_proj computes beside each query head
+    # (attn_output_gate).
+    linear_attention: LinearAttention | None = None
+    linear_layers: tuple[int, ...] = ()
+    attn_output_gate: bool = False
     # Channels the q/k/v projections read; 0: hidden_size. An EAGLE-3 head's (never a
     # config.json's) reads twice that: the token's embedding and the hidden state, side by side.
     qkv_input_size: int = 0
@@ -649,6 +703,21 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
+
+    def is_linear_layer(self, index: int) -> bool:
+        """Whether layer ``index`` mixes tokens by linear attention (keeps no KV cache)."""
+        return index in self.linear_layers
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether a prefix's cached KV is all a request needs to go on from it: not where
+        linear-attention layers keep a state per request (prefix caching is then off)."""
+        return not self.linear_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep a KV cache: all but the linear-attention ones."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index``; None where it attends to every token."""
@@ -704,6 +773,7 @@ class ModelConfig:
         unchunked = "attention_chunk_size" in hf and hf["attention_chunk_size"] is None
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         gemma = model_type in ("gemma2", "gemma3_text")
+        qwen3_5 = model_type in QWEN3_5_TYPES
         cohere = model_type in ("cohere", "cohere2")
         # Cohere multiplies its logits by logit_scale.
         logits_scaling: dict[str, Any] = (
@@ -761,8 +831,13 @@ class ModelConfig:
             vocab_size=count(hf, "vocab_size"),
             hidden_size=hidden,
             # Llama 4's intermediate_size is its experts'; its dense layers' MLP is larger.
+            # Qwen 3.5's MoE has no dense layer: its experts' size stands in.
             intermediate_size=count(
-                hf, "intermediate_size_mlp" if model_type == "llama4_text" else "intermediate_size"
+                hf,
+                {
+                    "llama4_text": "intermediate_size_mlp",
+                    "qwen3_5_moe_text": "moe_intermediate_size",
+                }.get(model_type, "intermediate_size"),
             ),
             num_layers=num_layers,
             num_heads=num_heads,
@@ -779,7 +854,8 @@ class ModelConfig:
             sliding_layers=sliding,
             sliding_rope=sliding_rope,
             hidden_act=act,
-            gemma_norms=gemma,
+            # Qwen 3.5's norms are Gemma's, (1 + weight) (but its Gated DeltaNet's own).
+            gemma_norms=gemma or qwen3_5,
             sandwich_norms=gemma or model_type == "glm4",
             # Qwen2 has q/k/v biases (Qwen2-MoE unless its qkv_bias says not) and never an
             # o_proj bias.
@@ -805,6 +881,7 @@ class ModelConfig:
             qk_norm=model_type
             in (
                 "qwen3",
+                *QWEN3_5_TYPES,
                 "qwen3_moe",
                 "gemma3_text",
                 "olmo2",
@@ -842,6 +919,7 @@ class ModelConfig:
             **_gemma(model_type, hf),
             **_query_scaling(model_type, hf),
             **_llama4(model_type, hf, unchunked),
+            **_linear_attention(model_type, hf, num_layers),
             **logits_scaling,
         )
 
@@ -856,6 +934,8 @@ class ModelConfig:
         expert, shared = self.moe_intermediate_size, self.shared_expert_intermediate_size
         if self.latent_attention is not None and module.startswith("self_attn."):
             return self._latent_tensor_shape(module)
+        if module.startswith("linear_attn."):
+            return self._linear_tensor_shape(module)
         # q/k norms over the whole projections (OLMo's), a weight row per head (Command R+'s),
         # or one weight every head shares.
         q_norm, k_norm = (
@@ -879,7 +959,10 @@ class ModelConfig:
             "mlp.shared_experts.down_proj": (h, shared),
             "self_attn.qkv_proj": (q + 2 * kv, qkv_in),  # Phi-3's fused checkpoint tensors
             "mlp.gate_up_proj": (2 * inter, h),
-            "self_attn.q_proj": (q, qkv_in),
+            # Qwen 3.5's: each query head's channels, then its gate's (``attn_output_gate``).
+            "self_attn.q_proj": (2 * q if self.attn_output_gate else q, qkv_in),
+            "self_attn.gated_q": (q, qkv_in),
+            "self_attn.q_gate": (q, qkv_in),
             "self_attn.k_proj": (kv, qkv_in),
             "self_attn.v_proj": (kv, qkv_in),
             "self_attn.o_proj": (h, q),
@@ -897,6 +980,30 @@ class ModelConfig:
             "post_attention_layernorm": (h, 0),
             "pre_feedforward_layernorm": (h, 0),
             "post_feedforward_layernorm": (h, 0),
+        }[module]
+
+    def _linear_tensor_shape(self, module: str) -> tuple[int, int]:
+        la, h = self.linear_attention, self.hidden_size
+        if la is None:
+            raise KeyError(module)
+        key, value = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
+        kernel = la.conv_kernel_size
+        return {
+            "linear_attn.in_proj_qkv": (la.conv_dim, h),
+            "linear_attn.in_proj_q": (key, h),
+            "linear_attn.in_proj_k": (key, h),
+            "linear_attn.in_proj_v": (value, h),
+            "linear_attn.in_proj_z": (value, h),
+            "linear_attn.in_proj_b": (la.num_v_heads, h),
+            "linear_attn.in_proj_a": (la.num_v_heads, h),
+            "linear_attn.conv1d": (la.conv_dim, kernel),
+            "linear_attn.conv1d_q": (key, kernel),
+            "linear_attn.conv1d_k": (key, kernel),
+            "linear_attn.conv1d_v": (value, kernel),
+            "linear_attn.dt_bias": (la.num_v_heads, 0),
+            "linear_attn.A_log": (la.num_v_heads, 0),
+            "linear_attn.norm": (la.head_v_dim, 0),
+            "linear_attn.out_proj": (h, value),
         }[module]
 
     def _latent_tensor_shape(self, module: str) -> tuple[int, int]:
@@ -1022,6 +1129,44 @@ def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
         "embedding_multiplier": math.sqrt(count(hf, "hidden_size")),
         "attention_multiplier": positive(hf, "query_pre_attn_scalar", 256) ** -0.5,
         **{cap: positive(hf, cap, 1.0) if cap in hf else None for cap in caps},
+    }
+
+
+def _linear_attention(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen 3.5's linear-attention layers, where its layer_types names them (every
+    full_attention_interval-th layer attends, as transformers defaults them)."""
+    if model_type not in QWEN3_5_TYPES:
+        return {}
+    interval = count(hf, "full_attention_interval")
+    kinds = ("linear_attention", "full_attention")
+    types = hf.get("layer_types", [kinds[(i + 1) % interval == 0] for i in range(num_layers)])
+    if (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or any(t not in kinds for t in types)
+    ):
+        raise ValueError(
+            f"config.json: layer_types must name {kinds} for each of the {num_layers} "
+            f"layers, got {types!r}"
+        )
+    linear = LinearAttention(
+        num_k_heads=count(hf, "linear_num_key_heads"),
+        num_v_heads=count(hf, "linear_num_value_heads"),
+        head_k_dim=count(hf, "linear_key_head_dim"),
+        head_v_dim=count(hf, "linear_value_head_dim"),
+        conv_kernel_size=count(hf, "linear_conv_kernel_dim"),
+    )
+    if linear.num_v_heads % linear.num_k_heads:
+        raise ValueError(
+            f"config.json: linear_num_value_heads {linear.num_v_heads} is not a multiple of "
+            f"linear_num_key_heads {linear.num_k_heads}"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError("config.json: Qwen 3.5's hidden_act must be silu (its convolution's)")
+    return {
+        "linear_attention": linear,
+        "linear_layers": tuple(i for i, t in enumerate(types) if t == kinds[0]),
+        "attn_output_gate": True,
     }
 
 
@@ -1178,6 +1323,12 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         experts = count(hf, "num_experts", hf.get("num_local_experts"))
         inter, layers, shared = count(hf, "intermediate_size"), list(range(num_layers)), 0
         norm = flag(hf, "norm_topk_prob")
+    elif model_type == "qwen3_5_moe_text":
+        # Every layer's experts, their softmax's top k renormalized, beside a shared expert
+        # gated by its sigmoid (Qwen2-MoE's).
+        experts, inter = count(hf, "num_experts"), count(hf, "moe_intermediate_size")
+        layers, norm = list(range(num_layers)), True
+        shared = count(hf, "shared_expert_intermediate_size")
     elif model_type in ("qwen2_moe", "qwen3_moe"):
         # transformers >= 5 writes num_local_experts where Qwen's own files say num_experts.
         experts = count(hf, "num_experts", hf.get("num_local_experts"))

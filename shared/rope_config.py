@@ -27,7 +27,15 @@ from weir.shared.config_fields import count, flag, mapping, positive
 LONG_ROTATION = 1 << 40
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # Where a config's partial_rotary_factor is applied as transformers applies it.
-_PARTIAL_ROTARY_MODELS = ("phi3", "glm4_moe", "glm4", "minimax_m2", "mistral4")
+_PARTIAL_ROTARY_MODELS = (
+    "phi3",
+    "glm4_moe",
+    "glm4",
+    "minimax_m2",
+    "mistral4",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+)
 # Models whose sliding layers rotate by a base of their own, unscaled: the (full, sliding)
 # bases where rope_parameters names none, as transformers defaults them (Gemma 3's local base
 # is rope_local_base_freq; OLMo 3's sliding layers take its default base, 500000, whatever

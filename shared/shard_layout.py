@@ -24,6 +24,22 @@ class ShardLayout:
     shared_expert_intermediate_size: int  # the shared expert's columns on this rank
     vocab_start: int  # first vocabulary row
     vocab_per_rank: int  # rows per rank (the last rank's rows past vocab_size are zero)
+    # A linear-attention layer's key and value heads on this rank, and the first of each.
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_head_start: int = 0
+    linear_v_head_start: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """The q/k/v channels of a linear-attention layer's convolution on this rank."""
+        return 2 * self.linear_k_heads * self.linear_k_head_dim + self.linear_value_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_v_heads * self.linear_v_head_dim
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int = 0, world_size: int = 1) -> ShardLayout:
@@ -51,6 +67,13 @@ class ShardLayout:
                 raise ValueError(
                     f"tensor_parallel_size {n} does not divide the model's {columns} {what}"
                 )
+        linear = cfg.linear_attention
+        k_heads, v_heads = (0, 0) if linear is None else (linear.num_k_heads, linear.num_v_heads)
+        if k_heads % n:
+            raise ValueError(
+                f"tensor_parallel_size {n} does not divide the model's {k_heads} key heads of "
+                "its linear-attention layers"
+            )
         local_kv = max(kv // n, 1)
         vocab_per_rank = -(-cfg.vocab_size // n)
         return cls(
@@ -65,4 +88,10 @@ class ShardLayout:
             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // n,
             vocab_start=rank * vocab_per_rank,
             vocab_per_rank=vocab_per_rank,
+            linear_k_heads=k_heads // n,
+            linear_v_heads=v_heads // n,
+            linear_k_head_start=rank * (k_heads // n),
+            linear_v_head_start=rank * (v_heads // n),
+            linear_k_head_dim=0 if linear is None else linear.head_k_dim,
+            linear_v_head_dim=0 if linear is None else linear.head_v_dim,
         )

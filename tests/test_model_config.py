@@ -82,12 +82,13 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         "granitemoe",
         "granitemoeshared",
         "minimax_m2",
+        "qwen3_5_moe_text",
     ):
         experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
         assert (ours.num_experts, ours.num_experts_per_tok) == (experts, theirs.num_experts_per_tok)
         assert ours.moe_intermediate_size == (
             theirs.moe_intermediate_size
-            if model_type in ("qwen2_moe", "qwen3_moe")
+            if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text")
             else theirs.intermediate_size
         )
         assert ours.moe_layers == (0, 1)

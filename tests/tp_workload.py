@@ -35,6 +35,7 @@ class Workload:
     loras: list[str] = field(default_factory=list)  # LoRA adapters, name=path
     lora_names: list[str | None] | None = None  # each prompt's adapter (None: all base)
     one_at_a_time: bool = False  # each request added once the one before it has ended
+    async_scheduling: bool = False  # step N+1 planned before step N's tokens are known
 
 
 @dataclass(slots=True)
@@ -94,11 +95,13 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
             max_model_len=256,
             num_speculative_tokens=work.num_speculative_tokens,
             max_loras=len(work.loras),
+            async_scheduling=work.async_scheduling,
         ),
         CacheConfig(
             block_size=BLOCK_SIZE,
             num_blocks=work.num_blocks,
             long_prompt_threshold=runner.config.rope.long_prompt_threshold,
+            enable_prefix_caching=runner.config.caches_prefixes,
         ),
     )
     k = work.num_speculative_tokens

@@ -185,6 +185,7 @@ class SchedulerServer:
             )
         )
         make_proposer(self.engine_args)  # bad speculative options fail here, at start-up
+        self._check_linear_attention()
         # An EAGLE head has no tokenizer: it reads the served model's embedding.
         if self.engine_args.speculative_method == "draft_model":
             assert self.engine_args.speculative_model is not None
@@ -230,6 +231,25 @@ class SchedulerServer:
         self._draining = False
         self._waking: asyncio.Task[None] | None = None  # a sleeping engine woken to drain
         self._telling_executors: asyncio.Task[None] | None = None  # the drain, each second
+
+    def _check_linear_attention(self) -> None:
+        """A model with linear-attention layers (Qwen 3.5's) keeps one state per request,
+        which neither takes back rejected drafts nor is restored by a cached prefix: drafts
+        are refused, and prefix caching is off."""
+        if not self.model_config.linear_layers:
+            return
+        if self.engine_args.speculative_method is not None:
+            raise ValueError(
+                f"speculative decoding of a {self.model_config.model_type} model is not "
+                "supported: its linear-attention layers' state cannot take back rejected "
+                "drafts; serve it without --speculative-method"
+            )
+        if self.engine_args.enable_prefix_caching and not self.model_config.caches_prefixes:
+            _log.info(
+                "prefix caching is off: the linear-attention layers of %s keep a state per "
+                "request that a cached prefix does not restore",
+                self.model_config.model_type,
+            )
 
     def _check_draft_model(self, model: str) -> None:
         """A draft model whose tokenizer is not the served model's is refused at start-up:
@@ -488,7 +508,9 @@ class SchedulerServer:
     def _on_group_formed(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
         cache_config = self.engine_args.cache_config(
-            num_blocks, self.model_config.rope.long_prompt_threshold
+            num_blocks,
+            self.model_config.rope.long_prompt_threshold,
+            prefix_caching=self.model_config.caches_prefixes,
         )
         core = self.core
         if core is None:

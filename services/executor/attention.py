@@ -21,6 +21,7 @@ import torch
 
 from weir.kernels import cpu_native
 from weir.kernels.reference import AttentionSpan
+from weir.services.executor.linear_states import LinearStep
 
 
 @dataclass(slots=True)
@@ -34,6 +35,9 @@ class AttentionMetadata:
     max_query_len: int  # host-side hints so kernels need no device sync to size their grid
     max_seq_len: int
     plan: object | None = None  # what a backend derives once per step in `prepare`, for every layer
+    # The requests' linear-attention state rows (Qwen 3.5's); None: a model without such
+    # layers, or a pass outside serving (a warm-up, a memory profile: scratch states).
+    linear: LinearStep | None = None
 
 
 class AttentionBackend(Protocol):

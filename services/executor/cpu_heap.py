@@ -27,12 +27,15 @@ MAX_MMAP_THRESHOLD = 512 << 20  # mallopt takes an int: twice this still fits
 def step_buffer_bytes(config: ModelConfig, max_num_batched_tokens: int, sampled_rows: int) -> int:
     """The largest float32 tensor a CPU step allocates, of those that grow with it: a full
     step's gated-MLP gate/up output, a mixture of experts' routed rows (each token once per
-    expert it chose) or their gate/up output, or every sampled row's logits."""
+    expert it chose) or their gate/up output, every sampled row's logits, or (Qwen 3.5's) the
+    recurrent states of a step's decodes, one a sampled row, gathered from their slots."""
     routed = max_num_batched_tokens * max(1, config.num_experts_per_tok)
+    linear = config.linear_attention
+    state = 0 if linear is None else linear.num_v_heads * linear.head_k_dim * linear.head_v_dim
     return 4 * max(
         max_num_batched_tokens * 2 * config.intermediate_size,
         routed * max(config.hidden_size, 2 * config.moe_intermediate_size),
-        sampled_rows * config.vocab_size,
+        sampled_rows * max(config.vocab_size, state),
     )
 
 

@@ -34,6 +34,8 @@ from weir.services.executor.layers import (
     apply_rope,
     rope_,
 )
+from weir.services.executor.linear_attention import GatedDeltaNet
+from weir.services.executor.linear_states import LinearStates, LinearStep
 from weir.services.executor.moe import SparseMoe
 from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.rotary import Rotary
@@ -128,10 +130,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = None if cfg.olmo_norms else _block_norm(cfg, device, dtype, kernels)
         mla = cfg.latent_attention
         self.mla = None if mla is None else LatentAttention(cfg, layout, kernels, device, dtype)
+        # Qwen 3.5's linear-attention layer: its input projection takes qkv_proj's place, its
+        # output projection o_proj's (both then pack and quantize as any layer's).
+        self.linear_attn = (
+            GatedDeltaNet(cfg, layout, device, dtype) if cfg.is_linear_layer(index) else None
+        )
+        # Qwen 3.5's attention layers: a gate per query channel, after k and v's rows.
+        self.gate_size = self.q_size if cfg.attn_output_gate else 0
+        qkv_rows = (
+            self.linear_attn.in_rows
+            if self.linear_attn is not None
+            else self.q_size + 2 * self.kv_size + self.gate_size
+        )
         self.qkv_proj = (
-            Linear(
-                cfg.qkv_input_size or h, self.q_size + 2 * self.kv_size, cfg.qkv_bias, device, dtype
-            )
+            Linear(cfg.qkv_input_size or h, qkv_rows, cfg.qkv_bias, device, dtype)
             if mla is None
             else None
         )
@@ -142,13 +154,20 @@ class DecoderLayer(nn.Module):
         q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
         self.q_norm: RMSNorm | LayerNorm | None = None
         self.k_norm: RMSNorm | LayerNorm | None = None
-        if cfg.qk_norm and cfg.layer_norms:
+        qk_norm = cfg.qk_norm and self.linear_attn is None
+        if qk_norm and cfg.layer_norms:
             self.q_norm = LayerNorm((layout.num_heads, d), eps, device, dtype)
             self.k_norm = LayerNorm((layout.num_kv_heads, d), eps, device, dtype)
-        elif cfg.qk_norm:
+        elif qk_norm:
             self.q_norm = RMSNorm(q_norm, eps, device, norm_dtype)
             self.k_norm = RMSNorm(k_norm, eps, device, norm_dtype)
-        attn_width = self.q_size if mla is None else layout.num_heads * mla.v_head_dim
+        attn_width = (
+            layout.linear_value_dim
+            if self.linear_attn is not None
+            else self.q_size
+            if mla is None
+            else layout.num_heads * mla.v_head_dim
+        )
         self.o_proj = Linear(attn_width, h, cfg.o_bias and row_bias, device, dtype)
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
         # A calibrated fp8 cache's scales (the checkpoint's k_scale, v_scale): it holds K /
@@ -290,7 +309,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The layer's output for residual stream ``x`` (added into in place) and the
         attention's input ``normed``: x normalized, or (an EAGLE-3 head's) more than x."""
-        if self.mla is None:
+        if self.linear_attn is not None:
+            attn = self._mix_linearly(normed, meta)
+        elif self.mla is None:
             attn = self._attend(normed, cos, sin, meta, kv_cache, lora, query_scale)
         else:
             attn = self.mla(
@@ -321,6 +342,18 @@ class DecoderLayer(nn.Module):
             act = act_and_mul(gate_up, self.hidden_act, self.kernels)
         return self._add_row_parallel("down_proj", x, act, lora, self.post_feedforward_layernorm)
 
+    def _mix_linearly(self, normed: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A linear-attention layer's gated heads [T, value_dim], the requests' states
+        updated."""
+        assert self.linear_attn is not None and self.qkv_proj is not None
+        assert meta.linear is not None
+        return self.linear_attn(
+            self.qkv_proj(normed),
+            meta.linear.batch,
+            meta.linear.conv[self.index],
+            meta.linear.recurrent[self.index],
+        )
+
     def _attend(
         self,
         normed: torch.Tensor,
@@ -338,6 +371,8 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(normed)
         if lora is not None:
             lora.add(qkv, normed, self.index, "qkv_proj")
+        if self.gate_size:
+            qkv, gate = qkv.split((qkv.shape[-1] - self.gate_size, self.gate_size), dim=-1)
         if self.q_norm is not None and not self.qk_norm_heads:
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             qkv = torch.cat((*self._whole_qk_norms(q, k), v), dim=-1)
@@ -371,7 +406,8 @@ class DecoderLayer(nn.Module):
         )
         if self.v_scale is not None:
             attn = attn * self.v_scale
-        return attn.reshape(num_tokens, self.q_size)
+        attn = attn.reshape(num_tokens, self.q_size)
+        return attn * torch.sigmoid(gate) if self.gate_size else attn
 
 
 class CausalLM(nn.Module):
@@ -457,6 +493,9 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.rope, device)
         self.local_rotary = None if cfg.sliding_rope is None else Rotary(cfg.sliding_rope, device)
         self.spans = tuple(dict.fromkeys(layer.span for layer in self.layers))
+        # Whose cache the attention backend plans a step over: a linear-attention layer's
+        # entry has the cache's shape but no memory (``KVCacheShape.allocate``).
+        self.first_attention_layer = cfg.attention_layers[0]
         # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype
         # (transformers' embed_scale buffer); Granite by its multiplier as it is.
         self.embedding_multiplier = (
@@ -513,7 +552,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """The residual stream after the last layer; into ``aux``'s columns, that entering
         each layer of ``aux_hidden_state_layers`` (copied: a layer adds into it in place)."""
-        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.spans)
+        kv_cache = kv_caches[self.first_attention_layer]
+        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_cache, self.spans)
+        if self.config.linear_layers and attn_metadata.linear is None:
+            attn_metadata.linear = self.scratch_states(attn_metadata)
         rotations = self.rotary(positions, self.dtype)
         local = rotations if self.local_rotary is None else self.local_rotary(positions, self.dtype)
         query_scale = self._query_scale(positions)
@@ -528,6 +570,13 @@ class CausalLM(nn.Module):
             cos, sin = local if layer.local_rope else rotations
             x = layer(x, cos, sin, attn_metadata, kv_cache, lora, query_scale)
         return x
+
+    def scratch_states(self, meta: AttentionMetadata) -> LinearStep:
+        """Zero linear-attention states for a pass outside serving (a warm-up, a memory
+        profile)."""
+        return LinearStates.scratch(
+            self.config, self.layout, meta.query_start_loc, self.dtype, self.device
+        )
 
     def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Ministral 3's and Mistral 4's factor of each token's queries, [T, 1, 1] in the
@@ -662,7 +711,7 @@ class KVCacheShape:
         cfg = self.config
         copies = 1 if cfg.latent_attention else 2
         per_token = self.layout.num_kv_heads * cfg.head_dim * self.kv_cache_dtype.itemsize
-        return copies * cfg.num_layers * block_size * per_token
+        return copies * len(cfg.attention_layers) * block_size * per_token
 
     def allocate(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         cfg = self.config
@@ -673,7 +722,10 @@ class KVCacheShape:
                 torch.zeros(one, dtype=self.dtype, device=self.device).expand(shape)
                 for _ in range(cfg.num_layers)
             ]
+        # A linear-attention layer keeps no KV: its entry has the cache's shape and no memory.
         return [
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(cfg.num_layers)
+            if not cfg.is_linear_layer(i)
+            else torch.zeros((), dtype=self.kv_cache_dtype, device=self.device).expand(shape)
+            for i in range(cfg.num_layers)
         ]

@@ -51,6 +51,7 @@ from weir.services.executor.input_batch import (
     StepInputs,
 )
 from weir.services.executor.kernel_warmup import warm_up_attention
+from weir.services.executor.linear_states import LinearStates, state_bytes_per_slot
 from weir.services.executor.lora import LoraAdapters
 from weir.services.executor.model import CausalLM
 from weir.services.executor.packed_weights import cpu_dtypes
@@ -286,7 +287,14 @@ class ModelRunner:
             and self.tp is None
             and self.attention.name == "triton"
             and not model_config.num_experts
+            # A linear-attention layer loops over a step's prefills on the host.
+            and not model_config.linear_layers
         )
+        if model_config.linear_layers and (num_speculative_tokens or speculative_model):
+            raise ValueError(
+                f"speculative decoding of a {model_config.model_type} model is not supported: "
+                "its linear-attention layers' state cannot take back rejected drafts"
+            )
         self.graph_query_lens = (1, 1 + num_speculative_tokens)
         self.max_mixed_graph_tokens = max_mixed_graph_tokens
         self.hf_overrides = hf_overrides
@@ -325,6 +333,8 @@ class ModelRunner:
                 "no memory left for the KV cache: raise --kv-cache-memory "
                 "(or --gpu-memory-utilization on a GPU)"
             )
+        # Qwen 3.5's linear-attention states, allocated with the KV cache.
+        self.linear_states: LinearStates | None = None
         self.reset()
         self.graphs: StepGraphs | None = None
         try:
@@ -397,6 +407,10 @@ class ModelRunner:
         """The KV caches (the draft's too), the attention kernels compiled over them, and
         the CUDA graphs that read them."""
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, self.block_size)
+        if self.config.linear_layers:
+            self.linear_states = LinearStates(
+                self.config, self.model.layout, self.max_num_seqs, self.dtype, self.device
+            )
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, self.block_size)
         if self.attention.name == "triton":
@@ -438,6 +452,7 @@ class ModelRunner:
             return
         self.graphs = None
         self.kv_caches = []
+        self.linear_states = None
         if self.drafter is not None:
             self.drafter.kv_caches = []
         if level == 2:  # the models go (a CPU's packed and quantized copies with them)
@@ -532,6 +547,10 @@ class ModelRunner:
             total - free - torch.cuda.memory_reserved(self.device)
         )  # CUDA context, other processes
         budget = int(total * gpu_memory_utilization) - peak - graphs - max(non_torch, 0)
+        # Each request's linear-attention state (Qwen 3.5's), one slot a running request.
+        budget -= self.max_num_seqs * state_bytes_per_slot(
+            self.config, self.model.layout, self.dtype
+        )
         logger.info(
             "KV cache budget %.2f GiB (total %.2f GiB x %.2f, torch peak %.2f GiB, CUDA graphs "
             "%.2f GiB, other %.2f GiB)",
@@ -624,6 +643,8 @@ class ModelRunner:
         self._unfinished: LaunchedStep | None = None  # launched, and its tokens may be read
         if self.drafter is not None:
             self.drafter.forget()  # its records name the old batch's slots
+        if self.linear_states is not None:
+            self.linear_states.forget()
         # Of MEAN and CLS pooling requests whose prompt is partly computed: the sum of its
         # hidden states so far, or its first token's.
         self._pooling: dict[str, torch.Tensor] = {}
@@ -699,6 +720,8 @@ class ModelRunner:
         for req_id in plan.finished_req_ids if self._pooling else ():
             self._pooling.pop(req_id, None)
         self.batch.apply_plan(plan)
+        if self.linear_states is not None:
+            self.linear_states.apply_plan(plan)
         if not plan.num_scheduled_tokens:
             return LaunchedStep(plan, StepTimings(prepare=self._clock() - start))
         if plan.total_num_scheduled_tokens > self.max_num_batched_tokens:
@@ -747,6 +770,13 @@ class ModelRunner:
             slot_mapping=self._to_device(inputs.slot_mapping),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
+            linear=None
+            if self.linear_states is None
+            else self.linear_states.step(
+                inputs.req_ids,
+                inputs.query_start_loc,
+                inputs.positions[inputs.query_start_loc[:-1]],
+            ),
         )
         input_ids = self._to_device(inputs.input_ids)
         positions = self._to_device(inputs.rope_positions)

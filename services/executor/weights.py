@@ -46,7 +46,19 @@ _MOE_MODULES = ("mlp.experts.", "mlp.shared_expert")  # and the router, mlp.gate
 FUSED_MODULES = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    # Qwen 3.5's linear attention: q/k/v channels side by side in the projection and the
+    # convolution (its weight read without its middle dimension of 1).
+    "linear_attn.in_proj_qkv": (
+        "linear_attn.in_proj_q",
+        "linear_attn.in_proj_k",
+        "linear_attn.in_proj_v",
+    ),
+    "linear_attn.conv1d": ("linear_attn.conv1d_q", "linear_attn.conv1d_k", "linear_attn.conv1d_v"),
 }
+# Models whose checkpoints stack each layer's experts (Qwen3-VL-MoE's multimodal ones too).
+STACKED_EXPERT_TYPES = ("mistral4", "qwen3_5_moe_text")
+# Qwen 3.5's linear attention's parameters named without a .weight.
+_BARE_LINEAR_PARAM_RE = re.compile(r"model\.layers\.\d+\.linear_attn\.(A_log|dt_bias)")
 # GLM-4's norms around the attention and the MLP, read as Gemma's (``sandwich_norms``).
 _GLM4_NORMS = {
     "post_self_attn_layernorm": "post_attention_layernorm",
@@ -95,6 +107,23 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "mlp.shared_experts.gate_proj": ("moe.shared_gate_up", "shared_gate"),
     "mlp.shared_experts.up_proj": ("moe.shared_gate_up", "shared_up"),
     "mlp.shared_experts.down_proj": ("moe.shared_down", "shared_down_in"),
+    # Qwen 3.5's gated attention: its q_proj's query rows and gate rows (``_parts``).
+    "self_attn.gated_q": ("qkv_proj", "q"),
+    "self_attn.q_gate": ("qkv_proj", "q_gate"),
+    # Its linear attention's projections fill qkv_proj and o_proj (``lin_``: split by heads).
+    "linear_attn.in_proj_q": ("qkv_proj", "lin_q"),
+    "linear_attn.in_proj_k": ("qkv_proj", "lin_k"),
+    "linear_attn.in_proj_v": ("qkv_proj", "lin_v"),
+    "linear_attn.in_proj_z": ("qkv_proj", "lin_z"),
+    "linear_attn.in_proj_b": ("qkv_proj", "lin_b"),
+    "linear_attn.in_proj_a": ("qkv_proj", "lin_a"),
+    "linear_attn.conv1d_q": ("linear_attn.conv1d", "lin_q"),
+    "linear_attn.conv1d_k": ("linear_attn.conv1d", "lin_k"),
+    "linear_attn.conv1d_v": ("linear_attn.conv1d", "lin_v"),
+    "linear_attn.dt_bias": ("linear_attn.dt_bias", "lin_heads"),
+    "linear_attn.A_log": ("linear_attn.A_log", "lin_heads"),
+    "linear_attn.norm": ("linear_attn.norm", "all"),
+    "linear_attn.out_proj": ("o_proj", "lin_out_in"),
 }
 # OLMo's q/k norms over the whole projections: each rank's weights of its heads' channels.
 WHOLE_QK_NORM_PARTS: dict[str, tuple[str, str]] = {
@@ -200,6 +229,8 @@ def layer_part(
     )
     if part.startswith("mla_"):
         return _latent_part(cfg, layout, part, kind)
+    if part.startswith("lin_"):
+        return _linear_part(layout, part)
     d = cfg.head_dim
     inter = {
         "": layout.intermediate_size,
@@ -215,6 +246,7 @@ def layer_part(
         return slice(None), (slice(None), q_src if part == "o_in" else inter_src)
     return {
         "q": (slice(0, q), (q_src,)),
+        "q_gate": (_span(q + 2 * kv, q), (q_src,)),
         "k": (_span(q, kv), (kv_src,)),
         "v": (_span(q + kv, kv), (kv_src,)),
         "heads": (slice(None), (_span(layout.q_head_start, layout.num_heads),)),
@@ -245,6 +277,27 @@ def _latent_part(
     if kind == "bias":
         return (slice(None), _ALL) if layout.rank == 0 else None
     return slice(None), (slice(None), heads)
+
+
+def _linear_part(layout: ShardLayout, part: str) -> tuple[slice, tuple[slice, ...]]:
+    """A linear-attention tensor's share: the rows (columns of out_proj) of this rank's key
+    heads and of the value heads they serve, in the fused projection's order: q, k, v, z, b, a
+    (the convolution's q, k, v)."""
+    key = layout.linear_k_heads * layout.linear_k_head_dim
+    value, heads = layout.linear_value_dim, layout.linear_v_heads
+    key_src = (_span(layout.linear_k_head_start * layout.linear_k_head_dim, key),)
+    value_src = (_span(layout.linear_v_head_start * layout.linear_v_head_dim, value),)
+    head_src = (_span(layout.linear_v_head_start, heads),)
+    return {
+        "lin_q": (slice(0, key), key_src),
+        "lin_k": (_span(key, key), key_src),
+        "lin_v": (_span(2 * key, value), value_src),
+        "lin_z": (_span(2 * key + value, value), value_src),
+        "lin_b": (_span(2 * (key + value), heads), head_src),
+        "lin_a": (_span(2 * (key + value) + heads, heads), head_src),
+        "lin_heads": (slice(None), head_src),
+        "lin_out_in": (slice(None), (slice(None), *value_src)),
+    }[part]
 
 
 class Squeezed:
@@ -278,16 +331,55 @@ class RowsOf:
         return self.source[(slice(self.start + first, self.start + last), *index[1:])]
 
 
+class HeadHalves:
+    """One half of each head's rows of a checkpoint tensor whose heads hold two parts side
+    by side (Qwen 3.5's q_proj: a head's query channels, then its gate's), read as a tensor
+    of those halves; rows are asked for whole heads."""
+
+    def __init__(self, source: TensorSource, head_dim: int, half: int) -> None:
+        self.source, self.head_dim, self.half = source, head_dim, half
+
+    def get_shape(self) -> list[int]:
+        rows, *rest = self.source.get_shape()
+        return [rows // 2, *rest]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        first, last, _ = index[0].indices(self.get_shape()[0])
+        rows = self.source[(slice(2 * first, 2 * last), *index[1:])]
+        heads = rows.reshape(-1, 2, self.head_dim, *rows.shape[1:])
+        return heads[:, self.half].reshape(last - first, *rows.shape[1:])
+
+
+class MiddleSqueezed:
+    """A [rows, 1, columns] checkpoint tensor read as [rows, columns] (a depthwise
+    convolution's weight)."""
+
+    def __init__(self, source: TensorSource) -> None:
+        self.source = source
+
+    def get_shape(self) -> list[int]:
+        rows, _, columns = self.source.get_shape()
+        return [rows, columns]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.source[(index[0], slice(None), *index[1:])].squeeze(1)
+
+
 def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str, TensorSource]]:
     """A fused checkpoint tensor's parts under their own names (its whole shape checked
     first), GLM-4's norms under Gemma's, MiniMax-M2's and ERNIE's routing biases under
     their routers'; any other tensor as it is."""
+    if _BARE_LINEAR_PARAM_RE.fullmatch(name):
+        name += ".weight"
     m = _LAYER_RE.fullmatch(name)
+    if m is not None and m.group(2) == "linear_attn.conv1d" and len(source.get_shape()) == 3:
+        source = MiddleSqueezed(source)
     if m is not None and cfg.model_type == "glm4" and m.group(2) in _GLM4_NORMS:
         return [(f"model.layers.{m.group(1)}.{_GLM4_NORMS[m.group(2)]}.{m.group(3)}", source)]
     if m is not None and m.group(2) in _BIAS_BESIDE_ROUTER and m.group(3) == _ROUTER_BIAS:
         return [(f"model.layers.{m.group(1)}.mlp.gate.{_ROUTER_BIAS}", Squeezed(source))]
-    if m is None or m.group(2) not in FUSED_MODULES:
+    gated_q = cfg.attn_output_gate and m is not None and m.group(2) == "self_attn.q_proj"
+    if m is None or not (gated_q or m.group(2) in FUSED_MODULES):
         return [(name, source)]
     expected = checkpoint_shape(cfg, name)
     if tuple(source.get_shape()) != expected:
@@ -295,6 +387,12 @@ def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str,
             f"{name}: checkpoint shape {tuple(source.get_shape())} != {expected} from "
             "config.json: the config does not describe these weights"
         )
+    if gated_q:
+        layer = f"model.layers.{m.group(1)}.self_attn"
+        return [
+            (f"{layer}.{part}.{m.group(3)}", HeadHalves(source, cfg.head_dim, half))
+            for half, part in enumerate(("gated_q", "q_gate"))
+        ]
     parts: list[tuple[str, TensorSource]] = []
     start = 0
     for module in FUSED_MODULES[m.group(2)]:
@@ -679,8 +777,11 @@ def load_model(
             tensors = split_gpt_oss_tensors(tensors, cfg)
         elif cfg.model_type in ("granitemoe", "granitemoeshared"):
             tensors = split_granite_moe_tensors(tensors)
-        elif (cfg.model_type == "qwen3_moe" and cfg.multimodal) or cfg.model_type == "mistral4":
-            tensors = split_stacked_experts(tensors, cfg, qwen_layout=cfg.model_type == "qwen3_moe")
+        elif (
+            cfg.model_type == "qwen3_moe" and cfg.multimodal
+        ) or cfg.model_type in STACKED_EXPERT_TYPES:
+            qwen_layout = cfg.model_type != "mistral4"
+            tensors = split_stacked_experts(tensors, cfg, qwen_layout)
         elif cfg.model_type == "llama4_text":
             tensors = split_llama4_tensors(tensors, cfg)
         load_weights(model, tensors, lm_head_optional, _score_tokens(model_dir, cfg, tokenizer_dir))
