@@ -4,7 +4,7 @@ convolution and one float32 matrix per value head, in a row (a state slot) of th
 
 A request takes a slot when it is first scheduled and gives it back when it finishes or is
 preempted (recompute starts it afresh). The scheduler runs at most max_num_seqs requests, so
-that many slots always suffice. A chunk that starts at position 0 starts from a zero state,
+that many slots always suffice; they are allocated before a GPU's KV cache is sized. A chunk that starts at position 0 starts from a zero state,
 whatever its slot held: a new request's, and a preempted one's recomputed prompt.
 """
 
@@ -17,16 +17,6 @@ from weir.kernels.gated_delta_net import StateBatch
 from weir.shared.model_config import ModelConfig
 from weir.shared.protocol.step import StepPlan
 from weir.shared.shard_layout import ShardLayout
-
-
-def state_bytes_per_slot(cfg: ModelConfig, layout: ShardLayout, dtype: torch.dtype) -> int:
-    """One request's state across the linear-attention layers, on one rank."""
-    if cfg.linear_attention is None:
-        return 0
-    la = cfg.linear_attention
-    conv = layout.linear_conv_dim * (la.conv_kernel_size - 1) * dtype.itemsize
-    recurrent = layout.linear_v_heads * la.head_k_dim * la.head_v_dim * 4
-    return len(cfg.linear_layers) * (conv + recurrent)
 
 
 @dataclass(slots=True)

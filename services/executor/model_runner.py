@@ -51,7 +51,7 @@ from weir.services.executor.input_batch import (
     StepInputs,
 )
 from weir.services.executor.kernel_warmup import warm_up_attention
-from weir.services.executor.linear_states import LinearStates, state_bytes_per_slot
+from weir.services.executor.linear_states import LinearStates
 from weir.services.executor.lora import LoraAdapters
 from weir.services.executor.model import CausalLM
 from weir.services.executor.packed_weights import cpu_dtypes
@@ -325,6 +325,9 @@ class ModelRunner:
         # The served tokenizer's end token (--tokenizer's, if given), as the scheduler's.
         self.eos_token_ids = eos_token_ids(self.model_dir, tokenizer)
         self.sampler = Sampler(self.device, seed)
+        # Qwen 3.5's linear-attention states, a slot per running request: allocated before
+        # the KV cache is sized, so a GPU's budget leaves their memory to them.
+        self.linear_states = self._linear_states()
         self.num_blocks = min(
             self._num_kv_blocks(kv_cache_memory_bytes, gpu_memory_utilization), MAX_NUM_KV_BLOCKS
         )
@@ -333,8 +336,6 @@ class ModelRunner:
                 "no memory left for the KV cache: raise --kv-cache-memory "
                 "(or --gpu-memory-utilization on a GPU)"
             )
-        # Qwen 3.5's linear-attention states, allocated with the KV cache.
-        self.linear_states: LinearStates | None = None
         self.reset()
         self.graphs: StepGraphs | None = None
         try:
@@ -407,10 +408,8 @@ class ModelRunner:
         """The KV caches (the draft's too), the attention kernels compiled over them, and
         the CUDA graphs that read them."""
         self.kv_caches = self.model.allocate_kv_caches(self.num_blocks, self.block_size)
-        if self.config.linear_layers:
-            self.linear_states = LinearStates(
-                self.config, self.model.layout, self.max_num_seqs, self.dtype, self.device
-            )
+        if self.linear_states is None:  # freed by a sleep
+            self.linear_states = self._linear_states()
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, self.block_size)
         if self.attention.name == "triton":
@@ -425,6 +424,13 @@ class ModelRunner:
                 )
         if self.use_cuda_graphs:
             self.capture_graphs()
+
+    def _linear_states(self) -> LinearStates | None:
+        if not self.config.linear_layers:
+            return None
+        return LinearStates(
+            self.config, self.model.layout, self.max_num_seqs, self.dtype, self.device
+        )
 
     def capture_graphs(self, copies: int = GRAPH_COPIES, capture: bool = True) -> None:
         """Capture the step graphs over the KV caches (again, for a benchmark's copies);
@@ -547,10 +553,6 @@ class ModelRunner:
             total - free - torch.cuda.memory_reserved(self.device)
         )  # CUDA context, other processes
         budget = int(total * gpu_memory_utilization) - peak - graphs - max(non_torch, 0)
-        # Each request's linear-attention state (Qwen 3.5's), one slot a running request.
-        budget -= self.max_num_seqs * state_bytes_per_slot(
-            self.config, self.model.layout, self.dtype
-        )
         logger.info(
             "KV cache budget %.2f GiB (total %.2f GiB x %.2f, torch peak %.2f GiB, CUDA graphs "
             "%.2f GiB, other %.2f GiB)",
@@ -601,7 +603,14 @@ class ModelRunner:
             slot_mapping=self._to_device(req * blocks_per_req * self.block_size + positions),
             max_query_len=int(lens.max()),
             max_seq_len=int(lens.max()),
+            linear=None
+            if self.linear_states is None
+            else self.linear_states.step(
+                [str(r) for r in range(num_reqs)], query_start_loc, np.zeros(num_reqs)
+            ),
         )
+        if self.linear_states is not None:
+            self.linear_states.forget()
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden, aux = self.model.forward_with_aux(
             input_ids, self._to_device(positions), meta, kv_caches

@@ -1,7 +1,8 @@
 """Model families beside Llama and Qwen, served by real processes as transformers decodes
 them: a mixture of experts through `weir serve` (the official openai client, concurrent and
 streamed), a tensor-parallel group of two, dummy weights of its shape, and what a start
-refuses; sliding windows (Mistral's, Gemma 2's and 3's) served past their length."""
+refuses; sliding windows (Mistral's, Gemma 2's and 3's) served past their length; Qwen 3.5's
+hybrid of linear attention and attention."""
 
 import concurrent.futures
 import shutil
@@ -11,7 +12,7 @@ import pytest
 import torch
 from conftest import save_speaking
 from lora_adapters import cached_greedy
-from serving_helpers import hf_greedy, small_server
+from serving_helpers import hf_greedy, read_metrics, small_server
 
 from weir.services import LLM
 from weir.services.launcher import ChildFailedError
@@ -239,3 +240,61 @@ def test_a_yarn_rope_scaling_stretches_the_served_context(tmp_path, default_mode
             assert client.model_info()["max_model_len"] == 256
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         assert llm.generate([prompt], params)[0].token_ids == hf_greedy(hf, prompt, 16)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_dir(tmp_path_factory, default_model_dir):
+    """A 4-layer random Qwen 3.5 (three Gated DeltaNet layers, one gated attention layer) with
+    SmolLM2's vocabulary, so text prompts and chat work."""
+    path = tmp_path_factory.mktemp("models") / "tiny-qwen3.5"
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(
+        **{**SMALL, "num_hidden_layers": 4},
+        head_dim=16,
+        max_position_embeddings=512,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+    )
+    save_speaking(transformers.Qwen3_5ForCausalLM(config).eval(), path, default_model_dir)
+    return path
+
+
+def test_qwen3_5_is_served_as_transformers_decodes_without_prefix_caching(qwen3_5_dir):
+    """Concurrent requests (each linear-attention state in a slot of its own), a prompt
+    longer than a step, and the same prompt twice: what transformers decodes, through the
+    official openai client; the scheduler caches no prefixes (a state is not a prefix's KV),
+    as /metrics says; a start asking for drafts fails in one line."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_5_dir, dtype=torch.float32)
+    prompts = ["The state of the river", "Delta", "A river runs " * 20]
+    with small_server(qwen3_5_dir, "tiny-qwen3.5", max_num_batched_tokens=32) as server:
+        client = openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
+
+        def complete(prompt: str):
+            return client.completions.create(
+                model="tiny-qwen3.5",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            ).choices[0]
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            choices = list(pool.map(complete, prompts * 2))
+        for prompt, choice in zip(prompts * 2, choices):
+            assert choice.token_ids == hf_greedy(hf, choice.prompt_token_ids, 12), prompt
+        info = [
+            key
+            for key in read_metrics(server.info["metrics_address"])
+            if key.startswith("weir_cache_config_info{")
+        ]
+        assert len(info) == 1 and 'enable_prefix_caching="False"' in info[0]
+    with pytest.raises(ChildFailedError) as refused:
+        LLM(
+            str(qwen3_5_dir),
+            speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
+            startup_timeout=120,
+        )
+    message = str(refused.value)
+    assert "\n" not in message and "state cannot take back rejected drafts" in message
