@@ -44,9 +44,10 @@ class LinearStates:
         self.device = device
         self.num_slots = num_slots
         # The convolution's inputs in the model's dtype (as transformers caches them), the
-        # recurrent state in float32 (as it computes it).
+        # recurrent state in float32 (as it computes it). Left uninitialized: a slot is
+        # written before it is read, so on a CPU only the slots requests take cost memory.
         self.conv = {
-            i: torch.zeros(
+            i: torch.empty(
                 num_slots,
                 layout.linear_conv_dim,
                 la.conv_kernel_size - 1,
@@ -56,7 +57,7 @@ class LinearStates:
             for i in cfg.linear_layers
         }
         self.recurrent = {
-            i: torch.zeros(
+            i: torch.empty(
                 num_slots,
                 layout.linear_v_heads,
                 la.head_k_dim,
