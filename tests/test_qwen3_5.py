@@ -20,6 +20,7 @@ from devices import CPU_AND_CUDA  # noqa: E402
 from lora_adapters import greedy  # noqa: E402
 from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
+from test_model_runner import Driver, make_runner  # noqa: E402
 
 from weir.services.executor.linear_states import LinearStates  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
@@ -245,3 +246,20 @@ def test_a_state_slot_returns_when_its_request_ends_or_is_preempted(qwen3_5):
     assert step.batch.slots == [b] and step.batch.fresh == [True]
     states.apply_plan(StepPlan(finished_req_ids=["c", "d"]))
     assert states.step(["b"], starts[:2], first[:1]).batch.fresh == [True]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_runner_woken_from_sleep_decodes_as_transformers(qwen3_5, level):
+    """A sleep frees the states with the KV cache; waking allocates them again, and the next
+    requests decode as transformers does."""
+    path, hf = qwen3_5
+    runner = make_runner(path)
+    for prompt in ([3, 14, 15, 92, 65, 35], list(range(40, 70))):
+        d = Driver(runner)
+        d.add("A", prompt)
+        while len(d.outputs["A"]) < 6:
+            d.step({"A": None})
+        assert d.outputs["A"][:6] == greedy(hf, prompt, 6)
+        runner.sleep(level)
+        assert runner.linear_states is None
+        runner.wake()
