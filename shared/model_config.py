@@ -66,10 +66,11 @@ SUPPORTED_MODEL_TYPES = (
     "mistral4",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "qwen3_next",
 )
-# Qwen 3.5's language models, dense and mixture of experts: hybrid, linear attention and
-# attention (``_linear_attention``).
-QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# Qwen's hybrid language models, Qwen3-Next and Qwen 3.5 (dense and mixture of experts):
+# Gated DeltaNet (linear attention) layers and gated attention (``_linear_attention``).
+QWEN_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Multimodal checkpoints Weir serves the language model of: the model types their
 # text_config may name, the first where it names none. The vision tower's weights are left
 # unread, and a prompt is text only.
@@ -152,6 +153,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
+    },
+    # Qwen 3.5's layers (but its vocabulary) with Qwen2-MoE's experts, renormalized.
+    "qwen3_next": {
+        **_QWEN3_5,
+        **_QWEN_MOE,
+        "vocab_size": 151936,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
     },
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
@@ -508,11 +520,11 @@ class LatentAttention:
 
 @dataclass(frozen=True, slots=True)
 class LinearAttention:
-    """Qwen 3.5's Gated DeltaNet, its linear_attention layers' token mixer: a state of
-    num_v_heads matrices (head_k_dim x head_v_dim) per request in place of a KV cache, read
-    and updated by each token's key-head queries and keys (each serving num_v_heads /
-    num_k_heads value heads) after a causal depthwise convolution of conv_kernel_size over
-    the q/k/v channels."""
+    """Qwen3-Next's and Qwen 3.5's Gated DeltaNet, their linear_attention layers' token
+    mixer: a state of num_v_heads matrices (head_k_dim x head_v_dim) per request in place of
+    a KV cache, read and updated by each token's key-head queries and keys (each serving
+    num_v_heads / num_k_heads value heads) after a causal depthwise convolution of
+    conv_kernel_size over the q/k/v channels."""
 
     num_k_heads: int
     num_v_heads: int
@@ -524,6 +536,11 @@ class LinearAttention:
     def conv_dim(self) -> int:
         """The channels the convolution mixes: q's, k's and v's."""
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def group(self) -> int:
+        """The value heads each key head serves."""
+        return self.num_v_heads // self.num_k_heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -675,9 +692,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # Qwen 3.5's hybrid layers: those of linear_layers mix tokens by a Gated DeltaNet
-    # (linear_attention) instead of attention; the others are attention layers whose output
-    # is gated by the sigmoid of a gate their q_proj computes beside each query head
+    # Qwen3-Next's and Qwen 3.5's hybrid layers: those of linear_layers mix tokens by a Gated
+    # DeltaNet (linear_attention) instead of attention; the others are attention layers whose
+    # output is gated by the sigmoid of a gate their q_proj computes beside each query head
     # (attn_output_gate).
     linear_attention: LinearAttention | None = None
     linear_layers: tuple[int, ...] = ()
@@ -773,7 +790,7 @@ class ModelConfig:
         unchunked = "attention_chunk_size" in hf and hf["attention_chunk_size"] is None
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         gemma = model_type in ("gemma2", "gemma3_text")
-        qwen3_5 = model_type in QWEN3_5_TYPES
+        qwen_hybrid = model_type in QWEN_HYBRID_TYPES
         cohere = model_type in ("cohere", "cohere2")
         # Cohere multiplies its logits by logit_scale.
         logits_scaling: dict[str, Any] = (
@@ -854,8 +871,9 @@ class ModelConfig:
             sliding_layers=sliding,
             sliding_rope=sliding_rope,
             hidden_act=act,
-            # Qwen 3.5's norms are Gemma's, (1 + weight) (but its Gated DeltaNet's own).
-            gemma_norms=gemma or qwen3_5,
+            # Qwen3-Next's and 3.5's norms are Gemma's, (1 + weight) (but their Gated
+            # DeltaNet's own).
+            gemma_norms=gemma or qwen_hybrid,
             sandwich_norms=gemma or model_type == "glm4",
             # Qwen2 has q/k/v biases (Qwen2-MoE unless its qkv_bias says not) and never an
             # o_proj bias.
@@ -881,7 +899,7 @@ class ModelConfig:
             qk_norm=model_type
             in (
                 "qwen3",
-                *QWEN3_5_TYPES,
+                *QWEN_HYBRID_TYPES,
                 "qwen3_moe",
                 "gemma3_text",
                 "olmo2",
@@ -990,6 +1008,9 @@ class ModelConfig:
         kernel = la.conv_kernel_size
         return {
             "linear_attn.in_proj_qkv": (la.conv_dim, h),
+            # Qwen3-Next's: q, k, v and z (or b and a) interleaved by key head.
+            "linear_attn.in_proj_qkvz": (la.conv_dim + value, h),
+            "linear_attn.in_proj_ba": (2 * la.num_v_heads, h),
             "linear_attn.in_proj_q": (key, h),
             "linear_attn.in_proj_k": (key, h),
             "linear_attn.in_proj_v": (value, h),
@@ -1133,9 +1154,9 @@ def _gemma(model_type: str, hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _linear_attention(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Qwen 3.5's linear-attention layers, where its layer_types names them (every
-    full_attention_interval-th layer attends, as transformers defaults them)."""
-    if model_type not in QWEN3_5_TYPES:
+    """Qwen3-Next's and Qwen 3.5's linear-attention layers, where layer_types names them
+    (every full_attention_interval-th layer attends, as transformers defaults them)."""
+    if model_type not in QWEN_HYBRID_TYPES:
         return {}
     interval = count(hf, "full_attention_interval")
     kinds = ("linear_attention", "full_attention")
@@ -1162,7 +1183,7 @@ def _linear_attention(model_type: str, hf: dict[str, Any], num_layers: int) -> d
             f"linear_num_key_heads {linear.num_k_heads}"
         )
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError("config.json: Qwen 3.5's hidden_act must be silu (its convolution's)")
+        raise ValueError(f"config.json: {model_type}'s hidden_act must be silu (its convolution's)")
     return {
         "linear_attention": linear,
         "linear_layers": tuple(i for i, t in enumerate(types) if t == kinds[0]),
@@ -1329,7 +1350,7 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         experts, inter = count(hf, "num_experts"), count(hf, "moe_intermediate_size")
         layers, norm = list(range(num_layers)), True
         shared = count(hf, "shared_expert_intermediate_size")
-    elif model_type in ("qwen2_moe", "qwen3_moe"):
+    elif model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         # transformers >= 5 writes num_local_experts where Qwen's own files say num_experts.
         experts = count(hf, "num_experts", hf.get("num_local_experts"))
         inter = count(hf, "moe_intermediate_size")
@@ -1339,7 +1360,8 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
             raise ValueError(f"config.json: mlp_only_layers must be layer numbers, got {dense!r}")
         layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
         norm = flag(hf, "norm_topk_prob")
-        shared = count(hf, "shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+        # Qwen2-MoE's and Qwen3-Next's shared expert, gated by its sigmoid.
+        shared = 0 if model_type == "qwen3_moe" else count(hf, "shared_expert_intermediate_size")
     else:
         return {}
     top_k = count(hf, top_k_key)

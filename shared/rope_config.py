@@ -35,6 +35,7 @@ _PARTIAL_ROTARY_MODELS = (
     "mistral4",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "qwen3_next",
 )
 # Models whose sliding layers rotate by a base of their own, unscaled: the (full, sliding)
 # bases where rope_parameters names none, as transformers defaults them (Gemma 3's local base

@@ -83,15 +83,17 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         "granitemoeshared",
         "minimax_m2",
         "qwen3_5_moe_text",
+        "qwen3_next",
     ):
         experts = getattr(theirs, "num_experts", None) or theirs.num_local_experts
         assert (ours.num_experts, ours.num_experts_per_tok) == (experts, theirs.num_experts_per_tok)
         assert ours.moe_intermediate_size == (
             theirs.moe_intermediate_size
-            if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text")
+            if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next")
             else theirs.intermediate_size
         )
         assert ours.moe_layers == (0, 1)
+        assert ours.norm_topk_prob == getattr(theirs, "norm_topk_prob", True)
         shared = getattr(theirs, "shared_expert_intermediate_size", None) or 0
         assert ours.shared_expert_intermediate_size == shared
     elif model_type == "ernie4_5_moe":  # its experts from moe_layer_start_index on

@@ -1,10 +1,12 @@
-"""Qwen 3.5, a hybrid model: three of every four layers mix tokens by a Gated DeltaNet (a
-state per request in place of a KV cache, after a short causal convolution), the fourth by
-attention whose output a per-channel gate scales. Weir decodes what transformers decodes
-(whose own reference implementation runs each sequence whole), however the scheduler chunks,
-preempts and batches the requests, in one process and by a tensor-parallel group of two, in
-lockstep and planning ahead; a request's state slot returns when it ends. What such a model
-cannot do (drafts, adapters, prefix caching) is refused or off."""
+"""Qwen 3.5 and Qwen3-Next, hybrid models: three of every four layers mix tokens by a Gated
+DeltaNet (a state per request in place of a KV cache, after a short causal convolution), the
+fourth by attention whose output a per-channel gate scales; Qwen3-Next's projections
+interleave their parts by key head, and its experts are Qwen2-MoE's, some layers dense. Weir
+decodes what transformers decodes (whose own reference implementation runs each sequence
+whole), however the scheduler chunks, preempts and batches the requests, in one process and
+by a tensor-parallel group of two, in lockstep and planning ahead; a request's state slot
+returns when it ends. What such a model cannot do (drafts, adapters, prefix caching) is
+refused or off."""
 
 import dataclasses
 import random
@@ -19,6 +21,7 @@ import tp_workload  # noqa: E402
 from devices import CPU_AND_CUDA  # noqa: E402
 from lora_adapters import greedy  # noqa: E402
 from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
 from test_model_runner import Driver, make_runner  # noqa: E402
 
@@ -57,15 +60,22 @@ EXPERTS = dict(
 )
 
 
-def _save(path, moe: bool = False, **changes) -> torch.nn.Module:
+# Qwen3-Next's: Qwen2-MoE's experts in every second layer (the others dense), their
+# gate/up projections not square (Qwen's transposed stacked layout told apart).
+NEXT_EXPERTS = dict(EXPERTS, moe_intermediate_size=24, decoder_sparse_step=2)
+KINDS = {
+    "dense": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, {}),
+    "moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, EXPERTS),
+    "next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, NEXT_EXPERTS),
+}
+
+
+def _save(path, kind: str = "dense", **changes) -> torch.nn.Module:
     torch.manual_seed(0)
-    if moe:
-        config = transformers.Qwen3_5MoeTextConfig(**{**TEXT, **EXPERTS, **changes})
-        config._experts_implementation = "eager"
-        model = transformers.Qwen3_5MoeForCausalLM(config).eval()
-    else:
-        config = transformers.Qwen3_5TextConfig(**{**TEXT, **changes})
-        model = transformers.Qwen3_5ForCausalLM(config).eval()
+    config_class, model_class, experts = KINDS[kind]
+    config = config_class(**{**TEXT, **experts, **changes})
+    config._experts_implementation = "eager"
+    model = model_class(config).eval()
     spread_weights_(model)
     with torch.no_grad():  # decays of every strength: exp(A_log) from ~0.05 to ~3
         for layer in model.model.layers:
@@ -76,10 +86,20 @@ def _save(path, moe: bool = False, **changes) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=list(KINDS))
 def qwen3_5(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    return path, _save(path, moe=request.param == "moe")
+    return path, _save(path, request.param)
+
+
+def _decodes_as_transformers(hf, path, tensor_parallel: bool = False) -> None:
+    """Two prompts, 8 tokens each, decoded from ``path`` as ``hf`` decodes them greedily; with
+    ``tensor_parallel``, by a group of two too."""
+    prompts = [list(range(5, 30)), [20, 21, 22]]
+    want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
+    work = tp_workload.Workload(str(path), prompts, max_tokens=8, num_blocks=20)
+    group = tp_workload.run_group(work, world_size=2) if tensor_parallel else []
+    assert all(report.outputs == want for report in [tp_workload.run(work), *group])
 
 
 def _prompts() -> list[list[int]]:
@@ -102,11 +122,16 @@ def test_config_reads_the_layers_as_transformers_does(qwen3_5):
     assert cfg.attn_output_gate and cfg.gemma_norms and cfg.qk_norm
     assert cfg.rope.rotary_dim == 4  # a quarter of each head rotates
     assert not cfg.caches_prefixes
-    if hf.config.model_type == "qwen3_5_moe_text":
-        assert cfg.moe_layers == (0, 1, 2, 3) and cfg.norm_topk_prob
+    if hf.config.model_type != "qwen3_5_text":
+        sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")]
+        assert cfg.moe_layers == tuple(sparse) and cfg.norm_topk_prob
         assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
-        assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) == (32, 48)
-        assert cfg.shared_expert_gated
+        assert cfg.moe_intermediate_size == hf.config.moe_intermediate_size
+        assert cfg.shared_expert_intermediate_size == 48 and cfg.shared_expert_gated
+    if hf.config.model_type == "qwen3_next":
+        assert cfg.moe_layers == (1, 3) and cfg.intermediate_size == 96  # the dense MLP's
+        listed = {**TEXT, **NEXT_EXPERTS, "model_type": "qwen3_next", "mlp_only_layers": [3]}
+        assert ModelConfig.from_hf(listed).moe_layers == (1,)
     # Left out: transformers' defaults (every fourth layer attends).
     bare = ModelConfig.from_hf({**TEXT, "model_type": "qwen3_5_text", "num_hidden_layers": 8})
     assert bare.linear_layers == (0, 1, 2, 4, 5, 6)
@@ -215,10 +240,32 @@ def test_a_multimodal_checkpoint_serves_its_language_model(moe, tmp_path):
     assert (
         cfg.multimodal and cfg.linear_layers and cfg.model_type == hf.config.text_config.model_type
     )
-    prompts = [list(range(5, 30)), [20, 21, 22]]
-    work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
-    want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
-    assert tp_workload.run(work).outputs == want
+    _decodes_as_transformers(hf, tmp_path)
+
+
+def test_a_qwen3_next_checkpoint_reads_its_experts_one_per_tensor_or_stacked(tmp_path):
+    """Qwen3-Next's Hub files hold one tensor per expert (mlp.experts.E.gate_proj.weight), as
+    transformers saves them by default, and a multi-token prediction block (mtp.*), left
+    unread as transformers leaves it; transformers 5 saves the experts stacked, as its
+    forward multiplies them, with save_original_format=False. Both decode alike."""
+    hf = _save(tmp_path / "hub", "next")
+    tensors = load_file(tmp_path / "hub" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in tensors
+    tensors["mtp.fc.weight"] = torch.ones(64, 128)
+    tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.ones(24, 64)
+    save_file(tensors, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    hf.save_pretrained(tmp_path / "stacked", save_original_format=False)
+    stacked = load_file(tmp_path / "stacked" / "model.safetensors")
+    assert stacked["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 48, 64)
+    for kind in ("hub", "stacked"):
+        _decodes_as_transformers(hf, tmp_path / kind)
+
+
+@pytest.mark.parametrize("kind", ["dense", "next"])
+def test_attention_bias_biases_the_attention_layers_alone(kind, tmp_path):
+    """attention_bias gives the attention layers' q/k/v/o projections biases (q_proj's with
+    its gate's rows), not the DeltaNet's; the output projection's is added once, by rank 0."""
+    _decodes_as_transformers(_save(tmp_path, kind, attention_bias=True), tmp_path, True)
 
 
 def test_drafts_and_adapters_are_refused(qwen3_5, tmp_path):
@@ -263,3 +310,11 @@ def test_a_runner_woken_from_sleep_decodes_as_transformers(qwen3_5, level):
         runner.sleep(level)
         assert runner.linear_states is None
         runner.wake()
+
+
+def test_qwen3_5_s_multi_token_prediction_block_is_left_unread(tmp_path):
+    hf = _save(tmp_path, "dense")
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.ones(64, 128)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    _decodes_as_transformers(hf, tmp_path)

@@ -1,12 +1,13 @@
-"""Qwen 3.5's Gated DeltaNet: the token mixer of its linear-attention layers.
+"""Qwen3-Next's and Qwen 3.5's Gated DeltaNet: their linear-attention layers' token mixer.
 
-The layer's input projection (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a of the checkpoint,
-fused into the decoder layer's ``qkv_proj``) gives each token its q/k/v channels, an output gate
-z per value head and the update's strength (beta) and decay (g) per value head; the q/k/v
-channels pass a causal depthwise convolution, then the gated delta rule reads and updates each
-request's state (`kernels/gated_delta_net.py`); the heads' outputs are RMS-normalized, gated by
-SiLU(z), and leave through the layer's ``o_proj`` (the checkpoint's out_proj). Under tensor
-parallelism a rank holds some key heads and the value heads they serve, and their channels.
+The layer's input projection (Qwen 3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, or
+Qwen3-Next's in_proj_qkvz and in_proj_ba taken apart by key head, fused into the decoder
+layer's ``qkv_proj``) gives each token its q/k/v channels, an output gate z per value head
+and the update's strength (beta) and decay (g) per value head; the q/k/v channels pass a
+causal depthwise convolution, then the gated delta rule reads and updates each request's state
+(`kernels/gated_delta_net.py`); the heads' outputs are RMS-normalized, gated by SiLU(z), and
+leave through the layer's ``o_proj`` (the checkpoint's out_proj). Under tensor parallelism a
+rank holds some key heads and the value heads they serve, and their channels.
 """
 
 from collections.abc import Callable

@@ -130,12 +130,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = None if cfg.olmo_norms else _block_norm(cfg, device, dtype, kernels)
         mla = cfg.latent_attention
         self.mla = None if mla is None else LatentAttention(cfg, layout, kernels, device, dtype)
-        # Qwen 3.5's linear-attention layer: its input projection takes qkv_proj's place, its
-        # output projection o_proj's (both then pack and quantize as any layer's).
+        # Qwen3-Next's and Qwen 3.5's linear-attention layer: its input projection takes
+        # qkv_proj's place, its output projection o_proj's (both then pack and quantize as any
+        # layer's), neither biased by attention_bias (transformers' attention's alone).
         self.linear_attn = (
             GatedDeltaNet(cfg, layout, device, dtype) if cfg.is_linear_layer(index) else None
         )
-        # Qwen 3.5's attention layers: a gate per query channel, after k and v's rows.
+        attends = self.linear_attn is None
+        # Their attention layers: a gate per query channel, after k and v's rows.
         self.gate_size = self.q_size if cfg.attn_output_gate else 0
         qkv_rows = (
             self.linear_attn.in_rows
@@ -143,7 +145,7 @@ class DecoderLayer(nn.Module):
             else self.q_size + 2 * self.kv_size + self.gate_size
         )
         self.qkv_proj = (
-            Linear(cfg.qkv_input_size or h, qkv_rows, cfg.qkv_bias, device, dtype)
+            Linear(cfg.qkv_input_size or h, qkv_rows, cfg.qkv_bias and attends, device, dtype)
             if mla is None
             else None
         )
@@ -154,7 +156,7 @@ class DecoderLayer(nn.Module):
         q_norm, k_norm = (d, d) if self.qk_norm_heads else (self.q_size, self.kv_size)
         self.q_norm: RMSNorm | LayerNorm | None = None
         self.k_norm: RMSNorm | LayerNorm | None = None
-        qk_norm = cfg.qk_norm and self.linear_attn is None
+        qk_norm = cfg.qk_norm and attends
         if qk_norm and cfg.layer_norms:
             self.q_norm = LayerNorm((layout.num_heads, d), eps, device, dtype)
             self.k_norm = LayerNorm((layout.num_kv_heads, d), eps, device, dtype)
@@ -168,7 +170,7 @@ class DecoderLayer(nn.Module):
             if mla is None
             else layout.num_heads * mla.v_head_dim
         )
-        self.o_proj = Linear(attn_width, h, cfg.o_bias and row_bias, device, dtype)
+        self.o_proj = Linear(attn_width, h, cfg.o_bias and row_bias and attends, device, dtype)
         self.sinks = AttentionSinks(layout.num_heads, device) if cfg.attention_sinks else None
         # A calibrated fp8 cache's scales (the checkpoint's k_scale, v_scale): it holds K /
         # k_scale and V / v_scale; on device, read by the kernels' launches and CUDA graphs.

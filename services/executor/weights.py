@@ -25,7 +25,12 @@ from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.quantization import quantize_model
 from weir.services.executor.quantized_checkpoint import dequantized_tensors
 from weir.services.executor.stacked_experts_checkpoint import split_stacked_experts
-from weir.shared.model_config import ModelConfig, read_model_config, vocab_id
+from weir.shared.model_config import (
+    QWEN_HYBRID_TYPES,
+    ModelConfig,
+    read_model_config,
+    vocab_id,
+)
 from weir.shared.shard_layout import ShardLayout
 
 # DeepSeek-V3's router bias is named as no other tensor is: read as the router's score_bias.
@@ -55,9 +60,10 @@ FUSED_MODULES = {
     ),
     "linear_attn.conv1d": ("linear_attn.conv1d_q", "linear_attn.conv1d_k", "linear_attn.conv1d_v"),
 }
-# Models whose checkpoints stack each layer's experts (Qwen3-VL-MoE's multimodal ones too).
-STACKED_EXPERT_TYPES = ("mistral4", "qwen3_5_moe_text")
-# Qwen 3.5's linear attention's parameters named without a .weight.
+# Models whose checkpoints stack each layer's experts (Qwen3-VL-MoE's multimodal ones too;
+# Qwen3-Next's where transformers 5 saves them so, its Hub files holding one per expert).
+STACKED_EXPERT_TYPES = ("mistral4", "qwen3_5_moe_text", "qwen3_next")
+# Qwen3-Next's and Qwen 3.5's linear attention's parameters named without a .weight.
 _BARE_LINEAR_PARAM_RE = re.compile(r"model\.layers\.\d+\.linear_attn\.(A_log|dt_bias)")
 # GLM-4's norms around the attention and the MLP, read as Gemma's (``sandwich_norms``).
 _GLM4_NORMS = {
@@ -331,23 +337,30 @@ class RowsOf:
         return self.source[(slice(self.start + first, self.start + last), *index[1:])]
 
 
-class HeadHalves:
-    """One half of each head's rows of a checkpoint tensor whose heads hold two parts side
-    by side (Qwen 3.5's q_proj: a head's query channels, then its gate's), read as a tensor
-    of those halves; rows are asked for whole heads."""
+class GroupPart:
+    """Part ``part`` of every row group of a checkpoint tensor whose groups hold parts of
+    ``sizes`` rows side by side, read as a tensor of those rows (Qwen 3.5's q_proj: each
+    head's query channels, then its gate's; Qwen3-Next's in_proj_qkvz: each key head's q, k,
+    then the v and z of the value heads it serves). Rows are asked for whole groups' (a
+    tensor-parallel rank's share of heads)."""
 
-    def __init__(self, source: TensorSource, head_dim: int, half: int) -> None:
-        self.source, self.head_dim, self.half = source, head_dim, half
+    def __init__(self, source: TensorSource, sizes: tuple[int, ...], part: int) -> None:
+        self.source = source
+        self.group, self.size = sum(sizes), sizes[part]
+        self.offset = sum(sizes[:part])
 
     def get_shape(self) -> list[int]:
         rows, *rest = self.source.get_shape()
-        return [rows // 2, *rest]
+        return [rows // self.group * self.size, *rest]
 
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
         first, last, _ = index[0].indices(self.get_shape()[0])
-        rows = self.source[(slice(2 * first, 2 * last), *index[1:])]
-        heads = rows.reshape(-1, 2, self.head_dim, *rows.shape[1:])
-        return heads[:, self.half].reshape(last - first, *rows.shape[1:])
+        assert first % self.size == 0 and last % self.size == 0, "rows of whole groups"
+        groups = slice(first // self.size * self.group, last // self.size * self.group)
+        rows = self.source[(groups, *index[1:])]
+        grouped = rows.reshape(-1, self.group, *rows.shape[1:])
+        part = grouped[:, self.offset : self.offset + self.size]
+        return part.reshape(last - first, *rows.shape[1:])
 
 
 class MiddleSqueezed:
@@ -378,8 +391,8 @@ def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str,
         return [(f"model.layers.{m.group(1)}.{_GLM4_NORMS[m.group(2)]}.{m.group(3)}", source)]
     if m is not None and m.group(2) in _BIAS_BESIDE_ROUTER and m.group(3) == _ROUTER_BIAS:
         return [(f"model.layers.{m.group(1)}.mlp.gate.{_ROUTER_BIAS}", Squeezed(source))]
-    gated_q = cfg.attn_output_gate and m is not None and m.group(2) == "self_attn.q_proj"
-    if m is None or not (gated_q or m.group(2) in FUSED_MODULES):
+    grouped = None if m is None else _grouped_parts(cfg, m.group(2))
+    if m is None or not (grouped or m.group(2) in FUSED_MODULES):
         return [(name, source)]
     expected = checkpoint_shape(cfg, name)
     if tuple(source.get_shape()) != expected:
@@ -387,11 +400,11 @@ def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str,
             f"{name}: checkpoint shape {tuple(source.get_shape())} != {expected} from "
             "config.json: the config does not describe these weights"
         )
-    if gated_q:
-        layer = f"model.layers.{m.group(1)}.self_attn"
+    if grouped is not None:
+        modules, sizes = grouped
         return [
-            (f"{layer}.{part}.{m.group(3)}", HeadHalves(source, cfg.head_dim, half))
-            for half, part in enumerate(("gated_q", "q_gate"))
+            (f"model.layers.{m.group(1)}.{module}.{m.group(3)}", GroupPart(source, sizes, j))
+            for j, module in enumerate(modules)
         ]
     parts: list[tuple[str, TensorSource]] = []
     start = 0
@@ -401,6 +414,30 @@ def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str,
         parts.append((part, RowsOf(source, start, rows)))
         start += rows
     return parts
+
+
+def _grouped_parts(cfg: ModelConfig, module: str) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """The parts (as `LAYER_PARTS` names them) of a fused tensor whose rows interleave them
+    by head, and their rows in each head's group; None for any other tensor. Qwen 3.5's
+    q_proj and Qwen3-Next's, their gates beside each head's queries; Qwen3-Next's
+    in_proj_qkvz and in_proj_ba, grouped by key head (transformers'
+    ``fix_query_key_value_ordering``)."""
+    if module == "self_attn.q_proj" and cfg.attn_output_gate:
+        return ("self_attn.gated_q", "self_attn.q_gate"), (cfg.head_dim, cfg.head_dim)
+    la = cfg.linear_attention
+    if la is None:
+        return None
+    k, v = la.head_k_dim, la.group * la.head_v_dim
+    return {
+        "linear_attn.in_proj_qkvz": (
+            tuple(f"linear_attn.in_proj_{part}" for part in "qkvz"),
+            (k, k, v, v),
+        ),
+        "linear_attn.in_proj_ba": (
+            ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+            (la.group, la.group),
+        ),
+    }.get(module)
 
 
 def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
@@ -450,8 +487,12 @@ def _target(
         return "lm_head", slice(0, rows.stop - rows.start), (rows,)
     if name.endswith("rotary_emb.inv_freq"):
         return None
-    if cfg.model_type == "ernie4_5_moe" and "mtp" in name:
-        return None  # ERNIE 4.5's multi-token prediction block: Weir does not draft with it
+    # ERNIE 4.5's, Qwen3-Next's and Qwen 3.5's multi-token prediction blocks: Weir does not
+    # draft with them.
+    if (cfg.model_type == "ernie4_5_moe" and "mtp" in name) or (
+        cfg.model_type in QWEN_HYBRID_TYPES and name.startswith("mtp.")
+    ):
+        return None
     if name == "score.weight" and cfg.num_labels:  # a sequence classifier's head
         return "score", slice(None), _ALL
     m = _LAYER_RE.fullmatch(name)
