@@ -133,7 +133,9 @@ class DecoderLayer(nn.Module):
         # Qwen 3.5's linear-attention layer: its input projection takes qkv_proj's place, its
         # output projection o_proj's (both then pack and quantize as any layer's).
         self.linear_attn = (
-            GatedDeltaNet(cfg, layout, device, dtype) if cfg.is_linear_layer(index) else None
+            GatedDeltaNet(cfg, layout, kernels, device, dtype)
+            if cfg.is_linear_layer(index)
+            else None
         )
         # Qwen 3.5's attention layers: a gate per query channel, after k and v's rows.
         self.gate_size = self.q_size if cfg.attn_output_gate else 0
