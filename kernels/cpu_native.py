@@ -62,6 +62,11 @@ _SIGNATURES = {
         + [_F, _I, _I, _F, _P, _I, _P],
     ),
     "weir_silu_mul": (None, [_P, _I, _I, _I]),
+    "weir_causal_conv1d": (ctypes.c_int, [_P, _I, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P]),
+    "weir_gated_delta_decode": (
+        ctypes.c_int,
+        [_P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _P],
+    ),
     "weir_pack_panels": (None, [_P, _I, _I, _P]),
     "weir_linear": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I]),
     "weir_linear_silu_mul": (None, [_P, _I, _I, _P, _I, _I, _P, _P, _I]),
@@ -211,6 +216,136 @@ class CpuKernels:
         dim = gate_up.shape[1] // 2
         self._lib.weir_silu_mul(_ptr(gate_up), gate_up.stride(0), gate_up.shape[0], dim)
         return gate_up[:, :dim]
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        query_start: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+    ) -> torch.Tensor:
+        """`weir.kernels.gated_delta_net.causal_conv1d` of a float32 batch, without gathering
+        the states: x [T, C] (rows may be strided), weight [C, K], bias [C] or None,
+        conv_state [S, C, K - 1] contiguous, updated in place; query_start [R + 1], slots and
+        fresh (1: the request's state is zero, whatever its slot holds) [R], int64, slots
+        distinct. Returns [T, C]. Rows or slots out of range raise IndexError, nothing
+        written."""
+        num_tokens, channels = x.shape
+        taps = weight.shape[1]
+        if not (
+            all(t.dtype == torch.float32 for t in (x, weight, conv_state))
+            and (bias is None or (bias.dtype == torch.float32 and bias.shape == (channels,)))
+            and all(
+                t.dtype == torch.int64 and t.is_contiguous() for t in (query_start, slots, fresh)
+            )
+            and len(query_start) == len(slots) + 1 == len(fresh) + 1
+            and weight.shape[0] == channels
+            and conv_state.shape[1:] == (channels, taps - 1)
+            and conv_state.is_contiguous()
+        ):
+            raise ValueError(
+                f"causal_conv1d: x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv_state "
+                f"{tuple(conv_state.shape)}: want float32, a contiguous state, int64 "
+                "query_start/slots/fresh"
+            )
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        weight = weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        out = torch.empty(num_tokens, channels, dtype=torch.float32)
+        status = self._lib.weir_causal_conv1d(
+            _ptr(x),
+            x.stride(0),
+            _ptr(weight),
+            None if bias is None else _ptr(bias),
+            _ptr(conv_state),
+            conv_state.shape[0],
+            _ptr(query_start),
+            _ptr(slots),
+            _ptr(fresh),
+            len(slots),
+            num_tokens,
+            channels,
+            taps,
+            _ptr(out),
+        )
+        if status == -2:
+            raise IndexError("a request's rows or conv state slot lie outside the batch or states")
+        if status != 0:
+            raise MemoryError("native causal_conv1d could not allocate its transposed weight")
+        return out
+
+    def gated_delta_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+    ) -> torch.Tensor:
+        """One step of the gated delta rule for D single-token requests, in place in their
+        slots of state [S, Hv, Dk, Dv] (contiguous): request r's token is row rows[r] of q, k
+        [T, Hk, Dk] (L2-normalized, q scaled by Dk ** -0.5), v [T, Hv, Dv] and g, beta [T,
+        Hv]; its state slot slots[r], zero (whatever it holds) where fresh[r] is 1 (int64 [D]
+        each; slots distinct). All float32; q, k, v's rows may be strided (copied where a
+        row's heads are not contiguous). Returns o [D, Hv, Dv] float32:
+        `weir.kernels.gated_delta_net._recurrent_step`'s, without gathering the states. A row
+        or slot out of range raises IndexError, nothing written."""
+        num_tokens, k_heads, k_dim = k.shape
+        v_heads, v_dim = v.shape[1:]
+        if not (
+            all(t.dtype == torch.float32 for t in (q, k, v, g, beta, state))
+            and all(t.dtype == torch.int64 and t.is_contiguous() for t in (rows, slots, fresh))
+            and rows.shape == slots.shape == fresh.shape
+            and q.shape == k.shape
+            and g.shape == beta.shape == (num_tokens, v_heads)
+            and state.shape[1:] == (v_heads, k_dim, v_dim)
+            and state.is_contiguous()
+            and v_heads % k_heads == 0
+        ):
+            raise ValueError(
+                f"gated_delta_decode: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                f"{tuple(v.shape)}, g/beta {tuple(g.shape)}, state {tuple(state.shape)}: want "
+                "float32, a contiguous state, Hv a multiple of Hk, int64 rows/slots/fresh"
+            )
+        q, k, v = (
+            t if t.stride(1) == t.shape[2] and t.stride(2) == 1 else t.contiguous()
+            for t in (q, k, v)
+        )
+        g, beta = g.contiguous(), beta.contiguous()
+        out = torch.empty(len(rows), v_heads, v_dim, dtype=torch.float32)
+        status = self._lib.weir_gated_delta_decode(
+            _ptr(q),
+            q.stride(0),
+            _ptr(k),
+            k.stride(0),
+            _ptr(v),
+            v.stride(0),
+            _ptr(g),
+            _ptr(beta),
+            num_tokens,
+            _ptr(rows),
+            _ptr(slots),
+            _ptr(fresh),
+            len(rows),
+            _ptr(state),
+            state.shape[0],
+            k_heads,
+            v_heads,
+            k_dim,
+            v_dim,
+            _ptr(out),
+        )
+        if status != 0:
+            raise IndexError("a decode's row or state slot lies outside the batch or states")
+        return out
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor

@@ -35,7 +35,9 @@ Output o [T, Hv, Dv] in q's dtype.
 Fresh requests are zeroed inside the functions, on the copies of the states they gather
 anyway (only the fresh rows are touched), never in the slots: stale values, NaN included, do
 not leak in, and each function then overwrites the slot. So the layer calls no zeroing helper,
-and no slot needs clearing when a request ends or is preempted.
+and no slot needs clearing when a request ends or is preempted. On a CPU the native kernels
+(`CpuKernels.causal_conv1d`, `.gated_delta_decode`) gather nothing: they update the slots in
+place, writing a fresh request's without reading it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from weir.kernels.cpu_native import CpuKernels
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
@@ -68,12 +72,16 @@ class StateBatch:
     slot_index: torch.Tensor  # [R] int64
     # Fresh requests as positions (not a mask): zeroing them touches only their rows.
     fresh_at: torch.Tensor  # [F] int64, the fresh requests
+    # And as flags (1: fresh), which the native kernels read per request.
+    fresh_flags: torch.Tensor  # [R] int64
     token_request: torch.Tensor  # [T] int64, the request of each row
     # The single-row requests (decodes), for one vectorized recurrent step over all of them:
-    # their rows, their slots, and which of them are fresh (positions among the decodes).
+    # their rows, their slots, and which of them are fresh (positions among the decodes, and
+    # flags).
     decode_rows: torch.Tensor  # [D] int64
     decode_slots: torch.Tensor  # [D] int64
     decode_fresh_at: torch.Tensor  # [Fd] int64
+    decode_fresh_flags: torch.Tensor  # [D] int64
 
     @classmethod
     def build(
@@ -105,10 +113,12 @@ class StateBatch:
             qsl,
             slot_arr,
             np.flatnonzero(fresh_arr),
+            fresh_arr,
             token_request,
             qsl[decodes],
             slot_arr[decodes],
             np.flatnonzero(fresh_arr[decodes]),
+            fresh_arr[decodes],
         ]
         packed = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
         views = packed.split([len(p) for p in parts])
@@ -120,10 +130,12 @@ class StateBatch:
             query_start=views[0],
             slot_index=views[1],
             fresh_at=views[2],
-            token_request=views[3],
-            decode_rows=views[4],
-            decode_slots=views[5],
-            decode_fresh_at=views[6],
+            fresh_flags=views[3],
+            token_request=views[4],
+            decode_rows=views[5],
+            decode_slots=views[6],
+            decode_fresh_at=views[7],
+            decode_fresh_flags=views[8],
         )
 
     @property
@@ -141,11 +153,13 @@ def causal_conv1d(
     bias: torch.Tensor | None,
     conv_state: torch.Tensor,
     batch: StateBatch,
+    native: CpuKernels | None = None,
 ) -> torch.Tensor:
     """SiLU of each request's depthwise causal convolution over its conv state's K - 1 inputs
     then its new rows: [T, C] in x's dtype, accumulated in float32. Each request's slot of
     ``conv_state`` then holds its last K - 1 inputs (older state still among them when the
-    request has fewer than K - 1 new rows)."""
+    request has fewer than K - 1 new rows). With ``native`` (the native CPU kernels, float32
+    on the CPU) in one call, in place in the slots."""
     num_tokens, channels = x.shape
     width = weight.shape[1] - 1
     num_requests = batch.num_requests
@@ -153,6 +167,10 @@ def causal_conv1d(
         raise ValueError(
             f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and conv_state "
             f"{tuple(conv_state.shape)} for a batch of {batch.num_tokens} rows"
+        )
+    if native is not None:
+        return native.causal_conv1d(
+            x, weight, bias, conv_state, batch.query_start, batch.slot_index, batch.fresh_flags
         )
     device = x.device
     # Lay each request out contiguously as (its K - 1 previous inputs, its new rows), so every
@@ -199,10 +217,12 @@ def gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
     batch: StateBatch,
+    native: CpuKernels | None = None,
 ) -> torch.Tensor:
     """The gated delta rule of every request over its new rows, starting from its slot's state
     (zero when fresh): o [T, Hv, Dv] in q's dtype. Each request's slot of ``state`` then holds
-    its state after its last row. Single-row requests take one recurrent step together; longer
+    its state after its last row. Single-row requests take one recurrent step together (with
+    ``native``, the native CPU kernels of a state on the CPU, in place in their slots); longer
     ones the chunked algorithm, one request at a time."""
     num_tokens, k_heads, k_dim = k.shape
     v_heads, v_dim = v.shape[1:]
@@ -217,26 +237,41 @@ def gated_delta_rule(
             f"{tuple(state.shape)} for a batch of {batch.num_tokens} rows"
         )
     group = v_heads // k_heads
-    # Normalize every row once; each q/k head then serves its group of consecutive v heads.
-    q32 = (l2norm(q.float()) * k_dim**-0.5).repeat_interleave(group, dim=1)
-    k32 = l2norm(k.float()).repeat_interleave(group, dim=1)
+    # Normalize every row once; each q/k head serves its group of consecutive v heads
+    # (`by_v_head`, where the torch paths need the heads matched up).
+    q32 = l2norm(q.float()) * k_dim**-0.5
+    k32 = l2norm(k.float())
     v32, g32, beta32 = v.float(), g.float(), beta.float()
     out = torch.empty((num_tokens, v_heads, v_dim), dtype=q.dtype, device=q.device)
 
+    def by_v_head(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(group, dim=1)
+
     if len(batch.decode_rows):
         rows, slots = batch.decode_rows, batch.decode_slots
-        states = state[slots].index_fill_(0, batch.decode_fresh_at, 0)
-        o = _recurrent_step(q32[rows], k32[rows], v32[rows], g32[rows], beta32[rows], states)
+        if native is not None:
+            o = native.gated_delta_decode(
+                q32, k32, v32, g32, beta32, state, rows, slots, batch.decode_fresh_flags
+            )
+        else:
+            states = state[slots].index_fill_(0, batch.decode_fresh_at, 0)
+            o = _recurrent_step(
+                by_v_head(q32[rows]),
+                by_v_head(k32[rows]),
+                v32[rows],
+                g32[rows],
+                beta32[rows],
+                states,
+            )
+            state[slots] = states
         out[rows] = o.to(out.dtype)
-        state[slots] = states
 
     for r in batch.multi_token:
         start, end = batch.query_start_loc[r], batch.query_start_loc[r + 1]
         slot = batch.slots[r]
         initial = state.new_zeros(state.shape[1:]) if batch.fresh[r] else state[slot]
-        q_r, k_r, v_r, g_r, beta_r = (
-            t[start:end].transpose(0, 1) for t in (q32, k32, v32, g32, beta32)
-        )
+        q_r, k_r = (by_v_head(t[start:end]).transpose(0, 1) for t in (q32, k32))
+        v_r, g_r, beta_r = (t[start:end].transpose(0, 1) for t in (v32, g32, beta32))
         o, final = _chunked(q_r, k_r, v_r, g_r, beta_r, initial)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
         state[slot] = final

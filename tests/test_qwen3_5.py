@@ -10,6 +10,7 @@ refused or off."""
 
 import dataclasses
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -25,6 +26,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
 from test_model_runner import Driver, make_runner  # noqa: E402
 
+from weir.kernels import cpu_native  # noqa: E402
+from weir.services.executor.attention import get_attention_backend  # noqa: E402
 from weir.services.executor.linear_states import LinearStates  # noqa: E402
 from weir.services.executor.model_runner import ModelRunner  # noqa: E402
 from weir.services.executor.weights import load_model  # noqa: E402
@@ -187,6 +190,34 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(qwen3_5, devic
         logits = model.compute_logits(model(input_ids.to(device), positions.to(device), meta, kv))
     error = (logits.cpu() - want).abs().mean(dim=1).median()
     assert error < 1.5 * hf_error, (error, hf_error)
+
+
+@pytest.mark.skipif(cpu_native.load() is None, reason="native CPU kernels not built here")
+def test_the_native_kernels_mix_the_linear_layers_in_float32_on_a_cpu(qwen3_5, monkeypatch):
+    """The native kernels (the default backend in float32 on a CPU, which the other tests here
+    decode with) run each Gated DeltaNet's convolution and its decodes' step; in bfloat16 and
+    under the torch backend, PyTorch does."""
+    path, _ = qwen3_5
+    calls: Counter[str] = Counter()
+    for name in ("causal_conv1d", "gated_delta_decode"):
+        kernel = getattr(cpu_native.CpuKernels, name)
+
+        def counted(*args, name=name, kernel=kernel):
+            calls[name] += 1
+            return kernel(*args)
+
+        monkeypatch.setattr(cpu_native.CpuKernels, name, counted)
+    # A prompt's chunk and a one-token prompt (a decode's single row) in one pass.
+    input_ids, positions, meta = PagedRequests(seed=0).step([("A", [5, 6, 7], 0), ("B", [8], 0)])
+    for model, want in (
+        (load_model(path), 3),
+        (load_model(path, dtype=torch.bfloat16), 0),
+        (load_model(path, attention=get_attention_backend("torch", "cpu")), 0),
+    ):
+        calls.clear()
+        with torch.inference_mode():
+            model(input_ids, positions, meta, model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE))
+        assert calls == Counter(causal_conv1d=want, gated_delta_decode=want)
 
 
 def test_only_attention_layers_keep_a_kv_cache(qwen3_5):

@@ -4,7 +4,8 @@
    operator calls, and reads its operands once: RMSNorm, rotary embedding in place, the K/V
    cache write, paged attention straight from the block table (no gathered copies of the
    context), SiLU-and-multiply in place, the float32 matmul against prepacked weight panels
-   (float32, bfloat16 or int8 ones; bfloat16 on AMX's tiles where the CPU has them). Loops are
+   (float32, bfloat16 or int8 ones; bfloat16 on AMX's tiles where the CPU has them), Gated
+   DeltaNet's short convolution and decode step in place in the requests' state slots. Loops are
    written as `acc += a * b` on vector types and rely on -ffp-contract=fast to become FMAs.
    Threads come from OpenMP; the library is loaded into a process where PyTorch already
    loaded libgomp, so both share one thread pool and torch.set_num_threads applies to both.
@@ -1421,4 +1422,215 @@ int weir_linear_silu_mul_bf16(const float *x, int64_t x_stride, int64_t m,
                               const uint32_t *panels, int64_t n, int64_t k, const float *bias,
                               float *out, int64_t out_stride) {
     return linear_bf16(x, x_stride, m, panels, n, k, bias, NULL, 0, out, out_stride, 1);
+}
+
+/* Gated DeltaNet's recurrent state columns handled at a time, their reads by k and by q
+   accumulating in 2 x DELTA_VECS vectors: 128, Qwen3-Next's and Qwen 3.5's head width, so
+   that their states stream whole rows from memory. Reading states past the caches, blocks of
+   128 columns took 1.1-1.2 ms a layer of 16 decodes x 16 heads of 128 x 128, 64 columns
+   1.25-1.4 and 32 columns 1.8, with 512-bit and 256-bit vectors alike (the latter's 32
+   accumulators spill, and still gain: the pass is bound by memory, not registers). The block
+   of dk rows stays in L1/L2 between the two passes over it. */
+#define DELTA_COLS 128
+#define DELTA_VECS (DELTA_COLS / VL)
+
+/* Columns [0, DELTA_COLS) of one head's decode step (see weir_gated_delta_decode) for its
+   state s (dk rows of dv), with the write u and the output o of those columns kept in
+   registers between the pass that reads the columns and the one that updates them. */
+static inline void delta_columns(float *s, int64_t dk, int64_t dv, const float *k,
+                                 const float *q, const float *v, float decay, float beta,
+                                 float qk, int fresh, float *o) {
+    vf kr[DELTA_VECS] = {0}, qr[DELTA_VECS] = {0};
+    if (!fresh)
+        for (int64_t i = 0; i < dk; i++)
+            for (int c = 0; c < DELTA_VECS; c++) {
+                const vf x = loadv(s + i * dv + c * VL);
+                kr[c] += k[i] * x;
+                qr[c] += q[i] * x;
+            }
+    vf u[DELTA_VECS];
+    for (int c = 0; c < DELTA_VECS; c++) {
+        u[c] = beta * (loadv(v + c * VL) - decay * kr[c]);
+        storev(o + c * VL, decay * qr[c] + qk * u[c]);
+    }
+    for (int64_t i = 0; i < dk; i++)
+        for (int c = 0; c < DELTA_VECS; c++) {
+            float *p = s + i * dv + c * VL;
+            storev(p, fresh ? k[i] * u[c] : decay * loadv(p) + k[i] * u[c]);
+        }
+}
+
+/* The gated delta rule's step for one token of each of num_decodes requests
+   (kernels/gated_delta_net.py, whose _recurrent_step is the reference), in place in their
+   state slots: request r's token is row rows[r] of q, k [num_tokens, k_heads, dk] (already
+   L2-normalized, q scaled) at q + t * q_stride, k + t * k_stride, of v [num_tokens, v_heads,
+   dv] at v + t * v_stride and of g, beta [num_tokens, v_heads] (contiguous); its state is
+   slot slots[r] of state [num_slots, v_heads, dk, dv], taken as zero (and not read) where
+   fresh[r] is 1. For v head h, served by key head h / (v_heads / k_heads), with S its state
+   and the decay e = exp(g):
+     u = beta (v - e S^T k),   S <- e S + k u^T,   out = e S^T q + (q . k) u = S_new^T q
+   so S is read once for both products and written once. out: [num_decodes, v_heads, dv].
+   Slots must be distinct. Returns 0, or -2 (nothing read or written) when a row or slot lies
+   outside num_tokens or num_slots. */
+int weir_gated_delta_decode(const float *q, int64_t q_stride, const float *k, int64_t k_stride,
+                            const float *v, int64_t v_stride, const float *g, const float *beta,
+                            int64_t num_tokens, const int64_t *rows, const int64_t *slots,
+                            const int64_t *fresh, int64_t num_decodes, float *state,
+                            int64_t num_slots, int64_t k_heads, int64_t v_heads, int64_t dk,
+                            int64_t dv, float *out) {
+    for (int64_t r = 0; r < num_decodes; r++)
+        if (rows[r] < 0 || rows[r] >= num_tokens || slots[r] < 0 || slots[r] >= num_slots)
+            return -2;
+    const int64_t group = v_heads / k_heads, vector_cols = dv - dv % DELTA_COLS;
+#pragma omp parallel for schedule(static) collapse(2)
+    for (int64_t r = 0; r < num_decodes; r++)
+        for (int64_t h = 0; h < v_heads; h++) {
+            const int64_t t = rows[r];
+            const float *qh = q + t * q_stride + h / group * dk;
+            const float *kh = k + t * k_stride + h / group * dk;
+            const float *vh = v + t * v_stride + h * dv;
+            float *s = state + (slots[r] * v_heads + h) * dk * dv;
+            float *o = out + (r * v_heads + h) * dv;
+            const float decay = expf(g[t * v_heads + h]), b = beta[t * v_heads + h];
+            const float qk = dot8(qh, kh, dk);
+            const int is_fresh = fresh[r] != 0;
+            for (int64_t j = 0; j < vector_cols; j += DELTA_COLS)
+                delta_columns(s + j, dk, dv, kh, qh, vh + j, decay, b, qk, is_fresh, o + j);
+            /* The columns past the last whole block (heads narrower than one), one at a time. */
+            for (int64_t j = vector_cols; j < dv; j++) {
+                float kr = 0.0f, qr = 0.0f;
+                for (int64_t i = 0; i < dk && !is_fresh; i++) {
+                    kr += kh[i] * s[i * dv + j];
+                    qr += qh[i] * s[i * dv + j];
+                }
+                const float u = b * (vh[j] - decay * kr);
+                o[j] = decay * qr + qk * u;
+                for (int64_t i = 0; i < dk; i++)
+                    s[i * dv + j] = is_fresh ? kh[i] * u : decay * s[i * dv + j] + kh[i] * u;
+            }
+        }
+    return 0;
+}
+
+/* n <= VL floats `stride` apart from p as a vector (lanes past n zero), and back: a block's
+   channels of a conv state's column ([channels, width] per slot), or the last block's. */
+static inline vf load_lanes(const float *p, int64_t stride, int64_t n) {
+    if (n == VL && stride == 1) return loadv(p);
+    vf v = {0};
+    for (int64_t l = 0; l < n; l++) v[l] = p[l * stride];
+    return v;
+}
+
+static inline void store_lanes(float *p, int64_t stride, int64_t n, vf v) {
+    if (n == VL && stride == 1) {
+        storev(p, v);
+        return;
+    }
+    for (int64_t l = 0; l < n; l++) p[l * stride] = v[l];
+}
+
+/* A request's input p on n channels: its row p (rows: its first), or for p < 0 its conv
+   state's column width + p (zero when fresh). */
+static inline vf conv_input(const float *rows, int64_t x_stride, const float *state,
+                            int64_t width, int is_fresh, int64_t p, int64_t n) {
+    if (p >= 0) return load_lanes(rows + p * x_stride, 1, n);
+    return is_fresh ? (vf){0} : load_lanes(state + width + p, width, n);
+}
+
+/* Output row i of a request on n <= VL channels: SiLU of the bias (or none) plus each tap's
+   weight (weight_t's rows, channels apart) times its input (see conv_input). */
+static inline void conv_row(const float *rows, int64_t x_stride, int64_t i, const float *state,
+                            int64_t width, int is_fresh, const float *weight_t,
+                            int64_t channels, const float *bias, float *out, int64_t n) {
+    vf acc = bias ? load_lanes(bias, 1, n) : (vf){0};
+    for (int64_t j = 0; j <= width; j++)
+        acc += load_lanes(weight_t + j * channels, 1, n) *
+               conv_input(rows, x_stride, state, width, is_fresh, i + j - width, n);
+    store_lanes(out, 1, n, acc / (1.0f + expv(-acc)));
+}
+
+/* A request's conv state on n <= VL channels after its len rows (see weir_causal_conv1d):
+   column m takes input len + m - width, a row or the state's own column len + m, to the
+   right of m and so not yet overwritten. */
+static inline void conv_shift(const float *rows, int64_t x_stride, int64_t len, float *state,
+                              int64_t width, int is_fresh, int64_t n) {
+    for (int64_t m = 0; m < width; m++)
+        store_lanes(state + m, width, n,
+                    conv_input(rows, x_stride, state, width, is_fresh, len + m - width, n));
+}
+
+/* The request owning row t: the last r with query_start[r] <= t (past empty requests). */
+static inline int64_t request_of(const int64_t *query_start, int64_t num_requests, int64_t t) {
+    int64_t lo = 0, hi = num_requests;
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (query_start[mid] <= t)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* Gated DeltaNet's causal depthwise convolution (kernels/gated_delta_net.py's causal_conv1d,
+   the reference) over a flat batch, its requests' conv states read and updated in place:
+   request r owns rows [query_start[r], query_start[r + 1]) of x [num_tokens, channels] (at
+   x + t * x_stride) and out [num_tokens, channels] (contiguous), and slot slots[r] of
+   conv_state [num_slots, channels, width], its last width = taps - 1 inputs oldest first
+   (zeros, not read, where fresh[r] is 1). With weight [channels, taps],
+   out[t, c] = SiLU(bias[c] + sum_j weight[c, j] * in[t - width + j, c]), `in` the request's
+   inputs, those before its rows from its state; bias NULL for none. The state then holds its
+   last `width` inputs. Rows go one at a time across all channels (a block of rows per
+   channel block would step a page per row through x and out), the weight transposed first
+   so that a tap's weights lie along the channels, the states' updates after every row has
+   read them. Slots must be distinct. Returns 0; -1 when the transposed weight could not be
+   allocated; -2 (nothing read or written) when the rows or slots lie outside num_tokens or
+   num_slots. */
+int weir_causal_conv1d(const float *x, int64_t x_stride, const float *weight,
+                       const float *bias, float *conv_state, int64_t num_slots,
+                       const int64_t *query_start, const int64_t *slots, const int64_t *fresh,
+                       int64_t num_requests, int64_t num_tokens, int64_t channels, int64_t taps,
+                       float *out) {
+    for (int64_t r = 0; r < num_requests; r++)
+        if (query_start[r] < 0 || query_start[r + 1] < query_start[r] ||
+            query_start[r + 1] > num_tokens || slots[r] < 0 || slots[r] >= num_slots)
+            return -2;
+    const int64_t width = taps - 1, whole = channels - channels % VL;
+    float *weight_t = malloc(sizeof(float) * taps * channels);
+    if (!weight_t) return -1;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < channels; c++)
+            for (int64_t j = 0; j < taps; j++) weight_t[j * channels + c] = weight[c * taps + j];
+#pragma omp for schedule(static)
+        for (int64_t t = query_start[0]; t < query_start[num_requests]; t++) {
+            const int64_t r = request_of(query_start, num_requests, t), i = t - query_start[r];
+            const float *rows = x + query_start[r] * x_stride;
+            const float *state = conv_state + slots[r] * channels * width;
+            const int is_fresh = fresh[r] != 0;
+            for (int64_t c = 0; c < whole; c += VL)
+                conv_row(rows + c, x_stride, i, state + c * width, width, is_fresh,
+                         weight_t + c, channels, bias ? bias + c : NULL, out + t * channels + c,
+                         VL);
+            if (whole < channels)
+                conv_row(rows + whole, x_stride, i, state + whole * width, width, is_fresh,
+                         weight_t + whole, channels, bias ? bias + whole : NULL,
+                         out + t * channels + whole, channels - whole);
+        }
+        /* Whole blocks inlined apart (n = VL), as in the rows' loop. */
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t r = 0; r < num_requests; r++)
+            for (int64_t c = 0; c < channels; c += VL) {
+                const int64_t len = query_start[r + 1] - query_start[r];
+                const float *rows = x + query_start[r] * x_stride + c;
+                float *state = conv_state + (slots[r] * channels + c) * width;
+                if (c < whole)
+                    conv_shift(rows, x_stride, len, state, width, fresh[r] != 0, VL);
+                else
+                    conv_shift(rows, x_stride, len, state, width, fresh[r] != 0, channels - c);
+            }
+    }
+    free(weight_t);
+    return 0;
 }

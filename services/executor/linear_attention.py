@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weir.kernels.cpu_native import CpuKernels
 from weir.kernels.gated_delta_net import StateBatch, causal_conv1d, gated_delta_rule
+from weir.services.executor.layers import LayerKernels
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
 
@@ -33,9 +35,16 @@ class GatedDeltaNet(nn.Module):
     __call__: Callable[..., torch.Tensor]
 
     def __init__(
-        self, cfg: ModelConfig, layout: ShardLayout, device: torch.device, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        layout: ShardLayout,
+        kernels: LayerKernels | None,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
+        # The native CPU kernels' convolution and decode step (Triton has none: PyTorch's).
+        self.native = kernels if isinstance(kernels, CpuKernels) else None
         la = cfg.linear_attention
         assert la is not None
         self.num_k_heads, self.num_v_heads = layout.linear_k_heads, layout.linear_v_heads
@@ -66,7 +75,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = mixed.split(
             (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads), dim=-1
         )
-        qkv = causal_conv1d(qkv, self.conv1d.weight, None, conv_state, states)
+        qkv = causal_conv1d(qkv, self.conv1d.weight, None, conv_state, states, self.native)
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = qkv.split((key_dim, key_dim, self.value_dim), dim=-1)
         beta = b.sigmoid()
@@ -80,6 +89,7 @@ class GatedDeltaNet(nn.Module):
             beta,
             recurrent_state,
             states,
+            self.native,
         )
         return self._gated_norm(out, z.reshape(out.shape)).reshape(num_tokens, self.value_dim)
 

@@ -134,7 +134,9 @@ class DecoderLayer(nn.Module):
         # qkv_proj's place, its output projection o_proj's (both then pack and quantize as any
         # layer's), neither biased by attention_bias (transformers' attention's alone).
         self.linear_attn = (
-            GatedDeltaNet(cfg, layout, device, dtype) if cfg.is_linear_layer(index) else None
+            GatedDeltaNet(cfg, layout, kernels, device, dtype)
+            if cfg.is_linear_layer(index)
+            else None
         )
         attends = self.linear_attn is None
         # Their attention layers: a gate per query channel, after k and v's rows.

@@ -6,7 +6,10 @@ shorter than the convolution's K - 1 = 3) into chunks over several steps (some c
 multiples of 64, which need no padding), with decodes and prefill chunks in one batch, rows
 not in request order, slots not in request order, and stale values (NaN among them) in every
 slot before its request starts. The decay scale differs per head, from barely decaying (state
-carried over a whole sequence matters) to forgetting within a few tokens.
+carried over a whole sequence matters) to forgetting within a few tokens. The native CPU
+kernels (the convolution, the decodes' step) run the same schedules, and match the PyTorch
+path call by call: on heads narrower and wider than their vector blocks, slots out of order,
+fresh requests' slots full of NaN, the other slots untouched.
 """
 
 from collections.abc import Callable, Iterator
@@ -16,9 +19,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from native_builds import BUILDS, build
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from weir.kernels import gated_delta_net as gdn
+from weir.kernels.cpu_native import CpuKernels
 from weir.kernels.gated_delta_net import StateBatch, causal_conv1d, gated_delta_rule
 
 K_HEADS, V_HEADS, K_DIM, V_DIM, CONV_K = 2, 4, 16, 8, 4
@@ -120,6 +125,7 @@ def run_weir(
     bias: torch.Tensor | None,
     schedule: Schedule,
     dtype: torch.dtype = torch.float32,
+    native: CpuKernels | None = None,
 ) -> Result:
     gen = torch.Generator().manual_seed(2)
     conv_state = torch.randn(NUM_SLOTS, CHANNELS, CONV_K - 1, generator=gen).to(dtype) * 100
@@ -140,8 +146,10 @@ def run_weir(
             torch.cat([getattr(seqs[r], field)[a : a + n] for r, a, n in rows])
             for field in ("x", "q", "k", "v", "g", "beta")
         )
-        y = causal_conv1d(x.to(dtype), weight.to(dtype), bias, conv_state, batch)
-        o = gated_delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), state, batch)
+        y = causal_conv1d(x.to(dtype), weight.to(dtype), bias, conv_state, batch, native)
+        o = gated_delta_rule(
+            q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), state, batch, native
+        )
         for (r, a, n), s in zip(rows, qsl):
             conv_out[r][a : a + n] = y[s : s + n]
             out[r][a : a + n] = o[s : s + n]
@@ -183,12 +191,14 @@ def compare(got: Result, want: Result, rtol: float) -> None:
     assert_close(got.state, want.state, rtol)
 
 
+@pytest.mark.parametrize("kernels", [pytest.param(None, id="torch"), *BUILDS])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_matches_transformers_on_whole_sequences(schedule: str) -> None:
+def test_matches_transformers_on_whole_sequences(schedule: str, kernels: str | None) -> None:
     seqs = make_sequences(0)
     weight, bias = conv_weights(0)
+    native = None if kernels is None else build(kernels)
     compare(
-        run_weir(seqs, weight, bias, SCHEDULES[schedule]),
+        run_weir(seqs, weight, bias, SCHEDULES[schedule], native=native),
         run_transformers(seqs, weight, bias),
         1e-5,
     )
@@ -264,3 +274,113 @@ def test_state_batch_refuses_inconsistent_steps(
 ) -> None:
     with pytest.raises(ValueError):
         StateBatch.build(qsl, slots, fresh, "cpu")
+
+
+# Decodes (fresh ones among them) beside prefill chunks (a fresh one shorter than the conv
+# state); slots out of request order, some unused.
+NATIVE_LENGTHS = [1, 1, 5, 1, 1, 2, 1]
+NATIVE_SLOTS = [6, 2, 0, 7, 4, 8, 1]
+NATIVE_FRESH = [False, True, False, False, True, True, False]
+NATIVE_NUM_SLOTS = 10
+
+
+def mixed_batch(lengths: list[int], slots: list[int], fresh: list[bool]) -> StateBatch:
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    return StateBatch.build(qsl, slots, fresh, "cpu")
+
+
+def garbage_states(*shape: int) -> torch.Tensor:
+    """Large random states, with a NaN in every slot no running request reads: what a fresh
+    request must not read, and an untouched slot must keep."""
+    states = torch.randn(*shape, generator=torch.Generator().manual_seed(7)) * 100
+    read = [s for s, f in zip(NATIVE_SLOTS, NATIVE_FRESH) if not f]
+    states.view(shape[0], -1)[[s for s in range(shape[0]) if s not in read], 3] = float("nan")
+    return states
+
+
+def assert_untouched(after: torch.Tensor, before: torch.Tensor, used: list[int]) -> None:
+    others = [s for s in range(len(before)) if s not in used]
+    torch.testing.assert_close(after[others], before[others], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kernels", BUILDS)
+@pytest.mark.parametrize(
+    ("k_heads", "v_heads", "k_dim", "v_dim"),
+    # Heads narrower than the kernel's block of 128 columns (all column by column), wider
+    # with a remainder (136), and the model's 128 x 128; two v heads a key head, and one.
+    [(2, 4, 16, 8), (1, 2, 24, 136), (2, 2, 128, 128)],
+)
+def test_native_decode_step_equals_the_torch_step(
+    kernels: str, k_heads: int, v_heads: int, k_dim: int, v_dim: int
+) -> None:
+    native = build(kernels)
+    assert native is not None
+    batch = mixed_batch(NATIVE_LENGTHS, NATIVE_SLOTS, NATIVE_FRESH)
+    gen = torch.Generator().manual_seed(8)
+    t = batch.num_tokens
+    # v a strided view of a wider projection, as the layer's split of its channels gives it.
+    v = torch.randn(t, v_heads * v_dim + 5, generator=gen)[:, 5:].view(t, v_heads, v_dim)
+    inputs = (
+        torch.randn(t, k_heads, k_dim, generator=gen),
+        torch.randn(t, k_heads, k_dim, generator=gen),
+        v,
+        -torch.rand(t, v_heads, generator=gen) * 2,
+        torch.rand(t, v_heads, generator=gen),
+    )
+    before = garbage_states(NATIVE_NUM_SLOTS, v_heads, k_dim, v_dim)
+    want_state, got_state = before.clone(), before.clone()
+    want = gated_delta_rule(*inputs, want_state, batch)
+    got = gated_delta_rule(*inputs, got_state, batch, native)
+    assert_close(got, want, 1e-6)
+    assert_close(got_state[NATIVE_SLOTS], want_state[NATIVE_SLOTS], 1e-6)
+    assert_untouched(got_state, before, NATIVE_SLOTS)
+
+
+@pytest.mark.parametrize("kernels", BUILDS)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+# Channels a whole number of vector blocks, and 100: a partial last block. K = 4 (Qwen's),
+# 2 (a state of one input) and 6 (wider than two rows of a request).
+@pytest.mark.parametrize(("channels", "taps"), [(96, 4), (100, 4), (100, 2), (100, 6)])
+def test_native_conv_equals_the_torch_conv(
+    kernels: str, with_bias: bool, channels: int, taps: int
+) -> None:
+    native = build(kernels)
+    assert native is not None
+    batch = mixed_batch(NATIVE_LENGTHS, NATIVE_SLOTS, NATIVE_FRESH)
+    gen = torch.Generator().manual_seed(9)
+    t = batch.num_tokens
+    x = torch.randn(t, channels + 3, generator=gen)[:, 3:]  # rows strided
+    weight = torch.randn(channels, taps, generator=gen)
+    bias = torch.randn(channels, generator=gen) if with_bias else None
+    before = garbage_states(NATIVE_NUM_SLOTS, channels, taps - 1)
+    want_state, got_state = before.clone(), before.clone()
+    # Twice: the second step reads the states the first left (a decode's shift included).
+    for _ in range(2):
+        want = causal_conv1d(x, weight, bias, want_state, batch)
+        got = causal_conv1d(x, weight, bias, got_state, batch, native)
+        assert_close(got, want, 1e-6)
+        torch.testing.assert_close(got_state, want_state, rtol=0, atol=0, equal_nan=True)
+    assert_untouched(got_state, before, NATIVE_SLOTS)
+
+
+@pytest.mark.parametrize("kernels", BUILDS)
+def test_native_kernels_refuse_a_slot_outside_the_states(kernels: str) -> None:
+    native = build(kernels)
+    assert native is not None
+    batch = mixed_batch([1, 2], [0, 3], [False, False])
+    state, conv_state = torch.zeros(3, 2, 4, 4), torch.zeros(3, 8, 3)
+    with pytest.raises(IndexError):
+        causal_conv1d(torch.ones(3, 8), torch.ones(8, 4), None, conv_state, batch, native)
+    batch = mixed_batch([1, 2], [3, 0], [False, False])
+    with pytest.raises(IndexError):
+        gated_delta_rule(
+            *(torch.ones(3, 2, 4) for _ in range(3)),
+            torch.zeros(3, 2),
+            torch.ones(3, 2),
+            state,
+            batch,
+            native,
+        )
+    assert not conv_state.any() and not state.any()
