@@ -44,12 +44,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from weir.kernels.cpu_native import CpuKernels
+
+
+@runtime_checkable
+class DecodeStep(Protocol):
+    """A kernel of the decodes' step in place in their slots: the native CPU kernels'
+    (`CpuKernels.gated_delta_decode`), or Triton's on a GPU (`TritonLayerKernels`)."""
+
+    def gated_delta_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+    ) -> torch.Tensor: ...
+
 
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
@@ -217,13 +238,13 @@ def gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
     batch: StateBatch,
-    native: CpuKernels | None = None,
+    native: DecodeStep | None = None,
 ) -> torch.Tensor:
     """The gated delta rule of every request over its new rows, starting from its slot's state
     (zero when fresh): o [T, Hv, Dv] in q's dtype. Each request's slot of ``state`` then holds
     its state after its last row. Single-row requests take one recurrent step together (with
-    ``native``, the native CPU kernels of a state on the CPU, in place in their slots); longer
-    ones the chunked algorithm, one request at a time."""
+    ``native``, its kernel's: the native CPU kernels', Triton's on a GPU, in place in their
+    slots); longer ones the chunked algorithm, one request at a time."""
     num_tokens, k_heads, k_dim = k.shape
     v_heads, v_dim = v.shape[1:]
     if (

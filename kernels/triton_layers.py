@@ -1,5 +1,6 @@
 """Triton kernels for a decoder layer's elementwise work on a GPU: RMSNorm, rotary
-embedding, SiLU-and-multiply, one launch each.
+embedding, SiLU-and-multiply, one launch each (and a Gated DeltaNet's decode step,
+`triton_gated_delta.py`).
 
 In PyTorch operators these are 4 kernels per RMSNorm in bf16 (upcast, normalise, downcast,
 scale), 6 for the rotate-half RoPE and 2 for SiLU and multiply: 16 of the ~22 kernels a
@@ -17,6 +18,8 @@ bf16 or fp16, and equal in fp32 up to fp32 rounding.
 import torch
 import triton
 import triton.language as tl
+
+from weir.kernels.triton_gated_delta import gated_delta_decode
 
 
 @triton.jit
@@ -121,3 +124,18 @@ class TritonLayerKernels:
                 gate_up, gate_up.stride(0), dim, BLOCK=block, num_warps=4
             )
         return gate_up[:, :dim]
+
+    def gated_delta_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+    ) -> torch.Tensor:
+        """A Gated DeltaNet's decodes, one launch (`triton_gated_delta.gated_delta_decode`)."""
+        return gated_delta_decode(q, k, v, g, beta, state, rows, slots, fresh)

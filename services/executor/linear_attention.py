@@ -17,7 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from weir.kernels.cpu_native import CpuKernels
-from weir.kernels.gated_delta_net import StateBatch, causal_conv1d, gated_delta_rule
+from weir.kernels.gated_delta_net import (
+    DecodeStep,
+    StateBatch,
+    causal_conv1d,
+    gated_delta_rule,
+)
 from weir.services.executor.layers import LayerKernels
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
@@ -43,8 +48,10 @@ class GatedDeltaNet(nn.Module):
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        # The native CPU kernels' convolution and decode step (Triton has none: PyTorch's).
+        # The native CPU kernels' convolution and decode step; Triton's decode step on a GPU
+        # (its convolution PyTorch's).
         self.native = kernels if isinstance(kernels, CpuKernels) else None
+        self.decode_step = kernels if isinstance(kernels, DecodeStep) else None
         la = cfg.linear_attention
         assert la is not None
         self.num_k_heads, self.num_v_heads = layout.linear_k_heads, layout.linear_v_heads
@@ -89,7 +96,7 @@ class GatedDeltaNet(nn.Module):
             beta,
             recurrent_state,
             states,
-            self.native,
+            self.decode_step,
         )
         return self._gated_norm(out, z.reshape(out.shape)).reshape(num_tokens, self.value_dim)
 

@@ -22,6 +22,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from weir.kernels import triton_attention as ta, triton_cache as tc, triton_layers as tly
+from weir.kernels import triton_gated_delta as tgd
 
 PTXAS_DIR = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SHARD, SHARDS = map(int, sys.argv[1:])
@@ -140,6 +141,12 @@ compile_kernel("rope", tly._rope_kernel, {"x_ptr": "bf16", "cos_ptr": "bf16", "s
                {"BLOCK_H": 64, "BLOCK_HALF": 64}, num_warps=4)
 compile_kernel("silu_mul", tly._silu_mul_kernel, {"gate_up_ptr": "bf16"}, {"stride_row": 16384, "dim": 8192},
                {"BLOCK": tly.SILU_BLOCK}, num_warps=4)
+# Qwen 3.5's Gated DeltaNet decode step: 32 value heads over 16 key heads of 128 x 128
+compile_kernel("gated_delta_step", tgd._decode_kernel,
+               {**dict.fromkeys(("state_ptr", "q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "out_ptr"), "fp32"),
+                **dict.fromkeys(("rows_ptr", "slots_ptr", "fresh_ptr"), "i64")},
+               {"num_v_heads": 32, "group": 2, "k_dim": 128, "v_dim": 128}, {"BLOCK_K": 128, "BLOCK_V": 32},
+               num_warps=4)
 """
 
 
@@ -167,6 +174,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     kernels = {entry["kernel"]: entry for entry in map(json.loads, outputs)}
     assert len(kernels) == len(outputs)  # each kernel compiled once
     assert set(kernels) == {
+        "gated_delta_step",
         "decode_decode",
         "split_decode",
         "split_merge",
