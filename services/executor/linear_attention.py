@@ -50,7 +50,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         # The native CPU kernels' convolution and decode step; Triton's decode step on a GPU
         # (its convolution PyTorch's).
-        self.native = kernels if isinstance(kernels, CpuKernels) else None
+        self.conv_kernels = kernels if isinstance(kernels, CpuKernels) else None
         self.decode_step = kernels if isinstance(kernels, DecodeStep) else None
         la = cfg.linear_attention
         assert la is not None
@@ -82,7 +82,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = mixed.split(
             (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads), dim=-1
         )
-        qkv = causal_conv1d(qkv, self.conv1d.weight, None, conv_state, states, self.native)
+        qkv = causal_conv1d(qkv, self.conv1d.weight, None, conv_state, states, self.conv_kernels)
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = qkv.split((key_dim, key_dim, self.value_dim), dim=-1)
         beta = b.sigmoid()

@@ -58,25 +58,29 @@ def hf_moe(moe_dir):
     ).eval()
 
 
+def _complete_as_transformers(client: openai.OpenAI, model: str, hf, prompts: list[str]) -> None:
+    """The prompts completed at once (12 greedy tokens each) as transformers decodes them."""
+
+    def complete(prompt: str):
+        return client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        ).choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        choices = list(pool.map(complete, prompts))
+    for prompt, choice in zip(prompts, choices):
+        assert choice.token_ids == hf_greedy(hf, choice.prompt_token_ids, 12), prompt
+
+
 def test_openai_clients_get_what_transformers_decodes(moe_dir, hf_moe):
     prompts = ["The experts agree that", "Mixture", "A river runs " * 20]
     with small_server(moe_dir, "tiny-moe", max_num_batched_tokens=32) as server:
         client = openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
-
-        def complete(prompt: str):
-            return client.completions.create(
-                model="tiny-moe",
-                prompt=prompt,
-                max_tokens=12,
-                temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            ).choices[0]
-
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            choices = list(pool.map(complete, prompts * 2))
-        for prompt, choice in zip(prompts * 2, choices):
-            want = hf_greedy(hf_moe, choice.prompt_token_ids, 12)
-            assert choice.token_ids == want, prompt
+        _complete_as_transformers(client, "tiny-moe", hf_moe, prompts * 2)
         stream = client.chat.completions.create(
             model="tiny-moe",
             messages=[{"role": "user", "content": "Which expert?"}],
@@ -270,20 +274,7 @@ def test_qwen3_5_is_served_as_transformers_decodes_without_prefix_caching(qwen3_
     prompts = ["The state of the river", "Delta", "A river runs " * 20]
     with small_server(qwen3_5_dir, "tiny-qwen3.5", max_num_batched_tokens=32) as server:
         client = openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
-
-        def complete(prompt: str):
-            return client.completions.create(
-                model="tiny-qwen3.5",
-                prompt=prompt,
-                max_tokens=12,
-                temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True},
-            ).choices[0]
-
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            choices = list(pool.map(complete, prompts * 2))
-        for prompt, choice in zip(prompts * 2, choices):
-            assert choice.token_ids == hf_greedy(hf, choice.prompt_token_ids, 12), prompt
+        _complete_as_transformers(client, "tiny-qwen3.5", hf, prompts * 2)
         info = [
             key
             for key in read_metrics(server.info["metrics_address"])
