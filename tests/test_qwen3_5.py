@@ -46,9 +46,10 @@ TEXT = dict(
     num_key_value_heads=2,
     head_dim=16,
     max_position_embeddings=256,
-    # Two key heads, each serving two value heads; a key head wider than a value head.
+    # Two key heads, each serving three value heads (a group unlike the number of key heads:
+    # the two cannot be mixed up); a key head wider than a value head.
     linear_num_key_heads=2,
-    linear_num_value_heads=4,
+    linear_num_value_heads=6,
     linear_key_head_dim=16,
     linear_value_head_dim=8,
 )
@@ -121,7 +122,7 @@ def test_config_reads_the_layers_as_transformers_does(qwen3_5):
     kinds = hf.config.layer_types
     assert cfg.linear_layers == tuple(i for i, k in enumerate(kinds) if k == "linear_attention")
     assert cfg.linear_layers == (0, 1, 2) and cfg.attention_layers == (3,)
-    assert cfg.linear_attention == LinearAttention(2, 4, 16, 8, 4)
+    assert cfg.linear_attention == LinearAttention(2, 6, 16, 8, 4)
     assert cfg.attn_output_gate and cfg.gemma_norms and cfg.qk_norm
     assert cfg.rope.rotary_dim == 4  # a quarter of each head rotates
     assert not cfg.caches_prefixes
@@ -150,7 +151,7 @@ def test_config_reads_the_layers_as_transformers_does(qwen3_5):
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["lockstep", "async"])
 def test_decodes_as_transformers_chunked_preempted_and_at_tp2(qwen3_5, async_scheduling):
-    """Each rank holds one key head and its two value heads of every linear-attention layer;
+    """Each rank holds one key head and its three value heads of every linear-attention layer;
     the layer's output projection joins the one all-reduce an attention layer has."""
     path, hf = qwen3_5
     prompts = _prompts()
