@@ -1,8 +1,8 @@
 """PyTorch token mixers of Gated DeltaNet layers (the "linear_attention" layers of Qwen3-Next
 and Qwen 3.5) over Weir's flat mixed batch.
 
-They define the semantics faster kernels must match, and they are the path on machines
-without a GPU. Semantics are transformers' (``models/qwen3_5/modeling_qwen3_5.py``): the
+They define the semantics faster kernels must match, and they are the path of the prefills'
+recurrence everywhere, and of all of it where no kernel is given (a CPU in bfloat16). Semantics are transformers' (``models/qwen3_5/modeling_qwen3_5.py``): the
 short convolution of ``causal_conv1d_fn`` / ``causal_conv1d_update`` and the recurrence of
 ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` with
 ``use_qk_l2norm_in_kernel=True``, run over each request's whole sequence at once: however a
@@ -37,7 +37,8 @@ anyway (only the fresh rows are touched), never in the slots: stale values, NaN 
 not leak in, and each function then overwrites the slot. So the layer calls no zeroing helper,
 and no slot needs clearing when a request ends or is preempted. On a CPU the native kernels
 (`CpuKernels.causal_conv1d`, `.gated_delta_decode`) gather nothing: they update the slots in
-place, writing a fresh request's without reading it.
+place, writing a fresh request's without reading it; so does Triton's decode step on a GPU
+(`triton_gated_delta.py`), passed in as a `DecodeStep`.
 """
 
 from __future__ import annotations

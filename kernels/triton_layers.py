@@ -125,17 +125,5 @@ class TritonLayerKernels:
             )
         return gate_up[:, :dim]
 
-    def gated_delta_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor,
-        rows: torch.Tensor,
-        slots: torch.Tensor,
-        fresh: torch.Tensor,
-    ) -> torch.Tensor:
-        """A Gated DeltaNet's decodes, one launch (`triton_gated_delta.gated_delta_decode`)."""
-        return gated_delta_decode(q, k, v, g, beta, state, rows, slots, fresh)
+    # A Gated DeltaNet's decodes, one launch.
+    gated_delta_decode = staticmethod(gated_delta_decode)

@@ -201,7 +201,7 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
     checked against ``model`` (the file's header only); ValueError names the file and what
     does not fit."""
     if model.latent_attention is not None or model.linear_layers:
-        kind = "DeepSeek's latent" if model.linear_layers == () else "linear"
+        kind = "linear" if model.linear_layers else "DeepSeek's latent"
         raise ValueError(
             f"{path}: Weir does not serve LoRA adapters of a model with {kind} attention: "
             "serve the model without them"

@@ -1165,10 +1165,11 @@ def _linear_attention(model_type: str, hf: dict[str, Any], num_layers: int) -> d
         not isinstance(types, list)
         or len(types) != num_layers
         or any(t not in kinds for t in types)
+        or kinds[1] not in types  # the attention backend plans a step over such a layer's cache
     ):
         raise ValueError(
             f"config.json: layer_types must name {kinds} for each of the {num_layers} "
-            f"layers, got {types!r}"
+            f"layers, one full_attention at least, got {types!r}"
         )
     linear = LinearAttention(
         num_k_heads=count(hf, "linear_num_key_heads"),
@@ -1609,6 +1610,17 @@ def read_model_config(
         return ModelConfig.from_hf(read_hf_config(model_dir, overrides))
     except ValueError as exc:
         raise ValueError(f"{model_dir}: {exc}") from None
+
+
+def check_drafts(cfg: ModelConfig) -> None:
+    """ValueError where speculative decoding cannot serve the model: its linear-attention
+    layers' state (Qwen 3.5's) cannot take back rejected drafts."""
+    if cfg.linear_layers:
+        raise ValueError(
+            f"speculative decoding of a {cfg.model_type} model is not supported: its "
+            "linear-attention layers' state cannot take back rejected drafts; serve it without "
+            "--speculative-method"
+        )
 
 
 def check_new_weights(

@@ -10,7 +10,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weir.services.executor.weights import load_model
-from weir.shared.model_config import SUPPORTED_MODEL_TYPES, ModelConfig, read_model_config
+from weir.shared.model_config import (
+    QWEN_HYBRID_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    ModelConfig,
+    read_model_config,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,6 +43,8 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
         "hunyuan_v1_moe",
     ):  # default head_dim None fails
         required = {**REQUIRED, "head_dim": 16}
+    if model_type in QWEN_HYBRID_TYPES:  # two layers would default to linear attention alone
+        required = {**required, "num_hidden_layers": 4}
     ours = ModelConfig.from_hf({"model_type": model_type, **required})
     theirs = transformers.AutoConfig.for_model(model_type, **required, pad_token_id=0)
     mla = ours.latent_attention
@@ -92,7 +99,7 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
             if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_5_moe_text", "qwen3_next")
             else theirs.intermediate_size
         )
-        assert ours.moe_layers == (0, 1)
+        assert ours.moe_layers == tuple(range(required["num_hidden_layers"]))
         assert ours.norm_topk_prob == getattr(theirs, "norm_topk_prob", True)
         shared = getattr(theirs, "shared_expert_intermediate_size", None) or 0
         assert ours.shared_expert_intermediate_size == shared

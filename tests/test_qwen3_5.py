@@ -145,6 +145,10 @@ def test_config_reads_the_layers_as_transformers_does(qwen3_5):
         ModelConfig.from_hf(
             {**TEXT, "model_type": "qwen3_5_text", "layer_types": ["full_attention"] * 3}
         )
+    with pytest.raises(ValueError, match="one full_attention at least"):
+        ModelConfig.from_hf(
+            {**TEXT, "model_type": "qwen3_5_text", "layer_types": ["linear_attention"] * 4}
+        )
     with pytest.raises(ValueError, match="does not divide the model's 2 key heads"):
         ShardLayout.of(cfg, 0, 4)
 

@@ -65,7 +65,7 @@ from weir.shared.keys import (
     start_authenticator,
 )
 from weir.shared.lora import check_adapter
-from weir.shared.model_config import check_new_weights, read_model_config
+from weir.shared.model_config import check_drafts, check_new_weights, read_model_config
 from weir.shared.model_store import resolve_model
 from weir.shared.pooling import read_pooler_config, resolve_runner
 from weir.shared.protocol import client as client_protocol
@@ -239,11 +239,7 @@ class SchedulerServer:
         if not self.model_config.linear_layers:
             return
         if self.engine_args.speculative_method is not None:
-            raise ValueError(
-                f"speculative decoding of a {self.model_config.model_type} model is not "
-                "supported: its linear-attention layers' state cannot take back rejected "
-                "drafts; serve it without --speculative-method"
-            )
+            check_drafts(self.model_config)
         if self.engine_args.enable_prefix_caching and not self.model_config.caches_prefixes:
             _log.info(
                 "prefix caching is off: the linear-attention layers of %s keep a state per "

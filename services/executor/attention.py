@@ -36,7 +36,7 @@ class AttentionMetadata:
     max_seq_len: int
     plan: object | None = None  # what a backend derives once per step in `prepare`, for every layer
     # The requests' linear-attention state rows (Qwen 3.5's); None: a model without such
-    # layers, or a pass outside serving (a warm-up, a memory profile: scratch states).
+    # layers, or a pass outside serving that brings none (a kernel warm-up: scratch states).
     linear: LinearStep | None = None
 
 

@@ -4,8 +4,9 @@ convolution and one float32 matrix per value head, in a row (a state slot) of th
 
 A request takes a slot when it is first scheduled and gives it back when it finishes or is
 preempted (recompute starts it afresh). The scheduler runs at most max_num_seqs requests, so
-that many slots always suffice; they are allocated before a GPU's KV cache is sized. A chunk that starts at position 0 starts from a zero state,
-whatever its slot held: a new request's, and a preempted one's recomputed prompt.
+that many slots always suffice; they are allocated before a GPU's KV cache is sized. A chunk
+that starts at position 0 starts from a zero state, whatever its slot held: a new request's,
+and a preempted one's recomputed prompt.
 """
 
 from dataclasses import dataclass
@@ -98,23 +99,14 @@ class LinearStates:
                     )
                 slot = self.slot_of[req_id] = self._free.pop()
             slots.append(slot)
-        batch = StateBatch.build(
-            query_start_loc.tolist(), slots, (first_positions == 0).tolist(), self.device
-        )
-        return LinearStep(batch, self.conv, self.recurrent)
+        return self._step(query_start_loc, slots, (first_positions == 0).tolist())
 
-    @classmethod
-    def scratch(
-        cls,
-        cfg: ModelConfig,
-        layout: ShardLayout,
-        query_start_loc: torch.Tensor,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> LinearStep:
-        """Zero states of a pass outside serving (a warm-up, a memory profile), one slot a
-        request."""
-        starts = query_start_loc.cpu().numpy()
-        num_reqs = len(starts) - 1
-        states = cls(cfg, layout, num_reqs, dtype, device)
-        return states.step([str(r) for r in range(num_reqs)], starts, np.zeros(num_reqs))
+    def unserved(self, query_start_loc: np.ndarray) -> LinearStep:
+        """A pass outside serving (a warm-up, a memory profile): request r in slot r, every
+        one from zero; no slot is taken."""
+        num_reqs = len(query_start_loc) - 1
+        return self._step(query_start_loc, list(range(num_reqs)), [True] * num_reqs)
+
+    def _step(self, query_start_loc: np.ndarray, slots: list[int], fresh: list[bool]) -> LinearStep:
+        batch = StateBatch.build(query_start_loc.tolist(), slots, fresh, self.device)
+        return LinearStep(batch, self.conv, self.recurrent)

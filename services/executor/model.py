@@ -559,7 +559,7 @@ class CausalLM(nn.Module):
         kv_cache = kv_caches[self.first_attention_layer]
         self.attention.prepare(attn_metadata, self.layout.num_heads, kv_cache, self.spans)
         if self.config.linear_layers and attn_metadata.linear is None:
-            attn_metadata.linear = self.scratch_states(attn_metadata)
+            attn_metadata.linear = self._scratch_states(attn_metadata)
         rotations = self.rotary(positions, self.dtype)
         local = rotations if self.local_rotary is None else self.local_rotary(positions, self.dtype)
         query_scale = self._query_scale(positions)
@@ -575,12 +575,12 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, attn_metadata, kv_cache, lora, query_scale)
         return x
 
-    def scratch_states(self, meta: AttentionMetadata) -> LinearStep:
-        """Zero linear-attention states for a pass outside serving (a warm-up, a memory
-        profile)."""
-        return LinearStates.scratch(
-            self.config, self.layout, meta.query_start_loc, self.dtype, self.device
-        )
+    def _scratch_states(self, meta: AttentionMetadata) -> LinearStep:
+        """Linear-attention states of their own for a pass outside serving that brings none
+        (a kernel warm-up), a slot a request."""
+        starts = meta.query_start_loc.cpu().numpy()
+        states = LinearStates(self.config, self.layout, len(starts) - 1, self.dtype, self.device)
+        return states.unserved(starts)
 
     def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Ministral 3's and Mistral 4's factor of each token's queries, [T, 1, 1] in the

@@ -77,7 +77,12 @@ from weir.shared.config import (
     resolve_max_model_len,
 )
 from weir.shared.lora import LoraModule
-from weir.shared.model_config import check_new_weights, eos_token_ids, read_model_config
+from weir.shared.model_config import (
+    check_drafts,
+    check_new_weights,
+    eos_token_ids,
+    read_model_config,
+)
 from weir.shared.pooling import resolve_runner
 from weir.shared.protocol.step import WAKE_TAGS, SampleLogprobs, StepPlan, StepResult
 from weir.shared.shard_layout import ShardLayout
@@ -290,11 +295,8 @@ class ModelRunner:
             # A linear-attention layer loops over a step's prefills on the host.
             and not model_config.linear_layers
         )
-        if model_config.linear_layers and (num_speculative_tokens or speculative_model):
-            raise ValueError(
-                f"speculative decoding of a {model_config.model_type} model is not supported: "
-                "its linear-attention layers' state cannot take back rejected drafts"
-            )
+        if num_speculative_tokens or speculative_model:
+            check_drafts(model_config)
         self.graph_query_lens = (1, 1 + num_speculative_tokens)
         self.max_mixed_graph_tokens = max_mixed_graph_tokens
         self.hf_overrides = hf_overrides
@@ -605,12 +607,8 @@ class ModelRunner:
             max_seq_len=int(lens.max()),
             linear=None
             if self.linear_states is None
-            else self.linear_states.step(
-                [str(r) for r in range(num_reqs)], query_start_loc, np.zeros(num_reqs)
-            ),
+            else self.linear_states.unserved(query_start_loc),
         )
-        if self.linear_states is not None:
-            self.linear_states.forget()
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden, aux = self.model.forward_with_aux(
             input_ids, self._to_device(positions), meta, kv_caches

@@ -6,8 +6,8 @@ in them) read as zero; value heads grouped by key head; a value head wider than 
 import pytest
 import torch
 
-from weir.kernels.gated_delta_net import StateBatch, gated_delta_rule, l2norm
-from weir.kernels.triton_gated_delta import gated_delta_decode
+from weir.kernels.gated_delta_net import DecodeStep, StateBatch, gated_delta_rule, l2norm
+from weir.kernels.triton_layers import TritonLayerKernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,7 +35,9 @@ def test_decodes_as_the_torch_path(k_heads, v_heads, k_dim, v_dim):
     # The decodes' rows of a step of more rows (a prefill's first among them).
     rows = [1, 2, 3, 4, 5]
     q, k, v, g, beta = (torch.cat((t[:1], t)) for t in (q, k, v, g, beta))
-    got = gated_delta_decode(
+    kernels = TritonLayerKernels()  # what a GatedDeltaNet on a GPU is given
+    assert isinstance(kernels, DecodeStep)
+    got = kernels.gated_delta_decode(
         *(t.to(DEVICE) for t in (l2norm(q) * k_dim**-0.5, l2norm(k), v, g, beta)),
         got_state,
         *(torch.tensor(i, device=DEVICE) for i in (rows, slots, [int(f) for f in fresh])),
