@@ -35,6 +35,14 @@ def count(hf: dict[str, Any], key: str, default: int | None = None) -> int:
     return value
 
 
+def size(hf: dict[str, Any], key: str, default: int = 0) -> int:
+    """An integer that may be 0 (a count of optional things)."""
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"config.json: {key} must be an integer >= 0, got {value!r}")
+    return value
+
+
 def positive(hf: dict[str, Any], key: str, default: float) -> float:
     value = hf.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

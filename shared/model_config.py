@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weir.shared import gemma4_config
 from weir.shared.checkpoint_quantization import (
     CheckpointQuantization,
     read_checkpoint_quantization,
@@ -67,7 +68,9 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_text",
     "qwen3_5_moe_text",
     "qwen3_next",
+    "gemma4_text",
 )
+GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
 # Qwen's hybrid language models, Qwen3-Next and Qwen 3.5 (dense and mixture of experts):
 # Gated DeltaNet (linear attention) layers and gated attention (``_linear_attention``).
 QWEN_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -88,6 +91,7 @@ TEXT_OF_MULTIMODAL = {
     "llama4": ("llama4_text",),
     "qwen3_5": ("qwen3_5_text",),
     "qwen3_5_moe": ("qwen3_5_moe_text",),
+    "gemma4": ("gemma4_text",),
 }
 # Multimodal model types whose older files hold the language model's keys beside
 # vision_config, with no text_config (as transformers still reads them).
@@ -303,6 +307,7 @@ _DEEPSEEK = {
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
 }
+_DEFAULTS[gemma4_config.MODEL_TYPE] = gemma4_config.DEFAULTS
 _DEFAULTS["deepseek_v2"] = {
     **_DEEPSEEK,
     "max_position_embeddings": 2048,
@@ -702,6 +707,24 @@ class ModelConfig:
     # Channels the q/k/v projections read; 0: hidden_size. An EAGLE-3 head's (never a
     # config.json's) reads twice that: the token's embedding and the hidden state, side by side.
     qkv_input_size: int = 0
+    # Gemma 4's attention (``shared/gemma4_config.py``): its full-attention layers' head size
+    # and KV heads where they differ from the sliding layers' (0: the same), their values the
+    # keys' projection (no v_proj), every layer's values RMS-normalized without a weight.
+    global_head_dim: int = 0
+    global_num_kv_heads: int = 0
+    values_from_keys: bool = False
+    value_norm: bool = False
+    # Layer i attends over the KV cache of layer kv_sources[i]: Gemma 4's last
+    # num_kv_shared_layers project queries only and read the last earlier layer of their kind;
+    # empty: every layer its own. double_wide_mlp: those layers' MLPs are twice as wide.
+    kv_sources: tuple[int, ...] = ()
+    double_wide_mlp: bool = False
+    # Gemma 4's per-layer embeddings: a vector of this size per layer and token (its own
+    # vocabulary's table plus a projection of the embedding) gates a branch of each layer's
+    # residual; 0: none. layer_scalars: each layer's output scaled by a weight of its own.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    layer_scalars: bool = False
 
     @property
     def context_len(self) -> int:
@@ -733,8 +756,33 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that keep a KV cache: all but the linear-attention ones."""
+        """The layers that attend: all but the linear-attention ones."""
         return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    def kv_source(self, index: int) -> int:
+        """The layer whose KV cache layer ``index`` attends over (its own but Gemma 4's
+        KV-sharing layers')."""
+        return self.kv_sources[index] if self.kv_sources else index
+
+    @property
+    def cache_layers(self) -> tuple[int, ...]:
+        """The layers that keep a KV cache of their own."""
+        return tuple(i for i in self.attention_layers if self.kv_source(i) == i)
+
+    def for_layer(self, index: int) -> ModelConfig:
+        """The config with layer ``index``'s own shapes: Gemma 4's full-attention layers'
+        head size and KV heads, its KV-sharing layers' double-wide MLP; elsewhere this one."""
+        if not (self.global_head_dim or self.values_from_keys or self.double_wide_mlp):
+            return self
+        changes: dict[str, int | bool] = {}
+        if index in self.sliding_layers:
+            changes["values_from_keys"] = False  # the full-attention layers' alone
+        elif self.global_head_dim:
+            changes["head_dim"] = self.global_head_dim
+            changes["num_kv_heads"] = self.global_num_kv_heads or self.num_kv_heads
+        if self.double_wide_mlp and self.kv_source(index) != index:
+            changes["intermediate_size"] = 2 * self.intermediate_size
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index``; None where it attends to every token."""
@@ -790,6 +838,7 @@ class ModelConfig:
         unchunked = "attention_chunk_size" in hf and hf["attention_chunk_size"] is None
         hf = {**_DEFAULTS[model_type], **{k: v for k, v in hf.items() if v is not None}}
         gemma = model_type in ("gemma2", "gemma3_text")
+        gemma4 = model_type == gemma4_config.MODEL_TYPE
         qwen_hybrid = model_type in QWEN_HYBRID_TYPES
         cohere = model_type in ("cohere", "cohere2")
         # Cohere multiplies its logits by logit_scale.
@@ -800,16 +849,16 @@ class ModelConfig:
         # ERNIE's and Starcoder2's use_bias: every projection's.
         use_bias = (ernie or model_type == "starcoder2") and flag(hf, "use_bias")
         # Gemma's configs name it hidden_activation (transformers reads only that one there).
-        act_key = "hidden_activation" if gemma else "hidden_act"
+        act_key = "hidden_activation" if gemma or gemma4 else "hidden_act"
         act = hf.get(act_key, "silu")
         # Starcoder2's and Arcee's MLPs are not gated: up, the activation, down.
         gated = model_type not in ("starcoder2", "arcee")
-        implemented = ACTIVATIONS if gemma or not gated else ACTIVATIONS[:1]
+        implemented = ACTIVATIONS if gemma or gemma4 or not gated else ACTIVATIONS[:1]
         if act not in implemented:
             raise ValueError(
                 f"config.json: unsupported {act_key} {act!r}; implemented: {implemented}"
             )
-        if flag(hf, "use_bidirectional_attention"):
+        if not gemma4 and flag(hf, "use_bidirectional_attention"):
             raise ValueError("config.json: use_bidirectional_attention is not supported")
         if hf.get("clip_qkv") is not None:
             raise ValueError(
@@ -832,7 +881,13 @@ class ModelConfig:
         latent = _latent_attention(model_type, hf, direct_query)
         if latent is None:
             head_dim = count(hf, "head_dim", hidden // num_heads)
-            rope, sliding_rope = read_rope(hf, model_type, head_dim, max_pos)
+            # Gemma 4's full-attention layers rotate heads of their own size.
+            full_head_dim = (
+                gemma4_config.full_attention_heads(hf, count(hf, "num_hidden_layers"))[0]
+                if gemma4
+                else head_dim
+            )
+            rope, sliding_rope = read_rope(hf, model_type, head_dim, max_pos, full_head_dim)
         else:  # one KV head: the latent and the rotated channels every head reads
             num_kv_heads, head_dim = 1, latent.kv_lora_rank + latent.qk_rope_head_dim
             rope, sliding_rope = _latent_rope(model_type, hf, latent, max_pos)
@@ -874,7 +929,7 @@ class ModelConfig:
             # Qwen3-Next's and 3.5's norms are Gemma's, (1 + weight) (but their Gated
             # DeltaNet's own).
             gemma_norms=gemma or qwen_hybrid,
-            sandwich_norms=gemma or model_type == "glm4",
+            sandwich_norms=gemma or gemma4 or model_type == "glm4",
             # Qwen2 has q/k/v biases (Qwen2-MoE unless its qkv_bias says not) and never an
             # o_proj bias.
             qkv_bias=attention_bias
@@ -899,6 +954,7 @@ class ModelConfig:
             qk_norm=model_type
             in (
                 "qwen3",
+                "gemma4_text",
                 *QWEN_HYBRID_TYPES,
                 "qwen3_moe",
                 "gemma3_text",
@@ -914,7 +970,7 @@ class ModelConfig:
             olmo_norms=model_type in ("olmo2", "olmo3", "exaone4"),
             whole_qk_norms=model_type in ("olmo2", "olmo3", "olmoe", "minimax_m2"),
             qk_norm_after_rope=model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"),
-            float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3"),
+            float32_norms=model_type in ("gpt_oss", "olmo2", "olmo3", "gemma4_text"),
             attention_sinks=model_type == "gpt_oss",
             nope_layers=_nope_layers(hf, num_layers)
             if model_type in ("smollm3", "llama4_text")
@@ -938,6 +994,7 @@ class ModelConfig:
             **_query_scaling(model_type, hf),
             **_llama4(model_type, hf, unchunked),
             **_linear_attention(model_type, hf, num_layers),
+            **(gemma4_config.gemma4_fields(hf, num_layers) if gemma4 else {}),
             **logits_scaling,
         )
 
@@ -998,6 +1055,10 @@ class ModelConfig:
             "post_attention_layernorm": (h, 0),
             "pre_feedforward_layernorm": (h, 0),
             "post_feedforward_layernorm": (h, 0),
+            "per_layer_input_gate": (self.per_layer_input_size, h),  # Gemma 4's
+            "per_layer_projection": (h, self.per_layer_input_size),
+            "post_per_layer_input_norm": (h, 0),
+            "layer_scalar": (1, 0),
         }[module]
 
     def _linear_tensor_shape(self, module: str) -> tuple[int, int]:
@@ -1064,12 +1125,14 @@ def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:
         "ministral",
         "ministral3",
         "starcoder2",
+        "gemma4_text",
     )
     if model_type not in windowed and not flag(hf, "use_sliding_window"):
         return None
     defaults = {
         **dict.fromkeys(("mixtral", "phi3", "smollm3", "ministral3", "starcoder2")),
         "gpt_oss": 128,
+        "gemma4_text": gemma4_config.DEFAULTS["sliding_window"],
     }
     window = hf.get("sliding_window", defaults.get(model_type, 4096))
     return None if window is None else count({"sliding_window": window}, "sliding_window")
@@ -1084,6 +1147,9 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     all but every fourth), SmolLM3's NoPE layers."""
     if model_type in ("mistral", "mixtral", "phi3", "qwen3_moe", "ministral3", "starcoder2"):
         return tuple(range(num_layers))
+    if model_type == gemma4_config.MODEL_TYPE:
+        gemma4_types = gemma4_config.layer_types(hf, num_layers)
+        return tuple(i for i, kind in enumerate(gemma4_types) if kind == "sliding_attention")
     types = hf.get("layer_types")
     if types is not None:
         kinds = ("sliding_attention", "full_attention")

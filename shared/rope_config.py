@@ -25,7 +25,7 @@ from weir.shared.config_fields import count, flag, mapping, positive
 # Added to the position of a token LongRoPE's long factors rotate, on its way to the model:
 # past any context, so one int64 position carries both.
 LONG_ROTATION = 1 << 40
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 # Where a config's partial_rotary_factor is applied as transformers applies it.
 _PARTIAL_ROTARY_MODELS = (
     "phi3",
@@ -47,6 +47,7 @@ _PER_LAYER_TYPE_ROPE: dict[str, Callable[[dict[str, Any]], tuple[Any, Any]]] = {
         hf.get("rope_local_base_freq", 10_000.0),
     ),
     "olmo3": lambda hf: (hf.get("rope_theta", 500_000.0), 500_000.0),
+    "gemma4_text": lambda hf: (1_000_000.0, 10_000.0),
 }
 
 
@@ -65,6 +66,9 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()  # longrope: a divisor per rotated channel pair
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0  # cos and sin are scaled by it (yarn's and longrope's)
+    # proportional (Gemma 4's full layers): the share of each head's channel pairs that turn,
+    # at the frequencies a whole head's rotation gives them; the others turn by 0.
+    proportion: float = 1.0
 
     @property
     def long_prompt_threshold(self) -> int | None:
@@ -75,11 +79,16 @@ class RopeConfig:
 
 
 def read_rope(
-    hf: dict[str, Any], model_type: str, head_dim: int, max_pos: int
+    hf: dict[str, Any],
+    model_type: str,
+    head_dim: int,
+    max_pos: int,
+    full_head_dim: int | None = None,
 ) -> tuple[RopeConfig, RopeConfig | None]:
-    """The rotation of the (full-attention) layers, and Gemma 3's and OLMo 3's sliding
-    layers' (their own base, unscaled; None elsewhere). ValueError names what is malformed
-    or refused."""
+    """The rotation of the (full-attention) layers, of heads of ``full_head_dim`` channels
+    (Gemma 4's larger than its sliding layers' ``head_dim``; None: head_dim), and Gemma 3's, Gemma 4's and
+    OLMo 3's sliding layers' (their own base, unscaled; None elsewhere). ValueError names
+    what is malformed or refused."""
     local: RopeConfig | None = None
     if model_type in _PER_LAYER_TYPE_ROPE:
         full_theta, local_theta = _PER_LAYER_TYPE_ROPE[model_type](hf)
@@ -101,7 +110,7 @@ def read_rope(
     else:
         # Where a file has both, transformers lets the legacy rope_scaling win.
         full = {**mapping(hf, "rope_parameters"), **mapping(hf, "rope_scaling")}
-    return _scaled(full, hf, model_type, head_dim, max_pos), local
+    return _scaled(full, hf, model_type, full_head_dim or head_dim, max_pos), local
 
 
 def _scaled(
@@ -124,6 +133,15 @@ def _scaled(
         raise ValueError(
             f"config.json: head_dim {head_dim} is odd; a rotary embedding turns channel pairs"
         )
+    theta = positive(rope, "rope_theta", positive(hf, "rope_theta", 10000.0))
+    if kind == "proportional":  # the whole head turns, some of its pairs by 0
+        return RopeConfig(
+            theta=theta,
+            rotary_dim=head_dim,
+            type=kind,
+            factor=positive(rope, "factor", 1.0),
+            proportion=positive({"partial_rotary_factor": partial}, "partial_rotary_factor", 1),
+        )
     if partial != 1.0:
         if model_type not in _PARTIAL_ROTARY_MODELS:
             raise ValueError(
@@ -137,7 +155,6 @@ def _scaled(
                 f"config.json: partial_rotary_factor {partial} rotates {rotary_dim} of "
                 f"{head_dim} channels: it must rotate an even number, at least 2, at most all"
             )
-    theta = positive(rope, "rope_theta", positive(hf, "rope_theta", 10000.0))
     if alpha is not None:
         if head_dim < 4:
             raise ValueError(f"config.json: an NTK alpha needs head_dim 4 or more, not {head_dim}")

@@ -53,11 +53,13 @@ class ShardLayout:
             raise ValueError(
                 f"tensor_parallel_size {n} does not divide the model's {heads} attention heads"
             )
-        if kv % n if kv >= n else n % kv:
-            raise ValueError(
-                f"tensor_parallel_size {n} does not fit the model's {kv} KV heads "
-                "(it must divide them or be a multiple of them)"
-            )
+        # Gemma 4's full-attention layers have KV heads of their own (``for_layer``).
+        for kv_heads in {kv, cfg.global_num_kv_heads or kv}:
+            if kv_heads % n if kv_heads >= n else n % kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size {n} does not fit the model's {kv_heads} KV heads "
+                    "(it must divide them or be a multiple of them)"
+                )
         for columns, what in (
             (inter, "MLP columns"),
             (cfg.moe_intermediate_size, "columns of each expert's MLP"),

@@ -48,7 +48,12 @@ def test_keys_left_out_take_transformers_defaults_for_the_model_type(model_type)
     ours = ModelConfig.from_hf({"model_type": model_type, **required})
     theirs = transformers.AutoConfig.for_model(model_type, **required, pad_token_id=0)
     mla = ours.latent_attention
-    if mla is None:
+    if model_type == "gemma4_text":  # head sizes and KV heads of each layer's own
+        for i in range(theirs.num_hidden_layers):
+            layer, mine = theirs.per_layer_config[i], ours.for_layer(i)
+            assert (mine.head_dim, mine.num_kv_heads) == (layer.head_dim, layer.num_key_value_heads)
+        assert ours.for_layer(1).head_dim == 512 and ours.for_layer(0).head_dim == 256
+    elif mla is None:
         assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)
     else:  # the cached row: the latent and the rotated channels
         shape = (

@@ -81,6 +81,15 @@ def rope_(
         x.copy_(apply_rope(x, cos, sin))
 
 
+class Vector(nn.Module):
+    """One parameter named ``weight``, as the loader fills a module's (a checkpoint's bare
+    tensors: A_log, dt_bias, layer_scalar)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype), False)
+
+
 class RMSNorm(nn.Module):
     # What calling it returns (forward's result): torch types a module call as Any.
     __call__: Callable[..., torch.Tensor]

@@ -23,17 +23,9 @@ from weir.kernels.gated_delta_net import (
     causal_conv1d,
     gated_delta_rule,
 )
-from weir.services.executor.layers import LayerKernels
+from weir.services.executor.layers import LayerKernels, Vector
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
-
-
-class Vector(nn.Module):
-    """One parameter named ``weight``, as the loader fills a module's (A_log, dt_bias)."""
-
-    def __init__(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype), False)
 
 
 class GatedDeltaNet(nn.Module):

@@ -12,6 +12,7 @@ sums the row-parallel partial products through `TensorParallel` (see `parallel.p
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ from weir.services.executor.layers import (
     Linear,
     ModuleList,
     RMSNorm,
+    Vector,
     act_and_mul,
     activation,
     apply_rope,
@@ -39,7 +41,7 @@ from weir.services.executor.linear_states import LinearStates, LinearStep
 from weir.services.executor.moe import SparseMoe
 from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.rotary import Rotary
-from weir.shared.model_config import ModelConfig
+from weir.shared.model_config import GEMMA_TYPES, ModelConfig
 from weir.shared.shard_layout import ShardLayout
 
 if TYPE_CHECKING:  # lora.py, quantization.py and packed_weights.py build on this module
@@ -103,6 +105,8 @@ class DecoderLayer(nn.Module):
     ):
         super().__init__()
         self.index = index
+        # The layer's own shapes (``ModelConfig.for_layer``): what its weights load by.
+        self.config, self.layout = cfg, layout
         h, d, inter = cfg.hidden_size, cfg.head_dim, layout.intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, d
         self.q_size, self.kv_size = layout.num_heads * d, layout.num_kv_heads * d
@@ -113,7 +117,8 @@ class DecoderLayer(nn.Module):
         self.local_rope = index in cfg.sliding_layers and cfg.sliding_rope is not None
         # The first rotary_dim channels of each head rotate (all but in Phi-4-mini; none in
         # SmolLM3's NoPE layers).
-        self.rotary_dim = 0 if index in cfg.nope_layers else cfg.rope.rotary_dim
+        rope = cfg.sliding_rope if self.local_rope and cfg.sliding_rope else cfg.rope
+        self.rotary_dim = 0 if index in cfg.nope_layers else rope.rotary_dim
         # Llama 4's q/k norms without a weight, of its rotated layers only.
         self.qk_l2_norm_eps = cfg.rms_norm_eps if cfg.qk_l2_norm and self.rotary_dim else None
         # Whether the model's query scale applies here: Ministral 3's and Mistral 4's every
@@ -141,10 +146,17 @@ class DecoderLayer(nn.Module):
         attends = self.linear_attn is None
         # Their attention layers: a gate per query channel, after k and v's rows.
         self.gate_size = self.q_size if cfg.attn_output_gate else 0
+        # Gemma 4's: a KV-sharing layer projects queries only (it attends over an earlier
+        # layer's cache); a full-attention layer's values are its keys' projection, and every
+        # layer's values are RMS-normalized without a weight.
+        self.shares_kv = cfg.kv_source(index) != index
+        self.values_from_keys = cfg.values_from_keys
+        self.value_norm_eps = cfg.rms_norm_eps if cfg.value_norm else None
+        kv_rows = 0 if self.shares_kv else (1 if cfg.values_from_keys else 2) * self.kv_size
         qkv_rows = (
             self.linear_attn.in_rows
             if self.linear_attn is not None
-            else self.q_size + 2 * self.kv_size + self.gate_size
+            else self.q_size + kv_rows + self.gate_size
         )
         self.qkv_proj = (
             Linear(cfg.qkv_input_size or h, qkv_rows, cfg.qkv_bias and attends, device, dtype)
@@ -164,7 +176,7 @@ class DecoderLayer(nn.Module):
             self.k_norm = LayerNorm((layout.num_kv_heads, d), eps, device, dtype)
         elif qk_norm:
             self.q_norm = RMSNorm(q_norm, eps, device, norm_dtype)
-            self.k_norm = RMSNorm(k_norm, eps, device, norm_dtype)
+            self.k_norm = None if self.shares_kv else RMSNorm(k_norm, eps, device, norm_dtype)
         attn_width = (
             layout.linear_value_dim
             if self.linear_attn is not None
@@ -214,6 +226,19 @@ class DecoderLayer(nn.Module):
         self.down_proj = (
             Linear(inter, h, cfg.mlp_bias and row_bias, device, dtype) if dense else None
         )
+        # Gemma 4's per-layer input: its gate of the layer's output, projected back to the
+        # residual (each rank computes the whole branch: it is small).
+        per_layer = cfg.per_layer_input_size
+        self.per_layer_input_gate = (
+            Linear(h, per_layer, False, device, dtype) if per_layer else None
+        )
+        self.per_layer_projection = (
+            Linear(per_layer, h, False, device, dtype) if per_layer else None
+        )
+        self.post_per_layer_input_norm = (
+            RMSNorm(h, eps, device, norm_dtype, kernels) if per_layer else None
+        )
+        self.layer_scalar = Vector((1,), device, dtype) if cfg.layer_scalars else None
 
     def _add_row_parallel(
         self,
@@ -272,8 +297,11 @@ class DecoderLayer(nn.Module):
         )
 
     def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
-        """The Q and K heads, each normalized by its norm of the head."""
-        assert self.q_norm is not None and self.k_norm is not None
+        """The Q and K heads (Q alone where the layer shares KV), each normalized by its norm
+        of the head."""
+        assert self.q_norm is not None
+        if self.k_norm is None:
+            return self.q_norm(qk)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
 
@@ -294,11 +322,28 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         lora: "LoraBatch | None" = None,
         query_scale: torch.Tensor | None = None,
+        per_layer_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query_scale`` [T, 1, 1]: each token's queries are multiplied by it after their
-        rotation (Ministral 3's, Mistral 4's; Llama 4's NoPE layers')."""
+        rotation (Ministral 3's, Mistral 4's; Llama 4's NoPE layers'). ``per_layer_input``
+        [T, per_layer_input_size]: Gemma 4's input of this layer."""
         normed = x if self.input_layernorm is None else self.input_layernorm(x)
-        return self.residual_block(x, normed, cos, sin, meta, kv_cache, lora, query_scale)
+        x = self.residual_block(x, normed, cos, sin, meta, kv_cache, lora, query_scale)
+        if per_layer_input is not None:
+            x = x + self._per_layer_branch(x, per_layer_input)
+        if self.layer_scalar is not None:
+            x *= self.layer_scalar.weight
+        return x
+
+    def _per_layer_branch(self, x: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's: the layer's output gates its per-layer input, projected back."""
+        gate, up, norm = (
+            self.per_layer_input_gate,
+            self.per_layer_projection,
+            self.post_per_layer_input_norm,
+        )
+        assert gate is not None and up is not None and norm is not None
+        return norm(up(activation(gate(x), self.hidden_act) * per_layer_input))
 
     def residual_block(
         self,
@@ -370,7 +415,6 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The heads' outputs [T, q_size] for the normalized states, their K/V cached."""
         num_tokens = normed.shape[0]
-        heads = self.num_heads + 2 * self.num_kv_heads
         assert self.qkv_proj is not None
         qkv = self.qkv_proj(normed)
         if lora is not None:
@@ -378,10 +422,18 @@ class DecoderLayer(nn.Module):
         if self.gate_size:
             qkv, gate = qkv.split((qkv.shape[-1] - self.gate_size, self.gate_size), dim=-1)
         if self.q_norm is not None and not self.qk_norm_heads:
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            qkv = torch.cat((*self._whole_qk_norms(q, k), v), dim=-1)
-        qkv = qkv.view(num_tokens, heads, self.head_dim)
-        qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
+            q, k, values = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            qkv = torch.cat((*self._whole_qk_norms(q, k), values), dim=-1)
+        qkv = qkv.view(num_tokens, -1, self.head_dim)
+        if self.shares_kv:
+            qk, v = qkv, None
+        elif self.values_from_keys:  # the keys' projection, before their norm and rotation
+            # (which make new tensors: the value norm, and the q/k norms Gemma 4 always has)
+            qk, v = qkv, qkv[:, self.num_heads :]
+        else:
+            qk, v = qkv.split((self.num_heads + self.num_kv_heads, self.num_kv_heads), dim=1)
+        if v is not None and self.value_norm_eps is not None:
+            v = F.rms_norm(v.float(), (self.head_dim,), eps=self.value_norm_eps).to(v.dtype)
         if self.q_norm is not None and self.qk_norm_heads and not self.qk_norm_after_rope:
             qk = self._head_norms(qk)
         if self.rotary_dim:
@@ -390,14 +442,15 @@ class DecoderLayer(nn.Module):
             qk = self._head_norms(qk)
         if self.qk_l2_norm_eps is not None:
             qk = F.rms_norm(qk.float(), (self.head_dim,), eps=self.qk_l2_norm_eps).to(qk.dtype)
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if query_scale is not None and self.scales_queries:
             q = (q * query_scale).to(qk.dtype)
         if self.k_scale is not None and self.v_scale is not None:
             # q . (k8 * k_scale) = (q * k_scale) . k8; sum p (v8 * v_scale) = v_scale sum p v8.
+            assert v is not None  # KV sharing with calibrated scales is refused (CausalLM)
             self.attention.write_kv(k / self.k_scale, v / self.v_scale, kv_cache, meta)
             q = q * self.k_scale
-        else:
+        elif v is not None:  # None: a KV-sharing layer reads what an earlier layer wrote
             self.attention.write_kv(k, v, kv_cache, meta)
         attn = self.attention.attend(
             q,
@@ -447,6 +500,11 @@ class CausalLM(nn.Module):
                 f"config.json: kv_cache_scheme of {kv_scales}: an fp8 cache applies static scales "
                 "per tensor; use --kv-cache-dtype auto (the scales then go unused)"
             )
+        if kv_scales and cfg.kv_sources:
+            raise ValueError(
+                f"config.json: an fp8 cache's static scales with layers sharing KV "
+                f"({cfg.model_type}) are not supported; use --kv-cache-dtype auto"
+            )
         self.config = cfg
         self.tp = tp
         self.layout = (
@@ -464,8 +522,8 @@ class CausalLM(nn.Module):
         self.layers = ModuleList(
             DecoderLayer(
                 i,
-                cfg,
-                self.layout,
+                cfg.for_layer(i),
+                layer_layout(cfg, i, self.layout),
                 tp,
                 attention,
                 layer_kernels,
@@ -503,9 +561,28 @@ class CausalLM(nn.Module):
         # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype
         # (transformers' embed_scale buffer); Granite by its multiplier as it is.
         self.embedding_multiplier = (
-            float(torch.tensor(cfg.embedding_multiplier).to(dtype))
-            if cfg.gemma_norms
+            _rounded(cfg.embedding_multiplier, dtype)
+            if cfg.model_type in GEMMA_TYPES
             else cfg.embedding_multiplier
+        )
+        # Gemma 4's per-layer embeddings: a table of its own vocabulary (whole on every rank),
+        # and a projection of the embedding, each token's row a vector for every layer.
+        per_layer = cfg.num_layers * cfg.per_layer_input_size
+        self.embed_tokens_per_layer = (
+            nn.Parameter(
+                torch.empty(cfg.per_layer_vocab_size, per_layer, device=device, dtype=dtype),
+                requires_grad=False,
+            )
+            if per_layer
+            else None
+        )
+        self.per_layer_model_projection = (
+            Linear(cfg.hidden_size, per_layer, False, device, dtype) if per_layer else None
+        )
+        self.per_layer_projection_norm = (
+            RMSNorm(cfg.per_layer_input_size, cfg.rms_norm_eps, device, torch.float32)
+            if per_layer
+            else None
         )
         # Set by `quantization.quantize_model`: the vocabulary matrices kept quantized.
         self.quantized_embed: Int8Weight | None = None
@@ -566,14 +643,29 @@ class CausalLM(nn.Module):
         x = self._embed(input_ids)
         if self.embedding_multiplier != 1.0:
             x *= self.embedding_multiplier
+        per_layer_inputs = self._per_layer_inputs(input_ids, x)
         h = self.config.hidden_size
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if aux is not None and layer.index in self.aux_hidden_state_layers:
                 column = self.aux_hidden_state_layers.index(layer.index) * h
                 aux[:, column : column + h].copy_(x)
             cos, sin = local if layer.local_rope else rotations
-            x = layer(x, cos, sin, attn_metadata, kv_cache, lora, query_scale)
+            per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, layer.index]
+            x = layer(x, cos, sin, attn_metadata, kv_cache, lora, query_scale, per_layer_input)
         return x
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """Gemma 4's inputs of every layer [T, layers, per_layer_input_size] from the tokens
+        and their (scaled) embeddings ``x``, as transformers computes them; None elsewhere."""
+        table, projection = self.embed_tokens_per_layer, self.per_layer_model_projection
+        norm = self.per_layer_projection_norm
+        if table is None or projection is None or norm is None:
+            return None
+        shape = (len(input_ids), self.config.num_layers, self.config.per_layer_input_size)
+        size = self.config.per_layer_input_size
+        rows = F.embedding(input_ids, table).view(shape) * _rounded(size**0.5, self.dtype)
+        projected = norm((projection(x) * self.config.hidden_size**-0.5).view(shape))
+        return (projected + rows) * 2**-0.5
 
     def _scratch_states(self, meta: AttentionMetadata) -> LinearStep:
         """Linear-attention states of their own for a pass outside serving that brings none
@@ -699,6 +791,21 @@ class CausalLM(nn.Module):
         return self.kv_cache_shape.allocate(num_blocks, block_size)
 
 
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (Gemma's embedding scales are buffers of the model's
+    dtype in transformers)."""
+    return float(torch.tensor(value).to(dtype))
+
+
+def layer_layout(cfg: ModelConfig, index: int, layout: ShardLayout) -> ShardLayout:
+    """The rank's share of layer ``index``: the model's, but where the layer has shapes of
+    its own (``ModelConfig.for_layer``)."""
+    layer_cfg = cfg.for_layer(index)
+    if layer_cfg is cfg:
+        return layout
+    return ShardLayout.of(layer_cfg, layout.rank, layout.world_size)
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheShape:
     """The paged KV cache of a model's layers on one rank (a served model's, an EAGLE
@@ -710,12 +817,20 @@ class KVCacheShape:
     kv_cache_dtype: torch.dtype
     device: torch.device
 
+    def _token_shape(self, index: int) -> tuple[int, int]:
+        """(KV heads on this rank, head size) of layer ``index``'s cache."""
+        return layer_layout(self.config, index, self.layout).num_kv_heads, self.config.for_layer(
+            index
+        ).head_dim
+
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes one block costs across all layers (K and V)."""
-        cfg = self.config
-        copies = 1 if cfg.latent_attention else 2
-        per_token = self.layout.num_kv_heads * cfg.head_dim * self.kv_cache_dtype.itemsize
-        return copies * len(cfg.attention_layers) * block_size * per_token
+        copies = 1 if self.config.latent_attention else 2
+        item = self.kv_cache_dtype.itemsize
+        return sum(
+            copies * block_size * math.prod(self._token_shape(i)) * item
+            for i in self.config.cache_layers
+        )
 
     def allocate(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         cfg = self.config
@@ -726,10 +841,16 @@ class KVCacheShape:
                 torch.zeros(one, dtype=self.dtype, device=self.device).expand(shape)
                 for _ in range(cfg.num_layers)
             ]
-        # A linear-attention layer keeps no KV: its entry has the cache's shape and no memory.
-        return [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            if not cfg.is_linear_layer(i)
-            else torch.zeros((), dtype=self.kv_cache_dtype, device=self.device).expand(shape)
-            for i in range(cfg.num_layers)
-        ]
+        caches: list[torch.Tensor] = []
+        for i in range(cfg.num_layers):
+            if cfg.is_linear_layer(i):  # no KV: an entry of the cache's shape and no memory
+                none = torch.zeros((), dtype=self.kv_cache_dtype, device=self.device)
+                caches.append(none.expand(shape))
+            elif cfg.kv_source(i) != i:  # Gemma 4's sharing layers: an earlier layer's cache
+                caches.append(caches[cfg.kv_source(i)])
+            else:
+                layer_shape = (2, num_blocks, block_size, *self._token_shape(i))
+                caches.append(
+                    torch.zeros(layer_shape, dtype=self.kv_cache_dtype, device=self.device)
+                )
+        return caches

@@ -32,6 +32,9 @@ def inv_freq(rope: RopeConfig, long: bool = False) -> torch.Tensor:
         return _llama3(rope, freq)
     if rope.type == "yarn":
         return _yarn(rope, rope.theta**exponents)
+    if rope.type == "proportional":
+        turning = int(rope.proportion * dim // 2)
+        return torch.cat((freq[:turning], torch.zeros(dim // 2 - turning))) / rope.factor
     return freq
 
 

@@ -63,8 +63,11 @@ FUSED_MODULES = {
 # Models whose checkpoints stack each layer's experts (Qwen3-VL-MoE's multimodal ones too;
 # Qwen3-Next's where transformers 5 saves them so, its Hub files holding one per expert).
 STACKED_EXPERT_TYPES = ("mistral4", "qwen3_5_moe_text", "qwen3_next")
-# Qwen3-Next's and Qwen 3.5's linear attention's parameters named without a .weight.
-_BARE_LINEAR_PARAM_RE = re.compile(r"model\.layers\.\d+\.linear_attn\.(A_log|dt_bias)")
+# Parameters named without a .weight: Qwen3-Next's and Qwen 3.5's linear attention's, Gemma 4's
+# layer_scalar.
+_BARE_PARAM_RE = re.compile(
+    r"model\.layers\.\d+\.(linear_attn\.A_log|linear_attn\.dt_bias|layer_scalar)"
+)
 # GLM-4's norms around the attention and the MLP, read as Gemma's (``sandwich_norms``).
 _GLM4_NORMS = {
     "post_self_attn_layernorm": "post_attention_layernorm",
@@ -130,7 +133,21 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "linear_attn.A_log": ("linear_attn.A_log", "lin_heads"),
     "linear_attn.norm": ("linear_attn.norm", "all"),
     "linear_attn.out_proj": ("o_proj", "lin_out_in"),
+    # Gemma 4's per-layer input branch and output scale.
+    "per_layer_input_gate": ("per_layer_input_gate", "all"),
+    "per_layer_projection": ("per_layer_projection", "all"),
+    "post_per_layer_input_norm": ("post_per_layer_input_norm", "all"),
+    "layer_scalar": ("layer_scalar", "all"),
 }
+# Gemma 4's model-wide per-layer embedding tensors, whole on every rank.
+_PER_LAYER_PARAMS = {
+    "model.embed_tokens_per_layer.weight": "embed_tokens_per_layer",
+    "model.per_layer_model_projection.weight": "per_layer_model_projection.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_projection_norm.weight",
+}
+# A Gemma 4 KV-sharing layer's K/V projections and norms, which its checkpoint may keep and
+# transformers does not read.
+_SHARED_KV_MODULES = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.k_norm")
 # OLMo's q/k norms over the whole projections: each rank's weights of its heads' channels.
 WHOLE_QK_NORM_PARTS: dict[str, tuple[str, str]] = {
     "self_attn.q_norm": ("q_norm", "q_heads"),
@@ -382,7 +399,7 @@ def _parts(cfg: ModelConfig, name: str, source: TensorSource) -> list[tuple[str,
     """A fused checkpoint tensor's parts under their own names (its whole shape checked
     first), GLM-4's norms under Gemma's, MiniMax-M2's and ERNIE's routing biases under
     their routers'; any other tensor as it is."""
-    if _BARE_LINEAR_PARAM_RE.fullmatch(name):
+    if _BARE_PARAM_RE.fullmatch(name):
         name += ".weight"
     m = _LAYER_RE.fullmatch(name)
     if m is not None and m.group(2) == "linear_attn.conv1d" and len(source.get_shape()) == 3:
@@ -449,9 +466,17 @@ def checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         return (cfg.hidden_size,)
     if name == "score.weight":
         return cfg.num_labels, cfg.hidden_size
+    per_layer = cfg.num_layers * cfg.per_layer_input_size
+    if name in _PER_LAYER_PARAMS:
+        return {
+            "model.embed_tokens_per_layer.weight": (cfg.per_layer_vocab_size, per_layer),
+            "model.per_layer_model_projection.weight": (per_layer, cfg.hidden_size),
+            "model.per_layer_projection_norm.weight": (cfg.per_layer_input_size,),
+        }[name]
     m = _LAYER_RE.fullmatch(name)
     assert m is not None  # _target refused any other name
-    rows, columns = cfg.layer_tensor_shape(_module(m.group(2))[0])
+    layer_cfg = cfg.for_layer(int(m.group(1)))
+    rows, columns = layer_cfg.layer_tensor_shape(_module(m.group(2))[0])
     return (rows,) if m.group(3) != "weight" or not columns else (rows, columns)
 
 
@@ -487,6 +512,8 @@ def _target(
         return "lm_head", slice(0, rows.stop - rows.start), (rows,)
     if name.endswith("rotary_emb.inv_freq"):
         return None
+    if name in _PER_LAYER_PARAMS and cfg.per_layer_input_size:
+        return _PER_LAYER_PARAMS[name], slice(None), _ALL
     # ERNIE 4.5's, Qwen3-Next's and Qwen 3.5's multi-token prediction blocks: Weir does not
     # draft with them.
     if (cfg.model_type == "ernie4_5_moe" and "mtp" in name) or (
@@ -522,6 +549,10 @@ def _target(
             f"checkpoint tensor {name!r} is past config.json's num_hidden_layers "
             f"{cfg.num_layers}: the config does not describe these weights"
         )
+    if module in _SHARED_KV_MODULES and cfg.kv_source(layer) != layer:
+        return None
+    # The layer's own shapes: Gemma 4's full-attention layers' heads, wider MLPs.
+    cfg, layout = model.layers[layer].config, model.layers[layer].layout
     of_experts = module == "mlp.gate" or module.startswith(_MOE_MODULES)
     if module.startswith("mlp.") and cfg.is_moe_layer(layer) != of_experts:
         kind = "a mixture of experts" if cfg.is_moe_layer(layer) else "one MLP"
@@ -754,13 +785,14 @@ def _score_tokens(
 
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
-    """Random weights of the model's shape: norms (and an fp8 cache's scales) at 1,
+    """Random weights of the model's shape: norms (and an fp8 cache's scales, Gemma 4's layer
+    scalars) at 1,
     everything else N(0, 0.02), the scale of a trained model's initialisation, so
     activations stay finite at any depth. Seeded, so every process (and rank) builds the
     same model."""
     generator = torch.Generator(device=model.device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name or name.endswith(("k_scale", "v_scale")):
+        if "norm" in name or name.endswith(("k_scale", "v_scale", "layer_scalar")):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)
