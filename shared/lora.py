@@ -200,10 +200,16 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
     """The adapter in directory ``path``, its config and its tensors' names and shapes
     checked against ``model`` (the file's header only); ValueError names the file and what
     does not fit."""
-    if model.latent_attention is not None or model.linear_layers:
-        kind = "linear" if model.linear_layers else "DeepSeek's latent"
+    if model.latent_attention is not None or model.linear_layers or model.global_head_dim:
+        kind = (
+            "linear attention"
+            if model.linear_layers
+            else "DeepSeek's latent attention"
+            if model.latent_attention
+            else "attention layers of different head sizes (Gemma 4's)"
+        )
         raise ValueError(
-            f"{path}: Weir does not serve LoRA adapters of a model with {kind} attention: "
+            f"{path}: Weir does not serve LoRA adapters of a model with {kind}: "
             "serve the model without them"
         )
     config = read_adapter_config(path, max_rank)

@@ -130,6 +130,54 @@ CONFIGS = {
         rope_theta=5000.0,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     ),
+    # Gemma 4, as its small models are built: the full-attention layers' heads twice as wide
+    # (one KV head to two) and rotated in part (proportionally), the last two layers reading
+    # the KV of the last earlier layer of their kind (projecting queries alone, MLPs twice as
+    # wide), a per-layer input into every layer from a table of its own and the embedding,
+    # values RMS-normalized, each layer's output scaled, its logits capped.
+    "gemma4_text": lambda: transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 5},
+        tie_word_embeddings=False,
+        head_dim=16,
+        global_head_dim=32,
+        intermediate_size=48,
+        sliding_window=8,
+        layer_types=[
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        final_logit_softcapping=30.0,
+    ),
+    # Gemma 4 as its large dense model: the full-attention layers' values are their keys'
+    # projection (no v_proj), of KV heads of their own; no per-layer inputs, no sharing.
+    "gemma4_k_eq_v": lambda: transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4},
+        tie_word_embeddings=False,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        intermediate_size=96,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_size_per_layer_input=0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.5,
+                "rope_theta": 5000.0,
+                "factor": 2.0,
+            },
+        },
+    ),
     # Granite's four scalars, and biases everywhere
     "granite": lambda: transformers.GraniteConfig(
         **COMMON,
@@ -478,6 +526,8 @@ MOE_LAYERS = {
     "qwen2": (),
     "gemma2": (),
     "gemma3_text": (),
+    "gemma4_text": (),
+    "gemma4_k_eq_v": (),
     "smollm3": (),
     "olmo2": (),
     "olmo3": (),
@@ -522,12 +572,14 @@ def save_model(kind: str, path, **changes) -> torch.nn.Module:
     config._experts_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     spread_weights_(model)
-    with torch.no_grad():  # DeepSeek-V3's router bias: a buffer, left at 0 by the above
+    with torch.no_grad():  # buffers, left as they are by the above
         for name, buffer in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
                 # Below -1: every expert's choice score is negative, so those of the groups
                 # left out must rank below all (transformers' -inf), not at 0.
                 buffer.copy_(0.3 * torch.randn_like(buffer) - 1.1)
+            if name.endswith("layer_scalar"):  # Gemma 4's, each layer's own (not 1)
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model
 
