@@ -2,7 +2,8 @@
 them: a mixture of experts through `weir serve` (the official openai client, concurrent and
 streamed), a tensor-parallel group of two, dummy weights of its shape, and what a start
 refuses; sliding windows (Mistral's, Gemma 2's and 3's) served past their length; Qwen 3.5's
-hybrid of linear attention and attention."""
+hybrid of linear attention and attention; Gemma 4's layers of two head sizes, its KV shared
+across layers and its per-layer embeddings."""
 
 import concurrent.futures
 import shutil
@@ -12,7 +13,7 @@ import pytest
 import torch
 from conftest import save_speaking
 from lora_adapters import cached_greedy
-from serving_helpers import hf_greedy, read_metrics, small_server
+from serving_helpers import hf_greedy, metric, read_metrics, small_server
 
 from weir.services import LLM
 from weir.services.launcher import ChildFailedError
@@ -289,3 +290,40 @@ def test_qwen3_5_is_served_as_transformers_decodes_without_prefix_caching(qwen3_
         )
     message = str(refused.value)
     assert "\n" not in message and "state cannot take back rejected drafts" in message
+
+
+def test_gemma4_is_served_as_transformers_decodes_with_its_prefixes_cached(
+    tmp_path, default_model_dir
+):
+    """A random Gemma 4 of its small models' build (full-attention heads twice as wide, the
+    last two layers reading layers 3's and 1's KV, per-layer embeddings of SmolLM2's vocabulary)
+    through the official openai client: concurrent requests, one longer than its window and
+    a step, each prompt twice, decoded as transformers decodes them; the second time from the
+    prefix cache, as /metrics counts."""
+    torch.manual_seed(1)
+    config = transformers.Gemma4TextConfig(
+        **{**SMALL, "num_hidden_layers": 6},
+        head_dim=8,
+        global_head_dim=16,
+        sliding_window=12,
+        max_position_embeddings=512,
+        layer_types=["sliding_attention", "full_attention"]
+        + ["sliding_attention"] * 3
+        + ["full_attention"],
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=4,
+        vocab_size_per_layer_input=49152,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=False,
+    )
+    hf = _saved_and_loaded(config, tmp_path, default_model_dir)
+    prompts = ["The state of the river", "Gemma", "A river runs " * 20]
+    with small_server(tmp_path, "tiny-gemma4", max_num_batched_tokens=32) as server:
+        client = openai.OpenAI(base_url=server.info["http_address"] + "/v1", api_key="unused")
+        _complete_as_transformers(client, "tiny-gemma4", hf, prompts)
+        _complete_as_transformers(client, "tiny-gemma4", hf, prompts)
+        hits = metric(
+            read_metrics(server.info["metrics_address"]), "weir_prefix_cache_hit_tokens_total"
+        )
+        assert hits >= 48  # the long prompt's first blocks, at least
