@@ -5,6 +5,8 @@ Weir refuses; a KV cache only for the layers that keep their own (the sharing la
 earlier layer's, the same tensor), of each layer's own head size; the multimodal checkpoint's
 language model."""
 
+import json
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import tp_workload  # noqa: E402
 from lora_adapters import greedy  # noqa: E402
+from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
 from test_architectures import CONFIGS, VOCAB, save_model  # noqa: E402
 
@@ -135,3 +138,18 @@ def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path):
     work = tp_workload.Workload(str(tmp_path), prompts, max_tokens=8, num_blocks=20)
     want = {f"r{i}": greedy(hf, prompt, 8) for i, prompt in enumerate(prompts)}
     assert tp_workload.run(work).outputs == want
+
+
+def test_dummy_weights_of_a_hub_config_run(tmp_path):
+    """A config.json as Google writes it, no weights: ``--load-format dummy`` builds each
+    layer of its own shape, its layer scalars at 1 (at random near 0 they would zero the
+    residual stream), and a step's logits are finite and differ by token."""
+    (tmp_path / "config.json").write_text(json.dumps(HUB_STYLE))
+    model = load_model(tmp_path, load_format="dummy")
+    assert all(float(layer.layer_scalar.weight) == 1.0 for layer in model.layers)
+    ids = list(range(3, 30))
+    input_ids, positions, meta = PagedRequests(seed=0).step([("A", ids, 0)])
+    with torch.inference_mode():
+        kv = model.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+        logits = model.compute_logits(model(input_ids, positions, meta, kv))
+    assert logits.isfinite().all() and logits.std(dim=0).mean() > 1e-3

@@ -792,7 +792,7 @@ def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     same model."""
     generator = torch.Generator(device=model.device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name or name.endswith(("k_scale", "v_scale", "layer_scalar")):
+        if "norm" in name or "layer_scalar" in name or name.endswith(("k_scale", "v_scale")):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)
