@@ -9,7 +9,8 @@ for each full-attention layer, which Weir reads too (the same for every such lay
 The last num_kv_shared_layers layers reuse the KV of the last earlier layer of their kind.
 Per-layer embeddings (hidden_size_per_layer_input, 256 where left out; 0: none) feed each
 layer a vector of its own. Queries are not scaled (its q/k norms stand in), and every
-RMSNorm scales in float32 by its weight as it is (not Gemma 3's 1 + weight).
+RMSNorm scales in float32 by its weight as it is (not Gemma 3's 1 + weight). With
+enable_moe_block (gemma-4-26B-A4B) each layer runs experts beside its dense MLP.
 """
 
 from __future__ import annotations
@@ -100,16 +101,15 @@ def full_attention_heads(hf: dict[str, Any], num_layers: int) -> tuple[int, int]
 
 
 def gemma4_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """The fields Gemma 4 sets beside those every model reads; ValueError names what is
-    refused (bidirectional attention over text, the mixture-of-experts block)."""
+    """The fields Gemma 4 sets beside those every model reads (its experts, with
+    enable_moe_block, are read with the other mixtures': `model_config._experts`); ValueError
+    names what is refused (bidirectional attention over text)."""
     if hf.get("use_bidirectional_attention") not in (None, "vision"):
         raise ValueError(
             "config.json: use_bidirectional_attention "
             f"{hf['use_bidirectional_attention']!r} is not supported (a causal LM's text "
             "attends causally; 'vision' only changes images' tokens)"
         )
-    if flag(hf, "enable_moe_block"):
-        raise ValueError("config.json: Gemma 4's mixture-of-experts block is not supported")
     types = layer_types(hf, num_layers)
     shared = size(hf, "num_kv_shared_layers")
     first_shared = num_layers - shared

@@ -568,6 +568,11 @@ class ExpertRouting:
     # Llama 4's: each chosen expert's weight scales the token's row before the expert's MLP
     # (rounded to the model's dtype, as transformers' routed_in), not the MLP's output after.
     weights_on_inputs: bool = False
+    # Gemma 4's: the router reads its input RMS-normalized, scaled by a learned vector and by
+    # hidden_size ** -0.5 (input_norm), and each chosen expert's weight, renormalized, is
+    # multiplied by a learned factor of that expert's (per_expert_scale).
+    input_norm: bool = False
+    per_expert_scale: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,8 +599,8 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
-    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss); num_experts 0 for a dense
-    # model.
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, Gemma 4); num_experts 0 for a
+    # dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -603,6 +608,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, 0 for none
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts
     expert_bias: bool = False  # gpt-oss: biases of the router and of every expert's projections
+    # Gemma 4's: an MoE layer keeps its dense MLP, the experts beside it (each branch with
+    # norms of its own, their normalized outputs summed); elsewhere the experts replace it.
+    experts_beside_mlp: bool = False
     # gpt-oss' clamped SwiGLU of the experts: gate clamped above and up on both sides at
     # swiglu_limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SiLU(gate) * up.
     swiglu_limit: float | None = None
@@ -1059,6 +1067,14 @@ class ModelConfig:
             "per_layer_projection": (h, self.per_layer_input_size),
             "post_per_layer_input_norm": (h, 0),
             "layer_scalar": (1, 0),
+            # Gemma 4's router (its input norm's weight, scale; a factor per expert) and the
+            # norms around its experts.
+            "router.proj": (self.num_experts, h),
+            "router.scale": (h, 0),
+            "router.per_expert_scale": (self.num_experts, 0),
+            "pre_feedforward_layernorm_2": (h, 0),
+            "post_feedforward_layernorm_1": (h, 0),
+            "post_feedforward_layernorm_2": (h, 0),
         }[module]
 
     def _linear_tensor_shape(self, module: str) -> tuple[int, int]:
@@ -1317,7 +1333,9 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
     """The mixture-of-experts fields of a MoE model type, as transformers reads them: Mixtral's
     experts (and gpt-oss') are the size of intermediate_size in every layer, always
     renormalized; Qwen's
-    are moe_intermediate_size in every decoder_sparse_step-th layer not in mlp_only_layers."""
+    are moe_intermediate_size in every decoder_sparse_step-th layer not in mlp_only_layers;
+    Gemma 4's (enable_moe_block) num_experts of moe_intermediate_size, top_k_experts of them,
+    in every layer beside its dense MLP."""
     extra: dict[str, Any] = {}
     top_k_key = "num_experts_per_tok"
     if model_type in ("mixtral", "gpt_oss"):
@@ -1417,6 +1435,18 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         experts, inter = count(hf, "num_experts"), count(hf, "moe_intermediate_size")
         layers, norm = list(range(num_layers)), True
         shared = count(hf, "shared_expert_intermediate_size")
+    elif model_type == gemma4_config.MODEL_TYPE:
+        # With enable_moe_block, every layer's experts beside its dense MLP, the top k of a
+        # softmax renormalized, then scaled per expert.
+        if not flag(hf, "enable_moe_block"):
+            return {}
+        experts, inter = count(hf, "num_experts"), count(hf, "moe_intermediate_size")
+        layers, norm, shared = list(range(num_layers)), True, 0
+        top_k_key = "top_k_experts"
+        extra = {
+            "routing": ExpertRouting(input_norm=True, per_expert_scale=True),
+            "experts_beside_mlp": True,
+        }
     elif model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         # transformers >= 5 writes num_local_experts where Qwen's own files say num_experts.
         experts = count(hf, "num_experts", hf.get("num_local_experts"))
@@ -1433,9 +1463,7 @@ def _experts(model_type: str, hf: dict[str, Any], num_layers: int) -> dict[str, 
         return {}
     top_k = count(hf, top_k_key)
     if top_k > experts:
-        raise ValueError(
-            f"config.json: num_experts_per_tok {top_k} is more than the {experts} experts"
-        )
+        raise ValueError(f"config.json: {top_k_key} {top_k} is more than the {experts} experts")
     return {
         "num_experts": experts,
         "num_experts_per_tok": top_k,

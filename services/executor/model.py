@@ -212,11 +212,20 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = (
             RMSNorm(h, eps, device, norm_dtype, kernels) if self.output_norms else None
         )
-        # A layer's MLP is either the experts or one gated MLP.
+        # A layer's MLP is the experts, one gated MLP, or (Gemma 4's) both side by side, the
+        # experts reading their own norm of the residual and each branch's output normalized.
         self.moe = (
             SparseMoe(cfg, layout, kernels, device, dtype) if cfg.is_moe_layer(index) else None
         )
-        dense = self.moe is None
+        dense = self.moe is None or cfg.experts_beside_mlp
+        beside = self.moe is not None and cfg.experts_beside_mlp
+
+        def beside_norm() -> RMSNorm | None:
+            return RMSNorm(h, eps, device, norm_dtype, kernels) if beside else None
+
+        self.pre_feedforward_layernorm_2 = beside_norm()
+        self.post_feedforward_layernorm_1 = beside_norm()
+        self.post_feedforward_layernorm_2 = beside_norm()
         # Not gated (Starcoder2's, Arcee's): gate_up_proj holds the up projection alone.
         self.gated_mlp = cfg.gated_mlp
         up_rows = (2 if cfg.gated_mlp else 1) * inter
@@ -374,22 +383,45 @@ class DecoderLayer(nn.Module):
             x = self._add_row_parallel("o_proj", x, attn, lora, self.post_attention_layernorm)
             ff_norm = self.pre_feedforward_layernorm
             normed = x if ff_norm is None else ff_norm(x)
-        if self.moe is not None:  # an adapter never touches the experts (shared/lora.py)
+        if self.moe is not None and self.gate_up_proj is None:
+            # The experts in the MLP's place; an adapter never touches a mixture of experts'
+            # layer's MLP (shared/lora.py).
             out = self.moe(normed)
             if self.tp is None or self.tp.rank == 0:
                 out += x
             return out if self.tp is None else self.tp.all_reduce(out)
+        act = self._mlp_activation(normed, lora)
+        if self.moe is not None:
+            return self._mlp_and_experts(x, act)
+        return self._add_row_parallel("down_proj", x, act, lora, self.post_feedforward_layernorm)
+
+    def _mlp_activation(self, normed: torch.Tensor, lora: "LoraBatch | None") -> torch.Tensor:
+        """The dense MLP's activation [T, columns on this rank], its down projection's input."""
         assert self.gate_up_proj is not None
         if not self.gated_mlp:  # (adapters of its MLP are refused: shared/lora.py)
-            act = activation(self.gate_up_proj(normed), self.hidden_act)
-        elif lora is None and self.hidden_act == "silu":
-            act = self.gate_up_proj.silu_mul(normed)
-        else:  # an adapter's update joins gate/up before the activation
-            gate_up = self.gate_up_proj(normed)
-            if lora is not None:
-                lora.add(gate_up, normed, self.index, "gate_up_proj")
-            act = act_and_mul(gate_up, self.hidden_act, self.kernels)
-        return self._add_row_parallel("down_proj", x, act, lora, self.post_feedforward_layernorm)
+            return activation(self.gate_up_proj(normed), self.hidden_act)
+        if lora is None and self.hidden_act == "silu":
+            return self.gate_up_proj.silu_mul(normed)
+        # an adapter's update joins gate/up before the activation
+        gate_up = self.gate_up_proj(normed)
+        if lora is not None:
+            lora.add(gate_up, normed, self.index, "gate_up_proj")
+        return act_and_mul(gate_up, self.hidden_act, self.kernels)
+
+    def _mlp_and_experts(self, x: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's layer output for residual ``x``: its dense MLP's output (the down
+        projection of ``act``) and its experts' (on their own norm of x, routed by x itself),
+        each normalized, summed, normalized again and added to x. Under tensor parallelism each
+        branch's norm needs the branch's whole sum, so the two partial sums cannot be added
+        before they are reduced: one all-reduce sums both, side by side."""
+        pre_2, post_1 = self.pre_feedforward_layernorm_2, self.post_feedforward_layernorm_1
+        post_2, post = self.post_feedforward_layernorm_2, self.post_feedforward_layernorm
+        assert pre_2 is not None and post_1 is not None and post_2 is not None
+        assert post is not None and self.down_proj is not None and self.moe is not None
+        mlp, experts = self.down_proj(act), self.moe(pre_2(x), routed_by=x)
+        if self.tp is not None:
+            mlp, experts = self.tp.all_reduce(torch.cat((mlp, experts), dim=-1)).chunk(2, dim=-1)
+        return x + post(post_1(mlp) + post_2(experts))
 
     def _mix_linearly(self, normed: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A linear-attention layer's gated heads [T, value_dim], the requests' states
@@ -749,12 +781,15 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def finish_loading(self) -> None:
         """Once, after the weights are loaded: Gemma's norms take their (1 + weight) scales,
-        and Granite's residual multiplier is folded (below)."""
+        Gemma 4's router its input's scale, and Granite's residual multiplier is folded
+        (below)."""
         if self.config.gemma_norms:
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.add_unit_offset()
         for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.fold_router_scale()
             if layer.mla is not None:
                 layer.mla.deinterleave_rope()
             elif self.config.interleaved_rope and layer.rotary_dim:  # a NoPE layer's stay

@@ -10,7 +10,9 @@ parallelism each rank holds its share of every expert's columns, as the dense ML
 and the router whole: every rank routes a token alike, and the partial sums are reduced
 with the layer's one all-reduce. gpt-oss adds biases to the router and to each expert's
 projections (its down projections' by rank 0 only, as a row-parallel bias) and gates with a
-clamped SwiGLU. Llama 4 weights each chosen expert's input rather than its output.
+clamped SwiGLU. Llama 4 weights each chosen expert's input rather than its output. Gemma 4's
+router reads its own norm of the residual, not the experts' input, and scales each chosen
+expert's weight by a factor of that expert's; its experts gate with the tanh GELU.
 """
 
 from typing import TYPE_CHECKING
@@ -18,7 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from weir.services.executor.layers import LayerKernels, Linear, ModuleList, silu_and_mul
+from weir.services.executor.layers import (
+    LayerKernels,
+    Linear,
+    ModuleList,
+    RMSNorm,
+    Vector,
+    act_and_mul,
+)
 from weir.shared.model_config import ModelConfig
 from weir.shared.shard_layout import ShardLayout
 
@@ -68,7 +77,19 @@ class SparseMoe(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routing = cfg.routing
+        self.hidden_act = cfg.hidden_act
         self.kernels = kernels
+        # Gemma 4's router input norm (scaling in float32, as its every norm), its weight
+        # router.scale (times hidden_size ** -0.5 once loaded: `fold_router_scale`), and its
+        # factor of each expert's weight.
+        self.router_norm = (
+            RMSNorm(h, cfg.rms_norm_eps, device, torch.float32, kernels)
+            if cfg.routing.input_norm
+            else None
+        )
+        self.per_expert_scale = (
+            Vector((experts,), device, torch.float32) if cfg.routing.per_expert_scale else None
+        )
         self.gate = Linear(
             h, experts, cfg.expert_bias, device, torch.float32 if cfg.routing.float32 else dtype
         )
@@ -112,12 +133,13 @@ class SparseMoe(nn.Module):
             Linear(h, 1, False, device, dtype) if shared and cfg.shared_expert_gated else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routed_by: torch.Tensor | None = None) -> torch.Tensor:
         """The experts' weighted sum for each row of x [T, hidden] (this rank's partial sum
-        under tensor parallelism). Routing as transformers': softmax in float32 over all
-        experts, the top k, renormalized where the model says so."""
+        under tensor parallelism), each row routed by its row of ``routed_by`` (Gemma 4's
+        residual, of which x is a norm; None: x). Routing as transformers': softmax in float32
+        over all experts, the top k, renormalized where the model says so."""
         num_tokens = x.shape[0]
-        weights, experts = self._route(x)
+        weights, experts = self._route(x if routed_by is None else routed_by)
         sorted_experts, order = experts.flatten().sort(stable=True)
         offsets = torch.searchsorted(sorted_experts, self.expert_ends).to(torch.int32)
         rows = x[order // self.top_k]
@@ -147,6 +169,8 @@ class SparseMoe(nn.Module):
         added for the choice only; Llama 4's: of the logits, weighted by their sigmoids),
         among the best groups where experts are grouped."""
         routing = self.routing
+        if self.router_norm is not None:
+            x = self.router_norm(x)
         logits = self.gate(x.to(self.gate.weight.dtype))
         scores = (
             logits.float().sigmoid() if routing.sigmoid else logits.softmax(-1, dtype=torch.float32)
@@ -179,7 +203,16 @@ class SparseMoe(nn.Module):
             )
         if routing.scaling != 1.0:
             weights = weights * routing.scaling
+        if self.per_expert_scale is not None:
+            weights = weights * self.per_expert_scale.weight[experts]
         return weights, experts
+
+    @torch.no_grad()
+    def fold_router_scale(self) -> None:
+        """Once loaded: Gemma 4's router multiplies its normalized input by router.scale and
+        then by hidden_size ** -0.5, here one float32 weight of its norm."""
+        if self.router_norm is not None:
+            self.router_norm.weight.mul_(self.router_norm.weight.shape[0] ** -0.5)
 
     def _experts(
         self, rows: torch.Tensor, offsets: torch.Tensor, row_experts: torch.Tensor
@@ -206,7 +239,7 @@ class SparseMoe(nn.Module):
                 expert_rows = rows[start:end]
                 act = (
                     packed_gate_up.silu_mul(expert_rows)
-                    if self.swiglu is None
+                    if self.swiglu is None and self.hidden_act == "silu"
                     else self._activation(packed_gate_up(expert_rows))
                 )
                 out[start:end] = packed_down(act)
@@ -214,9 +247,10 @@ class SparseMoe(nn.Module):
         return out
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up, or gpt-oss' clamped SwiGLU as transformers computes it."""
+        """act(gate) * up (SiLU, Gemma 4's tanh GELU), or gpt-oss' clamped SwiGLU as
+        transformers computes it."""
         if self.swiglu is None:
-            return silu_and_mul(gate_up, self.kernels)
+            return act_and_mul(gate_up, self.hidden_act, self.kernels)
         limit, alpha = self.swiglu
         gate, up = gate_up.chunk(2, dim=-1)
         gate = gate.clamp(max=limit)

@@ -146,7 +146,7 @@ def pack_model(model: CausalLM, weight_dtype: torch.dtype = torch.float32) -> No
     for layer in model.layers:
         for name in PROJECTIONS:
             linear: Linear | None = getattr(layer, name)
-            if linear is not None:  # an MoE layer has no dense MLP
+            if linear is not None:  # an MoE layer has no dense MLP (but Gemma 4's)
                 setattr(layer, name, packed(linear.weight, linear.bias))
         if layer.mla is not None:  # its kv_b_proj is read by head, never as a projection
             for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj"):

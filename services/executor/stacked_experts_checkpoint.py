@@ -1,12 +1,12 @@
 """Stacked experts' checkpoint tensors read under the names of the other mixtures of experts.
 
-Qwen3-VL's mixtures of experts (Qwen3-VL-30B-A3B, 235B-A22B) and Mistral 4 stack each layer's
-experts in two tensors: `mlp.experts.gate_up_proj`, the gate's columns then the up's, and
-`mlp.experts.down_proj`. transformers 5 saves them as its forward multiplies them, [experts,
-2 x columns, hidden] and [experts, hidden, columns] (Mistral 4's only layout: transformers has
-no other for it); Qwen's own files hold them transposed, [experts, hidden, 2 x columns] and
-[experts, columns, hidden], and where both layouts have one shape (a square matrix)
-transformers reads the first, as is done here. Each is read as one tensor per expert and
+Qwen3-VL's mixtures of experts (Qwen3-VL-30B-A3B, 235B-A22B), Mistral 4 and Gemma 4 stack each
+layer's experts in two tensors: `mlp.experts.gate_up_proj` (Gemma 4's `experts.gate_up_proj`),
+the gate's columns then the up's, and `mlp.experts.down_proj`. transformers 5 saves them as its
+forward multiplies them, [experts, 2 x columns, hidden] and [experts, hidden, columns] (Mistral
+4's and Gemma 4's only layout: transformers has no other for them); Qwen's own files hold them
+transposed, [experts, hidden, 2 x columns] and [experts, columns, hidden], and where both
+layouts have one shape (a square matrix) transformers reads the first, as is done here. Each is read as one tensor per expert and
 projection, named as Qwen3-MoE's (`mlp.experts.E.gate_proj.weight`), so the loader shards and
 checks them as any other.
 """
@@ -24,7 +24,7 @@ from weir.shared.model_config import ModelConfig
 if TYPE_CHECKING:  # weights.py reads its checkpoints through this module
     from weir.services.executor.weights import TensorSource
 
-_STACKED_RE = re.compile(r"(.+\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+_STACKED_RE = re.compile(r"(.+\.layers\.\d+)\.(?:mlp\.)?experts\.(gate_up_proj|down_proj)")
 
 
 def split_stacked_experts(
@@ -38,7 +38,12 @@ def split_stacked_experts(
 def _split(
     cfg: ModelConfig, qwen_layout: bool, m: re.Match[str], source: "TensorSource"
 ) -> Iterator[tuple[str, "TensorSource"]]:
-    experts, part = m.groups()
+    layer, part = m.groups()
+    if not cfg.num_experts:  # Gemma 4's without enable_moe_block
+        raise ValueError(
+            f"{m.group(0)}: config.json gives the model no experts: it does not describe "
+            "these weights"
+        )
     h, inter = cfg.hidden_size, cfg.moe_intermediate_size
     rows, columns = (2 * inter, h) if part == "gate_up_proj" else (h, inter)
     whole = source[tuple(slice(None) for _ in source.get_shape())]
@@ -52,7 +57,7 @@ def _split(
             f"{m.group(0)}: checkpoint shape {tuple(whole.shape)} is not {layouts}: "
             "config.json does not describe these weights"
         )
-    yield from per_expert(experts, part, whole)
+    yield from per_expert(f"{layer}.mlp.experts", part, whole)
 
 
 def per_expert(

@@ -62,11 +62,14 @@ FUSED_MODULES = {
 }
 # Models whose checkpoints stack each layer's experts (Qwen3-VL-MoE's multimodal ones too;
 # Qwen3-Next's where transformers 5 saves them so, its Hub files holding one per expert).
-STACKED_EXPERT_TYPES = ("mistral4", "qwen3_5_moe_text", "qwen3_next")
+STACKED_EXPERT_TYPES = ("mistral4", "qwen3_5_moe_text", "qwen3_next", "gemma4_text")
+# Those of them stacked only as transformers' forward multiplies them (not Qwen's transposed).
+_TRANSFORMERS_STACKED_TYPES = ("mistral4", "gemma4_text")
 # Parameters named without a .weight: Qwen3-Next's and Qwen 3.5's linear attention's, Gemma 4's
-# layer_scalar.
+# layer_scalar and router's.
 _BARE_PARAM_RE = re.compile(
-    r"model\.layers\.\d+\.(linear_attn\.A_log|linear_attn\.dt_bias|layer_scalar)"
+    r"model\.layers\.\d+\.(linear_attn\.A_log|linear_attn\.dt_bias|layer_scalar"
+    r"|router\.scale|router\.per_expert_scale)"
 )
 # GLM-4's norms around the attention and the MLP, read as Gemma's (``sandwich_norms``).
 _GLM4_NORMS = {
@@ -138,6 +141,14 @@ LAYER_PARTS: dict[str, tuple[str, str]] = {
     "per_layer_projection": ("per_layer_projection", "all"),
     "post_per_layer_input_norm": ("post_per_layer_input_norm", "all"),
     "layer_scalar": ("layer_scalar", "all"),
+    # Gemma 4's router (whole on every rank) and the norms around its experts (its stacked
+    # experts are read as Qwen's: `stacked_experts_checkpoint`).
+    "router.proj": ("moe.gate", "all"),
+    "router.scale": ("moe.router_norm", "all"),
+    "router.per_expert_scale": ("moe.per_expert_scale", "all"),
+    "pre_feedforward_layernorm_2": ("pre_feedforward_layernorm_2", "all"),
+    "post_feedforward_layernorm_1": ("post_feedforward_layernorm_1", "all"),
+    "post_feedforward_layernorm_2": ("post_feedforward_layernorm_2", "all"),
 }
 # Gemma 4's model-wide per-layer embedding tensors, whole on every rank.
 _PER_LAYER_PARAMS = {
@@ -554,8 +565,11 @@ def _target(
     # The layer's own shapes: Gemma 4's full-attention layers' heads, wider MLPs.
     cfg, layout = model.layers[layer].config, model.layers[layer].layout
     of_experts = module == "mlp.gate" or module.startswith(_MOE_MODULES)
-    if module.startswith("mlp.") and cfg.is_moe_layer(layer) != of_experts:
-        kind = "a mixture of experts" if cfg.is_moe_layer(layer) else "one MLP"
+    moe_layer = cfg.is_moe_layer(layer)
+    # An MoE layer's MLP is its experts (Gemma 4's: its experts and a dense MLP beside them).
+    in_layer = moe_layer if of_experts else not moe_layer or cfg.experts_beside_mlp
+    if module.startswith("mlp.") and not in_layer:
+        kind = "a mixture of experts" if moe_layer else "one MLP"
         raise ValueError(
             f"checkpoint tensor {name!r}: layer {layer} has {kind} by config.json: the config "
             "does not describe these weights"
@@ -786,13 +800,13 @@ def _score_tokens(
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int = 0) -> None:
     """Random weights of the model's shape: norms (and an fp8 cache's scales, Gemma 4's layer
-    scalars) at 1,
-    everything else N(0, 0.02), the scale of a trained model's initialisation, so
-    activations stay finite at any depth. Seeded, so every process (and rank) builds the
-    same model."""
+    scalars and experts' factors) at 1, everything else N(0, 0.02), the scale of a trained
+    model's initialisation, so activations stay finite at any depth. Seeded, so every process
+    (and rank) builds the same model."""
+    ones = ("k_scale", "v_scale", "layer_scalar.weight", "per_expert_scale.weight")
     generator = torch.Generator(device=model.device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if "norm" in name or "layer_scalar" in name or name.endswith(("k_scale", "v_scale")):
+        if "norm" in name or name.endswith(ones):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)
@@ -853,7 +867,7 @@ def load_model(
         elif (
             cfg.model_type == "qwen3_moe" and cfg.multimodal
         ) or cfg.model_type in STACKED_EXPERT_TYPES:
-            qwen_layout = cfg.model_type != "mistral4"
+            qwen_layout = cfg.model_type not in _TRANSFORMERS_STACKED_TYPES
             tensors = split_stacked_experts(tensors, cfg, qwen_layout)
         elif cfg.model_type == "llama4_text":
             tensors = split_llama4_tensors(tensors, cfg)
