@@ -1,8 +1,9 @@
 """Batched paged attention for the CPU: the semantics of `weir.kernels.reference`, fast.
 
 The reference runs one request at a time, which on a CPU costs a dozen small operator
-calls per request per layer. Here the step is planned once (`plan_step`, host-side NumPy),
-and every layer then runs a handful of large operators that reuse the plan:
+calls per request per layer. Here the step is planned once (`plan_step`, host-side NumPy) for
+each span and shape of heads its layers have, and every layer then runs a handful of large
+operators that reuse its plan:
 
 * Short queries (decodes and speculative decodes, `query_len <= SHORT_QUERY_MAX`) are
   grouped into buckets of equal query length and similar sequence length. The query heads
@@ -29,6 +30,7 @@ sequence, and the masks hide the keys below each later query's first.
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -65,22 +67,45 @@ class LongQuery:
 
 
 @dataclass(slots=True)
+class CacheWrites:
+    """Where one step's tokens write K and V: the same for every layer, whatever its heads."""
+
+    slots: torch.Tensor  # [n] int64 cache slots of the tokens that write K/V
+    rows: torch.Tensor | None  # [n] their rows in the flat batch; None = every row, in order
+
+
+@dataclass(slots=True)
 class StepPlan:
-    """Index tensors of one step, derived once and shared by every layer."""
+    """Index tensors of one step, derived once and shared by every layer of its span and heads
+    (the KV rows and the folded query rows depend on the KV heads and the group)."""
 
     num_kv_heads: int
     group: int  # query heads per KV head
-    write_slots: torch.Tensor  # [n] int64 cache slots of the tokens that write K/V
-    write_rows: torch.Tensor | None  # [n] their rows in the flat batch; None = every row, in order
     short: list[ShortBucket]
     long: list[LongQuery]
+
+
+_PlanT = TypeVar("_PlanT", CacheWrites, StepPlan)
+
+
+def plan_writes(slot_mapping: torch.Tensor, device: torch.device | str = "cpu") -> CacheWrites:
+    """`reshape_and_cache`'s rows and slots from the reference's slot mapping (a CPU tensor):
+    tokens with slot -1 (padding) write nothing."""
+    slots = slot_mapping.numpy().astype(np.int64)
+    valid = slots >= 0
+    if valid.all():
+        writes = CacheWrites(torch.from_numpy(slots), None)
+    else:
+        writes = CacheWrites(
+            torch.from_numpy(slots[valid]), torch.from_numpy(np.flatnonzero(valid))
+        )
+    return writes if torch.device(device).type == "cpu" else _on(writes, device)
 
 
 def plan_step(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
-    slot_mapping: torch.Tensor,
     block_size: int,
     num_heads: int,
     num_kv_heads: int,
@@ -94,13 +119,7 @@ def plan_step(
     qsl = query_start_loc.numpy().astype(np.int64)
     lens = seq_lens.numpy().astype(np.int64)
     table = block_table.numpy()
-    slots = slot_mapping.numpy().astype(np.int64)
     group = num_heads // num_kv_heads
-
-    valid = slots >= 0
-    all_valid = bool(valid.all())
-    write_slots = slots if all_valid else slots[valid]
-    write_rows = None if all_valid else torch.from_numpy(np.flatnonzero(valid))
 
     query_lens = qsl[1:] - qsl[:-1]
     # The first key any query of a request sees: its first query's.
@@ -117,11 +136,13 @@ def plan_step(
         _long_query(int(r), qsl, lens, first_keys, table, block_size, num_kv_heads, span)
         for r in long_reqs
     ]
-    plan = StepPlan(num_kv_heads, group, torch.from_numpy(write_slots), write_rows, short, long)
-    if torch.device(device).type == "cpu":
-        return plan
+    plan = StepPlan(num_kv_heads, group, short, long)
+    return plan if torch.device(device).type == "cpu" else _on(plan, device)
+
+
+def _on(plan: _PlanT, device: torch.device | str) -> _PlanT:
     moved = _to_device(plan, device)
-    assert isinstance(moved, StepPlan)
+    assert isinstance(moved, type(plan))
     return moved
 
 
@@ -257,18 +278,18 @@ def _long_query(
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, writes: CacheWrites
 ) -> None:
     """Write each token's K and V into its cache slot (in place); tokens with slot -1 are skipped.
     An fp8 cache takes them converted (saturating), as bytes: PyTorch copies no fp8 rows."""
     rows = kv_cache.shape[2] * kv_cache.shape[1]
-    if plan.write_rows is not None:
-        key, value = key[plan.write_rows], value[plan.write_rows]
+    if writes.rows is not None:
+        key, value = key[writes.rows], value[writes.rows]
     for half, new in ((kv_cache[0], key), (kv_cache[1], value)):
         new = to_cache(new.flatten(1), kv_cache.dtype)
         if kv_cache.element_size() == 1:
             half, new = half.view(torch.uint8), new.view(torch.uint8)
-        half.view(rows, -1).index_copy_(0, plan.write_slots, new)
+        half.view(rows, -1).index_copy_(0, writes.slots, new)
 
 
 def paged_attention(

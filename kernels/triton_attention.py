@@ -470,13 +470,16 @@ def _prefill_attention_kernel(
     q_block_local = q_block - (q_start // BLOCK_Q + req)
     if query_len > short_query_len and q_block_local * BLOCK_Q < query_len:
         seq_len = tl.load(seq_lens_ptr + req)
+        # Heads of 512 channels keep one key loop, every tile masked: the unmasked loop's registers
+        # spill their 64 x 512 accumulator on sm_90, and beside products that wide the masks cost
+        # little (LaunchPlan).
         _attend_query_block(
             query_ptr, cache_ptr, out_ptr, out_ptr, out_ptr, out_ptr, block_table_ptr, sinks_ptr,
             req, q_start, query_len, seq_len, q_block_local, kv_head, 0, qk_scale, num_heads,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_block, stride_c_slot,
             stride_c_head, stride_bt_req, stride_bt_block, BLOCK_SIZE, GROUP, BLOCK_M, BLOCK_Q,
-            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SPAN, CHUNKED, SOFTCAP, HAS_SINKS, True,
-            False,
+            BLOCK_D, HEAD_DIM, TILE_N, 1, DOT_PRECISION, SPAN, CHUNKED, SOFTCAP, HAS_SINKS,
+            BLOCK_D <= 256, False,
         )  # fmt: skip
 
 
@@ -571,12 +574,15 @@ class TileShape:
     num_stages: int
 
 
-# Heads wider than 256 channels (DeepSeek's latent rows: 576, padded to 1024) take decode
+# Heads wider than 512 channels (DeepSeek's latent rows: 576, padded to 1024) take decode
 # tiles of 16 rows x 16 keys, 8 warps, 2 stages: 99 KB of shared memory and 178 registers on
 # sm_90 without spills, where a prefill tile's 64 query rows of 1024 channels alone would take
 # 128 KB. Every query is walked through them, without split-KV; only 16 query heads fit a
-# tile's rows.
+# tile's rows (at 512 channels too: see LaunchPlan).
 WIDE_DECODE = TileShape(16, 16, 8, 2)
+# At 512 channels (Gemma 4's full-attention layers) a decode tile holds every query token of a
+# request up to this many rows (a 64-row one takes 255 registers); longer ones take prefill tiles.
+HEAD_512_DECODE_MAX_ROWS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -595,6 +601,14 @@ class LaunchPlan:
                      shared memory (Q and three K/V tiles): one program per SM.
       head_dim 256   prefill 64 x 32 keys, 8 warps (4 spill the 64 x 256 accumulator); decode tiles of
                      32 keys.
+      head_dim 512   (Gemma 4's full-attention layers; heads of 257-511 channels pad to it.) Tiles
+                     of 16 keys, 8 warps: decode tiles of 16-32 rows (HEAD_512_DECODE_MAX_ROWS),
+                     96-182 registers and 81-97 KB of shared memory; prefill 64 x 16 keys, wgmma,
+                     236-255 registers (the 64 x 512 fp32 accumulator alone takes 128) and 160 KB
+                     (Q and three K/V tiles), with one key loop, every tile masked: the unmasked
+                     loop's registers made it spill, and beside 512-channel products the masks cost
+                     little. 32 keys would take 257 KB at 5 stages. At most 16 query heads a KV
+                     head, as for wider heads. Not yet measured on a GPU.
       fp8 cache      decode tiles of 32 keys (the widened tile's registers; not yet measured on a GPU).
     Why HOPPER_STAGES is 5: a key tile's K/V addresses come from a load (its pages in the block
     table), and Triton's software pipeliner puts such a dependent load one stage after the load it
@@ -609,8 +623,9 @@ class LaunchPlan:
     (registers and shared memory), that the Hopper tiles' loops keep copies in flight and that the
     Hopper prefill tiles use wgmma.
     Other GPUs (Ampere, Ada, Blackwell until measured) and the interpreter take a conservative fallback
-    that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256), 8 warps (4 spill on
-    sm_80), 2 stages; decode tiles as on Hopper with 2 stages.
+    that fits 100 KB of shared memory: prefill 64 x 64 keys (32 at head_dim 256; 32 x 16 at head_dim
+    512, 65 KB, where 64 rows spill on sm_80), 8 warps (4 spill on sm_80), 2 stages; decode tiles as
+    on Hopper with 2 stages.
 
     Split-KV (by default only in steps without a prefill launch): see split_kv_segments. With a
     span (a sliding window or a chunk) the segments divide only the tiles a request's span covers,
@@ -749,14 +764,18 @@ def plan_launches(
     decode_keys = 32 if wide or fp8_cache else 64
     min_rows = max(16, triton.next_power_of_2(group))
     all_rows = triton.next_power_of_2(group * max(max_query_len, 1))
-    if block_d > 256:
-        if min_rows > 16:
-            raise ValueError(
-                f"{group} query heads over one KV head of {head_dim} channels do not fit the "
-                "Triton kernel's tiles (at most 16 such heads a KV head on a GPU): split the "
-                "heads with --tensor-parallel-size, or use --attention-backend torch"
-            )
+    if block_d > 256 and min_rows > 16:
+        raise ValueError(
+            f"{group} query heads over one KV head of {head_dim} channels do not fit the "
+            "Triton kernel's tiles (at most 16 such heads a KV head on a GPU): split the "
+            "heads with --tensor-parallel-size, or use --attention-backend torch"
+        )
+    if block_d > 512:
         decode, short_query_len = WIDE_DECODE, INT32_MAX
+    elif block_d == 512 and all_rows <= HEAD_512_DECODE_MAX_ROWS:
+        decode, short_query_len = TileShape(max(all_rows, min_rows), 16, 8, stages), INT32_MAX
+    elif block_d == 512:
+        decode, short_query_len = TileShape(min_rows, 16, 8, stages), min_rows // group
     elif all_rows <= max(DECODE_MAX_ROWS, min_rows):
         decode = TileShape(max(all_rows, min_rows), decode_keys, 4, stages)
         short_query_len = INT32_MAX
@@ -765,7 +784,9 @@ def plan_launches(
         short_query_len = min_rows // group
     prefill = prefill_grid = None
     if short_query_len != INT32_MAX:
-        if hopper and not wide:
+        if block_d == 512:
+            prefill = TileShape(64, 16, 8, HOPPER_STAGES) if hopper else TileShape(32, 16, 8, 2)
+        elif hopper and not wide:
             prefill = TileShape(max(128, min_rows), 64, 8, HOPPER_STAGES)
         else:
             prefill = TileShape(max(64, min_rows), 32 if wide else 64, 8, stages)

@@ -162,7 +162,6 @@ def batched_plan(
         step["query_start_loc"],
         step["seq_lens"],
         step["block_table"],
-        step["slot_mapping"],
         BLOCK_SIZE,
         num_heads,
         num_kv_heads,
@@ -181,7 +180,9 @@ def test_batched_cpu_attention_equals_reference(dtype, tol):
     plan = batched_plan(step)
     assert len(plan.short) >= 4 and len(plan.long) == 2  # several decode buckets, two spec buckets
     cache = step["kv_cache"].clone()
-    cpu_attention.reshape_and_cache(step["key"], step["value"], cache, plan)
+    cpu_attention.reshape_and_cache(
+        step["key"], step["value"], cache, cpu_attention.plan_writes(step["slot_mapping"])
+    )
     assert torch.equal(cache, want_cache)
     got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=tol, rtol=tol)
@@ -299,6 +300,24 @@ def test_native_cpu_attention_equals_reference(
 
 
 @needs_native
+@pytest.mark.parametrize("span", [None, AttentionSpan(37)], ids=span_id)
+@pytest.mark.parametrize("kernels", BUILDS)
+def test_native_heads_of_512_channels(span, kernels):
+    """Gemma 4's full-attention heads, 512 channels (its sliding-window layers have 256) under
+    a group of 8, on the mixed batch: the scratch rows and value sums of every vector width."""
+    step = mixed_step(MIXED, 8, 1, 512, torch.float32)
+    scale = 512**-0.5
+    num_real = int(step["query_start_loc"][-1])
+
+    want_cache, want = reference_step(step, scale, span)
+    cache = step["kv_cache"].clone()
+    build(kernels).reshape_and_cache(step["key"], step["value"], cache, step["slot_mapping"])
+    assert torch.equal(cache, want_cache)
+    got = native_on_two_threads(step, cache, scale, kernels, span=span)
+    torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(6, 2, 16), (9, 3, 64)])
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("span", SOME_SPANS, ids=span_id)
@@ -382,7 +401,9 @@ def test_narrow_cache_equals_reference(num_heads, num_kv_heads, head_dim, span, 
 
     plan = batched_plan(step, span, (num_heads, num_kv_heads, head_dim))
     cache = step["kv_cache"].clone()
-    cpu_attention.reshape_and_cache(step["key"], step["value"], cache, plan)
+    cpu_attention.reshape_and_cache(
+        step["key"], step["value"], cache, cpu_attention.plan_writes(step["slot_mapping"])
+    )
     assert torch.equal(cache.view(torch.uint8), want_cache.view(torch.uint8))
     got = cpu_attention.paged_attention(step["query"], cache, plan, scale)
     torch.testing.assert_close(got[:num_real], want[:num_real], atol=1e-5, rtol=1e-5)

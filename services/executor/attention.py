@@ -7,19 +7,23 @@ attention chunk), soft cap and attention sinks if it has them). "native" runs `w
 (compiled C, attending straight from the paged cache) and is the CPU default in float32
 where a C compiler is at hand; its kernels also serve the model's norms and rotary
 embeddings. "torch" runs `weir.kernels.cpu_attention` (batched PyTorch operators, planned
-once per step): the CPU path in other dtypes or without a compiler. "reference" calls the
-reference directly (one request at a time, slow; for checking); "triton" calls
-`weir.kernels.triton_attention` and is the CUDA default.
+once per step for each span and shape of heads): the CPU path in other dtypes or without a
+compiler. "reference" calls the reference directly (one request at a time, slow; for
+checking); "triton" calls `weir.kernels.triton_attention` and is the CUDA default.
+
+Layers of one model may differ in KV heads and head_dim (Gemma 4's full-attention layers
+against its sliding-window ones), so every backend takes those from each call's cache and
+query, never from `prepare`'s.
 """
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from weir.kernels import cpu_native
+from weir.kernels import cpu_attention, cpu_native
 from weir.kernels.reference import AttentionSpan
 from weir.services.executor.linear_states import LinearStep
 
@@ -54,8 +58,10 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         spans: tuple[AttentionSpan | None, ...],
     ) -> None:
-        """Called once per step, before any layer's write_kv/attend; ``spans``: the spans the
-        model's layers attend with (None: a layer that attends to every earlier token)."""
+        """Called once per step, before any layer's write_kv/attend, with the first attention
+        layer's heads and cache (others may differ in KV heads and head_dim, not in block
+        size); ``spans``: the spans the model's layers attend with (None: a layer that attends
+        to every earlier token)."""
 
     def write_kv(
         self,
@@ -77,16 +83,47 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+@dataclass(slots=True)
+class TorchStep:
+    """TorchAttention's state of one step: its metadata copied to the host once, where every
+    layer writes, and a plan per (span, query heads, KV heads), made by the first layer that
+    needs it: a spanned plan gathers only the keys its span shows, and the cache rows a plan
+    gathers depend on the layer's heads."""
+
+    query_start_loc: torch.Tensor  # on the host, as the rest
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+    device: torch.device
+    writes: cpu_attention.CacheWrites  # on the device
+    plans: dict[tuple[AttentionSpan | None, int, int], cpu_attention.StepPlan] = field(
+        default_factory=dict
+    )
+
+    def plan(
+        self, span: AttentionSpan | None, num_heads: int, num_kv_heads: int
+    ) -> cpu_attention.StepPlan:
+        key = (span, num_heads, num_kv_heads)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = cpu_attention.plan_step(
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_table,
+                block_size=self.block_size,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                device=self.device,
+                span=span,
+            )
+        return plan
+
+
 class TorchAttention:
     """Batched PyTorch operators over the paged cache: the CPU path."""
 
     name = "torch"
     kernels = None
-
-    def __init__(self) -> None:
-        from weir.kernels import cpu_attention
-
-        self._module = cpu_attention
 
     def prepare(
         self,
@@ -95,25 +132,14 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         spans: tuple[AttentionSpan | None, ...],
     ) -> None:
-        query_start_loc, seq_lens, block_table, slot_mapping = (
-            t.cpu()
-            for t in (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping)
+        meta.plan = TorchStep(
+            meta.query_start_loc.cpu(),
+            meta.seq_lens.cpu(),
+            meta.block_table.cpu(),
+            kv_cache.shape[2],
+            kv_cache.device,
+            cpu_attention.plan_writes(meta.slot_mapping.cpu(), kv_cache.device),
         )
-        # One plan per span: a spanned plan gathers only the keys its span shows.
-        meta.plan = {
-            span: self._module.plan_step(
-                query_start_loc,
-                seq_lens,
-                block_table,
-                slot_mapping,
-                block_size=kv_cache.shape[2],
-                num_heads=num_heads,
-                num_kv_heads=kv_cache.shape[3],
-                device=kv_cache.device,
-                span=span,
-            )
-            for span in spans
-        }
 
     def write_kv(
         self,
@@ -122,9 +148,8 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        assert isinstance(meta.plan, dict)
-        # Every span's plan writes the same slots.
-        self._module.reshape_and_cache(key, value, kv_cache, next(iter(meta.plan.values())))
+        assert isinstance(meta.plan, TorchStep)
+        cpu_attention.reshape_and_cache(key, value, kv_cache, meta.plan.writes)
 
     def attend(
         self,
@@ -136,9 +161,9 @@ class TorchAttention:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        assert isinstance(meta.plan, dict)
-        plan = meta.plan[span]
-        return self._module.paged_attention(query, kv_cache, plan, scale, softcap, sinks)
+        assert isinstance(meta.plan, TorchStep)
+        plan = meta.plan.plan(span, query.shape[1], kv_cache.shape[3])
+        return cpu_attention.paged_attention(query, kv_cache, plan, scale, softcap, sinks)
 
 
 class PagedKernelAttention:

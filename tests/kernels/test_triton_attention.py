@@ -267,6 +267,48 @@ def test_wide_heads_walk_every_query_through_decode_tiles(group):
         triton_attention.plan_launches(8, 1, 32, 1, 576, 16, torch.float16, 9, 132, 1, 64, None)
 
 
+@pytest.mark.parametrize("group", [2, 8])
+@pytest.mark.parametrize("capability", [0, 9], ids=["fallback", "hopper"])
+def test_heads_of_512_channels(group, capability):
+    """Gemma 4's full-attention heads: decode tiles and prefill tiles of 16 keys, their one masked
+    key loop over diagonal and whole tiles alike, and split-KV's merge, as the reference; the
+    Hopper plan's 64-row prefill tiles too (given as the plan: the interpreter plans the
+    fallback's)."""
+    requests = [(70, 1), (5, 3), (40, 37), (0, 0), (0, 70)]
+    step = make_step(requests, num_heads=group, num_kv_heads=1, head_dim=512, dtype=torch.float16)
+    num_tokens = sum(q for _, q in requests)
+    plan = triton_attention.plan_launches(
+        num_tokens, len(requests), group, 1, 512, 16, torch.float16, capability, 0, 70, 110, None
+    )
+    assert plan.prefill is not None and plan.decode.tile_n == plan.prefill.tile_n == 16
+    expected = reference_output(step)
+    assert_close(triton_output(step, plan=plan), expected)
+    decodes = make_step(requests[:2], num_heads=group, num_kv_heads=1, head_dim=512)
+    assert_close(triton_output(decodes, split_kv=4), reference_output(decodes))
+
+
+def test_launch_plan_for_heads_of_512_channels():
+    def plan(max_query_len, *, group=8, capability=9):
+        return triton_attention.plan_launches(
+            64 * max_query_len, 64, 4 * group, 4, 512, 16, torch.bfloat16, capability, 132,
+            max_query_len, 4096, None,
+        )  # fmt: skip
+
+    stages = triton_attention.HOPPER_STAGES
+    decode = plan(1)
+    assert decode.prefill is None and decode.decode == triton_attention.TileShape(16, 16, 8, stages)
+    assert decode.segments == 4  # 64 requests x 4 KV heads split as any decode launch
+    speculative = plan(4)  # 4 tokens x 8 heads: one decode tile of 32 rows
+    assert speculative.prefill is None and speculative.decode.block_m == 32
+    mixed = plan(8)  # 64 rows: too many registers for a decode tile of 512 channels
+    assert mixed.decode.block_m == 16 and mixed.short_query_len == 2
+    assert mixed.prefill == triton_attention.TileShape(64, 16, 8, stages)
+    assert plan(512, capability=8).prefill == triton_attention.TileShape(32, 16, 8, 2)
+    assert plan(512, group=2).short_query_len == 8
+    with pytest.raises(ValueError, match="32 query heads over one KV head of 512 channels"):
+        plan(1, group=32)
+
+
 def test_hints_do_not_change_result():
     # The hints pick tiles and launches only. Too low, long queries run in decode tiles (walked tile
     # by tile); too high, decodes run beside an extra prefill launch whose programs all exit.

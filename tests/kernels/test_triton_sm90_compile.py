@@ -125,6 +125,14 @@ attention("latent_mixed", "bf16", 16, 1, 576, 256, 8, split_kv=False)
 # --kv-cache-dtype fp8: e4m3 and e5m2 caches read by bf16 queries
 attention("fp8_split", "bf16", 64, 8, 128, 1, 32, cache="fp8e4nv")
 attention("fp8_mixed", "bf16", 32, 8, 128, 512, 40, split_kv=False, cache="fp8e5")
+# Gemma 4's full-attention layers: heads of 512 channels, 2 to 8 query heads over a KV head
+attention("mixed_hd512_g2", "bf16", 8, 4, 512, 512, 40, split_kv=False)
+attention("mixed_hd512_g4", "bf16", 16, 4, 512, 512, 40, split_kv=False)
+attention("mixed_hd512_g8", "bf16", 32, 4, 512, 512, 40, split_kv=False)
+attention("speculative_hd512_g8", "bf16", 32, 4, 512, 4, 8, split_kv=False)  # 32-row decode tiles
+attention("split_hd512_g8", "bf16", 16, 2, 512, 1, 32)
+attention("fp8_mixed_hd512_g8", "bf16", 32, 4, 512, 512, 40, split_kv=False, cache="fp8e4nv")
+attention("ampere_mixed_hd512_g8", "bf16", 32, 4, 512, 512, 40, split_kv=False, capability=80)
 for label, cache, fp8_max in (("", "bf16", 0.0), ("_fp8", "fp8e4nv", 448.0)):
     compile_kernel("reshape_and_cache" + label, tc._reshape_and_cache_kernel,
                    {"key_ptr": "bf16", "value_ptr": "bf16", "cache_ptr": cache, "slot_mapping_ptr": "i64"},
@@ -211,6 +219,19 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "fp8_split_merge",
         "fp8_mixed_decode",
         "fp8_mixed_prefill",
+        "mixed_hd512_g2_decode",
+        "mixed_hd512_g2_prefill",
+        "mixed_hd512_g4_decode",
+        "mixed_hd512_g4_prefill",
+        "mixed_hd512_g8_decode",
+        "mixed_hd512_g8_prefill",
+        "speculative_hd512_g8_decode",
+        "split_hd512_g8_decode",
+        "split_hd512_g8_merge",
+        "fp8_mixed_hd512_g8_decode",
+        "fp8_mixed_hd512_g8_prefill",
+        "ampere_mixed_hd512_g8_decode",
+        "ampere_mixed_hd512_g8_prefill",
         "reshape_and_cache",
         "reshape_and_cache_fp8",
         "rms_norm_2048",
@@ -226,7 +247,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     crowded = {
         n: e
         for n, e in kernels.items()
-        if n.endswith("_decode") and "hd256" not in n and "latent" not in n
+        if n.endswith("_decode") and not any(wide in n for wide in ("hd256", "hd512", "latent"))
     }
     assert max(e["registers"] for e in crowded.values()) <= 168, crowded
     assert max(e["shared"] for e in crowded.values()) * 3 <= 227 * 1024, crowded
@@ -248,6 +269,10 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
         "sinks_window_mixed_prefill",
         "chunk_mixed_prefill",
         "fp8_mixed_prefill",
+        "mixed_hd512_g2_prefill",
+        "mixed_hd512_g4_prefill",
+        "mixed_hd512_g8_prefill",
+        "fp8_mixed_hd512_g8_prefill",
     )
     assert all(kernels[name]["wgmma"] for name in prefill), kernels
     # The fallback's tiles fit the 100 KB of shared memory an Ada SM has; Hopper's its 227 KB.
