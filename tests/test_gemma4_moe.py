@@ -27,9 +27,9 @@ from weir.shared.model_config import ExpertRouting, ModelConfig, read_model_conf
 from weir.shared.shard_layout import ShardLayout  # noqa: E402
 
 VOCAB = 131
-# Two kinds of layers (the full-attention ones with wider heads, values from their keys), the
-# last two sharing earlier layers' KV with twice as wide a dense MLP, per-layer inputs: the
-# dense model's features around the experts.
+# Two kinds of layers (the full-attention ones with wider heads, fewer KV heads, values from
+# their keys), the last two sharing earlier layers' KV with twice as wide a dense MLP,
+# per-layer inputs: the dense model's features around the experts.
 TEXT = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -40,7 +40,7 @@ TEXT = dict(
     head_dim=16,
     global_head_dim=32,
     attention_k_eq_v=True,
-    num_global_key_value_heads=2,
+    num_global_key_value_heads=1,
     layer_types=[
         "sliding_attention",
         "full_attention",

@@ -51,17 +51,9 @@ class AttentionBackend(Protocol):
     def kernels(self) -> cpu_native.CpuKernels | None:
         """Native CPU kernels the model also uses for its norms and rotations; None elsewhere."""
 
-    def prepare(
-        self,
-        meta: AttentionMetadata,
-        num_heads: int,
-        kv_cache: torch.Tensor,
-        spans: tuple[AttentionSpan | None, ...],
-    ) -> None:
+    def prepare(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         """Called once per step, before any layer's write_kv/attend, with the first attention
-        layer's heads and cache (others may differ in KV heads and head_dim, not in block
-        size); ``spans``: the spans the model's layers attend with (None: a layer that attends
-        to every earlier token)."""
+        layer's cache (others may differ in KV heads and head_dim, not in block size)."""
 
     def write_kv(
         self,
@@ -125,13 +117,7 @@ class TorchAttention:
     name = "torch"
     kernels = None
 
-    def prepare(
-        self,
-        meta: AttentionMetadata,
-        num_heads: int,
-        kv_cache: torch.Tensor,
-        spans: tuple[AttentionSpan | None, ...],
-    ) -> None:
+    def prepare(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         meta.plan = TorchStep(
             meta.query_start_loc.cpu(),
             meta.seq_lens.cpu(),
@@ -184,13 +170,7 @@ class PagedKernelAttention:
         self._takes_hints = takes_hints
         self.kernels = kernels
 
-    def prepare(
-        self,
-        meta: AttentionMetadata,
-        num_heads: int,
-        kv_cache: torch.Tensor,
-        spans: tuple[AttentionSpan | None, ...],
-    ) -> None:
+    def prepare(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> None:
         pass
 
     def write_kv(

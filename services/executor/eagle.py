@@ -77,7 +77,6 @@ class EagleLayers(nn.Module):
         else:
             # fc's output is the first layer's input as it is (EAGLE's layer 0 has no input norm).
             layers[0].input_layernorm = None
-        self.spans = tuple(dict.fromkeys(layer.span for layer in layers))
         self.layers = ModuleList(layers)
 
 
@@ -112,7 +111,6 @@ class EagleHead(nn.Module):
             decoder_cfg, self.layout, self.dtype, self.kv_cache_dtype, self.device
         )
         self.rotary = Rotary(cfg.rope, self.device)
-        self.spans = self.decoder.spans
         # Of the served model's rows, the width the first pass reads.
         self.context_size = max(1, len(self.aux_hidden_state_layers)) * target.config.hidden_size
         self.read_from(target)
@@ -162,7 +160,7 @@ class Eagle1Head(EagleHead):
     ) -> torch.Tensor:
         """The head's output [T, hidden] for T flat tokens, each with its ``context`` row
         (the served model's final hidden state at the position before, or the head's)."""
-        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.spans)
+        self.attention.prepare(attn_metadata, kv_caches[0])
         cos, sin = self.rotary(positions, self.dtype)
         x = self.fc(torch.cat((self._target[0]._embed(input_ids), context), dim=-1))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -222,7 +220,7 @@ class Eagle3Head(EagleHead):
         position before, or the head's output there), which is its residual stream (the
         output is written into ``context``, or with ``norm_before_residual`` into its
         normalized copy)."""
-        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_caches[0], self.spans)
+        self.attention.prepare(attn_metadata, kv_caches[0])
         cos, sin = self.rotary(positions, self.dtype)
         layer = self.layers[0]
         assert layer.input_layernorm is not None

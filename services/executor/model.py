@@ -586,7 +586,6 @@ class CausalLM(nn.Module):
         self.device = device
         self.rotary = Rotary(cfg.rope, device)
         self.local_rotary = None if cfg.sliding_rope is None else Rotary(cfg.sliding_rope, device)
-        self.spans = tuple(dict.fromkeys(layer.span for layer in self.layers))
         # Whose cache the attention backend plans a step over: a linear-attention layer's
         # entry has the cache's shape but no memory (``KVCacheShape.allocate``).
         self.first_attention_layer = cfg.attention_layers[0]
@@ -666,7 +665,7 @@ class CausalLM(nn.Module):
         """The residual stream after the last layer; into ``aux``'s columns, that entering
         each layer of ``aux_hidden_state_layers`` (copied: a layer adds into it in place)."""
         kv_cache = kv_caches[self.first_attention_layer]
-        self.attention.prepare(attn_metadata, self.layout.num_heads, kv_cache, self.spans)
+        self.attention.prepare(attn_metadata, kv_cache)
         if self.config.linear_layers and attn_metadata.linear is None:
             attn_metadata.linear = self._scratch_states(attn_metadata)
         rotations = self.rotary(positions, self.dtype)

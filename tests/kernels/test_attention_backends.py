@@ -104,7 +104,6 @@ def test_layers_of_other_heads_in_one_step_match_reference(name, layer_set):
         make_layer(num_heads, hkv, d, context_slots, seed)
         for seed, (hkv, d, _) in enumerate(shapes)
     ]
-    spans = tuple(dict.fromkeys(span for _, _, span in shapes))
     num_real = int(meta.query_start_loc[-1])
 
     device = DEVICE if name == "triton" else "cpu"
@@ -117,7 +116,7 @@ def test_layers_of_other_heads_in_one_step_match_reference(name, layer_set):
         },
     )
     caches = [layer["cache"].clone().to(device) for layer in layers]
-    backend.prepare(step, num_heads, caches[0], spans)
+    backend.prepare(step, caches[0])
     for layer, cache, (_, head_dim, span) in zip(layers, caches, shapes, strict=True):
         want_cache = layer["cache"].clone()
         reference.reshape_and_cache(layer["key"], layer["value"], want_cache, meta.slot_mapping)
