@@ -615,6 +615,7 @@ class CausalLM(nn.Module):
             if per_layer
             else None
         )
+        self.per_layer_embedding_scale = _rounded(cfg.per_layer_input_size**0.5, dtype)
         # Set by `quantization.quantize_model`: the vocabulary matrices kept quantized.
         self.quantized_embed: Int8Weight | None = None
         self.quantized_lm_head: Int8Weight | None = None
@@ -693,8 +694,7 @@ class CausalLM(nn.Module):
         if table is None or projection is None or norm is None:
             return None
         shape = (len(input_ids), self.config.num_layers, self.config.per_layer_input_size)
-        size = self.config.per_layer_input_size
-        rows = F.embedding(input_ids, table).view(shape) * _rounded(size**0.5, self.dtype)
+        rows = F.embedding(input_ids, table).view(shape) * self.per_layer_embedding_scale
         projected = norm((projection(x) * self.config.hidden_size**-0.5).view(shape))
         return (projected + rows) * 2**-0.5
 
