@@ -43,6 +43,23 @@ def size(hf: dict[str, Any], key: str, default: int = 0) -> int:
     return value
 
 
+def layer_types(
+    hf: dict[str, Any], num_layers: int, kinds: tuple[str, ...], default: list[str] | None = None
+) -> list[str] | None:
+    """config.json's layer_types (``default`` where it has none), one of ``kinds`` per layer."""
+    types = hf.get("layer_types", default)
+    if types is not None and (
+        not isinstance(types, list)
+        or len(types) != num_layers
+        or any(t not in kinds for t in types)
+    ):
+        raise ValueError(
+            f"config.json: layer_types must name {kinds} for each of the {num_layers} "
+            f"layers, got {types!r}"
+        )
+    return types
+
+
 def positive(hf: dict[str, Any], key: str, default: float) -> float:
     value = hf.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

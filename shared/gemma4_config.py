@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from weir.shared import config_fields
 from weir.shared.config_fields import count, flag, mapping, positive, size
 
 MODEL_TYPE = "gemma4_text"
@@ -54,18 +55,9 @@ _KINDS = ("sliding_attention", "full_attention")
 def layer_types(hf: dict[str, Any], num_layers: int) -> list[str]:
     """Each layer's kind: config.json's layer_types (its last layer always full attention,
     as transformers forces it), else five sliding layers to one full."""
-    types = hf.get("layer_types")
-    if types is None:
-        types = [_KINDS[(i + 1) % 6 == 0] for i in range(num_layers)]
-    if (
-        not isinstance(types, list)
-        or len(types) != num_layers
-        or any(t not in _KINDS for t in types)
-    ):
-        raise ValueError(
-            f"config.json: layer_types must name {_KINDS} for each of the {num_layers} "
-            f"layers, got {types!r}"
-        )
+    default = [_KINDS[(i + 1) % 6 == 0] for i in range(num_layers)]
+    types = config_fields.layer_types(hf, num_layers, _KINDS, default)
+    assert types is not None
     return [*types[:-1], _KINDS[1]]
 
 

@@ -22,7 +22,7 @@ from weir.shared.checkpoint_quantization import (
     CheckpointQuantization,
     read_checkpoint_quantization,
 )
-from weir.shared.config_fields import count, flag, mapping, positive
+from weir.shared.config_fields import count, flag, layer_types, mapping, positive
 from weir.shared.rope_config import RopeConfig, read_rope
 
 SUPPORTED_MODEL_TYPES = (
@@ -1166,18 +1166,8 @@ def _sliding_layers(model_type: str, hf: dict[str, Any], num_layers: int) -> tup
     if model_type == gemma4_config.MODEL_TYPE:
         gemma4_types = gemma4_config.layer_types(hf, num_layers)
         return tuple(i for i, kind in enumerate(gemma4_types) if kind == "sliding_attention")
-    types = hf.get("layer_types")
+    types = layer_types(hf, num_layers, ("sliding_attention", "full_attention"))
     if types is not None:
-        kinds = ("sliding_attention", "full_attention")
-        if (
-            not isinstance(types, list)
-            or len(types) != num_layers
-            or any(t not in kinds for t in types)
-        ):
-            raise ValueError(
-                f"config.json: layer_types must name {kinds} for each of the {num_layers} "
-                f"layers, got {types!r}"
-            )
         return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if model_type == "ministral":
         return tuple(range(num_layers))
@@ -1242,16 +1232,12 @@ def _linear_attention(model_type: str, hf: dict[str, Any], num_layers: int) -> d
         return {}
     interval = count(hf, "full_attention_interval")
     kinds = ("linear_attention", "full_attention")
-    types = hf.get("layer_types", [kinds[(i + 1) % interval == 0] for i in range(num_layers)])
-    if (
-        not isinstance(types, list)
-        or len(types) != num_layers
-        or any(t not in kinds for t in types)
-        or kinds[1] not in types  # the attention backend plans a step over such a layer's cache
-    ):
+    default = [kinds[(i + 1) % interval == 0] for i in range(num_layers)]
+    types = layer_types(hf, num_layers, kinds, default)
+    assert types is not None
+    if kinds[1] not in types:  # the attention backend plans a step over such a layer's cache
         raise ValueError(
-            f"config.json: layer_types must name {kinds} for each of the {num_layers} "
-            f"layers, one full_attention at least, got {types!r}"
+            f"config.json: layer_types must name one full_attention at least, got {types!r}"
         )
     linear = LinearAttention(
         num_k_heads=count(hf, "linear_num_key_heads"),
