@@ -17,6 +17,17 @@ from weir.shared.protocol.client import StreamOutput
 # The parsers of gpt-oss' harmony format (`harmony.py`): either reads the whole message.
 HARMONY_PARSERS = ("openai_gptoss", "openai")
 
+# The tool-call parsers whose formats mark calls with special tokens.
+_SPECIAL_TOKEN_CALLS = (
+    "mistral",
+    "deepseek_v3",
+    "deepseek_v31",
+    "kimi_k2",
+    "granite",
+    "functiongemma",
+    "gemma4",
+)
+
 
 @dataclass(frozen=True, slots=True)
 class ChatParsers:
@@ -134,17 +145,17 @@ class ChatOutput:
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the text is detokenized with the special tokens its format marks with:
-        harmony's, Mistral's ``[THINK]`` and ``[TOOL_CALLS]``, DeepSeek's, Kimi K2's,
-        Granite's and FunctionGemma's tool-call markers (as vLLM's parsers ask)."""
+        harmony's, reasoning markers that are special tokens (Mistral's ``[THINK]``, Gemma
+        4's ``<|channel>``), Mistral's ``[TOOL_CALLS]``, DeepSeek's, Kimi K2's, Granite's,
+        FunctionGemma's and Gemma 4's tool-call markers (as vLLM's parsers ask)."""
         tool_choice = self.tool_choice
         return (
             self.harmony
-            or (self.thinking is not None and self.reasoning_markers.start == "[THINK]")
+            or (self.thinking is not None and self.reasoning_markers.special)
             or (
                 tool_choice is not None
                 and tool_choice.kind == "auto"
-                and tool_choice.parser
-                in ("mistral", "deepseek_v3", "deepseek_v31", "kimi_k2", "granite", "functiongemma")
+                and tool_choice.parser in _SPECIAL_TOKEN_CALLS
             )
         )
 

@@ -4,7 +4,9 @@
 Magistral's, its markers special tokens), or ``Here's my thought process:...Here's my
 response:`` (``granite``: Granite 3.2's and 3.3's, asked to think, "Here is" too), or
 ``<seed:think>...</seed:think>`` (``seed_oss``: Seed-OSS', its budget reflections,
-``<seed:cot_budget_reflect>...``, left in the reasoning); ``minimax_m2_append_think`` leaves
+``<seed:cot_budget_reflect>...``, left in the reasoning), or ``<|channel>thought\n...<channel|>``
+(``gemma4``: Gemma 4's, its markers special tokens, the ``thought`` label no reasoning);
+``minimax_m2_append_think`` leaves
 it in the content, ``<think>`` put first. ``hunyuan_a13b`` (Hunyuan's
 ``<think>\n...\n</think>\n<answer>\n...\n</answer>``) and ``ernie45`` (ERNIE 4.5 Thinking's
 ``...</think>`` then ``<response>...</response>``) also take the answer out of its tags: the
@@ -15,10 +17,11 @@ Qwen3), or the model writes ``<think>`` itself: so while a request thinks, its t
 reasoning up to the first ``</think>`` (all of it, if cut short before), an opening tag left
 out. A request that does not think (Qwen3 asked with ``enable_thinking: false``, DeepSeek-V3.1
 not asked with ``thinking: true``, an output held to a format from its first token, or any
-under ``mistral``, ``granite`` and ``hunyuan_a13b``, whose models open their reasoning
-themselves) is content, unless its text opens with the start.
+under ``mistral``, ``granite``, ``hunyuan_a13b`` and ``gemma4``, whose models open their
+reasoning themselves) is content, unless its text opens with the start.
 Under ``qwen3`` a ``<tool_call>`` also ends the reasoning, unclosed, and opens the content
-(Qwen3 may call a tool before its ``</think>``).
+(Qwen3 may call a tool before its ``</think>``), as Gemma 4's ``<|tool_call>`` does under
+``gemma4``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from weir.services.gateway.json_calls import tag_prefix_at_end
 # deepseek_v3 and holo2: DeepSeek-V3.1's and Holo2's, as deepseek_r1's where the request
 # thinks (schemas.py says which do); seed_oss: Seed-OSS', ernie45: ERNIE 4.5 Thinking's, both
 # as deepseek_r1's; hunyuan_a13b: Hunyuan's, whose prompt opens no reasoning; granite: Granite
-# 3.2's and 3.3's. The last: harmony.py.
+# 3.2's and 3.3's; gemma4: Gemma 4's channel. The last: harmony.py.
 REASONING_PARSERS = (
     "deepseek_r1",
     "qwen3",
@@ -50,6 +53,7 @@ REASONING_PARSERS = (
     "ernie45",
     "mistral",
     "granite",
+    "gemma4",
     "openai_gptoss",
 )
 
@@ -64,8 +68,12 @@ class Markers:
     start: str | tuple[str, ...] = START
     end: str | tuple[str, ...] = END
     # What ends the reasoning unclosed and opens the content, kept in it: Qwen3's tool call
-    # written before its ``</think>`` (vLLM's qwen3 parser reads it so); "" for none.
+    # written before its ``</think>`` (vLLM's qwen3 parser reads it so), Gemma 4's; "" for
+    # none.
     call: str = ""
+    # What the model writes right after ``start`` that names the channel and is no reasoning:
+    # Gemma 4's ``thought\n`` (vLLM's gemma4 parser strips it); "" for none.
+    label: str = ""
     # The tags the answer is written in, not content: Hunyuan's <answer>, ERNIE's
     # <response>; ("", "") for none.
     answer: tuple[str, str] = ("", "")
@@ -76,6 +84,9 @@ class Markers:
     # it in the prompt): vLLM's minimax_m2_append_think, for clients that send the thought back
     # as content.
     inline: bool = False
+    # Whether the markers are special tokens, which the text must be detokenized with
+    # (vLLM's mistral and gemma4 parsers set skip_special_tokens false).
+    special: bool = False
 
     @property
     def one_end(self) -> str | None:
@@ -85,7 +96,7 @@ class Markers:
 
 # Each parser's (the others': Markers()).
 MARKERS = {
-    "mistral": Markers("[THINK]", "[/THINK]"),
+    "mistral": Markers("[THINK]", "[/THINK]", special=True),
     "qwen3": Markers(call="<tool_call>"),
     "seed_oss": Markers("<seed:think>", "</seed:think>"),
     "hunyuan_a13b": Markers(answer=("<answer>", "</answer>"), newlines=True),
@@ -96,6 +107,9 @@ MARKERS = {
         ("Here is my response:", "Here's my response:"),
     ),
     "minimax_m2_append_think": Markers(inline=True),
+    "gemma4": Markers(
+        "<|channel>", "<channel|>", call="<|tool_call>", label="thought\n", special=True
+    ),
 }
 
 
@@ -120,11 +134,13 @@ class ReasoningReader:
         newline_ends = tuple("\n" + e for e in self._ends) if markers.newlines else ()
         self._held = self._ends + newline_ends
         self._newlines = markers.newlines
+        # What the start tag carries that is no reasoning: Hunyuan's newline, Gemma 4's label.
+        self._label = "\n" if markers.newlines else markers.label
         self._answer = AnswerReader(markers) if markers.answer[0] else None
         self._pending = self._starts[0] if markers.inline else ""
         # "open": the start is not known yet; then "reasoning", "content"
         self._state = "content" if markers.inline else "open"
-        self._opening = False  # whether the newline after the start tag may come yet
+        self._opening = False  # whether the start tag's label may come yet
         self.reasoned = False  # whether the text holds reasoning (maybe empty)
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -138,7 +154,9 @@ class ReasoningReader:
         if self._state == "open":
             self._enter("reasoning" if self._thinking else "content")
         if self._state == "reasoning":
-            return pending, ""
+            # A label cut short (the output ended on it) is no reasoning either.
+            cut_label = self._opening and self._label.startswith(pending)
+            return ("" if cut_label else pending), ""
         if self._answer is None:
             return "", pending
         return "", self._answer.feed(pending) + self._answer.finish()
@@ -151,7 +169,7 @@ class ReasoningReader:
             if start is not None:
                 self._pending = head[len(start) :]
                 self._enter("reasoning")
-                self._opening = self._newlines
+                self._opening = bool(self._label)
             elif any(s.startswith(head) for s in self._starts):
                 return "", ""
             else:
@@ -159,9 +177,9 @@ class ReasoningReader:
         reasoning = ""
         if self._state == "reasoning":
             if self._opening:
-                if not self._pending:
+                if self._label.startswith(self._pending):  # the label, maybe cut short yet
                     return "", ""
-                self._pending = self._pending.removeprefix("\n")
+                self._pending = self._pending.removeprefix(self._label)
                 self._opening = False
             end, end_marker = min(
                 ((at, e) for e in self._ends if (at := self._pending.find(e)) >= 0),

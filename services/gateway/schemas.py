@@ -878,8 +878,9 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         token), nor a continued message (the output goes on with its text): they think only
         where their text opens with the tag."""
         thinking = None
-        # Magistral's, Granite's and Hunyuan's prompts open no reasoning: the model writes it.
-        if parsers.reasoning in ("mistral", "granite", "hunyuan_a13b"):
+        # Magistral's, Granite's, Hunyuan's and Gemma 4's prompts open no reasoning: the model
+        # writes it.
+        if parsers.reasoning in ("mistral", "granite", "hunyuan_a13b", "gemma4"):
             thinking = False
         elif parsers.reasoning is not None:
             thinking = (

@@ -2,7 +2,8 @@
 ``<tool_call>{...}</tool_call>`` and the formats of the same shape (ERNIE's, Hunyuan's,
 OLMo 3's tags), Qwen3-Coder's and Seed-OSS' ``<function=NAME><parameter=KEY>`` blocks,
 MiniMax-M2's ``<invoke>`` blocks, GLM's ``<arg_key>``/``<arg_value>`` pairs and FunctionGemma's
-``call:NAME{...}``, the last four's values typed by the tool's schema."""
+``call:NAME{...}``, the last four's values typed by the tool's schema, and Gemma 4's
+``call:NAME{...}`` in FunctionGemma's notation with its own string token."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from weir.services.gateway.json_calls import (
@@ -422,92 +424,133 @@ def _literal_value(value: str) -> Any:
 _GEMMA_CALL = re.compile(r"\s*call:([\w.-]+)(\{.*\})\s*", re.DOTALL)
 
 
-_GEMMA_ESCAPE = "<escape>"  # FunctionGemma's string delimiter, a token of its own
+def _gemma4_bare(word: str) -> Any:
+    """A value Gemma 4 writes bare, as vLLM's gemma4 parser reads it: ``true`` or ``false``,
+    a null (``null``, ``none`` or ``nil``, in any case), a number (a float where it holds a
+    ".", else an integer), else the text as written."""
+    if word in ("true", "false"):
+        return word == "true"
+    if word.lower() in ("null", "none", "nil"):
+        return None
+    try:
+        return float(word) if "." in word else int(word)
+    except ValueError:
+        return word
+
+
+@dataclass(frozen=True, slots=True)
+class GemmaNotation:
+    """The notation Gemma's templates write a call in, ``call:NAME{KEY:VALUE,...}``: a
+    string between two ``quote`` tokens, a number, boolean or null bare (read by ``bare``),
+    an object ``{KEY:VALUE,...}``, an array ``[VALUE,...]``."""
+
+    quote: str
+    bare: Callable[[str], Any]
+
+    def call(self, block: str) -> tuple[str, dict[str, Any]] | None:
+        """A block's function name and arguments; None where the block is other text."""
+        match = _GEMMA_CALL.fullmatch(block)
+        if match is None:
+            return None
+        name, body = match.groups()
+        try:
+            arguments, end = self._value(body, 0)
+        except (ValueError, RecursionError):
+            return None
+        return (name, arguments) if end == len(body) else None
+
+    def _value(self, text: str, at: int) -> tuple[Any, int]:
+        """The value written at ``text[at:]``, and where it ends; ValueError where none is."""
+        at = _space_end(text, at)
+        if text.startswith(self.quote, at):
+            start = at + len(self.quote)
+            end = text.find(self.quote, start)
+            if end < 0:
+                raise ValueError("a string never closed")
+            return text[start:end], end + len(self.quote)
+        if text.startswith(("{", "["), at):
+            keyed = text[at] == "{"
+            close = "}" if keyed else "]"
+            items: list[tuple[str | None, Any]] = []
+            at = _space_end(text, at + 1)
+            while not text.startswith(close, at):
+                if items:
+                    if not text.startswith(",", at):
+                        raise ValueError("no separator")
+                    at += 1
+                key = None
+                if keyed:
+                    key, at = self._key(text, at)
+                value, at = self._value(text, at)
+                items.append((key, value))
+                at = _space_end(text, at)
+            if keyed:
+                return {key: value for key, value in items}, at + 1
+            return [value for _, value in items], at + 1
+        end = at
+        while end < len(text) and text[end] not in ",}]":
+            end += 1
+        word = text[at:end].strip()
+        if not word or self.quote in word:
+            raise ValueError("no value")
+        return self.bare(word), end
+
+    def _key(self, text: str, at: int) -> tuple[str, int]:
+        """An object's key, bare (as calls write them) or quoted (as declarations do), and
+        where its ``:`` ends."""
+        if text.startswith(self.quote, _space_end(text, at)):
+            key, at = self._value(text, at)
+            at = _space_end(text, at)
+            if not text.startswith(":", at):
+                raise ValueError("a key without its value")
+            return key, at + 1
+        colon = text.find(":", at)
+        key = text[at:colon].strip() if colon >= 0 else ""
+        if not key or any(c in key for c in ",{}[]<"):
+            raise ValueError("no key")
+        return key, colon + 1
+
+
+# FunctionGemma's string delimiter is its <escape> token, a bare word read as `_literal`.
+FUNCTIONGEMMA = GemmaNotation("<escape>", _literal)
+# Gemma 4's is its <|"|> token.
+GEMMA4 = GemmaNotation('<|"|>', _gemma4_bare)
 
 
 def functiongemma_call(properties: dict[str, Any], block: str) -> ToolCall | None:
-    """A FunctionGemma block's call: ``call:NAME{KEY:VALUE,...}``, the values in its chat
-    template's notation: a string between ``<escape>`` tokens, a number, boolean or null
-    bare, an object ``{KEY:VALUE,...}``, an array ``[VALUE,...]``. A string argument whose
-    parameter the tool's schema types otherwise (a number the model escaped) is read by
-    those types, as `xml_call` reads its values. None where the block is other text."""
-    match = _GEMMA_CALL.fullmatch(block)
-    if match is None:
+    """A FunctionGemma block's call, in its chat template's notation (`FUNCTIONGEMMA`). A
+    string argument whose parameter the tool's schema types otherwise (a number the model
+    escaped) is read by those types, as `xml_call` reads its values. None where the block
+    is other text."""
+    found = FUNCTIONGEMMA.call(block)
+    if found is None:
         return None
-    name, body = match.groups()
-    try:
-        arguments, end = _gemma_value(body, 0)
-    except (ValueError, RecursionError):
-        return None
-    if end != len(body):
-        return None
+    name, arguments = found
     schema = properties.get(name)
     for key, value in arguments.items():
         spec = schema.get(key) if isinstance(schema, dict) else None
         kinds = _value_types(spec)
         if isinstance(value, str) and kinds:
             arguments[key] = _typed(value, kinds)
+    return _gemma_tool_call(name, arguments)
+
+
+def gemma4_call(block: str) -> ToolCall | None:
+    """A Gemma 4 block's call, in its notation (`GEMMA4`), each string as written whatever
+    the tool's schema says (vLLM's gemma4 parser reads no schema). None where the block is
+    other text."""
+    found = GEMMA4.call(block)
+    return None if found is None else _gemma_tool_call(*found)
+
+
+def _gemma_tool_call(name: str, arguments: dict[str, Any]) -> ToolCall | None:
     try:
         return ToolCall(name, arguments_text(arguments))
-    except ValueError:
+    except ValueError:  # a number past JSON's range
         return None
 
 
-def _gemma_value(text: str, at: int) -> tuple[Any, int]:
-    """The value FunctionGemma's notation (`functiongemma_call`) writes at ``text[at:]``, and
-    where it ends; ValueError where none is."""
-    at = _gemma_space_end(text, at)
-    if text.startswith(_GEMMA_ESCAPE, at):
-        start = at + len(_GEMMA_ESCAPE)
-        end = text.find(_GEMMA_ESCAPE, start)
-        if end < 0:
-            raise ValueError("a string never closed")
-        return text[start:end], end + len(_GEMMA_ESCAPE)
-    if text.startswith(("{", "["), at):
-        keyed = text[at] == "{"
-        close = "}" if keyed else "]"
-        items: list[tuple[str | None, Any]] = []
-        at = _gemma_space_end(text, at + 1)
-        while not text.startswith(close, at):
-            if items:
-                if not text.startswith(",", at):
-                    raise ValueError("no separator")
-                at += 1
-            key = None
-            if keyed:
-                key, at = _gemma_key(text, at)
-            value, at = _gemma_value(text, at)
-            items.append((key, value))
-            at = _gemma_space_end(text, at)
-        if keyed:
-            return {key: value for key, value in items}, at + 1
-        return [value for _, value in items], at + 1
-    end = at
-    while end < len(text) and text[end] not in ",}]":
-        end += 1
-    word = text[at:end].strip()
-    if not word or _GEMMA_ESCAPE in word:
-        raise ValueError("no value")
-    return _literal(word), end  # a bare word that is no literal is a string as written
-
-
-def _gemma_key(text: str, at: int) -> tuple[str, int]:
-    """An object's key, bare (as calls write them) or between ``<escape>`` tokens (as
-    declarations do), and where its ``:`` ends."""
-    if text.startswith(_GEMMA_ESCAPE, _gemma_space_end(text, at)):
-        key, at = _gemma_value(text, at)
-        at = _gemma_space_end(text, at)
-        if not text.startswith(":", at):
-            raise ValueError("a key without its value")
-        return key, at + 1
-    colon = text.find(":", at)
-    key = text[at:colon].strip() if colon >= 0 else ""
-    if not key or any(c in key for c in ",{}[]<"):
-        raise ValueError("no key")
-    return key, colon + 1
-
-
-def _gemma_space_end(text: str, at: int) -> int:
+def _space_end(text: str, at: int) -> int:
     """Where the whitespace at ``text[at:]`` ends."""
     while at < len(text) and text[at].isspace():
         at += 1

@@ -34,7 +34,9 @@ and the calls read back out of its text, whole or as it streams.
   ``{"name": ..., "arguments": {...}}`` calls; ``ernie45``: ERNIE 4.5's ``<tool_call>``
   blocks, read as hermes'; ``functiongemma``: FunctionGemma's ``<start_function_call>call:NAME
   {KEY:VALUE,...}<end_function_call>``, a string value between ``<escape>`` tokens, others
-  bare. ``qwen3_xml`` and ``glm47`` are vLLM's other names of qwen3_coder and glm45.
+  bare; ``gemma4``: Gemma 4's ``<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>``, the same
+  notation with its strings between ``<|"|>`` tokens. ``qwen3_xml`` and ``glm47`` are vLLM's
+  other names of qwen3_coder and glm45.
 
 A reader takes a choice's text as it streams and returns, per piece, the content to send
 and the tool-call deltas (OpenAI's chunk form); reading the whole text at once gives what
@@ -42,9 +44,9 @@ the streamed deltas add up to. This module holds the parsers' names and which re
 choice takes (``ToolChoice.reader``); the readers, by the shape of the text they read:
 ``json_calls.py`` (the call itself, named and required choices' JSON, llama3_json),
 ``tagged_calls.py`` (blocks between tags: hermes, qwen3_coder, seed_oss, hunyuan_a13b, ernie45,
-olmo3's blocks, glm45, minimax_m2, functiongemma), ``list_calls.py`` (an output that is a list
-of calls: pythonic, granite, olmo3's lines), ``marked_calls.py`` (calls after a marker: mistral,
-phi4_mini_json, xlam, deepseek_v3, kimi_k2).
+olmo3's blocks, glm45, minimax_m2, functiongemma, gemma4), ``list_calls.py`` (an output that
+is a list of calls: pythonic, granite, olmo3's lines), ``marked_calls.py`` (calls after a
+marker: mistral, phi4_mini_json, xlam, deepseek_v3, kimi_k2).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from weir.services.gateway.tagged_calls import (
     AfterThought,
     HermesReader,
     functiongemma_call,
+    gemma4_call,
     glm_call,
     hunyuan_calls,
     minimax_calls,
@@ -99,6 +102,7 @@ TOOL_CALL_PARSERS = (
     "hunyuan_a13b",
     "ernie45",
     "functiongemma",
+    "gemma4",
     "openai",
 )
 
@@ -139,6 +143,8 @@ class ToolChoice:
         if self.parser == "functiongemma":
             tags = ("<start_function_call>", "<end_function_call>")
             return HermesReader(functools.partial(functiongemma_call, self.properties), tags)
+        if self.parser == "gemma4":
+            return HermesReader(gemma4_call, ("<|tool_call>", "<tool_call|>"))
         if self.parser == "minimax_m2":
             tags = ("<minimax:tool_call>", "</minimax:tool_call>")
             return HermesReader(functools.partial(minimax_calls, self.properties), tags)

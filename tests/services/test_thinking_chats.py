@@ -426,6 +426,27 @@ MARKED_CASES = [
     ("ernie45", True, "abc\n</think>\n\n\n<tool_call>x", "abc\n", "<tool_call>x"),
     ("ernie45", True, "abc</think>def", "abc", "def"),
     ("ernie45", True, "abc", "abc", ""),
+    # Gemma 4 opens its channel itself (not asked to think: all content); the thought label
+    # after <|channel> is no reasoning, and <|tool_call> ends the thought and is content
+    # (vLLM's gemma4 parser).
+    ("gemma4", False, "<|channel>thought\na\nb<channel|>c", "a\nb", "c"),
+    ("gemma4", False, "<|channel>thought\n<channel|>c", "", "c"),
+    ("gemma4", False, "Four.", None, "Four."),
+    ("gemma4", False, "<|channel>thought\na<|tool_call>x", "a", "<|tool_call>x"),
+    (
+        "gemma4",
+        False,
+        "<|channel>thought\na<|tool_call>b<channel|>c",
+        "a",
+        "<|tool_call>b<channel|>c",
+    ),
+    ("gemma4", False, "<|channel>thoughts\na<channel|>c", "thoughts\na", "c"),  # no label
+    ("gemma4", False, "<|channel>a<channel|>c", "a", "c"),
+    ("gemma4", False, "<|channel>thought\nthought\na", "thought\na", ""),  # cut short
+    ("gemma4", False, "<|channel>though", "", ""),  # cut short in the label
+    ("gemma4", False, "<|channel>thought\na<channel", "a<channel", ""),
+    ("gemma4", False, "<|chan", None, "<|chan"),
+    ("gemma4", False, "x<|channel>thought\na<channel|>", None, "x<|channel>thought\na<channel|>"),
 ]
 
 
@@ -516,6 +537,7 @@ def test_qwen3s_tool_call_before_the_thoughts_end_is_a_call():
             True,
             'a</think>\n\nOk.\n<tool_call>\n{"name": "f", "arguments": {"n": 2}}\n</tool_call>\n',
         ),
+        ("gemma4", False, "<|channel>thought\na<channel|>Ok.\n<|tool_call>call:f{n:2}<tool_call|>"),
     ],
 )
 def test_a_thought_then_a_call_read_char_by_char_as_whole(parser, thinking, text):
@@ -535,6 +557,34 @@ def test_a_thought_then_a_call_read_char_by_char_as_whole(parser, thinking, text
         assert "".join(c for _, c, _ in got) == "Ok.\n"
         [call] = [delta["function"] for _, _, deltas in got for delta in deltas]
         assert (call["name"], json.loads(call["arguments"])) == ("f", {"n": 2})
+
+
+def test_gemma4s_tool_call_ends_its_thought_and_keeps_special_tokens():
+    """--reasoning-parser gemma4 --tool-call-parser gemma4, as vLLM reads Gemma 4: a call
+    written in the thought (no <channel|> before it) ends the thought and is a call; the
+    text is detokenized with its special tokens (<|channel>, <|"|>...), whichever parser
+    reads it."""
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": ASK,
+            "tools": TOOLS,
+            "chat_template_kwargs": {"enable_thinking": True},
+        }
+    )
+    output = body.chat_output(ChatParsers(tool_call="gemma4", reasoning="gemma4"))
+    text = '<|channel>thought\nOslo, then.<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>'
+    for size in (1, len(text)):
+        reader = output.reader()
+        got = [reader.feed(text[i : i + size]) for i in range(0, len(text), size)]
+        got.append(reader.finish("stop", None))
+        assert "".join(r for r, _, _ in got) == "Oslo, then."
+        assert "".join(c for _, c, _ in got) == ""
+        [call] = [delta["function"] for _, _, deltas in got for delta in deltas]
+        assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Oslo"})
+    assert output.keeps_special_tokens
+    for parsers in (ChatParsers(reasoning="gemma4"), ChatParsers(tool_call="gemma4")):
+        assert body.chat_output(parsers).keeps_special_tokens
+    assert not body.chat_output(ChatParsers(reasoning="qwen3")).keeps_special_tokens
 
 
 def test_a_named_call_cut_off_in_its_thought_is_no_call():
@@ -589,6 +639,7 @@ JSON = {"response_format": {"type": "json_object"}}
         ("seed_oss", {"chat_template_kwargs": {"thinking_budget": 0}}, True, True),
         ("hunyuan_a13b", {}, True, False),  # Hunyuan writes its <think> itself
         ("ernie45", {}, False, True),
+        ("gemma4", {"chat_template_kwargs": {"enable_thinking": True}}, True, False),
     ],
 )
 def test_which_requests_think(parser, fields, end_is_a_token, thinking):

@@ -175,6 +175,7 @@ GATEWAY_PARSERS = (
     ChatParsers(tool_call="hunyuan_a13b", reasoning="hunyuan_a13b"),
     ChatParsers(tool_call="ernie45", reasoning="ernie45"),
     ChatParsers(tool_call="functiongemma"),
+    ChatParsers(tool_call="gemma4", reasoning="gemma4"),
 )
 
 
@@ -1361,6 +1362,36 @@ def test_auto_reads_functiongemma_calls_out_of_the_text(gateway, stream):
     assert (calls, finish) == ([], "length")
 
 
+# Gemma 4's output as vLLM's gemma4 parsers read it: a thought "<|channel>thought\n...
+# <channel|>", then the answer, each call "<|tool_call>call:NAME{KEY:VALUE,...}<tool_call|>",
+# one after another, a string between <|"|> tokens.
+GEMMA4_OUTPUT = (
+    "<|channel>thought\nThe weather, then an echo.<channel|>Checking.\n"
+    '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:3}<tool_call|>'
+    '<|tool_call>call:echo{city:<|"|>Oslo<|"|>,days:<|"|>3<|"|>}<tool_call|>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_gemma4_reasoning_and_calls_out_of_the_text(gateway, stream):
+    """--tool-call-parser gemma4 --reasoning-parser gemma4: the thought less its label, the
+    answer, then the calls; a call written in the thought ends it."""
+    gemma = gateway(ChatParsers(tool_call="gemma4", reasoning="gemma4"))
+    assert _read(gemma, stream, GEMMA4_OUTPUT) == (
+        "The weather, then an echo.",
+        "Checking.\n",
+        OSLO_TWICE,
+        "tool_calls",
+    )
+    early = GEMMA4_OUTPUT.replace("<channel|>Checking.\n", "")
+    assert _read(gemma, stream, early) == (
+        "The weather, then an echo.",
+        None,
+        OSLO_TWICE,
+        "tool_calls",
+    )
+
+
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_a_functiongemma_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
     """vLLM's tests/tool_parsers/test_functiongemma_tool_parser.py, and the notation's other
@@ -1444,6 +1475,92 @@ def test_a_functiongemma_output_streamed_in_any_pieces_reads_as_it_does_whole(st
     # <start_function_call>, <end_function_call> and <escape> are FunctionGemma's special
     # tokens: the text must keep them (vLLM's parser sets skip_special_tokens False).
     assert ChatOutput(None, ToolChoice("auto", parser="functiongemma")).keeps_special_tokens
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_gemma4_output_streamed_in_any_pieces_reads_as_it_does_whole(step):
+    """Gemma 4's calls, FunctionGemma's notation with <|"|> tokens around its strings, read as
+    vLLM's gemma4 parser reads them: a bare word true or false, a null (null, none or nil in
+    any case), a number (a float where it holds a "."), else as written; a string as written
+    whatever the tool's schema says. Where Weir differs, as for FunctionGemma: text before a
+    call is content as written, and a block that is no whole call is content as written
+    (vLLM makes arguments out of what it holds)."""
+
+    def read(text, properties=None):
+        choice = ToolChoice("auto", parser="gemma4", properties=properties or {})
+        return read_in_pieces(choice.reader(), text, step)
+
+    def call(name, body):
+        return f"<|tool_call>call:{name}{{{body}}}<tool_call|>"
+
+    def arguments(**values):
+        return json.dumps(values, ensure_ascii=False)
+
+    q = '<|"|>'  # Gemma 4's string delimiter, a token of its own
+    london = call("get_weather", f"location:{q}London{q}")
+    assert read("Hello, how can I help you today?") == ("Hello, how can I help you today?", [])
+    assert read(london) == ("", [("get_weather", '{"location": "London"}')])
+    utc = call("get_time", f"timezone:{q}UTC{q}")
+    # Several calls, one after another with nothing between (Gemma 4's template).
+    assert read("Let me check. " + london + utc) == (
+        "Let me check. ",
+        [("get_weather", '{"location": "London"}'), ("get_time", '{"timezone": "UTC"}')],
+    )
+    assert read(call("f", "")) == ("", [("f", "{}")])
+    typed = (
+        "a:42,b:-7,ratio:0.5,big:1.5e3,on:true,off:false,n:null,m:None,k:NIL,"
+        f"note:{q}x, {{y}}: [z] \"q\" 'p' <escape>{q},o:{{k:[1,{{b:true}},{q}s{q}]}},l:[],"
+        f"{q}quoted key{q}:1"
+    )
+    assert read(call("f", typed)) == (
+        "",
+        [
+            (
+                "f",
+                arguments(
+                    a=42,
+                    b=-7,
+                    ratio=0.5,
+                    big=1500.0,
+                    on=True,
+                    off=False,
+                    n=None,
+                    m=None,
+                    k=None,
+                    note="x, {y}: [z] \"q\" 'p' <escape>",
+                    o={"k": [1, {"b": True}, "s"]},
+                    l=[],
+                    **{"quoted key": 1},
+                ),
+            )
+        ],
+    )
+    # vLLM's reading, not JSON's nor Python's: these bare words stay words.
+    words = call("f", "a:True,b:1e5,c:Paris")
+    assert read(words) == ("", [("f", arguments(a="True", b="1e5", c="Paris"))])
+    # A string is a string, even where the tool's schema types the parameter otherwise.
+    counted = call("f", f"count:{q}42{q}")
+    assert read(counted, {"f": {"count": {"type": "integer"}}}) == ("", [("f", '{"count": "42"}')])
+    assert read("\n" + london + "\n") == ("\n", [("get_weather", '{"location": "London"}')])
+    # Ended on its end token: a whole call without its end tag is still one.
+    assert read(london.removesuffix("<tool_call|>")) == (
+        "",
+        [("get_weather", '{"location": "London"}')],
+    )
+    for text in (
+        f"<|tool_call>call:get_weather{{location:{q}Lon",  # cut short (max_tokens)
+        call("f", f"a:{q}x{q}b:1"),  # no separator
+        call("f", f"a:{q}x"),  # a string never closed
+        call("f", "a:1,"),
+        call("f", "a:1}"),
+        call("f", "a:1.5e999"),  # no JSON for an infinite number
+        "<|tool_call>get_weather{}<tool_call|>",
+        "<|tool_c",
+    ):
+        assert read(text) == (text, [])
+    # Gemma 4's <|tool_call>, <tool_call|> and <|"|> are special tokens: the text must keep
+    # them (vLLM's parser sets skip_special_tokens False).
+    assert ChatOutput(None, ToolChoice("auto", parser="gemma4")).keeps_special_tokens
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])

@@ -364,6 +364,11 @@ VLLM_COMMAND_LINES = [
         "--tool-call-parser hermes --kv-cache-dtype fp8 --disable-log-requests",
         {"enforce_eager": True, "tool_call_parser": "hermes", "kv_cache_dtype": "fp8"},
     ),
+    (  # Gemma 4 with its parsers, as vLLM serves it
+        "M --max-model-len 32768 --enable-auto-tool-choice --tool-call-parser gemma4 "
+        "--reasoning-parser gemma4",
+        {"tool_call_parser": "gemma4", "reasoning_parser": "gemma4"},
+    ),
     (
         "M --download-dir /data/hf --revision main --tokenizer_revision main "
         "--distributed-executor-backend=mp --cpu-offload-gb 0 --max_seq_len_to_capture 4096",
