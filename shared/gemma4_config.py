@@ -66,15 +66,15 @@ def full_attention_heads(hf: dict[str, Any], num_layers: int) -> tuple[int, int]
     per_layer_config where the file has one (transformers then reads nothing else), else from
     global_head_dim and num_global_key_value_heads."""
     if "per_layer_config" not in hf:
-        kv = hf.get("num_global_key_value_heads")
-        values_from_keys = flag(hf, "attention_k_eq_v")
-        global_kv = count(hf, "num_global_key_value_heads") if values_from_keys and kv else 0
+        # transformers reads num_global_key_value_heads only where values are the keys.
+        key = "num_global_key_value_heads"
+        global_kv = count(hf, key) if flag(hf, "attention_k_eq_v") and key in hf else 0
         return count(hf, "global_head_dim"), global_kv
     overrides = mapping(hf, "per_layer_config")
     types = layer_types(hf, num_layers)
     full = [str(i) for i, kind in enumerate(types) if kind == _KINDS[1]]
     shapes = set()
-    for key, changes in overrides.items():
+    for key in overrides:
         changes = mapping(overrides, key)
         if key not in full or set(changes) - {"head_dim", "num_key_value_heads"}:
             raise ValueError(
