@@ -200,14 +200,8 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
     """The adapter in directory ``path``, its config and its tensors' names and shapes
     checked against ``model`` (the file's header only); ValueError names the file and what
     does not fit."""
-    if model.latent_attention is not None or model.linear_layers or model.global_head_dim:
-        kind = (
-            "linear attention"
-            if model.linear_layers
-            else "DeepSeek's latent attention"
-            if model.latent_attention
-            else "attention layers of different head sizes (Gemma 4's)"
-        )
+    if model.latent_attention is not None or model.linear_layers:
+        kind = "linear attention" if model.linear_layers else "DeepSeek's latent attention"
         raise ValueError(
             f"{path}: Weir does not serve LoRA adapters of a model with {kind}: "
             "serve the model without them"
@@ -253,7 +247,17 @@ def check_adapter(path: str | Path, model: ModelConfig, max_rank: int) -> Adapte
                     "gated (Arcee's), which Weir does not adapt: train the adapter on the "
                     "attention projections only"
                 )
-            rows, columns = model.layer_tensor_shape(module)
+            layer_cfg = model.for_layer(layer)
+            if (module == "self_attn.v_proj" and layer_cfg.values_from_keys) or (
+                module in ("self_attn.k_proj", "self_attn.v_proj")
+                and model.kv_source(layer) != layer
+            ):
+                raise ValueError(
+                    f"{weights}: tensor {key!r} adapts a projection layer {layer} does not have "
+                    "(Gemma 4's values are its full-attention layers' keys; its KV-sharing "
+                    "layers project queries only): the adapter was trained for another model"
+                )
+            rows, columns = layer_cfg.layer_tensor_shape(module)
             shape = (config.rank, columns) if matrix == "A" else (rows, config.rank)
             if tuple(f.get_slice(key).get_shape()) != shape:
                 raise ValueError(

@@ -757,7 +757,7 @@ def _adapter(path, cfg: ModelConfig, modules: dict[int, tuple[str, ...]]) -> dic
     tensors = {}
     for layer, names in modules.items():
         for module in names:
-            rows, columns = cfg.layer_tensor_shape(module)
+            rows, columns = cfg.for_layer(layer).layer_tensor_shape(module)
             prefix = f"base_model.model.model.layers.{layer}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = 0.3 * torch.randn(2, columns, generator=generator)
             tensors[f"{prefix}.lora_B.weight"] = 0.3 * torch.randn(rows, 2, generator=generator)
@@ -765,14 +765,18 @@ def _adapter(path, cfg: ModelConfig, modules: dict[int, tuple[str, ...]]) -> dic
     return tensors
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "granite", "phi3", "gemma3_text", "olmo2"])
+@pytest.mark.parametrize(
+    "kind", ["qwen3_moe", "granite", "phi3", "gemma3_text", "olmo2", "gemma4_text", "gemma4_k_eq_v"]
+)
 def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path):
     """An adapter of every layer's q/v, and of o/down where the layer has one MLP (Qwen3-MoE:
     layer 0; Granite: each, its residual_multiplier on their updates too; Phi-3: its fused
     qkv_proj and gate_up_proj, whose parts share A; Gemma 3: each, its updates normalized
     with the projections' outputs; OLMo 2: each, q/k's updates normalized with their whole
-    projections), decodes what transformers decodes with the adapter
-    merged into the weights; a request without it, the base model's tokens."""
+    projections; Gemma 4: layers of two head sizes, v where a layer has it: not on its
+    full-attention layers whose values are their keys, nor on its KV-sharing layers), decodes
+    what transformers decodes with the adapter merged into the weights; a request without it,
+    the base model's tokens."""
     path = tmp_path / "m"
     hf = save_model(kind, path)
     cfg = read_model_config(path)
@@ -781,7 +785,13 @@ def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path)
     )
     mlp = ("self_attn.o_proj", "mlp.gate_up_proj" if kind == "phi3" else "mlp.down_proj")
     modules = {
-        layer: attention + (() if cfg.is_moe_layer(layer) else mlp)
+        layer: tuple(
+            module
+            for module in attention
+            if module != "self_attn.v_proj"
+            or not (cfg.for_layer(layer).values_from_keys or cfg.kv_source(layer) != layer)
+        )
+        + (() if cfg.is_moe_layer(layer) else mlp)
         for layer in range(cfg.num_layers)
     }
     tensors = _adapter(tmp_path / "a", cfg, modules)
@@ -805,7 +815,8 @@ def test_an_adapter_decodes_as_its_weights_merged_into_the_model(kind, tmp_path)
     outputs = tp_workload.run(work).outputs
     assert outputs == {"r0": greedy(hf, prompts[0], 6), "r1": base[1]}
     assert outputs["r0"] != base[0], "the adapter must matter"
-    if kind in ("phi3", "gemma3_text"):  # each rank takes its rows of every part of a fused update
+    # Each rank takes its rows of every part of a fused update (of each layer's own shape).
+    if kind in ("phi3", "gemma3_text", "gemma4_text"):
         for report in tp_workload.run_group(work, world_size=2):
             assert report.outputs == outputs
 

@@ -16,7 +16,7 @@ import tp_workload  # noqa: E402
 from lora_adapters import greedy  # noqa: E402
 from paged_requests import BLOCK_SIZE, NUM_BLOCKS, PagedRequests  # noqa: E402
 from spread_weights import spread_weights_  # noqa: E402
-from test_architectures import CONFIGS, VOCAB, save_model  # noqa: E402
+from test_architectures import CONFIGS, VOCAB, _adapter, save_model  # noqa: E402
 
 from weir.services.executor.weights import load_model  # noqa: E402
 from weir.shared.lora import check_adapter  # noqa: E402
@@ -117,10 +117,18 @@ def test_only_the_layers_with_their_own_kv_keep_a_cache(tmp_path):
     assert model.kv_cache_bytes_per_block(16) == 16 * per_token
 
 
-def test_adapters_are_refused(tmp_path):
-    save_model("gemma4_k_eq_v", tmp_path)
-    with pytest.raises(ValueError, match="attention layers of different head sizes"):
-        check_adapter(tmp_path, read_model_config(tmp_path), 8)
+@pytest.mark.parametrize(
+    ("kind", "layer", "module"),
+    [("gemma4_k_eq_v", 1, "self_attn.v_proj"), ("gemma4_text", 3, "self_attn.k_proj")],
+)
+def test_adapters_of_projections_a_layer_lacks_are_refused(kind, layer, module, tmp_path):
+    """A full-attention layer whose values are its keys has no v_proj, a KV-sharing layer no
+    k_proj or v_proj: an adapter of one was trained for another model."""
+    save_model(kind, tmp_path / "m")
+    cfg = read_model_config(tmp_path / "m")
+    _adapter(tmp_path / "a", cfg, {layer: (module,)})
+    with pytest.raises(ValueError, match=f"adapts a projection layer {layer} does not have"):
+        check_adapter(tmp_path / "a", cfg, 8)
 
 
 def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path):

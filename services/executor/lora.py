@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from weir.services.executor.model import CausalLM
+from weir.services.executor.model import CausalLM, DecoderLayer
 from weir.services.executor.transfer import to_device
 from weir.services.executor.weights import FUSED_MODULES, LAYER_PARTS, RowsOf, layer_part
 from weir.shared.lora import LoraModule, check_adapter
@@ -52,15 +52,13 @@ class Adapter:
 ROW_PARALLEL = ("o_proj", "down_proj")  # the projections that end a residual branch
 
 
-def _projection_rows(model: CausalLM) -> dict[str, int]:
-    """Output rows of each fused projection on this rank."""
-    layout, cfg = model.layout, model.config
-    heads = layout.num_heads + 2 * layout.num_kv_heads
+def _projection_rows(layer: DecoderLayer) -> dict[str, int]:
+    """Output rows of each fused projection of ``layer`` on this rank."""
     return {
-        "qkv_proj": heads * cfg.head_dim,
-        "o_proj": cfg.hidden_size,
-        "gate_up_proj": 2 * layout.intermediate_size,
-        "down_proj": cfg.hidden_size,
+        "qkv_proj": layer.qkv_rows,
+        "o_proj": layer.config.hidden_size,
+        "gate_up_proj": 2 * layer.layout.intermediate_size,
+        "down_proj": layer.config.hidden_size,
     }
 
 
@@ -69,7 +67,7 @@ def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
     does not fit the model."""
     files = check_adapter(module.path, model.config, max_rank)
     rank, scaling = files.config.rank, files.config.scaling
-    cfg, layout = model.config, model.layout
+    cfg = model.config
     # (layer, fused projection) -> [(rows of the fused output, A part, B part)]
     parts: dict[tuple[int, str], list[tuple[slice, torch.Tensor, torch.Tensor]]] = {}
     with safe_open(str(files.weights), framework="pt", device="cpu") as f:
@@ -78,12 +76,14 @@ def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
             # A fused module's update (Phi-3's qkv_proj): its parts share A, and each takes
             # its rows of B.
             start = 0
+            # The layer's own shapes (Gemma 4's full-attention layers' heads, wider MLPs).
+            layer_cfg, layout = model.layers[layer].config, model.layers[layer].layout
             for hf_part in FUSED_MODULES.get(hf_module, (hf_module,)):
                 projection, part = LAYER_PARTS[hf_part]
-                target = layer_part(cfg, layout, part, "weight")
+                target = layer_part(layer_cfg, layout, part, "weight")
                 assert target is not None  # only a bias may be another rank's
                 rows, index = target
-                module_rows = cfg.layer_tensor_shape(hf_part)[0]
+                module_rows = layer_cfg.layer_tensor_shape(hf_part)[0]
                 b_part = RowsOf(b_src, start, module_rows)
                 start += module_rows
                 if part.endswith("_in"):  # row-parallel: this rank reads some input columns
@@ -91,12 +91,11 @@ def load_adapter(model: CausalLM, module: LoraModule, max_rank: int) -> Adapter:
                 else:
                     a, b = a_src[_ALL], b_part[index]
                 parts.setdefault((layer, projection), []).append((rows, a, b))
-    rows_of = _projection_rows(model)
     device = model.device
     layers: list[dict[str, LoraWeights]] = [{} for _ in range(cfg.num_layers)]
     for (layer, projection), fused in parts.items():
         a_t = torch.cat([a for _, a, _ in fused]).t()
-        b_t = torch.zeros(len(fused) * rank, rows_of[projection])
+        b_t = torch.zeros(len(fused) * rank, _projection_rows(model.layers[layer])[projection])
         # A residual branch's end carries Granite's residual_multiplier, as its weights do.
         factor = scaling * (cfg.residual_multiplier if projection in ROW_PARALLEL else 1.0)
         for i, (rows, _, b) in enumerate(fused):

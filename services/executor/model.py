@@ -153,13 +153,13 @@ class DecoderLayer(nn.Module):
         self.values_from_keys = cfg.values_from_keys
         self.value_norm_eps = cfg.rms_norm_eps if cfg.value_norm else None
         kv_rows = 0 if self.shares_kv else (1 if cfg.values_from_keys else 2) * self.kv_size
-        qkv_rows = (
+        self.qkv_rows = (
             self.linear_attn.in_rows
             if self.linear_attn is not None
             else self.q_size + kv_rows + self.gate_size
         )
         self.qkv_proj = (
-            Linear(cfg.qkv_input_size or h, qkv_rows, cfg.qkv_bias and attends, device, dtype)
+            Linear(cfg.qkv_input_size or h, self.qkv_rows, cfg.qkv_bias and attends, device, dtype)
             if mla is None
             else None
         )
