@@ -782,15 +782,17 @@ class ModelConfig:
         head size and KV heads, its KV-sharing layers' double-wide MLP; elsewhere this one."""
         if not (self.global_head_dim or self.values_from_keys or self.double_wide_mlp):
             return self
-        changes: dict[str, int | bool] = {}
-        if index in self.sliding_layers:
-            changes["values_from_keys"] = False  # the full-attention layers' alone
-        elif self.global_head_dim:
-            changes["head_dim"] = self.global_head_dim
-            changes["num_kv_heads"] = self.global_num_kv_heads or self.num_kv_heads
-        if self.double_wide_mlp and self.kv_source(index) != index:
-            changes["intermediate_size"] = 2 * self.intermediate_size
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        full = index not in self.sliding_layers  # values from keys are the full layers' alone
+        wide = self.double_wide_mlp and self.kv_source(index) != index
+        return dataclasses.replace(
+            self,
+            head_dim=self.global_head_dim if full and self.global_head_dim else self.head_dim,
+            num_kv_heads=(self.global_num_kv_heads or self.num_kv_heads)
+            if full
+            else self.num_kv_heads,
+            values_from_keys=self.values_from_keys and full,
+            intermediate_size=self.intermediate_size * (2 if wide else 1),
+        )
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer ``index``; None where it attends to every token."""

@@ -2,7 +2,9 @@
 Qwen3-MoE, gpt-oss: its biased experts, clamped SwiGLU and attention sinks), Phi-3 (q/k/v and gate/up fused in its checkpoint), Granite (its scalars),
 Gemma 2 (its soft caps), Gemma 3 (its norms, GELU, local and global layers) and sliding windows (Mistral's and
 Mixtral's every layer, Qwen2's from max_window_layers on, Gemma 3's local layers), with
-windows far shorter than the sequences, and Llama 4's chunked attention across chunk boundaries. Each is decoded through the engine core, chunked,
+windows far shorter than the sequences, Llama 4's chunked attention across chunk boundaries,
+and Gemma 4 (layers of two head sizes, values from keys, KV shared across layers, per-layer
+embeddings). Each is decoded through the engine core, chunked,
 preempted and with drafts, in one process and by a tensor-parallel group of two, as
 transformers decodes it (its loop over experts); and what Weir refuses of them."""
 
