@@ -52,6 +52,7 @@ from weir.shared.beam_search import (
     first_token_logprobs,
 )
 from weir.shared.config import DEFAULT_ADDRESS, DEFAULT_MAX_MESSAGE_BYTES
+from weir.shared.image_urls import chat_images
 from weir.shared.keys import ClientKeys, HandshakeMonitor, connect_curve
 from weir.shared.keys import keys_dir as resolve_keys_dir
 from weir.shared.pooling import PoolingParams
@@ -363,6 +364,7 @@ class AsyncWeirClient:
         lora_name: str | None = None,
         cap_max_tokens: bool = False,
         trace_headers: Mapping[str, str] | None = None,
+        images: Sequence[bytes] = (),
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream one request's outputs; the request is sent on the first iteration.
         ``priority``: lower is served first by a server started with ``--policy priority``
@@ -377,7 +379,10 @@ class AsyncWeirClient:
         prompt is cut to what does (the output ends there, "length"), as vLLM's offline
         ``LLM``, instead of refused as its API refuses it. ``trace_headers``: the W3C trace
         context (``traceparent``, ``tracestate``) whose trace the request's span joins on a
-        server that exports traces (``--otlp-traces-endpoint``)."""
+        server that exports traces (``--otlp-traces-endpoint``). ``images``: encoded images
+        (PNG, JPEG...) for a model that takes them, one for each ``{"type": "image"}`` part
+        of a chat or ``<image>`` of a text, in order; a chat's OpenAI ``image_url`` parts
+        (data URLs) bring their own."""
         chat = _chat_args(
             tools, chat_template_kwargs, add_generation_prompt, continue_final_message
         )
@@ -392,6 +397,7 @@ class AsyncWeirClient:
             lora_name,
             cap_max_tokens=cap_max_tokens,
             trace_headers=trace_headers,
+            images=images,
         ) as inbox:
             while not inbox.ended:
                 for out in await inbox.take():
@@ -413,6 +419,7 @@ class AsyncWeirClient:
         queued_with: str | None = None,
         cap_max_tokens: bool = False,
         trace_headers: Mapping[str, str] | None = None,
+        images: Sequence[bytes] = (),
     ) -> AsyncGenerator[list[StreamOutput], None]:
         """``generate``, but each iteration yields every output that has arrived since the
         last (at least one): a caller that writes each output somewhere (a socket) can
@@ -433,6 +440,7 @@ class AsyncWeirClient:
             queued_with=queued_with,
             cap_max_tokens=cap_max_tokens,
             trace_headers=trace_headers,
+            images=images,
         ) as inbox:
             while not inbox.ended:
                 yield await inbox.take()
@@ -784,6 +792,7 @@ class AsyncWeirClient:
         queued_with: str | None = None,
         cap_max_tokens: bool = False,
         trace_headers: Mapping[str, str] | None = None,
+        images: Sequence[bytes] = (),
     ) -> Iterator[_Inbox]:
         """Send a request and hold its inbox; leaving before its last output aborts it."""
         request_id = request_id or uuid.uuid4().hex
@@ -800,11 +809,20 @@ class AsyncWeirClient:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already streaming", "duplicate_request_id"
             )
+        try:
+            prompt, found = chat_images(_chat_texts(prompt))
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), INVALID_REQUEST) from None
+        if found and images:
+            raise InvalidRequestError(
+                "a chat's image_url parts bring their images: send no images beside them",
+                INVALID_REQUEST,
+            )
         # Sent before the stream exists: a request that cannot be sent leaves nothing to abort.
         self._send(
             GenerateRequest(
                 request_id,
-                _chat_texts(prompt),
+                prompt,
                 sampling_params or SamplingParams(),
                 priority,
                 chat,
@@ -814,6 +832,7 @@ class AsyncWeirClient:
                 queued_with,
                 cap_max_tokens,
                 None if trace_headers is None else dict(trace_headers),
+                found or list(images),
             )
         )
         inbox = _Inbox()
@@ -1178,6 +1197,7 @@ class WeirClient:
         lora_name: str | None = None,
         cap_max_tokens: bool = False,
         trace_headers: Mapping[str, str] | None = None,
+        images: Sequence[bytes] = (),
     ) -> Iterator[StreamOutput]:
         # In batches: one round trip to the loop thread per batch, not per output.
         for batch in self.generate_batches(
@@ -1193,6 +1213,7 @@ class WeirClient:
             lora_name=lora_name,
             cap_max_tokens=cap_max_tokens,
             trace_headers=trace_headers,
+            images=images,
         ):
             yield from batch
 
@@ -1211,6 +1232,7 @@ class WeirClient:
         lora_name: str | None = None,
         cap_max_tokens: bool = False,
         trace_headers: Mapping[str, str] | None = None,
+        images: Sequence[bytes] = (),
     ) -> Iterator[list[StreamOutput]]:
         self._check_open()
         stream = self._client.generate_batches(
@@ -1226,6 +1248,7 @@ class WeirClient:
             lora_name=lora_name,
             cap_max_tokens=cap_max_tokens,
             trace_headers=trace_headers,
+            images=images,
         )
         try:
             while True:

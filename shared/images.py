@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import ExifTags, Image, ImageFile
+
+from weir.shared.vision_config import VisionConfig
 
 # Pillow's warning threshold (Image.MAX_IMAGE_PIXELS, 89.5 M) is above this, so Pillow never
 # warns about an image accepted here. 64 Mi pixels holds a 64 MP phone photo; decoded, it is
@@ -186,6 +187,24 @@ class ImageProcessing:
         if not isinstance(preprocessor, dict):
             preprocessor = _read_json(directory / "preprocessor_config.json")
         return None if preprocessor is None else cls.from_dicts(preprocessor, processor)
+
+
+def image_processing(model_dir: str | os.PathLike[str], vision: VisionConfig) -> ImageProcessing:
+    """How the model of ``model_dir`` reads images: its processor's files, else the defaults
+    of its kind at its vision tower's tile (four tiles along an image's longer side). A
+    processor whose tiles are not the tower's is refused (its prompts would hold other
+    counts of image tokens than the tower makes features)."""
+    processing = ImageProcessing.from_model_dir(model_dir)
+    tile, tokens = vision.image_size, vision.tokens_per_tile
+    if processing is None:
+        return ImageProcessing(longest_edge=4 * tile, tile_size=tile, image_seq_len=tokens)
+    if (processing.tile_size, processing.image_seq_len) != (tile, tokens):
+        raise ValueError(
+            f"{model_dir}: the processor cuts tiles of {processing.tile_size} pixels into "
+            f"{processing.image_seq_len} image tokens, but the vision tower (config.json) "
+            f"takes tiles of {tile} and makes {tokens} features of each"
+        )
+    return processing
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -359,8 +378,9 @@ def expand_image_tokens(
     return "".join(part + prompt for part, prompt in zip(parts, prompts)) + parts[-1]
 
 
-def pixel_values(processing: ImageProcessing, image: Image.Image) -> torch.Tensor:
-    """The image's float32 ``[tiles, 3, tile_size, tile_size]``: its ``tile_grid`` tiles row by
+def pixel_values(processing: ImageProcessing, image: Image.Image) -> np.ndarray:
+    """The image's float32 ``[tiles, 3, tile_size, tile_size]`` (NumPy: the scheduler reads
+    this module without torch): its ``tile_grid`` tiles row by
     row, then its global image (the global image alone where it is not cut), equal to
     transformers' ``pixel_values`` for this one image. transformers' ``pixel_attention_mask``
     of one image is all ones (every tile, and the global image, is a whole tile: only a batch's
@@ -376,7 +396,7 @@ def pixel_values(processing: ImageProcessing, image: Image.Image) -> torch.Tenso
         frames = np.asarray(_resize(processing, resized, (tile, tile)))[None]
     values = _value_table(processing)
     # [frames, height, width, channel] bytes -> [frames, channel, height, width] values
-    return torch.from_numpy(np.stack([values[c][frames[..., c]] for c in range(3)], axis=1))
+    return np.stack([values[c][frames[..., c]] for c in range(3)], axis=1)
 
 
 def _resize(processing: ImageProcessing, image: Image.Image, size: tuple[int, int]) -> Image.Image:

@@ -22,8 +22,9 @@ from weir.shared.checkpoint_quantization import (
     CheckpointQuantization,
     read_checkpoint_quantization,
 )
-from weir.shared.config_fields import count, flag, layer_types, mapping, positive
+from weir.shared.config_fields import count, flag, layer_types, mapping, positive, size
 from weir.shared.rope_config import RopeConfig, read_rope
+from weir.shared.vision_config import VisionConfig
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -76,7 +77,7 @@ GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
 QWEN_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Multimodal checkpoints Weir serves the language model of: the model types their
 # text_config may name, the first where it names none. The vision tower's weights are left
-# unread, and a prompt is text only.
+# unread, and a prompt is text only, but for IMAGE_TYPES'.
 TEXT_OF_MULTIMODAL = {
     "gemma3": ("gemma3_text",),
     "mistral3": ("mistral", "ministral3", "mistral4"),
@@ -92,7 +93,13 @@ TEXT_OF_MULTIMODAL = {
     "qwen3_5": ("qwen3_5_text",),
     "qwen3_5_moe": ("qwen3_5_moe_text",),
     "gemma4": ("gemma4_text",),
+    "idefics3": ("llama",),
+    "smolvlm": ("llama",),
 }
+# Multimodal checkpoints whose images Weir reads too (its vision tower, ``vision_config``).
+IMAGE_TYPES = ("idefics3", "smolvlm")
+# Their image token's id where config.json names none (transformers' default).
+_DEFAULT_IMAGE_TOKEN_ID = 128257
 # Multimodal model types whose older files hold the language model's keys beside
 # vision_config, with no text_config (as transformers still reads them).
 _TEXT_AT_TOP_LEVEL = ("qwen2_vl", "qwen2_5_vl")
@@ -674,6 +681,10 @@ class ModelConfig:
     # Read from a multimodal checkpoint's text_config (TEXT_OF_MULTIMODAL): its language
     # model's weights are named under language_model.
     multimodal: bool = False
+    # A model that takes images (IMAGE_TYPES): its vision tower, and the token each of an
+    # image's features takes the place of; None: text only.
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
     # A sequence classifier's (``*ForSequenceClassification``: reward models, moderation
     # classifiers) number of labels: its ``score`` head replaces the LM head; 0 for a causal LM.
     num_labels: int = 0
@@ -823,16 +834,29 @@ class ModelConfig:
                     f"config.json: a {model_type} checkpoint's text_config of model_type "
                     f"{text_type!r} is not supported; supported: {text_types}"
                 )
-            language_model = cls.from_hf({**text, "model_type": text_type})
+            # Idefics3's and SmolVLM's text_config defaults to an rms_norm_eps of its own.
+            defaults = {"rms_norm_eps": 1e-5} if model_type in IMAGE_TYPES else {}
+            language_model = cls.from_hf({**defaults, **text, "model_type": text_type})
             # The whole model's tie_word_embeddings ties its head, as transformers reads it
-            # (left out: tied, but Llama 4's, whose config class unties it).
+            # (left out: tied, but where the config class unties it: Llama 4's, IMAGE_TYPES').
             tied = hf.get("tie_word_embeddings")
-            tied = model_type != "llama4" if tied is None else flag(hf, "tie_word_embeddings")
+            untied = ("llama4", *IMAGE_TYPES)
+            tied = model_type not in untied if tied is None else flag(hf, "tie_word_embeddings")
+            image_token_id = None
+            if model_type in IMAGE_TYPES:
+                image_token_id = size(hf, "image_token_id", _DEFAULT_IMAGE_TOKEN_ID)
+                if image_token_id >= language_model.vocab_size:
+                    raise ValueError(
+                        f"config.json: image_token_id {image_token_id} is outside the "
+                        f"vocabulary of {language_model.vocab_size} tokens"
+                    )
             return dataclasses.replace(
                 language_model,
                 multimodal=True,
                 tie_word_embeddings=tied,
                 checkpoint_quantization=read_checkpoint_quantization(hf, language_model.model_type),
+                vision=None if image_token_id is None else VisionConfig.from_hf(hf),
+                image_token_id=image_token_id,
             )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

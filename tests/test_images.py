@@ -169,7 +169,9 @@ def test_as_transformers(config: str, width: int, height: int, mode: str, format
     assert values.shape[0] == (rows * cols + 1 if rows else 1)
     # Bit for bit: the same Pillow resizes of the same bytes, and the same float arithmetic.
     # (No rescale and no normalize leave transformers' bytes as they are: compared as floats.)
-    torch.testing.assert_close(values, expected["pixel_values"][0].float(), atol=0, rtol=0)
+    torch.testing.assert_close(
+        torch.from_numpy(values), expected["pixel_values"][0].float(), atol=0, rtol=0
+    )
     # so no mask here: one image's is all ones
     assert bool(expected["pixel_attention_mask"].all())
 

@@ -37,6 +37,7 @@ import zmq.asyncio
 from tokenizers.decoders import ByteLevel
 
 from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
+from weir.services.engine.image_prompts import ImagePrompts
 from weir.services.engine.lora_registry import AdapterNotFound, LoraRegistry
 from weir.services.engine.metrics import RequestTimes, SchedulerMetrics
 from weir.services.engine.structured_output import GrammarCompiler
@@ -179,8 +180,10 @@ class ClientFrontend:
         served_weights: str | None = None,
         profiler_dir: str | None = None,
         tracer: RequestTracer | None = None,
+        image_prompts: ImagePrompts | None = None,
     ) -> None:
         self._sock = sock
+        self.image_prompts = image_prompts  # None: the model takes no images
         self._tracer = tracer
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -822,6 +825,8 @@ class ClientFrontend:
                 f"lora_name {msg.lora_name[:256]!r}: this server has no such LoRA adapter; "
                 f"{served} ({how})"
             )
+        if msg.images:
+            self._check_images(msg)
         if (params.truncate_prompt_tokens or 0) > self.max_model_len:
             raise ValueError(
                 f"truncate_prompt_tokens {params.truncate_prompt_tokens} is more than "
@@ -853,6 +858,20 @@ class ClientFrontend:
         pair = None if msg.pooling_params is None else msg.pooling_params.text_pair
         truncated = msg.sampling_params.truncate_prompt_tokens is not None
         return self._check_prompt_chars(msg.prompt, msg.chat, len(pair or ""), truncated)
+
+    def _check_images(self, msg: client_protocol.GenerateRequest) -> None:
+        if self.image_prompts is None:
+            raise ValueError(
+                "this model takes no images: send text only, or serve a model that reads "
+                "images (SmolVLM, Idefics3)"
+            )
+        if msg.pooling_params is not None:
+            raise ValueError("a pooling request takes no images")
+        if msg.sampling_params.truncate_prompt_tokens is not None:
+            raise ValueError(
+                "truncate_prompt_tokens would cut the tokens of an image: a prompt with "
+                "images is not truncated"
+            )
 
     def _check_runner(self, msg: client_protocol.GenerateRequest) -> None:
         """A pooling server takes pooling requests only (embeddings, or a classifier's
@@ -987,6 +1006,7 @@ class ClientFrontend:
             cache_salt=msg.cache_salt,
             lora_name=self._adapter_id(msg.lora_name),
             pooling=None if self.pooler is None else self.pooler.pooling_type,
+            images=msg.images,
         )
 
     def _adapter_id(self, lora_name: str | None) -> str | None:
@@ -1010,7 +1030,9 @@ class ClientFrontend:
             ids = self.tokenizer.encode_pair(prompt, pair, keep)
         elif isinstance(prompt, str) or isinstance(prompt[0], dict):
             # A text gets the model's special tokens (BOS); a chat's template writes them.
-            ids = self._prompt_ids(prompt, msg.chat, add_special_tokens=isinstance(prompt, str))
+            ids = self._prompt_ids(
+                prompt, msg.chat, add_special_tokens=isinstance(prompt, str), images=msg.images
+            )
             if keep is not None:
                 ids = ids[-keep:]
         else:
@@ -1027,6 +1049,8 @@ class ClientFrontend:
                     f"prompt[{start + bad}]: token id {ids[bad]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
+            if self.image_prompts is not None:
+                self.image_prompts.check(ids, [], None)
         if not ids:
             raise ValueError("prompt must not be empty (it tokenized to no tokens)")
         if len(ids) > longest:
@@ -1040,16 +1064,29 @@ class ClientFrontend:
         prompt: client_protocol.TextOrChat,
         chat: client_protocol.ChatTemplateArgs,
         add_special_tokens: bool,
+        images: list[bytes] | None = None,
     ) -> list[int]:
-        """A text's token ids, or a chat's as its template renders it."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        """A text's token ids, or a chat's as its template renders it; a model that takes
+        images has each placeholder of ``images`` expanded into its image's tokens."""
+        text = prompt if isinstance(prompt, str) else self._render(prompt, chat)
+        expanded = None
+        if self.image_prompts is not None:
+            expanded = text = self.image_prompts.expand(text, images or [])
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if self.image_prompts is not None:
+            self.image_prompts.check(ids, images or [], expanded)
+        return ids
+
+    def _render(self, prompt: list[dict[str, Any]], chat: client_protocol.ChatTemplateArgs) -> str:
+        """A chat's text as its template renders it with ``chat``'s arguments."""
+        if self.image_prompts is not None:
+            prompt = self.image_prompts.chat(prompt)
         tools = _json_of("tools", chat.tools, list, _TOOLS)
         if tools is not None and not all(isinstance(t, dict) for t in tools):
             raise ValueError(f"tools must be {_TOOLS}")
         kwargs = _json_of("chat_template_kwargs", chat.kwargs, dict, "a JSON map of variables")
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 prompt,
                 add_generation_prompt=chat.add_generation_prompt,
                 tools=tools,
@@ -1058,7 +1095,6 @@ class ClientFrontend:
             )
         except Exception as exc:  # no template, or a jinja2 error raised by the model's template
             raise ValueError(f"chat template failed: {exc}") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _answer_tokens(
         self,
@@ -1533,6 +1569,8 @@ def _message_chars(message: dict[str, Any]) -> int:
     chars = _CHAT_MESSAGE_CHARS + sum(
         len(value) for key, value in message.items() if key != "role" and type(value) is str
     )
+    if type(message["content"]) is list:
+        chars += sum(_CHAT_MESSAGE_CHARS + len(part.get("text", "")) for part in message["content"])
     for call in message.get("tool_calls", ()):
         chars += _CHAT_MESSAGE_CHARS + sum(map(len, call["function"].values()))
     return chars

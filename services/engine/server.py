@@ -38,6 +38,7 @@ import zmq.asyncio
 from weir.services.engine.core import EngineCore, EngineStep, ExecutorLostError, StepFailedError
 from weir.services.engine.executor_group import ExecutorGroup, ExpectedExecutor
 from weir.services.engine.frontend import CLIENT_SNDHWM, ClientFrontend
+from weir.services.engine.image_prompts import ImagePrompts
 from weir.services.engine.kv_event_publisher import KVEventPublisher
 from weir.services.engine.lora_registry import LoraRegistry
 from weir.services.engine.metrics import CacheConfigInfo, LoraRequestGauges, SchedulerMetrics
@@ -56,6 +57,7 @@ from weir.shared.config import (
     tcp_address,
 )
 from weir.shared.hub_cache import model_name_of
+from weir.shared.images import image_processing
 from weir.shared.keys import (
     CLIENT_DOMAIN,
     EXECUTOR_DOMAIN,
@@ -337,6 +339,7 @@ class SchedulerServer:
             None if self.engine_args.load_format == "dummy" else str(self.options.model_dir),
             self.engine_args.profiler_dir,
             self.tracer,
+            self._image_prompts(),
         )
         self.group = ExecutorGroup(
             executor_sock,
@@ -500,6 +503,13 @@ class SchedulerServer:
     def _serving(self) -> bool:
         """Serving and taking requests: the metrics endpoint's /health (readiness probe)."""
         return self.core is not None and self.group.formed and not self._draining
+
+    def _image_prompts(self) -> ImagePrompts | None:
+        """How the front end expands a prompt's images; None for a model of text only."""
+        token, vision = self.model_config.image_token_id, self.model_config.vision
+        if token is None or vision is None:
+            return None
+        return ImagePrompts(image_processing(self.options.model_dir, vision), token)
 
     def _on_group_formed(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks

@@ -23,6 +23,7 @@ from torch import nn
 
 from weir.kernels.reference import AttentionSpan
 from weir.services.executor.attention import AttentionBackend, AttentionMetadata
+from weir.services.executor.image_inputs import ImageEmbeds
 from weir.services.executor.latent_attention import LatentAttention
 from weir.services.executor.layers import (
     LayerKernels,
@@ -41,6 +42,7 @@ from weir.services.executor.linear_states import LinearStates, LinearStep
 from weir.services.executor.moe import SparseMoe
 from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.rotary import Rotary
+from weir.services.executor.vision import VisionTower
 from weir.shared.model_config import GEMMA_TYPES, ModelConfig
 from weir.shared.shard_layout import ShardLayout
 
@@ -623,6 +625,8 @@ class CausalLM(nn.Module):
         self.packed_lm_head: PackedLinear | None = None
         # Set by an EAGLE-3 head over this model: the layers whose inputs it reads, in order.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        # A model that takes images: its vision tower, whole on every rank (it is small).
+        self.vision = None if cfg.vision is None else VisionTower(cfg.vision, dtype, device)
 
     def forward(
         self,
@@ -631,10 +635,13 @@ class CausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
         lora: "LoraBatch | None" = None,
+        embeds: ImageEmbeds | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for T flat tokens (with ``lora``,
-        each request's adapter added to its tokens)."""
-        return self.norm(self._decode(input_ids, positions, attn_metadata, kv_caches, lora, None))
+        each request's adapter added to its tokens; with ``embeds``, its rows of image
+        features in place of those tokens' embeddings)."""
+        x = self._decode(input_ids, positions, attn_metadata, kv_caches, lora, None, embeds)
+        return self.norm(x)
 
     def forward_with_aux(
         self,
@@ -643,15 +650,16 @@ class CausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
         lora: "LoraBatch | None" = None,
+        embeds: ImageEmbeds | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward``'s hidden states and, where ``aux_hidden_state_layers`` names layers
         (an EAGLE-3 head reads them), the residual stream entering each of them, in the
         layers' order, side by side: [T, n * hidden]; None where it names none."""
         if not self.aux_hidden_state_layers:
-            return self(input_ids, positions, attn_metadata, kv_caches, lora), None
+            return self(input_ids, positions, attn_metadata, kv_caches, lora, embeds), None
         width = len(self.aux_hidden_state_layers) * self.config.hidden_size
         aux = torch.empty(len(input_ids), width, dtype=self.dtype, device=self.device)
-        x = self._decode(input_ids, positions, attn_metadata, kv_caches, lora, aux)
+        x = self._decode(input_ids, positions, attn_metadata, kv_caches, lora, aux, embeds)
         return self.norm(x), aux
 
     def _decode(
@@ -662,6 +670,7 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         lora: "LoraBatch | None",
         aux: torch.Tensor | None,
+        embeds: ImageEmbeds | None = None,
     ) -> torch.Tensor:
         """The residual stream after the last layer; into ``aux``'s columns, that entering
         each layer of ``aux_hidden_state_layers`` (copied: a layer adds into it in place)."""
@@ -675,6 +684,8 @@ class CausalLM(nn.Module):
         x = self._embed(input_ids)
         if self.embedding_multiplier != 1.0:
             x *= self.embedding_multiplier
+        if embeds is not None:
+            x[embeds.rows] = embeds.features
         per_layer_inputs = self._per_layer_inputs(input_ids, x)
         h = self.config.hidden_size
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -41,6 +41,7 @@ from weir.services.executor.cpu_heap import keep_step_buffers, step_buffer_bytes
 from weir.services.executor.cuda_graphs import StepGraphs, graph_shapes
 from weir.services.executor.drafter import Drafter
 from weir.services.executor.eagle import EagleHead, load_eagle_head
+from weir.services.executor.image_inputs import ImageInputs
 from weir.services.executor.input_batch import (
     ANY_TOKEN,
     CLS,
@@ -76,6 +77,7 @@ from weir.shared.config import (
     MAX_NUM_KV_BLOCKS,
     resolve_max_model_len,
 )
+from weir.shared.images import image_processing
 from weir.shared.lora import LoraModule
 from weir.shared.model_config import (
     check_drafts,
@@ -305,6 +307,14 @@ class ModelRunner:
         self.tokenizer_dir = tokenizer  # --tokenizer's, which numbers classifier_from_token
         self.model = self._load_model()
         self.config = self.model.config
+        # A model that takes images: its requests' images, and how its processor reads them.
+        self.images = (
+            None
+            if self.config.image_token_id is None or self.config.vision is None
+            else ImageInputs(
+                image_processing(self.model_dir, self.config.vision), self.config.image_token_id
+            )
+        )
         # The draft model's directory, drafts a step, quantization, load format (its
         # own: new weights of the served model change the served model's only) and the
         # method: draft_model, or an EAGLE head's (eagle, eagle3).
@@ -652,6 +662,8 @@ class ModelRunner:
             self.drafter.forget()  # its records name the old batch's slots
         if self.linear_states is not None:
             self.linear_states.forget()
+        if self.images is not None:
+            self.images.clear()
         # Of MEAN and CLS pooling requests whose prompt is partly computed: the sum of its
         # hidden states so far, or its first token's.
         self._pooling: dict[str, torch.Tensor] = {}
@@ -729,6 +741,8 @@ class ModelRunner:
         self.batch.apply_plan(plan)
         if self.linear_states is not None:
             self.linear_states.apply_plan(plan)
+        if self.images is not None:
+            self.images.apply_plan(plan)
         if not plan.num_scheduled_tokens:
             return LaunchedStep(plan, StepTimings(prepare=self._clock() - start))
         if plan.total_num_scheduled_tokens > self.max_num_batched_tokens:
@@ -745,10 +759,21 @@ class ModelRunner:
                 self.batch.lora_id[inputs.slots], inputs.query_start_loc, self.device
             )
         )
-        # Graphs replay the base model's forward pass: a step with adapters or pooling runs eagerly.
+        embeds = (
+            None
+            if self.images is None or self.model.vision is None
+            else self.images.embeds(
+                self.model.vision, inputs.req_ids, inputs.query_start_loc, inputs.positions
+            )
+        )
+        # Graphs replay the base model's forward pass: a step with adapters, pooling or
+        # images runs eagerly.
         shape = (
             None
-            if self.graphs is None or lora is not None or inputs.pooling is not None
+            if self.graphs is None
+            or lora is not None
+            or inputs.pooling is not None
+            or embeds is not None
             else self.graphs.shape_for(inputs)
         )
         eagle = self.drafter is not None and self.drafter.eagle
@@ -790,7 +815,9 @@ class ModelRunner:
         if feed is not None:
             _scatter(input_ids, self._to_device(feed), previous)
         prepared = self._clock()
-        hidden, aux = self.model.forward_with_aux(input_ids, positions, meta, self.kv_caches, lora)
+        hidden, aux = self.model.forward_with_aux(
+            input_ids, positions, meta, self.kv_caches, lora, embeds
+        )
         prompt = self._prompt_logprobs(hidden, inputs)
         pooled = None if inputs.pooling is None else self._pool(hidden, inputs)
         if not len(inputs.logits_indices):

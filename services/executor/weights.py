@@ -25,6 +25,7 @@ from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.quantization import quantize_model
 from weir.services.executor.quantized_checkpoint import dequantized_tensors
 from weir.services.executor.stacked_experts_checkpoint import split_stacked_experts
+from weir.services.executor.vision import is_vision_weight, load_vision_weights
 from weir.shared.model_config import (
     QWEN_HYBRID_TYPES,
     ModelConfig,
@@ -84,6 +85,7 @@ _LANGUAGE_MODEL_PREFIXES = {
     "language_model.model.": "model.",
     "model.language_model.": "model.",
     "language_model.lm_head.": "lm_head.",
+    "model.text_model.": "model.",  # Idefics3's and SmolVLM's
 }
 _BARE_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 _CAUSAL_LM_PREFIXES = tuple("model." + prefix for prefix in _BARE_PREFIXES)
@@ -615,7 +617,9 @@ def load_weights(
     bare transformer (names without ``model.``, as embedding models are saved) loads too.
     ``score_tokens``: a classifier's head is read from those tokens' rows of the LM head
     (``ModelConfig.classifier_from_token``)."""
-    params = dict(model.named_parameters())
+    # The vision tower's tensors are read apart, by their own names (``vision.py``).
+    params = {n: p for n, p in model.named_parameters() if not n.startswith("vision.")}
+    vision: list[tuple[str, torch.Tensor]] = []
     head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     filled: dict[str, int] = {}
     rows = _vocab_rows(model.config, model.layout)
@@ -630,6 +634,9 @@ def load_weights(
     # element count below.
     written: dict[str, str] = {}
     for checkpoint_name, whole in tensors:
+        if model.vision is not None and is_vision_weight(checkpoint_name):
+            vision.append((checkpoint_name, whole[_ALL]))
+            continue
         if model.config.multimodal:
             language_model_name = _language_model_name(checkpoint_name)
             if language_model_name is None:
@@ -655,6 +662,8 @@ def load_weights(
         raise ValueError(
             f"checkpoint does not fill {len(missing)} parameters: it lacks some of {named}"
         )
+    if model.vision is not None:
+        load_vision_weights(model.vision, vision)
 
 
 def _load_kv_scale(

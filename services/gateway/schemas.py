@@ -607,9 +607,24 @@ class TextPart(Body):
     text: str
 
 
+class ImageUrl(Body):
+    url: str  # a data: URL (the image itself, base64)
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; the processor decides
+
+
+class ImageUrlPart(Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 Content = Annotated[
-    Annotated[str, Tag("string")] | Annotated[list[TextPart], Tag("list"), Field(fail_fast=True)],
-    _string_or_list("text parts"),
+    Annotated[str, Tag("string")]
+    | Annotated[
+        list[Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]],
+        Tag("list"),
+        Field(fail_fast=True),
+    ],
+    _string_or_list("text and image_url parts"),
 ]
 
 
@@ -680,7 +695,16 @@ class ChatMessage(Options):
         if isinstance(self.content, str):
             return self.content
         # As vLLM joins them: the parts' words do not run together.
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def content_for_prompt(self) -> str | list[dict[str, Any]]:
+        """Its text, or where it holds images its parts as OpenAI's (the client takes the
+        images out)."""
+        if isinstance(self.content, list) and any(
+            isinstance(part, ImageUrlPart) for part in self.content
+        ):
+            return [part.model_dump(exclude_none=True) for part in self.content]
+        return self.text()
 
 
 def _first_repeated(names: list[str]) -> str | None:
@@ -737,7 +761,7 @@ def chat_prompt(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the engine's protocol carries them."""
     prompt = []
     for m in messages:
-        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        message: dict[str, Any] = {"role": m.role, "content": m.content_for_prompt()}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_call_id is not None:

@@ -25,19 +25,27 @@ ROOT_BLOCK_HASH = blake2b(b"weir prefix cache v1", digest_size=16).digest()
 
 
 def salted_root(
-    cache_salt: str | None, lora_name: str | None = None, long_rotated: bool = False
+    cache_salt: str | None,
+    lora_name: str | None = None,
+    long_rotated: bool = False,
+    images: Sequence[bytes] = (),
 ) -> bytes:
     """The chain's root for a request's ``cache_salt`` (vLLM's) and LoRA adapter: requests
     share cached blocks only with requests of the same salt, so one tenant cannot time
-    another's prompts through cache hits, and of the same adapter, whose K/V differ; and
+    another's prompts through cache hits, and of the same adapter, whose K/V differ;
     ``long_rotated`` for a LongRoPE prompt over its threshold, whose every token rotates
-    otherwise than a shorter prompt's."""
-    if cache_salt is None and lora_name is None and not long_rotated:
+    otherwise than a shorter prompt's; and its ``images``, whose features its image tokens
+    stand for (the same tokens of other images are other KV; a request with images shares
+    no block with one without, even before its first image)."""
+    if cache_salt is None and lora_name is None and not long_rotated and not images:
         return ROOT_BLOCK_HASH
     salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
     lora = b"" if lora_name is None else b"lora:" + lora_name.encode()
     long = b"\0long" if long_rotated else b""
-    return blake2b(ROOT_BLOCK_HASH + salt + b"\0" + lora + long, digest_size=16).digest()
+    root = blake2b(ROOT_BLOCK_HASH + salt + b"\0" + lora + long, digest_size=16)
+    for image in images:
+        root.update(b"\0image:" + blake2b(image, digest_size=16).digest())
+    return root.digest()
 
 
 def chain_block_hashes(

@@ -68,7 +68,7 @@ class KVCacheManager:
     def _root(self, request: Request) -> bytes:
         limit = self.long_prompt_threshold
         long = limit is not None and len(request.prompt_token_ids) > limit
-        return salted_root(request.cache_salt, request.lora_name, long)
+        return salted_root(request.cache_salt, request.lora_name, long, request.images)
 
     def looks_up(self, request: Request) -> bool:
         """Whether ``get_computed_blocks`` looks in the cache for it: not for a request

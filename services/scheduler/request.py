@@ -81,6 +81,7 @@ class Request:
         "cache_salt",
         "lora_name",
         "pooling",
+        "images",
         "status",
         "all_token_ids",
         "output_token_ids",
@@ -112,6 +113,7 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         pooling: str | None = None,
+        images: Sequence[bytes] = (),
     ) -> None:
         if type(request_id) is not str or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -139,6 +141,9 @@ class Request:
         # A pooling request's pooling type: it ends once its prompt is computed, with its
         # pooled hidden states for an output, and never samples.
         self.pooling = pooling
+        # Encoded images whose features take the places of its prompt's image tokens: they
+        # travel to the executors with its prompt (again after an executor is replaced).
+        self.images = tuple(images)
         self.status = RequestStatus.WAITING
         self.all_token_ids = list(prompt)
         self.output_token_ids: list[int] = []

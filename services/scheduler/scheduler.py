@@ -693,6 +693,7 @@ class Scheduler:
                         list(outputs) if outputs else [],
                         request.lora_name,
                         request.pooling,
+                        list(request.images),
                     )
                 )
             request.status = _RUNNING

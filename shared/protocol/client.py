@@ -20,6 +20,10 @@ Client -> scheduler::
                prompt paired with text_pair (score)
                prompt: str | list[int] | list[{role, content, name?, tool_call_id?, tool_calls?,
                                                 reasoning_content?}]
+               content: str | list[{type: "text", text} | {type: "image"}] (image parts of
+               a model that takes images only)
+               images?: [bytes]: encoded images (PNG, JPEG, ...), one for each image part of
+               the chat in order, or for each <image> of a text prompt
     abort      {request_id}
     health     {request_id, stream_ids?}   stream_ids: the client's quiet streams, to check
     model_info {request_id}
@@ -108,6 +112,10 @@ TextOrChat = str | list[dict[str, Any]]  # what a template or the tokenizer read
 # arguments}} maps of strings (arguments: JSON text, as OpenAI sends them).
 # ``reasoning_content``: an assistant's earlier reasoning, which some templates render.
 CHAT_MESSAGE_OPTIONAL_KEYS = frozenset({"name", "tool_call_id", "tool_calls", "reasoning_content"})
+# Images one request may send, and the encoded bytes of each (vLLM's --limit-mm-per-prompt
+# bounds the count per server; these bound what one frame may make the scheduler hold).
+MAX_IMAGES = 64
+MAX_IMAGE_BYTES = 32 << 20
 
 
 class ClientProtocolError(ProtocolError):
@@ -160,6 +168,8 @@ class GenerateRequest:
     cap_max_tokens: bool = False
     # The caller's W3C trace context (``TRACE_HEADERS``): the request's span joins its trace.
     trace_headers: dict[str, str] | None = None
+    # Encoded images, in the order of the chat's image parts (or the text's <image>s).
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -384,6 +394,8 @@ def encode_client_message(msg: ClientMessage) -> bytes:
             fields["cap_max_tokens"] = msg.cap_max_tokens
         if msg.trace_headers:
             fields["trace_headers"] = msg.trace_headers
+        if msg.images:
+            fields["images"] = msg.images
         if msg.chat is not NO_CHAT_ARGS:
             fields.update(_chat_fields(msg.chat))
         return _pack("generate", fields)
@@ -450,6 +462,7 @@ _CLIENT_FIELDS = {
         "queued_with",
         "cap_max_tokens",
         "trace_headers",
+        "images",
         *_CHAT_FIELDS,
     },
     "abort": {"request_id"},
@@ -658,6 +671,11 @@ def decode_client_message(frame: bytes) -> ClientMessage:
             raw_id,
         )
     chat = _chat_args(data, prompt, raw_id)
+    images = data.get("images", [])
+    try:
+        _check_images(prompt, images)
+    except ValueError as exc:
+        raise ClientProtocolError(INVALID_REQUEST, str(exc), raw_id) from None
     return GenerateRequest(
         raw_id,
         prompt,
@@ -670,7 +688,37 @@ def decode_client_message(frame: bytes) -> ClientMessage:
         queued_with,
         cap_max_tokens,
         trace_headers,
+        images,
     )
+
+
+def _check_images(prompt: Prompt, images: Any) -> None:
+    """A request's images: a list of bytes, as many as its chat's image parts (a text's
+    ``<image>`` count is the model's to check, once the prompt is tokenized)."""
+    if type(images) is not list or not all(type(image) is bytes for image in images):
+        raise ValueError(f"images must be a list of encoded images (bytes), got {_short(images)}")
+    if len(images) > MAX_IMAGES:
+        raise ValueError(f"a request may send at most {MAX_IMAGES} images, got {len(images)}")
+    for i, image in enumerate(images):
+        if not 0 < len(image) <= MAX_IMAGE_BYTES:
+            raise ValueError(
+                f"images[{i}]: an image must be 1 byte to {MAX_IMAGE_BYTES >> 20} MiB "
+                f"encoded, got {len(image)} bytes"
+            )
+    if images and not isinstance(prompt, str) and not isinstance(prompt[0], dict):
+        raise ValueError("images come with a text or a chat, not token ids")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        parts = sum(image_parts(message["content"]) for message in prompt)
+        if parts != len(images):
+            raise ValueError(
+                f"the chat has {parts} image parts but the request sends {len(images)} "
+                "images: send one image for each image part"
+            )
+
+
+def image_parts(content: str | list[dict[str, str]]) -> int:
+    """How many image parts a chat message's content holds."""
+    return 0 if isinstance(content, str) else sum(part["type"] == "image" for part in content)
 
 
 def _chat_args(data: dict[str, Any], prompt: Prompt, request_id: str) -> ChatTemplateArgs:
@@ -735,6 +783,32 @@ def _check_tool_calls(calls: Any, where: str) -> None:
             raise ValueError(f"{where}[{j}].function must map name and arguments to strings")
 
 
+_TEXT_PART_KEYS = frozenset({"type", "text"})
+
+
+def _check_content(content: Any, where: str) -> None:
+    """A message's content: a string, or a list of text parts and image parts (the
+    shape chat templates of models that take images read)."""
+    if type(content) is str:
+        return
+    if type(content) is not list or not content:
+        raise ValueError(
+            f"{where} must be a string or a non-empty list of parts, got {type(content).__name__}"
+        )
+    for j, part in enumerate(content):
+        text_part = (
+            type(part) is dict
+            and part.keys() == _TEXT_PART_KEYS
+            and part["type"] == "text"
+            and type(part["text"]) is str
+        )
+        if not text_part and part != {"type": "image"}:
+            raise ValueError(
+                f'{where}[{j}] must be {{"type": "text", "text": STRING}} or '
+                f'{{"type": "image"}}, got {_short(part)}'
+            )
+
+
 def validate_prompt(prompt: Any) -> Prompt:
     """Check a prompt's shape (not its length or vocabulary: that needs the model)."""
     if isinstance(prompt, str):
@@ -760,12 +834,13 @@ def validate_prompt(prompt: Any) -> Prompt:
                     f"and may have {sorted(CHAT_MESSAGE_OPTIONAL_KEYS)}; got "
                     f"{_short(sorted(message, key=str))}"
                 )
-            for key in message.keys() - {"tool_calls"}:
+            for key in message.keys() - {"tool_calls", "content"}:
                 if type(message[key]) is not str:
                     raise ValueError(
                         f"prompt[{i}]: chat message {key} must be a string (all but "
-                        f"tool_calls are strings), got {type(message[key]).__name__}"
+                        f"content and tool_calls are strings), got {type(message[key]).__name__}"
                     )
+            _check_content(message["content"], f"prompt[{i}].content")
             if "tool_calls" in message:
                 _check_tool_calls(message["tool_calls"], f"prompt[{i}].tool_calls")
             if message["role"] not in CHAT_ROLES:

@@ -56,6 +56,8 @@ class NewRequest:
     # A pooling request's pooling type (``shared.pooling.POOLING_TYPES``): its prompt's
     # hidden states come back pooled once computed, and nothing is sampled for it.
     pooling: str | None = None
+    # Encoded images whose features take the places of its prompt's image tokens, in order.
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -169,7 +169,7 @@ def _logprobs_map_from_wire(name: str, value: Any) -> dict[str, SampleLogprobs] 
 # [tag, v, step_id, total, cached_ids, num_scheduled (cached then new, uint32; nil = all 1),
 #  cached_num_computed (uint32), cached_new_block_ids {id: [..]}, resumed {id: [outputs]},
 #  new: [ids, prompts, sampling_params, block_ids, num_computed, {id: [outputs]},
-#        {id: lora_name}, {id: pooling type}],
+#        {id: lora_name}, {id: pooling type}, {id: [image bytes]}],
 #  spec {id: [tok]}, preempted_ids, finished_ids, grammar_bitmask {id: bytes},
 #  lora_adapters {adapter id: [path, fingerprint]} | nil, load_weights path | nil]
 
@@ -213,6 +213,7 @@ def encode_step_plan(plan: StepPlan) -> bytes:
                 {r.request_id: r.output_token_ids for r in new if r.output_token_ids},
                 {r.request_id: r.lora_name for r in new if r.lora_name is not None},
                 {r.request_id: r.pooling for r in new if r.pooling is not None},
+                {r.request_id: r.images for r in new if r.images},
             ],
             plan.scheduled_spec_decode_tokens,
             plan.preempted_req_ids,
@@ -229,8 +230,8 @@ def encode_step_plan(plan: StepPlan) -> bytes:
 
 def _decode_new_requests(value: Any) -> list[NewRequest]:
     cols = array("new_requests", value)
-    if len(cols) != 8:
-        raise ProtocolError("new_requests: expected 8 columns")
+    if len(cols) != 9:
+        raise ProtocolError("new_requests: expected 9 columns")
     ids = strs("new_requests.request_id", cols[0])
     prompts = int_lists("new_requests.prompt_token_ids", cols[1])
     params = array("new_requests.sampling_params", cols[2])
@@ -243,6 +244,12 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
     pooling = request_id_map("new_requests.pooling", cols[7])
     if not all(kind in POOLING_TYPES for kind in pooling.values()):
         raise ProtocolError(f"new_requests.pooling: each must be one of {POOLING_TYPES}")
+    images = request_id_map("new_requests.images", cols[8])
+    if not all(
+        type(encoded) is list and all(type(image) is bytes for image in encoded)
+        for encoded in images.values()
+    ):
+        raise ProtocolError("new_requests.images: each must be a list of bytes")
     if not len(ids) == len(prompts) == len(params) == len(blocks) == len(computed):
         raise ProtocolError("new_requests: columns have different lengths")
     return [
@@ -255,6 +262,7 @@ def _decode_new_requests(value: Any) -> list[NewRequest]:
             outputs.get(rid, []),
             loras.get(rid),
             pooling.get(rid),
+            images.get(rid, []),
         )
         for rid, prompt, sp, blk, n in zip(ids, prompts, params, blocks, computed)
     ]

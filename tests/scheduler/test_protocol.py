@@ -26,6 +26,7 @@ def _plan() -> StepPlan:
         NewRequest("n1", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, stop=("x",)), [3, 4], 4),
         NewRequest("n2", [1], SamplingParams(seed=7, logprobs=2), [9], 0, lora_name="sql#2"),
         NewRequest("n3", [4, 4], SamplingParams(), [8], 0, pooling="MEAN"),
+        NewRequest("n4", [7, 7, 7], SamplingParams(), [2], 0, images=[b"\x89PNG", b"\xff\xd8"]),
     ]
     cached = [
         CachedRequest("c1", [], 40),
@@ -33,8 +34,8 @@ def _plan() -> StepPlan:
         CachedRequest("c3", [12, 13, 14], 16, resumed=True, output_token_ids=[2, 3]),
     ]
     return StepPlan(
-        num_scheduled_tokens={"c1": 3, "c2": 1, "c3": 20, "n1": 1, "n2": 1, "n3": 2},
-        total_num_scheduled_tokens=28,
+        num_scheduled_tokens={"c1": 3, "c2": 1, "c3": 20, "n1": 1, "n2": 1, "n3": 2, "n4": 3},
+        total_num_scheduled_tokens=31,
         scheduled_spec_decode_tokens={"c1": [100, 101]},
         new_requests=new,
         cached_requests=cached,
@@ -190,6 +191,11 @@ def test_step_plan_rejects_bad_sampling_params_and_new_request_columns():
     fields[9][7]["n3"] = "MAX"
     with pytest.raises(ProtocolError, match="pooling: each must be one of"):
         decode_step_plan(_raw(fields))
+    for images in ([b"png", "png"], b"png"):
+        fields = _plan_fields()
+        fields[9][8]["n4"] = images
+        with pytest.raises(ProtocolError, match="images: each must be a list of bytes"):
+            decode_step_plan(_raw(fields))
 
 
 def test_encoder_rejects_inconsistent_plan():

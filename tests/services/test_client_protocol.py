@@ -39,6 +39,16 @@ def test_round_trip_of_every_client_message():
         assert (
             client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
         )
+    pictured = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]},
+        {"role": "assistant", "content": "a cat"},
+        {"role": "user", "content": [{"type": "image"}]},
+    ]
+    for prompt, images in ((pictured, [b"\x89PNG one", b"two"]), ("<image> and", [b"\xff"])):
+        msg = client_protocol.GenerateRequest("i", prompt, params, images=images)
+        assert (
+            client_protocol.decode_client_message(client_protocol.encode_client_message(msg)) == msg
+        )
     for msg in (
         *(
             client_protocol.GenerateRequest("e", "hi", SamplingParams(), pooling_params=pooling)
@@ -111,6 +121,37 @@ def test_round_trip_of_server_messages():
         )
 
 
+_PICTURED = [{"role": "user", "content": [{"type": "image"}]}]
+# (prompt, images, code, words): images that do not fit their prompt or the protocol.
+_IMAGE_PROBLEMS = [
+    ("<image>", "png", client_protocol.INVALID_REQUEST, "images must be a list"),
+    ("<image>", ["png"], client_protocol.INVALID_REQUEST, "images must be a list"),
+    ("<image>", [b""], client_protocol.INVALID_REQUEST, "images[0]: an image must be"),
+    ("x", [b"i"] * 65, client_protocol.INVALID_REQUEST, "at most 64 images"),
+    ([1, 2], [b"i"], client_protocol.INVALID_REQUEST, "not token ids"),
+    (_PICTURED, [], client_protocol.INVALID_REQUEST, "1 image parts but the request sends 0"),
+    (_PICTURED, [b"a", b"b"], client_protocol.INVALID_REQUEST, "sends 2 images"),
+    (
+        [{"role": "user", "content": [{"type": "image", "url": "x"}]}],
+        [b"a"],
+        client_protocol.INVALID_REQUEST,
+        "content[0] must be",
+    ),
+    (
+        [{"role": "user", "content": []}],
+        [],
+        client_protocol.INVALID_REQUEST,
+        "non-empty list of parts",
+    ),
+    (
+        [{"role": "user", "content": [{"type": "text", "text": 3}]}],
+        [],
+        client_protocol.INVALID_REQUEST,
+        "content[0] must be",
+    ),
+]
+
+
 @pytest.mark.parametrize(
     "data, code, words",
     [
@@ -160,7 +201,7 @@ def test_round_trip_of_server_messages():
         (
             frame(type="generate", request_id="x", prompt=[{"role": "user", "content": 1}]),
             client_protocol.INVALID_REQUEST,
-            "strings",
+            "content must be a string or a non-empty list of parts",
         ),
         (
             frame(type="generate", request_id="x", prompt=[{"role": "user", "content": "a"}, 3]),
@@ -431,6 +472,10 @@ def test_round_trip_of_server_messages():
             ),
             client_protocol.INVALID_REQUEST,
             "finite",
+        ),
+        *(
+            (frame(type="generate", request_id="x", prompt=prompt, images=images), code, words)
+            for prompt, images, code, words in _IMAGE_PROBLEMS
         ),
     ],
 )

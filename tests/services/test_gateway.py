@@ -533,6 +533,18 @@ def test_bad_chat_parameters_are_400(client):
         )
 
 
+def test_images_for_a_model_of_text_only_are_400(client):
+    """A PNG of one pixel, as a data URL, to a model that reads no images."""
+    pixel = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + pixel}}
+    with pytest.raises(openai.BadRequestError, match="this model takes no images"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": [image, {"type": "text", "text": "x"}]}],
+            max_tokens=2,
+        )
+
+
 @pytest.mark.parametrize("role", ["hacker", ""])
 def test_unknown_chat_roles_are_400(client, role):
     with pytest.raises(openai.BadRequestError, match="role") as error:
@@ -1552,7 +1564,7 @@ def test_text_parts_are_joined_by_newlines_and_an_assistant_content_may_be_null(
             "chat/completions",
             {"messages": [{"role": "user", "content": 5}]},
             "messages.0.content",
-            "Input should be a string or a list of text parts",
+            "Input should be a string or a list of text and image_url parts",
         ),
         (
             "chat/completions",

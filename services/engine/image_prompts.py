@@ -1,0 +1,54 @@
+"""Prompts with images, as the front end tokenizes them for a model that takes images.
+
+A chat's image parts render (by the model's template) as one ``<image>`` each, as does a
+text prompt's own ``<image>``; each is expanded into the tokens of its image's tiles, as
+the model's processor does, from the image's size alone (its header: the pixels are
+decoded by the executors, which compute the features those tokens stand for).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weir.shared.images import ImageProcessing, expand_image_tokens, image_size
+
+
+class ImagePrompts:
+    def __init__(self, processing: ImageProcessing, image_token_id: int) -> None:
+        self.processing = processing
+        self.image_token_id = image_token_id
+
+    @staticmethod
+    def chat(prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages as such models' templates read them: every content a list of
+        parts (a string is one text part; these templates iterate over the parts)."""
+        return [
+            message
+            if type(message["content"]) is list
+            else {**message, "content": [{"type": "text", "text": message["content"]}]}
+            for message in prompt
+        ]
+
+    def expand(self, text: str, images: list[bytes]) -> str:
+        """``text`` with each ``<image>`` replaced by its image's tokens, in order;
+        ValueError names an image that is not one, or a count that differs."""
+        sizes = []
+        for i, image in enumerate(images):
+            try:
+                sizes.append(image_size(image))
+            except ValueError as exc:
+                raise ValueError(f"images[{i}]: {exc}") from None
+        return expand_image_tokens(self.processing, text, sizes)
+
+    def check(self, ids: list[int], images: list[bytes], expanded: str | None) -> None:
+        """A prompt's image tokens are its images' (ValueError otherwise): a prompt of
+        token ids, or a text whose placeholders were not all expanded, may hold others."""
+        found = ids.count(self.image_token_id)
+        wanted = 0 if expanded is None else expanded.count("<image>")
+        if found != wanted:
+            sent = f"{len(images)} images" if images else "no images"
+            raise ValueError(
+                f"the prompt holds {found} image tokens where its {sent} take {wanted}: "
+                "send an image for each <image> (or each image part of a chat), and no "
+                "image tokens of its own"
+            )

@@ -1,0 +1,128 @@
+"""A small random Idefics3 (SmolVLM's architecture) with SmolLM2's vocabulary and the
+image tokens SmolVLM adds, saved with the processor files SmolVLM ships; images and chats
+of them as clients send them; transformers' greedy decoding of such a chat."""
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from PIL import Image
+from spread_weights import spread_weights_
+
+# SmolVLM's chat template (its chat_template.json): every content a list of parts.
+TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+IMAGE_TOKENS = [
+    "<fake_token_around_image>",
+    "<image>",
+    "<end_of_utterance>",
+    "<global-img>",
+    *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)),
+]
+TILE = 32  # pixels of a tile: 4 x 4 patches of 8, 4 tokens after the pixel shuffle
+IMAGE_SEQ_LEN = 4
+PREPROCESSOR = {
+    "image_processor_type": "Idefics3ImageProcessor",
+    "do_resize": True,
+    "size": {"longest_edge": 2 * TILE},
+    "max_image_size": {"longest_edge": TILE},
+    "do_image_splitting": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "resample": 1,
+    "do_pad": True,
+}
+
+
+def save_idefics3(path: Path, tokenizer_dir: Path):
+    """The model saved under ``path``; transformers' copy loaded back, and its processor."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    tokenizer.save_pretrained(path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)  # in place of SmolLM2's
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_len": IMAGE_SEQ_LEN}))
+    torch.manual_seed(0)
+    config = transformers.Idefics3Config(
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": TILE,
+            "patch_size": 8,
+        },
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+    )
+    model = transformers.Idefics3ForConditionalGeneration(config)
+    spread_weights_(model)
+    model.save_pretrained(path)
+    hf = transformers.Idefics3ForConditionalGeneration.from_pretrained(path).eval()
+    processor = transformers.Idefics3Processor(
+        transformers.Idefics3ImageProcessorPil(**PREPROCESSOR),
+        tokenizer,
+        image_seq_len=IMAGE_SEQ_LEN,
+        chat_template=TEMPLATE,
+    )
+    return hf, processor
+
+
+def png(seed: int, width: int, height: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def chat_of(text: str, images: list[bytes]) -> list[dict]:
+    """One user message of OpenAI's parts: the images (as data URLs), then the text."""
+    parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64}}
+        for b64 in (base64.b64encode(image).decode() for image in images)
+    ]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def transformers_greedy(hf, processor, text: str, images: list[bytes], num_tokens: int):
+    """transformers' prompt ids and greedy tokens for the chat, from its processor."""
+    messages = [
+        {
+            "role": "user",
+            "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}],
+        }
+    ]
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
+    pil = [Image.open(io.BytesIO(image)) for image in images]
+    inputs = processor(text=rendered, images=[pil] if pil else None, return_tensors="pt")
+    ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask")
+    prompt = ids[0].tolist()
+    with torch.no_grad():  # a full forward pass per token, argmax, no end token
+        for _ in range(num_tokens):
+            token = hf(input_ids=ids, **inputs).logits[0, -1].argmax()
+            ids = torch.cat((ids, token.view(1, 1)), dim=1)
+    return prompt, ids[0, len(prompt) :].tolist()

@@ -1,0 +1,105 @@
+"""Idefics3 (SmolVLM's architecture) served with its images, against transformers: a small
+random model (``idefics3_model``) whose prompts with images decode as transformers decodes
+them from its own processor's inputs, with the images' tokens split over chunks, several
+requests with different images in one batch, and a repeated image found in the prefix
+cache (only for the same image)."""
+
+import pytest
+from idefics3_model import chat_of, png, save_idefics3, transformers_greedy
+
+from weir.services.llm import LLM
+from weir.shared.client import WeirError
+from weir.shared.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory, default_model_dir):
+    """The model's directory, transformers' model and processor loaded from it."""
+    path = tmp_path_factory.mktemp("idefics3")
+    return (path, *save_idefics3(path, default_model_dir))
+
+
+CASES = [
+    ("What is in the picture?", [(1, 80, 50)]),  # split into 2 x 2 tiles and the whole
+    ("Describe it.", [(2, 20, 30)]),  # smaller than a tile: the whole only
+    ("Compare them.", [(3, 70, 20), (4, 10, 64)]),
+]
+
+
+def test_chats_with_images_decode_astransformers_greedy(idefics3):
+    """Concurrent chats with one or two images each, their image tokens split across
+    chunks of 24 tokens; each again, the second time its image's blocks from the prefix
+    cache; the first chat's text with another image: no block of the first's is reused."""
+    path, hf, processor = idefics3
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    chats, expected = [], []
+    for text, specs in CASES:
+        images = [png(*spec) for spec in specs]
+        chats.append(chat_of(text, images))
+        expected.append(transformers_greedy(hf, processor, text, images, 6))
+    other = png(9, 80, 50)
+    with LLM(
+        model=str(path),
+        max_num_batched_tokens=24,
+        block_size=4,
+        max_model_len=512,
+        device="cpu",
+        enable_prefix_caching=True,
+    ) as llm:
+        first = llm.chat(chats, params, use_tqdm=False)
+        again = llm.chat(chats, params, use_tqdm=False)
+        swapped = llm.chat(chat_of(CASES[0][0], [other]), params, use_tqdm=False)[0]
+    for out in (first, again):
+        assert [(c.prompt_token_ids, c.token_ids) for c in out] == expected
+    assert all(c.num_cached_tokens >= 40 for c in again)
+    assert swapped.num_cached_tokens == 0
+    assert swapped.token_ids == transformers_greedy(hf, processor, CASES[0][0], [other], 6)[1]
+
+
+def test_images_that_do_not_fit_their_prompt_are_refused(idefics3):
+    """A chat with more image parts than images, garbage bytes, a text without its
+    <image>: each refused by name, and the server goes on serving."""
+    path, hf, processor = idefics3
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    good = png(1, 40, 40)
+    with LLM(model=str(path), max_model_len=512, device="cpu") as llm:
+        with pytest.raises(WeirError, match=r"images\[0\]: the data is not a PNG"):
+            llm.chat(chat_of("Hi", [b"not a png"]), params, use_tqdm=False)
+        with pytest.raises(WeirError, match="data URL"):
+            llm.chat(
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}],
+                    }
+                ],
+                params,
+                use_tqdm=False,
+            )
+        with pytest.raises(WeirError, match="1 <image> placeholders but 0 images"):
+            llm.generate("A text with an <image> but none sent", params, use_tqdm=False)
+        image_token = hf.config.image_token_id
+        with pytest.raises(WeirError, match="holds 2 image tokens where its no images take 0"):
+            llm.generate([[5, image_token, image_token]], params, use_tqdm=False)
+        out = llm.chat(chat_of("Hi", [good]), params, use_tqdm=False)[0]
+        text_only = llm.chat(chat_of("Hi", []), params, use_tqdm=False)[0]
+    assert out.token_ids == transformers_greedy(hf, processor, "Hi", [good], 2)[1]
+    assert text_only.token_ids == transformers_greedy(hf, processor, "Hi", [], 2)[1]
+
+
+def test_two_ranks_read_the_images_as_one(idefics3):
+    """A tensor-parallel group of two: each rank runs the (unsplit) vision tower, and the
+    split language model reads its features as transformers does."""
+    path, hf, processor = idefics3
+    text, specs = CASES[2]
+    images = [png(*spec) for spec in specs]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(
+        model=str(path),
+        tensor_parallel_size=2,
+        max_num_batched_tokens=16,
+        max_model_len=512,
+        device="cpu",
+    ) as llm:
+        out = llm.chat(chat_of(text, images), params, use_tqdm=False)[0]
+    assert out.token_ids == transformers_greedy(hf, processor, text, images, 4)[1]
