@@ -5,6 +5,7 @@ requests with different images in one batch, and a repeated image found in the p
 cache (only for the same image)."""
 
 import pytest
+import tp_workload
 from idefics3_model import chat_of, png, save_idefics3, transformers_greedy
 
 from weir.services.llm import LLM
@@ -103,3 +104,26 @@ def test_two_ranks_read_the_images_as_one(idefics3):
     ) as llm:
         out = llm.chat(chat_of(text, images), params, use_tqdm=False)[0]
     assert out.token_ids == transformers_greedy(hf, processor, text, images, 4)[1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_requests_read_their_images_again(idefics3, async_scheduling):
+    """transformers' processor's prompt ids with their images, through the engine core in
+    steps of 16 tokens and too few blocks for all: requests preempted (their images' features
+    computed again with their prompts), in lockstep and with the next step planned before
+    the last one's tokens are known."""
+    path, hf, processor = idefics3
+    cases = [(text, [png(*spec) for spec in specs]) for text, specs in CASES]
+    expected = [transformers_greedy(hf, processor, text, images, 8) for text, images in cases]
+    report = tp_workload.run(
+        tp_workload.Workload(
+            str(path),
+            [prompt for prompt, _ in expected],
+            max_tokens=8,
+            num_blocks=24,
+            async_scheduling=async_scheduling,
+            images=[images for _, images in cases],
+        )
+    )
+    assert report.chunked and report.preempted
+    assert [report.outputs[f"r{i}"] for i in range(len(cases))] == [out for _, out in expected]
