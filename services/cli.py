@@ -1115,17 +1115,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="vLLM's; auto (or hf), the model's tokenizer.json (or --tokenizer's), changes "
         "nothing; slow and mistral are refused",
     )
-    p.add_argument(
-        "--limit-mm-per-prompt",
-        type=_vllm_value((), "Weir serves text-only models: no image, video or audio inputs"),
-        metavar="LIMITS",
-        help="vLLM's; refused: Weir serves text-only models",
-    )
     _add_switch(
         p,
         "--language-model-only",
-        help="vLLM's; Weir serves a vision-language checkpoint's language model alone anyway, "
-        "so it changes nothing",
+        help="vLLM's; Weir serves a vision-language checkpoint's language model alone anyway "
+        "(but Idefics3's and SmolVLM's, which it serves whole), so it changes nothing",
     )
     p.add_argument(
         "--task",
@@ -1157,11 +1151,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         type=_vllm_value(
             ("string", "auto"),
             "Weir gives the chat template each message's content as one string, its text parts "
-            "joined by newlines (vLLM's string), never as a list of parts",
+            "joined by newlines (vLLM's string), but a model's that reads images, whose "
+            "template reads a list of parts (vLLM's openai)",
         ),
         metavar="string",
-        help="vLLM's; string (and auto, the default: Weir's is string) changes nothing: Weir "
-        "always gives the chat template the text parts joined by newlines; openai is refused",
+        help="vLLM's; string (and auto, the default: Weir's is string, or openai for a model "
+        "that reads images) changes nothing: Weir gives the chat template the text parts "
+        "joined by newlines; openai is refused",
     )
     p.add_argument(
         "--logits-processor-pattern",

@@ -14,12 +14,14 @@ prompt at once so they batch together, and stops the processes on ``close()``.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypedDict, TypeGuard, TypeVar
 
+from PIL import Image as PILImage
 from tqdm import tqdm
 
 from weir.services.launcher import ServerProcesses
@@ -176,7 +178,10 @@ class LLM:
     ) -> list[Completion]:
         """One ``Completion`` per prompt, in prompt order; a prompt is text, token ids, chat
         messages (``[{"role": "user", "content": "..."}]``) or vLLM's prompt dicts
-        (``{"prompt": text}``, ``{"prompt_token_ids": ids}``). If one fails, the call
+        (``{"prompt": text}``, ``{"prompt_token_ids": ids}``, with images for a model that
+        reads them: ``{"prompt": "<image>...", "multi_modal_data": {"image": image}}``, an
+        image a PIL image or its encoded bytes, or a list of them, one for each
+        ``<image>``). If one fails, the call
         raises its error and the others are aborted. ``priority``: one for every prompt or
         one per prompt, lower first (with ``policy="priority"``). ``lora_name``: the LoRA adapter (of
         ``lora_modules``) of every prompt, or one per prompt (None: the base model).
@@ -184,7 +189,13 @@ class LLM:
         the tqdm-like class that makes it."""
         batch = [prompts] if _is_one_prompt(prompts) else prompts
         return self._run(
-            [_vllm_prompt(p) for p in batch], sampling_params, priority, lora_name, {}, use_tqdm
+            [_vllm_prompt(p) for p in batch],
+            sampling_params,
+            priority,
+            lora_name,
+            {},
+            use_tqdm,
+            [_prompt_images(p) for p in batch],
         )
 
     def chat(
@@ -224,7 +235,10 @@ class LLM:
         lora_name: str | Sequence[str | None] | None,
         chat: dict[str, Any],
         use_tqdm: UseTqdm,
+        images: list[list[bytes]] | None = None,
     ) -> list[Completion]:
+        """``chat``: the client's keyword arguments of every prompt; ``images``: each
+        prompt's images."""
         if sampling_params is None:
             # vLLM's LLM too samples with the model's recommended defaults when given none.
             info = self._loop.run(self._client.model_info())
@@ -259,10 +273,11 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_names for {len(prompts)} prompts")
         client = self._client
+        pictures = images or [[]] * len(prompts)
         return self._all(
             [
-                _generate_samples(client, *request, chat)
-                for request in zip(prompts, params, priorities, loras)
+                _generate_samples(client, p, sp, pr, lora, {**chat, "images": i} if i else chat)
+                for p, sp, pr, lora, i in zip(prompts, params, priorities, loras, pictures)
             ],
             use_tqdm,
         )
@@ -580,16 +595,38 @@ def _vllm_prompt(prompt: PromptT | dict[str, Any]) -> PromptT | str | list[int]:
         # As given, a dict of neither key too: the client refuses what is no prompt
         # (validate_prompt).
         return prompt  # type: ignore[return-value]
-    if len(prompt) != 1:
+    if len(prompt.keys() - {"multi_modal_data"}) != 1:
         raise ValueError(
-            "a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids', "
-            f"not {sorted(prompt)}"
+            "a prompt dict holds one of 'prompt' (text) or 'prompt_token_ids', and may hold "
+            f"'multi_modal_data', not {sorted(prompt)}"
         )
     # Unchecked, as any prompt given: the client checks it.
     text_or_ids: str | list[int] = (
         prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
     )
     return text_or_ids
+
+
+def _prompt_images(prompt: object) -> list[bytes]:
+    """The encoded images of vLLM's prompt dict's ``multi_modal_data`` (``{"image": IMAGE
+    or [IMAGE, ...]}``, each a PIL image, saved as PNG, or encoded bytes); none elsewhere."""
+    data = prompt.get("multi_modal_data") if _is_vllm_prompt(prompt) else None
+    if data is None:
+        return []
+    if not isinstance(data, dict) or data.keys() != {"image"}:
+        raise ValueError('multi_modal_data holds {"image": an image or a list of them}')
+    images = data["image"] if isinstance(data["image"], list | tuple) else [data["image"]]
+    return [_encoded(image) for image in images]
+
+
+def _encoded(image: object) -> bytes:
+    if isinstance(image, bytes):
+        return image
+    if isinstance(image, PILImage.Image):
+        out = io.BytesIO()
+        image.save(out, format="PNG")  # lossless: the pixels the processor reads are these
+        return out.getvalue()
+    raise TypeError(f"an image is a PIL image or its encoded bytes, not {type(image).__name__}")
 
 
 def _pooling_prompts(prompts: OnePromptOrMany) -> list[str | list[int]]:

@@ -27,6 +27,7 @@ from weir.shared.hub_cache import local_path
 from weir.shared.kv_events_config import KVEventsConfig
 from weir.shared.lora import LoraModule, parse_lora_modules
 from weir.shared.pooling import RUNNERS
+from weir.shared.protocol.client import MAX_IMAGES
 from weir.shared.sampling import DEFAULT_MAX_LOGPROBS
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -517,6 +518,12 @@ class EngineArgs:
         "waiting-queue order (--scheduling-policy as in vLLM)",
         choices=SCHEDULING_POLICIES,
     )
+    limit_mm_per_prompt: str | None = _arg(  # LLM(limit_mm_per_prompt={...}): JSON here
+        None,
+        SCHEDULER,
+        'the most images one prompt may send, as JSON, e.g. {"image": 2} (vLLM\'s; at most '
+        f"and by default {MAX_IMAGES}; 0 refuses images)",
+    )
     max_logprobs: int = _arg(
         DEFAULT_MAX_LOGPROBS,
         SCHEDULER,
@@ -724,6 +731,15 @@ class EngineArgs:
             overrides = json_object("hf_overrides", self.hf_overrides)
             # One text for every role's command line.
             object.__setattr__(self, "hf_overrides", json.dumps(overrides, sort_keys=True))
+        if self.limit_mm_per_prompt is not None:
+            limits = json_object("limit_mm_per_prompt", self.limit_mm_per_prompt)
+            image = limits.get("image", MAX_IMAGES)
+            if limits.keys() - {"image"} or type(image) is not int or not 0 <= image <= MAX_IMAGES:
+                raise ValueError(
+                    f'limit_mm_per_prompt must be {{"image": N}}, N from 0 to {MAX_IMAGES} '
+                    f"(Weir reads images only), got {json.dumps(limits)[:200]}"
+                )
+            object.__setattr__(self, "limit_mm_per_prompt", json.dumps(limits))  # frozen
         if self.kv_events_config is not None:
             KVEventsConfig.parse(self.kv_events_config)  # refused before any process starts
             text = json.dumps(json_object("kv_events_config", self.kv_events_config))
@@ -1039,6 +1055,12 @@ class EngineArgs:
     def loras(self) -> list[LoraModule]:
         """The adapters of ``lora_modules``, in their order."""
         return parse_lora_modules(self.lora_modules, self.served_model_name)
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        """What --limit-mm-per-prompt lets a prompt send of images."""
+        limits = json.loads(self.limit_mm_per_prompt or "{}")
+        return int(limits.get("image", MAX_IMAGES))
 
     @property
     def kv_events(self) -> KVEventsConfig:

@@ -107,15 +107,18 @@ def chat_of(text: str, images: list[bytes]) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
-def transformers_greedy(hf, processor, text: str, images: list[bytes], num_tokens: int):
-    """transformers' prompt ids and greedy tokens for the chat, from its processor."""
+def transformers_greedy(
+    hf, processor, text: str, images: list[bytes], num_tokens: int, chat: bool = True
+):
+    """transformers' prompt ids and greedy tokens for the chat of the images then the text
+    (or, not ``chat``, for the text alone, its <image>s the images'), from its processor."""
     messages = [
         {
             "role": "user",
             "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}],
         }
     ]
-    rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True) if chat else text
     pil = [Image.open(io.BytesIO(image)) for image in images]
     inputs = processor(text=rendered, images=[pil] if pil else None, return_tensors="pt")
     ids = inputs.pop("input_ids")

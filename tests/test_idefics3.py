@@ -4,9 +4,12 @@ them from its own processor's inputs, with the images' tokens split over chunks,
 requests with different images in one batch, and a repeated image found in the prefix
 cache (only for the same image)."""
 
+import io
+
 import pytest
 import tp_workload
 from idefics3_model import chat_of, png, save_idefics3, transformers_greedy
+from PIL import Image
 
 from weir.services.llm import LLM
 from weir.shared.client import WeirError
@@ -58,12 +61,17 @@ def test_chats_with_images_decode_astransformers_greedy(idefics3):
 
 
 def test_images_that_do_not_fit_their_prompt_are_refused(idefics3):
-    """A chat with more image parts than images, garbage bytes, a text without its
-    <image>: each refused by name, and the server goes on serving."""
+    """More images than --limit-mm-per-prompt, garbage bytes, a URL to fetch, a text
+    without its <image>, token ids of image tokens: each refused by name, and the server
+    goes on serving (images, and chats of text only)."""
     path, hf, processor = idefics3
     params = SamplingParams(max_tokens=2, temperature=0.0)
     good = png(1, 40, 40)
-    with LLM(model=str(path), max_model_len=512, device="cpu") as llm:
+    with LLM(
+        model=str(path), max_model_len=512, device="cpu", limit_mm_per_prompt={"image": 1}
+    ) as llm:
+        with pytest.raises(WeirError, match="at most 1 images to this server"):
+            llm.chat(chat_of("Hi", [good, good]), params, use_tqdm=False)
         with pytest.raises(WeirError, match=r"images\[0\]: the data is not a PNG"):
             llm.chat(chat_of("Hi", [b"not a png"]), params, use_tqdm=False)
         with pytest.raises(WeirError, match="data URL"):
@@ -127,3 +135,21 @@ def test_preempted_requests_read_their_images_again(idefics3, async_scheduling):
     )
     assert report.chunked and report.preempted
     assert [report.outputs[f"r{i}"] for i in range(len(cases))] == [out for _, out in expected]
+
+
+def test_vllm_prompt_dicts_bring_their_images(idefics3):
+    """vLLM's offline form: a text's <image>s and multi_modal_data's images (a PIL image, or
+    encoded bytes in a list), as transformers' processor reads the same text and images."""
+    path, hf, processor = idefics3
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    one, two = png(5, 50, 40), png(6, 33, 70)
+    prompts = [
+        {"prompt": "<image>What?", "multi_modal_data": {"image": Image.open(io.BytesIO(one))}},
+        {"prompt": "A <image> and <image>.", "multi_modal_data": {"image": [one, two]}},
+    ]
+    with LLM(model=str(path), max_model_len=512, device="cpu") as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [c.token_ids for c in outs] == [
+        transformers_greedy(hf, processor, "<image>What?", [one], 4, chat=False)[1],
+        transformers_greedy(hf, processor, "A <image> and <image>.", [one, two], 4, chat=False)[1],
+    ]

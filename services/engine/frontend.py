@@ -181,9 +181,11 @@ class ClientFrontend:
         profiler_dir: str | None = None,
         tracer: RequestTracer | None = None,
         image_prompts: ImagePrompts | None = None,
+        max_images: int = client_protocol.MAX_IMAGES,
     ) -> None:
         self._sock = sock
         self.image_prompts = image_prompts  # None: the model takes no images
+        self.max_images = max_images  # a prompt's, at most (--limit-mm-per-prompt)
         self._tracer = tracer
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -867,6 +869,11 @@ class ClientFrontend:
             )
         if msg.pooling_params is not None:
             raise ValueError("a pooling request takes no images")
+        if len(msg.images) > self.max_images:
+            raise ValueError(
+                f"a prompt may send at most {self.max_images} images to this server (its "
+                f"--limit-mm-per-prompt), got {len(msg.images)}"
+            )
         if msg.sampling_params.truncate_prompt_tokens is not None:
             raise ValueError(
                 "truncate_prompt_tokens would cut the tokens of an image: a prompt with "

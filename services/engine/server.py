@@ -340,6 +340,7 @@ class SchedulerServer:
             self.engine_args.profiler_dir,
             self.tracer,
             self._image_prompts(),
+            self.engine_args.max_images_per_prompt,
         )
         self.group = ExecutorGroup(
             executor_sock,

@@ -465,7 +465,7 @@ def test_kv_events_endpoints_of_data_parallel_replicas_are_vllms():
         (["--pipeline_parallel_size=2"], "-pp/--pipeline-parallel-size: '2' is refused"),
         (["--tokenizer-mode", "mistral"], "'mistral' is refused: Weir reads the model's tokenizer"),
         (["--tokenizer-mode", "slow"], "and has no slow or mistral_common tokenizer"),
-        (["--limit-mm-per-prompt", "image=2"], "refused: Weir serves text-only models"),
+        (["--limit-mm-per-prompt", '{"video": 1}'], "(Weir reads images only)"),
         (["--quantization", "marlin"], "no marlin matmul kernels and reads no such checkpoint"),
         (["--quantization", "gguf"], "'gguf' is refused: Weir has no gguf matmul kernels"),
         (["--revision", "v1.1"], "'v1.1' is refused: Weir reads the model's files as they are"),
