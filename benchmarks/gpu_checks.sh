@@ -5,7 +5,7 @@
 # 14, 15 and 92 s):
 #   1. the CUDA tests: graphs on/off give the same greedy tokens (tests/test_cuda_graphs.py),
 #      the model runner's steps (pooling, a draft model's cache and waking from sleep on
-#      CUDA too) against transformers and a fresh draft (tests/test_model_runner.py), a MoE model and Qwen 3.5's Gated DeltaNet in bf16 (tests/test_moe.py, test_qwen3_5.py), and the Triton
+#      CUDA too) against transformers and a fresh draft (tests/test_model_runner.py), a MoE model and Qwen 3.5's Gated DeltaNet in bf16 (tests/test_moe.py, test_qwen3_5.py), SmolVLM's vision tower in bf16 (tests/test_vision.py), and the Triton
 #      kernel tests, natively; then benchmarks/attention.py --quick --sweep-segments (issue 11)
 #      and benchmarks/layer_ops.py (the layer kernels against PyTorch's operators), and the
 #      attention benchmark's decodes over an fp8 cache;
@@ -111,7 +111,8 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
         -k "(cuda or kernels) and not on_cpu" \
         tests/test_cuda_graphs.py tests/test_model_runner.py tests/kernels tests/test_gpu_info.py \
         tests/test_architectures.py::test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16 \
-        tests/test_qwen3_5.py::test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16
+        tests/test_qwen3_5.py::test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16 \
+        tests/test_vision.py::test_bfloat16_within_transformers_own_rounding
     # The kernel's floors (issue 11): decodes, mixed batches, prefill against SDPA; then the
     # layer kernels against the operators they replace (one log: at most 8 files come back).
     # Last, so that a section cut short loses it first: the fp8 cache's decode tiles.

@@ -5,6 +5,7 @@ requests with different images in one batch, and a repeated image found in the p
 cache (only for the same image)."""
 
 import io
+import shutil
 
 import pytest
 import tp_workload
@@ -61,7 +62,8 @@ def test_chats_with_images_decode_astransformers_greedy(idefics3):
 
 
 def test_images_that_do_not_fit_their_prompt_are_refused(idefics3):
-    """More images than --limit-mm-per-prompt, garbage bytes, a URL to fetch, a text
+    """More images than --limit-mm-per-prompt, garbage bytes, a PNG cut short (its header
+    whole: refused before the executors would fail to decode it), a URL to fetch, a text
     without its <image>, token ids of image tokens: each refused by name, and the server
     goes on serving (images, and chats of text only)."""
     path, hf, processor = idefics3
@@ -74,6 +76,8 @@ def test_images_that_do_not_fit_their_prompt_are_refused(idefics3):
             llm.chat(chat_of("Hi", [good, good]), params, use_tqdm=False)
         with pytest.raises(WeirError, match=r"images\[0\]: the data is not a PNG"):
             llm.chat(chat_of("Hi", [b"not a png"]), params, use_tqdm=False)
+        with pytest.raises(WeirError, match=r"images\[0\]: the image data is corrupt"):
+            llm.chat(chat_of("Hi", [good[: len(good) // 2]]), params, use_tqdm=False)
         with pytest.raises(WeirError, match="data URL"):
             llm.chat(
                 [
@@ -153,3 +157,16 @@ def test_vllm_prompt_dicts_bring_their_images(idefics3):
         transformers_greedy(hf, processor, "<image>What?", [one], 4, chat=False)[1],
         transformers_greedy(hf, processor, "A <image> and <image>.", [one, two], 4, chat=False)[1],
     ]
+
+
+def test_dummy_weights_of_its_shape_read_images(idefics3, tmp_path):
+    """--load-format dummy (how GPU benchmarks get real shapes): a directory of the config,
+    tokenizer and processor files alone serves chats with images."""
+    path = idefics3[0]
+    for name in path.iterdir():
+        if name.suffix != ".safetensors":
+            shutil.copy(name, tmp_path / name.name)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with LLM(model=str(tmp_path), load_format="dummy", max_model_len=512, device="cpu") as llm:
+        out = llm.chat(chat_of("Hi", [png(7, 90, 40)]), params, use_tqdm=False)[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"

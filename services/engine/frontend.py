@@ -668,8 +668,13 @@ class ClientFrontend:
         except ValueError as exc:
             self.send_error(identity, rid, client_protocol.INVALID_REQUEST, str(exc))
             return
-        # A structured output compiles in the pool too (xgrammar's first import takes seconds).
-        if num_chars <= _INLINE_TOKENIZE_CHARS and msg.sampling_params.structured_output is None:
+        # A structured output compiles in the pool too (xgrammar's first import takes
+        # seconds), and images are decoded there.
+        if (
+            num_chars <= _INLINE_TOKENIZE_CHARS
+            and msg.sampling_params.structured_output is None
+            and not msg.images
+        ):
             try:
                 prompt_ids = self._tokenize(msg)
             except ValueError as exc:

@@ -2,15 +2,17 @@
 
 A chat's image parts render (by the model's template) as one ``<image>`` each, as does a
 text prompt's own ``<image>``; each is expanded into the tokens of its image's tiles, as
-the model's processor does, from the image's size alone (its header: the pixels are
-decoded by the executors, which compute the features those tokens stand for).
+the model's processor does, from the image's size. Each image is decoded whole here (on a
+tokenizer thread), so that one the executors could not decode is refused before it is
+accepted: they decode it again to compute the features its tokens stand for, and a step
+that failed on it would fail every request in it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from weir.shared.images import ImageProcessing, expand_image_tokens, image_size
+from weir.shared.images import ImageProcessing, expand_image_tokens, read_image
 
 
 class ImagePrompts:
@@ -31,11 +33,12 @@ class ImagePrompts:
 
     def expand(self, text: str, images: list[bytes]) -> str:
         """``text`` with each ``<image>`` replaced by its image's tokens, in order;
-        ValueError names an image that is not one, or a count that differs."""
+        ValueError names an image that is not one (or cannot be decoded whole), or a count
+        that differs."""
         sizes = []
         for i, image in enumerate(images):
             try:
-                sizes.append(image_size(image))
+                sizes.append(read_image(image).size)
             except ValueError as exc:
                 raise ValueError(f"images[{i}]: {exc}") from None
         return expand_image_tokens(self.processing, text, sizes)

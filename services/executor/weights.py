@@ -619,6 +619,7 @@ def load_weights(
     (``ModelConfig.classifier_from_token``)."""
     # The vision tower's tensors are read apart, by their own names (``vision.py``).
     params = {n: p for n, p in model.named_parameters() if not n.startswith("vision.")}
+    tower = model.vision if isinstance(model, CausalLM) else None  # not an EAGLE head's layers
     vision: list[tuple[str, torch.Tensor]] = []
     head = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     filled: dict[str, int] = {}
@@ -634,7 +635,7 @@ def load_weights(
     # element count below.
     written: dict[str, str] = {}
     for checkpoint_name, whole in tensors:
-        if model.vision is not None and is_vision_weight(checkpoint_name):
+        if tower is not None and is_vision_weight(checkpoint_name):
             vision.append((checkpoint_name, whole[_ALL]))
             continue
         if model.config.multimodal:
@@ -662,8 +663,8 @@ def load_weights(
         raise ValueError(
             f"checkpoint does not fill {len(missing)} parameters: it lacks some of {named}"
         )
-    if model.vision is not None:
-        load_vision_weights(model.vision, vision)
+    if tower is not None:
+        load_vision_weights(tower, vision)
 
 
 def _load_kv_scale(

@@ -67,6 +67,22 @@ class ToolResultBlock(_Block):
     is_error: bool = False
 
 
+class Base64Source(Body):
+    type: Literal["base64"]  # the image itself (Anthropic's "url" sources are not fetched)
+    media_type: str
+    data: str
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: Base64Source
+
+    def part(self) -> dict[str, Any]:
+        """The OpenAI chat part of the image: its data URL."""
+        url = f"data:{self.source.media_type};base64,{self.source.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
 class ThinkingBlock(_Block):
     type: Literal["thinking"]
     thinking: str
@@ -78,9 +94,10 @@ class RedactedThinkingBlock(_Block):
     data: str
 
 
-_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 ContentBlock = Annotated[
     Annotated[TextBlock, Tag("text")]
+    | Annotated[ImageBlock, Tag("image")]
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
     | Annotated[ThinkingBlock, Tag("thinking")]
@@ -90,7 +107,7 @@ ContentBlock = Annotated[
         custom_error_type="content_block",
         custom_error_message="Input should be a content block of type "
         + ", ".join(_BLOCK_TYPES)
-        + " (this server reads text: no images or documents)",
+        + " (no documents)",
     ),
 ]
 
@@ -303,10 +320,13 @@ def _chat_messages(
         if isinstance(turn.content, str):
             messages.append({"role": turn.role, "content": turn.content})
             continue
-        texts, reasoning, calls = [], [], []
+        texts, reasoning, calls, parts = [], [], [], []
         for block in turn.content:
             if isinstance(block, TextBlock):
                 texts.append(block.text)
+                parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, ImageBlock) and turn.role == "user":
+                parts.append(block.part())
             elif isinstance(block, ThinkingBlock) and turn.role == "assistant":
                 reasoning.append(block.thinking)
             elif isinstance(block, ToolUseBlock) and turn.role == "assistant":
@@ -324,12 +344,16 @@ def _chat_messages(
                 raise BodyFieldError(
                     "messages", f"a {turn.role} message has no {block.type} blocks"
                 )
-        message: dict[str, Any] = {"role": turn.role, "content": "\n".join(texts)}
+        # With images, the turn's parts in their order (the model's template places them).
+        message: dict[str, Any] = {
+            "role": turn.role,
+            "content": parts if len(parts) > len(texts) else "\n".join(texts),
+        }
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
         if calls:
             message["tool_calls"] = calls
-        if texts or reasoning or calls or not turn.content:
+        if parts or reasoning or calls or not turn.content:
             messages.append(message)
     return _combined(messages)
 
@@ -349,7 +373,7 @@ def _combined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ):
             combined.append(message)
             continue
-        last["content"] = "\n".join(text for text in (last["content"], message["content"]) if text)
+        last["content"] = _joined_content(last["content"], message["content"])
         if "reasoning_content" in message:
             last["reasoning_content"] = (
                 last.get("reasoning_content", "") + message["reasoning_content"]
@@ -357,6 +381,22 @@ def _combined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "tool_calls" in message:
             last["tool_calls"] = message["tool_calls"]
     return combined
+
+
+def _joined_content(
+    first: str | list[dict[str, Any]], second: str | list[dict[str, Any]]
+) -> str | list[dict[str, Any]]:
+    """Two turns' contents as one: texts joined by a newline, or, where either holds
+    images, their parts one after the other."""
+    if isinstance(first, str) and isinstance(second, str):
+        return "\n".join(text for text in (first, second) if text)
+    return _parts(first) + _parts(second)
+
+
+def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(content, list):
+        return content
+    return [{"type": "text", "text": content}] if content else []
 
 
 def message_id() -> str:

@@ -27,6 +27,7 @@ from weir.services.gateway.chat_output import ChatOutput, MessageReader, read_ou
 from weir.services.gateway.openai_format import Choice
 from weir.services.gateway.schemas import (
     Body,
+    BodyFieldError,
     ChatCompletionRequest,
     Options,
     ReasoningEffort,
@@ -44,11 +45,40 @@ class TextContent(Body):
     logprobs: list[Any] | None = None
 
 
-ItemText = Annotated[list[TextContent], Field(fail_fast=True)] | str
+class ImageContent(Body):
+    type: Literal["input_image"]
+    image_url: str  # a data URL (file ids are OpenAI's storage)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+ItemText = (
+    Annotated[
+        list[Annotated[TextContent | ImageContent, Field(discriminator="type")]],
+        Field(fail_fast=True),
+    ]
+    | str
+)
 
 
 def _text(content: ItemText) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    """The text of content that holds no images (a user message's may: ``_content``)."""
+    if isinstance(content, str):
+        return content
+    if any(isinstance(part, ImageContent) for part in content):
+        raise BodyFieldError("input", "input_image parts are read in user messages only")
+    return "".join(part.text for part in content if isinstance(part, TextContent))
+
+
+def _content(content: ItemText) -> str | list[dict[str, Any]]:
+    """A message's text, or where it holds images its parts as OpenAI's chat parts."""
+    if isinstance(content, str) or not any(isinstance(p, ImageContent) for p in content):
+        return _text(content)
+    return [
+        {"type": "text", "text": part.text}
+        if isinstance(part, TextContent)
+        else {"type": "image_url", "image_url": {"url": part.image_url}}
+        for part in content
+    ]
 
 
 class _ReturnedItem(Options):
@@ -240,7 +270,7 @@ class ResponsesRequest(Options):
                 )
                 reasoning = None
             if isinstance(item, MessageItem) and item.role != "assistant":
-                messages.append({"role": item.role, "content": _text(item.content)})
+                messages.append({"role": item.role, "content": _content(item.content)})
             elif isinstance(item, FunctionCallOutputItem):
                 output = _text(item.output)
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})

@@ -305,8 +305,32 @@ def test_tool_uses_read_by_a_tool_call_parser_are_the_same_whole_and_streamed():
         ({"temperature": 1.5}, "temperature: Input should be less than or equal to 1"),
         ({"messages": []}, "messages: List should have at least 1 item"),
         (
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+            "(no documents)",
+        ),
+        (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "this server reads text: no images",
+            "source.type: Field required",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "AA==",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "this model takes no images",
         ),
         ({"mcp_servers": []}, "mcp_servers: unsupported field"),
         (

@@ -64,7 +64,11 @@ def test_llm_generate_batches_prompts_in_order_and_matches_transformers(
         )
         [one_dict] = llm.generate({"prompt_token_ids": prompts[1]}, params[1])
         with pytest.raises(ValueError, match="a prompt dict holds one of"):
-            llm.generate({"prompt": "Hi", "multi_modal_data": {}})
+            llm.generate({"prompt": "Hi", "mm_processor_kwargs": {}})
+        with pytest.raises(ValueError, match="multi_modal_data holds"):
+            llm.generate({"prompt": "Hi", "multi_modal_data": {"video": b"x"}})
+        with pytest.raises(InvalidRequestError, match="this model takes no images"):
+            llm.generate({"prompt": "<image>Hi", "multi_modal_data": {"image": b"\x89PNG"}})
         [scored] = llm.generate(
             prompts[1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
         )
