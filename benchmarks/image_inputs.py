@@ -24,8 +24,6 @@ from PIL import Image
 from weir.services.executor.vision import VisionTower
 from weir.shared.images import (
     ImageProcessing,
-    expand_image_tokens,
-    pixel_values,
     read_image,
 )
 from weir.shared.vision_config import VisionConfig
@@ -69,9 +67,9 @@ def main() -> None:
     data = encoded.getvalue()
 
     def expand() -> str:
-        return expand_image_tokens(PROCESSING, "<image>Describe it.", [read_image(data).size])
+        return PROCESSING.expand_image_tokens("<image>Describe it.", [read_image(data).size])
 
-    tiles = pixel_values(PROCESSING, read_image(data))
+    tiles = PROCESSING.pixel_values(read_image(data))
     torch.manual_seed(0)
     tower = VisionTower(VisionConfig.from_hf(SMOLVLM_256M), dtype, device)
     for param in tower.parameters():
@@ -89,7 +87,7 @@ def main() -> None:
         ("front end: decode + <image> expansion", _best(expand, args.repeats), 1),
         (
             f"executor: decode + {len(tiles)} tiles of 512",
-            _best(lambda: pixel_values(PROCESSING, read_image(data)), args.repeats),
+            _best(lambda: PROCESSING.pixel_values(read_image(data)), args.repeats),
             1,
         ),
         (

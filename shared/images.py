@@ -19,7 +19,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import ExifTags, Image, ImageFile
@@ -151,6 +151,7 @@ class ImageProcessing:
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_seq_len: int = 169  # processor_config.json: the <image> tokens of each tile
+    placeholder: ClassVar[str] = IMAGE_TOKEN  # what a template writes for an image part
 
     @classmethod
     def from_dicts(
@@ -187,6 +188,75 @@ class ImageProcessing:
         if not isinstance(preprocessor, dict):
             preprocessor = _read_json(directory / "preprocessor_config.json")
         return None if preprocessor is None else cls.from_dicts(preprocessor, processor)
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        """The image tokens an image of that size takes: image_seq_len a tile, and the
+        global image's."""
+        rows, cols = self.tile_grid(width, height)
+        return (rows * cols + 1) * self.image_seq_len
+
+    def tile_grid(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of the tiles an image of that size is cut into; (0, 0) where it is
+        not cut (image splitting off, or the image no larger than one tile after the resizes), as
+        transformers reports it. Then the image is its global image alone."""
+        if not self.do_image_splitting:
+            return 0, 0
+        width, height = _tiled_size(self, *_resized_size(self, width, height))
+        tile = self.tile_size
+        if width <= tile and height <= tile:
+            return 0, 0
+        return height // tile, width // tile
+
+    def image_prompt(self, rows: int, cols: int) -> str:
+        """The text that stands for an image of ``rows`` x ``cols`` tiles (``tile_grid``'s) in a
+        prompt: transformers' ``get_image_prompt_string`` (SmolVLM's; Idefics3's processor writes
+        the same text, and SmolVLM's tokens, read from its tokenizer, are these in its checkpoints).
+        Each tile is ``<fake_token_around_image><row_r_col_c>`` and image_seq_len ``<image>``, a
+        row ends in a newline, and the global image, after one more, is wrapped in
+        ``<fake_token_around_image>``s and tagged ``<global-img>``."""
+        image = IMAGE_TOKEN * self.image_seq_len
+        global_image = f"{FAKE_IMAGE_TOKEN}{GLOBAL_IMAGE_TOKEN}{image}{FAKE_IMAGE_TOKEN}"
+        if rows == 0 and cols == 0:
+            return global_image
+        tiles = "".join(
+            "".join(f"{FAKE_IMAGE_TOKEN}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols))
+            + "\n"
+            for r in range(rows)
+        )
+        return f"{tiles}\n{global_image}"
+
+    def expand_image_tokens(self, text: str, sizes: list[tuple[int, int]]) -> str:
+        """``text`` (a rendered prompt) with its n-th ``<image>`` replaced by the prompt of the
+        image of the n-th (width, height) in ``sizes``, as the processors' ``__call__`` does.
+        ValueError where the counts differ."""
+        parts = text.split(IMAGE_TOKEN)
+        if len(parts) - 1 != len(sizes):
+            raise ValueError(
+                f"the prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholders but {len(sizes)} "
+                "images were given"
+            )
+        prompts = [self.image_prompt(*self.tile_grid(w, h)) for w, h in sizes]
+        return "".join(part + prompt for part, prompt in zip(parts, prompts)) + parts[-1]
+
+    def pixel_values(self, image: Image.Image) -> np.ndarray:
+        """The image's float32 ``[tiles, 3, tile_size, tile_size]`` (NumPy: the scheduler reads
+        this module without torch): its ``tile_grid`` tiles row by
+        row, then its global image (the global image alone where it is not cut), equal to
+        transformers' ``pixel_values`` for this one image. transformers' ``pixel_attention_mask``
+        of one image is all ones (every tile, and the global image, is a whole tile: only a batch's
+        shorter images are padded, with whole empty tiles), so there is none here. ``image`` is
+        RGB as ``read_image`` makes it (another mode is converted as it converts)."""
+        rgb = _to_rgb(image) if image.mode != "RGB" else image
+        resized = _resize(self, rgb, _resized_size(self, *rgb.size))
+        if self.do_image_splitting:
+            tiled = _resize(self, resized, _tiled_size(self, *resized.size))
+            frames = _tiles(self, tiled)
+        else:
+            tile = self.tile_size
+            frames = np.asarray(_resize(self, resized, (tile, tile)))[None]
+        values = _value_table(self)
+        # [frames, height, width, channel] bytes -> [frames, channel, height, width] values
+        return np.stack([values[c][frames[..., c]] for c in range(3)], axis=1)
 
 
 def image_processing(model_dir: str | os.PathLike[str], vision: VisionConfig) -> ImageProcessing:
@@ -292,19 +362,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def tile_grid(processing: ImageProcessing, width: int, height: int) -> tuple[int, int]:
-    """(rows, columns) of the tiles an image of that size is cut into; (0, 0) where it is
-    not cut (image splitting off, or the image no larger than one tile after the resizes), as
-    transformers reports it. Then the image is its global image alone."""
-    if not processing.do_image_splitting:
-        return 0, 0
-    width, height = _tiled_size(processing, *_resized_size(processing, width, height))
-    tile = processing.tile_size
-    if width <= tile and height <= tile:
-        return 0, 0
-    return height // tile, width // tile
-
-
 def _resized_size(processing: ImageProcessing, width: int, height: int) -> tuple[int, int]:
     """(width, height) after the first resize: the longest edge to size's, the other by the
     aspect ratio, truncated then rounded up to even, all in transformers' float arithmetic
@@ -342,61 +399,6 @@ def _tiled_size(processing: ImageProcessing, width: int, height: int) -> tuple[i
         height = math.ceil(height / tile) * tile
         width = math.ceil(int(height * aspect_ratio) / tile) * tile
     return width, height
-
-
-def image_prompt(processing: ImageProcessing, rows: int, cols: int) -> str:
-    """The text that stands for an image of ``rows`` x ``cols`` tiles (``tile_grid``'s) in a
-    prompt: transformers' ``get_image_prompt_string`` (SmolVLM's; Idefics3's processor writes
-    the same text, and SmolVLM's tokens, read from its tokenizer, are these in its checkpoints).
-    Each tile is ``<fake_token_around_image><row_r_col_c>`` and image_seq_len ``<image>``, a
-    row ends in a newline, and the global image, after one more, is wrapped in
-    ``<fake_token_around_image>``s and tagged ``<global-img>``."""
-    image = IMAGE_TOKEN * processing.image_seq_len
-    global_image = f"{FAKE_IMAGE_TOKEN}{GLOBAL_IMAGE_TOKEN}{image}{FAKE_IMAGE_TOKEN}"
-    if rows == 0 and cols == 0:
-        return global_image
-    tiles = "".join(
-        "".join(f"{FAKE_IMAGE_TOKEN}<row_{r + 1}_col_{c + 1}>{image}" for c in range(cols)) + "\n"
-        for r in range(rows)
-    )
-    return f"{tiles}\n{global_image}"
-
-
-def expand_image_tokens(
-    processing: ImageProcessing, text: str, sizes: list[tuple[int, int]]
-) -> str:
-    """``text`` (a rendered prompt) with its n-th ``<image>`` replaced by the prompt of the
-    image of the n-th (width, height) in ``sizes``, as the processors' ``__call__`` does.
-    ValueError where the counts differ."""
-    parts = text.split(IMAGE_TOKEN)
-    if len(parts) - 1 != len(sizes):
-        raise ValueError(
-            f"the prompt has {len(parts) - 1} {IMAGE_TOKEN} placeholders but {len(sizes)} "
-            "images were given"
-        )
-    prompts = [image_prompt(processing, *tile_grid(processing, w, h)) for w, h in sizes]
-    return "".join(part + prompt for part, prompt in zip(parts, prompts)) + parts[-1]
-
-
-def pixel_values(processing: ImageProcessing, image: Image.Image) -> np.ndarray:
-    """The image's float32 ``[tiles, 3, tile_size, tile_size]`` (NumPy: the scheduler reads
-    this module without torch): its ``tile_grid`` tiles row by
-    row, then its global image (the global image alone where it is not cut), equal to
-    transformers' ``pixel_values`` for this one image. transformers' ``pixel_attention_mask``
-    of one image is all ones (every tile, and the global image, is a whole tile: only a batch's
-    shorter images are padded, with whole empty tiles), so there is none here. ``image`` is
-    RGB as ``read_image`` makes it (another mode is converted as it converts)."""
-    rgb = _to_rgb(image) if image.mode != "RGB" else image
-    resized = _resize(processing, rgb, _resized_size(processing, *rgb.size))
-    if processing.do_image_splitting:
-        tiled = _resize(processing, resized, _tiled_size(processing, *resized.size))
-        frames = _tiles(processing, tiled)
-    else:
-        tile = processing.tile_size
-        frames = np.asarray(_resize(processing, resized, (tile, tile)))[None]
-    values = _value_table(processing)
-    # [frames, height, width, channel] bytes -> [frames, channel, height, width] values
-    return np.stack([values[c][frames[..., c]] for c in range(3)], axis=1)
 
 
 def _resize(processing: ImageProcessing, image: Image.Image, size: tuple[int, int]) -> Image.Image:

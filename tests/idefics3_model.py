@@ -129,3 +129,16 @@ def transformers_greedy(
             token = hf(input_ids=ids, **inputs).logits[0, -1].argmax()
             ids = torch.cat((ids, token.view(1, 1)), dim=1)
     return prompt, ids[0, len(prompt) :].tolist()
+
+
+def image_starts(processor, prompt_ids: list[int], images: list[bytes]) -> list[int]:
+    """Where each image's tokens begin in ``prompt_ids``, by the tile grids transformers'
+    image processor cuts the images into."""
+    pil = [Image.open(io.BytesIO(image)) for image in images]
+    grid = processor.image_processor([pil], return_row_col_info=True)
+    positions = [i for i, t in enumerate(prompt_ids) if t == processor.image_token_id]
+    starts, taken = [], 0
+    for rows, cols in zip(grid["rows"][0], grid["cols"][0], strict=True):
+        starts.append(positions[taken])
+        taken += (rows * cols + 1) * IMAGE_SEQ_LEN
+    return starts

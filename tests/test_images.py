@@ -28,12 +28,8 @@ from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_stri
 
 from weir.shared.images import (
     ImageProcessing,
-    expand_image_tokens,
-    image_prompt,
     image_size,
-    pixel_values,
     read_image,
-    tile_grid,
 )
 
 # HuggingFaceTB/SmolVLM-256M-Instruct's preprocessor_config.json (model type idefics3) ...
@@ -163,9 +159,9 @@ def test_as_transformers(config: str, width: int, height: int, mode: str, format
     p = processing(config)
 
     assert image_size(data) == (width, height)
-    rows, cols = tile_grid(p, width, height)
+    rows, cols = p.tile_grid(width, height)
     assert (rows, cols) == (expected["rows"][0][0], expected["cols"][0][0])
-    values = pixel_values(p, read_image(data))
+    values = p.pixel_values(read_image(data))
     assert values.shape[0] == (rows * cols + 1 if rows else 1)
     # Bit for bit: the same Pillow resizes of the same bytes, and the same float arithmetic.
     # (No rescale and no normalize leave transformers' bytes as they are: compared as floats.)
@@ -183,7 +179,7 @@ def test_sizes_only() -> None:
     p = processing("smolvlm")
     for width, height in [(4000, 1001), (1001, 4000), (2048, 1537), (512, 2048), (5, 4)]:
         expected = processed("smolvlm", Image.new("RGB", (width, height), (10, 200, 30)))
-        assert tile_grid(p, width, height) == (expected["rows"][0][0], expected["cols"][0][0])
+        assert p.tile_grid(width, height) == (expected["rows"][0][0], expected["cols"][0][0])
 
 
 def test_modes_as_transformers() -> None:
@@ -219,7 +215,7 @@ def test_prompt_as_transformers() -> None:
     expanded as Idefics3's processor expands them."""
     p = processing("smolvlm")
     for rows, cols in [(0, 0), (1, 2), (4, 4)]:
-        assert image_prompt(p, rows, cols) == get_image_prompt_string(
+        assert p.image_prompt(rows, cols) == get_image_prompt_string(
             rows, cols, 64, "<fake_token_around_image>", "<image>", "<global-img>"
         )
 
@@ -241,9 +237,9 @@ def test_prompt_as_transformers() -> None:
         end = stop
     expected += text[end:]
     sizes = [image.size for image in images]
-    assert expand_image_tokens(processing("unresized"), text, sizes) == expected
+    assert processing("unresized").expand_image_tokens(text, sizes) == expected
     with pytest.raises(ValueError, match="2 <image> placeholders but 1 images"):
-        expand_image_tokens(p, text, sizes[:1])
+        p.expand_image_tokens(text, sizes[:1])
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ class Workload:
     one_at_a_time: bool = False  # each request added once the one before it has ended
     async_scheduling: bool = False  # step N+1 planned before step N's tokens are known
     images: list[list[bytes]] | None = None  # each prompt's images (its image tokens' features)
+    image_starts: list[list[int]] | None = None  # where each image's tokens begin
 
 
 @dataclass(slots=True)
@@ -111,10 +112,11 @@ def run(work: Workload, world_size: int = 1, rank: int = 0) -> RankReport:
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
     lora_names = work.lora_names or [None] * len(work.prompts)
     images = work.images or [[]] * len(work.prompts)
+    starts = work.image_starts or [[]] * len(work.prompts)
     requests = [
-        Request(f"r{i}", prompt, params, lora_name=lora_name, images=pictures)
-        for i, (prompt, lora_name, pictures) in enumerate(
-            zip(work.prompts, lora_names, images, strict=True)
+        Request(f"r{i}", prompt, params, lora_name=lora_name, images=pics, image_starts=firsts)
+        for i, (prompt, lora_name, pics, firsts) in enumerate(
+            zip(work.prompts, lora_names, images, starts, strict=True)
         )
     ]
     for batch in [[r] for r in requests] if work.one_at_a_time else [requests]:

@@ -1019,6 +1019,9 @@ class ClientFrontend:
             lora_name=self._adapter_id(msg.lora_name),
             pooling=None if self.pooler is None else self.pooler.pooling_type,
             images=msg.images,
+            image_starts=self.image_prompts.starts(prompt_ids, msg.images)
+            if self.image_prompts is not None and msg.images
+            else (),
         )
 
     def _adapter_id(self, lora_name: str | None) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weir.shared.images import ImageProcessing, expand_image_tokens, read_image
+from weir.shared.images import ImageProcessing, image_size, read_image
 
 
 class ImagePrompts:
@@ -41,7 +41,16 @@ class ImagePrompts:
                 sizes.append(read_image(image).size)
             except ValueError as exc:
                 raise ValueError(f"images[{i}]: {exc}") from None
-        return expand_image_tokens(self.processing, text, sizes)
+        return self.processing.expand_image_tokens(text, sizes)
+
+    def starts(self, ids: list[int], images: list[bytes]) -> list[int]:
+        """The position of each image's first token in ``ids`` (checked by ``check``)."""
+        positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
+        starts, taken = [], 0
+        for image in images:
+            starts.append(positions[taken])
+            taken += self.processing.num_image_tokens(*image_size(image))
+        return starts
 
     def check(self, ids: list[int], images: list[bytes], expanded: str | None) -> None:
         """A prompt's image tokens are its images' (ValueError otherwise): a prompt of

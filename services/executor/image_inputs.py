@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from weir.services.executor.vision import VisionTower
-from weir.shared.images import ImageProcessing, image_size, pixel_values, read_image, tile_grid
+from weir.shared.images import ImageProcessing, image_size, read_image
 from weir.shared.protocol.step import StepPlan
 
 
@@ -49,8 +49,7 @@ class ImageInputs:
         positions = np.flatnonzero(np.asarray(prompt_token_ids) == self.image_token_id)
         ends = [0]
         for image in images:
-            rows, cols = tile_grid(self.processing, *image_size(image))
-            ends.append(ends[-1] + (rows * cols + 1) * self.processing.image_seq_len)
+            ends.append(ends[-1] + self.processing.num_image_tokens(*image_size(image)))
         if ends[-1] != len(positions):
             raise ValueError(
                 f"request {request_id!r}: its {len(images)} images take {ends[-1]} image "
@@ -105,7 +104,7 @@ class ImageInputs:
     def _features(self, tower: VisionTower, held: _RequestImages, k: int) -> torch.Tensor:
         """Image ``k``'s features, one row per token, computed on first use."""
         if k not in held.features:
-            tiles = torch.from_numpy(pixel_values(self.processing, read_image(held.images[k])))
+            tiles = torch.from_numpy(self.processing.pixel_values(read_image(held.images[k])))
             weight = next(tower.parameters())
             out = tower(tiles.to(weight.device, weight.dtype))
             held.features[k] = out.reshape(-1, out.shape[-1])

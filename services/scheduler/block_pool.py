@@ -25,34 +25,32 @@ ROOT_BLOCK_HASH = blake2b(b"weir prefix cache v1", digest_size=16).digest()
 
 
 def salted_root(
-    cache_salt: str | None,
-    lora_name: str | None = None,
-    long_rotated: bool = False,
-    images: Sequence[bytes] = (),
+    cache_salt: str | None, lora_name: str | None = None, long_rotated: bool = False
 ) -> bytes:
     """The chain's root for a request's ``cache_salt`` (vLLM's) and LoRA adapter: requests
     share cached blocks only with requests of the same salt, so one tenant cannot time
-    another's prompts through cache hits, and of the same adapter, whose K/V differ;
+    another's prompts through cache hits, and of the same adapter, whose K/V differ; and
     ``long_rotated`` for a LongRoPE prompt over its threshold, whose every token rotates
-    otherwise than a shorter prompt's; and its ``images``, whose features its image tokens
-    stand for (the same tokens of other images are other KV; a request with images shares
-    no block with one without, even before its first image)."""
-    if cache_salt is None and lora_name is None and not long_rotated and not images:
+    otherwise than a shorter prompt's."""
+    if cache_salt is None and lora_name is None and not long_rotated:
         return ROOT_BLOCK_HASH
     salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
     lora = b"" if lora_name is None else b"lora:" + lora_name.encode()
     long = b"\0long" if long_rotated else b""
-    root = blake2b(ROOT_BLOCK_HASH + salt + b"\0" + lora + long, digest_size=16)
-    for image in images:
-        root.update(b"\0image:" + blake2b(image, digest_size=16).digest())
-    return root.digest()
+    return blake2b(ROOT_BLOCK_HASH + salt + b"\0" + lora + long, digest_size=16).digest()
 
 
 def chain_block_hashes(
-    parent_hash: bytes, token_ids: Sequence[int], block_size: int
+    parent_hash: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    extras: dict[int, bytes] | None = None,
 ) -> list[bytes]:
     """Content hashes of consecutive full blocks, each chained to the one before it
-    (the first to ``parent_hash``): a block's hash names its whole prefix.
+    (the first to ``parent_hash``): a block's hash names its whole prefix. ``extras``: bytes
+    mixed into the hash of the block of that index (of these), and so into every later one's
+    (an image's digest into the block where its tokens begin: the same tokens of another
+    image are other KV).
 
     blake2b over fixed-width token bytes: stable across processes and Python
     versions (unlike ``hash()``). The tokens are packed once for all the blocks.
@@ -61,7 +59,10 @@ def chain_block_hashes(
     stride = 4 * block_size
     hashes = []
     for offset in range(0, len(data) - stride + 1, stride):
-        parent_hash = blake2b(parent_hash + data[offset : offset + stride], digest_size=16).digest()
+        block = data[offset : offset + stride]
+        if extras:
+            block += extras.get(offset // stride, b"")
+        parent_hash = blake2b(parent_hash + block, digest_size=16).digest()
         hashes.append(parent_hash)
     return hashes
 

@@ -14,6 +14,8 @@ prompt computes it once; vLLM shares such blocks within the step itself).
 
 from __future__ import annotations
 
+from hashlib import blake2b
+
 from weir.services.scheduler.block_pool import (
     BlockPool,
     KVCacheBlock,
@@ -62,13 +64,14 @@ class KVCacheManager:
                 hashes[-1] if hashes else self._root(request),
                 request.all_token_ids[start * bs : num_blocks * bs],
                 bs,
+                _image_digests(request, bs, start, num_blocks) if request.images else None,
             )
         return hashes
 
     def _root(self, request: Request) -> bytes:
         limit = self.long_prompt_threshold
         long = limit is not None and len(request.prompt_token_ids) > limit
-        return salted_root(request.cache_salt, request.lora_name, long, request.images)
+        return salted_root(request.cache_salt, request.lora_name, long)
 
     def looks_up(self, request: Request) -> bool:
         """Whether ``get_computed_blocks`` looks in the cache for it: not for a request
@@ -190,6 +193,18 @@ class KVCacheManager:
         self.pool.free(request.block_ids[::-1])
         request.block_ids = []
         request.num_cached_blocks = 0
+
+
+def _image_digests(request: Request, block_size: int, start: int, stop: int) -> dict[int, bytes]:
+    """The digests of the images whose tokens begin in blocks ``start`` to ``stop``, by block
+    (counted from ``start``)."""
+    digests: dict[int, bytes] = {}
+    for image, first in zip(request.images, request.image_starts, strict=True):
+        index = first // block_size - start
+        if 0 <= index < stop - start:
+            digest = blake2b(image, digest_size=16).digest()
+            digests[index] = digests.get(index, b"") + digest
+    return digests
 
 
 def _still_pending(entry: tuple[Request, int]) -> bool:

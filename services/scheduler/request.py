@@ -82,6 +82,7 @@ class Request:
         "lora_name",
         "pooling",
         "images",
+        "image_starts",
         "status",
         "all_token_ids",
         "output_token_ids",
@@ -114,6 +115,7 @@ class Request:
         lora_name: str | None = None,
         pooling: str | None = None,
         images: Sequence[bytes] = (),
+        image_starts: Sequence[int] = (),
     ) -> None:
         if type(request_id) is not str or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -143,7 +145,12 @@ class Request:
         self.pooling = pooling
         # Encoded images whose features take the places of its prompt's image tokens: they
         # travel to the executors with its prompt (again after an executor is replaced).
+        # ``image_starts``: the position of each one's first token (its digest is mixed into
+        # the prefix-cache hash of the block there, and so of every later block).
+        if len(image_starts) != len(images):
+            raise ValueError(f"request {request_id!r}: images and image_starts differ in number")
         self.images = tuple(images)
+        self.image_starts = tuple(image_starts)
         self.status = RequestStatus.WAITING
         self.all_token_ids = list(prompt)
         self.output_token_ids: list[int] = []
