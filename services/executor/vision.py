@@ -19,7 +19,7 @@ tensor-parallel rank."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,10 +67,17 @@ class PatchEmbedding(nn.Module):
 
     __call__: Callable[..., torch.Tensor]
 
-    def __init__(self, cfg: VisionConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_channels: int,
+        patch_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
-        self.patch_size = p = cfg.patch_size
-        shape = (cfg.hidden_size, cfg.num_channels, p, p)
+        self.patch_size = p = patch_size
+        shape = (hidden_size, num_channels, p, p)
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype), False)
 
@@ -100,13 +107,22 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [tiles, patches, hidden]."""
-        tiles, patches, hidden = x.shape
-        qkv = self.qkv_proj(self.layer_norm1(x))
-        q, k, v = qkv.view(tiles, patches, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
-        x = x + self.out_proj(attn.transpose(1, 2).reshape(tiles, patches, hidden))
+        q, k, v = self.qkv_proj(self.layer_norm1(x)).chunk(3, dim=-1)
+        x = x + self.out_proj(tile_attention(q, k, v, self.heads, self.scale))
         mlp = self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate=self.approximate))
         return x + mlp
+
+
+def tile_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention of each tile's patches to all of its own, ``heads`` heads:
+    q, k, v [tiles, patches, heads * head_dim], the heads side by side (views of a fused
+    projection's output will do); out the same shape, the heads side by side again."""
+    tiles, patches, width = q.shape
+    q, k, v = (t.reshape(tiles, patches, heads, -1).transpose(1, 2) for t in (q, k, v))
+    attn = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    return attn.transpose(1, 2).reshape(tiles, patches, width)
 
 
 def pixel_shuffle(x: torch.Tensor, side: int, scale: int) -> torch.Tensor:
@@ -147,7 +163,9 @@ class VisionTower(nn.Module):
         device = torch.device(device)
         self.config = config
         d = config.hidden_size
-        self.patch_embedding = PatchEmbedding(config, device, dtype)
+        self.patch_embedding = PatchEmbedding(
+            d, config.num_channels, config.patch_size, device, dtype
+        )
         self.position_embedding = nn.Parameter(
             torch.empty(config.num_patches, d, device=device, dtype=dtype), False
         )
@@ -179,12 +197,18 @@ class VisionTower(nn.Module):
         return self.connector(pixel_shuffle(x, cfg.patches_per_side, cfg.scale_factor))
 
 
-def _checkpoint_targets(cfg: VisionConfig) -> dict[str, tuple[str, slice, tuple[int, ...]]]:
+# A checkpoint tensor's place in a tower: the parameter it fills (None: a tensor the
+# checkpoint holds that the tower does not use, checked and left unread), the rows of it,
+# and the tensor's shape in the checkpoint.
+TowerTarget = tuple[str | None, slice, tuple[int, ...]]
+
+
+def _checkpoint_targets(cfg: VisionConfig) -> dict[str, TowerTarget]:
     """Each vision tensor of a checkpoint (named without ``model.``) -> the tower's parameter
     it fills, the rows of it and the tensor's shape in the checkpoint."""
     d, p, i = cfg.hidden_size, cfg.patch_size, cfg.intermediate_size
     whole = slice(None)
-    targets: dict[str, tuple[str, slice, tuple[int, ...]]] = {
+    targets: dict[str, TowerTarget] = {
         "vision_model.embeddings.patch_embedding.weight": (
             "patch_embedding.weight",
             whole,
@@ -235,17 +259,37 @@ def load_vision_weights(
     the shape config.json gives it; another under those prefixes is refused (ValueError
     names the tensor). The language model's and any other tensors are skipped."""
     targets = _checkpoint_targets(tower.config)
+    load_tower_tensors(
+        tower, targets, tensors, is_vision_weight, _LAYER_RE, tower.config.num_hidden_layers
+    )
+
+
+@torch.no_grad()
+def load_tower_tensors(
+    tower: nn.Module,
+    targets: Mapping[str, TowerTarget],
+    tensors: Iterable[tuple[str, torch.Tensor | TensorSource]],
+    owns: Callable[[str], bool],
+    layer_re: re.Pattern[str],
+    num_layers: int,
+) -> None:
+    """Copy the checkpoint tensors ``owns`` claims for a vision tower into ``tower``'s
+    parameters as ``targets`` (keyed by the names without ``model.``) place them, each cast
+    to the parameter's dtype. Every target must be there, once, of its shape; a claimed
+    name no target knows is refused (``layer_re`` matching a layer's prefix, its group the
+    layer's index, says so where the index is beyond the ``num_layers`` config.json gives).
+    ValueError names the tensor."""
     params = dict(tower.named_parameters())
     loaded: dict[str, str] = {}
     for checkpoint_name, source in tensors:
-        if not is_vision_weight(checkpoint_name):
+        if not owns(checkpoint_name):
             continue
         name = checkpoint_name.removeprefix("model.")
         if name not in targets:
-            layer = _LAYER_RE.match(name)
+            layer = layer_re.match(name)
             beyond = (
-                f" (config.json's vision_config.num_hidden_layers is {tower.config.num_hidden_layers})"
-                if layer is not None and int(layer.group(1)) >= tower.config.num_hidden_layers
+                f" (config.json's vision_config.num_hidden_layers is {num_layers})"
+                if layer is not None and int(layer.group(1)) >= num_layers
                 else ""
             )
             raise ValueError(
@@ -265,10 +309,13 @@ def load_vision_weights(
                 f"{checkpoint_name}: checkpoint shape {found} != {shape} from config.json: "
                 "the config does not describe these weights"
             )
-        params[param][rows].copy_(source[_ALL])
+        if param is not None:
+            params[param][rows].copy_(source[_ALL])
     missing = [name for name in targets if name not in loaded]
     if missing:
-        named = ", ".join(f"model.{name}" for name in missing[:3])
+        # Named as the checkpoint names the others (with model. where it has none).
+        bare = loaded and not any(name.startswith("model.") for name in loaded.values())
+        named = ", ".join(f"{'' if bare else 'model.'}{name}" for name in missing[:3])
         raise ValueError(
             f"checkpoint lacks {len(missing)} of the vision tower's tensors: {named}"
             + (", ..." if len(missing) > 3 else "")
