@@ -19,7 +19,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 import numpy as np
 from PIL import ExifTags, Image, ImageFile
@@ -77,7 +77,7 @@ def read_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image
     image, upright = _open(data, max_pixels)
     with image:
         try:
-            rgb = _to_rgb(image)
+            rgb = to_rgb(image)
         except _DECODE_ERRORS as exc:
             raise ValueError(f"the image data is corrupt: {exc}") from None
     return rgb if upright is None else rgb.transpose(upright)
@@ -123,7 +123,7 @@ def _upright(image: Image.Image) -> Image.Transpose | None:
     return _UPRIGHT.get(orientation) if isinstance(orientation, int) else None
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image: Image.Image) -> Image.Image:
     """transformers' ``convert_to_rgb``: transparency composited onto opaque white."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
@@ -160,8 +160,8 @@ class ImageProcessing:
         """From the two files' JSON objects (``processor`` None where there is none). A key
         left out, or null, keeps the default (as in transformers); one of the wrong type is a
         ValueError naming the file and the key."""
-        pre = _Reader("preprocessor_config.json", preprocessor)
-        proc = _Reader("processor_config.json", processor or {})
+        pre = ConfigReader("preprocessor_config.json", preprocessor)
+        proc = ConfigReader("processor_config.json", processor or {})
         default = cls()
         return cls(
             do_resize=pre.flag("do_resize", default.do_resize),
@@ -179,14 +179,9 @@ class ImageProcessing:
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike[str]) -> ImageProcessing | None:
-        """A checkpoint directory's, or None where it has no image processor config. As in
-        transformers, an ``image_processor`` object inside ``processor_config.json`` (how
-        transformers 5 saves a processor) comes before ``preprocessor_config.json``."""
-        directory = Path(path)
-        processor = _read_json(directory / "processor_config.json")
-        preprocessor = (processor or {}).get("image_processor")
-        if not isinstance(preprocessor, dict):
-            preprocessor = _read_json(directory / "preprocessor_config.json")
+        """A checkpoint directory's (its files as ``processor_configs`` finds them), or None
+        where it has no image processor config."""
+        preprocessor, processor = processor_configs(path)
         return None if preprocessor is None else cls.from_dicts(preprocessor, processor)
 
     def num_image_tokens(self, width: int, height: int) -> int:
@@ -246,7 +241,7 @@ class ImageProcessing:
         of one image is all ones (every tile, and the global image, is a whole tile: only a batch's
         shorter images are padded, with whole empty tiles), so there is none here. ``image`` is
         RGB as ``read_image`` makes it (another mode is converted as it converts)."""
-        rgb = _to_rgb(image) if image.mode != "RGB" else image
+        rgb = to_rgb(image) if image.mode != "RGB" else image
         resized = _resize(self, rgb, _resized_size(self, *rgb.size))
         if self.do_image_splitting:
             tiled = _resize(self, resized, _tiled_size(self, *resized.size))
@@ -254,7 +249,10 @@ class ImageProcessing:
         else:
             tile = self.tile_size
             frames = np.asarray(_resize(self, resized, (tile, tile)))[None]
-        values = _value_table(self)
+        values = value_table(
+            self.rescale_factor if self.do_rescale else None,
+            (self.image_mean, self.image_std) if self.do_normalize else None,
+        )
         # [frames, height, width, channel] bytes -> [frames, channel, height, width] values
         return np.stack([values[c][frames[..., c]] for c in range(3)], axis=1)
 
@@ -277,6 +275,21 @@ def image_processing(model_dir: str | os.PathLike[str], vision: VisionConfig) ->
     return processing
 
 
+def processor_configs(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A checkpoint directory's image processor config and its processor_config.json (each
+    None where there is none). As in transformers, an ``image_processor`` object inside
+    ``processor_config.json`` (how transformers 5 saves a processor) comes before
+    ``preprocessor_config.json``."""
+    directory = Path(path)
+    processor = _read_json(directory / "processor_config.json")
+    preprocessor = (processor or {}).get("image_processor")
+    if not isinstance(preprocessor, dict):
+        preprocessor = _read_json(directory / "preprocessor_config.json")
+    return preprocessor, processor
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
@@ -290,7 +303,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 @dataclass(slots=True, frozen=True)
-class _Reader:
+class ConfigReader:
     """Typed reads of one config file's keys; each ValueError names the file and the key."""
 
     name: str
@@ -335,6 +348,18 @@ class _Reader:
             raise self._refuse(key, 'an object {"longest_edge": a positive integer}')
         return edge
 
+    def height_width(self, key: str, default: tuple[int, int]) -> tuple[int, int]:
+        value = self._get(key)
+        if value is None:
+            return default
+        sides = value if isinstance(value, dict) else {}
+        height, width = sides.get("height"), sides.get("width")
+        if _is_count(height) and _is_count(width):
+            return height, width
+        raise self._refuse(
+            key, 'an object {"height": a positive integer, "width": a positive integer}'
+        )
+
     def resample(self, key: str, default: Image.Resampling) -> Image.Resampling:
         value = self._get(key)
         if value is None:
@@ -356,6 +381,10 @@ class _Reader:
         if positive and not all(v > 0 for v in values):
             raise self._refuse(key, "positive")
         return (float(values[0]), float(values[1]), float(values[2]))
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _is_number(value: Any) -> bool:
@@ -422,16 +451,20 @@ def _tiles(processing: ImageProcessing, image: Image.Image) -> np.ndarray:
     return np.stack(tiles)
 
 
-def _value_table(processing: ImageProcessing) -> np.ndarray:
+def value_table(
+    rescale_factor: float | None,
+    mean_std: tuple[tuple[float, float, float], tuple[float, float, float]] | None,
+) -> np.ndarray:
     """[3, 256] float32: each channel's value of each byte, in transformers' arithmetic (rescale
-    in float64 then to float32, normalize in float32), so that a lookup gives its values bit
-    for bit, without an image-sized float64 copy."""
+    by ``rescale_factor`` in float64 then to float32, normalize by ``mean_std`` in float32;
+    None where the config leaves that step out), so that a lookup gives its values bit for
+    bit, without an image-sized float64 copy."""
     values = np.tile(np.arange(256, dtype=np.float64), (3, 1))
-    if processing.do_rescale:
-        values = values * processing.rescale_factor
+    if rescale_factor is not None:
+        values = values * rescale_factor
     values = values.astype(np.float32)
-    if processing.do_normalize:
-        mean = np.array(processing.image_mean, dtype=np.float32)[:, None]
-        std = np.array(processing.image_std, dtype=np.float32)[:, None]
+    if mean_std is not None:
+        mean = np.array(mean_std[0], dtype=np.float32)[:, None]
+        std = np.array(mean_std[1], dtype=np.float32)[:, None]
         values = (values - mean) / std
     return values
