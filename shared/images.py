@@ -24,8 +24,6 @@ from typing import Any, ClassVar, TypeGuard
 import numpy as np
 from PIL import ExifTags, Image, ImageFile
 
-from weir.shared.vision_config import VisionConfig
-
 # Pillow's warning threshold (Image.MAX_IMAGE_PIXELS, 89.5 M) is above this, so Pillow never
 # warns about an image accepted here. 64 Mi pixels holds a 64 MP phone photo; decoded, it is
 # 192 MiB of RGB.
@@ -255,24 +253,6 @@ class ImageProcessing:
         )
         # [frames, height, width, channel] bytes -> [frames, channel, height, width] values
         return np.stack([values[c][frames[..., c]] for c in range(3)], axis=1)
-
-
-def image_processing(model_dir: str | os.PathLike[str], vision: VisionConfig) -> ImageProcessing:
-    """How the model of ``model_dir`` reads images: its processor's files, else the defaults
-    of its kind at its vision tower's tile (four tiles along an image's longer side). A
-    processor whose tiles are not the tower's is refused (its prompts would hold other
-    counts of image tokens than the tower makes features)."""
-    processing = ImageProcessing.from_model_dir(model_dir)
-    tile, tokens = vision.image_size, vision.tokens_per_tile
-    if processing is None:
-        return ImageProcessing(longest_edge=4 * tile, tile_size=tile, image_seq_len=tokens)
-    if (processing.tile_size, processing.image_seq_len) != (tile, tokens):
-        raise ValueError(
-            f"{model_dir}: the processor cuts tiles of {processing.tile_size} pixels into "
-            f"{processing.image_seq_len} image tokens, but the vision tower (config.json) "
-            f"takes tiles of {tile} and makes {tokens} features of each"
-        )
-    return processing
 
 
 def processor_configs(

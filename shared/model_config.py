@@ -23,6 +23,7 @@ from weir.shared.checkpoint_quantization import (
     read_checkpoint_quantization,
 )
 from weir.shared.config_fields import count, flag, layer_types, mapping, positive, size
+from weir.shared.internvl_vision_config import InternVLVisionConfig
 from weir.shared.rope_config import RopeConfig, read_rope
 from weir.shared.vision_config import VisionConfig
 
@@ -77,7 +78,7 @@ GEMMA_TYPES = ("gemma2", "gemma3_text", "gemma4_text")
 QWEN_HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Multimodal checkpoints Weir serves the language model of: the model types their
 # text_config may name, the first where it names none. The vision tower's weights are left
-# unread, and a prompt is text only, but for IMAGE_TYPES'.
+# unread, and a prompt is text only, but for IMAGE_TYPES.
 TEXT_OF_MULTIMODAL = {
     "gemma3": ("gemma3_text",),
     "mistral3": ("mistral", "ministral3", "mistral4"),
@@ -96,10 +97,11 @@ TEXT_OF_MULTIMODAL = {
     "idefics3": ("llama",),
     "smolvlm": ("llama",),
 }
-# Multimodal checkpoints whose images Weir reads too (its vision tower, ``vision_config``).
-IMAGE_TYPES = ("idefics3", "smolvlm")
-# Their image token's id where config.json names none (transformers' default).
-_DEFAULT_IMAGE_TOKEN_ID = 128257
+# Multimodal checkpoints whose images Weir reads too (its vision tower, ``vision_config``),
+# with their image token's id where config.json names none (transformers' default).
+IMAGE_TYPES = {"idefics3": 128257, "smolvlm": 128257, "internvl": 151667}
+# Of them, those whose language model and its defaults are Idefics3's.
+_IDEFICS3_TYPES = ("idefics3", "smolvlm")
 # Multimodal model types whose older files hold the language model's keys beside
 # vision_config, with no text_config (as transformers still reads them).
 _TEXT_AT_TOP_LEVEL = ("qwen2_vl", "qwen2_5_vl")
@@ -683,7 +685,7 @@ class ModelConfig:
     multimodal: bool = False
     # A model that takes images (IMAGE_TYPES): its vision tower, and the token each of an
     # image's features takes the place of; None: text only.
-    vision: VisionConfig | None = None
+    vision: VisionConfig | InternVLVisionConfig | None = None
     image_token_id: int | None = None
     # A sequence classifier's (``*ForSequenceClassification``: reward models, moderation
     # classifiers) number of labels: its ``score`` head replaces the LM head; 0 for a causal LM.
@@ -835,16 +837,16 @@ class ModelConfig:
                     f"{text_type!r} is not supported; supported: {text_types}"
                 )
             # Idefics3's and SmolVLM's text_config defaults to an rms_norm_eps of its own.
-            defaults = {"rms_norm_eps": 1e-5} if model_type in IMAGE_TYPES else {}
+            defaults = {"rms_norm_eps": 1e-5} if model_type in _IDEFICS3_TYPES else {}
             language_model = cls.from_hf({**defaults, **text, "model_type": text_type})
             # The whole model's tie_word_embeddings ties its head, as transformers reads it
-            # (left out: tied, but where the config class unties it: Llama 4's, IMAGE_TYPES').
+            # (left out: tied, but where the config class unties it: Llama 4's, Idefics3's).
             tied = hf.get("tie_word_embeddings")
-            untied = ("llama4", *IMAGE_TYPES)
+            untied = ("llama4", *_IDEFICS3_TYPES)
             tied = model_type not in untied if tied is None else flag(hf, "tie_word_embeddings")
             image_token_id = None
             if model_type in IMAGE_TYPES:
-                image_token_id = size(hf, "image_token_id", _DEFAULT_IMAGE_TOKEN_ID)
+                image_token_id = size(hf, "image_token_id", IMAGE_TYPES[model_type])
                 if image_token_id >= language_model.vocab_size:
                     raise ValueError(
                         f"config.json: image_token_id {image_token_id} is outside the "
@@ -855,7 +857,7 @@ class ModelConfig:
                 multimodal=True,
                 tie_word_embeddings=tied,
                 checkpoint_quantization=read_checkpoint_quantization(hf, language_model.model_type),
-                vision=None if image_token_id is None else VisionConfig.from_hf(hf),
+                vision=_vision_config(model_type, hf),
                 image_token_id=image_token_id,
             )
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -1147,6 +1149,15 @@ class ModelConfig:
             ),
             "self_attn.o_proj": (h, heads * mla.v_head_dim),
         }[module]
+
+
+def _vision_config(
+    model_type: str, hf: dict[str, Any]
+) -> VisionConfig | InternVLVisionConfig | None:
+    """The vision tower of a checkpoint whose images Weir reads (IMAGE_TYPES)."""
+    if model_type == "internvl":
+        return InternVLVisionConfig.from_hf(hf)
+    return VisionConfig.from_hf(hf) if model_type in _IDEFICS3_TYPES else None
 
 
 def _sliding_window(model_type: str, hf: dict[str, Any]) -> int | None:

@@ -1,5 +1,5 @@
 """Idefics3 (SmolVLM's architecture) served with its images, against transformers: a small
-random model (``idefics3_model``) whose prompts with images decode as transformers decodes
+random model (``image_models``) whose prompts with images decode as transformers decodes
 them from its own processor's inputs, with the images' tokens split over chunks, several
 requests with different images in one batch, and a repeated image found in the prefix
 cache (only for the same image)."""
@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import tp_workload
-from idefics3_model import chat_of, image_starts, png, save_idefics3, transformers_greedy
+from image_models import chat_of, image_starts, png, save_idefics3, transformers_greedy
 from PIL import Image
 
 from weir.services.llm import LLM

@@ -870,7 +870,7 @@ class ClientFrontend:
         if self.image_prompts is None:
             raise ValueError(
                 "this model takes no images: send text only, or serve a model that reads "
-                "images (SmolVLM, Idefics3)"
+                "images (SmolVLM, Idefics3, InternVL)"
             )
         if msg.pooling_params is not None:
             raise ValueError("a pooling request takes no images")

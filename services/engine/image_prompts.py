@@ -1,7 +1,7 @@
 """Prompts with images, as the front end tokenizes them for a model that takes images.
 
-A chat's image parts render (by the model's template) as one ``<image>`` each, as does a
-text prompt's own ``<image>``; each is expanded into the tokens of its image's tiles, as
+A chat's image parts render (by the model's template) as one placeholder each (Idefics3's
+``<image>``), as does a text prompt's own; each is expanded into the tokens of its image's tiles, as
 the model's processor does, from the image's size. Each image is decoded whole here (on a
 tokenizer thread), so that one the executors could not decode is refused before it is
 accepted: they decode it again to compute the features its tokens stand for, and a step
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from weir.shared.images import ImageProcessing, image_size, read_image
+from weir.shared.image_processors import ImageProcessor
+from weir.shared.images import image_size, read_image
 
 
 class ImagePrompts:
-    def __init__(self, processing: ImageProcessing, image_token_id: int) -> None:
+    def __init__(self, processing: ImageProcessor, image_token_id: int) -> None:
         self.processing = processing
         self.image_token_id = image_token_id
 
@@ -32,7 +33,7 @@ class ImagePrompts:
         ]
 
     def expand(self, text: str, images: list[bytes]) -> str:
-        """``text`` with each ``<image>`` replaced by its image's tokens, in order;
+        """``text`` with each placeholder replaced by its image's tokens, in order;
         ValueError names an image that is not one (or cannot be decoded whole), or a count
         that differs."""
         sizes = []
@@ -55,12 +56,13 @@ class ImagePrompts:
     def check(self, ids: list[int], images: list[bytes], expanded: str | None) -> None:
         """A prompt's image tokens are its images' (ValueError otherwise): a prompt of
         token ids, or a text whose placeholders were not all expanded, may hold others."""
+        placeholder = self.processing.placeholder
         found = ids.count(self.image_token_id)
-        wanted = 0 if expanded is None else expanded.count("<image>")
+        wanted = 0 if expanded is None else expanded.count(placeholder)
         if found != wanted:
             sent = f"{len(images)} images" if images else "no images"
             raise ValueError(
                 f"the prompt holds {found} image tokens where its {sent} take {wanted}: "
-                "send an image for each <image> (or each image part of a chat), and no "
-                "image tokens of its own"
+                f"send an image for each {placeholder} (or each image part of a chat), and "
+                "no image tokens of its own"
             )

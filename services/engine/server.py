@@ -57,7 +57,7 @@ from weir.shared.config import (
     tcp_address,
 )
 from weir.shared.hub_cache import model_name_of
-from weir.shared.images import image_processing
+from weir.shared.image_processors import image_processor
 from weir.shared.keys import (
     CLIENT_DOMAIN,
     EXECUTOR_DOMAIN,
@@ -510,7 +510,7 @@ class SchedulerServer:
         token, vision = self.model_config.image_token_id, self.model_config.vision
         if token is None or vision is None:
             return None
-        return ImagePrompts(image_processing(self.options.model_dir, vision), token)
+        return ImagePrompts(image_processor(self.options.model_dir, vision), token)
 
     def _on_group_formed(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks

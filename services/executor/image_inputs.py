@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from weir.services.executor.vision import VisionTower
-from weir.shared.images import ImageProcessing, image_size, read_image
+from weir.services.executor.vision_towers import Tower
+from weir.shared.image_processors import ImageProcessor
+from weir.shared.images import image_size, read_image
 from weir.shared.protocol.step import StepPlan
 
 
@@ -38,7 +39,7 @@ class _RequestImages:
 
 
 class ImageInputs:
-    def __init__(self, processing: ImageProcessing, image_token_id: int) -> None:
+    def __init__(self, processing: ImageProcessor, image_token_id: int) -> None:
         self.processing = processing
         self.image_token_id = image_token_id
         self.requests: dict[str, _RequestImages] = {}
@@ -70,7 +71,7 @@ class ImageInputs:
 
     def embeds(
         self,
-        tower: VisionTower,
+        tower: Tower,
         req_ids: list[str],
         query_start_loc: np.ndarray,
         positions: np.ndarray,
@@ -101,7 +102,7 @@ class ImageInputs:
             torch.from_numpy(np.concatenate(rows)).to(features[0].device), torch.cat(features)
         )
 
-    def _features(self, tower: VisionTower, held: _RequestImages, k: int) -> torch.Tensor:
+    def _features(self, tower: Tower, held: _RequestImages, k: int) -> torch.Tensor:
         """Image ``k``'s features, one row per token, computed on first use."""
         if k not in held.features:
             tiles = torch.from_numpy(self.processing.pixel_values(read_image(held.images[k])))

@@ -42,7 +42,7 @@ from weir.services.executor.linear_states import LinearStates, LinearStep
 from weir.services.executor.moe import SparseMoe
 from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.rotary import Rotary
-from weir.services.executor.vision import VisionTower
+from weir.services.executor.vision_towers import build_tower
 from weir.shared.model_config import GEMMA_TYPES, ModelConfig
 from weir.shared.shard_layout import ShardLayout
 
@@ -626,7 +626,7 @@ class CausalLM(nn.Module):
         # Set by an EAGLE-3 head over this model: the layers whose inputs it reads, in order.
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         # A model that takes images: its vision tower, whole on every rank (it is small).
-        self.vision = None if cfg.vision is None else VisionTower(cfg.vision, dtype, device)
+        self.vision = None if cfg.vision is None else build_tower(cfg.vision, dtype, device)
 
     def forward(
         self,

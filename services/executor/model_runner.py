@@ -77,7 +77,7 @@ from weir.shared.config import (
     MAX_NUM_KV_BLOCKS,
     resolve_max_model_len,
 )
-from weir.shared.images import image_processing
+from weir.shared.image_processors import image_processor
 from weir.shared.lora import LoraModule
 from weir.shared.model_config import (
     check_drafts,
@@ -312,7 +312,7 @@ class ModelRunner:
             None
             if self.config.image_token_id is None or self.config.vision is None
             else ImageInputs(
-                image_processing(self.model_dir, self.config.vision), self.config.image_token_id
+                image_processor(self.model_dir, self.config.vision), self.config.image_token_id
             )
         )
         # The draft model's directory, drafts a step, quantization, load format (its

@@ -25,7 +25,7 @@ from weir.services.executor.parallel import TensorParallel
 from weir.services.executor.quantization import quantize_model
 from weir.services.executor.quantized_checkpoint import dequantized_tensors
 from weir.services.executor.stacked_experts_checkpoint import split_stacked_experts
-from weir.services.executor.vision import is_vision_weight, load_vision_weights
+from weir.services.executor.vision_towers import is_tower_weight, load_tower
 from weir.shared.model_config import (
     QWEN_HYBRID_TYPES,
     ModelConfig,
@@ -635,7 +635,7 @@ def load_weights(
     # element count below.
     written: dict[str, str] = {}
     for checkpoint_name, whole in tensors:
-        if tower is not None and is_vision_weight(checkpoint_name):
+        if tower is not None and is_tower_weight(tower, checkpoint_name):
             vision.append((checkpoint_name, whole[_ALL]))
             continue
         if model.config.multimodal:
@@ -664,7 +664,7 @@ def load_weights(
             f"checkpoint does not fill {len(missing)} parameters: it lacks some of {named}"
         )
     if tower is not None:
-        load_vision_weights(tower, vision)
+        load_tower(tower, vision)
 
 
 def _load_kv_scale(

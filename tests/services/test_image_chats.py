@@ -1,6 +1,6 @@
 """Chats with images through `weir serve` and the official openai and anthropic clients:
 OpenAI's ``image_url`` parts (data URLs), the Responses API's ``input_image`` parts and
-Anthropic's base64 image blocks read by a small random Idefics3 (``idefics3_model``) as
+Anthropic's base64 image blocks read by a small random Idefics3 (``image_models``) as
 transformers reads them, concurrent requests of different images; what is not an image, or
 not sent, refused with a 400 that names it while the server goes on serving."""
 
@@ -11,7 +11,7 @@ import re
 import anthropic
 import openai
 import pytest
-from idefics3_model import chat_of, png, save_idefics3, transformers_greedy
+from image_models import chat_of, png, save_idefics3, transformers_greedy
 from serving_helpers import small_server
 
 

@@ -1,6 +1,7 @@
-"""A small random Idefics3 (SmolVLM's architecture) with SmolLM2's vocabulary and the
-image tokens SmolVLM adds, saved with the processor files SmolVLM ships; images and chats
-of them as clients send them; transformers' greedy decoding of such a chat."""
+"""Small random models that read images, with SmolLM2's vocabulary and the image tokens
+their families add, saved with the processor files they ship: an Idefics3 (SmolVLM's
+architecture) and an InternVL (a Qwen2 language model); images and chats of them as
+clients send them; transformers' greedy decoding of such a chat, from its processor."""
 
 import base64
 import io
@@ -12,6 +13,7 @@ import torch
 import transformers
 from PIL import Image
 from spread_weights import spread_weights_
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
 # SmolVLM's chat template (its chat_template.json): every content a list of parts.
 TEMPLATE = (
@@ -47,7 +49,7 @@ PREPROCESSOR = {
 
 
 def save_idefics3(path: Path, tokenizer_dir: Path):
-    """The model saved under ``path``; transformers' copy loaded back, and its processor."""
+    """The Idefics3 saved under ``path``; transformers' copy loaded back, and its processor."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
     tokenizer.save_pretrained(path)
@@ -142,3 +144,97 @@ def image_starts(processor, prompt_ids: list[int], images: list[bytes]) -> list[
         starts.append(positions[taken])
         taken += (rows * cols + 1) * IMAGE_SEQ_LEN
     return starts
+
+
+# The chat template transformers' converter gives InternVL's -hf checkpoints: an image part
+# is the context token and a newline.
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{'<|im_end|>\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<|im_start|>assistant\\n' }}{% endif %}"
+)
+INTERNVL_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",  # InternVLProcessor reads it, images or not
+}
+# Tiles of 56 pixels: 4 x 4 patches of 14, 4 tokens after the pixel shuffle; up to six
+# tiles and the thumbnail.
+INTERNVL_PREPROCESSOR = {
+    "image_processor_type": "GotOcr2ImageProcessor",
+    "size": {"height": 56, "width": 56},
+    "min_patches": 1,
+    "max_patches": 6,
+    "resample": 3,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.485, 0.456, 0.406],
+    "image_std": [0.229, 0.224, 0.225],
+}
+
+
+class _InternVLProcessor(transformers.InternVLProcessor):
+    """InternVLProcessor without a video processor: transformers cannot name the video
+    processor's class without torchvision (not installed here), so its check of that
+    argument fails even for None. Images do not reach it."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def save_internvl(path: Path, tokenizer_dir: Path):
+    """The InternVL saved under ``path``; transformers' copy loaded back, and its processor."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        tokenizer_dir, extra_special_tokens=INTERNVL_TOKENS
+    )
+    tokenizer.add_special_tokens(
+        {"extra_special_tokens": list(INTERNVL_TOKENS.values())},
+        replace_extra_special_tokens=False,
+    )
+    tokenizer.save_pretrained(path)
+    (path / "chat_template.jinja").write_text(INTERNVL_TEMPLATE)
+    (path / "preprocessor_config.json").write_text(json.dumps(INTERNVL_PREPROCESSOR))
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+    torch.manual_seed(0)
+    config = transformers.InternVLConfig(
+        text_config=transformers.Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            eos_token_id=tokenizer.eos_token_id,
+        ).to_dict(),
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": [56, 56],
+            "patch_size": [14, 14],
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
+        tie_word_embeddings=False,
+    )
+    model = transformers.InternVLForConditionalGeneration(config)
+    spread_weights_(model)
+    model.save_pretrained(path)
+    hf = transformers.InternVLForConditionalGeneration.from_pretrained(path).eval()
+    processor = _InternVLProcessor(
+        GotOcr2ImageProcessorPil.from_dict(INTERNVL_PREPROCESSOR),
+        tokenizer,
+        None,
+        image_seq_length=4,
+        chat_template=INTERNVL_TEMPLATE,
+    )
+    return hf, processor
