@@ -6,6 +6,8 @@ clients send them; transformers' greedy decoding of such a chat, from its proces
 import base64
 import io
 import json
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -238,3 +240,36 @@ def save_internvl(path: Path, tokenizer_dir: Path):
         chat_template=INTERNVL_TEMPLATE,
     )
     return hf, processor
+
+
+def chats_and_greedy(hf, processor, cases, num_tokens: int):
+    """For each (text, [(seed, width, height), ...]) case: the chat of its images (PNGs)
+    and its text, and transformers' (prompt ids, greedy tokens) for it."""
+    chats, expected = [], []
+    for text, specs in cases:
+        images = [png(*spec) for spec in specs]
+        chats.append(chat_of(text, images))
+        expected.append(transformers_greedy(hf, processor, text, images, num_tokens))
+    return chats, expected
+
+
+def assert_decoded_then_cached(first, again, expected, block_size: int) -> None:
+    """Both runs' completions are transformers' prompt ids and tokens; the second run found
+    every whole block of each prompt (but the one of its last token) in the prefix cache."""
+    for out in (first, again):
+        assert [(c.prompt_token_ids, c.token_ids) for c in out] == expected
+    whole = [(len(prompt) - 1) // block_size * block_size for prompt, _ in expected]
+    assert [c.num_cached_tokens for c in again] == whole
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG of only its header, no pixel data: decoding it fails, so a refusal that names its
+    size came before decoding."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")

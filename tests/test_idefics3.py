@@ -9,7 +9,16 @@ import shutil
 
 import pytest
 import tp_workload
-from image_models import chat_of, image_starts, png, save_idefics3, transformers_greedy
+from image_models import (
+    assert_decoded_then_cached,
+    chat_of,
+    chats_and_greedy,
+    image_starts,
+    png,
+    png_header,
+    save_idefics3,
+    transformers_greedy,
+)
 from PIL import Image
 
 from weir.services.llm import LLM
@@ -38,11 +47,7 @@ def test_chats_with_images_decode_as_transformers(idefics3):
     only the blocks before the image's first token are reused."""
     path, hf, processor = idefics3
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    chats, expected = [], []
-    for text, specs in CASES:
-        images = [png(*spec) for spec in specs]
-        chats.append(chat_of(text, images))
-        expected.append(transformers_greedy(hf, processor, text, images, 6))
+    chats, expected = chats_and_greedy(hf, processor, CASES, 6)
     other = png(9, 80, 50)
     with LLM(
         model=str(path),
@@ -55,9 +60,7 @@ def test_chats_with_images_decode_as_transformers(idefics3):
         first = llm.chat(chats, params, use_tqdm=False)
         again = llm.chat(chats, params, use_tqdm=False)
         swapped = llm.chat(chat_of(CASES[0][0], [other]), params, use_tqdm=False)[0]
-    for out in (first, again):
-        assert [(c.prompt_token_ids, c.token_ids) for c in out] == expected
-    assert [c.num_cached_tokens for c in again] == [(len(p) - 1) // 4 * 4 for p, _ in expected]
+    assert_decoded_then_cached(first, again, expected, 4)
     start = image_starts(processor, expected[0][0], [other])[0]
     assert start >= 4 and swapped.num_cached_tokens == start // 4 * 4
     assert swapped.token_ids == transformers_greedy(hf, processor, CASES[0][0], [other], 6)[1]
@@ -65,21 +68,25 @@ def test_chats_with_images_decode_as_transformers(idefics3):
 
 def test_images_that_do_not_fit_their_prompt_are_refused(idefics3):
     """More images than --limit-mm-per-prompt, garbage bytes, a PNG cut short (its header
-    whole: refused before the executors would fail to decode it), a URL to fetch, a text
-    without its <image>, token ids of image tokens: each refused by name, and the server
-    goes on serving (images, and chats of text only)."""
+    whole: refused before the executors would fail to decode it), images whose pixels add
+    up past one request's limit (refused by their headers, before decoding), a URL to
+    fetch, a text without its <image>, token ids of image tokens: each refused by name, and
+    the server goes on serving (images, and chats of text only)."""
     path, hf, processor = idefics3
     params = SamplingParams(max_tokens=2, temperature=0.0)
     good = png(1, 40, 40)
     with LLM(
-        model=str(path), max_model_len=512, device="cpu", limit_mm_per_prompt={"image": 1}
+        model=str(path), max_model_len=512, device="cpu", limit_mm_per_prompt={"image": 2}
     ) as llm:
-        with pytest.raises(WeirError, match="at most 1 images to this server"):
-            llm.chat(chat_of("Hi", [good, good]), params, use_tqdm=False)
+        with pytest.raises(WeirError, match="at most 2 images to this server"):
+            llm.chat(chat_of("Hi", [good] * 3), params, use_tqdm=False)
         with pytest.raises(WeirError, match=r"images\[0\]: the data is not a PNG"):
             llm.chat(chat_of("Hi", [b"not a png"]), params, use_tqdm=False)
         with pytest.raises(WeirError, match=r"images\[0\]: the image data is corrupt"):
             llm.chat(chat_of("Hi", [good[: len(good) // 2]]), params, use_tqdm=False)
+        huge = png_header(6000, 6000)  # each under the limit of one image, not both
+        with pytest.raises(WeirError, match="over the limit of 67108864 for one request"):
+            llm.chat(chat_of("Hi", [huge, huge]), params, use_tqdm=False)
         with pytest.raises(WeirError, match="data URL"):
             llm.chat(
                 [

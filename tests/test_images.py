@@ -7,8 +7,6 @@ bit for bit, the text that stands for them, and the refusals of bad images and c
 import base64
 import io
 import json
-import struct
-import zlib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from image_models import png_header
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -115,19 +114,6 @@ def encoded(image: Image.Image, format: str) -> bytes:
     out = io.BytesIO()
     image.save(out, format)
     return out.getvalue()
-
-
-def png_header(width: int, height: int) -> bytes:
-    """A PNG of only its header, no pixel data: decoding it fails, so a refusal that names its
-    size came before decoding."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
 def processed(config: str, image: Image.Image) -> dict[str, Any]:

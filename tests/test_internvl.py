@@ -7,7 +7,12 @@ split over chunks, several requests in one batch, each again from the prefix cac
 import json
 
 import pytest
-from image_models import INTERNVL_PREPROCESSOR, chat_of, png, save_internvl, transformers_greedy
+from image_models import (
+    INTERNVL_PREPROCESSOR,
+    assert_decoded_then_cached,
+    chats_and_greedy,
+    save_internvl,
+)
 
 from weir.services.llm import LLM
 from weir.shared.image_processors import image_processor
@@ -31,11 +36,7 @@ def internvl(tmp_path_factory, default_model_dir):
 def test_chats_with_images_decode_as_transformers(internvl):
     path, hf, processor = internvl
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    chats, expected = [], []
-    for text, specs in CASES:
-        images = [png(*spec) for spec in specs]
-        chats.append(chat_of(text, images))
-        expected.append(transformers_greedy(hf, processor, text, images, 6))
+    chats, expected = chats_and_greedy(hf, processor, CASES, 6)
     with LLM(
         model=str(path),
         max_num_batched_tokens=16,
@@ -46,9 +47,7 @@ def test_chats_with_images_decode_as_transformers(internvl):
     ) as llm:
         first = llm.chat(chats, params, use_tqdm=False)
         again = llm.chat(chats, params, use_tqdm=False)
-    for out in (first, again):
-        assert [(c.prompt_token_ids, c.token_ids) for c in out] == expected
-    assert [c.num_cached_tokens for c in again] == [(len(p) - 1) // 4 * 4 for p, _ in expected]
+    assert_decoded_then_cached(first, again, expected, 4)
 
 
 def test_a_processor_whose_tiles_are_not_the_towers_is_refused(internvl, tmp_path):

@@ -10,10 +10,21 @@ that failed on it would fail every request in it.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from weir.shared.image_processors import ImageProcessor
-from weir.shared.images import image_size, read_image
+from weir.shared.images import DEFAULT_MAX_PIXELS, image_size, read_image
+
+T = TypeVar("T")
+
+
+def _named(index: int, read: Callable[[bytes], T], image: bytes) -> T:
+    """``read(image)``, its ValueError naming the image."""
+    try:
+        return read(image)
+    except ValueError as exc:
+        raise ValueError(f"images[{index}]: {exc}") from None
 
 
 class ImagePrompts:
@@ -34,14 +45,18 @@ class ImagePrompts:
 
     def expand(self, text: str, images: list[bytes]) -> str:
         """``text`` with each placeholder replaced by its image's tokens, in order;
-        ValueError names an image that is not one (or cannot be decoded whole), or a count
-        that differs."""
-        sizes = []
+        ValueError names an image that is not one (or cannot be decoded whole), images whose
+        pixels add up past what one request may have decoded (checked from their headers
+        first), or a count that differs."""
+        sizes = [_named(i, image_size, image) for i, image in enumerate(images)]
+        total = sum(width * height for width, height in sizes)
+        if total > DEFAULT_MAX_PIXELS:  # one request holds a tokenizer thread this long
+            raise ValueError(
+                f"the {len(images)} images hold {total} pixels, over the limit of "
+                f"{DEFAULT_MAX_PIXELS} for one request: send fewer or smaller images"
+            )
         for i, image in enumerate(images):
-            try:
-                sizes.append(read_image(image).size)
-            except ValueError as exc:
-                raise ValueError(f"images[{i}]: {exc}") from None
+            _named(i, read_image, image)
         return self.processing.expand_image_tokens(text, sizes)
 
     def starts(self, ids: list[int], images: list[bytes]) -> list[int]:

@@ -35,6 +35,7 @@ class _RequestImages:
     images: list[bytes]
     positions: np.ndarray  # [N] the prompt positions of its image tokens, ascending
     ends: list[int]  # [images + 1]: image k's tokens are positions[ends[k]:ends[k + 1]]
+    last: int  # its last image token's position
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # image k's, while needed
 
 
@@ -56,7 +57,7 @@ class ImageInputs:
                 f"request {request_id!r}: its {len(images)} images take {ends[-1]} image "
                 f"tokens but its prompt holds {len(positions)}"
             )
-        self.requests[request_id] = _RequestImages(images, positions, ends)
+        self.requests[request_id] = _RequestImages(images, positions, ends, int(positions[-1]))
 
     def apply_plan(self, plan: StepPlan) -> None:
         """Forget the requests a plan finishes; hold the images of those it sends new."""
@@ -86,6 +87,8 @@ class ImageInputs:
                 continue
             start, stop = int(query_start_loc[i]), int(query_start_loc[i + 1])
             first = int(positions[start])
+            if first > held.last:  # past its images (a decode): nothing to search
+                continue
             lo, hi = np.searchsorted(held.positions, (first, int(positions[stop - 1]) + 1))
             for k, (begin, end) in enumerate(zip(held.ends, held.ends[1:], strict=False)):
                 if begin >= hi or end <= lo:
